@@ -1,0 +1,102 @@
+// Memory resources per tier, composable through an upstream like RMM's.
+//
+// A resource hands out raw bytes of one tier. Adaptors wrap an upstream
+// resource they do not own: LimitingAdaptor enforces a budget and throws
+// out_of_memory past it; StatisticsAdaptor counts current/peak bytes.
+// deallocate() is noexcept and must receive the size given to allocate().
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <memory>
+
+#include "tierflow/allocator/device.hpp"
+#include "tierflow/core/stats.hpp"
+#include "tierflow/core/tier.hpp"
+
+namespace tierflow::allocator {
+
+/// Default alignment of every resource: enough for any vector load and for DMA.
+inline constexpr std::size_t kDefaultAlignment = 256;
+
+/// Base class of all memory resources.
+class MemoryResource {
+ public:
+  virtual ~MemoryResource() = default;
+  /// Returns `bytes` bytes aligned to `alignment`; throws out_of_memory when exhausted.
+  void* allocate(std::size_t bytes, std::size_t alignment = kDefaultAlignment) {
+    return do_allocate(bytes, alignment);
+  }
+  /// Returns memory obtained from allocate() with the same size and alignment.
+  void deallocate(void* p, std::size_t bytes, std::size_t alignment = kDefaultAlignment) noexcept {
+    do_deallocate(p, bytes, alignment);
+  }
+  /// The tier this resource's memory belongs to.
+  virtual Tier tier() const noexcept = 0;
+
+ private:
+  virtual void* do_allocate(std::size_t bytes, std::size_t alignment) = 0;
+  virtual void do_deallocate(void* p, std::size_t bytes, std::size_t alignment) noexcept = 0;
+};
+
+/// GPU-tier memory of the emulated device: host memory from mimalloc.
+class EmulatedDeviceResource final : public MemoryResource {
+ public:
+  Tier tier() const noexcept override { return Tier::kGpu; }
+
+ private:
+  void* do_allocate(std::size_t bytes, std::size_t alignment) override;
+  void do_deallocate(void* p, std::size_t bytes, std::size_t alignment) noexcept override;
+};
+
+/// GPU memory from cudaMalloc on the current device (CUDA builds only).
+class CudaDeviceResource final : public MemoryResource {
+ public:
+  /// Throws logic_error when tierflow was built without CUDA.
+  CudaDeviceResource();
+  Tier tier() const noexcept override { return Tier::kGpu; }
+
+ private:
+  void* do_allocate(std::size_t bytes, std::size_t alignment) override;
+  void do_deallocate(void* p, std::size_t bytes, std::size_t alignment) noexcept override;
+};
+
+/// Enforces a byte budget over an upstream resource.
+class LimitingAdaptor final : public MemoryResource {
+ public:
+  /// `upstream` must outlive the adaptor.
+  LimitingAdaptor(MemoryResource* upstream, std::size_t limit_bytes);
+  Tier tier() const noexcept override { return upstream_->tier(); }
+  /// Bytes currently allocated through this adaptor.
+  std::size_t allocated_bytes() const noexcept { return used_.load(); }
+  /// The budget.
+  std::size_t limit_bytes() const noexcept { return limit_; }
+
+ private:
+  void* do_allocate(std::size_t bytes, std::size_t alignment) override;
+  void do_deallocate(void* p, std::size_t bytes, std::size_t alignment) noexcept override;
+  MemoryResource* upstream_;
+  std::size_t limit_;
+  std::atomic<std::size_t> used_{0};
+};
+
+/// Counts bytes through it (current, peak, allocated, freed).
+class StatisticsAdaptor final : public MemoryResource {
+ public:
+  /// `upstream` must outlive the adaptor.
+  explicit StatisticsAdaptor(MemoryResource* upstream) : upstream_(upstream) {}
+  Tier tier() const noexcept override { return upstream_->tier(); }
+  /// Byte statistics since construction.
+  StatValues bytes() const noexcept { return bytes_.values(); }
+
+ private:
+  void* do_allocate(std::size_t bytes, std::size_t alignment) override;
+  void do_deallocate(void* p, std::size_t bytes, std::size_t alignment) noexcept override;
+  MemoryResource* upstream_;
+  Stat bytes_;
+};
+
+/// The device resource for `kind`.
+std::unique_ptr<MemoryResource> make_device_resource(DeviceKind kind);
+
+}  // namespace tierflow::allocator

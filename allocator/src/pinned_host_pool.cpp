@@ -1,0 +1,212 @@
+// See Note [Pinned host pool] in pinned_host_pool.hpp.
+#include "tierflow/allocator/pinned_host_pool.hpp"
+
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <iterator>
+
+#include <string>
+
+#include "tierflow/allocator/aligned_buffer.hpp"
+#include "tierflow/allocator/device.hpp"
+#include "tierflow/core/error.hpp"
+#include "tierflow/core/log.hpp"
+#include "tierflow/core/size.hpp"
+
+#ifdef TIERFLOW_WITH_CUDA
+#include "tierflow/allocator/detail/cuda_check.hpp"
+#endif
+
+namespace tierflow::allocator {
+
+PinnedHostPool::PinnedHostPool(PinnedHostPoolOptions options) : options_(options) {
+  TIERFLOW_EXPECTS(options_.slab_bytes >= kBlockAlignment,
+                   "PinnedHostPool: slab_bytes must be at least 4096, got " +
+                       std::to_string(options_.slab_bytes));
+  options_.slab_bytes = round_up(options_.slab_bytes, kBlockAlignment);
+  TIERFLOW_EXPECTS(!options_.cuda_pinned || cuda_available(),
+                   "PinnedHostPool: cuda_pinned requested but no CUDA GPU is available");
+}
+
+PinnedHostPool::~PinnedHostPool() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!blocks_.empty()) {
+    log(LogLevel::kWarn, "PinnedHostPool destroyed with " + std::to_string(blocks_.size()) +
+                             " blocks still in use; their memory is released now");
+  }
+  for (auto& s : slabs_) free_slab_memory(s);
+}
+
+void PinnedHostPool::free_slab_memory(Slab& s) noexcept {
+  if (!s.base) return;
+#ifdef TIERFLOW_WITH_CUDA
+  if (options_.cuda_pinned) {
+    TIERFLOW_CUDA_ASSERT_OK(cudaFreeHost(s.base));
+    s.base = nullptr;
+    return;
+  }
+#endif
+  munmap(s.base, s.bytes);
+  s.base = nullptr;
+}
+
+void PinnedHostPool::insert_free_locked(std::size_t slab, std::size_t offset, std::size_t bytes) {
+  auto& free = slabs_[slab].free;
+  // Coalesce with the following and the preceding free ranges.
+  auto next = free.lower_bound(offset);
+  if (next != free.end() && offset + bytes == next->first) {
+    free_by_size_.erase({next->second, slab, next->first});
+    bytes += next->second;
+    next = free.erase(next);
+  }
+  if (next != free.begin()) {
+    auto prev = std::prev(next);
+    if (prev->first + prev->second == offset) {
+      free_by_size_.erase({prev->second, slab, prev->first});
+      offset = prev->first;
+      bytes += prev->second;
+      free.erase(prev);
+    }
+  }
+  free.emplace(offset, bytes);
+  free_by_size_.insert({bytes, slab, offset});
+}
+
+void PinnedHostPool::erase_free_locked(std::size_t slab, std::size_t offset, std::size_t bytes) {
+  slabs_[slab].free.erase(offset);
+  free_by_size_.erase({bytes, slab, offset});
+}
+
+bool PinnedHostPool::add_slab_locked(std::size_t min_bytes) {
+  std::size_t want = std::max<std::size_t>(options_.slab_bytes, min_bytes);
+  if (reserved_bytes_ + want > options_.budget_bytes) {
+    // A smaller slab that still fits the request is better than failing.
+    if (reserved_bytes_ + min_bytes > options_.budget_bytes) return false;
+    want = round_up(options_.budget_bytes - reserved_bytes_, kBlockAlignment);
+    if (reserved_bytes_ + want > options_.budget_bytes) want -= kBlockAlignment;
+    if (want < min_bytes) return false;
+  }
+  void* base = nullptr;
+#ifdef TIERFLOW_WITH_CUDA
+  if (options_.cuda_pinned) {
+    cudaError_t st = cudaHostAlloc(&base, want, cudaHostAllocDefault);
+    if (st != cudaSuccess) {
+      (void)cudaGetLastError();
+      log(LogLevel::kWarn, "cudaHostAlloc of " + format_bytes(want) + " failed: " +
+                               cudaGetErrorString(st));
+      return false;
+    }
+  }
+#endif
+  if (!base) {
+    base = mmap(nullptr, want, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (base == MAP_FAILED) return false;
+  }
+  Slab s;
+  s.base = static_cast<std::byte*>(base);
+  s.bytes = want;
+  // Reuse the index of a released slab so indices stay small.
+  std::size_t idx = slabs_.size();
+  for (std::size_t i = 0; i < slabs_.size(); ++i) {
+    if (!slabs_[i].base) {
+      idx = i;
+      break;
+    }
+  }
+  if (idx == slabs_.size()) slabs_.emplace_back();
+  slabs_[idx] = std::move(s);
+  insert_free_locked(idx, 0, want);
+  reserved_bytes_ += want;
+  reserved_.increase(static_cast<std::int64_t>(want));
+  ++slab_allocations_;
+  return true;
+}
+
+void* PinnedHostPool::allocate_locked(std::size_t rounded) {
+  auto it = free_by_size_.lower_bound({rounded, 0, 0});
+  if (it == free_by_size_.end()) return nullptr;
+  auto [size, slab, offset] = *it;
+  erase_free_locked(slab, offset, size);
+  if (size > rounded) insert_free_locked(slab, offset + rounded, size - rounded);
+  Slab& s = slabs_[slab];
+  s.used += rounded;
+  void* p = s.base + offset;
+  blocks_.emplace(p, BlockInfo{slab, offset, rounded});
+  in_use_.increase(static_cast<std::int64_t>(rounded));
+  ++block_allocations_;
+  return p;
+}
+
+void* PinnedHostPool::try_allocate(std::size_t bytes) noexcept {
+  std::size_t rounded = round_up(bytes == 0 ? 1 : bytes, kBlockAlignment);
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (void* p = allocate_locked(rounded)) return p;
+  if (add_slab_locked(rounded)) {
+    if (void* p = allocate_locked(rounded)) return p;
+  }
+  // Free empty slabs (they may be the wrong size) and retry once.
+  if (release_unused_locked() > 0 && add_slab_locked(rounded)) {
+    if (void* p = allocate_locked(rounded)) return p;
+  }
+  ++failed_allocations_;
+  return nullptr;
+}
+
+void* PinnedHostPool::allocate(std::size_t bytes) {
+  if (void* p = try_allocate(bytes)) return p;
+  auto st = stats();
+  throw out_of_memory("pinned host pool: cannot allocate " + format_bytes(bytes) + " within " +
+                      "TIERFLOW_HOST_MEMORY budget of " + format_bytes(options_.budget_bytes) +
+                      " (" + format_bytes(st.in_use.current) + " in use, " +
+                      format_bytes(st.reserved.current) + " reserved); raise TIERFLOW_HOST_MEMORY");
+}
+
+void PinnedHostPool::deallocate(void* p) noexcept {
+  if (!p) return;
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = blocks_.find(p);
+  if (it == blocks_.end()) {
+    log(LogLevel::kError, "PinnedHostPool::deallocate: pointer not from this pool (ignored)");
+    return;
+  }
+  BlockInfo info = it->second;
+  blocks_.erase(it);
+  slabs_[info.slab].used -= info.bytes;
+  insert_free_locked(info.slab, info.offset, info.bytes);
+  in_use_.decrease(static_cast<std::int64_t>(info.bytes));
+}
+
+std::size_t PinnedHostPool::release_unused_locked() noexcept {
+  std::size_t released = 0;
+  for (std::size_t i = 0; i < slabs_.size(); ++i) {
+    Slab& s = slabs_[i];
+    if (!s.base || s.used != 0) continue;
+    erase_free_locked(i, 0, s.bytes);
+    released += s.bytes;
+    reserved_bytes_ -= s.bytes;
+    reserved_.decrease(static_cast<std::int64_t>(s.bytes));
+    free_slab_memory(s);
+    s.free.clear();
+    s.bytes = 0;
+  }
+  return released;
+}
+
+std::size_t PinnedHostPool::release_unused() noexcept {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return release_unused_locked();
+}
+
+PinnedHostPoolStats PinnedHostPool::stats() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  PinnedHostPoolStats s;
+  s.in_use = in_use_.values();
+  s.reserved = reserved_.values();
+  s.slab_allocations = slab_allocations_;
+  s.block_allocations = block_allocations_;
+  s.failed_allocations = failed_allocations_;
+  return s;
+}
+
+}  // namespace tierflow::allocator

@@ -1,0 +1,82 @@
+// The configuration table: every TIERFLOW_* variable, its type, default and
+// meaning, in one place. See Note [One configuration table].
+//
+// Note [One configuration table]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Each setting is read from the environment once, typed and validated here,
+// and nowhere else. Python keyword arguments use the same names, lower case
+// without the prefix, and override the environment. An unknown TIERFLOW_*
+// variable or keyword is an error naming the closest known name (a typo must
+// not silently change nothing); a malformed value is an error naming the
+// variable, the value and the accepted forms. Defaults are stored as text and
+// parsed by the same parser as user input, so the README's table, the table
+// returned by `config_table()` and the behaviour cannot drift apart
+// (tests/python/test_readme.py checks the README against this table).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "tierflow/core/size.hpp"
+
+namespace tierflow {
+
+/// Where a kind of training state is placed.
+enum class OffloadTarget : std::uint8_t { kNone, kHost, kNvme, kAuto };
+
+/// Name used in configuration values ("none", "host", "nvme", "auto").
+std::string_view to_string(OffloadTarget t) noexcept;
+
+/// Verbosity of tierflow's own log lines on stderr.
+enum class LogLevel : std::uint8_t { kError, kWarn, kInfo, kDebug };
+
+/// Name used in configuration values ("error", "warn", "info", "debug").
+std::string_view to_string(LogLevel l) noexcept;
+
+/// Every setting, typed. Field names are the variable names without the prefix.
+struct Config {
+  Budget gpu_memory;                      ///< TIERFLOW_GPU_MEMORY
+  Budget host_memory;                     ///< TIERFLOW_HOST_MEMORY
+  std::vector<std::string> nvme_paths;    ///< TIERFLOW_NVME_PATHS
+  Budget nvme_memory;                     ///< TIERFLOW_NVME_MEMORY
+  OffloadTarget offload_activations{};    ///< TIERFLOW_OFFLOAD_ACTIVATIONS
+  OffloadTarget offload_params{};         ///< TIERFLOW_OFFLOAD_PARAMS
+  OffloadTarget offload_optimizer{};      ///< TIERFLOW_OFFLOAD_OPTIMIZER
+  int cpu_threads = 0;                    ///< TIERFLOW_CPU_THREADS; 0 means all cores
+  LogLevel log_level{};                   ///< TIERFLOW_LOG_LEVEL
+  std::string report_path;                ///< TIERFLOW_REPORT; empty means no file
+  std::uint64_t min_offload_bytes = 0;    ///< TIERFLOW_MIN_OFFLOAD_BYTES
+  std::uint64_t prefetch_bytes = 0;       ///< TIERFLOW_PREFETCH_BYTES
+  std::uint64_t pinned_slab_bytes = 0;    ///< TIERFLOW_PINNED_SLAB_BYTES
+
+  /// All defaults, as listed in the table.
+  static Config defaults();
+  /// Reads every TIERFLOW_* variable of the process environment, then applies
+  /// `overrides` (keys: lower-case names without the prefix, or full names).
+  static Config from_environment(const std::map<std::string, std::string>& overrides = {});
+  /// Same as from_environment with an explicit variable map instead of environ.
+  static Config parse(const std::map<std::string, std::string>& variables,
+                      const std::map<std::string, std::string>& overrides = {});
+
+  /// Current values as text, keyed by full variable name; parses back to *this.
+  std::map<std::string, std::string> to_strings() const;
+};
+
+/// One row of the configuration table.
+struct ConfigEntry {
+  std::string_view name;           ///< full variable name, e.g. "TIERFLOW_HOST_MEMORY"
+  std::string_view default_value;  ///< default, in the same syntax a user writes
+  std::string_view accepted;       ///< accepted forms, as quoted in errors
+  std::string_view doc;            ///< one-line meaning
+};
+
+/// The whole table, in documentation order.
+const std::vector<ConfigEntry>& config_table();
+
+/// Closest known variable name to `name` (edit distance), for error messages.
+std::string closest_config_name(std::string_view name);
+
+}  // namespace tierflow

@@ -1,0 +1,60 @@
+// Thread-safe statistics counters, in the c10 allocator's shape.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+
+namespace tierflow {
+
+/// Snapshot of a Stat.
+struct StatValues {
+  std::int64_t current = 0;    ///< bytes (or items) held now
+  std::int64_t peak = 0;       ///< highest `current` since the last reset_peak()
+  std::int64_t allocated = 0;  ///< total ever added
+  std::int64_t freed = 0;      ///< total ever removed
+};
+
+/// current / peak / allocated / freed, updated lock-free from any thread.
+class Stat {
+ public:
+  /// Adds `amount` to current and allocated, raising peak if needed.
+  void increase(std::int64_t amount) noexcept {
+    std::int64_t now = current_.fetch_add(amount, std::memory_order_relaxed) + amount;
+    allocated_.fetch_add(amount, std::memory_order_relaxed);
+    std::int64_t p = peak_.load(std::memory_order_relaxed);
+    while (now > p && !peak_.compare_exchange_weak(p, now, std::memory_order_relaxed)) {
+    }
+  }
+  /// Removes `amount` from current and adds it to freed.
+  void decrease(std::int64_t amount) noexcept {
+    current_.fetch_sub(amount, std::memory_order_relaxed);
+    freed_.fetch_add(amount, std::memory_order_relaxed);
+  }
+  /// Sets peak to current.
+  void reset_peak() noexcept { peak_.store(current_.load(std::memory_order_relaxed)); }
+  /// Consistent-enough snapshot for reporting.
+  StatValues values() const noexcept {
+    return {current_.load(std::memory_order_relaxed), peak_.load(std::memory_order_relaxed),
+            allocated_.load(std::memory_order_relaxed), freed_.load(std::memory_order_relaxed)};
+  }
+
+ private:
+  std::atomic<std::int64_t> current_{0};
+  std::atomic<std::int64_t> peak_{0};
+  std::atomic<std::int64_t> allocated_{0};
+  std::atomic<std::int64_t> freed_{0};
+};
+
+/// A monotonically increasing count (operations, bytes moved, nanoseconds).
+class Counter {
+ public:
+  /// Adds `n`.
+  void add(std::uint64_t n = 1) noexcept { v_.fetch_add(n, std::memory_order_relaxed); }
+  /// Current total.
+  std::uint64_t value() const noexcept { return v_.load(std::memory_order_relaxed); }
+
+ private:
+  std::atomic<std::uint64_t> v_{0};
+};
+
+}  // namespace tierflow

@@ -1,0 +1,292 @@
+#include "tierflow/core/config.hpp"
+
+#include <algorithm>
+#include <cctype>
+#include <cstdlib>
+#include <functional>
+#include <sstream>
+
+#include "tierflow/core/error.hpp"
+
+extern char** environ;
+
+namespace tierflow {
+namespace {
+
+constexpr std::string_view kPrefix = "TIERFLOW_";
+
+[[noreturn]] void bad_value(std::string_view name, std::string_view value,
+                            std::string_view accepted) {
+  throw config_error(std::string(name) + "='" + std::string(value) + "' is not valid; accepted: " +
+                     std::string(accepted));
+}
+
+std::string lower(std::string_view s) {
+  std::string out(s);
+  for (auto& c : out) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return out;
+}
+
+std::string trim(std::string_view s) {
+  std::size_t b = 0, e = s.size();
+  while (b < e && std::isspace(static_cast<unsigned char>(s[b]))) ++b;
+  while (e > b && std::isspace(static_cast<unsigned char>(s[e - 1]))) --e;
+  return std::string(s.substr(b, e - b));
+}
+
+// One row: the public part plus the parser that stores a value into Config.
+struct Row {
+  ConfigEntry entry;
+  std::function<void(Config&, std::string_view name, std::string_view value)> apply;
+};
+
+constexpr std::string_view kBudgetForms =
+    "a size (e.g. 512MiB, 1.5GiB, 4096; units B, KiB, MiB, GiB, TiB, KB, MB, GB, TB) or a "
+    "percentage of the tier's capacity in (0%, 100%], e.g. 80%";
+
+auto budget_parser(Budget Config::*field) {
+  return [field](Config& c, std::string_view name, std::string_view v) {
+    auto b = parse_budget(v);
+    if (!b) bad_value(name, v, kBudgetForms);
+    c.*field = *b;
+  };
+}
+
+auto size_parser(std::uint64_t Config::*field, std::uint64_t minimum, std::string_view accepted) {
+  return [field, minimum, accepted](Config& c, std::string_view name, std::string_view v) {
+    auto s = parse_size(v);
+    if (!s || *s < minimum) bad_value(name, v, accepted);
+    c.*field = *s;
+  };
+}
+
+auto target_parser(OffloadTarget Config::*field, bool allow_auto) {
+  return [field, allow_auto](Config& c, std::string_view name, std::string_view v) {
+    std::string s = lower(trim(v));
+    if (s == "none") c.*field = OffloadTarget::kNone;
+    else if (s == "host") c.*field = OffloadTarget::kHost;
+    else if (s == "nvme") c.*field = OffloadTarget::kNvme;
+    else if (s == "auto" && allow_auto) c.*field = OffloadTarget::kAuto;
+    else bad_value(name, v, allow_auto ? "one of none, host, nvme, auto" : "one of none, host, nvme");
+  };
+}
+
+const std::vector<Row>& rows() {
+  static const std::vector<Row> kRows = {
+      {{"TIERFLOW_GPU_MEMORY", "90%", kBudgetForms,
+        "GPU tier budget for state tierflow places there (saved activations kept resident in "
+        "`auto` mode, device buffers); a percentage is of the device's total memory"},
+       budget_parser(&Config::gpu_memory)},
+      {{"TIERFLOW_HOST_MEMORY", "50%", kBudgetForms,
+        "pinned host pool budget (offloaded activations, optimizer states, staging); a "
+        "percentage is of physical RAM"},
+       budget_parser(&Config::host_memory)},
+      {{"TIERFLOW_NVME_PATHS", "", "a comma-separated list of directories, e.g. /mnt/nvme0,/mnt/nvme1",
+        "directories on NVMe file systems that hold tierflow's swap files"},
+       [](Config& c, std::string_view name, std::string_view v) {
+         c.nvme_paths.clear();
+         std::string s(v);
+         std::stringstream ss(s);
+         std::string item;
+         while (std::getline(ss, item, ',')) {
+           item = trim(item);
+           if (item.empty()) {
+             if (!trim(s).empty())
+               bad_value(name, v, "a comma-separated list of directories with no empty entries");
+             continue;
+           }
+           c.nvme_paths.push_back(item);
+         }
+       }},
+      {{"TIERFLOW_NVME_MEMORY", "90%", kBudgetForms,
+        "NVMe tier budget; a percentage is of the free space under TIERFLOW_NVME_PATHS"},
+       budget_parser(&Config::nvme_memory)},
+      {{"TIERFLOW_OFFLOAD_ACTIVATIONS", "host", "one of none, host, nvme, auto",
+        "where tensors saved for backward go: none keeps them on the device, host swaps them to "
+        "the pinned host pool, auto swaps only what exceeds TIERFLOW_GPU_MEMORY"},
+       target_parser(&Config::offload_activations, true)},
+      {{"TIERFLOW_OFFLOAD_PARAMS", "none", "one of none, host, nvme",
+        "where parameters live between uses (only none is implemented in this version)"},
+       target_parser(&Config::offload_params, false)},
+      {{"TIERFLOW_OFFLOAD_OPTIMIZER", "host", "one of none, host, nvme",
+        "where optimizer states and fp32 master weights live and step: host runs tierflow's CPU "
+        "AdamW, none leaves the optimizer as it is"},
+       target_parser(&Config::offload_optimizer, false)},
+      {{"TIERFLOW_CPU_THREADS", "auto", "auto or an integer from 1 to 1024",
+        "threads of the CPU optimizer's oneTBB arena; auto uses every core"},
+       [](Config& c, std::string_view name, std::string_view v) {
+         std::string s = lower(trim(v));
+         if (s == "auto") {
+           c.cpu_threads = 0;
+           return;
+         }
+         char* end = nullptr;
+         long n = std::strtol(s.c_str(), &end, 10);
+         if (s.empty() || *end != '\0' || n < 1 || n > 1024)
+           bad_value(name, v, "auto or an integer from 1 to 1024");
+         c.cpu_threads = static_cast<int>(n);
+       }},
+      {{"TIERFLOW_LOG_LEVEL", "warn", "one of error, warn, info, debug",
+        "verbosity of tierflow's messages on stderr"},
+       [](Config& c, std::string_view name, std::string_view v) {
+         std::string s = lower(trim(v));
+         if (s == "error") c.log_level = LogLevel::kError;
+         else if (s == "warn" || s == "warning") c.log_level = LogLevel::kWarn;
+         else if (s == "info") c.log_level = LogLevel::kInfo;
+         else if (s == "debug") c.log_level = LogLevel::kDebug;
+         else bad_value(name, v, "one of error, warn, info, debug");
+       }},
+      {{"TIERFLOW_REPORT", "", "a file path (empty: no file)",
+        "write the statistics report as JSON to this path when the process exits and on every "
+        "tierflow.report() call"},
+       [](Config& c, std::string_view, std::string_view v) { c.report_path = trim(v); }},
+      {{"TIERFLOW_MIN_OFFLOAD_BYTES", "64KiB", "a size, e.g. 0, 4096, 64KiB, 1MiB",
+        "saved tensors smaller than this stay on the device (copying them costs more than it saves)"},
+       size_parser(&Config::min_offload_bytes, 0, "a size, e.g. 0, 4096, 64KiB, 1MiB")},
+      {{"TIERFLOW_PREFETCH_BYTES", "64MiB", "a size of at least 1 byte, e.g. 8MiB, 256MiB",
+        "how many bytes of offloaded activations backward prefetches ahead of their use"},
+       size_parser(&Config::prefetch_bytes, 1, "a size of at least 1 byte, e.g. 8MiB, 256MiB")},
+      {{"TIERFLOW_PINNED_SLAB_BYTES", "64MiB", "a size of at least 64KiB, e.g. 64MiB, 1GiB",
+        "size of each pinned slab the host pool allocates at once (pinning is slow, so it is "
+        "done per slab, not per tensor)"},
+       size_parser(&Config::pinned_slab_bytes, 64 * KiB, "a size of at least 64KiB, e.g. 64MiB, 1GiB")},
+  };
+  return kRows;
+}
+
+const Row* find_row(std::string_view name) {
+  for (const auto& r : rows())
+    if (r.entry.name == name) return &r;
+  return nullptr;
+}
+
+std::size_t edit_distance(std::string_view a, std::string_view b) {
+  std::vector<std::size_t> prev(b.size() + 1), cur(b.size() + 1);
+  for (std::size_t j = 0; j <= b.size(); ++j) prev[j] = j;
+  for (std::size_t i = 1; i <= a.size(); ++i) {
+    cur[0] = i;
+    for (std::size_t j = 1; j <= b.size(); ++j) {
+      std::size_t sub = prev[j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1);
+      cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1, sub});
+    }
+    std::swap(prev, cur);
+  }
+  return prev[b.size()];
+}
+
+// Maps a keyword ("host_memory") or a full name to the full variable name.
+std::string full_name(std::string_view key) {
+  std::string upper(key);
+  for (auto& c : upper) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  if (upper.rfind(kPrefix, 0) == 0) return upper;
+  return std::string(kPrefix) + upper;
+}
+
+std::string keyword_of(std::string_view name) { return lower(name.substr(kPrefix.size())); }
+
+}  // namespace
+
+std::string_view to_string(OffloadTarget t) noexcept {
+  switch (t) {
+    case OffloadTarget::kNone: return "none";
+    case OffloadTarget::kHost: return "host";
+    case OffloadTarget::kNvme: return "nvme";
+    case OffloadTarget::kAuto: return "auto";
+  }
+  return "?";
+}
+
+std::string_view to_string(LogLevel l) noexcept {
+  switch (l) {
+    case LogLevel::kError: return "error";
+    case LogLevel::kWarn: return "warn";
+    case LogLevel::kInfo: return "info";
+    case LogLevel::kDebug: return "debug";
+  }
+  return "?";
+}
+
+const std::vector<ConfigEntry>& config_table() {
+  static const std::vector<ConfigEntry> kTable = [] {
+    std::vector<ConfigEntry> t;
+    for (const auto& r : rows()) t.push_back(r.entry);
+    return t;
+  }();
+  return kTable;
+}
+
+std::string closest_config_name(std::string_view name) {
+  std::string best;
+  std::size_t best_d = ~std::size_t{0};
+  for (const auto& r : rows()) {
+    std::size_t d = edit_distance(name, r.entry.name);
+    if (d < best_d) {
+      best_d = d;
+      best = std::string(r.entry.name);
+    }
+  }
+  return best;
+}
+
+Config Config::defaults() { return parse({}, {}); }
+
+Config Config::parse(const std::map<std::string, std::string>& variables,
+                     const std::map<std::string, std::string>& overrides) {
+  Config c;
+  for (const auto& r : rows()) r.apply(c, r.entry.name, r.entry.default_value);
+  for (const auto& [name, value] : variables) {
+    if (name.rfind(kPrefix, 0) != 0) continue;
+    const Row* row = find_row(name);
+    if (!row) {
+      throw config_error("unknown environment variable " + name + "; did you mean " +
+                         closest_config_name(name) +
+                         "? (tierflow.config_table() lists every accepted variable)");
+    }
+    row->apply(c, row->entry.name, value);
+  }
+  for (const auto& [key, value] : overrides) {
+    std::string name = full_name(key);
+    const Row* row = find_row(name);
+    if (!row) {
+      throw config_error("unknown tierflow setting '" + key + "'; did you mean '" +
+                         keyword_of(closest_config_name(name)) +
+                         "'? (tierflow.config_table() lists every accepted setting)");
+    }
+    row->apply(c, row->entry.name, value);
+  }
+  return c;
+}
+
+Config Config::from_environment(const std::map<std::string, std::string>& overrides) {
+  std::map<std::string, std::string> vars;
+  for (char** e = environ; e && *e; ++e) {
+    std::string_view kv(*e);
+    auto eq = kv.find('=');
+    if (eq == std::string_view::npos) continue;
+    std::string_view k = kv.substr(0, eq);
+    if (k.rfind(kPrefix, 0) == 0) vars.emplace(std::string(k), std::string(kv.substr(eq + 1)));
+  }
+  return parse(vars, overrides);
+}
+
+std::map<std::string, std::string> Config::to_strings() const {
+  std::string paths;
+  for (std::size_t i = 0; i < nvme_paths.size(); ++i) paths += (i ? "," : "") + nvme_paths[i];
+  return {
+      {"TIERFLOW_GPU_MEMORY", gpu_memory.to_string()},
+      {"TIERFLOW_HOST_MEMORY", host_memory.to_string()},
+      {"TIERFLOW_NVME_PATHS", paths},
+      {"TIERFLOW_NVME_MEMORY", nvme_memory.to_string()},
+      {"TIERFLOW_OFFLOAD_ACTIVATIONS", std::string(to_string(offload_activations))},
+      {"TIERFLOW_OFFLOAD_PARAMS", std::string(to_string(offload_params))},
+      {"TIERFLOW_OFFLOAD_OPTIMIZER", std::string(to_string(offload_optimizer))},
+      {"TIERFLOW_CPU_THREADS", cpu_threads == 0 ? "auto" : std::to_string(cpu_threads)},
+      {"TIERFLOW_LOG_LEVEL", std::string(to_string(log_level))},
+      {"TIERFLOW_REPORT", report_path},
+      {"TIERFLOW_MIN_OFFLOAD_BYTES", std::to_string(min_offload_bytes)},
+      {"TIERFLOW_PREFETCH_BYTES", std::to_string(prefetch_bytes)},
+      {"TIERFLOW_PINNED_SLAB_BYTES", std::to_string(pinned_slab_bytes)},
+  };
+}
+
+}  // namespace tierflow

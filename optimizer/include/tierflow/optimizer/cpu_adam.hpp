@@ -1,0 +1,75 @@
+// The CPU Adam / AdamW step on oneTBB.
+//
+// Note [Adam semantics]
+// ~~~~~~~~~~~~~~~~~~~~~
+// The update follows torch.optim.Adam / AdamW (single-tensor path) operation
+// by operation in fp32, so results agree element-wise with torch on fp32
+// parameters to rounding:
+//   g = maximize ? -grad : grad
+//   AdamW: p *= 1 - lr*wd            Adam: g = g + wd*p
+//   m = m + (1-b1)*(g - m)           (torch's lerp)
+//   v = v*b2 + ((1-b2)*g)*g          (torch's mul_ then addcmul_)
+//   vmax = max(vmax, v)              (amsgrad; v below means vmax)
+//   denom = sqrt(v) / sqrt(1-b2^t) + eps
+//   p = p + (-lr/(1-b1^t) * m) / denom   (torch's addcdiv_)
+// Bias corrections are computed in double, as torch does in Python. The fp32
+// master is the parameter; when the model's parameter has another dtype (or
+// lives elsewhere) the updated master is also written to `param_out` in that
+// dtype, rounded to nearest even, in the same pass.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "tierflow/optimizer/scalar_type.hpp"
+
+namespace tierflow::optimizer {
+
+/// Hyperparameters of one parameter group, as torch.optim names them.
+struct AdamOptions {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  bool amsgrad = false;
+  bool maximize = false;
+  bool decoupled_weight_decay = true;  ///< true: AdamW; false: Adam (L2 added to the gradient)
+};
+
+/// One parameter's buffers for a step. All pointers cover `numel` elements.
+struct AdamTensor {
+  float* master = nullptr;          ///< fp32 master weights, updated in place
+  float* exp_avg = nullptr;         ///< first moment
+  float* exp_avg_sq = nullptr;      ///< second moment
+  float* max_exp_avg_sq = nullptr;  ///< amsgrad only; may be null otherwise
+  const void* grad = nullptr;       ///< gradient of type grad_type
+  ScalarType grad_type = ScalarType::kFloat32;
+  void* param_out = nullptr;        ///< optional copy-out of the updated master
+  ScalarType param_type = ScalarType::kFloat32;
+  std::size_t numel = 0;
+};
+
+/// Runs Adam/AdamW steps on a oneTBB arena of a fixed number of threads.
+class CpuAdam {
+ public:
+  /// `threads` == 0 uses every core.
+  explicit CpuAdam(int threads = 0);
+  ~CpuAdam();
+  CpuAdam(const CpuAdam&) = delete;
+  CpuAdam& operator=(const CpuAdam&) = delete;
+
+  /// Applies step number `step` (1 for the first step) to every tensor.
+  /// Throws logic_error naming the tensor when a required buffer is missing.
+  void step(const AdamOptions& options, std::int64_t step, const std::vector<AdamTensor>& tensors);
+  /// Threads of the arena.
+  int threads() const noexcept;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace tierflow::optimizer

@@ -1,0 +1,122 @@
+// The CUDA copy engine: one non-blocking stream per direction; each copy
+// records an event that its handle waits on or that later copies chain on.
+#include "tierflow/core/error.hpp"
+#include "tierflow/swap/copy_engine.hpp"
+
+#ifdef TIERFLOW_WITH_CUDA
+#include <cuda_runtime_api.h>
+
+#include "tierflow/allocator/detail/cuda_check.hpp"
+#include "tierflow/core/log.hpp"
+#endif
+
+namespace tierflow::swap {
+
+#ifdef TIERFLOW_WITH_CUDA
+namespace {
+
+class CudaState final : public detail::TransferState {
+ public:
+  CudaState(cudaEvent_t ev, std::size_t bytes) : event_(ev), bytes_(bytes) {}
+  ~CudaState() override { TIERFLOW_CUDA_ASSERT_OK(cudaEventDestroy(event_)); }
+  bool ready() const override {
+    cudaError_t st = cudaEventQuery(event_);
+    if (st == cudaErrorNotReady) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    TIERFLOW_CUDA_TRY(st);
+    return true;
+  }
+  void wait() const override { TIERFLOW_CUDA_TRY(cudaEventSynchronize(event_)); }
+  std::size_t bytes() const noexcept override { return bytes_; }
+  cudaEvent_t event() const noexcept { return event_; }
+
+ private:
+  cudaEvent_t event_;
+  std::size_t bytes_;
+};
+
+class CudaCopyEngine final : public CopyEngine {
+ public:
+  CudaCopyEngine() {
+    TIERFLOW_CUDA_TRY(cudaGetDevice(&device_));
+    TIERFLOW_CUDA_TRY(cudaStreamCreateWithFlags(&d2h_, cudaStreamNonBlocking));
+    TIERFLOW_CUDA_TRY(cudaStreamCreateWithFlags(&h2d_, cudaStreamNonBlocking));
+  }
+  ~CudaCopyEngine() override {
+    TIERFLOW_CUDA_ASSERT_OK(cudaStreamSynchronize(d2h_));
+    TIERFLOW_CUDA_ASSERT_OK(cudaStreamSynchronize(h2d_));
+    TIERFLOW_CUDA_ASSERT_OK(cudaStreamDestroy(d2h_));
+    TIERFLOW_CUDA_ASSERT_OK(cudaStreamDestroy(h2d_));
+  }
+
+  allocator::DeviceKind device() const noexcept override { return allocator::DeviceKind::kCuda; }
+
+  TransferHandle copy(Direction dir, void* dst, const void* src, std::size_t bytes,
+                      const std::vector<TransferHandle>& deps, void* producer_stream) override {
+    TIERFLOW_EXPECTS(bytes == 0 || (dst && src), "CopyEngine::copy: null pointer with nonzero size");
+    cudaStream_t s = dir == Direction::kDeviceToHost ? d2h_ : h2d_;
+    if (producer_stream) {
+      cudaEvent_t produced;
+      TIERFLOW_CUDA_TRY(cudaEventCreateWithFlags(&produced, cudaEventDisableTiming));
+      TIERFLOW_CUDA_TRY(cudaEventRecord(produced, static_cast<cudaStream_t>(producer_stream)));
+      TIERFLOW_CUDA_TRY(cudaStreamWaitEvent(s, produced, 0));
+      TIERFLOW_CUDA_TRY(cudaEventDestroy(produced));  // destruction is deferred by the driver
+    }
+    for (const auto& d : deps) wait_on(s, d);
+    if (bytes) TIERFLOW_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, s));
+    cudaEvent_t done;
+    TIERFLOW_CUDA_TRY(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+    TIERFLOW_CUDA_TRY(cudaEventRecord(done, s));
+    count(dir, bytes);
+    return TransferHandle(std::make_shared<CudaState>(done, bytes));
+  }
+
+  void make_stream_wait(void* consumer_stream, const TransferHandle& h) override {
+    wait_on(static_cast<cudaStream_t>(consumer_stream), h);
+  }
+
+  void* native_stream(Direction dir) const noexcept override {
+    return dir == Direction::kDeviceToHost ? d2h_ : h2d_;
+  }
+
+  void synchronize() override {
+    TIERFLOW_CUDA_TRY(cudaStreamSynchronize(d2h_));
+    TIERFLOW_CUDA_TRY(cudaStreamSynchronize(h2d_));
+  }
+
+ private:
+  static void wait_on(cudaStream_t s, const TransferHandle& h) {
+    if (!h.valid()) return;
+    auto* cs = dynamic_cast<const CudaState*>(h.state().get());
+    if (cs) {
+      TIERFLOW_CUDA_TRY(cudaStreamWaitEvent(s, cs->event(), 0));
+    } else {
+      h.wait();  // a handle of another backend: wait on the host
+    }
+  }
+
+  int device_ = 0;
+  cudaStream_t d2h_ = nullptr;
+  cudaStream_t h2d_ = nullptr;
+};
+
+}  // namespace
+
+std::unique_ptr<CopyEngine> make_cuda_copy_engine() {
+  TIERFLOW_EXPECTS(allocator::cuda_available(),
+                   "CUDA copy engine requested but no CUDA GPU is available");
+  return std::make_unique<CudaCopyEngine>();
+}
+
+#else
+
+std::unique_ptr<CopyEngine> make_cuda_copy_engine() {
+  throw logic_error("CUDA copy engine requested but tierflow was built without CUDA "
+                    "(rebuild with the CUDA toolkit and TIERFLOW_WITH_CUDA=ON or AUTO)");
+}
+
+#endif
+
+}  // namespace tierflow::swap

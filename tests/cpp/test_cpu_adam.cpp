@@ -1,0 +1,194 @@
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "tierflow/core/error.hpp"
+#include "tierflow/optimizer/cpu_adam.hpp"
+
+using namespace tierflow;
+using namespace tierflow::optimizer;
+
+namespace {
+
+// Straightforward double-precision Adam/AdamW, written from the paper's
+// equations and torch's documentation, independent of the kernel.
+struct Reference {
+  std::vector<double> p, m, v, vmax;
+  void step(const AdamOptions& o, int t, const std::vector<float>& grad) {
+    for (std::size_t i = 0; i < p.size(); ++i) {
+      double g = o.maximize ? -grad[i] : grad[i];
+      if (o.weight_decay != 0) {
+        if (o.decoupled_weight_decay) p[i] *= 1 - o.lr * o.weight_decay;
+        else g += o.weight_decay * p[i];
+      }
+      m[i] = o.beta1 * m[i] + (1 - o.beta1) * g;
+      v[i] = o.beta2 * v[i] + (1 - o.beta2) * g * g;
+      double vv = v[i];
+      if (o.amsgrad) vv = vmax[i] = std::max(vmax[i], v[i]);
+      double mhat_scale = o.lr / (1 - std::pow(o.beta1, t));
+      double denom = std::sqrt(vv) / std::sqrt(1 - std::pow(o.beta2, t)) + o.eps;
+      p[i] -= mhat_scale * m[i] / denom;
+    }
+  }
+};
+
+struct Fixture {
+  explicit Fixture(std::size_t n, unsigned seed = 1) : master(n), m(n), v(n), vmax(n), grad(n) {
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> d(0.f, 1.f);
+    for (auto& x : master) x = d(rng);
+    ref.p.assign(master.begin(), master.end());
+    ref.m.assign(n, 0);
+    ref.v.assign(n, 0);
+    ref.vmax.assign(n, 0);
+  }
+  AdamTensor tensor() {
+    AdamTensor t;
+    t.master = master.data();
+    t.exp_avg = m.data();
+    t.exp_avg_sq = v.data();
+    t.max_exp_avg_sq = vmax.data();
+    t.grad = grad.data();
+    t.numel = master.size();
+    return t;
+  }
+  std::vector<float> master, m, v, vmax, grad;
+  Reference ref;
+};
+
+void run_against_reference(AdamOptions o, std::size_t n, int steps, int threads) {
+  Fixture f(n);
+  CpuAdam adam(threads);
+  std::mt19937 rng(3);
+  std::normal_distribution<float> d(0.f, 1.f);
+  for (int t = 1; t <= steps; ++t) {
+    for (auto& g : f.grad) g = d(rng);
+    adam.step(o, t, {f.tensor()});
+    f.ref.step(o, t, f.grad);
+  }
+  for (std::size_t i = 0; i < n; ++i) {
+    ASSERT_NEAR(f.master[i], f.ref.p[i], 1e-5 * std::max(1.0, std::abs(f.ref.p[i]))) << "element " << i;
+    ASSERT_NEAR(f.m[i], f.ref.m[i], 1e-5 * std::max(1.0, std::abs(f.ref.m[i])));
+  }
+}
+
+}  // namespace
+
+TEST(CpuAdam, AdamWMatchesReference) {
+  AdamOptions o;
+  o.lr = 1e-2;
+  o.weight_decay = 0.1;
+  run_against_reference(o, 100003, 20, 2);
+}
+
+TEST(CpuAdam, AdamL2AmsgradMaximizeMatchReference) {
+  AdamOptions o;
+  o.lr = 3e-3;
+  o.weight_decay = 0.05;
+  o.decoupled_weight_decay = false;
+  o.amsgrad = true;
+  run_against_reference(o, 1001, 15, 1);
+  o.amsgrad = false;
+  o.maximize = true;
+  run_against_reference(o, 17, 15, 2);
+}
+
+TEST(CpuAdam, ResultsDoNotDependOnThreadCount) {
+  Fixture a(300000), b(300000);
+  a.grad = b.grad = std::vector<float>(300000, 0.25f);
+  for (std::size_t i = 0; i < a.grad.size(); ++i) a.grad[i] = b.grad[i] = std::sin(float(i));
+  CpuAdam one(1), two(2);
+  AdamOptions o;
+  o.weight_decay = 0.01;
+  for (int t = 1; t <= 3; ++t) {
+    one.step(o, t, {a.tensor()});
+    two.step(o, t, {b.tensor()});
+  }
+  EXPECT_EQ(a.master, b.master);
+  EXPECT_EQ(a.v, b.v);
+}
+
+TEST(CpuAdam, Bf16GradientsAndCopyOut) {
+  const std::size_t n = 4099;
+  Fixture f(n);
+  std::vector<std::uint16_t> grad16(n), out16(n);
+  std::vector<float> grad32(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    grad16[i] = float_to_bf16(std::cos(float(i)) * 3.f);
+    grad32[i] = bf16_to_float(grad16[i]);
+  }
+  AdamTensor t = f.tensor();
+  t.grad = grad16.data();
+  t.grad_type = ScalarType::kBFloat16;
+  t.param_out = out16.data();
+  t.param_type = ScalarType::kBFloat16;
+  CpuAdam adam(2);
+  AdamOptions o;
+  adam.step(o, 1, {t});
+  // Same step with the exactly-representable fp32 gradient gives the same master.
+  Fixture g(n);
+  AdamTensor u = g.tensor();
+  u.grad = grad32.data();
+  adam.step(o, 1, {u});
+  EXPECT_EQ(f.master, g.master);
+  for (std::size_t i = 0; i < n; ++i) ASSERT_EQ(out16[i], float_to_bf16(f.master[i]));
+}
+
+TEST(CpuAdam, Fp16CopyOut) {
+  Fixture f(100);
+  std::vector<std::uint16_t> out(100);
+  AdamTensor t = f.tensor();
+  t.param_out = out.data();
+  t.param_type = ScalarType::kFloat16;
+  CpuAdam(1).step(AdamOptions{}, 1, {t});
+  for (std::size_t i = 0; i < 100; ++i) {
+    float back = fp16_to_float(out[i]);
+    ASSERT_NEAR(back, f.master[i], std::abs(f.master[i]) * 1e-3 + 1e-7);
+  }
+}
+
+TEST(CpuAdam, EmptyTensorsAndBadInput) {
+  CpuAdam adam(1);
+  AdamTensor empty;  // numel 0, no buffers: allowed and untouched
+  EXPECT_NO_THROW(adam.step(AdamOptions{}, 1, {empty}));
+  Fixture f(4);
+  AdamTensor t = f.tensor();
+  t.exp_avg = nullptr;
+  EXPECT_THROW(adam.step(AdamOptions{}, 1, {t}), logic_error);
+  EXPECT_THROW(adam.step(AdamOptions{}, 0, {f.tensor()}), logic_error);
+  AdamOptions bad;
+  bad.beta1 = 1.0;
+  EXPECT_THROW(adam.step(bad, 1, {f.tensor()}), logic_error);
+  AdamOptions ams;
+  ams.amsgrad = true;
+  AdamTensor no_max = f.tensor();
+  no_max.max_exp_avg_sq = nullptr;
+  EXPECT_THROW(adam.step(ams, 1, {no_max}), logic_error);
+}
+
+TEST(ScalarType, Bf16RoundsToNearestEven) {
+  EXPECT_EQ(float_to_bf16(1.0f), 0x3f80);
+  EXPECT_EQ(bf16_to_float(0x3f80), 1.0f);
+  // 1 + 2^-8 is exactly halfway between two bf16 values: ties to even (down).
+  EXPECT_EQ(float_to_bf16(1.0f + std::ldexp(1.0f, -8)), 0x3f80);
+  EXPECT_EQ(float_to_bf16(1.0f + 3 * std::ldexp(1.0f, -8)), 0x3f82);
+  EXPECT_TRUE(std::isnan(bf16_to_float(float_to_bf16(NAN))));
+}
+
+TEST(ScalarType, Fp16RoundTripsEveryHalf) {
+  for (std::uint32_t h = 0; h < 0x10000; ++h) {
+    std::uint16_t bits = static_cast<std::uint16_t>(h);
+    float f = fp16_to_float(bits);
+    if (std::isnan(f)) {
+      EXPECT_TRUE(std::isnan(fp16_to_float(float_to_fp16(f))));
+      continue;
+    }
+    ASSERT_EQ(float_to_fp16(f), bits) << std::hex << h;
+  }
+  EXPECT_EQ(float_to_fp16(65520.f), 0x7c00);  // rounds to infinity
+  EXPECT_EQ(float_to_fp16(65504.f), 0x7bff);
+  EXPECT_EQ(float_to_fp16(std::ldexp(1.f, -25)), 0x0000);  // tie to even zero
+  EXPECT_EQ(float_to_fp16(std::ldexp(1.5f, -25)), 0x0001);
+}

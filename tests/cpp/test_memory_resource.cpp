@@ -1,0 +1,71 @@
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+#include "tierflow/allocator/aligned_buffer.hpp"
+#include "tierflow/allocator/memory_resource.hpp"
+#include "tierflow/core/error.hpp"
+
+using namespace tierflow;
+using namespace tierflow::allocator;
+
+TEST(EmulatedDeviceResource, AllocatesAlignedGpuTierMemory) {
+  EmulatedDeviceResource r;
+  EXPECT_EQ(r.tier(), Tier::kGpu);
+  void* p = r.allocate(1000, 256);
+  EXPECT_TRUE(is_aligned(p, 256));
+  std::memset(p, 3, 1000);
+  r.deallocate(p, 1000, 256);
+}
+
+TEST(LimitingAdaptor, EnforcesTheBudget) {
+  EmulatedDeviceResource upstream;
+  LimitingAdaptor limited(&upstream, 1 << 20);
+  void* a = limited.allocate(700 << 10);
+  EXPECT_EQ(limited.allocated_bytes(), 700u << 10);
+  try {
+    limited.allocate(400 << 10);
+    FAIL();
+  } catch (const out_of_memory& e) {
+    EXPECT_NE(std::string(e.what()).find("gpu tier budget"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(limited.allocated_bytes(), 700u << 10) << "a refused request must not leak budget";
+  limited.deallocate(a, 700 << 10);
+  void* b = limited.allocate(1 << 20);
+  limited.deallocate(b, 1 << 20);
+  EXPECT_EQ(limited.allocated_bytes(), 0u);
+}
+
+TEST(StatisticsAdaptor, CountsCurrentAndPeak) {
+  EmulatedDeviceResource upstream;
+  StatisticsAdaptor stats(&upstream);
+  LimitingAdaptor limited(&stats, 10 << 20);  // composes like RMM adaptors
+  void* a = limited.allocate(1 << 20);
+  void* b = limited.allocate(2 << 20);
+  limited.deallocate(a, 1 << 20);
+  auto v = stats.bytes();
+  EXPECT_EQ(v.current, 2 << 20);
+  EXPECT_EQ(v.peak, 3 << 20);
+  EXPECT_EQ(v.freed, 1 << 20);
+  limited.deallocate(b, 2 << 20);
+  EXPECT_EQ(stats.bytes().current, 0);
+}
+
+TEST(DeviceResource, FactoryMatchesTheBuild) {
+  auto emulated = make_device_resource(DeviceKind::kEmulated);
+  EXPECT_EQ(emulated->tier(), Tier::kGpu);
+  if (!cuda_compiled()) {
+    EXPECT_THROW(make_device_resource(DeviceKind::kCuda), logic_error);
+  }
+  EXPECT_GT(device_capacity_bytes(DeviceKind::kEmulated), 0u);
+  EXPECT_EQ(device_capacity_bytes(DeviceKind::kEmulated), host_capacity_bytes());
+}
+
+TEST(CudaDeviceResource, AllocatesWhenAGpuIsPresent) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA GPU on this machine (CUDA backend compiled: "
+                                      << (cuda_compiled() ? "yes" : "no") << ")";
+  auto r = make_device_resource(DeviceKind::kCuda);
+  void* p = r->allocate(1 << 20);
+  EXPECT_NE(p, nullptr);
+  r->deallocate(p, 1 << 20);
+}
