@@ -1,6 +1,5 @@
 #include "tierflow/allocator/memory_resource.hpp"
-
-#include <mimalloc.h>
+#include "tierflow/allocator/small_alloc.hpp"
 
 #include <string>
 
@@ -15,13 +14,13 @@
 namespace tierflow::allocator {
 
 void* EmulatedDeviceResource::do_allocate(std::size_t bytes, std::size_t alignment) {
-  void* p = mi_malloc_aligned(bytes == 0 ? 1 : bytes, alignment);
+  void* p = small_malloc(bytes == 0 ? 1 : bytes, alignment);
   if (!p) throw out_of_memory("emulated device: could not allocate " + format_bytes(bytes));
   return p;
 }
 
 void EmulatedDeviceResource::do_deallocate(void* p, std::size_t, std::size_t) noexcept {
-  mi_free(p);
+  small_free(p);
 }
 
 CudaDeviceResource::CudaDeviceResource() {

@@ -1,7 +1,5 @@
 // The emulated device's copy engine: one worker thread per direction, each a
 // FIFO, with the completion and chaining semantics of CUDA streams and events.
-#include <mimalloc.h>
-
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -9,6 +7,7 @@
 #include <mutex>
 #include <thread>
 
+#include "tierflow/allocator/small_alloc.hpp"
 #include "tierflow/core/error.hpp"
 #include "tierflow/swap/copy_engine.hpp"
 
@@ -120,8 +119,8 @@ class EmulatedCopyEngine final : public CopyEngine {
   TransferHandle copy(Direction dir, void* dst, const void* src, std::size_t bytes,
                       const std::vector<TransferHandle>& deps, void*) override {
     TIERFLOW_EXPECTS(bytes == 0 || (dst && src), "CopyEngine::copy: null pointer with nonzero size");
-    // Handles are small and frequent: mimalloc serves them (see DESIGN.md, allocator/).
-    auto state = std::allocate_shared<EmulatedState>(mi_stl_allocator<EmulatedState>(), bytes);
+    // Handles are small and frequent: see Note [mimalloc shim].
+    auto state = std::allocate_shared<EmulatedState>(allocator::SmallAllocator<EmulatedState>(), bytes);
     count(dir, bytes);
     stream(dir).push(Task{dst, src, bytes, deps, state});
     return TransferHandle(state);

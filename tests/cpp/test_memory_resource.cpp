@@ -4,6 +4,7 @@
 
 #include "tierflow/allocator/aligned_buffer.hpp"
 #include "tierflow/allocator/memory_resource.hpp"
+#include "tierflow/allocator/small_alloc.hpp"
 #include "tierflow/core/error.hpp"
 
 using namespace tierflow;
@@ -68,4 +69,17 @@ TEST(CudaDeviceResource, AllocatesWhenAGpuIsPresent) {
   void* p = r->allocate(1 << 20);
   EXPECT_NE(p, nullptr);
   r->deallocate(p, 1 << 20);
+}
+
+TEST(SmallAlloc, AlignedAllocationsFromMimallocWhenInstalled) {
+  for (std::size_t align : {8u, 64u, 4096u}) {
+    void* p = small_malloc(100, align);
+    ASSERT_NE(p, nullptr);
+    EXPECT_TRUE(is_aligned(p, align));
+    std::memset(p, 1, 100);
+    small_free(p);
+  }
+  small_free(nullptr);
+  // Debian's libmimalloc2.0 is a declared dependency (scripts/setup.sh installs it).
+  EXPECT_TRUE(mimalloc_active()) << "libmimalloc.so.2 could not be loaded";
 }

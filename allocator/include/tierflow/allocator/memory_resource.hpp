@@ -39,7 +39,7 @@ class MemoryResource {
   virtual void do_deallocate(void* p, std::size_t bytes, std::size_t alignment) noexcept = 0;
 };
 
-/// GPU-tier memory of the emulated device: host memory from mimalloc.
+/// GPU-tier memory of the emulated device: host memory (see Note [mimalloc shim]).
 class EmulatedDeviceResource final : public MemoryResource {
  public:
   Tier tier() const noexcept override { return Tier::kGpu; }

@@ -1,0 +1,72 @@
+// The C++ API a LibTorch trainer embeds: one Runtime owns the tiers, the copy
+// engine, the activation offloader and the CPU optimizer of a wrapped model.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tierflow/allocator/pinned_host_pool.hpp"
+#include "tierflow/bindings/activation_offloader.hpp"
+#include "tierflow/core/config.hpp"
+#include "tierflow/optimizer/cpu_adam.hpp"
+#include "tierflow/swap/copy_engine.hpp"
+
+namespace tierflow::bindings {
+
+/// Statistics of the optimizer side.
+struct OptimizerStats {
+  std::uint64_t steps = 0;        ///< CpuAdam::step calls
+  std::uint64_t elements = 0;     ///< parameters updated, summed over steps
+  std::uint64_t step_ns = 0;      ///< time inside the CPU step
+};
+
+/// One tierflow runtime. Construct it from a validated Config.
+class Runtime {
+ public:
+  /// Builds the tiers for `config`; throws config_error for settings this
+  /// version cannot serve (naming the variable and what is accepted).
+  explicit Runtime(Config config);
+  ~Runtime();
+
+  /// The configuration in force.
+  const Config& config() const noexcept { return config_; }
+  /// The GPU tier's backend (CUDA when a GPU is present, else emulated).
+  allocator::DeviceKind device_kind() const noexcept { return engine_->device(); }
+  /// The pinned host pool (host tier).
+  const std::shared_ptr<allocator::PinnedHostPool>& host_pool() const noexcept { return pool_; }
+  /// The copy engine between the GPU tier and the host tier.
+  const std::shared_ptr<swap::CopyEngine>& copy_engine() const noexcept { return engine_; }
+  /// The saved-activation hooks.
+  const std::shared_ptr<ActivationOffloader>& activations() const noexcept { return offloader_; }
+
+  /// A CPU tensor whose memory comes from the pinned host pool (zeroed when `zero`).
+  at::Tensor host_empty(at::IntArrayRef sizes, at::ScalarType dtype, bool zero);
+
+  /// One Adam/AdamW step over CPU tensors: fp32 contiguous masters and
+  /// moments, gradients in fp32/bf16/fp16, optional copy-outs (undefined
+  /// tensors skip). Throws logic_error naming the offending tensor.
+  void adam_step(const optimizer::AdamOptions& options, std::int64_t step,
+                 const std::vector<at::Tensor>& masters, const std::vector<at::Tensor>& exp_avgs,
+                 const std::vector<at::Tensor>& exp_avg_sqs,
+                 const std::vector<at::Tensor>& max_exp_avg_sqs, const std::vector<at::Tensor>& grads,
+                 const std::vector<at::Tensor>& params_out);
+
+  /// Optimizer counters.
+  OptimizerStats optimizer_stats() const noexcept { return opt_stats_; }
+  /// Threads of the CPU optimizer.
+  int cpu_threads() const;
+
+ private:
+  Config config_;
+  std::shared_ptr<allocator::PinnedHostPool> pool_;
+  std::shared_ptr<swap::CopyEngine> engine_;
+  std::shared_ptr<ActivationOffloader> offloader_;
+  std::unique_ptr<optimizer::CpuAdam> adam_;
+  OptimizerStats opt_stats_;
+};
+
+}  // namespace tierflow::bindings

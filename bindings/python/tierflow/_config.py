@@ -1,0 +1,32 @@
+"""The configuration table (see Note [One configuration table] in core/)."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from . import _C
+
+
+def config_table() -> list[dict[str, str]]:
+    """Every ``TIERFLOW_*`` variable: ``name``, ``default``, ``accepted``, ``doc``."""
+    return _C.config_table()
+
+
+def settings_to_strings(settings: Mapping[str, Any]) -> dict[str, str]:
+    """Keyword arguments as the text the C++ parser reads (lists join with commas)."""
+    out: dict[str, str] = {}
+    for key, value in settings.items():
+        if value is None:
+            continue
+        if isinstance(value, (list, tuple)):
+            value = ",".join(str(v) for v in value)
+        out[key] = str(value)
+    return out
+
+
+def resolve_config(**settings: Any) -> dict[str, str]:
+    """The settings in force for these keyword arguments plus the environment.
+
+    Raises ``tierflow.ConfigError`` naming an unknown or malformed setting.
+    """
+    return _C.resolve_config(settings_to_strings(settings))

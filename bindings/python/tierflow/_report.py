@@ -1,0 +1,79 @@
+"""The statistics report: a dict that prints as a table and saves as JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Any
+
+
+def fmt_bytes(n: float) -> str:
+    """1536 -> '1.50 KiB'."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024.0 or unit == "TiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024.0
+    return f"{n:.2f} TiB"
+
+
+class Report(dict):
+    """tierflow's statistics: peak bytes per tier, bytes per link, prefetch hits and stalls."""
+
+    def __str__(self) -> str:
+        a = self["activations"]
+        p = self["prefetch"]
+        h = self["host_pool"]
+        link = self["links"]
+        o = self["optimizer"]
+        rows = [
+            ("GPU tier (" + self["device"] + ")", ""),
+            ("  saved activations held, peak", fmt_bytes(a["device_bytes"]["peak"])),
+            ("  saved activations held, now", fmt_bytes(a["device_bytes"]["current"])),
+            ("host tier (pinned pool" + ("" if h["pinned"] else ", emulated: not page-locked") + ")", ""),
+            ("  budget", fmt_bytes(h["budget_bytes"])),
+            ("  in use, peak", fmt_bytes(h["in_use"]["peak"])),
+            ("  reserved in slabs, peak", f'{fmt_bytes(h["reserved"]["peak"])} ({h["slab_allocations"]} slab allocations)'),
+            ("  saved activations held, peak", fmt_bytes(a["host_bytes"]["peak"])),
+            ("links", ""),
+            ("  gpu -> host", f'{fmt_bytes(link["gpu_to_host_bytes"])} in {link["gpu_to_host_ops"]} copies'),
+            ("  host -> gpu", f'{fmt_bytes(link["host_to_gpu_bytes"])} in {link["host_to_gpu_ops"]} copies'),
+            ("saved tensors", ""),
+            ("  saved / read", f'{a["packs"]} / {a["unpacks"]}'),
+            ("  offloaded", f'{a["offloaded_blocks"]} storages, {fmt_bytes(a["offloaded_bytes"])}'),
+            ("  not copied: parameters / duplicates", f'{a["skipped_parameters"]} / {a["dedup_hits"]}'),
+            ("  kept: small / no_offload / pool full", f'{a["kept_small"]} / {a["kept_region"]} / {a["host_fallbacks"]}'),
+            ("prefetch", ""),
+            ("  prefetched ahead", str(p["prefetched_blocks"])),
+            ("  hits / forwarded", f'{p["hits"]} / {p["forwarded"]}'),
+            ("  stalls", f'{p["stalls"]} ({p["stall_ms"]:.2f} ms waiting, {p["unprefetched"]} never prefetched)'),
+            ("CPU optimizer", ""),
+            ("  steps", f'{o["steps"]} ({o["step_ms"]:.1f} ms, {o["elements"]} element updates, {o["threads"] or "all"} threads)'),
+        ]
+        width = max(len(k) for k, _ in rows) + 2
+        lines = ["tierflow report"]
+        lines += [f"{k:<{width}}{v}" if v else k for k, v in rows]
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        """The report as JSON text."""
+        return json.dumps(self, indent=2, sort_keys=True)
+
+    def save(self, path: str) -> None:
+        """Writes the JSON atomically: a reader never sees a half-written file."""
+        directory = os.path.dirname(os.path.abspath(path))
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tierflow-report-", dir=directory)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(self.to_json())
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+
+
+def build_report(stats: dict[str, Any]) -> Report:
+    """Wraps the runtime's statistics dict."""
+    return Report(stats)

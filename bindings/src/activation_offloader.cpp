@@ -1,0 +1,298 @@
+// See Note [Saved-tensor offload] in activation_offloader.hpp.
+#include "tierflow/bindings/activation_offloader.hpp"
+
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
+#include <chrono>
+
+#include "tierflow/core/error.hpp"
+#include "tierflow/core/log.hpp"
+
+namespace tierflow::bindings {
+
+using tiering::BlockId;
+using tiering::Residence;
+
+namespace {
+std::uint64_t now_ns() {
+  return static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                        std::chrono::steady_clock::now().time_since_epoch())
+                                        .count());
+}
+}  // namespace
+
+ActivationOffloader::ActivationOffloader(ActivationOffloaderOptions options,
+                                         std::shared_ptr<allocator::PinnedHostPool> pool,
+                                         std::shared_ptr<swap::CopyEngine> engine)
+    : options_(options),
+      pool_(std::move(pool)),
+      engine_(std::move(engine)),
+      cuda_mode_(engine_->device() == allocator::DeviceKind::kCuda),
+      schedule_(options.schedule) {}
+
+ActivationOffloader::~ActivationOffloader() = default;
+
+void* ActivationOffloader::current_stream(const at::Device& device) const {
+  if (!cuda_mode_) return nullptr;
+  const auto* impl = c10::impl::getDeviceGuardImpl(device.type());
+  return impl->getStream(device).native_handle();
+}
+
+bool ActivationOffloader::managed(const at::Tensor& t) const {
+  if (t.layout() != at::kStrided || t.is_conj() || t.is_neg() || !t.has_storage()) return false;
+  if (cuda_mode_ ? !t.is_cuda() : !t.is_cpu()) return false;
+  return t.storage().nbytes() > 0;
+}
+
+void ActivationOffloader::register_parameters(const std::vector<at::Tensor>& params) {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  for (const auto& p : params) {
+    if (!p.defined() || !p.has_storage()) continue;
+    const void* key = p.storage().unsafeGetStorageImpl();
+    if (parameter_index_.count(key)) continue;
+    parameter_index_.emplace(key, parameters_.size());
+    parameters_.push_back(p.storage().getWeakStorageImpl());
+  }
+}
+
+namespace {
+thread_local int t_no_offload_depth = 0;
+}  // namespace
+
+void push_no_offload() { ++t_no_offload_depth; }
+
+void pop_no_offload() {
+  TIERFLOW_EXPECTS(t_no_offload_depth > 0, "tierflow.no_offload(): leaving a region that was never entered");
+  --t_no_offload_depth;
+}
+
+int no_offload_depth() noexcept { return t_no_offload_depth; }
+
+void ActivationOffloader::begin_forward() {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  poll_locked();
+  schedule_.begin_forward();
+  by_storage_.clear();
+  if (blocks_.size() > schedule_.registry().size()) blocks_.resize(schedule_.registry().size());
+}
+
+std::shared_ptr<SavedHandle> ActivationOffloader::pack(const at::Tensor& t) {
+  auto handle = std::make_shared<SavedHandle>();
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  ++stats_.packs;
+  if (!t.defined()) {
+    handle->passthrough = t;
+    return handle;
+  }
+  poll_locked();
+  if (!managed(t)) {
+    ++stats_.skipped_unmanaged;
+    handle->passthrough = t;
+    return handle;
+  }
+  const c10::Storage& storage = t.storage();
+  const void* key = storage.unsafeGetStorageImpl();
+  auto param = parameter_index_.find(key);
+  const bool is_registered_param =
+      param != parameter_index_.end() && !parameters_[param->second].expired();
+  if (is_registered_param || (t.is_leaf() && t.requires_grad())) {
+    ++stats_.skipped_parameters;
+    handle->passthrough = t;
+    return handle;
+  }
+  handle->sizes = t.sizes().vec();
+  handle->strides = t.strides().vec();
+  handle->storage_offset = t.storage_offset();
+  handle->dtype = t.scalar_type();
+
+  const std::int64_t version = t._version();
+  auto found = by_storage_.find(key);
+  if (found != by_storage_.end()) {
+    auto existing = found->second.lock();
+    if (existing && existing->version == version && existing->device == t.device()) {
+      ++stats_.dedup_hits;
+      handle->block = std::move(existing);
+      return handle;
+    }
+  }
+
+  const std::size_t nbytes = storage.nbytes();
+  const bool small = nbytes < options_.min_offload_bytes;
+  const bool region = no_offload_depth() > 0;
+  tiering::PackDecision d = schedule_.on_pack(nbytes, !small && !region);
+  auto block = std::make_shared<SavedBlock>(storage.getWeakStorageImpl());
+  block->id = d.id;
+  block->nbytes = nbytes;
+  block->device = t.device();
+  block->version = version;
+  block->device_storage = storage;
+  if (blocks_.size() <= d.id) blocks_.resize(d.id + 1);
+  blocks_[d.id] = block;
+  if (!d.offload) {
+    if (small) ++stats_.kept_small;
+    else if (region) ++stats_.kept_region;
+  } else if (void* host = pool_->try_allocate(nbytes)) {
+    block->host = host;
+    block->offloaded = true;
+    block->d2h = engine_->copy(swap::Direction::kDeviceToHost, host, storage.data(), nbytes, {},
+                               current_stream(t.device()));
+    pending_d2h_.push_back(block);
+    ++stats_.offloaded_blocks;
+    stats_.offloaded_bytes += nbytes;
+  } else {
+    if (stats_.host_fallbacks++ == 0) {
+      log(LogLevel::kWarn, "pinned host pool full (TIERFLOW_HOST_MEMORY): saved activations "
+                           "that do not fit stay on the device");
+    }
+    schedule_.registry().transition(d.id, Residence::kResident);
+  }
+  block->owner = shared_from_this();  // last: from here on its destructor releases it
+  by_storage_[key] = block;
+  handle->block = std::move(block);
+  return handle;
+}
+
+void ActivationOffloader::poll_locked() {
+  std::vector<std::weak_ptr<SavedBlock>> still;
+  for (auto& w : pending_d2h_) {
+    auto b = w.lock();
+    if (!b || b->released) continue;
+    if (!b->d2h.ready()) {
+      still.push_back(w);
+      continue;
+    }
+    b->d2h.wait();  // rethrows a failed copy
+    auto& reg = schedule_.registry();
+    if (reg.residence(b->id) == Residence::kInFlightToHost) {
+      reg.transition(b->id, Residence::kOnHost);
+      b->device_storage = c10::Storage();  // the device copy is no longer needed
+    } else if (reg.residence(b->id) == Residence::kResident && b->host) {
+      pool_->deallocate(b->host);  // forwarded: the host copy is not needed
+      b->host = nullptr;
+    }
+  }
+  pending_d2h_.swap(still);
+}
+
+void ActivationOffloader::prefetch_locked(BlockId id) {
+  if (id >= blocks_.size()) return;
+  auto b = blocks_[id].lock();
+  if (!b || b->released) return;
+  auto& reg = schedule_.registry();
+  switch (reg.residence(id)) {
+    case Residence::kInFlightToHost:
+      // The device copy still exists: keep it instead of a round trip.
+      reg.transition(id, Residence::kResident);
+      break;
+    case Residence::kOnHost: {
+      at::Tensor dst = at::empty({static_cast<std::int64_t>(b->nbytes)},
+                                 at::TensorOptions().dtype(at::kByte).device(b->device));
+      b->device_storage = dst.storage();
+      b->h2d = engine_->copy(swap::Direction::kHostToDevice, b->device_storage.mutable_data(),
+                             b->host, b->nbytes, {b->d2h}, current_stream(b->device));
+      reg.transition(id, Residence::kInFlightToDevice);
+      ++stats_.prefetched_blocks;
+      break;
+    }
+    default:
+      break;
+  }
+}
+
+void ActivationOffloader::begin_backward() {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  poll_locked();
+  for (BlockId id : schedule_.begin_backward()) prefetch_locked(id);
+}
+
+at::Tensor ActivationOffloader::unpack(const std::shared_ptr<SavedHandle>& handle) {
+  TIERFLOW_EXPECTS(handle != nullptr, "unpack: null handle");
+  if (!handle->block) return handle->passthrough;
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  ++stats_.unpacks;
+  poll_locked();
+  SavedBlock& b = *handle->block;
+  TIERFLOW_EXPECTS(!b.released, "unpack: saved tensor block " + std::to_string(b.id) +
+                                    " was already released");
+  auto& reg = schedule_.registry();
+  const bool first_read = !schedule_.consumed(b.id);
+  switch (reg.residence(b.id)) {
+    case Residence::kInFlightToHost:  // its copy to the host is still running
+      reg.transition(b.id, Residence::kResident);
+      ++stats_.forwarded;
+      break;
+    case Residence::kOnHost:  // nobody prefetched it: fetch now and wait
+      ++stats_.unprefetched;
+      prefetch_locked(b.id);
+      ++stats_.stalls;
+      break;
+    case Residence::kInFlightToDevice:
+      if (b.h2d.ready()) ++stats_.prefetch_hits;
+      else ++stats_.stalls;
+      break;
+    case Residence::kResident:
+      if (b.offloaded && first_read) ++stats_.prefetch_hits;  // forwarded by a prefetch
+      break;
+    case Residence::kReleased:
+      break;
+  }
+  if (reg.residence(b.id) == Residence::kInFlightToDevice) {
+    const std::uint64_t t0 = now_ns();
+    b.h2d.wait();  // rethrows a failed copy; the host block is free to reuse after it
+    stats_.stall_ns += now_ns() - t0;
+    reg.transition(b.id, Residence::kResident);
+    if (b.host) {
+      pool_->deallocate(b.host);
+      b.host = nullptr;
+    }
+  }
+  for (BlockId next : schedule_.on_unpack(b.id)) prefetch_locked(next);
+
+  at::Tensor out = at::empty({0}, at::TensorOptions().dtype(handle->dtype).device(b.device));
+  out.set_(b.device_storage, handle->storage_offset, handle->sizes, handle->strides);
+  return out;
+}
+
+void ActivationOffloader::release(SavedBlock& b) noexcept {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  if (b.released) return;
+  try {
+    // A copy may still read or write the host block: let it finish first.
+    b.d2h.wait();
+    b.h2d.wait();
+  } catch (const std::exception& e) {
+    log(LogLevel::kError, std::string("copy failed while releasing a saved tensor: ") + e.what());
+  }
+  if (b.host) {
+    pool_->deallocate(b.host);
+    b.host = nullptr;
+  }
+  b.device_storage = c10::Storage();
+  b.released = true;
+  try {
+    schedule_.registry().transition(b.id, Residence::kReleased);
+  } catch (const std::exception& e) {
+    log(LogLevel::kError, std::string("saved tensor release: ") + e.what());
+  }
+}
+
+void ActivationOffloader::synchronize() {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  engine_->synchronize();
+  poll_locked();
+}
+
+ActivationOffloaderStats ActivationOffloader::stats() const {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  ActivationOffloaderStats s = stats_;
+  s.device_bytes = schedule_.registry().device_bytes().values();
+  s.host_bytes = schedule_.registry().host_bytes().values();
+  return s;
+}
+
+void ActivationOffloader::reset_peaks() {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  schedule_.registry().reset_peaks();
+}
+
+}  // namespace tierflow::bindings

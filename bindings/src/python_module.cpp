@@ -1,0 +1,186 @@
+// tierflow._C: the pybind11 surface over bindings/. The Python package is a
+// thin layer over these functions; the logic lives in C++.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <torch/python.h>
+
+#include "tierflow/allocator/device.hpp"
+#include "tierflow/bindings/runtime.hpp"
+#include "tierflow/core/error.hpp"
+
+namespace py = pybind11;
+using namespace tierflow;
+using namespace tierflow::bindings;
+
+namespace {
+
+py::dict stat_dict(const StatValues& v) {
+  py::dict d;
+  d["current"] = v.current;
+  d["peak"] = v.peak;
+  d["allocated"] = v.allocated;
+  d["freed"] = v.freed;
+  return d;
+}
+
+at::ScalarType dtype_from_name(const std::string& name) {
+  if (name == "float32") return at::kFloat;
+  if (name == "bfloat16") return at::kBFloat16;
+  if (name == "float16") return at::kHalf;
+  if (name == "float64") return at::kDouble;
+  throw config_error("host_empty: dtype '" + name + "' is not supported; accepted: float32, "
+                     "bfloat16, float16, float64");
+}
+
+optimizer::AdamOptions adam_options(const py::dict& d) {
+  optimizer::AdamOptions o;
+  o.lr = d["lr"].cast<double>();
+  o.beta1 = d["beta1"].cast<double>();
+  o.beta2 = d["beta2"].cast<double>();
+  o.eps = d["eps"].cast<double>();
+  o.weight_decay = d["weight_decay"].cast<double>();
+  o.amsgrad = d["amsgrad"].cast<bool>();
+  o.maximize = d["maximize"].cast<bool>();
+  o.decoupled_weight_decay = d["decoupled_weight_decay"].cast<bool>();
+  return o;
+}
+
+py::dict runtime_stats(const Runtime& rt) {
+  auto a = rt.activations()->stats();
+  auto pool = rt.host_pool()->stats();
+  auto link = rt.copy_engine()->stats();
+  auto opt = rt.optimizer_stats();
+  py::dict acts;
+  acts["packs"] = a.packs;
+  acts["skipped_parameters"] = a.skipped_parameters;
+  acts["skipped_unmanaged"] = a.skipped_unmanaged;
+  acts["dedup_hits"] = a.dedup_hits;
+  acts["kept_small"] = a.kept_small;
+  acts["kept_region"] = a.kept_region;
+  acts["host_fallbacks"] = a.host_fallbacks;
+  acts["offloaded_blocks"] = a.offloaded_blocks;
+  acts["offloaded_bytes"] = a.offloaded_bytes;
+  acts["unpacks"] = a.unpacks;
+  acts["device_bytes"] = stat_dict(a.device_bytes);
+  acts["host_bytes"] = stat_dict(a.host_bytes);
+  py::dict prefetch;
+  prefetch["prefetched_blocks"] = a.prefetched_blocks;
+  prefetch["hits"] = a.prefetch_hits;
+  prefetch["forwarded"] = a.forwarded;
+  prefetch["stalls"] = a.stalls;
+  prefetch["stall_ms"] = static_cast<double>(a.stall_ns) / 1e6;
+  prefetch["unprefetched"] = a.unprefetched;
+  py::dict host;
+  host["budget_bytes"] = rt.host_pool()->budget_bytes();
+  host["pinned"] = rt.host_pool()->cuda_pinned();
+  host["in_use"] = stat_dict(pool.in_use);
+  host["reserved"] = stat_dict(pool.reserved);
+  host["slab_allocations"] = pool.slab_allocations;
+  host["block_allocations"] = pool.block_allocations;
+  host["failed_allocations"] = pool.failed_allocations;
+  py::dict links;
+  links["gpu_to_host_bytes"] = link.d2h_bytes;
+  links["host_to_gpu_bytes"] = link.h2d_bytes;
+  links["gpu_to_host_ops"] = link.d2h_ops;
+  links["host_to_gpu_ops"] = link.h2d_ops;
+  py::dict optd;
+  optd["steps"] = opt.steps;
+  optd["elements"] = opt.elements;
+  optd["step_ms"] = static_cast<double>(opt.step_ns) / 1e6;
+  optd["threads"] = rt.cpu_threads();
+  py::dict out;
+  out["device"] = std::string(allocator::to_string(rt.device_kind()));
+  out["activations"] = acts;
+  out["prefetch"] = prefetch;
+  out["host_pool"] = host;
+  out["links"] = links;
+  out["optimizer"] = optd;
+  return out;
+}
+
+std::map<std::string, std::string> to_string_map(const py::dict& d) {
+  std::map<std::string, std::string> m;
+  for (auto item : d) m.emplace(py::str(item.first), py::str(item.second));
+  return m;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "tierflow's C++ runtime";
+
+  auto base = py::register_exception<logic_error>(m, "TierflowError", PyExc_RuntimeError);
+  py::register_exception<config_error>(m, "ConfigError", PyExc_ValueError);
+  py::register_exception<out_of_memory>(m, "OutOfMemoryError", PyExc_MemoryError);
+  py::register_exception<io_error>(m, "IOError", PyExc_OSError);
+  py::register_exception<cuda_error>(m, "CudaError", PyExc_RuntimeError);
+
+  m.def("config_table", [] {
+    py::list rows;
+    for (const auto& e : config_table()) {
+      py::dict r;
+      r["name"] = std::string(e.name);
+      r["default"] = std::string(e.default_value);
+      r["accepted"] = std::string(e.accepted);
+      r["doc"] = std::string(e.doc);
+      rows.append(r);
+    }
+    return rows;
+  }, "Every TIERFLOW_* variable: name, default, accepted forms, meaning.");
+  m.def("resolve_config", [](const py::dict& overrides) {
+    return Config::from_environment(to_string_map(overrides)).to_strings();
+  }, "The configuration the environment plus `overrides` give; raises ConfigError.");
+  m.def("cuda_compiled", &allocator::cuda_compiled, "Whether the CUDA backend was compiled in.");
+  m.def("cuda_available", &allocator::cuda_available, "Whether a CUDA GPU is usable.");
+  m.def("push_no_offload", &push_no_offload);
+  m.def("pop_no_offload", &pop_no_offload);
+
+  py::class_<SavedHandle, std::shared_ptr<SavedHandle>>(m, "SavedHandle",
+      "What autograd keeps for one saved tensor while tierflow manages it.");
+
+  py::class_<Runtime, std::shared_ptr<Runtime>>(m, "Runtime")
+      .def(py::init([](const py::dict& overrides) {
+             return std::make_shared<Runtime>(Config::from_environment(to_string_map(overrides)));
+           }),
+           py::arg("overrides") = py::dict())
+      .def("config", [](const Runtime& rt) { return rt.config().to_strings(); })
+      .def_property_readonly("device", [](const Runtime& rt) {
+        return std::string(allocator::to_string(rt.device_kind()));
+      })
+      .def("pack", [](Runtime& rt, const at::Tensor& t) { return rt.activations()->pack(t); })
+      .def("unpack", [](Runtime& rt, const std::shared_ptr<SavedHandle>& h) {
+        return rt.activations()->unpack(h);
+      })
+      .def("begin_forward", [](Runtime& rt) { rt.activations()->begin_forward(); })
+      .def("begin_backward", [](Runtime& rt) { rt.activations()->begin_backward(); })
+      .def("register_parameters", [](Runtime& rt, const std::vector<at::Tensor>& ps) {
+        rt.activations()->register_parameters(ps);
+      })
+      .def("synchronize", [](Runtime& rt) { rt.activations()->synchronize(); })
+      .def("reset_peaks", [](Runtime& rt) { rt.activations()->reset_peaks(); })
+      .def("host_empty", [](Runtime& rt, const std::vector<std::int64_t>& sizes,
+                            const std::string& dtype, bool zero) {
+        return rt.host_empty(sizes, dtype_from_name(dtype), zero);
+      }, py::arg("sizes"), py::arg("dtype"), py::arg("zero") = false)
+      .def("adam_step", [](Runtime& rt, const py::dict& options, std::int64_t step,
+                           const std::vector<at::Tensor>& masters,
+                           const std::vector<at::Tensor>& exp_avgs,
+                           const std::vector<at::Tensor>& exp_avg_sqs,
+                           const std::vector<std::optional<at::Tensor>>& max_exp_avg_sqs,
+                           const std::vector<at::Tensor>& grads,
+                           const std::vector<std::optional<at::Tensor>>& params_out) {
+        auto unwrap = [](const std::vector<std::optional<at::Tensor>>& v) {
+          std::vector<at::Tensor> out;
+          out.reserve(v.size());
+          for (const auto& t : v) out.push_back(t ? *t : at::Tensor());
+          return out;
+        };
+        auto opts = adam_options(options);
+        auto maxes = unwrap(max_exp_avg_sqs);
+        auto outs = unwrap(params_out);
+        py::gil_scoped_release release;
+        rt.adam_step(opts, step, masters, exp_avgs, exp_avg_sqs, maxes, grads, outs);
+      })
+      .def("stats", &runtime_stats);
+  (void)base;
+}

@@ -1,0 +1,142 @@
+#include "tierflow/bindings/runtime.hpp"
+
+#include <chrono>
+#include <cstring>
+
+#include "tierflow/allocator/device.hpp"
+#include "tierflow/core/error.hpp"
+#include "tierflow/core/log.hpp"
+
+namespace tierflow::bindings {
+namespace {
+
+void refuse_unimplemented(const Config& c) {
+  if (c.offload_activations == OffloadTarget::kNvme)
+    throw config_error("TIERFLOW_OFFLOAD_ACTIVATIONS='nvme': the NVMe tier is not available in "
+                       "this version of tierflow; accepted here: none, host, auto");
+  if (c.offload_optimizer == OffloadTarget::kNvme)
+    throw config_error("TIERFLOW_OFFLOAD_OPTIMIZER='nvme': the NVMe tier is not available in this "
+                       "version of tierflow; accepted here: none, host");
+  if (c.offload_params != OffloadTarget::kNone)
+    throw config_error("TIERFLOW_OFFLOAD_PARAMS='" + std::string(to_string(c.offload_params)) +
+                       "': parameter offload is not available in this version of tierflow; "
+                       "accepted here: none");
+}
+
+optimizer::ScalarType to_optimizer_type(at::ScalarType t, const char* what, std::size_t i) {
+  switch (t) {
+    case at::kFloat: return optimizer::ScalarType::kFloat32;
+    case at::kBFloat16: return optimizer::ScalarType::kBFloat16;
+    case at::kHalf: return optimizer::ScalarType::kFloat16;
+    default:
+      throw logic_error(std::string("tierflow CPU Adam: ") + what + " " + std::to_string(i) +
+                        " has dtype " + std::string(c10::toString(t)) +
+                        "; accepted: float32, bfloat16, float16");
+  }
+}
+
+void check_cpu_contiguous(const at::Tensor& t, const char* what, std::size_t i, std::int64_t numel) {
+  TIERFLOW_EXPECTS(t.defined() && t.is_cpu() && t.is_contiguous(),
+                   std::string("tierflow CPU Adam: ") + what + " " + std::to_string(i) +
+                       " must be a contiguous CPU tensor");
+  TIERFLOW_EXPECTS(t.numel() == numel, std::string("tierflow CPU Adam: ") + what + " " +
+                                           std::to_string(i) + " has " + std::to_string(t.numel()) +
+                                           " elements, expected " + std::to_string(numel));
+}
+
+}  // namespace
+
+Runtime::Runtime(Config config) : config_(std::move(config)) {
+  refuse_unimplemented(config_);
+  set_log_level(config_.log_level);
+  const auto kind = allocator::cuda_available() ? allocator::DeviceKind::kCuda
+                                                : allocator::DeviceKind::kEmulated;
+  allocator::PinnedHostPoolOptions po;
+  po.budget_bytes = config_.host_memory.resolve(allocator::host_capacity_bytes());
+  po.slab_bytes = config_.pinned_slab_bytes;
+  po.cuda_pinned = kind == allocator::DeviceKind::kCuda;
+  pool_ = std::make_shared<allocator::PinnedHostPool>(po);
+  engine_ = std::shared_ptr<swap::CopyEngine>(swap::make_copy_engine(kind));
+
+  ActivationOffloaderOptions ao;
+  ao.schedule.target = config_.offload_activations;
+  ao.schedule.prefetch_bytes = config_.prefetch_bytes;
+  ao.schedule.keep_budget_bytes = config_.gpu_memory.resolve(allocator::device_capacity_bytes(kind));
+  ao.min_offload_bytes = config_.min_offload_bytes;
+  offloader_ = std::make_shared<ActivationOffloader>(ao, pool_, engine_);
+  log(LogLevel::kInfo, std::string("runtime on the ") + std::string(allocator::to_string(kind)) +
+                           " device, host pool budget " + format_bytes(po.budget_bytes));
+}
+
+Runtime::~Runtime() = default;
+
+int Runtime::cpu_threads() const {
+  return adam_ ? adam_->threads() : (config_.cpu_threads > 0 ? config_.cpu_threads : 0);
+}
+
+at::Tensor Runtime::host_empty(at::IntArrayRef sizes, at::ScalarType dtype, bool zero) {
+  std::int64_t numel = 1;
+  for (auto s : sizes) {
+    TIERFLOW_EXPECTS(s >= 0, "host_empty: negative size");
+    numel *= s;
+  }
+  const std::size_t bytes = static_cast<std::size_t>(numel) * c10::elementSize(dtype);
+  void* p = pool_->allocate(bytes == 0 ? 1 : bytes);
+  if (zero) std::memset(p, 0, bytes);
+  auto pool = pool_;  // the tensor keeps the pool alive
+  return at::from_blob(p, sizes, [pool](void* ptr) { pool->deallocate(ptr); },
+                       at::TensorOptions().dtype(dtype).device(at::kCPU));
+}
+
+void Runtime::adam_step(const optimizer::AdamOptions& options, std::int64_t step,
+                        const std::vector<at::Tensor>& masters,
+                        const std::vector<at::Tensor>& exp_avgs,
+                        const std::vector<at::Tensor>& exp_avg_sqs,
+                        const std::vector<at::Tensor>& max_exp_avg_sqs,
+                        const std::vector<at::Tensor>& grads,
+                        const std::vector<at::Tensor>& params_out) {
+  const std::size_t n = masters.size();
+  TIERFLOW_EXPECTS(exp_avgs.size() == n && exp_avg_sqs.size() == n && grads.size() == n &&
+                       params_out.size() == n &&
+                       (max_exp_avg_sqs.empty() || max_exp_avg_sqs.size() == n),
+                   "tierflow CPU Adam: the tensor lists differ in length");
+  std::vector<optimizer::AdamTensor> tensors(n);
+  std::uint64_t elements = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::int64_t numel = masters[i].numel();
+    check_cpu_contiguous(masters[i], "master", i, numel);
+    check_cpu_contiguous(exp_avgs[i], "exp_avg", i, numel);
+    check_cpu_contiguous(exp_avg_sqs[i], "exp_avg_sq", i, numel);
+    check_cpu_contiguous(grads[i], "grad", i, numel);
+    TIERFLOW_EXPECTS(masters[i].scalar_type() == at::kFloat && exp_avgs[i].scalar_type() == at::kFloat &&
+                         exp_avg_sqs[i].scalar_type() == at::kFloat,
+                     "tierflow CPU Adam: master and moments must be float32 (tensor " +
+                         std::to_string(i) + ")");
+    auto& t = tensors[i];
+    t.numel = static_cast<std::size_t>(numel);
+    t.master = masters[i].data_ptr<float>();
+    t.exp_avg = exp_avgs[i].data_ptr<float>();
+    t.exp_avg_sq = exp_avg_sqs[i].data_ptr<float>();
+    if (!max_exp_avg_sqs.empty() && max_exp_avg_sqs[i].defined()) {
+      check_cpu_contiguous(max_exp_avg_sqs[i], "max_exp_avg_sq", i, numel);
+      t.max_exp_avg_sq = max_exp_avg_sqs[i].data_ptr<float>();
+    }
+    t.grad = grads[i].data_ptr();
+    t.grad_type = to_optimizer_type(grads[i].scalar_type(), "grad", i);
+    if (params_out[i].defined()) {
+      check_cpu_contiguous(params_out[i], "param", i, numel);
+      t.param_out = params_out[i].data_ptr();
+      t.param_type = to_optimizer_type(params_out[i].scalar_type(), "param", i);
+    }
+    elements += static_cast<std::uint64_t>(numel);
+  }
+  if (!adam_) adam_ = std::make_unique<optimizer::CpuAdam>(config_.cpu_threads);
+  const auto t0 = std::chrono::steady_clock::now();
+  adam_->step(options, step, tensors);
+  opt_stats_.step_ns += static_cast<std::uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
+  opt_stats_.steps += 1;
+  opt_stats_.elements += elements;
+}
+
+}  // namespace tierflow::bindings
