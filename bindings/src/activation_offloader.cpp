@@ -3,6 +3,7 @@
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
+#include <algorithm>
 #include <chrono>
 
 #include "tierflow/core/error.hpp"
@@ -139,6 +140,8 @@ std::shared_ptr<SavedHandle> ActivationOffloader::pack(const at::Tensor& t) {
     pending_d2h_.push_back(block);
     ++stats_.offloaded_blocks;
     stats_.offloaded_bytes += nbytes;
+    d2h_inflight_bytes_ += nbytes;
+    throttle_locked(nbytes);
   } else {
     if (stats_.host_fallbacks++ == 0) {
       log(LogLevel::kWarn, "pinned host pool full (TIERFLOW_HOST_MEMORY): saved activations "
@@ -156,12 +159,14 @@ void ActivationOffloader::poll_locked() {
   std::vector<std::weak_ptr<SavedBlock>> still;
   for (auto& w : pending_d2h_) {
     auto b = w.lock();
-    if (!b || b->released) continue;
+    if (!b || b->released) continue;  // release() settled its bytes
     if (!b->d2h.ready()) {
       still.push_back(w);
       continue;
     }
     b->d2h.wait();  // rethrows a failed copy
+    d2h_inflight_bytes_ -= b->nbytes;
+    b->d2h_settled = true;
     auto& reg = schedule_.registry();
     if (reg.residence(b->id) == Residence::kInFlightToHost) {
       reg.transition(b->id, Residence::kOnHost);
@@ -172,6 +177,24 @@ void ActivationOffloader::poll_locked() {
     }
   }
   pending_d2h_.swap(still);
+}
+
+void ActivationOffloader::throttle_locked(std::size_t just_added) {
+  // Copies to the host that have not finished still hold device memory: bound
+  // them by the same window as prefetch, waiting on the oldest (back-pressure).
+  const std::uint64_t window = std::max<std::uint64_t>(options_.schedule.prefetch_bytes, just_added);
+  while (d2h_inflight_bytes_ > window && !pending_d2h_.empty()) {
+    auto oldest = pending_d2h_.front().lock();
+    if (oldest && !oldest->released && !oldest->d2h.ready()) {
+      const std::uint64_t t0 = now_ns();
+      oldest->d2h.wait();
+      stats_.offload_waits += 1;
+      stats_.offload_wait_ns += now_ns() - t0;
+    }
+    const std::size_t before = pending_d2h_.size();
+    poll_locked();
+    if (pending_d2h_.size() == before) break;  // nothing settled: do not spin
+  }
 }
 
 void ActivationOffloader::prefetch_locked(BlockId id) {
@@ -256,6 +279,8 @@ at::Tensor ActivationOffloader::unpack(const std::shared_ptr<SavedHandle>& handl
 void ActivationOffloader::release(SavedBlock& b) noexcept {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
   if (b.released) return;
+  if (b.offloaded && !b.d2h_settled) d2h_inflight_bytes_ -= b.nbytes;
+  b.d2h_settled = true;
   try {
     // A copy may still read or write the host block: let it finish first.
     b.d2h.wait();

@@ -60,6 +60,8 @@ py::dict runtime_stats(const Runtime& rt) {
   acts["host_fallbacks"] = a.host_fallbacks;
   acts["offloaded_blocks"] = a.offloaded_blocks;
   acts["offloaded_bytes"] = a.offloaded_bytes;
+  acts["offload_waits"] = a.offload_waits;
+  acts["offload_wait_ms"] = static_cast<double>(a.offload_wait_ns) / 1e6;
   acts["unpacks"] = a.unpacks;
   acts["device_bytes"] = stat_dict(a.device_bytes);
   acts["host_bytes"] = stat_dict(a.host_bytes);

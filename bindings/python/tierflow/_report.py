@@ -42,6 +42,7 @@ class Report(dict):
             ("saved tensors", ""),
             ("  saved / read", f'{a["packs"]} / {a["unpacks"]}'),
             ("  offloaded", f'{a["offloaded_blocks"]} storages, {fmt_bytes(a["offloaded_bytes"])}'),
+            ("  forward waited for the copy window", f'{a["offload_waits"]} times ({a["offload_wait_ms"]:.2f} ms)'),
             ("  not copied: parameters / duplicates", f'{a["skipped_parameters"]} / {a["dedup_hits"]}'),
             ("  kept: small / no_offload / pool full", f'{a["kept_small"]} / {a["kept_region"]} / {a["host_fallbacks"]}'),
             ("prefetch", ""),

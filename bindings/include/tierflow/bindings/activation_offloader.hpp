@@ -17,6 +17,8 @@
 // while the host copy is still in flight is served from the device copy
 // (forwarding). A full host pool means the block stays on the device and a
 // fallback is counted; training never fails for lack of offload space.
+// Copies to the host still in flight hold device memory, so they are bounded
+// by the prefetch window too: past it, pack() waits for the oldest one.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -49,6 +51,8 @@ struct ActivationOffloaderStats {
   std::uint64_t host_fallbacks = 0;     ///< blocks kept: host pool budget full
   std::uint64_t offloaded_blocks = 0;   ///< blocks copied to the host
   std::uint64_t offloaded_bytes = 0;    ///< bytes copied to the host
+  std::uint64_t offload_waits = 0;      ///< forward waited for a copy to the host (window full)
+  std::uint64_t offload_wait_ns = 0;    ///< time spent in those waits
   std::uint64_t prefetched_blocks = 0;  ///< host->device copies started ahead of need
   std::uint64_t unpacks = 0;            ///< tensors backward read
   std::uint64_t prefetch_hits = 0;      ///< reads of offloaded blocks already back on the device
@@ -113,6 +117,7 @@ class ActivationOffloader : public std::enable_shared_from_this<ActivationOffloa
   bool managed(const at::Tensor& t) const;
   void poll_locked();
   void prefetch_locked(tiering::BlockId id);
+  void throttle_locked(std::size_t just_added);
   void* current_stream(const at::Device& device) const;
 
   ActivationOffloaderOptions options_;
@@ -123,7 +128,8 @@ class ActivationOffloader : public std::enable_shared_from_this<ActivationOffloa
   tiering::ActivationSchedule schedule_;
   std::vector<std::weak_ptr<SavedBlock>> blocks_;      // by BlockId
   std::unordered_map<const void*, std::weak_ptr<SavedBlock>> by_storage_;  // this forward
-  std::vector<std::weak_ptr<SavedBlock>> pending_d2h_;
+  std::vector<std::weak_ptr<SavedBlock>> pending_d2h_;  // oldest first
+  std::uint64_t d2h_inflight_bytes_ = 0;
   std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> parameters_;
   std::unordered_map<const void*, std::size_t> parameter_index_;
   ActivationOffloaderStats stats_;
@@ -142,6 +148,7 @@ struct SavedBlock {
   swap::TransferHandle d2h;
   swap::TransferHandle h2d;
   bool offloaded = false;
+  bool d2h_settled = false;      // its copy to the host was observed complete
   bool released = false;
 
   SavedBlock(const c10::weak_intrusive_ptr<c10::StorageImpl>& src) : source(src) {}

@@ -1,0 +1,28 @@
+# The two commands a newcomer needs (README.md):
+#   make demo   installs what is missing, builds, trains the demo GPT with and without tierflow
+#   make test   installs what is missing, builds, runs every test (GoogleTest + pytest)
+PY := .venv/bin/python
+export PYTHONPATH := $(CURDIR)/bindings/python
+
+.PHONY: setup demo test test-cpp test-python bench clean
+
+setup:
+	@bash scripts/setup.sh
+
+demo: setup
+	$(PY) examples/train_gpt.py
+
+test: setup
+	@$(MAKE) --no-print-directory test-cpp test-python
+
+test-cpp:
+	cd build/dev && ctest --output-on-failure -j 2
+
+test-python:
+	$(PY) -m pytest tests/python -q -rs
+
+bench: setup
+	$(PY) benchmarks/bench_copy_engine.py
+
+clean:
+	rm -rf build bindings/python/tierflow/_C*.so
