@@ -46,9 +46,12 @@ class CPUAdamW(torch.optim.Optimizer):
         ``TierflowError`` naming it and what is accepted.
         """
         if type(optimizer) not in (torch.optim.AdamW, torch.optim.Adam):
+            cls_ = type(optimizer)
+            public = getattr(torch.optim, cls_.__name__, None) is cls_
+            name = f"torch.optim.{cls_.__name__}" if public else f"{cls_.__module__}.{cls_.__qualname__}"
             raise _C.TierflowError(
-                f"tierflow.wrap: cannot replace an optimizer of type {type(optimizer).__module__}."
-                f"{type(optimizer).__qualname__}; accepted: torch.optim.AdamW, torch.optim.Adam. "
+                f"tierflow.wrap: cannot replace an optimizer of type {name}; "
+                "accepted: torch.optim.AdamW, torch.optim.Adam. "
                 "Pass offload_optimizer='none' to keep your optimizer on the device.")
         for i, g in enumerate(optimizer.param_groups):
             if g.get("differentiable"):

@@ -1,0 +1,134 @@
+"""The user-facing surface: wrap, report, configuration and its errors."""
+
+import json
+
+import pytest
+import torch
+
+import tierflow
+from harness import gpt_task
+
+
+def test_wrap_returns_the_same_module_and_keeps_it_working():
+    task = gpt_task()
+    model = task.make_model()
+    keys = list(model.state_dict())
+    seen = []
+    model.register_forward_hook(lambda m, a, o: seen.append(o.shape))
+    wrapped, opt = tierflow.wrap(model, torch.optim.AdamW(model.parameters()))
+    assert wrapped is model
+    assert list(wrapped.state_dict()) == keys
+    assert list(opt.param_groups[0]["params"]) == list(model.parameters())
+    task.loss(wrapped, task.make_batch(0)).backward()
+    assert len(seen) == 1, "the user's own hooks still run"
+    with pytest.raises(tierflow.TierflowError, match="already wrapped"):
+        tierflow.wrap(model, None)
+    tierflow.unwrap(model)
+    tierflow.wrap(model, None)
+
+
+def test_wrap_rejects_non_modules():
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        tierflow.wrap(lambda x: x, None)
+
+
+def test_report_table_and_json(tmp_path, monkeypatch):
+    path = tmp_path / "sub" / "report.json"
+    monkeypatch.setenv("TIERFLOW_REPORT", str(path))
+    task = gpt_task()
+    model, opt = tierflow.wrap(task.make_model(), None, min_offload_bytes=0)
+    task.loss(model, task.make_batch(0)).backward()
+    r = tierflow.report()
+    text = str(r)
+    for needle in ("GPU tier", "host tier", "gpu -> host", "host -> gpu", "stalls", "saved activations held, peak"):
+        assert needle in text
+    saved = json.loads(path.read_text())
+    assert saved["links"]["gpu_to_host_bytes"] == r["links"]["gpu_to_host_bytes"] > 0
+    assert saved["config"]["TIERFLOW_REPORT"] == str(path)
+    assert not [p for p in path.parent.iterdir() if p.name.startswith(".tierflow-report-")], "temp file left"
+
+
+def test_config_table_lists_every_variable_with_docs():
+    rows = tierflow.config_table()
+    names = [r["name"] for r in rows]
+    for required in ("TIERFLOW_GPU_MEMORY", "TIERFLOW_HOST_MEMORY", "TIERFLOW_NVME_PATHS", "TIERFLOW_NVME_MEMORY",
+                     "TIERFLOW_OFFLOAD_ACTIVATIONS", "TIERFLOW_OFFLOAD_PARAMS", "TIERFLOW_OFFLOAD_OPTIMIZER",
+                     "TIERFLOW_CPU_THREADS", "TIERFLOW_LOG_LEVEL", "TIERFLOW_REPORT"):
+        assert required in names
+    assert all(r["doc"] and r["accepted"] for r in rows)
+
+
+@pytest.mark.parametrize("name,value,needles", [
+    ("TIERFLOW_HOST_MEMORY", "12XB", ["TIERFLOW_HOST_MEMORY", "'12XB'", "MiB", "percentage"]),
+    ("TIERFLOW_GPU_MEMORY", "150%", ["TIERFLOW_GPU_MEMORY", "'150%'", "100%"]),
+    ("TIERFLOW_OFFLOAD_ACTIVATIONS", "disk", ["TIERFLOW_OFFLOAD_ACTIVATIONS", "'disk'", "none, host, nvme, auto"]),
+    ("TIERFLOW_CPU_THREADS", "-2", ["TIERFLOW_CPU_THREADS", "'-2'", "auto or an integer"]),
+    ("TIERFLOW_LOG_LEVEL", "chatty", ["TIERFLOW_LOG_LEVEL", "error, warn, info, debug"]),
+    ("TIERFLOW_NVME_PATHS", "/a,,/b", ["TIERFLOW_NVME_PATHS", "no empty entries"]),
+    ("TIERFLOW_HOST_MEMROY", "1GiB", ["TIERFLOW_HOST_MEMROY", "did you mean TIERFLOW_HOST_MEMORY"]),
+])
+def test_bad_environment_values_raise_documented_errors(monkeypatch, name, value, needles):
+    monkeypatch.setenv(name, value)
+    model = torch.nn.Linear(2, 2)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(tierflow.ConfigError) as e:
+        tierflow.wrap(model, torch.optim.AdamW(model.parameters()))
+    assert isinstance(e.value, ValueError)
+    for n in needles:
+        assert n in str(e.value), (n, str(e.value))
+    assert getattr(model, "_tierflow_session", None) is None, "a failed wrap leaves the model as it was"
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert not model._forward_hooks and not model._forward_pre_hooks
+
+
+def test_bad_keyword_arguments():
+    with pytest.raises(tierflow.ConfigError, match="did you mean 'prefetch_bytes'"):
+        tierflow.wrap(torch.nn.Linear(2, 2), None, prefetch_byte="1MiB")
+    with pytest.raises(tierflow.ConfigError, match="TIERFLOW_MIN_OFFLOAD_BYTES='lots'"):
+        tierflow.wrap(torch.nn.Linear(2, 2), None, min_offload_bytes="lots")
+
+
+def test_keyword_arguments_override_the_environment(monkeypatch):
+    monkeypatch.setenv("TIERFLOW_OFFLOAD_ACTIVATIONS", "none")
+    monkeypatch.setenv("TIERFLOW_CPU_THREADS", "1")
+    assert tierflow.resolve_config()["TIERFLOW_OFFLOAD_ACTIVATIONS"] == "none"
+    cfg = tierflow.resolve_config(offload_activations="host", nvme_paths=["/x", "/y"])
+    assert cfg["TIERFLOW_OFFLOAD_ACTIVATIONS"] == "host"
+    assert cfg["TIERFLOW_CPU_THREADS"] == "1"
+    assert cfg["TIERFLOW_NVME_PATHS"] == "/x,/y"
+    task = gpt_task()
+    model, _ = tierflow.wrap(task.make_model(), None, offload_activations="host", min_offload_bytes=0)
+    task.loss(model, task.make_batch(0)).backward()
+    assert tierflow.report()["activations"]["offloaded_blocks"] > 0
+
+
+def test_environment_alone_configures_a_run(monkeypatch):
+    monkeypatch.setenv("TIERFLOW_OFFLOAD_ACTIVATIONS", "none")
+    task = gpt_task()
+    model, _ = tierflow.wrap(task.make_model(), None)
+    task.loss(model, task.make_batch(0)).backward()
+    r = tierflow.report()
+    assert r["activations"]["offloaded_blocks"] == 0 and r["activations"]["device_bytes"]["peak"] > 0
+
+
+@pytest.mark.parametrize("setting,value,needle", [
+    ("offload_activations", "nvme", "TIERFLOW_OFFLOAD_ACTIVATIONS='nvme'"),
+    ("offload_optimizer", "nvme", "TIERFLOW_OFFLOAD_OPTIMIZER='nvme'"),
+    ("offload_params", "host", "TIERFLOW_OFFLOAD_PARAMS='host'"),
+])
+def test_tiers_not_in_this_version_are_refused_clearly(setting, value, needle):
+    with pytest.raises(tierflow.ConfigError, match=needle + ".*accepted here"):
+        tierflow.wrap(torch.nn.Linear(2, 2), None, **{setting: value})
+
+
+def test_report_before_wrap_is_an_error(monkeypatch):
+    import tierflow._wrap as w
+
+    monkeypatch.setattr(w, "_sessions", [])
+    with pytest.raises(tierflow.TierflowError, match="nothing is wrapped"):
+        tierflow.report()
+
+
+def test_unbalanced_no_offload_is_an_error():
+    with pytest.raises(tierflow.TierflowError, match="never entered"):
+        tierflow._C.pop_no_offload()

@@ -1,0 +1,223 @@
+"""tierflow.CPUAdamW against torch.optim.Adam/AdamW, step by step, and its state_dict."""
+
+import io
+
+import pytest
+import torch
+
+import tierflow
+from harness import assert_close, gpt_task, train
+
+
+def make_params(dtype=torch.float32, sizes=(1, 15, 16, 17, 1000, 4099)):
+    g = torch.Generator().manual_seed(5)
+    return [torch.nn.Parameter(torch.randn(n, generator=g).to(dtype)) for n in sizes]
+
+
+def lockstep(torch_cls, steps=20, lr_change_at=None, **hp):
+    """Same params, same gradients every step: compare after each step."""
+    ref_params = make_params()
+    our_params = [torch.nn.Parameter(p.detach().clone()) for p in ref_params]
+    ref = torch_cls(ref_params, **hp)
+    ours = tierflow.CPUAdamW.replace(torch_cls(our_params, **hp), tierflow._C.Runtime())
+    g = torch.Generator().manual_seed(9)
+    for step in range(steps):
+        if lr_change_at is not None and step == lr_change_at:
+            for group in ref.param_groups + ours.param_groups:
+                group["lr"] = group["lr"] * 0.1
+        for a, b in zip(ref_params, our_params):
+            grad = torch.randn(a.shape, generator=g)
+            a.grad, b.grad = grad.clone(), grad.clone()
+        ref.step()
+        ours.step()
+        for a, b in zip(ref_params, our_params):
+            torch.testing.assert_close(b.detach(), a.detach(), rtol=1e-6, atol=1e-7,
+                                       msg=lambda m: f"step {step}: {m}")
+
+
+@pytest.mark.parametrize("hp", [
+    dict(lr=1e-2, weight_decay=0.0),
+    dict(lr=1e-2, weight_decay=0.1),
+    dict(lr=3e-3, weight_decay=0.05, amsgrad=True),
+    dict(lr=3e-3, maximize=True),
+    dict(lr=1e-3, betas=(0.8, 0.95), eps=1e-6),
+])
+def test_adamw_lockstep(hp):
+    lockstep(torch.optim.AdamW, **hp)
+
+
+@pytest.mark.parametrize("hp", [dict(lr=1e-2, weight_decay=0.1), dict(lr=1e-2, amsgrad=True, weight_decay=0.01)])
+def test_adam_lockstep(hp):
+    lockstep(torch.optim.Adam, **hp)
+
+
+def test_learning_rate_changed_mid_run():
+    lockstep(torch.optim.AdamW, lr=1e-2, lr_change_at=7)
+
+
+def test_bf16_params_step_an_fp32_master():
+    """bf16 model weights, fp32 master: the master follows AdamW on fp32 exactly."""
+    params = make_params(torch.bfloat16)
+    master_ref = [torch.nn.Parameter(p.detach().float()) for p in params]
+    ref = torch.optim.AdamW(master_ref, lr=1e-2)
+    ours = tierflow.CPUAdamW.replace(torch.optim.AdamW(params, lr=1e-2), tierflow._C.Runtime())
+    g = torch.Generator().manual_seed(1)
+    for _ in range(10):
+        for p, m in zip(params, master_ref):
+            grad = torch.randn(p.shape, generator=g).to(torch.bfloat16)
+            p.grad, m.grad = grad, grad.float()
+        ref.step()
+        ours.step()
+    for p, m in zip(params, master_ref):
+        state = ours.state[p]
+        torch.testing.assert_close(state["master"], m.detach(), rtol=1e-6, atol=1e-7)
+        assert p.dtype == torch.bfloat16
+        assert torch.equal(p.detach(), m.detach().to(torch.bfloat16)), "bf16 copy-out is the rounded master"
+
+
+def test_refuses_what_it_cannot_replace():
+    p = [torch.nn.Parameter(torch.zeros(4))]
+    with pytest.raises(tierflow.TierflowError, match="torch.optim.SGD.*accepted: torch.optim.AdamW, torch.optim.Adam"):
+        tierflow.wrap(torch.nn.Linear(2, 2), torch.optim.SGD(p, lr=0.1))
+
+    class MyAdamW(torch.optim.AdamW):
+        pass
+
+    with pytest.raises(tierflow.TierflowError, match="MyAdamW"):
+        tierflow.wrap(torch.nn.Linear(2, 2), MyAdamW(p))
+    with pytest.raises(tierflow.TierflowError, match="differentiable"):
+        tierflow.wrap(torch.nn.Linear(2, 2), torch.optim.AdamW(p, differentiable=True))
+    # offload_optimizer='none' keeps the user's optimizer untouched.
+    sgd = torch.optim.SGD(p, lr=0.1)
+    _, same = tierflow.wrap(torch.nn.Linear(2, 2), sgd, offload_optimizer="none")
+    assert same is sgd
+
+
+def test_hyperparameters_and_groups_carry_over():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.AdamW([{"params": model[0].parameters(), "lr": 0.5},
+                             {"params": model[1].parameters(), "weight_decay": 0.3}],
+                            lr=0.01, betas=(0.8, 0.9), eps=1e-5)
+    _, new = tierflow.wrap(model, opt)
+    assert isinstance(new, tierflow.CPUAdamW) and isinstance(new, torch.optim.Optimizer)
+    assert [g["lr"] for g in new.param_groups] == [0.5, 0.01]
+    assert [g["weight_decay"] for g in new.param_groups] == [0.01, 0.3]
+    assert new.param_groups[1]["betas"] == (0.8, 0.9) and new.param_groups[0]["eps"] == 1e-5
+    assert new.param_groups[0]["params"] == list(model[0].parameters())
+
+
+def _save(obj):
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return buf
+
+
+def test_state_dict_round_trip_resumes_exactly():
+    task = gpt_task(dropout=0.0)
+    whole = train(task, 5, True)
+
+    torch.manual_seed(0)
+    model = task.make_model()
+    model, opt = tierflow.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01))
+    for i in range(3):
+        task.loss(model, task.make_batch(i)).backward()
+        opt.step()
+        opt.zero_grad()
+    ckpt = _save({"model": model.state_dict(), "opt": opt.state_dict()})
+
+    fresh = task.make_model()
+    fresh, opt2 = tierflow.wrap(fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-3, weight_decay=0.01))
+    loaded = torch.load(ckpt)
+    fresh.load_state_dict(loaded["model"])
+    opt2.load_state_dict(loaded["opt"])
+    losses = []
+    for i in range(3, 5):
+        loss = task.loss(fresh, task.make_batch(i))
+        loss.backward()
+        opt2.step()
+        opt2.zero_grad()
+        losses.append(loss.item())
+    assert losses == whole.losses[3:]
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, whole.params[k]), k
+
+
+def test_state_dict_loads_into_torch_adamw_and_back():
+    task = gpt_task(dropout=0.0)
+    torch.manual_seed(0)
+    model = task.make_model()
+    model, opt = tierflow.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    for i in range(2):
+        task.loss(model, task.make_batch(i)).backward()
+        opt.step()
+        opt.zero_grad()
+    sd = opt.state_dict()
+    # Into torch.optim.AdamW: torch continues from tierflow's moments.
+    twin = task.make_model()
+    twin.load_state_dict(model.state_dict())
+    torch_opt = torch.optim.AdamW(twin.parameters(), lr=1e-3)
+    torch_opt.load_state_dict(torch.load(_save(sd)))
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(torch_opt.state[q]["exp_avg"], opt.state[p]["exp_avg"], rtol=0, atol=0)
+        assert float(torch_opt.state[q]["step"]) == 2.0
+    for i in range(2, 4):
+        task.loss(model, task.make_batch(i)).backward()
+        task.loss(twin, task.make_batch(i)).backward()
+        opt.step()
+        torch_opt.step()
+        opt.zero_grad()
+        torch_opt.zero_grad()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        # atol: zero-gradient directions (attention key bias), see harness.assert_close.
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=5e-5)
+    # And torch's state into tierflow: the masters come from the parameters.
+    third = task.make_model()
+    third.load_state_dict(twin.state_dict())
+    third, opt3 = tierflow.wrap(third, torch.optim.AdamW(third.parameters(), lr=1e-3))
+    opt3.load_state_dict(torch_opt.state_dict())
+    for p, q in zip(third.parameters(), twin.parameters()):
+        assert torch.equal(opt3.state[p]["exp_avg_sq"], torch_opt.state[q]["exp_avg_sq"])
+        assert torch.equal(opt3.state[p]["master"], q.detach())
+
+
+def test_wrapping_a_stepped_optimizer_keeps_its_state():
+    task = gpt_task(dropout=0.0)
+    base = train(task, 4, False)
+    torch.manual_seed(0)
+    model = task.make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    losses = []
+    for i in range(4):
+        if i == 2:  # switch to tierflow halfway through
+            model, opt = tierflow.wrap(model, opt)
+        loss = task.loss(model, task.make_batch(i))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    for a, b in zip(base.losses, losses):
+        assert abs(a - b) <= 1e-6 * abs(a)
+
+
+def test_model_load_state_dict_refreshes_the_masters():
+    task = gpt_task(dropout=0.0)
+    torch.manual_seed(0)
+    model = task.make_model()
+    model, opt = tierflow.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    task.loss(model, task.make_batch(0)).backward()
+    opt.step()
+    opt.zero_grad()
+    pretrained = task.make_model().state_dict()  # different weights
+    model.load_state_dict(pretrained)
+    task.loss(model, task.make_batch(1)).backward()
+    opt.step()
+    # The step started from the loaded weights, not from stale masters.
+    for (k, p), ref in zip(model.named_parameters(), pretrained.values()):
+        assert (p.detach() - ref).abs().max() < 1e-2, k
+
+
+def test_full_offload_with_adam_l2():
+    task = gpt_task()
+    assert_close(train(task, 3, False, optimizer_cls=torch.optim.Adam, weight_decay=0.01),
+                 train(task, 3, True, optimizer_cls=torch.optim.Adam, weight_decay=0.01))
