@@ -22,7 +22,7 @@ test-python:
 	$(PY) -m pytest tests/python -q -rs
 
 bench: setup
-	$(PY) benchmarks/bench_copy_engine.py
+	mkdir -p benchmarks/results && build/dev/benchmarks/bench_host_tier --json benchmarks/results/host_tier.json
 
 clean:
 	rm -rf build bindings/python/tierflow/_C*.so

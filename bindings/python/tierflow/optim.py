@@ -102,6 +102,31 @@ class CPUAdamW(torch.optim.Optimizer):
         state["master"] = master
         return state
 
+    def state_dict(self) -> dict:
+        """torch's layout; ``master`` is included only for non-fp32 parameters
+        (for fp32 ones the parameter itself is the master)."""
+        sd = super().state_dict()
+        params = [p for g in self.param_groups for p in g["params"]]
+        index = {i: p for i, p in enumerate(params)}
+        state = {}
+        for k, s in sd["state"].items():
+            p = index.get(k)
+            if p is not None and p.dtype == torch.float32 and "master" in s:
+                s = {n: v for n, v in s.items() if n != "master"}
+            state[k] = s
+        sd["state"] = state
+        return sd
+
+    @staticmethod
+    def _master_from(saved: Optional[torch.Tensor], p: torch.Tensor) -> torch.Tensor:
+        # A saved master is used only where it is consistent with the parameter:
+        # a checkpoint that went through torch.optim may carry a stale one.
+        if saved is None or p.dtype == torch.float32:
+            return p.detach()
+        if saved.shape == p.shape and torch.equal(saved.to(p.dtype), p.detach()):
+            return saved
+        return p.detach()
+
     def load_state_dict(self, state_dict: dict) -> None:
         """Loads a CPUAdamW or torch Adam/AdamW state dict, keeping fp32 precision."""
         # torch casts state to the parameter's dtype; keep the fp32 originals.
@@ -121,7 +146,7 @@ class CPUAdamW(torch.optim.Optimizer):
                 if group["amsgrad"] and "max_exp_avg_sq" not in state:
                     state["max_exp_avg_sq"] = self._host(p, True)
                 master = self._host(p, False)
-                master.copy_(originals[key].get("master", p.detach()))
+                master.copy_(self._master_from(originals[key].get("master"), p))
                 state["master"] = master
                 step = state.get("step", 0.0)
                 state["step"] = torch.tensor(float(step), dtype=torch.float32)
