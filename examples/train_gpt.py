@@ -83,8 +83,7 @@ def main() -> int:
     worst = 0.0
     for i, (a, b) in enumerate(zip(base["losses"], tier["losses"])):
         worst = max(worst, abs(a - b) / max(abs(a), 1e-12))
-        if i % 5 == 0 or i == len(base["losses"]) - 1:
-            print(f"{i:4d}   {a:14.6f}   {b:15.6f}   {abs(a - b):.2e}")
+        print(f"{i:4d}   {a:14.6f}   {b:15.6f}   {abs(a - b):.2e}")
     print(f"largest relative loss difference: {worst:.2e}")
 
     def mean_ms(t: list) -> float:

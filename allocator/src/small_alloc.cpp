@@ -4,6 +4,7 @@
 #include <dlfcn.h>
 
 #include <cstdlib>
+#include <string>
 
 namespace tierflow::allocator {
 namespace {
@@ -15,8 +16,10 @@ struct Mimalloc {
   FreeFn free = nullptr;
 
   Mimalloc() {
-    const char* off = std::getenv("TIERFLOW_NO_MIMALLOC");
-    if (off && off[0] == '1') return;
+    // Read directly (allocation starts before any Config exists); the table
+    // in core/ validates the same variable.
+    const char* mode = std::getenv("TIERFLOW_MIMALLOC");
+    if (mode && (std::string(mode) == "off" || std::string(mode) == "OFF")) return;
     void* lib = dlopen("libmimalloc.so.2", RTLD_NOW | RTLD_LOCAL | RTLD_DEEPBIND);
     if (!lib) return;
     auto a = reinterpret_cast<AllocFn>(dlsym(lib, "mi_malloc_aligned"));

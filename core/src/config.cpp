@@ -150,6 +150,15 @@ const std::vector<Row>& rows() {
         "size of each pinned slab the host pool allocates at once (pinning is slow, so it is "
         "done per slab, not per tensor)"},
        size_parser(&Config::pinned_slab_bytes, 64 * KiB, "a size of at least 64KiB, e.g. 64MiB, 1GiB")},
+      {{"TIERFLOW_MIMALLOC", "on", "on or off",
+        "serve tierflow's own small allocations from mimalloc (off: the C library, e.g. under "
+        "sanitizers)"},
+       [](Config& c, std::string_view name, std::string_view v) {
+         std::string s = lower(trim(v));
+         if (s == "on") c.mimalloc = true;
+         else if (s == "off") c.mimalloc = false;
+         else bad_value(name, v, "on or off");
+       }},
   };
   return kRows;
 }
@@ -286,6 +295,7 @@ std::map<std::string, std::string> Config::to_strings() const {
       {"TIERFLOW_MIN_OFFLOAD_BYTES", std::to_string(min_offload_bytes)},
       {"TIERFLOW_PREFETCH_BYTES", std::to_string(prefetch_bytes)},
       {"TIERFLOW_PINNED_SLAB_BYTES", std::to_string(pinned_slab_bytes)},
+      {"TIERFLOW_MIMALLOC", mimalloc ? "on" : "off"},
   };
 }
 

@@ -129,6 +129,7 @@ TEST(Config, BadValuesNameVariableValueAndForms) {
   expect_error({{"TIERFLOW_PREFETCH_BYTES", "0"}}, {}, {"TIERFLOW_PREFETCH_BYTES", "at least 1 byte"});
   expect_error({{"TIERFLOW_PINNED_SLAB_BYTES", "4KiB"}}, {}, {"TIERFLOW_PINNED_SLAB_BYTES", "64KiB"});
   expect_error({{"TIERFLOW_MIN_OFFLOAD_BYTES", "-1"}}, {}, {"TIERFLOW_MIN_OFFLOAD_BYTES"});
+  expect_error({{"TIERFLOW_MIMALLOC", "maybe"}}, {}, {"TIERFLOW_MIMALLOC", "on or off"});
 }
 
 TEST(Config, OverridesWinOverVariables) {

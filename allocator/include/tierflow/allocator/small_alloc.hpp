@@ -9,8 +9,8 @@
 // at import. So tierflow never links it: on first use it dlopens the library
 // with RTLD_LOCAL | RTLD_DEEPBIND, which keeps its overriding symbols out of
 // every other library's lookup, and calls only the mi_* entry points through
-// dlsym. Without the library (or with TIERFLOW_NO_MIMALLOC=1 in the
-// environment, for debugging with sanitizers) the same calls fall back to
+// dlsym. Without the library (or with TIERFLOW_MIMALLOC=off, for debugging
+// with sanitizers) the same calls fall back to
 // posix_memalign/free. Memory must be freed through small_free().
 #pragma once
 

@@ -51,6 +51,7 @@ struct Config {
   std::uint64_t min_offload_bytes = 0;    ///< TIERFLOW_MIN_OFFLOAD_BYTES
   std::uint64_t prefetch_bytes = 0;       ///< TIERFLOW_PREFETCH_BYTES
   std::uint64_t pinned_slab_bytes = 0;    ///< TIERFLOW_PINNED_SLAB_BYTES
+  bool mimalloc = true;                   ///< TIERFLOW_MIMALLOC
 
   /// All defaults, as listed in the table.
   static Config defaults();
