@@ -192,3 +192,83 @@ TEST(ScalarType, Fp16RoundTripsEveryHalf) {
   EXPECT_EQ(float_to_fp16(std::ldexp(1.f, -25)), 0x0000);  // tie to even zero
   EXPECT_EQ(float_to_fp16(std::ldexp(1.5f, -25)), 0x0001);
 }
+
+namespace {
+
+// Runs `steps` steps of one configuration on one ISA and returns all outputs.
+struct Outputs {
+  std::vector<float> master, m, v, vmax;
+  std::vector<std::uint16_t> out16;
+  std::vector<float> out32;
+};
+
+Outputs run_isa(CpuIsa isa, AdamOptions o, ScalarType grad_type, ScalarType out_type, std::size_t n,
+                int threads) {
+  Fixture f(n, 11);
+  std::vector<float> g32(n);
+  std::vector<std::uint16_t> g16(n);
+  Outputs out;
+  out.out16.resize(n);
+  out.out32.resize(n);
+  CpuAdam adam(threads, isa);
+  std::mt19937 rng(5);
+  std::normal_distribution<float> d(0.f, 2.f);
+  for (int step = 1; step <= 4; ++step) {
+    AdamTensor t = f.tensor();
+    for (std::size_t i = 0; i < n; ++i) {
+      float g = d(rng);
+      g32[i] = g;
+      g16[i] = grad_type == ScalarType::kBFloat16 ? float_to_bf16(g) : float_to_fp16(g);
+    }
+    t.grad_type = grad_type;
+    t.grad = grad_type == ScalarType::kFloat32 ? static_cast<const void*>(g32.data()) : g16.data();
+    t.param_type = out_type;
+    t.param_out = out_type == ScalarType::kFloat32 ? static_cast<void*>(out.out32.data()) : out.out16.data();
+    adam.step(o, step, {t});
+  }
+  out.master = f.master;
+  out.m = f.m;
+  out.v = f.v;
+  out.vmax = f.vmax;
+  return out;
+}
+
+}  // namespace
+
+TEST(CpuAdam, EverySimdPathIsBitIdenticalToThePortableOne) {
+  std::vector<CpuIsa> isas{CpuIsa::kPortable};
+  if (best_cpu_isa() == CpuIsa::kAvx512) isas = {CpuIsa::kPortable, CpuIsa::kAvx2, CpuIsa::kAvx512};
+  else if (best_cpu_isa() == CpuIsa::kAvx2) isas = {CpuIsa::kPortable, CpuIsa::kAvx2};
+  if (isas.size() == 1) GTEST_SKIP() << "this CPU has neither AVX2 nor AVX-512: only the portable path exists";
+  for (ScalarType g : {ScalarType::kFloat32, ScalarType::kBFloat16, ScalarType::kFloat16}) {
+    for (ScalarType out : {ScalarType::kFloat32, ScalarType::kBFloat16, ScalarType::kFloat16}) {
+      for (int flags = 0; flags < 16; ++flags) {
+        AdamOptions o;
+        o.lr = 1e-2;
+        o.weight_decay = (flags & 1) ? 0.1 : 0.0;
+        o.decoupled_weight_decay = flags & 2;
+        o.amsgrad = flags & 4;
+        o.maximize = flags & 8;
+        const std::size_t n = 1000 + 37;  // tails for 8 and 16 lanes
+        Outputs ref = run_isa(CpuIsa::kPortable, o, g, out, n, 1);
+        for (CpuIsa isa : isas) {
+          Outputs got = run_isa(isa, o, g, out, n, 2);
+          for (std::size_t i = 0; i < n; ++i)
+            ASSERT_EQ(got.master[i], ref.master[i]) << to_string(isa) << " flags " << flags << " grad "
+                                                    << to_string(g) << " out " << to_string(out)
+                                                    << " element " << i;
+          ASSERT_EQ(got.m, ref.m);
+          ASSERT_EQ(got.v, ref.v);
+          ASSERT_EQ(got.vmax, ref.vmax);
+          ASSERT_EQ(got.out16, ref.out16);
+          ASSERT_EQ(got.out32, ref.out32);
+        }
+      }
+    }
+  }
+}
+
+TEST(CpuAdam, RefusesAPathThisCpuLacks) {
+  if (best_cpu_isa() == CpuIsa::kAvx512) GTEST_SKIP() << "this CPU runs every path";
+  EXPECT_THROW(CpuAdam(1, CpuIsa::kAvx512), logic_error);
+}

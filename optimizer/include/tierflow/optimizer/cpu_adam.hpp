@@ -6,13 +6,15 @@
 // by operation in fp32, so results agree element-wise with torch on fp32
 // parameters to rounding:
 //   g = maximize ? -grad : grad
-//   AdamW: p *= 1 - lr*wd            Adam: g = g + wd*p
-//   m = m + (1-b1)*(g - m)           (torch's lerp)
-//   v = v*b2 + ((1-b2)*g)*g          (torch's mul_ then addcmul_)
+//   AdamW: p *= 1 - lr*wd            Adam: g = fma(wd, p, g)
+//   m = fma(1-b1, g - m, m)          (torch's lerp)
+//   v = fma((1-b2)*g, g, v*b2)       (torch's mul_ then addcmul_)
 //   vmax = max(vmax, v)              (amsgrad; v below means vmax)
 //   denom = sqrt(v) / sqrt(1-b2^t) + eps
 //   p = p + (-lr/(1-b1^t) * m) / denom   (torch's addcdiv_)
-// Bias corrections are computed in double, as torch does in Python. The fp32
+// Bias corrections are computed in double, as torch does in Python; the lerp,
+// Adam's L2 term and addcmul are fused multiply-adds, as in torch's
+// vectorized CPU kernels, so fp32 results are bit-identical to torch's. The fp32
 // master is the parameter; when the model's parameter has another dtype (or
 // lives elsewhere) the updated master is also written to `param_out` in that
 // dtype, rounded to nearest even, in the same pass.
@@ -52,11 +54,21 @@ struct AdamTensor {
   std::size_t numel = 0;
 };
 
+/// The SIMD code path of the CPU kernel. All paths give bit-identical results.
+enum class CpuIsa : std::uint8_t { kAuto, kAvx512, kAvx2, kPortable };
+
+/// "auto", "avx512", "avx2" or "portable".
+const char* to_string(CpuIsa isa) noexcept;
+
+/// The widest path this CPU runs (AVX-512 needs F, BW and VL; AVX2 needs FMA and F16C).
+CpuIsa best_cpu_isa() noexcept;
+
 /// Runs Adam/AdamW steps on a oneTBB arena of a fixed number of threads.
 class CpuAdam {
  public:
-  /// `threads` == 0 uses every core.
-  explicit CpuAdam(int threads = 0);
+  /// `threads` == 0 uses every core. `isa` kAuto picks best_cpu_isa(); asking
+  /// for a path this CPU lacks throws logic_error naming it.
+  explicit CpuAdam(int threads = 0, CpuIsa isa = CpuIsa::kAuto);
   ~CpuAdam();
   CpuAdam(const CpuAdam&) = delete;
   CpuAdam& operator=(const CpuAdam&) = delete;
@@ -66,6 +78,8 @@ class CpuAdam {
   void step(const AdamOptions& options, std::int64_t step, const std::vector<AdamTensor>& tensors);
   /// Threads of the arena.
   int threads() const noexcept;
+  /// The SIMD path in use.
+  CpuIsa isa() const noexcept;
 
  private:
   struct Impl;

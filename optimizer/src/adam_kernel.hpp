@@ -1,0 +1,55 @@
+// Internal: the per-ISA Adam range kernels and what they share.
+// See Note [Adam semantics] in cpu_adam.hpp.
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+
+#include "tierflow/optimizer/cpu_adam.hpp"
+
+namespace tierflow::optimizer::detail {
+
+/// Per-step scalars, each rounded to fp32 exactly as torch rounds its Python scalars.
+struct AdamScalars {
+  float decay;          // 1 - lr*wd (AdamW)
+  float wd;             // wd (Adam's L2 term)
+  float one_minus_b1;   // lerp weight
+  float b2;
+  float one_minus_b2;
+  float bc2_sqrt;
+  float eps;
+  float neg_step_size;  // -lr / (1 - b1^t)
+  bool has_wd;
+  bool decoupled;
+  bool maximize;
+  bool amsgrad;
+};
+
+/// One element, in the exact operation order of torch's vectorized kernels
+/// (lerp and add-with-alpha and addcmul are fused multiply-adds there).
+inline void adam_element(float g, float& p, float& m, float& v, float* vmax, const AdamScalars& s) {
+  if (s.maximize) g = -g;
+  if (s.has_wd) {
+    if (s.decoupled) p = p * s.decay;
+    else g = std::fma(s.wd, p, g);
+  }
+  m = std::fma(s.one_minus_b1, g - m, m);
+  v = std::fma(s.one_minus_b2 * g, g, v * s.b2);
+  float vd = v;
+  if (vmax) {
+    vd = (std::isnan(v) || std::isnan(*vmax)) ? NAN : (v > *vmax ? v : *vmax);
+    *vmax = vd;
+  }
+  const float denom = std::sqrt(vd) / s.bc2_sqrt + s.eps;
+  p = p + (s.neg_step_size * m) / denom;
+}
+
+/// Scalar update of [begin, end) including the copy-out; exact reference for the SIMD paths.
+void adam_range_portable(const AdamTensor& t, const AdamScalars& s, std::size_t begin, std::size_t end);
+/// AVX2 + FMA + F16C; tails go through adam_range_portable.
+void adam_range_avx2(const AdamTensor& t, const AdamScalars& s, std::size_t begin, std::size_t end);
+/// AVX-512 (F, BW, VL) + FMA + F16C, masked tails.
+void adam_range_avx512(const AdamTensor& t, const AdamScalars& s, std::size_t begin, std::size_t end);
+
+}  // namespace tierflow::optimizer::detail
