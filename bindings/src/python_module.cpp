@@ -1,12 +1,15 @@
 // tierflow._C: the pybind11 surface over bindings/. The Python package is a
 // thin layer over these functions; the logic lives in C++.
 #include <pybind11/pybind11.h>
+
+#include <chrono>
 #include <pybind11/stl.h>
 #include <torch/python.h>
 
 #include "tierflow/allocator/device.hpp"
 #include "tierflow/bindings/runtime.hpp"
 #include "tierflow/core/error.hpp"
+#include "tierflow/optimizer/roofline.hpp"
 
 namespace py = pybind11;
 using namespace tierflow;
@@ -42,6 +45,7 @@ optimizer::AdamOptions adam_options(const py::dict& d) {
   o.amsgrad = d["amsgrad"].cast<bool>();
   o.maximize = d["maximize"].cast<bool>();
   o.decoupled_weight_decay = d["decoupled_weight_decay"].cast<bool>();
+  if (d.contains("grad_scale")) o.grad_scale = d["grad_scale"].cast<double>();
   return o;
 }
 
@@ -90,6 +94,7 @@ py::dict runtime_stats(const Runtime& rt) {
   optd["elements"] = opt.elements;
   optd["step_ms"] = static_cast<double>(opt.step_ns) / 1e6;
   optd["threads"] = rt.cpu_threads();
+  optd["isa"] = std::string(optimizer::to_string(rt.cpu_isa()));
   py::dict out;
   out["device"] = std::string(allocator::to_string(rt.device_kind()));
   out["activations"] = acts;
@@ -135,6 +140,35 @@ PYBIND11_MODULE(_C, m) {
   m.def("cuda_compiled", &allocator::cuda_compiled, "Whether the CUDA backend was compiled in.");
   m.def("cuda_available", &allocator::cuda_available, "Whether a CUDA GPU is usable.");
   m.def("push_no_offload", &push_no_offload);
+  m.def("adam_traffic", [](const std::vector<at::Tensor>& masters, const std::vector<at::Tensor>& ms,
+                           const std::vector<at::Tensor>& vs, const std::vector<at::Tensor>& grads,
+                           const std::vector<std::optional<at::Tensor>>& outs, int threads, int repeats) {
+    // Benchmark roofline: see optimizer/roofline.hpp. Returns the best time in seconds.
+    std::vector<optimizer::AdamTensor> ts(masters.size());
+    for (std::size_t i = 0; i < ts.size(); ++i) {
+      ts[i].numel = static_cast<std::size_t>(masters[i].numel());
+      ts[i].master = masters[i].data_ptr<float>();
+      ts[i].exp_avg = ms[i].data_ptr<float>();
+      ts[i].exp_avg_sq = vs[i].data_ptr<float>();
+      ts[i].grad = grads[i].data_ptr();
+      ts[i].grad_type = grads[i].scalar_type() == at::kFloat ? optimizer::ScalarType::kFloat32
+                                                              : optimizer::ScalarType::kBFloat16;
+      if (outs[i]) {
+        ts[i].param_out = outs[i]->data_ptr();
+        ts[i].param_type = outs[i]->scalar_type() == at::kFloat ? optimizer::ScalarType::kFloat32
+                                                                 : optimizer::ScalarType::kBFloat16;
+      }
+    }
+    py::gil_scoped_release release;
+    optimizer::AdamTrafficKernel k(threads);
+    double best = 1e30;
+    for (int r = 0; r < repeats; ++r) {
+      auto t0 = std::chrono::steady_clock::now();
+      k.run(ts);
+      best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+    return best;
+  }, "Times the Adam-traffic roofline kernel over these arrays (overwrites them).");
   m.def("pop_no_offload", &pop_no_offload);
 
   py::class_<SavedHandle, std::shared_ptr<SavedHandle>>(m, "SavedHandle",
@@ -183,6 +217,30 @@ PYBIND11_MODULE(_C, m) {
         py::gil_scoped_release release;
         rt.adam_step(opts, step, masters, exp_avgs, exp_avg_sqs, maxes, grads, outs);
       })
+      .def("adam_step_async", [](Runtime& rt, const py::dict& options, std::int64_t step,
+                                 std::vector<at::Tensor> masters, std::vector<at::Tensor> exp_avgs,
+                                 std::vector<at::Tensor> exp_avg_sqs,
+                                 const std::vector<std::optional<at::Tensor>>& max_exp_avg_sqs,
+                                 std::vector<at::Tensor> grads,
+                                 const std::vector<std::optional<at::Tensor>>& params_out,
+                                 std::vector<at::Tensor> masters_out, std::vector<at::Tensor> exp_avgs_out,
+                                 std::vector<at::Tensor> exp_avg_sqs_out,
+                                 const std::vector<std::optional<at::Tensor>>& max_exp_avg_sqs_out) {
+        auto unwrap = [](const std::vector<std::optional<at::Tensor>>& v) {
+          std::vector<at::Tensor> out;
+          for (const auto& t : v) out.push_back(t ? *t : at::Tensor());
+          return out;
+        };
+        Runtime::AdamOutputs outs{std::move(masters_out), std::move(exp_avgs_out),
+                                  std::move(exp_avg_sqs_out), unwrap(max_exp_avg_sqs_out)};
+        rt.adam_step_async(adam_options(options), step, std::move(masters), std::move(exp_avgs),
+                           std::move(exp_avg_sqs), unwrap(max_exp_avg_sqs), std::move(grads),
+                           unwrap(params_out), std::move(outs));
+      }, "Queues a step with out-of-place outputs on the optimizer worker thread.")
+      .def("adam_wait", [](Runtime& rt) {
+        py::gil_scoped_release release;
+        rt.adam_wait();
+      }, "Waits for every queued step; raises the first failure.")
       .def("stats", &runtime_stats);
   (void)base;
 }

@@ -1,6 +1,10 @@
 #include "tierflow/bindings/runtime.hpp"
 
 #include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <thread>
 #include <cstring>
 
 #include "tierflow/allocator/device.hpp"
@@ -68,7 +72,22 @@ Runtime::Runtime(Config config) : config_(std::move(config)) {
                            " device, host pool budget " + format_bytes(po.budget_bytes));
 }
 
-Runtime::~Runtime() = default;
+Runtime::~Runtime() {
+  try {
+    adam_wait();
+  } catch (const std::exception& e) {
+    log(LogLevel::kError, std::string("a queued optimizer step failed at shutdown: ") + e.what());
+  }
+  worker_.reset();
+}
+
+optimizer::CpuIsa Runtime::cpu_isa() const {
+  const std::string& s = config_.cpu_isa;
+  if (s == "avx512") return optimizer::CpuIsa::kAvx512;
+  if (s == "avx2") return optimizer::CpuIsa::kAvx2;
+  if (s == "portable") return optimizer::CpuIsa::kPortable;
+  return adam_ ? adam_->isa() : optimizer::CpuIsa::kAuto;
+}
 
 int Runtime::cpu_threads() const {
   return adam_ ? adam_->threads() : (config_.cpu_threads > 0 ? config_.cpu_threads : 0);
@@ -88,13 +107,89 @@ at::Tensor Runtime::host_empty(at::IntArrayRef sizes, at::ScalarType dtype, bool
                        at::TensorOptions().dtype(dtype).device(at::kCPU));
 }
 
+// The optimizer worker: one thread running queued steps in order.
+struct Runtime::Worker {
+  explicit Worker(Runtime* rt) : runtime(rt), thread([this] { loop(); }) {}
+  ~Worker() {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      stop = true;
+    }
+    cv.notify_all();
+    thread.join();
+  }
+  void push(std::function<void()> job) {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      queue.push_back(std::move(job));
+      ++pending;
+    }
+    cv.notify_all();
+  }
+  void wait() {
+    std::unique_lock<std::mutex> lock(mutex);
+    idle.wait(lock, [&] { return pending == 0; });
+    if (error) {
+      auto e = error;
+      error = nullptr;
+      std::rethrow_exception(e);
+    }
+  }
+  void loop() {
+    for (;;) {
+      std::function<void()> job;
+      {
+        std::unique_lock<std::mutex> lock(mutex);
+        cv.wait(lock, [&] { return stop || !queue.empty(); });
+        if (queue.empty()) return;
+        job = std::move(queue.front());
+        queue.pop_front();
+      }
+      try {
+        job();
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mutex);
+        if (!error) error = std::current_exception();
+      }
+      {
+        std::lock_guard<std::mutex> lock(mutex);
+        --pending;
+      }
+      idle.notify_all();
+    }
+  }
+  Runtime* runtime;
+  std::mutex mutex;
+  std::condition_variable cv, idle;
+  std::deque<std::function<void()>> queue;
+  std::size_t pending = 0;
+  bool stop = false;
+  std::exception_ptr error;
+  std::thread thread;  // last: starts after the members above exist
+};
+
+void Runtime::adam_step_async(const optimizer::AdamOptions& options, std::int64_t step,
+                              std::vector<at::Tensor> masters, std::vector<at::Tensor> exp_avgs,
+                              std::vector<at::Tensor> exp_avg_sqs,
+                              std::vector<at::Tensor> max_exp_avg_sqs, std::vector<at::Tensor> grads,
+                              std::vector<at::Tensor> params_out, AdamOutputs outputs) {
+  if (!worker_) worker_ = std::make_unique<Worker>(this);
+  worker_->push([=, this]() {
+    adam_step(options, step, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, grads, params_out, outputs);
+  });
+}
+
+void Runtime::adam_wait() {
+  if (worker_) worker_->wait();
+}
+
 void Runtime::adam_step(const optimizer::AdamOptions& options, std::int64_t step,
                         const std::vector<at::Tensor>& masters,
                         const std::vector<at::Tensor>& exp_avgs,
                         const std::vector<at::Tensor>& exp_avg_sqs,
                         const std::vector<at::Tensor>& max_exp_avg_sqs,
                         const std::vector<at::Tensor>& grads,
-                        const std::vector<at::Tensor>& params_out) {
+                        const std::vector<at::Tensor>& params_out, const AdamOutputs& outputs) {
   const std::size_t n = masters.size();
   TIERFLOW_EXPECTS(exp_avgs.size() == n && exp_avg_sqs.size() == n && grads.size() == n &&
                        params_out.size() == n &&
@@ -128,9 +223,22 @@ void Runtime::adam_step(const optimizer::AdamOptions& options, std::int64_t step
       t.param_out = params_out[i].data_ptr();
       t.param_type = to_optimizer_type(params_out[i].scalar_type(), "param", i);
     }
+    if (!outputs.masters.empty() && outputs.masters[i].defined()) {
+      check_cpu_contiguous(outputs.masters[i], "master_out", i, numel);
+      check_cpu_contiguous(outputs.exp_avgs[i], "exp_avg_out", i, numel);
+      check_cpu_contiguous(outputs.exp_avg_sqs[i], "exp_avg_sq_out", i, numel);
+      t.master_out = outputs.masters[i].data_ptr<float>();
+      t.exp_avg_out = outputs.exp_avgs[i].data_ptr<float>();
+      t.exp_avg_sq_out = outputs.exp_avg_sqs[i].data_ptr<float>();
+      if (t.max_exp_avg_sq) {
+        check_cpu_contiguous(outputs.max_exp_avg_sqs[i], "max_exp_avg_sq_out", i, numel);
+        t.max_exp_avg_sq_out = outputs.max_exp_avg_sqs[i].data_ptr<float>();
+      }
+    }
     elements += static_cast<std::uint64_t>(numel);
   }
-  if (!adam_) adam_ = std::make_unique<optimizer::CpuAdam>(config_.cpu_threads);
+  std::lock_guard<std::mutex> lock(adam_mutex_);
+  if (!adam_) adam_ = std::make_unique<optimizer::CpuAdam>(config_.cpu_threads, cpu_isa());
   const auto t0 = std::chrono::steady_clock::now();
   adam_->step(options, step, tensors);
   opt_stats_.step_ns += static_cast<std::uint64_t>(

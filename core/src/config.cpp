@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <sstream>
@@ -126,6 +128,15 @@ const std::vector<Row>& rows() {
            bad_value(name, v, "auto or an integer from 1 to 1024");
          c.cpu_threads = static_cast<int>(n);
        }},
+      {{"TIERFLOW_CPU_ISA", "auto", "one of auto, avx512, avx2, portable",
+        "SIMD path of the CPU optimizer; auto picks the widest this CPU runs (all give the same "
+        "results)"},
+       [](Config& c, std::string_view name, std::string_view v) {
+         std::string s = lower(trim(v));
+         if (s != "auto" && s != "avx512" && s != "avx2" && s != "portable")
+           bad_value(name, v, "one of auto, avx512, avx2, portable");
+         c.cpu_isa = s;
+       }},
       {{"TIERFLOW_LOG_LEVEL", "warn", "one of error, warn, info, debug",
         "verbosity of tierflow's messages on stderr"},
        [](Config& c, std::string_view name, std::string_view v) {
@@ -150,6 +161,50 @@ const std::vector<Row>& rows() {
         "size of each pinned slab the host pool allocates at once (pinning is slow, so it is "
         "done per slab, not per tensor)"},
        size_parser(&Config::pinned_slab_bytes, 64 * KiB, "a size of at least 64KiB, e.g. 64MiB, 1GiB")},
+      {{"TIERFLOW_OVERLAP_STEP", "on", "on or off",
+        "step each parameter on the CPU as soon as backward completes its gradient, while backward "
+        "goes on; step() then only confirms (see Note [Step during backward])"},
+       [](Config& c, std::string_view name, std::string_view v) {
+         std::string s = lower(trim(v));
+         if (s == "on") c.overlap_step = true;
+         else if (s == "off") c.overlap_step = false;
+         else bad_value(name, v, "on or off");
+       }},
+      {{"TIERFLOW_GRAD_ACCUMULATION_STEPS", "1", "an integer from 1 to 1000000",
+        "backward passes per optimizer step; steps during backward run only in the last one (a "
+        "wrong value costs time, never correctness)"},
+       [](Config& c, std::string_view name, std::string_view v) {
+         std::string s = trim(v);
+         char* end = nullptr;
+         long n = std::strtol(s.c_str(), &end, 10);
+         if (s.empty() || *end != '\0' || n < 1 || n > 1000000)
+           bad_value(name, v, "an integer from 1 to 1000000");
+         c.grad_accumulation_steps = static_cast<int>(n);
+       }},
+      {{"TIERFLOW_MAX_GRAD_NORM", "none", "none or a positive number, e.g. 1.0",
+        "clip the global gradient 2-norm to this value before the step, exactly as "
+        "torch.nn.utils.clip_grad_norm_"},
+       [](Config& c, std::string_view name, std::string_view v) {
+         std::string s = lower(trim(v));
+         if (s == "none") {
+           c.max_grad_norm = 0.0;
+           return;
+         }
+         char* end = nullptr;
+         double x = std::strtod(s.c_str(), &end);
+         if (s.empty() || *end != '\0' || !(x > 0.0) || !std::isfinite(x))
+           bad_value(name, v, "none or a positive number, e.g. 1.0");
+         c.max_grad_norm = x;
+       }},
+      {{"TIERFLOW_SKIP_NONFINITE", "off", "on or off",
+        "skip the whole step (state untouched) when any gradient holds inf or NaN, as AMP's "
+        "GradScaler does"},
+       [](Config& c, std::string_view name, std::string_view v) {
+         std::string s = lower(trim(v));
+         if (s == "on") c.skip_nonfinite = true;
+         else if (s == "off") c.skip_nonfinite = false;
+         else bad_value(name, v, "on or off");
+       }},
       {{"TIERFLOW_MIMALLOC", "on", "on or off",
         "serve tierflow's own small allocations from mimalloc (off: the C library, e.g. under "
         "sanitizers)"},
@@ -189,6 +244,12 @@ std::string full_name(std::string_view key) {
   for (auto& c : upper) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
   if (upper.rfind(kPrefix, 0) == 0) return upper;
   return std::string(kPrefix) + upper;
+}
+
+std::string format_double(double x) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.17g", x);
+  return buf;
 }
 
 std::string keyword_of(std::string_view name) { return lower(name.substr(kPrefix.size())); }
@@ -290,11 +351,16 @@ std::map<std::string, std::string> Config::to_strings() const {
       {"TIERFLOW_OFFLOAD_PARAMS", std::string(to_string(offload_params))},
       {"TIERFLOW_OFFLOAD_OPTIMIZER", std::string(to_string(offload_optimizer))},
       {"TIERFLOW_CPU_THREADS", cpu_threads == 0 ? "auto" : std::to_string(cpu_threads)},
+      {"TIERFLOW_CPU_ISA", cpu_isa},
       {"TIERFLOW_LOG_LEVEL", std::string(to_string(log_level))},
       {"TIERFLOW_REPORT", report_path},
       {"TIERFLOW_MIN_OFFLOAD_BYTES", std::to_string(min_offload_bytes)},
       {"TIERFLOW_PREFETCH_BYTES", std::to_string(prefetch_bytes)},
       {"TIERFLOW_PINNED_SLAB_BYTES", std::to_string(pinned_slab_bytes)},
+      {"TIERFLOW_OVERLAP_STEP", overlap_step ? "on" : "off"},
+      {"TIERFLOW_GRAD_ACCUMULATION_STEPS", std::to_string(grad_accumulation_steps)},
+      {"TIERFLOW_MAX_GRAD_NORM", max_grad_norm > 0 ? format_double(max_grad_norm) : "none"},
+      {"TIERFLOW_SKIP_NONFINITE", skip_nonfinite ? "on" : "off"},
       {"TIERFLOW_MIMALLOC", mimalloc ? "on" : "off"},
   };
 }

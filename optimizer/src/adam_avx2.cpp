@@ -60,9 +60,13 @@ TIERFLOW_AVX2 void run(const AdamTensor& t, const AdamScalars& s, std::size_t be
   const __m256 omb2 = _mm256_set1_ps(s.one_minus_b2), bc2 = _mm256_set1_ps(s.bc2_sqrt);
   const __m256 eps = _mm256_set1_ps(s.eps), nss = _mm256_set1_ps(s.neg_step_size);
   const __m256 flip = _mm256_castsi256_ps(_mm256_set1_epi32(s.maximize ? static_cast<int>(0x80000000u) : 0));
+  const __m256 scale = _mm256_set1_ps(s.grad_scale);
+  const AdamOutputs out(t);
   std::size_t i = begin;
   for (; i + 8 <= end; i += 8) {
-    __m256 g = _mm256_xor_ps(load_grad<G>(t, i), flip);
+    __m256 g = load_grad<G>(t, i);
+    if (s.scale_grad) g = _mm256_mul_ps(g, scale);
+    g = _mm256_xor_ps(g, flip);
     __m256 p = _mm256_loadu_ps(t.master + i);
     __m256 m = _mm256_loadu_ps(t.exp_avg + i);
     __m256 v = _mm256_loadu_ps(t.exp_avg_sq + i);
@@ -77,13 +81,13 @@ TIERFLOW_AVX2 void run(const AdamTensor& t, const AdamScalars& s, std::size_t be
       const __m256 vmax = _mm256_loadu_ps(t.max_exp_avg_sq + i);
       vd = _mm256_max_ps(vmax, v);  // returns v when either is NaN
       vd = _mm256_blendv_ps(vd, vmax, _mm256_cmp_ps(vmax, vmax, _CMP_UNORD_Q));
-      _mm256_storeu_ps(t.max_exp_avg_sq + i, vd);
+      _mm256_storeu_ps(out.max_exp_avg_sq + i, vd);
     }
     const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vd), bc2), eps);
     p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(nss, m), denom));
-    _mm256_storeu_ps(t.master + i, p);
-    _mm256_storeu_ps(t.exp_avg + i, m);
-    _mm256_storeu_ps(t.exp_avg_sq + i, v);
+    _mm256_storeu_ps(out.master + i, p);
+    _mm256_storeu_ps(out.exp_avg + i, m);
+    _mm256_storeu_ps(out.exp_avg_sq + i, v);
     store_param<P>(t, i, p);
   }
   if (i < end) adam_range_portable(t, s, i, end);

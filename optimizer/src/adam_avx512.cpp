@@ -63,11 +63,14 @@ TIERFLOW_AVX512 void run(const AdamTensor& t, const AdamScalars& s, std::size_t 
   const __m512 omb2 = _mm512_set1_ps(s.one_minus_b2), bc2 = _mm512_set1_ps(s.bc2_sqrt);
   const __m512 eps = _mm512_set1_ps(s.eps), nss = _mm512_set1_ps(s.neg_step_size);
   const __m512i flip = _mm512_set1_epi32(s.maximize ? static_cast<int>(0x80000000u) : 0);
+  const __m512 scale = _mm512_set1_ps(s.grad_scale);
+  const AdamOutputs out(t);
   for (std::size_t i = begin; i < end; i += 16) {
     const std::size_t left = end - i;
     const __mmask16 k = left >= 16 ? static_cast<__mmask16>(0xffff)
                                    : static_cast<__mmask16>((1u << left) - 1u);
     __m512 g = load_grad<G>(t, i, k);
+    if (s.scale_grad) g = _mm512_mul_ps(g, scale);
     g = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), flip));
     __m512 p = _mm512_maskz_loadu_ps(k, t.master + i);
     __m512 m = _mm512_maskz_loadu_ps(k, t.exp_avg + i);
@@ -83,13 +86,13 @@ TIERFLOW_AVX512 void run(const AdamTensor& t, const AdamScalars& s, std::size_t 
       const __m512 vmax = _mm512_maskz_loadu_ps(k, t.max_exp_avg_sq + i);
       vd = _mm512_max_ps(vmax, v);  // returns v when either is NaN
       vd = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(vmax, vmax, _CMP_UNORD_Q), vd, vmax);
-      _mm512_mask_storeu_ps(t.max_exp_avg_sq + i, k, vd);
+      _mm512_mask_storeu_ps(out.max_exp_avg_sq + i, k, vd);
     }
     const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vd), bc2), eps);
     p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(nss, m), denom));
-    _mm512_mask_storeu_ps(t.master + i, k, p);
-    _mm512_mask_storeu_ps(t.exp_avg + i, k, m);
-    _mm512_mask_storeu_ps(t.exp_avg_sq + i, k, v);
+    _mm512_mask_storeu_ps(out.master + i, k, p);
+    _mm512_mask_storeu_ps(out.exp_avg + i, k, m);
+    _mm512_mask_storeu_ps(out.exp_avg_sq + i, k, v);
     store_param<P>(t, i, k, p);
   }
 }

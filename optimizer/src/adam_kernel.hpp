@@ -24,11 +24,27 @@ struct AdamScalars {
   bool decoupled;
   bool maximize;
   bool amsgrad;
+  bool scale_grad;
+  float grad_scale;
+};
+
+/// Output pointers of a tensor: the out-of-place ones, or the inputs.
+struct AdamOutputs {
+  float* master;
+  float* exp_avg;
+  float* exp_avg_sq;
+  float* max_exp_avg_sq;
+  explicit AdamOutputs(const AdamTensor& t)
+      : master(t.master_out ? t.master_out : t.master),
+        exp_avg(t.exp_avg_out ? t.exp_avg_out : t.exp_avg),
+        exp_avg_sq(t.exp_avg_sq_out ? t.exp_avg_sq_out : t.exp_avg_sq),
+        max_exp_avg_sq(t.max_exp_avg_sq_out ? t.max_exp_avg_sq_out : t.max_exp_avg_sq) {}
 };
 
 /// One element, in the exact operation order of torch's vectorized kernels
 /// (lerp and add-with-alpha and addcmul are fused multiply-adds there).
 inline void adam_element(float g, float& p, float& m, float& v, float* vmax, const AdamScalars& s) {
+  if (s.scale_grad) g = g * s.grad_scale;
   if (s.maximize) g = -g;
   if (s.has_wd) {
     if (s.decoupled) p = p * s.decay;
@@ -39,7 +55,6 @@ inline void adam_element(float g, float& p, float& m, float& v, float* vmax, con
   float vd = v;
   if (vmax) {
     vd = (std::isnan(v) || std::isnan(*vmax)) ? NAN : (v > *vmax ? v : *vmax);
-    *vmax = vd;
   }
   const float denom = std::sqrt(vd) / s.bc2_sqrt + s.eps;
   p = p + (s.neg_step_size * m) / denom;

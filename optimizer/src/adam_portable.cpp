@@ -25,12 +25,15 @@ inline void store_param(const AdamTensor& t, std::size_t i, float p) noexcept {
 }  // namespace
 
 void adam_range_portable(const AdamTensor& t, const AdamScalars& s, std::size_t begin, std::size_t end) {
+  const AdamOutputs out(t);
   for (std::size_t i = begin; i < end; ++i) {
     float p = t.master[i], m = t.exp_avg[i], v = t.exp_avg_sq[i];
-    adam_element(load_grad(t, i), p, m, v, s.amsgrad ? t.max_exp_avg_sq + i : nullptr, s);
-    t.master[i] = p;
-    t.exp_avg[i] = m;
-    t.exp_avg_sq[i] = v;
+    float vmax = s.amsgrad ? t.max_exp_avg_sq[i] : 0.f;
+    adam_element(load_grad(t, i), p, m, v, s.amsgrad ? &vmax : nullptr, s);
+    out.master[i] = p;
+    out.exp_avg[i] = m;
+    out.exp_avg_sq[i] = v;
+    if (s.amsgrad) out.max_exp_avg_sq[i] = (std::isnan(v) || std::isnan(vmax)) ? NAN : (v > vmax ? v : vmax);
     store_param(t, i, p);
   }
 }

@@ -107,6 +107,11 @@ void CpuAdam::step(const AdamOptions& o, std::int64_t step, const std::vector<Ad
                          " is missing its master, exp_avg, exp_avg_sq or grad buffer");
     TIERFLOW_EXPECTS(!o.amsgrad || t.max_exp_avg_sq,
                      "CpuAdam::step: amsgrad needs max_exp_avg_sq for tensor " + std::to_string(i));
+    const bool some_out = t.master_out || t.exp_avg_out || t.exp_avg_sq_out || t.max_exp_avg_sq_out;
+    const bool all_out = t.master_out && t.exp_avg_out && t.exp_avg_sq_out &&
+                         (!o.amsgrad || t.max_exp_avg_sq_out);
+    TIERFLOW_EXPECTS(!some_out || all_out, "CpuAdam::step: tensor " + std::to_string(i) +
+                                               " sets some out-of-place outputs but not all");
   }
   const double bc1 = 1.0 - std::pow(o.beta1, static_cast<double>(step));
   const double bc2 = 1.0 - std::pow(o.beta2, static_cast<double>(step));
@@ -115,6 +120,8 @@ void CpuAdam::step(const AdamOptions& o, std::int64_t step, const std::vector<Ad
   s.decoupled = o.decoupled_weight_decay;
   s.maximize = o.maximize;
   s.amsgrad = o.amsgrad;
+  s.grad_scale = static_cast<float>(o.grad_scale);
+  s.scale_grad = o.grad_scale != 1.0;
   s.decay = static_cast<float>(1.0 - o.lr * o.weight_decay);
   s.wd = static_cast<float>(o.weight_decay);
   s.one_minus_b1 = static_cast<float>(1.0 - o.beta1);

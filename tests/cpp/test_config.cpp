@@ -93,7 +93,7 @@ TEST(Config, ParsesEveryKind) {
 
 TEST(Config, ToStringsParsesBack) {
   Config c = Config::parse({{"TIERFLOW_HOST_MEMORY", "3GiB"}, {"TIERFLOW_CPU_THREADS", "3"},
-                            {"TIERFLOW_NVME_PATHS", "/a,/b"}});
+                            {"TIERFLOW_NVME_PATHS", "/a,/b"}, {"TIERFLOW_MAX_GRAD_NORM", "0.1"}});
   Config again = Config::parse(c.to_strings());
   EXPECT_EQ(again.to_strings(), c.to_strings());
 }
@@ -129,6 +129,12 @@ TEST(Config, BadValuesNameVariableValueAndForms) {
   expect_error({{"TIERFLOW_PREFETCH_BYTES", "0"}}, {}, {"TIERFLOW_PREFETCH_BYTES", "at least 1 byte"});
   expect_error({{"TIERFLOW_PINNED_SLAB_BYTES", "4KiB"}}, {}, {"TIERFLOW_PINNED_SLAB_BYTES", "64KiB"});
   expect_error({{"TIERFLOW_MIN_OFFLOAD_BYTES", "-1"}}, {}, {"TIERFLOW_MIN_OFFLOAD_BYTES"});
+  expect_error({{"TIERFLOW_CPU_ISA", "sse9"}}, {}, {"TIERFLOW_CPU_ISA", "'sse9'", "auto, avx512, avx2, portable"});
+  expect_error({{"TIERFLOW_MAX_GRAD_NORM", "-1"}}, {}, {"TIERFLOW_MAX_GRAD_NORM", "none or a positive number"});
+  expect_error({{"TIERFLOW_MAX_GRAD_NORM", "inf"}}, {}, {"TIERFLOW_MAX_GRAD_NORM"});
+  expect_error({{"TIERFLOW_GRAD_ACCUMULATION_STEPS", "0"}}, {}, {"TIERFLOW_GRAD_ACCUMULATION_STEPS", "from 1"});
+  expect_error({{"TIERFLOW_OVERLAP_STEP", "yes"}}, {}, {"TIERFLOW_OVERLAP_STEP", "on or off"});
+  expect_error({{"TIERFLOW_SKIP_NONFINITE", "1"}}, {}, {"TIERFLOW_SKIP_NONFINITE", "on or off"});
   expect_error({{"TIERFLOW_MIMALLOC", "maybe"}}, {}, {"TIERFLOW_MIMALLOC", "on or off"});
 }
 

@@ -272,3 +272,47 @@ TEST(CpuAdam, RefusesAPathThisCpuLacks) {
   if (best_cpu_isa() == CpuIsa::kAvx512) GTEST_SKIP() << "this CPU runs every path";
   EXPECT_THROW(CpuAdam(1, CpuIsa::kAvx512), logic_error);
 }
+
+TEST(CpuAdam, OutOfPlaceLeavesInputsAndMatchesInPlace) {
+  const std::size_t n = 1037;
+  for (CpuIsa isa : {CpuIsa::kPortable, best_cpu_isa()}) {
+    Fixture a(n, 3), b(n, 3);
+    for (std::size_t i = 0; i < n; ++i) a.grad[i] = b.grad[i] = std::sin(float(i)) * 0.3f;
+    AdamOptions o;
+    o.amsgrad = true;
+    o.weight_decay = 0.02;
+    o.grad_scale = 0.37;
+    CpuAdam adam(2, isa);
+    adam.step(o, 1, {a.tensor()});
+    std::vector<float> p(n), m(n), v(n), vmax(n);
+    const auto before = b.master;
+    AdamTensor t = b.tensor();
+    t.master_out = p.data();
+    t.exp_avg_out = m.data();
+    t.exp_avg_sq_out = v.data();
+    t.max_exp_avg_sq_out = vmax.data();
+    adam.step(o, 1, {t});
+    EXPECT_EQ(b.master, before) << "out-of-place must not touch the inputs";
+    EXPECT_EQ(p, a.master);
+    EXPECT_EQ(m, a.m);
+    EXPECT_EQ(v, a.v);
+    EXPECT_EQ(vmax, a.vmax);
+    t.exp_avg_sq_out = nullptr;
+    EXPECT_THROW(adam.step(o, 1, {t}), logic_error);
+  }
+}
+
+TEST(CpuAdam, GradScaleEqualsScaledGradients) {
+  const std::size_t n = 333;
+  Fixture a(n), b(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    a.grad[i] = std::cos(float(i));
+    b.grad[i] = a.grad[i] * 0.25f;
+  }
+  AdamOptions scaled;
+  scaled.grad_scale = 0.25;
+  CpuAdam adam(1);
+  adam.step(scaled, 1, {a.tensor()});
+  adam.step(AdamOptions{}, 1, {b.tensor()});
+  EXPECT_EQ(a.master, b.master);
+}

@@ -20,7 +20,7 @@ def test_config_table_matches_the_code():
     m = re.search(r"<!-- config-table:begin[^>]*-->\n(.*?)\n<!-- config-table:end -->", text, re.S)
     assert m, "README.md lost its config-table markers"
     assert m.group(1).strip() == markdown().strip(), (
-        "README.md's configuration table is out of date: regenerate it with scripts/config_table.py")
+        "README.md's configuration table is out of date: regenerate it with scripts/update_readme_table.py")
 
 
 def test_readme_commands_are_what_ci_and_make_run():

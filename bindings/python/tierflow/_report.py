@@ -50,8 +50,12 @@ class Report(dict):
             ("  hits / forwarded", f'{p["hits"]} / {p["forwarded"]}'),
             ("  stalls", f'{p["stalls"]} ({p["stall_ms"]:.2f} ms waiting, {p["unprefetched"]} never prefetched)'),
             ("CPU optimizer", ""),
-            ("  steps", f'{o["steps"]} ({o["step_ms"]:.1f} ms, {o["elements"]} element updates, {o["threads"] or "all"} threads)'),
+            ("  steps", f'{o["steps"]} ({o["step_ms"]:.1f} ms, {o["elements"]} element updates, {o["threads"] or "all"} threads, {o.get("isa", "?")})'),
         ]
+        ov = o.get("overlap") or {}
+        if ov:
+            rows.append(("  stepped during backward", f'{ov["early_steps"]} (committed {ov["committed"]}, redone {ov["redone"]}, '
+                                                       f'taken back {ov["taken_back"]}, held {ov["held"]})'))
         width = max(len(k) for k, _ in rows) + 2
         lines = ["tierflow report"]
         lines += [f"{k:<{width}}{v}" if v else k for k, v in rows]

@@ -26,6 +26,7 @@ class Session:
         self._handles: list[Any] = []
         self._contexts: list[Optional[Any]] = []
         self._model_ref: Optional[weakref.ref] = None
+        self.optimizer: Optional[weakref.ref] = None  # the CPUAdamW of this session, if any
 
     # -- model hooks -----------------------------------------------------------
     def attach(self, model: torch.nn.Module) -> None:
@@ -42,6 +43,10 @@ class Session:
         self._handles.clear()
 
     def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
+        opt = self.optimizer() if self.optimizer is not None else None
+        if opt is not None and opt.has_unconfirmed_steps():
+            # A forward before step(): the early steps were not the last backward's.
+            opt.take_back_unconfirmed()
         if not torch.is_grad_enabled() or any(c is not None for c in self._contexts):
             self._contexts.append(None)  # nothing saved (no_grad), or a nested call
             return
@@ -71,6 +76,8 @@ class Session:
         """Current statistics; also written to TIERFLOW_REPORT when set."""
         r = Report(self.runtime.stats())
         r["config"] = dict(self.config)
+        opt = self.optimizer() if self.optimizer is not None else None
+        r["optimizer"]["overlap"] = dict(getattr(opt, "overlap_stats", {}) or {})
         path = self.config.get("TIERFLOW_REPORT", "")
         if path:
             r.save(path)
@@ -101,6 +108,7 @@ def wrap(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
         from .optim import CPUAdamW
 
         new_optimizer = CPUAdamW.replace(optimizer, session.runtime, model=model)
+        session.optimizer = weakref.ref(new_optimizer)
     session.attach(model)
     model._tierflow_session = session
     _sessions.append(session)

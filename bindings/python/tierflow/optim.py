@@ -1,4 +1,40 @@
-"""A drop-in replacement for torch.optim.Adam / AdamW that steps on the CPU."""
+"""A drop-in replacement for torch.optim.Adam / AdamW that steps on the CPU.
+
+Note [Step during backward]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~
+As in Fuyou, a parameter's CPU update starts as soon as backward has
+finished its gradient (a post-accumulate-grad hook), on tierflow's optimizer
+worker thread, while backward goes on with earlier layers. The catch is that
+some decisions need every gradient first: global-norm clipping (a scale
+applied to all gradients), skipping a step when a gradient is inf/NaN (AMP's
+GradScaler), and user code that changes gradients between backward() and
+step() (torch.nn.utils.clip_grad_norm_, GradScaler.unscale_, gradient
+accumulation that continues).
+
+tierflow steps speculatively and can take any step back, exactly, at no
+extra memory traffic: the overlapped update writes the new master, m and v
+out of place into fresh pinned-pool buffers (the kernel reads the old ones
+and writes the new ones, the same 28 bytes per parameter as in place) and
+keeps the old ones. step() then checks, for every parameter stepped early,
+that its gradient is the same tensor at the same version (in-place changes
+bump it), that the hyperparameters did not change, and that no global
+decision alters the step: the clip coefficient, computed with the same torch
+ops as clip_grad_norm_, is exactly 1, and no gradient is non-finite when
+TIERFLOW_SKIP_NONFINITE is on. If so the new buffers are committed (a
+pointer swap) and the old ones return to the pool. If not, the old buffers
+are kept, the parameter is restored from the old master, and the step is
+redone from the gradient as it is now, scaled by the clip coefficient, or
+skipped. A step() that never comes (GradScaler skipping it) is taken back by
+zero_grad() or by the wrapped model's next forward (a forward before step()
+means that backward was not the last one). The cost is 12 bytes per parameter of
+pinned memory held between a gradient's completion and step(); when the pool
+cannot hold it, that parameter is simply stepped in step(). With gradient
+accumulation, TIERFLOW_GRAD_ACCUMULATION_STEPS says which backward is the
+last one before step(); a wrong value only costs redone steps.
+
+Between backward() and step() the parameters already hold their new values
+(the model itself is updated early); step() restores any that it takes back.
+"""
 
 from __future__ import annotations
 
@@ -32,8 +68,7 @@ class CPUAdamW(torch.optim.Optimizer):
                         maximize=maximize, foreach=None, capturable=False, differentiable=False,
                         fused=None, decoupled_weight_decay=decoupled_weight_decay)
         super().__init__(params, defaults)
-        self._runtime = runtime
-        self._master_stale = False
+        self._setup(runtime)
 
     # -- construction from an existing optimizer ---------------------------------
     @classmethod
@@ -73,14 +108,33 @@ class CPUAdamW(torch.optim.Optimizer):
             groups.append(g)
         defaults.setdefault("decoupled_weight_decay", adamw)
         torch.optim.Optimizer.__init__(new, groups, defaults)
-        new._runtime = runtime
-        new._master_stale = False
+        new._setup(runtime)
         if len(optimizer.state) > 0:
             new.load_state_dict(optimizer.state_dict())
         if model is not None:
             # model.load_state_dict(...) changes parameters behind the optimizer's back.
             model.register_load_state_dict_post_hook(lambda module, keys: new.mark_master_stale())
         return new
+
+    def _setup(self, runtime: "_C.Runtime") -> None:
+        self._runtime = runtime
+        self._master_stale = False
+        cfg = runtime.config()
+        self._overlap = cfg["TIERFLOW_OVERLAP_STEP"] == "on"
+        self._accumulation = int(cfg["TIERFLOW_GRAD_ACCUMULATION_STEPS"])
+        norm = cfg["TIERFLOW_MAX_GRAD_NORM"]
+        self._max_grad_norm = None if norm == "none" else float(norm)
+        self._skip_nonfinite = cfg["TIERFLOW_SKIP_NONFINITE"] == "on"
+        self._spec: dict = {}          # param -> speculative step in flight or done
+        self._grad_events: dict = {}   # param -> gradients completed since the last step()
+        self._hooks = []
+        self.overlap_stats = {"early_steps": 0, "committed": 0, "redone": 0, "taken_back": 0, "held": 0,
+                              "skipped_steps": 0}
+        if self._overlap:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.requires_grad and p.device.type == "cpu":
+                        self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
 
     def mark_master_stale(self) -> None:
         """Parameters were changed outside the optimizer: re-read masters from them at the next step."""
@@ -152,6 +206,94 @@ class CPUAdamW(torch.optim.Optimizer):
                 state["step"] = torch.tensor(float(step), dtype=torch.float32)
         self._master_stale = False
 
+    # -- step during backward (Note [Step during backward]) ----------------------
+    @staticmethod
+    def _options(group: dict) -> dict:
+        beta1, beta2 = group["betas"]
+        return dict(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
+                    eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
+                    amsgrad=bool(group["amsgrad"]), maximize=bool(group["maximize"]),
+                    decoupled_weight_decay=bool(group.get("decoupled_weight_decay", True)))
+
+    def _group_of(self, p: torch.Tensor) -> Optional[dict]:
+        for group in self.param_groups:
+            if any(q is p for q in group["params"]):
+                return group
+        return None
+
+    @torch.no_grad()
+    def _on_grad_ready(self, p: torch.Tensor) -> None:
+        count = self._grad_events.get(p, 0) + 1
+        self._grad_events[p] = count
+        if p in self._spec:
+            self._take_back(p)  # its gradient changed again (accumulation went on)
+        if count != self._accumulation or p.grad is None:
+            return
+        grad = p.grad
+        if grad.is_sparse or grad.dtype not in _GRAD_DTYPES or not grad.is_contiguous() or not p.is_contiguous():
+            return  # step() handles (and reports) these
+        group = self._group_of(p)
+        if group is None:
+            return
+        options = self._options(group)
+        state = self.state[p]
+        if len(state) == 0:
+            state = self._init_state(p, group)
+        elif self._master_stale:
+            state["master"].copy_(p.detach())
+        try:
+            outs = [self._host(p, False) for _ in range(4 if options["amsgrad"] else 3)]
+        except _C.OutOfMemoryError:
+            self.overlap_stats["held"] += 1
+            return
+        step = int(state["step"].item()) + 1
+        vmax = state.get("max_exp_avg_sq") if options["amsgrad"] else None
+        self._runtime.adam_step_async(options, step, [state["master"]], [state["exp_avg"]], [state["exp_avg_sq"]],
+                                      [vmax], [grad], [p.detach()], [outs[0]], [outs[1]], [outs[2]],
+                                      [outs[3] if options["amsgrad"] else None])
+        self._spec[p] = {"grad": grad, "version": grad._version, "options": options, "outs": outs, "step": step}
+        self.overlap_stats["early_steps"] += 1
+
+    def _take_back(self, p: torch.Tensor) -> None:
+        """Discards p's early step: the old state stays and p gets the old master back."""
+        self._runtime.adam_wait()
+        self._spec.pop(p)
+        p.detach().copy_(self.state[p]["master"])
+        self.overlap_stats["taken_back"] += 1
+
+    def _take_back_all(self) -> None:
+        for p in list(self._spec):
+            self._take_back(p)
+
+    def has_unconfirmed_steps(self) -> bool:
+        """True while parameters hold early steps that no step() has confirmed."""
+        return bool(self._spec)
+
+    @torch.no_grad()
+    def take_back_unconfirmed(self) -> None:
+        """Restores every parameter stepped early but not confirmed (wrap() calls this before a forward)."""
+        self._take_back_all()
+
+    def _clip_coefficient(self) -> tuple[float, bool]:
+        """(clip coefficient, all gradients finite), with clip_grad_norm_'s own ops."""
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if not grads or (self._max_grad_norm is None and not self._skip_nonfinite):
+            return 1.0, True
+        total = torch.nn.utils.get_total_norm(grads, 2.0)
+        finite = bool(torch.isfinite(total))
+        if self._max_grad_norm is None:
+            return 1.0, finite
+        coef = torch.clamp(self._max_grad_norm / (total + 1e-6), max=1.0)
+        return float(coef), finite
+
+    @torch.no_grad()
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch's; also takes back early steps that no step() confirmed."""
+        if self._spec:
+            self._take_back_all()
+        self._grad_events.clear()
+        super().zero_grad(set_to_none=set_to_none)
+
     # -- step ------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
@@ -160,21 +302,49 @@ class CPUAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            self._step_group(group)
+        self._runtime.adam_wait()
+        scale, finite = self._clip_coefficient()
+        if self._skip_nonfinite and not finite:
+            self._take_back_all()
+            self.overlap_stats["skipped_steps"] += 1
+        else:
+            for group in self.param_groups:
+                self._step_group(group, scale)
+        self._grad_events.clear()
         self._master_stale = False
         return loss
 
-    def _step_group(self, group: dict) -> None:
-        beta1, beta2 = group["betas"]
-        options = dict(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
-                       eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
-                       amsgrad=bool(group["amsgrad"]), maximize=bool(group["maximize"]),
-                       decoupled_weight_decay=bool(group.get("decoupled_weight_decay", True)))
+    def _confirm(self, p: torch.Tensor, options: dict, scale: float) -> bool:
+        """Commits p's early step if it is exactly the step that step() would take."""
+        spec = self._spec.get(p)
+        if spec is None:
+            return False
+        same = (spec["grad"] is p.grad and spec["version"] == p.grad._version and spec["options"] == options
+                and scale == 1.0 and not self._master_stale)
+        if not same:
+            self._take_back(p)
+            self.overlap_stats["redone"] += 1
+            return False
+        self._spec.pop(p)
+        state = self.state[p]
+        outs = spec["outs"]
+        state["master"], state["exp_avg"], state["exp_avg_sq"] = outs[0], outs[1], outs[2]
+        if options["amsgrad"]:
+            state["max_exp_avg_sq"] = outs[3]
+        state["step"] += 1
+        self.overlap_stats["committed"] += 1
+        return True
+
+    def _step_group(self, group: dict, scale: float = 1.0) -> None:
+        options = self._options(group)
         buckets: dict[int, list] = {}
         copy_back: list = []
         for p in group["params"]:
             if p.grad is None:
+                if p in self._spec:
+                    self._take_back(p)
+                continue
+            if self._confirm(p, options, scale):
                 continue
             grad = p.grad
             if grad.is_sparse:
@@ -203,6 +373,8 @@ class CPUAdamW(torch.optim.Optimizer):
             b[3].append(state.get("max_exp_avg_sq") if options["amsgrad"] else None)
             b[4].append(host_grad)
             b[5].append(out)
+        if scale != 1.0:
+            options = dict(options, grad_scale=scale)
         for step, (masters, ms, vs, vmaxes, grads, outs) in buckets.items():
             self._runtime.adam_step(options, step, masters, ms, vs, vmaxes, grads, outs)
         for p, out in copy_back:

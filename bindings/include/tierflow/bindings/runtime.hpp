@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <map>
+#include <mutex>
 #include <memory>
 #include <string>
 #include <vector>
@@ -46,6 +47,11 @@ class Runtime {
   /// A CPU tensor whose memory comes from the pinned host pool (zeroed when `zero`).
   at::Tensor host_empty(at::IntArrayRef sizes, at::ScalarType dtype, bool zero);
 
+  /// Out-of-place outputs for adam_step / adam_step_async (all undefined: in place).
+  struct AdamOutputs {
+    std::vector<at::Tensor> masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs;
+  };
+
   /// One Adam/AdamW step over CPU tensors: fp32 contiguous masters and
   /// moments, gradients in fp32/bf16/fp16, optional copy-outs (undefined
   /// tensors skip). Throws logic_error naming the offending tensor.
@@ -53,12 +59,25 @@ class Runtime {
                  const std::vector<at::Tensor>& masters, const std::vector<at::Tensor>& exp_avgs,
                  const std::vector<at::Tensor>& exp_avg_sqs,
                  const std::vector<at::Tensor>& max_exp_avg_sqs, const std::vector<at::Tensor>& grads,
-                 const std::vector<at::Tensor>& params_out);
+                 const std::vector<at::Tensor>& params_out, const AdamOutputs& outputs = {});
+
+  /// Like adam_step with out-of-place outputs, queued on the optimizer worker
+  /// thread so it runs while the caller (autograd) goes on. The tensors are
+  /// kept alive until the step has run. See Note [Step during backward].
+  void adam_step_async(const optimizer::AdamOptions& options, std::int64_t step,
+                       std::vector<at::Tensor> masters, std::vector<at::Tensor> exp_avgs,
+                       std::vector<at::Tensor> exp_avg_sqs, std::vector<at::Tensor> max_exp_avg_sqs,
+                       std::vector<at::Tensor> grads, std::vector<at::Tensor> params_out,
+                       AdamOutputs outputs);
+  /// Blocks until every queued step has run; rethrows the first failure.
+  void adam_wait();
 
   /// Optimizer counters.
   OptimizerStats optimizer_stats() const noexcept { return opt_stats_; }
   /// Threads of the CPU optimizer.
   int cpu_threads() const;
+  /// SIMD path of the CPU optimizer (kAuto until the first step picks one).
+  optimizer::CpuIsa cpu_isa() const;
 
  private:
   Config config_;
@@ -66,7 +85,10 @@ class Runtime {
   std::shared_ptr<swap::CopyEngine> engine_;
   std::shared_ptr<ActivationOffloader> offloader_;
   std::unique_ptr<optimizer::CpuAdam> adam_;
+  std::mutex adam_mutex_;  // one step at a time on the arena; guards opt_stats_
   OptimizerStats opt_stats_;
+  struct Worker;
+  std::unique_ptr<Worker> worker_;
 };
 
 }  // namespace tierflow::bindings

@@ -46,12 +46,17 @@ struct Config {
   OffloadTarget offload_params{};         ///< TIERFLOW_OFFLOAD_PARAMS
   OffloadTarget offload_optimizer{};      ///< TIERFLOW_OFFLOAD_OPTIMIZER
   int cpu_threads = 0;                    ///< TIERFLOW_CPU_THREADS; 0 means all cores
+  std::string cpu_isa;                    ///< TIERFLOW_CPU_ISA: auto, avx512, avx2 or portable
   LogLevel log_level{};                   ///< TIERFLOW_LOG_LEVEL
   std::string report_path;                ///< TIERFLOW_REPORT; empty means no file
   std::uint64_t min_offload_bytes = 0;    ///< TIERFLOW_MIN_OFFLOAD_BYTES
   std::uint64_t prefetch_bytes = 0;       ///< TIERFLOW_PREFETCH_BYTES
   std::uint64_t pinned_slab_bytes = 0;    ///< TIERFLOW_PINNED_SLAB_BYTES
   bool mimalloc = true;                   ///< TIERFLOW_MIMALLOC
+  bool overlap_step = true;               ///< TIERFLOW_OVERLAP_STEP
+  int grad_accumulation_steps = 1;        ///< TIERFLOW_GRAD_ACCUMULATION_STEPS
+  double max_grad_norm = 0.0;             ///< TIERFLOW_MAX_GRAD_NORM; 0 means none
+  bool skip_nonfinite = false;            ///< TIERFLOW_SKIP_NONFINITE
 
   /// All defaults, as listed in the table.
   static Config defaults();

@@ -39,6 +39,7 @@ struct AdamOptions {
   bool amsgrad = false;
   bool maximize = false;
   bool decoupled_weight_decay = true;  ///< true: AdamW; false: Adam (L2 added to the gradient)
+  double grad_scale = 1.0;  ///< gradients are multiplied by float(grad_scale) first (clipping); 1 skips it
 };
 
 /// One parameter's buffers for a step. All pointers cover `numel` elements.
@@ -52,6 +53,13 @@ struct AdamTensor {
   void* param_out = nullptr;        ///< optional copy-out of the updated master
   ScalarType param_type = ScalarType::kFloat32;
   std::size_t numel = 0;
+  /// Optional out-of-place outputs (null: update in place). With them the
+  /// inputs are left untouched, so a step can be discarded (see
+  /// Note [Step during backward] in bindings/) at no extra memory traffic.
+  float* master_out = nullptr;
+  float* exp_avg_out = nullptr;
+  float* exp_avg_sq_out = nullptr;
+  float* max_exp_avg_sq_out = nullptr;
 };
 
 /// The SIMD code path of the CPU kernel. All paths give bit-identical results.

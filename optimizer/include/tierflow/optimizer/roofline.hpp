@@ -1,0 +1,30 @@
+// The physical limit an Adam step is measured against: a streaming kernel
+// with exactly the step's loads and stores and trivial arithmetic.
+#pragma once
+
+#include <vector>
+
+#include "tierflow/optimizer/cpu_adam.hpp"
+
+namespace tierflow::optimizer {
+
+/// Reads master, exp_avg, exp_avg_sq and the gradient and writes master,
+/// exp_avg, exp_avg_sq and the copy-out, in place, over the same arrays and
+/// dtypes and with the same chunking, thread count and SIMD width as
+/// CpuAdam::step, but with one add per array instead of Adam's arithmetic.
+/// Its time is the memory-bandwidth floor of the step (benchmarks only: it
+/// overwrites the state with meaningless values).
+class AdamTrafficKernel {
+ public:
+  /// `threads` == 0 uses every core.
+  explicit AdamTrafficKernel(int threads = 0);
+  ~AdamTrafficKernel();
+  /// One pass over every tensor.
+  void run(const std::vector<AdamTensor>& tensors);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace tierflow::optimizer

@@ -1,0 +1,91 @@
+#include "tierflow/optimizer/roofline.hpp"
+
+#include <immintrin.h>
+#include <oneapi/tbb/blocked_range.h>
+#include <oneapi/tbb/parallel_for.h>
+#include <oneapi/tbb/task_arena.h>
+
+#include <algorithm>
+#include <cstring>
+#include <tuple>
+
+namespace tierflow::optimizer {
+namespace {
+
+constexpr std::size_t kChunkElements = 1 << 16;  // as CpuAdam
+
+#define TIERFLOW_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
+
+// Trivial arithmetic, same bytes: p += g, m += g, v += g, out = p (truncated to 16 bits).
+TIERFLOW_AVX512 void traffic_avx512(const AdamTensor& t, std::size_t b, std::size_t e) {
+  const bool g16 = t.grad_type != ScalarType::kFloat32;
+  const bool o16 = t.param_out && t.param_type != ScalarType::kFloat32;
+  for (std::size_t i = b; i < e; i += 16) {
+    const std::size_t left = e - i;
+    const __mmask16 k = left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1u);
+    __m512 g;
+    if (g16) {
+      __m256i h = _mm256_maskz_loadu_epi16(k, static_cast<const std::uint16_t*>(t.grad) + i);
+      g = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    } else {
+      g = _mm512_maskz_loadu_ps(k, static_cast<const float*>(t.grad) + i);
+    }
+    __m512 p = _mm512_add_ps(_mm512_maskz_loadu_ps(k, t.master + i), g);
+    _mm512_mask_storeu_ps(t.exp_avg + i, k, _mm512_add_ps(_mm512_maskz_loadu_ps(k, t.exp_avg + i), g));
+    _mm512_mask_storeu_ps(t.exp_avg_sq + i, k, _mm512_add_ps(_mm512_maskz_loadu_ps(k, t.exp_avg_sq + i), g));
+    _mm512_mask_storeu_ps(t.master + i, k, p);
+    if (o16) {
+      _mm256_mask_storeu_epi16(static_cast<std::uint16_t*>(t.param_out) + i, k,
+                               _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(p), 16)));
+    } else if (t.param_out) {
+      _mm512_mask_storeu_ps(static_cast<float*>(t.param_out) + i, k, p);
+    }
+  }
+}
+
+void traffic_portable(const AdamTensor& t, std::size_t b, std::size_t e) {
+  for (std::size_t i = b; i < e; ++i) {
+    float g = t.grad_type == ScalarType::kFloat32 ? static_cast<const float*>(t.grad)[i]
+                                                  : bf16_to_float(static_cast<const std::uint16_t*>(t.grad)[i]);
+    float p = t.master[i] + g;
+    t.exp_avg[i] += g;
+    t.exp_avg_sq[i] += g;
+    t.master[i] = p;
+    if (!t.param_out) continue;
+    if (t.param_type == ScalarType::kFloat32) static_cast<float*>(t.param_out)[i] = p;
+    else static_cast<std::uint16_t*>(t.param_out)[i] = static_cast<std::uint16_t>(
+        [&] { std::uint32_t u; std::memcpy(&u, &p, 4); return u >> 16; }());
+  }
+}
+
+}  // namespace
+
+struct AdamTrafficKernel::Impl {
+  explicit Impl(int threads) : arena(threads > 0 ? threads : tbb::task_arena::automatic) { arena.initialize(); }
+  tbb::task_arena arena;
+  std::vector<std::tuple<std::size_t, std::size_t, std::size_t>> chunks;
+};
+
+AdamTrafficKernel::AdamTrafficKernel(int threads) : impl_(std::make_unique<Impl>(threads)) {}
+AdamTrafficKernel::~AdamTrafficKernel() = default;
+
+void AdamTrafficKernel::run(const std::vector<AdamTensor>& tensors) {
+  auto& chunks = impl_->chunks;
+  chunks.clear();
+  for (std::size_t i = 0; i < tensors.size(); ++i)
+    for (std::size_t b = 0; b < tensors[i].numel; b += kChunkElements)
+      chunks.emplace_back(i, b, std::min(tensors[i].numel, b + kChunkElements));
+  const bool wide = best_cpu_isa() == CpuIsa::kAvx512;
+  impl_->arena.execute([&] {
+    tbb::parallel_for(tbb::blocked_range<std::size_t>(0, chunks.size(), 1),
+                      [&](const tbb::blocked_range<std::size_t>& r) {
+                        for (std::size_t c = r.begin(); c != r.end(); ++c) {
+                          auto [ti, b, e] = chunks[c];
+                          if (wide) traffic_avx512(tensors[ti], b, e);
+                          else traffic_portable(tensors[ti], b, e);
+                        }
+                      });
+  });
+}
+
+}  // namespace tierflow::optimizer
