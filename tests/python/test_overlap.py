@@ -1,0 +1,140 @@
+"""Stepping during backward (Note [Step during backward]) gives the results of a plain step."""
+
+import math
+
+import pytest
+import torch
+
+import tierflow
+from harness import assert_close, gpt_task
+
+
+def run(task, steps, use_tierflow, *, clip=None, poison=None, scale_grads=None, skip_on_nonfinite=False,
+        accumulate=1, **settings):
+    """Trains `steps` steps. clip: user clip_grad_norm_ after backward. poison: {step: param index}
+    puts an inf into that gradient. scale_grads: in-place gradient change after backward."""
+    torch.manual_seed(0)
+    model = task.make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    if use_tierflow:
+        model, opt = tierflow.wrap(model, opt, **settings)
+    losses, early = [], []
+    params = list(model.parameters())
+    for step in range(steps):
+        for micro in range(accumulate):
+            loss = task.loss(model, task.make_batch(step * accumulate + micro))
+            (loss / accumulate).backward()
+        if use_tierflow:
+            early.append(opt.has_unconfirmed_steps())
+        if poison and step in poison:
+            params[poison[step]].grad.view(-1)[0] = float("inf")
+        if scale_grads:
+            for p in params:
+                p.grad.mul_(scale_grads)
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(params, clip)
+        grads_finite = all(torch.isfinite(p.grad).all() for p in params)
+        if use_tierflow or not skip_on_nonfinite or grads_finite:
+            opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, state, (opt.overlap_stats if use_tierflow else None), early
+
+
+def same(a, b):
+    assert a[0] == b[0]
+    for k in a[1]:
+        assert torch.equal(a[1][k], b[1][k]), k
+
+
+def close(a, b, equal_nan=False):
+    for x, y in zip(a[0], b[0]):
+        assert (math.isnan(x) and math.isnan(y)) or abs(x - y) <= 1e-6 * abs(x), (x, y)
+    for k in a[1]:
+        torch.testing.assert_close(b[1][k], a[1][k], rtol=1e-6, atol=5e-5, equal_nan=equal_nan, msg=k)
+
+
+def test_steps_happen_during_backward_and_match_stepping_after():
+    task = gpt_task(dropout=0.0)
+    on = run(task, 4, True, overlap_step="on")
+    off = run(task, 4, True, overlap_step="off")
+    same(on, off)  # the same kernel on the same gradients: bit-identical
+    stats = on[2]
+    assert all(on[3]), "after backward() returns, the early steps are already there"
+    assert stats["early_steps"] > 0 and stats["committed"] == stats["early_steps"]
+    assert stats["redone"] == 0 and stats["taken_back"] == 0
+
+
+def test_user_clip_grad_norm_after_backward_is_honoured():
+    task = gpt_task(dropout=0.0)
+    base = run(task, 4, False, clip=0.05)
+    tier = run(task, 4, True, clip=0.05)
+    close(base, tier)
+    assert tier[2]["redone"] > 0, "clipping changed the gradients: the early steps must be redone"
+
+
+def test_max_grad_norm_setting_equals_clip_grad_norm_then_step():
+    task = gpt_task(dropout=0.0)
+    base = run(task, 4, False, clip=0.05)
+    tier = run(task, 4, True, max_grad_norm=0.05)
+    close(base, tier)
+    # Exactly what tierflow does with the user's own clip and no overlap.
+    same(tier, run(task, 4, True, clip=0.05, overlap_step="off"))
+    # A norm bound that never binds changes nothing and keeps every early step.
+    loose = run(task, 4, True, max_grad_norm=1e6)
+    same(loose, run(task, 4, True))
+    assert loose[2]["redone"] == 0
+
+
+def test_inf_gradient_under_user_clipping_matches_torch():
+    task = gpt_task(dropout=0.0)
+    base = run(task, 3, False, clip=1.0, poison={1: 3})
+    tier = run(task, 3, True, clip=1.0, poison={1: 3})
+    close(base, tier, equal_nan=True)  # torch turns the parameters to NaN; so must we, identically
+
+
+def test_skip_nonfinite_skips_the_step_and_keeps_the_state():
+    task = gpt_task(dropout=0.0)
+    base = run(task, 4, False, poison={1: 3}, skip_on_nonfinite=True)
+    tier = run(task, 4, True, poison={1: 3}, skip_nonfinite="on")
+    close(base, tier)
+    assert tier[2]["skipped_steps"] == 1 and tier[2]["taken_back"] > 0
+    assert all(torch.isfinite(v).all() for v in tier[1].values() if v.is_floating_point())
+
+
+def test_in_place_gradient_change_after_backward_is_seen():
+    task = gpt_task(dropout=0.0)
+    base = run(task, 3, False, scale_grads=0.5)
+    tier = run(task, 3, True, scale_grads=0.5)
+    close(base, tier)
+    assert tier[2]["redone"] > 0
+
+
+@pytest.mark.parametrize("hint", [1, 3])
+def test_gradient_accumulation_with_and_without_the_hint(hint):
+    task = gpt_task(dropout=0.0)
+    base = run(task, 3, False, accumulate=3)
+    tier = run(task, 3, True, accumulate=3, grad_accumulation_steps=hint)
+    close(base, tier)
+    if hint == 3:
+        assert tier[2]["committed"] > 0 and tier[2]["taken_back"] == 0
+    else:
+        assert tier[2]["taken_back"] > 0  # a wrong hint costs redone work, not correctness
+
+
+def test_state_dict_between_backward_and_step_has_only_confirmed_state():
+    task = gpt_task(dropout=0.0)
+    torch.manual_seed(0)
+    model = task.make_model()
+    model, opt = tierflow.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    before = {k: p.detach().clone() for k, p in model.named_parameters()}
+    task.loss(model, task.make_batch(0)).backward()
+    assert opt.has_unconfirmed_steps()
+    assert any(not torch.equal(p, before[k]) for k, p in model.named_parameters()), "early steps update the model"
+    sd = opt.state_dict()
+    assert all(float(s["step"]) == 0.0 for s in sd["state"].values())  # early steps are not in the state
+    opt.zero_grad()  # no step(): every early step is taken back
+    assert not opt.has_unconfirmed_steps()
+    for k, p in model.named_parameters():
+        assert torch.equal(p, before[k]), k
