@@ -9,7 +9,10 @@
 #include "tierflow/allocator/device.hpp"
 #include "tierflow/bindings/runtime.hpp"
 #include "tierflow/core/error.hpp"
+#include "tierflow/optimizer/cuda_adam.hpp"
 #include "tierflow/optimizer/roofline.hpp"
+
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 
 namespace py = pybind11;
 using namespace tierflow;
@@ -140,6 +143,45 @@ PYBIND11_MODULE(_C, m) {
   m.def("cuda_compiled", &allocator::cuda_compiled, "Whether the CUDA backend was compiled in.");
   m.def("cuda_available", &allocator::cuda_available, "Whether a CUDA GPU is usable.");
   m.def("push_no_offload", &push_no_offload);
+  m.def("cuda_adam_step", [](const py::dict& options, std::int64_t step, const std::vector<at::Tensor>& masters,
+                             const std::vector<at::Tensor>& ms, const std::vector<at::Tensor>& vs,
+                             const std::vector<std::optional<at::Tensor>>& vmaxes,
+                             const std::vector<at::Tensor>& grads,
+                             const std::vector<std::optional<at::Tensor>>& outs) {
+    // The GPU share: in-place step of CUDA tensors on the current stream.
+    auto type_of = [](const at::Tensor& t) {
+      switch (t.scalar_type()) {
+        case at::kFloat: return optimizer::ScalarType::kFloat32;
+        case at::kBFloat16: return optimizer::ScalarType::kBFloat16;
+        case at::kHalf: return optimizer::ScalarType::kFloat16;
+        default: throw config_error("cuda_adam_step: dtype " + std::string(c10::toString(t.scalar_type())) +
+                                    " is not supported; accepted: float32, bfloat16, float16");
+      }
+    };
+    std::vector<optimizer::AdamTensor> ts(masters.size());
+    void* stream = nullptr;
+    for (std::size_t i = 0; i < ts.size(); ++i) {
+      for (const at::Tensor* t : {&masters[i], &ms[i], &vs[i], &grads[i]}) {
+        TIERFLOW_EXPECTS(t->is_cuda() && t->is_contiguous(), "cuda_adam_step: every tensor must be a contiguous CUDA tensor");
+      }
+      ts[i].numel = static_cast<std::size_t>(masters[i].numel());
+      ts[i].master = masters[i].data_ptr<float>();
+      ts[i].exp_avg = ms[i].data_ptr<float>();
+      ts[i].exp_avg_sq = vs[i].data_ptr<float>();
+      if (vmaxes[i]) ts[i].max_exp_avg_sq = vmaxes[i]->data_ptr<float>();
+      ts[i].grad = grads[i].data_ptr();
+      ts[i].grad_type = type_of(grads[i]);
+      if (outs[i]) {
+        ts[i].param_out = outs[i]->data_ptr();
+        ts[i].param_type = type_of(*outs[i]);
+      }
+      if (i == 0) {
+        const auto* impl = c10::impl::getDeviceGuardImpl(masters[0].device().type());
+        stream = impl->getStream(masters[0].device()).native_handle();
+      }
+    }
+    optimizer::cuda_adam_step(adam_options(options), step, ts, stream);
+  }, "One Adam/AdamW step of CUDA tensors on the current stream (the GPU optimizer share).");
   m.def("adam_traffic", [](const std::vector<at::Tensor>& masters, const std::vector<at::Tensor>& ms,
                            const std::vector<at::Tensor>& vs, const std::vector<at::Tensor>& grads,
                            const std::vector<std::optional<at::Tensor>>& outs, int threads, int repeats) {

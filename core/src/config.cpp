@@ -205,6 +205,16 @@ const std::vector<Row>& rows() {
          else if (s == "off") c.skip_nonfinite = false;
          else bad_value(name, v, "on or off");
        }},
+      {{"TIERFLOW_GPU_OPTIMIZER_FRACTION", "0", "a number from 0 to 1",
+        "share of the parameters (by elements) of CUDA models whose optimizer state stays on the "
+        "GPU and steps there (Deep Optimizer States); the rest steps on the CPU"},
+       [](Config& c, std::string_view name, std::string_view v) {
+         std::string s = trim(v);
+         char* end = nullptr;
+         double x = std::strtod(s.c_str(), &end);
+         if (s.empty() || *end != '\0' || !(x >= 0.0 && x <= 1.0)) bad_value(name, v, "a number from 0 to 1");
+         c.gpu_optimizer_fraction = x;
+       }},
       {{"TIERFLOW_MIMALLOC", "on", "on or off",
         "serve tierflow's own small allocations from mimalloc (off: the C library, e.g. under "
         "sanitizers)"},
@@ -361,6 +371,7 @@ std::map<std::string, std::string> Config::to_strings() const {
       {"TIERFLOW_GRAD_ACCUMULATION_STEPS", std::to_string(grad_accumulation_steps)},
       {"TIERFLOW_MAX_GRAD_NORM", max_grad_norm > 0 ? format_double(max_grad_norm) : "none"},
       {"TIERFLOW_SKIP_NONFINITE", skip_nonfinite ? "on" : "off"},
+      {"TIERFLOW_GPU_OPTIMIZER_FRACTION", format_double(gpu_optimizer_fraction)},
       {"TIERFLOW_MIMALLOC", mimalloc ? "on" : "off"},
   };
 }

@@ -135,6 +135,7 @@ TEST(Config, BadValuesNameVariableValueAndForms) {
   expect_error({{"TIERFLOW_GRAD_ACCUMULATION_STEPS", "0"}}, {}, {"TIERFLOW_GRAD_ACCUMULATION_STEPS", "from 1"});
   expect_error({{"TIERFLOW_OVERLAP_STEP", "yes"}}, {}, {"TIERFLOW_OVERLAP_STEP", "on or off"});
   expect_error({{"TIERFLOW_SKIP_NONFINITE", "1"}}, {}, {"TIERFLOW_SKIP_NONFINITE", "on or off"});
+  expect_error({{"TIERFLOW_GPU_OPTIMIZER_FRACTION", "1.5"}}, {}, {"TIERFLOW_GPU_OPTIMIZER_FRACTION", "from 0 to 1"});
   expect_error({{"TIERFLOW_MIMALLOC", "maybe"}}, {}, {"TIERFLOW_MIMALLOC", "on or off"});
 }
 

@@ -221,3 +221,33 @@ def test_full_offload_with_adam_l2():
     task = gpt_task()
     assert_close(train(task, 3, False, optimizer_cls=torch.optim.Adam, weight_decay=0.01),
                  train(task, 3, True, optimizer_cls=torch.optim.Adam, weight_decay=0.01))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not tierflow._C.cuda_available(),
+                    reason="needs a CUDA GPU and the CUDA backend (this machine has none)")
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_gpu_share_matches_the_cpu_step(fraction):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)).cuda()
+    twin = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)).cuda()
+    twin.load_state_dict(model.state_dict())
+    model, opt = tierflow.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), gpu_optimizer_fraction=fraction)
+    tierflow.unwrap(model)
+    twin, opt2 = tierflow.wrap(twin, torch.optim.AdamW(twin.parameters(), lr=1e-2), gpu_optimizer_fraction=0)
+    x = torch.randn(32, 64, device="cuda")
+    for _ in range(5):
+        for m, o in ((model, opt), (twin, opt2)):
+            m(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+    assert opt._gpu_share, "some parameters must step on the GPU"
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q), "the CUDA kernel computes exactly what the CPU kernel does"
+
+
+def test_gpu_share_is_inert_without_cuda_parameters():
+    model = torch.nn.Linear(8, 8)
+    model, opt = tierflow.wrap(model, torch.optim.AdamW(model.parameters()), gpu_optimizer_fraction=1.0)
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    assert opt._gpu_share == set(), "CPU parameters always step on the CPU"

@@ -128,6 +128,8 @@ class CPUAdamW(torch.optim.Optimizer):
         self._spec: dict = {}          # param -> speculative step in flight or done
         self._grad_events: dict = {}   # param -> gradients completed since the last step()
         self._hooks = []
+        self._gpu_fraction = float(cfg.get("TIERFLOW_GPU_OPTIMIZER_FRACTION", "0"))
+        self._gpu_share: Optional[set] = None  # ids of CUDA params stepped on the GPU, fixed at the first step
         self.overlap_stats = {"early_steps": 0, "committed": 0, "redone": 0, "taken_back": 0, "held": 0,
                               "skipped_steps": 0}
         if self._overlap:
@@ -335,11 +337,55 @@ class CPUAdamW(torch.optim.Optimizer):
         self.overlap_stats["committed"] += 1
         return True
 
+    def _assign_gpu_share(self) -> set:
+        """Deep Optimizer States: interleave CUDA params so about `fraction` of the elements step on the GPU."""
+        chosen: set = set()
+        if self._gpu_fraction <= 0:
+            return chosen
+        gpu, seen = 0, 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.device.type != "cuda":
+                    continue
+                seen += p.numel()
+                if gpu + p.numel() / 2 <= self._gpu_fraction * seen:
+                    chosen.add(id(p))
+                    gpu += p.numel()
+        return chosen
+
+    def _step_on_gpu(self, params: list, options: dict) -> None:
+        buckets: dict[int, list] = {}
+        for p in params:
+            state = self.state[p]
+            if len(state) == 0:
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+                state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+                if options["amsgrad"]:
+                    state["max_exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+                state["master"] = p.detach() if p.dtype == torch.float32 else p.detach().float()
+            state["step"] += 1
+            b = buckets.setdefault(int(state["step"].item()), [[], [], [], [], [], []])
+            b[0].append(state["master"])
+            b[1].append(state["exp_avg"])
+            b[2].append(state["exp_avg_sq"])
+            b[3].append(state.get("max_exp_avg_sq") if options["amsgrad"] else None)
+            b[4].append(p.grad.contiguous())
+            b[5].append(None if p.dtype == torch.float32 else p.detach())
+        for step, (masters, ms, vs, vmaxes, grads, outs) in buckets.items():
+            _C.cuda_adam_step(options, step, masters, ms, vs, vmaxes, grads, outs)
+
     def _step_group(self, group: dict, scale: float = 1.0) -> None:
         options = self._options(group)
+        if self._gpu_share is None:
+            self._gpu_share = self._assign_gpu_share()
         buckets: dict[int, list] = {}
         copy_back: list = []
+        on_gpu: list = []
         for p in group["params"]:
+            if p.grad is not None and id(p) in self._gpu_share:
+                on_gpu.append(p)
+                continue
             if p.grad is None:
                 if p in self._spec:
                     self._take_back(p)
@@ -375,6 +421,8 @@ class CPUAdamW(torch.optim.Optimizer):
             b[5].append(out)
         if scale != 1.0:
             options = dict(options, grad_scale=scale)
+        if on_gpu:
+            self._step_on_gpu(on_gpu, options)
         for step, (masters, ms, vs, vmaxes, grads, outs) in buckets.items():
             self._runtime.adam_step(options, step, masters, ms, vs, vmaxes, grads, outs)
         for p, out in copy_back:

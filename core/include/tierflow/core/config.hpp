@@ -57,6 +57,7 @@ struct Config {
   int grad_accumulation_steps = 1;        ///< TIERFLOW_GRAD_ACCUMULATION_STEPS
   double max_grad_norm = 0.0;             ///< TIERFLOW_MAX_GRAD_NORM; 0 means none
   bool skip_nonfinite = false;            ///< TIERFLOW_SKIP_NONFINITE
+  double gpu_optimizer_fraction = 0.0;    ///< TIERFLOW_GPU_OPTIMIZER_FRACTION
 
   /// All defaults, as listed in the table.
   static Config defaults();
