@@ -9,12 +9,15 @@ import tierflow
 from harness import assert_close, gpt_task, train
 
 
-def make_params(dtype=torch.float32, sizes=(1, 15, 16, 17, 1000, 4099)):
+SIZES = (1, 15, 16, 17, 1_000_003, 0)  # odd sizes around the 16-lane width, a large one, an empty one
+
+
+def make_params(dtype=torch.float32, sizes=SIZES):
     g = torch.Generator().manual_seed(5)
     return [torch.nn.Parameter(torch.randn(n, generator=g).to(dtype)) for n in sizes]
 
 
-def lockstep(torch_cls, steps=20, lr_change_at=None, **hp):
+def lockstep(torch_cls, steps=100, lr_change_at=None, **hp):
     """Same params, same gradients every step: compare after each step."""
     ref_params = make_params()
     our_params = [torch.nn.Parameter(p.detach().clone()) for p in ref_params]
@@ -52,27 +55,53 @@ def test_adam_lockstep(hp):
 
 
 def test_learning_rate_changed_mid_run():
-    lockstep(torch.optim.AdamW, lr=1e-2, lr_change_at=7)
+    lockstep(torch.optim.AdamW, lr=1e-2, lr_change_at=37)
+    lockstep(torch.optim.Adam, lr=1e-2, weight_decay=0.01, lr_change_at=50)
 
 
-def test_bf16_params_step_an_fp32_master():
-    """bf16 model weights, fp32 master: the master follows AdamW on fp32 exactly."""
-    params = make_params(torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hp", [dict(lr=1e-2), dict(lr=1e-2, weight_decay=0.1, amsgrad=True)])
+def test_16_bit_params_step_an_fp32_master(dtype, hp):
+    """16-bit model weights and gradients, fp32 master: the master follows AdamW on fp32."""
+    params = make_params(dtype)
     master_ref = [torch.nn.Parameter(p.detach().float()) for p in params]
-    ref = torch.optim.AdamW(master_ref, lr=1e-2)
-    ours = tierflow.CPUAdamW.replace(torch.optim.AdamW(params, lr=1e-2), tierflow._C.Runtime())
+    ref = torch.optim.AdamW(master_ref, **hp)
+    ours = tierflow.CPUAdamW.replace(torch.optim.AdamW(params, **hp), tierflow._C.Runtime())
     g = torch.Generator().manual_seed(1)
-    for _ in range(10):
+    for _ in range(100):
         for p, m in zip(params, master_ref):
-            grad = torch.randn(p.shape, generator=g).to(torch.bfloat16)
+            grad = torch.randn(p.shape, generator=g).to(dtype)
             p.grad, m.grad = grad, grad.float()
         ref.step()
         ours.step()
     for p, m in zip(params, master_ref):
         state = ours.state[p]
-        torch.testing.assert_close(state["master"], m.detach(), rtol=1e-6, atol=1e-7)
-        assert p.dtype == torch.bfloat16
-        assert torch.equal(p.detach(), m.detach().to(torch.bfloat16)), "bf16 copy-out is the rounded master"
+        torch.testing.assert_close(state["master"], m.detach(), rtol=1e-6, atol=1e-6)
+        assert p.dtype == dtype
+        assert torch.equal(p.detach(), state["master"].to(dtype)), "the 16-bit copy is the rounded master"
+
+
+@pytest.mark.parametrize("isa", ["portable", "avx2", "avx512"])
+def test_every_simd_path_gives_the_same_parameters(isa):
+    from tierflow._C import TierflowError
+
+    def train(setting):
+        params = make_params(sizes=(17, 4099))
+        opt = tierflow.CPUAdamW.replace(torch.optim.AdamW(params, lr=1e-2, amsgrad=True),
+                                        tierflow._C.Runtime({"cpu_isa": setting}))
+        g = torch.Generator().manual_seed(2)
+        for _ in range(5):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g)
+            opt.step()
+        return params
+
+    try:
+        got = train(isa)
+    except TierflowError as e:
+        pytest.skip(f"this CPU cannot run the {isa} path: {e}")
+    for a, b in zip(got, train("portable")):
+        assert torch.equal(a, b)
 
 
 def test_refuses_what_it_cannot_replace():
