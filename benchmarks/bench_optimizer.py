@@ -7,10 +7,11 @@ Configurations:
   fp32        fp32 params, fp32 grads, state in fp32; every implementation
               does exactly this (28 bytes of traffic per parameter).
   bf16_mixed  fp32 master + m + v, bf16 gradients, bf16 copy of the parameter
-              written in the same pass (also 28 bytes per parameter). torch
-              keeps no fp32 master for bf16 parameters, so its like-with-like
-              comparison is its fp32 run (the same bytes); DeepSpeed is
-              measured with whatever its CPU Adam supports (see its "how").
+              written in the same pass (also 28 bytes per parameter). Neither
+              torch nor DeepSpeed keeps an fp32 master for bf16 parameters or
+              takes bf16 gradients for fp32 ones, so the like-with-like peer
+              run is: an fp32 step, then copying the fp32 parameters into bf16
+              ones (the same result: fp32 master, bf16 model weights).
 
 The roofline is a streaming kernel with exactly the step's loads and stores
 (same arrays, dtypes, in-place writes, chunking and threads) and one add per
@@ -60,71 +61,137 @@ def fill(t: torch.Tensor, value: float) -> torch.Tensor:
     return t.fill_(value)
 
 
-def bench_tierflow(n: int, config: str, threads: int, repeats: int) -> dict:
-    rt = tierflow._C.Runtime({"cpu_threads": str(threads), "host_memory": "90%"})
-    sizes = split(n)
-    masters = [fill(torch.empty(s), 0.5) for s in sizes]
-    ms = [torch.zeros(s) for s in sizes]
-    vs = [torch.zeros(s) for s in sizes]
-    gdt = torch.float32 if config == "fp32" else torch.bfloat16
-    grads = [fill(torch.empty(s, dtype=gdt), 0.01) for s in sizes]
-    outs = [None] * len(sizes) if config == "fp32" else [torch.empty(s, dtype=torch.bfloat16) for s in sizes]
-    opts = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, amsgrad=False,
-                maximize=False, decoupled_weight_decay=True)
-    step = [0]
+class Impl:
+    """One implementation set up over its own arrays; `step()` runs one timed step."""
 
-    def one():
-        step[0] += 1
-        rt.adam_step(opts, step[0], masters, ms, vs, [None] * len(sizes), grads, outs)
+    name = ""
 
-    t = best_of(one, repeats)
-    isa = rt.stats()["optimizer"]["isa"]
-    # The roofline over the very same arrays, right after.
-    roof = tierflow._C.adam_traffic(masters, ms, vs, grads, outs, threads, repeats + 1)
-    del masters, ms, vs, grads, outs
-    gc.collect()
-    return {"tierflow_s": t, "roofline_s": roof, "isa": isa}
+    def step(self) -> None:
+        raise NotImplementedError
 
 
-def bench_torch(n: int, threads: int, repeats: int, **flags) -> float:
-    sizes = split(n)
-    params = [torch.nn.Parameter(fill(torch.empty(s), 0.5)) for s in sizes]
-    for p in params:
-        p.grad = fill(torch.empty_like(p), 0.01)
-    # One group per tensor: foreach temporaries stay per group, as memory allows at 1e9.
-    opt = torch.optim.AdamW([{"params": [p]} for p in params], lr=1e-3, weight_decay=0.01, **flags)
-    t = best_of(opt.step, repeats)
-    del opt, params
-    gc.collect()
-    return t
+class Tierflow(Impl):
+    name = "tierflow"
+
+    def __init__(self, n: int, config: str, threads: int) -> None:
+        self.rt = tierflow._C.Runtime({"cpu_threads": str(threads), "host_memory": "90%"})
+        sizes = split(n)
+        self.threads = threads
+        self.masters = [fill(torch.empty(s), 0.5) for s in sizes]
+        self.ms = [torch.zeros(s) for s in sizes]
+        self.vs = [torch.zeros(s) for s in sizes]
+        gdt = torch.float32 if config == "fp32" else torch.bfloat16
+        self.grads = [fill(torch.empty(s, dtype=gdt), 0.01) for s in sizes]
+        self.outs = [None] * len(sizes) if config == "fp32" else [torch.empty(s, dtype=torch.bfloat16) for s in sizes]
+        self.opts = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, amsgrad=False,
+                         maximize=False, decoupled_weight_decay=True)
+        self.n = 0
+
+    def step(self) -> None:
+        self.n += 1
+        self.rt.adam_step(self.opts, self.n, self.masters, self.ms, self.vs, [None] * len(self.ms), self.grads,
+                          self.outs)
 
 
-def bench_deepspeed(n: int, config: str, threads: int, repeats: int) -> dict:
+class Roofline(Impl):
+    """The traffic kernel over a Tierflow's own arrays."""
+
+    name = "roofline"
+
+    def __init__(self, tf: Tierflow) -> None:
+        self.tf = tf
+
+    def step(self) -> None:
+        tierflow._C.adam_traffic(self.tf.masters, self.tf.ms, self.tf.vs, self.tf.grads, self.tf.outs,
+                                 self.tf.threads, 1)
+
+
+class Peer(Impl):
+    """torch.optim.AdamW (fused / foreach) or DeepSpeedCPUAdam, like with like (see the module doc)."""
+
+    def __init__(self, name: str, n: int, config: str, make_opt) -> None:
+        self.name = name
+        sizes = split(n)
+        self.params = [torch.nn.Parameter(fill(torch.empty(s), 0.5)) for s in sizes]
+        for p in self.params:
+            p.grad = fill(torch.empty_like(p), 0.01)
+        self.copies = [torch.empty(s, dtype=torch.bfloat16) for s in sizes] if config == "bf16_mixed" else []
+        # One group per tensor: foreach temporaries stay per group, as memory allows at 1e9.
+        self.opt = make_opt([{"params": [p]} for p in self.params])
+
+    def step(self) -> None:
+        self.opt.step()
+        for c, p in zip(self.copies, self.params):
+            c.copy_(p.detach())
+
+
+def deepspeed_factory():
     try:
-        from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: WPS433
+        import deepspeed
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
     except Exception as e:  # noqa: BLE001  reported, not hidden
-        return {"error": f"import deepspeed failed: {type(e).__name__}: {e}"}
-    sizes = split(n)
-    try:
-        if config == "fp32":
-            params = [torch.nn.Parameter(fill(torch.empty(s), 0.5)) for s in sizes]
-            for p in params:
-                p.grad = fill(torch.empty_like(p), 0.01)
-            how = "fp32 params and grads, fp32 state"
-        else:
-            params = [torch.nn.Parameter(fill(torch.empty(s, dtype=torch.bfloat16), 0.5)) for s in sizes]
-            for p in params:
-                p.grad = fill(torch.empty_like(p), 0.01)
-            how = ("bf16 params and grads with fp32_optimizer_states=True: fp32 m and v, but no fp32 "
-                   "master (the bf16 parameter itself is updated), so 20 bytes per parameter, not 28")
-        opt = DeepSpeedCPUAdam([{"params": [p]} for p in params], lr=1e-3, weight_decay=0.01,
-                               adamw_mode=True, fp32_optimizer_states=True)
-        t = best_of(opt.step, repeats)
-        del opt, params
-        gc.collect()
-        return {"s": t, "how": how}
-    except Exception as e:  # noqa: BLE001
-        return {"error": f"{type(e).__name__}: {str(e)[:500]}"}
+        return None, f"import deepspeed failed: {type(e).__name__}: {e}"
+    return (lambda groups: DeepSpeedCPUAdam(groups, lr=1e-3, weight_decay=0.01, adamw_mode=True,
+                                            fp32_optimizer_states=True)), f"deepspeed {deepspeed.__version__}"
+
+
+def measure(impls: list, repeats: int) -> dict:
+    """Round-robin over the implementations, so every one sees the same machine; best of each."""
+    best = {i.name: float("inf") for i in impls}
+    for i in impls:
+        i.step()  # warm-up (DeepSpeed compiles its op here on first use)
+    for _ in range(repeats):
+        for i in impls:
+            t0 = time.perf_counter()
+            i.step()
+            best[i.name] = min(best[i.name], time.perf_counter() - t0)
+    return best
+
+
+def run_config(n: int, config: str, threads: int, repeats: int, together: bool) -> dict:
+    ds_make, ds_info = deepspeed_factory()
+    makers = [
+        ("torch_fused", lambda: Peer("torch_fused", n, config,
+                                     lambda g: torch.optim.AdamW(g, lr=1e-3, weight_decay=0.01, fused=True))),
+        ("torch_foreach", lambda: Peer("torch_foreach", n, config,
+                                       lambda g: torch.optim.AdamW(g, lr=1e-3, weight_decay=0.01, foreach=True))),
+    ]
+    if ds_make is not None:
+        makers.append(("deepspeed", lambda: Peer("deepspeed", n, config, ds_make)))
+    errors = {}
+    times = {}
+    tf = Tierflow(n, config, threads)
+    core = [tf, Roofline(tf)]
+    if together:
+        impls = list(core)
+        for name, make in makers:
+            try:
+                impls.append(make())
+            except Exception as e:  # noqa: BLE001
+                errors[name] = f"{type(e).__name__}: {str(e)[:300]}"
+        times = measure(impls, repeats)
+        del impls
+    else:
+        # Too large to hold every implementation at once: tierflow and its roofline
+        # together, then each peer with tierflow again, so each ratio is same-moment.
+        times = measure(core, repeats)
+        for name, make in makers:
+            try:
+                peer = make()
+            except Exception as e:  # noqa: BLE001
+                errors[name] = f"{type(e).__name__}: {str(e)[:300]}"
+                continue
+            both = measure([tf, peer], repeats)
+            times[name] = both[name]
+            times[f"tierflow_vs_{name}"] = both["tierflow"]
+            del peer
+            gc.collect()
+    isa = tf.rt.stats()["optimizer"]["isa"]
+    del tf, core
+    gc.collect()
+    if ds_make is None:
+        errors["deepspeed"] = ds_info
+    return {"times": times, "errors": errors, "isa": isa, "deepspeed": ds_info}
 
 
 def main() -> int:
@@ -140,34 +207,40 @@ def main() -> int:
     results = []
     for size in args.sizes:
         n = int(size)
-        reps = args.repeats if n <= 2e8 else max(2, args.repeats // 2)
-        fused = bench_torch(n, args.threads, reps, fused=True)
-        foreach = bench_torch(n, args.threads, reps, foreach=True)
+        together = n <= 2.5e8  # every implementation's arrays fit in memory at once
+        reps = args.repeats if n <= 2.5e8 else max(2, args.repeats // 2)
         for config in ("fp32", "bf16_mixed"):
-            tf = bench_tierflow(n, config, args.threads, reps)
-            ds = bench_deepspeed(n, config, args.threads, reps)
+            r = run_config(n, config, args.threads, reps, together)
+            t = r["times"]
+            rate = {k: (n / v if v else None) for k, v in t.items()}
             row = {
-                "elements": n, "config": config, "threads": args.threads, "isa": tf["isa"],
-                "tierflow_params_per_s": n / tf["tierflow_s"],
-                "roofline_params_per_s": n / tf["roofline_s"],
-                "torch_fused_params_per_s": n / fused,
-                "torch_foreach_params_per_s": n / foreach,
-                "torch_comparison": "fp32 run (torch has no fp32 master for bf16 params)" if config != "fp32" else "same configuration",
-                "deepspeed_params_per_s": (n / ds["s"]) if "s" in ds else None,
-                "deepspeed": ds,
+                "elements": n, "config": config, "threads": args.threads, "isa": r["isa"],
+                "measured_together": together,
+                "tierflow_params_per_s": rate["tierflow"],
+                "roofline_params_per_s": rate["roofline"],
+                "torch_fused_params_per_s": rate.get("torch_fused"),
+                "torch_foreach_params_per_s": rate.get("torch_foreach"),
+                "deepspeed_params_per_s": rate.get("deepspeed"),
+                "deepspeed": r["deepspeed"],
+                "errors": r["errors"],
+                "peer_configuration": ("fp32 step, then a copy of the fp32 parameters into bf16 (peers keep no fp32 "
+                                       "master for bf16 parameters and take no bf16 gradients for fp32 ones)"
+                                       if config != "fp32" else "the same configuration"),
             }
-            row["tierflow_over_roofline"] = row["tierflow_params_per_s"] / row["roofline_params_per_s"]
-            row["tierflow_over_torch_fused"] = row["tierflow_params_per_s"] / row["torch_fused_params_per_s"]
-            row["tierflow_over_torch_foreach"] = row["tierflow_params_per_s"] / row["torch_foreach_params_per_s"]
-            if row["deepspeed_params_per_s"]:
-                row["tierflow_over_deepspeed"] = row["tierflow_params_per_s"] / row["deepspeed_params_per_s"]
-            row["roofline_gbps"] = 28 * row["roofline_params_per_s"] / 1e9
+            row["tierflow_over_roofline"] = rate["tierflow"] / rate["roofline"]
+            for peer in ("torch_fused", "torch_foreach", "deepspeed"):
+                if rate.get(peer):
+                    # Against the tierflow timing taken alongside that peer.
+                    mine = rate.get(f"tierflow_vs_{peer}", rate["tierflow"])
+                    row[f"tierflow_over_{peer}"] = mine / rate[peer]
+            row["roofline_gbps"] = 28 * rate["roofline"] / 1e9
             results.append(row)
-            ds_txt = f'{row["deepspeed_params_per_s"]:.3e}' if row["deepspeed_params_per_s"] else "n/a"
-            print(f'{n:.0e} {config:10s} tierflow {row["tierflow_params_per_s"]:.3e}/s  roofline '
-                  f'{row["roofline_params_per_s"]:.3e}/s ({row["tierflow_over_roofline"]:.2f})  torch fused '
-                  f'{row["torch_fused_params_per_s"]:.3e}  foreach {row["torch_foreach_params_per_s"]:.3e}  '
-                  f'deepspeed {ds_txt}', flush=True)
+            fmt = lambda x: f"{x:.3e}" if x else "n/a"  # noqa: E731
+            print(f'{n:.0e} {config:10s} tierflow {fmt(rate["tierflow"])}/s  roofline {fmt(rate["roofline"])}/s '
+                  f'({row["tierflow_over_roofline"]:.2f})  torch fused {fmt(rate.get("torch_fused"))} '
+                  f'foreach {fmt(rate.get("torch_foreach"))}  deepspeed {fmt(rate.get("deepspeed"))}  '
+                  + "  ".join(f"x{p[len('tierflow_over_'):]}={row[p]:.2f}" for p in row if p.startswith("tierflow_over_")),
+                  flush=True)
 
     head = results[0]
     out = {

@@ -7,6 +7,8 @@
 #include <thread>
 #include <cstring>
 
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
 #include "tierflow/allocator/device.hpp"
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/log.hpp"
@@ -174,8 +176,26 @@ void Runtime::adam_step_async(const optimizer::AdamOptions& options, std::int64_
                               std::vector<at::Tensor> max_exp_avg_sqs, std::vector<at::Tensor> grads,
                               std::vector<at::Tensor> params_out, AdamOutputs outputs) {
   if (!worker_) worker_ = std::make_unique<Worker>(this);
+  // Gradients still on the GPU are staged into the pinned pool through the
+  // copy engine (after the work queued on their stream); the step waits for it.
+  std::vector<swap::TransferHandle> staged;
+  std::vector<at::Tensor> device_grads;
+  for (auto& g : grads) {
+    if (!g.defined() || !g.is_cuda()) continue;
+    TIERFLOW_EXPECTS(engine_->device() == allocator::DeviceKind::kCuda && g.is_contiguous(),
+                     "adam_step_async: a CUDA gradient needs the CUDA backend and a contiguous gradient");
+    at::Tensor host = host_empty(g.sizes(), g.scalar_type(), false);
+    const auto* impl = c10::impl::getDeviceGuardImpl(g.device().type());
+    void* producer = impl->getStream(g.device()).native_handle();
+    staged.push_back(engine_->copy(swap::Direction::kDeviceToHost, host.data_ptr(), g.data_ptr(),
+                                   static_cast<std::size_t>(g.nbytes()), {}, producer));
+    device_grads.push_back(g);  // alive until its copy has run
+    g = host;
+  }
   worker_->push([=, this]() {
+    for (const auto& h : staged) h.wait();
     adam_step(options, step, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, grads, params_out, outputs);
+    (void)device_grads;
   });
 }
 

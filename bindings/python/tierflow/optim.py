@@ -126,6 +126,7 @@ class CPUAdamW(torch.optim.Optimizer):
         self._max_grad_norm = None if norm == "none" else float(norm)
         self._skip_nonfinite = cfg["TIERFLOW_SKIP_NONFINITE"] == "on"
         self._spec: dict = {}          # param -> speculative step in flight or done
+        self._pending_uploads: list = []
         self._grad_events: dict = {}   # param -> gradients completed since the last step()
         self._hooks = []
         self._gpu_fraction = float(cfg.get("TIERFLOW_GPU_OPTIMIZER_FRACTION", "0"))
@@ -135,7 +136,8 @@ class CPUAdamW(torch.optim.Optimizer):
         if self._overlap:
             for group in self.param_groups:
                 for p in group["params"]:
-                    if p.requires_grad and p.device.type == "cpu":
+                    cuda_ok = p.device.type == "cuda" and runtime.device == "cuda"
+                    if p.requires_grad and (p.device.type == "cpu" or cuda_ok):
                         self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
 
     def mark_master_stale(self) -> None:
@@ -237,6 +239,10 @@ class CPUAdamW(torch.optim.Optimizer):
         group = self._group_of(p)
         if group is None:
             return
+        if self._gpu_share is None:
+            self._gpu_share = self._assign_gpu_share()
+        if id(p) in self._gpu_share:
+            return  # steps on the GPU in step()
         options = self._options(group)
         state = self.state[p]
         if len(state) == 0:
@@ -245,22 +251,29 @@ class CPUAdamW(torch.optim.Optimizer):
             state["master"].copy_(p.detach())
         try:
             outs = [self._host(p, False) for _ in range(4 if options["amsgrad"] else 3)]
+            # A CUDA parameter is written back only when step() confirms: the new
+            # value waits in pinned memory, and taking a step back needs no restore.
+            staging = (self._runtime.host_empty(list(p.shape), _DTYPE_NAMES[p.dtype], False)
+                       if p.device.type == "cuda" else None)
         except _C.OutOfMemoryError:
             self.overlap_stats["held"] += 1
             return
         step = int(state["step"].item()) + 1
         vmax = state.get("max_exp_avg_sq") if options["amsgrad"] else None
+        param_out = staging if staging is not None else p.detach()
         self._runtime.adam_step_async(options, step, [state["master"]], [state["exp_avg"]], [state["exp_avg_sq"]],
-                                      [vmax], [grad], [p.detach()], [outs[0]], [outs[1]], [outs[2]],
+                                      [vmax], [grad], [param_out], [outs[0]], [outs[1]], [outs[2]],
                                       [outs[3] if options["amsgrad"] else None])
-        self._spec[p] = {"grad": grad, "version": grad._version, "options": options, "outs": outs, "step": step}
+        self._spec[p] = {"grad": grad, "version": grad._version, "options": options, "outs": outs, "step": step,
+                         "staging": staging}
         self.overlap_stats["early_steps"] += 1
 
     def _take_back(self, p: torch.Tensor) -> None:
         """Discards p's early step: the old state stays and p gets the old master back."""
         self._runtime.adam_wait()
-        self._spec.pop(p)
-        p.detach().copy_(self.state[p]["master"])
+        spec = self._spec.pop(p)
+        if spec["staging"] is None:  # a CPU parameter was written early: restore it
+            p.detach().copy_(self.state[p]["master"])
         self.overlap_stats["taken_back"] += 1
 
     def _take_back_all(self) -> None:
@@ -312,6 +325,10 @@ class CPUAdamW(torch.optim.Optimizer):
         else:
             for group in self.param_groups:
                 self._step_group(group, scale)
+        if self._pending_uploads:
+            # Pool-backed staging must outlive the asynchronous uploads that read it.
+            torch.cuda.current_stream().synchronize()
+            self._pending_uploads.clear()
         self._grad_events.clear()
         self._master_stale = False
         return loss
@@ -334,6 +351,9 @@ class CPUAdamW(torch.optim.Optimizer):
         if options["amsgrad"]:
             state["max_exp_avg_sq"] = outs[3]
         state["step"] += 1
+        if spec["staging"] is not None:
+            p.detach().copy_(spec["staging"], non_blocking=True)
+            self._pending_uploads.append(spec["staging"])
         self.overlap_stats["committed"] += 1
         return True
 
