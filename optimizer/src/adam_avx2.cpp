@@ -57,7 +57,7 @@ template <ScalarType G, int P, bool kDecoupled, bool kWd, bool kAmsgrad>
 TIERFLOW_AVX2 void run(const AdamTensor& t, const AdamScalars& s, std::size_t begin, std::size_t end) {
   const __m256 decay = _mm256_set1_ps(s.decay), wd = _mm256_set1_ps(s.wd);
   const __m256 w = _mm256_set1_ps(s.one_minus_b1), b2 = _mm256_set1_ps(s.b2);
-  const __m256 omb2 = _mm256_set1_ps(s.one_minus_b2), bc2 = _mm256_set1_ps(s.bc2_sqrt);
+  const __m256 omb2 = _mm256_set1_ps(s.one_minus_b2), inv_bc2 = _mm256_set1_ps(s.inv_bc2_sqrt);
   const __m256 eps = _mm256_set1_ps(s.eps), nss = _mm256_set1_ps(s.neg_step_size);
   const __m256 flip = _mm256_castsi256_ps(_mm256_set1_epi32(s.maximize ? static_cast<int>(0x80000000u) : 0));
   const __m256 scale = _mm256_set1_ps(s.grad_scale);
@@ -83,7 +83,7 @@ TIERFLOW_AVX2 void run(const AdamTensor& t, const AdamScalars& s, std::size_t be
       vd = _mm256_blendv_ps(vd, vmax, _mm256_cmp_ps(vmax, vmax, _CMP_UNORD_Q));
       _mm256_storeu_ps(out.max_exp_avg_sq + i, vd);
     }
-    const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vd), bc2), eps);
+    const __m256 denom = _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(vd), inv_bc2), eps);
     p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(nss, m), denom));
     _mm256_storeu_ps(out.master + i, p);
     _mm256_storeu_ps(out.exp_avg + i, m);

@@ -6,6 +6,9 @@
 // (which the copy-out must equal) does not.
 #include <immintrin.h>
 
+// GCC 12's AVX-512 headers trip -Wmaybe-uninitialized on masked intrinsics.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
 #include "adam_kernel.hpp"
 
 #define TIERFLOW_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma,f16c")))
@@ -60,43 +63,45 @@ template <ScalarType G, int P, bool kDecoupled, bool kWd, bool kAmsgrad>
 TIERFLOW_AVX512 void run(const AdamTensor& t, const AdamScalars& s, std::size_t begin, std::size_t end) {
   const __m512 decay = _mm512_set1_ps(s.decay), wd = _mm512_set1_ps(s.wd);
   const __m512 w = _mm512_set1_ps(s.one_minus_b1), b2 = _mm512_set1_ps(s.b2);
-  const __m512 omb2 = _mm512_set1_ps(s.one_minus_b2), bc2 = _mm512_set1_ps(s.bc2_sqrt);
+  const __m512 omb2 = _mm512_set1_ps(s.one_minus_b2), inv_bc2 = _mm512_set1_ps(s.inv_bc2_sqrt);
   const __m512 eps = _mm512_set1_ps(s.eps), nss = _mm512_set1_ps(s.neg_step_size);
   const __m512i flip = _mm512_set1_epi32(s.maximize ? static_cast<int>(0x80000000u) : 0);
   const __m512 scale = _mm512_set1_ps(s.grad_scale);
   const AdamOutputs out(t);
-  for (std::size_t i = begin; i < end; i += 16) {
-    const std::size_t left = end - i;
-    const __mmask16 k = left >= 16 ? static_cast<__mmask16>(0xffff)
-                                   : static_cast<__mmask16>((1u << left) - 1u);
-    __m512 g = load_grad<G>(t, i, k);
-    if (s.scale_grad) g = _mm512_mul_ps(g, scale);
-    g = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), flip));
-    __m512 p = _mm512_maskz_loadu_ps(k, t.master + i);
-    __m512 m = _mm512_maskz_loadu_ps(k, t.exp_avg + i);
-    __m512 v = _mm512_maskz_loadu_ps(k, t.exp_avg_sq + i);
-    if (kWd) {
-      if (kDecoupled) p = _mm512_mul_ps(p, decay);
-      else g = _mm512_fmadd_ps(wd, p, g);
-    }
-    m = _mm512_fmadd_ps(w, _mm512_sub_ps(g, m), m);
-    v = _mm512_fmadd_ps(_mm512_mul_ps(omb2, g), g, _mm512_mul_ps(v, b2));
-    __m512 vd = v;
-    if (kAmsgrad) {
-      const __m512 vmax = _mm512_maskz_loadu_ps(k, t.max_exp_avg_sq + i);
-      vd = _mm512_max_ps(vmax, v);  // returns v when either is NaN
-      vd = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(vmax, vmax, _CMP_UNORD_Q), vd, vmax);
-      _mm512_mask_storeu_ps(out.max_exp_avg_sq + i, k, vd);
-    }
-    const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vd), bc2), eps);
-    p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(nss, m), denom));
-    _mm512_mask_storeu_ps(out.master + i, k, p);
-    _mm512_mask_storeu_ps(out.exp_avg + i, k, m);
-    _mm512_mask_storeu_ps(out.exp_avg_sq + i, k, v);
-    store_param<P>(t, i, k, p);
-  }
+  // Full vectors unmasked (two at a time for independent work in flight), then one masked tail.
+  auto one = [&](std::size_t i, __mmask16 k) TIERFLOW_AVX512 {
+      __m512 g = load_grad<G>(t, i, k);
+      if (s.scale_grad) g = _mm512_mul_ps(g, scale);
+      g = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), flip));
+      __m512 p = _mm512_maskz_loadu_ps(k, t.master + i);
+      __m512 m = _mm512_maskz_loadu_ps(k, t.exp_avg + i);
+      __m512 v = _mm512_maskz_loadu_ps(k, t.exp_avg_sq + i);
+      if (kWd) {
+        if (kDecoupled) p = _mm512_mul_ps(p, decay);
+        else g = _mm512_fmadd_ps(wd, p, g);
+      }
+      m = _mm512_fmadd_ps(w, _mm512_sub_ps(g, m), m);
+      v = _mm512_fmadd_ps(_mm512_mul_ps(omb2, g), g, _mm512_mul_ps(v, b2));
+      __m512 vd = v;
+      if (kAmsgrad) {
+        const __m512 vmax = _mm512_maskz_loadu_ps(k, t.max_exp_avg_sq + i);
+        vd = _mm512_max_ps(vmax, v);  // returns v when either is NaN
+        vd = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(vmax, vmax, _CMP_UNORD_Q), vd, vmax);
+        _mm512_mask_storeu_ps(out.max_exp_avg_sq + i, k, vd);
+      }
+      const __m512 denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(vd), inv_bc2), eps);
+      p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(nss, m), denom));
+      _mm512_mask_storeu_ps(out.master + i, k, p);
+      _mm512_mask_storeu_ps(out.exp_avg + i, k, m);
+      _mm512_mask_storeu_ps(out.exp_avg_sq + i, k, v);
+      store_param<P>(t, i, k, p);
+  };
+  std::size_t i = begin;
+  const __mmask16 all = static_cast<__mmask16>(0xffff);
+#pragma GCC unroll 2
+  for (; i + 16 <= end; i += 16) one(i, all);
+  if (i < end) one(i, static_cast<__mmask16>((1u << (end - i)) - 1u));
 }
-
 }  // namespace
 
 namespace {

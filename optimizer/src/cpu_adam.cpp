@@ -3,6 +3,7 @@
 
 #include <oneapi/tbb/blocked_range.h>
 #include <oneapi/tbb/parallel_for.h>
+#include <oneapi/tbb/partitioner.h>
 #include <oneapi/tbb/task_arena.h>
 
 #include <algorithm>
@@ -15,8 +16,7 @@
 namespace tierflow::optimizer {
 namespace {
 
-// Elements per task: large enough to amortise scheduling, small enough to balance.
-constexpr std::size_t kChunkElements = 1 << 16;
+using detail::kChunkElements;
 
 struct Chunk {
   std::size_t tensor;
@@ -127,7 +127,7 @@ void CpuAdam::step(const AdamOptions& o, std::int64_t step, const std::vector<Ad
   s.one_minus_b1 = static_cast<float>(1.0 - o.beta1);
   s.b2 = static_cast<float>(o.beta2);
   s.one_minus_b2 = static_cast<float>(1.0 - o.beta2);
-  s.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  s.inv_bc2_sqrt = static_cast<float>(1.0 / std::sqrt(bc2));
   s.eps = static_cast<float>(o.eps);
   s.neg_step_size = static_cast<float>(-(o.lr / bc1));
 
@@ -145,7 +145,8 @@ void CpuAdam::step(const AdamOptions& o, std::int64_t step, const std::vector<Ad
                           const Chunk& ch = chunks[c];
                           kernel(tensors[ch.tensor], s, ch.begin, ch.end);
                         }
-                      });
+                      },
+                      tbb::static_partitioner());
   });
 }
 

@@ -14,7 +14,7 @@ namespace tierflow::optimizer {
 namespace {
 
 struct DeviceScalars {
-  float decay, wd, w, b2, omb2, bc2_sqrt, eps, neg_step, grad_scale;
+  float decay, wd, w, b2, omb2, inv_bc2_sqrt, eps, neg_step, grad_scale;
   bool has_wd, decoupled, maximize, amsgrad, scale_grad;
 };
 
@@ -59,7 +59,7 @@ __global__ void adam_kernel(float* __restrict__ master, float* __restrict__ m, f
       vd = (isnan(vi) || isnan(old)) ? __int_as_float(0x7fc00000) : fmaxf(old, vi);
       vmax[i] = vd;
     }
-    const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vd), s.bc2_sqrt), s.eps);
+    const float denom = __fadd_rn(__fmul_rn(__fsqrt_rn(vd), s.inv_bc2_sqrt), s.eps);
     p = __fadd_rn(p, __fdiv_rn(__fmul_rn(s.neg_step, mi), denom));
     master[i] = p;
     m[i] = mi;
@@ -103,7 +103,7 @@ void cuda_adam_step(const AdamOptions& o, std::int64_t step, const std::vector<A
   s.w = static_cast<float>(1.0 - o.beta1);
   s.b2 = static_cast<float>(o.beta2);
   s.omb2 = static_cast<float>(1.0 - o.beta2);
-  s.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  s.inv_bc2_sqrt = static_cast<float>(1.0 / std::sqrt(bc2));
   s.eps = static_cast<float>(o.eps);
   s.neg_step = static_cast<float>(-(o.lr / bc1));
   s.grad_scale = static_cast<float>(o.grad_scale);

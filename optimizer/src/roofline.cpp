@@ -1,8 +1,11 @@
 #include "tierflow/optimizer/roofline.hpp"
 
+#include "adam_kernel.hpp"
+
 #include <immintrin.h>
 #include <oneapi/tbb/blocked_range.h>
 #include <oneapi/tbb/parallel_for.h>
+#include <oneapi/tbb/partitioner.h>
 #include <oneapi/tbb/task_arena.h>
 
 #include <algorithm>
@@ -12,7 +15,7 @@
 namespace tierflow::optimizer {
 namespace {
 
-constexpr std::size_t kChunkElements = 1 << 16;  // as CpuAdam
+using detail::kChunkElements;  // as CpuAdam
 
 #define TIERFLOW_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
 
@@ -84,7 +87,8 @@ void AdamTrafficKernel::run(const std::vector<AdamTensor>& tensors) {
                           if (wide) traffic_avx512(tensors[ti], b, e);
                           else traffic_portable(tensors[ti], b, e);
                         }
-                      });
+                      },
+                      tbb::static_partitioner());
   });
 }
 
