@@ -172,23 +172,25 @@ def run_config(n: int, config: str, threads: int, repeats: int, together: bool) 
         times = measure(impls, repeats)
         del impls
     else:
-        # Too large to hold every implementation at once: tierflow and its roofline
-        # together, then each peer with tierflow again, so each ratio is same-moment.
         times = measure(core, repeats)
+    isa = tf.rt.stats()["optimizer"]["isa"]
+    if not together:
+        # Too large to hold two implementations at once (1e9 parameters are 16 GB
+        # each): tierflow with its roofline, then each peer alone. These ratios are
+        # not same-moment, so they carry the machine's drift between the runs.
+        del tf, core
+        gc.collect()
         for name, make in makers:
             try:
                 peer = make()
+                times[name] = measure([peer], repeats)[name]
             except Exception as e:  # noqa: BLE001
                 errors[name] = f"{type(e).__name__}: {str(e)[:300]}"
-                continue
-            both = measure([tf, peer], repeats)
-            times[name] = both[name]
-            times[f"tierflow_vs_{name}"] = both["tierflow"]
-            del peer
+            peer = None
             gc.collect()
-    isa = tf.rt.stats()["optimizer"]["isa"]
-    del tf, core
-    gc.collect()
+    else:
+        del tf, core
+        gc.collect()
     if ds_make is None:
         errors["deepspeed"] = ds_info
     return {"times": times, "errors": errors, "isa": isa, "deepspeed": ds_info}

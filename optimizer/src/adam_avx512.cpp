@@ -68,14 +68,58 @@ TIERFLOW_AVX512 void run(const AdamTensor& t, const AdamScalars& s, std::size_t 
   const __m512i flip = _mm512_set1_epi32(s.maximize ? static_cast<int>(0x80000000u) : 0);
   const __m512 scale = _mm512_set1_ps(s.grad_scale);
   const AdamOutputs out(t);
-  // Full vectors unmasked (two at a time for independent work in flight), then one masked tail.
-  auto one = [&](std::size_t i, __mmask16 k) TIERFLOW_AVX512 {
-      __m512 g = load_grad<G>(t, i, k);
+  // Four vectors per iteration, each operation issued for all four before the
+  // next: sqrt and div have long latencies, and independent work hides them
+  // (one vector at a time ran ~20% below memory speed when bandwidth was high).
+  // Then single vectors, then one masked tail.
+  constexpr int U = 4;
+  const __mmask16 all = static_cast<__mmask16>(0xffff);
+  std::size_t i = begin;
+  for (; i + 16 * U <= end; i += 16 * U) {
+    __m512 g[U], p[U], m[U], v[U], vd[U];
+    for (int u = 0; u < U; ++u) {
+      g[u] = load_grad<G>(t, i + 16 * u, all);
+      p[u] = _mm512_loadu_ps(t.master + i + 16 * u);
+      m[u] = _mm512_loadu_ps(t.exp_avg + i + 16 * u);
+      v[u] = _mm512_loadu_ps(t.exp_avg_sq + i + 16 * u);
+    }
+    for (int u = 0; u < U; ++u) {
+      if (s.scale_grad) g[u] = _mm512_mul_ps(g[u], scale);
+      g[u] = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g[u]), flip));
+      if (kWd) {
+        if (kDecoupled) p[u] = _mm512_mul_ps(p[u], decay);
+        else g[u] = _mm512_fmadd_ps(wd, p[u], g[u]);
+      }
+      m[u] = _mm512_fmadd_ps(w, _mm512_sub_ps(g[u], m[u]), m[u]);
+      v[u] = _mm512_fmadd_ps(_mm512_mul_ps(omb2, g[u]), g[u], _mm512_mul_ps(v[u], b2));
+      vd[u] = v[u];
+    }
+    if (kAmsgrad) {
+      for (int u = 0; u < U; ++u) {
+        const __m512 vmax = _mm512_loadu_ps(t.max_exp_avg_sq + i + 16 * u);
+        vd[u] = _mm512_max_ps(vmax, v[u]);
+        vd[u] = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(vmax, vmax, _CMP_UNORD_Q), vd[u], vmax);
+        _mm512_storeu_ps(out.max_exp_avg_sq + i + 16 * u, vd[u]);
+      }
+    }
+    __m512 denom[U];
+    for (int u = 0; u < U; ++u) denom[u] = _mm512_sqrt_ps(vd[u]);
+    for (int u = 0; u < U; ++u) denom[u] = _mm512_add_ps(_mm512_mul_ps(denom[u], inv_bc2), eps);
+    for (int u = 0; u < U; ++u) p[u] = _mm512_add_ps(p[u], _mm512_div_ps(_mm512_mul_ps(nss, m[u]), denom[u]));
+    for (int u = 0; u < U; ++u) {
+      _mm512_storeu_ps(out.master + i + 16 * u, p[u]);
+      _mm512_storeu_ps(out.exp_avg + i + 16 * u, m[u]);
+      _mm512_storeu_ps(out.exp_avg_sq + i + 16 * u, v[u]);
+      store_param<P>(t, i + 16 * u, all, p[u]);
+    }
+  }
+  auto one = [&](std::size_t j, __mmask16 k) TIERFLOW_AVX512 {
+      __m512 g = load_grad<G>(t, j, k);
       if (s.scale_grad) g = _mm512_mul_ps(g, scale);
       g = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), flip));
-      __m512 p = _mm512_maskz_loadu_ps(k, t.master + i);
-      __m512 m = _mm512_maskz_loadu_ps(k, t.exp_avg + i);
-      __m512 v = _mm512_maskz_loadu_ps(k, t.exp_avg_sq + i);
+      __m512 p = _mm512_maskz_loadu_ps(k, t.master + j);
+      __m512 m = _mm512_maskz_loadu_ps(k, t.exp_avg + j);
+      __m512 v = _mm512_maskz_loadu_ps(k, t.exp_avg_sq + j);
       if (kWd) {
         if (kDecoupled) p = _mm512_mul_ps(p, decay);
         else g = _mm512_fmadd_ps(wd, p, g);
@@ -84,21 +128,18 @@ TIERFLOW_AVX512 void run(const AdamTensor& t, const AdamScalars& s, std::size_t 
       v = _mm512_fmadd_ps(_mm512_mul_ps(omb2, g), g, _mm512_mul_ps(v, b2));
       __m512 vd = v;
       if (kAmsgrad) {
-        const __m512 vmax = _mm512_maskz_loadu_ps(k, t.max_exp_avg_sq + i);
+        const __m512 vmax = _mm512_maskz_loadu_ps(k, t.max_exp_avg_sq + j);
         vd = _mm512_max_ps(vmax, v);  // returns v when either is NaN
         vd = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(vmax, vmax, _CMP_UNORD_Q), vd, vmax);
-        _mm512_mask_storeu_ps(out.max_exp_avg_sq + i, k, vd);
+        _mm512_mask_storeu_ps(out.max_exp_avg_sq + j, k, vd);
       }
       const __m512 denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(vd), inv_bc2), eps);
       p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(nss, m), denom));
-      _mm512_mask_storeu_ps(out.master + i, k, p);
-      _mm512_mask_storeu_ps(out.exp_avg + i, k, m);
-      _mm512_mask_storeu_ps(out.exp_avg_sq + i, k, v);
-      store_param<P>(t, i, k, p);
+      _mm512_mask_storeu_ps(out.master + j, k, p);
+      _mm512_mask_storeu_ps(out.exp_avg + j, k, m);
+      _mm512_mask_storeu_ps(out.exp_avg_sq + j, k, v);
+      store_param<P>(t, j, k, p);
   };
-  std::size_t i = begin;
-  const __mmask16 all = static_cast<__mmask16>(0xffff);
-#pragma GCC unroll 2
   for (; i + 16 <= end; i += 16) one(i, all);
   if (i < end) one(i, static_cast<__mmask16>((1u << (end - i)) - 1u));
 }
