@@ -2,7 +2,7 @@
 # Installs what tierflow needs on this machine, then builds it. Idempotent: a
 # second run finds everything in place and only rebuilds what changed.
 #
-#   Debian packages  libaio-dev libtbb-dev libmimalloc-dev libgtest-dev libgmock-dev
+#   Debian packages  libaio-dev libtbb-dev libmimalloc-dev libxxhash-dev libgtest-dev libgmock-dev
 #   Python           a virtual environment in .venv (it sees system site-packages, so a
 #                    preinstalled torch on a GPU machine is used as is), torch 2.13.0
 #                    when no torch is importable, pybind11, scikit-build-core, cmake,
@@ -20,7 +20,7 @@ say() { printf '[setup] %s\n' "$*"; }
 die() { printf '[setup] error: %s\n' "$*" >&2; exit 1; }
 
 # ---- Debian packages ----------------------------------------------------------
-DEB_PACKAGES=(libaio-dev libtbb-dev libmimalloc-dev libgtest-dev libgmock-dev)
+DEB_PACKAGES=(libaio-dev libtbb-dev libmimalloc-dev libxxhash-dev libgtest-dev libgmock-dev)
 missing=()
 for p in "${DEB_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -10,39 +10,12 @@
 #include "tierflow/allocator/small_alloc.hpp"
 #include "tierflow/core/error.hpp"
 #include "tierflow/swap/copy_engine.hpp"
+#include "tierflow/swap/detail/host_event.hpp"
 
 namespace tierflow::swap {
 namespace {
 
-class EmulatedState final : public detail::TransferState {
- public:
-  explicit EmulatedState(std::size_t bytes) : bytes_(bytes) {}
-  bool ready() const override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return done_;
-  }
-  void wait() const override {
-    std::unique_lock<std::mutex> lock(mutex_);
-    cv_.wait(lock, [&] { return done_; });
-    if (error_) std::rethrow_exception(error_);
-  }
-  std::size_t bytes() const noexcept override { return bytes_; }
-  void finish(std::exception_ptr error) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      done_ = true;
-      error_ = std::move(error);
-    }
-    cv_.notify_all();
-  }
-
- private:
-  std::size_t bytes_;
-  mutable std::mutex mutex_;
-  mutable std::condition_variable cv_;
-  bool done_ = false;
-  std::exception_ptr error_;
-};
+using EmulatedState = detail::HostEvent;
 
 struct Task {
   void* dst;

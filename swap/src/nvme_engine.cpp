@@ -1,0 +1,499 @@
+// See Note [NVMe engine] in nvme_engine.hpp.
+#include "tierflow/swap/nvme_engine.hpp"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <libaio.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <set>
+#include <thread>
+#include <unordered_map>
+
+#include "tierflow/allocator/aligned_buffer.hpp"
+#include "tierflow/core/error.hpp"
+#include "tierflow/core/log.hpp"
+#include "tierflow/core/size.hpp"
+#include "tierflow/swap/detail/host_event.hpp"
+
+namespace tierflow::swap {
+namespace {
+
+constexpr std::size_t kAlign = allocator::kDirectIoAlignment;
+constexpr const char* kPrefix = "tierflow-swap-";
+
+std::string errno_text(int err) { return std::strerror(err); }
+
+// Best-fit free list over one file, coalescing on free.
+class ExtentAllocator {
+ public:
+  explicit ExtentAllocator(std::uint64_t bytes) { insert(0, bytes); }
+  bool allocate(std::uint64_t bytes, std::uint64_t* offset) {
+    auto it = by_size_.lower_bound({bytes, 0});
+    if (it == by_size_.end()) return false;
+    auto [size, off] = *it;
+    by_size_.erase(it);
+    by_offset_.erase(off);
+    if (size > bytes) insert(off + bytes, size - bytes);
+    *offset = off;
+    return true;
+  }
+  void free(std::uint64_t off, std::uint64_t bytes) {
+    auto next = by_offset_.lower_bound(off);
+    if (next != by_offset_.end() && off + bytes == next->first) {
+      by_size_.erase({next->second, next->first});
+      bytes += next->second;
+      next = by_offset_.erase(next);
+    }
+    if (next != by_offset_.begin()) {
+      auto prev = std::prev(next);
+      if (prev->first + prev->second == off) {
+        by_size_.erase({prev->second, prev->first});
+        off = prev->first;
+        bytes += prev->second;
+        by_offset_.erase(prev);
+      }
+    }
+    insert(off, bytes);
+  }
+
+ private:
+  void insert(std::uint64_t off, std::uint64_t bytes) {
+    if (bytes == 0) return;
+    by_offset_.emplace(off, bytes);
+    by_size_.insert({bytes, off});
+  }
+  std::map<std::uint64_t, std::uint64_t> by_offset_;
+  std::set<std::pair<std::uint64_t, std::uint64_t>> by_size_;
+};
+
+struct BlockInfo {
+  std::uint64_t bytes = 0;                 // rounded capacity
+  std::vector<std::uint64_t> offsets;      // per path: start of this block's extent
+  std::vector<std::uint64_t> lengths;      // per path: extent length
+  std::uint64_t written = 0;               // bytes of the last successful write
+  std::uint64_t checksum = 0;
+  bool valid = false;
+  int inflight = 0;
+};
+
+// One user operation (a block read or write), split into aio requests.
+struct Operation {
+  bool is_write = false;
+  NvmeBlock block = 0;
+  std::uint64_t bytes = 0;          // user bytes
+  std::byte* io_buffer = nullptr;   // aligned buffer the requests use
+  allocator::AlignedBuffer staging; // owns io_buffer when the user's buffer is unaligned
+  void* user = nullptr;             // read destination to copy into when staged
+  std::uint64_t checksum = 0;       // write: of the source
+  int remaining = 0;
+  int error = 0;                    // first errno
+  std::string error_what;
+  std::shared_ptr<detail::HostEvent> event;
+};
+
+struct Request {
+  iocb cb;
+  Operation* op;
+  std::size_t path;
+  std::uint64_t length;
+};
+
+}  // namespace
+
+struct NvmeEngine::Impl {
+  NvmeEngineOptions o;
+  std::vector<int> fds;
+  std::vector<std::string> files;
+  std::vector<ExtentAllocator> space;
+  io_context_t ctx{};
+  mutable std::mutex mutex;
+  std::condition_variable cv, idle;
+  std::unordered_map<NvmeBlock, BlockInfo> blocks;
+  NvmeBlock next_block = 1;
+  std::deque<Request*> queue;
+  std::size_t inflight = 0;
+  std::size_t pending_ops = 0;
+  bool stop = false;
+  NvmeEngineStats st;
+  std::thread thread;
+
+  explicit Impl(NvmeEngineOptions opts) : o(std::move(opts)) {
+    TIERFLOW_EXPECTS(!o.paths.empty(), "NvmeEngine: no path given (set TIERFLOW_NVME_PATHS)");
+    TIERFLOW_EXPECTS(o.block_bytes >= kAlign && o.block_bytes % kAlign == 0,
+                     "NvmeEngine: block size must be a multiple of 4096, got " + std::to_string(o.block_bytes));
+    TIERFLOW_EXPECTS(o.queue_depth >= 1, "NvmeEngine: queue depth must be at least 1");
+    o.bytes_per_path = o.bytes_per_path / kAlign * kAlign;
+    NvmeEngine::remove_stale_files(o.paths);
+    static std::atomic<int> counter{0};
+    try {
+      for (const auto& dir : o.paths) {
+        std::string file = dir + "/" + kPrefix + std::to_string(getpid()) + "-" + std::to_string(counter++) + ".bin";
+        int fd = ::open(file.c_str(), O_RDWR | O_CREAT | O_EXCL | O_DIRECT | O_CLOEXEC, 0600);
+        if (fd < 0) {
+          int err = errno;
+          throw io_error(err, "NvmeEngine: open(" + file + ", O_DIRECT) failed: " + errno_text(err) +
+                                  (err == EINVAL ? " (the file system does not support O_DIRECT)" : ""));
+        }
+        fds.push_back(fd);
+        files.push_back(file);
+        int rc = posix_fallocate(fd, 0, static_cast<off_t>(o.bytes_per_path));
+        if (rc != 0) {
+          throw io_error(rc, "NvmeEngine: fallocate(" + file + ", " + format_bytes(o.bytes_per_path) +
+                                 ") failed: " + errno_text(rc) + "; lower TIERFLOW_NVME_MEMORY or free space");
+        }
+        space.emplace_back(o.bytes_per_path);
+      }
+      int rc = io_setup(static_cast<int>(o.queue_depth), &ctx);
+      if (rc < 0) throw io_error(-rc, "NvmeEngine: io_setup(" + std::to_string(o.queue_depth) + ") failed: " + errno_text(-rc));
+    } catch (...) {
+      close_and_remove();
+      throw;
+    }
+    st.bytes_capacity = o.bytes_per_path * o.paths.size();
+    thread = std::thread([this] { loop(); });
+  }
+
+  ~Impl() {
+    {
+      std::unique_lock<std::mutex> lock(mutex);
+      idle.wait(lock, [&] { return pending_ops == 0; });
+      stop = true;
+    }
+    cv.notify_all();
+    if (thread.joinable()) thread.join();
+    io_destroy(ctx);
+    close_and_remove();
+  }
+
+  void close_and_remove() noexcept {
+    for (int fd : fds) ::close(fd);
+    for (const auto& f : files) {
+      if (::unlink(f.c_str()) != 0 && errno != ENOENT)
+        log(LogLevel::kWarn, "NvmeEngine: could not remove " + f + ": " + errno_text(errno));
+    }
+    fds.clear();
+    files.clear();
+  }
+
+  // Splits a block into stripes: stripe k on path k % P at index k / P of that path's extent.
+  void plan(Operation* op, const BlockInfo& b, std::vector<Request*>* out) {
+    const std::size_t P = fds.size();
+    const std::uint64_t total = allocator::round_up(op->bytes, kAlign);
+    std::uint64_t pos = 0;
+    for (std::uint64_t k = 0; pos < total; ++k) {
+      const std::size_t p = k % P;
+      const std::uint64_t len = std::min<std::uint64_t>(o.block_bytes, total - pos);
+      auto* r = new Request{};
+      r->op = op;
+      r->path = p;
+      r->length = len;
+      const std::uint64_t off = b.offsets[p] + (k / P) * o.block_bytes;
+      if (op->is_write) io_prep_pwrite(&r->cb, fds[p], op->io_buffer + pos, len, static_cast<long long>(off));
+      else io_prep_pread(&r->cb, fds[p], op->io_buffer + pos, len, static_cast<long long>(off));
+      r->cb.data = r;
+      out->push_back(r);
+      pos += len;
+    }
+  }
+
+  void loop() {
+    std::vector<io_event> events(o.queue_depth);
+    std::vector<iocb*> batch;
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> lock(mutex);
+        cv.wait(lock, [&] { return stop || !queue.empty() || inflight > 0; });
+        if (stop && queue.empty() && inflight == 0) return;
+        batch.clear();
+        while (!queue.empty() && inflight + batch.size() < o.queue_depth) {
+          batch.push_back(&queue.front()->cb);
+          queue.pop_front();
+        }
+      }
+      std::size_t done = 0;
+      while (done < batch.size()) {
+        int rc = io_submit(ctx, static_cast<long>(batch.size() - done), batch.data() + done);
+        if (rc == -EAGAIN) {
+          std::this_thread::yield();
+          continue;
+        }
+        if (rc < 0) {
+          // Nothing from here on was submitted: fail those requests with the reason.
+          for (std::size_t i = done; i < batch.size(); ++i) complete(static_cast<Request*>(batch[i]->data), rc);
+          break;
+        }
+        {
+          std::lock_guard<std::mutex> lock(mutex);
+          inflight += static_cast<std::size_t>(rc);
+        }
+        done += static_cast<std::size_t>(rc);
+      }
+      std::size_t now_inflight;
+      {
+        std::lock_guard<std::mutex> lock(mutex);
+        now_inflight = inflight;
+      }
+      if (now_inflight == 0) continue;
+      timespec timeout{0, 2'000'000};  // wake up to submit new requests
+      int n = io_getevents(ctx, 1, static_cast<long>(events.size()), events.data(), &timeout);
+      if (n < 0 && n != -EINTR) {
+        log(LogLevel::kError, "NvmeEngine: io_getevents failed: " + errno_text(-n));
+        continue;
+      }
+      for (int i = 0; i < n; ++i) {
+        {
+          std::lock_guard<std::mutex> lock(mutex);
+          --inflight;
+        }
+        complete(static_cast<Request*>(events[i].data), static_cast<long>(events[i].res));
+      }
+    }
+  }
+
+  // res: bytes transferred, or -errno.
+  void complete(Request* r, long res) {
+    Operation* op = r->op;
+    if (o.faults) {
+      auto take = [](std::atomic<int>& n) {
+        int v = n.load();
+        while (v > 0 && !n.compare_exchange_weak(v, v - 1)) {
+        }
+        return v > 0;
+      };
+      if (op->is_write ? take(o.faults->fail_writes) : take(o.faults->fail_reads)) res = -o.faults->error;
+      else if (op->is_write ? take(o.faults->short_writes) : take(o.faults->short_reads)) res = static_cast<long>(r->length / 2);
+      else if (!op->is_write && res > 0 && take(o.faults->corrupt_reads))
+        static_cast<unsigned char*>(r->cb.u.c.buf)[0] ^= 0x5a;
+    }
+    const char* what = op->is_write ? "write" : "read";
+    if (op->error == 0) {
+      if (res < 0) {
+        op->error = static_cast<int>(-res);
+        op->error_what = std::string("NvmeEngine: ") + what + " of " + format_bytes(r->length) + " at offset " +
+                         std::to_string(r->cb.u.c.offset) + " in " + files[r->path] + " failed: " + errno_text(op->error);
+      } else if (static_cast<std::uint64_t>(res) != r->length) {
+        op->error = EIO;
+        op->error_what = std::string("NvmeEngine: short ") + what + " in " + files[r->path] + ": " +
+                         std::to_string(res) + " of " + std::to_string(r->length) + " bytes at offset " +
+                         std::to_string(r->cb.u.c.offset);
+      }
+    }
+    delete r;
+    if (--op->remaining > 0) return;
+    finish(op);
+  }
+
+  void finish(Operation* op) {
+    std::exception_ptr error;
+    if (!op->is_write && op->error == 0) {
+      std::uint64_t expected = 0;
+      {
+        std::lock_guard<std::mutex> lock(mutex);
+        expected = blocks[op->block].checksum;
+      }
+      if (o.checksums && XXH3_64bits(op->io_buffer, op->bytes) != expected) {
+        op->error = EIO;
+        op->error_what = "NvmeEngine: checksum mismatch reading block " + std::to_string(op->block) + " (" +
+                         format_bytes(op->bytes) + ") from " + files_of_block() + ": the data on disk is corrupt";
+      } else if (op->user) {
+        std::memcpy(op->user, op->io_buffer, op->bytes);
+      }
+    }
+    if (op->error) error = std::make_exception_ptr(io_error(op->error, op->error_what));
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      BlockInfo& b = blocks[op->block];
+      --b.inflight;
+      if (op->is_write) {
+        b.valid = op->error == 0;  // a failed write never leaves the block valid
+        if (b.valid) {
+          b.written = op->bytes;
+          b.checksum = op->checksum;
+        }
+      }
+      if (op->error) ++st.failures;
+      else if (op->is_write) { st.bytes_written += op->bytes; ++st.write_ops; }
+      else { st.bytes_read += op->bytes; ++st.read_ops; }
+      --pending_ops;
+    }
+    op->event->finish(error);
+    delete op;
+    idle.notify_all();
+  }
+
+  std::string files_of_block() const {
+    std::string s;
+    for (std::size_t i = 0; i < files.size(); ++i) s += (i ? ", " : "") + files[i];
+    return s;
+  }
+
+  TransferHandle submit(NvmeBlock block, bool is_write, void* buffer, std::uint64_t bytes) {
+    auto event = std::make_shared<detail::HostEvent>(bytes);
+    auto* op = new Operation;
+    op->is_write = is_write;
+    op->block = block;
+    op->bytes = bytes;
+    op->event = event;
+    std::vector<Request*> reqs;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      auto it = blocks.find(block);
+      if (it == blocks.end()) {
+        delete op;
+        throw logic_error("NvmeEngine: unknown block " + std::to_string(block));
+      }
+      BlockInfo& b = it->second;
+      if (bytes > b.bytes) {
+        delete op;
+        throw logic_error("NvmeEngine: " + std::string(is_write ? "write" : "read") + " of " + format_bytes(bytes) +
+                          " into a block of " + format_bytes(b.bytes));
+      }
+      if (!is_write && (!b.valid || b.written != bytes)) {
+        delete op;
+        throw io_error(EIO, "NvmeEngine: read of block " + std::to_string(block) +
+                                (b.valid ? " asks for " + format_bytes(bytes) + " but " + format_bytes(b.written) + " were written"
+                                         : " which holds no valid data (its last write failed or never happened)"));
+      }
+      if (is_write) b.valid = false;  // until this write completes
+      ++b.inflight;
+      ++pending_ops;
+    }
+    const bool aligned = allocator::is_aligned(buffer, kAlign) && bytes % kAlign == 0;
+    if (aligned) {
+      op->io_buffer = static_cast<std::byte*>(buffer);
+    } else {
+      op->staging = allocator::AlignedBuffer(bytes == 0 ? kAlign : bytes);
+      op->io_buffer = op->staging.data();
+      if (is_write) std::memcpy(op->io_buffer, buffer, bytes);
+      else op->user = buffer;
+    }
+    if (is_write && o.checksums) op->checksum = XXH3_64bits(op->io_buffer, bytes);
+    BlockInfo copy;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      copy = blocks[block];
+    }
+    plan(op, copy, &reqs);
+    op->remaining = static_cast<int>(reqs.size());
+    if (reqs.empty()) {  // zero bytes
+      op->remaining = 1;
+      auto* r = new Request{};
+      r->op = op;
+      r->length = 0;
+      complete(r, 0);
+      return TransferHandle(event);
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      for (auto* r : reqs) queue.push_back(r);
+    }
+    cv.notify_all();
+    return TransferHandle(event);
+  }
+};
+
+NvmeEngine::NvmeEngine(NvmeEngineOptions options) : impl_(std::make_unique<Impl>(std::move(options))) {}
+
+NvmeEngine::~NvmeEngine() = default;
+
+NvmeBlock NvmeEngine::allocate(std::uint64_t bytes) {
+  auto& m = *impl_;
+  const std::size_t P = m.fds.size();
+  const std::uint64_t total = allocator::round_up(bytes == 0 ? kAlign : bytes, kAlign);
+  const std::uint64_t stripes = (total + m.o.block_bytes - 1) / m.o.block_bytes;
+  BlockInfo b;
+  b.bytes = total;
+  b.offsets.assign(P, 0);
+  b.lengths.assign(P, 0);
+  for (std::size_t p = 0; p < P; ++p) {
+    const std::uint64_t mine = stripes / P + (p < stripes % P ? 1 : 0);
+    // The last stripe may be partial; a full stripe per slot keeps the layout simple.
+    b.lengths[p] = std::min<std::uint64_t>(mine * m.o.block_bytes, allocator::round_up(total, kAlign));
+  }
+  std::lock_guard<std::mutex> lock(m.mutex);
+  for (std::size_t p = 0; p < P; ++p) {
+    if (b.lengths[p] == 0) continue;
+    if (!m.space[p].allocate(b.lengths[p], &b.offsets[p])) {
+      for (std::size_t q = 0; q < p; ++q)
+        if (b.lengths[q]) m.space[q].free(b.offsets[q], b.lengths[q]);
+      throw out_of_memory("NVMe tier full: cannot place " + format_bytes(bytes) + " in " + m.files[p] + " (" +
+                          format_bytes(m.st.bytes_in_use) + " of " + format_bytes(m.st.bytes_capacity) +
+                          " in use); raise TIERFLOW_NVME_MEMORY or add paths to TIERFLOW_NVME_PATHS");
+    }
+  }
+  for (auto l : b.lengths) m.st.bytes_in_use += l;
+  NvmeBlock id = m.next_block++;
+  m.blocks.emplace(id, std::move(b));
+  return id;
+}
+
+void NvmeEngine::release(NvmeBlock block) noexcept {
+  auto& m = *impl_;
+  std::unique_lock<std::mutex> lock(m.mutex);
+  auto it = m.blocks.find(block);
+  if (it == m.blocks.end()) return;
+  m.idle.wait(lock, [&] { return m.blocks[block].inflight == 0; });
+  BlockInfo& b = m.blocks[block];
+  for (std::size_t p = 0; p < b.offsets.size(); ++p) {
+    if (b.lengths[p]) m.space[p].free(b.offsets[p], b.lengths[p]);
+    m.st.bytes_in_use -= b.lengths[p];
+  }
+  m.blocks.erase(block);
+}
+
+TransferHandle NvmeEngine::write(NvmeBlock block, const void* src, std::uint64_t bytes) {
+  return impl_->submit(block, true, const_cast<void*>(src), bytes);
+}
+
+TransferHandle NvmeEngine::read(NvmeBlock block, void* dst, std::uint64_t bytes) {
+  return impl_->submit(block, false, dst, bytes);
+}
+
+bool NvmeEngine::valid(NvmeBlock block) const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  auto it = impl_->blocks.find(block);
+  return it != impl_->blocks.end() && it->second.valid;
+}
+
+NvmeEngineStats NvmeEngine::stats() const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  return impl_->st;
+}
+
+std::vector<std::string> NvmeEngine::files() const { return impl_->files; }
+
+std::size_t NvmeEngine::remove_stale_files(const std::vector<std::string>& paths) {
+  std::size_t removed = 0;
+  const std::string prefix = kPrefix;
+  for (const auto& dir : paths) {
+    DIR* d = ::opendir(dir.c_str());
+    if (!d) continue;
+    while (dirent* e = ::readdir(d)) {
+      std::string name = e->d_name;
+      if (name.rfind(prefix, 0) != 0) continue;
+      const long pid = std::strtol(name.c_str() + prefix.size(), nullptr, 10);
+      if (pid <= 0 || pid == getpid()) continue;
+      if (::kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM) continue;  // still running
+      const std::string path = dir + "/" + name;
+      if (::unlink(path.c_str()) == 0) {
+        ++removed;
+        log(LogLevel::kInfo, "removed swap file left by process " + std::to_string(pid) + ": " + path);
+      }
+    }
+    ::closedir(d);
+  }
+  return removed;
+}
+
+}  // namespace tierflow::swap
