@@ -103,6 +103,31 @@ const std::vector<Row>& rows() {
       {{"TIERFLOW_NVME_MEMORY", "90%", kBudgetForms,
         "NVMe tier budget; a percentage is of the free space under TIERFLOW_NVME_PATHS"},
        budget_parser(&Config::nvme_memory)},
+      {{"TIERFLOW_AIO_BLOCK_SIZE", "1MiB", "a multiple of 4KiB from 4KiB to 64MiB, e.g. 1MiB",
+        "request size of NVMe I/O; a block is striped over the paths in requests of this size"},
+       [](Config& c, std::string_view name, std::string_view v) {
+         auto s = parse_size(v);
+         if (!s || *s < 4 * KiB || *s > 64 * MiB || *s % (4 * KiB) != 0)
+           bad_value(name, v, "a multiple of 4KiB from 4KiB to 64MiB, e.g. 1MiB");
+         c.aio_block_size = *s;
+       }},
+      {{"TIERFLOW_AIO_QUEUE_DEPTH", "32", "an integer from 1 to 1024",
+        "NVMe requests kept in flight"},
+       [](Config& c, std::string_view name, std::string_view v) {
+         std::string s = trim(v);
+         char* end = nullptr;
+         long n = std::strtol(s.c_str(), &end, 10);
+         if (s.empty() || *end != '\0' || n < 1 || n > 1024) bad_value(name, v, "an integer from 1 to 1024");
+         c.aio_queue_depth = static_cast<int>(n);
+       }},
+      {{"TIERFLOW_NVME_CHECKSUM", "on", "on or off",
+        "checksum every block written to NVMe (XXH3) and verify it on read"},
+       [](Config& c, std::string_view name, std::string_view v) {
+         std::string s = lower(trim(v));
+         if (s == "on") c.nvme_checksum = true;
+         else if (s == "off") c.nvme_checksum = false;
+         else bad_value(name, v, "on or off");
+       }},
       {{"TIERFLOW_OFFLOAD_ACTIVATIONS", "host", "one of none, host, nvme, auto",
         "where tensors saved for backward go: none keeps them on the device, host swaps them to "
         "the pinned host pool, auto swaps only what exceeds TIERFLOW_GPU_MEMORY"},
@@ -357,6 +382,9 @@ std::map<std::string, std::string> Config::to_strings() const {
       {"TIERFLOW_HOST_MEMORY", host_memory.to_string()},
       {"TIERFLOW_NVME_PATHS", paths},
       {"TIERFLOW_NVME_MEMORY", nvme_memory.to_string()},
+      {"TIERFLOW_AIO_BLOCK_SIZE", std::to_string(aio_block_size)},
+      {"TIERFLOW_AIO_QUEUE_DEPTH", std::to_string(aio_queue_depth)},
+      {"TIERFLOW_NVME_CHECKSUM", nvme_checksum ? "on" : "off"},
       {"TIERFLOW_OFFLOAD_ACTIVATIONS", std::string(to_string(offload_activations))},
       {"TIERFLOW_OFFLOAD_PARAMS", std::string(to_string(offload_params))},
       {"TIERFLOW_OFFLOAD_OPTIMIZER", std::string(to_string(offload_optimizer))},

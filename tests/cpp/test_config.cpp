@@ -136,6 +136,10 @@ TEST(Config, BadValuesNameVariableValueAndForms) {
   expect_error({{"TIERFLOW_OVERLAP_STEP", "yes"}}, {}, {"TIERFLOW_OVERLAP_STEP", "on or off"});
   expect_error({{"TIERFLOW_SKIP_NONFINITE", "1"}}, {}, {"TIERFLOW_SKIP_NONFINITE", "on or off"});
   expect_error({{"TIERFLOW_GPU_OPTIMIZER_FRACTION", "1.5"}}, {}, {"TIERFLOW_GPU_OPTIMIZER_FRACTION", "from 0 to 1"});
+  expect_error({{"TIERFLOW_AIO_BLOCK_SIZE", "1000"}}, {}, {"TIERFLOW_AIO_BLOCK_SIZE", "multiple of 4KiB"});
+  expect_error({{"TIERFLOW_AIO_BLOCK_SIZE", "128MiB"}}, {}, {"TIERFLOW_AIO_BLOCK_SIZE"});
+  expect_error({{"TIERFLOW_AIO_QUEUE_DEPTH", "0"}}, {}, {"TIERFLOW_AIO_QUEUE_DEPTH", "from 1 to 1024"});
+  expect_error({{"TIERFLOW_NVME_CHECKSUM", "maybe"}}, {}, {"TIERFLOW_NVME_CHECKSUM", "on or off"});
   expect_error({{"TIERFLOW_MIMALLOC", "maybe"}}, {}, {"TIERFLOW_MIMALLOC", "on or off"});
 }
 

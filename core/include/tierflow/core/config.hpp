@@ -42,6 +42,9 @@ struct Config {
   Budget host_memory;                     ///< TIERFLOW_HOST_MEMORY
   std::vector<std::string> nvme_paths;    ///< TIERFLOW_NVME_PATHS
   Budget nvme_memory;                     ///< TIERFLOW_NVME_MEMORY
+  std::uint64_t aio_block_size = 0;       ///< TIERFLOW_AIO_BLOCK_SIZE
+  int aio_queue_depth = 0;                ///< TIERFLOW_AIO_QUEUE_DEPTH
+  bool nvme_checksum = true;              ///< TIERFLOW_NVME_CHECKSUM
   OffloadTarget offload_activations{};    ///< TIERFLOW_OFFLOAD_ACTIVATIONS
   OffloadTarget offload_params{};         ///< TIERFLOW_OFFLOAD_PARAMS
   OffloadTarget offload_optimizer{};      ///< TIERFLOW_OFFLOAD_OPTIMIZER

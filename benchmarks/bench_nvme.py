@@ -1,0 +1,119 @@
+"""NVMe tier benchmark: tierflow's libaio engine against fio, same request size,
+queue depth, O_DIRECT, file size and file system, back to back in one run.
+
+    PYTHONPATH=bindings/python .venv/bin/python benchmarks/bench_nvme.py [--dir DIR] [--bytes 2GiB]
+
+Both write and then read one preallocated file sequentially in requests of the
+block size with the queue depth in flight. fio's file is preallocated like
+tierflow's (fallocate), so neither pays for extending a file. Each figure is
+the best of --repeats runs, and tierflow and fio alternate so both see the
+same disk. Writes benchmarks/results/nvme.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENGINE = os.path.join(ROOT, "build", "dev", "benchmarks", "bench_nvme_engine")
+SIZES = {"64KiB": 64 << 10, "256KiB": 256 << 10, "1MiB": 1 << 20, "4MiB": 4 << 20, "16MiB": 16 << 20}
+
+
+def parse_size(text: str) -> int:
+    units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+    for u, m in units.items():
+        if text.endswith(u):
+            return int(float(text[: -len(u)]) * m)
+    return int(text)
+
+
+def tierflow_run(dirs: list[str], nbytes: int, bs: int, qd: int) -> dict:
+    out = subprocess.run([ENGINE, "--dirs", ",".join(dirs), "--bytes", str(nbytes), "--bs", str(bs),
+                          "--qd", str(qd), "--repeats", "1"], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+def fio_run(path: str, nbytes: int, bs: int, qd: int, rw: str) -> float:
+    cmd = ["fio", "--name=t", f"--filename={path}", f"--rw={rw}", f"--bs={bs}", f"--iodepth={qd}",
+           "--direct=1", "--ioengine=libaio", f"--size={nbytes}", "--fallocate=none", "--output-format=json",
+           "--numjobs=1", "--thread"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    job = json.loads(out.stdout)["jobs"][0]
+    key = "write" if rw == "write" else "read"
+    return job[key]["bw_bytes"] / 1e9
+
+
+def compare(dirs: list[str], nbytes: int, bs: int, qd: int, repeats: int) -> dict:
+    fio_file = os.path.join(dirs[0], "fio-bench.bin")
+    with open(fio_file, "wb") as f:
+        os.posix_fallocate(f.fileno(), 0, nbytes)
+    best = {"read_gbps": 0.0, "write_gbps": 0.0, "fio_read_gbps": 0.0, "fio_write_gbps": 0.0}
+    try:
+        for _ in range(repeats):
+            t = tierflow_run(dirs, nbytes, bs, qd)
+            best["write_gbps"] = max(best["write_gbps"], t["write_gbps"])
+            best["read_gbps"] = max(best["read_gbps"], t["read_gbps"])
+            best["fio_write_gbps"] = max(best["fio_write_gbps"], fio_run(fio_file, nbytes, bs, qd, "write"))
+            best["fio_read_gbps"] = max(best["fio_read_gbps"], fio_run(fio_file, nbytes, bs, qd, "read"))
+    finally:
+        os.unlink(fio_file)
+    best["read_over_fio"] = best["read_gbps"] / best["fio_read_gbps"]
+    best["write_over_fio"] = best["write_gbps"] / best["fio_write_gbps"]
+    best.update({"block_bytes": bs, "queue_depth": qd, "bytes": nbytes, "paths": len(dirs)})
+    return best
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description="tierflow NVMe engine vs fio")
+    ap.add_argument("--dir", default=os.path.join(ROOT, "build", "nvme-bench"),
+                    help="directory on the file system to measure (not tmpfs)")
+    ap.add_argument("--bytes", default="1GiB")
+    ap.add_argument("--qd", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "nvme.json"))
+    args = ap.parse_args()
+    if not shutil.which("fio"):
+        print("fio is not installed (Debian package fio; `make bench` installs it)", file=sys.stderr)
+        return 1
+    nbytes = parse_size(args.bytes)
+    os.makedirs(args.dir, exist_ok=True)
+    work = tempfile.mkdtemp(dir=args.dir)
+    a, b = os.path.join(work, "a"), os.path.join(work, "b")
+    os.makedirs(a)
+    os.makedirs(b)
+    try:
+        head = compare([a], nbytes, 1 << 20, args.qd, args.repeats)
+        print(f"1MiB qd{args.qd}: write {head['write_gbps']:.2f} GB/s (fio {head['fio_write_gbps']:.2f}, "
+              f"{head['write_over_fio']:.2f}), read {head['read_gbps']:.2f} GB/s (fio {head['fio_read_gbps']:.2f}, "
+              f"{head['read_over_fio']:.2f})", flush=True)
+        sweep = []
+        for name, bs in SIZES.items():
+            r = compare([a], nbytes, bs, args.qd, max(1, args.repeats - 1))
+            sweep.append(r)
+            print(f"  {name:>6}: write x{r['write_over_fio']:.2f} read x{r['read_over_fio']:.2f} "
+                  f"({r['write_gbps']:.2f}/{r['read_gbps']:.2f} GB/s)", flush=True)
+        striped = compare([a, b], nbytes, 1 << 20, args.qd, max(1, args.repeats - 1))
+        print(f"striped over 2 paths (one file system): write {striped['write_gbps']:.2f} read "
+              f"{striped['read_gbps']:.2f} GB/s", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    result = dict(head)
+    result.update({"sweep": sweep, "striped_two_paths": striped,
+                   "file_system": subprocess.run(["df", "-T", args.dir], capture_output=True, text=True).stdout})
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    tmp = args.out + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=2)
+    os.replace(tmp, args.out)
+    print("wrote", args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+// Times tierflow's NVMe engine: one block of --bytes written then read back,
+// striped over --dirs in requests of --bs with --qd in flight, O_DIRECT.
+// Prints one JSON object. benchmarks/bench_nvme.py runs it beside fio.
+//
+//   bench_nvme_engine --dirs /mnt/a[,/mnt/b] --bytes 2GiB --bs 1MiB --qd 32 [--repeats 3]
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "tierflow/allocator/aligned_buffer.hpp"
+#include "tierflow/core/size.hpp"
+#include "tierflow/swap/nvme_engine.hpp"
+
+using namespace tierflow;
+
+int main(int argc, char** argv) {
+  std::vector<std::string> dirs;
+  std::uint64_t bytes = 1ULL << 30, bs = 1 << 20;
+  unsigned qd = 32;
+  int repeats = 3;
+  bool checksums = false;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    std::string k = argv[i], v = argv[i + 1];
+    if (k == "--dirs") {
+      std::stringstream ss(v);
+      std::string d;
+      while (std::getline(ss, d, ',')) dirs.push_back(d);
+    } else if (k == "--bytes") {
+      bytes = parse_size(v).value_or(0);
+    } else if (k == "--bs") {
+      bs = parse_size(v).value_or(0);
+    } else if (k == "--qd") {
+      qd = static_cast<unsigned>(std::stoul(v));
+    } else if (k == "--repeats") {
+      repeats = std::stoi(v);
+    } else if (k == "--checksums") {
+      checksums = v == "on";
+    } else {
+      std::fprintf(stderr, "unknown option %s; accepted: --dirs --bytes --bs --qd --repeats --checksums\n", k.c_str());
+      return 2;
+    }
+  }
+  if (dirs.empty() || bytes == 0 || bs == 0) {
+    std::fprintf(stderr, "usage: bench_nvme_engine --dirs DIR[,DIR] --bytes SIZE --bs SIZE --qd N\n");
+    return 2;
+  }
+  swap::NvmeEngineOptions o;
+  o.paths = dirs;
+  o.bytes_per_path = allocator::round_up(bytes / dirs.size() + bs, 4096);
+  o.block_bytes = bs;
+  o.queue_depth = qd;
+  o.checksums = checksums;
+  swap::NvmeEngine engine(o);
+  allocator::AlignedBuffer buf(bytes);
+  for (std::uint64_t i = 0; i < bytes; i += 4096) buf.data()[i] = static_cast<std::byte>(i >> 12);
+  swap::NvmeBlock b = engine.allocate(bytes);
+  double best_w = 1e30, best_r = 1e30;
+  for (int r = 0; r < repeats; ++r) {
+    auto t0 = std::chrono::steady_clock::now();
+    engine.write(b, buf.data(), bytes).wait();
+    best_w = std::min(best_w, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    t0 = std::chrono::steady_clock::now();
+    engine.read(b, buf.data(), bytes).wait();
+    best_r = std::min(best_r, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::printf("{\"write_gbps\": %.4f, \"read_gbps\": %.4f, \"bytes\": %llu, \"bs\": %llu, \"qd\": %u, \"paths\": %zu}\n",
+              bytes / best_w / 1e9, bytes / best_r / 1e9, static_cast<unsigned long long>(bytes),
+              static_cast<unsigned long long>(bs), qd, dirs.size());
+  engine.release(b);
+  return 0;
+}
