@@ -24,14 +24,47 @@ std::uint64_t now_ns() {
 
 ActivationOffloader::ActivationOffloader(ActivationOffloaderOptions options,
                                          std::shared_ptr<allocator::PinnedHostPool> pool,
-                                         std::shared_ptr<swap::CopyEngine> engine)
+                                         std::shared_ptr<swap::CopyEngine> engine,
+                                         std::shared_ptr<swap::NvmeEngine> nvme)
     : options_(options),
       pool_(std::move(pool)),
       engine_(std::move(engine)),
+      nvme_(std::move(nvme)),
       cuda_mode_(engine_->device() == allocator::DeviceKind::kCuda),
       schedule_(options.schedule) {}
 
 ActivationOffloader::~ActivationOffloader() = default;
+
+void* ActivationOffloader::staging_locked(std::size_t bytes) {
+  if (void* p = pool_->try_allocate(bytes)) return p;
+  // Back-pressure: staging is freed as NVMe writes complete; wait for them.
+  while (!pending_nvme_writes_.empty()) {
+    ++stats_.staging_waits;
+    auto oldest = pending_nvme_writes_.front().lock();
+    if (oldest && !oldest->released) {
+      try {
+        oldest->nvme_write.wait();
+      } catch (const std::exception&) {
+        // settled (and counted) by poll_locked below
+      }
+    }
+    const std::size_t before = pending_nvme_writes_.size();
+    poll_locked();
+    if (void* p = pool_->try_allocate(bytes)) return p;
+    if (pending_nvme_writes_.size() == before) break;
+  }
+  return nullptr;
+}
+
+void ActivationOffloader::start_nvme_write_locked(SavedBlock& b) {
+  try {
+    b.nvme_block = nvme_->allocate(b.nbytes);
+  } catch (const out_of_memory& e) {
+    if (stats_.nvme_full++ == 0) log(LogLevel::kWarn, std::string(e.what()) + "; saved activations stay in host memory");
+    return;
+  }
+  b.nvme_write = nvme_->write(b.nvme_block, b.host, b.nbytes);
+}
 
 void* ActivationOffloader::current_stream(const at::Device& device) const {
   if (!cuda_mode_) return nullptr;
@@ -132,9 +165,10 @@ std::shared_ptr<SavedHandle> ActivationOffloader::pack(const at::Tensor& t) {
   if (!d.offload) {
     if (small) ++stats_.kept_small;
     else if (region) ++stats_.kept_region;
-  } else if (void* host = pool_->try_allocate(nbytes)) {
+  } else if (void* host = nvme_ ? staging_locked(nbytes) : pool_->try_allocate(nbytes)) {
     block->host = host;
     block->offloaded = true;
+    block->to_nvme = nvme_ != nullptr;
     block->d2h = engine_->copy(swap::Direction::kDeviceToHost, host, storage.data(), nbytes, {},
                                current_stream(t.device()));
     pending_d2h_.push_back(block);
@@ -171,12 +205,66 @@ void ActivationOffloader::poll_locked() {
     if (reg.residence(b->id) == Residence::kInFlightToHost) {
       reg.transition(b->id, Residence::kOnHost);
       b->device_storage = c10::Storage();  // the device copy is no longer needed
+      if (b->to_nvme) {
+        start_nvme_write_locked(*b);
+        if (b->nvme_write.valid()) pending_nvme_writes_.push_back(b);
+      }
     } else if (reg.residence(b->id) == Residence::kResident && b->host) {
       pool_->deallocate(b->host);  // forwarded: the host copy is not needed
       b->host = nullptr;
     }
   }
   pending_d2h_.swap(still);
+
+  std::vector<std::weak_ptr<SavedBlock>> writes;
+  for (auto& w : pending_nvme_writes_) {
+    auto b = w.lock();
+    if (!b || b->released) continue;
+    if (!b->nvme_write.ready()) {
+      writes.push_back(w);
+      continue;
+    }
+    try {
+      b->nvme_write.wait();
+      b->on_nvme = true;
+      ++stats_.nvme_writes;
+      stats_.nvme_write_bytes += b->nbytes;
+      // The staging block goes back to the pool unless a prefetch is reading it.
+      if (schedule_.registry().residence(b->id) != Residence::kInFlightToDevice && b->host) {
+        pool_->deallocate(b->host);
+        b->host = nullptr;
+      }
+    } catch (const std::exception& e) {
+      // The data is still in host memory: keep it there, never lose it.
+      if (stats_.nvme_write_failures++ == 0)
+        log(LogLevel::kWarn, std::string(e.what()) + "; the block stays in host memory");
+      nvme_->release(b->nvme_block);
+      b->nvme_block = 0;
+    }
+  }
+  pending_nvme_writes_.swap(writes);
+
+  std::vector<std::weak_ptr<SavedBlock>> reads;
+  for (auto& w : pending_nvme_reads_) {
+    auto b = w.lock();
+    if (!b || b->released) continue;
+    if (!b->nvme_read.ready()) {
+      reads.push_back(w);
+      continue;
+    }
+    try {
+      b->nvme_read.wait();
+    } catch (...) {
+      // The data is gone: the error belongs to whoever unpacks this block
+      // (a graph that is never unpacked again never sees it).
+      b->read_error = std::current_exception();
+      continue;
+    }
+    ++stats_.nvme_reads;
+    b->h2d = engine_->copy(swap::Direction::kHostToDevice, b->device_storage.mutable_data(), b->host, b->nbytes,
+                           {}, current_stream(b->device));
+  }
+  pending_nvme_reads_.swap(reads);
 }
 
 void ActivationOffloader::throttle_locked(std::size_t just_added) {
@@ -208,11 +296,23 @@ void ActivationOffloader::prefetch_locked(BlockId id) {
       reg.transition(id, Residence::kResident);
       break;
     case Residence::kOnHost: {
+      const bool from_nvme = b->host == nullptr;  // else its staging still holds it (forwarding)
+      if (from_nvme) {
+        b->host = staging_locked(b->nbytes);
+        if (!b->host) return;  // no staging now: unpack fetches it
+      } else if (b->nvme_write.valid() && !b->on_nvme) {
+        ++stats_.nvme_forwarded;
+      }
       at::Tensor dst = at::empty({static_cast<std::int64_t>(b->nbytes)},
                                  at::TensorOptions().dtype(at::kByte).device(b->device));
       b->device_storage = dst.storage();
-      b->h2d = engine_->copy(swap::Direction::kHostToDevice, b->device_storage.mutable_data(),
-                             b->host, b->nbytes, {b->d2h}, current_stream(b->device));
+      if (from_nvme) {
+        b->nvme_read = nvme_->read(b->nvme_block, b->host, b->nbytes);
+        pending_nvme_reads_.push_back(b);
+      } else {
+        b->h2d = engine_->copy(swap::Direction::kHostToDevice, b->device_storage.mutable_data(),
+                               b->host, b->nbytes, {b->d2h}, current_stream(b->device));
+      }
       reg.transition(id, Residence::kInFlightToDevice);
       ++stats_.prefetched_blocks;
       break;
@@ -259,12 +359,25 @@ at::Tensor ActivationOffloader::unpack(const std::shared_ptr<SavedHandle>& handl
     case Residence::kReleased:
       break;
   }
+  if (reg.residence(b.id) == Residence::kOnHost) {
+    // Still not fetched (no staging was free for a prefetch): wait for staging.
+    prefetch_locked(b.id);
+    TIERFLOW_EXPECTS(reg.residence(b.id) == Residence::kInFlightToDevice,
+                     "unpack: no pinned staging memory for a block of " + std::to_string(b.nbytes) +
+                         " bytes within TIERFLOW_HOST_MEMORY; raise it");
+  }
   if (reg.residence(b.id) == Residence::kInFlightToDevice) {
     const std::uint64_t t0 = now_ns();
+    if (b.nvme_read.valid() && !b.h2d.valid()) {
+      b.nvme_read.wait();  // raises a failed or corrupt read
+      poll_locked();       // starts its copy to the device
+      if (b.read_error) std::rethrow_exception(b.read_error);
+    }
     b.h2d.wait();  // rethrows a failed copy; the host block is free to reuse after it
     stats_.stall_ns += now_ns() - t0;
     reg.transition(b.id, Residence::kResident);
-    if (b.host) {
+    const bool write_pending = b.nvme_write.valid() && !b.nvme_write.ready();
+    if (b.host && !write_pending) {
       pool_->deallocate(b.host);
       b.host = nullptr;
     }
@@ -287,6 +400,20 @@ void ActivationOffloader::release(SavedBlock& b) noexcept {
     b.h2d.wait();
   } catch (const std::exception& e) {
     log(LogLevel::kError, std::string("copy failed while releasing a saved tensor: ") + e.what());
+  }
+  try {
+    b.nvme_write.wait();
+  } catch (const std::exception&) {
+    // a failed write was already reported; its space is released below
+  }
+  try {
+    b.nvme_read.wait();
+  } catch (const std::exception&) {
+    // the read's error reached (or will not matter to) its unpack
+  }
+  if (b.nvme_block) {
+    nvme_->release(b.nvme_block);
+    b.nvme_block = 0;
   }
   if (b.host) {
     pool_->deallocate(b.host);

@@ -68,6 +68,15 @@ py::dict runtime_stats(const Runtime& rt) {
   acts["offloaded_blocks"] = a.offloaded_blocks;
   acts["offloaded_bytes"] = a.offloaded_bytes;
   acts["offload_waits"] = a.offload_waits;
+  py::dict nv;
+  nv["writes"] = a.nvme_writes;
+  nv["write_bytes"] = a.nvme_write_bytes;
+  nv["reads"] = a.nvme_reads;
+  nv["forwarded"] = a.nvme_forwarded;
+  nv["write_failures"] = a.nvme_write_failures;
+  nv["full"] = a.nvme_full;
+  nv["staging_waits"] = a.staging_waits;
+  acts["nvme"] = nv;
   acts["offload_wait_ms"] = static_cast<double>(a.offload_wait_ns) / 1e6;
   acts["unpacks"] = a.unpacks;
   acts["device_bytes"] = stat_dict(a.device_bytes);
@@ -216,11 +225,22 @@ PYBIND11_MODULE(_C, m) {
   py::class_<SavedHandle, std::shared_ptr<SavedHandle>>(m, "SavedHandle",
       "What autograd keeps for one saved tensor while tierflow manages it.");
 
+  py::class_<swap::NvmeFaults, std::shared_ptr<swap::NvmeFaults>>(m, "NvmeFaults",
+      "Test hook: makes the next NVMe requests fail, come back short or corrupt.")
+      .def(py::init<>())
+      .def_property("fail_writes", [](const swap::NvmeFaults& f) { return f.fail_writes.load(); },
+                    [](swap::NvmeFaults& f, int n) { f.fail_writes = n; })
+      .def_property("fail_reads", [](const swap::NvmeFaults& f) { return f.fail_reads.load(); },
+                    [](swap::NvmeFaults& f, int n) { f.fail_reads = n; })
+      .def_property("corrupt_reads", [](const swap::NvmeFaults& f) { return f.corrupt_reads.load(); },
+                    [](swap::NvmeFaults& f, int n) { f.corrupt_reads = n; });
+
   py::class_<Runtime, std::shared_ptr<Runtime>>(m, "Runtime")
-      .def(py::init([](const py::dict& overrides) {
-             return std::make_shared<Runtime>(Config::from_environment(to_string_map(overrides)));
+      .def(py::init([](const py::dict& overrides, std::shared_ptr<swap::NvmeFaults> faults) {
+             // The runtime keeps a raw pointer: the Python object must outlive it (tests hold both).
+             return std::make_shared<Runtime>(Config::from_environment(to_string_map(overrides)), faults.get());
            }),
-           py::arg("overrides") = py::dict())
+           py::arg("overrides") = py::dict(), py::arg("nvme_faults") = nullptr)
       .def("config", [](const Runtime& rt) { return rt.config().to_strings(); })
       .def_property_readonly("device", [](const Runtime& rt) {
         return std::string(allocator::to_string(rt.device_kind()));
@@ -236,6 +256,8 @@ PYBIND11_MODULE(_C, m) {
       })
       .def("synchronize", [](Runtime& rt) { rt.activations()->synchronize(); })
       .def("reset_peaks", [](Runtime& rt) { rt.activations()->reset_peaks(); })
+      .def("unlink_nvme_files", [](Runtime& rt) { rt.activations()->unlink_nvme_files(); },
+           "Removes the NVMe swap files' names now (called at exit).")
       .def("host_empty", [](Runtime& rt, const std::vector<std::int64_t>& sizes,
                             const std::string& dtype, bool zero) {
         return rt.host_empty(sizes, dtype_from_name(dtype), zero);

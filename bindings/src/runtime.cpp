@@ -1,5 +1,9 @@
 #include "tierflow/bindings/runtime.hpp"
 
+#include <sys/statvfs.h>
+
+#include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -17,9 +21,9 @@ namespace tierflow::bindings {
 namespace {
 
 void refuse_unimplemented(const Config& c) {
-  if (c.offload_activations == OffloadTarget::kNvme)
-    throw config_error("TIERFLOW_OFFLOAD_ACTIVATIONS='nvme': the NVMe tier is not available in "
-                       "this version of tierflow; accepted here: none, host, auto");
+  if (c.offload_activations == OffloadTarget::kNvme && c.nvme_paths.empty())
+    throw config_error("TIERFLOW_OFFLOAD_ACTIVATIONS='nvme' needs TIERFLOW_NVME_PATHS: a comma-separated "
+                       "list of directories on NVMe file systems");
   if (c.offload_optimizer == OffloadTarget::kNvme)
     throw config_error("TIERFLOW_OFFLOAD_OPTIMIZER='nvme': the NVMe tier is not available in this "
                        "version of tierflow; accepted here: none, host");
@@ -52,7 +56,8 @@ void check_cpu_contiguous(const at::Tensor& t, const char* what, std::size_t i, 
 
 }  // namespace
 
-Runtime::Runtime(Config config) : config_(std::move(config)) {
+Runtime::Runtime(Config config, swap::NvmeFaults* nvme_faults)
+    : config_(std::move(config)), nvme_faults_(nvme_faults) {
   refuse_unimplemented(config_);
   set_log_level(config_.log_level);
   const auto kind = allocator::cuda_available() ? allocator::DeviceKind::kCuda
@@ -69,7 +74,26 @@ Runtime::Runtime(Config config) : config_(std::move(config)) {
   ao.schedule.prefetch_bytes = config_.prefetch_bytes;
   ao.schedule.keep_budget_bytes = config_.gpu_memory.resolve(allocator::device_capacity_bytes(kind));
   ao.min_offload_bytes = config_.min_offload_bytes;
-  offloader_ = std::make_shared<ActivationOffloader>(ao, pool_, engine_);
+  ao.schedule.keep_tail_bytes = config_.prefetch_bytes;
+  std::shared_ptr<swap::NvmeEngine> nvme;
+  if (config_.offload_activations == OffloadTarget::kNvme) {
+    swap::NvmeEngineOptions no;
+    no.paths = config_.nvme_paths;
+    std::uint64_t smallest_free = ~std::uint64_t{0};
+    for (const auto& p : no.paths) {
+      struct statvfs fs {};
+      if (statvfs(p.c_str(), &fs) != 0)
+        throw config_error("TIERFLOW_NVME_PATHS: '" + p + "' is not an accessible directory: " + std::strerror(errno));
+      smallest_free = std::min<std::uint64_t>(smallest_free, static_cast<std::uint64_t>(fs.f_bavail) * fs.f_frsize);
+    }
+    no.bytes_per_path = config_.nvme_memory.resolve(smallest_free);
+    no.block_bytes = config_.aio_block_size;
+    no.queue_depth = static_cast<unsigned>(config_.aio_queue_depth);
+    no.checksums = config_.nvme_checksum;
+    no.faults = nvme_faults_;
+    nvme = std::make_shared<swap::NvmeEngine>(no);
+  }
+  offloader_ = std::make_shared<ActivationOffloader>(ao, pool_, engine_, nvme);
   log(LogLevel::kInfo, std::string("runtime on the ") + std::string(allocator::to_string(kind)) +
                            " device, host pool budget " + format_bytes(po.budget_bytes));
 }

@@ -176,12 +176,20 @@ struct NvmeEngine::Impl {
     close_and_remove();
   }
 
-  void close_and_remove() noexcept {
-    for (int fd : fds) ::close(fd);
+  bool unlinked = false;
+
+  void unlink_all() noexcept {
+    if (unlinked) return;
+    unlinked = true;
     for (const auto& f : files) {
       if (::unlink(f.c_str()) != 0 && errno != ENOENT)
         log(LogLevel::kWarn, "NvmeEngine: could not remove " + f + ": " + errno_text(errno));
     }
+  }
+
+  void close_and_remove() noexcept {
+    for (int fd : fds) ::close(fd);
+    unlink_all();
     fds.clear();
     files.clear();
   }
@@ -472,6 +480,8 @@ NvmeEngineStats NvmeEngine::stats() const {
 }
 
 std::vector<std::string> NvmeEngine::files() const { return impl_->files; }
+
+void NvmeEngine::unlink_files() noexcept { impl_->unlink_all(); }
 
 std::size_t NvmeEngine::remove_stale_files(const std::vector<std::string>& paths) {
   std::size_t removed = 0;

@@ -143,9 +143,23 @@ TEST(ActivationSchedule, RepeatedReadsAndUnknownBlocks) {
   EXPECT_THROW(s.on_unpack(7), logic_error);
 }
 
-TEST(ActivationSchedule, RefusesNvmeAndAZeroWindow) {
+TEST(ActivationSchedule, RefusesAZeroWindow) { EXPECT_THROW(ActivationSchedule{host_opts(0)}, logic_error); }
+
+TEST(ActivationSchedule, NvmeKeepsTheLastSavedBlocksOfTheGraphResident) {
   ActivationScheduleOptions o;
   o.target = OffloadTarget::kNvme;
-  EXPECT_THROW(ActivationSchedule{o}, logic_error);
-  EXPECT_THROW(ActivationSchedule{host_opts(0)}, logic_error);
+  o.keep_tail_bytes = 250;
+  ActivationSchedule s(o);
+  auto forward = [&] {
+    s.begin_forward();
+    std::vector<bool> out;
+    for (int i = 0; i < 5; ++i) out.push_back(s.on_pack(100, true).offload);
+    release_all(s);
+    return out;
+  };
+  // First step: no previous graph, everything goes to SSD.
+  EXPECT_EQ(forward(), (std::vector<bool>{true, true, true, true, true}));
+  // Next steps: the last 200 bytes (two blocks) fit the 250-byte tail and stay.
+  EXPECT_EQ(forward(), (std::vector<bool>{true, true, true, false, false}));
+  EXPECT_EQ(forward(), (std::vector<bool>{true, true, true, false, false}));
 }

@@ -6,8 +6,6 @@
 namespace tierflow::tiering {
 
 ActivationSchedule::ActivationSchedule(ActivationScheduleOptions options) : options_(options) {
-  TIERFLOW_EXPECTS(options_.target != OffloadTarget::kNvme,
-                   "ActivationSchedule: the nvme target is served by the NVMe tier, not this schedule");
   TIERFLOW_EXPECTS(options_.prefetch_bytes > 0, "ActivationSchedule: prefetch_bytes must be > 0");
 }
 
@@ -24,6 +22,9 @@ void ActivationSchedule::begin_forward() {
     // Blocks of an older graph are still alive (retain_graph, or a graph the
     // user kept): keep their entries and number the new ones after them.
   }
+  // The previous forward's sizes tell where its tail began: see in_resident_tail().
+  if (!packed_bytes_.empty()) previous_packed_bytes_ = std::move(packed_bytes_);
+  packed_bytes_.clear();
   offloaded_.assign(registry_.size(), false);
   requested_.assign(registry_.size(), true);
   consumed_.assign(registry_.size(), true);
@@ -42,11 +43,13 @@ PackDecision ActivationSchedule::on_pack(std::size_t bytes, bool eligible) {
   if (eligible && !in_backward_) {
     switch (options_.target) {
       case OffloadTarget::kHost: offload = true; break;
+      case OffloadTarget::kNvme: offload = !in_resident_tail(bytes); break;
       case OffloadTarget::kAuto: offload = kept_bytes_ + bytes > options_.keep_budget_bytes; break;
       default: offload = false; break;
     }
   }
   if (!offload) kept_bytes_ += bytes;
+  packed_bytes_.push_back(bytes);
   BlockId id = registry_.add(bytes, offload ? Residence::kInFlightToHost : Residence::kResident);
   offloaded_.push_back(offload);
   requested_.push_back(false);
@@ -54,6 +57,19 @@ PackDecision ActivationSchedule::on_pack(std::size_t bytes, bool eligible) {
   if (offload) ++stats_.offloaded_blocks;
   else ++stats_.kept_blocks;
   return {id, offload};
+}
+
+bool ActivationSchedule::in_resident_tail(std::size_t bytes) const {
+  // SSDTrain: the last blocks saved are the first backward needs; writing them
+  // to SSD and reading them straight back is wasted bandwidth. Keep blocks on
+  // the device whose position, counted from the end of the previous forward
+  // (the same graph), falls within keep_tail_bytes.
+  if (options_.keep_tail_bytes == 0 || previous_packed_bytes_.empty()) return false;
+  const std::size_t index = packed_bytes_.size();
+  if (index >= previous_packed_bytes_.size() || previous_packed_bytes_[index] != bytes) return false;
+  std::uint64_t from_end = 0;
+  for (std::size_t i = previous_packed_bytes_.size(); i > index; --i) from_end += previous_packed_bytes_[i - 1];
+  return from_end <= options_.keep_tail_bytes;
 }
 
 std::vector<BlockId> ActivationSchedule::begin_backward() {

@@ -20,8 +20,10 @@ _sessions: "list[Session]" = []
 class Session:
     """One runtime and the hooks that connect it to one model."""
 
-    def __init__(self, **settings: Any) -> None:
-        self.runtime = _C.Runtime(settings_to_strings(settings))
+    def __init__(self, _nvme_faults: Any = None, **settings: Any) -> None:
+        # _nvme_faults: a tierflow._C.NvmeFaults, for fault-injection tests only.
+        self._faults = _nvme_faults
+        self.runtime = _C.Runtime(settings_to_strings(settings), _nvme_faults)
         self.config = self.runtime.config()
         self._handles: list[Any] = []
         self._contexts: list[Optional[Any]] = []
@@ -155,3 +157,10 @@ def _write_final_reports() -> None:
                 session.report()
             except Exception:  # noqa: BLE001  the interpreter is exiting; never mask its status
                 pass
+    # Drop the runtimes now, while the interpreter still runs, so that their
+    # NVMe swap files are removed (saved tensors still alive keep theirs until
+    # they go, and the next start removes anything a crash left behind).
+    for session in _sessions:
+        session.detach()
+        session.runtime.unlink_nvme_files()
+    _sessions.clear()

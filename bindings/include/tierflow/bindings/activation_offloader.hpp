@@ -19,10 +19,22 @@
 // fallback is counted; training never fails for lack of offload space.
 // Copies to the host still in flight hold device memory, so they are bounded
 // by the prefetch window too: past it, pack() waits for the oldest one.
+//
+// With the NVMe target (Note [NVMe engine]) the host block is only staging:
+// once the device copy is on the host, the block is written to NVMe behind
+// the compute (write-behind) and the staging returns to the pool when the
+// write completes. Prefetch reads it back into staging, then copies it to the
+// device. A block whose write is still pending is prefetched straight from
+// its staging (SSDTrain's forwarding), and the last blocks of the graph stay
+// on the device (keep_tail_bytes). Staging comes from the pinned pool within
+// TIERFLOW_HOST_MEMORY: when the pool is full a transfer waits for writes to
+// finish (back-pressure) and never allocates past the budget. A failed write
+// keeps the block in host memory (counted); a failed read raises.
 #pragma once
 
 #include <ATen/ATen.h>
 
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <unordered_map>
@@ -30,6 +42,7 @@
 
 #include "tierflow/allocator/pinned_host_pool.hpp"
 #include "tierflow/swap/copy_engine.hpp"
+#include "tierflow/swap/nvme_engine.hpp"
 #include "tierflow/tiering/activation_schedule.hpp"
 
 namespace tierflow::bindings {
@@ -60,6 +73,13 @@ struct ActivationOffloaderStats {
   std::uint64_t stalls = 0;             ///< reads that had to wait for their copy
   std::uint64_t stall_ns = 0;           ///< time spent in those waits
   std::uint64_t unprefetched = 0;       ///< reads of blocks nobody had prefetched
+  std::uint64_t nvme_writes = 0;        ///< blocks written to NVMe (write-behind from staging)
+  std::uint64_t nvme_write_bytes = 0;   ///< bytes written to NVMe
+  std::uint64_t nvme_reads = 0;         ///< blocks read back from NVMe
+  std::uint64_t nvme_forwarded = 0;     ///< prefetches served from staging while the write was pending
+  std::uint64_t nvme_write_failures = 0;///< failed NVMe writes: the block stayed in host memory
+  std::uint64_t nvme_full = 0;          ///< blocks kept in host memory: NVMe tier full
+  std::uint64_t staging_waits = 0;      ///< times a transfer waited for staging memory (back-pressure)
   StatValues device_bytes;              ///< bytes of saved activations held on the device
   StatValues host_bytes;                ///< bytes of saved activations held on the host
 };
@@ -90,7 +110,8 @@ class ActivationOffloader : public std::enable_shared_from_this<ActivationOffloa
   /// `pool` and `engine` must outlive the offloader and every handle it returns.
   ActivationOffloader(ActivationOffloaderOptions options,
                       std::shared_ptr<allocator::PinnedHostPool> pool,
-                      std::shared_ptr<swap::CopyEngine> engine);
+                      std::shared_ptr<swap::CopyEngine> engine,
+                      std::shared_ptr<swap::NvmeEngine> nvme = nullptr);
   ~ActivationOffloader();
 
   /// Autograd's pack hook.
@@ -110,6 +131,10 @@ class ActivationOffloader : public std::enable_shared_from_this<ActivationOffloa
   /// Resets the peaks of the byte statistics.
   void reset_peaks();
 
+  /// Removes the NVMe swap files' names (process exit); see NvmeEngine::unlink_files.
+  void unlink_nvme_files() noexcept {
+    if (nvme_) nvme_->unlink_files();
+  }
   /// Called by ~SavedBlock: frees the block's memory and marks it released.
   void release(SavedBlock& block) noexcept;
 
@@ -118,11 +143,14 @@ class ActivationOffloader : public std::enable_shared_from_this<ActivationOffloa
   void poll_locked();
   void prefetch_locked(tiering::BlockId id);
   void throttle_locked(std::size_t just_added);
+  void start_nvme_write_locked(SavedBlock& b);
+  void* staging_locked(std::size_t bytes);
   void* current_stream(const at::Device& device) const;
 
   ActivationOffloaderOptions options_;
   std::shared_ptr<allocator::PinnedHostPool> pool_;
   std::shared_ptr<swap::CopyEngine> engine_;
+  std::shared_ptr<swap::NvmeEngine> nvme_;
   bool cuda_mode_;
   mutable std::recursive_mutex mutex_;
   tiering::ActivationSchedule schedule_;
@@ -130,6 +158,8 @@ class ActivationOffloader : public std::enable_shared_from_this<ActivationOffloa
   std::unordered_map<const void*, std::weak_ptr<SavedBlock>> by_storage_;  // this forward
   std::vector<std::weak_ptr<SavedBlock>> pending_d2h_;  // oldest first
   std::uint64_t d2h_inflight_bytes_ = 0;
+  std::vector<std::weak_ptr<SavedBlock>> pending_nvme_writes_;
+  std::vector<std::weak_ptr<SavedBlock>> pending_nvme_reads_;
   std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> parameters_;
   std::unordered_map<const void*, std::size_t> parameter_index_;
   ActivationOffloaderStats stats_;
@@ -149,6 +179,12 @@ struct SavedBlock {
   swap::TransferHandle h2d;
   bool offloaded = false;
   bool d2h_settled = false;      // its copy to the host was observed complete
+  bool to_nvme = false;          // goes on to the NVMe tier after the host copy
+  swap::NvmeBlock nvme_block = 0;  // its space on NVMe, once written
+  bool on_nvme = false;          // the NVMe copy is complete (the host copy may be gone)
+  swap::TransferHandle nvme_write;
+  swap::TransferHandle nvme_read;
+  std::exception_ptr read_error;   // a failed NVMe read, raised by its unpack
   bool released = false;
 
   SavedBlock(const c10::weak_intrusive_ptr<c10::StorageImpl>& src) : source(src) {}

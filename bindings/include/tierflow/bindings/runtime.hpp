@@ -30,7 +30,8 @@ class Runtime {
  public:
   /// Builds the tiers for `config`; throws config_error for settings this
   /// version cannot serve (naming the variable and what is accepted).
-  explicit Runtime(Config config);
+  /// `nvme_faults` (tests only) injects I/O failures into the NVMe tier.
+  explicit Runtime(Config config, swap::NvmeFaults* nvme_faults = nullptr);
   ~Runtime();
 
   /// The configuration in force.
@@ -81,6 +82,7 @@ class Runtime {
 
  private:
   Config config_;
+  swap::NvmeFaults* nvme_faults_ = nullptr;
   std::shared_ptr<allocator::PinnedHostPool> pool_;
   std::shared_ptr<swap::CopyEngine> engine_;
   std::shared_ptr<ActivationOffloader> offloader_;

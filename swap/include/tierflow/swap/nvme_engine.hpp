@@ -90,6 +90,9 @@ class NvmeEngine {
   NvmeEngineStats stats() const;
   /// The swap files, one per path.
   std::vector<std::string> files() const;
+  /// Removes the files' names now (at process exit, while blocks may still be
+  /// referenced); open descriptors keep working until the engine is destroyed.
+  void unlink_files() noexcept;
   /// Removes tierflow swap files in `paths` whose process no longer runs; returns how many.
   static std::size_t remove_stale_files(const std::vector<std::string>& paths);
 

@@ -23,9 +23,10 @@ namespace tierflow::tiering {
 
 /// Settings of an ActivationSchedule.
 struct ActivationScheduleOptions {
-  OffloadTarget target = OffloadTarget::kHost;  ///< none, host or auto (nvme: see the NVMe tier)
+  OffloadTarget target = OffloadTarget::kHost;  ///< none, host, nvme or auto
   std::uint64_t prefetch_bytes = 64ULL << 20;   ///< window of offloaded bytes fetched ahead
   std::uint64_t keep_budget_bytes = 0;          ///< auto: bytes kept on the device before offloading
+  std::uint64_t keep_tail_bytes = 0;            ///< nvme: last-saved bytes kept on the device
 };
 
 /// The decision for one saved block.
@@ -75,6 +76,7 @@ class ActivationSchedule {
 
  private:
   std::vector<BlockId> fill_window();
+  bool in_resident_tail(std::size_t bytes) const;
 
   ActivationScheduleOptions options_;
   BlockRegistry registry_;
@@ -84,6 +86,8 @@ class ActivationSchedule {
   std::vector<bool> consumed_;         // read in this backward
   std::vector<BlockId> read_order_;    // first reads of this backward
   std::vector<BlockId> recorded_;      // read order of the previous backward
+  std::vector<std::size_t> packed_bytes_;           // sizes saved in this forward, in order
+  std::vector<std::size_t> previous_packed_bytes_;  // the same for the previous forward
   std::size_t recorded_blocks_ = 0;    // blocks saved in the step `recorded_` came from
   std::size_t last_forward_blocks_ = 0;
   std::vector<BlockId> expected_;
