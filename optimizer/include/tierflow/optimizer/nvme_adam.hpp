@@ -1,0 +1,88 @@
+// Optimizer states on the NVMe tier: fp32 master, m and v of each parameter
+// live in one NVMe block and stream through pinned memory for each step.
+//
+// Note [Optimizer states on NVMe]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// step() walks the parameters in order with two pinned buffers: while the CPU
+// Adam steps parameter i in one buffer, parameter i+1's state is being read
+// into the other and parameter i-1's new state is being written back (double
+// buffering). New state is written out of place, to a fresh block: only when
+// the write has completed does the parameter's key point at it and the old
+// block return to the free list. A failed write therefore leaves the previous
+// state valid, and the model's weight is restored from the previous master,
+// so an I/O failure loses nothing; step() then raises an io_error naming what
+// failed. Pinned buffers come from the pool (TIERFLOW_HOST_MEMORY).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <unordered_map>
+#include <vector>
+
+#include "tierflow/allocator/pinned_host_pool.hpp"
+#include "tierflow/optimizer/cpu_adam.hpp"
+#include "tierflow/swap/nvme_engine.hpp"
+
+namespace tierflow::optimizer {
+
+/// Counters of an NvmeAdamStore.
+struct NvmeAdamStats {
+  std::uint64_t steps = 0;            ///< step() calls
+  std::uint64_t bytes_read = 0;       ///< state bytes read from NVMe
+  std::uint64_t bytes_written = 0;    ///< state bytes written to NVMe
+  std::uint64_t read_wait_ns = 0;     ///< time the CPU waited for reads (not hidden by the pipeline)
+  std::uint64_t write_failures = 0;   ///< parameters whose new state could not be written (state kept)
+};
+
+/// The optimizer states of many parameters on NVMe, stepped by CpuAdam.
+class NvmeAdamStore {
+ public:
+  NvmeAdamStore(std::shared_ptr<swap::NvmeEngine> nvme, std::shared_ptr<allocator::PinnedHostPool> pool,
+                int threads, CpuIsa isa = CpuIsa::kAuto);
+  ~NvmeAdamStore();
+
+  /// Registers a parameter of `numel` elements: writes its initial state
+  /// (master from `master`, moments from `m`/`v`/`vmax` or zeros when null). Returns its key.
+  std::uint64_t add(std::size_t numel, bool amsgrad, const float* master, const float* m = nullptr,
+                    const float* v = nullptr, const float* vmax = nullptr);
+  /// Reads a parameter's state (vmax may be null); synchronous.
+  void read(std::uint64_t key, float* master, float* m, float* v, float* vmax) const;
+  /// Replaces a parameter's state; synchronous, out of place like a step.
+  void write(std::uint64_t key, const float* master, const float* m, const float* v, const float* vmax);
+  /// Forgets a parameter and frees its space.
+  void remove(std::uint64_t key) noexcept;
+
+  /// One parameter's inputs to a step.
+  struct Item {
+    std::uint64_t key = 0;
+    const void* grad = nullptr;
+    ScalarType grad_type = ScalarType::kFloat32;
+    void* param_out = nullptr;                    ///< the model's weight, written in the same pass
+    ScalarType param_type = ScalarType::kFloat32;
+  };
+  /// One Adam/AdamW step of `items`, pipelined as in Note [Optimizer states on NVMe].
+  void step(const AdamOptions& options, std::int64_t step, const std::vector<Item>& items);
+
+  /// Counters.
+  NvmeAdamStats stats() const noexcept { return stats_; }
+  /// Elements of a registered parameter.
+  std::size_t numel(std::uint64_t key) const;
+
+ private:
+  struct Entry {
+    swap::NvmeBlock block;
+    std::size_t numel;
+    bool amsgrad;
+  };
+  std::size_t state_bytes(const Entry& e) const noexcept { return e.numel * 4 * (e.amsgrad ? 4 : 3); }
+  const Entry& entry(std::uint64_t key) const;
+
+  std::shared_ptr<swap::NvmeEngine> nvme_;
+  std::shared_ptr<allocator::PinnedHostPool> pool_;
+  CpuAdam adam_;
+  std::unordered_map<std::uint64_t, Entry> entries_;
+  std::uint64_t next_key_ = 1;
+  NvmeAdamStats stats_;
+};
+
+}  // namespace tierflow::optimizer

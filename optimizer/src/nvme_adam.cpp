@@ -1,0 +1,207 @@
+// See Note [Optimizer states on NVMe] in nvme_adam.hpp.
+#include "tierflow/optimizer/nvme_adam.hpp"
+
+#include <chrono>
+#include <cstring>
+#include <string>
+
+#include "tierflow/core/error.hpp"
+#include "tierflow/core/log.hpp"
+
+namespace tierflow::optimizer {
+namespace {
+
+std::uint64_t now_ns() {
+  return static_cast<std::uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count());
+}
+
+// A pinned buffer from the pool, returned on scope exit.
+struct PoolBuffer {
+  allocator::PinnedHostPool* pool = nullptr;
+  void* p = nullptr;
+  PoolBuffer(allocator::PinnedHostPool* pl, std::size_t bytes) : pool(pl), p(bytes ? pl->allocate(bytes) : nullptr) {}
+  ~PoolBuffer() {
+    if (p) pool->deallocate(p);
+  }
+  PoolBuffer(const PoolBuffer&) = delete;
+  PoolBuffer& operator=(const PoolBuffer&) = delete;
+  float* f() const { return static_cast<float*>(p); }
+};
+
+void write_param(void* out, ScalarType type, const float* master, std::size_t n) {
+  switch (type) {
+    case ScalarType::kFloat32: std::memcpy(out, master, n * 4); break;
+    case ScalarType::kBFloat16:
+      for (std::size_t i = 0; i < n; ++i) static_cast<std::uint16_t*>(out)[i] = float_to_bf16(master[i]);
+      break;
+    case ScalarType::kFloat16:
+      for (std::size_t i = 0; i < n; ++i) static_cast<std::uint16_t*>(out)[i] = float_to_fp16(master[i]);
+      break;
+  }
+}
+
+}  // namespace
+
+NvmeAdamStore::NvmeAdamStore(std::shared_ptr<swap::NvmeEngine> nvme, std::shared_ptr<allocator::PinnedHostPool> pool,
+                             int threads, CpuIsa isa)
+    : nvme_(std::move(nvme)), pool_(std::move(pool)), adam_(threads, isa) {
+  TIERFLOW_EXPECTS(nvme_ && pool_, "NvmeAdamStore: needs an NVMe engine and a pinned pool");
+}
+
+NvmeAdamStore::~NvmeAdamStore() {
+  for (auto& [key, e] : entries_) nvme_->release(e.block);
+}
+
+const NvmeAdamStore::Entry& NvmeAdamStore::entry(std::uint64_t key) const {
+  auto it = entries_.find(key);
+  TIERFLOW_EXPECTS(it != entries_.end(), "NvmeAdamStore: unknown parameter key " + std::to_string(key));
+  return it->second;
+}
+
+std::size_t NvmeAdamStore::numel(std::uint64_t key) const { return entry(key).numel; }
+
+std::uint64_t NvmeAdamStore::add(std::size_t numel, bool amsgrad, const float* master, const float* m,
+                                 const float* v, const float* vmax) {
+  Entry e{nvme_->allocate(numel * 4 * (amsgrad ? 4 : 3)), numel, amsgrad};
+  const std::uint64_t key = next_key_++;
+  entries_.emplace(key, e);
+  try {
+    write(key, master, m, v, vmax);
+  } catch (...) {
+    remove(key);
+    throw;
+  }
+  return key;
+}
+
+void NvmeAdamStore::read(std::uint64_t key, float* master, float* m, float* v, float* vmax) const {
+  const Entry& e = entry(key);
+  PoolBuffer buf(pool_.get(), state_bytes(e));
+  nvme_->read(e.block, buf.p, state_bytes(e)).wait();
+  const std::size_t n = e.numel;
+  std::memcpy(master, buf.f(), n * 4);
+  std::memcpy(m, buf.f() + n, n * 4);
+  std::memcpy(v, buf.f() + 2 * n, n * 4);
+  if (vmax && e.amsgrad) std::memcpy(vmax, buf.f() + 3 * n, n * 4);
+}
+
+void NvmeAdamStore::write(std::uint64_t key, const float* master, const float* m, const float* v,
+                          const float* vmax) {
+  Entry& e = entries_.at(key);
+  const std::size_t n = e.numel;
+  PoolBuffer buf(pool_.get(), state_bytes(e));
+  std::memcpy(buf.f(), master, n * 4);
+  auto fill = [&](float* dst, const float* src) {
+    if (src) std::memcpy(dst, src, n * 4);
+    else std::memset(dst, 0, n * 4);
+  };
+  fill(buf.f() + n, m);
+  fill(buf.f() + 2 * n, v);
+  if (e.amsgrad) fill(buf.f() + 3 * n, vmax);
+  // Out of place: the old state stays valid until the new one is on disk.
+  swap::NvmeBlock fresh = nvme_->allocate(state_bytes(e));
+  try {
+    nvme_->write(fresh, buf.p, state_bytes(e)).wait();
+  } catch (...) {
+    nvme_->release(fresh);
+    throw;
+  }
+  if (nvme_->valid(e.block) || e.block != fresh) nvme_->release(e.block);
+  e.block = fresh;
+}
+
+void NvmeAdamStore::remove(std::uint64_t key) noexcept {
+  auto it = entries_.find(key);
+  if (it == entries_.end()) return;
+  nvme_->release(it->second.block);
+  entries_.erase(it);
+}
+
+void NvmeAdamStore::step(const AdamOptions& options, std::int64_t step, const std::vector<Item>& items) {
+  if (items.empty()) return;
+  std::size_t max_bytes = 0;
+  for (const auto& it : items) max_bytes = std::max(max_bytes, state_bytes(entry(it.key)));
+  PoolBuffer bufs[2] = {PoolBuffer(pool_.get(), max_bytes), PoolBuffer(pool_.get(), max_bytes)};
+  swap::TransferHandle reads[2], writes[2];
+  swap::NvmeBlock fresh[2] = {0, 0};
+  std::size_t writer[2] = {0, 0};  // item index whose write a buffer holds
+  std::vector<std::string> failures;
+
+  // Settles buffer b's write: on success the item's key moves to the new block.
+  auto settle = [&](int b) {
+    if (!writes[b].valid()) return;
+    Entry& e = entries_.at(items[writer[b]].key);
+    try {
+      writes[b].wait();
+      nvme_->release(e.block);
+      e.block = fresh[b];
+      stats_.bytes_written += state_bytes(e);
+    } catch (const std::exception& err) {
+      // Keep the previous state, and give the weight its previous value back.
+      nvme_->release(fresh[b]);
+      ++stats_.write_failures;
+      failures.push_back(err.what());
+      const Item& it = items[writer[b]];
+      if (it.param_out) {
+        PoolBuffer old(pool_.get(), state_bytes(e));
+        nvme_->read(e.block, old.p, state_bytes(e)).wait();
+        write_param(it.param_out, it.param_type, old.f(), e.numel);
+      }
+    }
+    writes[b] = swap::TransferHandle();
+  };
+
+  reads[0] = nvme_->read(entry(items[0].key).block, bufs[0].p, state_bytes(entry(items[0].key)));
+  try {
+  for (std::size_t i = 0; i < items.size(); ++i) {
+    const int cur = static_cast<int>(i % 2), nxt = 1 - cur;
+    const Entry& e = entry(items[i].key);
+    const std::uint64_t t0 = now_ns();
+    reads[cur].wait();  // a failed read raises: nothing of this item has changed yet
+    stats_.read_wait_ns += now_ns() - t0;
+    stats_.bytes_read += state_bytes(e);
+    if (i + 1 < items.size()) {
+      settle(nxt);  // the other buffer's write must finish before it is reused
+      const Entry& ne = entry(items[i + 1].key);
+      reads[nxt] = nvme_->read(ne.block, bufs[nxt].p, state_bytes(ne));
+    }
+    AdamTensor t;
+    t.numel = e.numel;
+    t.master = bufs[cur].f();
+    t.exp_avg = t.master + e.numel;
+    t.exp_avg_sq = t.master + 2 * e.numel;
+    t.max_exp_avg_sq = e.amsgrad ? t.master + 3 * e.numel : nullptr;
+    t.grad = items[i].grad;
+    t.grad_type = items[i].grad_type;
+    t.param_out = items[i].param_out;
+    t.param_type = items[i].param_type;
+    AdamOptions o = options;
+    o.amsgrad = e.amsgrad && options.amsgrad;
+    adam_.step(o, step, {t});
+    fresh[cur] = nvme_->allocate(state_bytes(e));
+    writer[cur] = i;
+    writes[cur] = nvme_->write(fresh[cur], bufs[cur].p, state_bytes(e));
+  }
+  } catch (...) {
+    // A read failed (its data is lost): finish what is in flight before the buffers go.
+    for (int b = 0; b < 2; ++b) {
+      try {
+        reads[b].wait();
+      } catch (...) {
+      }
+      settle(b);
+    }
+    throw;
+  }
+  settle(0);
+  settle(1);
+  ++stats_.steps;
+  if (!failures.empty()) {
+    throw io_error(5, "NVMe optimizer step: the new state of " + std::to_string(failures.size()) +
+                          " parameter(s) could not be written; their previous state and weights are kept. First "
+                          "error: " + failures.front());
+  }
+}
+
+}  // namespace tierflow::optimizer
