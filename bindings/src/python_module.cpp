@@ -256,7 +256,7 @@ PYBIND11_MODULE(_C, m) {
       })
       .def("synchronize", [](Runtime& rt) { rt.activations()->synchronize(); })
       .def("reset_peaks", [](Runtime& rt) { rt.activations()->reset_peaks(); })
-      .def("unlink_nvme_files", [](Runtime& rt) { rt.activations()->unlink_nvme_files(); },
+      .def("unlink_nvme_files", [](Runtime& rt) { rt.unlink_nvme_files(); },
            "Removes the NVMe swap files' names now (called at exit).")
       .def("host_empty", [](Runtime& rt, const std::vector<std::int64_t>& sizes,
                             const std::string& dtype, bool zero) {
@@ -305,6 +305,59 @@ PYBIND11_MODULE(_C, m) {
         py::gil_scoped_release release;
         rt.adam_wait();
       }, "Waits for every queued step; raises the first failure.")
+      .def("nvme_adam_add", [](Runtime& rt, const at::Tensor& master, bool amsgrad) {
+        TIERFLOW_EXPECTS(master.is_cpu() && master.is_contiguous() && master.scalar_type() == at::kFloat,
+                         "nvme_adam_add: the master must be a contiguous float32 CPU tensor");
+        return rt.nvme_adam().add(static_cast<std::size_t>(master.numel()), amsgrad, master.data_ptr<float>());
+      })
+      .def("nvme_adam_read", [](Runtime& rt, std::uint64_t key, at::Tensor master, at::Tensor m, at::Tensor v,
+                                std::optional<at::Tensor> vmax) {
+        py::gil_scoped_release release;
+        rt.nvme_adam().read(key, master.data_ptr<float>(), m.data_ptr<float>(), v.data_ptr<float>(),
+                            vmax ? vmax->data_ptr<float>() : nullptr);
+      })
+      .def("nvme_adam_write", [](Runtime& rt, std::uint64_t key, at::Tensor master, at::Tensor m, at::Tensor v,
+                                 std::optional<at::Tensor> vmax) {
+        py::gil_scoped_release release;
+        rt.nvme_adam().write(key, master.data_ptr<float>(), m.data_ptr<float>(), v.data_ptr<float>(),
+                             vmax ? vmax->data_ptr<float>() : nullptr);
+      })
+      .def("nvme_adam_numel", [](Runtime& rt, std::uint64_t key) { return rt.nvme_adam().numel(key); })
+      .def("nvme_adam_step", [](Runtime& rt, const py::dict& options, std::int64_t step,
+                                const std::vector<std::uint64_t>& keys, const std::vector<at::Tensor>& grads,
+                                const std::vector<at::Tensor>& outs) {
+        auto type_of = [](const at::Tensor& t) {
+          switch (t.scalar_type()) {
+            case at::kFloat: return optimizer::ScalarType::kFloat32;
+            case at::kBFloat16: return optimizer::ScalarType::kBFloat16;
+            case at::kHalf: return optimizer::ScalarType::kFloat16;
+            default: throw config_error("nvme_adam_step: unsupported dtype; accepted: float32, bfloat16, float16");
+          }
+        };
+        std::vector<optimizer::NvmeAdamStore::Item> items(keys.size());
+        for (std::size_t i = 0; i < keys.size(); ++i) {
+          TIERFLOW_EXPECTS(grads[i].is_cpu() && grads[i].is_contiguous() && outs[i].is_cpu() && outs[i].is_contiguous(),
+                           "nvme_adam_step: gradients and outputs must be contiguous CPU tensors");
+          TIERFLOW_EXPECTS(static_cast<std::size_t>(grads[i].numel()) == rt.nvme_adam().numel(keys[i]) &&
+                               grads[i].numel() == outs[i].numel(),
+                           "nvme_adam_step: tensor " + std::to_string(i) + " does not match its parameter's size");
+          items[i] = {keys[i], grads[i].data_ptr(), type_of(grads[i]), outs[i].data_ptr(), type_of(outs[i])};
+        }
+        auto opts = adam_options(options);
+        py::gil_scoped_release release;
+        rt.nvme_adam().step(opts, step, items);
+      })
+      .def("nvme_adam_stats", [](Runtime& rt) {
+        py::dict d;
+        if (!rt.has_nvme()) return d;
+        auto s = rt.nvme_adam().stats();
+        d["steps"] = s.steps;
+        d["bytes_read"] = s.bytes_read;
+        d["bytes_written"] = s.bytes_written;
+        d["read_wait_ms"] = static_cast<double>(s.read_wait_ns) / 1e6;
+        d["write_failures"] = s.write_failures;
+        return d;
+      })
       .def("stats", &runtime_stats);
   (void)base;
 }

@@ -24,9 +24,9 @@ void refuse_unimplemented(const Config& c) {
   if (c.offload_activations == OffloadTarget::kNvme && c.nvme_paths.empty())
     throw config_error("TIERFLOW_OFFLOAD_ACTIVATIONS='nvme' needs TIERFLOW_NVME_PATHS: a comma-separated "
                        "list of directories on NVMe file systems");
-  if (c.offload_optimizer == OffloadTarget::kNvme)
-    throw config_error("TIERFLOW_OFFLOAD_OPTIMIZER='nvme': the NVMe tier is not available in this "
-                       "version of tierflow; accepted here: none, host");
+  if (c.offload_optimizer == OffloadTarget::kNvme && c.nvme_paths.empty())
+    throw config_error("TIERFLOW_OFFLOAD_OPTIMIZER='nvme' needs TIERFLOW_NVME_PATHS: a comma-separated "
+                       "list of directories on NVMe file systems");
   if (c.offload_params != OffloadTarget::kNone)
     throw config_error("TIERFLOW_OFFLOAD_PARAMS='" + std::string(to_string(c.offload_params)) +
                        "': parameter offload is not available in this version of tierflow; "
@@ -76,7 +76,7 @@ Runtime::Runtime(Config config, swap::NvmeFaults* nvme_faults)
   ao.min_offload_bytes = config_.min_offload_bytes;
   ao.schedule.keep_tail_bytes = config_.prefetch_bytes;
   std::shared_ptr<swap::NvmeEngine> nvme;
-  if (config_.offload_activations == OffloadTarget::kNvme) {
+  if (config_.offload_activations == OffloadTarget::kNvme || config_.offload_optimizer == OffloadTarget::kNvme) {
     swap::NvmeEngineOptions no;
     no.paths = config_.nvme_paths;
     std::uint64_t smallest_free = ~std::uint64_t{0};
@@ -92,8 +92,10 @@ Runtime::Runtime(Config config, swap::NvmeFaults* nvme_faults)
     no.checksums = config_.nvme_checksum;
     no.faults = nvme_faults_;
     nvme = std::make_shared<swap::NvmeEngine>(no);
+    nvme_ = nvme;
   }
-  offloader_ = std::make_shared<ActivationOffloader>(ao, pool_, engine_, nvme);
+  const bool activations_on_nvme = config_.offload_activations == OffloadTarget::kNvme;
+  offloader_ = std::make_shared<ActivationOffloader>(ao, pool_, engine_, activations_on_nvme ? nvme : nullptr);
   log(LogLevel::kInfo, std::string("runtime on the ") + std::string(allocator::to_string(kind)) +
                            " device, host pool budget " + format_bytes(po.budget_bytes));
 }
@@ -105,6 +107,13 @@ Runtime::~Runtime() {
     log(LogLevel::kError, std::string("a queued optimizer step failed at shutdown: ") + e.what());
   }
   worker_.reset();
+  nvme_adam_.reset();
+}
+
+optimizer::NvmeAdamStore& Runtime::nvme_adam() {
+  TIERFLOW_EXPECTS(nvme_ != nullptr, "optimizer states on NVMe need TIERFLOW_OFFLOAD_OPTIMIZER=nvme");
+  if (!nvme_adam_) nvme_adam_ = std::make_unique<optimizer::NvmeAdamStore>(nvme_, pool_, config_.cpu_threads, cpu_isa());
+  return *nvme_adam_;
 }
 
 optimizer::CpuIsa Runtime::cpu_isa() const {

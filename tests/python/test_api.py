@@ -112,7 +112,6 @@ def test_environment_alone_configures_a_run(monkeypatch):
 
 
 @pytest.mark.parametrize("setting,value,needle", [
-    ("offload_optimizer", "nvme", "TIERFLOW_OFFLOAD_OPTIMIZER='nvme'"),
     ("offload_params", "host", "TIERFLOW_OFFLOAD_PARAMS='host'"),
 ])
 def test_tiers_not_in_this_version_are_refused_clearly(setting, value, needle):

@@ -157,3 +157,80 @@ def test_crashed_run_files_are_removed_by_the_next_start(nvme_dir):
 def test_nvme_needs_paths():
     with pytest.raises(tierflow.ConfigError, match="needs TIERFLOW_NVME_PATHS"):
         tierflow.wrap(torch.nn.Linear(2, 2), None, offload_activations="nvme")
+
+
+def test_optimizer_states_on_nvme_match_torch_adamw(nvme_dir):
+    from harness import assert_close
+
+    task = gpt_task()
+    base = train(task, 4, False)
+    tier = train(task, 4, True, offload_optimizer="nvme", nvme_paths=nvme_dir, nvme_memory="128MiB")
+    assert_close(base, tier)
+    s = tierflow.current_session().runtime.nvme_adam_stats()
+    assert s["steps"] >= 4 and s["bytes_read"] > 0 and s["bytes_written"] > 0
+
+
+def test_demo_gpt_with_activations_and_optimizer_on_nvme(nvme_dir):
+    from harness import assert_close
+
+    task = gpt_task(layers=4, width=128, block=128, batch=8)
+    base = train(task, 3, False)
+    tier = train(task, 3, True, offload_activations="nvme", offload_optimizer="nvme", nvme_paths=nvme_dir,
+                 nvme_memory="512MiB")
+    assert_close(base, tier)
+
+
+def test_nvme_optimizer_state_dict_round_trip_and_torch_compat(nvme_dir):
+    task = gpt_task(dropout=0.0)
+    whole = train(task, 4, True, offload_optimizer="nvme", nvme_paths=nvme_dir, nvme_memory="128MiB")
+    torch.manual_seed(0)
+    model = task.make_model()
+    model, opt = tierflow.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01),
+                               offload_optimizer="nvme", nvme_paths=nvme_dir, nvme_memory="128MiB")
+    for i in range(2):
+        task.loss(model, task.make_batch(i)).backward()
+        opt.step()
+        opt.zero_grad()
+    sd = opt.state_dict()  # states read back from NVMe: a checkpoint holds them
+    first = next(iter(sd["state"].values()))
+    assert first["exp_avg"].abs().sum() > 0 and float(first["step"]) == 2.0
+    torch_opt = torch.optim.AdamW(task.make_model().parameters(), lr=1e-3, weight_decay=0.01)
+    torch_opt.load_state_dict(sd)  # loads into torch.optim.AdamW
+    fresh = task.make_model()
+    fresh.load_state_dict(model.state_dict())
+    fresh, opt2 = tierflow.wrap(fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-3, weight_decay=0.01),
+                                offload_optimizer="nvme", nvme_paths=nvme_dir, nvme_memory="128MiB")
+    opt2.load_state_dict(sd)
+    for i in range(2, 4):
+        task.loss(fresh, task.make_batch(i)).backward()
+        opt2.step()
+        opt2.zero_grad()
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, whole.params[k]), k
+
+
+def test_nvme_optimizer_write_failure_keeps_state(nvme_dir):
+    faults = tierflow._C.NvmeFaults()
+    task = gpt_task(dropout=0.0)
+    torch.manual_seed(0)
+    model = task.make_model()
+    model, opt = tierflow.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), offload_optimizer="nvme",
+                               nvme_paths=nvme_dir, nvme_memory="128MiB", _nvme_faults=faults)
+    task.loss(model, task.make_batch(0)).backward()
+    opt.step()
+    before_params = {k: v.clone() for k, v in model.state_dict().items()}
+    before_state = {k: {n: (t.clone() if torch.is_tensor(t) else t) for n, t in s.items()}
+                    for k, s in opt.state_dict()["state"].items()}
+    opt.zero_grad()
+    task.loss(model, task.make_batch(1)).backward()
+    faults.fail_writes = 10**6
+    with pytest.raises(OSError, match="previous state and weights are kept"):
+        opt.step()
+    faults.fail_writes = 0
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before_params[k]), k
+    after_state = opt.state_dict()["state"]
+    for k, s in before_state.items():
+        for n, t in s.items():
+            assert torch.equal(after_state[k][n], t), (k, n)
+    opt.step()  # the retry succeeds

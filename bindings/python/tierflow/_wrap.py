@@ -106,7 +106,7 @@ def wrap(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
         raise TypeError(f"tierflow.wrap: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     session = Session(**settings)
     new_optimizer = optimizer
-    if optimizer is not None and session.config["TIERFLOW_OFFLOAD_OPTIMIZER"] == "host":
+    if optimizer is not None and session.config["TIERFLOW_OFFLOAD_OPTIMIZER"] in ("host", "nvme"):
         from .optim import CPUAdamW
 
         new_optimizer = CPUAdamW.replace(optimizer, session.runtime, model=model)

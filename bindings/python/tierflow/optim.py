@@ -120,7 +120,10 @@ class CPUAdamW(torch.optim.Optimizer):
         self._runtime = runtime
         self._master_stale = False
         cfg = runtime.config()
-        self._overlap = cfg["TIERFLOW_OVERLAP_STEP"] == "on"
+        self._nvme = cfg["TIERFLOW_OFFLOAD_OPTIMIZER"] == "nvme"
+        # With states on NVMe, step() streams them through pinned memory
+        # (Note [Optimizer states on NVMe]); steps during backward are host-tier only.
+        self._overlap = cfg["TIERFLOW_OVERLAP_STEP"] == "on" and not self._nvme
         self._accumulation = int(cfg["TIERFLOW_GRAD_ACCUMULATION_STEPS"])
         norm = cfg["TIERFLOW_MAX_GRAD_NORM"]
         self._max_grad_norm = None if norm == "none" else float(norm)
@@ -148,9 +151,28 @@ class CPUAdamW(torch.optim.Optimizer):
     def _host(self, like: torch.Tensor, zero: bool) -> torch.Tensor:
         return self._runtime.host_empty(list(like.shape), "float32", zero)
 
+    def _to_nvme(self, p: torch.Tensor, state: dict, group: dict) -> None:
+        """Moves a parameter's state tensors into the NVMe store (in place of the tensors)."""
+        amsgrad = bool(group["amsgrad"])
+        flat = lambda t: t.detach().reshape(-1).to(torch.float32).contiguous()  # noqa: E731
+        master = flat(state.pop("master"))
+        m, v = flat(state.pop("exp_avg")), flat(state.pop("exp_avg_sq"))
+        vmax = flat(state.pop("max_exp_avg_sq")) if amsgrad and "max_exp_avg_sq" in state else (
+            torch.zeros_like(master) if amsgrad else None)
+        state.pop("max_exp_avg_sq", None)
+        if "nvme_key" not in state:
+            state["nvme_key"] = self._runtime.nvme_adam_add(master, amsgrad)
+        self._runtime.nvme_adam_write(state["nvme_key"], master, m, v, vmax)
+        state["amsgrad"] = amsgrad
+
     def _init_state(self, p: torch.Tensor, group: dict) -> dict:
         state = self.state[p]
         state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        if self._nvme:
+            master = p.detach().reshape(-1).to("cpu", torch.float32).contiguous()
+            state["nvme_key"] = self._runtime.nvme_adam_add(master, bool(group["amsgrad"]))
+            state["amsgrad"] = bool(group["amsgrad"])
+            return state
         state["exp_avg"] = self._host(p, True)
         state["exp_avg_sq"] = self._host(p, True)
         if group["amsgrad"]:
@@ -160,10 +182,28 @@ class CPUAdamW(torch.optim.Optimizer):
         state["master"] = master
         return state
 
+    def _materialize(self, p: torch.Tensor, state: dict) -> dict:
+        """A parameter's NVMe-resident state as CPU tensors, in torch's layout."""
+        if "nvme_key" not in state:
+            return state
+        n = p.numel()
+        master, m, v = (torch.empty(n, dtype=torch.float32) for _ in range(3))
+        vmax = torch.empty(n, dtype=torch.float32) if state.get("amsgrad") else None
+        self._runtime.nvme_adam_read(state["nvme_key"], master, m, v, vmax)
+        out = {"step": state["step"], "exp_avg": m.view(p.shape), "exp_avg_sq": v.view(p.shape),
+               "master": master.view(p.shape)}
+        if vmax is not None:
+            out["max_exp_avg_sq"] = vmax.view(p.shape)
+        return out
+
     def state_dict(self) -> dict:
         """torch's layout; ``master`` is included only for non-fp32 parameters
-        (for fp32 ones the parameter itself is the master)."""
+        (for fp32 ones the parameter itself is the master). States on NVMe are
+        read back into CPU tensors, so checkpoints hold them too."""
         sd = super().state_dict()
+        if self._nvme:
+            params = [p for g in self.param_groups for p in g["params"]]
+            sd["state"] = {k: self._materialize(params[k], self.state[params[k]]) for k in sd["state"]}
         params = [p for g in self.param_groups for p in g["params"]]
         index = {i: p for i, p in enumerate(params)}
         state = {}
@@ -208,6 +248,8 @@ class CPUAdamW(torch.optim.Optimizer):
                 state["master"] = master
                 step = state.get("step", 0.0)
                 state["step"] = torch.tensor(float(step), dtype=torch.float32)
+                if self._nvme:
+                    self._to_nvme(p, state, group)
         self._master_stale = False
 
     # -- step during backward (Note [Step during backward]) ----------------------
@@ -395,10 +437,51 @@ class CPUAdamW(torch.optim.Optimizer):
         for step, (masters, ms, vs, vmaxes, grads, outs) in buckets.items():
             _C.cuda_adam_step(options, step, masters, ms, vs, vmaxes, grads, outs)
 
+    def _step_group_nvme(self, group: dict, options: dict) -> None:
+        """States on NVMe: one pipelined pass per step number (Note [Optimizer states on NVMe])."""
+        buckets: dict[int, list] = {}
+        copy_back: list = []
+        for p in group["params"]:
+            if p.grad is None or id(p) in self._gpu_share:
+                continue
+            grad = p.grad.detach()
+            if grad.is_sparse or grad.dtype not in _GRAD_DTYPES:
+                raise _C.TierflowError(f"tierflow CPUAdamW: gradient {grad.dtype}{' sparse' if grad.is_sparse else ''} "
+                                       "is not supported; accepted: dense float32, bfloat16, float16")
+            state = self.state[p]
+            if len(state) == 0:
+                state = self._init_state(p, group)
+            elif self._master_stale:
+                full = self._materialize(p, state)
+                full["master"] = p.detach().float()
+                state.update({k: v for k, v in full.items() if k != "step"})
+                self._to_nvme(p, state, group)
+            grad = grad.reshape(-1)
+            if grad.device.type != "cpu" or not grad.is_contiguous():
+                grad = grad.to("cpu").contiguous()
+            if p.device.type == "cpu" and p.is_contiguous():
+                out = p.detach().reshape(-1)
+            else:
+                out = self._runtime.host_empty([p.numel()], _DTYPE_NAMES[p.dtype], False)
+                copy_back.append((p, out))
+            b = buckets.setdefault(int(state["step"].item()) + 1, [[], [], [], []])
+            b[0].append(state["nvme_key"])
+            b[1].append(grad)
+            b[2].append(out)
+            b[3].append(state)
+        for step, (keys, grads, outs, states) in buckets.items():
+            self._runtime.nvme_adam_step(options, step, keys, grads, outs)  # raises without changing state
+            for state in states:
+                state["step"] += 1
+        for p, out in copy_back:
+            p.detach().copy_(out.view(p.shape))
+
     def _step_group(self, group: dict, scale: float = 1.0) -> None:
         options = self._options(group)
         if self._gpu_share is None:
             self._gpu_share = self._assign_gpu_share()
+        if self._nvme:
+            return self._step_group_nvme(group, dict(options, grad_scale=scale) if scale != 1.0 else options)
         buckets: dict[int, list] = {}
         copy_back: list = []
         on_gpu: list = []

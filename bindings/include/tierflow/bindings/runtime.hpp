@@ -14,6 +14,7 @@
 #include "tierflow/bindings/activation_offloader.hpp"
 #include "tierflow/core/config.hpp"
 #include "tierflow/optimizer/cpu_adam.hpp"
+#include "tierflow/optimizer/nvme_adam.hpp"
 #include "tierflow/swap/copy_engine.hpp"
 
 namespace tierflow::bindings {
@@ -73,6 +74,15 @@ class Runtime {
   /// Blocks until every queued step has run; rethrows the first failure.
   void adam_wait();
 
+  /// The optimizer states on NVMe (TIERFLOW_OFFLOAD_OPTIMIZER=nvme).
+  optimizer::NvmeAdamStore& nvme_adam();
+  /// Removes the NVMe swap files' names now (process exit); descriptors stay valid.
+  void unlink_nvme_files() noexcept {
+    if (nvme_) nvme_->unlink_files();
+  }
+  /// True when an NVMe engine exists for this runtime.
+  bool has_nvme() const noexcept { return nvme_ != nullptr; }
+
   /// Optimizer counters.
   OptimizerStats optimizer_stats() const noexcept { return opt_stats_; }
   /// Threads of the CPU optimizer.
@@ -91,6 +101,8 @@ class Runtime {
   OptimizerStats opt_stats_;
   struct Worker;
   std::unique_ptr<Worker> worker_;
+  std::shared_ptr<swap::NvmeEngine> nvme_;
+  std::unique_ptr<optimizer::NvmeAdamStore> nvme_adam_;
 };
 
 }  // namespace tierflow::bindings
