@@ -28,6 +28,8 @@ bench: setup
 	mkdir -p benchmarks/results
 	build/dev/benchmarks/bench_host_tier --json benchmarks/results/host_tier.json
 	OMP_NUM_THREADS=2 $(PY) benchmarks/bench_optimizer.py --threads 2
+	@command -v fio >/dev/null || (apt-get install -y -qq fio >/dev/null 2>&1 || sudo apt-get install -y -qq fio) || echo "fio could not be installed"
+	$(PY) benchmarks/bench_nvme.py
 
 clean:
 	rm -rf build bindings/python/tierflow/_C*.so

@@ -75,7 +75,7 @@ def main() -> int:
                     help="directory on the file system to measure (not tmpfs)")
     ap.add_argument("--bytes", default="1GiB")
     ap.add_argument("--qd", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "nvme.json"))
     args = ap.parse_args()
     if not shutil.which("fio"):
@@ -94,9 +94,15 @@ def main() -> int:
               f"{head['read_over_fio']:.2f})", flush=True)
         sweep = []
         for name, bs in SIZES.items():
-            r = compare([a], nbytes, bs, args.qd, max(1, args.repeats - 1))
+            r = compare([a], nbytes, bs, args.qd, max(1, args.repeats - 2))
             sweep.append(r)
             print(f"  {name:>6}: write x{r['write_over_fio']:.2f} read x{r['read_over_fio']:.2f} "
+                  f"({r['write_gbps']:.2f}/{r['read_gbps']:.2f} GB/s)", flush=True)
+        qd_sweep = []
+        for qd in (8, 32, 128):
+            r = compare([a], nbytes, 1 << 20, qd, max(1, args.repeats - 2))
+            qd_sweep.append(r)
+            print(f"  qd{qd:>4} at 1MiB: write x{r['write_over_fio']:.2f} read x{r['read_over_fio']:.2f} "
                   f"({r['write_gbps']:.2f}/{r['read_gbps']:.2f} GB/s)", flush=True)
         striped = compare([a, b], nbytes, 1 << 20, args.qd, max(1, args.repeats - 1))
         print(f"striped over 2 paths (one file system): write {striped['write_gbps']:.2f} read "
@@ -104,7 +110,7 @@ def main() -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     result = dict(head)
-    result.update({"sweep": sweep, "striped_two_paths": striped,
+    result.update({"sweep": sweep, "queue_depth_sweep": qd_sweep, "striped_two_paths": striped,
                    "file_system": subprocess.run(["df", "-T", args.dir], capture_output=True, text=True).stdout})
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     tmp = args.out + ".tmp"
