@@ -31,7 +31,9 @@ def train(use_tierflow: bool, args: argparse.Namespace, data: CharData) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     meter = None
     if use_tierflow:
-        model, optimizer = tierflow.wrap(model, optimizer, prefetch_bytes=args.prefetch)
+        nvme = dict(offload_activations="nvme", offload_optimizer="nvme", nvme_paths=args.nvme,
+                    nvme_memory="4GiB") if args.nvme else {}
+        model, optimizer = tierflow.wrap(model, optimizer, prefetch_bytes=args.prefetch, **nvme)
     else:
         meter = tierflow.SavedActivationMeter()  # counts saved bytes, moves nothing
     gen = torch.Generator().manual_seed(args.seed)
@@ -70,6 +72,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prefetch", default="8MiB", help="TIERFLOW_PREFETCH_BYTES for the demo")
     ap.add_argument("--json", default="", help="also write the results here")
+    ap.add_argument("--nvme", default="", help="a directory on an NVMe file system: activations and "
+                                               "optimizer states go there (the NVMe tier)")
     args = ap.parse_args()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
 
@@ -95,6 +99,12 @@ def main() -> int:
     print(f"  device bytes held by saved activations, peak:  PyTorch {fmt_bytes(b_peak)}   "
           f"tierflow {fmt_bytes(t_peak)}   ({100.0 * t_peak / max(b_peak, 1):.1f}% of PyTorch's)")
     link = tier["report"]["links"]
+    if args.nvme:
+        nv = tier["report"]["activations"]["nvme"]
+        opt = tierflow.current_session().runtime.nvme_adam_stats()
+        print(f"  NVMe: activations written {fmt_bytes(nv['write_bytes'])} in {nv['writes']} blocks, read back "
+              f"{nv['reads']}; optimizer states read {fmt_bytes(opt.get('bytes_read', 0))}, written "
+              f"{fmt_bytes(opt.get('bytes_written', 0))}")
     print(f"  moved gpu->host {fmt_bytes(link['gpu_to_host_bytes'])}, host->gpu {fmt_bytes(link['host_to_gpu_bytes'])}")
     print(f"  step time (mean after warm-up): PyTorch {mean_ms(base['step_s']):.1f} ms, "
           f"tierflow {mean_ms(tier['step_s']):.1f} ms")

@@ -234,3 +234,31 @@ def test_nvme_optimizer_write_failure_keeps_state(nvme_dir):
         for n, t in s.items():
             assert torch.equal(after_state[k][n], t), (k, n)
     opt.step()  # the retry succeeds
+
+
+def test_no_swap_file_leaks_after_io_failures(nvme_dir):
+    script = textwrap.dedent(f"""
+        import sys, torch
+        sys.path[:0] = [{os.path.join(ROOT, 'bindings', 'python')!r}, {os.path.join(ROOT, 'examples')!r},
+                        {os.path.join(ROOT, 'tests', 'python')!r}]
+        import tierflow
+        from harness import gpt_task
+        faults = tierflow._C.NvmeFaults()
+        faults.fail_writes = 4
+        task = gpt_task()
+        model, opt = tierflow.wrap(task.make_model(), torch.optim.AdamW(task.make_model().parameters()),
+                                   offload_activations="nvme", offload_optimizer="none", nvme_paths={nvme_dir!r},
+                                   nvme_memory="64MiB", min_offload_bytes=0, prefetch_bytes="64KiB",
+                                   _nvme_faults=faults)
+        loss = task.loss(model, task.make_batch(0))
+        faults.corrupt_reads = 1000
+        try:
+            loss.backward()
+        except OSError as e:
+            print("raised", "checksum" in str(e))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         env={k: v for k, v in os.environ.items() if not k.startswith("TIERFLOW_")})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "raised True"
+    assert swap_files(nvme_dir) == [], "failed I/O leaves no swap file behind"
