@@ -10,7 +10,7 @@ setup:
 	@bash scripts/setup.sh
 
 demo: setup
-	$(PY) examples/train_gpt.py
+	$(PY) examples/train_gpt.py $(ARGS)
 
 test: setup
 	@$(MAKE) --no-print-directory test-cpp test-python

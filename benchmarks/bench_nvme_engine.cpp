@@ -3,6 +3,8 @@
 // Prints one JSON object. benchmarks/bench_nvme.py runs it beside fio.
 //
 //   bench_nvme_engine --dirs /mnt/a[,/mnt/b] --bytes 2GiB --bs 1MiB --qd 32 [--repeats 3]
+#include <sys/mman.h>
+
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -22,6 +24,7 @@ int main(int argc, char** argv) {
   unsigned qd = 32;
   int repeats = 3;
   bool checksums = false;
+  bool huge = true;
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string k = argv[i], v = argv[i + 1];
     if (k == "--dirs") {
@@ -36,6 +39,8 @@ int main(int argc, char** argv) {
       qd = static_cast<unsigned>(std::stoul(v));
     } else if (k == "--repeats") {
       repeats = std::stoi(v);
+    } else if (k == "--huge") {
+      huge = v == "on";
     } else if (k == "--checksums") {
       checksums = v == "on";
     } else {
@@ -54,7 +59,15 @@ int main(int argc, char** argv) {
   o.queue_depth = qd;
   o.checksums = checksums;
   swap::NvmeEngine engine(o);
-  allocator::AlignedBuffer buf(bytes);
+  // The buffer is what tierflow reads into: pinned-pool-like memory, on huge pages
+  // where the kernel gives them (fewer pages to pin per O_DIRECT request).
+  void* mem = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (mem == MAP_FAILED) return 1;
+  if (huge) madvise(mem, bytes, MADV_HUGEPAGE);
+  struct Buf {
+    std::byte* p;
+    std::byte* data() { return p; }
+  } buf{static_cast<std::byte*>(mem)};
   for (std::uint64_t i = 0; i < bytes; i += 4096) buf.data()[i] = static_cast<std::byte>(i >> 12);
   swap::NvmeBlock b = engine.allocate(bytes);
   double best_w = 1e30, best_r = 1e30;
@@ -70,5 +83,6 @@ int main(int argc, char** argv) {
               bytes / best_w / 1e9, bytes / best_r / 1e9, static_cast<unsigned long long>(bytes),
               static_cast<unsigned long long>(bs), qd, dirs.size());
   engine.release(b);
+  munmap(mem, bytes);
   return 0;
 }

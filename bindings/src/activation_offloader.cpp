@@ -53,6 +53,24 @@ void* ActivationOffloader::staging_locked(std::size_t bytes) {
     if (void* p = pool_->try_allocate(bytes)) return p;
     if (pending_nvme_writes_.size() == before) break;
   }
+  // Staging also frees as prefetched blocks reach the device.
+  while (!pending_h2d_.empty()) {
+    ++stats_.staging_waits;
+    auto oldest = pending_h2d_.front().lock();
+    if (oldest && !oldest->released) {
+      try {
+        if (oldest->nvme_read.valid() && !oldest->h2d.valid()) oldest->nvme_read.wait();
+        poll_locked();
+        oldest->h2d.wait();
+      } catch (const std::exception&) {
+        // its unpack reports it
+      }
+    }
+    const std::size_t before = pending_h2d_.size();
+    poll_locked();
+    if (void* p = pool_->try_allocate(bytes)) return p;
+    if (pending_h2d_.size() == before) break;
+  }
   return nullptr;
 }
 
@@ -265,6 +283,30 @@ void ActivationOffloader::poll_locked() {
                            {}, current_stream(b->device));
   }
   pending_nvme_reads_.swap(reads);
+
+  // A block on its way to the device no longer needs its staging once the copy is done.
+  std::vector<std::weak_ptr<SavedBlock>> h2ds;
+  for (auto& w : pending_h2d_) {
+    auto b = w.lock();
+    if (!b || b->released || !b->host) continue;
+    if (!b->h2d.valid() || !b->h2d.ready()) {
+      h2ds.push_back(w);
+      continue;
+    }
+    const bool write_pending = b->nvme_write.valid() && !b->nvme_write.ready();
+    if (write_pending) {
+      h2ds.push_back(w);
+      continue;
+    }
+    try {
+      b->h2d.wait();
+    } catch (const std::exception&) {
+      continue;  // its unpack raises it
+    }
+    pool_->deallocate(b->host);
+    b->host = nullptr;
+  }
+  pending_h2d_.swap(h2ds);
 }
 
 void ActivationOffloader::throttle_locked(std::size_t just_added) {
@@ -306,6 +348,7 @@ void ActivationOffloader::prefetch_locked(BlockId id) {
       at::Tensor dst = at::empty({static_cast<std::int64_t>(b->nbytes)},
                                  at::TensorOptions().dtype(at::kByte).device(b->device));
       b->device_storage = dst.storage();
+      if (nvme_) pending_h2d_.push_back(b);
       if (from_nvme) {
         b->nvme_read = nvme_->read(b->nvme_block, b->host, b->nbytes);
         pending_nvme_reads_.push_back(b);

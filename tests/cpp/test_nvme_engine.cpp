@@ -85,6 +85,19 @@ TEST_F(NvmeTest, RoundTripsRandomSizesOnOneAndTwoPaths) {
   }
 }
 
+TEST_F(NvmeTest, TheLargestBlockFillsEveryFile) {
+  auto o = opts(2, 32ULL << 20);
+  NvmeEngine e(o);
+  const std::size_t n = 2 * o.bytes_per_path - 12345;  // all of both files, with an unaligned tail
+  auto data = random_bytes(n, 11);
+  NvmeBlock b = e.allocate(n);
+  EXPECT_THROW(e.allocate(4096), out_of_memory) << "nothing is left";
+  e.write(b, data.data(), n).wait();
+  std::vector<std::uint8_t> back(n);
+  e.read(b, back.data(), n).wait();
+  EXPECT_EQ(back, data);
+}
+
 TEST_F(NvmeTest, ManyOperationsInFlight) {
   NvmeEngine e(opts(2));
   const int n = 48;

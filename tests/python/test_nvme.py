@@ -262,3 +262,16 @@ def test_no_swap_file_leaks_after_io_failures(nvme_dir):
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "raised True"
     assert swap_files(nvme_dir) == [], "failed I/O leaves no swap file behind"
+
+
+def test_staging_back_pressure_stays_inside_the_host_budget(nvme_dir):
+    task = gpt_task(layers=2, width=128, block=128, batch=8)
+    base = train(task, 2, False)
+    # 1 MiB of pinned memory for staging, activations of 256 KiB-2 MiB each:
+    # transfers must wait for writes to free staging, never exceed the budget.
+    tier = train(task, 2, True, offload_optimizer="none", offload_activations="nvme", nvme_paths=nvme_dir,
+                 nvme_memory="256MiB", host_memory="3MiB", pinned_slab_bytes="1MiB", min_offload_bytes=0)
+    assert_bit_identical(base, tier)
+    assert tier.report["host_pool"]["reserved"]["peak"] <= 3 * 1024 * 1024
+    acts = tier.report["activations"]
+    assert acts["nvme"]["staging_waits"] > 0 or acts["host_fallbacks"] > 0, acts

@@ -160,6 +160,7 @@ class ActivationOffloader : public std::enable_shared_from_this<ActivationOffloa
   std::uint64_t d2h_inflight_bytes_ = 0;
   std::vector<std::weak_ptr<SavedBlock>> pending_nvme_writes_;
   std::vector<std::weak_ptr<SavedBlock>> pending_nvme_reads_;
+  std::vector<std::weak_ptr<SavedBlock>> pending_h2d_;  // NVMe mode: staging to free after the copy
   std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> parameters_;
   std::unordered_map<const void*, std::size_t> parameter_index_;
   ActivationOffloaderStats stats_;
