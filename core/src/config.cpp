@@ -62,6 +62,15 @@ auto size_parser(std::uint64_t Config::*field, std::uint64_t minimum, std::strin
   };
 }
 
+auto on_off_parser(bool Config::*field) {
+  return [field](Config& c, std::string_view name, std::string_view v) {
+    std::string s = lower(trim(v));
+    if (s == "on") c.*field = true;
+    else if (s == "off") c.*field = false;
+    else bad_value(name, v, "on or off");
+  };
+}
+
 auto target_parser(OffloadTarget Config::*field, bool allow_auto) {
   return [field, allow_auto](Config& c, std::string_view name, std::string_view v) {
     std::string s = lower(trim(v));
@@ -122,12 +131,7 @@ const std::vector<Row>& rows() {
        }},
       {{"TIERFLOW_NVME_CHECKSUM", "on", "on or off",
         "checksum every block written to NVMe (XXH3) and verify it on read"},
-       [](Config& c, std::string_view name, std::string_view v) {
-         std::string s = lower(trim(v));
-         if (s == "on") c.nvme_checksum = true;
-         else if (s == "off") c.nvme_checksum = false;
-         else bad_value(name, v, "on or off");
-       }},
+       on_off_parser(&Config::nvme_checksum)},
       {{"TIERFLOW_OFFLOAD_ACTIVATIONS", "host", "one of none, host, nvme, auto",
         "where tensors saved for backward go: none keeps them on the device, host swaps them to "
         "the pinned host pool, auto swaps only what exceeds TIERFLOW_GPU_MEMORY"},
@@ -189,12 +193,7 @@ const std::vector<Row>& rows() {
       {{"TIERFLOW_OVERLAP_STEP", "on", "on or off",
         "step each parameter on the CPU as soon as backward completes its gradient, while backward "
         "goes on; step() then only confirms (see Note [Step during backward])"},
-       [](Config& c, std::string_view name, std::string_view v) {
-         std::string s = lower(trim(v));
-         if (s == "on") c.overlap_step = true;
-         else if (s == "off") c.overlap_step = false;
-         else bad_value(name, v, "on or off");
-       }},
+       on_off_parser(&Config::overlap_step)},
       {{"TIERFLOW_GRAD_ACCUMULATION_STEPS", "1", "an integer from 1 to 1000000",
         "backward passes per optimizer step; steps during backward run only in the last one (a "
         "wrong value costs time, never correctness)"},
@@ -224,12 +223,7 @@ const std::vector<Row>& rows() {
       {{"TIERFLOW_SKIP_NONFINITE", "off", "on or off",
         "skip the whole step (state untouched) when any gradient holds inf or NaN, as AMP's "
         "GradScaler does"},
-       [](Config& c, std::string_view name, std::string_view v) {
-         std::string s = lower(trim(v));
-         if (s == "on") c.skip_nonfinite = true;
-         else if (s == "off") c.skip_nonfinite = false;
-         else bad_value(name, v, "on or off");
-       }},
+       on_off_parser(&Config::skip_nonfinite)},
       {{"TIERFLOW_GPU_OPTIMIZER_FRACTION", "0", "a number from 0 to 1",
         "share of the parameters (by elements) of CUDA models whose optimizer state stays on the "
         "GPU and steps there (Deep Optimizer States); the rest steps on the CPU"},
@@ -243,12 +237,7 @@ const std::vector<Row>& rows() {
       {{"TIERFLOW_MIMALLOC", "on", "on or off",
         "serve tierflow's own small allocations from mimalloc (off: the C library, e.g. under "
         "sanitizers)"},
-       [](Config& c, std::string_view name, std::string_view v) {
-         std::string s = lower(trim(v));
-         if (s == "on") c.mimalloc = true;
-         else if (s == "off") c.mimalloc = false;
-         else bad_value(name, v, "on or off");
-       }},
+       on_off_parser(&Config::mimalloc)},
   };
   return kRows;
 }
