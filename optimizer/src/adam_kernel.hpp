@@ -34,6 +34,29 @@ struct AdamScalars {
   float grad_scale;
 };
 
+/// The scalars of step `step`, shared by the CPU and CUDA kernels: bias
+/// corrections in double, as torch computes them in Python, then rounded once.
+inline AdamScalars make_scalars(const AdamOptions& o, std::int64_t step) {
+  const double bc1 = 1.0 - std::pow(o.beta1, static_cast<double>(step));
+  const double bc2 = 1.0 - std::pow(o.beta2, static_cast<double>(step));
+  AdamScalars s{};
+  s.decay = static_cast<float>(1.0 - o.lr * o.weight_decay);
+  s.wd = static_cast<float>(o.weight_decay);
+  s.one_minus_b1 = static_cast<float>(1.0 - o.beta1);
+  s.b2 = static_cast<float>(o.beta2);
+  s.one_minus_b2 = static_cast<float>(1.0 - o.beta2);
+  s.inv_bc2_sqrt = static_cast<float>(1.0 / std::sqrt(bc2));
+  s.eps = static_cast<float>(o.eps);
+  s.neg_step_size = static_cast<float>(-(o.lr / bc1));
+  s.has_wd = o.weight_decay != 0.0;
+  s.decoupled = o.decoupled_weight_decay;
+  s.maximize = o.maximize;
+  s.amsgrad = o.amsgrad;
+  s.grad_scale = static_cast<float>(o.grad_scale);
+  s.scale_grad = o.grad_scale != 1.0;
+  return s;
+}
+
 /// Output pointers of a tensor: the out-of-place ones, or the inputs.
 struct AdamOutputs {
   float* master;

@@ -113,23 +113,7 @@ void CpuAdam::step(const AdamOptions& o, std::int64_t step, const std::vector<Ad
     TIERFLOW_EXPECTS(!some_out || all_out, "CpuAdam::step: tensor " + std::to_string(i) +
                                                " sets some out-of-place outputs but not all");
   }
-  const double bc1 = 1.0 - std::pow(o.beta1, static_cast<double>(step));
-  const double bc2 = 1.0 - std::pow(o.beta2, static_cast<double>(step));
-  detail::AdamScalars s;
-  s.has_wd = o.weight_decay != 0.0;
-  s.decoupled = o.decoupled_weight_decay;
-  s.maximize = o.maximize;
-  s.amsgrad = o.amsgrad;
-  s.grad_scale = static_cast<float>(o.grad_scale);
-  s.scale_grad = o.grad_scale != 1.0;
-  s.decay = static_cast<float>(1.0 - o.lr * o.weight_decay);
-  s.wd = static_cast<float>(o.weight_decay);
-  s.one_minus_b1 = static_cast<float>(1.0 - o.beta1);
-  s.b2 = static_cast<float>(o.beta2);
-  s.one_minus_b2 = static_cast<float>(1.0 - o.beta2);
-  s.inv_bc2_sqrt = static_cast<float>(1.0 / std::sqrt(bc2));
-  s.eps = static_cast<float>(o.eps);
-  s.neg_step_size = static_cast<float>(-(o.lr / bc1));
+  const detail::AdamScalars s = detail::make_scalars(o, step);
 
   auto& chunks = impl_->chunks;
   const RangeFn kernel = impl_->kernel;

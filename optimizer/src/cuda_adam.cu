@@ -8,15 +8,13 @@
 
 #include "tierflow/allocator/detail/cuda_check.hpp"
 #include "tierflow/core/error.hpp"
+#include "adam_kernel.hpp"
 #include "tierflow/optimizer/cuda_adam.hpp"
 
 namespace tierflow::optimizer {
 namespace {
 
-struct DeviceScalars {
-  float decay, wd, w, b2, omb2, inv_bc2_sqrt, eps, neg_step, grad_scale;
-  bool has_wd, decoupled, maximize, amsgrad, scale_grad;
-};
+using DeviceScalars = detail::AdamScalars;
 
 template <typename G>
 __device__ __forceinline__ float to_float(G g);
@@ -51,8 +49,8 @@ __global__ void adam_kernel(float* __restrict__ master, float* __restrict__ m, f
       if (s.decoupled) p = __fmul_rn(p, s.decay);
       else g = __fmaf_rn(s.wd, p, g);
     }
-    const float mi = __fmaf_rn(s.w, __fsub_rn(g, m[i]), m[i]);
-    const float vi = __fmaf_rn(__fmul_rn(s.omb2, g), g, __fmul_rn(v[i], s.b2));
+    const float mi = __fmaf_rn(s.one_minus_b1, __fsub_rn(g, m[i]), m[i]);
+    const float vi = __fmaf_rn(__fmul_rn(s.one_minus_b2, g), g, __fmul_rn(v[i], s.b2));
     float vd = vi;
     if (s.amsgrad) {
       const float old = vmax[i];
@@ -60,7 +58,7 @@ __global__ void adam_kernel(float* __restrict__ master, float* __restrict__ m, f
       vmax[i] = vd;
     }
     const float denom = __fadd_rn(__fmul_rn(__fsqrt_rn(vd), s.inv_bc2_sqrt), s.eps);
-    p = __fadd_rn(p, __fdiv_rn(__fmul_rn(s.neg_step, mi), denom));
+    p = __fadd_rn(p, __fdiv_rn(__fmul_rn(s.neg_step_size, mi), denom));
     master[i] = p;
     m[i] = mi;
     v[i] = vi;
@@ -95,23 +93,7 @@ bool cuda_adam_compiled() noexcept { return true; }
 void cuda_adam_step(const AdamOptions& o, std::int64_t step, const std::vector<AdamTensor>& tensors,
                     void* stream) {
   TIERFLOW_EXPECTS(step >= 1, "cuda_adam_step: step must be >= 1");
-  const double bc1 = 1.0 - std::pow(o.beta1, static_cast<double>(step));
-  const double bc2 = 1.0 - std::pow(o.beta2, static_cast<double>(step));
-  DeviceScalars s{};
-  s.decay = static_cast<float>(1.0 - o.lr * o.weight_decay);
-  s.wd = static_cast<float>(o.weight_decay);
-  s.w = static_cast<float>(1.0 - o.beta1);
-  s.b2 = static_cast<float>(o.beta2);
-  s.omb2 = static_cast<float>(1.0 - o.beta2);
-  s.inv_bc2_sqrt = static_cast<float>(1.0 / std::sqrt(bc2));
-  s.eps = static_cast<float>(o.eps);
-  s.neg_step = static_cast<float>(-(o.lr / bc1));
-  s.grad_scale = static_cast<float>(o.grad_scale);
-  s.has_wd = o.weight_decay != 0.0;
-  s.decoupled = o.decoupled_weight_decay;
-  s.maximize = o.maximize;
-  s.amsgrad = o.amsgrad;
-  s.scale_grad = o.grad_scale != 1.0;
+  const DeviceScalars s = detail::make_scalars(o, step);
   auto st = static_cast<cudaStream_t>(stream);
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     const AdamTensor& t = tensors[i];
