@@ -29,6 +29,18 @@ py::dict stat_dict(const StatValues& v) {
   return d;
 }
 
+// The optimizer's element type of a tensor; anything else is a clear error.
+optimizer::ScalarType optimizer_type(const at::Tensor& t, const char* where) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return optimizer::ScalarType::kFloat32;
+    case at::kBFloat16: return optimizer::ScalarType::kBFloat16;
+    case at::kHalf: return optimizer::ScalarType::kFloat16;
+    default:
+      throw config_error(std::string(where) + ": dtype " + std::string(c10::toString(t.scalar_type())) +
+                         " is not supported; accepted: float32, bfloat16, float16");
+  }
+}
+
 at::ScalarType dtype_from_name(const std::string& name) {
   if (name == "float32") return at::kFloat;
   if (name == "bfloat16") return at::kBFloat16;
@@ -158,15 +170,6 @@ PYBIND11_MODULE(_C, m) {
                              const std::vector<at::Tensor>& grads,
                              const std::vector<std::optional<at::Tensor>>& outs) {
     // The GPU share: in-place step of CUDA tensors on the current stream.
-    auto type_of = [](const at::Tensor& t) {
-      switch (t.scalar_type()) {
-        case at::kFloat: return optimizer::ScalarType::kFloat32;
-        case at::kBFloat16: return optimizer::ScalarType::kBFloat16;
-        case at::kHalf: return optimizer::ScalarType::kFloat16;
-        default: throw config_error("cuda_adam_step: dtype " + std::string(c10::toString(t.scalar_type())) +
-                                    " is not supported; accepted: float32, bfloat16, float16");
-      }
-    };
     std::vector<optimizer::AdamTensor> ts(masters.size());
     void* stream = nullptr;
     for (std::size_t i = 0; i < ts.size(); ++i) {
@@ -179,10 +182,10 @@ PYBIND11_MODULE(_C, m) {
       ts[i].exp_avg_sq = vs[i].data_ptr<float>();
       if (vmaxes[i]) ts[i].max_exp_avg_sq = vmaxes[i]->data_ptr<float>();
       ts[i].grad = grads[i].data_ptr();
-      ts[i].grad_type = type_of(grads[i]);
+      ts[i].grad_type = optimizer_type(grads[i], "cuda_adam_step");
       if (outs[i]) {
         ts[i].param_out = outs[i]->data_ptr();
-        ts[i].param_type = type_of(*outs[i]);
+        ts[i].param_type = optimizer_type(*outs[i], "cuda_adam_step");
       }
       if (i == 0) {
         const auto* impl = c10::impl::getDeviceGuardImpl(masters[0].device().type());
@@ -326,14 +329,6 @@ PYBIND11_MODULE(_C, m) {
       .def("nvme_adam_step", [](Runtime& rt, const py::dict& options, std::int64_t step,
                                 const std::vector<std::uint64_t>& keys, const std::vector<at::Tensor>& grads,
                                 const std::vector<at::Tensor>& outs) {
-        auto type_of = [](const at::Tensor& t) {
-          switch (t.scalar_type()) {
-            case at::kFloat: return optimizer::ScalarType::kFloat32;
-            case at::kBFloat16: return optimizer::ScalarType::kBFloat16;
-            case at::kHalf: return optimizer::ScalarType::kFloat16;
-            default: throw config_error("nvme_adam_step: unsupported dtype; accepted: float32, bfloat16, float16");
-          }
-        };
         std::vector<optimizer::NvmeAdamStore::Item> items(keys.size());
         for (std::size_t i = 0; i < keys.size(); ++i) {
           TIERFLOW_EXPECTS(grads[i].is_cpu() && grads[i].is_contiguous() && outs[i].is_cpu() && outs[i].is_contiguous(),
@@ -341,7 +336,8 @@ PYBIND11_MODULE(_C, m) {
           TIERFLOW_EXPECTS(static_cast<std::size_t>(grads[i].numel()) == rt.nvme_adam().numel(keys[i]) &&
                                grads[i].numel() == outs[i].numel(),
                            "nvme_adam_step: tensor " + std::to_string(i) + " does not match its parameter's size");
-          items[i] = {keys[i], grads[i].data_ptr(), type_of(grads[i]), outs[i].data_ptr(), type_of(outs[i])};
+          items[i] = {keys[i], grads[i].data_ptr(), optimizer_type(grads[i], "nvme_adam_step"), outs[i].data_ptr(),
+                      optimizer_type(outs[i], "nvme_adam_step")};
         }
         auto opts = adam_options(options);
         py::gil_scoped_release release;
