@@ -174,6 +174,7 @@ std::shared_ptr<SavedHandle> ActivationOffloader::pack(const at::Tensor& t) {
   tiering::PackDecision d = schedule_.on_pack(nbytes, !small && !region);
   auto block = std::make_shared<SavedBlock>(storage.getWeakStorageImpl());
   block->id = d.id;
+  block->owner = shared_from_this();  // from here on its destructor releases it, whatever throws below
   block->nbytes = nbytes;
   block->device = t.device();
   block->version = version;
@@ -201,7 +202,6 @@ std::shared_ptr<SavedHandle> ActivationOffloader::pack(const at::Tensor& t) {
     }
     schedule_.registry().transition(d.id, Residence::kResident);
   }
-  block->owner = shared_from_this();  // last: from here on its destructor releases it
   by_storage_[key] = block;
   handle->block = std::move(block);
   return handle;
@@ -216,10 +216,21 @@ void ActivationOffloader::poll_locked() {
       still.push_back(w);
       continue;
     }
-    b->d2h.wait();  // rethrows a failed copy
+    if (b->d2h_settled) continue;
     d2h_inflight_bytes_ -= b->nbytes;
     b->d2h_settled = true;
     auto& reg = schedule_.registry();
+    try {
+      b->d2h.wait();
+    } catch (const std::exception& e) {
+      // The copy to the host failed: the device copy is still there, keep it.
+      log(LogLevel::kWarn, std::string("saved tensor stays on the device, its copy to the host failed: ") + e.what());
+      if (reg.residence(b->id) == Residence::kInFlightToHost) reg.transition(b->id, Residence::kResident);
+      pool_->deallocate(b->host);
+      b->host = nullptr;
+      b->offloaded = false;
+      continue;
+    }
     if (reg.residence(b->id) == Residence::kInFlightToHost) {
       reg.transition(b->id, Residence::kOnHost);
       b->device_storage = c10::Storage();  // the device copy is no longer needed

@@ -241,7 +241,16 @@ PYBIND11_MODULE(_C, m) {
   py::class_<Runtime, std::shared_ptr<Runtime>>(m, "Runtime")
       .def(py::init([](const py::dict& overrides, std::shared_ptr<swap::NvmeFaults> faults) {
              // The runtime keeps a raw pointer: the Python object must outlive it (tests hold both).
-             return std::make_shared<Runtime>(Config::from_environment(to_string_map(overrides)), faults.get());
+             auto* rt = new Runtime(Config::from_environment(to_string_map(overrides)), faults.get());
+             // ~Runtime waits for its optimizer worker, whose jobs may need the GIL to drop tensors.
+             return std::shared_ptr<Runtime>(rt, [](Runtime* r) {
+               if (PyGILState_Check()) {
+                 py::gil_scoped_release release;
+                 delete r;
+               } else {
+                 delete r;
+               }
+             });
            }),
            py::arg("overrides") = py::dict(), py::arg("nvme_faults") = nullptr)
       .def("config", [](const Runtime& rt) { return rt.config().to_strings(); })
@@ -340,9 +349,13 @@ PYBIND11_MODULE(_C, m) {
                       optimizer_type(outs[i], "nvme_adam_step")};
         }
         auto opts = adam_options(options);
-        py::gil_scoped_release release;
-        rt.nvme_adam().step(opts, step, items);
-      })
+        optimizer::NvmeAdamStore::StepResult r;
+        {
+          py::gil_scoped_release release;
+          r = rt.nvme_adam().step(opts, step, items);
+        }
+        return py::make_tuple(r.failed, r.first_error);
+      }, "Steps the items; returns (indices that kept their previous state, first error).")
       .def("nvme_adam_stats", [](Runtime& rt) {
         py::dict d;
         if (!rt.has_nvme()) return d;

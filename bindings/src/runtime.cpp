@@ -186,6 +186,9 @@ struct Runtime::Worker {
         std::lock_guard<std::mutex> lock(mutex);
         if (!error) error = std::current_exception();
       }
+      // Drop the job's tensors before reporting it done: dropping a tensor whose
+      // Python object it owns takes the GIL, which a waiter may be holding.
+      job = nullptr;
       {
         std::lock_guard<std::mutex> lock(mutex);
         --pending;

@@ -1,6 +1,7 @@
 // See Note [Optimizer states on NVMe] in nvme_adam.hpp.
 #include "tierflow/optimizer/nvme_adam.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <string>
@@ -118,15 +119,16 @@ void NvmeAdamStore::remove(std::uint64_t key) noexcept {
   entries_.erase(it);
 }
 
-void NvmeAdamStore::step(const AdamOptions& options, std::int64_t step, const std::vector<Item>& items) {
-  if (items.empty()) return;
+NvmeAdamStore::StepResult NvmeAdamStore::step(const AdamOptions& options, std::int64_t step,
+                                              const std::vector<Item>& items) {
+  StepResult result;
+  if (items.empty()) return result;
   std::size_t max_bytes = 0;
   for (const auto& it : items) max_bytes = std::max(max_bytes, state_bytes(entry(it.key)));
   PoolBuffer bufs[2] = {PoolBuffer(pool_.get(), max_bytes), PoolBuffer(pool_.get(), max_bytes)};
   swap::TransferHandle reads[2], writes[2];
   swap::NvmeBlock fresh[2] = {0, 0};
   std::size_t writer[2] = {0, 0};  // item index whose write a buffer holds
-  std::vector<std::string> failures;
 
   // Settles buffer b's write: on success the item's key moves to the new block.
   auto settle = [&](int b) {
@@ -141,12 +143,18 @@ void NvmeAdamStore::step(const AdamOptions& options, std::int64_t step, const st
       // Keep the previous state, and give the weight its previous value back.
       nvme_->release(fresh[b]);
       ++stats_.write_failures;
-      failures.push_back(err.what());
+      result.failed.push_back(writer[b]);
+      if (result.first_error.empty()) result.first_error = err.what();
       const Item& it = items[writer[b]];
       if (it.param_out) {
-        PoolBuffer old(pool_.get(), state_bytes(e));
-        nvme_->read(e.block, old.p, state_bytes(e)).wait();
-        write_param(it.param_out, it.param_type, old.f(), e.numel);
+        try {
+          PoolBuffer old(pool_.get(), state_bytes(e));
+          nvme_->read(e.block, old.p, state_bytes(e)).wait();
+          write_param(it.param_out, it.param_type, old.f(), e.numel);
+        } catch (const std::exception& restore) {
+          log(LogLevel::kError, std::string("NVMe optimizer: could not restore a weight after a failed write: ") +
+                                    restore.what());
+        }
       }
     }
     writes[b] = swap::TransferHandle();
@@ -166,6 +174,15 @@ void NvmeAdamStore::step(const AdamOptions& options, std::int64_t step, const st
       const Entry& ne = entry(items[i + 1].key);
       reads[nxt] = nvme_->read(ne.block, bufs[nxt].p, state_bytes(ne));
     }
+    // Space for the new state first: without it this item (and the rest) is
+    // not stepped at all, so nothing changes for them.
+    try {
+      fresh[cur] = nvme_->allocate(state_bytes(e));
+    } catch (const out_of_memory& oom) {
+      for (std::size_t j = i; j < items.size(); ++j) result.failed.push_back(j);
+      if (result.first_error.empty()) result.first_error = oom.what();
+      break;
+    }
     AdamTensor t;
     t.numel = e.numel;
     t.master = bufs[cur].f();
@@ -179,7 +196,6 @@ void NvmeAdamStore::step(const AdamOptions& options, std::int64_t step, const st
     AdamOptions o = options;
     o.amsgrad = e.amsgrad && options.amsgrad;
     adam_.step(o, step, {t});
-    fresh[cur] = nvme_->allocate(state_bytes(e));
     writer[cur] = i;
     writes[cur] = nvme_->write(fresh[cur], bufs[cur].p, state_bytes(e));
   }
@@ -194,14 +210,18 @@ void NvmeAdamStore::step(const AdamOptions& options, std::int64_t step, const st
     }
     throw;
   }
+  // The read of the next item may still be in flight after a break: let it land.
+  for (int b = 0; b < 2; ++b) {
+    try {
+      reads[b].wait();
+    } catch (...) {
+    }
+  }
   settle(0);
   settle(1);
   ++stats_.steps;
-  if (!failures.empty()) {
-    throw io_error(5, "NVMe optimizer step: the new state of " + std::to_string(failures.size()) +
-                          " parameter(s) could not be written; their previous state and weights are kept. First "
-                          "error: " + failures.front());
-  }
+  std::sort(result.failed.begin(), result.failed.end());
+  return result;
 }
 
 }  // namespace tierflow::optimizer

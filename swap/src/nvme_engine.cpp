@@ -30,6 +30,11 @@ namespace tierflow::swap {
 namespace {
 
 constexpr std::size_t kAlign = allocator::kDirectIoAlignment;
+
+// Swap files this process created and has not removed: another file with our
+// PID in its name was left by an earlier process that had the same PID.
+std::mutex g_live_mutex;
+std::set<std::string> g_live_files;
 constexpr const char* kPrefix = "tierflow-swap-";
 
 std::string errno_text(int err) { return std::strerror(err); }
@@ -147,6 +152,10 @@ struct NvmeEngine::Impl {
         }
         fds.push_back(fd);
         files.push_back(file);
+        {
+          std::lock_guard<std::mutex> lock(g_live_mutex);
+          g_live_files.insert(file);
+        }
         int rc = posix_fallocate(fd, 0, static_cast<off_t>(o.bytes_per_path));
         if (rc != 0) {
           throw io_error(rc, "NvmeEngine: fallocate(" + file + ", " + format_bytes(o.bytes_per_path) +
@@ -182,6 +191,10 @@ struct NvmeEngine::Impl {
     if (unlinked) return;
     unlinked = true;
     for (const auto& f : files) {
+      {
+        std::lock_guard<std::mutex> lock(g_live_mutex);
+        g_live_files.erase(f);
+      }
       if (::unlink(f.c_str()) != 0 && errno != ENOENT)
         log(LogLevel::kWarn, "NvmeEngine: could not remove " + f + ": " + errno_text(errno));
     }
@@ -348,35 +361,30 @@ struct NvmeEngine::Impl {
 
   TransferHandle submit(NvmeBlock block, bool is_write, void* buffer, std::uint64_t bytes) {
     auto event = std::make_shared<detail::HostEvent>(bytes);
-    auto* op = new Operation;
+    auto op = std::make_unique<Operation>();
     op->is_write = is_write;
     op->block = block;
     op->bytes = bytes;
     op->event = event;
-    std::vector<Request*> reqs;
+    BlockInfo layout;
     {
       std::lock_guard<std::mutex> lock(mutex);
       auto it = blocks.find(block);
-      if (it == blocks.end()) {
-        delete op;
-        throw logic_error("NvmeEngine: unknown block " + std::to_string(block));
-      }
-      BlockInfo& b = it->second;
+      if (it == blocks.end()) throw logic_error("NvmeEngine: unknown block " + std::to_string(block));
+      const BlockInfo& b = it->second;
       if (bytes > b.bytes) {
-        delete op;
         throw logic_error("NvmeEngine: " + std::string(is_write ? "write" : "read") + " of " + format_bytes(bytes) +
                           " into a block of " + format_bytes(b.bytes));
       }
       if (!is_write && (!b.valid || b.written != bytes)) {
-        delete op;
         throw io_error(EIO, "NvmeEngine: read of block " + std::to_string(block) +
                                 (b.valid ? " asks for " + format_bytes(bytes) + " but " + format_bytes(b.written) + " were written"
                                          : " which holds no valid data (its last write failed or never happened)"));
       }
-      if (is_write) b.valid = false;  // until this write completes
-      ++b.inflight;
-      ++pending_ops;
+      layout = b;
     }
+    // Everything that can throw (staging, requests) happens before the
+    // operation is counted, so a failure here leaves no count to wait on.
     const bool aligned = allocator::is_aligned(buffer, kAlign) && bytes % kAlign == 0;
     if (aligned) {
       op->io_buffer = static_cast<std::byte*>(buffer);
@@ -387,24 +395,30 @@ struct NvmeEngine::Impl {
       else op->user = buffer;
     }
     if (is_write && o.checksums) op->checksum = XXH3_64bits(op->io_buffer, bytes);
-    BlockInfo copy;
+    std::vector<Request*> reqs;
+    try {
+      plan(op.get(), layout, &reqs);
+    } catch (...) {
+      for (auto* r : reqs) delete r;
+      throw;
+    }
+    op->remaining = static_cast<int>(reqs.size());
+    Operation* raw = op.release();
     {
       std::lock_guard<std::mutex> lock(mutex);
-      copy = blocks[block];
+      BlockInfo& b = blocks[block];
+      if (is_write) b.valid = false;  // until this write completes
+      ++b.inflight;
+      ++pending_ops;
+      for (auto* r : reqs) queue.push_back(r);
     }
-    plan(op, copy, &reqs);
-    op->remaining = static_cast<int>(reqs.size());
-    if (reqs.empty()) {  // zero bytes
-      op->remaining = 1;
+    if (reqs.empty()) {  // zero bytes: complete at once
+      raw->remaining = 1;
       auto* r = new Request{};
-      r->op = op;
+      r->op = raw;
       r->length = 0;
       complete(r, 0);
       return TransferHandle(event);
-    }
-    {
-      std::lock_guard<std::mutex> lock(mutex);
-      for (auto* r : reqs) queue.push_back(r);
     }
     cv.notify_all();
     return TransferHandle(event);
@@ -493,9 +507,14 @@ std::size_t NvmeEngine::remove_stale_files(const std::vector<std::string>& paths
       std::string name = e->d_name;
       if (name.rfind(prefix, 0) != 0) continue;
       const long pid = std::strtol(name.c_str() + prefix.size(), nullptr, 10);
-      if (pid <= 0 || pid == getpid()) continue;
-      if (::kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM) continue;  // still running
+      if (pid <= 0) continue;
       const std::string path = dir + "/" + name;
+      if (pid == getpid()) {
+        std::lock_guard<std::mutex> lock(g_live_mutex);
+        if (g_live_files.count(path)) continue;  // ours
+      } else if (::kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM) {
+        continue;  // still running
+      }
       if (::unlink(path.c_str()) == 0) {
         ++removed;
         log(LogLevel::kInfo, "removed swap file left by process " + std::to_string(pid) + ": " + path);

@@ -270,6 +270,15 @@ TEST_F(NvmeTest, FilesAreRemovedAtExitAndStaleOnesAtStart) {
   EXPECT_EQ(e.files()[0].find(std::to_string(child)), std::string::npos);
 }
 
+TEST_F(NvmeTest, AFileFromAnEarlierProcessWithOurPidIsStale) {
+  // After a crash and restart in a container the PID is often the same.
+  const std::string stale = dir_ + "/a/tierflow-swap-" + std::to_string(getpid()) + "-0.bin";
+  { std::FILE* f = std::fopen(stale.c_str(), "w"); ASSERT_NE(f, nullptr); std::fclose(f); }
+  NvmeEngine e(opts(1));
+  EXPECT_EQ(files_in(dir_ + "/a"), 1u);
+  for (const auto& f : e.files()) EXPECT_TRUE(fs::exists(f));
+}
+
 TEST_F(NvmeTest, BadArgumentsAreRefused) {
   auto o = opts(1);
   o.block_bytes = 1000;

@@ -226,6 +226,7 @@ def test_nvme_optimizer_write_failure_keeps_state(nvme_dir):
     faults.fail_writes = 10**6
     with pytest.raises(OSError, match="previous state and weights are kept"):
         opt.step()
+    assert all(float(s["step"]) == 1.0 for s in opt.state_dict()["state"].values()), "no step counted"
     faults.fail_writes = 0
     for k, v in model.state_dict().items():
         assert torch.equal(v, before_params[k]), k
@@ -275,3 +276,20 @@ def test_staging_back_pressure_stays_inside_the_host_budget(nvme_dir):
     assert tier.report["host_pool"]["reserved"]["peak"] <= 3 * 1024 * 1024
     acts = tier.report["activations"]
     assert acts["nvme"]["staging_waits"] > 0 or acts["host_fallbacks"] > 0, acts
+
+
+def test_a_partial_nvme_step_failure_counts_only_what_stepped(nvme_dir):
+    faults = tierflow._C.NvmeFaults()
+    task = gpt_task(dropout=0.0)
+    model = task.make_model()
+    model, opt = tierflow.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), offload_optimizer="nvme",
+                               nvme_paths=nvme_dir, nvme_memory="128MiB", _nvme_faults=faults)
+    task.loss(model, task.make_batch(0)).backward()
+    opt.step()
+    opt.zero_grad()
+    task.loss(model, task.make_batch(1)).backward()
+    faults.fail_writes = 1
+    with pytest.raises(OSError, match="1 parameter"):
+        opt.step()
+    steps = sorted(float(s["step"]) for s in opt.state_dict()["state"].values())
+    assert steps.count(1.0) == 1 and steps.count(2.0) == len(steps) - 1, steps

@@ -138,3 +138,31 @@ def test_state_dict_between_backward_and_step_has_only_confirmed_state():
     assert not opt.has_unconfirmed_steps()
     for k, p in model.named_parameters():
         assert torch.equal(p, before[k]), k
+
+
+def test_dropping_everything_with_early_steps_queued_does_not_hang():
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    script = textwrap.dedent(f"""
+        import gc, sys, torch
+        sys.path[:0] = [{os.path.join(root, 'bindings', 'python')!r}, {os.path.join(root, 'examples')!r},
+                        {os.path.join(root, 'tests', 'python')!r}]
+        import tierflow, tierflow._wrap as w
+        from harness import gpt_task
+        task = gpt_task()
+        for _ in range(3):
+            model = task.make_model()
+            model, opt = tierflow.wrap(model, torch.optim.AdamW(model.parameters()))
+            task.loss(model, task.make_batch(0)).backward()   # early steps queued on the worker
+            del opt, model
+            w._sessions.clear()
+            gc.collect()                                      # the runtime goes while they may still run
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in os.environ.items() if not k.startswith("TIERFLOW_")})
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

@@ -291,28 +291,40 @@ class CPUAdamW(torch.optim.Optimizer):
             state = self._init_state(p, group)
         elif self._master_stale:
             state["master"].copy_(p.detach())
+        step = int(state["step"].item()) + 1
+        vmax = state.get("max_exp_avg_sq") if options["amsgrad"] else None
         try:
             outs = [self._host(p, False) for _ in range(4 if options["amsgrad"] else 3)]
             # A CUDA parameter is written back only when step() confirms: the new
             # value waits in pinned memory, and taking a step back needs no restore.
             staging = (self._runtime.host_empty(list(p.shape), _DTYPE_NAMES[p.dtype], False)
                        if p.device.type == "cuda" else None)
+            param_out = staging if staging is not None else p.detach()
+            self._runtime.adam_step_async(options, step, [state["master"]], [state["exp_avg"]],
+                                          [state["exp_avg_sq"]], [vmax], [grad], [param_out], [outs[0]], [outs[1]],
+                                          [outs[2]], [outs[3] if options["amsgrad"] else None])
         except _C.OutOfMemoryError:
-            self.overlap_stats["held"] += 1
+            self.overlap_stats["held"] += 1  # stepped in step() instead
             return
-        step = int(state["step"].item()) + 1
-        vmax = state.get("max_exp_avg_sq") if options["amsgrad"] else None
-        param_out = staging if staging is not None else p.detach()
-        self._runtime.adam_step_async(options, step, [state["master"]], [state["exp_avg"]], [state["exp_avg_sq"]],
-                                      [vmax], [grad], [param_out], [outs[0]], [outs[1]], [outs[2]],
-                                      [outs[3] if options["amsgrad"] else None])
         self._spec[p] = {"grad": grad, "version": grad._version, "options": options, "outs": outs, "step": step,
                          "staging": staging}
         self.overlap_stats["early_steps"] += 1
 
-    def _take_back(self, p: torch.Tensor) -> None:
+    def _wait_worker(self) -> None:
+        """Waits for queued early steps; if one failed, takes all of them back before raising."""
+        try:
+            self._runtime.adam_wait()
+        except Exception:
+            for p in list(self._spec):
+                self._take_back(p, wait=False)
+            raise
+
+    def _take_back(self, p: torch.Tensor, wait: bool = True) -> None:
         """Discards p's early step: the old state stays and p gets the old master back."""
-        self._runtime.adam_wait()
+        if wait:
+            self._wait_worker()
+            if p not in self._spec:
+                return
         spec = self._spec.pop(p)
         if spec["staging"] is None:  # a CPU parameter was written early: restore it
             p.detach().copy_(self.state[p]["master"])
@@ -359,7 +371,7 @@ class CPUAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._runtime.adam_wait()
+        self._wait_worker()
         scale, finite = self._clip_coefficient()
         if self._skip_nonfinite and not finite:
             self._take_back_all()
@@ -469,12 +481,22 @@ class CPUAdamW(torch.optim.Optimizer):
             b[1].append(grad)
             b[2].append(out)
             b[3].append(state)
+        errors = []
         for step, (keys, grads, outs, states) in buckets.items():
-            self._runtime.nvme_adam_step(options, step, keys, grads, outs)  # raises without changing state
-            for state in states:
-                state["step"] += 1
+            failed, first_error = self._runtime.nvme_adam_step(options, step, keys, grads, outs)
+            failed = set(failed)
+            for i, state in enumerate(states):
+                if i not in failed:  # these kept their previous state and weight
+                    state["step"] += 1
+            if failed:
+                errors.append((len(failed), first_error))
         for p, out in copy_back:
             p.detach().copy_(out.view(p.shape))
+        if errors:
+            n = sum(k for k, _ in errors)
+            raise _C.IOError(f"NVMe optimizer step: the new state of {n} parameter(s) could not be written; their "
+                             f"previous state and weights are kept, and the other parameters stepped. First error: "
+                             f"{errors[0][1]}")
 
     def _step_group(self, group: dict, scale: float = 1.0) -> None:
         options = self._options(group)

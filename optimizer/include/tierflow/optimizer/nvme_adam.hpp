@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -60,8 +61,15 @@ class NvmeAdamStore {
     void* param_out = nullptr;                    ///< the model's weight, written in the same pass
     ScalarType param_type = ScalarType::kFloat32;
   };
+  /// The outcome of a step: which items kept their previous state and weights.
+  struct StepResult {
+    std::vector<std::size_t> failed;  ///< indices into `items`, not stepped (state and weight unchanged)
+    std::string first_error;          ///< what went wrong first, naming the file and the operation
+  };
   /// One Adam/AdamW step of `items`, pipelined as in Note [Optimizer states on NVMe].
-  void step(const AdamOptions& options, std::int64_t step, const std::vector<Item>& items);
+  /// A failed write or a full tier fails only the items it touches (reported,
+  /// not thrown); a failed read (the state is lost) throws io_error.
+  StepResult step(const AdamOptions& options, std::int64_t step, const std::vector<Item>& items);
 
   /// Counters.
   NvmeAdamStats stats() const noexcept { return stats_; }
