@@ -22,6 +22,8 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bindings", "python"))
+from tierflow._report import write_json_atomic  # noqa: E402
 ENGINE = os.path.join(ROOT, "build", "dev", "benchmarks", "bench_nvme_engine")
 SIZES = {"64KiB": 64 << 10, "256KiB": 256 << 10, "1MiB": 1 << 20, "4MiB": 4 << 20, "16MiB": 16 << 20}
 
@@ -118,11 +120,7 @@ def main() -> int:
     result = dict(head)
     result.update({"sweep": sweep, "queue_depth_sweep": qd_sweep, "striped_two_paths": striped,
                    "file_system": subprocess.run(["df", "-T", args.dir], capture_output=True, text=True).stdout})
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    tmp = args.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f, indent=2)
-    os.replace(tmp, args.out)
+    write_json_atomic(args.out, result)
     print("wrote", args.out)
     return 0
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import sys
@@ -34,6 +33,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bindings", "python"))
 import tierflow  # noqa: E402
+from tierflow._report import write_json_atomic  # noqa: E402
 
 CHUNK = 125_000_000  # elements per tensor: 1e9 parameters are 8 tensors
 
@@ -232,9 +232,7 @@ def main() -> int:
             row["tierflow_over_roofline"] = rate["tierflow"] / rate["roofline"]
             for peer in ("torch_fused", "torch_foreach", "deepspeed"):
                 if rate.get(peer):
-                    # Against the tierflow timing taken alongside that peer.
-                    mine = rate.get(f"tierflow_vs_{peer}", rate["tierflow"])
-                    row[f"tierflow_over_{peer}"] = mine / rate[peer]
+                    row[f"tierflow_over_{peer}"] = rate["tierflow"] / rate[peer]
             row["roofline_gbps"] = 28 * rate["roofline"] / 1e9
             results.append(row)
             fmt = lambda x: f"{x:.3e}" if x else "n/a"  # noqa: E731
@@ -256,11 +254,7 @@ def main() -> int:
         "roofline_params_per_s": head["roofline_params_per_s"],
         "results": results,
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    tmp = args.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(out, f, indent=2)
-    os.replace(tmp, args.out)
+    write_json_atomic(args.out, out)
     print("wrote", args.out)
     return 0
 

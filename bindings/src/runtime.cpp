@@ -5,15 +5,12 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
-#include <condition_variable>
-#include <deque>
-#include <functional>
-#include <thread>
 #include <cstring>
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include "tierflow/allocator/device.hpp"
+#include "tierflow/swap/detail/serial_worker.hpp"
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/log.hpp"
 
@@ -142,76 +139,12 @@ at::Tensor Runtime::host_empty(at::IntArrayRef sizes, at::ScalarType dtype, bool
                        at::TensorOptions().dtype(dtype).device(at::kCPU));
 }
 
-// The optimizer worker: one thread running queued steps in order.
-struct Runtime::Worker {
-  explicit Worker(Runtime* rt) : runtime(rt), thread([this] { loop(); }) {}
-  ~Worker() {
-    {
-      std::lock_guard<std::mutex> lock(mutex);
-      stop = true;
-    }
-    cv.notify_all();
-    thread.join();
-  }
-  void push(std::function<void()> job) {
-    {
-      std::lock_guard<std::mutex> lock(mutex);
-      queue.push_back(std::move(job));
-      ++pending;
-    }
-    cv.notify_all();
-  }
-  void wait() {
-    std::unique_lock<std::mutex> lock(mutex);
-    idle.wait(lock, [&] { return pending == 0; });
-    if (error) {
-      auto e = error;
-      error = nullptr;
-      std::rethrow_exception(e);
-    }
-  }
-  void loop() {
-    for (;;) {
-      std::function<void()> job;
-      {
-        std::unique_lock<std::mutex> lock(mutex);
-        cv.wait(lock, [&] { return stop || !queue.empty(); });
-        if (queue.empty()) return;
-        job = std::move(queue.front());
-        queue.pop_front();
-      }
-      try {
-        job();
-      } catch (...) {
-        std::lock_guard<std::mutex> lock(mutex);
-        if (!error) error = std::current_exception();
-      }
-      // Drop the job's tensors before reporting it done: dropping a tensor whose
-      // Python object it owns takes the GIL, which a waiter may be holding.
-      job = nullptr;
-      {
-        std::lock_guard<std::mutex> lock(mutex);
-        --pending;
-      }
-      idle.notify_all();
-    }
-  }
-  Runtime* runtime;
-  std::mutex mutex;
-  std::condition_variable cv, idle;
-  std::deque<std::function<void()>> queue;
-  std::size_t pending = 0;
-  bool stop = false;
-  std::exception_ptr error;
-  std::thread thread;  // last: starts after the members above exist
-};
-
 void Runtime::adam_step_async(const optimizer::AdamOptions& options, std::int64_t step,
                               std::vector<at::Tensor> masters, std::vector<at::Tensor> exp_avgs,
                               std::vector<at::Tensor> exp_avg_sqs,
                               std::vector<at::Tensor> max_exp_avg_sqs, std::vector<at::Tensor> grads,
                               std::vector<at::Tensor> params_out, AdamOutputs outputs) {
-  if (!worker_) worker_ = std::make_unique<Worker>(this);
+  if (!worker_) worker_ = std::make_unique<swap::detail::SerialWorker>();
   // Gradients still on the GPU are staged into the pinned pool through the
   // copy engine (after the work queued on their stream); the step waits for it.
   std::vector<swap::TransferHandle> staged;
@@ -236,7 +169,7 @@ void Runtime::adam_step_async(const optimizer::AdamOptions& options, std::int64_
 }
 
 void Runtime::adam_wait() {
-  if (worker_) worker_->wait();
+  if (worker_) worker_->drain();
 }
 
 void Runtime::adam_step(const optimizer::AdamOptions& options, std::int64_t step,

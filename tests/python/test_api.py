@@ -45,7 +45,7 @@ def test_report_table_and_json(tmp_path, monkeypatch):
     saved = json.loads(path.read_text())
     assert saved["links"]["gpu_to_host_bytes"] == r["links"]["gpu_to_host_bytes"] > 0
     assert saved["config"]["TIERFLOW_REPORT"] == str(path)
-    assert not [p for p in path.parent.iterdir() if p.name.startswith(".tierflow-report-")], "temp file left"
+    assert not [p for p in path.parent.iterdir() if p.name.startswith(".tierflow-")], "temp file left"
 
 
 def test_config_table_lists_every_variable_with_docs():

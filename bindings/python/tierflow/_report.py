@@ -18,6 +18,20 @@ def fmt_bytes(n: float) -> str:
     return f"{n:.2f} TiB"
 
 
+def write_json_atomic(path: str, obj: Any, **dump_args: Any) -> None:
+    """Writes `obj` as JSON so that a reader never sees a half-written file."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tierflow-", suffix=".json.tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=2, **dump_args)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
 class Report(dict):
     """tierflow's statistics: peak bytes per tier, bytes per link, prefetch hits and stalls."""
 
@@ -67,18 +81,4 @@ class Report(dict):
 
     def save(self, path: str) -> None:
         """Writes the JSON atomically: a reader never sees a half-written file."""
-        directory = os.path.dirname(os.path.abspath(path))
-        os.makedirs(directory, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tierflow-report-", dir=directory)
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(self.to_json())
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
-
-
-def build_report(stats: dict[str, Any]) -> Report:
-    """Wraps the runtime's statistics dict."""
-    return Report(stats)
+        write_json_atomic(path, self, sort_keys=True)

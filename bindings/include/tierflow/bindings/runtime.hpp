@@ -16,6 +16,7 @@
 #include "tierflow/optimizer/cpu_adam.hpp"
 #include "tierflow/optimizer/nvme_adam.hpp"
 #include "tierflow/swap/copy_engine.hpp"
+#include "tierflow/swap/detail/serial_worker.hpp"
 
 namespace tierflow::bindings {
 
@@ -99,8 +100,7 @@ class Runtime {
   std::unique_ptr<optimizer::CpuAdam> adam_;
   std::mutex adam_mutex_;  // one step at a time on the arena; guards opt_stats_
   OptimizerStats opt_stats_;
-  struct Worker;
-  std::unique_ptr<Worker> worker_;
+  std::unique_ptr<swap::detail::SerialWorker> worker_;  // steps queued by adam_step_async
   std::shared_ptr<swap::NvmeEngine> nvme_;
   std::unique_ptr<optimizer::NvmeAdamStore> nvme_adam_;
 };
