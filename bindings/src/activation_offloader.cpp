@@ -8,6 +8,7 @@
 
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/log.hpp"
+#include "tierflow/core/size.hpp"
 
 namespace tierflow::bindings {
 
@@ -35,43 +36,56 @@ ActivationOffloader::ActivationOffloader(ActivationOffloaderOptions options,
 
 ActivationOffloader::~ActivationOffloader() = default;
 
-void* ActivationOffloader::staging_locked(std::size_t bytes) {
-  if (void* p = pool_->try_allocate(bytes)) return p;
-  // Back-pressure: staging is freed as NVMe writes complete; wait for them.
-  while (!pending_nvme_writes_.empty()) {
-    ++stats_.staging_waits;
-    auto oldest = pending_nvme_writes_.front().lock();
-    if (oldest && !oldest->released) {
-      try {
-        oldest->nvme_write.wait();
-      } catch (const std::exception&) {
-        // settled (and counted) by poll_locked below
-      }
-    }
-    const std::size_t before = pending_nvme_writes_.size();
-    poll_locked();
-    if (void* p = pool_->try_allocate(bytes)) return p;
-    if (pending_nvme_writes_.size() == before) break;
-  }
-  // Staging also frees as prefetched blocks reach the device.
-  while (!pending_h2d_.empty()) {
-    ++stats_.staging_waits;
-    auto oldest = pending_h2d_.front().lock();
-    if (oldest && !oldest->released) {
-      try {
-        if (oldest->nvme_read.valid() && !oldest->h2d.valid()) oldest->nvme_read.wait();
-        poll_locked();
-        oldest->h2d.wait();
-      } catch (const std::exception&) {
-        // its unpack reports it
-      }
-    }
-    const std::size_t before = pending_h2d_.size();
-    poll_locked();
-    if (void* p = pool_->try_allocate(bytes)) return p;
-    if (pending_h2d_.size() == before) break;
+namespace {
+// The oldest block of `list` still alive, or null.
+std::shared_ptr<SavedBlock> oldest_live(const std::vector<std::weak_ptr<SavedBlock>>& list) {
+  for (const auto& w : list) {
+    auto b = w.lock();
+    if (b && !b->released) return b;
   }
   return nullptr;
+}
+}  // namespace
+
+std::size_t ActivationOffloader::transfers_left_locked() const noexcept {
+  // A copy to the host still has its NVMe write ahead of it: it counts twice,
+  // so every completion lowers the sum.
+  return 2 * pending_d2h_.size() + pending_nvme_writes_.size() + pending_nvme_reads_.size() + pending_h2d_.size();
+}
+
+bool ActivationOffloader::wait_for_a_transfer_locked() {
+  const std::size_t before = transfers_left_locked();
+  if (before == 0) return false;
+  // Earliest stage first: a copy to the host becomes a write, a write frees
+  // its staging, a read becomes a copy to the device that frees its staging.
+  try {
+    if (auto b = oldest_live(pending_d2h_)) {
+      b->d2h.wait();
+    } else if (auto b = oldest_live(pending_nvme_writes_)) {
+      b->nvme_write.wait();
+    } else if (auto b = oldest_live(pending_h2d_)) {
+      if (b->nvme_read.valid() && !b->h2d.valid()) {
+        b->nvme_read.wait();
+        poll_locked();  // starts its copy to the device
+      }
+      if (b->h2d.valid()) b->h2d.wait();
+    }
+  } catch (const std::exception&) {
+    // poll_locked settles it: a failed copy or write keeps the data where it
+    // was, a failed read is raised by the block's unpack.
+  }
+  poll_locked();
+  return transfers_left_locked() < before;
+}
+
+void* ActivationOffloader::staging_locked(std::size_t bytes) {
+  // Back-pressure: staging comes free as transfers complete; wait for them
+  // one at a time until the block fits or nothing is left in flight.
+  for (;;) {
+    if (void* p = pool_->try_allocate(bytes)) return p;
+    ++stats_.staging_waits;
+    if (!wait_for_a_transfer_locked()) return nullptr;
+  }
 }
 
 void ActivationOffloader::start_nvme_write_locked(SavedBlock& b) {
@@ -300,6 +314,11 @@ void ActivationOffloader::poll_locked() {
   for (auto& w : pending_h2d_) {
     auto b = w.lock();
     if (!b || b->released || !b->host) continue;
+    if (b->read_error) {  // nothing will copy it: the staging is free now
+      pool_->deallocate(b->host);
+      b->host = nullptr;
+      continue;
+    }
     if (!b->h2d.valid() || !b->h2d.ready()) {
       h2ds.push_back(w);
       continue;
@@ -416,9 +435,13 @@ at::Tensor ActivationOffloader::unpack(const std::shared_ptr<SavedHandle>& handl
   if (reg.residence(b.id) == Residence::kOnHost) {
     // Still not fetched (no staging was free for a prefetch): wait for staging.
     prefetch_locked(b.id);
-    TIERFLOW_EXPECTS(reg.residence(b.id) == Residence::kInFlightToDevice,
-                     "unpack: no pinned staging memory for a block of " + std::to_string(b.nbytes) +
-                         " bytes within TIERFLOW_HOST_MEMORY; raise it");
+    if (reg.residence(b.id) != Residence::kInFlightToDevice) {
+      const auto st = pool_->stats();
+      throw out_of_memory("unpack: no pinned staging memory for a saved activation of " + format_bytes(b.nbytes) +
+                          " with every transfer settled: " + format_bytes(st.in_use.current) + " in use and " +
+                          format_bytes(st.reserved.current) + " reserved of TIERFLOW_HOST_MEMORY=" +
+                          format_bytes(pool_->budget_bytes()) + "; raise TIERFLOW_HOST_MEMORY");
+    }
   }
   if (reg.residence(b.id) == Residence::kInFlightToDevice) {
     const std::uint64_t t0 = now_ns();

@@ -238,10 +238,18 @@ PYBIND11_MODULE(_C, m) {
       .def_property("corrupt_reads", [](const swap::NvmeFaults& f) { return f.corrupt_reads.load(); },
                     [](swap::NvmeFaults& f, int n) { f.corrupt_reads = n; });
 
+  py::class_<swap::CopyFaults, std::shared_ptr<swap::CopyFaults>>(m, "CopyFaults",
+      "Test hook: delays the emulated device's copies to the host.")
+      .def(py::init<>())
+      .def_property("d2h_delay_us", [](const swap::CopyFaults& f) { return f.d2h_delay_us.load(); },
+                    [](swap::CopyFaults& f, int us) { f.d2h_delay_us = us; });
+
   py::class_<Runtime, std::shared_ptr<Runtime>>(m, "Runtime")
-      .def(py::init([](const py::dict& overrides, std::shared_ptr<swap::NvmeFaults> faults) {
-             // The runtime keeps a raw pointer: the Python object must outlive it (tests hold both).
-             auto* rt = new Runtime(Config::from_environment(to_string_map(overrides)), faults.get());
+      .def(py::init([](const py::dict& overrides, std::shared_ptr<swap::NvmeFaults> faults,
+                       std::shared_ptr<swap::CopyFaults> copy_faults) {
+             // The runtime keeps raw pointers: the Python objects must outlive it (tests hold them).
+             auto* rt = new Runtime(Config::from_environment(to_string_map(overrides)), faults.get(),
+                                    copy_faults.get());
              // ~Runtime waits for its optimizer worker, whose jobs may need the GIL to drop tensors.
              return std::shared_ptr<Runtime>(rt, [](Runtime* r) {
                if (PyGILState_Check()) {
@@ -252,7 +260,8 @@ PYBIND11_MODULE(_C, m) {
                }
              });
            }),
-           py::arg("overrides") = py::dict(), py::arg("nvme_faults") = nullptr)
+           py::arg("overrides") = py::dict(), py::arg("nvme_faults") = nullptr,
+           py::arg("copy_faults") = nullptr)
       .def("config", [](const Runtime& rt) { return rt.config().to_strings(); })
       .def_property_readonly("device", [](const Runtime& rt) {
         return std::string(allocator::to_string(rt.device_kind()));

@@ -1,8 +1,10 @@
 // The emulated device's copy engine: one worker thread per direction, each a
 // FIFO, with the completion and chaining semantics of CUDA streams and events.
+#include <chrono>
 #include <cstring>
 #include <exception>
 #include <mutex>
+#include <thread>
 
 #include "tierflow/allocator/small_alloc.hpp"
 #include "tierflow/core/error.hpp"
@@ -17,6 +19,8 @@ using EmulatedState = detail::HostEvent;
 
 class EmulatedCopyEngine final : public CopyEngine {
  public:
+  explicit EmulatedCopyEngine(const CopyFaults* faults) : faults_(faults) {}
+
   allocator::DeviceKind device() const noexcept override { return allocator::DeviceKind::kEmulated; }
 
   TransferHandle copy(Direction dir, void* dst, const void* src, std::size_t bytes,
@@ -25,9 +29,11 @@ class EmulatedCopyEngine final : public CopyEngine {
     // Handles are small and frequent: see Note [mimalloc shim].
     auto state = std::allocate_shared<EmulatedState>(allocator::SmallAllocator<EmulatedState>(), bytes);
     count(dir, bytes);
-    stream(dir).push([dst, src, bytes, deps, state] {
+    const int delay_us = faults_ && dir == Direction::kDeviceToHost ? faults_->d2h_delay_us.load() : 0;
+    stream(dir).push([dst, src, bytes, deps, state, delay_us] {
       std::exception_ptr error;
       try {
+        if (delay_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
         for (const auto& d : deps) d.wait();
         if (bytes) std::memcpy(dst, src, bytes);
       } catch (...) {
@@ -47,18 +53,19 @@ class EmulatedCopyEngine final : public CopyEngine {
 
  private:
   detail::SerialWorker& stream(Direction dir) { return dir == Direction::kDeviceToHost ? d2h_ : h2d_; }
+  const CopyFaults* faults_;
   detail::SerialWorker d2h_, h2d_;  // one in-order "stream" per direction
 };
 
 }  // namespace
 
-std::unique_ptr<CopyEngine> make_emulated_copy_engine() {
-  return std::make_unique<EmulatedCopyEngine>();
+std::unique_ptr<CopyEngine> make_emulated_copy_engine(const CopyFaults* faults) {
+  return std::make_unique<EmulatedCopyEngine>(faults);
 }
 
-std::unique_ptr<CopyEngine> make_copy_engine(allocator::DeviceKind kind) {
+std::unique_ptr<CopyEngine> make_copy_engine(allocator::DeviceKind kind, const CopyFaults* faults) {
   return kind == allocator::DeviceKind::kCuda ? make_cuda_copy_engine()
-                                              : make_emulated_copy_engine();
+                                              : make_emulated_copy_engine(faults);
 }
 
 }  // namespace tierflow::swap

@@ -20,10 +20,10 @@ _sessions: "list[Session]" = []
 class Session:
     """One runtime and the hooks that connect it to one model."""
 
-    def __init__(self, _nvme_faults: Any = None, **settings: Any) -> None:
-        # _nvme_faults: a tierflow._C.NvmeFaults, for fault-injection tests only.
-        self._faults = _nvme_faults
-        self.runtime = _C.Runtime(settings_to_strings(settings), _nvme_faults)
+    def __init__(self, _nvme_faults: Any = None, _copy_faults: Any = None, **settings: Any) -> None:
+        # _nvme_faults, _copy_faults: a tierflow._C.NvmeFaults or CopyFaults, for fault-injection tests only.
+        self._faults = (_nvme_faults, _copy_faults)  # the runtime holds raw pointers to them
+        self.runtime = _C.Runtime(settings_to_strings(settings), _nvme_faults, _copy_faults)
         self.config = self.runtime.config()
         self._handles: list[Any] = []
         self._contexts: list[Optional[Any]] = []

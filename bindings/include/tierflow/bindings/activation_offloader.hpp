@@ -145,6 +145,8 @@ class ActivationOffloader : public std::enable_shared_from_this<ActivationOffloa
   void throttle_locked(std::size_t just_added);
   void start_nvme_write_locked(SavedBlock& b);
   void* staging_locked(std::size_t bytes);
+  std::size_t transfers_left_locked() const noexcept;
+  bool wait_for_a_transfer_locked();
   void* current_stream(const at::Device& device) const;
 
   ActivationOffloaderOptions options_;

@@ -32,8 +32,10 @@ class Runtime {
  public:
   /// Builds the tiers for `config`; throws config_error for settings this
   /// version cannot serve (naming the variable and what is accepted).
-  /// `nvme_faults` (tests only) injects I/O failures into the NVMe tier.
-  explicit Runtime(Config config, swap::NvmeFaults* nvme_faults = nullptr);
+  /// `nvme_faults` and `copy_faults` (tests only) inject I/O failures into the
+  /// NVMe tier and delays into the emulated copy engine; both must outlive the runtime.
+  explicit Runtime(Config config, swap::NvmeFaults* nvme_faults = nullptr,
+                   const swap::CopyFaults* copy_faults = nullptr);
   ~Runtime();
 
   /// The configuration in force.

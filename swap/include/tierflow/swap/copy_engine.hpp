@@ -2,6 +2,7 @@
 // its own in-order stream, overlapped with compute.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <memory>
 #include <vector>
@@ -21,6 +22,12 @@ struct CopyEngineStats {
   std::uint64_t h2d_bytes = 0;  ///< bytes copied host -> device
   std::uint64_t d2h_ops = 0;    ///< copies device -> host
   std::uint64_t h2d_ops = 0;    ///< copies host -> device
+};
+
+/// Test hook for the emulated engine: slows its copies so tests can hold
+/// transfers in flight at a chosen moment.
+struct CopyFaults {
+  std::atomic<int> d2h_delay_us{0};  ///< each device -> host copy first sleeps this long
 };
 
 /// Asynchronous copies between the GPU tier and host memory.
@@ -66,14 +73,15 @@ class CopyEngine {
   Counter d2h_bytes_, h2d_bytes_, d2h_ops_, h2d_ops_;
 };
 
-/// Copies on two worker threads; see Note [Emulated device].
-std::unique_ptr<CopyEngine> make_emulated_copy_engine();
+/// Copies on two worker threads; see Note [Emulated device]. `faults` (tests
+/// only), when given, must outlive the engine.
+std::unique_ptr<CopyEngine> make_emulated_copy_engine(const CopyFaults* faults = nullptr);
 
 /// Copies on two non-blocking CUDA streams with events; throws logic_error
 /// when tierflow was built without CUDA or no GPU is present.
 std::unique_ptr<CopyEngine> make_cuda_copy_engine();
 
-/// The engine for `kind`.
-std::unique_ptr<CopyEngine> make_copy_engine(allocator::DeviceKind kind);
+/// The engine for `kind`; `faults` applies to the emulated one only.
+std::unique_ptr<CopyEngine> make_copy_engine(allocator::DeviceKind kind, const CopyFaults* faults = nullptr);
 
 }  // namespace tierflow::swap
