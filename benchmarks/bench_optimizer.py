@@ -15,8 +15,11 @@ Configurations:
 
 The roofline is a streaming kernel with exactly the step's loads and stores
 (same arrays, dtypes, in-place writes, chunking and threads) and one add per
-array: optimizer/roofline.hpp. Each timing is the best of several steps after
-a warm-up. Writes benchmarks/results/optimizer.json.
+array: optimizer/roofline.hpp. Every implementation steps the same shared
+arrays (see Arrays), so all of them are timed round-robin in one process, at
+every size. Each rate is the best round after a warm-up; each ratio is the
+median over rounds of the ratio within a round (see ratios). The JSON keeps
+every round's seconds. Writes benchmarks/results/optimizer.json.
 """
 
 from __future__ import annotations
@@ -46,23 +49,34 @@ def split(n: int) -> list[int]:
     return sizes
 
 
-def best_of(fn, repeats: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def fill(t: torch.Tensor, value: float) -> torch.Tensor:
     return t.fill_(value)
 
 
+class Arrays:
+    """The step's arrays, allocated once and shared by every implementation.
+
+    Every implementation steps the same memory (torch and DeepSpeed get them as
+    their parameters, gradients and pre-filled optimizer state), so all of them
+    fit at once even at 1e9 parameters and are timed round-robin, at the same
+    moment of this shared machine. The arithmetic costs the same whatever the
+    values; they stay normal numbers over the few steps taken.
+    """
+
+    def __init__(self, n: int, config: str) -> None:
+        sizes = split(n)
+        self.masters = [fill(torch.empty(s), 0.5) for s in sizes]
+        self.ms = [torch.zeros(s) for s in sizes]
+        self.vs = [torch.zeros(s) for s in sizes]
+        gdt = torch.float32 if config == "fp32" else torch.bfloat16
+        self.grads = [fill(torch.empty(s, dtype=gdt), 0.01) for s in sizes]
+        self.outs = [None] * len(sizes) if config == "fp32" else [torch.empty(s, dtype=torch.bfloat16) for s in sizes]
+        # The peers take fp32 gradients only (see the module doc).
+        self.fp32_grads = self.grads if config == "fp32" else [fill(torch.empty(s), 0.01) for s in sizes]
+
+
 class Impl:
-    """One implementation set up over its own arrays; `step()` runs one timed step."""
+    """One implementation over the shared arrays; `step()` runs one timed step."""
 
     name = ""
 
@@ -73,55 +87,53 @@ class Impl:
 class Tierflow(Impl):
     name = "tierflow"
 
-    def __init__(self, n: int, config: str, threads: int) -> None:
+    def __init__(self, a: Arrays, threads: int) -> None:
         self.rt = tierflow._C.Runtime({"cpu_threads": str(threads), "host_memory": "90%"})
-        sizes = split(n)
-        self.threads = threads
-        self.masters = [fill(torch.empty(s), 0.5) for s in sizes]
-        self.ms = [torch.zeros(s) for s in sizes]
-        self.vs = [torch.zeros(s) for s in sizes]
-        gdt = torch.float32 if config == "fp32" else torch.bfloat16
-        self.grads = [fill(torch.empty(s, dtype=gdt), 0.01) for s in sizes]
-        self.outs = [None] * len(sizes) if config == "fp32" else [torch.empty(s, dtype=torch.bfloat16) for s in sizes]
+        self.a = a
         self.opts = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, amsgrad=False,
                          maximize=False, decoupled_weight_decay=True)
         self.n = 0
 
     def step(self) -> None:
         self.n += 1
-        self.rt.adam_step(self.opts, self.n, self.masters, self.ms, self.vs, [None] * len(self.ms), self.grads,
-                          self.outs)
+        a = self.a
+        self.rt.adam_step(self.opts, self.n, a.masters, a.ms, a.vs, [None] * len(a.ms), a.grads, a.outs)
 
 
 class Roofline(Impl):
-    """The traffic kernel over a Tierflow's own arrays."""
+    """The traffic kernel over the same arrays, with the same threads."""
 
     name = "roofline"
 
-    def __init__(self, tf: Tierflow) -> None:
-        self.tf = tf
+    def __init__(self, a: Arrays, threads: int) -> None:
+        self.a = a
+        self.threads = threads
 
     def step(self) -> None:
-        tierflow._C.adam_traffic(self.tf.masters, self.tf.ms, self.tf.vs, self.tf.grads, self.tf.outs,
-                                 self.tf.threads, 1)
+        a = self.a
+        tierflow._C.adam_traffic(a.masters, a.ms, a.vs, a.grads, a.outs, self.threads, 1)
 
 
 class Peer(Impl):
     """torch.optim.AdamW (fused / foreach) or DeepSpeedCPUAdam, like with like (see the module doc)."""
 
-    def __init__(self, name: str, n: int, config: str, make_opt) -> None:
+    def __init__(self, name: str, a: Arrays, make_opt, tensor_step: bool) -> None:
         self.name = name
-        sizes = split(n)
-        self.params = [torch.nn.Parameter(fill(torch.empty(s), 0.5)) for s in sizes]
-        for p in self.params:
-            p.grad = fill(torch.empty_like(p), 0.01)
-        self.copies = [torch.empty(s, dtype=torch.bfloat16) for s in sizes] if config == "bf16_mixed" else []
+        self.a = a
+        # Parameters that are views of the shared masters, with the shared state.
+        self.params = [torch.nn.Parameter(m) for m in a.masters]
+        for p, g in zip(self.params, a.fp32_grads):
+            p.grad = g
         # One group per tensor: foreach temporaries stay per group, as memory allows at 1e9.
         self.opt = make_opt([{"params": [p]} for p in self.params])
+        for p, m, v in zip(self.params, a.ms, a.vs):
+            step = torch.tensor(0.0) if tensor_step else 0
+            self.opt.state[p] = {"step": step, "exp_avg": m, "exp_avg_sq": v}
+        self.copies = [(o, p) for o, p in zip(a.outs, self.params) if o is not None]
 
     def step(self) -> None:
         self.opt.step()
-        for c, p in zip(self.copies, self.params):
+        for c, p in self.copies:
             c.copy_(p.detach())
 
 
@@ -135,72 +147,70 @@ def deepspeed_factory():
                                             fp32_optimizer_states=True)), f"deepspeed {deepspeed.__version__}"
 
 
-def measure(impls: list, repeats: int) -> dict:
-    """Round-robin over the implementations, so every one sees the same machine; best of each."""
-    best = {i.name: float("inf") for i in impls}
+def measure(impls: list, rounds: int) -> dict:
+    """Round-robin over the implementations, so every one sees the same machine: each round steps each once."""
+    times = {i.name: [] for i in impls}
     for i in impls:
         i.step()  # warm-up (DeepSpeed compiles its op here on first use)
-    for _ in range(repeats):
+    for _ in range(rounds):
         for i in impls:
             t0 = time.perf_counter()
             i.step()
-            best[i.name] = min(best[i.name], time.perf_counter() - t0)
-    return best
+            times[i.name].append(time.perf_counter() - t0)
+    return times
 
 
-def run_config(n: int, config: str, threads: int, repeats: int, together: bool) -> dict:
+def run_config(n: int, config: str, threads: int, rounds: int) -> dict:
     ds_make, ds_info = deepspeed_factory()
+    a = Arrays(n, config)
     makers = [
-        ("torch_fused", lambda: Peer("torch_fused", n, config,
-                                     lambda g: torch.optim.AdamW(g, lr=1e-3, weight_decay=0.01, fused=True))),
-        ("torch_foreach", lambda: Peer("torch_foreach", n, config,
-                                       lambda g: torch.optim.AdamW(g, lr=1e-3, weight_decay=0.01, foreach=True))),
+        ("torch_fused", lambda: Peer("torch_fused", a,
+                                     lambda g: torch.optim.AdamW(g, lr=1e-3, weight_decay=0.01, fused=True), True)),
+        ("torch_foreach", lambda: Peer("torch_foreach", a,
+                                       lambda g: torch.optim.AdamW(g, lr=1e-3, weight_decay=0.01, foreach=True), True)),
     ]
     if ds_make is not None:
-        makers.append(("deepspeed", lambda: Peer("deepspeed", n, config, ds_make)))
-    errors = {}
-    times = {}
-    tf = Tierflow(n, config, threads)
-    core = [tf, Roofline(tf)]
-    if together:
-        impls = list(core)
-        for name, make in makers:
-            try:
-                impls.append(make())
-            except Exception as e:  # noqa: BLE001
-                errors[name] = f"{type(e).__name__}: {str(e)[:300]}"
-        times = measure(impls, repeats)
-        del impls
-    else:
-        times = measure(core, repeats)
+        makers.append(("deepspeed", lambda: Peer("deepspeed", a, ds_make, False)))
+    errors = {} if ds_make is not None else {"deepspeed": ds_info}
+    tf = Tierflow(a, threads)
+    impls = [tf, Roofline(a, threads)]
+    for name, make in makers:
+        try:
+            impls.append(make())
+        except Exception as e:  # noqa: BLE001
+            errors[name] = f"{type(e).__name__}: {str(e)[:300]}"
+    times = measure(impls, rounds)
     isa = tf.rt.stats()["optimizer"]["isa"]
-    if not together:
-        # Too large to hold two implementations at once (1e9 parameters are 16 GB
-        # each): tierflow with its roofline, then each peer alone. These ratios are
-        # not same-moment, so they carry the machine's drift between the runs.
-        del tf, core
-        gc.collect()
-        for name, make in makers:
-            try:
-                peer = make()
-                times[name] = measure([peer], repeats)[name]
-            except Exception as e:  # noqa: BLE001
-                errors[name] = f"{type(e).__name__}: {str(e)[:300]}"
-            peer = None
-            gc.collect()
-    else:
-        del tf, core
-        gc.collect()
-    if ds_make is None:
-        errors["deepspeed"] = ds_info
+    del impls, tf, a
+    gc.collect()
     return {"times": times, "errors": errors, "isa": isa, "deepspeed": ds_info}
+
+
+def ratios(times: dict) -> dict:
+    """tierflow's speed over each other's, from the seconds of every round.
+
+    The headline ratio is the median over rounds of the two steps' ratio in
+    that round (taken moments apart), which the machine's drift from one round
+    to the next does not bias; the ratio of the two best rounds, which may come
+    from different moments, is kept beside it.
+    """
+    out = {}
+    mine = times["tierflow"]
+    for other in ("roofline", "torch_fused", "torch_foreach", "deepspeed"):
+        if other not in times:
+            continue
+        r = sorted(t / m for m, t in zip(mine, times[other]))  # above 1: tierflow was faster
+        out[f"tierflow_over_{other}"] = r[len(r) // 2]
+        out[f"tierflow_over_{other}_per_round_min_median_max"] = [r[0], r[len(r) // 2], r[-1]]
+        out[f"tierflow_over_{other}_best_rounds"] = min(times[other]) / min(mine)
+    return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description="CPU Adam benchmark")
     ap.add_argument("--sizes", nargs="+", type=float, default=[1e8, 1e9])
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=7, help="timed steps of each implementation, round-robin")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "optimizer.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -209,15 +219,12 @@ def main() -> int:
     results = []
     for size in args.sizes:
         n = int(size)
-        together = n <= 2.5e8  # every implementation's arrays fit in memory at once
-        reps = args.repeats if n <= 2.5e8 else max(2, args.repeats // 2)
         for config in ("fp32", "bf16_mixed"):
-            r = run_config(n, config, args.threads, reps, together)
+            r = run_config(n, config, args.threads, args.rounds)
             t = r["times"]
-            rate = {k: (n / v if v else None) for k, v in t.items()}
+            rate = {k: n / min(v) for k, v in t.items()}  # best round of each
             row = {
-                "elements": n, "config": config, "threads": args.threads, "isa": r["isa"],
-                "measured_together": together,
+                "elements": n, "config": config, "threads": args.threads, "isa": r["isa"], "rounds": args.rounds,
                 "tierflow_params_per_s": rate["tierflow"],
                 "roofline_params_per_s": rate["roofline"],
                 "torch_fused_params_per_s": rate.get("torch_fused"),
@@ -228,19 +235,20 @@ def main() -> int:
                 "peer_configuration": ("fp32 step, then a copy of the fp32 parameters into bf16 (peers keep no fp32 "
                                        "master for bf16 parameters and take no bf16 gradients for fp32 ones)"
                                        if config != "fp32" else "the same configuration"),
+                "seconds_per_round": {k: v for k, v in t.items()},
             }
-            row["tierflow_over_roofline"] = rate["tierflow"] / rate["roofline"]
-            for peer in ("torch_fused", "torch_foreach", "deepspeed"):
-                if rate.get(peer):
-                    row[f"tierflow_over_{peer}"] = rate["tierflow"] / rate[peer]
+            row.update(ratios(t))
             row["roofline_gbps"] = 28 * rate["roofline"] / 1e9
             results.append(row)
             fmt = lambda x: f"{x:.3e}" if x else "n/a"  # noqa: E731
-            print(f'{n:.0e} {config:10s} tierflow {fmt(rate["tierflow"])}/s  roofline {fmt(rate["roofline"])}/s '
-                  f'({row["tierflow_over_roofline"]:.2f})  torch fused {fmt(rate.get("torch_fused"))} '
-                  f'foreach {fmt(rate.get("torch_foreach"))}  deepspeed {fmt(rate.get("deepspeed"))}  '
-                  + "  ".join(f"x{p[len('tierflow_over_'):]}={row[p]:.2f}" for p in row if p.startswith("tierflow_over_")),
-                  flush=True)
+            print(f'{n:.0e} {config:10s} tierflow {fmt(rate["tierflow"])}/s  roofline {fmt(rate["roofline"])}/s  '
+                  f'torch fused {fmt(rate.get("torch_fused"))}  foreach {fmt(rate.get("torch_foreach"))}  '
+                  f'deepspeed {fmt(rate.get("deepspeed"))}', flush=True)
+            for other in ("roofline", "torch_fused", "torch_foreach", "deepspeed"):
+                if other in rate:
+                    lo, med, hi = row[f"tierflow_over_{other}_per_round_min_median_max"]
+                    print(f'    x {other:13s} {med:.3f} (median of rounds; min {lo:.3f}, max {hi:.3f}; '
+                          f'best round over best round {row[f"tierflow_over_{other}_best_rounds"]:.3f})', flush=True)
 
     head = results[0]
     out = {
