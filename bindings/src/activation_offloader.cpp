@@ -56,23 +56,27 @@ std::size_t ActivationOffloader::transfers_left_locked() const noexcept {
 bool ActivationOffloader::wait_for_a_transfer_locked() {
   const std::size_t before = transfers_left_locked();
   if (before == 0) return false;
-  // Earliest stage first: a copy to the host becomes a write, a write frees
-  // its staging, a read becomes a copy to the device that frees its staging.
-  try {
-    if (auto b = oldest_live(pending_d2h_)) {
-      b->d2h.wait();
-    } else if (auto b = oldest_live(pending_nvme_writes_)) {
-      b->nvme_write.wait();
-    } else if (auto b = oldest_live(pending_h2d_)) {
-      if (b->nvme_read.valid() && !b->h2d.valid()) {
-        b->nvme_read.wait();
-        poll_locked();  // starts its copy to the device
-      }
-      if (b->h2d.valid()) b->h2d.wait();
+  // Transfers that free staging first: a write, or a read and its copy to the
+  // device. Copies to the host come last: they free staging only by way of
+  // their writes, and waiting on them syncs with the compute that feeds them.
+  // A failed transfer is settled by poll_locked (a failed copy or write keeps
+  // the data where it was; a failed read is raised by the block's unpack).
+  const auto wait_quietly = [](const auto& handle) {
+    try {
+      handle.wait();
+    } catch (const std::exception&) {
     }
-  } catch (const std::exception&) {
-    // poll_locked settles it: a failed copy or write keeps the data where it
-    // was, a failed read is raised by the block's unpack.
+  };
+  if (auto b = oldest_live(pending_nvme_writes_)) {
+    wait_quietly(b->nvme_write);
+  } else if (auto b = oldest_live(pending_h2d_)) {
+    if (b->nvme_read.valid() && !b->h2d.valid()) {
+      wait_quietly(b->nvme_read);
+      poll_locked();  // starts its copy to the device
+    }
+    if (b->h2d.valid()) wait_quietly(b->h2d);
+  } else if (auto b = oldest_live(pending_d2h_)) {
+    wait_quietly(b->d2h);
   }
   poll_locked();
   return transfers_left_locked() < before;
@@ -81,6 +85,7 @@ bool ActivationOffloader::wait_for_a_transfer_locked() {
 void* ActivationOffloader::staging_locked(std::size_t bytes) {
   // Back-pressure: staging comes free as transfers complete; wait for them
   // one at a time until the block fits or nothing is left in flight.
+  if (bytes > pool_->budget_bytes()) return nullptr;  // no wait would make it fit
   for (;;) {
     if (void* p = pool_->try_allocate(bytes)) return p;
     ++stats_.staging_waits;
@@ -369,23 +374,28 @@ void ActivationOffloader::prefetch_locked(BlockId id) {
       break;
     case Residence::kOnHost: {
       const bool from_nvme = b->host == nullptr;  // else its staging still holds it (forwarding)
-      if (from_nvme) {
-        b->host = staging_locked(b->nbytes);
-        if (!b->host) return;  // no staging now: unpack fetches it
-      } else if (b->nvme_write.valid() && !b->on_nvme) {
-        ++stats_.nvme_forwarded;
-      }
+      // Device memory, then staging, then the transfer: if any of them cannot
+      // be had, the block is left as it was.
       at::Tensor dst = at::empty({static_cast<std::int64_t>(b->nbytes)},
                                  at::TensorOptions().dtype(at::kByte).device(b->device));
-      b->device_storage = dst.storage();
-      if (nvme_) pending_h2d_.push_back(b);
       if (from_nvme) {
-        b->nvme_read = nvme_->read(b->nvme_block, b->host, b->nbytes);
+        void* staging = staging_locked(b->nbytes);
+        if (!staging) return;  // no staging now: unpack fetches it
+        try {
+          b->nvme_read = nvme_->read(b->nvme_block, staging, b->nbytes);
+        } catch (...) {
+          pool_->deallocate(staging);
+          throw;
+        }
+        b->host = staging;
         pending_nvme_reads_.push_back(b);
       } else {
-        b->h2d = engine_->copy(swap::Direction::kHostToDevice, b->device_storage.mutable_data(),
-                               b->host, b->nbytes, {b->d2h}, current_stream(b->device));
+        if (b->nvme_write.valid() && !b->on_nvme) ++stats_.nvme_forwarded;
+        b->h2d = engine_->copy(swap::Direction::kHostToDevice, dst.data_ptr(), b->host, b->nbytes, {b->d2h},
+                               current_stream(b->device));
       }
+      b->device_storage = dst.storage();
+      if (nvme_) pending_h2d_.push_back(b);
       reg.transition(id, Residence::kInFlightToDevice);
       ++stats_.prefetched_blocks;
       break;

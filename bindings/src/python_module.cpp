@@ -247,9 +247,9 @@ PYBIND11_MODULE(_C, m) {
   py::class_<Runtime, std::shared_ptr<Runtime>>(m, "Runtime")
       .def(py::init([](const py::dict& overrides, std::shared_ptr<swap::NvmeFaults> faults,
                        std::shared_ptr<swap::CopyFaults> copy_faults) {
-             // The runtime keeps raw pointers: the Python objects must outlive it (tests hold them).
+             // The runtime keeps a raw pointer to the NVMe faults: the Python object must outlive it.
              auto* rt = new Runtime(Config::from_environment(to_string_map(overrides)), faults.get(),
-                                    copy_faults.get());
+                                    std::move(copy_faults));
              // ~Runtime waits for its optimizer worker, whose jobs may need the GIL to drop tensors.
              return std::shared_ptr<Runtime>(rt, [](Runtime* r) {
                if (PyGILState_Check()) {

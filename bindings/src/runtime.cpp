@@ -53,7 +53,7 @@ void check_cpu_contiguous(const at::Tensor& t, const char* what, std::size_t i, 
 
 }  // namespace
 
-Runtime::Runtime(Config config, swap::NvmeFaults* nvme_faults, const swap::CopyFaults* copy_faults)
+Runtime::Runtime(Config config, swap::NvmeFaults* nvme_faults, std::shared_ptr<const swap::CopyFaults> copy_faults)
     : config_(std::move(config)), nvme_faults_(nvme_faults) {
   refuse_unimplemented(config_);
   set_log_level(config_.log_level);
@@ -64,7 +64,7 @@ Runtime::Runtime(Config config, swap::NvmeFaults* nvme_faults, const swap::CopyF
   po.slab_bytes = config_.pinned_slab_bytes;
   po.cuda_pinned = kind == allocator::DeviceKind::kCuda;
   pool_ = std::make_shared<allocator::PinnedHostPool>(po);
-  engine_ = std::shared_ptr<swap::CopyEngine>(swap::make_copy_engine(kind, copy_faults));
+  engine_ = std::shared_ptr<swap::CopyEngine>(swap::make_copy_engine(kind, std::move(copy_faults)));
 
   ActivationOffloaderOptions ao;
   ao.schedule.target = config_.offload_activations;

@@ -19,7 +19,7 @@ using EmulatedState = detail::HostEvent;
 
 class EmulatedCopyEngine final : public CopyEngine {
  public:
-  explicit EmulatedCopyEngine(const CopyFaults* faults) : faults_(faults) {}
+  explicit EmulatedCopyEngine(std::shared_ptr<const CopyFaults> faults) : faults_(std::move(faults)) {}
 
   allocator::DeviceKind device() const noexcept override { return allocator::DeviceKind::kEmulated; }
 
@@ -53,19 +53,19 @@ class EmulatedCopyEngine final : public CopyEngine {
 
  private:
   detail::SerialWorker& stream(Direction dir) { return dir == Direction::kDeviceToHost ? d2h_ : h2d_; }
-  const CopyFaults* faults_;
+  std::shared_ptr<const CopyFaults> faults_;
   detail::SerialWorker d2h_, h2d_;  // one in-order "stream" per direction
 };
 
 }  // namespace
 
-std::unique_ptr<CopyEngine> make_emulated_copy_engine(const CopyFaults* faults) {
-  return std::make_unique<EmulatedCopyEngine>(faults);
+std::unique_ptr<CopyEngine> make_emulated_copy_engine(std::shared_ptr<const CopyFaults> faults) {
+  return std::make_unique<EmulatedCopyEngine>(std::move(faults));
 }
 
-std::unique_ptr<CopyEngine> make_copy_engine(allocator::DeviceKind kind, const CopyFaults* faults) {
+std::unique_ptr<CopyEngine> make_copy_engine(allocator::DeviceKind kind, std::shared_ptr<const CopyFaults> faults) {
   return kind == allocator::DeviceKind::kCuda ? make_cuda_copy_engine()
-                                              : make_emulated_copy_engine(faults);
+                                              : make_emulated_copy_engine(std::move(faults));
 }
 
 }  // namespace tierflow::swap

@@ -314,3 +314,16 @@ def test_a_partial_nvme_step_failure_counts_only_what_stepped(nvme_dir):
         opt.step()
     steps = sorted(float(s["step"]) for s in opt.state_dict()["state"].values())
     assert steps.count(1.0) == 1 and steps.count(2.0) == len(steps) - 1, steps
+
+
+def test_a_block_larger_than_the_host_budget_stays_on_the_device(nvme_dir):
+    task = gpt_task()
+    base = train(task, 2, False)
+    # 64 KiB of staging cannot hold most activations: those stay on the device
+    # at once (no wait could make them fit), the small ones still go to NVMe.
+    tier = train(task, 2, True, offload_optimizer="none", offload_activations="nvme", nvme_paths=nvme_dir,
+                 nvme_memory="64MiB", host_memory="64KiB", pinned_slab_bytes="64KiB", min_offload_bytes=0)
+    assert_bit_identical(base, tier)
+    acts = tier.report["activations"]
+    assert acts["host_fallbacks"] > 0 and acts["nvme"]["writes"] > 0, acts
+    assert tier.report["host_pool"]["reserved"]["peak"] <= 64 * 1024

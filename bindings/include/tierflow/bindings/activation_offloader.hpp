@@ -27,9 +27,12 @@
 // device. A block whose write is still pending is prefetched straight from
 // its staging (SSDTrain's forwarding), and the last blocks of the graph stay
 // on the device (keep_tail_bytes). Staging comes from the pinned pool within
-// TIERFLOW_HOST_MEMORY: when the pool is full a transfer waits for writes to
-// finish (back-pressure) and never allocates past the budget. A failed write
-// keeps the block in host memory (counted); a failed read raises.
+// TIERFLOW_HOST_MEMORY: when the pool is full a transfer waits, oldest first,
+// for the transfers that will free staging (copies to the host, which become
+// writes; writes; reads and their copies to the device) and never allocates
+// past the budget. Only when nothing is left in flight and the block still
+// does not fit does pack() keep it on the device, or unpack() raise. A failed
+// write keeps the block in host memory (counted); a failed read raises.
 #pragma once
 
 #include <ATen/ATen.h>

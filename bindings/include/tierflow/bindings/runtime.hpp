@@ -32,10 +32,10 @@ class Runtime {
  public:
   /// Builds the tiers for `config`; throws config_error for settings this
   /// version cannot serve (naming the variable and what is accepted).
-  /// `nvme_faults` and `copy_faults` (tests only) inject I/O failures into the
-  /// NVMe tier and delays into the emulated copy engine; both must outlive the runtime.
+  /// `nvme_faults` (tests only; must outlive the runtime) injects I/O failures
+  /// into the NVMe tier, `copy_faults` (tests only) delays into the emulated copy engine.
   explicit Runtime(Config config, swap::NvmeFaults* nvme_faults = nullptr,
-                   const swap::CopyFaults* copy_faults = nullptr);
+                   std::shared_ptr<const swap::CopyFaults> copy_faults = nullptr);
   ~Runtime();
 
   /// The configuration in force.

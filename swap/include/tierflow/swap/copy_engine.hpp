@@ -73,15 +73,15 @@ class CopyEngine {
   Counter d2h_bytes_, h2d_bytes_, d2h_ops_, h2d_ops_;
 };
 
-/// Copies on two worker threads; see Note [Emulated device]. `faults` (tests
-/// only), when given, must outlive the engine.
-std::unique_ptr<CopyEngine> make_emulated_copy_engine(const CopyFaults* faults = nullptr);
+/// Copies on two worker threads; see Note [Emulated device]. `faults`: tests only.
+std::unique_ptr<CopyEngine> make_emulated_copy_engine(std::shared_ptr<const CopyFaults> faults = nullptr);
 
 /// Copies on two non-blocking CUDA streams with events; throws logic_error
 /// when tierflow was built without CUDA or no GPU is present.
 std::unique_ptr<CopyEngine> make_cuda_copy_engine();
 
 /// The engine for `kind`; `faults` applies to the emulated one only.
-std::unique_ptr<CopyEngine> make_copy_engine(allocator::DeviceKind kind, const CopyFaults* faults = nullptr);
+std::unique_ptr<CopyEngine> make_copy_engine(allocator::DeviceKind kind,
+                                             std::shared_ptr<const CopyFaults> faults = nullptr);
 
 }  // namespace tierflow::swap
