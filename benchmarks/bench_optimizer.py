@@ -181,8 +181,6 @@ def run_config(n: int, config: str, threads: int, rounds: int) -> dict:
             errors[name] = f"{type(e).__name__}: {str(e)[:300]}"
     times = measure(impls, rounds)
     isa = tf.rt.stats()["optimizer"]["isa"]
-    del impls, tf, a
-    gc.collect()
     return {"times": times, "errors": errors, "isa": isa, "deepspeed": ds_info}
 
 
@@ -221,6 +219,7 @@ def main() -> int:
         n = int(size)
         for config in ("fp32", "bf16_mixed"):
             r = run_config(n, config, args.threads, args.rounds)
+            gc.collect()  # the arrays of this configuration go before the next one's
             t = r["times"]
             rate = {k: n / min(v) for k, v in t.items()}  # best round of each
             row = {

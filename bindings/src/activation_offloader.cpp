@@ -443,7 +443,8 @@ at::Tensor ActivationOffloader::unpack(const std::shared_ptr<SavedHandle>& handl
       break;
   }
   if (reg.residence(b.id) == Residence::kOnHost) {
-    // Still not fetched (no staging was free for a prefetch): wait for staging.
+    // Not fetched although nothing of ours is in flight: try once more, as the
+    // pool is shared with the optimizer, which may have freed memory since.
     prefetch_locked(b.id);
     if (reg.residence(b.id) != Residence::kInFlightToDevice) {
       const auto st = pool_->stats();

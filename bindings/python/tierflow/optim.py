@@ -49,6 +49,13 @@ _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
+def _check_grad(grad: torch.Tensor) -> None:
+    """Refuses a gradient the CPU kernels cannot take, naming what they accept."""
+    if grad.is_sparse or grad.dtype not in _GRAD_DTYPES:
+        raise _C.TierflowError(f"tierflow CPUAdamW: a {'sparse ' if grad.is_sparse else ''}{grad.dtype} gradient "
+                               "is not supported; accepted: dense float32, bfloat16 or float16")
+
+
 class CPUAdamW(torch.optim.Optimizer):
     """Adam / AdamW with fp32 master weights and moments in the pinned host pool.
 
@@ -457,9 +464,7 @@ class CPUAdamW(torch.optim.Optimizer):
             if p.grad is None or id(p) in self._gpu_share:
                 continue
             grad = p.grad.detach()
-            if grad.is_sparse or grad.dtype not in _GRAD_DTYPES:
-                raise _C.TierflowError(f"tierflow CPUAdamW: gradient {grad.dtype}{' sparse' if grad.is_sparse else ''} "
-                                       "is not supported; accepted: dense float32, bfloat16, float16")
+            _check_grad(grad)
             state = self.state[p]
             if len(state) == 0:
                 state = self._init_state(p, group)
@@ -518,11 +523,7 @@ class CPUAdamW(torch.optim.Optimizer):
             if self._confirm(p, options, scale):
                 continue
             grad = p.grad
-            if grad.is_sparse:
-                raise _C.TierflowError("tierflow CPUAdamW: sparse gradients are not supported; accepted: dense gradients")
-            if grad.dtype not in _GRAD_DTYPES:
-                raise _C.TierflowError(f"tierflow CPUAdamW: gradient dtype {grad.dtype} is not supported; "
-                                       "accepted: float32, bfloat16, float16")
+            _check_grad(grad)
             state = self.state[p]
             if len(state) == 0:
                 state = self._init_state(p, group)
