@@ -18,8 +18,11 @@ test: setup
 test-cpp:
 	cd build/dev && ctest --output-on-failure -j 2
 
+# The suite runs on the emulated device in both of its modes (Note [Adversarial
+# emulated device]); on a machine with a GPU the [cuda] cases run too.
 test-python:
-	$(PY) -m pytest tests/python -q -rs
+	TIERFLOW_EMULATED_DEVICE=polite $(PY) -m pytest tests/python -q -rs
+	TIERFLOW_EMULATED_DEVICE=adversarial $(PY) -m pytest tests/python -q -rs
 
 # Benchmarks compare against peers measured in the same run; DeepSpeed (its CPU
 # Adam op compiles on first use, about a minute) is installed into .venv here.

@@ -4,8 +4,9 @@
 #include <sys/mman.h>
 
 #include <algorithm>
-#include <iterator>
 #include <cstdint>
+#include <cstring>
+#include <iterator>
 
 #include <string>
 
@@ -61,6 +62,13 @@ PinnedHostPool::PinnedHostPool(PinnedHostPoolOptions options) : options_(options
 
 PinnedHostPool::~PinnedHostPool() {
   std::lock_guard<std::mutex> lock(mutex_);
+  for (auto& f : fenced_) {  // a copy may still write into a slab: let it finish first
+    try {
+      f.fence->wait();
+    } catch (...) {
+    }
+  }
+  reap_fenced_locked();
   if (!blocks_.empty()) {
     log(LogLevel::kWarn, "PinnedHostPool destroyed with " + std::to_string(blocks_.size()) +
                              " blocks still in use; their memory is released now");
@@ -168,16 +176,40 @@ void* PinnedHostPool::allocate_locked(std::size_t rounded) {
   return p;
 }
 
-void* PinnedHostPool::try_allocate(std::size_t bytes) noexcept {
-  std::size_t rounded = round_up(bytes == 0 ? 1 : bytes, kBlockAlignment);
-  std::lock_guard<std::mutex> lock(mutex_);
+void* PinnedHostPool::try_allocate_once_locked(std::size_t rounded) noexcept {
+  reap_fenced_locked();
   if (void* p = allocate_locked(rounded)) return p;
+  if (!quarantine_.empty()) {  // quarantine delays reuse; it never refuses memory
+    drain_quarantine_locked(0);
+    if (void* p = allocate_locked(rounded)) return p;
+  }
   if (add_slab_locked(rounded)) {
     if (void* p = allocate_locked(rounded)) return p;
   }
   // Free empty slabs (they may be the wrong size) and retry once.
   if (release_unused_locked() > 0 && add_slab_locked(rounded)) {
     if (void* p = allocate_locked(rounded)) return p;
+  }
+  return nullptr;
+}
+
+void* PinnedHostPool::try_allocate(std::size_t bytes) noexcept {
+  std::size_t rounded = round_up(bytes == 0 ? 1 : bytes, kBlockAlignment);
+  std::unique_lock<std::mutex> lock(mutex_);
+  for (;;) {
+    if (void* p = try_allocate_once_locked(rounded)) return p;
+    if (fenced_.empty()) break;
+    // A block is still held by a copy in flight: it comes free when that
+    // copy completes. Wait for the oldest (without the lock), then retry.
+    auto fence = fenced_.front().fence;
+    ++fence_waits_;
+    lock.unlock();
+    try {
+      fence->wait();
+    } catch (...) {
+      // a failed copy has stopped using the block all the same
+    }
+    lock.lock();
   }
   ++failed_allocations_;
   return nullptr;
@@ -201,10 +233,85 @@ void PinnedHostPool::deallocate(void* p) noexcept {
     return;
   }
   BlockInfo info = it->second;
-  blocks_.erase(it);
+  release_block_locked(p, info);
+}
+
+void PinnedHostPool::deallocate(void* p, std::shared_ptr<const Completion> fence) noexcept {
+  if (!p) return;
+  bool ready = true;
+  try {
+    ready = !fence || fence->ready();
+  } catch (...) {
+    ready = false;  // settle it through the deferred path
+  }
+  if (ready) return deallocate(p);
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (blocks_.find(p) == blocks_.end()) {
+    log(LogLevel::kError, "PinnedHostPool::deallocate: pointer not from this pool (ignored)");
+    return;
+  }
+  ++fenced_frees_;
+  fenced_.push_back({p, std::move(fence)});
+}
+
+void PinnedHostPool::release_block_locked(void* p, const BlockInfo& info) noexcept {
+  blocks_.erase(p);
+  in_use_.decrease(static_cast<std::int64_t>(info.bytes));
+  if (options_.poison_freed) {
+    // Note [Adversarial emulated device]: a read of a freed block sees poison;
+    // a write to it is found when it leaves the quarantine.
+    std::memset(p, 0xFF, info.bytes);
+    quarantine_.push_back({p, info});
+    quarantined_bytes_ += info.bytes;
+    drain_quarantine_locked(options_.quarantine_bytes);
+    return;
+  }
   slabs_[info.slab].used -= info.bytes;
   insert_free_locked(info.slab, info.offset, info.bytes);
-  in_use_.decrease(static_cast<std::int64_t>(info.bytes));
+}
+
+void PinnedHostPool::drain_quarantine_locked(std::size_t keep_bytes) noexcept {
+  while (!quarantine_.empty() && quarantined_bytes_ > keep_bytes) {
+    Quarantined q = quarantine_.front();
+    quarantine_.pop_front();
+    quarantined_bytes_ -= q.info.bytes;
+    const auto* bytes = static_cast<const unsigned char*>(q.p);
+    std::size_t first_bad = q.info.bytes;
+    for (std::size_t i = 0; i < q.info.bytes; ++i) {
+      if (bytes[i] != 0xFF) {
+        first_bad = i;
+        break;
+      }
+    }
+    if (first_bad < q.info.bytes) {
+      ++late_writes_;
+      log(LogLevel::kError, "PinnedHostPool: a block of " + format_bytes(q.info.bytes) +
+                                " was written after it was freed (byte " + std::to_string(first_bad) +
+                                "): a copy still used it when it was returned without its fence");
+    }
+    slabs_[q.info.slab].used -= q.info.bytes;
+    insert_free_locked(q.info.slab, q.info.offset, q.info.bytes);
+  }
+}
+
+void PinnedHostPool::reap_fenced_locked() noexcept {
+  if (fenced_.empty()) return;
+  std::deque<Fenced> still;
+  for (auto& f : fenced_) {
+    bool ready = true;
+    try {
+      ready = f.fence->ready();
+    } catch (...) {
+      ready = true;  // a failed copy no longer uses the block
+    }
+    if (!ready) {
+      still.push_back(std::move(f));
+      continue;
+    }
+    auto it = blocks_.find(f.p);
+    if (it != blocks_.end()) release_block_locked(f.p, it->second);
+  }
+  fenced_.swap(still);
 }
 
 std::size_t PinnedHostPool::release_unused_locked() noexcept {
@@ -225,7 +332,14 @@ std::size_t PinnedHostPool::release_unused_locked() noexcept {
 
 std::size_t PinnedHostPool::release_unused() noexcept {
   std::lock_guard<std::mutex> lock(mutex_);
+  reap_fenced_locked();
+  drain_quarantine_locked(0);
   return release_unused_locked();
+}
+
+void PinnedHostPool::reap() noexcept {
+  std::lock_guard<std::mutex> lock(mutex_);
+  reap_fenced_locked();
 }
 
 PinnedHostPoolStats PinnedHostPool::stats() const {
@@ -236,6 +350,9 @@ PinnedHostPoolStats PinnedHostPool::stats() const {
   s.slab_allocations = slab_allocations_;
   s.block_allocations = block_allocations_;
   s.failed_allocations = failed_allocations_;
+  s.fenced_frees = fenced_frees_;
+  s.fence_waits = fence_waits_;
+  s.late_writes = late_writes_;
   return s;
 }
 

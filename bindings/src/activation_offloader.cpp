@@ -103,10 +103,11 @@ void ActivationOffloader::start_nvme_write_locked(SavedBlock& b) {
   b.nvme_write = nvme_->write(b.nvme_block, b.host, b.nbytes);
 }
 
-void* ActivationOffloader::current_stream(const at::Device& device) const {
-  if (!cuda_mode_) return nullptr;
+swap::StreamRef ActivationOffloader::current_stream(const at::Device& device) const {
+  if (!cuda_mode_) return {};
   const auto* impl = c10::impl::getDeviceGuardImpl(device.type());
-  return impl->getStream(device).native_handle();
+  void* h = impl->getStream(device).native_handle();
+  return h ? swap::StreamRef::cuda(h) : swap::StreamRef();
 }
 
 bool ActivationOffloader::managed(const at::Tensor& t) const {

@@ -7,6 +7,7 @@
 #include <torch/python.h>
 
 #include "tierflow/allocator/device.hpp"
+#include "tierflow/bindings/emulated_device_memory.hpp"
 #include "tierflow/bindings/runtime.hpp"
 #include "tierflow/core/error.hpp"
 #include "tierflow/optimizer/cuda_adam.hpp"
@@ -65,6 +66,7 @@ optimizer::AdamOptions adam_options(const py::dict& d) {
 }
 
 py::dict runtime_stats(const Runtime& rt) {
+  rt.host_pool()->reap();
   auto a = rt.activations()->stats();
   auto pool = rt.host_pool()->stats();
   auto link = rt.copy_engine()->stats();
@@ -119,8 +121,22 @@ py::dict runtime_stats(const Runtime& rt) {
   optd["step_ms"] = static_cast<double>(opt.step_ns) / 1e6;
   optd["threads"] = rt.cpu_threads();
   optd["isa"] = std::string(optimizer::to_string(rt.cpu_isa()));
+  host["fenced_frees"] = pool.fenced_frees;
+  host["fence_waits"] = pool.fence_waits;
+  host["late_writes"] = pool.late_writes;
+  py::dict emu;
+  emu["mode"] = rt.device_kind() == allocator::DeviceKind::kEmulated
+                    ? std::string(to_string(rt.config().emulated_device)) : std::string("n/a");
+  const auto es = swap::emulated_copy_stats(*rt.copy_engine());
+  emu["unordered_copies"] = es.unordered_copies;
+  emu["delayed_copies"] = es.delayed_copies;
+  if (rt.adversarial()) check_device_memory_quarantine();
+  const auto ms = emulated_device_memory_stats();
+  emu["poisoned_device_memory"] = ms.installed;
+  emu["device_late_writes"] = ms.late_writes;
   py::dict out;
   out["device"] = std::string(allocator::to_string(rt.device_kind()));
+  out["emulated"] = emu;
   out["activations"] = acts;
   out["prefetch"] = prefetch;
   out["host_pool"] = host;

@@ -10,6 +10,7 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include "tierflow/allocator/device.hpp"
+#include "tierflow/bindings/emulated_device_memory.hpp"
 #include "tierflow/swap/detail/serial_worker.hpp"
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/log.hpp"
@@ -57,14 +58,28 @@ Runtime::Runtime(Config config, swap::NvmeFaults* nvme_faults, std::shared_ptr<c
     : config_(std::move(config)), nvme_faults_(nvme_faults) {
   refuse_unimplemented(config_);
   set_log_level(config_.log_level);
-  const auto kind = allocator::cuda_available() ? allocator::DeviceKind::kCuda
-                                                : allocator::DeviceKind::kEmulated;
+  if (config_.device == DeviceChoice::kCuda && !allocator::cuda_available())
+    throw config_error(std::string("TIERFLOW_DEVICE='cuda': ") +
+                       (allocator::cuda_compiled() ? "no CUDA GPU is usable on this machine"
+                                                   : "tierflow was built without the CUDA backend") +
+                       "; accepted here: auto, emulated");
+  const bool use_cuda = config_.device == DeviceChoice::kCuda ||
+                        (config_.device == DeviceChoice::kAuto && allocator::cuda_available());
+  const auto kind = use_cuda ? allocator::DeviceKind::kCuda : allocator::DeviceKind::kEmulated;
+  // Note [Adversarial emulated device]: the pool, the copy engine and torch's
+  // CPU allocator (the emulated device's memory) all turn hostile together.
+  adversarial_ = kind == allocator::DeviceKind::kEmulated && config_.emulated_device == EmulationMode::kAdversarial;
   allocator::PinnedHostPoolOptions po;
   po.budget_bytes = config_.host_memory.resolve(allocator::host_capacity_bytes());
   po.slab_bytes = config_.pinned_slab_bytes;
   po.cuda_pinned = kind == allocator::DeviceKind::kCuda;
+  po.poison_freed = adversarial_;
   pool_ = std::make_shared<allocator::PinnedHostPool>(po);
-  engine_ = std::shared_ptr<swap::CopyEngine>(swap::make_copy_engine(kind, std::move(copy_faults)));
+  swap::EmulatedCopyOptions eo;
+  eo.adversarial = adversarial_;
+  eo.seed = config_.emulated_seed;
+  engine_ = std::shared_ptr<swap::CopyEngine>(swap::make_copy_engine(kind, std::move(copy_faults), eo));
+  if (adversarial_) install_poisoning_device_memory();
 
   ActivationOffloaderOptions ao;
   ao.schedule.target = config_.offload_activations;
@@ -157,7 +172,8 @@ void Runtime::adam_step_async(const optimizer::AdamOptions& options, std::int64_
     const auto* impl = c10::impl::getDeviceGuardImpl(g.device().type());
     void* producer = impl->getStream(g.device()).native_handle();
     staged.push_back(engine_->copy(swap::Direction::kDeviceToHost, host.data_ptr(), g.data_ptr(),
-                                   static_cast<std::size_t>(g.nbytes()), {}, producer));
+                                   static_cast<std::size_t>(g.nbytes()), {},
+                                   producer ? swap::StreamRef::cuda(producer) : swap::StreamRef()));
     device_grads.push_back(g);  // alive until its copy has run
     g = host;
   }

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -238,6 +239,40 @@ const std::vector<Row>& rows() {
         "serve tierflow's own small allocations from mimalloc (off: the C library, e.g. under "
         "sanitizers)"},
        on_off_parser(&Config::mimalloc)},
+      {{"TIERFLOW_DEVICE", "auto", "one of auto, cuda, emulated",
+        "the GPU tier: cuda drives the CUDA GPU (an error when there is none), emulated uses host "
+        "memory and worker threads (CPU models; see TIERFLOW_EMULATED_DEVICE), auto picks cuda when "
+        "a GPU is present"},
+       [](Config& c, std::string_view name, std::string_view v) {
+         std::string s = lower(trim(v));
+         if (s == "auto") c.device = DeviceChoice::kAuto;
+         else if (s == "cuda") c.device = DeviceChoice::kCuda;
+         else if (s == "emulated") c.device = DeviceChoice::kEmulated;
+         else bad_value(name, v, "one of auto, cuda, emulated");
+       }},
+      {{"TIERFLOW_EMULATED_DEVICE", "polite", "polite or adversarial",
+        "behaviour of the emulated device: adversarial completes copies late and out of order, "
+        "poisons data that a copy reads or writes without being ordered after its producer, and "
+        "poisons and checks freed memory (a test mode that makes stream-ordering bugs visible "
+        "without a GPU; see Note [Adversarial emulated device])"},
+       [](Config& c, std::string_view name, std::string_view v) {
+         std::string s = lower(trim(v));
+         if (s == "polite") c.emulated_device = EmulationMode::kPolite;
+         else if (s == "adversarial") c.emulated_device = EmulationMode::kAdversarial;
+         else bad_value(name, v, "polite or adversarial");
+       }},
+      {{"TIERFLOW_EMULATED_SEED", "1", "an integer from 0 to 2^63",
+        "seed of the adversarial emulated device's random copy delays (the same seed gives the "
+        "same delays for the same sequence of copies)"},
+       [](Config& c, std::string_view name, std::string_view v) {
+         std::string s = trim(v);
+         char* end = nullptr;
+         errno = 0;
+         unsigned long long n = std::strtoull(s.c_str(), &end, 10);
+         if (s.empty() || *end != '\0' || errno != 0 || s[0] == '-' || n > (1ULL << 63))
+           bad_value(name, v, "an integer from 0 to 2^63");
+         c.emulated_seed = n;
+       }},
   };
   return kRows;
 }
@@ -288,6 +323,19 @@ std::string_view to_string(OffloadTarget t) noexcept {
     case OffloadTarget::kAuto: return "auto";
   }
   return "?";
+}
+
+std::string_view to_string(DeviceChoice d) noexcept {
+  switch (d) {
+    case DeviceChoice::kAuto: return "auto";
+    case DeviceChoice::kCuda: return "cuda";
+    case DeviceChoice::kEmulated: return "emulated";
+  }
+  return "?";
+}
+
+std::string_view to_string(EmulationMode m) noexcept {
+  return m == EmulationMode::kAdversarial ? "adversarial" : "polite";
 }
 
 std::string_view to_string(LogLevel l) noexcept {
@@ -390,6 +438,9 @@ std::map<std::string, std::string> Config::to_strings() const {
       {"TIERFLOW_SKIP_NONFINITE", skip_nonfinite ? "on" : "off"},
       {"TIERFLOW_GPU_OPTIMIZER_FRACTION", format_double(gpu_optimizer_fraction)},
       {"TIERFLOW_MIMALLOC", mimalloc ? "on" : "off"},
+      {"TIERFLOW_DEVICE", std::string(to_string(device))},
+      {"TIERFLOW_EMULATED_DEVICE", std::string(to_string(emulated_device))},
+      {"TIERFLOW_EMULATED_SEED", std::to_string(emulated_seed)},
   };
 }
 

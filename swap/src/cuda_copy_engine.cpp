@@ -54,13 +54,18 @@ class CudaCopyEngine final : public CopyEngine {
   allocator::DeviceKind device() const noexcept override { return allocator::DeviceKind::kCuda; }
 
   TransferHandle copy(Direction dir, void* dst, const void* src, std::size_t bytes,
-                      const std::vector<TransferHandle>& deps, void* producer_stream) override {
+                      const std::vector<TransferHandle>& deps, StreamRef after) override {
     TIERFLOW_EXPECTS(bytes == 0 || (dst && src), "CopyEngine::copy: null pointer with nonzero size");
+    TIERFLOW_EXPECTS(!after.named() || after.is_cuda(),
+                     "CudaCopyEngine::copy: `after` names an emulated stream; pass compute_stream(torch's stream)");
     cudaStream_t s = dir == Direction::kDeviceToHost ? d2h_ : h2d_;
-    if (producer_stream) {
+    if (after.named()) {
+      // Rule 1 of Note [Copy ordering]. The handle nullptr is PyTorch's
+      // default stream: an event recorded on it orders this copy after every
+      // kernel queued there so far, exactly like any other stream.
       cudaEvent_t produced;
       TIERFLOW_CUDA_TRY(cudaEventCreateWithFlags(&produced, cudaEventDisableTiming));
-      TIERFLOW_CUDA_TRY(cudaEventRecord(produced, static_cast<cudaStream_t>(producer_stream)));
+      TIERFLOW_CUDA_TRY(cudaEventRecord(produced, static_cast<cudaStream_t>(after.native())));
       TIERFLOW_CUDA_TRY(cudaStreamWaitEvent(s, produced, 0));
       TIERFLOW_CUDA_TRY(cudaEventDestroy(produced));  // destruction is deferred by the driver
     }
@@ -73,9 +78,15 @@ class CudaCopyEngine final : public CopyEngine {
     return TransferHandle(std::make_shared<CudaState>(done, bytes));
   }
 
-  void make_stream_wait(void* consumer_stream, const TransferHandle& h) override {
-    wait_on(static_cast<cudaStream_t>(consumer_stream), h);
+  void make_stream_wait(StreamRef consumer, const TransferHandle& h) override {
+    if (!consumer.is_cuda()) {
+      h.wait();  // no CUDA stream to order: the caller itself waits
+      return;
+    }
+    wait_on(static_cast<cudaStream_t>(consumer.native()), h);
   }
+
+  StreamRef compute_stream(void* cuda_native) const noexcept override { return StreamRef::cuda(cuda_native); }
 
   void* native_stream(Direction dir) const noexcept override {
     return dir == Direction::kDeviceToHost ? d2h_ : h2d_;

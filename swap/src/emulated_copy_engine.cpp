@@ -4,6 +4,7 @@
 #include <cstring>
 #include <exception>
 #include <mutex>
+#include <random>
 #include <thread>
 
 #include "tierflow/allocator/small_alloc.hpp"
@@ -19,23 +20,37 @@ using EmulatedState = detail::HostEvent;
 
 class EmulatedCopyEngine final : public CopyEngine {
  public:
-  explicit EmulatedCopyEngine(std::shared_ptr<const CopyFaults> faults) : faults_(std::move(faults)) {}
+  EmulatedCopyEngine(std::shared_ptr<const CopyFaults> faults, EmulatedCopyOptions options)
+      : faults_(std::move(faults)), options_(options), rng_(options.seed) {}
 
   allocator::DeviceKind device() const noexcept override { return allocator::DeviceKind::kEmulated; }
 
   TransferHandle copy(Direction dir, void* dst, const void* src, std::size_t bytes,
-                      const std::vector<TransferHandle>& deps, void*) override {
+                      const std::vector<TransferHandle>& deps, StreamRef after) override {
     TIERFLOW_EXPECTS(bytes == 0 || (dst && src), "CopyEngine::copy: null pointer with nonzero size");
+    TIERFLOW_EXPECTS(!after.is_cuda(), "emulated copy engine: `after` names a CUDA stream");
     // Handles are small and frequent: see Note [mimalloc shim].
     auto state = std::allocate_shared<EmulatedState>(allocator::SmallAllocator<EmulatedState>(), bytes);
     count(dir, bytes);
-    const int delay_us = faults_ && dir == Direction::kDeviceToHost ? faults_->d2h_delay_us.load() : 0;
-    stream(dir).push([dst, src, bytes, deps, state, delay_us] {
+    int delay_us = faults_ && dir == Direction::kDeviceToHost ? faults_->d2h_delay_us.load() : 0;
+    bool poison = false;
+    if (options_.adversarial) {
+      // Note [Adversarial emulated device]: the emulated compute has finished
+      // when the copy is queued, so only a copy that names it is ordered
+      // after it. One that does not stands for a CUDA copy racing the kernels
+      // that write its source or still use its destination: it delivers poison.
+      poison = !after.named();
+      delay_us += next_delay_us();
+      if (poison) unordered_.add();
+      if (delay_us > 0) delayed_.add();
+    }
+    stream(dir).push([dst, src, bytes, deps, state, delay_us, poison] {
       std::exception_ptr error;
       try {
         if (delay_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
         for (const auto& d : deps) d.wait();
-        if (bytes) std::memcpy(dst, src, bytes);
+        if (bytes && poison) std::memset(dst, kPoisonByte, bytes);
+        else if (bytes) std::memcpy(dst, src, bytes);
       } catch (...) {
         error = std::current_exception();
       }
@@ -44,28 +59,51 @@ class EmulatedCopyEngine final : public CopyEngine {
     return TransferHandle(state);
   }
 
-  void make_stream_wait(void*, const TransferHandle& h) override { h.wait(); }
+  void make_stream_wait(StreamRef, const TransferHandle& h) override { h.wait(); }
+  StreamRef compute_stream(void*) const noexcept override { return StreamRef::emulated_compute(); }
   void* native_stream(Direction) const noexcept override { return nullptr; }
   void synchronize() override {
     d2h_.drain();
     h2d_.drain();
   }
+  EmulatedCopyStats adversarial_stats() const noexcept { return {unordered_.value(), delayed_.value()}; }
 
  private:
+  // Seeded: the same sequence of copies gets the same delays. Most copies
+  // wait a little (late), one in 16 waits long (so the two directions and
+  // the host see completions in a different order from run to run of seeds).
+  int next_delay_us() {
+    std::lock_guard<std::mutex> lock(rng_mutex_);
+    const std::uint64_t r = rng_();
+    if ((r & 15) == 0) return options_.long_delay_us;
+    return static_cast<int>((r >> 8) % static_cast<std::uint64_t>(options_.max_delay_us + 1));
+  }
+
   detail::SerialWorker& stream(Direction dir) { return dir == Direction::kDeviceToHost ? d2h_ : h2d_; }
   std::shared_ptr<const CopyFaults> faults_;
+  EmulatedCopyOptions options_;
+  std::mutex rng_mutex_;
+  std::mt19937_64 rng_;
+  Counter unordered_, delayed_;
   detail::SerialWorker d2h_, h2d_;  // one in-order "stream" per direction
 };
 
 }  // namespace
 
-std::unique_ptr<CopyEngine> make_emulated_copy_engine(std::shared_ptr<const CopyFaults> faults) {
-  return std::make_unique<EmulatedCopyEngine>(std::move(faults));
+std::unique_ptr<CopyEngine> make_emulated_copy_engine(std::shared_ptr<const CopyFaults> faults,
+                                                      EmulatedCopyOptions options) {
+  return std::make_unique<EmulatedCopyEngine>(std::move(faults), options);
 }
 
-std::unique_ptr<CopyEngine> make_copy_engine(allocator::DeviceKind kind, std::shared_ptr<const CopyFaults> faults) {
+EmulatedCopyStats emulated_copy_stats(const CopyEngine& engine) noexcept {
+  const auto* e = dynamic_cast<const EmulatedCopyEngine*>(&engine);
+  return e ? e->adversarial_stats() : EmulatedCopyStats{};
+}
+
+std::unique_ptr<CopyEngine> make_copy_engine(allocator::DeviceKind kind, std::shared_ptr<const CopyFaults> faults,
+                                             EmulatedCopyOptions options) {
   return kind == allocator::DeviceKind::kCuda ? make_cuda_copy_engine()
-                                              : make_emulated_copy_engine(std::move(faults));
+                                              : make_emulated_copy_engine(std::move(faults), options);
 }
 
 }  // namespace tierflow::swap

@@ -13,10 +13,20 @@
 // allocate() throws out_of_memory, after releasing empty slabs and retrying.
 // With the CUDA backend and a GPU present slabs come from cudaHostAlloc;
 // otherwise from mmap (page-aligned, see Note [Emulated device]).
+//
+// A block that a copy may still read or write is returned with that copy's
+// completion (deallocate(p, fence)); the pool reuses it only once the fence
+// is ready, and an allocation that finds no room waits for the oldest fence
+// before it gives up (rule 3 of Note [Copy ordering]). With
+// `poison_freed` (the adversarial emulated device) a freed block is filled
+// with poison and held in a quarantine before reuse; when it leaves the
+// quarantine its bytes are checked, and any byte that is no longer poison
+// was written after the block was freed: a late write, counted and logged.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -25,6 +35,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "tierflow/core/completion.hpp"
 #include "tierflow/core/stats.hpp"
 
 namespace tierflow::allocator {
@@ -34,6 +45,8 @@ struct PinnedHostPoolOptions {
   std::uint64_t budget_bytes = 0;             ///< most bytes of slabs held at once
   std::uint64_t slab_bytes = 64ULL << 20;     ///< size of a regular slab
   bool cuda_pinned = false;                   ///< cudaHostAlloc slabs (needs a GPU)
+  bool poison_freed = false;                  ///< poison and quarantine freed blocks, check for late writes
+  std::uint64_t quarantine_bytes = 32ULL << 20;  ///< most bytes held in quarantine (with poison_freed)
 };
 
 /// Snapshot of the pool's statistics.
@@ -43,6 +56,9 @@ struct PinnedHostPoolStats {
   std::uint64_t slab_allocations = 0;  ///< slabs ever created (pinning calls)
   std::uint64_t block_allocations = 0; ///< blocks ever handed out
   std::uint64_t failed_allocations = 0;///< requests refused for the budget
+  std::uint64_t fenced_frees = 0;      ///< blocks returned while a copy still used them (reuse deferred)
+  std::uint64_t fence_waits = 0;       ///< allocations that waited for a fenced block to come free
+  std::uint64_t late_writes = 0;       ///< quarantined blocks found written after they were freed
 };
 
 /// Thread-safe pool of page-locked host memory with a budget.
@@ -62,6 +78,10 @@ class PinnedHostPool {
   void* try_allocate(std::size_t bytes) noexcept;
   /// Returns a block to the pool; p must come from this pool.
   void deallocate(void* p) noexcept;
+  /// Returns a block that a copy may still use: it is reused only once `fence` is ready.
+  void deallocate(void* p, std::shared_ptr<const Completion> fence) noexcept;
+  /// Takes back every fenced block whose fence is ready (allocations do this too).
+  void reap() noexcept;
   /// Frees slabs with no block in use; returns the bytes given back.
   std::size_t release_unused() noexcept;
 
@@ -92,6 +112,10 @@ class PinnedHostPool {
   void insert_free_locked(std::size_t slab, std::size_t offset, std::size_t bytes);
   void erase_free_locked(std::size_t slab, std::size_t offset, std::size_t bytes);
   void free_slab_memory(Slab& s) noexcept;
+  void release_block_locked(void* p, const BlockInfo& info) noexcept;
+  void reap_fenced_locked() noexcept;
+  void drain_quarantine_locked(std::size_t keep_bytes) noexcept;
+  void* try_allocate_once_locked(std::size_t rounded) noexcept;
 
   PinnedHostPoolOptions options_;
   mutable std::mutex mutex_;
@@ -104,6 +128,20 @@ class PinnedHostPool {
   std::uint64_t slab_allocations_ = 0;
   std::uint64_t block_allocations_ = 0;
   std::uint64_t failed_allocations_ = 0;
+  struct Fenced {
+    void* p;
+    std::shared_ptr<const Completion> fence;
+  };
+  struct Quarantined {
+    void* p;
+    BlockInfo info;
+  };
+  std::deque<Fenced> fenced_;            // returned, waiting for their last copy
+  std::deque<Quarantined> quarantine_;   // freed and poisoned, oldest first
+  std::uint64_t quarantined_bytes_ = 0;
+  std::uint64_t fenced_frees_ = 0;
+  std::uint64_t fence_waits_ = 0;
+  std::uint64_t late_writes_ = 0;
 };
 
 }  // namespace tierflow::allocator

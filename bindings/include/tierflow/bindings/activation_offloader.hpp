@@ -150,7 +150,7 @@ class ActivationOffloader : public std::enable_shared_from_this<ActivationOffloa
   void* staging_locked(std::size_t bytes);
   std::size_t transfers_left_locked() const noexcept;
   bool wait_for_a_transfer_locked();
-  void* current_stream(const at::Device& device) const;
+  swap::StreamRef current_stream(const at::Device& device) const;
 
   ActivationOffloaderOptions options_;
   std::shared_ptr<allocator::PinnedHostPool> pool_;

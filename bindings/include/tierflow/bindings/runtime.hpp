@@ -42,6 +42,8 @@ class Runtime {
   const Config& config() const noexcept { return config_; }
   /// The GPU tier's backend (CUDA when a GPU is present, else emulated).
   allocator::DeviceKind device_kind() const noexcept { return engine_->device(); }
+  /// True on the adversarial emulated device (Note [Adversarial emulated device]).
+  bool adversarial() const noexcept { return adversarial_; }
   /// The pinned host pool (host tier).
   const std::shared_ptr<allocator::PinnedHostPool>& host_pool() const noexcept { return pool_; }
   /// The copy engine between the GPU tier and the host tier.
@@ -95,6 +97,7 @@ class Runtime {
 
  private:
   Config config_;
+  bool adversarial_ = false;
   swap::NvmeFaults* nvme_faults_ = nullptr;
   std::shared_ptr<allocator::PinnedHostPool> pool_;
   std::shared_ptr<swap::CopyEngine> engine_;

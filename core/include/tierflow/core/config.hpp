@@ -30,6 +30,18 @@ enum class OffloadTarget : std::uint8_t { kNone, kHost, kNvme, kAuto };
 /// Name used in configuration values ("none", "host", "nvme", "auto").
 std::string_view to_string(OffloadTarget t) noexcept;
 
+/// Which GPU tier a runtime drives: a CUDA GPU, or the emulated device.
+enum class DeviceChoice : std::uint8_t { kAuto, kCuda, kEmulated };
+
+/// Name used in configuration values ("auto", "cuda", "emulated").
+std::string_view to_string(DeviceChoice d) noexcept;
+
+/// How the emulated device behaves; see Note [Adversarial emulated device].
+enum class EmulationMode : std::uint8_t { kPolite, kAdversarial };
+
+/// Name used in configuration values ("polite", "adversarial").
+std::string_view to_string(EmulationMode m) noexcept;
+
 /// Verbosity of tierflow's own log lines on stderr.
 enum class LogLevel : std::uint8_t { kError, kWarn, kInfo, kDebug };
 
@@ -56,6 +68,9 @@ struct Config {
   std::uint64_t prefetch_bytes = 0;       ///< TIERFLOW_PREFETCH_BYTES
   std::uint64_t pinned_slab_bytes = 0;    ///< TIERFLOW_PINNED_SLAB_BYTES
   bool mimalloc = true;                   ///< TIERFLOW_MIMALLOC
+  DeviceChoice device{};                  ///< TIERFLOW_DEVICE
+  EmulationMode emulated_device{};        ///< TIERFLOW_EMULATED_DEVICE
+  std::uint64_t emulated_seed = 0;        ///< TIERFLOW_EMULATED_SEED
   bool overlap_step = true;               ///< TIERFLOW_OVERLAP_STEP
   int grad_accumulation_steps = 1;        ///< TIERFLOW_GRAD_ACCUMULATION_STEPS
   double max_grad_norm = 0.0;             ///< TIERFLOW_MAX_GRAD_NORM; 0 means none

@@ -9,17 +9,14 @@
 #include <cstddef>
 #include <memory>
 
+#include "tierflow/core/completion.hpp"
+
 namespace tierflow::swap {
 
 namespace detail {
 /// Backend state of one transfer (an emulated completion flag or a CUDA event).
-class TransferState {
+class TransferState : public Completion {
  public:
-  virtual ~TransferState() = default;
-  /// True when the transfer has finished (successfully or not).
-  virtual bool ready() const = 0;
-  /// Blocks until finished; rethrows the transfer's error.
-  virtual void wait() const = 0;
   /// Bytes moved by the transfer.
   virtual std::size_t bytes() const noexcept = 0;
 };
