@@ -1,0 +1,599 @@
+"""GPT training with and without offload: plain torch, torch's own remedies, and tierflow, in one run.
+
+    PYTHONPATH=bindings/python .venv/bin/python benchmarks/bench_gpu_offload.py --preset gpt1b
+    PYTHONPATH=bindings/python .venv/bin/python benchmarks/bench_gpu_offload.py --preset tiny --device cpu
+
+Each mode trains the same GPT (benchmarks/gpt_model.py; same seeded initial
+weights, same seeded random tokens, AdamW at the same learning rate) for
+--warmup + --steps steps:
+
+  baseline           plain torch, torch.optim.AdamW with torch's defaults
+  save_on_cpu        torch.autograd.graph.save_on_cpu(pin_memory=True) around forward
+  checkpoint         torch.utils.checkpoint.checkpoint per block (use_reentrant=False)
+  tierflow-host      tierflow.wrap: activations to the pinned host pool, torch's AdamW kept
+  tierflow-nvme      tierflow.wrap: activations to NVMe swap files, torch's AdamW kept
+  tierflow-host-opt  tierflow.wrap: activations to host, AdamW on the CPU (tierflow.CPUAdamW)
+  baseline-rerun     (opt-in) the baseline again, in another process: the losses' run-to-run noise
+
+Every mode runs in a fresh process (this script with --worker MODE), so device
+peaks and allocator caches do not mix; a mode that fails records its error and
+the others go on. Times are medians over the measured steps. On CUDA each step
+is bracketed by torch.cuda.synchronize() and its phases are timed with CUDA
+events on the compute stream (read after the synchronize, so they are honest
+and the phases still overlap as in an unmeasured loop). On the CPU (tierflow's
+emulated device) phases are wall-clock.
+
+Correctness sits next to speed: every mode's losses are compared with the
+baseline's. Step 0 must be bit-identical everywhere (same weights, same data).
+With offload_optimizer="none" tierflow's activation offload is an exact copy,
+so later steps should be bit-identical too. Where a GPU kernel accumulates with
+atomics, two baseline runs can differ in the last bits: add the opt-in mode
+baseline-rerun to measure that floor. save_on_cpu(pin_memory=True) packs each
+saved tensor into a new contiguous pinned tensor (strides are lost, views of
+one storage become separate copies, weights are copied too), so backward may
+run other GEMM kernels: on an H100 its losses differed from the baseline's by
+one fp32 ulp at some steps, reproducibly, for the tiny preset.
+tierflow-host-opt steps fp32 master weights on the CPU, which differs from
+torch's AdamW by rounding (and, for bf16 parameters, by torch's AdamW having no
+fp32 master at all).
+
+Writes benchmarks/results/gpu_offload.json for --preset gpt1b on a GPU
+(gpu_offload_<preset>.json for other presets); on the CPU it writes to
+$TMPDIR/gpu_offload_<preset>_emulated.json unless --out is given, so it never
+replaces GPU results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any, Optional
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bindings", "python"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpt_model import GPT, GPTConfig, lm_loss, parameter_count  # noqa: E402
+try:
+    from tierflow._report import fmt_bytes, write_json_atomic  # noqa: E402
+except ImportError as _e:  # tierflow._C missing or mid-rebuild: the torch modes still run, tierflow's fail
+    _TIERFLOW_IMPORT_ERROR = f"{type(_e).__name__}: {_e}"
+
+    def write_json_atomic(path: str, obj: Any) -> None:
+        """tierflow._report.write_json_atomic's fallback: a reader never sees a half-written file."""
+        directory = os.path.dirname(os.path.abspath(path))
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tierflow-", suffix=".json.tmp", dir=directory)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(obj, f, indent=2)
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+
+    def fmt_bytes(n: float) -> str:
+        return f"{n / (1 << 20):.2f} MiB"
+else:
+    _TIERFLOW_IMPORT_ERROR = None
+
+GiB = 1 << 30
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # The 1.34B GPT of /work/shared/GPU.md (baseline on an H100: step 0.162 s, device peak 25.06 GiB,
+    # 13.05 GiB of saved activations).
+    "gpt1b": dict(n_layer=24, d_model=2048, n_head=16, seq_len=4096, batch=2, vocab_size=32000, dtype="bf16",
+                  warmup=2, steps=5, min_offload_bytes=None, prefetch_bytes=None, nvme_memory="24GiB"),
+    # A few seconds per mode on a 2-core CPU. At this size (about 1.1 MiB saved per step) tierflow's
+    # defaults would offload almost nothing: most tensors are below its 64KiB threshold, and the NVMe
+    # mode keeps the last prefetch_bytes saved (64MiB by default) on the device. So everything is
+    # offloaded, and only the last 256KiB stay.
+    "tiny": dict(n_layer=2, d_model=64, n_head=4, seq_len=64, batch=2, vocab_size=256, dtype="fp32",
+                 warmup=2, steps=5, min_offload_bytes="0", prefetch_bytes="256KiB", nvme_memory="256MiB"),
+}
+
+MODES = ["baseline", "save_on_cpu", "checkpoint", "tierflow-host", "tierflow-nvme", "tierflow-host-opt"]
+# Opt-in: the baseline again in another process. Its distance from the baseline is the run-to-run noise
+# of the losses (on CUDA, kernels that accumulate with atomics), the floor for reading the others'.
+EXTRA_MODES = ["baseline-rerun"]
+TIERFLOW_MODES: dict[str, dict[str, str]] = {
+    "tierflow-host": dict(offload_activations="host", offload_optimizer="none"),
+    "tierflow-nvme": dict(offload_activations="nvme", offload_optimizer="none"),
+    "tierflow-host-opt": dict(offload_activations="host", offload_optimizer="host"),
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+EMULATED_PEAK_NOTE = ("no device allocator on the CPU (emulated device): see saved_activations_device_peak_bytes "
+                      "and host_peak_rss_bytes")
+
+
+# ---------------------------------------------------------------------------------------------- worker
+def _median(xs: list[float]) -> Optional[float]:
+    return statistics.median(xs) if xs else None
+
+
+def _get(d: dict, path: str) -> Any:
+    for k in path.split("."):
+        d = d[k]
+    return d
+
+
+# Counters of tierflow's report, given per measured step (after minus before the measured steps).
+_PER_STEP_COUNTERS = [
+    "links.gpu_to_host_bytes", "links.host_to_gpu_bytes", "links.gpu_to_host_ops", "links.host_to_gpu_ops",
+    "activations.packs", "activations.offloaded_blocks", "activations.offloaded_bytes",
+    "activations.offload_waits", "activations.offload_wait_ms", "activations.host_fallbacks",
+    "activations.kept_small", "activations.dedup_hits",
+    "activations.nvme.writes", "activations.nvme.write_bytes", "activations.nvme.reads",
+    "activations.nvme.forwarded", "activations.nvme.staging_waits", "activations.nvme.write_failures",
+    "prefetch.prefetched_blocks", "prefetch.hits", "prefetch.forwarded", "prefetch.stalls", "prefetch.stall_ms",
+    "prefetch.unprefetched", "optimizer.steps", "optimizer.step_ms",
+]
+# Peaks over the measured steps (the runtime's peaks are reset when they begin; the pool's are not).
+_PEAKS = ["activations.device_bytes.peak", "activations.host_bytes.peak", "host_pool.in_use.peak",
+          "host_pool.reserved.peak"]
+
+
+def tierflow_summary(before: dict, after: dict, steps: int) -> dict:
+    """The useful subset of tierflow's report: per-step traffic, prefetch and optimizer figures, peaks."""
+    per_step = {}
+    for path in _PER_STEP_COUNTERS:
+        try:
+            per_step[path] = (_get(after, path) - _get(before, path)) / steps
+        except (KeyError, TypeError):
+            per_step[path] = None
+    peaks = {}
+    for path in _PEAKS:
+        try:
+            peaks[path] = _get(after, path)
+        except (KeyError, TypeError):
+            peaks[path] = None
+    return {"per_measured_step": per_step, "peaks": peaks,
+            "overlap": dict(after.get("optimizer", {}).get("overlap") or {}),
+            "note": "per_measured_step: report counters after minus before the measured steps, divided by "
+                    "their number; activation peaks cover the measured steps, host pool peaks the whole run"}
+
+
+def time_cpu_step_kernel(runtime: Any, opt: torch.optim.Optimizer, repeats: int) -> dict:
+    """tierflow's CPU AdamW kernel alone (session.runtime.adam_step) over the model's parameters.
+
+    It steps the optimizer's own fp32 master, exp_avg and exp_avg_sq (host tensors of the parameters'
+    sizes; no second copy of 12 bytes per parameter), with gradients and written-back weights in the
+    parameters' dtype on the CPU, as CPUAdamW._step_group calls it. Run after the measured steps:
+    it changes the optimizer's state.
+    """
+    masters, ms, vs, grads, outs = [], [], [], [], []
+    for group in opt.param_groups:
+        for p in group["params"]:
+            state = opt.state.get(p, {})
+            if all(k in state for k in ("master", "exp_avg", "exp_avg_sq")):
+                masters.append(state["master"].view(-1))
+                ms.append(state["exp_avg"].view(-1))
+                vs.append(state["exp_avg_sq"].view(-1))
+            else:
+                masters.append(p.detach().reshape(-1).to("cpu", torch.float32))
+                ms.append(torch.zeros(p.numel()))
+                vs.append(torch.zeros(p.numel()))
+            grads.append(torch.full((p.numel(),), 1e-3, dtype=p.dtype))
+            outs.append(torch.empty(p.numel(), dtype=p.dtype))
+    options = type(opt)._options(opt.param_groups[0])
+    vmaxes = [None] * len(masters)
+    times = []
+    for i in range(repeats + 1):  # the first is a warm-up
+        t0 = time.perf_counter()
+        runtime.adam_step(options, 1000 + i, masters, ms, vs, vmaxes, grads, outs)
+        if i:
+            times.append(time.perf_counter() - t0)
+    n = sum(m.numel() for m in masters)
+    med = statistics.median(times)
+    return {"cpu_step_kernel_seconds": med, "cpu_step_kernel_all_seconds": times,
+            "cpu_step_kernel_params_per_second": n / med, "cpu_step_kernel_elements": n,
+            "cpu_step_kernel_grad_dtype": str(grads[0].dtype).replace("torch.", "")}
+
+
+def _train(mode: str, cfg: dict, result: dict) -> None:
+    device = torch.device(cfg["device"])
+    cuda = device.type == "cuda"
+    dtype = DTYPES[cfg["dtype"]]
+    gcfg = GPTConfig(n_layer=cfg["n_layer"], d_model=cfg["d_model"], n_head=cfg["n_head"], seq_len=cfg["seq_len"],
+                     vocab_size=cfg["vocab_size"], tie_head=cfg["tie_head"])
+    result["device_name"] = torch.cuda.get_device_name(device) if cuda else "emulated"
+
+    t_setup = time.perf_counter()
+    torch.manual_seed(cfg["seed"])  # initial weights: the same in every mode (and on the same device kind)
+    with torch.device(device):
+        model = GPT(gcfg)
+    model.to(dtype)
+    if cuda:
+        torch.cuda.empty_cache()  # the fp32 weights before the cast
+    result["parameters"] = sum(p.numel() for p in model.parameters())
+    model.checkpoint_blocks = mode == "checkpoint"
+
+    total = cfg["warmup"] + cfg["steps"]
+    gen = torch.Generator().manual_seed(cfg["seed"] + 1)  # data: the same in every mode
+    batches = []
+    for _ in range(total):
+        tokens = torch.randint(0, gcfg.vocab_size, (cfg["batch"], gcfg.seq_len + 1), generator=gen)
+        batches.append((tokens[:, :-1].contiguous().to(device), tokens[:, 1:].contiguous().to(device)))
+
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"])
+    session = None
+    if mode in TIERFLOW_MODES:
+        import tierflow
+
+        settings: dict[str, Any] = dict(TIERFLOW_MODES[mode])
+        for key in ("min_offload_bytes", "host_memory", "prefetch_bytes"):
+            if cfg.get(key) is not None:
+                settings[key] = cfg[key]
+        if mode == "tierflow-nvme":
+            settings.update(nvme_paths=[cfg["nvme_path"]], nvme_memory=cfg["nvme_memory"])
+        known = {row["name"] for row in tierflow.config_table()}
+        if not cuda and "TIERFLOW_DEVICE" in known:
+            settings["device"] = "emulated"  # a CPU model on a machine that also has a GPU
+        model, opt = tierflow.wrap(model, opt, **settings)
+        session = model._tierflow_session
+        result["tierflow_settings"] = settings
+    result["optimizer"] = f"{type(opt).__module__}.{type(opt).__name__}"
+    result["setup_seconds"] = time.perf_counter() - t_setup
+
+    def forward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if mode == "save_on_cpu":
+            with torch.autograd.graph.save_on_cpu(pin_memory=True):
+                return lm_loss(model(x), y)
+        return lm_loss(model(x), y)
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    phases: dict[str, list[float]] = {"step": [], "forward": [], "backward": [], "optimizer": []}
+    losses = result["losses"]
+    before: dict = {}
+    for i in range(total):
+        if i == cfg["warmup"]:
+            sync()
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
+                result["device_allocated_before_measured_bytes"] = torch.cuda.memory_allocated(device)
+            if session is not None:
+                session.runtime.reset_peaks()
+                before = json.loads(json.dumps(session.report()))
+        x, y = batches[i]
+        sync()
+        if cuda:
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        t0 = time.perf_counter()
+        if cuda:
+            events[0].record()
+        loss = forward(x, y)
+        if cuda:
+            events[1].record()
+        t1 = time.perf_counter()
+        loss.backward()
+        if cuda:
+            events[2].record()
+        t2 = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if cuda:
+            events[3].record()
+        t3 = time.perf_counter()
+        sync()
+        t4 = time.perf_counter()
+        if cuda:
+            fwd, bwd, step = (events[k].elapsed_time(events[k + 1]) / 1e3 for k in range(3))
+        else:
+            fwd, bwd, step = t1 - t0, t2 - t1, t3 - t2
+        for name, value in (("step", t4 - t0), ("forward", fwd), ("backward", bwd), ("optimizer", step)):
+            phases[name].append(value)
+        losses.append(float(loss.detach()))
+        if not math.isfinite(losses[-1]):
+            raise FloatingPointError(f"loss {losses[-1]} at step {i}")
+
+    measured = slice(cfg["warmup"], None)
+    for name, values in phases.items():
+        result[f"{name}_seconds"] = _median(values[measured])
+        result[f"{name}_all_seconds"] = values
+    if mode == "tierflow-host-opt":
+        result["phase_note"] = ("CPUAdamW steps each parameter as soon as backward completes its gradient "
+                                "(TIERFLOW_OVERLAP_STEP=on): that work is inside backward_seconds, and "
+                                "optimizer_seconds is what step() has left to do")
+    if cuda:
+        result["device_peak_bytes"] = torch.cuda.max_memory_allocated(device)
+        result["device_peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
+        result["device_peak_note"] = "torch.cuda.max_memory_allocated over the measured steps"
+    else:
+        result["device_peak_bytes"] = None
+        result["device_peak_note"] = EMULATED_PEAK_NOTE
+
+    if session is not None:
+        report = json.loads(json.dumps(session.report()))
+        result["tierflow"] = tierflow_summary(before, report, cfg["steps"])
+        result["tierflow_report"] = report
+        result["saved_activations_device_peak_bytes"] = report["activations"]["device_bytes"]["peak"]
+        if mode == "tierflow-host-opt":
+            result.update(time_cpu_step_kernel(session.runtime, opt, cfg["kernel_repeats"]))
+    elif mode == "baseline" and _TIERFLOW_IMPORT_ERROR is None:
+        # One more forward and backward, untimed and without a step, that counts what autograd saves.
+        import tierflow
+
+        meter = tierflow.SavedActivationMeter()
+        meter.begin_forward()
+        x, y = batches[-1]
+        with meter.hooks():
+            loss = forward(x, y)
+        loss.backward()
+        opt.zero_grad(set_to_none=True)
+        result["saved_activations_bytes"] = meter.peak_bytes
+        result["saved_activations_device_peak_bytes"] = meter.peak_bytes
+    else:
+        result["saved_activations_device_peak_bytes"] = None
+
+
+def worker_main(mode: str, cfg: dict, out_path: str) -> int:
+    result: dict[str, Any] = {"mode": mode, "losses": []}
+    try:
+        _train(mode, cfg, result)
+    except Exception as e:  # noqa: BLE001  recorded in the JSON; the other modes go on
+        result["error"] = f"{type(e).__name__}: {e}"
+        result["traceback"] = traceback.format_exc()
+    result["host_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    write_json_atomic(out_path, result)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- parent
+def fs_type(path: str) -> str:
+    """The file system type of the mount holding `path` (tmpfs cannot do O_DIRECT)."""
+    path = os.path.realpath(path)
+    best, kind = "", "unknown"
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) >= 3 and (path == fields[1] or path.startswith(fields[1].rstrip("/") + "/")):
+                    if len(fields[1]) >= len(best):
+                        best, kind = fields[1], fields[2]
+    except OSError:
+        pass
+    return kind
+
+
+def run_mode(mode: str, cfg: dict, timeout_s: float) -> dict:
+    """Runs one mode in a fresh process and returns its results (or the error)."""
+    fd, out_path = tempfile.mkstemp(prefix=f"gpu-offload-{mode}-", suffix=".json")
+    os.close(fd)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.join(ROOT, "bindings", "python"),
+                                                    env.get("PYTHONPATH")) if p)
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", mode, "--worker-config", json.dumps(cfg),
+           "--worker-out", out_path]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+        with open(out_path) as f:
+            text = f.read()
+        result = json.loads(text) if text.strip() else {"mode": mode, "losses": []}
+        if proc.returncode != 0 or not text.strip():
+            result["error"] = result.get("error") or f"worker exited with status {proc.returncode}"
+        if "error" in result:
+            result["stderr_tail"] = proc.stderr[-4000:]
+    except subprocess.TimeoutExpired as e:
+        stderr = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        result = {"mode": mode, "losses": [], "error": f"timed out after {timeout_s:.0f} s",
+                  "stderr_tail": stderr[-4000:]}
+    finally:
+        os.unlink(out_path)
+    result["process_seconds"] = time.perf_counter() - t0
+    return result
+
+
+def loss_agreement(base: list[float], other: list[float]) -> dict:
+    """How far a mode's losses are from the baseline's, step by step."""
+    n = min(len(base), len(other))
+    if n == 0:
+        return {"steps_compared": 0}
+    diffs = [abs(a - b) for a, b in zip(base[:n], other[:n])]
+    return {"steps_compared": n, "first_step_bit_identical": base[0] == other[0],
+            "all_steps_bit_identical": diffs == [0.0] * n and len(base) == len(other),
+            "max_abs_diff": max(diffs), "max_rel_diff": max(d / abs(b) if b else d for d, b in zip(diffs, base)),
+            "abs_diff_per_step": diffs}
+
+
+def _fmt(x: Optional[float], spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def print_table(out: dict) -> None:
+    base = out["modes"].get("baseline", {})
+    head = (f"{'mode':<18} {'step s':>8} {'x base':>7} {'fwd s':>8} {'bwd s':>8} {'opt s':>8} {'peak GiB':>9} "
+            f"{'final loss':>11} {'max|dloss|':>10}")
+    print(head)
+    print("-" * len(head))
+    for mode, r in out["modes"].items():
+        if "error" in r:
+            print(f"{mode:<18} FAILED: {r['error'].splitlines()[0][:100] if r['error'] else ''}")
+            continue
+        peak = r.get("device_peak_bytes")
+        agree = out["loss_vs_baseline"].get(mode, {})
+        dl = "" if mode == "baseline" or not base or "error" in base else _fmt(agree.get("max_abs_diff"), ".2e")
+        print(f"{mode:<18} {_fmt(r['step_seconds'], '8.4f')} {_fmt(out['ratios'].get(mode), '7.2f')} "
+              f"{_fmt(r['forward_seconds'], '8.4f')} {_fmt(r['backward_seconds'], '8.4f')} "
+              f"{_fmt(r['optimizer_seconds'], '8.4f')} {_fmt(None if peak is None else peak / GiB, '9.2f')} "
+              f"{_fmt(r['losses'][-1] if r['losses'] else None, '11.6f')} {dl:>10}")
+    if base and base.get("device_peak_bytes") is None:
+        print(f"peak: {EMULATED_PEAK_NOTE}")
+    tier = [m for m in out["modes"] if m.startswith("tierflow") and "error" not in out["modes"][m]]
+    if tier and base and "error" not in base:
+        print("tierflow against the baseline, max |loss - baseline loss| over all steps (warm-up included):")
+        for m in tier:
+            a = out["loss_vs_baseline"][m]
+            print(f"  {m:<18} {a['max_abs_diff']:.3e} (relative {a['max_rel_diff']:.3e}); step 0 "
+                  f"{'bit-identical' if a['first_step_bit_identical'] else 'DIFFERS'}; all steps "
+                  f"{'bit-identical' if a['all_steps_bit_identical'] else 'not bit-identical'}")
+    saved_modes = [m for m, r in out["modes"].items() if r.get("saved_activations_device_peak_bytes") is not None]
+    if saved_modes:
+        print("saved activations held on the device, peak over the measured steps (baseline: all it saves):")
+    for m in saved_modes:
+        print(f"  {m:<18} {fmt_bytes(out['modes'][m]['saved_activations_device_peak_bytes'])}")
+    for m, r in out["modes"].items():
+        if "cpu_step_kernel_seconds" in r:
+            print(f"{m}: tierflow's CPU AdamW kernel alone, all {r['cpu_step_kernel_elements']:,} parameters: "
+                  f"{r['cpu_step_kernel_seconds']:.4f} s ({r['cpu_step_kernel_params_per_second']:.3g} params/s)")
+
+
+def estimate(cfg: dict) -> dict:
+    gcfg = GPTConfig(n_layer=cfg["n_layer"], d_model=cfg["d_model"], n_head=cfg["n_head"], seq_len=cfg["seq_len"],
+                     vocab_size=cfg["vocab_size"], tie_head=cfg["tie_head"])
+    n = parameter_count(gcfg)
+    with torch.device("meta"):
+        built = sum(p.numel() for p in GPT(gcfg).parameters())  # the real module, without memory
+    elt = torch.finfo(DTYPES[cfg["dtype"]]).bits // 8
+    return {"parameters": n, "parameters_built": built,
+            # weights, gradients, AdamW's exp_avg and exp_avg_sq, all in the parameters' dtype (torch's AdamW)
+            "weights_grads_adam_bytes": 4 * elt * n,
+            # tierflow-host-opt: fp32 master, exp_avg, exp_avg_sq on the host
+            "host_optimizer_state_bytes": 12 * n}
+
+
+def default_out(cfg: dict) -> str:
+    if cfg["device"] == "cuda":
+        name = "gpu_offload.json" if cfg["preset"] == "gpt1b" else f"gpu_offload_{cfg['preset']}.json"
+        return os.path.join(ROOT, "benchmarks", "results", name)
+    return os.path.join(tempfile.gettempdir(), f"gpu_offload_{cfg['preset']}_emulated.json")
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description="GPT training with and without activation/optimizer offload")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="gpt1b")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), help="parameter dtype (default: the preset's)")
+    ap.add_argument("--steps", type=int, help="measured steps (default: the preset's)")
+    ap.add_argument("--warmup", type=int, help="warm-up steps before them (default: the preset's)")
+    ap.add_argument("--modes", default=",".join(MODES),
+                    help="comma-separated, from: " + ", ".join(MODES + EXTRA_MODES) + " (default: all but the last)")
+    ap.add_argument("--device", choices=["cuda", "cpu"],
+                    help="cuda when available, else cpu (tierflow's emulated device)")
+    ap.add_argument("--out", help="JSON path (default: see the module doc)")
+    ap.add_argument("--nvme-path", help="directory for tierflow-nvme's swap files (default: a temporary "
+                                        "directory under build/, on the repository's file system)")
+    ap.add_argument("--nvme-memory", help="NVMe budget of tierflow-nvme (default: the preset's)")
+    ap.add_argument("--host-memory", help="tierflow's host pool budget (default: tierflow's)")
+    ap.add_argument("--prefetch-bytes", help="tierflow's prefetch window, also the NVMe mode's resident tail "
+                                             "(default: the preset's)")
+    ap.add_argument("--min-offload-bytes", help="tierflow's offload threshold (default: the preset's)")
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--tie-head", action="store_true", help="tie the LM head to the token embedding")
+    ap.add_argument("--kernel-repeats", type=int, default=5, help="repeats of the CPU AdamW kernel timing")
+    ap.add_argument("--mode-timeout", type=float, default=1800.0, help="seconds one mode may take")
+    ap.add_argument("--dry-run", action="store_true", help="print the configuration and estimates, run nothing")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--worker-config", help=argparse.SUPPRESS)
+    ap.add_argument("--worker-out", help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def resolve(args: argparse.Namespace) -> dict:
+    cfg = dict(PRESETS[args.preset], preset=args.preset)
+    for key in ("dtype", "steps", "warmup", "nvme_memory", "min_offload_bytes", "prefetch_bytes"):
+        if getattr(args, key) is not None:
+            cfg[key] = getattr(args, key)
+    cfg.update(lr=args.lr, seed=args.seed, tie_head=args.tie_head, kernel_repeats=args.kernel_repeats,
+               host_memory=args.host_memory,
+               device=args.device or ("cuda" if torch.cuda.is_available() else "cpu"),
+               loss_dtype="fp32", optimizer="AdamW (torch defaults but lr)")
+    if cfg["steps"] < 1 or cfg["warmup"] < 0:
+        raise SystemExit("--steps must be at least 1 and --warmup at least 0")
+    return cfg
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return worker_main(args.worker, json.loads(args.worker_config), args.worker_out)
+
+    cfg = resolve(args)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES + EXTRA_MODES]
+    if unknown:
+        raise SystemExit(f"unknown mode(s) {', '.join(unknown)}; known: {', '.join(MODES + EXTRA_MODES)}")
+    if cfg["device"] == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda, but torch sees no GPU (use --device cpu for the emulated device)")
+    est = estimate(cfg)
+    print(f"preset {cfg['preset']}: {cfg['n_layer']} layers, d_model {cfg['d_model']}, {cfg['n_head']} heads, "
+          f"seq {cfg['seq_len']}, batch {cfg['batch']}, vocab {cfg['vocab_size']}, {cfg['dtype']}, "
+          f"device {cfg['device']}")
+    print(f"parameters {est['parameters']:,} ({est['parameters']:.3g}; built on the meta device: "
+          f"{est['parameters_built']:,}); weights + grads + AdamW states {est['weights_grads_adam_bytes'] / GiB:.2f} "
+          f"GiB on the device; tierflow-host-opt's fp32 master + states {est['host_optimizer_state_bytes'] / GiB:.2f} "
+          f"GiB on the host")
+    print(f"{cfg['warmup']} warm-up + {cfg['steps']} measured steps per mode; modes: {', '.join(modes)}")
+    if args.dry_run:
+        return 0
+
+    made_nvme_dir = None
+    if "tierflow-nvme" in modes:
+        if args.nvme_path:
+            os.makedirs(args.nvme_path, exist_ok=True)
+            cfg["nvme_path"] = args.nvme_path
+        else:
+            parent = os.path.join(ROOT, "build")
+            made_nvme_dir = tempfile.mkdtemp(prefix="bench-gpu-offload-nvme-",
+                                             dir=parent if os.path.isdir(parent) else None)
+            cfg["nvme_path"] = made_nvme_dir
+        cfg["nvme_fs_type"] = fs_type(cfg["nvme_path"])
+        print(f"tierflow-nvme swap files in {cfg['nvme_path']} ({cfg['nvme_fs_type']})")
+
+    results: dict[str, dict] = {}
+    try:
+        for mode in modes:
+            r = run_mode(mode, cfg, args.mode_timeout)
+            results[mode] = r
+            status = ("FAILED: " + r["error"].splitlines()[0][:160]) if "error" in r else \
+                f"step {r['step_seconds']:.4f} s, final loss {r['losses'][-1]:.6f}"
+            print(f"  {mode:<18} {status}  ({r['process_seconds']:.1f} s)", flush=True)
+    finally:
+        if made_nvme_dir:
+            shutil.rmtree(made_nvme_dir, ignore_errors=True)
+
+    base = results.get("baseline", {})
+    ok = {m: r for m, r in results.items() if "error" not in r}
+    base_ok = "baseline" in ok
+    device_name = next((r["device_name"] for r in ok.values() if "device_name" in r),
+                       "emulated" if cfg["device"] == "cpu" else None)
+    out = {
+        "device": device_name,
+        "preset": cfg["preset"],
+        "config": dict(cfg, parameters=est["parameters"]),
+        "torch": torch.__version__,
+        "host": {"cpu_count": os.cpu_count(), "cpus_usable": len(os.sched_getaffinity(0)),
+                 "platform": platform.platform(), "python": platform.python_version()},
+        "modes": results,
+        "ratios": {m: r["step_seconds"] / base["step_seconds"] for m, r in ok.items()} if base_ok else {},
+        "peak_ratio": {m: (r["device_peak_bytes"] / base["device_peak_bytes"]
+                           if r.get("device_peak_bytes") is not None and base.get("device_peak_bytes") else None)
+                       for m, r in ok.items()} if base_ok else {},
+        "loss_vs_baseline": {m: loss_agreement(base["losses"], r["losses"]) for m, r in ok.items()
+                             if m != "baseline"} if base_ok else {},
+    }
+    path = args.out or default_out(cfg)
+    write_json_atomic(path, out)
+    print()
+    print_table(out)
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
