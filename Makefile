@@ -1,13 +1,24 @@
 # The two commands a newcomer needs (README.md):
 #   make demo   installs what is missing, builds, trains the demo GPT with and without tierflow
 #   make test   installs what is missing, builds, runs every test (GoogleTest + pytest)
+# For a machine with no package registry: `make bundle` where there is one, then
+# `make test BUNDLE=dir` (or TIERFLOW_BUNDLE=dir make test) there.
 PY := .venv/bin/python
 export PYTHONPATH := $(CURDIR)/bindings/python
 
-.PHONY: setup demo test test-cpp test-python bench clean
+.PHONY: setup bundle demo test test-cpp test-python bench clean
 
+# BUNDLE=dir or TIERFLOW_BUNDLE=dir (also for demo and test): install from a
+# bundle, using no registry. The variable goes to the set-up only: tierflow
+# refuses TIERFLOW_* variables it does not know, in the tests too.
+unexport TIERFLOW_BUNDLE
 setup:
-	@bash scripts/setup.sh
+	@TIERFLOW_BUNDLE="$(or $(BUNDLE),$(TIERFLOW_BUNDLE))" bash scripts/setup.sh
+
+# Debian packages and wheels for a machine with no registry, into BUNDLE (default
+# bundle/); BUNDLE_PYTHON_VERSION=3.12 for another Python (scripts/bundle.sh).
+bundle:
+	@bash scripts/bundle.sh "$(or $(BUNDLE),bundle)"
 
 demo: setup
 	$(PY) examples/train_gpt.py $(ARGS)

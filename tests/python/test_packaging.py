@@ -1,4 +1,5 @@
-"""`pip install .` builds a wheel through scikit-build-core that carries tierflow._C."""
+"""tierflow as a package: importable from any directory after the set-up, and as a
+wheel that `pip install .` builds through scikit-build-core with tierflow._C."""
 
 import os
 import subprocess
@@ -8,6 +9,21 @@ import zipfile
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+VENV_PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
+
+
+@pytest.mark.skipif(not os.path.exists(VENV_PYTHON), reason="no .venv: run the set-up first (make setup)")
+def test_the_set_up_makes_tierflow_importable_from_any_directory(tmp_path):
+    # As a user would: another directory, no PYTHONPATH (the Makefile sets one; this must not need it).
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSAFEPATH")}
+    probe = "import tierflow, tierflow._C; print(tierflow.__file__); print(tierflow._C.__file__)"
+    done = subprocess.run([VENV_PYTHON, "-c", probe], cwd=str(tmp_path), env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    init, extension = done.stdout.split()[-2:]
+    sources = os.path.join(ROOT, "bindings", "python", "tierflow")
+    assert init == os.path.join(sources, "__init__.py")
+    assert os.path.dirname(extension) == sources and os.path.basename(extension).startswith("_C.")
 
 
 @pytest.mark.skipif(os.environ.get("CI_BUILD_WHEEL") != "1",
