@@ -7,13 +7,39 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "bindings", "python"))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
+# cuBLAS is deterministic only with a fixed workspace; it reads this when its first handle is made.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+from harness import DEVICES, KEPT_ENVIRONMENT  # noqa: E402  (needs the paths above)
 
 
 @pytest.fixture(autouse=True)
 def _clean_tierflow_env(monkeypatch):
-    """Each test starts with no TIERFLOW_* variables (CI may set none; a developer might)."""
+    """Each test starts with no TIERFLOW_* variables (CI may set none; a developer might), except
+    those the Makefile sets for the whole suite: the emulated device's mode and seed."""
     for k in list(os.environ):
-        if k.startswith("TIERFLOW_"):
+        if k.startswith("TIERFLOW_") and k not in KEPT_ENVIRONMENT:
             monkeypatch.delenv(k)
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    """The device a test wraps its model for: "emulated" (CPU models, device="emulated") or "cuda"
+    (models and batches on the GPU, device="cuda"; skipped, saying why, where there is none).
+
+    On cuda, deterministic kernels: a comparison with the baseline must see tierflow's differences
+    only, not those of kernels that accumulate with atomics in whatever order they run."""
+    if request.param != "cuda":
+        yield request.param
+        return
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+              torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    try:
+        yield request.param
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[2], before[3]

@@ -6,25 +6,25 @@ import pytest
 import torch
 
 import tierflow
-from harness import gpt_task
+from harness import cuda_usable, gpt_task, needs_cuda
 
 
-def test_wrap_returns_the_same_module_and_keeps_it_working():
+def test_wrap_returns_the_same_module_and_keeps_it_working(device):
     task = gpt_task()
-    model = task.make_model()
+    model = task.model_on(device)
     keys = list(model.state_dict())
     seen = []
     model.register_forward_hook(lambda m, a, o: seen.append(o.shape))
-    wrapped, opt = tierflow.wrap(model, torch.optim.AdamW(model.parameters()))
+    wrapped, opt = tierflow.wrap(model, torch.optim.AdamW(model.parameters()), device=device)
     assert wrapped is model
     assert list(wrapped.state_dict()) == keys
     assert list(opt.param_groups[0]["params"]) == list(model.parameters())
-    task.loss(wrapped, task.make_batch(0)).backward()
+    task.loss(wrapped, task.batch_on(0, device)).backward()
     assert len(seen) == 1, "the user's own hooks still run"
     with pytest.raises(tierflow.TierflowError, match="already wrapped"):
-        tierflow.wrap(model, None)
+        tierflow.wrap(model, None, device=device)
     tierflow.unwrap(model)
-    tierflow.wrap(model, None)
+    tierflow.wrap(model, None, device=device)
 
 
 def test_wrap_rejects_non_modules():
@@ -32,12 +32,12 @@ def test_wrap_rejects_non_modules():
         tierflow.wrap(lambda x: x, None)
 
 
-def test_report_table_and_json(tmp_path, monkeypatch):
+def test_report_table_and_json(tmp_path, monkeypatch, device):
     path = tmp_path / "sub" / "report.json"
     monkeypatch.setenv("TIERFLOW_REPORT", str(path))
     task = gpt_task()
-    model, opt = tierflow.wrap(task.make_model(), None, min_offload_bytes=0)
-    task.loss(model, task.make_batch(0)).backward()
+    model, opt = tierflow.wrap(task.model_on(device), None, device=device, min_offload_bytes=0)
+    task.loss(model, task.batch_on(0, device)).backward()
     r = tierflow.report()
     text = str(r)
     for needle in ("GPU tier", "host tier", "gpu -> host", "host -> gpu", "stalls", "saved activations held, peak"):
@@ -45,6 +45,7 @@ def test_report_table_and_json(tmp_path, monkeypatch):
     saved = json.loads(path.read_text())
     assert saved["links"]["gpu_to_host_bytes"] == r["links"]["gpu_to_host_bytes"] > 0
     assert saved["config"]["TIERFLOW_REPORT"] == str(path)
+    assert saved["device"] == r["device"] == device
     assert not [p for p in path.parent.iterdir() if p.name.startswith(".tierflow-")], "temp file left"
 
 
@@ -53,7 +54,8 @@ def test_config_table_lists_every_variable_with_docs():
     names = [r["name"] for r in rows]
     for required in ("TIERFLOW_GPU_MEMORY", "TIERFLOW_HOST_MEMORY", "TIERFLOW_NVME_PATHS", "TIERFLOW_NVME_MEMORY",
                      "TIERFLOW_OFFLOAD_ACTIVATIONS", "TIERFLOW_OFFLOAD_PARAMS", "TIERFLOW_OFFLOAD_OPTIMIZER",
-                     "TIERFLOW_CPU_THREADS", "TIERFLOW_LOG_LEVEL", "TIERFLOW_REPORT"):
+                     "TIERFLOW_CPU_THREADS", "TIERFLOW_LOG_LEVEL", "TIERFLOW_REPORT", "TIERFLOW_DEVICE",
+                     "TIERFLOW_EMULATED_DEVICE", "TIERFLOW_EMULATED_SEED"):
         assert required in names
     assert all(r["doc"] and r["accepted"] for r in rows)
 
@@ -66,6 +68,8 @@ def test_config_table_lists_every_variable_with_docs():
     ("TIERFLOW_LOG_LEVEL", "chatty", ["TIERFLOW_LOG_LEVEL", "error, warn, info, debug"]),
     ("TIERFLOW_NVME_PATHS", "/a,,/b", ["TIERFLOW_NVME_PATHS", "no empty entries"]),
     ("TIERFLOW_HOST_MEMROY", "1GiB", ["TIERFLOW_HOST_MEMROY", "did you mean TIERFLOW_HOST_MEMORY"]),
+    ("TIERFLOW_DEVICE", "tpu", ["TIERFLOW_DEVICE", "'tpu'", "auto, cuda, emulated"]),
+    ("TIERFLOW_EMULATED_DEVICE", "rude", ["TIERFLOW_EMULATED_DEVICE", "'rude'", "polite or adversarial"]),
 ])
 def test_bad_environment_values_raise_documented_errors(monkeypatch, name, value, needles):
     monkeypatch.setenv(name, value)
@@ -88,7 +92,7 @@ def test_bad_keyword_arguments():
         tierflow.wrap(torch.nn.Linear(2, 2), None, min_offload_bytes="lots")
 
 
-def test_keyword_arguments_override_the_environment(monkeypatch):
+def test_keyword_arguments_override_the_environment(monkeypatch, device):
     monkeypatch.setenv("TIERFLOW_OFFLOAD_ACTIVATIONS", "none")
     monkeypatch.setenv("TIERFLOW_CPU_THREADS", "1")
     assert tierflow.resolve_config()["TIERFLOW_OFFLOAD_ACTIVATIONS"] == "none"
@@ -97,17 +101,20 @@ def test_keyword_arguments_override_the_environment(monkeypatch):
     assert cfg["TIERFLOW_CPU_THREADS"] == "1"
     assert cfg["TIERFLOW_NVME_PATHS"] == "/x,/y"
     task = gpt_task()
-    model, _ = tierflow.wrap(task.make_model(), None, offload_activations="host", min_offload_bytes=0)
-    task.loss(model, task.make_batch(0)).backward()
+    model, _ = tierflow.wrap(task.model_on(device), None, device=device, offload_activations="host",
+                             min_offload_bytes=0)
+    task.loss(model, task.batch_on(0, device)).backward()
     assert tierflow.report()["activations"]["offloaded_blocks"] > 0
 
 
-def test_environment_alone_configures_a_run(monkeypatch):
+def test_environment_alone_configures_a_run(monkeypatch, device):
     monkeypatch.setenv("TIERFLOW_OFFLOAD_ACTIVATIONS", "none")
+    monkeypatch.setenv("TIERFLOW_DEVICE", device)
     task = gpt_task()
-    model, _ = tierflow.wrap(task.make_model(), None)
-    task.loss(model, task.make_batch(0)).backward()
+    model, _ = tierflow.wrap(task.model_on(device), None)
+    task.loss(model, task.batch_on(0, device)).backward()
     r = tierflow.report()
+    assert r["device"] == device
     assert r["activations"]["offloaded_blocks"] == 0 and r["activations"]["device_bytes"]["peak"] > 0
 
 
@@ -130,3 +137,30 @@ def test_report_before_wrap_is_an_error(monkeypatch):
 def test_unbalanced_no_offload_is_an_error():
     with pytest.raises(tierflow.TierflowError, match="never entered"):
         tierflow._C.pop_no_offload()
+
+
+def test_auto_picks_cuda_where_it_can():
+    model, _ = tierflow.wrap(torch.nn.Linear(2, 2), None, device="auto")
+    assert tierflow.report()["device"] == ("cuda" if cuda_usable() else "emulated")
+
+
+def test_emulated_is_forced_even_where_a_gpu_is():
+    # Meaningful on a GPU machine (auto would pick cuda); everywhere, the setting is honoured.
+    model, _ = tierflow.wrap(torch.nn.Linear(2, 2), None, device="emulated")
+    assert tierflow.report()["device"] == "emulated"
+    assert tierflow.current_session().runtime.device == "emulated"
+
+
+@pytest.mark.skipif(cuda_usable(), reason="checks the refusal where there is no GPU; this machine has one")
+def test_cuda_without_a_gpu_is_refused():
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(tierflow.ConfigError, match="TIERFLOW_DEVICE='cuda'.*accepted here: auto, emulated"):
+        tierflow.wrap(model, torch.optim.AdamW(model.parameters()), device="cuda")
+    assert getattr(model, "_tierflow_session", None) is None
+
+
+@needs_cuda
+def test_cuda_is_honoured():
+    model = torch.nn.Linear(2, 2).cuda()
+    model, _ = tierflow.wrap(model, None, device="cuda")
+    assert tierflow.report()["device"] == "cuda"

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import tierflow
-from harness import assert_bit_identical, gpt_task, train
+from harness import assert_bit_identical, assert_close, gpt_task, subprocess_environment, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -29,36 +29,37 @@ def swap_files(d):
     return [f for f in os.listdir(d) if f.startswith("tierflow-swap-")]
 
 
-def test_activations_on_nvme_are_bit_identical(nvme_dir):
+def test_activations_on_nvme_are_bit_identical(nvme_dir, device):
     task = gpt_task()
-    base = train(task, 4, False)
-    tier = train(task, 4, True, offload_optimizer="none", offload_activations="nvme", nvme_paths=nvme_dir,
-                 nvme_memory="256MiB", min_offload_bytes=0, prefetch_bytes="256KiB")
+    base = train(task, 4, False, device=device)
+    tier = train(task, 4, True, device=device, offload_optimizer="none", offload_activations="nvme",
+                 nvme_paths=nvme_dir, nvme_memory="256MiB", min_offload_bytes=0, prefetch_bytes="256KiB")
     assert_bit_identical(base, tier)
     nv = tier.report["activations"]["nvme"]
     assert nv["writes"] > 0 and nv["reads"] > 0, nv
     assert nv["write_failures"] == 0
     assert tier.report["activations"]["kept_small"] == 0
     assert tier.report["host_pool"]["in_use"]["current"] == 0, "staging returned to the pool"
+    assert tier.report["activations"]["device_bytes"]["current"] == 0, "every saved block released after backward"
 
 
-def test_demo_gpt_with_activations_on_nvme_matches_the_baseline(nvme_dir):
+def test_demo_gpt_with_activations_on_nvme_matches_the_baseline(nvme_dir, device):
     task = gpt_task(layers=4, width=128, block=128, batch=8)
-    base = train(task, 3, False)
-    tier = train(task, 3, True, offload_activations="nvme", nvme_paths=nvme_dir, nvme_memory="512MiB")
-    from harness import assert_close
+    base = train(task, 3, False, device=device)
+    tier = train(task, 3, True, device=device, offload_activations="nvme", nvme_paths=nvme_dir, nvme_memory="512MiB")
     assert_close(base, tier)
     assert tier.report["activations"]["nvme"]["writes"] > 0
 
 
-def test_striped_over_two_paths(nvme_dir):
+def test_striped_over_two_paths(nvme_dir, device):
     a, b = os.path.join(nvme_dir, "a"), os.path.join(nvme_dir, "b")
     os.makedirs(a)
     os.makedirs(b)
     try:
         task = gpt_task()
-        base = train(task, 2, False)
-        tier = train(task, 2, True, offload_optimizer="none", offload_activations="nvme", nvme_paths=[a, b],
+        base = train(task, 2, False, device=device)
+        tier = train(task, 2, True, device=device, offload_optimizer="none", offload_activations="nvme",
+                     nvme_paths=[a, b],
                      nvme_memory="128MiB", min_offload_bytes=0, aio_block_size="64KiB")
         assert_bit_identical(base, tier)
     finally:
@@ -72,13 +73,13 @@ def test_striped_over_two_paths(nvme_dir):
             os.rmdir(d)
 
 
-def test_last_layers_stay_on_the_device(nvme_dir):
+def test_last_layers_stay_on_the_device(nvme_dir, device):
     task = gpt_task()
-    model, _ = tierflow.wrap(task.make_model(), None, offload_activations="nvme", nvme_paths=nvme_dir,
-                             nvme_memory="128MiB", min_offload_bytes=0, prefetch_bytes="512KiB")
-    task.loss(model, task.make_batch(0)).backward()
+    model, _ = tierflow.wrap(task.model_on(device), None, device=device, offload_activations="nvme",
+                             nvme_paths=nvme_dir, nvme_memory="128MiB", min_offload_bytes=0, prefetch_bytes="512KiB")
+    task.loss(model, task.batch_on(0, device)).backward()
     first = tierflow.report()["activations"]
-    task.loss(model, task.make_batch(1)).backward()
+    task.loss(model, task.batch_on(1, device)).backward()
     second = tierflow.report()["activations"]
     kept_first = first["packs"] - first["skipped_parameters"] - first["offloaded_blocks"] - first["dedup_hits"]
     kept_second = (second["packs"] - first["packs"]) - (second["skipped_parameters"] - first["skipped_parameters"]) \
@@ -86,13 +87,16 @@ def test_last_layers_stay_on_the_device(nvme_dir):
     assert kept_second > kept_first, "from the second step, the tail of the graph stays resident"
 
 
+# Fault injection exercises tierflow's own error paths (NVMe engine, swap files,
+# optimizer state), which are the same code on every device: these tests run on
+# the emulated device only, forced so that they also run on a GPU machine.
 def test_a_failed_write_keeps_the_data_in_host_memory(nvme_dir):
     faults = tierflow._C.NvmeFaults()
     faults.fail_writes = 3
     task = gpt_task()
     base = train(task, 2, False)
-    tier = train(task, 2, True, offload_optimizer="none", offload_activations="nvme", nvme_paths=nvme_dir,
-                 nvme_memory="128MiB", min_offload_bytes=0, _nvme_faults=faults)
+    tier = train(task, 2, True, device="emulated", offload_optimizer="none", offload_activations="nvme",
+                 nvme_paths=nvme_dir, nvme_memory="128MiB", min_offload_bytes=0, _nvme_faults=faults)
     assert_bit_identical(base, tier)  # nothing lost
     assert tier.report["activations"]["nvme"]["write_failures"] >= 1
 
@@ -102,8 +106,8 @@ def test_a_corrupt_read_raises_and_changes_nothing(nvme_dir):
     task = gpt_task(dropout=0.0)
     model = task.make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model, opt = tierflow.wrap(model, opt, offload_activations="nvme", nvme_paths=nvme_dir, nvme_memory="128MiB",
-                               min_offload_bytes=0, prefetch_bytes="64KiB", _nvme_faults=faults)
+    model, opt = tierflow.wrap(model, opt, device="emulated", offload_activations="nvme", nvme_paths=nvme_dir,
+                               nvme_memory="128MiB", min_offload_bytes=0, prefetch_bytes="64KiB", _nvme_faults=faults)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     loss = task.loss(model, task.make_batch(0))
     faults.corrupt_reads = 1000
@@ -125,14 +129,14 @@ def test_swap_files_are_removed_at_exit_even_with_live_tensors(nvme_dir):
         import tierflow
         from harness import gpt_task
         task = gpt_task()
-        model, _ = tierflow.wrap(task.make_model(), None, offload_activations="nvme",
+        model, _ = tierflow.wrap(task.make_model(), None, device="emulated", offload_activations="nvme",
                                  nvme_paths={nvme_dir!r}, nvme_memory="64MiB", min_offload_bytes=0)
         keep = task.loss(model, task.make_batch(0))   # a graph still holding saved blocks at exit
         import os
         print(len([f for f in os.listdir({nvme_dir!r}) if f.startswith("tierflow-swap-")]))
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                         env={k: v for k, v in os.environ.items() if not k.startswith("TIERFLOW_")})
+                         env=subprocess_environment())
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "1", "one swap file while running"
     assert swap_files(nvme_dir) == [], "no swap file after exit"
@@ -143,13 +147,15 @@ def test_crashed_run_files_are_removed_by_the_next_start(nvme_dir):
         import os, sys
         sys.path[:0] = [{os.path.join(ROOT, 'bindings', 'python')!r}]
         import tierflow
-        rt = tierflow._C.Runtime({{"offload_activations": "nvme", "nvme_paths": {nvme_dir!r}, "nvme_memory": "16MiB"}})
+        rt = tierflow._C.Runtime({{"device": "emulated", "offload_activations": "nvme", "nvme_paths": {nvme_dir!r},
+                                  "nvme_memory": "16MiB"}})
         os._exit(0)  # a crash: no destructor runs
     """)
     subprocess.run([sys.executable, "-c", script], check=True, timeout=120,
-                   env={k: v for k, v in os.environ.items() if not k.startswith("TIERFLOW_")})
+                   env=subprocess_environment())
     assert len(swap_files(nvme_dir)) == 1
-    rt = tierflow._C.Runtime({"offload_activations": "nvme", "nvme_paths": nvme_dir, "nvme_memory": "16MiB"})
+    rt = tierflow._C.Runtime({"device": "emulated", "offload_activations": "nvme", "nvme_paths": nvme_dir,
+                              "nvme_memory": "16MiB"})
     assert len(swap_files(nvme_dir)) == 1, "the dead process's file is gone; only ours remains"
     del rt
 
@@ -159,50 +165,46 @@ def test_nvme_needs_paths():
         tierflow.wrap(torch.nn.Linear(2, 2), None, offload_activations="nvme")
 
 
-def test_optimizer_states_on_nvme_match_torch_adamw(nvme_dir):
-    from harness import assert_close
-
+def test_optimizer_states_on_nvme_match_torch_adamw(nvme_dir, device):
     task = gpt_task()
-    base = train(task, 4, False)
-    tier = train(task, 4, True, offload_optimizer="nvme", nvme_paths=nvme_dir, nvme_memory="128MiB")
+    base = train(task, 4, False, device=device)
+    tier = train(task, 4, True, device=device, offload_optimizer="nvme", nvme_paths=nvme_dir, nvme_memory="128MiB")
     assert_close(base, tier)
-    s = tierflow.current_session().runtime.nvme_adam_stats()
+    s = tier.nvme_adam
     assert s["steps"] >= 4 and s["bytes_read"] > 0 and s["bytes_written"] > 0
 
 
-def test_demo_gpt_with_activations_and_optimizer_on_nvme(nvme_dir):
-    from harness import assert_close
-
+def test_demo_gpt_with_activations_and_optimizer_on_nvme(nvme_dir, device):
     task = gpt_task(layers=4, width=128, block=128, batch=8)
-    base = train(task, 3, False)
-    tier = train(task, 3, True, offload_activations="nvme", offload_optimizer="nvme", nvme_paths=nvme_dir,
-                 nvme_memory="512MiB")
+    base = train(task, 3, False, device=device)
+    tier = train(task, 3, True, device=device, offload_activations="nvme", offload_optimizer="nvme",
+                 nvme_paths=nvme_dir, nvme_memory="512MiB")
     assert_close(base, tier)
 
 
-def test_nvme_optimizer_state_dict_round_trip_and_torch_compat(nvme_dir):
+def test_nvme_optimizer_state_dict_round_trip_and_torch_compat(nvme_dir, device):
     task = gpt_task(dropout=0.0)
-    whole = train(task, 4, True, offload_optimizer="nvme", nvme_paths=nvme_dir, nvme_memory="128MiB")
+    whole = train(task, 4, True, device=device, offload_optimizer="nvme", nvme_paths=nvme_dir, nvme_memory="128MiB")
     torch.manual_seed(0)
-    model = task.make_model()
+    model = task.model_on(device)
     model, opt = tierflow.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01),
-                               offload_optimizer="nvme", nvme_paths=nvme_dir, nvme_memory="128MiB")
+                               device=device, offload_optimizer="nvme", nvme_paths=nvme_dir, nvme_memory="128MiB")
     for i in range(2):
-        task.loss(model, task.make_batch(i)).backward()
+        task.loss(model, task.batch_on(i, device)).backward()
         opt.step()
         opt.zero_grad()
     sd = opt.state_dict()  # states read back from NVMe: a checkpoint holds them
     first = next(iter(sd["state"].values()))
     assert first["exp_avg"].abs().sum() > 0 and float(first["step"]) == 2.0
-    torch_opt = torch.optim.AdamW(task.make_model().parameters(), lr=1e-3, weight_decay=0.01)
+    torch_opt = torch.optim.AdamW(task.model_on(device).parameters(), lr=1e-3, weight_decay=0.01)
     torch_opt.load_state_dict(sd)  # loads into torch.optim.AdamW
-    fresh = task.make_model()
+    fresh = task.model_on(device)
     fresh.load_state_dict(model.state_dict())
     fresh, opt2 = tierflow.wrap(fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-3, weight_decay=0.01),
-                                offload_optimizer="nvme", nvme_paths=nvme_dir, nvme_memory="128MiB")
+                                device=device, offload_optimizer="nvme", nvme_paths=nvme_dir, nvme_memory="128MiB")
     opt2.load_state_dict(sd)
     for i in range(2, 4):
-        task.loss(fresh, task.make_batch(i)).backward()
+        task.loss(fresh, task.batch_on(i, device)).backward()
         opt2.step()
         opt2.zero_grad()
     for k, v in fresh.state_dict().items():
@@ -214,8 +216,9 @@ def test_nvme_optimizer_write_failure_keeps_state(nvme_dir):
     task = gpt_task(dropout=0.0)
     torch.manual_seed(0)
     model = task.make_model()
-    model, opt = tierflow.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), offload_optimizer="nvme",
-                               nvme_paths=nvme_dir, nvme_memory="128MiB", _nvme_faults=faults)
+    model, opt = tierflow.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), device="emulated",
+                               offload_optimizer="nvme", nvme_paths=nvme_dir, nvme_memory="128MiB",
+                               _nvme_faults=faults)
     task.loss(model, task.make_batch(0)).backward()
     opt.step()
     before_params = {k: v.clone() for k, v in model.state_dict().items()}
@@ -248,9 +251,9 @@ def test_no_swap_file_leaks_after_io_failures(nvme_dir):
         faults.fail_writes = 4
         task = gpt_task()
         model, opt = tierflow.wrap(task.make_model(), torch.optim.AdamW(task.make_model().parameters()),
-                                   offload_activations="nvme", offload_optimizer="none", nvme_paths={nvme_dir!r},
-                                   nvme_memory="64MiB", min_offload_bytes=0, prefetch_bytes="64KiB",
-                                   _nvme_faults=faults)
+                                   device="emulated", offload_activations="nvme", offload_optimizer="none",
+                                   nvme_paths={nvme_dir!r}, nvme_memory="64MiB", min_offload_bytes=0,
+                                   prefetch_bytes="64KiB", _nvme_faults=faults)
         loss = task.loss(model, task.make_batch(0))
         faults.corrupt_reads = 1000
         try:
@@ -259,19 +262,20 @@ def test_no_swap_file_leaks_after_io_failures(nvme_dir):
             print("raised", "checksum" in str(e))
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                         env={k: v for k, v in os.environ.items() if not k.startswith("TIERFLOW_")})
+                         env=subprocess_environment())
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "raised True"
     assert swap_files(nvme_dir) == [], "failed I/O leaves no swap file behind"
 
 
-def test_staging_back_pressure_stays_inside_the_host_budget(nvme_dir):
+def test_staging_back_pressure_stays_inside_the_host_budget(nvme_dir, device):
     task = gpt_task(layers=2, width=128, block=128, batch=8)
-    base = train(task, 2, False)
+    base = train(task, 2, False, device=device)
     # 1 MiB of pinned memory for staging, activations of 256 KiB-2 MiB each:
     # transfers must wait for writes to free staging, never exceed the budget.
-    tier = train(task, 2, True, offload_optimizer="none", offload_activations="nvme", nvme_paths=nvme_dir,
-                 nvme_memory="256MiB", host_memory="3MiB", pinned_slab_bytes="1MiB", min_offload_bytes=0)
+    tier = train(task, 2, True, device=device, offload_optimizer="none", offload_activations="nvme",
+                 nvme_paths=nvme_dir, nvme_memory="256MiB", host_memory="3MiB", pinned_slab_bytes="1MiB",
+                 min_offload_bytes=0)
     assert_bit_identical(base, tier)
     assert tier.report["host_pool"]["reserved"]["peak"] <= 3 * 1024 * 1024
     acts = tier.report["activations"]
@@ -285,13 +289,14 @@ def test_staging_waits_for_copies_still_on_their_way_to_the_host(nvme_dir):
     # ones of forward still hold the staging that the first prefetches need.
     # Back-pressure must wait for them (they turn into NVMe writes, which then
     # free their staging) instead of failing for want of memory.
+    # CopyFaults delays the emulated device's copies: this one is emulated only.
     faults = tierflow._C.CopyFaults()
     faults.d2h_delay_us = 20_000
     task = gpt_task(layers=2, width=128, block=128, batch=8)
     base = train(task, 2, False)
-    tier = train(task, 2, True, offload_optimizer="none", offload_activations="nvme", nvme_paths=nvme_dir,
-                 nvme_memory="256MiB", host_memory="3MiB", pinned_slab_bytes="1MiB", min_offload_bytes=0,
-                 _copy_faults=faults)
+    tier = train(task, 2, True, device="emulated", offload_optimizer="none", offload_activations="nvme",
+                 nvme_paths=nvme_dir, nvme_memory="256MiB", host_memory="3MiB", pinned_slab_bytes="1MiB",
+                 min_offload_bytes=0, _copy_faults=faults)
     assert_bit_identical(base, tier)
     assert tier.report["host_pool"]["reserved"]["peak"] <= 3 * 1024 * 1024
     acts = tier.report["activations"]
@@ -303,8 +308,9 @@ def test_a_partial_nvme_step_failure_counts_only_what_stepped(nvme_dir):
     faults = tierflow._C.NvmeFaults()
     task = gpt_task(dropout=0.0)
     model = task.make_model()
-    model, opt = tierflow.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), offload_optimizer="nvme",
-                               nvme_paths=nvme_dir, nvme_memory="128MiB", _nvme_faults=faults)
+    model, opt = tierflow.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), device="emulated",
+                               offload_optimizer="nvme", nvme_paths=nvme_dir, nvme_memory="128MiB",
+                               _nvme_faults=faults)
     task.loss(model, task.make_batch(0)).backward()
     opt.step()
     opt.zero_grad()
@@ -316,13 +322,14 @@ def test_a_partial_nvme_step_failure_counts_only_what_stepped(nvme_dir):
     assert steps.count(1.0) == 1 and steps.count(2.0) == len(steps) - 1, steps
 
 
-def test_a_block_larger_than_the_host_budget_stays_on_the_device(nvme_dir):
+def test_a_block_larger_than_the_host_budget_stays_on_the_device(nvme_dir, device):
     task = gpt_task()
-    base = train(task, 2, False)
+    base = train(task, 2, False, device=device)
     # 64 KiB of staging cannot hold most activations: those stay on the device
     # at once (no wait could make them fit), the small ones still go to NVMe.
-    tier = train(task, 2, True, offload_optimizer="none", offload_activations="nvme", nvme_paths=nvme_dir,
-                 nvme_memory="64MiB", host_memory="64KiB", pinned_slab_bytes="64KiB", min_offload_bytes=0)
+    tier = train(task, 2, True, device=device, offload_optimizer="none", offload_activations="nvme",
+                 nvme_paths=nvme_dir, nvme_memory="64MiB", host_memory="64KiB", pinned_slab_bytes="64KiB",
+                 min_offload_bytes=0)
     assert_bit_identical(base, tier)
     acts = tier.report["activations"]
     assert acts["host_fallbacks"] > 0 and acts["nvme"]["writes"] > 0, acts

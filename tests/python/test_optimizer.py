@@ -6,10 +6,13 @@ import pytest
 import torch
 
 import tierflow
-from harness import assert_close, gpt_task, train
+from harness import assert_close, gpt_task, needs_cuda, train
 
 
 SIZES = (1, 15, 16, 17, 1_000_003, 0)  # odd sizes around the 16-lane width, a large one, an empty one
+# The CPU kernel's own tests step CPU tensors: the device only decides where a
+# model's activations go, so these runtimes use the emulated device on every machine.
+EMULATED = {"device": "emulated"}
 
 
 def make_params(dtype=torch.float32, sizes=SIZES):
@@ -22,7 +25,7 @@ def lockstep(torch_cls, steps=100, lr_change_at=None, **hp):
     ref_params = make_params()
     our_params = [torch.nn.Parameter(p.detach().clone()) for p in ref_params]
     ref = torch_cls(ref_params, **hp)
-    ours = tierflow.CPUAdamW.replace(torch_cls(our_params, **hp), tierflow._C.Runtime())
+    ours = tierflow.CPUAdamW.replace(torch_cls(our_params, **hp), tierflow._C.Runtime(EMULATED))
     g = torch.Generator().manual_seed(9)
     for step in range(steps):
         if lr_change_at is not None and step == lr_change_at:
@@ -66,7 +69,7 @@ def test_16_bit_params_step_an_fp32_master(dtype, hp):
     params = make_params(dtype)
     master_ref = [torch.nn.Parameter(p.detach().float()) for p in params]
     ref = torch.optim.AdamW(master_ref, **hp)
-    ours = tierflow.CPUAdamW.replace(torch.optim.AdamW(params, **hp), tierflow._C.Runtime())
+    ours = tierflow.CPUAdamW.replace(torch.optim.AdamW(params, **hp), tierflow._C.Runtime(EMULATED))
     g = torch.Generator().manual_seed(1)
     for _ in range(100):
         for p, m in zip(params, master_ref):
@@ -88,7 +91,7 @@ def test_every_simd_path_gives_the_same_parameters(isa):
     def train(setting):
         params = make_params(sizes=(17, 4099))
         opt = tierflow.CPUAdamW.replace(torch.optim.AdamW(params, lr=1e-2, amsgrad=True),
-                                        tierflow._C.Runtime({"cpu_isa": setting}))
+                                        tierflow._C.Runtime(dict(EMULATED, cpu_isa=setting)))
         g = torch.Generator().manual_seed(2)
         for _ in range(5):
             for p in params:
@@ -105,29 +108,31 @@ def test_every_simd_path_gives_the_same_parameters(isa):
 
 
 def test_refuses_what_it_cannot_replace():
+    # The refusals come from the optimizer's type and groups, the same on every device.
     p = [torch.nn.Parameter(torch.zeros(4))]
     with pytest.raises(tierflow.TierflowError, match="torch.optim.SGD.*accepted: torch.optim.AdamW, torch.optim.Adam"):
-        tierflow.wrap(torch.nn.Linear(2, 2), torch.optim.SGD(p, lr=0.1))
+        tierflow.wrap(torch.nn.Linear(2, 2), torch.optim.SGD(p, lr=0.1), **EMULATED)
 
     class MyAdamW(torch.optim.AdamW):
         pass
 
     with pytest.raises(tierflow.TierflowError, match="MyAdamW"):
-        tierflow.wrap(torch.nn.Linear(2, 2), MyAdamW(p))
+        tierflow.wrap(torch.nn.Linear(2, 2), MyAdamW(p), **EMULATED)
     with pytest.raises(tierflow.TierflowError, match="differentiable"):
-        tierflow.wrap(torch.nn.Linear(2, 2), torch.optim.AdamW(p, differentiable=True))
+        tierflow.wrap(torch.nn.Linear(2, 2), torch.optim.AdamW(p, differentiable=True), **EMULATED)
     # offload_optimizer='none' keeps the user's optimizer untouched.
     sgd = torch.optim.SGD(p, lr=0.1)
-    _, same = tierflow.wrap(torch.nn.Linear(2, 2), sgd, offload_optimizer="none")
+    _, same = tierflow.wrap(torch.nn.Linear(2, 2), sgd, offload_optimizer="none", **EMULATED)
     assert same is sgd
 
 
 def test_hyperparameters_and_groups_carry_over():
+    # Copying groups and hyperparameters is the same on every device.
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     opt = torch.optim.AdamW([{"params": model[0].parameters(), "lr": 0.5},
                              {"params": model[1].parameters(), "weight_decay": 0.3}],
                             lr=0.01, betas=(0.8, 0.9), eps=1e-5)
-    _, new = tierflow.wrap(model, opt)
+    _, new = tierflow.wrap(model, opt, **EMULATED)
     assert isinstance(new, tierflow.CPUAdamW) and isinstance(new, torch.optim.Optimizer)
     assert [g["lr"] for g in new.param_groups] == [0.5, 0.01]
     assert [g["weight_decay"] for g in new.param_groups] == [0.01, 0.3]
@@ -142,27 +147,29 @@ def _save(obj):
     return buf
 
 
-def test_state_dict_round_trip_resumes_exactly():
+def test_state_dict_round_trip_resumes_exactly(device):
     task = gpt_task(dropout=0.0)
-    whole = train(task, 5, True)
+    whole = train(task, 5, True, device=device)
 
     torch.manual_seed(0)
-    model = task.make_model()
-    model, opt = tierflow.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01))
+    model = task.model_on(device)
+    model, opt = tierflow.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01),
+                               device=device)
     for i in range(3):
-        task.loss(model, task.make_batch(i)).backward()
+        task.loss(model, task.batch_on(i, device)).backward()
         opt.step()
         opt.zero_grad()
     ckpt = _save({"model": model.state_dict(), "opt": opt.state_dict()})
 
-    fresh = task.make_model()
-    fresh, opt2 = tierflow.wrap(fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-3, weight_decay=0.01))
+    fresh = task.model_on(device)
+    fresh, opt2 = tierflow.wrap(fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-3, weight_decay=0.01),
+                                device=device)
     loaded = torch.load(ckpt)
     fresh.load_state_dict(loaded["model"])
     opt2.load_state_dict(loaded["opt"])
     losses = []
     for i in range(3, 5):
-        loss = task.loss(fresh, task.make_batch(i))
+        loss = task.loss(fresh, task.batch_on(i, device))
         loss.backward()
         opt2.step()
         opt2.zero_grad()
@@ -172,27 +179,27 @@ def test_state_dict_round_trip_resumes_exactly():
         assert torch.equal(v, whole.params[k]), k
 
 
-def test_state_dict_loads_into_torch_adamw_and_back():
+def test_state_dict_loads_into_torch_adamw_and_back(device):
     task = gpt_task(dropout=0.0)
     torch.manual_seed(0)
-    model = task.make_model()
-    model, opt = tierflow.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    model = task.model_on(device)
+    model, opt = tierflow.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), device=device)
     for i in range(2):
-        task.loss(model, task.make_batch(i)).backward()
+        task.loss(model, task.batch_on(i, device)).backward()
         opt.step()
         opt.zero_grad()
     sd = opt.state_dict()
-    # Into torch.optim.AdamW: torch continues from tierflow's moments.
-    twin = task.make_model()
+    # Into torch.optim.AdamW: torch continues from tierflow's moments (moved to the parameters' device).
+    twin = task.model_on(device)
     twin.load_state_dict(model.state_dict())
     torch_opt = torch.optim.AdamW(twin.parameters(), lr=1e-3)
     torch_opt.load_state_dict(torch.load(_save(sd)))
     for p, q in zip(model.parameters(), twin.parameters()):
-        torch.testing.assert_close(torch_opt.state[q]["exp_avg"], opt.state[p]["exp_avg"], rtol=0, atol=0)
+        torch.testing.assert_close(torch_opt.state[q]["exp_avg"].cpu(), opt.state[p]["exp_avg"], rtol=0, atol=0)
         assert float(torch_opt.state[q]["step"]) == 2.0
     for i in range(2, 4):
-        task.loss(model, task.make_batch(i)).backward()
-        task.loss(twin, task.make_batch(i)).backward()
+        task.loss(model, task.batch_on(i, device)).backward()
+        task.loss(twin, task.batch_on(i, device)).backward()
         opt.step()
         torch_opt.step()
         opt.zero_grad()
@@ -201,26 +208,26 @@ def test_state_dict_loads_into_torch_adamw_and_back():
         # atol: zero-gradient directions (attention key bias), see harness.assert_close.
         torch.testing.assert_close(p, q, rtol=1e-6, atol=5e-5)
     # And torch's state into tierflow: the masters come from the parameters.
-    third = task.make_model()
+    third = task.model_on(device)
     third.load_state_dict(twin.state_dict())
-    third, opt3 = tierflow.wrap(third, torch.optim.AdamW(third.parameters(), lr=1e-3))
+    third, opt3 = tierflow.wrap(third, torch.optim.AdamW(third.parameters(), lr=1e-3), device=device)
     opt3.load_state_dict(torch_opt.state_dict())
     for p, q in zip(third.parameters(), twin.parameters()):
-        assert torch.equal(opt3.state[p]["exp_avg_sq"], torch_opt.state[q]["exp_avg_sq"])
-        assert torch.equal(opt3.state[p]["master"], q.detach())
+        assert torch.equal(opt3.state[p]["exp_avg_sq"], torch_opt.state[q]["exp_avg_sq"].cpu())
+        assert torch.equal(opt3.state[p]["master"], q.detach().cpu())
 
 
-def test_wrapping_a_stepped_optimizer_keeps_its_state():
+def test_wrapping_a_stepped_optimizer_keeps_its_state(device):
     task = gpt_task(dropout=0.0)
-    base = train(task, 4, False)
+    base = train(task, 4, False, device=device)
     torch.manual_seed(0)
-    model = task.make_model()
+    model = task.model_on(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     losses = []
     for i in range(4):
         if i == 2:  # switch to tierflow halfway through
-            model, opt = tierflow.wrap(model, opt)
-        loss = task.loss(model, task.make_batch(i))
+            model, opt = tierflow.wrap(model, opt, device=device)
+        loss = task.loss(model, task.batch_on(i, device))
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -229,40 +236,41 @@ def test_wrapping_a_stepped_optimizer_keeps_its_state():
         assert abs(a - b) <= 1e-6 * abs(a)
 
 
-def test_model_load_state_dict_refreshes_the_masters():
+def test_model_load_state_dict_refreshes_the_masters(device):
     task = gpt_task(dropout=0.0)
     torch.manual_seed(0)
-    model = task.make_model()
-    model, opt = tierflow.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
-    task.loss(model, task.make_batch(0)).backward()
+    model = task.model_on(device)
+    model, opt = tierflow.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), device=device)
+    task.loss(model, task.batch_on(0, device)).backward()
     opt.step()
     opt.zero_grad()
-    pretrained = task.make_model().state_dict()  # different weights
+    pretrained = task.model_on(device).state_dict()  # different weights
     model.load_state_dict(pretrained)
-    task.loss(model, task.make_batch(1)).backward()
+    task.loss(model, task.batch_on(1, device)).backward()
     opt.step()
     # The step started from the loaded weights, not from stale masters.
     for (k, p), ref in zip(model.named_parameters(), pretrained.values()):
         assert (p.detach() - ref).abs().max() < 1e-2, k
 
 
-def test_full_offload_with_adam_l2():
+def test_full_offload_with_adam_l2(device):
     task = gpt_task()
-    assert_close(train(task, 3, False, optimizer_cls=torch.optim.Adam, weight_decay=0.01),
-                 train(task, 3, True, optimizer_cls=torch.optim.Adam, weight_decay=0.01))
+    assert_close(train(task, 3, False, device=device, optimizer_cls=torch.optim.Adam, weight_decay=0.01),
+                 train(task, 3, True, device=device, optimizer_cls=torch.optim.Adam, weight_decay=0.01))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or not tierflow._C.cuda_available(),
-                    reason="needs a CUDA GPU and the CUDA backend (this machine has none)")
+@needs_cuda
 @pytest.mark.parametrize("fraction", [0.5, 1.0])
 def test_gpu_share_matches_the_cpu_step(fraction):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)).cuda()
     twin = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)).cuda()
     twin.load_state_dict(model.state_dict())
-    model, opt = tierflow.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), gpu_optimizer_fraction=fraction)
+    model, opt = tierflow.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), device="cuda",
+                               gpu_optimizer_fraction=fraction)
     tierflow.unwrap(model)
-    twin, opt2 = tierflow.wrap(twin, torch.optim.AdamW(twin.parameters(), lr=1e-2), gpu_optimizer_fraction=0)
+    twin, opt2 = tierflow.wrap(twin, torch.optim.AdamW(twin.parameters(), lr=1e-2), device="cuda",
+                               gpu_optimizer_fraction=0)
     x = torch.randn(32, 64, device="cuda")
     for _ in range(5):
         for m, o in ((model, opt), (twin, opt2)):
@@ -274,9 +282,11 @@ def test_gpu_share_matches_the_cpu_step(fraction):
         assert torch.equal(p, q), "the CUDA kernel computes exactly what the CPU kernel does"
 
 
-def test_gpu_share_is_inert_without_cuda_parameters():
+def test_gpu_share_is_inert_without_cuda_parameters(device):
+    # The model stays on the CPU on both devices: CPU parameters never step on the GPU, even where one is driven.
     model = torch.nn.Linear(8, 8)
-    model, opt = tierflow.wrap(model, torch.optim.AdamW(model.parameters()), gpu_optimizer_fraction=1.0)
+    model, opt = tierflow.wrap(model, torch.optim.AdamW(model.parameters()), device=device,
+                               gpu_optimizer_fraction=1.0)
     model(torch.randn(4, 8)).sum().backward()
     opt.step()
     assert opt._gpu_share == set(), "CPU parameters always step on the CPU"
