@@ -170,6 +170,8 @@ void* PinnedHostPool::allocate_locked(std::size_t rounded) {
   Slab& s = slabs_[slab];
   s.used += rounded;
   void* p = s.base + offset;
+  // Adversarial: a block holds what its last user left, at worst poison.
+  if (options_.poison_freed) std::memset(p, 0xFF, rounded);
   blocks_.emplace(p, BlockInfo{slab, offset, rounded});
   in_use_.increase(static_cast<std::int64_t>(rounded));
   ++block_allocations_;

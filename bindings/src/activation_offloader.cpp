@@ -104,10 +104,14 @@ void ActivationOffloader::start_nvme_write_locked(SavedBlock& b) {
 }
 
 swap::StreamRef ActivationOffloader::current_stream(const at::Device& device) const {
-  if (!cuda_mode_) return {};
+  return compute_stream_of(*engine_, device);
+}
+
+swap::StreamRef compute_stream_of(const swap::CopyEngine& engine, const at::Device& device) {
+  if (engine.device() != allocator::DeviceKind::kCuda) return engine.compute_stream(nullptr);
+  TIERFLOW_EXPECTS(device.is_cuda(), "compute_stream_of: a " + device.str() + " tensor has no CUDA stream");
   const auto* impl = c10::impl::getDeviceGuardImpl(device.type());
-  void* h = impl->getStream(device).native_handle();
-  return h ? swap::StreamRef::cuda(h) : swap::StreamRef();
+  return engine.compute_stream(impl->getStream(device).native_handle());
 }
 
 bool ActivationOffloader::managed(const at::Tensor& t) const {
@@ -462,12 +466,16 @@ at::Tensor ActivationOffloader::unpack(const std::shared_ptr<SavedHandle>& handl
       poll_locked();       // starts its copy to the device
       if (b.read_error) std::rethrow_exception(b.read_error);
     }
-    b.h2d.wait();  // rethrows a failed copy; the host block is free to reuse after it
+    // Rule 2 of Note [Copy ordering]: the compute stream that reads the block
+    // waits for its copy (on CUDA the host does not block). A failed copy is
+    // raised here, as the data is not there.
+    if (b.h2d.ready()) b.h2d.wait();
+    engine_->make_stream_wait(current_stream(b.device), b.h2d);
     stats_.stall_ns += now_ns() - t0;
     reg.transition(b.id, Residence::kResident);
     const bool write_pending = b.nvme_write.valid() && !b.nvme_write.ready();
     if (b.host && !write_pending) {
-      pool_->deallocate(b.host);
+      pool_->deallocate(b.host, b.h2d.state());  // rule 3: reused once the copy has read it
       b.host = nullptr;
     }
   }

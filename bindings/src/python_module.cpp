@@ -258,7 +258,17 @@ PYBIND11_MODULE(_C, m) {
       "Test hook: delays the emulated device's copies to the host.")
       .def(py::init<>())
       .def_property("d2h_delay_us", [](const swap::CopyFaults& f) { return f.d2h_delay_us.load(); },
-                    [](swap::CopyFaults& f, int us) { f.d2h_delay_us = us; });
+                    [](swap::CopyFaults& f, int us) { f.d2h_delay_us = us; })
+      .def_property("ignore_stream_order", [](const swap::CopyFaults& f) { return f.ignore_stream_order.load(); },
+                    [](swap::CopyFaults& f, bool on) { f.ignore_stream_order = on; },
+                    "Copies behave as if they named no stream (issue 8's bug), to test the adversarial mode.");
+
+  py::class_<swap::TransferHandle>(m, "Transfer", "The completion of one copy through tierflow's copy engine.")
+      .def("ready", &swap::TransferHandle::ready, "True once the copy has completed.")
+      .def("wait", [](const swap::TransferHandle& h) {
+        py::gil_scoped_release release;
+        h.wait();
+      }, "Blocks until the copy has completed; raises its error.");
 
   py::class_<Runtime, std::shared_ptr<Runtime>>(m, "Runtime")
       .def(py::init([](const py::dict& overrides, std::shared_ptr<swap::NvmeFaults> faults,
@@ -338,6 +348,14 @@ PYBIND11_MODULE(_C, m) {
                            std::move(exp_avg_sqs), unwrap(max_exp_avg_sqs), std::move(grads),
                            unwrap(params_out), std::move(outs));
       }, "Queues a step with out-of-place outputs on the optimizer worker thread.")
+      .def("on_device", &Runtime::on_device, "Whether a tensor is on this runtime's device.")
+      .def("copy_to_host", [](Runtime& rt, const at::Tensor& dst, const at::Tensor& src) {
+        return rt.copy_to_host(dst, src);
+      }, "Device -> host copy after the current stream's work (Note [Copy ordering]); wait before reading dst.")
+      .def("copy_to_device", [](Runtime& rt, const at::Tensor& dst, const at::Tensor& src) {
+        py::gil_scoped_release release;  // the emulated compute waits on the host
+        return rt.copy_to_device(dst, src);
+      }, "Host -> device copy after the current stream's work; the stream waits for it. Keep src alive until ready.")
       .def("adam_wait", [](Runtime& rt) {
         py::gil_scoped_release release;
         rt.adam_wait();

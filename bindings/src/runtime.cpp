@@ -160,21 +160,16 @@ void Runtime::adam_step_async(const optimizer::AdamOptions& options, std::int64_
                               std::vector<at::Tensor> max_exp_avg_sqs, std::vector<at::Tensor> grads,
                               std::vector<at::Tensor> params_out, AdamOutputs outputs) {
   if (!worker_) worker_ = std::make_unique<swap::detail::SerialWorker>();
-  // Gradients still on the GPU are staged into the pinned pool through the
-  // copy engine (after the work queued on their stream); the step waits for it.
+  // Gradients still on the device are staged into the pinned pool through
+  // the copy engine, after the work queued on their stream (the stream that
+  // backward produced them on: Note [Copy ordering]); the step waits for it.
   std::vector<swap::TransferHandle> staged;
   std::vector<at::Tensor> device_grads;
   for (auto& g : grads) {
-    if (!g.defined() || !g.is_cuda()) continue;
-    TIERFLOW_EXPECTS(engine_->device() == allocator::DeviceKind::kCuda && g.is_contiguous(),
-                     "adam_step_async: a CUDA gradient needs the CUDA backend and a contiguous gradient");
+    if (!g.defined() || !on_device(g)) continue;
     at::Tensor host = host_empty(g.sizes(), g.scalar_type(), false);
-    const auto* impl = c10::impl::getDeviceGuardImpl(g.device().type());
-    void* producer = impl->getStream(g.device()).native_handle();
-    staged.push_back(engine_->copy(swap::Direction::kDeviceToHost, host.data_ptr(), g.data_ptr(),
-                                   static_cast<std::size_t>(g.nbytes()), {},
-                                   producer ? swap::StreamRef::cuda(producer) : swap::StreamRef()));
-    device_grads.push_back(g);  // alive until its copy has run
+    staged.push_back(copy_to_host(host, g));
+    device_grads.push_back(g);  // alive until its copy has run (rule 3)
     g = host;
   }
   worker_->push([=, this]() {
@@ -182,6 +177,42 @@ void Runtime::adam_step_async(const optimizer::AdamOptions& options, std::int64_
     adam_step(options, step, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, grads, params_out, outputs);
     (void)device_grads;
   });
+}
+
+bool Runtime::on_device(const at::Tensor& t) const {
+  return engine_->device() == allocator::DeviceKind::kCuda ? t.is_cuda() : t.is_cpu();
+}
+
+namespace {
+void check_copy_pair(const at::Tensor& host, const at::Tensor& device, const char* what) {
+  TIERFLOW_EXPECTS(host.defined() && device.defined(), std::string(what) + ": undefined tensor");
+  TIERFLOW_EXPECTS(host.is_cpu() && host.is_contiguous(),
+                   std::string(what) + ": the host tensor must be a contiguous CPU tensor");
+  TIERFLOW_EXPECTS(device.is_contiguous(), std::string(what) + ": the device tensor must be contiguous");
+  TIERFLOW_EXPECTS(host.nbytes() == device.nbytes(),
+                   std::string(what) + ": the tensors differ in size (" + std::to_string(host.nbytes()) +
+                       " and " + std::to_string(device.nbytes()) + " bytes)");
+}
+}  // namespace
+
+swap::TransferHandle Runtime::copy_to_host(const at::Tensor& dst, const at::Tensor& src) {
+  check_copy_pair(dst, src, "copy_to_host");
+  TIERFLOW_EXPECTS(on_device(src), "copy_to_host: the source must be a tensor of the runtime's device (" +
+                                       std::string(allocator::to_string(device_kind())) + ")");
+  return engine_->copy(swap::Direction::kDeviceToHost, dst.data_ptr(), src.data_ptr(), src.nbytes(), {},
+                       compute_stream_of(*engine_, src.device()));
+}
+
+swap::TransferHandle Runtime::copy_to_device(const at::Tensor& dst, const at::Tensor& src) {
+  check_copy_pair(src, dst, "copy_to_device");
+  TIERFLOW_EXPECTS(on_device(dst), "copy_to_device: the destination must be a tensor of the runtime's device (" +
+                                       std::string(allocator::to_string(device_kind())) + ")");
+  const swap::StreamRef compute = compute_stream_of(*engine_, dst.device());
+  // After the kernels that still read the old value (rule 1); before any
+  // kernel queued from now on reads the new one (rule 2).
+  auto h = engine_->copy(swap::Direction::kHostToDevice, dst.data_ptr(), src.data_ptr(), dst.nbytes(), {}, compute);
+  engine_->make_stream_wait(compute, h);
+  return h;
 }
 
 void Runtime::adam_wait() {

@@ -39,7 +39,7 @@ class EmulatedCopyEngine final : public CopyEngine {
       // when the copy is queued, so only a copy that names it is ordered
       // after it. One that does not stands for a CUDA copy racing the kernels
       // that write its source or still use its destination: it delivers poison.
-      poison = !after.named();
+      poison = !after.named() || (faults_ && faults_->ignore_stream_order.load());
       delay_us += next_delay_us();
       if (poison) unordered_.add();
       if (delay_us > 0) delayed_.add();

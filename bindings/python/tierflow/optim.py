@@ -32,8 +32,25 @@ cannot hold it, that parameter is simply stepped in step(). With gradient
 accumulation, TIERFLOW_GRAD_ACCUMULATION_STEPS says which backward is the
 last one before step(); a wrong value only costs redone steps.
 
-Between backward() and step() the parameters already hold their new values
-(the model itself is updated early); step() restores any that it takes back.
+Between backward() and step() a parameter on the CPU (a CPU model beside a
+CUDA runtime) already holds its new value; step() restores any that it takes
+back. A parameter of the runtime's device (a CUDA tensor, or a CPU tensor on
+the emulated device) gets its new value in step(), when the step is confirmed.
+
+Note [Optimizer copies]
+~~~~~~~~~~~~~~~~~~~~~~~
+Every gradient, parameter and master that moves between the runtime's device
+and the host goes through tierflow's copy engine, on CUDA and on the emulated
+device alike, so the adversarial emulated device checks this path too
+(Note [Copy ordering] in swap/include/tierflow/swap/copy_engine.hpp):
+- a gradient is copied to pinned memory after the work queued on the current
+  stream: in a post-accumulate-grad hook that is the stream backward produced
+  it on; the CPU step waits for the copy before it reads the gradient, and
+  the device gradient is kept referenced until then;
+- an updated parameter goes back from pinned staging after the work queued on
+  the current stream (kernels still reading the old value), the stream waits
+  for it before its next kernel, and step() waits for every upload before the
+  staging returns to the pool.
 """
 
 from __future__ import annotations
@@ -136,27 +153,67 @@ class CPUAdamW(torch.optim.Optimizer):
         self._max_grad_norm = None if norm == "none" else float(norm)
         self._skip_nonfinite = cfg["TIERFLOW_SKIP_NONFINITE"] == "on"
         self._spec: dict = {}          # param -> speculative step in flight or done
-        self._pending_uploads: list = []
         self._grad_events: dict = {}   # param -> gradients completed since the last step()
         self._hooks = []
         self._gpu_fraction = float(cfg.get("TIERFLOW_GPU_OPTIMIZER_FRACTION", "0"))
         self._gpu_share: Optional[set] = None  # ids of CUDA params stepped on the GPU, fixed at the first step
+        self._pending_uploads: list = []       # (transfer, staging) of parameters on their way to the device
         self.overlap_stats = {"early_steps": 0, "committed": 0, "redone": 0, "taken_back": 0, "held": 0,
                               "skipped_steps": 0}
         if self._overlap:
             for group in self.param_groups:
                 for p in group["params"]:
-                    cuda_ok = p.device.type == "cuda" and runtime.device == "cuda"
-                    if p.requires_grad and (p.device.type == "cpu" or cuda_ok):
+                    if p.requires_grad and (p.device.type == "cpu" or runtime.on_device(p)):
                         self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
 
     def mark_master_stale(self) -> None:
         """Parameters were changed outside the optimizer: re-read masters from them at the next step."""
         self._master_stale = True
 
-    # -- state -----------------------------------------------------------------
+    # -- copies between the device and the host (Note [Optimizer copies]) -----------
     def _host(self, like: torch.Tensor, zero: bool) -> torch.Tensor:
         return self._runtime.host_empty(list(like.shape), "float32", zero)
+
+    def _staged(self, t: torch.Tensor) -> bool:
+        """True when ``t`` is on the runtime's device and moves through the copy engine."""
+        return self._runtime.on_device(t)
+
+    def _fetch(self, t: torch.Tensor) -> tuple:
+        """Starts a copy of device tensor ``t`` into pinned memory: (host tensor, transfer, source).
+
+        The host tensor has t's dtype and shape; wait on the transfer before
+        reading it, and keep the source referenced until then.
+        """
+        src = t.detach()
+        if not src.is_contiguous():
+            src = src.contiguous()  # on the current stream, so the copy is ordered after it
+        host = self._runtime.host_empty(list(src.shape), _DTYPE_NAMES[src.dtype], False)
+        return host, self._runtime.copy_to_host(host, src), src
+
+    def _read_into(self, dst: torch.Tensor, t: torch.Tensor) -> None:
+        """dst (a host tensor) <- t, converting the dtype on the host."""
+        if self._staged(t):
+            host, transfer, _src = self._fetch(t)
+            transfer.wait()
+            dst.copy_(host.view(dst.shape))
+        else:
+            dst.copy_(t.detach())
+
+    def _write_param(self, p: torch.Tensor, host: torch.Tensor) -> None:
+        """p <- host (pinned, p's dtype): through the copy engine for a device parameter."""
+        if self._staged(p) and p.is_contiguous():
+            transfer = self._runtime.copy_to_device(p.detach(), host.view(p.shape))
+            self._pending_uploads.append((transfer, host))
+        else:
+            p.detach().copy_(host.view(p.shape))
+
+    def _finish_uploads(self) -> None:
+        """Waits for every parameter upload; only then may their staging return to the pool."""
+        uploads, self._pending_uploads = self._pending_uploads, []
+        for transfer, _host in uploads:
+            transfer.wait()
+
+    # -- state -----------------------------------------------------------------
 
     def _to_nvme(self, p: torch.Tensor, state: dict, group: dict) -> None:
         """Moves a parameter's state tensors into the NVMe store (in place of the tensors)."""
@@ -185,7 +242,7 @@ class CPUAdamW(torch.optim.Optimizer):
         if group["amsgrad"]:
             state["max_exp_avg_sq"] = self._host(p, True)
         master = self._host(p, False)
-        master.copy_(p.detach())
+        self._read_into(master, p)
         state["master"] = master
         return state
 
@@ -297,15 +354,16 @@ class CPUAdamW(torch.optim.Optimizer):
         if len(state) == 0:
             state = self._init_state(p, group)
         elif self._master_stale:
-            state["master"].copy_(p.detach())
+            self._read_into(state["master"], p)
         step = int(state["step"].item()) + 1
         vmax = state.get("max_exp_avg_sq") if options["amsgrad"] else None
         try:
             outs = [self._host(p, False) for _ in range(4 if options["amsgrad"] else 3)]
-            # A CUDA parameter is written back only when step() confirms: the new
-            # value waits in pinned memory, and taking a step back needs no restore.
+            # A device parameter is written back only when step() confirms: the
+            # new value waits in pinned memory, and taking a step back needs no
+            # restore. Its gradient is staged by the runtime (Note [Optimizer copies]).
             staging = (self._runtime.host_empty(list(p.shape), _DTYPE_NAMES[p.dtype], False)
-                       if p.device.type == "cuda" else None)
+                       if self._staged(p) else None)
             param_out = staging if staging is not None else p.detach()
             self._runtime.adam_step_async(options, step, [state["master"]], [state["exp_avg"]],
                                           [state["exp_avg_sq"]], [vmax], [grad], [param_out], [outs[0]], [outs[1]],
@@ -386,10 +444,7 @@ class CPUAdamW(torch.optim.Optimizer):
         else:
             for group in self.param_groups:
                 self._step_group(group, scale)
-        if self._pending_uploads:
-            # Pool-backed staging must outlive the asynchronous uploads that read it.
-            torch.cuda.current_stream().synchronize()
-            self._pending_uploads.clear()
+        self._finish_uploads()
         self._grad_events.clear()
         self._master_stale = False
         return loss
@@ -413,8 +468,7 @@ class CPUAdamW(torch.optim.Optimizer):
             state["max_exp_avg_sq"] = outs[3]
         state["step"] += 1
         if spec["staging"] is not None:
-            p.detach().copy_(spec["staging"], non_blocking=True)
-            self._pending_uploads.append(spec["staging"])
+            self._write_param(p, spec["staging"])
         self.overlap_stats["committed"] += 1
         return True
 
@@ -470,13 +524,18 @@ class CPUAdamW(torch.optim.Optimizer):
                 state = self._init_state(p, group)
             elif self._master_stale:
                 full = self._materialize(p, state)
-                full["master"] = p.detach().float()
+                self._read_into(full["master"], p)
                 state.update({k: v for k, v in full.items() if k != "step"})
                 self._to_nvme(p, state, group)
-            grad = grad.reshape(-1)
-            if grad.device.type != "cpu" or not grad.is_contiguous():
-                grad = grad.to("cpu").contiguous()
-            if p.device.type == "cpu" and p.is_contiguous():
+            if self._staged(grad):
+                host_grad, transfer, _src = self._fetch(grad)
+                transfer.wait()
+                grad = host_grad.reshape(-1)
+            else:
+                grad = grad.reshape(-1)
+                if grad.device.type != "cpu" or not grad.is_contiguous():
+                    grad = grad.to("cpu").contiguous()
+            if p.device.type == "cpu" and p.is_contiguous() and not self._staged(p):
                 out = p.detach().reshape(-1)
             else:
                 out = self._runtime.host_empty([p.numel()], _DTYPE_NAMES[p.dtype], False)
@@ -496,7 +555,7 @@ class CPUAdamW(torch.optim.Optimizer):
             if failed:
                 errors.append((len(failed), first_error))
         for p, out in copy_back:
-            p.detach().copy_(out.view(p.shape))
+            self._write_param(p, out)
         if errors:
             n = sum(k for k, _ in errors)
             raise _C.IOError(f"NVMe optimizer step: the new state of {n} parameter(s) could not be written; their "
@@ -512,6 +571,7 @@ class CPUAdamW(torch.optim.Optimizer):
         buckets: dict[int, list] = {}
         copy_back: list = []
         on_gpu: list = []
+        fetches: list = []
         for p in group["params"]:
             if p.grad is not None and id(p) in self._gpu_share:
                 on_gpu.append(p)
@@ -528,12 +588,16 @@ class CPUAdamW(torch.optim.Optimizer):
             if len(state) == 0:
                 state = self._init_state(p, group)
             elif self._master_stale:
-                state["master"].copy_(p.detach())
+                self._read_into(state["master"], p)
             state["step"] += 1
-            host_grad = grad.detach()
-            if host_grad.device.type != "cpu" or not host_grad.is_contiguous():
-                host_grad = host_grad.to("cpu").contiguous()
-            if p.device.type == "cpu" and p.is_contiguous():
+            if self._staged(grad):
+                host_grad, transfer, src = self._fetch(grad)
+                fetches.append((transfer, src))  # all gradients in flight at once; waited below
+            else:
+                host_grad = grad.detach()
+                if host_grad.device.type != "cpu" or not host_grad.is_contiguous():
+                    host_grad = host_grad.to("cpu").contiguous()
+            if p.device.type == "cpu" and p.is_contiguous() and not self._staged(p):
                 out = p.detach()
             else:
                 out = self._runtime.host_empty(list(p.shape), _DTYPE_NAMES[p.dtype], False)
@@ -549,7 +613,9 @@ class CPUAdamW(torch.optim.Optimizer):
             options = dict(options, grad_scale=scale)
         if on_gpu:
             self._step_on_gpu(on_gpu, options)
+        for transfer, _src in fetches:
+            transfer.wait()
         for step, (masters, ms, vs, vmaxes, grads, outs) in buckets.items():
             self._runtime.adam_step(options, step, masters, ms, vs, vmaxes, grads, outs)
         for p, out in copy_back:
-            p.detach().copy_(out)
+            self._write_param(p, out)

@@ -33,6 +33,17 @@
 // past the budget. Only when nothing is left in flight and the block still
 // does not fit does pack() keep it on the device, or unpack() raise. A failed
 // write keeps the block in host memory (counted); a failed read raises.
+//
+// Stream ordering (the rules of Note [Copy ordering], applied here): the copy
+// to the host names the stream current at pack() (the one whose kernel wrote
+// the tensor) and the block keeps the device storage referenced until the
+// host sees that copy complete. A prefetch allocates its destination on the
+// current stream and names that stream, so the copy also waits for kernels
+// that still use memory the caching allocator just handed out. unpack() makes
+// the current stream wait for the block's copy to the device before autograd
+// reads it, and returns the staging block to the pool with that copy's fence.
+// On CUDA none of this blocks the host. On the emulated device its
+// adversarial mode checks every one of these rules.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -89,6 +100,12 @@ struct ActivationOffloaderStats {
 
 class ActivationOffloader;
 struct SavedBlock;
+
+/// The compute stream that tensors of `device` are produced and used on, as
+/// `engine` names it (Note [Copy ordering]): torch's current CUDA stream
+/// (the default stream included, whose handle is nullptr), or the emulated
+/// compute.
+swap::StreamRef compute_stream_of(const swap::CopyEngine& engine, const at::Device& device);
 
 /// Enters a region (on this thread) whose saved tensors stay on the device.
 void push_no_offload();

@@ -79,6 +79,19 @@ class Runtime {
   /// Blocks until every queued step has run; rethrows the first failure.
   void adam_wait();
 
+  /// True for a tensor of this runtime's device (CUDA tensors on CUDA; CPU
+  /// tensors, the emulated device's, on the emulated device).
+  bool on_device(const at::Tensor& t) const;
+  /// Copies device tensor `src` into host tensor `dst` (contiguous, same
+  /// bytes) through the copy engine, after the work queued on the current
+  /// stream (Note [Copy ordering]). Wait on the handle before reading `dst`;
+  /// keep both alive until it is ready.
+  swap::TransferHandle copy_to_host(const at::Tensor& dst, const at::Tensor& src);
+  /// Copies host tensor `src` into device tensor `dst` after the work queued
+  /// on the current stream; that stream waits for the copy before its next
+  /// kernel. Keep `src` alive until the handle is ready.
+  swap::TransferHandle copy_to_device(const at::Tensor& dst, const at::Tensor& src);
+
   /// The optimizer states on NVMe (TIERFLOW_OFFLOAD_OPTIMIZER=nvme).
   optimizer::NvmeAdamStore& nvme_adam();
   /// Removes the NVMe swap files' names now (process exit); descriptors stay valid.

@@ -55,6 +55,9 @@ struct CopyEngineStats {
 /// transfers in flight at a chosen moment.
 struct CopyFaults {
   std::atomic<int> d2h_delay_us{0};  ///< each device -> host copy first sleeps this long
+  /// Every copy behaves as if it named no stream (the ordering bug of issue 8),
+  /// so tests can show that the adversarial mode catches it.
+  std::atomic<bool> ignore_stream_order{false};
 };
 
 /// Behaviour of the emulated engine; see Note [Adversarial emulated device].
