@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <numeric>
 #include <vector>
@@ -137,4 +138,44 @@ TEST(CopyEngine, CudaRoundTrip) {
   dev->deallocate(d, n);
   pool.deallocate(src);
   pool.deallocate(dst);
+}
+
+// Note [Adversarial emulated device]: rule 1 of Note [Copy ordering] is checked.
+TEST(CopyEngine, AdversarialPoisonsCopiesThatNameNoStream) {
+  EmulatedCopyOptions o;
+  o.adversarial = true;
+  auto engine = make_emulated_copy_engine(nullptr, o);
+  std::vector<float> dev(4096, 1.5f), ordered(4096), unordered(4096);
+  auto a = engine->copy(Direction::kDeviceToHost, ordered.data(), dev.data(), dev.size() * sizeof(float), {},
+                        engine->compute_stream(nullptr));
+  auto b = engine->copy(Direction::kHostToDevice, unordered.data(), dev.data(), dev.size() * sizeof(float));
+  a.wait();
+  b.wait();
+  EXPECT_EQ(ordered, dev);
+  for (float x : unordered) ASSERT_TRUE(std::isnan(x));
+  auto st = emulated_copy_stats(*engine);
+  EXPECT_EQ(st.unordered_copies, 1u);
+}
+
+TEST(CopyEngine, AdversarialCopiesAreLateButInOrderPerDirection) {
+  EmulatedCopyOptions o;
+  o.adversarial = true;
+  o.seed = 7;
+  auto engine = make_emulated_copy_engine(nullptr, o);
+  std::vector<std::uint8_t> src(1 << 16, 3), dst(1 << 16, 0);
+  const auto s = engine->compute_stream(nullptr);
+  std::vector<TransferHandle> hs;
+  for (int i = 0; i < 32; ++i) hs.push_back(engine->copy(Direction::kDeviceToHost, dst.data(), src.data(), src.size(), {}, s));
+  EXPECT_FALSE(hs.front().ready()) << "an adversarial copy completes after it is queued, not at once";
+  hs.back().wait();
+  for (auto& h : hs) EXPECT_TRUE(h.ready());  // a stream stays in order
+  EXPECT_EQ(dst, src);
+  EXPECT_GT(emulated_copy_stats(*engine).delayed_copies, 0u);
+}
+
+TEST(CopyEngine, PoliteEngineIgnoresTheStreamItWasNotGiven) {
+  auto engine = make_emulated_copy_engine();
+  std::vector<std::uint8_t> src(4096, 9), dst(4096, 0);
+  engine->copy(Direction::kDeviceToHost, dst.data(), src.data(), src.size()).wait();
+  EXPECT_EQ(dst, src);  // why the first round never saw issue 8
 }

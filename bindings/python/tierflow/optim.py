@@ -55,6 +55,7 @@ device alike, so the adversarial emulated device checks this path too
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -161,10 +162,21 @@ class CPUAdamW(torch.optim.Optimizer):
         self.overlap_stats = {"early_steps": 0, "committed": 0, "redone": 0, "taken_back": 0, "held": 0,
                               "skipped_steps": 0}
         if self._overlap:
+            # The parameters hold the hook; through a weak reference, so that the
+            # optimizer (and its pinned states) goes when the user drops it: a
+            # bound method would make a cycle through autograd that the garbage
+            # collector cannot see.
+            me = weakref.WeakMethod(self._on_grad_ready)
+
+            def hook(p: torch.Tensor) -> None:
+                method = me()
+                if method is not None:
+                    method(p)
+
             for group in self.param_groups:
                 for p in group["params"]:
                     if p.requires_grad and (p.device.type == "cpu" or runtime.on_device(p)):
-                        self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+                        self._hooks.append(p.register_post_accumulate_grad_hook(hook))
 
     def mark_master_stale(self) -> None:
         """Parameters were changed outside the optimizer: re-read masters from them at the next step."""
