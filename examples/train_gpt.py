@@ -27,19 +27,21 @@ def train(use_tierflow: bool, args: argparse.Namespace, data: CharData) -> dict:
     torch.manual_seed(args.seed)
     cfg = GPTConfig(vocab_size=data.vocab_size, block_size=args.block, n_layer=args.layers,
                     n_head=4, n_embd=args.width, dropout=0.1)
-    model = GPT(cfg)
+    model = GPT(cfg).to(args.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     meter = None
     if use_tierflow:
         nvme = dict(offload_activations="nvme", offload_optimizer="nvme", nvme_paths=args.nvme,
                     nvme_memory="4GiB") if args.nvme else {}
-        model, optimizer = tierflow.wrap(model, optimizer, prefetch_bytes=args.prefetch, **nvme)
+        model, optimizer = tierflow.wrap(model, optimizer, prefetch_bytes=args.prefetch,
+                                         device="cuda" if args.device == "cuda" else "emulated", **nvme)
     else:
         meter = tierflow.SavedActivationMeter()  # counts saved bytes, moves nothing
     gen = torch.Generator().manual_seed(args.seed)
     losses, times = [], []
     for _ in range(args.steps):
         x, y = data.batch(args.batch, gen)
+        x, y = x.to(args.device), y.to(args.device)
         t0 = time.perf_counter()
         if meter is not None:
             meter.begin_forward()
@@ -72,14 +74,20 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prefetch", default="8MiB", help="TIERFLOW_PREFETCH_BYTES for the demo")
     ap.add_argument("--json", default="", help="also write the results here")
+    ap.add_argument("--device", default="", help="cuda or cpu (default: cuda when tierflow and torch see a GPU; "
+                                                 "cpu trains on tierflow's emulated device)")
     ap.add_argument("--nvme", default="", help="a directory on an NVMe file system: activations and "
                                                "optimizer states go there (the NVMe tier)")
     args = ap.parse_args()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
+    if not args.device:
+        args.device = "cuda" if torch.cuda.is_available() and tierflow._C.cuda_available() else "cpu"
+    if args.device not in ("cuda", "cpu"):
+        ap.error(f"--device {args.device!r}: accepted: cuda, cpu")
 
     data = CharData(make_text(), args.block)
     print(f"tierflow demo: GPT {args.layers} layers x {args.width} wide, batch {args.batch} x {args.block} "
-          f"tokens, {args.steps} steps, device: {tierflow._C.Runtime().device}")
+          f"tokens, {args.steps} steps, device: {'cuda' if args.device == 'cuda' else 'emulated'}")
     base = train(False, args, data)
     tier = train(True, args, data)
 

@@ -7,7 +7,41 @@
 // handle semantics as CUDA streams and events. Everything above swap/ is the
 // same code in both modes, so scheduling, budgets and the optimizer are tested
 // without a GPU. The CUDA backend is compiled whenever the toolkit is found
-// (TIERFLOW_WITH_CUDA) and chosen at run time when a GPU is present.
+// (TIERFLOW_WITH_CUDA) and chosen at run time when a GPU is present
+// (TIERFLOW_DEVICE=emulated forces the emulated device even then).
+//
+// Note [Adversarial emulated device]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The polite emulation cannot show a missing stream ordering: its "compute"
+// (torch's CPU kernels on the calling thread) has finished before any hook
+// runs, its copies finish in order and at once, and freed memory keeps its
+// bytes. On an H100 the same code trained wrong (issue 8): copies named
+// PyTorch's default stream by its handle, nullptr, which the engine read as
+// "no stream", so nothing ordered them after the kernels that wrote their
+// sources or still used their destinations. TIERFLOW_EMULATED_DEVICE=
+// adversarial makes every rule of Note [Copy ordering] observable on a CPU:
+//  - the emulated compute has a real stream token (StreamRef::emulated_compute);
+//    a copy that names no stream stands for a copy racing the compute and
+//    delivers poison (0xFF bytes: NaN in every float type) into its
+//    destination, both directions;
+//  - every copy is held back by a seeded random delay (most short, one in 16
+//    long, TIERFLOW_EMULATED_SEED), so copies complete late, the two
+//    directions complete out of order with each other and with the host, and
+//    a reader that does not wait for a copy reads poison;
+//  - torch's CPU allocator (the emulated device's memory) gets a poisoning
+//    front (bindings/emulated_device_memory.hpp): fresh blocks hold poison,
+//    freed blocks are poisoned and quarantined before reuse and checked on the
+//    way out, so a copy that reads freed device memory delivers poison and
+//    one that writes into it is counted as a late write;
+//  - the pinned host pool does the same with its blocks, and a block returned
+//    with a fence waits for it before reuse;
+//  - the CPU optimizer's gradients, masters and updated parameters move
+//    through the copy engine exactly as on CUDA (Note [Optimizer copies]).
+// What it cannot show: a race inside one CUDA stream, or between torch's own
+// side streams, since the emulated compute is one thread; and timing.
+// CopyFaults::ignore_stream_order brings issue 8's bug back on demand:
+// tests/python/test_adversarial.py shows the polite device trains through it
+// and the adversarial one does not.
 #pragma once
 
 #include <cstdint>
