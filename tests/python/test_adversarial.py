@@ -24,23 +24,13 @@ def _train(mode: str, monkeypatch, ignore_order: bool, **settings) -> tuple:
         faults = tierflow._C.CopyFaults()
         faults.ignore_stream_order = ignore_order
     model, opt = tierflow.wrap(model, opt, device="emulated", _copy_faults=faults, **AGGRESSIVE, **settings)
-    losses = []
-    for i in range(3):
-        loss = task.loss(model, task.make_batch(i))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = _steps(task, model, opt)
     report = tierflow.report()
     tierflow.unwrap(model)
     return losses, report
 
 
-def _baseline() -> list:
-    task = gpt_task()
-    torch.manual_seed(0)
-    model = task.make_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+def _steps(task, model, opt) -> list:
     losses = []
     for i in range(3):
         loss = task.loss(model, task.make_batch(i))
@@ -49,6 +39,13 @@ def _baseline() -> list:
         opt.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+def _baseline() -> list:
+    task = gpt_task()
+    torch.manual_seed(0)
+    model = task.make_model()
+    return _steps(task, model, torch.optim.AdamW(model.parameters(), lr=1e-3))
 
 
 @pytest.mark.parametrize("settings", [dict(offload_optimizer="none"), dict(overlap_step="off"),
