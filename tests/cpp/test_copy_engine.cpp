@@ -166,11 +166,13 @@ TEST(CopyEngine, AdversarialCopiesAreLateButInOrderPerDirection) {
   const auto s = engine->compute_stream(nullptr);
   std::vector<TransferHandle> hs;
   for (int i = 0; i < 32; ++i) hs.push_back(engine->copy(Direction::kDeviceToHost, dst.data(), src.data(), src.size(), {}, s));
-  EXPECT_FALSE(hs.front().ready()) << "an adversarial copy completes after it is queued, not at once";
+  // Whether a copy is still in flight when the host looks depends on the
+  // scheduler (a timing assertion here was flaky), so "late" is read from the
+  // engine's count of delayed copies below.
   hs.back().wait();
   for (auto& h : hs) EXPECT_TRUE(h.ready());  // a stream stays in order
   EXPECT_EQ(dst, src);
-  EXPECT_GT(emulated_copy_stats(*engine).delayed_copies, 0u);
+  EXPECT_GT(emulated_copy_stats(*engine).delayed_copies, 16u) << "most adversarial copies wait";
 }
 
 TEST(CopyEngine, PoliteEngineIgnoresTheStreamItWasNotGiven) {
