@@ -171,7 +171,7 @@ void* PinnedHostPool::allocate_locked(std::size_t rounded) {
   s.used += rounded;
   void* p = s.base + offset;
   // Adversarial: a block holds what its last user left, at worst poison.
-  if (options_.poison_freed) std::memset(p, 0xFF, rounded);
+  if (options_.poison_freed) std::memset(p, kPoisonByte, rounded);
   blocks_.emplace(p, BlockInfo{slab, offset, rounded});
   in_use_.increase(static_cast<std::int64_t>(rounded));
   ++block_allocations_;
@@ -262,7 +262,7 @@ void PinnedHostPool::release_block_locked(void* p, const BlockInfo& info) noexce
   if (options_.poison_freed) {
     // Note [Adversarial emulated device]: a read of a freed block sees poison;
     // a write to it is found when it leaves the quarantine.
-    std::memset(p, 0xFF, info.bytes);
+    std::memset(p, kPoisonByte, info.bytes);
     quarantine_.push_back({p, info});
     quarantined_bytes_ += info.bytes;
     drain_quarantine_locked(options_.quarantine_bytes);
@@ -277,14 +277,7 @@ void PinnedHostPool::drain_quarantine_locked(std::size_t keep_bytes) noexcept {
     Quarantined q = quarantine_.front();
     quarantine_.pop_front();
     quarantined_bytes_ -= q.info.bytes;
-    const auto* bytes = static_cast<const unsigned char*>(q.p);
-    std::size_t first_bad = q.info.bytes;
-    for (std::size_t i = 0; i < q.info.bytes; ++i) {
-      if (bytes[i] != 0xFF) {
-        first_bad = i;
-        break;
-      }
-    }
+    const std::size_t first_bad = first_unpoisoned(q.p, q.info.bytes);
     if (first_bad < q.info.bytes) {
       ++late_writes_;
       log(LogLevel::kError, "PinnedHostPool: a block of " + format_bytes(q.info.bytes) +

@@ -31,7 +31,6 @@ ActivationOffloader::ActivationOffloader(ActivationOffloaderOptions options,
       pool_(std::move(pool)),
       engine_(std::move(engine)),
       nvme_(std::move(nvme)),
-      cuda_mode_(engine_->device() == allocator::DeviceKind::kCuda),
       schedule_(options.schedule) {}
 
 ActivationOffloader::~ActivationOffloader() = default;
@@ -114,9 +113,13 @@ swap::StreamRef compute_stream_of(const swap::CopyEngine& engine, const at::Devi
   return engine.compute_stream(impl->getStream(device).native_handle());
 }
 
+bool on_engine_device(const swap::CopyEngine& engine, const at::Tensor& t) {
+  return engine.device() == allocator::DeviceKind::kCuda ? t.is_cuda() : t.is_cpu();
+}
+
 bool ActivationOffloader::managed(const at::Tensor& t) const {
   if (t.layout() != at::kStrided || t.is_conj() || t.is_neg() || !t.has_storage()) return false;
-  if (cuda_mode_ ? !t.is_cuda() : !t.is_cpu()) return false;
+  if (!on_engine_device(*engine_, t)) return false;
   return t.storage().nbytes() > 0;
 }
 

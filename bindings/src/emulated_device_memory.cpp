@@ -12,7 +12,7 @@
 
 #include "tierflow/core/log.hpp"
 #include "tierflow/core/size.hpp"
-#include "tierflow/swap/copy_engine.hpp"
+#include "tierflow/allocator/device.hpp"
 
 namespace tierflow::bindings {
 namespace {
@@ -33,7 +33,7 @@ class PoisoningCpuAllocator final : public c10::Allocator {
     c10::DataPtr inner = upstream_->allocate(n);
     void* data = inner.get();
     if (!data) return inner;
-    if (n) std::memset(data, swap::kPoisonByte, n);  // reused device memory, at worst
+    if (n) std::memset(data, allocator::kPoisonByte, n);  // reused device memory, at worst
     allocations_.fetch_add(1, std::memory_order_relaxed);
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -84,7 +84,7 @@ class PoisoningCpuAllocator final : public c10::Allocator {
       }
       Record r = std::move(it->second);
       live_.erase(it);
-      if (r.bytes) std::memset(data, swap::kPoisonByte, r.bytes);
+      if (r.bytes) std::memset(data, allocator::kPoisonByte, r.bytes);
       quarantined_.fetch_add(1, std::memory_order_relaxed);
       held_bytes_ += r.bytes;
       quarantine_.push_back(std::move(r));
@@ -100,17 +100,13 @@ class PoisoningCpuAllocator final : public c10::Allocator {
 
   void check(Record& r) {
     if (r.reported) return;
-    const auto* b = static_cast<const unsigned char*>(r.inner.get());
-    for (std::size_t i = 0; i < r.bytes; ++i) {
-      if (b[i] != swap::kPoisonByte) {
-        r.reported = true;
-        late_writes_.fetch_add(1, std::memory_order_relaxed);
-        log(LogLevel::kError, "emulated device: a freed block of " + format_bytes(r.bytes) +
-                                  " was written after it was freed (byte " + std::to_string(i) +
-                                  "): a copy still used device memory that had been returned");
-        return;
-      }
-    }
+    const std::size_t i = allocator::first_unpoisoned(r.inner.get(), r.bytes);
+    if (i == r.bytes) return;
+    r.reported = true;
+    late_writes_.fetch_add(1, std::memory_order_relaxed);
+    log(LogLevel::kError, "emulated device: a freed block of " + format_bytes(r.bytes) +
+                              " was written after it was freed (byte " + std::to_string(i) +
+                              "): a copy still used device memory that had been returned");
   }
 
   c10::Allocator* upstream_;

@@ -180,7 +180,7 @@ void Runtime::adam_step_async(const optimizer::AdamOptions& options, std::int64_
 }
 
 bool Runtime::on_device(const at::Tensor& t) const {
-  return engine_->device() == allocator::DeviceKind::kCuda ? t.is_cuda() : t.is_cpu();
+  return on_engine_device(*engine_, t);
 }
 
 namespace {

@@ -49,7 +49,7 @@ class EmulatedCopyEngine final : public CopyEngine {
       try {
         if (delay_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
         for (const auto& d : deps) d.wait();
-        if (bytes && poison) std::memset(dst, kPoisonByte, bytes);
+        if (bytes && poison) std::memset(dst, allocator::kPoisonByte, bytes);
         else if (bytes) std::memcpy(dst, src, bytes);
       } catch (...) {
         error = std::current_exception();

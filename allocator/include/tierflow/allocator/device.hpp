@@ -44,10 +44,24 @@
 // and the adversarial one does not.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string_view>
 
 namespace tierflow::allocator {
+
+/// Byte that poisoned memory holds: 0xFF reads as NaN in float32, bfloat16
+/// and float16 (and as -1 in integers), so poisoned data cannot go unnoticed.
+inline constexpr unsigned char kPoisonByte = 0xFF;
+
+/// Offset of the first byte of [p, p + bytes) that is not poison, or `bytes`
+/// when all of it still is (a freed block that nobody wrote after its free).
+inline std::size_t first_unpoisoned(const void* p, std::size_t bytes) noexcept {
+  const auto* b = static_cast<const unsigned char*>(p);
+  for (std::size_t i = 0; i < bytes; ++i)
+    if (b[i] != kPoisonByte) return i;
+  return bytes;
+}
 
 /// The backend of the GPU tier.
 enum class DeviceKind : std::uint8_t { kEmulated, kCuda };

@@ -107,6 +107,10 @@ struct SavedBlock;
 /// compute.
 swap::StreamRef compute_stream_of(const swap::CopyEngine& engine, const at::Device& device);
 
+/// True for a tensor of `engine`'s device: a CUDA tensor on CUDA, a CPU
+/// tensor (the emulated device's memory) on the emulated device.
+bool on_engine_device(const swap::CopyEngine& engine, const at::Tensor& t);
+
 /// Enters a region (on this thread) whose saved tensors stay on the device.
 void push_no_offload();
 /// Leaves the innermost such region; throws logic_error when none is open.
@@ -173,7 +177,6 @@ class ActivationOffloader : public std::enable_shared_from_this<ActivationOffloa
   std::shared_ptr<allocator::PinnedHostPool> pool_;
   std::shared_ptr<swap::CopyEngine> engine_;
   std::shared_ptr<swap::NvmeEngine> nvme_;
-  bool cuda_mode_;
   mutable std::recursive_mutex mutex_;
   tiering::ActivationSchedule schedule_;
   std::vector<std::weak_ptr<SavedBlock>> blocks_;      // by BlockId

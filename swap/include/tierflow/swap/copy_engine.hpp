@@ -68,10 +68,6 @@ struct EmulatedCopyOptions {
   int long_delay_us = 3000;          ///< one copy in 16 waits this long instead (adversarial)
 };
 
-/// Byte that poisoned memory holds: 0xFF reads as NaN in float32, bfloat16
-/// and float16 (and as -1 in integers), so poisoned data cannot go unnoticed.
-inline constexpr unsigned char kPoisonByte = 0xFF;
-
 /// Counters of the adversarial emulated engine.
 struct EmulatedCopyStats {
   std::uint64_t unordered_copies = 0;  ///< copies that named no stream: their destination was poisoned
