@@ -155,7 +155,7 @@ void ActivationOffloader::begin_forward() {
   if (blocks_.size() > schedule_.registry().size()) blocks_.resize(schedule_.registry().size());
 }
 
-std::shared_ptr<SavedHandle> ActivationOffloader::pack(const at::Tensor& t) {
+std::shared_ptr<SavedHandle> ActivationOffloader::pack(const at::Tensor& t, PackTarget target) {
   auto handle = std::make_shared<SavedHandle>();
   std::lock_guard<std::recursive_mutex> lock(mutex_);
   ++stats_.packs;
@@ -198,7 +198,13 @@ std::shared_ptr<SavedHandle> ActivationOffloader::pack(const at::Tensor& t) {
   const std::size_t nbytes = storage.nbytes();
   const bool small = nbytes < options_.min_offload_bytes;
   const bool region = no_offload_depth() > 0;
-  tiering::PackDecision d = schedule_.on_pack(nbytes, !small && !region);
+  const tiering::PackDirective directive = target == PackTarget::kPolicy ? tiering::PackDirective::kPolicy
+                                           : target == PackTarget::kKeep ? tiering::PackDirective::kKeep
+                                                                         : tiering::PackDirective::kOffload;
+  const bool to_nvme = nvme_ != nullptr &&
+                       (target == PackTarget::kNvme ||
+                        (target == PackTarget::kPolicy && options_.schedule.target == OffloadTarget::kNvme));
+  tiering::PackDecision d = schedule_.on_pack(nbytes, !small && !region, directive);
   auto block = std::make_shared<SavedBlock>(storage.getWeakStorageImpl());
   block->id = d.id;
   block->owner = shared_from_this();  // from here on its destructor releases it, whatever throws below
@@ -211,10 +217,10 @@ std::shared_ptr<SavedHandle> ActivationOffloader::pack(const at::Tensor& t) {
   if (!d.offload) {
     if (small) ++stats_.kept_small;
     else if (region) ++stats_.kept_region;
-  } else if (void* host = nvme_ ? staging_locked(nbytes) : pool_->try_allocate(nbytes)) {
+  } else if (void* host = to_nvme ? staging_locked(nbytes) : pool_->try_allocate(nbytes)) {
     block->host = host;
     block->offloaded = true;
-    block->to_nvme = nvme_ != nullptr;
+    block->to_nvme = to_nvme;
     block->d2h = engine_->copy(swap::Direction::kDeviceToHost, host, storage.data(), nbytes, {},
                                current_stream(t.device()));
     pending_d2h_.push_back(block);

@@ -10,6 +10,7 @@
 #include "tierflow/bindings/emulated_device_memory.hpp"
 #include "tierflow/bindings/runtime.hpp"
 #include "tierflow/core/error.hpp"
+#include "tierflow/core/log.hpp"
 #include "tierflow/optimizer/cuda_adam.hpp"
 #include "tierflow/optimizer/roofline.hpp"
 
@@ -240,6 +241,15 @@ PYBIND11_MODULE(_C, m) {
     return best;
   }, "Times the Adam-traffic roofline kernel over these arrays (overwrites them).");
   m.def("pop_no_offload", &pop_no_offload);
+  m.def("no_offload_depth", &no_offload_depth, "Depth of tierflow.no_offload() regions open on this thread.");
+  m.def("log", [](const std::string& level, const std::string& message) {
+    LogLevel l = LogLevel::kInfo;
+    if (level == "error") l = LogLevel::kError;
+    else if (level == "warn") l = LogLevel::kWarn;
+    else if (level == "debug") l = LogLevel::kDebug;
+    else if (level != "info") throw config_error("log: level '" + level + "'; accepted: error, warn, info, debug");
+    log(l, message);
+  }, "A line on stderr through tierflow's log (TIERFLOW_LOG_LEVEL filters it).");
 
   py::class_<SavedHandle, std::shared_ptr<SavedHandle>>(m, "SavedHandle",
       "What autograd keeps for one saved tensor while tierflow manages it.");
@@ -293,6 +303,22 @@ PYBIND11_MODULE(_C, m) {
         return std::string(allocator::to_string(rt.device_kind()));
       })
       .def("pack", [](Runtime& rt, const at::Tensor& t) { return rt.activations()->pack(t); })
+      .def("pack_to", [](Runtime& rt, const at::Tensor& t, const std::string& target) {
+        PackTarget to = PackTarget::kPolicy;
+        if (target == "keep") to = PackTarget::kKeep;
+        else if (target == "host") to = PackTarget::kHost;
+        else if (target == "nvme") to = PackTarget::kNvme;
+        else if (target != "policy")
+          throw config_error("Runtime.pack_to: target '" + target + "'; accepted: policy, keep, host, nvme");
+        return rt.activations()->pack(t, to);
+      }, "pack() with a block plan's decision: policy, keep, host or nvme.")
+      .def_property_readonly("has_nvme_tier", [](Runtime& rt) { return rt.activations()->has_nvme(); })
+      .def("device_budget_bytes", [](Runtime& rt) {
+        return rt.config().gpu_memory.resolve(allocator::device_capacity_bytes(rt.device_kind()));
+      }, "TIERFLOW_GPU_MEMORY in bytes on this runtime's device.")
+      .def("host_budget_bytes", [](Runtime& rt) {
+        return rt.config().host_memory.resolve(allocator::host_capacity_bytes());
+      }, "TIERFLOW_HOST_MEMORY in bytes.")
       .def("unpack", [](Runtime& rt, const std::shared_ptr<SavedHandle>& h) {
         return rt.activations()->unpack(h);
       })

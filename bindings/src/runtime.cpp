@@ -84,11 +84,15 @@ Runtime::Runtime(Config config, swap::NvmeFaults* nvme_faults, std::shared_ptr<c
   ActivationOffloaderOptions ao;
   ao.schedule.target = config_.offload_activations;
   ao.schedule.prefetch_bytes = config_.prefetch_bytes;
-  ao.schedule.keep_budget_bytes = config_.gpu_memory.resolve(allocator::device_capacity_bytes(kind));
   ao.min_offload_bytes = config_.min_offload_bytes;
   ao.schedule.keep_tail_bytes = config_.prefetch_bytes;
   std::shared_ptr<swap::NvmeEngine> nvme;
-  if (config_.offload_activations == OffloadTarget::kNvme || config_.offload_optimizer == OffloadTarget::kNvme) {
+  // Planned activations (auto, recompute) may use the NVMe tier when it is configured.
+  const bool planned = config_.offload_activations == OffloadTarget::kAuto ||
+                       config_.offload_activations == OffloadTarget::kRecompute;
+  const bool activations_on_nvme = config_.offload_activations == OffloadTarget::kNvme ||
+                                   (planned && !config_.nvme_paths.empty());
+  if (activations_on_nvme || config_.offload_optimizer == OffloadTarget::kNvme) {
     swap::NvmeEngineOptions no;
     no.paths = config_.nvme_paths;
     std::uint64_t smallest_free = ~std::uint64_t{0};
@@ -106,7 +110,6 @@ Runtime::Runtime(Config config, swap::NvmeFaults* nvme_faults, std::shared_ptr<c
     nvme = std::make_shared<swap::NvmeEngine>(no);
     nvme_ = nvme;
   }
-  const bool activations_on_nvme = config_.offload_activations == OffloadTarget::kNvme;
   offloader_ = std::make_shared<ActivationOffloader>(ao, pool_, engine_, activations_on_nvme ? nvme : nullptr);
   log(LogLevel::kInfo, std::string("runtime on the ") + std::string(allocator::to_string(kind)) +
                            " device, host pool budget " + format_bytes(po.budget_bytes));

@@ -72,22 +72,24 @@ auto on_off_parser(bool Config::*field) {
   };
 }
 
-auto target_parser(OffloadTarget Config::*field, bool allow_auto) {
-  return [field, allow_auto](Config& c, std::string_view name, std::string_view v) {
+// `activations`: the activation-only values auto and recompute are accepted too.
+auto target_parser(OffloadTarget Config::*field, bool activations) {
+  return [field, activations](Config& c, std::string_view name, std::string_view v) {
     std::string s = lower(trim(v));
     if (s == "none") c.*field = OffloadTarget::kNone;
     else if (s == "host") c.*field = OffloadTarget::kHost;
     else if (s == "nvme") c.*field = OffloadTarget::kNvme;
-    else if (s == "auto" && allow_auto) c.*field = OffloadTarget::kAuto;
-    else bad_value(name, v, allow_auto ? "one of none, host, nvme, auto" : "one of none, host, nvme");
+    else if (s == "auto" && activations) c.*field = OffloadTarget::kAuto;
+    else if (s == "recompute" && activations) c.*field = OffloadTarget::kRecompute;
+    else bad_value(name, v, activations ? "one of none, host, nvme, recompute, auto" : "one of none, host, nvme");
   };
 }
 
 const std::vector<Row>& rows() {
   static const std::vector<Row> kRows = {
       {{"TIERFLOW_GPU_MEMORY", "90%", kBudgetForms,
-        "GPU tier budget for state tierflow places there (saved activations kept resident in "
-        "`auto` mode, device buffers); a percentage is of the device's total memory"},
+        "device memory the activation planner may use (`auto`: the whole step's peak, parameters, "
+        "gradients and optimizer states included); a percentage is of the device's total memory"},
        budget_parser(&Config::gpu_memory)},
       {{"TIERFLOW_HOST_MEMORY", "50%", kBudgetForms,
         "pinned host pool budget (offloaded activations, optimizer states, staging); a "
@@ -133,9 +135,11 @@ const std::vector<Row>& rows() {
       {{"TIERFLOW_NVME_CHECKSUM", "on", "on or off",
         "checksum every block written to NVMe (XXH3) and verify it on read"},
        on_off_parser(&Config::nvme_checksum)},
-      {{"TIERFLOW_OFFLOAD_ACTIVATIONS", "host", "one of none, host, nvme, auto",
-        "where tensors saved for backward go: none keeps them on the device, host swaps them to "
-        "the pinned host pool, auto swaps only what exceeds TIERFLOW_GPU_MEMORY"},
+      {{"TIERFLOW_OFFLOAD_ACTIVATIONS", "auto", "one of none, host, nvme, recompute, auto",
+        "where tensors saved for backward go: none keeps them on the device; host (nvme) swaps "
+        "every one to the pinned host pool (NVMe); recompute swaps each block's input and "
+        "recomputes the block in backward; auto plans per block (keep, swap a share of the "
+        "tokens, recompute) from the first step's measurements within TIERFLOW_GPU_MEMORY"},
        target_parser(&Config::offload_activations, true)},
       {{"TIERFLOW_OFFLOAD_PARAMS", "none", "one of none, host, nvme",
         "where parameters live between uses (only none is implemented in this version)"},
@@ -181,6 +185,10 @@ const std::vector<Row>& rows() {
         "write the statistics report as JSON to this path when the process exits and on every "
         "tierflow.report() call"},
        [](Config& c, std::string_view, std::string_view v) { c.report_path = trim(v); }},
+      {{"TIERFLOW_PROFILE", "", "a file path (empty: measure every run)",
+        "the activation planner's block profile: read from this file when it exists, otherwise "
+        "measured in the first step and written there"},
+       [](Config& c, std::string_view, std::string_view v) { c.profile_path = trim(v); }},
       {{"TIERFLOW_MIN_OFFLOAD_BYTES", "64KiB", "a size, e.g. 0, 4096, 64KiB, 1MiB",
         "saved tensors smaller than this stay on the device (copying them costs more than it saves)"},
        size_parser(&Config::min_offload_bytes, 0, "a size, e.g. 0, 4096, 64KiB, 1MiB")},
@@ -321,6 +329,7 @@ std::string_view to_string(OffloadTarget t) noexcept {
     case OffloadTarget::kHost: return "host";
     case OffloadTarget::kNvme: return "nvme";
     case OffloadTarget::kAuto: return "auto";
+    case OffloadTarget::kRecompute: return "recompute";
   }
   return "?";
 }
@@ -429,6 +438,7 @@ std::map<std::string, std::string> Config::to_strings() const {
       {"TIERFLOW_CPU_ISA", cpu_isa},
       {"TIERFLOW_LOG_LEVEL", std::string(to_string(log_level))},
       {"TIERFLOW_REPORT", report_path},
+      {"TIERFLOW_PROFILE", profile_path},
       {"TIERFLOW_MIN_OFFLOAD_BYTES", std::to_string(min_offload_bytes)},
       {"TIERFLOW_PREFETCH_BYTES", std::to_string(prefetch_bytes)},
       {"TIERFLOW_PINNED_SLAB_BYTES", std::to_string(pinned_slab_bytes)},

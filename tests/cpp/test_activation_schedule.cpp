@@ -112,16 +112,24 @@ TEST(ActivationSchedule, IneligibleAndNoneKeepOnDevice) {
   EXPECT_EQ(n.stats().kept_blocks, 1u);
 }
 
-TEST(ActivationSchedule, AutoOffloadsOnlyWhatExceedsTheKeepBudget) {
+TEST(ActivationSchedule, DirectivesOverrideThePolicyExceptForIneligibleBlocks) {
   ActivationScheduleOptions o;
-  o.target = OffloadTarget::kAuto;
-  o.keep_budget_bytes = 250;
+  o.target = OffloadTarget::kAuto;  // undirected blocks (outside the planned ones) are offloaded
   ActivationSchedule s(o);
   s.begin_forward();
   std::vector<bool> got;
-  for (int i = 0; i < 4; ++i) got.push_back(s.on_pack(100, true).offload);
-  EXPECT_EQ(got, (std::vector<bool>{false, false, true, true}));
-  EXPECT_EQ(s.registry().device_bytes().values().current, 400);
+  got.push_back(s.on_pack(100, true).offload);
+  got.push_back(s.on_pack(100, true, PackDirective::kKeep).offload);
+  got.push_back(s.on_pack(100, true, PackDirective::kOffload).offload);
+  got.push_back(s.on_pack(100, false, PackDirective::kOffload).offload);  // too small / no-offload region
+  EXPECT_EQ(got, (std::vector<bool>{true, false, true, false}));
+  EXPECT_EQ(s.registry().device_bytes().values().current, 400);  // copies to the host are still in flight
+
+  ActivationScheduleOptions none;
+  none.target = OffloadTarget::kNone;
+  ActivationSchedule n(none);
+  n.begin_forward();
+  EXPECT_TRUE(n.on_pack(100, true, PackDirective::kOffload).offload);
 }
 
 TEST(ActivationSchedule, TensorsSavedDuringBackwardStayResident) {

@@ -31,24 +31,27 @@ void ActivationSchedule::begin_forward() {
   expected_.clear();
   cursor_ = 0;
   window_bytes_ = 0;
-  kept_bytes_ = 0;
   in_backward_ = false;
   first_block_ = static_cast<BlockId>(registry_.size());
   ++stats_.forwards;
 }
 
-PackDecision ActivationSchedule::on_pack(std::size_t bytes, bool eligible) {
+PackDecision ActivationSchedule::on_pack(std::size_t bytes, bool eligible, PackDirective directive) {
   bool offload = false;
   // Tensors saved during backward (recomputation) are read right away: keep them.
   if (eligible && !in_backward_) {
-    switch (options_.target) {
-      case OffloadTarget::kHost: offload = true; break;
-      case OffloadTarget::kNvme: offload = !in_resident_tail(bytes); break;
-      case OffloadTarget::kAuto: offload = kept_bytes_ + bytes > options_.keep_budget_bytes; break;
-      default: offload = false; break;
+    if (directive != PackDirective::kPolicy) {
+      offload = directive == PackDirective::kOffload;
+    } else {
+      switch (options_.target) {
+        case OffloadTarget::kHost:
+        case OffloadTarget::kAuto:
+        case OffloadTarget::kRecompute: offload = true; break;
+        case OffloadTarget::kNvme: offload = !in_resident_tail(bytes); break;
+        case OffloadTarget::kNone: offload = false; break;
+      }
     }
   }
-  if (!offload) kept_bytes_ += bytes;
   packed_bytes_.push_back(bytes);
   BlockId id = registry_.add(bytes, offload ? Residence::kInFlightToHost : Residence::kResident);
   offloaded_.push_back(offload);

@@ -128,6 +128,10 @@ struct SavedHandle {
   at::ScalarType dtype = at::kFloat;
 };
 
+/// Where pack() sends one tensor: kPolicy follows TIERFLOW_OFFLOAD_ACTIVATIONS;
+/// the others carry a block plan's decision (Note [Activation plans]).
+enum class PackTarget : std::uint8_t { kPolicy, kKeep, kHost, kNvme };
+
 /// The pack/unpack hooks and their state. Thread-safe.
 class ActivationOffloader : public std::enable_shared_from_this<ActivationOffloader> {
  public:
@@ -138,8 +142,10 @@ class ActivationOffloader : public std::enable_shared_from_this<ActivationOffloa
                       std::shared_ptr<swap::NvmeEngine> nvme = nullptr);
   ~ActivationOffloader();
 
-  /// Autograd's pack hook.
-  std::shared_ptr<SavedHandle> pack(const at::Tensor& tensor);
+  /// Autograd's pack hook. kNvme falls back to the host when there is no NVMe tier.
+  std::shared_ptr<SavedHandle> pack(const at::Tensor& tensor, PackTarget target = PackTarget::kPolicy);
+  /// Whether an NVMe tier is attached.
+  bool has_nvme() const noexcept { return nvme_ != nullptr; }
   /// Autograd's unpack hook.
   at::Tensor unpack(const std::shared_ptr<SavedHandle>& handle);
   /// A forward pass of the wrapped model starts.

@@ -25,9 +25,10 @@
 namespace tierflow {
 
 /// Where a kind of training state is placed.
-enum class OffloadTarget : std::uint8_t { kNone, kHost, kNvme, kAuto };
+/// kRecompute and kAuto apply to activations only (Note [Activation plans]).
+enum class OffloadTarget : std::uint8_t { kNone, kHost, kNvme, kAuto, kRecompute };
 
-/// Name used in configuration values ("none", "host", "nvme", "auto").
+/// Name used in configuration values ("none", "host", "nvme", "auto", "recompute").
 std::string_view to_string(OffloadTarget t) noexcept;
 
 /// Which GPU tier a runtime drives: a CUDA GPU, or the emulated device.
@@ -64,6 +65,7 @@ struct Config {
   std::string cpu_isa;                    ///< TIERFLOW_CPU_ISA: auto, avx512, avx2 or portable
   LogLevel log_level{};                   ///< TIERFLOW_LOG_LEVEL
   std::string report_path;                ///< TIERFLOW_REPORT; empty means no file
+  std::string profile_path;               ///< TIERFLOW_PROFILE; empty means measure every run
   std::uint64_t min_offload_bytes = 0;    ///< TIERFLOW_MIN_OFFLOAD_BYTES
   std::uint64_t prefetch_bytes = 0;       ///< TIERFLOW_PREFETCH_BYTES
   std::uint64_t pinned_slab_bytes = 0;    ///< TIERFLOW_PINNED_SLAB_BYTES

@@ -23,11 +23,17 @@ namespace tierflow::tiering {
 
 /// Settings of an ActivationSchedule.
 struct ActivationScheduleOptions {
-  OffloadTarget target = OffloadTarget::kHost;  ///< none, host, nvme or auto
+  /// none keeps every block; host, nvme, recompute and auto offload the
+  /// blocks nobody directed otherwise (auto and recompute: the tensors saved
+  /// outside the planned blocks, Note [Activation plans]).
+  OffloadTarget target = OffloadTarget::kHost;
   std::uint64_t prefetch_bytes = 64ULL << 20;   ///< window of offloaded bytes fetched ahead
-  std::uint64_t keep_budget_bytes = 0;          ///< auto: bytes kept on the device before offloading
   std::uint64_t keep_tail_bytes = 0;            ///< nvme: last-saved bytes kept on the device
 };
+
+/// What the caller of on_pack() asks for one block. kPolicy follows the
+/// target; the planner's decisions for a block arrive as kKeep or kOffload.
+enum class PackDirective : std::uint8_t { kPolicy, kKeep, kOffload };
 
 /// The decision for one saved block.
 struct PackDecision {
@@ -55,7 +61,7 @@ class ActivationSchedule {
   void begin_forward();
   /// Registers a newly saved block. `eligible` is false for blocks that must
   /// stay on the device (too small, or inside a no-offload region).
-  PackDecision on_pack(std::size_t bytes, bool eligible);
+  PackDecision on_pack(std::size_t bytes, bool eligible, PackDirective directive = PackDirective::kPolicy);
   /// Backward has started: returns the offloaded blocks to prefetch now.
   std::vector<BlockId> begin_backward();
   /// Backward read block `id`: records it and returns the blocks to prefetch next.
@@ -93,7 +99,6 @@ class ActivationSchedule {
   std::vector<BlockId> expected_;
   std::size_t cursor_ = 0;             // first position in expected_ not yet read
   std::uint64_t window_bytes_ = 0;     // requested, not yet read
-  std::uint64_t kept_bytes_ = 0;       // auto mode: bytes kept on the device this forward
   bool in_backward_ = false;
   BlockId first_block_ = 0;            // first block of the current forward
 };
