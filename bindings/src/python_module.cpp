@@ -154,6 +154,10 @@ std::map<std::string, std::string> to_string_map(const py::dict& d) {
 
 }  // namespace
 
+namespace tierflow::bindings {
+void bind_activation_planner(pybind11::module_& m);  // plan_bindings.cpp
+}
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "tierflow's C++ runtime";
 
@@ -241,6 +245,7 @@ PYBIND11_MODULE(_C, m) {
     return best;
   }, "Times the Adam-traffic roofline kernel over these arrays (overwrites them).");
   m.def("pop_no_offload", &pop_no_offload);
+  tierflow::bindings::bind_activation_planner(m);
   m.def("no_offload_depth", &no_offload_depth, "Depth of tierflow.no_offload() regions open on this thread.");
   m.def("log", [](const std::string& level, const std::string& message) {
     LogLevel l = LogLevel::kInfo;

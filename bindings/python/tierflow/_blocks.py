@@ -383,6 +383,7 @@ class _Frame:
             base = mode.outputs[(s.op, s.out)]
             self.resolved[i] = base.new_empty(0).set_(base.untyped_storage(), s.offset, s.sizes, s.strides).detach()
         self.replays += 1
+        runner.replays += 1
         if runner.timing:
             runner.sync()
             runner.recompute_seconds.append(time.perf_counter() - t0)
@@ -420,9 +421,11 @@ class _Replay(TorchDispatchMode):
                     outs.append(r.new_empty(0).set_(r.untyped_storage(), meta[2], meta[0], meta[1]))
                 else:  # an empty output (nothing to save)
                     outs.append(torch.empty(meta[0], dtype=meta[3], device=args[0].device))
-            out = tuple(outs) if len(outs) > 1 or isinstance(op.outputs, list) and len(op.outputs) > 1 else outs[0]
+            out = tuple(outs) if len(outs) > 1 else outs[0]
+            f.runner.restored_ops += 1
         elif j in f.rows:
             out = _row_suffix_matmul(func, args, kwargs, f.rows[j], rt.unpack(f.prefix[j]))
+            f.runner.split_rows += f.rows[j]
         else:
             out = func(*args, **kwargs)
         if j in self.needed_ops:
@@ -474,9 +477,9 @@ def probe_row_split(op: _Op, r0: int, seed: int = 0) -> bool:
 class BlockRunner:
     """Carries out one block's plan on every forward of it (Note [Activation plans])."""
 
-    def __init__(self, session: Any, module: torch.nn.Module, index: int) -> None:
-        self.session = weakref.ref(session)
+    def __init__(self, session: Any, module: torch.nn.Module, index: int, planner: Any = None) -> None:
         self.runtime = session.runtime
+        self.planner = weakref.ref(planner) if planner is not None else (lambda: None)
         self.module = module
         self.index = index
         self.mode = "recompute"   # keep | swap | split | recompute
@@ -485,6 +488,9 @@ class BlockRunner:
         self.tables: dict = {}     # signature -> Table
         self.table: Optional[Table] = None  # the table of the last forward
         self.timing = False
+        self.replays = 0           # backward replays of this block
+        self.restored_ops = 0      # attention ops restored instead of run again
+        self.split_rows = 0        # matmul output rows restored instead of computed
         self.forward_seconds: list = []
         self.recompute_seconds: list = []
         self._stack: list = []
@@ -517,8 +523,15 @@ class BlockRunner:
         return (tuple(sig), ac, self.module.training)
 
     def _before(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        if _replaying() or not torch.is_grad_enabled() or self.mode == "keep" or _C.no_offload_depth() > 0:
+        planner = self.planner()
+        if _replaying() or not torch.is_grad_enabled() or (planner is not None and planner.keep_all):
             self._stack.append(None)
+            return
+        if self.mode == "keep" or _C.no_offload_depth() > 0:
+            # Saved tensors stay where autograd put them, whatever the model-level hooks do.
+            ctx = torch.autograd.graph.saved_tensors_hooks(_identity, _identity)
+            ctx.__enter__()
+            self._stack.append((None, ctx, None))
             return
         sig = self._signature(args, kwargs)
         table = self.tables.get(sig)
@@ -566,6 +579,8 @@ class BlockRunner:
             return
         f, ctx, sig = entry
         ctx.__exit__(None, None, None)
+        if f is None:
+            return
         if self.timing:
             self.sync()
             self.forward_seconds.append(time.perf_counter() - f.t0)
@@ -575,6 +590,10 @@ class BlockRunner:
             self.tables[sig] = f.table
             f.recorder = None
         self.table = f.table
+
+
+def _identity(t: Any) -> Any:
+    return t
 
 
 def _unpack(packed: Any) -> torch.Tensor:

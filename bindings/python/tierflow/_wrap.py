@@ -29,11 +29,18 @@ class Session:
         self._contexts: list[Optional[Any]] = []
         self._model_ref: Optional[weakref.ref] = None
         self.optimizer: Optional[weakref.ref] = None  # the CPUAdamW of this session, if any
+        self.planner: Optional[Any] = None  # auto / recompute: the per-block plans (Note [Activation plans])
 
     # -- model hooks -----------------------------------------------------------
-    def attach(self, model: torch.nn.Module) -> None:
-        """Installs the saved-tensor hooks around every forward of ``model``."""
+    def attach(self, model: torch.nn.Module, blocks: Optional[list] = None) -> None:
+        """Installs the saved-tensor hooks around every forward of ``model``; with
+        TIERFLOW_OFFLOAD_ACTIVATIONS=auto or recompute, the per-block plans on
+        ``blocks`` (default: the repeated blocks found in the model)."""
         self._model_ref = weakref.ref(model)
+        if self.config["TIERFLOW_OFFLOAD_ACTIVATIONS"] in ("auto", "recompute"):
+            from ._autoplan import AutoPlanner
+
+            self.planner = AutoPlanner(self, model, blocks)
         self.runtime.register_parameters([p for p in model.parameters()])
         self._handles.append(model.register_forward_pre_hook(self._before_forward))
         self._handles.append(model.register_forward_hook(self._after_forward, always_call=True))
@@ -43,6 +50,8 @@ class Session:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if self.planner is not None:
+            self.planner.remove()
 
     def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
         opt = self.optimizer() if self.optimizer is not None else None
@@ -53,6 +62,11 @@ class Session:
             self._contexts.append(None)  # nothing saved (no_grad), or a nested call
             return
         self.runtime.register_parameters([p for p in module.parameters()])
+        if self.planner is not None:
+            self.planner.before_forward()
+            if self.planner.keep_all:  # the plan keeps everything: no hooks, no cost
+                self._contexts.append(None)
+                return
         self.runtime.begin_forward()
         ctx = torch.autograd.graph.saved_tensors_hooks(self.runtime.pack, self.runtime.unpack)
         ctx.__enter__()
@@ -80,6 +94,8 @@ class Session:
         r["config"] = dict(self.config)
         opt = self.optimizer() if self.optimizer is not None else None
         r["optimizer"]["overlap"] = dict(getattr(opt, "overlap_stats", {}) or {})
+        if self.planner is not None:
+            r["plan"] = self.planner.report()
         path = self.config.get("TIERFLOW_REPORT", "")
         if path:
             r.save(path)
@@ -87,15 +103,17 @@ class Session:
 
 
 def wrap(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
-         **settings: Any) -> "tuple[torch.nn.Module, Optional[torch.optim.Optimizer]]":
+         blocks: Optional[list] = None, **settings: Any) -> "tuple[torch.nn.Module, Optional[torch.optim.Optimizer]]":
     """Attaches tierflow to ``model`` and replaces ``optimizer`` by a CPU AdamW.
 
     Returns the same module object (its state_dict, parameters and hooks keep
     working) and the optimizer to use from now on: a ``tierflow.CPUAdamW``
     with the replaced optimizer's param_groups, hyperparameters and state when
     TIERFLOW_OFFLOAD_OPTIMIZER is ``host`` (the default), the same optimizer
-    when it is ``none``. Keyword arguments are settings (lower-case names of
-    the TIERFLOW_* variables) and override the environment. Create LR
+    when it is ``none``. ``blocks``: the model's repeated blocks that the
+    activation plans of TIERFLOW_OFFLOAD_ACTIVATIONS=auto / recompute apply to
+    (default: found, Note [Activation plans]). Keyword arguments are settings
+    (lower-case names of the TIERFLOW_* variables) and override the environment. Create LR
     schedulers after wrapping, on the returned optimizer.
     """
     if not isinstance(model, torch.nn.Module):
@@ -111,7 +129,7 @@ def wrap(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
 
         new_optimizer = CPUAdamW.replace(optimizer, session.runtime, model=model)
         session.optimizer = weakref.ref(new_optimizer)
-    session.attach(model)
+    session.attach(model, blocks)
     model._tierflow_session = session
     _sessions.append(session)
     return model, new_optimizer

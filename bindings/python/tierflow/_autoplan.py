@@ -1,0 +1,251 @@
+"""Measuring blocks and links, asking the planner, applying its plan (Note [Activation plans])."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from typing import Any, Optional
+
+import torch
+
+from . import _C
+from ._blocks import BlockRunner, find_blocks, probe_row_split
+from ._report import fmt_bytes, write_json_atomic
+
+PROFILE_VERSION = 1
+_ROW_GRANULE = 8  # a split's first rows are a multiple of this (whole cache lines of a row-major output)
+
+
+def measure_links(runtime: Any, device: torch.device, nbytes: int = 32 << 20) -> dict:
+    """Copy bandwidths between this device and pinned host memory, in bytes/s, through tierflow's copy engine."""
+    n = nbytes // 4
+    src = torch.zeros(n, dtype=torch.float32, device=device)
+    host = runtime.host_empty([n], "float32")
+    host2 = runtime.host_empty([n], "float32")
+    back = torch.empty(n, dtype=torch.float32, device=device)
+
+    def timed(fn: Any) -> float:
+        fn()  # warm-up
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    d2h = nbytes / timed(lambda: runtime.copy_to_host(host, src).wait())
+    h2d = nbytes / timed(lambda: runtime.copy_to_device(back, host2).wait())
+
+    def both() -> None:
+        a = runtime.copy_to_host(host, src)
+        b = runtime.copy_to_device(back, host2)
+        a.wait()
+        b.wait()
+
+    duplex = 2 * nbytes / timed(both)
+    return {"d2h": d2h, "h2d": h2d, "duplex": duplex, "nvme_write": 0.0, "nvme_read": 0.0}
+
+
+def measure_nvme(path: str, nbytes: int = 64 << 20) -> tuple[float, float]:
+    """Sequential write (fsync'd) and read bandwidth of a file in ``path``, bytes/s."""
+    name = os.path.join(path, f".tierflow-probe-{os.getpid()}")
+    buf = os.urandom(1 << 20) * (nbytes >> 20)
+    try:
+        t0 = time.perf_counter()
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, buf)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        w = nbytes / (time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        with open(name, "rb") as f:
+            while f.read(8 << 20):
+                pass
+        r = nbytes / (time.perf_counter() - t0)
+    finally:
+        try:
+            os.unlink(name)
+        except OSError:
+            pass
+    return w, r
+
+
+def block_profile(runner: BlockRunner) -> dict:
+    """One BlockProfile (tiering/planner.hpp) from a runner's recorded table and timings."""
+    t = runner.table
+    b = t.bytes_by_class()
+    fl = t.flops_by_class()
+    fwd = statistics.median(runner.forward_seconds) if runner.forward_seconds else 0.0
+    total = fl["total"] or 1.0
+    split_s = fwd * fl["split"] / total
+    attention_s = fwd * fl["attention"] / total
+    return {
+        "forward_seconds": fwd,
+        "backward_seconds": 2.0 * fwd,
+        "input_bytes": b["input"],
+        "whole_bytes": b["attention"],
+        "split_bytes": b["split"],
+        "split_recompute_seconds": split_s,
+        "cheap_bytes": b["cheap"],
+        "cheap_recompute_seconds": max(fwd - split_s - attention_s, 0.0),
+        "splittable": bool(t.split_ops),
+        "transient_bytes": 2 * b["input"],
+    }
+
+
+class AutoPlanner:
+    """TIERFLOW_OFFLOAD_ACTIVATIONS=auto and =recompute for one session (Note [Activation plans])."""
+
+    def __init__(self, session: Any, model: torch.nn.Module, blocks: Optional[list] = None) -> None:
+        self.session = session
+        cfg = session.config
+        self.forced = cfg["TIERFLOW_OFFLOAD_ACTIVATIONS"] == "recompute"
+        modules = list(blocks) if blocks is not None else find_blocks(model)
+        self.runners = [BlockRunner(session, m, i, self) for i, m in enumerate(modules)]
+        self.model_params = [p for p in model.parameters()]
+        self.profile_path = cfg.get("TIERFLOW_PROFILE", "")
+        self.forwards = 0
+        self.plan: Optional[dict] = None
+        self.keep_all = False  # the plan keeps every block: no saved-tensor hooks at all
+        if not self.runners:
+            _C.log("warn", "tierflow: no repeated blocks found in the model (pass blocks=[...] to tierflow.wrap); "
+                   "TIERFLOW_OFFLOAD_ACTIVATIONS=" + cfg["TIERFLOW_OFFLOAD_ACTIVATIONS"] +
+                   " swaps every saved tensor to the host instead")
+        self.loaded_profile: Optional[dict] = None
+        if not self.forced and self.profile_path and os.path.exists(self.profile_path):
+            self.loaded_profile = load_profile(self.profile_path, len(self.runners))
+
+    def remove(self) -> None:
+        for r in self.runners:
+            r.remove()
+
+    def report(self) -> dict:
+        """The plan in force (or the phase before it) and what the runners did."""
+        out: dict = {"blocks": len(self.runners), "forced": "recompute" if self.forced else None,
+                     "replays": sum(r.replays for r in self.runners),
+                     "restored_ops": sum(r.restored_ops for r in self.runners),
+                     "split_rows": sum(r.split_rows for r in self.runners)}
+        if self.plan is not None:
+            out["summary"] = self.plan["summary"]
+            out["modes"] = [bp["mode"] for bp in self.plan["blocks"]]
+            out["alpha"] = [bp["alpha"] for bp in self.plan["blocks"]]
+            out["predicted_device_peak_bytes"] = self.plan["predicted_device_peak_bytes"]
+            out["predicted_step_seconds"] = self.plan["predicted_step_seconds"]
+        else:
+            out["summary"] = "recompute every block (forced)" if self.forced else \
+                f"profiling ({self.forwards} forwards so far; the plan is made before the third)"
+        return out
+
+    # The session calls this before every forward of the model.
+    def before_forward(self) -> None:
+        self.forwards += 1
+        if self.forced or self.plan is not None or not self.runners:
+            return
+        if self.loaded_profile is not None:
+            self.make_plan(self.loaded_profile)
+        elif self.forwards == 2:
+            for r in self.runners:
+                r.timing = True
+        elif self.forwards == 3:
+            for r in self.runners:
+                r.timing = False
+            profile = self.measure()
+            if self.profile_path:
+                write_json_atomic(self.profile_path, profile)
+            self.make_plan(profile)
+
+    def measure(self) -> dict:
+        rt = self.session.runtime
+        device = self._device()
+        links = measure_links(rt, device)
+        paths = [p for p in self.session.config.get("TIERFLOW_NVME_PATHS", "").split(",") if p]
+        if rt.has_nvme_tier and paths:
+            links["nvme_write"], links["nvme_read"] = measure_nvme(paths[0])
+        return {"version": PROFILE_VERSION, "blocks": [block_profile(r) for r in self.runners], "links": links}
+
+    def _device(self) -> torch.device:
+        return self.model_params[0].device if self.model_params else torch.device("cpu")
+
+    def budgets(self, profile: dict) -> dict:
+        rt = self.session.runtime
+        cfg = self.session.config
+        param_bytes = sum(p.numel() * p.element_size() for p in self.model_params)
+        fixed = 2 * param_bytes  # parameters and their gradients
+        if cfg["TIERFLOW_OFFLOAD_OPTIMIZER"] == "none":
+            fixed += 2 * sum(p.numel() * 4 for p in self.model_params)  # Adam's m and v in fp32
+        pool = rt.stats().get("host_pool", {})
+        host_used = int(pool.get("reserved", {}).get("current", 0)) if isinstance(pool, dict) else 0
+        return {
+            "device_bytes": int(rt.device_budget_bytes()),
+            "fixed_device_bytes": int(fixed),
+            "host_bytes": max(int(rt.host_budget_bytes()) - host_used, 0),
+            "nvme_bytes": (1 << 50) if rt.has_nvme_tier else 0,
+            # The window never holds more than the blocks have saved.
+            "prefetch_bytes": min(int(cfg.get("TIERFLOW_PREFETCH_BYTES", 64 << 20)),
+                                  sum(_saved(b) for b in profile["blocks"])),
+        }
+
+    def make_plan(self, profile: dict) -> None:
+        budgets = self.budgets(profile)
+        blocks = [dict(b) for b in profile["blocks"]]
+        plan = _C.plan_activations(blocks, profile["links"], budgets)
+        # A split is exact only where the suffix matmul gives the full one's bits (Note [Activation plans]).
+        unsplittable = self.probe(plan)
+        if unsplittable:
+            for i in unsplittable:
+                blocks[i]["splittable"] = False
+            plan = _C.plan_activations(blocks, profile["links"], budgets)
+            self.probe(plan)
+        self.apply(plan)
+        self.plan = plan
+        _C.log("warn", "tierflow activation plan: " + plan["summary"])
+        for line in plan["lines"]:
+            _C.log("info", "tierflow   " + line)
+
+    def probe(self, plan: dict) -> list:
+        """Sets each split block's exact first rows; returns the blocks where no split op is exact."""
+        failed = []
+        for i, (r, bp) in enumerate(zip(self.runners, plan["blocks"])):
+            if bp["mode"] != "split" or r.table is None:
+                continue
+            r.table.exact_rows.clear()
+            for j in sorted(r.table.split_ops):
+                op = r.table.ops[j]
+                r0 = op.rows if bp["alpha"] >= 1.0 else int(bp["alpha"] * op.rows) // _ROW_GRANULE * _ROW_GRANULE
+                if r0 == op.rows or (0 < r0 < op.rows and probe_row_split(op, r0)):
+                    r.table.exact_rows[j] = r0
+            if not r.table.exact_rows:
+                failed.append(i)
+        return failed
+
+    def apply(self, plan: dict) -> None:
+        for r, bp in zip(self.runners, plan["blocks"]):
+            r.mode = bp["mode"]
+            r.alpha = bp["alpha"]
+            r.tier = bp["tier"]
+        self.keep_all = all(bp["mode"] == "keep" for bp in plan["blocks"])
+
+
+def _saved(b: dict) -> int:
+    return int(b["input_bytes"] + b["whole_bytes"] + b["split_bytes"] + b["cheap_bytes"])
+
+
+def load_profile(path: str, blocks: int) -> dict:
+    """A profile written by a previous run (TIERFLOW_PROFILE); errors name what is wrong."""
+    try:
+        with open(path) as f:
+            profile = json.load(f)
+    except (OSError, ValueError) as e:
+        raise _C.ConfigError(f"TIERFLOW_PROFILE={path}: cannot read a profile: {e}") from e
+    if not isinstance(profile, dict) or profile.get("version") != PROFILE_VERSION or "blocks" not in profile \
+            or "links" not in profile:
+        raise _C.ConfigError(f"TIERFLOW_PROFILE={path}: not a tierflow profile of version {PROFILE_VERSION} "
+                             "(delete it to measure again)")
+    if len(profile["blocks"]) != blocks:
+        raise _C.ConfigError(f"TIERFLOW_PROFILE={path}: profiles {len(profile['blocks'])} blocks, the model has "
+                             f"{blocks} (delete it to measure again)")
+    return profile

@@ -1,0 +1,191 @@
+"""Per-block activation plans (Note [Activation plans]): recompute, split, auto, against the baseline."""
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+import tierflow
+from tierflow._blocks import find_blocks
+from harness import assert_bit_identical, cnn_task, encoder_task, gpt_task, train, Task, torch_device
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                "benchmarks"))
+import gpt_model  # noqa: E402  (the benchmark's GPT: SDPA attention, as HF and nanoGPT use)
+
+
+def sdpa_gpt_task(layers: int = 3, seq: int = 128, batch: int = 4) -> Task:
+    cfg = gpt_model.GPTConfig(n_layer=layers, d_model=64, n_head=4, seq_len=seq, vocab_size=96)
+
+    def batch_fn(i: int) -> tuple:
+        g = torch.Generator().manual_seed(4000 + i)
+        x = torch.randint(0, 96, (batch, seq + 1), generator=g)
+        return x[:, :-1].contiguous(), x[:, 1:].contiguous()
+
+    def loss(m, b):
+        return gpt_model.lm_loss(m(b[0]), b[1])
+
+    def make():
+        # The benchmark's model has no dropout; recomputation must replay the RNG, so add some.
+        m = gpt_model.GPT(cfg)
+        for blk in find_blocks(m):
+            blk.register_forward_hook(lambda mod, a, out: torch.nn.functional.dropout(out, 0.1, mod.training))
+        return m
+
+    return Task(make, batch_fn, loss)
+
+
+TASKS = {"gpt": gpt_task, "sdpa_gpt": sdpa_gpt_task, "encoder": encoder_task, "cnn": cnn_task}
+# Small models: a prefetch window of 64 MiB would be most of any budget.
+OPT_NONE = dict(offload_optimizer="none", min_offload_bytes=0, prefetch_bytes="256KiB")
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_recompute_matches_the_baseline(device, name):
+    task = TASKS[name]()
+    base = train(task, 3, False, device=device)
+    tier = train(task, 3, True, device=device, offload_activations="recompute", **OPT_NONE)
+    assert_bit_identical(base, tier)
+    plan = tier.report["plan"]
+    if name == "cnn":  # no repeated blocks: every saved tensor is swapped instead (logged)
+        assert plan["blocks"] == 0 and tier.report["activations"]["offloaded_blocks"] > 0
+    else:
+        assert plan["blocks"] >= 2 and plan["replays"] == 3 * plan["blocks"]
+
+
+def _find_split_plan(session) -> None:
+    """Forces every block to split half its rows (what auto does under a budget, without the budget)."""
+    planner = session.planner
+    plan = {"blocks": [{"mode": "split", "alpha": 0.5, "tier": "host"} for _ in planner.runners]}
+    assert not planner.probe(plan), "the row split is not exact on this device for this model"
+    planner.apply(plan)
+    planner.plan = dict(plan, summary="forced split", lines=[], predicted_device_peak_bytes=0,
+                        predicted_step_seconds=0.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_token_split_restores_attention_and_rows_and_matches_the_baseline(device, dtype):
+    task = sdpa_gpt_task()
+    base = train(task, 3, False, device=device, dtype=dtype)
+    torch.manual_seed(0)
+    model = task.model_on(device, dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    model, opt = tierflow.wrap(model, opt, device=device, offload_activations="recompute", **OPT_NONE)
+    session = tierflow.current_session()
+    losses = []
+    for step in range(3):
+        loss = task.loss(model, task.batch_on(step, device, dtype))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        if step == 0:  # the first forward recorded each block's table
+            _find_split_plan(session)
+    assert losses == base.losses
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, base.params[k]), k
+    r = tierflow.report()["plan"]
+    # Attention ran once per block and step, never again in backward; split rows came from the host.
+    assert r["restored_ops"] == 2 * 3 and r["split_rows"] > 0
+
+
+def test_replay_that_runs_other_ops_is_refused_by_name(device):
+    class Moody(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(32, 32)
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            y = self.lin(x)
+            return torch.tanh(y) if self.calls % 2 else torch.sigmoid(y)  # differs in the replay
+
+    model = torch.nn.Sequential(Moody(), Moody()).to(torch_device(device))
+    model, _ = tierflow.wrap(model, None, device=device, offload_activations="recompute", min_offload_bytes=0)
+    x = torch.randn(8, 32, device=torch_device(device), requires_grad=True)
+    with pytest.raises(tierflow.TierflowError, match=r"block 1 \(Moody\).*same ops"):
+        model(x).sum().backward()
+
+
+def _profile_and_plan(tmp_path, task, device, **settings):
+    path = str(tmp_path / "profile.json")
+    tier = train(task, 4, True, device=device, profile=path, **OPT_NONE, **settings)
+    with open(path) as f:
+        return tier, json.load(f), path
+
+
+def test_auto_keeps_everything_when_it_fits_and_profiles_once(tmp_path, device):
+    task = gpt_task()
+    base = train(task, 4, False, device=device)
+    tier, profile, path = _profile_and_plan(tmp_path, task, device)
+    assert_bit_identical(base, tier)
+    assert tier.report["plan"]["modes"] == ["keep", "keep"]
+    assert len(profile["blocks"]) == 2 and profile["blocks"][0]["forward_seconds"] > 0
+    # A second run reads the profile: the plan is made before its first forward.
+    again = train(task, 1, True, device=device, profile=path, **OPT_NONE)
+    assert again.report["plan"]["modes"] == ["keep", "keep"] and again.report["activations"]["packs"] == 0
+
+
+@pytest.mark.parametrize("name", ["gpt", "sdpa_gpt", "encoder"])
+def test_auto_under_a_tight_budget_plans_offload_and_matches_the_baseline(tmp_path, device, name):
+    task = TASKS[name]()
+    base = train(task, 4, False, device=device)
+    _, profile, path = _profile_and_plan(tmp_path, task, device)
+    session_budgets = _budgets_for(profile, device)
+    floor = tierflow._C.forced_plan(profile["blocks"], profile["links"], session_budgets, "recompute")
+    everything = tierflow._C.forced_plan(profile["blocks"], profile["links"], session_budgets, "keep")
+    budget = floor["predicted_device_peak_bytes"] + (everything["predicted_device_peak_bytes"]
+                                                    - floor["predicted_device_peak_bytes"]) // 3
+    tier = train(task, 4, True, device=device, profile=path, gpu_memory=str(budget), **OPT_NONE)
+    assert_bit_identical(base, tier)
+    plan = tier.report["plan"]
+    assert any(m != "keep" for m in plan["modes"]), plan
+    assert plan["predicted_device_peak_bytes"] <= budget
+
+
+def _budgets_for(profile: dict, device: str) -> dict:
+    session = tierflow.current_session()
+    return session.planner.budgets(profile)
+
+
+def test_auto_budget_below_the_floor_says_how_much_is_needed(tmp_path, device):
+    task = gpt_task()
+    _, profile, path = _profile_and_plan(tmp_path, task, device)
+    with pytest.raises(tierflow.OutOfMemoryError, match=r"needs? .*B"):
+        train(task, 1, True, device=device, profile=path, gpu_memory="4KiB", **OPT_NONE)
+
+
+def test_a_bad_profile_file_is_refused_and_left_alone(tmp_path, device):
+    path = tmp_path / "profile.json"
+    path.write_text('{"version": 99}')
+    with pytest.raises(tierflow.ConfigError, match="TIERFLOW_PROFILE=.*not a tierflow profile"):
+        train(gpt_task(), 1, True, device=device, profile=str(path), **OPT_NONE)
+    assert path.read_text() == '{"version": 99}'
+
+
+@pytest.mark.parametrize("name", ["gpt", "sdpa_gpt"])
+def test_auto_on_a_slow_link_splits_tokens_and_matches_the_baseline(tmp_path, device, name):
+    # MEMO's regime: the link moves only part of a block's saved bytes while the block computes, so the
+    # plan swaps that share of the token rows and recomputes the rest. The measured profile is edited to
+    # such a link (the planner sees nothing else), then the run must still be the baseline's, bit for bit.
+    task = TASKS[name]()
+    base = train(task, 4, False, device=device)
+    _, profile, path = _profile_and_plan(tmp_path, task, device)
+    b = profile["blocks"][0]
+    swappable = b["input_bytes"] + b["whole_bytes"] + b["split_bytes"]
+    bandwidth = swappable / b["forward_seconds"] * 0.6
+    profile["links"].update(d2h=bandwidth, h2d=bandwidth, duplex=2 * bandwidth)
+    with open(path, "w") as f:
+        json.dump(profile, f)
+    budgets = _budgets_for(profile, device)
+    floor = tierflow._C.forced_plan(profile["blocks"], profile["links"], budgets, "recompute")
+    tier = train(task, 4, True, device=device, profile=path,
+                 gpu_memory=str(floor["predicted_device_peak_bytes"]), **OPT_NONE)
+    assert_bit_identical(base, tier)
+    plan = tier.report["plan"]
+    assert "split" in plan["modes"], plan
+    assert any(0 < a < 1 for m, a in zip(plan["modes"], plan["alpha"]) if m == "split"), plan
+    assert plan["split_rows"] > 0
