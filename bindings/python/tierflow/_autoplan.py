@@ -210,15 +210,8 @@ class AutoPlanner:
         """Sets each split block's exact first rows; returns the blocks where no split op is exact."""
         failed = []
         for i, (r, bp) in enumerate(zip(self.runners, plan["blocks"])):
-            if bp["mode"] != "split" or r.table is None:
-                continue
-            r.table.exact_rows.clear()
-            for j in sorted(r.table.split_ops):
-                op = r.table.ops[j]
-                r0 = op.rows if bp["alpha"] >= 1.0 else int(bp["alpha"] * op.rows) // _ROW_GRANULE * _ROW_GRANULE
-                if r0 == op.rows or (0 < r0 < op.rows and probe_row_split(op, r0)):
-                    r.table.exact_rows[j] = r0
-            if not r.table.exact_rows:
+            # Without a table yet (a profile read from a file) the runner probes once it has recorded one.
+            if bp["mode"] == "split" and r.table is not None and not probe_table(r.table, bp["alpha"]):
                 failed.append(i)
         return failed
 
@@ -228,6 +221,17 @@ class AutoPlanner:
             r.alpha = bp["alpha"]
             r.tier = bp["tier"]
         self.keep_all = all(bp["mode"] == "keep" for bp in plan["blocks"])
+
+
+def probe_table(table: Any, alpha: float) -> bool:
+    """Sets the exact first rows of each split matmul of ``table`` for ``alpha``; False when none is exact."""
+    table.exact_rows.clear()
+    for j in sorted(table.split_ops):
+        op = table.ops[j]
+        r0 = op.rows if alpha >= 1.0 else int(alpha * op.rows) // _ROW_GRANULE * _ROW_GRANULE
+        if r0 == op.rows or (0 < r0 < op.rows and probe_row_split(op, r0)):
+            table.exact_rows[j] = r0
+    return bool(table.exact_rows)
 
 
 def _saved(b: dict) -> int:

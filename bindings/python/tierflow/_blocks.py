@@ -589,6 +589,12 @@ class BlockRunner:
             _finish_table(f.table)
             self.tables[sig] = f.table
             f.recorder = None
+            if self.mode == "split":
+                from ._autoplan import probe_table
+
+                if not probe_table(f.table, self.alpha):
+                    _C.log("warn", f"tierflow: block {self.index}: no matmul of it splits its rows exactly on this "
+                           "device; it recomputes them all")
         self.table = f.table
 
 
