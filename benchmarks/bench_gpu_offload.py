@@ -13,11 +13,20 @@ weights, same seeded random tokens, AdamW at the same learning rate) for
   tierflow-host      tierflow.wrap: activations to the pinned host pool, torch's AdamW kept
   tierflow-nvme      tierflow.wrap: activations to NVMe swap files, torch's AdamW kept
   tierflow-host-opt  tierflow.wrap: activations to host, AdamW on the CPU (tierflow.CPUAdamW)
+  tierflow-auto      tierflow.wrap with the activation planner (TIERFLOW_OFFLOAD_ACTIVATIONS=auto) and
+                     TIERFLOW_GPU_MEMORY at the checkpoint mode's device peak (on the CPU, which has no
+                     device allocator: weights + grads + AdamW states + 60% of the baseline's saved
+                     activations); torch's AdamW kept
+  tierflow-auto-fits the planner with the default budget (everything fits on a large GPU: keep all)
   baseline-rerun     (opt-in) the baseline again, in another process: the losses' run-to-run noise
 
 Every mode runs in a fresh process (this script with --worker MODE), so device
 peaks and allocator caches do not mix; a mode that fails records its error and
-the others go on. Times are medians over the measured steps. On CUDA each step
+the others go on. Times are medians over the measured steps. The planner's modes
+profile during their first two steps and plan before the third: they run at
+least 3 warm-up steps. --seq-search also finds, on CUDA, the longest sequence
+(a multiple of 256) that checkpoint and tierflow-auto (default budget) train
+without running out of device memory, and their tokens/s there. On CUDA each step
 is bracketed by torch.cuda.synchronize() and its phases are timed with CUDA
 events on the compute stream (read after the synchronize, so they are honest
 and the phases still overlap as in an unmeasured loop). On the CPU (tierflow's
@@ -95,16 +104,18 @@ PRESETS: dict[str, dict[str, Any]] = {
     # The 1.34B GPT of /work/shared/GPU.md (baseline on an H100: step 0.162 s, device peak 25.06 GiB,
     # 13.05 GiB of saved activations).
     "gpt1b": dict(n_layer=24, d_model=2048, n_head=16, seq_len=4096, batch=2, vocab_size=32000, dtype="bf16",
-                  warmup=2, steps=5, min_offload_bytes=None, prefetch_bytes=None, nvme_memory="24GiB"),
+                  warmup=3, steps=5, min_offload_bytes=None, prefetch_bytes=None, nvme_memory="24GiB"),
     # A few seconds per mode on a 2-core CPU. At this size (about 1.1 MiB saved per step) tierflow's
     # defaults would offload almost nothing: most tensors are below its 64KiB threshold, and the NVMe
     # mode keeps the last prefetch_bytes saved (64MiB by default) on the device. So everything is
     # offloaded, and only the last 256KiB stay.
     "tiny": dict(n_layer=2, d_model=64, n_head=4, seq_len=64, batch=2, vocab_size=256, dtype="fp32",
-                 warmup=2, steps=5, min_offload_bytes="0", prefetch_bytes="256KiB", nvme_memory="256MiB"),
+                 warmup=3, steps=5, min_offload_bytes="0", prefetch_bytes="256KiB", nvme_memory="256MiB"),
 }
 
-MODES = ["baseline", "save_on_cpu", "checkpoint", "tierflow-host", "tierflow-nvme", "tierflow-host-opt"]
+MODES = ["baseline", "save_on_cpu", "checkpoint", "tierflow-host", "tierflow-nvme", "tierflow-host-opt",
+         "tierflow-auto", "tierflow-auto-fits"]
+AUTO_MODES = ("tierflow-auto", "tierflow-auto-fits")
 # Opt-in: the baseline again in another process. Its distance from the baseline is the run-to-run noise
 # of the losses (on CUDA, kernels that accumulate with atomics), the floor for reading the others'.
 EXTRA_MODES = ["baseline-rerun"]
@@ -112,6 +123,8 @@ TIERFLOW_MODES: dict[str, dict[str, str]] = {
     "tierflow-host": dict(offload_activations="host", offload_optimizer="none"),
     "tierflow-nvme": dict(offload_activations="nvme", offload_optimizer="none"),
     "tierflow-host-opt": dict(offload_activations="host", offload_optimizer="host"),
+    "tierflow-auto": dict(offload_activations="auto", offload_optimizer="none"),
+    "tierflow-auto-fits": dict(offload_activations="auto", offload_optimizer="none"),
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 EMULATED_PEAK_NOTE = ("no device allocator on the CPU (emulated device): see saved_activations_device_peak_bytes "
@@ -220,6 +233,8 @@ def _train(mode: str, cfg: dict, result: dict) -> None:
     result["parameters"] = sum(p.numel() for p in model.parameters())
     model.checkpoint_blocks = mode == "checkpoint"
 
+    if mode in AUTO_MODES and cfg["warmup"] < 3:
+        raise ValueError(f"{mode} profiles two steps and plans before the third: it needs --warmup 3 or more")
     total = cfg["warmup"] + cfg["steps"]
     gen = torch.Generator().manual_seed(cfg["seed"] + 1)  # data: the same in every mode
     batches = []
@@ -238,6 +253,8 @@ def _train(mode: str, cfg: dict, result: dict) -> None:
                 settings[key] = cfg[key]
         if mode == "tierflow-nvme":
             settings.update(nvme_paths=[cfg["nvme_path"]], nvme_memory=cfg["nvme_memory"])
+        if mode == "tierflow-auto" and cfg.get("auto_gpu_memory"):
+            settings["gpu_memory"] = str(cfg["auto_gpu_memory"])
         known = {row["name"] for row in tierflow.config_table()}
         if not cuda and "TIERFLOW_DEVICE" in known:
             settings["device"] = "emulated"  # a CPU model on a machine that also has a GPU
@@ -324,6 +341,8 @@ def _train(mode: str, cfg: dict, result: dict) -> None:
         result["saved_activations_device_peak_bytes"] = report["activations"]["device_bytes"]["peak"]
         if mode == "tierflow-host-opt":
             result.update(time_cpu_step_kernel(session.runtime, opt, cfg["kernel_repeats"]))
+        if "plan" in report:
+            result["plan"] = report["plan"]
     elif mode == "baseline" and _TIERFLOW_IMPORT_ERROR is None:
         # One more forward and backward, untimed and without a step, that counts what autograd saves.
         import tierflow
@@ -467,6 +486,57 @@ def estimate(cfg: dict) -> dict:
             "host_optimizer_state_bytes": 12 * n}
 
 
+def auto_budget(cfg: dict, results: dict, est: dict) -> tuple[int, str]:
+    """tierflow-auto's TIERFLOW_GPU_MEMORY: the checkpoint mode's device peak (see the module doc)."""
+    ck = results.get("checkpoint", {})
+    if ck.get("device_peak_bytes"):
+        return int(ck["device_peak_bytes"]), "the checkpoint mode's device peak"
+    saved = results.get("baseline", {}).get("saved_activations_bytes") or 0
+    return (int(est["weights_grads_adam_bytes"] + 0.6 * saved),
+            "no device peak to read (emulated device or no checkpoint run): weights + grads + AdamW states + "
+            "60% of the baseline's saved activations")
+
+
+def seq_search(cfg: dict, args: argparse.Namespace) -> dict:
+    """The longest sequence (a multiple of 256) checkpoint and tierflow-auto train on this GPU, and tokens/s."""
+    if cfg["device"] != "cuda":
+        return {"skipped": "needs CUDA: running out of device memory is what ends the search"}
+    out: dict = {}
+    for mode in ("checkpoint", "tierflow-auto-fits"):
+        def trains(seq: int) -> Optional[dict]:
+            r = run_mode(mode, dict(cfg, seq_len=seq, warmup=1, steps=2), args.mode_timeout)
+            return None if "error" in r else r
+        lo, hi, best = cfg["seq_len"], None, None
+        r = trains(lo)
+        if r is None:
+            out[mode] = {"error": f"does not train at seq {lo}"}
+            continue
+        best = (lo, r)
+        while hi is None and lo < (1 << 20):
+            r = trains(2 * lo)
+            if r is None:
+                hi = 2 * lo
+            else:
+                lo, best = 2 * lo, (2 * lo, r)
+        while hi is not None and hi - lo > 256:
+            mid = (lo + hi) // 2 // 256 * 256
+            r = trains(mid)
+            if r is None:
+                hi = mid
+            else:
+                lo, best = mid, (mid, r)
+        seq, r = best
+        out[mode] = {"seq": seq, "step_seconds": r["step_seconds"],
+                     "tokens_per_second": cfg["batch"] * seq / r["step_seconds"],
+                     "device_peak_bytes": r.get("device_peak_bytes")}
+        print(f"  longest sequence, {mode}: {seq} ({out[mode]['tokens_per_second']:.0f} tokens/s)", flush=True)
+    ck, auto = out.get("checkpoint", {}), out.get("tierflow-auto-fits", {})
+    if "seq" in ck and "seq" in auto:
+        out["seq_ratio"] = auto["seq"] / ck["seq"]
+        out["tokens_per_second_ratio"] = auto["tokens_per_second"] / ck["tokens_per_second"]
+    return out
+
+
 def default_out(cfg: dict) -> str:
     if cfg["device"] == "cuda":
         name = "gpu_offload.json" if cfg["preset"] == "gpt1b" else f"gpu_offload_{cfg['preset']}.json"
@@ -498,6 +568,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--kernel-repeats", type=int, default=5, help="repeats of the CPU AdamW kernel timing")
     ap.add_argument("--mode-timeout", type=float, default=1800.0, help="seconds one mode may take")
     ap.add_argument("--dry-run", action="store_true", help="print the configuration and estimates, run nothing")
+    ap.add_argument("--seq-search", action="store_true",
+                    help="CUDA: the longest sequence checkpoint and tierflow-auto train, with tokens/s")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--worker-config", help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
@@ -558,6 +630,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     results: dict[str, dict] = {}
     try:
         for mode in modes:
+            if mode == "tierflow-auto":
+                cfg["auto_gpu_memory"], cfg["auto_gpu_memory_note"] = auto_budget(cfg, results, est)
+                print(f"  tierflow-auto's TIERFLOW_GPU_MEMORY: {cfg['auto_gpu_memory']} bytes "
+                      f"({cfg['auto_gpu_memory_note']})")
             r = run_mode(mode, cfg, args.mode_timeout)
             results[mode] = r
             status = ("FAILED: " + r["error"].splitlines()[0][:160]) if "error" in r else \
@@ -566,6 +642,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     finally:
         if made_nvme_dir:
             shutil.rmtree(made_nvme_dir, ignore_errors=True)
+
+    longest = seq_search(cfg, args) if args.seq_search else {"skipped": "not asked (--seq-search)"}
 
     base = results.get("baseline", {})
     ok = {m: r for m, r in results.items() if "error" not in r}
@@ -586,6 +664,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                        for m, r in ok.items()} if base_ok else {},
         "loss_vs_baseline": {m: loss_agreement(base["losses"], r["losses"]) for m, r in ok.items()
                              if m != "baseline"} if base_ok else {},
+        "longest_seq": longest,
     }
     path = args.out or default_out(cfg)
     write_json_atomic(path, out)

@@ -2,9 +2,12 @@
 
 Both runs use the same model, data and seed. The first is plain PyTorch with
 torch.optim.AdamW; the second is the same code after one line,
-``model, optimizer = tierflow.wrap(model, optimizer)``: saved activations go
-to the pinned host tier and come back ahead of backward, and AdamW steps on
-the CPU from fp32 master weights. Run it with ``make demo``.
+``model, optimizer = tierflow.wrap(model, optimizer)``, with a device budget
+(``--gpu-memory``) below what the model's saved activations need: the
+activation planner (TIERFLOW_OFFLOAD_ACTIVATIONS=auto) profiles the first two
+steps and then keeps, swaps to the pinned host tier, splits by tokens or
+recomputes each block so that the step fits; AdamW steps on the CPU from fp32
+master weights. Run it with ``make demo``.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ def train(use_tierflow: bool, args: argparse.Namespace, data: CharData) -> dict:
     if use_tierflow:
         nvme = dict(offload_activations="nvme", offload_optimizer="nvme", nvme_paths=args.nvme,
                     nvme_memory="4GiB") if args.nvme else {}
-        model, optimizer = tierflow.wrap(model, optimizer, prefetch_bytes=args.prefetch,
+        model, optimizer = tierflow.wrap(model, optimizer, prefetch_bytes=args.prefetch, gpu_memory=args.gpu_memory,
                                          device="cuda" if args.device == "cuda" else "emulated", **nvme)
     else:
         meter = tierflow.SavedActivationMeter()  # counts saved bytes, moves nothing
@@ -57,7 +60,10 @@ def train(use_tierflow: bool, args: argparse.Namespace, data: CharData) -> dict:
     result = {"losses": losses, "step_s": times}
     if use_tierflow:
         result["report"] = tierflow.report()
-        result["saved_peak_bytes"] = result["report"]["activations"]["device_bytes"]["peak"]
+        plan = result["report"].get("plan", {})
+        # The offloader's blocks plus the blocks the plan keeps (never handed to the offloader).
+        result["saved_peak_bytes"] = result["report"]["activations"]["device_bytes"]["peak"] + \
+            plan.get("kept_bytes", 0)
     else:
         result["saved_peak_bytes"] = meter.peak_bytes
     return result
@@ -73,6 +79,8 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prefetch", default="8MiB", help="TIERFLOW_PREFETCH_BYTES for the demo")
+    ap.add_argument("--gpu-memory", default="24MiB",
+                    help="TIERFLOW_GPU_MEMORY for the demo: below what its saved activations need (default 24MiB)")
     ap.add_argument("--json", default="", help="also write the results here")
     ap.add_argument("--device", default="", help="cuda or cpu (default: cuda when tierflow and torch see a GPU; "
                                                  "cpu trains on tierflow's emulated device)")
@@ -106,6 +114,9 @@ def main() -> int:
     print("\nwhere memory went")
     print(f"  device bytes held by saved activations, peak:  PyTorch {fmt_bytes(b_peak)}   "
           f"tierflow {fmt_bytes(t_peak)}   ({100.0 * t_peak / max(b_peak, 1):.1f}% of PyTorch's)")
+    plan = tier["report"].get("plan")
+    if plan:
+        print(f"  activation plan (TIERFLOW_GPU_MEMORY={args.gpu_memory}): {plan['summary']}")
     link = tier["report"]["links"]
     if args.nvme:
         nv = tier["report"]["activations"]["nvme"]

@@ -8,6 +8,7 @@
 
 #include "tierflow/core/error.hpp"
 #include "tierflow/tiering/planner.hpp"
+#include "tierflow/tiering/saved_actions.hpp"
 
 namespace py = pybind11;
 
@@ -90,6 +91,13 @@ py::dict to_dict(const tiering::Plan& plan) {
   return out;
 }
 
+tiering::SavedClass to_class(const std::string& s) {
+  for (auto c : {tiering::SavedClass::kExternal, tiering::SavedClass::kInput, tiering::SavedClass::kAttention,
+                 tiering::SavedClass::kSplit, tiering::SavedClass::kCheap})
+    if (tiering::to_string(c) == s) return c;
+  throw config_error("saved-tensor class '" + s + "'; accepted: external, input, attention, split, cheap");
+}
+
 tiering::BlockMode to_mode(const std::string& s) {
   if (s == "keep") return tiering::BlockMode::kKeep;
   if (s == "swap") return tiering::BlockMode::kSwap;
@@ -110,6 +118,17 @@ void bind_activation_planner(py::module_& m) {
     return to_dict(tiering::forced_plan(to_profiles(blocks), to_links(links), to_budgets(budgets), to_mode(mode)));
   }, py::arg("blocks"), py::arg("links"), py::arg("budgets"), py::arg("mode"),
      "Every block in one mode (keep, swap, split, recompute), with the planner's predictions.");
+  m.def("saved_actions", [](const std::string& mode, const std::vector<std::string>& classes,
+                            const std::vector<bool>& exact) {
+    if (classes.size() != exact.size()) throw config_error("saved_actions: one exact flag per class");
+    std::vector<std::string> out;
+    const auto md = to_mode(mode);
+    for (std::size_t i = 0; i < classes.size(); ++i)
+      out.emplace_back(tiering::to_string(tiering::saved_action(md, to_class(classes[i]), exact[i])));
+    return out;
+  }, "tiering::saved_action for each saved tensor of a block (Note [Activation plans]).");
+  m.def("split_rows", &tiering::split_rows, py::arg("alpha"), py::arg("rows"), py::arg("granule"),
+        "Rows of a split matmul output swapped for alpha (tiering::split_rows).");
 }
 
 }  // namespace tierflow::bindings

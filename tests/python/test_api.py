@@ -63,7 +63,7 @@ def test_config_table_lists_every_variable_with_docs():
 @pytest.mark.parametrize("name,value,needles", [
     ("TIERFLOW_HOST_MEMORY", "12XB", ["TIERFLOW_HOST_MEMORY", "'12XB'", "MiB", "percentage"]),
     ("TIERFLOW_GPU_MEMORY", "150%", ["TIERFLOW_GPU_MEMORY", "'150%'", "100%"]),
-    ("TIERFLOW_OFFLOAD_ACTIVATIONS", "disk", ["TIERFLOW_OFFLOAD_ACTIVATIONS", "'disk'", "none, host, nvme, auto"]),
+    ("TIERFLOW_OFFLOAD_ACTIVATIONS", "disk", ["TIERFLOW_OFFLOAD_ACTIVATIONS", "'disk'", "none, host, nvme, recompute, auto"]),
     ("TIERFLOW_CPU_THREADS", "-2", ["TIERFLOW_CPU_THREADS", "'-2'", "auto or an integer"]),
     ("TIERFLOW_LOG_LEVEL", "chatty", ["TIERFLOW_LOG_LEVEL", "error, warn, info, debug"]),
     ("TIERFLOW_NVME_PATHS", "/a,,/b", ["TIERFLOW_NVME_PATHS", "no empty entries"]),

@@ -13,8 +13,11 @@ import tierflow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BENCH = os.path.join(ROOT, "benchmarks", "bench_gpu_offload.py")
-MODES = ["baseline", "save_on_cpu", "checkpoint", "tierflow-host", "tierflow-nvme", "tierflow-host-opt"]
-EXACT_MODES = ["save_on_cpu", "checkpoint", "tierflow-host", "tierflow-nvme"]  # torch's AdamW, activations copied
+MODES = ["baseline", "save_on_cpu", "checkpoint", "tierflow-host", "tierflow-nvme", "tierflow-host-opt",
+         "tierflow-auto", "tierflow-auto-fits"]
+AUTO_MODES = ["tierflow-auto", "tierflow-auto-fits"]  # the planner: 3 warm-up steps at least
+# torch's AdamW, activations copied or recomputed exactly
+EXACT_MODES = ["save_on_cpu", "checkpoint", "tierflow-host", "tierflow-nvme"] + AUTO_MODES
 # What `make test-python` sets for the whole suite (the emulated device's mode and seed), read at import,
 # before any fixture runs: the benchmark's workers run with these and no other TIERFLOW_* variable.
 SUITE_ENVIRONMENT = {k: os.environ[k] for k in ("TIERFLOW_EMULATED_DEVICE", "TIERFLOW_EMULATED_SEED")
@@ -33,7 +36,7 @@ def _fs_type(path):
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
-    """The tiny preset, 2 warm-up + 2 measured steps, all modes, on the CPU; the JSON and the printed table."""
+    """The tiny preset, 3 warm-up + 2 measured steps, all modes, on the CPU; the JSON and the printed table."""
     tmp = tmp_path_factory.mktemp("bench_gpu_offload")
     nvme = tmp / "nvme"
     nvme.mkdir()
@@ -47,7 +50,7 @@ def tiny_run(tmp_path_factory):
     env.update({k: v for k, v in SUITE_ENVIRONMENT.items() if k in known})
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.join(ROOT, "bindings", "python"),
                                                     env.get("PYTHONPATH")) if p)
-    cmd = [sys.executable, BENCH, "--preset", "tiny", "--device", "cpu", "--warmup", "2", "--steps", "2",
+    cmd = [sys.executable, BENCH, "--preset", "tiny", "--device", "cpu", "--warmup", "3", "--steps", "2",
            "--modes", ",".join(MODES), "--nvme-path", nvme_dir, "--kernel-repeats", "2", "--out", str(out)]
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
@@ -63,12 +66,12 @@ def tiny_run(tmp_path_factory):
 def test_every_mode_runs_and_records_its_measurements(tiny_run):
     data, stdout, _ = tiny_run
     assert data["device"] == "emulated" and data["preset"] == "tiny"
-    assert data["config"]["steps"] == 2 and data["config"]["warmup"] == 2 and data["config"]["dtype"] == "fp32"
+    assert data["config"]["steps"] == 2 and data["config"]["warmup"] == 3 and data["config"]["dtype"] == "fp32"
     assert data["host"]["cpu_count"] >= 1 and data["torch"]
     assert list(data["modes"]) == MODES
     for mode, r in data["modes"].items():
         assert "error" not in r, f"{mode}: {r.get('error')}\n{r.get('traceback', '')}{r.get('stderr_tail', '')}"
-        assert len(r["losses"]) == 4, mode
+        assert len(r["losses"]) == 5, mode
         assert all(math.isfinite(x) for x in r["losses"]), (mode, r["losses"])
         for key in ("step_seconds", "forward_seconds", "backward_seconds", "optimizer_seconds"):
             assert r[key] > 0, (mode, key, r[key])
@@ -77,7 +80,12 @@ def test_every_mode_runs_and_records_its_measurements(tiny_run):
         assert "device_peak_bytes" in r and r["device_peak_bytes"] is None and r["device_peak_note"], mode
         assert data["ratios"][mode] > 0
         assert mode in data["peak_ratio"]
-        if mode.startswith("tierflow"):
+        if mode in AUTO_MODES:
+            assert r["plan"]["summary"] and len(r["plan"]["modes"]) == 2, r.get("plan")
+        if mode == "tierflow-auto-fits":  # everything fits the default budget: nothing moves
+            assert r["plan"]["modes"] == ["keep", "keep"]
+            assert r["tierflow"]["per_measured_step"]["activations.packs"] == 0
+        elif mode.startswith("tierflow"):
             assert r["tierflow_report"]["device"] == "emulated"
             per_step = r["tierflow"]["per_measured_step"]
             assert per_step["links.gpu_to_host_bytes"] > 0 and per_step["links.host_to_gpu_bytes"] > 0, per_step
@@ -97,6 +105,8 @@ def test_every_mode_runs_and_records_its_measurements(tiny_run):
         # The workers ran on the emulated device in the mode this suite was started with.
         assert data["modes"]["tierflow-host"]["tierflow_report"]["config"]["TIERFLOW_EMULATED_DEVICE"] == \
             EMULATED_DEVICE
+    assert "60% of the baseline's saved activations" in data["config"]["auto_gpu_memory_note"]
+    assert data["longest_seq"]["skipped"]
     for mode in MODES:
         assert mode in stdout  # the table
     assert "max |loss - baseline loss|" in stdout

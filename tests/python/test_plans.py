@@ -189,3 +189,35 @@ def test_auto_on_a_slow_link_splits_tokens_and_matches_the_baseline(tmp_path, de
     assert "split" in plan["modes"], plan
     assert any(0 < a < 1 for m, a in zip(plan["modes"], plan["alpha"]) if m == "split"), plan
     assert plan["split_rows"] > 0
+
+
+@pytest.mark.parametrize("mode", ["recompute", "split"])
+def test_replay_restores_autocast_and_matches_the_baseline(device, mode):
+    task = sdpa_gpt_task()
+    dev = torch_device(device)
+    amp = torch.bfloat16
+
+    def run(use_tierflow: bool) -> list:
+        torch.manual_seed(0)
+        model = task.model_on(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        if use_tierflow:
+            model, opt = tierflow.wrap(model, opt, device=device, offload_activations="recompute", **OPT_NONE)
+        losses = []
+        for step in range(3):
+            x, y = task.batch_on(step, device)
+            with torch.autocast(dev.type, dtype=amp):
+                loss = task.loss(model, (x, y))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+            if use_tierflow and mode == "split" and step == 0:
+                _find_split_plan(tierflow.current_session())
+        return losses
+
+    assert run(False) == run(True)
+    r = tierflow.report()["plan"]
+    assert r["replays"] == 3 * 3
+    if mode == "split":
+        assert r["restored_ops"] == 2 * 3 and r["split_rows"] > 0

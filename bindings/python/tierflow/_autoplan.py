@@ -135,6 +135,9 @@ class AutoPlanner:
             out["alpha"] = [bp["alpha"] for bp in self.plan["blocks"]]
             out["predicted_device_peak_bytes"] = self.plan["predicted_device_peak_bytes"]
             out["predicted_step_seconds"] = self.plan["predicted_step_seconds"]
+            # Saved bytes of the blocks the plan keeps: they never pass through the offloader's counters.
+            out["kept_bytes"] = sum(_saved(b) for b, bp in zip(self.profile["blocks"], self.plan["blocks"])
+                                    if bp["mode"] == "keep")
         else:
             out["summary"] = "recompute every block (forced)" if self.forced else \
                 f"profiling ({self.forwards} forwards so far; the plan is made before the third)"
@@ -150,10 +153,14 @@ class AutoPlanner:
         elif self.forwards == 2:
             for r in self.runners:
                 r.timing = True
+            if self._cuda():
+                torch.cuda.reset_peak_memory_stats(self._device())
         elif self.forwards == 3:
             for r in self.runners:
                 r.timing = False
             profile = self.measure()
+            if self._cuda():
+                profile["measured_peak_bytes"] = int(torch.cuda.max_memory_allocated(self._device()))
             if self.profile_path:
                 write_json_atomic(self.profile_path, profile)
             self.make_plan(profile)
@@ -167,6 +174,9 @@ class AutoPlanner:
             links["nvme_write"], links["nvme_read"] = measure_nvme(paths[0])
         return {"version": PROFILE_VERSION, "blocks": [block_profile(r) for r in self.runners], "links": links}
 
+    def _cuda(self) -> bool:
+        return self._device().type == "cuda"
+
     def _device(self) -> torch.device:
         return self.model_params[0].device if self.model_params else torch.device("cpu")
 
@@ -177,6 +187,14 @@ class AutoPlanner:
         fixed = 2 * param_bytes  # parameters and their gradients
         if cfg["TIERFLOW_OFFLOAD_OPTIMIZER"] == "none":
             fixed += 2 * sum(p.numel() * 4 for p in self.model_params)  # Adam's m and v in fp32
+        peak = profile.get("measured_peak_bytes")
+        if peak:
+            # The timing step ran the floor (every block recomputed): its device peak minus the largest
+            # block's saved and transient bytes and the window is what the rest of training holds,
+            # workspace and the tensors saved outside the blocks included.
+            largest = max(_saved(b) + int(b["transient_bytes"]) for b in profile["blocks"])
+            window = min(int(cfg.get("TIERFLOW_PREFETCH_BYTES", 64 << 20)), sum(_saved(b) for b in profile["blocks"]))
+            fixed = max(fixed, peak - largest - window)
         pool = rt.stats().get("host_pool", {})
         host_used = int(pool.get("reserved", {}).get("current", 0)) if isinstance(pool, dict) else 0
         return {
@@ -202,6 +220,7 @@ class AutoPlanner:
             self.probe(plan)
         self.apply(plan)
         self.plan = plan
+        self.profile = profile
         _C.log("warn", "tierflow activation plan: " + plan["summary"])
         for line in plan["lines"]:
             _C.log("info", "tierflow   " + line)
@@ -228,7 +247,7 @@ def probe_table(table: Any, alpha: float) -> bool:
     table.exact_rows.clear()
     for j in sorted(table.split_ops):
         op = table.ops[j]
-        r0 = op.rows if alpha >= 1.0 else int(alpha * op.rows) // _ROW_GRANULE * _ROW_GRANULE
+        r0 = _C.split_rows(alpha, op.rows, _ROW_GRANULE)
         if r0 == op.rows or (0 < r0 < op.rows and probe_row_split(op, r0)):
             table.exact_rows[j] = r0
     return bool(table.exact_rows)

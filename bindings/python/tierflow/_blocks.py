@@ -166,6 +166,16 @@ class Table:
     split_ops: set = field(default_factory=set)    # matmuls with a saved, row-splittable output
     exact_rows: dict = field(default_factory=dict)  # op -> r0 probed exact (see probe_row_split)
 
+    def actions(self, mode: str) -> list:
+        """tiering::saved_action of every saved tensor for ``mode`` (cached until the probe changes)."""
+        key = (mode, tuple(sorted(self.exact_rows.items())))
+        if getattr(self, "_actions_key", None) != key:
+            exact = [(s.cls == "attention" and s.op in self.restorable)
+                     or (s.cls == "split" and self.exact_rows.get(s.op, 0) > 0) for s in self.saved]
+            self._actions = _C.saved_actions(mode, [s.cls for s in self.saved], exact)
+            self._actions_key = key
+        return self._actions
+
     def bytes_by_class(self) -> dict:
         out = {"input": 0, "attention": 0, "split": 0, "cheap": 0}
         for s in self.saved:
@@ -300,22 +310,20 @@ class _Frame:
 
     def _pack_planned(self, i: int, s: _Saved, t: torch.Tensor) -> Any:
         rt = self.runner.runtime
-        if s.cls == "external":
+        action = self.table.actions(self.mode)[i]
+        if action == "reference":
             return t
-        if self.mode == "swap" or s.cls == "input":
-            return _Swapped(rt, rt.pack_to(t, self.tier))
-        if self.mode == "split":
-            if s.cls == "attention" and s.op in self.table.restorable:
-                h = rt.pack_to(t, self.tier)
+        if action == "swap":
+            h = rt.pack_to(t, self.tier)
+            if s.cls == "attention":
                 self.whole[(s.op, s.out)] = h
-                return _Swapped(rt, h)
-            if s.cls == "split" and s.op in self.table.split_ops and s.op not in self.prefix:
-                r0 = self.table.exact_rows.get(s.op, 0)
-                if r0 > 0:
-                    o = self.table.ops[s.op].outputs[s.out]
-                    base = t.new_empty(0).set_(t.untyped_storage(), o[2], o[0], o[1])
-                    self.prefix[s.op] = rt.pack_to(base[:r0].clone(), self.tier)
-                    self.rows[s.op] = r0
+            return _Swapped(rt, h)
+        if action == "swap_rows" and s.op not in self.prefix:
+            r0 = self.table.exact_rows[s.op]
+            o = self.table.ops[s.op].outputs[s.out]
+            base = t.new_empty(0).set_(t.untyped_storage(), o[2], o[0], o[1])
+            self.prefix[s.op] = rt.pack_to(base[:r0].clone(), self.tier)
+            self.rows[s.op] = r0
         return _Placeholder(self, i)
 
     def _pack_recording(self, i: int, t: torch.Tensor) -> Any:
@@ -376,9 +384,9 @@ class _Frame:
             _local.replaying = False
         if mode.j != len(self.table.ops):
             raise _C.TierflowError(runner.mismatch(f"its replay ran {mode.j} ops, its forward {len(self.table.ops)}"))
+        actions = self.table.actions(self.mode)
         for i, s in enumerate(self.table.saved):
-            if s.cls in ("external", "input") or (self.mode == "split" and s.cls == "attention"
-                                                   and s.op in self.table.restorable):
+            if actions[i] in ("reference", "swap"):
                 continue
             base = mode.outputs[(s.op, s.out)]
             self.resolved[i] = base.new_empty(0).set_(base.untyped_storage(), s.offset, s.sizes, s.strides).detach()
