@@ -1,0 +1,148 @@
+// The activation planner: per repeated block (a transformer layer), keep its
+// saved activations on the device, swap them to host or NVMe, recompute them,
+// or split their token rows between swap and recompute (MEMO), chosen from
+// measured costs. Torch-free; bindings/ adapts autograd to the plan.
+//
+// Note [Activation planner]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~
+// The model (what evaluate_plan computes; plan_activations finds its optimum).
+//
+// Per block, MEMO's per-layer pipeline: the block's swap-out overlaps its own
+// forward and its swap-in overlaps its own backward, so
+//   forward  = max(forward_seconds, swap_bytes / write_bw)
+//   backward = max(backward_seconds + recompute_seconds, swap_bytes / read_bw)
+// where write/read_bw are d2h/h2d for the host tier and min(PCIe, NVMe) of that
+// direction for the NVMe tier (the host staging is pipelined and not counted),
+// and per mode
+//   keep       swap_bytes 0                               recompute 0
+//   swap       swap_bytes saved_bytes()                   recompute 0
+//   split(a)   swap_bytes input + whole + a * split        recompute (1-a) * split_recompute + cheap_recompute
+//   recompute  swap_bytes input                           recompute forward_seconds
+// The step (activations' part) is the sum over blocks. Links.duplex is not
+// used: in this pipeline the forward only writes and the backward only reads.
+//
+// Device peak = fixed_device_bytes + the saved bytes of every kept block + the
+// largest working set of one block (transient_bytes, plus saved_bytes() for a
+// block that is not kept: its rows come back or are recomputed before its
+// backward) + prefetch_bytes when any block swaps anything. Counting every
+// kept byte at once is conservative: with keep-tail the kept blocks are the
+// last ones, so their bytes are gone by the time an earlier block's backward
+// rebuilds its working set.
+// Host (NVMe) usage = the sum of swap_bytes of the blocks on that tier; both
+// must fit their budgets. NVMe is never faster than host in this model, so
+// an optimal plan uses it only where host memory is short (ties go to host).
+//
+// Optimization (exact for the model). Keeping is the fastest option of every
+// block, so when everything fits everything is kept. Otherwise the choice is:
+// which blocks to keep (a knapsack over device bytes), and for the others a
+// mode and tier (a choice per block) and, for split blocks, an alpha. For a
+// fixed choice of modes and tiers, a split block's time is convex and
+// piecewise linear in its swapped bytes (a max of linear functions per
+// phase), so the alphas under one tier's budget are a fractional knapsack:
+// taking segments in order of time saved per byte is exact, and identical
+// blocks get equal alphas (to a byte). The discrete choices are searched by
+// branch and bound over groups of identical blocks (a group's children are
+// the counts of its blocks per choice, so N identical layers cost
+// O(N^6) leaves at worst, far fewer after pruning), bounded by each block's
+// best time with unlimited host memory minus an upper bound on the gain of
+// keeping within the device bytes left. A search that exceeds its node limit
+// returns the best plan found and says so (Plan::proven_optimal).
+// Among equally good plans, the kept blocks of a group are its last ones
+// (backward needs them first; SSDTrain's keep-tail) and fewer bytes are swapped.
+//
+// Assumptions: compute and transfers of different blocks do not overlap (a
+// slow swap-out delays the next block); bandwidths and times are those of the
+// profile; the recompute of a split block's rows costs in proportion to them.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace tierflow::tiering {
+
+/// Measured (or estimated) costs of one repeated block (e.g. a transformer layer), forward order.
+struct BlockProfile {
+  double forward_seconds = 0;          ///< the block's forward compute
+  double backward_seconds = 0;         ///< its backward compute, recompute excluded
+  std::uint64_t input_bytes = 0;       ///< the block's input: swapped whole unless the block is kept
+  std::uint64_t whole_bytes = 0;       ///< saved bytes swapped whole (attention output + softmax statistics); never recomputed by a split
+  std::uint64_t split_bytes = 0;       ///< saved bytes of row-wise matmul outputs: a fraction alpha of their token rows is swapped, the rest recomputed
+  double split_recompute_seconds = 0;  ///< time to recompute ALL rows of split_bytes (alpha=0)
+  std::uint64_t cheap_bytes = 0;       ///< the other saved bytes (norms, pointwise, dropout masks): recomputed whenever the block is not kept/swapped whole
+  double cheap_recompute_seconds = 0;  ///< time to recompute them
+  bool splittable = true;              ///< false: no exact token split exists for this block (only keep / swap / recompute)
+  std::uint64_t transient_bytes = 0;   ///< device bytes the block needs while it runs (workspace, its own recomputed tensors beyond saved bytes)
+  /// Every byte the block saves for backward.
+  std::uint64_t saved_bytes() const noexcept { return input_bytes + whole_bytes + split_bytes + cheap_bytes; }
+};
+
+/// Link bandwidths, bytes per second.
+struct Links {
+  double d2h = 0, h2d = 0, duplex = 0;   ///< device->host, host->device alone, and both at once (sum)
+  double nvme_write = 0, nvme_read = 0;  ///< host<->NVMe (0: no NVMe tier)
+};
+
+/// Memory the plan may use, bytes.
+struct Budgets {
+  std::uint64_t device_bytes = 0;        ///< TIERFLOW_GPU_MEMORY resolved to bytes
+  std::uint64_t fixed_device_bytes = 0;  ///< what the rest of training needs on the device: params, grads, optimizer states, workspace
+  std::uint64_t host_bytes = 0;          ///< host bytes available for swapped activations
+  std::uint64_t nvme_bytes = 0;          ///< NVMe bytes available (0: none)
+  std::uint64_t prefetch_bytes = 0;      ///< in-flight window of the swap engine, counted on the device
+};
+
+/// What happens to a block's saved bytes. swap = every saved byte swapped, nothing recomputed;
+/// split = MEMO; recompute = only the input swapped, the whole block recomputed.
+enum class BlockMode : std::uint8_t { kKeep, kSwap, kSplit, kRecompute };
+/// Where swapped bytes go.
+enum class SwapTier : std::uint8_t { kHost, kNvme };
+
+/// The decision and the predictions for one block.
+struct BlockPlan {
+  BlockMode mode = BlockMode::kKeep;
+  double alpha = 0;                            ///< kSplit: fraction of split_bytes' rows swapped
+  SwapTier tier = SwapTier::kHost;
+  double keep = 1, swap = 0, recompute = 0;    ///< fractions of saved_bytes(); sum to 1
+  std::uint64_t swap_bytes = 0;                ///< bytes sent to the tier per step
+  double forward_seconds = 0, backward_seconds = 0;  ///< predicted, transfers and recompute included
+};
+
+/// A plan for every block, with its predictions.
+struct Plan {
+  std::vector<BlockPlan> blocks;
+  std::uint64_t predicted_device_peak_bytes = 0;
+  double predicted_step_seconds = 0;             ///< activations' part of the step: forward + backward of the blocks
+  std::uint64_t host_bytes = 0, nvme_bytes = 0;  ///< swapped activations held per tier at the peak
+  // Additions to the agreed interface:
+  double keep_all_step_seconds = 0;              ///< the step if every block were kept (the fastest possible)
+  std::uint64_t device_budget_bytes = 0;         ///< Budgets::device_bytes the plan was made for
+  bool fits = true;                              ///< device peak, host and NVMe usage within the budgets
+  bool proven_optimal = true;                    ///< false: the search stopped at its node limit (best found)
+  std::string summary() const;                   ///< one line: modes count, peak, step, vs keep-all
+  std::string block_line(std::size_t i) const;   ///< one line per block
+};
+
+/// The plan that minimizes the predicted step time within the budgets (see Note [Activation planner]).
+/// Everything fits: every block kept. Throws tierflow::out_of_memory (Python: OutOfMemoryError) saying
+/// how many device bytes the cheapest-memory plan needs when even that does not fit.
+Plan plan_activations(const std::vector<BlockProfile>& blocks, const Links& links, const Budgets& budgets);
+
+/// Every block in `mode` (kSplit: alpha as large as the per-block link rule allows), same predictions;
+/// for forced configurations. Swapped bytes go to host until it is full, then to NVMe; never throws
+/// for budgets (Plan::fits says whether it fits); a non-splittable block asked for kSplit is recomputed.
+Plan forced_plan(const std::vector<BlockProfile>& blocks, const Links& links, const Budgets& budgets, BlockMode mode);
+
+/// Predicted step and peak of a given per-block assignment (mode, alpha, tier are read; the rest is
+/// filled in). The model itself; the tests' brute force uses it.
+Plan evaluate_plan(const std::vector<BlockProfile>& blocks, const Links& links, const Budgets& budgets,
+                   std::vector<BlockPlan> assignment);
+
+/// Name of a mode: "keep", "swap", "split", "recompute".
+std::string_view to_string(BlockMode) noexcept;
+/// Name of a tier: "host", "nvme".
+std::string_view to_string(SwapTier) noexcept;
+
+}  // namespace tierflow::tiering

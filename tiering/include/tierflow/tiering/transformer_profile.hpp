@@ -1,0 +1,70 @@
+// Estimated block profiles and training-state bytes of a GPT-2-style transformer,
+// from its shape alone: the input of `python -m tierflow plan` when there is no
+// measured profile.
+//
+// Note [Transformer estimate]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The block is benchmarks/gpt_model.py's Block: x + attn(ln1(x)), then
+// x2 + mlp(ln2(x2)); attention is qkv Linear, causal SDPA (flash: it saves q,
+// k, v, its output and the fp32 logsumexp), proj Linear; the MLP is fc, GELU,
+// proj with ffn_mult * hidden units; no dropout. What autograd saves per token,
+// in elements of the model's dtype (h = hidden, f = ffn_mult):
+//   input  x                                  h      (LayerNorm's input)
+//   whole  SDPA output                        h      (+ heads fp32 logsumexp); proj's input is a view of it
+//   split  qkv Linear output (SDPA's q, k, v) 3h;  fc output (GELU's input) f*h
+//   cheap  ln1 output h, x2 = x + proj(y) h, ln2 output h, GELU output f*h (+ 4 fp32 LayerNorm stats)
+// i.e. (8 + 2f) * h elements, 16h for f = 4. Checked against torch 2.x on the
+// CPU (hidden 32, heads 4, seq 64, batch 2, fp32): saved_tensors_hooks over one
+// Block, counted once per storage with parameters excluded, gave 13 storages of
+// 2080 bytes per token = 16h * 4 + 16 + 4 * heads, class by class as above
+// (tests/python/test_plan_cli.py repeats this check).
+// Times from flops at `flops_per_second`: a Linear of n -> m costs 2nm flops
+// per token, causal attention 2 * seq * h per token (4 * seq * h halved); the
+// backward is twice the forward; pointwise work is not counted. Recomputing
+// the split rows costs the qkv and fc matmuls, the cheap part costs proj's
+// matmul (x2 needs it). transient_bytes is the backward's gradient buffers of
+// the MLP: (2f + 1) * h elements per token.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "tierflow/core/config.hpp"
+#include "tierflow/tiering/planner.hpp"
+
+namespace tierflow::tiering {
+
+/// The shape of a GPT-2-style decoder (learned positions, untied head).
+struct TransformerShape {
+  int layers = 0;
+  int hidden = 0;
+  int heads = 0;
+  std::int64_t seq = 0;
+  std::int64_t batch = 0;
+  int dtype_bytes = 2;   ///< parameters and activations: 4 fp32, 2 bf16/fp16
+  std::int64_t vocab = 50304;
+  int ffn_mult = 4;
+  /// Tokens per step.
+  std::int64_t tokens() const noexcept { return seq * batch; }
+};
+
+/// One profile per layer, see Note [Transformer estimate]. Throws logic_error for a bad shape.
+std::vector<BlockProfile> estimate_transformer(const TransformerShape& shape, double flops_per_second);
+
+/// Parameters of the model (embeddings, blocks, final norm, head).
+std::uint64_t transformer_parameters(const TransformerShape& shape);
+
+/// Bytes of training state per tier.
+struct StateBytes {
+  std::uint64_t device = 0, host = 0, nvme = 0;
+};
+
+/// Parameters and optimizer: parameters (dtype) and gradients (dtype) on the device; the fp32 master
+/// (when the dtype is narrower) and Adam's m and v on the device for `none`, on host or NVMe otherwise.
+StateBytes estimate_training_state(const TransformerShape& shape, OffloadTarget optimizer);
+
+/// Device bytes of the activations outside the blocks: final norm, head input, and the loss's fp32
+/// logits (log-softmax output saved, plus the logits and their gradient while the loss runs).
+std::uint64_t estimate_head_device_bytes(const TransformerShape& shape);
+
+}  // namespace tierflow::tiering

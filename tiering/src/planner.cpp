@@ -1,0 +1,703 @@
+// The activation planner's model and search; see Note [Activation planner].
+#include "tierflow/tiering/planner.hpp"
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdio>
+#include <limits>
+#include <string>
+#include <tuple>
+
+#include "tierflow/core/error.hpp"
+#include "tierflow/core/size.hpp"
+
+namespace tierflow::tiering {
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+// Relative slack when comparing predicted step times (sums in different orders).
+constexpr double kTimeSlack = 1e-12;
+// Nodes the branch and bound may visit before it returns the best plan found.
+constexpr std::uint64_t kNodeLimit = 4'000'000;
+
+struct TierBandwidth {
+  double write = 0;  // bytes/s, device -> tier
+  double read = 0;   // bytes/s, tier -> device
+};
+
+bool nvme_available(const Links& links, const Budgets& budgets) {
+  return budgets.nvme_bytes > 0 && links.nvme_write > 0 && links.nvme_read > 0;
+}
+
+TierBandwidth bandwidth(const Links& links, SwapTier tier) {
+  if (tier == SwapTier::kHost) return {links.d2h, links.h2d};
+  return {std::min(links.d2h, links.nvme_write), std::min(links.h2d, links.nvme_read)};
+}
+
+double transfer_seconds(double bytes, double bytes_per_second) {
+  if (bytes <= 0) return 0;
+  return bytes_per_second > 0 ? bytes / bytes_per_second : kInf;
+}
+
+std::uint64_t split_rows_bytes(const BlockProfile& p, double alpha) {
+  return static_cast<std::uint64_t>(std::llround(alpha * static_cast<double>(p.split_bytes)));
+}
+
+struct Times {
+  double forward = 0, backward = 0;
+  double total() const { return forward + backward; }
+};
+
+// The per-block pipeline of Note [Activation planner]. Swapped bytes are taken
+// continuous in alpha (swap_bytes rounds them to a byte) so the time is exactly
+// piecewise linear in alpha.
+Times block_times(const BlockProfile& p, const Links& links, BlockMode mode, double alpha, SwapTier tier) {
+  double swapped = 0, recompute = 0;
+  switch (mode) {
+    case BlockMode::kKeep: return {p.forward_seconds, p.backward_seconds};
+    case BlockMode::kSwap: swapped = static_cast<double>(p.saved_bytes()); break;
+    case BlockMode::kSplit:
+      swapped = static_cast<double>(p.input_bytes + p.whole_bytes) + alpha * static_cast<double>(p.split_bytes);
+      recompute = (1 - alpha) * p.split_recompute_seconds + p.cheap_recompute_seconds;
+      break;
+    case BlockMode::kRecompute:
+      swapped = static_cast<double>(p.input_bytes);
+      recompute = p.forward_seconds;
+      break;
+  }
+  const auto bw = bandwidth(links, tier);
+  return {std::max(p.forward_seconds, transfer_seconds(swapped, bw.write)),
+          std::max(p.backward_seconds + recompute, transfer_seconds(swapped, bw.read))};
+}
+
+std::uint64_t swap_bytes_of(const BlockProfile& p, BlockMode mode, double alpha) {
+  switch (mode) {
+    case BlockMode::kKeep: return 0;
+    case BlockMode::kSwap: return p.saved_bytes();
+    case BlockMode::kSplit: return p.input_bytes + p.whole_bytes + split_rows_bytes(p, alpha);
+    case BlockMode::kRecompute: return p.input_bytes;
+  }
+  return 0;
+}
+
+// Fills swap_bytes, the fractions and the times of `b` from its mode, alpha and tier.
+void fill_block(const BlockProfile& p, const Links& links, BlockPlan& b) {
+  if (b.mode != BlockMode::kSplit) b.alpha = 0;
+  if (b.mode == BlockMode::kKeep) b.tier = SwapTier::kHost;
+  b.swap_bytes = swap_bytes_of(p, b.mode, b.alpha);
+  const double saved = static_cast<double>(p.saved_bytes());
+  b.keep = b.swap = b.recompute = 0;
+  if (b.mode == BlockMode::kKeep) {
+    b.keep = 1;
+  } else if (b.mode == BlockMode::kSwap) {
+    b.swap = 1;
+  } else if (saved > 0) {
+    b.swap = static_cast<double>(b.swap_bytes) / saved;
+    b.recompute = 1 - b.swap;
+  } else {
+    b.recompute = 1;
+  }
+  const auto t = block_times(p, links, b.mode, b.alpha, b.tier);
+  b.forward_seconds = t.forward;
+  b.backward_seconds = t.backward;
+}
+
+// ---- the search over groups of identical blocks -------------------------------------------
+
+// A block's choice: keep, or a mode on a tier.
+enum Choice : int { kKeepC, kSwapHostC, kSplitHostC, kRecomputeHostC, kSwapNvmeC, kSplitNvmeC, kRecomputeNvmeC, kChoices };
+constexpr std::array<BlockMode, kChoices> kChoiceMode = {BlockMode::kKeep,  BlockMode::kSwap, BlockMode::kSplit,
+                                                         BlockMode::kRecompute, BlockMode::kSwap, BlockMode::kSplit,
+                                                         BlockMode::kRecompute};
+constexpr std::array<SwapTier, kChoices> kChoiceTier = {SwapTier::kHost, SwapTier::kHost, SwapTier::kHost,
+                                                        SwapTier::kHost, SwapTier::kNvme, SwapTier::kNvme,
+                                                        SwapTier::kNvme};
+// The order the search decides a group's counts in: a tier's split after its other choices,
+// so the split's bound knows the tier bytes those take.
+constexpr std::array<int, kChoices> kSearchOrder = {kKeepC,     kSwapHostC,      kRecomputeHostC, kSplitHostC,
+                                                    kSwapNvmeC, kRecomputeNvmeC, kSplitNvmeC};
+// Positions inside a group: NVMe first (read last in backward), kept blocks last (keep-tail).
+constexpr std::array<int, kChoices> kPlacementOrder = {kRecomputeNvmeC, kSplitNvmeC, kSwapNvmeC, kRecomputeHostC,
+                                                       kSplitHostC, kSwapHostC, kKeepC};
+using Counts = std::array<int, kChoices>;
+
+// A split block's time at the breakpoints of its convex piecewise-linear curve in alpha.
+struct SplitCurve {
+  std::vector<double> alphas;  // ascending
+  std::vector<double> times;   // block time (forward + backward) at each alpha
+  double best_time = kInf;     // its minimum (at a breakpoint: the curve is convex)
+  double best_alpha = 0;       // where; the curve falls before it
+};
+
+SplitCurve split_curve(const BlockProfile& p, const Links& links, SwapTier tier) {
+  SplitCurve c;
+  if (p.split_bytes == 0) {
+    c.alphas = {1.0};  // no bytes to trade: recompute nothing
+  } else {
+    const auto bw = bandwidth(links, tier);
+    const double base = static_cast<double>(p.input_bytes + p.whole_bytes);
+    const double split = static_cast<double>(p.split_bytes);
+    c.alphas = {0.0, 1.0};
+    // Where the swap-out starts to exceed the forward, and where the swap-in meets the backward.
+    if (bw.write > 0) c.alphas.push_back((p.forward_seconds * bw.write - base) / split);
+    if (bw.read > 0) {
+      c.alphas.push_back((bw.read * (p.backward_seconds + p.cheap_recompute_seconds + p.split_recompute_seconds) - base) /
+                         (split + bw.read * p.split_recompute_seconds));
+    }
+    c.alphas.erase(std::remove_if(c.alphas.begin(), c.alphas.end(),
+                                  [](double a) { return !(a >= 0 && a <= 1); }),
+                   c.alphas.end());
+    std::sort(c.alphas.begin(), c.alphas.end());
+    c.alphas.erase(std::unique(c.alphas.begin(), c.alphas.end()), c.alphas.end());
+  }
+  for (double a : c.alphas) {
+    c.times.push_back(block_times(p, links, BlockMode::kSplit, a, tier).total());
+    if (c.times.back() < c.best_time) {
+      c.best_time = c.times.back();
+      c.best_alpha = a;
+    }
+  }
+  return c;
+}
+
+bool same_profile(const BlockProfile& a, const BlockProfile& b) {
+  auto key = [](const BlockProfile& p) {
+    return std::make_tuple(p.forward_seconds, p.backward_seconds, p.input_bytes, p.whole_bytes, p.split_bytes,
+                           p.split_recompute_seconds, p.cheap_bytes, p.cheap_recompute_seconds, p.splittable,
+                           p.transient_bytes);
+  };
+  return key(a) == key(b);
+}
+
+struct Group {
+  BlockProfile profile;
+  std::vector<std::size_t> members;  // block indices, ascending
+  std::uint64_t saved = 0;
+  double keep_time = 0;                          // forward + backward, kept
+  std::array<bool, kChoices> usable{};
+  std::array<double, kChoices> time_lb{};        // a block's time; split: its best alpha, host unlimited
+  std::array<std::uint64_t, kChoices> base_bytes{};  // a block's tier bytes; split: at alpha 0
+  std::array<SplitCurve, 2> curves;              // split, per tier
+  double best_nonkeep = kInf;                    // min of time_lb over usable non-keep choices
+  int size() const { return static_cast<int>(members.size()); }
+};
+
+std::vector<Group> make_groups(const std::vector<BlockProfile>& blocks, const Links& links, const Budgets& budgets) {
+  std::vector<Group> groups;
+  for (std::size_t i = 0; i < blocks.size(); ++i) {
+    auto it = std::find_if(groups.begin(), groups.end(),
+                           [&](const Group& g) { return same_profile(g.profile, blocks[i]); });
+    if (it == groups.end()) {
+      groups.push_back(Group{});
+      groups.back().profile = blocks[i];
+      it = groups.end() - 1;
+    }
+    it->members.push_back(i);
+  }
+  const bool nvme = nvme_available(links, budgets);
+  for (auto& g : groups) {
+    const auto& p = g.profile;
+    g.saved = p.saved_bytes();
+    g.keep_time = p.forward_seconds + p.backward_seconds;
+    g.curves[0] = split_curve(p, links, SwapTier::kHost);
+    g.curves[1] = split_curve(p, links, SwapTier::kNvme);
+    for (int c = 0; c < kChoices; ++c) {
+      const BlockMode mode = kChoiceMode[c];
+      const SwapTier tier = kChoiceTier[c];
+      const std::uint64_t tier_budget = tier == SwapTier::kHost ? budgets.host_bytes : budgets.nvme_bytes;
+      if (mode == BlockMode::kKeep) {
+        g.usable[c] = true;
+        g.time_lb[c] = g.keep_time;
+        continue;
+      }
+      if (mode == BlockMode::kSplit) {
+        const auto& curve = g.curves[tier == SwapTier::kHost ? 0 : 1];
+        g.time_lb[c] = curve.best_time;
+        g.base_bytes[c] = swap_bytes_of(p, mode, p.split_bytes == 0 ? 1.0 : 0.0);
+      } else {
+        g.time_lb[c] = block_times(p, links, mode, 0, tier).total();
+        g.base_bytes[c] = swap_bytes_of(p, mode, 0);
+      }
+      g.usable[c] = std::isfinite(g.time_lb[c]) && (tier == SwapTier::kHost || nvme) &&
+                    (mode != BlockMode::kSplit || p.splittable) && g.base_bytes[c] <= tier_budget;
+      if (g.usable[c]) g.best_nonkeep = std::min(g.best_nonkeep, g.time_lb[c]);
+    }
+  }
+  return groups;
+}
+
+// The continuous part: given the choices, the split blocks' alphas under each tier's budget.
+struct AlphaSolution {
+  double split_time = 0;                       // sum over split blocks
+  std::vector<std::array<double, 2>> alphas;   // per group, per tier (a group's split blocks share it)
+  bool any_swapped = false;
+};
+
+AlphaSolution solve_alphas(const std::vector<Group>& groups, const std::vector<Counts>& counts,
+                           const std::array<double, 2>& free_bytes) {
+  AlphaSolution s;
+  s.alphas.assign(groups.size(), {0.0, 0.0});
+  for (int t = 0; t < 2; ++t) {
+    const int choice = t == 0 ? kSplitHostC : kSplitNvmeC;
+    struct Segment {
+      double slope;  // seconds per byte
+      std::size_t group;
+      std::size_t index;
+      double bytes;  // for all the group's split blocks
+    };
+    std::vector<Segment> segments;
+    for (std::size_t g = 0; g < groups.size(); ++g) {
+      const int m = counts[g][choice];
+      if (m == 0) continue;
+      const auto& c = groups[g].curves[t];
+      s.alphas[g][t] = c.alphas.front();
+      for (std::size_t k = 0; k + 1 < c.alphas.size(); ++k) {
+        const double bytes = m * (c.alphas[k + 1] - c.alphas[k]) * static_cast<double>(groups[g].profile.split_bytes);
+        const double dt = m * (c.times[k + 1] - c.times[k]);
+        if (bytes > 0) segments.push_back({dt / bytes, g, k, bytes});
+      }
+    }
+    // Convex curves: a group's slopes rise with k, so taking the steepest first takes them in order.
+    std::stable_sort(segments.begin(), segments.end(), [](const Segment& a, const Segment& b) {
+      return std::tie(a.slope, a.group, a.index) < std::tie(b.slope, b.group, b.index);
+    });
+    double left = free_bytes[t];
+    for (const auto& seg : segments) {
+      if (seg.slope >= 0 || left <= 0) break;
+      const double take = std::min(seg.bytes, left);
+      const int m = counts[seg.group][choice];
+      s.alphas[seg.group][t] += take / (m * static_cast<double>(groups[seg.group].profile.split_bytes));
+      left -= take;
+    }
+  }
+  return s;
+}
+
+// Branch and bound over the choices' counts, group by group and choice by choice
+// (kSearchOrder); leaves solve the alphas exactly.
+class Search {
+ public:
+  Search(std::vector<Group> groups, const Links& links, const Budgets& budgets)
+      : groups_(std::move(groups)), links_(links), budgets_(budgets) {
+    for (const auto& g : groups_) min_transient_ = std::max(min_transient_, g.profile.transient_bytes);
+    const std::size_t n = groups_.size();
+    suffix_nonkeep_.assign(n + 1, 0);
+    suffix_forced_bytes_.assign(n + 1, 0);
+    for (std::size_t g = n; g-- > 0;) {
+      const auto& gr = groups_[g];
+      const bool forced = !std::isfinite(gr.best_nonkeep);
+      suffix_nonkeep_[g] = suffix_nonkeep_[g + 1] + gr.size() * (forced ? gr.keep_time : gr.best_nonkeep);
+      suffix_forced_bytes_[g] = suffix_forced_bytes_[g + 1] + (forced ? gr.size() * gr.saved : 0);
+    }
+    for (std::size_t g = 0; g < n; ++g) {
+      if (std::isfinite(groups_[g].best_nonkeep)) by_ratio_.push_back(g);
+    }
+    by_gain_ = by_ratio_;
+    auto gain = [&](std::size_t g) { return groups_[g].best_nonkeep - groups_[g].keep_time; };
+    auto ratio = [&](std::size_t g) {  // gain per byte; zero-byte blocks first
+      return groups_[g].saved > 0 ? gain(g) / static_cast<double>(groups_[g].saved) : kInf;
+    };
+    std::sort(by_ratio_.begin(), by_ratio_.end(), [&](std::size_t a, std::size_t b) { return ratio(a) > ratio(b); });
+    std::sort(by_gain_.begin(), by_gain_.end(), [&](std::size_t a, std::size_t b) { return gain(a) > gain(b); });
+    // Per group and search position: the smallest lower bound of the choices from there on.
+    later_lb_.assign(n, {});
+    for (std::size_t g = 0; g < n; ++g) {
+      double m = kInf;
+      for (int i = kChoices; i-- > 0;) {
+        const int c = kSearchOrder[i];
+        later_lb_[g][i] = m;  // strictly after position i
+        if (groups_[g].usable[c]) m = std::min(m, groups_[g].time_lb[c]);
+      }
+    }
+    counts_.assign(n, Counts{});
+  }
+
+  void run() {
+    if (!groups_.empty()) step(0, 0, groups_[0].size(), 0, 0, {0, 0});
+  }
+
+  bool found() const { return std::isfinite(best_time_); }
+  bool complete() const { return nodes_ <= kNodeLimit; }
+
+  /// The best assignment found, per block.
+  std::vector<BlockPlan> assignment(std::size_t blocks) const {
+    std::vector<BlockPlan> out(blocks);
+    for (std::size_t g = 0; g < groups_.size(); ++g) {
+      const auto& gr = groups_[g];
+      std::size_t pos = 0;
+      for (int c : kPlacementOrder) {
+        const int m = best_counts_[g][c];
+        const int t = kChoiceTier[c] == SwapTier::kHost ? 0 : 1;
+        // Split blocks share the group's alpha to a byte: whole bytes, the remainder one byte each.
+        std::uint64_t total = 0;
+        if (kChoiceMode[c] == BlockMode::kSplit && gr.profile.split_bytes > 0 && m > 0) {
+          total = static_cast<std::uint64_t>(
+              std::floor(best_alphas_[g][t] * m * static_cast<double>(gr.profile.split_bytes)));
+          total = std::min<std::uint64_t>(total, m * gr.profile.split_bytes);
+        }
+        for (int k = 0; k < m; ++k, ++pos) {
+          auto& b = out[gr.members[pos]];
+          b.mode = kChoiceMode[c];
+          b.tier = kChoiceTier[c];
+          if (b.mode != BlockMode::kSplit) continue;
+          if (gr.profile.split_bytes == 0) {
+            b.alpha = 1;
+          } else {
+            const std::uint64_t rows = total / m + (static_cast<std::uint64_t>(k) < total % m ? 1 : 0);
+            b.alpha = static_cast<double>(rows) / static_cast<double>(gr.profile.split_bytes);
+          }
+        }
+      }
+    }
+    return out;
+  }
+
+ private:
+  // Upper bound on the time saved by keeping blocks of groups >= g within `capacity` device bytes:
+  // the smaller of the fractional knapsack and the best gains of as many blocks as could fit.
+  double keep_gain_bound(std::size_t g, double capacity) const {
+    double dantzig = 0, left = capacity;
+    for (std::size_t i : by_ratio_) {
+      if (i < g) continue;
+      const auto& gr = groups_[i];
+      const double gain = gr.best_nonkeep - gr.keep_time;
+      if (gain <= 0) continue;
+      const double bytes = static_cast<double>(gr.saved) * gr.size();
+      if (bytes <= left) {
+        dantzig += gain * gr.size();
+        left -= bytes;
+      } else {
+        dantzig += gain * gr.size() * (left / bytes);
+        break;
+      }
+    }
+    double min_saved = kInf, top = 0;
+    for (std::size_t i : by_gain_) {
+      if (i < g) continue;
+      const auto& gr = groups_[i];
+      if (gr.saved == 0) {
+        top += std::max(0.0, gr.best_nonkeep - gr.keep_time) * gr.size();
+      } else {
+        min_saved = std::min(min_saved, static_cast<double>(gr.saved));
+      }
+    }
+    double slots = std::isfinite(min_saved) ? std::floor(capacity / min_saved) : 0;
+    for (std::size_t i : by_gain_) {
+      if (i < g || slots <= 0) continue;
+      const auto& gr = groups_[i];
+      if (gr.saved == 0) continue;
+      const double take = std::min(slots, static_cast<double>(gr.size()));
+      top += std::max(0.0, gr.best_nonkeep - gr.keep_time) * take;
+      slots -= take;
+    }
+    return std::min(dantzig, top);
+  }
+
+  // Lower bound on the time of groups >= g given the device bytes already kept.
+  double remaining_bound(std::size_t g, std::uint64_t kept) const {
+    const double used = static_cast<double>(budgets_.fixed_device_bytes) + static_cast<double>(kept) +
+                        static_cast<double>(min_transient_) + static_cast<double>(suffix_forced_bytes_[g]);
+    const double capacity = static_cast<double>(budgets_.device_bytes) - used;
+    if (capacity < 0) return kInf;
+    if (g == groups_.size()) return 0;
+    return suffix_nonkeep_[g] - keep_gain_bound(g, capacity);
+  }
+
+  bool prune(double bound) const { return bound >= best_time_ - kTimeSlack * std::abs(best_time_); }
+
+  // Lower bound on the time of `k` blocks of group g taking choice c, with `free` tier bytes
+  // beyond their minimum: a split's alphas cannot take more than that.
+  double choice_bound(const Group& gr, int c, int k, double free) const {
+    if (k == 0) return 0;
+    if (kChoiceMode[c] != BlockMode::kSplit || gr.profile.split_bytes == 0) return k * gr.time_lb[c];
+    const int t = kChoiceTier[c] == SwapTier::kHost ? 0 : 1;
+    const double cap = free / (k * static_cast<double>(gr.profile.split_bytes));
+    const double alpha = std::min(gr.curves[t].best_alpha, cap);
+    return k * block_times(gr.profile, links_, BlockMode::kSplit, alpha, kChoiceTier[c]).total();
+  }
+
+  // Decides how many of group g's `left` undecided blocks take the choice at search position i.
+  void step(std::size_t g, int i, int left, double time_lb, std::uint64_t kept, std::array<std::uint64_t, 2> base) {
+    if (++nodes_ > kNodeLimit) return;
+    if (i == kChoices) {
+      if (g + 1 == groups_.size()) {
+        leaf(kept, base);
+      } else {
+        step(g + 1, 0, groups_[g + 1].size(), time_lb, kept, base);
+      }
+      return;
+    }
+    const auto& gr = groups_[g];
+    const int c = kSearchOrder[i];
+    const bool last = i == kChoices - 1;
+    const int most = gr.usable[c] ? left : 0;
+    const int least = last ? left : 0;
+    if (least > most) return;
+    // Keep and split try the most blocks first (the first dive is then a good plan), the others the fewest.
+    const bool descending = c == kKeepC || kChoiceMode[c] == BlockMode::kSplit;
+    for (int n = 0; n <= most - least; ++n) {
+      const int k = descending ? most - n : least + n;
+      std::uint64_t kept_k = kept;
+      auto base_k = base;
+      const int t = kChoiceTier[c] == SwapTier::kHost ? 0 : 1;
+      if (c == kKeepC) {
+        kept_k += k * gr.saved;
+      } else {
+        base_k[t] += k * gr.base_bytes[c];
+        const std::uint64_t budget = t == 0 ? budgets_.host_bytes : budgets_.nvme_bytes;
+        if (base_k[t] > budget) continue;
+      }
+      const double free = c == kKeepC ? 0.0
+                                      : static_cast<double>((t == 0 ? budgets_.host_bytes : budgets_.nvme_bytes) -
+                                                            base_k[t]);
+      const double time_k = time_lb + choice_bound(gr, c, k, free);
+      const int rest = left - k;
+      if (rest > 0 && !std::isfinite(later_lb_[g][i])) continue;
+      const double bound = time_k + rest * (rest > 0 ? later_lb_[g][i] : 0.0) + remaining_bound(g + 1, kept_k);
+      if (prune(bound)) continue;
+      counts_[g][c] = k;
+      step(g, i + 1, rest, time_k, kept_k, base_k);
+      counts_[g][c] = 0;
+      if (nodes_ > kNodeLimit) return;
+    }
+  }
+
+  void leaf(std::uint64_t kept, const std::array<std::uint64_t, 2>& base) {
+    const std::array<double, 2> free_bytes = {static_cast<double>(budgets_.host_bytes - base[0]),
+                                              static_cast<double>(budgets_.nvme_bytes - base[1])};
+    auto alphas = solve_alphas(groups_, counts_, free_bytes);
+    double time = 0;
+    std::uint64_t working = 0;
+    bool any_swapped = false;
+    for (std::size_t g = 0; g < groups_.size(); ++g) {
+      const auto& gr = groups_[g];
+      const auto& cnt = counts_[g];
+      if (cnt[kKeepC] > 0) working = std::max(working, gr.profile.transient_bytes);
+      if (cnt[kKeepC] < gr.size()) working = std::max(working, gr.saved + gr.profile.transient_bytes);
+      for (int c = 0; c < kChoices; ++c) {
+        if (cnt[c] == 0) continue;
+        const int t = kChoiceTier[c] == SwapTier::kHost ? 0 : 1;
+        const double alpha = kChoiceMode[c] == BlockMode::kSplit ? alphas.alphas[g][t] : 0.0;
+        time += cnt[c] * block_times(gr.profile, links_, kChoiceMode[c], alpha, kChoiceTier[c]).total();
+        if (c != kKeepC && swap_bytes_of(gr.profile, kChoiceMode[c], alpha) > 0) any_swapped = true;
+      }
+    }
+    const std::uint64_t peak =
+        budgets_.fixed_device_bytes + kept + working + (any_swapped ? budgets_.prefetch_bytes : 0);
+    if (peak > budgets_.device_bytes || !(time < best_time_)) return;
+    best_time_ = time;
+    best_counts_ = counts_;
+    best_alphas_ = alphas.alphas;
+  }
+
+  std::vector<Group> groups_;
+  Links links_;
+  Budgets budgets_;
+  std::uint64_t min_transient_ = 0;                 // the working set is at least the largest transient
+  std::vector<double> suffix_nonkeep_;              // per g: sum over groups >= g of size * best non-keep time
+  std::vector<std::uint64_t> suffix_forced_bytes_;  // per g: bytes of groups >= g that must be kept
+  std::vector<std::size_t> by_ratio_, by_gain_;
+  std::vector<std::array<double, kChoices>> later_lb_;
+  std::vector<Counts> counts_;
+  std::uint64_t nodes_ = 0;
+  double best_time_ = kInf;
+  std::vector<Counts> best_counts_;
+  std::vector<std::array<double, 2>> best_alphas_;
+};
+
+std::string seconds_text(double s) {
+  char buf[32];
+  if (!std::isfinite(s)) return "inf";
+  if (s < 1) {
+    std::snprintf(buf, sizeof buf, "%.2f ms", s * 1e3);
+  } else {
+    std::snprintf(buf, sizeof buf, "%.3f s", s);
+  }
+  return buf;
+}
+
+}  // namespace
+
+std::string_view to_string(BlockMode m) noexcept {
+  switch (m) {
+    case BlockMode::kKeep: return "keep";
+    case BlockMode::kSwap: return "swap";
+    case BlockMode::kSplit: return "split";
+    case BlockMode::kRecompute: return "recompute";
+  }
+  return "?";
+}
+
+std::string_view to_string(SwapTier t) noexcept { return t == SwapTier::kHost ? "host" : "nvme"; }
+
+Plan evaluate_plan(const std::vector<BlockProfile>& blocks, const Links& links, const Budgets& budgets,
+                   std::vector<BlockPlan> assignment) {
+  TIERFLOW_EXPECTS(assignment.size() == blocks.size(),
+                   "evaluate_plan: " + std::to_string(assignment.size()) + " block plans for " +
+                       std::to_string(blocks.size()) + " blocks");
+  Plan plan;
+  plan.device_budget_bytes = budgets.device_bytes;
+  std::uint64_t kept = 0, working = 0;
+  bool any_swapped = false;
+  for (std::size_t i = 0; i < blocks.size(); ++i) {
+    const auto& p = blocks[i];
+    auto& b = assignment[i];
+    TIERFLOW_EXPECTS(b.alpha >= 0 && b.alpha <= 1,
+                     "evaluate_plan: block " + std::to_string(i) + " has alpha " + std::to_string(b.alpha) +
+                         " outside [0, 1]");
+    TIERFLOW_EXPECTS(b.mode != BlockMode::kSplit || p.splittable,
+                     "evaluate_plan: block " + std::to_string(i) + " is not splittable");
+    fill_block(p, links, b);
+    plan.keep_all_step_seconds += p.forward_seconds + p.backward_seconds;
+    plan.predicted_step_seconds += b.forward_seconds + b.backward_seconds;
+    if (b.mode == BlockMode::kKeep) {
+      kept += p.saved_bytes();
+      working = std::max(working, p.transient_bytes);
+    } else {
+      working = std::max(working, p.saved_bytes() + p.transient_bytes);
+      (b.tier == SwapTier::kHost ? plan.host_bytes : plan.nvme_bytes) += b.swap_bytes;
+      any_swapped = any_swapped || b.swap_bytes > 0;
+    }
+  }
+  plan.predicted_device_peak_bytes =
+      budgets.fixed_device_bytes + kept + working + (any_swapped ? budgets.prefetch_bytes : 0);
+  plan.fits = plan.predicted_device_peak_bytes <= budgets.device_bytes && plan.host_bytes <= budgets.host_bytes &&
+              plan.nvme_bytes <= budgets.nvme_bytes;
+  plan.blocks = std::move(assignment);
+  return plan;
+}
+
+Plan plan_activations(const std::vector<BlockProfile>& blocks, const Links& links, const Budgets& budgets) {
+  std::vector<BlockPlan> all_keep(blocks.size());
+  Plan keep = evaluate_plan(blocks, links, budgets, all_keep);
+  if (keep.fits) return keep;
+
+  Search search(make_groups(blocks, links, budgets), links, budgets);
+  search.run();
+  if (!search.found()) {
+    // The cheapest plan in device memory keeps nothing: every block's working set comes back in turn.
+    std::uint64_t working = 0, inputs = 0;
+    for (const auto& p : blocks) {
+      working = std::max(working, p.saved_bytes() + p.transient_bytes);
+      inputs += p.input_bytes;
+    }
+    const std::uint64_t floor = budgets.fixed_device_bytes + working + budgets.prefetch_bytes;
+    std::string msg = "tierflow: no activation plan fits: the cheapest in device memory needs " +
+                      std::to_string(floor) + " bytes (" + format_bytes(floor) + ": " +
+                      format_bytes(budgets.fixed_device_bytes) + " for the rest of training, " +
+                      format_bytes(working) + " for the largest block's working set, " +
+                      format_bytes(budgets.prefetch_bytes) + " of prefetch window) and the device budget is " +
+                      format_bytes(budgets.device_bytes);
+    if (floor <= budgets.device_bytes) {
+      msg += "; it also swaps " + format_bytes(inputs) + " of block inputs, more than the host (" +
+             format_bytes(budgets.host_bytes) + ") and NVMe (" + format_bytes(budgets.nvme_bytes) +
+             ") budgets hold with what the device can keep";
+    }
+    throw out_of_memory(msg);
+  }
+  Plan plan = evaluate_plan(blocks, links, budgets, search.assignment(blocks.size()));
+  plan.proven_optimal = search.complete();
+  return plan;
+}
+
+Plan forced_plan(const std::vector<BlockProfile>& blocks, const Links& links, const Budgets& budgets,
+                 BlockMode mode) {
+  const bool nvme = nvme_available(links, budgets);
+  // MEMO's link rule: the largest alpha whose swap-out fits in the block's forward.
+  auto link_alpha = [&](const BlockProfile& p, SwapTier tier) {
+    if (p.split_bytes == 0) return 1.0;
+    const double fits = p.forward_seconds * bandwidth(links, tier).write -
+                        static_cast<double>(p.input_bytes + p.whole_bytes);
+    return std::clamp(fits / static_cast<double>(p.split_bytes), 0.0, 1.0);
+  };
+  // Host first, then NVMe; alphas capped at `cap`. Returns whether everything found room.
+  auto assign = [&](double cap, std::vector<BlockPlan>& out) {
+    std::uint64_t host = 0, disk = 0;
+    bool room = true;
+    for (std::size_t i = 0; i < blocks.size(); ++i) {
+      const auto& p = blocks[i];
+      auto& b = out[i];
+      b.mode = mode == BlockMode::kSplit && !p.splittable ? BlockMode::kRecompute : mode;
+      b.tier = SwapTier::kHost;
+      if (b.mode == BlockMode::kKeep) continue;
+      auto place = [&](SwapTier tier) {
+        b.tier = tier;
+        b.alpha = b.mode == BlockMode::kSplit ? std::min(cap, link_alpha(p, tier)) : 0.0;
+        return swap_bytes_of(p, b.mode, b.alpha);
+      };
+      std::uint64_t bytes = place(SwapTier::kHost);
+      if (host + bytes <= budgets.host_bytes) {
+        host += bytes;
+        continue;
+      }
+      if (nvme) {
+        bytes = place(SwapTier::kNvme);
+        if (disk + bytes <= budgets.nvme_bytes) {
+          disk += bytes;
+          continue;
+        }
+      }
+      host += place(SwapTier::kHost);  // no room anywhere: host, over budget
+      room = false;
+    }
+    return room;
+  };
+  std::vector<BlockPlan> out(blocks.size());
+  if (!assign(1.0, out) && mode == BlockMode::kSplit) {
+    // MEMO's host-memory bound: the largest common cap on alpha that finds room for every block.
+    double lo = 0, hi = 1;
+    std::vector<BlockPlan> trial(blocks.size());
+    if (assign(0.0, trial)) {
+      for (int it = 0; it < 60; ++it) {
+        const double mid = (lo + hi) / 2;
+        (assign(mid, trial) ? lo : hi) = mid;
+      }
+    }
+    assign(lo, out);
+  }
+  return evaluate_plan(blocks, links, budgets, std::move(out));
+}
+
+std::string Plan::summary() const {
+  std::array<int, 4> n{};
+  double alpha_sum = 0;
+  for (const auto& b : blocks) {
+    ++n[static_cast<int>(b.mode)];
+    if (b.mode == BlockMode::kSplit) alpha_sum += b.alpha;
+  }
+  std::string s = std::to_string(blocks.size()) + " blocks: " + std::to_string(n[0]) + " keep, " +
+                  std::to_string(n[2]) + " split";
+  if (n[2] > 0) {
+    char buf[48];
+    std::snprintf(buf, sizeof buf, " (mean alpha %.3f)", alpha_sum / n[2]);
+    s += buf;
+  }
+  s += ", " + std::to_string(n[1]) + " swap, " + std::to_string(n[3]) + " recompute; device peak " +
+       format_bytes(predicted_device_peak_bytes) + " of " + format_bytes(device_budget_bytes) + "; step " +
+       seconds_text(predicted_step_seconds) + " vs " + seconds_text(keep_all_step_seconds) + " keeping all";
+  if (keep_all_step_seconds > 0) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, " (x%.3f)", predicted_step_seconds / keep_all_step_seconds);
+    s += buf;
+  }
+  s += "; swapped " + format_bytes(host_bytes) + " host, " + format_bytes(nvme_bytes) + " NVMe";
+  if (!fits) s += "; OVER BUDGET";
+  if (!proven_optimal) s += "; not proven optimal";
+  return s;
+}
+
+std::string Plan::block_line(std::size_t i) const {
+  TIERFLOW_EXPECTS(i < blocks.size(), "block_line: block " + std::to_string(i) + " of " +
+                                          std::to_string(blocks.size()));
+  const auto& b = blocks[i];
+  char buf[256];
+  std::snprintf(buf, sizeof buf,
+                "block %zu: %-9s alpha %.3f  keep %.3f swap %.3f recompute %.3f  %s %s/step  fwd %s bwd %s", i,
+                std::string(to_string(b.mode)).c_str(), b.alpha, b.keep, b.swap, b.recompute,
+                std::string(to_string(b.tier)).c_str(), format_bytes(b.swap_bytes).c_str(),
+                seconds_text(b.forward_seconds).c_str(), seconds_text(b.backward_seconds).c_str());
+  return buf;
+}
+
+}  // namespace tierflow::tiering
