@@ -394,3 +394,50 @@ TEST(ActivationPlanner, ManyIdenticalLayersPlanQuickly) {
 }
 
 }  // namespace
+
+namespace {
+
+// Measured layers: the same bytes, times a little apart (no two profiles identical).
+std::vector<BlockProfile> jittered_layers(std::uint64_t seed, std::size_t n) {
+  std::mt19937_64 rng(seed);
+  const BlockProfile base = random_profile(rng, false);
+  std::vector<BlockProfile> blocks;
+  for (std::size_t i = 0; i < n; ++i) {
+    auto p = base;
+    const double j = std::uniform_real_distribution<double>(0.98, 1.02)(rng);
+    p.forward_seconds *= j;
+    p.backward_seconds *= j;
+    p.split_recompute_seconds *= j;
+    p.cheap_recompute_seconds *= j;
+    blocks.push_back(p);
+  }
+  return blocks;
+}
+
+// With ample host memory the search proves its plan optimal at once. With a tight host and NVMe,
+// 24 distinct profiles can exhaust the node limit: the plan is then the best found, still in budget.
+TEST(ActivationPlanner, MeasuredLayersPlanWithinBudget) {
+  for (bool tight_host : {false, true}) {
+    SCOPED_TRACE(tight_host ? "tight host, NVMe" : "ample host");
+    auto blocks = jittered_layers(7, 24);
+    Links links{25 * kGBps, 25 * kGBps, 45 * kGBps, 6 * kGBps, 7 * kGBps};
+    Budgets budgets;
+    budgets.fixed_device_bytes = 4 * GiB;
+    budgets.prefetch_bytes = 64 * MiB;
+    budgets.device_bytes = budgets.fixed_device_bytes + largest_working_set(blocks) + budgets.prefetch_bytes +
+                           total_saved(blocks) / 3;
+    budgets.host_bytes = tight_host ? 20 * blocks[0].input_bytes : 1024 * GiB;
+    budgets.nvme_bytes = tight_host ? 256 * GiB : 0;
+    Plan plan = plan_activations(blocks, links, budgets);
+    expect_well_formed(plan, blocks, budgets);
+    if (!tight_host) {
+      EXPECT_TRUE(plan.proven_optimal) << plan.summary();
+    }
+    Plan forced = forced_plan(blocks, links, budgets, BlockMode::kSplit);
+    if (forced.fits) {
+      EXPECT_LE(plan.predicted_step_seconds, forced.predicted_step_seconds);
+    }
+  }
+}
+
+}  // namespace

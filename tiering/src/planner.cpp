@@ -280,7 +280,18 @@ class Search {
  public:
   Search(std::vector<Group> groups, const Links& links, const Budgets& budgets)
       : groups_(std::move(groups)), links_(links), budgets_(budgets) {
-    for (const auto& g : groups_) min_transient_ = std::max(min_transient_, g.profile.transient_bytes);
+    // Everything kept does not fit, so some block is not kept: its saved bytes come back while it runs,
+    // and it swaps at least its smallest choice's bytes.
+    std::uint64_t smallest_working = std::numeric_limits<std::uint64_t>::max();
+    always_swaps_ = true;
+    for (const auto& g : groups_) {
+      working_floor_ = std::max(working_floor_, g.profile.transient_bytes);
+      smallest_working = std::min(smallest_working, g.saved + g.profile.transient_bytes);
+      for (int c = 0; c < kChoices; ++c) {
+        if (c != kKeepC && g.usable[c] && g.base_bytes[c] == 0) always_swaps_ = false;
+      }
+    }
+    if (!groups_.empty()) working_floor_ = std::max(working_floor_, smallest_working);
     const std::size_t n = groups_.size();
     suffix_nonkeep_.assign(n + 1, 0);
     suffix_forced_bytes_.assign(n + 1, 0);
@@ -314,11 +325,12 @@ class Search {
   }
 
   void run() {
-    if (!groups_.empty()) step(0, 0, groups_[0].size(), 0, 0, {0, 0});
+    if (!groups_.empty()) step(0, 0, groups_[0].size(), Path{});
   }
 
   bool found() const { return std::isfinite(best_time_); }
   bool complete() const { return nodes_ <= kNodeLimit; }
+  std::uint64_t nodes() const { return nodes_; }
 
   /// The best assignment found, per block.
   std::vector<BlockPlan> assignment(std::size_t blocks) const {
@@ -394,17 +406,34 @@ class Search {
     return std::min(dantzig, top);
   }
 
-  // Lower bound on the time of groups >= g given the device bytes already kept.
-  double remaining_bound(std::size_t g, std::uint64_t kept) const {
-    const double used = static_cast<double>(budgets_.fixed_device_bytes) + static_cast<double>(kept) +
-                        static_cast<double>(min_transient_) + static_cast<double>(suffix_forced_bytes_[g]);
+  // What the choices made so far imply.
+  struct Path {
+    double time_lb = 0;                    // lower bound on their time
+    std::uint64_t kept = 0;                // device bytes kept
+    std::array<std::uint64_t, 2> base{};   // tier bytes at the least (split alphas 0)
+    std::uint64_t working = 0;             // largest working set so far
+    bool swapped = false;                  // something is swapped
+  };
+
+  // Device bytes the path needs already, with the floors that every plan here pays.
+  std::uint64_t device_used(const Path& p) const {
+    return budgets_.fixed_device_bytes + p.kept + std::max(p.working, working_floor_) +
+           (p.swapped || always_swaps_ ? budgets_.prefetch_bytes : 0);
+  }
+
+  // Lower bound on the time of groups >= g given the path so far.
+  double remaining_bound(std::size_t g, const Path& p) const {
+    const double used = static_cast<double>(device_used(p)) + static_cast<double>(suffix_forced_bytes_[g]);
     const double capacity = static_cast<double>(budgets_.device_bytes) - used;
     if (capacity < 0) return kInf;
     if (g == groups_.size()) return 0;
     return suffix_nonkeep_[g] - keep_gain_bound(g, capacity);
   }
 
-  bool prune(double bound) const { return bound >= best_time_ - kTimeSlack * std::abs(best_time_); }
+  bool prune(double bound) const {
+    if (!(bound < kInf)) return true;  // infeasible (or no bound)
+    return std::isfinite(best_time_) && bound >= best_time_ - kTimeSlack * best_time_;
+  }
 
   // Lower bound on the time of `k` blocks of group g taking choice c, with `free` tier bytes
   // beyond their minimum: a split's alphas cannot take more than that.
@@ -418,18 +447,20 @@ class Search {
   }
 
   // Decides how many of group g's `left` undecided blocks take the choice at search position i.
-  void step(std::size_t g, int i, int left, double time_lb, std::uint64_t kept, std::array<std::uint64_t, 2> base) {
+  void step(std::size_t g, int i, int left, const Path& path) {
     if (++nodes_ > kNodeLimit) return;
     if (i == kChoices) {
       if (g + 1 == groups_.size()) {
-        leaf(kept, base);
+        leaf(path);
       } else {
-        step(g + 1, 0, groups_[g + 1].size(), time_lb, kept, base);
+        step(g + 1, 0, groups_[g + 1].size(), path);
       }
       return;
     }
     const auto& gr = groups_[g];
     const int c = kSearchOrder[i];
+    const int t = kChoiceTier[c] == SwapTier::kHost ? 0 : 1;
+    const std::uint64_t tier_budget = t == 0 ? budgets_.host_bytes : budgets_.nvme_bytes;
     const bool last = i == kChoices - 1;
     const int most = gr.usable[c] ? left : 0;
     const int least = last ? left : 0;
@@ -438,32 +469,32 @@ class Search {
     const bool descending = c == kKeepC || kChoiceMode[c] == BlockMode::kSplit;
     for (int n = 0; n <= most - least; ++n) {
       const int k = descending ? most - n : least + n;
-      std::uint64_t kept_k = kept;
-      auto base_k = base;
-      const int t = kChoiceTier[c] == SwapTier::kHost ? 0 : 1;
-      if (c == kKeepC) {
-        kept_k += k * gr.saved;
-      } else {
-        base_k[t] += k * gr.base_bytes[c];
-        const std::uint64_t budget = t == 0 ? budgets_.host_bytes : budgets_.nvme_bytes;
-        if (base_k[t] > budget) continue;
-      }
-      const double free = c == kKeepC ? 0.0
-                                      : static_cast<double>((t == 0 ? budgets_.host_bytes : budgets_.nvme_bytes) -
-                                                            base_k[t]);
-      const double time_k = time_lb + choice_bound(gr, c, k, free);
       const int rest = left - k;
       if (rest > 0 && !std::isfinite(later_lb_[g][i])) continue;
-      const double bound = time_k + rest * (rest > 0 ? later_lb_[g][i] : 0.0) + remaining_bound(g + 1, kept_k);
+      Path next = path;
+      if (k > 0 && c == kKeepC) {
+        next.kept += k * gr.saved;
+        next.working = std::max(next.working, gr.profile.transient_bytes);
+      } else if (k > 0) {
+        next.base[t] += k * gr.base_bytes[c];
+        if (next.base[t] > tier_budget) continue;
+        next.working = std::max(next.working, gr.saved + gr.profile.transient_bytes);
+        next.swapped = next.swapped || gr.base_bytes[c] > 0;
+      }
+      const double free = c == kKeepC ? 0.0 : static_cast<double>(tier_budget - next.base[t]);
+      next.time_lb += choice_bound(gr, c, k, free);
+      const double bound = next.time_lb + (rest > 0 ? rest * later_lb_[g][i] : 0.0) + remaining_bound(g + 1, next);
       if (prune(bound)) continue;
       counts_[g][c] = k;
-      step(g, i + 1, rest, time_k, kept_k, base_k);
+      step(g, i + 1, rest, next);
       counts_[g][c] = 0;
       if (nodes_ > kNodeLimit) return;
     }
   }
 
-  void leaf(std::uint64_t kept, const std::array<std::uint64_t, 2>& base) {
+  void leaf(const Path& path) {
+    const std::uint64_t kept = path.kept;
+    const auto& base = path.base;
     const std::array<double, 2> free_bytes = {static_cast<double>(budgets_.host_bytes - base[0]),
                                               static_cast<double>(budgets_.nvme_bytes - base[1])};
     auto alphas = solve_alphas(groups_, counts_, free_bytes);
@@ -494,7 +525,8 @@ class Search {
   std::vector<Group> groups_;
   Links links_;
   Budgets budgets_;
-  std::uint64_t min_transient_ = 0;                 // the working set is at least the largest transient
+  std::uint64_t working_floor_ = 0;                 // the working set of every plan here is at least this
+  bool always_swaps_ = false;                       // every plan here swaps something: the prefetch window counts
   std::vector<double> suffix_nonkeep_;              // per g: sum over groups >= g of size * best non-keep time
   std::vector<std::uint64_t> suffix_forced_bytes_;  // per g: bytes of groups >= g that must be kept
   std::vector<std::size_t> by_ratio_, by_gain_;
