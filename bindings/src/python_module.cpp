@@ -8,6 +8,7 @@
 
 #include "tierflow/allocator/device.hpp"
 #include "tierflow/bindings/emulated_device_memory.hpp"
+#include "tierflow/bindings/planner_bindings.hpp"
 #include "tierflow/bindings/runtime.hpp"
 #include "tierflow/core/error.hpp"
 #include "tierflow/optimizer/cuda_adam.hpp"
@@ -411,5 +412,6 @@ PYBIND11_MODULE(_C, m) {
         return d;
       })
       .def("stats", &runtime_stats);
+  bind_planner(m);
   (void)base;
 }

@@ -727,7 +727,8 @@ std::string Plan::block_line(std::size_t i) const {
   std::snprintf(buf, sizeof buf,
                 "block %zu: %-9s alpha %.3f  keep %.3f swap %.3f recompute %.3f  %s %s/step  fwd %s bwd %s", i,
                 std::string(to_string(b.mode)).c_str(), b.alpha, b.keep, b.swap, b.recompute,
-                std::string(to_string(b.tier)).c_str(), format_bytes(b.swap_bytes).c_str(),
+                b.mode == BlockMode::kKeep ? "-" : std::string(to_string(b.tier)).c_str(),
+                format_bytes(b.swap_bytes).c_str(),
                 seconds_text(b.forward_seconds).c_str(), seconds_text(b.backward_seconds).c_str());
   return buf;
 }
