@@ -6,6 +6,7 @@
 
 #include <string>
 
+#include "tierflow/allocator/device.hpp"
 #include "tierflow/core/config.hpp"
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/size.hpp"
@@ -160,6 +161,10 @@ void bind_planner(py::module_& m) {
     return b->resolve(capacity_bytes);
   }, py::arg("text"), py::arg("capacity_bytes") = 0,
         "Bytes of a size ('16GiB') or a percentage of `capacity_bytes` ('90%'); raises ConfigError.");
+  m.def("device_capacity_bytes", [](bool cuda) {
+    return allocator::device_capacity_bytes(cuda ? allocator::DeviceKind::kCuda : allocator::DeviceKind::kEmulated);
+  }, py::arg("cuda"), "Total memory of the GPU tier: the current GPU's, or physical RAM when emulated.");
+  m.def("host_capacity_bytes", &allocator::host_capacity_bytes, "Physical RAM of this machine.");
   m.def("format_bytes", &format_bytes, py::arg("bytes"), "Human-readable size, e.g. '1.50 GiB'.");
 }
 
