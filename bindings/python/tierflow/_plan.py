@@ -212,7 +212,7 @@ def plan_command(argv: Sequence[str]) -> int:
         print(f"tierflow plan: {e}", file=sys.stderr)
         return 2
     except MemoryError as e:  # tierflow.OutOfMemoryError: the budgets are too small
-        print(f"tierflow plan: {e}", file=sys.stderr)
+        print(f"tierflow plan: {str(e).removeprefix('tierflow: ')}", file=sys.stderr)
         return 2
     print(out)
     return 0
@@ -272,7 +272,7 @@ def _plan(args: argparse.Namespace) -> str:
             blocks = _C.estimate_transformer(shape, flops)
             state = _C.estimate_training_state(shape, optimizer)
             head_bytes = _C.estimate_head_device_bytes(shape)
-        except RuntimeError as e:  # a shape the estimate refuses (TierflowError)
+        except ValueError as e:  # a shape the estimate refuses (ConfigError)
             raise PlanError(str(e)) from None
         fixed = state.device + head_bytes
 

@@ -48,7 +48,7 @@ struct TransformerShape {
   std::int64_t tokens() const noexcept { return seq * batch; }
 };
 
-/// One profile per layer, see Note [Transformer estimate]. Throws logic_error for a bad shape.
+/// One profile per layer, see Note [Transformer estimate]. Throws config_error for a bad shape.
 std::vector<BlockProfile> estimate_transformer(const TransformerShape& shape, double flops_per_second);
 
 /// Parameters of the model (embeddings, blocks, final norm, head).
