@@ -19,7 +19,7 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 // Relative slack when comparing predicted step times (sums in different orders).
 constexpr double kTimeSlack = 1e-12;
 // Nodes the branch and bound may visit before it returns the best plan found.
-constexpr std::uint64_t kNodeLimit = 4'000'000;
+constexpr std::uint64_t kNodeLimit = 2'000'000;
 
 struct TierBandwidth {
   double write = 0;  // bytes/s, device -> tier
@@ -293,24 +293,13 @@ class Search {
     }
     if (!groups_.empty()) working_floor_ = std::max(working_floor_, smallest_working);
     const std::size_t n = groups_.size();
-    suffix_nonkeep_.assign(n + 1, 0);
     suffix_forced_bytes_.assign(n + 1, 0);
     for (std::size_t g = n; g-- > 0;) {
       const auto& gr = groups_[g];
-      const bool forced = !std::isfinite(gr.best_nonkeep);
-      suffix_nonkeep_[g] = suffix_nonkeep_[g + 1] + gr.size() * (forced ? gr.keep_time : gr.best_nonkeep);
-      suffix_forced_bytes_[g] = suffix_forced_bytes_[g + 1] + (forced ? gr.size() * gr.saved : 0);
+      suffix_forced_bytes_[g] = suffix_forced_bytes_[g + 1] + (std::isfinite(gr.best_nonkeep) ? 0 : gr.size() * gr.saved);
     }
-    for (std::size_t g = 0; g < n; ++g) {
-      if (std::isfinite(groups_[g].best_nonkeep)) by_ratio_.push_back(g);
-    }
-    by_gain_ = by_ratio_;
-    auto gain = [&](std::size_t g) { return groups_[g].best_nonkeep - groups_[g].keep_time; };
-    auto ratio = [&](std::size_t g) {  // gain per byte; zero-byte blocks first
-      return groups_[g].saved > 0 ? gain(g) / static_cast<double>(groups_[g].saved) : kInf;
-    };
-    std::sort(by_ratio_.begin(), by_ratio_.end(), [&](std::size_t a, std::size_t b) { return ratio(a) > ratio(b); });
-    std::sort(by_gain_.begin(), by_gain_.end(), [&](std::size_t a, std::size_t b) { return gain(a) > gain(b); });
+    relaxations_.push_back(relax(0, 0));
+    relaxations_.push_back(best_priced_relaxation());
     // Per group and search position: the smallest lower bound of the choices from there on.
     later_lb_.assign(n, {});
     for (std::size_t g = 0; g < n; ++g) {
@@ -366,14 +355,108 @@ class Search {
   }
 
  private:
+  // A relaxation of the remaining groups' choices: each block's cheapest non-keep choice when tier bytes
+  // cost `price` seconds per byte (a Lagrangian relaxation of the host and NVMe budgets; price 0 ignores
+  // them), and keeping bounded by a knapsack over device bytes.
+  struct Relaxation {
+    std::array<double, 2> price{};      // seconds per byte, host and NVMe
+    std::vector<double> cost;           // per group: a block's cheapest non-keep time + price * tier bytes
+    std::vector<double> suffix_cost;    // per g: sum over groups >= g (forced groups at their keep time)
+    std::vector<std::size_t> by_ratio;  // groups that may choose, by keep gain per byte, descending
+    std::vector<std::size_t> by_gain;   // the same by keep gain, descending
+  };
+
+  Relaxation relax(double host_price, double nvme_price) const {
+    Relaxation r;
+    r.price = {host_price, nvme_price};
+    const std::size_t n = groups_.size();
+    r.cost.assign(n, kInf);
+    r.suffix_cost.assign(n + 1, 0);
+    for (std::size_t g = 0; g < n; ++g) {
+      const auto& gr = groups_[g];
+      for (int c = 0; c < kChoices; ++c) {
+        if (c == kKeepC || !gr.usable[c]) continue;
+        const int t = kChoiceTier[c] == SwapTier::kHost ? 0 : 1;
+        const double price = r.price[t];
+        const double base = static_cast<double>(gr.base_bytes[c]);
+        if (kChoiceMode[c] == BlockMode::kSplit) {
+          const auto& curve = gr.curves[t];
+          const double rows = gr.profile.split_bytes == 0 ? 0.0 : static_cast<double>(gr.profile.split_bytes);
+          for (std::size_t k = 0; k < curve.alphas.size(); ++k) {
+            r.cost[g] = std::min(r.cost[g], curve.times[k] + price * (base + curve.alphas[k] * rows));
+          }
+        } else {
+          r.cost[g] = std::min(r.cost[g], gr.time_lb[c] + price * base);
+        }
+      }
+    }
+    for (std::size_t g = n; g-- > 0;) {
+      const bool forced = !std::isfinite(r.cost[g]);
+      r.suffix_cost[g] = r.suffix_cost[g + 1] + groups_[g].size() * (forced ? groups_[g].keep_time : r.cost[g]);
+      if (!forced) r.by_ratio.push_back(g);
+    }
+    r.by_gain = r.by_ratio;
+    auto gain = [&](std::size_t g) { return r.cost[g] - groups_[g].keep_time; };
+    auto ratio = [&](std::size_t g) {  // zero-byte blocks first
+      return groups_[g].saved > 0 ? gain(g) / static_cast<double>(groups_[g].saved) : kInf;
+    };
+    std::sort(r.by_ratio.begin(), r.by_ratio.end(), [&](std::size_t a, std::size_t b) { return ratio(a) > ratio(b); });
+    std::sort(r.by_gain.begin(), r.by_gain.end(), [&](std::size_t a, std::size_t b) { return gain(a) > gain(b); });
+    return r;
+  }
+
+  // The prices whose relaxation bounds the whole search best: host first, then NVMe, each over the
+  // prices at which some block's cheapest choice changes (the relaxation's breakpoints).
+  Relaxation best_priced_relaxation() const {
+    std::array<std::vector<double>, 2> prices;
+    for (const auto& gr : groups_) {
+      for (int t = 0; t < 2; ++t) {
+        std::vector<std::pair<double, double>> points;  // (bytes, seconds)
+        for (int c = 0; c < kChoices; ++c) {
+          if (c == kKeepC || !gr.usable[c] || (kChoiceTier[c] == SwapTier::kHost) != (t == 0)) continue;
+          if (kChoiceMode[c] == BlockMode::kSplit) {
+            const auto& curve = gr.curves[t];
+            for (std::size_t k = 0; k < curve.alphas.size(); ++k) {
+              points.emplace_back(static_cast<double>(gr.base_bytes[c]) +
+                                      curve.alphas[k] * static_cast<double>(gr.profile.split_bytes),
+                                  curve.times[k]);
+            }
+          } else {
+            points.emplace_back(static_cast<double>(gr.base_bytes[c]), gr.time_lb[c]);
+          }
+        }
+        for (const auto& a : points) {
+          for (const auto& b : points) {
+            if (a.first < b.first && a.second > b.second) prices[t].push_back((a.second - b.second) / (b.first - a.first));
+          }
+        }
+      }
+    }
+    Relaxation best = relax(0, 0);
+    double best_bound = root_bound(best);
+    for (int t = 0; t < 2; ++t) {
+      for (double price : prices[t]) {
+        Relaxation r = t == 0 ? relax(price, 0) : relax(best.price[0], price);
+        const double bound = root_bound(r);
+        if (bound > best_bound) {
+          best_bound = bound;
+          best = std::move(r);
+        }
+      }
+    }
+    return best;
+  }
+
+  double root_bound(const Relaxation& r) const { return remaining_bound(r, 0, Path{}); }
+
   // Upper bound on the time saved by keeping blocks of groups >= g within `capacity` device bytes:
   // the smaller of the fractional knapsack and the best gains of as many blocks as could fit.
-  double keep_gain_bound(std::size_t g, double capacity) const {
+  double keep_gain_bound(const Relaxation& r, std::size_t g, double capacity) const {
     double dantzig = 0, left = capacity;
-    for (std::size_t i : by_ratio_) {
+    for (std::size_t i : r.by_ratio) {
       if (i < g) continue;
       const auto& gr = groups_[i];
-      const double gain = gr.best_nonkeep - gr.keep_time;
+      const double gain = r.cost[i] - gr.keep_time;
       if (gain <= 0) continue;
       const double bytes = static_cast<double>(gr.saved) * gr.size();
       if (bytes <= left) {
@@ -385,22 +468,22 @@ class Search {
       }
     }
     double min_saved = kInf, top = 0;
-    for (std::size_t i : by_gain_) {
+    for (std::size_t i : r.by_gain) {
       if (i < g) continue;
       const auto& gr = groups_[i];
       if (gr.saved == 0) {
-        top += std::max(0.0, gr.best_nonkeep - gr.keep_time) * gr.size();
+        top += std::max(0.0, r.cost[i] - gr.keep_time) * gr.size();
       } else {
         min_saved = std::min(min_saved, static_cast<double>(gr.saved));
       }
     }
     double slots = std::isfinite(min_saved) ? std::floor(capacity / min_saved) : 0;
-    for (std::size_t i : by_gain_) {
+    for (std::size_t i : r.by_gain) {
       if (i < g || slots <= 0) continue;
       const auto& gr = groups_[i];
       if (gr.saved == 0) continue;
       const double take = std::min(slots, static_cast<double>(gr.size()));
-      top += std::max(0.0, gr.best_nonkeep - gr.keep_time) * take;
+      top += std::max(0.0, r.cost[i] - gr.keep_time) * take;
       slots -= take;
     }
     return std::min(dantzig, top);
@@ -421,13 +504,22 @@ class Search {
            (p.swapped || always_swaps_ ? budgets_.prefetch_bytes : 0);
   }
 
-  // Lower bound on the time of groups >= g given the path so far.
-  double remaining_bound(std::size_t g, const Path& p) const {
+  // Lower bound on the time of groups >= g given the path so far, under relaxation r: their priced
+  // costs, less the keep gains that fit, less the price of the tier bytes the path leaves free.
+  double remaining_bound(const Relaxation& r, std::size_t g, const Path& p) const {
     const double used = static_cast<double>(device_used(p)) + static_cast<double>(suffix_forced_bytes_[g]);
     const double capacity = static_cast<double>(budgets_.device_bytes) - used;
     if (capacity < 0) return kInf;
     if (g == groups_.size()) return 0;
-    return suffix_nonkeep_[g] - keep_gain_bound(g, capacity);
+    const double free_host = static_cast<double>(budgets_.host_bytes - p.base[0]);
+    const double free_nvme = static_cast<double>(budgets_.nvme_bytes - p.base[1]);
+    return r.suffix_cost[g] - keep_gain_bound(r, g, capacity) - r.price[0] * free_host - r.price[1] * free_nvme;
+  }
+
+  double remaining_bound(std::size_t g, const Path& p) const {
+    double bound = -kInf;
+    for (const auto& r : relaxations_) bound = std::max(bound, remaining_bound(r, g, p));
+    return bound;
   }
 
   bool prune(double bound) const {
@@ -527,9 +619,8 @@ class Search {
   Budgets budgets_;
   std::uint64_t working_floor_ = 0;                 // the working set of every plan here is at least this
   bool always_swaps_ = false;                       // every plan here swaps something: the prefetch window counts
-  std::vector<double> suffix_nonkeep_;              // per g: sum over groups >= g of size * best non-keep time
   std::vector<std::uint64_t> suffix_forced_bytes_;  // per g: bytes of groups >= g that must be kept
-  std::vector<std::size_t> by_ratio_, by_gain_;
+  std::vector<Relaxation> relaxations_;             // unpriced, and priced at the root's best prices
   std::vector<std::array<double, kChoices>> later_lb_;
   std::vector<Counts> counts_;
   std::uint64_t nodes_ = 0;

@@ -16,7 +16,7 @@
 // and per mode
 //   keep       swap_bytes 0                               recompute 0
 //   swap       swap_bytes saved_bytes()                   recompute 0
-//   split(a)   swap_bytes input + whole + a * split        recompute (1-a) * split_recompute + cheap_recompute
+//   split(a)   swap_bytes input + whole + a * split (to a byte)  recompute (1-a) * split_recompute + cheap_recompute
 //   recompute  swap_bytes input                           recompute forward_seconds
 // The step (activations' part) is the sum over blocks. Links.duplex is not
 // used: in this pipeline the forward only writes and the backward only reads.
@@ -41,14 +41,22 @@
 // phase), so the alphas under one tier's budget are a fractional knapsack:
 // taking segments in order of time saved per byte is exact, and identical
 // blocks get equal alphas (to a byte). The discrete choices are searched by
-// branch and bound over groups of identical blocks (a group's children are
-// the counts of its blocks per choice, so N identical layers cost
-// O(N^6) leaves at worst, far fewer after pruning), bounded by each block's
-// best time with unlimited host memory minus an upper bound on the gain of
-// keeping within the device bytes left. A search that exceeds its node limit
-// returns the best plan found and says so (Plan::proven_optimal).
+// branch and bound over groups of identical blocks: a group's children are
+// the counts of its blocks per choice (N identical layers cost O(N^6) leaves
+// at worst, a few thousand nodes in practice). The bound of the blocks not
+// yet decided is the larger of two relaxations: each block at its best choice
+// with host and NVMe unlimited, or priced per byte (a Lagrangian relaxation of
+// the two budgets, prices chosen once at the root); both less an upper bound on
+// what keeping saves within the device bytes left (the smaller of the
+// fractional knapsack and the best gains of as many blocks as fit). A search
+// that exceeds its node limit (2M, about half a second) returns the best plan
+// found and says so (Plan::proven_optimal = false). That happens with many
+// distinct profiles and a tight host: near-identical measured layers split
+// between several choices are many near-equal plans; profiles of identical
+// layers with identical numbers (e.g. averaged) group and plan exactly.
 // Among equally good plans, the kept blocks of a group are its last ones
-// (backward needs them first; SSDTrain's keep-tail) and fewer bytes are swapped.
+// (backward needs them first; SSDTrain's keep-tail), and an alpha grows only
+// while swapping more saves time.
 //
 // Assumptions: compute and transfers of different blocks do not overlap (a
 // slow swap-out delays the next block); bandwidths and times are those of the
