@@ -20,6 +20,8 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr double kTimeSlack = 1e-12;
 // Nodes the branch and bound may visit before it returns the best plan found.
 constexpr std::uint64_t kNodeLimit = 2'000'000;
+// Bounds of the search: unpriced, and priced at the root's best prices.
+constexpr std::size_t kRelaxations = 2;
 
 struct TierBandwidth {
   double write = 0;  // bytes/s, device -> tier
@@ -300,16 +302,6 @@ class Search {
     }
     relaxations_.push_back(relax(0, 0));
     relaxations_.push_back(best_priced_relaxation());
-    // Per group and search position: the smallest lower bound of the choices from there on.
-    later_lb_.assign(n, {});
-    for (std::size_t g = 0; g < n; ++g) {
-      double m = kInf;
-      for (int i = kChoices; i-- > 0;) {
-        const int c = kSearchOrder[i];
-        later_lb_[g][i] = m;  // strictly after position i
-        if (groups_[g].usable[c]) m = std::min(m, groups_[g].time_lb[c]);
-      }
-    }
     counts_.assign(n, Counts{});
   }
 
@@ -364,7 +356,29 @@ class Search {
     std::vector<double> suffix_cost;    // per g: sum over groups >= g (forced groups at their keep time)
     std::vector<std::size_t> by_ratio;  // groups that may choose, by keep gain per byte, descending
     std::vector<std::size_t> by_gain;   // the same by keep gain, descending
+    std::vector<std::array<double, kChoices>> later;  // per group and search position: the cheapest
+                                                      // priced choice strictly after that position
   };
+
+  // One block of group gr taking choice c (not keep): its least time plus `price` per byte swapped beyond
+  // the choice's minimum (a split's alpha rows), with at most `free` such bytes. The split's curve is
+  // convex in alpha, so the least is at a breakpoint or at the cap.
+  double priced_rows_cost(const Group& gr, int c, double price, double free) const {
+    if (kChoiceMode[c] != BlockMode::kSplit || gr.profile.split_bytes == 0) return gr.time_lb[c];
+    const int t = kChoiceTier[c] == SwapTier::kHost ? 0 : 1;
+    const auto& curve = gr.curves[t];
+    const double rows = static_cast<double>(gr.profile.split_bytes);
+    const double cap = std::min(1.0, free / rows);
+    double best = kInf;
+    for (std::size_t k = 0; k < curve.alphas.size() && curve.alphas[k] <= cap; ++k) {
+      best = std::min(best, curve.times[k] + price * curve.alphas[k] * rows);
+    }
+    if (cap < 1) {
+      best = std::min(best, block_times(gr.profile, links_, BlockMode::kSplit, cap, kChoiceTier[c]).total() +
+                                price * cap * rows);
+    }
+    return best;
+  }
 
   Relaxation relax(double host_price, double nvme_price) const {
     Relaxation r;
@@ -372,22 +386,21 @@ class Search {
     const std::size_t n = groups_.size();
     r.cost.assign(n, kInf);
     r.suffix_cost.assign(n + 1, 0);
+    r.later.assign(n, {});
     for (std::size_t g = 0; g < n; ++g) {
       const auto& gr = groups_[g];
+      std::array<double, kChoices> choice_cost;
+      choice_cost.fill(kInf);
       for (int c = 0; c < kChoices; ++c) {
         if (c == kKeepC || !gr.usable[c]) continue;
-        const int t = kChoiceTier[c] == SwapTier::kHost ? 0 : 1;
-        const double price = r.price[t];
-        const double base = static_cast<double>(gr.base_bytes[c]);
-        if (kChoiceMode[c] == BlockMode::kSplit) {
-          const auto& curve = gr.curves[t];
-          const double rows = gr.profile.split_bytes == 0 ? 0.0 : static_cast<double>(gr.profile.split_bytes);
-          for (std::size_t k = 0; k < curve.alphas.size(); ++k) {
-            r.cost[g] = std::min(r.cost[g], curve.times[k] + price * (base + curve.alphas[k] * rows));
-          }
-        } else {
-          r.cost[g] = std::min(r.cost[g], gr.time_lb[c] + price * base);
-        }
+        const double price = r.price[kChoiceTier[c] == SwapTier::kHost ? 0 : 1];
+        choice_cost[c] = price * static_cast<double>(gr.base_bytes[c]) + priced_rows_cost(gr, c, price, kInf);
+        r.cost[g] = std::min(r.cost[g], choice_cost[c]);
+      }
+      double m = kInf;
+      for (int i = kChoices; i-- > 0;) {
+        r.later[g][i] = m;
+        m = std::min(m, choice_cost[kSearchOrder[i]]);
       }
     }
     for (std::size_t g = n; g-- > 0;) {
@@ -491,7 +504,7 @@ class Search {
 
   // What the choices made so far imply.
   struct Path {
-    double time_lb = 0;                    // lower bound on their time
+    std::array<double, kRelaxations> time_lb{};  // lower bound on their time, per relaxation (priced)
     std::uint64_t kept = 0;                // device bytes kept
     std::array<std::uint64_t, 2> base{};   // tier bytes at the least (split alphas 0)
     std::uint64_t working = 0;             // largest working set so far
@@ -510,32 +523,16 @@ class Search {
     const double used = static_cast<double>(device_used(p)) + static_cast<double>(suffix_forced_bytes_[g]);
     const double capacity = static_cast<double>(budgets_.device_bytes) - used;
     if (capacity < 0) return kInf;
-    if (g == groups_.size()) return 0;
     const double free_host = static_cast<double>(budgets_.host_bytes - p.base[0]);
     const double free_nvme = static_cast<double>(budgets_.nvme_bytes - p.base[1]);
-    return r.suffix_cost[g] - keep_gain_bound(r, g, capacity) - r.price[0] * free_host - r.price[1] * free_nvme;
-  }
-
-  double remaining_bound(std::size_t g, const Path& p) const {
-    double bound = -kInf;
-    for (const auto& r : relaxations_) bound = std::max(bound, remaining_bound(r, g, p));
-    return bound;
+    const double unpriced = r.price[0] * free_host + r.price[1] * free_nvme;
+    if (g == groups_.size()) return -unpriced;
+    return r.suffix_cost[g] - keep_gain_bound(r, g, capacity) - unpriced;
   }
 
   bool prune(double bound) const {
     if (!(bound < kInf)) return true;  // infeasible (or no bound)
     return std::isfinite(best_time_) && bound >= best_time_ - kTimeSlack * best_time_;
-  }
-
-  // Lower bound on the time of `k` blocks of group g taking choice c, with `free` tier bytes
-  // beyond their minimum: a split's alphas cannot take more than that.
-  double choice_bound(const Group& gr, int c, int k, double free) const {
-    if (k == 0) return 0;
-    if (kChoiceMode[c] != BlockMode::kSplit || gr.profile.split_bytes == 0) return k * gr.time_lb[c];
-    const int t = kChoiceTier[c] == SwapTier::kHost ? 0 : 1;
-    const double cap = free / (k * static_cast<double>(gr.profile.split_bytes));
-    const double alpha = std::min(gr.curves[t].best_alpha, cap);
-    return k * block_times(gr.profile, links_, BlockMode::kSplit, alpha, kChoiceTier[c]).total();
   }
 
   // Decides how many of group g's `left` undecided blocks take the choice at search position i.
@@ -562,7 +559,7 @@ class Search {
     for (int n = 0; n <= most - least; ++n) {
       const int k = descending ? most - n : least + n;
       const int rest = left - k;
-      if (rest > 0 && !std::isfinite(later_lb_[g][i])) continue;
+      if (rest > 0 && !std::isfinite(relaxations_[0].later[g][i])) continue;
       Path next = path;
       if (k > 0 && c == kKeepC) {
         next.kept += k * gr.saved;
@@ -573,9 +570,18 @@ class Search {
         next.working = std::max(next.working, gr.saved + gr.profile.transient_bytes);
         next.swapped = next.swapped || gr.base_bytes[c] > 0;
       }
+      // Split rows of the decided blocks and every undecided block share the tier bytes left: each
+      // relaxation prices them (or, unpriced, lets each have them all).
       const double free = c == kKeepC ? 0.0 : static_cast<double>(tier_budget - next.base[t]);
-      next.time_lb += choice_bound(gr, c, k, free);
-      const double bound = next.time_lb + (rest > 0 ? rest * later_lb_[g][i] : 0.0) + remaining_bound(g + 1, next);
+      double bound = -kInf;
+      for (std::size_t r = 0; r < kRelaxations; ++r) {
+        const auto& rel = relaxations_[r];
+        if (k > 0) {
+          next.time_lb[r] += c == kKeepC ? k * gr.keep_time : k * priced_rows_cost(gr, c, rel.price[t], free);
+        }
+        bound = std::max(bound, next.time_lb[r] + (rest > 0 ? rest * rel.later[g][i] : 0.0) +
+                                    remaining_bound(rel, g + 1, next));
+      }
       if (prune(bound)) continue;
       counts_[g][c] = k;
       step(g, i + 1, rest, next);
@@ -621,7 +627,6 @@ class Search {
   bool always_swaps_ = false;                       // every plan here swaps something: the prefetch window counts
   std::vector<std::uint64_t> suffix_forced_bytes_;  // per g: bytes of groups >= g that must be kept
   std::vector<Relaxation> relaxations_;             // unpriced, and priced at the root's best prices
-  std::vector<std::array<double, kChoices>> later_lb_;
   std::vector<Counts> counts_;
   std::uint64_t nodes_ = 0;
   double best_time_ = kInf;
