@@ -437,6 +437,15 @@ TEST(ActivationPlanner, MeasuredLayersPlanWithinBudget) {
     if (forced.fits) {
       EXPECT_LE(plan.predicted_step_seconds, forced.predicted_step_seconds);
     }
+    // Averaged, the layers group: the plan is exact and every split layer gets the same alpha.
+    auto averaged = average_same_shape_blocks(blocks);
+    for (const auto& p : averaged) {
+      EXPECT_EQ(p.saved_bytes(), blocks[0].saved_bytes());
+      EXPECT_EQ(p.forward_seconds, averaged[0].forward_seconds);
+    }
+    Plan exact = plan_activations(averaged, links, budgets);
+    expect_well_formed(exact, averaged, budgets);
+    EXPECT_TRUE(exact.proven_optimal) << exact.summary();
   }
 }
 

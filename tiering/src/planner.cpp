@@ -647,6 +647,35 @@ std::string seconds_text(double s) {
 
 }  // namespace
 
+std::vector<BlockProfile> average_same_shape_blocks(const std::vector<BlockProfile>& blocks) {
+  auto shape = [](const BlockProfile& p) {
+    return std::make_tuple(p.input_bytes, p.whole_bytes, p.split_bytes, p.cheap_bytes, p.transient_bytes,
+                           p.splittable);
+  };
+  std::vector<BlockProfile> out = blocks;
+  std::vector<bool> done(blocks.size(), false);
+  for (std::size_t i = 0; i < blocks.size(); ++i) {
+    if (done[i]) continue;
+    std::vector<std::size_t> same;
+    for (std::size_t j = i; j < blocks.size(); ++j) {
+      if (!done[j] && shape(blocks[j]) == shape(blocks[i])) same.push_back(j);
+    }
+    BlockProfile mean = blocks[i];
+    mean.forward_seconds = mean.backward_seconds = mean.split_recompute_seconds = mean.cheap_recompute_seconds = 0;
+    for (std::size_t j : same) {
+      mean.forward_seconds += blocks[j].forward_seconds / same.size();
+      mean.backward_seconds += blocks[j].backward_seconds / same.size();
+      mean.split_recompute_seconds += blocks[j].split_recompute_seconds / same.size();
+      mean.cheap_recompute_seconds += blocks[j].cheap_recompute_seconds / same.size();
+    }
+    for (std::size_t j : same) {
+      out[j] = mean;
+      done[j] = true;
+    }
+  }
+  return out;
+}
+
 std::string_view to_string(BlockMode m) noexcept {
   switch (m) {
     case BlockMode::kKeep: return "keep";

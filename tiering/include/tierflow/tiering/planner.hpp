@@ -53,7 +53,8 @@
 // found and says so (Plan::proven_optimal = false). That happens with many
 // distinct profiles and a tight host: near-identical measured layers split
 // between several choices are many near-equal plans; profiles of identical
-// layers with identical numbers (e.g. averaged) group and plan exactly.
+// layers with identical numbers group and plan exactly: a profiler should pass
+// measured layers through average_same_shape_blocks first.
 // Among equally good plans, the kept blocks of a group are its last ones
 // (backward needs them first; SSDTrain's keep-tail), and an alpha grows only
 // while swapping more saves time.
@@ -147,6 +148,11 @@ Plan forced_plan(const std::vector<BlockProfile>& blocks, const Links& links, co
 /// filled in). The model itself; the tests' brute force uses it.
 Plan evaluate_plan(const std::vector<BlockProfile>& blocks, const Links& links, const Budgets& budgets,
                    std::vector<BlockPlan> assignment);
+
+/// Blocks of the same shape (equal bytes of every class, transient bytes and splittable) with their times
+/// replaced by the means over that shape: measured layers of one model differ only by noise, and
+/// identical profiles plan exactly and fast (they group; see Note [Activation planner]).
+std::vector<BlockProfile> average_same_shape_blocks(const std::vector<BlockProfile>& blocks);
 
 /// Name of a mode: "keep", "swap", "split", "recompute".
 std::string_view to_string(BlockMode) noexcept;
