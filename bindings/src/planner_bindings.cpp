@@ -124,6 +124,9 @@ void bind_planner(py::module_& m) {
   m.def("evaluate_plan", &evaluate_plan, py::arg("blocks"), py::arg("links"), py::arg("budgets"),
         py::arg("assignment"), "The model's predictions for a given per-block assignment.");
 
+  m.def("average_same_shape_blocks", &average_same_shape_blocks, py::arg("blocks"),
+        "Blocks of the same shape get the mean of their times (measured layers differ by noise only).");
+
   py::class_<TransformerShape> shape(m, "TransformerShape", "The shape of a GPT-2-style decoder.");
   shape.def(py::init<>())
       .def_readwrite("layers", &TransformerShape::layers)

@@ -231,9 +231,7 @@ std::vector<Group> make_groups(const std::vector<BlockProfile>& blocks, const Li
 
 // The continuous part: given the choices, the split blocks' alphas under each tier's budget.
 struct AlphaSolution {
-  double split_time = 0;                       // sum over split blocks
-  std::vector<std::array<double, 2>> alphas;   // per group, per tier (a group's split blocks share it)
-  bool any_swapped = false;
+  std::vector<std::array<double, 2>> alphas;  // per group, per tier (a group's split blocks share it)
 };
 
 AlphaSolution solve_alphas(const std::vector<Group>& groups, const std::vector<Counts>& counts,
