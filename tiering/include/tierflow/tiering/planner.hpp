@@ -14,10 +14,12 @@
 // where write/read_bw are d2h/h2d for the host tier and min(PCIe, NVMe) of that
 // direction for the NVMe tier (the host staging is pipelined and not counted),
 // and per mode
-//   keep       swap_bytes 0                               recompute 0
-//   swap       swap_bytes saved_bytes()                   recompute 0
-//   split(a)   swap_bytes input + whole + a * split (to a byte)  recompute (1-a) * split_recompute + cheap_recompute
-//   recompute  swap_bytes input                           recompute forward_seconds
+//   mode       swap_bytes                        recompute_seconds
+//   keep       0                                 0
+//   swap       saved_bytes()                     0
+//   split(a)   input + whole + a * split         (1-a) * split_recompute + cheap_recompute
+//   recompute  input                             forward_seconds
+// (a * split rounded to a byte in swap_bytes; the times take it exact).
 // The step (activations' part) is the sum over blocks. Links.duplex is not
 // used: in this pipeline the forward only writes and the backward only reads.
 //
@@ -57,7 +59,8 @@
 // measured layers through average_same_shape_blocks first.
 // Among equally good plans, the kept blocks of a group are its last ones
 // (backward needs them first; SSDTrain's keep-tail), and an alpha grows only
-// while swapping more saves time.
+// while swapping more saves time. tests/cpp/test_planner.cpp checks the search
+// against brute force over modes, tiers and an alpha grid.
 //
 // Assumptions: compute and transfers of different blocks do not overlap (a
 // slow swap-out delays the next block); bandwidths and times are those of the
