@@ -724,6 +724,16 @@ Plan evaluate_plan(const std::vector<BlockProfile>& blocks, const Links& links, 
 }
 
 Plan plan_activations(const std::vector<BlockProfile>& blocks, const Links& links, const Budgets& budgets) {
+  auto valid = [](double x) { return std::isfinite(x) && x >= 0; };
+  for (std::size_t i = 0; i < blocks.size(); ++i) {
+    const auto& p = blocks[i];
+    TIERFLOW_EXPECTS(valid(p.forward_seconds) && valid(p.backward_seconds) && valid(p.split_recompute_seconds) &&
+                         valid(p.cheap_recompute_seconds),
+                     "plan_activations: block " + std::to_string(i) + " has a negative or non-finite time");
+  }
+  TIERFLOW_EXPECTS(valid(links.d2h) && valid(links.h2d) && valid(links.duplex) && valid(links.nvme_write) &&
+                       valid(links.nvme_read),
+                   "plan_activations: a link bandwidth is negative or non-finite");
   std::vector<BlockPlan> all_keep(blocks.size());
   Plan keep = evaluate_plan(blocks, links, budgets, all_keep);
   if (keep.fits) return keep;
