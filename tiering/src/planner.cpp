@@ -19,7 +19,7 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 // Relative slack when comparing predicted step times (sums in different orders).
 constexpr double kTimeSlack = 1e-12;
 // Nodes the branch and bound may visit before it returns the best plan found.
-constexpr std::uint64_t kNodeLimit = 2'000'000;
+constexpr std::uint64_t kNodeLimit = 1'000'000;
 // Bounds of the search: unpriced, and priced at the root's best prices.
 constexpr std::size_t kRelaxations = 2;
 
@@ -301,10 +301,45 @@ class Search {
     relaxations_.push_back(relax(0, 0));
     relaxations_.push_back(best_priced_relaxation());
     counts_.assign(n, Counts{});
+    // Earlier groups with the same bytes (blocks that differ only in their times).
+    auto shape = [](const BlockProfile& p) {
+      return std::make_tuple(p.input_bytes, p.whole_bytes, p.split_bytes, p.cheap_bytes, p.transient_bytes,
+                             p.splittable);
+    };
+    twins_.assign(n, {});
+    for (std::size_t g = 0; g < n; ++g) {
+      for (std::size_t h = 0; h < g; ++h) {
+        if (shape(groups_[h].profile) == shape(groups_[g].profile) && groups_[h].usable == groups_[g].usable) {
+          twins_[g].push_back(h);
+        }
+      }
+    }
   }
 
   void run() {
     if (!groups_.empty()) step(0, 0, groups_[0].size(), Path{});
+  }
+
+  /// Starts from a known plan (its modes and tiers; alphas are solved again): a good first incumbent
+  /// lets the bound prune from the start.
+  void seed(const std::vector<BlockPlan>& plan) {
+    Path path;
+    for (std::size_t g = 0; g < groups_.size(); ++g) {
+      const auto& gr = groups_[g];
+      for (std::size_t b : gr.members) {
+        int c = 0;
+        while (c < kChoices && !(kChoiceMode[c] == plan[b].mode && (c == kKeepC || kChoiceTier[c] == plan[b].tier))) ++c;
+        if (c == kChoices || !gr.usable[c]) return;
+        ++counts_[g][c];
+        if (c == kKeepC) {
+          path.kept += gr.saved;
+        } else {
+          path.base[kChoiceTier[c] == SwapTier::kHost ? 0 : 1] += gr.base_bytes[c];
+        }
+      }
+    }
+    if (path.base[0] <= budgets_.host_bytes && path.base[1] <= budgets_.nvme_bytes) leaf(path);
+    counts_.assign(groups_.size(), Counts{});
   }
 
   bool found() const { return std::isfinite(best_time_); }
@@ -533,6 +568,46 @@ class Search {
     return std::isfinite(best_time_) && bound >= best_time_ - kTimeSlack * best_time_;
   }
 
+  // Time of one block of `gr` on choice c at split alpha `alpha`.
+  double choice_time(const Group& gr, int c, double alpha) const {
+    if (kChoiceMode[c] != BlockMode::kSplit) return gr.time_lb[c];
+    return block_times(gr.profile, links_, BlockMode::kSplit, alpha, kChoiceTier[c]).total();
+  }
+
+  // Symmetry: blocks with the same bytes can trade choices (and alphas) without changing any memory
+  // figure, so an optimal plan has no trade that saves time. Whether a block of group g on choice c
+  // and a block of an earlier twin group on another choice would save by trading, whatever the
+  // split alpha involved (the time difference is piecewise linear in it: checked at the breakpoints).
+  bool exchange_improves(std::size_t g, int c) const {
+    const auto& gr = groups_[g];
+    for (std::size_t h : twins_[g]) {
+      const auto& hr = groups_[h];
+      for (int a = 0; a < kChoices; ++a) {
+        if (a == c || counts_[h][a] == 0) continue;
+        const bool split_a = kChoiceMode[a] == BlockMode::kSplit, split_c = kChoiceMode[c] == BlockMode::kSplit;
+        if (split_a && split_c) continue;
+        const int t = kChoiceTier[split_a ? a : c] == SwapTier::kHost ? 0 : 1;
+        std::vector<double> alphas = {0.0};
+        if (split_a || split_c) {
+          alphas = hr.curves[t].alphas;
+          alphas.insert(alphas.end(), gr.curves[t].alphas.begin(), gr.curves[t].alphas.end());
+        }
+        bool always = true;
+        for (double alpha : alphas) {
+          // now: h on a, g on c; traded: h on c, g on a (the split alpha goes with the split choice)
+          const double now = choice_time(hr, a, alpha) + choice_time(gr, c, alpha);
+          const double traded = choice_time(hr, c, alpha) + choice_time(gr, a, alpha);
+          if (!(traded < now - kTimeSlack * now)) {
+            always = false;
+            break;
+          }
+        }
+        if (always) return true;
+      }
+    }
+    return false;
+  }
+
   // Decides how many of group g's `left` undecided blocks take the choice at search position i.
   void step(std::size_t g, int i, int left, const Path& path) {
     if (++nodes_ > kNodeLimit) return;
@@ -580,7 +655,7 @@ class Search {
         bound = std::max(bound, next.time_lb[r] + (rest > 0 ? rest * rel.later[g][i] : 0.0) +
                                     remaining_bound(rel, g + 1, next));
       }
-      if (prune(bound)) continue;
+      if (prune(bound) || (k > 0 && exchange_improves(g, c))) continue;
       counts_[g][c] = k;
       step(g, i + 1, rest, next);
       counts_[g][c] = 0;
@@ -626,6 +701,7 @@ class Search {
   std::vector<std::uint64_t> suffix_forced_bytes_;  // per g: bytes of groups >= g that must be kept
   std::vector<Relaxation> relaxations_;             // unpriced, and priced at the root's best prices
   std::vector<Counts> counts_;
+  std::vector<std::vector<std::size_t>> twins_;     // per group: earlier groups with the same bytes
   std::uint64_t nodes_ = 0;
   double best_time_ = kInf;
   std::vector<Counts> best_counts_;
@@ -739,6 +815,16 @@ Plan plan_activations(const std::vector<BlockProfile>& blocks, const Links& link
   if (keep.fits) return keep;
 
   Search search(make_groups(blocks, links, budgets), links, budgets);
+  // Layers of one shape whose measured times differ (noise) group only once averaged: the averaged
+  // plan is found fast and seeds the exact search.
+  const auto averaged = average_same_shape_blocks(blocks);
+  bool differ = false;
+  for (std::size_t i = 0; i < blocks.size() && !differ; ++i) differ = !same_profile(blocks[i], averaged[i]);
+  if (differ) {
+    Search coarse(make_groups(averaged, links, budgets), links, budgets);
+    coarse.run();
+    if (coarse.found()) search.seed(coarse.assignment(blocks.size()));
+  }
   search.run();
   if (!search.found()) {
     // The cheapest plan in device memory keeps nothing: every block's working set comes back in turn.

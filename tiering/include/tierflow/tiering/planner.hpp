@@ -50,13 +50,15 @@
 // with host and NVMe unlimited, or priced per byte (a Lagrangian relaxation of
 // the two budgets, prices chosen once at the root); both less an upper bound on
 // what keeping saves within the device bytes left (the smaller of the
-// fractional knapsack and the best gains of as many blocks as fit). A search
-// that exceeds its node limit (2M, about half a second) returns the best plan
-// found and says so (Plan::proven_optimal = false). That happens with many
-// distinct profiles and a tight host: near-identical measured layers split
-// between several choices are many near-equal plans; profiles of identical
-// layers with identical numbers group and plan exactly: a profiler should pass
-// measured layers through average_same_shape_blocks first.
+// fractional knapsack and the best gains of as many blocks as fit). Blocks
+// with the same bytes but different times (measured layers) can trade their
+// choices without changing any memory figure, so a partial plan where such a
+// trade would save time, whatever the split alpha, is cut; and such layers are
+// first planned with their times averaged (average_same_shape_blocks: they
+// group, so that is fast), which seeds the exact search with a near-optimal
+// plan. A search that exceeds its node limit (1M, about half a second)
+// returns the best plan found and says so (Plan::proven_optimal = false): that
+// happens with many distinct profiles and a host too small for all of them.
 // Among equally good plans, the kept blocks of a group are its last ones
 // (backward needs them first; SSDTrain's keep-tail), and an alpha grows only
 // while swapping more saves time. tests/cpp/test_planner.cpp checks the search
