@@ -306,7 +306,8 @@ TEST(ActivationPlanner, MatchesBruteForceWithNvme) {
   int tradeoffs = 0;
   for (std::uint64_t seed = 300; seed < 316; ++seed) {
     SCOPED_TRACE("seed " + std::to_string(seed));
-    tradeoffs += check_against_brute_force(random_case(seed, 3, seed % 4 == 0 ? Kind::kIdentical : Kind::kMixed, true, true), 16);
+    const Kind kind = seed % 4 == 0 ? Kind::kIdentical : Kind::kMixed;
+    tradeoffs += check_against_brute_force(random_case(seed, 3, kind, true, true), 16);
   }
   EXPECT_GE(tradeoffs, 3);
 }

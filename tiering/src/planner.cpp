@@ -108,7 +108,9 @@ void fill_block(const BlockProfile& p, const Links& links, BlockPlan& b) {
 // ---- the search over groups of identical blocks -------------------------------------------
 
 // A block's choice: keep, or a mode on a tier.
-enum Choice : int { kKeepC, kSwapHostC, kSplitHostC, kRecomputeHostC, kSwapNvmeC, kSplitNvmeC, kRecomputeNvmeC, kChoices };
+enum Choice : int {
+  kKeepC, kSwapHostC, kSplitHostC, kRecomputeHostC, kSwapNvmeC, kSplitNvmeC, kRecomputeNvmeC, kChoices
+};
 constexpr std::array<BlockMode, kChoices> kChoiceMode = {BlockMode::kKeep,  BlockMode::kSwap, BlockMode::kSplit,
                                                          BlockMode::kRecompute, BlockMode::kSwap, BlockMode::kSplit,
                                                          BlockMode::kRecompute};
@@ -144,8 +146,8 @@ SplitCurve split_curve(const BlockProfile& p, const Links& links, SwapTier tier)
     // Where the swap-out starts to exceed the forward, and where the swap-in meets the backward.
     if (bw.write > 0) c.alphas.push_back((p.forward_seconds * bw.write - base) / split);
     if (bw.read > 0) {
-      c.alphas.push_back((bw.read * (p.backward_seconds + p.cheap_recompute_seconds + p.split_recompute_seconds) - base) /
-                         (split + bw.read * p.split_recompute_seconds));
+      const double most_backward = p.backward_seconds + p.cheap_recompute_seconds + p.split_recompute_seconds;
+      c.alphas.push_back((bw.read * most_backward - base) / (split + bw.read * p.split_recompute_seconds));
     }
     c.alphas.erase(std::remove_if(c.alphas.begin(), c.alphas.end(),
                                   [](double a) { return !(a >= 0 && a <= 1); }),
@@ -296,7 +298,8 @@ class Search {
     suffix_forced_bytes_.assign(n + 1, 0);
     for (std::size_t g = n; g-- > 0;) {
       const auto& gr = groups_[g];
-      suffix_forced_bytes_[g] = suffix_forced_bytes_[g + 1] + (std::isfinite(gr.best_nonkeep) ? 0 : gr.size() * gr.saved);
+      const std::uint64_t forced = std::isfinite(gr.best_nonkeep) ? 0 : gr.size() * gr.saved;
+      suffix_forced_bytes_[g] = suffix_forced_bytes_[g + 1] + forced;
     }
     relaxations_.push_back(relax(0, 0));
     relaxations_.push_back(best_priced_relaxation());
@@ -328,7 +331,10 @@ class Search {
       const auto& gr = groups_[g];
       for (std::size_t b : gr.members) {
         int c = 0;
-        while (c < kChoices && !(kChoiceMode[c] == plan[b].mode && (c == kKeepC || kChoiceTier[c] == plan[b].tier))) ++c;
+        auto matches = [&](int k) {
+          return kChoiceMode[k] == plan[b].mode && (k == kKeepC || kChoiceTier[k] == plan[b].tier);
+        };
+        while (c < kChoices && !matches(c)) ++c;
         if (c == kChoices || !gr.usable[c]) return;
         ++counts_[g][c];
         if (c == kKeepC) {
@@ -473,7 +479,9 @@ class Search {
         }
         for (const auto& a : points) {
           for (const auto& b : points) {
-            if (a.first < b.first && a.second > b.second) prices[t].push_back((a.second - b.second) / (b.first - a.first));
+            if (a.first < b.first && a.second > b.second) {
+              prices[t].push_back((a.second - b.second) / (b.first - a.first));
+            }
           }
         }
       }
