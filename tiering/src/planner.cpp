@@ -335,7 +335,10 @@ class Search {
           return kChoiceMode[k] == plan[b].mode && (k == kKeepC || kChoiceTier[k] == plan[b].tier);
         };
         while (c < kChoices && !matches(c)) ++c;
-        if (c == kChoices || !gr.usable[c]) return;
+        if (c == kChoices || !gr.usable[c]) {  // not a plan of this search
+          counts_.assign(groups_.size(), Counts{});
+          return;
+        }
         ++counts_[g][c];
         if (c == kKeepC) {
           path.kept += gr.saved;
