@@ -290,7 +290,9 @@ def _plan(args: argparse.Namespace) -> str:
     host_total = _size(host_text, host_capacity, "--host-memory" if args.host_memory else "TIERFLOW_HOST_MEMORY")
     optimizer_host = state.host if state else 0
     if optimizer_host > host_total:
-        raise PlanError(f"the host budget {_C.format_bytes(host_total)} ({host_text}) cannot hold the optimizer "
+        where = "--host-memory" if args.host_memory else "TIERFLOW_HOST_MEMORY"
+        raise PlanError(f"the host budget {_C.format_bytes(host_total)} ({where}={host_text}, of "
+                        f"{_C.format_bytes(host_capacity)} RAM here) cannot hold the optimizer "
                         f"states' {_C.format_bytes(optimizer_host)}: it needs {optimizer_host} bytes and more for "
                         f"activations; pass --host-memory, or --optimizer nvme")
     nvme_bytes = _size(args.nvme_memory, 0, "--nvme-memory") if args.nvme_memory else 0
@@ -307,7 +309,7 @@ def _plan(args: argparse.Namespace) -> str:
     if args.json:
         return json.dumps(_plan_json(plan, budgets, links, flops, measured, state, head_bytes, optimizer, args))
     return _plan_text(plan, budgets, links, flops, measured, state, head_bytes, optimizer, args, device_from,
-                      device_name, host_text)
+                      device_name)
 
 
 def _plan_json(plan, budgets, links, flops, measured, state, head_bytes, optimizer, args) -> dict:
@@ -334,25 +336,27 @@ def _plan_json(plan, budgets, links, flops, measured, state, head_bytes, optimiz
 
 
 def _plan_text(plan, budgets, links, flops, measured, state, head_bytes, optimizer, args, device_from,
-               device_name, host_text) -> str:
+               device_name) -> str:
     fb = _C.format_bytes
     lines = []
     if state is not None:
         lines.append(f"model: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, seq {args.seq}, "
                      f"batch {args.batch}, {args.dtype}, vocab {args.vocab} "
-                     f"({_C.transformer_parameters(_shape(args)) / 1e9:.2f}B parameters)")
+                     f"({_C.transformer_parameters(_shape(args)) / 1e9:.3g}B parameters)")
     else:
         lines.append(f"profile: {args.profile} ({len(plan.blocks)} blocks)")
     where = f" (measured on {device_name})"
     if flops:
-        lines.append(f"compute: {flops / 1e12:.1f} TFLOP/s" + (where if "tflops" in measured else " (given)"))
-    lines.append(f"links: {links.d2h / GB:.1f} GB/s device->host, {links.h2d / GB:.1f} GB/s host->device"
+        lines.append(f"compute: {flops / 1e12:.3g} TFLOP/s" + (where if "tflops" in measured else " (given)"))
+    lines.append(f"links: {links.d2h / GB:.3g} GB/s device->host, {links.h2d / GB:.3g} GB/s host->device"
                  + (where if "links" in measured else " (given)" if args.pcie_gbps else " (from the profile)")
                  + (f"; NVMe {links.nvme_write / GB:.1f} GB/s write, {links.nvme_read / GB:.1f} GB/s read"
                     if budgets.nvme_bytes else ""))
     host_from = "--host-memory" if args.host_memory else "TIERFLOW_HOST_MEMORY"
+    optimizer_host = state.host if state is not None else 0
     lines.append(f"budgets: device {fb(budgets.device_bytes)} ({device_from}); host {fb(budgets.host_bytes)} for "
-                 f"activations ({host_from} {host_text}, less the optimizer's share); NVMe "
+                 f"activations ({fb(budgets.host_bytes + optimizer_host)} from {host_from}, less "
+                 f"{fb(optimizer_host)} of optimizer states); NVMe "
                  f"{fb(budgets.nvme_bytes) if budgets.nvme_bytes else 'none'}; prefetch window "
                  f"{fb(budgets.prefetch_bytes)}")
     if state is not None:
