@@ -109,11 +109,11 @@ tiering::BlockMode to_mode(const std::string& s) {
 }  // namespace
 
 void bind_activation_planner(py::module_& m) {
-  m.def("plan_activations", [](const py::list& blocks, const py::dict& links, const py::dict& budgets) {
+  m.def("plan_activations_json", [](const py::list& blocks, const py::dict& links, const py::dict& budgets) {
     return to_dict(tiering::plan_activations(to_profiles(blocks), to_links(links), to_budgets(budgets)));
   }, py::arg("blocks"), py::arg("links"), py::arg("budgets"),
      "The activation plan (Note [Activation planner]) for block profiles, links and budgets given as dicts.");
-  m.def("forced_plan", [](const py::list& blocks, const py::dict& links, const py::dict& budgets,
+  m.def("forced_plan_json", [](const py::list& blocks, const py::dict& links, const py::dict& budgets,
                           const std::string& mode) {
     return to_dict(tiering::forced_plan(to_profiles(blocks), to_links(links), to_budgets(budgets), to_mode(mode)));
   }, py::arg("blocks"), py::arg("links"), py::arg("budgets"), py::arg("mode"),

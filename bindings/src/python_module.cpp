@@ -8,6 +8,7 @@
 
 #include "tierflow/allocator/device.hpp"
 #include "tierflow/bindings/emulated_device_memory.hpp"
+#include "tierflow/bindings/planner_bindings.hpp"
 #include "tierflow/bindings/runtime.hpp"
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/log.hpp"
@@ -442,5 +443,6 @@ PYBIND11_MODULE(_C, m) {
         return d;
       })
       .def("stats", &runtime_stats);
+  bind_planner(m);
   (void)base;
 }

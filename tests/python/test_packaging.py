@@ -37,5 +37,6 @@ def test_wheel_contains_the_extension_and_the_package(tmp_path):
     assert len(wheels) == 1, wheels
     names = zipfile.ZipFile(tmp_path / wheels[0]).namelist()
     assert any(n.startswith("tierflow/_C") and n.endswith(".so") for n in names), names
-    for module in ("__init__.py", "optim.py", "_wrap.py", "_report.py", "_config.py", "_meter.py"):
+    for module in ("__init__.py", "optim.py", "_wrap.py", "_report.py", "_config.py", "_meter.py", "_plan.py",
+                   "__main__.py"):
         assert f"tierflow/{module}" in names

@@ -1,30 +1,33 @@
-// The activation planner's model and search; see Note [Activation planner].
+// The activation planner's model and its public functions; the search is in
+// plan_search.cpp. See Note [Activation planner].
 #include "tierflow/tiering/planner.hpp"
 
 #include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdio>
-#include <limits>
 #include <string>
 #include <tuple>
 
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/size.hpp"
+#include "tierflow/tiering/detail/plan_search.hpp"
 
 namespace tierflow::tiering {
 namespace {
 
-constexpr double kInf = std::numeric_limits<double>::infinity();
-// Relative slack when comparing predicted step times (sums in different orders).
-constexpr double kTimeSlack = 1e-12;
-// Nodes the branch and bound may visit before it returns the best plan found.
-constexpr std::uint64_t kNodeLimit = 4'000'000;
+double transfer_seconds(double bytes, double bytes_per_second) {
+  if (bytes <= 0) return 0;
+  return bytes_per_second > 0 ? bytes / bytes_per_second : detail::kInf;
+}
 
-struct TierBandwidth {
-  double write = 0;  // bytes/s, device -> tier
-  double read = 0;   // bytes/s, tier -> device
-};
+std::uint64_t split_rows_bytes(const BlockProfile& p, double alpha) {
+  return static_cast<std::uint64_t>(std::llround(alpha * static_cast<double>(p.split_bytes)));
+}
+
+}  // namespace
+
+namespace detail {
 
 bool nvme_available(const Links& links, const Budgets& budgets) {
   return budgets.nvme_bytes > 0 && links.nvme_write > 0 && links.nvme_read > 0;
@@ -35,23 +38,6 @@ TierBandwidth bandwidth(const Links& links, SwapTier tier) {
   return {std::min(links.d2h, links.nvme_write), std::min(links.h2d, links.nvme_read)};
 }
 
-double transfer_seconds(double bytes, double bytes_per_second) {
-  if (bytes <= 0) return 0;
-  return bytes_per_second > 0 ? bytes / bytes_per_second : kInf;
-}
-
-std::uint64_t split_rows_bytes(const BlockProfile& p, double alpha) {
-  return static_cast<std::uint64_t>(std::llround(alpha * static_cast<double>(p.split_bytes)));
-}
-
-struct Times {
-  double forward = 0, backward = 0;
-  double total() const { return forward + backward; }
-};
-
-// The per-block pipeline of Note [Activation planner]. Swapped bytes are taken
-// continuous in alpha (swap_bytes rounds them to a byte) so the time is exactly
-// piecewise linear in alpha.
 Times block_times(const BlockProfile& p, const Links& links, BlockMode mode, double alpha, SwapTier tier) {
   double swapped = 0, recompute = 0;
   switch (mode) {
@@ -81,6 +67,29 @@ std::uint64_t swap_bytes_of(const BlockProfile& p, BlockMode mode, double alpha)
   return 0;
 }
 
+bool same_profile(const BlockProfile& a, const BlockProfile& b) {
+  auto key = [](const BlockProfile& p) {
+    return std::make_tuple(p.forward_seconds, p.backward_seconds, p.input_bytes, p.whole_bytes, p.split_bytes,
+                           p.split_recompute_seconds, p.cheap_bytes, p.cheap_recompute_seconds, p.splittable,
+                           p.transient_bytes);
+  };
+  return key(a) == key(b);
+}
+
+}  // namespace detail
+
+namespace {
+
+using detail::bandwidth;
+using detail::block_times;
+using detail::kInf;
+using detail::nvme_available;
+using detail::swap_bytes_of;
+
+
+
+
+
 // Fills swap_bytes, the fractions and the times of `b` from its mode, alpha and tier.
 void fill_block(const BlockProfile& p, const Links& links, BlockPlan& b) {
   if (b.mode != BlockMode::kSplit) b.alpha = 0;
@@ -103,388 +112,6 @@ void fill_block(const BlockProfile& p, const Links& links, BlockPlan& b) {
   b.backward_seconds = t.backward;
 }
 
-// ---- the search over groups of identical blocks -------------------------------------------
-
-// A block's choice: keep, or a mode on a tier.
-enum Choice : int { kKeepC, kSwapHostC, kSplitHostC, kRecomputeHostC, kSwapNvmeC, kSplitNvmeC, kRecomputeNvmeC, kChoices };
-constexpr std::array<BlockMode, kChoices> kChoiceMode = {BlockMode::kKeep,  BlockMode::kSwap, BlockMode::kSplit,
-                                                         BlockMode::kRecompute, BlockMode::kSwap, BlockMode::kSplit,
-                                                         BlockMode::kRecompute};
-constexpr std::array<SwapTier, kChoices> kChoiceTier = {SwapTier::kHost, SwapTier::kHost, SwapTier::kHost,
-                                                        SwapTier::kHost, SwapTier::kNvme, SwapTier::kNvme,
-                                                        SwapTier::kNvme};
-// Positions inside a group: NVMe first (read last in backward), kept blocks last (keep-tail).
-constexpr std::array<int, kChoices> kPlacementOrder = {kRecomputeNvmeC, kSplitNvmeC, kSwapNvmeC, kRecomputeHostC,
-                                                       kSplitHostC, kSwapHostC, kKeepC};
-using Counts = std::array<int, kChoices>;
-
-// A split block's time at the breakpoints of its convex piecewise-linear curve in alpha.
-struct SplitCurve {
-  std::vector<double> alphas;  // ascending
-  std::vector<double> times;   // block time (forward + backward) at each alpha
-  double best_time = kInf;     // its minimum (at a breakpoint: the curve is convex)
-};
-
-SplitCurve split_curve(const BlockProfile& p, const Links& links, SwapTier tier) {
-  SplitCurve c;
-  if (p.split_bytes == 0) {
-    c.alphas = {1.0};  // no bytes to trade: recompute nothing
-  } else {
-    const auto bw = bandwidth(links, tier);
-    const double base = static_cast<double>(p.input_bytes + p.whole_bytes);
-    const double split = static_cast<double>(p.split_bytes);
-    c.alphas = {0.0, 1.0};
-    // Where the swap-out starts to exceed the forward, and where the swap-in meets the backward.
-    if (bw.write > 0) c.alphas.push_back((p.forward_seconds * bw.write - base) / split);
-    if (bw.read > 0) {
-      c.alphas.push_back((bw.read * (p.backward_seconds + p.cheap_recompute_seconds + p.split_recompute_seconds) - base) /
-                         (split + bw.read * p.split_recompute_seconds));
-    }
-    c.alphas.erase(std::remove_if(c.alphas.begin(), c.alphas.end(),
-                                  [](double a) { return !(a >= 0 && a <= 1); }),
-                   c.alphas.end());
-    std::sort(c.alphas.begin(), c.alphas.end());
-    c.alphas.erase(std::unique(c.alphas.begin(), c.alphas.end()), c.alphas.end());
-  }
-  for (double a : c.alphas) {
-    c.times.push_back(block_times(p, links, BlockMode::kSplit, a, tier).total());
-    c.best_time = std::min(c.best_time, c.times.back());
-  }
-  return c;
-}
-
-bool same_profile(const BlockProfile& a, const BlockProfile& b) {
-  auto key = [](const BlockProfile& p) {
-    return std::make_tuple(p.forward_seconds, p.backward_seconds, p.input_bytes, p.whole_bytes, p.split_bytes,
-                           p.split_recompute_seconds, p.cheap_bytes, p.cheap_recompute_seconds, p.splittable,
-                           p.transient_bytes);
-  };
-  return key(a) == key(b);
-}
-
-struct Group {
-  BlockProfile profile;
-  std::vector<std::size_t> members;  // block indices, ascending
-  std::uint64_t saved = 0;
-  double keep_time = 0;                          // forward + backward, kept
-  std::array<bool, kChoices> usable{};
-  std::array<double, kChoices> time_lb{};        // a block's time; split: its best alpha, host unlimited
-  std::array<std::uint64_t, kChoices> base_bytes{};  // a block's tier bytes; split: at alpha 0
-  std::array<SplitCurve, 2> curves;              // split, per tier
-  double best_nonkeep = kInf;                    // min of time_lb over usable non-keep choices
-  int size() const { return static_cast<int>(members.size()); }
-};
-
-std::vector<Group> make_groups(const std::vector<BlockProfile>& blocks, const Links& links, const Budgets& budgets) {
-  std::vector<Group> groups;
-  for (std::size_t i = 0; i < blocks.size(); ++i) {
-    auto it = std::find_if(groups.begin(), groups.end(),
-                           [&](const Group& g) { return same_profile(g.profile, blocks[i]); });
-    if (it == groups.end()) {
-      groups.push_back(Group{});
-      groups.back().profile = blocks[i];
-      it = groups.end() - 1;
-    }
-    it->members.push_back(i);
-  }
-  const bool nvme = nvme_available(links, budgets);
-  for (auto& g : groups) {
-    const auto& p = g.profile;
-    g.saved = p.saved_bytes();
-    g.keep_time = p.forward_seconds + p.backward_seconds;
-    g.curves[0] = split_curve(p, links, SwapTier::kHost);
-    g.curves[1] = split_curve(p, links, SwapTier::kNvme);
-    for (int c = 0; c < kChoices; ++c) {
-      const BlockMode mode = kChoiceMode[c];
-      const SwapTier tier = kChoiceTier[c];
-      const std::uint64_t tier_budget = tier == SwapTier::kHost ? budgets.host_bytes : budgets.nvme_bytes;
-      if (mode == BlockMode::kKeep) {
-        g.usable[c] = true;
-        g.time_lb[c] = g.keep_time;
-        continue;
-      }
-      if (mode == BlockMode::kSplit) {
-        const auto& curve = g.curves[tier == SwapTier::kHost ? 0 : 1];
-        g.time_lb[c] = curve.best_time;
-        g.base_bytes[c] = swap_bytes_of(p, mode, p.split_bytes == 0 ? 1.0 : 0.0);
-      } else {
-        g.time_lb[c] = block_times(p, links, mode, 0, tier).total();
-        g.base_bytes[c] = swap_bytes_of(p, mode, 0);
-      }
-      g.usable[c] = std::isfinite(g.time_lb[c]) && (tier == SwapTier::kHost || nvme) &&
-                    (mode != BlockMode::kSplit || p.splittable) && g.base_bytes[c] <= tier_budget;
-      if (g.usable[c]) g.best_nonkeep = std::min(g.best_nonkeep, g.time_lb[c]);
-    }
-  }
-  return groups;
-}
-
-// The continuous part: given the choices, the split blocks' alphas under each tier's budget.
-struct AlphaSolution {
-  double split_time = 0;                       // sum over split blocks
-  std::vector<std::array<double, 2>> alphas;   // per group, per tier (a group's split blocks share it)
-  bool any_swapped = false;
-};
-
-AlphaSolution solve_alphas(const std::vector<Group>& groups, const std::vector<Counts>& counts,
-                           const std::array<double, 2>& free_bytes) {
-  AlphaSolution s;
-  s.alphas.assign(groups.size(), {0.0, 0.0});
-  for (int t = 0; t < 2; ++t) {
-    const int choice = t == 0 ? kSplitHostC : kSplitNvmeC;
-    struct Segment {
-      double slope;  // seconds per byte
-      std::size_t group;
-      std::size_t index;
-      double bytes;  // for all the group's split blocks
-    };
-    std::vector<Segment> segments;
-    for (std::size_t g = 0; g < groups.size(); ++g) {
-      const int m = counts[g][choice];
-      if (m == 0) continue;
-      const auto& c = groups[g].curves[t];
-      s.alphas[g][t] = c.alphas.front();
-      for (std::size_t k = 0; k + 1 < c.alphas.size(); ++k) {
-        const double bytes = m * (c.alphas[k + 1] - c.alphas[k]) * static_cast<double>(groups[g].profile.split_bytes);
-        const double dt = m * (c.times[k + 1] - c.times[k]);
-        if (bytes > 0) segments.push_back({dt / bytes, g, k, bytes});
-      }
-    }
-    // Convex curves: a group's slopes rise with k, so taking the steepest first takes them in order.
-    std::stable_sort(segments.begin(), segments.end(), [](const Segment& a, const Segment& b) {
-      return std::tie(a.slope, a.group, a.index) < std::tie(b.slope, b.group, b.index);
-    });
-    double left = free_bytes[t];
-    for (const auto& seg : segments) {
-      if (seg.slope >= 0 || left <= 0) break;
-      const double take = std::min(seg.bytes, left);
-      const int m = counts[seg.group][choice];
-      s.alphas[seg.group][t] += take / (m * static_cast<double>(groups[seg.group].profile.split_bytes));
-      left -= take;
-    }
-  }
-  return s;
-}
-
-class Search {
- public:
-  Search(std::vector<Group> groups, const Links& links, const Budgets& budgets)
-      : groups_(std::move(groups)), links_(links), budgets_(budgets) {
-    for (const auto& g : groups_) min_transient_ = std::max(min_transient_, g.profile.transient_bytes);
-    const std::size_t n = groups_.size();
-    suffix_nonkeep_.assign(n + 1, 0);
-    suffix_forced_bytes_.assign(n + 1, 0);
-    for (std::size_t g = n; g-- > 0;) {
-      const auto& gr = groups_[g];
-      const bool forced = !std::isfinite(gr.best_nonkeep);
-      suffix_nonkeep_[g] = suffix_nonkeep_[g + 1] + gr.size() * (forced ? gr.keep_time : gr.best_nonkeep);
-      suffix_forced_bytes_[g] = suffix_forced_bytes_[g + 1] + (forced ? gr.size() * gr.saved : 0);
-    }
-    for (std::size_t g = 0; g < n; ++g) {
-      if (std::isfinite(groups_[g].best_nonkeep)) by_ratio_.push_back(g);
-    }
-    by_gain_ = by_ratio_;
-    auto gain = [&](std::size_t g) { return groups_[g].best_nonkeep - groups_[g].keep_time; };
-    auto ratio = [&](std::size_t g) {  // gain per byte; zero-byte blocks first
-      return groups_[g].saved > 0 ? gain(g) / static_cast<double>(groups_[g].saved) : kInf;
-    };
-    std::sort(by_ratio_.begin(), by_ratio_.end(), [&](std::size_t a, std::size_t b) { return ratio(a) > ratio(b); });
-    std::sort(by_gain_.begin(), by_gain_.end(), [&](std::size_t a, std::size_t b) { return gain(a) > gain(b); });
-    counts_.assign(n, Counts{});
-  }
-
-  void run() { descend(0, 0, 0, {0, 0}); }
-
-  bool found() const { return std::isfinite(best_time_); }
-  bool complete() const { return nodes_ <= kNodeLimit; }
-
-  /// The best assignment found, per block.
-  std::vector<BlockPlan> assignment(std::size_t blocks) const {
-    std::vector<BlockPlan> out(blocks);
-    for (std::size_t g = 0; g < groups_.size(); ++g) {
-      const auto& gr = groups_[g];
-      std::size_t pos = 0;
-      for (int c : kPlacementOrder) {
-        const int m = best_counts_[g][c];
-        const int t = kChoiceTier[c] == SwapTier::kHost ? 0 : 1;
-        // Split blocks share the group's alpha to a byte: whole bytes, the remainder one byte each.
-        std::uint64_t total = 0;
-        if (kChoiceMode[c] == BlockMode::kSplit && gr.profile.split_bytes > 0) {
-          total = static_cast<std::uint64_t>(
-              std::floor(best_alphas_[g][t] * m * static_cast<double>(gr.profile.split_bytes)));
-          total = std::min(total, m * gr.profile.split_bytes);
-        }
-        for (int k = 0; k < m; ++k, ++pos) {
-          auto& b = out[gr.members[pos]];
-          b.mode = kChoiceMode[c];
-          b.tier = kChoiceTier[c];
-          if (b.mode == BlockMode::kSplit) {
-            if (gr.profile.split_bytes == 0) {
-              b.alpha = 1;
-            } else {
-              const std::uint64_t rows = total / m + (static_cast<std::uint64_t>(k) < total % m ? 1 : 0);
-              b.alpha = static_cast<double>(rows) / static_cast<double>(gr.profile.split_bytes);
-            }
-          }
-        }
-      }
-    }
-    return out;
-  }
-
- private:
-  // Upper bound on the time saved by keeping blocks of groups >= g within `capacity` device bytes:
-  // the smaller of the fractional knapsack and the best gains of as many blocks as could fit.
-  double keep_gain_bound(std::size_t g, double capacity) const {
-    double dantzig = 0, left = capacity;
-    for (std::size_t i : by_ratio_) {
-      if (i < g) continue;
-      const auto& gr = groups_[i];
-      const double gain = gr.best_nonkeep - gr.keep_time;
-      if (gain <= 0) continue;
-      const double bytes = static_cast<double>(gr.saved) * gr.size();
-      if (bytes <= left) {
-        dantzig += gain * gr.size();
-        left -= bytes;
-      } else {
-        dantzig += gain * gr.size() * (left / bytes);
-        break;
-      }
-    }
-    double min_saved = kInf, free_gain = 0;
-    for (std::size_t i : by_gain_) {
-      if (i < g) continue;
-      const auto& gr = groups_[i];
-      if (gr.saved == 0) {
-        free_gain += std::max(0.0, gr.best_nonkeep - gr.keep_time) * gr.size();
-      } else {
-        min_saved = std::min(min_saved, static_cast<double>(gr.saved));
-      }
-    }
-    double slots = std::isfinite(min_saved) ? std::floor(capacity / min_saved) : 0;
-    double top = free_gain;
-    for (std::size_t i : by_gain_) {
-      if (i < g || slots <= 0) continue;
-      const auto& gr = groups_[i];
-      if (gr.saved == 0) continue;
-      const double take = std::min(slots, static_cast<double>(gr.size()));
-      top += std::max(0.0, gr.best_nonkeep - gr.keep_time) * take;
-      slots -= take;
-    }
-    return std::min(dantzig, top);
-  }
-
-  // Lower bound on the time of groups >= g given the device bytes already kept.
-  double remaining_bound(std::size_t g, std::uint64_t kept) const {
-    const double used = static_cast<double>(budgets_.fixed_device_bytes) + static_cast<double>(kept) +
-                        static_cast<double>(min_transient_) + static_cast<double>(suffix_forced_bytes_[g]);
-    const double capacity = static_cast<double>(budgets_.device_bytes) - used;
-    if (capacity < 0) return kInf;
-    return suffix_nonkeep_[g] - keep_gain_bound(g, capacity);
-  }
-
-  bool prune(double bound) const { return bound >= best_time_ - kTimeSlack * std::abs(best_time_); }
-
-  struct Child {
-    Counts counts;
-    double time_lb;
-    std::uint64_t kept;
-    std::array<std::uint64_t, 2> tier_base;
-    double bound;
-  };
-
-  void descend(std::size_t g, double time_lb, std::uint64_t kept, std::array<std::uint64_t, 2> tier_base) {
-    if (++nodes_ > kNodeLimit) return;
-    if (g == groups_.size()) {
-      leaf(kept, tier_base);
-      return;
-    }
-    const auto& gr = groups_[g];
-    std::vector<Child> children;
-    Counts counts{};
-    auto add_child = [&] {
-      Child ch{counts, time_lb, kept, tier_base, 0};
-      for (int k = 0; k < kChoices; ++k) {
-        if (counts[k] == 0) continue;
-        ch.time_lb += counts[k] * gr.time_lb[k];
-        if (k == kKeepC) {
-          ch.kept += counts[k] * gr.saved;
-        } else {
-          ch.tier_base[kChoiceTier[k] == SwapTier::kHost ? 0 : 1] += counts[k] * gr.base_bytes[k];
-        }
-      }
-      if (ch.tier_base[0] > budgets_.host_bytes || ch.tier_base[1] > budgets_.nvme_bytes) return;
-      ch.bound = ch.time_lb + remaining_bound(g + 1, ch.kept);
-      if (!prune(ch.bound)) children.push_back(ch);
-    };
-    // Every way of distributing the group's blocks over its usable choices, keep-heavy first.
-    auto enumerate = [&](auto&& self, int c, int left) -> void {
-      if (c == kChoices) {
-        if (left == 0) add_child();
-        return;
-      }
-      const int most = gr.usable[c] ? left : 0;
-      const int least = c == kChoices - 1 ? left : 0;
-      for (int k = most; k >= least; --k) {
-        counts[c] = k;
-        self(self, c + 1, left - k);
-      }
-      counts[c] = 0;
-    };
-    enumerate(enumerate, 0, gr.size());
-    std::stable_sort(children.begin(), children.end(),
-                     [](const Child& a, const Child& b) { return a.bound < b.bound; });
-    for (const auto& ch : children) {
-      if (prune(ch.bound) || nodes_ > kNodeLimit) break;
-      counts_[g] = ch.counts;
-      descend(g + 1, ch.time_lb, ch.kept, ch.tier_base);
-    }
-    counts_[g] = Counts{};
-  }
-
-  void leaf(std::uint64_t kept, const std::array<std::uint64_t, 2>& tier_base) {
-    const std::array<double, 2> free_bytes = {
-        static_cast<double>(budgets_.host_bytes - tier_base[0]),
-        static_cast<double>(budgets_.nvme_bytes - tier_base[1])};
-    auto alphas = solve_alphas(groups_, counts_, free_bytes);
-    double time = 0;
-    std::uint64_t working = 0;
-    bool any_swapped = false;
-    for (std::size_t g = 0; g < groups_.size(); ++g) {
-      const auto& gr = groups_[g];
-      const auto& cnt = counts_[g];
-      if (cnt[kKeepC] > 0) working = std::max(working, gr.profile.transient_bytes);
-      if (cnt[kKeepC] < gr.size()) working = std::max(working, gr.saved + gr.profile.transient_bytes);
-      for (int c = 0; c < kChoices; ++c) {
-        if (cnt[c] == 0) continue;
-        const int t = kChoiceTier[c] == SwapTier::kHost ? 0 : 1;
-        const double alpha = kChoiceMode[c] == BlockMode::kSplit ? alphas.alphas[g][t] : 0.0;
-        time += cnt[c] * block_times(gr.profile, links_, kChoiceMode[c], alpha, kChoiceTier[c]).total();
-        if (c != kKeepC && swap_bytes_of(gr.profile, kChoiceMode[c], alpha) > 0) any_swapped = true;
-      }
-    }
-    const std::uint64_t peak =
-        budgets_.fixed_device_bytes + kept + working + (any_swapped ? budgets_.prefetch_bytes : 0);
-    if (peak > budgets_.device_bytes || !(time < best_time_)) return;
-    best_time_ = time;
-    best_counts_ = counts_;
-    best_alphas_ = alphas.alphas;
-  }
-
-  std::vector<Group> groups_;
-  Links links_;
-  Budgets budgets_;
-  std::uint64_t min_transient_ = 0;             // the working set is at least the largest transient
-  std::vector<double> suffix_nonkeep_;          // per g: sum over groups >= g of size * best non-keep time
-  std::vector<std::uint64_t> suffix_forced_bytes_;  // per g: bytes of groups >= g that must be kept
-  std::vector<std::size_t> by_ratio_, by_gain_;
-  std::vector<Counts> counts_;
-  std::uint64_t nodes_ = 0;
-  double best_time_ = kInf;
-  std::vector<Counts> best_counts_;
-  std::vector<std::array<double, 2>> best_alphas_;
-};
-
 std::string seconds_text(double s) {
   char buf[32];
   if (!std::isfinite(s)) return "inf";
@@ -497,6 +124,35 @@ std::string seconds_text(double s) {
 }
 
 }  // namespace
+
+std::vector<BlockProfile> average_same_shape_blocks(const std::vector<BlockProfile>& blocks) {
+  auto shape = [](const BlockProfile& p) {
+    return std::make_tuple(p.input_bytes, p.whole_bytes, p.split_bytes, p.cheap_bytes, p.transient_bytes,
+                           p.splittable);
+  };
+  std::vector<BlockProfile> out = blocks;
+  std::vector<bool> done(blocks.size(), false);
+  for (std::size_t i = 0; i < blocks.size(); ++i) {
+    if (done[i]) continue;
+    std::vector<std::size_t> same;
+    for (std::size_t j = i; j < blocks.size(); ++j) {
+      if (!done[j] && shape(blocks[j]) == shape(blocks[i])) same.push_back(j);
+    }
+    BlockProfile mean = blocks[i];
+    mean.forward_seconds = mean.backward_seconds = mean.split_recompute_seconds = mean.cheap_recompute_seconds = 0;
+    for (std::size_t j : same) {
+      mean.forward_seconds += blocks[j].forward_seconds / same.size();
+      mean.backward_seconds += blocks[j].backward_seconds / same.size();
+      mean.split_recompute_seconds += blocks[j].split_recompute_seconds / same.size();
+      mean.cheap_recompute_seconds += blocks[j].cheap_recompute_seconds / same.size();
+    }
+    for (std::size_t j : same) {
+      out[j] = mean;
+      done[j] = true;
+    }
+  }
+  return out;
+}
 
 std::string_view to_string(BlockMode m) noexcept {
   switch (m) {
@@ -548,13 +204,22 @@ Plan evaluate_plan(const std::vector<BlockProfile>& blocks, const Links& links, 
 }
 
 Plan plan_activations(const std::vector<BlockProfile>& blocks, const Links& links, const Budgets& budgets) {
+  auto valid = [](double x) { return std::isfinite(x) && x >= 0; };
+  for (std::size_t i = 0; i < blocks.size(); ++i) {
+    const auto& p = blocks[i];
+    TIERFLOW_EXPECTS(valid(p.forward_seconds) && valid(p.backward_seconds) && valid(p.split_recompute_seconds) &&
+                         valid(p.cheap_recompute_seconds),
+                     "plan_activations: block " + std::to_string(i) + " has a negative or non-finite time");
+  }
+  TIERFLOW_EXPECTS(valid(links.d2h) && valid(links.h2d) && valid(links.duplex) && valid(links.nvme_write) &&
+                       valid(links.nvme_read),
+                   "plan_activations: a link bandwidth is negative or non-finite");
   std::vector<BlockPlan> all_keep(blocks.size());
   Plan keep = evaluate_plan(blocks, links, budgets, all_keep);
   if (keep.fits) return keep;
 
-  Search search(make_groups(blocks, links, budgets), links, budgets);
-  search.run();
-  if (!search.found()) {
+  const auto search = detail::search_plan(blocks, links, budgets);
+  if (!search.found) {
     // The cheapest plan in device memory keeps nothing: every block's working set comes back in turn.
     std::uint64_t working = 0, inputs = 0;
     for (const auto& p : blocks) {
@@ -575,8 +240,8 @@ Plan plan_activations(const std::vector<BlockProfile>& blocks, const Links& link
     }
     throw out_of_memory(msg);
   }
-  Plan plan = evaluate_plan(blocks, links, budgets, search.assignment(blocks.size()));
-  plan.proven_optimal = search.complete();
+  Plan plan = evaluate_plan(blocks, links, budgets, search.assignment);
+  plan.proven_optimal = search.complete;
   return plan;
 }
 
@@ -674,7 +339,8 @@ std::string Plan::block_line(std::size_t i) const {
   std::snprintf(buf, sizeof buf,
                 "block %zu: %-9s alpha %.3f  keep %.3f swap %.3f recompute %.3f  %s %s/step  fwd %s bwd %s", i,
                 std::string(to_string(b.mode)).c_str(), b.alpha, b.keep, b.swap, b.recompute,
-                std::string(to_string(b.tier)).c_str(), format_bytes(b.swap_bytes).c_str(),
+                b.mode == BlockMode::kKeep ? "-" : std::string(to_string(b.tier)).c_str(),
+                format_bytes(b.swap_bytes).c_str(),
                 seconds_text(b.forward_seconds).c_str(), seconds_text(b.backward_seconds).c_str());
   return buf;
 }

@@ -11,22 +11,26 @@ namespace {
 constexpr std::uint64_t kFp32Bytes = 4;
 constexpr std::uint64_t kLayerNormStatBytes = 2 * kFp32Bytes;  // mean and rstd per token
 
+// A shape comes from the user (the command line): a bad one is a config_error.
 void check_shape(const TransformerShape& s) {
-  TIERFLOW_EXPECTS(s.layers > 0 && s.hidden > 0 && s.heads > 0 && s.seq > 0 && s.batch > 0 && s.vocab > 0 &&
-                       s.ffn_mult > 0,
-                   "transformer shape: layers, hidden, heads, seq, batch, vocab and ffn_mult must be positive");
-  TIERFLOW_EXPECTS(s.hidden % s.heads == 0, "transformer shape: hidden " + std::to_string(s.hidden) +
-                                                " is not a multiple of heads " + std::to_string(s.heads));
-  TIERFLOW_EXPECTS(s.dtype_bytes == 2 || s.dtype_bytes == 4,
-                   "transformer shape: dtype_bytes must be 2 (bf16, fp16) or 4 (fp32), not " +
+  if (!(s.layers > 0 && s.hidden > 0 && s.heads > 0 && s.seq > 0 && s.batch > 0 && s.vocab > 0 && s.ffn_mult > 0)) {
+    throw config_error("transformer shape: layers, hidden, heads, seq, batch, vocab and ffn_mult must be positive");
+  }
+  if (s.hidden % s.heads != 0) {
+    throw config_error("transformer shape: hidden " + std::to_string(s.hidden) + " is not a multiple of heads " +
+                       std::to_string(s.heads));
+  }
+  if (s.dtype_bytes != 2 && s.dtype_bytes != 4) {
+    throw config_error("transformer shape: dtype_bytes must be 2 (bf16, fp16) or 4 (fp32), not " +
                        std::to_string(s.dtype_bytes));
+  }
 }
 
 }  // namespace
 
 std::vector<BlockProfile> estimate_transformer(const TransformerShape& s, double flops_per_second) {
   check_shape(s);
-  TIERFLOW_EXPECTS(flops_per_second > 0, "estimate_transformer: flops_per_second must be positive");
+  if (!(flops_per_second > 0)) throw config_error("estimate_transformer: flops_per_second must be positive");
   const auto tokens = static_cast<std::uint64_t>(s.tokens());
   const auto h = static_cast<std::uint64_t>(s.hidden);
   const auto f = static_cast<std::uint64_t>(s.ffn_mult);

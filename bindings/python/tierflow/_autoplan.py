@@ -14,7 +14,7 @@ from . import _C
 from ._blocks import BlockRunner, find_blocks, probe_row_split
 from ._report import fmt_bytes, write_json_atomic
 
-PROFILE_VERSION = 1
+from ._plan import PROFILE_FORMAT, PROFILE_VERSION, profile_from_json  # the file format of `python -m tierflow plan`
 _ROW_GRANULE = 8  # a split's first rows are a multiple of this (whole cache lines of a row-major output)
 
 
@@ -110,6 +110,7 @@ class AutoPlanner:
         self.profile_path = cfg.get("TIERFLOW_PROFILE", "")
         self.forwards = 0
         self.plan: Optional[dict] = None
+        self.profile: Optional[dict] = None  # the one the plan was made from
         self.keep_all = False  # the plan keeps every block: no saved-tensor hooks at all
         if not self.runners:
             _C.log("warn", "tierflow: no repeated blocks found in the model (pass blocks=[...] to tierflow.wrap); "
@@ -137,7 +138,7 @@ class AutoPlanner:
             out["predicted_step_seconds"] = self.plan["predicted_step_seconds"]
             # Saved bytes of the blocks the plan keeps: they never pass through the offloader's counters.
             out["kept_bytes"] = sum(_saved(b) for b, bp in zip(self.profile["blocks"], self.plan["blocks"])
-                                    if bp["mode"] == "keep")
+                                    if bp["mode"] == "keep") if self.profile else 0
         else:
             out["summary"] = "recompute every block (forced)" if self.forced else \
                 f"profiling ({self.forwards} forwards so far; the plan is made before the third)"
@@ -161,6 +162,7 @@ class AutoPlanner:
             profile = self.measure()
             if self._cuda():
                 profile["measured_peak_bytes"] = int(torch.cuda.max_memory_allocated(self._device()))
+            profile["fixed_device_bytes"] = self.budgets(profile)["fixed_device_bytes"]
             if self.profile_path:
                 write_json_atomic(self.profile_path, profile)
             self.make_plan(profile)
@@ -172,7 +174,8 @@ class AutoPlanner:
         paths = [p for p in self.session.config.get("TIERFLOW_NVME_PATHS", "").split(",") if p]
         if rt.has_nvme_tier and paths:
             links["nvme_write"], links["nvme_read"] = measure_nvme(paths[0])
-        return {"version": PROFILE_VERSION, "blocks": [block_profile(r) for r in self.runners], "links": links}
+        return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION,
+                "blocks": [block_profile(r) for r in self.runners], "links": links}
 
     def _cuda(self) -> bool:
         return self._device().type == "cuda"
@@ -210,13 +213,13 @@ class AutoPlanner:
     def make_plan(self, profile: dict) -> None:
         budgets = self.budgets(profile)
         blocks = [dict(b) for b in profile["blocks"]]
-        plan = _C.plan_activations(blocks, profile["links"], budgets)
+        plan = _C.plan_activations_json(blocks, profile["links"], budgets)
         # A split is exact only where the suffix matmul gives the full one's bits (Note [Activation plans]).
         unsplittable = self.probe(plan)
         if unsplittable:
             for i in unsplittable:
                 blocks[i]["splittable"] = False
-            plan = _C.plan_activations(blocks, profile["links"], budgets)
+            plan = _C.plan_activations_json(blocks, profile["links"], budgets)
             self.probe(plan)
         self.apply(plan)
         self.plan = plan
@@ -258,17 +261,17 @@ def _saved(b: dict) -> int:
 
 
 def load_profile(path: str, blocks: int) -> dict:
-    """A profile written by a previous run (TIERFLOW_PROFILE); errors name what is wrong."""
+    """A profile written by a previous run (TIERFLOW_PROFILE); errors name what is wrong, the file stays."""
     try:
         with open(path) as f:
-            profile = json.load(f)
+            text = f.read()
+        profile_from_json(text)  # the checks of `python -m tierflow plan --profile`
+        profile = json.loads(text)
     except (OSError, ValueError) as e:
-        raise _C.ConfigError(f"TIERFLOW_PROFILE={path}: cannot read a profile: {e}") from e
-    if not isinstance(profile, dict) or profile.get("version") != PROFILE_VERSION or "blocks" not in profile \
-            or "links" not in profile:
-        raise _C.ConfigError(f"TIERFLOW_PROFILE={path}: not a tierflow profile of version {PROFILE_VERSION} "
-                             "(delete it to measure again)")
+        raise _C.ConfigError(f"TIERFLOW_PROFILE={path}: not a tierflow profile ({e}); delete it to measure again") \
+            from e
     if len(profile["blocks"]) != blocks:
         raise _C.ConfigError(f"TIERFLOW_PROFILE={path}: profiles {len(profile['blocks'])} blocks, the model has "
                              f"{blocks} (delete it to measure again)")
+    profile.setdefault("links", {})
     return profile

@@ -14,10 +14,12 @@
 // where write/read_bw are d2h/h2d for the host tier and min(PCIe, NVMe) of that
 // direction for the NVMe tier (the host staging is pipelined and not counted),
 // and per mode
-//   keep       swap_bytes 0                               recompute 0
-//   swap       swap_bytes saved_bytes()                   recompute 0
-//   split(a)   swap_bytes input + whole + a * split        recompute (1-a) * split_recompute + cheap_recompute
-//   recompute  swap_bytes input                           recompute forward_seconds
+//   mode       swap_bytes                        recompute_seconds
+//   keep       0                                 0
+//   swap       saved_bytes()                     0
+//   split(a)   input + whole + a * split         (1-a) * split_recompute + cheap_recompute
+//   recompute  input                             forward_seconds
+// (a * split rounded to a byte in swap_bytes; the times take it exact).
 // The step (activations' part) is the sum over blocks. Links.duplex is not
 // used: in this pipeline the forward only writes and the backward only reads.
 //
@@ -41,14 +43,26 @@
 // phase), so the alphas under one tier's budget are a fractional knapsack:
 // taking segments in order of time saved per byte is exact, and identical
 // blocks get equal alphas (to a byte). The discrete choices are searched by
-// branch and bound over groups of identical blocks (a group's children are
-// the counts of its blocks per choice, so N identical layers cost
-// O(N^6) leaves at worst, far fewer after pruning), bounded by each block's
-// best time with unlimited host memory minus an upper bound on the gain of
-// keeping within the device bytes left. A search that exceeds its node limit
-// returns the best plan found and says so (Plan::proven_optimal).
+// branch and bound over groups of identical blocks: a group's children are
+// the counts of its blocks per choice (N identical layers cost O(N^6) leaves
+// at worst, a few thousand nodes in practice). The bound of the blocks not
+// yet decided is the larger of two relaxations: each block at its best choice
+// with host and NVMe unlimited, or priced per byte (a Lagrangian relaxation of
+// the two budgets, prices chosen once at the root); both less an upper bound on
+// what keeping saves within the device bytes left (the smaller of the
+// fractional knapsack and the best gains of as many blocks as fit). Blocks
+// with the same bytes but different times (measured layers) can trade their
+// choices without changing any memory figure, so a partial plan where such a
+// trade would save time, whatever the split alpha, is cut; and such layers are
+// first planned with their times averaged (average_same_shape_blocks: they
+// group, so that is fast), which seeds the exact search with a near-optimal
+// plan. A search that exceeds its node limit (1M, about half a second)
+// returns the best plan found and says so (Plan::proven_optimal = false): that
+// happens with many distinct profiles and a host too small for all of them.
 // Among equally good plans, the kept blocks of a group are its last ones
-// (backward needs them first; SSDTrain's keep-tail) and fewer bytes are swapped.
+// (backward needs them first; SSDTrain's keep-tail), and an alpha grows only
+// while swapping more saves time. tests/cpp/test_planner.cpp checks the search
+// against brute force over modes, tiers and an alpha grid.
 //
 // Assumptions: compute and transfers of different blocks do not overlap (a
 // slow swap-out delays the next block); bandwidths and times are those of the
@@ -139,6 +153,11 @@ Plan forced_plan(const std::vector<BlockProfile>& blocks, const Links& links, co
 /// filled in). The model itself; the tests' brute force uses it.
 Plan evaluate_plan(const std::vector<BlockProfile>& blocks, const Links& links, const Budgets& budgets,
                    std::vector<BlockPlan> assignment);
+
+/// Blocks of the same shape (equal bytes of every class, transient bytes and splittable) with their times
+/// replaced by the means over that shape: measured layers of one model differ only by noise, and
+/// identical profiles plan exactly and fast (they group; see Note [Activation planner]).
+std::vector<BlockProfile> average_same_shape_blocks(const std::vector<BlockProfile>& blocks);
 
 /// Name of a mode: "keep", "swap", "split", "recompute".
 std::string_view to_string(BlockMode) noexcept;

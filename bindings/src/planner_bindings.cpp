@@ -1,0 +1,174 @@
+// tierflow._C's planner: the structs of tiering/planner.hpp as classes with
+// read-write fields (keyword constructors), and its functions. Torch-free.
+#include "tierflow/bindings/planner_bindings.hpp"
+
+#include <pybind11/stl.h>
+
+#include <string>
+
+#include "tierflow/allocator/device.hpp"
+#include "tierflow/core/config.hpp"
+#include "tierflow/core/error.hpp"
+#include "tierflow/core/size.hpp"
+#include "tierflow/tiering/planner.hpp"
+#include "tierflow/tiering/transformer_profile.hpp"
+
+namespace py = pybind11;
+
+namespace tierflow::bindings {
+namespace {
+
+using namespace tierflow::tiering;
+
+// A keyword constructor: every keyword must name a field (a typo must not pass silently).
+template <typename T>
+void init_from_kwargs(py::class_<T>& cls) {
+  cls.def(py::init([cls](const py::kwargs& kwargs) {
+            T value{};
+            py::object obj = py::cast(value);
+            for (auto item : kwargs) {
+              const auto key = item.first.cast<std::string>();
+              if (!py::hasattr(cls, key.c_str()) || key.rfind('_', 0) == 0) {
+                throw config_error(std::string(py::str(cls.attr("__name__"))) + ": unknown field '" + key + "'");
+              }
+              obj.attr(key.c_str()) = item.second;
+            }
+            return obj.cast<T>();
+          }),
+          "Keyword arguments set fields of the same name; the others keep their defaults.");
+}
+
+OffloadTarget optimizer_target(const std::string& name) {
+  if (name == "none") return OffloadTarget::kNone;
+  if (name == "host") return OffloadTarget::kHost;
+  if (name == "nvme") return OffloadTarget::kNvme;
+  throw config_error("optimizer placement '" + name + "' is not one of none, host, nvme");
+}
+
+}  // namespace
+
+void bind_planner(py::module_& m) {
+  py::enum_<BlockMode>(m, "BlockMode", "What happens to a block's saved bytes.")
+      .value("keep", BlockMode::kKeep)
+      .value("swap", BlockMode::kSwap)
+      .value("split", BlockMode::kSplit)
+      .value("recompute", BlockMode::kRecompute);
+  py::enum_<SwapTier>(m, "SwapTier", "Where swapped bytes go.")
+      .value("host", SwapTier::kHost)
+      .value("nvme", SwapTier::kNvme);
+
+  py::class_<BlockProfile> profile(m, "BlockProfile", "Measured or estimated costs of one repeated block.");
+  profile.def(py::init<>())
+      .def_readwrite("forward_seconds", &BlockProfile::forward_seconds)
+      .def_readwrite("backward_seconds", &BlockProfile::backward_seconds)
+      .def_readwrite("input_bytes", &BlockProfile::input_bytes)
+      .def_readwrite("whole_bytes", &BlockProfile::whole_bytes)
+      .def_readwrite("split_bytes", &BlockProfile::split_bytes)
+      .def_readwrite("split_recompute_seconds", &BlockProfile::split_recompute_seconds)
+      .def_readwrite("cheap_bytes", &BlockProfile::cheap_bytes)
+      .def_readwrite("cheap_recompute_seconds", &BlockProfile::cheap_recompute_seconds)
+      .def_readwrite("splittable", &BlockProfile::splittable)
+      .def_readwrite("transient_bytes", &BlockProfile::transient_bytes)
+      .def("saved_bytes", &BlockProfile::saved_bytes);
+  init_from_kwargs(profile);
+
+  py::class_<Links> links(m, "Links", "Link bandwidths in bytes per second (0: absent).");
+  links.def(py::init<>())
+      .def_readwrite("d2h", &Links::d2h)
+      .def_readwrite("h2d", &Links::h2d)
+      .def_readwrite("duplex", &Links::duplex)
+      .def_readwrite("nvme_write", &Links::nvme_write)
+      .def_readwrite("nvme_read", &Links::nvme_read);
+  init_from_kwargs(links);
+
+  py::class_<Budgets> budgets(m, "Budgets", "Memory the plan may use, bytes.");
+  budgets.def(py::init<>())
+      .def_readwrite("device_bytes", &Budgets::device_bytes)
+      .def_readwrite("fixed_device_bytes", &Budgets::fixed_device_bytes)
+      .def_readwrite("host_bytes", &Budgets::host_bytes)
+      .def_readwrite("nvme_bytes", &Budgets::nvme_bytes)
+      .def_readwrite("prefetch_bytes", &Budgets::prefetch_bytes);
+  init_from_kwargs(budgets);
+
+  py::class_<BlockPlan> block_plan(m, "BlockPlan", "The decision and the predictions for one block.");
+  block_plan.def(py::init<>())
+      .def_readwrite("mode", &BlockPlan::mode)
+      .def_readwrite("alpha", &BlockPlan::alpha)
+      .def_readwrite("tier", &BlockPlan::tier)
+      .def_readwrite("keep", &BlockPlan::keep)
+      .def_readwrite("swap", &BlockPlan::swap)
+      .def_readwrite("recompute", &BlockPlan::recompute)
+      .def_readwrite("swap_bytes", &BlockPlan::swap_bytes)
+      .def_readwrite("forward_seconds", &BlockPlan::forward_seconds)
+      .def_readwrite("backward_seconds", &BlockPlan::backward_seconds);
+  init_from_kwargs(block_plan);
+
+  py::class_<Plan>(m, "Plan", "A plan for every block, with its predictions (Note [Activation planner]).")
+      .def_readonly("blocks", &Plan::blocks)
+      .def_readonly("predicted_device_peak_bytes", &Plan::predicted_device_peak_bytes)
+      .def_readonly("predicted_step_seconds", &Plan::predicted_step_seconds)
+      .def_readonly("host_bytes", &Plan::host_bytes)
+      .def_readonly("nvme_bytes", &Plan::nvme_bytes)
+      .def_readonly("keep_all_step_seconds", &Plan::keep_all_step_seconds)
+      .def_readonly("device_budget_bytes", &Plan::device_budget_bytes)
+      .def_readonly("fits", &Plan::fits)
+      .def_readonly("proven_optimal", &Plan::proven_optimal)
+      .def("summary", &Plan::summary)
+      .def("block_line", &Plan::block_line);
+
+  m.def("plan_activations", &plan_activations, py::arg("blocks"), py::arg("links"), py::arg("budgets"),
+        py::call_guard<py::gil_scoped_release>(),
+        "The plan of least predicted step time within the budgets; raises OutOfMemoryError saying what is needed.");
+  m.def("forced_plan", &forced_plan, py::arg("blocks"), py::arg("links"), py::arg("budgets"), py::arg("mode"),
+        "Every block in `mode` (split: MEMO's link rule for alpha), with the same predictions.");
+  m.def("evaluate_plan", &evaluate_plan, py::arg("blocks"), py::arg("links"), py::arg("budgets"),
+        py::arg("assignment"), "The model's predictions for a given per-block assignment.");
+
+  m.def("average_same_shape_blocks", &average_same_shape_blocks, py::arg("blocks"),
+        "Blocks of the same shape get the mean of their times (measured layers differ by noise only).");
+
+  py::class_<TransformerShape> shape(m, "TransformerShape", "The shape of a GPT-2-style decoder.");
+  shape.def(py::init<>())
+      .def_readwrite("layers", &TransformerShape::layers)
+      .def_readwrite("hidden", &TransformerShape::hidden)
+      .def_readwrite("heads", &TransformerShape::heads)
+      .def_readwrite("seq", &TransformerShape::seq)
+      .def_readwrite("batch", &TransformerShape::batch)
+      .def_readwrite("dtype_bytes", &TransformerShape::dtype_bytes)
+      .def_readwrite("vocab", &TransformerShape::vocab)
+      .def_readwrite("ffn_mult", &TransformerShape::ffn_mult);
+  init_from_kwargs(shape);
+
+  py::class_<StateBytes>(m, "StateBytes", "Bytes of training state per tier.")
+      .def_readonly("device", &StateBytes::device)
+      .def_readonly("host", &StateBytes::host)
+      .def_readonly("nvme", &StateBytes::nvme);
+
+  m.def("estimate_transformer", &estimate_transformer, py::arg("shape"), py::arg("flops_per_second"),
+        "One estimated BlockProfile per layer (Note [Transformer estimate]).");
+  m.def("transformer_parameters", &transformer_parameters, py::arg("shape"), "Parameters of the model.");
+  m.def("estimate_training_state", [](const TransformerShape& s, const std::string& optimizer) {
+    return estimate_training_state(s, optimizer_target(optimizer));
+  }, py::arg("shape"), py::arg("optimizer"),
+        "Parameters, gradients and optimizer states per tier for optimizer placement none, host or nvme.");
+  m.def("estimate_head_device_bytes", &estimate_head_device_bytes, py::arg("shape"),
+        "Device bytes of the activations outside the blocks (final norm, head, fp32 loss).");
+  m.def("parse_budget", [](const std::string& text, std::uint64_t capacity_bytes) {
+    auto b = parse_budget(text);
+    if (!b) {
+      throw config_error("'" + text + "' is not a size or a percentage; accepted: " + std::string(kSizeForms) +
+                         ", or a percentage such as 90%");
+    }
+    TIERFLOW_EXPECTS(!b->is_fraction || capacity_bytes > 0,
+                     "'" + text + "' is a percentage, and the capacity it is a share of is unknown");
+    return b->resolve(capacity_bytes);
+  }, py::arg("text"), py::arg("capacity_bytes") = 0,
+        "Bytes of a size ('16GiB') or a percentage of `capacity_bytes` ('90%'); raises ConfigError.");
+  m.def("device_capacity_bytes", [](bool cuda) {
+    return allocator::device_capacity_bytes(cuda ? allocator::DeviceKind::kCuda : allocator::DeviceKind::kEmulated);
+  }, py::arg("cuda"), "Total memory of the GPU tier: the current GPU's, or physical RAM when emulated.");
+  m.def("host_capacity_bytes", &allocator::host_capacity_bytes, "Physical RAM of this machine.");
+  m.def("format_bytes", &format_bytes, py::arg("bytes"), "Human-readable size, e.g. '1.50 GiB'.");
+}
+
+}  // namespace tierflow::bindings

@@ -1,0 +1,50 @@
+// Internals of the activation planner shared by planner.cpp (the model) and
+// plan_search.cpp (the search); see Note [Activation planner].
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "tierflow/tiering/planner.hpp"
+
+namespace tierflow::tiering::detail {
+
+inline constexpr double kInf = std::numeric_limits<double>::infinity();
+
+/// A tier's bandwidths, bytes per second.
+struct TierBandwidth {
+  double write = 0;  ///< device -> tier
+  double read = 0;   ///< tier -> device
+};
+
+/// Whether the budgets and links give an NVMe tier.
+bool nvme_available(const Links& links, const Budgets& budgets);
+/// The bandwidths of a tier: d2h/h2d, or for NVMe the smaller of PCIe and NVMe per direction.
+TierBandwidth bandwidth(const Links& links, SwapTier tier);
+
+/// A block's predicted forward and backward seconds.
+struct Times {
+  double forward = 0, backward = 0;
+  double total() const { return forward + backward; }
+};
+
+/// The per-block pipeline of Note [Activation planner]. Swapped bytes are taken continuous in alpha
+/// (swap_bytes rounds them to a byte), so the time is exactly piecewise linear in alpha.
+Times block_times(const BlockProfile& p, const Links& links, BlockMode mode, double alpha, SwapTier tier);
+/// Bytes a block sends to its tier per step.
+std::uint64_t swap_bytes_of(const BlockProfile& p, BlockMode mode, double alpha);
+/// Whether two profiles are equal in every field (their blocks group in the search).
+bool same_profile(const BlockProfile& a, const BlockProfile& b);
+
+/// What the search found.
+struct SearchOutcome {
+  bool found = false;                 ///< some plan fits
+  bool complete = true;               ///< the search ended within its node limit: the plan is optimal
+  std::vector<BlockPlan> assignment;  ///< modes, tiers and alphas of the best plan
+};
+
+/// The branch and bound of Note [Activation planner], for budgets that cannot keep every block.
+SearchOutcome search_plan(const std::vector<BlockProfile>& blocks, const Links& links, const Budgets& budgets);
+
+}  // namespace tierflow::tiering::detail
