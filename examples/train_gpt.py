@@ -79,8 +79,8 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prefetch", default="8MiB", help="TIERFLOW_PREFETCH_BYTES for the demo")
-    ap.add_argument("--gpu-memory", default="24MiB",
-                    help="TIERFLOW_GPU_MEMORY for the demo: below what its saved activations need (default 24MiB)")
+    ap.add_argument("--gpu-memory", default="64MiB",
+                    help="TIERFLOW_GPU_MEMORY for the demo: below what its saved activations need (default 64MiB)")
     ap.add_argument("--json", default="", help="also write the results here")
     ap.add_argument("--device", default="", help="cuda or cpu (default: cuda when tierflow and torch see a GPU; "
                                                  "cpu trains on tierflow's emulated device)")

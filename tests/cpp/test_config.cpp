@@ -50,7 +50,7 @@ TEST(Config, DefaultsComeFromTheTable) {
     ASSERT_TRUE(strings.count(std::string(e.name))) << e.name << " has no to_strings() entry";
   }
   EXPECT_EQ(strings.size(), config_table().size());
-  EXPECT_EQ(c.offload_activations, OffloadTarget::kHost);
+  EXPECT_EQ(c.offload_activations, OffloadTarget::kAuto);  // the planner (Note [Activation planner])
   EXPECT_EQ(c.offload_optimizer, OffloadTarget::kHost);
   EXPECT_EQ(c.offload_params, OffloadTarget::kNone);
   EXPECT_TRUE(c.host_memory.is_fraction);
@@ -118,7 +118,7 @@ TEST(Config, BadValuesNameVariableValueAndForms) {
   expect_error({{"TIERFLOW_GPU_MEMORY", "150%"}}, {}, {"TIERFLOW_GPU_MEMORY", "150%", "100%"});
   expect_error({{"TIERFLOW_NVME_MEMORY", ""}}, {}, {"TIERFLOW_NVME_MEMORY"});
   expect_error({{"TIERFLOW_OFFLOAD_ACTIVATIONS", "disk"}}, {},
-               {"TIERFLOW_OFFLOAD_ACTIVATIONS", "'disk'", "none, host, nvme, auto"});
+               {"TIERFLOW_OFFLOAD_ACTIVATIONS", "'disk'", "none, host, nvme, recompute, auto"});
   expect_error({{"TIERFLOW_OFFLOAD_PARAMS", "auto"}}, {}, {"TIERFLOW_OFFLOAD_PARAMS", "none, host, nvme"});
   expect_error({{"TIERFLOW_OFFLOAD_OPTIMIZER", "gpu"}}, {}, {"TIERFLOW_OFFLOAD_OPTIMIZER", "'gpu'"});
   expect_error({{"TIERFLOW_CPU_THREADS", "0"}}, {}, {"TIERFLOW_CPU_THREADS", "'0'", "auto or an integer"});
@@ -163,4 +163,16 @@ TEST(Config, FromEnvironmentReadsTheProcessEnvironment) {
 TEST(Config, ClosestName) {
   EXPECT_EQ(closest_config_name("TIERFLOW_REPROT"), "TIERFLOW_REPORT");
   EXPECT_EQ(closest_config_name("TIERFLOW_NVME_PATH"), "TIERFLOW_NVME_PATHS");
+}
+
+TEST(Config, RecomputeIsForActivationsOnly) {
+  EXPECT_EQ(Config::parse({{"TIERFLOW_OFFLOAD_ACTIVATIONS", "recompute"}}).offload_activations,
+            OffloadTarget::kRecompute);
+  EXPECT_EQ(Config::parse({{"TIERFLOW_PROFILE", " /tmp/p.json "}}).profile_path, "/tmp/p.json");
+  try {
+    Config::parse({{"TIERFLOW_OFFLOAD_OPTIMIZER", "recompute"}});
+    FAIL() << "recompute accepted for the optimizer";
+  } catch (const tierflow::config_error& e) {
+    EXPECT_NE(std::string(e.what()).find("one of none, host, nvme"), std::string::npos) << e.what();
+  }
 }

@@ -283,7 +283,7 @@ class _Frame:
         self.tier = runner.tier
         self.alpha = runner.alpha
         self.packs = 0
-        self.args: Any = None         # (args, kwargs) with swapped tensors as ("swapped", handle)
+        self.args: Any = None         # (args, kwargs), swapped tensors as ("__tierflow_swapped__", handle)
         self.rng: Any = None
         self.autocast: Any = None
         self.device: Optional[torch.device] = None
