@@ -5,10 +5,13 @@
 // both loss series and exits non-zero when they differ by more than the
 // tolerance.
 //
-//   cpp_trainer [--activations config|keep|host|nvme|recompute] [--steps N] [--tolerance X]
+//   cpp_trainer [--activations config|keep|host|nvme|recompute] [--optimizer tierflow|torch]
+//               [--steps N] [--tolerance X]
 //
 // --activations picks every block's action; `config` (the default) takes it
-// from TIERFLOW_OFFLOAD_ACTIVATIONS. Every other setting comes from the
+// from TIERFLOW_OFFLOAD_ACTIVATIONS. --optimizer torch keeps torch::optim::AdamW
+// in the tierflow run, so only the activation offload differs: the losses
+// must then be bit-identical (--tolerance 0). Every other setting comes from the
 // TIERFLOW_* variables (tierflow::Config::from_environment()), e.g.
 // TIERFLOW_OFFLOAD_OPTIMIZER=nvme TIERFLOW_NVME_PATHS=/mnt/nvme for NVMe states.
 //
@@ -25,6 +28,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -41,6 +46,7 @@ namespace {
 
 struct Args {
   std::string activations = "config";
+  std::string optimizer = "tierflow";
   int steps = 10;
   double tolerance = 1e-5;
 };
@@ -69,8 +75,7 @@ std::vector<torch::Tensor> make_batches(const GPTConfig& c, int steps, torch::De
   return batches;
 }
 
-template <class Optimizer>
-Result train(GPT& model, Optimizer& optimizer, const std::vector<torch::Tensor>& batches, const GPTConfig& c,
+Result train(GPT& model, torch::optim::Optimizer& optimizer, const std::vector<torch::Tensor>& batches, const GPTConfig& c,
              tb::BlockOffload* offload) {
   Result r;
   double total_ms = 0;
@@ -126,10 +131,14 @@ Args parse_args(int argc, char** argv) {
     const std::string arg = argv[i];
     const bool has_value = i + 1 < argc;
     if (arg == "--activations" && has_value) a.activations = argv[++i];
+    else if (arg == "--optimizer" && has_value && (std::strcmp(argv[i + 1], "tierflow") == 0 ||
+                                                   std::strcmp(argv[i + 1], "torch") == 0))
+      a.optimizer = argv[++i];
     else if (arg == "--steps" && has_value) a.steps = std::atoi(argv[++i]);
     else if (arg == "--tolerance" && has_value) a.tolerance = std::atof(argv[++i]);
     else {
-      std::fprintf(stderr, "usage: cpp_trainer [--activations config|keep|host|nvme|recompute] [--steps N] [--tolerance X]\n");
+      std::fprintf(stderr, "usage: cpp_trainer [--activations config|keep|host|nvme|recompute] "
+                           "[--optimizer tierflow|torch] [--steps N] [--tolerance X]\n");
       std::exit(2);
     }
   }
@@ -161,15 +170,20 @@ int main(int argc, char** argv) {
   torch::manual_seed(kSeed);
   GPT model(c);
   model->to(device);
-  tb::CpuAdamW opt(runtime, model->parameters(), kAdamW);
-  Result tf = train(model, opt, batches, c, &offload);
+  std::unique_ptr<torch::optim::Optimizer> opt;
+  if (args.optimizer == "torch")
+    opt = std::make_unique<torch::optim::AdamW>(model->parameters(), kAdamW);
+  else
+    opt = std::make_unique<tb::CpuAdamW>(runtime, model->parameters(), kAdamW);
+  Result tf = train(model, *opt, batches, c, &offload);
   offload.synchronize();
-  tf.exp_avgs = exp_avgs_via_torch(opt, model);
+  tf.exp_avgs = exp_avgs_via_torch(*opt, model);
+  const auto* cpu_adamw = dynamic_cast<const tb::CpuAdamW*>(opt.get());
 
-  std::printf("cpp_trainer: device %s (tierflow runtime: %s%s), %lld blocks: %s, optimizer states on %s\n",
+  std::printf("cpp_trainer: device %s (tierflow runtime: %s%s), %lld blocks: %s, optimizer %s\n",
               device.str().c_str(), std::string(tierflow::allocator::to_string(runtime->device_kind())).c_str(),
               runtime->adversarial() ? ", adversarial" : "", static_cast<long long>(c.layers),
-              std::string(tb::to_string(action)).c_str(), opt.states_on_nvme() ? "nvme" : "host");
+              std::string(tb::to_string(action)).c_str(), !cpu_adamw ? "torch::optim::AdamW" : cpu_adamw->states_on_nvme() ? "tierflow CpuAdamW, states on nvme" : "tierflow CpuAdamW, states on host");
   std::printf("%6s %14s %14s %10s\n", "step", "libtorch", "tierflow", "|diff|");
   double max_diff = 0;
   for (std::size_t s = 0; s < baseline.losses.size(); ++s) {
