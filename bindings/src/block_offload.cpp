@@ -190,6 +190,9 @@ struct BlockFunction : torch::autograd::Function<BlockFunction> {
     const std::size_t n_params = state->param_requires_grad.size();
     at::Tensor input;
     if (state->offloader) {
+      TORCH_CHECK(state->input != nullptr,
+                  "tierflow BlockOffload: backward through a swapped block a second time (retain_graph): "
+                  "its input was released after the first backward; use the recompute or keep action for such blocks");
       state->shared->reached_backward();
       input = state->offloader->unpack(state->input);
       state->input.reset();  // the host or NVMe copy goes as soon as it is read

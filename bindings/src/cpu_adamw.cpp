@@ -92,11 +92,13 @@ at::Tensor CpuAdamW::step(LossClosure closure) {
     loss = closure();
   }
   at::NoGradGuard no_grad;
-  for (auto& group : param_groups_) step_group(group);
+  bool stepped = false;
+  for (auto& group : param_groups_) stepped = step_group(group) || stepped;
+  if (stepped) stats_.steps += 1;
   return loss;
 }
 
-void CpuAdamW::step_group(torch::optim::OptimizerParamGroup& group) {
+bool CpuAdamW::step_group(torch::optim::OptimizerParamGroup& group) {
   const auto& o = static_cast<const AdamWOptions&>(group.options());
   optimizer::AdamOptions ao;
   ao.lr = o.lr();
@@ -199,7 +201,7 @@ void CpuAdamW::step_group(torch::optim::OptimizerParamGroup& group) {
     }
     for (const auto& h : param_copies) h.wait();  // staging goes back to the pool after the copy
   }
-  if (!by_step.empty()) stats_.steps += 1;
+  return !by_step.empty();
 }
 
 void CpuAdamW::save(torch::serialize::OutputArchive& archive) const {

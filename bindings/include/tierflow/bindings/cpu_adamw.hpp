@@ -72,7 +72,7 @@ class CpuAdamW : public torch::optim::Optimizer {
   };
   bool own_master(const at::Tensor& p) const;
   Slot& slot(const at::Tensor& p, const torch::optim::AdamWOptions& options);
-  void step_group(torch::optim::OptimizerParamGroup& group);
+  bool step_group(torch::optim::OptimizerParamGroup& group);  // false: nothing had a gradient
   void adopt_loaded_state();
 
   std::shared_ptr<Runtime> runtime_;
