@@ -48,13 +48,20 @@
 // takes per-variable hooks (SavedVariable::register_hooks, with
 // SavedVariableHooks::call_pack_hook/call_unpack_hook), but nothing public
 // enumerates a node's SavedVariables: the only generic walk is compiled
-// autograd's Node::compiled_args / apply_with_saved (internal, reworked
-// in every release since 2.2, and tied to Python). Hooks on the graph
+// autograd's Node::compiled_args / apply_with_saved (node.h; internal,
+// changing between releases, and built for Python's compiler). Hooks on the graph
 // rebuilt in backward would not help either: that graph lives only for the
 // block's own backward. So a C++ swap plan costs one extra forward of the
 // block, the price of MEMO's recompute share at alpha = 0, and moves only
 // the block boundary over the link. A planner that wants swap without
 // recompute for a block needs the Python route (tierflow.wrap).
+//
+// Where the plan comes from: TIERFLOW_OFFLOAD_ACTIVATIONS gives every block
+// its default action (block_action_from_config), and set_action /
+// set_actions override it per block, which is where a planner's per-block
+// decision goes: keep -> kKeep, swap to host -> kSwapHost, swap to NVMe ->
+// kSwapNvme, recompute -> kRecompute. A token-wise split (part swapped,
+// part recomputed) has no C++ form yet; its nearest action is the swap.
 //
 // LibTorch API relied on (checked against 2.13.0; the range is 2.4, where
 // at::autocast took a DeviceType, to 2.13):
