@@ -39,3 +39,5 @@ def test_wheel_contains_the_extension_and_the_package(tmp_path):
     assert any(n.startswith("tierflow/_C") and n.endswith(".so") for n in names), names
     for module in ("__init__.py", "optim.py", "_wrap.py", "_report.py", "_config.py", "_meter.py"):
         assert f"tierflow/{module}" in names
+    # The C++ package (headers, archives, CMake config) is for `cmake --install`, not the wheel.
+    assert not [n for n in names if n.endswith((".a", ".hpp", ".cmake"))], names
