@@ -1,12 +1,14 @@
 # The two commands a newcomer needs (README.md):
 #   make demo   installs what is missing, builds, trains the demo GPT with and without tierflow
 #   make test   installs what is missing, builds, runs every test (GoogleTest + pytest)
+#   make cpp-example  installs the C++ package into build/dev/install, builds the
+#               LibTorch trainer examples/cpp_trainer against it and runs each plan
 # For a machine with no package registry: `make bundle` where there is one, then
 # `make test BUNDLE=dir` (or TIERFLOW_BUNDLE=dir make test) there.
 PY := .venv/bin/python
 export PYTHONPATH := $(CURDIR)/bindings/python
 
-.PHONY: setup bundle demo test test-cpp test-python bench clean
+.PHONY: setup bundle demo test test-cpp test-python cpp-example bench clean
 
 # BUNDLE=dir or TIERFLOW_BUNDLE=dir (also for demo and test): install from a
 # bundle, using no registry. The variable goes to the set-up only: tierflow
@@ -22,6 +24,10 @@ bundle:
 
 demo: setup
 	$(PY) examples/train_gpt.py $(ARGS)
+
+# The C++ trainer against the installed package (scripts/cpp_example.sh).
+cpp-example: setup
+	@bash scripts/cpp_example.sh
 
 test: setup
 	@$(MAKE) --no-print-directory test-cpp test-python

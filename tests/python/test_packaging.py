@@ -40,3 +40,5 @@ def test_wheel_contains_the_extension_and_the_package(tmp_path):
     for module in ("__init__.py", "optim.py", "_wrap.py", "_report.py", "_config.py", "_meter.py", "_plan.py",
                    "__main__.py"):
         assert f"tierflow/{module}" in names
+    # The C++ package (headers, archives, CMake config) is for `cmake --install`, not the wheel.
+    assert not [n for n in names if n.endswith((".a", ".hpp", ".cmake"))], names

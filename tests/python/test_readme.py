@@ -25,9 +25,11 @@ def test_config_table_matches_the_code():
 
 def test_readme_commands_are_what_ci_and_make_run():
     text = readme()
-    assert "make demo" in text and "make test" in text
+    assert "make demo" in text and "make test" in text and "make cpp-example" in text
     with open(os.path.join(ROOT, ".ci", "run")) as f:
-        assert "make test" in f.read()
+        ci = f.read()
+    assert "make test" in ci and "make cpp-example" in ci
     with open(os.path.join(ROOT, "Makefile")) as f:
         targets = f.read()
     assert re.search(r"^demo:", targets, re.M) and re.search(r"^test:", targets, re.M)
+    assert re.search(r"^cpp-example:", targets, re.M)

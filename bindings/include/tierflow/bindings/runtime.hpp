@@ -100,6 +100,8 @@ class Runtime {
   }
   /// True when an NVMe engine exists for this runtime.
   bool has_nvme() const noexcept { return nvme_ != nullptr; }
+  /// The NVMe engine (null unless an offload target is nvme).
+  const std::shared_ptr<swap::NvmeEngine>& nvme_engine() const noexcept { return nvme_; }
 
   /// Optimizer counters.
   OptimizerStats optimizer_stats() const noexcept { return opt_stats_; }

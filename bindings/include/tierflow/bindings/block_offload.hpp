@@ -1,0 +1,171 @@
+// Activation offload for a pure C++ LibTorch trainer: per block, keep, swap
+// the block's input to the host or NVMe tier, or recompute.
+//
+// Note [C++ block offload]
+// ~~~~~~~~~~~~~~~~~~~~~~~~
+// Python reaches every tensor autograd saves through saved_tensors_hooks
+// (Note [Saved-tensor offload]). LibTorch offers no C++ equivalent:
+// at::SavedTensorDefaultHooks::push_hooks takes c10::SafePyObject (Python
+// callables); Engine::get_default_saved_variable_hooks() returns nothing
+// outside the Python engine, and overriding it means replacing the default
+// engine (an internal API); the SavedVariables of a generated node are typed
+// fields with no generic accessor (Python reaches them through getters
+// generated per node type). So a C++ trainer hands tierflow its blocks (a
+// transformer layer, say), and each call goes through BlockFunction, a
+// torch::autograd::Function:
+//   forward   runs the block with autograd off (CppNode::apply runs forward
+//             under AutoGradMode(false)), so nothing inside the block saves
+//             a tensor. It records the CPU generator's state, the CUDA
+//             generator's of the input's device, and the autocast state
+//             (enabled and dtype for CPU and CUDA, cache flag), then holds
+//             the block's input according to the block's action:
+//               kRecompute  on the device, as a SavedVariable of the node;
+//               kSwapHost   in the pinned host pool: ActivationOffloader::pack,
+//                           the copy engine after the producing stream
+//                           (Note [Copy ordering]), device memory dropped once
+//                           the copy is done;
+//               kSwapNvme   the same, written on to the NVMe tier behind the
+//                           compute (Note [NVMe engine]).
+//   backward  gets the input back (unpack; the first block that backward
+//             reaches in a step starts the prefetch of the others, in the
+//             recorded order of Note [Recorded-order prefetch]), sets the
+//             recorded RNG and autocast state, reruns the block with grad
+//             mode on a detached copy of the input, restores the RNG state
+//             it found, and returns the gradients of the input and of the
+//             block's parameters. The parameters are inputs of the Function
+//             (a TensorList argument), so the engine accumulates their
+//             gradients like any other node's, hooks and all.
+//   kKeep     calls the block directly: autograd keeps what it saves on the device.
+// Dropout draws the same masks in the rerun, so on CPU the gradients are
+// bit-identical to running the block plainly; on CUDA they are as long as
+// the block's kernels are deterministic.
+//
+// What a swap plan swaps. Only the block's input leaves the device; the
+// tensors the block saves internally are recomputed from it in backward, so
+// between a block's forward and its backward the device holds nothing of it.
+// Swapping those internal tensors instead would need the block's graph to be
+// built in forward and its SavedVariables reached from C++. A SavedVariable
+// takes per-variable hooks (SavedVariable::register_hooks, with
+// SavedVariableHooks::call_pack_hook/call_unpack_hook), but nothing public
+// enumerates a node's SavedVariables: the only generic walk is compiled
+// autograd's Node::compiled_args / apply_with_saved (node.h; internal,
+// changing between releases, and built for Python's compiler). Hooks on the graph
+// rebuilt in backward would not help either: that graph lives only for the
+// block's own backward. So a C++ swap plan costs one extra forward of the
+// block, the price of MEMO's recompute share at alpha = 0, and moves only
+// the block boundary over the link. A planner that wants swap without
+// recompute for a block needs the Python route (tierflow.wrap).
+//
+// Where the plan comes from: TIERFLOW_OFFLOAD_ACTIVATIONS gives every block
+// its default action (block_action_from_config), and set_action /
+// set_actions override it per block, which is where a planner's per-block
+// decision goes: keep -> kKeep, swap to host -> kSwapHost, swap to NVMe ->
+// kSwapNvme, recompute -> kRecompute. A token-wise split (part swapped,
+// part recomputed) has no C++ form yet; its nearest action is the swap.
+//
+// LibTorch API relied on (checked against 2.13.0; the range is 2.4, where
+// at::autocast took a DeviceType, to 2.13):
+// torch::autograd::Function with non-tensor and TensorList arguments
+// (custom_function.h), AutogradContext::save_for_backward and saved_data
+// (an IValue capsule holds tierflow's state), autograd::grad for the rerun,
+// at::Generator::get_state/set_state (CPU, and CUDA through
+// at::globalContext().defaultGenerator), at::autocast::{is,set}_autocast_enabled
+// and {get,set}_autocast_dtype per DeviceType, {is,set}_autocast_cache_enabled.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string_view>
+#include <vector>
+
+#include "tierflow/bindings/activation_offloader.hpp"
+#include "tierflow/core/config.hpp"
+
+namespace tierflow::bindings {
+
+class Runtime;
+
+/// What happens to one block's activations between its forward and its backward.
+enum class BlockAction : std::uint8_t {
+  kKeep,       ///< autograd keeps them on the device (no tierflow involvement)
+  kSwapHost,   ///< input to the pinned host pool, the rest recomputed
+  kSwapNvme,   ///< input to the NVMe tier (host staging), the rest recomputed
+  kRecompute,  ///< input kept on the device, the rest recomputed
+};
+
+/// "keep", "swap-host", "swap-nvme" or "recompute".
+std::string_view to_string(BlockAction a) noexcept;
+
+/// The action every block gets from TIERFLOW_OFFLOAD_ACTIVATIONS: none keeps,
+/// host (and auto, bounded by TIERFLOW_GPU_MEMORY) swaps to the host, nvme to NVMe.
+BlockAction block_action_from_config(const Config& config) noexcept;
+
+/// A block's forward: one tensor in, one tensor out.
+using BlockForward = std::function<at::Tensor(const at::Tensor&)>;
+
+/// Counters of a BlockOffload since creation.
+struct BlockOffloadStats {
+  std::uint64_t forwards = 0;         ///< forward passes (block 0 seen again)
+  std::uint64_t kept = 0;             ///< block calls with kKeep (or autograd off)
+  std::uint64_t swapped_host = 0;     ///< block calls whose input went to the host tier
+  std::uint64_t swapped_nvme = 0;     ///< block calls whose input went to the NVMe tier
+  std::uint64_t recomputed = 0;       ///< block calls with kRecompute
+  std::uint64_t reruns = 0;           ///< block forwards rerun in backward
+  std::uint64_t rerun_ns = 0;         ///< time spent in those reruns
+};
+
+/// Runs a trainer's blocks under per-block plans; see Note [C++ block offload].
+/// Thread-safe; one per model.
+class BlockOffload {
+ public:
+  /// Every block starts with block_action_from_config(runtime->config()).
+  explicit BlockOffload(std::shared_ptr<Runtime> runtime);
+  ~BlockOffload();
+
+  /// Sets the action of block `block` (0 is the first block of a forward).
+  /// kSwapNvme needs an NVMe engine (TIERFLOW_NVME_PATHS, and an nvme
+  /// offload target); otherwise throws config_error.
+  void set_action(std::size_t block, BlockAction action);
+  /// Sets the actions of blocks 0..n-1; later blocks keep the default.
+  void set_actions(const std::vector<BlockAction>& actions);
+  /// Sets the action of every block not set one by one.
+  void set_default_action(BlockAction action);
+  /// The action block `block` runs with.
+  BlockAction action(std::size_t block) const;
+
+  /// Runs block `block` on `input` under its action. `parameters` are the
+  /// tensors the block reads besides its input (its module's parameters);
+  /// their gradients flow through the Function. A call with a block index
+  /// not greater than the previous call's starts a new forward pass. With
+  /// autograd off, or nothing requiring grad, the block simply runs.
+  at::Tensor forward(std::size_t block, const BlockForward& fn, const at::Tensor& input,
+                     const std::vector<at::Tensor>& parameters);
+
+  /// Same for a torch::nn module holder (anything with ->forward(x) and ->parameters()).
+  template <class ModuleHolder>
+  at::Tensor forward(std::size_t block, const ModuleHolder& module, const at::Tensor& input) {
+    return forward(block, [m = ModuleHolder(module)](const at::Tensor& x) mutable { return m->forward(x); }, input,
+                   module->parameters());
+  }
+
+  /// Waits for every copy in flight (call before timing or tearing down).
+  void synchronize();
+  /// Counters.
+  BlockOffloadStats stats() const;
+  /// The host-tier offloader's counters (swapped bytes, prefetch hits, stalls).
+  ActivationOffloaderStats host_stats() const;
+  /// The NVMe-tier offloader's counters (zero when there is none).
+  ActivationOffloaderStats nvme_stats() const;
+
+  struct Shared;  // what BlockFunction reaches from backward
+
+ private:
+  std::shared_ptr<Runtime> runtime_;
+  std::shared_ptr<Shared> shared_;
+};
+
+}  // namespace tierflow::bindings

@@ -1,0 +1,84 @@
+// tierflow's CPU AdamW as a torch::optim::Optimizer, for C++ trainers.
+//
+// Note [C++ CpuAdamW]
+// ~~~~~~~~~~~~~~~~~~~
+// CpuAdamW is used like torch::optim::AdamW: the same constructors (a
+// parameter list or param groups, torch::optim::AdamWOptions), step(closure),
+// zero_grad(), param_groups() (so torch::optim::LRScheduler works) and
+// save/load. The update is the oneTBB kernel of Note [Adam semantics], which
+// follows torch's Python AdamW operation by operation; LibTorch's C++ AdamW
+// rounds differently (mul and add where Python lerps), so the two agree to a
+// few ulp per step, not bit for bit.
+// Where the state lives (TIERFLOW_OFFLOAD_OPTIMIZER): `host` (and `none`,
+// since choosing this optimizer is asking for it) keeps exp_avg and exp_avg_sq
+// in the pinned host pool; `nvme` keeps master, exp_avg and exp_avg_sq on the
+// NVMe tier and streams them through the pool for each step (Note [Optimizer
+// states on NVMe]). A contiguous fp32 CPU parameter (the emulated device's)
+// is its own master and is updated in place. Any other parameter (CUDA,
+// 16-bit) gets an fp32 master in host memory; its gradient is copied to the
+// host and the updated value copied back through the runtime's copy engine
+// (Note [Copy ordering]), and step() returns once the parameter holds it.
+// save() writes torch::optim::AdamW's archive layout (states read back from
+// NVMe first), so either optimizer loads the other's checkpoints. The archive
+// carries no fp32 master: after load() a 16-bit parameter's master is its
+// current value.
+#pragma once
+
+#include <torch/optim/adamw.h>
+#include <torch/optim/optimizer.h>
+
+#include <cstdint>
+#include <memory>
+#include <unordered_map>
+#include <vector>
+
+namespace tierflow::bindings {
+
+class Runtime;
+
+/// Statistics of a CpuAdamW.
+struct CpuAdamWStats {
+  std::uint64_t steps = 0;          ///< step() calls that updated something
+  std::uint64_t elements = 0;       ///< parameters updated, summed over steps
+  std::uint64_t kernel_ns = 0;      ///< time in the CPU kernel (host states) or the NVMe pipeline
+};
+
+/// AdamW over tierflow's CPU kernel, with states on the host or NVMe tier.
+class CpuAdamW : public torch::optim::Optimizer {
+ public:
+  /// Param groups without options take `defaults`.
+  CpuAdamW(std::shared_ptr<Runtime> runtime, const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
+           torch::optim::AdamWOptions defaults = {});
+  /// One group of `params`.
+  CpuAdamW(std::shared_ptr<Runtime> runtime, std::vector<at::Tensor> params, torch::optim::AdamWOptions defaults = {});
+  ~CpuAdamW() override;
+
+  /// One AdamW step of every parameter with a gradient; evaluates `closure` first (with grad mode) if given.
+  at::Tensor step(LossClosure closure = nullptr) override;
+  /// Writes torch::optim::AdamW's archive layout.
+  void save(torch::serialize::OutputArchive& archive) const override;
+  /// Reads an archive of CpuAdamW or torch::optim::AdamW.
+  void load(torch::serialize::InputArchive& archive) override;
+
+  /// True when the states live on the NVMe tier.
+  bool states_on_nvme() const noexcept { return on_nvme_; }
+  /// Counters.
+  CpuAdamWStats stats() const noexcept { return stats_; }
+
+ private:
+  struct Slot {
+    at::Tensor master;        // fp32 host master; undefined when the parameter is its own master
+    std::uint64_t nvme_key = 0;
+  };
+  bool own_master(const at::Tensor& p) const;
+  Slot& slot(const at::Tensor& p, const torch::optim::AdamWOptions& options);
+  bool step_group(torch::optim::OptimizerParamGroup& group);  // false: nothing had a gradient
+  void adopt_loaded_state();
+
+  std::shared_ptr<Runtime> runtime_;
+  bool on_nvme_ = false;
+  std::unordered_map<const void*, Slot> slots_;  // by TensorImpl, as state_
+  CpuAdamWStats stats_;
+};
+
+}  // namespace tierflow::bindings

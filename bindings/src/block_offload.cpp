@@ -1,0 +1,349 @@
+// See Note [C++ block offload] in block_offload.hpp.
+#include "tierflow/bindings/block_offload.hpp"
+
+#include <ATen/autocast_mode.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <chrono>
+#include <optional>
+
+#include "tierflow/allocator/device.hpp"
+#include "tierflow/bindings/runtime.hpp"
+#include "tierflow/core/error.hpp"
+
+namespace tierflow::bindings {
+
+std::string_view to_string(BlockAction a) noexcept {
+  switch (a) {
+    case BlockAction::kKeep: return "keep";
+    case BlockAction::kSwapHost: return "swap-host";
+    case BlockAction::kSwapNvme: return "swap-nvme";
+    case BlockAction::kRecompute: return "recompute";
+  }
+  return "?";
+}
+
+BlockAction block_action_from_config(const Config& config) noexcept {
+  switch (config.offload_activations) {
+    case OffloadTarget::kNone: return BlockAction::kKeep;
+    case OffloadTarget::kNvme: return BlockAction::kSwapNvme;
+    case OffloadTarget::kHost:
+    case OffloadTarget::kAuto: return BlockAction::kSwapHost;
+  }
+  return BlockAction::kSwapHost;
+}
+
+struct BlockOffload::Shared {
+  mutable std::mutex mutex;
+  std::shared_ptr<ActivationOffloader> host;
+  std::shared_ptr<ActivationOffloader> nvme;  // null without an NVMe engine
+  BlockAction default_action = BlockAction::kKeep;
+  std::vector<std::optional<BlockAction>> actions;
+  bool started = false;          // a block ran since creation
+  std::size_t last_block = 0;    // index of the previous call
+  bool backward_started = false; // this step's backward reached a swapped block
+  BlockOffloadStats stats;
+
+  // The first swapped block backward reaches starts every offloader's prefetch.
+  void reached_backward() {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (backward_started) return;
+    backward_started = true;
+    host->begin_backward();
+    if (nvme) nvme->begin_backward();
+  }
+};
+
+namespace {
+
+std::uint64_t now_ns() {
+  return static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                        std::chrono::steady_clock::now().time_since_epoch())
+                                        .count());
+}
+
+// The generators dropout draws from: the CPU one, and the CUDA one of the
+// input's device (what torch.utils.checkpoint saves, too).
+struct RngState {
+  at::Tensor cpu;
+  std::optional<at::Device> cuda_device;
+  at::Tensor cuda;
+};
+
+at::Tensor generator_state(const at::Device& device) {
+  at::Generator gen = at::globalContext().defaultGenerator(device);
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return gen.get_state();
+}
+
+void set_generator_state(const at::Device& device, const at::Tensor& state) {
+  at::Generator gen = at::globalContext().defaultGenerator(device);
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(state);
+}
+
+RngState capture_rng(const at::Device& device) {
+  RngState s;
+  s.cpu = generator_state(at::Device(at::kCPU));
+  if (device.is_cuda()) {
+    s.cuda_device = device;
+    s.cuda = generator_state(device);
+  }
+  return s;
+}
+
+void apply_rng(const RngState& s) {
+  set_generator_state(at::Device(at::kCPU), s.cpu);
+  if (s.cuda_device) set_generator_state(*s.cuda_device, s.cuda);
+}
+
+// Sets a recorded RNG state for a scope and puts back the one it found.
+class RngFork {
+ public:
+  explicit RngFork(const RngState& recorded) : found_(capture_rng(recorded.cuda_device.value_or(at::Device(at::kCPU)))) {
+    apply_rng(recorded);
+  }
+  ~RngFork() { apply_rng(found_); }
+  RngFork(const RngFork&) = delete;
+  RngFork& operator=(const RngFork&) = delete;
+
+ private:
+  RngState found_;
+};
+
+struct AutocastState {
+  bool cpu_enabled = false;
+  bool cuda_enabled = false;
+  at::ScalarType cpu_dtype = at::kBFloat16;
+  at::ScalarType cuda_dtype = at::kHalf;
+  bool cache = true;
+};
+
+AutocastState capture_autocast() {
+  AutocastState s;
+  s.cpu_enabled = at::autocast::is_autocast_enabled(at::kCPU);
+  s.cuda_enabled = at::autocast::is_autocast_enabled(at::kCUDA);
+  s.cpu_dtype = at::autocast::get_autocast_dtype(at::kCPU);
+  s.cuda_dtype = at::autocast::get_autocast_dtype(at::kCUDA);
+  s.cache = at::autocast::is_autocast_cache_enabled();
+  return s;
+}
+
+void apply_autocast(const AutocastState& s) {
+  at::autocast::set_autocast_enabled(at::kCPU, s.cpu_enabled);
+  at::autocast::set_autocast_enabled(at::kCUDA, s.cuda_enabled);
+  at::autocast::set_autocast_dtype(at::kCPU, s.cpu_dtype);
+  at::autocast::set_autocast_dtype(at::kCUDA, s.cuda_dtype);
+  at::autocast::set_autocast_cache_enabled(s.cache);
+}
+
+// Sets a recorded autocast state for a scope and puts back the one it found.
+class AutocastFork {
+ public:
+  explicit AutocastFork(const AutocastState& recorded) : found_(capture_autocast()) { apply_autocast(recorded); }
+  ~AutocastFork() { apply_autocast(found_); }
+  AutocastFork(const AutocastFork&) = delete;
+  AutocastFork& operator=(const AutocastFork&) = delete;
+
+ private:
+  AutocastState found_;
+};
+
+// What one block call keeps for its backward (an IValue capsule in the context).
+struct BlockState : torch::CustomClassHolder {
+  BlockForward fn;
+  std::shared_ptr<BlockOffload::Shared> shared;
+  std::shared_ptr<ActivationOffloader> offloader;  // null: the input stays a SavedVariable
+  std::shared_ptr<SavedHandle> input;              // the swapped input
+  bool input_requires_grad = false;
+  std::vector<bool> param_requires_grad;
+  RngState rng;
+  AutocastState autocast;
+};
+
+constexpr const char* kStateKey = "tierflow_block";
+
+struct BlockFunction : torch::autograd::Function<BlockFunction> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const c10::intrusive_ptr<BlockState>& state,
+                            const at::Tensor& input, at::TensorList params) {
+    state->rng = capture_rng(input.device());
+    state->autocast = capture_autocast();
+    state->input_requires_grad = input.requires_grad();
+    for (const auto& p : params) state->param_requires_grad.push_back(p.requires_grad());
+    at::Tensor output = state->fn(input);
+    std::vector<at::Tensor> saved(params.begin(), params.end());
+    if (state->offloader) {
+      state->input = state->offloader->pack(input);
+    } else {
+      saved.push_back(input);
+    }
+    ctx->save_for_backward(saved);
+    ctx->saved_data[kStateKey] = at::IValue::make_capsule(state);
+    return output;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_outputs) {
+    auto state = c10::static_intrusive_pointer_cast<BlockState>(ctx->saved_data.at(kStateKey).toCapsule());
+    std::vector<at::Tensor> saved = ctx->get_saved_variables();
+    const std::size_t n_params = state->param_requires_grad.size();
+    at::Tensor input;
+    if (state->offloader) {
+      TORCH_CHECK(state->input != nullptr,
+                  "tierflow BlockOffload: backward through a swapped block a second time (retain_graph): "
+                  "its input was released after the first backward; use the recompute or keep action for such blocks");
+      state->shared->reached_backward();
+      input = state->offloader->unpack(state->input);
+      state->input.reset();  // the host or NVMe copy goes as soon as it is read
+    } else {
+      input = saved.at(n_params);
+    }
+    at::Tensor x = input.detach().requires_grad_(state->input_requires_grad);
+    const std::uint64_t t0 = now_ns();
+    at::Tensor y;
+    {
+      RngFork rng(state->rng);
+      AutocastFork autocast(state->autocast);
+      at::AutoGradMode grad_mode(true);
+      y = state->fn(x);
+    }
+    std::vector<at::Tensor> wrt;
+    if (state->input_requires_grad) wrt.push_back(x);
+    for (std::size_t i = 0; i < n_params; ++i)
+      if (state->param_requires_grad[i]) wrt.push_back(saved[i]);
+    std::vector<at::Tensor> grads;
+    if (y.requires_grad() && !wrt.empty())
+      grads = torch::autograd::grad({y}, wrt, {grad_outputs.at(0)}, /*retain_graph=*/false,
+                                    /*create_graph=*/false, /*allow_unused=*/true);
+    {
+      std::lock_guard<std::mutex> lock(state->shared->mutex);
+      state->shared->stats.reruns += 1;
+      state->shared->stats.rerun_ns += now_ns() - t0;
+    }
+    // One gradient per argument of forward: none for the state, then the input, then each parameter.
+    torch::autograd::variable_list result(2 + n_params);
+    std::size_t next = 0;
+    if (state->input_requires_grad && !grads.empty()) result[1] = grads[next++];
+    for (std::size_t i = 0; i < n_params; ++i)
+      if (state->param_requires_grad[i] && !grads.empty()) result[2 + i] = grads[next++];
+    return result;
+  }
+};
+
+}  // namespace
+
+BlockOffload::BlockOffload(std::shared_ptr<Runtime> runtime)
+    : runtime_(std::move(runtime)), shared_(std::make_shared<Shared>()) {
+  TIERFLOW_EXPECTS(runtime_ != nullptr, "BlockOffload: a runtime is required");
+  const Config& c = runtime_->config();
+  ActivationOffloaderOptions o;
+  o.schedule.prefetch_bytes = c.prefetch_bytes;
+  o.schedule.keep_budget_bytes = c.gpu_memory.resolve(allocator::device_capacity_bytes(runtime_->device_kind()));
+  o.schedule.keep_tail_bytes = 0;  // the plan says per block what stays
+  o.min_offload_bytes = c.min_offload_bytes;
+  o.schedule.target = c.offload_activations == OffloadTarget::kAuto ? OffloadTarget::kAuto : OffloadTarget::kHost;
+  shared_->host = std::make_shared<ActivationOffloader>(o, runtime_->host_pool(), runtime_->copy_engine());
+  if (runtime_->nvme_engine()) {
+    o.schedule.target = OffloadTarget::kNvme;
+    shared_->nvme = std::make_shared<ActivationOffloader>(o, runtime_->host_pool(), runtime_->copy_engine(),
+                                                          runtime_->nvme_engine());
+  }
+  shared_->default_action = block_action_from_config(c);
+}
+
+BlockOffload::~BlockOffload() = default;
+
+namespace {
+void check_action(const BlockOffload::Shared& s, BlockAction a) {
+  if (a == BlockAction::kSwapNvme && !s.nvme)
+    throw config_error("BlockOffload: action swap-nvme needs the NVMe tier: set TIERFLOW_NVME_PATHS and "
+                       "TIERFLOW_OFFLOAD_ACTIVATIONS=nvme (or TIERFLOW_OFFLOAD_OPTIMIZER=nvme)");
+}
+}  // namespace
+
+void BlockOffload::set_action(std::size_t block, BlockAction action) {
+  std::lock_guard<std::mutex> lock(shared_->mutex);
+  check_action(*shared_, action);
+  if (shared_->actions.size() <= block) shared_->actions.resize(block + 1);
+  shared_->actions[block] = action;
+}
+
+void BlockOffload::set_actions(const std::vector<BlockAction>& actions) {
+  std::lock_guard<std::mutex> lock(shared_->mutex);
+  for (auto a : actions) check_action(*shared_, a);
+  shared_->actions.assign(actions.begin(), actions.end());
+}
+
+void BlockOffload::set_default_action(BlockAction action) {
+  std::lock_guard<std::mutex> lock(shared_->mutex);
+  check_action(*shared_, action);
+  shared_->default_action = action;
+}
+
+BlockAction BlockOffload::action(std::size_t block) const {
+  std::lock_guard<std::mutex> lock(shared_->mutex);
+  if (block < shared_->actions.size() && shared_->actions[block]) return *shared_->actions[block];
+  return shared_->default_action;
+}
+
+at::Tensor BlockOffload::forward(std::size_t block, const BlockForward& fn, const at::Tensor& input,
+                                 const std::vector<at::Tensor>& parameters) {
+  const BlockAction a = action(block);
+  {
+    std::lock_guard<std::mutex> lock(shared_->mutex);
+    if (!shared_->started || block <= shared_->last_block) {
+      shared_->stats.forwards += 1;
+      shared_->backward_started = false;
+      shared_->host->begin_forward();
+      if (shared_->nvme) shared_->nvme->begin_forward();
+    }
+    shared_->started = true;
+    shared_->last_block = block;
+  }
+  bool needs_graph = at::GradMode::is_enabled() && input.requires_grad();
+  for (const auto& p : parameters) needs_graph = needs_graph || (at::GradMode::is_enabled() && p.requires_grad());
+  if (a == BlockAction::kKeep || !needs_graph) {
+    std::lock_guard<std::mutex> lock(shared_->mutex);
+    shared_->stats.kept += 1;
+    return fn(input);
+  }
+  auto state = c10::make_intrusive<BlockState>();
+  state->fn = fn;
+  state->shared = shared_;
+  {
+    std::lock_guard<std::mutex> lock(shared_->mutex);
+    switch (a) {
+      case BlockAction::kSwapHost:
+        state->offloader = shared_->host;
+        shared_->stats.swapped_host += 1;
+        break;
+      case BlockAction::kSwapNvme:
+        state->offloader = shared_->nvme;
+        shared_->stats.swapped_nvme += 1;
+        break;
+      default:
+        shared_->stats.recomputed += 1;
+        break;
+    }
+  }
+  return BlockFunction::apply(state, input, at::TensorList(parameters));
+}
+
+void BlockOffload::synchronize() {
+  shared_->host->synchronize();
+  if (shared_->nvme) shared_->nvme->synchronize();
+}
+
+BlockOffloadStats BlockOffload::stats() const {
+  std::lock_guard<std::mutex> lock(shared_->mutex);
+  return shared_->stats;
+}
+
+ActivationOffloaderStats BlockOffload::host_stats() const { return shared_->host->stats(); }
+
+ActivationOffloaderStats BlockOffload::nvme_stats() const {
+  return shared_->nvme ? shared_->nvme->stats() : ActivationOffloaderStats{};
+}
+
+}  // namespace tierflow::bindings

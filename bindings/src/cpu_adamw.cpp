@@ -1,0 +1,280 @@
+// See Note [C++ CpuAdamW] in cpu_adamw.hpp.
+#include "tierflow/bindings/cpu_adamw.hpp"
+
+#include <torch/optim/serialize.h>
+
+#include <cerrno>
+#include <chrono>
+#include <map>
+
+#include "tierflow/bindings/runtime.hpp"
+#include "tierflow/core/error.hpp"
+
+namespace tierflow::bindings {
+
+using torch::optim::AdamWOptions;
+using torch::optim::AdamWParamState;
+
+namespace {
+
+std::uint64_t now_ns() {
+  return static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                        std::chrono::steady_clock::now().time_since_epoch())
+                                        .count());
+}
+
+optimizer::ScalarType kernel_type(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return optimizer::ScalarType::kFloat32;
+    case at::kBFloat16: return optimizer::ScalarType::kBFloat16;
+    case at::kHalf: return optimizer::ScalarType::kFloat16;
+    default:
+      throw logic_error("tierflow CpuAdamW: dtype " + std::string(c10::toString(t)) +
+                        "; accepted: float32, bfloat16, float16");
+  }
+}
+
+// The same groups and materialized states, for save(): an optimizer only in
+// the sense that torch's archive writer takes one.
+class ArchiveView : public torch::optim::Optimizer {
+ public:
+  ArchiveView(const std::vector<torch::optim::OptimizerParamGroup>& groups, std::unique_ptr<torch::optim::OptimizerOptions> defaults)
+      : Optimizer(groups, std::move(defaults)) {}
+  at::Tensor step(LossClosure) override { TORCH_CHECK(false, "ArchiveView cannot step"); }
+};
+
+}  // namespace
+
+CpuAdamW::CpuAdamW(std::shared_ptr<Runtime> runtime, const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
+                   AdamWOptions defaults)
+    : Optimizer(param_groups, std::make_unique<AdamWOptions>(defaults)), runtime_(std::move(runtime)) {
+  TIERFLOW_EXPECTS(runtime_ != nullptr, "CpuAdamW: a runtime is required");
+  TORCH_CHECK(defaults.lr() >= 0, "Invalid learning rate: ", defaults.lr());
+  TORCH_CHECK(defaults.eps() >= 0, "Invalid epsilon value: ", defaults.eps());
+  TORCH_CHECK(0 <= std::get<0>(defaults.betas()) && std::get<0>(defaults.betas()) < 1.0, "Invalid beta parameter at index 0");
+  TORCH_CHECK(0 <= std::get<1>(defaults.betas()) && std::get<1>(defaults.betas()) < 1.0, "Invalid beta parameter at index 1");
+  TORCH_CHECK(defaults.weight_decay() >= 0, "Invalid weight_decay value: ", defaults.weight_decay());
+  on_nvme_ = runtime_->config().offload_optimizer == OffloadTarget::kNvme;
+}
+
+CpuAdamW::CpuAdamW(std::shared_ptr<Runtime> runtime, std::vector<at::Tensor> params, AdamWOptions defaults)
+    : CpuAdamW(std::move(runtime), {torch::optim::OptimizerParamGroup(std::move(params))}, std::move(defaults)) {}
+
+CpuAdamW::~CpuAdamW() {
+  if (!on_nvme_) return;
+  for (auto& [impl, s] : slots_)
+    if (s.nvme_key) runtime_->nvme_adam().remove(s.nvme_key);
+}
+
+bool CpuAdamW::own_master(const at::Tensor& p) const {
+  return p.is_cpu() && p.scalar_type() == at::kFloat && p.is_contiguous();
+}
+
+CpuAdamW::Slot& CpuAdamW::slot(const at::Tensor& p, const AdamWOptions& options) {
+  Slot& s = slots_[p.unsafeGetTensorImpl()];
+  if (on_nvme_) {
+    if (s.nvme_key == 0) {  // the master lives on NVMe from here on
+      at::Tensor master = own_master(p) ? p.detach() : p.detach().to(at::kCPU, at::kFloat).contiguous();
+      s.nvme_key = runtime_->nvme_adam().add(static_cast<std::size_t>(p.numel()), options.amsgrad(),
+                                             master.data_ptr<float>());
+    }
+  } else if (!own_master(p) && !s.master.defined()) {
+    s.master = runtime_->host_empty(p.sizes(), at::kFloat, false);
+    s.master.copy_(p.detach());
+  }
+  return s;
+}
+
+at::Tensor CpuAdamW::step(LossClosure closure) {
+  at::Tensor loss;
+  if (closure) {
+    at::AutoGradMode enable(true);
+    loss = closure();
+  }
+  at::NoGradGuard no_grad;
+  bool stepped = false;
+  for (auto& group : param_groups_) stepped = step_group(group) || stepped;
+  if (stepped) stats_.steps += 1;
+  return loss;
+}
+
+bool CpuAdamW::step_group(torch::optim::OptimizerParamGroup& group) {
+  const auto& o = static_cast<const AdamWOptions&>(group.options());
+  optimizer::AdamOptions ao;
+  ao.lr = o.lr();
+  ao.beta1 = std::get<0>(o.betas());
+  ao.beta2 = std::get<1>(o.betas());
+  ao.eps = o.eps();
+  ao.weight_decay = o.weight_decay();
+  ao.amsgrad = o.amsgrad();
+  ao.decoupled_weight_decay = true;
+
+  // Parameters with a gradient, by step number (one kernel call per number).
+  std::map<std::int64_t, std::vector<at::Tensor>> by_step;
+  for (const auto& p : group.params()) {
+    if (!p.grad().defined()) continue;
+    TORCH_CHECK(!p.grad().is_sparse(), "tierflow CpuAdamW does not support sparse gradients");
+    TORCH_CHECK(p.is_contiguous(), "tierflow CpuAdamW: parameters must be contiguous");
+    auto& entry = state_[p.unsafeGetTensorImpl()];
+    if (!entry) {
+      auto st = std::make_unique<AdamWParamState>();
+      if (!on_nvme_) {
+        st->exp_avg(runtime_->host_empty(p.sizes(), at::kFloat, true));
+        st->exp_avg_sq(runtime_->host_empty(p.sizes(), at::kFloat, true));
+        if (o.amsgrad()) st->max_exp_avg_sq(runtime_->host_empty(p.sizes(), at::kFloat, true));
+      }
+      entry = std::move(st);
+    }
+    auto& st = static_cast<AdamWParamState&>(*entry);
+    st.step(st.step() + 1);
+    by_step[st.step()].push_back(p);
+  }
+
+  for (auto& [step, params] : by_step) {
+    const std::size_t n = params.size();
+    // Gradients and updated values cross between the device and the host
+    // through the copy engine (Note [Copy ordering]); CPU tensors are used as they are.
+    std::vector<at::Tensor> grads(n), params_out(n), staged_out(n);
+    std::vector<swap::TransferHandle> grad_copies;
+    for (std::size_t i = 0; i < n; ++i) {
+      const at::Tensor& p = params[i];
+      at::Tensor g = p.grad();
+      if (g.is_cpu()) {
+        grads[i] = g.contiguous();
+      } else if (runtime_->on_device(g)) {
+        grads[i] = runtime_->host_empty(g.sizes(), g.scalar_type(), false);
+        grad_copies.push_back(runtime_->copy_to_host(grads[i], g.contiguous()));
+      } else {
+        grads[i] = g.to(at::kCPU).contiguous();
+      }
+      if (own_master(p)) continue;  // updated in place
+      if (p.is_cpu()) {
+        params_out[i] = p.detach();
+      } else {
+        staged_out[i] = runtime_->host_empty(p.sizes(), p.scalar_type(), false);
+        params_out[i] = staged_out[i];
+      }
+    }
+    for (const auto& h : grad_copies) h.wait();
+
+    const std::uint64_t t0 = now_ns();
+    if (on_nvme_) {
+      std::vector<optimizer::NvmeAdamStore::Item> items(n);
+      for (std::size_t i = 0; i < n; ++i) {
+        const at::Tensor& p = params[i];
+        items[i].key = slot(p, o).nvme_key;
+        items[i].grad = grads[i].data_ptr();
+        items[i].grad_type = kernel_type(grads[i].scalar_type());
+        at::Tensor out = own_master(p) ? p.detach() : params_out[i];
+        items[i].param_out = out.data_ptr();
+        items[i].param_type = kernel_type(out.scalar_type());
+      }
+      auto result = runtime_->nvme_adam().step(ao, step, items);
+      if (!result.failed.empty())
+        throw io_error(EIO, "tierflow CpuAdamW: " + std::to_string(result.failed.size()) +
+                                " parameters kept their previous state and weights: " + result.first_error);
+    } else {
+      std::vector<at::Tensor> masters(n), exp_avgs(n), exp_avg_sqs(n), max_exp_avg_sqs;
+      if (o.amsgrad()) max_exp_avg_sqs.resize(n);
+      for (std::size_t i = 0; i < n; ++i) {
+        const at::Tensor& p = params[i];
+        masters[i] = own_master(p) ? p.detach() : slot(p, o).master;
+        auto& st = static_cast<AdamWParamState&>(*state_.at(p.unsafeGetTensorImpl()));
+        exp_avgs[i] = st.exp_avg();
+        exp_avg_sqs[i] = st.exp_avg_sq();
+        if (o.amsgrad()) max_exp_avg_sqs[i] = st.max_exp_avg_sq();
+      }
+      runtime_->adam_step(ao, step, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, grads, params_out);
+    }
+    stats_.kernel_ns += now_ns() - t0;
+
+    std::vector<swap::TransferHandle> param_copies;
+    for (std::size_t i = 0; i < n; ++i) {
+      at::Tensor p = params[i].detach();
+      p.unsafeGetTensorImpl()->bump_version();  // an in-place update, as torch's p.addcdiv_ is
+      stats_.elements += static_cast<std::uint64_t>(p.numel());
+      if (!staged_out[i].defined()) continue;
+      if (runtime_->on_device(p))
+        param_copies.push_back(runtime_->copy_to_device(p, staged_out[i]));
+      else
+        p.copy_(staged_out[i]);
+    }
+    for (const auto& h : param_copies) h.wait();  // staging goes back to the pool after the copy
+  }
+  return !by_step.empty();
+}
+
+void CpuAdamW::save(torch::serialize::OutputArchive& archive) const {
+  if (!on_nvme_) {
+    torch::optim::serialize<AdamWParamState, AdamWOptions>(archive, *this);
+    return;
+  }
+  ArchiveView view(param_groups_, defaults_->clone());
+  for (const auto& group : param_groups_) {
+    for (const auto& p : group.params()) {
+      auto found = state_.find(p.unsafeGetTensorImpl());
+      auto s = slots_.find(p.unsafeGetTensorImpl());
+      if (found == state_.end() || s == slots_.end() || s->second.nvme_key == 0) continue;
+      const auto& st = static_cast<const AdamWParamState&>(*found->second);
+      const bool amsgrad = static_cast<const AdamWOptions&>(group.options()).amsgrad();
+      auto opts = at::TensorOptions().dtype(at::kFloat);
+      at::Tensor master = at::empty(p.sizes(), opts), m = at::empty(p.sizes(), opts), v = at::empty(p.sizes(), opts);
+      at::Tensor vmax = amsgrad ? at::empty(p.sizes(), opts) : at::Tensor();
+      runtime_->nvme_adam().read(s->second.nvme_key, master.data_ptr<float>(), m.data_ptr<float>(),
+                                 v.data_ptr<float>(), amsgrad ? vmax.data_ptr<float>() : nullptr);
+      auto copy = std::make_unique<AdamWParamState>();
+      copy->step(st.step());
+      copy->exp_avg(m);
+      copy->exp_avg_sq(v);
+      if (amsgrad) copy->max_exp_avg_sq(vmax);
+      view.state()[p.unsafeGetTensorImpl()] = std::move(copy);
+    }
+  }
+  torch::optim::serialize<AdamWParamState, AdamWOptions>(archive, view);
+}
+
+void CpuAdamW::load(torch::serialize::InputArchive& archive) {
+  torch::optim::serialize<AdamWParamState, AdamWOptions>(archive, *this);
+  adopt_loaded_state();
+}
+
+void CpuAdamW::adopt_loaded_state() {
+  // Masters are rebuilt from the parameters (the archive has none).
+  for (auto& [impl, s] : slots_) s.master = at::Tensor();
+  for (auto& group : param_groups_) {
+    const bool amsgrad = static_cast<const AdamWOptions&>(group.options()).amsgrad();
+    for (const auto& p : group.params()) {
+      auto found = state_.find(p.unsafeGetTensorImpl());
+      if (found == state_.end()) continue;
+      auto& st = static_cast<AdamWParamState&>(*found->second);
+      const auto fp32_cpu = [&](const at::Tensor& t) {
+        return t.defined() ? t.to(at::kCPU, at::kFloat).contiguous() : at::zeros(p.sizes(), at::kFloat);
+      };
+      at::Tensor m = fp32_cpu(st.exp_avg()), v = fp32_cpu(st.exp_avg_sq());
+      at::Tensor vmax = amsgrad ? fp32_cpu(st.max_exp_avg_sq()) : at::Tensor();
+      if (on_nvme_) {
+        Slot& s = slots_[p.unsafeGetTensorImpl()];
+        if (s.nvme_key) runtime_->nvme_adam().remove(s.nvme_key);
+        s.nvme_key = 0;
+        at::Tensor master = own_master(p) ? p.detach() : p.detach().to(at::kCPU, at::kFloat).contiguous();
+        s.nvme_key = runtime_->nvme_adam().add(static_cast<std::size_t>(p.numel()), amsgrad, master.data_ptr<float>(),
+                                               m.data_ptr<float>(), v.data_ptr<float>(),
+                                               amsgrad ? vmax.data_ptr<float>() : nullptr);
+        st.exp_avg(at::Tensor());
+        st.exp_avg_sq(at::Tensor());
+        st.max_exp_avg_sq(at::Tensor());
+      } else {
+        const auto pinned = [&](const at::Tensor& t) {
+          at::Tensor h = runtime_->host_empty(p.sizes(), at::kFloat, false);
+          h.copy_(t.view(p.sizes()));
+          return h;
+        };
+        st.exp_avg(pinned(m));
+        st.exp_avg_sq(pinned(v));
+        st.max_exp_avg_sq(amsgrad ? pinned(vmax) : at::Tensor());
+      }
+    }
+  }
+}
+
+}  // namespace tierflow::bindings

@@ -1,0 +1,238 @@
+// cpp_trainer: a pure LibTorch trainer embedding tierflow. It trains the same
+// small GPT twice from the same seed, on the same batches: first plain LibTorch
+// with torch::optim::AdamW, then with tierflow's per-block activation offload
+// (Note [C++ block offload]) and its CPU AdamW (Note [C++ CpuAdamW]), prints
+// both loss series and exits non-zero when they differ by more than the
+// tolerance.
+//
+//   cpp_trainer [--activations config|keep|host|nvme|recompute] [--optimizer tierflow|torch]
+//               [--steps N] [--tolerance X]
+//
+// --activations picks every block's action; `config` (the default) takes it
+// from TIERFLOW_OFFLOAD_ACTIVATIONS. --optimizer torch keeps torch::optim::AdamW
+// in the tierflow run, so only the activation offload differs: the losses
+// must then be bit-identical (--tolerance 0). Every other setting comes from the
+// TIERFLOW_* variables (tierflow::Config::from_environment()), e.g.
+// TIERFLOW_OFFLOAD_OPTIMIZER=nvme TIERFLOW_NVME_PATHS=/mnt/nvme for NVMe states.
+//
+// Tolerance: the activation offload and the recompute are exact (same RNG
+// state, same kernels). The only difference is the optimizer's rounding:
+// tierflow's kernel follows torch's Python AdamW, LibTorch's C++ AdamW rounds
+// a few operations differently, a few ulp per parameter and step, which over
+// ten steps of this model moves the loss by ~1e-7. 1e-5 leaves a wide margin
+// and still catches any real error (a wrong mask or a stale input moves it by
+// 1e-2 or more).
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <tierflow/bindings/block_offload.hpp>
+#include <tierflow/bindings/cpu_adamw.hpp>
+#include <tierflow/bindings/runtime.hpp>
+#include <tierflow/core/config.hpp>
+
+#include "gpt.hpp"
+
+namespace tb = tierflow::bindings;
+
+namespace {
+
+struct Args {
+  std::string activations = "config";
+  std::string optimizer = "tierflow";
+  int steps = 10;
+  double tolerance = 1e-5;
+};
+
+struct Result {
+  std::vector<double> losses;
+  double step_ms = 0;  // mean after the first step
+  std::vector<torch::Tensor> exp_avgs;  // the optimizer's first moments after training, per parameter
+};
+
+constexpr uint64_t kSeed = 1234;
+constexpr int64_t kBatch = 8;
+const torch::optim::AdamWOptions kAdamW = torch::optim::AdamWOptions(3e-3).weight_decay(0.1);
+
+// Rows of an arithmetic pattern mod the vocabulary with random start and
+// stride: learnable, so the loss falls and the comparison means something.
+std::vector<torch::Tensor> make_batches(const GPTConfig& c, int steps, torch::Device device) {
+  torch::manual_seed(kSeed + 1);
+  std::vector<torch::Tensor> batches;
+  for (int s = 0; s < steps; ++s) {
+    auto start = torch::randint(c.vocab, {kBatch, 1}, torch::kLong);
+    auto stride = torch::randint(1, 4, {kBatch, 1}, torch::kLong);
+    auto rows = (start + stride * torch::arange(c.seq + 1, torch::kLong)) % c.vocab;
+    batches.push_back(rows.to(device));
+  }
+  return batches;
+}
+
+Result train(GPT& model, torch::optim::Optimizer& optimizer, const std::vector<torch::Tensor>& batches, const GPTConfig& c,
+             tb::BlockOffload* offload) {
+  Result r;
+  double total_ms = 0;
+  for (std::size_t s = 0; s < batches.size(); ++s) {
+    const auto t0 = std::chrono::steady_clock::now();
+    auto x = batches[s].slice(1, 0, c.seq), y = batches[s].slice(1, 1, c.seq + 1);
+    auto logits = model->forward(x, offload);
+    auto loss = torch::nn::functional::cross_entropy(logits.reshape({-1, c.vocab}), y.reshape({-1}));
+    optimizer.zero_grad();
+    loss.backward();
+    optimizer.step();
+    r.losses.push_back(loss.item<double>());
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    if (s > 0) total_ms += ms;
+  }
+  r.step_ms = batches.size() > 1 ? total_ms / static_cast<double>(batches.size() - 1) : 0;
+  return r;
+}
+
+// The first moments as torch::optim::AdamW would hold them: the optimizer is
+// saved and loaded into a torch::optim::AdamW, which also checks that the
+// archive layouts agree.
+std::vector<torch::Tensor> exp_avgs_via_torch(const torch::optim::Optimizer& saved, GPT& model) {
+  torch::serialize::OutputArchive out;
+  saved.save(out);
+  std::stringstream buffer;
+  out.save_to(buffer);
+  torch::optim::AdamW loaded(model->parameters(), kAdamW);
+  torch::serialize::InputArchive in;
+  in.load_from(buffer);
+  loaded.load(in);
+  std::vector<torch::Tensor> result;
+  for (const auto& p : model->parameters()) {
+    auto& st = static_cast<torch::optim::AdamWParamState&>(*loaded.state().at(p.unsafeGetTensorImpl()));
+    result.push_back(st.exp_avg().to(torch::kCPU));
+  }
+  return result;
+}
+
+tb::BlockAction parse_action(const std::string& name, const tierflow::Config& config) {
+  if (name == "config") return tb::block_action_from_config(config);
+  if (name == "keep") return tb::BlockAction::kKeep;
+  if (name == "host") return tb::BlockAction::kSwapHost;
+  if (name == "nvme") return tb::BlockAction::kSwapNvme;
+  if (name == "recompute") return tb::BlockAction::kRecompute;
+  std::fprintf(stderr, "cpp_trainer: --activations '%s'; accepted: config, keep, host, nvme, recompute\n", name.c_str());
+  std::exit(2);
+}
+
+Args parse_args(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    const bool has_value = i + 1 < argc;
+    if (arg == "--activations" && has_value) a.activations = argv[++i];
+    else if (arg == "--optimizer" && has_value && (std::strcmp(argv[i + 1], "tierflow") == 0 ||
+                                                   std::strcmp(argv[i + 1], "torch") == 0))
+      a.optimizer = argv[++i];
+    else if (arg == "--steps" && has_value) a.steps = std::atoi(argv[++i]);
+    else if (arg == "--tolerance" && has_value) a.tolerance = std::atof(argv[++i]);
+    else {
+      std::fprintf(stderr, "usage: cpp_trainer [--activations config|keep|host|nvme|recompute] "
+                           "[--optimizer tierflow|torch] [--steps N] [--tolerance X]\n");
+      std::exit(2);
+    }
+  }
+  return a;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Args args = parse_args(argc, argv);
+  const torch::Device device = torch::cuda::is_available() ? torch::kCUDA : torch::kCPU;
+  const GPTConfig c;
+  const auto batches = make_batches(c, args.steps, device);
+
+  // 1. Plain LibTorch.
+  torch::manual_seed(kSeed);
+  GPT baseline_model(c);
+  baseline_model->to(device);
+  torch::optim::AdamW baseline_opt(baseline_model->parameters(), kAdamW);
+  Result baseline = train(baseline_model, baseline_opt, batches, c, nullptr);
+  baseline.exp_avgs = exp_avgs_via_torch(baseline_opt, baseline_model);
+
+  // 2. The same with tierflow: the runtime from the TIERFLOW_* variables, one
+  //    action per block, the CPU AdamW with states on the host or NVMe tier.
+  auto runtime = std::make_shared<tb::Runtime>(tierflow::Config::from_environment());
+  tb::BlockOffload offload(runtime);
+  const tb::BlockAction action = parse_action(args.activations, runtime->config());
+  offload.set_actions(std::vector<tb::BlockAction>(static_cast<std::size_t>(c.layers), action));
+  torch::manual_seed(kSeed);
+  GPT model(c);
+  model->to(device);
+  std::unique_ptr<torch::optim::Optimizer> opt;
+  if (args.optimizer == "torch")
+    opt = std::make_unique<torch::optim::AdamW>(model->parameters(), kAdamW);
+  else
+    opt = std::make_unique<tb::CpuAdamW>(runtime, model->parameters(), kAdamW);
+  Result tf = train(model, *opt, batches, c, &offload);
+  offload.synchronize();
+  tf.exp_avgs = exp_avgs_via_torch(*opt, model);
+  const auto* cpu_adamw = dynamic_cast<const tb::CpuAdamW*>(opt.get());
+
+  std::printf("cpp_trainer: device %s (tierflow runtime: %s%s), %lld blocks: %s, optimizer %s\n",
+              device.str().c_str(), std::string(tierflow::allocator::to_string(runtime->device_kind())).c_str(),
+              runtime->adversarial() ? ", adversarial" : "", static_cast<long long>(c.layers),
+              std::string(tb::to_string(action)).c_str(), !cpu_adamw ? "torch::optim::AdamW" : cpu_adamw->states_on_nvme() ? "tierflow CpuAdamW, states on nvme" : "tierflow CpuAdamW, states on host");
+  std::printf("%6s %14s %14s %10s\n", "step", "libtorch", "tierflow", "|diff|");
+  double max_diff = 0;
+  for (std::size_t s = 0; s < baseline.losses.size(); ++s) {
+    const double d = std::abs(baseline.losses[s] - tf.losses[s]);
+    max_diff = std::max(max_diff, d);
+    std::printf("%6zu %14.8f %14.8f %10.2e\n", s, baseline.losses[s], tf.losses[s], d);
+  }
+  double exp_avg_diff = 0, exp_avg_max = 0;
+  for (std::size_t i = 0; i < baseline.exp_avgs.size(); ++i) {
+    exp_avg_diff = std::max(exp_avg_diff, (baseline.exp_avgs[i] - tf.exp_avgs[i]).abs().max().item<double>());
+    exp_avg_max = std::max(exp_avg_max, baseline.exp_avgs[i].abs().max().item<double>());
+  }
+  const auto st = offload.stats();
+  const auto host = offload.host_stats();
+  const auto nvme = offload.nvme_stats();
+  std::printf("step time (mean after the first): libtorch %.1f ms, tierflow %.1f ms\n", baseline.step_ms, tf.step_ms);
+  std::printf("blocks: swapped to host %llu, to nvme %llu, recomputed-only %llu, kept %llu; reruns %llu (%.1f ms)\n",
+              (unsigned long long)st.swapped_host, (unsigned long long)st.swapped_nvme,
+              (unsigned long long)st.recomputed, (unsigned long long)st.kept, (unsigned long long)st.reruns,
+              static_cast<double>(st.rerun_ns) / 1e6);
+  std::printf("host tier: %llu inputs offloaded (%llu bytes), prefetch hits %llu, stalls %llu; "
+              "nvme tier: %llu writes (%llu bytes), %llu reads\n",
+              (unsigned long long)host.offloaded_blocks, (unsigned long long)host.offloaded_bytes,
+              (unsigned long long)(host.prefetch_hits + nvme.prefetch_hits),
+              (unsigned long long)(host.stalls + nvme.stalls), (unsigned long long)nvme.nvme_writes,
+              (unsigned long long)nvme.nvme_write_bytes, (unsigned long long)nvme.nvme_reads);
+  std::printf("optimizer: saved and loaded into torch::optim::AdamW, max |exp_avg diff| = %.2e (max |exp_avg| %.2e)\n",
+              exp_avg_diff, exp_avg_max);
+  std::printf("cpp_trainer: max |loss diff| = %.3e over %zu steps\n", max_diff, baseline.losses.size());
+
+  // The run must have gone through the path it names, or it proves nothing.
+  const bool on_runtime_device = runtime->on_device(torch::empty({1}, torch::device(device)));
+  bool exercised = true;
+  if (on_runtime_device && action == tb::BlockAction::kSwapHost) exercised = host.offloaded_blocks > 0;
+  if (on_runtime_device && action == tb::BlockAction::kSwapNvme) exercised = nvme.nvme_writes > 0;
+  if (action != tb::BlockAction::kKeep) exercised = exercised && st.reruns > 0;
+  if (!exercised) {
+    std::fprintf(stderr, "cpp_trainer: FAILED: the %s plan moved or recomputed nothing\n",
+                 std::string(tb::to_string(action)).c_str());
+    return 1;
+  }
+  if (!(max_diff <= args.tolerance)) {
+    std::fprintf(stderr, "cpp_trainer: FAILED: loss difference %.3e exceeds the tolerance %.1e\n", max_diff,
+                 args.tolerance);
+    return 1;
+  }
+  if (!(exp_avg_diff <= 1e-3 * exp_avg_max)) {
+    std::fprintf(stderr, "cpp_trainer: FAILED: the optimizer states differ from torch's (%.2e)\n", exp_avg_diff);
+    return 1;
+  }
+  return 0;
+}

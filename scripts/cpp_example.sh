@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# `make cpp-example`: installs tierflow's C++ package into a prefix inside the
+# build tree, builds examples/cpp_trainer against that INSTALLED package (its
+# CMake sees the prefix and LibTorch, never build/dev), and runs the trainer
+# with each activation plan: blocks swapped to the host, swapped to NVMe (with
+# the optimizer states on NVMe too), recomputed, and once with torch's own
+# AdamW, where the losses must be bit-identical to plain LibTorch. Each plan
+# runs on the emulated device in both of its modes (Note [Adversarial emulated
+# device]), or on CUDA where torch sees a GPU. Run after scripts/setup.sh.
+set -euo pipefail
+
+say() { printf '[cpp-example] %s\n' "$*"; }
+die() { printf '[cpp-example] error: %s\n' "$*" >&2; exit 1; }
+
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+BUILD_DIR=build/dev
+PREFIX=$ROOT/$BUILD_DIR/install
+EXAMPLE_BUILD=$ROOT/$BUILD_DIR/cpp_trainer
+VPY=.venv/bin/python
+export PATH="$ROOT/.venv/bin:$PATH"
+[ -f "$BUILD_DIR/CMakeCache.txt" ] || die "$BUILD_DIR is not configured: run 'make setup' first"
+
+say "installing tierflow into $PREFIX"
+rm -rf "$PREFIX"
+cmake --install "$BUILD_DIR" --prefix "$PREFIX" >"$BUILD_DIR/cpp-example-install.log" \
+  || { cat "$BUILD_DIR/cpp-example-install.log" >&2; die "cmake --install failed"; }
+
+# The example finds tierflow in the prefix, Torch in the wheel, and the
+# Debian packages where the main build found them (.deps/usr from a bundle).
+TORCH_PREFIX=$("$VPY" -c 'import torch; print(torch.utils.cmake_prefix_path)')
+DEPS_PREFIX=$(sed -n 's/^CMAKE_PREFIX_PATH:[A-Z]*=//p' "$BUILD_DIR/CMakeCache.txt")
+GENERATOR=()
+command -v ninja >/dev/null && GENERATOR=(-G Ninja)
+rm -rf "$EXAMPLE_BUILD"
+say "configuring examples/cpp_trainer against the installed package"
+cmake -S examples/cpp_trainer -B "$EXAMPLE_BUILD" "${GENERATOR[@]}" \
+      -DCMAKE_PREFIX_PATH="$PREFIX;$TORCH_PREFIX${DEPS_PREFIX:+;$DEPS_PREFIX}" \
+      -DCMAKE_FIND_PACKAGE_NO_PACKAGE_REGISTRY=ON >"$EXAMPLE_BUILD.log" 2>&1 \
+  || { cat "$EXAMPLE_BUILD.log" >&2; die "configuring the example failed"; }
+grep "cpp_trainer: tierflow" "$EXAMPLE_BUILD.log" | sed 's/^-- /[cpp-example] /'
+grep -q "from $PREFIX/" "$EXAMPLE_BUILD.log" || die "the example did not find tierflow in $PREFIX"
+say "building the example"
+cmake --build "$EXAMPLE_BUILD" -j "$(nproc)" >>"$EXAMPLE_BUILD.log" 2>&1 \
+  || { tail -n 40 "$EXAMPLE_BUILD.log" >&2; die "building the example failed (log: $EXAMPLE_BUILD.log)"; }
+
+# TIERFLOW_* settings of the caller go to the trainer, except the ones each run sets.
+NVME_DIR=$EXAMPLE_BUILD/nvme
+mkdir -p "$NVME_DIR"
+run() {  # run NAME [VAR=value ...] -- ARGS...
+  local name=$1; shift
+  local vars=()
+  while [ "$1" != "--" ]; do vars+=("$1"); shift; done
+  shift
+  say "$name"
+  env "${vars[@]}" "$EXAMPLE_BUILD/cpp_trainer" "$@" || die "$name failed"
+}
+NVME=(TIERFLOW_OFFLOAD_ACTIVATIONS=nvme TIERFLOW_OFFLOAD_OPTIMIZER=nvme TIERFLOW_NVME_PATHS="$NVME_DIR"
+      TIERFLOW_NVME_MEMORY=256MiB)
+if "$VPY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+  MODES=(cuda)
+  EXACT_TOLERANCE=1e-6   # CUDA kernels (atomics) need not repeat bit for bit
+else
+  MODES=(polite adversarial)
+  EXACT_TOLERANCE=0
+fi
+for mode in "${MODES[@]}"; do
+  DEV=(TIERFLOW_EMULATED_DEVICE=$mode)
+  [ "$mode" = cuda ] && DEV=(TIERFLOW_DEVICE=auto)
+  run "$mode: blocks swapped to the host, CPU AdamW" "${DEV[@]}" -- --activations host
+  run "$mode: blocks swapped to NVMe, CPU AdamW with states on NVMe" "${DEV[@]}" "${NVME[@]}" -- --activations config
+  run "$mode: blocks recomputed, CPU AdamW" "${DEV[@]}" -- --activations recompute
+  run "$mode: blocks swapped to the host, torch's AdamW (bit-identical)" "${DEV[@]}" -- \
+      --activations host --optimizer torch --tolerance "$EXACT_TOLERANCE"
+done
+say "all runs passed"

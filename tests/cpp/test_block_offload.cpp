@@ -1,0 +1,243 @@
+// BlockOffload (Note [C++ block offload]): every action gives the gradients,
+// losses and RNG stream of running the blocks plainly, bit for bit on CPU,
+// on both emulated modes; the error paths name the problem.
+#include "tierflow/bindings/block_offload.hpp"
+
+#include <ATen/autocast_mode.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <map>
+#include <string>
+
+#include "tierflow/bindings/runtime.hpp"
+#include "tierflow/core/error.hpp"
+
+namespace tb = tierflow::bindings;
+namespace fs = std::filesystem;
+
+namespace {
+
+std::shared_ptr<tb::Runtime> make_runtime(std::map<std::string, std::string> overrides) {
+  overrides.emplace("host_memory", "256MiB");
+  overrides.emplace("pinned_slab_bytes", "8MiB");
+  return std::make_shared<tb::Runtime>(tierflow::Config::parse({}, overrides));
+}
+
+std::string nvme_dir() {
+  const auto* info = testing::UnitTest::GetInstance()->current_test_info();
+  std::string name = std::string(info->test_suite_name()) + "-" + info->name();
+  for (auto& ch : name)
+    if (ch == '/') ch = '-';
+  auto dir = fs::current_path() / "block-offload-nvme" / name;
+  fs::create_directories(dir);
+  return dir.string();
+}
+
+// Three blocks with dropout; block inputs of 128 KiB, above TIERFLOW_MIN_OFFLOAD_BYTES.
+struct Model {
+  std::vector<torch::nn::Sequential> blocks;
+  torch::Tensor leaf;
+  Model() {
+    torch::manual_seed(7);
+    for (int i = 0; i < 3; ++i)
+      blocks.push_back(torch::nn::Sequential(torch::nn::Linear(64, 128), torch::nn::GELU(),
+                                             torch::nn::Dropout(0.25), torch::nn::Linear(128, 64)));
+    leaf = torch::randn({8, 64, 64}, torch::requires_grad());
+  }
+  std::vector<torch::Tensor> parameters() const {
+    std::vector<torch::Tensor> all{leaf};
+    for (const auto& b : blocks)
+      for (const auto& p : b->parameters()) all.push_back(p);
+    return all;
+  }
+  void zero_grad() {
+    for (auto& p : parameters()) p.mutable_grad() = torch::Tensor();
+  }
+  // Loss of one forward, blocks through `offload` when given.
+  torch::Tensor loss(tb::BlockOffload* offload) {
+    auto x = leaf * 2;
+    for (std::size_t i = 0; i < blocks.size(); ++i) {
+      auto block = blocks[i];
+      if (offload)
+        x = offload->forward(i, [block](const at::Tensor& in) mutable { return block->forward(in); }, x,
+                             block->parameters());
+      else
+        x = block->forward(x);
+    }
+    return x.pow(2).mean();
+  }
+};
+
+struct Outcome {
+  std::vector<double> losses;
+  std::vector<torch::Tensor> grads;  // of the last step
+  torch::Tensor next_random;         // the RNG stream after training
+};
+
+Outcome run(Model& m, tb::BlockOffload* offload, int steps = 2) {
+  Outcome o;
+  torch::manual_seed(11);
+  for (int s = 0; s < steps; ++s) {
+    m.zero_grad();
+    auto loss = m.loss(offload);
+    loss.backward();
+    o.losses.push_back(loss.item<double>());
+  }
+  for (const auto& p : m.parameters()) o.grads.push_back(p.grad().clone());
+  o.next_random = torch::rand({4});
+  return o;
+}
+
+void expect_identical(const Outcome& a, const Outcome& b) {
+  ASSERT_EQ(a.losses.size(), b.losses.size());
+  for (std::size_t i = 0; i < a.losses.size(); ++i) EXPECT_EQ(a.losses[i], b.losses[i]) << "step " << i;
+  ASSERT_EQ(a.grads.size(), b.grads.size());
+  for (std::size_t i = 0; i < a.grads.size(); ++i) EXPECT_TRUE(torch::equal(a.grads[i], b.grads[i])) << "gradient " << i;
+  EXPECT_TRUE(torch::equal(a.next_random, b.next_random)) << "the RNG stream moved differently";
+}
+
+struct Case {
+  tb::BlockAction action;
+  const char* device_mode;
+};
+
+class EveryAction : public testing::TestWithParam<Case> {};
+
+TEST_P(EveryAction, GivesTheGradientsOfThePlainBlocks) {
+  const Case c = GetParam();
+  Model m;
+  const Outcome plain = run(m, nullptr);
+
+  std::map<std::string, std::string> o{{"emulated_device", c.device_mode}};
+  if (c.action == tb::BlockAction::kSwapNvme) {
+    o["offload_activations"] = "nvme";
+    o["nvme_paths"] = nvme_dir();
+    o["nvme_memory"] = "64MiB";
+  }
+  auto runtime = make_runtime(o);
+  tb::BlockOffload offload(runtime);
+  offload.set_default_action(c.action);
+  const Outcome with = run(m, &offload);
+  offload.synchronize();
+  expect_identical(plain, with);
+
+  const auto st = offload.stats();
+  EXPECT_EQ(st.forwards, 2u);
+  if (c.action == tb::BlockAction::kKeep) {
+    EXPECT_EQ(st.kept, 6u);
+    EXPECT_EQ(st.reruns, 0u);
+    return;
+  }
+  EXPECT_EQ(st.reruns, 6u);
+  if (c.action == tb::BlockAction::kSwapHost) {
+    EXPECT_EQ(st.swapped_host, 6u);
+    EXPECT_EQ(offload.host_stats().offloaded_blocks, 6u);
+    EXPECT_EQ(offload.host_stats().unpacks, 6u);
+  }
+  if (c.action == tb::BlockAction::kSwapNvme) {
+    EXPECT_EQ(st.swapped_nvme, 6u);
+    EXPECT_GT(offload.nvme_stats().nvme_writes, 0u);
+  }
+  if (c.action == tb::BlockAction::kRecompute) {
+    EXPECT_EQ(st.recomputed, 6u);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    BlockOffload, EveryAction,
+    testing::Values(Case{tb::BlockAction::kKeep, "polite"}, Case{tb::BlockAction::kSwapHost, "polite"},
+                    Case{tb::BlockAction::kSwapNvme, "polite"}, Case{tb::BlockAction::kRecompute, "polite"},
+                    Case{tb::BlockAction::kSwapHost, "adversarial"}, Case{tb::BlockAction::kSwapNvme, "adversarial"},
+                    Case{tb::BlockAction::kRecompute, "adversarial"}),
+    [](const testing::TestParamInfo<Case>& info) {
+      std::string name = std::string(tb::to_string(info.param.action)) + "_" + info.param.device_mode;
+      for (auto& ch : name)
+        if (ch == '-') ch = '_';
+      return name;
+    });
+
+TEST(BlockOffload, MixedPlanPerBlock) {
+  Model m;
+  const Outcome plain = run(m, nullptr);
+  tb::BlockOffload offload(make_runtime({}));
+  offload.set_actions({tb::BlockAction::kRecompute, tb::BlockAction::kKeep, tb::BlockAction::kSwapHost});
+  const Outcome with = run(m, &offload);
+  expect_identical(plain, with);
+  const auto st = offload.stats();
+  EXPECT_EQ(st.recomputed, 2u);
+  EXPECT_EQ(st.kept, 2u);
+  EXPECT_EQ(st.swapped_host, 2u);
+}
+
+TEST(BlockOffload, RecomputeRunsUnderTheForwardsAutocast) {
+  // CPU autocast runs the Linear layers in bf16; a rerun in fp32 would give other gradients.
+  const auto loss_in_autocast = [](Model& m, tb::BlockOffload* offload) {
+    at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+    at::autocast::set_autocast_enabled(at::kCPU, true);
+    auto loss = m.loss(offload);
+    at::autocast::set_autocast_enabled(at::kCPU, false);
+    at::autocast::clear_cache();
+    return loss.to(at::kFloat);
+  };
+  Model m;
+  torch::manual_seed(3);
+  loss_in_autocast(m, nullptr).backward();
+  std::vector<torch::Tensor> plain;
+  for (const auto& p : m.parameters()) plain.push_back(p.grad().clone());
+
+  m.zero_grad();
+  tb::BlockOffload offload(make_runtime({}));
+  offload.set_default_action(tb::BlockAction::kRecompute);
+  torch::manual_seed(3);
+  loss_in_autocast(m, &offload).backward();
+  EXPECT_FALSE(at::autocast::is_autocast_enabled(at::kCPU)) << "backward left autocast on";
+  const auto params = m.parameters();
+  for (std::size_t i = 0; i < params.size(); ++i)
+    EXPECT_TRUE(torch::equal(plain[i], params[i].grad())) << "gradient " << i;
+}
+
+TEST(BlockOffload, TheDefaultActionComesFromTheConfiguration) {
+  EXPECT_EQ(tb::BlockOffload(make_runtime({{"offload_activations", "none"}})).action(5), tb::BlockAction::kKeep);
+  EXPECT_EQ(tb::BlockOffload(make_runtime({{"offload_activations", "host"}})).action(0), tb::BlockAction::kSwapHost);
+  EXPECT_EQ(tb::BlockOffload(make_runtime({{"offload_activations", "auto"}})).action(0), tb::BlockAction::kSwapHost);
+  tb::BlockOffload offload(make_runtime({{"offload_activations", "none"}}));
+  offload.set_action(2, tb::BlockAction::kRecompute);
+  EXPECT_EQ(offload.action(1), tb::BlockAction::kKeep);
+  EXPECT_EQ(offload.action(2), tb::BlockAction::kRecompute);
+}
+
+TEST(BlockOffload, SwapToNvmeWithoutTheTierIsAConfigError) {
+  tb::BlockOffload offload(make_runtime({}));
+  try {
+    offload.set_action(0, tb::BlockAction::kSwapNvme);
+    FAIL() << "no error";
+  } catch (const tierflow::config_error& e) {
+    EXPECT_NE(std::string(e.what()).find("TIERFLOW_NVME_PATHS"), std::string::npos) << e.what();
+  }
+}
+
+TEST(BlockOffload, WithoutAutogradTheBlockJustRuns) {
+  Model m;
+  tb::BlockOffload offload(make_runtime({}));
+  torch::NoGradGuard no_grad;
+  m.loss(&offload);
+  EXPECT_EQ(offload.stats().kept, 3u);
+  EXPECT_EQ(offload.host_stats().packs, 0u);
+}
+
+TEST(BlockOffload, ASecondBackwardThroughASwappedBlockSaysWhy) {
+  Model m;
+  tb::BlockOffload offload(make_runtime({}));
+  auto loss = m.loss(&offload);
+  loss.backward({}, /*retain_graph=*/true);
+  try {
+    loss.backward();
+    FAIL() << "no error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("a second time"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
