@@ -29,9 +29,17 @@ BlockAction block_action_from_config(const Config& config) noexcept {
     case OffloadTarget::kNone: return BlockAction::kKeep;
     case OffloadTarget::kNvme: return BlockAction::kSwapNvme;
     case OffloadTarget::kHost:
+    case OffloadTarget::kRecompute:  // every block recomputed from its swapped input: the floor
     case OffloadTarget::kAuto: return BlockAction::kSwapHost;
   }
   return BlockAction::kSwapHost;
+}
+
+BlockAction block_action_from_plan(const tiering::BlockPlan& plan) noexcept {
+  if (plan.mode == tiering::BlockMode::kKeep) return BlockAction::kKeep;
+  // swap, split and recompute all free the block's device memory until its backward; C++ has one way to
+  // do that (Note [C++ block offload]): the input to the plan's tier, the rest recomputed.
+  return plan.tier == tiering::SwapTier::kNvme ? BlockAction::kSwapNvme : BlockAction::kSwapHost;
 }
 
 struct BlockOffload::Shared {
@@ -239,10 +247,9 @@ BlockOffload::BlockOffload(std::shared_ptr<Runtime> runtime)
   const Config& c = runtime_->config();
   ActivationOffloaderOptions o;
   o.schedule.prefetch_bytes = c.prefetch_bytes;
-  o.schedule.keep_budget_bytes = c.gpu_memory.resolve(allocator::device_capacity_bytes(runtime_->device_kind()));
   o.schedule.keep_tail_bytes = 0;  // the plan says per block what stays
   o.min_offload_bytes = c.min_offload_bytes;
-  o.schedule.target = c.offload_activations == OffloadTarget::kAuto ? OffloadTarget::kAuto : OffloadTarget::kHost;
+  o.schedule.target = OffloadTarget::kHost;  // what reaches this offloader is a block the plan swaps
   shared_->host = std::make_shared<ActivationOffloader>(o, runtime_->host_pool(), runtime_->copy_engine());
   if (runtime_->nvme_engine()) {
     o.schedule.target = OffloadTarget::kNvme;
@@ -253,6 +260,12 @@ BlockOffload::BlockOffload(std::shared_ptr<Runtime> runtime)
 }
 
 BlockOffload::~BlockOffload() = default;
+
+void BlockOffload::apply_plan(const tiering::Plan& plan) {
+  std::vector<BlockAction> actions;
+  for (const auto& b : plan.blocks) actions.push_back(block_action_from_plan(b));
+  set_actions(actions);
+}
 
 namespace {
 void check_action(const BlockOffload::Shared& s, BlockAction a) {

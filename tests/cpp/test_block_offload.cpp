@@ -171,6 +171,41 @@ TEST(BlockOffload, MixedPlanPerBlock) {
   EXPECT_EQ(st.swapped_host, 2u);
 }
 
+TEST(BlockOffload, AppliesThePlannersPlan) {
+  // A plan from tiering::plan_activations for three identical blocks whose budget holds one of them.
+  tierflow::tiering::BlockProfile p;
+  p.forward_seconds = 1e-3;
+  p.backward_seconds = 2e-3;
+  p.input_bytes = 1 << 20;
+  p.cheap_bytes = 8 << 20;
+  p.splittable = false;
+  tierflow::tiering::Links links;
+  links.d2h = links.h2d = 1e9;
+  tierflow::tiering::Budgets budgets;
+  budgets.device_bytes = 20 << 20;
+  budgets.host_bytes = 1 << 30;
+  const auto plan = tierflow::tiering::plan_activations({p, p, p}, links, budgets);
+  ASSERT_EQ(plan.blocks.size(), 3u);
+  std::size_t kept = 0;
+  for (const auto& b : plan.blocks) kept += b.mode == tierflow::tiering::BlockMode::kKeep;
+  ASSERT_EQ(kept, 1u) << plan.summary();
+
+  Model m;
+  const Outcome plain = run(m, nullptr);
+  tb::BlockOffload offload(make_runtime({}));
+  offload.apply_plan(plan);
+  for (std::size_t i = 0; i < 3; ++i)
+    EXPECT_EQ(offload.action(i), tb::block_action_from_plan(plan.blocks[i])) << plan.summary();
+  expect_identical(plain, run(m, &offload));
+
+  tierflow::tiering::BlockPlan on_nvme;
+  on_nvme.mode = tierflow::tiering::BlockMode::kSplit;
+  on_nvme.tier = tierflow::tiering::SwapTier::kNvme;
+  EXPECT_EQ(tb::block_action_from_plan(on_nvme), tb::BlockAction::kSwapNvme);
+  tierflow::Config c = tierflow::Config::parse({{"TIERFLOW_OFFLOAD_ACTIVATIONS", "recompute"}});
+  EXPECT_EQ(tb::block_action_from_config(c), tb::BlockAction::kSwapHost);  // the floor
+}
+
 TEST(BlockOffload, RecomputeRunsUnderTheForwardsAutocast) {
   // CPU autocast runs the Linear layers in bf16; a rerun in fp32 would give other gradients.
   const auto loss_in_autocast = [](Model& m, tb::BlockOffload* offload) {
