@@ -80,6 +80,9 @@ class Session:
         r["config"] = dict(self.config)
         opt = self.optimizer() if self.optimizer is not None else None
         r["optimizer"]["overlap"] = dict(getattr(opt, "overlap_stats", {}) or {})
+        streaming = opt.stream_stats() if hasattr(opt, "stream_stats") else {}
+        if streaming:
+            r["optimizer"]["streaming"] = streaming
         path = self.config.get("TIERFLOW_REPORT", "")
         if path:
             r.save(path)
