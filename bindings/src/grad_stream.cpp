@@ -196,7 +196,9 @@ std::vector<at::Tensor> GradStream::state_of(std::size_t slot) const {
   std::lock_guard<std::mutex> lock(mutex_);
   TIERFLOW_EXPECTS(slot < slots_.size(), "GradStream::state_of: no slot " + std::to_string(slot));
   const Slot& s = slots_[slot];
-  return {s.master, s.exp_avg, s.exp_avg_sq, s.max_exp_avg_sq};
+  // Shaped like the parameter, as torch.optim keeps its state (the stream works on flat views).
+  auto shaped = [&](const at::Tensor& t) { return t.defined() ? t.view(s.param.sizes()) : t; };
+  return {shaped(s.master), shaped(s.exp_avg), shaped(s.exp_avg_sq), shaped(s.max_exp_avg_sq)};
 }
 
 void GradStream::set_callbacks(std::function<void()> on_backward_begin, std::function<void(std::size_t)> init_state) {

@@ -32,6 +32,12 @@ cannot hold it, that parameter is simply stepped in step(). With gradient
 accumulation, TIERFLOW_GRAD_ACCUMULATION_STEPS says which backward is the
 last one before step(); a wrong value only costs redone steps.
 
+For parameters of the runtime's device (CUDA tensors, or CPU tensors on the
+emulated device) all of this runs in C++, bucket by bucket, with no Python per
+parameter: Note [Gradient streaming] in
+bindings/include/tierflow/bindings/grad_stream.hpp. The per-parameter Python
+hook below serves only a CPU model beside a CUDA runtime.
+
 Between backward() and step() a parameter on the CPU (a CPU model beside a
 CUDA runtime) already holds its new value; step() restores any that it takes
 back. A parameter of the runtime's device (a CUDA tensor, or a CPU tensor on
@@ -44,9 +50,10 @@ and the host goes through tierflow's copy engine, on CUDA and on the emulated
 device alike, so the adversarial emulated device checks this path too
 (Note [Copy ordering] in swap/include/tierflow/swap/copy_engine.hpp):
 - a gradient is copied to pinned memory after the work queued on the current
-  stream: in a post-accumulate-grad hook that is the stream backward produced
-  it on; the CPU step waits for the copy before it reads the gradient, and
-  the device gradient is kept referenced until then;
+  stream: in a post-accumulate-grad hook (C++ for device parameters: its slice
+  of a bucket) that is the stream backward produced it on; the CPU step waits
+  for the copy before it reads the gradient, and the device gradient is kept
+  referenced until then;
 - an updated parameter goes back from pinned staging after the work queued on
   the current stream (kernels still reading the old value), the stream waits
   for it before its next kernel, and step() waits for every upload before the

@@ -129,7 +129,8 @@ class GradStream : public std::enable_shared_from_this<GradStream> {
   /// be undefined.
   void set_state(std::size_t slot, at::Tensor master, at::Tensor exp_avg, at::Tensor exp_avg_sq,
                  at::Tensor max_exp_avg_sq, at::Tensor step);
-  /// The state tensors of `slot` now: master, exp_avg, exp_avg_sq, max_exp_avg_sq (maybe undefined).
+  /// The state tensors of `slot` now, shaped like the parameter: master, exp_avg,
+  /// exp_avg_sq, max_exp_avg_sq (maybe undefined).
   std::vector<at::Tensor> state_of(std::size_t slot) const;
   /// Called (without any lock held) when a backward delivers its first gradient,
   /// and for a slot that streams before it has state (it must call set_state).
