@@ -301,6 +301,8 @@ def _train(mode: str, cfg: dict, result: dict) -> None:
         for key in ("min_offload_bytes", "host_memory", "prefetch_bytes"):
             if cfg.get(key) is not None:
                 settings[key] = cfg[key]
+        if mode == "tierflow-host-opt" and cfg.get("grad_bucket_bytes") is not None:
+            settings["grad_bucket_bytes"] = cfg["grad_bucket_bytes"]
         if mode == "tierflow-nvme":
             settings.update(nvme_paths=[cfg["nvme_path"]], nvme_memory=cfg["nvme_memory"])
         known = {row["name"] for row in tierflow.config_table()}
@@ -582,6 +584,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--prefetch-bytes", help="tierflow's prefetch window, also the NVMe mode's resident tail "
                                              "(default: the preset's)")
     ap.add_argument("--min-offload-bytes", help="tierflow's offload threshold (default: the preset's)")
+    ap.add_argument("--grad-bucket-bytes", help="tierflow-host-opt's gradient bucket size (default: auto)")
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--tie-head", action="store_true", help="tie the LM head to the token embedding")
@@ -596,7 +599,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 def resolve(args: argparse.Namespace) -> dict:
     cfg = dict(PRESETS[args.preset], preset=args.preset)
-    for key in ("dtype", "steps", "warmup", "nvme_memory", "min_offload_bytes", "prefetch_bytes"):
+    for key in ("dtype", "steps", "warmup", "nvme_memory", "min_offload_bytes", "prefetch_bytes", "grad_bucket_bytes"):
         if getattr(args, key) is not None:
             cfg[key] = getattr(args, key)
     cfg.update(lr=args.lr, seed=args.seed, tie_head=args.tie_head, kernel_repeats=args.kernel_repeats,
