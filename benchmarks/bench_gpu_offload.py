@@ -15,6 +15,8 @@ weights, same seeded random tokens, AdamW at the same learning rate) for
   tierflow-host-opt  tierflow.wrap: activations to host, AdamW on the CPU (tierflow.CPUAdamW), gradients
                      streamed to the host in buckets during backward and weights back during the next
                      forward (Note [Gradient streaming]; TIERFLOW_WEIGHTS_RETURN=forward)
+  tierflow-opt       tierflow.wrap: activations kept on the device, AdamW on the CPU, streamed as in
+                     tierflow-host-opt: the like-for-like peer of deepspeed-offload
   deepspeed-offload  DeepSpeed ZeRO stage 2 with offload_optimizer: cpu (ZeRO-Offload), the peer; needs
                      the deepspeed package and a CUDA GPU, and is recorded as skipped, with the reason,
                      otherwise
@@ -110,7 +112,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 MODES = ["baseline", "save_on_cpu", "checkpoint", "tierflow-host", "tierflow-nvme", "tierflow-host-opt",
-         "deepspeed-offload"]
+         "tierflow-opt", "deepspeed-offload"]
 # Opt-in: the baseline again in another process. Its distance from the baseline is the run-to-run noise
 # of the losses (on CUDA, kernels that accumulate with atomics), the floor for reading the others'.
 EXTRA_MODES = ["baseline-rerun"]
@@ -118,7 +120,9 @@ TIERFLOW_MODES: dict[str, dict[str, str]] = {
     "tierflow-host": dict(offload_activations="host", offload_optimizer="none"),
     "tierflow-nvme": dict(offload_activations="nvme", offload_optimizer="none"),
     "tierflow-host-opt": dict(offload_activations="host", offload_optimizer="host", weights_return="forward"),
+    "tierflow-opt": dict(offload_activations="none", offload_optimizer="host", weights_return="forward"),
 }
+CPU_OPTIMIZER_MODES = ("tierflow-host-opt", "tierflow-opt")
 
 
 class SkipMode(Exception):
@@ -301,7 +305,7 @@ def _train(mode: str, cfg: dict, result: dict) -> None:
         for key in ("min_offload_bytes", "host_memory", "prefetch_bytes"):
             if cfg.get(key) is not None:
                 settings[key] = cfg[key]
-        if mode == "tierflow-host-opt" and cfg.get("grad_bucket_bytes") is not None:
+        if mode in CPU_OPTIMIZER_MODES and cfg.get("grad_bucket_bytes") is not None:
             settings["grad_bucket_bytes"] = cfg["grad_bucket_bytes"]
         if mode == "tierflow-nvme":
             settings.update(nvme_paths=[cfg["nvme_path"]], nvme_memory=cfg["nvme_memory"])
@@ -380,7 +384,7 @@ def _train(mode: str, cfg: dict, result: dict) -> None:
     for name, values in phases.items():
         result[f"{name}_seconds"] = _median(values[measured])
         result[f"{name}_all_seconds"] = values
-    if mode == "tierflow-host-opt":
+    if mode in CPU_OPTIMIZER_MODES:
         result["phase_note"] = ("CPUAdamW steps each bucket of gradients as soon as it has landed on the "
                                 "host (Note [Gradient streaming]): that work overlaps backward_seconds, "
                                 "optimizer_seconds is what step() has left to do (the buckets still on the "
@@ -401,7 +405,7 @@ def _train(mode: str, cfg: dict, result: dict) -> None:
         result["tierflow"] = tierflow_summary(before, report, cfg["steps"])
         result["tierflow_report"] = report
         result["saved_activations_device_peak_bytes"] = report["activations"]["device_bytes"]["peak"]
-        if mode == "tierflow-host-opt":
+        if mode in CPU_OPTIMIZER_MODES:
             result.update(stream_summary(before, report, cfg["steps"]))
             result.update(time_cpu_step_kernel(session.runtime, opt, cfg["kernel_repeats"]))
     elif mode == "baseline" and _TIERFLOW_IMPORT_ERROR is None:
