@@ -12,7 +12,14 @@ weights, same seeded random tokens, AdamW at the same learning rate) for
   checkpoint         torch.utils.checkpoint.checkpoint per block (use_reentrant=False)
   tierflow-host      tierflow.wrap: activations to the pinned host pool, torch's AdamW kept
   tierflow-nvme      tierflow.wrap: activations to NVMe swap files, torch's AdamW kept
-  tierflow-host-opt  tierflow.wrap: activations to host, AdamW on the CPU (tierflow.CPUAdamW)
+  tierflow-host-opt  tierflow.wrap: activations to host, AdamW on the CPU (tierflow.CPUAdamW), gradients
+                     streamed to the host in buckets during backward and weights back during the next
+                     forward (Note [Gradient streaming]; TIERFLOW_WEIGHTS_RETURN=forward)
+  tierflow-opt       tierflow.wrap: activations kept on the device, AdamW on the CPU, streamed as in
+                     tierflow-host-opt: the like-for-like peer of deepspeed-offload
+  deepspeed-offload  DeepSpeed ZeRO stage 2 with offload_optimizer: cpu (ZeRO-Offload), the peer; needs
+                     the deepspeed package and a CUDA GPU, and is recorded as skipped, with the reason,
+                     otherwise
   tierflow-auto      tierflow.wrap with the activation planner (TIERFLOW_OFFLOAD_ACTIVATIONS=auto) and
                      TIERFLOW_GPU_MEMORY at the checkpoint mode's device peak (on the CPU, which has no
                      device allocator: weights + grads + AdamW states + 60% of the baseline's saved
@@ -114,7 +121,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 MODES = ["baseline", "save_on_cpu", "checkpoint", "tierflow-host", "tierflow-nvme", "tierflow-host-opt",
-         "tierflow-auto", "tierflow-auto-fits"]
+         "tierflow-opt", "deepspeed-offload", "tierflow-auto", "tierflow-auto-fits"]
 AUTO_MODES = ("tierflow-auto", "tierflow-auto-fits")
 # Opt-in: the baseline again in another process. Its distance from the baseline is the run-to-run noise
 # of the losses (on CUDA, kernels that accumulate with atomics), the floor for reading the others'.
@@ -122,10 +129,47 @@ EXTRA_MODES = ["baseline-rerun"]
 TIERFLOW_MODES: dict[str, dict[str, str]] = {
     "tierflow-host": dict(offload_activations="host", offload_optimizer="none"),
     "tierflow-nvme": dict(offload_activations="nvme", offload_optimizer="none"),
-    "tierflow-host-opt": dict(offload_activations="host", offload_optimizer="host"),
+    "tierflow-host-opt": dict(offload_activations="host", offload_optimizer="host", weights_return="forward"),
+    "tierflow-opt": dict(offload_activations="none", offload_optimizer="host", weights_return="forward"),
     "tierflow-auto": dict(offload_activations="auto", offload_optimizer="none"),
     "tierflow-auto-fits": dict(offload_activations="auto", offload_optimizer="none"),
 }
+CPU_OPTIMIZER_MODES = ("tierflow-host-opt", "tierflow-opt")
+
+
+class SkipMode(Exception):
+    """A mode that cannot run here (a missing package, no GPU): recorded as skipped with the reason."""
+
+
+def deepspeed_engine(model: torch.nn.Module, cfg: dict, cuda: bool) -> Any:
+    """DeepSpeed ZeRO stage 2 with the optimizer offloaded to the CPU (ZeRO-Offload), one process.
+
+    AdamW with torch's defaults but lr, as the other modes; DeepSpeedCPUAdam steps on the host.
+    """
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError as e:
+        raise SkipMode(f"the deepspeed package is not installed ({e}); `make bench` installs it") from e
+    if not cuda:
+        raise SkipMode("DeepSpeed ZeRO-Offload needs a CUDA GPU; this run is on the CPU (emulated device)")
+    import deepspeed
+
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                       ("MASTER_PORT", str(29500 + os.getpid() % 1000))):
+        os.environ.setdefault(key, value)
+    deepspeed.init_distributed(dist_backend="nccl")
+    ds_config = {
+        "train_micro_batch_size_per_gpu": cfg["batch"],
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": cfg["lr"], "betas": [0.9, 0.999], "eps": 1e-8,
+                                                  "weight_decay": 0.01}},
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                              "overlap_comm": True, "contiguous_gradients": True},
+        "bf16": {"enabled": cfg["dtype"] == "bf16"},
+        "steps_per_print": 1 << 30,
+    }
+    engine, _opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    return engine
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 EMULATED_PEAK_NOTE = ("no device allocator on the CPU (emulated device): see saved_activations_device_peak_bytes "
                       "and host_peak_rss_bytes")
@@ -176,6 +220,29 @@ def tierflow_summary(before: dict, after: dict, steps: int) -> dict:
             "overlap": dict(after.get("optimizer", {}).get("overlap") or {}),
             "note": "per_measured_step: report counters after minus before the measured steps, divided by "
                     "their number; activation peaks cover the measured steps, host pool peaks the whole run"}
+
+
+def stream_summary(before: dict, after: dict, steps: int) -> dict:
+    """tierflow-host-opt's gradient stream per measured step: CPU kernel time during backward and in
+    step(), step()'s wait for the CPU, the weights' wait, bytes each way (Note [Gradient streaming])."""
+    a = after.get("optimizer", {}).get("streaming") or {}
+    b = before.get("optimizer", {}).get("streaming") or {}
+    if not a:
+        return {}
+
+    def per_step(key: str, scale: float = 1.0) -> float:
+        return (a.get(key, 0) - b.get(key, 0)) / steps * scale
+
+    return {"streamed_kernel_seconds": per_step("kernel_ms", 1e-3),
+            "step_kernel_seconds": per_step("step_kernel_ms", 1e-3),
+            "step_wait_for_cpu_seconds": per_step("step_wait_ms", 1e-3),
+            "weight_wait_seconds": per_step("weight_wait_ms", 1e-3),
+            "grad_bytes_to_host_per_step": per_step("grad_bytes_to_host"),
+            "weight_bytes_to_device_per_step": per_step("weight_bytes_to_device"),
+            "grad_buckets_per_step": per_step("buckets"),
+            "grad_bucket_bytes": a.get("bucket_bytes"), "grad_bucket_count": a.get("bucket_count"),
+            "gpu_optimizer_fraction": a.get("gpu_optimizer_fraction"),
+            "stream_counters": a}
 
 
 def time_cpu_step_kernel(runtime: Any, opt: torch.optim.Optimizer, repeats: int) -> dict:
@@ -242,7 +309,8 @@ def _train(mode: str, cfg: dict, result: dict) -> None:
         tokens = torch.randint(0, gcfg.vocab_size, (cfg["batch"], gcfg.seq_len + 1), generator=gen)
         batches.append((tokens[:, :-1].contiguous().to(device), tokens[:, 1:].contiguous().to(device)))
 
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"])
+    engine = deepspeed_engine(model, cfg, cuda) if mode == "deepspeed-offload" else None
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"]) if engine is None else engine.optimizer
     session = None
     if mode in TIERFLOW_MODES:
         import tierflow
@@ -251,6 +319,8 @@ def _train(mode: str, cfg: dict, result: dict) -> None:
         for key in ("min_offload_bytes", "host_memory", "prefetch_bytes"):
             if cfg.get(key) is not None:
                 settings[key] = cfg[key]
+        if mode in CPU_OPTIMIZER_MODES and cfg.get("grad_bucket_bytes") is not None:
+            settings["grad_bucket_bytes"] = cfg["grad_bucket_bytes"]
         if mode == "tierflow-nvme":
             settings.update(nvme_paths=[cfg["nvme_path"]], nvme_memory=cfg["nvme_memory"])
         if mode == "tierflow-auto" and cfg.get("auto_gpu_memory"):
@@ -268,6 +338,8 @@ def _train(mode: str, cfg: dict, result: dict) -> None:
         if mode == "save_on_cpu":
             with torch.autograd.graph.save_on_cpu(pin_memory=True):
                 return lm_loss(model(x), y)
+        if engine is not None:
+            return lm_loss(engine(x), y)
         return lm_loss(model(x), y)
 
     def sync() -> None:
@@ -297,12 +369,18 @@ def _train(mode: str, cfg: dict, result: dict) -> None:
         if cuda:
             events[1].record()
         t1 = time.perf_counter()
-        loss.backward()
+        if engine is not None:
+            engine.backward(loss)
+        else:
+            loss.backward()
         if cuda:
             events[2].record()
         t2 = time.perf_counter()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        if engine is not None:
+            engine.step()  # and zeroes the gradients
+        else:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         if cuda:
             events[3].record()
         t3 = time.perf_counter()
@@ -322,10 +400,14 @@ def _train(mode: str, cfg: dict, result: dict) -> None:
     for name, values in phases.items():
         result[f"{name}_seconds"] = _median(values[measured])
         result[f"{name}_all_seconds"] = values
-    if mode == "tierflow-host-opt":
-        result["phase_note"] = ("CPUAdamW steps each parameter as soon as backward completes its gradient "
-                                "(TIERFLOW_OVERLAP_STEP=on): that work is inside backward_seconds, and "
-                                "optimizer_seconds is what step() has left to do")
+    if mode in CPU_OPTIMIZER_MODES:
+        result["phase_note"] = ("CPUAdamW steps each bucket of gradients as soon as it has landed on the "
+                                "host (Note [Gradient streaming]): that work overlaps backward_seconds, "
+                                "optimizer_seconds is what step() has left to do (the buckets still on the "
+                                "CPU when backward ends, redone ones), and with TIERFLOW_WEIGHTS_RETURN="
+                                "forward the weights' copies overlap the next forward: on CUDA the compute "
+                                "stream waits per module, inside forward_seconds; weight_wait_seconds is the "
+                                "host's share of that wait (all of it on the emulated device)")
     if cuda:
         result["device_peak_bytes"] = torch.cuda.max_memory_allocated(device)
         result["device_peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
@@ -339,7 +421,8 @@ def _train(mode: str, cfg: dict, result: dict) -> None:
         result["tierflow"] = tierflow_summary(before, report, cfg["steps"])
         result["tierflow_report"] = report
         result["saved_activations_device_peak_bytes"] = report["activations"]["device_bytes"]["peak"]
-        if mode == "tierflow-host-opt":
+        if mode in CPU_OPTIMIZER_MODES:
+            result.update(stream_summary(before, report, cfg["steps"]))
             result.update(time_cpu_step_kernel(session.runtime, opt, cfg["kernel_repeats"]))
         if "plan" in report:
             result["plan"] = report["plan"]
@@ -364,6 +447,8 @@ def worker_main(mode: str, cfg: dict, out_path: str) -> int:
     result: dict[str, Any] = {"mode": mode, "losses": []}
     try:
         _train(mode, cfg, result)
+    except SkipMode as e:
+        result["skipped"] = str(e)
     except Exception as e:  # noqa: BLE001  recorded in the JSON; the other modes go on
         result["error"] = f"{type(e).__name__}: {e}"
         result["traceback"] = traceback.format_exc()
@@ -444,6 +529,9 @@ def print_table(out: dict) -> None:
         if "error" in r:
             print(f"{mode:<18} FAILED: {r['error'].splitlines()[0][:100] if r['error'] else ''}")
             continue
+        if "skipped" in r:
+            print(f"{mode:<18} skipped: {r['skipped'][:100]}")
+            continue
         peak = r.get("device_peak_bytes")
         agree = out["loss_vs_baseline"].get(mode, {})
         dl = "" if mode == "baseline" or not base or "error" in base else _fmt(agree.get("max_abs_diff"), ".2e")
@@ -453,7 +541,7 @@ def print_table(out: dict) -> None:
               f"{_fmt(r['losses'][-1] if r['losses'] else None, '11.6f')} {dl:>10}")
     if base and base.get("device_peak_bytes") is None:
         print(f"peak: {EMULATED_PEAK_NOTE}")
-    tier = [m for m in out["modes"] if m.startswith("tierflow") and "error" not in out["modes"][m]]
+    tier = [m for m in out["modes"] if m.startswith("tierflow") and m in out["loss_vs_baseline"]]
     if tier and base and "error" not in base:
         print("tierflow against the baseline, max |loss - baseline loss| over all steps (warm-up included):")
         for m in tier:
@@ -467,6 +555,13 @@ def print_table(out: dict) -> None:
     for m in saved_modes:
         print(f"  {m:<18} {fmt_bytes(out['modes'][m]['saved_activations_device_peak_bytes'])}")
     for m, r in out["modes"].items():
+        if "streamed_kernel_seconds" in r:
+            print(f"{m}: per step, CPU AdamW during backward {r['streamed_kernel_seconds']:.4f} s (backward "
+                  f"{_fmt(r.get('backward_seconds'), '.4f')} s), in step() {r['step_kernel_seconds']:.4f} s, "
+                  f"step() waited for the CPU {r['step_wait_for_cpu_seconds']:.4f} s, weights waited "
+                  f"{r['weight_wait_seconds']:.4f} s; gradients {fmt_bytes(r['grad_bytes_to_host_per_step'])} "
+                  f"down in {r['grad_buckets_per_step']:.0f} buckets of {fmt_bytes(r['grad_bucket_bytes'] or 0)}, "
+                  f"weights {fmt_bytes(r['weight_bytes_to_device_per_step'])} up")
         if "cpu_step_kernel_seconds" in r:
             print(f"{m}: tierflow's CPU AdamW kernel alone, all {r['cpu_step_kernel_elements']:,} parameters: "
                   f"{r['cpu_step_kernel_seconds']:.4f} s ({r['cpu_step_kernel_params_per_second']:.3g} params/s)")
@@ -562,6 +657,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--prefetch-bytes", help="tierflow's prefetch window, also the NVMe mode's resident tail "
                                              "(default: the preset's)")
     ap.add_argument("--min-offload-bytes", help="tierflow's offload threshold (default: the preset's)")
+    ap.add_argument("--grad-bucket-bytes", help="tierflow-host-opt's gradient bucket size (default: auto)")
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--tie-head", action="store_true", help="tie the LM head to the token embedding")
@@ -578,7 +674,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 def resolve(args: argparse.Namespace) -> dict:
     cfg = dict(PRESETS[args.preset], preset=args.preset)
-    for key in ("dtype", "steps", "warmup", "nvme_memory", "min_offload_bytes", "prefetch_bytes"):
+    for key in ("dtype", "steps", "warmup", "nvme_memory", "min_offload_bytes", "prefetch_bytes", "grad_bucket_bytes"):
         if getattr(args, key) is not None:
             cfg[key] = getattr(args, key)
     cfg.update(lr=args.lr, seed=args.seed, tie_head=args.tie_head, kernel_repeats=args.kernel_repeats,
@@ -637,6 +733,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             r = run_mode(mode, cfg, args.mode_timeout)
             results[mode] = r
             status = ("FAILED: " + r["error"].splitlines()[0][:160]) if "error" in r else \
+                ("skipped: " + r["skipped"]) if "skipped" in r else \
                 f"step {r['step_seconds']:.4f} s, final loss {r['losses'][-1]:.6f}"
             print(f"  {mode:<18} {status}  ({r['process_seconds']:.1f} s)", flush=True)
     finally:
@@ -646,7 +743,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     longest = seq_search(cfg, args) if args.seq_search else {"skipped": "not asked (--seq-search)"}
 
     base = results.get("baseline", {})
-    ok = {m: r for m, r in results.items() if "error" not in r}
+    ok = {m: r for m, r in results.items() if "error" not in r and "skipped" not in r}
     base_ok = "baseline" in ok
     device_name = next((r["device_name"] for r in ok.values() if "device_name" in r),
                        "emulated" if cfg["device"] == "cpu" else None)

@@ -9,10 +9,12 @@
 #include "tierflow/allocator/device.hpp"
 #include "tierflow/bindings/emulated_device_memory.hpp"
 #include "tierflow/bindings/planner_bindings.hpp"
+#include "tierflow/bindings/grad_stream.hpp"
 #include "tierflow/bindings/runtime.hpp"
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/log.hpp"
 #include "tierflow/optimizer/cuda_adam.hpp"
+#include "tierflow/optimizer/grad_buckets.hpp"
 #include "tierflow/optimizer/roofline.hpp"
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -158,6 +160,58 @@ std::map<std::string, std::string> to_string_map(const py::dict& d) {
 namespace tierflow::bindings {
 void bind_activation_planner(pybind11::module_& m);  // plan_bindings.cpp
 }
+
+namespace {
+
+// A Python callable that C++ may call from autograd's threads and drop anywhere:
+// it takes the GIL for both (Note [Gradient streaming]).
+std::shared_ptr<py::object> gil_safe(py::object f) {
+  return std::shared_ptr<py::object>(new py::object(std::move(f)), [](py::object* p) {
+    py::gil_scoped_acquire gil;
+    delete p;
+  });
+}
+
+/// tierflow._C.GradStream: GradStream plus the Python state dicts it commits into.
+struct PyGradStream {
+  std::shared_ptr<GradStream> stream;
+  std::vector<py::object> states;  // slot -> the optimizer's state dict of that parameter
+
+  void commit_into_states(const std::vector<std::size_t>& committed) {
+    static const char* kNames[] = {"master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
+    for (std::size_t i : committed) {
+      if (i >= states.size() || states[i].is_none()) continue;
+      auto tensors = stream->state_of(i);
+      py::dict d = states[i];
+      for (int k = 0; k < 4; ++k)
+        if (tensors[k].defined()) d[kNames[k]] = tensors[k];
+    }
+  }
+};
+
+py::dict grad_stream_stats(const GradStreamStats& s) {
+  py::dict d;
+  d["early_steps"] = s.early_steps;
+  d["committed"] = s.committed;
+  d["redone"] = s.redone;
+  d["taken_back"] = s.taken_back;
+  d["held"] = s.held;
+  d["buckets"] = s.buckets;
+  d["bucket_count"] = s.bucket_count;
+  d["bucket_bytes"] = s.bucket_bytes;
+  d["speculation_stops"] = s.speculation_stops;
+  d["grad_bytes_to_host"] = s.grad_bytes_to_host;
+  d["weight_bytes_to_device"] = s.weight_bytes_to_device;
+  d["kernel_ms"] = static_cast<double>(s.kernel_ns) / 1e6;
+  d["step_kernel_ms"] = static_cast<double>(s.step_kernel_ns) / 1e6;
+  d["step_wait_ms"] = static_cast<double>(s.step_wait_ns) / 1e6;
+  d["weight_wait_ms"] = static_cast<double>(s.weight_wait_ns) / 1e6;
+  d["last_backward_ms"] = static_cast<double>(s.last_backward_ns) / 1e6;
+  d["last_partial_norm"] = s.last_partial_norm;
+  return d;
+}
+
+}  // namespace
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "tierflow's C++ runtime";
@@ -444,5 +498,102 @@ PYBIND11_MODULE(_C, m) {
       })
       .def("stats", &runtime_stats);
   bind_planner(m);
+
+  m.def("choose_gpu_fraction", [](double cpu_rate, double gpu_rate, double backward_s, std::size_t elements,
+                                  std::size_t bytes_per_element, std::size_t free_bytes) {
+    optimizer::SplitInputs in;
+    in.cpu_elements_per_second = cpu_rate;
+    in.gpu_elements_per_second = gpu_rate;
+    in.backward_seconds = backward_s;
+    in.elements = elements;
+    in.gpu_bytes_per_element = bytes_per_element;
+    in.gpu_free_bytes = free_bytes;
+    return optimizer::choose_gpu_fraction(in);
+  }, "TIERFLOW_GPU_OPTIMIZER_FRACTION=auto: the GPU share that makes the CPU step end with backward.");
+
+  py::class_<PyGradStream, std::shared_ptr<PyGradStream>>(
+      m, "GradStream", "Gradients to the CPU optimizer in buckets during backward (Note [Gradient streaming]).")
+      .def(py::init([](std::shared_ptr<Runtime> rt, std::size_t bucket_bytes, int accumulation,
+                       double max_grad_norm, bool skip_nonfinite, bool weights_in_forward) {
+        GradStreamOptions o;
+        o.bucket_bytes = bucket_bytes;
+        o.accumulation_steps = accumulation;
+        o.max_grad_norm = max_grad_norm;
+        o.skip_nonfinite = skip_nonfinite;
+        o.weights_in_forward = weights_in_forward;
+        auto p = std::make_shared<PyGradStream>();
+        p->stream = GradStream::create(std::move(rt), o);
+        return p;
+      }), py::arg("runtime"), py::arg("bucket_bytes"), py::arg("accumulation"), py::arg("max_grad_norm"),
+           py::arg("skip_nonfinite"), py::arg("weights_in_forward"))
+      .def("add_parameter", [](PyGradStream& g, const at::Tensor& p, int group) {
+        auto slot = g.stream->add_parameter(p, group);
+        g.states.resize(slot + 1, py::none());
+        return slot;
+      })
+      .def("exclude", [](PyGradStream& g, std::size_t slot) { g.stream->exclude(slot); })
+      .def("set_group", [](PyGradStream& g, int group, const py::dict& options) {
+        g.stream->set_group(group, adam_options(options));
+      })
+      .def("set_state", [](PyGradStream& g, std::size_t slot, py::dict state) {
+        auto get = [&](const char* k) {
+          return state.contains(k) && !state[k].is_none() ? state[k].cast<at::Tensor>() : at::Tensor();
+        };
+        at::Tensor flat[4];
+        const char* names[] = {"master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
+        for (int k = 0; k < 4; ++k) {
+          at::Tensor t = get(names[k]);
+          flat[k] = t.defined() ? t.view(-1) : t;  // views share the storage the state dict holds
+        }
+        g.stream->set_state(slot, flat[0], flat[1], flat[2], flat[3], get("step"));
+        if (slot >= g.states.size()) g.states.resize(slot + 1, py::none());
+        g.states[slot] = state;
+      })
+      .def("set_callbacks", [](PyGradStream& g, py::object on_begin, py::object init_state) {
+        auto begin = gil_safe(std::move(on_begin));
+        auto init = gil_safe(std::move(init_state));
+        g.stream->set_callbacks(
+            [begin] {
+              py::gil_scoped_acquire gil;
+              (*begin)();
+            },
+            [init](std::size_t slot) {
+              py::gil_scoped_acquire gil;
+              (*init)(slot);
+            });
+      })
+      .def("set_enabled", [](PyGradStream& g, bool on) { g.stream->set_enabled(on); })
+      .def("add_module", [](PyGradStream& g, const std::vector<std::size_t>& slots) {
+        return g.stream->add_module(slots);
+      })
+      .def("wait_worker", [](PyGradStream& g) {
+        py::gil_scoped_release release;
+        g.stream->wait_worker();
+      })
+      .def("finish", [](PyGradStream& g, double scale, bool stale) {
+        GradStream::Finish f;
+        {
+          py::gil_scoped_release release;
+          f = g.stream->finish(scale, stale);
+        }
+        g.commit_into_states(f.committed);
+        return f.unhandled;
+      }, "step(): commits or redoes the streamed steps and sends weights back; returns the slots left to the caller.")
+      .def("discard_all", [](PyGradStream& g) { g.stream->discard_all(); })
+      .def("end_window", [](PyGradStream& g) {
+        py::gil_scoped_release release;
+        g.stream->end_window();
+      })
+      .def("has_unconfirmed", [](PyGradStream& g) { return g.stream->has_unconfirmed(); })
+      .def("wait_module", [](PyGradStream& g, std::size_t module) {
+        py::gil_scoped_release release;
+        g.stream->wait_module(module);
+      })
+      .def("synchronize", [](PyGradStream& g) {
+        py::gil_scoped_release release;
+        g.stream->synchronize();
+      })
+      .def("stats", [](PyGradStream& g) { return grad_stream_stats(g.stream->stats()); })
+      .def("__len__", [](PyGradStream& g) { return g.stream->size(); });
   (void)base;
 }

@@ -203,6 +203,29 @@ const std::vector<Row>& rows() {
         "step each parameter on the CPU as soon as backward completes its gradient, while backward "
         "goes on; step() then only confirms (see Note [Step during backward])"},
        on_off_parser(&Config::overlap_step)},
+      {{"TIERFLOW_GRAD_BUCKET_BYTES", "auto", "auto or a size of at least 4KiB, e.g. 16MiB",
+        "gradients travel device->host and step on the CPU in buckets of this size while backward "
+        "goes on; auto: about 16 buckets, from 4MiB to 64MiB (see Note [Gradient streaming])"},
+       [](Config& c, std::string_view name, std::string_view v) {
+         if (lower(trim(v)) == "auto") {
+           c.grad_bucket_bytes = 0;
+           return;
+         }
+         auto s = parse_size(v);
+         if (!s || *s < 4 * KiB) bad_value(name, v, "auto or a size of at least 4KiB, e.g. 16MiB");
+         c.grad_bucket_bytes = *s;
+       }},
+      {{"TIERFLOW_WEIGHTS_RETURN", "step", "step or forward",
+        "when updated weights of a device model are back on the device: step (when step() returns, "
+        "as torch's) or forward (each module's forward waits only for its own weights, so the "
+        "copies overlap the next forward; read parameters outside a forward only after "
+        "optimizer.synchronize())"},
+       [](Config& c, std::string_view name, std::string_view v) {
+         std::string s = lower(trim(v));
+         if (s == "step") c.weights_return_in_forward = false;
+         else if (s == "forward") c.weights_return_in_forward = true;
+         else bad_value(name, v, "step or forward");
+       }},
       {{"TIERFLOW_GRAD_ACCUMULATION_STEPS", "1", "an integer from 1 to 1000000",
         "backward passes per optimizer step; steps during backward run only in the last one (a "
         "wrong value costs time, never correctness)"},
@@ -233,14 +256,22 @@ const std::vector<Row>& rows() {
         "skip the whole step (state untouched) when any gradient holds inf or NaN, as AMP's "
         "GradScaler does"},
        on_off_parser(&Config::skip_nonfinite)},
-      {{"TIERFLOW_GPU_OPTIMIZER_FRACTION", "0", "a number from 0 to 1",
+      {{"TIERFLOW_GPU_OPTIMIZER_FRACTION", "auto", "auto or a number from 0 to 1",
         "share of the parameters (by elements) of CUDA models whose optimizer state stays on the "
-        "GPU and steps there (Deep Optimizer States); the rest steps on the CPU"},
+        "GPU and steps there (Deep Optimizer States); the rest steps on the CPU; auto picks, after "
+        "the first step, the share that makes the CPU's step end with backward (0 without CUDA)"},
        [](Config& c, std::string_view name, std::string_view v) {
-         std::string s = trim(v);
+         std::string s = lower(trim(v));
+         if (s == "auto") {
+           c.gpu_optimizer_fraction_auto = true;
+           c.gpu_optimizer_fraction = 0.0;
+           return;
+         }
          char* end = nullptr;
          double x = std::strtod(s.c_str(), &end);
-         if (s.empty() || *end != '\0' || !(x >= 0.0 && x <= 1.0)) bad_value(name, v, "a number from 0 to 1");
+         if (s.empty() || *end != '\0' || !(x >= 0.0 && x <= 1.0))
+           bad_value(name, v, "auto or a number from 0 to 1");
+         c.gpu_optimizer_fraction_auto = false;
          c.gpu_optimizer_fraction = x;
        }},
       {{"TIERFLOW_MIMALLOC", "on", "on or off",
@@ -446,7 +477,10 @@ std::map<std::string, std::string> Config::to_strings() const {
       {"TIERFLOW_GRAD_ACCUMULATION_STEPS", std::to_string(grad_accumulation_steps)},
       {"TIERFLOW_MAX_GRAD_NORM", max_grad_norm > 0 ? format_double(max_grad_norm) : "none"},
       {"TIERFLOW_SKIP_NONFINITE", skip_nonfinite ? "on" : "off"},
-      {"TIERFLOW_GPU_OPTIMIZER_FRACTION", format_double(gpu_optimizer_fraction)},
+      {"TIERFLOW_GPU_OPTIMIZER_FRACTION",
+       gpu_optimizer_fraction_auto ? "auto" : format_double(gpu_optimizer_fraction)},
+      {"TIERFLOW_GRAD_BUCKET_BYTES", grad_bucket_bytes == 0 ? "auto" : std::to_string(grad_bucket_bytes)},
+      {"TIERFLOW_WEIGHTS_RETURN", weights_return_in_forward ? "forward" : "step"},
       {"TIERFLOW_MIMALLOC", mimalloc ? "on" : "off"},
       {"TIERFLOW_DEVICE", std::string(to_string(device))},
       {"TIERFLOW_EMULATED_DEVICE", std::string(to_string(emulated_device))},

@@ -136,11 +136,28 @@ TEST(Config, BadValuesNameVariableValueAndForms) {
   expect_error({{"TIERFLOW_OVERLAP_STEP", "yes"}}, {}, {"TIERFLOW_OVERLAP_STEP", "on or off"});
   expect_error({{"TIERFLOW_SKIP_NONFINITE", "1"}}, {}, {"TIERFLOW_SKIP_NONFINITE", "on or off"});
   expect_error({{"TIERFLOW_GPU_OPTIMIZER_FRACTION", "1.5"}}, {}, {"TIERFLOW_GPU_OPTIMIZER_FRACTION", "from 0 to 1"});
+  expect_error({{"TIERFLOW_GRAD_BUCKET_BYTES", "1KiB"}}, {}, {"TIERFLOW_GRAD_BUCKET_BYTES", "auto or a size"});
+  expect_error({{"TIERFLOW_WEIGHTS_RETURN", "later"}}, {}, {"TIERFLOW_WEIGHTS_RETURN", "step or forward"});
   expect_error({{"TIERFLOW_AIO_BLOCK_SIZE", "1000"}}, {}, {"TIERFLOW_AIO_BLOCK_SIZE", "multiple of 4KiB"});
   expect_error({{"TIERFLOW_AIO_BLOCK_SIZE", "128MiB"}}, {}, {"TIERFLOW_AIO_BLOCK_SIZE"});
   expect_error({{"TIERFLOW_AIO_QUEUE_DEPTH", "0"}}, {}, {"TIERFLOW_AIO_QUEUE_DEPTH", "from 1 to 1024"});
   expect_error({{"TIERFLOW_NVME_CHECKSUM", "maybe"}}, {}, {"TIERFLOW_NVME_CHECKSUM", "on or off"});
   expect_error({{"TIERFLOW_MIMALLOC", "maybe"}}, {}, {"TIERFLOW_MIMALLOC", "on or off"});
+}
+
+TEST(Config, OptimizerStreamingSettings) {
+  Config d = Config::defaults();
+  EXPECT_TRUE(d.gpu_optimizer_fraction_auto);
+  EXPECT_EQ(d.grad_bucket_bytes, 0u);  // auto
+  EXPECT_FALSE(d.weights_return_in_forward);
+  Config c = Config::parse({{"TIERFLOW_GPU_OPTIMIZER_FRACTION", "0.25"}, {"TIERFLOW_GRAD_BUCKET_BYTES", "16MiB"},
+                            {"TIERFLOW_WEIGHTS_RETURN", "forward"}});
+  EXPECT_FALSE(c.gpu_optimizer_fraction_auto);
+  EXPECT_DOUBLE_EQ(c.gpu_optimizer_fraction, 0.25);
+  EXPECT_EQ(c.grad_bucket_bytes, 16u << 20);
+  EXPECT_TRUE(c.weights_return_in_forward);
+  EXPECT_EQ(c.to_strings().at("TIERFLOW_GRAD_BUCKET_BYTES"), std::to_string(16u << 20));
+  EXPECT_EQ(d.to_strings().at("TIERFLOW_GPU_OPTIMIZER_FRACTION"), "auto");
 }
 
 TEST(Config, OverridesWinOverVariables) {

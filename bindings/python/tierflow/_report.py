@@ -70,6 +70,14 @@ class Report(dict):
         if ov:
             rows.append(("  stepped during backward", f'{ov["early_steps"]} (committed {ov["committed"]}, redone {ov["redone"]}, '
                                                        f'taken back {ov["taken_back"]}, held {ov["held"]})'))
+        st = o.get("streaming") or {}
+        if st:
+            rows.append(("  gradient buckets", f'{st["buckets"]} of {fmt_bytes(st["bucket_bytes"])} ({st["bucket_count"]} '
+                                               f'per backward), {fmt_bytes(st["grad_bytes_to_host"])} down, '
+                                               f'{fmt_bytes(st["weight_bytes_to_device"])} of weights up'))
+            rows.append(("  CPU step during backward / in step()", f'{st["kernel_ms"]:.1f} ms / {st["step_kernel_ms"]:.1f} ms '
+                                                                 f'(step() waited {st["step_wait_ms"]:.1f} ms, '
+                                                                 f'weights waited {st["weight_wait_ms"]:.1f} ms)'))
         width = max(len(k) for k, _ in rows) + 2
         lines = ["tierflow report"]
         lines += [f"{k:<{width}}{v}" if v else k for k, v in rows]

@@ -96,6 +96,9 @@ class Session:
         r["optimizer"]["overlap"] = dict(getattr(opt, "overlap_stats", {}) or {})
         if self.planner is not None:
             r["plan"] = self.planner.report()
+        streaming = opt.stream_stats() if hasattr(opt, "stream_stats") else {}
+        if streaming:
+            r["optimizer"]["streaming"] = streaming
         path = self.config.get("TIERFLOW_REPORT", "")
         if path:
             r.save(path)

@@ -32,6 +32,12 @@ cannot hold it, that parameter is simply stepped in step(). With gradient
 accumulation, TIERFLOW_GRAD_ACCUMULATION_STEPS says which backward is the
 last one before step(); a wrong value only costs redone steps.
 
+For parameters of the runtime's device (CUDA tensors, or CPU tensors on the
+emulated device) all of this runs in C++, bucket by bucket, with no Python per
+parameter: Note [Gradient streaming] in
+bindings/include/tierflow/bindings/grad_stream.hpp. The per-parameter Python
+hook below serves only a CPU model beside a CUDA runtime.
+
 Between backward() and step() a parameter on the CPU (a CPU model beside a
 CUDA runtime) already holds its new value; step() restores any that it takes
 back. A parameter of the runtime's device (a CUDA tensor, or a CPU tensor on
@@ -44,9 +50,10 @@ and the host goes through tierflow's copy engine, on CUDA and on the emulated
 device alike, so the adversarial emulated device checks this path too
 (Note [Copy ordering] in swap/include/tierflow/swap/copy_engine.hpp):
 - a gradient is copied to pinned memory after the work queued on the current
-  stream: in a post-accumulate-grad hook that is the stream backward produced
-  it on; the CPU step waits for the copy before it reads the gradient, and
-  the device gradient is kept referenced until then;
+  stream: in a post-accumulate-grad hook (C++ for device parameters: its slice
+  of a bucket) that is the stream backward produced it on; the CPU step waits
+  for the copy before it reads the gradient, and the device gradient is kept
+  referenced until then;
 - an updated parameter goes back from pinned staging after the work queued on
   the current stream (kernels still reading the old value), the stream waits
   for it before its next kernel, and step() waits for every upload before the
@@ -139,7 +146,35 @@ class CPUAdamW(torch.optim.Optimizer):
         if model is not None:
             # model.load_state_dict(...) changes parameters behind the optimizer's back.
             model.register_load_state_dict_post_hook(lambda module, keys: new.mark_master_stale())
+            if new._stream is not None and runtime.config().get("TIERFLOW_WEIGHTS_RETURN") == "forward":
+                new._attach_weight_waits(model)
         return new
+
+    def _attach_weight_waits(self, model: torch.nn.Module) -> None:
+        """TIERFLOW_WEIGHTS_RETURN=forward: each module's forward waits (one C++ call) only
+        for its own parameters' new weights; the model's state_dict and load_state_dict
+        wait for all of them (Note [Gradient streaming])."""
+        me = weakref.ref(self)
+
+        def waiter(module_id: int) -> Callable:
+            def pre_hook(module: torch.nn.Module, args: Any) -> None:
+                opt = me()
+                if opt is not None and opt._stream is not None:
+                    opt._stream.wait_module(module_id)
+            return pre_hook
+
+        for module in model.modules():
+            slots = [self._slot_of[p] for p in module.parameters(recurse=False) if p in self._slot_of]
+            if slots:
+                self._hooks.append(module.register_forward_pre_hook(waiter(self._stream.add_module(slots))))
+
+        def synchronize(*_args: Any) -> None:
+            opt = me()
+            if opt is not None:
+                opt.synchronize()
+
+        self._hooks.append(model.register_state_dict_pre_hook(synchronize))
+        self._hooks.append(model.register_load_state_dict_pre_hook(synchronize))
 
     def _setup(self, runtime: "_C.Runtime") -> None:
         self._runtime = runtime
@@ -156,11 +191,22 @@ class CPUAdamW(torch.optim.Optimizer):
         self._spec: dict = {}          # param -> speculative step in flight or done
         self._grad_events: dict = {}   # param -> gradients completed since the last step()
         self._hooks = []
-        self._gpu_fraction = float(cfg.get("TIERFLOW_GPU_OPTIMIZER_FRACTION", "0"))
+        fraction = cfg.get("TIERFLOW_GPU_OPTIMIZER_FRACTION", "0")
+        self._gpu_fraction_auto = fraction == "auto"  # chosen after the first step (_choose_gpu_share)
+        self._gpu_fraction = 0.0 if self._gpu_fraction_auto else float(fraction)
         self._gpu_share: Optional[set] = None  # ids of CUDA params stepped on the GPU, fixed at the first step
         self._pending_uploads: list = []       # (transfer, staging) of parameters on their way to the device
-        self.overlap_stats = {"early_steps": 0, "committed": 0, "redone": 0, "taken_back": 0, "held": 0,
-                              "skipped_steps": 0}
+        self._overlap_counts = {"early_steps": 0, "committed": 0, "redone": 0, "taken_back": 0, "held": 0,
+                                "skipped_steps": 0}
+        # Note [Gradient streaming]: parameters of the runtime's device stream their
+        # gradients from a C++ hook; the rest (a CPU model beside a CUDA runtime) keep
+        # the per-parameter Python hook below.
+        self._stream = None
+        self._slot_of: dict = {}            # param -> slot of the C++ stream
+        self._slot_params: list = []        # slot -> param
+        self._python_params: Optional[list] = None  # per group: params that step() handles in Python
+        if not self._gpu_fraction_auto:
+            self._gpu_share = self._assign_gpu_share()
         if self._overlap:
             # The parameters hold the hook; through a weak reference, so that the
             # optimizer (and its pinned states) goes when the user drops it: a
@@ -173,10 +219,94 @@ class CPUAdamW(torch.optim.Optimizer):
                 if method is not None:
                     method(p)
 
-            for group in self.param_groups:
+            bucket = cfg.get("TIERFLOW_GRAD_BUCKET_BYTES", "auto")
+            self._stream = _C.GradStream(runtime, 0 if bucket == "auto" else int(bucket), self._accumulation,
+                                         self._max_grad_norm or 0.0, self._skip_nonfinite,
+                                         cfg.get("TIERFLOW_WEIGHTS_RETURN", "step") == "forward")
+            gpu = self._gpu_share or set()
+            for gi, group in enumerate(self.param_groups):
                 for p in group["params"]:
-                    if p.requires_grad and (p.device.type == "cpu" or runtime.on_device(p)):
+                    if not p.requires_grad or p in self._slot_of:
+                        continue
+                    if (runtime.on_device(p) and p.is_contiguous() and p.dtype in _GRAD_DTYPES
+                            and id(p) not in gpu):
+                        self._slot_of[p] = self._stream.add_parameter(p, gi)
+                        self._slot_params.append(p)
+                    elif p.device.type == "cpu" or runtime.on_device(p):
                         self._hooks.append(p.register_post_accumulate_grad_hook(hook))
+            begin = weakref.WeakMethod(self._on_backward_begin)
+            init = weakref.WeakMethod(self._init_slot)
+            self._stream.set_callbacks(lambda: begin() and begin()(),
+                                       lambda slot: init() and init()(slot))
+            self._push_groups()
+
+    @property
+    def overlap_stats(self) -> dict:
+        """Counts of steps taken during backward: early_steps, committed, redone, taken_back, held, skipped_steps."""
+        out = dict(self._overlap_counts)
+        if self._stream is not None:
+            s = self._stream.stats()
+            for k in ("early_steps", "committed", "redone", "taken_back", "held"):
+                out[k] += s[k]
+        return out
+
+    def stream_stats(self) -> dict:
+        """The gradient stream's counters and times (Note [Gradient streaming]); empty when it is off."""
+        out = dict(self._stream.stats()) if self._stream is not None else {}
+        if out:
+            out["gpu_optimizer_fraction"] = self._gpu_fraction
+        return out
+
+    def synchronize(self) -> None:
+        """Waits until every updated weight is back on the device (TIERFLOW_WEIGHTS_RETURN=forward).
+
+        Forwards of the wrapped model, its state_dict and load_state_dict, and
+        this optimizer's state_dict and step wait by themselves; call this before
+        reading parameters any other way between step() and the next forward.
+        """
+        if self._stream is not None:
+            self._stream.synchronize()
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        self._python_params = None  # its parameters step through the Python path
+
+    # -- the C++ gradient stream's callbacks (Note [Gradient streaming]) ------------
+    def _push_groups(self) -> None:
+        for gi, group in enumerate(self.param_groups):
+            self._stream.set_group(gi, self._options(group))
+
+    def _on_backward_begin(self) -> None:
+        """Once per backward, from C++: the hyperparameters in force (an LR scheduler may have changed them)."""
+        self._push_groups()
+        self._stream.set_enabled(not self._master_stale)
+
+    @torch.no_grad()
+    def _init_slot(self, slot: int) -> None:
+        """From C++, the first time a parameter streams: its state (first step only)."""
+        p = self._slot_params[slot]
+        state = self.state[p]
+        if len(state) == 0:
+            self._init_state(p, self._group_of(p))
+        else:
+            self._register_state(p)
+
+    def _register_state(self, p: torch.Tensor) -> None:
+        """Gives the C++ stream p's state tensors (after they were created or replaced)."""
+        slot = self._slot_of.get(p) if self._stream is not None else None
+        if slot is not None and "master" in self.state[p]:
+            self._stream.set_state(slot, self.state[p])
+
+    def _python_path(self, unhandled: list) -> list:
+        """Per group, the parameters step() steps in Python: those the stream does not
+        carry (computed once) and the slots it left (`unhandled`, usually none)."""
+        if self._python_params is None:
+            self._python_params = [[p for p in g["params"] if p not in self._slot_of] for g in self.param_groups]
+        if not unhandled:
+            return self._python_params
+        extra = {id(self._slot_params[i]) for i in unhandled}
+        return [[p for p in g["params"] if id(p) in extra] + base
+                for g, base in zip(self.param_groups, self._python_params)]
 
     def mark_master_stale(self) -> None:
         """Parameters were changed outside the optimizer: re-read masters from them at the next step."""
@@ -256,6 +386,7 @@ class CPUAdamW(torch.optim.Optimizer):
         master = self._host(p, False)
         self._read_into(master, p)
         state["master"] = master
+        self._register_state(p)
         return state
 
     def _materialize(self, p: torch.Tensor, state: dict) -> dict:
@@ -276,6 +407,7 @@ class CPUAdamW(torch.optim.Optimizer):
         """torch's layout; ``master`` is included only for non-fp32 parameters
         (for fp32 ones the parameter itself is the master). States on NVMe are
         read back into CPU tensors, so checkpoints hold them too."""
+        self.synchronize()
         sd = super().state_dict()
         if self._nvme:
             params = [p for g in self.param_groups for p in g["params"]]
@@ -303,6 +435,10 @@ class CPUAdamW(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Loads a CPUAdamW or torch Adam/AdamW state dict, keeping fp32 precision."""
+        if self._stream is not None:
+            self._wait_worker()
+            self._stream.end_window()  # early steps read the state being replaced
+            self._stream.synchronize()
         # torch casts state to the parameter's dtype; keep the fp32 originals.
         originals = {k: {n: v for n, v in s.items() if n in _STATE_KEYS}
                      for k, s in state_dict["state"].items()}
@@ -326,6 +462,8 @@ class CPUAdamW(torch.optim.Optimizer):
                 state["step"] = torch.tensor(float(step), dtype=torch.float32)
                 if self._nvme:
                     self._to_nvme(p, state, group)
+                else:
+                    self._register_state(p)
         self._master_stale = False
 
     # -- step during backward (Note [Step during backward]) ----------------------
@@ -381,19 +519,23 @@ class CPUAdamW(torch.optim.Optimizer):
                                           [state["exp_avg_sq"]], [vmax], [grad], [param_out], [outs[0]], [outs[1]],
                                           [outs[2]], [outs[3] if options["amsgrad"] else None])
         except _C.OutOfMemoryError:
-            self.overlap_stats["held"] += 1  # stepped in step() instead
+            self._overlap_counts["held"] += 1  # stepped in step() instead
             return
         self._spec[p] = {"grad": grad, "version": grad._version, "options": options, "outs": outs, "step": step,
                          "staging": staging}
-        self.overlap_stats["early_steps"] += 1
+        self._overlap_counts["early_steps"] += 1
 
     def _wait_worker(self) -> None:
         """Waits for queued early steps; if one failed, takes all of them back before raising."""
         try:
             self._runtime.adam_wait()
+            if self._stream is not None:
+                self._stream.wait_worker()
         except Exception:
             for p in list(self._spec):
                 self._take_back(p, wait=False)
+            if self._stream is not None:
+                self._stream.discard_all()
             raise
 
     def _take_back(self, p: torch.Tensor, wait: bool = True) -> None:
@@ -405,7 +547,7 @@ class CPUAdamW(torch.optim.Optimizer):
         spec = self._spec.pop(p)
         if spec["staging"] is None:  # a CPU parameter was written early: restore it
             p.detach().copy_(self.state[p]["master"])
-        self.overlap_stats["taken_back"] += 1
+        self._overlap_counts["taken_back"] += 1
 
     def _take_back_all(self) -> None:
         for p in list(self._spec):
@@ -413,12 +555,14 @@ class CPUAdamW(torch.optim.Optimizer):
 
     def has_unconfirmed_steps(self) -> bool:
         """True while parameters hold early steps that no step() has confirmed."""
-        return bool(self._spec)
+        return bool(self._spec) or (self._stream is not None and self._stream.has_unconfirmed())
 
     @torch.no_grad()
     def take_back_unconfirmed(self) -> None:
         """Restores every parameter stepped early but not confirmed (wrap() calls this before a forward)."""
         self._take_back_all()
+        if self._stream is not None:
+            self._stream.discard_all()
 
     def _clip_coefficient(self) -> tuple[float, bool]:
         """(clip coefficient, all gradients finite), with clip_grad_norm_'s own ops."""
@@ -437,6 +581,8 @@ class CPUAdamW(torch.optim.Optimizer):
         """As torch's; also takes back early steps that no step() confirmed."""
         if self._spec:
             self._take_back_all()
+        if self._stream is not None:
+            self._stream.end_window()
         self._grad_events.clear()
         super().zero_grad(set_to_none=set_to_none)
 
@@ -452,7 +598,18 @@ class CPUAdamW(torch.optim.Optimizer):
         scale, finite = self._clip_coefficient()
         if self._skip_nonfinite and not finite:
             self._take_back_all()
-            self.overlap_stats["skipped_steps"] += 1
+            if self._stream is not None:
+                self._stream.end_window()
+            self._overlap_counts["skipped_steps"] += 1
+        elif self._stream is not None:
+            # Note [Gradient streaming]: the stream commits or redoes what it carried and
+            # sends the weights back; the Python path steps only what it left.
+            self._push_groups()
+            unhandled = self._stream.finish(scale, self._master_stale)
+            for group, params in zip(self.param_groups, self._python_path(unhandled)):
+                if params:
+                    self._step_group(group, scale, params)
+            self._choose_gpu_share()
         else:
             for group in self.param_groups:
                 self._step_group(group, scale)
@@ -470,7 +627,7 @@ class CPUAdamW(torch.optim.Optimizer):
                 and scale == 1.0 and not self._master_stale)
         if not same:
             self._take_back(p)
-            self.overlap_stats["redone"] += 1
+            self._overlap_counts["redone"] += 1
             return False
         self._spec.pop(p)
         state = self.state[p]
@@ -481,8 +638,40 @@ class CPUAdamW(torch.optim.Optimizer):
         state["step"] += 1
         if spec["staging"] is not None:
             self._write_param(p, spec["staging"])
-        self.overlap_stats["committed"] += 1
+        self._overlap_counts["committed"] += 1
         return True
+
+    def _choose_gpu_share(self) -> None:
+        """TIERFLOW_GPU_OPTIMIZER_FRACTION=auto, after the first streamed step: the share of CUDA
+        parameters that steps on the GPU so that the CPU's step ends with backward, from the
+        measured CPU rate and backward time, within the device memory left (Deep Optimizer States)."""
+        if not self._gpu_fraction_auto:
+            return
+        self._gpu_fraction_auto = False  # decided once
+        cuda = [p for g in self.param_groups for p in g["params"] if p.device.type == "cuda" and p in self._slot_of]
+        opt = self._runtime.stats()["optimizer"]
+        backward_ms = self._stream.stats()["last_backward_ms"]
+        if not cuda or opt["step_ms"] <= 0 or backward_ms <= 0:
+            self._gpu_share = set()
+            return
+        rate = opt["elements"] / (opt["step_ms"] / 1e3)
+        free, _total = torch.cuda.mem_get_info(cuda[0].device)
+        # m and v in fp32, plus an fp32 master for 16-bit parameters; half the free memory at most.
+        per_element = 12 if any(p.dtype != torch.float32 for p in cuda) else 8
+        self._gpu_fraction = _C.choose_gpu_fraction(rate, 0.0, backward_ms / 1e3, sum(p.numel() for p in cuda),
+                                                    per_element, free // 2)
+        self._gpu_share = self._assign_gpu_share()
+        for p in cuda:
+            if id(p) not in self._gpu_share:
+                continue
+            self._stream.exclude(self._slot_of.pop(p))
+            state = self.state.get(p)
+            if state and "master" in state:  # its CPU state moves to the device
+                for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+                    if k in state:
+                        state[k] = state[k].to(p.device).view_as(p)
+                state["master"] = p.detach() if p.dtype == torch.float32 else state["master"].to(p.device).view_as(p)
+        self._python_params = None
 
     def _assign_gpu_share(self) -> set:
         """Deep Optimizer States: interleave CUDA params so about `fraction` of the elements step on the GPU."""
@@ -574,7 +763,7 @@ class CPUAdamW(torch.optim.Optimizer):
                              f"previous state and weights are kept, and the other parameters stepped. First error: "
                              f"{errors[0][1]}")
 
-    def _step_group(self, group: dict, scale: float = 1.0) -> None:
+    def _step_group(self, group: dict, scale: float = 1.0, params: Optional[list] = None) -> None:
         options = self._options(group)
         if self._gpu_share is None:
             self._gpu_share = self._assign_gpu_share()
@@ -584,7 +773,7 @@ class CPUAdamW(torch.optim.Optimizer):
         copy_back: list = []
         on_gpu: list = []
         fetches: list = []
-        for p in group["params"]:
+        for p in group["params"] if params is None else params:
             if p.grad is not None and id(p) in self._gpu_share:
                 on_gpu.append(p)
                 continue

@@ -77,7 +77,10 @@ struct Config {
   int grad_accumulation_steps = 1;        ///< TIERFLOW_GRAD_ACCUMULATION_STEPS
   double max_grad_norm = 0.0;             ///< TIERFLOW_MAX_GRAD_NORM; 0 means none
   bool skip_nonfinite = false;            ///< TIERFLOW_SKIP_NONFINITE
-  double gpu_optimizer_fraction = 0.0;    ///< TIERFLOW_GPU_OPTIMIZER_FRACTION
+  double gpu_optimizer_fraction = 0.0;    ///< TIERFLOW_GPU_OPTIMIZER_FRACTION (when not auto)
+  bool gpu_optimizer_fraction_auto = true;  ///< TIERFLOW_GPU_OPTIMIZER_FRACTION=auto
+  std::uint64_t grad_bucket_bytes = 0;    ///< TIERFLOW_GRAD_BUCKET_BYTES; 0 means auto
+  bool weights_return_in_forward = false;  ///< TIERFLOW_WEIGHTS_RETURN=forward
 
   /// All defaults, as listed in the table.
   static Config defaults();

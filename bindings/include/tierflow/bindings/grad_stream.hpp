@@ -1,0 +1,209 @@
+// Gradients stream to the CPU optimizer in buckets during backward; updated
+// weights stream back to the device (Fuyou, ZeRO-Offload), all in C++.
+//
+// Note [Gradient streaming]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~
+// Per parameter of the runtime's device, a C++ post hook on its
+// AccumulateGrad node (the node is kept alive here, so autograd reuses it)
+// runs when backward has finished that parameter's gradient. No Python runs
+// per parameter in steady state:
+//  1. Buckets. Parameters are cut into buckets of TIERFLOW_GRAD_BUCKET_BYTES
+//     in the order backward completes their gradients (the reverse of
+//     registration until one backward has been seen, then the order observed,
+//     as DDP rebuilds its buckets; optimizer::plan_grad_buckets). Each
+//     gradient is copied device -> host, on the copy engine's D2H stream after
+//     the work queued on the stream that produced it (rule 1 of Note [Copy
+//     ordering]), into its slice of one pinned buffer per bucket. The device
+//     gradient stays referenced until its copy has landed (rule 3); it is
+//     p.grad, which the user may still read, clip or scale before step().
+//  2. Stepping. When the last gradient of a bucket is in (or backward ends,
+//     for buckets with parameters that got none), the bucket goes to the
+//     optimizer worker: it waits for the bucket's copies, adds the bucket's
+//     sum of squares to the running norm when clipping or skip-non-finite is
+//     on, and runs the oneTBB AdamW over the bucket, out of place (Note [Step
+//     during backward]): new master, m, v and the 16-bit (or fp32) weights in
+//     pinned staging; the old state stays.
+//  3. step() confirms. A parameter's early step is committed (a pointer swap)
+//     when its gradient is the same tensor at the same version, its group's
+//     hyperparameters are those it stepped with, and the clip coefficient is
+//     exactly 1. Otherwise, if the gradient is unchanged, it is stepped again
+//     from the host copy already landed, with the clip coefficient as
+//     grad_scale: no second device -> host copy. A gradient changed after
+//     backward (the user's clip_grad_norm_, GradScaler.unscale_) is fetched
+//     again by the Python path.
+//  4. Weights back. Committed weights are copied host -> device after the work
+//     queued on the compute stream (kernels still reading the old value,
+//     rule 1), in forward order (the last bucket first). With
+//     TIERFLOW_WEIGHTS_RETURN=step the compute stream waits for all of them
+//     when step() returns (on CUDA without blocking the host). With =forward
+//     each module's forward pre-hook waits only for its own parameters
+//     (wait_module), so the copies overlap the next forward. Staging is kept
+//     until its copy is done (rule 3).
+//
+// Clipping: the global norm is known only when backward ends. Two choices:
+// defer every bucket's step until then, or step speculatively and redo. The
+// deferred step would serialise the whole CPU step after backward every time
+// clipping is on; the speculative one costs nothing when the clip does not
+// bind (coefficient exactly 1) and, when it binds, redoes from the landed host
+// gradients. Squares only add up, so the running norm over the buckets landed
+// so far bounds the global norm from below: once it exceeds max_grad_norm
+// (with a margin, PartialNorms::clip_must_bind) the clip is certain to bind
+// and no further bucket steps speculatively; likewise once a landed gradient
+// is non-finite under skip-non-finite. So the wasted work is the buckets
+// before the bound was crossed, and the coefficient itself is computed at
+// step() with torch's own clip_grad_norm_ ops on the device gradients, which
+// makes the result bit-identical to clip_grad_norm_ followed by step().
+//
+// Gradient accumulation: a parameter streams only at its
+// TIERFLOW_GRAD_ACCUMULATION_STEPS-th gradient since the last step(); any
+// gradient after that discards its early step (a wrong hint costs redone work).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "tierflow/bindings/runtime.hpp"
+#include "tierflow/optimizer/cpu_adam.hpp"
+#include "tierflow/optimizer/grad_buckets.hpp"
+#include "tierflow/swap/detail/serial_worker.hpp"
+
+namespace tierflow::bindings {
+
+class GradReadyHook;
+
+/// Settings of a GradStream (from the TIERFLOW_* table).
+struct GradStreamOptions {
+  std::size_t bucket_bytes = 0;       ///< 0: optimizer::auto_grad_bucket_bytes
+  int accumulation_steps = 1;         ///< backward passes per step()
+  double max_grad_norm = 0.0;         ///< 0: no clipping
+  bool skip_nonfinite = false;        ///< skip the step on an inf/NaN gradient
+  bool weights_in_forward = false;    ///< TIERFLOW_WEIGHTS_RETURN=forward
+};
+
+/// Counters of the streaming path (cumulative, except the `last_` ones).
+struct GradStreamStats {
+  std::uint64_t early_steps = 0;      ///< parameters stepped during backward
+  std::uint64_t committed = 0;        ///< early steps confirmed by step()
+  std::uint64_t redone = 0;           ///< early steps stepped again in step()
+  std::uint64_t taken_back = 0;       ///< early steps discarded
+  std::uint64_t held = 0;             ///< parameters not streamed: pinned pool full
+  std::uint64_t buckets = 0;          ///< buckets handed to the CPU
+  std::uint64_t bucket_count = 0;     ///< buckets in the current plan
+  std::uint64_t bucket_bytes = 0;     ///< bucket size in force
+  std::uint64_t speculation_stops = 0;  ///< backwards where the running norm stopped speculation
+  std::uint64_t grad_bytes_to_host = 0;   ///< gradient bytes streamed device -> host
+  std::uint64_t weight_bytes_to_device = 0;  ///< weight bytes streamed host -> device
+  std::uint64_t kernel_ns = 0;        ///< time in the CPU AdamW during backward (worker)
+  std::uint64_t step_kernel_ns = 0;   ///< time in the CPU AdamW inside step() (redone steps)
+  std::uint64_t step_wait_ns = 0;     ///< time step() waited for the worker after backward
+  std::uint64_t weight_wait_ns = 0;   ///< host time spent waiting for weights (forward mode: in pre-hooks)
+  std::uint64_t last_backward_ns = 0; ///< last backward, from its first gradient to its end
+  double last_partial_norm = 0.0;     ///< norm of the gradients landed in the last window
+};
+
+/// The streaming CPU optimizer path of one CPUAdamW; see Note [Gradient streaming].
+class GradStream : public std::enable_shared_from_this<GradStream> {
+ public:
+  /// A stream over `runtime`'s copy engine, pool and CPU Adam.
+  static std::shared_ptr<GradStream> create(std::shared_ptr<Runtime> runtime, GradStreamOptions options);
+  ~GradStream();
+  GradStream(const GradStream&) = delete;
+  GradStream& operator=(const GradStream&) = delete;
+
+  /// Registers a parameter of hyperparameter group `group`; returns its slot.
+  /// A parameter of the runtime's device that requires grad gets the hook.
+  std::size_t add_parameter(const at::Tensor& param, int group);
+  /// Stops streaming `slot` for good (it steps elsewhere, e.g. the GPU share).
+  void exclude(std::size_t slot);
+  /// Current hyperparameters of `group` (pushed when each backward begins and at step()).
+  void set_group(int group, const optimizer::AdamOptions& options);
+  /// The optimizer state of `slot` (fp32 CPU tensors; `step` is the state's
+  /// step counter tensor, shared with the Python state). `max_exp_avg_sq` may
+  /// be undefined.
+  void set_state(std::size_t slot, at::Tensor master, at::Tensor exp_avg, at::Tensor exp_avg_sq,
+                 at::Tensor max_exp_avg_sq, at::Tensor step);
+  /// The state tensors of `slot` now, shaped like the parameter: master, exp_avg,
+  /// exp_avg_sq, max_exp_avg_sq (maybe undefined).
+  std::vector<at::Tensor> state_of(std::size_t slot) const;
+  /// Called (without any lock held) when a backward delivers its first gradient,
+  /// and for a slot that streams before it has state (it must call set_state).
+  void set_callbacks(std::function<void()> on_backward_begin, std::function<void(std::size_t)> init_state);
+  /// Enables or disables streaming of the next gradients (disabled: hooks only count).
+  void set_enabled(bool enabled);
+  /// Registers the slots of one module's own parameters; returns its id for wait_module.
+  std::size_t add_module(const std::vector<std::size_t>& slots);
+
+  /// Waits for every bucket on the worker; rethrows the first failure.
+  void wait_worker();
+  /// What step() decided per slot.
+  struct Finish {
+    std::vector<std::size_t> committed;  ///< early steps committed, or stepped here from landed gradients
+    std::vector<std::size_t> unhandled;  ///< the caller steps these (gradient changed, not streamed, stale)
+  };
+  /// step(): confirms, redoes from landed gradients with `scale` (the clip
+  /// coefficient), sends weights back, and ends the window. `stale`: the
+  /// masters must be re-read from the parameters (every streamed slot is unhandled).
+  Finish finish(double scale, bool stale);
+  /// Discards every early step not yet confirmed (a forward before step(), a skipped step).
+  void discard_all();
+  /// Ends the accumulation window (zero_grad, a skipped step): discards and resets counts.
+  void end_window();
+  /// True while gradients streamed since the last step() wait for confirmation.
+  bool has_unconfirmed() const;
+  /// Makes the compute stream wait for the weights of module `module` (forward mode).
+  void wait_module(std::size_t module);
+  /// Makes the compute stream wait for every weight still on its way, and
+  /// waits for their copies on the host so that staging can go.
+  void synchronize();
+  /// Counters.
+  GradStreamStats stats() const;
+  /// Slots registered.
+  std::size_t size() const;
+
+ private:
+  friend class GradReadyHook;
+  struct Slot;
+  struct Bucket;
+  struct Entry;
+  GradStream(std::shared_ptr<Runtime> runtime, GradStreamOptions options);
+  void on_grad(std::size_t slot);
+  void on_backward_end();
+  void stream_locked(std::size_t slot);
+  void launch_locked(std::size_t bucket);
+  void run_bucket(std::uint64_t generation, std::vector<Entry> entries, std::vector<swap::TransferHandle> copies);
+  void plan_locked();
+  void reset_window_locked(bool count_taken_back);
+  void upload_locked(std::vector<std::size_t> slots);
+  void wait_uploads_locked(std::unique_lock<std::mutex>& lock);
+
+  std::shared_ptr<Runtime> runtime_;
+  GradStreamOptions options_;
+  mutable std::mutex mutex_;
+  std::vector<Slot> slots_;
+  std::vector<Bucket> buckets_;
+  std::vector<optimizer::AdamOptions> groups_;
+  std::vector<std::vector<std::size_t>> modules_;
+  std::vector<std::size_t> arrival_;     // slots in the order their gradients came, this window
+  bool planned_ = false;
+  bool replanned_ = false;               // the plan follows an observed order
+  bool enabled_ = true;
+  bool in_backward_ = false;
+  bool stopped_ = false;                 // speculation stopped in this window (Note [Gradient streaming])
+  std::uint64_t generation_ = 0;         // bumped per window: late bucket results of an old window are dropped
+  std::chrono::steady_clock::time_point backward_start_{};
+  optimizer::PartialNorms partial_;
+  GradStreamStats stats_;
+  std::vector<std::pair<swap::TransferHandle, at::Tensor>> uploads_;  // staging kept until its copy is done
+  std::function<void()> on_backward_begin_;
+  std::function<void(std::size_t)> init_state_;
+  std::unique_ptr<swap::detail::SerialWorker> worker_;
+};
+
+}  // namespace tierflow::bindings

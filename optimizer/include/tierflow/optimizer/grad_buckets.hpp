@@ -1,0 +1,87 @@
+// The torch-free parts of streaming gradients to the CPU optimizer during
+// backward (Note [Gradient streaming] in bindings/include/tierflow/bindings/
+// grad_stream.hpp): which gradients share a bucket, the partial norms of the
+// buckets that have landed, and the GPU/CPU split chosen from measured speeds.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "tierflow/optimizer/scalar_type.hpp"
+
+namespace tierflow::optimizer {
+
+/// One bucket: the tensors (indices into the plan's input) whose gradients
+/// travel device -> host together and step together, and their bytes.
+struct GradBucket {
+  std::vector<std::size_t> tensors;  ///< in arrival order
+  std::size_t bytes = 0;             ///< sum of their gradient bytes
+};
+
+/// Cuts tensors, taken in `order` (the order backward completes their
+/// gradients), into consecutive buckets of at most `bucket_bytes`; a tensor
+/// larger than that gets a bucket of its own. `bytes[i]` is tensor i's
+/// gradient size. Throws logic_error when `order` is not a permutation of
+/// the indices of `bytes` or `bucket_bytes` is 0.
+std::vector<GradBucket> plan_grad_buckets(const std::vector<std::size_t>& bytes,
+                                          const std::vector<std::size_t>& order, std::size_t bucket_bytes);
+
+/// TIERFLOW_GRAD_BUCKET_BYTES=auto: about 16 buckets over `total_grad_bytes`,
+/// clamped to [4 MiB, 64 MiB]. Below 4 MiB a copy's fixed cost (~10 us per
+/// cudaMemcpyAsync and event) exceeds 5% of its time on a 55 GB/s link; above
+/// 64 MiB the last bucket, which steps after backward has ended, costs more
+/// than ~2.5% of a 1e9-parameter step.
+std::size_t auto_grad_bucket_bytes(std::size_t total_grad_bytes) noexcept;
+
+/// Sum of squares of `numel` values of type `type`, in double: a bucket's
+/// share of the squared global 2-norm. Non-finite values propagate (inf or NaN).
+double sum_of_squares(const void* data, ScalarType type, std::size_t numel) noexcept;
+
+/// Running squared norm over the buckets that have landed. Squares only grow,
+/// so once the running norm exceeds max_grad_norm the clip is known to bind
+/// before backward ends (Note [Gradient streaming]: speculation stops there).
+class PartialNorms {
+ public:
+  /// Adds a landed bucket's sum of squares.
+  void add(double sum_sq) noexcept {
+    sum_sq_ += sum_sq;
+    ++buckets_;
+  }
+  /// Forgets every bucket (a new backward).
+  void reset() noexcept {
+    sum_sq_ = 0.0;
+    buckets_ = 0;
+  }
+  /// The norm of what has landed so far (a lower bound of the global norm).
+  double norm() const noexcept;
+  /// True when the clip to `max_norm` must bind whatever is still to come, or a
+  /// gradient is already non-finite. The margin of 1e-3 relative keeps the
+  /// different summation order of torch's norm from ever making it wrong.
+  bool clip_must_bind(double max_norm) const noexcept;
+  /// Buckets added since the last reset.
+  std::size_t buckets() const noexcept { return buckets_; }
+
+ private:
+  double sum_sq_ = 0.0;
+  std::size_t buckets_ = 0;
+};
+
+/// What the GPU/CPU split is chosen from (Deep Optimizer States, with the
+/// share measured instead of set by hand).
+struct SplitInputs {
+  double cpu_elements_per_second = 0;  ///< measured CPU AdamW rate
+  double gpu_elements_per_second = 0;  ///< GPU AdamW rate (0: assume the GPU step is free)
+  double backward_seconds = 0;         ///< measured time from the first gradient to the end of backward
+  std::size_t elements = 0;            ///< parameters that could step on either side
+  std::size_t gpu_bytes_per_element = 0;  ///< device bytes a GPU-stepped element needs (master, m, v)
+  std::size_t gpu_free_bytes = 0;      ///< device budget left for optimizer state
+};
+
+/// TIERFLOW_GPU_OPTIMIZER_FRACTION=auto: the smallest share f of the elements
+/// that steps on the GPU such that the CPU's part, (1-f)*elements at the
+/// measured rate, ends with backward; capped by what fits in the device
+/// budget. 0 when the CPU already keeps up; in [0, 1].
+double choose_gpu_fraction(const SplitInputs& in) noexcept;
+
+}  // namespace tierflow::optimizer

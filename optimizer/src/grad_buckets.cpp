@@ -1,0 +1,100 @@
+// See Note [Gradient streaming] in bindings/include/tierflow/bindings/grad_stream.hpp.
+#include "tierflow/optimizer/grad_buckets.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+
+#include "tierflow/core/error.hpp"
+
+namespace tierflow::optimizer {
+
+std::vector<GradBucket> plan_grad_buckets(const std::vector<std::size_t>& bytes,
+                                          const std::vector<std::size_t>& order, std::size_t bucket_bytes) {
+  TIERFLOW_EXPECTS(bucket_bytes > 0, "plan_grad_buckets: bucket_bytes must be > 0");
+  TIERFLOW_EXPECTS(order.size() == bytes.size(), "plan_grad_buckets: order has " + std::to_string(order.size()) +
+                                                     " entries for " + std::to_string(bytes.size()) + " tensors");
+  std::vector<bool> seen(bytes.size(), false);
+  std::vector<GradBucket> buckets;
+  for (std::size_t i : order) {
+    TIERFLOW_EXPECTS(i < bytes.size() && !seen[i], "plan_grad_buckets: order is not a permutation");
+    seen[i] = true;
+    if (buckets.empty() || (buckets.back().bytes + bytes[i] > bucket_bytes && !buckets.back().tensors.empty()))
+      buckets.emplace_back();
+    buckets.back().tensors.push_back(i);
+    buckets.back().bytes += bytes[i];
+  }
+  return buckets;
+}
+
+std::size_t auto_grad_bucket_bytes(std::size_t total_grad_bytes) noexcept {
+  constexpr std::size_t kMiB = std::size_t{1} << 20;
+  return std::clamp<std::size_t>(total_grad_bytes / 16, 4 * kMiB, 64 * kMiB);
+}
+
+double sum_of_squares(const void* data, ScalarType type, std::size_t numel) noexcept {
+  // Four partial sums: independent chains the compiler can keep in flight.
+  double s[4] = {0, 0, 0, 0};
+  auto add = [&](auto&& value_at) {
+    std::size_t i = 0;
+    for (; i + 4 <= numel; i += 4)
+      for (int k = 0; k < 4; ++k) {
+        const double x = value_at(i + k);
+        s[k] += x * x;
+      }
+    for (; i < numel; ++i) {
+      const double x = value_at(i);
+      s[0] += x * x;
+    }
+  };
+  switch (type) {
+    case ScalarType::kFloat32: {
+      const float* f = static_cast<const float*>(data);
+      add([f](std::size_t i) { return static_cast<double>(f[i]); });
+      break;
+    }
+    case ScalarType::kBFloat16: {
+      const std::uint16_t* h = static_cast<const std::uint16_t*>(data);
+      add([h](std::size_t i) { return static_cast<double>(bf16_to_float(h[i])); });
+      break;
+    }
+    case ScalarType::kFloat16: {
+      const std::uint16_t* h = static_cast<const std::uint16_t*>(data);
+      add([h](std::size_t i) { return static_cast<double>(fp16_to_float(h[i])); });
+      break;
+    }
+  }
+  return (s[0] + s[1]) + (s[2] + s[3]);
+}
+
+double PartialNorms::norm() const noexcept { return std::sqrt(sum_sq_); }
+
+bool PartialNorms::clip_must_bind(double max_norm) const noexcept {
+  if (!std::isfinite(sum_sq_)) return true;
+  return max_norm > 0 && norm() > max_norm * (1.0 + 1e-3);
+}
+
+double choose_gpu_fraction(const SplitInputs& in) noexcept {
+  if (in.elements == 0 || !(in.cpu_elements_per_second > 0)) return 0.0;
+  // CPU time (1-f)N/cpu must fit in the backward; the GPU's own step, fN/gpu,
+  // runs on the device after backward, so it is charged against the gain.
+  const double n = static_cast<double>(in.elements);
+  const double cpu_all = n / in.cpu_elements_per_second;
+  const double budget = std::max(0.0, in.backward_seconds);
+  if (cpu_all <= budget) return 0.0;
+  double f = 1.0 - budget / cpu_all;
+  if (in.gpu_elements_per_second > 0) {
+    // Balance instead: (1-f)N/cpu - bwd = fN/gpu, i.e. both sides finish together.
+    const double cpu_rate = in.cpu_elements_per_second, gpu_rate = in.gpu_elements_per_second;
+    f = (n / cpu_rate - budget) / (n / cpu_rate + n / gpu_rate);
+  }
+  if (in.gpu_bytes_per_element > 0) {
+    const double fits = static_cast<double>(in.gpu_free_bytes) /
+                        (static_cast<double>(in.gpu_bytes_per_element) * n);
+    f = std::min(f, fits);
+  }
+  return std::clamp(f, 0.0, 1.0);
+}
+
+}  // namespace tierflow::optimizer

@@ -1,0 +1,111 @@
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "tierflow/core/error.hpp"
+#include "tierflow/optimizer/grad_buckets.hpp"
+
+using namespace tierflow;
+using namespace tierflow::optimizer;
+
+TEST(GradBuckets, FollowArrivalOrderAndNeverExceedTheSizeUnlessOneTensorDoes) {
+  // Backward completes gradients last layer first: order is the reverse of registration.
+  const std::vector<std::size_t> bytes = {100, 300, 50, 1000, 20, 20};
+  const std::vector<std::size_t> order = {5, 4, 3, 2, 1, 0};
+  auto b = plan_grad_buckets(bytes, order, 400);
+  ASSERT_EQ(b.size(), 4u);
+  EXPECT_EQ(b[0].tensors, (std::vector<std::size_t>{5, 4}));
+  EXPECT_EQ(b[1].tensors, (std::vector<std::size_t>{3}));  // larger than a bucket: alone
+  EXPECT_EQ(b[1].bytes, 1000u);
+  EXPECT_EQ(b[2].tensors, (std::vector<std::size_t>{2, 1}));
+  EXPECT_EQ(b[3].tensors, (std::vector<std::size_t>{0}));
+  std::size_t total = 0;
+  for (const auto& x : b) total += x.bytes;
+  EXPECT_EQ(total, 1490u);
+}
+
+TEST(GradBuckets, OneBucketWhenEverythingFits) {
+  auto b = plan_grad_buckets({1, 2, 3}, {0, 1, 2}, 1 << 20);
+  ASSERT_EQ(b.size(), 1u);
+  EXPECT_EQ(b[0].tensors.size(), 3u);
+  EXPECT_TRUE(plan_grad_buckets({}, {}, 64).empty());
+}
+
+TEST(GradBuckets, RefuseAnOrderThatIsNotAPermutation) {
+  EXPECT_THROW(plan_grad_buckets({1, 2}, {0, 0}, 64), logic_error);
+  EXPECT_THROW(plan_grad_buckets({1, 2}, {0}, 64), logic_error);
+  EXPECT_THROW(plan_grad_buckets({1, 2}, {0, 2}, 64), logic_error);
+  EXPECT_THROW(plan_grad_buckets({1, 2}, {0, 1}, 0), logic_error);
+}
+
+TEST(GradBuckets, AutoSizeIsASixteenthClampedToTheLinkBounds) {
+  constexpr std::size_t MiB = std::size_t{1} << 20;
+  EXPECT_EQ(auto_grad_bucket_bytes(1 * MiB), 4 * MiB);
+  EXPECT_EQ(auto_grad_bucket_bytes(512 * MiB), 32 * MiB);
+  EXPECT_EQ(auto_grad_bucket_bytes(2700 * MiB), 64 * MiB);  // the 1.34B GPT's bf16 gradients
+}
+
+TEST(PartialNormsTest, SumOfSquaresMatchesADoubleReferenceInEveryType) {
+  std::vector<float> f = {3.f, 4.f, -1.f, 0.5f, 2.f};  // 5 elements: the unrolled body and the tail
+  double ref = 0;
+  for (float x : f) ref += double(x) * double(x);
+  EXPECT_DOUBLE_EQ(sum_of_squares(f.data(), ScalarType::kFloat32, f.size()), ref);
+  std::vector<std::uint16_t> bf, h;
+  for (float x : f) {
+    bf.push_back(float_to_bf16(x));
+    h.push_back(float_to_fp16(x));
+  }
+  // All these values are exact in both 16-bit types.
+  EXPECT_DOUBLE_EQ(sum_of_squares(bf.data(), ScalarType::kBFloat16, bf.size()), ref);
+  EXPECT_DOUBLE_EQ(sum_of_squares(h.data(), ScalarType::kFloat16, h.size()), ref);
+  EXPECT_EQ(sum_of_squares(f.data(), ScalarType::kFloat32, 0), 0.0);
+}
+
+TEST(PartialNormsTest, ClipBindsOnlyOnceTheLandedNormAloneExceedsTheBound) {
+  PartialNorms n;
+  n.add(9.0);  // norm 3
+  EXPECT_FALSE(n.clip_must_bind(3.0));   // equal is not enough: the margin
+  EXPECT_FALSE(n.clip_must_bind(0.0));   // no clipping
+  EXPECT_TRUE(n.clip_must_bind(2.0));
+  n.add(16.0);  // norm 5
+  EXPECT_DOUBLE_EQ(n.norm(), 5.0);
+  EXPECT_TRUE(n.clip_must_bind(4.9));
+  EXPECT_EQ(n.buckets(), 2u);
+  n.reset();
+  EXPECT_EQ(n.norm(), 0.0);
+  n.add(std::numeric_limits<double>::infinity());
+  EXPECT_TRUE(n.clip_must_bind(1e30));  // a non-finite gradient: speculation is pointless
+}
+
+TEST(SplitChooser, ZeroWhenTheCpuKeepsUpWithBackward) {
+  SplitInputs in;
+  in.cpu_elements_per_second = 5e9;
+  in.backward_seconds = 0.5;
+  in.elements = 1'340'000'000;  // 0.27 s of CPU
+  EXPECT_EQ(choose_gpu_fraction(in), 0.0);
+}
+
+TEST(SplitChooser, ShareMakesTheCpuEndWithBackward) {
+  SplitInputs in;
+  in.cpu_elements_per_second = 1e9;
+  in.backward_seconds = 0.6;
+  in.elements = 1'000'000'000;  // 1 s of CPU against 0.6 s of backward
+  EXPECT_NEAR(choose_gpu_fraction(in), 0.4, 1e-12);
+  // With a GPU rate, both sides finish together: (1-f)/1e9 - 0.6 = f/1e10.
+  in.gpu_elements_per_second = 1e10;
+  const double f = choose_gpu_fraction(in);
+  EXPECT_NEAR((1 - f) * 1.0 - 0.6, f * 0.1, 1e-12);
+  // And never more than fits: 16 bytes per element, 1.6 GB free -> 10%.
+  in.gpu_bytes_per_element = 16;
+  in.gpu_free_bytes = 1'600'000'000;
+  EXPECT_NEAR(choose_gpu_fraction(in), 0.1, 1e-12);
+}
+
+TEST(SplitChooser, DegenerateInputsGiveZero) {
+  EXPECT_EQ(choose_gpu_fraction({}), 0.0);
+  SplitInputs in;
+  in.elements = 10;
+  EXPECT_EQ(choose_gpu_fraction(in), 0.0);  // no measured rate yet
+}
