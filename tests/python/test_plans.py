@@ -221,3 +221,12 @@ def test_replay_restores_autocast_and_matches_the_baseline(device, mode):
     assert r["replays"] == 3 * 3
     if mode == "split":
         assert r["restored_ops"] == 2 * 3 and r["split_rows"] > 0
+
+
+def test_auto_without_blocks_swaps_everything_and_matches_the_baseline(device):
+    # cnn_task has no repeated blocks: auto says so and swaps every saved tensor (as host does).
+    task = cnn_task()
+    base = train(task, 3, False, device=device)
+    tier = train(task, 3, True, device=device, gpu_memory="1MiB", **OPT_NONE)
+    assert_bit_identical(base, tier)
+    assert tier.report["plan"]["blocks"] == 0 and tier.report["activations"]["offloaded_blocks"] > 0
