@@ -147,12 +147,11 @@ def deepspeed_engine(model: torch.nn.Module, cfg: dict, cuda: bool) -> Any:
     AdamW with torch's defaults but lr, as the other modes; DeepSpeedCPUAdam steps on the host.
     """
     try:
-        import deepspeed  # noqa: F401
+        import deepspeed
     except ImportError as e:
         raise SkipMode(f"the deepspeed package is not installed ({e}); `make bench` installs it") from e
     if not cuda:
         raise SkipMode("DeepSpeed ZeRO-Offload needs a CUDA GPU; this run is on the CPU (emulated device)")
-    import deepspeed
 
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
                        ("MASTER_PORT", str(29500 + os.getpid() % 1000))):

@@ -12,7 +12,7 @@ import torch
 
 from . import _C
 from ._blocks import BlockRunner, find_blocks, probe_row_split
-from ._report import fmt_bytes, write_json_atomic
+from ._report import write_json_atomic
 
 from ._plan import PROFILE_FORMAT, PROFILE_VERSION, profile_from_json  # the file format of `python -m tierflow plan`
 _ROW_GRANULE = 8  # a split's first rows are a multiple of this (whole cache lines of a row-major output)

@@ -72,13 +72,12 @@ FLOPs (counted from the recorded shapes).
 
 from __future__ import annotations
 
-import contextlib
 import math
 import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -193,9 +192,9 @@ class Table:
 class _Recorder(TorchDispatchMode):
     """Records the ops of one block forward (Note [Activation plans])."""
 
-    def __init__(self, external: set, inputs: set) -> None:
+    def __init__(self, external: set, inputs: set, table: Table) -> None:
         super().__init__()
-        self.table = Table()
+        self.table = table
         self.producer: dict = {}               # storage key -> (op, out)
         self.param_derived = set(external)    # storage keys derived from parameters and buffers only
         self.inputs = inputs
@@ -223,7 +222,7 @@ class _Recorder(TorchDispatchMode):
             self.param_derived.update(k for k in keys if k is not None)
         if func in _ATTENTION_OPS:
             op.kind = "attention"
-            q, k_, v = args[0], args[1], args[2]
+            q, k_ = args[0], args[1]
             causal = bool(kwargs.get("is_causal", args[4] if func.__name__.startswith("_scaled_dot_product_flash") and len(args) > 4 else False))
             op.flops = 4.0 * q.numel() * k_.shape[-2] * (0.5 if causal else 1.0)
         elif func in _ROW_MATMULS:
@@ -281,7 +280,6 @@ class _Frame:
         # A recording forward has no table to split by yet: it recomputes instead.
         self.mode = "recompute" if recording and runner.mode == "split" else runner.mode
         self.tier = runner.tier
-        self.alpha = runner.alpha
         self.packs = 0
         self.args: Any = None         # (args, kwargs), swapped tensors as ("__tierflow_swapped__", handle)
         self.rng: Any = None
@@ -291,7 +289,7 @@ class _Frame:
         self.prefix: dict = {}        # op -> offloader handle of a split output's first rows
         self.rows: dict = {}          # op -> r0
         self.resolved: dict = {}      # pack index -> tensor, after a replay
-        self.replays = 0
+        self._actions: Optional[list] = None  # table.actions(mode), looked up once per forward
 
     # -- forward ---------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> Any:
@@ -310,7 +308,9 @@ class _Frame:
 
     def _pack_planned(self, i: int, s: _Saved, t: torch.Tensor) -> Any:
         rt = self.runner.runtime
-        action = self.table.actions(self.mode)[i]
+        if self._actions is None:
+            self._actions = self.table.actions(self.mode)
+        action = self._actions[i]
         if action == "reference":
             return t
         if action == "swap":
@@ -390,7 +390,6 @@ class _Frame:
                 continue
             base = mode.outputs[(s.op, s.out)]
             self.resolved[i] = base.new_empty(0).set_(base.untyped_storage(), s.offset, s.sizes, s.strides).detach()
-        self.replays += 1
         runner.replays += 1
         if runner.timing:
             runner.sync()
@@ -568,10 +567,9 @@ class BlockRunner:
         f.args = tree_map(hold, (args, kwargs))
         ctx = torch.autograd.graph.saved_tensors_hooks(f.pack, _unpack)
         if recording:
-            f.recorder = _Recorder(external, inputs)
+            f.recorder = _Recorder(external, inputs, table)
             f.external = external
             f.seen = set()
-            f.recorder.table = table
             f.recorder.__enter__()
         ctx.__enter__()
         if self.timing:
