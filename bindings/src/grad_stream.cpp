@@ -76,6 +76,13 @@ struct GradStream::Slot {
   bool discarded = false;  // its early step must not be committed
   bool spec_done = false;  // its early step has run
   at::Tensor grad_ref, host_grad;
+  swap::TransferHandle copy;  // of its gradient to host_grad
+  bool released = false;      // p.grad was set to None after the copy was queued (offload_gradients)
+  // The released gradient's storage, to see when it is freed (grad_bytes_freed).
+  std::unique_ptr<c10::weak_intrusive_ptr<c10::StorageImpl>> grad_storage;
+  std::size_t grad_bytes = 0;
+  bool freed_counted = false;
+  at::Tensor norm;            // clip_grad_norm_'s per-tensor norm of the released gradient
   const c10::TensorImpl* grad_impl = nullptr;
   std::int64_t grad_version = 0;
   optimizer::AdamOptions options_used;
@@ -83,6 +90,7 @@ struct GradStream::Slot {
   // Its weights on the way back.
   swap::TransferHandle upload;
   bool upload_pending = false;
+  std::uint64_t upload_seq = 0;
 };
 
 struct GradStream::Bucket {
@@ -152,6 +160,7 @@ void GradStream::exclude(std::size_t slot) {
   std::lock_guard<std::mutex> lock(mutex_);
   TIERFLOW_EXPECTS(slot < slots_.size(), "GradStream::exclude: no slot " + std::to_string(slot));
   Slot& s = slots_[slot];
+  if (s.released) restore_locked(slot, false);  // it steps elsewhere, from p.grad
   if (s.streamed && !s.discarded) stats_.taken_back += 1;
   s.discarded = true;
   s.streamable = false;
@@ -296,6 +305,7 @@ void GradStream::on_grad(std::size_t i) {
       arrival_.push_back(i);
     }
     if (s.streamed) {  // the gradient changed again after it streamed (accumulation went on)
+      if (s.released) restore_locked(i, true);  // p.grad holds only the new part: add the released one
       if (!s.discarded) {
         s.discarded = true;
         stats_.taken_back += 1;
@@ -333,10 +343,14 @@ void GradStream::stream_locked(std::size_t i) {
       return;
     }
   }
+  // Earlier gradients whose copies are done go now; not this one: autograd
+  // still holds it until this hook returns.
+  release_landed_locked();
   at::Tensor host = b.buffer.narrow(0, static_cast<std::int64_t>(s.offset), static_cast<std::int64_t>(grad.nbytes()))
                         .view(grad.scalar_type());
   // After the work queued on the stream that produced the gradient (rule 1).
-  b.copies.push_back(runtime_->copy_to_host(host, grad.view(-1)));
+  s.copy = runtime_->copy_to_host(host, grad.view(-1));
+  b.copies.push_back(s.copy);
   s.host_grad = host;
   s.grad_ref = grad;  // alive until the copy has landed (rule 3)
   s.grad_impl = grad.unsafeGetTensorImpl();
@@ -344,6 +358,17 @@ void GradStream::stream_locked(std::size_t i) {
   s.options_used = groups_[static_cast<std::size_t>(s.group)];
   s.streamed = true;
   stats_.grad_bytes_to_host += grad.nbytes();
+  if (options_.offload_gradients) {
+    // clip_grad_norm_'s op, queued before the gradient can go (it reads it on this stream).
+    if (options_.max_grad_norm > 0 || options_.skip_nonfinite) s.norm = at::_foreach_norm({grad}, 2)[0];
+    s.param.mutable_grad() = at::Tensor();  // p.grad is None; our reference goes once the copy is done
+    s.grad_storage = std::make_unique<c10::weak_intrusive_ptr<c10::StorageImpl>>(grad.storage().getWeakStorageImpl());
+    s.grad_bytes = grad.nbytes();
+    s.freed_counted = false;
+    s.released = true;
+    releasing_.push_back(i);
+    stats_.grads_released += 1;
+  }
   b.arrived += 1;
   if (b.arrived == b.slots.size()) launch_locked(s.bucket);
 }
@@ -394,7 +419,18 @@ void GradStream::launch_locked(std::size_t bi) {
 
 void GradStream::run_bucket(std::uint64_t generation, std::vector<Entry> entries,
                             std::vector<swap::TransferHandle> copies) {
-  for (const auto& h : copies) h.wait();  // rule 2: the CPU reads the gradients only once they landed
+  try {
+    for (const auto& h : copies) h.wait();  // rule 2: the CPU reads the gradients only once they landed
+  } catch (...) {
+    // A failed copy: a released gradient still on the device goes back to p.grad.
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& e : entries) {
+      Slot& s = slots_[e.slot];
+      if (s.released && s.grad_ref.defined() && !s.param.grad().defined()) s.param.mutable_grad() = s.grad_ref;
+      s.released = false;
+    }
+    throw;
+  }
   const bool need_norm = options_.max_grad_norm > 0 || options_.skip_nonfinite;
   double sum_sq = 0;
   if (need_norm)
@@ -404,7 +440,11 @@ void GradStream::run_bucket(std::uint64_t generation, std::vector<Entry> entries
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (generation != generation_) return;
-    for (const auto& e : entries) slots_[e.slot].landed = true;
+    for (const auto& e : entries) {
+      Slot& s = slots_[e.slot];
+      s.landed = true;
+      if (s.released) drop_device_grad_locked(s);  // its copy is done (rule 3)
+    }
     if (need_norm) {
       partial_.add(sum_sq);
       stats_.last_partial_norm = partial_.norm();
@@ -457,12 +497,16 @@ void GradStream::on_backward_end() {
   std::lock_guard<std::mutex> lock(mutex_);
   in_backward_ = false;
   stats_.last_backward_ns = since_ns(backward_start_);
+  release_landed_locked();
+  count_freed_locked();
   for (std::size_t b = 0; b < buckets_.size(); ++b)
     if (buckets_[b].arrived > 0 && !buckets_[b].launched) launch_locked(b);
 }
 
 void GradStream::wait_worker() {
   worker_->drain();
+  std::lock_guard<std::mutex> lock(mutex_);
+  count_freed_locked();
 }
 
 bool GradStream::has_unconfirmed() const {
@@ -474,11 +518,84 @@ bool GradStream::has_unconfirmed() const {
 
 void GradStream::discard_all() {
   std::lock_guard<std::mutex> lock(mutex_);
-  for (auto& s : slots_)
+  for (std::size_t i = 0; i < slots_.size(); ++i) {
+    Slot& s = slots_[i];
+    if (s.released) restore_locked(i, false);  // the next backward accumulates into it
     if (s.streamed && !s.discarded) {
       s.discarded = true;
       stats_.taken_back += 1;
     }
+  }
+}
+
+void GradStream::restore_grads() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (std::size_t i = 0; i < slots_.size(); ++i)
+    if (slots_[i].released) restore_locked(i, false);
+}
+
+std::vector<std::pair<std::size_t, at::Tensor>> GradStream::released_norms() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<std::pair<std::size_t, at::Tensor>> out;
+  for (std::size_t i = 0; i < slots_.size(); ++i)
+    if (slots_[i].released && slots_[i].norm.defined()) out.emplace_back(i, slots_[i].norm);
+  return out;
+}
+
+void GradStream::drop_device_grad_locked(Slot& s) {
+  s.grad_ref = at::Tensor();
+}
+
+void GradStream::count_freed_locked() {
+  // A released gradient's storage is freed when its last holder lets go: this
+  // stream once the copy is done, autograd once the node's hooks have
+  // returned, or a user who kept `g = p.grad`. Counted once it is gone.
+  for (auto& s : slots_) {
+    if (!s.freed_counted && s.grad_storage && !s.grad_ref.defined() && s.grad_storage->expired()) {
+      stats_.grad_bytes_freed += s.grad_bytes;
+      s.freed_counted = true;
+    }
+  }
+}
+
+void GradStream::release_landed_locked() {
+  std::size_t kept = 0;
+  for (std::size_t i : releasing_) {
+    Slot& s = slots_[i];
+    if (!s.released || !s.grad_ref.defined()) continue;
+    bool done = false;
+    if (s.copy.ready()) {
+      try {
+        s.copy.wait();  // does not block: rethrows a failed copy, whose gradient the worker puts back
+        done = true;
+      } catch (const std::exception&) {
+      }
+    }
+    if (done) drop_device_grad_locked(s);
+    else releasing_[kept++] = i;
+  }
+  releasing_.resize(kept);
+}
+
+void GradStream::restore_locked(std::size_t i, bool accumulate) {
+  Slot& s = slots_[i];
+  if (!s.released) return;
+  s.released = false;
+  s.norm = at::Tensor();
+  const at::Tensor current = s.param.grad();
+  if (current.defined() && !accumulate) return;  // the user set p.grad meanwhile: theirs stands
+  at::Tensor g = s.grad_ref;  // still on the device: no copy needed
+  if (!g.defined()) {
+    s.copy.wait();  // its bytes are on the host (rethrows a failed copy)
+    g = at::empty(s.param.sizes(), s.param.options().dtype(s.host_grad.scalar_type()));
+    // After the kernels queued so far, and before the next one (rules 1 and 2);
+    // the host slice stays until the copy is done (rule 3).
+    uploads_.emplace_back(runtime_->copy_to_device(g.view(-1), s.host_grad), s.host_grad);
+  }
+  g = g.view(s.param.sizes());
+  if (current.defined()) current.add_(g);  // as AccumulateGrad would have: old + new
+  else s.param.mutable_grad() = g;
+  stats_.grads_restored += 1;
 }
 
 void GradStream::end_window() {
@@ -496,11 +613,27 @@ void GradStream::end_window() {
 }
 
 void GradStream::reset_window_locked(bool count_taken_back) {
+  // Copies of a bucket that never went to the worker (a backward that failed)
+  // and of released gradients must be done before their memory goes (rule 3).
+  auto settle = [](const swap::TransferHandle& h) {
+    try {
+      h.wait();
+    } catch (const std::exception& e) {
+      log(LogLevel::kWarn, std::string("a gradient copy of a discarded window failed: ") + e.what());
+    }
+  };
+  for (auto& b : buckets_)
+    for (const auto& h : b.copies) settle(h);
+  for (std::size_t i : releasing_) settle(slots_[i].copy);
+  count_freed_locked();
   for (auto& s : slots_) {
     if (count_taken_back && s.streamed && !s.discarded) stats_.taken_back += 1;
     s.grad_events = 0;
     s.seen = s.streamed = s.landed = s.discarded = s.spec_done = false;
-    s.grad_ref = s.host_grad = at::Tensor();
+    s.grad_ref = s.host_grad = s.norm = at::Tensor();
+    s.copy = swap::TransferHandle();
+    s.released = false;
+    s.grad_storage.reset();
     s.grad_impl = nullptr;
     s.out_master = s.out_exp_avg = s.out_exp_avg_sq = s.out_max_exp_avg_sq = s.staging = at::Tensor();
   }
@@ -510,6 +643,7 @@ void GradStream::reset_window_locked(bool count_taken_back) {
     b.arrived = 0;
     b.launched = false;
   }
+  releasing_.clear();
   partial_.reset();
   stopped_ = false;
   generation_ += 1;
@@ -546,6 +680,7 @@ void GradStream::upload_locked(std::vector<std::size_t> order) {
     s.upload = engine->copy(swap::Direction::kHostToDevice, s.param.data_ptr(), s.staging.data_ptr(),
                             s.param.nbytes(), {}, compute);
     s.upload_pending = true;
+    s.upload_seq = ++upload_seq_;
     uploads_.emplace_back(s.upload, s.staging);  // staging stays until the copy is done (rule 3)
     stats_.weight_bytes_to_device += s.param.nbytes();
     sent.push_back(i);
@@ -570,21 +705,25 @@ GradStream::Finish GradStream::finish(double scale, bool stale) {
   worker_->drain();
   std::unique_lock<std::mutex> lock(mutex_);
   stats_.step_wait_ns += since_ns(t0);
+  count_freed_locked();
   wait_uploads_locked(lock);
   Finish out;
   std::vector<std::size_t> redo;
   for (std::size_t i = 0; i < slots_.size(); ++i) {
     Slot& s = slots_[i];
     if (!s.streamable) continue;
+    if (stale && s.released) restore_locked(i, false);  // the caller re-reads the master and takes p.grad
     const at::Tensor grad = s.param.grad();
+    const bool released = s.released && !grad.defined();  // its gradient is the landed host copy
     const bool early = s.spec_done && !s.discarded;
-    if (!grad.defined()) {
+    if (!grad.defined() && !released) {
       if (s.streamed && !s.discarded) stats_.taken_back += 1;
       s.discarded = true;
       continue;
     }
     const bool same_grad = s.streamed && s.landed && !s.discarded && !stale && s.has_state &&
-                           grad.unsafeGetTensorImpl() == s.grad_impl && grad._version() == s.grad_version;
+                           (released || (grad.unsafeGetTensorImpl() == s.grad_impl &&
+                                         grad._version() == s.grad_version));
     if (same_grad && early && scale == 1.0 && same_options(s.options_used, groups_[static_cast<std::size_t>(s.group)])) {
       s.master = s.out_master;
       s.exp_avg = s.out_exp_avg;
@@ -603,8 +742,12 @@ GradStream::Finish GradStream::finish(double scale, bool stale) {
       stats_.taken_back += 1;  // streamed, never stepped (speculation stopped), and now not usable
     }
     if (s.streamed && !s.discarded) s.discarded = true;
-    if (same_grad) redo.push_back(i);
-    else out.unhandled.push_back(i);
+    if (same_grad) {
+      redo.push_back(i);
+    } else {
+      if (s.released) restore_locked(i, false);  // the caller steps it from p.grad
+      out.unhandled.push_back(i);
+    }
   }
   // Stepped here from the gradients already on the host, with the clip
   // coefficient: the same kernel on the same values as the Python path.
@@ -648,12 +791,16 @@ void GradStream::wait_module(std::size_t module) {
   TIERFLOW_EXPECTS(module < modules_.size(), "GradStream::wait_module: no module " + std::to_string(module));
   const auto t0 = Clock::now();
   const auto& engine = runtime_->copy_engine();
+  // Host -> device copies complete in submission order: waiting for the one
+  // sent last waits for all of the module's (rule 2, one event per module).
+  Slot* last = nullptr;
   for (std::size_t i : modules_[module]) {
     Slot& s = slots_[i];
     if (!s.upload_pending) continue;
-    engine->make_stream_wait(compute_stream_of(*engine, s.param.device()), s.upload);  // rule 2
+    if (!last || s.upload_seq > last->upload_seq) last = &s;
     s.upload_pending = false;
   }
+  if (last) engine->make_stream_wait(compute_stream_of(*engine, last->param.device()), last->upload);
   stats_.weight_wait_ns += since_ns(t0);
 }
 

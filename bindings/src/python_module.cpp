@@ -202,6 +202,9 @@ py::dict grad_stream_stats(const GradStreamStats& s) {
   d["speculation_stops"] = s.speculation_stops;
   d["grad_bytes_to_host"] = s.grad_bytes_to_host;
   d["weight_bytes_to_device"] = s.weight_bytes_to_device;
+  d["grads_released"] = s.grads_released;
+  d["grad_bytes_freed"] = s.grad_bytes_freed;
+  d["grads_restored"] = s.grads_restored;
   d["kernel_ms"] = static_cast<double>(s.kernel_ns) / 1e6;
   d["step_kernel_ms"] = static_cast<double>(s.step_kernel_ns) / 1e6;
   d["step_wait_ms"] = static_cast<double>(s.step_wait_ns) / 1e6;
@@ -514,18 +517,20 @@ PYBIND11_MODULE(_C, m) {
   py::class_<PyGradStream, std::shared_ptr<PyGradStream>>(
       m, "GradStream", "Gradients to the CPU optimizer in buckets during backward (Note [Gradient streaming]).")
       .def(py::init([](std::shared_ptr<Runtime> rt, std::size_t bucket_bytes, int accumulation,
-                       double max_grad_norm, bool skip_nonfinite, bool weights_in_forward) {
+                       double max_grad_norm, bool skip_nonfinite, bool weights_in_forward,
+                       bool offload_gradients) {
         GradStreamOptions o;
         o.bucket_bytes = bucket_bytes;
         o.accumulation_steps = accumulation;
         o.max_grad_norm = max_grad_norm;
         o.skip_nonfinite = skip_nonfinite;
         o.weights_in_forward = weights_in_forward;
+        o.offload_gradients = offload_gradients;
         auto p = std::make_shared<PyGradStream>();
         p->stream = GradStream::create(std::move(rt), o);
         return p;
       }), py::arg("runtime"), py::arg("bucket_bytes"), py::arg("accumulation"), py::arg("max_grad_norm"),
-           py::arg("skip_nonfinite"), py::arg("weights_in_forward"))
+           py::arg("skip_nonfinite"), py::arg("weights_in_forward"), py::arg("offload_gradients") = false)
       .def("add_parameter", [](PyGradStream& g, const at::Tensor& p, int group) {
         auto slot = g.stream->add_parameter(p, group);
         g.states.resize(slot + 1, py::none());
@@ -580,6 +585,15 @@ PYBIND11_MODULE(_C, m) {
         return f.unhandled;
       }, "step(): commits or redoes the streamed steps and sends weights back; returns the slots left to the caller.")
       .def("discard_all", [](PyGradStream& g) { g.stream->discard_all(); })
+      .def("restore_grads", [](PyGradStream& g) {
+        py::gil_scoped_release release;
+        g.stream->restore_grads();
+      }, "Puts released gradients back on the device as p.grad (TIERFLOW_OFFLOAD_GRADIENTS).")
+      .def("released_norms", [](PyGradStream& g) {
+        py::dict d;
+        for (auto& [slot, norm] : g.stream->released_norms()) d[py::int_(slot)] = norm;
+        return d;
+      }, "slot -> clip_grad_norm_'s per-tensor norm of each released gradient.")
       .def("end_window", [](PyGradStream& g) {
         py::gil_scoped_release release;
         g.stream->end_window();

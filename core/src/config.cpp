@@ -226,6 +226,12 @@ const std::vector<Row>& rows() {
          else if (s == "forward") c.weights_return_in_forward = true;
          else bad_value(name, v, "step or forward");
        }},
+      {{"TIERFLOW_OFFLOAD_GRADIENTS", "off", "on or off",
+        "on: a device model's gradient is freed on the device as soon as its copy to the host is "
+        "done, during backward (p.grad is None until step(); clip with TIERFLOW_MAX_GRAD_NORM, not "
+        "clip_grad_norm_); off: p.grad stays on the device until zero_grad, as torch's (see Note "
+        "[Gradient streaming])"},
+       on_off_parser(&Config::offload_gradients)},
       {{"TIERFLOW_GRAD_ACCUMULATION_STEPS", "1", "an integer from 1 to 1000000",
         "backward passes per optimizer step; steps during backward run only in the last one (a "
         "wrong value costs time, never correctness)"},
@@ -481,6 +487,7 @@ std::map<std::string, std::string> Config::to_strings() const {
        gpu_optimizer_fraction_auto ? "auto" : format_double(gpu_optimizer_fraction)},
       {"TIERFLOW_GRAD_BUCKET_BYTES", grad_bucket_bytes == 0 ? "auto" : std::to_string(grad_bucket_bytes)},
       {"TIERFLOW_WEIGHTS_RETURN", weights_return_in_forward ? "forward" : "step"},
+      {"TIERFLOW_OFFLOAD_GRADIENTS", offload_gradients ? "on" : "off"},
       {"TIERFLOW_MIMALLOC", mimalloc ? "on" : "off"},
       {"TIERFLOW_DEVICE", std::string(to_string(device))},
       {"TIERFLOW_EMULATED_DEVICE", std::string(to_string(emulated_device))},

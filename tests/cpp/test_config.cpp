@@ -138,6 +138,7 @@ TEST(Config, BadValuesNameVariableValueAndForms) {
   expect_error({{"TIERFLOW_GPU_OPTIMIZER_FRACTION", "1.5"}}, {}, {"TIERFLOW_GPU_OPTIMIZER_FRACTION", "from 0 to 1"});
   expect_error({{"TIERFLOW_GRAD_BUCKET_BYTES", "1KiB"}}, {}, {"TIERFLOW_GRAD_BUCKET_BYTES", "auto or a size"});
   expect_error({{"TIERFLOW_WEIGHTS_RETURN", "later"}}, {}, {"TIERFLOW_WEIGHTS_RETURN", "step or forward"});
+  expect_error({{"TIERFLOW_OFFLOAD_GRADIENTS", "yes"}}, {}, {"TIERFLOW_OFFLOAD_GRADIENTS", "on or off"});
   expect_error({{"TIERFLOW_AIO_BLOCK_SIZE", "1000"}}, {}, {"TIERFLOW_AIO_BLOCK_SIZE", "multiple of 4KiB"});
   expect_error({{"TIERFLOW_AIO_BLOCK_SIZE", "128MiB"}}, {}, {"TIERFLOW_AIO_BLOCK_SIZE"});
   expect_error({{"TIERFLOW_AIO_QUEUE_DEPTH", "0"}}, {}, {"TIERFLOW_AIO_QUEUE_DEPTH", "from 1 to 1024"});
@@ -150,8 +151,11 @@ TEST(Config, OptimizerStreamingSettings) {
   EXPECT_TRUE(d.gpu_optimizer_fraction_auto);
   EXPECT_EQ(d.grad_bucket_bytes, 0u);  // auto
   EXPECT_FALSE(d.weights_return_in_forward);
+  EXPECT_FALSE(d.offload_gradients);
   Config c = Config::parse({{"TIERFLOW_GPU_OPTIMIZER_FRACTION", "0.25"}, {"TIERFLOW_GRAD_BUCKET_BYTES", "16MiB"},
-                            {"TIERFLOW_WEIGHTS_RETURN", "forward"}});
+                            {"TIERFLOW_WEIGHTS_RETURN", "forward"}, {"TIERFLOW_OFFLOAD_GRADIENTS", "on"}});
+  EXPECT_TRUE(c.offload_gradients);
+  EXPECT_EQ(c.to_strings().at("TIERFLOW_OFFLOAD_GRADIENTS"), "on");
   EXPECT_FALSE(c.gpu_optimizer_fraction_auto);
   EXPECT_DOUBLE_EQ(c.gpu_optimizer_fraction, 0.25);
   EXPECT_EQ(c.grad_bucket_bytes, 16u << 20);

@@ -209,3 +209,140 @@ def test_weights_in_flight_are_waited_for_by_synchronize_and_state_dicts(device)
         master = opt.state[p]["master"]
         assert torch.equal(p.detach(), master.to(p.dtype)), f"{k} is its master after the copies landed"
         assert math.isfinite(float(p.detach().abs().sum())), k
+
+
+# ---- TIERFLOW_OFFLOAD_GRADIENTS: device gradients freed once their copy is done --------------------------------
+
+
+def _n_params(task, device):
+    torch.manual_seed(0)
+    return len(list(task.model_on(device).parameters()))
+
+
+@pytest.mark.parametrize("bucket", [SMALL, "auto"])
+def test_offloaded_gradients_are_freed_after_their_copy_and_steps_match(bucket, device):
+    """Each gradient's device memory goes as soon as its copy has landed; the steps are those taken
+    after backward, bit for bit (on the adversarial device a gradient freed before its copy read it
+    is poison, and the step would differ)."""
+    task = gpt_task(dropout=0.0)
+    offloaded = train(task, 4, True, device=device, grad_bucket_bytes=bucket, offload_gradients="on")
+    after = train(task, 4, True, device=device, overlap_step="off")
+    assert_bit_identical(offloaded, after)
+    s = offloaded.report["optimizer"]["streaming"]
+    assert s["grads_released"] == 4 * _n_params(task, device)
+    # Nothing else held them: every released gradient's device memory was freed.
+    assert s["grad_bytes_freed"] == s["grad_bytes_to_host"] == 4 * grad_bytes(task, device)
+    assert s["grads_restored"] == 0 and s["committed"] == s["early_steps"] > 0 and s["taken_back"] == 0
+    assert offloaded.host_in_use_after_release == 0
+
+
+def test_offloaded_gradients_leave_p_grad_none_and_free_device_memory(device):
+    """After backward p.grad is None for every streamed parameter, and once the buckets have landed
+    (before step()) every gradient's device memory is freed; on CUDA the allocator then holds one
+    step's gradients less than with the option off."""
+    task = gpt_task(dropout=0.0)
+
+    def after_backward(offload):
+        torch.manual_seed(0)
+        model = task.model_on(device)
+        model, opt = tierflow.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), device=device,
+                                   grad_bucket_bytes=SMALL, offload_gradients=offload)
+        task.loss(model, task.batch_on(0, device)).backward()
+        grads = [p.grad for p in model.parameters()]
+        opt._stream.wait_worker()  # every bucket has landed on the host
+        freed = opt.stream_stats()["grad_bytes_freed"]
+        allocated = None
+        if device == "cuda":
+            torch.cuda.synchronize()
+            allocated = torch.cuda.memory_allocated()
+        opt.step()
+        opt.zero_grad()
+        return grads, freed, allocated
+
+    grads_on, freed_on, mem_on = after_backward("on")
+    grads_off, freed_off, mem_off = after_backward("off")
+    assert all(g is None for g in grads_on), "p.grad is None until step() with TIERFLOW_OFFLOAD_GRADIENTS=on"
+    assert all(g is not None for g in grads_off)
+    assert freed_on == grad_bytes(task, device) and freed_off == 0
+    if device == "cuda":
+        # The worker dropped the last references once the copies landed.
+        assert mem_off - mem_on >= 0.9 * grad_bytes(task, device), (mem_off, mem_on)
+
+
+@pytest.mark.parametrize("max_norm", [0.05, 1e6])
+def test_offloaded_gradients_clip_as_clip_grad_norm_(max_norm, device):
+    """The global norm comes from the per-tensor norms the hook took before freeing each gradient."""
+    task = gpt_task(dropout=0.0)
+    tier = train(task, 4, True, device=device, max_grad_norm=max_norm, grad_bucket_bytes=SMALL,
+                 offload_gradients="on")
+    assert_bit_identical(tier, train(task, 4, True, device=device, clip_grad_norm=max_norm, overlap_step="off"))
+    assert_close(train(task, 4, False, device=device, clip_grad_norm=max_norm), tier)
+    s = tier.report["optimizer"]["streaming"]
+    assert s["grads_released"] > 0 and s["grads_restored"] == 0
+    if max_norm < 1:
+        assert s["speculation_stops"] == 4 and s["committed"] == 0
+
+
+def test_offloaded_gradients_with_a_nonfinite_step_skip_it_and_give_p_grad_back(device):
+    task = gpt_task(dropout=0.0)
+    base_losses, base_params, _ = _train_with_poison(task, device, 4, False)
+    losses, params, opt = _train_with_poison(task, device, 4, True, skip_nonfinite="on", grad_bucket_bytes=SMALL,
+                                             offload_gradients="on")
+    for a, b in zip(base_losses, losses):
+        assert abs(a - b) <= 1e-6 * abs(a), (base_losses, losses)
+    for k in base_params:
+        torch.testing.assert_close(params[k], base_params[k], rtol=1e-6, atol=5e-5, msg=k)
+    assert opt.overlap_stats["skipped_steps"] == 1
+    # A skipped step leaves the gradients in p.grad, as torch's optimizers do.
+    assert opt.stream_stats()["grads_restored"] == _n_params(task, device)
+
+
+@pytest.mark.parametrize("hint", [1, 3])
+def test_offloaded_gradients_under_accumulation(hint, device):
+    """A wrong hint (1 for 3 micro-batches) streams and frees too early: the next forward puts the
+    gradients back and backward accumulates into them, so the result does not change."""
+    task = gpt_task(dropout=0.0)
+    tier = train(task, 3, True, device=device, accumulate=3, grad_accumulation_steps=hint, grad_bucket_bytes=SMALL,
+                 offload_gradients="on")
+    assert_bit_identical(tier, train(task, 3, True, device=device, accumulate=3, overlap_step="off"))
+    s = tier.report["optimizer"]["streaming"]
+    if hint == 3:
+        assert s["grads_restored"] == 0 and s["grad_bytes_to_host"] == 3 * grad_bytes(task, device)
+    else:
+        assert s["grads_restored"] > 0 and s["taken_back"] > 0
+
+
+def test_offloaded_gradients_survive_load_state_dict_before_step(device):
+    """model.load_state_dict or optimizer.load_state_dict between backward and step(): the step still
+    takes this backward's gradients (they come back from the host)."""
+    task = gpt_task(dropout=0.0)
+
+    def run(**settings):
+        torch.manual_seed(0)
+        model = task.model_on(device)
+        model, opt = tierflow.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), device=device,
+                                   **settings)
+        for i in range(3):
+            task.loss(model, task.batch_on(i, device)).backward()
+            if i == 1:
+                model.load_state_dict(model.state_dict())
+            if i == 2:
+                opt.load_state_dict(opt.state_dict())
+            opt.step()
+            opt.zero_grad()
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}, opt
+
+    after, _ = run(overlap_step="off")
+    offloaded, opt = run(offload_gradients="on", grad_bucket_bytes=SMALL)
+    for k in after:
+        assert torch.equal(offloaded[k], after[k]), k
+    assert opt.stream_stats()["grads_restored"] == 2 * _n_params(task, device)
+
+
+def test_offloaded_gradients_need_the_stream(device):
+    task = gpt_task()
+    torch.manual_seed(0)
+    model = task.model_on(device)
+    with pytest.raises(tierflow.ConfigError, match="TIERFLOW_OFFLOAD_GRADIENTS=on.*TIERFLOW_OVERLAP_STEP=on"):
+        tierflow.wrap(model, torch.optim.AdamW(model.parameters()), device=device, overlap_step="off",
+                      offload_gradients="on")

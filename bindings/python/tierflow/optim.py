@@ -188,6 +188,14 @@ class CPUAdamW(torch.optim.Optimizer):
         norm = cfg["TIERFLOW_MAX_GRAD_NORM"]
         self._max_grad_norm = None if norm == "none" else float(norm)
         self._skip_nonfinite = cfg["TIERFLOW_SKIP_NONFINITE"] == "on"
+        # Note [Gradient streaming]: device gradients freed once on the host; p.grad is None until step().
+        self._offload_grads = cfg.get("TIERFLOW_OFFLOAD_GRADIENTS", "off") == "on"
+        if self._offload_grads and not self._overlap:
+            raise _C.ConfigError(
+                "TIERFLOW_OFFLOAD_GRADIENTS=on frees gradients as they stream to the CPU step during backward, "
+                f"which needs TIERFLOW_OVERLAP_STEP=on (it is {cfg['TIERFLOW_OVERLAP_STEP']}) and optimizer "
+                f"states on the host, TIERFLOW_OFFLOAD_OPTIMIZER=cpu (it is {cfg['TIERFLOW_OFFLOAD_OPTIMIZER']}); "
+                "accepted: those two settings, or TIERFLOW_OFFLOAD_GRADIENTS=off")
         self._spec: dict = {}          # param -> speculative step in flight or done
         self._grad_events: dict = {}   # param -> gradients completed since the last step()
         self._hooks = []
@@ -222,7 +230,8 @@ class CPUAdamW(torch.optim.Optimizer):
             bucket = cfg.get("TIERFLOW_GRAD_BUCKET_BYTES", "auto")
             self._stream = _C.GradStream(runtime, 0 if bucket == "auto" else int(bucket), self._accumulation,
                                          self._max_grad_norm or 0.0, self._skip_nonfinite,
-                                         cfg.get("TIERFLOW_WEIGHTS_RETURN", "step") == "forward")
+                                         cfg.get("TIERFLOW_WEIGHTS_RETURN", "step") == "forward",
+                                         self._offload_grads)
             gpu = self._gpu_share or set()
             for gi, group in enumerate(self.param_groups):
                 for p in group["params"]:
@@ -437,6 +446,7 @@ class CPUAdamW(torch.optim.Optimizer):
         """Loads a CPUAdamW or torch Adam/AdamW state dict, keeping fp32 precision."""
         if self._stream is not None:
             self._wait_worker()
+            self._stream.restore_grads()  # the next step() still takes this backward's gradients
             self._stream.end_window()  # early steps read the state being replaced
             self._stream.synchronize()
         # torch casts state to the parameter's dtype; keep the fp32 originals.
@@ -566,15 +576,45 @@ class CPUAdamW(torch.optim.Optimizer):
 
     def _clip_coefficient(self) -> tuple[float, bool]:
         """(clip coefficient, all gradients finite), with clip_grad_norm_'s own ops."""
-        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-        if not grads or (self._max_grad_norm is None and not self._skip_nonfinite):
+        if self._max_grad_norm is None and not self._skip_nonfinite:
             return 1.0, True
-        total = torch.nn.utils.get_total_norm(grads, 2.0)
+        released = self._stream.released_norms() if self._offload_grads else {}
+        if released:
+            total = self._total_norm_with_released(released)
+        else:
+            grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+            if not grads:
+                return 1.0, True
+            total = torch.nn.utils.get_total_norm(grads, 2.0)
         finite = bool(torch.isfinite(total))
         if self._max_grad_norm is None:
             return 1.0, finite
         coef = torch.clamp(self._max_grad_norm / (total + 1e-6), max=1.0)
         return float(coef), finite
+
+    def _total_norm_with_released(self, released: dict) -> torch.Tensor:
+        """torch.nn.utils.get_total_norm over every gradient, where a released one (on the host
+        only) enters as the per-tensor norm the C++ hook computed with the same op
+        (_foreach_norm) before freeing it: same grouping by device and dtype, same order."""
+        items = []  # a gradient, or the norm standing for a released one (same device and dtype)
+        is_norm = []
+        for g in self.param_groups:
+            for p in g["params"]:
+                slot = self._slot_of.get(p)
+                if p.grad is not None:
+                    items.append(p.grad)
+                    is_norm.append(False)
+                elif slot is not None and slot in released:
+                    items.append(released[slot])
+                    is_norm.append(True)
+        first_device = items[0].device
+        grouped = torch.utils._foreach_utils._group_tensors_by_device_and_dtype([items], with_indices=True)
+        norms = []
+        for ([tensors], indices) in grouped.values():
+            real = [t for t, i in zip(tensors, indices) if not is_norm[i]]
+            computed = iter(torch._foreach_norm(real, 2.0) if real else [])
+            norms.extend(t if is_norm[i] else next(computed) for t, i in zip(tensors, indices))
+        return torch.linalg.vector_norm(torch.stack([n.to(first_device) for n in norms]), 2.0)
 
     @torch.no_grad()
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -599,6 +639,7 @@ class CPUAdamW(torch.optim.Optimizer):
         if self._skip_nonfinite and not finite:
             self._take_back_all()
             if self._stream is not None:
+                self._stream.restore_grads()  # a skipped step leaves p.grad as torch's does
                 self._stream.end_window()
             self._overlap_counts["skipped_steps"] += 1
         elif self._stream is not None:

@@ -14,8 +14,29 @@
 //     gradient is copied device -> host, on the copy engine's D2H stream after
 //     the work queued on the stream that produced it (rule 1 of Note [Copy
 //     ordering]), into its slice of one pinned buffer per bucket. The device
-//     gradient stays referenced until its copy has landed (rule 3); it is
-//     p.grad, which the user may still read, clip or scale before step().
+//     gradient stays referenced until its copy has landed (rule 3). By
+//     default it is also p.grad, which the user may still read, clip or scale
+//     before step(). With TIERFLOW_OFFLOAD_GRADIENTS=on (torchao's
+//     offload_gradients) the hook sets p.grad to None at once and this
+//     stream's reference is the last one: it is dropped as soon as the copy
+//     is seen complete (polled at every later gradient, at backward's end,
+//     and by the worker when it waits for the bucket), so the device memory
+//     of a bucket returns to the allocator while backward goes on, and never
+//     before its copy has read it (rule 3; the adversarial device poisons a
+//     freed block at once, so an early release shows up as a wrong step).
+//     The gradients of a step then live only in the pinned bucket buffers.
+//     Where torch would still need one on the device, it is copied back
+//     (restore_grads, rule 1 and 2 as for weights): a forward before step()
+//     (the backward was not the last one of the window), a second gradient
+//     into a released parameter, load_state_dict or a stale master before
+//     step(), a step skipped for a non-finite gradient. Clipping needs
+//     clip_grad_norm_'s per-tensor norms: the hook computes each released
+//     gradient's with the same op (_foreach_norm, on the stream that produced
+//     it) before letting it go, and step() combines them as clip_grad_norm_
+//     does. What cannot work is user code that reads p.grad between
+//     backward() and step() (its own clip_grad_norm_, GradScaler.unscale_):
+//     it sees None. Use TIERFLOW_MAX_GRAD_NORM, TIERFLOW_SKIP_NONFINITE and
+//     bf16 instead, or leave the option off.
 //  2. Stepping. When the last gradient of a bucket is in (or backward ends,
 //     for buckets with parameters that got none), the bucket goes to the
 //     optimizer worker: it waits for the bucket's copies, adds the bucket's
@@ -37,8 +58,10 @@
 //     TIERFLOW_WEIGHTS_RETURN=step the compute stream waits for all of them
 //     when step() returns (on CUDA without blocking the host). With =forward
 //     each module's forward pre-hook waits only for its own parameters
-//     (wait_module), so the copies overlap the next forward. Staging is kept
-//     until its copy is done (rule 3).
+//     (wait_module), so the copies overlap the next forward. Copies in one
+//     direction complete in submission order (Note [Copy ordering]), so a
+//     module waits on one event: that of its parameter sent last. Staging is
+//     kept until its copy is done (rule 3).
 //
 // Clipping: the global norm is known only when backward ends. Two choices:
 // defer every bucket's step until then, or step speculatively and redo. The
@@ -85,6 +108,7 @@ struct GradStreamOptions {
   double max_grad_norm = 0.0;         ///< 0: no clipping
   bool skip_nonfinite = false;        ///< skip the step on an inf/NaN gradient
   bool weights_in_forward = false;    ///< TIERFLOW_WEIGHTS_RETURN=forward
+  bool offload_gradients = false;     ///< TIERFLOW_OFFLOAD_GRADIENTS: p.grad is None after its copy
 };
 
 /// Counters of the streaming path (cumulative, except the `last_` ones).
@@ -100,6 +124,9 @@ struct GradStreamStats {
   std::uint64_t speculation_stops = 0;  ///< backwards where the running norm stopped speculation
   std::uint64_t grad_bytes_to_host = 0;   ///< gradient bytes streamed device -> host
   std::uint64_t weight_bytes_to_device = 0;  ///< weight bytes streamed host -> device
+  std::uint64_t grads_released = 0;   ///< device gradients let go after their copy (offload_gradients)
+  std::uint64_t grad_bytes_freed = 0; ///< ... whose device memory was freed by step() (nothing else held it)
+  std::uint64_t grads_restored = 0;   ///< released gradients put back on the device (restore_grads)
   std::uint64_t kernel_ns = 0;        ///< time in the CPU AdamW during backward (worker)
   std::uint64_t step_kernel_ns = 0;   ///< time in the CPU AdamW inside step() (redone steps)
   std::uint64_t step_wait_ns = 0;     ///< time step() waited for the worker after backward
@@ -151,8 +178,15 @@ class GradStream : public std::enable_shared_from_this<GradStream> {
   /// coefficient), sends weights back, and ends the window. `stale`: the
   /// masters must be re-read from the parameters (every streamed slot is unhandled).
   Finish finish(double scale, bool stale);
-  /// Discards every early step not yet confirmed (a forward before step(), a skipped step).
+  /// Discards every early step not yet confirmed (a forward before step(), a
+  /// skipped step); released gradients go back to p.grad (restore_grads).
   void discard_all();
+  /// Puts every released gradient of this window back on the device as
+  /// p.grad (p.grad set meanwhile by the user is left as it is).
+  void restore_grads();
+  /// clip_grad_norm_'s per-tensor norm of each released gradient (device
+  /// scalars), by slot; only with clipping or skip-non-finite on.
+  std::vector<std::pair<std::size_t, at::Tensor>> released_norms() const;
   /// Ends the accumulation window (zero_grad, a skipped step): discards and resets counts.
   void end_window();
   /// True while gradients streamed since the last step() wait for confirmation.
@@ -181,6 +215,10 @@ class GradStream : public std::enable_shared_from_this<GradStream> {
   void plan_locked();
   void reset_window_locked(bool count_taken_back);
   void upload_locked(std::vector<std::size_t> slots);
+  void release_landed_locked();
+  void drop_device_grad_locked(Slot& s);
+  void count_freed_locked();
+  void restore_locked(std::size_t slot, bool accumulate);
   void wait_uploads_locked(std::unique_lock<std::mutex>& lock);
 
   std::shared_ptr<Runtime> runtime_;
@@ -201,6 +239,8 @@ class GradStream : public std::enable_shared_from_this<GradStream> {
   optimizer::PartialNorms partial_;
   GradStreamStats stats_;
   std::vector<std::pair<swap::TransferHandle, at::Tensor>> uploads_;  // staging kept until its copy is done
+  std::vector<std::size_t> releasing_;   // released slots whose device gradient waits for its copy
+  std::uint64_t upload_seq_ = 0;         // submission order of weight copies (wait_module)
   std::function<void()> on_backward_begin_;
   std::function<void(std::size_t)> init_state_;
   std::unique_ptr<swap::detail::SerialWorker> worker_;

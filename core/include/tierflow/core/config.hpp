@@ -81,6 +81,7 @@ struct Config {
   bool gpu_optimizer_fraction_auto = true;  ///< TIERFLOW_GPU_OPTIMIZER_FRACTION=auto
   std::uint64_t grad_bucket_bytes = 0;    ///< TIERFLOW_GRAD_BUCKET_BYTES; 0 means auto
   bool weights_return_in_forward = false;  ///< TIERFLOW_WEIGHTS_RETURN=forward
+  bool offload_gradients = false;         ///< TIERFLOW_OFFLOAD_GRADIENTS
 
   /// All defaults, as listed in the table.
   static Config defaults();
