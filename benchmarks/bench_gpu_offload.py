@@ -13,8 +13,9 @@ weights, same seeded random tokens, AdamW at the same learning rate) for
   tierflow-host      tierflow.wrap: activations to the pinned host pool, torch's AdamW kept
   tierflow-nvme      tierflow.wrap: activations to NVMe swap files, torch's AdamW kept
   tierflow-host-opt  tierflow.wrap: activations to host, AdamW on the CPU (tierflow.CPUAdamW), gradients
-                     streamed to the host in buckets during backward and weights back during the next
-                     forward (Note [Gradient streaming]; TIERFLOW_WEIGHTS_RETURN=forward)
+                     streamed to the host in buckets during backward and freed on the device once there
+                     (TIERFLOW_OFFLOAD_GRADIENTS=on; --offload-gradients off keeps them), weights back
+                     during the next forward (Note [Gradient streaming]; TIERFLOW_WEIGHTS_RETURN=forward)
   tierflow-opt       tierflow.wrap: activations kept on the device, AdamW on the CPU, streamed as in
                      tierflow-host-opt: the like-for-like peer of deepspeed-offload
   deepspeed-offload  DeepSpeed ZeRO stage 2 with offload_optimizer: cpu (ZeRO-Offload), the peer; needs
@@ -167,6 +168,8 @@ def deepspeed_engine(model: torch.nn.Module, cfg: dict, cuda: bool) -> Any:
         "bf16": {"enabled": cfg["dtype"] == "bf16"},
         "steps_per_print": 1 << 30,
     }
+    if cfg.get("max_grad_norm") is not None:
+        ds_config["gradient_clipping"] = cfg["max_grad_norm"]
     engine, _opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     return engine
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -239,6 +242,7 @@ def stream_summary(before: dict, after: dict, steps: int) -> dict:
             "grad_bytes_to_host_per_step": per_step("grad_bytes_to_host"),
             "weight_bytes_to_device_per_step": per_step("weight_bytes_to_device"),
             "grad_buckets_per_step": per_step("buckets"),
+            "grad_bytes_freed_before_step_per_step": per_step("grad_bytes_freed"),
             "grad_bucket_bytes": a.get("bucket_bytes"), "grad_bucket_count": a.get("bucket_count"),
             "gpu_optimizer_fraction": a.get("gpu_optimizer_fraction"),
             "stream_counters": a}
@@ -320,6 +324,10 @@ def _train(mode: str, cfg: dict, result: dict) -> None:
                 settings[key] = cfg[key]
         if mode in CPU_OPTIMIZER_MODES and cfg.get("grad_bucket_bytes") is not None:
             settings["grad_bucket_bytes"] = cfg["grad_bucket_bytes"]
+        if mode in CPU_OPTIMIZER_MODES:
+            settings["offload_gradients"] = cfg["offload_gradients"]
+            if cfg.get("max_grad_norm") is not None:  # clipped inside step(), from the streamed norms
+                settings["max_grad_norm"] = str(cfg["max_grad_norm"])
         if mode == "tierflow-nvme":
             settings.update(nvme_paths=[cfg["nvme_path"]], nvme_memory=cfg["nvme_memory"])
         if mode == "tierflow-auto" and cfg.get("auto_gpu_memory"):
@@ -376,8 +384,10 @@ def _train(mode: str, cfg: dict, result: dict) -> None:
             events[2].record()
         t2 = time.perf_counter()
         if engine is not None:
-            engine.step()  # and zeroes the gradients
+            engine.step()  # and zeroes the gradients (and clips, with gradient_clipping)
         else:
+            if cfg.get("max_grad_norm") is not None and mode not in CPU_OPTIMIZER_MODES:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["max_grad_norm"])
             opt.step()
             opt.zero_grad(set_to_none=True)
         if cuda:
@@ -560,7 +570,8 @@ def print_table(out: dict) -> None:
                   f"step() waited for the CPU {r['step_wait_for_cpu_seconds']:.4f} s, weights waited "
                   f"{r['weight_wait_seconds']:.4f} s; gradients {fmt_bytes(r['grad_bytes_to_host_per_step'])} "
                   f"down in {r['grad_buckets_per_step']:.0f} buckets of {fmt_bytes(r['grad_bucket_bytes'] or 0)}, "
-                  f"weights {fmt_bytes(r['weight_bytes_to_device_per_step'])} up")
+                  f"weights {fmt_bytes(r['weight_bytes_to_device_per_step'])} up; gradients freed on the device "
+                  f"before step() {fmt_bytes(r.get('grad_bytes_freed_before_step_per_step') or 0)}")
         if "cpu_step_kernel_seconds" in r:
             print(f"{m}: tierflow's CPU AdamW kernel alone, all {r['cpu_step_kernel_elements']:,} parameters: "
                   f"{r['cpu_step_kernel_seconds']:.4f} s ({r['cpu_step_kernel_params_per_second']:.3g} params/s)")
@@ -657,6 +668,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                                              "(default: the preset's)")
     ap.add_argument("--min-offload-bytes", help="tierflow's offload threshold (default: the preset's)")
     ap.add_argument("--grad-bucket-bytes", help="tierflow-host-opt's gradient bucket size (default: auto)")
+    ap.add_argument("--offload-gradients", choices=["on", "off"], default="on",
+                    help="the CPU-optimizer modes free each gradient on the device once it is on the host "
+                         "(TIERFLOW_OFFLOAD_GRADIENTS), as ZeRO-Offload does (default: on)")
+    ap.add_argument("--max-grad-norm", type=float,
+                    help="clip to this global norm in every mode: clip_grad_norm_ before torch's step, "
+                         "TIERFLOW_MAX_GRAD_NORM for the CPU-optimizer modes, gradient_clipping for DeepSpeed")
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--tie-head", action="store_true", help="tie the LM head to the token embedding")
@@ -676,6 +693,9 @@ def resolve(args: argparse.Namespace) -> dict:
     for key in ("dtype", "steps", "warmup", "nvme_memory", "min_offload_bytes", "prefetch_bytes", "grad_bucket_bytes"):
         if getattr(args, key) is not None:
             cfg[key] = getattr(args, key)
+    if args.max_grad_norm is not None and not args.max_grad_norm > 0:
+        raise SystemExit(f"--max-grad-norm {args.max_grad_norm}: accepted, a positive number")
+    cfg.update(offload_gradients=args.offload_gradients, max_grad_norm=args.max_grad_norm)
     cfg.update(lr=args.lr, seed=args.seed, tie_head=args.tie_head, kernel_repeats=args.kernel_repeats,
                host_memory=args.host_memory,
                device=args.device or ("cuda" if torch.cuda.is_available() else "cpu"),

@@ -101,6 +101,9 @@ def test_every_mode_runs_and_records_its_measurements(tiny_run):
     assert opt["tierflow"]["per_measured_step"]["optimizer.steps"] > 0
     assert opt["cpu_step_kernel_seconds"] > 0
     assert opt["cpu_step_kernel_elements"] == data["config"]["parameters"] == opt["parameters"]
+    # TIERFLOW_OFFLOAD_GRADIENTS=on in the CPU-optimizer modes: each step's gradients freed before step().
+    assert opt["tierflow_settings"]["offload_gradients"] == "on"
+    assert opt["grad_bytes_freed_before_step_per_step"] == opt["grad_bytes_to_host_per_step"] > 0
     if EMULATED_DEVICE and "TIERFLOW_EMULATED_DEVICE" in {row["name"] for row in tierflow.config_table()}:
         # The workers ran on the emulated device in the mode this suite was started with.
         assert data["modes"]["tierflow-host"]["tierflow_report"]["config"]["TIERFLOW_EMULATED_DEVICE"] == \
