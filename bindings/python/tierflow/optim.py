@@ -53,7 +53,9 @@ device alike, so the adversarial emulated device checks this path too
   stream: in a post-accumulate-grad hook (C++ for device parameters: its slice
   of a bucket) that is the stream backward produced it on; the CPU step waits
   for the copy before it reads the gradient, and the device gradient is kept
-  referenced until then;
+  referenced until then (with TIERFLOW_OFFLOAD_GRADIENTS=on p.grad is None at
+  once and that reference, the last, goes right then: Note [Gradient
+  streaming]);
 - an updated parameter goes back from pinned staging after the work queued on
   the current stream (kernels still reading the old value), the stream waits
   for it before its next kernel, and step() waits for every upload before the
