@@ -253,8 +253,9 @@ void GradStream::plan_locked() {
     local[j] = j;
     total += bytes[j];
   }
-  const std::size_t bucket_bytes =
-      options_.bucket_bytes > 0 ? options_.bucket_bytes : optimizer::auto_grad_bucket_bytes(total);
+  const std::size_t bucket_bytes = options_.bucket_bytes > 0   ? options_.bucket_bytes
+                                   : sized_bucket_bytes_ > 0 ? sized_bucket_bytes_
+                                                             : optimizer::auto_grad_bucket_bytes(total);
   const auto plan = optimizer::plan_grad_buckets(bytes, local, bucket_bytes);
   buckets_.clear();
   for (const auto& pb : plan) {
@@ -459,6 +460,7 @@ void GradStream::run_bucket(std::uint64_t generation, std::vector<Entry> entries
   }
   // One kernel call per distinct (hyperparameters, step number) in the bucket; usually one.
   const auto t0 = Clock::now();
+  std::uint64_t stepped_bytes = 0;
   std::vector<bool> done(entries.size(), false);
   for (std::size_t a = 0; a < entries.size(); ++a) {
     if (done[a] || entries[a].held) continue;
@@ -474,6 +476,7 @@ void GradStream::run_bucket(std::uint64_t generation, std::vector<Entry> entries
       vmaxes.push_back(e.max_exp_avg_sq);
       grads.push_back(e.host_grad);
       outs.push_back(e.staging);
+      stepped_bytes += e.host_grad.nbytes();
       out.masters.push_back(e.out_master);
       out.exp_avgs.push_back(e.out_exp_avg);
       out.exp_avg_sqs.push_back(e.out_exp_avg_sq);
@@ -484,6 +487,7 @@ void GradStream::run_bucket(std::uint64_t generation, std::vector<Entry> entries
   const std::uint64_t ns = since_ns(t0);
   std::lock_guard<std::mutex> lock(mutex_);
   stats_.kernel_ns += ns;
+  stats_.kernel_grad_bytes += stepped_bytes;
   if (generation != generation_) return;
   for (const auto& e : entries) {
     Slot& s = slots_[e.slot];
@@ -772,6 +776,7 @@ GradStream::Finish GradStream::finish(double scale, bool stale) {
       vmaxes.push_back(o.amsgrad ? s.max_exp_avg_sq : at::Tensor());
       grads.push_back(s.host_grad);
       outs.push_back(s.staging);
+      stats_.kernel_grad_bytes += s.host_grad.nbytes();
       members.push_back(redo[k]);
     }
     runtime_->adam_step(o, step, masters, ms, vs, vmaxes, grads, outs);
@@ -813,6 +818,30 @@ void GradStream::synchronize() {
       s.upload_pending = false;
     }
   wait_uploads_locked(lock);
+}
+
+std::size_t GradStream::size_buckets(double link_bytes_per_second) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (options_.bucket_bytes > 0 || !planned_ || in_backward_) return stats_.bucket_bytes;
+  for (const auto& s : slots_)
+    if (s.streamed) return stats_.bucket_bytes;  // inside a window: its buckets are in use
+  optimizer::BucketSizing in;
+  in.backward_seconds = static_cast<double>(stats_.last_backward_ns) / 1e9;
+  in.link_bytes_per_second = link_bytes_per_second;
+  const double kernel_s = static_cast<double>(stats_.kernel_ns + stats_.step_kernel_ns) / 1e9;
+  in.cpu_grad_bytes_per_second = kernel_s > 0 ? static_cast<double>(stats_.kernel_grad_bytes) / kernel_s : 0.0;
+  for (const auto& s : slots_)
+    if (s.streamable) in.total_grad_bytes += s.param.nbytes();
+  sized_bucket_bytes_ = optimizer::measured_grad_bucket_bytes(in);
+  stats_.sized_link_bytes_per_s = in.link_bytes_per_second;
+  stats_.sized_cpu_grad_bytes_per_s = in.cpu_grad_bytes_per_second;
+  stats_.sized_backward_s = in.backward_seconds;
+  // The same order as now (observed in a backward), cut at the new size.
+  arrival_.clear();
+  for (const auto& b : buckets_) arrival_.insert(arrival_.end(), b.slots.begin(), b.slots.end());
+  plan_locked();
+  arrival_.clear();
+  return stats_.bucket_bytes;
 }
 
 GradStreamStats GradStream::stats() const {

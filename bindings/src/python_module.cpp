@@ -205,6 +205,10 @@ py::dict grad_stream_stats(const GradStreamStats& s) {
   d["grads_released"] = s.grads_released;
   d["grad_bytes_freed"] = s.grad_bytes_freed;
   d["grads_restored"] = s.grads_restored;
+  d["kernel_grad_bytes"] = s.kernel_grad_bytes;
+  d["sized_link_bytes_per_s"] = s.sized_link_bytes_per_s;
+  d["sized_cpu_grad_bytes_per_s"] = s.sized_cpu_grad_bytes_per_s;
+  d["sized_backward_ms"] = s.sized_backward_s * 1e3;
   d["kernel_ms"] = static_cast<double>(s.kernel_ns) / 1e6;
   d["step_kernel_ms"] = static_cast<double>(s.step_kernel_ns) / 1e6;
   d["step_wait_ms"] = static_cast<double>(s.step_wait_ns) / 1e6;
@@ -502,6 +506,10 @@ PYBIND11_MODULE(_C, m) {
       .def("stats", &runtime_stats);
   bind_planner(m);
 
+  m.def("measured_grad_bucket_bytes", [](double backward_s, double link, double cpu, std::size_t total) {
+    return optimizer::measured_grad_bucket_bytes({backward_s, link, cpu, total});
+  }, "TIERFLOW_GRAD_BUCKET_BYTES=auto from measured speeds (bytes/s), see optimizer/grad_buckets.hpp.");
+
   m.def("choose_gpu_fraction", [](double cpu_rate, double gpu_rate, double backward_s, std::size_t elements,
                                   std::size_t bytes_per_element, std::size_t free_bytes) {
     optimizer::SplitInputs in;
@@ -585,6 +593,8 @@ PYBIND11_MODULE(_C, m) {
         return f.unhandled;
       }, "step(): commits or redoes the streamed steps and sends weights back; returns the slots left to the caller.")
       .def("discard_all", [](PyGradStream& g) { g.stream->discard_all(); })
+      .def("size_buckets", [](PyGradStream& g, double link) { return g.stream->size_buckets(link); },
+           "TIERFLOW_GRAD_BUCKET_BYTES=auto from the measured step and this device -> host rate; the size in force.")
       .def("restore_grads", [](PyGradStream& g) {
         py::gil_scoped_release release;
         g.stream->restore_grads();

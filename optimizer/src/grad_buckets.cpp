@@ -33,6 +33,19 @@ std::size_t auto_grad_bucket_bytes(std::size_t total_grad_bytes) noexcept {
   return std::clamp<std::size_t>(total_grad_bytes / 16, 4 * kMiB, 64 * kMiB);
 }
 
+std::size_t measured_grad_bucket_bytes(const BucketSizing& in) noexcept {
+  constexpr std::size_t kMiB = std::size_t{1} << 20;
+  constexpr double kTailShare = 0.02;
+  if (!(in.backward_seconds > 0) || !(in.link_bytes_per_second > 0) || !(in.cpu_grad_bytes_per_second > 0) ||
+      !std::isfinite(in.link_bytes_per_second) || !std::isfinite(in.cpu_grad_bytes_per_second))
+    return auto_grad_bucket_bytes(in.total_grad_bytes);
+  const double seconds_per_byte = 1.0 / in.link_bytes_per_second + 1.0 / in.cpu_grad_bytes_per_second;
+  const double bytes = kTailShare * in.backward_seconds / seconds_per_byte;
+  const std::size_t hi = std::max(4 * kMiB, std::min(256 * kMiB, in.total_grad_bytes / 4));
+  if (!(bytes < static_cast<double>(hi))) return hi;
+  return std::clamp(static_cast<std::size_t>(bytes), 4 * kMiB, hi);
+}
+
 double sum_of_squares(const void* data, ScalarType type, std::size_t numel) noexcept {
   // Four partial sums: independent chains the compiler can keep in flight.
   double s[4] = {0, 0, 0, 0};

@@ -47,6 +47,27 @@ TEST(GradBuckets, AutoSizeIsASixteenthClampedToTheLinkBounds) {
   EXPECT_EQ(auto_grad_bucket_bytes(2700 * MiB), 64 * MiB);  // the 1.34B GPT's bf16 gradients
 }
 
+TEST(GradBuckets, MeasuredSizeKeepsTheTailWithinTwoPercentOfBackward) {
+  constexpr std::size_t MiB = std::size_t{1} << 20;
+  // The 1.34B GPT on the H100 node (GPU.md): backward 0.116 s, 55 GB/s, 5e9 bf16 params/s = 10 GB/s.
+  BucketSizing h100{0.116, 55e9, 10e9, 2700 * MiB};
+  const std::size_t b = measured_grad_bucket_bytes(h100);
+  const double tail = static_cast<double>(b) / 55e9 + static_cast<double>(b) / 10e9;
+  EXPECT_NEAR(tail, 0.02 * 0.116, 1e-6);
+  EXPECT_GT(b, 18 * MiB);
+  EXPECT_LT(b, 20 * MiB);
+  // A longer backward (activations swapped back) allows larger buckets, up to 256 MiB.
+  EXPECT_GT(measured_grad_bucket_bytes({0.28, 55e9, 10e9, 2700 * MiB}), b);
+  EXPECT_EQ(measured_grad_bucket_bytes({100.0, 55e9, 10e9, 2700 * MiB}), 256 * MiB);
+  // At least 4 buckets, and never under the 4 MiB floor.
+  EXPECT_EQ(measured_grad_bucket_bytes({100.0, 55e9, 10e9, 64 * MiB}), 16 * MiB);
+  EXPECT_EQ(measured_grad_bucket_bytes({1e-4, 55e9, 10e9, 2700 * MiB}), 4 * MiB);
+  EXPECT_EQ(measured_grad_bucket_bytes({100.0, 55e9, 10e9, 1 * MiB}), 4 * MiB);
+  // Without a measured speed: the unmeasured rule.
+  EXPECT_EQ(measured_grad_bucket_bytes({0.1, 0.0, 10e9, 2700 * MiB}), auto_grad_bucket_bytes(2700 * MiB));
+  EXPECT_EQ(measured_grad_bucket_bytes({0.0, 55e9, 10e9, 512 * MiB}), auto_grad_bucket_bytes(512 * MiB));
+}
+
 TEST(PartialNormsTest, SumOfSquaresMatchesADoubleReferenceInEveryType) {
   std::vector<float> f = {3.f, 4.f, -1.f, 0.5f, 2.f};  // 5 elements: the unrolled body and the tail
   double ref = 0;

@@ -346,3 +346,15 @@ def test_offloaded_gradients_need_the_stream(device):
     with pytest.raises(tierflow.ConfigError, match="TIERFLOW_OFFLOAD_GRADIENTS=on.*TIERFLOW_OVERLAP_STEP=on"):
         tierflow.wrap(model, torch.optim.AdamW(model.parameters()), device=device, overlap_step="off",
                       offload_gradients="on")
+
+
+def test_auto_buckets_are_sized_from_the_measured_step(device):
+    """After the first streamed step, auto buckets follow the measured backward, CPU AdamW rate and link."""
+    task = gpt_task(dropout=0.0)
+    s = train(task, 3, True, device=device).report["optimizer"]["streaming"]
+    assert s["sized_link_bytes_per_s"] > 0 and s["sized_cpu_grad_bytes_per_s"] > 0 and s["sized_backward_ms"] > 0
+    assert s["bucket_bytes"] == tierflow._C.measured_grad_bucket_bytes(
+        s["sized_backward_ms"] / 1e3, s["sized_link_bytes_per_s"], s["sized_cpu_grad_bytes_per_s"],
+        grad_bytes(task, device))
+    fixed = train(task, 3, True, device=device, grad_bucket_bytes="64KiB").report["optimizer"]["streaming"]
+    assert fixed["bucket_bytes"] == 64 << 10 and fixed["sized_link_bytes_per_s"] == 0, "an explicit size stands"

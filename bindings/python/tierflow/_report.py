@@ -75,6 +75,13 @@ class Report(dict):
             rows.append(("  gradient buckets", f'{st["buckets"]} of {fmt_bytes(st["bucket_bytes"])} ({st["bucket_count"]} '
                                                f'per backward), {fmt_bytes(st["grad_bytes_to_host"])} down, '
                                                f'{fmt_bytes(st["weight_bytes_to_device"])} of weights up'))
+            if st.get("sized_link_bytes_per_s"):
+                rows.append(("  bucket size from", f'link {st["sized_link_bytes_per_s"] / 1e9:.1f} GB/s, CPU AdamW '
+                                                   f'{st["sized_cpu_grad_bytes_per_s"] / 1e9:.1f} GB/s of gradients, '
+                                                   f'backward {st["sized_backward_ms"]:.1f} ms'))
+            if st.get("grads_released"):
+                rows.append(("  gradients freed on the device", f'{fmt_bytes(st["grad_bytes_freed"])} once on the host '
+                                                                f'({st["grads_restored"]} put back)'))
             rows.append(("  CPU step during backward / in step()", f'{st["kernel_ms"]:.1f} ms / {st["step_kernel_ms"]:.1f} ms '
                                                                  f'(step() waited {st["step_wait_ms"]:.1f} ms, '
                                                                  f'weights waited {st["weight_wait_ms"]:.1f} ms)'))

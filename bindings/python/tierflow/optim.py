@@ -201,6 +201,8 @@ class CPUAdamW(torch.optim.Optimizer):
         self._spec: dict = {}          # param -> speculative step in flight or done
         self._grad_events: dict = {}   # param -> gradients completed since the last step()
         self._hooks = []
+        # TIERFLOW_GRAD_BUCKET_BYTES=auto: sized from measured speeds after the first streamed step.
+        self._buckets_unsized = cfg.get("TIERFLOW_GRAD_BUCKET_BYTES", "auto") == "auto"
         fraction = cfg.get("TIERFLOW_GPU_OPTIMIZER_FRACTION", "0")
         self._gpu_fraction_auto = fraction == "auto"  # chosen after the first step (_choose_gpu_share)
         self._gpu_fraction = 0.0 if self._gpu_fraction_auto else float(fraction)
@@ -652,6 +654,7 @@ class CPUAdamW(torch.optim.Optimizer):
             for group, params in zip(self.param_groups, self._python_path(unhandled)):
                 if params:
                     self._step_group(group, scale, params)
+            self._size_buckets()
             self._choose_gpu_share()
         else:
             for group in self.param_groups:
@@ -683,6 +686,24 @@ class CPUAdamW(torch.optim.Optimizer):
             self._write_param(p, spec["staging"])
         self._overlap_counts["committed"] += 1
         return True
+
+    def _size_buckets(self) -> None:
+        """TIERFLOW_GRAD_BUCKET_BYTES=auto, after the first step whose gradients streamed: the
+        bucket size from the measured backward, CPU AdamW rate and device -> host link
+        (optimizer::measured_grad_bucket_bytes: the last bucket's copy and step, which run
+        after backward, within 2% of it)."""
+        if not self._buckets_unsized or not self._slot_params:
+            return
+        s = self._stream.stats()
+        if s["last_backward_ms"] <= 0 or s["kernel_grad_bytes"] <= 0:
+            return  # nothing streamed and stepped yet: measure at a later step
+        self._buckets_unsized = False
+        from ._autoplan import measure_links
+
+        total = sum(p.numel() * p.element_size() for p in self._slot_params)
+        probe = max(1 << 20, min(16 << 20, total // 16))  # a bucket-sized copy, at most 16 MiB of device memory
+        link = measure_links(self._runtime, self._slot_params[0].device, probe)["d2h"]
+        self._stream.size_buckets(link)
 
     def _choose_gpu_share(self) -> None:
         """TIERFLOW_GPU_OPTIMIZER_FRACTION=auto, after the first streamed step: the share of CUDA

@@ -10,7 +10,13 @@
 //  1. Buckets. Parameters are cut into buckets of TIERFLOW_GRAD_BUCKET_BYTES
 //     in the order backward completes their gradients (the reverse of
 //     registration until one backward has been seen, then the order observed,
-//     as DDP rebuilds its buckets; optimizer::plan_grad_buckets). Each
+//     as DDP rebuilds its buckets; optimizer::plan_grad_buckets). With the
+//     size on auto, the first step uses a sixteenth of the gradients (4 to
+//     64 MiB); after it, size_buckets re-cuts them from what was measured:
+//     the last bucket's copy and CPU step run after backward, so the bucket
+//     is the largest whose copy (measured link) and step (measured AdamW
+//     rate) take 2% of the measured backward (optimizer::
+//     measured_grad_bucket_bytes). Each
 //     gradient is copied device -> host, on the copy engine's D2H stream after
 //     the work queued on the stream that produced it (rule 1 of Note [Copy
 //     ordering]), into its slice of one pinned buffer per bucket. The device
@@ -129,6 +135,10 @@ struct GradStreamStats {
   std::uint64_t grads_restored = 0;   ///< released gradients put back on the device (restore_grads)
   std::uint64_t kernel_ns = 0;        ///< time in the CPU AdamW during backward (worker)
   std::uint64_t step_kernel_ns = 0;   ///< time in the CPU AdamW inside step() (redone steps)
+  std::uint64_t kernel_grad_bytes = 0;  ///< gradient bytes stepped in those times, both together
+  double sized_link_bytes_per_s = 0;  ///< what size_buckets chose the buckets from: the link,
+  double sized_cpu_grad_bytes_per_s = 0;  ///< ... the CPU AdamW's rate,
+  double sized_backward_s = 0;        ///< ... and the backward (0: not sized from measurements)
   std::uint64_t step_wait_ns = 0;     ///< time step() waited for the worker after backward
   std::uint64_t weight_wait_ns = 0;   ///< host time spent waiting for weights (forward mode: in pre-hooks)
   std::uint64_t last_backward_ns = 0; ///< last backward, from its first gradient to its end
@@ -196,6 +206,12 @@ class GradStream : public std::enable_shared_from_this<GradStream> {
   /// Makes the compute stream wait for every weight still on its way, and
   /// waits for their copies on the host so that staging can go.
   void synchronize();
+  /// TIERFLOW_GRAD_BUCKET_BYTES=auto after a measured step: re-cuts the buckets
+  /// (in the observed order) with optimizer::measured_grad_bucket_bytes from
+  /// the last backward, the CPU AdamW's rate so far and `link_bytes_per_second`
+  /// (device -> host, measured by the caller). Between windows only; returns
+  /// the bucket size in force (unchanged with an explicit size).
+  std::size_t size_buckets(double link_bytes_per_second);
   /// Counters.
   GradStreamStats stats() const;
   /// Slots registered.
@@ -230,6 +246,7 @@ class GradStream : public std::enable_shared_from_this<GradStream> {
   std::vector<std::vector<std::size_t>> modules_;
   std::vector<std::size_t> arrival_;     // slots in the order their gradients came, this window
   bool planned_ = false;
+  std::size_t sized_bucket_bytes_ = 0;   // size_buckets' choice (0: not yet)
   bool replanned_ = false;               // the plan follows an observed order
   bool enabled_ = true;
   bool in_backward_ = false;

@@ -34,6 +34,25 @@ std::vector<GradBucket> plan_grad_buckets(const std::vector<std::size_t>& bytes,
 /// than ~2.5% of a 1e9-parameter step.
 std::size_t auto_grad_bucket_bytes(std::size_t total_grad_bytes) noexcept;
 
+/// What TIERFLOW_GRAD_BUCKET_BYTES=auto is chosen from once a step has been
+/// measured (GradStream::size_buckets).
+struct BucketSizing {
+  double backward_seconds = 0;           ///< measured, first gradient to the end of backward
+  double link_bytes_per_second = 0;      ///< measured device -> host copy rate
+  double cpu_grad_bytes_per_second = 0;  ///< measured CPU AdamW rate, in gradient bytes
+  std::size_t total_grad_bytes = 0;      ///< one step's gradients
+};
+
+/// TIERFLOW_GRAD_BUCKET_BYTES=auto from measured speeds. The work left when
+/// backward ends is the last bucket: its copy and its CPU step, bytes/link +
+/// bytes/cpu. The bucket is the largest that keeps that tail within 2% of the
+/// measured backward, clamped to [4 MiB, min(256 MiB, a quarter of the
+/// gradients)] (at least 4 buckets to overlap; below 4 MiB the oneTBB step's
+/// fixed cost of waking its threads, ~10 us, passes 2.5% of a bucket's step at
+/// 5e9 parameters/s). Falls back to auto_grad_bucket_bytes when a speed is
+/// missing.
+std::size_t measured_grad_bucket_bytes(const BucketSizing& in) noexcept;
+
 /// Sum of squares of `numel` values of type `type`, in double: a bucket's
 /// share of the squared global 2-norm. Non-finite values propagate (inf or NaN).
 double sum_of_squares(const void* data, ScalarType type, std::size_t numel) noexcept;
