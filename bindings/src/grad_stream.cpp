@@ -690,12 +690,12 @@ void GradStream::upload_locked(std::vector<std::size_t> order) {
     sent.push_back(i);
   }
   if (options_.weights_in_forward) return;  // each module's forward waits for its own (wait_module)
+  if (sent.empty()) return;
   const auto t0 = Clock::now();
-  for (std::size_t i : sent) {
-    Slot& s = slots_[i];
-    engine->make_stream_wait(compute_stream_of(*engine, s.param.device()), s.upload);  // rule 2
-    s.upload_pending = false;
-  }
+  // Rule 2; host -> device copies complete in submission order, so one event, the last one's.
+  const Slot& last = slots_[sent.back()];
+  engine->make_stream_wait(compute_stream_of(*engine, last.param.device()), last.upload);
+  for (std::size_t i : sent) slots_[i].upload_pending = false;
   stats_.weight_wait_ns += since_ns(t0);
 }
 

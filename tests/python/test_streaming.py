@@ -358,3 +358,42 @@ def test_auto_buckets_are_sized_from_the_measured_step(device):
         grad_bytes(task, device))
     fixed = train(task, 3, True, device=device, grad_bucket_bytes="64KiB").report["optimizer"]["streaming"]
     assert fixed["bucket_bytes"] == 64 << 10 and fixed["sized_link_bytes_per_s"] == 0, "an explicit size stands"
+
+
+class _ManyParameters(torch.nn.Module):
+    """16 parameters of one module and 16 in a ParameterList (which has no forward of its own):
+    with TIERFLOW_WEIGHTS_RETURN=forward, this module's forward must wait for all 32."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        for i in range(16):
+            self.register_parameter(f"w{i}", torch.nn.Parameter(torch.randn(width) * 0.1))
+        self.listed = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(width) * 0.1) for _ in range(16)])
+        self.head = torch.nn.Linear(width, 4)
+
+    def forward(self, x):
+        for i in range(16):
+            x = torch.tanh(x * (1 + getattr(self, f"w{i}")))
+        for p in self.listed:
+            x = torch.tanh(x + p)
+        return self.head(x)
+
+
+def test_weights_return_in_forward_waits_for_every_weight_a_forward_reads(device):
+    def run(weights_return):
+        torch.manual_seed(0)
+        model = _ManyParameters().to(torch.device("cuda") if device == "cuda" else "cpu")
+        model, opt = tierflow.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), device=device,
+                                   weights_return=weights_return, grad_bucket_bytes=SMALL)
+        g = torch.Generator().manual_seed(5)
+        losses = []
+        for _ in range(6):
+            x = torch.randn(64, 32, generator=g).to(next(model.parameters()).device)
+            loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    assert run("forward") == run("step")

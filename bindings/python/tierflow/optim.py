@@ -155,8 +155,25 @@ class CPUAdamW(torch.optim.Optimizer):
     def _attach_weight_waits(self, model: torch.nn.Module) -> None:
         """TIERFLOW_WEIGHTS_RETURN=forward: each module's forward waits (one C++ call) only
         for its own parameters' new weights; the model's state_dict and load_state_dict
-        wait for all of them (Note [Gradient streaming])."""
+        wait for all of them (Note [Gradient streaming]).
+
+        A container without a forward of its own (ParameterList, ParameterDict, ModuleList,
+        ModuleDict) is never called: its parameters are read by the forward of the module
+        holding it, whose pre-hook therefore waits for them too. A weight read by a forward
+        other than its module's without that module being called first (F.linear(x,
+        self.proj.weight) with self.proj never called) is not waited for: keep the default
+        TIERFLOW_WEIGHTS_RETURN=step for such models."""
         me = weakref.ref(self)
+
+        def has_forward(module: torch.nn.Module) -> bool:
+            return type(module).forward is not torch.nn.Module.forward
+
+        def read_by_forward(module: torch.nn.Module) -> list:
+            params = list(module.parameters(recurse=False))
+            for child in module.children():
+                if not has_forward(child):
+                    params += read_by_forward(child)
+            return params
 
         def waiter(module_id: int) -> Callable:
             def pre_hook(module: torch.nn.Module, args: Any) -> None:
@@ -166,7 +183,9 @@ class CPUAdamW(torch.optim.Optimizer):
             return pre_hook
 
         for module in model.modules():
-            slots = [self._slot_of[p] for p in module.parameters(recurse=False) if p in self._slot_of]
+            if not has_forward(module):
+                continue
+            slots = [self._slot_of[p] for p in read_by_forward(module) if p in self._slot_of]
             if slots:
                 self._hooks.append(module.register_forward_pre_hook(waiter(self._stream.add_module(slots))))
 
