@@ -133,8 +133,14 @@ GradStream::~GradStream() {
   } catch (const std::exception& e) {
     log(LogLevel::kError, std::string("a weight upload failed at shutdown: ") + e.what());
   }
-  for (auto& s : slots_)
+  for (auto& s : slots_) {
+    try {
+      s.copy.wait();  // a gradient's copy still reading device memory this slot may hold last (rule 3)
+    } catch (const std::exception& e) {
+      log(LogLevel::kError, std::string("a gradient copy failed at shutdown: ") + e.what());
+    }
     if (s.accumulator) s.accumulator->del_post_hook(s.hook_key);
+  }
 }
 
 std::size_t GradStream::add_parameter(const at::Tensor& param, int group) {
