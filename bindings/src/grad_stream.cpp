@@ -356,6 +356,10 @@ void GradStream::stream_locked(std::size_t i) {
   at::Tensor host = b.buffer.narrow(0, static_cast<std::int64_t>(s.offset), static_cast<std::int64_t>(grad.nbytes()))
                         .view(grad.scalar_type());
   // After the work queued on the stream that produced the gradient (rule 1).
+  // clip_grad_norm_'s op, queued before the copy: the copy's completion then
+  // covers it too, and the gradient can go once the copy is done.
+  if (options_.offload_gradients && (options_.max_grad_norm > 0 || options_.skip_nonfinite))
+    s.norm = at::_foreach_norm({grad}, 2)[0];
   s.copy = runtime_->copy_to_host(host, grad.view(-1));
   b.copies.push_back(s.copy);
   s.host_grad = host;
@@ -366,8 +370,6 @@ void GradStream::stream_locked(std::size_t i) {
   s.streamed = true;
   stats_.grad_bytes_to_host += grad.nbytes();
   if (options_.offload_gradients) {
-    // clip_grad_norm_'s op, queued before the gradient can go (it reads it on this stream).
-    if (options_.max_grad_norm > 0 || options_.skip_nonfinite) s.norm = at::_foreach_norm({grad}, 2)[0];
     s.param.mutable_grad() = at::Tensor();  // p.grad is None; our reference goes once the copy is done
     s.grad_storage = std::make_unique<c10::weak_intrusive_ptr<c10::StorageImpl>>(grad.storage().getWeakStorageImpl());
     s.grad_bytes = grad.nbytes();
@@ -426,17 +428,37 @@ void GradStream::launch_locked(std::size_t bi) {
 
 void GradStream::run_bucket(std::uint64_t generation, std::vector<Entry> entries,
                             std::vector<swap::TransferHandle> copies) {
-  try {
-    for (const auto& h : copies) h.wait();  // rule 2: the CPU reads the gradients only once they landed
-  } catch (...) {
-    // A failed copy: a released gradient still on the device goes back to p.grad.
+  // Rule 2: the CPU reads the gradients only once they landed. Every copy is
+  // waited for, even after one failed: none may still use memory that goes.
+  std::exception_ptr failed;
+  for (const auto& h : copies) {
+    try {
+      h.wait();
+    } catch (...) {
+      if (!failed) failed = std::current_exception();
+    }
+  }
+  if (failed) {
+    // A released gradient whose own copy failed is still on the device: back to
+    // p.grad. The others landed and stay released (restore_grads brings them).
     std::lock_guard<std::mutex> lock(mutex_);
     for (const auto& e : entries) {
       Slot& s = slots_[e.slot];
+      bool ok = true;
+      try {
+        s.copy.wait();
+      } catch (...) {
+        ok = false;
+      }
+      if (ok) {
+        if (generation == generation_) s.landed = true;
+        continue;
+      }
       if (s.released && s.grad_ref.defined() && !s.param.grad().defined()) s.param.mutable_grad() = s.grad_ref;
       s.released = false;
+      s.discarded = true;  // its early step cannot run: step() takes it from p.grad
     }
-    throw;
+    std::rethrow_exception(failed);
   }
   const bool need_norm = options_.max_grad_norm > 0 || options_.skip_nonfinite;
   double sum_sq = 0;
@@ -494,6 +516,8 @@ void GradStream::run_bucket(std::uint64_t generation, std::vector<Entry> entries
   std::lock_guard<std::mutex> lock(mutex_);
   stats_.kernel_ns += ns;
   stats_.kernel_grad_bytes += stepped_bytes;
+  window_kernel_ns_ += ns;
+  window_kernel_bytes_ += stepped_bytes;
   if (generation != generation_) return;
   for (const auto& e : entries) {
     Slot& s = slots_[e.slot];
@@ -654,6 +678,9 @@ void GradStream::reset_window_locked(bool count_taken_back) {
     b.launched = false;
   }
   releasing_.clear();
+  last_window_kernel_ns_ = window_kernel_ns_;
+  last_window_kernel_bytes_ = window_kernel_bytes_;
+  window_kernel_ns_ = window_kernel_bytes_ = 0;
   partial_.reset();
   stopped_ = false;
   generation_ += 1;
@@ -698,10 +725,17 @@ void GradStream::upload_locked(std::vector<std::size_t> order) {
   if (options_.weights_in_forward) return;  // each module's forward waits for its own (wait_module)
   if (sent.empty()) return;
   const auto t0 = Clock::now();
-  // Rule 2; host -> device copies complete in submission order, so one event, the last one's.
-  const Slot& last = slots_[sent.back()];
-  engine->make_stream_wait(compute_stream_of(*engine, last.param.device()), last.upload);
-  for (std::size_t i : sent) slots_[i].upload_pending = false;
+  // Rule 2; host -> device copies complete in submission order, so one event
+  // per device's compute stream: that of the last copy sent to it.
+  std::vector<std::pair<c10::Device, std::size_t>> last;
+  for (std::size_t i : sent) {
+    slots_[i].upload_pending = false;
+    const c10::Device d = slots_[i].param.device();
+    auto it = std::find_if(last.begin(), last.end(), [&](const auto& l) { return l.first == d; });
+    if (it == last.end()) last.emplace_back(d, i);
+    else it->second = i;
+  }
+  for (const auto& [d, i] : last) engine->make_stream_wait(compute_stream_of(*engine, d), slots_[i].upload);
   stats_.weight_wait_ns += since_ns(t0);
 }
 
@@ -761,7 +795,7 @@ GradStream::Finish GradStream::finish(double scale, bool stale) {
   }
   // Stepped here from the gradients already on the host, with the clip
   // coefficient: the same kernel on the same values as the Python path.
-  const auto tk = Clock::now();
+  std::uint64_t adam_ns = 0;
   std::vector<bool> done(redo.size(), false);
   for (std::size_t a = 0; a < redo.size(); ++a) {
     if (done[a]) continue;
@@ -783,15 +817,19 @@ GradStream::Finish GradStream::finish(double scale, bool stale) {
       grads.push_back(s.host_grad);
       outs.push_back(s.staging);
       stats_.kernel_grad_bytes += s.host_grad.nbytes();
+      window_kernel_bytes_ += s.host_grad.nbytes();
       members.push_back(redo[k]);
     }
+    const auto tk = Clock::now();
     runtime_->adam_step(o, step, masters, ms, vs, vmaxes, grads, outs);
+    adam_ns += since_ns(tk);
     for (std::size_t i : members) {
       slots_[i].step.add_(1);
       out.committed.push_back(i);
     }
   }
-  stats_.step_kernel_ns += since_ns(tk);
+  stats_.step_kernel_ns += adam_ns;
+  window_kernel_ns_ += adam_ns;
   upload_locked(out.committed);
   reset_window_locked(false);
   return out;
@@ -811,6 +849,7 @@ void GradStream::wait_module(std::size_t module) {
     if (!last || s.upload_seq > last->upload_seq) last = &s;
     s.upload_pending = false;
   }
+  // (A module's parameters are on one device: the runtime's.)
   if (last) engine->make_stream_wait(compute_stream_of(*engine, last->param.device()), last->upload);
   stats_.weight_wait_ns += since_ns(t0);
 }
@@ -834,8 +873,9 @@ std::size_t GradStream::size_buckets(double link_bytes_per_second) {
   optimizer::BucketSizing in;
   in.backward_seconds = static_cast<double>(stats_.last_backward_ns) / 1e9;
   in.link_bytes_per_second = link_bytes_per_second;
-  const double kernel_s = static_cast<double>(stats_.kernel_ns + stats_.step_kernel_ns) / 1e9;
-  in.cpu_grad_bytes_per_second = kernel_s > 0 ? static_cast<double>(stats_.kernel_grad_bytes) / kernel_s : 0.0;
+  // The last window's: the first one's also allocated the optimizer states.
+  const double kernel_s = static_cast<double>(last_window_kernel_ns_) / 1e9;
+  in.cpu_grad_bytes_per_second = kernel_s > 0 ? static_cast<double>(last_window_kernel_bytes_) / kernel_s : 0.0;
   for (const auto& s : slots_)
     if (s.streamable) in.total_grad_bytes += s.param.nbytes();
   sized_bucket_bytes_ = optimizer::measured_grad_bucket_bytes(in);

@@ -539,14 +539,23 @@ PYBIND11_MODULE(_C, m) {
         return p;
       }), py::arg("runtime"), py::arg("bucket_bytes"), py::arg("accumulation"), py::arg("max_grad_norm"),
            py::arg("skip_nonfinite"), py::arg("weights_in_forward"), py::arg("offload_gradients") = false)
+      // Every call into the stream that takes its lock drops the GIL first: the
+      // stream may let go of a tensor with a Python object (which takes the
+      // GIL) while it holds that lock, on the worker or autograd thread.
       .def("add_parameter", [](PyGradStream& g, const at::Tensor& p, int group) {
-        auto slot = g.stream->add_parameter(p, group);
+        std::size_t slot;
+        {
+          py::gil_scoped_release release;
+          slot = g.stream->add_parameter(p, group);
+        }
         g.states.resize(slot + 1, py::none());
         return slot;
       })
-      .def("exclude", [](PyGradStream& g, std::size_t slot) { g.stream->exclude(slot); })
+      .def("exclude", [](PyGradStream& g, std::size_t slot) { g.stream->exclude(slot); }, py::call_guard<py::gil_scoped_release>())
       .def("set_group", [](PyGradStream& g, int group, const py::dict& options) {
-        g.stream->set_group(group, adam_options(options));
+        const auto o = adam_options(options);
+        py::gil_scoped_release release;
+        g.stream->set_group(group, o);
       })
       .def("set_state", [](PyGradStream& g, std::size_t slot, py::dict state) {
         auto get = [&](const char* k) {
@@ -558,7 +567,11 @@ PYBIND11_MODULE(_C, m) {
           at::Tensor t = get(names[k]);
           flat[k] = t.defined() ? t.view(-1) : t;  // views share the storage the state dict holds
         }
-        g.stream->set_state(slot, flat[0], flat[1], flat[2], flat[3], get("step"));
+        at::Tensor step = get("step");
+        {
+          py::gil_scoped_release release;
+          g.stream->set_state(slot, flat[0], flat[1], flat[2], flat[3], step);
+        }
         if (slot >= g.states.size()) g.states.resize(slot + 1, py::none());
         g.states[slot] = state;
       })
@@ -575,10 +588,10 @@ PYBIND11_MODULE(_C, m) {
               (*init)(slot);
             });
       })
-      .def("set_enabled", [](PyGradStream& g, bool on) { g.stream->set_enabled(on); })
+      .def("set_enabled", [](PyGradStream& g, bool on) { g.stream->set_enabled(on); }, py::call_guard<py::gil_scoped_release>())
       .def("add_module", [](PyGradStream& g, const std::vector<std::size_t>& slots) {
         return g.stream->add_module(slots);
-      })
+      }, py::call_guard<py::gil_scoped_release>())
       .def("wait_worker", [](PyGradStream& g) {
         py::gil_scoped_release release;
         g.stream->wait_worker();
@@ -592,23 +605,28 @@ PYBIND11_MODULE(_C, m) {
         g.commit_into_states(f.committed);
         return f.unhandled;
       }, "step(): commits or redoes the streamed steps and sends weights back; returns the slots left to the caller.")
-      .def("discard_all", [](PyGradStream& g) { g.stream->discard_all(); })
-      .def("size_buckets", [](PyGradStream& g, double link) { return g.stream->size_buckets(link); },
+      .def("discard_all", [](PyGradStream& g) { g.stream->discard_all(); }, py::call_guard<py::gil_scoped_release>())
+      .def("size_buckets", [](PyGradStream& g, double link) { return g.stream->size_buckets(link); }, py::call_guard<py::gil_scoped_release>(),
            "TIERFLOW_GRAD_BUCKET_BYTES=auto from the measured step and this device -> host rate; the size in force.")
       .def("restore_grads", [](PyGradStream& g) {
         py::gil_scoped_release release;
         g.stream->restore_grads();
       }, "Puts released gradients back on the device as p.grad (TIERFLOW_OFFLOAD_GRADIENTS).")
       .def("released_norms", [](PyGradStream& g) {
+        std::vector<std::pair<std::size_t, at::Tensor>> norms;
+        {
+          py::gil_scoped_release release;
+          norms = g.stream->released_norms();
+        }
         py::dict d;
-        for (auto& [slot, norm] : g.stream->released_norms()) d[py::int_(slot)] = norm;
+        for (auto& [slot, norm] : norms) d[py::int_(slot)] = norm;
         return d;
       }, "slot -> clip_grad_norm_'s per-tensor norm of each released gradient.")
       .def("end_window", [](PyGradStream& g) {
         py::gil_scoped_release release;
         g.stream->end_window();
       })
-      .def("has_unconfirmed", [](PyGradStream& g) { return g.stream->has_unconfirmed(); })
+      .def("has_unconfirmed", [](PyGradStream& g) { return g.stream->has_unconfirmed(); }, py::call_guard<py::gil_scoped_release>())
       .def("wait_module", [](PyGradStream& g, std::size_t module) {
         py::gil_scoped_release release;
         g.stream->wait_module(module);
@@ -617,7 +635,14 @@ PYBIND11_MODULE(_C, m) {
         py::gil_scoped_release release;
         g.stream->synchronize();
       })
-      .def("stats", [](PyGradStream& g) { return grad_stream_stats(g.stream->stats()); })
-      .def("__len__", [](PyGradStream& g) { return g.stream->size(); });
+      .def("stats", [](PyGradStream& g) {
+        GradStreamStats s;
+        {
+          py::gil_scoped_release release;
+          s = g.stream->stats();
+        }
+        return grad_stream_stats(s);
+      })
+      .def("__len__", [](PyGradStream& g) { return g.stream->size(); }, py::call_guard<py::gil_scoped_release>());
   (void)base;
 }

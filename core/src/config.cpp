@@ -230,9 +230,9 @@ const std::vector<Row>& rows() {
        }},
       {{"TIERFLOW_OFFLOAD_GRADIENTS", "off", "on or off",
         "on: a device model's gradient is freed on the device as soon as its copy to the host is "
-        "done, during backward (p.grad is None until step(); clip with TIERFLOW_MAX_GRAD_NORM, not "
-        "clip_grad_norm_); off: p.grad stays on the device until zero_grad, as torch's (see Note "
-        "[Gradient streaming])"},
+        "done, during backward (p.grad is None from then on, as after zero_grad; clip with "
+        "TIERFLOW_MAX_GRAD_NORM, not clip_grad_norm_; no GradScaler); off: p.grad stays on the device "
+        "until zero_grad, as torch's (see Note [Gradient streaming])"},
        on_off_parser(&Config::offload_gradients)},
       {{"TIERFLOW_GRAD_ACCUMULATION_STEPS", "1", "an integer from 1 to 1000000",
         "backward passes per optimizer step; steps during backward run only in the last one (a "

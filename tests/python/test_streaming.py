@@ -397,3 +397,20 @@ def test_weights_return_in_forward_waits_for_every_weight_a_forward_reads(device
         return losses
 
     assert run("forward") == run("step")
+
+
+def test_offloaded_gradients_refuse_grad_scaler(device):
+    """GradScaler reads p.grad, which offloaded gradients leave None: step() refuses, names what is
+    accepted, and leaves the optimizer usable (the same gradients then step without the scaler)."""
+    task = gpt_task(dropout=0.0)
+    torch.manual_seed(0)
+    model = task.model_on(device)
+    model, opt = tierflow.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), device=device,
+                               offload_gradients="on")
+    scaler = torch.amp.GradScaler("cuda" if device == "cuda" else "cpu")
+    scaler.scale(task.loss(model, task.batch_on(0, device))).backward()
+    with pytest.raises(tierflow.TierflowError, match="GradScaler.*TIERFLOW_OFFLOAD_GRADIENTS.*accepted: bf16"):
+        scaler.step(opt)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    opt.step()  # no scaler: steps (the scaled gradients) instead of refusing again
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())

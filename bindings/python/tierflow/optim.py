@@ -211,6 +211,8 @@ class CPUAdamW(torch.optim.Optimizer):
         self._skip_nonfinite = cfg["TIERFLOW_SKIP_NONFINITE"] == "on"
         # Note [Gradient streaming]: device gradients freed once on the host; p.grad is None until step().
         self._offload_grads = cfg.get("TIERFLOW_OFFLOAD_GRADIENTS", "off") == "on"
+        # GradScaler then hands step() its scale and found_inf instead of stepping blind: step() refuses.
+        self._step_supports_amp_scaling = self._offload_grads
         if self._offload_grads and not self._overlap:
             raise _C.ConfigError(
                 "TIERFLOW_OFFLOAD_GRADIENTS=on frees gradients as they stream to the CPU step during backward, "
@@ -222,6 +224,7 @@ class CPUAdamW(torch.optim.Optimizer):
         self._hooks = []
         # TIERFLOW_GRAD_BUCKET_BYTES=auto: sized from measured speeds after the first streamed step.
         self._buckets_unsized = cfg.get("TIERFLOW_GRAD_BUCKET_BYTES", "auto") == "auto"
+        self._streamed_steps = 0  # steps whose gradients streamed (sizing waits for the second)
         fraction = cfg.get("TIERFLOW_GPU_OPTIMIZER_FRACTION", "0")
         self._gpu_fraction_auto = fraction == "auto"  # chosen after the first step (_choose_gpu_share)
         self._gpu_fraction = 0.0 if self._gpu_fraction_auto else float(fraction)
@@ -653,6 +656,15 @@ class CPUAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """One Adam/AdamW step over every parameter that has a gradient."""
+        if self._offload_grads and hasattr(self, "found_inf"):
+            # torch.amp.GradScaler (see _step_supports_amp_scaling) unscaled and checked only the
+            # gradients still in p.grad: the released ones would step scaled and unchecked.
+            for attr in ("found_inf", "grad_scale"):  # the scaler deletes them only after a step
+                self.__dict__.pop(attr, None)
+            raise _C.TierflowError(
+                "tierflow CPUAdamW: torch.amp.GradScaler cannot see gradients that TIERFLOW_OFFLOAD_GRADIENTS=on "
+                "has freed on the device; accepted: bf16 without a scaler (with TIERFLOW_SKIP_NONFINITE=on "
+                "for inf/NaN steps), or TIERFLOW_OFFLOAD_GRADIENTS=off with the scaler")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -707,15 +719,18 @@ class CPUAdamW(torch.optim.Optimizer):
         return True
 
     def _size_buckets(self) -> None:
-        """TIERFLOW_GRAD_BUCKET_BYTES=auto, after the first step whose gradients streamed: the
-        bucket size from the measured backward, CPU AdamW rate and device -> host link
-        (optimizer::measured_grad_bucket_bytes: the last bucket's copy and step, which run
-        after backward, within 2% of it)."""
+        """TIERFLOW_GRAD_BUCKET_BYTES=auto, after the second step whose gradients streamed (the
+        first also created the optimizer states): the bucket size from that backward, CPU
+        AdamW rate and the device -> host link (optimizer::measured_grad_bucket_bytes: the
+        last bucket's copy and step, which run after backward, within 2% of it)."""
         if not self._buckets_unsized or not self._slot_params:
             return
         s = self._stream.stats()
         if s["last_backward_ms"] <= 0 or s["kernel_grad_bytes"] <= 0:
             return  # nothing streamed and stepped yet: measure at a later step
+        self._streamed_steps += 1
+        if self._streamed_steps < 2:
+            return
         self._buckets_unsized = False
         from ._autoplan import measure_links
 

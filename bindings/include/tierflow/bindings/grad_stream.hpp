@@ -16,8 +16,8 @@
 //     the last bucket's copy and CPU step run after backward, so the bucket
 //     is the largest whose copy (measured link) and step (measured AdamW
 //     rate) take 2% of the measured backward (optimizer::
-//     measured_grad_bucket_bytes). Each
-//     gradient is copied device -> host, on the copy engine's D2H stream after
+//     measured_grad_bucket_bytes). Each gradient is copied device -> host,
+//     on the copy engine's D2H stream after
 //     the work queued on the stream that produced it (rule 1 of Note [Copy
 //     ordering]), into its slice of one pinned buffer per bucket. The device
 //     gradient stays referenced until its copy has landed (rule 3). By
@@ -25,9 +25,10 @@
 //     before step(). With TIERFLOW_OFFLOAD_GRADIENTS=on (torchao's
 //     offload_gradients) the hook sets p.grad to None at once and this
 //     stream's reference is the last one: it is dropped as soon as the copy
-//     is seen complete (polled at every later gradient, at backward's end,
-//     and by the worker when it waits for the bucket), so the device memory
-//     of a bucket returns to the allocator while backward goes on, and never
+//     is seen complete (polled whenever a later gradient streams, at
+//     backward's end, and by the worker when it waits for the bucket), so the
+//     device memory of a bucket returns to the allocator while backward goes
+//     on, and never
 //     before its copy has read it (rule 3; the adversarial device poisons a
 //     freed block at once, so an early release shows up as a wrong step).
 //     The gradients of a step then live only in the pinned bucket buffers.
@@ -38,11 +39,13 @@
 //     step(), a step skipped for a non-finite gradient. Clipping needs
 //     clip_grad_norm_'s per-tensor norms: the hook computes each released
 //     gradient's with the same op (_foreach_norm, on the stream that produced
-//     it) before letting it go, and step() combines them as clip_grad_norm_
-//     does. What cannot work is user code that reads p.grad between
-//     backward() and step() (its own clip_grad_norm_, GradScaler.unscale_):
-//     it sees None. Use TIERFLOW_MAX_GRAD_NORM, TIERFLOW_SKIP_NONFINITE and
-//     bf16 instead, or leave the option off.
+//     it, queued before the copy so that the copy's completion covers it),
+//     and step() combines them as clip_grad_norm_ does. What cannot work is
+//     user code that reads p.grad between backward() and step() (its own
+//     clip_grad_norm_ sees no gradient; GradScaler is refused with an error):
+//     use TIERFLOW_MAX_GRAD_NORM, TIERFLOW_SKIP_NONFINITE and bf16 instead,
+//     or leave the option off. After step() p.grad stays None, as after
+//     zero_grad(set_to_none=True).
 //  2. Stepping. When the last gradient of a bucket is in (or backward ends,
 //     for buckets with parameters that got none), the bucket goes to the
 //     optimizer worker: it waits for the bucket's copies, adds the bucket's
@@ -51,7 +54,8 @@
 //     during backward]): new master, m, v and the 16-bit (or fp32) weights in
 //     pinned staging; the old state stays.
 //  3. step() confirms. A parameter's early step is committed (a pointer swap)
-//     when its gradient is the same tensor at the same version, its group's
+//     when its gradient is the same tensor at the same version (a released
+//     gradient counts as unchanged while p.grad is still None), its group's
 //     hyperparameters are those it stepped with, and the clip coefficient is
 //     exactly 1. Otherwise, if the gradient is unchanged, it is stepped again
 //     from the host copy already landed, with the clip coefficient as
@@ -114,7 +118,7 @@ struct GradStreamOptions {
   double max_grad_norm = 0.0;         ///< 0: no clipping
   bool skip_nonfinite = false;        ///< skip the step on an inf/NaN gradient
   bool weights_in_forward = false;    ///< TIERFLOW_WEIGHTS_RETURN=forward
-  bool offload_gradients = false;     ///< TIERFLOW_OFFLOAD_GRADIENTS: p.grad is None after its copy
+  bool offload_gradients = false;     ///< TIERFLOW_OFFLOAD_GRADIENTS: p.grad is None once its copy is queued
 };
 
 /// Counters of the streaming path (cumulative, except the `last_` ones).
@@ -247,6 +251,8 @@ class GradStream : public std::enable_shared_from_this<GradStream> {
   std::vector<std::size_t> arrival_;     // slots in the order their gradients came, this window
   bool planned_ = false;
   std::size_t sized_bucket_bytes_ = 0;   // size_buckets' choice (0: not yet)
+  std::uint64_t window_kernel_ns_ = 0, window_kernel_bytes_ = 0;  // CPU AdamW time and bytes, this window
+  std::uint64_t last_window_kernel_ns_ = 0, last_window_kernel_bytes_ = 0;  // ... the last one's
   bool replanned_ = false;               // the plan follows an observed order
   bool enabled_ = true;
   bool in_backward_ = false;
