@@ -336,6 +336,8 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init<>())
       .def_property("d2h_delay_us", [](const swap::CopyFaults& f) { return f.d2h_delay_us.load(); },
                     [](swap::CopyFaults& f, int us) { f.d2h_delay_us = us; })
+      .def_property("fail_d2h_copies", [](const swap::CopyFaults& f) { return f.fail_d2h_copies.load(); },
+                    [](swap::CopyFaults& f, int n) { f.fail_d2h_copies = n; })
       .def_property("ignore_stream_order", [](const swap::CopyFaults& f) { return f.ignore_stream_order.load(); },
                     [](swap::CopyFaults& f, bool on) { f.ignore_stream_order = on; },
                     "Copies behave as if they named no stream (issue 8's bug), to test the adversarial mode.");

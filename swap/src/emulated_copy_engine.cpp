@@ -1,5 +1,6 @@
 // The emulated device's copy engine: one worker thread per direction, each a
 // FIFO, with the completion and chaining semantics of CUDA streams and events.
+#include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <exception>
@@ -33,6 +34,8 @@ class EmulatedCopyEngine final : public CopyEngine {
     auto state = std::allocate_shared<EmulatedState>(allocator::SmallAllocator<EmulatedState>(), bytes);
     count(dir, bytes);
     int delay_us = faults_ && dir == Direction::kDeviceToHost ? faults_->d2h_delay_us.load() : 0;
+    const bool fail = faults_ && dir == Direction::kDeviceToHost && faults_->fail_d2h_copies.load() > 0 &&
+                      faults_->fail_d2h_copies.fetch_sub(1) > 0;
     bool poison = false;
     if (options_.adversarial) {
       // Note [Adversarial emulated device]: the emulated compute has finished
@@ -44,11 +47,13 @@ class EmulatedCopyEngine final : public CopyEngine {
       if (poison) unordered_.add();
       if (delay_us > 0) delayed_.add();
     }
-    stream(dir).push([dst, src, bytes, deps, state, delay_us, poison] {
+    stream(dir).push([dst, src, bytes, deps, state, delay_us, poison, fail] {
       std::exception_ptr error;
       try {
         if (delay_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
         for (const auto& d : deps) d.wait();
+        if (fail) throw io_error(EIO, "emulated copy engine: device -> host copy of " + std::to_string(bytes) +
+                                 " bytes failed (CopyFaults::fail_d2h_copies)");
         if (bytes && poison) std::memset(dst, allocator::kPoisonByte, bytes);
         else if (bytes) std::memcpy(dst, src, bytes);
       } catch (...) {

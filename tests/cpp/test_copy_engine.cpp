@@ -181,3 +181,20 @@ TEST(CopyEngine, PoliteEngineIgnoresTheStreamItWasNotGiven) {
   engine->copy(Direction::kDeviceToHost, dst.data(), src.data(), src.size()).wait();
   EXPECT_EQ(dst, src);  // why the first round never saw issue 8
 }
+
+TEST(CopyEngine, InjectedDeviceToHostFailuresTravelThroughTheHandle) {
+  auto faults = std::make_shared<CopyFaults>();
+  faults->fail_d2h_copies = 1;
+  auto engine = make_emulated_copy_engine(faults, EmulatedCopyOptions{});
+  std::vector<std::uint8_t> src(4096, 3), dst(4096, 0), up(4096, 0);
+  const auto s = engine->compute_stream(nullptr);
+  auto up_copy = engine->copy(Direction::kHostToDevice, up.data(), src.data(), src.size(), {}, s);
+  auto failed = engine->copy(Direction::kDeviceToHost, dst.data(), src.data(), src.size(), {}, s);
+  EXPECT_THROW(failed.wait(), io_error);
+  EXPECT_EQ(dst, std::vector<std::uint8_t>(4096, 0)) << "a failed copy writes nothing";
+  engine->copy(Direction::kDeviceToHost, dst.data(), src.data(), src.size(), {}, s).wait();  // only one fails
+  up_copy.wait();  // host -> device copies are not affected
+  EXPECT_EQ(dst, src);
+  EXPECT_EQ(up, src);
+  EXPECT_EQ(faults->fail_d2h_copies.load(), 0);
+}

@@ -414,3 +414,44 @@ def test_offloaded_gradients_refuse_grad_scaler(device):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     opt.step()  # no scaler: steps (the scaled gradients) instead of refusing again
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_failed_gradient_copy_loses_nothing(device):
+    """A device -> host gradient copy that fails during backward: step() raises the copy's error, every
+    gradient is back in p.grad with its value, no parameter moved, and the next step() is the step."""
+    if device == "cuda":
+        pytest.skip("CopyFaults drives the emulated copy engine; a CUDA copy cannot be made to fail")
+    task = gpt_task(dropout=0.0)
+
+    def run(offload, faults=None):
+        torch.manual_seed(0)
+        model = task.model_on(device)
+        # Activations stay: the only copies to the host during backward are the gradients'.
+        settings = dict(offload_gradients="on", grad_bucket_bytes=SMALL, _copy_faults=faults) if offload \
+            else dict(overlap_step="off")
+        settings["offload_activations"] = "none"
+        model, opt = tierflow.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), device=device, **settings)
+        task.loss(model, task.batch_on(0, device)).backward()
+        opt.step()
+        opt.zero_grad()
+        after_first = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        if faults is not None:
+            faults.fail_d2h_copies = 1
+        task.loss(model, task.batch_on(1, device)).backward()
+        if faults is not None:
+            with pytest.raises(tierflow._C.IOError, match="fail_d2h_copies"):
+                opt.step()
+            for k, v in model.state_dict().items():
+                assert torch.equal(v, after_first[k]), f"{k} moved in a step that failed"
+        grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+        opt.step()
+        return grads, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    faults = tierflow._C.CopyFaults()
+    grads, params = run(True, faults)
+    ref_grads, ref_params = run(False)
+    assert faults.fail_d2h_copies == 0, "the fault was used"
+    for k in ref_grads:
+        assert torch.equal(grads[k], ref_grads[k]), f"gradient {k} was lost or changed"
+    for k in ref_params:
+        assert torch.equal(params[k], ref_params[k]), k

@@ -58,6 +58,10 @@ struct CopyFaults {
   /// Every copy behaves as if it named no stream (the ordering bug of issue 8),
   /// so tests can show that the adversarial mode catches it.
   std::atomic<bool> ignore_stream_order{false};
+  /// The next this-many device -> host copies fail (their handles rethrow an
+  /// io_error; the destination is not written), so tests can show a failed
+  /// copy loses nothing. Counted down as copies are queued.
+  mutable std::atomic<int> fail_d2h_copies{0};
 };
 
 /// Behaviour of the emulated engine; see Note [Adversarial emulated device].
