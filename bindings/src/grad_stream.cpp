@@ -472,7 +472,7 @@ void GradStream::run_bucket(std::uint64_t generation, std::vector<Entry> entries
     for (const auto& e : entries) {
       Slot& s = slots_[e.slot];
       s.landed = true;
-      if (s.released) drop_device_grad_locked(s);  // its copy is done (rule 3)
+      if (s.released) s.grad_ref = at::Tensor();  // its copy is done (rule 3): the memory goes
     }
     if (need_norm) {
       partial_.add(sum_sq);
@@ -576,10 +576,6 @@ std::vector<std::pair<std::size_t, at::Tensor>> GradStream::released_norms() con
   return out;
 }
 
-void GradStream::drop_device_grad_locked(Slot& s) {
-  s.grad_ref = at::Tensor();
-}
-
 void GradStream::count_freed_locked() {
   // A released gradient's storage is freed when its last holder lets go: this
   // stream once the copy is done, autograd once the node's hooks have
@@ -605,7 +601,7 @@ void GradStream::release_landed_locked() {
       } catch (const std::exception&) {
       }
     }
-    if (done) drop_device_grad_locked(s);
+    if (done) s.grad_ref = at::Tensor();
     else releasing_[kept++] = i;
   }
   releasing_.resize(kept);

@@ -70,6 +70,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from . import _C
+from ._gpu_share import GpuShareMixin
+from ._streaming import StreamingMixin
 
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -83,7 +85,7 @@ def _check_grad(grad: torch.Tensor) -> None:
                                "is not supported; accepted: dense float32, bfloat16 or float16")
 
 
-class CPUAdamW(torch.optim.Optimizer):
+class CPUAdamW(StreamingMixin, GpuShareMixin, torch.optim.Optimizer):
     """Adam / AdamW with fp32 master weights and moments in the pinned host pool.
 
     The update is tierflow's C++ CpuAdam on oneTBB, with the semantics of
@@ -151,51 +153,6 @@ class CPUAdamW(torch.optim.Optimizer):
             if new._stream is not None and runtime.config().get("TIERFLOW_WEIGHTS_RETURN") == "forward":
                 new._attach_weight_waits(model)
         return new
-
-    def _attach_weight_waits(self, model: torch.nn.Module) -> None:
-        """TIERFLOW_WEIGHTS_RETURN=forward: each module's forward waits (one C++ call) only
-        for its own parameters' new weights; the model's state_dict and load_state_dict
-        wait for all of them (Note [Gradient streaming]).
-
-        A container without a forward of its own (ParameterList, ParameterDict, ModuleList,
-        ModuleDict) is never called: its parameters are read by the forward of the module
-        holding it, whose pre-hook therefore waits for them too. A weight read by a forward
-        other than its module's without that module being called first (F.linear(x,
-        self.proj.weight) with self.proj never called) is not waited for: keep the default
-        TIERFLOW_WEIGHTS_RETURN=step for such models."""
-        me = weakref.ref(self)
-
-        def has_forward(module: torch.nn.Module) -> bool:
-            return type(module).forward is not torch.nn.Module.forward
-
-        def read_by_forward(module: torch.nn.Module) -> list:
-            params = list(module.parameters(recurse=False))
-            for child in module.children():
-                if not has_forward(child):
-                    params += read_by_forward(child)
-            return params
-
-        def waiter(module_id: int) -> Callable:
-            def pre_hook(module: torch.nn.Module, args: Any) -> None:
-                opt = me()
-                if opt is not None and opt._stream is not None:
-                    opt._stream.wait_module(module_id)
-            return pre_hook
-
-        for module in model.modules():
-            if not has_forward(module):
-                continue
-            slots = [self._slot_of[p] for p in read_by_forward(module) if p in self._slot_of]
-            if slots:
-                self._hooks.append(module.register_forward_pre_hook(waiter(self._stream.add_module(slots))))
-
-        def synchronize(*_args: Any) -> None:
-            opt = me()
-            if opt is not None:
-                opt.synchronize()
-
-        self._hooks.append(model.register_state_dict_pre_hook(synchronize))
-        self._hooks.append(model.register_load_state_dict_pre_hook(synchronize))
 
     def _setup(self, runtime: "_C.Runtime") -> None:
         self._runtime = runtime
@@ -285,63 +242,9 @@ class CPUAdamW(torch.optim.Optimizer):
                 out[k] += s[k]
         return out
 
-    def stream_stats(self) -> dict:
-        """The gradient stream's counters and times (Note [Gradient streaming]); empty when it is off."""
-        out = dict(self._stream.stats()) if self._stream is not None else {}
-        if out:
-            out["gpu_optimizer_fraction"] = self._gpu_fraction
-        return out
-
-    def synchronize(self) -> None:
-        """Waits until every updated weight is back on the device (TIERFLOW_WEIGHTS_RETURN=forward).
-
-        Forwards of the wrapped model, its state_dict and load_state_dict, and
-        this optimizer's state_dict and step wait by themselves; call this before
-        reading parameters any other way between step() and the next forward.
-        """
-        if self._stream is not None:
-            self._stream.synchronize()
-
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         self._python_params = None  # its parameters step through the Python path
-
-    # -- the C++ gradient stream's callbacks (Note [Gradient streaming]) ------------
-    def _push_groups(self) -> None:
-        for gi, group in enumerate(self.param_groups):
-            self._stream.set_group(gi, self._options(group))
-
-    def _on_backward_begin(self) -> None:
-        """Once per backward, from C++: the hyperparameters in force (an LR scheduler may have changed them)."""
-        self._push_groups()
-        self._stream.set_enabled(not self._master_stale)
-
-    @torch.no_grad()
-    def _init_slot(self, slot: int) -> None:
-        """From C++, the first time a parameter streams: its state (first step only)."""
-        p = self._slot_params[slot]
-        state = self.state[p]
-        if len(state) == 0:
-            self._init_state(p, self._group_of(p))
-        else:
-            self._register_state(p)
-
-    def _register_state(self, p: torch.Tensor) -> None:
-        """Gives the C++ stream p's state tensors (after they were created or replaced)."""
-        slot = self._slot_of.get(p) if self._stream is not None else None
-        if slot is not None and "master" in self.state[p]:
-            self._stream.set_state(slot, self.state[p])
-
-    def _python_path(self, unhandled: list) -> list:
-        """Per group, the parameters step() steps in Python: those the stream does not
-        carry (computed once) and the slots it left (`unhandled`, usually none)."""
-        if self._python_params is None:
-            self._python_params = [[p for p in g["params"] if p not in self._slot_of] for g in self.param_groups]
-        if not unhandled:
-            return self._python_params
-        extra = {id(self._slot_params[i]) for i in unhandled}
-        return [[p for p in g["params"] if id(p) in extra] + base
-                for g, base in zip(self.param_groups, self._python_params)]
 
     def mark_master_stale(self) -> None:
         """Parameters were changed outside the optimizer: re-read masters from them at the next step."""
@@ -618,30 +521,6 @@ class CPUAdamW(torch.optim.Optimizer):
         coef = torch.clamp(self._max_grad_norm / (total + 1e-6), max=1.0)
         return float(coef), finite
 
-    def _total_norm_with_released(self, released: dict) -> torch.Tensor:
-        """torch.nn.utils.get_total_norm over every gradient, where a released one (on the host
-        only) enters as the per-tensor norm the C++ hook computed with the same op
-        (_foreach_norm) before freeing it: same grouping by device and dtype, same order."""
-        items = []  # a gradient, or the norm standing for a released one (same device and dtype)
-        is_norm = []
-        for g in self.param_groups:
-            for p in g["params"]:
-                slot = self._slot_of.get(p)
-                if p.grad is not None:
-                    items.append(p.grad)
-                    is_norm.append(False)
-                elif slot is not None and slot in released:
-                    items.append(released[slot])
-                    is_norm.append(True)
-        first_device = items[0].device
-        grouped = torch.utils._foreach_utils._group_tensors_by_device_and_dtype([items], with_indices=True)
-        norms = []
-        for ([tensors], indices) in grouped.values():
-            real = [t for t, i in zip(tensors, indices) if not is_norm[i]]
-            computed = iter(torch._foreach_norm(real, 2.0) if real else [])
-            norms.extend(t if is_norm[i] else next(computed) for t, i in zip(tensors, indices))
-        return torch.linalg.vector_norm(torch.stack([n.to(first_device) for n in norms]), 2.0)
-
     @torch.no_grad()
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's; also takes back early steps that no step() confirmed."""
@@ -717,97 +596,6 @@ class CPUAdamW(torch.optim.Optimizer):
             self._write_param(p, spec["staging"])
         self._overlap_counts["committed"] += 1
         return True
-
-    def _size_buckets(self) -> None:
-        """TIERFLOW_GRAD_BUCKET_BYTES=auto, after the second step whose gradients streamed (the
-        first also created the optimizer states): the bucket size from that backward, CPU
-        AdamW rate and the device -> host link (optimizer::measured_grad_bucket_bytes: the
-        last bucket's copy and step, which run after backward, within 2% of it)."""
-        if not self._buckets_unsized or not self._slot_params:
-            return
-        s = self._stream.stats()
-        if s["last_backward_ms"] <= 0 or s["kernel_grad_bytes"] <= 0:
-            return  # nothing streamed and stepped yet: measure at a later step
-        self._streamed_steps += 1
-        if self._streamed_steps < 2:
-            return
-        self._buckets_unsized = False
-        from ._autoplan import measure_links
-
-        total = sum(p.numel() * p.element_size() for p in self._slot_params)
-        probe = max(1 << 20, min(16 << 20, total // 16))  # a bucket-sized copy, at most 16 MiB of device memory
-        link = measure_links(self._runtime, self._slot_params[0].device, probe)["d2h"]
-        self._stream.size_buckets(link)
-
-    def _choose_gpu_share(self) -> None:
-        """TIERFLOW_GPU_OPTIMIZER_FRACTION=auto, after the first streamed step: the share of CUDA
-        parameters that steps on the GPU so that the CPU's step ends with backward, from the
-        measured CPU rate and backward time, within the device memory left (Deep Optimizer States)."""
-        if not self._gpu_fraction_auto:
-            return
-        self._gpu_fraction_auto = False  # decided once
-        cuda = [p for g in self.param_groups for p in g["params"] if p.device.type == "cuda" and p in self._slot_of]
-        opt = self._runtime.stats()["optimizer"]
-        backward_ms = self._stream.stats()["last_backward_ms"]
-        if not cuda or opt["step_ms"] <= 0 or backward_ms <= 0:
-            self._gpu_share = set()
-            return
-        rate = opt["elements"] / (opt["step_ms"] / 1e3)
-        free, _total = torch.cuda.mem_get_info(cuda[0].device)
-        # m and v in fp32, plus an fp32 master for 16-bit parameters; half the free memory at most.
-        per_element = 12 if any(p.dtype != torch.float32 for p in cuda) else 8
-        self._gpu_fraction = _C.choose_gpu_fraction(rate, 0.0, backward_ms / 1e3, sum(p.numel() for p in cuda),
-                                                    per_element, free // 2)
-        self._gpu_share = self._assign_gpu_share()
-        for p in cuda:
-            if id(p) not in self._gpu_share:
-                continue
-            self._stream.exclude(self._slot_of.pop(p))
-            state = self.state.get(p)
-            if state and "master" in state:  # its CPU state moves to the device
-                for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
-                    if k in state:
-                        state[k] = state[k].to(p.device).view_as(p)
-                state["master"] = p.detach() if p.dtype == torch.float32 else state["master"].to(p.device).view_as(p)
-        self._python_params = None
-
-    def _assign_gpu_share(self) -> set:
-        """Deep Optimizer States: interleave CUDA params so about `fraction` of the elements step on the GPU."""
-        chosen: set = set()
-        if self._gpu_fraction <= 0:
-            return chosen
-        gpu, seen = 0, 0
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.device.type != "cuda":
-                    continue
-                seen += p.numel()
-                if gpu + p.numel() / 2 <= self._gpu_fraction * seen:
-                    chosen.add(id(p))
-                    gpu += p.numel()
-        return chosen
-
-    def _step_on_gpu(self, params: list, options: dict) -> None:
-        buckets: dict[int, list] = {}
-        for p in params:
-            state = self.state[p]
-            if len(state) == 0:
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
-                state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
-                if options["amsgrad"]:
-                    state["max_exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
-                state["master"] = p.detach() if p.dtype == torch.float32 else p.detach().float()
-            state["step"] += 1
-            b = buckets.setdefault(int(state["step"].item()), [[], [], [], [], [], []])
-            b[0].append(state["master"])
-            b[1].append(state["exp_avg"])
-            b[2].append(state["exp_avg_sq"])
-            b[3].append(state.get("max_exp_avg_sq") if options["amsgrad"] else None)
-            b[4].append(p.grad.contiguous())
-            b[5].append(None if p.dtype == torch.float32 else p.detach())
-        for step, (masters, ms, vs, vmaxes, grads, outs) in buckets.items():
-            _C.cuda_adam_step(options, step, masters, ms, vs, vmaxes, grads, outs)
 
     def _step_group_nvme(self, group: dict, options: dict) -> None:
         """States on NVMe: one pipelined pass per step number (Note [Optimizer states on NVMe])."""

@@ -236,7 +236,6 @@ class GradStream : public std::enable_shared_from_this<GradStream> {
   void reset_window_locked(bool count_taken_back);
   void upload_locked(std::vector<std::size_t> slots);
   void release_landed_locked();
-  void drop_device_grad_locked(Slot& s);
   void count_freed_locked();
   void restore_locked(std::size_t slot, bool accumulate);
   void wait_uploads_locked(std::unique_lock<std::mutex>& lock);
