@@ -229,13 +229,8 @@ void* PinnedHostPool::allocate(std::size_t bytes) {
 void PinnedHostPool::deallocate(void* p) noexcept {
   if (!p) return;
   std::lock_guard<std::mutex> lock(mutex_);
-  auto it = blocks_.find(p);
-  if (it == blocks_.end()) {
+  if (!release_block_locked(p))
     log(LogLevel::kError, "PinnedHostPool::deallocate: pointer not from this pool (ignored)");
-    return;
-  }
-  BlockInfo info = it->second;
-  release_block_locked(p, info);
 }
 
 void PinnedHostPool::deallocate(void* p, std::shared_ptr<const Completion> fence) noexcept {
@@ -256,8 +251,12 @@ void PinnedHostPool::deallocate(void* p, std::shared_ptr<const Completion> fence
   fenced_.push_back({p, std::move(fence)});
 }
 
-void PinnedHostPool::release_block_locked(void* p, const BlockInfo& info) noexcept {
-  blocks_.erase(p);
+bool PinnedHostPool::release_block_locked(void* p) noexcept {
+  auto it = blocks_.find(p);
+  if (it == blocks_.end()) return false;
+  // Copied before the erase: the entry is gone once the map forgets it.
+  const BlockInfo info = it->second;
+  blocks_.erase(it);
   in_use_.decrease(static_cast<std::int64_t>(info.bytes));
   if (options_.poison_freed) {
     // Note [Adversarial emulated device]: a read of a freed block sees poison;
@@ -266,10 +265,11 @@ void PinnedHostPool::release_block_locked(void* p, const BlockInfo& info) noexce
     quarantine_.push_back({p, info});
     quarantined_bytes_ += info.bytes;
     drain_quarantine_locked(options_.quarantine_bytes);
-    return;
+    return true;
   }
   slabs_[info.slab].used -= info.bytes;
   insert_free_locked(info.slab, info.offset, info.bytes);
+  return true;
 }
 
 void PinnedHostPool::drain_quarantine_locked(std::size_t keep_bytes) noexcept {
@@ -303,8 +303,7 @@ void PinnedHostPool::reap_fenced_locked() noexcept {
       still.push_back(std::move(f));
       continue;
     }
-    auto it = blocks_.find(f.p);
-    if (it != blocks_.end()) release_block_locked(f.p, it->second);
+    release_block_locked(f.p);
   }
   fenced_.swap(still);
 }

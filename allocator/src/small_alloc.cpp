@@ -9,6 +9,13 @@
 namespace tierflow::allocator {
 namespace {
 
+// A sanitizer must see every allocation, and ASan aborts on RTLD_DEEPBIND.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+constexpr bool kSanitized = true;
+#else
+constexpr bool kSanitized = false;
+#endif
+
 struct Mimalloc {
   using AllocFn = void* (*)(std::size_t, std::size_t);
   using FreeFn = void (*)(void*);
@@ -18,6 +25,7 @@ struct Mimalloc {
   Mimalloc() {
     // Read directly (allocation starts before any Config exists); the table
     // in core/ validates the same variable.
+    if (kSanitized) return;
     const char* mode = std::getenv("TIERFLOW_MIMALLOC");
     if (mode && (std::string(mode) == "off" || std::string(mode) == "OFF")) return;
     void* lib = dlopen("libmimalloc.so.2", RTLD_NOW | RTLD_LOCAL | RTLD_DEEPBIND);
@@ -55,5 +63,7 @@ void small_free(void* p) noexcept {
 }
 
 bool mimalloc_active() noexcept { return mimalloc().alloc_aligned != nullptr; }
+
+bool built_with_sanitizer() noexcept { return kSanitized; }
 
 }  // namespace tierflow::allocator

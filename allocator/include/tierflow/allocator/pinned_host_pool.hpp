@@ -112,7 +112,9 @@ class PinnedHostPool {
   void insert_free_locked(std::size_t slab, std::size_t offset, std::size_t bytes);
   void erase_free_locked(std::size_t slab, std::size_t offset, std::size_t bytes);
   void free_slab_memory(Slab& s) noexcept;
-  void release_block_locked(void* p, const BlockInfo& info) noexcept;
+  // The one release routine of both free paths (plain and fenced): false when p
+  // is not a live block of this pool.
+  bool release_block_locked(void* p) noexcept;
   void reap_fenced_locked() noexcept;
   void drain_quarantine_locked(std::size_t keep_bytes) noexcept;
   void* try_allocate_once_locked(std::size_t rounded) noexcept;

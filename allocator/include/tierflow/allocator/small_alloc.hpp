@@ -9,9 +9,10 @@
 // at import. So tierflow never links it: on first use it dlopens the library
 // with RTLD_LOCAL | RTLD_DEEPBIND, which keeps its overriding symbols out of
 // every other library's lookup, and calls only the mi_* entry points through
-// dlsym. Without the library (or with TIERFLOW_MIMALLOC=off, for debugging
-// with sanitizers) the same calls fall back to
-// posix_memalign/free. Memory must be freed through small_free().
+// dlsym. Without the library, with TIERFLOW_MIMALLOC=off, or in a sanitizer
+// build (which must see every allocation, and whose ASan runtime aborts on
+// RTLD_DEEPBIND) the same calls fall back to posix_memalign/free. Memory
+// must be freed through small_free().
 #pragma once
 
 #include <cstddef>
@@ -25,6 +26,8 @@ void* small_malloc(std::size_t bytes, std::size_t alignment = alignof(std::max_a
 void small_free(void* p) noexcept;
 /// True when mimalloc serves small_malloc in this process.
 bool mimalloc_active() noexcept;
+/// True in a build made with -fsanitize=address or thread (mimalloc is never loaded there).
+bool built_with_sanitizer() noexcept;
 
 /// STL allocator over small_malloc, for std::allocate_shared and containers.
 template <class T>
