@@ -9,6 +9,8 @@
 #include <functional>
 #include <sstream>
 
+#include <sys/stat.h>
+
 #include "tierflow/core/error.hpp"
 
 extern char** environ;
@@ -18,9 +20,72 @@ namespace {
 
 constexpr std::string_view kPrefix = "TIERFLOW_";
 
-[[noreturn]] void bad_value(std::string_view name, std::string_view value,
-                            std::string_view accepted) {
-  throw config_error(std::string(name) + "='" + std::string(value) + "' is not valid; accepted: " +
+// Length of the valid UTF-8 sequence at the start of `s` (no overlong forms, surrogates or code
+// points past U+10FFFF), or 0 when it is not one.
+std::size_t utf8_sequence(std::string_view s) {
+  const auto b = [&](std::size_t i) { return static_cast<unsigned char>(s[i]); };
+  const unsigned char c = b(0);
+  if (c < 0x80) return 1;
+  std::size_t n = c >= 0xC2 && c <= 0xDF ? 2 : c >= 0xE0 && c <= 0xEF ? 3 : c >= 0xF0 && c <= 0xF4 ? 4 : 0;
+  if (n == 0 || s.size() < n) return 0;
+  for (std::size_t i = 1; i < n; ++i)
+    if ((b(i) & 0xC0) != 0x80) return 0;
+  if (c == 0xE0 && b(1) < 0xA0) return 0;   // overlong
+  if (c == 0xED && b(1) >= 0xA0) return 0;  // UTF-16 surrogate
+  if (c == 0xF0 && b(1) < 0x90) return 0;   // overlong
+  if (c == 0xF4 && b(1) >= 0x90) return 0;  // past U+10FFFF
+  return n;
+}
+
+bool printable_utf8(std::string_view s) {
+  for (std::size_t i = 0; i < s.size();) {
+    const std::size_t n = utf8_sequence(s.substr(i));
+    if (n == 0 || s[i] == '\0') return false;
+    i += n;
+  }
+  return true;
+}
+
+}  // namespace
+
+std::string quote_config_value(std::string_view value) {
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string out = "'";
+  for (std::size_t i = 0; i < value.size();) {
+    const auto c = static_cast<unsigned char>(value[i]);
+    const std::size_t n = utf8_sequence(value.substr(i));
+    const auto c1 = n > 1 ? static_cast<unsigned char>(value[i + 1]) : 0;
+    const auto c2 = n > 2 ? static_cast<unsigned char>(value[i + 2]) : 0;
+    // C1 controls (U+0080..U+009F: NEL breaks lines) and the line and paragraph separators.
+    if ((n == 2 && c == 0xC2 && c1 < 0xA0) || (n == 3 && c == 0xE2 && c1 == 0x80 && (c2 == 0xA8 || c2 == 0xA9))) {
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "\\u%04x", n == 2 ? c1 : 0x2000 + (c2 == 0xA8 ? 0x28 : 0x29));
+      out += buf;
+      i += n;
+      continue;
+    }
+    if (n > 1 || (n == 1 && c >= 0x20 && c != 0x7F && c != '\'' && c != '\\')) {
+      out.append(value.substr(i, n));
+      i += n;
+      continue;
+    }
+    if (c == '\n') out += "\\n";
+    else if (c == '\t') out += "\\t";
+    else if (c == '\r') out += "\\r";
+    else if (c == '\'' || c == '\\') (out += '\\') += static_cast<char>(c);
+    else ((out += "\\x") += kHex[c >> 4]) += kHex[c & 15];
+    ++i;
+  }
+  return out + "'";
+}
+
+namespace {
+
+// `reason`, when given, says why a value of an accepted-looking form is refused ("it is a directory").
+[[noreturn]] void bad_value(std::string_view name, std::string_view value, std::string_view accepted,
+                            std::string_view reason = {}) {
+  throw config_error(std::string(name) + "=" + quote_config_value(value) + " is not valid" +
+                     (reason.empty() ? "" : " (" + std::string(reason) + ")") + "; accepted: " +
                      std::string(accepted));
 }
 
@@ -47,11 +112,35 @@ constexpr std::string_view kBudgetForms =
     "a size (e.g. 512MiB, 1.5GiB, 4096; units B, KiB, MiB, GiB, TiB, KB, MB, GB, TB) or a "
     "percentage of the tier's capacity in (0%, 100%], e.g. 80%";
 
-auto budget_parser(Budget Config::*field) {
-  return [field](Config& c, std::string_view name, std::string_view v) {
+// `nonzero`: a budget of 0 bytes leaves the tier nothing to use, a mistake to refuse here rather than at
+// the first allocation.
+auto budget_parser(Budget Config::*field, bool nonzero = false) {
+  return [field, nonzero](Config& c, std::string_view name, std::string_view v) {
     auto b = parse_budget(v);
     if (!b) bad_value(name, v, kBudgetForms);
+    if (nonzero && !b->is_fraction && b->bytes == 0)
+      bad_value(name, v, kBudgetForms, "a budget of 0 bytes leaves nothing to use");
     c.*field = *b;
+  };
+}
+
+// A decimal integer in [lo, hi] (no sign, exponent or hex).
+auto int_parser(int Config::*field, int lo, int hi, std::string_view accepted) {
+  return [=](Config& c, std::string_view name, std::string_view v) {
+    auto n = parse_uint(v, static_cast<std::uint64_t>(hi));
+    if (!n || *n < static_cast<std::uint64_t>(lo)) bad_value(name, v, accepted);
+    c.*field = static_cast<int>(*n);
+  };
+}
+
+// A file that tierflow reads or writes later: a directory there would fail only then.
+auto file_parser(std::string Config::*field, std::string_view accepted) {
+  return [=](Config& c, std::string_view name, std::string_view v) {
+    std::string path = trim(v);
+    struct stat st {};
+    if (!path.empty() && (path.back() == '/' || (::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode))))
+      bad_value(name, v, accepted, "it is a directory");
+    c.*field = std::move(path);
   };
 }
 
@@ -90,26 +179,26 @@ const std::vector<Row>& rows() {
       {{"TIERFLOW_GPU_MEMORY", "90%", kBudgetForms,
         "device memory the activation planner may use (`auto`: the whole step's peak, parameters, "
         "gradients and optimizer states included); a percentage is of the device's total memory"},
-       budget_parser(&Config::gpu_memory)},
+       budget_parser(&Config::gpu_memory, /*nonzero=*/true)},
       {{"TIERFLOW_HOST_MEMORY", "50%", kBudgetForms,
         "pinned host pool budget (offloaded activations, optimizer states, staging); a "
         "percentage is of physical RAM"},
-       budget_parser(&Config::host_memory)},
+       budget_parser(&Config::host_memory, /*nonzero=*/true)},
       {{"TIERFLOW_NVME_PATHS", "", "a comma-separated list of directories, e.g. /mnt/nvme0,/mnt/nvme1",
         "directories on NVMe file systems that hold tierflow's swap files"},
        [](Config& c, std::string_view name, std::string_view v) {
+         // Every item counts: an empty one (",a", "a,", "a,,b") is refused, never dropped.
          c.nvme_paths.clear();
-         std::string s(v);
-         std::stringstream ss(s);
-         std::string item;
-         while (std::getline(ss, item, ',')) {
-           item = trim(item);
-           if (item.empty()) {
-             if (!trim(s).empty())
-               bad_value(name, v, "a comma-separated list of directories with no empty entries");
-             continue;
-           }
-           c.nvme_paths.push_back(item);
+         if (trim(v).empty()) return;
+         for (std::size_t b = 0;;) {
+           const std::size_t e = std::min(v.find(',', b), v.size());
+           std::string item = trim(v.substr(b, e - b));
+           if (item.empty())
+             bad_value(name, v, "a comma-separated list of directories with no empty entries",
+                       "item " + std::to_string(c.nvme_paths.size() + 1) + " is empty");
+           c.nvme_paths.push_back(std::move(item));
+           if (e == v.size()) break;
+           b = e + 1;
          }
        }},
       {{"TIERFLOW_NVME_MEMORY", "90%", kBudgetForms,
@@ -125,13 +214,7 @@ const std::vector<Row>& rows() {
        }},
       {{"TIERFLOW_AIO_QUEUE_DEPTH", "32", "an integer from 1 to 1024",
         "NVMe requests kept in flight"},
-       [](Config& c, std::string_view name, std::string_view v) {
-         std::string s = trim(v);
-         char* end = nullptr;
-         long n = std::strtol(s.c_str(), &end, 10);
-         if (s.empty() || *end != '\0' || n < 1 || n > 1024) bad_value(name, v, "an integer from 1 to 1024");
-         c.aio_queue_depth = static_cast<int>(n);
-       }},
+       int_parser(&Config::aio_queue_depth, 1, 1024, "an integer from 1 to 1024")},
       {{"TIERFLOW_NVME_CHECKSUM", "on", "on or off",
         "checksum every block written to NVMe (XXH3) and verify it on read"},
        on_off_parser(&Config::nvme_checksum)},
@@ -156,11 +239,9 @@ const std::vector<Row>& rows() {
            c.cpu_threads = 0;
            return;
          }
-         char* end = nullptr;
-         long n = std::strtol(s.c_str(), &end, 10);
-         if (s.empty() || *end != '\0' || n < 1 || n > 1024)
-           bad_value(name, v, "auto or an integer from 1 to 1024");
-         c.cpu_threads = static_cast<int>(n);
+         auto n = parse_uint(s, 1024);
+         if (!n || *n < 1) bad_value(name, v, "auto or an integer from 1 to 1024");
+         c.cpu_threads = static_cast<int>(*n);
        }},
       {{"TIERFLOW_CPU_ISA", "auto", "one of auto, avx512, avx2, portable",
         "SIMD path of the CPU optimizer; auto picks the widest this CPU runs (all give the same "
@@ -184,11 +265,11 @@ const std::vector<Row>& rows() {
       {{"TIERFLOW_REPORT", "", "a file path (empty: no file)",
         "write the statistics report as JSON to this path when the process exits and on every "
         "tierflow.report() call"},
-       [](Config& c, std::string_view, std::string_view v) { c.report_path = trim(v); }},
+       file_parser(&Config::report_path, "a file path (empty: no file)")},
       {{"TIERFLOW_PROFILE", "", "a file path (empty: measure every run)",
         "the activation planner's block profile: read from this file when it exists, otherwise "
         "measured in the first step and written there"},
-       [](Config& c, std::string_view, std::string_view v) { c.profile_path = trim(v); }},
+       file_parser(&Config::profile_path, "a file path (empty: measure every run)")},
       {{"TIERFLOW_MIN_OFFLOAD_BYTES", "64KiB", "a size, e.g. 0, 4096, 64KiB, 1MiB",
         "saved tensors smaller than this stay on the device (copying them costs more than it saves)"},
        size_parser(&Config::min_offload_bytes, 0, "a size, e.g. 0, 4096, 64KiB, 1MiB")},
@@ -237,14 +318,7 @@ const std::vector<Row>& rows() {
       {{"TIERFLOW_GRAD_ACCUMULATION_STEPS", "1", "an integer from 1 to 1000000",
         "backward passes per optimizer step; steps during backward run only in the last one (a "
         "wrong value costs time, never correctness)"},
-       [](Config& c, std::string_view name, std::string_view v) {
-         std::string s = trim(v);
-         char* end = nullptr;
-         long n = std::strtol(s.c_str(), &end, 10);
-         if (s.empty() || *end != '\0' || n < 1 || n > 1000000)
-           bad_value(name, v, "an integer from 1 to 1000000");
-         c.grad_accumulation_steps = static_cast<int>(n);
-       }},
+       int_parser(&Config::grad_accumulation_steps, 1, 1000000, "an integer from 1 to 1000000")},
       {{"TIERFLOW_MAX_GRAD_NORM", "none", "none or a positive number, e.g. 1.0",
         "clip the global gradient 2-norm to this value before the step, exactly as "
         "torch.nn.utils.clip_grad_norm_"},
@@ -254,11 +328,9 @@ const std::vector<Row>& rows() {
            c.max_grad_norm = 0.0;
            return;
          }
-         char* end = nullptr;
-         double x = std::strtod(s.c_str(), &end);
-         if (s.empty() || *end != '\0' || !(x > 0.0) || !std::isfinite(x))
-           bad_value(name, v, "none or a positive number, e.g. 1.0");
-         c.max_grad_norm = x;
+         auto x = parse_decimal(s);
+         if (!x || !(*x > 0.0)) bad_value(name, v, "none or a positive number, e.g. 1.0");
+         c.max_grad_norm = *x;
        }},
       {{"TIERFLOW_SKIP_NONFINITE", "off", "on or off",
         "skip the whole step (state untouched) when any gradient holds inf or NaN, as AMP's "
@@ -275,12 +347,10 @@ const std::vector<Row>& rows() {
            c.gpu_optimizer_fraction = 0.0;
            return;
          }
-         char* end = nullptr;
-         double x = std::strtod(s.c_str(), &end);
-         if (s.empty() || *end != '\0' || !(x >= 0.0 && x <= 1.0))
-           bad_value(name, v, "auto or a number from 0 to 1");
+         auto x = parse_decimal(s);
+         if (!x || !(*x >= 0.0 && *x <= 1.0)) bad_value(name, v, "auto or a number from 0 to 1");
          c.gpu_optimizer_fraction_auto = false;
-         c.gpu_optimizer_fraction = x;
+         c.gpu_optimizer_fraction = *x == 0.0 ? 0.0 : *x;  // -0 is 0
        }},
       {{"TIERFLOW_MIMALLOC", "on", "on or off",
         "serve tierflow's own small allocations from mimalloc (off: the C library, e.g. under "
@@ -312,13 +382,9 @@ const std::vector<Row>& rows() {
         "seed of the adversarial emulated device's random copy delays (the same seed gives the "
         "same delays for the same sequence of copies)"},
        [](Config& c, std::string_view name, std::string_view v) {
-         std::string s = trim(v);
-         char* end = nullptr;
-         errno = 0;
-         unsigned long long n = std::strtoull(s.c_str(), &end, 10);
-         if (s.empty() || *end != '\0' || errno != 0 || s[0] == '-' || n > (1ULL << 63))
-           bad_value(name, v, "an integer from 0 to 2^63");
-         c.emulated_seed = n;
+         auto n = parse_uint(v, 1ULL << 63);
+         if (!n) bad_value(name, v, "an integer from 0 to 2^63");
+         c.emulated_seed = *n;
        }},
   };
   return kRows;
@@ -420,6 +486,17 @@ std::string closest_config_name(std::string_view name) {
 
 Config Config::defaults() { return parse({}, {}); }
 
+namespace {
+
+// Parses one value into `c`; errors name `label` (the variable, or a command-line flag standing for it).
+void apply_row(Config& c, const Row& row, std::string_view label, std::string_view value) {
+  // The environment holds bytes; every value is text, and a message quoting it must stay valid UTF-8.
+  if (!printable_utf8(value)) bad_value(label, value, row.entry.accepted, "not UTF-8 text");
+  row.apply(c, label, value);
+}
+
+}  // namespace
+
 Config Config::parse(const std::map<std::string, std::string>& variables,
                      const std::map<std::string, std::string>& overrides) {
   Config c;
@@ -428,23 +505,32 @@ Config Config::parse(const std::map<std::string, std::string>& variables,
     if (name.rfind(kPrefix, 0) != 0) continue;
     const Row* row = find_row(name);
     if (!row) {
-      throw config_error("unknown environment variable " + name + "; did you mean " +
+      throw config_error("unknown environment variable " + quote_config_value(name) + "; did you mean " +
                          closest_config_name(name) +
                          "? (tierflow.config_table() lists every accepted variable)");
     }
-    row->apply(c, row->entry.name, value);
+    apply_row(c, *row, row->entry.name, value);
   }
   for (const auto& [key, value] : overrides) {
     std::string name = full_name(key);
     const Row* row = find_row(name);
     if (!row) {
-      throw config_error("unknown tierflow setting '" + key + "'; did you mean '" +
+      throw config_error("unknown tierflow setting " + quote_config_value(key) + "; did you mean '" +
                          keyword_of(closest_config_name(name)) +
                          "'? (tierflow.config_table() lists every accepted setting)");
     }
-    row->apply(c, row->entry.name, value);
+    apply_row(c, *row, row->entry.name, value);
   }
   return c;
+}
+
+std::string parse_setting(std::string_view name, std::string_view value, std::string_view label) {
+  const std::string full = full_name(name);
+  const Row* row = find_row(full);
+  if (!row) throw config_error("unknown tierflow setting " + quote_config_value(name));
+  Config c = Config::defaults();
+  apply_row(c, *row, label.empty() ? std::string_view(row->entry.name) : label, value);
+  return c.to_strings().at(full);
 }
 
 Config Config::from_environment(const std::map<std::string, std::string>& overrides) {

@@ -1,6 +1,7 @@
 #include "tierflow/core/size.hpp"
 
 #include <cctype>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -15,27 +16,33 @@ std::string_view trim(std::string_view s) {
   return s;
 }
 
-// Splits "1.5GiB" into the number "1.5" and the unit "GiB".
-bool split_number(std::string_view s, double* value, std::string_view* unit) {
+bool is_digit(char c) { return c >= '0' && c <= '9'; }
+
+// A plain decimal "12", "12.5", "12.", ".5" at the start of `s`: whole and fraction digits, and the
+// rest. False when there is no digit at all.
+bool split_decimal(std::string_view s, std::string_view* whole, std::string_view* fraction,
+                   std::string_view* rest) {
   std::size_t i = 0;
-  bool digits = false, dot = false;
-  for (; i < s.size(); ++i) {
-    char c = s[i];
-    if (std::isdigit(static_cast<unsigned char>(c))) {
-      digits = true;
-    } else if (c == '.' && !dot) {
-      dot = true;
-    } else {
-      break;
-    }
+  while (i < s.size() && is_digit(s[i])) ++i;
+  *whole = s.substr(0, i);
+  *fraction = {};
+  if (i < s.size() && s[i] == '.') {
+    std::size_t b = ++i;
+    while (i < s.size() && is_digit(s[i])) ++i;
+    *fraction = s.substr(b, i - b);
   }
-  if (!digits) return false;
-  std::string num(s.substr(0, i));
-  char* end = nullptr;
-  *value = std::strtod(num.c_str(), &end);
-  if (end != num.c_str() + num.size()) return false;
-  *unit = trim(s.substr(i));
-  return true;
+  *rest = s.substr(i);
+  return !whole->empty() || !fraction->empty();
+}
+
+// Digits to an integer; nullopt past 64 bits.
+std::optional<std::uint64_t> digits_value(std::string_view digits) {
+  std::uint64_t v = 0;
+  for (char c : digits) {
+    if (__builtin_mul_overflow(v, 10u, &v) || __builtin_add_overflow(v, static_cast<unsigned>(c - '0'), &v))
+      return std::nullopt;
+  }
+  return v;
 }
 
 std::optional<std::uint64_t> unit_multiplier(std::string_view unit) {
@@ -61,26 +68,70 @@ std::optional<std::uint64_t> unit_multiplier(std::string_view unit) {
 }  // namespace
 
 std::optional<std::uint64_t> parse_size(std::string_view text) {
-  std::string_view s = trim(text);
-  double value = 0;
-  std::string_view unit;
-  if (!split_number(s, &value, &unit)) return std::nullopt;
-  auto mult = unit_multiplier(unit);
+  std::string_view whole, fraction, rest;
+  if (!split_decimal(trim(text), &whole, &fraction, &rest)) return std::nullopt;
+  auto mult = unit_multiplier(trim(rest));
   if (!mult) return std::nullopt;
-  double bytes = value * static_cast<double>(*mult);
-  if (!std::isfinite(bytes) || bytes > 1.8e19) return std::nullopt;
-  // A fractional byte count ("1.5B") is a mistake, not something to round.
-  if (*mult == 1 && value != std::floor(value)) return std::nullopt;
-  return static_cast<std::uint64_t>(std::llround(bytes));
+  while (!fraction.empty() && fraction.back() == '0') fraction.remove_suffix(1);
+  // A fractional byte count ("1.5B") is a mistake, not something to round; past 19 digits the
+  // fraction no longer fits the exact arithmetic below (and nobody means it).
+  if (!fraction.empty() && (*mult == 1 || fraction.size() > 19)) return std::nullopt;
+  auto w = digits_value(whole);
+  std::uint64_t bytes = 0;
+  if (!w || __builtin_mul_overflow(*w, *mult, &bytes)) return std::nullopt;
+  if (!fraction.empty()) {
+    // fraction * mult / 10^k, rounded to the nearest byte, in exact integer arithmetic (< 2^104).
+    unsigned __int128 scale = 1;
+    for (std::size_t i = 0; i < fraction.size(); ++i) scale *= 10;
+    const unsigned __int128 part = static_cast<unsigned __int128>(*digits_value(fraction)) * *mult;
+    std::uint64_t q = static_cast<std::uint64_t>(part / scale);
+    if (2 * (part % scale) >= scale) ++q;
+    if (__builtin_add_overflow(bytes, q, &bytes)) return std::nullopt;
+  }
+  return bytes;
+}
+
+std::optional<std::uint64_t> parse_uint(std::string_view text, std::uint64_t max) {
+  std::string_view s = trim(text);
+  if (s.empty()) return std::nullopt;
+  for (char c : s)
+    if (!is_digit(c)) return std::nullopt;
+  auto v = digits_value(s);
+  if (!v || *v > max) return std::nullopt;
+  return v;
+}
+
+std::optional<double> parse_decimal(std::string_view text) {
+  std::string_view s = trim(text);
+  std::string_view sign = s;
+  if (!s.empty() && (s.front() == '+' || s.front() == '-')) s.remove_prefix(1);
+  std::string_view whole, fraction, rest;
+  if (!split_decimal(s, &whole, &fraction, &rest)) return std::nullopt;
+  if (!rest.empty()) {
+    if (rest.front() != 'e' && rest.front() != 'E') return std::nullopt;
+    rest.remove_prefix(1);
+    if (!rest.empty() && (rest.front() == '+' || rest.front() == '-')) rest.remove_prefix(1);
+    if (rest.empty()) return std::nullopt;
+    for (char c : rest)
+      if (!is_digit(c)) return std::nullopt;
+  }
+  // Only decimal digits, a point, a sign and an exponent are left: strtod reads exactly that (the
+  // "C" locale's point: tierflow never changes LC_NUMERIC), and says ERANGE past a double's range.
+  std::string num(sign.front() == '+' ? sign.substr(1) : sign);
+  errno = 0;
+  char* end = nullptr;
+  const double v = std::strtod(num.c_str(), &end);
+  if (end != num.c_str() + num.size() || errno == ERANGE || !std::isfinite(v)) return std::nullopt;
+  return v;
 }
 
 std::optional<Budget> parse_budget(std::string_view text) {
   std::string_view s = trim(text);
   if (!s.empty() && s.back() == '%') {
-    double value = 0;
-    std::string_view unit;
-    if (!split_number(trim(s.substr(0, s.size() - 1)), &value, &unit) || !unit.empty())
+    std::string_view whole, fraction, rest;
+    if (!split_decimal(trim(s.substr(0, s.size() - 1)), &whole, &fraction, &rest) || !rest.empty())
       return std::nullopt;
+    const double value = *parse_decimal(trim(s.substr(0, s.size() - 1)));
     if (!(value > 0.0 && value <= 100.0)) return std::nullopt;
     Budget b;
     b.is_fraction = true;
@@ -96,7 +147,10 @@ std::optional<Budget> parse_budget(std::string_view text) {
 
 std::uint64_t Budget::resolve(std::uint64_t capacity_bytes) const noexcept {
   if (!is_fraction) return bytes;
-  return static_cast<std::uint64_t>(static_cast<double>(capacity_bytes) * fraction);
+  const double share = static_cast<double>(capacity_bytes) * fraction;
+  // A capacity near 2^64 rounds up to 2^64 as a double, which no uint64_t holds.
+  if (share >= static_cast<double>(capacity_bytes)) return capacity_bytes;
+  return static_cast<std::uint64_t>(share);
 }
 
 std::string Budget::to_string() const {

@@ -197,3 +197,131 @@ TEST(Config, RecomputeIsForActivationsOnly) {
     EXPECT_NE(std::string(e.what()).find("one of none, host, nvme"), std::string::npos) << e.what();
   }
 }
+
+// ---- issue 16: every value parses exactly or is refused in one line naming the variable ----
+
+namespace {
+
+// The one-line message of a refused value.
+std::string refusal(const std::string& name, const std::string& value) {
+  try {
+    Config::parse({{name, value}});
+  } catch (const config_error& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << name << "='" << value << "' accepted";
+  return {};
+}
+
+}  // namespace
+
+TEST(ConfigIssue16, HexInfAndNanNumbersAreRefused) {
+  // strtod took these: TIERFLOW_MAX_GRAD_NORM=0x100 was 256, TIERFLOW_GPU_OPTIMIZER_FRACTION=0x0.8p0 was 0.5.
+  for (const char* v : {"0x100", "0X1p0", "inf", "nan", "1e999", "1,0", "1_0"}) {
+    EXPECT_NE(refusal("TIERFLOW_MAX_GRAD_NORM", v).find("TIERFLOW_MAX_GRAD_NORM"), std::string::npos) << v;
+  }
+  for (const char* v : {"0x0.8p0", "0x1", "nan", "-inf", ".5e", "0.5.0"}) {
+    EXPECT_NE(refusal("TIERFLOW_GPU_OPTIMIZER_FRACTION", v).find("from 0 to 1"), std::string::npos) << v;
+  }
+  EXPECT_DOUBLE_EQ(Config::parse({{"TIERFLOW_MAX_GRAD_NORM", "1e-2"}}).max_grad_norm, 0.01);
+  EXPECT_DOUBLE_EQ(Config::parse({{"TIERFLOW_GPU_OPTIMIZER_FRACTION", ".5"}}).gpu_optimizer_fraction, 0.5);
+}
+
+TEST(ConfigIssue16, IntegersAreDecimalDigitsOnly) {
+  for (const char* name : {"TIERFLOW_AIO_QUEUE_DEPTH", "TIERFLOW_CPU_THREADS", "TIERFLOW_GRAD_ACCUMULATION_STEPS"}) {
+    for (const char* v : {"0x10", "+4", "-4", "4.0", "1e2", "99999999999999999999999", "4 4"}) {
+      EXPECT_NE(refusal(name, v).find(name), std::string::npos) << name << "=" << v;
+    }
+  }
+  for (const char* v : {"-1", "+1", "0x1", "9223372036854775809", "18446744073709551616"}) {
+    EXPECT_NE(refusal("TIERFLOW_EMULATED_SEED", v).find("from 0 to 2^63"), std::string::npos) << v;
+  }
+  EXPECT_EQ(Config::parse({{"TIERFLOW_EMULATED_SEED", "9223372036854775808"}}).emulated_seed, 1ULL << 63);
+}
+
+TEST(ConfigIssue16, SizesAreExactOrRefused) {
+  // llround past 2^63 made this 9223372036854775808.
+  EXPECT_EQ(Config::parse({{"TIERFLOW_HOST_MEMORY", "10000000TB"}}).host_memory.bytes, 10000000000000000000ULL);
+  EXPECT_NE(refusal("TIERFLOW_HOST_MEMORY", "20000000TB").find("TIERFLOW_HOST_MEMORY='20000000TB'"),
+            std::string::npos);
+  EXPECT_NE(refusal("TIERFLOW_PREFETCH_BYTES", "18446744073709551616").find("TIERFLOW_PREFETCH_BYTES"),
+            std::string::npos);
+  EXPECT_EQ(Config::parse({{"TIERFLOW_PREFETCH_BYTES", "18446744073709551615"}}).prefetch_bytes, UINT64_MAX);
+}
+
+TEST(ConfigIssue16, ListItemsAreNeverDropped) {
+  for (const char* v : {"/a,", ",/a", "/a,,/b", "/a, ,/b", ",", " , ", "/a,/b,"}) {
+    const std::string msg = refusal("TIERFLOW_NVME_PATHS", v);
+    EXPECT_NE(msg.find("TIERFLOW_NVME_PATHS"), std::string::npos) << v;
+    EXPECT_NE(msg.find("is empty"), std::string::npos) << msg;
+  }
+  EXPECT_TRUE(Config::parse({{"TIERFLOW_NVME_PATHS", ""}}).nvme_paths.empty());
+  EXPECT_TRUE(Config::parse({{"TIERFLOW_NVME_PATHS", "   "}}).nvme_paths.empty());
+  EXPECT_EQ(Config::parse({{"TIERFLOW_NVME_PATHS", " /a "}}).nvme_paths, std::vector<std::string>{"/a"});
+  EXPECT_EQ(Config::parse({{"TIERFLOW_NVME_PATHS", "/a,/b,/c"}}).nvme_paths.size(), 3u);
+}
+
+TEST(ConfigIssue16, ZeroDeviceAndHostBudgetsAreRefusedHere) {
+  for (const char* name : {"TIERFLOW_GPU_MEMORY", "TIERFLOW_HOST_MEMORY"}) {
+    for (const char* v : {"0", "0B", "0GiB", "0.0MiB"}) {
+      const std::string msg = refusal(name, v);
+      EXPECT_NE(msg.find(std::string(name) + "='" + v + "'"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("0 bytes"), std::string::npos) << msg;
+    }
+  }
+  EXPECT_EQ(Config::parse({{"TIERFLOW_GPU_MEMORY", "1"}}).gpu_memory.bytes, 1u);
+}
+
+TEST(ConfigIssue16, ReportAndProfileMustNotBeDirectories) {
+  for (const char* name : {"TIERFLOW_REPORT", "TIERFLOW_PROFILE"}) {
+    for (const char* v : {"/tmp", "/tmp/", ".", "/no/such/dir/"}) {
+      const std::string msg = refusal(name, v);
+      EXPECT_NE(msg.find(name), std::string::npos) << msg;
+      EXPECT_NE(msg.find("directory"), std::string::npos) << msg;
+    }
+  }
+  EXPECT_EQ(Config::parse({{"TIERFLOW_REPORT", "/tmp/tierflow-report-test.json"}}).report_path,
+            "/tmp/tierflow-report-test.json");
+}
+
+TEST(ConfigIssue16, ValuesThatAreNotUtf8AreRefusedInOneLine) {
+  for (const char* name : {"TIERFLOW_REPORT", "TIERFLOW_NVME_PATHS", "TIERFLOW_HOST_MEMORY", "TIERFLOW_LOG_LEVEL"}) {
+    const std::string msg = refusal(name, "/tmp/\xff\xfe.json");
+    EXPECT_NE(msg.find(std::string(name) + "='/tmp/\\xff\\xfe.json'"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("not UTF-8"), std::string::npos) << msg;
+  }
+  // Overlong forms and surrogates are not UTF-8 either; NUL is no text.
+  for (const char* v : {"\xc0\xaf", "\xed\xa0\x80", "\xf4\x90\x80\x80"}) refusal("TIERFLOW_REPORT", v);
+  EXPECT_NE(refusal("TIERFLOW_REPORT", std::string("a\0b", 3)).find("'a\\x00b'"), std::string::npos);
+  EXPECT_EQ(Config::parse({{"TIERFLOW_REPORT", "/tmp/r\xc3\xa9sum\xc3\xa9.json"}}).report_path,
+            "/tmp/r\xc3\xa9sum\xc3\xa9.json");
+}
+
+TEST(ConfigIssue16, MessagesAreOneLineWhateverTheValueHolds) {
+  for (const std::string v : {"1\nGiX", "x\r\n", "\x85", "\xe2\x80\xa8", "\x0b\x0c\x1c", "it's", "a\\b"}) {
+    const std::string msg = refusal("TIERFLOW_HOST_MEMORY", v);
+    EXPECT_EQ(msg.find_first_of("\n\r\x0b\x0c\x1c\x1d\x1e"), std::string::npos) << msg;
+    EXPECT_EQ(msg.find("\xe2\x80\xa8"), std::string::npos) << msg;
+    EXPECT_EQ(msg.rfind("TIERFLOW_HOST_MEMORY='", 0), 0u) << msg;
+  }
+  EXPECT_EQ(quote_config_value("1\nGiB"), "'1\\nGiB'");
+  EXPECT_EQ(quote_config_value("\xc2\x85"), "'\\u0085'");
+  EXPECT_EQ(quote_config_value("\xe2\x80\xa8"), "'\\u2028'");
+  EXPECT_EQ(quote_config_value("it's"), "'it\\'s'");
+  EXPECT_EQ(quote_config_value("\xff"), "'\\xff'");
+  // Unknown names are quoted too.
+  expect_error({{"TIERFLOW_X\nY", "1"}}, {}, {"'TIERFLOW_X\\nY'"});
+}
+
+TEST(ConfigIssue16, ParseSettingValidatesAsTheTableAndNamesTheLabel) {
+  EXPECT_EQ(parse_setting("TIERFLOW_PREFETCH_BYTES", "8MiB"), std::to_string(8 << 20));
+  EXPECT_EQ(parse_setting("gpu_memory", "90%"), "90%");
+  try {
+    parse_setting("TIERFLOW_PREFETCH_BYTES", "0", "--prefetch");
+    FAIL() << "--prefetch 0 accepted";
+  } catch (const config_error& e) {
+    EXPECT_EQ(std::string(e.what()).rfind("--prefetch='0' is not valid; accepted: a size of at least 1 byte", 0), 0u)
+        << e.what();
+  }
+  EXPECT_THROW(parse_setting("TIERFLOW_NO_SUCH", "1"), config_error);
+}

@@ -57,3 +57,73 @@ TEST(FormatBytes, Readable) {
   EXPECT_EQ(format_bytes(1536), "1.50 KiB");
   EXPECT_EQ(format_bytes(3 * GiB / 2), "1.50 GiB");
 }
+
+// Issue 16: sizes parse exactly, up to the last byte a uint64_t holds, or are refused; never rounded
+// through a double (llround past 2^63 made "10000000TB" 2^63 bytes).
+TEST(ParseSize, ExactUpToTheLargestUint64) {
+  EXPECT_EQ(parse_size("10000000TB"), 10000000000000000000ULL);
+  EXPECT_EQ(parse_size("18446744073709551615"), UINT64_MAX);
+  EXPECT_EQ(parse_size("18446744073709551615B"), UINT64_MAX);
+  EXPECT_EQ(parse_size("16777215TiB"), 16777215ULL * TiB);
+  EXPECT_EQ(parse_size("9007199254740993"), 9007199254740993ULL);  // 2^53 + 1: no double holds it
+  EXPECT_EQ(parse_size("1.000000000000000001TB"), 1000000000000ULL);
+  EXPECT_EQ(parse_size("0.1KiB"), 102u);   // 102.4 rounds to the nearest byte
+  EXPECT_EQ(parse_size("0.5B0"), std::nullopt);
+  EXPECT_EQ(parse_size("1.50000000000000000000000GiB"), 3 * GiB / 2);  // trailing zeros are exact
+  EXPECT_EQ(parse_size("2.5KB"), 2500u);
+  EXPECT_EQ(parse_size(".5KiB"), 512u);
+  EXPECT_EQ(parse_size("5."), 5u);
+}
+
+TEST(ParseSize, RefusesWhatDoesNotFit) {
+  for (const char* bad : {"18446744073709551616", "18446744073709551616B", "20000000TB", "16777216TiB",
+                          "18446744073709551615.5KiB", "99999999999999999999999999999", "17179869184GiB",
+                          "1.0000000000000000000001KiB"}) {
+    EXPECT_FALSE(parse_size(bad).has_value()) << bad;
+  }
+}
+
+TEST(ParseSize, RefusesHexSignsExponentsAndSpecials) {
+  for (const char* bad : {"0x100", "0x1p10", "0X10MiB", "inf", "infinity", "-0", "+5", "1e3KiB", "1E3",
+                          "nan", ".", ".KiB", "1.5.5", "1_000", "１２", "5MiB\x01"}) {
+    EXPECT_FALSE(parse_size(bad).has_value()) << bad;
+  }
+}
+
+TEST(ParseBudget, PercentagesAreDecimalOnly) {
+  for (const char* bad : {"0x10%", "1e1%", "inf%", "nan%", "+5%", "0.0000%", "100.0001%", "5%%", "%5"}) {
+    EXPECT_FALSE(parse_budget(bad).has_value()) << bad;
+  }
+  EXPECT_EQ(parse_budget("100.000%")->resolve(1000), 1000u);
+  EXPECT_EQ(parse_budget(".5%")->resolve(1000), 5u);
+}
+
+TEST(ParseBudget, ShareOfTheLargestCapacityFits) {
+  // capacity * 1.0 as a double is 2^64, which no uint64_t holds: the budget is the capacity.
+  EXPECT_EQ(parse_budget("100%")->resolve(UINT64_MAX), UINT64_MAX);
+  EXPECT_LE(parse_budget("99.9999%")->resolve(UINT64_MAX), UINT64_MAX);
+  EXPECT_EQ(parse_budget("18446744073709551615")->resolve(0), UINT64_MAX);
+}
+
+TEST(ParseUint, DigitsOnlyWithinTheBound) {
+  EXPECT_EQ(parse_uint("0"), 0u);
+  EXPECT_EQ(parse_uint(" 1024 ", 1024), 1024u);
+  EXPECT_EQ(parse_uint("18446744073709551615"), UINT64_MAX);
+  for (const char* bad : {"", " ", "1025", "-1", "+1", "0x10", "1e3", "1.0", "18446744073709551616", "1 0"}) {
+    EXPECT_FALSE(parse_uint(bad, bad == std::string("1025") ? 1024 : UINT64_MAX).has_value()) << bad;
+  }
+}
+
+TEST(ParseDecimal, DecimalOnly) {
+  EXPECT_EQ(parse_decimal("1.0"), 1.0);
+  EXPECT_EQ(parse_decimal(" -0.5 "), -0.5);
+  EXPECT_EQ(parse_decimal("+2e-3"), 2e-3);
+  EXPECT_EQ(parse_decimal(".5"), 0.5);
+  EXPECT_EQ(parse_decimal("5."), 5.0);
+  EXPECT_EQ(parse_decimal("1E2"), 100.0);
+  // strtod alone takes every one of these: 0x100 is 256 and 0x0.8p0 is 0.5.
+  for (const char* bad : {"0x100", "0x0.8p0", "0X1P-2", "inf", "-inf", "infinity", "nan", "NAN(1)", "1e999",
+                          "1e-999", "", ".", "e5", "1e", "1e+", "1.2.3", "1,5", "1_0", "--1", "1 e5", "١"}) {
+    EXPECT_FALSE(parse_decimal(bad).has_value()) << bad;
+  }
+}

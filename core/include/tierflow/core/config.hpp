@@ -110,4 +110,13 @@ const std::vector<ConfigEntry>& config_table();
 /// Closest known variable name to `name` (edit distance), for error messages.
 std::string closest_config_name(std::string_view name);
 
+/// Parses `value` for one setting (`name`: full or keyword) exactly as the table does and returns its
+/// canonical text (as Config::to_strings gives it). Throws config_error naming `label` (default: the
+/// variable), e.g. a command-line flag that stands for the variable, so both are validated alike.
+std::string parse_setting(std::string_view name, std::string_view value, std::string_view label = {});
+
+/// `value` in single quotes for a one-line message: control characters, line separators, quotes,
+/// backslashes and bytes that are not UTF-8 escaped (\n, \x85, \u2028).
+std::string quote_config_value(std::string_view value);
+
 }  // namespace tierflow
