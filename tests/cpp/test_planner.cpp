@@ -476,4 +476,55 @@ TEST(ActivationPlanner, MeasuredLayersPlanWithinBudget) {
   }
 }
 
+// Issue 16: a profile's bad times, bandwidths and bytes are the user's mistake (config_error, one line),
+// and byte totals that would wrap around in the model's sums are refused rather than planned.
+TEST(ActivationPlannerIssue16, BadProfilesAreConfigErrors) {
+  std::mt19937_64 rng(16);
+  const std::vector<BlockProfile> good(3, random_profile(rng, false));
+  Budgets budgets;
+  budgets.device_bytes = 64 * GiB;
+  budgets.host_bytes = 64 * GiB;
+  budgets.prefetch_bytes = 64 * MiB;
+  const Links links{20 * kGBps, 20 * kGBps, 35 * kGBps, 0, 0};
+  EXPECT_NO_THROW(plan_activations(good, links, budgets));
+  for (double bad : {-1.0, std::nan(""), HUGE_VAL}) {
+    auto blocks = good;
+    blocks[1].backward_seconds = bad;
+    EXPECT_THROW(plan_activations(blocks, links, budgets), config_error) << bad;
+    Links l = links;
+    l.h2d = bad;
+    EXPECT_THROW(plan_activations(good, l, budgets), config_error) << bad;
+  }
+}
+
+TEST(ActivationPlannerIssue16, TotalsPastTwoToThe63AreRefused) {
+  std::mt19937_64 rng(17);
+  const std::vector<BlockProfile> good(3, random_profile(rng, false));
+  Budgets budgets;
+  budgets.device_bytes = UINT64_MAX;
+  budgets.host_bytes = 64 * GiB;
+  const Links links{20 * kGBps, 20 * kGBps, 35 * kGBps, 0, 0};
+  auto expect_refused = [&](const std::vector<BlockProfile>& blocks, const Budgets& b) {
+    try {
+      plan_activations(blocks, links, b);
+      ADD_FAILURE() << "planned";
+    } catch (const config_error& e) {
+      EXPECT_NE(std::string(e.what()).find("2^63"), std::string::npos) << e.what();
+    }
+  };
+  Budgets b = budgets;
+  b.fixed_device_bytes = UINT64_MAX - 10;  // fixed + prefetch wraps
+  b.prefetch_bytes = 64 * MiB;
+  expect_refused(good, b);
+  b.fixed_device_bytes = std::uint64_t{1} << 63;
+  b.prefetch_bytes = 0;
+  expect_refused(good, b);
+  auto blocks = good;
+  blocks[0].split_bytes = UINT64_MAX;  // saved_bytes() itself wraps
+  expect_refused(blocks, budgets);
+  blocks = std::vector<BlockProfile>(4, good[0]);
+  for (auto& p : blocks) p.cheap_bytes = std::uint64_t{1} << 61;  // each fits, the sum does not
+  expect_refused(blocks, budgets);
+}
+
 }  // namespace

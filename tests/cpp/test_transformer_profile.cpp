@@ -2,6 +2,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <limits>
+#include <string>
 
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/size.hpp"
@@ -73,6 +75,81 @@ TEST(TransformerProfile, IssuePresetSplitsTokens) {
   EXPECT_TRUE(std::any_of(plan.blocks.begin(), plan.blocks.end(), [](const BlockPlan& b) {
     return b.mode == BlockMode::kSplit && b.alpha > 0 && b.alpha < 1;
   })) << plan.summary();
+}
+
+}  // namespace
+
+// ---- issue 16: a shape is checked before anything is built, its arithmetic for overflow ----
+
+namespace {
+
+std::string shape_error(const TransformerShape& s) {
+  try {
+    check_transformer_shape(s);
+  } catch (const config_error& e) {
+    EXPECT_THROW(estimate_transformer(s, 1e12), config_error);
+    EXPECT_THROW(transformer_parameters(s), config_error);
+    EXPECT_THROW(estimate_head_device_bytes(s), config_error);
+    EXPECT_THROW(estimate_training_state(s, OffloadTarget::kNvme), config_error);
+    return e.what();
+  }
+  ADD_FAILURE() << "shape accepted";
+  return {};
+}
+
+TEST(TransformerShapeIssue16, TokensOverflowIsAnErrorNotZeroBytes) {
+  // seq 64 x batch 2^57 wrapped to 0 tokens: `plan` exited 0 with 0 B of activations (UBSan: signed overflow).
+  TransformerShape s{2, 64, 4, 64, std::int64_t{1} << 57, 2, 50304, 4};
+  EXPECT_THROW(s.tokens(), config_error);
+  EXPECT_NE(shape_error(s).find("batch"), std::string::npos);
+  TransformerShape t{2, 64, 4, std::int64_t{1} << 40, std::int64_t{1} << 40, 2, 50304, 4};
+  EXPECT_THROW(t.tokens(), config_error);
+}
+
+TEST(TransformerShapeIssue16, ByteCountsThatOverflowAreRefused) {
+  // Every field within its limits, but tokens x hidden x bytes past 64 bits.
+  TransformerShape s{4, 1 << 20, 4, 1 << 24, 1 << 24, 2, 50304, 4};
+  const std::string msg = shape_error(s);
+  EXPECT_NE(msg.find("overflow 64 bits"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("seq 16777216"), std::string::npos) << msg;
+  // The parameters: vocab x hidden at their limits fits, but with 10000 layers of hidden 2^20 it does not.
+  TransformerShape p{10000, 1 << 20, 1 << 10, 1, 1, 4, 1 << 24, 64};
+  EXPECT_NE(shape_error(p).find("overflow 64 bits"), std::string::npos);
+  // The head: tokens x vocab x fp32.
+  TransformerShape h{1, 64, 4, 1 << 24, 1 << 24, 4, 1 << 24, 1};
+  EXPECT_NE(shape_error(h).find("overflow 64 bits"), std::string::npos);
+}
+
+TEST(TransformerShapeIssue16, FieldsPastTheirLimitsAreRefusedBeforeBuilding) {
+  const auto& limits = transformer_shape_limits();
+  ASSERT_EQ(limits.size(), 7u);
+  EXPECT_EQ(limits[0].field, "layers");
+  EXPECT_EQ(limits[0].max, 10000);
+  // --layers 1e9 was std::bad_alloc and 1e7 took 44 s and 3 GB before refusing: now refused at once.
+  TransformerShape big{1000000000, 64, 4, 8, 1, 2, 1000, 4};
+  const std::string msg = shape_error(big);
+  EXPECT_NE(msg.find("layers 1000000000 is not valid; accepted: an integer from 1 to 10000"), std::string::npos)
+      << msg;
+  for (int field = 0; field < 7; ++field) {
+    TransformerShape s{2, 64, 4, 8, 1, 2, 1000, 4};
+    std::int64_t* fields64[] = {nullptr, nullptr, nullptr, &s.seq, &s.batch, &s.vocab, nullptr};
+    int* fields32[] = {&s.layers, &s.hidden, &s.heads, nullptr, nullptr, nullptr, &s.ffn_mult};
+    for (std::int64_t v : {std::int64_t{0}, std::int64_t{-1}, limits[field].max + 1}) {
+      if (fields64[field]) *fields64[field] = v;
+      else *fields32[field] = static_cast<int>(v);
+      EXPECT_NE(shape_error(s).find(std::string(limits[field].field) + " " + std::to_string(v)), std::string::npos)
+          << limits[field].field << " " << v;
+    }
+  }
+  // At the limits, nothing overflows and the estimate is built.
+  TransformerShape edge{10000, 1024, 16, 8, 1, 2, 1 << 24, 4};
+  EXPECT_EQ(estimate_transformer(edge, 1e12).size(), 10000u);
+}
+
+TEST(TransformerShapeIssue16, FlopsMustBeFinite) {
+  TransformerShape s{2, 64, 4, 8, 1, 2, 1000, 4};
+  for (double f : {0.0, -1.0, std::numeric_limits<double>::infinity(), std::numeric_limits<double>::quiet_NaN()})
+    EXPECT_THROW(estimate_transformer(s, f), config_error) << f;
 }
 
 }  // namespace

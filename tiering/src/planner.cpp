@@ -204,16 +204,30 @@ Plan evaluate_plan(const std::vector<BlockProfile>& blocks, const Links& links, 
 }
 
 Plan plan_activations(const std::vector<BlockProfile>& blocks, const Links& links, const Budgets& budgets) {
+  // Profiles come from files and measurements: a bad one is the user's (config_error), said before planning.
   auto valid = [](double x) { return std::isfinite(x) && x >= 0; };
+  // Every byte the plan could count at once (all blocks kept and at work, the rest of training, the
+  // prefetch window) must fit in 63 bits, so that no sum of the model or the search wraps around.
+  constexpr std::uint64_t kMaxTotal = std::uint64_t{1} << 63;
+  std::uint64_t total = 0;
+  const bool budgets_fit = !__builtin_add_overflow(budgets.fixed_device_bytes, budgets.prefetch_bytes, &total);
+  bool bytes_fit = budgets_fit && total < kMaxTotal;
   for (std::size_t i = 0; i < blocks.size(); ++i) {
     const auto& p = blocks[i];
-    TIERFLOW_EXPECTS(valid(p.forward_seconds) && valid(p.backward_seconds) && valid(p.split_recompute_seconds) &&
-                         valid(p.cheap_recompute_seconds),
-                     "plan_activations: block " + std::to_string(i) + " has a negative or non-finite time");
+    if (!(valid(p.forward_seconds) && valid(p.backward_seconds) && valid(p.split_recompute_seconds) &&
+          valid(p.cheap_recompute_seconds)))
+      throw config_error("plan_activations: block " + std::to_string(i) +
+                         " has a negative or non-finite time; accepted: finite seconds >= 0");
+    for (std::uint64_t b : {p.input_bytes, p.whole_bytes, p.split_bytes, p.cheap_bytes, p.transient_bytes})
+      bytes_fit = bytes_fit && !__builtin_add_overflow(total, b, &total) && total < kMaxTotal;
   }
-  TIERFLOW_EXPECTS(valid(links.d2h) && valid(links.h2d) && valid(links.duplex) && valid(links.nvme_write) &&
-                       valid(links.nvme_read),
-                   "plan_activations: a link bandwidth is negative or non-finite");
+  if (!(valid(links.d2h) && valid(links.h2d) && valid(links.duplex) && valid(links.nvme_write) &&
+        valid(links.nvme_read)))
+    throw config_error("plan_activations: a link bandwidth is negative or non-finite; accepted: finite bytes "
+                       "per second >= 0");
+  if (!bytes_fit)
+    throw config_error("plan_activations: the blocks' saved and transient bytes plus fixed_device_bytes and "
+                       "prefetch_bytes add up to 2^63 bytes or more; accepted: totals below 2^63 (8 EiB)");
   std::vector<BlockPlan> all_keep(blocks.size());
   Plan keep = evaluate_plan(blocks, links, budgets, all_keep);
   if (keep.fits) return keep;

@@ -141,7 +141,9 @@ struct Plan {
 
 /// The plan that minimizes the predicted step time within the budgets (see Note [Activation planner]).
 /// Everything fits: every block kept. Throws tierflow::out_of_memory (Python: OutOfMemoryError) saying
-/// how many device bytes the cheapest-memory plan needs when even that does not fit.
+/// how many device bytes the cheapest-memory plan needs when even that does not fit; throws config_error
+/// for a negative or non-finite time or bandwidth, or when all blocks' bytes plus fixed_device_bytes and
+/// prefetch_bytes reach 2^63 (no sum of the model may wrap around).
 Plan plan_activations(const std::vector<BlockProfile>& blocks, const Links& links, const Budgets& budgets);
 
 /// Every block in `mode` (kSplit: alpha as large as the per-block link rule allows), same predictions;

@@ -29,9 +29,15 @@
 // estimate_head_device_bytes), the planner's model predicts a device peak of
 // 25.8 GiB with every block kept and 14.3 GiB with every block recomputed;
 // measured: 25.06 GiB (baseline) and 15.04 GiB (checkpoint per block).
+// A shape is checked before anything is built: every field within
+// transformer_shape_limits() (far past any real model, and few enough layers
+// that one profile per layer is cheap to build and plan), and every byte count
+// computed with checked 64-bit arithmetic; a shape whose bytes overflow is a
+// config_error, never a wrapped-around count.
 #pragma once
 
 #include <cstdint>
+#include <string_view>
 #include <vector>
 
 #include "tierflow/core/config.hpp"
@@ -49,9 +55,23 @@ struct TransformerShape {
   int dtype_bytes = 2;   ///< parameters and activations: 4 fp32, 2 bf16/fp16
   std::int64_t vocab = 50304;
   int ffn_mult = 4;
-  /// Tokens per step.
-  std::int64_t tokens() const noexcept { return seq * batch; }
+  /// Tokens per step; throws config_error when seq * batch overflows 64 bits.
+  std::int64_t tokens() const;
 };
+
+/// The accepted range of one TransformerShape field, [1, max] (dtype_bytes: 2 or 4).
+struct ShapeLimit {
+  std::string_view field;  ///< the field's name, e.g. "layers" (the plan command's flag is --layers)
+  std::int64_t max;        ///< largest accepted value
+};
+
+/// Every field's upper bound (layers 10000, hidden 2^20, heads 2^16, seq, batch and vocab 2^24, ffn_mult
+/// 64), checked before anything is built; the plan command checks its arguments against the same table.
+const std::vector<ShapeLimit>& transformer_shape_limits();
+
+/// Throws config_error naming the first field outside its limits (or heads not dividing hidden) and what
+/// is accepted, or a byte count of the estimates that overflows 64 bits.
+void check_transformer_shape(const TransformerShape& shape);
 
 /// One profile per layer, see Note [Transformer estimate]. Throws config_error for a bad shape.
 std::vector<BlockProfile> estimate_transformer(const TransformerShape& shape, double flops_per_second);
