@@ -156,14 +156,30 @@ void bind_planner(py::module_& m) {
   m.def("parse_budget", [](const std::string& text, std::uint64_t capacity_bytes) {
     auto b = parse_budget(text);
     if (!b) {
-      throw config_error("'" + text + "' is not a size or a percentage; accepted: " + std::string(kSizeForms) +
-                         ", or a percentage such as 90%");
+      throw config_error(quote_config_value(text) + " is not a size or a percentage; accepted: " +
+                         std::string(kSizeForms) + ", or a percentage such as 90%");
     }
-    TIERFLOW_EXPECTS(!b->is_fraction || capacity_bytes > 0,
-                     "'" + text + "' is a percentage, and the capacity it is a share of is unknown");
+    if (b->is_fraction && capacity_bytes == 0) {
+      throw config_error(quote_config_value(text) + " is a percentage of a capacity that is unknown here; "
+                         "accepted: " + std::string(kSizeForms));
+    }
     return b->resolve(capacity_bytes);
   }, py::arg("text"), py::arg("capacity_bytes") = 0,
         "Bytes of a size ('16GiB') or a percentage of `capacity_bytes` ('90%'); raises ConfigError.");
+  m.def("parse_setting", [](const std::string& name, const std::string& value, const std::string& label) {
+    return parse_setting(name, value, label);
+  }, py::arg("name"), py::arg("value"), py::arg("label") = "",
+        "`value` parsed as the configuration table parses the setting `name`: its canonical text; raises "
+        "ConfigError naming `label` (default: the variable), e.g. the command-line flag standing for it.");
+  m.def("parse_decimal", [](const std::string& text) { return parse_decimal(text); }, py::arg("text"),
+        "A finite decimal number (1, -0.5, 2e-3; no hex, inf or nan), or None (core/size.hpp's parse_decimal).");
+  m.def("transformer_shape_limits", [] {
+    py::dict out;
+    for (const auto& l : transformer_shape_limits()) out[py::str(std::string(l.field))] = l.max;
+    return out;
+  }, "The largest accepted value of each TransformerShape field (the smallest is 1).");
+  m.def("check_transformer_shape", &check_transformer_shape, py::arg("shape"),
+        "Raises ConfigError naming a field outside its limits, or byte counts that overflow 64 bits.");
   m.def("device_capacity_bytes", [](bool cuda) {
     return allocator::device_capacity_bytes(cuda ? allocator::DeviceKind::kCuda : allocator::DeviceKind::kEmulated);
   }, py::arg("cuda"), "Total memory of the GPU tier: the current GPU's, or physical RAM when emulated.");

@@ -75,8 +75,8 @@ def test_host_too_small_for_the_optimizer_is_an_error():
 
 @pytest.mark.parametrize("args, message", [
     (["--dtype", "fp8"], "invalid choice"),
-    (["--gpu-memory", "sixteen"], "--gpu-memory sixteen"),
-    (["--tflops", "-1"], "must be positive"),
+    (["--gpu-memory", "sixteen"], "--gpu-memory='sixteen' is not valid; accepted: a size"),
+    (["--tflops", "-1"], "argument --tflops: '-1' is not valid; accepted: a number from"),
 ])
 def test_bad_input_is_a_clear_error(args, message):
     proc = run_plan([*SMALL, "--tflops", "100", "--pcie-gbps", "20", *args])
@@ -165,3 +165,174 @@ def test_estimate_matches_what_torch_saves():
     assert sizes.count(tokens * h * 4) == 5  # x, ln1 out, SDPA out, x2, ln2 out
     assert sizes.count(tokens * 3 * h * 4) == 1 and sizes.count(tokens * 4 * h * 4) == 2
     assert est.split_bytes == tokens * (3 + 4) * h * 4
+
+
+# ---- issue 16: every bad input is one line naming it, exit code 2; never a traceback or a silent success ----
+
+from contextlib import redirect_stderr, redirect_stdout  # noqa: E402
+import io  # noqa: E402
+
+from tierflow.__main__ import main as tierflow_main  # noqa: E402
+
+SHAPE = {"--layers": "2", "--hidden": "64", "--heads": "4", "--seq": "8", "--batch": "1", "--vocab": "1000"}
+RATES = ["--tflops", "100", "--pcie-gbps", "20"]
+
+
+def plan_in_process(args, monkeypatch=None, **env):
+    """``python -m tierflow plan ARGS`` through tierflow.__main__.main: (exit code, stdout, stderr)."""
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        rc = tierflow_main(["plan", *args])
+    return rc, out.getvalue(), err.getvalue()
+
+
+def shape_args(**changes):
+    d = dict(SHAPE)
+    d.update({f"--{k.replace('_', '-')}": v for k, v in changes.items()})
+    return [x for kv in d.items() for x in kv]
+
+
+def expect_refused(rc, out, err, *needles):
+    assert rc == 2, (out, err)
+    assert err.startswith("tierflow plan: ") and err.endswith("\n") and err.count("\n") == 1, err
+    assert len(err.splitlines()) == 1, err
+    for n in ("Traceback", "Invoked with", "bad_alloc", "TypeError"):
+        assert n not in err, err
+    for n in needles:
+        assert n in err, err
+    assert out == ""
+
+
+ISSUE_ARGUMENT_CASES = [
+    # (the issue's words, arguments, what the one line names)
+    ("tokens overflow gave 0 B of activations",
+     shape_args(seq="64", batch="144115188075855872") + ["--optimizer", "nvme"],
+     ["--batch", "144115188075855872", "from 1 to 16777216"]),
+    ("--layers >= 2^31: pybind TypeError", shape_args(layers="2147483648"), ["--layers", "2147483648", "from 1 to"]),
+    ("--hidden >= 2^31: pybind TypeError", shape_args(hidden="2147483648"), ["--hidden", "2147483648"]),
+    ("--layers 1e9: std::bad_alloc", shape_args(layers="1000000000"), ["--layers", "1000000000", "10000"]),
+    ("--layers 1e9 as written", shape_args(layers="1e9"), ["--layers", "'1e9'", "an integer"]),
+    ("--layers 1e7: 44 s and 3 GB", shape_args(layers="10000000"), ["--layers", "10000000"]),
+    ("--pcie-gbps nan", shape_args() + ["--tflops", "100", "--pcie-gbps", "nan"], ["--pcie-gbps", "'nan'"]),
+    ("--pcie-gbps inf", shape_args() + ["--tflops", "100", "--pcie-gbps", "inf"], ["--pcie-gbps", "'inf'"]),
+    ("--nvme-gbps nan", shape_args() + RATES + ["--nvme-memory", "1GiB", "--nvme-gbps", "nan"], ["--nvme-gbps"]),
+    ("--nvme-gbps inf", shape_args() + RATES + ["--nvme-memory", "1GiB", "--nvme-gbps", "inf"], ["--nvme-gbps"]),
+    ("--nvme-gbps -1", shape_args() + RATES + ["--nvme-memory", "1GiB", "--nvme-gbps", "-1"], ["--nvme-gbps"]),
+    ("--tflops inf predicted 0 s", shape_args() + ["--tflops", "inf", "--pcie-gbps", "20"], ["--tflops", "'inf'"]),
+    ("--tflops 1e300 overflows the flops", shape_args() + ["--tflops", "1e300", "--pcie-gbps", "20"], ["--tflops"]),
+    ("--prefetch 0, which TIERFLOW_PREFETCH_BYTES refuses", shape_args() + RATES + ["--prefetch", "0"],
+     ["--prefetch='0'", "at least 1 byte"]),
+    ("--gpu-memory 0", shape_args() + RATES + ["--gpu-memory", "0"], ["--gpu-memory='0'", "0 bytes"]),
+    ("--host-memory 0x10", shape_args() + RATES + ["--host-memory", "0x10"], ["--host-memory='0x10'"]),
+    ("--nvme-memory as a percentage", shape_args() + RATES + ["--nvme-memory", "5%", "--nvme-gbps", "2"],
+     ["--nvme-memory", "'5%'"]),
+    ("a shape whose bytes overflow", shape_args(layers="4", hidden="1048576", seq="16777216", batch="16777216") + RATES,
+     ["--seq 16777216", "overflow 64 bits"]),
+    ("usage errors are one line too", ["--dtype", "fp8", *shape_args()], ["--dtype", "'fp8'"]),
+    ("an unknown argument", shape_args() + RATES + ["--layer-count", "3"], ["--layer-count"]),
+    ("a missing value", shape_args() + RATES + ["--prefetch"], ["--prefetch"]),
+    ("a value that is not UTF-8", shape_args() + RATES + ["--gpu-memory", "16\udcffGiB"], ["--gpu-memory", "UTF-8"]),
+    ("a newline in a value", shape_args() + RATES + ["--gpu-memory", "16\nGiX"], ["--gpu-memory", "\\n"]),
+    ("a budget too small names --gpu-memory", shape_args() + RATES + ["--gpu-memory", "1KiB"],
+     ["no activation plan fits", "--gpu-memory"]),
+]
+
+
+@pytest.mark.parametrize("why, args, needles", ISSUE_ARGUMENT_CASES, ids=[c[0] for c in ISSUE_ARGUMENT_CASES])
+def test_issue16_bad_argument_is_one_line(why, args, needles, monkeypatch):
+    import time
+    t0 = time.perf_counter()
+    expect_refused(*plan_in_process(args, monkeypatch), *needles)
+    assert time.perf_counter() - t0 < 5, "refused only after building the shape"
+
+
+def write_profile(tmp_path, blocks=None, links=None, fixed=1 << 30):
+    shape = _C.TransformerShape(layers=3, hidden=64, heads=4, seq=8, batch=1, dtype_bytes=2, vocab=1000)
+    base = json.loads(profile_to_json(_C.estimate_transformer(shape, 1e12), _C.Links(d2h=20e9, h2d=20e9, duplex=40e9),
+                                      0))
+    for i, changes in (blocks or {}).items():
+        base["blocks"][i].update(changes)
+    base["links"].update(links or {})
+    base["fixed_device_bytes"] = fixed
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(base))  # json writes NaN and Infinity as the bare words, as Python reads them
+    return str(path)
+
+
+ISSUE_PROFILE_CASES = [
+    ("negative time", {"blocks": {1: {"forward_seconds": -1.0}}}, ["block 1 forward_seconds -1.0"]),
+    ("NaN time", {"blocks": {0: {"backward_seconds": float("nan")}}}, ["block 0 backward_seconds nan"]),
+    ("infinite time", {"blocks": {2: {"split_recompute_seconds": float("inf")}}}, ["split_recompute_seconds inf"]),
+    ("negative bandwidth", {"links": {"h2d": -5.0}}, ["links h2d -5.0"]),
+    ("NaN bandwidth", {"links": {"d2h": float("nan")}}, ["links d2h nan"]),
+    ("fixed_device_bytes -5", {"fixed": -5}, ["fixed_device_bytes -5", "an integer from 0"]),
+    ("fixed_device_bytes 1e30", {"fixed": 1e30}, ["fixed_device_bytes 1e+30"]),
+    ("fixed_device_bytes inf", {"fixed": float("inf")}, ["fixed_device_bytes inf"]),
+    ("fixed_device_bytes 2^64", {"fixed": 1 << 64}, ["fixed_device_bytes 18446744073709551616"]),
+    ("bytes as text", {"blocks": {0: {"input_bytes": "12"}}}, ["block 0 input_bytes '12'"]),
+    ("splittable as a number", {"blocks": {0: {"splittable": 1}}}, ["block 0 splittable 1", "true or false"]),
+    ("bytes that add up past 2^63", {"blocks": {0: {"cheap_bytes": 1 << 62}, 1: {"cheap_bytes": 1 << 62}}},
+     ["2^63"]),
+]
+
+
+@pytest.mark.parametrize("why, change, needles", ISSUE_PROFILE_CASES, ids=[c[0] for c in ISSUE_PROFILE_CASES])
+def test_issue16_bad_profile_is_one_line(why, change, needles, tmp_path, monkeypatch):
+    path = write_profile(tmp_path, change.get("blocks"), change.get("links"), change.get("fixed", 1 << 30))
+    expect_refused(*plan_in_process(["--profile", path, "--gpu-memory", "16GiB"], monkeypatch), "--profile",
+                   *needles)
+
+
+def test_issue16_profile_limits_and_shapes(tmp_path, monkeypatch):
+    for text, needle in [("[]", "non-empty"), ('{"blocks": [1]}', "block 0 is not an object"),
+                         ('{"blocks": [{}], "links": []}', "links is not an object"),
+                         ('{"blocks": [{}]' + "]" * 3, "not JSON"), ("[" * 100000, "not JSON"),
+                         ('{"blocks": [' + ",".join(["{}"] * 10001) + "]}", "10001 blocks")]:
+        path = tmp_path / "p.json"
+        path.write_text(text)
+        expect_refused(*plan_in_process(["--profile", str(path), "--gpu-memory", "1GiB"], monkeypatch), needle)
+    path = tmp_path / "latin1.json"
+    path.write_bytes(b'{"blocks": [{"input_bytes": 1}], "x": "\xff"}')
+    expect_refused(*plan_in_process(["--profile", str(path)], monkeypatch), "--profile")
+    expect_refused(*plan_in_process(["--profile", str(tmp_path)], monkeypatch), "--profile", "directory")
+
+
+@pytest.mark.parametrize("name, value, needles", [
+    ("TIERFLOW_HOST_MEMORY", "lots", ["TIERFLOW_HOST_MEMORY='lots'", "accepted"]),
+    ("TIERFLOW_GPU_MEMORY", "0", ["TIERFLOW_GPU_MEMORY='0'", "0 bytes"]),
+    ("TIERFLOW_PREFETCH_BYTES", "0x10", ["TIERFLOW_PREFETCH_BYTES='0x10'"]),
+    ("TIERFLOW_OFFLOAD_OPTIMZER", "host", ["TIERFLOW_OFFLOAD_OPTIMZER", "TIERFLOW_OFFLOAD_OPTIMIZER"]),
+    ("TIERFLOW_DEVICE", "cuda" if not _C.cuda_available() else "gpu", ["TIERFLOW_DEVICE"]),
+    ("TIERFLOW_REPORT", "/", ["TIERFLOW_REPORT='/'", "directory"]),
+])
+def test_issue16_bad_variable_is_one_line_not_a_traceback(name, value, needles, monkeypatch):
+    expect_refused(*plan_in_process(shape_args() + RATES, monkeypatch, **{name: value}), *needles)
+
+
+@pytest.mark.parametrize("args", [
+    shape_args(seq="64", batch="144115188075855872") + ["--optimizer", "nvme"] + RATES,
+    shape_args(layers="2147483648") + RATES,
+    shape_args() + ["--tflops", "nan", "--pcie-gbps", "20"],
+])
+def test_issue16_subprocess_exit_code_and_no_traceback(args):
+    proc = run_plan(args)
+    expect_refused(proc.returncode, proc.stdout, proc.stderr)
+
+
+def test_issue16_subprocess_bad_variable():
+    proc = run_plan([*shape_args(), *RATES], TIERFLOW_MAX_GRAD_NORM="0x100")
+    expect_refused(proc.returncode, proc.stdout, proc.stderr, "TIERFLOW_MAX_GRAD_NORM='0x100'")
+
+
+def test_issue16_good_arguments_still_plan(monkeypatch):
+    rc, out, err = plan_in_process(shape_args() + RATES + ["--json", "--gpu-memory", "1GiB", "--prefetch", "1"],
+                                   monkeypatch)
+    assert rc == 0, err
+    data = json.loads(out)
+    assert len(data["layers"]) == 2 and data["budgets"]["prefetch_bytes"] == 1 and data["budgets"]["gpu_bytes"] == GiB
+    rc, out, err = plan_in_process(shape_args(layers="10000") + RATES, monkeypatch)  # the limit itself
+    assert rc == 0 and "block 9999" in out, err
+    rc, out, err = plan_in_process(["--help"], monkeypatch)
+    assert rc == 0 and "--layers" in out

@@ -20,7 +20,13 @@ def settings_to_strings(settings: Mapping[str, Any]) -> dict[str, str]:
             continue
         if isinstance(value, (list, tuple)):
             value = ",".join(str(v) for v in value)
-        out[key] = str(value)
+        text = str(value)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate: undecodable bytes that came through os.fsdecode or argv
+            raise _C.ConfigError(f"{key}={text!r} is not valid (not UTF-8 text); accepted: the forms of "
+                                 f"TIERFLOW_{str(key).upper()} in tierflow.config_table()") from None
+        out[key] = text
     return out
 
 

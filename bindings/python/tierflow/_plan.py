@@ -16,22 +16,36 @@ reads it (``profile_to_json`` / ``profile_from_json``)::
      "links": {"d2h": f, "h2d": f, "duplex": f, "nvme_write": f, "nvme_read": f},
      "fixed_device_bytes": n}
 
-``blocks`` are in forward order, one per repeated block, fields as in
+``blocks`` are in forward order, one per repeated block (at most the
+``layers`` limit of ``tierflow._C.transformer_shape_limits()``), fields as in
 ``tierflow._C.BlockProfile`` (a missing field takes its default, an unknown one
 is an error); ``links`` are bytes per second (0: absent); ``fixed_device_bytes``
 is what the rest of training needs on the device (parameters, gradients,
-optimizer states, workspace, the activations outside the blocks).
+optimizer states, workspace, the activations outside the blocks). Times and
+bandwidths are finite numbers >= 0, byte counts integers from 0 to 2^64 - 1,
+``splittable`` a boolean; anything else is an error naming the field.
+
+Errors
+------
+Every bad argument, profile or ``TIERFLOW_*`` variable is one line on stderr
+naming it, its value and what is accepted, and exit code 2. Sizes go through the
+configuration table's own parsers (``--gpu-memory`` as ``TIERFLOW_GPU_MEMORY``,
+``--host-memory`` as ``TIERFLOW_HOST_MEMORY``, ``--prefetch`` as
+``TIERFLOW_PREFETCH_BYTES``), shape arguments are checked against
+``transformer_shape_limits()`` before anything is built, and rates against
+``RATE_RANGE``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from . import _C
 
@@ -43,6 +57,8 @@ BLOCK_FIELDS = ("forward_seconds", "backward_seconds", "input_bytes", "whole_byt
 LINK_FIELDS = ("d2h", "h2d", "duplex", "nvme_write", "nvme_read")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 GB = 1e9  # link speeds are decimal, like the vendors'
+RATE_RANGE = (1e-6, 1e6)  # accepted --tflops, --pcie-gbps and --nvme-gbps: every predicted time stays finite
+U64_MAX = (1 << 64) - 1
 
 
 @dataclass
@@ -66,34 +82,64 @@ def profile_to_json(blocks: Sequence[Any], links: Any, fixed_device_bytes: int) 
                        "fixed_device_bytes": int(fixed_device_bytes)}, indent=1)
 
 
+def _profile_value(where: str, name: str, value: Any) -> Any:
+    """A profile field checked for its kind: seconds and bandwidths, byte counts, or splittable."""
+    if name == "splittable":
+        ok, accepted = isinstance(value, bool), "true or false"
+    elif name.endswith("_bytes"):
+        ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= U64_MAX
+        accepted = "an integer from 0 to 2^64 - 1"
+    else:
+        ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+              and value >= 0)
+        accepted = "a finite number >= 0"
+    if not ok:
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        raise ValueError(f"profile: {where}{name} {shown} is not valid; accepted: {accepted}")
+    return value
+
+
 def profile_from_json(text: str) -> Profile:
-    """Parses a profile file's text; raises ValueError saying what is wrong."""
+    """Parses a profile file's text; raises ValueError saying what is wrong (one line)."""
     try:
         data = json.loads(text)
-    except json.JSONDecodeError as e:
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, an integer of too many digits, deep nesting
         raise ValueError(f"profile: not JSON ({e})") from None
     if not isinstance(data, dict) or not isinstance(data.get("blocks"), list) or not data["blocks"]:
         raise ValueError('profile: expected an object with a non-empty "blocks" list')
     if data.get("format", PROFILE_FORMAT) != PROFILE_FORMAT or data.get("version", PROFILE_VERSION) != PROFILE_VERSION:
         raise ValueError(f"profile: format {data.get('format')!r} version {data.get('version')!r} is not "
                          f"{PROFILE_FORMAT!r} version {PROFILE_VERSION}")
+    most = _C.transformer_shape_limits()["layers"]
+    if len(data["blocks"]) > most:
+        raise ValueError(f"profile: {len(data['blocks'])} blocks is not valid; accepted: 1 to {most} blocks")
     blocks = []
     for i, b in enumerate(data["blocks"]):
+        if not isinstance(b, dict):
+            raise ValueError(f"profile: block {i} is not an object; accepted: an object of {list(BLOCK_FIELDS)}")
         unknown = set(b) - set(BLOCK_FIELDS)
         if unknown:
             raise ValueError(f"profile: block {i} has unknown fields {sorted(unknown)}; known: {list(BLOCK_FIELDS)}")
-        blocks.append(_C.BlockProfile(**b))
+        blocks.append(_C.BlockProfile(**{k: _profile_value(f"block {i} ", k, v) for k, v in b.items()}))
     links = data.get("links", {})
+    if not isinstance(links, dict):
+        raise ValueError(f"profile: links is not an object; accepted: an object of {list(LINK_FIELDS)}")
     unknown = set(links) - set(LINK_FIELDS)
     if unknown:
         raise ValueError(f"profile: links has unknown fields {sorted(unknown)}; known: {list(LINK_FIELDS)}")
-    return Profile(blocks, _C.Links(**links), int(data.get("fixed_device_bytes", 0)))
+    links = {k: _profile_value("links ", k, v) for k, v in links.items()}
+    fixed = _profile_value("", "fixed_device_bytes", data.get("fixed_device_bytes", 0))
+    return Profile(blocks, _C.Links(**links), fixed)
 
 
 # ---- measurements ----------------------------------------------------------------------------
 
 def _use_cuda() -> bool:
     choice = _C.resolve_config({})["TIERFLOW_DEVICE"]
+    if choice == "cuda" and not _C.cuda_available():  # as the runtime says it (bindings/src/runtime.cpp)
+        why = ("no CUDA GPU is usable on this machine" if _C.cuda_compiled()
+               else "tierflow was built without the CUDA backend")
+        raise PlanError(f"TIERFLOW_DEVICE='cuda': {why}; accepted here: auto, emulated")
     return choice == "cuda" or (choice == "auto" and _C.cuda_available())
 
 
@@ -163,23 +209,65 @@ class PlanError(Exception):
     """A user error: printed and exit code 2."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is a PlanError (one line, exit code 2) rather than usage text and exit."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise PlanError(message)
+
+
+def _text(flag: str, text: str) -> str:
+    """An argument that goes to C++: text that encodes as UTF-8 (argv may hold undecodable bytes)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise PlanError(f"{flag} {_shown(text)} is not valid; accepted: UTF-8 text") from None
+    return text
+
+
+def _shown(text: str) -> str:
+    """A value as quoted in a message: repr, cut to a readable length."""
+    r = repr(text)
+    return r if len(r) <= 42 else r[:38] + "...'"
+
+
+def _shape_int(field: str) -> Callable[[str], int]:
+    """argparse type of a shape argument: a decimal integer within transformer_shape_limits()."""
+    def parse(text: str) -> int:
+        most = _C.transformer_shape_limits()[field]
+        digits = text.strip()
+        if not (digits.isascii() and digits.isdigit() and len(digits) <= 20 and 1 <= int(digits) <= most):
+            raise argparse.ArgumentTypeError(f"{_shown(text)} is not valid; accepted: an integer from 1 to {most}")
+        return int(digits)
+    return parse
+
+
+def _rate(zero: bool) -> Callable[[str], float]:
+    """argparse type of a rate: a decimal number in RATE_RANGE (or 0 when `zero`), no inf or nan."""
+    def parse(text: str) -> float:
+        value = _C.parse_decimal(text) if text.isascii() else None
+        if value is None or not (RATE_RANGE[0] <= value <= RATE_RANGE[1] or (zero and value == 0)):
+            raise argparse.ArgumentTypeError(f"{_shown(text)} is not valid; accepted: a number from "
+                                             f"{RATE_RANGE[0]:g} to {RATE_RANGE[1]:g}"
+                                             + (", or 0 for none" if zero else ""))
+        return value
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="python -m tierflow plan",
         description="Plan the activations of a transformer (keep, swap a share of the tokens, or recompute, per "
                     "block; Note [Activation planner]) and predict the device peak and step time.")
     shape = p.add_argument_group("model shape (GPT-2 style; or --profile)")
-    shape.add_argument("--layers", type=int)
-    shape.add_argument("--hidden", type=int)
-    shape.add_argument("--heads", type=int)
-    shape.add_argument("--seq", type=int)
-    shape.add_argument("--batch", type=int)
+    for field in ("layers", "hidden", "heads", "seq", "batch"):
+        shape.add_argument(f"--{field}", type=_shape_int(field))
     shape.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16")
-    shape.add_argument("--vocab", type=int, default=50304)
-    shape.add_argument("--ffn-mult", type=int, default=4)
+    shape.add_argument("--vocab", type=_shape_int("vocab"), default=50304)
+    shape.add_argument("--ffn-mult", type=_shape_int("ffn_mult"), default=4)
     p.add_argument("--profile", metavar="FILE", help="a recorded profile (JSON) instead of a shape")
-    p.add_argument("--tflops", type=float, help="dense matmul TFLOP/s (default: measured on this machine)")
-    p.add_argument("--pcie-gbps", type=float,
+    p.add_argument("--tflops", type=_rate(False), help="dense matmul TFLOP/s (default: measured on this machine)")
+    p.add_argument("--pcie-gbps", type=_rate(False),
                    help="device<->host GB/s each way (default: measured on this machine, or the profile's)")
     p.add_argument("--gpu-memory", metavar="SIZE",
                    help="device budget, e.g. 16GiB or 90%% (default: TIERFLOW_GPU_MEMORY if set, else the "
@@ -187,7 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host-memory", metavar="SIZE",
                    help="host budget for optimizer states and swapped activations (default: TIERFLOW_HOST_MEMORY)")
     p.add_argument("--nvme-memory", metavar="SIZE", help="NVMe budget for swapped activations (default: none)")
-    p.add_argument("--nvme-gbps", type=float, default=0.0, help="host<->NVMe GB/s each way (with --nvme-memory)")
+    p.add_argument("--nvme-gbps", type=_rate(True), default=0.0,
+                   help="host<->NVMe GB/s each way (with --nvme-memory)")
     p.add_argument("--optimizer", choices=["none", "host", "nvme"],
                    help="where fp32 master weights and Adam states live (default: TIERFLOW_OFFLOAD_OPTIMIZER)")
     p.add_argument("--prefetch", metavar="SIZE", help="prefetch window (default: TIERFLOW_PREFETCH_BYTES)")
@@ -195,24 +284,33 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _size(text: str, capacity: int, flag: str) -> int:
+def _size(text: str, capacity: int, flag: str, variable: str | None) -> int:
+    """Bytes of a size or percentage argument, parsed as the table parses `variable` (errors name `flag`)."""
     try:
-        return int(_C.parse_budget(text, capacity))
-    except (ValueError, RuntimeError) as e:
-        raise PlanError(f"{flag} {text}: {e}") from None
+        if variable is not None:
+            text = _C.parse_setting(variable, _text(flag, text), flag)
+            return int(_C.parse_budget(text, capacity))
+        return int(_C.parse_budget(_text(flag, text), capacity))
+    except ValueError as e:  # ConfigError
+        raise PlanError(str(e) if variable else f"{flag} {e}") from None
+
+
+def _one_line(message: str) -> str:
+    return message.replace("\r", "\\r").replace("\n", "\\n")
 
 
 def plan_command(argv: Sequence[str]) -> int:
-    """Runs ``plan`` with these arguments; returns the exit code."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    """Runs ``plan`` with these arguments; returns the exit code (2: one line on stderr says what is wrong)."""
     try:
+        args = build_parser().parse_args(argv)
         out = _plan(args)
-    except PlanError as e:
-        print(f"tierflow plan: {e}", file=sys.stderr)
+    except SystemExit as e:  # --help
+        return e.code if isinstance(e.code, int) else 0
+    except (PlanError, _C.ConfigError) as e:  # an argument, a profile or a TIERFLOW_* variable
+        print(f"tierflow plan: {_one_line(str(e))}", file=sys.stderr)
         return 2
     except MemoryError as e:  # tierflow.OutOfMemoryError: the budgets are too small
-        print(f"tierflow plan: {str(e).removeprefix('tierflow: ')}", file=sys.stderr)
+        print(f"tierflow plan: {_one_line(str(e).removeprefix('tierflow: '))}", file=sys.stderr)
         return 2
     print(out)
     return 0
@@ -223,15 +321,11 @@ def _plan(args: argparse.Namespace) -> str:
     cuda = _use_cuda()
     shape_args = ("layers", "hidden", "heads", "seq", "batch")
     given = [a for a in shape_args if getattr(args, a) is not None]
-    if args.profile and given:
+    if args.profile is not None and given:
         raise PlanError(f"--profile and a shape (--{', --'.join(given)}) exclude each other")
-    if not args.profile and len(given) < len(shape_args):
+    if args.profile is None and len(given) < len(shape_args):
         missing = [a for a in shape_args if getattr(args, a) is None]
         raise PlanError(f"give a shape (missing --{', --'.join(missing)}) or --profile FILE")
-    if args.tflops is not None and args.tflops <= 0:
-        raise PlanError(f"--tflops {args.tflops}: must be positive")
-    if args.pcie_gbps is not None and args.pcie_gbps <= 0:
-        raise PlanError(f"--pcie-gbps {args.pcie_gbps}: must be positive")
     measured: list[str] = []
     device_name = "cuda" if cuda else "cpu (emulated device)"
 
@@ -239,7 +333,7 @@ def _plan(args: argparse.Namespace) -> str:
     if args.pcie_gbps is not None:
         bw = args.pcie_gbps * GB
         links = _C.Links(d2h=bw, h2d=bw, duplex=2 * bw)
-    elif args.profile:
+    elif args.profile is not None:
         links = None  # the profile's
     else:
         links = measure_links(cuda)
@@ -249,14 +343,14 @@ def _plan(args: argparse.Namespace) -> str:
     state = None
     head_bytes = 0
     optimizer = args.optimizer or config["TIERFLOW_OFFLOAD_OPTIMIZER"]
-    if args.profile:
+    if args.profile is not None:
         try:
-            with open(args.profile) as f:
+            with open(args.profile, encoding="utf-8") as f:
                 profile = profile_from_json(f.read())
         except OSError as e:
-            raise PlanError(f"--profile {args.profile}: {e.strerror}") from None
-        except (ValueError, TypeError) as e:
-            raise PlanError(f"--profile {args.profile}: {e}") from None
+            raise PlanError(f"--profile {args.profile!r}: {e.strerror}") from None
+        except ValueError as e:  # UnicodeDecodeError included
+            raise PlanError(f"--profile {args.profile!r}: {e}") from None
         blocks = profile.blocks
         links = links or profile.links
         fixed = profile.fixed_device_bytes
@@ -269,42 +363,56 @@ def _plan(args: argparse.Namespace) -> str:
             flops = measure_flops(cuda)
             measured.append("tflops")
         try:
+            _C.check_transformer_shape(shape)  # before building a profile per layer
             blocks = _C.estimate_transformer(shape, flops)
             state = _C.estimate_training_state(shape, optimizer)
             head_bytes = _C.estimate_head_device_bytes(shape)
         except ValueError as e:  # a shape the estimate refuses (ConfigError)
-            raise PlanError(str(e)) from None
+            raise PlanError(f"{_shape_flags(args)}: {e}") from None
         fixed = state.device + head_bytes
 
     # Budgets.
     device_capacity = _C.device_capacity_bytes(cuda)
-    if args.gpu_memory:
-        device_bytes, device_from = _size(args.gpu_memory, device_capacity, "--gpu-memory"), "--gpu-memory"
-    elif "TIERFLOW_GPU_MEMORY" in os.environ:
-        device_bytes = _size(os.environ["TIERFLOW_GPU_MEMORY"], device_capacity, "TIERFLOW_GPU_MEMORY")
+    if args.gpu_memory is not None:
+        device_bytes = _size(args.gpu_memory, device_capacity, "--gpu-memory", "TIERFLOW_GPU_MEMORY")
+        device_from = "--gpu-memory"
+    elif "TIERFLOW_GPU_MEMORY" in os.environ:  # set: its value, as resolve_config validated it
+        device_bytes = _C.parse_budget(config["TIERFLOW_GPU_MEMORY"], device_capacity)
         device_from = "TIERFLOW_GPU_MEMORY"
     else:
         device_bytes, device_from = device_capacity, f"the {device_name} device's total memory"
     host_capacity = _C.host_capacity_bytes()
-    host_text = args.host_memory or config["TIERFLOW_HOST_MEMORY"]
-    host_total = _size(host_text, host_capacity, "--host-memory" if args.host_memory else "TIERFLOW_HOST_MEMORY")
+    host_text = config["TIERFLOW_HOST_MEMORY"] if args.host_memory is None else args.host_memory
+    host_from = "--host-memory" if args.host_memory is not None else "TIERFLOW_HOST_MEMORY"
+    host_total = _size(host_text, host_capacity, host_from, "TIERFLOW_HOST_MEMORY")
     optimizer_host = state.host if state else 0
     if optimizer_host > host_total:
-        where = "--host-memory" if args.host_memory else "TIERFLOW_HOST_MEMORY"
+        where = "--host-memory" if args.host_memory is not None else "TIERFLOW_HOST_MEMORY"
         raise PlanError(f"the host budget {_C.format_bytes(host_total)} ({where}={host_text}, of "
                         f"{_C.format_bytes(host_capacity)} RAM here) cannot hold the optimizer "
                         f"states' {_C.format_bytes(optimizer_host)}: it needs {optimizer_host} bytes and more for "
                         f"activations; pass --host-memory, or --optimizer nvme")
-    nvme_bytes = _size(args.nvme_memory, 0, "--nvme-memory") if args.nvme_memory else 0
+    nvme_bytes = _size(args.nvme_memory, 0, "--nvme-memory", None) if args.nvme_memory is not None else 0
     if nvme_bytes and args.nvme_gbps <= 0:
         raise PlanError("--nvme-memory needs --nvme-gbps")
     if nvme_bytes:
         links.nvme_write = links.nvme_read = args.nvme_gbps * GB
-    prefetch = _size(args.prefetch or config["TIERFLOW_PREFETCH_BYTES"], 0, "--prefetch")
+    prefetch_text = config["TIERFLOW_PREFETCH_BYTES"] if args.prefetch is None else args.prefetch
+    prefetch = _size(prefetch_text, 0, "--prefetch" if args.prefetch is not None else "TIERFLOW_PREFETCH_BYTES",
+                     "TIERFLOW_PREFETCH_BYTES")
+    if fixed > U64_MAX:
+        raise PlanError(f"{_shape_flags(args)}: the rest of training needs {fixed} device bytes; accepted: a shape "
+                        f"whose byte counts fit in 64 bits")
     budgets = _C.Budgets(device_bytes=device_bytes, fixed_device_bytes=fixed, host_bytes=host_total - optimizer_host,
                          nvme_bytes=nvme_bytes, prefetch_bytes=prefetch)
 
-    plan = _C.plan_activations(blocks, links, budgets)  # OutOfMemoryError: exit 2
+    try:
+        plan = _C.plan_activations(blocks, links, budgets)
+    except MemoryError as e:  # tierflow.OutOfMemoryError: the budgets are too small
+        raise PlanError(f"{str(e).removeprefix('tierflow: ')} (the device budget: {device_from}"
+                        f"{'' if args.gpu_memory is not None else '; pass --gpu-memory'})") from None
+    except ValueError as e:  # ConfigError: the profile's or the shape's bytes with the prefetch window overflow
+        raise PlanError(f"{_shape_flags(args)} with prefetch window {prefetch} bytes: {e}") from None
 
     if args.json:
         return json.dumps(_plan_json(plan, budgets, links, flops, measured, state, head_bytes, optimizer, args))
@@ -352,7 +460,7 @@ def _plan_text(plan, budgets, links, flops, measured, state, head_bytes, optimiz
                  + (where if "links" in measured else " (given)" if args.pcie_gbps else " (from the profile)")
                  + (f"; NVMe {links.nvme_write / GB:.1f} GB/s write, {links.nvme_read / GB:.1f} GB/s read"
                     if budgets.nvme_bytes else ""))
-    host_from = "--host-memory" if args.host_memory else "TIERFLOW_HOST_MEMORY"
+    host_from = "--host-memory" if args.host_memory is not None else "TIERFLOW_HOST_MEMORY"
     optimizer_host = state.host if state is not None else 0
     lines.append(f"budgets: device {fb(budgets.device_bytes)} ({device_from}); host {fb(budgets.host_bytes)} for "
                  f"activations ({fb(budgets.host_bytes + optimizer_host)} from {host_from}, less "
@@ -372,6 +480,14 @@ def _plan_text(plan, budgets, links, flops, measured, state, head_bytes, optimiz
                  f"blocks' forward + backward {plan.predicted_step_seconds:.4f} s per step "
                  f"(keeping everything: {plan.keep_all_step_seconds:.4f} s)")
     return "\n".join(lines)
+
+
+def _shape_flags(args: argparse.Namespace) -> str:
+    """The arguments that made the blocks: the shape's flags, or --profile."""
+    if args.profile is not None:
+        return f"--profile {args.profile!r}"
+    fields = ("layers", "hidden", "heads", "seq", "batch", "vocab", "ffn_mult")
+    return " ".join(f"--{f.replace('_', '-')} {getattr(args, f)}" for f in fields) + f" --dtype {args.dtype}"
 
 
 def _shape(args: argparse.Namespace) -> Any:
