@@ -8,7 +8,7 @@
 PY := .venv/bin/python
 export PYTHONPATH := $(CURDIR)/bindings/python
 
-.PHONY: setup bundle demo test test-cpp test-python cpp-example bench clean
+.PHONY: setup bundle demo test test-cpp test-python sanitize cpp-example bench clean
 
 # BUNDLE=dir or TIERFLOW_BUNDLE=dir (also for demo and test): install from a
 # bundle, using no registry. The variable goes to the set-up only: tierflow
@@ -24,6 +24,12 @@ bundle:
 
 demo: setup
 	$(PY) examples/train_gpt.py $(ARGS)
+
+# The torch-free C++ suite under ASan+UBSan (all of it) and TSan (the threaded
+# suites, tests/sanitizers/tsan.supp), in build/asan and build/tsan; CI runs it.
+# SANITIZE=asan or tsan for one of the two (scripts/sanitize.sh).
+sanitize: setup
+	@bash scripts/sanitize.sh $(or $(SANITIZE),all)
 
 # The C++ trainer against the installed package (scripts/cpp_example.sh).
 cpp-example: setup

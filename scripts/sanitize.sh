@@ -48,7 +48,7 @@ build() {  # build DIR SANITIZE
 run_ctest() {  # run_ctest DIR NAME [ctest args...]
   local dir=$1 name=$2; shift 2
   local t0=$SECONDS
-  if ! (cd "$dir" && ctest --output-on-failure -j "$(nproc)" "$@"); then
+  if ! (cd "$dir" && ctest --output-on-failure --timeout 300 -j "$(nproc)" "$@"); then
     die "$name: a test failed or a sanitizer reported (output above)"
   fi
   say "$name: passed in $((SECONDS - t0)) s"
