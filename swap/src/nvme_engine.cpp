@@ -4,8 +4,9 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <libaio.h>
-#include <signal.h>
+#include <sys/file.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 #include <xxhash.h>
 
@@ -16,6 +17,7 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <random>
 #include <set>
 #include <thread>
 #include <unordered_map>
@@ -31,18 +33,46 @@ namespace {
 
 constexpr std::size_t kAlign = allocator::kDirectIoAlignment;
 
-// Swap files this process created and has not removed: another file with our
-// PID in its name was left by an earlier process that had the same PID.
+// Swap files this process created and has not removed. Their locks already
+// keep them (Note [Stale swap files]); this also keeps them where flock is
+// emulated with per-process locks (NFS), which this process could take again.
 std::mutex g_live_mutex;
 std::set<std::string> g_live_files;
 constexpr const char* kPrefix = "tierflow-swap-";
 
 std::string errno_text(int err) { return std::strerror(err); }
 
+// Takes one from a fault counter; true when there was one.
+bool take_one(std::atomic<int>& n) {
+  int v = n.load();
+  while (v > 0 && !n.compare_exchange_weak(v, v - 1)) {
+  }
+  return v > 0;
+}
+
+// Free bytes of the file system holding `dir` (for unprivileged users), and its size.
+struct FsSpace {
+  std::uint64_t free = 0, size = 0;
+  bool known = false;
+};
+FsSpace fs_space(const std::string& dir) {
+  struct statvfs fs {};
+  if (::statvfs(dir.c_str(), &fs) != 0) return {};
+  return {static_cast<std::uint64_t>(fs.f_bavail) * fs.f_frsize, static_cast<std::uint64_t>(fs.f_blocks) * fs.f_frsize,
+          true};
+}
+
 // Best-fit free list over one file, coalescing on free.
 class ExtentAllocator {
  public:
-  explicit ExtentAllocator(std::uint64_t bytes) { insert(0, bytes); }
+  explicit ExtentAllocator(std::uint64_t bytes) : capacity_(bytes) { insert(0, bytes); }
+  // Where the free space that runs to the end of the capacity starts (the end
+  // of the highest block in use); the capacity when the last bytes are in use.
+  std::uint64_t tail_start() const {
+    if (by_offset_.empty()) return capacity_;
+    auto last = std::prev(by_offset_.end());
+    return last->first + last->second == capacity_ ? last->first : capacity_;
+  }
   bool allocate(std::uint64_t bytes, std::uint64_t* offset) {
     auto it = by_size_.lower_bound({bytes, 0});
     if (it == by_size_.end()) return false;
@@ -78,6 +108,7 @@ class ExtentAllocator {
     by_offset_.emplace(off, bytes);
     by_size_.insert({bytes, off});
   }
+  std::uint64_t capacity_;
   std::map<std::uint64_t, std::uint64_t> by_offset_;
   std::set<std::pair<std::uint64_t, std::uint64_t>> by_size_;
 };
@@ -118,8 +149,11 @@ struct Request {
 
 struct NvmeEngine::Impl {
   NvmeEngineOptions o;
-  std::vector<int> fds;
+  bool auto_cap = false;                // TIERFLOW_NVME_MEMORY=auto: the free space caps the files
+  std::vector<int> fds;                 // each holds its file's flock (Note [Stale swap files])
   std::vector<std::string> files;
+  std::vector<std::uint64_t> on_disk;   // per path: bytes fallocated from offset 0
+  std::vector<std::uint64_t> in_use;    // per path: bytes of blocks
   std::vector<ExtentAllocator> space;
   io_context_t ctx{};
   mutable std::mutex mutex;
@@ -138,30 +172,28 @@ struct NvmeEngine::Impl {
     TIERFLOW_EXPECTS(o.block_bytes >= kAlign && o.block_bytes % kAlign == 0,
                      "NvmeEngine: block size must be a multiple of 4096, got " + std::to_string(o.block_bytes));
     TIERFLOW_EXPECTS(o.queue_depth >= 1, "NvmeEngine: queue depth must be at least 1");
-    o.bytes_per_path = o.bytes_per_path / kAlign * kAlign;
+    auto_cap = o.bytes_per_path == kNvmeAutoBytes;
+    // Auto: no fixed cap; the free space decides at each grow. 2^62 keeps offsets in off_t.
+    o.bytes_per_path = auto_cap ? (std::uint64_t{1} << 62) : o.bytes_per_path / kAlign * kAlign;
+    TIERFLOW_EXPECTS(o.grow_bytes > 0, "NvmeEngine: grow_bytes must be positive");
     NvmeEngine::remove_stale_files(o.paths);
-    static std::atomic<int> counter{0};
     try {
       for (const auto& dir : o.paths) {
-        std::string file = dir + "/" + kPrefix + std::to_string(getpid()) + "-" + std::to_string(counter++) + ".bin";
-        int fd = ::open(file.c_str(), O_RDWR | O_CREAT | O_EXCL | O_DIRECT | O_CLOEXEC, 0600);
-        if (fd < 0) {
-          int err = errno;
-          throw io_error(err, "NvmeEngine: open(" + file + ", O_DIRECT) failed: " + errno_text(err) +
-                                  (err == EINVAL ? " (the file system does not support O_DIRECT)" : ""));
-        }
+        auto [fd, file] = create_locked_file(dir);
         fds.push_back(fd);
         files.push_back(file);
-        {
-          std::lock_guard<std::mutex> lock(g_live_mutex);
-          g_live_files.insert(file);
-        }
-        int rc = posix_fallocate(fd, 0, static_cast<off_t>(o.bytes_per_path));
-        if (rc != 0) {
-          throw io_error(rc, "NvmeEngine: fallocate(" + file + ", " + format_bytes(o.bytes_per_path) +
-                                 ") failed: " + errno_text(rc) + "; lower TIERFLOW_NVME_MEMORY or free space");
-        }
+        on_disk.push_back(0);
+        in_use.push_back(0);
         space.emplace_back(o.bytes_per_path);
+      }
+      // The first block of each file now: a path where nothing can be written
+      // (a full disk, a cap below one request) fails here, at start.
+      for (std::size_t p = 0; p < fds.size(); ++p) {
+        std::string why = "TIERFLOW_NVME_MEMORY allows " + format_bytes(o.bytes_per_path) + " per path";
+        int rc = o.bytes_per_path < kAlign ? ENOSPC : grow_locked(p, std::min<std::uint64_t>(o.block_bytes, o.bytes_per_path), true, &why);
+        if (rc != 0)
+          throw io_error(rc, "NvmeEngine: no space for a swap file in " + o.paths[p] + ": " + why +
+                                 "; free space, add a path to TIERFLOW_NVME_PATHS or change TIERFLOW_NVME_MEMORY");
       }
       int rc = io_setup(static_cast<int>(o.queue_depth), &ctx);
       if (rc < 0) throw io_error(-rc, "NvmeEngine: io_setup(" + std::to_string(o.queue_depth) + ") failed: " + errno_text(-rc));
@@ -169,8 +201,139 @@ struct NvmeEngine::Impl {
       close_and_remove();
       throw;
     }
-    st.bytes_capacity = o.bytes_per_path * o.paths.size();
+    st.bytes_capacity = auto_cap ? 0 : o.bytes_per_path * o.paths.size();
     thread = std::thread([this] { loop(); });
+  }
+
+  // Creates a swap file in `dir` and takes its lock (Note [Stale swap files]).
+  std::pair<int, std::string> create_locked_file(const std::string& dir) {
+    static std::atomic<int> counter{0};
+    static std::mt19937_64 rng{std::random_device{}()};
+    static std::mutex rng_mutex;
+    for (int attempt = 0;; ++attempt) {
+      std::uint64_t tag;
+      {
+        std::lock_guard<std::mutex> lock(rng_mutex);
+        tag = rng() & 0xffffffffu;
+      }
+      char hex[16];
+      std::snprintf(hex, sizeof hex, "%08llx", static_cast<unsigned long long>(tag));
+      std::string file = dir + "/" + kPrefix + std::to_string(getpid()) + "-" + std::to_string(counter++) + "-" + hex +
+                         ".bin";
+      int fd = ::open(file.c_str(), O_RDWR | O_CREAT | O_EXCL | O_DIRECT | O_CLOEXEC, 0600);
+      if (fd < 0) {
+        int err = errno;
+        if (err == EEXIST && attempt < 16) continue;
+        throw io_error(err, "NvmeEngine: open(" + file + ", O_DIRECT) failed: " + errno_text(err) +
+                                (err == EINVAL ? " (the file system does not support O_DIRECT)" : ""));
+      }
+      bool ours = ::flock(fd, LOCK_EX | LOCK_NB) == 0;
+      int lock_err = ours ? 0 : errno;
+      struct stat by_fd {}, by_name {};
+      // A cleaner may have judged the file between open and flock: then the lock
+      // was taken (EWOULDBLOCK) or the name is gone; start again under a new name.
+      if (ours && (::fstat(fd, &by_fd) != 0 || ::stat(file.c_str(), &by_name) != 0 || by_fd.st_ino != by_name.st_ino ||
+                   by_fd.st_dev != by_name.st_dev)) {
+        ours = false;
+        lock_err = ENOENT;
+      }
+      if (ours) {
+        std::lock_guard<std::mutex> lock(g_live_mutex);
+        g_live_files.insert(file);
+        return {fd, file};
+      }
+      ::close(fd);
+      if (lock_err != EWOULDBLOCK && lock_err != ENOENT)
+        throw io_error(lock_err, "NvmeEngine: flock(" + file + ") failed: " + errno_text(lock_err));
+      if (attempt >= 16) throw io_error(lock_err, "NvmeEngine: could not create a swap file in " + dir);
+    }
+  }
+
+  // Free space the file system of path p may still give this engine: all of it
+  // under a fixed cap, or what leaves kNvmeAutoKeepFree of it free under auto.
+  // Sets *why to the words that explain a refusal.
+  std::uint64_t growable(std::size_t p, std::string* why) const {
+    FsSpace fs = fs_space(o.paths[p]);
+    if (!fs.known) return ~std::uint64_t{0};
+    if (!auto_cap) {
+      *why = format_bytes(fs.free) + " free on " + o.paths[p];
+      return fs.free;
+    }
+    const auto keep = static_cast<std::uint64_t>(static_cast<double>(fs.size) * kNvmeAutoKeepFree);
+    *why = format_bytes(fs.free) + " free on " + o.paths[p] + " of " + format_bytes(fs.size) +
+           ", and TIERFLOW_NVME_MEMORY=auto leaves " + std::to_string(static_cast<int>(kNvmeAutoKeepFree * 100)) +
+           "% of the file system (" + format_bytes(keep) + ") free";
+    return fs.free > keep ? fs.free - keep : 0;
+  }
+
+  // Grows file p so that it holds at least `end` bytes (rounded up to a grow
+  // step when there is room): 0, or the errno with *why saying what stood in
+  // the way. With `exact` it grows to `end` only. Holds `mutex` or runs alone.
+  int grow_locked(std::size_t p, std::uint64_t end, bool exact, std::string* why) {
+    if (end <= on_disk[p]) return 0;
+    if (end > o.bytes_per_path) {
+      *why = "TIERFLOW_NVME_MEMORY caps each file at " + format_bytes(o.bytes_per_path);
+      return ENOSPC;
+    }
+    std::string space_words;
+    const std::uint64_t room = growable(p, &space_words);
+    if (end - on_disk[p] > room) {
+      *why = errno_text(ENOSPC) + ": " + files[p] + " needs " + format_bytes(end - on_disk[p]) + " more, " +
+             space_words;
+      return ENOSPC;
+    }
+    std::uint64_t target = end;
+    if (!exact) {  // a whole grow step where the cap and the free space allow it
+      const std::uint64_t want = allocator::round_up(on_disk[p] + o.grow_bytes, kAlign);
+      std::uint64_t limit = o.bytes_per_path;
+      if (room != ~std::uint64_t{0}) limit = std::min(limit, on_disk[p] + room / kAlign * kAlign);
+      target = std::max(end, std::min(want, limit));
+    }
+    if (o.faults && take_one(o.faults->fail_grows)) {
+      FsSpace fs = fs_space(o.paths[p]);
+      *why = "fallocate(" + files[p] + ", " + format_bytes(target) + ") failed: " + errno_text(ENOSPC) +
+             " (injected; " + format_bytes(fs.free) + " free on " + o.paths[p] + ")";
+      return ENOSPC;
+    }
+    int rc = posix_fallocate(fds[p], static_cast<off_t>(on_disk[p]), static_cast<off_t>(target - on_disk[p]));
+    if (rc != 0 && target > end) {
+      (void)::ftruncate(fds[p], static_cast<off_t>(on_disk[p]));  // let go of what a partial grow took
+      target = end;
+      rc = posix_fallocate(fds[p], static_cast<off_t>(on_disk[p]), static_cast<off_t>(target - on_disk[p]));
+    }
+    if (rc != 0) {
+      (void)::ftruncate(fds[p], static_cast<off_t>(on_disk[p]));
+      FsSpace fs = fs_space(o.paths[p]);
+      *why = "fallocate(" + files[p] + ", " + format_bytes(target) + ") failed: " + errno_text(rc) +
+             (fs.known ? " (" + format_bytes(fs.free) + " free on " + o.paths[p] + ")" : "");
+      return rc;
+    }
+    st.bytes_on_disk += target - on_disk[p];
+    ++st.grows;
+    on_disk[p] = target;
+    return 0;
+  }
+
+  // Shrinks file p back to `end` bytes (undoing grows of a failed reserve).
+  void shrink_locked(std::size_t p, std::uint64_t end) {
+    if (end >= on_disk[p]) return;
+    (void)::ftruncate(fds[p], static_cast<off_t>(end));
+    st.bytes_on_disk -= on_disk[p] - end;
+    on_disk[p] = end;
+  }
+
+  // Per-path extent lengths of a block of `bytes` (see plan()).
+  std::vector<std::uint64_t> lengths_of(std::uint64_t bytes) const {
+    const std::size_t P = fds.size();
+    const std::uint64_t total = allocator::round_up(bytes == 0 ? kAlign : bytes, kAlign);
+    const std::uint64_t stripes = (total + o.block_bytes - 1) / o.block_bytes;
+    std::vector<std::uint64_t> lengths(P, 0);
+    for (std::size_t p = 0; p < P; ++p) {
+      const std::uint64_t mine = stripes / P + (p < stripes % P ? 1 : 0);
+      // The last stripe may be partial; a full stripe per slot keeps the layout simple.
+      lengths[p] = std::min<std::uint64_t>(mine * o.block_bytes, total);
+    }
+    return lengths;
   }
 
   ~Impl() {
@@ -286,12 +449,7 @@ struct NvmeEngine::Impl {
   void complete(Request* r, long res) {
     Operation* op = r->op;
     if (o.faults) {
-      auto take = [](std::atomic<int>& n) {
-        int v = n.load();
-        while (v > 0 && !n.compare_exchange_weak(v, v - 1)) {
-        }
-        return v > 0;
-      };
+      auto take = take_one;
       if (op->is_write ? take(o.faults->fail_writes) : take(o.faults->fail_reads)) res = -o.faults->error;
       else if (op->is_write ? take(o.faults->short_writes) : take(o.faults->short_reads)) res = static_cast<long>(r->length / 2);
       else if (!op->is_write && res > 0 && take(o.faults->corrupt_reads))
@@ -432,32 +590,72 @@ NvmeEngine::~NvmeEngine() = default;
 NvmeBlock NvmeEngine::allocate(std::uint64_t bytes) {
   auto& m = *impl_;
   const std::size_t P = m.fds.size();
-  const std::uint64_t total = allocator::round_up(bytes == 0 ? kAlign : bytes, kAlign);
-  const std::uint64_t stripes = (total + m.o.block_bytes - 1) / m.o.block_bytes;
   BlockInfo b;
-  b.bytes = total;
+  b.bytes = allocator::round_up(bytes == 0 ? kAlign : bytes, kAlign);
   b.offsets.assign(P, 0);
-  b.lengths.assign(P, 0);
-  for (std::size_t p = 0; p < P; ++p) {
-    const std::uint64_t mine = stripes / P + (p < stripes % P ? 1 : 0);
-    // The last stripe may be partial; a full stripe per slot keeps the layout simple.
-    b.lengths[p] = std::min<std::uint64_t>(mine * m.o.block_bytes, allocator::round_up(total, kAlign));
-  }
+  b.lengths = m.lengths_of(bytes);
   std::lock_guard<std::mutex> lock(m.mutex);
+  auto undo = [&](std::size_t upto) {
+    for (std::size_t q = 0; q < upto; ++q)
+      if (b.lengths[q]) m.space[q].free(b.offsets[q], b.lengths[q]);
+  };
   for (std::size_t p = 0; p < P; ++p) {
     if (b.lengths[p] == 0) continue;
     if (!m.space[p].allocate(b.lengths[p], &b.offsets[p])) {
-      for (std::size_t q = 0; q < p; ++q)
-        if (b.lengths[q]) m.space[q].free(b.offsets[q], b.lengths[q]);
+      undo(p);
       throw out_of_memory("NVMe tier full: cannot place " + format_bytes(bytes) + " in " + m.files[p] + " (" +
-                          format_bytes(m.st.bytes_in_use) + " of " + format_bytes(m.st.bytes_capacity) +
-                          " in use); raise TIERFLOW_NVME_MEMORY or add paths to TIERFLOW_NVME_PATHS");
+                          format_bytes(m.st.bytes_in_use) + " in use, TIERFLOW_NVME_MEMORY caps each file at " +
+                          format_bytes(m.o.bytes_per_path) +
+                          "); raise TIERFLOW_NVME_MEMORY or add paths to TIERFLOW_NVME_PATHS");
+    }
+    // Note [NVMe space]: the file grows before anything is written past its end.
+    std::string why;
+    if (int rc = m.grow_locked(p, b.offsets[p] + b.lengths[p], false, &why); rc != 0) {
+      undo(p + 1);
+      std::string what = "NVMe tier full: cannot grow " + m.files[p] + " to hold " + format_bytes(bytes) + " more (" +
+                         format_bytes(m.st.bytes_in_use) + " in use): " + why +
+                         "; free space, add a path to TIERFLOW_NVME_PATHS or set TIERFLOW_NVME_MEMORY";
+      if (rc == ENOSPC || rc == EDQUOT || rc == EFBIG) throw out_of_memory(what);
+      throw io_error(rc, what);
     }
   }
-  for (auto l : b.lengths) m.st.bytes_in_use += l;
+  for (std::size_t p = 0; p < P; ++p) {
+    m.st.bytes_in_use += b.lengths[p];
+    m.in_use[p] += b.lengths[p];
+  }
   NvmeBlock id = m.next_block++;
   m.blocks.emplace(id, std::move(b));
   return id;
+}
+
+void NvmeEngine::reserve(const std::vector<std::uint64_t>& block_sizes) {
+  auto& m = *impl_;
+  const std::size_t P = m.fds.size();
+  std::vector<std::uint64_t> need(P, 0);
+  std::uint64_t total = 0;
+  for (auto bytes : block_sizes) {
+    auto l = m.lengths_of(bytes);
+    for (std::size_t p = 0; p < P; ++p) need[p] += l[p];
+    total += bytes;
+  }
+  std::lock_guard<std::mutex> lock(m.mutex);
+  const std::vector<std::uint64_t> before = m.on_disk;
+  for (std::size_t p = 0; p < P; ++p) {
+    if (need[p] == 0) continue;
+    // Past the highest block in use, so that these blocks fit however the free list is cut.
+    const std::uint64_t end = m.space[p].tail_start() + need[p];
+    std::string why;
+    int rc = end > m.o.bytes_per_path
+                 ? (why = "TIERFLOW_NVME_MEMORY caps each file at " + format_bytes(m.o.bytes_per_path), ENOSPC)
+                 : m.grow_locked(p, end, true, &why);
+    if (rc != 0) {
+      for (std::size_t q = 0; q < P; ++q) m.shrink_locked(q, before[q]);
+      throw io_error(rc, "NVMe tier: cannot reserve " + format_bytes(need[p]) + " in " + m.files[p] + " (" +
+                             format_bytes(total) + " over " + std::to_string(P) + " path" + (P > 1 ? "s" : "") +
+                             "; the file now holds " + format_bytes(before[p]) + "): " + why +
+                             "; free space, add a path to TIERFLOW_NVME_PATHS or set TIERFLOW_NVME_MEMORY");
+    }
+  }
 }
 
 void NvmeEngine::release(NvmeBlock block) noexcept {
@@ -470,6 +668,7 @@ void NvmeEngine::release(NvmeBlock block) noexcept {
   for (std::size_t p = 0; p < b.offsets.size(); ++p) {
     if (b.lengths[p]) m.space[p].free(b.offsets[p], b.lengths[p]);
     m.st.bytes_in_use -= b.lengths[p];
+    m.in_use[p] -= b.lengths[p];
   }
   m.blocks.erase(block);
 }
@@ -495,9 +694,20 @@ NvmeEngineStats NvmeEngine::stats() const {
 
 std::vector<std::string> NvmeEngine::files() const { return impl_->files; }
 
+std::vector<NvmeExtent> NvmeEngine::extents(NvmeBlock block) const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  auto it = impl_->blocks.find(block);
+  if (it == impl_->blocks.end()) throw logic_error("NvmeEngine: unknown block " + std::to_string(block));
+  std::vector<NvmeExtent> out;
+  for (std::size_t p = 0; p < it->second.lengths.size(); ++p)
+    if (it->second.lengths[p]) out.push_back({impl_->files[p], it->second.offsets[p], it->second.lengths[p]});
+  return out;
+}
+
 void NvmeEngine::unlink_files() noexcept { impl_->unlink_all(); }
 
 std::size_t NvmeEngine::remove_stale_files(const std::vector<std::string>& paths) {
+  // Note [Stale swap files]: a file is stale when its lock can be taken.
   std::size_t removed = 0;
   const std::string prefix = kPrefix;
   for (const auto& dir : paths) {
@@ -506,19 +716,22 @@ std::size_t NvmeEngine::remove_stale_files(const std::vector<std::string>& paths
     while (dirent* e = ::readdir(d)) {
       std::string name = e->d_name;
       if (name.rfind(prefix, 0) != 0) continue;
-      const long pid = std::strtol(name.c_str() + prefix.size(), nullptr, 10);
-      if (pid <= 0) continue;
       const std::string path = dir + "/" + name;
-      if (pid == getpid()) {
+      {
         std::lock_guard<std::mutex> lock(g_live_mutex);
         if (g_live_files.count(path)) continue;  // ours
-      } else if (::kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM) {
-        continue;  // still running
       }
-      if (::unlink(path.c_str()) == 0) {
+      int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+      if (fd < 0) continue;  // gone already, or not ours to judge
+      struct stat by_fd {}, by_name {};
+      const bool stale = ::fstat(fd, &by_fd) == 0 && S_ISREG(by_fd.st_mode) && ::flock(fd, LOCK_EX | LOCK_NB) == 0 &&
+                         ::stat(path.c_str(), &by_name) == 0 && by_fd.st_ino == by_name.st_ino &&
+                         by_fd.st_dev == by_name.st_dev;
+      if (stale && ::unlink(path.c_str()) == 0) {
         ++removed;
-        log(LogLevel::kInfo, "removed swap file left by process " + std::to_string(pid) + ": " + path);
+        log(LogLevel::kInfo, "removed a swap file that no running engine holds (a crashed run's): " + path);
       }
+      ::close(fd);  // lets go of the lock
     }
     ::closedir(d);
   }

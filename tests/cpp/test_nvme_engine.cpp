@@ -1,5 +1,10 @@
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/file.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -47,6 +52,64 @@ class NvmeTest : public ::testing::Test {
   }
   std::string dir_;
 };
+
+// A small ext4 file system on a loop device, for a real ENOSPC. Needs root
+// and loop devices; ok() is false otherwise and why() says which is missing.
+class LoopFs {
+ public:
+  LoopFs(const std::string& dir, int mib) : image_(dir + "/fs.img"), mount_(dir + "/mnt") {
+    if (geteuid() != 0) {
+      why_ = "needs root to mount a loop file system";
+      return;
+    }
+    fs::create_directories(mount_);
+    const std::string cmd = "truncate -s " + std::to_string(mib) + "M " + image_ + " && mkfs.ext4 -q -F " + image_ +
+                            " >/dev/null 2>&1 && mount -o loop " + image_ + " " + mount_ + " >/dev/null 2>&1";
+    if (std::system(cmd.c_str()) != 0) {
+      why_ = "mount -o loop of a " + std::to_string(mib) + " MiB ext4 image failed (no loop device here?)";
+      return;
+    }
+    mounted_ = true;
+  }
+  ~LoopFs() {
+    if (mounted_) (void)std::system(("umount " + mount_).c_str());
+    std::error_code ec;
+    fs::remove(image_, ec);
+  }
+  bool ok() const { return mounted_; }
+  const std::string& why() const { return why_; }
+  const std::string& path() const { return mount_; }
+  std::uint64_t free_bytes() const {
+    struct statvfs s {};
+    statvfs(mount_.c_str(), &s);
+    return static_cast<std::uint64_t>(s.f_bavail) * s.f_frsize;
+  }
+  std::uint64_t size_bytes() const {
+    struct statvfs s {};
+    statvfs(mount_.c_str(), &s);
+    return static_cast<std::uint64_t>(s.f_blocks) * s.f_frsize;
+  }
+
+ private:
+  std::string image_, mount_, why_;
+  bool mounted_ = false;
+};
+
+// A pid that no process has: a child's, after it was reaped.
+pid_t dead_pid() {
+  pid_t child = fork();
+  if (child == 0) _exit(0);
+  int status = 0;
+  waitpid(child, &status, 0);
+  return child;
+}
+
+void touch(const std::string& path) {
+  std::FILE* f = std::fopen(path.c_str(), "w");
+  ASSERT_NE(f, nullptr) << path;
+  std::fputs("left behind", f);
+  std::fclose(f);
+}
 
 std::vector<std::uint8_t> random_bytes(std::size_t n, unsigned seed) {
   std::vector<std::uint8_t> v(n);
@@ -123,10 +186,12 @@ TEST_F(NvmeTest, ManyOperationsInFlight) {
   EXPECT_EQ(e.stats().write_ops, static_cast<std::uint64_t>(n));
 }
 
-TEST_F(NvmeTest, SpaceIsReusedAndFilesNeverGrow) {
+TEST_F(NvmeTest, SpaceIsReusedAndFilesStopGrowing) {
   auto o = opts(2, 16ULL << 20);
+  o.grow_bytes = 1 << 20;
   NvmeEngine e(o);
   const auto files = e.files();
+  std::vector<std::uintmax_t> after_first;
   for (int step = 0; step < 100; ++step) {
     std::vector<NvmeBlock> live;
     for (int i = 0; i < 5; ++i) {
@@ -135,12 +200,169 @@ TEST_F(NvmeTest, SpaceIsReusedAndFilesNeverGrow) {
       e.write(live.back(), data.data(), data.size()).wait();
     }
     for (auto b : live) e.release(b);
+    if (step == 0)
+      for (const auto& f : files) after_first.push_back(fs::file_size(f));
   }
   EXPECT_EQ(e.stats().bytes_in_use, 0u);
-  for (const auto& f : files) EXPECT_EQ(fs::file_size(f), o.bytes_per_path) << f;
+  for (std::size_t i = 0; i < files.size(); ++i) {
+    EXPECT_EQ(fs::file_size(files[i]), after_first[i]) << "the space of the first step is reused: " << files[i];
+    EXPECT_LT(fs::file_size(files[i]), o.bytes_per_path) << "a file holds what its blocks need, not its cap";
+  }
   // After all that churn the free lists coalesced back: the whole capacity fits in one block.
   NvmeBlock all = e.allocate(2 * o.bytes_per_path);
   e.release(all);
+}
+
+TEST_F(NvmeTest, FilesGrowOnDemandNotUpFront) {
+  auto o = opts(1, 1ULL << 30);
+  o.grow_bytes = 2 << 20;
+  NvmeEngine e(o);
+  const std::string file = e.files()[0];
+  EXPECT_EQ(fs::file_size(file), o.block_bytes) << "a new file holds one request, not its 1 GiB cap";
+  auto data = random_bytes(5 << 20, 2);
+  NvmeBlock b = e.allocate(data.size());
+  EXPECT_GE(fs::file_size(file), data.size()) << "grown before the write";
+  EXPECT_LE(fs::file_size(file), data.size() + o.grow_bytes);
+  e.write(b, data.data(), data.size()).wait();
+  std::vector<std::uint8_t> back(data.size());
+  e.read(b, back.data(), back.size()).wait();
+  EXPECT_EQ(back, data);
+  EXPECT_EQ(e.stats().bytes_on_disk, fs::file_size(file));
+  EXPECT_GE(e.stats().grows, 1u);
+}
+
+TEST_F(NvmeTest, ReserveGrowsUpFrontOrRefusesAndGrowsNothing) {
+  auto o = opts(2, 64ULL << 20);
+  o.grow_bytes = 1 << 20;
+  NvmeEngine e(o);
+  e.reserve({10 << 20, 3 << 20});
+  const auto on_disk = e.stats().bytes_on_disk;
+  EXPECT_GE(on_disk, 13u << 20);
+  const auto grows = e.stats().grows;
+  NvmeBlock a = e.allocate(10 << 20), b = e.allocate(3 << 20);
+  EXPECT_EQ(e.stats().grows, grows) << "reserved blocks need no grow";
+  try {
+    e.reserve({200 << 20});  // 100 MiB on each path, over the 64 MiB cap
+    FAIL() << "a reservation past the cap went through";
+  } catch (const io_error& err) {
+    std::string m = err.what();
+    EXPECT_EQ(err.error_number(), ENOSPC);
+    EXPECT_NE(m.find("TIERFLOW_NVME_MEMORY"), std::string::npos) << m;
+    EXPECT_NE(m.find("tierflow-swap-"), std::string::npos) << "names the file: " << m;
+  }
+  EXPECT_EQ(e.stats().bytes_on_disk, on_disk) << "a refused reservation grows nothing";
+  e.release(a);
+  e.release(b);
+}
+
+TEST_F(NvmeTest, AFailedGrowIsOutOfMemoryNamingTheSpaceAndChangesNothing) {
+  NvmeFaults faults;
+  auto o = opts(2, 256ULL << 20);
+  o.grow_bytes = 1 << 20;
+  o.faults = &faults;
+  NvmeEngine e(o);
+  NvmeBlock kept = e.allocate(1 << 20);
+  const auto before = e.stats();
+  faults.fail_grows = 1;  // the disk is full
+  try {
+    e.allocate(16 << 20);
+    FAIL() << "a grow that failed went unnoticed";
+  } catch (const out_of_memory& err) {
+    std::string m = err.what();
+    EXPECT_NE(m.find("No space left"), std::string::npos) << m;
+    EXPECT_NE(m.find("free on " + dir_), std::string::npos) << "names the free space: " << m;
+    EXPECT_NE(m.find("TIERFLOW_NVME_MEMORY"), std::string::npos) << m;
+    EXPECT_NE(m.find("16.00 MiB"), std::string::npos) << "names the need: " << m;
+  }
+  EXPECT_EQ(e.stats().bytes_in_use, before.bytes_in_use) << "nothing allocated";
+  EXPECT_EQ(e.stats().bytes_on_disk, before.bytes_on_disk) << "nothing grown";
+  auto data = random_bytes(16 << 20, 8);  // space came back: it works
+  NvmeBlock b = e.allocate(data.size());
+  e.write(b, data.data(), data.size()).wait();
+  std::vector<std::uint8_t> back(data.size());
+  e.read(b, back.data(), back.size()).wait();
+  EXPECT_EQ(back, data);
+  e.release(b);
+  e.release(kept);
+}
+
+TEST_F(NvmeTest, ARealFullDiskIsAClearErrorBeforeAnyWrite) {
+  LoopFs disk(dir_, 32);
+  if (!disk.ok()) GTEST_SKIP() << disk.why();
+  NvmeEngineOptions o;
+  o.paths = {disk.path()};
+  o.bytes_per_path = 1ULL << 30;  // a cap past the disk: the disk decides
+  o.block_bytes = 256 << 10;
+  o.grow_bytes = 4 << 20;
+  {
+    NvmeEngine e(o);
+    std::vector<NvmeBlock> blocks;
+    auto data = random_bytes(2 << 20, 3);
+    try {
+      for (;;) {
+        blocks.push_back(e.allocate(data.size()));
+        e.write(blocks.back(), data.data(), data.size()).wait();  // never ENOSPC: the space is there
+      }
+    } catch (const out_of_memory& err) {
+      std::string m = err.what();
+      EXPECT_NE(m.find("No space left"), std::string::npos) << m;
+      EXPECT_NE(m.find(disk.path()), std::string::npos) << m;
+      EXPECT_NE(m.find("free"), std::string::npos) << m;
+    }
+    ASSERT_GE(blocks.size(), 5u);
+    std::vector<std::uint8_t> back(data.size());
+    e.read(blocks[0], back.data(), back.size()).wait();
+    EXPECT_EQ(back, data) << "what was written before the disk filled is intact";
+    e.release(blocks.back());
+    NvmeBlock again = e.allocate(data.size());  // the file's own space is reused on a full disk
+    e.write(again, data.data(), data.size()).wait();
+    EXPECT_THROW(e.reserve({64 << 20}), io_error);
+  }
+  // A file system with no room for even a first request: an error at start, and no file left.
+  {
+    const std::string ballast = disk.path() + "/ballast";
+    int fd = ::open(ballast.c_str(), O_CREAT | O_RDWR, 0600);
+    ASSERT_GE(fd, 0);
+    std::uint64_t left = disk.free_bytes();
+    while (left >= 4096 && posix_fallocate(fd, 0, static_cast<off_t>(fs::file_size(ballast) + left)) != 0) left /= 2;
+    while (posix_fallocate(fd, static_cast<off_t>(fs::file_size(ballast)), 4096) == 0) {
+    }
+    ::close(fd);
+    try {
+      NvmeEngine e(o);
+      FAIL() << "an engine started on a full disk";
+    } catch (const io_error& err) {
+      std::string m = err.what();
+      EXPECT_EQ(err.error_number(), ENOSPC) << m;
+      EXPECT_NE(m.find(disk.path()), std::string::npos) << m;
+    }
+    std::size_t swap = 0;
+    for (auto& f : fs::directory_iterator(disk.path())) swap += f.path().filename().string().rfind("tierflow-swap-", 0) == 0;
+    EXPECT_EQ(swap, 0u) << "a failed start leaves no swap file";
+    fs::remove(ballast);
+  }
+}
+
+TEST_F(NvmeTest, AutoLeavesATenthOfTheFileSystemFree) {
+  LoopFs disk(dir_, 48);
+  if (!disk.ok()) GTEST_SKIP() << disk.why();
+  NvmeEngineOptions o;
+  o.paths = {disk.path()};
+  o.bytes_per_path = kNvmeAutoBytes;
+  o.block_bytes = 256 << 10;
+  o.grow_bytes = 1 << 20;
+  NvmeEngine e(o);
+  std::vector<NvmeBlock> blocks;
+  try {
+    for (;;) blocks.push_back(e.allocate(1 << 20));
+  } catch (const out_of_memory& err) {
+    std::string m = err.what();
+    EXPECT_NE(m.find("TIERFLOW_NVME_MEMORY=auto"), std::string::npos) << m;
+    EXPECT_NE(m.find("10%"), std::string::npos) << m;
+  }
+  EXPECT_GE(blocks.size(), 10u) << "auto takes what the run needs";
+  EXPECT_GE(disk.free_bytes() + (1 << 20), disk.size_bytes() / 10) << "and leaves the file system usable";
+  for (auto b : blocks) e.release(b);
 }
 
 TEST_F(NvmeTest, FullTierIsOutOfMemoryNamingTheSetting) {
@@ -233,14 +455,36 @@ TEST_F(NvmeTest, ShortTransfersAndReadErrorsAreClearErrors) {
 }
 
 TEST_F(NvmeTest, NoSpaceForTheSwapFileIsAClearErrorAndLeavesNothing) {
-  auto o = opts(1, 1ULL << 60);  // 1 EiB: no file system here has that
+  // A cap of 1 EiB grows nothing up front: the engine starts with one request's worth...
+  auto o = opts(1, 1ULL << 60);
+  {
+    NvmeEngine e(o);
+    const auto on_disk = e.stats().bytes_on_disk;
+    EXPECT_EQ(on_disk, o.block_bytes);
+    // ...and a reservation no file system here can hold is a clear error that grows nothing.
+    try {
+      e.reserve({1ULL << 59});
+      FAIL();
+    } catch (const io_error& err) {
+      std::string m = err.what();
+      EXPECT_EQ(err.error_number(), ENOSPC) << m;
+      EXPECT_NE(m.find("cannot reserve"), std::string::npos) << m;
+      EXPECT_NE(m.find(dir_ + "/a"), std::string::npos) << m;
+      EXPECT_NE(m.find("free on"), std::string::npos) << "names the free space: " << m;
+      EXPECT_NE(m.find("TIERFLOW_NVME_MEMORY"), std::string::npos) << m;
+    }
+    EXPECT_EQ(e.stats().bytes_on_disk, on_disk);
+    EXPECT_EQ(fs::file_size(e.files()[0]), on_disk);
+  }
+  // A cap below one 4 KiB request leaves nothing to use: an error at start naming the path.
+  o.bytes_per_path = 1000;
   try {
     NvmeEngine e(o);
     FAIL();
   } catch (const io_error& err) {
     std::string m = err.what();
-    EXPECT_NE(m.find("fallocate"), std::string::npos) << m;
     EXPECT_NE(m.find(dir_ + "/a"), std::string::npos) << m;
+    EXPECT_NE(m.find("TIERFLOW_NVME_MEMORY"), std::string::npos) << m;
   }
   EXPECT_EQ(files_in(dir_ + "/a"), 0u) << "a failed start leaves no swap file";
 }
@@ -263,11 +507,93 @@ TEST_F(NvmeTest, FilesAreRemovedAtExitAndStaleOnesAtStart) {
   int status = 0;
   waitpid(child, &status, 0);
   ASSERT_EQ(files_in(dir_ + "/a"), 1u);
+  // ...and so does one killed with SIGKILL in the middle of its work.
+  int ready[2];
+  ASSERT_EQ(pipe(ready), 0);
+  pid_t killed = fork();
+  if (killed == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);  // never outlives a test that failed before killing it
+    NvmeEngine* leaked = new NvmeEngine(opts(2));
+    auto data = random_bytes(1 << 20, 1);
+    NvmeBlock b = leaked->allocate(data.size());
+    leaked->write(b, data.data(), data.size()).wait();
+    char c = 1;
+    (void)!write(ready[1], &c, 1);
+    for (;;) pause();
+  }
+  char c = 0;
+  ASSERT_EQ(read(ready[0], &c, 1), 1);
+  // Its start removed the exited child's files; its own are live while it runs.
+  ASSERT_EQ(files_in(dir_ + "/a"), 1u);
+  EXPECT_EQ(NvmeEngine::remove_stale_files({dir_ + "/a", dir_ + "/b"}), 0u);
+  ASSERT_EQ(files_in(dir_ + "/a"), 1u) << "the live child's file is kept";
+  kill(killed, SIGKILL);
+  waitpid(killed, &status, 0);
+  close(ready[0]);
+  close(ready[1]);
   // ...and the next engine on those paths removes them.
   NvmeEngine e(opts(2));
   EXPECT_EQ(files_in(dir_ + "/a"), 1u);  // only its own
   EXPECT_EQ(files_in(dir_ + "/b"), 1u);
   EXPECT_EQ(e.files()[0].find(std::to_string(child)), std::string::npos);
+  EXPECT_EQ(e.files()[0].find(std::to_string(killed)), std::string::npos);
+}
+
+TEST_F(NvmeTest, AFileNoEngineHoldsIsStaleWhateverPidItsNameCarries) {
+  // Pid 1 always runs (in a container too): judged by pid, its file would stay forever.
+  const std::string live_pid = dir_ + "/a/tierflow-swap-1-0-0000abcd.bin";
+  const std::string dead = dir_ + "/a/tierflow-swap-" + std::to_string(dead_pid()) + "-0.bin";
+  touch(live_pid);
+  touch(dead);
+  NvmeEngine e(opts(1));
+  EXPECT_FALSE(fs::exists(live_pid)) << "no lock held: stale, although pid 1 runs";
+  EXPECT_FALSE(fs::exists(dead));
+  EXPECT_EQ(files_in(dir_ + "/a"), 1u);
+}
+
+TEST_F(NvmeTest, ALockedFileIsLiveWhateverPidItsNameCarries) {
+  // Another container's trainer: its file names a pid that does not exist here.
+  const std::string theirs = dir_ + "/a/tierflow-swap-" + std::to_string(dead_pid()) + "-7-12345678.bin";
+  int ready[2], go[2];
+  ASSERT_EQ(pipe(ready), 0);
+  ASSERT_EQ(pipe(go), 0);
+  pid_t child = fork();
+  if (child == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    int fd = ::open(theirs.c_str(), O_CREAT | O_RDWR, 0600);
+    if (fd < 0 || flock(fd, LOCK_EX | LOCK_NB) != 0) _exit(1);
+    char c = 1;
+    (void)!write(ready[1], &c, 1);
+    (void)!read(go[0], &c, 1);  // holds the lock until told
+    _exit(0);
+  }
+  char c = 0;
+  ASSERT_EQ(read(ready[0], &c, 1), 1);
+  {
+    NvmeEngine e(opts(1));
+    EXPECT_TRUE(fs::exists(theirs)) << "a locked file is live: never removed";
+    EXPECT_EQ(NvmeEngine::remove_stale_files({dir_ + "/a"}), 0u);
+  }
+  (void)!write(go[1], &c, 1);
+  int status = 0;
+  waitpid(child, &status, 0);
+  EXPECT_EQ(WEXITSTATUS(status), 0);
+  EXPECT_EQ(NvmeEngine::remove_stale_files({dir_ + "/a"}), 1u) << "its process is gone: stale";
+  EXPECT_FALSE(fs::exists(theirs));
+  for (int fd : {ready[0], ready[1], go[0], go[1]}) close(fd);
+}
+
+TEST_F(NvmeTest, TwoEnginesOnOnePathKeepEachOthersFiles) {
+  NvmeEngine first(opts(1));
+  auto data = random_bytes(300000, 4);
+  NvmeBlock b = first.allocate(data.size());
+  first.write(b, data.data(), data.size()).wait();
+  NvmeEngine second(opts(1));  // its start judges the first one's file
+  for (const auto& f : first.files()) EXPECT_TRUE(fs::exists(f)) << f;
+  EXPECT_EQ(files_in(dir_ + "/a"), 2u);
+  std::vector<std::uint8_t> back(data.size());
+  first.read(b, back.data(), back.size()).wait();
+  EXPECT_EQ(back, data);
 }
 
 TEST_F(NvmeTest, AFileFromAnEarlierProcessWithOurPidIsStale) {
