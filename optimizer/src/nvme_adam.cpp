@@ -8,6 +8,7 @@
 
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/log.hpp"
+#include "tierflow/core/size.hpp"
 
 namespace tierflow::optimizer {
 namespace {
@@ -64,16 +65,55 @@ std::size_t NvmeAdamStore::numel(std::uint64_t key) const { return entry(key).nu
 
 std::uint64_t NvmeAdamStore::add(std::size_t numel, bool amsgrad, const float* master, const float* m,
                                  const float* v, const float* vmax) {
-  Entry e{nvme_->allocate(numel * 4 * (amsgrad ? 4 : 3)), numel, amsgrad};
-  const std::uint64_t key = next_key_++;
-  entries_.emplace(key, e);
+  // The first state goes straight into its block: there is no older one to keep.
+  Entry e{nvme_->allocate(state_bytes(numel, amsgrad)), numel, amsgrad};
   try {
-    write(key, master, m, v, vmax);
+    fill_and_write(e, e.block, master, m, v, vmax);
   } catch (...) {
-    remove(key);
+    nvme_->release(e.block);
     throw;
   }
+  const std::uint64_t key = next_key_++;
+  entries_.emplace(key, e);
   return key;
+}
+
+void NvmeAdamStore::fill_and_write(const Entry& e, swap::NvmeBlock block, const float* master, const float* m,
+                                   const float* v, const float* vmax) {
+  const std::size_t n = e.numel;
+  PoolBuffer buf(pool_.get(), state_bytes(e));
+  std::memcpy(buf.f(), master, n * 4);
+  auto fill = [&](float* dst, const float* src) {
+    if (src) std::memcpy(dst, src, n * 4);
+    else std::memset(dst, 0, n * 4);
+  };
+  fill(buf.f() + n, m);
+  fill(buf.f() + 2 * n, v);
+  if (e.amsgrad) fill(buf.f() + 3 * n, vmax);
+  nvme_->write(block, buf.p, state_bytes(e)).wait();
+}
+
+void NvmeAdamStore::reserve(const std::vector<std::uint64_t>& state_sizes) {
+  if (state_sizes.empty()) return;
+  std::vector<std::uint64_t> blocks(state_sizes);
+  const std::uint64_t largest = *std::max_element(state_sizes.begin(), state_sizes.end());
+  // A step writes each new state out of place beside the old ones: room for
+  // the one in flight and one more for the free list's cuts.
+  blocks.push_back(largest);
+  blocks.push_back(largest);
+  std::uint64_t total = 0;
+  for (auto b : state_sizes) total += b;
+  try {
+    nvme_->reserve(blocks);
+  } catch (const io_error& err) {
+    throw io_error(err.error_number(), "NVMe optimizer: the states of " + std::to_string(state_sizes.size()) +
+                                           " parameter(s) need " + format_bytes(total) + " on NVMe, and " +
+                                           format_bytes(2 * largest) + " more for a step; " + err.what());
+  }
+}
+
+std::vector<swap::NvmeExtent> NvmeAdamStore::extents(std::uint64_t key) const {
+  return nvme_->extents(entry(key).block);
 }
 
 void NvmeAdamStore::read(std::uint64_t key, float* master, float* m, float* v, float* vmax) const {
@@ -90,25 +130,15 @@ void NvmeAdamStore::read(std::uint64_t key, float* master, float* m, float* v, f
 void NvmeAdamStore::write(std::uint64_t key, const float* master, const float* m, const float* v,
                           const float* vmax) {
   Entry& e = entries_.at(key);
-  const std::size_t n = e.numel;
-  PoolBuffer buf(pool_.get(), state_bytes(e));
-  std::memcpy(buf.f(), master, n * 4);
-  auto fill = [&](float* dst, const float* src) {
-    if (src) std::memcpy(dst, src, n * 4);
-    else std::memset(dst, 0, n * 4);
-  };
-  fill(buf.f() + n, m);
-  fill(buf.f() + 2 * n, v);
-  if (e.amsgrad) fill(buf.f() + 3 * n, vmax);
   // Out of place: the old state stays valid until the new one is on disk.
   swap::NvmeBlock fresh = nvme_->allocate(state_bytes(e));
   try {
-    nvme_->write(fresh, buf.p, state_bytes(e)).wait();
+    fill_and_write(e, fresh, master, m, v, vmax);
   } catch (...) {
     nvme_->release(fresh);
     throw;
   }
-  if (nvme_->valid(e.block) || e.block != fresh) nvme_->release(e.block);
+  nvme_->release(e.block);
   e.block = fresh;
 }
 
@@ -127,8 +157,24 @@ NvmeAdamStore::StepResult NvmeAdamStore::step(const AdamOptions& options, std::i
   for (const auto& it : items) max_bytes = std::max(max_bytes, state_bytes(entry(it.key)));
   PoolBuffer bufs[2] = {PoolBuffer(pool_.get(), max_bytes), PoolBuffer(pool_.get(), max_bytes)};
   swap::TransferHandle reads[2], writes[2];
+  std::string read_error[2];       // a read that could not even start
   swap::NvmeBlock fresh[2] = {0, 0};
   std::size_t writer[2] = {0, 0};  // item index whose write a buffer holds
+
+  auto fail = [&](std::size_t i, const std::string& what) {
+    result.failed.push_back(i);
+    if (result.first_error.empty()) result.first_error = what;
+  };
+  auto start_read = [&](int b, std::size_t i) {
+    read_error[b].clear();
+    const Entry& e = entry(items[i].key);
+    try {
+      reads[b] = nvme_->read(e.block, bufs[b].p, state_bytes(e));
+    } catch (const io_error& err) {
+      reads[b] = swap::TransferHandle();
+      read_error[b] = err.what();
+    }
+  };
 
   // Settles buffer b's write: on success the item's key moves to the new block.
   auto settle = [&](int b) {
@@ -143,8 +189,7 @@ NvmeAdamStore::StepResult NvmeAdamStore::step(const AdamOptions& options, std::i
       // Keep the previous state, and give the weight its previous value back.
       nvme_->release(fresh[b]);
       ++stats_.write_failures;
-      result.failed.push_back(writer[b]);
-      if (result.first_error.empty()) result.first_error = err.what();
+      fail(writer[b], err.what());
       const Item& it = items[writer[b]];
       if (it.param_out) {
         try {
@@ -160,27 +205,40 @@ NvmeAdamStore::StepResult NvmeAdamStore::step(const AdamOptions& options, std::i
     writes[b] = swap::TransferHandle();
   };
 
-  reads[0] = nvme_->read(entry(items[0].key).block, bufs[0].p, state_bytes(entry(items[0].key)));
+  start_read(0, 0);
   try {
   for (std::size_t i = 0; i < items.size(); ++i) {
     const int cur = static_cast<int>(i % 2), nxt = 1 - cur;
     const Entry& e = entry(items[i].key);
     const std::uint64_t t0 = now_ns();
-    reads[cur].wait();  // a failed read raises: nothing of this item has changed yet
+    std::string lost = read_error[cur];
+    if (lost.empty()) {
+      try {
+        reads[cur].wait();
+      } catch (const std::exception& err) {
+        lost = err.what();
+      }
+    }
+    reads[cur] = swap::TransferHandle();
     stats_.read_wait_ns += now_ns() - t0;
-    stats_.bytes_read += state_bytes(e);
     if (i + 1 < items.size()) {
       settle(nxt);  // the other buffer's write must finish before it is reused
-      const Entry& ne = entry(items[i + 1].key);
-      reads[nxt] = nvme_->read(ne.block, bufs[nxt].p, state_bytes(ne));
+      start_read(nxt, i + 1);
     }
+    if (!lost.empty()) {
+      // Its state cannot be read back (corrupt, or a read error): this item is
+      // not stepped, nothing of it changes, and the others go on.
+      result.lost.push_back(i);
+      fail(i, lost);
+      continue;
+    }
+    stats_.bytes_read += state_bytes(e);
     // Space for the new state first: without it this item (and the rest) is
     // not stepped at all, so nothing changes for them.
     try {
       fresh[cur] = nvme_->allocate(state_bytes(e));
-    } catch (const out_of_memory& oom) {
-      for (std::size_t j = i; j < items.size(); ++j) result.failed.push_back(j);
-      if (result.first_error.empty()) result.first_error = oom.what();
+    } catch (const std::exception& full) {  // out_of_memory, or io_error of a grow
+      for (std::size_t j = i; j < items.size(); ++j) fail(j, full.what());
       break;
     }
     AdamTensor t;
@@ -200,7 +258,7 @@ NvmeAdamStore::StepResult NvmeAdamStore::step(const AdamOptions& options, std::i
     writes[cur] = nvme_->write(fresh[cur], bufs[cur].p, state_bytes(e));
   }
   } catch (...) {
-    // A read failed (its data is lost): finish what is in flight before the buffers go.
+    // Something unexpected: finish what is in flight before the buffers go.
     for (int b = 0; b < 2; ++b) {
       try {
         reads[b].wait();

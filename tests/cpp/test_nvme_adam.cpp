@@ -1,10 +1,14 @@
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <filesystem>
 #include <random>
 #include <vector>
 
+#include "sanitizers.hpp"
 #include "tierflow/allocator/aligned_buffer.hpp"
 #include "tierflow/core/error.hpp"
 #include "tierflow/optimizer/nvme_adam.hpp"
@@ -63,8 +67,8 @@ TEST_F(NvmeAdamTest, StepsExactlyLikeTheInMemoryOptimizer) {
     mem.emplace_back(sizes[i], i);
     disk.emplace_back(sizes[i], i);
   }
-  NvmeAdamStore store(nvme_, pool_, 2);
-  CpuAdam adam(2);
+  NvmeAdamStore store(nvme_, pool_, tierflow::testing::kAdamThreads);
+  CpuAdam adam(tierflow::testing::kAdamThreads);
   std::vector<std::uint64_t> keys;
   for (auto& p : disk) keys.push_back(store.add(p.master.size(), true, p.master.data()));
   AdamOptions o;
@@ -140,4 +144,186 @@ TEST_F(NvmeAdamTest, AFailedWriteKeepsThePreviousStateAndWeights) {
   EXPECT_EQ(nvme_->stats().bytes_in_use, static_cast<std::uint64_t>(allocator::round_up(50000 * 12, 4096) +
                                                                       allocator::round_up(60000 * 12, 4096)))
       << "no NVMe space leaked by the failed attempt";
+}
+
+namespace {
+
+// A small ext4 file system on a loop device (root and loop devices needed).
+struct LoopDisk {
+  std::string image, mount;
+  bool ok = false;
+  std::string why;
+  LoopDisk(const std::string& dir, int mib) : image(dir + "/fs.img"), mount(dir + "/mnt") {
+    if (geteuid() != 0) {
+      why = "needs root to mount a loop file system";
+      return;
+    }
+    fs::create_directories(mount);
+    const std::string cmd = "truncate -s " + std::to_string(mib) + "M " + image + " && mkfs.ext4 -q -F " + image +
+                            " >/dev/null 2>&1 && mount -o loop " + image + " " + mount + " >/dev/null 2>&1";
+    ok = std::system(cmd.c_str()) == 0;
+    if (!ok) why = "mount -o loop failed (no loop device here?)";
+  }
+  ~LoopDisk() {
+    if (ok) (void)std::system(("umount " + mount).c_str());
+    std::error_code ec;
+    fs::remove(image, ec);
+  }
+  // Fills the disk with a ballast file until `leave` bytes stay free.
+  void fill(std::uint64_t leave) {
+    struct statvfs s {};
+    statvfs(mount.c_str(), &s);
+    const std::uint64_t free = static_cast<std::uint64_t>(s.f_bavail) * s.f_frsize;
+    int fd = ::open((mount + "/ballast").c_str(), O_CREAT | O_RDWR, 0600);
+    ASSERT_GE(fd, 0);
+    ASSERT_GT(free, leave);
+    ASSERT_EQ(posix_fallocate(fd, 0, static_cast<off_t>(free - leave)), 0);
+    ::close(fd);
+  }
+  void empty() { fs::remove(mount + "/ballast"); }
+};
+
+// One step of the in-memory optimizer, to compare with.
+void step_in_memory(CpuAdam& adam, const AdamOptions& o, int step, std::vector<Param>& ps) {
+  std::vector<AdamTensor> ts;
+  for (auto& p : ps) {
+    AdamTensor t;
+    t.numel = p.master.size();
+    t.master = p.master.data();
+    t.exp_avg = p.m.data();
+    t.exp_avg_sq = p.v.data();
+    t.grad = p.grad.data();
+    t.param_out = p.out.data();
+    t.param_type = ScalarType::kBFloat16;
+    ts.push_back(t);
+  }
+  adam.step(o, step, ts);
+}
+
+void expect_state(NvmeAdamStore& store, std::uint64_t key, const Param& want, const std::string& what) {
+  const std::size_t n = want.master.size();
+  std::vector<float> master(n), m(n), v(n);
+  store.read(key, master.data(), m.data(), v.data(), nullptr);
+  EXPECT_EQ(master, want.master) << what;
+  EXPECT_EQ(m, want.m) << what;
+  EXPECT_EQ(v, want.v) << what;
+}
+
+}  // namespace
+
+// Issue 16: a full disk in the middle of a step fails only the items that
+// found no space; a retry of those after space is freed steps each parameter
+// exactly once, and every state equals the in-memory optimizer's.
+TEST_F(NvmeAdamTest, AFullDiskMidStepFailsOnlyTheRestAndARetryStepsEachOnce) {
+  LoopDisk disk(dir_, 48);
+  std::shared_ptr<swap::NvmeEngine> nvme = nvme_;
+  if (disk.ok) {
+    swap::NvmeEngineOptions o;
+    o.paths = {disk.mount};
+    o.bytes_per_path = 1ULL << 30;  // past the disk: the disk decides (real ENOSPC)
+    o.block_bytes = 128 << 10;
+    o.grow_bytes = 1 << 20;
+    nvme = std::make_shared<swap::NvmeEngine>(o);
+  }
+  NvmeAdamStore store(nvme, pool_, tierflow::testing::kAdamThreads);
+  CpuAdam adam(tierflow::testing::kAdamThreads);
+  const std::vector<std::size_t> sizes{100000, 200000, 300000, 400000};  // each new state needs fresh space
+  std::vector<Param> mem, disk_params;
+  std::vector<std::uint64_t> keys;
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    mem.emplace_back(sizes[i], 10 + i);
+    disk_params.emplace_back(sizes[i], 10 + i);
+    for (std::size_t j = 0; j < sizes[i]; ++j) mem[i].grad[j] = disk_params[i].grad[j] = 0.01f * ((j % 7) - 3.0f);
+    keys.push_back(store.add(sizes[i], false, disk_params[i].master.data()));
+  }
+  std::vector<NvmeAdamStore::Item> items;
+  for (std::size_t i = 0; i < sizes.size(); ++i)
+    items.push_back({keys[i], disk_params[i].grad.data(), ScalarType::kFloat32, disk_params[i].out.data(),
+                     ScalarType::kBFloat16});
+  // Room for the first item's new state, not for the second's.
+  nvme->reserve({NvmeAdamStore::state_bytes(sizes[0], false)});
+  if (disk.ok) disk.fill(256 << 10);
+  else faults_.fail_grows = 1000;  // no loop device here: the injected full disk
+  AdamOptions o;
+  o.lr = 1e-2;
+  auto r = store.step(o, 1, items);
+  faults_.fail_grows = 0;
+  ASSERT_FALSE(r.failed.empty()) << "the disk was full";
+  ASSERT_NE(r.failed.front(), 0u) << "the first item had its space";
+  for (std::size_t k = 0; k < r.failed.size(); ++k) EXPECT_EQ(r.failed[k], r.failed.front() + k) << "the rest failed";
+  EXPECT_TRUE(r.lost.empty());
+  EXPECT_NE(r.first_error.find(disk.ok ? "No space left" : "injected"), std::string::npos) << r.first_error;
+  for (std::size_t i : r.failed) {
+    expect_state(store, keys[i], disk_params[i], "a failed item keeps its state");  // unchanged masters
+    EXPECT_EQ(disk_params[i].out, std::vector<std::uint16_t>(sizes[i], 0)) << "and its weight";
+  }
+  if (disk.ok) disk.empty();
+  std::vector<NvmeAdamStore::Item> retry;
+  for (std::size_t i : r.failed) retry.push_back(items[i]);
+  ASSERT_TRUE(store.step(o, 1, retry).failed.empty()) << "space freed: the retry steps the rest";
+  step_in_memory(adam, o, 1, mem);
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    expect_state(store, keys[i], mem[i], "stepped exactly once: " + std::to_string(i));
+    EXPECT_EQ(disk_params[i].out, mem[i].out) << i;
+  }
+  if (!disk.ok) GTEST_SKIP() << "ran with an injected full disk only: " << disk.why;
+}
+
+// Issue 16: a state corrupt on disk is lost for its own parameter only; the
+// step goes on for the others, and the store says which one.
+TEST_F(NvmeAdamTest, ACorruptStateIsLostForItsParameterOnly) {
+  NvmeAdamStore store(nvme_, pool_, tierflow::testing::kAdamThreads);
+  CpuAdam adam(tierflow::testing::kAdamThreads);
+  const std::vector<std::size_t> sizes{30000, 50000, 70000};
+  std::vector<Param> mem, disk_params;
+  std::vector<std::uint64_t> keys;
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    mem.emplace_back(sizes[i], 20 + i);
+    disk_params.emplace_back(sizes[i], 20 + i);
+    for (std::size_t j = 0; j < sizes[i]; ++j) mem[i].grad[j] = disk_params[i].grad[j] = 0.5f;
+    keys.push_back(store.add(sizes[i], false, disk_params[i].master.data()));
+  }
+  // Flip bytes of parameter 1's state in the swap file itself.
+  auto where = store.extents(keys[1]);
+  ASSERT_EQ(where.size(), 1u);
+  {
+    int fd = ::open(where[0].file.c_str(), O_RDWR);
+    ASSERT_GE(fd, 0);
+    const char junk[16] = "corrupt bytes!!";
+    ASSERT_EQ(pwrite(fd, junk, sizeof junk, static_cast<off_t>(where[0].offset + 4096)), 16);
+    fsync(fd);
+    ::close(fd);
+  }
+  std::vector<NvmeAdamStore::Item> items;
+  for (std::size_t i = 0; i < sizes.size(); ++i)
+    items.push_back({keys[i], disk_params[i].grad.data(), ScalarType::kFloat32, disk_params[i].out.data(),
+                     ScalarType::kBFloat16});
+  AdamOptions o;
+  auto r = store.step(o, 1, items);
+  EXPECT_EQ(r.lost, std::vector<std::size_t>{1});
+  EXPECT_EQ(r.failed, std::vector<std::size_t>{1});
+  EXPECT_NE(r.first_error.find("checksum mismatch"), std::string::npos) << r.first_error;
+  EXPECT_EQ(disk_params[1].out, std::vector<std::uint16_t>(sizes[1], 0)) << "its weight untouched";
+  std::vector<float> x(sizes[1]);
+  EXPECT_THROW(store.read(keys[1], x.data(), x.data(), x.data(), nullptr), io_error) << "lost for good";
+  std::vector<Param> stepped{mem[0], mem[2]};
+  step_in_memory(adam, o, 1, stepped);
+  expect_state(store, keys[0], stepped[0], "intact states stepped");
+  expect_state(store, keys[2], stepped[1], "intact states stepped");
+  // A good state written over it (from a checkpoint) makes it whole again.
+  store.write(keys[1], mem[1].master.data(), mem[1].m.data(), mem[1].v.data(), nullptr);
+  EXPECT_TRUE(store.step(o, 1, {items[1]}).failed.empty());
+}
+
+TEST_F(NvmeAdamTest, ReservationNamesTheNeedAndTheFreeSpace) {
+  NvmeAdamStore store(nvme_, pool_, 1);
+  store.reserve({NvmeAdamStore::state_bytes(1 << 20, false)});  // 12 MiB of 64: fine
+  try {
+    store.reserve({NvmeAdamStore::state_bytes(std::size_t{1} << 40, true)});
+    FAIL() << "16 TiB of states were reserved in a 64 MiB tier";
+  } catch (const io_error& err) {
+    std::string m = err.what();
+    EXPECT_NE(m.find("states of 1 parameter(s) need 16.00 TiB"), std::string::npos) << m;
+    EXPECT_NE(m.find("TIERFLOW_NVME_MEMORY"), std::string::npos) << m;
+  }
 }

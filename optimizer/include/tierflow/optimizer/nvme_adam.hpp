@@ -10,8 +10,16 @@
 // the write has completed does the parameter's key point at it and the old
 // block return to the free list. A failed write therefore leaves the previous
 // state valid, and the model's weight is restored from the previous master,
-// so an I/O failure loses nothing; step() then raises an io_error naming what
-// failed. Pinned buffers come from the pool (TIERFLOW_HOST_MEMORY).
+// so an I/O failure loses nothing. A full tier (no space for a new state)
+// leaves that item and the rest unstepped. A state that cannot be read back
+// (a checksum mismatch: the data on disk is corrupt) is lost: that item is
+// not stepped and the others are. step() reports all of these per item
+// (StepResult) instead of throwing, so its caller knows exactly which
+// parameters stepped and can retry only the others. Pinned buffers come from
+// the pool (TIERFLOW_HOST_MEMORY): two of the largest state, double buffered.
+// reserve() grows the swap files up front for the states and a step's new
+// state (Note [NVMe space] in nvme_engine.hpp), so that too little disk is an
+// error when the optimizer is made, not in a step.
 #pragma once
 
 #include <cstdint>
@@ -43,7 +51,8 @@ class NvmeAdamStore {
   ~NvmeAdamStore();
 
   /// Registers a parameter of `numel` elements: writes its initial state
-  /// (master from `master`, moments from `m`/`v`/`vmax` or zeros when null). Returns its key.
+  /// (master from `master`, moments from `m`/`v`/`vmax` or zeros when null).
+  /// Returns its key; when it throws (a full tier, a failed write) nothing is registered.
   std::uint64_t add(std::size_t numel, bool amsgrad, const float* master, const float* m = nullptr,
                     const float* v = nullptr, const float* vmax = nullptr);
   /// Reads a parameter's state (vmax may be null); synchronous.
@@ -52,6 +61,13 @@ class NvmeAdamStore {
   void write(std::uint64_t key, const float* master, const float* m, const float* v, const float* vmax);
   /// Forgets a parameter and frees its space.
   void remove(std::uint64_t key) noexcept;
+  /// Bytes of one parameter's state: fp32 master, m, v and, with amsgrad, vmax.
+  static std::uint64_t state_bytes(std::size_t numel, bool amsgrad) noexcept { return numel * 4ULL * (amsgrad ? 4 : 3); }
+  /// Grows the NVMe files now for states of these sizes plus a step's new
+  /// state; throws io_error naming the need, the free space and TIERFLOW_NVME_MEMORY.
+  void reserve(const std::vector<std::uint64_t>& state_sizes);
+  /// Where a parameter's state lies in the swap files (tests, diagnostics).
+  std::vector<swap::NvmeExtent> extents(std::uint64_t key) const;
 
   /// One parameter's inputs to a step.
   struct Item {
@@ -64,11 +80,12 @@ class NvmeAdamStore {
   /// The outcome of a step: which items kept their previous state and weights.
   struct StepResult {
     std::vector<std::size_t> failed;  ///< indices into `items`, not stepped (state and weight unchanged)
+    std::vector<std::size_t> lost;    ///< of those, the ones whose state could not be read (corrupt)
     std::string first_error;          ///< what went wrong first, naming the file and the operation
   };
   /// One Adam/AdamW step of `items`, pipelined as in Note [Optimizer states on NVMe].
-  /// A failed write or a full tier fails only the items it touches (reported,
-  /// not thrown); a failed read (the state is lost) throws io_error.
+  /// A failed write, a full tier or an unreadable state fails only the items it
+  /// touches (reported, not thrown); every other item is stepped.
   StepResult step(const AdamOptions& options, std::int64_t step, const std::vector<Item>& items);
 
   /// Counters.
@@ -82,7 +99,9 @@ class NvmeAdamStore {
     std::size_t numel;
     bool amsgrad;
   };
-  std::size_t state_bytes(const Entry& e) const noexcept { return e.numel * 4 * (e.amsgrad ? 4 : 3); }
+  std::size_t state_bytes(const Entry& e) const noexcept { return state_bytes(e.numel, e.amsgrad); }
+  void fill_and_write(const Entry& e, swap::NvmeBlock block, const float* master, const float* m, const float* v,
+                      const float* vmax);
   const Entry& entry(std::uint64_t key) const;
 
   std::shared_ptr<swap::NvmeEngine> nvme_;
