@@ -329,7 +329,10 @@ PYBIND11_MODULE(_C, m) {
       .def_property("fail_reads", [](const swap::NvmeFaults& f) { return f.fail_reads.load(); },
                     [](swap::NvmeFaults& f, int n) { f.fail_reads = n; })
       .def_property("corrupt_reads", [](const swap::NvmeFaults& f) { return f.corrupt_reads.load(); },
-                    [](swap::NvmeFaults& f, int n) { f.corrupt_reads = n; });
+                    [](swap::NvmeFaults& f, int n) { f.corrupt_reads = n; })
+      .def_property("fail_grows", [](const swap::NvmeFaults& f) { return f.fail_grows.load(); },
+                    [](swap::NvmeFaults& f, int n) { f.fail_grows = n; },
+                    "The next N grows of a swap file fail with ENOSPC, as on a full disk.");
 
   py::class_<swap::CopyFaults, std::shared_ptr<swap::CopyFaults>>(m, "CopyFaults",
       "Test hook: delays the emulated device's copies to the host.")
@@ -492,8 +495,18 @@ PYBIND11_MODULE(_C, m) {
           py::gil_scoped_release release;
           r = rt.nvme_adam().step(opts, step, items);
         }
-        return py::make_tuple(r.failed, r.first_error);
-      }, "Steps the items; returns (indices that kept their previous state, first error).")
+        return py::make_tuple(r.failed, r.first_error, r.lost);
+      }, "Steps the items; returns (indices that kept their previous state, first error, indices whose state "
+         "could not be read: lost).")
+      .def("nvme_adam_reserve", [](Runtime& rt, const std::vector<std::uint64_t>& state_bytes) {
+        py::gil_scoped_release release;
+        rt.nvme_adam().reserve(state_bytes);
+      }, "Grows the NVMe files now for optimizer states of these sizes and a step's new state (Note [NVMe space]).")
+      .def("nvme_adam_extents", [](Runtime& rt, std::uint64_t key) {
+        py::list out;
+        for (const auto& e : rt.nvme_adam().extents(key)) out.append(py::make_tuple(e.file, e.offset, e.bytes));
+        return out;
+      }, "Where a parameter's NVMe state lies: [(file, offset, bytes)] (tests and diagnostics).")
       .def("nvme_adam_stats", [](Runtime& rt) {
         py::dict d;
         if (!rt.has_nvme()) return d;

@@ -108,6 +108,9 @@ struct Row {
   std::function<void(Config&, std::string_view name, std::string_view value)> apply;
 };
 
+// TIERFLOW_NVME_MEMORY=auto, as the NVMe engine reads it (swap::kNvmeAutoBytes).
+constexpr std::uint64_t kNvmeAutoBytes = ~std::uint64_t{0};
+
 constexpr std::string_view kBudgetForms =
     "a size (e.g. 512MiB, 1.5GiB, 4096; units B, KiB, MiB, GiB, TiB, KB, MB, GB, TB) or a "
     "percentage of the tier's capacity in (0%, 100%], e.g. 80%";
@@ -201,9 +204,25 @@ const std::vector<Row>& rows() {
            b = e + 1;
          }
        }},
-      {{"TIERFLOW_NVME_MEMORY", "90%", kBudgetForms,
-        "NVMe tier budget; a percentage is of the free space under TIERFLOW_NVME_PATHS"},
-       budget_parser(&Config::nvme_memory)},
+      // `auto` is the Budget of kNvmeAutoBytes bytes (swap::kNvmeAutoBytes, Note [NVMe space]).
+      {{"TIERFLOW_NVME_MEMORY", "auto",
+        "auto, or a size (e.g. 512MiB, 1.5GiB, 4096; units B, KiB, MiB, GiB, TiB, KB, MB, GB, TB) or a "
+        "percentage of the free space in (0%, 100%], e.g. 80%",
+        "most bytes each swap file under TIERFLOW_NVME_PATHS may grow to; files grow as the run needs and "
+        "the NVMe optimizer reserves its states at wrap; `auto`: as far as the file system keeps 10% of its "
+        "size free; a percentage is of the free space when the run starts"},
+       [](Config& c, std::string_view name, std::string_view v) {
+         constexpr std::string_view kForms =
+             "auto, or a size (e.g. 512MiB, 1.5GiB, 4096; units B, KiB, MiB, GiB, TiB, KB, MB, GB, TB) or a "
+             "percentage of the free space in (0%, 100%], e.g. 80%";
+         if (trim(v) == "auto") {
+           c.nvme_memory = Budget{kNvmeAutoBytes, 0.0, false};
+           return;
+         }
+         auto b = parse_budget(v);
+         if (!b || (!b->is_fraction && b->bytes == kNvmeAutoBytes)) bad_value(name, v, kForms);
+         c.nvme_memory = *b;
+       }},
       {{"TIERFLOW_AIO_BLOCK_SIZE", "1MiB", "a multiple of 4KiB from 4KiB to 64MiB, e.g. 1MiB",
         "request size of NVMe I/O; a block is striped over the paths in requests of this size"},
        [](Config& c, std::string_view name, std::string_view v) {
@@ -552,7 +571,8 @@ std::map<std::string, std::string> Config::to_strings() const {
       {"TIERFLOW_GPU_MEMORY", gpu_memory.to_string()},
       {"TIERFLOW_HOST_MEMORY", host_memory.to_string()},
       {"TIERFLOW_NVME_PATHS", paths},
-      {"TIERFLOW_NVME_MEMORY", nvme_memory.to_string()},
+      {"TIERFLOW_NVME_MEMORY",
+       !nvme_memory.is_fraction && nvme_memory.bytes == kNvmeAutoBytes ? "auto" : nvme_memory.to_string()},
       {"TIERFLOW_AIO_BLOCK_SIZE", std::to_string(aio_block_size)},
       {"TIERFLOW_AIO_QUEUE_DEPTH", std::to_string(aio_queue_depth)},
       {"TIERFLOW_NVME_CHECKSUM", nvme_checksum ? "on" : "off"},

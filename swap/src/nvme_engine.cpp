@@ -224,6 +224,8 @@ struct NvmeEngine::Impl {
       if (fd < 0) {
         int err = errno;
         if (err == EEXIST && attempt < 16) continue;
+        // Some file systems (ramfs) create the file and then refuse O_DIRECT: the name is ours (O_EXCL).
+        if (err != EEXIST) (void)::unlink(file.c_str());
         throw io_error(err, "NvmeEngine: open(" + file + ", O_DIRECT) failed: " + errno_text(err) +
                                 (err == EINVAL ? " (the file system does not support O_DIRECT)" : ""));
       }

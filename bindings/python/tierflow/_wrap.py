@@ -127,12 +127,19 @@ def wrap(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
         raise TypeError(f"tierflow.wrap: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     session = Session(**settings)
     new_optimizer = optimizer
-    if optimizer is not None and session.config["TIERFLOW_OFFLOAD_OPTIMIZER"] in ("host", "nvme"):
-        from .optim import CPUAdamW
+    try:
+        if optimizer is not None and session.config["TIERFLOW_OFFLOAD_OPTIMIZER"] in ("host", "nvme"):
+            from .optim import CPUAdamW
 
-        new_optimizer = CPUAdamW.replace(optimizer, session.runtime, model=model)
-        session.optimizer = weakref.ref(new_optimizer)
-    session.attach(model, blocks)
+            # Checks at construction what its states need (host budget, NVMe space: issue 16).
+            new_optimizer = CPUAdamW.replace(optimizer, session.runtime, model=model)
+            session.optimizer = weakref.ref(new_optimizer)
+        session.attach(model, blocks)
+    except BaseException:
+        # A failed wrap leaves nothing: no hooks, and no swap file (the traceback may keep the runtime).
+        session.detach()
+        session.runtime.unlink_nvme_files()
+        raise
     model._tierflow_session = session
     _sessions.append(session)
     return model, new_optimizer

@@ -60,6 +60,36 @@ device alike, so the adversarial emulated device checks this path too
   the current stream (kernels still reading the old value), the stream waits
   for it before its next kernel, and step() waits for every upload before the
   staging returns to the pool.
+
+Note [NVMe optimizer faults]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+With states on NVMe (TIERFLOW_OFFLOAD_OPTIMIZER=nvme) a step can fail for
+some parameters and not others: a failed write or a full disk keeps that
+parameter's previous state and weight (Note [Optimizer states on NVMe]); a
+state that cannot be read back (a checksum mismatch: the data on disk is
+corrupt) is lost. step() steps every other parameter, counts a step only for
+those that stepped, and raises an error that names the ones that did not.
+Each parameter that stepped remembers the gradient it stepped with (the same
+tensor at the same version) and its step count after it; a step() that finds
+both unchanged skips it. So a retry after the fault is gone (space freed)
+steps every parameter exactly once, and the weights are those of a run that
+never failed. A new backward, zero_grad() or a loaded state with another step
+count makes the next step() a new step for everyone.
+
+Space and memory are checked when the optimizer is made (at wrap): the host
+pool must hold what the states need (TIERFLOW_HOST_MEMORY), and with states
+on NVMe the swap files are grown for every state and a step's new state
+(Note [NVMe space] in swap/include/tierflow/swap/nvme_engine.hpp), so too
+little of either is an error there, naming the need, the budget or free space
+and the variable, not in the middle of the first step.
+
+A lost state is marked in state_dict(): its entry is ``{"step": <last good
+step>, LOST_STATE: "<what happened>"}`` with no moments, so a checkpoint
+still saves every intact state. load_state_dict() refuses a state dict with
+such an entry, naming the parameters;
+``CPUAdamW.fill_lost_states(state_dict, earlier)`` takes their entries from an
+earlier checkpoint (a lost parameter did not step after its last good state,
+so its weight still matches it).
 """
 
 from __future__ import annotations
@@ -74,8 +104,22 @@ from ._gpu_share import GpuShareMixin
 from ._streaming import StreamingMixin
 
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
+#: The key that marks a state lost to NVMe corruption in state_dict() (Note [NVMe optimizer faults]).
+LOST_STATE = "tierflow_state_lost"
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _fmt_bytes(n: int) -> str:
+    """As format_bytes in C++: 1.50 GiB, 512.00 KiB, 17 B."""
+    if n < 1024:
+        return f"{n} B"
+    v, unit = float(n), "B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        v /= 1024.0
+        if v < 1024.0:
+            break
+    return f"{v:.2f} {unit}"
 
 
 def _check_grad(grad: torch.Tensor) -> None:
@@ -144,6 +188,8 @@ class CPUAdamW(StreamingMixin, GpuShareMixin, torch.optim.Optimizer):
             groups.append(g)
         defaults.setdefault("decoupled_weight_decay", adamw)
         torch.optim.Optimizer.__init__(new, groups, defaults)
+        if model is not None:  # names for error messages
+            new._names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
         new._setup(runtime)
         if len(optimizer.state) > 0:
             new.load_state_dict(optimizer.state_dict())
@@ -158,7 +204,13 @@ class CPUAdamW(StreamingMixin, GpuShareMixin, torch.optim.Optimizer):
         self._runtime = runtime
         self._master_stale = False
         cfg = runtime.config()
+        self._cfg = cfg
         self._nvme = cfg["TIERFLOW_OFFLOAD_OPTIMIZER"] == "nvme"
+        if not hasattr(self, "_names"):
+            self._names: dict = {}
+        # Note [NVMe optimizer faults]: param -> (gradient, its version, step count after) of a step taken.
+        self._nvme_done: dict = {}
+        self._reserved: set = set()  # ids of parameters whose NVMe state space is reserved
         # With states on NVMe, step() streams them through pinned memory
         # (Note [Optimizer states on NVMe]); steps during backward are host-tier only.
         self._overlap = cfg["TIERFLOW_OVERLAP_STEP"] == "on" and not self._nvme
@@ -231,6 +283,7 @@ class CPUAdamW(StreamingMixin, GpuShareMixin, torch.optim.Optimizer):
             self._stream.set_callbacks(lambda: begin() and begin()(),
                                        lambda slot: init() and init()(slot))
             self._push_groups()
+        self._check_space()
 
     @property
     def overlap_stats(self) -> dict:
@@ -249,6 +302,106 @@ class CPUAdamW(StreamingMixin, GpuShareMixin, torch.optim.Optimizer):
     def mark_master_stale(self) -> None:
         """Parameters were changed outside the optimizer: re-read masters from them at the next step."""
         self._master_stale = True
+
+    # -- space and faults (Note [NVMe optimizer faults]) --------------------------
+    def _describe(self, p: torch.Tensor) -> str:
+        """A parameter as a user knows it: its name in the model, else its group and index; and its shape."""
+        name = self._names.get(id(p))
+        if name is None:
+            for gi, group in enumerate(self.param_groups):
+                for j, q in enumerate(group["params"]):
+                    if q is p:
+                        name = f"param group {gi} index {j}"
+        return f"'{name}' {list(p.shape)}"
+
+    @staticmethod
+    def _state_bytes(p: torch.Tensor, group: dict) -> int:
+        return p.numel() * 4 * (4 if group["amsgrad"] else 3)
+
+    def _check_space(self) -> None:
+        """What the states need, checked when the optimizer is made rather than in its first step:
+        the pinned host pool must hold the states (host tier) or the two buffers they stream through
+        (NVMe tier), and NVMe space for them is reserved now."""
+        gpu = self._gpu_share or set()
+        todo = [(p, g) for g in self.param_groups for p in g["params"] if p.requires_grad and id(p) not in gpu]
+        if not todo:
+            return
+        sizes = [self._state_bytes(p, g) for p, g in todo]
+        page = 4096  # the pool's blocks are whole pages (Note [Pinned host pool])
+        rounded = lambda n: -(-n // page) * page  # noqa: E731
+        if self._nvme:
+            need = 2 * rounded(max(sizes))
+            what = (f"two buffers of the largest parameter's state ({_fmt_bytes(max(sizes))}) that the states "
+                    "stream through from NVMe")
+        else:
+            need = sum(rounded(b) for b in sizes)
+            tensors = "master, exp_avg, exp_avg_sq" + (", max_exp_avg_sq" if any(g["amsgrad"] for _, g in todo) else "")
+            what = (f"the states of {len(todo)} parameters ({sum(p.numel() for p, _ in todo)} elements, fp32 "
+                    f"{tensors})")
+        budget = int(self._runtime.stats()["host_pool"]["budget_bytes"])
+        if need > budget:
+            raise _C.OutOfMemoryError(
+                f"tierflow: the optimizer needs {_fmt_bytes(need)} of pinned host memory for {what}, more than "
+                f"the pinned pool's budget of {_fmt_bytes(budget)} (TIERFLOW_HOST_MEMORY="
+                f"{self._cfg.get('TIERFLOW_HOST_MEMORY')}); raise TIERFLOW_HOST_MEMORY"
+                + ("" if self._nvme else " or put the states on NVMe (TIERFLOW_OFFLOAD_OPTIMIZER=nvme)"))
+        if self._nvme:
+            self._reserve_nvme(todo)
+
+    def _reserve_nvme(self, todo: list) -> None:
+        """Grows the swap files for these (param, group) states now (Note [NVMe space]); raises naming the
+        need and the free space, and then reserves nothing."""
+        todo = [(p, g) for p, g in todo if id(p) not in self._reserved]
+        if todo:
+            self._runtime.nvme_adam_reserve([self._state_bytes(p, g) for p, g in todo])
+            self._reserved.update(id(p) for p, _ in todo)
+
+    def _stepped_already(self, p: torch.Tensor) -> bool:
+        """True when p stepped with this very gradient in a step() that then failed for others
+        (Note [NVMe optimizer faults]): a retry must not step it twice."""
+        done = self._nvme_done.get(p)
+        state = self.state.get(p)
+        return (done is not None and p.grad is done[0] and p.grad._version == done[1] and state is not None
+                and "step" in state and float(state["step"]) == done[2])
+
+    def _nvme_step_error(self, problems: list) -> Exception:
+        """One error for the parameters a step() could not step: [(param, lost?, reason)]."""
+        lost = [p for p, is_lost, _ in problems if is_lost]
+        kept = [p for p, is_lost, _ in problems if not is_lost]
+        parts = []
+        if lost:
+            parts.append(
+                f"the state of {len(lost)} parameter(s) could not be read back and is lost: "
+                f"{', '.join(self._describe(p) for p in lost)}; opt.state_dict() still saves every intact state "
+                f"(the lost ones marked '{LOST_STATE}'): restore these from your last good checkpoint "
+                "(tierflow.CPUAdamW.fill_lost_states)")
+        if kept:
+            parts.append(
+                f"the new state of {len(kept)} parameter(s) could not be written: "
+                f"{', '.join(self._describe(p) for p in kept[:8])}{' ...' if len(kept) > 8 else ''}; their "
+                "previous state and weights are kept, and a retry of step() steps only them")
+        first = next((reason for p, is_lost, reason in problems if is_lost), problems[0][2])
+        return _C.IOError("NVMe optimizer step: " + "; ".join(parts) + ". The other parameters stepped. "
+                          f"First error: {first}")
+
+    @staticmethod
+    def fill_lost_states(state_dict: dict, earlier: dict) -> dict:
+        """A copy of ``state_dict`` whose states marked lost (Note [NVMe optimizer faults]) are taken from
+        ``earlier``, an older checkpoint's optimizer state dict; raises naming any it cannot fill."""
+        out = dict(state_dict)
+        out["state"] = dict(state_dict["state"])
+        missing = []
+        for k, s in state_dict["state"].items():
+            if LOST_STATE in s:
+                old = earlier.get("state", {}).get(k)
+                if old is None or LOST_STATE in old:
+                    missing.append(k)
+                else:
+                    out["state"][k] = old
+        if missing:
+            raise _C.TierflowError(f"tierflow CPUAdamW.fill_lost_states: the earlier state dict has no intact state "
+                                   f"for parameter(s) {missing}")
+        return out
 
     # -- copies between the device and the host (Note [Optimizer copies]) -----------
     def _host(self, like: torch.Tensor, zero: bool) -> torch.Tensor:
@@ -310,21 +463,28 @@ class CPUAdamW(StreamingMixin, GpuShareMixin, torch.optim.Optimizer):
         state["amsgrad"] = amsgrad
 
     def _init_state(self, p: torch.Tensor, group: dict) -> dict:
+        """A fresh state for p; when making it fails (a full tier) p keeps none, so a later step starts it again."""
+        try:
+            if self._nvme:
+                master = p.detach().reshape(-1).to("cpu", torch.float32).contiguous()
+                fresh = {"nvme_key": self._runtime.nvme_adam_add(master, bool(group["amsgrad"])),
+                         "amsgrad": bool(group["amsgrad"])}
+            else:
+                fresh = {"exp_avg": self._host(p, True), "exp_avg_sq": self._host(p, True)}
+                if group["amsgrad"]:
+                    fresh["max_exp_avg_sq"] = self._host(p, True)
+                master = self._host(p, False)
+                self._read_into(master, p)
+                fresh["master"] = master
+        except BaseException:
+            if p in self.state and len(self.state[p]) == 0:
+                del self.state[p]
+            raise
         state = self.state[p]
         state["step"] = torch.tensor(0.0, dtype=torch.float32)
-        if self._nvme:
-            master = p.detach().reshape(-1).to("cpu", torch.float32).contiguous()
-            state["nvme_key"] = self._runtime.nvme_adam_add(master, bool(group["amsgrad"]))
-            state["amsgrad"] = bool(group["amsgrad"])
-            return state
-        state["exp_avg"] = self._host(p, True)
-        state["exp_avg_sq"] = self._host(p, True)
-        if group["amsgrad"]:
-            state["max_exp_avg_sq"] = self._host(p, True)
-        master = self._host(p, False)
-        self._read_into(master, p)
-        state["master"] = master
-        self._register_state(p)
+        state.update(fresh)
+        if not self._nvme:
+            self._register_state(p)
         return state
 
     def _materialize(self, p: torch.Tensor, state: dict) -> dict:
@@ -341,6 +501,13 @@ class CPUAdamW(StreamingMixin, GpuShareMixin, torch.optim.Optimizer):
             out["max_exp_avg_sq"] = vmax.view(p.shape)
         return out
 
+    def _materialize_or_mark(self, p: torch.Tensor, state: dict) -> dict:
+        """_materialize, or for a state that cannot be read back the lost marker (Note [NVMe optimizer faults])."""
+        try:
+            return self._materialize(p, state)
+        except _C.IOError as e:
+            return {"step": state["step"], LOST_STATE: f"the NVMe state of {self._describe(p)} is lost: {e}"}
+
     def state_dict(self) -> dict:
         """torch's layout; ``master`` is included only for non-fp32 parameters
         (for fp32 ones the parameter itself is the master). States on NVMe are
@@ -349,7 +516,7 @@ class CPUAdamW(StreamingMixin, GpuShareMixin, torch.optim.Optimizer):
         sd = super().state_dict()
         if self._nvme:
             params = [p for g in self.param_groups for p in g["params"]]
-            sd["state"] = {k: self._materialize(params[k], self.state[params[k]]) for k in sd["state"]}
+            sd["state"] = {k: self._materialize_or_mark(params[k], self.state[params[k]]) for k in sd["state"]}
         params = [p for g in self.param_groups for p in g["params"]]
         index = {i: p for i, p in enumerate(params)}
         state = {}
@@ -372,7 +539,17 @@ class CPUAdamW(StreamingMixin, GpuShareMixin, torch.optim.Optimizer):
         return p.detach()
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Loads a CPUAdamW or torch Adam/AdamW state dict, keeping fp32 precision."""
+        """Loads a CPUAdamW or torch Adam/AdamW state dict, keeping fp32 precision. Refuses one with
+        states marked lost (Note [NVMe optimizer faults]), naming them."""
+        lost = [k for k, s in state_dict.get("state", {}).items() if isinstance(s, dict) and LOST_STATE in s]
+        if lost:
+            params = [p for g in self.param_groups for p in g["params"]]
+            names = ", ".join(self._describe(params[k]) if isinstance(k, int) and k < len(params) else repr(k)
+                              for k in lost)
+            raise _C.TierflowError(
+                f"tierflow CPUAdamW.load_state_dict: the state of {len(lost)} parameter(s) was lost when this state "
+                f"dict was saved ({names}; '{LOST_STATE}' marks them); take their states from an earlier "
+                "checkpoint with tierflow.CPUAdamW.fill_lost_states(state_dict, earlier) and load that")
         if self._stream is not None:
             self._wait_worker()
             self._stream.restore_grads()  # the next step() still takes this backward's gradients
@@ -400,6 +577,7 @@ class CPUAdamW(StreamingMixin, GpuShareMixin, torch.optim.Optimizer):
                 step = state.get("step", 0.0)
                 state["step"] = torch.tensor(float(step), dtype=torch.float32)
                 if self._nvme:
+                    self._reserve_nvme([(p, group)])
                     self._to_nvme(p, state, group)
                 else:
                     self._register_state(p)
@@ -529,6 +707,7 @@ class CPUAdamW(StreamingMixin, GpuShareMixin, torch.optim.Optimizer):
         if self._stream is not None:
             self._stream.end_window()
         self._grad_events.clear()
+        self._nvme_done.clear()  # a new window: the next step() is a step for everyone
         super().zero_grad(set_to_none=set_to_none)
 
     # -- step ------------------------------------------------------------------
@@ -567,8 +746,14 @@ class CPUAdamW(StreamingMixin, GpuShareMixin, torch.optim.Optimizer):
             self._size_buckets()
             self._choose_gpu_share()
         else:
+            problems: list = []
             for group in self.param_groups:
-                self._step_group(group, scale)
+                problems += self._step_group(group, scale) or []
+            if problems:  # Note [NVMe optimizer faults]: the others stepped; a retry steps these
+                self._finish_uploads()
+                self._master_stale = False
+                raise self._nvme_step_error(problems)
+            self._nvme_done.clear()
         self._finish_uploads()
         self._grad_events.clear()
         self._master_stale = False
@@ -597,18 +782,34 @@ class CPUAdamW(StreamingMixin, GpuShareMixin, torch.optim.Optimizer):
         self._overlap_counts["committed"] += 1
         return True
 
-    def _step_group_nvme(self, group: dict, options: dict) -> None:
-        """States on NVMe: one pipelined pass per step number (Note [Optimizer states on NVMe])."""
+    def _step_group_nvme(self, group: dict, options: dict) -> list:
+        """States on NVMe: one pipelined pass per step number (Note [Optimizer states on NVMe]).
+
+        Returns the parameters it could not step, [(param, lost?, reason)] (Note [NVMe optimizer faults]);
+        every other parameter with a gradient stepped, exactly once per gradient."""
         buckets: dict[int, list] = {}
-        copy_back: list = []
-        for p in group["params"]:
-            if p.grad is None or id(p) in self._gpu_share:
-                continue
+        problems: list = []
+        todo = [p for p in group["params"]
+                if p.grad is not None and id(p) not in self._gpu_share and not self._stepped_already(p)]
+        # A group added after the optimizer was made reserves its space at its first step.
+        fresh = [(p, group) for p in todo if id(p) not in self._reserved and len(self.state.get(p, {})) == 0]
+        if fresh:
+            try:
+                self._reserve_nvme(fresh)
+            except (_C.IOError, _C.OutOfMemoryError) as e:
+                problems += [(p, False, str(e)) for p, _ in fresh]
+                unreserved = {id(p) for p, _ in fresh}
+                todo = [p for p in todo if id(p) not in unreserved]
+        for p in todo:
             grad = p.grad.detach()
             _check_grad(grad)
             state = self.state[p]
             if len(state) == 0:
-                state = self._init_state(p, group)
+                try:
+                    state = self._init_state(p, group)
+                except (_C.IOError, _C.OutOfMemoryError) as e:
+                    problems.append((p, False, str(e)))  # no state made: the next step() starts it again
+                    continue
             elif self._master_stale:
                 full = self._materialize(p, state)
                 self._read_into(full["master"], p)
@@ -623,33 +824,28 @@ class CPUAdamW(StreamingMixin, GpuShareMixin, torch.optim.Optimizer):
                 if grad.device.type != "cpu" or not grad.is_contiguous():
                     grad = grad.to("cpu").contiguous()
             if p.device.type == "cpu" and p.is_contiguous() and not self._staged(p):
-                out = p.detach().reshape(-1)
+                out, copy = p.detach().reshape(-1), False
             else:
-                out = self._runtime.host_empty([p.numel()], _DTYPE_NAMES[p.dtype], False)
-                copy_back.append((p, out))
+                out, copy = self._runtime.host_empty([p.numel()], _DTYPE_NAMES[p.dtype], False), True
             b = buckets.setdefault(int(state["step"].item()) + 1, [[], [], [], []])
             b[0].append(state["nvme_key"])
             b[1].append(grad)
             b[2].append(out)
-            b[3].append(state)
-        errors = []
-        for step, (keys, grads, outs, states) in buckets.items():
-            failed, first_error = self._runtime.nvme_adam_step(options, step, keys, grads, outs)
-            failed = set(failed)
-            for i, state in enumerate(states):
-                if i not in failed:  # these kept their previous state and weight
-                    state["step"] += 1
-            if failed:
-                errors.append((len(failed), first_error))
-        for p, out in copy_back:
-            self._write_param(p, out)
-        if errors:
-            n = sum(k for k, _ in errors)
-            raise _C.IOError(f"NVMe optimizer step: the new state of {n} parameter(s) could not be written; their "
-                             f"previous state and weights are kept, and the other parameters stepped. First error: "
-                             f"{errors[0][1]}")
+            b[3].append((p, state, copy))
+        for step, (keys, grads, outs, members) in buckets.items():
+            failed, first_error, lost = self._runtime.nvme_adam_step(options, step, keys, grads, outs)
+            failed, lost = set(failed), set(lost)
+            for i, (p, state, copy) in enumerate(members):
+                if i in failed:  # kept its previous state and weight (or lost its state): nothing to copy
+                    problems.append((p, i in lost, first_error))
+                    continue
+                state["step"] += 1
+                self._nvme_done[p] = (p.grad, p.grad._version, float(state["step"]))
+                if copy:
+                    self._write_param(p, outs[i].view(p.shape))
+        return problems
 
-    def _step_group(self, group: dict, scale: float = 1.0, params: Optional[list] = None) -> None:
+    def _step_group(self, group: dict, scale: float = 1.0, params: Optional[list] = None) -> Optional[list]:
         options = self._options(group)
         if self._gpu_share is None:
             self._gpu_share = self._assign_gpu_share()
