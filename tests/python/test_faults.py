@@ -52,7 +52,17 @@ def _mount(kind: str, size_mib: int = 16):
         pytest.skip(f"cannot mount a {kind} file system here ({cmd.split(' && ')[-1]} failed: no loop device?)")
 
     def cleanup():
-        subprocess.run(["umount", mnt], capture_output=True)
+        # Sessions live until exit (tierflow._wrap._sessions): the ones on this mount go now.
+        import gc
+
+        from tierflow import _wrap
+        for s in [s for s in _wrap._sessions if mnt in s.config.get("TIERFLOW_NVME_PATHS", "")]:
+            s.detach()
+            s.runtime.unlink_nvme_files()
+            _wrap._sessions.remove(s)
+        gc.collect()
+        if subprocess.run(["umount", mnt], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", mnt], capture_output=True)  # detached now, gone with its last file
         shutil.rmtree(base, ignore_errors=True)
     return mnt, cleanup
 
@@ -404,3 +414,39 @@ def test_a_host_budget_too_small_for_the_optimizer_is_an_error_at_wrap(nvme_dir,
         assert part in msg, msg
     assert_same(before, model, "wrap changed nothing")
     assert swap_files(nvme_dir) == []
+
+
+# ---- item 6: stale swap files are judged by a lock, not by the pid in their name ---------------------------------------
+
+def test_a_live_trainers_swap_file_is_kept_and_a_killed_ones_is_removed(nvme_dir):
+    import signal
+    import sys
+
+    from harness import subprocess_environment
+
+    script = (f"import sys; sys.path.insert(0, {os.path.join(ROOT, 'bindings', 'python')!r})\n"
+              "import tierflow\n"
+              f"rt = tierflow._C.Runtime({{'device': 'emulated', 'offload_optimizer': 'nvme', "
+              f"'nvme_paths': {nvme_dir!r}}})\n"
+              "print('ready', flush=True)\n"
+              "sys.stdin.read()\n")
+    other = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True, env=subprocess_environment())
+    try:
+        assert other.stdout.readline().strip() == "ready"
+        (theirs,) = swap_files(nvme_dir)
+        settings = {"device": "emulated", "offload_optimizer": "nvme", "nvme_paths": nvme_dir}
+        rt = tierflow._C.Runtime(settings)  # its start judges the other trainer's file
+        assert theirs in swap_files(nvme_dir), "a running trainer's file is never removed"
+        assert len(swap_files(nvme_dir)) == 2
+        del rt
+        other.send_signal(signal.SIGKILL)
+        other.wait(timeout=60)
+        assert swap_files(nvme_dir) == [theirs], "kill -9 leaves the file behind"
+        rt = tierflow._C.Runtime(settings)
+        assert theirs not in swap_files(nvme_dir) and len(swap_files(nvme_dir)) == 1, "removed at the next start"
+        del rt
+    finally:
+        if other.poll() is None:
+            other.kill()
+            other.wait()
