@@ -108,8 +108,6 @@ struct Row {
   std::function<void(Config&, std::string_view name, std::string_view value)> apply;
 };
 
-// TIERFLOW_NVME_MEMORY=auto, as the NVMe engine reads it (swap::kNvmeAutoBytes).
-constexpr std::uint64_t kNvmeAutoBytes = ~std::uint64_t{0};
 
 constexpr std::string_view kBudgetForms =
     "a size (e.g. 512MiB, 1.5GiB, 4096; units B, KiB, MiB, GiB, TiB, KB, MB, GB, TB) or a "

@@ -49,6 +49,12 @@ enum class LogLevel : std::uint8_t { kError, kWarn, kInfo, kDebug };
 /// Name used in configuration values ("error", "warn", "info", "debug").
 std::string_view to_string(LogLevel l) noexcept;
 
+/// TIERFLOW_NVME_MEMORY=auto, held as a byte budget of this many bytes: the
+/// NVMe engine grows its files while the file system keeps a share free (Note
+/// [NVMe space] in swap/include/tierflow/swap/nvme_engine.hpp). No size parses
+/// to it: parse_size stops at 2^64-1 and the table refuses that value.
+inline constexpr std::uint64_t kNvmeAutoBytes = ~std::uint64_t{0};
+
 /// Every setting, typed. Field names are the variable names without the prefix.
 struct Config {
   Budget gpu_memory;                      ///< TIERFLOW_GPU_MEMORY

@@ -51,6 +51,7 @@
 #include <string>
 #include <vector>
 
+#include "tierflow/core/config.hpp"
 #include "tierflow/swap/transfer_handle.hpp"
 
 namespace tierflow::swap {
@@ -66,8 +67,8 @@ struct NvmeFaults {
   int error = 5;                     ///< errno to inject (EIO)
 };
 
-/// bytes_per_path of TIERFLOW_NVME_MEMORY=auto: grow while the file system keeps kNvmeAutoKeepFree free.
-inline constexpr std::uint64_t kNvmeAutoBytes = ~std::uint64_t{0};
+// bytes_per_path of TIERFLOW_NVME_MEMORY=auto is tierflow::kNvmeAutoBytes
+// (core/config.hpp): grow while the file system keeps kNvmeAutoKeepFree free.
 /// The share of a file system's size that TIERFLOW_NVME_MEMORY=auto leaves free.
 inline constexpr double kNvmeAutoKeepFree = 0.10;
 
