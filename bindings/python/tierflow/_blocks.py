@@ -84,6 +84,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from . import _C
+from ._hf import cache_argument
 
 aten = torch.ops.aten
 
@@ -514,6 +515,16 @@ class BlockRunner:
                 "ops for the same input shapes (the condition torch.utils.checkpoint has too); keep it on the device "
                 "with TIERFLOW_OFFLOAD_ACTIVATIONS=host or none, or run it inside tierflow.no_offload()")
 
+    def cache_refusal(self, cache: str) -> str:
+        planner = self.planner()
+        why = ("every block is recomputed during auto's two profiling steps" if planner is not None
+               and planner.plan is None and not planner.forced else f"its plan is {self.mode}")
+        return (f"tierflow: block {self.index} ({type(self.module).__name__}) was called with {cache} under grad (training): "
+                f"it is recomputed in backward ({why}), and its replay would run on the cache its forward grew. "
+                "Train without a cache: do not pass use_cache=True or past_key_values to a training forward "
+                "(tierflow.wrap turns use_cache off in training when it is not passed), or use "
+                "offload_activations='host' or 'none', which recompute nothing")
+
     def sync(self) -> None:
         if torch.cuda.is_available() and self.runtime.device == "cuda":
             torch.cuda.synchronize()
@@ -540,6 +551,13 @@ class BlockRunner:
             ctx.__enter__()
             self._stack.append((None, ctx, None))
             return
+        cache = cache_argument(module, args, kwargs) if self.mode != "swap" else None
+        if cache is not None:  # a replay would run on the cache its forward grew (Note [HF caches] in _hf.py)
+            self._stack.append(None)  # what _after, called even when this raises, pops
+            message = self.cache_refusal(cache)
+            if planner is not None and planner.plan is None and planner.forwards > 0:
+                planner.forwards -= 1  # a refused forward is not one of the profiling steps
+            raise _C.TierflowError(message)
         sig = self._signature(args, kwargs)
         table = self.tables.get(sig)
         recording = table is None

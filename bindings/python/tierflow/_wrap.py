@@ -135,6 +135,10 @@ def wrap(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
             new_optimizer = CPUAdamW.replace(optimizer, session.runtime, model=model)
             session.optimizer = weakref.ref(new_optimizer)
         session.attach(model, blocks)
+        if session.config["TIERFLOW_OFFLOAD_ACTIVATIONS"] != "none":  # Note [HF caches]
+            from ._hf import disable_cache_in_training
+
+            session._handles += disable_cache_in_training(model)
     except BaseException:
         # A failed wrap leaves nothing: no hooks, and no swap file (the traceback may keep the runtime).
         session.detach()
