@@ -8,7 +8,8 @@
 #
 #   dir/debs/     Debian packages (bookworm names; apt-get download, no root)
 #   dir/wheels/   wheels of pybind11, scikit-build-core, cmake, ninja, numpy,
-#                 pytest and what they need (pip download --only-binary=:all:)
+#                 pytest, transformers (a test dependency, at scripts/setup.sh's pin)
+#                 and what they need (pip download --only-binary=:all:)
 #   dir/MANIFEST.txt  every file with its sha256, written last: a bundle
 #                 without it is incomplete and scripts/setup.sh refuses it
 #
@@ -43,7 +44,7 @@ DEBS=(libaio1 libaio-dev
 ALLOWED_ELSEWHERE=(libc6 libgcc-s1 libstdc++6   # the C and C++ runtimes every system has
                    googletest                   # GoogleTest's sources; libgtest-dev ships the built libraries
                    libhwloc15)                  # needed only by libtbbbind, which oneTBB loads if it can
-WHEELS=${BUNDLE_WHEELS-pybind11 scikit-build-core cmake ninja numpy pytest}
+WHEELS=${BUNDLE_WHEELS-pybind11 scikit-build-core cmake ninja numpy pytest transformers==4.57.6}  # the pin: scripts/setup.sh's
 
 PY=python3
 [ -x "$ROOT/.venv/bin/python" ] && PY="$ROOT/.venv/bin/python"
