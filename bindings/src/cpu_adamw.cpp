@@ -93,12 +93,30 @@ at::Tensor CpuAdamW::step(LossClosure closure) {
   }
   at::NoGradGuard no_grad;
   bool stepped = false;
-  for (auto& group : param_groups_) stepped = step_group(group) || stepped;
+  std::vector<Failure> failed;
+  std::string first_error;
+  for (std::size_t g = 0; g < param_groups_.size(); ++g)
+    stepped = step_group(param_groups_[g], g, failed, first_error) || stepped;
+  if (!failed.empty()) {
+    std::string which;
+    for (std::size_t i = 0; i < failed.size() && i < 8; ++i) {
+      which += (i ? ", " : "") + std::string("group ") + std::to_string(failed[i].group) + " parameter " +
+               std::to_string(failed[i].index) + " " + c10::str(c10::IntArrayRef(failed[i].shape));
+    }
+    if (failed.size() > 8) which += " and " + std::to_string(failed.size() - 8) + " more";
+    throw io_error(EIO, "tierflow CpuAdamW: " + std::to_string(failed.size()) +
+                            " parameters did not step and kept their state and weights (" + which +
+                            "); the others stepped. Call step() again once the cause is fixed: it steps only "
+                            "those. First error: " + first_error);
+  }
+  // A step that completed: every parameter is even again (Note [C++ CpuAdamW faults]).
+  for (auto& [impl, s] : slots_) s.stepped_grad = nullptr;
   if (stepped) stats_.steps += 1;
   return loss;
 }
 
-bool CpuAdamW::step_group(torch::optim::OptimizerParamGroup& group) {
+bool CpuAdamW::step_group(torch::optim::OptimizerParamGroup& group, std::size_t group_index,
+                          std::vector<Failure>& failed, std::string& first_error) {
   const auto& o = static_cast<const AdamWOptions&>(group.options());
   optimizer::AdamOptions ao;
   ao.lr = o.lr();
@@ -109,25 +127,31 @@ bool CpuAdamW::step_group(torch::optim::OptimizerParamGroup& group) {
   ao.amsgrad = o.amsgrad();
   ao.decoupled_weight_decay = true;
 
-  // Parameters with a gradient, by step number (one kernel call per number).
+  // Parameters with a gradient, by the step number they take (one kernel call
+  // per number). A step count moves only once its parameter has stepped.
   std::map<std::int64_t, std::vector<at::Tensor>> by_step;
-  for (const auto& p : group.params()) {
+  std::unordered_map<const void*, std::size_t> index_in_group;
+  for (std::size_t k = 0; k < group.params().size(); ++k) {
+    const auto& p = group.params()[k];
     if (!p.grad().defined()) continue;
     TORCH_CHECK(!p.grad().is_sparse(), "tierflow CpuAdamW does not support sparse gradients");
     TORCH_CHECK(p.is_contiguous(), "tierflow CpuAdamW: parameters must be contiguous");
+    auto sit = slots_.find(p.unsafeGetTensorImpl());
+    if (sit != slots_.end() && sit->second.stepped_grad == p.grad().unsafeGetTensorImpl() &&
+        sit->second.stepped_grad_version == static_cast<std::int64_t>(p.grad()._version()))
+      continue;  // stepped with this gradient in a step() that failed for others
+    index_in_group[p.unsafeGetTensorImpl()] = k;
     auto& entry = state_[p.unsafeGetTensorImpl()];
-    if (!entry) {
+    if (!entry && !on_nvme_) {  // NVMe states are made once their parameter has stepped
       auto st = std::make_unique<AdamWParamState>();
-      if (!on_nvme_) {
-        st->exp_avg(runtime_->host_empty(p.sizes(), at::kFloat, true));
-        st->exp_avg_sq(runtime_->host_empty(p.sizes(), at::kFloat, true));
-        if (o.amsgrad()) st->max_exp_avg_sq(runtime_->host_empty(p.sizes(), at::kFloat, true));
-      }
+      st->exp_avg(runtime_->host_empty(p.sizes(), at::kFloat, true));
+      st->exp_avg_sq(runtime_->host_empty(p.sizes(), at::kFloat, true));
+      if (o.amsgrad()) st->max_exp_avg_sq(runtime_->host_empty(p.sizes(), at::kFloat, true));
       entry = std::move(st);
     }
-    auto& st = static_cast<AdamWParamState&>(*entry);
-    st.step(st.step() + 1);
-    by_step[st.step()].push_back(p);
+    const std::int64_t taken = entry ? static_cast<AdamWParamState&>(*entry).step() : 0;
+    if (!entry) state_.erase(p.unsafeGetTensorImpl());
+    by_step[taken + 1].push_back(p);
   }
 
   for (auto& [step, params] : by_step) {
@@ -157,6 +181,7 @@ bool CpuAdamW::step_group(torch::optim::OptimizerParamGroup& group) {
     }
     for (const auto& h : grad_copies) h.wait();
 
+    std::vector<bool> stepped(n, true);
     const std::uint64_t t0 = now_ns();
     if (on_nvme_) {
       std::vector<optimizer::NvmeAdamStore::Item> items(n);
@@ -170,9 +195,12 @@ bool CpuAdamW::step_group(torch::optim::OptimizerParamGroup& group) {
         items[i].param_type = kernel_type(out.scalar_type());
       }
       auto result = runtime_->nvme_adam().step(ao, step, items);
-      if (!result.failed.empty())
-        throw io_error(EIO, "tierflow CpuAdamW: " + std::to_string(result.failed.size()) +
-                                " parameters kept their previous state and weights: " + result.first_error);
+      for (std::size_t i : result.failed) {
+        stepped[i] = false;
+        const at::Tensor& p = params[i];
+        failed.push_back({group_index, index_in_group.at(p.unsafeGetTensorImpl()), p.sizes().vec()});
+      }
+      if (!result.failed.empty() && first_error.empty()) first_error = result.first_error;
     } else {
       std::vector<at::Tensor> masters(n), exp_avgs(n), exp_avg_sqs(n), max_exp_avg_sqs;
       if (o.amsgrad()) max_exp_avg_sqs.resize(n);
@@ -190,6 +218,14 @@ bool CpuAdamW::step_group(torch::optim::OptimizerParamGroup& group) {
 
     std::vector<swap::TransferHandle> param_copies;
     for (std::size_t i = 0; i < n; ++i) {
+      if (!stepped[i]) continue;  // its state and weight are as before
+      const at::Tensor& grad = params[i].grad();
+      Slot& s = slots_[params[i].unsafeGetTensorImpl()];
+      s.stepped_grad = grad.unsafeGetTensorImpl();
+      s.stepped_grad_version = static_cast<std::int64_t>(grad._version());
+      auto& entry = state_[params[i].unsafeGetTensorImpl()];
+      if (!entry) entry = std::make_unique<AdamWParamState>();
+      static_cast<AdamWParamState&>(*entry).step(step);
       at::Tensor p = params[i].detach();
       p.unsafeGetTensorImpl()->bump_version();  // an in-place update, as torch's p.addcdiv_ is
       stats_.elements += static_cast<std::uint64_t>(p.numel());

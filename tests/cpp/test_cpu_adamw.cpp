@@ -12,6 +12,8 @@
 #include <string>
 
 #include "tierflow/bindings/runtime.hpp"
+#include "tierflow/core/error.hpp"
+#include "tierflow/swap/nvme_engine.hpp"
 
 namespace tb = tierflow::bindings;
 namespace fs = std::filesystem;
@@ -20,7 +22,7 @@ using torch::optim::AdamWParamState;
 
 namespace {
 
-std::shared_ptr<tb::Runtime> make_runtime(bool nvme) {
+std::shared_ptr<tb::Runtime> make_runtime(bool nvme, tierflow::swap::NvmeFaults* faults = nullptr) {
   std::map<std::string, std::string> o{{"host_memory", "256MiB"}, {"pinned_slab_bytes", "8MiB"}};
   if (nvme) {
     const auto* info = testing::UnitTest::GetInstance()->current_test_info();
@@ -33,7 +35,7 @@ std::shared_ptr<tb::Runtime> make_runtime(bool nvme) {
     o["nvme_paths"] = dir.string();
     o["nvme_memory"] = "64MiB";
   }
-  return std::make_shared<tb::Runtime>(tierflow::Config::parse({}, o));
+  return std::make_shared<tb::Runtime>(tierflow::Config::parse({}, o), faults);
 }
 
 std::vector<torch::Tensor> make_params(std::uint64_t seed) {
@@ -175,3 +177,41 @@ TEST(CpuAdamW, LrSchedulersDriveIt) {
 }
 
 }  // namespace
+
+// Note [C++ CpuAdamW faults]: a write that fails in the middle of an NVMe step
+// fails only its parameter; the error names it, the retry steps only it, and
+// the run ends where one that never failed ends, bit for bit.
+TEST(CpuAdamW, ARetryAfterAPartialNvmeStepStepsEachParameterOnce) {
+  const AdamWOptions defaults = AdamWOptions(1e-2).weight_decay(0.1);
+  auto clean = make_params(1), ours = make_params(1);
+  tierflow::swap::NvmeFaults faults;
+  tb::CpuAdamW reference(make_runtime(true), two_groups(clean), defaults);
+  tb::CpuAdamW opt(make_runtime(true, &faults), two_groups(ours), defaults);
+  for (int s = 0; s < 4; ++s) {
+    set_grads(clean, s);
+    set_grads(ours, s);
+    reference.step();
+    if (s != 2) {
+      opt.step();
+      continue;
+    }
+    const auto before = ours[0].detach().clone();
+    faults.fail_writes = 1;  // the first parameter's new state cannot be written
+    try {
+      opt.step();
+      FAIL() << "a failed write must fail the step";
+    } catch (const tierflow::io_error& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("1 parameters did not step"), std::string::npos) << what;
+      EXPECT_NE(what.find("group 0 parameter 0 [300, 70]"), std::string::npos) << what;
+    }
+    EXPECT_TRUE(torch::equal(ours[0], before)) << "the parameter that failed kept its weight";
+    EXPECT_TRUE(torch::equal(ours[2], clean[2])) << "the others stepped";
+    opt.step();  // the retry, same gradients: only parameter 0 steps
+  }
+  for (std::size_t i = 0; i < ours.size(); ++i) EXPECT_TRUE(torch::equal(ours[i], clean[i])) << "parameter " << i;
+  for (const auto& p : ours) {
+    const auto& st = static_cast<AdamWParamState&>(*opt.state().at(p.unsafeGetTensorImpl()));
+    EXPECT_EQ(st.step(), 4) << "every parameter stepped once per step";
+  }
+}

@@ -22,6 +22,20 @@
 // NVMe first), so either optimizer loads the other's checkpoints. The archive
 // carries no fp32 master: after load() a 16-bit parameter's master is its
 // current value.
+//
+// Note [C++ CpuAdamW faults]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~
+// With states on NVMe a step can fail for some parameters (a full disk, a
+// failed write, a corrupt state) and not others: the store steps every item it
+// can (Note [NVMe optimizer faults] has the Python side of the same rule).
+// Each parameter that stepped takes its new step count and weight (copied
+// back to the device as usual) and remembers the gradient it stepped with
+// (TensorImpl and version); the others keep their step count, state and
+// weight. step() then throws one io_error naming the parameters that did not
+// step (group, index, shape). Calling step() again with the same gradients
+// steps only those, so every parameter steps once; a new gradient (after
+// zero_grad and backward) is a new step for all. A step() that completes
+// clears the marks.
 #pragma once
 
 #include <torch/optim/adamw.h>
@@ -69,10 +83,21 @@ class CpuAdamW : public torch::optim::Optimizer {
   struct Slot {
     at::Tensor master;        // fp32 host master; undefined when the parameter is its own master
     std::uint64_t nvme_key = 0;
+    // Set when it stepped in a step() that failed for other parameters: the
+    // gradient it stepped with (TensorImpl and version), so that the retry
+    // skips it (Note [C++ CpuAdamW faults]).
+    const void* stepped_grad = nullptr;
+    std::int64_t stepped_grad_version = -1;
+  };
+  struct Failure {  // a parameter that did not step, for the error
+    std::size_t group = 0, index = 0;
+    std::vector<std::int64_t> shape;
   };
   bool own_master(const at::Tensor& p) const;
   Slot& slot(const at::Tensor& p, const torch::optim::AdamWOptions& options);
-  bool step_group(torch::optim::OptimizerParamGroup& group);  // false: nothing had a gradient
+  // false: nothing had a gradient. Parameters that could not step go to `failed`.
+  bool step_group(torch::optim::OptimizerParamGroup& group, std::size_t group_index, std::vector<Failure>& failed,
+                  std::string& first_error);
   void adopt_loaded_state();
 
   std::shared_ptr<Runtime> runtime_;
