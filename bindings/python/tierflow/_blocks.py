@@ -33,7 +33,11 @@ every non-empty output autograd saves: swapped whole, and in the replay the
 op is not run, its outputs are restored — attention is most of the compute
 at long context and is never recomputed), split (the output of ``mm`` /
 ``addmm`` whose first operand is an activation with contiguous rows and
-whose second is derived from parameters only), or cheap (anything else).
+whose second is derived from parameters only, and which no in-place or out=
+op wrote between the matmul and the save: the replay would apply that op to
+swapped rows that already hold its result, so such a matmul is rerun whole),
+or cheap (anything else). A tensor argument passed twice (MultiheadAttention's
+query is key is value) is swapped once and is one tensor in the replay.
 Later forwards reuse the table: the pack hook counts packs and checks each
 tensor's shape and dtype against the table.
 
@@ -165,6 +169,7 @@ class Table:
     restorable: set = field(default_factory=set)   # attention ops whose outputs are all saved
     split_ops: set = field(default_factory=set)    # matmuls with a saved, row-splittable output
     exact_rows: dict = field(default_factory=dict)  # op -> r0 probed exact (see probe_row_split)
+    mutated_ops: set = field(default_factory=set)  # matmuls whose saved output was written in place: never split
 
     def actions(self, mode: str) -> list:
         """tiering::saved_action of every saved tensor for ``mode`` (cached until the probe changes)."""
@@ -199,6 +204,7 @@ class _Recorder(TorchDispatchMode):
         self.producer: dict = {}               # storage key -> (op, out)
         self.param_derived = set(external)    # storage keys derived from parameters and buffers only
         self.inputs = inputs
+        self.mutated: set = set()              # storage keys an in-place or out= op wrote since their producer
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -215,6 +221,9 @@ class _Recorder(TorchDispatchMode):
                 keys.append(k)
                 if k not in in_keys:  # a fresh storage; views and in-place ops keep their producer
                     self.producer[k] = (j, len(keys) - 1)
+                    self.mutated.discard(k)
+                elif func._schema.is_mutable:  # written in place (add_, mul_, dropout's bernoulli_, out=)
+                    self.mutated.add(k)
             else:
                 outputs.append(("value", o))
                 keys.append(None)
@@ -338,6 +347,11 @@ class _Frame:
             s.op, s.out = rec.producer[k]
             op = rec.table.ops[s.op]
             s.cls = {"attention": "attention", "matmul": "split"}.get(op.kind, "cheap")
+            if s.cls == "split" and k in rec.mutated:
+                # Its rows were written in place after the matmul: the replay would apply that op to swapped
+                # rows that already hold its result. The matmul is rerun whole instead (see _finish_table).
+                s.cls = "cheap"
+                rec.table.mutated_ops.add(s.op)
         # Addresses are reused once a dropped tensor is freed: a storage is its address and producer.
         s.first = (k, s.op) not in self.seen
         self.seen.add((k, s.op))
@@ -360,10 +374,14 @@ class _Frame:
         rt = runner.runtime
         t0 = time.perf_counter() if runner.timing else 0.0
 
+        restored: dict = {}  # id(marker) -> tensor: one tensor for an argument the forward got twice
+
         def restore(a: Any) -> Any:
             if isinstance(a, tuple) and len(a) == 2 and a[0] == "__tierflow_swapped__":
-                t = rt.unpack(a[1]).detach()
-                return t.requires_grad_(True) if a[1] is not None and t.is_floating_point() else t
+                if id(a) not in restored:
+                    t = rt.unpack(a[1]).detach()
+                    restored[id(a)] = t.requires_grad_(True) if a[1] is not None and t.is_floating_point() else t
+                return restored[id(a)]
             return a
 
         args, kwargs = tree_map(restore, self.args, is_leaf=lambda a: isinstance(a, tuple) and len(a) == 2
@@ -574,12 +592,17 @@ class BlockRunner:
         external = {_skey(p) for p in module.parameters()} | {_skey(b) for b in module.buffers()}
         inputs = set()
         rt = self.runtime
+        held: dict = {}  # id(tensor) -> its marker: an argument passed twice is one tensor in the replay too
 
         def hold(a: Any) -> Any:
             # Activations (tensors that require grad) go to the tier; the rest (masks, positions) stay referenced.
             if isinstance(a, torch.Tensor) and a.requires_grad and _skey(a) not in external:
-                inputs.add(_skey(a))
-                return ("__tierflow_swapped__", rt.pack_to(a, self.tier))
+                if id(a) not in held:
+                    # Identity matters: nn.MultiheadAttention(x, x, x) takes its self-attention path only
+                    # when query is key is value, and would run other ops on three copies.
+                    inputs.add(_skey(a))
+                    held[id(a)] = ("__tierflow_swapped__", rt.pack_to(a, self.tier))
+                return held[id(a)]
             return a
 
         f.args = tree_map(hold, (args, kwargs))
@@ -642,7 +665,8 @@ def _finish_table(table: Table) -> None:
             nonempty = [(j, k) for k, m in enumerate(op.outputs) if m[0] != "value" and math.prod(m[0]) > 0]
             if nonempty and all(x in saved_outputs for x in nonempty):
                 table.restorable.add(j)
-        elif op.kind == "matmul" and any(s.op == j and s.cls == "split" for s in table.saved):
+        elif op.kind == "matmul" and j not in table.mutated_ops and any(s.op == j and s.cls == "split"
+                                                                         for s in table.saved):
             table.split_ops.add(j)
     for s in table.saved:
         if s.cls == "attention" and s.op not in table.restorable:

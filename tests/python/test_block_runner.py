@@ -1,0 +1,124 @@
+"""The block runner on blocks people write (Note [Activation plans] in _blocks.py): in-place ops after a split
+matmul, nn.MultiheadAttention with masks, no hooks once every block is kept, auto under a small host budget."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import tierflow
+from harness import Task, assert_bit_identical, torch_device, train
+from test_plans import OPT_NONE, _find_split_plan
+
+MODES = ["none", "host", "auto", "recompute"]  # every TIERFLOW_OFFLOAD_ACTIVATIONS
+
+
+def _train_split(task: Task, device: str, steps: int = 3) -> list:
+    """`steps` steps under the split plan (every block splits half its rows), as test_plans does."""
+    torch.manual_seed(0)
+    model = task.model_on(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    model, opt = tierflow.wrap(model, opt, device=device, offload_activations="recompute", **OPT_NONE)
+    losses = []
+    for step in range(steps):
+        loss = task.loss(model, task.batch_on(step, device))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        if step == 0:  # the first forward recorded each block's table
+            _find_split_plan(tierflow.current_session())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+# ---- in-place ops on a split matmul's output --------------------------------------------------------------------
+
+
+class InPlaceBlock(nn.Module):
+    """Linears whose outputs are written in place before something saves them, and one that is not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(32, 64)
+        self.c = nn.Linear(32, 64)
+        self.d = nn.Linear(32, 64)
+        self.b = nn.Linear(64, 32)
+        self.drop = nn.Dropout(0.2, inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x.transpose(0, 1)).transpose(0, 1))  # F.linear with bias on a non-contiguous input
+        g = self.drop(self.a(x))                                    # Dropout(inplace=True) on addmm's output
+        m = self.d(x)
+        m.mul_(2.0)                                                  # mul_ on addmm's output
+        return x + self.b(h * g * torch.sigmoid(m) * F.gelu(self.c(x)))  # gelu saves c's output: split
+
+
+def inplace_task() -> Task:
+    def make():
+        return nn.Sequential(nn.Sequential(InPlaceBlock(), InPlaceBlock()), nn.Linear(32, 4))
+
+    def batch(i: int) -> tuple:
+        g = torch.Generator().manual_seed(5000 + i)
+        return torch.randn(16, 8, 32, generator=g), torch.randint(0, 4, (16, 8), generator=g)
+
+    return Task(make, batch, lambda m, b: F.cross_entropy(m(b[0]).reshape(-1, 4), b[1].reshape(-1)))
+
+
+def test_inplace_ops_after_a_split_matmul_are_not_applied_twice(device):
+    # The replay writes a split matmul's swapped rows back and then runs the ops after it; rows written in
+    # place since the matmul (bias add_, dropout's mask, mul_) would get that op twice. Such a matmul is rerun
+    # whole; the others still split.
+    task = inplace_task()
+    base = train(task, 3, False, device=device)
+    losses, params = _train_split(task, device)
+    assert losses == base.losses
+    for k, v in params.items():
+        assert torch.equal(v, base.params[k]), k
+    plan = tierflow.report()["plan"]
+    assert plan["split_rows"] > 0
+    table = tierflow.current_session().planner.runners[0].table
+    assert table.mutated_ops and not (table.mutated_ops & table.split_ops)
+
+
+# ---- nn.MultiheadAttention with masks -------------------------------------------------------------------------
+
+
+class MHAModel(nn.Module):
+    """Plain nn.MultiheadAttention modules as the blocks, called as self-attention (query is key is value)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.MultiheadAttention(32, 4, dropout=0.1, batch_first=True) for _ in range(2)])
+        self.out = nn.Linear(32, 4)
+
+    def forward(self, x, key_padding_mask, attn_mask):
+        for b in self.blocks:
+            x = x + b(x, x, x, key_padding_mask=key_padding_mask, attn_mask=attn_mask)[0]
+        return self.out(x)
+
+
+def mha_task(mask: str) -> Task:
+    def batch(i: int) -> tuple:
+        g = torch.Generator().manual_seed(6000 + i)
+        kpm = torch.zeros(4, 8, dtype=torch.bool)
+        kpm[:, 6:] = True
+        am = torch.ones(8, 8, dtype=torch.bool).triu(1)
+        if mask == "float":
+            kpm = torch.zeros(4, 8).masked_fill(kpm, float("-inf"))
+            am = torch.zeros(8, 8).masked_fill(am, float("-inf"))
+        return torch.randn(4, 8, 32, generator=g), kpm, am, torch.randint(0, 4, (4, 8), generator=g)
+
+    return Task(MHAModel, batch, lambda m, b: F.cross_entropy(m(b[0], b[1], b[2]).reshape(-1, 4), b[3].reshape(-1)))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mask", ["bool", "float"])
+def test_multihead_attention_with_masks_matches_the_baseline(device, mode, mask):
+    # The replay must pass one tensor where the forward got one tensor three times: MultiheadAttention
+    # takes its self-attention path (one packed projection) only when query is key is value.
+    task = mha_task(mask)
+    base = train(task, 3, False, device=device)
+    tier = train(task, 3, True, device=device, offload_activations=mode, **OPT_NONE)
+    assert_bit_identical(base, tier)
+    if mode == "recompute":
+        assert tier.report["plan"]["replays"] == 3 * 2
