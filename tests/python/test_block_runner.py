@@ -122,3 +122,43 @@ def test_multihead_attention_with_masks_matches_the_baseline(device, mode, mask)
     assert_bit_identical(base, tier)
     if mode == "recompute":
         assert tier.report["plan"]["replays"] == 3 * 2
+
+
+# ---- no hooks once every block is kept ---------------------------------------------------------------------------
+
+
+def test_a_plan_that_keeps_everything_leaves_no_hook_and_eval_keeps_the_fast_path(device):
+    # nn.TransformerEncoderLayer leaves its inference fast path when a module hook is attached; eval outputs
+    # then differ from the baseline's in the last bits, and inference is slower.
+    dev = torch_device(device)
+
+    def make():
+        layer = nn.TransformerEncoderLayer(d_model=64, nhead=4, dim_feedforward=128, dropout=0.1, batch_first=True)
+        return nn.Sequential(nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False), nn.Linear(64, 8))
+
+    def batch(i):
+        g = torch.Generator().manual_seed(7000 + i)
+        return torch.randn(8, 32, 64, generator=g).to(dev), torch.randint(0, 8, (8, 32), generator=g).to(dev)
+
+    def run(use_tierflow: bool):
+        torch.manual_seed(0)
+        model = make().to(dev)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        if use_tierflow:
+            model, opt = tierflow.wrap(model, opt, device=device, **OPT_NONE)  # auto; everything fits
+        for step in range(4):
+            x, y = batch(step)
+            F.cross_entropy(model(x).reshape(-1, 8), y.reshape(-1)).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        model.eval()
+        with torch.no_grad():
+            out = model(batch(99)[0])
+        return model, out
+
+    base_model, base_out = run(False)
+    model, out = run(True)
+    assert tierflow.report()["plan"]["modes"] == ["keep", "keep"]
+    for layer in model[0].layers:
+        assert not layer._forward_hooks and not layer._forward_pre_hooks
+    assert torch.equal(out, base_out)

@@ -243,6 +243,14 @@ class AutoPlanner:
             r.alpha = bp["alpha"]
             r.tier = bp["tier"]
         self.keep_all = all(bp["mode"] == "keep" for bp in plan["blocks"])
+        # A plan that keeps everything leaves no hook on any block (the session puts none on the model either);
+        # a later plan that moves something puts them back. In a mixed plan a kept block keeps its hooks: they
+        # shield its saved tensors from the model-level hooks that offload the rest.
+        for r in self.runners:
+            if self.keep_all:
+                r.remove()
+            else:
+                r.install()
 
 
 def probe_table(table: Any, alpha: float) -> bool:

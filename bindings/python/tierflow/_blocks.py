@@ -520,10 +520,18 @@ class BlockRunner:
         self.forward_seconds: list = []
         self.recompute_seconds: list = []
         self._stack: list = []
-        self._handles = [module.register_forward_pre_hook(self._before, with_kwargs=True),
-                         module.register_forward_hook(self._after, with_kwargs=True, always_call=True)]
+        self._handles: list = []
+        self.install()
+
+    def install(self) -> None:
+        """Puts the hooks on the block (once)."""
+        if not self._handles:
+            self._handles = [self.module.register_forward_pre_hook(self._before, with_kwargs=True),
+                             self.module.register_forward_hook(self._after, with_kwargs=True, always_call=True)]
 
     def remove(self) -> None:
+        """Takes the hooks off the block: a module with none keeps torch's fast paths (TransformerEncoderLayer's
+        and MultiheadAttention's inference paths check for hooks)."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
