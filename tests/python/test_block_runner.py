@@ -162,3 +162,27 @@ def test_a_plan_that_keeps_everything_leaves_no_hook_and_eval_keeps_the_fast_pat
     for layer in model[0].layers:
         assert not layer._forward_hooks and not layer._forward_pre_hooks
     assert torch.equal(out, base_out)
+
+
+# ---- auto under a small host budget ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("optimizer", ["none", "host"])
+def test_auto_trains_under_a_16_mib_host_budget(device, optimizer):
+    # The link probe, before the third forward, took two 32 MiB pinned buffers from a 16 MiB pool.
+    from harness import gpt_task
+
+    budget = 16 << 20
+    task = gpt_task()
+    settings = dict(OPT_NONE, offload_optimizer=optimizer)
+    base = train(task, 4, False, device=device)
+    tier = train(task, 4, True, device=device, host_memory="16MiB", **settings)
+    if optimizer == "none":
+        assert_bit_identical(base, tier)
+    assert tier.report["plan"]["modes"] and "profiling" not in tier.report["plan"]["summary"]
+    pool = tier.report["host_pool"]
+    assert pool["reserved"]["peak"] <= budget, pool
+    assert tier.report["activations"]["host_bytes"]["peak"] <= budget
+    from tierflow._autoplan import probe_bytes
+
+    assert probe_bytes(tierflow.current_session().runtime) <= budget // 16

@@ -18,8 +18,21 @@ from ._plan import PROFILE_FORMAT, PROFILE_VERSION, profile_from_json  # the fil
 _ROW_GRANULE = 8  # a split's first rows are a multiple of this (whole cache lines of a row-major output)
 
 
-def measure_links(runtime: Any, device: torch.device, nbytes: int = 32 << 20) -> dict:
-    """Copy bandwidths between this device and pinned host memory, in bytes/s, through tierflow's copy engine."""
+def probe_bytes(runtime: Any, most: int = 32 << 20) -> int:
+    """The link probe's buffer size: at most ``most`` and 1/16 of the host room left, so its two pinned
+    buffers take at most an eighth of what TIERFLOW_HOST_MEMORY leaves (4 KiB granules, at least one)."""
+    pool = runtime.stats().get("host_pool", {})
+    in_use = int(pool.get("in_use", {}).get("current", 0)) if isinstance(pool, dict) else 0
+    room = max(int(runtime.host_budget_bytes()) - in_use, 0)
+    return max(min(most, room // 16) // 4096 * 4096, 4096)
+
+
+def measure_links(runtime: Any, device: torch.device, nbytes: Optional[int] = None) -> dict:
+    """Copy bandwidths between this device and pinned host memory, in bytes/s, through tierflow's copy engine.
+
+    Its pinned buffers go back to the pool when it returns (an empty slab the pool releases when it needs
+    the room)."""
+    nbytes = probe_bytes(runtime) if nbytes is None else nbytes
     n = nbytes // 4
     src = torch.zeros(n, dtype=torch.float32, device=device)
     host = runtime.host_empty([n], "float32")
@@ -199,7 +212,9 @@ class AutoPlanner:
             window = min(int(cfg.get("TIERFLOW_PREFETCH_BYTES", 64 << 20)), sum(_saved(b) for b in profile["blocks"]))
             fixed = max(fixed, peak - largest - window)
         pool = rt.stats().get("host_pool", {})
-        host_used = int(pool.get("reserved", {}).get("current", 0)) if isinstance(pool, dict) else 0
+        # What is in use (optimizer states, saved tensors): slabs the pool reserved but holds nothing in (the
+        # link probe's, for one) it releases when an allocation needs the room.
+        host_used = int(pool.get("in_use", {}).get("current", 0)) if isinstance(pool, dict) else 0
         return {
             "device_bytes": int(rt.device_budget_bytes()),
             "fixed_device_bytes": int(fixed),
