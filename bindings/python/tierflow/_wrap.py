@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import weakref
 from typing import Any, Iterator, Optional
 
@@ -116,24 +117,37 @@ def wrap(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
     when it is ``none``. ``blocks``: the model's repeated blocks that the
     activation plans of TIERFLOW_OFFLOAD_ACTIVATIONS=auto / recompute apply to
     (default: found, Note [Activation plans]). Keyword arguments are settings
-    (lower-case names of the TIERFLOW_* variables) and override the environment. Create LR
-    schedulers after wrapping, on the returned optimizer.
+    (lower-case names of the TIERFLOW_* variables) and override the environment. An LR scheduler
+    made before or after wrapping works (Note [Shared param groups] in optim.py). ``optimizer`` may
+    be a wrapper exposing ``.optimizer`` (accelerate's AcceleratedOptimizer): Note [Optimizer wrappers].
+    An optimizer holding parameters that are not ``model``'s is refused.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"tierflow.wrap: model must be a torch.nn.Module, got {type(model).__name__}")
     if getattr(model, "_tierflow_session", None) is not None:
         raise _C.TierflowError("tierflow.wrap: this model is already wrapped; call tierflow.unwrap(model) first")
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"tierflow.wrap: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    chain = _optimizer_chain(optimizer) if optimizer is not None else []
     session = Session(**settings)
     new_optimizer = optimizer
     try:
-        if optimizer is not None and session.config["TIERFLOW_OFFLOAD_OPTIMIZER"] in ("host", "nvme"):
+        replacing = optimizer is not None and session.config["TIERFLOW_OFFLOAD_OPTIMIZER"] in ("host", "nvme")
+        if replacing:
             from .optim import CPUAdamW
 
+            CPUAdamW.check_replaceable(chain[-1])
+        if chain:
+            _check_parameters_are_the_models(model, chain[-1])
+        if replacing:
+            inner = chain[-1]
+            for wrapper in chain[:-1]:
+                _check_wrapper_can_be_repointed(wrapper, inner)
             # Checks at construction what its states need (host budget, NVMe space: issue 16).
-            new_optimizer = CPUAdamW.replace(optimizer, session.runtime, model=model)
-            session.optimizer = weakref.ref(new_optimizer)
+            replacement = CPUAdamW.replace(inner, session.runtime, model=model)
+            if len(chain) > 1:  # Note [Optimizer wrappers]: the wrapper now wraps the CPUAdamW
+                chain[-2].optimizer = replacement
+            else:
+                new_optimizer = replacement
+            session.optimizer = weakref.ref(replacement)
         session.attach(model, blocks)
         if session.config["TIERFLOW_OFFLOAD_ACTIVATIONS"] != "none":  # Note [HF caches]
             from ._hf import disable_cache_in_training
@@ -141,12 +155,96 @@ def wrap(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
             session._handles += disable_cache_in_training(model)
     except BaseException:
         # A failed wrap leaves nothing: no hooks, and no swap file (the traceback may keep the runtime).
+        if len(chain) > 1:
+            chain[-2].optimizer = chain[-1]
         session.detach()
         session.runtime.unlink_nvme_files()
         raise
     model._tierflow_session = session
     _sessions.append(session)
     return model, new_optimizer
+
+
+# Note [Optimizer wrappers]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~
+# Training tools wrap the optimizer in an object that exposes the wrapped one as
+# ``.optimizer`` and delegates step, zero_grad, param_groups and state_dict to it
+# (accelerate's AcceleratedOptimizer after accelerator.prepare). wrap() follows
+# ``.optimizer`` to the torch optimizer, replaces that by the CPUAdamW and points
+# the innermost wrapper's ``.optimizer`` at it, and returns the outermost wrapper
+# unchanged, so the tool's own bookkeeping (its checkpoints, its scheduler, its
+# gradient-accumulation skipping) goes on through the CPUAdamW. That is right
+# only when the wrapper reaches the optimizer through ``.optimizer`` alone: a
+# wrapper that kept another reference (AcceleratedOptimizer with a GradScaler
+# keeps the optimizer's bound ``step``) would go on stepping the replaced
+# optimizer on the device, so wrap() refuses it, saying to call tierflow.wrap
+# first and wrap its result. With offload_optimizer=none nothing is replaced and
+# the wrapper is returned as it is.
+
+
+def _optimizer_chain(optimizer: Any) -> list:
+    """[optimizer, what it wraps, ..., the torch optimizer]: Note [Optimizer wrappers]."""
+    chain = [optimizer]
+    while (not isinstance(chain[-1], (torch.optim.AdamW, torch.optim.Adam))
+           and getattr(chain[-1], "optimizer", None) is not None and len(chain) < 16):
+        inner = getattr(chain[-1], "optimizer")
+        if not isinstance(inner, torch.optim.Optimizer) and getattr(inner, "optimizer", None) is None:
+            break
+        chain.append(inner)
+    if not isinstance(chain[-1], torch.optim.Optimizer):
+        raise TypeError(f"tierflow.wrap: optimizer must be a torch.optim.Optimizer (or a wrapper whose .optimizer "
+                        f"is one), got {type(optimizer).__name__}")
+    return chain
+
+
+def _refers_to(value: Any, target: Any, depth: int = 2) -> bool:
+    """True when ``value`` is ``target``, a method bound to it, a weak reference to it, or a function whose
+    closure (or functools.partial arguments, or __wrapped__) holds one, to ``depth`` levels."""
+    if value is target:
+        return True
+    if isinstance(value, weakref.ref):
+        return value() is target
+    if getattr(value, "__self__", None) is target:
+        return True
+    if depth == 0:
+        return False
+    inner: list = []
+    for cell in getattr(value, "__closure__", None) or ():
+        try:
+            inner.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            pass
+    if isinstance(value, functools.partial):
+        inner += [value.func, *value.args, *value.keywords.values()]
+    if hasattr(value, "__wrapped__"):
+        inner.append(value.__wrapped__)
+    return any(_refers_to(v, target, depth - 1) for v in inner)
+
+
+def _check_wrapper_can_be_repointed(wrapper: Any, inner: torch.optim.Optimizer) -> None:
+    """Refuses a wrapper that holds the optimizer elsewhere than in ``.optimizer`` (Note [Optimizer wrappers])."""
+    for name, value in vars(wrapper).items():
+        if name != "optimizer" and _refers_to(value, inner):
+            raise _C.TierflowError(
+                f"tierflow.wrap: the optimizer wrapper {type(wrapper).__module__}.{type(wrapper).__qualname__} "
+                f"keeps its own reference to the {type(inner).__name__} it wraps (attribute {name!r}), so it cannot "
+                "be pointed at tierflow's CPU optimizer; call tierflow.wrap(model, optimizer) first on the plain "
+                "optimizer, then wrap what it returns (e.g. accelerator.prepare(model, optimizer) after "
+                "tierflow.wrap), or pass offload_optimizer='none' to keep your optimizer")
+
+
+def _check_parameters_are_the_models(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Refuses an optimizer holding parameters that are not ``model``'s; a subset of them is fine."""
+    mine = {id(p) for _, p in model.named_parameters(remove_duplicate=False)}
+    held = [p for g in optimizer.param_groups for p in g["params"]]
+    foreign = [p for p in held if id(p) not in mine]
+    if foreign:
+        raise _C.TierflowError(
+            f"tierflow.wrap: {len(foreign)} of the optimizer's {len(held)} parameters are not parameters of the "
+            f"model being wrapped (the first has shape {list(foreign[0].shape)}), so training this model would not "
+            "update them, or the optimizer would not update this model; build the optimizer from this model's "
+            "parameters (torch.optim.AdamW(model.parameters())), or wrap a module that holds every parameter the "
+            "optimizer steps. An optimizer over part of the model (frozen layers, a second optimizer) is fine")
 
 
 def unwrap(model: torch.nn.Module) -> None:

@@ -61,6 +61,22 @@ device alike, so the adversarial emulated device checks this path too
   for it before its next kernel, and step() waits for every upload before the
   staging returns to the pool.
 
+Note [Shared param groups]
+~~~~~~~~~~~~~~~~~~~~~~~~~~
+An LR scheduler made before tierflow.wrap holds the optimizer that wrap
+replaces, and writes ``lr`` (OneCycleLR also ``betas``; every scheduler
+``initial_lr``) into ``scheduler.optimizer.param_groups``. So
+CPUAdamW.replace takes that optimizer's group dicts and its param_groups
+list themselves, not copies: the CPUAdamW's ``param_groups`` is the very list
+the replaced optimizer holds, and load_state_dict (which in torch puts fresh
+dicts in a fresh list) refills the same dicts in place. step() marks the
+replaced optimizer as stepped (``_opt_called``, which the scheduler's wrapper
+of the old ``step`` would have set), so the scheduler does not warn that it
+stepped before the optimizer. The hyperparameters are read from the groups at
+every step, so a new lr or betas takes effect at the next step() (an early
+step during backward with the old ones is redone: Note [Step during
+backward]).
+
 Note [NVMe optimizer faults]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 With states on NVMe (TIERFLOW_OFFLOAD_OPTIMIZER=nvme) a step can fail for
@@ -151,12 +167,9 @@ class CPUAdamW(StreamingMixin, GpuShareMixin, torch.optim.Optimizer):
         self._setup(runtime)
 
     # -- construction from an existing optimizer ---------------------------------
-    @classmethod
-    def replace(cls, optimizer: torch.optim.Optimizer, runtime: "_C.Runtime",
-                model: Optional[torch.nn.Module] = None) -> "CPUAdamW":
-        """A CPUAdamW with ``optimizer``'s groups, hyperparameters and state.
-
-        Accepts exactly ``torch.optim.AdamW`` and ``torch.optim.Adam``; anything
+    @staticmethod
+    def check_replaceable(optimizer: torch.optim.Optimizer) -> None:
+        """Accepts exactly ``torch.optim.AdamW`` and ``torch.optim.Adam``; anything
         else (another algorithm, or a subclass that may change ``step``) raises
         ``TierflowError`` naming it and what is accepted.
         """
@@ -176,18 +189,32 @@ class CPUAdamW(StreamingMixin, GpuShareMixin, torch.optim.Optimizer):
                 if not p.is_floating_point() or p.dtype not in _GRAD_DTYPES:
                     raise _C.TierflowError(f"tierflow.wrap: param group {i} holds a parameter of dtype {p.dtype}; "
                                            "accepted: float32, bfloat16, float16")
+
+    @classmethod
+    def replace(cls, optimizer: torch.optim.Optimizer, runtime: "_C.Runtime",
+                model: Optional[torch.nn.Module] = None) -> "CPUAdamW":
+        """A CPUAdamW with ``optimizer``'s groups (the same dicts: Note [Shared param groups]),
+        hyperparameters and state; what it accepts: check_replaceable."""
+        cls.check_replaceable(optimizer)
         adamw = type(optimizer) is torch.optim.AdamW
         defaults = dict(optimizer.defaults)
         new = cls.__new__(cls)
-        groups = []
-        for g in optimizer.param_groups:
-            g = dict(g)
+        # Note [Shared param groups]: the very dicts (and list) of the replaced optimizer, not copies.
+        groups = optimizer.param_groups
+        for g in groups:
             g.setdefault("decoupled_weight_decay", adamw)
             if adamw:
                 g["decoupled_weight_decay"] = True
-            groups.append(g)
         defaults.setdefault("decoupled_weight_decay", adamw)
-        torch.optim.Optimizer.__init__(new, groups, defaults)
+        torch.optim.Optimizer.__init__(new, list(groups), defaults)
+        if any(a is not b for a, b in zip(new.param_groups, groups)) or len(new.param_groups) != len(groups):
+            raise _C.TierflowError(
+                "tierflow.wrap: the CPU optimizer could not share the param groups of the optimizer it replaces, "
+                "so an LR scheduler made on that optimizer would change nothing; create LR schedulers after "
+                "tierflow.wrap, on the optimizer it returns")
+        groups[:] = new.param_groups
+        new.param_groups = groups  # one list: groups added later are seen through either optimizer
+        new._replaced = weakref.ref(optimizer)
         if model is not None:  # names for error messages
             new._names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
         new._setup(runtime)
@@ -294,6 +321,14 @@ class CPUAdamW(StreamingMixin, GpuShareMixin, torch.optim.Optimizer):
             for k in ("early_steps", "committed", "redone", "taken_back", "held"):
                 out[k] += s[k]
         return out
+
+    def _mark_step_called(self) -> None:
+        """Note [Shared param groups]: a scheduler made on the replaced optimizer wrapped *its* step to note
+        that it was called; mark it, so the scheduler does not warn that it stepped before the optimizer."""
+        ref = getattr(self, "_replaced", None)
+        old = ref() if ref is not None else None
+        if old is not None:
+            old._opt_called = True
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -558,7 +593,15 @@ class CPUAdamW(StreamingMixin, GpuShareMixin, torch.optim.Optimizer):
         # torch casts state to the parameter's dtype; keep the fp32 originals.
         originals = {k: {n: v for n, v in s.items() if n in _STATE_KEYS}
                      for k, s in state_dict["state"].items()}
+        groups, dicts = self.param_groups, list(self.param_groups)
         super().load_state_dict(state_dict)
+        # torch puts fresh group dicts in a fresh list; keep the shared ones (Note [Shared param groups]).
+        for shared, loaded in zip(dicts, self.param_groups):
+            if shared is not loaded:
+                shared.clear()
+                shared.update(loaded)
+        groups[:] = dicts
+        self.param_groups = groups
         for group, saved in zip(self.param_groups, state_dict["param_groups"]):
             for p, key in zip(group["params"], saved["params"]):
                 if p not in self.state or key not in originals:
@@ -723,6 +766,7 @@ class CPUAdamW(StreamingMixin, GpuShareMixin, torch.optim.Optimizer):
                 "tierflow CPUAdamW: torch.amp.GradScaler cannot see gradients that TIERFLOW_OFFLOAD_GRADIENTS=on "
                 "has freed on the device; accepted: bf16 without a scaler (with TIERFLOW_SKIP_NONFINITE=on "
                 "for inf/NaN steps), or TIERFLOW_OFFLOAD_GRADIENTS=off with the scaler")
+        self._mark_step_called()
         loss = None
         if closure is not None:
             with torch.enable_grad():
