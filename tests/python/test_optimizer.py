@@ -121,8 +121,9 @@ def test_refuses_what_it_cannot_replace():
     with pytest.raises(tierflow.TierflowError, match="differentiable"):
         tierflow.wrap(torch.nn.Linear(2, 2), torch.optim.AdamW(p, differentiable=True), **EMULATED)
     # offload_optimizer='none' keeps the user's optimizer untouched.
-    sgd = torch.optim.SGD(p, lr=0.1)
-    _, same = tierflow.wrap(torch.nn.Linear(2, 2), sgd, offload_optimizer="none", **EMULATED)
+    m = torch.nn.Linear(2, 2)
+    sgd = torch.optim.SGD(m.parameters(), lr=0.1)
+    _, same = tierflow.wrap(m, sgd, offload_optimizer="none", **EMULATED)
     assert same is sgd
 
 
