@@ -8,6 +8,7 @@
 #include <random>
 #include <vector>
 
+#include "loop_fs.hpp"
 #include "sanitizers.hpp"
 #include "tierflow/allocator/aligned_buffer.hpp"
 #include "tierflow/core/error.hpp"
@@ -148,40 +149,7 @@ TEST_F(NvmeAdamTest, AFailedWriteKeepsThePreviousStateAndWeights) {
 
 namespace {
 
-// A small ext4 file system on a loop device (root and loop devices needed).
-struct LoopDisk {
-  std::string image, mount;
-  bool ok = false;
-  std::string why;
-  LoopDisk(const std::string& dir, int mib) : image(dir + "/fs.img"), mount(dir + "/mnt") {
-    if (geteuid() != 0) {
-      why = "needs root to mount a loop file system";
-      return;
-    }
-    fs::create_directories(mount);
-    const std::string cmd = "truncate -s " + std::to_string(mib) + "M " + image + " && mkfs.ext4 -q -F " + image +
-                            " >/dev/null 2>&1 && mount -o loop " + image + " " + mount + " >/dev/null 2>&1";
-    ok = std::system(cmd.c_str()) == 0;
-    if (!ok) why = "mount -o loop failed (no loop device here?)";
-  }
-  ~LoopDisk() {
-    if (ok) (void)std::system(("umount " + mount).c_str());
-    std::error_code ec;
-    fs::remove(image, ec);
-  }
-  // Fills the disk with a ballast file until `leave` bytes stay free.
-  void fill(std::uint64_t leave) {
-    struct statvfs s {};
-    statvfs(mount.c_str(), &s);
-    const std::uint64_t free = static_cast<std::uint64_t>(s.f_bavail) * s.f_frsize;
-    int fd = ::open((mount + "/ballast").c_str(), O_CREAT | O_RDWR, 0600);
-    ASSERT_GE(fd, 0);
-    ASSERT_GT(free, leave);
-    ASSERT_EQ(posix_fallocate(fd, 0, static_cast<off_t>(free - leave)), 0);
-    ::close(fd);
-  }
-  void empty() { fs::remove(mount + "/ballast"); }
-};
+using tierflow::testing::LoopFs;
 
 // One step of the in-memory optimizer, to compare with.
 void step_in_memory(CpuAdam& adam, const AdamOptions& o, int step, std::vector<Param>& ps) {
@@ -215,11 +183,11 @@ void expect_state(NvmeAdamStore& store, std::uint64_t key, const Param& want, co
 // found no space; a retry of those after space is freed steps each parameter
 // exactly once, and every state equals the in-memory optimizer's.
 TEST_F(NvmeAdamTest, AFullDiskMidStepFailsOnlyTheRestAndARetryStepsEachOnce) {
-  LoopDisk disk(dir_, 48);
+  LoopFs disk(dir_, 48);
   std::shared_ptr<swap::NvmeEngine> nvme = nvme_;
-  if (disk.ok) {
+  if (disk.ok()) {
     swap::NvmeEngineOptions o;
-    o.paths = {disk.mount};
+    o.paths = {disk.path()};
     o.bytes_per_path = 1ULL << 30;  // past the disk: the disk decides (real ENOSPC)
     o.block_bytes = 128 << 10;
     o.grow_bytes = 1 << 20;
@@ -242,7 +210,7 @@ TEST_F(NvmeAdamTest, AFullDiskMidStepFailsOnlyTheRestAndARetryStepsEachOnce) {
                      ScalarType::kBFloat16});
   // Room for the first item's new state, not for the second's.
   nvme->reserve({NvmeAdamStore::state_bytes(sizes[0], false)});
-  if (disk.ok) disk.fill(256 << 10);
+  if (disk.ok()) disk.fill(256 << 10);
   else faults_.fail_grows = 1000;  // no loop device here: the injected full disk
   AdamOptions o;
   o.lr = 1e-2;
@@ -252,12 +220,12 @@ TEST_F(NvmeAdamTest, AFullDiskMidStepFailsOnlyTheRestAndARetryStepsEachOnce) {
   ASSERT_NE(r.failed.front(), 0u) << "the first item had its space";
   for (std::size_t k = 0; k < r.failed.size(); ++k) EXPECT_EQ(r.failed[k], r.failed.front() + k) << "the rest failed";
   EXPECT_TRUE(r.lost.empty());
-  EXPECT_NE(r.first_error.find(disk.ok ? "No space left" : "injected"), std::string::npos) << r.first_error;
+  EXPECT_NE(r.first_error.find(disk.ok() ? "No space left" : "injected"), std::string::npos) << r.first_error;
   for (std::size_t i : r.failed) {
     expect_state(store, keys[i], disk_params[i], "a failed item keeps its state");  // unchanged masters
     EXPECT_EQ(disk_params[i].out, std::vector<std::uint16_t>(sizes[i], 0)) << "and its weight";
   }
-  if (disk.ok) disk.empty();
+  if (disk.ok()) disk.empty();
   std::vector<NvmeAdamStore::Item> retry;
   for (std::size_t i : r.failed) retry.push_back(items[i]);
   ASSERT_TRUE(store.step(o, 1, retry).failed.empty()) << "space freed: the retry steps the rest";
@@ -266,7 +234,7 @@ TEST_F(NvmeAdamTest, AFullDiskMidStepFailsOnlyTheRestAndARetryStepsEachOnce) {
     expect_state(store, keys[i], mem[i], "stepped exactly once: " + std::to_string(i));
     EXPECT_EQ(disk_params[i].out, mem[i].out) << i;
   }
-  if (!disk.ok) GTEST_SKIP() << "ran with an injected full disk only: " << disk.why;
+  if (!disk.ok()) GTEST_SKIP() << "ran with an injected full disk only: " << disk.why();
 }
 
 // Issue 16: a state corrupt on disk is lost for its own parameter only; the

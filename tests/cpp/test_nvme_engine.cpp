@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "loop_fs.hpp"
 #include "sanitizers.hpp"
 #include "tierflow/allocator/aligned_buffer.hpp"
 #include "tierflow/core/error.hpp"
@@ -54,47 +55,7 @@ class NvmeTest : public ::testing::Test {
   std::string dir_;
 };
 
-// A small ext4 file system on a loop device, for a real ENOSPC. Needs root
-// and loop devices; ok() is false otherwise and why() says which is missing.
-class LoopFs {
- public:
-  LoopFs(const std::string& dir, int mib) : image_(dir + "/fs.img"), mount_(dir + "/mnt") {
-    if (geteuid() != 0) {
-      why_ = "needs root to mount a loop file system";
-      return;
-    }
-    fs::create_directories(mount_);
-    const std::string cmd = "truncate -s " + std::to_string(mib) + "M " + image_ + " && mkfs.ext4 -q -F " + image_ +
-                            " >/dev/null 2>&1 && mount -o loop " + image_ + " " + mount_ + " >/dev/null 2>&1";
-    if (std::system(cmd.c_str()) != 0) {
-      why_ = "mount -o loop of a " + std::to_string(mib) + " MiB ext4 image failed (no loop device here?)";
-      return;
-    }
-    mounted_ = true;
-  }
-  ~LoopFs() {
-    if (mounted_) (void)std::system(("umount " + mount_).c_str());
-    std::error_code ec;
-    fs::remove(image_, ec);
-  }
-  bool ok() const { return mounted_; }
-  const std::string& why() const { return why_; }
-  const std::string& path() const { return mount_; }
-  std::uint64_t free_bytes() const {
-    struct statvfs s {};
-    statvfs(mount_.c_str(), &s);
-    return static_cast<std::uint64_t>(s.f_bavail) * s.f_frsize;
-  }
-  std::uint64_t size_bytes() const {
-    struct statvfs s {};
-    statvfs(mount_.c_str(), &s);
-    return static_cast<std::uint64_t>(s.f_blocks) * s.f_frsize;
-  }
-
- private:
-  std::string image_, mount_, why_;
-  bool mounted_ = false;
-};
+using tierflow::testing::LoopFs;
 
 // A pid that no process has: a child's, after it was reaped.
 pid_t dead_pid() {
