@@ -1,4 +1,5 @@
 import os
+import shutil
 import sys
 
 import pytest
@@ -43,3 +44,13 @@ def device(request):
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[2], before[3]
+
+
+@pytest.fixture
+def nvme_dir(request):
+    """A directory for NVMe swap files on the build tree's file system (O_DIRECT works there; /tmp
+    may be tmpfs, which refuses it), removed with whatever the test left in it."""
+    d = os.path.join(ROOT, "build", "nvme-tests", f"{request.node.name}-{os.getpid()}")
+    os.makedirs(d, exist_ok=True)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)

@@ -24,15 +24,6 @@ from tierflow.optim import LOST_STATE
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.fixture
-def nvme_dir(request):
-    """A directory on the build tree's file system (O_DIRECT; /tmp may be tmpfs elsewhere)."""
-    d = os.path.join(ROOT, "build", "nvme-tests", f"{request.node.name}-{os.getpid()}")
-    os.makedirs(d, exist_ok=True)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
 def _mount(kind: str, size_mib: int = 16):
     """Mounts a small file system (kind: 'ext4' on a loop device, or 'ramfs'); (mount point, cleanup) or a
     pytest.skip naming what is missing."""

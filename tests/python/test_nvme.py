@@ -14,17 +14,6 @@ from harness import assert_bit_identical, assert_close, gpt_task, subprocess_env
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.fixture
-def nvme_dir(request):
-    """A directory on the build tree's file system (O_DIRECT; /tmp may be tmpfs elsewhere)."""
-    d = os.path.join(ROOT, "build", "nvme-tests", f"{request.node.name}-{os.getpid()}")
-    os.makedirs(d, exist_ok=True)
-    yield d
-    for f in os.listdir(d):
-        os.unlink(os.path.join(d, f))
-    os.rmdir(d)
-
-
 def swap_files(d):
     return [f for f in os.listdir(d) if f.startswith("tierflow-swap-")]
 
@@ -250,7 +239,8 @@ def test_no_swap_file_leaks_after_io_failures(nvme_dir):
         faults = tierflow._C.NvmeFaults()
         faults.fail_writes = 4
         task = gpt_task()
-        model, opt = tierflow.wrap(task.make_model(), torch.optim.AdamW(task.make_model().parameters()),
+        model = task.make_model()
+        model, opt = tierflow.wrap(model, torch.optim.AdamW(model.parameters()),
                                    device="emulated", offload_activations="nvme", offload_optimizer="none",
                                    nvme_paths={nvme_dir!r}, nvme_memory="64MiB", min_offload_bytes=0,
                                    prefetch_bytes="64KiB", _nvme_faults=faults)
