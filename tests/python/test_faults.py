@@ -2,7 +2,7 @@
 
 A full disk, a failed write or a corrupt state fails only the parameters it
 touches; a retry steps each parameter exactly once, so the weights are those of
-a run that never failed (Note [NVMe optimizer faults] in tierflow/optim.py).
+a run that never failed (Note [NVMe optimizer faults] in tierflow/_nvme_states.py).
 Real ENOSPC, read-only and ramfs cases mount a small file system and need root
 and loop devices; without them they skip saying so, and the injected faults
 (tierflow._C.NvmeFaults) cover the same code.
