@@ -65,7 +65,7 @@ def disable_cache_in_training(model: torch.nn.Module) -> list:
     pretrained = _transformers_class("transformers.modeling_utils", "PreTrainedModel")
     if pretrained is None:
         return []
-    handles = []
+    handles, named = [], None
     for module in model.modules():
         if not isinstance(module, pretrained) or not getattr(getattr(module, "config", None), "use_cache", False):
             continue
@@ -73,9 +73,10 @@ def disable_cache_in_training(model: torch.nn.Module) -> list:
         if position is None:
             continue
         handles.append(module.register_forward_pre_hook(_no_cache_hook(position), with_kwargs=True))
+        named = named or type(module).__name__  # the outermost transformers model, not a user's wrapper
     if handles:
         warnings.warn(
-            f"tierflow.wrap: {type(model).__name__} has config.use_cache=True; its training forwards run with "
+            f"tierflow.wrap: {named} has config.use_cache=True; its training forwards run with "
             "use_cache=False, as HF's gradient checkpointing does (a cache in training holds every layer's keys and "
             "values on the device, and a recomputed block would be replayed onto the cache its forward grew). "
             "model.eval(), torch.no_grad() and generate() keep the cache. To silence this, set "
