@@ -186,3 +186,27 @@ def test_auto_trains_under_a_16_mib_host_budget(device, optimizer):
     from tierflow._autoplan import probe_bytes
 
     assert probe_bytes(tierflow.current_session().runtime) <= budget // 16
+
+
+# ---- attention that draws from the generator ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                                  "_scaled_dot_product_cudnn_attention", "_flash_attention_forward",
+                                  "_efficient_attention_forward", "_scaled_dot_product_flash_attention_for_cpu"])
+def test_attention_with_dropout_is_rerun_not_restored(name):
+    # Flash/efficient attention with dropout advance the CUDA generator's Philox offset: a split replay that
+    # restored their outputs would skip that draw and every later dropout mask of the block would differ (GPU
+    # only: the CPU kernels refuse dropout, so this checks the rule; the [cuda] GPT-2 cases in test_hf_models.py
+    # and test_model_zoo.py check the result).
+    from tierflow._blocks import attention_dropout
+
+    func = getattr(torch.ops.aten, name).default
+    names = [a.name for a in func._schema.arguments]
+    k = names.index("dropout_p")
+    q = torch.empty(1)
+    positional = [q] * k + [0.1]
+    assert attention_dropout(func, tuple(positional), {}) == pytest.approx(0.1)
+    assert attention_dropout(func, (q, q, q), {"dropout_p": 0.25}) == pytest.approx(0.25)
+    assert attention_dropout(func, tuple([q] * k + [0.0]), {}) == 0.0
+    assert attention_dropout(func, (q, q, q), {}) == 0.0  # the schema's default

@@ -230,3 +230,17 @@ def test_auto_without_blocks_swaps_everything_and_matches_the_baseline(device):
     tier = train(task, 3, True, device=device, gpu_memory="1MiB", **OPT_NONE)
     assert_bit_identical(base, tier)
     assert tier.report["plan"]["blocks"] == 0 and tier.report["activations"]["offloaded_blocks"] > 0
+    assert "do not fit" in tier.report["plan"]["summary"], tier.report["plan"]
+
+
+def test_auto_without_blocks_keeps_everything_when_it_fits(device):
+    # The first step swaps every saved tensor (the floor); what it saved fits the default budget, so from the
+    # second step on nothing is swapped (no hooks at all) and the run is the baseline's.
+    task = cnn_task()
+    base = train(task, 3, False, device=device)
+    tier = train(task, 3, True, device=device, **OPT_NONE)
+    assert_bit_identical(base, tier)
+    plan, act = tier.report["plan"], tier.report["activations"]
+    assert plan["blocks"] == 0 and "keep everything" in plan["summary"], plan
+    one_step = train(task, 1, True, device=device, **OPT_NONE).report["activations"]
+    assert act["offloaded_bytes"] == one_step["offloaded_bytes"] > 0, (act, one_step)  # swapped in step 1 only

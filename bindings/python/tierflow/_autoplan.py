@@ -127,8 +127,10 @@ class AutoPlanner:
         self.keep_all = False  # the plan keeps every block: no saved-tensor hooks at all
         if not self.runners:
             _C.log("warn", "tierflow: no repeated blocks found in the model (pass blocks=[...] to tierflow.wrap); "
-                   "TIERFLOW_OFFLOAD_ACTIVATIONS=" + cfg["TIERFLOW_OFFLOAD_ACTIVATIONS"] +
-                   " swaps every saved tensor to the host instead")
+                   "TIERFLOW_OFFLOAD_ACTIVATIONS=" + cfg["TIERFLOW_OFFLOAD_ACTIVATIONS"] + (
+                       " swaps every saved tensor to the host instead" if self.forced else
+                       " swaps every saved tensor to the host in the first step, then keeps them all on the device "
+                       "if what that step saved fits within TIERFLOW_GPU_MEMORY"))
         self.loaded_profile: Optional[dict] = None
         if not self.forced and self.profile_path and os.path.exists(self.profile_path):
             self.loaded_profile = load_profile(self.profile_path, len(self.runners))
@@ -142,7 +144,9 @@ class AutoPlanner:
         out: dict = {"blocks": len(self.runners), "forced": "recompute" if self.forced else None,
                      "replays": sum(r.replays for r in self.runners),
                      "restored_ops": sum(r.restored_ops for r in self.runners),
-                     "split_rows": sum(r.split_rows for r in self.runners)}
+                     "split_rows": sum(r.split_rows for r in self.runners),
+                     # Note [Data-dependent blocks]: blocks that swap whole, and why.
+                     "data_dependent": {r.index: r.dynamic for r in self.runners if r.dynamic is not None}}
         if self.plan is not None:
             out["summary"] = self.plan["summary"]
             out["modes"] = [bp["mode"] for bp in self.plan["blocks"]]
@@ -160,6 +164,8 @@ class AutoPlanner:
     # The session calls this before every forward of the model.
     def before_forward(self) -> None:
         self.forwards += 1
+        if not self.runners and not self.forced and self.plan is None and self.forwards == 2:
+            self.plan_without_blocks()
         if self.forced or self.plan is not None or not self.runners:
             return
         if self.loaded_profile is not None:
@@ -179,6 +185,22 @@ class AutoPlanner:
             if self.profile_path:
                 write_json_atomic(self.profile_path, profile)
             self.make_plan(profile)
+
+    def plan_without_blocks(self) -> None:
+        """No blocks to plan: keep every saved tensor when the first step's fit beside what training holds,
+        else go on swapping them all (the first step swapped them, so it fit wherever anything fits)."""
+        saved = int(self.session.runtime.stats()["activations"]["offloaded_bytes"])
+        budgets = self.budgets({"blocks": []})
+        peak = budgets["fixed_device_bytes"] + saved
+        self.keep_all = peak <= budgets["device_bytes"]
+        summary = (f"no blocks; the {_fmt(saved)} a step saves fit (device peak {_fmt(peak)} of "
+                   f"{_fmt(budgets['device_bytes'])}): keep everything" if self.keep_all else
+                   f"no blocks; the {_fmt(saved)} a step saves do not fit (device peak {_fmt(peak)} of "
+                   f"{_fmt(budgets['device_bytes'])}): swap every saved tensor to the host")
+        self.plan = {"summary": summary, "blocks": [], "lines": [],
+                     "predicted_device_peak_bytes": peak if self.keep_all else budgets["fixed_device_bytes"],
+                     "predicted_step_seconds": None}
+        _C.log("warn", "tierflow activation plan: " + summary)
 
     def measure(self) -> dict:
         rt = self.session.runtime
@@ -277,6 +299,10 @@ def probe_table(table: Any, alpha: float) -> bool:
         if r0 == op.rows or (0 < r0 < op.rows and probe_row_split(op, r0)):
             table.exact_rows[j] = r0
     return bool(table.exact_rows)
+
+
+def _fmt(n: int) -> str:
+    return f"{n / (1 << 20):.2f} MiB"
 
 
 def _saved(b: dict) -> int:

@@ -4,9 +4,10 @@ Note [Activation plans]
 ~~~~~~~~~~~~~~~~~~~~~~~
 The policy lives in tiering/ (tiering::plan_activations, Note [Activation
 planner]); this module is the mechanism that carries a plan out on an
-unchanged PyTorch model. It finds the model's repeated blocks (find_blocks:
-the largest nn.ModuleList / nn.Sequential whose children are two or more
-modules of one class, e.g. HF GPT-2's ``h``; or the modules the user gives)
+unchanged PyTorch model. It finds the model's repeated blocks (find_blocks,
+Note [Finding blocks]: every outermost stack of two or more modules of one
+class, e.g. HF GPT-2's ``h``, T5's encoder and decoder blocks; or the modules
+the user gives)
 and runs every forward of a block under its own saved-tensor hooks:
 
 - keep: saved tensors stay where autograd put them (no hook at all);
@@ -31,7 +32,9 @@ block: kept by reference), input (a tensor argument of the block: swapped
 whole), attention (an output of an SDPA/flash/efficient attention op whose
 every non-empty output autograd saves: swapped whole, and in the replay the
 op is not run, its outputs are restored — attention is most of the compute
-at long context and is never recomputed), split (the output of ``mm`` /
+at long context and is never recomputed; an attention op with dropout is
+cheap instead: it draws from the device generator, and the replay must draw
+as forward did), split (the output of ``mm`` /
 ``addmm`` whose first operand is an activation with contiguous rows and
 whose second is derived from parameters only, and which no in-place or out=
 op wrote between the matmul and the save: the replay would apply that op to
@@ -107,6 +110,15 @@ _ROW_MATMULS = {aten.mm.default: 0, aten.addmm.default: 1}  # op -> index of mat
 _local = threading.local()  # .replaying: a replay runs on this thread (hooks stand aside)
 
 
+def attention_dropout(func: Any, args: tuple, kwargs: dict) -> float:
+    """The ``dropout_p`` an attention op was called with (0 where its schema has none)."""
+    for k, a in enumerate(func._schema.arguments):
+        if a.name == "dropout_p":
+            v = kwargs["dropout_p"] if "dropout_p" in kwargs else args[k] if k < len(args) else a.default_value
+            return float(v or 0.0)
+    return 0.0
+
+
 def _replaying() -> bool:
     return getattr(_local, "replaying", False)
 
@@ -117,20 +129,56 @@ def _skey(t: torch.Tensor) -> tuple:
 
 
 def find_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks of ``model``: the children of its largest ModuleList or
-    Sequential made of two or more modules of one class that hold parameters."""
-    best: list[torch.nn.Module] = []
-    best_params = -1
-    for module in model.modules():
-        if not isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)):
-            continue
-        children = list(module.children())
-        if len(children) < 2 or len({type(c) for c in children}) != 1:
-            continue
-        n = sum(p.numel() for c in children for p in c.parameters())
-        if n > 0 and n > best_params:
-            best, best_params = children, n
-    return best
+    """The repeated blocks of ``model``, in registration order (Note [Finding blocks])."""
+    def holds_params(m: torch.nn.Module) -> bool:
+        return any(True for _ in m.parameters())
+
+    def stacks(leaves: bool) -> list:
+        # (parent, children): two or more modules of one class, each holding parameters.
+        found = []
+        for parent in model.modules():
+            children = list(parent.children())
+            if isinstance(parent, _CONTAINERS):
+                if len(children) >= 2 and len({type(c) for c in children}) == 1 and all(map(holds_params, children)):
+                    found.append(children)
+            elif not leaves:
+                by_class: dict = {}
+                for c in children:
+                    if not isinstance(c, _CONTAINERS) and any(True for _ in c.children()) and holds_params(c):
+                        by_class.setdefault(type(c), []).append(c)
+                found += [group for group in by_class.values() if len(group) >= 2]
+        return found
+
+    groups = stacks(leaves=True) or stacks(leaves=False)
+    # The outermost stacks: one inside a member of another (a block's experts) is part of that block.
+    inside = set()
+    for group in groups:
+        for member in group:
+            inside.update(id(m) for m in member.modules() if m is not member)
+    chosen = {id(m) for group in groups if not any(id(m) in inside for m in group) for m in group}
+    return [m for m in model.modules() if id(m) in chosen]
+
+
+_CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)
+
+# Note [Finding blocks]
+# ~~~~~~~~~~~~~~~~~~~~~
+# A block is one repetition of a model's stack of layers: what the activation
+# plans act on. The stacks people write come as containers (nn.ModuleList:
+# HF's decoders; nn.Sequential; nn.ModuleDict: torchtitan's layers) whose
+# children are two or more modules of one class holding parameters, or, with no
+# such container, as attributes of one module (self.block0, self.block1, ...):
+# two or more children of one class that hold parameters and have submodules of
+# their own (two nn.Linear or nn.Embedding side by side are layers, not a
+# stack). Every such stack is taken, not only the largest: an encoder-decoder
+# (T5, nn.Transformer) has two, and all four of a ResNet's stages are stacks.
+# A stack inside a member of another stack is part of that member (Mixtral's
+# experts are part of its decoder layer), so only the outermost stacks give
+# blocks, listed in the order the model registers them (its forward order in
+# every model of the zoo, tests/python/test_model_zoo.py). Blocks differ in
+# class and size across stacks; each gets its own profile and plan. With no
+# stack, there are no blocks: auto keeps every saved tensor where it fits and
+# swaps them all where it does not (Note [Activation plans], AutoPlanner).
 
 
 # ---- the recorded table ---------------------------------------------------------------
@@ -231,7 +279,10 @@ class _Recorder(TorchDispatchMode):
         if tensors_in and all(_skey(a) in self.param_derived for a in tensors_in):
             self.param_derived.update(k for k in keys if k is not None)
         if func in _ATTENTION_OPS:
-            op.kind = "attention"
+            # An attention op with dropout draws from the device generator (flash/efficient attention advance
+            # its Philox offset): restoring its outputs would skip that draw, and every later dropout mask of
+            # the replay would differ. It is run again instead, from the generator state the replay restored.
+            op.kind = "other" if attention_dropout(func, args, kwargs) > 0 else "attention"
             q, k_ = args[0], args[1]
             causal = bool(kwargs.get("is_causal", args[4] if func.__name__.startswith("_scaled_dot_product_flash") and len(args) > 4 else False))
             op.flops = 4.0 * q.numel() * k_.shape[-2] * (0.5 if causal else 1.0)
@@ -255,6 +306,25 @@ class _Recorder(TorchDispatchMode):
             op.flops = 2.0 * a.numel() * b.shape[-1]
         self.table.ops.append(op)
         return out
+
+
+# Note [Data-dependent blocks]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A block is recomputed from the table its first forward recorded, which holds
+# only while the block runs the same ops for the same input shapes. A mixture of
+# experts does not (Mixtral: which tokens reach which expert, and so the shapes
+# it saves, change every step), nor does any block that branches on its data.
+# Such a forward is found out while it runs: it saves a tensor of another shape
+# or dtype than its table, or more or fewer tensors. It cannot be replayed, so
+# from the tensor that departs on, everything it saves is swapped whole to the
+# block's tier (parameters and buffers kept by reference), and the tensors it
+# had left to the replay before that point (held by the frame until its forward
+# ends, which costs no memory that the block's backward would not hold anyway)
+# are swapped whole when it ends. The block then runs every later forward that
+# way (no table, no replay, so a cache argument is fine too), and says so once,
+# naming the block and what departed. The run never fails for it and stays bit
+# for bit the baseline's (the zoo's Mixtral under every mode). A replay that
+# runs other ops with every saved shape matching still raises, naming the block.
 
 
 # ---- one forward of one block -----------------------------------------------------------
@@ -300,6 +370,11 @@ class _Frame:
         self.rows: dict = {}          # op -> r0
         self.resolved: dict = {}      # pack index -> tensor, after a replay
         self._actions: Optional[list] = None  # table.actions(mode), looked up once per forward
+        self.external: set = set()    # storage keys of the block's parameters and buffers
+        # Note [Data-dependent blocks]: a forward that departs from its table swaps its saved tensors whole.
+        self.dynamic: Optional[str] = None  # why this forward is not its table's
+        self.pending: dict = {}       # pack index -> the tensor behind a placeholder, until the forward ends
+        self.whole_swapped: dict = {}  # pack index -> offloader handle, for placeholders of a departed forward
 
     # -- forward ---------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> Any:
@@ -307,14 +382,39 @@ class _Frame:
         self.packs += 1
         if self.recording:
             return self._pack_recording(i, t)
+        if self.dynamic is not None:
+            return self._pack_whole(t)
         table = self.table
         if i >= len(table.saved):
-            raise _C.TierflowError(self.runner.mismatch(f"saved more tensors than its recorded forward ({len(table.saved)})"))
+            return self.depart(f"saved more tensors than its recorded forward ({len(table.saved)})", t)
         s = table.saved[i]
         if tuple(t.shape) != s.sizes or t.dtype != s.dtype:
-            raise _C.TierflowError(self.runner.mismatch(
-                f"saved tensor {i} is {tuple(t.shape)} {t.dtype}, recorded {s.sizes} {s.dtype}"))
+            return self.depart(f"saved tensor {i} is {tuple(t.shape)} {t.dtype}, recorded {s.sizes} {s.dtype}", t)
         return self._pack_planned(i, s, t)
+
+    def _pack_whole(self, t: torch.Tensor) -> Any:
+        if _skey(t) in self.external:
+            return t
+        rt = self.runner.runtime
+        return _Swapped(rt, rt.pack_to(t, self.tier))
+
+    def depart(self, why: str, t: Optional[torch.Tensor] = None) -> Any:
+        """This forward is not its table's (Note [Data-dependent blocks]): the rest is swapped whole, and what
+        was left to the replay is swapped whole when the forward ends (finish)."""
+        self.dynamic = why
+        self.runner.fall_back(why)
+        return self._pack_whole(t) if t is not None else None
+
+    def finish(self) -> None:
+        """The block's forward ended: placeholders of a departed forward get their tensors swapped whole."""
+        if self.dynamic is None and not self.recording and self.table is not None \
+                and self.packs != len(self.table.saved):
+            self.depart(f"saved {self.packs} tensors, its recorded forward {len(self.table.saved)}")
+        if self.dynamic is not None:
+            rt = self.runner.runtime
+            for i, t in self.pending.items():
+                self.whole_swapped[i] = rt.pack_to(t, self.tier)
+        self.pending.clear()
 
     def _pack_planned(self, i: int, s: _Saved, t: torch.Tensor) -> Any:
         rt = self.runner.runtime
@@ -334,6 +434,7 @@ class _Frame:
             base = t.new_empty(0).set_(t.untyped_storage(), o[2], o[0], o[1])
             self.prefix[s.op] = rt.pack_to(base[:r0].clone(), self.tier)
             self.rows[s.op] = r0
+        self.pending[i] = t  # until the forward ends: a departure from the table needs it (finish)
         return _Placeholder(self, i)
 
     def _pack_recording(self, i: int, t: torch.Tensor) -> Any:
@@ -365,6 +466,8 @@ class _Frame:
 
     # -- backward --------------------------------------------------------------------
     def unpack(self, p: _Placeholder) -> torch.Tensor:
+        if p.index in self.whole_swapped:
+            return self.runner.runtime.unpack(self.whole_swapped.pop(p.index))
         if p.index not in self.resolved:
             self.replay()
         return self.resolved.pop(p.index)
@@ -519,6 +622,7 @@ class BlockRunner:
         self.split_rows = 0        # matmul output rows restored instead of computed
         self.forward_seconds: list = []
         self.recompute_seconds: list = []
+        self.dynamic: Optional[str] = None  # Note [Data-dependent blocks]: why its forwards are not its table's
         self._stack: list = []
         self._handles: list = []
         self.install()
@@ -540,6 +644,15 @@ class BlockRunner:
         return (f"tierflow: block {self.index} ({type(self.module).__name__}) {what}: its forward must run the same "
                 "ops for the same input shapes (the condition torch.utils.checkpoint has too); keep it on the device "
                 "with TIERFLOW_OFFLOAD_ACTIVATIONS=host or none, or run it inside tierflow.no_offload()")
+
+    def fall_back(self, why: str) -> None:
+        """From now on every forward of this block swaps its saved tensors whole (Note [Data-dependent blocks])."""
+        if self.dynamic is None:
+            self.dynamic = why
+            _C.log("warn", f"tierflow: block {self.index} ({type(self.module).__name__}) {why} for the same input "
+                   "shapes: what it computes depends on its data (a mixture of experts routes other tokens to each "
+                   "expert every step), so it cannot be recomputed from a recorded forward; it swaps every tensor "
+                   f"it saves to the {self.tier} instead, from this forward on")
 
     def cache_refusal(self, cache: str) -> str:
         planner = self.planner()
@@ -576,6 +689,17 @@ class BlockRunner:
             ctx = torch.autograd.graph.saved_tensors_hooks(_identity, _identity)
             ctx.__enter__()
             self._stack.append((None, ctx, None))
+            return
+        if self.dynamic is not None:  # Note [Data-dependent blocks]: no table, no replay, the model's cache is fine
+            f = _Frame(self, None, False)
+            f.dynamic = self.dynamic
+            f.external = {_skey(p) for p in module.parameters()} | {_skey(b) for b in module.buffers()}
+            ctx = torch.autograd.graph.saved_tensors_hooks(f.pack, _unpack)
+            ctx.__enter__()
+            if self.timing:
+                self.sync()
+                f.t0 = time.perf_counter()
+            self._stack.append((f, ctx, None))
             return
         cache = cache_argument(module, args, kwargs) if self.mode != "swap" else None
         if cache is not None:  # a replay would run on the cache its forward grew (Note [HF caches] in _hf.py)
@@ -614,10 +738,10 @@ class BlockRunner:
             return a
 
         f.args = tree_map(hold, (args, kwargs))
+        f.external = external
         ctx = torch.autograd.graph.saved_tensors_hooks(f.pack, _unpack)
         if recording:
             f.recorder = _Recorder(external, inputs, table)
-            f.external = external
             f.seen = set()
             f.recorder.__enter__()
         ctx.__enter__()
@@ -635,6 +759,12 @@ class BlockRunner:
         f, ctx, sig = entry
         ctx.__exit__(None, None, None)
         if f is None:
+            return
+        f.finish()
+        if f.table is None:  # a data-dependent block's forward: no table to keep
+            if self.timing:
+                self.sync()
+                self.forward_seconds.append(time.perf_counter() - f.t0)
             return
         if self.timing:
             self.sync()
