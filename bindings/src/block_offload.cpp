@@ -146,11 +146,22 @@ void apply_autocast(const AutocastState& s) {
   at::autocast::set_autocast_cache_enabled(s.cache);
 }
 
-// Sets a recorded autocast state for a scope and puts back the one it found.
+// Sets a recorded autocast state for a scope and puts back the one it found, as
+// torch.autocast enters and leaves a region: the nesting count goes up, and the
+// cache of 16-bit weight copies is cleared when the outermost region ends. A
+// rerun in backward (outside the user's region) would otherwise leave its copies
+// in the cache, and the next forward, after optimizer.step(), would compute with
+// last step's weights.
 class AutocastFork {
  public:
-  explicit AutocastFork(const AutocastState& recorded) : found_(capture_autocast()) { apply_autocast(recorded); }
-  ~AutocastFork() { apply_autocast(found_); }
+  explicit AutocastFork(const AutocastState& recorded) : found_(capture_autocast()) {
+    apply_autocast(recorded);
+    at::autocast::increment_nesting();
+  }
+  ~AutocastFork() {
+    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    apply_autocast(found_);
+  }
   AutocastFork(const AutocastFork&) = delete;
   AutocastFork& operator=(const AutocastFork&) = delete;
 

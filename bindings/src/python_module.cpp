@@ -177,6 +177,20 @@ struct PyGradStream {
   std::shared_ptr<GradStream> stream;
   std::vector<py::object> states;  // slot -> the optimizer's state dict of that parameter
 
+  PyGradStream() = default;
+  PyGradStream(const PyGradStream&) = delete;
+  PyGradStream& operator=(const PyGradStream&) = delete;
+  // GradStream's destructor waits for its worker, which may need the GIL to drop a
+  // gradient's last reference or to call back into Python: it runs without the GIL
+  // (held here when the garbage collector or the interpreter's exit drops the last
+  // reference), so the two never wait on each other.
+  ~PyGradStream() {
+    if (stream && Py_IsInitialized() && PyGILState_Check()) {
+      py::gil_scoped_release release;
+      stream.reset();
+    }
+  }
+
   void commit_into_states(const std::vector<std::size_t>& committed) {
     static const char* kNames[] = {"master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
     for (std::size_t i : committed) {

@@ -233,6 +233,65 @@ TEST(BlockOffload, RecomputeRunsUnderTheForwardsAutocast) {
     EXPECT_TRUE(torch::equal(plain[i], params[i].grad())) << "gradient " << i;
 }
 
+TEST(BlockOffload, RecomputeLeavesNoAutocastCopyOfAWeightBehind) {
+  // Steps as a training loop runs them with torch.autocast (the nesting counted, the cache of bf16 weight
+  // copies cleared when the region ends), backward outside the region, the weights updated in between. The
+  // rerun's bf16 copies of the weights must not outlive it: the next use of a weight under autocast would
+  // compute with last step's values (and they hold a 16-bit copy of every block weight meanwhile).
+  const auto step = [](Model& m, tb::BlockOffload* offload) {
+    at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+    at::autocast::set_autocast_enabled(at::kCPU, true);
+    at::autocast::increment_nesting();
+    auto loss = m.loss(offload).to(at::kFloat);
+    at::autocast::set_autocast_enabled(at::kCPU, false);
+    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    loss.backward();
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& p : m.parameters()) p.sub_(p.grad() * 0.5);
+    }
+    m.zero_grad();
+    return loss.item<double>();
+  };
+  // A block's first Linear under autocast, with the cache and without it: they differ when a stale copy is used.
+  const auto uses_a_stale_copy = [](Model& m) {
+    auto linear = m.blocks[0]->ptr<torch::nn::LinearImpl>(0);
+    auto x = torch::randn({2, 64});
+    at::autocast::set_autocast_enabled(at::kCPU, true);
+    at::autocast::increment_nesting();
+    auto cached = linear->forward(x);
+    at::autocast::set_autocast_cache_enabled(false);
+    auto fresh = linear->forward(x);
+    at::autocast::set_autocast_cache_enabled(true);
+    at::autocast::set_autocast_enabled(at::kCPU, false);
+    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    return !torch::equal(cached, fresh);
+  };
+  std::vector<double> plain, offloaded;
+  {
+    Model m;
+    torch::manual_seed(3);
+    for (int s = 0; s < 3; ++s) {
+      plain.push_back(step(m, nullptr));
+      EXPECT_FALSE(uses_a_stale_copy(m));  // draws from the RNG as the run below does
+    }
+  }
+  {
+    Model m;
+    tb::BlockOffload offload(make_runtime({}));
+    offload.set_default_action(tb::BlockAction::kRecompute);
+    torch::manual_seed(3);
+    for (int s = 0; s < 3; ++s) {
+      offloaded.push_back(step(m, &offload));
+      EXPECT_FALSE(uses_a_stale_copy(m)) << "step " << s << " left a bf16 copy of a weight in the autocast cache";
+    }
+    EXPECT_EQ(offload.stats().reruns, 9u);
+  }
+  EXPECT_EQ(plain, offloaded);
+  EXPECT_EQ(at::autocast::decrement_nesting(), -1) << "the reruns left the autocast nesting count raised";
+  at::autocast::increment_nesting();
+}
+
 TEST(BlockOffload, TheDefaultActionComesFromTheConfiguration) {
   EXPECT_EQ(tb::BlockOffload(make_runtime({{"offload_activations", "none"}})).action(5), tb::BlockAction::kKeep);
   EXPECT_EQ(tb::BlockOffload(make_runtime({{"offload_activations", "host"}})).action(0), tb::BlockAction::kSwapHost);
