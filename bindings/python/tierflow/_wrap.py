@@ -55,6 +55,10 @@ class Session:
             self.planner.remove()
 
     def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
+        if getattr(self, "_distributed_pending", False):  # FSDP2 refused, DDP noted: Note [Distributed training]
+            from ._distributed import check_forward
+
+            check_forward(self, module)
         opt = self.optimizer() if self.optimizer is not None else None
         if opt is not None and opt.has_unconfirmed_steps():
             # A forward before step(): the early steps were not the last backward's.
@@ -127,6 +131,9 @@ def wrap(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
     if getattr(model, "_tierflow_session", None) is not None:
         raise _C.TierflowError("tierflow.wrap: this model is already wrapped; call tierflow.unwrap(model) first")
     chain = _optimizer_chain(optimizer) if optimizer is not None else []
+    from ._distributed import check_wrap, refuse_sharded  # Note [Distributed training]
+
+    refuse_sharded(model, chain[-1] if chain else None)  # FSDP2 / DTensor: refused before anything is made
     session = Session(**settings)
     new_optimizer = optimizer
     try:
@@ -148,6 +155,7 @@ def wrap(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
             else:
                 new_optimizer = replacement
             session.optimizer = weakref.ref(replacement)
+        check_wrap(session, model)  # DDP: steps during backward off, before any backward (Note [Distributed training])
         session.attach(model, blocks)
         if session.config["TIERFLOW_OFFLOAD_ACTIVATIONS"] != "none":  # Note [HF caches]
             from ._hf import disable_cache_in_training

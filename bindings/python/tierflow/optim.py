@@ -469,8 +469,8 @@ class CPUAdamW(StreamingMixin, GpuShareMixin, NvmeStatesMixin, torch.optim.Optim
         self._grad_events[p] = count
         if p in self._spec:
             self._take_back(p)  # its gradient changed again (accumulation went on)
-        if count != self._accumulation or p.grad is None:
-            return
+        if count != self._accumulation or p.grad is None or getattr(self, "_steps_after_backward", None):
+            return  # (under DDP: no steps during backward, Note [Distributed training])
         grad = p.grad
         if grad.is_sparse or grad.dtype not in _GRAD_DTYPES or not grad.is_contiguous() or not p.is_contiguous():
             return  # step() handles (and reports) these
@@ -595,6 +595,9 @@ class CPUAdamW(StreamingMixin, GpuShareMixin, NvmeStatesMixin, torch.optim.Optim
                 loss = closure()
         self._wait_worker()
         scale, finite = self._clip_coefficient()
+        # Note [Distributed training]: early steps all redone in a multi-process run (an all-reduce) turn them off.
+        watch = self._overlap and not self._master_stale and not getattr(self, "_steps_after_backward", None)
+        watched = self.overlap_stats if watch else None
         if self._skip_nonfinite and not finite:
             self._take_back_all()
             if self._stream is not None:
@@ -620,6 +623,10 @@ class CPUAdamW(StreamingMixin, GpuShareMixin, NvmeStatesMixin, torch.optim.Optim
                 self._master_stale = False
                 raise self._nvme_step_error(problems)
             self._nvme_done.clear()
+        if watched is not None:
+            from ._distributed import note_step
+
+            note_step(self, watched, scale)
         self._finish_uploads()
         self._grad_events.clear()
         self._master_stale = False

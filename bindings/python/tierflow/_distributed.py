@@ -1,0 +1,245 @@
+"""tierflow under torch.distributed: what works, what is refused (Note [Distributed training]).
+
+Note [Distributed training]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Every combination of tierflow with torch.distributed either trains right or
+is refused with an error that names it:
+
+- DistributedDataParallel (DDP) trains right, with every activation and
+  optimizer setting, in both orders: tierflow.wrap(DDP(model), ...) and
+  DDP(model) of a wrapped model. One thing changes: the CPU optimizer's step
+  during backward (Note [Step during backward] in optim.py) would read each
+  gradient as backward finishes it, which is the local one: DDP's all-reduce
+  rewrites it at backward's end, so step() would find every early step stale
+  and do it again. Under DDP tierflow therefore turns its steps during
+  backward off for the rest of the run (the gradient stream's hooks only
+  count) and warns once: every parameter steps in step(), from the reduced
+  gradient, as with TIERFLOW_OVERLAP_STEP=off, by the same kernel that redid
+  it before, so the results are those of before. DDP is seen in wrap (the model is or
+  holds a DDP module) or at a forward of the wrapped model (DDP's forward
+  calls it with DistributedDataParallel._active_ddp_module set to itself),
+  before the first backward, so no early step is ever taken. A gradient
+  all-reduce that tierflow cannot see (written by hand between backward() and
+  step(), or a DDP that calls the model's forward without __call__) shows at
+  step(): in a process group of more than one process, a step in which the
+  early steps had to be redone and none could be committed turns them off
+  the same way, with its own warning (one wasted step). This lasts until
+  tierflow steps from the reduced gradient (DDP support proper is planned).
+- TIERFLOW_OFFLOAD_GRADIENTS=on under DDP is refused: it sets p.grad to None
+  during backward, while DDP's reducer still has to read and all-reduce it
+  (with DDP applied after wrap the losses silently left DDP's).
+- FSDP2 (torch.distributed.fsdp.fully_shard) is refused, in either order:
+  wrap of a model with an FSDPModule or a DTensor parameter, or of an
+  optimizer holding DTensor parameters, and fully_shard after wrap, at the
+  wrapped model's first forward, before anything is saved. Unrefused it was
+  wrong: FSDP2's unsharded parameters are not registered parameters, so
+  activation offload copied them asynchronously while FSDP2 freed their
+  storage after forward (NaN losses), the activation planner's replay failed,
+  and the CPU optimizer cannot take DTensors. Tensor parallelism makes DTensor
+  parameters too: refused with the same check.
+
+Nothing here imports torch.distributed's submodules: a class that was never
+imported has no instances, so a run without torch.distributed pays one
+sys.modules lookup per check.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import Any, Optional
+
+import torch
+
+from . import _C
+
+_INSTEAD = "use torch.nn.parallel.DistributedDataParallel (DDP) instead, or train on one process"
+_ADVICE = f"{_INSTEAD}; FSDP2 support is planned"
+
+
+def _class(module: str, name: str) -> Optional[type]:
+    """``module.name`` if that module has been imported (nothing can be an instance otherwise)."""
+    mod = sys.modules.get(module)
+    cls = getattr(mod, name, None) if mod is not None else None
+    return cls if isinstance(cls, type) else None
+
+
+def _world_size() -> int:
+    """Processes in the default process group (1 without one)."""
+    dist = torch.distributed
+    if not dist.is_available() or not dist.is_initialized():
+        return 1
+    return dist.get_world_size()
+
+
+# -- FSDP2 and DTensor parameters: refused ----------------------------------------
+
+
+def _sharded(model: torch.nn.Module) -> tuple:
+    """(names of the FSDP2 modules in ``model``, names of its DTensor parameters)."""
+    fsdp = _class("torch.distributed.fsdp", "FSDPModule")
+    dtensor = _class("torch.distributed.tensor", "DTensor")
+    modules = [] if fsdp is None else \
+        [n or "(the model itself)" for n, m in model.named_modules() if isinstance(m, fsdp)]
+    params = [] if dtensor is None else \
+        [n for n, p in model.named_parameters(remove_duplicate=False) if isinstance(p, dtensor)]
+    return modules, params
+
+
+def _some(names: list) -> str:
+    shown = ", ".join(repr(n) for n in names[:3])
+    return shown + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def refuse_sharded(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> None:
+    """tierflow.wrap, before anything is made: refuses FSDP2 modules, DTensor parameters, and an
+    optimizer holding DTensors, with a TierflowError that says what to do instead."""
+    modules, params = _sharded(model)
+    if modules:
+        raise _C.TierflowError(
+            "tierflow.wrap: the model is sharded by torch.distributed.fsdp.fully_shard (FSDP2): "
+            f"{_some(modules)} {'is an FSDPModule' if len(modules) == 1 else 'are FSDPModules'}; tierflow does "
+            "not support FSDP2 yet (its activation offload would copy the parameters FSDP2 unshards and frees "
+            f"around each forward, and its CPU optimizer cannot step DTensor parameters); {_ADVICE}")
+    if params:
+        raise _C.TierflowError(
+            f"tierflow.wrap: {len(params)} of the model's parameters are DTensors ({_some(params)}), as "
+            "torch.distributed.fsdp.fully_shard (FSDP2) or tensor parallelism make them; tierflow does not "
+            f"support FSDP2 or DTensor parameters yet; {_ADVICE}")
+    dtensor = _class("torch.distributed.tensor", "DTensor")
+    if optimizer is not None and dtensor is not None:
+        held = [p for g in optimizer.param_groups for p in g["params"]]
+        sharded = [p for p in held if isinstance(p, dtensor)]
+        if sharded:
+            raise _C.TierflowError(
+                f"tierflow.wrap: {len(sharded)} of the optimizer's {len(held)} parameters are DTensors (the first "
+                f"has shape {list(sharded[0].shape)}), as torch.distributed.fsdp.fully_shard (FSDP2) or tensor "
+                f"parallelism make them; tierflow does not support FSDP2 or DTensor parameters yet; {_ADVICE}")
+
+
+def _refuse_sharded_later(model: torch.nn.Module) -> None:
+    """At the wrapped model's first forward: fully_shard (or tensor parallelism) applied after wrap."""
+    modules, params = _sharded(model)
+    if not modules and not params:
+        return
+    if modules:
+        what = ("torch.distributed.fsdp.fully_shard (FSDP2) was applied to the model after tierflow.wrap "
+                f"({_some(modules)} {'is an FSDPModule' if len(modules) == 1 else 'are FSDPModules'}); tierflow "
+                "does not support FSDP2 yet")
+    else:
+        what = (f"{len(params)} of the model's parameters became DTensors after tierflow.wrap ({_some(params)}), as "
+                "tensor parallelism or torch.distributed.fsdp.fully_shard (FSDP2) make them; tierflow does not "
+                "support FSDP2 or DTensor parameters yet")
+    raise _C.TierflowError(
+        f"tierflow: {what} (this forward was stopped before tierflow saved anything); {_INSTEAD}, or call "
+        "tierflow.unwrap(model) to train it without tierflow; FSDP2 support is planned")
+
+
+# -- DDP: right, with the steps during backward turned off --------------------------
+
+
+def _ddp_class() -> Optional[type]:
+    return _class("torch.nn.parallel.distributed", "DistributedDataParallel")
+
+
+def _ddp_inside(model: torch.nn.Module) -> Optional[torch.nn.Module]:
+    """The DDP module that ``model`` is or holds, if any."""
+    ddp = _ddp_class()
+    if ddp is None:
+        return None
+    return next((m for m in model.modules() if isinstance(m, ddp)), None)
+
+
+def _ddp_around(model: torch.nn.Module) -> Optional[torch.nn.Module]:
+    """The DDP whose forward is running ``model`` now, if any (DDP(model) after wrap)."""
+    ddp = _ddp_class()
+    active = getattr(ddp, "_active_ddp_module", None) if ddp is not None else None
+    inner = getattr(active, "module", None)
+    if not isinstance(inner, torch.nn.Module):
+        return None
+    return active if inner is model or any(m is model for m in inner.modules()) else None
+
+
+def _our_optimizer(session: Any) -> Any:
+    return session.optimizer() if session.optimizer is not None else None
+
+
+_DDP_WARNING = (
+    "tierflow: the model is trained with torch.nn.parallel.DistributedDataParallel (DDP) ({how}), which "
+    "all-reduces every gradient at the end of backward; under DDP tierflow's CPU optimizer steps after backward, "
+    "in step(), from the reduced gradients, instead of stepping each parameter during backward from its local "
+    "gradient (step() would have to redo every such step). The results are the same; what is lost is the overlap "
+    "of the CPU step with backward, until tierflow steps from the reduced gradient. "
+    "TIERFLOW_OVERLAP_STEP=off (overlap_step='off') asks for this and silences this warning.")
+
+_REDONE_WARNING = (
+    "tierflow: in this {world}-process run, every parameter that tierflow's CPU optimizer stepped during backward "
+    "had to be stepped again in step(), because what it stepped from changed after backward (its gradient, as an "
+    "all-reduce of the gradients does: DDP's, or one written by hand between backward() and step()); from now on "
+    "the optimizer steps after backward, in step() only, instead of doing every step twice. The results are the "
+    "same; what is lost is the overlap of the CPU step with backward, until tierflow steps from the reduced "
+    "gradient (DDP support is planned). TIERFLOW_OVERLAP_STEP=off (overlap_step='off') asks for this and silences "
+    "this warning.")
+
+
+def steps_after_backward(optimizer: Any, message: str, stacklevel: int = 2) -> None:
+    """Turns ``optimizer``'s steps during backward off for the rest of the run and warns, once."""
+    if not getattr(optimizer, "_overlap", False) or getattr(optimizer, "_steps_after_backward", None):
+        return  # no steps during backward to turn off (TIERFLOW_OVERLAP_STEP=off, NVMe states), or done
+    optimizer._steps_after_backward = message
+    if optimizer._stream is not None:
+        optimizer._stream.set_enabled(False)  # _on_backward_begin keeps it off from now on
+    warnings.warn(message, UserWarning, stacklevel=stacklevel + 1)
+
+
+def _note_ddp(session: Any, how: str, stacklevel: int) -> None:
+    """DDP seen: TIERFLOW_OFFLOAD_GRADIENTS=on refused, the steps during backward turned off."""
+    optimizer = _our_optimizer(session)
+    if optimizer is None:
+        return  # offload_optimizer='none': the user's optimizer steps after backward anyway
+    if getattr(optimizer, "_offload_grads", False):
+        raise _C.TierflowError(
+            "tierflow: TIERFLOW_OFFLOAD_GRADIENTS=on does not work under torch.nn.parallel.DistributedDataParallel "
+            f"(DDP; {how}): it sets p.grad to None during backward, while DDP still has to all-reduce that "
+            "gradient; accepted under DDP: TIERFLOW_OFFLOAD_GRADIENTS=off (offload_gradients='off')")
+    steps_after_backward(optimizer, _DDP_WARNING.format(how=how), stacklevel + 1)
+
+
+def check_wrap(session: Any, model: torch.nn.Module) -> None:
+    """tierflow.wrap, once its optimizer is made: DDP inside ``model`` is noted (or refused with
+    TIERFLOW_OFFLOAD_GRADIENTS=on); the forwards check the rest (check_forward)."""
+    if _ddp_inside(model) is not None:
+        _note_ddp(session, "tierflow.wrap of a DDP model", 3)  # the warning points at the caller of wrap
+        session._ddp_seen = True
+    session._distributed_pending = torch.distributed.is_available()
+
+
+def check_forward(session: Any, module: torch.nn.Module) -> None:
+    """Session._before_forward, while session._distributed_pending: refuses FSDP2 applied after wrap
+    (first forward, before anything is saved) and notes a DDP around the wrapped model."""
+    if not getattr(session, "_sharding_checked", False):
+        _refuse_sharded_later(module)
+        session._sharding_checked = True
+    optimizer = _our_optimizer(session)
+    offloading = getattr(optimizer, "_offload_grads", False)
+    early = getattr(optimizer, "_overlap", False) and not getattr(optimizer, "_steps_after_backward", None)
+    if getattr(session, "_ddp_seen", False) or not (offloading or early):
+        session._distributed_pending = False  # nothing left that DDP would change
+        return
+    if _ddp_around(module) is not None:
+        _note_ddp(session, "DDP(model) of a model wrapped by tierflow.wrap", 2)
+        session._ddp_seen = True
+        session._distributed_pending = False
+
+
+def note_step(optimizer: Any, before: dict, scale: float) -> None:
+    """CPUAdamW.step, after its early steps were committed or redone (``before``: overlap_stats
+    before that): every early step redone, none committed, in a multi-process run, means the
+    gradients are all-reduced behind tierflow's back; the steps during backward go off."""
+    after = optimizer.overlap_stats
+    redone = after["redone"] - before["redone"]
+    committed = after["committed"] - before["committed"]
+    if redone > 0 and committed == 0 and scale == 1.0:
+        world = _world_size()
+        if world > 1:
+            steps_after_backward(optimizer, _REDONE_WARNING.format(world=world), 2)
