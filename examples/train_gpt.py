@@ -60,6 +60,7 @@ def train(use_tierflow: bool, args: argparse.Namespace, data: CharData) -> dict:
     result = {"losses": losses, "step_s": times}
     if use_tierflow:
         result["report"] = tierflow.report()
+        result["nvme_adam"] = dict(tierflow.current_session().runtime.nvme_adam_stats())
         plan = result["report"].get("plan", {})
         # The offloader's blocks plus the blocks the plan keeps (never handed to the offloader).
         result["saved_peak_bytes"] = result["report"]["activations"]["device_bytes"]["peak"] + \
@@ -120,7 +121,7 @@ def main() -> int:
     link = tier["report"]["links"]
     if args.nvme:
         nv = tier["report"]["activations"]["nvme"]
-        opt = tierflow.current_session().runtime.nvme_adam_stats()
+        opt = tier["nvme_adam"]
         print(f"  NVMe: activations written {fmt_bytes(nv['write_bytes'])} in {nv['writes']} blocks, read back "
               f"{nv['reads']}; optimizer states read {fmt_bytes(opt.get('bytes_read', 0))}, written "
               f"{fmt_bytes(opt.get('bytes_written', 0))}")

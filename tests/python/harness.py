@@ -81,6 +81,7 @@ class Run:
     nvme_adam: dict = field(default_factory=dict)  # the NVMe optimizer's statistics, when it ran
     gpu_share: int = 0                             # parameters stepped on the GPU (Deep Optimizer States)
     host_in_use_after_release: int = -1            # pinned pool bytes in use once model and optimizer are gone
+    session: Optional[object] = None                # tierflow's session, kept alive by this Run for inspection
 
 
 @dataclass
@@ -226,7 +227,7 @@ def train(task: Task, steps: int, use_tierflow: bool, *, device: str = "emulated
     if use_tierflow:
         run.report = tierflow.report()
         assert run.report["device"] == device, f"tierflow ran on {run.report['device']}, not on {device}"
-        session = tierflow.current_session()
+        session = run.session = tierflow.current_session()
         if isinstance(opt, tierflow.CPUAdamW):
             run.nvme_adam = dict(session.runtime.nvme_adam_stats())
             run.gpu_share = len(opt._gpu_share or ())

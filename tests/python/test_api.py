@@ -130,7 +130,7 @@ def test_report_before_wrap_is_an_error(monkeypatch):
     import tierflow._wrap as w
 
     monkeypatch.setattr(w, "_sessions", [])
-    with pytest.raises(tierflow.TierflowError, match="nothing is wrapped"):
+    with pytest.raises(tierflow.TierflowError, match="no wrapped model is alive"):
         tierflow.report()
 
 

@@ -13,8 +13,9 @@ from test_plans import OPT_NONE, _find_split_plan
 MODES = ["none", "host", "auto", "recompute"]  # every TIERFLOW_OFFLOAD_ACTIVATIONS
 
 
-def _train_split(task: Task, device: str, steps: int = 3) -> list:
-    """`steps` steps under the split plan (every block splits half its rows), as test_plans does."""
+def _train_split(task: Task, device: str, steps: int = 3) -> tuple:
+    """`steps` steps under the split plan (every block splits half its rows), as test_plans does: the losses,
+    the final state and the session (alive while the caller holds it)."""
     torch.manual_seed(0)
     model = task.model_on(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
@@ -28,7 +29,7 @@ def _train_split(task: Task, device: str, steps: int = 3) -> list:
         losses.append(loss.item())
         if step == 0:  # the first forward recorded each block's table
             _find_split_plan(tierflow.current_session())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, tierflow.current_session()
 
 
 # ---- in-place ops on a split matmul's output --------------------------------------------------------------------
@@ -70,13 +71,13 @@ def test_inplace_ops_after_a_split_matmul_are_not_applied_twice(device):
     # whole; the others still split.
     task = inplace_task()
     base = train(task, 3, False, device=device)
-    losses, params = _train_split(task, device)
+    losses, params, session = _train_split(task, device)
     assert losses == base.losses
     for k, v in params.items():
         assert torch.equal(v, base.params[k]), k
-    plan = tierflow.report()["plan"]
+    plan = session.report()["plan"]
     assert plan["split_rows"] > 0
-    table = tierflow.current_session().planner.runners[0].table
+    table = session.planner.runners[0].table
     assert table.mutated_ops and not (table.mutated_ops & table.split_ops)
 
 

@@ -43,14 +43,14 @@ def _mount(kind: str, size_mib: int = 16):
         pytest.skip(f"cannot mount a {kind} file system here ({cmd.split(' && ')[-1]} failed: no loop device?)")
 
     def cleanup():
-        # Sessions live until exit (tierflow._wrap._sessions): the ones on this mount go now.
+        # Sessions still alive (a traceback may hold one) on this mount let go of their files now.
         import gc
 
         from tierflow import _wrap
-        for s in [s for s in _wrap._sessions if mnt in s.config.get("TIERFLOW_NVME_PATHS", "")]:
+        gc.collect()
+        for s in [s for s in _wrap._live_sessions() if mnt in s.config.get("TIERFLOW_NVME_PATHS", "")]:
             s.detach()
             s.runtime.unlink_nvme_files()
-            _wrap._sessions.remove(s)
         gc.collect()
         if subprocess.run(["umount", mnt], capture_output=True).returncode != 0:
             subprocess.run(["umount", "-l", mnt], capture_output=True)  # detached now, gone with its last file

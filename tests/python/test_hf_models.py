@@ -87,7 +87,7 @@ def test_auto_under_a_tight_budget_offloads_and_matches_the_baseline(tmp_path, d
     task = hf_task(name)
     path = str(tmp_path / "profile.json")
     settings = dict(offload_optimizer="none", min_offload_bytes=0, prefetch_bytes="256KiB")
-    train(task, 3, True, device=device, profile=path, **settings)
+    measured = train(task, 3, True, device=device, profile=path, **settings)
     with open(path) as f:
         profile = json.load(f)
     b = profile["blocks"][0]
@@ -100,7 +100,7 @@ def test_auto_under_a_tight_budget_offloads_and_matches_the_baseline(tmp_path, d
     profile["links"].update(d2h=bandwidth, h2d=bandwidth, duplex=2 * bandwidth)
     with open(path, "w") as f:
         json.dump(profile, f)
-    budgets = tierflow.current_session().planner.budgets(profile)
+    budgets = measured.session.planner.budgets(profile)
     floor = tierflow._C.forced_plan_json(profile["blocks"], profile["links"], budgets, "recompute")
     base = train(task, 3, False, device=device)
     tier = train(task, 3, True, device=device, profile=path, gpu_memory=str(floor["predicted_device_peak_bytes"]),

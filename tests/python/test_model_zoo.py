@@ -212,7 +212,8 @@ def _force_mixed_plan(session) -> list:
 
 
 def train_mixed(task: Task, device: str) -> tuple:
-    """STEPS steps: the first records every block (recompute), then the mixed plan."""
+    """STEPS steps: the first records every block (recompute), then the mixed plan. Returns the losses, the
+    final state, the modes and the session's report."""
     torch.manual_seed(0)
     model = task.model_on(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
@@ -226,7 +227,7 @@ def train_mixed(task: Task, device: str) -> tuple:
         losses.append(loss.item())
         if step == 0:
             modes = _force_mixed_plan(tierflow.current_session())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, modes
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, modes, tierflow.report()
 
 
 @pytest.mark.parametrize("name", sorted(ZOO))
@@ -251,13 +252,13 @@ def test_every_mode_is_bit_identical_to_the_baseline(device, name, mode):
 
 @pytest.mark.parametrize("name", sorted(ZOO))
 def test_a_mixed_plan_is_bit_identical_to_the_baseline(device, name):
-    losses, params, modes = train_mixed(ZOO[name][0](), device)
+    losses, params, modes, report = train_mixed(ZOO[name][0](), device)
     base = baseline(name, device)
     assert losses == base.losses, (modes, losses, base.losses)
     for k, v in params.items():
         assert torch.equal(v, base.params[k]), (k, modes)
     assert {"keep", "swap", "recompute"} <= set(modes), modes
-    r = tierflow.report()["plan"]
+    r = report["plan"]
     assert r["replays"] > 0, r
 
 

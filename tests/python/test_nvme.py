@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import weakref
 
 import pytest
 import torch
@@ -324,3 +325,34 @@ def test_a_block_larger_than_the_host_budget_stays_on_the_device(nvme_dir, devic
     acts = tier.report["activations"]
     assert acts["host_fallbacks"] > 0 and acts["nvme"]["writes"] > 0, acts
     assert tier.report["host_pool"]["reserved"]["peak"] <= 64 * 1024
+
+
+@pytest.mark.parametrize("release", ["unwrap", "del"])
+def test_resources_go_with_the_model_and_optimizer(nvme_dir, release):
+    # Note [Session lifetime]: rounds of wrap / train / (unwrap) / del hold one runtime at a time: no swap file,
+    # pinned slab or session outlives the model and optimizer it served (four of each were held before).
+    import gc
+
+    from tierflow import _wrap
+
+    before = len(_wrap._live_sessions())
+    for round_ in range(4):
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+        opt = torch.optim.AdamW(model.parameters())
+        model, opt = tierflow.wrap(model, opt, device="emulated", offload_activations="nvme",
+                                   offload_optimizer="nvme", nvme_paths=nvme_dir, nvme_memory="64MiB",
+                                   min_offload_bytes=0)
+        for _ in range(2):
+            model(torch.randn(32, 64)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        assert os.listdir(nvme_dir), "the run wrote no swap file"
+        session = weakref.ref(tierflow.current_session())
+        if release == "unwrap":
+            tierflow.unwrap(model)
+            assert tierflow.current_session() is None or tierflow.current_session() is not session()
+        del model, opt
+        gc.collect()
+        assert session() is None, f"round {round_}: the session outlived its model and optimizer"
+        assert os.listdir(nvme_dir) == [], f"round {round_}: swap files left: {os.listdir(nvme_dir)}"
+        assert len(_wrap._live_sessions()) == before

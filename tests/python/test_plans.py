@@ -133,8 +133,8 @@ def test_auto_keeps_everything_when_it_fits_and_profiles_once(tmp_path, device):
 def test_auto_under_a_tight_budget_plans_offload_and_matches_the_baseline(tmp_path, device, name):
     task = TASKS[name]()
     base = train(task, 4, False, device=device)
-    _, profile, path = _profile_and_plan(tmp_path, task, device)
-    session_budgets = _budgets_for(profile, device)
+    measured, profile, path = _profile_and_plan(tmp_path, task, device)
+    session_budgets = _budgets_for(measured, profile)
     floor = tierflow._C.forced_plan_json(profile["blocks"], profile["links"], session_budgets, "recompute")
     everything = tierflow._C.forced_plan_json(profile["blocks"], profile["links"], session_budgets, "keep")
     budget = floor["predicted_device_peak_bytes"] + (everything["predicted_device_peak_bytes"]
@@ -146,9 +146,9 @@ def test_auto_under_a_tight_budget_plans_offload_and_matches_the_baseline(tmp_pa
     assert plan["predicted_device_peak_bytes"] <= budget
 
 
-def _budgets_for(profile: dict, device: str) -> dict:
-    session = tierflow.current_session()
-    return session.planner.budgets(profile)
+def _budgets_for(measured, profile: dict) -> dict:
+    """The budgets the planner of the run that measured ``profile`` gives it."""
+    return measured.session.planner.budgets(profile)
 
 
 def test_auto_budget_below_the_floor_says_how_much_is_needed(tmp_path, device):
@@ -173,14 +173,14 @@ def test_auto_on_a_slow_link_splits_tokens_and_matches_the_baseline(tmp_path, de
     # such a link (the planner sees nothing else), then the run must still be the baseline's, bit for bit.
     task = TASKS[name]()
     base = train(task, 4, False, device=device)
-    _, profile, path = _profile_and_plan(tmp_path, task, device)
+    measured, profile, path = _profile_and_plan(tmp_path, task, device)
     b = profile["blocks"][0]
     swappable = b["input_bytes"] + b["whole_bytes"] + b["split_bytes"]
     bandwidth = swappable / b["forward_seconds"] * 0.6
     profile["links"].update(d2h=bandwidth, h2d=bandwidth, duplex=2 * bandwidth)
     with open(path, "w") as f:
         json.dump(profile, f)
-    budgets = _budgets_for(profile, device)
+    budgets = _budgets_for(measured, profile)
     floor = tierflow._C.forced_plan_json(profile["blocks"], profile["links"], budgets, "recompute")
     tier = train(task, 4, True, device=device, profile=path,
                  gpu_memory=str(floor["predicted_device_peak_bytes"]), **OPT_NONE)
@@ -214,10 +214,13 @@ def test_replay_restores_autocast_and_matches_the_baseline(device, mode):
             losses.append(loss.item())
             if use_tierflow and mode == "split" and step == 0:
                 _find_split_plan(tierflow.current_session())
+        if use_tierflow:
+            reports.append(tierflow.report())
         return losses
 
+    reports: list = []
     assert run(False) == run(True)
-    r = tierflow.report()["plan"]
+    r = reports[0]["plan"]
     assert r["replays"] == 3 * 3
     if mode == "split":
         assert r["restored_ops"] == 2 * 3 and r["split_rows"] > 0

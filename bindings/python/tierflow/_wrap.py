@@ -15,7 +15,24 @@ from . import _C
 from ._config import settings_to_strings
 from ._report import Report
 
-_sessions: "list[Session]" = []
+# Note [Session lifetime]
+# ~~~~~~~~~~~~~~~~~~~~~~~
+# A session (its runtime: pinned slabs, swap files, worker threads) lives as long
+# as the model it is attached to (model._tierflow_session) or the CPUAdamW that
+# steps on its runtime: the package keeps only weak references, for report(),
+# current_session() and the final reports at exit. So wrap / train / unwrap / del
+# in a loop holds one runtime at a time, and a model that goes takes its swap
+# files with it (once the garbage collector has broken the model's reference
+# cycles: the hooks and the block runners refer back to it). unwrap() detaches
+# the hooks and drops the model's reference at once.
+_sessions: "list[weakref.ref[Session]]" = []
+
+
+def _live_sessions() -> "list[Session]":
+    """The sessions still alive, oldest first (Note [Session lifetime])."""
+    alive = [(r, r()) for r in _sessions]
+    _sessions[:] = [r for r, s in alive if s is not None]
+    return [s for _, s in alive if s is not None]
 
 
 class Session:
@@ -169,7 +186,7 @@ def wrap(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
         session.runtime.unlink_nvme_files()
         raise
     model._tierflow_session = session
-    _sessions.append(session)
+    _sessions.append(weakref.ref(session))
     return model, new_optimizer
 
 
@@ -256,24 +273,28 @@ def _check_parameters_are_the_models(model: torch.nn.Module, optimizer: torch.op
 
 
 def unwrap(model: torch.nn.Module) -> None:
-    """Removes tierflow's hooks from a wrapped model."""
+    """Removes tierflow's hooks from a wrapped model; its runtime goes once nothing else uses it (the CPUAdamW
+    wrap returned steps on it while it lives: Note [Session lifetime])."""
     session = getattr(model, "_tierflow_session", None)
     if session is None:
         raise _C.TierflowError("tierflow.unwrap: this model was not wrapped by tierflow.wrap")
     session.detach()
     model._tierflow_session = None
+    _sessions[:] = [r for r in _sessions if r() is not session and r() is not None]
 
 
 def current_session() -> Optional[Session]:
-    """The most recently created session, or None."""
-    return _sessions[-1] if _sessions else None
+    """The most recently created session still alive, or None (Note [Session lifetime])."""
+    live = _live_sessions()
+    return live[-1] if live else None
 
 
 def report() -> Report:
     """Statistics of the most recent ``wrap``; print it for a table."""
     session = current_session()
     if session is None:
-        raise _C.TierflowError("tierflow.report: nothing is wrapped yet; call tierflow.wrap(model, optimizer) first")
+        raise _C.TierflowError("tierflow.report: no wrapped model is alive (none was wrapped, or it was unwrapped or "
+                               "deleted); call tierflow.wrap(model, optimizer) first")
     return session.report()
 
 
@@ -289,7 +310,8 @@ def no_offload() -> Iterator[None]:
 
 @atexit.register
 def _write_final_reports() -> None:
-    for session in _sessions:
+    live = _live_sessions()
+    for session in live:
         if session.config.get("TIERFLOW_REPORT"):
             try:
                 session.report()
@@ -298,7 +320,7 @@ def _write_final_reports() -> None:
     # Drop the runtimes now, while the interpreter still runs, so that their
     # NVMe swap files are removed (saved tensors still alive keep theirs until
     # they go, and the next start removes anything a crash left behind).
-    for session in _sessions:
+    for session in live:
         session.detach()
         session.runtime.unlink_nvme_files()
     _sessions.clear()
