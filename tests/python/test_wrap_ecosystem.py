@@ -289,3 +289,72 @@ def test_optimizer_over_part_of_the_model_is_accepted():
     assert torch.equal(after["0.weight"], before["0.weight"])
     assert not torch.equal(after["0.bias"], before["0.bias"]) and not torch.equal(after["2.weight"], before["2.weight"])
     tierflow.unwrap(model)
+
+
+# ---- torch.compile and CUDA graphs (Note [Hooks outside graphs] in _compile.py) ---------------------------------
+
+
+@pytest.mark.parametrize("mode", ["auto", "host", "recompute"])
+def test_torch_compile_runs_the_hooks_eagerly_and_says_once_that_it_does_not_mix(device, mode):
+    # dynamo used to trace into tierflow's hooks, break the graph dozens of times inside them and say nothing.
+    # Now the hooks run outside the graphs: the compiled model trains as eager does (the eager backend compiles
+    # nothing numeric, so bit for bit), tierflow warns once, and dynamo breaks only at the hooked modules.
+    import torch._dynamo
+    from tierflow import _compile
+
+    task = gpt_task(layers=2, width=32, block=16, batch=4)
+
+    def run(compiled: bool) -> list:
+        torch.manual_seed(0)
+        model = task.model_on(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        if compiled:
+            model, opt = tierflow.wrap(model, opt, device=device, offload_activations=mode,
+                                       offload_optimizer="none", min_offload_bytes=0)
+            model = torch.compile(model, backend="eager")
+        losses = []
+        for step in range(4):
+            loss = task.loss(model, task.batch_on(step, device))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    _compile._said = False
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert run(True) == run(False)
+    ours = [str(w.message) for w in seen if str(w.message).startswith("tierflow: torch.compile")]
+    assert len(ours) == 1 and "do not mix" in ours[0], ours
+    breaks = torch._dynamo.utils.counters["graph_break"]
+    assert not any("Runtime" in reason or "saved_tensors_hooks" in reason for reason in breaks), list(breaks)
+    torch._dynamo.reset()
+
+
+def test_cuda_graph_capture_through_a_wrapped_model_is_refused(monkeypatch):
+    # A hook reached while a stream captures raises before it does anything (on a GPU: the [cuda] case below).
+    from tierflow import _compile
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    model, _ = tierflow.wrap(model, None, device="emulated", offload_optimizer="none")
+    monkeypatch.setattr(_compile, "capturing", lambda: True)
+    with pytest.raises(tierflow.TierflowError, match="CUDA graph is being captured"):
+        model(torch.randn(2, 8, requires_grad=True))
+    monkeypatch.setattr(_compile, "capturing", lambda: False)
+    model(torch.randn(2, 8, requires_grad=True)).sum().backward()  # nothing was left half-done
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not tierflow._C.cuda_available(),
+                    reason="needs a CUDA GPU and tierflow's CUDA backend; this machine has none")
+def test_cuda_graph_capture_through_a_wrapped_model_is_refused_on_cuda():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)).cuda()
+    model, _ = tierflow.wrap(model, None, device="cuda", offload_optimizer="none")
+    x = torch.randn(2, 8, device="cuda", requires_grad=True)
+    model(x).sum().backward()  # warm-up, as capture needs
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(tierflow.TierflowError, match="CUDA graph is being captured"):
+        with torch.cuda.graph(graph):
+            model(x)

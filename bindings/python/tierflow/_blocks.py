@@ -91,6 +91,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from . import _C
+from ._compile import outside_graphs
 from ._hf import cache_argument
 
 aten = torch.ops.aten
@@ -630,8 +631,10 @@ class BlockRunner:
     def install(self) -> None:
         """Puts the hooks on the block (once)."""
         if not self._handles:
-            self._handles = [self.module.register_forward_pre_hook(self._before, with_kwargs=True),
-                             self.module.register_forward_hook(self._after, with_kwargs=True, always_call=True)]
+            # Note [Hooks outside graphs]: dynamo never traces them.
+            self._handles = [self.module.register_forward_pre_hook(outside_graphs(self._before), with_kwargs=True),
+                             self.module.register_forward_hook(outside_graphs(self._after), with_kwargs=True,
+                                                               always_call=True)]
 
     def remove(self) -> None:
         """Takes the hooks off the block: a module with none keeps torch's fast paths (TransformerEncoderLayer's

@@ -12,6 +12,8 @@ from typing import Any, Callable
 
 import torch
 
+from ._compile import outside_graphs
+
 
 class StreamingMixin:
     """The gradient-stream methods of CPUAdamW (see the module doc)."""
@@ -51,7 +53,8 @@ class StreamingMixin:
                 continue
             slots = [self._slot_of[p] for p in read_by_forward(module) if p in self._slot_of]
             if slots:
-                self._hooks.append(module.register_forward_pre_hook(waiter(self._stream.add_module(slots))))
+                self._hooks.append(module.register_forward_pre_hook(  # Note [Hooks outside graphs]
+                    outside_graphs(waiter(self._stream.add_module(slots)))))
 
         def synchronize(*_args: Any) -> None:
             opt = me()

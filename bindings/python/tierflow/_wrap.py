@@ -12,6 +12,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from . import _C
+from ._compile import outside_graphs
 from ._config import settings_to_strings
 from ._report import Report
 
@@ -60,8 +61,9 @@ class Session:
 
             self.planner = AutoPlanner(self, model, blocks)
         self.runtime.register_parameters([p for p in model.parameters()])
-        self._handles.append(model.register_forward_pre_hook(self._before_forward))
-        self._handles.append(model.register_forward_hook(self._after_forward, always_call=True))
+        # Note [Hooks outside graphs]: dynamo never traces them.
+        self._handles.append(model.register_forward_pre_hook(outside_graphs(self._before_forward)))
+        self._handles.append(model.register_forward_hook(outside_graphs(self._after_forward), always_call=True))
 
     def detach(self) -> None:
         """Removes the hooks; saved tensors already offloaded still come back."""
