@@ -27,11 +27,13 @@ class GpuShareMixin:
             self._gpu_share = set()
             return
         rate = opt["elements"] / (opt["step_ms"] / 1e3)
-        free, _total = torch.cuda.mem_get_info(cuda[0].device)
-        # m and v in fp32, plus an fp32 master for 16-bit parameters; half the free memory at most.
+        dev = cuda[0].device
+        free, _total = torch.cuda.mem_get_info(dev)
+        room = gpu_share_room(free, int(self._runtime.device_budget_bytes()), torch.cuda.max_memory_allocated(dev))
+        # m and v in fp32, plus an fp32 master for 16-bit parameters.
         per_element = 12 if any(p.dtype != torch.float32 for p in cuda) else 8
         self._gpu_fraction = _C.choose_gpu_fraction(rate, 0.0, backward_ms / 1e3, sum(p.numel() for p in cuda),
-                                                    per_element, free // 2)
+                                                    per_element, room)
         self._gpu_share = self._assign_gpu_share()
         for p in cuda:
             if id(p) not in self._gpu_share:
@@ -82,3 +84,11 @@ class GpuShareMixin:
             b[5].append(None if p.dtype == torch.float32 else p.detach())
         for step, (masters, ms, vs, vmaxes, grads, outs) in buckets.items():
             _C.cuda_adam_step(options, step, masters, ms, vs, vmaxes, grads, outs)
+
+
+def gpu_share_room(free_bytes: int, budget_bytes: int, first_step_peak_bytes: int) -> int:
+    """Device bytes the GPU share's states may take: within TIERFLOW_GPU_MEMORY, what the first step's peak left
+    of it (that step ran the activation planner's floor, so every plan the planner can make still fits: the
+    timing step's measured peak, which the plan is made from, then holds the share's states as fixed bytes), and
+    at most half of what the device has free."""
+    return max(0, min(free_bytes // 2, budget_bytes - first_step_peak_bytes))
