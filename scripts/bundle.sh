@@ -8,7 +8,8 @@
 #
 #   dir/debs/     Debian packages (bookworm names; apt-get download, no root)
 #   dir/wheels/   wheels of pybind11, scikit-build-core, cmake, ninja, numpy,
-#                 pytest, transformers (a test dependency, at scripts/setup.sh's pin)
+#                 pytest, transformers and accelerate (test dependencies, at scripts/setup.sh's pins;
+#                 accelerate without torch, which it names)
 #                 and what they need (pip download --only-binary=:all:)
 #   dir/MANIFEST.txt  every file with its sha256, written last: a bundle
 #                 without it is incomplete and scripts/setup.sh refuses it
@@ -23,6 +24,8 @@
 #                          2.28 and older, which every torch 2.x node has)
 #   BUNDLE_WHEELS          the pip requirements to bundle (default below);
 #                          empty: Debian packages only
+#   BUNDLE_WHEELS_NO_DEPS  requirements bundled without what they require
+#                          (they name torch; default below)
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 
@@ -45,6 +48,10 @@ ALLOWED_ELSEWHERE=(libc6 libgcc-s1 libstdc++6   # the C and C++ runtimes every s
                    googletest                   # GoogleTest's sources; libgtest-dev ships the built libraries
                    libhwloc15)                  # needed only by libtbbbind, which oneTBB loads if it can
 WHEELS=${BUNDLE_WHEELS-pybind11 scikit-build-core cmake ninja numpy pytest transformers==4.57.6}  # the pin: scripts/setup.sh's
+# Packages that name torch as a requirement (a bundle carries no torch): downloaded without their requirements,
+# the others listed with them (accelerate needs numpy, packaging, pyyaml, huggingface_hub and safetensors, which
+# transformers brings, and psutil).
+WHEELS_NO_DEPS=${BUNDLE_WHEELS_NO_DEPS-accelerate==1.10.1 psutil}  # the pin: scripts/setup.sh's
 
 PY=python3
 [ -x "$ROOT/.venv/bin/python" ] && PY="$ROOT/.venv/bin/python"
@@ -88,6 +95,11 @@ if [ -n "$WHEELS" ]; then
     # shellcheck disable=SC2086  # WHEELS is a list of requirements
     "$PY" -m pip download -q --only-binary=:all: --dest "$OUT/wheels" "${target[@]}" $WHEELS \
       || die "pip could not download wheels for Python $v (is PyPI reachable? for another Python, are BUNDLE_PLATFORMS right?)"
+    if [ -n "$WHEELS_NO_DEPS" ]; then
+      # shellcheck disable=SC2086
+      "$PY" -m pip download -q --only-binary=:all: --no-deps --dest "$OUT/wheels" "${target[@]}" $WHEELS_NO_DEPS \
+        || die "pip could not download $WHEELS_NO_DEPS for Python $v"
+    fi
   done
   if compgen -G "$OUT/wheels/torch-*" >/dev/null || compgen -G "$OUT/wheels/nvidia_*" >/dev/null; then
     die "a bundled package pulled in torch or CUDA wheels; the bundle must not carry torch: check BUNDLE_WHEELS"
@@ -100,7 +112,7 @@ fi
   echo "# use it with: TIERFLOW_BUNDLE=<this directory> make test   (or make setup BUNDLE=<this directory>)"
   echo "# Debian packages, unpacked with dpkg -x into .deps/: ${DEBS[*]}"
   if [ -n "$WHEELS" ]; then
-    echo "# wheels for Python ${PY_VERSIONS}: ${WHEELS} (and what they need); torch is not bundled"
+    echo "# wheels for Python ${PY_VERSIONS}: ${WHEELS} (and what they need), ${WHEELS_NO_DEPS}; torch is not bundled"
   else
     echo "# no wheels (BUNDLE_WHEELS was empty)"
   fi

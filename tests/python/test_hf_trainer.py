@@ -1,0 +1,81 @@
+"""transformers' Trainer drives a wrapped model and tierflow's CPU optimizer.
+
+The user's AdamW and a learning-rate schedule made before wrap go to Trainer as ``optimizers=(optimizer,
+scheduler)``; Trainer accumulates gradients over 2 micro-batches, clips them to ``max_grad_norm`` (through
+accelerate), steps, logs, saves checkpoints (the CPUAdamW's state_dict) and resumes from one. Against the same
+Trainer run without tierflow: the parameters within the CPU optimizer's rounding of torch's AdamW; a resumed run
+bit-identical to the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import tierflow
+from harness import torch_device
+
+transformers = pytest.importorskip(
+    "transformers", reason="transformers is a test dependency (scripts/setup.sh installs it); not importable here")
+pytest.importorskip("accelerate", reason="accelerate (which Trainer needs) is a test dependency (scripts/setup.sh "
+                                         "installs it); not importable here")
+
+VOCAB, SEQ = 96, 16
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> dict:
+        ids = torch.randint(1, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(9000 + i))
+        return {"input_ids": ids, "labels": ids}
+
+
+def trainer_run(out: str, device: str, settings, resume=None) -> tuple:
+    """4 optimizer steps of Trainer on a tiny GPT-2 (default config: dropout 0.1, use_cache=True)."""
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB,
+                                                                 n_positions=64)).to(torch_device(device))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))  # made before wrap
+    if settings is not None:
+        model, opt = tierflow.wrap(model, opt, device=device, **settings)
+    args = transformers.TrainingArguments(
+        out, max_steps=4, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_grad_norm=1.0,
+        logging_steps=1, save_steps=2, report_to=[], use_cpu=device != "cuda", seed=0, data_seed=0,
+        dataloader_num_workers=0, disable_tqdm=True, save_safetensors=False)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(), optimizers=(opt, sched))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="tierflow.wrap: .* has config.use_cache=True")
+        trainer.train(resume_from_checkpoint=resume)
+    lrs = [h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h]
+    params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    report = tierflow.report() if settings is not None else None
+    return params, lrs, report
+
+
+def test_trainer_matches_torch_adamw_and_resumes_bit_for_bit(tmp_path, device):
+    base, base_lrs, _ = trainer_run(str(tmp_path / "base"), device, None)
+    tier, lrs, report = trainer_run(str(tmp_path / "tier"), device, {})
+    assert lrs == base_lrs and len(lrs) == 4  # the schedule made before wrap scheduled tierflow's optimizer
+    for k, v in base.items():
+        if v.is_floating_point():
+            torch.testing.assert_close(tier[k], v, rtol=1e-6, atol=5e-5, msg=f"parameter {k}")
+    assert report["optimizer"]["steps"] >= 4
+    # Resumed from the step-2 checkpoint (the CPUAdamW's state_dict, the scheduler, the RNG): the run that never
+    # stopped, bit for bit.
+    resumed, _, _ = trainer_run(str(tmp_path / "tier"), device, {}, resume=str(tmp_path / "tier" / "checkpoint-2"))
+    for k, v in tier.items():
+        assert torch.equal(resumed[k], v), k
+
+
+def test_trainer_with_activation_offload_and_your_optimizer_is_bit_identical(tmp_path, device):
+    base, _, _ = trainer_run(str(tmp_path / "base"), device, None)
+    tier, _, report = trainer_run(str(tmp_path / "tier"), device,
+                                  dict(offload_optimizer="none", offload_activations="recompute"))
+    for k, v in base.items():
+        assert torch.equal(tier[k], v), k
+    assert report["plan"]["replays"] == 4 * 2 * 2  # 2 blocks, 2 micro-batches, 4 steps
