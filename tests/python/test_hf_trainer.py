@@ -34,7 +34,7 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids}
 
 
-def trainer_run(out: str, device: str, settings, resume=None) -> tuple:
+def trainer_run(out: str, device: str, settings, resume=None, trainer_clip: float = 1.0) -> tuple:
     """4 optimizer steps of Trainer on a tiny GPT-2 (default config: dropout 0.1, use_cache=True)."""
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB,
@@ -44,7 +44,7 @@ def trainer_run(out: str, device: str, settings, resume=None) -> tuple:
     if settings is not None:
         model, opt = tierflow.wrap(model, opt, device=device, **settings)
     args = transformers.TrainingArguments(
-        out, max_steps=4, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_grad_norm=1.0,
+        out, max_steps=4, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_grad_norm=trainer_clip,
         logging_steps=1, save_steps=2, report_to=[], use_cpu=device != "cuda", seed=0, data_seed=0,
         dataloader_num_workers=0, disable_tqdm=True, save_safetensors=False)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(), optimizers=(opt, sched))
@@ -79,3 +79,20 @@ def test_trainer_with_activation_offload_and_your_optimizer_is_bit_identical(tmp
     for k, v in base.items():
         assert torch.equal(tier[k], v), k
     assert report["plan"]["replays"] == 4 * 2 * 2  # 2 blocks, 2 micro-batches, 4 steps
+
+
+def test_clip_and_accumulation_given_to_tierflow_waste_no_step(tmp_path, device):
+    # Trainer accumulates and clips behind the optimizer's back: every step tierflow takes during backward is
+    # taken back (the next micro-batch changes the gradient) or redone (the clip rewrites it), correct but wasted.
+    # Given to tierflow instead (grad_accumulation_steps and max_grad_norm in wrap, max_grad_norm=0 in
+    # TrainingArguments), the clip is exactly clip_grad_norm_'s and nothing is redone or taken back.
+    base, _, _ = trainer_run(str(tmp_path / "base"), device, None)
+    theirs = trainer_run(str(tmp_path / "theirs"), device, {})[2]["optimizer"]["overlap"]
+    tier, _, report = trainer_run(str(tmp_path / "tier"), device, dict(max_grad_norm=1.0, grad_accumulation_steps=2),
+                                  trainer_clip=0.0)
+    for k, v in base.items():
+        if v.is_floating_point():
+            torch.testing.assert_close(tier[k], v, rtol=1e-6, atol=5e-5, msg=f"parameter {k}")
+    ours = report["optimizer"]["overlap"]
+    assert theirs["committed"] == 0 and theirs["taken_back"] + theirs["redone"] > 0, theirs  # all wasted
+    assert ours["redone"] == 0 and ours["taken_back"] == 0, ours
