@@ -164,3 +164,18 @@ def test_cuda_is_honoured():
     model = torch.nn.Linear(2, 2).cuda()
     model, _ = tierflow.wrap(model, None, device="cuda")
     assert tierflow.report()["device"] == "cuda"
+
+
+def test_a_model_on_another_gpu_than_the_current_one_is_refused():
+    # Copies were ordered against the current device's streams: a model on cuda:1 without set_device(1) was
+    # ordered against GPU 0 (issue 19). The rule, without a GPU (on a multi-GPU machine wrap applies it).
+    from tierflow._wrap import one_cuda_device
+
+    cpu, c0, c1 = torch.device("cpu"), torch.device("cuda", 0), torch.device("cuda", 1)
+    assert one_cuda_device({cpu}, 0) is None
+    assert one_cuda_device({c1, cpu}, 1) is None
+    assert one_cuda_device({torch.device("cuda")}, 3) is None  # "cuda" is the current device
+    msg = one_cuda_device({c1}, 0)
+    assert "cuda:1" in msg and "current CUDA device is cuda:0" in msg and "torch.cuda.set_device(1)" in msg, msg
+    msg = one_cuda_device({c0, c1}, 0)
+    assert "cuda:0, cuda:1" in msg and "one GPU per process" in msg, msg
