@@ -8,8 +8,8 @@
 #
 #   dir/debs/     Debian packages (bookworm names; apt-get download, no root)
 #   dir/wheels/   wheels of pybind11, scikit-build-core, cmake, ninja, numpy,
-#                 pytest, transformers and accelerate (test dependencies, at scripts/setup.sh's pins;
-#                 accelerate without torch, which it names)
+#                 pytest, transformers, accelerate and peft (test dependencies, at scripts/setup.sh's
+#                 pins; accelerate and peft without torch, which they name)
 #                 and what they need (pip download --only-binary=:all:)
 #   dir/MANIFEST.txt  every file with its sha256, written last: a bundle
 #                 without it is incomplete and scripts/setup.sh refuses it
@@ -49,9 +49,9 @@ ALLOWED_ELSEWHERE=(libc6 libgcc-s1 libstdc++6   # the C and C++ runtimes every s
                    libhwloc15)                  # needed only by libtbbbind, which oneTBB loads if it can
 WHEELS=${BUNDLE_WHEELS-pybind11 scikit-build-core cmake ninja numpy pytest transformers==4.57.6}  # the pin: scripts/setup.sh's
 # Packages that name torch as a requirement (a bundle carries no torch): downloaded without their requirements,
-# the others listed with them (accelerate needs numpy, packaging, pyyaml, huggingface_hub and safetensors, which
-# transformers brings, and psutil).
-WHEELS_NO_DEPS=${BUNDLE_WHEELS_NO_DEPS-accelerate==1.10.1 psutil}  # the pin: scripts/setup.sh's
+# the others listed with them (accelerate and peft need numpy, packaging, pyyaml, tqdm, huggingface_hub and
+# safetensors, which transformers brings, and psutil).
+WHEELS_NO_DEPS=${BUNDLE_WHEELS_NO_DEPS-accelerate==1.10.1 peft==0.17.1 psutil}  # the pins: scripts/setup.sh's
 
 PY=python3
 [ -x "$ROOT/.venv/bin/python" ] && PY="$ROOT/.venv/bin/python"

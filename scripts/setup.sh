@@ -6,8 +6,8 @@
 #   Python           a virtual environment in .venv (it sees system site-packages, so a
 #                    preinstalled torch on a GPU machine is used as is), torch 2.13.0
 #                    when no torch is importable, pybind11, scikit-build-core, cmake,
-#                    ninja, numpy, pytest, transformers 4.57.6 and accelerate 1.10.1 (test
-#                    dependencies: the HF model, model zoo and Trainer tests); a .pth file makes `import tierflow` find
+#                    ninja, numpy, pytest, transformers 4.57.6, accelerate 1.10.1 and peft
+#                    0.17.1 (test dependencies: the HF model, model zoo and Trainer tests); a .pth file makes `import tierflow` find
 #                    bindings/python from any directory
 #   build            CMake + Ninja in build/dev: the C++ libraries, the GoogleTest
 #                    suites and tierflow._C next to the Python sources
@@ -111,10 +111,10 @@ if ! "$VPY" -c "import torch" 2>/dev/null; then
   [ -z "$BUNDLE" ] || die "torch is not importable by .venv/bin/python, and a bundle carries no torch (the machine should have its own, e.g. a CUDA build). Install torch for $PYTHON, or remove .venv and rerun with PYTHON=<an interpreter that has torch>."
   need+=("torch==2.13.0")
 fi
-# transformers and accelerate (which transformers' Trainer needs): test dependencies (tests/python/test_hf_models.py,
+# transformers, accelerate (which transformers' Trainer needs) and peft: test dependencies (tests/python/test_hf_models.py,
 # test_model_zoo.py, test_hf_trainer.py), pinned; scripts/bundle.sh carries the same pins.
 for mod_pkg in pybind11:pybind11 scikit_build_core:scikit-build-core numpy:numpy pytest:pytest \
-               transformers:transformers==4.57.6 accelerate:accelerate==1.10.1; do
+               transformers:transformers==4.57.6 accelerate:accelerate==1.10.1 peft:peft==0.17.1; do
   mod=${mod_pkg%%:*}; pkg=${mod_pkg#*:}
   "$VPY" -c "import $mod" 2>/dev/null || need+=("$pkg")
 done

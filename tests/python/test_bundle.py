@@ -21,7 +21,7 @@ from packaging.utils import canonicalize_name
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # What scripts/setup.sh needs from a bundle (besides Debian packages, which it lists itself).
-WHEEL_PACKAGES = ("pybind11", "scikit_build_core", "numpy", "pytest", "transformers", "accelerate")
+WHEEL_PACKAGES = ("pybind11", "scikit_build_core", "numpy", "pytest", "transformers", "accelerate", "peft")
 LIBRARIES = ("libmimalloc.so", "libtbb.so", "libaio.so", "libxxhash.so")
 
 

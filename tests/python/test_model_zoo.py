@@ -3,7 +3,7 @@
 Each family is built from a tiny config in-process (nothing is downloaded) and is otherwise as its library ships
 it: ``use_cache=True``, dropouts as configured (GPT-2, BERT, T5 and torch's nn.Transformer at 0.1), SDPA
 attention where the library picks it, Mixtral's router (a mixture of experts: which tokens reach which expert
-changes every step under the same input shapes). Every family trains with and without tierflow on the same
+changes every step under the same input shapes), peft's LoRA on GPT-2 (frozen base weights). Every family trains with and without tierflow on the same
 device, data and seed under each TIERFLOW_OFFLOAD_ACTIVATIONS mode and under a mixed plan that gives its blocks
 keep, split, swap and recompute (what ``auto`` picks under a tight budget, forced here so that every family gets
 every action whatever its measured times), with ``offload_optimizer="none"``: bit-identical to the baseline,
@@ -52,6 +52,20 @@ def _gpt2() -> Task:
                                                                     vocab_size=VOCAB, n_positions=64))
 
     return Task(make, lambda i: (_ids(i),), lambda m, b: m(input_ids=b[0], labels=b[0]).loss)
+
+
+def _gpt2_lora() -> Task:
+    """peft's LoRA on GPT-2's attention projections: the base weights frozen, the adapters (with their dropout)
+    trained; an optimizer over every parameter, as many fine-tuning scripts build it."""
+    peft = pytest.importorskip("peft", reason="peft is a test dependency (scripts/setup.sh installs it); "
+                                              "not importable here")
+    base = _gpt2()
+
+    def make():
+        return peft.get_peft_model(base.make_model(), peft.LoraConfig(
+            r=4, lora_alpha=8, target_modules=["c_attn", "c_proj"], lora_dropout=0.1, fan_in_fan_out=True))
+
+    return Task(make, base.make_batch, base.loss)
 
 
 def _bert() -> Task:
@@ -163,6 +177,7 @@ def _attribute_stack() -> Task:
 # name -> (task, the class of its blocks as tierflow finds them)
 ZOO = {
     "gpt2": (_gpt2, ("GPT2Block",)),
+    "gpt2_lora": (_gpt2_lora, ("GPT2Block",)),
     "llama": (lambda: _causal_lm(transformers.LlamaForCausalLM, transformers.LlamaConfig), ("LlamaDecoderLayer",)),
     "mistral": (lambda: _causal_lm(transformers.MistralForCausalLM, transformers.MistralConfig),
                 ("MistralDecoderLayer",)),
