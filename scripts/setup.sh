@@ -114,25 +114,44 @@ fi
 # transformers, accelerate (which transformers' Trainer needs) and peft: test dependencies (tests/python/test_hf_models.py,
 # test_model_zoo.py, test_hf_trainer.py), pinned; scripts/bundle.sh carries the same pins.
 for mod_pkg in pybind11:pybind11 scikit_build_core:scikit-build-core numpy:numpy pytest:pytest \
-               transformers:transformers==4.57.6 accelerate:accelerate==1.10.1 peft:peft==0.17.1; do
+               transformers:transformers==4.57.6 psutil:psutil; do
   mod=${mod_pkg%%:*}; pkg=${mod_pkg#*:}
   "$VPY" -c "import $mod" 2>/dev/null || need+=("$pkg")
 done
+# accelerate and peft name torch as a requirement: they go in without their requirements (what else they need
+# comes with transformers, and psutil above), so pip never tries to install or upgrade torch, or what torch
+# requires, from a bundle that carries no torch.
+no_deps=()
+for mod_pkg in accelerate:accelerate==1.10.1 peft:peft==0.17.1; do
+  mod=${mod_pkg%%:*}; pkg=${mod_pkg#*:}
+  "$VPY" -c "import $mod" 2>/dev/null || no_deps+=("$pkg")
+done
 [ -x .venv/bin/cmake ] || command -v cmake >/dev/null || need+=("cmake")
 [ -x .venv/bin/ninja ] || command -v ninja >/dev/null || need+=("ninja")
-if ((${#need[@]})); then
+pip_install() {  # pip_install [pip options] PACKAGES: from the bundle only when there is one
   if [ -n "$BUNDLE" ]; then
-    say "installing Python packages from $BUNDLE/wheels: ${need[*]}"
     # Only the bundle: no index, and no find-links or index from pip's configuration.
     env -u PIP_FIND_LINKS -u PIP_INDEX_URL -u PIP_EXTRA_INDEX_URL -u PIP_CONSTRAINT PIP_CONFIG_FILE=/dev/null \
-      "$VPY" -m pip install -q --no-index --find-links "$BUNDLE/wheels" "${need[@]}" \
-      || die "the bundle's wheels do not provide ${need[*]} for Python $("$VPY" -c 'import sys; print("%d.%d" % sys.version_info[:2])') (made for another Python? make it with BUNDLE_PYTHON_VERSION=<this version> make bundle)"
+      "$VPY" -m pip install -q --no-index --find-links "$BUNDLE/wheels" "$@"
   else
-    say "installing Python packages: ${need[*]}"
-    "$VPY" -m pip install -q "${need[@]}" \
-      || die "pip could not install ${need[*]} (no registry reachable?). Install them into .venv by hand, or run 'make bundle' on a machine with a registry and 'TIERFLOW_BUNDLE=bundle make test' here."
+    "$VPY" -m pip install -q "$@"
   fi
-fi
+}
+for group in need no_deps; do
+  declare -n pkgs=$group
+  ((${#pkgs[@]})) || continue
+  options=()
+  [ "$group" = no_deps ] && options=(--no-deps)
+  if [ -n "$BUNDLE" ]; then
+    say "installing Python packages from $BUNDLE/wheels: ${pkgs[*]}"
+    pip_install "${options[@]}" "${pkgs[@]}" \
+      || die "the bundle's wheels do not provide ${pkgs[*]} for Python $("$VPY" -c 'import sys; print("%d.%d" % sys.version_info[:2])') (made for another Python? make it with BUNDLE_PYTHON_VERSION=<this version> make bundle)"
+  else
+    say "installing Python packages: ${pkgs[*]}"
+    pip_install "${options[@]}" "${pkgs[@]}" \
+      || die "pip could not install ${pkgs[*]} (no registry reachable?). Install them into .venv by hand, or run 'make bundle' on a machine with a registry and 'TIERFLOW_BUNDLE=bundle make test' here."
+  fi
+done
 say "torch $("$VPY" -c 'import torch; print(torch.__version__)')"
 
 # `import tierflow` from any directory: the sources (and _C, built next to
