@@ -135,7 +135,7 @@ def find_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
         return any(True for _ in m.parameters())
 
     def stacks(leaves: bool) -> list:
-        # (parent, children): two or more modules of one class, each holding parameters.
+        # Each stack: two or more children of one module, of one class, each holding parameters.
         found = []
         for parent in model.modules():
             children = list(parent.children())
@@ -693,16 +693,12 @@ class BlockRunner:
             ctx.__enter__()
             self._stack.append((None, ctx, None))
             return
+        external = {_skey(p) for p in module.parameters()} | {_skey(b) for b in module.buffers()}
         if self.dynamic is not None:  # Note [Data-dependent blocks]: no table, no replay, the model's cache is fine
             f = _Frame(self, None, False)
             f.dynamic = self.dynamic
-            f.external = {_skey(p) for p in module.parameters()} | {_skey(b) for b in module.buffers()}
-            ctx = torch.autograd.graph.saved_tensors_hooks(f.pack, _unpack)
-            ctx.__enter__()
-            if self.timing:
-                self.sync()
-                f.t0 = time.perf_counter()
-            self._stack.append((f, ctx, None))
+            f.external = external
+            self._enter(f, None)
             return
         cache = cache_argument(module, args, kwargs) if self.mode != "swap" else None
         if cache is not None:  # a replay would run on the cache its forward grew (Note [HF caches] in _hf.py)
@@ -724,7 +720,6 @@ class BlockRunner:
         dtype_dev = dev.type if dev.type in ("cpu", "cuda") else "cpu"
         f.autocast = (dtype_dev, torch.is_autocast_enabled(dtype_dev), torch.get_autocast_dtype(dtype_dev),
                       torch.is_autocast_cache_enabled())
-        external = {_skey(p) for p in module.parameters()} | {_skey(b) for b in module.buffers()}
         inputs = set()
         rt = self.runtime
         held: dict = {}  # id(tensor) -> its marker: an argument passed twice is one tensor in the replay too
@@ -742,11 +737,15 @@ class BlockRunner:
 
         f.args = tree_map(hold, (args, kwargs))
         f.external = external
-        ctx = torch.autograd.graph.saved_tensors_hooks(f.pack, _unpack)
         if recording:
             f.recorder = _Recorder(external, inputs, table)
             f.seen = set()
             f.recorder.__enter__()
+        self._enter(f, sig)
+
+    def _enter(self, f: _Frame, sig: Optional[tuple]) -> None:
+        """Starts the frame's saved-tensor hooks (and its timing); _after ends them."""
+        ctx = torch.autograd.graph.saved_tensors_hooks(f.pack, _unpack)
         ctx.__enter__()
         if self.timing:
             self.sync()
@@ -764,14 +763,11 @@ class BlockRunner:
         if f is None:
             return
         f.finish()
-        if f.table is None:  # a data-dependent block's forward: no table to keep
-            if self.timing:
-                self.sync()
-                self.forward_seconds.append(time.perf_counter() - f.t0)
-            return
         if self.timing:
             self.sync()
             self.forward_seconds.append(time.perf_counter() - f.t0)
+        if f.table is None:  # a data-dependent block's forward: no table to keep
+            return
         if f.recording:
             f.recorder.__exit__(None, None, None)
             _finish_table(f.table)

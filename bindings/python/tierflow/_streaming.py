@@ -89,7 +89,7 @@ class StreamingMixin:
         """Once per backward, from C++: the hyperparameters in force (an LR scheduler may have changed them)."""
         self._push_groups()
         # Under DDP every parameter steps in step(), from the reduced gradient (Note [Distributed training]).
-        self._stream.set_enabled(not self._master_stale and not getattr(self, "_steps_after_backward", None))
+        self._stream.set_enabled(not self._master_stale and not self._steps_after_backward)
 
     @torch.no_grad()
     def _init_slot(self, slot: int) -> None:

@@ -198,6 +198,8 @@ class CPUAdamW(StreamingMixin, GpuShareMixin, NvmeStatesMixin, torch.optim.Optim
         # With states on NVMe, step() streams them through pinned memory
         # (Note [Optimizer states on NVMe]); steps during backward are host-tier only.
         self._overlap = cfg["TIERFLOW_OVERLAP_STEP"] == "on" and not self._nvme
+        # Why steps during backward are off for the rest of the run (DDP: Note [Distributed training]), or None.
+        self._steps_after_backward: Optional[str] = None
         self._accumulation = int(cfg["TIERFLOW_GRAD_ACCUMULATION_STEPS"])
         norm = cfg["TIERFLOW_MAX_GRAD_NORM"]
         self._max_grad_norm = None if norm == "none" else float(norm)
@@ -469,7 +471,7 @@ class CPUAdamW(StreamingMixin, GpuShareMixin, NvmeStatesMixin, torch.optim.Optim
         self._grad_events[p] = count
         if p in self._spec:
             self._take_back(p)  # its gradient changed again (accumulation went on)
-        if count != self._accumulation or p.grad is None or getattr(self, "_steps_after_backward", None):
+        if count != self._accumulation or p.grad is None or self._steps_after_backward:
             return  # (under DDP: no steps during backward, Note [Distributed training])
         grad = p.grad
         if grad.is_sparse or grad.dtype not in _GRAD_DTYPES or not grad.is_contiguous() or not p.is_contiguous():
@@ -596,7 +598,7 @@ class CPUAdamW(StreamingMixin, GpuShareMixin, NvmeStatesMixin, torch.optim.Optim
         self._wait_worker()
         scale, finite = self._clip_coefficient()
         # Note [Distributed training]: early steps all redone in a multi-process run (an all-reduce) turn them off.
-        watch = self._overlap and not self._master_stale and not getattr(self, "_steps_after_backward", None)
+        watch = self._overlap and not self._master_stale and not self._steps_after_backward
         watched = self.overlap_stats if watch else None
         if self._skip_nonfinite and not finite:
             self._take_back_all()
