@@ -85,6 +85,11 @@ struct GradStream::Slot {
   at::Tensor norm;            // clip_grad_norm_'s per-tensor norm of the released gradient
   const c10::TensorImpl* grad_impl = nullptr;
   std::int64_t grad_version = 0;
+  // Note [Clip picked up]: its version when the user's clip began (-1: not a
+  // candidate), and the coefficient that clip scaled it by.
+  std::int64_t clip_base = -1;
+  bool clipped = false;
+  double clip_scale = 1.0;
   optimizer::AdamOptions options_used;
   at::Tensor out_master, out_exp_avg, out_exp_avg_sq, out_max_exp_avg_sq, staging;
   // Its weights on the way back.
@@ -460,7 +465,11 @@ void GradStream::run_bucket(std::uint64_t generation, std::vector<Entry> entries
     }
     std::rethrow_exception(failed);
   }
-  const bool need_norm = options_.max_grad_norm > 0 || options_.skip_nonfinite;
+  bool need_norm = options_.skip_nonfinite;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    need_norm = need_norm || clip_norm() > 0;
+  }
   double sum_sq = 0;
   if (need_norm)
     for (const auto& e : entries)
@@ -477,7 +486,7 @@ void GradStream::run_bucket(std::uint64_t generation, std::vector<Entry> entries
     if (need_norm) {
       partial_.add(sum_sq);
       stats_.last_partial_norm = partial_.norm();
-      const bool stop = (options_.max_grad_norm > 0 && partial_.clip_must_bind(options_.max_grad_norm)) ||
+      const bool stop = (clip_norm() > 0 && partial_.clip_must_bind(clip_norm())) ||
                         (options_.skip_nonfinite && !std::isfinite(sum_sq));
       if (stop && !stopped_) {
         stopped_ = true;
@@ -665,6 +674,9 @@ void GradStream::reset_window_locked(bool count_taken_back) {
     s.released = false;
     s.grad_storage.reset();
     s.grad_impl = nullptr;
+    s.clip_base = -1;
+    s.clipped = false;
+    s.clip_scale = 1.0;
     s.out_master = s.out_exp_avg = s.out_exp_avg_sq = s.out_max_exp_avg_sq = s.staging = at::Tensor();
   }
   for (auto& b : buckets_) {
@@ -749,6 +761,7 @@ GradStream::Finish GradStream::finish(double scale, bool stale) {
   wait_uploads_locked(lock);
   Finish out;
   std::vector<std::size_t> redo;
+  std::vector<double> redo_scale;  // the clip coefficient each is stepped with
   for (std::size_t i = 0; i < slots_.size(); ++i) {
     Slot& s = slots_[i];
     if (!s.streamable) continue;
@@ -764,7 +777,9 @@ GradStream::Finish GradStream::finish(double scale, bool stale) {
     const bool same_grad = s.streamed && s.landed && !s.discarded && !stale && s.has_state &&
                            (released || (grad.unsafeGetTensorImpl() == s.grad_impl &&
                                          grad._version() == s.grad_version));
-    if (same_grad && early && scale == 1.0 && same_options(s.options_used, groups_[static_cast<std::size_t>(s.group)])) {
+    const double slot_scale = s.clipped ? s.clip_scale : scale;  // Note [Clip picked up]
+    if (same_grad && early && slot_scale == 1.0 &&
+        same_options(s.options_used, groups_[static_cast<std::size_t>(s.group)])) {
       s.master = s.out_master;
       s.exp_avg = s.out_exp_avg;
       s.exp_avg_sq = s.out_exp_avg_sq;
@@ -784,6 +799,7 @@ GradStream::Finish GradStream::finish(double scale, bool stale) {
     if (s.streamed && !s.discarded) s.discarded = true;
     if (same_grad) {
       redo.push_back(i);
+      redo_scale.push_back(slot_scale);
     } else {
       if (s.released) restore_locked(i, false);  // the caller steps it from p.grad
       out.unhandled.push_back(i);
@@ -798,12 +814,14 @@ GradStream::Finish GradStream::finish(double scale, bool stale) {
     const Slot& first = slots_[redo[a]];
     optimizer::AdamOptions o = groups_[static_cast<std::size_t>(first.group)];
     const std::int64_t step = static_cast<std::int64_t>(first.step.item<float>()) + 1;
-    if (scale != 1.0) o.grad_scale = scale;
+    if (redo_scale[a] != 1.0) o.grad_scale = redo_scale[a];
     std::vector<at::Tensor> masters, ms, vs, vmaxes, grads, outs;
     std::vector<std::size_t> members;
     for (std::size_t k = a; k < redo.size(); ++k) {
       Slot& s = slots_[redo[k]];
-      if (done[k] || s.group != first.group || static_cast<std::int64_t>(s.step.item<float>()) + 1 != step) continue;
+      if (done[k] || s.group != first.group || redo_scale[k] != redo_scale[a] ||
+          static_cast<std::int64_t>(s.step.item<float>()) + 1 != step)
+        continue;
       done[k] = true;
       if (!s.staging.defined()) s.staging = runtime_->host_empty({s.param.numel()}, s.param.scalar_type(), false);
       masters.push_back(s.master);
@@ -829,6 +847,48 @@ GradStream::Finish GradStream::finish(double scale, bool stale) {
   upload_locked(out.committed);
   reset_window_locked(false);
   return out;
+}
+
+void GradStream::begin_clip() {
+  std::vector<std::pair<c10::Device, swap::TransferHandle>> copies;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto& s : slots_) {
+      s.clip_base = -1;
+      if (!s.streamed || s.discarded || s.clipped || s.released) continue;
+      const at::Tensor grad = s.param.grad();
+      if (!grad.defined() || grad.unsafeGetTensorImpl() != s.grad_impl || grad._version() != s.grad_version)
+        continue;
+      s.clip_base = s.grad_version;
+      copies.emplace_back(s.param.device(), s.copy);
+    }
+  }
+  // The clip writes the gradients in place on the compute stream: after their
+  // copies have read them (rule 2 of Note [Copy ordering]), or the host copy
+  // stepped with the coefficient could already hold the clipped values.
+  const auto& engine = runtime_->copy_engine();
+  for (const auto& [device, copy] : copies) engine->make_stream_wait(compute_stream_of(*engine, device), copy);
+}
+
+void GradStream::end_clip(double max_norm, double coefficient) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (options_.max_grad_norm > 0) return;  // tierflow clips as well: a changed gradient, stepped from p.grad
+  if (max_norm > 0) learned_clip_norm_ = max_norm;
+  for (auto& s : slots_) {
+    const std::int64_t base = s.clip_base;
+    s.clip_base = -1;
+    if (base < 0) continue;
+    const at::Tensor grad = s.param.grad();
+    // The clip's one in-place multiply, and nothing else, since the copy.
+    if (!grad.defined() || grad.unsafeGetTensorImpl() != s.grad_impl || grad._version() != base + 1) continue;
+    // The kernel's fp32 grad * grad_scale rounds as torch's multiply only for
+    // fp32 gradients; a coefficient of exactly 1 changes no value in any type.
+    if (coefficient != 1.0 && grad.scalar_type() != at::kFloat) continue;
+    s.grad_version = base + 1;
+    s.clipped = true;
+    s.clip_scale = coefficient;
+    stats_.clips_picked_up += 1;
+  }
 }
 
 void GradStream::wait_module(std::size_t module) {

@@ -214,6 +214,7 @@ py::dict grad_stream_stats(const GradStreamStats& s) {
   d["bucket_count"] = s.bucket_count;
   d["bucket_bytes"] = s.bucket_bytes;
   d["speculation_stops"] = s.speculation_stops;
+  d["clips_picked_up"] = s.clips_picked_up;
   d["grad_bytes_to_host"] = s.grad_bytes_to_host;
   d["weight_bytes_to_device"] = s.weight_bytes_to_device;
   d["grads_released"] = s.grads_released;
@@ -656,6 +657,11 @@ PYBIND11_MODULE(_C, m) {
         g.stream->end_window();
       })
       .def("has_unconfirmed", [](PyGradStream& g) { return g.stream->has_unconfirmed(); }, py::call_guard<py::gil_scoped_release>())
+      .def("begin_clip", [](PyGradStream& g) { g.stream->begin_clip(); }, py::call_guard<py::gil_scoped_release>(),
+           "Before the user's clip_grad_norm_ (Note [Clip picked up]).")
+      .def("end_clip", [](PyGradStream& g, double max_norm, double coefficient) { g.stream->end_clip(max_norm, coefficient); },
+           py::call_guard<py::gil_scoped_release>(), py::arg("max_norm"), py::arg("coefficient"),
+           "After it: its max_norm and the coefficient it scaled the gradients by.")
       .def("wait_module", [](PyGradStream& g, std::size_t module) {
         py::gil_scoped_release release;
         g.stream->wait_module(module);

@@ -96,3 +96,23 @@ def test_clip_and_accumulation_given_to_tierflow_waste_no_step(tmp_path, device)
     ours = report["optimizer"]["overlap"]
     assert theirs["committed"] == 0 and theirs["taken_back"] + theirs["redone"] > 0, theirs  # all wasted
     assert ours["redone"] == 0 and ours["taken_back"] == 0, ours
+
+
+@pytest.mark.parametrize("clip", [1e6, 0.05], ids=["clip-not-binding", "clip-binding"])
+def test_trainers_clip_is_picked_up_exactly(tmp_path, device, clip):
+    # Note [Clip picked up]: Trainer clips through accelerate's clip_grad_norm_ between backward and step. tierflow
+    # sees that clip: the parameters are those of the same clip given to tierflow itself, bit for bit, and no early
+    # step is fetched again; committed when the clip does not bind, stepped from the landed gradients when it does.
+    # Before the pickup every early step was redone from p.grad (committed 0).
+    settings = dict(grad_accumulation_steps=2)  # Trainer's accumulation, told to tierflow: only the clip differs
+    theirs, _, report = trainer_run(str(tmp_path / "theirs"), device, settings, trainer_clip=clip)
+    ours, _, _ = trainer_run(str(tmp_path / "ours"), device, dict(settings, max_grad_norm=clip), trainer_clip=0.0)
+    for k, v in ours.items():
+        assert torch.equal(theirs[k], v), k
+    overlap, streaming = report["optimizer"]["overlap"], report["optimizer"]["streaming"]
+    assert streaming["clips_picked_up"] > 0, streaming
+    if clip > 1:
+        assert overlap["early_steps"] > 0 and overlap["committed"] == overlap["early_steps"], overlap
+        assert overlap["redone"] == 0, overlap
+    else:  # the running norm stops speculation once the learned clip must bind, as TIERFLOW_MAX_GRAD_NORM's does
+        assert streaming["speculation_stops"] >= 3, streaming

@@ -66,6 +66,26 @@ def test_max_grad_norm_under_streaming_equals_clip_grad_norm_then_adamw(max_norm
         assert s["speculation_stops"] == 0 and s["redone"] == 0 and s["committed"] == s["early_steps"] > 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("max_norm", [0.05, 1e6])
+def test_the_users_clip_grad_norm_is_picked_up(max_norm, dtype, device):
+    """Note [Clip picked up]: the user's own clip_grad_norm_ between backward and step() keeps the early steps
+    (committed when it does not bind, stepped from the landed gradients with its coefficient when it does), bit for
+    bit the steps taken from p.grad after backward. Before, every early step was fetched and stepped again."""
+    task = gpt_task(dropout=0.0)
+    picked = train(task, 4, True, device=device, dtype=dtype, clip_grad_norm=max_norm, grad_bucket_bytes=SMALL)
+    assert_bit_identical(picked, train(task, 4, True, device=device, dtype=dtype, clip_grad_norm=max_norm,
+                                       overlap_step="off"))
+    s = picked.report["optimizer"]["streaming"]
+    if max_norm > 1:  # a coefficient of exactly 1: every early step stands, in every dtype
+        assert s["clips_picked_up"] > 0 and s["redone"] == 0 and s["committed"] == s["early_steps"] > 0, s
+    else:
+        # The max_norm seen at the first step stops speculation from the second on, once the clip must bind.
+        assert s["speculation_stops"] == 3 and s["committed"] == 0, s
+        # The kernel's fp32 multiply rounds as torch's only for fp32 gradients: bf16 ones step from p.grad.
+        assert (s["clips_picked_up"] > 0) == (dtype == torch.float32), s
+
+
 def _poison_during_backward(model, at_step):
     """A hook that puts an inf into one gradient while backward runs, at optimizer step `at_step`."""
     state = {"step": 0}

@@ -269,6 +269,10 @@ class CPUAdamW(StreamingMixin, GpuShareMixin, NvmeStatesMixin, torch.optim.Optim
             self._stream.set_callbacks(lambda: begin() and begin()(),
                                        lambda slot: init() and init()(slot))
             self._push_groups()
+            if self._max_grad_norm is None:  # the user may clip instead: Note [Clip picked up]
+                from . import _clip
+
+                _clip.watch(self)
         self._check_space()
 
     @property

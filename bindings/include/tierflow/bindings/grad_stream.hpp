@@ -59,9 +59,11 @@
 //     hyperparameters are those it stepped with, and the clip coefficient is
 //     exactly 1. Otherwise, if the gradient is unchanged, it is stepped again
 //     from the host copy already landed, with the clip coefficient as
-//     grad_scale: no second device -> host copy. A gradient changed after
-//     backward (the user's clip_grad_norm_, GradScaler.unscale_) is fetched
-//     again by the Python path.
+//     grad_scale: no second device -> host copy. So is one that the user's
+//     clip_grad_norm_ scaled and nothing else (Note [Clip picked up] in
+//     bindings/python/tierflow/_clip.py), with its coefficient. A gradient
+//     changed after backward otherwise (GradScaler.unscale_, a scale of the
+//     user's own) is fetched again by the Python path.
 //  4. Weights back. Committed weights are copied host -> device after the work
 //     queued on the compute stream (kernels still reading the old value,
 //     rule 1), in forward order (the last bucket first). With
@@ -132,6 +134,7 @@ struct GradStreamStats {
   std::uint64_t bucket_count = 0;     ///< buckets in the current plan
   std::uint64_t bucket_bytes = 0;     ///< bucket size in force
   std::uint64_t speculation_stops = 0;  ///< backwards where the running norm stopped speculation
+  std::uint64_t clips_picked_up = 0;  ///< gradients scaled by the user's clip_grad_norm_ and kept as streamed
   std::uint64_t grad_bytes_to_host = 0;   ///< gradient bytes streamed device -> host
   std::uint64_t weight_bytes_to_device = 0;  ///< weight bytes streamed host -> device
   std::uint64_t grads_released = 0;   ///< device gradients let go after their copy (offload_gradients)
@@ -205,6 +208,13 @@ class GradStream : public std::enable_shared_from_this<GradStream> {
   void end_window();
   /// True while gradients streamed since the last step() wait for confirmation.
   bool has_unconfirmed() const;
+  /// The user's torch.nn.utils.clip_grad_norm_ over streamed gradients (Note
+  /// [Clip picked up]): begin_clip before it runs, end_clip after, with its
+  /// max_norm and the coefficient it multiplied the gradients by. A gradient
+  /// the clip scaled by exactly that one in-place op still counts as the one
+  /// streamed, to be stepped with the coefficient as grad_scale.
+  void begin_clip();
+  void end_clip(double max_norm, double coefficient);
   /// Makes the compute stream wait for the weights of module `module` (forward mode).
   void wait_module(std::size_t module);
   /// Makes the compute stream wait for every weight still on its way, and
@@ -259,6 +269,8 @@ class GradStream : public std::enable_shared_from_this<GradStream> {
   std::uint64_t generation_ = 0;         // bumped per window: late bucket results of an old window are dropped
   std::chrono::steady_clock::time_point backward_start_{};
   optimizer::PartialNorms partial_;
+  double clip_norm() const { return options_.max_grad_norm > 0 ? options_.max_grad_norm : learned_clip_norm_; }
+  double learned_clip_norm_ = 0.0;       // the user's clip_grad_norm_ max_norm, once seen (Note [Clip picked up])
   GradStreamStats stats_;
   std::vector<std::pair<swap::TransferHandle, at::Tensor>> uploads_;  // staging kept until its copy is done
   std::vector<std::size_t> releasing_;   // released slots whose device gradient waits for its copy

@@ -97,7 +97,9 @@ struct EmulatedCopyStats {
 ///     no compute stream touches may name none.
 ///  2. After the copy: compute that reads a copy's destination first waits for
 ///     it, with make_stream_wait(compute, handle) (no host block on CUDA) or
-///     handle.wait() on the host.
+///     handle.wait() on the host; so does compute that writes a copy's source
+///     in place while the copy may still read it (a user's clip of gradients
+///     on their way to the host).
 ///  3. Lifetime: the source and destination of a copy stay allocated until its
 ///     handle is ready. The caller keeps device storage referenced (or waits
 ///     on the host before dropping it), and returns a pinned block to the pool
