@@ -743,8 +743,31 @@ void GradStream::upload_locked(std::vector<std::size_t> order) {
     if (it == last.end()) last.emplace_back(d, i);
     else it->second = i;
   }
-  for (const auto& [d, i] : last) engine->make_stream_wait(compute_stream_of(*engine, d), slots_[i].upload);
+  step_uploads_.clear();
+  waited_streams_.clear();
+  for (const auto& [d, i] : last) {
+    const swap::StreamRef compute = compute_stream_of(*engine, d);
+    engine->make_stream_wait(compute, slots_[i].upload);
+    step_uploads_.emplace_back(d, slots_[i].upload);
+    waited_streams_.emplace_back(d, compute.native());
+  }
   stats_.weight_wait_ns += since_ns(t0);
+}
+
+void GradStream::wait_step_uploads() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  step_uploads_.erase(std::remove_if(step_uploads_.begin(), step_uploads_.end(),
+                                     [](const auto& u) { return u.second.ready(); }),
+                      step_uploads_.end());
+  if (step_uploads_.empty()) return;
+  const auto& engine = runtime_->copy_engine();
+  for (const auto& [device, upload] : step_uploads_) {
+    const swap::StreamRef compute = compute_stream_of(*engine, device);
+    const std::pair<c10::Device, void*> key(device, compute.native());
+    if (std::find(waited_streams_.begin(), waited_streams_.end(), key) != waited_streams_.end()) continue;
+    engine->make_stream_wait(compute, upload);  // rule 2, for a reader on another stream
+    waited_streams_.push_back(key);
+  }
 }
 
 GradStream::Finish GradStream::finish(double scale, bool stale) {

@@ -662,6 +662,9 @@ PYBIND11_MODULE(_C, m) {
       .def("end_clip", [](PyGradStream& g, double max_norm, double coefficient) { g.stream->end_clip(max_norm, coefficient); },
            py::call_guard<py::gil_scoped_release>(), py::arg("max_norm"), py::arg("coefficient"),
            "After it: its max_norm and the coefficient it scaled the gradients by.")
+      .def("wait_step_uploads", [](PyGradStream& g) { g.stream->wait_step_uploads(); },
+           py::call_guard<py::gil_scoped_release>(),
+           "TIERFLOW_WEIGHTS_RETURN=step: the current stream waits for the weights still on their way.")
       .def("wait_module", [](PyGradStream& g, std::size_t module) {
         py::gil_scoped_release release;
         g.stream->wait_module(module);

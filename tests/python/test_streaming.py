@@ -212,6 +212,44 @@ def test_weights_return_during_the_next_forward(device):
     assert forward.host_in_use_after_release == 0
 
 
+@pytest.mark.parametrize("weights_return", ["step", "forward"])
+def test_a_forward_on_another_stream_reads_the_new_weights(weights_return, device):
+    """Forward and backward under torch.cuda.stream(s), step() on the default stream, and s never waits for the
+    default stream after the first step (with torch's own optimizer that would race its update kernels): the
+    weights' copies are waited for by s itself (the model's forward pre-hook with =step, each module's with
+    =forward), so the run is bit for bit the one on the default stream."""
+    if device != "cuda":
+        pytest.skip("a forward on a second CUDA stream needs a GPU: the emulated device's compute is one stream "
+                    "(Note [Adversarial emulated device])")
+    task = gpt_task(dropout=0.0)
+
+    def run(side: bool) -> list:
+        torch.manual_seed(0)
+        model = task.model_on(device)
+        model, opt = tierflow.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), device=device,
+                                   weights_return=weights_return, grad_bucket_bytes=SMALL)
+        stream = torch.cuda.Stream()
+        batches = [task.batch_on(i, device) for i in range(4)]
+        stream.wait_stream(torch.cuda.current_stream())  # the batches and weights, made on the default stream
+        losses = []
+        for batch in batches:
+            if side:
+                with torch.cuda.stream(stream):
+                    loss = task.loss(model, batch)
+                    loss.backward()
+                torch.cuda.current_stream().wait_stream(stream)
+            else:
+                loss = task.loss(model, batch)
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses + [p.detach().cpu() for p in model.parameters()]
+
+    for a, b in zip(run(True), run(False)):
+        assert torch.equal(torch.as_tensor(a), torch.as_tensor(b))
+
+
 def test_weights_in_flight_are_waited_for_by_synchronize_and_state_dicts(device):
     task = gpt_task(dropout=0.0)
     torch.manual_seed(0)

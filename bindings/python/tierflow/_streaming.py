@@ -64,6 +64,19 @@ class StreamingMixin:
         self._hooks.append(model.register_state_dict_pre_hook(synchronize))
         self._hooks.append(model.register_load_state_dict_pre_hook(synchronize))
 
+    def _attach_step_wait(self, model: torch.nn.Module) -> None:
+        """TIERFLOW_WEIGHTS_RETURN=step: step() made the stream current then wait for the new weights; the
+        model's forward on any other stream (under torch.cuda.stream(s)) waits for them too, one C++ call that
+        returns at once when the copies are complete or the stream already waits (Note [Gradient streaming])."""
+        me = weakref.ref(self)
+
+        def pre_hook(module: torch.nn.Module, args: Any) -> None:
+            opt = me()
+            if opt is not None and opt._stream is not None:
+                opt._stream.wait_step_uploads()
+
+        self._hooks.append(model.register_forward_pre_hook(outside_graphs(pre_hook)))  # Note [Hooks outside graphs]
+
     def stream_stats(self) -> dict:
         """The gradient stream's counters and times (Note [Gradient streaming]); empty when it is off."""
         out = dict(self._stream.stats()) if self._stream is not None else {}

@@ -182,6 +182,8 @@ class CPUAdamW(StreamingMixin, GpuShareMixin, NvmeStatesMixin, torch.optim.Optim
             model.register_load_state_dict_post_hook(lambda module, keys: new.mark_master_stale())
             if new._stream is not None and runtime.config().get("TIERFLOW_WEIGHTS_RETURN") == "forward":
                 new._attach_weight_waits(model)
+            elif new._stream is not None:
+                new._attach_step_wait(model)
         return new
 
     def _setup(self, runtime: "_C.Runtime") -> None:

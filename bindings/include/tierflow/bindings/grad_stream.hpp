@@ -68,7 +68,9 @@
 //     queued on the compute stream (kernels still reading the old value,
 //     rule 1), in forward order (the last bucket first). With
 //     TIERFLOW_WEIGHTS_RETURN=step the compute stream waits for all of them
-//     when step() returns (on CUDA without blocking the host). With =forward
+//     when step() returns (on CUDA without blocking the host), and the
+//     model's forward pre-hook makes any other stream it runs on wait too
+//     (wait_step_uploads), until the copies are seen complete. With =forward
 //     each module's forward pre-hook waits only for its own parameters
 //     (wait_module), so the copies overlap the next forward. Copies in one
 //     direction complete in submission order (Note [Copy ordering]), so a
@@ -215,6 +217,10 @@ class GradStream : public std::enable_shared_from_this<GradStream> {
   /// streamed, to be stepped with the coefficient as grad_scale.
   void begin_clip();
   void end_clip(double max_norm, double coefficient);
+  /// TIERFLOW_WEIGHTS_RETURN=step, at each forward of the model: a compute
+  /// stream other than the one current at step() (a forward under
+  /// torch.cuda.stream(s)) waits for the weights still on their way.
+  void wait_step_uploads();
   /// Makes the compute stream wait for the weights of module `module` (forward mode).
   void wait_module(std::size_t module);
   /// Makes the compute stream wait for every weight still on its way, and
@@ -275,6 +281,10 @@ class GradStream : public std::enable_shared_from_this<GradStream> {
   std::vector<std::pair<swap::TransferHandle, at::Tensor>> uploads_;  // staging kept until its copy is done
   std::vector<std::size_t> releasing_;   // released slots whose device gradient waits for its copy
   std::uint64_t upload_seq_ = 0;         // submission order of weight copies (wait_module)
+  // Weights back with TIERFLOW_WEIGHTS_RETURN=step: per device the copy sent
+  // last, and the compute streams that already wait for it (wait_step_uploads).
+  std::vector<std::pair<c10::Device, swap::TransferHandle>> step_uploads_;
+  std::vector<std::pair<c10::Device, void*>> waited_streams_;
   std::function<void()> on_backward_begin_;
   std::function<void(std::size_t)> init_state_;
   std::unique_ptr<swap::detail::SerialWorker> worker_;
