@@ -406,6 +406,9 @@ PYBIND11_MODULE(_C, m) {
       .def("host_budget_bytes", [](Runtime& rt) {
         return rt.config().host_memory.resolve(allocator::host_capacity_bytes());
       }, "TIERFLOW_HOST_MEMORY in bytes.")
+      .def("nvme_available_bytes", [](Runtime& rt) -> std::uint64_t {
+        return rt.nvme_engine() ? rt.nvme_engine()->available_bytes() : 0;
+      }, "Bytes the NVMe tier can still place now (TIERFLOW_NVME_MEMORY, the free space, what is in use); 0 without one.")
       .def("unpack", [](Runtime& rt, const std::shared_ptr<SavedHandle>& h) {
         return rt.activations()->unpack(h);
       })

@@ -689,6 +689,19 @@ bool NvmeEngine::valid(NvmeBlock block) const {
   return it != impl_->blocks.end() && it->second.valid;
 }
 
+std::uint64_t NvmeEngine::available_bytes() const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  const Impl& m = *impl_;
+  std::uint64_t least = ~std::uint64_t{0};
+  for (std::size_t p = 0; p < m.files.size(); ++p) {
+    std::string unused;
+    const std::uint64_t room = m.growable(p, &unused);
+    const std::uint64_t reach = room > m.o.bytes_per_path - m.on_disk[p] ? m.o.bytes_per_path : m.on_disk[p] + room;
+    least = std::min(least, reach > m.in_use[p] ? reach - m.in_use[p] : 0);
+  }
+  return m.files.empty() ? 0 : least / kAlign * kAlign * m.files.size();
+}
+
 NvmeEngineStats NvmeEngine::stats() const {
   std::lock_guard<std::mutex> lock(impl_->mutex);
   return impl_->st;

@@ -327,6 +327,37 @@ TEST_F(NvmeTest, AutoLeavesATenthOfTheFileSystemFree) {
   for (auto b : blocks) e.release(b);
 }
 
+TEST_F(NvmeTest, AvailableBytesIsWhatAllocateCanStillPlace) {
+  // Under a cap: both files' cap, less the blocks in use, whatever the files hold on disk so far.
+  {
+    NvmeEngine e(opts(2, 8 << 20));
+    EXPECT_EQ(e.available_bytes(), 16u << 20);
+    NvmeBlock a = e.allocate(4 << 20);
+    EXPECT_EQ(e.available_bytes(), 12u << 20);
+    NvmeBlock b = e.allocate(e.available_bytes());  // exactly what it said fits
+    EXPECT_EQ(e.available_bytes(), 0u);
+    EXPECT_THROW(e.allocate(4096 * 2), out_of_memory);
+    e.release(a);
+    e.release(b);
+    EXPECT_EQ(e.available_bytes(), 16u << 20);
+  }
+  // Under auto on a small file system: its free space less the tenth that auto keeps free.
+  LoopFs disk(dir_, 48);
+  if (!disk.ok()) GTEST_SKIP() << disk.why();
+  NvmeEngineOptions o;
+  o.paths = {disk.path()};
+  o.bytes_per_path = kNvmeAutoBytes;
+  o.block_bytes = 256 << 10;
+  o.grow_bytes = 1 << 20;
+  NvmeEngine e(o);
+  const std::uint64_t said = e.available_bytes();
+  EXPECT_GT(said, 0u);
+  EXPECT_LT(said, disk.size_bytes() * 9 / 10) << "auto keeps a tenth of the file system free";
+  NvmeBlock all = e.allocate(said);  // it fits, growing the file as it goes
+  EXPECT_LT(e.available_bytes(), 1u << 20);
+  e.release(all);
+}
+
 TEST_F(NvmeTest, FullTierIsOutOfMemoryNamingTheSetting) {
   NvmeEngine e(opts(1, 4ULL << 20));
   NvmeBlock a = e.allocate(3 << 20);

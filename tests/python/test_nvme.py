@@ -356,3 +356,16 @@ def test_resources_go_with_the_model_and_optimizer(nvme_dir, release):
         assert session() is None, f"round {round_}: the session outlived its model and optimizer"
         assert os.listdir(nvme_dir) == [], f"round {round_}: swap files left: {os.listdir(nvme_dir)}"
         assert len(_wrap._live_sessions()) == before
+
+
+def test_the_planner_may_use_only_the_nvme_space_left(nvme_dir, device):
+    # auto's NVMe budget is what TIERFLOW_NVME_MEMORY and the free space leave beside the optimizer's states on the
+    # same tier (NvmeEngine::available_bytes); it was 2**50 bytes whatever the setting said.
+    task = gpt_task()
+    tier = train(task, 3, True, device=device, offload_optimizer="nvme", offload_activations="auto",
+                 nvme_paths=nvme_dir, nvme_memory="32MiB")
+    planner, runtime = tier.session.planner, tier.session.runtime
+    assert planner.profile is not None, "the plan was made"
+    left = runtime.nvme_available_bytes()
+    assert planner.budgets(planner.profile)["nvme_bytes"] == left
+    assert 0 < left < 32 << 20, "the optimizer's states are on the tier too"

@@ -120,7 +120,7 @@ class AutoPlanner:
         modules = list(blocks) if blocks is not None else find_blocks(model)
         self.runners = [BlockRunner(session, m, i, self) for i, m in enumerate(modules)]
         self.model_params = [p for p in model.parameters()]
-        self.profile_path = cfg.get("TIERFLOW_PROFILE", "")
+        self.profile_path = cfg["TIERFLOW_PROFILE"]
         self.forwards = 0
         self.plan: Optional[dict] = None
         self.profile: Optional[dict] = None  # the one the plan was made from
@@ -206,7 +206,7 @@ class AutoPlanner:
         rt = self.session.runtime
         device = self._device()
         links = measure_links(rt, device)
-        paths = [p for p in self.session.config.get("TIERFLOW_NVME_PATHS", "").split(",") if p]
+        paths = [p for p in self.session.config["TIERFLOW_NVME_PATHS"].split(",") if p]
         if rt.has_nvme_tier and paths:
             links["nvme_write"], links["nvme_read"] = measure_nvme(paths[0])
         return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION,
@@ -231,7 +231,7 @@ class AutoPlanner:
             # block's saved and transient bytes and the window is what the rest of training holds,
             # workspace and the tensors saved outside the blocks included.
             largest = max(_saved(b) + int(b["transient_bytes"]) for b in profile["blocks"])
-            window = min(int(cfg.get("TIERFLOW_PREFETCH_BYTES", 64 << 20)), sum(_saved(b) for b in profile["blocks"]))
+            window = min(int(cfg["TIERFLOW_PREFETCH_BYTES"]), sum(_saved(b) for b in profile["blocks"]))
             fixed = max(fixed, peak - largest - window)
         pool = rt.stats().get("host_pool", {})
         # What is in use (optimizer states, saved tensors): slabs the pool reserved but holds nothing in (the
@@ -241,9 +241,10 @@ class AutoPlanner:
             "device_bytes": int(rt.device_budget_bytes()),
             "fixed_device_bytes": int(fixed),
             "host_bytes": max(int(rt.host_budget_bytes()) - host_used, 0),
-            "nvme_bytes": (1 << 50) if rt.has_nvme_tier else 0,
+            # What TIERFLOW_NVME_MEMORY and the free space leave beside what is in use (the optimizer's states).
+            "nvme_bytes": int(rt.nvme_available_bytes()) if rt.has_nvme_tier else 0,
             # The window never holds more than the blocks have saved.
-            "prefetch_bytes": min(int(cfg.get("TIERFLOW_PREFETCH_BYTES", 64 << 20)),
+            "prefetch_bytes": min(int(cfg["TIERFLOW_PREFETCH_BYTES"]),
                                   sum(_saved(b) for b in profile["blocks"])),
         }
 

@@ -180,7 +180,7 @@ class CPUAdamW(StreamingMixin, GpuShareMixin, NvmeStatesMixin, torch.optim.Optim
         if model is not None:
             # model.load_state_dict(...) changes parameters behind the optimizer's back.
             model.register_load_state_dict_post_hook(lambda module, keys: new.mark_master_stale())
-            if new._stream is not None and runtime.config().get("TIERFLOW_WEIGHTS_RETURN") == "forward":
+            if new._stream is not None and runtime.config()["TIERFLOW_WEIGHTS_RETURN"] == "forward":
                 new._attach_weight_waits(model)
             elif new._stream is not None:
                 new._attach_step_wait(model)
@@ -207,22 +207,22 @@ class CPUAdamW(StreamingMixin, GpuShareMixin, NvmeStatesMixin, torch.optim.Optim
         self._max_grad_norm = None if norm == "none" else float(norm)
         self._skip_nonfinite = cfg["TIERFLOW_SKIP_NONFINITE"] == "on"
         # Note [Gradient streaming]: device gradients freed once on the host; p.grad is None until step().
-        self._offload_grads = cfg.get("TIERFLOW_OFFLOAD_GRADIENTS", "off") == "on"
+        self._offload_grads = cfg["TIERFLOW_OFFLOAD_GRADIENTS"] == "on"
         # GradScaler then hands step() its scale and found_inf instead of stepping blind: step() refuses.
         self._step_supports_amp_scaling = self._offload_grads
         if self._offload_grads and not self._overlap:
             raise _C.ConfigError(
                 "TIERFLOW_OFFLOAD_GRADIENTS=on frees gradients as they stream to the CPU step during backward, "
                 f"which needs TIERFLOW_OVERLAP_STEP=on (it is {cfg['TIERFLOW_OVERLAP_STEP']}) and optimizer "
-                f"states on the host, TIERFLOW_OFFLOAD_OPTIMIZER=cpu (it is {cfg['TIERFLOW_OFFLOAD_OPTIMIZER']}); "
+                f"states on the host, TIERFLOW_OFFLOAD_OPTIMIZER=host (it is {cfg['TIERFLOW_OFFLOAD_OPTIMIZER']}); "
                 "accepted: those two settings, or TIERFLOW_OFFLOAD_GRADIENTS=off")
         self._spec: dict = {}          # param -> speculative step in flight or done
         self._grad_events: dict = {}   # param -> gradients completed since the last step()
         self._hooks = []
         # TIERFLOW_GRAD_BUCKET_BYTES=auto: sized from measured speeds after the first streamed step.
-        self._buckets_unsized = cfg.get("TIERFLOW_GRAD_BUCKET_BYTES", "auto") == "auto"
+        self._buckets_unsized = cfg["TIERFLOW_GRAD_BUCKET_BYTES"] == "auto"
         self._streamed_steps = 0  # steps whose gradients streamed (sizing waits for the second)
-        fraction = cfg.get("TIERFLOW_GPU_OPTIMIZER_FRACTION", "0")
+        fraction = cfg["TIERFLOW_GPU_OPTIMIZER_FRACTION"]
         self._gpu_fraction_auto = fraction == "auto"  # chosen after the first step (_choose_gpu_share)
         self._gpu_fraction = 0.0 if self._gpu_fraction_auto else float(fraction)
         self._gpu_share: Optional[set] = None  # ids of CUDA params stepped on the GPU, fixed at the first step
@@ -250,10 +250,10 @@ class CPUAdamW(StreamingMixin, GpuShareMixin, NvmeStatesMixin, torch.optim.Optim
                 if method is not None:
                     method(p)
 
-            bucket = cfg.get("TIERFLOW_GRAD_BUCKET_BYTES", "auto")
+            bucket = cfg["TIERFLOW_GRAD_BUCKET_BYTES"]
             self._stream = _C.GradStream(runtime, 0 if bucket == "auto" else int(bucket), self._accumulation,
                                          self._max_grad_norm or 0.0, self._skip_nonfinite,
-                                         cfg.get("TIERFLOW_WEIGHTS_RETURN", "step") == "forward",
+                                         cfg["TIERFLOW_WEIGHTS_RETURN"] == "forward",
                                          self._offload_grads)
             gpu = self._gpu_share or set()
             for gi, group in enumerate(self.param_groups):

@@ -137,6 +137,12 @@ class NvmeEngine {
   TransferHandle read(NvmeBlock block, void* dst, std::uint64_t bytes);
   /// True when the block's last write completed without error.
   bool valid(NvmeBlock block) const;
+  /// Bytes that allocate() could still place now, striped over every path:
+  /// per path what its cap and its file system's free space (less what
+  /// TIERFLOW_NVME_MEMORY=auto keeps free) leave beside the blocks in use,
+  /// times the number of paths for the path with least (a block takes an
+  /// equal share of each). A snapshot: other writers change it.
+  std::uint64_t available_bytes() const;
   /// Counters.
   NvmeEngineStats stats() const;
   /// The swap files, one per path.
