@@ -7,6 +7,7 @@
 #include <chrono>
 
 #include "tierflow/core/error.hpp"
+#include "tierflow/core/clock.hpp"
 #include "tierflow/core/log.hpp"
 #include "tierflow/core/size.hpp"
 
@@ -14,14 +15,6 @@ namespace tierflow::bindings {
 
 using tiering::BlockId;
 using tiering::Residence;
-
-namespace {
-std::uint64_t now_ns() {
-  return static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                        std::chrono::steady_clock::now().time_since_epoch())
-                                        .count());
-}
-}  // namespace
 
 ActivationOffloader::ActivationOffloader(ActivationOffloaderOptions options,
                                          std::shared_ptr<allocator::PinnedHostPool> pool,

@@ -11,6 +11,7 @@
 #include "tierflow/allocator/device.hpp"
 #include "tierflow/bindings/runtime.hpp"
 #include "tierflow/core/error.hpp"
+#include "tierflow/core/clock.hpp"
 
 namespace tierflow::bindings {
 
@@ -64,12 +65,6 @@ struct BlockOffload::Shared {
 };
 
 namespace {
-
-std::uint64_t now_ns() {
-  return static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                        std::chrono::steady_clock::now().time_since_epoch())
-                                        .count());
-}
 
 // The generators dropout draws from: the CPU one, and the CUDA one of the
 // input's device (what torch.utils.checkpoint saves, too).

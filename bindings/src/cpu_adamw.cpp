@@ -9,6 +9,8 @@
 
 #include "tierflow/bindings/runtime.hpp"
 #include "tierflow/core/error.hpp"
+#include "tierflow/bindings/dtypes.hpp"
+#include "tierflow/core/clock.hpp"
 
 namespace tierflow::bindings {
 
@@ -16,23 +18,6 @@ using torch::optim::AdamWOptions;
 using torch::optim::AdamWParamState;
 
 namespace {
-
-std::uint64_t now_ns() {
-  return static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                        std::chrono::steady_clock::now().time_since_epoch())
-                                        .count());
-}
-
-optimizer::ScalarType kernel_type(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return optimizer::ScalarType::kFloat32;
-    case at::kBFloat16: return optimizer::ScalarType::kBFloat16;
-    case at::kHalf: return optimizer::ScalarType::kFloat16;
-    default:
-      throw logic_error("tierflow CpuAdamW: dtype " + std::string(c10::toString(t)) +
-                        "; accepted: float32, bfloat16, float16");
-  }
-}
 
 // The same groups and materialized states, for save(): an optimizer only in
 // the sense that torch's archive writer takes one.
@@ -189,10 +174,10 @@ bool CpuAdamW::step_group(torch::optim::OptimizerParamGroup& group, std::size_t 
         const at::Tensor& p = params[i];
         items[i].key = slot(p, o).nvme_key;
         items[i].grad = grads[i].data_ptr();
-        items[i].grad_type = kernel_type(grads[i].scalar_type());
+        items[i].grad_type = optimizer_type(grads[i].scalar_type(), "tierflow CpuAdamW: gradient", i);
         at::Tensor out = own_master(p) ? p.detach() : params_out[i];
         items[i].param_out = out.data_ptr();
-        items[i].param_type = kernel_type(out.scalar_type());
+        items[i].param_type = optimizer_type(out.scalar_type(), "tierflow CpuAdamW: parameter", i);
       }
       auto result = runtime_->nvme_adam().step(ao, step, items);
       for (std::size_t i : result.failed) {

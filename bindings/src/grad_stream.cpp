@@ -14,6 +14,7 @@
 #include "tierflow/bindings/activation_offloader.hpp"
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/log.hpp"
+#include "tierflow/bindings/dtypes.hpp"
 
 namespace tierflow::bindings {
 namespace {
@@ -33,11 +34,6 @@ bool same_options(const optimizer::AdamOptions& a, const optimizer::AdamOptions&
 
 bool streamable_dtype(at::ScalarType t) {
   return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
-}
-
-optimizer::ScalarType kernel_type(at::ScalarType t) {
-  return t == at::kFloat ? optimizer::ScalarType::kFloat32
-                         : (t == at::kBFloat16 ? optimizer::ScalarType::kBFloat16 : optimizer::ScalarType::kFloat16);
 }
 
 }  // namespace
@@ -473,7 +469,7 @@ void GradStream::run_bucket(std::uint64_t generation, std::vector<Entry> entries
   double sum_sq = 0;
   if (need_norm)
     for (const auto& e : entries)
-      sum_sq += optimizer::sum_of_squares(e.host_grad.data_ptr(), kernel_type(e.host_grad.scalar_type()),
+      sum_sq += optimizer::sum_of_squares(e.host_grad.data_ptr(), optimizer_type(e.host_grad.scalar_type(), "GradStream: a gradient"),
                                           static_cast<std::size_t>(e.host_grad.numel()));
   {
     std::lock_guard<std::mutex> lock(mutex_);

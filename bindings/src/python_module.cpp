@@ -16,6 +16,7 @@
 #include "tierflow/optimizer/cuda_adam.hpp"
 #include "tierflow/optimizer/grad_buckets.hpp"
 #include "tierflow/optimizer/roofline.hpp"
+#include "tierflow/bindings/dtypes.hpp"
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
@@ -32,18 +33,6 @@ py::dict stat_dict(const StatValues& v) {
   d["allocated"] = v.allocated;
   d["freed"] = v.freed;
   return d;
-}
-
-// The optimizer's element type of a tensor; anything else is a clear error.
-optimizer::ScalarType optimizer_type(const at::Tensor& t, const char* where) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return optimizer::ScalarType::kFloat32;
-    case at::kBFloat16: return optimizer::ScalarType::kBFloat16;
-    case at::kHalf: return optimizer::ScalarType::kFloat16;
-    default:
-      throw config_error(std::string(where) + ": dtype " + std::string(c10::toString(t.scalar_type())) +
-                         " is not supported; accepted: float32, bfloat16, float16");
-  }
 }
 
 at::ScalarType dtype_from_name(const std::string& name) {
@@ -280,10 +269,10 @@ PYBIND11_MODULE(_C, m) {
       ts[i].exp_avg_sq = vs[i].data_ptr<float>();
       if (vmaxes[i]) ts[i].max_exp_avg_sq = vmaxes[i]->data_ptr<float>();
       ts[i].grad = grads[i].data_ptr();
-      ts[i].grad_type = optimizer_type(grads[i], "cuda_adam_step");
+      ts[i].grad_type = optimizer_type(grads[i].scalar_type(), "cuda_adam_step");
       if (outs[i]) {
         ts[i].param_out = outs[i]->data_ptr();
-        ts[i].param_type = optimizer_type(*outs[i], "cuda_adam_step");
+        ts[i].param_type = optimizer_type(outs[i]->scalar_type(), "cuda_adam_step");
       }
       if (i == 0) {
         const auto* impl = c10::impl::getDeviceGuardImpl(masters[0].device().type());
@@ -303,12 +292,10 @@ PYBIND11_MODULE(_C, m) {
       ts[i].exp_avg = ms[i].data_ptr<float>();
       ts[i].exp_avg_sq = vs[i].data_ptr<float>();
       ts[i].grad = grads[i].data_ptr();
-      ts[i].grad_type = grads[i].scalar_type() == at::kFloat ? optimizer::ScalarType::kFloat32
-                                                              : optimizer::ScalarType::kBFloat16;
+      ts[i].grad_type = optimizer_type(grads[i].scalar_type(), "adam_traffic_step");
       if (outs[i]) {
         ts[i].param_out = outs[i]->data_ptr();
-        ts[i].param_type = outs[i]->scalar_type() == at::kFloat ? optimizer::ScalarType::kFloat32
-                                                                 : optimizer::ScalarType::kBFloat16;
+        ts[i].param_type = optimizer_type(outs[i]->scalar_type(), "adam_traffic_step");
       }
     }
     py::gil_scoped_release release;
@@ -504,8 +491,8 @@ PYBIND11_MODULE(_C, m) {
           TIERFLOW_EXPECTS(static_cast<std::size_t>(grads[i].numel()) == rt.nvme_adam().numel(keys[i]) &&
                                grads[i].numel() == outs[i].numel(),
                            "nvme_adam_step: tensor " + std::to_string(i) + " does not match its parameter's size");
-          items[i] = {keys[i], grads[i].data_ptr(), optimizer_type(grads[i], "nvme_adam_step"), outs[i].data_ptr(),
-                      optimizer_type(outs[i], "nvme_adam_step")};
+          items[i] = {keys[i], grads[i].data_ptr(), optimizer_type(grads[i].scalar_type(), "nvme_adam_step"), outs[i].data_ptr(),
+                      optimizer_type(outs[i].scalar_type(), "nvme_adam_step")};
         }
         auto opts = adam_options(options);
         optimizer::NvmeAdamStore::StepResult r;

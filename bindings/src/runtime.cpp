@@ -14,6 +14,7 @@
 #include "tierflow/swap/detail/serial_worker.hpp"
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/log.hpp"
+#include "tierflow/bindings/dtypes.hpp"
 
 namespace tierflow::bindings {
 namespace {
@@ -29,18 +30,6 @@ void refuse_unimplemented(const Config& c) {
     throw config_error("TIERFLOW_OFFLOAD_PARAMS='" + std::string(to_string(c.offload_params)) +
                        "': parameter offload is not available in this version of tierflow; "
                        "accepted here: none");
-}
-
-optimizer::ScalarType to_optimizer_type(at::ScalarType t, const char* what, std::size_t i) {
-  switch (t) {
-    case at::kFloat: return optimizer::ScalarType::kFloat32;
-    case at::kBFloat16: return optimizer::ScalarType::kBFloat16;
-    case at::kHalf: return optimizer::ScalarType::kFloat16;
-    default:
-      throw logic_error(std::string("tierflow CPU Adam: ") + what + " " + std::to_string(i) +
-                        " has dtype " + std::string(c10::toString(t)) +
-                        "; accepted: float32, bfloat16, float16");
-  }
 }
 
 void check_cpu_contiguous(const at::Tensor& t, const char* what, std::size_t i, std::int64_t numel) {
@@ -256,11 +245,11 @@ void Runtime::adam_step(const optimizer::AdamOptions& options, std::int64_t step
       t.max_exp_avg_sq = max_exp_avg_sqs[i].data_ptr<float>();
     }
     t.grad = grads[i].data_ptr();
-    t.grad_type = to_optimizer_type(grads[i].scalar_type(), "grad", i);
+    t.grad_type = optimizer_type(grads[i].scalar_type(), "tierflow CPU Adam: grad", i);
     if (params_out[i].defined()) {
       check_cpu_contiguous(params_out[i], "param", i, numel);
       t.param_out = params_out[i].data_ptr();
-      t.param_type = to_optimizer_type(params_out[i].scalar_type(), "param", i);
+      t.param_type = optimizer_type(params_out[i].scalar_type(), "tierflow CPU Adam: param", i);
     }
     if (!outputs.masters.empty() && outputs.masters[i].defined()) {
       check_cpu_contiguous(outputs.masters[i], "master_out", i, numel);

@@ -9,14 +9,10 @@
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/log.hpp"
 #include "tierflow/core/size.hpp"
+#include "tierflow/core/clock.hpp"
 
 namespace tierflow::optimizer {
 namespace {
-
-std::uint64_t now_ns() {
-  return static_cast<std::uint64_t>(
-      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count());
-}
 
 // A pinned buffer from the pool, returned on scope exit.
 struct PoolBuffer {

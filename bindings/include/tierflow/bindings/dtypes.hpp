@@ -1,0 +1,32 @@
+// torch's dtypes as the CPU and CUDA Adam kernels name them (optimizer/).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstddef>
+#include <string>
+#include <string_view>
+
+#include "tierflow/core/error.hpp"
+#include "tierflow/optimizer/scalar_type.hpp"
+
+namespace tierflow::bindings {
+
+/// The kernels' element type of a tensor of dtype `t`; any other dtype is a
+/// config_error that names `what` (and `index`, when given) and the accepted
+/// dtypes. Nothing is allocated unless it throws.
+inline optimizer::ScalarType optimizer_type(at::ScalarType t, std::string_view what,
+                                            std::size_t index = static_cast<std::size_t>(-1)) {
+  switch (t) {
+    case at::kFloat: return optimizer::ScalarType::kFloat32;
+    case at::kBFloat16: return optimizer::ScalarType::kBFloat16;
+    case at::kHalf: return optimizer::ScalarType::kFloat16;
+    default: {
+      std::string who(what);
+      if (index != static_cast<std::size_t>(-1)) who += " " + std::to_string(index);
+      throw config_error(who + ": dtype " + std::string(c10::toString(t)) + "; accepted: float32, bfloat16, float16");
+    }
+  }
+}
+
+}  // namespace tierflow::bindings
