@@ -9,9 +9,10 @@
 // variable or keyword is an error naming the closest known name (a typo must
 // not silently change nothing); a malformed value is an error naming the
 // variable, the value and the accepted forms. Defaults are stored as text and
-// parsed by the same parser as user input, so the README's table, the table
-// returned by `config_table()` and the behaviour cannot drift apart
-// (tests/python/test_readme.py checks the README against this table).
+// parsed by the same parser as user input, so the table in
+// docs/configuration.md, the table returned by `config_table()` and the
+// behaviour cannot drift apart (tests/python/test_readme.py checks the page
+// against this table).
 #pragma once
 
 #include <cstdint>
