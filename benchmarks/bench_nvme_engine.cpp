@@ -1,11 +1,11 @@
 // Times tierflow's NVMe engine: one block of --bytes written then read back,
 // striped over --dirs in requests of --bs with --qd in flight, O_DIRECT.
-// Prints one JSON object. benchmarks/bench_nvme.py runs it beside fio.
+// Prints one JSON object. benchmarks/bench_nvme.py runs it beside fio. The
+// timing is swap::measure_bandwidth, the activation planner's own probe.
 //
 //   bench_nvme_engine --dirs /mnt/a[,/mnt/b] --bytes 2GiB --bs 1MiB --qd 32 [--repeats 3]
 #include <sys/mman.h>
 
-#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <sstream>
@@ -15,6 +15,7 @@
 #include "tierflow/allocator/aligned_buffer.hpp"
 #include "tierflow/core/size.hpp"
 #include "tierflow/swap/nvme_engine.hpp"
+#include "tierflow/swap/nvme_probe.hpp"
 
 using namespace tierflow;
 
@@ -68,21 +69,11 @@ int main(int argc, char** argv) {
     std::byte* p;
     std::byte* data() { return p; }
   } buf{static_cast<std::byte*>(mem)};
-  for (std::uint64_t i = 0; i < bytes; i += 4096) buf.data()[i] = static_cast<std::byte>(i >> 12);
-  swap::NvmeBlock b = engine.allocate(bytes);
-  double best_w = 1e30, best_r = 1e30;
-  for (int r = 0; r < repeats; ++r) {
-    auto t0 = std::chrono::steady_clock::now();
-    engine.write(b, buf.data(), bytes).wait();
-    best_w = std::min(best_w, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-    t0 = std::chrono::steady_clock::now();
-    engine.read(b, buf.data(), bytes).wait();
-    best_r = std::min(best_r, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-  }
+  // The planner's probe (Note [NVMe probe]): the figure auto prices NVMe with.
+  const swap::NvmeBandwidth bw = swap::measure_bandwidth(engine, buf.data(), bytes, repeats);
   std::printf("{\"write_gbps\": %.4f, \"read_gbps\": %.4f, \"bytes\": %llu, \"bs\": %llu, \"qd\": %u, \"paths\": %zu}\n",
-              bytes / best_w / 1e9, bytes / best_r / 1e9, static_cast<unsigned long long>(bytes),
+              bw.write_bytes_per_second / 1e9, bw.read_bytes_per_second / 1e9, static_cast<unsigned long long>(bytes),
               static_cast<unsigned long long>(bs), qd, dirs.size());
-  engine.release(b);
   munmap(mem, bytes);
   return 0;
 }

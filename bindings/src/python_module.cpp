@@ -17,6 +17,8 @@
 #include "tierflow/optimizer/grad_buckets.hpp"
 #include "tierflow/optimizer/roofline.hpp"
 #include "tierflow/bindings/dtypes.hpp"
+#include "tierflow/allocator/aligned_buffer.hpp"
+#include "tierflow/swap/nvme_probe.hpp"
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
@@ -393,6 +395,17 @@ PYBIND11_MODULE(_C, m) {
       .def("host_budget_bytes", [](Runtime& rt) {
         return rt.config().host_memory.resolve(allocator::host_capacity_bytes());
       }, "TIERFLOW_HOST_MEMORY in bytes.")
+      .def("measure_nvme", [](Runtime& rt, std::uint64_t bytes) {
+        if (!rt.nvme_engine()) throw config_error("Runtime.measure_nvme: no NVMe tier; set TIERFLOW_NVME_PATHS");
+        allocator::AlignedBuffer buffer(bytes);
+        swap::NvmeBandwidth bw;
+        {
+          py::gil_scoped_release release;
+          bw = swap::measure_bandwidth(*rt.nvme_engine(), buffer.data(), bytes);
+        }
+        return py::make_tuple(bw.write_bytes_per_second, bw.read_bytes_per_second);
+      }, py::arg("bytes"),
+         "(write, read) bytes/s of `bytes` through the NVMe engine, every path, O_DIRECT (Note [NVMe probe]).")
       .def("nvme_available_bytes", [](Runtime& rt) -> std::uint64_t {
         return rt.nvme_engine() ? rt.nvme_engine()->available_bytes() : 0;
       }, "Bytes the NVMe tier can still place now (TIERFLOW_NVME_MEMORY, the free space, what is in use); 0 without one.")

@@ -20,6 +20,7 @@
 #include "tierflow/allocator/aligned_buffer.hpp"
 #include "tierflow/core/error.hpp"
 #include "tierflow/swap/nvme_engine.hpp"
+#include "tierflow/swap/nvme_probe.hpp"
 
 using namespace tierflow;
 using namespace tierflow::swap;
@@ -356,6 +357,23 @@ TEST_F(NvmeTest, AvailableBytesIsWhatAllocateCanStillPlace) {
   NvmeBlock all = e.allocate(said);  // it fits, growing the file as it goes
   EXPECT_LT(e.available_bytes(), 1u << 20);
   e.release(all);
+}
+
+TEST_F(NvmeTest, TheProbeMeasuresThroughTheEngineAndGivesItsSpaceBack) {
+  // Note [NVMe probe]: the planner's NVMe bandwidth, through the engine on every path.
+  NvmeEngine e(opts(2, 8 << 20));
+  tierflow::allocator::AlignedBuffer buffer(4 << 20);
+  const NvmeBandwidth bw = tierflow::swap::measure_bandwidth(e, buffer.data(), 4 << 20, 2);
+  EXPECT_EQ(bw.bytes, 4u << 20);
+  EXPECT_GT(bw.write_bytes_per_second, 0.0);
+  EXPECT_GT(bw.read_bytes_per_second, 0.0);
+  EXPECT_EQ(e.stats().bytes_written, 2u * (4 << 20)) << "two rounds, each way";
+  EXPECT_EQ(e.stats().bytes_read, 2u * (4 << 20));
+  EXPECT_EQ(e.available_bytes(), 16u << 20) << "the probe's block went back";
+  // More than the tier holds: out_of_memory, and nothing held.
+  tierflow::allocator::AlignedBuffer big(20 << 20);
+  EXPECT_THROW(tierflow::swap::measure_bandwidth(e, big.data(), 20 << 20), out_of_memory);
+  EXPECT_EQ(e.available_bytes(), 16u << 20);
 }
 
 TEST_F(NvmeTest, FullTierIsOutOfMemoryNamingTheSetting) {

@@ -16,6 +16,7 @@ from ._report import write_json_atomic
 
 from ._plan import PROFILE_FORMAT, PROFILE_VERSION, profile_from_json  # the file format of `python -m tierflow plan`
 _ROW_GRANULE = 8  # a split's first rows are a multiple of this (whole cache lines of a row-major output)
+NVME_PROBE_BYTES = 64 << 20  # written and read back once through the NVMe engine (Note [NVMe probe])
 
 
 def probe_bytes(runtime: Any, most: int = 32 << 20) -> int:
@@ -59,32 +60,6 @@ def measure_links(runtime: Any, device: torch.device, nbytes: Optional[int] = No
 
     duplex = 2 * nbytes / timed(both)
     return {"d2h": d2h, "h2d": h2d, "duplex": duplex, "nvme_write": 0.0, "nvme_read": 0.0}
-
-
-def measure_nvme(path: str, nbytes: int = 64 << 20) -> tuple[float, float]:
-    """Sequential write (fsync'd) and read bandwidth of a file in ``path``, bytes/s."""
-    name = os.path.join(path, f".tierflow-probe-{os.getpid()}")
-    buf = os.urandom(1 << 20) * (nbytes >> 20)
-    try:
-        t0 = time.perf_counter()
-        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.write(fd, buf)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        w = nbytes / (time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        with open(name, "rb") as f:
-            while f.read(8 << 20):
-                pass
-        r = nbytes / (time.perf_counter() - t0)
-    finally:
-        try:
-            os.unlink(name)
-        except OSError:
-            pass
-    return w, r
 
 
 def block_profile(runner: BlockRunner) -> dict:
@@ -206,9 +181,14 @@ class AutoPlanner:
         rt = self.session.runtime
         device = self._device()
         links = measure_links(rt, device)
-        paths = [p for p in self.session.config["TIERFLOW_NVME_PATHS"].split(",") if p]
-        if rt.has_nvme_tier and paths:
-            links["nvme_write"], links["nvme_read"] = measure_nvme(paths[0])
+        if rt.has_nvme_tier:  # Note [NVMe probe]: through the engine, every path, O_DIRECT
+            probe = min(NVME_PROBE_BYTES, int(rt.nvme_available_bytes())) // 4096 * 4096
+            while probe >= 4096:
+                try:
+                    links["nvme_write"], links["nvme_read"] = rt.measure_nvme(probe)
+                    break
+                except _C.OutOfMemoryError:  # the free space is in pieces: a smaller block
+                    probe = probe // 2 // 4096 * 4096
         return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION,
                 "blocks": [block_profile(r) for r in self.runners], "links": links}
 
