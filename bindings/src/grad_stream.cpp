@@ -7,6 +7,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
+#include <cstring>
 #include <cmath>
 #include <map>
 #include <utility>
@@ -838,7 +839,8 @@ GradStream::Finish GradStream::finish(double scale, bool stale) {
     std::vector<std::size_t> members;
     for (std::size_t k = a; k < redo.size(); ++k) {
       Slot& s = slots_[redo[k]];
-      if (done[k] || s.group != first.group || redo_scale[k] != redo_scale[a] ||
+      // (Scales compare as bits: a NaN coefficient, from a non-finite norm, groups with itself.)
+      if (done[k] || s.group != first.group || std::memcmp(&redo_scale[k], &redo_scale[a], sizeof(double)) != 0 ||
           static_cast<std::int64_t>(s.step.item<float>()) + 1 != step)
         continue;
       done[k] = true;
