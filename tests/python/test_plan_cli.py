@@ -336,3 +336,13 @@ def test_issue16_good_arguments_still_plan(monkeypatch):
     assert rc == 0 and "block 9999" in out, err
     rc, out, err = plan_in_process(["--help"], monkeypatch)
     assert rc == 0 and "--layers" in out
+
+
+def test_links_are_measured_through_the_copy_engine_when_not_given():
+    # One probe of the links (issue 20): the CLI measures them through tierflow's copy engine, as auto does at its
+    # profiling step, not with torch copies of its own; it leaves no swap file and no pinned state behind.
+    proc = run_plan([*SMALL, "--tflops", "100", "--json"])
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert "links" in out["measured"], out["measured"]
+    assert out["links"]["d2h"] > 0 and out["links"]["h2d"] > 0 and out["links"]["duplex"] > 0, out["links"]

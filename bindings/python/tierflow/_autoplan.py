@@ -11,11 +11,10 @@ from typing import Any, Optional
 import torch
 
 from . import _C
-from ._blocks import BlockRunner, find_blocks, probe_row_split
+from ._blocks import BlockRunner, find_blocks, probe_table
 from ._report import write_json_atomic
 
 from ._plan import PROFILE_FORMAT, PROFILE_VERSION, profile_from_json  # the file format of `python -m tierflow plan`
-_ROW_GRANULE = 8  # a split's first rows are a multiple of this (whole cache lines of a row-major output)
 NVME_PROBE_BYTES = 64 << 20  # written and read back once through the NVMe engine (Note [NVMe probe])
 
 
@@ -269,17 +268,6 @@ class AutoPlanner:
                 r.remove()
             else:
                 r.install()
-
-
-def probe_table(table: Any, alpha: float) -> bool:
-    """Sets the exact first rows of each split matmul of ``table`` for ``alpha``; False when none is exact."""
-    table.exact_rows.clear()
-    for j in sorted(table.split_ops):
-        op = table.ops[j]
-        r0 = _C.split_rows(alpha, op.rows, _ROW_GRANULE)
-        if r0 == op.rows or (0 < r0 < op.rows and probe_row_split(op, r0)):
-            table.exact_rows[j] = r0
-    return bool(table.exact_rows)
 
 
 def _fmt(n: int) -> str:

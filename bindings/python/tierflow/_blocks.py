@@ -601,6 +601,20 @@ def probe_row_split(op: _Op, r0: int, seed: int = 0) -> bool:
     return bool(torch.equal(full, part))
 
 
+_ROW_GRANULE = 8  # a split's first rows are a multiple of this (whole cache lines of a row-major output)
+
+
+def probe_table(table: "Table", alpha: float) -> bool:
+    """Sets the exact first rows of each split matmul of ``table`` for ``alpha``; False when none is exact."""
+    table.exact_rows.clear()
+    for j in sorted(table.split_ops):
+        op = table.ops[j]
+        r0 = _C.split_rows(alpha, op.rows, _ROW_GRANULE)
+        if r0 == op.rows or (0 < r0 < op.rows and probe_row_split(op, r0)):
+            table.exact_rows[j] = r0
+    return bool(table.exact_rows)
+
+
 # ---- the block runner: hooks on one block module -------------------------------------------------------
 
 
@@ -774,8 +788,6 @@ class BlockRunner:
             self.tables[sig] = f.table
             f.recorder = None
             if self.mode == "split":
-                from ._autoplan import probe_table
-
                 if not probe_table(f.table, self.alpha):
                     _C.log("warn", f"tierflow: block {self.index}: no matmul of it splits its rows exactly on this "
                            "device; it recomputes them all")

@@ -164,43 +164,17 @@ def measure_flops(cuda: bool) -> float:
 
 
 def measure_links(cuda: bool) -> Any:
-    """Device<->host bandwidths: pinned copies each way and both at once on a GPU; a host memcpy emulated."""
+    """Device<->host bandwidths through tierflow's copy engine: the probe ``auto`` runs at its profiling step
+    (_autoplan.measure_links), on a runtime of the environment's settings with the activation and optimizer
+    tiers off (no pinned states, no swap files)."""
     import torch
-    if not cuda:
-        n = 64 << 20
-        src = torch.ones(n, dtype=torch.uint8)
-        dst = torch.empty_like(src)
-        dst.copy_(src)
-        t0 = time.perf_counter()
-        for _ in range(4):
-            dst.copy_(src)
-        bw = 4 * n / (time.perf_counter() - t0)
-        return _C.Links(d2h=bw, h2d=bw, duplex=bw)
-    n = 256 << 20
-    host_out = torch.empty(n, dtype=torch.uint8, pin_memory=True)
-    host_in = torch.ones(n, dtype=torch.uint8, pin_memory=True)
-    dev_out = torch.ones(n, dtype=torch.uint8, device="cuda")
-    dev_in = torch.empty(n, dtype=torch.uint8, device="cuda")
-    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
 
-    def timed(d2h: bool, h2d: bool) -> float:
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(3):
-            if d2h:
-                with torch.cuda.stream(s1):
-                    host_out.copy_(dev_out, non_blocking=True)
-            if h2d:
-                with torch.cuda.stream(s2):
-                    dev_in.copy_(host_in, non_blocking=True)
-        torch.cuda.synchronize()
-        return time.perf_counter() - t0
+    from ._autoplan import measure_links as engine_links
 
-    timed(True, True)  # warm-up
-    d2h = 3 * n / timed(True, False)
-    h2d = 3 * n / timed(False, True)
-    duplex = 2 * 3 * n / timed(True, True)
-    return _C.Links(d2h=d2h, h2d=h2d, duplex=duplex)
+    runtime = _C.Runtime({"TIERFLOW_OFFLOAD_ACTIVATIONS": "none", "TIERFLOW_OFFLOAD_OPTIMIZER": "none",
+                          "TIERFLOW_NVME_PATHS": ""})
+    links = engine_links(runtime, torch.device("cuda" if cuda else "cpu"))
+    return _C.Links(d2h=links["d2h"], h2d=links["h2d"], duplex=links["duplex"])
 
 
 # ---- the command -----------------------------------------------------------------------------
