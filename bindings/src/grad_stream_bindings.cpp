@@ -1,0 +1,269 @@
+// tierflow._C.GradStream (Note [Gradient streaming]) and the bucket and GPU-share
+// sizing functions the Python optimizer calls.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <torch/python.h>
+
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
+#include <chrono>
+#include <map>
+#include <string>
+
+#include "module_parts.hpp"
+#include "tierflow/allocator/aligned_buffer.hpp"
+#include "tierflow/allocator/device.hpp"
+#include "tierflow/bindings/dtypes.hpp"
+#include "tierflow/bindings/emulated_device_memory.hpp"
+#include "tierflow/bindings/grad_stream.hpp"
+#include "tierflow/bindings/planner_bindings.hpp"
+#include "tierflow/bindings/runtime.hpp"
+#include "tierflow/core/error.hpp"
+#include "tierflow/core/log.hpp"
+#include "tierflow/optimizer/cuda_adam.hpp"
+#include "tierflow/optimizer/grad_buckets.hpp"
+#include "tierflow/optimizer/roofline.hpp"
+#include "tierflow/swap/nvme_probe.hpp"
+
+namespace py = pybind11;
+using namespace tierflow;
+using namespace tierflow::bindings;
+using namespace tierflow::bindings::pymod;
+
+namespace {
+
+// A Python callable that C++ may call from autograd's threads and drop anywhere:
+// it takes the GIL for both (Note [Gradient streaming]).
+std::shared_ptr<py::object> gil_safe(py::object f) {
+  return std::shared_ptr<py::object>(new py::object(std::move(f)), [](py::object* p) {
+    py::gil_scoped_acquire gil;
+    delete p;
+  });
+}
+
+/// tierflow._C.GradStream: GradStream plus the Python state dicts it commits into.
+struct PyGradStream {
+  std::shared_ptr<GradStream> stream;
+  std::vector<py::object> states;  // slot -> the optimizer's state dict of that parameter
+
+  PyGradStream() = default;
+  PyGradStream(const PyGradStream&) = delete;
+  PyGradStream& operator=(const PyGradStream&) = delete;
+  // GradStream's destructor waits for its worker, which may need the GIL to drop a
+  // gradient's last reference or to call back into Python: it runs without the GIL
+  // (held here when the garbage collector or the interpreter's exit drops the last
+  // reference), so the two never wait on each other.
+  ~PyGradStream() {
+    if (stream && Py_IsInitialized() && PyGILState_Check()) {
+      py::gil_scoped_release release;
+      stream.reset();
+    }
+  }
+
+  void commit_into_states(const std::vector<std::size_t>& committed) {
+    static const char* kNames[] = {"master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
+    for (std::size_t i : committed) {
+      if (i >= states.size() || states[i].is_none()) continue;
+      auto tensors = stream->state_of(i);
+      py::dict d = states[i];
+      for (int k = 0; k < 4; ++k)
+        if (tensors[k].defined()) d[kNames[k]] = tensors[k];
+    }
+  }
+};
+
+py::dict grad_stream_stats(const GradStreamStats& s) {
+  py::dict d;
+  d["early_steps"] = s.early_steps;
+  d["committed"] = s.committed;
+  d["redone"] = s.redone;
+  d["taken_back"] = s.taken_back;
+  d["held"] = s.held;
+  d["buckets"] = s.buckets;
+  d["bucket_count"] = s.bucket_count;
+  d["bucket_bytes"] = s.bucket_bytes;
+  d["speculation_stops"] = s.speculation_stops;
+  d["clips_picked_up"] = s.clips_picked_up;
+  d["grad_bytes_to_host"] = s.grad_bytes_to_host;
+  d["weight_bytes_to_device"] = s.weight_bytes_to_device;
+  d["grads_released"] = s.grads_released;
+  d["grad_bytes_freed"] = s.grad_bytes_freed;
+  d["grads_restored"] = s.grads_restored;
+  d["kernel_grad_bytes"] = s.kernel_grad_bytes;
+  d["sized_link_bytes_per_s"] = s.sized_link_bytes_per_s;
+  d["sized_cpu_grad_bytes_per_s"] = s.sized_cpu_grad_bytes_per_s;
+  d["sized_backward_ms"] = s.sized_backward_s * 1e3;
+  d["kernel_ms"] = static_cast<double>(s.kernel_ns) / 1e6;
+  d["step_kernel_ms"] = static_cast<double>(s.step_kernel_ns) / 1e6;
+  d["step_wait_ms"] = static_cast<double>(s.step_wait_ns) / 1e6;
+  d["weight_wait_ms"] = static_cast<double>(s.weight_wait_ns) / 1e6;
+  d["last_backward_ms"] = static_cast<double>(s.last_backward_ns) / 1e6;
+  d["last_partial_norm"] = s.last_partial_norm;
+  return d;
+}
+
+
+// Construction, the parameters, groups and states it carries, its callbacks.
+void bind_stream_setup(py::class_<PyGradStream, std::shared_ptr<PyGradStream>>& c) {
+  c.def(py::init([](std::shared_ptr<Runtime> rt, std::size_t bucket_bytes, int accumulation,
+                       double max_grad_norm, bool skip_nonfinite, bool weights_in_forward,
+                       bool offload_gradients) {
+        GradStreamOptions o;
+        o.bucket_bytes = bucket_bytes;
+        o.accumulation_steps = accumulation;
+        o.max_grad_norm = max_grad_norm;
+        o.skip_nonfinite = skip_nonfinite;
+        o.weights_in_forward = weights_in_forward;
+        o.offload_gradients = offload_gradients;
+        auto p = std::make_shared<PyGradStream>();
+        p->stream = GradStream::create(std::move(rt), o);
+        return p;
+      }), py::arg("runtime"), py::arg("bucket_bytes"), py::arg("accumulation"), py::arg("max_grad_norm"),
+           py::arg("skip_nonfinite"), py::arg("weights_in_forward"), py::arg("offload_gradients") = false)
+      // Every call into the stream that takes its lock drops the GIL first: the
+      // stream may let go of a tensor with a Python object (which takes the
+      // GIL) while it holds that lock, on the worker or autograd thread.
+      .def("add_parameter", [](PyGradStream& g, const at::Tensor& p, int group) {
+        std::size_t slot;
+        {
+          py::gil_scoped_release release;
+          slot = g.stream->add_parameter(p, group);
+        }
+        g.states.resize(slot + 1, py::none());
+        return slot;
+      })
+      .def("exclude", [](PyGradStream& g, std::size_t slot) { g.stream->exclude(slot); }, py::call_guard<py::gil_scoped_release>())
+      .def("set_group", [](PyGradStream& g, int group, const py::dict& options) {
+        const auto o = adam_options(options);
+        py::gil_scoped_release release;
+        g.stream->set_group(group, o);
+      })
+      .def("set_state", [](PyGradStream& g, std::size_t slot, py::dict state) {
+        auto get = [&](const char* k) {
+          return state.contains(k) && !state[k].is_none() ? state[k].cast<at::Tensor>() : at::Tensor();
+        };
+        at::Tensor flat[4];
+        const char* names[] = {"master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
+        for (int k = 0; k < 4; ++k) {
+          at::Tensor t = get(names[k]);
+          flat[k] = t.defined() ? t.view(-1) : t;  // views share the storage the state dict holds
+        }
+        at::Tensor step = get("step");
+        {
+          py::gil_scoped_release release;
+          g.stream->set_state(slot, flat[0], flat[1], flat[2], flat[3], step);
+        }
+        if (slot >= g.states.size()) g.states.resize(slot + 1, py::none());
+        g.states[slot] = state;
+      })
+      .def("set_callbacks", [](PyGradStream& g, py::object on_begin, py::object init_state) {
+        auto begin = gil_safe(std::move(on_begin));
+        auto init = gil_safe(std::move(init_state));
+        g.stream->set_callbacks(
+            [begin] {
+              py::gil_scoped_acquire gil;
+              (*begin)();
+            },
+            [init](std::size_t slot) {
+              py::gil_scoped_acquire gil;
+              (*init)(slot);
+            });
+      })
+      .def("set_enabled", [](PyGradStream& g, bool on) { g.stream->set_enabled(on); }, py::call_guard<py::gil_scoped_release>())
+      .def("add_module", [](PyGradStream& g, const std::vector<std::size_t>& slots) {
+        return g.stream->add_module(slots);
+      }, py::call_guard<py::gil_scoped_release>());
+}
+
+// What step(), zero_grad(), the user's clip and the next forward ask of it; its counters.
+void bind_stream_step(py::class_<PyGradStream, std::shared_ptr<PyGradStream>>& c) {
+  c.def("wait_worker", [](PyGradStream& g) {
+        py::gil_scoped_release release;
+        g.stream->wait_worker();
+      })
+      .def("finish", [](PyGradStream& g, double scale, bool stale) {
+        GradStream::Finish f;
+        {
+          py::gil_scoped_release release;
+          f = g.stream->finish(scale, stale);
+        }
+        g.commit_into_states(f.committed);
+        return f.unhandled;
+      }, "step(): commits or redoes the streamed steps and sends weights back; returns the slots left to the caller.")
+      .def("discard_all", [](PyGradStream& g) { g.stream->discard_all(); }, py::call_guard<py::gil_scoped_release>())
+      .def("size_buckets", [](PyGradStream& g, double link) { return g.stream->size_buckets(link); }, py::call_guard<py::gil_scoped_release>(),
+           "TIERFLOW_GRAD_BUCKET_BYTES=auto from the measured step and this device -> host rate; the size in force.")
+      .def("restore_grads", [](PyGradStream& g) {
+        py::gil_scoped_release release;
+        g.stream->restore_grads();
+      }, "Puts released gradients back on the device as p.grad (TIERFLOW_OFFLOAD_GRADIENTS).")
+      .def("released_norms", [](PyGradStream& g) {
+        std::vector<std::pair<std::size_t, at::Tensor>> norms;
+        {
+          py::gil_scoped_release release;
+          norms = g.stream->released_norms();
+        }
+        py::dict d;
+        for (auto& [slot, norm] : norms) d[py::int_(slot)] = norm;
+        return d;
+      }, "slot -> clip_grad_norm_'s per-tensor norm of each released gradient.")
+      .def("end_window", [](PyGradStream& g) {
+        py::gil_scoped_release release;
+        g.stream->end_window();
+      })
+      .def("has_unconfirmed", [](PyGradStream& g) { return g.stream->has_unconfirmed(); }, py::call_guard<py::gil_scoped_release>())
+      .def("begin_clip", [](PyGradStream& g) { g.stream->begin_clip(); }, py::call_guard<py::gil_scoped_release>(),
+           "Before the user's clip_grad_norm_ (Note [Clip picked up]).")
+      .def("end_clip", [](PyGradStream& g, double max_norm, double coefficient) { g.stream->end_clip(max_norm, coefficient); },
+           py::call_guard<py::gil_scoped_release>(), py::arg("max_norm"), py::arg("coefficient"),
+           "After it: its max_norm and the coefficient it scaled the gradients by.")
+      .def("wait_step_uploads", [](PyGradStream& g) { g.stream->wait_step_uploads(); },
+           py::call_guard<py::gil_scoped_release>(),
+           "TIERFLOW_WEIGHTS_RETURN=step: the current stream waits for the weights still on their way.")
+      .def("wait_module", [](PyGradStream& g, std::size_t module) {
+        py::gil_scoped_release release;
+        g.stream->wait_module(module);
+      })
+      .def("synchronize", [](PyGradStream& g) {
+        py::gil_scoped_release release;
+        g.stream->synchronize();
+      })
+      .def("stats", [](PyGradStream& g) {
+        GradStreamStats s;
+        {
+          py::gil_scoped_release release;
+          s = g.stream->stats();
+        }
+        return grad_stream_stats(s);
+      })
+      .def("__len__", [](PyGradStream& g) { return g.stream->size(); }, py::call_guard<py::gil_scoped_release>());;
+}
+
+}  // namespace
+
+namespace tierflow::bindings::pymod {
+
+void bind_grad_stream(py::module_& m) {
+  m.def("measured_grad_bucket_bytes", [](double backward_s, double link, double cpu, std::size_t total) {
+    return optimizer::measured_grad_bucket_bytes({backward_s, link, cpu, total});
+  }, "TIERFLOW_GRAD_BUCKET_BYTES=auto from measured speeds (bytes/s), see optimizer/grad_buckets.hpp.");
+
+  m.def("choose_gpu_fraction", [](double cpu_rate, double gpu_rate, double backward_s, std::size_t elements,
+                                  std::size_t bytes_per_element, std::size_t free_bytes) {
+    optimizer::SplitInputs in;
+    in.cpu_elements_per_second = cpu_rate;
+    in.gpu_elements_per_second = gpu_rate;
+    in.backward_seconds = backward_s;
+    in.elements = elements;
+    in.gpu_bytes_per_element = bytes_per_element;
+    in.gpu_free_bytes = free_bytes;
+    return optimizer::choose_gpu_fraction(in);
+  }, "TIERFLOW_GPU_OPTIMIZER_FRACTION=auto: the GPU share that makes the CPU step end with backward.");
+
+  py::class_<PyGradStream, std::shared_ptr<PyGradStream>> stream(
+      m, "GradStream", "Gradients to the CPU optimizer in buckets during backward (Note [Gradient streaming]).");
+  bind_stream_setup(stream);
+  bind_stream_step(stream);
+}
+
+}  // namespace tierflow::bindings::pymod
