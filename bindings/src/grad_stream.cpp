@@ -74,6 +74,7 @@ struct GradStream::Slot {
   bool spec_done = false;  // its early step has run
   at::Tensor grad_ref, host_grad;
   swap::TransferHandle copy;  // of its gradient to host_grad
+  std::uint64_t copy_seq = 0; // submission order of `copy` (begin_clip)
   bool released = false;      // p.grad was set to None after the copy was queued (offload_gradients)
   // The released gradient's storage, to see when it is freed (grad_bytes_freed).
   std::unique_ptr<c10::weak_intrusive_ptr<c10::StorageImpl>> grad_storage;
@@ -363,6 +364,7 @@ void GradStream::stream_locked(std::size_t i) {
   if (options_.offload_gradients && (options_.max_grad_norm > 0 || options_.skip_nonfinite))
     s.norm = at::_foreach_norm({grad}, 2)[0];
   s.copy = runtime_->copy_to_host(host, grad.view(-1));
+  s.copy_seq = ++copy_seq_;
   b.copies.push_back(s.copy);
   s.host_grad = host;
   s.grad_ref = grad;  // alive until the copy has landed (rule 3)
@@ -871,6 +873,9 @@ GradStream::Finish GradStream::finish(double scale, bool stale) {
 }
 
 void GradStream::begin_clip() {
+  // Per device, the candidate whose copy was sent last: copies in one
+  // direction complete in submission order (Note [Copy ordering]).
+  std::vector<std::pair<c10::Device, const Slot*>> last;
   std::vector<std::pair<c10::Device, swap::TransferHandle>> copies;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -881,8 +886,12 @@ void GradStream::begin_clip() {
       if (!grad.defined() || grad.unsafeGetTensorImpl() != s.grad_impl || grad._version() != s.grad_version)
         continue;
       s.clip_base = s.grad_version;
-      copies.emplace_back(s.param.device(), s.copy);
+      const c10::Device d = s.param.device();
+      auto it = std::find_if(last.begin(), last.end(), [&](const auto& l) { return l.first == d; });
+      if (it == last.end()) last.emplace_back(d, &s);
+      else if (s.copy_seq > it->second->copy_seq) it->second = &s;
     }
+    for (const auto& [d, s] : last) copies.emplace_back(d, s->copy);
   }
   // The clip writes the gradients in place on the compute stream: after their
   // copies have read them (rule 2 of Note [Copy ordering]), or the host copy

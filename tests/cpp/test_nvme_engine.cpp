@@ -48,6 +48,15 @@ class NvmeTest : public ::testing::Test {
     o.queue_depth = 16;
     return o;
   }
+  // TIERFLOW_NVME_MEMORY=auto on one path of a small file system.
+  static NvmeEngineOptions auto_opts(const tierflow::testing::LoopFs& disk) {
+    NvmeEngineOptions o;
+    o.paths = {disk.path()};
+    o.bytes_per_path = kNvmeAutoBytes;
+    o.block_bytes = 256 << 10;
+    o.grow_bytes = 1 << 20;
+    return o;
+  }
   std::size_t files_in(const std::string& d) {
     std::size_t n = 0;
     for (auto& e : fs::directory_iterator(d)) n += e.is_regular_file();
@@ -309,12 +318,7 @@ TEST_F(NvmeTest, ARealFullDiskIsAClearErrorBeforeAnyWrite) {
 TEST_F(NvmeTest, AutoLeavesATenthOfTheFileSystemFree) {
   LoopFs disk(dir_, 48);
   if (!disk.ok()) GTEST_SKIP() << disk.why();
-  NvmeEngineOptions o;
-  o.paths = {disk.path()};
-  o.bytes_per_path = kNvmeAutoBytes;
-  o.block_bytes = 256 << 10;
-  o.grow_bytes = 1 << 20;
-  NvmeEngine e(o);
+  NvmeEngine e(auto_opts(disk));
   std::vector<NvmeBlock> blocks;
   try {
     for (;;) blocks.push_back(e.allocate(1 << 20));
@@ -345,12 +349,7 @@ TEST_F(NvmeTest, AvailableBytesIsWhatAllocateCanStillPlace) {
   // Under auto on a small file system: its free space less the tenth that auto keeps free.
   LoopFs disk(dir_, 48);
   if (!disk.ok()) GTEST_SKIP() << disk.why();
-  NvmeEngineOptions o;
-  o.paths = {disk.path()};
-  o.bytes_per_path = kNvmeAutoBytes;
-  o.block_bytes = 256 << 10;
-  o.grow_bytes = 1 << 20;
-  NvmeEngine e(o);
+  NvmeEngine e(auto_opts(disk));
   const std::uint64_t said = e.available_bytes();
   EXPECT_GT(said, 0u);
   EXPECT_LT(said, disk.size_bytes() * 9 / 10) << "auto keeps a tenth of the file system free";

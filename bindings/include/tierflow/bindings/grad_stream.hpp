@@ -281,6 +281,7 @@ class GradStream : public std::enable_shared_from_this<GradStream> {
   std::vector<std::pair<swap::TransferHandle, at::Tensor>> uploads_;  // staging kept until its copy is done
   std::vector<std::size_t> releasing_;   // released slots whose device gradient waits for its copy
   std::uint64_t upload_seq_ = 0;         // submission order of weight copies (wait_module)
+  std::uint64_t copy_seq_ = 0;           // submission order of gradient copies (begin_clip)
   // Weights back with TIERFLOW_WEIGHTS_RETURN=step: per device the copy sent
   // last, and the compute streams that already wait for it (wait_step_uploads).
   std::vector<std::pair<c10::Device, swap::TransferHandle>> step_uploads_;
