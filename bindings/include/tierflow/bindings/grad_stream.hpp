@@ -53,17 +53,13 @@
 //     on, and runs the oneTBB AdamW over the bucket, out of place (Note [Step
 //     during backward]): new master, m, v and the 16-bit (or fp32) weights in
 //     pinned staging; the old state stays.
-//  3. step() confirms. A parameter's early step is committed (a pointer swap)
-//     when its gradient is the same tensor at the same version (a released
-//     gradient counts as unchanged while p.grad is still None), its group's
-//     hyperparameters are those it stepped with, and the clip coefficient is
-//     exactly 1. Otherwise, if the gradient is unchanged, it is stepped again
-//     from the host copy already landed, with the clip coefficient as
-//     grad_scale: no second device -> host copy. So is one that the user's
-//     clip_grad_norm_ scaled and nothing else (Note [Clip picked up] in
-//     bindings/python/tierflow/_clip.py), with its coefficient. A gradient
-//     changed after backward otherwise (GradScaler.unscale_, a scale of the
-//     user's own) is fetched again by the Python path.
+//  3. step() confirms. What happens to each parameter's step (commit the
+//     early step by a pointer swap, redo it from the landed host copy with
+//     the clip coefficient as grad_scale, or leave it to the Python path when
+//     its gradient changed) is decided by optimizer::StepLedger (Note [Step
+//     ledger]); a gradient that the user's clip_grad_norm_ scaled and nothing
+//     else counts as unchanged (Note [Clip picked up] in
+//     bindings/python/tierflow/_clip.py).
 //  4. Weights back. Committed weights are copied host -> device after the work
 //     queued on the compute stream (kernels still reading the old value,
 //     rule 1), in forward order (the last bucket first). With
@@ -77,28 +73,12 @@
 //     module waits on one event: that of its parameter sent last. Staging is
 //     kept until its copy is done (rule 3).
 //
-// Clipping: the global norm is known only when backward ends. Two choices:
-// defer every bucket's step until then, or step speculatively and redo. The
-// deferred step would serialise the whole CPU step after backward every time
-// clipping is on; the speculative one costs nothing when the clip does not
-// bind (coefficient exactly 1) and, when it binds, redoes from the landed host
-// gradients. Squares only add up, so the running norm over the buckets landed
-// so far bounds the global norm from below: once it exceeds max_grad_norm
-// (with a margin, PartialNorms::clip_must_bind) the clip is certain to bind
-// and no further bucket steps speculatively; likewise once a landed gradient
-// is non-finite under skip-non-finite. So the wasted work is the buckets
-// before the bound was crossed, and the coefficient itself is computed at
-// step() with torch's own clip_grad_norm_ ops on the device gradients, which
-// makes the result bit-identical to clip_grad_norm_ followed by step().
-//
-// Gradient accumulation: a parameter streams only at its
-// TIERFLOW_GRAD_ACCUMULATION_STEPS-th gradient since the last step(); any
-// gradient after that discards its early step (a wrong hint costs redone work).
+// Clipping, speculation's stop and gradient accumulation: Note [Step ledger]
+// in optimizer/include/tierflow/optimizer/step_ledger.hpp.
 #pragma once
 
 #include <ATen/ATen.h>
 
-#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -109,6 +89,7 @@
 #include "tierflow/bindings/runtime.hpp"
 #include "tierflow/optimizer/cpu_adam.hpp"
 #include "tierflow/optimizer/grad_buckets.hpp"
+#include "tierflow/optimizer/step_ledger.hpp"
 #include "tierflow/swap/detail/serial_worker.hpp"
 
 namespace tierflow::bindings {
@@ -245,39 +226,29 @@ class GradStream : public std::enable_shared_from_this<GradStream> {
   GradStream(std::shared_ptr<Runtime> runtime, GradStreamOptions options);
   void on_grad(std::size_t slot);
   void on_backward_end();
+  void sync_buckets_locked();
   void stream_locked(std::size_t slot);
   void launch_locked(std::size_t bucket);
   void run_bucket(std::uint64_t generation, std::vector<Entry> entries, std::vector<swap::TransferHandle> copies);
-  void plan_locked();
+  void settle_failed_bucket(std::uint64_t generation, const std::vector<Entry>& entries);
+  std::uint64_t step_entries(const std::vector<Entry>& entries);
+  void redo_locked(const std::vector<std::pair<std::size_t, double>>& redo, std::vector<std::size_t>& committed);
   void reset_window_locked(bool count_taken_back);
-  void upload_locked(std::vector<std::size_t> slots);
+  void upload_locked(const std::vector<std::size_t>& committed);
   void release_landed_locked();
   void count_freed_locked();
   void restore_locked(std::size_t slot, bool accumulate);
-  void wait_uploads_locked(std::unique_lock<std::mutex>& lock);
+  void wait_uploads_locked();
 
   std::shared_ptr<Runtime> runtime_;
   GradStreamOptions options_;
   mutable std::mutex mutex_;
-  std::vector<Slot> slots_;
-  std::vector<Bucket> buckets_;
-  std::vector<optimizer::AdamOptions> groups_;
+  optimizer::StepLedger ledger_;         // what happens to each step (Note [Step ledger])
+  std::vector<Slot> slots_;              // the tensors and transfers of each ledger slot
+  std::vector<Bucket> buckets_;          // the pinned buffer and copies of each ledger bucket
+  std::uint64_t buckets_plan_ = ~std::uint64_t{0};  // the ledger's plan_id that buckets_ follows
   std::vector<std::vector<std::size_t>> modules_;
-  std::vector<std::size_t> arrival_;     // slots in the order their gradients came, this window
-  bool planned_ = false;
-  std::size_t sized_bucket_bytes_ = 0;   // size_buckets' choice (0: not yet)
-  std::uint64_t window_kernel_ns_ = 0, window_kernel_bytes_ = 0;  // CPU AdamW time and bytes, this window
-  std::uint64_t last_window_kernel_ns_ = 0, last_window_kernel_bytes_ = 0;  // ... the last one's
-  bool replanned_ = false;               // the plan follows an observed order
-  bool enabled_ = true;
-  bool in_backward_ = false;
-  bool stopped_ = false;                 // speculation stopped in this window (Note [Gradient streaming])
-  std::uint64_t generation_ = 0;         // bumped per window: late bucket results of an old window are dropped
-  std::chrono::steady_clock::time_point backward_start_{};
-  optimizer::PartialNorms partial_;
-  double clip_norm() const { return options_.max_grad_norm > 0 ? options_.max_grad_norm : learned_clip_norm_; }
-  double learned_clip_norm_ = 0.0;       // the user's clip_grad_norm_ max_norm, once seen (Note [Clip picked up])
-  GradStreamStats stats_;
+  GradStreamStats stats_;                // the transfer counters (the ledger's are merged in stats())
   std::vector<std::pair<swap::TransferHandle, at::Tensor>> uploads_;  // staging kept until its copy is done
   std::vector<std::size_t> releasing_;   // released slots whose device gradient waits for its copy
   std::uint64_t upload_seq_ = 0;         // submission order of weight copies (wait_module)

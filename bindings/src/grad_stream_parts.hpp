@@ -1,0 +1,58 @@
+// GradStream's per-slot and per-bucket records, shared by grad_stream.cpp
+// (backward: hooks, copies, the worker) and grad_stream_step.cpp (step(): the
+// confirmation, the weights back, the user's clip). Private to bindings/src.
+#pragma once
+
+#include <torch/csrc/autograd/node.h>
+
+#include <cstdint>
+#include <memory>
+
+#include "tierflow/bindings/grad_stream.hpp"
+
+namespace tierflow::bindings {
+
+// The ledger's view of a gradient tensor (Note [Step ledger]).
+inline optimizer::GradIdentity identity(const at::Tensor& grad) {
+  if (!grad.defined()) return {};
+  return {reinterpret_cast<std::uintptr_t>(grad.unsafeGetTensorImpl()), grad._version()};
+}
+
+// The tensors and transfers of a slot; what happens to its step is the ledger's.
+struct GradStream::Slot {
+  at::Tensor param;
+  c10::intrusive_ptr<torch::autograd::Node> accumulator;  // kept alive: autograd reuses it, with our hook
+  std::uintptr_t hook_key = 0;
+  // The optimizer state (shared with the Python state dict).
+  at::Tensor master, exp_avg, exp_avg_sq, max_exp_avg_sq, step;
+  // This window.
+  at::Tensor grad_ref, host_grad;
+  swap::TransferHandle copy;  // of its gradient to host_grad
+  std::uint64_t copy_seq = 0; // submission order of `copy` (begin_clip)
+  // A released gradient's storage, to see when it is freed (grad_bytes_freed).
+  std::unique_ptr<c10::weak_intrusive_ptr<c10::StorageImpl>> grad_storage;
+  std::size_t grad_bytes = 0;
+  bool freed_counted = false;
+  at::Tensor norm;            // clip_grad_norm_'s per-tensor norm of the released gradient
+  at::Tensor out_master, out_exp_avg, out_exp_avg_sq, out_max_exp_avg_sq, staging;
+  // Its weights on the way back.
+  swap::TransferHandle upload;
+  bool upload_pending = false;
+  std::uint64_t upload_seq = 0;
+};
+
+struct GradStream::Bucket {
+  at::Tensor buffer;  // pinned, this window
+  std::vector<swap::TransferHandle> copies;
+};
+
+struct GradStream::Entry {
+  std::size_t slot = 0;
+  optimizer::AdamOptions options;
+  std::int64_t step = 0;
+  bool held = false;  // no memory for the out-of-place outputs: steps in step()
+  at::Tensor host_grad, master, exp_avg, exp_avg_sq, max_exp_avg_sq;
+  at::Tensor out_master, out_exp_avg, out_exp_avg_sq, out_max_exp_avg_sq, staging;
+};
+
+}  // namespace tierflow::bindings

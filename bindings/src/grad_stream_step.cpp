@@ -1,0 +1,267 @@
+// GradStream's step(): the confirmation of the early steps (Note [Step
+// ledger]), the redone steps, the weights back to the device, the user's clip
+// (Note [Clip picked up]) and the bucket sizing. See Note [Gradient streaming]
+// in grad_stream.hpp.
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+#include "grad_stream_parts.hpp"
+#include "tierflow/bindings/activation_offloader.hpp"
+#include "tierflow/core/clock.hpp"
+#include "tierflow/core/error.hpp"
+
+namespace tierflow::bindings {
+
+GradStream::Finish GradStream::finish(double scale, bool stale) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (std::size_t b : ledger_.unlaunched()) launch_locked(b);  // a backward that ended without its callback
+  }
+  const std::uint64_t t0 = now_ns();
+  worker_->drain();
+  std::lock_guard<std::mutex> lock(mutex_);
+  stats_.step_wait_ns += now_ns() - t0;
+  count_freed_locked();
+  wait_uploads_locked();
+  Finish out;
+  std::vector<std::pair<std::size_t, double>> redo;  // with the clip coefficient each is stepped with
+  for (std::size_t i = 0; i < slots_.size(); ++i) {
+    if (!ledger_.streamable(i)) continue;
+    Slot& s = slots_[i];
+    if (stale) restore_locked(i, false);  // the caller re-reads the master and takes p.grad
+    const optimizer::Confirmation c = ledger_.confirm(i, identity(s.param.grad()), scale, stale);
+    switch (c.kind) {
+      case optimizer::Confirmation::kNone:
+        break;
+      case optimizer::Confirmation::kCommit:
+        s.master = s.out_master;
+        s.exp_avg = s.out_exp_avg;
+        s.exp_avg_sq = s.out_exp_avg_sq;
+        if (s.out_max_exp_avg_sq.defined()) s.max_exp_avg_sq = s.out_max_exp_avg_sq;
+        s.step.add_(1);
+        out.committed.push_back(i);
+        break;
+      case optimizer::Confirmation::kRedo:
+        redo.emplace_back(i, c.scale);
+        break;
+      case optimizer::Confirmation::kUnhandled:
+        restore_locked(i, false);  // the caller steps it from p.grad
+        out.unhandled.push_back(i);
+        break;
+    }
+  }
+  redo_locked(redo, out.committed);
+  upload_locked(out.committed);
+  reset_window_locked(false);
+  return out;
+}
+
+void GradStream::redo_locked(const std::vector<std::pair<std::size_t, double>>& redo,
+                             std::vector<std::size_t>& committed) {
+  // Stepped here from the gradients already on the host, with the clip
+  // coefficient: the same kernel on the same values as the Python path. One
+  // call per (group, coefficient, step number).
+  std::uint64_t adam_ns = 0, adam_bytes = 0;
+  std::vector<bool> done(redo.size(), false);
+  for (std::size_t a = 0; a < redo.size(); ++a) {
+    if (done[a]) continue;
+    const Slot& first = slots_[redo[a].first];
+    const int group = ledger_.group_of(redo[a].first);
+    optimizer::AdamOptions o = ledger_.group_options(group);
+    const std::int64_t step = static_cast<std::int64_t>(first.step.item<float>()) + 1;
+    if (redo[a].second != 1.0) o.grad_scale = redo[a].second;
+    std::vector<at::Tensor> masters, ms, vs, vmaxes, grads, outs;
+    std::vector<std::size_t> members;
+    for (std::size_t k = a; k < redo.size(); ++k) {
+      Slot& s = slots_[redo[k].first];
+      // (Scales compare as bits: a NaN coefficient, from a non-finite norm, groups with itself.)
+      if (done[k] || ledger_.group_of(redo[k].first) != group ||
+          std::memcmp(&redo[k].second, &redo[a].second, sizeof(double)) != 0 ||
+          static_cast<std::int64_t>(s.step.item<float>()) + 1 != step)
+        continue;
+      done[k] = true;
+      if (!s.staging.defined()) s.staging = runtime_->host_empty({s.param.numel()}, s.param.scalar_type(), false);
+      masters.push_back(s.master);
+      ms.push_back(s.exp_avg);
+      vs.push_back(s.exp_avg_sq);
+      vmaxes.push_back(o.amsgrad ? s.max_exp_avg_sq : at::Tensor());
+      grads.push_back(s.host_grad);
+      outs.push_back(s.staging);
+      adam_bytes += s.host_grad.nbytes();
+      members.push_back(redo[k].first);
+    }
+    const std::uint64_t tk = now_ns();
+    runtime_->adam_step(o, step, masters, ms, vs, vmaxes, grads, outs);
+    adam_ns += now_ns() - tk;
+    for (std::size_t i : members) {
+      slots_[i].step.add_(1);
+      committed.push_back(i);
+    }
+  }
+  stats_.step_kernel_ns += adam_ns;
+  stats_.kernel_grad_bytes += adam_bytes;
+  ledger_.kernel_time(adam_ns, adam_bytes);
+}
+
+void GradStream::wait_uploads_locked() {
+  const std::uint64_t t0 = now_ns();
+  for (auto& [h, staging] : uploads_) h.wait();
+  uploads_.clear();
+  // Copies seen complete on the host are complete for any kernel queued from now on.
+  for (auto& s : slots_) s.upload_pending = false;
+  stats_.weight_wait_ns += now_ns() - t0;
+}
+
+void GradStream::upload_locked(const std::vector<std::size_t>& committed) {
+  const auto& engine = runtime_->copy_engine();
+  std::vector<std::size_t> sent;
+  for (std::size_t i : ledger_.forward_order(committed)) {  // forward order: the first layers first
+    Slot& s = slots_[i];
+    if (!s.staging.defined()) continue;
+    const swap::StreamRef compute = compute_stream_of(*engine, s.param.device());
+    // After the kernels still reading the old value (rule 1).
+    s.upload = engine->copy(swap::Direction::kHostToDevice, s.param.data_ptr(), s.staging.data_ptr(),
+                            s.param.nbytes(), {}, compute);
+    s.upload_pending = true;
+    s.upload_seq = ++upload_seq_;
+    uploads_.emplace_back(s.upload, s.staging);  // staging stays until the copy is done (rule 3)
+    stats_.weight_bytes_to_device += s.param.nbytes();
+    sent.push_back(i);
+  }
+  if (options_.weights_in_forward) return;  // each module's forward waits for its own (wait_module)
+  if (sent.empty()) return;
+  const std::uint64_t t0 = now_ns();
+  // Rule 2; host -> device copies complete in submission order, so one event
+  // per device's compute stream: that of the last copy sent to it.
+  std::vector<std::pair<c10::Device, std::size_t>> last;
+  for (std::size_t i : sent) {
+    slots_[i].upload_pending = false;
+    const c10::Device d = slots_[i].param.device();
+    auto it = std::find_if(last.begin(), last.end(), [&](const auto& l) { return l.first == d; });
+    if (it == last.end()) last.emplace_back(d, i);
+    else it->second = i;
+  }
+  step_uploads_.clear();
+  waited_streams_.clear();
+  for (const auto& [d, i] : last) {
+    const swap::StreamRef compute = compute_stream_of(*engine, d);
+    engine->make_stream_wait(compute, slots_[i].upload);
+    step_uploads_.emplace_back(d, slots_[i].upload);
+    waited_streams_.emplace_back(d, compute.native());
+  }
+  stats_.weight_wait_ns += now_ns() - t0;
+}
+
+void GradStream::wait_step_uploads() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  step_uploads_.erase(std::remove_if(step_uploads_.begin(), step_uploads_.end(),
+                                     [](const auto& u) { return u.second.ready(); }),
+                      step_uploads_.end());
+  if (step_uploads_.empty()) return;
+  const auto& engine = runtime_->copy_engine();
+  for (const auto& [device, upload] : step_uploads_) {
+    const swap::StreamRef compute = compute_stream_of(*engine, device);
+    const std::pair<c10::Device, void*> key(device, compute.native());
+    if (std::find(waited_streams_.begin(), waited_streams_.end(), key) != waited_streams_.end()) continue;
+    engine->make_stream_wait(compute, upload);  // rule 2, for a reader on another stream
+    waited_streams_.push_back(key);
+  }
+}
+
+void GradStream::begin_clip() {
+  // Per device, the candidate whose copy was sent last: copies in one
+  // direction complete in submission order (Note [Copy ordering]).
+  std::vector<std::pair<c10::Device, const Slot*>> last;
+  std::vector<std::pair<c10::Device, swap::TransferHandle>> copies;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (std::size_t i = 0; i < slots_.size(); ++i) {
+      const Slot& s = slots_[i];
+      if (!ledger_.clip_candidate(i, identity(s.param.grad()))) continue;
+      const c10::Device d = s.param.device();
+      auto it = std::find_if(last.begin(), last.end(), [&](const auto& l) { return l.first == d; });
+      if (it == last.end()) last.emplace_back(d, &s);
+      else if (s.copy_seq > it->second->copy_seq) it->second = &s;
+    }
+    for (const auto& [d, s] : last) copies.emplace_back(d, s->copy);
+  }
+  // The clip writes the gradients in place on the compute stream: after their
+  // copies have read them (rule 2 of Note [Copy ordering]), or the host copy
+  // stepped with the coefficient could already hold the clipped values.
+  const auto& engine = runtime_->copy_engine();
+  for (const auto& [device, copy] : copies) engine->make_stream_wait(compute_stream_of(*engine, device), copy);
+}
+
+void GradStream::end_clip(double max_norm, double coefficient) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!ledger_.learn_clip(max_norm)) return;  // tierflow clips as well: a changed gradient, stepped from p.grad
+  for (std::size_t i = 0; i < slots_.size(); ++i) {
+    const at::Tensor grad = slots_[i].param.grad();
+    // The kernel's fp32 grad * grad_scale rounds as torch's multiply only for
+    // fp32 gradients; a coefficient of exactly 1 changes no value in any type.
+    const bool exact = grad.defined() && grad.scalar_type() == at::kFloat;
+    ledger_.clipped(i, identity(grad), coefficient, exact);
+  }
+}
+
+void GradStream::wait_module(std::size_t module) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TIERFLOW_EXPECTS(module < modules_.size(), "GradStream::wait_module: no module " + std::to_string(module));
+  const std::uint64_t t0 = now_ns();
+  const auto& engine = runtime_->copy_engine();
+  // Host -> device copies complete in submission order: waiting for the one
+  // sent last waits for all of the module's (rule 2, one event per module).
+  Slot* last = nullptr;
+  for (std::size_t i : modules_[module]) {
+    Slot& s = slots_[i];
+    if (!s.upload_pending) continue;
+    if (!last || s.upload_seq > last->upload_seq) last = &s;
+    s.upload_pending = false;
+  }
+  // (A module's parameters are on one device: the runtime's.)
+  if (last) engine->make_stream_wait(compute_stream_of(*engine, last->param.device()), last->upload);
+  stats_.weight_wait_ns += now_ns() - t0;
+}
+
+void GradStream::synchronize() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const auto& engine = runtime_->copy_engine();
+  for (auto& s : slots_)
+    if (s.upload_pending) {
+      engine->make_stream_wait(compute_stream_of(*engine, s.param.device()), s.upload);
+      s.upload_pending = false;
+    }
+  wait_uploads_locked();
+}
+
+std::size_t GradStream::size_buckets(double link_bytes_per_second) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const std::size_t bytes = ledger_.size_buckets(link_bytes_per_second);
+  sync_buckets_locked();
+  return bytes;
+}
+
+GradStreamStats GradStream::stats() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  GradStreamStats out = stats_;
+  const optimizer::StepLedgerStats l = ledger_.stats();
+  out.early_steps = l.early_steps;
+  out.committed = l.committed;
+  out.redone = l.redone;
+  out.taken_back = l.taken_back;
+  out.held = l.held;
+  out.buckets = l.buckets;
+  out.bucket_count = l.bucket_count;
+  out.bucket_bytes = l.bucket_bytes;
+  out.speculation_stops = l.speculation_stops;
+  out.clips_picked_up = l.clips_picked_up;
+  out.sized_link_bytes_per_s = l.sized_link_bytes_per_s;
+  out.sized_cpu_grad_bytes_per_s = l.sized_cpu_grad_bytes_per_s;
+  out.sized_backward_s = l.sized_backward_s;
+  out.last_backward_ns = l.last_backward_ns;
+  out.last_partial_norm = l.last_partial_norm;
+  return out;
+}
+
+}  // namespace tierflow::bindings
