@@ -10,6 +10,7 @@
 #include "tierflow/core/config.hpp"
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/size.hpp"
+#include "tierflow/tiering/auto_plan.hpp"
 #include "tierflow/tiering/planner.hpp"
 #include "tierflow/tiering/transformer_profile.hpp"
 
@@ -43,6 +44,54 @@ OffloadTarget optimizer_target(const std::string& name) {
   if (name == "host") return OffloadTarget::kHost;
   if (name == "nvme") return OffloadTarget::kNvme;
   throw config_error("optimizer placement '" + name + "' is not one of none, host, nvme");
+}
+
+void bind_auto_plan(py::module_& m) {
+  py::enum_<PhaseAction>(m, "PhaseAction", "What `auto` does before a forward (Note [Auto plan phases]).")
+      .value("none", PhaseAction::kNone)
+      .value("plan_without_blocks", PhaseAction::kPlanWithoutBlocks)
+      .value("plan_from_profile", PhaseAction::kPlanFromProfile)
+      .value("start_timing", PhaseAction::kStartTiming)
+      .value("measure_and_plan", PhaseAction::kMeasureAndPlan);
+  py::class_<AutoPlanPhases>(m, "AutoPlanPhases", "The phases of `auto` in one session (Note [Auto plan phases]).")
+      .def(py::init<bool, bool, bool>(), py::arg("forced"), py::arg("blocks"), py::arg("loaded_profile"))
+      .def("before_forward", &AutoPlanPhases::before_forward)
+      .def("planned", &AutoPlanPhases::planned)
+      .def_property_readonly("has_plan", &AutoPlanPhases::has_plan)
+      .def_property_readonly("forwards", &AutoPlanPhases::forwards);
+  py::class_<BlockRecord> record(m, "BlockRecord", "What a recorded block saves and computes, per class.");
+  record.def(py::init<>())
+      .def_readwrite("input_bytes", &BlockRecord::input_bytes)
+      .def_readwrite("attention_bytes", &BlockRecord::attention_bytes)
+      .def_readwrite("split_bytes", &BlockRecord::split_bytes)
+      .def_readwrite("cheap_bytes", &BlockRecord::cheap_bytes)
+      .def_readwrite("split_flops", &BlockRecord::split_flops)
+      .def_readwrite("attention_flops", &BlockRecord::attention_flops)
+      .def_readwrite("total_flops", &BlockRecord::total_flops)
+      .def_readwrite("has_split_ops", &BlockRecord::has_split_ops)
+      .def_readwrite("forward_seconds", &BlockRecord::forward_seconds);
+  init_from_kwargs(record);
+  m.def("measured_block_profile", &measured_block_profile, py::arg("record"),
+        "The BlockProfile of a measured block (Note [Auto plan phases]).");
+  py::class_<SessionBudgetInputs> inputs(m, "SessionBudgetInputs", "What session_budgets is computed from.");
+  inputs.def(py::init<>())
+      .def_readwrite("device_budget_bytes", &SessionBudgetInputs::device_budget_bytes)
+      .def_readwrite("host_budget_bytes", &SessionBudgetInputs::host_budget_bytes)
+      .def_readwrite("host_in_use_bytes", &SessionBudgetInputs::host_in_use_bytes)
+      .def_readwrite("nvme_available_bytes", &SessionBudgetInputs::nvme_available_bytes)
+      .def_readwrite("prefetch_bytes", &SessionBudgetInputs::prefetch_bytes)
+      .def_readwrite("parameter_bytes", &SessionBudgetInputs::parameter_bytes)
+      .def_readwrite("parameter_elements", &SessionBudgetInputs::parameter_elements)
+      .def_readwrite("optimizer_on_device", &SessionBudgetInputs::optimizer_on_device)
+      .def_readwrite("measured_peak_bytes", &SessionBudgetInputs::measured_peak_bytes);
+  init_from_kwargs(inputs);
+  m.def("session_budgets", &session_budgets, py::arg("inputs"), py::arg("blocks"),
+        "The planner's budgets in a training session (Note [Auto plan phases]).");
+  m.def("link_probe_bytes", &link_probe_bytes, py::arg("host_budget_bytes"), py::arg("host_in_use_bytes"),
+        py::arg("most") = kLinkProbeBytes, "The link probe's buffer size for the host room left.");
+  m.def("nvme_probe_bytes", &nvme_probe_bytes, py::arg("available_bytes"), "The NVMe probe's first block size.");
+  m.def("next_nvme_probe_bytes", &next_nvme_probe_bytes, py::arg("bytes"),
+        "The next NVMe probe size when the free space is in pieces (0: give up).");
 }
 
 }  // namespace
@@ -126,6 +175,8 @@ void bind_planner(py::module_& m) {
 
   m.def("average_same_shape_blocks", &average_same_shape_blocks, py::arg("blocks"),
         "Blocks of the same shape get the mean of their times (measured layers differ by noise only).");
+
+  bind_auto_plan(m);
 
   py::class_<TransformerShape> shape(m, "TransformerShape", "The shape of a GPT-2-style decoder.");
   shape.def(py::init<>())

@@ -178,6 +178,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("resolve_config", [](const py::dict& overrides) {
     return Config::from_environment(to_string_map(overrides)).to_strings();
   }, "The configuration the environment plus `overrides` give; raises ConfigError.");
+  m.def("config_given", [](const py::dict& overrides) {
+    const auto given = Config::from_environment(to_string_map(overrides)).given;
+    return std::vector<std::string>(given.begin(), given.end());
+  }, "The TIERFLOW_* variables the environment plus `overrides` set (the others hold the table's defaults).");
   m.def("cuda_compiled", &allocator::cuda_compiled, "Whether the CUDA backend was compiled in.");
   m.def("cuda_available", &allocator::cuda_available, "Whether a CUDA GPU is usable.");
   m.def("push_no_offload", &push_no_offload);

@@ -527,6 +527,7 @@ Config Config::parse(const std::map<std::string, std::string>& variables,
                          "? (tierflow.config_table() lists every accepted variable)");
     }
     apply_row(c, *row, row->entry.name, value);
+    c.given.emplace(row->entry.name);
   }
   for (const auto& [key, value] : overrides) {
     std::string name = full_name(key);
@@ -537,6 +538,7 @@ Config Config::parse(const std::map<std::string, std::string>& variables,
                          "'? (tierflow.config_table() lists every accepted setting)");
     }
     apply_row(c, *row, row->entry.name, value);
+    c.given.emplace(row->entry.name);
   }
   return c;
 }

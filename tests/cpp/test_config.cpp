@@ -325,3 +325,11 @@ TEST(ConfigIssue16, ParseSettingValidatesAsTheTableAndNamesTheLabel) {
   }
   EXPECT_THROW(parse_setting("TIERFLOW_NO_SUCH", "1"), config_error);
 }
+
+TEST(Config, RemembersWhichVariablesWereGiven) {
+  // `python -m tierflow plan` tells a budget that was set from one left at its default.
+  const auto c = tierflow::Config::parse({{"TIERFLOW_GPU_MEMORY", "8GiB"}, {"OTHER", "x"}}, {{"host_memory", "1GiB"}});
+  EXPECT_EQ(c.given, (std::set<std::string>{"TIERFLOW_GPU_MEMORY", "TIERFLOW_HOST_MEMORY"}));
+  EXPECT_TRUE(tierflow::Config::defaults().given.empty());
+  EXPECT_TRUE(tierflow::Config::parse({}).given.empty());
+}

@@ -17,6 +17,7 @@
 
 #include <cstdint>
 #include <map>
+#include <set>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -89,6 +90,8 @@ struct Config {
   std::uint64_t grad_bucket_bytes = 0;    ///< TIERFLOW_GRAD_BUCKET_BYTES; 0 means auto
   bool weights_return_in_forward = false;  ///< TIERFLOW_WEIGHTS_RETURN=forward
   bool offload_gradients = false;         ///< TIERFLOW_OFFLOAD_GRADIENTS
+  /// The variables set (environment or overrides), full names; the rest hold their defaults.
+  std::set<std::string> given;
 
   /// All defaults, as listed in the table.
   static Config defaults();

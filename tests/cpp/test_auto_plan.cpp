@@ -1,0 +1,117 @@
+// Note [Auto plan phases]: when `auto` records, times and plans, what a
+// measured block costs, the budgets the planner gets and the probes' sizes.
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "tierflow/tiering/auto_plan.hpp"
+
+namespace {
+
+using namespace tierflow::tiering;
+
+std::vector<PhaseAction> run(AutoPlanPhases& p, int forwards) {
+  std::vector<PhaseAction> out;
+  for (int i = 0; i < forwards; ++i) out.push_back(p.before_forward());
+  return out;
+}
+
+TEST(AutoPlanPhases, RecordsThenTimesThenPlansBeforeTheThirdForward) {
+  AutoPlanPhases p(/*forced=*/false, /*blocks=*/true, /*loaded_profile=*/false);
+  EXPECT_EQ(run(p, 3), (std::vector<PhaseAction>{PhaseAction::kNone, PhaseAction::kStartTiming,
+                                                 PhaseAction::kMeasureAndPlan}));
+  p.planned();
+  EXPECT_EQ(run(p, 2), (std::vector<PhaseAction>{PhaseAction::kNone, PhaseAction::kNone}));
+  EXPECT_EQ(p.forwards(), 5);
+  // A plan that failed (budgets too small) is not tried again by the phases.
+  AutoPlanPhases failed(false, true, false);
+  run(failed, 3);
+  EXPECT_EQ(failed.before_forward(), PhaseAction::kNone);
+}
+
+TEST(AutoPlanPhases, AProfileFilePlansBeforeTheFirstForwardUntilAPlanHolds) {
+  AutoPlanPhases p(false, true, /*loaded_profile=*/true);
+  EXPECT_EQ(p.before_forward(), PhaseAction::kPlanFromProfile);
+  EXPECT_EQ(p.before_forward(), PhaseAction::kPlanFromProfile);  // the first attempt failed
+  p.planned();
+  EXPECT_EQ(p.before_forward(), PhaseAction::kNone);
+}
+
+TEST(AutoPlanPhases, WithoutBlocksDecidesOnceBeforeTheSecondForward) {
+  AutoPlanPhases p(false, /*blocks=*/false, true);
+  EXPECT_EQ(run(p, 3), (std::vector<PhaseAction>{PhaseAction::kNone, PhaseAction::kPlanWithoutBlocks,
+                                                 PhaseAction::kNone}));
+  AutoPlanPhases forced(/*forced=*/true, true, true);
+  EXPECT_EQ(run(forced, 3), (std::vector<PhaseAction>(3, PhaseAction::kNone)));
+}
+
+TEST(MeasuredBlockProfile, SharesTheForwardOutByFlops) {
+  BlockRecord r;
+  r.input_bytes = 100;
+  r.attention_bytes = 200;
+  r.split_bytes = 300;
+  r.cheap_bytes = 50;
+  r.split_flops = 6;
+  r.attention_flops = 2;
+  r.total_flops = 10;
+  r.has_split_ops = true;
+  r.forward_seconds = 1.0;
+  const BlockProfile p = measured_block_profile(r);
+  EXPECT_DOUBLE_EQ(p.forward_seconds, 1.0);
+  EXPECT_DOUBLE_EQ(p.backward_seconds, kBackwardPerForward);
+  EXPECT_DOUBLE_EQ(p.split_recompute_seconds, 0.6);
+  EXPECT_DOUBLE_EQ(p.cheap_recompute_seconds, 1.0 - 0.6 - 0.2);
+  EXPECT_EQ(p.whole_bytes, 200u);
+  EXPECT_EQ(p.saved_bytes(), 650u);
+  EXPECT_EQ(p.transient_bytes, kTransientPerInput * 100);
+  EXPECT_TRUE(p.splittable);
+  // No flops recorded, nothing timed: no division by zero, nothing negative.
+  const BlockProfile empty = measured_block_profile(BlockRecord{});
+  EXPECT_EQ(empty.cheap_recompute_seconds, 0.0);
+  EXPECT_FALSE(empty.splittable);
+}
+
+TEST(SessionBudgets, FromTheTiersAndWhatTrainingHolds) {
+  BlockProfile b;
+  b.input_bytes = 10;
+  b.whole_bytes = 20;
+  b.transient_bytes = 5;
+  SessionBudgetInputs in;
+  in.device_budget_bytes = 1000;
+  in.host_budget_bytes = 500;
+  in.host_in_use_bytes = 120;
+  in.nvme_available_bytes = 7;
+  in.prefetch_bytes = 1 << 20;
+  in.parameter_bytes = 40;
+  in.parameter_elements = 10;
+  Budgets out = session_budgets(in, {b, b});
+  EXPECT_EQ(out.device_bytes, 1000u);
+  EXPECT_EQ(out.fixed_device_bytes, 80u);  // parameters and gradients
+  EXPECT_EQ(out.host_bytes, 380u);
+  EXPECT_EQ(out.nvme_bytes, 7u);
+  EXPECT_EQ(out.prefetch_bytes, 60u);  // never more than the blocks save
+  in.optimizer_on_device = true;
+  EXPECT_EQ(session_budgets(in, {b, b}).fixed_device_bytes, 80u + 80u);  // + m and v in fp32
+  // A measured peak above the largest working set and the window says what training holds.
+  in.measured_peak_bytes = 1000;
+  EXPECT_EQ(session_budgets(in, {b, b}).fixed_device_bytes, 1000u - 35u - 60u);
+  in.measured_peak_bytes = 50;  // below: the estimate stands
+  EXPECT_EQ(session_budgets(in, {b, b}).fixed_device_bytes, 160u);
+  in.host_in_use_bytes = 900;  // more in use than the budget
+  EXPECT_EQ(session_budgets(in, {}).host_bytes, 0u);
+  EXPECT_EQ(session_budgets(in, {}).prefetch_bytes, 0u);
+}
+
+TEST(ProbeSizes, FitTheRoomInGranules) {
+  EXPECT_EQ(link_probe_bytes(1ull << 40, 0), kLinkProbeBytes);
+  EXPECT_EQ(link_probe_bytes(16 * 10000, 0), 8192u);  // a sixteenth, in 4 KiB granules
+  EXPECT_EQ(link_probe_bytes(100, 200), kProbeGranule);  // at least one granule
+  EXPECT_EQ(nvme_probe_bytes(1ull << 40), kNvmeProbeBytes);
+  EXPECT_EQ(nvme_probe_bytes(10000), 8192u);
+  EXPECT_EQ(nvme_probe_bytes(100), 0u);
+  EXPECT_EQ(next_nvme_probe_bytes(kNvmeProbeBytes), kNvmeProbeBytes / 2);
+  EXPECT_EQ(next_nvme_probe_bytes(12288), 4096u);
+  EXPECT_EQ(next_nvme_probe_bytes(4096), 0u);
+}
+
+}  // namespace

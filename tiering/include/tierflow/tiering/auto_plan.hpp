@@ -1,0 +1,126 @@
+// TIERFLOW_OFFLOAD_ACTIVATIONS=auto inside the user's first steps: when it
+// records, times and plans, what a measured block costs, and the budgets the
+// planner gets. Torch-free; bindings/python/tierflow adapts the model to it.
+//
+// Note [Auto plan phases]
+// ~~~~~~~~~~~~~~~~~~~~~~~
+// `auto` has no step of its own: it profiles inside the user's first steps.
+//   forward 1 (kRecordForward)  every block records its ops and swaps every saved
+//              tensor to the host (the first step fits wherever anything fits);
+//   forward 2 (kTimedForward)   the runners time each block's forward; the
+//              device's peak counter is reset;
+//   forward 3 (kPlanForward)    before it: the links and the NVMe tier are
+//              probed through the engines (Note [NVMe probe]), the profile is
+//              written to TIERFLOW_PROFILE if set, and the planner decides
+//              (Note [Activation planner]).
+// A profile read from TIERFLOW_PROFILE plans before the first forward (and is
+// tried again before each forward until a plan is in force). A model without
+// repeated blocks decides before forward 2 between keeping every saved tensor
+// (what forward 1 swapped fits beside the rest of training) and swapping them
+// all. TIERFLOW_OFFLOAD_ACTIVATIONS=recompute is forced: no phases.
+//
+// A measured block (measured_block_profile): its saved bytes per class come
+// from the recorded table; its forward time is the median of the timed
+// forwards, shared out among the classes in proportion to their flops; its
+// backward is taken as kBackwardPerForward times its forward and its working
+// set as kTransientPerInput times its input (both estimates, see issue "cost
+// model"), its split is possible when the table found a split op.
+//
+// The budgets (session_budgets): the device's is TIERFLOW_GPU_MEMORY; what the
+// rest of training holds there (fixed) is the parameters and their gradients,
+// plus Adam's two fp32 moments when the optimizer stays on the device, or, once
+// the timed forward measured a device peak, that peak less the largest block's
+// working set and the prefetch window if that is more (workspace and the
+// tensors saved outside the blocks included); the host's is
+// TIERFLOW_HOST_MEMORY less what is in use (optimizer states, saved tensors);
+// NVMe's what the engine can still place (NvmeEngine::available_bytes); the
+// prefetch window TIERFLOW_PREFETCH_BYTES, never more than the blocks save.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "tierflow/tiering/planner.hpp"
+
+namespace tierflow::tiering {
+
+inline constexpr int kRecordForward = 1;
+inline constexpr int kTimedForward = 2;
+inline constexpr int kPlanForward = 3;
+inline constexpr double kBackwardPerForward = 2.0;
+inline constexpr std::uint64_t kTransientPerInput = 2;
+/// The link probe's buffer: at most this, and a sixteenth of the host room left.
+inline constexpr std::uint64_t kLinkProbeBytes = 32ull << 20;
+/// The NVMe probe's block, written and read back once (Note [NVMe probe]).
+inline constexpr std::uint64_t kNvmeProbeBytes = 64ull << 20;
+inline constexpr std::uint64_t kProbeGranule = 4096;
+
+/// What to do before a forward of the model.
+enum class PhaseAction {
+  kNone,               ///< go on (recording, or a plan is in force)
+  kPlanWithoutBlocks,  ///< no blocks: keep every saved tensor or swap them all (plan_without_blocks)
+  kPlanFromProfile,    ///< plan from the profile read from TIERFLOW_PROFILE
+  kStartTiming,        ///< the runners time this forward
+  kMeasureAndPlan,     ///< stop timing, probe the links and NVMe, write the profile, plan
+};
+
+/// The phases of Note [Auto plan phases] for one session.
+class AutoPlanPhases {
+ public:
+  /// `forced`: TIERFLOW_OFFLOAD_ACTIVATIONS=recompute; `blocks`: repeated blocks
+  /// found; `loaded_profile`: a profile was read from TIERFLOW_PROFILE.
+  AutoPlanPhases(bool forced, bool blocks, bool loaded_profile) noexcept
+      : forced_(forced), blocks_(blocks), loaded_(loaded_profile) {}
+  /// Counts a forward and says what to do before it.
+  PhaseAction before_forward() noexcept;
+  /// A plan is in force from now on.
+  void planned() noexcept { planned_ = true; }
+  bool has_plan() const noexcept { return planned_; }
+  int forwards() const noexcept { return forwards_; }
+
+ private:
+  bool forced_, blocks_, loaded_;
+  bool planned_ = false;
+  int forwards_ = 0;
+};
+
+/// What one recorded block saves and computes, per class (the runner's table).
+struct BlockRecord {
+  std::uint64_t input_bytes = 0, attention_bytes = 0, split_bytes = 0, cheap_bytes = 0;
+  double split_flops = 0, attention_flops = 0, total_flops = 0;
+  bool has_split_ops = false;
+  double forward_seconds = 0;  ///< median of the timed forwards (0: none timed)
+};
+
+/// The BlockProfile of a measured block (Note [Auto plan phases]).
+BlockProfile measured_block_profile(const BlockRecord& record) noexcept;
+
+/// What session_budgets is computed from.
+struct SessionBudgetInputs {
+  std::uint64_t device_budget_bytes = 0;  ///< TIERFLOW_GPU_MEMORY on this device
+  std::uint64_t host_budget_bytes = 0;    ///< TIERFLOW_HOST_MEMORY
+  std::uint64_t host_in_use_bytes = 0;    ///< the pinned pool's bytes in use
+  std::uint64_t nvme_available_bytes = 0; ///< NvmeEngine::available_bytes (0: no NVMe tier)
+  std::uint64_t prefetch_bytes = 0;       ///< TIERFLOW_PREFETCH_BYTES
+  std::uint64_t parameter_bytes = 0;      ///< the model's parameters, as stored
+  std::uint64_t parameter_elements = 0;   ///< ... their element count
+  bool optimizer_on_device = false;       ///< TIERFLOW_OFFLOAD_OPTIMIZER=none
+  std::uint64_t measured_peak_bytes = 0;  ///< the timed forward's device peak (0: not measured)
+};
+
+/// The planner's budgets for `blocks` (Note [Auto plan phases]).
+Budgets session_budgets(const SessionBudgetInputs& in, const std::vector<BlockProfile>& blocks) noexcept;
+
+/// The link probe's buffer size: at most `most` and a sixteenth of the host
+/// room left (its two pinned buffers take at most an eighth), in granules, at
+/// least one.
+std::uint64_t link_probe_bytes(std::uint64_t host_budget_bytes, std::uint64_t host_in_use_bytes,
+                               std::uint64_t most = kLinkProbeBytes) noexcept;
+
+/// The NVMe probe's first block size: kNvmeProbeBytes or what the tier can
+/// place, in granules (0: no room). Halve it (next_nvme_probe_bytes) when the
+/// free space is in pieces.
+std::uint64_t nvme_probe_bytes(std::uint64_t available_bytes) noexcept;
+std::uint64_t next_nvme_probe_bytes(std::uint64_t bytes) noexcept;
+
+}  // namespace tierflow::tiering

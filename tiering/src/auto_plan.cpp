@@ -1,0 +1,68 @@
+// See Note [Auto plan phases] in auto_plan.hpp.
+#include "tierflow/tiering/auto_plan.hpp"
+
+#include <algorithm>
+
+namespace tierflow::tiering {
+
+PhaseAction AutoPlanPhases::before_forward() noexcept {
+  forwards_ += 1;
+  if (forced_ || planned_) return PhaseAction::kNone;
+  if (!blocks_) return forwards_ == kTimedForward ? PhaseAction::kPlanWithoutBlocks : PhaseAction::kNone;
+  if (loaded_) return PhaseAction::kPlanFromProfile;
+  if (forwards_ == kTimedForward) return PhaseAction::kStartTiming;
+  if (forwards_ == kPlanForward) return PhaseAction::kMeasureAndPlan;
+  return PhaseAction::kNone;
+}
+
+BlockProfile measured_block_profile(const BlockRecord& r) noexcept {
+  BlockProfile p;
+  const double fwd = r.forward_seconds;
+  const double total = r.total_flops > 0 ? r.total_flops : 1.0;
+  const double split_s = fwd * r.split_flops / total;
+  const double attention_s = fwd * r.attention_flops / total;
+  p.forward_seconds = fwd;
+  p.backward_seconds = kBackwardPerForward * fwd;
+  p.input_bytes = r.input_bytes;
+  p.whole_bytes = r.attention_bytes;
+  p.split_bytes = r.split_bytes;
+  p.split_recompute_seconds = split_s;
+  p.cheap_bytes = r.cheap_bytes;
+  p.cheap_recompute_seconds = std::max(fwd - split_s - attention_s, 0.0);
+  p.splittable = r.has_split_ops;
+  p.transient_bytes = kTransientPerInput * r.input_bytes;
+  return p;
+}
+
+Budgets session_budgets(const SessionBudgetInputs& in, const std::vector<BlockProfile>& blocks) noexcept {
+  std::uint64_t saved = 0, largest = 0;
+  for (const auto& b : blocks) {
+    saved += b.saved_bytes();
+    largest = std::max(largest, b.saved_bytes() + b.transient_bytes);
+  }
+  const std::uint64_t window = std::min(in.prefetch_bytes, saved);
+  std::uint64_t fixed = 2 * in.parameter_bytes;  // parameters and their gradients
+  if (in.optimizer_on_device) fixed += 2 * 4 * in.parameter_elements;  // Adam's m and v in fp32
+  if (in.measured_peak_bytes > largest + window) fixed = std::max(fixed, in.measured_peak_bytes - largest - window);
+  Budgets b;
+  b.device_bytes = in.device_budget_bytes;
+  b.fixed_device_bytes = fixed;
+  b.host_bytes = in.host_budget_bytes > in.host_in_use_bytes ? in.host_budget_bytes - in.host_in_use_bytes : 0;
+  b.nvme_bytes = in.nvme_available_bytes;
+  b.prefetch_bytes = window;
+  return b;
+}
+
+std::uint64_t link_probe_bytes(std::uint64_t host_budget_bytes, std::uint64_t host_in_use_bytes,
+                               std::uint64_t most) noexcept {
+  const std::uint64_t room = host_budget_bytes > host_in_use_bytes ? host_budget_bytes - host_in_use_bytes : 0;
+  return std::max(std::min(most, room / 16) / kProbeGranule * kProbeGranule, kProbeGranule);
+}
+
+std::uint64_t nvme_probe_bytes(std::uint64_t available_bytes) noexcept {
+  return std::min(kNvmeProbeBytes, available_bytes) / kProbeGranule * kProbeGranule;
+}
+
+std::uint64_t next_nvme_probe_bytes(std::uint64_t bytes) noexcept { return bytes / 2 / kProbeGranule * kProbeGranule; }
+
+}  // namespace tierflow::tiering
