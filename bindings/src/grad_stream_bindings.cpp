@@ -72,35 +72,6 @@ struct PyGradStream {
   }
 };
 
-py::dict grad_stream_stats(const GradStreamStats& s) {
-  py::dict d;
-  d["early_steps"] = s.early_steps;
-  d["committed"] = s.committed;
-  d["redone"] = s.redone;
-  d["taken_back"] = s.taken_back;
-  d["held"] = s.held;
-  d["buckets"] = s.buckets;
-  d["bucket_count"] = s.bucket_count;
-  d["bucket_bytes"] = s.bucket_bytes;
-  d["speculation_stops"] = s.speculation_stops;
-  d["clips_picked_up"] = s.clips_picked_up;
-  d["grad_bytes_to_host"] = s.grad_bytes_to_host;
-  d["weight_bytes_to_device"] = s.weight_bytes_to_device;
-  d["grads_released"] = s.grads_released;
-  d["grad_bytes_freed"] = s.grad_bytes_freed;
-  d["grads_restored"] = s.grads_restored;
-  d["kernel_grad_bytes"] = s.kernel_grad_bytes;
-  d["sized_link_bytes_per_s"] = s.sized_link_bytes_per_s;
-  d["sized_cpu_grad_bytes_per_s"] = s.sized_cpu_grad_bytes_per_s;
-  d["sized_backward_ms"] = s.sized_backward_s * 1e3;
-  d["kernel_ms"] = static_cast<double>(s.kernel_ns) / 1e6;
-  d["step_kernel_ms"] = static_cast<double>(s.step_kernel_ns) / 1e6;
-  d["step_wait_ms"] = static_cast<double>(s.step_wait_ns) / 1e6;
-  d["weight_wait_ms"] = static_cast<double>(s.weight_wait_ns) / 1e6;
-  d["last_backward_ms"] = static_cast<double>(s.last_backward_ns) / 1e6;
-  d["last_partial_norm"] = s.last_partial_norm;
-  return d;
-}
 
 
 // Construction, the parameters, groups and states it carries, its callbacks.
@@ -234,7 +205,7 @@ void bind_stream_step(py::class_<PyGradStream, std::shared_ptr<PyGradStream>>& c
           py::gil_scoped_release release;
           s = g.stream->stats();
         }
-        return grad_stream_stats(s);
+        return stat_dict(s, grad_stream_stat_fields());
       })
       .def("__len__", [](PyGradStream& g) { return g.stream->size(); }, py::call_guard<py::gil_scoped_release>());;
 }

@@ -242,6 +242,38 @@ std::size_t GradStream::size_buckets(double link_bytes_per_second) {
   return bytes;
 }
 
+const std::vector<StatField<GradStreamStats>>& grad_stream_stat_fields() {
+  using S = GradStreamStats;
+  static const std::vector<StatField<S>> fields = {
+      {"early_steps", &S::early_steps},
+      {"committed", &S::committed},
+      {"redone", &S::redone},
+      {"taken_back", &S::taken_back},
+      {"held", &S::held},
+      {"buckets", &S::buckets},
+      {"bucket_count", &S::bucket_count},
+      {"bucket_bytes", &S::bucket_bytes},
+      {"speculation_stops", &S::speculation_stops},
+      {"clips_picked_up", &S::clips_picked_up},
+      {"grad_bytes_to_host", &S::grad_bytes_to_host},
+      {"weight_bytes_to_device", &S::weight_bytes_to_device},
+      {"grads_released", &S::grads_released},
+      {"grad_bytes_freed", &S::grad_bytes_freed},
+      {"grads_restored", &S::grads_restored},
+      {"kernel_grad_bytes", &S::kernel_grad_bytes},
+      {"sized_link_bytes_per_s", nullptr, &S::sized_link_bytes_per_s},
+      {"sized_cpu_grad_bytes_per_s", nullptr, &S::sized_cpu_grad_bytes_per_s},
+      {"sized_backward_ms", nullptr, &S::sized_backward_s, 1e3},
+      {"kernel_ms", &S::kernel_ns, nullptr, 1e-6},
+      {"step_kernel_ms", &S::step_kernel_ns, nullptr, 1e-6},
+      {"step_wait_ms", &S::step_wait_ns, nullptr, 1e-6},
+      {"weight_wait_ms", &S::weight_wait_ns, nullptr, 1e-6},
+      {"last_backward_ms", &S::last_backward_ns, nullptr, 1e-6},
+      {"last_partial_norm", nullptr, &S::last_partial_norm},
+  };
+  return fields;
+}
+
 GradStreamStats GradStream::stats() const {
   std::lock_guard<std::mutex> lock(mutex_);
   GradStreamStats out = stats_;

@@ -7,6 +7,7 @@
 
 #include <map>
 #include <string>
+#include <vector>
 
 #include <ATen/ATen.h>
 
@@ -22,6 +23,16 @@ namespace tierflow::bindings::pymod {
 
 // Converters shared by the parts (python_module.cpp).
 pybind11::dict stat_dict(const StatValues& v);
+/// The fields of `s` named in its table (Note [Stat fields]).
+template <class T>
+pybind11::dict stat_dict(const T& s, const std::vector<StatField<T>>& fields) {
+  pybind11::dict d;
+  for (const auto& f : fields) {
+    if (f.count && f.scale == 0.0) d[f.name] = s.*(f.count);
+    else d[f.name] = f.of(s);
+  }
+  return d;
+}
 at::ScalarType dtype_from_name(const std::string& name);
 optimizer::AdamOptions adam_options(const pybind11::dict& d);
 pybind11::dict runtime_stats(const Runtime& rt);

@@ -87,6 +87,7 @@
 #include <vector>
 
 #include "tierflow/bindings/runtime.hpp"
+#include "tierflow/core/stats.hpp"
 #include "tierflow/optimizer/cpu_adam.hpp"
 #include "tierflow/optimizer/grad_buckets.hpp"
 #include "tierflow/optimizer/step_ledger.hpp"
@@ -134,6 +135,9 @@ struct GradStreamStats {
   std::uint64_t last_backward_ns = 0; ///< last backward, from its first gradient to its end
   double last_partial_norm = 0.0;     ///< norm of the gradients landed in the last window
 };
+
+/// GradStreamStats' exported fields (Note [Stat fields]): nanoseconds as *_ms.
+const std::vector<StatField<GradStreamStats>>& grad_stream_stat_fields();
 
 /// The streaming CPU optimizer path of one CPUAdamW; see Note [Gradient streaming].
 class GradStream : public std::enable_shared_from_this<GradStream> {

@@ -58,3 +58,31 @@ class Counter {
 };
 
 }  // namespace tierflow
+
+namespace tierflow {
+
+/// One exported field of a statistics struct T (Note [Stat fields]): its name
+/// in reports and tierflow's stats dicts, the member it reads, and a unit
+/// change (0: the member's value as it is; otherwise a double, the member
+/// times `scale`, e.g. 1e-6 for a nanosecond count reported in milliseconds).
+//
+// Note [Stat fields]
+// ~~~~~~~~~~~~~~~~~~
+// Each statistics struct has one table of its exported fields beside it
+// (e.g. grad_stream_stat_fields()); the Python dicts, the report and the
+// tests read the table, so a counter added to the struct and its table shows
+// up everywhere, and a name is written once.
+template <class T>
+struct StatField {
+  const char* name;
+  std::uint64_t T::*count = nullptr;  ///< a count, or
+  double T::*value = nullptr;         ///< ... a measured value
+  double scale = 0.0;
+  /// The field of `s` as a double (for the tests and the report).
+  double of(const T& s) const noexcept {
+    const double v = count ? static_cast<double>(s.*count) : s.*value;
+    return scale != 0.0 ? v * scale : v;
+  }
+};
+
+}  // namespace tierflow
