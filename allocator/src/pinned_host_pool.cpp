@@ -1,8 +1,6 @@
 // See Note [Pinned host pool] in pinned_host_pool.hpp.
 #include "tierflow/allocator/pinned_host_pool.hpp"
 
-#include <sys/mman.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -16,42 +14,13 @@
 #include "tierflow/core/log.hpp"
 #include "tierflow/core/size.hpp"
 
-#ifdef TIERFLOW_WITH_CUDA
-#include "tierflow/allocator/detail/cuda_check.hpp"
-#endif
-
 namespace tierflow::allocator {
 
-namespace {
-
-constexpr std::size_t kHugePage = 2 << 20;
-
-// A resident, 2 MiB-aligned anonymous mapping on transparent huge pages where
-// the kernel allows them. Like pinned memory, it is faulted in before the first
-// copy; huge pages also make each O_DIRECT request pin 1 page instead of 256
-// (measured: 2x the NVMe read and write bandwidth into 1 GiB of such memory).
-void* map_resident(std::size_t bytes) {
-  const std::size_t span = bytes + kHugePage;
-  void* raw = mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (raw == MAP_FAILED) return nullptr;
-  auto start = reinterpret_cast<std::uintptr_t>(raw);
-  const std::uintptr_t aligned = (start + kHugePage - 1) & ~(kHugePage - 1);
-  if (aligned > start) munmap(raw, aligned - start);
-  const std::uintptr_t end = start + span, used_end = aligned + bytes;
-  if (end > used_end) munmap(reinterpret_cast<void*>(used_end), end - used_end);
-  void* p = reinterpret_cast<void*>(aligned);
-  madvise(p, bytes, MADV_HUGEPAGE);
-#ifdef MADV_POPULATE_WRITE
-  if (madvise(p, bytes, MADV_POPULATE_WRITE) == 0) return p;
-#endif
-  auto* bytes_ptr = static_cast<volatile char*>(p);
-  for (std::size_t off = 0; off < bytes; off += 4096) bytes_ptr[off] = 0;
-  return p;
-}
-
-}  // namespace
-
-PinnedHostPool::PinnedHostPool(PinnedHostPoolOptions options) : options_(options) {
+PinnedHostPool::PinnedHostPool(PinnedHostPoolOptions options)
+    : options_(options),
+      pinned_(options.cuda_pinned),
+      budget_(&pinned_, static_cast<std::size_t>(options.budget_bytes)),
+      reserved_(&budget_) {
   TIERFLOW_EXPECTS(options_.slab_bytes >= kBlockAlignment,
                    "PinnedHostPool: slab_bytes must be at least 4096, got " +
                        std::to_string(options_.slab_bytes));
@@ -78,14 +47,7 @@ PinnedHostPool::~PinnedHostPool() {
 
 void PinnedHostPool::free_slab_memory(Slab& s) noexcept {
   if (!s.base) return;
-#ifdef TIERFLOW_WITH_CUDA
-  if (options_.cuda_pinned) {
-    TIERFLOW_CUDA_ASSERT_OK(cudaFreeHost(s.base));
-    s.base = nullptr;
-    return;
-  }
-#endif
-  munmap(s.base, s.bytes);
+  reserved_.deallocate(s.base, s.bytes, kBlockAlignment);
   s.base = nullptr;
 }
 
@@ -117,29 +79,20 @@ void PinnedHostPool::erase_free_locked(std::size_t slab, std::size_t offset, std
 }
 
 bool PinnedHostPool::add_slab_locked(std::size_t min_bytes) {
+  const std::uint64_t held = budget_.allocated_bytes(), budget = budget_.limit_bytes();
   std::size_t want = std::max<std::size_t>(options_.slab_bytes, min_bytes);
-  if (reserved_bytes_ + want > options_.budget_bytes) {
+  if (held + want > budget) {
     // A smaller slab that still fits the request is better than failing.
-    if (reserved_bytes_ + min_bytes > options_.budget_bytes) return false;
-    want = round_up(options_.budget_bytes - reserved_bytes_, kBlockAlignment);
-    if (reserved_bytes_ + want > options_.budget_bytes) want -= kBlockAlignment;
+    if (held + min_bytes > budget) return false;
+    want = round_up(budget - held, kBlockAlignment);
+    if (held + want > budget) want -= kBlockAlignment;
     if (want < min_bytes) return false;
   }
   void* base = nullptr;
-#ifdef TIERFLOW_WITH_CUDA
-  if (options_.cuda_pinned) {
-    cudaError_t st = cudaHostAlloc(&base, want, cudaHostAllocDefault);
-    if (st != cudaSuccess) {
-      (void)cudaGetLastError();
-      log(LogLevel::kWarn, "cudaHostAlloc of " + format_bytes(want) + " failed: " +
-                               cudaGetErrorString(st));
-      return false;
-    }
-  }
-#endif
-  if (!base) {
-    base = map_resident(want);
-    if (!base) return false;
+  try {
+    base = reserved_.allocate(want, kBlockAlignment);
+  } catch (const out_of_memory&) {
+    return false;  // (logged by the resource where the system refused)
   }
   Slab s;
   s.base = static_cast<std::byte*>(base);
@@ -155,8 +108,6 @@ bool PinnedHostPool::add_slab_locked(std::size_t min_bytes) {
   if (idx == slabs_.size()) slabs_.emplace_back();
   slabs_[idx] = std::move(s);
   insert_free_locked(idx, 0, want);
-  reserved_bytes_ += want;
-  reserved_.increase(static_cast<std::int64_t>(want));
   ++slab_allocations_;
   return true;
 }
@@ -315,8 +266,6 @@ std::size_t PinnedHostPool::release_unused_locked() noexcept {
     if (!s.base || s.used != 0) continue;
     erase_free_locked(i, 0, s.bytes);
     released += s.bytes;
-    reserved_bytes_ -= s.bytes;
-    reserved_.decrease(static_cast<std::int64_t>(s.bytes));
     free_slab_memory(s);
     s.free.clear();
     s.bytes = 0;
@@ -340,7 +289,7 @@ PinnedHostPoolStats PinnedHostPool::stats() const {
   std::lock_guard<std::mutex> lock(mutex_);
   PinnedHostPoolStats s;
   s.in_use = in_use_.values();
-  s.reserved = reserved_.values();
+  s.reserved = reserved_.bytes();
   s.slab_allocations = slab_allocations_;
   s.block_allocations = block_allocations_;
   s.failed_allocations = failed_allocations_;

@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -90,4 +91,20 @@ TEST(SmallAlloc, AlignedAllocationsFromMimallocWhenInstalled) {
   }
   // Debian's libmimalloc2.0 is a declared dependency (scripts/setup.sh installs it).
   EXPECT_TRUE(mimalloc_active()) << "libmimalloc.so.2 could not be loaded";
+}
+
+TEST(PinnedHostResource, ResidentHugePageAlignedMemoryUnderABudget) {
+  PinnedHostResource pinned(/*cuda_pinned=*/false);
+  EXPECT_EQ(pinned.tier(), Tier::kHost);
+  LimitingAdaptor budget(&pinned, 3 << 20);
+  StatisticsAdaptor counted(&budget);
+  void* p = counted.allocate(3 << 20, 4096);
+  ASSERT_NE(p, nullptr);
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(p) % (2 << 20), 0u);  // on huge pages where the kernel allows
+  std::memset(p, 0x5a, 3 << 20);
+  EXPECT_THROW(counted.allocate(4096, 4096), out_of_memory);  // the budget, not the system, refuses
+  EXPECT_EQ(counted.bytes().current, 3 << 20);
+  counted.deallocate(p, 3 << 20, 4096);
+  EXPECT_EQ(counted.bytes().current, 0);
+  EXPECT_EQ(budget.allocated_bytes(), 0u);
 }

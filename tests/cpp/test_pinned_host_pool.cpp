@@ -199,3 +199,25 @@ TEST(PinnedHostPool, PoisonedQuarantineFindsALateWrite) {
   EXPECT_EQ(pool.stats().late_writes, 1u);
   EXPECT_EQ(pool.stats().in_use.current, 0);
 }
+
+TEST(PinnedHostPool, SlabsComeThroughTheBudgetAndStatisticsAdaptors) {
+  // Note [Pinned host pool]: the budget is the LimitingAdaptor's, the reserved
+  // bytes the StatisticsAdaptor's; a slab released goes back through both.
+  tierflow::allocator::PinnedHostPoolOptions o;
+  o.budget_bytes = 3 * 4096;
+  o.slab_bytes = 2 * 4096;
+  tierflow::allocator::PinnedHostPool pool(o);
+  void* a = pool.allocate(4096);
+  EXPECT_EQ(pool.stats().reserved.current, 2 * 4096);
+  void* b = pool.allocate(4096);
+  void* c = pool.allocate(4096);  // a smaller slab: the rest of the budget
+  EXPECT_EQ(pool.stats().reserved.current, 3 * 4096);
+  EXPECT_EQ(pool.try_allocate(4096), nullptr);
+  pool.deallocate(c);
+  EXPECT_EQ(pool.release_unused(), 4096u);
+  EXPECT_EQ(pool.stats().reserved.current, 2 * 4096);
+  EXPECT_EQ(pool.stats().reserved.freed, 4096);
+  void* d = pool.allocate(4096);  // the budget the released slab gave back
+  EXPECT_NE(d, nullptr);
+  for (void* p : {a, b, d}) pool.deallocate(p);
+}

@@ -61,6 +61,22 @@ class CudaDeviceResource final : public MemoryResource {
   void do_deallocate(void* p, std::size_t bytes, std::size_t alignment) noexcept override;
 };
 
+/// Page-locked host memory, resident before its first use: cudaHostAlloc with
+/// `cuda_pinned` (needs a GPU), otherwise a 2 MiB-aligned anonymous mapping
+/// on transparent huge pages, faulted in at once. The pinned host pool's
+/// upstream for its slabs (Note [Pinned host pool]).
+class PinnedHostResource final : public MemoryResource {
+ public:
+  explicit PinnedHostResource(bool cuda_pinned) : cuda_pinned_(cuda_pinned) {}
+  Tier tier() const noexcept override { return Tier::kHost; }
+  bool cuda_pinned() const noexcept { return cuda_pinned_; }
+
+ private:
+  void* do_allocate(std::size_t bytes, std::size_t alignment) override;
+  void do_deallocate(void* p, std::size_t bytes, std::size_t alignment) noexcept override;
+  bool cuda_pinned_;
+};
+
 /// Enforces a byte budget over an upstream resource.
 class LimitingAdaptor final : public MemoryResource {
  public:

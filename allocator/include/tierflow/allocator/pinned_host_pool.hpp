@@ -11,8 +11,11 @@
 // be an O_DIRECT buffer. The pool never holds more than its budget
 // (TIERFLOW_HOST_MEMORY): past it, try_allocate() returns nullptr and
 // allocate() throws out_of_memory, after releasing empty slabs and retrying.
-// With the CUDA backend and a GPU present slabs come from cudaHostAlloc;
-// otherwise from mmap (page-aligned, see Note [Emulated device]).
+// Slabs come from allocator/'s resources, composed as RMM composes them:
+// PinnedHostResource (cudaHostAlloc with the CUDA backend and a GPU present,
+// otherwise resident huge-page mmap, see Note [Emulated device]) under a
+// LimitingAdaptor that holds the budget, under a StatisticsAdaptor that
+// counts the reserved bytes.
 //
 // A block that a copy may still read or write is returned with that copy's
 // completion (deallocate(p, fence)); the pool reuses it only once the fence
@@ -35,6 +38,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "tierflow/allocator/memory_resource.hpp"
 #include "tierflow/core/completion.hpp"
 #include "tierflow/core/stats.hpp"
 
@@ -120,13 +124,15 @@ class PinnedHostPool {
   void* try_allocate_once_locked(std::size_t rounded) noexcept;
 
   PinnedHostPoolOptions options_;
+  // Where slabs come from (Note [Pinned host pool]): upstream first, so it is destroyed last.
+  PinnedHostResource pinned_;
+  LimitingAdaptor budget_;      // TIERFLOW_HOST_MEMORY over the slabs held
+  StatisticsAdaptor reserved_;  // the bytes of slabs held
   mutable std::mutex mutex_;
   std::vector<Slab> slabs_;                       // a freed slab keeps its index, base == nullptr
   std::set<FreeKey> free_by_size_;                // best-fit index over all slabs
   std::unordered_map<void*, BlockInfo> blocks_;   // live blocks
-  std::uint64_t reserved_bytes_ = 0;
   Stat in_use_;
-  Stat reserved_;
   std::uint64_t slab_allocations_ = 0;
   std::uint64_t block_allocations_ = 0;
   std::uint64_t failed_allocations_ = 0;
