@@ -77,11 +77,14 @@ def test_lr_scheduler_drives_the_cpu_optimizer(device):
     def sched(opt):
         return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 3 * s))
 
-    base = train(task, 5, False, device=device, scheduler=sched, lr=1e-2)
-    tier = train(task, 5, True, device=device, scheduler=sched, lr=1e-2)
+    # lr 3e-3: the attention key biases' gradients are rounding noise that Adam turns into lr-sized steps
+    # (harness.assert_close); at 1e-2 their drift from the CPU kernel's ulp reached 5.4e-5 on an
+    # AVX-512 machine (MKL_CBWR=COMPATIBLE), past the 5e-5 bound, and 1.3e-5 at 3e-3.
+    base = train(task, 5, False, device=device, scheduler=sched, lr=3e-3)
+    tier = train(task, 5, True, device=device, scheduler=sched, lr=3e-3)
     assert_close(base, tier)
     # And the schedule really changed something: a constant-LR run differs.
-    flat = train(task, 5, True, device=device, lr=1e-2)
+    flat = train(task, 5, True, device=device, lr=3e-3)
     assert flat.losses[-1] != tier.losses[-1]
 
 
