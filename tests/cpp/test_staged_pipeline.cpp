@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -207,7 +208,7 @@ TEST_P(StagedPipelineTest, ReadWhileTheCopyToTheHostIsInFlightKeepsTheDeviceCopy
   const void* original = pipeline_->device_copy(3).data;
   EXPECT_EQ(pipeline_->state(3), StagedState::kToHost);
   EXPECT_EQ(pipeline_->fetch(3), FetchResult::kForwarded);
-  EXPECT_EQ(pipeline_->state(3), StagedState::kOnDevice);
+  ASSERT_EQ(pipeline_->state(3), StagedState::kOnDevice);
   EXPECT_EQ(pipeline_->device_copy(3).data, original) << "served from the device copy, no round trip";
   pipeline_->synchronize();
   EXPECT_EQ(read_device(pipeline_->device_copy(3), a.size()), a);
@@ -223,6 +224,10 @@ TEST_P(StagedPipelineTest, BoundedStagingWaitsOldestFirstWithinTheBudget) {
   for (unsigned i = 0; i < 5; ++i) {
     blocks.push_back(random_bytes(kMiB, 10 + i));
     ASSERT_TRUE(offload(i, blocks.back(), StagedTarget::kNvme)) << "block " << i << " waits instead of failing";
+    if (i >= 2) {  // its staging came from the oldest block, which is on NVMe now
+      const auto on_nvme = reached(StagedState::kOnNvme);
+      EXPECT_NE(std::find(on_nvme.begin(), on_nvme.end(), i - 2), on_nvme.end()) << "block " << i - 2;
+    }
   }
   settle([&] { return reached(StagedState::kOnNvme).size() == 5; });
   EXPECT_GT(pipeline_->stats().staging_waits, 0u);
