@@ -3,13 +3,9 @@
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
-#include <algorithm>
-#include <chrono>
-
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/clock.hpp"
 #include "tierflow/core/log.hpp"
-#include "tierflow/core/size.hpp"
 
 namespace tierflow::bindings {
 

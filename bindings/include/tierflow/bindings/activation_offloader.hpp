@@ -38,7 +38,6 @@
 
 #include <ATen/ATen.h>
 
-#include <exception>
 #include <memory>
 #include <mutex>
 #include <unordered_map>
