@@ -3,13 +3,9 @@
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
-#include <algorithm>
-#include <chrono>
-
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/clock.hpp"
 #include "tierflow/core/log.hpp"
-#include "tierflow/core/size.hpp"
 
 namespace tierflow::bindings {
 
@@ -21,78 +17,57 @@ ActivationOffloader::ActivationOffloader(ActivationOffloaderOptions options,
                                          std::shared_ptr<swap::CopyEngine> engine,
                                          std::shared_ptr<swap::NvmeEngine> nvme)
     : options_(options),
-      pool_(std::move(pool)),
       engine_(std::move(engine)),
-      nvme_(std::move(nvme)),
-      schedule_(options.schedule) {}
+      schedule_(options.schedule),
+      pipeline_(pipeline_options(), std::move(pool), engine_, std::move(nvme)) {}
 
 ActivationOffloader::~ActivationOffloader() = default;
 
+swap::StagedPipelineOptions ActivationOffloader::pipeline_options() {
+  swap::StagedPipelineOptions o;
+  o.max_to_host_bytes = options_.schedule.prefetch_bytes;  // the prefetch window bounds both directions
+  o.allocate_device = [this](std::size_t bytes, int index) {
+    // On the current stream of the block's device (Note [Saved-tensor offload]).
+    at::Tensor dst = at::empty({static_cast<std::int64_t>(bytes)},
+                               at::TensorOptions().dtype(at::kByte).device(device_of(index)));
+    auto storage = std::make_shared<c10::Storage>(dst.storage());
+    return swap::DeviceBuffer{dst.data_ptr(), std::move(storage)};
+  };
+  o.compute_stream = [this](int index) { return current_stream(device_of(index)); };
+  o.on_state = [this](std::uint64_t id, swap::StagedState to) { follow_pipeline(id, to); };
+  return o;
+}
+
 namespace {
-// The oldest block of `list` still alive, or null.
-std::shared_ptr<SavedBlock> oldest_live(const std::vector<std::weak_ptr<SavedBlock>>& list) {
-  for (const auto& w : list) {
-    auto b = w.lock();
-    if (b && !b->released) return b;
+// The registry's residence of a block in pipeline state `s`.
+Residence residence_of(swap::StagedState s) {
+  switch (s) {
+    case swap::StagedState::kToHost: return Residence::kInFlightToHost;
+    case swap::StagedState::kOnHost:
+    case swap::StagedState::kOnNvme: return Residence::kOnHost;
+    case swap::StagedState::kToDevice: return Residence::kInFlightToDevice;
+    case swap::StagedState::kReleased: return Residence::kReleased;
+    case swap::StagedState::kOnDevice: break;
   }
-  return nullptr;
+  return Residence::kResident;
+}
+
+// The device storage a pipeline's device buffer holds (allocated by pack() or allocate_device).
+const c10::Storage& storage_of(const swap::DeviceBuffer& buffer) {
+  return *static_cast<const c10::Storage*>(buffer.owner.get());
 }
 }  // namespace
 
-std::size_t ActivationOffloader::transfers_left_locked() const noexcept {
-  // A copy to the host still has its NVMe write ahead of it: it counts twice,
-  // so every completion lowers the sum.
-  return 2 * pending_d2h_.size() + pending_nvme_writes_.size() + pending_nvme_reads_.size() + pending_h2d_.size();
+void ActivationOffloader::follow_pipeline(std::uint64_t id, swap::StagedState to) {
+  auto& reg = schedule_.registry();
+  const auto block = static_cast<BlockId>(id);
+  const Residence r = residence_of(to);
+  if (reg.residence(block) != r) reg.transition(block, r);
 }
 
-bool ActivationOffloader::wait_for_a_transfer_locked() {
-  const std::size_t before = transfers_left_locked();
-  if (before == 0) return false;
-  // Transfers that free staging first: a write, or a read and its copy to the
-  // device. Copies to the host come last: they free staging only by way of
-  // their writes, and waiting on them syncs with the compute that feeds them.
-  // A failed transfer is settled by poll_locked (a failed copy or write keeps
-  // the data where it was; a failed read is raised by the block's unpack).
-  const auto wait_quietly = [](const auto& handle) {
-    try {
-      handle.wait();
-    } catch (const std::exception&) {
-    }
-  };
-  if (auto b = oldest_live(pending_nvme_writes_)) {
-    wait_quietly(b->nvme_write);
-  } else if (auto b = oldest_live(pending_h2d_)) {
-    if (b->nvme_read.valid() && !b->h2d.valid()) {
-      wait_quietly(b->nvme_read);
-      poll_locked();  // starts its copy to the device
-    }
-    if (b->h2d.valid()) wait_quietly(b->h2d);
-  } else if (auto b = oldest_live(pending_d2h_)) {
-    wait_quietly(b->d2h);
-  }
-  poll_locked();
-  return transfers_left_locked() < before;
-}
-
-void* ActivationOffloader::staging_locked(std::size_t bytes) {
-  // Back-pressure: staging comes free as transfers complete; wait for them
-  // one at a time until the block fits or nothing is left in flight.
-  if (bytes > pool_->budget_bytes()) return nullptr;  // no wait would make it fit
-  for (;;) {
-    if (void* p = pool_->try_allocate(bytes)) return p;
-    ++stats_.staging_waits;
-    if (!wait_for_a_transfer_locked()) return nullptr;
-  }
-}
-
-void ActivationOffloader::start_nvme_write_locked(SavedBlock& b) {
-  try {
-    b.nvme_block = nvme_->allocate(b.nbytes);
-  } catch (const out_of_memory& e) {
-    if (stats_.nvme_full++ == 0) log(LogLevel::kWarn, std::string(e.what()) + "; saved activations stay in host memory");
-    return;
-  }
-  b.nvme_write = nvme_->write(b.nvme_block, b.host, b.nbytes);
+at::Device ActivationOffloader::device_of(int index) const {
+  if (engine_->device() != allocator::DeviceKind::kCuda) return at::Device(at::kCPU);
+  return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(index));
 }
 
 swap::StreamRef ActivationOffloader::current_stream(const at::Device& device) const {
@@ -142,7 +117,7 @@ int no_offload_depth() noexcept { return t_no_offload_depth; }
 
 void ActivationOffloader::begin_forward() {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
-  poll_locked();
+  pipeline_.poll();
   schedule_.begin_forward();
   by_storage_.clear();
   if (blocks_.size() > schedule_.registry().size()) blocks_.resize(schedule_.registry().size());
@@ -156,7 +131,7 @@ std::shared_ptr<SavedHandle> ActivationOffloader::pack(const at::Tensor& t, Pack
     handle->passthrough = t;
     return handle;
   }
-  poll_locked();
+  pipeline_.poll();
   if (!managed(t)) {
     ++stats_.skipped_unmanaged;
     handle->passthrough = t;
@@ -194,7 +169,7 @@ std::shared_ptr<SavedHandle> ActivationOffloader::pack(const at::Tensor& t, Pack
   const tiering::PackDirective directive = target == PackTarget::kPolicy ? tiering::PackDirective::kPolicy
                                            : target == PackTarget::kKeep ? tiering::PackDirective::kKeep
                                                                          : tiering::PackDirective::kOffload;
-  const bool to_nvme = nvme_ != nullptr &&
+  const bool to_nvme = has_nvme() &&
                        (target == PackTarget::kNvme ||
                         (target == PackTarget::kPolicy && options_.schedule.target == OffloadTarget::kNvme));
   tiering::PackDecision d = schedule_.on_pack(nbytes, !small && !region, directive);
@@ -204,217 +179,51 @@ std::shared_ptr<SavedHandle> ActivationOffloader::pack(const at::Tensor& t, Pack
   block->nbytes = nbytes;
   block->device = t.device();
   block->version = version;
-  block->device_storage = storage;
+  block->kept = storage;
   if (blocks_.size() <= d.id) blocks_.resize(d.id + 1);
   blocks_[d.id] = block;
   if (!d.offload) {
     if (small) ++stats_.kept_small;
     else if (region) ++stats_.kept_region;
-  } else if (void* host = to_nvme ? staging_locked(nbytes) : pool_->try_allocate(nbytes)) {
-    block->host = host;
-    block->offloaded = true;
-    block->to_nvme = to_nvme;
-    block->d2h = engine_->copy(swap::Direction::kDeviceToHost, host, storage.data(), nbytes, {},
-                               current_stream(t.device()));
-    pending_d2h_.push_back(block);
-    ++stats_.offloaded_blocks;
-    stats_.offloaded_bytes += nbytes;
-    d2h_inflight_bytes_ += nbytes;
-    throttle_locked(nbytes);
   } else {
-    if (stats_.host_fallbacks++ == 0) {
-      log(LogLevel::kWarn, "pinned host pool full (TIERFLOW_HOST_MEMORY): saved activations "
-                           "that do not fit stay on the device");
+    // The copy reads the storage without materializing it (data(), not
+    // mutable_data(): a copy-on-write storage stays shared).
+    swap::DeviceBuffer src{const_cast<void*>(storage.data()), std::make_shared<c10::Storage>(storage)};
+    block->staged = true;  // so that its release reaches the pipeline, whatever throws below
+    block->kept = c10::Storage();
+    if (pipeline_.offload(d.id, std::move(src), nbytes, t.device().index(),
+                          to_nvme ? swap::StagedTarget::kNvme : swap::StagedTarget::kHost,
+                          current_stream(t.device()))) {
+      ++stats_.offloaded_blocks;
+      stats_.offloaded_bytes += nbytes;
+    } else {
+      block->staged = false;
+      block->kept = storage;
+      if (stats_.host_fallbacks++ == 0) {
+        log(LogLevel::kWarn, "pinned host pool full (TIERFLOW_HOST_MEMORY): saved activations "
+                             "that do not fit stay on the device");
+      }
+      schedule_.registry().transition(d.id, Residence::kResident);
     }
-    schedule_.registry().transition(d.id, Residence::kResident);
   }
   by_storage_[key] = block;
   handle->block = std::move(block);
   return handle;
 }
 
-void ActivationOffloader::poll_locked() {
-  std::vector<std::weak_ptr<SavedBlock>> still;
-  for (auto& w : pending_d2h_) {
-    auto b = w.lock();
-    if (!b || b->released) continue;  // release() settled its bytes
-    if (!b->d2h.ready()) {
-      still.push_back(w);
-      continue;
-    }
-    if (b->d2h_settled) continue;
-    d2h_inflight_bytes_ -= b->nbytes;
-    b->d2h_settled = true;
-    auto& reg = schedule_.registry();
-    try {
-      b->d2h.wait();
-    } catch (const std::exception& e) {
-      // The copy to the host failed: the device copy is still there, keep it.
-      log(LogLevel::kWarn, std::string("saved tensor stays on the device, its copy to the host failed: ") + e.what());
-      if (reg.residence(b->id) == Residence::kInFlightToHost) reg.transition(b->id, Residence::kResident);
-      pool_->deallocate(b->host);
-      b->host = nullptr;
-      b->offloaded = false;
-      continue;
-    }
-    if (reg.residence(b->id) == Residence::kInFlightToHost) {
-      reg.transition(b->id, Residence::kOnHost);
-      b->device_storage = c10::Storage();  // the device copy is no longer needed
-      if (b->to_nvme) {
-        start_nvme_write_locked(*b);
-        if (b->nvme_write.valid()) pending_nvme_writes_.push_back(b);
-      }
-    } else if (reg.residence(b->id) == Residence::kResident && b->host) {
-      pool_->deallocate(b->host);  // forwarded: the host copy is not needed
-      b->host = nullptr;
-    }
-  }
-  pending_d2h_.swap(still);
-
-  std::vector<std::weak_ptr<SavedBlock>> writes;
-  for (auto& w : pending_nvme_writes_) {
-    auto b = w.lock();
-    if (!b || b->released) continue;
-    if (!b->nvme_write.ready()) {
-      writes.push_back(w);
-      continue;
-    }
-    try {
-      b->nvme_write.wait();
-      b->on_nvme = true;
-      ++stats_.nvme_writes;
-      stats_.nvme_write_bytes += b->nbytes;
-      // The staging block goes back to the pool unless a prefetch is reading it.
-      if (schedule_.registry().residence(b->id) != Residence::kInFlightToDevice && b->host) {
-        pool_->deallocate(b->host);
-        b->host = nullptr;
-      }
-    } catch (const std::exception& e) {
-      // The data is still in host memory: keep it there, never lose it.
-      if (stats_.nvme_write_failures++ == 0)
-        log(LogLevel::kWarn, std::string(e.what()) + "; the block stays in host memory");
-      nvme_->release(b->nvme_block);
-      b->nvme_block = 0;
-    }
-  }
-  pending_nvme_writes_.swap(writes);
-
-  std::vector<std::weak_ptr<SavedBlock>> reads;
-  for (auto& w : pending_nvme_reads_) {
-    auto b = w.lock();
-    if (!b || b->released) continue;
-    if (!b->nvme_read.ready()) {
-      reads.push_back(w);
-      continue;
-    }
-    try {
-      b->nvme_read.wait();
-    } catch (...) {
-      // The data is gone: the error belongs to whoever unpacks this block
-      // (a graph that is never unpacked again never sees it).
-      b->read_error = std::current_exception();
-      continue;
-    }
-    ++stats_.nvme_reads;
-    b->h2d = engine_->copy(swap::Direction::kHostToDevice, b->device_storage.mutable_data(), b->host, b->nbytes,
-                           {}, current_stream(b->device));
-  }
-  pending_nvme_reads_.swap(reads);
-
-  // A block on its way to the device no longer needs its staging once the copy is done.
-  std::vector<std::weak_ptr<SavedBlock>> h2ds;
-  for (auto& w : pending_h2d_) {
-    auto b = w.lock();
-    if (!b || b->released || !b->host) continue;
-    if (b->read_error) {  // nothing will copy it: the staging is free now
-      pool_->deallocate(b->host);
-      b->host = nullptr;
-      continue;
-    }
-    if (!b->h2d.valid() || !b->h2d.ready()) {
-      h2ds.push_back(w);
-      continue;
-    }
-    const bool write_pending = b->nvme_write.valid() && !b->nvme_write.ready();
-    if (write_pending) {
-      h2ds.push_back(w);
-      continue;
-    }
-    try {
-      b->h2d.wait();
-    } catch (const std::exception&) {
-      continue;  // its unpack raises it
-    }
-    pool_->deallocate(b->host);
-    b->host = nullptr;
-  }
-  pending_h2d_.swap(h2ds);
-}
-
-void ActivationOffloader::throttle_locked(std::size_t just_added) {
-  // Copies to the host that have not finished still hold device memory: bound
-  // them by the same window as prefetch, waiting on the oldest (back-pressure).
-  const std::uint64_t window = std::max<std::uint64_t>(options_.schedule.prefetch_bytes, just_added);
-  while (d2h_inflight_bytes_ > window && !pending_d2h_.empty()) {
-    auto oldest = pending_d2h_.front().lock();
-    if (oldest && !oldest->released && !oldest->d2h.ready()) {
-      const std::uint64_t t0 = now_ns();
-      oldest->d2h.wait();
-      stats_.offload_waits += 1;
-      stats_.offload_wait_ns += now_ns() - t0;
-    }
-    const std::size_t before = pending_d2h_.size();
-    poll_locked();
-    if (pending_d2h_.size() == before) break;  // nothing settled: do not spin
-  }
-}
-
 void ActivationOffloader::prefetch_locked(BlockId id) {
   if (id >= blocks_.size()) return;
   auto b = blocks_[id].lock();
-  if (!b || b->released) return;
-  auto& reg = schedule_.registry();
-  switch (reg.residence(id)) {
-    case Residence::kInFlightToHost:
-      // The device copy still exists: keep it instead of a round trip.
-      reg.transition(id, Residence::kResident);
-      break;
-    case Residence::kOnHost: {
-      const bool from_nvme = b->host == nullptr;  // else its staging still holds it (forwarding)
-      // Device memory, then staging, then the transfer: if any of them cannot
-      // be had, the block is left as it was.
-      at::Tensor dst = at::empty({static_cast<std::int64_t>(b->nbytes)},
-                                 at::TensorOptions().dtype(at::kByte).device(b->device));
-      if (from_nvme) {
-        void* staging = staging_locked(b->nbytes);
-        if (!staging) return;  // no staging now: unpack fetches it
-        try {
-          b->nvme_read = nvme_->read(b->nvme_block, staging, b->nbytes);
-        } catch (...) {
-          pool_->deallocate(staging);
-          throw;
-        }
-        b->host = staging;
-        pending_nvme_reads_.push_back(b);
-      } else {
-        if (b->nvme_write.valid() && !b->on_nvme) ++stats_.nvme_forwarded;
-        b->h2d = engine_->copy(swap::Direction::kHostToDevice, dst.data_ptr(), b->host, b->nbytes, {b->d2h},
-                               current_stream(b->device));
-      }
-      b->device_storage = dst.storage();
-      if (nvme_) pending_h2d_.push_back(b);
-      reg.transition(id, Residence::kInFlightToDevice);
-      ++stats_.prefetched_blocks;
-      break;
-    }
-    default:
-      break;
-  }
+  if (!b || b->released || !b->staged) return;
+  // The pipeline moves the registry on (follow_pipeline): kept by forwarding,
+  // or on its way back; without staging now the block is left as it was and
+  // its unpack fetches it.
+  if (pipeline_.fetch(id) == swap::FetchResult::kStarted) ++stats_.prefetched_blocks;
 }
 
 void ActivationOffloader::begin_backward() {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
-  poll_locked();
+  pipeline_.poll();
   for (BlockId id : schedule_.begin_backward()) prefetch_locked(id);
 }
 
@@ -423,15 +232,15 @@ at::Tensor ActivationOffloader::unpack(const std::shared_ptr<SavedHandle>& handl
   if (!handle->block) return handle->passthrough;
   std::lock_guard<std::recursive_mutex> lock(mutex_);
   ++stats_.unpacks;
-  poll_locked();
+  pipeline_.poll();
   SavedBlock& b = *handle->block;
   TIERFLOW_EXPECTS(!b.released, "unpack: saved tensor block " + std::to_string(b.id) +
                                     " was already released");
   auto& reg = schedule_.registry();
   const bool first_read = !schedule_.consumed(b.id);
   switch (reg.residence(b.id)) {
-    case Residence::kInFlightToHost:  // its copy to the host is still running
-      reg.transition(b.id, Residence::kResident);
+    case Residence::kInFlightToHost:  // its copy to the host is still running: keep the device copy
+      pipeline_.fetch(b.id);
       ++stats_.forwarded;
       break;
     case Residence::kOnHost:  // nobody prefetched it: fetch now and wait
@@ -440,86 +249,38 @@ at::Tensor ActivationOffloader::unpack(const std::shared_ptr<SavedHandle>& handl
       ++stats_.stalls;
       break;
     case Residence::kInFlightToDevice:
-      if (b.h2d.ready()) ++stats_.prefetch_hits;
+      if (pipeline_.copy_to_device_ready(b.id)) ++stats_.prefetch_hits;
       else ++stats_.stalls;
       break;
     case Residence::kResident:
-      if (b.offloaded && first_read) ++stats_.prefetch_hits;  // forwarded by a prefetch
+      if (pipeline_.offloaded(b.id) && first_read) ++stats_.prefetch_hits;  // forwarded by a prefetch
       break;
     case Residence::kReleased:
       break;
   }
-  if (reg.residence(b.id) == Residence::kOnHost) {
-    // Not fetched although nothing of ours is in flight: try once more, as the
-    // pool is shared with the optimizer, which may have freed memory since.
-    prefetch_locked(b.id);
-    if (reg.residence(b.id) != Residence::kInFlightToDevice) {
-      const auto st = pool_->stats();
-      throw out_of_memory("unpack: no pinned staging memory for a saved activation of " + format_bytes(b.nbytes) +
-                          " with every transfer settled: " + format_bytes(st.in_use.current) + " in use and " +
-                          format_bytes(st.reserved.current) + " reserved of TIERFLOW_HOST_MEMORY=" +
-                          format_bytes(pool_->budget_bytes()) + "; raise TIERFLOW_HOST_MEMORY");
-    }
-  }
+  if (reg.residence(b.id) == Residence::kOnHost) pipeline_.fetch_or_throw(b.id);
   if (reg.residence(b.id) == Residence::kInFlightToDevice) {
     const std::uint64_t t0 = now_ns();
-    if (b.nvme_read.valid() && !b.h2d.valid()) {
-      b.nvme_read.wait();  // raises a failed or corrupt read
-      poll_locked();       // starts its copy to the device
-      if (b.read_error) std::rethrow_exception(b.read_error);
-    }
-    // Rule 2 of Note [Copy ordering]: the compute stream that reads the block
-    // waits for its copy (on CUDA the host does not block). A failed copy is
-    // raised here, as the data is not there.
-    if (b.h2d.ready()) b.h2d.wait();
-    engine_->make_stream_wait(current_stream(b.device), b.h2d);
+    pipeline_.complete_fetch(b.id);  // the current stream waits for the copy; raises a failed read
     stats_.stall_ns += now_ns() - t0;
-    reg.transition(b.id, Residence::kResident);
-    const bool write_pending = b.nvme_write.valid() && !b.nvme_write.ready();
-    if (b.host && !write_pending) {
-      pool_->deallocate(b.host, b.h2d.state());  // rule 3: reused once the copy has read it
-      b.host = nullptr;
-    }
   }
   for (BlockId next : schedule_.on_unpack(b.id)) prefetch_locked(next);
 
   at::Tensor out = at::empty({0}, at::TensorOptions().dtype(handle->dtype).device(b.device));
-  out.set_(b.device_storage, handle->storage_offset, handle->sizes, handle->strides);
+  out.set_(b.staged ? storage_of(pipeline_.device_copy(b.id)) : b.kept, handle->storage_offset, handle->sizes,
+           handle->strides);
   return out;
 }
 
 void ActivationOffloader::release(SavedBlock& b) noexcept {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
   if (b.released) return;
-  if (b.offloaded && !b.d2h_settled) d2h_inflight_bytes_ -= b.nbytes;
-  b.d2h_settled = true;
-  try {
-    // A copy may still read or write the host block: let it finish first.
-    b.d2h.wait();
-    b.h2d.wait();
-  } catch (const std::exception& e) {
-    log(LogLevel::kError, std::string("copy failed while releasing a saved tensor: ") + e.what());
-  }
-  try {
-    b.nvme_write.wait();
-  } catch (const std::exception&) {
-    // a failed write was already reported; its space is released below
-  }
-  try {
-    b.nvme_read.wait();
-  } catch (const std::exception&) {
-    // the read's error reached (or will not matter to) its unpack
-  }
-  if (b.nvme_block) {
-    nvme_->release(b.nvme_block);
-    b.nvme_block = 0;
-  }
-  if (b.host) {
-    pool_->deallocate(b.host);
-    b.host = nullptr;
-  }
-  b.device_storage = c10::Storage();
   b.released = true;
+  b.kept = c10::Storage();
+  if (b.staged && pipeline_.contains(b.id)) {
+    pipeline_.release(b.id);  // waits for its transfers; follow_pipeline releases it in the registry
+    return;
+  }
   try {
     schedule_.registry().transition(b.id, Residence::kReleased);
   } catch (const std::exception& e) {
@@ -529,13 +290,22 @@ void ActivationOffloader::release(SavedBlock& b) noexcept {
 
 void ActivationOffloader::synchronize() {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
-  engine_->synchronize();
-  poll_locked();
+  pipeline_.synchronize();
 }
 
 ActivationOffloaderStats ActivationOffloader::stats() const {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
   ActivationOffloaderStats s = stats_;
+  const swap::StagedPipelineStats& p = pipeline_.stats();
+  s.offload_waits = p.offload_waits;
+  s.offload_wait_ns = p.offload_wait_ns;
+  s.staging_waits = p.staging_waits;
+  s.nvme_writes = p.nvme_writes;
+  s.nvme_write_bytes = p.nvme_write_bytes;
+  s.nvme_reads = p.nvme_reads;
+  s.nvme_forwarded = p.nvme_forwarded;
+  s.nvme_write_failures = p.nvme_write_failures;
+  s.nvme_full = p.nvme_full;
   s.device_bytes = schedule_.registry().device_bytes().values();
   s.host_bytes = schedule_.registry().host_bytes().values();
   return s;

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -451,6 +452,7 @@ struct NvmeEngine::Impl {
   void complete(Request* r, long res) {
     Operation* op = r->op;
     if (o.faults) {
+      if (op->is_write) std::this_thread::sleep_for(std::chrono::microseconds(o.faults->write_delay_us.load()));
       auto take = take_one;
       if (op->is_write ? take(o.faults->fail_writes) : take(o.faults->fail_reads)) res = -o.faults->error;
       else if (op->is_write ? take(o.faults->short_writes) : take(o.faults->short_reads)) res = static_cast<long>(r->length / 2);

@@ -17,38 +17,27 @@
 // while the host copy is still in flight is served from the device copy
 // (forwarding). A full host pool means the block stays on the device and a
 // fallback is counted; training never fails for lack of offload space.
-// Copies to the host still in flight hold device memory, so they are bounded
-// by the prefetch window too: past it, pack() waits for the oldest one.
-//
-// With the NVMe target (Note [NVMe engine]) the host block is only staging:
-// once the device copy is on the host, the block is written to NVMe behind
-// the compute (write-behind) and the staging returns to the pool when the
-// write completes. Prefetch reads it back into staging, then copies it to the
-// device. A block whose write is still pending is prefetched straight from
-// its staging (SSDTrain's forwarding), and the last blocks of the graph stay
-// on the device (keep_tail_bytes). Staging comes from the pinned pool within
-// TIERFLOW_HOST_MEMORY: when the pool is full a transfer waits, oldest first,
-// for the transfers that will free staging (copies to the host, which become
-// writes; writes; reads and their copies to the device) and never allocates
-// past the budget. Only when nothing is left in flight and the block still
-// does not fit does pack() keep it on the device, or unpack() raise. A failed
-// write keeps the block in host memory (counted); a failed read raises.
+// The movement itself (host staging, the bound on copies to the host in
+// flight, by the prefetch window; NVMe write-behind and read-ahead,
+// forwarding, bounded staging, failures) is Note [Staged pipeline]
+// (swap/staged_pipeline.hpp): each offloaded storage is a block of a
+// swap::StagedPipeline, and the offloader follows the block's states in the
+// schedule's registry. With the NVMe target the last blocks of the graph stay
+// on the device (keep_tail_bytes).
 //
 // Stream ordering (the rules of Note [Copy ordering], applied here): the copy
 // to the host names the stream current at pack() (the one whose kernel wrote
-// the tensor) and the block keeps the device storage referenced until the
-// host sees that copy complete. A prefetch allocates its destination on the
-// current stream and names that stream, so the copy also waits for kernels
-// that still use memory the caching allocator just handed out. unpack() makes
-// the current stream wait for the block's copy to the device before autograd
-// reads it, and returns the staging block to the pool with that copy's fence.
-// On CUDA none of this blocks the host. On the emulated device its
-// adversarial mode checks every one of these rules.
+// the tensor), and the pipeline keeps the storage referenced until that copy
+// completes. A prefetch allocates its destination on the current stream and
+// names that stream, so the copy also waits for kernels that still use memory
+// the caching allocator just handed out. unpack() makes the current stream
+// wait for the block's copy to the device before autograd reads it. On CUDA
+// none of this blocks the host. On the emulated device its adversarial mode
+// checks every one of these rules.
 #pragma once
 
 #include <ATen/ATen.h>
 
-#include <exception>
 #include <memory>
 #include <mutex>
 #include <unordered_map>
@@ -57,6 +46,7 @@
 #include "tierflow/allocator/pinned_host_pool.hpp"
 #include "tierflow/swap/copy_engine.hpp"
 #include "tierflow/swap/nvme_engine.hpp"
+#include "tierflow/swap/staged_pipeline.hpp"
 #include "tierflow/tiering/activation_schedule.hpp"
 
 namespace tierflow::bindings {
@@ -145,7 +135,7 @@ class ActivationOffloader : public std::enable_shared_from_this<ActivationOffloa
   /// Autograd's pack hook. kNvme falls back to the host when there is no NVMe tier.
   std::shared_ptr<SavedHandle> pack(const at::Tensor& tensor, PackTarget target = PackTarget::kPolicy);
   /// Whether an NVMe tier is attached.
-  bool has_nvme() const noexcept { return nvme_ != nullptr; }
+  bool has_nvme() const noexcept { return pipeline_.has_nvme(); }
   /// Autograd's unpack hook.
   at::Tensor unpack(const std::shared_ptr<SavedHandle>& handle);
   /// A forward pass of the wrapped model starts.
@@ -163,38 +153,29 @@ class ActivationOffloader : public std::enable_shared_from_this<ActivationOffloa
 
   /// Removes the NVMe swap files' names (process exit); see NvmeEngine::unlink_files.
   void unlink_nvme_files() noexcept {
-    if (nvme_) nvme_->unlink_files();
+    if (pipeline_.has_nvme()) pipeline_.nvme()->unlink_files();
   }
   /// Called by ~SavedBlock: frees the block's memory and marks it released.
   void release(SavedBlock& block) noexcept;
 
  private:
   bool managed(const at::Tensor& t) const;
-  void poll_locked();
   void prefetch_locked(tiering::BlockId id);
-  void throttle_locked(std::size_t just_added);
-  void start_nvme_write_locked(SavedBlock& b);
-  void* staging_locked(std::size_t bytes);
-  std::size_t transfers_left_locked() const noexcept;
-  bool wait_for_a_transfer_locked();
+  void follow_pipeline(std::uint64_t id, swap::StagedState to);
+  swap::StagedPipelineOptions pipeline_options();
+  at::Device device_of(int index) const;
   swap::StreamRef current_stream(const at::Device& device) const;
 
   ActivationOffloaderOptions options_;
-  std::shared_ptr<allocator::PinnedHostPool> pool_;
   std::shared_ptr<swap::CopyEngine> engine_;
-  std::shared_ptr<swap::NvmeEngine> nvme_;
   mutable std::recursive_mutex mutex_;
   tiering::ActivationSchedule schedule_;
   std::vector<std::weak_ptr<SavedBlock>> blocks_;      // by BlockId
   std::unordered_map<const void*, std::weak_ptr<SavedBlock>> by_storage_;  // this forward
-  std::vector<std::weak_ptr<SavedBlock>> pending_d2h_;  // oldest first
-  std::uint64_t d2h_inflight_bytes_ = 0;
-  std::vector<std::weak_ptr<SavedBlock>> pending_nvme_writes_;
-  std::vector<std::weak_ptr<SavedBlock>> pending_nvme_reads_;
-  std::vector<std::weak_ptr<SavedBlock>> pending_h2d_;  // NVMe mode: staging to free after the copy
   std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> parameters_;
   std::unordered_map<const void*, std::size_t> parameter_index_;
   ActivationOffloaderStats stats_;
+  swap::StagedPipeline pipeline_;  // offloaded blocks by BlockId; last, as its states update schedule_
 };
 
 /// One storage's bytes as tierflow manages them.
@@ -205,18 +186,8 @@ struct SavedBlock {
   at::Device device{at::kCPU};
   c10::weak_intrusive_ptr<c10::StorageImpl> source;  // identity for dedup; keeps the address unique
   std::int64_t version = 0;
-  c10::Storage device_storage;   // held while the block has a device copy
-  void* host = nullptr;          // pinned pool block while it has a host copy
-  swap::TransferHandle d2h;
-  swap::TransferHandle h2d;
-  bool offloaded = false;
-  bool d2h_settled = false;      // its copy to the host was observed complete
-  bool to_nvme = false;          // goes on to the NVMe tier after the host copy
-  swap::NvmeBlock nvme_block = 0;  // its space on NVMe, once written
-  bool on_nvme = false;          // the NVMe copy is complete (the host copy may be gone)
-  swap::TransferHandle nvme_write;
-  swap::TransferHandle nvme_read;
-  std::exception_ptr read_error;   // a failed NVMe read, raised by its unpack
+  c10::Storage kept;             // the device storage of a block the pipeline does not hold
+  bool staged = false;           // handed to the staged pipeline (Note [Staged pipeline])
   bool released = false;
 
   SavedBlock(const c10::weak_intrusive_ptr<c10::StorageImpl>& src) : source(src) {}

@@ -64,6 +64,7 @@ struct NvmeFaults {
   std::atomic<int> short_reads{0};   ///< next N read requests transfer half their bytes
   std::atomic<int> corrupt_reads{0}; ///< next N read requests flip a byte in what they read
   std::atomic<int> fail_grows{0};    ///< next N grows of a swap file fail with ENOSPC (a full disk)
+  std::atomic<int> write_delay_us{0}; ///< each write request completes this much later (holds writes in flight)
   int error = 5;                     ///< errno to inject (EIO)
 };
 
