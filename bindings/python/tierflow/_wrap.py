@@ -57,7 +57,7 @@ class Session:
         ``blocks`` (default: the repeated blocks found in the model)."""
         self._model_ref = weakref.ref(model)
         if self.config["TIERFLOW_OFFLOAD_ACTIVATIONS"] in ("auto", "recompute"):
-            from ._autoplan import AutoPlanner
+            from .activations.autoplan import AutoPlanner
 
             self.planner = AutoPlanner(self, model, blocks)
         self.runtime.register_parameters([p for p in model.parameters()])

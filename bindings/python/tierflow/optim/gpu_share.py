@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _C
+from .. import _C
 
 
 class GpuShareMixin:

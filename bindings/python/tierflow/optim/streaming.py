@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from ._compile import outside_graphs
+from .._compile import outside_graphs
 
 
 class StreamingMixin:
@@ -169,7 +169,7 @@ class StreamingMixin:
         if self._streamed_steps < 2:
             return
         self._buckets_unsized = False
-        from ._autoplan import measure_links
+        from .._links import measure_links
 
         total = sum(p.numel() * p.element_size() for p in self._slot_params)
         probe = max(1 << 20, min(16 << 20, total // 16))  # a bucket-sized copy, at most 16 MiB of device memory

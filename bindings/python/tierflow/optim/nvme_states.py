@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _C
+from .. import _C
 
 #: The key that marks a state lost to NVMe corruption in state_dict() (Note [NVMe optimizer faults]).
 LOST_STATE = "tierflow_state_lost"

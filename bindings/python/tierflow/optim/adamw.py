@@ -85,10 +85,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from . import _C
-from ._gpu_share import GpuShareMixin
-from ._nvme_states import LOST_STATE, NvmeStatesMixin
-from ._streaming import StreamingMixin
+from .. import _C
+from .gpu_share import GpuShareMixin
+from .nvme_states import LOST_STATE, NvmeStatesMixin
+from .streaming import StreamingMixin
 
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -272,7 +272,7 @@ class CPUAdamW(StreamingMixin, GpuShareMixin, NvmeStatesMixin, torch.optim.Optim
                                        lambda slot: init() and init()(slot))
             self._push_groups()
             if self._max_grad_norm is None:  # the user may clip instead: Note [Clip picked up]
-                from . import _clip
+                from . import clip as _clip
 
                 _clip.watch(self)
         self._check_space()
@@ -632,7 +632,7 @@ class CPUAdamW(StreamingMixin, GpuShareMixin, NvmeStatesMixin, torch.optim.Optim
                 raise self._nvme_step_error(problems)
             self._nvme_done.clear()
         if watched is not None:
-            from ._distributed import note_step
+            from .._distributed import note_step
 
             note_step(self, watched, scale)
         self._finish_uploads()
