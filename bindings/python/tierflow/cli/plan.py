@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from typing import Any, Callable, Sequence
 
 from .. import _C
+from .._config import resolve_config, set_explicitly
 from ..activations.profile import LINK_FIELDS, U64_MAX, profile_from_json
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -35,7 +35,7 @@ RATE_RANGE = (1e-6, 1e6)  # accepted --tflops, --pcie-gbps and --nvme-gbps: ever
 # ---- measurements ----------------------------------------------------------------------------
 
 def _use_cuda() -> bool:
-    choice = _C.resolve_config({})["TIERFLOW_DEVICE"]
+    choice = resolve_config()["TIERFLOW_DEVICE"]
     if choice == "cuda" and not _C.cuda_available():  # as the runtime says it (bindings/src/runtime.cpp)
         why = ("no CUDA GPU is usable on this machine" if _C.cuda_compiled()
                else "tierflow was built without the CUDA backend")
@@ -191,7 +191,7 @@ def plan_command(argv: Sequence[str]) -> int:
 
 
 def _plan(args: argparse.Namespace) -> str:
-    config = _C.resolve_config({})
+    config = resolve_config()
     cuda = _use_cuda()
     shape_args = ("layers", "hidden", "heads", "seq", "batch")
     given = [a for a in shape_args if getattr(args, a) is not None]
@@ -246,15 +246,7 @@ def _plan(args: argparse.Namespace) -> str:
         fixed = state.device + head_bytes
 
     # Budgets.
-    device_capacity = _C.device_capacity_bytes(cuda)
-    if args.gpu_memory is not None:
-        device_bytes = _size(args.gpu_memory, device_capacity, "--gpu-memory", "TIERFLOW_GPU_MEMORY")
-        device_from = "--gpu-memory"
-    elif "TIERFLOW_GPU_MEMORY" in os.environ:  # set: its value, as resolve_config validated it
-        device_bytes = _C.parse_budget(config["TIERFLOW_GPU_MEMORY"], device_capacity)
-        device_from = "TIERFLOW_GPU_MEMORY"
-    else:
-        device_bytes, device_from = device_capacity, f"the {device_name} device's total memory"
+    device_bytes, device_from = _device_budget(args, config, cuda, device_name)
     host_capacity = _C.host_capacity_bytes()
     host_text = config["TIERFLOW_HOST_MEMORY"] if args.host_memory is None else args.host_memory
     host_from = "--host-memory" if args.host_memory is not None else "TIERFLOW_HOST_MEMORY"
@@ -292,6 +284,16 @@ def _plan(args: argparse.Namespace) -> str:
         return json.dumps(_plan_json(plan, budgets, links, flops, measured, state, head_bytes, optimizer, args))
     return _plan_text(plan, budgets, links, flops, measured, state, head_bytes, optimizer, args, device_from,
                       device_name)
+
+
+def _device_budget(args: argparse.Namespace, config: dict, cuda: bool, device_name: str) -> tuple:
+    """(device bytes the plan may use, where that number came from)."""
+    device_capacity = _C.device_capacity_bytes(cuda)
+    if args.gpu_memory is not None:
+        return _size(args.gpu_memory, device_capacity, "--gpu-memory", "TIERFLOW_GPU_MEMORY"), "--gpu-memory"
+    if set_explicitly("TIERFLOW_GPU_MEMORY"):  # set: its value, as resolve_config validated it
+        return _C.parse_budget(config["TIERFLOW_GPU_MEMORY"], device_capacity), "TIERFLOW_GPU_MEMORY"
+    return device_capacity, f"the {device_name} device's total memory"
 
 
 def _plan_json(plan, budgets, links, flops, measured, state, head_bytes, optimizer, args) -> dict:
