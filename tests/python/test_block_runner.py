@@ -184,7 +184,7 @@ def test_auto_trains_under_a_16_mib_host_budget(device, optimizer):
     pool = tier.report["host_pool"]
     assert pool["reserved"]["peak"] <= budget, pool
     assert tier.report["activations"]["host_bytes"]["peak"] <= budget
-    from tierflow._autoplan import probe_bytes
+    from tierflow._links import probe_bytes
 
     assert probe_bytes(tierflow.current_session().runtime) <= budget // 16
 
@@ -200,7 +200,7 @@ def test_attention_with_dropout_is_rerun_not_restored(name):
     # restored their outputs would skip that draw and every later dropout mask of the block would differ (GPU
     # only: the CPU kernels refuse dropout, so this checks the rule; the [cuda] GPT-2 cases in test_hf_models.py
     # and test_model_zoo.py check the result).
-    from tierflow._blocks import attention_dropout
+    from tierflow.activations.table import attention_dropout
 
     func = getattr(torch.ops.aten, name).default
     names = [a.name for a in func._schema.arguments]

@@ -33,7 +33,7 @@ import pytest
 import tierflow
 from tierflow import _C
 from tierflow.__main__ import main as tierflow_main
-from tierflow._plan import profile_to_json
+from tierflow.activations.profile import profile_to_json
 
 from harness import subprocess_environment
 

@@ -248,7 +248,7 @@ def train_mixed(task: Task, device: str) -> tuple:
 @pytest.mark.parametrize("name", sorted(ZOO))
 def test_blocks_are_found(name):
     task, classes = ZOO[name][0](), ZOO[name][1]
-    from tierflow._blocks import find_blocks
+    from tierflow.activations.blocks import find_blocks
 
     blocks = find_blocks(task.make_model())
     assert len(blocks) == LAYERS and {type(b).__name__ for b in blocks} == set(classes), \

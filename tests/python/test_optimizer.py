@@ -297,7 +297,7 @@ def test_the_gpu_share_stays_inside_the_device_budget():
     # _gpu_share.py took up to half the free device memory, ignoring TIERFLOW_GPU_MEMORY: for the 1.34B preset
     # at 16 GiB, ~9 GB, and the third forward ran out of memory. Its room is now what the first step left of the
     # budget (the [cuda] matrix case, test_matrix.py::test_gpu_optimizer_fraction, runs the real choice).
-    from tierflow._gpu_share import gpu_share_room
+    from tierflow.optim.gpu_share import gpu_share_room
 
     GiB = 1 << 30
     assert gpu_share_room(free_bytes=60 * GiB, budget_bytes=16 * GiB, first_step_peak_bytes=15 * GiB) == GiB

@@ -11,7 +11,7 @@ import torch
 from harness import subprocess_environment
 
 from tierflow import _C
-from tierflow._plan import profile_from_json, profile_to_json
+from tierflow.activations.profile import profile_from_json, profile_to_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GiB = 1 << 30

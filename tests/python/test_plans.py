@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tierflow
-from tierflow._blocks import find_blocks
+from tierflow.activations.blocks import find_blocks
 from harness import assert_bit_identical, cnn_task, encoder_task, gpt_task, train, Task, torch_device
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),

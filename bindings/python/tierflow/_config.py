@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any, Mapping
 
 from . import _C
@@ -36,3 +37,12 @@ def resolve_config(**settings: Any) -> dict[str, str]:
     Raises ``tierflow.ConfigError`` naming an unknown or malformed setting.
     """
     return _C.resolve_config(settings_to_strings(settings))
+
+
+def set_explicitly(name: str) -> bool:
+    """Whether the ``TIERFLOW_*`` variable ``name`` is set in the environment, not left at its default
+    (``python -m tierflow plan`` budgets the whole device when TIERFLOW_GPU_MEMORY is not set).
+
+    The C++ table does not say where a value came from, so this is the one read of os.environ in the
+    package; it goes once tierflow._C answers it (Config::explicitly_set, bound as _C.config_set_explicitly)."""
+    return name in os.environ

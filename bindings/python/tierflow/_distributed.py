@@ -160,8 +160,13 @@ def _ddp_around(model: torch.nn.Module) -> Optional[torch.nn.Module]:
     return active if inner is model or any(m is model for m in inner.modules()) else None
 
 
-def _our_optimizer(session: Any) -> Any:
-    return session.optimizer() if session.optimizer is not None else None
+class DistributedWatch:
+    """What one session still checks at the wrapped model's forwards (check_forward)."""
+
+    def __init__(self, ddp_seen: bool) -> None:
+        self.ddp_seen = ddp_seen  # DDP noted: steps during backward already off (or offloading refused)
+        self.sharding_checked = False  # FSDP2 after wrap looked for, at the first forward
+        self.pending = torch.distributed.is_available()  # anything left to check at a forward
 
 
 _DDP_WARNING = (
@@ -184,20 +189,15 @@ _REDONE_WARNING = (
 
 def steps_after_backward(optimizer: Any, message: str, stacklevel: int = 2) -> None:
     """Turns ``optimizer``'s steps during backward off for the rest of the run and warns, once."""
-    if not getattr(optimizer, "_overlap", False) or getattr(optimizer, "_steps_after_backward", None):
-        return  # no steps during backward to turn off (TIERFLOW_OVERLAP_STEP=off, NVMe states), or done
-    optimizer._steps_after_backward = message
-    if optimizer._stream is not None:
-        optimizer._stream.set_enabled(False)  # _on_backward_begin keeps it off from now on
-    warnings.warn(message, UserWarning, stacklevel=stacklevel + 1)
+    if optimizer.steps_after_backward_only(message):  # False: none to turn off (TIERFLOW_OVERLAP_STEP=off,
+        warnings.warn(message, UserWarning, stacklevel=stacklevel + 1)  # NVMe states), or done already
 
 
-def _note_ddp(session: Any, how: str, stacklevel: int) -> None:
+def _note_ddp(optimizer: Any, how: str, stacklevel: int) -> None:
     """DDP seen: TIERFLOW_OFFLOAD_GRADIENTS=on refused, the steps during backward turned off."""
-    optimizer = _our_optimizer(session)
     if optimizer is None:
         return  # offload_optimizer='none': the user's optimizer steps after backward anyway
-    if getattr(optimizer, "_offload_grads", False):
+    if optimizer.gradients_offloaded():
         raise _C.TierflowError(
             "tierflow: TIERFLOW_OFFLOAD_GRADIENTS=on does not work under torch.nn.parallel.DistributedDataParallel "
             f"(DDP; {how}): it sets p.grad to None during backward, while DDP still has to all-reduce that "
@@ -205,31 +205,31 @@ def _note_ddp(session: Any, how: str, stacklevel: int) -> None:
     steps_after_backward(optimizer, _DDP_WARNING.format(how=how), stacklevel + 1)
 
 
-def check_wrap(session: Any, model: torch.nn.Module) -> None:
-    """tierflow.wrap, once its optimizer is made: DDP inside ``model`` is noted (or refused with
-    TIERFLOW_OFFLOAD_GRADIENTS=on); the forwards check the rest (check_forward)."""
-    if _ddp_inside(model) is not None:
-        _note_ddp(session, "tierflow.wrap of a DDP model", 3)  # the warning points at the caller of wrap
-        session._ddp_seen = True
-    session._distributed_pending = torch.distributed.is_available()
+def check_wrap(optimizer: Any, model: torch.nn.Module) -> DistributedWatch:
+    """tierflow.wrap, once its optimizer (a CPUAdamW, or None) is made: DDP inside ``model`` is noted (or refused
+    with TIERFLOW_OFFLOAD_GRADIENTS=on); the forwards check the rest (check_forward) with what this returns."""
+    ddp = _ddp_inside(model) is not None
+    if ddp:
+        _note_ddp(optimizer, "tierflow.wrap of a DDP model", 3)  # the warning points at the caller of wrap
+    return DistributedWatch(ddp)
 
 
-def check_forward(session: Any, module: torch.nn.Module) -> None:
-    """Session._before_forward, while session._distributed_pending: refuses FSDP2 applied after wrap
-    (first forward, before anything is saved) and notes a DDP around the wrapped model."""
-    if not getattr(session, "_sharding_checked", False):
+def check_forward(watch: DistributedWatch, optimizer: Any, module: torch.nn.Module) -> None:
+    """A forward of the wrapped model, while ``watch.pending``: refuses FSDP2 applied after wrap (first forward,
+    before anything is saved) and notes a DDP around the wrapped model. ``optimizer``: the session's CPUAdamW,
+    or None."""
+    if not watch.sharding_checked:
         _refuse_sharded_later(module)
-        session._sharding_checked = True
-    optimizer = _our_optimizer(session)
-    offloading = getattr(optimizer, "_offload_grads", False)
-    early = getattr(optimizer, "_overlap", False) and not getattr(optimizer, "_steps_after_backward", None)
-    if getattr(session, "_ddp_seen", False) or not (offloading or early):
-        session._distributed_pending = False  # nothing left that DDP would change
+        watch.sharding_checked = True
+    offloading = optimizer is not None and optimizer.gradients_offloaded()
+    early = optimizer is not None and optimizer.steps_during_backward()
+    if watch.ddp_seen or not (offloading or early):
+        watch.pending = False  # nothing left that DDP would change
         return
     if _ddp_around(module) is not None:
-        _note_ddp(session, "DDP(model) of a model wrapped by tierflow.wrap", 2)
-        session._ddp_seen = True
-        session._distributed_pending = False
+        _note_ddp(optimizer, "DDP(model) of a model wrapped by tierflow.wrap", 2)
+        watch.ddp_seen = True
+        watch.pending = False
 
 
 def note_step(optimizer: Any, before: dict, scale: float) -> None:

@@ -14,6 +14,7 @@ from torch.utils._pytree import tree_flatten
 from . import _C
 from ._compile import outside_graphs
 from ._config import settings_to_strings
+from ._distributed import check_forward, check_wrap, refuse_sharded
 from ._report import Report
 
 # Note [Session lifetime]
@@ -49,6 +50,7 @@ class Session:
         self._model_ref: Optional[weakref.ref] = None
         self.optimizer: Optional[weakref.ref] = None  # the CPUAdamW of this session, if any
         self.planner: Optional[Any] = None  # auto / recompute: the per-block plans (Note [Activation plans])
+        self.distributed: Optional[Any] = None  # what the forwards still check (Note [Distributed training])
 
     # -- model hooks -----------------------------------------------------------
     def attach(self, model: torch.nn.Module, blocks: Optional[list] = None) -> None:
@@ -57,7 +59,7 @@ class Session:
         ``blocks`` (default: the repeated blocks found in the model)."""
         self._model_ref = weakref.ref(model)
         if self.config["TIERFLOW_OFFLOAD_ACTIVATIONS"] in ("auto", "recompute"):
-            from ._autoplan import AutoPlanner
+            from .activations.autoplan import AutoPlanner
 
             self.planner = AutoPlanner(self, model, blocks)
         self.runtime.register_parameters([p for p in model.parameters()])
@@ -74,11 +76,9 @@ class Session:
             self.planner.remove()
 
     def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
-        if getattr(self, "_distributed_pending", False):  # FSDP2 refused, DDP noted: Note [Distributed training]
-            from ._distributed import check_forward
-
-            check_forward(self, module)
         opt = self.optimizer() if self.optimizer is not None else None
+        if self.distributed is not None and self.distributed.pending:  # FSDP2 refused, DDP noted:
+            check_forward(self.distributed, opt, module)  # Note [Distributed training]
         if opt is not None and opt.has_unconfirmed_steps():
             # A forward before step(): the early steps were not the last backward's.
             opt.take_back_unconfirmed()
@@ -150,8 +150,6 @@ def wrap(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
     if getattr(model, "_tierflow_session", None) is not None:
         raise _C.TierflowError("tierflow.wrap: this model is already wrapped; call tierflow.unwrap(model) first")
     chain = _optimizer_chain(optimizer) if optimizer is not None else []
-    from ._distributed import check_wrap, refuse_sharded  # Note [Distributed training]
-
     refuse_sharded(model, chain[-1] if chain else None)  # FSDP2 / DTensor: refused before anything is made
     devices = {t.device for t in model.parameters()} | {t.device for t in model.buffers()}
     wrong_device = one_cuda_device(devices, torch.cuda.current_device() if any(d.type == "cuda" for d in devices)
@@ -179,7 +177,8 @@ def wrap(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
             else:
                 new_optimizer = replacement
             session.optimizer = weakref.ref(replacement)
-        check_wrap(session, model)  # DDP: steps during backward off, before any backward (Note [Distributed training])
+        # DDP: steps during backward off, before any backward (Note [Distributed training]).
+        session.distributed = check_wrap(session.optimizer() if session.optimizer is not None else None, model)
         session.attach(model, blocks)
         if session.config["TIERFLOW_OFFLOAD_ACTIVATIONS"] != "none":  # Note [HF caches]
             from ._hf import disable_cache_in_training

@@ -43,23 +43,7 @@ CUDA runtime) already holds its new value; step() restores any that it takes
 back. A parameter of the runtime's device (a CUDA tensor, or a CPU tensor on
 the emulated device) gets its new value in step(), when the step is confirmed.
 
-Note [Optimizer copies]
-~~~~~~~~~~~~~~~~~~~~~~~
-Every gradient, parameter and master that moves between the runtime's device
-and the host goes through tierflow's copy engine, on CUDA and on the emulated
-device alike, so the adversarial emulated device checks this path too
-(Note [Copy ordering] in swap/include/tierflow/swap/copy_engine.hpp):
-- a gradient is copied to pinned memory after the work queued on the current
-  stream: in a post-accumulate-grad hook (C++ for device parameters: its slice
-  of a bucket) that is the stream backward produced it on; the CPU step waits
-  for the copy before it reads the gradient, and the device gradient is kept
-  referenced until then (with TIERFLOW_OFFLOAD_GRADIENTS=on p.grad is None at
-  once and that reference, the last, goes right then: Note [Gradient
-  streaming]);
-- an updated parameter goes back from pinned staging after the work queued on
-  the current stream (kernels still reading the old value), the stream waits
-  for it before its next kernel, and step() waits for every upload before the
-  staging returns to the pool.
+Note [Optimizer copies] (copies.py) says how gradients, parameters and masters move.
 
 Note [Shared param groups]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -85,24 +69,19 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from . import _C
-from ._gpu_share import GpuShareMixin
-from ._nvme_states import LOST_STATE, NvmeStatesMixin
-from ._streaming import StreamingMixin
+from .. import _C
+from .._distributed import note_step
+from . import clip
+from .accepted import GRAD_DTYPES, check_grad, check_replaceable
+from .copies import DeviceCopies
+from .gpu_share import GpuShare
+from .nvme_states import LOST_STATE, StateTier, fill_lost_states
+from .streaming import GradientStreaming
 
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
-_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def _check_grad(grad: torch.Tensor) -> None:
-    """Refuses a gradient the CPU kernels cannot take, naming what they accept."""
-    if grad.is_sparse or grad.dtype not in _GRAD_DTYPES:
-        raise _C.TierflowError(f"tierflow CPUAdamW: a {'sparse ' if grad.is_sparse else ''}{grad.dtype} gradient "
-                               "is not supported; accepted: dense float32, bfloat16 or float16")
-
-
-class CPUAdamW(StreamingMixin, GpuShareMixin, NvmeStatesMixin, torch.optim.Optimizer):
+class CPUAdamW(torch.optim.Optimizer):
     """Adam / AdamW with fp32 master weights and moments in the pinned host pool.
 
     The update is tierflow's C++ CpuAdam on oneTBB, with the semantics of
@@ -124,28 +103,7 @@ class CPUAdamW(StreamingMixin, GpuShareMixin, NvmeStatesMixin, torch.optim.Optim
         self._setup(runtime)
 
     # -- construction from an existing optimizer ---------------------------------
-    @staticmethod
-    def check_replaceable(optimizer: torch.optim.Optimizer) -> None:
-        """Accepts exactly ``torch.optim.AdamW`` and ``torch.optim.Adam``; anything
-        else (another algorithm, or a subclass that may change ``step``) raises
-        ``TierflowError`` naming it and what is accepted.
-        """
-        if type(optimizer) not in (torch.optim.AdamW, torch.optim.Adam):
-            cls_ = type(optimizer)
-            public = getattr(torch.optim, cls_.__name__, None) is cls_
-            name = f"torch.optim.{cls_.__name__}" if public else f"{cls_.__module__}.{cls_.__qualname__}"
-            raise _C.TierflowError(
-                f"tierflow.wrap: cannot replace an optimizer of type {name}; "
-                "accepted: torch.optim.AdamW, torch.optim.Adam. "
-                "Pass offload_optimizer='none' to keep your optimizer on the device.")
-        for i, g in enumerate(optimizer.param_groups):
-            if g.get("differentiable"):
-                raise _C.TierflowError(f"tierflow.wrap: param group {i} has differentiable=True, "
-                                       "which the CPU optimizer cannot honour; accepted: differentiable=False")
-            for p in g["params"]:
-                if not p.is_floating_point() or p.dtype not in _GRAD_DTYPES:
-                    raise _C.TierflowError(f"tierflow.wrap: param group {i} holds a parameter of dtype {p.dtype}; "
-                                           "accepted: float32, bfloat16, float16")
+    check_replaceable = staticmethod(check_replaceable)
 
     @classmethod
     def replace(cls, optimizer: torch.optim.Optimizer, runtime: "_C.Runtime",
@@ -180,26 +138,23 @@ class CPUAdamW(StreamingMixin, GpuShareMixin, NvmeStatesMixin, torch.optim.Optim
         if model is not None:
             # model.load_state_dict(...) changes parameters behind the optimizer's back.
             model.register_load_state_dict_post_hook(lambda module, keys: new.mark_master_stale())
-            if new._stream is not None and runtime.config()["TIERFLOW_WEIGHTS_RETURN"] == "forward":
-                new._attach_weight_waits(model)
-            elif new._stream is not None:
-                new._attach_step_wait(model)
+            if new._streaming is not None and runtime.config()["TIERFLOW_WEIGHTS_RETURN"] == "forward":
+                new._hooks += new._streaming.attach_weight_waits(model)
+            elif new._streaming is not None:
+                new._hooks += new._streaming.attach_step_wait(model)
         return new
 
     def _setup(self, runtime: "_C.Runtime") -> None:
         self._runtime = runtime
         self._master_stale = False
         cfg = runtime.config()
-        self._cfg = cfg
-        self._nvme = cfg["TIERFLOW_OFFLOAD_OPTIMIZER"] == "nvme"
         if not hasattr(self, "_names"):
             self._names: dict = {}
-        # Note [NVMe optimizer faults]: param -> (gradient, its version, step count after) of a step taken.
-        self._nvme_done: dict = {}
-        self._reserved: set = set()  # ids of parameters whose NVMe state space is reserved
+        self._copies = DeviceCopies(runtime)  # Note [Optimizer copies]
+        self._states = StateTier(runtime, cfg, self._names)  # host pool or NVMe: Note [NVMe optimizer faults]
         # With states on NVMe, step() streams them through pinned memory
         # (Note [Optimizer states on NVMe]); steps during backward are host-tier only.
-        self._overlap = cfg["TIERFLOW_OVERLAP_STEP"] == "on" and not self._nvme
+        self._overlap = cfg["TIERFLOW_OVERLAP_STEP"] == "on" and not self._states.nvme
         # Why steps during backward are off for the rest of the run (DDP: Note [Distributed training]), or None.
         self._steps_after_backward: Optional[str] = None
         self._accumulation = int(cfg["TIERFLOW_GRAD_ACCUMULATION_STEPS"])
@@ -219,70 +174,56 @@ class CPUAdamW(StreamingMixin, GpuShareMixin, NvmeStatesMixin, torch.optim.Optim
         self._spec: dict = {}          # param -> speculative step in flight or done
         self._grad_events: dict = {}   # param -> gradients completed since the last step()
         self._hooks = []
-        # TIERFLOW_GRAD_BUCKET_BYTES=auto: sized from measured speeds after the first streamed step.
-        self._buckets_unsized = cfg["TIERFLOW_GRAD_BUCKET_BYTES"] == "auto"
-        self._streamed_steps = 0  # steps whose gradients streamed (sizing waits for the second)
-        fraction = cfg["TIERFLOW_GPU_OPTIMIZER_FRACTION"]
-        self._gpu_fraction_auto = fraction == "auto"  # chosen after the first step (_choose_gpu_share)
-        self._gpu_fraction = 0.0 if self._gpu_fraction_auto else float(fraction)
-        self._gpu_share: Optional[set] = None  # ids of CUDA params stepped on the GPU, fixed at the first step
-        self._pending_uploads: list = []       # (transfer, staging) of parameters on their way to the device
+        self._gpu = GpuShare(cfg["TIERFLOW_GPU_OPTIMIZER_FRACTION"])  # Deep Optimizer States
         self._overlap_counts = {"early_steps": 0, "committed": 0, "redone": 0, "taken_back": 0, "held": 0,
                                 "skipped_steps": 0}
         # Note [Gradient streaming]: parameters of the runtime's device stream their
         # gradients from a C++ hook; the rest (a CPU model beside a CUDA runtime) keep
-        # the per-parameter Python hook below.
-        self._stream = None
-        self._slot_of: dict = {}            # param -> slot of the C++ stream
-        self._slot_params: list = []        # slot -> param
-        self._python_params: Optional[list] = None  # per group: params that step() handles in Python
-        if not self._gpu_fraction_auto:
-            self._gpu_share = self._assign_gpu_share()
+        # the per-parameter Python hook (_on_grad_ready).
+        self._streaming: Optional[GradientStreaming] = None
+        if not self._gpu.auto:
+            self._gpu.ensure(self.param_groups)
         if self._overlap:
-            # The parameters hold the hook; through a weak reference, so that the
-            # optimizer (and its pinned states) goes when the user drops it: a
-            # bound method would make a cycle through autograd that the garbage
-            # collector cannot see.
-            me = weakref.WeakMethod(self._on_grad_ready)
+            self._start_streaming(runtime, cfg)
+        self._states.check_space(self.param_groups, self._gpu.ids or set())
 
-            def hook(p: torch.Tensor) -> None:
-                method = me()
-                if method is not None:
-                    method(p)
+    def _start_streaming(self, runtime: "_C.Runtime", cfg: Any) -> None:
+        """The gradient stream for the parameters of the runtime's device, the Python hook for the others."""
+        # The parameters hold the hook; through a weak reference, so that the
+        # optimizer (and its pinned states) goes when the user drops it: a
+        # bound method would make a cycle through autograd that the garbage
+        # collector cannot see.
+        me = weakref.WeakMethod(self._on_grad_ready)
 
-            bucket = cfg["TIERFLOW_GRAD_BUCKET_BYTES"]
-            self._stream = _C.GradStream(runtime, 0 if bucket == "auto" else int(bucket), self._accumulation,
-                                         self._max_grad_norm or 0.0, self._skip_nonfinite,
-                                         cfg["TIERFLOW_WEIGHTS_RETURN"] == "forward",
-                                         self._offload_grads)
-            gpu = self._gpu_share or set()
-            for gi, group in enumerate(self.param_groups):
-                for p in group["params"]:
-                    if not p.requires_grad or p in self._slot_of:
-                        continue
-                    if (runtime.on_device(p) and p.is_contiguous() and p.dtype in _GRAD_DTYPES
-                            and id(p) not in gpu):
-                        self._slot_of[p] = self._stream.add_parameter(p, gi)
-                        self._slot_params.append(p)
-                    elif p.device.type == "cpu" or runtime.on_device(p):
-                        self._hooks.append(p.register_post_accumulate_grad_hook(hook))
-            begin = weakref.WeakMethod(self._on_backward_begin)
-            init = weakref.WeakMethod(self._init_slot)
-            self._stream.set_callbacks(lambda: begin() and begin()(),
-                                       lambda slot: init() and init()(slot))
-            self._push_groups()
-            if self._max_grad_norm is None:  # the user may clip instead: Note [Clip picked up]
-                from . import _clip
+        def hook(p: torch.Tensor) -> None:
+            method = me()
+            if method is not None:
+                method(p)
 
-                _clip.watch(self)
-        self._check_space()
+        streaming = self._streaming = GradientStreaming(runtime, cfg, self._accumulation, self._max_grad_norm,
+                                                        self._skip_nonfinite, self._offload_grads)
+        gpu = self._gpu.ids or set()
+        for gi, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                if not p.requires_grad or streaming.carries(p):
+                    continue
+                if runtime.on_device(p) and p.is_contiguous() and p.dtype in GRAD_DTYPES and id(p) not in gpu:
+                    streaming.add_parameter(p, gi)
+                elif p.device.type == "cpu" or runtime.on_device(p):
+                    self._hooks.append(p.register_post_accumulate_grad_hook(hook))
+        begin = weakref.WeakMethod(self._on_backward_begin)
+        init = weakref.WeakMethod(self._init_slot)
+        streaming.stream.set_callbacks(lambda: begin() and begin()(), lambda slot: init() and init()(slot))
+        self._push_groups()
+        if self._max_grad_norm is None:  # the user may clip instead: Note [Clip picked up]
+            clip.watch(streaming)
 
     @property
     def overlap_stats(self) -> dict:
         """Counts of steps taken during backward: early_steps, committed, redone, taken_back, held, skipped_steps."""
         out = dict(self._overlap_counts)
-        if self._stream is not None:
-            s = self._stream.stats()
+        if self._streaming is not None:
+            s = self._streaming.stream.stats()
             for k in ("early_steps", "committed", "redone", "taken_back", "held"):
                 out[k] += s[k]
         return out
@@ -297,70 +238,100 @@ class CPUAdamW(StreamingMixin, GpuShareMixin, NvmeStatesMixin, torch.optim.Optim
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
-        self._python_params = None  # its parameters step through the Python path
+        streaming = getattr(self, "_streaming", None)  # None inside torch's __init__, before _setup
+        if streaming is not None:
+            streaming.forget_python_path()  # its parameters step through the Python path
 
     def mark_master_stale(self) -> None:
         """Parameters were changed outside the optimizer: re-read masters from them at the next step."""
         self._master_stale = True
 
-    # -- copies between the device and the host (Note [Optimizer copies]) -----------
-    def _host(self, like: torch.Tensor, zero: bool) -> torch.Tensor:
-        return self._runtime.host_empty(list(like.shape), "float32", zero)
+    fill_lost_states = staticmethod(fill_lost_states)
 
-    def _staged(self, t: torch.Tensor) -> bool:
-        """True when ``t`` is on the runtime's device and moves through the copy engine."""
-        return self._runtime.on_device(t)
+    # -- distributed training (Note [Distributed training]) ----------------------------
+    def gradients_offloaded(self) -> bool:
+        """True with TIERFLOW_OFFLOAD_GRADIENTS=on: p.grad is None from backward to step()."""
+        return self._offload_grads
 
-    def _fetch(self, t: torch.Tensor) -> tuple:
-        """Starts a copy of device tensor ``t`` into pinned memory: (host tensor, transfer, source).
+    def steps_during_backward(self) -> bool:
+        """True while parameters step during backward (Note [Step during backward])."""
+        return self._overlap and not self._steps_after_backward
 
-        The host tensor has t's dtype and shape; wait on the transfer before
-        reading it, and keep the source referenced until then.
+    def steps_after_backward_only(self, why: str) -> bool:
+        """Turns the steps during backward off for the rest of the run (``why``: the reason); False when there
+        were none to turn off (TIERFLOW_OVERLAP_STEP=off, states on NVMe) or they were off already."""
+        if not self._overlap or self._steps_after_backward:
+            return False
+        self._steps_after_backward = why
+        if self._streaming is not None:
+            self._streaming.stream.set_enabled(False)  # _on_backward_begin keeps it off from now on
+        return True
+
+    # -- the gradient stream (Note [Gradient streaming]) ------------------------------
+    @property
+    def _stream(self) -> Optional["_C.GradStream"]:
+        """The C++ gradient stream, or None when it is off."""
+        return self._streaming.stream if self._streaming is not None else None
+
+    @property
+    def _gpu_share(self) -> Optional[set]:
+        """Ids of the CUDA parameters that step on the GPU (None until the first step decides)."""
+        return self._gpu.ids
+
+    def stream_stats(self) -> dict:
+        """The gradient stream's counters and times (Note [Gradient streaming]); empty when it is off."""
+        out = dict(self._streaming.stream.stats()) if self._streaming is not None else {}
+        if out:
+            out["gpu_optimizer_fraction"] = self._gpu.fraction
+        return out
+
+    def synchronize(self) -> None:
+        """Waits until every updated weight is back on the device (TIERFLOW_WEIGHTS_RETURN=forward).
+
+        Forwards of the wrapped model, its state_dict and load_state_dict, and
+        this optimizer's state_dict and step wait by themselves; call this before
+        reading parameters any other way between step() and the next forward.
         """
-        src = t.detach()
-        if not src.is_contiguous():
-            src = src.contiguous()  # on the current stream, so the copy is ordered after it
-        host = self._runtime.host_empty(list(src.shape), _DTYPE_NAMES[src.dtype], False)
-        return host, self._runtime.copy_to_host(host, src), src
+        if self._streaming is not None:
+            self._streaming.stream.synchronize()
 
-    def _read_into(self, dst: torch.Tensor, t: torch.Tensor) -> None:
-        """dst (a host tensor) <- t, converting the dtype on the host."""
-        if self._staged(t):
-            host, transfer, _src = self._fetch(t)
-            transfer.wait()
-            dst.copy_(host.view(dst.shape))
+    def _push_groups(self) -> None:
+        self._streaming.push_groups([self._options(group) for group in self.param_groups])
+
+    def _on_backward_begin(self) -> None:
+        """Once per backward, from C++: the hyperparameters in force (an LR scheduler may have changed them)."""
+        self._push_groups()
+        # Under DDP every parameter steps in step(), from the reduced gradient (Note [Distributed training]).
+        self._streaming.stream.set_enabled(not self._master_stale and not self._steps_after_backward)
+
+    @torch.no_grad()
+    def _init_slot(self, slot: int) -> None:
+        """From C++, the first time a parameter streams: its state (first step only)."""
+        p = self._streaming.param_of(slot)
+        state = self.state[p]
+        if len(state) == 0:
+            self._init_state(p, self._group_of(p))
         else:
-            dst.copy_(t.detach())
+            self._register_state(p)
 
-    def _write_param(self, p: torch.Tensor, host: torch.Tensor) -> None:
-        """p <- host (pinned, p's dtype): through the copy engine for a device parameter."""
-        if self._staged(p) and p.is_contiguous():
-            transfer = self._runtime.copy_to_device(p.detach(), host.view(p.shape))
-            self._pending_uploads.append((transfer, host))
-        else:
-            p.detach().copy_(host.view(p.shape))
-
-    def _finish_uploads(self) -> None:
-        """Waits for every parameter upload; only then may their staging return to the pool."""
-        uploads, self._pending_uploads = self._pending_uploads, []
-        for transfer, _host in uploads:
-            transfer.wait()
+    def _register_state(self, p: torch.Tensor) -> None:
+        """Gives the C++ stream p's state tensors (after they were created or replaced)."""
+        if self._streaming is not None:
+            self._streaming.set_state(p, self.state[p])
 
     # -- state -----------------------------------------------------------------
 
     def _init_state(self, p: torch.Tensor, group: dict) -> dict:
         """A fresh state for p; when making it fails (a full tier) p keeps none, so a later step starts it again."""
         try:
-            if self._nvme:
-                master = p.detach().reshape(-1).to("cpu", torch.float32).contiguous()
-                fresh = {"nvme_key": self._runtime.nvme_adam_add(master, bool(group["amsgrad"])),
-                         "amsgrad": bool(group["amsgrad"])}
+            if self._states.nvme:
+                fresh = self._states.add(p, group)
             else:
-                fresh = {"exp_avg": self._host(p, True), "exp_avg_sq": self._host(p, True)}
+                fresh = {"exp_avg": self._copies.host(p, True), "exp_avg_sq": self._copies.host(p, True)}
                 if group["amsgrad"]:
-                    fresh["max_exp_avg_sq"] = self._host(p, True)
-                master = self._host(p, False)
-                self._read_into(master, p)
+                    fresh["max_exp_avg_sq"] = self._copies.host(p, True)
+                master = self._copies.host(p, False)
+                self._copies.read_into(master, p)
                 fresh["master"] = master
         except BaseException:
             if p in self.state and len(self.state[p]) == 0:
@@ -369,7 +340,7 @@ class CPUAdamW(StreamingMixin, GpuShareMixin, NvmeStatesMixin, torch.optim.Optim
         state = self.state[p]
         state["step"] = torch.tensor(0.0, dtype=torch.float32)
         state.update(fresh)
-        if not self._nvme:
+        if not self._states.nvme:
             self._register_state(p)
         return state
 
@@ -379,9 +350,9 @@ class CPUAdamW(StreamingMixin, GpuShareMixin, NvmeStatesMixin, torch.optim.Optim
         read back into CPU tensors, so checkpoints hold them too."""
         self.synchronize()
         sd = super().state_dict()
-        if self._nvme:
+        if self._states.nvme:
             params = [p for g in self.param_groups for p in g["params"]]
-            sd["state"] = {k: self._materialize_or_mark(params[k], self.state[params[k]]) for k in sd["state"]}
+            sd["state"] = {k: self._states.materialize_or_mark(params[k], self.state[params[k]], self.param_groups) for k in sd["state"]}
         params = [p for g in self.param_groups for p in g["params"]]
         index = {i: p for i, p in enumerate(params)}
         state = {}
@@ -409,17 +380,17 @@ class CPUAdamW(StreamingMixin, GpuShareMixin, NvmeStatesMixin, torch.optim.Optim
         lost = [k for k, s in state_dict.get("state", {}).items() if isinstance(s, dict) and LOST_STATE in s]
         if lost:
             params = [p for g in self.param_groups for p in g["params"]]
-            names = ", ".join(self._describe(params[k]) if isinstance(k, int) and k < len(params) else repr(k)
+            names = ", ".join(self._states.describe(params[k], self.param_groups) if isinstance(k, int) and k < len(params) else repr(k)
                               for k in lost)
             raise _C.TierflowError(
                 f"tierflow CPUAdamW.load_state_dict: the state of {len(lost)} parameter(s) was lost when this state "
                 f"dict was saved ({names}; '{LOST_STATE}' marks them); take their states from an earlier "
                 "checkpoint with tierflow.CPUAdamW.fill_lost_states(state_dict, earlier) and load that")
-        if self._stream is not None:
+        if self._streaming is not None:
             self._wait_worker()
-            self._stream.restore_grads()  # the next step() still takes this backward's gradients
-            self._stream.end_window()  # early steps read the state being replaced
-            self._stream.synchronize()
+            self._streaming.stream.restore_grads()  # the next step() still takes this backward's gradients
+            self._streaming.stream.end_window()  # early steps read the state being replaced
+            self._streaming.stream.synchronize()
         # torch casts state to the parameter's dtype; keep the fp32 originals.
         originals = {k: {n: v for n, v in s.items() if n in _STATE_KEYS}
                      for k, s in state_dict["state"].items()}
@@ -439,19 +410,19 @@ class CPUAdamW(StreamingMixin, GpuShareMixin, NvmeStatesMixin, torch.optim.Optim
                 state = self.state[p]
                 for name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
                     if name in originals[key]:
-                        fresh = self._host(p, False)
+                        fresh = self._copies.host(p, False)
                         fresh.copy_(originals[key][name])
                         state[name] = fresh
                 if group["amsgrad"] and "max_exp_avg_sq" not in state:
-                    state["max_exp_avg_sq"] = self._host(p, True)
-                master = self._host(p, False)
+                    state["max_exp_avg_sq"] = self._copies.host(p, True)
+                master = self._copies.host(p, False)
                 master.copy_(self._master_from(originals[key].get("master"), p))
                 state["master"] = master
                 step = state.get("step", 0.0)
                 state["step"] = torch.tensor(float(step), dtype=torch.float32)
-                if self._nvme:
-                    self._reserve_nvme([(p, group)])
-                    self._to_nvme(p, state, group)
+                if self._states.nvme:
+                    self._states.reserve([(p, group)])
+                    self._states.to_nvme(p, state, group)
                 else:
                     self._register_state(p)
         self._master_stale = False
@@ -480,30 +451,28 @@ class CPUAdamW(StreamingMixin, GpuShareMixin, NvmeStatesMixin, torch.optim.Optim
         if count != self._accumulation or p.grad is None or self._steps_after_backward:
             return  # (under DDP: no steps during backward, Note [Distributed training])
         grad = p.grad
-        if grad.is_sparse or grad.dtype not in _GRAD_DTYPES or not grad.is_contiguous() or not p.is_contiguous():
+        if grad.is_sparse or grad.dtype not in GRAD_DTYPES or not grad.is_contiguous() or not p.is_contiguous():
             return  # step() handles (and reports) these
         group = self._group_of(p)
         if group is None:
             return
-        if self._gpu_share is None:
-            self._gpu_share = self._assign_gpu_share()
-        if id(p) in self._gpu_share:
+        if id(p) in self._gpu.ensure(self.param_groups):
             return  # steps on the GPU in step()
         options = self._options(group)
         state = self.state[p]
         if len(state) == 0:
             state = self._init_state(p, group)
         elif self._master_stale:
-            self._read_into(state["master"], p)
+            self._copies.read_into(state["master"], p)
         step = int(state["step"].item()) + 1
         vmax = state.get("max_exp_avg_sq") if options["amsgrad"] else None
         try:
-            outs = [self._host(p, False) for _ in range(4 if options["amsgrad"] else 3)]
+            outs = [self._copies.host(p, False) for _ in range(4 if options["amsgrad"] else 3)]
             # A device parameter is written back only when step() confirms: the
             # new value waits in pinned memory, and taking a step back needs no
             # restore. Its gradient is staged by the runtime (Note [Optimizer copies]).
-            staging = (self._runtime.host_empty(list(p.shape), _DTYPE_NAMES[p.dtype], False)
-                       if self._staged(p) else None)
+            staging = (self._copies.staging(p)
+                       if self._copies.staged(p) else None)
             param_out = staging if staging is not None else p.detach()
             self._runtime.adam_step_async(options, step, [state["master"]], [state["exp_avg"]],
                                           [state["exp_avg_sq"]], [vmax], [grad], [param_out], [outs[0]], [outs[1]],
@@ -519,13 +488,13 @@ class CPUAdamW(StreamingMixin, GpuShareMixin, NvmeStatesMixin, torch.optim.Optim
         """Waits for queued early steps; if one failed, takes all of them back before raising."""
         try:
             self._runtime.adam_wait()
-            if self._stream is not None:
-                self._stream.wait_worker()
+            if self._streaming is not None:
+                self._streaming.stream.wait_worker()
         except Exception:
             for p in list(self._spec):
                 self._take_back(p, wait=False)
-            if self._stream is not None:
-                self._stream.discard_all()
+            if self._streaming is not None:
+                self._streaming.stream.discard_all()
             raise
 
     def _take_back(self, p: torch.Tensor, wait: bool = True) -> None:
@@ -545,22 +514,22 @@ class CPUAdamW(StreamingMixin, GpuShareMixin, NvmeStatesMixin, torch.optim.Optim
 
     def has_unconfirmed_steps(self) -> bool:
         """True while parameters hold early steps that no step() has confirmed."""
-        return bool(self._spec) or (self._stream is not None and self._stream.has_unconfirmed())
+        return bool(self._spec) or (self._streaming is not None and self._streaming.stream.has_unconfirmed())
 
     @torch.no_grad()
     def take_back_unconfirmed(self) -> None:
         """Restores every parameter stepped early but not confirmed (wrap() calls this before a forward)."""
         self._take_back_all()
-        if self._stream is not None:
-            self._stream.discard_all()
+        if self._streaming is not None:
+            self._streaming.stream.discard_all()
 
     def _clip_coefficient(self) -> tuple[float, bool]:
         """(clip coefficient, all gradients finite), with clip_grad_norm_'s own ops."""
         if self._max_grad_norm is None and not self._skip_nonfinite:
             return 1.0, True
-        released = self._stream.released_norms() if self._offload_grads else {}
+        released = self._streaming.stream.released_norms() if self._offload_grads else {}
         if released:
-            total = self._total_norm_with_released(released)
+            total = self._streaming.total_norm_with_released(self.param_groups, released)
         else:
             grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
             if not grads:
@@ -577,10 +546,10 @@ class CPUAdamW(StreamingMixin, GpuShareMixin, NvmeStatesMixin, torch.optim.Optim
         """As torch's; also takes back early steps that no step() confirmed."""
         if self._spec:
             self._take_back_all()
-        if self._stream is not None:
-            self._stream.end_window()
+        if self._streaming is not None:
+            self._streaming.stream.end_window()
         self._grad_events.clear()
-        self._nvme_done.clear()  # a new window: the next step() is a step for everyone
+        self._states.new_window()  # a new window: the next step() is a step for everyone
         super().zero_grad(set_to_none=set_to_none)
 
     # -- step ------------------------------------------------------------------
@@ -608,34 +577,32 @@ class CPUAdamW(StreamingMixin, GpuShareMixin, NvmeStatesMixin, torch.optim.Optim
         watched = self.overlap_stats if watch else None
         if self._skip_nonfinite and not finite:
             self._take_back_all()
-            if self._stream is not None:
-                self._stream.restore_grads()  # a skipped step leaves p.grad as torch's does
-                self._stream.end_window()
+            if self._streaming is not None:
+                self._streaming.stream.restore_grads()  # a skipped step leaves p.grad as torch's does
+                self._streaming.stream.end_window()
             self._overlap_counts["skipped_steps"] += 1
-        elif self._stream is not None:
+        elif self._streaming is not None:
             # Note [Gradient streaming]: the stream commits or redoes what it carried and
             # sends the weights back; the Python path steps only what it left.
             self._push_groups()
-            unhandled = self._stream.finish(scale, self._master_stale)
-            for group, params in zip(self.param_groups, self._python_path(unhandled)):
+            unhandled = self._streaming.stream.finish(scale, self._master_stale)
+            for group, params in zip(self.param_groups, self._streaming.python_path(self.param_groups, unhandled)):
                 if params:
                     self._step_group(group, scale, params)
-            self._size_buckets()
-            self._choose_gpu_share()
+            self._streaming.size_buckets()
+            self._gpu.choose(self.param_groups, self._runtime, self._streaming, self.state)
         else:
             problems: list = []
             for group in self.param_groups:
                 problems += self._step_group(group, scale) or []
             if problems:  # Note [NVMe optimizer faults]: the others stepped; a retry steps these
-                self._finish_uploads()
+                self._copies.finish_uploads()
                 self._master_stale = False
-                raise self._nvme_step_error(problems)
-            self._nvme_done.clear()
+                raise self._states.step_error(problems, self.param_groups)
+            self._states.new_window()
         if watched is not None:
-            from ._distributed import note_step
-
             note_step(self, watched, scale)
-        self._finish_uploads()
+        self._copies.finish_uploads()
         self._grad_events.clear()
         self._master_stale = False
         return loss
@@ -659,85 +626,22 @@ class CPUAdamW(StreamingMixin, GpuShareMixin, NvmeStatesMixin, torch.optim.Optim
             state["max_exp_avg_sq"] = outs[3]
         state["step"] += 1
         if spec["staging"] is not None:
-            self._write_param(p, spec["staging"])
+            self._copies.write_param(p, spec["staging"])
         self._overlap_counts["committed"] += 1
         return True
 
-    def _step_group_nvme(self, group: dict, options: dict) -> list:
-        """States on NVMe: one pipelined pass per step number (Note [Optimizer states on NVMe]).
-
-        Returns the parameters it could not step, [(param, lost?, reason)] (Note [NVMe optimizer faults]);
-        every other parameter with a gradient stepped, exactly once per gradient."""
-        buckets: dict[int, list] = {}
-        problems: list = []
-        todo = [p for p in group["params"]
-                if p.grad is not None and id(p) not in self._gpu_share and not self._stepped_already(p)]
-        # A group added after the optimizer was made reserves its space at its first step.
-        fresh = [(p, group) for p in todo if id(p) not in self._reserved and len(self.state.get(p, {})) == 0]
-        if fresh:
-            try:
-                self._reserve_nvme(fresh)
-            except (_C.IOError, _C.OutOfMemoryError) as e:
-                problems += [(p, False, str(e)) for p, _ in fresh]
-                unreserved = {id(p) for p, _ in fresh}
-                todo = [p for p in todo if id(p) not in unreserved]
-        for p in todo:
-            grad = p.grad.detach()
-            _check_grad(grad)
-            state = self.state[p]
-            if len(state) == 0:
-                try:
-                    state = self._init_state(p, group)
-                except (_C.IOError, _C.OutOfMemoryError) as e:
-                    problems.append((p, False, str(e)))  # no state made: the next step() starts it again
-                    continue
-            elif self._master_stale:
-                full = self._materialize(p, state)
-                self._read_into(full["master"], p)
-                state.update({k: v for k, v in full.items() if k != "step"})
-                self._to_nvme(p, state, group)
-            if self._staged(grad):
-                host_grad, transfer, _src = self._fetch(grad)
-                transfer.wait()
-                grad = host_grad.reshape(-1)
-            else:
-                grad = grad.reshape(-1)
-                if grad.device.type != "cpu" or not grad.is_contiguous():
-                    grad = grad.to("cpu").contiguous()
-            if p.device.type == "cpu" and p.is_contiguous() and not self._staged(p):
-                out, copy = p.detach().reshape(-1), False
-            else:
-                out, copy = self._runtime.host_empty([p.numel()], _DTYPE_NAMES[p.dtype], False), True
-            b = buckets.setdefault(int(state["step"].item()) + 1, [[], [], [], []])
-            b[0].append(state["nvme_key"])
-            b[1].append(grad)
-            b[2].append(out)
-            b[3].append((p, state, copy))
-        for step, (keys, grads, outs, members) in buckets.items():
-            failed, first_error, lost = self._runtime.nvme_adam_step(options, step, keys, grads, outs)
-            failed, lost = set(failed), set(lost)
-            for i, (p, state, copy) in enumerate(members):
-                if i in failed:  # kept its previous state and weight (or lost its state): nothing to copy
-                    problems.append((p, i in lost, first_error))
-                    continue
-                state["step"] += 1
-                self._nvme_done[p] = (p.grad, p.grad._version, float(state["step"]))
-                if copy:
-                    self._write_param(p, outs[i].view(p.shape))
-        return problems
-
     def _step_group(self, group: dict, scale: float = 1.0, params: Optional[list] = None) -> Optional[list]:
         options = self._options(group)
-        if self._gpu_share is None:
-            self._gpu_share = self._assign_gpu_share()
-        if self._nvme:
-            return self._step_group_nvme(group, dict(options, grad_scale=scale) if scale != 1.0 else options)
+        gpu = self._gpu.ensure(self.param_groups)
+        if self._states.nvme:
+            return self._states.step_group(group, dict(options, grad_scale=scale) if scale != 1.0 else options,
+                                           self.state, gpu, self._copies, self._init_state, self._master_stale)
         buckets: dict[int, list] = {}
         copy_back: list = []
         on_gpu: list = []
         fetches: list = []
         for p in group["params"] if params is None else params:
-            if p.grad is not None and id(p) in self._gpu_share:
+            if p.grad is not None and id(p) in gpu:
                 on_gpu.append(p)
                 continue
             if p.grad is None:
@@ -747,24 +651,24 @@ class CPUAdamW(StreamingMixin, GpuShareMixin, NvmeStatesMixin, torch.optim.Optim
             if self._confirm(p, options, scale):
                 continue
             grad = p.grad
-            _check_grad(grad)
+            check_grad(grad)
             state = self.state[p]
             if len(state) == 0:
                 state = self._init_state(p, group)
             elif self._master_stale:
-                self._read_into(state["master"], p)
+                self._copies.read_into(state["master"], p)
             state["step"] += 1
-            if self._staged(grad):
-                host_grad, transfer, src = self._fetch(grad)
+            if self._copies.staged(grad):
+                host_grad, transfer, src = self._copies.fetch(grad)
                 fetches.append((transfer, src))  # all gradients in flight at once; waited below
             else:
                 host_grad = grad.detach()
                 if host_grad.device.type != "cpu" or not host_grad.is_contiguous():
                     host_grad = host_grad.to("cpu").contiguous()
-            if p.device.type == "cpu" and p.is_contiguous() and not self._staged(p):
+            if p.device.type == "cpu" and p.is_contiguous() and not self._copies.staged(p):
                 out = p.detach()
             else:
-                out = self._runtime.host_empty(list(p.shape), _DTYPE_NAMES[p.dtype], False)
+                out = self._copies.staging(p)
                 copy_back.append((p, out))
             b = buckets.setdefault(int(state["step"].item()), [[], [], [], [], [], []])
             b[0].append(state["master"])
@@ -776,10 +680,10 @@ class CPUAdamW(StreamingMixin, GpuShareMixin, NvmeStatesMixin, torch.optim.Optim
         if scale != 1.0:
             options = dict(options, grad_scale=scale)
         if on_gpu:
-            self._step_on_gpu(on_gpu, options)
+            self._gpu.step(on_gpu, self.state, options)
         for transfer, _src in fetches:
             transfer.wait()
         for step, (masters, ms, vs, vmaxes, grads, outs) in buckets.items():
             self._runtime.adam_step(options, step, masters, ms, vs, vmaxes, grads, outs)
         for p, out in copy_back:
-            self._write_param(p, out)
+            self._copies.write_param(p, out)

@@ -2,28 +2,7 @@
 
 The planner itself is C++ (tiering/planner.hpp, Note [Activation planner]); this
 module gathers its inputs (an estimated or recorded block profile, link
-bandwidths, budgets), runs it and prints the plan.
-
-Profile files
--------------
-A recorded profile is JSON; tierflow's profiler writes it and ``--profile``
-reads it (``profile_to_json`` / ``profile_from_json``)::
-
-    {"format": "tierflow-profile", "version": 1,
-     "blocks": [{"forward_seconds": f, "backward_seconds": f, "input_bytes": n, "whole_bytes": n,
-                 "split_bytes": n, "split_recompute_seconds": f, "cheap_bytes": n,
-                 "cheap_recompute_seconds": f, "splittable": b, "transient_bytes": n}, ...],
-     "links": {"d2h": f, "h2d": f, "duplex": f, "nvme_write": f, "nvme_read": f},
-     "fixed_device_bytes": n}
-
-``blocks`` are in forward order, one per repeated block (at most the
-``layers`` limit of ``tierflow._C.transformer_shape_limits()``), fields as in
-``tierflow._C.BlockProfile`` (a missing field takes its default, an unknown one
-is an error); ``links`` are bytes per second (0: absent); ``fixed_device_bytes``
-is what the rest of training needs on the device (parameters, gradients,
-optimizer states, workspace, the activations outside the blocks). Times and
-bandwidths are finite numbers >= 0, byte counts integers from 0 to 2^64 - 1,
-``splittable`` a boolean; anything else is an error naming the field.
+bandwidths, budgets), runs it and prints the plan. The profile file it reads with ``--profile`` is described in tierflow/activations/profile.py.
 
 Errors
 ------
@@ -40,102 +19,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
 import sys
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from . import _C
+from .. import _C
+from .._config import resolve_config, set_explicitly
+from ..activations.profile import LINK_FIELDS, U64_MAX, profile_from_json
 
-PROFILE_FORMAT = "tierflow-profile"
-PROFILE_VERSION = 1
-BLOCK_FIELDS = ("forward_seconds", "backward_seconds", "input_bytes", "whole_bytes", "split_bytes",
-                "split_recompute_seconds", "cheap_bytes", "cheap_recompute_seconds", "splittable",
-                "transient_bytes")
-LINK_FIELDS = ("d2h", "h2d", "duplex", "nvme_write", "nvme_read")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 GB = 1e9  # link speeds are decimal, like the vendors'
 RATE_RANGE = (1e-6, 1e6)  # accepted --tflops, --pcie-gbps and --nvme-gbps: every predicted time stays finite
-U64_MAX = (1 << 64) - 1
-
-
-@dataclass
-class Profile:
-    """A recorded profile: the blocks, the links and the device bytes the rest of training needs."""
-
-    blocks: list  # of _C.BlockProfile
-    links: Any  # _C.Links
-    fixed_device_bytes: int
-
-
-def profile_to_json(blocks: Sequence[Any], links: Any, fixed_device_bytes: int) -> str:
-    """The profile file's text (see the module's doc). `blocks` are BlockProfiles or dicts of their fields."""
-    def block_dict(b: Any) -> dict:
-        if isinstance(b, dict):
-            return {k: b[k] for k in BLOCK_FIELDS if k in b}
-        return {k: getattr(b, k) for k in BLOCK_FIELDS}
-    link = links if isinstance(links, dict) else {k: getattr(links, k) for k in LINK_FIELDS}
-    return json.dumps({"format": PROFILE_FORMAT, "version": PROFILE_VERSION,
-                       "blocks": [block_dict(b) for b in blocks], "links": link,
-                       "fixed_device_bytes": int(fixed_device_bytes)}, indent=1)
-
-
-def _profile_value(where: str, name: str, value: Any) -> Any:
-    """A profile field checked for its kind: seconds and bandwidths, byte counts, or splittable."""
-    if name == "splittable":
-        ok, accepted = isinstance(value, bool), "true or false"
-    elif name.endswith("_bytes"):
-        ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= U64_MAX
-        accepted = "an integer from 0 to 2^64 - 1"
-    else:
-        ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-              and value >= 0)
-        accepted = "a finite number >= 0"
-    if not ok:
-        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
-        raise ValueError(f"profile: {where}{name} {shown} is not valid; accepted: {accepted}")
-    return value
-
-
-def profile_from_json(text: str) -> Profile:
-    """Parses a profile file's text; raises ValueError saying what is wrong (one line)."""
-    try:
-        data = json.loads(text)
-    except (ValueError, RecursionError) as e:  # JSONDecodeError, an integer of too many digits, deep nesting
-        raise ValueError(f"profile: not JSON ({e})") from None
-    if not isinstance(data, dict) or not isinstance(data.get("blocks"), list) or not data["blocks"]:
-        raise ValueError('profile: expected an object with a non-empty "blocks" list')
-    if data.get("format", PROFILE_FORMAT) != PROFILE_FORMAT or data.get("version", PROFILE_VERSION) != PROFILE_VERSION:
-        raise ValueError(f"profile: format {data.get('format')!r} version {data.get('version')!r} is not "
-                         f"{PROFILE_FORMAT!r} version {PROFILE_VERSION}")
-    most = _C.transformer_shape_limits()["layers"]
-    if len(data["blocks"]) > most:
-        raise ValueError(f"profile: {len(data['blocks'])} blocks is not valid; accepted: 1 to {most} blocks")
-    blocks = []
-    for i, b in enumerate(data["blocks"]):
-        if not isinstance(b, dict):
-            raise ValueError(f"profile: block {i} is not an object; accepted: an object of {list(BLOCK_FIELDS)}")
-        unknown = set(b) - set(BLOCK_FIELDS)
-        if unknown:
-            raise ValueError(f"profile: block {i} has unknown fields {sorted(unknown)}; known: {list(BLOCK_FIELDS)}")
-        blocks.append(_C.BlockProfile(**{k: _profile_value(f"block {i} ", k, v) for k, v in b.items()}))
-    links = data.get("links", {})
-    if not isinstance(links, dict):
-        raise ValueError(f"profile: links is not an object; accepted: an object of {list(LINK_FIELDS)}")
-    unknown = set(links) - set(LINK_FIELDS)
-    if unknown:
-        raise ValueError(f"profile: links has unknown fields {sorted(unknown)}; known: {list(LINK_FIELDS)}")
-    links = {k: _profile_value("links ", k, v) for k, v in links.items()}
-    fixed = _profile_value("", "fixed_device_bytes", data.get("fixed_device_bytes", 0))
-    return Profile(blocks, _C.Links(**links), fixed)
 
 
 # ---- measurements ----------------------------------------------------------------------------
 
 def _use_cuda() -> bool:
-    choice = _C.resolve_config({})["TIERFLOW_DEVICE"]
+    choice = resolve_config()["TIERFLOW_DEVICE"]
     if choice == "cuda" and not _C.cuda_available():  # as the runtime says it (bindings/src/runtime.cpp)
         why = ("no CUDA GPU is usable on this machine" if _C.cuda_compiled()
                else "tierflow was built without the CUDA backend")
@@ -165,11 +65,11 @@ def measure_flops(cuda: bool) -> float:
 
 def measure_links(cuda: bool) -> Any:
     """Device<->host bandwidths through tierflow's copy engine: the probe ``auto`` runs at its profiling step
-    (_autoplan.measure_links), on a runtime of the environment's settings with the activation and optimizer
+    (tierflow._links.measure_links), on a runtime of the environment's settings with the activation and optimizer
     tiers off (no pinned states, no swap files)."""
     import torch
 
-    from ._autoplan import measure_links as engine_links
+    from .._links import measure_links as engine_links
 
     runtime = _C.Runtime({"TIERFLOW_OFFLOAD_ACTIVATIONS": "none", "TIERFLOW_OFFLOAD_OPTIMIZER": "none",
                           "TIERFLOW_NVME_PATHS": ""})
@@ -291,7 +191,7 @@ def plan_command(argv: Sequence[str]) -> int:
 
 
 def _plan(args: argparse.Namespace) -> str:
-    config = _C.resolve_config({})
+    config = resolve_config()
     cuda = _use_cuda()
     shape_args = ("layers", "hidden", "heads", "seq", "batch")
     given = [a for a in shape_args if getattr(args, a) is not None]
@@ -346,15 +246,7 @@ def _plan(args: argparse.Namespace) -> str:
         fixed = state.device + head_bytes
 
     # Budgets.
-    device_capacity = _C.device_capacity_bytes(cuda)
-    if args.gpu_memory is not None:
-        device_bytes = _size(args.gpu_memory, device_capacity, "--gpu-memory", "TIERFLOW_GPU_MEMORY")
-        device_from = "--gpu-memory"
-    elif "TIERFLOW_GPU_MEMORY" in os.environ:  # set: its value, as resolve_config validated it
-        device_bytes = _C.parse_budget(config["TIERFLOW_GPU_MEMORY"], device_capacity)
-        device_from = "TIERFLOW_GPU_MEMORY"
-    else:
-        device_bytes, device_from = device_capacity, f"the {device_name} device's total memory"
+    device_bytes, device_from = _device_budget(args, config, cuda, device_name)
     host_capacity = _C.host_capacity_bytes()
     host_text = config["TIERFLOW_HOST_MEMORY"] if args.host_memory is None else args.host_memory
     host_from = "--host-memory" if args.host_memory is not None else "TIERFLOW_HOST_MEMORY"
@@ -392,6 +284,16 @@ def _plan(args: argparse.Namespace) -> str:
         return json.dumps(_plan_json(plan, budgets, links, flops, measured, state, head_bytes, optimizer, args))
     return _plan_text(plan, budgets, links, flops, measured, state, head_bytes, optimizer, args, device_from,
                       device_name)
+
+
+def _device_budget(args: argparse.Namespace, config: dict, cuda: bool, device_name: str) -> tuple:
+    """(device bytes the plan may use, where that number came from)."""
+    device_capacity = _C.device_capacity_bytes(cuda)
+    if args.gpu_memory is not None:
+        return _size(args.gpu_memory, device_capacity, "--gpu-memory", "TIERFLOW_GPU_MEMORY"), "--gpu-memory"
+    if set_explicitly("TIERFLOW_GPU_MEMORY"):  # set: its value, as resolve_config validated it
+        return _C.parse_budget(config["TIERFLOW_GPU_MEMORY"], device_capacity), "TIERFLOW_GPU_MEMORY"
+    return device_capacity, f"the {device_name} device's total memory"
 
 
 def _plan_json(plan, budgets, links, flops, measured, state, head_bytes, optimizer, args) -> dict:

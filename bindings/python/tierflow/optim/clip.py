@@ -49,21 +49,22 @@ from typing import Any
 
 import torch
 
-_watching: "weakref.WeakSet" = weakref.WeakSet()  # CPUAdamW instances whose stream sees the user's clip
+_watching: "weakref.WeakSet" = weakref.WeakSet()  # GradientStreaming objects that see the user's clip
 _torch_clip = None  # torch's clip_grad_norm_, once replaced
 
 
-def watch(optimizer: Any) -> None:
-    """The user's clip_grad_norm_ calls are shown to ``optimizer._stream`` from now on, while it lives."""
+def watch(streaming: Any) -> None:
+    """The user's clip_grad_norm_ calls are shown to ``streaming.stream`` (a CPUAdamW's GradientStreaming,
+    which lives as long as its optimizer) from now on, while it lives."""
     global _torch_clip
-    _watching.add(optimizer)
+    _watching.add(streaming)
     if _torch_clip is not None:
         return
     _torch_clip = torch.nn.utils.clip_grad_norm_
 
     @functools.wraps(_torch_clip)
     def clip_grad_norm_(parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> torch.Tensor:
-        streams = [o._stream for o in list(_watching) if getattr(o, "_stream", None) is not None]
+        streams = [s.stream for s in list(_watching)]
         if not streams:
             return _torch_clip(parameters, max_norm, *args, **kwargs)
         if isinstance(parameters, torch.Tensor):

@@ -1,0 +1,5 @@
+"""Saved activations: the per-block plans and their mechanism (Note [Activation plans] in runner.py).
+
+blocks.py finds a model's repeated blocks; table.py records what a block's forward saves; runner.py carries a
+block's plan out (keep, swap, split, recompute); autoplan.py measures the blocks and links, asks the C++ planner
+and applies its plan; profile.py is the profile file; meter.py measures what a forward saves."""

@@ -1,0 +1,83 @@
+"""What CPUAdamW moves between the runtime's device and pinned host memory.
+
+Note [Optimizer copies]
+~~~~~~~~~~~~~~~~~~~~~~~
+Every gradient, parameter and master that moves between the runtime's device
+and the host goes through tierflow's copy engine, on CUDA and on the emulated
+device alike, so the adversarial emulated device checks this path too
+(Note [Copy ordering] in swap/include/tierflow/swap/copy_engine.hpp):
+- a gradient is copied to pinned memory after the work queued on the current
+  stream: in a post-accumulate-grad hook (C++ for device parameters: its slice
+  of a bucket) that is the stream backward produced it on; the CPU step waits
+  for the copy before it reads the gradient, and the device gradient is kept
+  referenced until then (with TIERFLOW_OFFLOAD_GRADIENTS=on p.grad is None at
+  once and that reference, the last, goes right then: Note [Gradient
+  streaming]);
+- an updated parameter goes back from pinned staging after the work queued on
+  the current stream (kernels still reading the old value), the stream waits
+  for it before its next kernel, and step() waits for every upload before the
+  staging returns to the pool.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _C
+
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+class DeviceCopies:
+    """The optimizer's copies through the runtime's copy engine, and the uploads not yet waited for."""
+
+    def __init__(self, runtime: "_C.Runtime") -> None:
+        self._runtime = runtime
+        self._pending_uploads: list = []  # (transfer, staging) of parameters on their way to the device
+
+    def host(self, like: torch.Tensor, zero: bool) -> torch.Tensor:
+        """A pinned fp32 tensor of ``like``'s shape (zeroed when ``zero``)."""
+        return self._runtime.host_empty(list(like.shape), "float32", zero)
+
+    def staging(self, p: torch.Tensor, flat: bool = False) -> torch.Tensor:
+        """A pinned tensor of p's dtype and shape (one dimension when ``flat``) for its new value."""
+        return self._runtime.host_empty([p.numel()] if flat else list(p.shape), DTYPE_NAMES[p.dtype], False)
+
+    def staged(self, t: torch.Tensor) -> bool:
+        """True when ``t`` is on the runtime's device and moves through the copy engine."""
+        return self._runtime.on_device(t)
+
+    def fetch(self, t: torch.Tensor) -> tuple:
+        """Starts a copy of device tensor ``t`` into pinned memory: (host tensor, transfer, source).
+
+        The host tensor has t's dtype and shape; wait on the transfer before
+        reading it, and keep the source referenced until then.
+        """
+        src = t.detach()
+        if not src.is_contiguous():
+            src = src.contiguous()  # on the current stream, so the copy is ordered after it
+        host = self._runtime.host_empty(list(src.shape), DTYPE_NAMES[src.dtype], False)
+        return host, self._runtime.copy_to_host(host, src), src
+
+    def read_into(self, dst: torch.Tensor, t: torch.Tensor) -> None:
+        """dst (a host tensor) <- t, converting the dtype on the host."""
+        if self.staged(t):
+            host, transfer, _src = self.fetch(t)
+            transfer.wait()
+            dst.copy_(host.view(dst.shape))
+        else:
+            dst.copy_(t.detach())
+
+    def write_param(self, p: torch.Tensor, host: torch.Tensor) -> None:
+        """p <- host (pinned, p's dtype): through the copy engine for a device parameter."""
+        if self.staged(p) and p.is_contiguous():
+            transfer = self._runtime.copy_to_device(p.detach(), host.view(p.shape))
+            self._pending_uploads.append((transfer, host))
+        else:
+            p.detach().copy_(host.view(p.shape))
+
+    def finish_uploads(self) -> None:
+        """Waits for every parameter upload; only then may their staging return to the pool."""
+        uploads, self._pending_uploads = self._pending_uploads, []
+        for transfer, _host in uploads:
+            transfer.wait()

@@ -1,0 +1,288 @@
+"""The CPU AdamW's states as they sit on a tier: the space they need, checked at
+wrap, and, with states on NVMe, their step, their reads and writes, and what a
+step that fails part way leaves. CPUAdamW owns one StateTier and hands it its
+param groups and the state of the parameters a call is about.
+
+Note [NVMe optimizer faults]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+With states on NVMe (TIERFLOW_OFFLOAD_OPTIMIZER=nvme) a step can fail for
+some parameters and not others: a failed write or a full disk keeps that
+parameter's previous state and weight (Note [Optimizer states on NVMe]); a
+state that cannot be read back (a checksum mismatch: the data on disk is
+corrupt) is lost. step() steps every other parameter, counts a step only for
+those that stepped, and raises an error that names the ones that did not.
+Each parameter that stepped remembers the gradient it stepped with (the same
+tensor at the same version) and its step count after it; a step() that finds
+both unchanged skips it. So a retry after the fault is gone (space freed)
+steps every parameter exactly once, and the weights are those of a run that
+never failed. A new backward, zero_grad() or a loaded state with another step
+count makes the next step() a new step for everyone.
+
+Space and memory are checked when the optimizer is made (at wrap): the host
+pool must hold what the states need (TIERFLOW_HOST_MEMORY), and with states
+on NVMe the swap files are grown for every state and a step's new state
+(Note [NVMe space] in swap/include/tierflow/swap/nvme_engine.hpp), so too
+little of either is an error there, naming the need, the budget or free space
+and the variable, not in the middle of the first step.
+
+A lost state is marked in state_dict(): its entry is ``{"step": <last good
+step>, LOST_STATE: "<what happened>"}`` with no moments, so a checkpoint
+still saves every intact state. load_state_dict() refuses a state dict with
+such an entry, naming the parameters;
+``CPUAdamW.fill_lost_states(state_dict, earlier)`` takes their entries from an
+earlier checkpoint (a lost parameter did not step after its last good state,
+so its weight still matches it).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import torch
+
+from .. import _C
+from .accepted import check_grad
+from .copies import DeviceCopies
+
+#: The key that marks a state lost to NVMe corruption in state_dict() (Note [NVMe optimizer faults]).
+LOST_STATE = "tierflow_state_lost"
+
+
+def _fmt_bytes(n: int) -> str:
+    """As format_bytes in C++: 1.50 GiB, 512.00 KiB, 17 B."""
+    if n < 1024:
+        return f"{n} B"
+    v, unit = float(n), "B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        v /= 1024.0
+        if v < 1024.0:
+            break
+    return f"{v:.2f} {unit}"
+
+
+def state_bytes(p: torch.Tensor, group: dict) -> int:
+    """The fp32 state of one parameter: master, exp_avg, exp_avg_sq (and max_exp_avg_sq with amsgrad)."""
+    return p.numel() * 4 * (4 if group["amsgrad"] else 3)
+
+
+class StateTier:
+    """Where CPUAdamW's states sit, the host pool or NVMe (TIERFLOW_OFFLOAD_OPTIMIZER): space checks, the
+    NVMe states' step and I/O, and their faults (Note [NVMe optimizer faults])."""
+
+    def __init__(self, runtime: "_C.Runtime", cfg: Mapping[str, str], names: dict) -> None:
+        self._runtime = runtime
+        self._host_memory = cfg.get("TIERFLOW_HOST_MEMORY")
+        self.nvme = cfg["TIERFLOW_OFFLOAD_OPTIMIZER"] == "nvme"
+        self._names = names  # id(param) -> its name in the model, for error messages
+        self._reserved: set = set()  # ids of parameters whose NVMe state space is reserved
+        # Note [NVMe optimizer faults]: param -> (gradient, its version, step count after) of a step taken.
+        self._done: dict = {}
+
+    def new_window(self) -> None:
+        """A new backward or zero_grad(): the next step() is a step for every parameter."""
+        self._done.clear()
+
+    # -- space and faults (Note [NVMe optimizer faults]) --------------------------
+    def describe(self, p: torch.Tensor, param_groups: list) -> str:
+        """A parameter as a user knows it: its name in the model, else its group and index; and its shape."""
+        name = self._names.get(id(p))
+        if name is None:
+            for gi, group in enumerate(param_groups):
+                for j, q in enumerate(group["params"]):
+                    if q is p:
+                        name = f"param group {gi} index {j}"
+        return f"'{name}' {list(p.shape)}"
+
+    def check_space(self, param_groups: list, gpu_share: set) -> None:
+        """What the states need, checked when the optimizer is made rather than in its first step:
+        the pinned host pool must hold the states (host tier) or the two buffers they stream through
+        (NVMe tier), and NVMe space for them is reserved now. ``gpu_share``: ids of parameters that
+        step on the GPU (their states are not here)."""
+        todo = [(p, g) for g in param_groups for p in g["params"] if p.requires_grad and id(p) not in gpu_share]
+        if not todo:
+            return
+        sizes = [state_bytes(p, g) for p, g in todo]
+        page = 4096  # the pool's blocks are whole pages (Note [Pinned host pool])
+        rounded = lambda n: -(-n // page) * page  # noqa: E731
+        if self.nvme:
+            need = 2 * rounded(max(sizes))
+            what = (f"two buffers of the largest parameter's state ({_fmt_bytes(max(sizes))}) that the states "
+                    "stream through from NVMe")
+        else:
+            need = sum(rounded(b) for b in sizes)
+            tensors = "master, exp_avg, exp_avg_sq" + (", max_exp_avg_sq" if any(g["amsgrad"] for _, g in todo) else "")
+            what = (f"the states of {len(todo)} parameters ({sum(p.numel() for p, _ in todo)} elements, fp32 "
+                    f"{tensors})")
+        budget = int(self._runtime.stats()["host_pool"]["budget_bytes"])
+        if need > budget:
+            raise _C.OutOfMemoryError(
+                f"tierflow: the optimizer needs {_fmt_bytes(need)} of pinned host memory for {what}, more than "
+                f"the pinned pool's budget of {_fmt_bytes(budget)} (TIERFLOW_HOST_MEMORY="
+                f"{self._host_memory}); raise TIERFLOW_HOST_MEMORY"
+                + ("" if self.nvme else " or put the states on NVMe (TIERFLOW_OFFLOAD_OPTIMIZER=nvme)"))
+        if self.nvme:
+            self.reserve(todo)
+
+    def reserve(self, todo: list) -> None:
+        """Grows the swap files for these (param, group) states now (Note [NVMe space]); raises naming the
+        need and the free space, and then reserves nothing."""
+        todo = [(p, g) for p, g in todo if id(p) not in self._reserved]
+        if todo:
+            self._runtime.nvme_adam_reserve([state_bytes(p, g) for p, g in todo])
+            self._reserved.update(id(p) for p, _ in todo)
+
+    def stepped_already(self, p: torch.Tensor, state: Any) -> bool:
+        """True when p (whose state is ``state``, or None) stepped with this very gradient in a step() that then
+        failed for others (Note [NVMe optimizer faults]): a retry must not step it twice."""
+        done = self._done.get(p)
+        return (done is not None and p.grad is done[0] and p.grad._version == done[1] and state is not None
+                and "step" in state and float(state["step"]) == done[2])
+
+    def step_error(self, problems: list, param_groups: list) -> Exception:
+        """One error for the parameters a step() could not step: [(param, lost?, reason)]."""
+        lost = [p for p, is_lost, _ in problems if is_lost]
+        kept = [p for p, is_lost, _ in problems if not is_lost]
+        describe = lambda p: self.describe(p, param_groups)  # noqa: E731
+        parts = []
+        if lost:
+            parts.append(
+                f"the state of {len(lost)} parameter(s) could not be read back and is lost: "
+                f"{', '.join(describe(p) for p in lost)}; opt.state_dict() still saves every intact state "
+                f"(the lost ones marked '{LOST_STATE}'): restore these from your last good checkpoint "
+                "(tierflow.CPUAdamW.fill_lost_states)")
+        if kept:
+            parts.append(
+                f"the new state of {len(kept)} parameter(s) could not be written: "
+                f"{', '.join(describe(p) for p in kept[:8])}{' ...' if len(kept) > 8 else ''}; their "
+                "previous state and weights are kept, and a retry of step() steps only them")
+        first = next((reason for p, is_lost, reason in problems if is_lost), problems[0][2])
+        return _C.IOError("NVMe optimizer step: " + "; ".join(parts) + ". The other parameters stepped. "
+                          f"First error: {first}")
+
+    # -- states on NVMe ------------------------------------------------------------
+    def add(self, p: torch.Tensor, group: dict) -> dict:
+        """A fresh NVMe state for p (its master from p), as the entries of its state dict."""
+        master = p.detach().reshape(-1).to("cpu", torch.float32).contiguous()
+        return {"nvme_key": self._runtime.nvme_adam_add(master, bool(group["amsgrad"])),
+                "amsgrad": bool(group["amsgrad"])}
+
+    def to_nvme(self, p: torch.Tensor, state: dict, group: dict) -> None:
+        """Moves a parameter's state tensors into the NVMe store (in place of the tensors)."""
+        amsgrad = bool(group["amsgrad"])
+        flat = lambda t: t.detach().reshape(-1).to(torch.float32).contiguous()  # noqa: E731
+        master = flat(state.pop("master"))
+        m, v = flat(state.pop("exp_avg")), flat(state.pop("exp_avg_sq"))
+        vmax = flat(state.pop("max_exp_avg_sq")) if amsgrad and "max_exp_avg_sq" in state else (
+            torch.zeros_like(master) if amsgrad else None)
+        state.pop("max_exp_avg_sq", None)
+        if "nvme_key" not in state:
+            state["nvme_key"] = self._runtime.nvme_adam_add(master, amsgrad)
+        self._runtime.nvme_adam_write(state["nvme_key"], master, m, v, vmax)
+        state["amsgrad"] = amsgrad
+
+    def materialize(self, p: torch.Tensor, state: dict) -> dict:
+        """A parameter's NVMe-resident state as CPU tensors, in torch's layout."""
+        if "nvme_key" not in state:
+            return state
+        n = p.numel()
+        master, m, v = (torch.empty(n, dtype=torch.float32) for _ in range(3))
+        vmax = torch.empty(n, dtype=torch.float32) if state.get("amsgrad") else None
+        self._runtime.nvme_adam_read(state["nvme_key"], master, m, v, vmax)
+        out = {"step": state["step"], "exp_avg": m.view(p.shape), "exp_avg_sq": v.view(p.shape),
+               "master": master.view(p.shape)}
+        if vmax is not None:
+            out["max_exp_avg_sq"] = vmax.view(p.shape)
+        return out
+
+    def materialize_or_mark(self, p: torch.Tensor, state: dict, param_groups: list) -> dict:
+        """materialize, or for a state that cannot be read back the lost marker (Note [NVMe optimizer faults])."""
+        try:
+            return self.materialize(p, state)
+        except _C.IOError as e:
+            return {"step": state["step"], LOST_STATE: f"the NVMe state of {self.describe(p, param_groups)} is lost: {e}"}
+
+    # -- the step ------------------------------------------------------------------
+    def step_group(self, group: dict, options: dict, state: Any, gpu_share: set, copies: DeviceCopies,
+                   init_state: Callable[[torch.Tensor, dict], dict], master_stale: bool) -> list:
+        """States on NVMe: one pipelined pass per step number (Note [Optimizer states on NVMe]).
+
+        ``state``: the optimizer's state; ``init_state(p, group)`` makes a parameter's first state;
+        ``master_stale``: masters are read again from the parameters. Returns the parameters it could not
+        step, [(param, lost?, reason)] (Note [NVMe optimizer faults]); every other parameter with a gradient
+        stepped, exactly once per gradient."""
+        problems: list = []
+        todo = [p for p in group["params"]
+                if p.grad is not None and id(p) not in gpu_share and not self.stepped_already(p, state.get(p))]
+        # A group added after the optimizer was made reserves its space at its first step.
+        fresh = [(p, group) for p in todo if id(p) not in self._reserved and len(state.get(p, {})) == 0]
+        if fresh:
+            try:
+                self.reserve(fresh)
+            except (_C.IOError, _C.OutOfMemoryError) as e:
+                problems += [(p, False, str(e)) for p, _ in fresh]
+                unreserved = {id(p) for p, _ in fresh}
+                todo = [p for p in todo if id(p) not in unreserved]
+        buckets: dict[int, list] = {}
+        for p in todo:
+            grad = p.grad.detach()
+            check_grad(grad)
+            s = state[p]
+            if len(s) == 0:
+                try:
+                    s = init_state(p, group)
+                except (_C.IOError, _C.OutOfMemoryError) as e:
+                    problems.append((p, False, str(e)))  # no state made: the next step() starts it again
+                    continue
+            elif master_stale:
+                full = self.materialize(p, s)
+                copies.read_into(full["master"], p)
+                s.update({k: v for k, v in full.items() if k != "step"})
+                self.to_nvme(p, s, group)
+            if copies.staged(grad):
+                host_grad, transfer, _src = copies.fetch(grad)
+                transfer.wait()
+                grad = host_grad.reshape(-1)
+            else:
+                grad = grad.reshape(-1)
+                if grad.device.type != "cpu" or not grad.is_contiguous():
+                    grad = grad.to("cpu").contiguous()
+            if p.device.type == "cpu" and p.is_contiguous() and not copies.staged(p):
+                out, copy = p.detach().reshape(-1), False
+            else:
+                out, copy = copies.staging(p, flat=True), True
+            b = buckets.setdefault(int(s["step"].item()) + 1, [[], [], [], []])
+            b[0].append(s["nvme_key"])
+            b[1].append(grad)
+            b[2].append(out)
+            b[3].append((p, s, copy))
+        for step, (keys, grads, outs, members) in buckets.items():
+            failed, first_error, lost = self._runtime.nvme_adam_step(options, step, keys, grads, outs)
+            failed, lost = set(failed), set(lost)
+            for i, (p, s, copy) in enumerate(members):
+                if i in failed:  # kept its previous state and weight (or lost its state): nothing to copy
+                    problems.append((p, i in lost, first_error))
+                    continue
+                s["step"] += 1
+                self._done[p] = (p.grad, p.grad._version, float(s["step"]))
+                if copy:
+                    copies.write_param(p, outs[i].view(p.shape))
+        return problems
+
+
+def fill_lost_states(state_dict: dict, earlier: dict) -> dict:
+    """A copy of ``state_dict`` whose states marked lost (Note [NVMe optimizer faults]) are taken from
+    ``earlier``, an older checkpoint's optimizer state dict; raises naming any it cannot fill."""
+    out = dict(state_dict)
+    out["state"] = dict(state_dict["state"])
+    missing = []
+    for k, s in state_dict["state"].items():
+        if LOST_STATE in s:
+            old = earlier.get("state", {}).get(k)
+            if old is None or LOST_STATE in old:
+                missing.append(k)
+            else:
+                out["state"][k] = old
+    if missing:
+        raise _C.TierflowError(f"tierflow CPUAdamW.fill_lost_states: the earlier state dict has no intact state "
+                               f"for parameter(s) {missing}")
+    return out
