@@ -83,7 +83,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bindings", "python"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpt_model import GPT, GPTConfig, lm_loss, parameter_count  # noqa: E402
-from gpu_offload_report import (EMULATED_PEAK_NOTE, GiB, _TIERFLOW_IMPORT_ERROR, _median, fmt_bytes,  # noqa: E402
+from gpu_offload_report import (EMULATED_PEAK_NOTE, GiB, _TIERFLOW_IMPORT_ERROR, _median,  # noqa: E402
                                 loss_agreement, print_table, stream_summary, tierflow_summary,
                                 write_json_atomic)
 
@@ -193,126 +193,34 @@ def time_cpu_step_kernel(runtime: Any, opt: torch.optim.Optimizer, repeats: int)
             "cpu_step_kernel_grad_dtype": str(grads[0].dtype).replace("torch.", "")}
 
 
-def _train(mode: str, cfg: dict, result: dict) -> None:
-    device = torch.device(cfg["device"])
+def tierflow_settings(mode: str, cfg: dict, cuda: bool) -> dict:
+    """tierflow.wrap's keyword arguments for a tierflow mode and the command line's settings."""
+    import tierflow
+
+    settings: dict[str, Any] = dict(TIERFLOW_MODES[mode])
+    for key in ("min_offload_bytes", "host_memory", "prefetch_bytes"):
+        if cfg.get(key) is not None:
+            settings[key] = cfg[key]
+    if mode in CPU_OPTIMIZER_MODES and cfg.get("grad_bucket_bytes") is not None:
+        settings["grad_bucket_bytes"] = cfg["grad_bucket_bytes"]
+    if mode in CPU_OPTIMIZER_MODES:
+        settings["offload_gradients"] = cfg["offload_gradients"]
+        if cfg.get("max_grad_norm") is not None:  # clipped inside step(), from the streamed norms
+            settings["max_grad_norm"] = str(cfg["max_grad_norm"])
+    if mode == "tierflow-nvme":
+        settings.update(nvme_paths=[cfg["nvme_path"]], nvme_memory=cfg["nvme_memory"])
+    if mode == "tierflow-auto" and cfg.get("auto_gpu_memory"):
+        settings["gpu_memory"] = str(cfg["auto_gpu_memory"])
+    known = {row["name"] for row in tierflow.config_table()}
+    if not cuda and "TIERFLOW_DEVICE" in known:
+        settings["device"] = "emulated"  # a CPU model on a machine that also has a GPU
+    return settings
+
+
+def finish_result(mode: str, cfg: dict, result: dict, phases: dict, device: torch.device, session: Any,
+                  before: dict, opt: Any, batches: list, forward: Any) -> None:
+    """The medians, peaks and tierflow's report of a mode's run, into `result`."""
     cuda = device.type == "cuda"
-    dtype = DTYPES[cfg["dtype"]]
-    gcfg = GPTConfig(n_layer=cfg["n_layer"], d_model=cfg["d_model"], n_head=cfg["n_head"], seq_len=cfg["seq_len"],
-                     vocab_size=cfg["vocab_size"], tie_head=cfg["tie_head"])
-    result["device_name"] = torch.cuda.get_device_name(device) if cuda else "emulated"
-
-    t_setup = time.perf_counter()
-    torch.manual_seed(cfg["seed"])  # initial weights: the same in every mode (and on the same device kind)
-    with torch.device(device):
-        model = GPT(gcfg)
-    model.to(dtype)
-    if cuda:
-        torch.cuda.empty_cache()  # the fp32 weights before the cast
-    result["parameters"] = sum(p.numel() for p in model.parameters())
-    model.checkpoint_blocks = mode == "checkpoint"
-
-    if mode in AUTO_MODES and cfg["warmup"] < 3:
-        raise ValueError(f"{mode} profiles two steps and plans before the third: it needs --warmup 3 or more")
-    total = cfg["warmup"] + cfg["steps"]
-    gen = torch.Generator().manual_seed(cfg["seed"] + 1)  # data: the same in every mode
-    batches = []
-    for _ in range(total):
-        tokens = torch.randint(0, gcfg.vocab_size, (cfg["batch"], gcfg.seq_len + 1), generator=gen)
-        batches.append((tokens[:, :-1].contiguous().to(device), tokens[:, 1:].contiguous().to(device)))
-
-    engine = deepspeed_engine(model, cfg, cuda) if mode == "deepspeed-offload" else None
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"]) if engine is None else engine.optimizer
-    session = None
-    if mode in TIERFLOW_MODES:
-        import tierflow
-
-        settings: dict[str, Any] = dict(TIERFLOW_MODES[mode])
-        for key in ("min_offload_bytes", "host_memory", "prefetch_bytes"):
-            if cfg.get(key) is not None:
-                settings[key] = cfg[key]
-        if mode in CPU_OPTIMIZER_MODES and cfg.get("grad_bucket_bytes") is not None:
-            settings["grad_bucket_bytes"] = cfg["grad_bucket_bytes"]
-        if mode in CPU_OPTIMIZER_MODES:
-            settings["offload_gradients"] = cfg["offload_gradients"]
-            if cfg.get("max_grad_norm") is not None:  # clipped inside step(), from the streamed norms
-                settings["max_grad_norm"] = str(cfg["max_grad_norm"])
-        if mode == "tierflow-nvme":
-            settings.update(nvme_paths=[cfg["nvme_path"]], nvme_memory=cfg["nvme_memory"])
-        if mode == "tierflow-auto" and cfg.get("auto_gpu_memory"):
-            settings["gpu_memory"] = str(cfg["auto_gpu_memory"])
-        known = {row["name"] for row in tierflow.config_table()}
-        if not cuda and "TIERFLOW_DEVICE" in known:
-            settings["device"] = "emulated"  # a CPU model on a machine that also has a GPU
-        model, opt = tierflow.wrap(model, opt, **settings)
-        session = model._tierflow_session
-        result["tierflow_settings"] = settings
-    result["optimizer"] = f"{type(opt).__module__}.{type(opt).__name__}"
-    result["setup_seconds"] = time.perf_counter() - t_setup
-
-    def forward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        if mode == "save_on_cpu":
-            with torch.autograd.graph.save_on_cpu(pin_memory=True):
-                return lm_loss(model(x), y)
-        if engine is not None:
-            return lm_loss(engine(x), y)
-        return lm_loss(model(x), y)
-
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize(device)
-
-    phases: dict[str, list[float]] = {"step": [], "forward": [], "backward": [], "optimizer": []}
-    losses = result["losses"]
-    before: dict = {}
-    for i in range(total):
-        if i == cfg["warmup"]:
-            sync()
-            if cuda:
-                torch.cuda.reset_peak_memory_stats(device)
-                result["device_allocated_before_measured_bytes"] = torch.cuda.memory_allocated(device)
-            if session is not None:
-                session.runtime.reset_peaks()
-                before = json.loads(json.dumps(session.report()))
-        x, y = batches[i]
-        sync()
-        if cuda:
-            events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
-        t0 = time.perf_counter()
-        if cuda:
-            events[0].record()
-        loss = forward(x, y)
-        if cuda:
-            events[1].record()
-        t1 = time.perf_counter()
-        if engine is not None:
-            engine.backward(loss)
-        else:
-            loss.backward()
-        if cuda:
-            events[2].record()
-        t2 = time.perf_counter()
-        if engine is not None:
-            engine.step()  # and zeroes the gradients (and clips, with gradient_clipping)
-        else:
-            if cfg.get("max_grad_norm") is not None and mode not in CPU_OPTIMIZER_MODES:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["max_grad_norm"])
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        if cuda:
-            events[3].record()
-        t3 = time.perf_counter()
-        sync()
-        t4 = time.perf_counter()
-        if cuda:
-            fwd, bwd, step = (events[k].elapsed_time(events[k + 1]) / 1e3 for k in range(3))
-        else:
-            fwd, bwd, step = t1 - t0, t2 - t1, t3 - t2
-        for name, value in (("step", t4 - t0), ("forward", fwd), ("backward", bwd), ("optimizer", step)):
-            phases[name].append(value)
-        losses.append(float(loss.detach()))
-        if not math.isfinite(losses[-1]):
-            raise FloatingPointError(f"loss {losses[-1]} at step {i}")
-
     measured = slice(cfg["warmup"], None)
     for name, values in phases.items():
         result[f"{name}_seconds"] = _median(values[measured])
@@ -358,6 +266,124 @@ def _train(mode: str, cfg: dict, result: dict) -> None:
         result["saved_activations_device_peak_bytes"] = meter.peak_bytes
     else:
         result["saved_activations_device_peak_bytes"] = None
+
+
+def model_and_batches(mode: str, cfg: dict, device: torch.device, result: dict) -> tuple:
+    """The mode's GPT (the same seeded weights in every mode) and its warm-up and measured batches."""
+    cuda = device.type == "cuda"
+    dtype = DTYPES[cfg["dtype"]]
+    gcfg = GPTConfig(n_layer=cfg["n_layer"], d_model=cfg["d_model"], n_head=cfg["n_head"], seq_len=cfg["seq_len"],
+                     vocab_size=cfg["vocab_size"], tie_head=cfg["tie_head"])
+    torch.manual_seed(cfg["seed"])  # initial weights: the same in every mode (and on the same device kind)
+    with torch.device(device):
+        model = GPT(gcfg)
+    model.to(dtype)
+    if cuda:
+        torch.cuda.empty_cache()  # the fp32 weights before the cast
+    result["parameters"] = sum(p.numel() for p in model.parameters())
+    model.checkpoint_blocks = mode == "checkpoint"
+
+    if mode in AUTO_MODES and cfg["warmup"] < 3:
+        raise ValueError(f"{mode} profiles two steps and plans before the third: it needs --warmup 3 or more")
+    total = cfg["warmup"] + cfg["steps"]
+    gen = torch.Generator().manual_seed(cfg["seed"] + 1)  # data: the same in every mode
+    batches = []
+    for _ in range(total):
+        tokens = torch.randint(0, gcfg.vocab_size, (cfg["batch"], gcfg.seq_len + 1), generator=gen)
+        batches.append((tokens[:, :-1].contiguous().to(device), tokens[:, 1:].contiguous().to(device)))
+    return model, batches
+
+
+def _train(mode: str, cfg: dict, result: dict) -> None:
+    device = torch.device(cfg["device"])
+    cuda = device.type == "cuda"
+    result["device_name"] = torch.cuda.get_device_name(device) if cuda else "emulated"
+    t_setup = time.perf_counter()
+    model, batches = model_and_batches(mode, cfg, device, result)
+    total = len(batches)
+    engine = deepspeed_engine(model, cfg, cuda) if mode == "deepspeed-offload" else None
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"]) if engine is None else engine.optimizer
+    session = None
+    if mode in TIERFLOW_MODES:
+        import tierflow
+
+        settings = tierflow_settings(mode, cfg, cuda)
+        model, opt = tierflow.wrap(model, opt, **settings)
+        session = model._tierflow_session
+        result["tierflow_settings"] = settings
+    result["optimizer"] = f"{type(opt).__module__}.{type(opt).__name__}"
+    result["setup_seconds"] = time.perf_counter() - t_setup
+
+    def forward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if mode == "save_on_cpu":
+            with torch.autograd.graph.save_on_cpu(pin_memory=True):
+                return lm_loss(model(x), y)
+        if engine is not None:
+            return lm_loss(engine(x), y)
+        return lm_loss(model(x), y)
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    def timed_step(x: torch.Tensor, y: torch.Tensor) -> tuple:
+        """One step: its loss and (step, forward, backward, optimizer) seconds (CUDA events on CUDA)."""
+        sync()
+        if cuda:
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        t0 = time.perf_counter()
+        if cuda:
+            events[0].record()
+        loss = forward(x, y)
+        if cuda:
+            events[1].record()
+        t1 = time.perf_counter()
+        if engine is not None:
+            engine.backward(loss)
+        else:
+            loss.backward()
+        if cuda:
+            events[2].record()
+        t2 = time.perf_counter()
+        if engine is not None:
+            engine.step()  # and zeroes the gradients (and clips, with gradient_clipping)
+        else:
+            if cfg.get("max_grad_norm") is not None and mode not in CPU_OPTIMIZER_MODES:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["max_grad_norm"])
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if cuda:
+            events[3].record()
+        t3 = time.perf_counter()
+        sync()
+        t4 = time.perf_counter()
+        if cuda:
+            fwd, bwd, step = (events[k].elapsed_time(events[k + 1]) / 1e3 for k in range(3))
+        else:
+            fwd, bwd, step = t1 - t0, t2 - t1, t3 - t2
+        return loss, (t4 - t0, fwd, bwd, step)
+
+    phases: dict[str, list[float]] = {"step": [], "forward": [], "backward": [], "optimizer": []}
+    losses = result["losses"]
+    before: dict = {}
+    for i in range(total):
+        if i == cfg["warmup"]:
+            sync()
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
+                result["device_allocated_before_measured_bytes"] = torch.cuda.memory_allocated(device)
+            if session is not None:
+                session.runtime.reset_peaks()
+                before = json.loads(json.dumps(session.report()))
+        x, y = batches[i]
+        loss, (t4_t0, fwd, bwd, step) = timed_step(x, y)
+        for name, value in (("step", t4_t0), ("forward", fwd), ("backward", bwd), ("optimizer", step)):
+            phases[name].append(value)
+        losses.append(float(loss.detach()))
+        if not math.isfinite(losses[-1]):
+            raise FloatingPointError(f"loss {losses[-1]} at step {i}")
+
+    finish_result(mode, cfg, result, phases, device, session, before, opt, batches, forward)
 
 
 def worker_main(mode: str, cfg: dict, out_path: str) -> int:

@@ -139,90 +139,104 @@ bool CpuAdamW::step_group(torch::optim::OptimizerParamGroup& group, std::size_t 
     by_step[taken + 1].push_back(p);
   }
 
-  for (auto& [step, params] : by_step) {
-    const std::size_t n = params.size();
-    // Gradients and updated values cross between the device and the host
-    // through the copy engine (Note [Copy ordering]); CPU tensors are used as they are.
-    std::vector<at::Tensor> grads(n), params_out(n), staged_out(n);
-    std::vector<swap::TransferHandle> grad_copies;
+  for (auto& [step, params] : by_step) step_batch({step, std::move(params), group_index, &index_in_group}, o, ao, failed,
+                                                  first_error);
+  return !by_step.empty();
+}
+
+void CpuAdamW::step_batch(const Batch& batch, const AdamWOptions& o, const optimizer::AdamOptions& ao,
+                          std::vector<Failure>& failed, std::string& first_error) {
+  const std::vector<at::Tensor>& params = batch.params;
+  const std::size_t n = params.size();
+  // Gradients and updated values cross between the device and the host
+  // through the copy engine (Note [Copy ordering]); CPU tensors are used as they are.
+  std::vector<at::Tensor> grads(n), params_out(n), staged_out(n);
+  std::vector<swap::TransferHandle> grad_copies;
+  for (std::size_t i = 0; i < n; ++i) {
+    const at::Tensor& p = params[i];
+    at::Tensor g = p.grad();
+    if (g.is_cpu()) {
+      grads[i] = g.contiguous();
+    } else if (runtime_->on_device(g)) {
+      grads[i] = runtime_->host_empty(g.sizes(), g.scalar_type(), false);
+      grad_copies.push_back(runtime_->copy_to_host(grads[i], g.contiguous()));
+    } else {
+      grads[i] = g.to(at::kCPU).contiguous();
+    }
+    if (own_master(p)) continue;  // updated in place
+    if (p.is_cpu()) {
+      params_out[i] = p.detach();
+    } else {
+      staged_out[i] = runtime_->host_empty(p.sizes(), p.scalar_type(), false);
+      params_out[i] = staged_out[i];
+    }
+  }
+  for (const auto& h : grad_copies) h.wait();
+
+  const std::uint64_t t0 = now_ns();
+  const std::vector<bool> stepped = run_kernel(batch, o, ao, grads, params_out, failed, first_error);
+  stats_.kernel_ns += now_ns() - t0;
+
+  std::vector<swap::TransferHandle> param_copies;
+  for (std::size_t i = 0; i < n; ++i) {
+    if (!stepped[i]) continue;  // its state and weight are as before
+    const at::Tensor& grad = params[i].grad();
+    Slot& s = slots_[params[i].unsafeGetTensorImpl()];
+    s.stepped_grad = grad.unsafeGetTensorImpl();
+    s.stepped_grad_version = static_cast<std::int64_t>(grad._version());
+    auto& entry = state_[params[i].unsafeGetTensorImpl()];
+    if (!entry) entry = std::make_unique<AdamWParamState>();
+    static_cast<AdamWParamState&>(*entry).step(batch.step);
+    at::Tensor p = params[i].detach();
+    p.unsafeGetTensorImpl()->bump_version();  // an in-place update, as torch's p.addcdiv_ is
+    stats_.elements += static_cast<std::uint64_t>(p.numel());
+    if (!staged_out[i].defined()) continue;
+    if (runtime_->on_device(p))
+      param_copies.push_back(runtime_->copy_to_device(p, staged_out[i]));
+    else
+      p.copy_(staged_out[i]);
+  }
+  for (const auto& h : param_copies) h.wait();  // staging goes back to the pool after the copy
+}
+
+std::vector<bool> CpuAdamW::run_kernel(const Batch& batch, const AdamWOptions& o, const optimizer::AdamOptions& ao,
+                                       const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params_out,
+                                       std::vector<Failure>& failed, std::string& first_error) {
+  const std::vector<at::Tensor>& params = batch.params;
+  const std::size_t n = params.size();
+  std::vector<bool> stepped(n, true);
+  if (on_nvme_) {
+    std::vector<optimizer::NvmeAdamStore::Item> items(n);
     for (std::size_t i = 0; i < n; ++i) {
       const at::Tensor& p = params[i];
-      at::Tensor g = p.grad();
-      if (g.is_cpu()) {
-        grads[i] = g.contiguous();
-      } else if (runtime_->on_device(g)) {
-        grads[i] = runtime_->host_empty(g.sizes(), g.scalar_type(), false);
-        grad_copies.push_back(runtime_->copy_to_host(grads[i], g.contiguous()));
-      } else {
-        grads[i] = g.to(at::kCPU).contiguous();
-      }
-      if (own_master(p)) continue;  // updated in place
-      if (p.is_cpu()) {
-        params_out[i] = p.detach();
-      } else {
-        staged_out[i] = runtime_->host_empty(p.sizes(), p.scalar_type(), false);
-        params_out[i] = staged_out[i];
-      }
+      items[i].key = slot(p, o).nvme_key;
+      items[i].grad = grads[i].data_ptr();
+      items[i].grad_type = optimizer_type(grads[i].scalar_type(), "tierflow CpuAdamW: gradient", i);
+      at::Tensor out = own_master(p) ? p.detach() : params_out[i];
+      items[i].param_out = out.data_ptr();
+      items[i].param_type = optimizer_type(out.scalar_type(), "tierflow CpuAdamW: parameter", i);
     }
-    for (const auto& h : grad_copies) h.wait();
-
-    std::vector<bool> stepped(n, true);
-    const std::uint64_t t0 = now_ns();
-    if (on_nvme_) {
-      std::vector<optimizer::NvmeAdamStore::Item> items(n);
-      for (std::size_t i = 0; i < n; ++i) {
-        const at::Tensor& p = params[i];
-        items[i].key = slot(p, o).nvme_key;
-        items[i].grad = grads[i].data_ptr();
-        items[i].grad_type = optimizer_type(grads[i].scalar_type(), "tierflow CpuAdamW: gradient", i);
-        at::Tensor out = own_master(p) ? p.detach() : params_out[i];
-        items[i].param_out = out.data_ptr();
-        items[i].param_type = optimizer_type(out.scalar_type(), "tierflow CpuAdamW: parameter", i);
-      }
-      auto result = runtime_->nvme_adam().step(ao, step, items);
-      for (std::size_t i : result.failed) {
-        stepped[i] = false;
-        const at::Tensor& p = params[i];
-        failed.push_back({group_index, index_in_group.at(p.unsafeGetTensorImpl()), p.sizes().vec()});
-      }
-      if (!result.failed.empty() && first_error.empty()) first_error = result.first_error;
-    } else {
-      std::vector<at::Tensor> masters(n), exp_avgs(n), exp_avg_sqs(n), max_exp_avg_sqs;
-      if (o.amsgrad()) max_exp_avg_sqs.resize(n);
-      for (std::size_t i = 0; i < n; ++i) {
-        const at::Tensor& p = params[i];
-        masters[i] = own_master(p) ? p.detach() : slot(p, o).master;
-        auto& st = static_cast<AdamWParamState&>(*state_.at(p.unsafeGetTensorImpl()));
-        exp_avgs[i] = st.exp_avg();
-        exp_avg_sqs[i] = st.exp_avg_sq();
-        if (o.amsgrad()) max_exp_avg_sqs[i] = st.max_exp_avg_sq();
-      }
-      runtime_->adam_step(ao, step, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, grads, params_out);
+    auto result = runtime_->nvme_adam().step(ao, batch.step, items);
+    for (std::size_t i : result.failed) {
+      stepped[i] = false;
+      const at::Tensor& p = params[i];
+      failed.push_back({batch.group, batch.by_index->at(p.unsafeGetTensorImpl()), p.sizes().vec()});
     }
-    stats_.kernel_ns += now_ns() - t0;
-
-    std::vector<swap::TransferHandle> param_copies;
-    for (std::size_t i = 0; i < n; ++i) {
-      if (!stepped[i]) continue;  // its state and weight are as before
-      const at::Tensor& grad = params[i].grad();
-      Slot& s = slots_[params[i].unsafeGetTensorImpl()];
-      s.stepped_grad = grad.unsafeGetTensorImpl();
-      s.stepped_grad_version = static_cast<std::int64_t>(grad._version());
-      auto& entry = state_[params[i].unsafeGetTensorImpl()];
-      if (!entry) entry = std::make_unique<AdamWParamState>();
-      static_cast<AdamWParamState&>(*entry).step(step);
-      at::Tensor p = params[i].detach();
-      p.unsafeGetTensorImpl()->bump_version();  // an in-place update, as torch's p.addcdiv_ is
-      stats_.elements += static_cast<std::uint64_t>(p.numel());
-      if (!staged_out[i].defined()) continue;
-      if (runtime_->on_device(p))
-        param_copies.push_back(runtime_->copy_to_device(p, staged_out[i]));
-      else
-        p.copy_(staged_out[i]);
-    }
-    for (const auto& h : param_copies) h.wait();  // staging goes back to the pool after the copy
+    if (!result.failed.empty() && first_error.empty()) first_error = result.first_error;
+    return stepped;
   }
-  return !by_step.empty();
+  std::vector<at::Tensor> masters(n), exp_avgs(n), exp_avg_sqs(n), max_exp_avg_sqs;
+  if (o.amsgrad()) max_exp_avg_sqs.resize(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    const at::Tensor& p = params[i];
+    masters[i] = own_master(p) ? p.detach() : slot(p, o).master;
+    auto& st = static_cast<AdamWParamState&>(*state_.at(p.unsafeGetTensorImpl()));
+    exp_avgs[i] = st.exp_avg();
+    exp_avg_sqs[i] = st.exp_avg_sq();
+    if (o.amsgrad()) max_exp_avg_sqs[i] = st.max_exp_avg_sq();
+  }
+  runtime_->adam_step(ao, batch.step, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, grads, params_out);
+  return stepped;
 }
 
 void CpuAdamW::save(torch::serialize::OutputArchive& archive) const {

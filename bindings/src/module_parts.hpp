@@ -16,7 +16,6 @@
 
 namespace tierflow::bindings {
 class Runtime;
-void bind_activation_planner(pybind11::module_& m);  // plan_bindings.cpp
 }  // namespace tierflow::bindings
 
 namespace tierflow::bindings::pymod {

@@ -12,6 +12,7 @@
 #include "tierflow/core/size.hpp"
 #include "tierflow/tiering/auto_plan.hpp"
 #include "tierflow/tiering/planner.hpp"
+#include "tierflow/tiering/saved_actions.hpp"
 #include "tierflow/tiering/transformer_profile.hpp"
 
 namespace py = pybind11;
@@ -39,6 +40,21 @@ void init_from_kwargs(py::class_<T>& cls) {
           "Keyword arguments set fields of the same name; the others keep their defaults.");
 }
 
+tiering::SavedClass to_class(const std::string& s) {
+  for (auto c : {tiering::SavedClass::kExternal, tiering::SavedClass::kInput, tiering::SavedClass::kAttention,
+                 tiering::SavedClass::kSplit, tiering::SavedClass::kCheap})
+    if (tiering::to_string(c) == s) return c;
+  throw config_error("saved-tensor class '" + s + "'; accepted: external, input, attention, split, cheap");
+}
+
+tiering::BlockMode to_mode(const std::string& s) {
+  if (s == "keep") return tiering::BlockMode::kKeep;
+  if (s == "swap") return tiering::BlockMode::kSwap;
+  if (s == "split") return tiering::BlockMode::kSplit;
+  if (s == "recompute") return tiering::BlockMode::kRecompute;
+  throw config_error("block mode '" + s + "'; accepted: keep, swap, split, recompute");
+}
+
 OffloadTarget optimizer_target(const std::string& name) {
   if (name == "none") return OffloadTarget::kNone;
   if (name == "host") return OffloadTarget::kHost;
@@ -57,6 +73,7 @@ void bind_auto_plan(py::module_& m) {
       .def(py::init<bool, bool, bool>(), py::arg("forced"), py::arg("blocks"), py::arg("loaded_profile"))
       .def("before_forward", &AutoPlanPhases::before_forward)
       .def("planned", &AutoPlanPhases::planned)
+      .def("forward_refused", &AutoPlanPhases::forward_refused)
       .def_property_readonly("has_plan", &AutoPlanPhases::has_plan)
       .def_property_readonly("forwards", &AutoPlanPhases::forwards);
   py::class_<BlockRecord> record(m, "BlockRecord", "What a recorded block saves and computes, per class.");
@@ -92,6 +109,68 @@ void bind_auto_plan(py::module_& m) {
   m.def("nvme_probe_bytes", &nvme_probe_bytes, py::arg("available_bytes"), "The NVMe probe's first block size.");
   m.def("next_nvme_probe_bytes", &next_nvme_probe_bytes, py::arg("bytes"),
         "The next NVMe probe size when the free space is in pieces (0: give up).");
+}
+
+// The transformer estimate of `python -m tierflow plan`, and the budget and size parsers it uses.
+void bind_estimates(py::module_& m) {
+  py::class_<TransformerShape> shape(m, "TransformerShape", "The shape of a GPT-2-style decoder.");
+  shape.def(py::init<>())
+      .def_readwrite("layers", &TransformerShape::layers)
+      .def_readwrite("hidden", &TransformerShape::hidden)
+      .def_readwrite("heads", &TransformerShape::heads)
+      .def_readwrite("seq", &TransformerShape::seq)
+      .def_readwrite("batch", &TransformerShape::batch)
+      .def_readwrite("dtype_bytes", &TransformerShape::dtype_bytes)
+      .def_readwrite("vocab", &TransformerShape::vocab)
+      .def_readwrite("ffn_mult", &TransformerShape::ffn_mult);
+  init_from_kwargs(shape);
+
+  py::class_<StateBytes>(m, "StateBytes", "Bytes of training state per tier.")
+      .def_readonly("device", &StateBytes::device)
+      .def_readonly("host", &StateBytes::host)
+      .def_readonly("nvme", &StateBytes::nvme);
+
+  m.def("estimate_transformer", &estimate_transformer, py::arg("shape"), py::arg("flops_per_second"),
+        "One estimated BlockProfile per layer (Note [Transformer estimate]).");
+  m.def("transformer_parameters", &transformer_parameters, py::arg("shape"), "Parameters of the model.");
+  m.def("estimate_training_state", [](const TransformerShape& s, const std::string& optimizer) {
+    return estimate_training_state(s, optimizer_target(optimizer));
+  }, py::arg("shape"), py::arg("optimizer"),
+        "Parameters, gradients and optimizer states per tier for optimizer placement none, host or nvme.");
+  m.def("estimate_head_device_bytes", &estimate_head_device_bytes, py::arg("shape"),
+        "Device bytes of the activations outside the blocks (final norm, head, fp32 loss).");
+  m.def("parse_budget", [](const std::string& text, std::uint64_t capacity_bytes) {
+    auto b = parse_budget(text);
+    if (!b) {
+      throw config_error(quote_config_value(text) + " is not a size or a percentage; accepted: " +
+                         std::string(kSizeForms) + ", or a percentage such as 90%");
+    }
+    if (b->is_fraction && capacity_bytes == 0) {
+      throw config_error(quote_config_value(text) + " is a percentage of a capacity that is unknown here; "
+                         "accepted: " + std::string(kSizeForms));
+    }
+    return b->resolve(capacity_bytes);
+  }, py::arg("text"), py::arg("capacity_bytes") = 0,
+        "Bytes of a size ('16GiB') or a percentage of `capacity_bytes` ('90%'); raises ConfigError.");
+  m.def("parse_setting", [](const std::string& name, const std::string& value, const std::string& label) {
+    return parse_setting(name, value, label);
+  }, py::arg("name"), py::arg("value"), py::arg("label") = "",
+        "`value` parsed as the configuration table parses the setting `name`: its canonical text; raises "
+        "ConfigError naming `label` (default: the variable), e.g. the command-line flag standing for it.");
+  m.def("parse_decimal", [](const std::string& text) { return parse_decimal(text); }, py::arg("text"),
+        "A finite decimal number (1, -0.5, 2e-3; no hex, inf or nan), or None (core/size.hpp's parse_decimal).");
+  m.def("transformer_shape_limits", [] {
+    py::dict out;
+    for (const auto& l : transformer_shape_limits()) out[py::str(std::string(l.field))] = l.max;
+    return out;
+  }, "The largest accepted value of each TransformerShape field (the smallest is 1).");
+  m.def("check_transformer_shape", &check_transformer_shape, py::arg("shape"),
+        "Raises ConfigError naming a field outside its limits, or byte counts that overflow 64 bits.");
+  m.def("device_capacity_bytes", [](bool cuda) {
+    return allocator::device_capacity_bytes(cuda ? allocator::DeviceKind::kCuda : allocator::DeviceKind::kEmulated);
+  }, py::arg("cuda"), "Total memory of the GPU tier: the current GPU's, or physical RAM when emulated.");
+  m.def("host_capacity_bytes", &allocator::host_capacity_bytes, "Physical RAM of this machine.");
+  m.def("format_bytes", &format_bytes, py::arg("bytes"), "Human-readable size, e.g. '1.50 GiB'.");
 }
 
 }  // namespace
@@ -173,69 +252,22 @@ void bind_planner(py::module_& m) {
   m.def("evaluate_plan", &evaluate_plan, py::arg("blocks"), py::arg("links"), py::arg("budgets"),
         py::arg("assignment"), "The model's predictions for a given per-block assignment.");
 
+  m.def("saved_actions", [](const std::string& mode, const std::vector<std::string>& classes,
+                            const std::vector<bool>& exact) {
+    if (classes.size() != exact.size()) throw config_error("saved_actions: one exact flag per class");
+    std::vector<std::string> out;
+    const auto md = to_mode(mode);
+    for (std::size_t i = 0; i < classes.size(); ++i)
+      out.emplace_back(tiering::to_string(tiering::saved_action(md, to_class(classes[i]), exact[i])));
+    return out;
+  }, "tiering::saved_action for each saved tensor of a block (Note [Activation plans]).");
+  m.def("split_rows", &tiering::split_rows, py::arg("alpha"), py::arg("rows"), py::arg("granule"),
+        "Rows of a split matmul output swapped for alpha (tiering::split_rows).");
   m.def("average_same_shape_blocks", &average_same_shape_blocks, py::arg("blocks"),
         "Blocks of the same shape get the mean of their times (measured layers differ by noise only).");
 
   bind_auto_plan(m);
-
-  py::class_<TransformerShape> shape(m, "TransformerShape", "The shape of a GPT-2-style decoder.");
-  shape.def(py::init<>())
-      .def_readwrite("layers", &TransformerShape::layers)
-      .def_readwrite("hidden", &TransformerShape::hidden)
-      .def_readwrite("heads", &TransformerShape::heads)
-      .def_readwrite("seq", &TransformerShape::seq)
-      .def_readwrite("batch", &TransformerShape::batch)
-      .def_readwrite("dtype_bytes", &TransformerShape::dtype_bytes)
-      .def_readwrite("vocab", &TransformerShape::vocab)
-      .def_readwrite("ffn_mult", &TransformerShape::ffn_mult);
-  init_from_kwargs(shape);
-
-  py::class_<StateBytes>(m, "StateBytes", "Bytes of training state per tier.")
-      .def_readonly("device", &StateBytes::device)
-      .def_readonly("host", &StateBytes::host)
-      .def_readonly("nvme", &StateBytes::nvme);
-
-  m.def("estimate_transformer", &estimate_transformer, py::arg("shape"), py::arg("flops_per_second"),
-        "One estimated BlockProfile per layer (Note [Transformer estimate]).");
-  m.def("transformer_parameters", &transformer_parameters, py::arg("shape"), "Parameters of the model.");
-  m.def("estimate_training_state", [](const TransformerShape& s, const std::string& optimizer) {
-    return estimate_training_state(s, optimizer_target(optimizer));
-  }, py::arg("shape"), py::arg("optimizer"),
-        "Parameters, gradients and optimizer states per tier for optimizer placement none, host or nvme.");
-  m.def("estimate_head_device_bytes", &estimate_head_device_bytes, py::arg("shape"),
-        "Device bytes of the activations outside the blocks (final norm, head, fp32 loss).");
-  m.def("parse_budget", [](const std::string& text, std::uint64_t capacity_bytes) {
-    auto b = parse_budget(text);
-    if (!b) {
-      throw config_error(quote_config_value(text) + " is not a size or a percentage; accepted: " +
-                         std::string(kSizeForms) + ", or a percentage such as 90%");
-    }
-    if (b->is_fraction && capacity_bytes == 0) {
-      throw config_error(quote_config_value(text) + " is a percentage of a capacity that is unknown here; "
-                         "accepted: " + std::string(kSizeForms));
-    }
-    return b->resolve(capacity_bytes);
-  }, py::arg("text"), py::arg("capacity_bytes") = 0,
-        "Bytes of a size ('16GiB') or a percentage of `capacity_bytes` ('90%'); raises ConfigError.");
-  m.def("parse_setting", [](const std::string& name, const std::string& value, const std::string& label) {
-    return parse_setting(name, value, label);
-  }, py::arg("name"), py::arg("value"), py::arg("label") = "",
-        "`value` parsed as the configuration table parses the setting `name`: its canonical text; raises "
-        "ConfigError naming `label` (default: the variable), e.g. the command-line flag standing for it.");
-  m.def("parse_decimal", [](const std::string& text) { return parse_decimal(text); }, py::arg("text"),
-        "A finite decimal number (1, -0.5, 2e-3; no hex, inf or nan), or None (core/size.hpp's parse_decimal).");
-  m.def("transformer_shape_limits", [] {
-    py::dict out;
-    for (const auto& l : transformer_shape_limits()) out[py::str(std::string(l.field))] = l.max;
-    return out;
-  }, "The largest accepted value of each TransformerShape field (the smallest is 1).");
-  m.def("check_transformer_shape", &check_transformer_shape, py::arg("shape"),
-        "Raises ConfigError naming a field outside its limits, or byte counts that overflow 64 bits.");
-  m.def("device_capacity_bytes", [](bool cuda) {
-    return allocator::device_capacity_bytes(cuda ? allocator::DeviceKind::kCuda : allocator::DeviceKind::kEmulated);
-  }, py::arg("cuda"), "Total memory of the GPU tier: the current GPU's, or physical RAM when emulated.");
-  m.def("host_capacity_bytes", &allocator::host_capacity_bytes, "Physical RAM of this machine.");
-  m.def("format_bytes", &format_bytes, py::arg("bytes"), "Human-readable size, e.g. '1.50 GiB'.");
+  bind_estimates(m);
 }
 
 }  // namespace tierflow::bindings

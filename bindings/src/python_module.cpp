@@ -66,71 +66,90 @@ optimizer::AdamOptions adam_options(const py::dict& d) {
   return o;
 }
 
+namespace {
+
+// The exported fields of the runtime's statistics (Note [Stat fields]), one
+// table per dict of tierflow.report(): a name is written once, here.
+using Acts = ActivationOffloaderStats;
+const std::vector<StatField<Acts>> kActivationFields = {
+    {"packs", &Acts::packs},
+    {"skipped_parameters", &Acts::skipped_parameters},
+    {"skipped_unmanaged", &Acts::skipped_unmanaged},
+    {"dedup_hits", &Acts::dedup_hits},
+    {"kept_small", &Acts::kept_small},
+    {"kept_region", &Acts::kept_region},
+    {"host_fallbacks", &Acts::host_fallbacks},
+    {"offloaded_blocks", &Acts::offloaded_blocks},
+    {"offloaded_bytes", &Acts::offloaded_bytes},
+    {"offload_waits", &Acts::offload_waits},
+    {"offload_wait_ms", &Acts::offload_wait_ns, nullptr, 1e-6},
+    {"unpacks", &Acts::unpacks},
+};
+const std::vector<StatField<Acts>> kNvmeFields = {
+    {"writes", &Acts::nvme_writes},
+    {"write_bytes", &Acts::nvme_write_bytes},
+    {"reads", &Acts::nvme_reads},
+    {"forwarded", &Acts::nvme_forwarded},
+    {"write_failures", &Acts::nvme_write_failures},
+    {"full", &Acts::nvme_full},
+    {"staging_waits", &Acts::staging_waits},
+};
+const std::vector<StatField<Acts>> kPrefetchFields = {
+    {"prefetched_blocks", &Acts::prefetched_blocks},
+    {"hits", &Acts::prefetch_hits},
+    {"forwarded", &Acts::forwarded},
+    {"stalls", &Acts::stalls},
+    {"stall_ms", &Acts::stall_ns, nullptr, 1e-6},
+    {"unprefetched", &Acts::unprefetched},
+};
+using Pool = allocator::PinnedHostPoolStats;
+const std::vector<StatField<Pool>> kPoolFields = {
+    {"slab_allocations", &Pool::slab_allocations},
+    {"block_allocations", &Pool::block_allocations},
+    {"failed_allocations", &Pool::failed_allocations},
+    {"fenced_frees", &Pool::fenced_frees},
+    {"fence_waits", &Pool::fence_waits},
+    {"late_writes", &Pool::late_writes},
+};
+using Links = swap::CopyEngineStats;
+const std::vector<StatField<Links>> kLinkFields = {
+    {"gpu_to_host_bytes", &Links::d2h_bytes},
+    {"host_to_gpu_bytes", &Links::h2d_bytes},
+    {"gpu_to_host_ops", &Links::d2h_ops},
+    {"host_to_gpu_ops", &Links::h2d_ops},
+};
+const std::vector<StatField<OptimizerStats>> kOptimizerFields = {
+    {"steps", &OptimizerStats::steps},
+    {"elements", &OptimizerStats::elements},
+    {"step_ms", &OptimizerStats::step_ns, nullptr, 1e-6},
+};
+using Emulated = swap::EmulatedCopyStats;
+const std::vector<StatField<Emulated>> kEmulatedFields = {
+    {"unordered_copies", &Emulated::unordered_copies},
+    {"delayed_copies", &Emulated::delayed_copies},
+};
+
+}  // namespace
+
 py::dict runtime_stats(const Runtime& rt) {
   rt.host_pool()->reap();
-  auto a = rt.activations()->stats();
-  auto pool = rt.host_pool()->stats();
-  auto link = rt.copy_engine()->stats();
-  auto opt = rt.optimizer_stats();
-  py::dict acts;
-  acts["packs"] = a.packs;
-  acts["skipped_parameters"] = a.skipped_parameters;
-  acts["skipped_unmanaged"] = a.skipped_unmanaged;
-  acts["dedup_hits"] = a.dedup_hits;
-  acts["kept_small"] = a.kept_small;
-  acts["kept_region"] = a.kept_region;
-  acts["host_fallbacks"] = a.host_fallbacks;
-  acts["offloaded_blocks"] = a.offloaded_blocks;
-  acts["offloaded_bytes"] = a.offloaded_bytes;
-  acts["offload_waits"] = a.offload_waits;
-  py::dict nv;
-  nv["writes"] = a.nvme_writes;
-  nv["write_bytes"] = a.nvme_write_bytes;
-  nv["reads"] = a.nvme_reads;
-  nv["forwarded"] = a.nvme_forwarded;
-  nv["write_failures"] = a.nvme_write_failures;
-  nv["full"] = a.nvme_full;
-  nv["staging_waits"] = a.staging_waits;
-  acts["nvme"] = nv;
-  acts["offload_wait_ms"] = static_cast<double>(a.offload_wait_ns) / 1e6;
-  acts["unpacks"] = a.unpacks;
+  const auto a = rt.activations()->stats();
+  const auto pool = rt.host_pool()->stats();
+  py::dict acts = stat_dict(a, kActivationFields);
+  acts["nvme"] = stat_dict(a, kNvmeFields);
   acts["device_bytes"] = stat_dict(a.device_bytes);
   acts["host_bytes"] = stat_dict(a.host_bytes);
-  py::dict prefetch;
-  prefetch["prefetched_blocks"] = a.prefetched_blocks;
-  prefetch["hits"] = a.prefetch_hits;
-  prefetch["forwarded"] = a.forwarded;
-  prefetch["stalls"] = a.stalls;
-  prefetch["stall_ms"] = static_cast<double>(a.stall_ns) / 1e6;
-  prefetch["unprefetched"] = a.unprefetched;
-  py::dict host;
+  py::dict host = stat_dict(pool, kPoolFields);
   host["budget_bytes"] = rt.host_pool()->budget_bytes();
   host["pinned"] = rt.host_pool()->cuda_pinned();
   host["in_use"] = stat_dict(pool.in_use);
   host["reserved"] = stat_dict(pool.reserved);
-  host["slab_allocations"] = pool.slab_allocations;
-  host["block_allocations"] = pool.block_allocations;
-  host["failed_allocations"] = pool.failed_allocations;
-  py::dict links;
-  links["gpu_to_host_bytes"] = link.d2h_bytes;
-  links["host_to_gpu_bytes"] = link.h2d_bytes;
-  links["gpu_to_host_ops"] = link.d2h_ops;
-  links["host_to_gpu_ops"] = link.h2d_ops;
-  py::dict optd;
-  optd["steps"] = opt.steps;
-  optd["elements"] = opt.elements;
-  optd["step_ms"] = static_cast<double>(opt.step_ns) / 1e6;
+  py::dict optd = stat_dict(rt.optimizer_stats(), kOptimizerFields);
   optd["threads"] = rt.cpu_threads();
   optd["isa"] = std::string(optimizer::to_string(rt.cpu_isa()));
-  host["fenced_frees"] = pool.fenced_frees;
-  host["fence_waits"] = pool.fence_waits;
-  host["late_writes"] = pool.late_writes;
-  py::dict emu;
+  py::dict emu = stat_dict(swap::emulated_copy_stats(*rt.copy_engine()), kEmulatedFields);
   emu["mode"] = rt.device_kind() == allocator::DeviceKind::kEmulated
                     ? std::string(to_string(rt.config().emulated_device)) : std::string("n/a");
-  const auto es = swap::emulated_copy_stats(*rt.copy_engine());
-  emu["unordered_copies"] = es.unordered_copies;
-  emu["delayed_copies"] = es.delayed_copies;
   if (rt.adversarial()) check_device_memory_quarantine();
   const auto ms = emulated_device_memory_stats();
   emu["poisoned_device_memory"] = ms.installed;
@@ -139,9 +158,9 @@ py::dict runtime_stats(const Runtime& rt) {
   out["device"] = std::string(allocator::to_string(rt.device_kind()));
   out["emulated"] = emu;
   out["activations"] = acts;
-  out["prefetch"] = prefetch;
+  out["prefetch"] = stat_dict(a, kPrefetchFields);
   out["host_pool"] = host;
-  out["links"] = links;
+  out["links"] = stat_dict(rt.copy_engine()->stats(), kLinkFields);
   out["optimizer"] = optd;
   return out;
 }
@@ -186,7 +205,6 @@ PYBIND11_MODULE(_C, m) {
   m.def("cuda_available", &allocator::cuda_available, "Whether a CUDA GPU is usable.");
   m.def("push_no_offload", &push_no_offload);
   m.def("pop_no_offload", &pop_no_offload);
-  tierflow::bindings::bind_activation_planner(m);
   m.def("no_offload_depth", &no_offload_depth, "Depth of tierflow.no_offload() regions open on this thread.");
   m.def("log", [](const std::string& level, const std::string& message) {
     LogLevel l = LogLevel::kInfo;

@@ -11,7 +11,6 @@
 
 #include "tierflow/allocator/device.hpp"
 #include "tierflow/bindings/emulated_device_memory.hpp"
-#include "tierflow/swap/detail/serial_worker.hpp"
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/log.hpp"
 #include "tierflow/bindings/dtypes.hpp"
@@ -104,15 +103,7 @@ Runtime::Runtime(Config config, swap::NvmeFaults* nvme_faults, std::shared_ptr<c
                            " device, host pool budget " + format_bytes(po.budget_bytes));
 }
 
-Runtime::~Runtime() {
-  try {
-    adam_wait();
-  } catch (const std::exception& e) {
-    log(LogLevel::kError, std::string("a queued optimizer step failed at shutdown: ") + e.what());
-  }
-  worker_.reset();
-  nvme_adam_.reset();
-}
+Runtime::~Runtime() { nvme_adam_.reset(); }
 
 optimizer::NvmeAdamStore& Runtime::nvme_adam() {
   TIERFLOW_EXPECTS(nvme_ != nullptr, "optimizer states on NVMe need TIERFLOW_OFFLOAD_OPTIMIZER=nvme");
@@ -144,31 +135,6 @@ at::Tensor Runtime::host_empty(at::IntArrayRef sizes, at::ScalarType dtype, bool
   auto pool = pool_;  // the tensor keeps the pool alive
   return at::from_blob(p, sizes, [pool](void* ptr) { pool->deallocate(ptr); },
                        at::TensorOptions().dtype(dtype).device(at::kCPU));
-}
-
-void Runtime::adam_step_async(const optimizer::AdamOptions& options, std::int64_t step,
-                              std::vector<at::Tensor> masters, std::vector<at::Tensor> exp_avgs,
-                              std::vector<at::Tensor> exp_avg_sqs,
-                              std::vector<at::Tensor> max_exp_avg_sqs, std::vector<at::Tensor> grads,
-                              std::vector<at::Tensor> params_out, AdamOutputs outputs) {
-  if (!worker_) worker_ = std::make_unique<swap::detail::SerialWorker>();
-  // Gradients still on the device are staged into the pinned pool through
-  // the copy engine, after the work queued on their stream (the stream that
-  // backward produced them on: Note [Copy ordering]); the step waits for it.
-  std::vector<swap::TransferHandle> staged;
-  std::vector<at::Tensor> device_grads;
-  for (auto& g : grads) {
-    if (!g.defined() || !on_device(g)) continue;
-    at::Tensor host = host_empty(g.sizes(), g.scalar_type(), false);
-    staged.push_back(copy_to_host(host, g));
-    device_grads.push_back(g);  // alive until its copy has run (rule 3)
-    g = host;
-  }
-  worker_->push([=, this]() {
-    for (const auto& h : staged) h.wait();
-    adam_step(options, step, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, grads, params_out, outputs);
-    (void)device_grads;
-  });
 }
 
 bool Runtime::on_device(const at::Tensor& t) const {
@@ -205,10 +171,6 @@ swap::TransferHandle Runtime::copy_to_device(const at::Tensor& dst, const at::Te
   auto h = engine_->copy(swap::Direction::kHostToDevice, dst.data_ptr(), src.data_ptr(), dst.nbytes(), {}, compute);
   engine_->make_stream_wait(compute, h);
   return h;
-}
-
-void Runtime::adam_wait() {
-  if (worker_) worker_->drain();
 }
 
 void Runtime::adam_step(const optimizer::AdamOptions& options, std::int64_t step,

@@ -125,26 +125,6 @@ void bind_runtime_optimizer(py::class_<Runtime, std::shared_ptr<Runtime>>& c) {
         py::gil_scoped_release release;
         rt.adam_step(opts, step, masters, exp_avgs, exp_avg_sqs, maxes, grads, outs);
       })
-      .def("adam_step_async", [](Runtime& rt, const py::dict& options, std::int64_t step,
-                                 std::vector<at::Tensor> masters, std::vector<at::Tensor> exp_avgs,
-                                 std::vector<at::Tensor> exp_avg_sqs,
-                                 const std::vector<std::optional<at::Tensor>>& max_exp_avg_sqs,
-                                 std::vector<at::Tensor> grads,
-                                 const std::vector<std::optional<at::Tensor>>& params_out,
-                                 std::vector<at::Tensor> masters_out, std::vector<at::Tensor> exp_avgs_out,
-                                 std::vector<at::Tensor> exp_avg_sqs_out,
-                                 const std::vector<std::optional<at::Tensor>>& max_exp_avg_sqs_out) {
-        auto unwrap = [](const std::vector<std::optional<at::Tensor>>& v) {
-          std::vector<at::Tensor> out;
-          for (const auto& t : v) out.push_back(t ? *t : at::Tensor());
-          return out;
-        };
-        Runtime::AdamOutputs outs{std::move(masters_out), std::move(exp_avgs_out),
-                                  std::move(exp_avg_sqs_out), unwrap(max_exp_avg_sqs_out)};
-        rt.adam_step_async(adam_options(options), step, std::move(masters), std::move(exp_avgs),
-                           std::move(exp_avg_sqs), unwrap(max_exp_avg_sqs), std::move(grads),
-                           unwrap(params_out), std::move(outs));
-      }, "Queues a step with out-of-place outputs on the optimizer worker thread.")
       .def("on_device", &Runtime::on_device, "Whether a tensor is on this runtime's device.")
       .def("copy_to_host", [](Runtime& rt, const at::Tensor& dst, const at::Tensor& src) {
         return rt.copy_to_host(dst, src);
@@ -152,11 +132,7 @@ void bind_runtime_optimizer(py::class_<Runtime, std::shared_ptr<Runtime>>& c) {
       .def("copy_to_device", [](Runtime& rt, const at::Tensor& dst, const at::Tensor& src) {
         py::gil_scoped_release release;  // the emulated compute waits on the host
         return rt.copy_to_device(dst, src);
-      }, "Host -> device copy after the current stream's work; the stream waits for it. Keep src alive until ready.")
-      .def("adam_wait", [](Runtime& rt) {
-        py::gil_scoped_release release;
-        rt.adam_wait();
-      }, "Waits for every queued step; raises the first failure.");
+      }, "Host -> device copy after the current stream's work; the stream waits for it. Keep src alive until ready.");
 }
 
 // Optimizer states on NVMe (Note [Optimizer states on NVMe]).

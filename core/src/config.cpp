@@ -1,6 +1,7 @@
 #include "tierflow/core/config.hpp"
 
 #include <algorithm>
+#include <iterator>
 #include <cctype>
 #include <cerrno>
 #include <cmath>
@@ -175,235 +176,266 @@ auto target_parser(OffloadTarget Config::*field, bool activations) {
   };
 }
 
-const std::vector<Row>& rows() {
-  static const std::vector<Row> kRows = {
-      {{"TIERFLOW_GPU_MEMORY", "90%", kBudgetForms,
-        "device memory the activation planner may use (`auto`: the whole step's peak, parameters, "
-        "gradients and optimizer states included); a percentage is of the device's total memory"},
-       budget_parser(&Config::gpu_memory, /*nonzero=*/true)},
-      {{"TIERFLOW_HOST_MEMORY", "50%", kBudgetForms,
-        "pinned host pool budget (offloaded activations, optimizer states, staging); a "
-        "percentage is of physical RAM"},
-       budget_parser(&Config::host_memory, /*nonzero=*/true)},
-      {{"TIERFLOW_NVME_PATHS", "", "a comma-separated list of directories, e.g. /mnt/nvme0,/mnt/nvme1",
-        "directories on NVMe file systems that hold tierflow's swap files"},
-       [](Config& c, std::string_view name, std::string_view v) {
-         // Every item counts: an empty one (",a", "a,", "a,,b") is refused, never dropped.
-         c.nvme_paths.clear();
-         if (trim(v).empty()) return;
-         for (std::size_t b = 0;;) {
-           const std::size_t e = std::min(v.find(',', b), v.size());
-           std::string item = trim(v.substr(b, e - b));
-           if (item.empty())
-             bad_value(name, v, "a comma-separated list of directories with no empty entries",
-                       "item " + std::to_string(c.nvme_paths.size() + 1) + " is empty");
-           c.nvme_paths.push_back(std::move(item));
-           if (e == v.size()) break;
-           b = e + 1;
-         }
-       }},
-      // `auto` is the Budget of kNvmeAutoBytes bytes (swap::kNvmeAutoBytes, Note [NVMe space]).
-      {{"TIERFLOW_NVME_MEMORY", "auto",
-        "auto, or a size (e.g. 512MiB, 1.5GiB, 4096; units B, KiB, MiB, GiB, TiB, KB, MB, GB, TB) or a "
-        "percentage of the free space in (0%, 100%], e.g. 80%",
-        "most bytes each swap file under TIERFLOW_NVME_PATHS may grow to; files grow as the run needs and "
-        "the NVMe optimizer reserves its states at wrap; `auto`: as far as the file system keeps 10% of its "
-        "size free; a percentage is of the free space when the run starts"},
-       [](Config& c, std::string_view name, std::string_view v) {
-         constexpr std::string_view kForms =
-             "auto, or a size (e.g. 512MiB, 1.5GiB, 4096; units B, KiB, MiB, GiB, TiB, KB, MB, GB, TB) or a "
-             "percentage of the free space in (0%, 100%], e.g. 80%";
-         if (trim(v) == "auto") {
-           c.nvme_memory = Budget{kNvmeAutoBytes, 0.0, false};
-           return;
-         }
-         auto b = parse_budget(v);
-         if (!b || (!b->is_fraction && b->bytes == kNvmeAutoBytes)) bad_value(name, v, kForms);
-         c.nvme_memory = *b;
-       }},
-      {{"TIERFLOW_AIO_BLOCK_SIZE", "1MiB", "a multiple of 4KiB from 4KiB to 64MiB, e.g. 1MiB",
-        "request size of NVMe I/O; a block is striped over the paths in requests of this size"},
-       [](Config& c, std::string_view name, std::string_view v) {
-         auto s = parse_size(v);
-         if (!s || *s < 4 * KiB || *s > 64 * MiB || *s % (4 * KiB) != 0)
-           bad_value(name, v, "a multiple of 4KiB from 4KiB to 64MiB, e.g. 1MiB");
-         c.aio_block_size = *s;
-       }},
-      {{"TIERFLOW_AIO_QUEUE_DEPTH", "32", "an integer from 1 to 1024",
-        "NVMe requests kept in flight"},
-       int_parser(&Config::aio_queue_depth, 1, 1024, "an integer from 1 to 1024")},
-      {{"TIERFLOW_NVME_CHECKSUM", "on", "on or off",
-        "checksum every block written to NVMe (XXH3) and verify it on read"},
-       on_off_parser(&Config::nvme_checksum)},
-      {{"TIERFLOW_OFFLOAD_ACTIVATIONS", "auto", "one of none, host, nvme, recompute, auto",
-        "where tensors saved for backward go: none keeps them on the device; host (nvme) swaps "
-        "every one to the pinned host pool (NVMe); recompute swaps each block's input and "
-        "recomputes the block in backward; auto plans per block (keep, swap a share of the "
-        "tokens, recompute) from the first step's measurements within TIERFLOW_GPU_MEMORY"},
-       target_parser(&Config::offload_activations, true)},
-      {{"TIERFLOW_OFFLOAD_PARAMS", "none", "one of none, host, nvme",
-        "where parameters live between uses (only none is implemented in this version)"},
-       target_parser(&Config::offload_params, false)},
-      {{"TIERFLOW_OFFLOAD_OPTIMIZER", "host", "one of none, host, nvme",
-        "where optimizer states and fp32 master weights live and step: host runs tierflow's CPU "
-        "AdamW, none leaves the optimizer as it is"},
-       target_parser(&Config::offload_optimizer, false)},
-      {{"TIERFLOW_CPU_THREADS", "auto", "auto or an integer from 1 to 1024",
-        "threads of the CPU optimizer's oneTBB arena; auto uses every core"},
-       [](Config& c, std::string_view name, std::string_view v) {
-         std::string s = lower(trim(v));
-         if (s == "auto") {
-           c.cpu_threads = 0;
-           return;
-         }
-         auto n = parse_uint(s, 1024);
-         if (!n || *n < 1) bad_value(name, v, "auto or an integer from 1 to 1024");
-         c.cpu_threads = static_cast<int>(*n);
-       }},
-      {{"TIERFLOW_CPU_ISA", "auto", "one of auto, avx512, avx2, portable",
-        "SIMD path of the CPU optimizer; auto picks the widest this CPU runs (all give the same "
-        "results)"},
-       [](Config& c, std::string_view name, std::string_view v) {
-         std::string s = lower(trim(v));
-         if (s != "auto" && s != "avx512" && s != "avx2" && s != "portable")
-           bad_value(name, v, "one of auto, avx512, avx2, portable");
-         c.cpu_isa = s;
-       }},
-      {{"TIERFLOW_LOG_LEVEL", "warn", "one of error, warn, info, debug",
-        "verbosity of tierflow's messages on stderr"},
-       [](Config& c, std::string_view name, std::string_view v) {
-         std::string s = lower(trim(v));
-         if (s == "error") c.log_level = LogLevel::kError;
-         else if (s == "warn" || s == "warning") c.log_level = LogLevel::kWarn;
-         else if (s == "info") c.log_level = LogLevel::kInfo;
-         else if (s == "debug") c.log_level = LogLevel::kDebug;
-         else bad_value(name, v, "one of error, warn, info, debug");
-       }},
-      {{"TIERFLOW_REPORT", "", "a file path (empty: no file)",
-        "write the statistics report as JSON to this path when the process exits and on every "
-        "tierflow.report() call"},
-       file_parser(&Config::report_path, "a file path (empty: no file)")},
-      {{"TIERFLOW_PROFILE", "", "a file path (empty: measure every run)",
-        "the activation planner's block profile: read from this file when it exists, otherwise "
-        "measured in the first step and written there"},
-       file_parser(&Config::profile_path, "a file path (empty: measure every run)")},
-      {{"TIERFLOW_MIN_OFFLOAD_BYTES", "64KiB", "a size, e.g. 0, 4096, 64KiB, 1MiB",
-        "saved tensors smaller than this stay on the device (copying them costs more than it saves)"},
-       size_parser(&Config::min_offload_bytes, 0, "a size, e.g. 0, 4096, 64KiB, 1MiB")},
-      {{"TIERFLOW_PREFETCH_BYTES", "64MiB", "a size of at least 1 byte, e.g. 8MiB, 256MiB",
-        "how many bytes of offloaded activations backward prefetches ahead of their use"},
-       size_parser(&Config::prefetch_bytes, 1, "a size of at least 1 byte, e.g. 8MiB, 256MiB")},
-      {{"TIERFLOW_PINNED_SLAB_BYTES", "64MiB", "a size of at least 64KiB, e.g. 64MiB, 1GiB",
-        "size of each pinned slab the host pool allocates at once (pinning is slow, so it is "
-        "done per slab, not per tensor)"},
-       size_parser(&Config::pinned_slab_bytes, 64 * KiB, "a size of at least 64KiB, e.g. 64MiB, 1GiB")},
-      {{"TIERFLOW_OVERLAP_STEP", "on", "on or off",
-        "step each parameter on the CPU as soon as backward completes its gradient, while backward "
-        "goes on; step() then only confirms (see Note [Step during backward])"},
-       on_off_parser(&Config::overlap_step)},
-      {{"TIERFLOW_GRAD_BUCKET_BYTES", "auto", "auto or a size of at least 4KiB, e.g. 16MiB",
-        "gradients travel device->host and step on the CPU in buckets of this size while backward "
-        "goes on; auto: about 16 buckets (4MiB to 64MiB) for the first step, then the largest whose copy and "
-        "CPU step, at the measured link and AdamW rates, take 2% of the measured backward (see Note "
-        "[Gradient streaming])"},
-       [](Config& c, std::string_view name, std::string_view v) {
-         if (lower(trim(v)) == "auto") {
-           c.grad_bucket_bytes = 0;
-           return;
-         }
-         auto s = parse_size(v);
-         if (!s || *s < 4 * KiB) bad_value(name, v, "auto or a size of at least 4KiB, e.g. 16MiB");
-         c.grad_bucket_bytes = *s;
-       }},
-      {{"TIERFLOW_WEIGHTS_RETURN", "step", "step or forward",
-        "when updated weights of a device model are back on the device: step (when step() returns, "
-        "as torch's) or forward (each module's forward waits only for its own weights, so the "
-        "copies overlap the next forward; read parameters outside a forward only after "
-        "optimizer.synchronize())"},
-       [](Config& c, std::string_view name, std::string_view v) {
-         std::string s = lower(trim(v));
-         if (s == "step") c.weights_return_in_forward = false;
-         else if (s == "forward") c.weights_return_in_forward = true;
-         else bad_value(name, v, "step or forward");
-       }},
-      {{"TIERFLOW_OFFLOAD_GRADIENTS", "off", "on or off",
-        "on: a device model's gradient is freed on the device as soon as its copy to the host is "
-        "done, during backward (p.grad is None from then on, as after zero_grad; clip with "
-        "TIERFLOW_MAX_GRAD_NORM, not clip_grad_norm_; no GradScaler); off: p.grad stays on the device "
-        "until zero_grad, as torch's (see Note [Gradient streaming])"},
-       on_off_parser(&Config::offload_gradients)},
-      {{"TIERFLOW_GRAD_ACCUMULATION_STEPS", "1", "an integer from 1 to 1000000",
-        "backward passes per optimizer step; steps during backward run only in the last one (a "
-        "wrong value costs time, never correctness)"},
-       int_parser(&Config::grad_accumulation_steps, 1, 1000000, "an integer from 1 to 1000000")},
-      {{"TIERFLOW_MAX_GRAD_NORM", "none", "none or a positive number, e.g. 1.0",
-        "clip the global gradient 2-norm to this value before the step, exactly as "
-        "torch.nn.utils.clip_grad_norm_"},
-       [](Config& c, std::string_view name, std::string_view v) {
-         std::string s = lower(trim(v));
-         if (s == "none") {
-           c.max_grad_norm = 0.0;
-           return;
-         }
-         auto x = parse_decimal(s);
-         if (!x || !(*x > 0.0)) bad_value(name, v, "none or a positive number, e.g. 1.0");
-         c.max_grad_norm = *x;
-       }},
-      {{"TIERFLOW_SKIP_NONFINITE", "off", "on or off",
-        "skip the whole step (state untouched) when any gradient holds inf or NaN, as AMP's "
-        "GradScaler does"},
-       on_off_parser(&Config::skip_nonfinite)},
-      {{"TIERFLOW_GPU_OPTIMIZER_FRACTION", "auto", "auto or a number from 0 to 1",
-        "share of the parameters (by elements) of CUDA models whose optimizer state stays on the "
-        "GPU and steps there (Deep Optimizer States); the rest steps on the CPU; auto picks, after "
-        "the first step, the share that makes the CPU's step end with backward (0 without CUDA)"},
-       [](Config& c, std::string_view name, std::string_view v) {
-         std::string s = lower(trim(v));
-         if (s == "auto") {
-           c.gpu_optimizer_fraction_auto = true;
-           c.gpu_optimizer_fraction = 0.0;
-           return;
-         }
-         auto x = parse_decimal(s);
-         if (!x || !(*x >= 0.0 && *x <= 1.0)) bad_value(name, v, "auto or a number from 0 to 1");
-         c.gpu_optimizer_fraction_auto = false;
-         c.gpu_optimizer_fraction = *x == 0.0 ? 0.0 : *x;  // -0 is 0
-       }},
-      {{"TIERFLOW_MIMALLOC", "on", "on or off",
-        "serve tierflow's own small allocations from mimalloc (off: the C library, e.g. under "
-        "sanitizers)"},
-       on_off_parser(&Config::mimalloc)},
-      {{"TIERFLOW_DEVICE", "auto", "one of auto, cuda, emulated",
-        "the GPU tier: cuda drives the CUDA GPU (an error when there is none), emulated uses host "
-        "memory and worker threads (CPU models; see TIERFLOW_EMULATED_DEVICE), auto picks cuda when "
-        "a GPU is present"},
-       [](Config& c, std::string_view name, std::string_view v) {
-         std::string s = lower(trim(v));
-         if (s == "auto") c.device = DeviceChoice::kAuto;
-         else if (s == "cuda") c.device = DeviceChoice::kCuda;
-         else if (s == "emulated") c.device = DeviceChoice::kEmulated;
-         else bad_value(name, v, "one of auto, cuda, emulated");
-       }},
-      {{"TIERFLOW_EMULATED_DEVICE", "polite", "polite or adversarial",
-        "behaviour of the emulated device: adversarial completes copies late and out of order, "
-        "poisons data that a copy reads or writes without being ordered after its producer, and "
-        "poisons and checks freed memory (a test mode that makes stream-ordering bugs visible "
-        "without a GPU; see Note [Adversarial emulated device])"},
-       [](Config& c, std::string_view name, std::string_view v) {
-         std::string s = lower(trim(v));
-         if (s == "polite") c.emulated_device = EmulationMode::kPolite;
-         else if (s == "adversarial") c.emulated_device = EmulationMode::kAdversarial;
-         else bad_value(name, v, "polite or adversarial");
-       }},
-      {{"TIERFLOW_EMULATED_SEED", "1", "an integer from 0 to 2^63",
-        "seed of the adversarial emulated device's random copy delays (the same seed gives the "
-        "same delays for the same sequence of copies)"},
-       [](Config& c, std::string_view name, std::string_view v) {
-         auto n = parse_uint(v, 1ULL << 63);
-         if (!n) bad_value(name, v, "an integer from 0 to 2^63");
-         c.emulated_seed = *n;
-       }},
+// The tiers' budgets and the NVMe engine.
+std::vector<Row> memory_rows() {
+  return {
+    {{"TIERFLOW_GPU_MEMORY", "90%", kBudgetForms,
+      "device memory the activation planner may use (`auto`: the whole step's peak, parameters, "
+      "gradients and optimizer states included); a percentage is of the device's total memory"},
+     budget_parser(&Config::gpu_memory, /*nonzero=*/true)},
+    {{"TIERFLOW_HOST_MEMORY", "50%", kBudgetForms,
+      "pinned host pool budget (offloaded activations, optimizer states, staging); a "
+      "percentage is of physical RAM"},
+     budget_parser(&Config::host_memory, /*nonzero=*/true)},
+    {{"TIERFLOW_NVME_PATHS", "", "a comma-separated list of directories, e.g. /mnt/nvme0,/mnt/nvme1",
+      "directories on NVMe file systems that hold tierflow's swap files"},
+     [](Config& c, std::string_view name, std::string_view v) {
+       // Every item counts: an empty one (",a", "a,", "a,,b") is refused, never dropped.
+       c.nvme_paths.clear();
+       if (trim(v).empty()) return;
+       for (std::size_t b = 0;;) {
+         const std::size_t e = std::min(v.find(',', b), v.size());
+         std::string item = trim(v.substr(b, e - b));
+         if (item.empty())
+           bad_value(name, v, "a comma-separated list of directories with no empty entries",
+                     "item " + std::to_string(c.nvme_paths.size() + 1) + " is empty");
+         c.nvme_paths.push_back(std::move(item));
+         if (e == v.size()) break;
+         b = e + 1;
+       }
+     }},
+    // `auto` is the Budget of kNvmeAutoBytes bytes (swap::kNvmeAutoBytes, Note [NVMe space]).
+    {{"TIERFLOW_NVME_MEMORY", "auto",
+      "auto, or a size (e.g. 512MiB, 1.5GiB, 4096; units B, KiB, MiB, GiB, TiB, KB, MB, GB, TB) or a "
+      "percentage of the free space in (0%, 100%], e.g. 80%",
+      "most bytes each swap file under TIERFLOW_NVME_PATHS may grow to; files grow as the run needs and "
+      "the NVMe optimizer reserves its states at wrap; `auto`: as far as the file system keeps 10% of its "
+      "size free; a percentage is of the free space when the run starts"},
+     [](Config& c, std::string_view name, std::string_view v) {
+       constexpr std::string_view kForms =
+           "auto, or a size (e.g. 512MiB, 1.5GiB, 4096; units B, KiB, MiB, GiB, TiB, KB, MB, GB, TB) or a "
+           "percentage of the free space in (0%, 100%], e.g. 80%";
+       if (trim(v) == "auto") {
+         c.nvme_memory = Budget{kNvmeAutoBytes, 0.0, false};
+         return;
+       }
+       auto b = parse_budget(v);
+       if (!b || (!b->is_fraction && b->bytes == kNvmeAutoBytes)) bad_value(name, v, kForms);
+       c.nvme_memory = *b;
+     }},
+    {{"TIERFLOW_AIO_BLOCK_SIZE", "1MiB", "a multiple of 4KiB from 4KiB to 64MiB, e.g. 1MiB",
+      "request size of NVMe I/O; a block is striped over the paths in requests of this size"},
+     [](Config& c, std::string_view name, std::string_view v) {
+       auto s = parse_size(v);
+       if (!s || *s < 4 * KiB || *s > 64 * MiB || *s % (4 * KiB) != 0)
+         bad_value(name, v, "a multiple of 4KiB from 4KiB to 64MiB, e.g. 1MiB");
+       c.aio_block_size = *s;
+     }},
+    {{"TIERFLOW_AIO_QUEUE_DEPTH", "32", "an integer from 1 to 1024",
+      "NVMe requests kept in flight"},
+     int_parser(&Config::aio_queue_depth, 1, 1024, "an integer from 1 to 1024")},
+    {{"TIERFLOW_NVME_CHECKSUM", "on", "on or off",
+      "checksum every block written to NVMe (XXH3) and verify it on read"},
+     on_off_parser(&Config::nvme_checksum)},
   };
+}
+
+// What goes where, the CPU optimizer's threads, logs, files, activation sizes.
+std::vector<Row> placement_rows() {
+  return {
+    {{"TIERFLOW_OFFLOAD_ACTIVATIONS", "auto", "one of none, host, nvme, recompute, auto",
+      "where tensors saved for backward go: none keeps them on the device; host (nvme) swaps "
+      "every one to the pinned host pool (NVMe); recompute swaps each block's input and "
+      "recomputes the block in backward; auto plans per block (keep, swap a share of the "
+      "tokens, recompute) from the first step's measurements within TIERFLOW_GPU_MEMORY"},
+     target_parser(&Config::offload_activations, true)},
+    {{"TIERFLOW_OFFLOAD_PARAMS", "none", "one of none, host, nvme",
+      "where parameters live between uses (only none is implemented in this version)"},
+     target_parser(&Config::offload_params, false)},
+    {{"TIERFLOW_OFFLOAD_OPTIMIZER", "host", "one of none, host, nvme",
+      "where optimizer states and fp32 master weights live and step: host runs tierflow's CPU "
+      "AdamW, none leaves the optimizer as it is"},
+     target_parser(&Config::offload_optimizer, false)},
+    {{"TIERFLOW_CPU_THREADS", "auto", "auto or an integer from 1 to 1024",
+      "threads of the CPU optimizer's oneTBB arena; auto uses every core"},
+     [](Config& c, std::string_view name, std::string_view v) {
+       std::string s = lower(trim(v));
+       if (s == "auto") {
+         c.cpu_threads = 0;
+         return;
+       }
+       auto n = parse_uint(s, 1024);
+       if (!n || *n < 1) bad_value(name, v, "auto or an integer from 1 to 1024");
+       c.cpu_threads = static_cast<int>(*n);
+     }},
+    {{"TIERFLOW_CPU_ISA", "auto", "one of auto, avx512, avx2, portable",
+      "SIMD path of the CPU optimizer; auto picks the widest this CPU runs (all give the same "
+      "results)"},
+     [](Config& c, std::string_view name, std::string_view v) {
+       std::string s = lower(trim(v));
+       if (s != "auto" && s != "avx512" && s != "avx2" && s != "portable")
+         bad_value(name, v, "one of auto, avx512, avx2, portable");
+       c.cpu_isa = s;
+     }},
+    {{"TIERFLOW_LOG_LEVEL", "warn", "one of error, warn, info, debug",
+      "verbosity of tierflow's messages on stderr"},
+     [](Config& c, std::string_view name, std::string_view v) {
+       std::string s = lower(trim(v));
+       if (s == "error") c.log_level = LogLevel::kError;
+       else if (s == "warn" || s == "warning") c.log_level = LogLevel::kWarn;
+       else if (s == "info") c.log_level = LogLevel::kInfo;
+       else if (s == "debug") c.log_level = LogLevel::kDebug;
+       else bad_value(name, v, "one of error, warn, info, debug");
+     }},
+    {{"TIERFLOW_REPORT", "", "a file path (empty: no file)",
+      "write the statistics report as JSON to this path when the process exits and on every "
+      "tierflow.report() call"},
+     file_parser(&Config::report_path, "a file path (empty: no file)")},
+    {{"TIERFLOW_PROFILE", "", "a file path (empty: measure every run)",
+      "the activation planner's block profile: read from this file when it exists, otherwise "
+      "measured in the first step and written there"},
+     file_parser(&Config::profile_path, "a file path (empty: measure every run)")},
+    {{"TIERFLOW_MIN_OFFLOAD_BYTES", "64KiB", "a size, e.g. 0, 4096, 64KiB, 1MiB",
+      "saved tensors smaller than this stay on the device (copying them costs more than it saves)"},
+     size_parser(&Config::min_offload_bytes, 0, "a size, e.g. 0, 4096, 64KiB, 1MiB")},
+    {{"TIERFLOW_PREFETCH_BYTES", "64MiB", "a size of at least 1 byte, e.g. 8MiB, 256MiB",
+      "how many bytes of offloaded activations backward prefetches ahead of their use"},
+     size_parser(&Config::prefetch_bytes, 1, "a size of at least 1 byte, e.g. 8MiB, 256MiB")},
+    {{"TIERFLOW_PINNED_SLAB_BYTES", "64MiB", "a size of at least 64KiB, e.g. 64MiB, 1GiB",
+      "size of each pinned slab the host pool allocates at once (pinning is slow, so it is "
+      "done per slab, not per tensor)"},
+     size_parser(&Config::pinned_slab_bytes, 64 * KiB, "a size of at least 64KiB, e.g. 64MiB, 1GiB")},
+  };
+}
+
+// The step during backward, clipping, the GPU share.
+std::vector<Row> step_rows() {
+  return {
+    {{"TIERFLOW_OVERLAP_STEP", "on", "on or off",
+      "step each parameter on the CPU as soon as backward completes its gradient, while backward "
+      "goes on; step() then only confirms (see Note [Step during backward])"},
+     on_off_parser(&Config::overlap_step)},
+    {{"TIERFLOW_GRAD_BUCKET_BYTES", "auto", "auto or a size of at least 4KiB, e.g. 16MiB",
+      "gradients travel device->host and step on the CPU in buckets of this size while backward "
+      "goes on; auto: about 16 buckets (4MiB to 64MiB) for the first step, then the largest whose copy and "
+      "CPU step, at the measured link and AdamW rates, take 2% of the measured backward (see Note "
+      "[Gradient streaming])"},
+     [](Config& c, std::string_view name, std::string_view v) {
+       if (lower(trim(v)) == "auto") {
+         c.grad_bucket_bytes = 0;
+         return;
+       }
+       auto s = parse_size(v);
+       if (!s || *s < 4 * KiB) bad_value(name, v, "auto or a size of at least 4KiB, e.g. 16MiB");
+       c.grad_bucket_bytes = *s;
+     }},
+    {{"TIERFLOW_WEIGHTS_RETURN", "step", "step or forward",
+      "when updated weights of a device model are back on the device: step (when step() returns, "
+      "as torch's) or forward (each module's forward waits only for its own weights, so the "
+      "copies overlap the next forward; read parameters outside a forward only after "
+      "optimizer.synchronize())"},
+     [](Config& c, std::string_view name, std::string_view v) {
+       std::string s = lower(trim(v));
+       if (s == "step") c.weights_return_in_forward = false;
+       else if (s == "forward") c.weights_return_in_forward = true;
+       else bad_value(name, v, "step or forward");
+     }},
+    {{"TIERFLOW_OFFLOAD_GRADIENTS", "off", "on or off",
+      "on: a device model's gradient is freed on the device as soon as its copy to the host is "
+      "done, during backward (p.grad is None from then on, as after zero_grad; clip with "
+      "TIERFLOW_MAX_GRAD_NORM, not clip_grad_norm_; no GradScaler); off: p.grad stays on the device "
+      "until zero_grad, as torch's (see Note [Gradient streaming])"},
+     on_off_parser(&Config::offload_gradients)},
+    {{"TIERFLOW_GRAD_ACCUMULATION_STEPS", "1", "an integer from 1 to 1000000",
+      "backward passes per optimizer step; steps during backward run only in the last one (a "
+      "wrong value costs time, never correctness)"},
+     int_parser(&Config::grad_accumulation_steps, 1, 1000000, "an integer from 1 to 1000000")},
+    {{"TIERFLOW_MAX_GRAD_NORM", "none", "none or a positive number, e.g. 1.0",
+      "clip the global gradient 2-norm to this value before the step, exactly as "
+      "torch.nn.utils.clip_grad_norm_"},
+     [](Config& c, std::string_view name, std::string_view v) {
+       std::string s = lower(trim(v));
+       if (s == "none") {
+         c.max_grad_norm = 0.0;
+         return;
+       }
+       auto x = parse_decimal(s);
+       if (!x || !(*x > 0.0)) bad_value(name, v, "none or a positive number, e.g. 1.0");
+       c.max_grad_norm = *x;
+     }},
+    {{"TIERFLOW_SKIP_NONFINITE", "off", "on or off",
+      "skip the whole step (state untouched) when any gradient holds inf or NaN, as AMP's "
+      "GradScaler does"},
+     on_off_parser(&Config::skip_nonfinite)},
+    {{"TIERFLOW_GPU_OPTIMIZER_FRACTION", "auto", "auto or a number from 0 to 1",
+      "share of the parameters (by elements) of CUDA models whose optimizer state stays on the "
+      "GPU and steps there (Deep Optimizer States); the rest steps on the CPU; auto picks, after "
+      "the first step, the share that makes the CPU's step end with backward (0 without CUDA)"},
+     [](Config& c, std::string_view name, std::string_view v) {
+       std::string s = lower(trim(v));
+       if (s == "auto") {
+         c.gpu_optimizer_fraction_auto = true;
+         c.gpu_optimizer_fraction = 0.0;
+         return;
+       }
+       auto x = parse_decimal(s);
+       if (!x || !(*x >= 0.0 && *x <= 1.0)) bad_value(name, v, "auto or a number from 0 to 1");
+       c.gpu_optimizer_fraction_auto = false;
+       c.gpu_optimizer_fraction = *x == 0.0 ? 0.0 : *x;  // -0 is 0
+     }},
+  };
+}
+
+// The allocator and the device (real or emulated).
+std::vector<Row> device_rows() {
+  return {
+    {{"TIERFLOW_MIMALLOC", "on", "on or off",
+      "serve tierflow's own small allocations from mimalloc (off: the C library, e.g. under "
+      "sanitizers)"},
+     on_off_parser(&Config::mimalloc)},
+    {{"TIERFLOW_DEVICE", "auto", "one of auto, cuda, emulated",
+      "the GPU tier: cuda drives the CUDA GPU (an error when there is none), emulated uses host "
+      "memory and worker threads (CPU models; see TIERFLOW_EMULATED_DEVICE), auto picks cuda when "
+      "a GPU is present"},
+     [](Config& c, std::string_view name, std::string_view v) {
+       std::string s = lower(trim(v));
+       if (s == "auto") c.device = DeviceChoice::kAuto;
+       else if (s == "cuda") c.device = DeviceChoice::kCuda;
+       else if (s == "emulated") c.device = DeviceChoice::kEmulated;
+       else bad_value(name, v, "one of auto, cuda, emulated");
+     }},
+    {{"TIERFLOW_EMULATED_DEVICE", "polite", "polite or adversarial",
+      "behaviour of the emulated device: adversarial completes copies late and out of order, "
+      "poisons data that a copy reads or writes without being ordered after its producer, and "
+      "poisons and checks freed memory (a test mode that makes stream-ordering bugs visible "
+      "without a GPU; see Note [Adversarial emulated device])"},
+     [](Config& c, std::string_view name, std::string_view v) {
+       std::string s = lower(trim(v));
+       if (s == "polite") c.emulated_device = EmulationMode::kPolite;
+       else if (s == "adversarial") c.emulated_device = EmulationMode::kAdversarial;
+       else bad_value(name, v, "polite or adversarial");
+     }},
+    {{"TIERFLOW_EMULATED_SEED", "1", "an integer from 0 to 2^63",
+      "seed of the adversarial emulated device's random copy delays (the same seed gives the "
+      "same delays for the same sequence of copies)"},
+     [](Config& c, std::string_view name, std::string_view v) {
+       auto n = parse_uint(v, 1ULL << 63);
+       if (!n) bad_value(name, v, "an integer from 0 to 2^63");
+       c.emulated_seed = *n;
+     }},
+  };
+}
+
+// The table, in its order (docs/configuration.md lists it so).
+const std::vector<Row>& rows() {
+  static const std::vector<Row> kRows = [] {
+    std::vector<Row> all;
+    for (auto part : {memory_rows, placement_rows, step_rows, device_rows}) {
+      std::vector<Row> r = part();
+      all.insert(all.end(), std::make_move_iterator(r.begin()), std::make_move_iterator(r.end()));
+    }
+    return all;
+  }();
   return kRows;
 }
 

@@ -145,137 +145,153 @@ void NvmeAdamStore::remove(std::uint64_t key) noexcept {
   entries_.erase(it);
 }
 
-NvmeAdamStore::StepResult NvmeAdamStore::step(const AdamOptions& options, std::int64_t step,
-                                              const std::vector<Item>& items) {
+// step()'s double buffer: while item i steps in one buffer, item i+1's state
+// is read into the other, whose previous write must have finished first.
+struct NvmeAdamStore::Flight {
+  Flight(NvmeAdamStore& store, const std::vector<Item>& items, std::size_t max_bytes)
+      : s(store), items(items), bufs{PoolBuffer(s.pool_.get(), max_bytes), PoolBuffer(s.pool_.get(), max_bytes)} {}
+  NvmeAdamStore& s;
+  const std::vector<Item>& items;
   StepResult result;
-  if (items.empty()) return result;
-  std::size_t max_bytes = 0;
-  for (const auto& it : items) max_bytes = std::max(max_bytes, state_bytes(entry(it.key)));
-  PoolBuffer bufs[2] = {PoolBuffer(pool_.get(), max_bytes), PoolBuffer(pool_.get(), max_bytes)};
+  PoolBuffer bufs[2];
   swap::TransferHandle reads[2], writes[2];
   std::string read_error[2];       // a read that could not even start
   swap::NvmeBlock fresh[2] = {0, 0};
   std::size_t writer[2] = {0, 0};  // item index whose write a buffer holds
 
-  auto fail = [&](std::size_t i, const std::string& what) {
+  void fail(std::size_t i, const std::string& what) {
     result.failed.push_back(i);
     if (result.first_error.empty()) result.first_error = what;
-  };
-  auto start_read = [&](int b, std::size_t i) {
+  }
+  void start_read(int b, std::size_t i) {
     read_error[b].clear();
-    const Entry& e = entry(items[i].key);
+    const Entry& e = s.entry(items[i].key);
     try {
-      reads[b] = nvme_->read(e.block, bufs[b].p, state_bytes(e));
+      reads[b] = s.nvme_->read(e.block, bufs[b].p, s.state_bytes(e));
     } catch (const io_error& err) {
       reads[b] = swap::TransferHandle();
       read_error[b] = err.what();
     }
-  };
-
-  // Settles buffer b's write: on success the item's key moves to the new block.
-  auto settle = [&](int b) {
-    if (!writes[b].valid()) return;
-    Entry& e = entries_.at(items[writer[b]].key);
-    try {
-      writes[b].wait();
-      nvme_->release(e.block);
-      e.block = fresh[b];
-      stats_.bytes_written += state_bytes(e);
-    } catch (const std::exception& err) {
-      // Keep the previous state, and give the weight its previous value back.
-      nvme_->release(fresh[b]);
-      ++stats_.write_failures;
-      fail(writer[b], err.what());
-      const Item& it = items[writer[b]];
-      if (it.param_out) {
-        try {
-          PoolBuffer old(pool_.get(), state_bytes(e));
-          nvme_->read(e.block, old.p, state_bytes(e)).wait();
-          write_param(it.param_out, it.param_type, old.f(), e.numel);
-        } catch (const std::exception& restore) {
-          log(LogLevel::kError, std::string("NVMe optimizer: could not restore a weight after a failed write: ") +
-                                    restore.what());
-        }
-      }
-    }
-    writes[b] = swap::TransferHandle();
-  };
-
-  start_read(0, 0);
-  try {
-  for (std::size_t i = 0; i < items.size(); ++i) {
-    const int cur = static_cast<int>(i % 2), nxt = 1 - cur;
-    const Entry& e = entry(items[i].key);
-    const std::uint64_t t0 = now_ns();
-    std::string lost = read_error[cur];
+  }
+  // Waits for buffer b's read; returns why its state was lost, or "".
+  std::string wait_read(int b) {
+    std::string lost = read_error[b];
     if (lost.empty()) {
       try {
-        reads[cur].wait();
+        reads[b].wait();
       } catch (const std::exception& err) {
         lost = err.what();
       }
     }
-    reads[cur] = swap::TransferHandle();
-    stats_.read_wait_ns += now_ns() - t0;
-    if (i + 1 < items.size()) {
-      settle(nxt);  // the other buffer's write must finish before it is reused
-      start_read(nxt, i + 1);
-    }
-    if (!lost.empty()) {
-      // Its state cannot be read back (corrupt, or a read error): this item is
-      // not stepped, nothing of it changes, and the others go on.
-      result.lost.push_back(i);
-      fail(i, lost);
-      continue;
-    }
-    stats_.bytes_read += state_bytes(e);
-    // Space for the new state first: without it this item (and the rest) is
-    // not stepped at all, so nothing changes for them.
-    try {
-      fresh[cur] = nvme_->allocate(state_bytes(e));
-    } catch (const std::exception& full) {  // out_of_memory, or io_error of a grow
-      for (std::size_t j = i; j < items.size(); ++j) fail(j, full.what());
-      break;
-    }
-    AdamTensor t;
-    t.numel = e.numel;
-    t.master = bufs[cur].f();
-    t.exp_avg = t.master + e.numel;
-    t.exp_avg_sq = t.master + 2 * e.numel;
-    t.max_exp_avg_sq = e.amsgrad ? t.master + 3 * e.numel : nullptr;
-    t.grad = items[i].grad;
-    t.grad_type = items[i].grad_type;
-    t.param_out = items[i].param_out;
-    t.param_type = items[i].param_type;
-    AdamOptions o = options;
-    o.amsgrad = e.amsgrad && options.amsgrad;
-    adam_.step(o, step, {t});
-    writer[cur] = i;
-    writes[cur] = nvme_->write(fresh[cur], bufs[cur].p, state_bytes(e));
+    reads[b] = swap::TransferHandle();
+    return lost;
   }
-  } catch (...) {
-    // Something unexpected: finish what is in flight before the buffers go.
+  // Settles buffer b's write: on success the item's key moves to the new block.
+  void settle(int b) {
+    if (!writes[b].valid()) return;
+    Entry& e = s.entries_.at(items[writer[b]].key);
+    try {
+      writes[b].wait();
+      s.nvme_->release(e.block);
+      e.block = fresh[b];
+      s.stats_.bytes_written += s.state_bytes(e);
+    } catch (const std::exception& err) {
+      // Keep the previous state, and give the weight its previous value back.
+      s.nvme_->release(fresh[b]);
+      ++s.stats_.write_failures;
+      fail(writer[b], err.what());
+      restore_weight(items[writer[b]], e);
+    }
+    writes[b] = swap::TransferHandle();
+  }
+  void restore_weight(const Item& it, const Entry& e) {
+    if (!it.param_out) return;
+    try {
+      PoolBuffer old(s.pool_.get(), s.state_bytes(e));
+      s.nvme_->read(e.block, old.p, s.state_bytes(e)).wait();
+      write_param(it.param_out, it.param_type, old.f(), e.numel);
+    } catch (const std::exception& restore) {
+      log(LogLevel::kError,
+          std::string("NVMe optimizer: could not restore a weight after a failed write: ") + restore.what());
+    }
+  }
+  // Lets every read land and every write settle (reads may be in flight after a break).
+  void drain() {
     for (int b = 0; b < 2; ++b) {
       try {
         reads[b].wait();
       } catch (...) {
       }
-      settle(b);
     }
+    settle(0);
+    settle(1);
+  }
+};
+
+// Item i, whose state is in buffer i % 2: stepped and written behind. False
+// when no NVMe space is left for it (it and the rest are failed).
+bool NvmeAdamStore::step_item(Flight& f, const AdamOptions& options, std::int64_t step, std::size_t i) {
+  const int cur = static_cast<int>(i % 2), nxt = 1 - cur;
+  const Entry& e = entry(f.items[i].key);
+  const std::uint64_t t0 = now_ns();
+  const std::string lost = f.wait_read(cur);
+  stats_.read_wait_ns += now_ns() - t0;
+  if (i + 1 < f.items.size()) {
+    f.settle(nxt);  // the other buffer's write must finish before it is reused
+    f.start_read(nxt, i + 1);
+  }
+  if (!lost.empty()) {
+    // Its state cannot be read back (corrupt, or a read error): this item is
+    // not stepped, nothing of it changes, and the others go on.
+    f.result.lost.push_back(i);
+    f.fail(i, lost);
+    return true;
+  }
+  stats_.bytes_read += state_bytes(e);
+  // Space for the new state first: without it this item (and the rest) is
+  // not stepped at all, so nothing changes for them.
+  try {
+    f.fresh[cur] = nvme_->allocate(state_bytes(e));
+  } catch (const std::exception& full) {  // out_of_memory, or io_error of a grow
+    for (std::size_t j = i; j < f.items.size(); ++j) f.fail(j, full.what());
+    return false;
+  }
+  AdamTensor t;
+  t.numel = e.numel;
+  t.master = f.bufs[cur].f();
+  t.exp_avg = t.master + e.numel;
+  t.exp_avg_sq = t.master + 2 * e.numel;
+  t.max_exp_avg_sq = e.amsgrad ? t.master + 3 * e.numel : nullptr;
+  t.grad = f.items[i].grad;
+  t.grad_type = f.items[i].grad_type;
+  t.param_out = f.items[i].param_out;
+  t.param_type = f.items[i].param_type;
+  AdamOptions o = options;
+  o.amsgrad = e.amsgrad && options.amsgrad;
+  adam_.step(o, step, {t});
+  f.writer[cur] = i;
+  f.writes[cur] = nvme_->write(f.fresh[cur], f.bufs[cur].p, state_bytes(e));
+  return true;
+}
+
+NvmeAdamStore::StepResult NvmeAdamStore::step(const AdamOptions& options, std::int64_t step,
+                                              const std::vector<Item>& items) {
+  if (items.empty()) return {};
+  std::size_t max_bytes = 0;
+  for (const auto& it : items) max_bytes = std::max(max_bytes, state_bytes(entry(it.key)));
+  Flight f(*this, items, max_bytes);
+  f.start_read(0, 0);
+  try {
+    for (std::size_t i = 0; i < items.size(); ++i)
+      if (!step_item(f, options, step, i)) break;
+  } catch (...) {
+    f.drain();  // something unexpected: finish what is in flight before the buffers go
     throw;
   }
-  // The read of the next item may still be in flight after a break: let it land.
-  for (int b = 0; b < 2; ++b) {
-    try {
-      reads[b].wait();
-    } catch (...) {
-    }
-  }
-  settle(0);
-  settle(1);
+  f.drain();
   ++stats_.steps;
-  std::sort(result.failed.begin(), result.failed.end());
-  return result;
+  std::sort(f.result.failed.begin(), f.result.failed.end());
+  return std::move(f.result);
 }
 
 }  // namespace tierflow::optimizer

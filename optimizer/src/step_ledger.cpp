@@ -277,6 +277,7 @@ void StepLedger::end_window(bool count_taken_back) {
   window_kernel_ns_ = window_kernel_bytes_ = 0;
   partial_.reset();
   stopped_ = false;
+  if (next_clip_norm_ > 0) learned_clip_norm_ = next_clip_norm_;
   generation_ += 1;
   // DDP-style: once one backward has shown the order, buckets follow it.
   if (planned_ && !replanned_ && !arrival_.empty()) {
@@ -300,7 +301,7 @@ bool StepLedger::learn_clip(double max_norm) {
     for (auto& s : slots_) s.clip_base = -1;
     return false;
   }
-  if (max_norm > 0) learned_clip_norm_ = max_norm;
+  if (max_norm > 0) next_clip_norm_ = max_norm;
   return true;
 }
 

@@ -23,6 +23,13 @@ TEST(AutoPlanPhases, RecordsThenTimesThenPlansBeforeTheThirdForward) {
   p.planned();
   EXPECT_EQ(run(p, 2), (std::vector<PhaseAction>{PhaseAction::kNone, PhaseAction::kNone}));
   EXPECT_EQ(p.forwards(), 5);
+  // A refused forward (it raised before running) does not count.
+  AutoPlanPhases refused(false, true, false);
+  EXPECT_EQ(refused.before_forward(), PhaseAction::kNone);
+  refused.forward_refused();
+  EXPECT_EQ(refused.forwards(), 0);
+  EXPECT_EQ(refused.before_forward(), PhaseAction::kNone);
+  EXPECT_EQ(refused.before_forward(), PhaseAction::kStartTiming);
   // A plan that failed (budgets too small) is not tried again by the phases.
   AutoPlanPhases failed(false, true, false);
   run(failed, 3);

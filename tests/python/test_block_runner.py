@@ -1,4 +1,4 @@
-"""The block runner on blocks people write (Note [Activation plans] in _blocks.py): in-place ops after a split
+"""The block runner on blocks people write (Note [Activation plans] in activations/runner.py): in-place ops after a split
 matmul, nn.MultiheadAttention with masks, no hooks once every block is kept, auto under a small host budget."""
 
 import pytest

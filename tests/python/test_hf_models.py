@@ -101,7 +101,7 @@ def test_auto_under_a_tight_budget_offloads_and_matches_the_baseline(tmp_path, d
     with open(path, "w") as f:
         json.dump(profile, f)
     budgets = measured.session.planner.budgets(profile)
-    floor = tierflow._C.forced_plan_json(profile["blocks"], profile["links"], budgets, "recompute")
+    floor = tierflow.activations.plans.plan(profile["blocks"], profile["links"], budgets, mode="recompute")
     base = train(task, 3, False, device=device)
     tier = train(task, 3, True, device=device, profile=path, gpu_memory=str(floor["predicted_device_peak_bytes"]),
                  **settings)

@@ -218,7 +218,7 @@ def test_gradient_accumulation(optimizer, overlap, device, nvme_dir):
 def test_gpu_optimizer_fraction(dtype, device):
     """gpu_optimizer_fraction=0.25: about a quarter of a CUDA model's parameters step on the GPU with
     a kernel that computes what the CPU kernel computes. The emulated device has no CUDA parameters,
-    so there the setting must leave the CPU path exactly as it is (CPUAdamW._assign_gpu_share)."""
+    so there the setting must leave the CPU path exactly as it is (optim/gpu_share.py)."""
     share = train(TASKS["gpt"], STEPS, True, device=device, dtype=dtype, gpu_optimizer_fraction=0.25, **AGGRESSIVE)
     cpu = train(TASKS["gpt"], STEPS, True, device=device, dtype=dtype, gpu_optimizer_fraction=0, **AGGRESSIVE)
     n_params = sum(1 for _ in TASKS["gpt"].make_model().parameters())

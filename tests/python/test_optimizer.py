@@ -294,7 +294,7 @@ def test_gpu_share_is_inert_without_cuda_parameters(device):
 
 
 def test_the_gpu_share_stays_inside_the_device_budget():
-    # _gpu_share.py took up to half the free device memory, ignoring TIERFLOW_GPU_MEMORY: for the 1.34B preset
+    # The GPU share (optim/gpu_share.py) took up to half the free device memory, ignoring TIERFLOW_GPU_MEMORY: for the 1.34B preset
     # at 16 GiB, ~9 GB, and the third forward ran out of memory. Its room is now what the first step left of the
     # budget (the [cuda] matrix case, test_matrix.py::test_gpu_optimizer_fraction, runs the real choice).
     from tierflow.optim.gpu_share import gpu_share_room

@@ -1,4 +1,4 @@
-"""``python -m tierflow plan`` (bindings/python/tierflow/_plan.py) and the transformer estimate it uses."""
+"""``python -m tierflow plan`` (bindings/python/tierflow/cli/plan.py) and the transformer estimate it uses."""
 
 import json
 import os

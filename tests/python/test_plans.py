@@ -135,8 +135,8 @@ def test_auto_under_a_tight_budget_plans_offload_and_matches_the_baseline(tmp_pa
     base = train(task, 4, False, device=device)
     measured, profile, path = _profile_and_plan(tmp_path, task, device)
     session_budgets = _budgets_for(measured, profile)
-    floor = tierflow._C.forced_plan_json(profile["blocks"], profile["links"], session_budgets, "recompute")
-    everything = tierflow._C.forced_plan_json(profile["blocks"], profile["links"], session_budgets, "keep")
+    floor = tierflow.activations.plans.plan(profile["blocks"], profile["links"], session_budgets, mode="recompute")
+    everything = tierflow.activations.plans.plan(profile["blocks"], profile["links"], session_budgets, mode="keep")
     budget = floor["predicted_device_peak_bytes"] + (everything["predicted_device_peak_bytes"]
                                                     - floor["predicted_device_peak_bytes"]) // 3
     tier = train(task, 4, True, device=device, profile=path, gpu_memory=str(budget), **OPT_NONE)
@@ -181,7 +181,7 @@ def test_auto_on_a_slow_link_splits_tokens_and_matches_the_baseline(tmp_path, de
     with open(path, "w") as f:
         json.dump(profile, f)
     budgets = _budgets_for(measured, profile)
-    floor = tierflow._C.forced_plan_json(profile["blocks"], profile["links"], budgets, "recompute")
+    floor = tierflow.activations.plans.plan(profile["blocks"], profile["links"], budgets, mode="recompute")
     tier = train(task, 4, True, device=device, profile=path,
                  gpu_memory=str(floor["predicted_device_peak_bytes"]), **OPT_NONE)
     assert_bit_identical(base, tier)

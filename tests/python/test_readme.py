@@ -129,3 +129,12 @@ def test_anchor_rule():
     assert anchor("Budgets at `wrap`") == "budgets-at-wrap"
     assert anchor("From C++ (LibTorch)") == "from-c-libtorch"
     assert anchors("# A\n## A\n```\n# not a heading\n```\n") == {"a", "a-1"}
+
+
+def test_files_the_readme_names_exist():
+    """The Layout table and "Where each decision lives" name files in backticks: each must be there."""
+    named = re.findall(r"`((?:core|allocator|swap|tiering|optimizer|bindings|tests|benchmarks|examples|docs)/"
+                       r"[\w./-]+\.(?:hpp|cpp|py|md))`", readme())
+    assert len(named) >= 5, named
+    missing = [p for p in named if not os.path.exists(os.path.join(ROOT, p))]
+    assert not missing, f"README.md names files that do not exist: {missing}"

@@ -41,8 +41,6 @@ def resolve_config(**settings: Any) -> dict[str, str]:
 
 def set_explicitly(name: str) -> bool:
     """Whether the ``TIERFLOW_*`` variable ``name`` is set in the environment, not left at its default
-    (``python -m tierflow plan`` budgets the whole device when TIERFLOW_GPU_MEMORY is not set).
-
-    The C++ table does not say where a value came from, so this is the one read of os.environ in the
-    package; it goes once tierflow._C answers it (Config::explicitly_set, bound as _C.config_set_explicitly)."""
-    return name in os.environ
+    (``python -m tierflow plan`` budgets the whole device when TIERFLOW_GPU_MEMORY is not set): the C++
+    table's answer (Config::given)."""
+    return name in _C.config_given({})

@@ -8,14 +8,15 @@ from typing import Any, Optional
 
 import torch
 
+from . import _C
+
 
 def probe_bytes(runtime: Any, most: int = 32 << 20) -> int:
-    """The link probe's buffer size: at most ``most`` and 1/16 of the host room left, so its two pinned
-    buffers take at most an eighth of what TIERFLOW_HOST_MEMORY leaves (4 KiB granules, at least one)."""
+    """The link probe's buffer size (tiering::link_probe_bytes): at most ``most`` and 1/16 of the host room
+    left, so its two pinned buffers take at most an eighth of what TIERFLOW_HOST_MEMORY leaves."""
     pool = runtime.stats().get("host_pool", {})
     in_use = int(pool.get("in_use", {}).get("current", 0)) if isinstance(pool, dict) else 0
-    room = max(int(runtime.host_budget_bytes()) - in_use, 0)
-    return max(min(most, room // 16) // 4096 * 4096, 4096)
+    return int(_C.link_probe_bytes(int(runtime.host_budget_bytes()), in_use, most))
 
 
 def measure_links(runtime: Any, device: torch.device, nbytes: Optional[int] = None) -> dict:

@@ -46,6 +46,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "tierflow/optimizer/cpu_adam.hpp"
+
 namespace tierflow::bindings {
 
 class Runtime;
@@ -98,6 +100,20 @@ class CpuAdamW : public torch::optim::Optimizer {
   // false: nothing had a gradient. Parameters that could not step go to `failed`.
   bool step_group(torch::optim::OptimizerParamGroup& group, std::size_t group_index, std::vector<Failure>& failed,
                   std::string& first_error);
+  // One step number's parameters of a group: in `by_index`, each one's index in the group.
+  struct Batch {
+    std::int64_t step = 0;
+    std::vector<at::Tensor> params;
+    std::size_t group = 0;
+    const std::unordered_map<const void*, std::size_t>* by_index = nullptr;
+  };
+  // The kernel over a batch whose gradients are on the host; false where a parameter did not step.
+  std::vector<bool> run_kernel(const Batch& batch, const torch::optim::AdamWOptions& o,
+                               const optimizer::AdamOptions& ao, const std::vector<at::Tensor>& grads,
+                               const std::vector<at::Tensor>& params_out, std::vector<Failure>& failed,
+                               std::string& first_error);
+  void step_batch(const Batch& batch, const torch::optim::AdamWOptions& o, const optimizer::AdamOptions& ao,
+                  std::vector<Failure>& failed, std::string& first_error);
   void adopt_loaded_state();
 
   std::shared_ptr<Runtime> runtime_;

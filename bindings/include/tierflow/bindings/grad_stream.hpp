@@ -59,7 +59,7 @@
 //     its gradient changed) is decided by optimizer::StepLedger (Note [Step
 //     ledger]); a gradient that the user's clip_grad_norm_ scaled and nothing
 //     else counts as unchanged (Note [Clip picked up] in
-//     bindings/python/tierflow/_clip.py).
+//     bindings/python/tierflow/optim/clip.py).
 //  4. Weights back. Committed weights are copied host -> device after the work
 //     queued on the compute stream (kernels still reading the old value,
 //     rule 1), in forward order (the last bucket first). With

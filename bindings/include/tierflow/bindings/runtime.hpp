@@ -16,7 +16,6 @@
 #include "tierflow/optimizer/cpu_adam.hpp"
 #include "tierflow/optimizer/nvme_adam.hpp"
 #include "tierflow/swap/copy_engine.hpp"
-#include "tierflow/swap/detail/serial_worker.hpp"
 
 namespace tierflow::bindings {
 
@@ -54,7 +53,7 @@ class Runtime {
   /// A CPU tensor whose memory comes from the pinned host pool (zeroed when `zero`).
   at::Tensor host_empty(at::IntArrayRef sizes, at::ScalarType dtype, bool zero);
 
-  /// Out-of-place outputs for adam_step / adam_step_async (all undefined: in place).
+  /// Out-of-place outputs for adam_step (all undefined: in place).
   struct AdamOutputs {
     std::vector<at::Tensor> masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs;
   };
@@ -67,17 +66,6 @@ class Runtime {
                  const std::vector<at::Tensor>& exp_avg_sqs,
                  const std::vector<at::Tensor>& max_exp_avg_sqs, const std::vector<at::Tensor>& grads,
                  const std::vector<at::Tensor>& params_out, const AdamOutputs& outputs = {});
-
-  /// Like adam_step with out-of-place outputs, queued on the optimizer worker
-  /// thread so it runs while the caller (autograd) goes on. The tensors are
-  /// kept alive until the step has run. See Note [Step during backward].
-  void adam_step_async(const optimizer::AdamOptions& options, std::int64_t step,
-                       std::vector<at::Tensor> masters, std::vector<at::Tensor> exp_avgs,
-                       std::vector<at::Tensor> exp_avg_sqs, std::vector<at::Tensor> max_exp_avg_sqs,
-                       std::vector<at::Tensor> grads, std::vector<at::Tensor> params_out,
-                       AdamOutputs outputs);
-  /// Blocks until every queued step has run; rethrows the first failure.
-  void adam_wait();
 
   /// True for a tensor of this runtime's device (CUDA tensors on CUDA; CPU
   /// tensors, the emulated device's, on the emulated device).
@@ -120,7 +108,6 @@ class Runtime {
   std::unique_ptr<optimizer::CpuAdam> adam_;
   std::mutex adam_mutex_;  // one step at a time on the arena; guards opt_stats_
   OptimizerStats opt_stats_;
-  std::unique_ptr<swap::detail::SerialWorker> worker_;  // steps queued by adam_step_async
   std::shared_ptr<swap::NvmeEngine> nvme_;
   std::unique_ptr<optimizer::NvmeAdamStore> nvme_adam_;
 };

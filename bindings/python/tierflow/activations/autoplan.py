@@ -13,34 +13,24 @@ from .. import _C
 from .._links import measure_links
 from .._report import write_json_atomic
 from .blocks import find_blocks
-from .profile import PROFILE_FORMAT, PROFILE_VERSION, profile_from_json  # the file format of `python -m tierflow plan`
+from .plans import BUDGET_FIELDS, block_profile as profile_struct, fields_of, plan as make_plan_dict
+# The file format of `python -m tierflow plan`.
+from .profile import BLOCK_FIELDS, PROFILE_FORMAT, PROFILE_VERSION, profile_from_json
 from .runner import BlockRunner
 from .table import probe_table
 
-NVME_PROBE_BYTES = 64 << 20  # written and read back once through the NVMe engine (Note [NVMe probe])
-
-
 def block_profile(runner: BlockRunner) -> dict:
-    """One BlockProfile (tiering/planner.hpp) from a runner's recorded table and timings."""
+    """One profile block from a runner's recorded table and timings (tiering::measured_block_profile)."""
     t = runner.table
     b = t.bytes_by_class()
     fl = t.flops_by_class()
-    fwd = statistics.median(runner.forward_seconds) if runner.forward_seconds else 0.0
-    total = fl["total"] or 1.0
-    split_s = fwd * fl["split"] / total
-    attention_s = fwd * fl["attention"] / total
-    return {
-        "forward_seconds": fwd,
-        "backward_seconds": 2.0 * fwd,
-        "input_bytes": b["input"],
-        "whole_bytes": b["attention"],
-        "split_bytes": b["split"],
-        "split_recompute_seconds": split_s,
-        "cheap_bytes": b["cheap"],
-        "cheap_recompute_seconds": max(fwd - split_s - attention_s, 0.0),
-        "splittable": bool(t.split_ops),
-        "transient_bytes": 2 * b["input"],
-    }
+    record = _C.BlockRecord(input_bytes=b["input"], attention_bytes=b["attention"], split_bytes=b["split"],
+                            cheap_bytes=b["cheap"], split_flops=float(fl["split"]),
+                            attention_flops=float(fl["attention"]), total_flops=float(fl["total"]),
+                            has_split_ops=bool(t.split_ops),
+                            forward_seconds=statistics.median(runner.forward_seconds) if runner.forward_seconds
+                            else 0.0)
+    return fields_of(_C.measured_block_profile(record), BLOCK_FIELDS)
 
 
 class AutoPlanner:
@@ -54,7 +44,6 @@ class AutoPlanner:
         self.runners = [BlockRunner(session, m, i, self) for i, m in enumerate(modules)]
         self.model_params = [p for p in model.parameters()]
         self.profile_path = cfg["TIERFLOW_PROFILE"]
-        self.forwards = 0
         self.plan: Optional[dict] = None
         self.profile: Optional[dict] = None  # the one the plan was made from
         self.keep_all = False  # the plan keeps every block: no saved-tensor hooks at all
@@ -67,6 +56,13 @@ class AutoPlanner:
         self.loaded_profile: Optional[dict] = None
         if not self.forced and self.profile_path and os.path.exists(self.profile_path):
             self.loaded_profile = load_profile(self.profile_path, len(self.runners))
+        # Note [Auto plan phases]: when to record, time and plan.
+        self.phases = _C.AutoPlanPhases(forced=self.forced, blocks=bool(self.runners),
+                                        loaded_profile=self.loaded_profile is not None)
+
+    @property
+    def forwards(self) -> int:
+        return self.phases.forwards
 
     def remove(self) -> None:
         for r in self.runners:
@@ -94,21 +90,19 @@ class AutoPlanner:
                 f"profiling ({self.forwards} forwards so far; the plan is made before the third)"
         return out
 
-    # The session calls this before every forward of the model.
+    # The session calls this before every forward of the model (Note [Auto plan phases]).
     def before_forward(self) -> None:
-        self.forwards += 1
-        if not self.runners and not self.forced and self.plan is None and self.forwards == 2:
+        action = self.phases.before_forward()
+        if action == _C.PhaseAction.plan_without_blocks:
             self.plan_without_blocks()
-        if self.forced or self.plan is not None or not self.runners:
-            return
-        if self.loaded_profile is not None:
+        elif action == _C.PhaseAction.plan_from_profile:
             self.make_plan(self.loaded_profile)
-        elif self.forwards == 2:
+        elif action == _C.PhaseAction.start_timing:
             for r in self.runners:
                 r.timing = True
             if self._cuda():
                 torch.cuda.reset_peak_memory_stats(self._device())
-        elif self.forwards == 3:
+        elif action == _C.PhaseAction.measure_and_plan:
             for r in self.runners:
                 r.timing = False
             profile = self.measure()
@@ -133,6 +127,7 @@ class AutoPlanner:
         self.plan = {"summary": summary, "blocks": [], "lines": [],
                      "predicted_device_peak_bytes": peak if self.keep_all else budgets["fixed_device_bytes"],
                      "predicted_step_seconds": None}
+        self.phases.planned()
         _C.log("warn", "tierflow activation plan: " + summary)
 
     def measure(self) -> dict:
@@ -140,13 +135,13 @@ class AutoPlanner:
         device = self._device()
         links = measure_links(rt, device)
         if rt.has_nvme_tier:  # Note [NVMe probe]: through the engine, every path, O_DIRECT
-            probe = min(NVME_PROBE_BYTES, int(rt.nvme_available_bytes())) // 4096 * 4096
-            while probe >= 4096:
+            probe = _C.nvme_probe_bytes(int(rt.nvme_available_bytes()))
+            while probe > 0:
                 try:
                     links["nvme_write"], links["nvme_read"] = rt.measure_nvme(probe)
                     break
                 except _C.OutOfMemoryError:  # the free space is in pieces: a smaller block
-                    probe = probe // 2 // 4096 * 4096
+                    probe = _C.next_nvme_probe_bytes(probe)
         return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION,
                 "blocks": [block_profile(r) for r in self.runners], "links": links}
 
@@ -157,48 +152,38 @@ class AutoPlanner:
         return self.model_params[0].device if self.model_params else torch.device("cpu")
 
     def budgets(self, profile: dict) -> dict:
+        """The planner's budgets for `profile` (tiering::session_budgets, Note [Auto plan phases])."""
         rt = self.session.runtime
         cfg = self.session.config
-        param_bytes = sum(p.numel() * p.element_size() for p in self.model_params)
-        fixed = 2 * param_bytes  # parameters and their gradients
-        if cfg["TIERFLOW_OFFLOAD_OPTIMIZER"] == "none":
-            fixed += 2 * sum(p.numel() * 4 for p in self.model_params)  # Adam's m and v in fp32
-        peak = profile.get("measured_peak_bytes")
-        if peak:
-            # The timing step ran the floor (every block recomputed): its device peak minus the largest
-            # block's saved and transient bytes and the window is what the rest of training holds,
-            # workspace and the tensors saved outside the blocks included.
-            largest = max(_saved(b) + int(b["transient_bytes"]) for b in profile["blocks"])
-            window = min(int(cfg["TIERFLOW_PREFETCH_BYTES"]), sum(_saved(b) for b in profile["blocks"]))
-            fixed = max(fixed, peak - largest - window)
         pool = rt.stats().get("host_pool", {})
-        # What is in use (optimizer states, saved tensors): slabs the pool reserved but holds nothing in (the
-        # link probe's, for one) it releases when an allocation needs the room.
-        host_used = int(pool.get("in_use", {}).get("current", 0)) if isinstance(pool, dict) else 0
-        return {
-            "device_bytes": int(rt.device_budget_bytes()),
-            "fixed_device_bytes": int(fixed),
-            "host_bytes": max(int(rt.host_budget_bytes()) - host_used, 0),
-            # What TIERFLOW_NVME_MEMORY and the free space leave beside what is in use (the optimizer's states).
-            "nvme_bytes": int(rt.nvme_available_bytes()) if rt.has_nvme_tier else 0,
-            # The window never holds more than the blocks have saved.
-            "prefetch_bytes": min(int(cfg["TIERFLOW_PREFETCH_BYTES"]),
-                                  sum(_saved(b) for b in profile["blocks"])),
-        }
+        inputs = _C.SessionBudgetInputs(
+            device_budget_bytes=int(rt.device_budget_bytes()), host_budget_bytes=int(rt.host_budget_bytes()),
+            # What is in use (optimizer states, saved tensors): slabs the pool reserved but holds nothing in (the
+            # link probe's, for one) it releases when an allocation needs the room.
+            host_in_use_bytes=int(pool.get("in_use", {}).get("current", 0)) if isinstance(pool, dict) else 0,
+            nvme_available_bytes=int(rt.nvme_available_bytes()) if rt.has_nvme_tier else 0,
+            prefetch_bytes=int(cfg["TIERFLOW_PREFETCH_BYTES"]),
+            parameter_bytes=sum(p.numel() * p.element_size() for p in self.model_params),
+            parameter_elements=sum(p.numel() for p in self.model_params),
+            optimizer_on_device=cfg["TIERFLOW_OFFLOAD_OPTIMIZER"] == "none",
+            measured_peak_bytes=int(profile.get("measured_peak_bytes") or 0))
+        blocks = [profile_struct(b) for b in profile["blocks"]]
+        return fields_of(_C.session_budgets(inputs, blocks), BUDGET_FIELDS)
 
     def make_plan(self, profile: dict) -> None:
         budgets = self.budgets(profile)
         blocks = [dict(b) for b in profile["blocks"]]
-        plan = _C.plan_activations_json(blocks, profile["links"], budgets)
+        plan = make_plan_dict(blocks, profile["links"], budgets)
         # A split is exact only where the suffix matmul gives the full one's bits (Note [Activation plans]).
         unsplittable = self.probe(plan)
         if unsplittable:
             for i in unsplittable:
                 blocks[i]["splittable"] = False
-            plan = _C.plan_activations_json(blocks, profile["links"], budgets)
+            plan = make_plan_dict(blocks, profile["links"], budgets)
             self.probe(plan)
         self.apply(plan)
         self.plan = plan
+        self.phases.planned()
         self.profile = profile
         _C.log("warn", "tierflow activation plan: " + plan["summary"])
         for line in plan["lines"]:

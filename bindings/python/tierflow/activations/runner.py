@@ -462,8 +462,8 @@ class BlockRunner:
         if cache is not None:  # a replay would run on the cache its forward grew (Note [HF caches] in _hf.py)
             self._stack.append(None)  # what _after, called even when this raises, pops
             message = self.cache_refusal(cache)
-            if planner is not None and planner.plan is None and planner.forwards > 0:
-                planner.forwards -= 1  # a refused forward is not one of the profiling steps
+            if planner is not None and planner.plan is None:
+                planner.phases.forward_refused()  # a refused forward is not one of the profiling steps
             raise _C.TierflowError(message)
         sig = self._signature(args, kwargs)
         table = self.tables.get(sig)

@@ -22,9 +22,9 @@ decision alters the step: the clip coefficient, computed with the same torch
 ops as clip_grad_norm_, is exactly 1, and no gradient is non-finite when
 TIERFLOW_SKIP_NONFINITE is on. If so the new buffers are committed (a
 pointer swap) and the old ones return to the pool. If not, the old buffers
-are kept, the parameter is restored from the old master, and the step is
-redone from the gradient as it is now, scaled by the clip coefficient, or
-skipped. A step() that never comes (GradScaler skipping it) is taken back by
+are kept (the parameter was never written: its new value waited in pinned
+memory for step() to confirm it), and the step is redone from the gradient as
+it is now, scaled by the clip coefficient, or skipped. A step() that never comes (GradScaler skipping it) is taken back by
 zero_grad() or by the wrapped model's next forward (a forward before step()
 means that backward was not the last one). The cost is 12 bytes per parameter of
 pinned memory held between a gradient's completion and step(); when the pool
@@ -32,16 +32,15 @@ cannot hold it, that parameter is simply stepped in step(). With gradient
 accumulation, TIERFLOW_GRAD_ACCUMULATION_STEPS says which backward is the
 last one before step(); a wrong value only costs redone steps.
 
-For parameters of the runtime's device (CUDA tensors, or CPU tensors on the
-emulated device) all of this runs in C++, bucket by bucket, with no Python per
-parameter: Note [Gradient streaming] in
-bindings/include/tierflow/bindings/grad_stream.hpp. The per-parameter Python
-hook below serves only a CPU model beside a CUDA runtime.
-
-Between backward() and step() a parameter on the CPU (a CPU model beside a
-CUDA runtime) already holds its new value; step() restores any that it takes
-back. A parameter of the runtime's device (a CUDA tensor, or a CPU tensor on
-the emulated device) gets its new value in step(), when the step is confirmed.
+All of this runs in C++, bucket by bucket, with no Python per parameter: the
+gradients and weights move in Note [Gradient streaming]
+(bindings/include/tierflow/bindings/grad_stream.hpp), and what happens to each
+step is decided once, torch-free, in Note [Step ledger]
+(optimizer/include/tierflow/optimizer/step_ledger.hpp). It covers the
+parameters of the runtime's device (CUDA tensors, or CPU tensors on the
+emulated device); any other parameter (a CPU model beside a CUDA runtime)
+steps in step(). A parameter gets its new value in step(), when its step is
+confirmed.
 
 Note [Optimizer copies] (copies.py) says how gradients, parameters and masters move.
 
@@ -171,15 +170,13 @@ class CPUAdamW(torch.optim.Optimizer):
                 f"which needs TIERFLOW_OVERLAP_STEP=on (it is {cfg['TIERFLOW_OVERLAP_STEP']}) and optimizer "
                 f"states on the host, TIERFLOW_OFFLOAD_OPTIMIZER=host (it is {cfg['TIERFLOW_OFFLOAD_OPTIMIZER']}); "
                 "accepted: those two settings, or TIERFLOW_OFFLOAD_GRADIENTS=off")
-        self._spec: dict = {}          # param -> speculative step in flight or done
-        self._grad_events: dict = {}   # param -> gradients completed since the last step()
         self._hooks = []
         self._gpu = GpuShare(cfg["TIERFLOW_GPU_OPTIMIZER_FRACTION"])  # Deep Optimizer States
         self._overlap_counts = {"early_steps": 0, "committed": 0, "redone": 0, "taken_back": 0, "held": 0,
                                 "skipped_steps": 0}
         # Note [Gradient streaming]: parameters of the runtime's device stream their
-        # gradients from a C++ hook; the rest (a CPU model beside a CUDA runtime) keep
-        # the per-parameter Python hook (_on_grad_ready).
+        # gradients from a C++ hook and step during backward (Note [Step ledger]);
+        # the rest (a CPU model beside a CUDA runtime) step in step().
         self._streaming: Optional[GradientStreaming] = None
         if not self._gpu.auto:
             self._gpu.ensure(self.param_groups)
@@ -188,18 +185,7 @@ class CPUAdamW(torch.optim.Optimizer):
         self._states.check_space(self.param_groups, self._gpu.ids or set())
 
     def _start_streaming(self, runtime: "_C.Runtime", cfg: Any) -> None:
-        """The gradient stream for the parameters of the runtime's device, the Python hook for the others."""
-        # The parameters hold the hook; through a weak reference, so that the
-        # optimizer (and its pinned states) goes when the user drops it: a
-        # bound method would make a cycle through autograd that the garbage
-        # collector cannot see.
-        me = weakref.WeakMethod(self._on_grad_ready)
-
-        def hook(p: torch.Tensor) -> None:
-            method = me()
-            if method is not None:
-                method(p)
-
+        """The gradient stream for the parameters of the runtime's device."""
         streaming = self._streaming = GradientStreaming(runtime, cfg, self._accumulation, self._max_grad_norm,
                                                         self._skip_nonfinite, self._offload_grads)
         gpu = self._gpu.ids or set()
@@ -209,8 +195,6 @@ class CPUAdamW(torch.optim.Optimizer):
                     continue
                 if runtime.on_device(p) and p.is_contiguous() and p.dtype in GRAD_DTYPES and id(p) not in gpu:
                     streaming.add_parameter(p, gi)
-                elif p.device.type == "cpu" or runtime.on_device(p):
-                    self._hooks.append(p.register_post_accumulate_grad_hook(hook))
         begin = weakref.WeakMethod(self._on_backward_begin)
         init = weakref.WeakMethod(self._init_slot)
         streaming.stream.set_callbacks(lambda: begin() and begin()(), lambda slot: init() and init()(slot))
@@ -442,84 +426,23 @@ class CPUAdamW(torch.optim.Optimizer):
                 return group
         return None
 
-    @torch.no_grad()
-    def _on_grad_ready(self, p: torch.Tensor) -> None:
-        count = self._grad_events.get(p, 0) + 1
-        self._grad_events[p] = count
-        if p in self._spec:
-            self._take_back(p)  # its gradient changed again (accumulation went on)
-        if count != self._accumulation or p.grad is None or self._steps_after_backward:
-            return  # (under DDP: no steps during backward, Note [Distributed training])
-        grad = p.grad
-        if grad.is_sparse or grad.dtype not in GRAD_DTYPES or not grad.is_contiguous() or not p.is_contiguous():
-            return  # step() handles (and reports) these
-        group = self._group_of(p)
-        if group is None:
-            return
-        if id(p) in self._gpu.ensure(self.param_groups):
-            return  # steps on the GPU in step()
-        options = self._options(group)
-        state = self.state[p]
-        if len(state) == 0:
-            state = self._init_state(p, group)
-        elif self._master_stale:
-            self._copies.read_into(state["master"], p)
-        step = int(state["step"].item()) + 1
-        vmax = state.get("max_exp_avg_sq") if options["amsgrad"] else None
-        try:
-            outs = [self._copies.host(p, False) for _ in range(4 if options["amsgrad"] else 3)]
-            # A device parameter is written back only when step() confirms: the
-            # new value waits in pinned memory, and taking a step back needs no
-            # restore. Its gradient is staged by the runtime (Note [Optimizer copies]).
-            staging = (self._copies.staging(p)
-                       if self._copies.staged(p) else None)
-            param_out = staging if staging is not None else p.detach()
-            self._runtime.adam_step_async(options, step, [state["master"]], [state["exp_avg"]],
-                                          [state["exp_avg_sq"]], [vmax], [grad], [param_out], [outs[0]], [outs[1]],
-                                          [outs[2]], [outs[3] if options["amsgrad"] else None])
-        except _C.OutOfMemoryError:
-            self._overlap_counts["held"] += 1  # stepped in step() instead
-            return
-        self._spec[p] = {"grad": grad, "version": grad._version, "options": options, "outs": outs, "step": step,
-                         "staging": staging}
-        self._overlap_counts["early_steps"] += 1
-
     def _wait_worker(self) -> None:
-        """Waits for queued early steps; if one failed, takes all of them back before raising."""
+        """Waits for the stream's early steps; if one failed, takes all of them back before raising."""
+        if self._streaming is None:
+            return
         try:
-            self._runtime.adam_wait()
-            if self._streaming is not None:
-                self._streaming.stream.wait_worker()
+            self._streaming.stream.wait_worker()
         except Exception:
-            for p in list(self._spec):
-                self._take_back(p, wait=False)
-            if self._streaming is not None:
-                self._streaming.stream.discard_all()
+            self._streaming.stream.discard_all()
             raise
-
-    def _take_back(self, p: torch.Tensor, wait: bool = True) -> None:
-        """Discards p's early step: the old state stays and p gets the old master back."""
-        if wait:
-            self._wait_worker()
-            if p not in self._spec:
-                return
-        spec = self._spec.pop(p)
-        if spec["staging"] is None:  # a CPU parameter was written early: restore it
-            p.detach().copy_(self.state[p]["master"])
-        self._overlap_counts["taken_back"] += 1
-
-    def _take_back_all(self) -> None:
-        for p in list(self._spec):
-            self._take_back(p)
 
     def has_unconfirmed_steps(self) -> bool:
         """True while parameters hold early steps that no step() has confirmed."""
-        return bool(self._spec) or (self._streaming is not None and self._streaming.stream.has_unconfirmed())
+        return self._streaming is not None and self._streaming.stream.has_unconfirmed()
 
     @torch.no_grad()
     def take_back_unconfirmed(self) -> None:
         """Restores every parameter stepped early but not confirmed (wrap() calls this before a forward)."""
-        self._take_back_all()
         if self._streaming is not None:
             self._streaming.stream.discard_all()
 
@@ -544,11 +467,8 @@ class CPUAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's; also takes back early steps that no step() confirmed."""
-        if self._spec:
-            self._take_back_all()
         if self._streaming is not None:
             self._streaming.stream.end_window()
-        self._grad_events.clear()
         self._states.new_window()  # a new window: the next step() is a step for everyone
         super().zero_grad(set_to_none=set_to_none)
 
@@ -576,7 +496,6 @@ class CPUAdamW(torch.optim.Optimizer):
         watch = self._overlap and not self._master_stale and not self._steps_after_backward
         watched = self.overlap_stats if watch else None
         if self._skip_nonfinite and not finite:
-            self._take_back_all()
             if self._streaming is not None:
                 self._streaming.stream.restore_grads()  # a skipped step leaves p.grad as torch's does
                 self._streaming.stream.end_window()
@@ -603,32 +522,8 @@ class CPUAdamW(torch.optim.Optimizer):
         if watched is not None:
             note_step(self, watched, scale)
         self._copies.finish_uploads()
-        self._grad_events.clear()
         self._master_stale = False
         return loss
-
-    def _confirm(self, p: torch.Tensor, options: dict, scale: float) -> bool:
-        """Commits p's early step if it is exactly the step that step() would take."""
-        spec = self._spec.get(p)
-        if spec is None:
-            return False
-        same = (spec["grad"] is p.grad and spec["version"] == p.grad._version and spec["options"] == options
-                and scale == 1.0 and not self._master_stale)
-        if not same:
-            self._take_back(p)
-            self._overlap_counts["redone"] += 1
-            return False
-        self._spec.pop(p)
-        state = self.state[p]
-        outs = spec["outs"]
-        state["master"], state["exp_avg"], state["exp_avg_sq"] = outs[0], outs[1], outs[2]
-        if options["amsgrad"]:
-            state["max_exp_avg_sq"] = outs[3]
-        state["step"] += 1
-        if spec["staging"] is not None:
-            self._copies.write_param(p, spec["staging"])
-        self._overlap_counts["committed"] += 1
-        return True
 
     def _step_group(self, group: dict, scale: float = 1.0, params: Optional[list] = None) -> Optional[list]:
         options = self._options(group)
@@ -645,10 +540,6 @@ class CPUAdamW(torch.optim.Optimizer):
                 on_gpu.append(p)
                 continue
             if p.grad is None:
-                if p in self._spec:
-                    self._take_back(p)
-                continue
-            if self._confirm(p, options, scale):
                 continue
             grad = p.grad
             check_grad(grad)

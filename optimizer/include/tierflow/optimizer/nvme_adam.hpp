@@ -103,6 +103,8 @@ class NvmeAdamStore {
   void fill_and_write(const Entry& e, swap::NvmeBlock block, const float* master, const float* m, const float* v,
                       const float* vmax);
   const Entry& entry(std::uint64_t key) const;
+  struct Flight;  // step()'s two buffers: one item's read ahead, another's write behind
+  bool step_item(Flight& f, const AdamOptions& options, std::int64_t step, std::size_t i);
 
   std::shared_ptr<swap::NvmeEngine> nvme_;
   std::shared_ptr<allocator::PinnedHostPool> pool_;

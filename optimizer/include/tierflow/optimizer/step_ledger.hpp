@@ -46,8 +46,11 @@
 // before the bound was crossed; the coefficient itself is computed at step()
 // by the caller with torch's own clip_grad_norm_ ops, which makes the result
 // bit-identical to clip_grad_norm_ followed by step(). A user's own
-// clip_grad_norm_ (Note [Clip picked up] in bindings/python/tierflow/_clip.py)
-// teaches the ledger its max_norm: speculation stops from the next backward.
+// clip_grad_norm_ (Note [Clip picked up] in bindings/python/tierflow/optim/clip.py)
+// teaches the ledger its max_norm: speculation stops from the next window
+// (within the window it was seen in, buckets land before or after the clip as
+// the worker happens to run: the stop waits for the window's end, so what is
+// stepped early never depends on that race).
 //
 // Buckets: parameters are cut into buckets in the order backward completes
 // their gradients: the reverse of registration until one backward has been
@@ -207,8 +210,9 @@ class StepLedger {
   /// A clip is about to run: `slot` (its gradient `grad` now) is a candidate if
   /// it streamed, is not released or discarded and is unchanged. Returns that.
   bool clip_candidate(std::size_t slot, GradIdentity grad);
-  /// The clip ran with `max_norm`: speculation uses it from now on. False when
-  /// tierflow clips itself (nothing is picked up).
+  /// The clip ran with `max_norm`: speculation uses it from the next window on
+  /// (buckets of this one may land before or after the clip; their steps do
+  /// not depend on which). False when tierflow clips itself (nothing is picked up).
   bool learn_clip(double max_norm);
   /// After the clip: a candidate whose gradient is `grad` now, scaled by
   /// `coefficient`; `exact`: multiplying by the coefficient in the kernel
@@ -286,7 +290,8 @@ class StepLedger {
   std::uint64_t generation_ = 0;
   std::uint64_t backward_start_ns_ = 0;
   PartialNorms partial_;
-  double learned_clip_norm_ = 0.0;    // the user's clip_grad_norm_ max_norm, once seen
+  double learned_clip_norm_ = 0.0;    // the user's clip_grad_norm_ max_norm, in force
+  double next_clip_norm_ = 0.0;       // ... as last seen, in force from the next window
   std::uint64_t window_kernel_ns_ = 0, window_kernel_bytes_ = 0;
   std::uint64_t last_window_kernel_ns_ = 0, last_window_kernel_bytes_ = 0;
   StepLedgerStats stats_;

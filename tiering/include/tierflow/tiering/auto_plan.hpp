@@ -73,6 +73,10 @@ class AutoPlanPhases {
       : forced_(forced), blocks_(blocks), loaded_(loaded_profile) {}
   /// Counts a forward and says what to do before it.
   PhaseAction before_forward() noexcept;
+  /// The forward just counted was refused before it ran (it raised): not one of the phases' forwards.
+  void forward_refused() noexcept {
+    if (forwards_ > 0) forwards_ -= 1;
+  }
   /// A plan is in force from now on.
   void planned() noexcept { planned_ = true; }
   bool has_plan() const noexcept { return planned_; }
