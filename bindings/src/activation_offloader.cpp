@@ -39,19 +39,6 @@ swap::StagedPipelineOptions ActivationOffloader::pipeline_options() {
 }
 
 namespace {
-// The registry's residence of a block in pipeline state `s`.
-Residence residence_of(swap::StagedState s) {
-  switch (s) {
-    case swap::StagedState::kToHost: return Residence::kInFlightToHost;
-    case swap::StagedState::kOnHost:
-    case swap::StagedState::kOnNvme: return Residence::kOnHost;
-    case swap::StagedState::kToDevice: return Residence::kInFlightToDevice;
-    case swap::StagedState::kReleased: return Residence::kReleased;
-    case swap::StagedState::kOnDevice: break;
-  }
-  return Residence::kResident;
-}
-
 // The device storage a pipeline's device buffer holds (allocated by pack() or allocate_device).
 const c10::Storage& storage_of(const swap::DeviceBuffer& buffer) {
   return *static_cast<const c10::Storage*>(buffer.owner.get());
@@ -61,7 +48,7 @@ const c10::Storage& storage_of(const swap::DeviceBuffer& buffer) {
 void ActivationOffloader::follow_pipeline(std::uint64_t id, swap::StagedState to) {
   auto& reg = schedule_.registry();
   const auto block = static_cast<BlockId>(id);
-  const Residence r = residence_of(to);
+  const Residence r = tiering::residence_of(to);
   if (reg.residence(block) != r) reg.transition(block, r);
 }
 
@@ -244,6 +231,7 @@ at::Tensor ActivationOffloader::unpack(const std::shared_ptr<SavedHandle>& handl
       ++stats_.forwarded;
       break;
     case Residence::kOnHost:  // nobody prefetched it: fetch now and wait
+    case Residence::kOnNvme:
       ++stats_.unprefetched;
       prefetch_locked(b.id);
       ++stats_.stalls;
@@ -258,7 +246,7 @@ at::Tensor ActivationOffloader::unpack(const std::shared_ptr<SavedHandle>& handl
     case Residence::kReleased:
       break;
   }
-  if (reg.residence(b.id) == Residence::kOnHost) pipeline_.fetch_or_throw(b.id);
+  if (tiering::off_device(reg.residence(b.id))) pipeline_.fetch_or_throw(b.id);
   if (reg.residence(b.id) == Residence::kInFlightToDevice) {
     const std::uint64_t t0 = now_ns();
     pipeline_.complete_fetch(b.id);  // the current stream waits for the copy; raises a failed read
@@ -308,6 +296,7 @@ ActivationOffloaderStats ActivationOffloader::stats() const {
   s.nvme_full = p.nvme_full;
   s.device_bytes = schedule_.registry().device_bytes().values();
   s.host_bytes = schedule_.registry().host_bytes().values();
+  s.nvme_bytes = schedule_.registry().nvme_bytes().values();
   return s;
 }
 

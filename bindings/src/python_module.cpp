@@ -139,6 +139,7 @@ py::dict runtime_stats(const Runtime& rt) {
   acts["nvme"] = stat_dict(a, kNvmeFields);
   acts["device_bytes"] = stat_dict(a.device_bytes);
   acts["host_bytes"] = stat_dict(a.host_bytes);
+  acts["nvme_bytes"] = stat_dict(a.nvme_bytes);
   py::dict host = stat_dict(pool, kPoolFields);
   host["budget_bytes"] = rt.host_pool()->budget_bytes();
   host["pinned"] = rt.host_pool()->cuda_pinned();

@@ -31,6 +31,11 @@ def test_activations_on_nvme_are_bit_identical(nvme_dir, device):
     assert tier.report["activations"]["kept_small"] == 0
     assert tier.report["host_pool"]["in_use"]["current"] == 0, "staging returned to the pool"
     assert tier.report["activations"]["device_bytes"]["current"] == 0, "every saved block released after backward"
+    # Note [Block residences]: written behind, a block counts on NVMe and no longer on the host.
+    acts = tier.report["activations"]
+    assert acts["nvme_bytes"]["peak"] > 0 and acts["nvme_bytes"]["current"] == 0, acts["nvme_bytes"]
+    assert acts["host_bytes"]["current"] == 0, acts["host_bytes"]
+    assert "saved activations on NVMe only, peak" in str(tier.report)
 
 
 def test_demo_gpt_with_activations_on_nvme_matches_the_baseline(nvme_dir, device):

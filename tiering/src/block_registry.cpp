@@ -11,10 +11,23 @@ std::string_view to_string(Residence r) noexcept {
     case Residence::kResident: return "resident";
     case Residence::kInFlightToHost: return "in-flight-to-host";
     case Residence::kOnHost: return "on-host";
+    case Residence::kOnNvme: return "on-nvme";
     case Residence::kInFlightToDevice: return "in-flight-to-device";
     case Residence::kReleased: return "released";
   }
   return "?";
+}
+
+Residence residence_of(swap::StagedState s) noexcept {
+  switch (s) {
+    case swap::StagedState::kOnDevice: return Residence::kResident;
+    case swap::StagedState::kToHost: return Residence::kInFlightToHost;
+    case swap::StagedState::kOnHost: return Residence::kOnHost;
+    case swap::StagedState::kOnNvme: return Residence::kOnNvme;
+    case swap::StagedState::kToDevice: return Residence::kInFlightToDevice;
+    case swap::StagedState::kReleased: return Residence::kReleased;
+  }
+  return Residence::kReleased;
 }
 
 bool BlockRegistry::on_device(Residence r) noexcept {
@@ -44,34 +57,38 @@ BlockId BlockRegistry::add(std::size_t bytes, Residence initial) {
   return static_cast<BlockId>(blocks_.size() - 1);
 }
 
+bool BlockRegistry::legal(Residence from, Residence to) noexcept {
+  switch (from) {
+    case Residence::kResident:
+      return to == Residence::kInFlightToHost || to == Residence::kReleased;
+    case Residence::kInFlightToHost:
+      return to == Residence::kOnHost || to == Residence::kResident || to == Residence::kReleased;
+    case Residence::kOnHost:
+      return to == Residence::kOnNvme || to == Residence::kInFlightToDevice || to == Residence::kReleased;
+    case Residence::kOnNvme:
+      return to == Residence::kInFlightToDevice || to == Residence::kReleased;
+    case Residence::kInFlightToDevice:
+      return to == Residence::kResident || to == Residence::kReleased;
+    case Residence::kReleased:
+      return false;
+  }
+  return false;
+}
+
+void BlockRegistry::count(Stat& stat, bool before, bool after, std::int64_t bytes) {
+  if (before && !after) stat.decrease(bytes);
+  if (!before && after) stat.increase(bytes);
+}
+
 void BlockRegistry::transition(BlockId id, Residence to) {
   const Entry& e = at(id);
   const Residence from = e.where;
-  bool legal = false;
-  switch (from) {
-    case Residence::kResident:
-      legal = to == Residence::kInFlightToHost || to == Residence::kReleased;
-      break;
-    case Residence::kInFlightToHost:
-      legal = to == Residence::kOnHost || to == Residence::kResident || to == Residence::kReleased;
-      break;
-    case Residence::kOnHost:
-      legal = to == Residence::kInFlightToDevice || to == Residence::kReleased;
-      break;
-    case Residence::kInFlightToDevice:
-      legal = to == Residence::kResident || to == Residence::kReleased;
-      break;
-    case Residence::kReleased:
-      legal = false;
-      break;
-  }
-  TIERFLOW_EXPECTS(legal, "BlockRegistry: block " + std::to_string(id) + " cannot move from " +
-                              std::string(to_string(from)) + " to " + std::string(to_string(to)));
+  TIERFLOW_EXPECTS(legal(from, to), "BlockRegistry: block " + std::to_string(id) + " cannot move from " +
+                                        std::string(to_string(from)) + " to " + std::string(to_string(to)));
   const auto b = static_cast<std::int64_t>(e.bytes);
-  if (on_device(from) && !on_device(to)) device_.decrease(b);
-  if (!on_device(from) && on_device(to)) device_.increase(b);
-  if (on_host(from) && !on_host(to)) host_.decrease(b);
-  if (!on_host(from) && on_host(to)) host_.increase(b);
+  count(device_, on_device(from), on_device(to), b);
+  count(host_, on_host(from), on_host(to), b);
+  count(nvme_, from == Residence::kOnNvme, to == Residence::kOnNvme, b);
   if (to == Residence::kReleased) --live_;
   blocks_[id].where = to;
 }

@@ -66,6 +66,9 @@ class Report(dict):
             ("CPU optimizer", ""),
             ("  steps", f'{o["steps"]} ({o["step_ms"]:.1f} ms, {o["elements"]} element updates, {o["threads"] or "all"} threads, {o.get("isa", "?")})'),
         ]
+        if a["nvme_bytes"]["peak"]:  # Note [Block residences]: blocks whose only copy was on NVMe
+            rows.insert(rows.index(("links", "")), ("  saved activations on NVMe only, peak",
+                                                    fmt_bytes(a["nvme_bytes"]["peak"])))
         ov = o.get("overlap") or {}
         if ov:
             rows.append(("  stepped during backward", f'{ov["early_steps"]} (committed {ov["committed"]}, redone {ov["redone"]}, '

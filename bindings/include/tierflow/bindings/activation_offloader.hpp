@@ -86,6 +86,7 @@ struct ActivationOffloaderStats {
   std::uint64_t staging_waits = 0;      ///< times a transfer waited for staging memory (back-pressure)
   StatValues device_bytes;              ///< bytes of saved activations held on the device
   StatValues host_bytes;                ///< bytes of saved activations held on the host
+  StatValues nvme_bytes;                ///< bytes of saved activations held on NVMe only (Note [Block residences])
 };
 
 class ActivationOffloader;

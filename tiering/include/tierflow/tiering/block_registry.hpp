@@ -1,5 +1,23 @@
 // The block registry: one entry per managed tensor storage, with its
 // residence and the legal transitions between residences.
+//
+// Note [Block residences]
+// ~~~~~~~~~~~~~~~~~~~~~~~
+// A block is where its bytes are, one tier at a time: on the device, on the
+// way to the host, in pinned host memory, on NVMe only, on the way back, or
+// released. The staged pipeline (Note [Staged pipeline]) moves the bytes and
+// reports each of its states; residence_of() says which residence that is,
+// and the registry refuses any move the pipeline should never make (a block
+// that jumps from the device to NVMe, or comes back from NVMe without a read
+// in flight). Each residence counts its bytes on the tiers that hold them:
+//   device: kResident, kInFlightToHost (its device copy is kept until the copy
+//           lands), kInFlightToDevice (the destination is allocated);
+//   host:   kInFlightToHost, kOnHost, kInFlightToDevice (staging, or the host
+//           copy read from);
+//   NVMe:   kOnNvme (the only copy; its staging went back to the pool).
+// A block coming back from NVMe holds host staging and device memory while
+// in flight, as one from the host does; its NVMe space is freed when it is
+// released (NvmeEngine::release).
 #pragma once
 
 #include <cstddef>
@@ -8,28 +26,38 @@
 #include <vector>
 
 #include "tierflow/core/stats.hpp"
+#include "tierflow/swap/staged_pipeline.hpp"
 
 namespace tierflow::tiering {
 
 /// Index of a block within one forward pass (the order it was saved in).
 using BlockId = std::uint32_t;
 
-/// Where a block's bytes are. Legal moves (anything else is a logic_error):
+/// Where a block's bytes are (Note [Block residences]). Legal moves (anything
+/// else is a logic_error):
 ///   kResident         -> kInFlightToHost | kReleased
 ///   kInFlightToHost   -> kOnHost | kResident (forwarded: the device copy is kept) | kReleased
-///   kOnHost           -> kInFlightToDevice | kReleased
+///   kOnHost           -> kOnNvme (written behind) | kInFlightToDevice | kReleased
+///   kOnNvme           -> kInFlightToDevice (read ahead) | kReleased
 ///   kInFlightToDevice -> kResident | kReleased
 ///   kReleased         -> (none)
 enum class Residence : std::uint8_t {
   kResident,
   kInFlightToHost,
   kOnHost,
+  kOnNvme,
   kInFlightToDevice,
   kReleased,
 };
 
 /// Name of a residence, for messages.
 std::string_view to_string(Residence r) noexcept;
+
+/// True for a block whose bytes are only on the host or NVMe (a read must fetch it).
+constexpr bool off_device(Residence r) noexcept { return r == Residence::kOnHost || r == Residence::kOnNvme; }
+
+/// The residence of a block in the staged pipeline's state `s`.
+Residence residence_of(swap::StagedState s) noexcept;
 
 /// Registry of the blocks of one step, with device/host byte accounting.
 class BlockRegistry {
@@ -53,10 +81,13 @@ class BlockRegistry {
   const Stat& device_bytes() const noexcept { return device_; }
   /// Bytes that hold host memory (offloaded or with a copy in flight).
   const Stat& host_bytes() const noexcept { return host_; }
-  /// Resets the peaks of both statistics to their current values.
+  /// Bytes whose only copy is on NVMe.
+  const Stat& nvme_bytes() const noexcept { return nvme_; }
+  /// Resets the peaks of the statistics to their current values.
   void reset_peaks() noexcept {
     device_.reset_peak();
     host_.reset_peak();
+    nvme_.reset_peak();
   }
 
  private:
@@ -66,12 +97,15 @@ class BlockRegistry {
   };
   static bool on_device(Residence r) noexcept;
   static bool on_host(Residence r) noexcept;
+  static bool legal(Residence from, Residence to) noexcept;
+  static void count(Stat& stat, bool before, bool after, std::int64_t bytes);
   const Entry& at(BlockId id) const;
 
   std::vector<Entry> blocks_;
   std::size_t live_ = 0;
   Stat device_;
   Stat host_;
+  Stat nvme_;
 };
 
 }  // namespace tierflow::tiering
