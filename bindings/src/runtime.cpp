@@ -1,7 +1,5 @@
 #include "tierflow/bindings/runtime.hpp"
 
-#include <sys/statvfs.h>
-
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
@@ -18,19 +16,6 @@
 namespace tierflow::bindings {
 namespace {
 
-void refuse_unimplemented(const Config& c) {
-  if (c.offload_activations == OffloadTarget::kNvme && c.nvme_paths.empty())
-    throw config_error("TIERFLOW_OFFLOAD_ACTIVATIONS='nvme' needs TIERFLOW_NVME_PATHS: a comma-separated "
-                       "list of directories on NVMe file systems");
-  if (c.offload_optimizer == OffloadTarget::kNvme && c.nvme_paths.empty())
-    throw config_error("TIERFLOW_OFFLOAD_OPTIMIZER='nvme' needs TIERFLOW_NVME_PATHS: a comma-separated "
-                       "list of directories on NVMe file systems");
-  if (c.offload_params != OffloadTarget::kNone)
-    throw config_error("TIERFLOW_OFFLOAD_PARAMS='" + std::string(to_string(c.offload_params)) +
-                       "': parameter offload is not available in this version of tierflow; "
-                       "accepted here: none");
-}
-
 void check_cpu_contiguous(const at::Tensor& t, const char* what, std::size_t i, std::int64_t numel) {
   TIERFLOW_EXPECTS(t.defined() && t.is_cpu() && t.is_contiguous(),
                    std::string("tierflow CPU Adam: ") + what + " " + std::to_string(i) +
@@ -43,71 +28,28 @@ void check_cpu_contiguous(const at::Tensor& t, const char* what, std::size_t i, 
 }  // namespace
 
 Runtime::Runtime(Config config, swap::NvmeFaults* nvme_faults, std::shared_ptr<const swap::CopyFaults> copy_faults)
-    : config_(std::move(config)), nvme_faults_(nvme_faults) {
-  refuse_unimplemented(config_);
+    : config_(std::move(config)), tiers_(config_, nvme_faults, std::move(copy_faults)) {
   set_log_level(config_.log_level);
-  if (config_.device == DeviceChoice::kCuda && !allocator::cuda_available())
-    throw config_error(std::string("TIERFLOW_DEVICE='cuda': ") +
-                       (allocator::cuda_compiled() ? "no CUDA GPU is usable on this machine"
-                                                   : "tierflow was built without the CUDA backend") +
-                       "; accepted here: auto, emulated");
-  const bool use_cuda = config_.device == DeviceChoice::kCuda ||
-                        (config_.device == DeviceChoice::kAuto && allocator::cuda_available());
-  const auto kind = use_cuda ? allocator::DeviceKind::kCuda : allocator::DeviceKind::kEmulated;
+  const tiering::TierSettings& s = tiers_.settings();
+  adversarial_ = s.adversarial;
   // Note [Adversarial emulated device]: the pool, the copy engine and torch's
   // CPU allocator (the emulated device's memory) all turn hostile together.
-  adversarial_ = kind == allocator::DeviceKind::kEmulated && config_.emulated_device == EmulationMode::kAdversarial;
-  allocator::PinnedHostPoolOptions po;
-  po.budget_bytes = config_.host_memory.resolve(allocator::host_capacity_bytes());
-  po.slab_bytes = config_.pinned_slab_bytes;
-  po.cuda_pinned = kind == allocator::DeviceKind::kCuda;
-  po.poison_freed = adversarial_;
-  pool_ = std::make_shared<allocator::PinnedHostPool>(po);
-  swap::EmulatedCopyOptions eo;
-  eo.adversarial = adversarial_;
-  eo.seed = config_.emulated_seed;
-  engine_ = std::shared_ptr<swap::CopyEngine>(swap::make_copy_engine(kind, std::move(copy_faults), eo));
   if (adversarial_) install_poisoning_device_memory();
-
   ActivationOffloaderOptions ao;
-  ao.schedule.target = config_.offload_activations;
-  ao.schedule.prefetch_bytes = config_.prefetch_bytes;
-  ao.min_offload_bytes = config_.min_offload_bytes;
-  ao.schedule.keep_tail_bytes = config_.prefetch_bytes;
-  std::shared_ptr<swap::NvmeEngine> nvme;
-  // Planned activations (auto, recompute) may use the NVMe tier when it is configured.
-  const bool planned = config_.offload_activations == OffloadTarget::kAuto ||
-                       config_.offload_activations == OffloadTarget::kRecompute;
-  const bool activations_on_nvme = config_.offload_activations == OffloadTarget::kNvme ||
-                                   (planned && !config_.nvme_paths.empty());
-  if (activations_on_nvme || config_.offload_optimizer == OffloadTarget::kNvme) {
-    swap::NvmeEngineOptions no;
-    no.paths = config_.nvme_paths;
-    std::uint64_t smallest_free = ~std::uint64_t{0};
-    for (const auto& p : no.paths) {
-      struct statvfs fs {};
-      if (statvfs(p.c_str(), &fs) != 0)
-        throw config_error("TIERFLOW_NVME_PATHS: '" + p + "' is not an accessible directory: " + std::strerror(errno));
-      smallest_free = std::min<std::uint64_t>(smallest_free, static_cast<std::uint64_t>(fs.f_bavail) * fs.f_frsize);
-    }
-    no.bytes_per_path = config_.nvme_memory.resolve(smallest_free);
-    no.block_bytes = config_.aio_block_size;
-    no.queue_depth = static_cast<unsigned>(config_.aio_queue_depth);
-    no.checksums = config_.nvme_checksum;
-    no.faults = nvme_faults_;
-    nvme = std::make_shared<swap::NvmeEngine>(no);
-    nvme_ = nvme;
-  }
-  offloader_ = std::make_shared<ActivationOffloader>(ao, pool_, engine_, activations_on_nvme ? nvme : nullptr);
-  log(LogLevel::kInfo, std::string("runtime on the ") + std::string(allocator::to_string(kind)) +
-                           " device, host pool budget " + format_bytes(po.budget_bytes));
+  ao.schedule = s.schedule;
+  ao.min_offload_bytes = s.min_offload_bytes;
+  offloader_ = std::make_shared<ActivationOffloader>(ao, host_pool(), copy_engine(),
+                                                     s.activations_on_nvme ? nvme_engine() : nullptr);
+  log(LogLevel::kInfo, std::string("runtime on the ") + std::string(allocator::to_string(device_kind())) +
+                           " device, host pool budget " + format_bytes(s.pool.budget_bytes));
 }
 
 Runtime::~Runtime() { nvme_adam_.reset(); }
 
 optimizer::NvmeAdamStore& Runtime::nvme_adam() {
-  TIERFLOW_EXPECTS(nvme_ != nullptr, "optimizer states on NVMe need TIERFLOW_OFFLOAD_OPTIMIZER=nvme");
-  if (!nvme_adam_) nvme_adam_ = std::make_unique<optimizer::NvmeAdamStore>(nvme_, pool_, config_.cpu_threads, cpu_isa());
+  TIERFLOW_EXPECTS(has_nvme(), "optimizer states on NVMe need TIERFLOW_OFFLOAD_OPTIMIZER=nvme");
+  if (!nvme_adam_)
+    nvme_adam_ = std::make_unique<optimizer::NvmeAdamStore>(nvme_engine(), host_pool(), config_.cpu_threads, cpu_isa());
   return *nvme_adam_;
 }
 
@@ -130,15 +72,15 @@ at::Tensor Runtime::host_empty(at::IntArrayRef sizes, at::ScalarType dtype, bool
     numel *= s;
   }
   const std::size_t bytes = static_cast<std::size_t>(numel) * c10::elementSize(dtype);
-  void* p = pool_->allocate(bytes == 0 ? 1 : bytes);
+  auto pool = host_pool();  // the tensor keeps the pool alive
+  void* p = pool->allocate(bytes == 0 ? 1 : bytes);
   if (zero) std::memset(p, 0, bytes);
-  auto pool = pool_;  // the tensor keeps the pool alive
   return at::from_blob(p, sizes, [pool](void* ptr) { pool->deallocate(ptr); },
                        at::TensorOptions().dtype(dtype).device(at::kCPU));
 }
 
 bool Runtime::on_device(const at::Tensor& t) const {
-  return on_engine_device(*engine_, t);
+  return on_engine_device(*copy_engine(), t);
 }
 
 namespace {
@@ -157,19 +99,21 @@ swap::TransferHandle Runtime::copy_to_host(const at::Tensor& dst, const at::Tens
   check_copy_pair(dst, src, "copy_to_host");
   TIERFLOW_EXPECTS(on_device(src), "copy_to_host: the source must be a tensor of the runtime's device (" +
                                        std::string(allocator::to_string(device_kind())) + ")");
-  return engine_->copy(swap::Direction::kDeviceToHost, dst.data_ptr(), src.data_ptr(), src.nbytes(), {},
-                       compute_stream_of(*engine_, src.device()));
+  swap::CopyEngine& engine = *copy_engine();
+  return engine.copy(swap::Direction::kDeviceToHost, dst.data_ptr(), src.data_ptr(), src.nbytes(), {},
+                     compute_stream_of(engine, src.device()));
 }
 
 swap::TransferHandle Runtime::copy_to_device(const at::Tensor& dst, const at::Tensor& src) {
   check_copy_pair(src, dst, "copy_to_device");
   TIERFLOW_EXPECTS(on_device(dst), "copy_to_device: the destination must be a tensor of the runtime's device (" +
                                        std::string(allocator::to_string(device_kind())) + ")");
-  const swap::StreamRef compute = compute_stream_of(*engine_, dst.device());
+  swap::CopyEngine& engine = *copy_engine();
+  const swap::StreamRef compute = compute_stream_of(engine, dst.device());
   // After the kernels that still read the old value (rule 1); before any
   // kernel queued from now on reads the new one (rule 2).
-  auto h = engine_->copy(swap::Direction::kHostToDevice, dst.data_ptr(), src.data_ptr(), dst.nbytes(), {}, compute);
-  engine_->make_stream_wait(compute, h);
+  auto h = engine.copy(swap::Direction::kHostToDevice, dst.data_ptr(), src.data_ptr(), dst.nbytes(), {}, compute);
+  engine.make_stream_wait(compute, h);
   return h;
 }
 

@@ -66,26 +66,21 @@ void bind_runtime_tiers(py::class_<Runtime, std::shared_ptr<Runtime>>& c) {
         return rt.activations()->pack(t, to);
       }, "pack() with a block plan's decision: policy, keep, host or nvme.")
       .def_property_readonly("has_nvme_tier", [](Runtime& rt) { return rt.activations()->has_nvme(); })
-      .def("device_budget_bytes", [](Runtime& rt) {
-        return rt.config().gpu_memory.resolve(allocator::device_capacity_bytes(rt.device_kind()));
-      }, "TIERFLOW_GPU_MEMORY in bytes on this runtime's device.")
-      .def("host_budget_bytes", [](Runtime& rt) {
-        return rt.config().host_memory.resolve(allocator::host_capacity_bytes());
-      }, "TIERFLOW_HOST_MEMORY in bytes.")
+      .def("device_budget_bytes", [](Runtime& rt) { return rt.tiers().device_budget_bytes(); },
+           "TIERFLOW_GPU_MEMORY in bytes on this runtime's device.")
+      .def("host_budget_bytes", [](Runtime& rt) { return rt.tiers().host_budget_bytes(); },
+           "TIERFLOW_HOST_MEMORY in bytes.")
       .def("measure_nvme", [](Runtime& rt, std::uint64_t bytes) {
-        if (!rt.nvme_engine()) throw config_error("Runtime.measure_nvme: no NVMe tier; set TIERFLOW_NVME_PATHS");
-        allocator::AlignedBuffer buffer(bytes);
         swap::NvmeBandwidth bw;
         {
           py::gil_scoped_release release;
-          bw = swap::measure_bandwidth(*rt.nvme_engine(), buffer.data(), bytes);
+          bw = rt.tiers().measure_nvme(bytes);
         }
         return py::make_tuple(bw.write_bytes_per_second, bw.read_bytes_per_second);
       }, py::arg("bytes"),
          "(write, read) bytes/s of `bytes` through the NVMe engine, every path, O_DIRECT (Note [NVMe probe]).")
-      .def("nvme_available_bytes", [](Runtime& rt) -> std::uint64_t {
-        return rt.nvme_engine() ? rt.nvme_engine()->available_bytes() : 0;
-      }, "Bytes the NVMe tier can still place now (TIERFLOW_NVME_MEMORY, the free space, what is in use); 0 without one.")
+      .def("nvme_available_bytes", [](Runtime& rt) { return rt.tiers().nvme_available_bytes(); },
+           "Bytes the NVMe tier can still place now (TIERFLOW_NVME_MEMORY, the free space, what is in use); 0 without one.")
       .def("unpack", [](Runtime& rt, const std::shared_ptr<SavedHandle>& h) {
         return rt.activations()->unpack(h);
       })

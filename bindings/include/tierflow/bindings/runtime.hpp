@@ -16,6 +16,7 @@
 #include "tierflow/optimizer/cpu_adam.hpp"
 #include "tierflow/optimizer/nvme_adam.hpp"
 #include "tierflow/swap/copy_engine.hpp"
+#include "tierflow/tiering/tiers.hpp"
 
 namespace tierflow::bindings {
 
@@ -26,7 +27,8 @@ struct OptimizerStats {
   std::uint64_t step_ns = 0;      ///< time inside the CPU step
 };
 
-/// One tierflow runtime. Construct it from a validated Config.
+/// One tierflow runtime: the tiers (tiering::Tiers, Note [Tiers from the
+/// configuration]) with torch's tensors on top. Construct it from a validated Config.
 class Runtime {
  public:
   /// Builds the tiers for `config`; throws config_error for settings this
@@ -40,13 +42,15 @@ class Runtime {
   /// The configuration in force.
   const Config& config() const noexcept { return config_; }
   /// The GPU tier's backend (CUDA when a GPU is present, else emulated).
-  allocator::DeviceKind device_kind() const noexcept { return engine_->device(); }
+  allocator::DeviceKind device_kind() const noexcept { return tiers_.device(); }
   /// True on the adversarial emulated device (Note [Adversarial emulated device]).
   bool adversarial() const noexcept { return adversarial_; }
   /// The pinned host pool (host tier).
-  const std::shared_ptr<allocator::PinnedHostPool>& host_pool() const noexcept { return pool_; }
+  const std::shared_ptr<allocator::PinnedHostPool>& host_pool() const noexcept { return tiers_.host_pool(); }
   /// The copy engine between the GPU tier and the host tier.
-  const std::shared_ptr<swap::CopyEngine>& copy_engine() const noexcept { return engine_; }
+  const std::shared_ptr<swap::CopyEngine>& copy_engine() const noexcept { return tiers_.copy_engine(); }
+  /// The tiers and their budgets.
+  const tiering::Tiers& tiers() const noexcept { return tiers_; }
   /// The saved-activation hooks.
   const std::shared_ptr<ActivationOffloader>& activations() const noexcept { return offloader_; }
 
@@ -84,12 +88,12 @@ class Runtime {
   optimizer::NvmeAdamStore& nvme_adam();
   /// Removes the NVMe swap files' names now (process exit); descriptors stay valid.
   void unlink_nvme_files() noexcept {
-    if (nvme_) nvme_->unlink_files();
+    if (tiers_.nvme_engine()) tiers_.nvme_engine()->unlink_files();
   }
   /// True when an NVMe engine exists for this runtime.
-  bool has_nvme() const noexcept { return nvme_ != nullptr; }
+  bool has_nvme() const noexcept { return tiers_.nvme_engine() != nullptr; }
   /// The NVMe engine (null unless an offload target is nvme).
-  const std::shared_ptr<swap::NvmeEngine>& nvme_engine() const noexcept { return nvme_; }
+  const std::shared_ptr<swap::NvmeEngine>& nvme_engine() const noexcept { return tiers_.nvme_engine(); }
 
   /// Optimizer counters.
   OptimizerStats optimizer_stats() const noexcept { return opt_stats_; }
@@ -100,15 +104,12 @@ class Runtime {
 
  private:
   Config config_;
+  tiering::Tiers tiers_;
   bool adversarial_ = false;
-  swap::NvmeFaults* nvme_faults_ = nullptr;
-  std::shared_ptr<allocator::PinnedHostPool> pool_;
-  std::shared_ptr<swap::CopyEngine> engine_;
   std::shared_ptr<ActivationOffloader> offloader_;
   std::unique_ptr<optimizer::CpuAdam> adam_;
   std::mutex adam_mutex_;  // one step at a time on the arena; guards opt_stats_
   OptimizerStats opt_stats_;
-  std::shared_ptr<swap::NvmeEngine> nvme_;
   std::unique_ptr<optimizer::NvmeAdamStore> nvme_adam_;
 };
 

@@ -1,0 +1,139 @@
+// Note [Tiers from the configuration]: what a configuration makes of the tiers.
+#include <gtest/gtest.h>
+#include <sys/statvfs.h>
+
+#include <filesystem>
+#include <map>
+#include <string>
+
+#include "tierflow/core/error.hpp"
+#include "tierflow/tiering/tiers.hpp"
+
+using namespace tierflow;
+using namespace tierflow::tiering;
+
+namespace {
+
+Config config(std::map<std::string, std::string> vars) {
+  vars.emplace("TIERFLOW_DEVICE", "emulated");
+  return Config::parse(vars);
+}
+
+std::string refusal(const Config& c) {
+  try {
+    tier_settings(c);
+  } catch (const config_error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+struct TempDir {
+  std::filesystem::path path;
+  TempDir() {
+    path = std::filesystem::temp_directory_path() / ("tierflow-tiers-" + std::to_string(::getpid()));
+    std::filesystem::create_directories(path);
+  }
+  ~TempDir() { std::filesystem::remove_all(path); }
+};
+
+}  // namespace
+
+TEST(TierSettings, EmulatedDeviceAndItsModes) {
+  TierSettings polite = tier_settings(config({{"TIERFLOW_EMULATED_DEVICE", "polite"}}));
+  EXPECT_EQ(polite.device, allocator::DeviceKind::kEmulated);
+  EXPECT_FALSE(polite.adversarial);
+  EXPECT_FALSE(polite.pool.poison_freed);
+  EXPECT_FALSE(polite.pool.cuda_pinned) << "pinned with cudaHostAlloc only on CUDA";
+  TierSettings hostile = tier_settings(config({{"TIERFLOW_EMULATED_DEVICE", "adversarial"}, {"TIERFLOW_EMULATED_SEED", "7"}}));
+  EXPECT_TRUE(hostile.adversarial);
+  EXPECT_TRUE(hostile.pool.poison_freed) << "the pool turns hostile with the copy engine";
+  EXPECT_TRUE(hostile.copies.adversarial);
+  EXPECT_EQ(hostile.copies.seed, 7u);
+}
+
+TEST(TierSettings, CudaWithoutAGpuIsRefusedNamingWhy) {
+  if (allocator::cuda_available()) GTEST_SKIP() << "a GPU is usable here: TIERFLOW_DEVICE=cuda is served";
+  const std::string m = refusal(Config::parse({{"TIERFLOW_DEVICE", "cuda"}}));
+  EXPECT_NE(m.find("TIERFLOW_DEVICE='cuda'"), std::string::npos) << m;
+  EXPECT_NE(m.find("accepted here: auto, emulated"), std::string::npos) << m;
+  EXPECT_EQ(tier_settings(Config::parse({{"TIERFLOW_DEVICE", "auto"}})).device, allocator::DeviceKind::kEmulated);
+}
+
+TEST(TierSettings, HostBudgetFromTheConfiguration) {
+  TierSettings s = tier_settings(config({{"TIERFLOW_HOST_MEMORY", "3GiB"}, {"TIERFLOW_PINNED_SLAB_BYTES", "4MiB"}}));
+  EXPECT_EQ(s.pool.budget_bytes, 3ULL << 30);
+  EXPECT_EQ(s.pool.slab_bytes, 4ULL << 20);
+  Tiers tiers(config({{"TIERFLOW_HOST_MEMORY", "3GiB"}, {"TIERFLOW_GPU_MEMORY", "1GiB"}}));
+  EXPECT_EQ(tiers.host_budget_bytes(), 3ULL << 30);
+  EXPECT_EQ(tiers.host_pool()->budget_bytes(), 3ULL << 30);
+  EXPECT_EQ(tiers.device_budget_bytes(), 1ULL << 30);
+  EXPECT_EQ(tiers.copy_engine()->device(), allocator::DeviceKind::kEmulated);
+}
+
+TEST(TierSettings, SettingsThisVersionCannotServeAreRefused) {
+  std::string m = refusal(config({{"TIERFLOW_OFFLOAD_PARAMS", "host"}}));
+  EXPECT_NE(m.find("TIERFLOW_OFFLOAD_PARAMS='host'"), std::string::npos) << m;
+  EXPECT_NE(m.find("accepted here: none"), std::string::npos) << m;
+  m = refusal(config({{"TIERFLOW_OFFLOAD_ACTIVATIONS", "nvme"}}));
+  EXPECT_NE(m.find("needs TIERFLOW_NVME_PATHS"), std::string::npos) << m;
+  m = refusal(config({{"TIERFLOW_OFFLOAD_OPTIMIZER", "nvme"}}));
+  EXPECT_NE(m.find("TIERFLOW_OFFLOAD_OPTIMIZER='nvme' needs TIERFLOW_NVME_PATHS"), std::string::npos) << m;
+  m = refusal(config({{"TIERFLOW_OFFLOAD_ACTIVATIONS", "nvme"}, {"TIERFLOW_NVME_PATHS", "/no/such/tierflow/dir"}}));
+  EXPECT_NE(m.find("'/no/such/tierflow/dir' is not an accessible directory"), std::string::npos) << m;
+}
+
+TEST(TierSettings, WhichTargetsGetAnNvmeEngine) {
+  TempDir d;
+  const std::string paths = d.path.string();
+  auto nvme = [&](const char* acts, const char* opt, bool with_paths) {
+    std::map<std::string, std::string> v = {{"TIERFLOW_OFFLOAD_ACTIVATIONS", acts}, {"TIERFLOW_OFFLOAD_OPTIMIZER", opt}};
+    if (with_paths) v["TIERFLOW_NVME_PATHS"] = paths;
+    TierSettings s = tier_settings(config(v));
+    return std::make_pair(s.nvme, s.activations_on_nvme);
+  };
+  EXPECT_EQ(nvme("nvme", "host", true), std::make_pair(true, true));
+  EXPECT_EQ(nvme("auto", "host", true), std::make_pair(true, true)) << "a planned mode may use a configured NVMe tier";
+  EXPECT_EQ(nvme("recompute", "host", true), std::make_pair(true, true));
+  EXPECT_EQ(nvme("auto", "host", false), std::make_pair(false, false));
+  EXPECT_EQ(nvme("host", "host", true), std::make_pair(false, false)) << "paths alone build nothing";
+  EXPECT_EQ(nvme("host", "nvme", true), std::make_pair(true, false)) << "the optimizer's states alone";
+  EXPECT_EQ(nvme("none", "none", true), std::make_pair(false, false));
+}
+
+TEST(TierSettings, NvmeBudgetIsTheConfiguredShareOfTheSmallestFreeSpace) {
+  TempDir d;
+  const auto a = d.path / "a", b = d.path / "b";
+  std::filesystem::create_directories(a);
+  std::filesystem::create_directories(b);
+  const std::string paths = a.string() + "," + b.string();
+  TierSettings s = tier_settings(config({{"TIERFLOW_OFFLOAD_ACTIVATIONS", "nvme"}, {"TIERFLOW_NVME_PATHS", paths},
+                                         {"TIERFLOW_NVME_MEMORY", "64MiB"}, {"TIERFLOW_AIO_QUEUE_DEPTH", "8"}}));
+  ASSERT_TRUE(s.nvme);
+  EXPECT_EQ(s.nvme_options.paths.size(), 2u);
+  EXPECT_EQ(s.nvme_options.bytes_per_path, 64ULL << 20);
+  EXPECT_EQ(s.nvme_options.queue_depth, 8u);
+  struct statvfs fs {};
+  ASSERT_EQ(statvfs(a.c_str(), &fs), 0);
+  const std::uint64_t free_bytes = static_cast<std::uint64_t>(fs.f_bavail) * fs.f_frsize;
+  TierSettings half = tier_settings(config({{"TIERFLOW_OFFLOAD_ACTIVATIONS", "nvme"}, {"TIERFLOW_NVME_PATHS", paths},
+                                            {"TIERFLOW_NVME_MEMORY", "50%"}}));
+  // The free space moves while other tests write: within 1% of half of it.
+  EXPECT_NEAR(static_cast<double>(half.nvme_options.bytes_per_path), free_bytes / 2.0, free_bytes * 0.01);
+}
+
+TEST(Tiers, NvmeEngineOnlyWhereATargetNeedsIt) {
+  Tiers plain(config({}));
+  EXPECT_EQ(plain.nvme_engine(), nullptr);
+  EXPECT_EQ(plain.nvme_available_bytes(), 0u);
+  EXPECT_THROW(plain.measure_nvme(1 << 20), config_error) << "no NVMe tier to probe";
+  TempDir d;
+  Tiers tiers(config({{"TIERFLOW_OFFLOAD_ACTIVATIONS", "nvme"}, {"TIERFLOW_NVME_PATHS", d.path.string()},
+                      {"TIERFLOW_NVME_MEMORY", "64MiB"}}));
+  ASSERT_NE(tiers.nvme_engine(), nullptr);
+  EXPECT_GT(tiers.nvme_available_bytes(), 0u);
+  EXPECT_LE(tiers.nvme_available_bytes(), 64ULL << 20);
+  const swap::NvmeBandwidth bw = tiers.measure_nvme(4 << 20);
+  EXPECT_GT(bw.write_bytes_per_second, 0.0);
+  EXPECT_GT(bw.read_bytes_per_second, 0.0);
+}

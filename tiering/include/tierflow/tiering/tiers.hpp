@@ -1,0 +1,93 @@
+// The tiers of one run, built from the configuration: which device, the
+// pinned host pool and its budget, the copy engine, and the NVMe engine when
+// a target needs one.
+//
+// Note [Tiers from the configuration]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Everything a run's tiers are is decided here, once, from a validated
+// Config, torch-free (bindings/'s Runtime only adds torch's tensors on top):
+//  - the device: TIERFLOW_DEVICE=cuda needs a usable GPU (an error names why
+//    not and what is accepted); auto takes CUDA when there is a GPU, else the
+//    emulated device, whose TIERFLOW_EMULATED_DEVICE mode turns the pool, the
+//    copy engine and the device memory hostile together (Note [Adversarial
+//    emulated device]);
+//  - the host tier: the pinned pool's budget is TIERFLOW_HOST_MEMORY of this
+//    machine's RAM, pinned with cudaHostAlloc only on CUDA;
+//  - the NVMe tier: an engine exists when activations go to NVMe (nvme, or a
+//    planned mode, auto or recompute, with TIERFLOW_NVME_PATHS set) or the
+//    optimizer states do. Each path must be an accessible directory; each
+//    swap file may grow to TIERFLOW_NVME_MEMORY of the smallest free space
+//    among the paths (auto: while the file system keeps some free, Note [NVMe
+//    space]). The planner's NVMe budget is what that engine can still place
+//    (nvme_available_bytes), and its probe runs through that engine (Note
+//    [NVMe probe]);
+//  - the GPU tier's budget: TIERFLOW_GPU_MEMORY of the device's memory. The
+//    device's memory itself is torch's caching allocator; the budget is the
+//    number the planner and the GPU share plan within.
+// Settings this version cannot serve are refused here, naming the variable.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "tierflow/allocator/device.hpp"
+#include "tierflow/allocator/pinned_host_pool.hpp"
+#include "tierflow/core/config.hpp"
+#include "tierflow/swap/copy_engine.hpp"
+#include "tierflow/swap/nvme_engine.hpp"
+#include "tierflow/swap/nvme_probe.hpp"
+#include "tierflow/tiering/activation_schedule.hpp"
+
+namespace tierflow::tiering {
+
+/// What the configuration makes of the tiers (Note [Tiers from the configuration]).
+struct TierSettings {
+  allocator::DeviceKind device = allocator::DeviceKind::kEmulated;
+  bool adversarial = false;                  ///< the emulated device's adversarial mode
+  allocator::PinnedHostPoolOptions pool;     ///< the host tier
+  swap::EmulatedCopyOptions copies;          ///< the emulated copy engine's behaviour
+  ActivationScheduleOptions schedule;        ///< TIERFLOW_OFFLOAD_ACTIVATIONS and the prefetch window
+  std::uint64_t min_offload_bytes = 0;       ///< TIERFLOW_MIN_OFFLOAD_BYTES
+  bool nvme = false;                         ///< an NVMe engine is built
+  bool activations_on_nvme = false;          ///< ... and saved activations may use it
+  swap::NvmeEngineOptions nvme_options;      ///< its paths and sizes (when `nvme`)
+};
+
+/// The tiers `config` asks for; throws config_error for a setting this
+/// machine or version cannot serve. `nvme_faults` (tests only) goes to the
+/// NVMe engine. Reads the free space of each NVMe path.
+TierSettings tier_settings(const Config& config, swap::NvmeFaults* nvme_faults = nullptr);
+
+/// The tiers of one run: the pinned host pool, the copy engine and the NVMe engine.
+class Tiers {
+ public:
+  /// Builds them from `config` (tier_settings); `copy_faults` (tests only) goes to the emulated copy engine.
+  explicit Tiers(const Config& config, swap::NvmeFaults* nvme_faults = nullptr,
+                 std::shared_ptr<const swap::CopyFaults> copy_faults = nullptr);
+
+  const TierSettings& settings() const noexcept { return settings_; }
+  allocator::DeviceKind device() const noexcept { return settings_.device; }
+  const std::shared_ptr<allocator::PinnedHostPool>& host_pool() const noexcept { return pool_; }
+  const std::shared_ptr<swap::CopyEngine>& copy_engine() const noexcept { return engine_; }
+  /// Null unless a target is NVMe.
+  const std::shared_ptr<swap::NvmeEngine>& nvme_engine() const noexcept { return nvme_; }
+
+  /// TIERFLOW_GPU_MEMORY in bytes on this device.
+  std::uint64_t device_budget_bytes() const;
+  /// TIERFLOW_HOST_MEMORY in bytes.
+  std::uint64_t host_budget_bytes() const;
+  /// Bytes the NVMe tier can still place now; 0 without one.
+  std::uint64_t nvme_available_bytes() const;
+  /// Write and read bandwidth of `bytes` through the NVMe engine, every path,
+  /// O_DIRECT (Note [NVMe probe]); config_error without an NVMe tier.
+  swap::NvmeBandwidth measure_nvme(std::uint64_t bytes) const;
+
+ private:
+  Config config_;
+  TierSettings settings_;
+  std::shared_ptr<allocator::PinnedHostPool> pool_;
+  std::shared_ptr<swap::CopyEngine> engine_;
+  std::shared_ptr<swap::NvmeEngine> nvme_;
+};
+
+}  // namespace tierflow::tiering

@@ -1,0 +1,109 @@
+// See Note [Tiers from the configuration] in tiers.hpp.
+#include "tierflow/tiering/tiers.hpp"
+
+#include <sys/statvfs.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <string>
+
+#include "tierflow/allocator/aligned_buffer.hpp"
+#include "tierflow/core/error.hpp"
+
+namespace tierflow::tiering {
+namespace {
+
+void refuse_unimplemented(const Config& c) {
+  if (c.offload_activations == OffloadTarget::kNvme && c.nvme_paths.empty())
+    throw config_error("TIERFLOW_OFFLOAD_ACTIVATIONS='nvme' needs TIERFLOW_NVME_PATHS: a comma-separated "
+                       "list of directories on NVMe file systems");
+  if (c.offload_optimizer == OffloadTarget::kNvme && c.nvme_paths.empty())
+    throw config_error("TIERFLOW_OFFLOAD_OPTIMIZER='nvme' needs TIERFLOW_NVME_PATHS: a comma-separated "
+                       "list of directories on NVMe file systems");
+  if (c.offload_params != OffloadTarget::kNone)
+    throw config_error("TIERFLOW_OFFLOAD_PARAMS='" + std::string(to_string(c.offload_params)) +
+                       "': parameter offload is not available in this version of tierflow; "
+                       "accepted here: none");
+}
+
+allocator::DeviceKind device_of(const Config& c) {
+  if (c.device == DeviceChoice::kCuda && !allocator::cuda_available())
+    throw config_error(std::string("TIERFLOW_DEVICE='cuda': ") +
+                       (allocator::cuda_compiled() ? "no CUDA GPU is usable on this machine"
+                                                   : "tierflow was built without the CUDA backend") +
+                       "; accepted here: auto, emulated");
+  const bool cuda = c.device == DeviceChoice::kCuda || (c.device == DeviceChoice::kAuto && allocator::cuda_available());
+  return cuda ? allocator::DeviceKind::kCuda : allocator::DeviceKind::kEmulated;
+}
+
+// The smallest free space among the NVMe paths; each must be an accessible directory.
+std::uint64_t smallest_free_bytes(const std::vector<std::string>& paths) {
+  std::uint64_t smallest = ~std::uint64_t{0};
+  for (const auto& p : paths) {
+    struct statvfs fs {};
+    if (statvfs(p.c_str(), &fs) != 0)
+      throw config_error("TIERFLOW_NVME_PATHS: '" + p + "' is not an accessible directory: " + std::strerror(errno));
+    smallest = std::min<std::uint64_t>(smallest, static_cast<std::uint64_t>(fs.f_bavail) * fs.f_frsize);
+  }
+  return smallest;
+}
+
+}  // namespace
+
+TierSettings tier_settings(const Config& config, swap::NvmeFaults* nvme_faults) {
+  refuse_unimplemented(config);
+  TierSettings s;
+  s.device = device_of(config);
+  s.adversarial = s.device == allocator::DeviceKind::kEmulated &&
+                  config.emulated_device == EmulationMode::kAdversarial;
+  s.pool.budget_bytes = config.host_memory.resolve(allocator::host_capacity_bytes());
+  s.pool.slab_bytes = config.pinned_slab_bytes;
+  s.pool.cuda_pinned = s.device == allocator::DeviceKind::kCuda;
+  s.pool.poison_freed = s.adversarial;
+  s.copies.adversarial = s.adversarial;
+  s.copies.seed = config.emulated_seed;
+  s.schedule.target = config.offload_activations;
+  s.schedule.prefetch_bytes = config.prefetch_bytes;
+  s.schedule.keep_tail_bytes = config.prefetch_bytes;
+  s.min_offload_bytes = config.min_offload_bytes;
+  // Planned activations (auto, recompute) may use the NVMe tier when it is configured.
+  const bool planned = config.offload_activations == OffloadTarget::kAuto ||
+                       config.offload_activations == OffloadTarget::kRecompute;
+  s.activations_on_nvme = config.offload_activations == OffloadTarget::kNvme || (planned && !config.nvme_paths.empty());
+  s.nvme = s.activations_on_nvme || config.offload_optimizer == OffloadTarget::kNvme;
+  if (s.nvme) {
+    swap::NvmeEngineOptions& no = s.nvme_options;
+    no.paths = config.nvme_paths;
+    no.bytes_per_path = config.nvme_memory.resolve(smallest_free_bytes(no.paths));
+    no.block_bytes = config.aio_block_size;
+    no.queue_depth = static_cast<unsigned>(config.aio_queue_depth);
+    no.checksums = config.nvme_checksum;
+    no.faults = nvme_faults;
+  }
+  return s;
+}
+
+Tiers::Tiers(const Config& config, swap::NvmeFaults* nvme_faults, std::shared_ptr<const swap::CopyFaults> copy_faults)
+    : config_(config), settings_(tier_settings(config, nvme_faults)) {
+  pool_ = std::make_shared<allocator::PinnedHostPool>(settings_.pool);
+  engine_ = std::shared_ptr<swap::CopyEngine>(swap::make_copy_engine(settings_.device, std::move(copy_faults),
+                                                                     settings_.copies));
+  if (settings_.nvme) nvme_ = std::make_shared<swap::NvmeEngine>(settings_.nvme_options);
+}
+
+std::uint64_t Tiers::device_budget_bytes() const {
+  return config_.gpu_memory.resolve(allocator::device_capacity_bytes(settings_.device));
+}
+
+std::uint64_t Tiers::host_budget_bytes() const { return settings_.pool.budget_bytes; }
+
+std::uint64_t Tiers::nvme_available_bytes() const { return nvme_ ? nvme_->available_bytes() : 0; }
+
+swap::NvmeBandwidth Tiers::measure_nvme(std::uint64_t bytes) const {
+  if (!nvme_) throw config_error("Runtime.measure_nvme: no NVMe tier; set TIERFLOW_NVME_PATHS");
+  allocator::AlignedBuffer buffer(bytes);
+  return swap::measure_bandwidth(*nvme_, buffer.data(), bytes);
+}
+
+}  // namespace tierflow::tiering
