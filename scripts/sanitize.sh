@@ -68,11 +68,12 @@ if [ "$jobs" = tsan ] || [ "$jobs" = all ]; then
   build build/tsan thread
   say "tsan: built in $((SECONDS - t0)) s"
   # The suites whose code runs threads: the pinned pool (fenced frees), the
-  # copy engines (worker threads), the NVMe engine (its completion thread),
-  # the staged pipeline over both (Note [Staged pipeline]) and the optimizers
+  # quarantine adaptor (threads allocating and freeing), the copy engines
+  # (worker threads), the NVMe engine (its completion thread), the staged
+  # pipeline over both (Note [Staged pipeline]) and the optimizers
   # (oneTBB kernels, the NVMe optimizer's pipeline, the step ledger its worker
   # and autograd's threads share under GradStream's lock).
   TSAN_OPTIONS="suppressions=$ROOT/tests/sanitizers/tsan.supp:halt_on_error=1:second_deadlock_stack=1:report_signal_unsafe=0" \
-    run_ctest build/tsan "tsan (pinned pool, copy engines, NVMe engine, staged pipeline, CPU Adam)" \
-      -R '^(PinnedHostPool|CopyEngine|NvmeTest|NvmeAdamTest|EmulatedDevice/StagedPipelineTest|CpuAdam|PartialNormsTest|GradBuckets|StepLedger)\.'
+    run_ctest build/tsan "tsan (pinned pool, quarantine adaptor, copy engines, NVMe engine, staged pipeline, CPU Adam)" \
+      -R '^(PinnedHostPool|QuarantineAdaptor|CopyEngine|NvmeTest|NvmeAdamTest|EmulatedDevice/StagedPipelineTest|CpuAdam|PartialNormsTest|GradBuckets|StepLedger)\.'
 fi

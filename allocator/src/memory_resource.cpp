@@ -85,35 +85,6 @@ void EmulatedDeviceResource::do_deallocate(void* p, std::size_t, std::size_t) no
   small_free(p);
 }
 
-CudaDeviceResource::CudaDeviceResource() {
-  TIERFLOW_EXPECTS(cuda_compiled(), "CudaDeviceResource: tierflow was built without CUDA "
-                                    "(configure with TIERFLOW_WITH_CUDA=ON and a CUDA toolkit)");
-}
-
-void* CudaDeviceResource::do_allocate(std::size_t bytes, std::size_t) {
-#ifdef TIERFLOW_WITH_CUDA
-  void* p = nullptr;
-  cudaError_t st = cudaMalloc(&p, bytes == 0 ? 1 : bytes);
-  if (st == cudaErrorMemoryAllocation) {
-    (void)cudaGetLastError();
-    throw out_of_memory("GPU: cudaMalloc of " + format_bytes(bytes) + " failed: out of memory");
-  }
-  TIERFLOW_CUDA_TRY(st);
-  return p;  // cudaMalloc alignment (256 B) satisfies kDefaultAlignment
-#else
-  (void)bytes;
-  throw logic_error("CudaDeviceResource: built without CUDA");
-#endif
-}
-
-void CudaDeviceResource::do_deallocate(void* p, std::size_t, std::size_t) noexcept {
-#ifdef TIERFLOW_WITH_CUDA
-  TIERFLOW_CUDA_ASSERT_OK(cudaFree(p));
-#else
-  (void)p;
-#endif
-}
-
 LimitingAdaptor::LimitingAdaptor(MemoryResource* upstream, std::size_t limit_bytes)
     : upstream_(upstream), limit_(limit_bytes) {
   TIERFLOW_EXPECTS(upstream != nullptr, "LimitingAdaptor: upstream must not be null");
@@ -149,11 +120,6 @@ void* StatisticsAdaptor::do_allocate(std::size_t bytes, std::size_t alignment) {
 void StatisticsAdaptor::do_deallocate(void* p, std::size_t bytes, std::size_t alignment) noexcept {
   upstream_->deallocate(p, bytes, alignment);
   bytes_.decrease(static_cast<std::int64_t>(bytes));
-}
-
-std::unique_ptr<MemoryResource> make_device_resource(DeviceKind kind) {
-  if (kind == DeviceKind::kCuda) return std::make_unique<CudaDeviceResource>();
-  return std::make_unique<EmulatedDeviceResource>();
 }
 
 }  // namespace tierflow::allocator

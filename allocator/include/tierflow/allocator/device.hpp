@@ -28,11 +28,13 @@
 //    long, TIERFLOW_EMULATED_SEED), so copies complete late, the two
 //    directions complete out of order with each other and with the host, and
 //    a reader that does not wait for a copy reads poison;
-//  - torch's CPU allocator (the emulated device's memory) gets a poisoning
-//    front (bindings/emulated_device_memory.hpp): fresh blocks hold poison,
-//    freed blocks are poisoned and quarantined before reuse and checked on the
-//    way out, so a copy that reads freed device memory delivers poison and
-//    one that writes into it is counted as a late write;
+//  - torch's CPU allocator (the emulated device's memory) is replaced by one
+//    over EmulatedDeviceResource and a QuarantineAdaptor (Note [Quarantine
+//    adaptor]; the torch side in bindings/emulated_device_memory.hpp): fresh
+//    blocks hold poison, freed blocks are poisoned and quarantined before
+//    reuse and checked on the way out, so a copy that reads freed device
+//    memory delivers poison and one that writes into it is counted as a late
+//    write;
 //  - the pinned host pool does the same with its blocks, and a block returned
 //    with a fence waits for it before reuse;
 //  - the CPU optimizer's gradients, masters and updated parameters move

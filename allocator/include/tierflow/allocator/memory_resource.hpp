@@ -2,13 +2,25 @@
 //
 // A resource hands out raw bytes of one tier. Adaptors wrap an upstream
 // resource they do not own: LimitingAdaptor enforces a budget and throws
-// out_of_memory past it; StatisticsAdaptor counts current/peak bytes.
+// out_of_memory past it; StatisticsAdaptor counts current/peak bytes;
+// QuarantineAdaptor (quarantine_adaptor.hpp) poisons and delays reuse.
 // deallocate() is noexcept and must receive the size given to allocate().
+//
+// Which resources serve which tier:
+//  - pinned host memory (the pinned host pool's slabs, Note [Pinned host
+//    pool]): PinnedHostResource -> LimitingAdaptor (TIERFLOW_HOST_MEMORY)
+//    -> StatisticsAdaptor (the reserved bytes);
+//  - emulated device memory in adversarial mode (Note [Adversarial emulated
+//    device]): EmulatedDeviceResource -> QuarantineAdaptor, behind the
+//    c10::Allocator that bindings/ installs as torch's CPU allocator; in
+//    polite mode the emulated device's memory is torch's CPU allocator's;
+//  - CUDA device memory: torch's caching allocator, not a resource here;
+//    its budget (TIERFLOW_GPU_MEMORY) is enforced by the planner, which
+//    compares it with the memory torch measures.
 #pragma once
 
 #include <atomic>
 #include <cstddef>
-#include <memory>
 
 #include "tierflow/allocator/device.hpp"
 #include "tierflow/core/stats.hpp"
@@ -39,21 +51,10 @@ class MemoryResource {
   virtual void do_deallocate(void* p, std::size_t bytes, std::size_t alignment) noexcept = 0;
 };
 
-/// GPU-tier memory of the emulated device: host memory (see Note [mimalloc shim]).
+/// GPU-tier memory of the emulated device: host memory from small_malloc (Note
+/// [mimalloc shim]); the QuarantineAdaptor's upstream in adversarial mode.
 class EmulatedDeviceResource final : public MemoryResource {
  public:
-  Tier tier() const noexcept override { return Tier::kGpu; }
-
- private:
-  void* do_allocate(std::size_t bytes, std::size_t alignment) override;
-  void do_deallocate(void* p, std::size_t bytes, std::size_t alignment) noexcept override;
-};
-
-/// GPU memory from cudaMalloc on the current device (CUDA builds only).
-class CudaDeviceResource final : public MemoryResource {
- public:
-  /// Throws logic_error when tierflow was built without CUDA.
-  CudaDeviceResource();
   Tier tier() const noexcept override { return Tier::kGpu; }
 
  private:
@@ -111,8 +112,5 @@ class StatisticsAdaptor final : public MemoryResource {
   MemoryResource* upstream_;
   Stat bytes_;
 };
-
-/// The device resource for `kind`.
-std::unique_ptr<MemoryResource> make_device_resource(DeviceKind kind);
 
 }  // namespace tierflow::allocator

@@ -1,16 +1,13 @@
 // The adversarial emulated device's memory: torch's CPU allocator, poisoned.
 //
 // On the emulated device the "device" tensors are CPU tensors that torch's CPU
-// allocator serves. A real GPU's caching allocator hands a freed block to the
-// next request at once, while a copy on a side stream may still read or write
-// it; the polite emulation hides that, because freed host memory keeps its old
-// bytes. In adversarial mode (Note [Adversarial emulated device]) tierflow
-// puts a poisoning allocator in front of torch's: every allocation starts as
-// poison (what a reused block would hold, at worst), every freed block is
-// filled with poison and kept in a quarantine before it goes back, and on its
-// way out of the quarantine every byte is checked. A copy that reads a freed
-// block delivers poison; one that writes into a freed block is counted as a
-// late write. Only bindings/ can do this: the allocator is torch's.
+// allocator serves. In adversarial mode (Note [Adversarial emulated device])
+// tierflow replaces that allocator with a thin c10::Allocator whose memory
+// comes from allocator/'s resources: EmulatedDeviceResource under a
+// QuarantineAdaptor, which poisons every allocation, poisons and quarantines
+// every freed block and counts late writes (Note [Quarantine adaptor]). What
+// stays here is torch's side: the DataPtr and raw_deleter() bookkeeping, and
+// handing blocks that torch allocated before installation back to torch.
 #pragma once
 
 #include <cstdint>
