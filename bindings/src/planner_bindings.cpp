@@ -11,6 +11,7 @@
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/size.hpp"
 #include "tierflow/tiering/auto_plan.hpp"
+#include "tierflow/tiering/plan_report.hpp"
 #include "tierflow/tiering/planner.hpp"
 #include "tierflow/tiering/saved_actions.hpp"
 #include "tierflow/tiering/transformer_profile.hpp"
@@ -128,7 +129,10 @@ void bind_estimates(py::module_& m) {
   py::class_<StateBytes>(m, "StateBytes", "Bytes of training state per tier.")
       .def_readonly("device", &StateBytes::device)
       .def_readonly("host", &StateBytes::host)
-      .def_readonly("nvme", &StateBytes::nvme);
+      .def_readonly("nvme", &StateBytes::nvme)
+      .def_readonly("parameter_bytes", &StateBytes::parameter_bytes)
+      .def_readonly("gradient_bytes", &StateBytes::gradient_bytes)
+      .def_readonly("optimizer_bytes", &StateBytes::optimizer_bytes);
 
   m.def("estimate_transformer", &estimate_transformer, py::arg("shape"), py::arg("flops_per_second"),
         "One estimated BlockProfile per layer (Note [Transformer estimate]).");
@@ -139,18 +143,7 @@ void bind_estimates(py::module_& m) {
         "Parameters, gradients and optimizer states per tier for optimizer placement none, host or nvme.");
   m.def("estimate_head_device_bytes", &estimate_head_device_bytes, py::arg("shape"),
         "Device bytes of the activations outside the blocks (final norm, head, fp32 loss).");
-  m.def("parse_budget", [](const std::string& text, std::uint64_t capacity_bytes) {
-    auto b = parse_budget(text);
-    if (!b) {
-      throw config_error(quote_config_value(text) + " is not a size or a percentage; accepted: " +
-                         std::string(kSizeForms) + ", or a percentage such as 90%");
-    }
-    if (b->is_fraction && capacity_bytes == 0) {
-      throw config_error(quote_config_value(text) + " is a percentage of a capacity that is unknown here; "
-                         "accepted: " + std::string(kSizeForms));
-    }
-    return b->resolve(capacity_bytes);
-  }, py::arg("text"), py::arg("capacity_bytes") = 0,
+  m.def("parse_budget", &budget_bytes, py::arg("text"), py::arg("capacity_bytes") = 0,
         "Bytes of a size ('16GiB') or a percentage of `capacity_bytes` ('90%'); raises ConfigError.");
   m.def("parse_setting", [](const std::string& name, const std::string& value, const std::string& label) {
     return parse_setting(name, value, label);
@@ -171,6 +164,55 @@ void bind_estimates(py::module_& m) {
   }, py::arg("cuda"), "Total memory of the GPU tier: the current GPU's, or physical RAM when emulated.");
   m.def("host_capacity_bytes", &allocator::host_capacity_bytes, "Physical RAM of this machine.");
   m.def("format_bytes", &format_bytes, py::arg("bytes"), "Human-readable size, e.g. '1.50 GiB'.");
+}
+
+// `python -m tierflow plan`'s budgets and report (Note [Plan report]).
+void bind_plan_command(py::module_& m) {
+  py::enum_<SettingSource>(m, "SettingSource", "Where the text of a size setting came from.")
+      .value("unset", SettingSource::kUnset)
+      .value("variable", SettingSource::kVariable)
+      .value("flag", SettingSource::kFlag);
+  py::class_<SettingText> text(m, "SettingText", "A size setting as the plan command received it.");
+  text.def(py::init<>())
+      .def_readwrite("text", &SettingText::text)
+      .def_readwrite("source", &SettingText::source);
+  init_from_kwargs(text);
+  py::class_<PlanCommandInputs> inputs(m, "PlanCommandInputs", "What the plan command gathered.");
+  inputs.def(py::init<>())
+      .def_readwrite("gpu_memory", &PlanCommandInputs::gpu_memory)
+      .def_readwrite("host_memory", &PlanCommandInputs::host_memory)
+      .def_readwrite("prefetch", &PlanCommandInputs::prefetch)
+      .def_readwrite("nvme_memory", &PlanCommandInputs::nvme_memory)
+      .def_readwrite("nvme_bytes_per_second", &PlanCommandInputs::nvme_bytes_per_second)
+      .def_readwrite("device_capacity_bytes", &PlanCommandInputs::device_capacity_bytes)
+      .def_readwrite("host_capacity_bytes", &PlanCommandInputs::host_capacity_bytes)
+      .def_readwrite("device_name", &PlanCommandInputs::device_name)
+      .def_readwrite("optimizer", &PlanCommandInputs::optimizer)
+      .def_readwrite("shape", &PlanCommandInputs::shape)
+      .def_readwrite("dtype_name", &PlanCommandInputs::dtype_name)
+      .def_readwrite("state", &PlanCommandInputs::state)
+      .def_readwrite("head_bytes", &PlanCommandInputs::head_bytes)
+      .def_readwrite("profile_fixed_device_bytes", &PlanCommandInputs::profile_fixed_device_bytes)
+      .def_readwrite("profile_path", &PlanCommandInputs::profile_path)
+      .def_readwrite("blocks_from", &PlanCommandInputs::blocks_from)
+      .def_readwrite("links", &PlanCommandInputs::links)
+      .def_readwrite("flops_per_second", &PlanCommandInputs::flops_per_second)
+      .def_readwrite("measured", &PlanCommandInputs::measured)
+      .def_readwrite("links_given", &PlanCommandInputs::links_given);
+  init_from_kwargs(inputs);
+  py::class_<PlanCommandBudgets>(m, "PlanCommandBudgets", "The planner's inputs and where they came from.")
+      .def_readonly("budgets", &PlanCommandBudgets::budgets)
+      .def_readonly("links", &PlanCommandBudgets::links)
+      .def_readonly("device_from", &PlanCommandBudgets::device_from)
+      .def_readonly("host_from", &PlanCommandBudgets::host_from)
+      .def_readonly("optimizer_host_bytes", &PlanCommandBudgets::optimizer_host_bytes);
+  py::class_<PlanReport>(m, "PlanReport", "A plan as the plan command prints it.")
+      .def_readonly("lines", &PlanReport::lines)
+      .def_readonly("json", &PlanReport::json);
+  m.def("plan_command_budgets", &plan_command_budgets, py::arg("inputs"),
+        "The plan command's budgets (Note [Plan report]); raises ConfigError naming the flag or variable.");
+  m.def("describe_plan", &describe_plan, py::arg("plan"), py::arg("blocks"), py::arg("inputs"), py::arg("budgets"),
+        "The plan command's text lines and JSON (Note [Plan report]).");
 }
 
 }  // namespace
@@ -268,6 +310,7 @@ void bind_planner(py::module_& m) {
 
   bind_auto_plan(m);
   bind_estimates(m);
+  bind_plan_command(m);
 }
 
 }  // namespace tierflow::bindings

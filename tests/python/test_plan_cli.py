@@ -346,3 +346,57 @@ def test_links_are_measured_through_the_copy_engine_when_not_given():
     out = json.loads(proc.stdout)
     assert "links" in out["measured"], out["measured"]
     assert out["links"]["d2h"] > 0 and out["links"]["h2d"] > 0 and out["links"]["duplex"] > 0, out["links"]
+
+
+# ---- issue 17 item 4: the plan explains itself (tiering/plan_report.hpp, Note [Plan report]) ----
+
+def test_each_block_says_why_its_action_won(monkeypatch):
+    rc, out, err = plan_in_process(PRESET, monkeypatch, TIERFLOW_HOST_MEMORY="64GiB")
+    assert rc == 0, err
+    data = json.loads(out)
+    step = data["predicted"]["step_seconds"]
+    budget = data["budgets"]["gpu_bytes"]
+    for layer in data["layers"]:
+        modes = [a["mode"] for a in layer["alternatives"]]
+        assert layer["mode"] not in modes and set(modes) | {layer["mode"]} >= {"keep", "swap", "recompute"}, modes
+        for alt in layer["alternatives"]:
+            assert alt["fits"] == (alt["gpu_peak_bytes"] <= budget and alt["why"] in ("slower", "as fast")), alt
+            if alt["fits"]:  # the plan is proven optimal: no alternative that fits is faster
+                assert alt["step_seconds"] >= step and data["predicted"]["proven_optimal"], alt
+            else:
+                assert alt["why"].startswith("over the "), alt
+    # The kept tail: keeping block 23 is the fastest; keeping block 0 does not fit.
+    assert any(a["mode"] == "keep" and not a["fits"] for a in data["layers"][0]["alternatives"])
+    rc, text, err = plan_in_process([a for a in PRESET if a != "--json"], monkeypatch, TIERFLOW_HOST_MEMORY="64GiB")
+    assert rc == 0, err
+    lines = text.splitlines()
+    why = lines.index("why each block's action (the plan's step and device peak had that block alone done otherwise):")
+    assert lines[why - 1].startswith("predicted: device peak")
+    assert lines[why + 1].startswith("  block 0: split alpha ") and "keep " in lines[why + 1], lines[why + 1]
+    assert "over the device budget" in lines[why + 1] and lines[why + 24].startswith("  block 23: keep; ")
+
+
+def test_fixed_device_bytes_are_broken_down_with_the_setting_that_frees_them(monkeypatch):
+    shape = _C.TransformerShape(layers=4, hidden=256, heads=4, seq=128, batch=2, dtype_bytes=2, vocab=1000)
+    for optimizer in ("none", "host"):
+        rc, out, err = plan_in_process(SMALL + ["--tflops", "100", "--pcie-gbps", "20", "--gpu-memory", "16GiB",
+                                                "--optimizer", optimizer, "--json"], monkeypatch)
+        assert rc == 0, err
+        data = json.loads(out)
+        state = _C.estimate_training_state(shape, optimizer)
+        parts = {p["part"]: p for p in data["fixed_gpu_parts"]}
+        assert list(parts) == ["parameters", "gradients", "optimizer_states", "outside_blocks"]
+        assert parts["parameters"]["gpu_bytes"] == parts["gradients"]["gpu_bytes"] == _C.transformer_parameters(shape) * 2
+        assert sum(p["gpu_bytes"] for p in parts.values()) == data["budgets"]["fixed_gpu_bytes"]
+        assert parts["gradients"]["freed_by"].startswith("TIERFLOW_OFFLOAD_GRADIENTS=on")
+        if optimizer == "none":
+            assert parts["optimizer_states"]["gpu_bytes"] == state.optimizer_bytes > 0
+            assert "--optimizer host" in parts["optimizer_states"]["freed_by"]
+            assert "TIERFLOW_OFFLOAD_OPTIMIZER=host" in parts["optimizer_states"]["freed_by"]
+        else:
+            assert parts["optimizer_states"] == {"part": "optimizer_states", "gpu_bytes": 0, "freed_by": None}
+    rc, text, err = plan_in_process(SMALL + ["--tflops", "100", "--pcie-gbps", "20", "--optimizer", "none"],
+                                    monkeypatch)
+    assert rc == 0, err
+    assert text.splitlines()[-1].startswith("device's fixed bytes: parameters "), text.splitlines()[-1]
+    assert "(freed by --optimizer host or nvme (TIERFLOW_OFFLOAD_OPTIMIZER=host or nvme))" in text

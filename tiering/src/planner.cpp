@@ -67,6 +67,13 @@ std::uint64_t swap_bytes_of(const BlockProfile& p, BlockMode mode, double alpha)
   return 0;
 }
 
+double link_alpha(const BlockProfile& p, const Links& links, SwapTier tier) {
+  if (p.split_bytes == 0) return 1.0;
+  const double fits =
+      p.forward_seconds * bandwidth(links, tier).write - static_cast<double>(p.input_bytes + p.whole_bytes);
+  return std::clamp(fits / static_cast<double>(p.split_bytes), 0.0, 1.0);
+}
+
 bool same_profile(const BlockProfile& a, const BlockProfile& b) {
   auto key = [](const BlockProfile& p) {
     return std::make_tuple(p.forward_seconds, p.backward_seconds, p.input_bytes, p.whole_bytes, p.split_bytes,
@@ -83,12 +90,9 @@ namespace {
 using detail::bandwidth;
 using detail::block_times;
 using detail::kInf;
+using detail::link_alpha;
 using detail::nvme_available;
 using detail::swap_bytes_of;
-
-
-
-
 
 // Fills swap_bytes, the fractions and the times of `b` from its mode, alpha and tier.
 void fill_block(const BlockProfile& p, const Links& links, BlockPlan& b) {
@@ -111,6 +115,36 @@ void fill_block(const BlockProfile& p, const Links& links, BlockPlan& b) {
   b.forward_seconds = t.forward;
   b.backward_seconds = t.backward;
 }
+
+// Refuses an alpha outside [0, 1] or a split of a block that has no exact token split.
+void check_assignment(const char* who, std::size_t i, const BlockProfile& p, const BlockPlan& b) {
+  TIERFLOW_EXPECTS(b.alpha >= 0 && b.alpha <= 1, std::string(who) + ": block " + std::to_string(i) + " has alpha " +
+                                                     std::to_string(b.alpha) + " outside [0, 1]");
+  TIERFLOW_EXPECTS(b.mode != BlockMode::kSplit || p.splittable,
+                   std::string(who) + ": block " + std::to_string(i) + " is not splittable");
+}
+
+// The sums of Note [Activation planner] over a plan's blocks (each filled in by fill_block).
+struct PlanTotals {
+  std::uint64_t kept = 0, working = 0, host = 0, nvme = 0;
+  bool any_swapped = false;
+  double step_seconds = 0;
+
+  void add(const BlockProfile& p, const BlockPlan& b) {
+    step_seconds += b.forward_seconds + b.backward_seconds;
+    if (b.mode == BlockMode::kKeep) {
+      kept += p.saved_bytes();
+      working = std::max(working, p.transient_bytes);
+    } else {
+      working = std::max(working, p.saved_bytes() + p.transient_bytes);
+      (b.tier == SwapTier::kHost ? host : nvme) += b.swap_bytes;
+      any_swapped = any_swapped || b.swap_bytes > 0;
+    }
+  }
+  std::uint64_t peak(const Budgets& budgets) const {
+    return budgets.fixed_device_bytes + kept + working + (any_swapped ? budgets.prefetch_bytes : 0);
+  }
+};
 
 std::string seconds_text(double s) {
   char buf[32];
@@ -173,34 +207,45 @@ Plan evaluate_plan(const std::vector<BlockProfile>& blocks, const Links& links, 
                        std::to_string(blocks.size()) + " blocks");
   Plan plan;
   plan.device_budget_bytes = budgets.device_bytes;
-  std::uint64_t kept = 0, working = 0;
-  bool any_swapped = false;
+  PlanTotals totals;
   for (std::size_t i = 0; i < blocks.size(); ++i) {
     const auto& p = blocks[i];
     auto& b = assignment[i];
-    TIERFLOW_EXPECTS(b.alpha >= 0 && b.alpha <= 1,
-                     "evaluate_plan: block " + std::to_string(i) + " has alpha " + std::to_string(b.alpha) +
-                         " outside [0, 1]");
-    TIERFLOW_EXPECTS(b.mode != BlockMode::kSplit || p.splittable,
-                     "evaluate_plan: block " + std::to_string(i) + " is not splittable");
+    check_assignment("evaluate_plan", i, p, b);
     fill_block(p, links, b);
     plan.keep_all_step_seconds += p.forward_seconds + p.backward_seconds;
-    plan.predicted_step_seconds += b.forward_seconds + b.backward_seconds;
-    if (b.mode == BlockMode::kKeep) {
-      kept += p.saved_bytes();
-      working = std::max(working, p.transient_bytes);
-    } else {
-      working = std::max(working, p.saved_bytes() + p.transient_bytes);
-      (b.tier == SwapTier::kHost ? plan.host_bytes : plan.nvme_bytes) += b.swap_bytes;
-      any_swapped = any_swapped || b.swap_bytes > 0;
-    }
+    totals.add(p, b);
   }
-  plan.predicted_device_peak_bytes =
-      budgets.fixed_device_bytes + kept + working + (any_swapped ? budgets.prefetch_bytes : 0);
+  plan.predicted_step_seconds = totals.step_seconds;
+  plan.host_bytes = totals.host;
+  plan.nvme_bytes = totals.nvme;
+  plan.predicted_device_peak_bytes = totals.peak(budgets);
   plan.fits = plan.predicted_device_peak_bytes <= budgets.device_bytes && plan.host_bytes <= budgets.host_bytes &&
               plan.nvme_bytes <= budgets.nvme_bytes;
   plan.blocks = std::move(assignment);
   return plan;
+}
+
+AlternativeCost evaluate_alternative(const std::vector<BlockProfile>& blocks, const Links& links,
+                                     const Budgets& budgets, const Plan& plan, std::size_t i,
+                                     BlockPlan alternative) {
+  TIERFLOW_EXPECTS(plan.blocks.size() == blocks.size() && i < blocks.size(),
+                   "evaluate_alternative: block " + std::to_string(i) + " of a plan of " +
+                       std::to_string(plan.blocks.size()) + " blocks for " + std::to_string(blocks.size()));
+  check_assignment("evaluate_alternative", i, blocks[i], alternative);
+  fill_block(blocks[i], links, alternative);
+  PlanTotals totals;  // in evaluate_plan's order, so the chosen assignment gives the plan's figures exactly
+  for (std::size_t j = 0; j < blocks.size(); ++j) totals.add(blocks[j], j == i ? alternative : plan.blocks[j]);
+  AlternativeCost out;
+  out.block = alternative;
+  out.step_seconds = totals.step_seconds;
+  out.device_peak_bytes = totals.peak(budgets);
+  out.host_bytes = totals.host;
+  out.nvme_bytes = totals.nvme;
+  out.fits_device = out.device_peak_bytes <= budgets.device_bytes;
+  out.fits_host = out.host_bytes <= budgets.host_bytes;
+  out.fits_nvme = out.nvme_bytes <= budgets.nvme_bytes;
+  return out;
 }
 
 Plan plan_activations(const std::vector<BlockProfile>& blocks, const Links& links, const Budgets& budgets) {
@@ -262,13 +307,6 @@ Plan plan_activations(const std::vector<BlockProfile>& blocks, const Links& link
 Plan forced_plan(const std::vector<BlockProfile>& blocks, const Links& links, const Budgets& budgets,
                  BlockMode mode) {
   const bool nvme = nvme_available(links, budgets);
-  // MEMO's link rule: the largest alpha whose swap-out fits in the block's forward.
-  auto link_alpha = [&](const BlockProfile& p, SwapTier tier) {
-    if (p.split_bytes == 0) return 1.0;
-    const double fits = p.forward_seconds * bandwidth(links, tier).write -
-                        static_cast<double>(p.input_bytes + p.whole_bytes);
-    return std::clamp(fits / static_cast<double>(p.split_bytes), 0.0, 1.0);
-  };
   // Host first, then NVMe; alphas capped at `cap`. Returns whether everything found room.
   auto assign = [&](double cap, std::vector<BlockPlan>& out) {
     std::uint64_t host = 0, disk = 0;
@@ -281,7 +319,7 @@ Plan forced_plan(const std::vector<BlockProfile>& blocks, const Links& links, co
       if (b.mode == BlockMode::kKeep) continue;
       auto place = [&](SwapTier tier) {
         b.tier = tier;
-        b.alpha = b.mode == BlockMode::kSplit ? std::min(cap, link_alpha(p, tier)) : 0.0;
+        b.alpha = b.mode == BlockMode::kSplit ? std::min(cap, link_alpha(p, links, tier)) : 0.0;
         return swap_bytes_of(p, b.mode, b.alpha);
       };
       std::uint64_t bytes = place(SwapTier::kHost);

@@ -163,6 +163,8 @@ StateBytes estimate_training_state(const TransformerShape& s, OffloadTarget opti
   const std::uint64_t master = d < kFp32Bytes ? n * kFp32Bytes : 0;  // fp32 parameters are their own master
   const std::uint64_t adam = 2 * n * kFp32Bytes;
   StateBytes out;
+  out.parameter_bytes = out.gradient_bytes = n * d;
+  out.optimizer_bytes = master + adam;
   out.device = 2 * n * d;  // parameters and gradients
   switch (optimizer) {
     case OffloadTarget::kNone: out.device += master + adam; break;

@@ -2,7 +2,8 @@
 
 The planner itself is C++ (tiering/planner.hpp, Note [Activation planner]); this
 module gathers its inputs (an estimated or recorded block profile, link
-bandwidths, budgets), runs it and prints the plan. The profile file it reads with ``--profile`` is described in tierflow/activations/profile.py.
+bandwidths through torch, the settings' texts), runs it and prints the plan; the
+budgets and the report are tiering's too (tiering/plan_report.hpp, Note [Plan report]). The profile file it reads with ``--profile`` is described in tierflow/activations/profile.py.
 
 Errors
 ------
@@ -18,14 +19,13 @@ configuration table's own parsers (``--gpu-memory`` as ``TIERFLOW_GPU_MEMORY``,
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from typing import Any, Callable, Sequence
 
 from .. import _C
 from .._config import resolve_config, set_explicitly
-from ..activations.profile import LINK_FIELDS, U64_MAX, profile_from_json
+from ..activations.profile import profile_from_json
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 GB = 1e9  # link speeds are decimal, like the vendors'
@@ -158,17 +158,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _size(text: str, capacity: int, flag: str, variable: str | None) -> int:
-    """Bytes of a size or percentage argument, parsed as the table parses `variable` (errors name `flag`)."""
-    try:
-        if variable is not None:
-            text = _C.parse_setting(variable, _text(flag, text), flag)
-            return int(_C.parse_budget(text, capacity))
-        return int(_C.parse_budget(_text(flag, text), capacity))
-    except ValueError as e:  # ConfigError
-        raise PlanError(str(e) if variable else f"{flag} {e}") from None
-
-
 def _one_line(message: str) -> str:
     return message.replace("\r", "\\r").replace("\n", "\\n")
 
@@ -227,7 +216,6 @@ def _plan(args: argparse.Namespace) -> str:
             raise PlanError(f"--profile {args.profile!r}: {e}") from None
         blocks = profile.blocks
         links = links or profile.links
-        fixed = profile.fixed_device_bytes
         flops = None
     else:
         shape = _shape(args)
@@ -243,119 +231,43 @@ def _plan(args: argparse.Namespace) -> str:
             head_bytes = _C.estimate_head_device_bytes(shape)
         except ValueError as e:  # a shape the estimate refuses (ConfigError)
             raise PlanError(f"{_shape_flags(args)}: {e}") from None
-        fixed = state.device + head_bytes
 
-    # Budgets.
-    device_bytes, device_from = _device_budget(args, config, cuda, device_name)
-    host_capacity = _C.host_capacity_bytes()
-    host_text = config["TIERFLOW_HOST_MEMORY"] if args.host_memory is None else args.host_memory
-    host_from = "--host-memory" if args.host_memory is not None else "TIERFLOW_HOST_MEMORY"
-    host_total = _size(host_text, host_capacity, host_from, "TIERFLOW_HOST_MEMORY")
-    optimizer_host = state.host if state else 0
-    if optimizer_host > host_total:
-        where = "--host-memory" if args.host_memory is not None else "TIERFLOW_HOST_MEMORY"
-        raise PlanError(f"the host budget {_C.format_bytes(host_total)} ({where}={host_text}, of "
-                        f"{_C.format_bytes(host_capacity)} RAM here) cannot hold the optimizer "
-                        f"states' {_C.format_bytes(optimizer_host)}: it needs {optimizer_host} bytes and more for "
-                        f"activations; pass --host-memory, or --optimizer nvme")
-    nvme_bytes = _size(args.nvme_memory, 0, "--nvme-memory", None) if args.nvme_memory is not None else 0
-    if nvme_bytes and args.nvme_gbps <= 0:
-        raise PlanError("--nvme-memory needs --nvme-gbps")
-    if nvme_bytes:
-        links.nvme_write = links.nvme_read = args.nvme_gbps * GB
-    prefetch_text = config["TIERFLOW_PREFETCH_BYTES"] if args.prefetch is None else args.prefetch
-    prefetch = _size(prefetch_text, 0, "--prefetch" if args.prefetch is not None else "TIERFLOW_PREFETCH_BYTES",
-                     "TIERFLOW_PREFETCH_BYTES")
-    if fixed > U64_MAX:
-        raise PlanError(f"{_shape_flags(args)}: the rest of training needs {fixed} device bytes; accepted: a shape "
-                        f"whose byte counts fit in 64 bits")
-    budgets = _C.Budgets(device_bytes=device_bytes, fixed_device_bytes=fixed, host_bytes=host_total - optimizer_host,
-                         nvme_bytes=nvme_bytes, prefetch_bytes=prefetch)
+    # Budgets and the report: tiering/plan_report.hpp (Note [Plan report]).
+    inputs = _C.PlanCommandInputs(
+        gpu_memory=_setting(args.gpu_memory, "--gpu-memory", config["TIERFLOW_GPU_MEMORY"],
+                            set_explicitly("TIERFLOW_GPU_MEMORY")),
+        host_memory=_setting(args.host_memory, "--host-memory", config["TIERFLOW_HOST_MEMORY"], True),
+        prefetch=_setting(args.prefetch, "--prefetch", config["TIERFLOW_PREFETCH_BYTES"], True),
+        nvme_memory=None if args.nvme_memory is None else _text("--nvme-memory", args.nvme_memory),
+        nvme_bytes_per_second=args.nvme_gbps * GB, device_capacity_bytes=_C.device_capacity_bytes(cuda),
+        host_capacity_bytes=_C.host_capacity_bytes(), device_name=device_name, optimizer=optimizer,
+        shape=None if state is None else _shape(args), dtype_name=args.dtype, state=state, head_bytes=head_bytes,
+        profile_path="" if args.profile is None else _text("--profile", args.profile),
+        profile_fixed_device_bytes=0 if args.profile is None else profile.fixed_device_bytes,
+        blocks_from=_shape_flags(args), links=links,
+        flops_per_second=flops, measured=measured, links_given=args.pcie_gbps is not None)
+    command = _C.plan_command_budgets(inputs)
+    budgets = command.budgets
 
     try:
-        plan = _C.plan_activations(blocks, links, budgets)
+        plan = _C.plan_activations(blocks, command.links, budgets)
     except MemoryError as e:  # tierflow.OutOfMemoryError: the budgets are too small
-        raise PlanError(f"{str(e).removeprefix('tierflow: ')} (the device budget: {device_from}"
+        raise PlanError(f"{str(e).removeprefix('tierflow: ')} (the device budget: {command.device_from}"
                         f"{'' if args.gpu_memory is not None else '; pass --gpu-memory'})") from None
     except ValueError as e:  # ConfigError: the profile's or the shape's bytes with the prefetch window overflow
-        raise PlanError(f"{_shape_flags(args)} with prefetch window {prefetch} bytes: {e}") from None
+        raise PlanError(f"{_shape_flags(args)} with prefetch window {budgets.prefetch_bytes} bytes: {e}") from None
 
-    if args.json:
-        return json.dumps(_plan_json(plan, budgets, links, flops, measured, state, head_bytes, optimizer, args))
-    return _plan_text(plan, budgets, links, flops, measured, state, head_bytes, optimizer, args, device_from,
-                      device_name)
+    report = _C.describe_plan(plan, blocks, inputs, command)
+    return report.json if args.json else "\n".join(report.lines)
 
 
-def _device_budget(args: argparse.Namespace, config: dict, cuda: bool, device_name: str) -> tuple:
-    """(device bytes the plan may use, where that number came from)."""
-    device_capacity = _C.device_capacity_bytes(cuda)
-    if args.gpu_memory is not None:
-        return _size(args.gpu_memory, device_capacity, "--gpu-memory", "TIERFLOW_GPU_MEMORY"), "--gpu-memory"
-    if set_explicitly("TIERFLOW_GPU_MEMORY"):  # set: its value, as resolve_config validated it
-        return _C.parse_budget(config["TIERFLOW_GPU_MEMORY"], device_capacity), "TIERFLOW_GPU_MEMORY"
-    return device_capacity, f"the {device_name} device's total memory"
-
-
-def _plan_json(plan, budgets, links, flops, measured, state, head_bytes, optimizer, args) -> dict:
-    layers = [{"mode": b.mode.name, "alpha": b.alpha, "keep": b.keep, "swap": b.swap, "recompute": b.recompute,
-               "swap_tier": b.tier.name, "swap_bytes": b.swap_bytes, "forward_seconds": b.forward_seconds,
-               "backward_seconds": b.backward_seconds} for b in plan.blocks]
-    out: dict[str, Any] = {
-        "layers": layers,
-        "predicted": {"gpu_peak_bytes": plan.predicted_device_peak_bytes, "step_seconds": plan.predicted_step_seconds,
-                      "keep_all_step_seconds": plan.keep_all_step_seconds, "host_bytes": plan.host_bytes,
-                      "nvme_bytes": plan.nvme_bytes, "proven_optimal": plan.proven_optimal},
-        "budgets": {"gpu_bytes": budgets.device_bytes, "fixed_gpu_bytes": budgets.fixed_device_bytes,
-                    "host_bytes_for_activations": budgets.host_bytes, "nvme_bytes": budgets.nvme_bytes,
-                    "prefetch_bytes": budgets.prefetch_bytes},
-        "links": {k: getattr(links, k) for k in LINK_FIELDS},
-        "tflops": flops / 1e12 if flops else None,
-        "measured": measured,
-        "summary": plan.summary(),
-    }
-    if state is not None:
-        out["state"] = {"optimizer": optimizer, "gpu_bytes": state.device, "host_bytes": state.host,
-                        "nvme_bytes": state.nvme, "outside_blocks_gpu_bytes": head_bytes}
-    return out
-
-
-def _plan_text(plan, budgets, links, flops, measured, state, head_bytes, optimizer, args, device_from,
-               device_name) -> str:
-    fb = _C.format_bytes
-    lines = []
-    if state is not None:
-        lines.append(f"model: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, seq {args.seq}, "
-                     f"batch {args.batch}, {args.dtype}, vocab {args.vocab} "
-                     f"({_C.transformer_parameters(_shape(args)) / 1e9:.3g}B parameters)")
-    else:
-        lines.append(f"profile: {args.profile} ({len(plan.blocks)} blocks)")
-    where = f" (measured on {device_name})"
-    if flops:
-        lines.append(f"compute: {flops / 1e12:.3g} TFLOP/s" + (where if "tflops" in measured else " (given)"))
-    lines.append(f"links: {links.d2h / GB:.3g} GB/s device->host, {links.h2d / GB:.3g} GB/s host->device"
-                 + (where if "links" in measured else " (given)" if args.pcie_gbps else " (from the profile)")
-                 + (f"; NVMe {links.nvme_write / GB:.1f} GB/s write, {links.nvme_read / GB:.1f} GB/s read"
-                    if budgets.nvme_bytes else ""))
-    host_from = "--host-memory" if args.host_memory is not None else "TIERFLOW_HOST_MEMORY"
-    optimizer_host = state.host if state is not None else 0
-    lines.append(f"budgets: device {fb(budgets.device_bytes)} ({device_from}); host {fb(budgets.host_bytes)} for "
-                 f"activations ({fb(budgets.host_bytes + optimizer_host)} from {host_from}, less "
-                 f"{fb(optimizer_host)} of optimizer states); NVMe "
-                 f"{fb(budgets.nvme_bytes) if budgets.nvme_bytes else 'none'}; prefetch window "
-                 f"{fb(budgets.prefetch_bytes)}")
-    if state is not None:
-        lines.append(f"parameters and optimizer (--optimizer {optimizer}): device {fb(state.device)}, host "
-                     f"{fb(state.host)}, NVMe {fb(state.nvme)}; activations outside the blocks (final norm, head, "
-                     f"fp32 loss): device {fb(head_bytes)}")
-    else:
-        lines.append(f"the rest of training on the device (from the profile): {fb(budgets.fixed_device_bytes)}")
-    lines.append("plan (forward order):")
-    lines.extend("  " + plan.block_line(i) for i in range(len(plan.blocks)))
-    lines.append(plan.summary())
-    lines.append(f"predicted: device peak {fb(plan.predicted_device_peak_bytes)} of {fb(budgets.device_bytes)}, "
-                 f"blocks' forward + backward {plan.predicted_step_seconds:.4f} s per step "
-                 f"(keeping everything: {plan.keep_all_step_seconds:.4f} s)")
-    return "\n".join(lines)
+def _setting(flag_text: str | None, flag: str, variable_text: str, variable_set: bool) -> Any:
+    """A size setting for tiering's budgets: the flag's text, else the table's value of its variable (when set)."""
+    if flag_text is not None:
+        return _C.SettingText(text=_text(flag, flag_text), source=_C.SettingSource.flag)
+    if variable_set:
+        return _C.SettingText(text=variable_text, source=_C.SettingSource.variable)
+    return _C.SettingText(source=_C.SettingSource.unset)
 
 
 def _shape_flags(args: argparse.Namespace) -> str:

@@ -156,6 +156,22 @@ Plan forced_plan(const std::vector<BlockProfile>& blocks, const Links& links, co
 Plan evaluate_plan(const std::vector<BlockProfile>& blocks, const Links& links, const Budgets& budgets,
                    std::vector<BlockPlan> assignment);
 
+/// The plan's predictions had block i alone taken `alternative` instead (the other blocks as planned).
+struct AlternativeCost {
+  BlockPlan block;                     ///< the alternative, its swap bytes, fractions and times filled in
+  double step_seconds = 0;             ///< the plan's predicted step with it
+  std::uint64_t device_peak_bytes = 0, host_bytes = 0, nvme_bytes = 0;  ///< the plan's usage with it
+  bool fits_device = true, fits_host = true, fits_nvme = true;         ///< each usage within its budget
+  bool fits() const noexcept { return fits_device && fits_host && fits_nvme; }
+};
+
+/// The model of evaluate_plan for `plan` (as evaluate_plan or plan_activations returned it) with block i's
+/// assignment replaced by `alternative` (mode, alpha and tier read): why the planner did not choose it.
+/// O(blocks); the chosen assignment itself gives the plan's own figures exactly.
+AlternativeCost evaluate_alternative(const std::vector<BlockProfile>& blocks, const Links& links,
+                                     const Budgets& budgets, const Plan& plan, std::size_t i,
+                                     BlockPlan alternative);
+
 /// Blocks of the same shape (equal bytes of every class, transient bytes and splittable) with their times
 /// replaced by the means over that shape: measured layers of one model differ only by noise, and
 /// identical profiles plan exactly and fast (they group; see Note [Activation planner]).

@@ -82,6 +82,10 @@ std::uint64_t transformer_parameters(const TransformerShape& shape);
 /// Bytes of training state per tier.
 struct StateBytes {
   std::uint64_t device = 0, host = 0, nvme = 0;
+  // The same bytes by kind, wherever they live (device + host + nvme = their sum):
+  std::uint64_t parameter_bytes = 0;  ///< the model's parameters, in its dtype
+  std::uint64_t gradient_bytes = 0;   ///< their gradients, in the same dtype
+  std::uint64_t optimizer_bytes = 0;  ///< fp32 master weights (when the dtype is narrower) and Adam's m and v
 };
 
 /// Parameters and optimizer: parameters (dtype) and gradients (dtype) on the device; the fp32 master

@@ -34,6 +34,8 @@ struct Times {
 Times block_times(const BlockProfile& p, const Links& links, BlockMode mode, double alpha, SwapTier tier);
 /// Bytes a block sends to its tier per step.
 std::uint64_t swap_bytes_of(const BlockProfile& p, BlockMode mode, double alpha);
+/// MEMO's link rule: the largest alpha whose swap-out to `tier` fits in the block's forward (1: nothing to split).
+double link_alpha(const BlockProfile& p, const Links& links, SwapTier tier);
 /// Whether two profiles are equal in every field (their blocks group in the search).
 bool same_profile(const BlockProfile& a, const BlockProfile& b);
 

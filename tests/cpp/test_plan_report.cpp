@@ -1,0 +1,332 @@
+// The plan command's budgets and report (Note [Plan report]) and evaluate_alternative.
+#include <gtest/gtest.h>
+
+#include <random>
+#include <string>
+
+#include "tierflow/core/error.hpp"
+#include "tierflow/core/size.hpp"
+#include "tierflow/tiering/plan_report.hpp"
+#include "tierflow/tiering/planner.hpp"
+#include "tierflow/tiering/transformer_profile.hpp"
+
+using namespace tierflow;
+using namespace tierflow::tiering;
+
+namespace {
+
+TransformerShape small_shape() {
+  TransformerShape s;
+  s.layers = 4;
+  s.hidden = 1024;
+  s.heads = 16;
+  s.seq = 1024;
+  s.batch = 8;
+  s.dtype_bytes = 2;
+  s.vocab = 50304;
+  return s;
+}
+
+// The inputs `python -m tierflow plan --layers 4 ... --tflops 100 --pcie-gbps 20` gathers.
+PlanCommandInputs shape_inputs(const std::string& optimizer = "host") {
+  PlanCommandInputs in;
+  in.gpu_memory = {"16GiB", SettingSource::kFlag};
+  in.host_memory = {"64GiB", SettingSource::kVariable};
+  in.prefetch = {"256MiB", SettingSource::kVariable};
+  in.device_capacity_bytes = 80 * GiB;
+  in.host_capacity_bytes = 128 * GiB;
+  in.device_name = "cpu (emulated device)";
+  in.optimizer = optimizer;
+  in.shape = small_shape();
+  in.dtype_name = "bf16";
+  in.state = estimate_training_state(*in.shape, optimizer == "none"   ? OffloadTarget::kNone
+                                                : optimizer == "host" ? OffloadTarget::kHost
+                                                                      : OffloadTarget::kNvme);
+  in.head_bytes = estimate_head_device_bytes(*in.shape);
+  in.blocks_from = "--layers 4 --hidden 1024";
+  in.links = Links{20e9, 20e9, 40e9, 0, 0};
+  in.flops_per_second = 100e12;
+  in.links_given = true;
+  return in;
+}
+
+std::string message_of(const PlanCommandInputs& in) {
+  try {
+    plan_command_budgets(in);
+  } catch (const config_error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST(PlanCommandBudgets, DeviceBudgetComesFromTheFlagTheVariableOrTheDevice) {
+  auto in = shape_inputs();
+  auto b = plan_command_budgets(in);
+  EXPECT_EQ(b.budgets.device_bytes, 16 * GiB);
+  EXPECT_EQ(b.device_from, "--gpu-memory");
+  in.gpu_memory = {"50%", SettingSource::kVariable};
+  b = plan_command_budgets(in);
+  EXPECT_EQ(b.budgets.device_bytes, 40 * GiB);
+  EXPECT_EQ(b.device_from, "TIERFLOW_GPU_MEMORY");
+  in.gpu_memory = {};
+  b = plan_command_budgets(in);
+  EXPECT_EQ(b.budgets.device_bytes, 80 * GiB);
+  EXPECT_EQ(b.device_from, "the cpu (emulated device) device's total memory");
+}
+
+TEST(PlanCommandBudgets, HostBudgetLessTheOptimizerStatesAndFixedBytesFromTheEstimate) {
+  const auto in = shape_inputs("host");
+  const auto b = plan_command_budgets(in);
+  ASSERT_GT(in.state->host, 0u);
+  EXPECT_EQ(b.optimizer_host_bytes, in.state->host);
+  EXPECT_EQ(b.budgets.host_bytes, 64 * GiB - in.state->host);
+  EXPECT_EQ(b.host_from, "TIERFLOW_HOST_MEMORY");
+  EXPECT_EQ(b.budgets.fixed_device_bytes, in.state->device + in.head_bytes);
+  EXPECT_EQ(b.budgets.prefetch_bytes, 256 * MiB);
+  EXPECT_EQ(b.budgets.nvme_bytes, 0u);
+}
+
+TEST(PlanCommandBudgets, HostTooSmallForTheOptimizerNamesTheFlagAndWhatToPass) {
+  auto in = shape_inputs("host");
+  in.host_memory = {"1GiB", SettingSource::kFlag};
+  const auto msg = message_of(in);
+  EXPECT_NE(msg.find("the host budget 1.00 GiB (--host-memory=1GiB, of 128.00 GiB RAM here) cannot hold the "
+                     "optimizer states'"),
+            std::string::npos)
+      << msg;
+  EXPECT_NE(msg.find("it needs " + std::to_string(in.state->host) + " bytes"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("pass --host-memory, or --optimizer nvme"), std::string::npos) << msg;
+  in.host_memory.source = SettingSource::kVariable;
+  EXPECT_NE(message_of(in).find("(TIERFLOW_HOST_MEMORY=1GiB"), std::string::npos);
+}
+
+TEST(PlanCommandBudgets, SizesAreParsedAsTheTableParsesTheirVariable) {
+  auto in = shape_inputs();
+  in.prefetch = {"0", SettingSource::kFlag};
+  auto msg = message_of(in);
+  EXPECT_NE(msg.find("--prefetch='0'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("at least 1 byte"), std::string::npos) << msg;
+  in = shape_inputs();
+  in.gpu_memory = {"0", SettingSource::kFlag};
+  EXPECT_NE(message_of(in).find("--gpu-memory='0'"), std::string::npos);
+  in = shape_inputs();
+  in.host_memory = {"lots", SettingSource::kVariable};
+  EXPECT_NE(message_of(in).find("TIERFLOW_HOST_MEMORY='lots'"), std::string::npos);
+}
+
+TEST(PlanCommandBudgets, NvmeNeedsASizeAndARate) {
+  auto in = shape_inputs();
+  in.nvme_memory = "5%";
+  in.nvme_bytes_per_second = 2e9;
+  auto msg = message_of(in);
+  EXPECT_EQ(msg.rfind("--nvme-memory '5%' is a percentage", 0), 0u) << msg;
+  in.nvme_memory = "1GiB";
+  in.nvme_bytes_per_second = 0;
+  EXPECT_EQ(message_of(in), "--nvme-memory needs --nvme-gbps");
+  in.nvme_bytes_per_second = 2e9;
+  const auto b = plan_command_budgets(in);
+  EXPECT_EQ(b.budgets.nvme_bytes, GiB);
+  EXPECT_EQ(b.links.nvme_write, 2e9);
+  EXPECT_EQ(b.links.nvme_read, 2e9);
+  EXPECT_EQ(b.links.d2h, 20e9);
+}
+
+TEST(PlanCommandBudgets, FixedBytesPast64BitsAreRefusedWithTheExactCount) {
+  auto in = shape_inputs();
+  in.state->device = ~std::uint64_t{0};
+  in.head_bytes = 10;
+  EXPECT_EQ(message_of(in), "--layers 4 --hidden 1024: the rest of training needs 18446744073709551625 device "
+                            "bytes; accepted: a shape whose byte counts fit in 64 bits");
+}
+
+TEST(PlanCommandBudgets, ProfileGivesTheFixedBytes) {
+  auto in = shape_inputs();
+  in.shape.reset();
+  in.state.reset();
+  in.profile_fixed_device_bytes = 3 * GiB;
+  const auto b = plan_command_budgets(in);
+  EXPECT_EQ(b.budgets.fixed_device_bytes, 3 * GiB);
+  EXPECT_EQ(b.budgets.host_bytes, 64 * GiB);
+}
+
+TEST(BudgetBytes, RefusesTextAndPercentagesOfNothing) {
+  EXPECT_EQ(budget_bytes("2GiB", 0), 2 * GiB);
+  EXPECT_EQ(budget_bytes("25%", 4 * GiB), GiB);
+  EXPECT_THROW(budget_bytes("lots", 0), config_error);
+  EXPECT_THROW(budget_bytes("25%", 0), config_error);
+}
+
+namespace {
+
+struct Planned {
+  std::vector<BlockProfile> blocks;
+  PlanCommandInputs in;
+  PlanCommandBudgets budgets;
+  Plan plan;
+};
+
+Planned plan_small(const std::string& gpu_memory, const std::string& optimizer = "host") {
+  Planned p;
+  p.in = shape_inputs(optimizer);
+  p.in.gpu_memory = {gpu_memory, SettingSource::kFlag};
+  p.blocks = estimate_transformer(*p.in.shape, *p.in.flops_per_second);
+  p.budgets = plan_command_budgets(p.in);
+  p.plan = plan_activations(p.blocks, p.budgets.links, p.budgets.budgets);
+  return p;
+}
+
+bool has(const std::string& text, const std::string& needle) { return text.find(needle) != std::string::npos; }
+
+}  // namespace
+
+TEST(DescribePlan, TextKeepsTodaysLinesThenExplainsEachBlock) {
+  const auto p = plan_small("16GiB");
+  const auto r = describe_plan(p.plan, p.blocks, p.in, p.budgets);
+  ASSERT_GE(r.lines.size(), 7 + 2 * p.blocks.size());
+  EXPECT_EQ(r.lines[0].rfind("model: 4 layers, hidden 1024, 16 heads, seq 1024, batch 8, bf16, vocab 50304 (", 0), 0u);
+  EXPECT_EQ(r.lines[1], "compute: 100 TFLOP/s (given)");
+  EXPECT_EQ(r.lines[2], "links: 20 GB/s device->host, 20 GB/s host->device (given)");
+  EXPECT_EQ(r.lines[3].rfind("budgets: device 16.00 GiB (--gpu-memory); host ", 0), 0u) << r.lines[3];
+  EXPECT_EQ(r.lines[4].rfind("parameters and optimizer (--optimizer host): device ", 0), 0u);
+  EXPECT_EQ(r.lines[5], "plan (forward order):");
+  EXPECT_EQ(r.lines[6], "  " + p.plan.block_line(0));
+  const std::size_t n = p.blocks.size();
+  EXPECT_EQ(r.lines[6 + n], p.plan.summary());
+  EXPECT_EQ(r.lines[7 + n].rfind("predicted: device peak ", 0), 0u);
+  EXPECT_EQ(r.lines[8 + n].rfind("why each block's action", 0), 0u);
+  EXPECT_EQ(r.lines[9 + n].rfind("  block 0: keep; swap host ", 0), 0u) << r.lines[9 + n];
+  EXPECT_TRUE(has(r.lines[9 + n], "recompute host ")) << r.lines[9 + n];
+  const auto& fixed = r.lines.back();
+  EXPECT_EQ(fixed.rfind("device's fixed bytes: parameters ", 0), 0u) << fixed;
+  EXPECT_TRUE(has(fixed, "gradients " + format_bytes(p.in.state->gradient_bytes) +
+                             " (freed by TIERFLOW_OFFLOAD_GRADIENTS=on"))
+      << fixed;
+  EXPECT_TRUE(has(fixed, "optimizer states 0 B;")) << fixed;  // already on host
+}
+
+TEST(DescribePlan, OptimizerOnTheDeviceNamesTheSettingThatMovesIt) {
+  const auto p = plan_small("40GiB", "none");
+  const auto r = describe_plan(p.plan, p.blocks, p.in, p.budgets);
+  EXPECT_TRUE(has(r.lines.back(), "optimizer states " + format_bytes(p.in.state->optimizer_bytes) +
+                                      " (freed by --optimizer host or nvme (TIERFLOW_OFFLOAD_OPTIMIZER=host or nvme))"))
+      << r.lines.back();
+  EXPECT_TRUE(has(r.json, "\"part\": \"optimizer_states\", \"gpu_bytes\": " +
+                              std::to_string(p.in.state->optimizer_bytes)))
+      << r.json;
+}
+
+TEST(DescribePlan, JsonHasTodaysKeysInOrderThenTheNewOnes) {
+  const auto p = plan_small("16GiB");
+  const auto j = describe_plan(p.plan, p.blocks, p.in, p.budgets).json;
+  std::size_t at = 0;
+  for (const char* key : {"{\"layers\": [{\"mode\": ", "\"alpha\": ", "\"keep\": ", "\"swap\": ", "\"recompute\": ",
+                          "\"swap_tier\": ", "\"swap_bytes\": ", "\"forward_seconds\": ", "\"backward_seconds\": ",
+                          "\"alternatives\": [", "\"predicted\": {\"gpu_peak_bytes\": ", "\"step_seconds\": ",
+                          "\"keep_all_step_seconds\": ", "\"host_bytes\": ", "\"nvme_bytes\": ",
+                          "\"proven_optimal\": true}", "\"budgets\": {\"gpu_bytes\": 17179869184",
+                          "\"fixed_gpu_bytes\": ", "\"host_bytes_for_activations\": ", "\"prefetch_bytes\": 268435456}",
+                          "\"links\": {\"d2h\": 20000000000.0, \"h2d\": 20000000000.0, \"duplex\": 40000000000.0, "
+                          "\"nvme_write\": 0.0, \"nvme_read\": 0.0}",
+                          "\"tflops\": 100.0", "\"measured\": []", "\"summary\": \"",
+                          "\"state\": {\"optimizer\": \"host\", \"gpu_bytes\": ", "\"outside_blocks_gpu_bytes\": ",
+                          "\"fixed_gpu_parts\": [{\"part\": \"parameters\""}) {
+    const auto found = j.find(key, at);
+    ASSERT_NE(found, std::string::npos) << key << " after " << at << " in " << j.substr(0, 2000);
+    at = found;
+  }
+  EXPECT_EQ(j.back(), '}');
+}
+
+TEST(DescribePlan, FloatsAreWrittenAsPythonWritesThem) {
+  // Through the links of a profile report: python's repr of each.
+  auto p = plan_small("16GiB");
+  p.budgets.links = Links{1e-05, 0.1, 1e16, 123456.789, 5e-324};
+  const auto j = describe_plan(p.plan, p.blocks, p.in, p.budgets).json;
+  EXPECT_TRUE(has(j, "\"links\": {\"d2h\": 1e-05, \"h2d\": 0.1, \"duplex\": 1e+16, \"nvme_write\": 123456.789, "
+                     "\"nvme_read\": 5e-324}"))
+      << j.substr(j.find("\"links\""), 200);
+}
+
+TEST(EvaluateAlternative, TheChosenAssignmentGivesThePlansOwnFigures) {
+  const auto p = plan_small("16GiB");
+  for (std::size_t i = 0; i < p.blocks.size(); ++i) {
+    const auto a = evaluate_alternative(p.blocks, p.budgets.links, p.budgets.budgets, p.plan, i, p.plan.blocks[i]);
+    EXPECT_EQ(a.step_seconds, p.plan.predicted_step_seconds);
+    EXPECT_EQ(a.device_peak_bytes, p.plan.predicted_device_peak_bytes);
+    EXPECT_EQ(a.host_bytes, p.plan.host_bytes);
+    EXPECT_TRUE(a.fits());
+  }
+}
+
+TEST(EvaluateAlternative, MatchesEvaluatePlanWithTheBlockChanged) {
+  const auto p = plan_small("16GiB");
+  const auto& links = p.budgets.links;
+  const auto& budgets = p.budgets.budgets;
+  for (BlockMode mode : {BlockMode::kKeep, BlockMode::kSwap, BlockMode::kSplit, BlockMode::kRecompute}) {
+    BlockPlan alt;
+    alt.mode = mode;
+    alt.alpha = mode == BlockMode::kSplit ? 0.25 : 0;
+    auto assignment = p.plan.blocks;
+    assignment[1] = alt;
+    const auto whole = evaluate_plan(p.blocks, links, budgets, assignment);
+    const auto a = evaluate_alternative(p.blocks, links, budgets, p.plan, 1, alt);
+    EXPECT_EQ(a.step_seconds, whole.predicted_step_seconds) << to_string(mode);
+    EXPECT_EQ(a.device_peak_bytes, whole.predicted_device_peak_bytes) << to_string(mode);
+    EXPECT_EQ(a.host_bytes, whole.host_bytes) << to_string(mode);
+    EXPECT_EQ(a.fits(), whole.fits) << to_string(mode);
+  }
+}
+
+TEST(DescribePlan, EveryRejectedAlternativeThatFitsIsNoFaster) {
+  // Random budgets around the small model's needs: whenever an alternative fits, the (proven optimal)
+  // plan is at least as fast, and the report says why each one lost.
+  std::mt19937_64 rng(20);
+  int fitting = 0, over = 0;
+  for (int trial = 0; trial < 40; ++trial) {
+    const auto gib = std::uniform_int_distribution<int>(6, 24)(rng);
+    Planned p;
+    try {
+      p = plan_small(std::to_string(gib) + "GiB");
+    } catch (const out_of_memory&) {
+      continue;
+    }
+    ASSERT_TRUE(p.plan.proven_optimal);
+    const auto r = describe_plan(p.plan, p.blocks, p.in, p.budgets);
+    for (std::size_t i = 0; i < p.blocks.size(); ++i) {
+      for (BlockMode mode : {BlockMode::kKeep, BlockMode::kSwap, BlockMode::kRecompute}) {
+        if (mode == p.plan.blocks[i].mode) continue;
+        BlockPlan alt;
+        alt.mode = mode;
+        alt.tier = p.plan.blocks[i].tier;
+        const auto a = evaluate_alternative(p.blocks, p.budgets.links, p.budgets.budgets, p.plan, i, alt);
+        if (a.fits()) {
+          ++fitting;
+          EXPECT_GE(a.step_seconds, p.plan.predicted_step_seconds) << "block " << i << " " << to_string(mode);
+        } else {
+          ++over;
+        }
+      }
+    }
+    EXPECT_FALSE(has(r.json, "\"why\": \"faster")) << r.json;
+  }
+  EXPECT_GT(fitting, 0);
+  EXPECT_GT(over, 0);
+}
+
+TEST(DescribePlan, ProfileReportSaysTheFixedBytesAreNotBrokenDown) {
+  auto p = plan_small("16GiB");
+  p.in.shape.reset();
+  p.in.state.reset();
+  p.in.flops_per_second.reset();
+  p.in.links_given = false;
+  p.in.profile_path = "p.json";
+  const auto r = describe_plan(p.plan, p.blocks, p.in, p.budgets);
+  EXPECT_EQ(r.lines[0], "profile: p.json (4 blocks)");
+  EXPECT_EQ(r.lines[1], "links: 20 GB/s device->host, 20 GB/s host->device (from the profile)");
+  EXPECT_TRUE(has(r.json, "\"tflops\": null"));
+  EXPECT_FALSE(has(r.json, "\"state\""));
+  EXPECT_TRUE(has(r.json, "\"fixed_gpu_parts\": [{\"part\": \"from_profile\""));
+  EXPECT_EQ(r.lines.back().rfind("device's fixed bytes: the profile's rest of training ", 0), 0u) << r.lines.back();
+}

@@ -1,0 +1,107 @@
+// `python -m tierflow plan`'s decisions, torch-free: the budgets of each tier
+// from the command's arguments and settings, and how a plan is shown (text
+// lines and a JSON document). bindings/python/tierflow/cli/plan.py keeps the
+// arguments and the measurements through torch.
+//
+// Note [Plan report]
+// ~~~~~~~~~~~~~~~~~~
+// Budgets. The device budget is --gpu-memory, else TIERFLOW_GPU_MEMORY when
+// it was set, else the device's total memory; the host budget (--host-memory
+// or TIERFLOW_HOST_MEMORY) less the optimizer states the estimate puts on
+// host is what swapped activations may use; NVMe is --nvme-memory (a size,
+// never a percentage: there is no capacity to take it of) and needs
+// --nvme-gbps; the prefetch window is --prefetch or TIERFLOW_PREFETCH_BYTES.
+// Sizes are parsed as the configuration table parses the variable standing
+// for the flag, and every error names the flag or the variable it came from.
+// The fixed device bytes are the estimate's training state on the device plus
+// the activations outside the blocks (or the profile's fixed_device_bytes).
+//
+// Why each block's action won. For each block, every action the planner did
+// not choose (keep; swap, on the block's tier; split at MEMO's link-rule alpha,
+// for a splittable block not already split; recompute) is priced by
+// evaluate_alternative: the plan's step and usage had that block alone taken
+// it. An alternative either breaks a budget, or is no faster than the chosen
+// action (the search is exact for the model), unless the search stopped at
+// its node limit. The fixed device bytes are broken down into parameters,
+// gradients, optimizer states and the activations outside the blocks, each
+// with the setting that would move it off the device; a profile gives only
+// their sum. Workspace is not in the fixed bytes: each block's transient bytes
+// are in its working set (Note [Activation planner]).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "tierflow/tiering/planner.hpp"
+#include "tierflow/tiering/transformer_profile.hpp"
+
+namespace tierflow::tiering {
+
+/// Where the text of a size setting came from.
+enum class SettingSource : std::uint8_t {
+  kUnset,     ///< neither given nor set: the default applies (a device budget: the device's total memory)
+  kVariable,  ///< the configuration table's value of the TIERFLOW_* variable (set, or its default)
+  kFlag,      ///< the command-line flag
+};
+
+/// A size setting as the command received it.
+struct SettingText {
+  std::string text;
+  SettingSource source = SettingSource::kUnset;
+};
+
+/// What `python -m tierflow plan` gathered: arguments, settings, estimates and measurements.
+struct PlanCommandInputs {
+  SettingText gpu_memory;        ///< --gpu-memory, TIERFLOW_GPU_MEMORY when set, or unset
+  SettingText host_memory;       ///< --host-memory or TIERFLOW_HOST_MEMORY
+  SettingText prefetch;          ///< --prefetch or TIERFLOW_PREFETCH_BYTES
+  std::optional<std::string> nvme_memory;  ///< --nvme-memory (none: no NVMe tier)
+  double nvme_bytes_per_second = 0;        ///< --nvme-gbps in bytes per second (0: not given)
+  std::uint64_t device_capacity_bytes = 0;  ///< the device's total memory
+  std::uint64_t host_capacity_bytes = 0;    ///< this machine's RAM
+  std::string device_name;                  ///< "cuda" or "cpu (emulated device)"
+  std::string optimizer;                    ///< the optimizer's placement: none, host or nvme
+  std::optional<TransformerShape> shape;    ///< the estimated model (none: a recorded profile)
+  std::string dtype_name;                   ///< the shape's --dtype, e.g. "bf16"
+  std::optional<StateBytes> state;          ///< estimate_training_state of the shape
+  std::uint64_t head_bytes = 0;             ///< estimate_head_device_bytes of the shape
+  std::uint64_t profile_fixed_device_bytes = 0;  ///< a profile's fixed_device_bytes
+  std::string profile_path;                 ///< --profile FILE
+  std::string blocks_from;                  ///< the arguments that made the blocks, as errors name them
+  Links links;                              ///< given, measured or the profile's; NVMe rates filled in here
+  std::optional<double> flops_per_second;   ///< the estimate's compute rate (none: a profile)
+  std::vector<std::string> measured;        ///< what was measured on this machine: "tflops", "links"
+  bool links_given = false;                 ///< --pcie-gbps was given
+};
+
+/// The planner's inputs from PlanCommandInputs, and where they came from.
+struct PlanCommandBudgets {
+  Budgets budgets;
+  Links links;                          ///< the inputs' links with the NVMe rate when there is an NVMe budget
+  std::string device_from;              ///< what set the device budget, e.g. "--gpu-memory"
+  std::string host_from;                ///< "--host-memory" or "TIERFLOW_HOST_MEMORY"
+  std::uint64_t optimizer_host_bytes = 0;  ///< optimizer states on host, taken out of the host budget
+};
+
+/// The budgets of Note [Plan report]. Throws config_error naming the flag or variable (and what to
+/// pass) for a size the table refuses, a host budget smaller than the optimizer states, NVMe without a
+/// rate, or fixed device bytes past 64 bits.
+PlanCommandBudgets plan_command_budgets(const PlanCommandInputs& inputs);
+
+/// Bytes of a size ("16GiB") or a percentage of `capacity_bytes` ("90%"); config_error for other text
+/// or for a percentage of an unknown (0) capacity.
+std::uint64_t budget_bytes(const std::string& text, std::uint64_t capacity_bytes);
+
+/// A plan as the command prints it.
+struct PlanReport {
+  std::vector<std::string> lines;  ///< the text output, one entry per line
+  std::string json;                ///< the --json output (as Python's json.dumps writes it)
+};
+
+/// The text and JSON of `plan`, made by plan_activations from `blocks` and `budgets`; see Note [Plan report].
+PlanReport describe_plan(const Plan& plan, const std::vector<BlockProfile>& blocks, const PlanCommandInputs& inputs,
+                         const PlanCommandBudgets& budgets);
+
+}  // namespace tierflow::tiering

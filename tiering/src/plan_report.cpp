@@ -1,0 +1,454 @@
+// `python -m tierflow plan`'s budgets and how it shows a plan; see Note [Plan report].
+#include "tierflow/tiering/plan_report.hpp"
+
+#include <charconv>
+#include <cmath>
+#include <cstdio>
+#include <string_view>
+#include <tuple>
+
+#include "tierflow/core/config.hpp"
+#include "tierflow/core/error.hpp"
+#include "tierflow/core/size.hpp"
+#include "tierflow/tiering/detail/plan_search.hpp"
+
+namespace tierflow::tiering {
+namespace {
+
+constexpr double kGB = 1e9;  // link speeds are decimal, like the vendors'
+
+// printf into a std::string.
+template <typename... Args>
+std::string format(const char* fmt, Args... args) {
+  char buf[512];
+  std::snprintf(buf, sizeof buf, fmt, args...);
+  return buf;
+}
+
+// ---- JSON, written as Python's json.dumps writes it (", " and ": ", floats as repr) -----------------
+
+// A double as Python's repr: the shortest digits that read back, exponent form below 1e-4 and from 1e16.
+std::string python_float(double x) {
+  if (std::isnan(x)) return "NaN";
+  if (std::isinf(x)) return x > 0 ? "Infinity" : "-Infinity";
+  char buf[64];
+  const auto end = std::to_chars(buf, buf + sizeof buf, x, std::chars_format::scientific).ptr;
+  const std::string_view sci(buf, static_cast<std::size_t>(end - buf));
+  const bool negative = sci.front() == '-';
+  const auto e_at = sci.find('e');
+  std::string digits;
+  for (char c : sci.substr(negative ? 1 : 0, e_at - (negative ? 1 : 0)))
+    if (c != '.') digits += c;
+  const int exponent = std::stoi(std::string(sci.substr(e_at + 1)));
+  const int point = exponent + 1;  // digits' decimal point, counted from their first digit
+  std::string out = negative ? "-" : "";
+  if (exponent < -4 || exponent >= 16) {
+    out += digits.substr(0, 1);
+    if (digits.size() > 1) out += "." + digits.substr(1);
+    out += format("e%c%02d", exponent < 0 ? '-' : '+', std::abs(exponent));
+  } else if (point <= 0) {
+    out += "0." + std::string(static_cast<std::size_t>(-point), '0') + digits;
+  } else if (static_cast<std::size_t>(point) >= digits.size()) {
+    out += digits + std::string(static_cast<std::size_t>(point) - digits.size(), '0') + ".0";
+  } else {
+    out += digits.substr(0, static_cast<std::size_t>(point)) + "." + digits.substr(static_cast<std::size_t>(point));
+  }
+  return out;
+}
+
+// A JSON string of ASCII text (the report's names and lines are ASCII).
+std::string json_string(std::string_view s) {
+  std::string out = "\"";
+  for (char c : s) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (c == '\n' || c == '\r' || c == '\t' || c == '\b' || c == '\f') {
+      out += c == '\n' ? "\\n" : c == '\r' ? "\\r" : c == '\t' ? "\\t" : c == '\b' ? "\\b" : "\\f";
+    } else if (static_cast<unsigned char>(c) < 0x20 || static_cast<unsigned char>(c) >= 0x7f) {
+      out += format("\\u%04x", static_cast<unsigned char>(c));
+    } else {
+      out += c;
+    }
+  }
+  return out + "\"";
+}
+
+// A JSON object built in order of its keys.
+class JsonObject {
+ public:
+  JsonObject& raw(std::string_view key, const std::string& value) {
+    text_ += (text_.empty() ? "{" : ", ") + json_string(key) + ": " + value;
+    return *this;
+  }
+  JsonObject& num(std::string_view key, double v) { return raw(key, python_float(v)); }
+  JsonObject& bytes(std::string_view key, std::uint64_t v) { return raw(key, std::to_string(v)); }
+  JsonObject& flag(std::string_view key, bool v) { return raw(key, v ? "true" : "false"); }
+  JsonObject& str(std::string_view key, std::string_view v) { return raw(key, json_string(v)); }
+  std::string done() const { return text_.empty() ? "{}" : text_ + "}"; }
+
+ private:
+  std::string text_;
+};
+
+std::string json_list(const std::vector<std::string>& items) {
+  std::string out = "[";
+  for (std::size_t i = 0; i < items.size(); ++i) out += (i ? ", " : "") + items[i];
+  return out + "]";
+}
+
+// ---- budgets --------------------------------------------------------------------------------------
+
+// Bytes of a size setting parsed as the table parses `variable`; errors name `label` (the flag or variable).
+std::uint64_t setting_bytes(const std::string& text, std::uint64_t capacity, const std::string& label,
+                            const char* variable) {
+  return budget_bytes(parse_setting(variable, text, label), capacity);
+}
+
+std::pair<std::uint64_t, std::string> device_budget(const PlanCommandInputs& in) {
+  const auto capacity = in.device_capacity_bytes;
+  switch (in.gpu_memory.source) {
+    case SettingSource::kFlag:
+      return {setting_bytes(in.gpu_memory.text, capacity, "--gpu-memory", "TIERFLOW_GPU_MEMORY"), "--gpu-memory"};
+    case SettingSource::kVariable:  // set: its value, as the table validated it
+      return {budget_bytes(in.gpu_memory.text, capacity), "TIERFLOW_GPU_MEMORY"};
+    case SettingSource::kUnset: break;
+  }
+  return {capacity, "the " + in.device_name + " device's total memory"};
+}
+
+std::uint64_t fixed_device_bytes(const PlanCommandInputs& in) {
+  if (!in.state) return in.profile_fixed_device_bytes;
+  std::uint64_t fixed = 0;
+  if (__builtin_add_overflow(in.state->device, in.head_bytes, &fixed)) {
+    const unsigned __int128 sum = static_cast<unsigned __int128>(in.state->device) + in.head_bytes;
+    const std::string text = std::to_string(static_cast<std::uint64_t>(sum / 10)) +
+                             std::to_string(static_cast<unsigned>(sum % 10));
+    throw config_error(in.blocks_from + ": the rest of training needs " + text +
+                       " device bytes; accepted: a shape whose byte counts fit in 64 bits");
+  }
+  return fixed;
+}
+
+// ---- why each block's action won --------------------------------------------------------------------
+
+// The actions the planner did not choose for block i (Note [Plan report]).
+std::vector<BlockPlan> rejected_actions(const BlockProfile& p, const BlockPlan& chosen, const Links& links) {
+  const SwapTier tier = chosen.mode == BlockMode::kKeep ? SwapTier::kHost : chosen.tier;
+  std::vector<BlockPlan> out;
+  for (BlockMode mode : {BlockMode::kKeep, BlockMode::kSwap, BlockMode::kSplit, BlockMode::kRecompute}) {
+    if (mode == chosen.mode || (mode == BlockMode::kSplit && !p.splittable)) continue;
+    BlockPlan b;
+    b.mode = mode;
+    b.tier = tier;
+    if (mode == BlockMode::kSplit) b.alpha = detail::link_alpha(p, links, tier);
+    out.push_back(b);
+  }
+  return out;
+}
+
+std::string why_rejected(const AlternativeCost& a, const Plan& plan) {
+  std::string over;
+  if (!a.fits_device) over += "device";
+  if (!a.fits_host) over += std::string(over.empty() ? "" : ", ") + "host";
+  if (!a.fits_nvme) over += std::string(over.empty() ? "" : ", ") + "NVMe";
+  if (!over.empty()) return "over the " + over + " budget";
+  if (a.step_seconds > plan.predicted_step_seconds) return "slower";
+  if (a.step_seconds == plan.predicted_step_seconds) return "as fast";
+  return plan.proven_optimal ? "faster" : "faster (the search stopped at its node limit)";
+}
+
+struct BlockWhy {
+  std::vector<AlternativeCost> rejected;
+};
+
+// evaluate_alternative for every block; blocks of one profile with one choice share their figures.
+std::vector<BlockWhy> why_of_blocks(const Plan& plan, const std::vector<BlockProfile>& blocks, const Links& links,
+                                    const Budgets& budgets) {
+  std::vector<BlockWhy> out(blocks.size());
+  std::vector<std::size_t> seen;  // a block of each (profile, choice) met so far
+  for (std::size_t i = 0; i < blocks.size(); ++i) {
+    const auto& b = plan.blocks[i];
+    bool shared = false;
+    for (std::size_t j : seen) {
+      const auto& c = plan.blocks[j];
+      if (c.mode == b.mode && c.alpha == b.alpha && c.tier == b.tier && detail::same_profile(blocks[i], blocks[j])) {
+        out[i] = out[j];
+        shared = true;
+        break;
+      }
+    }
+    if (shared) continue;
+    seen.push_back(i);
+    for (const auto& alt : rejected_actions(blocks[i], b, links))
+      out[i].rejected.push_back(evaluate_alternative(blocks, links, budgets, plan, i, alt));
+  }
+  return out;
+}
+
+std::string action_name(const BlockPlan& b) {
+  std::string s(to_string(b.mode));
+  if (b.mode == BlockMode::kSplit) s += format(" alpha %.3f", b.alpha);
+  if (b.mode != BlockMode::kKeep) s += " " + std::string(to_string(b.tier));
+  return s;
+}
+
+std::string why_line(std::size_t i, const Plan& plan, const BlockWhy& why) {
+  std::string s = format("  block %zu: %s; ", i, action_name(plan.blocks[i]).c_str());
+  if (why.rejected.empty()) return s + "no other action";
+  for (std::size_t k = 0; k < why.rejected.size(); ++k) {
+    const auto& a = why.rejected[k];
+    s += (k ? "; " : "") + action_name(a.block) + format(" %.4f s, peak ", a.step_seconds) +
+         format_bytes(a.device_peak_bytes) + ": " + why_rejected(a, plan);
+  }
+  return s;
+}
+
+std::string alternatives_json(const Plan& plan, const BlockWhy& why) {
+  std::vector<std::string> items;
+  for (const auto& a : why.rejected) {
+    items.push_back(JsonObject()
+                        .str("mode", to_string(a.block.mode))
+                        .num("alpha", a.block.alpha)
+                        .str("swap_tier", to_string(a.block.tier))
+                        .bytes("swap_bytes", a.block.swap_bytes)
+                        .num("step_seconds", a.step_seconds)
+                        .bytes("gpu_peak_bytes", a.device_peak_bytes)
+                        .bytes("host_bytes", a.host_bytes)
+                        .bytes("nvme_bytes", a.nvme_bytes)
+                        .flag("fits", a.fits())
+                        .str("why", why_rejected(a, plan))
+                        .done());
+  }
+  return json_list(items);
+}
+
+// ---- the fixed device bytes by part ------------------------------------------------------------------
+
+struct FixedPart {
+  const char* name;       // JSON "part"
+  const char* label;      // text
+  std::uint64_t bytes;
+  std::string freed_by;   // the setting that would move it off the device ("" none)
+};
+
+std::vector<FixedPart> fixed_parts(const PlanCommandInputs& in, const Budgets& budgets) {
+  if (!in.state) return {{"from_profile", "the profile's rest of training", budgets.fixed_device_bytes, ""}};
+  const auto& s = *in.state;
+  const bool optimizer_on_device = in.optimizer == "none";
+  return {
+      {"parameters", "parameters", s.parameter_bytes, ""},
+      {"gradients", "gradients", s.gradient_bytes, "TIERFLOW_OFFLOAD_GRADIENTS=on (each freed once copied to host)"},
+      {"optimizer_states", "optimizer states", optimizer_on_device ? s.optimizer_bytes : 0,
+       optimizer_on_device ? "--optimizer host or nvme (TIERFLOW_OFFLOAD_OPTIMIZER=host or nvme)" : ""},
+      {"outside_blocks", "activations outside the blocks", in.head_bytes, ""},
+  };
+}
+
+std::string fixed_line(const std::vector<FixedPart>& parts) {
+  std::string s = "device's fixed bytes:";
+  for (std::size_t k = 0; k < parts.size(); ++k) {
+    const auto& p = parts[k];
+    s += std::string(k ? ";" : "") + " " + p.label + " " + format_bytes(p.bytes);
+    if (!p.freed_by.empty()) s += " (freed by " + p.freed_by + ")";
+  }
+  return s + "; workspace: in each block's working set";
+}
+
+std::string fixed_json(const std::vector<FixedPart>& parts) {
+  std::vector<std::string> items;
+  for (const auto& p : parts) {
+    items.push_back(JsonObject()
+                        .str("part", p.name)
+                        .bytes("gpu_bytes", p.bytes)
+                        .raw("freed_by", p.freed_by.empty() ? "null" : json_string(p.freed_by))
+                        .done());
+  }
+  return json_list(items);
+}
+
+// The text lines of Note [Plan report].
+std::vector<std::string> plan_lines(const Plan& plan, const PlanCommandInputs& in, const PlanCommandBudgets& pb,
+                                    const std::vector<BlockWhy>& why, const std::vector<FixedPart>& parts) {
+  const Budgets& budgets = pb.budgets;
+  const Links& links = pb.links;
+  const auto measured = [&](const char* what) {
+    for (const auto& m : in.measured)
+      if (m == what) return true;
+    return false;
+  };
+  std::vector<std::string> lines;
+  if (in.shape) {
+    const auto& s = *in.shape;
+    lines.push_back(format("model: %lld layers, hidden %lld, %lld heads, seq %lld, batch %lld, %s, vocab %lld (%.3gB "
+                           "parameters)",
+                           static_cast<long long>(s.layers), static_cast<long long>(s.hidden),
+                           static_cast<long long>(s.heads), static_cast<long long>(s.seq),
+                           static_cast<long long>(s.batch), in.dtype_name.c_str(), static_cast<long long>(s.vocab),
+                           static_cast<double>(transformer_parameters(s)) / 1e9));
+  } else {
+    lines.push_back("profile: " + in.profile_path + " (" + std::to_string(plan.blocks.size()) + " blocks)");
+  }
+  const std::string where = " (measured on " + in.device_name + ")";
+  const bool has_flops = in.flops_per_second && *in.flops_per_second != 0;
+  if (has_flops)
+    lines.push_back(format("compute: %.3g TFLOP/s", *in.flops_per_second / 1e12) +
+                    (measured("tflops") ? where : " (given)"));
+  lines.push_back(format("links: %.3g GB/s device->host, %.3g GB/s host->device", links.d2h / kGB, links.h2d / kGB) +
+                  (measured("links") ? where : in.links_given ? " (given)" : " (from the profile)") +
+                  (budgets.nvme_bytes ? format("; NVMe %.1f GB/s write, %.1f GB/s read", links.nvme_write / kGB,
+                                               links.nvme_read / kGB)
+                                      : ""));
+  lines.push_back("budgets: device " + format_bytes(budgets.device_bytes) + " (" + pb.device_from + "); host " +
+                  format_bytes(budgets.host_bytes) + " for activations (" +
+                  format_bytes(budgets.host_bytes + pb.optimizer_host_bytes) + " from " + pb.host_from + ", less " +
+                  format_bytes(pb.optimizer_host_bytes) + " of optimizer states); NVMe " +
+                  (budgets.nvme_bytes ? format_bytes(budgets.nvme_bytes) : "none") + "; prefetch window " +
+                  format_bytes(budgets.prefetch_bytes));
+  if (in.state) {
+    lines.push_back("parameters and optimizer (--optimizer " + in.optimizer + "): device " +
+                    format_bytes(in.state->device) + ", host " + format_bytes(in.state->host) + ", NVMe " +
+                    format_bytes(in.state->nvme) + "; activations outside the blocks (final norm, head, fp32 loss): "
+                    "device " + format_bytes(in.head_bytes));
+  } else {
+    lines.push_back("the rest of training on the device (from the profile): " +
+                    format_bytes(budgets.fixed_device_bytes));
+  }
+  lines.push_back("plan (forward order):");
+  for (std::size_t i = 0; i < plan.blocks.size(); ++i) lines.push_back("  " + plan.block_line(i));
+  lines.push_back(plan.summary());
+  lines.push_back("predicted: device peak " + format_bytes(plan.predicted_device_peak_bytes) + " of " +
+                  format_bytes(budgets.device_bytes) +
+                  format(", blocks' forward + backward %.4f s per step (keeping everything: %.4f s)",
+                         plan.predicted_step_seconds, plan.keep_all_step_seconds));
+  // Added by issue 17 (the plan explains itself), after the lines above.
+  lines.push_back("why each block's action (the plan's step and device peak had that block alone done otherwise):");
+  for (std::size_t i = 0; i < plan.blocks.size(); ++i) lines.push_back(why_line(i, plan, why[i]));
+  lines.push_back(fixed_line(parts));
+
+  return lines;
+}
+
+// The JSON document of Note [Plan report]: today's keys, then the issue-17 ones.
+std::string plan_json(const Plan& plan, const PlanCommandInputs& in, const PlanCommandBudgets& pb,
+                      const std::vector<BlockWhy>& why, const std::vector<FixedPart>& parts) {
+  const Budgets& budgets = pb.budgets;
+  const Links& links = pb.links;
+  const bool has_flops = in.flops_per_second && *in.flops_per_second != 0;
+  std::vector<std::string> layers;
+  for (std::size_t i = 0; i < plan.blocks.size(); ++i) {
+    const auto& b = plan.blocks[i];
+    layers.push_back(JsonObject()
+                         .str("mode", to_string(b.mode))
+                         .num("alpha", b.alpha)
+                         .num("keep", b.keep)
+                         .num("swap", b.swap)
+                         .num("recompute", b.recompute)
+                         .str("swap_tier", to_string(b.tier))
+                         .bytes("swap_bytes", b.swap_bytes)
+                         .num("forward_seconds", b.forward_seconds)
+                         .num("backward_seconds", b.backward_seconds)
+                         .raw("alternatives", alternatives_json(plan, why[i]))
+                         .done());
+  }
+  std::vector<std::string> measured_items;
+  for (const auto& m : in.measured) measured_items.push_back(json_string(m));
+  JsonObject doc;
+  doc.raw("layers", json_list(layers))
+      .raw("predicted", JsonObject()
+                            .bytes("gpu_peak_bytes", plan.predicted_device_peak_bytes)
+                            .num("step_seconds", plan.predicted_step_seconds)
+                            .num("keep_all_step_seconds", plan.keep_all_step_seconds)
+                            .bytes("host_bytes", plan.host_bytes)
+                            .bytes("nvme_bytes", plan.nvme_bytes)
+                            .flag("proven_optimal", plan.proven_optimal)
+                            .done())
+      .raw("budgets", JsonObject()
+                          .bytes("gpu_bytes", budgets.device_bytes)
+                          .bytes("fixed_gpu_bytes", budgets.fixed_device_bytes)
+                          .bytes("host_bytes_for_activations", budgets.host_bytes)
+                          .bytes("nvme_bytes", budgets.nvme_bytes)
+                          .bytes("prefetch_bytes", budgets.prefetch_bytes)
+                          .done())
+      .raw("links", JsonObject()
+                        .num("d2h", links.d2h)
+                        .num("h2d", links.h2d)
+                        .num("duplex", links.duplex)
+                        .num("nvme_write", links.nvme_write)
+                        .num("nvme_read", links.nvme_read)
+                        .done())
+      .raw("tflops", has_flops ? python_float(*in.flops_per_second / 1e12) : "null")
+      .raw("measured", json_list(measured_items))
+      .str("summary", plan.summary());
+  if (in.state) {
+    doc.raw("state", JsonObject()
+                         .str("optimizer", in.optimizer)
+                         .bytes("gpu_bytes", in.state->device)
+                         .bytes("host_bytes", in.state->host)
+                         .bytes("nvme_bytes", in.state->nvme)
+                         .bytes("outside_blocks_gpu_bytes", in.head_bytes)
+                         .done());
+  }
+  doc.raw("fixed_gpu_parts", fixed_json(parts));
+  return doc.done();
+}
+
+}  // namespace
+
+std::uint64_t budget_bytes(const std::string& text, std::uint64_t capacity_bytes) {
+  const auto b = parse_budget(text);
+  if (!b) {
+    throw config_error(quote_config_value(text) + " is not a size or a percentage; accepted: " +
+                       std::string(kSizeForms) + ", or a percentage such as 90%");
+  }
+  if (b->is_fraction && capacity_bytes == 0) {
+    throw config_error(quote_config_value(text) + " is a percentage of a capacity that is unknown here; accepted: " +
+                       std::string(kSizeForms));
+  }
+  return b->resolve(capacity_bytes);
+}
+
+PlanCommandBudgets plan_command_budgets(const PlanCommandInputs& in) {
+  PlanCommandBudgets out;
+  auto& b = out.budgets;
+  std::tie(b.device_bytes, out.device_from) = device_budget(in);
+  out.host_from = in.host_memory.source == SettingSource::kFlag ? "--host-memory" : "TIERFLOW_HOST_MEMORY";
+  const std::uint64_t host_total =
+      setting_bytes(in.host_memory.text, in.host_capacity_bytes, out.host_from, "TIERFLOW_HOST_MEMORY");
+  out.optimizer_host_bytes = in.state ? in.state->host : 0;
+  if (out.optimizer_host_bytes > host_total) {
+    throw config_error("the host budget " + format_bytes(host_total) + " (" + out.host_from + "=" +
+                       in.host_memory.text + ", of " + format_bytes(in.host_capacity_bytes) +
+                       " RAM here) cannot hold the optimizer states' " + format_bytes(out.optimizer_host_bytes) +
+                       ": it needs " + std::to_string(out.optimizer_host_bytes) +
+                       " bytes and more for activations; pass --host-memory, or --optimizer nvme");
+  }
+  if (in.nvme_memory) {
+    try {
+      b.nvme_bytes = budget_bytes(*in.nvme_memory, 0);
+    } catch (const config_error& e) {
+      throw config_error(std::string("--nvme-memory ") + e.what());
+    }
+  }
+  if (b.nvme_bytes && in.nvme_bytes_per_second <= 0) throw config_error("--nvme-memory needs --nvme-gbps");
+  out.links = in.links;
+  if (b.nvme_bytes) out.links.nvme_write = out.links.nvme_read = in.nvme_bytes_per_second;
+  b.prefetch_bytes = setting_bytes(in.prefetch.text, 0,
+                                   in.prefetch.source == SettingSource::kFlag ? "--prefetch" : "TIERFLOW_PREFETCH_BYTES",
+                                   "TIERFLOW_PREFETCH_BYTES");
+  b.fixed_device_bytes = fixed_device_bytes(in);
+  b.host_bytes = host_total - out.optimizer_host_bytes;
+  return out;
+}
+
+PlanReport describe_plan(const Plan& plan, const std::vector<BlockProfile>& blocks, const PlanCommandInputs& in,
+                         const PlanCommandBudgets& pb) {
+  TIERFLOW_EXPECTS(plan.blocks.size() == blocks.size(), "describe_plan: a plan of " +
+                                                            std::to_string(plan.blocks.size()) + " blocks for " +
+                                                            std::to_string(blocks.size()));
+  const auto why = why_of_blocks(plan, blocks, pb.links, pb.budgets);
+  const auto parts = fixed_parts(in, pb.budgets);
+  return {plan_lines(plan, in, pb, why, parts), plan_json(plan, in, pb, why, parts)};
+}
+
+}  // namespace tierflow::tiering
