@@ -242,7 +242,7 @@ def _plan(args: argparse.Namespace) -> str:
         nvme_bytes_per_second=args.nvme_gbps * GB, device_capacity_bytes=_C.device_capacity_bytes(cuda),
         host_capacity_bytes=_C.host_capacity_bytes(), device_name=device_name, optimizer=optimizer,
         shape=None if state is None else _shape(args), dtype_name=args.dtype, state=state, head_bytes=head_bytes,
-        profile_path="" if args.profile is None else _text("--profile", args.profile),
+        profile_path="" if args.profile is None else args.profile.encode("utf-8", "backslashreplace").decode(),
         profile_fixed_device_bytes=0 if args.profile is None else profile.fixed_device_bytes,
         blocks_from=_shape_flags(args), links=links,
         flops_per_second=flops, measured=measured, links_given=args.pcie_gbps is not None)
