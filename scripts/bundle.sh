@@ -43,6 +43,7 @@ DEBS=(libaio1 libaio-dev
       libtbb12 libtbb-dev libtbbmalloc2 libtbbbind-2-5
       libmimalloc2.0 libmimalloc-dev
       libxxhash0 libxxhash-dev
+      nlohmann-json3-dev
       libgtest-dev libgmock-dev)
 ALLOWED_ELSEWHERE=(libc6 libgcc-s1 libstdc++6   # the C and C++ runtimes every system has
                    googletest                   # GoogleTest's sources; libgtest-dev ships the built libraries

@@ -2,7 +2,7 @@
 # Installs what tierflow needs on this machine, then builds it. Idempotent: a
 # second run finds everything in place and only rebuilds what changed.
 #
-#   Debian packages  libaio-dev libtbb-dev libmimalloc-dev libxxhash-dev libgtest-dev libgmock-dev
+#   Debian packages  libaio-dev libtbb-dev libmimalloc-dev libxxhash-dev nlohmann-json3-dev libgtest-dev libgmock-dev
 #   Python           a virtual environment in .venv (it sees system site-packages, so a
 #                    preinstalled torch on a GPU machine is used as is), torch 2.13.0
 #                    when no torch is importable, pybind11, scikit-build-core, cmake,
@@ -71,7 +71,7 @@ USE_DEPS=false
 [ -n "$(ls -A "$DEPS/.unpacked" 2>/dev/null)" ] && USE_DEPS=true
 
 # ---- Debian packages ------------------------------------------------------------------
-DEB_PACKAGES=(libaio-dev libtbb-dev libmimalloc-dev libxxhash-dev libgtest-dev libgmock-dev)
+DEB_PACKAGES=(libaio-dev libtbb-dev libmimalloc-dev libxxhash-dev nlohmann-json3-dev libgtest-dev libgmock-dev)
 have_deb() {  # installed on the system, or unpacked from a bundle into .deps
   [ -e "$DEPS/.unpacked/$1" ] || dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"
 }

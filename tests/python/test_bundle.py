@@ -124,7 +124,8 @@ def test_make_bundle_then_offline_setup_builds_and_imports(tmp_path):
     listed = re.findall(r"^[0-9a-f]{64}  (\S+)$", manifest, re.M)
     assert sorted(listed) == sorted(os.path.relpath(p, bundle) for p in glob.glob(str(bundle / "*" / "*"))), manifest
     debs = {os.path.basename(p).split("_")[0] for p in listed if p.endswith(".deb")}
-    assert {"libaio-dev", "libtbb-dev", "libmimalloc-dev", "libxxhash-dev", "libgtest-dev", "libgmock-dev"} <= debs
+    assert {"libaio-dev", "libtbb-dev", "libmimalloc-dev", "libxxhash-dev", "nlohmann-json3-dev", "libgtest-dev",
+            "libgmock-dev"} <= debs
     wheels = {canonicalize_name(os.path.basename(p).split("-")[0]) for p in listed if p.endswith(".whl")}
     assert {canonicalize_name(p) for p in WHEEL_PACKAGES} <= wheels, wheels
     assert "torch" not in wheels and not any(w.startswith("nvidia") for w in wheels), wheels

@@ -1,8 +1,8 @@
 // `python -m tierflow plan`'s budgets and how it shows a plan; see Note [Plan report].
 #include "tierflow/tiering/plan_report.hpp"
 
-#include <charconv>
-#include <cmath>
+#include <nlohmann/json.hpp>
+
 #include <cstdio>
 #include <string_view>
 #include <tuple>
@@ -25,77 +25,7 @@ std::string format(const char* fmt, Args... args) {
   return buf;
 }
 
-// ---- JSON, written as Python's json.dumps writes it (", " and ": ", floats as repr) -----------------
-
-// A double as Python's repr: the shortest digits that read back, exponent form below 1e-4 and from 1e16.
-std::string python_float(double x) {
-  if (std::isnan(x)) return "NaN";
-  if (std::isinf(x)) return x > 0 ? "Infinity" : "-Infinity";
-  char buf[64];
-  const auto end = std::to_chars(buf, buf + sizeof buf, x, std::chars_format::scientific).ptr;
-  const std::string_view sci(buf, static_cast<std::size_t>(end - buf));
-  const bool negative = sci.front() == '-';
-  const auto e_at = sci.find('e');
-  std::string digits;
-  for (char c : sci.substr(negative ? 1 : 0, e_at - (negative ? 1 : 0)))
-    if (c != '.') digits += c;
-  const int exponent = std::stoi(std::string(sci.substr(e_at + 1)));
-  const int point = exponent + 1;  // digits' decimal point, counted from their first digit
-  std::string out = negative ? "-" : "";
-  if (exponent < -4 || exponent >= 16) {
-    out += digits.substr(0, 1);
-    if (digits.size() > 1) out += "." + digits.substr(1);
-    out += format("e%c%02d", exponent < 0 ? '-' : '+', std::abs(exponent));
-  } else if (point <= 0) {
-    out += "0." + std::string(static_cast<std::size_t>(-point), '0') + digits;
-  } else if (static_cast<std::size_t>(point) >= digits.size()) {
-    out += digits + std::string(static_cast<std::size_t>(point) - digits.size(), '0') + ".0";
-  } else {
-    out += digits.substr(0, static_cast<std::size_t>(point)) + "." + digits.substr(static_cast<std::size_t>(point));
-  }
-  return out;
-}
-
-// A JSON string of ASCII text (the report's names and lines are ASCII).
-std::string json_string(std::string_view s) {
-  std::string out = "\"";
-  for (char c : s) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += c;
-    } else if (c == '\n' || c == '\r' || c == '\t' || c == '\b' || c == '\f') {
-      out += c == '\n' ? "\\n" : c == '\r' ? "\\r" : c == '\t' ? "\\t" : c == '\b' ? "\\b" : "\\f";
-    } else if (static_cast<unsigned char>(c) < 0x20 || static_cast<unsigned char>(c) >= 0x7f) {
-      out += format("\\u%04x", static_cast<unsigned char>(c));
-    } else {
-      out += c;
-    }
-  }
-  return out + "\"";
-}
-
-// A JSON object built in order of its keys.
-class JsonObject {
- public:
-  JsonObject& raw(std::string_view key, const std::string& value) {
-    text_ += (text_.empty() ? "{" : ", ") + json_string(key) + ": " + value;
-    return *this;
-  }
-  JsonObject& num(std::string_view key, double v) { return raw(key, python_float(v)); }
-  JsonObject& bytes(std::string_view key, std::uint64_t v) { return raw(key, std::to_string(v)); }
-  JsonObject& flag(std::string_view key, bool v) { return raw(key, v ? "true" : "false"); }
-  JsonObject& str(std::string_view key, std::string_view v) { return raw(key, json_string(v)); }
-  std::string done() const { return text_.empty() ? "{}" : text_ + "}"; }
-
- private:
-  std::string text_;
-};
-
-std::string json_list(const std::vector<std::string>& items) {
-  std::string out = "[";
-  for (std::size_t i = 0; i < items.size(); ++i) out += (i ? ", " : "") + items[i];
-  return out + "]";
-}
+using Json = nlohmann::ordered_json;  // keys in the order written (Note [Plan report])
 
 // ---- budgets --------------------------------------------------------------------------------------
 
@@ -204,23 +134,21 @@ std::string why_line(std::size_t i, const Plan& plan, const BlockWhy& why) {
   return s;
 }
 
-std::string alternatives_json(const Plan& plan, const BlockWhy& why) {
-  std::vector<std::string> items;
+Json alternatives_json(const Plan& plan, const BlockWhy& why) {
+  Json items = Json::array();
   for (const auto& a : why.rejected) {
-    items.push_back(JsonObject()
-                        .str("mode", to_string(a.block.mode))
-                        .num("alpha", a.block.alpha)
-                        .str("swap_tier", to_string(a.block.tier))
-                        .bytes("swap_bytes", a.block.swap_bytes)
-                        .num("step_seconds", a.step_seconds)
-                        .bytes("gpu_peak_bytes", a.device_peak_bytes)
-                        .bytes("host_bytes", a.host_bytes)
-                        .bytes("nvme_bytes", a.nvme_bytes)
-                        .flag("fits", a.fits())
-                        .str("why", why_rejected(a, plan))
-                        .done());
+    items.push_back({{"mode", to_string(a.block.mode)},
+                     {"alpha", a.block.alpha},
+                     {"swap_tier", to_string(a.block.tier)},
+                     {"swap_bytes", a.block.swap_bytes},
+                     {"step_seconds", a.step_seconds},
+                     {"gpu_peak_bytes", a.device_peak_bytes},
+                     {"host_bytes", a.host_bytes},
+                     {"nvme_bytes", a.nvme_bytes},
+                     {"fits", a.fits()},
+                     {"why", why_rejected(a, plan)}});
   }
-  return json_list(items);
+  return items;
 }
 
 // ---- the fixed device bytes by part ------------------------------------------------------------------
@@ -255,16 +183,12 @@ std::string fixed_line(const std::vector<FixedPart>& parts) {
   return s + "; workspace: in each block's working set";
 }
 
-std::string fixed_json(const std::vector<FixedPart>& parts) {
-  std::vector<std::string> items;
-  for (const auto& p : parts) {
-    items.push_back(JsonObject()
-                        .str("part", p.name)
-                        .bytes("gpu_bytes", p.bytes)
-                        .raw("freed_by", p.freed_by.empty() ? "null" : json_string(p.freed_by))
-                        .done());
-  }
-  return json_list(items);
+Json fixed_json(const std::vector<FixedPart>& parts) {
+  Json items = Json::array();
+  for (const auto& p : parts)
+    items.push_back({{"part", p.name}, {"gpu_bytes", p.bytes},
+                     {"freed_by", p.freed_by.empty() ? Json(nullptr) : Json(p.freed_by)}});
+  return items;
 }
 
 // The text lines of Note [Plan report].
@@ -335,62 +259,48 @@ std::string plan_json(const Plan& plan, const PlanCommandInputs& in, const PlanC
   const Budgets& budgets = pb.budgets;
   const Links& links = pb.links;
   const bool has_flops = in.flops_per_second && *in.flops_per_second != 0;
-  std::vector<std::string> layers;
+  Json layers = Json::array();
   for (std::size_t i = 0; i < plan.blocks.size(); ++i) {
     const auto& b = plan.blocks[i];
-    layers.push_back(JsonObject()
-                         .str("mode", to_string(b.mode))
-                         .num("alpha", b.alpha)
-                         .num("keep", b.keep)
-                         .num("swap", b.swap)
-                         .num("recompute", b.recompute)
-                         .str("swap_tier", to_string(b.tier))
-                         .bytes("swap_bytes", b.swap_bytes)
-                         .num("forward_seconds", b.forward_seconds)
-                         .num("backward_seconds", b.backward_seconds)
-                         .raw("alternatives", alternatives_json(plan, why[i]))
-                         .done());
+    layers.push_back({{"mode", to_string(b.mode)},
+                      {"alpha", b.alpha},
+                      {"keep", b.keep},
+                      {"swap", b.swap},
+                      {"recompute", b.recompute},
+                      {"swap_tier", to_string(b.tier)},
+                      {"swap_bytes", b.swap_bytes},
+                      {"forward_seconds", b.forward_seconds},
+                      {"backward_seconds", b.backward_seconds},
+                      {"alternatives", alternatives_json(plan, why[i])}});
   }
-  std::vector<std::string> measured_items;
-  for (const auto& m : in.measured) measured_items.push_back(json_string(m));
-  JsonObject doc;
-  doc.raw("layers", json_list(layers))
-      .raw("predicted", JsonObject()
-                            .bytes("gpu_peak_bytes", plan.predicted_device_peak_bytes)
-                            .num("step_seconds", plan.predicted_step_seconds)
-                            .num("keep_all_step_seconds", plan.keep_all_step_seconds)
-                            .bytes("host_bytes", plan.host_bytes)
-                            .bytes("nvme_bytes", plan.nvme_bytes)
-                            .flag("proven_optimal", plan.proven_optimal)
-                            .done())
-      .raw("budgets", JsonObject()
-                          .bytes("gpu_bytes", budgets.device_bytes)
-                          .bytes("fixed_gpu_bytes", budgets.fixed_device_bytes)
-                          .bytes("host_bytes_for_activations", budgets.host_bytes)
-                          .bytes("nvme_bytes", budgets.nvme_bytes)
-                          .bytes("prefetch_bytes", budgets.prefetch_bytes)
-                          .done())
-      .raw("links", JsonObject()
-                        .num("d2h", links.d2h)
-                        .num("h2d", links.h2d)
-                        .num("duplex", links.duplex)
-                        .num("nvme_write", links.nvme_write)
-                        .num("nvme_read", links.nvme_read)
-                        .done())
-      .raw("tflops", has_flops ? python_float(*in.flops_per_second / 1e12) : "null")
-      .raw("measured", json_list(measured_items))
-      .str("summary", plan.summary());
+  Json doc;
+  doc["layers"] = std::move(layers);
+  doc["predicted"] = {{"gpu_peak_bytes", plan.predicted_device_peak_bytes},
+                      {"step_seconds", plan.predicted_step_seconds},
+                      {"keep_all_step_seconds", plan.keep_all_step_seconds},
+                      {"host_bytes", plan.host_bytes},
+                      {"nvme_bytes", plan.nvme_bytes},
+                      {"proven_optimal", plan.proven_optimal}};
+  doc["budgets"] = {{"gpu_bytes", budgets.device_bytes},
+                    {"fixed_gpu_bytes", budgets.fixed_device_bytes},
+                    {"host_bytes_for_activations", budgets.host_bytes},
+                    {"nvme_bytes", budgets.nvme_bytes},
+                    {"prefetch_bytes", budgets.prefetch_bytes}};
+  doc["links"] = {{"d2h", links.d2h}, {"h2d", links.h2d}, {"duplex", links.duplex},
+                  {"nvme_write", links.nvme_write}, {"nvme_read", links.nvme_read}};
+  doc["tflops"] = has_flops ? Json(*in.flops_per_second / 1e12) : Json(nullptr);
+  doc["measured"] = in.measured;
+  doc["summary"] = plan.summary();
   if (in.state) {
-    doc.raw("state", JsonObject()
-                         .str("optimizer", in.optimizer)
-                         .bytes("gpu_bytes", in.state->device)
-                         .bytes("host_bytes", in.state->host)
-                         .bytes("nvme_bytes", in.state->nvme)
-                         .bytes("outside_blocks_gpu_bytes", in.head_bytes)
-                         .done());
+    doc["state"] = {{"optimizer", in.optimizer},
+                    {"gpu_bytes", in.state->device},
+                    {"host_bytes", in.state->host},
+                    {"nvme_bytes", in.state->nvme},
+                    {"outside_blocks_gpu_bytes", in.head_bytes}};
   }
-  doc.raw("fixed_gpu_parts", fixed_json(parts));
-  return doc.done();
+  doc["fixed_gpu_parts"] = fixed_json(parts);
+  // Names and lines are ASCII; a --profile path of other bytes is escaped, never an error.
+  return doc.dump(-1, ' ', true, Json::error_handler_t::replace);
 }
 
 }  // namespace

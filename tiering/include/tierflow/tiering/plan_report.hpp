@@ -97,7 +97,7 @@ std::uint64_t budget_bytes(const std::string& text, std::uint64_t capacity_bytes
 /// A plan as the command prints it.
 struct PlanReport {
   std::vector<std::string> lines;  ///< the text output, one entry per line
-  std::string json;                ///< the --json output (as Python's json.dumps writes it)
+  std::string json;                ///< the --json output (nlohmann::json, keys in a fixed order)
 };
 
 /// The text and JSON of `plan`, made by plan_activations from `blocks` and `budgets`; see Note [Plan report].
