@@ -8,7 +8,7 @@
 PY := .venv/bin/python
 export PYTHONPATH := $(CURDIR)/bindings/python
 
-.PHONY: setup bundle demo test test-cpp test-python sanitize cpp-example bench clean
+.PHONY: setup bundle demo test test-cpp test-python sanitize cpp-example bench gpu-check clean
 
 # BUNDLE=dir or TIERFLOW_BUNDLE=dir (also for demo and test): install from a
 # bundle, using no registry. The variable goes to the set-up only: tierflow
@@ -30,6 +30,12 @@ demo: setup
 # SANITIZE=asan or tsan for one of the two (scripts/sanitize.sh).
 sanitize: setup
 	@bash scripts/sanitize.sh $(or $(SANITIZE),all)
+
+# On a machine with a GPU (no registry needed: TIERFLOW_BUNDLE=dir): builds,
+# runs the [cuda] cases and bench_gpu_offload.py --preset gpt1b in every mode,
+# writes benchmarks/results/gpu_offload.json and a summary (scripts/gpu_check.sh).
+gpu-check:
+	@bash scripts/gpu_check.sh
 
 # The C++ trainer against the installed package (scripts/cpp_example.sh).
 cpp-example: setup

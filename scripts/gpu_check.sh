@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# `make gpu-check`: everything a session lent a GPU must measure, in one
+# command (docs/gpu.md#one-command-on-a-gpu-node). On a machine with a CUDA
+# GPU and torch, and no package registry, it
+#   build   builds tierflow from the offline bundle (scripts/setup.sh with
+#           TIERFLOW_BUNDLE, CUDA for this GPU's architecture),
+#   tests   runs the C++ suite (CUDA copy engine and AdamW included) and
+#           every [cuda] test case of the Python suite, in the adversarial
+#           emulated mode (the [emulated] cases stay to CI),
+#   bench   runs benchmarks/bench_gpu_offload.py --preset gpt1b in every mode
+#           (the auto modes, the CPU-optimizer modes, deepspeed-offload when
+#           its wheel is installed, --seq-search), writing
+#           benchmarks/results/gpu_offload.json,
+# and prints a one-screen summary. Each part logs into GPU_CHECK_OUT.
+#
+# Settings (environment):
+#   GPU_CHECK_PARTS   the parts to run, in order (default "build tests bench");
+#                     a 10-minute command fits "build tests", then "bench"
+#   GPU_CHECK_OUT     where logs and the summary go (default build/gpu-check)
+#   GPU_CHECK_BENCH_ARGS  more arguments for bench_gpu_offload.py
+#   GPU_CHECK_DRY_RUN=1   print what would run, run nothing (no GPU needed)
+#   TIERFLOW_BUNDLE   the offline bundle (`make bundle`); default bundle/ when it exists
+# Exit status: 0 when every part ran and passed; 1 when a part failed (the
+# summary says which, and the later parts still run); 2 for a usage error or
+# no GPU.
+set -uo pipefail
+
+say() { printf '[gpu-check] %s\n' "$*"; }
+die() { printf '[gpu-check] error: %s\n' "$*" >&2; exit 2; }
+
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+OUT=${GPU_CHECK_OUT:-build/gpu-check}
+PARTS=${GPU_CHECK_PARTS:-build tests bench}
+DRY=${GPU_CHECK_DRY_RUN:-0}
+BUNDLE=${TIERFLOW_BUNDLE:-}
+[ -z "$BUNDLE" ] && [ -d bundle ] && BUNDLE=bundle
+VPY=.venv/bin/python
+RESULT=benchmarks/results/gpu_offload.json
+
+for p in $PARTS; do
+  case "$p" in build|tests|bench) ;; *) die "GPU_CHECK_PARTS: '$p' is not a part; accepted: build, tests, bench" ;; esac
+done
+
+# A GPU, seen by the driver; torch must see it too once it is installed.
+if [ "$DRY" != 1 ]; then
+  command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1 \
+    || die "no CUDA GPU here (nvidia-smi lists none): gpu-check measures what only a GPU can; CI runs the rest (make test)"
+fi
+mkdir -p "$OUT"
+SUMMARY=$OUT/summary.txt
+: >"$SUMMARY"
+failed=()
+
+# run PART LOG COMMAND...: runs (or prints) one part's command, logging it, timing it.
+run() {
+  local part=$1 log=$2; shift 2
+  if [ "$DRY" = 1 ]; then
+    say "would run ($part): $*"
+    return 0
+  fi
+  say "$part: $* (log: $log)"
+  local t0=$SECONDS rc=0
+  "$@" >"$log" 2>&1 || rc=$?
+  local took=$((SECONDS - t0))
+  if [ "$rc" -eq 0 ]; then
+    echo "$part: passed in ${took}s" >>"$SUMMARY"
+  else
+    echo "$part: FAILED (exit $rc) after ${took}s; last lines of $log:" >>"$SUMMARY"
+    tail -n 15 "$log" | sed 's/^/    /' >>"$SUMMARY"
+    failed+=("$part")
+  fi
+  return 0
+}
+
+for part in $PARTS; do
+  case "$part" in
+    build)
+      # The GPU's own architecture: nvcc's "native" needs a GPU at configure time, which this machine has.
+      run build "$OUT/build.log" env TIERFLOW_BUNDLE="$BUNDLE" \
+        CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=native ${CMAKE_ARGS:-}" bash scripts/setup.sh
+      ;;
+    tests)
+      run tests-cpp "$OUT/tests-cpp.log" ctest --test-dir build/dev --output-on-failure -j 8
+      run tests-cuda "$OUT/tests-cuda.log" env TIERFLOW_EMULATED_DEVICE=adversarial PYTHONPATH="$ROOT/bindings/python" \
+        "$VPY" -m pytest tests/python -q -rs -k cuda --junitxml "$OUT/tests-cuda.xml"
+      ;;
+    bench)
+      # shellcheck disable=SC2086  # GPU_CHECK_BENCH_ARGS is a list of arguments
+      run bench "$OUT/bench.log" env PYTHONPATH="$ROOT/bindings/python" "$VPY" benchmarks/bench_gpu_offload.py \
+        --preset gpt1b --seq-search --mode-timeout 300 --out "$RESULT" ${GPU_CHECK_BENCH_ARGS:-}
+      ;;
+  esac
+done
+
+[ "$DRY" = 1 ] && exit 0
+{
+  echo
+  if [ -f "$OUT/tests-cuda.log" ]; then
+    echo "[cuda] cases: $(grep -E '^[0-9]+ (passed|failed)|passed|failed' "$OUT/tests-cuda.log" | tail -n 1)"
+  fi
+  if [ -f "$RESULT" ] && [[ " $PARTS " == *" bench "* ]]; then
+    echo "benchmark ($RESULT):"
+    PYTHONPATH="$ROOT/benchmarks" "$VPY" -c 'import json, sys
+from gpu_offload_report import print_table
+print_table(json.load(open(sys.argv[1])))' "$RESULT" 2>&1 | tail -n 30
+  fi
+} >>"$SUMMARY"
+cat "$SUMMARY"
+if ((${#failed[@]})); then
+  say "failed: ${failed[*]} (logs in $OUT)"
+  exit 1
+fi
+say "every part passed (logs in $OUT)"

@@ -1,0 +1,50 @@
+"""`make gpu-check` (scripts/gpu_check.sh): what it runs, and that it refuses where it cannot measure."""
+
+import os
+import shutil
+import subprocess
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "scripts", "gpu_check.sh")
+
+
+def gpu_check(tmp_path, **env):
+    full = dict(os.environ, GPU_CHECK_OUT=str(tmp_path / "out"), **env)
+    return subprocess.run(["bash", SCRIPT], cwd=ROOT, env=full, capture_output=True, text=True, timeout=60)
+
+
+def test_dry_run_names_every_part(tmp_path):
+    proc = gpu_check(tmp_path, GPU_CHECK_DRY_RUN="1")
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if "would run" in line]
+    assert [line.split("(")[1].split(")")[0] for line in lines] == ["build", "tests-cpp", "tests-cuda", "bench"]
+    build, _, cuda, bench = lines
+    assert "TIERFLOW_BUNDLE=" in build and "CMAKE_CUDA_ARCHITECTURES=native" in build and "scripts/setup.sh" in build
+    assert "-k cuda" in cuda and "TIERFLOW_EMULATED_DEVICE=adversarial" in cuda
+    assert "--preset gpt1b" in bench and "--seq-search" in bench
+    assert "benchmarks/results/gpu_offload.json" in bench
+
+
+def test_parts_run_in_the_order_given(tmp_path):
+    proc = gpu_check(tmp_path, GPU_CHECK_DRY_RUN="1", GPU_CHECK_PARTS="bench", GPU_CHECK_BENCH_ARGS="--steps 2")
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if "would run" in line]
+    assert len(lines) == 1 and "(bench)" in lines[0] and lines[0].rstrip().endswith("--steps 2"), lines
+
+
+def test_a_part_that_does_not_exist_is_refused(tmp_path):
+    proc = gpu_check(tmp_path, GPU_CHECK_DRY_RUN="1", GPU_CHECK_PARTS="build test")
+    assert proc.returncode == 2
+    assert "'test' is not a part; accepted: build, tests, bench" in proc.stderr
+
+
+def test_without_a_gpu_it_refuses_and_says_why(tmp_path):
+    smi = shutil.which("nvidia-smi")
+    if smi and subprocess.run([smi, "-L"], capture_output=True).returncode == 0:
+        pytest.skip("a GPU is present here: gpu-check would run for real")
+    proc = gpu_check(tmp_path)
+    assert proc.returncode == 2
+    assert "no CUDA GPU here" in proc.stderr and "make test" in proc.stderr
+    assert not (tmp_path / "out").exists(), "nothing written before the refusal"
