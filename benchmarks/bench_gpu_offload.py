@@ -84,7 +84,7 @@ sys.path.insert(0, os.path.join(ROOT, "bindings", "python"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpt_model import GPT, GPTConfig, lm_loss, parameter_count  # noqa: E402
 from gpu_offload_report import (EMULATED_PEAK_NOTE, GiB, _TIERFLOW_IMPORT_ERROR, _median,  # noqa: E402
-                                loss_agreement, print_table, stream_summary, tierflow_summary,
+                                loss_agreement, predicted_beside_measured, print_table, stream_summary, tierflow_summary,
                                 write_json_atomic)
 
 
@@ -251,6 +251,7 @@ def finish_result(mode: str, cfg: dict, result: dict, phases: dict, device: torc
             result.update(time_cpu_step_kernel(session.runtime, opt, cfg["kernel_repeats"]))
         if "plan" in report:
             result["plan"] = report["plan"]
+            result.update(predicted_beside_measured(report["plan"], result))
     elif mode == "baseline" and _TIERFLOW_IMPORT_ERROR is None:
         # One more forward and backward, untimed and without a step, that counts what autograd saves.
         import tierflow

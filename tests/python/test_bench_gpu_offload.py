@@ -82,6 +82,14 @@ def test_every_mode_runs_and_records_its_measurements(tiny_run):
         assert mode in data["peak_ratio"]
         if mode in AUTO_MODES:
             assert r["plan"]["summary"] and len(r["plan"]["modes"]) == 2, r.get("plan")
+            # Predicted beside measured (issue 17): the plan's figures, and the measured ones over them.
+            assert r["predicted_step_seconds"] == r["plan"]["predicted_step_seconds"] > 0, r
+            assert r["predicted_peak_bytes"] == r["plan"]["predicted_device_peak_bytes"] > 0, r
+            compute = r["forward_seconds"] + r["backward_seconds"]
+            assert r["compute_vs_predicted"] == pytest.approx(compute / r["predicted_step_seconds"]), r
+            assert r["step_vs_predicted"] == pytest.approx(r["step_seconds"] / r["predicted_step_seconds"]), r
+            assert r["peak_vs_predicted"] is None, "no reserved peak on the emulated device"
+            assert f"{mode}: predicted blocks' forward + backward" in stdout
         if mode == "tierflow-auto-fits":  # everything fits the default budget: nothing moves
             assert r["plan"]["modes"] == ["keep", "keep"]
             assert r["tierflow"]["per_measured_step"]["activations.packs"] == 0
