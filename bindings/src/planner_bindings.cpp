@@ -239,6 +239,8 @@ void bind_planner(py::module_& m) {
       .def_readwrite("cheap_recompute_seconds", &BlockProfile::cheap_recompute_seconds)
       .def_readwrite("splittable", &BlockProfile::splittable)
       .def_readwrite("transient_bytes", &BlockProfile::transient_bytes)
+      .def_readwrite("upload_bytes", &BlockProfile::upload_bytes)
+      .def_readwrite("download_bytes", &BlockProfile::download_bytes)
       .def("saved_bytes", &BlockProfile::saved_bytes);
   init_from_kwargs(profile);
 
@@ -248,7 +250,9 @@ void bind_planner(py::module_& m) {
       .def_readwrite("h2d", &Links::h2d)
       .def_readwrite("duplex", &Links::duplex)
       .def_readwrite("nvme_write", &Links::nvme_write)
-      .def_readwrite("nvme_read", &Links::nvme_read);
+      .def_readwrite("nvme_read", &Links::nvme_read)
+      .def_readwrite("compute_share_during_copies", &Links::compute_share_during_copies)
+      .def_readwrite("copy_share_during_cpu_step", &Links::copy_share_during_cpu_step);
   init_from_kwargs(links);
 
   py::class_<Budgets> budgets(m, "Budgets", "Memory the plan may use, bytes.");

@@ -154,6 +154,23 @@ struct Case {
 
 enum class Kind { kIdentical, kSameBytes, kMixed };
 
+// The optimizer offloaded (Note [Activation planner]): weights up in forward, gradients down in backward,
+// a shared link limit below the sum, compute and copies slowed by each other.
+void add_optimizer_traffic(Case& c, std::uint64_t seed) {
+  std::mt19937_64 rng(seed * 7919 + 1);
+  auto u = [&](double lo, double hi) { return std::uniform_real_distribution<double>(lo, hi)(rng); };
+  const bool identical = std::all_of(c.blocks.begin(), c.blocks.end(),
+                                     [&](const BlockProfile& p) { return p.saved_bytes() == c.blocks[0].saved_bytes(); });
+  const auto up = static_cast<std::uint64_t>(u(20, 300) * MiB);
+  for (auto& p : c.blocks) {
+    p.upload_bytes = identical ? up : static_cast<std::uint64_t>(u(20, 300) * MiB);
+    p.download_bytes = p.upload_bytes;  // the parameters' bytes, each way
+  }
+  c.links.duplex = u(0.6, 1.0) * (c.links.d2h + c.links.h2d);
+  c.links.compute_share_during_copies = u(0.7, 1.0);
+  c.links.copy_share_during_cpu_step = u(0.5, 1.0);
+}
+
 Case random_case(std::uint64_t seed, std::size_t n, Kind kind, bool with_nvme, bool tight_host) {
   std::mt19937_64 rng(seed);
   auto u = [&](double lo, double hi) { return std::uniform_real_distribution<double>(lo, hi)(rng); };
@@ -310,6 +327,108 @@ TEST(ActivationPlanner, MatchesBruteForceWithNvme) {
     tradeoffs += check_against_brute_force(random_case(seed, 3, kind, true, true), 16);
   }
   EXPECT_GE(tradeoffs, 3);
+}
+
+TEST(ActivationPlanner, MatchesBruteForceWithOptimizerTraffic) {
+  int tradeoffs = 0;
+  for (std::uint64_t seed = 400; seed < 424; ++seed) {
+    SCOPED_TRACE("seed " + std::to_string(seed));
+    const Kind kind = seed % 3 == 0 ? Kind::kIdentical : seed % 3 == 1 ? Kind::kMixed : Kind::kSameBytes;
+    Case c = random_case(seed, seed % 2 ? 3 : 4, kind, seed % 4 == 0, seed % 2 == 0);
+    add_optimizer_traffic(c, seed);
+    tradeoffs += check_against_brute_force(c, 12);
+  }
+  EXPECT_GE(tradeoffs, 3);
+}
+
+TEST(ActivationPlannerCostModel, OptimizerTrafficSharesTheLink) {
+  // One block swapped whole to the host, by hand from Note [Activation planner].
+  BlockProfile p;
+  p.forward_seconds = 1;
+  p.backward_seconds = 2;
+  p.input_bytes = 30;  // s = 30 bytes swapped
+  p.upload_bytes = 20;
+  p.download_bytes = 40;
+  Links l;
+  l.d2h = 10;
+  l.h2d = 20;
+  BlockPlan swap;
+  swap.mode = BlockMode::kSwap;
+  auto times = [&](const Links& links) {
+    const Plan plan = evaluate_plan({p}, links, Budgets{}, {swap});
+    return std::make_pair(plan.blocks[0].forward_seconds, plan.blocks[0].backward_seconds);
+  };
+  // No shared limit: forward max(1, 30/10, 20/20) = 3; backward max(2, 30/20, 40/10) = 4.
+  EXPECT_EQ(times(l), std::make_pair(3.0, 4.0));
+  l.duplex = 12.5;  // (30 + 20) / 12.5 = 4 in forward, (30 + 40) / 12.5 = 5.6 in backward
+  EXPECT_DOUBLE_EQ(times(l).first, 4.0);
+  EXPECT_DOUBLE_EQ(times(l).second, 5.6);
+  l.duplex = 0;
+  l.copy_share_during_cpu_step = 0.5;  // the CPU kernel halves the links in backward: 40 / 5 = 8
+  EXPECT_DOUBLE_EQ(times(l).second, 8.0);
+  EXPECT_DOUBLE_EQ(times(l).first, 3.0) << "the kernel runs in backward only";
+  l.copy_share_during_cpu_step = 1;
+  l.compute_share_during_copies = 0.25;  // compute 1 / 0.25 = 4 beside copies, 2 / 0.25 = 8
+  EXPECT_EQ(times(l), std::make_pair(4.0, 8.0));
+  // A kept block with no optimizer traffic copies nothing: its compute is not slowed.
+  BlockProfile quiet = p;
+  quiet.upload_bytes = quiet.download_bytes = 0;
+  const Plan kept = evaluate_plan({quiet}, l, Budgets{}, {BlockPlan{}});
+  EXPECT_EQ(kept.predicted_step_seconds, 3.0);
+  // Kept, it still carries the weights and gradients: keep-all is bound by them.
+  const Plan kept_busy = evaluate_plan({p}, l, Budgets{}, {BlockPlan{}});
+  EXPECT_DOUBLE_EQ(kept_busy.blocks[0].forward_seconds, 4.0);  // max(1/0.25, 20/20)
+  EXPECT_DOUBLE_EQ(kept_busy.blocks[0].backward_seconds, 8.0);  // max(2/0.25, 40/10)
+  EXPECT_DOUBLE_EQ(kept_busy.keep_all_step_seconds, 12.0);
+}
+
+TEST(ActivationPlannerCostModel, SplitTimeIsConvexWithItsBreakpointsWhereTermsCross) {
+  // A split block with optimizer traffic: its time at every alpha on a fine grid lies on the lines
+  // between its breakpoints (piecewise linear), and the search's best alpha is a breakpoint's.
+  std::mt19937_64 rng(7);
+  for (int trial = 0; trial < 50; ++trial) {
+    Case c = random_case(500 + trial, 1, Kind::kIdentical, trial % 2 == 0, false);
+    add_optimizer_traffic(c, 500 + trial);
+    const BlockProfile& p = c.blocks[0];
+    for (SwapTier tier : {SwapTier::kHost, SwapTier::kNvme}) {
+      if (tier == SwapTier::kNvme && c.links.nvme_write == 0) continue;
+      auto t = [&](double a) {
+        BlockPlan b;
+        b.mode = BlockMode::kSplit;
+        b.tier = tier;
+        b.alpha = a;
+        return evaluate_plan({p}, c.links, Budgets{}, {b}).predicted_step_seconds;
+      };
+      double prev_slope = -1e300;
+      for (int k = 0; k < 200; ++k) {
+        const double a0 = k / 200.0, a1 = (k + 1) / 200.0, mid = (a0 + a1) / 2;
+        const double slope = (t(a1) - t(a0)) / (a1 - a0);
+        EXPECT_GE(slope, prev_slope - 1e-9 * std::abs(prev_slope) - 1e-12) << "convex, trial " << trial;
+        prev_slope = slope;
+        EXPECT_LE(t(mid), (t(a0) + t(a1)) / 2 * (1 + 1e-12) + 1e-15) << "trial " << trial;
+      }
+    }
+  }
+}
+
+TEST(ActivationPlannerCostModel, SharesOutsideZeroToOneAreRefused) {
+  std::mt19937_64 rng(18);
+  const std::vector<BlockProfile> blocks(2, random_profile(rng, false));
+  Budgets budgets;
+  budgets.device_bytes = 64 * GiB;
+  budgets.host_bytes = 64 * GiB;
+  for (double bad : {0.0, -0.5, 1.5, std::nan(""), HUGE_VAL}) {
+    for (int which = 0; which < 2; ++which) {
+      Links l{20 * kGBps, 20 * kGBps, 35 * kGBps, 0, 0};
+      (which ? l.copy_share_during_cpu_step : l.compute_share_during_copies) = bad;
+      try {
+        plan_activations(blocks, l, budgets);
+        ADD_FAILURE() << "planned with share " << bad;
+      } catch (const config_error& e) {
+        EXPECT_NE(std::string(e.what()).find("accepted: a fraction in (0, 1]"), std::string::npos) << e.what();
+      }
+    }
+  }
 }
 
 TEST(ActivationPlanner, HostBudgetIsRespectedAndNvmeTakesTheRest) {

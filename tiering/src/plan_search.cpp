@@ -51,21 +51,7 @@ SplitCurve split_curve(const BlockProfile& p, const Links& links, SwapTier tier)
   if (p.split_bytes == 0) {
     c.alphas = {1.0};  // no bytes to trade: recompute nothing
   } else {
-    const auto bw = bandwidth(links, tier);
-    const double base = static_cast<double>(p.input_bytes + p.whole_bytes);
-    const double split = static_cast<double>(p.split_bytes);
-    c.alphas = {0.0, 1.0};
-    // Where the swap-out starts to exceed the forward, and where the swap-in meets the backward.
-    if (bw.write > 0) c.alphas.push_back((p.forward_seconds * bw.write - base) / split);
-    if (bw.read > 0) {
-      const double most_backward = p.backward_seconds + p.cheap_recompute_seconds + p.split_recompute_seconds;
-      c.alphas.push_back((bw.read * most_backward - base) / (split + bw.read * p.split_recompute_seconds));
-    }
-    c.alphas.erase(std::remove_if(c.alphas.begin(), c.alphas.end(),
-                                  [](double a) { return !(a >= 0 && a <= 1); }),
-                   c.alphas.end());
-    std::sort(c.alphas.begin(), c.alphas.end());
-    c.alphas.erase(std::unique(c.alphas.begin(), c.alphas.end()), c.alphas.end());
+    c.alphas = split_breakpoints(p, links, tier);
   }
   for (double a : c.alphas) {
     c.times.push_back(block_times(p, links, BlockMode::kSplit, a, tier).total());
@@ -107,7 +93,7 @@ std::vector<Group> make_groups(const std::vector<BlockProfile>& blocks, const Li
   for (auto& g : groups) {
     const auto& p = g.profile;
     g.saved = p.saved_bytes();
-    g.keep_time = p.forward_seconds + p.backward_seconds;
+    g.keep_time = block_times(p, links, BlockMode::kKeep, 0, SwapTier::kHost).total();
     g.curves[0] = split_curve(p, links, SwapTier::kHost);
     g.curves[1] = split_curve(p, links, SwapTier::kNvme);
     for (int c = 0; c < kChoices; ++c) {

@@ -16,11 +16,6 @@
 namespace tierflow::tiering {
 namespace {
 
-double transfer_seconds(double bytes, double bytes_per_second) {
-  if (bytes <= 0) return 0;
-  return bytes_per_second > 0 ? bytes / bytes_per_second : detail::kInf;
-}
-
 std::uint64_t split_rows_bytes(const BlockProfile& p, double alpha) {
   return static_cast<std::uint64_t>(std::llround(alpha * static_cast<double>(p.split_bytes)));
 }
@@ -38,23 +33,79 @@ TierBandwidth bandwidth(const Links& links, SwapTier tier) {
   return {std::min(links.d2h, links.nvme_write), std::min(links.h2d, links.nvme_read)};
 }
 
-Times block_times(const BlockProfile& p, const Links& links, BlockMode mode, double alpha, SwapTier tier) {
-  double swapped = 0, recompute = 0;
+Phases block_phases(const BlockProfile& p, const Links& links, BlockMode mode, SwapTier tier) {
+  // s = base + slope * alpha; recompute = recompute0 - recompute_slope * alpha (Note [Activation planner]).
+  double base = 0, slope = 0, recompute0 = 0, recompute_slope = 0;
   switch (mode) {
-    case BlockMode::kKeep: return {p.forward_seconds, p.backward_seconds};
-    case BlockMode::kSwap: swapped = static_cast<double>(p.saved_bytes()); break;
+    case BlockMode::kKeep: break;
+    case BlockMode::kSwap: base = static_cast<double>(p.saved_bytes()); break;
     case BlockMode::kSplit:
-      swapped = static_cast<double>(p.input_bytes + p.whole_bytes) + alpha * static_cast<double>(p.split_bytes);
-      recompute = (1 - alpha) * p.split_recompute_seconds + p.cheap_recompute_seconds;
+      base = static_cast<double>(p.input_bytes + p.whole_bytes);
+      slope = static_cast<double>(p.split_bytes);
+      recompute0 = p.split_recompute_seconds + p.cheap_recompute_seconds;
+      recompute_slope = p.split_recompute_seconds;
       break;
     case BlockMode::kRecompute:
-      swapped = static_cast<double>(p.input_bytes);
-      recompute = p.forward_seconds;
+      base = static_cast<double>(p.input_bytes);
+      recompute0 = p.forward_seconds;
       break;
   }
   const auto bw = bandwidth(links, tier);
-  return {std::max(p.forward_seconds, transfer_seconds(swapped, bw.write)),
-          std::max(p.backward_seconds + recompute, transfer_seconds(swapped, bw.read))};
+  const double up = static_cast<double>(p.upload_bytes), down = static_cast<double>(p.download_bytes);
+  // The compute share applies to a phase that copies at alpha = 0 already (a split swaps its input), so it is
+  // one constant per phase and the time stays linear in alpha between breakpoints.
+  const double c_fwd = base + up > 0 ? links.compute_share_during_copies : 1.0;
+  const double c_bwd = base + down > 0 ? links.compute_share_during_copies : 1.0;
+  const double k = down > 0 ? links.copy_share_during_cpu_step : 1.0;
+  // A line in alpha for `bytes0 + bytes_slope * alpha` bytes at `speed` bytes/s (no bytes: no line).
+  auto transfer = [](std::vector<Line>& out, double bytes0, double bytes_slope, double speed) {
+    if (bytes0 <= 0 && bytes_slope <= 0) return;
+    if (speed > 0) out.push_back({bytes0 / speed, bytes_slope / speed});
+    else out.push_back(bytes0 > 0 ? Line{kInf, 0} : Line{0, kInf});  // no link: any byte takes forever
+  };
+  Phases ph;
+  ph.forward.push_back({p.forward_seconds / c_fwd, 0});
+  transfer(ph.forward, base, slope, bw.write);
+  transfer(ph.forward, up, 0, links.h2d);
+  if (links.duplex > 0 && up > 0) transfer(ph.forward, base + up, slope, links.duplex);
+  ph.backward.push_back({(p.backward_seconds + recompute0) / c_bwd, -recompute_slope / c_bwd});
+  transfer(ph.backward, base, slope, bw.read * k);
+  transfer(ph.backward, down, 0, links.d2h * k);
+  if (links.duplex > 0 && down > 0) transfer(ph.backward, base + down, slope, links.duplex * k);
+  return ph;
+}
+
+double phase_seconds(const std::vector<Line>& lines, double alpha) {
+  double t = 0;
+  for (const auto& l : lines) {
+    if (std::isinf(l.slope)) t = std::max(t, alpha > 0 ? kInf : l.at0);
+    else t = std::max(t, l.slope == 0 ? l.at0 : l.at0 + l.slope * alpha);
+  }
+  return t;
+}
+
+std::vector<double> split_breakpoints(const BlockProfile& p, const Links& links, SwapTier tier) {
+  std::vector<double> out = {0.0, 1.0};
+  const Phases ph = block_phases(p, links, BlockMode::kSplit, tier);
+  for (const auto* lines : {&ph.forward, &ph.backward}) {
+    for (std::size_t i = 0; i < lines->size(); ++i) {
+      for (std::size_t j = i + 1; j < lines->size(); ++j) {
+        const Line& a = (*lines)[i];
+        const Line& b = (*lines)[j];
+        if (a.slope == b.slope || !std::isfinite(a.at0 + a.slope) || !std::isfinite(b.at0 + b.slope)) continue;
+        const double x = (b.at0 - a.at0) / (a.slope - b.slope);
+        if (x > 0 && x < 1) out.push_back(x);
+      }
+    }
+  }
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
+}
+
+Times block_times(const BlockProfile& p, const Links& links, BlockMode mode, double alpha, SwapTier tier) {
+  const Phases ph = block_phases(p, links, mode, tier);
+  return {phase_seconds(ph.forward, alpha), phase_seconds(ph.backward, alpha)};
 }
 
 std::uint64_t swap_bytes_of(const BlockProfile& p, BlockMode mode, double alpha) {
@@ -78,7 +129,7 @@ bool same_profile(const BlockProfile& a, const BlockProfile& b) {
   auto key = [](const BlockProfile& p) {
     return std::make_tuple(p.forward_seconds, p.backward_seconds, p.input_bytes, p.whole_bytes, p.split_bytes,
                            p.split_recompute_seconds, p.cheap_bytes, p.cheap_recompute_seconds, p.splittable,
-                           p.transient_bytes);
+                           p.transient_bytes, p.upload_bytes, p.download_bytes);
   };
   return key(a) == key(b);
 }
@@ -162,7 +213,7 @@ std::string seconds_text(double s) {
 std::vector<BlockProfile> average_same_shape_blocks(const std::vector<BlockProfile>& blocks) {
   auto shape = [](const BlockProfile& p) {
     return std::make_tuple(p.input_bytes, p.whole_bytes, p.split_bytes, p.cheap_bytes, p.transient_bytes,
-                           p.splittable);
+                           p.splittable, p.upload_bytes, p.download_bytes);
   };
   std::vector<BlockProfile> out = blocks;
   std::vector<bool> done(blocks.size(), false);
@@ -213,7 +264,7 @@ Plan evaluate_plan(const std::vector<BlockProfile>& blocks, const Links& links, 
     auto& b = assignment[i];
     check_assignment("evaluate_plan", i, p, b);
     fill_block(p, links, b);
-    plan.keep_all_step_seconds += p.forward_seconds + p.backward_seconds;
+    plan.keep_all_step_seconds += block_times(p, links, BlockMode::kKeep, 0, SwapTier::kHost).total();
     totals.add(p, b);
   }
   plan.predicted_step_seconds = totals.step_seconds;
@@ -263,13 +314,18 @@ Plan plan_activations(const std::vector<BlockProfile>& blocks, const Links& link
           valid(p.cheap_recompute_seconds)))
       throw config_error("plan_activations: block " + std::to_string(i) +
                          " has a negative or non-finite time; accepted: finite seconds >= 0");
-    for (std::uint64_t b : {p.input_bytes, p.whole_bytes, p.split_bytes, p.cheap_bytes, p.transient_bytes})
+    for (std::uint64_t b : {p.input_bytes, p.whole_bytes, p.split_bytes, p.cheap_bytes, p.transient_bytes,
+                            p.upload_bytes, p.download_bytes})
       bytes_fit = bytes_fit && !__builtin_add_overflow(total, b, &total) && total < kMaxTotal;
   }
   if (!(valid(links.d2h) && valid(links.h2d) && valid(links.duplex) && valid(links.nvme_write) &&
         valid(links.nvme_read)))
     throw config_error("plan_activations: a link bandwidth is negative or non-finite; accepted: finite bytes "
                        "per second >= 0");
+  for (double share : {links.compute_share_during_copies, links.copy_share_during_cpu_step})
+    if (!(share > 0 && share <= 1))
+      throw config_error("plan_activations: a link or compute share is " + std::to_string(share) +
+                         "; accepted: a fraction in (0, 1]");
   if (!bytes_fit)
     throw config_error("plan_activations: the blocks' saved and transient bytes plus fixed_device_bytes and "
                        "prefetch_bytes add up to 2^63 bytes or more; accepted: totals below 2^63 (8 EiB)");

@@ -8,20 +8,37 @@
 // The model (what evaluate_plan computes; plan_activations finds its optimum).
 //
 // Per block, MEMO's per-layer pipeline: the block's swap-out overlaps its own
-// forward and its swap-in overlaps its own backward, so
-//   forward  = max(forward_seconds, swap_bytes / write_bw)
-//   backward = max(backward_seconds + recompute_seconds, swap_bytes / read_bw)
-// where write/read_bw are d2h/h2d for the host tier and min(PCIe, NVMe) of that
-// direction for the NVMe tier (the host staging is pipelined and not counted),
-// and per mode
+// forward and its swap-in overlaps its own backward. The link also carries
+// the optimizer's traffic when it is offloaded: the block's weights coming
+// back during its forward (upload_bytes, host->device) and its gradients
+// going down during its backward (download_bytes, device->host). Each phase
+// takes the longest of its compute and its copies, each direction at its own
+// speed and both together within the link's shared limit (Links.duplex; 0:
+// none):
+//   forward  = max(forward_seconds / c,
+//                  s / write_bw, up / h2d, (s + up) / duplex)
+//   backward = max((backward_seconds + recompute_seconds) / c,
+//                  s / (read_bw * k), down / (d2h * k), (s + down) / (duplex * k))
+// with s = swap_bytes, up/down = upload/download_bytes, write/read_bw d2h/h2d
+// for the host tier and min(PCIe, NVMe) of that direction for the NVMe tier
+// (the host staging is pipelined and not counted; an NVMe block shares the
+// PCIe limit with the optimizer's traffic), c = Links.
+// compute_share_during_copies in a phase that copies anything (else 1: the
+// device computes slower beside concurrent copies, a measured factor), and
+// k = Links.copy_share_during_cpu_step in backward when download_bytes > 0
+// (the CPU optimizer steps the gradients as they land, and its kernel takes
+// host memory bandwidth from the copies), else 1. Per mode
 //   mode       swap_bytes                        recompute_seconds
 //   keep       0                                 0
 //   swap       saved_bytes()                     0
 //   split(a)   input + whole + a * split         (1-a) * split_recompute + cheap_recompute
 //   recompute  input                             forward_seconds
 // (a * split rounded to a byte in swap_bytes; the times take it exact).
-// The step (activations' part) is the sum over blocks. Links.duplex is not
-// used: in this pipeline the forward only writes and the backward only reads.
+// The step (activations' part) is the sum over blocks. With no optimizer
+// traffic and both shares 1 this is MEMO's max(compute, transfer) per phase.
+// Each phase is a max of functions linear in s, so a split block's time is
+// convex and piecewise linear in alpha; its breakpoints are where two of
+// those lines cross (detail::split_breakpoints).
 //
 // Device peak = fixed_device_bytes + the saved bytes of every kept block + the
 // largest working set of one block (transient_bytes, plus saved_bytes() for a
@@ -89,14 +106,18 @@ struct BlockProfile {
   double cheap_recompute_seconds = 0;  ///< time to recompute them
   bool splittable = true;              ///< false: no exact token split exists for this block (only keep / swap / recompute)
   std::uint64_t transient_bytes = 0;   ///< device bytes the block needs while it runs (workspace, its own recomputed tensors beyond saved bytes)
+  std::uint64_t upload_bytes = 0;      ///< host->device bytes beside its swap during its forward (its weights back from the CPU optimizer)
+  std::uint64_t download_bytes = 0;    ///< device->host bytes beside its swap during its backward (its gradients to the CPU optimizer)
   /// Every byte the block saves for backward.
   std::uint64_t saved_bytes() const noexcept { return input_bytes + whole_bytes + split_bytes + cheap_bytes; }
 };
 
 /// Link bandwidths, bytes per second.
 struct Links {
-  double d2h = 0, h2d = 0, duplex = 0;   ///< device->host, host->device alone, and both at once (sum)
+  double d2h = 0, h2d = 0, duplex = 0;   ///< device->host, host->device alone, and both at once (sum; 0: no shared limit)
   double nvme_write = 0, nvme_read = 0;  ///< host<->NVMe (0: no NVMe tier)
+  double compute_share_during_copies = 1;  ///< device compute speed left while copies run, in (0, 1]
+  double copy_share_during_cpu_step = 1;   ///< link speed left beside the CPU optimizer's kernel, in (0, 1]
 };
 
 /// Memory the plan may use, bytes.

@@ -29,6 +29,19 @@ struct Times {
   double total() const { return forward + backward; }
 };
 
+/// t(alpha) = at0 + slope * alpha (slope infinite: at0 at alpha = 0, infinite beyond).
+struct Line {
+  double at0 = 0, slope = 0;
+};
+/// The terms of each phase of a block in one mode and tier, as lines in alpha; a phase takes the largest.
+struct Phases {
+  std::vector<Line> forward, backward;
+};
+/// Note [Activation planner]'s terms of a block (alpha matters for kSplit only).
+Phases block_phases(const BlockProfile& p, const Links& links, BlockMode mode, SwapTier tier);
+/// The alphas in [0, 1] where a split block's time can bend: 0, 1 and where two terms of a phase cross.
+std::vector<double> split_breakpoints(const BlockProfile& p, const Links& links, SwapTier tier);
+
 /// The per-block pipeline of Note [Activation planner]. Swapped bytes are taken continuous in alpha
 /// (swap_bytes rounds them to a byte), so the time is exactly piecewise linear in alpha.
 Times block_times(const BlockProfile& p, const Links& links, BlockMode mode, double alpha, SwapTier tier);
