@@ -28,17 +28,26 @@ class ArchiveView : public torch::optim::Optimizer {
   at::Tensor step(LossClosure) override { TORCH_CHECK(false, "ArchiveView cannot step"); }
 };
 
+// torch's AdamW options as the kernel's (AdamW: decoupled weight decay).
+optimizer::AdamOptions adam_options_of(const AdamWOptions& o) {
+  optimizer::AdamOptions ao;
+  ao.lr = o.lr();
+  ao.beta1 = std::get<0>(o.betas());
+  ao.beta2 = std::get<1>(o.betas());
+  ao.eps = o.eps();
+  ao.weight_decay = o.weight_decay();
+  ao.amsgrad = o.amsgrad();
+  ao.decoupled_weight_decay = true;
+  return ao;
+}
+
 }  // namespace
 
 CpuAdamW::CpuAdamW(std::shared_ptr<Runtime> runtime, const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
                    AdamWOptions defaults)
     : Optimizer(param_groups, std::make_unique<AdamWOptions>(defaults)), runtime_(std::move(runtime)) {
   TIERFLOW_EXPECTS(runtime_ != nullptr, "CpuAdamW: a runtime is required");
-  TORCH_CHECK(defaults.lr() >= 0, "Invalid learning rate: ", defaults.lr());
-  TORCH_CHECK(defaults.eps() >= 0, "Invalid epsilon value: ", defaults.eps());
-  TORCH_CHECK(0 <= std::get<0>(defaults.betas()) && std::get<0>(defaults.betas()) < 1.0, "Invalid beta parameter at index 0");
-  TORCH_CHECK(0 <= std::get<1>(defaults.betas()) && std::get<1>(defaults.betas()) < 1.0, "Invalid beta parameter at index 1");
-  TORCH_CHECK(defaults.weight_decay() >= 0, "Invalid weight_decay value: ", defaults.weight_decay());
+  if (auto why = optimizer::adam_options_problem(adam_options_of(defaults))) TORCH_CHECK(false, *why);
   on_nvme_ = runtime_->config().offload_optimizer == OffloadTarget::kNvme;
 }
 
@@ -103,14 +112,7 @@ at::Tensor CpuAdamW::step(LossClosure closure) {
 bool CpuAdamW::step_group(torch::optim::OptimizerParamGroup& group, std::size_t group_index,
                           std::vector<Failure>& failed, std::string& first_error) {
   const auto& o = static_cast<const AdamWOptions&>(group.options());
-  optimizer::AdamOptions ao;
-  ao.lr = o.lr();
-  ao.beta1 = std::get<0>(o.betas());
-  ao.beta2 = std::get<1>(o.betas());
-  ao.eps = o.eps();
-  ao.weight_decay = o.weight_decay();
-  ao.amsgrad = o.amsgrad();
-  ao.decoupled_weight_decay = true;
+  const optimizer::AdamOptions ao = adam_options_of(o);
 
   // Parameters with a gradient, by the step number they take (one kernel call
   // per number). A step count moves only once its parameter has stepped.

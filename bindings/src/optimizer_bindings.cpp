@@ -1,5 +1,7 @@
 // tierflow._C's Adam kernels called from Python: the CUDA AdamW of the GPU share
-// and the Adam-traffic roofline the optimizer benchmark times.
+// and the Adam-traffic roofline the optimizer benchmark times; and the CPU
+// AdamW's torch-free decisions (optimizer/: state_tier.hpp, cpu_adam.hpp's
+// group_by_step, grad_buckets.hpp's GPU share) that optim/ calls.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <torch/python.h>
@@ -9,6 +11,9 @@
 #include <chrono>
 #include <map>
 #include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
 
 #include "module_parts.hpp"
 #include "tierflow/allocator/aligned_buffer.hpp"
@@ -23,6 +28,7 @@
 #include "tierflow/optimizer/cuda_adam.hpp"
 #include "tierflow/optimizer/grad_buckets.hpp"
 #include "tierflow/optimizer/roofline.hpp"
+#include "tierflow/optimizer/state_tier.hpp"
 #include "tierflow/swap/nvme_probe.hpp"
 
 namespace py = pybind11;
@@ -32,7 +38,45 @@ using namespace tierflow::bindings::pymod;
 
 namespace tierflow::bindings::pymod {
 
+namespace {
+
+void bind_optimizer_policy(py::module_& m) {
+  using namespace tierflow::optimizer;
+  m.attr("LOST_STATE_KEY") = kLostStateKey;
+  m.def("optimizer_state_bytes", [](std::size_t numel, bool amsgrad) { return state_bytes({numel, amsgrad}); },
+        py::arg("numel"), py::arg("amsgrad"), "Bytes of one parameter's fp32 optimizer state.");
+  m.def("check_optimizer_state_pool", [](const std::vector<std::pair<std::size_t, bool>>& states, bool nvme,
+                                         std::uint64_t pool_budget_bytes, const std::string& host_memory) {
+    std::vector<ParamStateShape> shapes;
+    for (const auto& [numel, amsgrad] : states) shapes.push_back({numel, amsgrad});
+    check_state_pool(shapes, nvme, pool_budget_bytes, host_memory);
+  }, "Raises OutOfMemoryError when the pinned pool cannot hold these (numel, amsgrad) states (state_tier.hpp).");
+  m.def("describe_parameter", &describe_parameter, py::arg("name"), py::arg("group_and_index"), py::arg("shape"),
+        "A parameter as a user knows it, for error messages.");
+  m.def("nvme_step_error", [](const std::vector<std::tuple<std::string, bool, std::string>>& problems) {
+    std::vector<StepProblem> ps;
+    for (const auto& [parameter, lost, reason] : problems) ps.push_back({parameter, lost, reason});
+    return nvme_step_error(ps);
+  }, "The error text for (description, lost?, reason) of the parameters a step could not step.");
+  m.def("group_by_step", [](const std::vector<std::int64_t>& steps) {
+    std::vector<std::pair<std::int64_t, std::vector<std::size_t>>> out;
+    for (auto& g : group_by_step(steps)) out.emplace_back(g.step, std::move(g.members));
+    return out;
+  }, "[(step, [indices])]: one kernel call per step number, in order of first appearance.");
+  m.def("grad_link_probe_bytes", &grad_link_probe_bytes, py::arg("total_grad_bytes"),
+        "Bytes of the copy that measures the link for the gradient bucket size.");
+  m.def("gpu_share_room", &gpu_share_room, py::arg("free_bytes"), py::arg("budget_bytes"),
+        py::arg("first_step_peak_bytes"), "Device bytes the GPU share's states may take.");
+  m.def("gpu_share_bytes_per_element", &gpu_share_bytes_per_element, py::arg("any_16bit"),
+        "Device bytes per GPU-stepped element.");
+  m.def("assign_gpu_share", &assign_gpu_share, py::arg("numels"), py::arg("fraction"),
+        "Which device parameters (by numel, in group order) step on the GPU.");
+}
+
+}  // namespace
+
 void bind_optimizer_kernels(py::module_& m) {
+  bind_optimizer_policy(m);
   m.def("cuda_adam_step", [](const py::dict& options, std::int64_t step, const std::vector<at::Tensor>& masters,
                              const std::vector<at::Tensor>& ms, const std::vector<at::Tensor>& vs,
                              const std::vector<std::optional<at::Tensor>>& vmaxes,

@@ -8,7 +8,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <sstream>
 #include <string>
+#include <unordered_map>
 
 #include "adam_kernel.hpp"
 #include "tierflow/core/error.hpp"
@@ -51,6 +53,35 @@ RangeFn kernel_for(CpuIsa isa) {
 }
 
 }  // namespace
+
+std::optional<std::string> adam_options_problem(const AdamOptions& options) {
+  std::ostringstream why;  // doubles printed as torch's TORCH_CHECK prints them
+  if (!(options.lr >= 0)) {
+    why << "Invalid learning rate: " << options.lr;
+  } else if (!(options.eps >= 0)) {
+    why << "Invalid epsilon value: " << options.eps;
+  } else if (!(0 <= options.beta1 && options.beta1 < 1.0)) {
+    why << "Invalid beta parameter at index 0";
+  } else if (!(0 <= options.beta2 && options.beta2 < 1.0)) {
+    why << "Invalid beta parameter at index 1";
+  } else if (!(options.weight_decay >= 0)) {
+    why << "Invalid weight_decay value: " << options.weight_decay;
+  } else {
+    return std::nullopt;
+  }
+  return why.str();
+}
+
+std::vector<StepGroup> group_by_step(const std::vector<std::int64_t>& steps) {
+  std::vector<StepGroup> groups;
+  std::unordered_map<std::int64_t, std::size_t> at;  // step number -> its group
+  for (std::size_t i = 0; i < steps.size(); ++i) {
+    auto [it, fresh] = at.try_emplace(steps[i], groups.size());
+    if (fresh) groups.push_back(StepGroup{steps[i], {}});
+    groups[it->second].members.push_back(i);
+  }
+  return groups;
+}
 
 const char* to_string(CpuIsa isa) noexcept {
   switch (isa) {

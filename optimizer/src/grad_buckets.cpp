@@ -110,4 +110,31 @@ double choose_gpu_fraction(const SplitInputs& in) noexcept {
   return std::clamp(f, 0.0, 1.0);
 }
 
+std::size_t grad_link_probe_bytes(std::size_t total_grad_bytes) noexcept {
+  constexpr std::size_t kMiB = std::size_t{1} << 20;
+  return std::max(kMiB, std::min(16 * kMiB, total_grad_bytes / 16));
+}
+
+std::int64_t gpu_share_room(std::int64_t free_bytes, std::int64_t budget_bytes,
+                            std::int64_t first_step_peak_bytes) noexcept {
+  return std::max<std::int64_t>(0, std::min(free_bytes / 2, budget_bytes - first_step_peak_bytes));
+}
+
+std::size_t gpu_share_bytes_per_element(bool any_16bit) noexcept { return any_16bit ? 12 : 8; }
+
+std::vector<bool> assign_gpu_share(const std::vector<std::size_t>& numels, double fraction) {
+  std::vector<bool> chosen(numels.size(), false);
+  if (!(fraction > 0)) return chosen;
+  double gpu = 0, seen = 0;  // element counts; doubles, as the Python it replaces compared them
+  for (std::size_t i = 0; i < numels.size(); ++i) {
+    const auto n = static_cast<double>(numels[i]);
+    seen += n;
+    if (gpu + n / 2 <= fraction * seen) {
+      chosen[i] = true;
+      gpu += n;
+    }
+  }
+  return chosen;
+}
+
 }  // namespace tierflow::optimizer

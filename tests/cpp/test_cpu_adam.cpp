@@ -316,3 +316,38 @@ TEST(CpuAdam, GradScaleEqualsScaledGradients) {
   adam.step(AdamOptions{}, 1, {b.tensor()});
   EXPECT_EQ(a.master, b.master);
 }
+
+TEST(AdamOptionsCheck, NamesTheFirstInvalidHyperparameterAsTorchDoes) {
+  AdamOptions o;
+  EXPECT_FALSE(adam_options_problem(o).has_value());
+  o.lr = -0.5;
+  o.eps = -1;  // lr is checked first
+  EXPECT_EQ(adam_options_problem(o).value_or(""), "Invalid learning rate: -0.5");
+  o.lr = 0;
+  EXPECT_EQ(adam_options_problem(o).value_or(""), "Invalid epsilon value: -1");
+  o.eps = 0;
+  o.beta1 = 1.0;
+  EXPECT_EQ(adam_options_problem(o).value_or(""), "Invalid beta parameter at index 0");
+  o.beta1 = 0;
+  o.beta2 = -1e-9;
+  EXPECT_EQ(adam_options_problem(o).value_or(""), "Invalid beta parameter at index 1");
+  o.beta2 = 0.999;
+  o.weight_decay = -0.01;
+  EXPECT_EQ(adam_options_problem(o).value_or(""), "Invalid weight_decay value: -0.01");
+  o.weight_decay = std::nan("");
+  EXPECT_EQ(adam_options_problem(o).value_or(""), "Invalid weight_decay value: nan");
+  o.weight_decay = 0;
+  EXPECT_FALSE(adam_options_problem(o).has_value());
+}
+
+TEST(StepGroups, OneGroupPerStepNumberInOrderOfFirstAppearance) {
+  const auto g = group_by_step({3, 1, 3, 2, 1});
+  ASSERT_EQ(g.size(), 3u);
+  EXPECT_EQ(g[0].step, 3);
+  EXPECT_EQ(g[0].members, (std::vector<std::size_t>{0, 2}));
+  EXPECT_EQ(g[1].step, 1);
+  EXPECT_EQ(g[1].members, (std::vector<std::size_t>{1, 4}));
+  EXPECT_EQ(g[2].step, 2);
+  EXPECT_EQ(g[2].members, (std::vector<std::size_t>{3}));
+  EXPECT_TRUE(group_by_step({}).empty());
+}

@@ -130,3 +130,36 @@ TEST(SplitChooser, DegenerateInputsGiveZero) {
   in.elements = 10;
   EXPECT_EQ(choose_gpu_fraction(in), 0.0);  // no measured rate yet
 }
+
+TEST(GpuShare, RoomIsTheBudgetLeftByThePeakAndAtMostHalfTheFreeMemory) {
+  constexpr std::int64_t GiB = std::int64_t{1} << 30;
+  EXPECT_EQ(gpu_share_room(60 * GiB, 16 * GiB, 15 * GiB), GiB);
+  EXPECT_EQ(gpu_share_room(60 * GiB, 16 * GiB, 17 * GiB), 0);  // the peak passed the budget: no room
+  EXPECT_EQ(gpu_share_room(4 * GiB, 80 * GiB, GiB), 2 * GiB);
+  EXPECT_EQ(gpu_share_room(5, 80, 0), 2);
+}
+
+TEST(GpuShare, SixteenBitParametersNeedAMasterToo) {
+  EXPECT_EQ(gpu_share_bytes_per_element(true), 12u);
+  EXPECT_EQ(gpu_share_bytes_per_element(false), 8u);
+}
+
+TEST(GpuShare, AssignInterleavesAboutTheFraction) {
+  EXPECT_EQ(assign_gpu_share({10, 10, 10, 10}, 0.0), (std::vector<bool>{false, false, false, false}));
+  EXPECT_EQ(assign_gpu_share({10, 10, 10, 10}, 0.5), (std::vector<bool>{true, false, true, false}));
+  EXPECT_EQ(assign_gpu_share({10, 10, 10, 10}, 1.0), (std::vector<bool>{true, true, true, true}));
+  // A quarter of 8 equal parameters: every fourth, counting half of each as it is weighed.
+  const auto q = assign_gpu_share(std::vector<std::size_t>(8, 100), 0.25);
+  EXPECT_EQ(q, (std::vector<bool>{false, true, false, false, false, true, false, false}));
+  // A large parameter does not go to the GPU when half of it passes the share.
+  EXPECT_EQ(assign_gpu_share({1, 1000, 1}, 0.3), (std::vector<bool>{false, false, true}));
+  EXPECT_TRUE(assign_gpu_share({}, 0.5).empty());
+}
+
+TEST(GradBuckets, LinkProbeIsASixteenthOfTheGradientsWithin1And16MiB) {
+  constexpr std::size_t MiB = std::size_t{1} << 20;
+  EXPECT_EQ(grad_link_probe_bytes(0), MiB);
+  EXPECT_EQ(grad_link_probe_bytes(32 * MiB), 2 * MiB);
+  EXPECT_EQ(grad_link_probe_bytes(16 * MiB + 16), MiB + 1);
+  EXPECT_EQ(grad_link_probe_bytes(1024 * MiB), 16 * MiB);
+}

@@ -27,7 +27,8 @@
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~
 // With states on NVMe a step can fail for some parameters (a full disk, a
 // failed write, a corrupt state) and not others: the store steps every item it
-// can (Note [NVMe optimizer faults] has the Python side of the same rule).
+// can (Note [NVMe optimizer faults] in optimizer/include/tierflow/optimizer/
+// state_tier.hpp has the Python CPUAdamW's side of the same rule).
 // Each parameter that stepped takes its new step count and weight (copied
 // back to the device as usual) and remembers the gradient it stepped with
 // (TensorImpl and version); the others keep their step count, state and

@@ -531,7 +531,7 @@ class CPUAdamW(torch.optim.Optimizer):
         if self._states.nvme:
             return self._states.step_group(group, dict(options, grad_scale=scale) if scale != 1.0 else options,
                                            self.state, gpu, self._copies, self._init_state, self._master_stale)
-        buckets: dict[int, list] = {}
+        members: list = []  # (its state, its gradient on the host, its output) per parameter stepped here
         copy_back: list = []
         on_gpu: list = []
         fetches: list = []
@@ -561,20 +561,19 @@ class CPUAdamW(torch.optim.Optimizer):
             else:
                 out = self._copies.staging(p)
                 copy_back.append((p, out))
-            b = buckets.setdefault(int(state["step"].item()), [[], [], [], [], [], []])
-            b[0].append(state["master"])
-            b[1].append(state["exp_avg"])
-            b[2].append(state["exp_avg_sq"])
-            b[3].append(state.get("max_exp_avg_sq") if options["amsgrad"] else None)
-            b[4].append(host_grad)
-            b[5].append(out)
+            members.append((state, host_grad, out))
         if scale != 1.0:
             options = dict(options, grad_scale=scale)
         if on_gpu:
             self._gpu.step(on_gpu, self.state, options)
         for transfer, _src in fetches:
             transfer.wait()
-        for step, (masters, ms, vs, vmaxes, grads, outs) in buckets.items():
-            self._runtime.adam_step(options, step, masters, ms, vs, vmaxes, grads, outs)
+        amsgrad = options["amsgrad"]
+        for step, batch in _C.group_by_step([int(s["step"].item()) for s, _, _ in members]):
+            batch = [members[i] for i in batch]
+            self._runtime.adam_step(options, step, [s["master"] for s, _, _ in batch],
+                                    [s["exp_avg"] for s, _, _ in batch], [s["exp_avg_sq"] for s, _, _ in batch],
+                                    [s.get("max_exp_avg_sq") if amsgrad else None for s, _, _ in batch],
+                                    [g for _, g, _ in batch], [out for _, _, out in batch])
         for p, out in copy_back:
             self._copies.write_param(p, out)

@@ -28,19 +28,9 @@ class GpuShare:
 
     def assign(self, param_groups: list) -> set:
         """Deep Optimizer States: interleave CUDA params so about `fraction` of the elements step on the GPU."""
-        chosen: set = set()
-        if self.fraction <= 0:
-            return chosen
-        gpu, seen = 0, 0
-        for group in param_groups:
-            for p in group["params"]:
-                if p.device.type != "cuda":
-                    continue
-                seen += p.numel()
-                if gpu + p.numel() / 2 <= self.fraction * seen:
-                    chosen.add(id(p))
-                    gpu += p.numel()
-        return chosen
+        cuda = [p for group in param_groups for p in group["params"] if p.device.type == "cuda"]
+        return {id(p) for p, on_gpu in zip(cuda, _C.assign_gpu_share([p.numel() for p in cuda], self.fraction))
+                if on_gpu}
 
     def choose(self, param_groups: list, runtime: "_C.Runtime", streaming: Any, state: Any) -> None:
         """TIERFLOW_GPU_OPTIMIZER_FRACTION=auto, after the first streamed step: the share of CUDA
@@ -60,8 +50,7 @@ class GpuShare:
         dev = cuda[0].device
         free, _total = torch.cuda.mem_get_info(dev)
         room = gpu_share_room(free, int(runtime.device_budget_bytes()), torch.cuda.max_memory_allocated(dev))
-        # m and v in fp32, plus an fp32 master for 16-bit parameters.
-        per_element = 12 if any(p.dtype != torch.float32 for p in cuda) else 8
+        per_element = _C.gpu_share_bytes_per_element(any(p.dtype != torch.float32 for p in cuda))
         self.fraction = _C.choose_gpu_fraction(rate, 0.0, backward_ms / 1e3, sum(p.numel() for p in cuda),
                                                per_element, room)
         self.ids = self.assign(param_groups)
@@ -80,7 +69,6 @@ class GpuShare:
     @staticmethod
     def step(params: list, state: Any, options: dict) -> None:
         """One AdamW step of these parameters on the GPU, their states made there at their first step."""
-        buckets: dict[int, list] = {}
         for p in params:
             s = state[p]
             if len(s) == 0:
@@ -91,20 +79,14 @@ class GpuShare:
                     s["max_exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
                 s["master"] = p.detach() if p.dtype == torch.float32 else p.detach().float()
             s["step"] += 1
-            b = buckets.setdefault(int(s["step"].item()), [[], [], [], [], [], []])
-            b[0].append(s["master"])
-            b[1].append(s["exp_avg"])
-            b[2].append(s["exp_avg_sq"])
-            b[3].append(s.get("max_exp_avg_sq") if options["amsgrad"] else None)
-            b[4].append(p.grad.contiguous())
-            b[5].append(None if p.dtype == torch.float32 else p.detach())
-        for step, (masters, ms, vs, vmaxes, grads, outs) in buckets.items():
-            _C.cuda_adam_step(options, step, masters, ms, vs, vmaxes, grads, outs)
+        for step, batch in _C.group_by_step([int(state[p]["step"].item()) for p in params]):
+            batch = [(p, state[p]) for p in (params[i] for i in batch)]
+            _C.cuda_adam_step(options, step, [s["master"] for _, s in batch], [s["exp_avg"] for _, s in batch],
+                              [s["exp_avg_sq"] for _, s in batch],
+                              [s.get("max_exp_avg_sq") if options["amsgrad"] else None for _, s in batch],
+                              [p.grad.contiguous() for p, _ in batch],
+                              [None if p.dtype == torch.float32 else p.detach() for p, _ in batch])
 
 
-def gpu_share_room(free_bytes: int, budget_bytes: int, first_step_peak_bytes: int) -> int:
-    """Device bytes the GPU share's states may take: within TIERFLOW_GPU_MEMORY, what the first step's peak left
-    of it (that step ran the activation planner's floor, so every plan the planner can make still fits: the
-    timing step's measured peak, which the plan is made from, then holds the share's states as fixed bytes), and
-    at most half of what the device has free."""
-    return max(0, min(free_bytes // 2, budget_bytes - first_step_peak_bytes))
+#: Device bytes the GPU share's states may take (optimizer/include/tierflow/optimizer/grad_buckets.hpp).
+gpu_share_room = _C.gpu_share_room

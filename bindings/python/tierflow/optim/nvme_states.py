@@ -3,35 +3,12 @@ wrap, and, with states on NVMe, their step, their reads and writes, and what a
 step that fails part way leaves. CPUAdamW owns one StateTier and hands it its
 param groups and the state of the parameters a call is about.
 
-Note [NVMe optimizer faults]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-With states on NVMe (TIERFLOW_OFFLOAD_OPTIMIZER=nvme) a step can fail for
-some parameters and not others: a failed write or a full disk keeps that
-parameter's previous state and weight (Note [Optimizer states on NVMe]); a
-state that cannot be read back (a checksum mismatch: the data on disk is
-corrupt) is lost. step() steps every other parameter, counts a step only for
-those that stepped, and raises an error that names the ones that did not.
-Each parameter that stepped remembers the gradient it stepped with (the same
-tensor at the same version) and its step count after it; a step() that finds
-both unchanged skips it. So a retry after the fault is gone (space freed)
-steps every parameter exactly once, and the weights are those of a run that
-never failed. A new backward, zero_grad() or a loaded state with another step
-count makes the next step() a new step for everyone.
-
-Space and memory are checked when the optimizer is made (at wrap): the host
-pool must hold what the states need (TIERFLOW_HOST_MEMORY), and with states
-on NVMe the swap files are grown for every state and a step's new state
-(Note [NVMe space] in swap/include/tierflow/swap/nvme_engine.hpp), so too
-little of either is an error there, naming the need, the budget or free space
-and the variable, not in the middle of the first step.
-
-A lost state is marked in state_dict(): its entry is ``{"step": <last good
-step>, LOST_STATE: "<what happened>"}`` with no moments, so a checkpoint
-still saves every intact state. load_state_dict() refuses a state dict with
-such an entry, naming the parameters;
-``CPUAdamW.fill_lost_states(state_dict, earlier)`` takes their entries from an
-earlier checkpoint (a lost parameter did not step after its last good state,
-so its weight still matches it).
+What each decision is (the space the states need and its error, a
+parameter's description, the error of a step that failed part way, the
+grouping of a step's parameters) is decided torch-free in
+optimizer/include/tierflow/optimizer/state_tier.hpp, whose Note [NVMe
+optimizer faults] says how a step that fails part way is retried; this module
+keeps what touches tensors: which parameters, their gradients and states.
 """
 
 from __future__ import annotations
@@ -45,24 +22,12 @@ from .accepted import check_grad
 from .copies import DeviceCopies
 
 #: The key that marks a state lost to NVMe corruption in state_dict() (Note [NVMe optimizer faults]).
-LOST_STATE = "tierflow_state_lost"
-
-
-def _fmt_bytes(n: int) -> str:
-    """As format_bytes in C++: 1.50 GiB, 512.00 KiB, 17 B."""
-    if n < 1024:
-        return f"{n} B"
-    v, unit = float(n), "B"
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        v /= 1024.0
-        if v < 1024.0:
-            break
-    return f"{v:.2f} {unit}"
+LOST_STATE = _C.LOST_STATE_KEY
 
 
 def state_bytes(p: torch.Tensor, group: dict) -> int:
     """The fp32 state of one parameter: master, exp_avg, exp_avg_sq (and max_exp_avg_sq with amsgrad)."""
-    return p.numel() * 4 * (4 if group["amsgrad"] else 3)
+    return _C.optimizer_state_bytes(p.numel(), bool(group["amsgrad"]))
 
 
 class StateTier:
@@ -86,12 +51,13 @@ class StateTier:
     def describe(self, p: torch.Tensor, param_groups: list) -> str:
         """A parameter as a user knows it: its name in the model, else its group and index; and its shape."""
         name = self._names.get(id(p))
+        where = None
         if name is None:
             for gi, group in enumerate(param_groups):
                 for j, q in enumerate(group["params"]):
                     if q is p:
-                        name = f"param group {gi} index {j}"
-        return f"'{name}' {list(p.shape)}"
+                        where = (gi, j)
+        return _C.describe_parameter(name, where, list(p.shape))
 
     def check_space(self, param_groups: list, gpu_share: set) -> None:
         """What the states need, checked when the optimizer is made rather than in its first step:
@@ -101,25 +67,9 @@ class StateTier:
         todo = [(p, g) for g in param_groups for p in g["params"] if p.requires_grad and id(p) not in gpu_share]
         if not todo:
             return
-        sizes = [state_bytes(p, g) for p, g in todo]
-        page = 4096  # the pool's blocks are whole pages (Note [Pinned host pool])
-        rounded = lambda n: -(-n // page) * page  # noqa: E731
-        if self.nvme:
-            need = 2 * rounded(max(sizes))
-            what = (f"two buffers of the largest parameter's state ({_fmt_bytes(max(sizes))}) that the states "
-                    "stream through from NVMe")
-        else:
-            need = sum(rounded(b) for b in sizes)
-            tensors = "master, exp_avg, exp_avg_sq" + (", max_exp_avg_sq" if any(g["amsgrad"] for _, g in todo) else "")
-            what = (f"the states of {len(todo)} parameters ({sum(p.numel() for p, _ in todo)} elements, fp32 "
-                    f"{tensors})")
         budget = int(self._runtime.stats()["host_pool"]["budget_bytes"])
-        if need > budget:
-            raise _C.OutOfMemoryError(
-                f"tierflow: the optimizer needs {_fmt_bytes(need)} of pinned host memory for {what}, more than "
-                f"the pinned pool's budget of {_fmt_bytes(budget)} (TIERFLOW_HOST_MEMORY="
-                f"{self._host_memory}); raise TIERFLOW_HOST_MEMORY"
-                + ("" if self.nvme else " or put the states on NVMe (TIERFLOW_OFFLOAD_OPTIMIZER=nvme)"))
+        _C.check_optimizer_state_pool([(p.numel(), bool(g["amsgrad"])) for p, g in todo], self.nvme, budget,
+                                      str(self._host_memory))
         if self.nvme:
             self.reserve(todo)
 
@@ -140,24 +90,8 @@ class StateTier:
 
     def step_error(self, problems: list, param_groups: list) -> Exception:
         """One error for the parameters a step() could not step: [(param, lost?, reason)]."""
-        lost = [p for p, is_lost, _ in problems if is_lost]
-        kept = [p for p, is_lost, _ in problems if not is_lost]
-        describe = lambda p: self.describe(p, param_groups)  # noqa: E731
-        parts = []
-        if lost:
-            parts.append(
-                f"the state of {len(lost)} parameter(s) could not be read back and is lost: "
-                f"{', '.join(describe(p) for p in lost)}; opt.state_dict() still saves every intact state "
-                f"(the lost ones marked '{LOST_STATE}'): restore these from your last good checkpoint "
-                "(tierflow.CPUAdamW.fill_lost_states)")
-        if kept:
-            parts.append(
-                f"the new state of {len(kept)} parameter(s) could not be written: "
-                f"{', '.join(describe(p) for p in kept[:8])}{' ...' if len(kept) > 8 else ''}; their "
-                "previous state and weights are kept, and a retry of step() steps only them")
-        first = next((reason for p, is_lost, reason in problems if is_lost), problems[0][2])
-        return _C.IOError("NVMe optimizer step: " + "; ".join(parts) + ". The other parameters stepped. "
-                          f"First error: {first}")
+        return _C.IOError(_C.nvme_step_error([(self.describe(p, param_groups), is_lost, reason)
+                                              for p, is_lost, reason in problems]))
 
     # -- states on NVMe ------------------------------------------------------------
     def add(self, p: torch.Tensor, group: dict) -> dict:
@@ -222,7 +156,7 @@ class StateTier:
                 problems += [(p, False, str(e)) for p, _ in fresh]
                 unreserved = {id(p) for p, _ in fresh}
                 todo = [p for p in todo if id(p) not in unreserved]
-        buckets: dict[int, list] = {}
+        members: list = []  # (param, its state, its gradient on the host, its output, copied back?)
         for p in todo:
             grad = p.grad.detach()
             check_grad(grad)
@@ -250,22 +184,21 @@ class StateTier:
                 out, copy = p.detach().reshape(-1), False
             else:
                 out, copy = copies.staging(p, flat=True), True
-            b = buckets.setdefault(int(s["step"].item()) + 1, [[], [], [], []])
-            b[0].append(s["nvme_key"])
-            b[1].append(grad)
-            b[2].append(out)
-            b[3].append((p, s, copy))
-        for step, (keys, grads, outs, members) in buckets.items():
-            failed, first_error, lost = self._runtime.nvme_adam_step(options, step, keys, grads, outs)
+            members.append((p, s, grad, out, copy))
+        for step, batch in _C.group_by_step([int(m[1]["step"].item()) + 1 for m in members]):
+            batch = [members[i] for i in batch]
+            failed, first_error, lost = self._runtime.nvme_adam_step(
+                options, step, [s["nvme_key"] for _, s, _, _, _ in batch], [g for _, _, g, _, _ in batch],
+                [out for _, _, _, out, _ in batch])
             failed, lost = set(failed), set(lost)
-            for i, (p, s, copy) in enumerate(members):
+            for i, (p, s, _grad, out, copy) in enumerate(batch):
                 if i in failed:  # kept its previous state and weight (or lost its state): nothing to copy
                     problems.append((p, i in lost, first_error))
                     continue
                 s["step"] += 1
                 self._done[p] = (p.grad, p.grad._version, float(s["step"]))
                 if copy:
-                    copies.write_param(p, outs[i].view(p.shape))
+                    copies.write_param(p, out.view(p.shape))
         return problems
 
 

@@ -179,6 +179,6 @@ class GradientStreaming:
             return
         self._buckets_unsized = False
         total = sum(p.numel() * p.element_size() for p in self._slot_params)
-        probe = max(1 << 20, min(16 << 20, total // 16))  # a bucket-sized copy, at most 16 MiB of device memory
+        probe = _C.grad_link_probe_bytes(total)
         link = measure_links(self._runtime, self._slot_params[0].device, probe)["d2h"]
         self.stream.size_buckets(link)

@@ -29,6 +29,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "tierflow/optimizer/scalar_type.hpp"
@@ -47,6 +49,21 @@ struct AdamOptions {
   bool decoupled_weight_decay = true;  ///< true: AdamW; false: Adam (L2 added to the gradient)
   double grad_scale = 1.0;  ///< gradients are multiplied by float(grad_scale) first (clipping); 1 skips it
 };
+
+/// What is wrong with `options`, in torch.optim.AdamW's words ("Invalid learning
+/// rate: -0.1"), checking lr, eps, betas and weight_decay in torch's order; nullopt when valid.
+std::optional<std::string> adam_options_problem(const AdamOptions& options);
+
+/// The parameters of one kernel call: every member takes step number `step`.
+struct StepGroup {
+  std::int64_t step = 0;
+  std::vector<std::size_t> members;  ///< indices into the input, in input order
+};
+
+/// Parameters grouped for CpuAdam::step, one call per step number (parameters
+/// of a group can differ in step count: a group added later, a failed step).
+/// `steps[i]` is parameter i's step number; groups in order of first appearance.
+std::vector<StepGroup> group_by_step(const std::vector<std::int64_t>& steps);
 
 /// One parameter's buffers for a step. All pointers cover `numel` elements.
 struct AdamTensor {

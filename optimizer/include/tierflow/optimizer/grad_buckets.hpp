@@ -53,6 +53,11 @@ struct BucketSizing {
 /// missing.
 std::size_t measured_grad_bucket_bytes(const BucketSizing& in) noexcept;
 
+/// Bytes of the device -> host copy that measures the link for
+/// measured_grad_bucket_bytes: a bucket-sized copy, total_grad_bytes / 16
+/// within [1 MiB, 16 MiB] (it takes that much device memory).
+std::size_t grad_link_probe_bytes(std::size_t total_grad_bytes) noexcept;
+
 /// Sum of squares of `numel` values of type `type`, in double: a bucket's
 /// share of the squared global 2-norm. Non-finite values propagate (inf or NaN).
 double sum_of_squares(const void* data, ScalarType type, std::size_t numel) noexcept;
@@ -102,5 +107,23 @@ struct SplitInputs {
 /// measured rate, ends with backward; capped by what fits in the device
 /// budget. 0 when the CPU already keeps up; in [0, 1].
 double choose_gpu_fraction(const SplitInputs& in) noexcept;
+
+/// Device bytes the GPU share's states may take: within TIERFLOW_GPU_MEMORY
+/// (`budget_bytes`), what the first step's peak left of it (that step ran the
+/// activation planner's floor, so every plan the planner can make still fits:
+/// the timing step's measured peak, which the plan is made from, then holds the
+/// share's states as fixed bytes), and at most half of what the device has free.
+std::int64_t gpu_share_room(std::int64_t free_bytes, std::int64_t budget_bytes,
+                            std::int64_t first_step_peak_bytes) noexcept;
+
+/// Device bytes per element of a GPU-stepped parameter: m and v in fp32, plus
+/// an fp32 master when any of them is 16-bit.
+std::size_t gpu_share_bytes_per_element(bool any_16bit) noexcept;
+
+/// Deep Optimizer States: which of the device parameters (`numels`, in group
+/// order) step on the GPU, interleaved so that about `fraction` of the
+/// elements do: a parameter goes to the GPU while the share so far, counting
+/// half of it, stays within `fraction` of the elements seen.
+std::vector<bool> assign_gpu_share(const std::vector<std::size_t>& numels, double fraction);
 
 }  // namespace tierflow::optimizer
