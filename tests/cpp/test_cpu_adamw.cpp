@@ -142,6 +142,26 @@ TEST(CpuAdamW, ParametersWithoutGradientsAreLeftAlone) {
   EXPECT_FALSE(params[0].grad().defined());
 }
 
+TEST(CpuAdamW, RefusesInvalidHyperparametersInTorchsWords) {
+  // optimizer::adam_options_problem decides; the error stays torch's c10::Error with torch's text.
+  auto runtime = make_runtime(false);
+  auto refusal = [&](AdamWOptions o) -> std::string {
+    try {
+      tb::CpuAdamW opt(runtime, make_params(1), o);
+    } catch (const c10::Error& e) {
+      return e.msg();
+    }
+    return "";
+  };
+  EXPECT_EQ(refusal(AdamWOptions(1e-2)), "");
+  EXPECT_NE(refusal(AdamWOptions(-0.5)).find("Invalid learning rate: -0.5"), std::string::npos);
+  EXPECT_NE(refusal(AdamWOptions(1e-2).eps(-1)).find("Invalid epsilon value: -1"), std::string::npos);
+  EXPECT_NE(refusal(AdamWOptions(1e-2).betas({0.9, 1.0})).find("Invalid beta parameter at index 1"),
+            std::string::npos);
+  EXPECT_NE(refusal(AdamWOptions(1e-2).weight_decay(-0.01)).find("Invalid weight_decay value: -0.01"),
+            std::string::npos);
+}
+
 TEST(CpuAdamW, Bf16ParametersStepFromAnFp32Master) {
   torch::manual_seed(4);
   auto fp32 = torch::randn({4096}, torch::requires_grad());
