@@ -58,6 +58,8 @@ void bind_optimizer_policy(py::module_& m) {
     for (const auto& [parameter, lost, reason] : problems) ps.push_back({parameter, lost, reason});
     return nvme_step_error(ps);
   }, "The error text for (description, lost?, reason) of the parameters a step could not step.");
+  m.def("lost_states_refusal", &lost_states_refusal, py::arg("parameters"),
+        "load_state_dict's refusal of states marked lost, naming these (described) parameters.");
   m.def("group_by_step", [](const std::vector<std::int64_t>& steps) {
     std::vector<std::pair<std::int64_t, std::vector<std::size_t>>> out;
     for (auto& g : group_by_step(steps)) out.emplace_back(g.step, std::move(g.members));

@@ -101,4 +101,14 @@ std::string nvme_step_error(const std::vector<StepProblem>& problems) {
   return text + ". The other parameters stepped. First error: " + first;
 }
 
+std::string lost_states_refusal(const std::vector<std::string>& parameters) {
+  TIERFLOW_EXPECTS(!parameters.empty(), "lost_states_refusal: no parameters");
+  std::string names;
+  for (std::size_t i = 0; i < parameters.size(); ++i) names += (i ? ", " : "") + parameters[i];
+  return "tierflow CPUAdamW.load_state_dict: the state of " + std::to_string(parameters.size()) +
+         " parameter(s) was lost when this state dict was saved (" + names + "; '" + kLostStateKey +
+         "' marks them); take their states from an earlier checkpoint with "
+         "tierflow.CPUAdamW.fill_lost_states(state_dict, earlier) and load that";
+}
+
 }  // namespace tierflow::optimizer

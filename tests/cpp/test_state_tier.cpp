@@ -91,3 +91,11 @@ TEST(StateTier, StepErrorNamesAtMostEightUnwritten) {
   EXPECT_EQ(nvme_step_error(problems).find(" ..."), std::string::npos);
   EXPECT_THROW(nvme_step_error({}), logic_error);
 }
+
+TEST(StateTier, LoadRefusalNamesEveryLostStateAndTheWayOut) {
+  EXPECT_EQ(lost_states_refusal({"'a' [1]", "3"}),
+            "tierflow CPUAdamW.load_state_dict: the state of 2 parameter(s) was lost when this state dict was "
+            "saved ('a' [1], 3; 'tierflow_state_lost' marks them); take their states from an earlier checkpoint "
+            "with tierflow.CPUAdamW.fill_lost_states(state_dict, earlier) and load that");
+  EXPECT_THROW(lost_states_refusal({}), logic_error);
+}

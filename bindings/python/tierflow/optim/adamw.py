@@ -364,12 +364,9 @@ class CPUAdamW(torch.optim.Optimizer):
         lost = [k for k, s in state_dict.get("state", {}).items() if isinstance(s, dict) and LOST_STATE in s]
         if lost:
             params = [p for g in self.param_groups for p in g["params"]]
-            names = ", ".join(self._states.describe(params[k], self.param_groups) if isinstance(k, int) and k < len(params) else repr(k)
-                              for k in lost)
-            raise _C.TierflowError(
-                f"tierflow CPUAdamW.load_state_dict: the state of {len(lost)} parameter(s) was lost when this state "
-                f"dict was saved ({names}; '{LOST_STATE}' marks them); take their states from an earlier "
-                "checkpoint with tierflow.CPUAdamW.fill_lost_states(state_dict, earlier) and load that")
+            raise _C.TierflowError(_C.lost_states_refusal(
+                [self._states.describe(params[k], self.param_groups) if isinstance(k, int) and k < len(params)
+                 else repr(k) for k in lost]))
         if self._streaming is not None:
             self._wait_worker()
             self._streaming.stream.restore_grads()  # the next step() still takes this backward's gradients

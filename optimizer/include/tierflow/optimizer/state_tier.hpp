@@ -94,4 +94,8 @@ struct StepProblem {
 /// named; and the first error, a lost one's when there is one.
 std::string nvme_step_error(const std::vector<StepProblem>& problems);
 
+/// The text of load_state_dict's refusal of a state dict whose states of
+/// `parameters` (described, not empty) are marked lost, pointing at fill_lost_states.
+std::string lost_states_refusal(const std::vector<std::string>& parameters);
+
 }  // namespace tierflow::optimizer
