@@ -5,12 +5,12 @@
 
 #include <cerrno>
 #include <chrono>
-#include <map>
 
 #include "tierflow/bindings/runtime.hpp"
 #include "tierflow/core/error.hpp"
 #include "tierflow/bindings/dtypes.hpp"
 #include "tierflow/core/clock.hpp"
+#include "tierflow/optimizer/state_placement.hpp"
 
 namespace tierflow::bindings {
 
@@ -41,6 +41,11 @@ optimizer::AdamOptions adam_options_of(const AdamWOptions& o) {
   return ao;
 }
 
+// The retry marks' view of a gradient tensor (Note [C++ CpuAdamW faults]).
+optimizer::GradIdentity grad_identity(const at::Tensor& grad) {
+  return {reinterpret_cast<std::uintptr_t>(grad.unsafeGetTensorImpl()), static_cast<std::int64_t>(grad._version())};
+}
+
 }  // namespace
 
 CpuAdamW::CpuAdamW(std::shared_ptr<Runtime> runtime, const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
@@ -48,7 +53,7 @@ CpuAdamW::CpuAdamW(std::shared_ptr<Runtime> runtime, const std::vector<torch::op
     : Optimizer(param_groups, std::make_unique<AdamWOptions>(defaults)), runtime_(std::move(runtime)) {
   TIERFLOW_EXPECTS(runtime_ != nullptr, "CpuAdamW: a runtime is required");
   if (auto why = optimizer::adam_options_problem(adam_options_of(defaults))) TORCH_CHECK(false, *why);
-  on_nvme_ = runtime_->config().offload_optimizer == OffloadTarget::kNvme;
+  on_nvme_ = optimizer::adamw_state_tier(runtime_->config().offload_optimizer) == Tier::kNvme;
 }
 
 CpuAdamW::CpuAdamW(std::shared_ptr<Runtime> runtime, std::vector<at::Tensor> params, AdamWOptions defaults)
@@ -61,11 +66,17 @@ CpuAdamW::~CpuAdamW() {
 }
 
 bool CpuAdamW::own_master(const at::Tensor& p) const {
-  return p.is_cpu() && p.scalar_type() == at::kFloat && p.is_contiguous();
+  return optimizer::is_own_master({p.is_cpu(), p.scalar_type() == at::kFloat, p.is_contiguous()});
+}
+
+CpuAdamW::Slot& CpuAdamW::slot_of(const at::Tensor& p) {
+  auto [it, made] = slots_.try_emplace(p.unsafeGetTensorImpl());
+  if (made) it->second.index = slots_.size() - 1;  // slots are never erased: indices stay distinct
+  return it->second;
 }
 
 CpuAdamW::Slot& CpuAdamW::slot(const at::Tensor& p, const AdamWOptions& options) {
-  Slot& s = slots_[p.unsafeGetTensorImpl()];
+  Slot& s = slot_of(p);
   if (on_nvme_) {
     if (s.nvme_key == 0) {  // the master lives on NVMe from here on
       at::Tensor master = own_master(p) ? p.detach() : p.detach().to(at::kCPU, at::kFloat).contiguous();
@@ -91,20 +102,9 @@ at::Tensor CpuAdamW::step(LossClosure closure) {
   std::string first_error;
   for (std::size_t g = 0; g < param_groups_.size(); ++g)
     stepped = step_group(param_groups_[g], g, failed, first_error) || stepped;
-  if (!failed.empty()) {
-    std::string which;
-    for (std::size_t i = 0; i < failed.size() && i < 8; ++i) {
-      which += (i ? ", " : "") + std::string("group ") + std::to_string(failed[i].group) + " parameter " +
-               std::to_string(failed[i].index) + " " + c10::str(c10::IntArrayRef(failed[i].shape));
-    }
-    if (failed.size() > 8) which += " and " + std::to_string(failed.size() - 8) + " more";
-    throw io_error(EIO, "tierflow CpuAdamW: " + std::to_string(failed.size()) +
-                            " parameters did not step and kept their state and weights (" + which +
-                            "); the others stepped. Call step() again once the cause is fixed: it steps only "
-                            "those. First error: " + first_error);
-  }
+  if (!failed.empty()) throw io_error(EIO, optimizer::unstepped_message(failed, first_error));
   // A step that completed: every parameter is even again (Note [C++ CpuAdamW faults]).
-  for (auto& [impl, s] : slots_) s.stepped_grad = nullptr;
+  retry_marks_.clear();
   if (stepped) stats_.steps += 1;
   return loss;
 }
@@ -114,9 +114,10 @@ bool CpuAdamW::step_group(torch::optim::OptimizerParamGroup& group, std::size_t 
   const auto& o = static_cast<const AdamWOptions&>(group.options());
   const optimizer::AdamOptions ao = adam_options_of(o);
 
-  // Parameters with a gradient, by the step number they take (one kernel call
-  // per number). A step count moves only once its parameter has stepped.
-  std::map<std::int64_t, std::vector<at::Tensor>> by_step;
+  // Parameters with a gradient and the steps each has taken; one kernel call
+  // per step number (Note [C++ CpuAdamW faults]).
+  std::vector<at::Tensor> candidates;
+  std::vector<std::int64_t> steps_taken;
   std::unordered_map<const void*, std::size_t> index_in_group;
   for (std::size_t k = 0; k < group.params().size(); ++k) {
     const auto& p = group.params()[k];
@@ -124,8 +125,7 @@ bool CpuAdamW::step_group(torch::optim::OptimizerParamGroup& group, std::size_t 
     TORCH_CHECK(!p.grad().is_sparse(), "tierflow CpuAdamW does not support sparse gradients");
     TORCH_CHECK(p.is_contiguous(), "tierflow CpuAdamW: parameters must be contiguous");
     auto sit = slots_.find(p.unsafeGetTensorImpl());
-    if (sit != slots_.end() && sit->second.stepped_grad == p.grad().unsafeGetTensorImpl() &&
-        sit->second.stepped_grad_version == static_cast<std::int64_t>(p.grad()._version()))
+    if (sit != slots_.end() && retry_marks_.stepped_with(sit->second.index, grad_identity(p.grad())))
       continue;  // stepped with this gradient in a step() that failed for others
     index_in_group[p.unsafeGetTensorImpl()] = k;
     auto& entry = state_[p.unsafeGetTensorImpl()];
@@ -138,12 +138,17 @@ bool CpuAdamW::step_group(torch::optim::OptimizerParamGroup& group, std::size_t 
     }
     const std::int64_t taken = entry ? static_cast<AdamWParamState&>(*entry).step() : 0;
     if (!entry) state_.erase(p.unsafeGetTensorImpl());
-    by_step[taken + 1].push_back(p);
+    candidates.push_back(p);
+    steps_taken.push_back(taken);
   }
 
-  for (auto& [step, params] : by_step) step_batch({step, std::move(params), group_index, &index_in_group}, o, ao, failed,
-                                                  first_error);
-  return !by_step.empty();
+  for (const auto& b : optimizer::groups_by_next_step(steps_taken)) {
+    std::vector<at::Tensor> params;
+    params.reserve(b.members.size());
+    for (std::size_t i : b.members) params.push_back(candidates[i]);
+    step_batch({b.step, std::move(params), group_index, &index_in_group}, o, ao, failed, first_error);
+  }
+  return !candidates.empty();
 }
 
 void CpuAdamW::step_batch(const Batch& batch, const AdamWOptions& o, const optimizer::AdamOptions& ao,
@@ -183,9 +188,7 @@ void CpuAdamW::step_batch(const Batch& batch, const AdamWOptions& o, const optim
   for (std::size_t i = 0; i < n; ++i) {
     if (!stepped[i]) continue;  // its state and weight are as before
     const at::Tensor& grad = params[i].grad();
-    Slot& s = slots_[params[i].unsafeGetTensorImpl()];
-    s.stepped_grad = grad.unsafeGetTensorImpl();
-    s.stepped_grad_version = static_cast<std::int64_t>(grad._version());
+    retry_marks_.mark(slot_of(params[i]).index, grad_identity(grad));
     auto& entry = state_[params[i].unsafeGetTensorImpl()];
     if (!entry) entry = std::make_unique<AdamWParamState>();
     static_cast<AdamWParamState&>(*entry).step(batch.step);
@@ -290,7 +293,7 @@ void CpuAdamW::adopt_loaded_state() {
       at::Tensor m = fp32_cpu(st.exp_avg()), v = fp32_cpu(st.exp_avg_sq());
       at::Tensor vmax = amsgrad ? fp32_cpu(st.max_exp_avg_sq()) : at::Tensor();
       if (on_nvme_) {
-        Slot& s = slots_[p.unsafeGetTensorImpl()];
+        Slot& s = slot_of(p);
         if (s.nvme_key) runtime_->nvme_adam().remove(s.nvme_key);
         s.nvme_key = 0;
         at::Tensor master = own_master(p) ? p.detach() : p.detach().to(at::kCPU, at::kFloat).contiguous();

@@ -9,34 +9,19 @@
 // follows torch's Python AdamW operation by operation; LibTorch's C++ AdamW
 // rounds differently (mul and add where Python lerps), so the two agree to a
 // few ulp per step, not bit for bit.
-// Where the state lives (TIERFLOW_OFFLOAD_OPTIMIZER): `host` (and `none`,
-// since choosing this optimizer is asking for it) keeps exp_avg and exp_avg_sq
-// in the pinned host pool; `nvme` keeps master, exp_avg and exp_avg_sq on the
-// NVMe tier and streams them through the pool for each step (Note [Optimizer
-// states on NVMe]). A contiguous fp32 CPU parameter (the emulated device's)
-// is its own master and is updated in place. Any other parameter (CUDA,
-// 16-bit) gets an fp32 master in host memory; its gradient is copied to the
-// host and the updated value copied back through the runtime's copy engine
-// (Note [Copy ordering]), and step() returns once the parameter holds it.
+// Where the state lives and which parameters are their own master is
+// Note [CPU AdamW state placement] (optimizer/state_placement.hpp): with
+// `nvme` the states are streamed through the pool for each step (Note
+// [Optimizer states on NVMe]). A parameter that is not its own master (CUDA,
+// 16-bit) has its gradient copied to the host and the updated value copied
+// back through the runtime's copy engine (Note [Copy ordering]), and step()
+// returns once the parameter holds it.
 // save() writes torch::optim::AdamW's archive layout (states read back from
 // NVMe first), so either optimizer loads the other's checkpoints. The archive
 // carries no fp32 master: after load() a 16-bit parameter's master is its
 // current value.
-//
-// Note [C++ CpuAdamW faults]
-// ~~~~~~~~~~~~~~~~~~~~~~~~~~
-// With states on NVMe a step can fail for some parameters (a full disk, a
-// failed write, a corrupt state) and not others: the store steps every item it
-// can (Note [NVMe optimizer faults] in optimizer/include/tierflow/optimizer/
-// state_tier.hpp has the Python CPUAdamW's side of the same rule).
-// Each parameter that stepped takes its new step count and weight (copied
-// back to the device as usual) and remembers the gradient it stepped with
-// (TensorImpl and version); the others keep their step count, state and
-// weight. step() then throws one io_error naming the parameters that did not
-// step (group, index, shape). Calling step() again with the same gradients
-// steps only those, so every parameter steps once; a new gradient (after
-// zero_grad and backward) is a new step for all. A step() that completes
-// clears the marks.
+// A step that fails for some parameters: Note [C++ CpuAdamW faults] in
+// optimizer/partial_step.hpp (the retry steps only those).
 #pragma once
 
 #include <torch/optim/adamw.h>
@@ -48,6 +33,7 @@
 #include <vector>
 
 #include "tierflow/optimizer/cpu_adam.hpp"
+#include "tierflow/optimizer/partial_step.hpp"
 
 namespace tierflow::bindings {
 
@@ -86,17 +72,12 @@ class CpuAdamW : public torch::optim::Optimizer {
   struct Slot {
     at::Tensor master;        // fp32 host master; undefined when the parameter is its own master
     std::uint64_t nvme_key = 0;
-    // Set when it stepped in a step() that failed for other parameters: the
-    // gradient it stepped with (TensorImpl and version), so that the retry
-    // skips it (Note [C++ CpuAdamW faults]).
-    const void* stepped_grad = nullptr;
-    std::int64_t stepped_grad_version = -1;
+    std::size_t index = 0;    // its slot in retry_marks_
   };
-  struct Failure {  // a parameter that did not step, for the error
-    std::size_t group = 0, index = 0;
-    std::vector<std::int64_t> shape;
-  };
+  using Failure = optimizer::UnsteppedParameter;
   bool own_master(const at::Tensor& p) const;
+  // The slot of `p`, made (with the next index) on first use.
+  Slot& slot_of(const at::Tensor& p);
   Slot& slot(const at::Tensor& p, const torch::optim::AdamWOptions& options);
   // false: nothing had a gradient. Parameters that could not step go to `failed`.
   bool step_group(torch::optim::OptimizerParamGroup& group, std::size_t group_index, std::vector<Failure>& failed,
@@ -120,6 +101,7 @@ class CpuAdamW : public torch::optim::Optimizer {
   std::shared_ptr<Runtime> runtime_;
   bool on_nvme_ = false;
   std::unordered_map<const void*, Slot> slots_;  // by TensorImpl, as state_
+  optimizer::StepRetryMarks retry_marks_;        // by Slot::index (Note [C++ CpuAdamW faults])
   CpuAdamWStats stats_;
 };
 
