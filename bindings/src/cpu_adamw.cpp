@@ -41,6 +41,11 @@ optimizer::AdamOptions adam_options_of(const AdamWOptions& o) {
   return ao;
 }
 
+// A parameter as Note [CPU AdamW state placement] sees it.
+optimizer::ParamLayout layout(const at::Tensor& p) {
+  return {p.is_cpu(), p.scalar_type() == at::kFloat, p.is_contiguous()};
+}
+
 // The retry marks' view of a gradient tensor (Note [C++ CpuAdamW faults]).
 optimizer::GradIdentity grad_identity(const at::Tensor& grad) {
   return {reinterpret_cast<std::uintptr_t>(grad.unsafeGetTensorImpl()), static_cast<std::int64_t>(grad._version())};
@@ -66,7 +71,7 @@ CpuAdamW::~CpuAdamW() {
 }
 
 bool CpuAdamW::own_master(const at::Tensor& p) const {
-  return optimizer::is_own_master({p.is_cpu(), p.scalar_type() == at::kFloat, p.is_contiguous()});
+  return optimizer::is_own_master(layout(p));
 }
 
 CpuAdamW::Slot& CpuAdamW::slot_of(const at::Tensor& p) {
@@ -170,12 +175,13 @@ void CpuAdamW::step_batch(const Batch& batch, const AdamWOptions& o, const optim
     } else {
       grads[i] = g.to(at::kCPU).contiguous();
     }
-    if (own_master(p)) continue;  // updated in place
-    if (p.is_cpu()) {
-      params_out[i] = p.detach();
-    } else {
-      staged_out[i] = runtime_->host_empty(p.sizes(), p.scalar_type(), false);
-      params_out[i] = staged_out[i];
+    switch (optimizer::weight_update(layout(p))) {
+      case optimizer::WeightUpdate::kInPlace: break;
+      case optimizer::WeightUpdate::kIntoParameter: params_out[i] = p.detach(); break;
+      case optimizer::WeightUpdate::kStaged:
+        staged_out[i] = runtime_->host_empty(p.sizes(), p.scalar_type(), false);
+        params_out[i] = staged_out[i];
+        break;
     }
   }
   for (const auto& h : grad_copies) h.wait();

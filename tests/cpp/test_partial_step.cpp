@@ -106,4 +106,12 @@ TEST(StatePlacement, OnlyAContiguousFp32HostParameterIsItsOwnMaster) {
   EXPECT_FALSE(opt::is_own_master({true, true, false})) << "strided";
 }
 
+TEST(StatePlacement, ADeviceParameterIsUpdatedThroughStaging) {
+  using opt::WeightUpdate;
+  EXPECT_EQ(opt::weight_update({true, true, true}), WeightUpdate::kInPlace);
+  EXPECT_EQ(opt::weight_update({true, false, true}), WeightUpdate::kIntoParameter) << "a 16-bit host parameter";
+  EXPECT_EQ(opt::weight_update({false, true, true}), WeightUpdate::kStaged) << "an fp32 device parameter";
+  EXPECT_EQ(opt::weight_update({false, false, true}), WeightUpdate::kStaged);
+}
+
 }  // namespace

@@ -9,7 +9,9 @@
 // exp_avg_sq in the pinned host pool. A contiguous fp32 parameter in host
 // memory is its own master and is updated in place; any other one (on the
 // device, 16-bit, strided) gets an fp32 master in host memory (or on NVMe),
-// and its updated value is written back to it after the step.
+// and its updated value is written back to it after the step: straight into
+// a host parameter by the kernel, through a staging buffer in the pinned pool
+// for a device parameter (WeightUpdate).
 #pragma once
 
 #include "tierflow/core/config.hpp"
@@ -31,5 +33,18 @@ struct ParamLayout {
 
 /// True when the parameter is its own fp32 master (updated in place); see Note [CPU AdamW state placement].
 constexpr bool is_own_master(const ParamLayout& p) noexcept { return p.in_host_memory && p.fp32 && p.contiguous; }
+
+/// Where the kernel writes a parameter's updated value.
+enum class WeightUpdate {
+  kInPlace,        ///< its own master: the kernel updates it
+  kIntoParameter,  ///< a host parameter with a separate master: the kernel writes it (16-bit out)
+  kStaged,         ///< elsewhere (the device): into a host staging buffer, then copied back
+};
+
+/// How `p`'s updated value reaches it; see Note [CPU AdamW state placement].
+constexpr WeightUpdate weight_update(const ParamLayout& p) noexcept {
+  if (is_own_master(p)) return WeightUpdate::kInPlace;
+  return p.in_host_memory ? WeightUpdate::kIntoParameter : WeightUpdate::kStaged;
+}
 
 }  // namespace tierflow::optimizer
