@@ -87,10 +87,14 @@ void bind_auto_plan(py::module_& m) {
       .def_readwrite("attention_flops", &BlockRecord::attention_flops)
       .def_readwrite("total_flops", &BlockRecord::total_flops)
       .def_readwrite("has_split_ops", &BlockRecord::has_split_ops)
-      .def_readwrite("forward_seconds", &BlockRecord::forward_seconds);
+      .def_readwrite("forward_seconds", &BlockRecord::forward_seconds)
+      .def_readwrite("parameter_bytes", &BlockRecord::parameter_bytes);
   init_from_kwargs(record);
-  m.def("measured_block_profile", &measured_block_profile, py::arg("record"),
-        "The BlockProfile of a measured block (Note [Auto plan phases]).");
+  m.def("measured_block_profile", [](const BlockRecord& r, const std::map<std::string, std::string>& config) {
+    return measured_block_profile(r, config.empty() ? OptimizerTraffic{}
+                                                    : optimizer_traffic(Config::parse({}, config)));
+  }, py::arg("record"), py::arg("config") = std::map<std::string, std::string>{},
+        "The BlockProfile of a measured block under `config` (TIERFLOW_* texts; Note [Auto plan phases]).");
   py::class_<SessionBudgetInputs> inputs(m, "SessionBudgetInputs", "What session_budgets is computed from.");
   inputs.def(py::init<>())
       .def_readwrite("device_budget_bytes", &SessionBudgetInputs::device_budget_bytes)

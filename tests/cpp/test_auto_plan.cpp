@@ -2,6 +2,8 @@
 // measured block costs, the budgets the planner gets and the probes' sizes.
 #include <gtest/gtest.h>
 
+#include <map>
+#include <string>
 #include <vector>
 
 #include "tierflow/tiering/auto_plan.hpp"
@@ -122,3 +124,30 @@ TEST(ProbeSizes, FitTheRoomInGranules) {
 }
 
 }  // namespace
+
+TEST(AutoPlanTraffic, TheCpuOptimizersTrafficInsideTheBlocks) {
+  // Note [Auto plan phases]: streaming sends the gradients down in backward; with weights back in
+  // forward the weights come up during the forward; states on NVMe or on the device move nothing.
+  auto traffic = [](std::map<std::string, std::string> v) { return optimizer_traffic(tierflow::Config::parse({}, v)); };
+  OptimizerTraffic t = traffic({{"TIERFLOW_OFFLOAD_OPTIMIZER", "host"}});
+  EXPECT_TRUE(t.grads_down_in_backward);
+  EXPECT_FALSE(t.weights_up_in_forward);
+  t = traffic({{"TIERFLOW_OFFLOAD_OPTIMIZER", "host"}, {"TIERFLOW_WEIGHTS_RETURN", "forward"}});
+  EXPECT_TRUE(t.grads_down_in_backward && t.weights_up_in_forward);
+  t = traffic({{"TIERFLOW_OFFLOAD_OPTIMIZER", "host"}, {"TIERFLOW_OVERLAP_STEP", "off"},
+               {"TIERFLOW_WEIGHTS_RETURN", "forward"}});
+  EXPECT_FALSE(t.grads_down_in_backward || t.weights_up_in_forward) << "no step during backward: no stream";
+  t = traffic({{"TIERFLOW_OFFLOAD_OPTIMIZER", "none"}});
+  EXPECT_FALSE(t.grads_down_in_backward || t.weights_up_in_forward);
+  BlockRecord r;
+  r.forward_seconds = 1e-3;
+  r.input_bytes = 100;
+  r.parameter_bytes = 4096;
+  const BlockProfile quiet = measured_block_profile(r);
+  EXPECT_EQ(quiet.upload_bytes, 0u);
+  EXPECT_EQ(quiet.download_bytes, 0u);
+  const BlockProfile busy = measured_block_profile(r, {true, true});
+  EXPECT_EQ(busy.upload_bytes, 4096u);
+  EXPECT_EQ(busy.download_bytes, 4096u);
+  EXPECT_EQ(busy.forward_seconds, quiet.forward_seconds) << "the rest of the profile is unchanged";
+}

@@ -15,8 +15,17 @@ PhaseAction AutoPlanPhases::before_forward() noexcept {
   return PhaseAction::kNone;
 }
 
-BlockProfile measured_block_profile(const BlockRecord& r) noexcept {
+OptimizerTraffic optimizer_traffic(const Config& c) noexcept {
+  OptimizerTraffic t;
+  t.grads_down_in_backward = c.offload_optimizer == OffloadTarget::kHost && c.overlap_step;
+  t.weights_up_in_forward = t.grads_down_in_backward && c.weights_return_in_forward;
+  return t;
+}
+
+BlockProfile measured_block_profile(const BlockRecord& r, OptimizerTraffic traffic) noexcept {
   BlockProfile p;
+  p.upload_bytes = traffic.weights_up_in_forward ? r.parameter_bytes : 0;
+  p.download_bytes = traffic.grads_down_in_backward ? r.parameter_bytes : 0;
   const double fwd = r.forward_seconds;
   const double total = r.total_flops > 0 ? r.total_flops : 1.0;
   const double split_s = fwd * r.split_flops / total;

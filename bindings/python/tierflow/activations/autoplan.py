@@ -19,7 +19,7 @@ from .profile import BLOCK_FIELDS, PROFILE_FORMAT, PROFILE_VERSION, profile_from
 from .runner import BlockRunner
 from .table import probe_table
 
-def block_profile(runner: BlockRunner) -> dict:
+def block_profile(runner: BlockRunner, config: Optional[dict] = None) -> dict:
     """One profile block from a runner's recorded table and timings (tiering::measured_block_profile)."""
     t = runner.table
     b = t.bytes_by_class()
@@ -29,8 +29,9 @@ def block_profile(runner: BlockRunner) -> dict:
                             attention_flops=float(fl["attention"]), total_flops=float(fl["total"]),
                             has_split_ops=bool(t.split_ops),
                             forward_seconds=statistics.median(runner.forward_seconds) if runner.forward_seconds
-                            else 0.0)
-    return fields_of(_C.measured_block_profile(record), BLOCK_FIELDS)
+                            else 0.0,
+                            parameter_bytes=sum(p.numel() * p.element_size() for p in runner.module.parameters()))
+    return fields_of(_C.measured_block_profile(record, config or {}), BLOCK_FIELDS)
 
 
 class AutoPlanner:
@@ -143,7 +144,7 @@ class AutoPlanner:
                 except _C.OutOfMemoryError:  # the free space is in pieces: a smaller block
                     probe = _C.next_nvme_probe_bytes(probe)
         return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION,
-                "blocks": [block_profile(r) for r in self.runners], "links": links}
+                "blocks": [block_profile(r, self.session.config) for r in self.runners], "links": links}
 
     def _cuda(self) -> bool:
         return self._device().type == "cuda"

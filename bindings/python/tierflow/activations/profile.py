@@ -10,7 +10,8 @@ reads it (``profile_to_json`` / ``profile_from_json``)::
     {"format": "tierflow-profile", "version": 1,
      "blocks": [{"forward_seconds": f, "backward_seconds": f, "input_bytes": n, "whole_bytes": n,
                  "split_bytes": n, "split_recompute_seconds": f, "cheap_bytes": n,
-                 "cheap_recompute_seconds": f, "splittable": b, "transient_bytes": n}, ...],
+                 "cheap_recompute_seconds": f, "splittable": b, "transient_bytes": n,
+                 "upload_bytes": n, "download_bytes": n}, ...],
      "links": {"d2h": f, "h2d": f, "duplex": f, "nvme_write": f, "nvme_read": f},
      "fixed_device_bytes": n}
 
@@ -37,7 +38,7 @@ PROFILE_FORMAT = "tierflow-profile"
 PROFILE_VERSION = 1
 BLOCK_FIELDS = ("forward_seconds", "backward_seconds", "input_bytes", "whole_bytes", "split_bytes",
                 "split_recompute_seconds", "cheap_bytes", "cheap_recompute_seconds", "splittable",
-                "transient_bytes")
+                "transient_bytes", "upload_bytes", "download_bytes")
 LINK_FIELDS = ("d2h", "h2d", "duplex", "nvme_write", "nvme_read")
 U64_MAX = (1 << 64) - 1
 

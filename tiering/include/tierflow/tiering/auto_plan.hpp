@@ -24,7 +24,14 @@
 // forwards, shared out among the classes in proportion to their flops; its
 // backward is taken as kBackwardPerForward times its forward and its working
 // set as kTransientPerInput times its input (both estimates, see issue "cost
-// model"), its split is possible when the table found a split op.
+// model"), its split is possible when the table found a split op. With the
+// CPU optimizer streaming (TIERFLOW_OFFLOAD_OPTIMIZER=host, TIERFLOW_OVERLAP_STEP
+// on) the block's gradients cross the link during its backward
+// (download_bytes = its parameters' bytes) and, with
+// TIERFLOW_WEIGHTS_RETURN=forward, its weights come back during its forward
+// (upload_bytes): optimizer_traffic says which from the configuration, and the
+// planner prices both (Note [Activation planner]). Optimizer states on NVMe
+// step after backward: no traffic inside a block.
 //
 // The budgets (session_budgets): the device's is TIERFLOW_GPU_MEMORY; what the
 // rest of training holds there (fixed) is the parameters and their gradients,
@@ -40,6 +47,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "tierflow/core/config.hpp"
 #include "tierflow/tiering/planner.hpp"
 
 namespace tierflow::tiering {
@@ -94,10 +102,20 @@ struct BlockRecord {
   double split_flops = 0, attention_flops = 0, total_flops = 0;
   bool has_split_ops = false;
   double forward_seconds = 0;  ///< median of the timed forwards (0: none timed)
+  std::uint64_t parameter_bytes = 0;  ///< the block's own parameters, as stored
 };
 
+/// What the CPU optimizer moves over the link while a block runs.
+struct OptimizerTraffic {
+  bool weights_up_in_forward = false;   ///< its weights come back during its forward
+  bool grads_down_in_backward = false;  ///< its gradients stream to the host during its backward
+};
+
+/// The optimizer's traffic inside the blocks for `config` (Note [Auto plan phases]).
+OptimizerTraffic optimizer_traffic(const Config& config) noexcept;
+
 /// The BlockProfile of a measured block (Note [Auto plan phases]).
-BlockProfile measured_block_profile(const BlockRecord& record) noexcept;
+BlockProfile measured_block_profile(const BlockRecord& record, OptimizerTraffic traffic = {}) noexcept;
 
 /// What session_budgets is computed from.
 struct SessionBudgetInputs {
