@@ -144,6 +144,14 @@ def test_auto_under_a_tight_budget_plans_offload_and_matches_the_baseline(tmp_pa
     plan = tier.report["plan"]
     assert any(m != "keep" for m in plan["modes"]), plan
     assert plan["predicted_device_peak_bytes"] <= budget
+    # Predicted beside measured (issue 17): the plan was made before the first forward (a profile), so the
+    # three gaps between the four forwards are measured steps.
+    assert plan["measured"]["steps"] == 3 and plan["measured"]["step_seconds"] > 0, plan
+    assert plan["step_vs_predicted"] == pytest.approx(plan["measured"]["step_seconds"] / plan["predicted_step_seconds"])
+    if device == "cuda":
+        assert plan["peak_vs_predicted"] > 0, plan
+    else:
+        assert plan["measured"]["device_peak_reserved_bytes"] is None and plan["peak_vs_predicted"] is None
 
 
 def _budgets_for(measured, profile: dict) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import time
 from typing import Any, Optional
 
 import torch
@@ -57,6 +58,8 @@ class AutoPlanner:
         self.loaded_profile: Optional[dict] = None
         if not self.forced and self.profile_path and os.path.exists(self.profile_path):
             self.loaded_profile = load_profile(self.profile_path, len(self.runners))
+        # Forwards' start times once a plan is in force: the measured step beside the predicted one.
+        self._step_starts: list = []
         # Note [Auto plan phases]: when to record, time and plan.
         self.phases = _C.AutoPlanPhases(forced=self.forced, blocks=bool(self.runners),
                                         loaded_profile=self.loaded_profile is not None)
@@ -86,14 +89,33 @@ class AutoPlanner:
             # Saved bytes of the blocks the plan keeps: they never pass through the offloader's counters.
             out["kept_bytes"] = sum(_saved(b) for b, bp in zip(self.profile["blocks"], self.plan["blocks"])
                                     if bp["mode"] == "keep") if self.profile else 0
+            out.update(self.measured_beside_predicted(out))
         else:
             out["summary"] = "recompute every block (forced)" if self.forced else \
                 f"profiling ({self.forwards} forwards so far; the plan is made before the third)"
         return out
 
+    def measured_beside_predicted(self, plan: dict) -> dict:
+        """The plan's predictions beside what the steps since it measured (issue 17): the wall time between
+        consecutive forwards (the whole step, where the plan prices its blocks' forward and backward) and, on
+        CUDA, the caching allocator's reserved peak (torch.cuda.max_memory_reserved, since the timed step reset
+        it, or since a plan read from a profile); their ratios to the predictions."""
+        gaps = [b - a for a, b in zip(self._step_starts, self._step_starts[1:])]
+        step = statistics.median(gaps) if gaps else None
+        peak = int(torch.cuda.max_memory_reserved(self._device())) if self._cuda() else None
+        predicted_step, predicted_peak = plan.get("predicted_step_seconds"), plan.get("predicted_device_peak_bytes")
+        return {"measured": {"step_seconds": step, "steps": len(gaps), "device_peak_reserved_bytes": peak},
+                "step_vs_predicted": step / predicted_step if step is not None and predicted_step else None,
+                "peak_vs_predicted": peak / predicted_peak if peak is not None and predicted_peak else None}
+
     # The session calls this before every forward of the model (Note [Auto plan phases]).
     def before_forward(self) -> None:
         action = self.phases.before_forward()
+        self._act(action)
+        if self.plan is not None:  # the measured step: from one forward to the next (the last 32)
+            self._step_starts = (self._step_starts + [time.perf_counter()])[-33:]
+
+    def _act(self, action: Any) -> None:
         if action == _C.PhaseAction.plan_without_blocks:
             self.plan_without_blocks()
         elif action == _C.PhaseAction.plan_from_profile:
