@@ -325,7 +325,8 @@ TEST(DescribePlan, EveryRejectedAlternativeThatFitsIsNoFaster) {
         }
       }
     }
-    for (const auto& layer : Json::parse(r.json)["layers"])
+    const Json doc = Json::parse(r.json);  // alive through the loop (a temporary's element would not be)
+    for (const auto& layer : doc["layers"])
       for (const auto& alt : layer["alternatives"])
         EXPECT_NE(alt["why"].get<std::string>().rfind("faster", 0), 0u) << alt;
   }
