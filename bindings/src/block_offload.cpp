@@ -15,40 +15,11 @@
 
 namespace tierflow::bindings {
 
-std::string_view to_string(BlockAction a) noexcept {
-  switch (a) {
-    case BlockAction::kKeep: return "keep";
-    case BlockAction::kSwapHost: return "swap-host";
-    case BlockAction::kSwapNvme: return "swap-nvme";
-    case BlockAction::kRecompute: return "recompute";
-  }
-  return "?";
-}
-
-BlockAction block_action_from_config(const Config& config) noexcept {
-  switch (config.offload_activations) {
-    case OffloadTarget::kNone: return BlockAction::kKeep;
-    case OffloadTarget::kNvme: return BlockAction::kSwapNvme;
-    case OffloadTarget::kHost:
-    case OffloadTarget::kRecompute:  // every block recomputed from its swapped input: the floor
-    case OffloadTarget::kAuto: return BlockAction::kSwapHost;
-  }
-  return BlockAction::kSwapHost;
-}
-
-BlockAction block_action_from_plan(const tiering::BlockPlan& plan) noexcept {
-  if (plan.mode == tiering::BlockMode::kKeep) return BlockAction::kKeep;
-  // swap, split and recompute all free the block's device memory until its backward; C++ has one way to
-  // do that (Note [C++ block offload]): the input to the plan's tier, the rest recomputed.
-  return plan.tier == tiering::SwapTier::kNvme ? BlockAction::kSwapNvme : BlockAction::kSwapHost;
-}
-
 struct BlockOffload::Shared {
   mutable std::mutex mutex;
   std::shared_ptr<ActivationOffloader> host;
   std::shared_ptr<ActivationOffloader> nvme;  // null without an NVMe engine
-  BlockAction default_action = BlockAction::kKeep;
-  std::vector<std::optional<BlockAction>> actions;
+  tiering::BlockActionTable actions{BlockAction::kKeep, false};  // Note [C++ block actions]
   bool started = false;          // a block ran since creation
   std::size_t last_block = 0;    // index of the previous call
   bool backward_started = false; // this step's backward reached a swapped block
@@ -262,48 +233,34 @@ BlockOffload::BlockOffload(std::shared_ptr<Runtime> runtime)
     shared_->nvme = std::make_shared<ActivationOffloader>(o, runtime_->host_pool(), runtime_->copy_engine(),
                                                           runtime_->nvme_engine());
   }
-  shared_->default_action = block_action_from_config(c);
+  shared_->actions = tiering::BlockActionTable(block_action_from_config(c), shared_->nvme != nullptr);
 }
 
 BlockOffload::~BlockOffload() = default;
 
 void BlockOffload::apply_plan(const tiering::Plan& plan) {
-  std::vector<BlockAction> actions;
-  for (const auto& b : plan.blocks) actions.push_back(block_action_from_plan(b));
-  set_actions(actions);
+  std::lock_guard<std::mutex> lock(shared_->mutex);
+  shared_->actions.apply_plan(plan);
 }
-
-namespace {
-void check_action(const BlockOffload::Shared& s, BlockAction a) {
-  if (a == BlockAction::kSwapNvme && !s.nvme)
-    throw config_error("BlockOffload: action swap-nvme needs the NVMe tier: set TIERFLOW_NVME_PATHS and "
-                       "TIERFLOW_OFFLOAD_ACTIVATIONS=nvme (or TIERFLOW_OFFLOAD_OPTIMIZER=nvme)");
-}
-}  // namespace
 
 void BlockOffload::set_action(std::size_t block, BlockAction action) {
   std::lock_guard<std::mutex> lock(shared_->mutex);
-  check_action(*shared_, action);
-  if (shared_->actions.size() <= block) shared_->actions.resize(block + 1);
-  shared_->actions[block] = action;
+  shared_->actions.set(block, action);
 }
 
 void BlockOffload::set_actions(const std::vector<BlockAction>& actions) {
   std::lock_guard<std::mutex> lock(shared_->mutex);
-  for (auto a : actions) check_action(*shared_, a);
-  shared_->actions.assign(actions.begin(), actions.end());
+  shared_->actions.set_all(actions);
 }
 
 void BlockOffload::set_default_action(BlockAction action) {
   std::lock_guard<std::mutex> lock(shared_->mutex);
-  check_action(*shared_, action);
-  shared_->default_action = action;
+  shared_->actions.set_default(action);
 }
 
 BlockAction BlockOffload::action(std::size_t block) const {
   std::lock_guard<std::mutex> lock(shared_->mutex);
-  if (block < shared_->actions.size() && shared_->actions[block]) return *shared_->actions[block];
-  return shared_->default_action;
+  return shared_->actions.action(block);
 }
 
 at::Tensor BlockOffload::forward(std::size_t block, const BlockForward& fn, const at::Tensor& input,

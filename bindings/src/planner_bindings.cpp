@@ -2,6 +2,7 @@
 // read-write fields (keyword constructors), and its functions. Torch-free.
 #include "tierflow/bindings/planner_bindings.hpp"
 
+#include <pybind11/functional.h>
 #include <pybind11/stl.h>
 
 #include <string>
@@ -11,6 +12,7 @@
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/size.hpp"
 #include "tierflow/tiering/auto_plan.hpp"
+#include "tierflow/tiering/block_table.hpp"
 #include "tierflow/tiering/plan_report.hpp"
 #include "tierflow/tiering/planner.hpp"
 #include "tierflow/tiering/saved_actions.hpp"
@@ -117,6 +119,64 @@ void bind_auto_plan(py::module_& m) {
 }
 
 // The transformer estimate of `python -m tierflow plan`, and the budget and size parsers it uses.
+OpKind to_op_kind(const std::string& s) {
+  if (s == "attention") return OpKind::kAttention;
+  if (s == "matmul") return OpKind::kMatmul;
+  if (s == "other") return OpKind::kOther;
+  throw config_error("op kind '" + s + "'; accepted: attention, matmul, other");
+}
+
+// tiering::BlockTable (Note [Block table]): kinds, classes, modes and actions as the strings Python uses.
+void bind_block_table(py::module_& m) {
+  py::class_<BlockTable>(m, "BlockTable", "What one block's forward does, and the decisions over it.")
+      .def(py::init<>())
+      .def("add_op", [](BlockTable& t, const std::string& kind, double flops, std::int64_t rows,
+                        std::vector<std::int64_t> output_elements) {
+        return t.add_op(RecordedOp{to_op_kind(kind), flops, rows, std::move(output_elements)});
+      }, py::arg("kind"), py::arg("flops"), py::arg("rows"), py::arg("output_elements"),
+         "Records the next op (output_elements: -1 for an output that is not a tensor); returns its index.")
+      .def("add_saved", [](BlockTable& t, const std::string& cls, std::uint64_t nbytes, bool first) {
+        return t.add_saved(to_class(cls), nbytes, first);
+      }, py::arg("cls"), py::arg("nbytes"), py::arg("first"), "A saved external or input tensor.")
+      .def("add_produced", &BlockTable::add_produced, py::arg("op"), py::arg("out"), py::arg("nbytes"),
+           py::arg("first"), py::arg("mutated"), "A saved tensor an op of the block produced.")
+      .def("finish", &BlockTable::finish, "Which attention ops are restorable and which matmuls split.")
+      .def("probe", &BlockTable::probe, py::arg("alpha"), py::arg("granule"), py::arg("exact"),
+           "Sets the exact first rows of each split op; exact(op, r0) probes on the device.")
+      .def("actions", [](const BlockTable& t, const std::string& mode) {
+        std::vector<std::string> out;
+        for (auto a : t.actions(to_mode(mode))) out.emplace_back(tiering::to_string(a));
+        return out;
+      }, py::arg("mode"), "tiering::saved_action of every saved tensor in mode.")
+      .def("classes", [](const BlockTable& t) {
+        std::vector<std::string> out;
+        for (const auto& s : t.saved()) out.emplace_back(tiering::to_string(s.cls));
+        return out;
+      }, "The class of every saved tensor.")
+      .def("restorable", &BlockTable::restorable, "Attention ops whose every non-empty output is saved.")
+      .def("split_ops", &BlockTable::split_ops, "Matmuls with a saved split output, not mutated.")
+      .def("mutated_ops", &BlockTable::mutated_ops, "Matmuls whose saved output was written in place.")
+      .def("exact_rows", &BlockTable::exact_rows, "Split op -> its first rows, probed exact.")
+      .def("bytes_by_class", [](const BlockTable& t) {
+        const ClassBytes b = t.bytes_by_class();
+        py::dict d;
+        d["input"] = b.input;
+        d["attention"] = b.attention;
+        d["split"] = b.split;
+        d["cheap"] = b.cheap;
+        return d;
+      }, "Saved bytes per class (first saves only).")
+      .def("flops_by_class", [](const BlockTable& t) {
+        const ClassFlops f = t.flops_by_class();
+        py::dict d;
+        d["attention"] = f.attention;
+        d["split"] = f.split;
+        d["total"] = f.total;
+        return d;
+      }, "FLOPs of the restorable attention ops, the split matmuls and all ops.")
+      .def("record", &BlockTable::record, py::arg("forward_seconds"), "The planner's BlockRecord of this block.");
+}
+
 void bind_estimates(py::module_& m) {
   py::class_<TransformerShape> shape(m, "TransformerShape", "The shape of a GPT-2-style decoder.");
   shape.def(py::init<>())
@@ -302,21 +362,11 @@ void bind_planner(py::module_& m) {
   m.def("evaluate_plan", &evaluate_plan, py::arg("blocks"), py::arg("links"), py::arg("budgets"),
         py::arg("assignment"), "The model's predictions for a given per-block assignment.");
 
-  m.def("saved_actions", [](const std::string& mode, const std::vector<std::string>& classes,
-                            const std::vector<bool>& exact) {
-    if (classes.size() != exact.size()) throw config_error("saved_actions: one exact flag per class");
-    std::vector<std::string> out;
-    const auto md = to_mode(mode);
-    for (std::size_t i = 0; i < classes.size(); ++i)
-      out.emplace_back(tiering::to_string(tiering::saved_action(md, to_class(classes[i]), exact[i])));
-    return out;
-  }, "tiering::saved_action for each saved tensor of a block (Note [Activation plans]).");
-  m.def("split_rows", &tiering::split_rows, py::arg("alpha"), py::arg("rows"), py::arg("granule"),
-        "Rows of a split matmul output swapped for alpha (tiering::split_rows).");
   m.def("average_same_shape_blocks", &average_same_shape_blocks, py::arg("blocks"),
         "Blocks of the same shape get the mean of their times (measured layers differ by noise only).");
 
   bind_auto_plan(m);
+  bind_block_table(m);
   bind_estimates(m);
   bind_plan_command(m);
 }

@@ -56,19 +56,9 @@
 // the block boundary over the link. A planner that wants swap without
 // recompute for a block needs the Python route (tierflow.wrap).
 //
-// Where the plan comes from: TIERFLOW_OFFLOAD_ACTIVATIONS gives every block
-// its default action (block_action_from_config), and set_action /
-// set_actions override it per block, which is where a planner's per-block
-// decision goes. apply_plan takes tiering::plan_activations' plan (Note
-// [Activation planner]; `python -m tierflow plan --json` prints the same
-// plan for a shape or a recorded profile): keep -> kKeep, and swap, split or
-// recompute -> kSwapHost / kSwapNvme by the plan's tier. Those three free the
-// block's device memory until its backward; C++ has one way to do that, so
-// a swap or split block recomputes more than its plan priced (the planner's
-// prediction is then a lower bound on the step time) and never holds more.
-// TIERFLOW_OFFLOAD_ACTIVATIONS=recompute and auto give every block kSwapHost,
-// the memory floor: C++ cannot measure what a block saves (no saved-tensor
-// hooks), which the planner needs, so a C++ plan comes from apply_plan.
+// Where the plan comes from: the per-block action table of
+// tiering::BlockActionTable (Note [C++ block actions]: the default from
+// TIERFLOW_OFFLOAD_ACTIVATIONS, per-block overrides, a plan's mode and tier).
 //
 // LibTorch API relied on (checked against 2.13.0; the range is 2.4, where
 // at::autocast took a DeviceType, to 2.13):
@@ -91,30 +81,18 @@
 
 #include "tierflow/bindings/activation_offloader.hpp"
 #include "tierflow/core/config.hpp"
+#include "tierflow/tiering/block_actions.hpp"
 #include "tierflow/tiering/planner.hpp"
 
 namespace tierflow::bindings {
 
 class Runtime;
 
-/// What happens to one block's activations between its forward and its backward.
-enum class BlockAction : std::uint8_t {
-  kKeep,       ///< autograd keeps them on the device (no tierflow involvement)
-  kSwapHost,   ///< input to the pinned host pool, the rest recomputed
-  kSwapNvme,   ///< input to the NVMe tier (host staging), the rest recomputed
-  kRecompute,  ///< input kept on the device, the rest recomputed
-};
-
-/// "keep", "swap-host", "swap-nvme" or "recompute".
-std::string_view to_string(BlockAction a) noexcept;
-
-/// The action every block gets from TIERFLOW_OFFLOAD_ACTIVATIONS: none keeps,
-/// host, recompute and auto swap the input to the host (auto: see apply_plan),
-/// nvme to NVMe.
-BlockAction block_action_from_config(const Config& config) noexcept;
-
-/// The action that carries out one block of an activation plan (Note [C++ block offload]).
-BlockAction block_action_from_plan(const tiering::BlockPlan& plan) noexcept;
+// The action table is torch-free (Note [C++ block actions]); these names keep the C++ API's spelling.
+using tiering::BlockAction;
+using tiering::block_action_from_config;
+using tiering::block_action_from_plan;
+using tiering::to_string;
 
 /// A block's forward: one tensor in, one tensor out.
 using BlockForward = std::function<at::Tensor(const at::Tensor&)>;
@@ -144,7 +122,7 @@ class BlockOffload {
   void set_action(std::size_t block, BlockAction action);
   /// Sets the actions of blocks 0..n-1; later blocks keep the default.
   void set_actions(const std::vector<BlockAction>& actions);
-  /// Sets every block's action from tiering::plan_activations' plan (block_action_from_plan).
+  /// Sets every block's action from tiering::plan_activations' plan (tiering::block_action_from_plan).
   void apply_plan(const tiering::Plan& plan);
   /// Sets the action of every block not set one by one.
   void set_default_action(BlockAction action);

@@ -21,17 +21,11 @@ from .runner import BlockRunner
 from .table import probe_table
 
 def block_profile(runner: BlockRunner, config: Optional[dict] = None) -> dict:
-    """One profile block from a runner's recorded table and timings (tiering::measured_block_profile)."""
-    t = runner.table
-    b = t.bytes_by_class()
-    fl = t.flops_by_class()
-    record = _C.BlockRecord(input_bytes=b["input"], attention_bytes=b["attention"], split_bytes=b["split"],
-                            cheap_bytes=b["cheap"], split_flops=float(fl["split"]),
-                            attention_flops=float(fl["attention"]), total_flops=float(fl["total"]),
-                            has_split_ops=bool(t.split_ops),
-                            forward_seconds=statistics.median(runner.forward_seconds) if runner.forward_seconds
-                            else 0.0,
-                            parameter_bytes=sum(p.numel() * p.element_size() for p in runner.module.parameters()))
+    """One profile block from a runner's recorded table and timings (tiering::BlockTable::record,
+    tiering::measured_block_profile), with the optimizer's traffic of `config` (tiering::optimizer_traffic)."""
+    seconds = statistics.median(runner.forward_seconds) if runner.forward_seconds else 0.0
+    record = runner.table.core.record(seconds)
+    record.parameter_bytes = sum(p.numel() * p.element_size() for p in runner.module.parameters())
     return fields_of(_C.measured_block_profile(record, config or {}), BLOCK_FIELDS)
 
 

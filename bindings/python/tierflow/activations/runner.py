@@ -26,21 +26,14 @@ forward of a block with a new signature (shapes, dtypes, grad mode,
 autocast) runs under a TorchDispatchMode that records every aten op of the
 block, which storage each op produced, and which op produced each tensor
 autograd saves (in pack order, which is deterministic for the same code and
-shapes — the same assumption torch.utils.checkpoint makes). A saved storage
-is then one of: external (parameters, buffers, tensors made before the
-block: kept by reference), input (a tensor argument of the block: swapped
-whole), attention (an output of an SDPA/flash/efficient attention op whose
-every non-empty output autograd saves: swapped whole, and in the replay the
-op is not run, its outputs are restored — attention is most of the compute
-at long context and is never recomputed; an attention op with dropout is
-cheap instead: it draws from the device generator, and the replay must draw
-as forward did), split (the output of ``mm`` /
-``addmm`` whose first operand is an activation with contiguous rows and
-whose second is derived from parameters only, and which no in-place or out=
-op wrote between the matmul and the save: the replay would apply that op to
-swapped rows that already hold its result, so such a matmul is rerun whole),
-or cheap (anything else). A tensor argument passed twice (MultiheadAttention's
-query is key is value) is swapped once and is one tensor in the replay.
+shapes — the same assumption torch.utils.checkpoint makes), into a
+tiering::BlockTable. Each saved storage's class (external, input, attention,
+split, cheap), which attention ops are restored and which matmuls split are
+that table's decisions (Note [Block table] in tiering/block_table.hpp); this
+module finds the torch facts they are made from (which storages are the
+block's parameters, inputs, an op's outputs, written in place). A tensor
+argument passed twice (MultiheadAttention's query is key is value) is
+swapped once and is one tensor in the replay.
 Later forwards reuse the table: the pack hook counts packs and checks each
 tensor's shape and dtype against the table.
 
@@ -60,9 +53,8 @@ on the same values (RNG and autocast restored, inputs restored bit for bit)
 and (2) a matmul on a suffix of the rows gives the same bits as those rows
 of the full matmul. (2) is a property of the GEMM kernel and the shapes, so
 it is probed on this device with the recorded shapes before a split is
-planned (probe_row_split): where it fails, the op is recomputed whole and
-the block's split bytes count as cheap (Note [Activation planner]: such a
-block is not splittable). The probe uses the same out= form as the replay.
+planned (probe_row_split, asked by tiering::BlockTable::probe, Note [Block
+table]). The probe uses the same out= form as the replay.
 
 Profiling. With TIERFLOW_OFFLOAD_ACTIVATIONS=auto the first step records
 the ops and bytes of every block under the recompute plan (the memory
@@ -92,7 +84,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from .. import _C
 from .._compile import outside_graphs
 from .._hf import cache_argument
-from .table import Recorder, Saved, Table, finish_table, probe_table, row_suffix_matmul, storage_key
+from .table import Recorder, Saved, Table, probe_table, row_suffix_matmul, storage_key
 
 _local = threading.local()  # .replaying: a replay runs on this thread (hooks stand aside)
 
@@ -219,7 +211,7 @@ class _Frame:
             return t
         if action == "swap":
             h = rt.pack_to(t, self.tier)
-            if s.cls == "attention":
+            if self.table.classes[i] == "attention":
                 self.whole[(s.op, s.out)] = h
             return _Swapped(rt, h)
         if action == "swap_rows" and s.op not in self.prefix:
@@ -234,27 +226,23 @@ class _Frame:
     def _pack_recording(self, i: int, t: torch.Tensor) -> Any:
         rec: Recorder = self.recorder
         k = storage_key(t)
-        s = Saved("external", sizes=tuple(t.shape), strides=tuple(t.stride()), offset=t.storage_offset(),
-                   dtype=t.dtype, nbytes=t.untyped_storage().nbytes())
+        s = Saved(sizes=tuple(t.shape), strides=tuple(t.stride()), offset=t.storage_offset(), dtype=t.dtype)
+        cls = "external"
         if k in rec.inputs:
-            s.cls = "input"
+            cls = "input"
         elif k in rec.producer and k not in self.external:
+            # Its class follows the producing op; a matmul output written in place since the matmul is cheap
+            # (tiering::BlockTable::add_produced, Note [Block table]).
             s.op, s.out = rec.producer[k]
-            op = rec.table.ops[s.op]
-            s.cls = {"attention": "attention", "matmul": "split"}.get(op.kind, "cheap")
-            if s.cls == "split" and k in rec.mutated:
-                # Its rows were written in place after the matmul: the replay would apply that op to swapped
-                # rows that already hold its result. The matmul is rerun whole instead (see finish_table in table.py).
-                s.cls = "cheap"
-                rec.table.mutated_ops.add(s.op)
+            cls = "produced"
         # Addresses are reused once a dropped tensor is freed: a storage is its address and producer.
-        s.first = (k, s.op) not in self.seen
+        first = (k, s.op) not in self.seen
         self.seen.add((k, s.op))
-        rec.table.saved.append(s)
+        rec.table.add_saved(s, cls, t.untyped_storage().nbytes(), first, mutated=k in rec.mutated)
         # No table yet: the recording forward runs the swap or the recompute plan, which need none.
-        if s.cls == "external":
+        if cls == "external":
             return t
-        if self.mode == "swap" or s.cls == "input":
+        if self.mode == "swap" or cls == "input":
             return _Swapped(self.runner.runtime, self.runner.runtime.pack_to(t, self.tier))
         return _Placeholder(self, i)
 
@@ -528,7 +516,7 @@ class BlockRunner:
             return
         if f.recording:
             f.recorder.__exit__(None, None, None)
-            finish_table(f.table)
+            f.table.finish()
             self.tables[sig] = f.table
             f.recorder = None
             if self.mode == "split":

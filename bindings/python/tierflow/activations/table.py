@@ -1,10 +1,11 @@
-"""What one block's forward does, recorded once (Note [Activation plans] in runner.py): its aten ops, which
-op produced each tensor autograd saves and its class (external, input, attention, split, cheap), and the probe
-of which split matmuls give exact rows on this device."""
+"""What one block's forward does, recorded once (Note [Activation plans] in runner.py): the recorder of its
+aten ops and the tensors autograd saves, and the probe of which split matmuls give exact rows on this device.
+The decisions over the recording (each saved tensor's class, which attention ops are restored and which
+matmuls split, the exact rows, the bytes and FLOPs per class) are tiering::BlockTable's (Note [Block table]);
+this module keeps the torch side of each record beside it, indexed the same."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -47,61 +48,82 @@ def storage_key(t: torch.Tensor) -> tuple:
 
 @dataclass
 class Op:
+    """The torch side of a recorded op (its kind, FLOPs and rows are in Table.core)."""
+
     func: Any
     outputs: list            # per output: (sizes, strides, offset, dtype) or None (not a tensor), or a value
     out_keys: list           # storage keys of tensor outputs (None for non-tensors)
-    kind: str = "other"      # attention | matmul | other
-    flops: float = 0.0
-    rows: int = 0            # matmul: rows of mat1 / the output
     mat_geometry: Any = None  # matmul: shapes/strides/dtypes to probe with
 
 
 @dataclass
 class Saved:
-    cls: str                 # external | input | attention | split | cheap
-    op: int = -1             # producing op (attention, split, cheap)
+    """The torch side of a saved tensor: its producer (indices into Table.ops) and its view of the storage
+    (its class and bytes are in Table.core)."""
+
+    op: int = -1             # producing op (-1: none)
     out: int = 0             # its output index
     sizes: tuple = ()
     strides: tuple = ()
     offset: int = 0
     dtype: Any = None
-    nbytes: int = 0          # the storage's bytes
-    first: bool = True       # first save of this storage in the block
 
 
-@dataclass
 class Table:
-    """What one block's forward does (Note [Activation plans])."""
+    """What one block's forward does (Note [Activation plans]): tiering::BlockTable (Note [Block table]) and,
+    indexed the same, the torch side of its ops and saved tensors. The decisions read after finish() and
+    probe() are copied here once, not made here."""
 
-    ops: list = field(default_factory=list)
-    saved: list = field(default_factory=list)
-    restorable: set = field(default_factory=set)   # attention ops whose outputs are all saved
-    split_ops: set = field(default_factory=set)    # matmuls with a saved, row-splittable output
-    exact_rows: dict = field(default_factory=dict)  # op -> r0 probed exact (see probe_row_split)
-    mutated_ops: set = field(default_factory=set)  # matmuls whose saved output was written in place: never split
+    def __init__(self) -> None:
+        self.core = _C.BlockTable()
+        self.ops: list = []       # Op, indexed as core's ops
+        self.saved: list = []     # Saved, indexed as core's saved tensors
+        self.classes: list = []   # each saved tensor's class, after finish()
+        self.restorable: set = set()   # attention ops whose outputs are all saved
+        self.split_ops: set = set()    # matmuls with a saved, row-splittable output
+        self.mutated_ops: set = set()  # matmuls whose saved output was written in place: never split
+        self.exact_rows: dict = {}     # op -> r0 probed exact (see probe_row_split)
+        self._actions: dict = {}       # mode -> core.actions(mode), until the probe changes
+
+    def add_op(self, op: Op, kind: str, flops: float, rows: int) -> None:
+        elements = [-1 if o[0] == "value" else _elements(o[0]) for o in op.outputs]
+        self.core.add_op(kind, float(flops), int(rows), elements)
+        self.ops.append(op)
+
+    def add_saved(self, s: Saved, cls: str, nbytes: int, first: bool, mutated: bool = False) -> None:
+        """A saved tensor: ``cls`` external or input, or produced by ``s.op`` (its class then follows the op)."""
+        if s.op >= 0:
+            self.core.add_produced(s.op, s.out, nbytes, first, mutated)
+        else:
+            self.core.add_saved(cls, nbytes, first)
+        self.saved.append(s)
+
+    def finish(self) -> None:
+        """Which attention ops can be restored and which matmuls split (tiering::BlockTable::finish)."""
+        self.core.finish()
+        self.classes = self.core.classes()
+        self.restorable = set(self.core.restorable())
+        self.split_ops = set(self.core.split_ops())
+        self.mutated_ops = set(self.core.mutated_ops())
 
     def actions(self, mode: str) -> list:
         """tiering::saved_action of every saved tensor for ``mode`` (cached until the probe changes)."""
-        key = (mode, tuple(sorted(self.exact_rows.items())))
-        if getattr(self, "_actions_key", None) != key:
-            exact = [(s.cls == "attention" and s.op in self.restorable)
-                     or (s.cls == "split" and self.exact_rows.get(s.op, 0) > 0) for s in self.saved]
-            self._actions = _C.saved_actions(mode, [s.cls for s in self.saved], exact)
-            self._actions_key = key
-        return self._actions
+        if mode not in self._actions:
+            self._actions[mode] = self.core.actions(mode)
+        return self._actions[mode]
 
     def bytes_by_class(self) -> dict:
-        out = {"input": 0, "attention": 0, "split": 0, "cheap": 0}
-        for s in self.saved:
-            if s.first and s.cls in out:
-                out[s.cls] += s.nbytes
-        return out
+        return self.core.bytes_by_class()
 
     def flops_by_class(self) -> dict:
-        att = sum(self.ops[j].flops for j in self.restorable)
-        split = sum(self.ops[j].flops for j in self.split_ops)
-        total = sum(o.flops for o in self.ops)
-        return {"attention": att, "split": split, "total": total}
+        return self.core.flops_by_class()
+
+
+def _elements(sizes: tuple) -> int:
+    n = 1
+    for d in sizes:
+        n *= d
+    return n
 
 
 class Recorder(TorchDispatchMode):
@@ -137,26 +159,27 @@ class Recorder(TorchDispatchMode):
                 outputs.append(("value", o))
                 keys.append(None)
         op = Op(func, outputs, keys)
+        kind, flops, rows = "other", 0.0, 0
         if tensors_in and all(storage_key(a) in self.param_derived for a in tensors_in):
             self.param_derived.update(k for k in keys if k is not None)
         if func in ATTENTION_OPS:
             # An attention op with dropout draws from the device generator (flash/efficient attention advance
             # its Philox offset): restoring its outputs would skip that draw, and every later dropout mask of
             # the replay would differ. It is run again instead, from the generator state the replay restored.
-            op.kind = "other" if attention_dropout(func, args, kwargs) > 0 else "attention"
+            kind = "other" if attention_dropout(func, args, kwargs) > 0 else "attention"
             q, k_ = args[0], args[1]
             causal = bool(kwargs.get("is_causal", args[4] if func.__name__.startswith("_scaled_dot_product_flash") and len(args) > 4 else False))
-            op.flops = 4.0 * q.numel() * k_.shape[-2] * (0.5 if causal else 1.0)
+            flops = 4.0 * q.numel() * k_.shape[-2] * (0.5 if causal else 1.0)
         elif func in ROW_MATMULS:
             i = ROW_MATMULS[func]
             m1, m2 = args[i], args[i + 1]
-            op.flops = 2.0 * m1.shape[0] * m1.shape[1] * m2.shape[1]
+            flops = 2.0 * m1.shape[0] * m1.shape[1] * m2.shape[1]
             o = flat_out[0]
             if (m1.dim() == 2 and m1.stride(1) == 1 and m1.stride(0) == m1.shape[1] and m1.shape[0] >= 2
                     and storage_key(m2) in self.param_derived and storage_key(m1) not in self.param_derived
                     and o.is_contiguous() and o.storage_offset() == 0):
-                op.kind = "matmul"
-                op.rows = m1.shape[0]
+                kind = "matmul"
+                rows = m1.shape[0]
                 op.mat_geometry = {
                     "args": [(tuple(a.shape), tuple(a.stride()), a.dtype) if isinstance(a, torch.Tensor) else a
                              for a in args],
@@ -164,27 +187,9 @@ class Recorder(TorchDispatchMode):
                 }
         elif func in (aten.bmm.default, aten.matmul.default):
             a, b = args[0], args[1]
-            op.flops = 2.0 * a.numel() * b.shape[-1]
-        self.table.ops.append(op)
+            flops = 2.0 * a.numel() * b.shape[-1]
+        self.table.add_op(op, kind, flops, rows)
         return out
-
-
-def finish_table(table: Table) -> None:
-    """Which attention ops can be restored and which matmuls split (Note [Activation plans])."""
-    saved_outputs = {(s.op, s.out) for s in table.saved if s.op >= 0}
-    for j, op in enumerate(table.ops):
-        if op.kind == "attention":
-            nonempty = [(j, k) for k, m in enumerate(op.outputs) if m[0] != "value" and math.prod(m[0]) > 0]
-            if nonempty and all(x in saved_outputs for x in nonempty):
-                table.restorable.add(j)
-        elif op.kind == "matmul" and j not in table.mutated_ops and any(s.op == j and s.cls == "split"
-                                                                         for s in table.saved):
-            table.split_ops.add(j)
-    for s in table.saved:
-        if s.cls == "attention" and s.op not in table.restorable:
-            s.cls = "cheap"
-        if s.cls == "split" and s.op not in table.split_ops:
-            s.cls = "cheap"
 
 
 def row_suffix_matmul(func: Any, args: tuple, kwargs: dict, r0: int, prefix: Optional[torch.Tensor]) -> torch.Tensor:
@@ -226,11 +231,9 @@ _ROW_GRANULE = 8  # a split's first rows are a multiple of this (whole cache lin
 
 
 def probe_table(table: "Table", alpha: float) -> bool:
-    """Sets the exact first rows of each split matmul of ``table`` for ``alpha``; False when none is exact."""
-    table.exact_rows.clear()
-    for j in sorted(table.split_ops):
-        op = table.ops[j]
-        r0 = _C.split_rows(alpha, op.rows, _ROW_GRANULE)
-        if r0 == op.rows or (0 < r0 < op.rows and probe_row_split(op, r0)):
-            table.exact_rows[j] = r0
-    return bool(table.exact_rows)
+    """Sets the exact first rows of each split matmul of ``table`` for ``alpha`` (tiering::BlockTable::probe,
+    which asks probe_row_split for a proper suffix); False when none is exact."""
+    exact = table.core.probe(alpha, _ROW_GRANULE, lambda j, r0: probe_row_split(table.ops[j], r0))
+    table.exact_rows = dict(table.core.exact_rows())
+    table._actions.clear()
+    return exact

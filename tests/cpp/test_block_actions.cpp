@@ -1,0 +1,80 @@
+// tiering::BlockActionTable (Note [C++ block actions]): a C++ trainer's per-block actions from the
+// configuration, a plan, and per-block overrides.
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "tierflow/core/error.hpp"
+#include "tierflow/tiering/block_actions.hpp"
+
+using namespace tierflow;
+using namespace tierflow::tiering;
+
+TEST(BlockActions, ConfigGivesEveryBlockItsDefault) {
+  Config c;
+  c.offload_activations = OffloadTarget::kNone;
+  EXPECT_EQ(block_action_from_config(c), BlockAction::kKeep);
+  c.offload_activations = OffloadTarget::kHost;
+  EXPECT_EQ(block_action_from_config(c), BlockAction::kSwapHost);
+  c.offload_activations = OffloadTarget::kNvme;
+  EXPECT_EQ(block_action_from_config(c), BlockAction::kSwapNvme);
+  c.offload_activations = OffloadTarget::kRecompute;  // the memory floor
+  EXPECT_EQ(block_action_from_config(c), BlockAction::kSwapHost);
+  c.offload_activations = OffloadTarget::kAuto;
+  EXPECT_EQ(block_action_from_config(c), BlockAction::kSwapHost);
+}
+
+TEST(BlockActions, PlanModeAndTierPickTheAction) {
+  BlockPlan p;
+  p.mode = BlockMode::kKeep;
+  p.tier = SwapTier::kNvme;
+  EXPECT_EQ(block_action_from_plan(p), BlockAction::kKeep);
+  for (BlockMode m : {BlockMode::kSwap, BlockMode::kSplit, BlockMode::kRecompute}) {
+    p.mode = m;
+    p.tier = SwapTier::kHost;
+    EXPECT_EQ(block_action_from_plan(p), BlockAction::kSwapHost);
+    p.tier = SwapTier::kNvme;
+    EXPECT_EQ(block_action_from_plan(p), BlockAction::kSwapNvme);
+  }
+}
+
+TEST(BlockActions, OverridesDefaultAndApplyPlan) {
+  BlockActionTable t(BlockAction::kSwapHost, false);
+  EXPECT_EQ(t.action(7), BlockAction::kSwapHost);
+  t.set(2, BlockAction::kRecompute);
+  EXPECT_EQ(t.action(1), BlockAction::kSwapHost);
+  EXPECT_EQ(t.action(2), BlockAction::kRecompute);
+  t.set_default(BlockAction::kKeep);
+  EXPECT_EQ(t.action(1), BlockAction::kKeep);
+  EXPECT_EQ(t.action(2), BlockAction::kRecompute);
+  t.set_all({BlockAction::kSwapHost});  // replaces every override
+  EXPECT_EQ(t.action(0), BlockAction::kSwapHost);
+  EXPECT_EQ(t.action(2), BlockAction::kKeep);
+  Plan plan;
+  plan.blocks.resize(2);
+  plan.blocks[0].mode = BlockMode::kKeep;
+  plan.blocks[1].mode = BlockMode::kSplit;
+  t.apply_plan(plan);
+  EXPECT_EQ(t.action(0), BlockAction::kKeep);
+  EXPECT_EQ(t.action(1), BlockAction::kSwapHost);
+  EXPECT_EQ(t.action(2), BlockAction::kKeep);
+}
+
+TEST(BlockActions, SwapNvmeWithoutTheTierIsRefusedAndChangesNothing) {
+  BlockActionTable t(BlockAction::kRecompute, false);
+  t.set(0, BlockAction::kKeep);
+  try {
+    t.set_all({BlockAction::kSwapHost, BlockAction::kSwapNvme});
+    FAIL() << "swap-nvme without the NVMe tier was accepted";
+  } catch (const config_error& e) {
+    EXPECT_NE(std::string(e.what()).find("needs the NVMe tier: set TIERFLOW_NVME_PATHS"), std::string::npos);
+  }
+  EXPECT_EQ(t.action(0), BlockAction::kKeep);
+  EXPECT_THROW(t.set(1, BlockAction::kSwapNvme), config_error);
+  EXPECT_THROW(t.set_default(BlockAction::kSwapNvme), config_error);
+  EXPECT_EQ(t.action(1), BlockAction::kRecompute);
+  BlockActionTable with_nvme(BlockAction::kKeep, true);
+  with_nvme.set(1, BlockAction::kSwapNvme);
+  EXPECT_EQ(with_nvme.action(1), BlockAction::kSwapNvme);
+  EXPECT_EQ(to_string(BlockAction::kSwapNvme), "swap-nvme");
+}

@@ -1,0 +1,73 @@
+// See Note [C++ block actions] in block_actions.hpp.
+#include "tierflow/tiering/block_actions.hpp"
+
+#include "tierflow/core/error.hpp"
+
+namespace tierflow::tiering {
+
+std::string_view to_string(BlockAction a) noexcept {
+  switch (a) {
+    case BlockAction::kKeep: return "keep";
+    case BlockAction::kSwapHost: return "swap-host";
+    case BlockAction::kSwapNvme: return "swap-nvme";
+    case BlockAction::kRecompute: return "recompute";
+  }
+  return "?";
+}
+
+BlockAction block_action_from_config(const Config& config) noexcept {
+  switch (config.offload_activations) {
+    case OffloadTarget::kNone: return BlockAction::kKeep;
+    case OffloadTarget::kNvme: return BlockAction::kSwapNvme;
+    case OffloadTarget::kHost:
+    case OffloadTarget::kRecompute:  // every block recomputed from its swapped input: the floor
+    case OffloadTarget::kAuto: return BlockAction::kSwapHost;
+  }
+  return BlockAction::kSwapHost;
+}
+
+BlockAction block_action_from_plan(const BlockPlan& plan) noexcept {
+  if (plan.mode == BlockMode::kKeep) return BlockAction::kKeep;
+  // swap, split and recompute all free the block's device memory until its backward; C++ has one way to
+  // do that (Note [C++ block actions]): the input to the plan's tier, the rest recomputed.
+  return plan.tier == SwapTier::kNvme ? BlockAction::kSwapNvme : BlockAction::kSwapHost;
+}
+
+BlockActionTable::BlockActionTable(BlockAction default_action, bool has_nvme_tier) noexcept
+    : default_action_(default_action), has_nvme_tier_(has_nvme_tier) {}
+
+void BlockActionTable::check(BlockAction action) const {
+  if (action == BlockAction::kSwapNvme && !has_nvme_tier_)
+    throw config_error("BlockOffload: action swap-nvme needs the NVMe tier: set TIERFLOW_NVME_PATHS and "
+                       "TIERFLOW_OFFLOAD_ACTIVATIONS=nvme (or TIERFLOW_OFFLOAD_OPTIMIZER=nvme)");
+}
+
+void BlockActionTable::set(std::size_t block, BlockAction action) {
+  check(action);
+  if (actions_.size() <= block) actions_.resize(block + 1);
+  actions_[block] = action;
+}
+
+void BlockActionTable::set_all(const std::vector<BlockAction>& actions) {
+  for (auto a : actions) check(a);
+  actions_.assign(actions.begin(), actions.end());
+}
+
+void BlockActionTable::apply_plan(const Plan& plan) {
+  std::vector<BlockAction> actions;
+  actions.reserve(plan.blocks.size());
+  for (const auto& b : plan.blocks) actions.push_back(block_action_from_plan(b));
+  set_all(actions);
+}
+
+void BlockActionTable::set_default(BlockAction action) {
+  check(action);
+  default_action_ = action;
+}
+
+BlockAction BlockActionTable::action(std::size_t block) const noexcept {
+  if (block < actions_.size() && actions_[block]) return *actions_[block];
+  return default_action_;
+}
+
+}  // namespace tierflow::tiering
