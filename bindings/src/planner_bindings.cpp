@@ -157,23 +157,6 @@ void bind_block_table(py::module_& m) {
       .def("split_ops", &BlockTable::split_ops, "Matmuls with a saved split output, not mutated.")
       .def("mutated_ops", &BlockTable::mutated_ops, "Matmuls whose saved output was written in place.")
       .def("exact_rows", &BlockTable::exact_rows, "Split op -> its first rows, probed exact.")
-      .def("bytes_by_class", [](const BlockTable& t) {
-        const ClassBytes b = t.bytes_by_class();
-        py::dict d;
-        d["input"] = b.input;
-        d["attention"] = b.attention;
-        d["split"] = b.split;
-        d["cheap"] = b.cheap;
-        return d;
-      }, "Saved bytes per class (first saves only).")
-      .def("flops_by_class", [](const BlockTable& t) {
-        const ClassFlops f = t.flops_by_class();
-        py::dict d;
-        d["attention"] = f.attention;
-        d["split"] = f.split;
-        d["total"] = f.total;
-        return d;
-      }, "FLOPs of the restorable attention ops, the split matmuls and all ops.")
       .def("record", &BlockTable::record, py::arg("forward_seconds"), "The planner's BlockRecord of this block.");
 }
 

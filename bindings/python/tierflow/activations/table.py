@@ -6,7 +6,8 @@ this module keeps the torch side of each record beside it, indexed the same."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -86,7 +87,7 @@ class Table:
         self._actions: dict = {}       # mode -> core.actions(mode), until the probe changes
 
     def add_op(self, op: Op, kind: str, flops: float, rows: int) -> None:
-        elements = [-1 if o[0] == "value" else _elements(o[0]) for o in op.outputs]
+        elements = [-1 if o[0] == "value" else math.prod(o[0]) for o in op.outputs]
         self.core.add_op(kind, float(flops), int(rows), elements)
         self.ops.append(op)
 
@@ -111,19 +112,6 @@ class Table:
         if mode not in self._actions:
             self._actions[mode] = self.core.actions(mode)
         return self._actions[mode]
-
-    def bytes_by_class(self) -> dict:
-        return self.core.bytes_by_class()
-
-    def flops_by_class(self) -> dict:
-        return self.core.flops_by_class()
-
-
-def _elements(sizes: tuple) -> int:
-    n = 1
-    for d in sizes:
-        n *= d
-    return n
 
 
 class Recorder(TorchDispatchMode):
