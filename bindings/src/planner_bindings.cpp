@@ -258,6 +258,8 @@ void bind_plan_command(py::module_& m) {
       .def_readonly("json", &PlanReport::json);
   m.def("plan_command_budgets", &plan_command_budgets, py::arg("inputs"),
         "The plan command's budgets (Note [Plan report]); raises ConfigError naming the flag or variable.");
+  m.def("explain_plan", &explain_plan, py::arg("plan"), py::arg("blocks"), py::arg("links"), py::arg("budgets"),
+        "Why each block's action won: one line per block (Note [Plan report]).");
   m.def("describe_plan", &describe_plan, py::arg("plan"), py::arg("blocks"), py::arg("inputs"), py::arg("budgets"),
         "The plan command's text lines and JSON (Note [Plan report]).");
 }

@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <random>
 #include <string>
 
@@ -349,4 +350,16 @@ TEST(DescribePlan, ProfileReportSaysTheFixedBytesAreNotBrokenDown) {
   EXPECT_FALSE(j.contains("state"));
   EXPECT_EQ(j["fixed_gpu_parts"][0]["part"], "from_profile");
   EXPECT_EQ(r.lines.back().rfind("device's fixed bytes: the profile's rest of training ", 0), 0u) << r.lines.back();
+}
+
+TEST(ExplainPlan, OneLinePerBlockAsTheCommandPrintsIt) {
+  const auto p = plan_small("16GiB");
+  const auto lines = explain_plan(p.plan, p.blocks, p.budgets.links, p.budgets.budgets);
+  ASSERT_EQ(lines.size(), p.blocks.size());
+  const auto report = describe_plan(p.plan, p.blocks, p.in, p.budgets).lines;
+  for (std::size_t i = 0; i < lines.size(); ++i) {
+    EXPECT_EQ(lines[i].rfind("  block " + std::to_string(i) + ": ", 0), 0u) << lines[i];
+    EXPECT_NE(std::find(report.begin(), report.end(), lines[i]), report.end()) << "the command prints " << lines[i];
+  }
+  EXPECT_THROW(explain_plan(p.plan, {}, p.budgets.links, p.budgets.budgets), logic_error);
 }

@@ -147,6 +147,9 @@ def test_auto_under_a_tight_budget_plans_offload_and_matches_the_baseline(tmp_pa
     # Predicted beside measured (issue 17): the plan was made before the first forward (a profile), so the
     # three gaps between the four forwards are measured steps.
     assert plan["measured"]["steps"] == 3 and plan["measured"]["step_seconds"] > 0, plan
+    # The plan explains itself (issue 17): per block, what each rejected action would have cost.
+    assert [w.split(":")[0].strip() for w in plan["why"]] == [f"block {i}" for i in range(len(plan["modes"]))], plan
+    assert all(("slower" in w or "over the" in w or "as fast" in w or "no other action" in w) for w in plan["why"])
     assert plan["step_vs_predicted"] == pytest.approx(plan["measured"]["step_seconds"] / plan["predicted_step_seconds"])
     if device == "cuda":
         assert plan["peak_vs_predicted"] > 0, plan

@@ -351,6 +351,17 @@ PlanCommandBudgets plan_command_budgets(const PlanCommandInputs& in) {
   return out;
 }
 
+std::vector<std::string> explain_plan(const Plan& plan, const std::vector<BlockProfile>& blocks, const Links& links,
+                                      const Budgets& budgets) {
+  TIERFLOW_EXPECTS(plan.blocks.size() == blocks.size(), "explain_plan: a plan of " +
+                                                            std::to_string(plan.blocks.size()) + " blocks for " +
+                                                            std::to_string(blocks.size()));
+  const auto why = why_of_blocks(plan, blocks, links, budgets);
+  std::vector<std::string> lines;
+  for (std::size_t i = 0; i < blocks.size(); ++i) lines.push_back(why_line(i, plan, why[i]));
+  return lines;
+}
+
 PlanReport describe_plan(const Plan& plan, const std::vector<BlockProfile>& blocks, const PlanCommandInputs& in,
                          const PlanCommandBudgets& pb) {
   TIERFLOW_EXPECTS(plan.blocks.size() == blocks.size(), "describe_plan: a plan of " +

@@ -80,6 +80,7 @@ class AutoPlanner:
             out["alpha"] = [bp["alpha"] for bp in self.plan["blocks"]]
             out["predicted_device_peak_bytes"] = self.plan["predicted_device_peak_bytes"]
             out["predicted_step_seconds"] = self.plan["predicted_step_seconds"]
+            out["why"] = self.plan.get("why", [])
             # Saved bytes of the blocks the plan keeps: they never pass through the offloader's counters.
             out["kept_bytes"] = sum(_saved(b) for b, bp in zip(self.profile["blocks"], self.plan["blocks"])
                                     if bp["mode"] == "keep") if self.profile else 0
@@ -205,6 +206,8 @@ class AutoPlanner:
         _C.log("warn", "tierflow activation plan: " + plan["summary"])
         for line in plan["lines"]:
             _C.log("info", "tierflow   " + line)
+        for line in plan["why"]:  # what each rejected action would have cost (Note [Plan report])
+            _C.log("info", "tierflow " + line)
 
     def probe(self, plan: dict) -> list:
         """Sets each split block's exact first rows; returns the blocks where no split op is exact."""

@@ -56,7 +56,8 @@ def plan(blocks: list, links: Any, budgets: Any, mode: Optional[str] = None) -> 
     profiles = [block_profile(b) if isinstance(b, dict) else b for b in blocks]
     args = (profiles, links_struct(links), budgets_struct(budgets))
     if mode is None:
-        return plan_dict(_C.plan_activations(*args))
+        planned = _C.plan_activations(*args)
+        return dict(plan_dict(planned), why=_C.explain_plan(planned, *args))
     if mode not in _C.BlockMode.__members__:
         raise _C.ConfigError(f"block mode {mode!r}; accepted: {', '.join(_C.BlockMode.__members__)}")
     return plan_dict(_C.forced_plan(*args, _C.BlockMode.__members__[mode]))

@@ -100,6 +100,11 @@ struct PlanReport {
   std::string json;                ///< the --json output (nlohmann::json, keys in a fixed order)
 };
 
+/// Why each block's action won, one line per block: the plan's step and device peak had that block alone
+/// taken each rejected action, and why it lost (the same lines as the command's; auto logs them).
+std::vector<std::string> explain_plan(const Plan& plan, const std::vector<BlockProfile>& blocks, const Links& links,
+                                      const Budgets& budgets);
+
 /// The text and JSON of `plan`, made by plan_activations from `blocks` and `budgets`; see Note [Plan report].
 PlanReport describe_plan(const Plan& plan, const std::vector<BlockProfile>& blocks, const PlanCommandInputs& inputs,
                          const PlanCommandBudgets& budgets);
