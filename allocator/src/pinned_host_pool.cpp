@@ -299,4 +299,14 @@ PinnedHostPoolStats PinnedHostPool::stats() const {
   return s;
 }
 
+const std::vector<StatField<PinnedHostPoolStats>>& pinned_pool_stat_fields() {
+  using S = PinnedHostPoolStats;
+  static const std::vector<StatField<S>> fields = {
+      {"slab_allocations", &S::slab_allocations},   {"block_allocations", &S::block_allocations},
+      {"failed_allocations", &S::failed_allocations}, {"fenced_frees", &S::fenced_frees},
+      {"fence_waits", &S::fence_waits},             {"late_writes", &S::late_writes},
+  };
+  return fields;
+}
+
 }  // namespace tierflow::allocator

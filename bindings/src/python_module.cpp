@@ -102,33 +102,11 @@ const std::vector<StatField<Acts>> kPrefetchFields = {
     {"stall_ms", &Acts::stall_ns, nullptr, 1e-6},
     {"unprefetched", &Acts::unprefetched},
 };
-using Pool = allocator::PinnedHostPoolStats;
-const std::vector<StatField<Pool>> kPoolFields = {
-    {"slab_allocations", &Pool::slab_allocations},
-    {"block_allocations", &Pool::block_allocations},
-    {"failed_allocations", &Pool::failed_allocations},
-    {"fenced_frees", &Pool::fenced_frees},
-    {"fence_waits", &Pool::fence_waits},
-    {"late_writes", &Pool::late_writes},
-};
-using Links = swap::CopyEngineStats;
-const std::vector<StatField<Links>> kLinkFields = {
-    {"gpu_to_host_bytes", &Links::d2h_bytes},
-    {"host_to_gpu_bytes", &Links::h2d_bytes},
-    {"gpu_to_host_ops", &Links::d2h_ops},
-    {"host_to_gpu_ops", &Links::h2d_ops},
-};
 const std::vector<StatField<OptimizerStats>> kOptimizerFields = {
     {"steps", &OptimizerStats::steps},
     {"elements", &OptimizerStats::elements},
     {"step_ms", &OptimizerStats::step_ns, nullptr, 1e-6},
 };
-using Emulated = swap::EmulatedCopyStats;
-const std::vector<StatField<Emulated>> kEmulatedFields = {
-    {"unordered_copies", &Emulated::unordered_copies},
-    {"delayed_copies", &Emulated::delayed_copies},
-};
-
 }  // namespace
 
 py::dict runtime_stats(const Runtime& rt) {
@@ -140,7 +118,7 @@ py::dict runtime_stats(const Runtime& rt) {
   acts["device_bytes"] = stat_dict(a.device_bytes);
   acts["host_bytes"] = stat_dict(a.host_bytes);
   acts["nvme_bytes"] = stat_dict(a.nvme_bytes);
-  py::dict host = stat_dict(pool, kPoolFields);
+  py::dict host = stat_dict(pool, allocator::pinned_pool_stat_fields());
   host["budget_bytes"] = rt.host_pool()->budget_bytes();
   host["pinned"] = rt.host_pool()->cuda_pinned();
   host["in_use"] = stat_dict(pool.in_use);
@@ -148,7 +126,7 @@ py::dict runtime_stats(const Runtime& rt) {
   py::dict optd = stat_dict(rt.optimizer_stats(), kOptimizerFields);
   optd["threads"] = rt.cpu_threads();
   optd["isa"] = std::string(optimizer::to_string(rt.cpu_isa()));
-  py::dict emu = stat_dict(swap::emulated_copy_stats(*rt.copy_engine()), kEmulatedFields);
+  py::dict emu = stat_dict(swap::emulated_copy_stats(*rt.copy_engine()), swap::emulated_copy_stat_fields());
   emu["mode"] = rt.device_kind() == allocator::DeviceKind::kEmulated
                     ? std::string(to_string(rt.config().emulated_device)) : std::string("n/a");
   if (rt.adversarial()) check_device_memory_quarantine();
@@ -161,7 +139,7 @@ py::dict runtime_stats(const Runtime& rt) {
   out["activations"] = acts;
   out["prefetch"] = stat_dict(a, kPrefetchFields);
   out["host_pool"] = host;
-  out["links"] = stat_dict(rt.copy_engine()->stats(), kLinkFields);
+  out["links"] = stat_dict(rt.copy_engine()->stats(), swap::copy_engine_stat_fields());
   out["optimizer"] = optd;
   return out;
 }

@@ -111,4 +111,22 @@ std::unique_ptr<CopyEngine> make_copy_engine(allocator::DeviceKind kind, std::sh
                                               : make_emulated_copy_engine(std::move(faults), options);
 }
 
+const std::vector<StatField<CopyEngineStats>>& copy_engine_stat_fields() {
+  using S = CopyEngineStats;
+  static const std::vector<StatField<S>> fields = {
+      {"gpu_to_host_bytes", &S::d2h_bytes}, {"host_to_gpu_bytes", &S::h2d_bytes},
+      {"gpu_to_host_ops", &S::d2h_ops},     {"host_to_gpu_ops", &S::h2d_ops},
+  };
+  return fields;
+}
+
+const std::vector<StatField<EmulatedCopyStats>>& emulated_copy_stat_fields() {
+  using S = EmulatedCopyStats;
+  static const std::vector<StatField<S>> fields = {
+      {"unordered_copies", &S::unordered_copies},
+      {"delayed_copies", &S::delayed_copies},
+  };
+  return fields;
+}
+
 }  // namespace tierflow::swap

@@ -205,3 +205,20 @@ TEST(CopyEngine, InjectedDeviceToHostFailuresTravelThroughTheHandle) {
   EXPECT_EQ(up, src);
   EXPECT_EQ(faults->fail_d2h_copies.load(), 0);
 }
+
+TEST(CopyEngine, StatFieldsAreTheReportsLinks) {
+  // Note [Stat fields]: the report's "links" dict comes from this table.
+  auto engine = swap::make_copy_engine(allocator::DeviceKind::kEmulated);
+  std::vector<char> host(1000), dev(1000, 7);
+  engine->copy(swap::Direction::kDeviceToHost, host.data(), dev.data(), dev.size(), {}, engine->compute_stream(nullptr))
+      .wait();
+  const auto s = engine->stats();
+  std::vector<std::string> names;
+  for (const auto& f : swap::copy_engine_stat_fields()) names.push_back(f.name);
+  EXPECT_EQ(names, (std::vector<std::string>{"gpu_to_host_bytes", "host_to_gpu_bytes", "gpu_to_host_ops",
+                                             "host_to_gpu_ops"}));
+  EXPECT_EQ(swap::copy_engine_stat_fields()[0].of(s), 1000.0);
+  EXPECT_EQ(swap::copy_engine_stat_fields()[2].of(s), 1.0);
+  EXPECT_EQ(swap::emulated_copy_stat_fields().size(), 2u);
+  EXPECT_STREQ(swap::emulated_copy_stat_fields()[0].name, "unordered_copies");
+}

@@ -221,3 +221,19 @@ TEST(PinnedHostPool, SlabsComeThroughTheBudgetAndStatisticsAdaptors) {
   EXPECT_NE(d, nullptr);
   for (void* p : {a, b, d}) pool.deallocate(p);
 }
+
+TEST(PinnedHostPool, StatFieldsNameEachCounterOnce) {
+  // Note [Stat fields]: the report's host_pool dict comes from this table.
+  PinnedHostPool pool(opts(4 << 20, 1 << 20));
+  void* p = pool.allocate(4096);
+  EXPECT_THROW(pool.allocate(64 << 20), out_of_memory);
+  pool.deallocate(p);
+  const auto s = pool.stats();
+  std::vector<std::string> names;
+  for (const auto& f : pinned_pool_stat_fields()) names.push_back(f.name);
+  EXPECT_EQ(names, (std::vector<std::string>{"slab_allocations", "block_allocations", "failed_allocations",
+                                             "fenced_frees", "fence_waits", "late_writes"}));
+  EXPECT_EQ(pinned_pool_stat_fields()[1].of(s), static_cast<double>(s.block_allocations));
+  EXPECT_EQ(pinned_pool_stat_fields()[1].of(s), 1.0);
+  EXPECT_EQ(pinned_pool_stat_fields()[2].of(s), 1.0) << "the refused request";
+}

@@ -65,6 +65,9 @@ struct PinnedHostPoolStats {
   std::uint64_t late_writes = 0;       ///< quarantined blocks found written after they were freed
 };
 
+/// PinnedHostPoolStats' exported counters (Note [Stat fields]); in_use and reserved are StatValues.
+const std::vector<StatField<PinnedHostPoolStats>>& pinned_pool_stat_fields();
+
 /// Thread-safe pool of page-locked host memory with a budget.
 class PinnedHostPool {
  public:

@@ -51,6 +51,9 @@ struct CopyEngineStats {
   std::uint64_t h2d_ops = 0;    ///< copies host -> device
 };
 
+/// CopyEngineStats' exported fields (Note [Stat fields]): the report's "links".
+const std::vector<StatField<CopyEngineStats>>& copy_engine_stat_fields();
+
 /// Test hook for the emulated engine: slows its copies so tests can hold
 /// transfers in flight at a chosen moment.
 struct CopyFaults {
@@ -77,6 +80,9 @@ struct EmulatedCopyStats {
   std::uint64_t unordered_copies = 0;  ///< copies that named no stream: their destination was poisoned
   std::uint64_t delayed_copies = 0;    ///< copies that were held back by a random delay
 };
+
+/// EmulatedCopyStats' exported fields (Note [Stat fields]).
+const std::vector<StatField<EmulatedCopyStats>>& emulated_copy_stat_fields();
 
 /// Asynchronous copies between the GPU tier and host memory.
 ///
