@@ -97,6 +97,12 @@ void bind_auto_plan(py::module_& m) {
                                                     : optimizer_traffic(Config::parse({}, config)));
   }, py::arg("record"), py::arg("config") = std::map<std::string, std::string>{},
         "The BlockProfile of a measured block under `config` (TIERFLOW_* texts; Note [Auto plan phases]).");
+  py::class_<PlanWithoutBlocks>(m, "PlanWithoutBlocks", "The plan of a model without repeated blocks.")
+      .def_readonly("keep_all", &PlanWithoutBlocks::keep_all)
+      .def_readonly("predicted_device_peak_bytes", &PlanWithoutBlocks::predicted_device_peak_bytes)
+      .def_readonly("summary", &PlanWithoutBlocks::summary);
+  m.def("plan_without_blocks", &plan_without_blocks, py::arg("saved_bytes"), py::arg("budgets"),
+        "Keep everything when what a step saved fits, else swap it all (Note [Auto plan phases]).");
   py::class_<SessionBudgetInputs> inputs(m, "SessionBudgetInputs", "What session_budgets is computed from.");
   inputs.def(py::init<>())
       .def_readwrite("device_budget_bytes", &SessionBudgetInputs::device_budget_bytes)

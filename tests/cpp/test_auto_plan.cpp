@@ -151,3 +151,18 @@ TEST(AutoPlanTraffic, TheCpuOptimizersTrafficInsideTheBlocks) {
   EXPECT_EQ(busy.download_bytes, 4096u);
   EXPECT_EQ(busy.forward_seconds, quiet.forward_seconds) << "the rest of the profile is unchanged";
 }
+
+TEST(AutoPlanWithoutBlocks, KeepsEverythingWhenTheStepsSavesFit) {
+  Budgets b;
+  b.device_bytes = 10 << 20;
+  b.fixed_device_bytes = 4 << 20;
+  PlanWithoutBlocks p = plan_without_blocks(6 << 20, b);
+  EXPECT_TRUE(p.keep_all);
+  EXPECT_EQ(p.predicted_device_peak_bytes, 10u << 20);
+  EXPECT_EQ(p.summary, "no blocks; the 6.00 MiB a step saves fit (device peak 10.00 MiB of 10.00 MiB): keep everything");
+  p = plan_without_blocks((6 << 20) + 1, b);
+  EXPECT_FALSE(p.keep_all) << "one byte over the budget";
+  EXPECT_EQ(p.predicted_device_peak_bytes, 4u << 20) << "everything swapped: the rest of training only";
+  EXPECT_NE(p.summary.find("do not fit"), std::string::npos);
+  EXPECT_NE(p.summary.find("swap every saved tensor to the host"), std::string::npos);
+}

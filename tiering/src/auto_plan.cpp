@@ -2,6 +2,7 @@
 #include "tierflow/tiering/auto_plan.hpp"
 
 #include <algorithm>
+#include <cstdio>
 
 namespace tierflow::tiering {
 
@@ -40,6 +41,22 @@ BlockProfile measured_block_profile(const BlockRecord& r, OptimizerTraffic traff
   p.cheap_recompute_seconds = std::max(fwd - split_s - attention_s, 0.0);
   p.splittable = r.has_split_ops;
   p.transient_bytes = kTransientPerInput * r.input_bytes;
+  return p;
+}
+
+PlanWithoutBlocks plan_without_blocks(std::uint64_t saved_bytes, const Budgets& budgets) {
+  auto mib = [](std::uint64_t n) {
+    char buf[48];
+    std::snprintf(buf, sizeof buf, "%.2f MiB", static_cast<double>(n) / (1 << 20));
+    return std::string(buf);
+  };
+  PlanWithoutBlocks p;
+  const std::uint64_t peak = budgets.fixed_device_bytes + saved_bytes;
+  p.keep_all = peak <= budgets.device_bytes;
+  p.predicted_device_peak_bytes = p.keep_all ? peak : budgets.fixed_device_bytes;
+  p.summary = "no blocks; the " + mib(saved_bytes) + " a step saves " + (p.keep_all ? "fit" : "do not fit") +
+              " (device peak " + mib(peak) + " of " + mib(budgets.device_bytes) + "): " +
+              (p.keep_all ? "keep everything" : "swap every saved tensor to the host");
   return p;
 }
 

@@ -135,18 +135,13 @@ class AutoPlanner:
         """No blocks to plan: keep every saved tensor when the first step's fit beside what training holds,
         else go on swapping them all (the first step swapped them, so it fit wherever anything fits)."""
         saved = int(self.session.runtime.stats()["activations"]["offloaded_bytes"])
-        budgets = self.budgets({"blocks": []})
-        peak = budgets["fixed_device_bytes"] + saved
-        self.keep_all = peak <= budgets["device_bytes"]
-        summary = (f"no blocks; the {_fmt(saved)} a step saves fit (device peak {_fmt(peak)} of "
-                   f"{_fmt(budgets['device_bytes'])}): keep everything" if self.keep_all else
-                   f"no blocks; the {_fmt(saved)} a step saves do not fit (device peak {_fmt(peak)} of "
-                   f"{_fmt(budgets['device_bytes'])}): swap every saved tensor to the host")
-        self.plan = {"summary": summary, "blocks": [], "lines": [],
-                     "predicted_device_peak_bytes": peak if self.keep_all else budgets["fixed_device_bytes"],
+        decided = _C.plan_without_blocks(saved, _C.Budgets(**self.budgets({"blocks": []})))
+        self.keep_all = decided.keep_all
+        self.plan = {"summary": decided.summary, "blocks": [], "lines": [],
+                     "predicted_device_peak_bytes": decided.predicted_device_peak_bytes,
                      "predicted_step_seconds": None}
         self.phases.planned()
-        _C.log("warn", "tierflow activation plan: " + summary)
+        _C.log("warn", "tierflow activation plan: " + decided.summary)
 
     def measure(self) -> dict:
         rt = self.session.runtime
@@ -232,10 +227,6 @@ class AutoPlanner:
                 r.remove()
             else:
                 r.install()
-
-
-def _fmt(n: int) -> str:
-    return f"{n / (1 << 20):.2f} MiB"
 
 
 def _saved(b: dict) -> int:

@@ -45,6 +45,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "tierflow/core/config.hpp"
@@ -129,6 +130,16 @@ struct SessionBudgetInputs {
   bool optimizer_on_device = false;       ///< TIERFLOW_OFFLOAD_OPTIMIZER=none
   std::uint64_t measured_peak_bytes = 0;  ///< the timed forward's device peak (0: not measured)
 };
+
+/// The plan of a model without repeated blocks (Note [Auto plan phases]).
+struct PlanWithoutBlocks {
+  bool keep_all = false;                      ///< what a step saves fits beside the rest of training
+  std::uint64_t predicted_device_peak_bytes = 0;
+  std::string summary;                        ///< the logged line
+};
+/// Keep every saved tensor when the `saved_bytes` a step saved (all swapped in the first step) fit within the
+/// device budget beside fixed_device_bytes; else go on swapping them all.
+PlanWithoutBlocks plan_without_blocks(std::uint64_t saved_bytes, const Budgets& budgets);
 
 /// The planner's budgets for `blocks` (Note [Auto plan phases]).
 Budgets session_budgets(const SessionBudgetInputs& in, const std::vector<BlockProfile>& blocks) noexcept;
