@@ -46,11 +46,6 @@ optimizer::ParamLayout layout(const at::Tensor& p) {
   return {p.is_cpu(), p.scalar_type() == at::kFloat, p.is_contiguous()};
 }
 
-// The retry marks' view of a gradient tensor (Note [C++ CpuAdamW faults]).
-optimizer::GradIdentity grad_identity(const at::Tensor& grad) {
-  return {reinterpret_cast<std::uintptr_t>(grad.unsafeGetTensorImpl()), static_cast<std::int64_t>(grad._version())};
-}
-
 }  // namespace
 
 CpuAdamW::CpuAdamW(std::shared_ptr<Runtime> runtime, const std::vector<torch::optim::OptimizerParamGroup>& param_groups,

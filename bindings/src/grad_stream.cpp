@@ -259,7 +259,7 @@ void GradStream::stream_locked(std::size_t i) {
     releasing_.push_back(i);
     stats_.grads_released += 1;
   }
-  if (ledger_.streamed(i, identity(grad), options_.offload_gradients)) launch_locked(bucket);
+  if (ledger_.streamed(i, grad_identity(grad), options_.offload_gradients)) launch_locked(bucket);
 }
 
 void GradStream::launch_locked(std::size_t bi) {

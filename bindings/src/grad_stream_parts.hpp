@@ -8,15 +8,11 @@
 #include <cstdint>
 #include <memory>
 
+#include "tierflow/bindings/dtypes.hpp"
 #include "tierflow/bindings/grad_stream.hpp"
 
 namespace tierflow::bindings {
 
-// The ledger's view of a gradient tensor (Note [Step ledger]).
-inline optimizer::GradIdentity identity(const at::Tensor& grad) {
-  if (!grad.defined()) return {};
-  return {reinterpret_cast<std::uintptr_t>(grad.unsafeGetTensorImpl()), grad._version()};
-}
 
 // The tensors and transfers of a slot; what happens to its step is the ledger's.
 struct GradStream::Slot {

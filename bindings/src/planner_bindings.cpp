@@ -92,11 +92,15 @@ void bind_auto_plan(py::module_& m) {
       .def_readwrite("forward_seconds", &BlockRecord::forward_seconds)
       .def_readwrite("parameter_bytes", &BlockRecord::parameter_bytes);
   init_from_kwargs(record);
-  m.def("measured_block_profile", [](const BlockRecord& r, const std::map<std::string, std::string>& config) {
-    return measured_block_profile(r, config.empty() ? OptimizerTraffic{}
-                                                    : optimizer_traffic(Config::parse({}, config)));
-  }, py::arg("record"), py::arg("config") = std::map<std::string, std::string>{},
-        "The BlockProfile of a measured block under `config` (TIERFLOW_* texts; Note [Auto plan phases]).");
+  py::class_<OptimizerTraffic>(m, "OptimizerTraffic", "What the CPU optimizer moves over the link inside a block.")
+      .def(py::init<>())
+      .def_readonly("weights_up_in_forward", &OptimizerTraffic::weights_up_in_forward)
+      .def_readonly("grads_down_in_backward", &OptimizerTraffic::grads_down_in_backward);
+  m.def("optimizer_traffic", [](const std::map<std::string, std::string>& config) {
+    return optimizer_traffic(Config::parse({}, config));
+  }, py::arg("config"), "The optimizer's traffic inside the blocks for these TIERFLOW_* texts (Note [Auto plan phases]).");
+  m.def("measured_block_profile", &measured_block_profile, py::arg("record"), py::arg("traffic") = OptimizerTraffic{},
+        "The BlockProfile of a measured block (Note [Auto plan phases]).");
   py::class_<PlanWithoutBlocks>(m, "PlanWithoutBlocks", "The plan of a model without repeated blocks.")
       .def_readonly("keep_all", &PlanWithoutBlocks::keep_all)
       .def_readonly("predicted_device_peak_bytes", &PlanWithoutBlocks::predicted_device_peak_bytes)

@@ -1,4 +1,5 @@
-// torch's dtypes as the CPU and CUDA Adam kernels name them (optimizer/).
+// torch's tensors as optimizer/ names them: dtypes for the CPU and CUDA Adam
+// kernels, and a gradient's identity for the step ledger and retry marks.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -9,6 +10,7 @@
 
 #include "tierflow/core/error.hpp"
 #include "tierflow/optimizer/scalar_type.hpp"
+#include "tierflow/optimizer/step_ledger.hpp"
 
 namespace tierflow::bindings {
 
@@ -27,6 +29,13 @@ inline optimizer::ScalarType optimizer_type(at::ScalarType t, std::string_view w
       throw config_error(who + ": dtype " + std::string(c10::toString(t)) + "; accepted: float32, bfloat16, float16");
     }
   }
+}
+
+/// A gradient as optimizer::StepLedger and StepRetryMarks see it: its TensorImpl and version (Note [Step
+/// ledger]); an undefined tensor is the empty identity.
+inline optimizer::GradIdentity grad_identity(const at::Tensor& grad) {
+  if (!grad.defined()) return {};
+  return {reinterpret_cast<std::uintptr_t>(grad.unsafeGetTensorImpl()), static_cast<std::int64_t>(grad._version())};
 }
 
 }  // namespace tierflow::bindings

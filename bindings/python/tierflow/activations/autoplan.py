@@ -20,13 +20,13 @@ from .profile import BLOCK_FIELDS, PROFILE_FORMAT, PROFILE_VERSION, profile_from
 from .runner import BlockRunner
 from .table import probe_table
 
-def block_profile(runner: BlockRunner, config: Optional[dict] = None) -> dict:
+def block_profile(runner: BlockRunner, traffic: Any = None) -> dict:
     """One profile block from a runner's recorded table and timings (tiering::BlockTable::record,
-    tiering::measured_block_profile), with the optimizer's traffic of `config` (tiering::optimizer_traffic)."""
+    tiering::measured_block_profile), with the optimizer's `traffic` inside it (tiering::optimizer_traffic; none by default)."""
     seconds = statistics.median(runner.forward_seconds) if runner.forward_seconds else 0.0
     record = runner.table.core.record(seconds)
     record.parameter_bytes = sum(p.numel() * p.element_size() for p in runner.module.parameters())
-    return fields_of(_C.measured_block_profile(record, config or {}), BLOCK_FIELDS)
+    return fields_of(_C.measured_block_profile(record, traffic or _C.OptimizerTraffic()), BLOCK_FIELDS)
 
 
 class AutoPlanner:
@@ -147,6 +147,7 @@ class AutoPlanner:
         rt = self.session.runtime
         device = self._device()
         links = measure_links(rt, device)
+        traffic = _C.optimizer_traffic(self.session.config)  # the same for every block
         if rt.has_nvme_tier:  # Note [NVMe probe]: through the engine, every path, O_DIRECT
             probe = _C.nvme_probe_bytes(int(rt.nvme_available_bytes()))
             while probe > 0:
@@ -156,7 +157,7 @@ class AutoPlanner:
                 except _C.OutOfMemoryError:  # the free space is in pieces: a smaller block
                     probe = _C.next_nvme_probe_bytes(probe)
         return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION,
-                "blocks": [block_profile(r, self.session.config) for r in self.runners], "links": links}
+                "blocks": [block_profile(r, traffic) for r in self.runners], "links": links}
 
     def _cuda(self) -> bool:
         return self._device().type == "cuda"
@@ -186,13 +187,13 @@ class AutoPlanner:
     def make_plan(self, profile: dict) -> None:
         budgets = self.budgets(profile)
         blocks = [dict(b) for b in profile["blocks"]]
-        plan = make_plan_dict(blocks, profile["links"], budgets)
+        plan = make_plan_dict(blocks, profile["links"], budgets, explain=True)
         # A split is exact only where the suffix matmul gives the full one's bits (Note [Activation plans]).
         unsplittable = self.probe(plan)
         if unsplittable:
             for i in unsplittable:
                 blocks[i]["splittable"] = False
-            plan = make_plan_dict(blocks, profile["links"], budgets)
+            plan = make_plan_dict(blocks, profile["links"], budgets, explain=True)
             self.probe(plan)
         self.apply(plan)
         self.plan = plan
