@@ -18,7 +18,7 @@ ActivationOffloader::ActivationOffloader(ActivationOffloaderOptions options,
                                          std::shared_ptr<swap::NvmeEngine> nvme)
     : options_(options),
       engine_(std::move(engine)),
-      schedule_(options.schedule),
+      saved_(options.schedule, options.min_offload_bytes),
       pipeline_(pipeline_options(), std::move(pool), engine_, std::move(nvme)) {}
 
 ActivationOffloader::~ActivationOffloader() = default;
@@ -46,7 +46,7 @@ const c10::Storage& storage_of(const swap::DeviceBuffer& buffer) {
 }  // namespace
 
 void ActivationOffloader::follow_pipeline(std::uint64_t id, swap::StagedState to) {
-  auto& reg = schedule_.registry();
+  auto& reg = saved_.schedule().registry();
   const auto block = static_cast<BlockId>(id);
   const Residence r = tiering::residence_of(to);
   if (reg.residence(block) != r) reg.transition(block, r);
@@ -105,32 +105,33 @@ int no_offload_depth() noexcept { return t_no_offload_depth; }
 void ActivationOffloader::begin_forward() {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
   pipeline_.poll();
-  schedule_.begin_forward();
+  saved_.schedule().begin_forward();
   by_storage_.clear();
-  if (blocks_.size() > schedule_.registry().size()) blocks_.resize(schedule_.registry().size());
+  if (blocks_.size() > saved_.schedule().registry().size()) blocks_.resize(saved_.schedule().registry().size());
 }
 
 std::shared_ptr<SavedHandle> ActivationOffloader::pack(const at::Tensor& t, PackTarget target) {
   auto handle = std::make_shared<SavedHandle>();
   std::lock_guard<std::recursive_mutex> lock(mutex_);
-  ++stats_.packs;
-  if (!t.defined()) {
-    handle->passthrough = t;
-    return handle;
+  tiering::SavedTensorFacts facts;  // Note [Saved-tensor decisions]
+  facts.defined = t.defined();
+  if (facts.defined) pipeline_.poll();
+  facts.managed = facts.defined && managed(t);
+  const void* key = nullptr;
+  std::shared_ptr<SavedBlock> existing;
+  if (facts.managed) {
+    key = t.storage().unsafeGetStorageImpl();
+    auto param = parameter_index_.find(key);
+    facts.parameter = (param != parameter_index_.end() && !parameters_[param->second].expired()) ||
+                      (t.is_leaf() && t.requires_grad());
+    auto found = by_storage_.find(key);
+    if (found != by_storage_.end()) existing = found->second.lock();
+    facts.saved_already = existing && existing->version == t._version() && existing->device == t.device();
+    facts.bytes = t.storage().nbytes();
+    facts.in_no_offload_region = no_offload_depth() > 0;
   }
-  pipeline_.poll();
-  if (!managed(t)) {
-    ++stats_.skipped_unmanaged;
-    handle->passthrough = t;
-    return handle;
-  }
-  const c10::Storage& storage = t.storage();
-  const void* key = storage.unsafeGetStorageImpl();
-  auto param = parameter_index_.find(key);
-  const bool is_registered_param =
-      param != parameter_index_.end() && !parameters_[param->second].expired();
-  if (is_registered_param || (t.is_leaf() && t.requires_grad())) {
-    ++stats_.skipped_parameters;
+  const tiering::PackChoice c = saved_.pack(facts, target, has_nvme());
+  if (c.verdict == tiering::PackVerdict::kPassThrough) {
     handle->passthrough = t;
     return handle;
   }
@@ -138,59 +139,36 @@ std::shared_ptr<SavedHandle> ActivationOffloader::pack(const at::Tensor& t, Pack
   handle->strides = t.strides().vec();
   handle->storage_offset = t.storage_offset();
   handle->dtype = t.scalar_type();
-
-  const std::int64_t version = t._version();
-  auto found = by_storage_.find(key);
-  if (found != by_storage_.end()) {
-    auto existing = found->second.lock();
-    if (existing && existing->version == version && existing->device == t.device()) {
-      ++stats_.dedup_hits;
-      handle->block = std::move(existing);
-      return handle;
-    }
+  if (c.verdict == tiering::PackVerdict::kSameBlock) {
+    handle->block = std::move(existing);
+    return handle;
   }
-
-  const std::size_t nbytes = storage.nbytes();
-  const bool small = nbytes < options_.min_offload_bytes;
-  const bool region = no_offload_depth() > 0;
-  const tiering::PackDirective directive = target == PackTarget::kPolicy ? tiering::PackDirective::kPolicy
-                                           : target == PackTarget::kKeep ? tiering::PackDirective::kKeep
-                                                                         : tiering::PackDirective::kOffload;
-  const bool to_nvme = has_nvme() &&
-                       (target == PackTarget::kNvme ||
-                        (target == PackTarget::kPolicy && options_.schedule.target == OffloadTarget::kNvme));
-  tiering::PackDecision d = schedule_.on_pack(nbytes, !small && !region, directive);
+  const c10::Storage& storage = t.storage();
   auto block = std::make_shared<SavedBlock>(storage.getWeakStorageImpl());
-  block->id = d.id;
+  block->id = c.id;
   block->owner = shared_from_this();  // from here on its destructor releases it, whatever throws below
-  block->nbytes = nbytes;
+  block->nbytes = facts.bytes;
   block->device = t.device();
-  block->version = version;
+  block->version = t._version();
   block->kept = storage;
-  if (blocks_.size() <= d.id) blocks_.resize(d.id + 1);
-  blocks_[d.id] = block;
-  if (!d.offload) {
-    if (small) ++stats_.kept_small;
-    else if (region) ++stats_.kept_region;
-  } else {
+  if (blocks_.size() <= c.id) blocks_.resize(c.id + 1);
+  blocks_[c.id] = block;
+  if (c.offload) {
     // The copy reads the storage without materializing it (data(), not
     // mutable_data(): a copy-on-write storage stays shared).
     swap::DeviceBuffer src{const_cast<void*>(storage.data()), std::make_shared<c10::Storage>(storage)};
     block->staged = true;  // so that its release reaches the pipeline, whatever throws below
     block->kept = c10::Storage();
-    if (pipeline_.offload(d.id, std::move(src), nbytes, t.device().index(),
-                          to_nvme ? swap::StagedTarget::kNvme : swap::StagedTarget::kHost,
+    if (pipeline_.offload(c.id, std::move(src), facts.bytes, t.device().index(), c.to,
                           current_stream(t.device()))) {
-      ++stats_.offloaded_blocks;
-      stats_.offloaded_bytes += nbytes;
+      saved_.offloaded(facts.bytes);
     } else {
       block->staged = false;
       block->kept = storage;
-      if (stats_.host_fallbacks++ == 0) {
+      if (saved_.host_full(c.id)) {
         log(LogLevel::kWarn, "pinned host pool full (TIERFLOW_HOST_MEMORY): saved activations "
                              "that do not fit stay on the device");
       }
-      schedule_.registry().transition(d.id, Residence::kResident);
     }
   }
   by_storage_[key] = block;
@@ -205,54 +183,42 @@ void ActivationOffloader::prefetch_locked(BlockId id) {
   // The pipeline moves the registry on (follow_pipeline): kept by forwarding,
   // or on its way back; without staging now the block is left as it was and
   // its unpack fetches it.
-  if (pipeline_.fetch(id) == swap::FetchResult::kStarted) ++stats_.prefetched_blocks;
+  if (pipeline_.fetch(id) == swap::FetchResult::kStarted) saved_.prefetched();
 }
 
 void ActivationOffloader::begin_backward() {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
   pipeline_.poll();
-  for (BlockId id : schedule_.begin_backward()) prefetch_locked(id);
+  for (BlockId id : saved_.schedule().begin_backward()) prefetch_locked(id);
 }
 
 at::Tensor ActivationOffloader::unpack(const std::shared_ptr<SavedHandle>& handle) {
   TIERFLOW_EXPECTS(handle != nullptr, "unpack: null handle");
   if (!handle->block) return handle->passthrough;
   std::lock_guard<std::recursive_mutex> lock(mutex_);
-  ++stats_.unpacks;
   pipeline_.poll();
   SavedBlock& b = *handle->block;
   TIERFLOW_EXPECTS(!b.released, "unpack: saved tensor block " + std::to_string(b.id) +
                                     " was already released");
-  auto& reg = schedule_.registry();
-  const bool first_read = !schedule_.consumed(b.id);
-  switch (reg.residence(b.id)) {
-    case Residence::kInFlightToHost:  // its copy to the host is still running: keep the device copy
+  auto& reg = saved_.schedule().registry();
+  const bool ready = reg.residence(b.id) == Residence::kInFlightToDevice && pipeline_.copy_to_device_ready(b.id);
+  switch (saved_.read(b.id, ready, pipeline_.offloaded(b.id))) {  // Note [Saved-tensor decisions]
+    case tiering::ReadServe::kForward:  // its copy to the host is still running: keep the device copy
       pipeline_.fetch(b.id);
-      ++stats_.forwarded;
       break;
-    case Residence::kOnHost:  // nobody prefetched it: fetch now and wait
-    case Residence::kOnNvme:
-      ++stats_.unprefetched;
+    case tiering::ReadServe::kFetchNow:  // nobody prefetched it: fetch now and wait
       prefetch_locked(b.id);
-      ++stats_.stalls;
       break;
-    case Residence::kInFlightToDevice:
-      if (pipeline_.copy_to_device_ready(b.id)) ++stats_.prefetch_hits;
-      else ++stats_.stalls;
-      break;
-    case Residence::kResident:
-      if (pipeline_.offloaded(b.id) && first_read) ++stats_.prefetch_hits;  // forwarded by a prefetch
-      break;
-    case Residence::kReleased:
+    case tiering::ReadServe::kAsIs:
       break;
   }
   if (tiering::off_device(reg.residence(b.id))) pipeline_.fetch_or_throw(b.id);
   if (reg.residence(b.id) == Residence::kInFlightToDevice) {
     const std::uint64_t t0 = now_ns();
     pipeline_.complete_fetch(b.id);  // the current stream waits for the copy; raises a failed read
-    stats_.stall_ns += now_ns() - t0;
+    saved_.stalled_for(now_ns() - t0);
   }
-  for (BlockId next : schedule_.on_unpack(b.id)) prefetch_locked(next);
+  for (BlockId next : saved_.schedule().on_unpack(b.id)) prefetch_locked(next);
 
   at::Tensor out = at::empty({0}, at::TensorOptions().dtype(handle->dtype).device(b.device));
   out.set_(b.staged ? storage_of(pipeline_.device_copy(b.id)) : b.kept, handle->storage_offset, handle->sizes,
@@ -270,7 +236,7 @@ void ActivationOffloader::release(SavedBlock& b) noexcept {
     return;
   }
   try {
-    schedule_.registry().transition(b.id, Residence::kReleased);
+    saved_.schedule().registry().transition(b.id, Residence::kReleased);
   } catch (const std::exception& e) {
     log(LogLevel::kError, std::string("saved tensor release: ") + e.what());
   }
@@ -283,26 +249,12 @@ void ActivationOffloader::synchronize() {
 
 ActivationOffloaderStats ActivationOffloader::stats() const {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
-  ActivationOffloaderStats s = stats_;
-  const swap::StagedPipelineStats& p = pipeline_.stats();
-  s.offload_waits = p.offload_waits;
-  s.offload_wait_ns = p.offload_wait_ns;
-  s.staging_waits = p.staging_waits;
-  s.nvme_writes = p.nvme_writes;
-  s.nvme_write_bytes = p.nvme_write_bytes;
-  s.nvme_reads = p.nvme_reads;
-  s.nvme_forwarded = p.nvme_forwarded;
-  s.nvme_write_failures = p.nvme_write_failures;
-  s.nvme_full = p.nvme_full;
-  s.device_bytes = schedule_.registry().device_bytes().values();
-  s.host_bytes = schedule_.registry().host_bytes().values();
-  s.nvme_bytes = schedule_.registry().nvme_bytes().values();
-  return s;
+  return saved_.stats(pipeline_.stats());
 }
 
 void ActivationOffloader::reset_peaks() {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
-  schedule_.registry().reset_peaks();
+  saved_.schedule().registry().reset_peaks();
 }
 
 }  // namespace tierflow::bindings

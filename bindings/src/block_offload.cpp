@@ -20,16 +20,12 @@ struct BlockOffload::Shared {
   std::shared_ptr<ActivationOffloader> host;
   std::shared_ptr<ActivationOffloader> nvme;  // null without an NVMe engine
   tiering::BlockActionTable actions{BlockAction::kKeep, false};  // Note [C++ block actions]
-  bool started = false;          // a block ran since creation
-  std::size_t last_block = 0;    // index of the previous call
-  bool backward_started = false; // this step's backward reached a swapped block
-  BlockOffloadStats stats;
+  tiering::BlockCalls calls;     // forwards, what each call does, counters (Note [C++ block actions])
 
   // The first swapped block backward reaches starts every offloader's prefetch.
   void reached_backward() {
     std::lock_guard<std::mutex> lock(mutex);
-    if (backward_started) return;
-    backward_started = true;
+    if (!calls.reached_backward()) return;
     host->begin_backward();
     if (nvme) nvme->begin_backward();
   }
@@ -203,8 +199,7 @@ struct BlockFunction : torch::autograd::Function<BlockFunction> {
                                     /*create_graph=*/false, /*allow_unused=*/true);
     {
       std::lock_guard<std::mutex> lock(state->shared->mutex);
-      state->shared->stats.reruns += 1;
-      state->shared->stats.rerun_ns += now_ns() - t0;
+      state->shared->calls.rerun(now_ns() - t0);
     }
     // One gradient per argument of forward: none for the state, then the input, then each parameter.
     torch::autograd::variable_list result(2 + n_params);
@@ -265,44 +260,23 @@ BlockAction BlockOffload::action(std::size_t block) const {
 
 at::Tensor BlockOffload::forward(std::size_t block, const BlockForward& fn, const at::Tensor& input,
                                  const std::vector<at::Tensor>& parameters) {
-  const BlockAction a = action(block);
+  bool needs_graph = at::GradMode::is_enabled() && input.requires_grad();
+  for (const auto& p : parameters) needs_graph = needs_graph || (at::GradMode::is_enabled() && p.requires_grad());
+  tiering::BlockCall call;
   {
     std::lock_guard<std::mutex> lock(shared_->mutex);
-    if (!shared_->started || block <= shared_->last_block) {
-      shared_->stats.forwards += 1;
-      shared_->backward_started = false;
+    call = shared_->calls.call(block, shared_->actions.action(block), needs_graph);
+    if (call.new_forward) {
       shared_->host->begin_forward();
       if (shared_->nvme) shared_->nvme->begin_forward();
     }
-    shared_->started = true;
-    shared_->last_block = block;
   }
-  bool needs_graph = at::GradMode::is_enabled() && input.requires_grad();
-  for (const auto& p : parameters) needs_graph = needs_graph || (at::GradMode::is_enabled() && p.requires_grad());
-  if (a == BlockAction::kKeep || !needs_graph) {
-    std::lock_guard<std::mutex> lock(shared_->mutex);
-    shared_->stats.kept += 1;
-    return fn(input);
-  }
+  if (call.action == BlockAction::kKeep) return fn(input);
   auto state = c10::make_intrusive<BlockState>();
   state->fn = fn;
   state->shared = shared_;
-  {
-    std::lock_guard<std::mutex> lock(shared_->mutex);
-    switch (a) {
-      case BlockAction::kSwapHost:
-        state->offloader = shared_->host;
-        shared_->stats.swapped_host += 1;
-        break;
-      case BlockAction::kSwapNvme:
-        state->offloader = shared_->nvme;
-        shared_->stats.swapped_nvme += 1;
-        break;
-      default:
-        shared_->stats.recomputed += 1;
-        break;
-    }
-  }
+  if (call.action == BlockAction::kSwapHost) state->offloader = shared_->host;
+  if (call.action == BlockAction::kSwapNvme) state->offloader = shared_->nvme;
   return BlockFunction::apply(state, input, at::TensorList(parameters));
 }
 
@@ -313,7 +287,7 @@ void BlockOffload::synchronize() {
 
 BlockOffloadStats BlockOffload::stats() const {
   std::lock_guard<std::mutex> lock(shared_->mutex);
-  return shared_->stats;
+  return shared_->calls.stats();
 }
 
 ActivationOffloaderStats BlockOffload::host_stats() const { return shared_->host->stats(); }

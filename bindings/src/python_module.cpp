@@ -70,38 +70,6 @@ namespace {
 
 // The exported fields of the runtime's statistics (Note [Stat fields]), one
 // table per dict of tierflow.report(): a name is written once, here.
-using Acts = ActivationOffloaderStats;
-const std::vector<StatField<Acts>> kActivationFields = {
-    {"packs", &Acts::packs},
-    {"skipped_parameters", &Acts::skipped_parameters},
-    {"skipped_unmanaged", &Acts::skipped_unmanaged},
-    {"dedup_hits", &Acts::dedup_hits},
-    {"kept_small", &Acts::kept_small},
-    {"kept_region", &Acts::kept_region},
-    {"host_fallbacks", &Acts::host_fallbacks},
-    {"offloaded_blocks", &Acts::offloaded_blocks},
-    {"offloaded_bytes", &Acts::offloaded_bytes},
-    {"offload_waits", &Acts::offload_waits},
-    {"offload_wait_ms", &Acts::offload_wait_ns, nullptr, 1e-6},
-    {"unpacks", &Acts::unpacks},
-};
-const std::vector<StatField<Acts>> kNvmeFields = {
-    {"writes", &Acts::nvme_writes},
-    {"write_bytes", &Acts::nvme_write_bytes},
-    {"reads", &Acts::nvme_reads},
-    {"forwarded", &Acts::nvme_forwarded},
-    {"write_failures", &Acts::nvme_write_failures},
-    {"full", &Acts::nvme_full},
-    {"staging_waits", &Acts::staging_waits},
-};
-const std::vector<StatField<Acts>> kPrefetchFields = {
-    {"prefetched_blocks", &Acts::prefetched_blocks},
-    {"hits", &Acts::prefetch_hits},
-    {"forwarded", &Acts::forwarded},
-    {"stalls", &Acts::stalls},
-    {"stall_ms", &Acts::stall_ns, nullptr, 1e-6},
-    {"unprefetched", &Acts::unprefetched},
-};
 const std::vector<StatField<OptimizerStats>> kOptimizerFields = {
     {"steps", &OptimizerStats::steps},
     {"elements", &OptimizerStats::elements},
@@ -113,8 +81,8 @@ py::dict runtime_stats(const Runtime& rt) {
   rt.host_pool()->reap();
   const auto a = rt.activations()->stats();
   const auto pool = rt.host_pool()->stats();
-  py::dict acts = stat_dict(a, kActivationFields);
-  acts["nvme"] = stat_dict(a, kNvmeFields);
+  py::dict acts = stat_dict(a, tiering::saved_tensor_stat_fields());
+  acts["nvme"] = stat_dict(a, tiering::saved_tensor_nvme_stat_fields());
   acts["device_bytes"] = stat_dict(a.device_bytes);
   acts["host_bytes"] = stat_dict(a.host_bytes);
   acts["nvme_bytes"] = stat_dict(a.nvme_bytes);
@@ -137,7 +105,7 @@ py::dict runtime_stats(const Runtime& rt) {
   out["device"] = std::string(allocator::to_string(rt.device_kind()));
   out["emulated"] = emu;
   out["activations"] = acts;
-  out["prefetch"] = stat_dict(a, kPrefetchFields);
+  out["prefetch"] = stat_dict(a, tiering::saved_tensor_prefetch_stat_fields());
   out["host_pool"] = host;
   out["links"] = stat_dict(rt.copy_engine()->stats(), swap::copy_engine_stat_fields());
   out["optimizer"] = optd;

@@ -57,13 +57,7 @@ void bind_runtime_tiers(py::class_<Runtime, std::shared_ptr<Runtime>>& c) {
       })
       .def("pack", [](Runtime& rt, const at::Tensor& t) { return rt.activations()->pack(t); })
       .def("pack_to", [](Runtime& rt, const at::Tensor& t, const std::string& target) {
-        PackTarget to = PackTarget::kPolicy;
-        if (target == "keep") to = PackTarget::kKeep;
-        else if (target == "host") to = PackTarget::kHost;
-        else if (target == "nvme") to = PackTarget::kNvme;
-        else if (target != "policy")
-          throw config_error("Runtime.pack_to: target '" + target + "'; accepted: policy, keep, host, nvme");
-        return rt.activations()->pack(t, to);
+        return rt.activations()->pack(t, tiering::parse_pack_target(target));
       }, "pack() with a block plan's decision: policy, keep, host or nvme.")
       .def_property_readonly("has_nvme_tier", [](Runtime& rt) { return rt.activations()->has_nvme(); })
       .def("device_budget_bytes", [](Runtime& rt) { return rt.tiers().device_budget_bytes(); },
@@ -199,6 +193,8 @@ void bind_runtime_nvme_optimizer(py::class_<Runtime, std::shared_ptr<Runtime>>& 
 namespace tierflow::bindings::pymod {
 
 void bind_runtime(py::module_& m) {
+  m.def("one_cuda_device", &tiering::one_cuda_device, py::arg("cuda_indices"), py::arg("current"),
+        "Why a model on these CUDA devices cannot be wrapped while `current` is current ('' when it can).");
   py::class_<SavedHandle, std::shared_ptr<SavedHandle>>(m, "SavedHandle",
       "What autograd keeps for one saved tensor while tierflow manages it.");
 

@@ -78,3 +78,41 @@ TEST(BlockActions, SwapNvmeWithoutTheTierIsRefusedAndChangesNothing) {
   EXPECT_EQ(with_nvme.action(1), BlockAction::kSwapNvme);
   EXPECT_EQ(to_string(BlockAction::kSwapNvme), "swap-nvme");
 }
+
+TEST(BlockCalls, ABlockIndexNotAboveThePreviousStartsAForward) {
+  BlockCalls calls;
+  EXPECT_TRUE(calls.call(0, BlockAction::kSwapHost, true).new_forward);
+  EXPECT_FALSE(calls.call(1, BlockAction::kSwapHost, true).new_forward);
+  EXPECT_FALSE(calls.call(3, BlockAction::kSwapHost, true).new_forward);  // a skipped index is the same pass
+  EXPECT_TRUE(calls.call(3, BlockAction::kSwapHost, true).new_forward);   // the same block again: a new pass
+  EXPECT_TRUE(calls.call(1, BlockAction::kSwapHost, true).new_forward);
+  EXPECT_EQ(calls.stats().forwards, 3u);
+}
+
+TEST(BlockCalls, ACallWithNothingToDifferentiateJustRunsAndEachActionIsCounted) {
+  BlockCalls calls;
+  EXPECT_EQ(calls.call(0, BlockAction::kSwapNvme, false).action, BlockAction::kKeep);
+  EXPECT_EQ(calls.call(1, BlockAction::kSwapNvme, true).action, BlockAction::kSwapNvme);
+  EXPECT_EQ(calls.call(2, BlockAction::kSwapHost, true).action, BlockAction::kSwapHost);
+  EXPECT_EQ(calls.call(3, BlockAction::kRecompute, true).action, BlockAction::kRecompute);
+  EXPECT_EQ(calls.call(4, BlockAction::kKeep, true).action, BlockAction::kKeep);
+  const BlockCallStats& s = calls.stats();
+  EXPECT_EQ(s.kept, 2u);
+  EXPECT_EQ(s.swapped_nvme, 1u);
+  EXPECT_EQ(s.swapped_host, 1u);
+  EXPECT_EQ(s.recomputed, 1u);
+}
+
+TEST(BlockCalls, OnlyTheFirstBackwardOfAStepStartsThePrefetch) {
+  BlockCalls calls;
+  calls.call(0, BlockAction::kSwapHost, true);
+  calls.call(1, BlockAction::kSwapHost, true);
+  EXPECT_TRUE(calls.reached_backward());
+  EXPECT_FALSE(calls.reached_backward());
+  calls.rerun(5);
+  calls.rerun(7);
+  calls.call(0, BlockAction::kSwapHost, true);  // the next step
+  EXPECT_TRUE(calls.reached_backward());
+  EXPECT_EQ(calls.stats().reruns, 2u);
+  EXPECT_EQ(calls.stats().rerun_ns, 12u);
+}

@@ -137,3 +137,14 @@ TEST(Tiers, NvmeEngineOnlyWhereATargetNeedsIt) {
   EXPECT_GT(bw.write_bytes_per_second, 0.0);
   EXPECT_GT(bw.read_bytes_per_second, 0.0);
 }
+
+TEST(Tiers, OneCudaDeviceNamesTheDevicesAndWhatToDo) {
+  EXPECT_EQ(one_cuda_device({}, 0), "");       // a CPU model
+  EXPECT_EQ(one_cuda_device({1, 1}, 1), "");   // on the current device
+  const std::string other = one_cuda_device({1}, 0);
+  EXPECT_NE(other.find("the model is on cuda:1 but the current CUDA device is cuda:0"), std::string::npos);
+  EXPECT_NE(other.find("torch.cuda.set_device(1)"), std::string::npos);
+  EXPECT_NE(other.find("CUDA_VISIBLE_DEVICES=1"), std::string::npos);
+  const std::string across = one_cuda_device({2, 0, 2}, 0);
+  EXPECT_NE(across.find("are on cuda:0, cuda:2: tierflow drives one GPU per process"), std::string::npos);
+}

@@ -70,4 +70,42 @@ BlockAction BlockActionTable::action(std::size_t block) const noexcept {
   return default_action_;
 }
 
+BlockCall BlockCalls::call(std::size_t block, BlockAction action, bool needs_graph) {
+  BlockCall c;
+  c.new_forward = !started_ || block <= last_block_;
+  if (c.new_forward) {
+    stats_.forwards += 1;
+    backward_started_ = false;
+  }
+  started_ = true;
+  last_block_ = block;
+  c.action = needs_graph ? action : BlockAction::kKeep;
+  switch (c.action) {
+    case BlockAction::kKeep:
+      stats_.kept += 1;
+      break;
+    case BlockAction::kSwapHost:
+      stats_.swapped_host += 1;
+      break;
+    case BlockAction::kSwapNvme:
+      stats_.swapped_nvme += 1;
+      break;
+    case BlockAction::kRecompute:
+      stats_.recomputed += 1;
+      break;
+  }
+  return c;
+}
+
+bool BlockCalls::reached_backward() noexcept {
+  if (backward_started_) return false;
+  backward_started_ = true;
+  return true;
+}
+
+void BlockCalls::rerun(std::uint64_t ns) noexcept {
+  stats_.reruns += 1;
+  stats_.rerun_ns += ns;
+}
+
 }  // namespace tierflow::tiering

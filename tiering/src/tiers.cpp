@@ -92,6 +92,27 @@ Tiers::Tiers(const Config& config, swap::NvmeFaults* nvme_faults, std::shared_pt
   if (settings_.nvme) nvme_ = std::make_shared<swap::NvmeEngine>(settings_.nvme_options);
 }
 
+std::string one_cuda_device(std::vector<int> cuda, int current) {
+  std::sort(cuda.begin(), cuda.end());
+  cuda.erase(std::unique(cuda.begin(), cuda.end()), cuda.end());
+  if (cuda.size() > 1) {
+    std::string on;
+    for (int i : cuda) on += (on.empty() ? "cuda:" : ", cuda:") + std::to_string(i);
+    return "tierflow.wrap: the model's parameters and buffers are on " + on +
+           ": tierflow drives one GPU per process; put the model on one device, and use one process per GPU "
+           "(DistributedDataParallel) for more";
+  }
+  if (!cuda.empty() && cuda[0] != current) {
+    const std::string d = std::to_string(cuda[0]);
+    return "tierflow.wrap: the model is on cuda:" + d + " but the current CUDA device is cuda:" +
+           std::to_string(current) +
+           ": tierflow makes its copy streams on the current device, so its copies would be ordered on the wrong "
+           "GPU; call torch.cuda.set_device(" + d + ") before tierflow.wrap (or run the process with "
+           "CUDA_VISIBLE_DEVICES=" + d + ")";
+  }
+  return {};
+}
+
 std::uint64_t Tiers::device_budget_bytes() const {
   return config_.gpu_memory.resolve(allocator::device_capacity_bytes(settings_.device));
 }

@@ -214,22 +214,10 @@ def wrap(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
 
 
 def one_cuda_device(devices: "set[torch.device]", current: int) -> Optional[str]:
-    """Why a model on ``devices`` cannot be wrapped while CUDA device ``current`` is current, or None.
-
-    The runtime makes its copy streams and events on the current device when wrap runs, and orders each copy
-    after the stream torch uses on the tensor's device: a model on another GPU would have its copies issued on
-    the wrong GPU's streams, and a model across GPUs has no one device for them."""
-    cuda = sorted({current if d.index is None else d.index for d in devices if d.type == "cuda"})
-    if len(cuda) > 1:
-        return (f"tierflow.wrap: the model's parameters and buffers are on {', '.join(f'cuda:{i}' for i in cuda)}: "
-                "tierflow drives one GPU per process; put the model on one device, and use one process per GPU "
-                "(DistributedDataParallel) for more")
-    if cuda and cuda[0] != current:
-        return (f"tierflow.wrap: the model is on cuda:{cuda[0]} but the current CUDA device is cuda:{current}: "
-                "tierflow makes its copy streams on the current device, so its copies would be ordered on the "
-                f"wrong GPU; call torch.cuda.set_device({cuda[0]}) before tierflow.wrap (or run the process with "
-                f"CUDA_VISIBLE_DEVICES={cuda[0]})")
-    return None
+    """Why a model on ``devices`` cannot be wrapped while CUDA device ``current`` is current, or None
+    (tiering::one_cuda_device decides and words it)."""
+    return _C.one_cuda_device([current if d.index is None else d.index for d in devices if d.type == "cuda"],
+                              current) or None
 
 
 def _optimizer_chain(optimizer: Any) -> list:

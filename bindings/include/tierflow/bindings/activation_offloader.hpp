@@ -3,27 +3,18 @@
 // Note [Saved-tensor offload]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // Autograd calls pack() for every tensor it saves in forward and unpack()
-// when backward needs it. pack() leaves parameters alone (they live on the
-// device anyway), keeps unmanaged tensors (sparse, conjugate views, tensors
-// of another device) as they are, and registers every other storage once per
-// forward: a storage saved twice at the same version is one block (dedup).
-// The ActivationSchedule decides per block: keep it, or copy the whole
-// storage to a pinned host block through the copy engine (the D2H stream).
-// The device storage is dropped as soon as that copy completes, observed on
-// the next hook call. Backward start (a gradient hook on the model's output)
-// and every unpack top up the prefetch window in the recorded order; unpack
-// rebuilds the exact tensor view (sizes, strides, offset, dtype) over the
-// restored storage, so results are bit-identical to not offloading. A read
-// while the host copy is still in flight is served from the device copy
-// (forwarding). A full host pool means the block stays on the device and a
-// fallback is counted; training never fails for lack of offload space.
-// The movement itself (host staging, the bound on copies to the host in
-// flight, by the prefetch window; NVMe write-behind and read-ahead,
-// forwarding, bounded staging, failures) is Note [Staged pipeline]
-// (swap/staged_pipeline.hpp): each offloaded storage is a block of a
-// swap::StagedPipeline, and the offloader follows the block's states in the
-// schedule's registry. With the NVMe target the last blocks of the graph stay
-// on the device (keep_tail_bytes).
+// when backward needs it. What each saved tensor gets (passed through, the
+// block its storage already is, or a new block kept or offloaded) and how a
+// read is served are decided in tiering::SavedTensors (Note [Saved-tensor
+// decisions]); the hooks find the torch facts those decisions need and carry
+// them out. An offloaded block is a block of a swap::StagedPipeline (Note
+// [Staged pipeline]: host staging, the bound on copies to the host in flight,
+// NVMe write-behind and read-ahead, forwarding, failures), whose states the
+// offloader follows in the schedule's registry; backward start and every
+// unpack top up the prefetch window in the recorded order (Note
+// [Recorded-order prefetch]). unpack rebuilds the exact tensor view (sizes,
+// strides, offset, dtype) over the restored storage, so results are
+// bit-identical to not offloading.
 //
 // Stream ordering (the rules of Note [Copy ordering], applied here): the copy
 // to the host names the stream current at pack() (the one whose kernel wrote
@@ -48,6 +39,7 @@
 #include "tierflow/swap/nvme_engine.hpp"
 #include "tierflow/swap/staged_pipeline.hpp"
 #include "tierflow/tiering/activation_schedule.hpp"
+#include "tierflow/tiering/saved_tensors.hpp"
 
 namespace tierflow::bindings {
 
@@ -57,37 +49,8 @@ struct ActivationOffloaderOptions {
   std::uint64_t min_offload_bytes = 64 << 10;   ///< smaller storages stay on the device
 };
 
-/// Counters of the offloader since creation.
-struct ActivationOffloaderStats {
-  std::uint64_t packs = 0;              ///< tensors autograd saved
-  std::uint64_t skipped_parameters = 0; ///< parameters and leaves requiring grad, not copied
-  std::uint64_t skipped_unmanaged = 0;  ///< other devices, sparse, conjugate views
-  std::uint64_t dedup_hits = 0;         ///< saves of a storage already saved
-  std::uint64_t kept_small = 0;         ///< blocks kept: below the size threshold
-  std::uint64_t kept_region = 0;        ///< blocks kept: inside tierflow.no_offload()
-  std::uint64_t host_fallbacks = 0;     ///< blocks kept: host pool budget full
-  std::uint64_t offloaded_blocks = 0;   ///< blocks copied to the host
-  std::uint64_t offloaded_bytes = 0;    ///< bytes copied to the host
-  std::uint64_t offload_waits = 0;      ///< forward waited for a copy to the host (window full)
-  std::uint64_t offload_wait_ns = 0;    ///< time spent in those waits
-  std::uint64_t prefetched_blocks = 0;  ///< host->device copies started ahead of need
-  std::uint64_t unpacks = 0;            ///< tensors backward read
-  std::uint64_t prefetch_hits = 0;      ///< reads of offloaded blocks already back on the device
-  std::uint64_t forwarded = 0;          ///< reads served from a device copy not yet dropped
-  std::uint64_t stalls = 0;             ///< reads that had to wait for their copy
-  std::uint64_t stall_ns = 0;           ///< time spent in those waits
-  std::uint64_t unprefetched = 0;       ///< reads of blocks nobody had prefetched
-  std::uint64_t nvme_writes = 0;        ///< blocks written to NVMe (write-behind from staging)
-  std::uint64_t nvme_write_bytes = 0;   ///< bytes written to NVMe
-  std::uint64_t nvme_reads = 0;         ///< blocks read back from NVMe
-  std::uint64_t nvme_forwarded = 0;     ///< prefetches served from staging while the write was pending
-  std::uint64_t nvme_write_failures = 0;///< failed NVMe writes: the block stayed in host memory
-  std::uint64_t nvme_full = 0;          ///< blocks kept in host memory: NVMe tier full
-  std::uint64_t staging_waits = 0;      ///< times a transfer waited for staging memory (back-pressure)
-  StatValues device_bytes;              ///< bytes of saved activations held on the device
-  StatValues host_bytes;                ///< bytes of saved activations held on the host
-  StatValues nvme_bytes;                ///< bytes of saved activations held on NVMe only (Note [Block residences])
-};
+/// Counters of the offloader since creation (Note [Saved-tensor decisions]).
+using ActivationOffloaderStats = tiering::SavedTensorStats;
 
 class ActivationOffloader;
 struct SavedBlock;
@@ -119,9 +82,7 @@ struct SavedHandle {
   at::ScalarType dtype = at::kFloat;
 };
 
-/// Where pack() sends one tensor: kPolicy follows TIERFLOW_OFFLOAD_ACTIVATIONS;
-/// the others carry a block plan's decision (Note [Activation plans]).
-enum class PackTarget : std::uint8_t { kPolicy, kKeep, kHost, kNvme };
+using tiering::PackTarget;
 
 /// The pack/unpack hooks and their state. Thread-safe.
 class ActivationOffloader : public std::enable_shared_from_this<ActivationOffloader> {
@@ -170,13 +131,12 @@ class ActivationOffloader : public std::enable_shared_from_this<ActivationOffloa
   ActivationOffloaderOptions options_;
   std::shared_ptr<swap::CopyEngine> engine_;
   mutable std::recursive_mutex mutex_;
-  tiering::ActivationSchedule schedule_;
+  tiering::SavedTensors saved_;  // the decisions and counters (Note [Saved-tensor decisions])
   std::vector<std::weak_ptr<SavedBlock>> blocks_;      // by BlockId
   std::unordered_map<const void*, std::weak_ptr<SavedBlock>> by_storage_;  // this forward
   std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> parameters_;
   std::unordered_map<const void*, std::size_t> parameter_index_;
-  ActivationOffloaderStats stats_;
-  swap::StagedPipeline pipeline_;  // offloaded blocks by BlockId; last, as its states update schedule_
+  swap::StagedPipeline pipeline_;  // offloaded blocks by BlockId; last, as its states update saved_
 };
 
 /// One storage's bytes as tierflow manages them.

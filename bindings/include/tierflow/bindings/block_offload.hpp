@@ -97,16 +97,8 @@ using tiering::to_string;
 /// A block's forward: one tensor in, one tensor out.
 using BlockForward = std::function<at::Tensor(const at::Tensor&)>;
 
-/// Counters of a BlockOffload since creation.
-struct BlockOffloadStats {
-  std::uint64_t forwards = 0;         ///< forward passes (block 0 seen again)
-  std::uint64_t kept = 0;             ///< block calls with kKeep (or autograd off)
-  std::uint64_t swapped_host = 0;     ///< block calls whose input went to the host tier
-  std::uint64_t swapped_nvme = 0;     ///< block calls whose input went to the NVMe tier
-  std::uint64_t recomputed = 0;       ///< block calls with kRecompute
-  std::uint64_t reruns = 0;           ///< block forwards rerun in backward
-  std::uint64_t rerun_ns = 0;         ///< time spent in those reruns
-};
+/// Counters of a BlockOffload since creation (tiering::BlockCalls).
+using BlockOffloadStats = tiering::BlockCallStats;
 
 /// Runs a trainer's blocks under per-block plans; see Note [C++ block offload].
 /// Thread-safe; one per model.

@@ -19,6 +19,13 @@
 // a block saves (no saved-tensor hooks), which the planner needs, so a C++
 // plan comes from a plan applied to the table. kSwapNvme needs the NVMe tier;
 // the table refuses it otherwise, with a message naming the settings.
+//
+// Each call of a block (BlockCalls::call) runs with its table action, except
+// that a call with nothing for autograd to differentiate (grad mode off, or
+// neither the input nor a parameter requiring grad) simply runs, as kKeep. A
+// call whose block index is not greater than the previous call's starts a
+// new forward pass (block 0 again, or a shorter model); the first swapped
+// block that backward reaches in a step starts every tier's prefetch.
 #pragma once
 
 #include <cstddef>
@@ -75,6 +82,44 @@ class BlockActionTable {
   BlockAction default_action_;
   bool has_nvme_tier_;
   std::vector<std::optional<BlockAction>> actions_;
+};
+
+/// Counters of a C++ trainer's block calls since creation.
+struct BlockCallStats {
+  std::uint64_t forwards = 0;         ///< forward passes (block 0 seen again)
+  std::uint64_t kept = 0;             ///< block calls with kKeep (or autograd off)
+  std::uint64_t swapped_host = 0;     ///< block calls whose input went to the host tier
+  std::uint64_t swapped_nvme = 0;     ///< block calls whose input went to the NVMe tier
+  std::uint64_t recomputed = 0;       ///< block calls with kRecompute
+  std::uint64_t reruns = 0;           ///< block forwards rerun in backward
+  std::uint64_t rerun_ns = 0;         ///< time spent in those reruns
+};
+
+/// What one block call does (Note [C++ block actions]).
+struct BlockCall {
+  bool new_forward = false;              ///< a forward pass starts with this call
+  BlockAction action = BlockAction::kKeep;  ///< what to carry out (kKeep: just run the block)
+};
+
+/// The block calls of one model: forward passes, the action each call
+/// carries out, the first backward of a step, and their counters
+/// (Note [C++ block actions]). Not thread-safe.
+class BlockCalls {
+ public:
+  /// Block `block`, whose table action is `action`, is called; `needs_graph`:
+  /// autograd has something to differentiate in it.
+  BlockCall call(std::size_t block, BlockAction action, bool needs_graph);
+  /// Backward reached a swapped block: true for the first in this step (start the prefetch).
+  bool reached_backward() noexcept;
+  /// A block was rerun in backward, taking `ns`.
+  void rerun(std::uint64_t ns) noexcept;
+  const BlockCallStats& stats() const noexcept { return stats_; }
+
+ private:
+  bool started_ = false;           // a block ran since creation
+  std::size_t last_block_ = 0;     // index of the previous call
+  bool backward_started_ = false;  // this step's backward reached a swapped block
+  BlockCallStats stats_;
 };
 
 }  // namespace tierflow::tiering

@@ -29,6 +29,8 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "tierflow/allocator/device.hpp"
 #include "tierflow/allocator/pinned_host_pool.hpp"
@@ -57,6 +59,14 @@ struct TierSettings {
 /// machine or version cannot serve. `nvme_faults` (tests only) goes to the
 /// NVMe engine. Reads the free space of each NVMe path.
 TierSettings tier_settings(const Config& config, swap::NvmeFaults* nvme_faults = nullptr);
+
+/// Why a model whose CUDA parameters and buffers are on devices
+/// `cuda_indices` cannot be driven while CUDA device `current` is current
+/// (empty when it can). The runtime makes its copy streams on the current
+/// device and orders each copy after the stream of the tensor's device: a
+/// model on another GPU would have its copies ordered on the wrong GPU's
+/// streams, and a model across GPUs has no one device for them.
+std::string one_cuda_device(std::vector<int> cuda_indices, int current);
 
 /// The tiers of one run: the pinned host pool, the copy engine and the NVMe engine.
 class Tiers {
