@@ -354,7 +354,10 @@ void bind_planner(py::module_& m) {
         "The plan of least predicted step time within the budgets; raises OutOfMemoryError saying what is needed.");
   m.def("forced_plan", &forced_plan, py::arg("blocks"), py::arg("links"), py::arg("budgets"), py::arg("mode"),
         "Every block in `mode` (split: MEMO's link rule for alpha), with the same predictions.");
-  m.def("evaluate_plan", &evaluate_plan, py::arg("blocks"), py::arg("links"), py::arg("budgets"),
+  m.def("evaluate_plan",
+        static_cast<Plan (*)(const std::vector<BlockProfile>&, const Links&, const Budgets&, std::vector<BlockPlan>)>(
+            &evaluate_plan),
+        py::arg("blocks"), py::arg("links"), py::arg("budgets"),
         py::arg("assignment"), "The model's predictions for a given per-block assignment.");
 
   m.def("average_same_shape_blocks", &average_same_shape_blocks, py::arg("blocks"),

@@ -163,16 +163,26 @@ auto on_off_parser(bool Config::*field) {
   };
 }
 
-// `activations`: the activation-only values auto and recompute are accepted too.
-auto target_parser(OffloadTarget Config::*field, bool activations) {
-  return [field, activations](Config& c, std::string_view name, std::string_view v) {
+// Which values of OffloadTarget a placement setting accepts beyond none, host and nvme.
+enum class TargetValues : std::uint8_t {
+  kTiers,        ///< none, host, nvme (the optimizer)
+  kTiersAuto,    ///< and auto (parameters)
+  kActivations,  ///< and recompute and auto (activations)
+};
+
+auto target_parser(OffloadTarget Config::*field, TargetValues values) {
+  return [field, values](Config& c, std::string_view name, std::string_view v) {
     std::string s = lower(trim(v));
     if (s == "none") c.*field = OffloadTarget::kNone;
     else if (s == "host") c.*field = OffloadTarget::kHost;
     else if (s == "nvme") c.*field = OffloadTarget::kNvme;
-    else if (s == "auto" && activations) c.*field = OffloadTarget::kAuto;
-    else if (s == "recompute" && activations) c.*field = OffloadTarget::kRecompute;
-    else bad_value(name, v, activations ? "one of none, host, nvme, recompute, auto" : "one of none, host, nvme");
+    else if (s == "auto" && values != TargetValues::kTiers) c.*field = OffloadTarget::kAuto;
+    else if (s == "recompute" && values == TargetValues::kActivations) c.*field = OffloadTarget::kRecompute;
+    else
+      bad_value(name, v,
+                values == TargetValues::kActivations ? "one of none, host, nvme, recompute, auto"
+                : values == TargetValues::kTiersAuto ? "one of none, host, nvme, auto"
+                                                     : "one of none, host, nvme");
   };
 }
 
@@ -248,14 +258,18 @@ std::vector<Row> placement_rows() {
       "every one to the pinned host pool (NVMe); recompute swaps each block's input and "
       "recomputes the block in backward; auto plans per block (keep, swap a share of the "
       "tokens, recompute) from the first step's measurements within TIERFLOW_GPU_MEMORY"},
-     target_parser(&Config::offload_activations, true)},
-    {{"TIERFLOW_OFFLOAD_PARAMS", "none", "one of none, host, nvme",
-      "where parameters live between uses (only none is implemented in this version)"},
-     target_parser(&Config::offload_params, false)},
+     target_parser(&Config::offload_activations, TargetValues::kActivations)},
+    {{"TIERFLOW_OFFLOAD_PARAMS", "none", "one of none, host, nvme, auto",
+      "where each block's 16-bit parameters live between uses: none keeps them on the device; host "
+      "(nvme) fetches every block's from the pinned host pool (NVMe, needs TIERFLOW_NVME_PATHS) ahead of "
+      "its forward and backward; auto plans per block with the activations within TIERFLOW_GPU_MEMORY "
+      "(Note [Parameter residency]; refused until the torch side carries it out: "
+      "tiering::params_offload_refusal)"},
+     target_parser(&Config::offload_params, TargetValues::kTiersAuto)},
     {{"TIERFLOW_OFFLOAD_OPTIMIZER", "host", "one of none, host, nvme",
       "where optimizer states and fp32 master weights live and step: host runs tierflow's CPU "
       "AdamW, none leaves the optimizer as it is"},
-     target_parser(&Config::offload_optimizer, false)},
+     target_parser(&Config::offload_optimizer, TargetValues::kTiers)},
     {{"TIERFLOW_CPU_THREADS", "auto", "auto or an integer from 1 to 1024",
       "threads of the CPU optimizer's oneTBB arena; auto uses every core"},
      [](Config& c, std::string_view name, std::string_view v) {

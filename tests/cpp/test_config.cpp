@@ -98,6 +98,16 @@ TEST(Config, ToStringsParsesBack) {
   EXPECT_EQ(again.to_strings(), c.to_strings());
 }
 
+TEST(Config, OffloadParamsParsesEveryTierAndAuto) {
+  EXPECT_EQ(Config::parse({{"TIERFLOW_OFFLOAD_PARAMS", "none"}}).offload_params, OffloadTarget::kNone);
+  EXPECT_EQ(Config::parse({{"TIERFLOW_OFFLOAD_PARAMS", "host"}}).offload_params, OffloadTarget::kHost);
+  EXPECT_EQ(Config::parse({{"TIERFLOW_OFFLOAD_PARAMS", " NVMe "}}).offload_params, OffloadTarget::kNvme);
+  EXPECT_EQ(Config::parse({{"TIERFLOW_OFFLOAD_PARAMS", "auto"}}).offload_params, OffloadTarget::kAuto);
+  EXPECT_EQ(Config::parse({}, {{"offload_params", "auto"}}).offload_params, OffloadTarget::kAuto);
+  // The optimizer still takes no auto.
+  expect_error({{"TIERFLOW_OFFLOAD_OPTIMIZER", "auto"}}, {}, {"TIERFLOW_OFFLOAD_OPTIMIZER", "one of none, host, nvme"});
+}
+
 TEST(Config, UnknownVariableNamesTheClosest) {
   expect_error({{"TIERFLOW_HOST_MEMROY", "1GiB"}}, {},
                {"TIERFLOW_HOST_MEMROY", "did you mean TIERFLOW_HOST_MEMORY"});
@@ -119,7 +129,8 @@ TEST(Config, BadValuesNameVariableValueAndForms) {
   expect_error({{"TIERFLOW_NVME_MEMORY", ""}}, {}, {"TIERFLOW_NVME_MEMORY"});
   expect_error({{"TIERFLOW_OFFLOAD_ACTIVATIONS", "disk"}}, {},
                {"TIERFLOW_OFFLOAD_ACTIVATIONS", "'disk'", "none, host, nvme, recompute, auto"});
-  expect_error({{"TIERFLOW_OFFLOAD_PARAMS", "auto"}}, {}, {"TIERFLOW_OFFLOAD_PARAMS", "none, host, nvme"});
+  expect_error({{"TIERFLOW_OFFLOAD_PARAMS", "recompute"}}, {},
+               {"TIERFLOW_OFFLOAD_PARAMS", "'recompute'", "one of none, host, nvme, auto"});
   expect_error({{"TIERFLOW_OFFLOAD_OPTIMIZER", "gpu"}}, {}, {"TIERFLOW_OFFLOAD_OPTIMIZER", "'gpu'"});
   expect_error({{"TIERFLOW_CPU_THREADS", "0"}}, {}, {"TIERFLOW_CPU_THREADS", "'0'", "auto or an integer"});
   expect_error({{"TIERFLOW_CPU_THREADS", "two"}}, {}, {"TIERFLOW_CPU_THREADS", "'two'"});

@@ -83,6 +83,17 @@ TEST(TierSettings, SettingsThisVersionCannotServeAreRefused) {
   EXPECT_NE(m.find("'/no/such/tierflow/dir' is not an accessible directory"), std::string::npos) << m;
 }
 
+TEST(TierSettings, ParameterOffloadIsRefusedAtOnePointAndNvmeNeedsPaths) {
+  EXPECT_EQ(params_offload_refusal(config({})), "");
+  for (const char* v : {"host", "auto", "nvme"}) {
+    const std::string why = params_offload_refusal(config({{"TIERFLOW_OFFLOAD_PARAMS", v}}));
+    EXPECT_NE(why.find(std::string("TIERFLOW_OFFLOAD_PARAMS='") + v + "'"), std::string::npos) << why;
+    EXPECT_NE(why.find("accepted here: none"), std::string::npos) << why;
+  }
+  const std::string m = refusal(config({{"TIERFLOW_OFFLOAD_PARAMS", "nvme"}}));
+  EXPECT_NE(m.find("TIERFLOW_OFFLOAD_PARAMS='nvme' needs TIERFLOW_NVME_PATHS"), std::string::npos) << m;
+}
+
 TEST(TierSettings, WhichTargetsGetAnNvmeEngine) {
   TempDir d;
   const std::string paths = d.path.string();

@@ -6,11 +6,13 @@
 #include <array>
 #include <cmath>
 #include <cstdio>
+#include <optional>
 #include <string>
 #include <tuple>
 
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/size.hpp"
+#include "tierflow/tiering/detail/plan_params.hpp"
 #include "tierflow/tiering/detail/plan_search.hpp"
 
 namespace tierflow::tiering {
@@ -52,10 +54,12 @@ Phases block_phases(const BlockProfile& p, const Links& links, BlockMode mode, S
   }
   const auto bw = bandwidth(links, tier);
   const double up = static_cast<double>(p.upload_bytes), down = static_cast<double>(p.download_bytes);
+  const double fetch = static_cast<double>(p.fetch_bytes);  // fetched parameters, each phase (0: resident)
+  const bool fetch_nvme = fetch > 0 && p.fetch_tier == Tier::kNvme;
   // The compute share applies to a phase that copies at alpha = 0 already (a split swaps its input), so it is
   // one constant per phase and the time stays linear in alpha between breakpoints.
-  const double c_fwd = base + up > 0 ? links.compute_share_during_copies : 1.0;
-  const double c_bwd = base + down > 0 ? links.compute_share_during_copies : 1.0;
+  const double c_fwd = base + up + fetch > 0 ? links.compute_share_during_copies : 1.0;
+  const double c_bwd = base + down + fetch > 0 ? links.compute_share_during_copies : 1.0;
   const double k = down > 0 ? links.copy_share_during_cpu_step : 1.0;
   // A line in alpha for `bytes0 + bytes_slope * alpha` bytes at `speed` bytes/s (no bytes: no line).
   auto transfer = [](std::vector<Line>& out, double bytes0, double bytes_slope, double speed) {
@@ -66,12 +70,18 @@ Phases block_phases(const BlockProfile& p, const Links& links, BlockMode mode, S
   Phases ph;
   ph.forward.push_back({p.forward_seconds / c_fwd, 0});
   transfer(ph.forward, base, slope, bw.write);
-  transfer(ph.forward, up, 0, links.h2d);
-  if (links.duplex > 0 && up > 0) transfer(ph.forward, base + up, slope, links.duplex);
+  transfer(ph.forward, up + fetch, 0, links.h2d);
+  if (fetch_nvme) transfer(ph.forward, fetch, 0, links.nvme_read);
+  if (links.duplex > 0 && up + fetch > 0) transfer(ph.forward, base + up + fetch, slope, links.duplex);
   ph.backward.push_back({(p.backward_seconds + recompute0) / c_bwd, -recompute_slope / c_bwd});
   transfer(ph.backward, base, slope, bw.read * k);
   transfer(ph.backward, down, 0, links.d2h * k);
-  if (links.duplex > 0 && down > 0) transfer(ph.backward, base + down, slope, links.duplex * k);
+  if (fetch > 0) {  // the parameters share host->device with the swap-in (and NVMe reads with an NVMe swap)
+    transfer(ph.backward, base + fetch, slope, links.h2d * k);
+    if (fetch_nvme && tier == SwapTier::kNvme) transfer(ph.backward, base + fetch, slope, links.nvme_read * k);
+    else if (fetch_nvme) transfer(ph.backward, fetch, 0, links.nvme_read * k);
+  }
+  if (links.duplex > 0 && down + fetch > 0) transfer(ph.backward, base + down + fetch, slope, links.duplex * k);
   return ph;
 }
 
@@ -129,7 +139,8 @@ bool same_profile(const BlockProfile& a, const BlockProfile& b) {
   auto key = [](const BlockProfile& p) {
     return std::make_tuple(p.forward_seconds, p.backward_seconds, p.input_bytes, p.whole_bytes, p.split_bytes,
                            p.split_recompute_seconds, p.cheap_bytes, p.cheap_recompute_seconds, p.splittable,
-                           p.transient_bytes, p.upload_bytes, p.download_bytes);
+                           p.transient_bytes, p.upload_bytes, p.download_bytes, p.parameter_bytes, p.fetch_bytes,
+                           p.fetch_tier);
   };
   return key(a) == key(b);
 }
@@ -180,8 +191,13 @@ struct PlanTotals {
   std::uint64_t kept = 0, working = 0, host = 0, nvme = 0;
   bool any_swapped = false;
   double step_seconds = 0;
+  bool count_params = false;  // Budgets::params is not kResident
+  detail::ParamTotals params;
+
+  explicit PlanTotals(const Budgets& budgets) : count_params(budgets.params != ParamPolicy::kResident) {}
 
   void add(const BlockProfile& p, const BlockPlan& b) {
+    if (count_params) params.add(p.parameter_bytes, b.params);
     step_seconds += b.forward_seconds + b.backward_seconds;
     if (b.mode == BlockMode::kKeep) {
       kept += p.saved_bytes();
@@ -192,10 +208,32 @@ struct PlanTotals {
       any_swapped = any_swapped || b.swap_bytes > 0;
     }
   }
+  // Adds the rest unit and the parameters' tier bytes (once, after every block).
+  void finish(const Links& links, const Budgets& budgets, Tier rest) {
+    if (!count_params) return;
+    params.add(budgets.rest_parameter_bytes, rest);
+    host += params.host;
+    nvme += params.nvme;
+    step_seconds += detail::rest_fetch_seconds(links, budgets, rest);
+  }
   std::uint64_t peak(const Budgets& budgets) const {
-    return budgets.fixed_device_bytes + kept + working + (any_swapped ? budgets.prefetch_bytes : 0);
+    return budgets.fixed_device_bytes + kept + working + (any_swapped ? budgets.prefetch_bytes : 0) +
+           params.device + params.window();
   }
 };
+
+// The profile a block is timed with: its parameters' fetches when it fetches them.
+BlockProfile timed_profile(const BlockProfile& p, const Budgets& budgets, const BlockPlan& b) {
+  if (budgets.params == ParamPolicy::kResident) return p;
+  BlockProfile out = p;
+  out.fetch_bytes = b.params == Tier::kGpu ? 0 : p.parameter_bytes;
+  out.fetch_tier = b.params == Tier::kNvme ? Tier::kNvme : Tier::kHost;
+  return out;
+}
+
+Tier default_rest(const Budgets& budgets) {
+  return budgets.params == ParamPolicy::kFetchAll ? budgets.param_tier : Tier::kGpu;
+}
 
 std::string seconds_text(double s) {
   char buf[32];
@@ -213,7 +251,8 @@ std::string seconds_text(double s) {
 std::vector<BlockProfile> average_same_shape_blocks(const std::vector<BlockProfile>& blocks) {
   auto shape = [](const BlockProfile& p) {
     return std::make_tuple(p.input_bytes, p.whole_bytes, p.split_bytes, p.cheap_bytes, p.transient_bytes,
-                           p.splittable, p.upload_bytes, p.download_bytes);
+                           p.splittable, p.upload_bytes, p.download_bytes, p.parameter_bytes, p.fetch_bytes,
+                           p.fetch_tier);
   };
   std::vector<BlockProfile> out = blocks;
   std::vector<bool> done(blocks.size(), false);
@@ -251,22 +290,49 @@ std::string_view to_string(BlockMode m) noexcept {
 
 std::string_view to_string(SwapTier t) noexcept { return t == SwapTier::kHost ? "host" : "nvme"; }
 
+std::string_view to_string(ParamPolicy p) noexcept {
+  switch (p) {
+    case ParamPolicy::kResident: return "resident";
+    case ParamPolicy::kAuto: return "auto";
+    case ParamPolicy::kFetchAll: return "fetch-all";
+  }
+  return "?";
+}
+
 Plan evaluate_plan(const std::vector<BlockProfile>& blocks, const Links& links, const Budgets& budgets,
                    std::vector<BlockPlan> assignment) {
+  return evaluate_plan(blocks, links, budgets, std::move(assignment), default_rest(budgets));
+}
+
+Plan evaluate_plan(const std::vector<BlockProfile>& blocks, const Links& links, const Budgets& budgets,
+                   std::vector<BlockPlan> assignment, Tier rest_params) {
   TIERFLOW_EXPECTS(assignment.size() == blocks.size(),
                    "evaluate_plan: " + std::to_string(assignment.size()) + " block plans for " +
                        std::to_string(blocks.size()) + " blocks");
+  TIERFLOW_EXPECTS(budgets.params != ParamPolicy::kResident || rest_params == Tier::kGpu,
+                   "evaluate_plan: the rest unit's parameters are fetched while Budgets::params is resident");
   Plan plan;
   plan.device_budget_bytes = budgets.device_bytes;
-  PlanTotals totals;
+  PlanTotals totals(budgets);
   for (std::size_t i = 0; i < blocks.size(); ++i) {
     const auto& p = blocks[i];
     auto& b = assignment[i];
     check_assignment("evaluate_plan", i, p, b);
-    fill_block(p, links, b);
+    TIERFLOW_EXPECTS(budgets.params != ParamPolicy::kResident || b.params == Tier::kGpu,
+                     "evaluate_plan: block " + std::to_string(i) +
+                         " fetches its parameters while Budgets::params is resident");
+    fill_block(timed_profile(p, budgets, b), links, b);
     plan.keep_all_step_seconds += block_times(p, links, BlockMode::kKeep, 0, SwapTier::kHost).total();
     totals.add(p, b);
   }
+  totals.finish(links, budgets, rest_params);
+  plan.rest_params = budgets.params == ParamPolicy::kResident ? Tier::kGpu : rest_params;
+  plan.device_param_bytes = totals.params.device;
+  plan.param_window_bytes = totals.params.window();
+  plan.param_prefetch_bytes = totals.params.largest;
+  plan.host_param_bytes = totals.params.host;
+  plan.nvme_param_bytes = totals.params.nvme;
+  plan.rest_fetch_seconds = detail::rest_fetch_seconds(links, budgets, plan.rest_params);
   plan.predicted_step_seconds = totals.step_seconds;
   plan.host_bytes = totals.host;
   plan.nvme_bytes = totals.nvme;
@@ -284,9 +350,11 @@ AlternativeCost evaluate_alternative(const std::vector<BlockProfile>& blocks, co
                    "evaluate_alternative: block " + std::to_string(i) + " of a plan of " +
                        std::to_string(plan.blocks.size()) + " blocks for " + std::to_string(blocks.size()));
   check_assignment("evaluate_alternative", i, blocks[i], alternative);
-  fill_block(blocks[i], links, alternative);
-  PlanTotals totals;  // in evaluate_plan's order, so the chosen assignment gives the plan's figures exactly
+  if (budgets.params == ParamPolicy::kResident) alternative.params = Tier::kGpu;
+  fill_block(timed_profile(blocks[i], budgets, alternative), links, alternative);
+  PlanTotals totals(budgets);  // in evaluate_plan's order, so the chosen assignment gives the plan's figures exactly
   for (std::size_t j = 0; j < blocks.size(); ++j) totals.add(blocks[j], j == i ? alternative : plan.blocks[j]);
+  totals.finish(links, budgets, plan.rest_params);
   AlternativeCost out;
   out.block = alternative;
   out.step_seconds = totals.step_seconds;
@@ -299,14 +367,17 @@ AlternativeCost evaluate_alternative(const std::vector<BlockProfile>& blocks, co
   return out;
 }
 
-Plan plan_activations(const std::vector<BlockProfile>& blocks, const Links& links, const Budgets& budgets) {
-  // Profiles come from files and measurements: a bad one is the user's (config_error), said before planning.
+namespace {
+
+// Profiles come from files and measurements: a bad one is the user's (config_error), said before planning.
+void check_inputs(const std::vector<BlockProfile>& blocks, const Links& links, const Budgets& budgets) {
   auto valid = [](double x) { return std::isfinite(x) && x >= 0; };
   // Every byte the plan could count at once (all blocks kept and at work, the rest of training, the
-  // prefetch window) must fit in 63 bits, so that no sum of the model or the search wraps around.
+  // prefetch window, every parameter) must fit in 63 bits, so that no sum of the model or the search wraps.
   constexpr std::uint64_t kMaxTotal = std::uint64_t{1} << 63;
   std::uint64_t total = 0;
-  const bool budgets_fit = !__builtin_add_overflow(budgets.fixed_device_bytes, budgets.prefetch_bytes, &total);
+  const bool budgets_fit = !__builtin_add_overflow(budgets.fixed_device_bytes, budgets.prefetch_bytes, &total) &&
+                           !__builtin_add_overflow(total, budgets.rest_parameter_bytes, &total);
   bool bytes_fit = budgets_fit && total < kMaxTotal;
   for (std::size_t i = 0; i < blocks.size(); ++i) {
     const auto& p = blocks[i];
@@ -315,7 +386,7 @@ Plan plan_activations(const std::vector<BlockProfile>& blocks, const Links& link
       throw config_error("plan_activations: block " + std::to_string(i) +
                          " has a negative or non-finite time; accepted: finite seconds >= 0");
     for (std::uint64_t b : {p.input_bytes, p.whole_bytes, p.split_bytes, p.cheap_bytes, p.transient_bytes,
-                            p.upload_bytes, p.download_bytes})
+                            p.upload_bytes, p.download_bytes, p.parameter_bytes, p.parameter_bytes})  // resident + window
       bytes_fit = bytes_fit && !__builtin_add_overflow(total, b, &total) && total < kMaxTotal;
   }
   if (!(valid(links.d2h) && valid(links.h2d) && valid(links.duplex) && valid(links.nvme_write) &&
@@ -327,51 +398,79 @@ Plan plan_activations(const std::vector<BlockProfile>& blocks, const Links& link
       throw config_error("plan_activations: a link or compute share is " + std::to_string(share) +
                          "; accepted: a fraction in (0, 1]");
   if (!bytes_fit)
-    throw config_error("plan_activations: the blocks' saved and transient bytes plus fixed_device_bytes and "
-                       "prefetch_bytes add up to 2^63 bytes or more; accepted: totals below 2^63 (8 EiB)");
+    throw config_error("plan_activations: the blocks' saved, transient and parameter bytes plus "
+                       "fixed_device_bytes, prefetch_bytes and rest_parameter_bytes add up to 2^63 bytes or more; "
+                       "accepted: totals below 2^63 (8 EiB)");
+  if (budgets.params != ParamPolicy::kResident) {
+    if (budgets.param_tier == Tier::kGpu)
+      throw config_error("plan_activations: fetched parameters need a tier to live on; accepted: host or nvme");
+    if (budgets.param_tier == Tier::kNvme && !nvme_available(links, budgets))
+      throw config_error("plan_activations: parameters on NVMe need an NVMe tier (nvme_bytes, nvme_read and "
+                         "nvme_write above 0)");
+  }
+}
+
+}  // namespace
+
+namespace detail {
+
+std::optional<Plan> plan_within(const std::vector<BlockProfile>& blocks, const Links& links,
+                                const Budgets& budgets) {
   std::vector<BlockPlan> all_keep(blocks.size());
   Plan keep = evaluate_plan(blocks, links, budgets, all_keep);
   if (keep.fits) return keep;
-
   const auto search = detail::search_plan(blocks, links, budgets);
-  if (!search.found) {
-    // The cheapest plan in device memory keeps nothing: every block's working set comes back in turn.
-    std::uint64_t working = 0, inputs = 0;
-    for (const auto& p : blocks) {
-      working = std::max(working, p.saved_bytes() + p.transient_bytes);
-      inputs += p.input_bytes;
-    }
-    const std::uint64_t floor = budgets.fixed_device_bytes + working + budgets.prefetch_bytes;
-    std::string msg = "tierflow: no activation plan fits: the cheapest in device memory needs " +
-                      std::to_string(floor) + " bytes (" + format_bytes(floor) + ": " +
-                      format_bytes(budgets.fixed_device_bytes) + " for the rest of training, " +
-                      format_bytes(working) + " for the largest block's working set, " +
-                      format_bytes(budgets.prefetch_bytes) + " of prefetch window) and the device budget is " +
-                      format_bytes(budgets.device_bytes);
-    if (floor <= budgets.device_bytes) {
-      msg += "; it also swaps " + format_bytes(inputs) + " of block inputs, more than the host (" +
-             format_bytes(budgets.host_bytes) + ") and NVMe (" + format_bytes(budgets.nvme_bytes) +
-             ") budgets hold with what the device can keep";
-    }
-    throw out_of_memory(msg);
-  }
+  if (!search.found) return std::nullopt;
   Plan plan = evaluate_plan(blocks, links, budgets, search.assignment);
   plan.proven_optimal = search.complete;
   return plan;
 }
 
+}  // namespace detail
+
+Plan plan_activations(const std::vector<BlockProfile>& blocks, const Links& links, const Budgets& budgets) {
+  check_inputs(blocks, links, budgets);
+  if (budgets.params != ParamPolicy::kResident) return detail::plan_with_params(blocks, links, budgets);
+  if (auto plan = detail::plan_within(blocks, links, budgets)) return *plan;
+  // The cheapest plan in device memory keeps nothing: every block's working set comes back in turn.
+  std::uint64_t working = 0, inputs = 0;
+  for (const auto& p : blocks) {
+    working = std::max(working, p.saved_bytes() + p.transient_bytes);
+    inputs += p.input_bytes;
+  }
+  const std::uint64_t floor = budgets.fixed_device_bytes + working + budgets.prefetch_bytes;
+  std::string msg = "tierflow: no activation plan fits: the cheapest in device memory needs " +
+                    std::to_string(floor) + " bytes (" + format_bytes(floor) + ": " +
+                    format_bytes(budgets.fixed_device_bytes) + " for the rest of training, " +
+                    format_bytes(working) + " for the largest block's working set, " +
+                    format_bytes(budgets.prefetch_bytes) + " of prefetch window) and the device budget is " +
+                    format_bytes(budgets.device_bytes);
+  if (floor <= budgets.device_bytes) {
+    msg += "; it also swaps " + format_bytes(inputs) + " of block inputs, more than the host (" +
+           format_bytes(budgets.host_bytes) + ") and NVMe (" + format_bytes(budgets.nvme_bytes) +
+           ") budgets hold with what the device can keep";
+  }
+  throw out_of_memory(msg);
+}
+
 Plan forced_plan(const std::vector<BlockProfile>& blocks, const Links& links, const Budgets& budgets,
                  BlockMode mode) {
   const bool nvme = nvme_available(links, budgets);
+  // kFetchAll: every unit's parameters on their tier first, beside which the activations find room.
+  const bool fetch = budgets.params == ParamPolicy::kFetchAll;
+  std::uint64_t param_bytes = fetch ? budgets.rest_parameter_bytes : 0;
+  for (const auto& p : blocks) param_bytes += fetch ? p.parameter_bytes : 0;
+  const bool params_on_host = fetch && budgets.param_tier == Tier::kHost;
   // Host first, then NVMe; alphas capped at `cap`. Returns whether everything found room.
   auto assign = [&](double cap, std::vector<BlockPlan>& out) {
-    std::uint64_t host = 0, disk = 0;
+    std::uint64_t host = params_on_host ? param_bytes : 0, disk = fetch && !params_on_host ? param_bytes : 0;
     bool room = true;
     for (std::size_t i = 0; i < blocks.size(); ++i) {
       const auto& p = blocks[i];
       auto& b = out[i];
       b.mode = mode == BlockMode::kSplit && !p.splittable ? BlockMode::kRecompute : mode;
       b.tier = SwapTier::kHost;
+      b.params = fetch ? budgets.param_tier : Tier::kGpu;
       if (b.mode == BlockMode::kKeep) continue;
       auto place = [&](SwapTier tier) {
         b.tier = tier;
@@ -434,6 +533,13 @@ std::string Plan::summary() const {
     s += buf;
   }
   s += "; swapped " + format_bytes(host_bytes) + " host, " + format_bytes(nvme_bytes) + " NVMe";
+  const auto fetched = std::count_if(blocks.begin(), blocks.end(), [](const BlockPlan& b) { return b.params != Tier::kGpu; });
+  if (fetched > 0 || rest_params != Tier::kGpu) {
+    s += "; parameters: " + std::to_string(fetched) + " blocks fetched, rest " + std::string(to_string(rest_params)) +
+         ", " + format_bytes(device_param_bytes) + " resident + " + format_bytes(param_window_bytes) +
+         " window on the device, " + format_bytes(host_param_bytes) + " host, " + format_bytes(nvme_param_bytes) +
+         " NVMe";
+  }
   if (!fits) s += "; OVER BUDGET";
   if (!proven_optimal) s += "; not proven optimal";
   return s;
@@ -450,7 +556,9 @@ std::string Plan::block_line(std::size_t i) const {
                 b.mode == BlockMode::kKeep ? "-" : std::string(to_string(b.tier)).c_str(),
                 format_bytes(b.swap_bytes).c_str(),
                 seconds_text(b.forward_seconds).c_str(), seconds_text(b.backward_seconds).c_str());
-  return buf;
+  std::string line = buf;
+  if (b.params != Tier::kGpu) line += "  params fetched from " + std::string(to_string(b.params));
+  return line;
 }
 
 }  // namespace tierflow::tiering

@@ -21,10 +21,10 @@ void refuse_unimplemented(const Config& c) {
   if (c.offload_optimizer == OffloadTarget::kNvme && c.nvme_paths.empty())
     throw config_error("TIERFLOW_OFFLOAD_OPTIMIZER='nvme' needs TIERFLOW_NVME_PATHS: a comma-separated "
                        "list of directories on NVMe file systems");
-  if (c.offload_params != OffloadTarget::kNone)
-    throw config_error("TIERFLOW_OFFLOAD_PARAMS='" + std::string(to_string(c.offload_params)) +
-                       "': parameter offload is not available in this version of tierflow; "
-                       "accepted here: none");
+  if (c.offload_params == OffloadTarget::kNvme && c.nvme_paths.empty())
+    throw config_error("TIERFLOW_OFFLOAD_PARAMS='nvme' needs TIERFLOW_NVME_PATHS: a comma-separated "
+                       "list of directories on NVMe file systems");
+  if (std::string why = params_offload_refusal(c); !why.empty()) throw config_error(why);
 }
 
 allocator::DeviceKind device_of(const Config& c) {
@@ -50,6 +50,12 @@ std::uint64_t smallest_free_bytes(const std::vector<std::string>& paths) {
 }
 
 }  // namespace
+
+std::string params_offload_refusal(const Config& config) {
+  if (config.offload_params == OffloadTarget::kNone) return {};
+  return "TIERFLOW_OFFLOAD_PARAMS='" + std::string(to_string(config.offload_params)) +
+         "': parameter offload is not available in this version of tierflow; accepted here: none";
+}
 
 TierSettings tier_settings(const Config& config, swap::NvmeFaults* nvme_faults) {
   refuse_unimplemented(config);

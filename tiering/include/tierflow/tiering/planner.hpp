@@ -84,6 +84,35 @@
 // Assumptions: compute and transfers of different blocks do not overlap (a
 // slow swap-out delays the next block); bandwidths and times are those of the
 // profile; the recompute of a split block's rows costs in proportion to them.
+//
+// Parameters (Budgets::params other than kResident; Note [Parameter residency]
+// says how they move). A block's parameters are resident (Tier::kGpu, on the
+// device the whole step) or fetched from the host or NVMe tier: then its
+// parameter_bytes P cross host->device once in forward and once in backward,
+// on the link the optimizer's uploads and backward's swap-ins use:
+//   forward  adds  (up + P) / h2d  in place of up / h2d,
+//                  P / nvme_read (parameters on NVMe), (s + up + P) / duplex
+//   backward adds  (s + P) / (h2d * k),  P / (nvme_read * k) (on NVMe; with
+//                  (s + P) / (nvme_read * k) when the swap is on NVMe too),
+//                  (s + down + P) / (duplex * k)
+// and a phase that fetches computes at c. The rest unit (embeddings, final
+// norm, head: Budgets::rest_parameter_bytes), fetched, adds
+// 2 * rest / read bandwidth of its tier (no compute to hide behind).
+// Device peak adds the resident units' parameters (blocks and rest) and the
+// parameter window: the two largest fetched units' parameters (the running
+// one and the one prefetched; conservative for unequal blocks). Fetched
+// parameters count against their tier's budget (host or NVMe) beside the
+// swapped activations; fixed_device_bytes then excludes every parameter the
+// units hold. With P = 0 every term is the one above, so with parameters
+// resident (the default) the plans are those of activations alone.
+// Search: for every count of fetched blocks per group of identical profiles
+// (the earliest of a group are fetched) and the rest unit resident or
+// fetched, the activation search runs with the resident parameters and the
+// window in the fixed bytes and the fetched ones out of their tier's budget;
+// the fastest wins (ties: fewer fetched). Exact for the model while the
+// counts give at most kMaxParamChoices combinations; beyond, blocks of one
+// shape are grouped with their times averaged, and then the k largest blocks
+// are fetched for every k (Plan::proven_optimal = false).
 #pragma once
 
 #include <cstddef>
@@ -91,6 +120,8 @@
 #include <string>
 #include <string_view>
 #include <vector>
+
+#include "tierflow/core/tier.hpp"
 
 namespace tierflow::tiering {
 
@@ -108,6 +139,11 @@ struct BlockProfile {
   std::uint64_t transient_bytes = 0;   ///< device bytes the block needs while it runs (workspace, its own recomputed tensors beyond saved bytes)
   std::uint64_t upload_bytes = 0;      ///< host->device bytes beside its swap during its forward (its weights back from the CPU optimizer)
   std::uint64_t download_bytes = 0;    ///< device->host bytes beside its swap during its backward (its gradients to the CPU optimizer)
+  std::uint64_t parameter_bytes = 0;   ///< its 16-bit parameters (read only when Budgets::params is not kResident)
+  /// Derived, leave 0: the parameter bytes fetched host->device in each phase and their tier. The planner
+  /// sets them from BlockPlan::params (Note [Activation planner], Parameters).
+  std::uint64_t fetch_bytes = 0;
+  Tier fetch_tier = Tier::kHost;
   /// Every byte the block saves for backward.
   std::uint64_t saved_bytes() const noexcept { return input_bytes + whole_bytes + split_bytes + cheap_bytes; }
 };
@@ -120,13 +156,24 @@ struct Links {
   double copy_share_during_cpu_step = 1;   ///< link speed left beside the CPU optimizer's kernel, in (0, 1]
 };
 
-/// Memory the plan may use, bytes.
+/// Whether blocks' parameters may leave the device between uses (TIERFLOW_OFFLOAD_PARAMS).
+enum class ParamPolicy : std::uint8_t {
+  kResident,  ///< none: every parameter stays; they are in fixed_device_bytes and parameter_bytes is ignored
+  kAuto,      ///< auto: per unit, resident or fetched, whichever gives the faster plan within budgets
+  kFetchAll,  ///< host|nvme: every unit (each block and the rest) is fetched
+};
+
+/// Memory the plan may use, bytes. With params other than kResident, fixed_device_bytes excludes the
+/// parameters of the blocks and of the rest unit: the plan counts them.
 struct Budgets {
   std::uint64_t device_bytes = 0;        ///< TIERFLOW_GPU_MEMORY resolved to bytes
   std::uint64_t fixed_device_bytes = 0;  ///< what the rest of training needs on the device: params, grads, optimizer states, workspace
   std::uint64_t host_bytes = 0;          ///< host bytes available for swapped activations
   std::uint64_t nvme_bytes = 0;          ///< NVMe bytes available (0: none)
   std::uint64_t prefetch_bytes = 0;      ///< in-flight window of the swap engine, counted on the device
+  ParamPolicy params = ParamPolicy::kResident;  ///< whether block parameters may be fetched
+  Tier param_tier = Tier::kHost;         ///< where fetched parameters live between uses (kHost or kNvme)
+  std::uint64_t rest_parameter_bytes = 0;  ///< parameters outside the blocks (embeddings, final norm, head)
 };
 
 /// What happens to a block's saved bytes. swap = every saved byte swapped, nothing recomputed;
@@ -143,6 +190,7 @@ struct BlockPlan {
   double keep = 1, swap = 0, recompute = 0;    ///< fractions of saved_bytes(); sum to 1
   std::uint64_t swap_bytes = 0;                ///< bytes sent to the tier per step
   double forward_seconds = 0, backward_seconds = 0;  ///< predicted, transfers and recompute included
+  Tier params = Tier::kGpu;                    ///< where its parameters live between uses (kGpu: resident)
 };
 
 /// A plan for every block, with its predictions.
@@ -156,11 +204,23 @@ struct Plan {
   std::uint64_t device_budget_bytes = 0;         ///< Budgets::device_bytes the plan was made for
   bool fits = true;                              ///< device peak, host and NVMe usage within the budgets
   bool proven_optimal = true;                    ///< false: the search stopped at its node limit (best found)
+  Tier rest_params = Tier::kGpu;                 ///< where the rest unit's parameters live between uses
+  std::uint64_t device_param_bytes = 0;          ///< resident parameters (blocks and rest) on the device all step
+  std::uint64_t param_window_bytes = 0;          ///< fetched parameters on the device at once (two largest fetched units)
+  std::uint64_t param_prefetch_bytes = 0;        ///< ParamSchedule's prefetch window: the largest fetched unit
+  std::uint64_t host_param_bytes = 0, nvme_param_bytes = 0;  ///< fetched parameters held per tier
+  double rest_fetch_seconds = 0;                 ///< the rest unit's fetches (in predicted_step_seconds)
   std::string summary() const;                   ///< one line: modes count, peak, step, vs keep-all
   std::string block_line(std::size_t i) const;   ///< one line per block
 };
 
-/// The plan that minimizes the predicted step time within the budgets (see Note [Activation planner]).
+/// Most combinations of fetched counts the joint search tries exactly (Note [Activation planner], Parameters).
+inline constexpr std::size_t kMaxParamChoices = 256;
+
+/// The plan that minimizes the predicted step time within the budgets (see Note [Activation planner]);
+/// with Budgets::params kAuto it chooses each block's parameter residence too, with kFetchAll every unit is
+/// fetched. A budget below the cheapest plan throws out_of_memory naming the bytes needed (with parameters:
+/// the largest block's working set plus the parameter window).
 /// Everything fits: every block kept. Throws tierflow::out_of_memory (Python: OutOfMemoryError) saying
 /// how many device bytes the cheapest-memory plan needs when even that does not fit; throws config_error
 /// for a negative or non-finite time or bandwidth, or when all blocks' bytes plus fixed_device_bytes and
@@ -168,14 +228,20 @@ struct Plan {
 Plan plan_activations(const std::vector<BlockProfile>& blocks, const Links& links, const Budgets& budgets);
 
 /// Every block in `mode` (kSplit: alpha as large as the per-block link rule allows), same predictions;
-/// for forced configurations. Swapped bytes go to host until it is full, then to NVMe; never throws
+/// for forced configurations. Parameters: kFetchAll fetches every unit from Budgets::param_tier (their bytes
+/// take that tier's budget first); otherwise they stay resident. Swapped bytes go to host until it is full, then to NVMe; never throws
 /// for budgets (Plan::fits says whether it fits); a non-splittable block asked for kSplit is recomputed.
 Plan forced_plan(const std::vector<BlockProfile>& blocks, const Links& links, const Budgets& budgets, BlockMode mode);
 
-/// Predicted step and peak of a given per-block assignment (mode, alpha, tier are read; the rest is
-/// filled in). The model itself; the tests' brute force uses it.
+/// Predicted step and peak of a given per-block assignment (mode, alpha, tier and params are read; the
+/// rest is filled in). The model itself; the tests' brute force uses it. The rest unit is fetched from
+/// Budgets::param_tier under kFetchAll, else resident; a block's params other than kGpu under kResident
+/// is a logic_error.
 Plan evaluate_plan(const std::vector<BlockProfile>& blocks, const Links& links, const Budgets& budgets,
                    std::vector<BlockPlan> assignment);
+/// The same with the rest unit's residence given.
+Plan evaluate_plan(const std::vector<BlockProfile>& blocks, const Links& links, const Budgets& budgets,
+                   std::vector<BlockPlan> assignment, Tier rest_params);
 
 /// The plan's predictions had block i alone taken `alternative` instead (the other blocks as planned).
 struct AlternativeCost {
@@ -202,5 +268,7 @@ std::vector<BlockProfile> average_same_shape_blocks(const std::vector<BlockProfi
 std::string_view to_string(BlockMode) noexcept;
 /// Name of a tier: "host", "nvme".
 std::string_view to_string(SwapTier) noexcept;
+/// Name of a parameter policy: "resident", "auto", "fetch-all".
+std::string_view to_string(ParamPolicy) noexcept;
 
 }  // namespace tierflow::tiering

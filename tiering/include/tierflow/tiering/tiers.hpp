@@ -55,6 +55,13 @@ struct TierSettings {
   swap::NvmeEngineOptions nvme_options;      ///< its paths and sizes (when `nvme`)
 };
 
+/// The one place parameter offload is refused while the torch side does not carry it out yet
+/// (Note [Parameter residency]): the refusal text for TIERFLOW_OFFLOAD_PARAMS other than none, or
+/// empty when `config` may run. tier_settings throws it; the torch side lifts it by returning empty
+/// here once its hooks follow tiering::ParamSchedule. TIERFLOW_OFFLOAD_PARAMS='nvme' without
+/// TIERFLOW_NVME_PATHS is a configuration error before that (tier_settings names both settings).
+std::string params_offload_refusal(const Config& config);
+
 /// The tiers `config` asks for; throws config_error for a setting this
 /// machine or version cannot serve. `nvme_faults` (tests only) goes to the
 /// NVMe engine. Reads the free space of each NVMe path.

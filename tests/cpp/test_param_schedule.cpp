@@ -1,0 +1,187 @@
+// The fetches and releases of parameters (Note [Parameter residency]).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "tierflow/core/error.hpp"
+#include "tierflow/tiering/param_schedule.hpp"
+
+using namespace tierflow;
+using namespace tierflow::tiering;
+
+namespace {
+
+using Ids = std::vector<ParamId>;
+
+// n blocks of one parameter each (ids 10+i, `bytes`), on `tier`, and a rest unit of parameter 1.
+std::vector<ParamUnit> chain(std::size_t n, std::uint64_t bytes, Tier tier, Tier rest = Tier::kGpu) {
+  std::vector<ParamUnit> units;
+  for (std::size_t i = 0; i < n; ++i) units.push_back({tier, {{10 + i, bytes}}});
+  units.push_back({rest, {{1, 5}}});
+  return units;
+}
+
+// Carries out what the schedule asks: every fetch lands before the unit runs.
+void land(ParamSchedule& s, const ParamActions& a) {
+  for (ParamId id : a.fetch) s.arrived(id);
+  for (ParamId id : a.prefetch) s.arrived(id);
+}
+
+void run_forward(ParamSchedule& s, std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i) {
+    land(s, s.begin_forward(i));
+    land(s, s.end_forward(i));
+  }
+}
+
+}  // namespace
+
+TEST(ParamSchedule, FetchesAheadInOrderAndReleasesAfterEachUse) {
+  ParamSchedule s(chain(4, 100, Tier::kHost), {100});
+  EXPECT_EQ(s.stats().device_bytes, 5u);  // the resident rest unit
+  EXPECT_EQ(s.stats().host_bytes, 400u);
+  ParamActions a = s.begin_forward(0);
+  EXPECT_EQ(a.fetch, Ids({10}));     // the first use stalls
+  EXPECT_EQ(a.prefetch, Ids({11}));  // one block ahead within 100 bytes
+  EXPECT_EQ(a.wait, Ids({10}));
+  land(s, a);
+  a = s.end_forward(0);
+  EXPECT_EQ(a.release, Ids({10}));
+  EXPECT_EQ(s.state(10), ParamState::kReleased);
+  a = s.begin_forward(1);
+  EXPECT_TRUE(a.fetch.empty());
+  EXPECT_EQ(a.prefetch, Ids({12}));
+  land(s, a);
+  land(s, s.end_forward(1));
+  for (std::size_t i = 2; i < 4; ++i) {
+    land(s, s.begin_forward(i));
+    land(s, s.end_forward(i));
+  }
+  EXPECT_EQ(s.stats().stalls, 1u);
+  EXPECT_EQ(s.stats().prefetch_hits, 3u);
+  EXPECT_EQ(s.stats().device_peak_bytes, 5u + 200u);  // the running block and the one prefetched
+  // Backward: the reverse of this forward on the first step.
+  a = s.begin_backward(3);
+  EXPECT_EQ(a.fetch, Ids({13}));
+  EXPECT_EQ(a.prefetch, Ids({12}));
+  land(s, a);
+  land(s, s.end_backward(3));
+  for (std::size_t i = 3; i-- > 0;) {
+    land(s, s.begin_backward(i));
+    land(s, s.end_backward(i));
+  }
+  EXPECT_EQ(s.stats().fetches, 8u);
+  EXPECT_EQ(s.stats().host_to_device_bytes, 800u);
+  EXPECT_EQ(s.stats().nvme_to_host_bytes, 0u);
+  EXPECT_EQ(s.stats().releases, 8u);
+  EXPECT_EQ(s.stats().device_bytes, 5u);
+  EXPECT_EQ(s.stats().order_misses, 0u);
+}
+
+TEST(ParamSchedule, ASharedParameterIsFetchedAtItsFirstUseAndReleasedAfterItsLast) {
+  std::vector<ParamUnit> units = chain(3, 100, Tier::kNvme);
+  units[0].params.push_back({7, 50});  // tied: blocks 0 and 2 use parameter 7
+  units[2].params.push_back({7, 50});
+  ParamSchedule s(std::move(units), {0});  // no prefetch: every fetch is at its use
+  EXPECT_EQ(s.stats().nvme_bytes, 350u);
+  ParamActions a = s.begin_forward(0);
+  EXPECT_EQ(a.fetch, Ids({10, 7}));
+  land(s, a);
+  EXPECT_EQ(s.end_forward(0).release, Ids({10}));  // 7 is used again by block 2
+  EXPECT_EQ(s.state(7), ParamState::kOnDevice);
+  land(s, s.begin_forward(1));
+  land(s, s.end_forward(1));
+  a = s.begin_forward(2);
+  EXPECT_EQ(a.fetch, Ids({12}));  // 7 is still there: a hit
+  land(s, a);
+  EXPECT_EQ(s.end_forward(2).release, Ids({12, 7}));
+  EXPECT_EQ(s.stats().fetches, 4u);
+  EXPECT_EQ(s.stats().nvme_to_host_bytes, 350u);
+}
+
+TEST(ParamSchedule, AParameterAResidentUnitListsStaysResident) {
+  std::vector<ParamUnit> units = chain(2, 100, Tier::kHost);
+  units[0].params.push_back({1, 5});  // the rest unit's (resident) parameter, used by block 0 too
+  ParamSchedule s(std::move(units), {1000});
+  EXPECT_EQ(s.home(1), Tier::kGpu);
+  const ParamActions a = s.begin_forward(0);
+  EXPECT_EQ(std::count(a.fetch.begin(), a.fetch.end(), ParamId{1}), 0);
+  land(s, a);
+  EXPECT_EQ(s.end_forward(0).release, Ids({10}));
+  EXPECT_EQ(s.state(1), ParamState::kOnDevice);
+}
+
+TEST(ParamSchedule, TheRecordedBackwardOrderDrivesTheNextStepsPrefetch) {
+  ParamSchedule s(chain(3, 100, Tier::kHost), {100});
+  run_forward(s, 3);
+  // This model's backward runs block 1 before block 2 (say, a skip connection).
+  for (std::size_t i : {1, 2, 0}) {
+    land(s, s.begin_backward(i));
+    land(s, s.end_backward(i));
+  }
+  const auto misses = s.stats().order_misses;
+  EXPECT_GT(misses, 0u);
+  run_forward(s, 3);
+  ParamActions a = s.begin_backward(1);
+  EXPECT_EQ(s.expected_order(), std::vector<UnitId>({1, 2, 0}));
+  EXPECT_EQ(a.prefetch, Ids({12}));
+  land(s, a);
+  land(s, s.end_backward(1));
+  for (std::size_t i : {2, 0}) {
+    land(s, s.begin_backward(i));
+    land(s, s.end_backward(i));
+  }
+  EXPECT_EQ(s.stats().order_misses, misses);
+}
+
+TEST(ParamSchedule, IllegalMovesNameTheParameterAndBothStates) {
+  ParamSchedule s(chain(2, 100, Tier::kHost), {0});
+  s.begin_forward(0);  // fetch started, never reported arrived
+  try {
+    s.end_forward(0);
+    FAIL() << "released a parameter still in flight";
+  } catch (const std::logic_error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("parameter 10 cannot move from in-flight to released"), std::string::npos) << m;
+  }
+  s.arrived(10);
+  EXPECT_THROW(s.arrived(10), std::logic_error);  // on-device -> on-device
+  EXPECT_THROW(s.arrived(1), std::logic_error);   // resident
+  EXPECT_THROW(s.state(99), std::logic_error);
+  EXPECT_THROW(ParamSchedule({}, {}), std::logic_error);
+  EXPECT_THROW(ParamSchedule({{Tier::kHost, {{3, 1}}}, {Tier::kHost, {{3, 2}}}}, {}), std::logic_error);
+}
+
+TEST(ParamSchedule, ResidencesComeFromThePlan) {
+  Plan plan;
+  plan.blocks.resize(2);
+  plan.blocks[1].params = Tier::kNvme;
+  plan.rest_params = Tier::kHost;
+  EXPECT_EQ(residences_from_plan(plan), std::vector<Tier>({Tier::kGpu, Tier::kNvme, Tier::kHost}));
+}
+
+TEST(ParamSchedule, TheRestUnitIsUsedFirstAndLastByDefault) {
+  ParamSchedule s(chain(2, 100, Tier::kHost, Tier::kHost), {100});
+  EXPECT_EQ(s.expected_order(), std::vector<UnitId>({2, 0, 1, 2}));
+  land(s, s.begin_forward(2));
+  EXPECT_TRUE(s.end_forward(2).release.empty());  // the head uses it again at the end
+  run_forward(s, 2);
+  land(s, s.begin_forward(2));
+  EXPECT_EQ(s.end_forward(2).release, Ids({1}));
+  EXPECT_EQ(s.stats().order_misses, 0u);
+}
+
+TEST(ParamBudget, ABudgetBelowTheLargestUnitWindowAndWorkingSetNamesTheBytes) {
+  EXPECT_NO_THROW(check_param_budget(1000, {300, 500, 200}, 200, 300));
+  try {
+    check_param_budget(999, {300, 500, 200}, 200, 300);
+    FAIL();
+  } catch (const out_of_memory& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("need at least 1000 bytes"), std::string::npos) << m;
+    EXPECT_NE(m.find("TIERFLOW_GPU_MEMORY) is 999 bytes"), std::string::npos) << m;
+  }
+  EXPECT_THROW(check_param_budget(~0ULL, {~0ULL}, 1, 0), out_of_memory);
+}

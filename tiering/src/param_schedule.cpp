@@ -1,0 +1,232 @@
+// See Note [Parameter residency] in param_schedule.hpp.
+#include "tierflow/tiering/param_schedule.hpp"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+
+#include "tierflow/core/error.hpp"
+#include "tierflow/core/size.hpp"
+
+namespace tierflow::tiering {
+namespace {
+
+}  // namespace
+
+std::vector<UnitId> ParamSchedule::default_forward() const {
+  const UnitId rest = units_.size() - 1;
+  const bool fetches_rest = std::any_of(units_[rest].begin(), units_[rest].end(),
+                                        [&](std::size_t i) { return params_[i].home != Tier::kGpu; });
+  std::vector<UnitId> order;
+  if (fetches_rest) order.push_back(rest);
+  for (UnitId u = 0; u < rest; ++u) order.push_back(u);
+  if (fetches_rest) order.push_back(rest);
+  return order;
+}
+
+std::string_view to_string(ParamState s) noexcept {
+  switch (s) {
+    case ParamState::kOnTier: return "on-tier";
+    case ParamState::kInFlight: return "in-flight";
+    case ParamState::kOnDevice: return "on-device";
+    case ParamState::kReleased: return "released";
+  }
+  return "?";
+}
+
+ParamSchedule::ParamSchedule(std::vector<ParamUnit> units, ParamScheduleOptions options) : options_(options) {
+  if (units.empty()) throw std::logic_error("ParamSchedule: no units (the rest unit at least)");
+  std::unordered_map<ParamId, std::size_t> index;
+  units_.resize(units.size());
+  // Resident units first, so that a parameter any resident unit lists is resident; then by index.
+  for (int pass = 0; pass < 2; ++pass) {
+    for (std::size_t u = 0; u < units.size(); ++u) {
+      if ((units[u].residence == Tier::kGpu) != (pass == 0)) continue;
+      for (const auto& r : units[u].params) {
+        auto [it, added] = index.emplace(r.id, params_.size());
+        if (added) params_.push_back({r.id, r.bytes, units[u].residence, ParamState::kOnTier, false});
+        if (params_[it->second].bytes != r.bytes)
+          throw std::logic_error("ParamSchedule: parameter " + std::to_string(r.id) + " is listed with " +
+                                 std::to_string(params_[it->second].bytes) + " and " + std::to_string(r.bytes) +
+                                 " bytes");
+        auto& members = units_[u];
+        if (std::find(members.begin(), members.end(), it->second) == members.end()) members.push_back(it->second);
+      }
+    }
+  }
+  for (auto& p : params_) {
+    if (p.home == Tier::kGpu) {
+      p.state = ParamState::kOnDevice;
+      stats_.device_bytes += p.bytes;
+    } else {
+      (p.home == Tier::kHost ? stats_.host_bytes : stats_.nvme_bytes) += p.bytes;
+    }
+  }
+  stats_.device_peak_bytes = stats_.device_bytes;
+  expected_ = default_forward();
+}
+
+ParamSchedule::Param& ParamSchedule::param(ParamId id) {
+  auto it = std::find_if(params_.begin(), params_.end(), [&](const Param& p) { return p.id == id; });
+  if (it == params_.end()) throw std::logic_error("ParamSchedule: unknown parameter " + std::to_string(id));
+  return *it;
+}
+
+const ParamSchedule::Param& ParamSchedule::param(ParamId id) const {
+  return const_cast<ParamSchedule*>(this)->param(id);
+}
+
+ParamState ParamSchedule::state(ParamId id) const { return param(id).state; }
+Tier ParamSchedule::home(ParamId id) const { return param(id).home; }
+
+void ParamSchedule::move(Param& p, ParamState to) {
+  const ParamState from = p.state;
+  const bool legal = p.home != Tier::kGpu &&
+                     ((to == ParamState::kInFlight && (from == ParamState::kOnTier || from == ParamState::kReleased)) ||
+                      (to == ParamState::kOnDevice && from == ParamState::kInFlight) ||
+                      (to == ParamState::kReleased && from == ParamState::kOnDevice));
+  if (!legal)
+    throw std::logic_error("ParamSchedule: parameter " + std::to_string(p.id) + " cannot move from " +
+                           std::string(to_string(from)) + " to " + std::string(to_string(to)) +
+                           (p.home == Tier::kGpu ? " (it is resident)" : ""));
+  p.state = to;
+}
+
+void ParamSchedule::fetch(Param& p, bool ahead) {
+  move(p, ParamState::kInFlight);
+  ++stats_.fetches;
+  stats_.host_to_device_bytes += p.bytes;
+  if (p.home == Tier::kNvme) stats_.nvme_to_host_bytes += p.bytes;
+  stats_.device_bytes += p.bytes;
+  stats_.device_peak_bytes = std::max(stats_.device_peak_bytes, stats_.device_bytes);
+  p.ahead = ahead;
+  if (ahead) ahead_bytes_ += p.bytes;
+}
+
+void ParamSchedule::arrived(ParamId id) { move(param(id), ParamState::kOnDevice); }
+
+bool ParamSchedule::used_later(std::size_t param_index) const {
+  for (std::size_t i = cursor_; i < expected_.size(); ++i) {
+    const auto& members = units_[expected_[i]];
+    if (std::find(members.begin(), members.end(), param_index) != members.end()) return true;
+  }
+  return false;
+}
+
+void ParamSchedule::start_phase(bool backward, ParamActions& out) {
+  if (in_phase_) {
+    (backward_ ? recorded_backward_ : recorded_forward_) = seen_;
+    if (!backward_) last_forward_ = seen_;
+  }
+  for (auto& p : params_) {  // what the previous phase left on the device (its order changed)
+    p.ahead = false;
+    if (p.home != Tier::kGpu && p.state == ParamState::kOnDevice) {
+      move(p, ParamState::kReleased);
+      stats_.device_bytes -= p.bytes;
+      ++stats_.releases;
+      out.release.push_back(p.id);
+    }
+  }
+  ahead_bytes_ = 0;
+  if (backward) {
+    std::vector<UnitId> reverse(last_forward_.rbegin(), last_forward_.rend());
+    const bool usable = !recorded_backward_.empty() && recorded_backward_.size() == reverse.size();
+    expected_ = usable ? recorded_backward_ : reverse;
+  } else {
+    expected_ = recorded_forward_.empty() ? default_forward() : recorded_forward_;
+  }
+  seen_.clear();
+  cursor_ = 0;
+  in_phase_ = true;
+  backward_ = backward;
+}
+
+ParamActions ParamSchedule::begin(UnitId unit, bool backward) {
+  TIERFLOW_EXPECTS(unit < units_.size(), "ParamSchedule: unit " + std::to_string(unit) + " of " +
+                                             std::to_string(units_.size()));
+  ParamActions out;
+  if (!in_phase_ || backward_ != backward) start_phase(backward, out);
+  seen_.push_back(unit);
+  if (cursor_ < expected_.size() && expected_[cursor_] == unit) {
+    ++cursor_;
+  } else {
+    ++stats_.order_misses;
+    auto f = std::find(expected_.begin() + static_cast<std::ptrdiff_t>(cursor_), expected_.end(), unit);
+    if (f != expected_.end()) cursor_ = static_cast<std::size_t>(f - expected_.begin()) + 1;
+  }
+  for (std::size_t i : units_[unit]) {
+    Param& p = params_[i];
+    if (p.home == Tier::kGpu) continue;
+    if (p.ahead) ahead_bytes_ -= p.bytes;
+    p.ahead = false;
+    if (p.state == ParamState::kOnDevice || p.state == ParamState::kInFlight) {
+      ++stats_.prefetch_hits;
+      if (p.state == ParamState::kInFlight) out.wait.push_back(p.id);
+      continue;
+    }
+    ++stats_.stalls;
+    fetch(p, false);
+    out.fetch.push_back(p.id);
+    out.wait.push_back(p.id);
+  }
+  top_up(out);
+  return out;
+}
+
+ParamActions ParamSchedule::end(UnitId unit) {
+  TIERFLOW_EXPECTS(unit < units_.size() && in_phase_,
+                   "ParamSchedule: end of unit " + std::to_string(unit) + " outside a use");
+  ParamActions out;
+  for (std::size_t i : units_[unit]) {
+    Param& p = params_[i];
+    if (p.home == Tier::kGpu || p.ahead || used_later(i)) continue;
+    move(p, ParamState::kReleased);
+    stats_.device_bytes -= p.bytes;
+    ++stats_.releases;
+    out.release.push_back(p.id);
+  }
+  top_up(out);
+  return out;
+}
+
+void ParamSchedule::top_up(ParamActions& out) {
+  for (std::size_t i = cursor_; i < expected_.size(); ++i) {
+    for (std::size_t j : units_[expected_[i]]) {
+      Param& p = params_[j];
+      if (p.home == Tier::kGpu || p.state == ParamState::kInFlight || p.state == ParamState::kOnDevice) continue;
+      if (ahead_bytes_ + p.bytes > options_.prefetch_bytes) return;
+      fetch(p, true);
+      out.prefetch.push_back(p.id);
+    }
+  }
+}
+
+ParamActions ParamSchedule::begin_forward(UnitId unit) { return begin(unit, false); }
+ParamActions ParamSchedule::end_forward(UnitId unit) { return end(unit); }
+ParamActions ParamSchedule::begin_backward(UnitId unit) { return begin(unit, true); }
+ParamActions ParamSchedule::end_backward(UnitId unit) { return end(unit); }
+
+std::vector<Tier> residences_from_plan(const Plan& plan) {
+  std::vector<Tier> out;
+  for (const auto& b : plan.blocks) out.push_back(b.params);
+  out.push_back(plan.rest_params);
+  return out;
+}
+
+void check_param_budget(std::uint64_t device_budget_bytes, const std::vector<std::uint64_t>& unit_bytes,
+                        std::uint64_t prefetch_bytes, std::uint64_t working_set_bytes) {
+  const std::uint64_t largest = unit_bytes.empty() ? 0 : *std::max_element(unit_bytes.begin(), unit_bytes.end());
+  std::uint64_t needed = 0;
+  const bool wraps = __builtin_add_overflow(largest, prefetch_bytes, &needed) ||
+                     __builtin_add_overflow(needed, working_set_bytes, &needed);
+  if (!wraps && needed <= device_budget_bytes) return;
+  throw out_of_memory("tierflow: parameters fetched from the host or NVMe need at least " +
+                      (wraps ? std::string("2^64") : std::to_string(needed)) + " bytes of device memory (" +
+                      format_bytes(largest) + " for the largest unit's parameters, " + format_bytes(prefetch_bytes) +
+                      " for the parameter prefetch window, " + format_bytes(working_set_bytes) +
+                      " for the working set) and the device budget (TIERFLOW_GPU_MEMORY) is " +
+                      std::to_string(device_budget_bytes) + " bytes (" + format_bytes(device_budget_bytes) + ")");
+}
+
+}  // namespace tierflow::tiering
