@@ -27,8 +27,9 @@ void check_cpu_contiguous(const at::Tensor& t, const char* what, std::size_t i, 
 
 }  // namespace
 
-Runtime::Runtime(Config config, swap::NvmeFaults* nvme_faults, std::shared_ptr<const swap::CopyFaults> copy_faults)
-    : config_(std::move(config)), tiers_(config_, nvme_faults, std::move(copy_faults)) {
+Runtime::Runtime(Config config, swap::NvmeFaults* nvme_faults, std::shared_ptr<const swap::CopyFaults> copy_faults,
+                 tiering::RankShare ranks)
+    : config_(std::move(config)), tiers_(config_, nvme_faults, std::move(copy_faults), ranks) {
   set_log_level(config_.log_level);
   const tiering::TierSettings& s = tiers_.settings();
   adversarial_ = s.adversarial;

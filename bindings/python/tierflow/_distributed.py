@@ -72,6 +72,15 @@ def _world_size() -> int:
     return dist.get_world_size()
 
 
+def rank_and_world_size() -> tuple:
+    """(this process's rank, processes in the default process group): (0, 1) without one. The runtime divides
+    the machine's RAM and NVMe among the ranks on it (Note [Ranks on one machine] in tiering/tiers.hpp)."""
+    dist = torch.distributed
+    if not dist.is_available() or not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size()
+
+
 # -- FSDP2 and DTensor parameters: refused ----------------------------------------
 
 
