@@ -7,13 +7,22 @@
 
 #include <chrono>
 #include <optional>
+#include <unordered_map>
 
 #include "tierflow/allocator/device.hpp"
 #include "tierflow/bindings/runtime.hpp"
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/clock.hpp"
+#include "tierflow/core/log.hpp"
 
 namespace tierflow::bindings {
+
+namespace {
+// A parameter's identity for the schedule: its TensorImpl, which set_data keeps.
+tiering::ParamId param_id(const at::Tensor& p) {
+  return static_cast<tiering::ParamId>(reinterpret_cast<std::uintptr_t>(p.unsafeGetTensorImpl()));
+}
+}  // namespace
 
 struct BlockOffload::Shared {
   mutable std::mutex mutex;
@@ -21,6 +30,49 @@ struct BlockOffload::Shared {
   std::shared_ptr<ActivationOffloader> nvme;  // null without an NVMe engine
   tiering::BlockActionTable actions{BlockAction::kKeep, false};  // Note [C++ block actions]
   tiering::BlockCalls calls;     // forwards, what each call does, counters (Note [C++ block actions])
+
+  // Note [C++ parameter residency]: the blocks' parameters between uses, when offloaded.
+  struct Param {
+    at::Tensor param;            // the trainer's parameter (its data: the host copy or a device copy)
+    at::Tensor host;             // its pinned host copy, what the optimizer steps
+    swap::TransferHandle fetch;  // the copy of its device copy, while one is held
+  };
+  std::unique_ptr<tiering::ParamSchedule> params;  // null: parameters stay where the trainer put them
+  std::unordered_map<tiering::ParamId, Param> param_copies;
+  std::shared_ptr<Runtime> runtime;
+
+  // Carries out what the schedule decided for one block's use; under `mutex`.
+  void carry_out(const tiering::ParamActions& a, const at::Device& device) {
+    for (tiering::ParamId id : a.release) {
+      Param& p = param_copies.at(id);
+      p.param.set_data(p.host);
+      p.fetch = swap::TransferHandle();
+    }
+    for (const auto* ids : {&a.fetch, &a.prefetch}) {
+      for (tiering::ParamId id : *ids) {
+        Param& p = param_copies.at(id);
+        at::Tensor copy = at::empty(p.host.sizes(), p.host.options().device(device).pinned_memory(false));
+        p.fetch = runtime->fetch_to_device(copy, p.host);
+        p.param.set_data(copy);
+      }
+    }
+    for (tiering::ParamId id : a.wait) {
+      runtime->await_on_device(param_copies.at(id).fetch, device);
+      params->arrived(id);
+    }
+  }
+
+  enum class Use { kBeginForward, kEndForward, kBeginBackward, kEndBackward };
+  void param_use(std::size_t block, Use use, const at::Device& device) {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (!params || block + 1 >= params->units()) return;  // not offloaded, or a block it was not told of
+    switch (use) {
+      case Use::kBeginForward: carry_out(params->begin_forward(block), device); break;
+      case Use::kEndForward: carry_out(params->end_forward(block), device); break;
+      case Use::kBeginBackward: carry_out(params->begin_backward(block), device); break;
+      case Use::kEndBackward: carry_out(params->end_backward(block), device); break;
+    }
+  }
 
   // The first swapped block backward reaches starts every offloader's prefetch.
   void reached_backward() {
@@ -134,6 +186,7 @@ class AutocastFork {
 // What one block call keeps for its backward (an IValue capsule in the context).
 struct BlockState : torch::CustomClassHolder {
   BlockForward fn;
+  std::size_t block = 0;  // its index (Note [C++ parameter residency])
   std::shared_ptr<BlockOffload::Shared> shared;
   std::shared_ptr<ActivationOffloader> offloader;  // null: the input stays a SavedVariable
   std::shared_ptr<SavedHandle> input;              // the swapped input
@@ -180,6 +233,7 @@ struct BlockFunction : torch::autograd::Function<BlockFunction> {
     } else {
       input = saved.at(n_params);
     }
+    state->shared->param_use(state->block, BlockOffload::Shared::Use::kBeginBackward, input.device());
     at::Tensor x = input.detach().requires_grad_(state->input_requires_grad);
     const std::uint64_t t0 = now_ns();
     at::Tensor y;
@@ -197,6 +251,7 @@ struct BlockFunction : torch::autograd::Function<BlockFunction> {
     if (y.requires_grad() && !wrt.empty())
       grads = torch::autograd::grad({y}, wrt, {grad_outputs.at(0)}, /*retain_graph=*/false,
                                     /*create_graph=*/false, /*allow_unused=*/true);
+    state->shared->param_use(state->block, BlockOffload::Shared::Use::kEndBackward, input.device());
     {
       std::lock_guard<std::mutex> lock(state->shared->mutex);
       state->shared->calls.rerun(now_ns() - t0);
@@ -216,6 +271,7 @@ struct BlockFunction : torch::autograd::Function<BlockFunction> {
 BlockOffload::BlockOffload(std::shared_ptr<Runtime> runtime)
     : runtime_(std::move(runtime)), shared_(std::make_shared<Shared>()) {
   TIERFLOW_EXPECTS(runtime_ != nullptr, "BlockOffload: a runtime is required");
+  shared_->runtime = runtime_;
   const Config& c = runtime_->config();
   ActivationOffloaderOptions o;
   o.schedule.prefetch_bytes = c.prefetch_bytes;
@@ -265,15 +321,36 @@ at::Tensor BlockOffload::forward(std::size_t block, const BlockForward& fn, cons
   tiering::BlockCall call;
   {
     std::lock_guard<std::mutex> lock(shared_->mutex);
-    call = shared_->calls.call(block, shared_->actions.action(block), needs_graph);
+    const BlockAction planned = shared_->actions.action(block);
+    if (planned == BlockAction::kKeep && shared_->params && block + 1 < shared_->params->units() &&
+        !parameters.empty() && shared_->params->home(param_id(parameters[0])) != Tier::kGpu)
+      throw config_error("BlockOffload: block " + std::to_string(block) + " is kKeep, but its parameters are "
+                         "fetched from the host (offload_parameters): autograd would hold them until backward; "
+                         "accepted for such a block: kSwapHost, kSwapNvme or kRecompute");
+    call = shared_->calls.call(block, planned, needs_graph);
     if (call.new_forward) {
       shared_->host->begin_forward();
       if (shared_->nvme) shared_->nvme->begin_forward();
     }
   }
+  // Note [C++ parameter residency]: the block's parameters are on the device while it runs.
+  shared_->param_use(block, Shared::Use::kBeginForward, input.device());
+  struct Release {
+    Shared& shared;
+    std::size_t block;
+    at::Device device;
+    ~Release() {
+      try {
+        shared.param_use(block, Shared::Use::kEndForward, device);
+      } catch (const std::exception& e) {
+        log(LogLevel::kError, std::string("BlockOffload: releasing a block's parameters: ") + e.what());
+      }
+    }
+  } release{*shared_, block, input.device()};
   if (call.action == BlockAction::kKeep) return fn(input);
   auto state = c10::make_intrusive<BlockState>();
   state->fn = fn;
+  state->block = block;
   state->shared = shared_;
   if (call.action == BlockAction::kSwapHost) state->offloader = shared_->host;
   if (call.action == BlockAction::kSwapNvme) state->offloader = shared_->nvme;
@@ -283,6 +360,52 @@ at::Tensor BlockOffload::forward(std::size_t block, const BlockForward& fn, cons
 void BlockOffload::synchronize() {
   shared_->host->synchronize();
   if (shared_->nvme) shared_->nvme->synchronize();
+}
+
+void BlockOffload::offload_parameters(const std::vector<std::vector<at::Tensor>>& block_parameters, Tier tier) {
+  if (tier != Tier::kHost)
+    throw config_error(std::string("BlockOffload::offload_parameters: tier '") + std::string(to_string(tier)) +
+                       "'; accepted: host (the NVMe tier for parameters is not available from C++ yet)");
+  std::lock_guard<std::mutex> lock(shared_->mutex);
+  if (shared_->params) throw config_error("BlockOffload::offload_parameters: called twice; call it once, before training");
+  std::vector<tiering::ParamUnit> units;
+  std::uint64_t largest = 0;
+  for (std::size_t b = 0; b < block_parameters.size(); ++b) {
+    tiering::ParamUnit u;
+    u.residence = shared_->actions.action(b) == BlockAction::kKeep ? Tier::kGpu : tier;
+    std::uint64_t bytes = 0;
+    for (const at::Tensor& p : block_parameters[b]) {
+      TIERFLOW_EXPECTS(p.defined() && p.is_leaf(), "BlockOffload::offload_parameters: block " + std::to_string(b) +
+                                                       " lists a tensor that is not a parameter (undefined or not a leaf)");
+      u.params.push_back({param_id(p), p.nbytes()});
+      bytes += p.nbytes();
+    }
+    if (u.residence != Tier::kGpu) largest = std::max(largest, bytes);
+    units.push_back(std::move(u));
+  }
+  units.push_back(tiering::ParamUnit{});  // the rest unit: the trainer's own, where it put them
+  tiering::ParamScheduleOptions o;
+  o.prefetch_bytes = largest;  // one block ahead (Note [Parameter residency])
+  auto schedule = std::make_unique<tiering::ParamSchedule>(units, o);
+  std::unordered_map<tiering::ParamId, Shared::Param> copies;  // made in full before anything changes
+  for (std::size_t b = 0; b < block_parameters.size(); ++b) {
+    if (units[b].residence == Tier::kGpu) continue;
+    for (const at::Tensor& p : block_parameters[b]) {
+      const tiering::ParamId id = param_id(p);
+      if (copies.count(id) || schedule->home(id) == Tier::kGpu) continue;  // shared, or resident through a kept block
+      at::Tensor host = runtime_->host_empty(p.sizes(), p.scalar_type(), false);
+      host.copy_(p.detach());
+      copies.emplace(id, Shared::Param{p, host, {}});
+    }
+  }
+  for (auto& [id, c] : copies) c.param.set_data(c.host);  // the device copies go
+  shared_->param_copies = std::move(copies);
+  shared_->params = std::move(schedule);
+}
+
+tiering::ParamScheduleStats BlockOffload::parameter_stats() const {
+  std::lock_guard<std::mutex> lock(shared_->mutex);
+  return shared_->params ? shared_->params->stats() : tiering::ParamScheduleStats{};
 }
 
 BlockOffloadStats BlockOffload::stats() const {

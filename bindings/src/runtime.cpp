@@ -118,6 +118,20 @@ swap::TransferHandle Runtime::copy_to_device(const at::Tensor& dst, const at::Te
   return h;
 }
 
+swap::TransferHandle Runtime::fetch_to_device(const at::Tensor& dst, const at::Tensor& src) {
+  check_copy_pair(src, dst, "fetch_to_device");
+  TIERFLOW_EXPECTS(on_device(dst), "fetch_to_device: the destination must be a tensor of the runtime's device (" +
+                                       std::string(allocator::to_string(device_kind())) + ")");
+  swap::CopyEngine& engine = *copy_engine();
+  return engine.copy(swap::Direction::kHostToDevice, dst.data_ptr(), src.data_ptr(), dst.nbytes(), {},
+                     compute_stream_of(engine, dst.device()));
+}
+
+void Runtime::await_on_device(const swap::TransferHandle& h, const at::Device& device) {
+  swap::CopyEngine& engine = *copy_engine();
+  engine.make_stream_wait(compute_stream_of(engine, device), h);
+}
+
 void Runtime::adam_step(const optimizer::AdamOptions& options, std::int64_t step,
                         const std::vector<at::Tensor>& masters,
                         const std::vector<at::Tensor>& exp_avgs,

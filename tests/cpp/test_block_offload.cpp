@@ -2,6 +2,7 @@
 // losses and RNG stream of running the blocks plainly, bit for bit on CPU,
 // on both emulated modes; the error paths name the problem.
 #include "tierflow/bindings/block_offload.hpp"
+#include "tierflow/bindings/cpu_adamw.hpp"
 
 #include <ATen/autocast_mode.h>
 #include <gtest/gtest.h>
@@ -335,3 +336,114 @@ TEST(BlockOffload, ASecondBackwardThroughASwappedBlockSaysWhy) {
 }
 
 }  // namespace
+
+// Note [C++ parameter residency]: eight blocks whose parameters live on the host between uses train as the
+// plain blocks do, step by step with tierflow's CPU AdamW, and the device holds at most two blocks' parameters.
+namespace {
+
+struct Deep {
+  std::vector<torch::nn::Sequential> blocks;
+  torch::Tensor leaf;
+  Deep() {
+    torch::manual_seed(5);
+    for (int i = 0; i < 8; ++i)
+      blocks.push_back(torch::nn::Sequential(torch::nn::Linear(32, 96), torch::nn::GELU(), torch::nn::Dropout(0.1),
+                                             torch::nn::Linear(96, 32)));
+    leaf = torch::randn({4, 16, 32}, torch::requires_grad());
+  }
+  std::vector<torch::Tensor> parameters() const {
+    std::vector<torch::Tensor> all{leaf};
+    for (const auto& b : blocks)
+      for (const auto& p : b->parameters()) all.push_back(p);
+    return all;
+  }
+  std::vector<std::vector<torch::Tensor>> block_parameters() const {
+    std::vector<std::vector<torch::Tensor>> out;
+    for (const auto& b : blocks) out.push_back(b->parameters());
+    return out;
+  }
+};
+
+struct Trained {
+  std::vector<double> losses;
+  std::vector<torch::Tensor> params;
+};
+
+Trained train_deep(tb::BlockOffload* offload, const std::string& mode, bool offload_params) {
+  Deep m;
+  auto runtime = make_runtime({{"emulated_device", mode}});
+  if (offload_params) offload->offload_parameters(m.block_parameters());
+  tb::CpuAdamW opt(runtime, m.parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.01));
+  Trained t;
+  torch::manual_seed(3);
+  for (int step = 0; step < 3; ++step) {
+    opt.zero_grad();
+    auto x = m.leaf * 2;
+    for (std::size_t i = 0; i < m.blocks.size(); ++i) {
+      auto block = m.blocks[i];
+      x = offload->forward(i, [block](const at::Tensor& in) mutable { return block->forward(in); }, x,
+                           block->parameters());
+    }
+    auto loss = x.pow(2).mean();
+    loss.backward();
+    opt.step();
+    t.losses.push_back(loss.item<double>());
+  }
+  offload->synchronize();
+  for (const auto& p : m.parameters()) t.params.push_back(p.detach().clone());
+  return t;
+}
+
+}  // namespace
+
+class ParamResidency : public testing::TestWithParam<const char*> {};
+
+TEST_P(ParamResidency, BlocksWhoseParametersLiveOnTheHostTrainAsThePlainBlocks) {
+  auto runtime = make_runtime({{"emulated_device", GetParam()}});
+  tb::BlockOffload plain(runtime), fetched(runtime);
+  plain.set_default_action(tb::BlockAction::kSwapHost);
+  fetched.set_default_action(tb::BlockAction::kSwapHost);
+  const Trained a = train_deep(&plain, GetParam(), false);
+  const Trained b = train_deep(&fetched, GetParam(), true);
+  ASSERT_EQ(a.losses.size(), b.losses.size());
+  for (std::size_t i = 0; i < a.losses.size(); ++i) EXPECT_EQ(a.losses[i], b.losses[i]) << "step " << i;
+  for (std::size_t i = 0; i < a.params.size(); ++i) EXPECT_TRUE(torch::equal(a.params[i], b.params[i])) << "param " << i;
+
+  const Deep shape;
+  std::uint64_t block_bytes = 0;
+  for (const auto& p : shape.blocks[0]->parameters()) block_bytes += p.nbytes();
+  const auto st = fetched.parameter_stats();
+  EXPECT_EQ(st.fetches, 3u * 2u * 8u * 4u) << "each block's 4 parameters, in forward and backward, 3 steps";
+  EXPECT_GT(st.device_peak_bytes, 0u);
+  EXPECT_LE(st.device_peak_bytes, 2 * block_bytes) << "a block and the one prefetched: 8 blocks' weights never are";
+  EXPECT_EQ(st.device_bytes, 0u) << "released after the step's last backward";
+  EXPECT_EQ(st.host_bytes, 8 * block_bytes);
+  EXPECT_GT(st.prefetch_hits, 0u);
+  EXPECT_EQ(plain.parameter_stats().fetches, 0u);
+}
+
+INSTANTIATE_TEST_SUITE_P(BlockOffload, ParamResidency, testing::Values("polite", "adversarial"));
+
+TEST(BlockOffload, ParameterOffloadRefusesWhatItCannotCarryOut) {
+  Deep m;
+  auto runtime = make_runtime({});
+  tb::BlockOffload offload(runtime);
+  try {
+    offload.offload_parameters(m.block_parameters(), tierflow::Tier::kNvme);
+    FAIL() << "accepted the NVMe tier";
+  } catch (const tierflow::config_error& e) {
+    EXPECT_NE(std::string(e.what()).find("accepted: host"), std::string::npos) << e.what();
+  }
+  offload.set_default_action(tb::BlockAction::kSwapHost);
+  offload.offload_parameters(m.block_parameters());
+  EXPECT_THROW(offload.offload_parameters(m.block_parameters()), tierflow::config_error) << "twice";
+  offload.set_action(2, tb::BlockAction::kKeep);  // its parameters are fetched: the next call of block 2 says so
+  auto x = m.leaf * 2;
+  for (std::size_t i = 0; i < 2; ++i) x = offload.forward(i, m.blocks[i], x);
+  try {
+    offload.forward(2, m.blocks[2], x);
+    FAIL() << "kept a block whose parameters are fetched";
+  } catch (const tierflow::config_error& e) {
+    EXPECT_NE(std::string(e.what()).find("block 2 is kKeep"), std::string::npos) << e.what();
+  }
+}

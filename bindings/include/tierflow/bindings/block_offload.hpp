@@ -56,6 +56,29 @@
 // the block boundary over the link. A planner that wants swap without
 // recompute for a block needs the Python route (tierflow.wrap).
 //
+// Parameters on the host (Note [C++ parameter residency]). A trainer whose
+// blocks' weights do not fit the device hands BlockOffload each block's
+// parameters once (offload_parameters): each becomes a pinned host copy (the
+// parameter's data between uses: the CPU AdamW steps it in place there) and
+// tiering::ParamSchedule (Note [Parameter residency]) says when each block's
+// parameters are fetched and released. The mechanism needs no saved-tensor
+// hook: a swap or recompute block runs its forward with autograd off (nothing
+// holds its weights afterwards) and its backward is the rerun, whose graph
+// lives only inside backward. So a block's parameters are fetched before its
+// forward and released when it returns, fetched before its rerun and
+// released once its gradients are computed; the next blocks' are prefetched
+// in the recorded order within one block's bytes. A fetch copies the host
+// copy into fresh device memory through the copy engine after the compute
+// stream's earlier work (the allocation), and the compute stream waits for
+// it only when the block runs (Runtime::fetch_to_device / await_on_device,
+// rules 1 and 2 of Note [Copy ordering]); a release points the parameter
+// back at its host copy, and the device memory goes back to the caching
+// allocator in stream order. A kKeep block lets autograd hold its weights
+// until backward, so its parameters stay on the device (resident); asking
+// for kKeep on a block whose parameters are fetched is refused at its next
+// call. Parameters outside the blocks (embeddings, head) stay where the
+// trainer put them.
+//
 // Where the plan comes from: the per-block action table of
 // tiering::BlockActionTable (Note [C++ block actions]: the default from
 // TIERFLOW_OFFLOAD_ACTIVATIONS, per-block overrides, a plan's mode and tier).
@@ -82,6 +105,7 @@
 #include "tierflow/bindings/activation_offloader.hpp"
 #include "tierflow/core/config.hpp"
 #include "tierflow/tiering/block_actions.hpp"
+#include "tierflow/tiering/param_schedule.hpp"
 #include "tierflow/tiering/planner.hpp"
 
 namespace tierflow::bindings {
@@ -135,6 +159,15 @@ class BlockOffload {
     return forward(block, [m = ModuleHolder(module)](const at::Tensor& x) mutable { return m->forward(x); }, input,
                    module->parameters());
   }
+
+  /// Puts the blocks' parameters on the host tier between uses (Note [C++ parameter residency]):
+  /// `block_parameters[b]` are block b's, as passed to forward(); each becomes a pinned host copy now
+  /// (its device memory, if any, goes). Blocks whose action is kKeep now keep theirs on the device. Call
+  /// once, before training; `tier` must be Tier::kHost (config_error otherwise, naming what is accepted);
+  /// tierflow::out_of_memory when TIERFLOW_HOST_MEMORY cannot hold them.
+  void offload_parameters(const std::vector<std::vector<at::Tensor>>& block_parameters, Tier tier = Tier::kHost);
+  /// The parameters' counters: fetches, bytes, prefetch hits, stalls, device bytes and their peak.
+  tiering::ParamScheduleStats parameter_stats() const;
 
   /// Waits for every copy in flight (call before timing or tearing down).
   void synchronize();

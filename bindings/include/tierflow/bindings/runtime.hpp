@@ -84,6 +84,11 @@ class Runtime {
   /// on the current stream; that stream waits for the copy before its next
   /// kernel. Keep `src` alive until the handle is ready.
   swap::TransferHandle copy_to_device(const at::Tensor& dst, const at::Tensor& src);
+  /// Copies host `src` into device `dst` after the work queued on `dst`'s compute stream (its allocation),
+  /// without making that stream wait for it: await_on_device does, when the copy is needed (a prefetch).
+  swap::TransferHandle fetch_to_device(const at::Tensor& dst, const at::Tensor& src);
+  /// Work queued on `device`'s compute stream from now on waits for copy `h`.
+  void await_on_device(const swap::TransferHandle& h, const at::Device& device);
 
   /// The optimizer states on NVMe (TIERFLOW_OFFLOAD_OPTIMIZER=nvme).
   optimizer::NvmeAdamStore& nvme_adam();
