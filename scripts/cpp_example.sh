@@ -78,6 +78,8 @@ for mode in "${MODES[@]}"; do
   run "$mode: blocks swapped to the host, CPU AdamW" "${DEV[@]}" -- --activations host
   run "$mode: blocks swapped to NVMe, CPU AdamW with states on NVMe" "${DEV[@]}" "${NVME[@]}" -- --activations config
   run "$mode: blocks recomputed, CPU AdamW" "${DEV[@]}" -- --activations recompute
+  run "$mode: blocks swapped to the host, their parameters on the host between uses, CPU AdamW" "${DEV[@]}" -- \
+      --activations host --params host
   run "$mode: blocks swapped to the host, torch's AdamW (bit-identical)" "${DEV[@]}" "${EXACT_ENV[@]}" -- \
       --activations host --optimizer torch --tolerance "$EXACT_TOLERANCE"
 done

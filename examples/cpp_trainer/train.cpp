@@ -6,7 +6,12 @@
 // tolerance.
 //
 //   cpp_trainer [--activations config|keep|host|nvme|recompute] [--optimizer tierflow|torch]
-//               [--steps N] [--tolerance X]
+//               [--params device|host] [--steps N] [--tolerance X]
+//
+// --params host keeps the blocks' parameters on the host between uses
+// (Note [C++ parameter residency]): fetched before each block runs and
+// released after, stepped in place on the host by the CPU AdamW, so the
+// device holds about two blocks' weights at a time.
 //
 // --activations picks every block's action; `config` (the default) takes it
 // from TIERFLOW_OFFLOAD_ACTIVATIONS. --optimizer torch keeps torch::optim::AdamW
@@ -47,6 +52,7 @@ namespace {
 struct Args {
   std::string activations = "config";
   std::string optimizer = "tierflow";
+  std::string params = "device";
   int steps = 10;
   double tolerance = 1e-5;
 };
@@ -134,11 +140,14 @@ Args parse_args(int argc, char** argv) {
     else if (arg == "--optimizer" && has_value && (std::strcmp(argv[i + 1], "tierflow") == 0 ||
                                                    std::strcmp(argv[i + 1], "torch") == 0))
       a.optimizer = argv[++i];
+    else if (arg == "--params" && has_value && (std::strcmp(argv[i + 1], "device") == 0 ||
+                                                std::strcmp(argv[i + 1], "host") == 0))
+      a.params = argv[++i];
     else if (arg == "--steps" && has_value) a.steps = std::atoi(argv[++i]);
     else if (arg == "--tolerance" && has_value) a.tolerance = std::atof(argv[++i]);
     else {
       std::fprintf(stderr, "usage: cpp_trainer [--activations config|keep|host|nvme|recompute] "
-                           "[--optimizer tierflow|torch] [--steps N] [--tolerance X]\n");
+                           "[--optimizer tierflow|torch] [--params device|host] [--steps N] [--tolerance X]\n");
       std::exit(2);
     }
   }
@@ -170,6 +179,16 @@ int main(int argc, char** argv) {
   torch::manual_seed(kSeed);
   GPT model(c);
   model->to(device);
+  if (args.params == "host") {
+    if (device.is_cuda() && args.optimizer == "torch") {
+      std::fprintf(stderr, "cpp_trainer: --params host with --optimizer torch on CUDA: torch's AdamW would step host "
+                           "weights with device gradients; accepted with --params host on CUDA: --optimizer tierflow\n");
+      return 2;
+    }
+    std::vector<std::vector<torch::Tensor>> block_params;
+    for (const auto& b : model->blocks) block_params.push_back(b->parameters());
+    offload.offload_parameters(block_params);  // before the optimizer: it steps them where they live
+  }
   std::unique_ptr<torch::optim::Optimizer> opt;
   if (args.optimizer == "torch")
     opt = std::make_unique<torch::optim::AdamW>(model->parameters(), kAdamW);
@@ -210,6 +229,13 @@ int main(int argc, char** argv) {
               (unsigned long long)(host.prefetch_hits + nvme.prefetch_hits),
               (unsigned long long)(host.stalls + nvme.stalls), (unsigned long long)nvme.nvme_writes,
               (unsigned long long)nvme.nvme_write_bytes, (unsigned long long)nvme.nvme_reads);
+  const auto ps = offload.parameter_stats();
+  if (args.params == "host")
+    std::printf("parameters: on the host between uses; %llu fetches (%llu bytes host->device), prefetch hits %llu, "
+                "stalls %llu; on the device at most %llu bytes, %llu bytes on the host\n",
+                (unsigned long long)ps.fetches, (unsigned long long)ps.host_to_device_bytes,
+                (unsigned long long)ps.prefetch_hits, (unsigned long long)ps.stalls,
+                (unsigned long long)ps.device_peak_bytes, (unsigned long long)ps.host_bytes);
   std::printf("optimizer: saved and loaded into torch::optim::AdamW, max |exp_avg diff| = %.2e (max |exp_avg| %.2e)\n",
               exp_avg_diff, exp_avg_max);
   std::printf("cpp_trainer: max |loss diff| = %.3e over %zu steps\n", max_diff, baseline.losses.size());
@@ -220,6 +246,7 @@ int main(int argc, char** argv) {
   if (on_runtime_device && action == tb::BlockAction::kSwapHost) exercised = host.offloaded_blocks > 0;
   if (on_runtime_device && action == tb::BlockAction::kSwapNvme) exercised = nvme.nvme_writes > 0;
   if (action != tb::BlockAction::kKeep) exercised = exercised && st.reruns > 0;
+  if (args.params == "host") exercised = exercised && ps.fetches > 0 && ps.device_peak_bytes < ps.host_bytes;
   if (!exercised) {
     std::fprintf(stderr, "cpp_trainer: FAILED: the %s plan moved or recomputed nothing\n",
                  std::string(tb::to_string(action)).c_str());
