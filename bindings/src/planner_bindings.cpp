@@ -245,6 +245,7 @@ void bind_plan_command(py::module_& m) {
       .def_readwrite("host_capacity_bytes", &PlanCommandInputs::host_capacity_bytes)
       .def_readwrite("device_name", &PlanCommandInputs::device_name)
       .def_readwrite("optimizer", &PlanCommandInputs::optimizer)
+      .def_readwrite("offload_params", &PlanCommandInputs::offload_params)
       .def_readwrite("shape", &PlanCommandInputs::shape)
       .def_readwrite("dtype_name", &PlanCommandInputs::dtype_name)
       .def_readwrite("state", &PlanCommandInputs::state)

@@ -153,6 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="host<->NVMe GB/s each way (with --nvme-memory)")
     p.add_argument("--optimizer", choices=["none", "host", "nvme"],
                    help="where fp32 master weights and Adam states live (default: TIERFLOW_OFFLOAD_OPTIMIZER)")
+    p.add_argument("--offload-params", choices=["none", "host", "nvme", "auto"],
+                   help="where each block's parameters live between uses (default: TIERFLOW_OFFLOAD_PARAMS)")
     p.add_argument("--prefetch", metavar="SIZE", help="prefetch window (default: TIERFLOW_PREFETCH_BYTES)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     return p
@@ -241,6 +243,7 @@ def _plan(args: argparse.Namespace) -> str:
         nvme_memory=None if args.nvme_memory is None else _text("--nvme-memory", args.nvme_memory),
         nvme_bytes_per_second=args.nvme_gbps * GB, device_capacity_bytes=_C.device_capacity_bytes(cuda),
         host_capacity_bytes=_C.host_capacity_bytes(), device_name=device_name, optimizer=optimizer,
+        offload_params=args.offload_params or config["TIERFLOW_OFFLOAD_PARAMS"],
         shape=None if state is None else _shape(args), dtype_name=args.dtype, state=state, head_bytes=head_bytes,
         profile_path="" if args.profile is None else args.profile.encode("utf-8", "backslashreplace").decode(),
         profile_fixed_device_bytes=0 if args.profile is None else profile.fixed_device_bytes,

@@ -27,6 +27,16 @@
 // with the setting that would move it off the device; a profile gives only
 // their sum. Workspace is not in the fixed bytes: each block's transient bytes
 // are in its working set (Note [Activation planner]).
+//
+// Parameters. --offload-params (or TIERFLOW_OFFLOAD_PARAMS) none keeps them
+// in the fixed bytes; host or nvme fetches every unit from that tier
+// (ParamPolicy::kFetchAll; nvme needs --nvme-memory), auto lets the planner
+// choose per block from the host (kAuto). Then the parameters leave the
+// fixed bytes: each block's are the estimate's per-layer parameters, the
+// rest unit's are the remainder (embeddings, final norm, head). A profile
+// gives no parameter bytes per block: with --profile only none is accepted.
+// The command prints which blocks fetch, the rest unit's residence, and the
+// parameter bytes per tier (device: resident and the window of fetched ones).
 #pragma once
 
 #include <cstdint>
@@ -63,6 +73,7 @@ struct PlanCommandInputs {
   std::uint64_t host_capacity_bytes = 0;    ///< this machine's RAM
   std::string device_name;                  ///< "cuda" or "cpu (emulated device)"
   std::string optimizer;                    ///< the optimizer's placement: none, host or nvme
+  std::string offload_params = "none";      ///< --offload-params or TIERFLOW_OFFLOAD_PARAMS: none, host, nvme, auto
   std::optional<TransformerShape> shape;    ///< the estimated model (none: a recorded profile)
   std::string dtype_name;                   ///< the shape's --dtype, e.g. "bf16"
   std::optional<StateBytes> state;          ///< estimate_training_state of the shape

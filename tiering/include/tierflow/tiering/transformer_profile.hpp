@@ -78,6 +78,8 @@ std::vector<BlockProfile> estimate_transformer(const TransformerShape& shape, do
 
 /// Parameters of the model (embeddings, blocks, final norm, head).
 std::uint64_t transformer_parameters(const TransformerShape& shape);
+/// Parameters of one repeated block (its BlockProfile::parameter_bytes is this times dtype_bytes).
+std::uint64_t transformer_block_parameters(const TransformerShape& shape);
 
 /// Bytes of training state per tier.
 struct StateBytes {
