@@ -213,7 +213,8 @@ std::string params_line(const Plan& plan, const PlanCommandInputs& in, const Bud
   std::vector<std::string> parts;
   for (Tier t : {Tier::kHost, Tier::kNvme, Tier::kGpu}) {
     const std::string r = block_ranges(plan, t);
-    if (!r.empty()) parts.push_back("blocks " + r + (t == Tier::kGpu ? " resident" : " fetched from " + std::string(to_string(t))));
+    const bool several = r.find_first_of("-,") != std::string::npos;
+    if (!r.empty()) parts.push_back((several ? "blocks " : "block ") + r + (t == Tier::kGpu ? " resident" : " fetched from " + std::string(to_string(t))));
   }
   for (std::size_t k = 0; k < parts.size(); ++k) s += (k ? "; " : "") + parts[k];
   s += "; the rest (embeddings, final norm, head: " + format_bytes(budgets.rest_parameter_bytes) + ") " +
