@@ -112,7 +112,10 @@
 // the fastest wins (ties: fewer fetched). Exact for the model while the
 // counts give at most kMaxParamChoices combinations; beyond, blocks of one
 // shape are grouped with their times averaged, and then the k largest blocks
-// are fetched for every k (Plan::proven_optimal = false).
+// are fetched for every k (Plan::proven_optimal = false, unless the plan
+// keeps and holds everything: no plan is faster). The per-unit fetches and
+// releases that carry a plan out are tiering::ParamSchedule's (Note
+// [Parameter residency]; its window: Plan::param_prefetch_bytes).
 #pragma once
 
 #include <cstddef>
