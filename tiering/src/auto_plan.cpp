@@ -91,4 +91,26 @@ std::uint64_t nvme_probe_bytes(std::uint64_t available_bytes) noexcept {
 
 std::uint64_t next_nvme_probe_bytes(std::uint64_t bytes) noexcept { return bytes / 2 / kProbeGranule * kProbeGranule; }
 
+MeasuredBesidePredicted measured_beside_predicted(const std::vector<double>& forward_starts,
+                                                  std::optional<std::uint64_t> peak_reserved_bytes,
+                                                  std::optional<double> predicted_step_seconds,
+                                                  std::optional<double> predicted_peak_bytes) {
+  MeasuredBesidePredicted out;
+  std::vector<double> gaps;
+  for (std::size_t i = 1; i < forward_starts.size(); ++i) gaps.push_back(forward_starts[i] - forward_starts[i - 1]);
+  out.steps = gaps.size();
+  if (!gaps.empty()) {  // the median as Python's statistics.median: the mean of the middle two of an even count
+    std::sort(gaps.begin(), gaps.end());
+    const auto n = gaps.size();
+    out.step_seconds = n % 2 ? gaps[n / 2] : (gaps[n / 2 - 1] + gaps[n / 2]) / 2;
+  }
+  if (out.step_seconds && predicted_step_seconds && *predicted_step_seconds != 0) {
+    out.step_vs_predicted = *out.step_seconds / *predicted_step_seconds;
+  }
+  if (peak_reserved_bytes && predicted_peak_bytes && *predicted_peak_bytes != 0) {
+    out.peak_vs_predicted = static_cast<double>(*peak_reserved_bytes) / *predicted_peak_bytes;
+  }
+  return out;
+}
+
 }  // namespace tierflow::tiering

@@ -40,6 +40,8 @@ SavedAction saved_action(BlockMode mode, SavedClass cls, bool exact) noexcept;
 std::int64_t split_rows(double alpha, std::int64_t rows, std::int64_t granule) noexcept;
 
 std::string_view to_string(SavedClass c) noexcept;
+/// The class named `text` (to_string's names); config_error naming it and the accepted names.
+SavedClass parse_saved_class(std::string_view text);
 std::string_view to_string(SavedAction a) noexcept;
 
 }  // namespace tierflow::tiering
