@@ -111,6 +111,7 @@ void bind_auto_plan(py::module_& m) {
         py::arg("peak_reserved_bytes"), py::arg("predicted_step_seconds"), py::arg("predicted_peak_bytes"),
         "Ratios of the measured step and peak to the predictions (Note [Auto plan phases]).");
   m.attr("MEASURED_STEPS") = kMeasuredSteps;
+  m.def("median_seconds", &median_seconds, py::arg("seconds"), "The median, as statistics.median (0 for none).");
   m.def("nvme_probe_bytes", &nvme_probe_bytes, py::arg("available_bytes"), "The NVMe probe's first block size.");
   m.def("next_nvme_probe_bytes", &next_nvme_probe_bytes, py::arg("bytes"),
         "The next NVMe probe size when the free space is in pieces (0: give up).");
@@ -148,6 +149,7 @@ void bind_block_table(py::module_& m) {
       .def("mutated_ops", &BlockTable::mutated_ops, "Matmuls whose saved output was written in place.")
       .def("exact_rows", &BlockTable::exact_rows, "Split op -> its first rows, probed exact.")
       .def("record", &BlockTable::record, py::arg("forward_seconds"), "The planner's BlockRecord of this block.");
+  m.attr("SPLIT_ROW_GRANULE") = kSplitRowGranule;
   // The recorder's rules (Note [Block table]): torch reads the numbers, tiering decides.
   m.def("attention_op", [](double dropout_p, std::int64_t q_elements, std::int64_t key_length, bool causal) {
     return py::make_tuple(std::string(to_string(attention_kind(dropout_p))),
@@ -290,6 +292,18 @@ void bind_plan_command(py::module_& m) {
         "The plan command's budgets (Note [Plan report]); raises ConfigError naming the flag or variable.");
   m.def("explain_plan", &explain_plan, py::arg("plan"), py::arg("blocks"), py::arg("links"), py::arg("budgets"),
         "Why each block's action won: one line per block (Note [Plan report]).");
+  m.def("check_blocks_source", &check_blocks_source, py::arg("profile"), py::arg("given_shape_flags"),
+        "Raises ConfigError unless the blocks come from a whole shape or --profile (Note [Plan report]).");
+  m.def("check_rate", &check_rate, py::arg("value"), py::arg("shown"), py::arg("zero"),
+        "A rate argument within its range, or ConfigError saying what is accepted (Note [Plan report]).");
+  m.def("shape_argument", [](const std::string& field, const std::string& digits, const std::string& shown) {
+    return shape_argument(field, digits, shown);
+  }, py::arg("field"), py::arg("digits"), py::arg("shown"), "A shape argument within its limits, or ConfigError.");
+  m.def("links_from_pcie_gbps", &links_from_pcie_gbps, py::arg("gbps"), "The links of --pcie-gbps.");
+  m.def("plan_refusal", &plan_refusal, py::arg("error"), py::arg("out_of_memory"), py::arg("inputs"),
+        py::arg("budgets"), "The command's line when the planner refused (Note [Plan report]).");
+  m.attr("DECIMAL_GB") = kDecimalGB;
+  m.def("plan_shape_flags", &plan_shape_flags, "The shape's flags, as errors name them.");
   m.def("describe_plan", &describe_plan, py::arg("plan"), py::arg("blocks"), py::arg("inputs"), py::arg("budgets"),
         "The plan command's text lines and JSON (Note [Plan report]).");
 }

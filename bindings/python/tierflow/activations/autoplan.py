@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import time
 from typing import Any, Optional
 
@@ -23,8 +22,7 @@ from .table import probe_table
 def block_profile(runner: BlockRunner, traffic: Any = None) -> dict:
     """One profile block from a runner's recorded table and timings (tiering::BlockTable::record,
     tiering::measured_block_profile), with the optimizer's `traffic` inside it (tiering::optimizer_traffic; none by default)."""
-    seconds = statistics.median(runner.forward_seconds) if runner.forward_seconds else 0.0
-    record = runner.table.core.record(seconds)
+    record = runner.table.core.record(_C.median_seconds(runner.forward_seconds))
     record.parameter_bytes = sum(p.numel() * p.element_size() for p in runner.module.parameters())
     return fields_of(_C.measured_block_profile(record, traffic or _C.OptimizerTraffic()), BLOCK_FIELDS)
 

@@ -210,13 +210,10 @@ def probe_row_split(op: Op, r0: int, seed: int = 0) -> bool:
     return bool(torch.equal(full, part))
 
 
-_ROW_GRANULE = 8  # a split's first rows are a multiple of this (whole cache lines of a row-major output)
-
-
 def probe_table(table: "Table", alpha: float) -> bool:
     """Sets the exact first rows of each split matmul of ``table`` for ``alpha`` (tiering::BlockTable::probe,
     which asks probe_row_split for a proper suffix); False when none is exact."""
-    exact = table.core.probe(alpha, _ROW_GRANULE, lambda j, r0: probe_row_split(table.ops[j], r0))
+    exact = table.core.probe(alpha, _C.SPLIT_ROW_GRANULE, lambda j, r0: probe_row_split(table.ops[j], r0))
     table.exact_rows = dict(table.core.exact_rows())
     table._actions.clear()
     return exact

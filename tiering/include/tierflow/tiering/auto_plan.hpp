@@ -162,6 +162,10 @@ std::uint64_t link_probe_bytes(std::uint64_t host_budget_bytes, std::uint64_t ho
 /// free space is in pieces.
 std::uint64_t nvme_probe_bytes(std::uint64_t available_bytes) noexcept;
 
+/// The median of `seconds` as Python's statistics.median (the mean of the middle two of an even count);
+/// 0 for none. A block's measured forward is the median of its timed forwards.
+double median_seconds(std::vector<double> seconds) noexcept;
+
 /// Step gaps the measured step is the median of (Note [Auto plan phases]).
 inline constexpr std::size_t kMeasuredSteps = 32;
 
