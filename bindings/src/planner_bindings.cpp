@@ -17,6 +17,7 @@
 #include "tierflow/tiering/profile_file.hpp"
 #include "tierflow/tiering/planner.hpp"
 #include "tierflow/tiering/saved_actions.hpp"
+#include "tierflow/tiering/tiers.hpp"
 #include "tierflow/tiering/transformer_profile.hpp"
 
 namespace py = pybind11;
@@ -241,6 +242,9 @@ void bind_estimates(py::module_& m) {
   m.def("device_capacity_bytes", [](bool cuda) {
     return allocator::device_capacity_bytes(cuda ? allocator::DeviceKind::kCuda : allocator::DeviceKind::kEmulated);
   }, py::arg("cuda"), "Total memory of the GPU tier: the current GPU's, or physical RAM when emulated.");
+  m.def("device_is_cuda", [](const std::map<std::string, std::string>& config) {
+    return device_kind(Config::parse({}, config)) == allocator::DeviceKind::kCuda;
+  }, py::arg("config"), "Whether these TIERFLOW_* texts run on CUDA (tiering::device_kind); raises ConfigError.");
   m.def("host_capacity_bytes", &allocator::host_capacity_bytes, "Physical RAM of this machine.");
   m.def("format_bytes", &format_bytes, py::arg("bytes"), "Human-readable size, e.g. '1.50 GiB'.");
 }

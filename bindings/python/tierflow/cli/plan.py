@@ -33,15 +33,6 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 # ---- measurements ----------------------------------------------------------------------------
 
-def _use_cuda() -> bool:
-    choice = resolve_config()["TIERFLOW_DEVICE"]
-    if choice == "cuda" and not _C.cuda_available():  # as the runtime says it (bindings/src/runtime.cpp)
-        why = ("no CUDA GPU is usable on this machine" if _C.cuda_compiled()
-               else "tierflow was built without the CUDA backend")
-        raise PlanError(f"TIERFLOW_DEVICE='cuda': {why}; accepted here: auto, emulated")
-    return choice == "cuda" or (choice == "auto" and _C.cuda_available())
-
-
 def measure_flops(cuda: bool) -> float:
     """Matmul flops per second on the device tierflow would use (bf16 on a GPU, fp32 on the CPU)."""
     import torch
@@ -179,7 +170,7 @@ def plan_command(argv: Sequence[str]) -> int:
 
 def _plan(args: argparse.Namespace) -> str:
     config = resolve_config()
-    cuda = _use_cuda()
+    cuda = _C.device_is_cuda(config)  # as the runtime decides it (Note [Tiers from the configuration])
     given = [a for a in _C.plan_shape_flags() if getattr(args, a) is not None]
     _C.check_blocks_source(args.profile is not None, given)  # a whole shape or --profile (Note [Plan report])
     measured: list[str] = []
