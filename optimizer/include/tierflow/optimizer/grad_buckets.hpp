@@ -1,7 +1,8 @@
 // The torch-free parts of streaming gradients to the CPU optimizer during
 // backward (Note [Gradient streaming] in bindings/include/tierflow/bindings/
-// grad_stream.hpp): which gradients share a bucket, the partial norms of the
-// buckets that have landed, and the GPU/CPU split chosen from measured speeds.
+// grad_stream.hpp): which gradients share a bucket and when `auto` sizes the
+// buckets, the partial norms of the buckets that have landed, and which
+// parameters step on the GPU (the share set, or chosen from measured speeds).
 #pragma once
 
 #include <cstddef>
