@@ -8,6 +8,12 @@ block size with the queue depth in flight. fio's file is preallocated like
 tierflow's (fallocate), so neither pays for extending a file. tierflow and fio
 alternate so both see the same disk; each figure is the median of --repeats
 runs (the best is kept too). Writes benchmarks/results/nvme.json.
+
+The planner's NVMe probe (Note [NVMe probe]: ``Runtime.measure_nvme``, what
+``auto`` plans with) is measured the same way, alternating with fio at the
+engine's default request size and queue depth, at the size ``auto`` probes
+with (``planner_probe`` in the JSON; ``--only-probe`` measures just that and
+updates the JSON in place).
 """
 
 from __future__ import annotations
@@ -77,6 +83,37 @@ def compare(dirs: list[str], nbytes: int, bs: int, qd: int, repeats: int) -> dic
     return result
 
 
+def probe_run(dirs: list[str], repeats: int) -> dict:
+    """The planner's probe (what `auto` measures the NVMe tier with) beside fio, alternating, medians."""
+    from tierflow import _C
+    settings = {"device": "emulated", "offload_activations": "nvme", "nvme_paths": ",".join(dirs),
+                "offload_optimizer": "none"}
+    rt = _C.Runtime(settings)
+    nbytes = int(_C.nvme_probe_bytes(int(rt.nvme_available_bytes())))
+    cfg = rt.config()
+    bs, qd = parse_size(cfg["TIERFLOW_AIO_BLOCK_SIZE"]), int(cfg["TIERFLOW_AIO_QUEUE_DEPTH"])
+    fio_file = os.path.join(dirs[0], "fio-probe.bin")
+    with open(fio_file, "wb") as f:
+        os.posix_fallocate(f.fileno(), 0, nbytes)
+    runs = {"write_gbps": [], "read_gbps": [], "fio_write_gbps": [], "fio_read_gbps": []}
+    try:
+        for _ in range(repeats):
+            w, r = rt.measure_nvme(nbytes)
+            runs["write_gbps"].append(w / 1e9)
+            runs["read_gbps"].append(r / 1e9)
+            runs["fio_write_gbps"].append(fio_run(fio_file, nbytes, bs, qd, "write"))
+            runs["fio_read_gbps"].append(fio_run(fio_file, nbytes, bs, qd, "read"))
+    finally:
+        os.unlink(fio_file)
+        del rt
+    result = {k: statistics.median(v) for k, v in runs.items()}
+    result["runs"] = runs
+    result["write_over_fio"] = result["write_gbps"] / result["fio_write_gbps"]
+    result["read_over_fio"] = result["read_gbps"] / result["fio_read_gbps"]
+    result.update({"bytes": nbytes, "block_bytes": bs, "queue_depth": qd, "paths": len(dirs)})
+    return result
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description="tierflow NVMe engine vs fio")
     ap.add_argument("--dir", default=os.path.join(ROOT, "build", "nvme-bench"),
@@ -85,6 +122,8 @@ def main() -> int:
     ap.add_argument("--qd", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "nvme.json"))
+    ap.add_argument("--only-probe", action="store_true",
+                    help="measure only the planner's probe beside fio and update planner_probe in --out")
     args = ap.parse_args()
     if not shutil.which("fio"):
         print("fio is not installed (Debian package fio; `make bench` installs it)", file=sys.stderr)
@@ -96,6 +135,17 @@ def main() -> int:
     os.makedirs(a)
     os.makedirs(b)
     try:
+        probe = probe_run([a], args.repeats)
+        print(f"planner probe ({probe['bytes'] >> 20} MiB): write {probe['write_gbps']:.2f} GB/s (fio "
+              f"{probe['fio_write_gbps']:.2f}, {probe['write_over_fio']:.2f}), read {probe['read_gbps']:.2f} GB/s "
+              f"(fio {probe['fio_read_gbps']:.2f}, {probe['read_over_fio']:.2f})", flush=True)
+        if args.only_probe:
+            with open(args.out) as f:
+                result = json.load(f)
+            result["planner_probe"] = probe
+            write_json_atomic(args.out, result)
+            print("updated planner_probe in", args.out)
+            return 0
         head = compare([a], nbytes, 1 << 20, args.qd, args.repeats)
         print(f"1MiB qd{args.qd}: write {head['write_gbps']:.2f} GB/s (fio {head['fio_write_gbps']:.2f}, "
               f"{head['write_over_fio']:.2f}), read {head['read_gbps']:.2f} GB/s (fio {head['fio_read_gbps']:.2f}, "
@@ -118,7 +168,7 @@ def main() -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     result = dict(head)
-    result.update({"sweep": sweep, "queue_depth_sweep": qd_sweep, "striped_two_paths": striped,
+    result.update({"planner_probe": probe, "sweep": sweep, "queue_depth_sweep": qd_sweep, "striped_two_paths": striped,
                    "file_system": subprocess.run(["df", "-T", args.dir], capture_output=True, text=True).stdout})
     write_json_atomic(args.out, result)
     print("wrote", args.out)

@@ -35,10 +35,10 @@ namespace {
 // Construction, configuration, the saved-tensor hooks and the tiers' budgets and buffers.
 void bind_runtime_tiers(py::class_<Runtime, std::shared_ptr<Runtime>>& c) {
   c.def(py::init([](const py::dict& overrides, std::shared_ptr<swap::NvmeFaults> faults,
-                       std::shared_ptr<swap::CopyFaults> copy_faults) {
+                       std::shared_ptr<swap::CopyFaults> copy_faults, int rank, int world_size) {
              // The runtime keeps a raw pointer to the NVMe faults: the Python object must outlive it.
              auto* rt = new Runtime(Config::from_environment(to_string_map(overrides)), faults.get(),
-                                    std::move(copy_faults));
+                                    std::move(copy_faults), tiering::rank_share(rank, world_size));
              // ~Runtime waits for its optimizer worker, whose jobs may need the GIL to drop tensors.
              return std::shared_ptr<Runtime>(rt, [](Runtime* r) {
                if (PyGILState_Check()) {
@@ -50,7 +50,7 @@ void bind_runtime_tiers(py::class_<Runtime, std::shared_ptr<Runtime>>& c) {
              });
            }),
            py::arg("overrides") = py::dict(), py::arg("nvme_faults") = nullptr,
-           py::arg("copy_faults") = nullptr)
+           py::arg("copy_faults") = nullptr, py::arg("rank") = 0, py::arg("world_size") = 1)
       .def("config", [](const Runtime& rt) { return rt.config().to_strings(); })
       .def_property_readonly("device", [](const Runtime& rt) {
         return std::string(allocator::to_string(rt.device_kind()));

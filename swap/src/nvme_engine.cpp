@@ -161,8 +161,8 @@ struct NvmeEngine::Impl {
       }
       char hex[16];
       std::snprintf(hex, sizeof hex, "%08llx", static_cast<unsigned long long>(tag));
-      std::string file = dir + "/" + kPrefix + std::to_string(getpid()) + "-" + std::to_string(counter++) + "-" + hex +
-                         ".bin";
+      std::string file = dir + "/" + kPrefix + o.name_tag + std::to_string(getpid()) + "-" + std::to_string(counter++) +
+                         "-" + hex + ".bin";
       int fd = ::open(file.c_str(), O_RDWR | O_CREAT | O_EXCL | O_DIRECT | O_CLOEXEC, 0600);
       if (fd < 0) {
         int err = errno;

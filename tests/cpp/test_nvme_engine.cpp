@@ -630,3 +630,12 @@ TEST_F(NvmeTest, BadArgumentsAreRefused) {
   EXPECT_THROW(e.write(b, big.data(), big.size()), logic_error);
   EXPECT_THROW(e.read(999, big.data(), 10), logic_error);
 }
+
+TEST_F(NvmeTest, TheNameTagGoesIntoTheSwapFilesNames) {
+  auto o = opts(2, 64ULL << 20);
+  o.name_tag = "rank3-";
+  NvmeEngine e(o);
+  for (const auto& f : e.files())
+    EXPECT_EQ(fs::path(f).filename().string().rfind("tierflow-swap-rank3-" + std::to_string(getpid()) + "-", 0), 0u)
+        << f;
+}

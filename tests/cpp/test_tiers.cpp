@@ -159,3 +159,46 @@ TEST(Tiers, OneCudaDeviceNamesTheDevicesAndWhatToDo) {
   const std::string across = one_cuda_device({2, 0, 2}, 0);
   EXPECT_NE(across.find("are on cuda:0, cuda:2: tierflow drives one GPU per process"), std::string::npos);
 }
+
+// Note [Ranks on one machine]: a share of the machine is divided among its ranks; a size is each rank's own.
+TEST(TierSettings, RanksOnOneMachineDivideSharesNotSizes) {
+  TempDir d;
+  const std::string path = d.path.string();
+  auto settings = [&](const std::string& host, const std::string& nvme, RankShare ranks) {
+    return tier_settings(config({{"TIERFLOW_OFFLOAD_ACTIVATIONS", "nvme"}, {"TIERFLOW_NVME_PATHS", path},
+                                 {"TIERFLOW_HOST_MEMORY", host}, {"TIERFLOW_NVME_MEMORY", nvme}}),
+                         nullptr, ranks);
+  };
+  const TierSettings alone = settings("40%", "64MiB", {});
+  const TierSettings fourth = settings("40%", "64MiB", {3, 4});
+  EXPECT_NEAR(static_cast<double>(fourth.pool.budget_bytes), alone.pool.budget_bytes / 4.0, 1.0);
+  EXPECT_EQ(fourth.nvme_options.bytes_per_path, 64ULL << 20) << "a size is each rank's own";
+  EXPECT_EQ(alone.nvme_options.name_tag, "");
+  EXPECT_EQ(fourth.nvme_options.name_tag, "rank3-");
+  EXPECT_EQ(settings("3GiB", "auto", {1, 2}).pool.budget_bytes, 3ULL << 30);
+  EXPECT_EQ(settings("3GiB", "auto", {1, 2}).nvme_options.bytes_per_path, kNvmeAutoBytes) << "auto grows on demand";
+  struct statvfs fs {};
+  ASSERT_EQ(statvfs(path.c_str(), &fs), 0);
+  const double free_bytes = static_cast<double>(fs.f_bavail) * fs.f_frsize;
+  EXPECT_NEAR(static_cast<double>(settings("3GiB", "50%", {0, 2}).nvme_options.bytes_per_path), free_bytes / 4,
+              free_bytes * 0.01);
+}
+
+TEST(RankShare, TheLocalRanksAreTorchrunsOrTheWholeGroup) {
+  ::unsetenv("LOCAL_WORLD_SIZE");
+  EXPECT_EQ(rank_share(0, 1).local_ranks, 1);
+  EXPECT_EQ(rank_share(5, 8).local_ranks, 8);
+  EXPECT_EQ(rank_share(5, 8).rank, 5);
+  ::setenv("LOCAL_WORLD_SIZE", "4", 1);
+  EXPECT_EQ(rank_share(5, 8).local_ranks, 4);
+  ::setenv("LOCAL_WORLD_SIZE", "four", 1);
+  try {
+    rank_share(5, 8);
+    ADD_FAILURE() << "accepted LOCAL_WORLD_SIZE=four";
+  } catch (const config_error& e) {
+    EXPECT_NE(std::string(e.what()).find("LOCAL_WORLD_SIZE=four is not valid; accepted:"), std::string::npos);
+  }
+  ::unsetenv("LOCAL_WORLD_SIZE");
+  EXPECT_THROW(rank_share(2, 2), config_error);
+  EXPECT_THROW(rank_share(0, 0), config_error);
+}

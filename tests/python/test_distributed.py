@@ -114,11 +114,17 @@ def ddp_runs(tmp_path_factory) -> list:
     d = tmp_path_factory.mktemp("ddp")
     script = _WORKER.format(bindings=os.path.join(ROOT, "bindings", "python"), steps=STEPS, orders=ORDERS,
                             settings=SETTINGS)
+    return _run_ranks(d, script)
+
+
+def _run_ranks(d, script: str, ranks: int = 2) -> list:
+    """Runs ``script`` as ``ranks`` processes (argv: rank, store file, output file); each one's torch.load-ed output."""
     env = subprocess_environment()
+    env.pop("LOCAL_WORLD_SIZE", None)  # the group is the machine's ranks (Note [Ranks on one machine])
     if sys.platform.startswith("linux"):
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo on loopback, whatever the host name resolves to
     procs, logs = [], []
-    for rank in range(2):
+    for rank in range(ranks):
         log = open(d / f"rank{rank}.log", "w+")
         logs.append(log)
         procs.append(subprocess.Popen([sys.executable, "-c", script, str(rank), str(d / "store"),
@@ -141,6 +147,50 @@ def ddp_runs(tmp_path_factory) -> list:
         outputs.append(torch.load(d / f"rank{rank}.pt", weights_only=False))
     return outputs
 
+
+# Note [Ranks on one machine]: two ranks on one machine with activations on one NVMe path.
+_RANKS_WORKER = textwrap.dedent("""
+    import datetime, os, sys
+    import torch, torch.distributed as dist, torch.nn as nn
+    sys.path[:0] = [{bindings!r}]
+    import tierflow
+
+    rank, store, out_path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    nvme = os.path.join(os.path.dirname(store), "nvme")
+    os.makedirs(nvme, exist_ok=True)
+    settings = dict(device="emulated", offload_activations="nvme", nvme_paths=nvme, nvme_memory="50%",
+                    host_memory="40%", offload_optimizer="none", min_offload_bytes=0)
+    alone = tierflow._C.Runtime(tierflow._config.settings_to_strings(settings))  # before the group: one process
+    alone_budgets = (alone.host_budget_bytes(), alone.nvme_available_bytes())
+    del alone
+    dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    torch.manual_seed(0)
+    model, _ = tierflow.wrap(nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 4)), None, **settings)
+    model(torch.randn(8, 16)).sum().backward()
+    rt = tierflow.current_session().runtime
+    files = sorted(f for f in os.listdir(nvme) if f.startswith("tierflow-swap-"))
+    dist.barrier()  # both ranks' files exist now
+    files_now = sorted(f for f in os.listdir(nvme) if f.startswith("tierflow-swap-"))
+    torch.save(dict(alone=alone_budgets, mine=(rt.host_budget_bytes(), rt.nvme_available_bytes()),
+                    files=files_now, pid=os.getpid(),
+                    nvme_writes=tierflow.report()["activations"]["nvme"]["writes"]), out_path)
+    dist.barrier()
+    dist.destroy_process_group()
+""")
+
+
+def test_ranks_on_one_machine_share_its_ram_and_nvme_and_name_their_swap_files(tmp_path):
+    """Two ranks: a percentage budget is halved per rank, each rank's swap file carries its rank, both write."""
+    script = _RANKS_WORKER.format(bindings=os.path.join(ROOT, "bindings", "python"))
+    outs = _run_ranks(tmp_path, script)
+    for rank, out in enumerate(outs):
+        (host_alone, nvme_alone), (host, nvme) = out["alone"], out["mine"]
+        assert abs(host - host_alone / 2) <= 1, (rank, host, host_alone)
+        assert abs(nvme - nvme_alone / 2) <= 0.02 * nvme_alone, (rank, nvme, nvme_alone)  # the free space moves
+        assert out["nvme_writes"] > 0
+        assert any(f.startswith(f"tierflow-swap-rank{rank}-{out['pid']}-") for f in out["files"]), out["files"]
+    assert outs[0]["files"] == outs[1]["files"] and len(outs[0]["files"]) == 2, outs[0]["files"]
 
 
 def _as_run(result: dict) -> Run:

@@ -3,6 +3,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
+#include <charconv>
 #include <cstdio>
 #include <string_view>
 #include <tuple>
@@ -444,6 +446,69 @@ PlanReport describe_plan(const Plan& plan, const std::vector<BlockProfile>& bloc
   const auto why = why_of_blocks(plan, blocks, pb.links, pb.budgets);
   const auto parts = fixed_parts(in, pb.budgets);
   return {plan_lines(plan, in, pb, why, parts), plan_json(plan, in, pb, why, parts)};
+}
+
+const std::vector<std::string>& plan_shape_flags() {
+  static const std::vector<std::string> flags{"layers", "hidden", "heads", "seq", "batch"};
+  return flags;
+}
+
+void check_blocks_source(bool profile, const std::vector<std::string>& given_shape_flags) {
+  auto flags = [](const std::vector<std::string>& names) {
+    std::string out;
+    for (const auto& n : names) out += (out.empty() ? "--" : ", --") + n;
+    return out;
+  };
+  if (profile && !given_shape_flags.empty()) {
+    throw config_error("--profile and a shape (" + flags(given_shape_flags) + ") exclude each other");
+  }
+  if (profile) return;
+  std::vector<std::string> missing;
+  for (const auto& f : plan_shape_flags()) {
+    if (std::find(given_shape_flags.begin(), given_shape_flags.end(), f) == given_shape_flags.end()) {
+      missing.push_back(f);
+    }
+  }
+  if (!missing.empty()) throw config_error("give a shape (missing " + flags(missing) + ") or --profile FILE");
+}
+
+double check_rate(std::optional<double> value, const std::string& shown, bool zero) {
+  if (value && ((*value >= kLeastRate && *value <= kMostRate) || (zero && *value == 0))) return *value;
+  char range[64];
+  std::snprintf(range, sizeof range, "a number from %g to %g", kLeastRate, kMostRate);
+  throw config_error(shown + " is not valid; accepted: " + range + (zero ? ", or 0 for none" : ""));
+}
+
+std::int64_t shape_argument(std::string_view field, std::string_view digits, const std::string& shown) {
+  std::int64_t most = 0;
+  for (const auto& l : transformer_shape_limits()) most = l.field == field ? l.max : most;
+  std::int64_t value = 0;
+  const bool all_digits = !digits.empty() && digits.size() <= 20 &&
+                          std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; });
+  const auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), value);
+  if (!all_digits || ec != std::errc{} || end != digits.data() + digits.size() || value < 1 || value > most) {
+    throw config_error(shown + " is not valid; accepted: an integer from 1 to " + std::to_string(most));
+  }
+  return value;
+}
+
+Links links_from_pcie_gbps(double gbps) noexcept {
+  Links links;
+  links.d2h = links.h2d = gbps * kDecimalGB;
+  links.duplex = 2 * links.d2h;
+  return links;
+}
+
+std::string plan_refusal(const std::string& error, bool out_of_memory, const PlanCommandInputs& inputs,
+                         const PlanCommandBudgets& budgets) {
+  const std::string prefix = "tierflow: ";
+  const std::string what = error.rfind(prefix, 0) == 0 ? error.substr(prefix.size()) : error;
+  if (out_of_memory) {
+    return what + " (the device budget: " + budgets.device_from +
+           (inputs.gpu_memory.source == SettingSource::kFlag ? "" : "; pass --gpu-memory") + ")";
+  }
+  return inputs.blocks_from + " with prefetch window " + std::to_string(budgets.budgets.prefetch_bytes) +
+         " bytes: " + error;
 }
 
 }  // namespace tierflow::tiering

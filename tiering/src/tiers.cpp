@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 
@@ -27,16 +28,6 @@ void refuse_unimplemented(const Config& c) {
   if (std::string why = params_offload_refusal(c); !why.empty()) throw config_error(why);
 }
 
-allocator::DeviceKind device_of(const Config& c) {
-  if (c.device == DeviceChoice::kCuda && !allocator::cuda_available())
-    throw config_error(std::string("TIERFLOW_DEVICE='cuda': ") +
-                       (allocator::cuda_compiled() ? "no CUDA GPU is usable on this machine"
-                                                   : "tierflow was built without the CUDA backend") +
-                       "; accepted here: auto, emulated");
-  const bool cuda = c.device == DeviceChoice::kCuda || (c.device == DeviceChoice::kAuto && allocator::cuda_available());
-  return cuda ? allocator::DeviceKind::kCuda : allocator::DeviceKind::kEmulated;
-}
-
 // The smallest free space among the NVMe paths; each must be an accessible directory.
 std::uint64_t smallest_free_bytes(const std::vector<std::string>& paths) {
   std::uint64_t smallest = ~std::uint64_t{0};
@@ -57,13 +48,49 @@ std::string params_offload_refusal(const Config& config) {
          "': parameter offload is not available in this version of tierflow; accepted here: none";
 }
 
-TierSettings tier_settings(const Config& config, swap::NvmeFaults* nvme_faults) {
+allocator::DeviceKind device_kind(const Config& c) {
+  if (c.device == DeviceChoice::kCuda && !allocator::cuda_available())
+    throw config_error(std::string("TIERFLOW_DEVICE='cuda': ") +
+                       (allocator::cuda_compiled() ? "no CUDA GPU is usable on this machine"
+                                                   : "tierflow was built without the CUDA backend") +
+                       "; accepted here: auto, emulated");
+  const bool cuda = c.device == DeviceChoice::kCuda || (c.device == DeviceChoice::kAuto && allocator::cuda_available());
+  return cuda ? allocator::DeviceKind::kCuda : allocator::DeviceKind::kEmulated;
+}
+
+
+RankShare rank_share(int rank, int world_size) {
+  if (world_size < 1 || rank < 0 || rank >= world_size)
+    throw config_error("rank " + std::to_string(rank) + " of a process group of " + std::to_string(world_size) +
+                       "; accepted: a rank from 0 to the group's size - 1");
+  RankShare r;
+  r.rank = rank;
+  r.local_ranks = world_size;
+  if (const char* local = std::getenv("LOCAL_WORLD_SIZE"); local && *local) {
+    const auto n = parse_uint(local, 1u << 20);
+    if (!n || *n == 0)
+      throw config_error(std::string("LOCAL_WORLD_SIZE=") + local +
+                         " is not valid; accepted: the number of processes on this machine (torchrun sets it), 1 or more");
+    r.local_ranks = static_cast<int>(*n);
+  }
+  return r;
+}
+
+namespace {
+// A budget that is a share of the machine is divided among its ranks; a size is each rank's own.
+std::uint64_t per_rank(const Budget& b, std::uint64_t capacity, const RankShare& ranks) {
+  const std::uint64_t bytes = b.resolve(capacity);
+  return b.is_fraction ? bytes / static_cast<std::uint64_t>(ranks.local_ranks) : bytes;
+}
+}  // namespace
+
+TierSettings tier_settings(const Config& config, swap::NvmeFaults* nvme_faults, RankShare ranks) {
   refuse_unimplemented(config);
   TierSettings s;
-  s.device = device_of(config);
+  s.device = device_kind(config);
   s.adversarial = s.device == allocator::DeviceKind::kEmulated &&
                   config.emulated_device == EmulationMode::kAdversarial;
-  s.pool.budget_bytes = config.host_memory.resolve(allocator::host_capacity_bytes());
+  s.pool.budget_bytes = per_rank(config.host_memory, allocator::host_capacity_bytes(), ranks);
   s.pool.slab_bytes = config.pinned_slab_bytes;
   s.pool.cuda_pinned = s.device == allocator::DeviceKind::kCuda;
   s.pool.poison_freed = s.adversarial;
@@ -81,7 +108,8 @@ TierSettings tier_settings(const Config& config, swap::NvmeFaults* nvme_faults) 
   if (s.nvme) {
     swap::NvmeEngineOptions& no = s.nvme_options;
     no.paths = config.nvme_paths;
-    no.bytes_per_path = config.nvme_memory.resolve(smallest_free_bytes(no.paths));
+    no.bytes_per_path = per_rank(config.nvme_memory, smallest_free_bytes(no.paths), ranks);
+    if (ranks.local_ranks > 1 || ranks.rank > 0) no.name_tag = "rank" + std::to_string(ranks.rank) + "-";
     no.block_bytes = config.aio_block_size;
     no.queue_depth = static_cast<unsigned>(config.aio_queue_depth);
     no.checksums = config.nvme_checksum;
@@ -90,8 +118,9 @@ TierSettings tier_settings(const Config& config, swap::NvmeFaults* nvme_faults) 
   return s;
 }
 
-Tiers::Tiers(const Config& config, swap::NvmeFaults* nvme_faults, std::shared_ptr<const swap::CopyFaults> copy_faults)
-    : config_(config), settings_(tier_settings(config, nvme_faults)) {
+Tiers::Tiers(const Config& config, swap::NvmeFaults* nvme_faults, std::shared_ptr<const swap::CopyFaults> copy_faults,
+             RankShare ranks)
+    : config_(config), settings_(tier_settings(config, nvme_faults, ranks)) {
   pool_ = std::make_shared<allocator::PinnedHostPool>(settings_.pool);
   engine_ = std::shared_ptr<swap::CopyEngine>(swap::make_copy_engine(settings_.device, std::move(copy_faults),
                                                                      settings_.copies));

@@ -183,4 +183,11 @@ StateBytes estimate_training_state(const TransformerShape& s, OffloadTarget opti
 
 std::uint64_t estimate_head_device_bytes(const TransformerShape& s) { return counts(s).head; }
 
+OffloadTarget parse_optimizer_placement(std::string_view text) {
+  if (text == "none") return OffloadTarget::kNone;
+  if (text == "host") return OffloadTarget::kHost;
+  if (text == "nvme") return OffloadTarget::kNvme;
+  throw config_error("optimizer placement '" + std::string(text) + "' is not one of none, host, nvme");
+}
+
 }  // namespace tierflow::tiering

@@ -8,7 +8,7 @@ is refused with an error that names it:
 - DistributedDataParallel (DDP) trains right, with every activation and
   optimizer setting, in both orders: tierflow.wrap(DDP(model), ...) and
   DDP(model) of a wrapped model. One thing changes: the CPU optimizer's step
-  during backward (Note [Step during backward] in optim.py) would read each
+  during backward (Note [Step during backward] in step_ledger.hpp) would read each
   gradient as backward finishes it, which is the local one: DDP's all-reduce
   rewrites it at backward's end, so step() would find every early step stale
   and do it again. Under DDP tierflow therefore turns its steps during
@@ -70,6 +70,15 @@ def _world_size() -> int:
     if not dist.is_available() or not dist.is_initialized():
         return 1
     return dist.get_world_size()
+
+
+def rank_and_world_size() -> tuple:
+    """(this process's rank, processes in the default process group): (0, 1) without one. The runtime divides
+    the machine's RAM and NVMe among the ranks on it (Note [Ranks on one machine] in tiering/tiers.hpp)."""
+    dist = torch.distributed
+    if not dist.is_available() or not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size()
 
 
 # -- FSDP2 and DTensor parameters: refused ----------------------------------------

@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_flatten
 from . import _C
 from ._compile import outside_graphs
 from ._config import settings_to_strings
-from ._distributed import check_forward, check_wrap, refuse_sharded
+from ._distributed import check_forward, check_wrap, rank_and_world_size, refuse_sharded
 from ._report import Report
 
 # Note [Session lifetime]
@@ -43,7 +43,8 @@ class Session:
     def __init__(self, _nvme_faults: Any = None, _copy_faults: Any = None, **settings: Any) -> None:
         # _nvme_faults, _copy_faults: a tierflow._C.NvmeFaults or CopyFaults, for fault-injection tests only.
         self._faults = (_nvme_faults, _copy_faults)  # the runtime holds raw pointers to them
-        self.runtime = _C.Runtime(settings_to_strings(settings), _nvme_faults, _copy_faults)
+        rank, world_size = rank_and_world_size()  # Note [Ranks on one machine]
+        self.runtime = _C.Runtime(settings_to_strings(settings), _nvme_faults, _copy_faults, rank, world_size)
         self.config = self.runtime.config()
         self._handles: list[Any] = []
         self._contexts: list[Optional[Any]] = []

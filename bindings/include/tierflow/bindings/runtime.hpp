@@ -35,8 +35,9 @@ class Runtime {
   /// version cannot serve (naming the variable and what is accepted).
   /// `nvme_faults` (tests only; must outlive the runtime) injects I/O failures
   /// into the NVMe tier, `copy_faults` (tests only) delays into the emulated copy engine.
+  /// `ranks`: this process's share of the machine (Note [Ranks on one machine]).
   explicit Runtime(Config config, swap::NvmeFaults* nvme_faults = nullptr,
-                   std::shared_ptr<const swap::CopyFaults> copy_faults = nullptr);
+                   std::shared_ptr<const swap::CopyFaults> copy_faults = nullptr, tiering::RankShare ranks = {});
   ~Runtime();
 
   /// The configuration in force.

@@ -31,7 +31,8 @@
 //
 // Note [Stale swap files]
 // ~~~~~~~~~~~~~~~~~~~~~~~
-// Files are named tierflow-swap-<pid>-<n>-<random>.bin and each is held with
+// Files are named tierflow-swap-<tag><pid>-<n>-<random>.bin (the tag names
+// the rank of a multi-process run: "rank3-") and each is held with
 // an exclusive flock() on its descriptor for as long as the engine lives
 // (flock locks belong to the open file description, so another descriptor,
 // even in the same process, cannot take it). A process that dies, by kill -9
@@ -76,6 +77,7 @@ inline constexpr double kNvmeAutoKeepFree = 0.10;
 /// Settings of an NvmeEngine.
 struct NvmeEngineOptions {
   std::vector<std::string> paths;          ///< directories, one swap file each
+  std::string name_tag;                    ///< goes into the files' names (a rank: "rank3-"); [A-Za-z0-9-] only
   std::uint64_t bytes_per_path = 1ULL << 30;  ///< most bytes each file may grow to, or kNvmeAutoBytes
   std::uint64_t grow_bytes = 64ULL << 20;  ///< a file grows (fallocate) in steps of at least this
   std::size_t block_bytes = 1 << 20;       ///< request size (TIERFLOW_AIO_BLOCK_SIZE)

@@ -269,6 +269,8 @@ std::vector<BlockProfile> average_same_shape_blocks(const std::vector<BlockProfi
 
 /// Name of a mode: "keep", "swap", "split", "recompute".
 std::string_view to_string(BlockMode) noexcept;
+/// The mode named `text` (keep, swap, split, recompute); config_error naming it and the accepted names.
+BlockMode parse_block_mode(std::string_view text);
 /// Name of a tier: "host", "nvme".
 std::string_view to_string(SwapTier) noexcept;
 /// Name of a parameter policy: "resident", "auto", "fetch-all".

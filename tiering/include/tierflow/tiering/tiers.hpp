@@ -25,6 +25,23 @@
 //    device's memory itself is torch's caching allocator; the budget is the
 //    number the planner and the GPU share plan within.
 // Settings this version cannot serve are refused here, naming the variable.
+//
+// Note [Ranks on one machine]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Under torch.distributed several processes (ranks) run on one machine and
+// share its RAM and its NVMe paths. A budget given as a share of a machine's
+// resource is divided among them: TIERFLOW_HOST_MEMORY=50% gives each of 4
+// local ranks 12.5% of the RAM, and a percentage of TIERFLOW_NVME_MEMORY
+// gives each rank that part of the smallest free space; a budget given as a
+// size is each rank's own (TIERFLOW_HOST_MEMORY=16GiB: 16 GiB per rank).
+// TIERFLOW_NVME_MEMORY=auto is not divided: every rank's files grow on
+// demand while the file system keeps kNvmeAutoKeepFree free, judged at each
+// grow, so the ranks share what is free as they need it. The ranks on this
+// machine are torchrun's LOCAL_WORLD_SIZE and LOCAL_RANK when set, else the
+// whole process group (the processes of a group started without torchrun are
+// taken to share one machine: the cautious reading). Each rank's swap files
+// carry its rank in their names (Note [Stale swap files]). The GPU budget is
+// not divided: each rank drives its own GPU.
 #pragma once
 
 #include <cstdint>
@@ -41,6 +58,17 @@
 #include "tierflow/tiering/activation_schedule.hpp"
 
 namespace tierflow::tiering {
+
+/// This process's place among the processes of a run (Note [Ranks on one machine]).
+struct RankShare {
+  int rank = 0;         ///< in the process group (0 without one)
+  int local_ranks = 1;  ///< processes sharing this machine's RAM and NVMe paths
+};
+
+/// The share of a process group's rank `rank` of `world_size` (1: none):
+/// the local ranks from LOCAL_WORLD_SIZE when set, else `world_size`.
+/// config_error for a rank outside [0, world_size) or a malformed LOCAL_WORLD_SIZE.
+RankShare rank_share(int rank, int world_size);
 
 /// What the configuration makes of the tiers (Note [Tiers from the configuration]).
 struct TierSettings {
@@ -62,10 +90,15 @@ struct TierSettings {
 /// TIERFLOW_NVME_PATHS is a configuration error before that (tier_settings names both settings).
 std::string params_offload_refusal(const Config& config);
 
+/// The device `config` asks for (TIERFLOW_DEVICE; auto: CUDA when a GPU is usable); config_error naming why
+/// cuda cannot be served and what is accepted here (Note [Tiers from the configuration]).
+allocator::DeviceKind device_kind(const Config& config);
+
 /// The tiers `config` asks for; throws config_error for a setting this
 /// machine or version cannot serve. `nvme_faults` (tests only) goes to the
 /// NVMe engine. Reads the free space of each NVMe path.
-TierSettings tier_settings(const Config& config, swap::NvmeFaults* nvme_faults = nullptr);
+/// `ranks`: this process's share of the machine (Note [Ranks on one machine]).
+TierSettings tier_settings(const Config& config, swap::NvmeFaults* nvme_faults = nullptr, RankShare ranks = {});
 
 /// Why a model whose CUDA parameters and buffers are on devices
 /// `cuda_indices` cannot be driven while CUDA device `current` is current
@@ -80,7 +113,7 @@ class Tiers {
  public:
   /// Builds them from `config` (tier_settings); `copy_faults` (tests only) goes to the emulated copy engine.
   explicit Tiers(const Config& config, swap::NvmeFaults* nvme_faults = nullptr,
-                 std::shared_ptr<const swap::CopyFaults> copy_faults = nullptr);
+                 std::shared_ptr<const swap::CopyFaults> copy_faults = nullptr, RankShare ranks = {});
 
   const TierSettings& settings() const noexcept { return settings_; }
   allocator::DeviceKind device() const noexcept { return settings_.device; }
