@@ -9,7 +9,6 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
-#include <cstring>
 #include <utility>
 
 #include "tierflow/bindings/activation_offloader.hpp"
@@ -17,15 +16,9 @@
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/log.hpp"
 #include "tierflow/bindings/dtypes.hpp"
+#include "tierflow/optimizer/stream_rules.hpp"
 
 namespace tierflow::bindings {
-namespace {
-
-bool streamable_dtype(at::ScalarType t) {
-  return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
-}
-
-}  // namespace
 
 /// The post hook on a parameter's AccumulateGrad node: backward has finished its gradient.
 class GradReadyHook final : public torch::autograd::FunctionPostHook {
@@ -89,8 +82,11 @@ GradStream::~GradStream() {
 
 std::size_t GradStream::add_parameter(const at::Tensor& param, int group) {
   std::lock_guard<std::mutex> lock(mutex_);
-  const bool streamable = param.requires_grad() && param.is_leaf() && param.is_contiguous() &&
-                          streamable_dtype(param.scalar_type()) && runtime_->on_device(param);
+  optimizer::ParamFacts f;  // each fact read only where the ones before it hold
+  if ((f.requires_grad = param.requires_grad()) && (f.leaf = param.is_leaf()) &&
+      (f.contiguous = param.is_contiguous()) && (f.type = kernel_type(param.scalar_type())))
+    f.on_device = runtime_->on_device(param);
+  const bool streamable = !optimizer::param_not_streamable(f);
   const std::size_t slot = ledger_.add(param.nbytes(), group, streamable);
   Slot s;
   s.param = param;
@@ -221,9 +217,14 @@ void GradStream::stream_locked(std::size_t i) {
   if (!ledger_.may_stream(i)) return;
   Slot& s = slots_[i];
   const at::Tensor grad = s.param.grad();
-  if (!grad.defined() || grad.is_sparse() || !grad.is_contiguous() || grad.numel() != s.param.numel() ||
-      !streamable_dtype(grad.scalar_type()) || !runtime_->on_device(grad))
-    return;  // step() takes it through the Python path, which names what is refused
+  optimizer::GradFacts g;  // each fact read only where the ones before it hold
+  if ((g.defined = grad.defined()) && !(g.sparse = grad.is_sparse()) && (g.contiguous = grad.is_contiguous())) {
+    g.numel = static_cast<std::size_t>(grad.numel());
+    g.param_numel = static_cast<std::size_t>(s.param.numel());
+    g.type = kernel_type(grad.scalar_type());
+    g.on_device = g.numel == g.param_numel && g.type && runtime_->on_device(grad);
+  }
+  if (optimizer::grad_not_streamable(g)) return;  // step() takes it through the Python path, naming what it refuses
   const std::size_t bucket = ledger_.bucket_of(i);
   Bucket& b = buckets_[bucket];
   if (!b.buffer.defined()) {
@@ -376,18 +377,14 @@ void GradStream::settle_failed_bucket(std::uint64_t generation, const std::vecto
 }
 
 std::uint64_t GradStream::step_entries(const std::vector<Entry>& entries) {
-  // One kernel call per distinct (hyperparameters, step number) in the bucket; usually one.
   std::uint64_t stepped_bytes = 0;
-  std::vector<bool> done(entries.size(), false);
-  for (std::size_t a = 0; a < entries.size(); ++a) {
-    if (done[a] || entries[a].held) continue;
+  std::vector<optimizer::KernelStep> keys;
+  for (const Entry& e : entries) keys.push_back({e.step, e.options, -1, e.held});
+  for (const auto& call : optimizer::group_kernel_calls(keys)) {
     std::vector<at::Tensor> masters, ms, vs, vmaxes, grads, outs;
     Runtime::AdamOutputs out;
-    for (std::size_t k = a; k < entries.size(); ++k) {
+    for (std::size_t k : call) {
       const Entry& e = entries[k];
-      if (done[k] || e.held || e.step != entries[a].step || !optimizer::same_options(e.options, entries[a].options))
-        continue;
-      done[k] = true;
       masters.push_back(e.master);
       ms.push_back(e.exp_avg);
       vs.push_back(e.exp_avg_sq);
@@ -400,7 +397,8 @@ std::uint64_t GradStream::step_entries(const std::vector<Entry>& entries) {
       out.exp_avg_sqs.push_back(e.out_exp_avg_sq);
       out.max_exp_avg_sqs.push_back(e.out_max_exp_avg_sq);
     }
-    runtime_->adam_step(entries[a].options, entries[a].step, masters, ms, vs, vmaxes, grads, outs, out);
+    const Entry& first = entries[call.front()];
+    runtime_->adam_step(first.options, first.step, masters, ms, vs, vmaxes, grads, outs, out);
   }
   return stepped_bytes;
 }

@@ -219,18 +219,6 @@ void bind_grad_stream(py::module_& m) {
     return optimizer::measured_grad_bucket_bytes({backward_s, link, cpu, total});
   }, "TIERFLOW_GRAD_BUCKET_BYTES=auto from measured speeds (bytes/s), see optimizer/grad_buckets.hpp.");
 
-  m.def("choose_gpu_fraction", [](double cpu_rate, double gpu_rate, double backward_s, std::size_t elements,
-                                  std::size_t bytes_per_element, std::size_t free_bytes) {
-    optimizer::SplitInputs in;
-    in.cpu_elements_per_second = cpu_rate;
-    in.gpu_elements_per_second = gpu_rate;
-    in.backward_seconds = backward_s;
-    in.elements = elements;
-    in.gpu_bytes_per_element = bytes_per_element;
-    in.gpu_free_bytes = free_bytes;
-    return optimizer::choose_gpu_fraction(in);
-  }, "TIERFLOW_GPU_OPTIMIZER_FRACTION=auto: the GPU share that makes the CPU step end with backward.");
-
   py::class_<PyGradStream, std::shared_ptr<PyGradStream>> stream(
       m, "GradStream", "Gradients to the CPU optimizer in buckets during backward (Note [Gradient streaming]).");
   bind_stream_setup(stream);

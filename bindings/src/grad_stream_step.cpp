@@ -3,13 +3,13 @@
 // (Note [Clip picked up]) and the bucket sizing. See Note [Gradient streaming]
 // in grad_stream.hpp.
 #include <algorithm>
-#include <cstring>
 #include <utility>
 
 #include "grad_stream_parts.hpp"
 #include "tierflow/bindings/activation_offloader.hpp"
 #include "tierflow/core/clock.hpp"
 #include "tierflow/core/error.hpp"
+#include "tierflow/optimizer/stream_rules.hpp"
 
 namespace tierflow::bindings {
 
@@ -63,40 +63,33 @@ void GradStream::redo_locked(const std::vector<std::pair<std::size_t, double>>& 
   // coefficient: the same kernel on the same values as the Python path. One
   // call per (group, coefficient, step number).
   std::uint64_t adam_ns = 0, adam_bytes = 0;
-  std::vector<bool> done(redo.size(), false);
-  for (std::size_t a = 0; a < redo.size(); ++a) {
-    if (done[a]) continue;
-    const Slot& first = slots_[redo[a].first];
-    const int group = ledger_.group_of(redo[a].first);
+  std::vector<optimizer::KernelStep> keys;
+  for (const auto& [i, scale] : redo) {
+    const int group = ledger_.group_of(i);
     optimizer::AdamOptions o = ledger_.group_options(group);
-    const std::int64_t step = static_cast<std::int64_t>(first.step.item<float>()) + 1;
-    if (redo[a].second != 1.0) o.grad_scale = redo[a].second;
+    if (scale != 1.0) o.grad_scale = scale;
+    keys.push_back({static_cast<std::int64_t>(slots_[i].step.item<float>()) + 1, o, group, false});
+  }
+  for (const auto& call : optimizer::group_kernel_calls(keys)) {
+    const optimizer::KernelStep& key = keys[call.front()];
     std::vector<at::Tensor> masters, ms, vs, vmaxes, grads, outs;
-    std::vector<std::size_t> members;
-    for (std::size_t k = a; k < redo.size(); ++k) {
+    for (std::size_t k : call) {
       Slot& s = slots_[redo[k].first];
-      // (Scales compare as bits: a NaN coefficient, from a non-finite norm, groups with itself.)
-      if (done[k] || ledger_.group_of(redo[k].first) != group ||
-          std::memcmp(&redo[k].second, &redo[a].second, sizeof(double)) != 0 ||
-          static_cast<std::int64_t>(s.step.item<float>()) + 1 != step)
-        continue;
-      done[k] = true;
       if (!s.staging.defined()) s.staging = runtime_->host_empty({s.param.numel()}, s.param.scalar_type(), false);
       masters.push_back(s.master);
       ms.push_back(s.exp_avg);
       vs.push_back(s.exp_avg_sq);
-      vmaxes.push_back(o.amsgrad ? s.max_exp_avg_sq : at::Tensor());
+      vmaxes.push_back(key.options.amsgrad ? s.max_exp_avg_sq : at::Tensor());
       grads.push_back(s.host_grad);
       outs.push_back(s.staging);
       adam_bytes += s.host_grad.nbytes();
-      members.push_back(redo[k].first);
     }
     const std::uint64_t tk = now_ns();
-    runtime_->adam_step(o, step, masters, ms, vs, vmaxes, grads, outs);
+    runtime_->adam_step(key.options, key.step, masters, ms, vs, vmaxes, grads, outs);
     adam_ns += now_ns() - tk;
-    for (std::size_t i : members) {
-      slots_[i].step.add_(1);
-      committed.push_back(i);
+    for (std::size_t k : call) {
+      slots_[redo[k].first].step.add_(1);
+      committed.push_back(redo[k].first);
     }
   }
   stats_.step_kernel_ns += adam_ns;

@@ -60,6 +60,12 @@ void bind_optimizer_policy(py::module_& m) {
   }, "The error text for (description, lost?, reason) of the parameters a step could not step.");
   m.def("lost_states_refusal", &lost_states_refusal, py::arg("parameters"),
         "load_state_dict's refusal of states marked lost, naming these (described) parameters.");
+  m.def("unfilled_lost_states", &unfilled_lost_states, py::arg("keys"),
+        "fill_lost_states' refusal for these state dict keys (as printed).");
+  m.def("offload_gradients_refusal", &offload_gradients_refusal, py::arg("offload_gradients"),
+        py::arg("steps_during_backward"), py::arg("overlap_step"), py::arg("offload_optimizer"),
+        "TIERFLOW_OFFLOAD_GRADIENTS=on without steps during backward: the refusal, or None.");
+  m.def("grad_scaler_refusal", &grad_scaler_refusal, "step()'s refusal of GradScaler with offloaded gradients.");
   m.def("group_by_step", [](const std::vector<std::int64_t>& steps) {
     std::vector<std::pair<std::int64_t, std::vector<std::size_t>>> out;
     for (auto& g : group_by_step(steps)) out.emplace_back(g.step, std::move(g.members));
@@ -69,10 +75,24 @@ void bind_optimizer_policy(py::module_& m) {
         "Bytes of the copy that measures the link for the gradient bucket size.");
   m.def("gpu_share_room", &gpu_share_room, py::arg("free_bytes"), py::arg("budget_bytes"),
         py::arg("first_step_peak_bytes"), "Device bytes the GPU share's states may take.");
-  m.def("gpu_share_bytes_per_element", &gpu_share_bytes_per_element, py::arg("any_16bit"),
-        "Device bytes per GPU-stepped element.");
-  m.def("assign_gpu_share", &assign_gpu_share, py::arg("numels"), py::arg("fraction"),
-        "Which device parameters (by numel, in group order) step on the GPU.");
+  py::class_<GpuShareChoice>(m, "GpuShareChoice", "TIERFLOW_GPU_OPTIMIZER_FRACTION (grad_buckets.hpp).")
+      .def(py::init<const std::string&>(), py::arg("setting"))
+      .def_property_readonly("pending", &GpuShareChoice::pending)
+      .def_property_readonly("fraction", &GpuShareChoice::fraction)
+      .def("assign", &GpuShareChoice::assign, py::arg("numels"))
+      .def("choose_now", &GpuShareChoice::choose_now)
+      .def("choose", [](GpuShareChoice& c, const std::vector<std::tuple<std::size_t, bool, bool>>& candidates,
+                        double cpu_elements, double cpu_step_ms, double backward_ms, std::int64_t free_bytes,
+                        std::int64_t budget_bytes, std::int64_t peak_bytes) {
+        std::vector<ShareCandidate> cs;
+        for (const auto& [numel, streamed, is_16bit] : candidates) cs.push_back({numel, streamed, is_16bit});
+        return c.choose(cs, {cpu_elements, cpu_step_ms, backward_ms, free_bytes, budget_bytes, peak_bytes});
+      }, "[(numel, streamed, 16-bit)] and the measurements -> which step on the GPU.");
+  py::class_<BucketSizingSchedule>(m, "BucketSizingSchedule", "When auto measures the bucket size (grad_buckets.hpp).")
+      .def(py::init<bool>(), py::arg("auto_size"))
+      .def_property_readonly("pending", &BucketSizingSchedule::pending)
+      .def("due", &BucketSizingSchedule::due, py::arg("carries_parameters"), py::arg("last_backward_ms"),
+           py::arg("kernel_grad_bytes"));
 }
 
 }  // namespace

@@ -14,8 +14,10 @@
 #include "tierflow/tiering/auto_plan.hpp"
 #include "tierflow/tiering/block_table.hpp"
 #include "tierflow/tiering/plan_report.hpp"
+#include "tierflow/tiering/profile_file.hpp"
 #include "tierflow/tiering/planner.hpp"
 #include "tierflow/tiering/saved_actions.hpp"
+#include "tierflow/tiering/tiers.hpp"
 #include "tierflow/tiering/transformer_profile.hpp"
 
 namespace py = pybind11;
@@ -41,28 +43,6 @@ void init_from_kwargs(py::class_<T>& cls) {
             return obj.cast<T>();
           }),
           "Keyword arguments set fields of the same name; the others keep their defaults.");
-}
-
-tiering::SavedClass to_class(const std::string& s) {
-  for (auto c : {tiering::SavedClass::kExternal, tiering::SavedClass::kInput, tiering::SavedClass::kAttention,
-                 tiering::SavedClass::kSplit, tiering::SavedClass::kCheap})
-    if (tiering::to_string(c) == s) return c;
-  throw config_error("saved-tensor class '" + s + "'; accepted: external, input, attention, split, cheap");
-}
-
-tiering::BlockMode to_mode(const std::string& s) {
-  if (s == "keep") return tiering::BlockMode::kKeep;
-  if (s == "swap") return tiering::BlockMode::kSwap;
-  if (s == "split") return tiering::BlockMode::kSplit;
-  if (s == "recompute") return tiering::BlockMode::kRecompute;
-  throw config_error("block mode '" + s + "'; accepted: keep, swap, split, recompute");
-}
-
-OffloadTarget optimizer_target(const std::string& name) {
-  if (name == "none") return OffloadTarget::kNone;
-  if (name == "host") return OffloadTarget::kHost;
-  if (name == "nvme") return OffloadTarget::kNvme;
-  throw config_error("optimizer placement '" + name + "' is not one of none, host, nvme");
 }
 
 void bind_auto_plan(py::module_& m) {
@@ -123,17 +103,19 @@ void bind_auto_plan(py::module_& m) {
         "The planner's budgets in a training session (Note [Auto plan phases]).");
   m.def("link_probe_bytes", &link_probe_bytes, py::arg("host_budget_bytes"), py::arg("host_in_use_bytes"),
         py::arg("most") = kLinkProbeBytes, "The link probe's buffer size for the host room left.");
+  py::class_<MeasuredBesidePredicted>(m, "MeasuredBesidePredicted", "A plan's predictions beside the steps since.")
+      .def_readonly("step_seconds", &MeasuredBesidePredicted::step_seconds)
+      .def_readonly("steps", &MeasuredBesidePredicted::steps)
+      .def_readonly("step_vs_predicted", &MeasuredBesidePredicted::step_vs_predicted)
+      .def_readonly("peak_vs_predicted", &MeasuredBesidePredicted::peak_vs_predicted);
+  m.def("measured_beside_predicted", &measured_beside_predicted, py::arg("forward_starts"),
+        py::arg("peak_reserved_bytes"), py::arg("predicted_step_seconds"), py::arg("predicted_peak_bytes"),
+        "Ratios of the measured step and peak to the predictions (Note [Auto plan phases]).");
+  m.attr("MEASURED_STEPS") = kMeasuredSteps;
+  m.def("median_seconds", &median_seconds, py::arg("seconds"), "The median, as statistics.median (0 for none).");
   m.def("nvme_probe_bytes", &nvme_probe_bytes, py::arg("available_bytes"), "The NVMe probe's first block size.");
   m.def("next_nvme_probe_bytes", &next_nvme_probe_bytes, py::arg("bytes"),
         "The next NVMe probe size when the free space is in pieces (0: give up).");
-}
-
-// The transformer estimate of `python -m tierflow plan`, and the budget and size parsers it uses.
-OpKind to_op_kind(const std::string& s) {
-  if (s == "attention") return OpKind::kAttention;
-  if (s == "matmul") return OpKind::kMatmul;
-  if (s == "other") return OpKind::kOther;
-  throw config_error("op kind '" + s + "'; accepted: attention, matmul, other");
 }
 
 // tiering::BlockTable (Note [Block table]): kinds, classes, modes and actions as the strings Python uses.
@@ -142,11 +124,11 @@ void bind_block_table(py::module_& m) {
       .def(py::init<>())
       .def("add_op", [](BlockTable& t, const std::string& kind, double flops, std::int64_t rows,
                         std::vector<std::int64_t> output_elements) {
-        return t.add_op(RecordedOp{to_op_kind(kind), flops, rows, std::move(output_elements)});
+        return t.add_op(RecordedOp{parse_op_kind(kind), flops, rows, std::move(output_elements)});
       }, py::arg("kind"), py::arg("flops"), py::arg("rows"), py::arg("output_elements"),
          "Records the next op (output_elements: -1 for an output that is not a tensor); returns its index.")
       .def("add_saved", [](BlockTable& t, const std::string& cls, std::uint64_t nbytes, bool first) {
-        return t.add_saved(to_class(cls), nbytes, first);
+        return t.add_saved(parse_saved_class(cls), nbytes, first);
       }, py::arg("cls"), py::arg("nbytes"), py::arg("first"), "A saved external or input tensor.")
       .def("add_produced", &BlockTable::add_produced, py::arg("op"), py::arg("out"), py::arg("nbytes"),
            py::arg("first"), py::arg("mutated"), "A saved tensor an op of the block produced.")
@@ -155,7 +137,7 @@ void bind_block_table(py::module_& m) {
            "Sets the exact first rows of each split op; exact(op, r0) probes on the device.")
       .def("actions", [](const BlockTable& t, const std::string& mode) {
         std::vector<std::string> out;
-        for (auto a : t.actions(to_mode(mode))) out.emplace_back(tiering::to_string(a));
+        for (auto a : t.actions(parse_block_mode(mode))) out.emplace_back(tiering::to_string(a));
         return out;
       }, py::arg("mode"), "tiering::saved_action of every saved tensor in mode.")
       .def("classes", [](const BlockTable& t) {
@@ -168,6 +150,47 @@ void bind_block_table(py::module_& m) {
       .def("mutated_ops", &BlockTable::mutated_ops, "Matmuls whose saved output was written in place.")
       .def("exact_rows", &BlockTable::exact_rows, "Split op -> its first rows, probed exact.")
       .def("record", &BlockTable::record, py::arg("forward_seconds"), "The planner's BlockRecord of this block.");
+  m.attr("SPLIT_ROW_GRANULE") = kSplitRowGranule;
+  // The recorder's rules (Note [Block table]): torch reads the numbers, tiering decides.
+  m.def("attention_op", [](double dropout_p, std::int64_t q_elements, std::int64_t key_length, bool causal) {
+    return py::make_tuple(std::string(to_string(attention_kind(dropout_p))),
+                          attention_flops(q_elements, key_length, causal));
+  }, py::arg("dropout_p"), py::arg("q_elements"), py::arg("key_length"), py::arg("causal"),
+        "(kind, flops) of a recorded attention op.");
+  m.def("row_matmul", [](std::vector<std::int64_t> m1_sizes, std::vector<std::int64_t> m1_strides, bool m1_params,
+                         std::vector<std::int64_t> m2_sizes, bool m2_params, bool output_contiguous_at_zero) {
+    const auto r = row_matmul({std::move(m1_sizes), std::move(m1_strides), m1_params}, {std::move(m2_sizes), {}, m2_params},
+                              output_contiguous_at_zero);
+    return py::make_tuple(std::string(to_string(r.kind)), r.flops, r.rows);
+  }, py::arg("m1_sizes"), py::arg("m1_strides"), py::arg("m1_parameter_derived"), py::arg("m2_sizes"),
+        py::arg("m2_parameter_derived"), py::arg("output_contiguous_at_zero"), "(kind, flops, rows) of mm/addmm.");
+  m.def("batched_matmul_flops", &batched_matmul_flops, py::arg("a_elements"), py::arg("b_last"), "FLOPs of bmm/matmul.");
+}
+
+// The profile file (Note [Profile file]).
+void bind_profile_file(py::module_& m) {
+  py::class_<ProfileFile>(m, "ProfileFile", "A recorded profile: blocks, links, fixed device bytes.")
+      .def_readwrite("blocks", &ProfileFile::blocks)
+      .def_readwrite("links", &ProfileFile::links)
+      .def_readwrite("fixed_device_bytes", &ProfileFile::fixed_device_bytes);
+  m.attr("PROFILE_FORMAT") = std::string(kProfileFormat);
+  m.attr("PROFILE_VERSION") = kProfileVersion;
+  auto names = [](const std::vector<std::string_view>& v) {
+    py::list out;
+    for (auto n : v) out.append(std::string(n));
+    return py::tuple(out);
+  };
+  m.attr("PROFILE_BLOCK_FIELDS") = names(profile_block_fields());
+  m.attr("PROFILE_LINK_FIELDS") = names(profile_link_fields());
+  m.def("profile_to_json", &profile_to_json, py::arg("blocks"), py::arg("links"), py::arg("fixed_device_bytes"),
+        "The profile file's text.");
+  m.def("profile_from_json", [](const std::string& text) { return profile_from_json(text); }, py::arg("text"),
+        "Parses a profile file's text; raises ConfigError saying what is wrong.");
+  m.def("profile_for_model", [](const std::string& path, const std::string& text, std::size_t blocks) {
+    return profile_for_model(path, text, blocks);
+  }, py::arg("path"), py::arg("text"), py::arg("blocks"), "A TIERFLOW_PROFILE read back for a model of `blocks` blocks.");
+  m.def("not_a_profile", [](const std::string& path, const std::string& why) { return not_a_profile(path, why); },
+        py::arg("path"), py::arg("why"), "The error text of a TIERFLOW_PROFILE that is not a profile.");
 }
 
 void bind_estimates(py::module_& m) {
@@ -195,7 +218,7 @@ void bind_estimates(py::module_& m) {
         "One estimated BlockProfile per layer (Note [Transformer estimate]).");
   m.def("transformer_parameters", &transformer_parameters, py::arg("shape"), "Parameters of the model.");
   m.def("estimate_training_state", [](const TransformerShape& s, const std::string& optimizer) {
-    return estimate_training_state(s, optimizer_target(optimizer));
+    return estimate_training_state(s, parse_optimizer_placement(optimizer));
   }, py::arg("shape"), py::arg("optimizer"),
         "Parameters, gradients and optimizer states per tier for optimizer placement none, host or nvme.");
   m.def("estimate_head_device_bytes", &estimate_head_device_bytes, py::arg("shape"),
@@ -219,6 +242,9 @@ void bind_estimates(py::module_& m) {
   m.def("device_capacity_bytes", [](bool cuda) {
     return allocator::device_capacity_bytes(cuda ? allocator::DeviceKind::kCuda : allocator::DeviceKind::kEmulated);
   }, py::arg("cuda"), "Total memory of the GPU tier: the current GPU's, or physical RAM when emulated.");
+  m.def("device_is_cuda", [](const std::map<std::string, std::string>& config) {
+    return device_kind(Config::parse({}, config)) == allocator::DeviceKind::kCuda;
+  }, py::arg("config"), "Whether these TIERFLOW_* texts run on CUDA (tiering::device_kind); raises ConfigError.");
   m.def("host_capacity_bytes", &allocator::host_capacity_bytes, "Physical RAM of this machine.");
   m.def("format_bytes", &format_bytes, py::arg("bytes"), "Human-readable size, e.g. '1.50 GiB'.");
 }
@@ -245,6 +271,7 @@ void bind_plan_command(py::module_& m) {
       .def_readwrite("host_capacity_bytes", &PlanCommandInputs::host_capacity_bytes)
       .def_readwrite("device_name", &PlanCommandInputs::device_name)
       .def_readwrite("optimizer", &PlanCommandInputs::optimizer)
+      .def_readwrite("offload_params", &PlanCommandInputs::offload_params)
       .def_readwrite("shape", &PlanCommandInputs::shape)
       .def_readwrite("dtype_name", &PlanCommandInputs::dtype_name)
       .def_readwrite("state", &PlanCommandInputs::state)
@@ -270,6 +297,18 @@ void bind_plan_command(py::module_& m) {
         "The plan command's budgets (Note [Plan report]); raises ConfigError naming the flag or variable.");
   m.def("explain_plan", &explain_plan, py::arg("plan"), py::arg("blocks"), py::arg("links"), py::arg("budgets"),
         "Why each block's action won: one line per block (Note [Plan report]).");
+  m.def("check_blocks_source", &check_blocks_source, py::arg("profile"), py::arg("given_shape_flags"),
+        "Raises ConfigError unless the blocks come from a whole shape or --profile (Note [Plan report]).");
+  m.def("check_rate", &check_rate, py::arg("value"), py::arg("shown"), py::arg("zero"),
+        "A rate argument within its range, or ConfigError saying what is accepted (Note [Plan report]).");
+  m.def("shape_argument", [](const std::string& field, const std::string& digits, const std::string& shown) {
+    return shape_argument(field, digits, shown);
+  }, py::arg("field"), py::arg("digits"), py::arg("shown"), "A shape argument within its limits, or ConfigError.");
+  m.def("links_from_pcie_gbps", &links_from_pcie_gbps, py::arg("gbps"), "The links of --pcie-gbps.");
+  m.def("plan_refusal", &plan_refusal, py::arg("error"), py::arg("out_of_memory"), py::arg("inputs"),
+        py::arg("budgets"), "The command's line when the planner refused (Note [Plan report]).");
+  m.attr("DECIMAL_GB") = kDecimalGB;
+  m.def("plan_shape_flags", &plan_shape_flags, "The shape's flags, as errors name them.");
   m.def("describe_plan", &describe_plan, py::arg("plan"), py::arg("blocks"), py::arg("inputs"), py::arg("budgets"),
         "The plan command's text lines and JSON (Note [Plan report]).");
 }
@@ -367,6 +406,7 @@ void bind_planner(py::module_& m) {
   bind_block_table(m);
   bind_estimates(m);
   bind_plan_command(m);
+  bind_profile_file(m);
 }
 
 }  // namespace tierflow::bindings

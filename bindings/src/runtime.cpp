@@ -17,12 +17,10 @@ namespace tierflow::bindings {
 namespace {
 
 void check_cpu_contiguous(const at::Tensor& t, const char* what, std::size_t i, std::int64_t numel) {
-  TIERFLOW_EXPECTS(t.defined() && t.is_cpu() && t.is_contiguous(),
-                   std::string("tierflow CPU Adam: ") + what + " " + std::to_string(i) +
-                       " must be a contiguous CPU tensor");
-  TIERFLOW_EXPECTS(t.numel() == numel, std::string("tierflow CPU Adam: ") + what + " " +
-                                           std::to_string(i) + " has " + std::to_string(t.numel()) +
-                                           " elements, expected " + std::to_string(numel));
+  const bool cpu = t.defined() && t.is_cpu();  // each fact read only where the ones before it hold
+  optimizer::check_kernel_tensor({t.defined(), cpu, cpu && t.is_contiguous(),
+                                  t.defined() ? static_cast<std::size_t>(t.numel()) : 0},
+                                 what, i, static_cast<std::size_t>(numel));
 }
 
 }  // namespace
@@ -140,10 +138,8 @@ void Runtime::adam_step(const optimizer::AdamOptions& options, std::int64_t step
                         const std::vector<at::Tensor>& grads,
                         const std::vector<at::Tensor>& params_out, const AdamOutputs& outputs) {
   const std::size_t n = masters.size();
-  TIERFLOW_EXPECTS(exp_avgs.size() == n && exp_avg_sqs.size() == n && grads.size() == n &&
-                       params_out.size() == n &&
-                       (max_exp_avg_sqs.empty() || max_exp_avg_sqs.size() == n),
-                   "tierflow CPU Adam: the tensor lists differ in length");
+  optimizer::check_kernel_lists(n, {exp_avgs.size(), exp_avg_sqs.size(), grads.size(), params_out.size()},
+                                {max_exp_avg_sqs.size()});
   std::vector<optimizer::AdamTensor> tensors(n);
   std::uint64_t elements = 0;
   for (std::size_t i = 0; i < n; ++i) {
@@ -152,10 +148,9 @@ void Runtime::adam_step(const optimizer::AdamOptions& options, std::int64_t step
     check_cpu_contiguous(exp_avgs[i], "exp_avg", i, numel);
     check_cpu_contiguous(exp_avg_sqs[i], "exp_avg_sq", i, numel);
     check_cpu_contiguous(grads[i], "grad", i, numel);
-    TIERFLOW_EXPECTS(masters[i].scalar_type() == at::kFloat && exp_avgs[i].scalar_type() == at::kFloat &&
-                         exp_avg_sqs[i].scalar_type() == at::kFloat,
-                     "tierflow CPU Adam: master and moments must be float32 (tensor " +
-                         std::to_string(i) + ")");
+    optimizer::check_kernel_states_fp32(masters[i].scalar_type() == at::kFloat &&
+                                            exp_avgs[i].scalar_type() == at::kFloat &&
+                                            exp_avg_sqs[i].scalar_type() == at::kFloat, i);
     auto& t = tensors[i];
     t.numel = static_cast<std::size_t>(numel);
     t.master = masters[i].data_ptr<float>();

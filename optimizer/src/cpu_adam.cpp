@@ -83,6 +83,26 @@ std::vector<StepGroup> group_by_step(const std::vector<std::int64_t>& steps) {
   return groups;
 }
 
+void check_kernel_tensor(const KernelTensorFacts& t, std::string_view what, std::size_t index, std::size_t numel) {
+  const std::string who = "tierflow CPU Adam: " + std::string(what) + " " + std::to_string(index);
+  TIERFLOW_EXPECTS(t.defined && t.cpu && t.contiguous, who + " must be a contiguous CPU tensor");
+  TIERFLOW_EXPECTS(t.numel == numel,
+                   who + " has " + std::to_string(t.numel) + " elements, expected " + std::to_string(numel));
+}
+
+void check_kernel_states_fp32(bool all_float32, std::size_t index) {
+  TIERFLOW_EXPECTS(all_float32,
+                   "tierflow CPU Adam: master and moments must be float32 (tensor " + std::to_string(index) + ")");
+}
+
+void check_kernel_lists(std::size_t n, const std::vector<std::size_t>& sizes,
+                        const std::vector<std::size_t>& optional_sizes) {
+  const bool same = std::all_of(sizes.begin(), sizes.end(), [n](std::size_t k) { return k == n; }) &&
+                    std::all_of(optional_sizes.begin(), optional_sizes.end(),
+                                [n](std::size_t k) { return k == 0 || k == n; });
+  TIERFLOW_EXPECTS(same, "tierflow CPU Adam: the tensor lists differ in length");
+}
+
 const char* to_string(CpuIsa isa) noexcept {
   switch (isa) {
     case CpuIsa::kAuto: return "auto";

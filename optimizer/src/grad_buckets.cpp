@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <stdexcept>
 #include <string>
 
 #include "tierflow/core/error.hpp"
@@ -135,6 +136,58 @@ std::vector<bool> assign_gpu_share(const std::vector<std::size_t>& numels, doubl
     }
   }
   return chosen;
+}
+
+bool BucketSizingSchedule::due(bool carries_parameters, double last_backward_ms, double kernel_grad_bytes) noexcept {
+  if (!pending_ || !carries_parameters) return false;
+  if (last_backward_ms <= 0 || kernel_grad_bytes <= 0) return false;  // nothing streamed and stepped yet
+  if (++streamed_steps_ < 2) return false;
+  pending_ = false;
+  return true;
+}
+
+GpuShareChoice::GpuShareChoice(const std::string& setting) : pending_(setting == "auto") {
+  if (pending_) return;
+  std::size_t used = 0;
+  try {
+    fraction_ = std::stod(setting, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  TIERFLOW_EXPECTS(used == setting.size() && used > 0 && fraction_ >= 0.0 && fraction_ <= 1.0,
+                   "TIERFLOW_GPU_OPTIMIZER_FRACTION: '" + setting + "'; accepted: auto or a number from 0 to 1");
+}
+
+bool GpuShareChoice::choose_now() noexcept {
+  const bool now = pending_;
+  pending_ = false;  // decided once
+  return now;
+}
+
+std::vector<bool> GpuShareChoice::choose(const std::vector<ShareCandidate>& candidates,
+                                         const ShareMeasurements& measured) {
+  std::size_t elements = 0;
+  bool any_streamed = false, any_16bit = false;
+  std::vector<std::size_t> numels;
+  for (const auto& c : candidates) {
+    numels.push_back(c.numel);
+    if (!c.streamed) continue;
+    any_streamed = true;
+    any_16bit = any_16bit || c.is_16bit;
+    elements += c.numel;
+  }
+  if (!any_streamed || measured.cpu_step_ms <= 0 || measured.backward_ms <= 0)
+    return std::vector<bool>(candidates.size(), false);
+  SplitInputs in;
+  in.cpu_elements_per_second = measured.cpu_elements / (measured.cpu_step_ms / 1e3);
+  in.gpu_elements_per_second = 0.0;
+  in.backward_seconds = measured.backward_ms / 1e3;
+  in.elements = elements;
+  in.gpu_bytes_per_element = gpu_share_bytes_per_element(any_16bit);
+  in.gpu_free_bytes = static_cast<std::size_t>(
+      gpu_share_room(measured.free_bytes, measured.budget_bytes, measured.first_step_peak_bytes));
+  fraction_ = choose_gpu_fraction(in);
+  return assign(numels);
 }
 
 }  // namespace tierflow::optimizer

@@ -111,4 +111,28 @@ std::string lost_states_refusal(const std::vector<std::string>& parameters) {
          "tierflow.CPUAdamW.fill_lost_states(state_dict, earlier) and load that";
 }
 
+std::string unfilled_lost_states(const std::vector<std::string>& keys) {
+  TIERFLOW_EXPECTS(!keys.empty(), "unfilled_lost_states: no keys");
+  std::string list;
+  for (std::size_t i = 0; i < keys.size(); ++i) list += (i ? ", " : "") + keys[i];
+  return "tierflow CPUAdamW.fill_lost_states: the earlier state dict has no intact state for parameter(s) [" +
+         list + "]";
+}
+
+std::optional<std::string> offload_gradients_refusal(bool offload_gradients, bool steps_during_backward,
+                                                     const std::string& overlap_step,
+                                                     const std::string& offload_optimizer) {
+  if (!offload_gradients || steps_during_backward) return std::nullopt;
+  return "TIERFLOW_OFFLOAD_GRADIENTS=on frees gradients as they stream to the CPU step during backward, which "
+         "needs TIERFLOW_OVERLAP_STEP=on (it is " + overlap_step + ") and optimizer states on the host, "
+         "TIERFLOW_OFFLOAD_OPTIMIZER=host (it is " + offload_optimizer + "); accepted: those two settings, or "
+         "TIERFLOW_OFFLOAD_GRADIENTS=off";
+}
+
+std::string grad_scaler_refusal() {
+  return "tierflow CPUAdamW: torch.amp.GradScaler cannot see gradients that TIERFLOW_OFFLOAD_GRADIENTS=on has freed "
+         "on the device; accepted: bf16 without a scaler (with TIERFLOW_SKIP_NONFINITE=on for inf/NaN steps), or "
+         "TIERFLOW_OFFLOAD_GRADIENTS=off with the scaler";
+}
+
 }  // namespace tierflow::optimizer

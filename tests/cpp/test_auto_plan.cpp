@@ -166,3 +166,19 @@ TEST(AutoPlanWithoutBlocks, KeepsEverythingWhenTheStepsSavesFit) {
   EXPECT_NE(p.summary.find("do not fit"), std::string::npos);
   EXPECT_NE(p.summary.find("swap every saved tensor to the host"), std::string::npos);
 }
+
+TEST(MeasuredBesidePredicted, MedianGapAndRatios) {
+  using namespace tierflow::tiering;
+  EXPECT_EQ(median_seconds({}), 0);
+  EXPECT_EQ(median_seconds({3, 1, 2}), 2);
+  EXPECT_EQ(median_seconds({4, 1, 2, 3}), 2.5);
+  const auto m = measured_beside_predicted({0, 1, 3, 4}, 300, 2.0, 100.0);  // gaps 1, 2, 1
+  EXPECT_EQ(m.steps, 3u);
+  EXPECT_EQ(m.step_seconds, 1.0);
+  EXPECT_EQ(m.step_vs_predicted, 0.5);
+  EXPECT_EQ(m.peak_vs_predicted, 3.0);
+  const auto none = measured_beside_predicted({5}, std::nullopt, 0.0, std::nullopt);
+  EXPECT_EQ(none.steps, 0u);
+  EXPECT_FALSE(none.step_seconds || none.step_vs_predicted || none.peak_vs_predicted);
+  EXPECT_FALSE(measured_beside_predicted({0, 1}, 5, std::nullopt, 0.0).peak_vs_predicted);
+}

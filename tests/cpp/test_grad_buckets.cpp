@@ -163,3 +163,78 @@ TEST(GradBuckets, LinkProbeIsASixteenthOfTheGradientsWithin1And16MiB) {
   EXPECT_EQ(grad_link_probe_bytes(16 * MiB + 16), MiB + 1);
   EXPECT_EQ(grad_link_probe_bytes(1024 * MiB), 16 * MiB);
 }
+
+TEST(BucketSizingSchedule, SizesOnceAfterTheSecondStepThatStreamedAndStepped) {
+  BucketSizingSchedule s(true);
+  EXPECT_TRUE(s.pending());
+  EXPECT_FALSE(s.due(false, 10.0, 1e6));  // the stream carries nothing
+  EXPECT_FALSE(s.due(true, 0.0, 1e6));    // nothing measured: not counted
+  EXPECT_FALSE(s.due(true, 10.0, 0.0));
+  EXPECT_FALSE(s.due(true, 10.0, 1e6));   // the first also created the states
+  EXPECT_TRUE(s.pending());
+  EXPECT_TRUE(s.due(true, 10.0, 1e6));
+  EXPECT_FALSE(s.pending());
+  EXPECT_FALSE(s.due(true, 10.0, 1e6));   // once
+  BucketSizingSchedule fixed(false);
+  EXPECT_FALSE(fixed.pending());
+  EXPECT_FALSE(fixed.due(true, 10.0, 1e6));
+  EXPECT_FALSE(fixed.due(true, 10.0, 1e6));
+}
+
+TEST(GpuShareChoice, AFixedFractionAssignsAtOnceAndNeverChooses) {
+  GpuShareChoice c("0.5");
+  EXPECT_FALSE(c.pending());
+  EXPECT_EQ(c.fraction(), 0.5);
+  EXPECT_EQ(c.assign({10, 10, 10, 10}), (std::vector<bool>{true, false, true, false}));
+  EXPECT_FALSE(c.choose_now());
+  EXPECT_THROW(GpuShareChoice("1.5"), std::exception);
+  EXPECT_THROW(GpuShareChoice("half"), std::exception);
+}
+
+TEST(GpuShareChoice, AutoChoosesOnceAndNothingWhenNothingWasMeasured) {
+  GpuShareChoice c("auto");
+  EXPECT_TRUE(c.pending());
+  EXPECT_EQ(c.fraction(), 0.0);
+  EXPECT_TRUE(c.choose_now());
+  EXPECT_FALSE(c.choose_now());  // decided once
+  ShareMeasurements m;
+  m.cpu_elements = 1e9;
+  m.cpu_step_ms = 1000;
+  m.backward_ms = 0;  // no backward measured
+  m.free_bytes = m.budget_bytes = std::int64_t{1} << 40;
+  EXPECT_EQ(c.choose({{100, true, false}, {100, true, false}}, m), (std::vector<bool>{false, false}));
+  m.backward_ms = 600;
+  EXPECT_EQ(c.choose({{100, false, false}}, m), (std::vector<bool>{false}));  // nothing streamed
+}
+
+TEST(GpuShareChoice, AutoTakesTheShareThatMakesTheCpuEndWithBackward) {
+  // 1e9 elements/s on the CPU, 4e8 elements against 0.2 s of backward: 0.4 s of CPU, half must go.
+  GpuShareChoice c("auto");
+  ASSERT_TRUE(c.choose_now());
+  ShareMeasurements m;
+  m.cpu_elements = 1e9;
+  m.cpu_step_ms = 1000;
+  m.backward_ms = 200;
+  m.free_bytes = m.budget_bytes = std::int64_t{1} << 40;
+  const std::vector<ShareCandidate> four(4, ShareCandidate{100'000'000, true, false});
+  EXPECT_EQ(c.choose(four, m), (std::vector<bool>{true, false, true, false}));
+  EXPECT_NEAR(c.fraction(), 0.5, 1e-12);
+  // The room caps it: 16-bit parameters need 12 bytes per element; 1.2e9 bytes hold 1e8 of 4e8 elements.
+  GpuShareChoice small("auto");
+  ASSERT_TRUE(small.choose_now());
+  m.free_bytes = 2'400'000'000;
+  m.budget_bytes = 1'200'000'000;
+  m.first_step_peak_bytes = 0;
+  std::vector<ShareCandidate> half16 = four;
+  half16[3].is_16bit = true;
+  small.choose(half16, m);
+  EXPECT_NEAR(small.fraction(), 0.25, 1e-12);
+  // An unstreamed parameter is assigned over but neither measured nor counted.
+  GpuShareChoice mixed("auto");
+  ASSERT_TRUE(mixed.choose_now());
+  m.free_bytes = m.budget_bytes = std::int64_t{1} << 40;
+  std::vector<ShareCandidate> with_cold = four;
+  with_cold.push_back({100'000'000, false, true});
+  mixed.choose(with_cold, m);
+  EXPECT_NEAR(mixed.fraction(), 0.5, 1e-12);
+}

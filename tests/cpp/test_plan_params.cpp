@@ -178,6 +178,32 @@ TEST(JointPlanner, MatchesBruteForceOnIdenticalBlocks) {
 
 TEST(JointPlanner, MatchesBruteForceWithSplitsAndParametersOnNvme) {
   for (std::uint64_t seed = 40; seed <= 45; ++seed) check(random_case(seed, 2, false, true, seed % 2 == 0), 4);
+  for (std::uint64_t seed = 46; seed <= 48; ++seed) check(random_case(seed, 3, false, true, true), 2);
+}
+
+TEST(JointPlanner, ManyDistinctBlocksFetchTheLargestAndSaySoWithinBudget) {
+  int unproven = 0;
+  for (std::uint64_t seed = 100; seed < 110; ++seed) {
+    const Case c = random_case(seed, 10, false, true, false);  // 2^10 fetched sets: past kMaxParamChoices
+    Plan plan;
+    try {
+      plan = plan_activations(c.blocks, c.links, c.budgets);
+    } catch (const out_of_memory&) {
+      continue;  // the host budget is drawn too small for some
+    }
+    EXPECT_TRUE(plan.fits) << plan.summary();
+    unproven += !plan.proven_optimal;
+    // Unless everything is kept and resident (the fastest plan there is), the search says it is not exact.
+    EXPECT_TRUE(!plan.proven_optimal || plan.predicted_step_seconds <= plan.keep_all_step_seconds) << plan.summary();
+    // The fetched blocks are the ones with the most parameters.
+    std::uint64_t smallest_fetched = ~0ULL, largest_resident = 0;
+    for (std::size_t i = 0; i < c.blocks.size(); ++i) {
+      if (plan.blocks[i].params == Tier::kGpu) largest_resident = std::max(largest_resident, c.blocks[i].parameter_bytes);
+      else smallest_fetched = std::min(smallest_fetched, c.blocks[i].parameter_bytes);
+    }
+    EXPECT_TRUE(smallest_fetched == ~0ULL || largest_resident <= smallest_fetched) << plan.summary();
+  }
+  EXPECT_GT(unproven, 0);
 }
 
 TEST(JointPlanner, ResidentParametersLeaveThePlansOfActivationsAlone) {

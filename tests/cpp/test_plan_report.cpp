@@ -233,10 +233,10 @@ TEST(DescribePlan, JsonHasTodaysKeysInOrderThenTheNewOnes) {
   };
   using V = std::vector<std::string>;
   EXPECT_EQ(keys(j), (V{"layers", "predicted", "budgets", "links", "tflops", "measured", "summary", "state",
-                        "fixed_gpu_parts"}));
+                        "fixed_gpu_parts", "parameters"}));
   ASSERT_EQ(j["layers"].size(), p.plan.blocks.size());
   EXPECT_EQ(keys(j["layers"][0]), (V{"mode", "alpha", "keep", "swap", "recompute", "swap_tier", "swap_bytes",
-                                     "forward_seconds", "backward_seconds", "alternatives"}));
+                                     "forward_seconds", "backward_seconds", "params", "alternatives"}));
   EXPECT_EQ(keys(j["predicted"]), (V{"gpu_peak_bytes", "step_seconds", "keep_all_step_seconds", "host_bytes",
                                      "nvme_bytes", "proven_optimal"}));
   EXPECT_EQ(keys(j["budgets"]), (V{"gpu_bytes", "fixed_gpu_bytes", "host_bytes_for_activations", "nvme_bytes",
@@ -253,6 +253,50 @@ TEST(DescribePlan, JsonHasTodaysKeysInOrderThenTheNewOnes) {
   EXPECT_EQ(j["summary"], p.plan.summary());
   EXPECT_EQ(j["state"]["optimizer"], "host");
   EXPECT_EQ(j["layers"][0]["mode"], std::string(to_string(p.plan.blocks[0].mode)));
+  EXPECT_EQ(j["layers"][0]["params"], "gpu");
+  EXPECT_EQ(keys(j["parameters"]), (V{"offload", "policy", "fetched_blocks", "rest", "rest_bytes",
+                                      "gpu_resident_bytes", "gpu_window_bytes", "prefetch_bytes", "host_bytes",
+                                      "nvme_bytes", "rest_fetch_seconds"}));
+  EXPECT_EQ(j["parameters"]["policy"], "resident");
+}
+
+TEST(DescribePlan, OffloadedParametersLeaveTheFixedBytesAndArePrintedPerBlockAndTier) {
+  Planned p;
+  p.in = shape_inputs();
+  p.in.offload_params = "host";
+  p.in.gpu_memory = {"16GiB", SettingSource::kFlag};
+  p.blocks = estimate_transformer(*p.in.shape, *p.in.flops_per_second);
+  p.budgets = plan_command_budgets(p.in);
+  const Budgets& b = p.budgets.budgets;
+  EXPECT_EQ(b.params, ParamPolicy::kFetchAll);
+  const std::uint64_t block_params = p.blocks[0].parameter_bytes;
+  EXPECT_EQ(block_params, transformer_block_parameters(*p.in.shape) * 2);
+  EXPECT_EQ(b.rest_parameter_bytes + 4 * block_params, p.in.state->parameter_bytes);
+  EXPECT_EQ(b.fixed_device_bytes, p.in.state->device - p.in.state->parameter_bytes + p.in.head_bytes);
+  p.plan = plan_activations(p.blocks, p.budgets.links, b);
+  const auto r = describe_plan(p.plan, p.blocks, p.in, p.budgets);
+  EXPECT_EQ(r.lines[5].rfind("parameters between uses (--offload-params host): blocks 0-3 fetched from host; the rest "
+                             "(embeddings, final norm, head: ", 0), 0u) << r.lines[5];
+  EXPECT_TRUE(has(r.lines[5], "host " + format_bytes(p.in.state->parameter_bytes))) << r.lines[5];
+  EXPECT_EQ(r.lines[6], "plan (forward order):");
+  EXPECT_TRUE(has(r.lines[7], "params fetched from host")) << r.lines[7];
+  const Json j = Json::parse(r.json);
+  EXPECT_EQ(j["layers"][3]["params"], "host");
+  EXPECT_EQ(j["parameters"]["fetched_blocks"], 4);
+  EXPECT_EQ(j["parameters"]["host_bytes"], p.in.state->parameter_bytes);
+  EXPECT_EQ(j["fixed_gpu_parts"][0]["gpu_bytes"], 0);
+  // auto chooses per block; nvme needs an NVMe tier; a profile has no parameter bytes per block.
+  p.in.offload_params = "auto";
+  EXPECT_EQ(plan_command_budgets(p.in).budgets.params, ParamPolicy::kAuto);
+  p.in.offload_params = "nvme";
+  EXPECT_TRUE(has(message_of(p.in), "--offload-params nvme needs an NVMe tier")) << message_of(p.in);
+  p.in.offload_params = "disk";
+  EXPECT_TRUE(has(message_of(p.in), "accepted: none, host, nvme, auto")) << message_of(p.in);
+  p.in.offload_params = "host";
+  p.in.shape.reset();
+  p.in.state.reset();
+  p.in.profile_fixed_device_bytes = GiB;
+  EXPECT_TRUE(has(message_of(p.in), "accepted with --profile: none")) << message_of(p.in);
 }
 
 TEST(DescribePlan, FloatsReadBackExactly) {

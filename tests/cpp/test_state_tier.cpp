@@ -99,3 +99,21 @@ TEST(StateTier, LoadRefusalNamesEveryLostStateAndTheWayOut) {
             "with tierflow.CPUAdamW.fill_lost_states(state_dict, earlier) and load that");
   EXPECT_THROW(lost_states_refusal({}), logic_error);
 }
+
+TEST(StateTier, FillRefusalNamesTheKeysWithoutAnIntactEarlierState) {
+  EXPECT_EQ(unfilled_lost_states({"0", "'w'"}),
+            "tierflow CPUAdamW.fill_lost_states: the earlier state dict has no intact state for parameter(s) "
+            "[0, 'w']");
+  EXPECT_THROW(unfilled_lost_states({}), logic_error);
+}
+
+TEST(StateTier, OffloadedGradientsNeedStepsDuringBackward) {
+  EXPECT_FALSE(offload_gradients_refusal(false, false, "off", "nvme"));
+  EXPECT_FALSE(offload_gradients_refusal(true, true, "on", "host"));
+  const auto text = offload_gradients_refusal(true, false, "off", "host");
+  ASSERT_TRUE(text);
+  EXPECT_NE(text->find("TIERFLOW_OVERLAP_STEP=on (it is off)"), std::string::npos);
+  EXPECT_NE(text->find("TIERFLOW_OFFLOAD_OPTIMIZER=host (it is host)"), std::string::npos);
+  EXPECT_NE(text->find("accepted: those two settings, or TIERFLOW_OFFLOAD_GRADIENTS=off"), std::string::npos);
+  EXPECT_NE(grad_scaler_refusal().find("accepted: bf16 without a scaler"), std::string::npos);
+}

@@ -400,3 +400,31 @@ def test_fixed_device_bytes_are_broken_down_with_the_setting_that_frees_them(mon
     assert rc == 0, err
     assert text.splitlines()[-1].startswith("device's fixed bytes: parameters "), text.splitlines()[-1]
     assert "(freed by --optimizer host or nvme (TIERFLOW_OFFLOAD_OPTIMIZER=host or nvme))" in text
+
+
+# Issue 18: parameters planned with the activations (Note [Activation planner], Parameters).
+@pytest.mark.parametrize("offload", ["host", "auto"])
+def test_issue18_offload_params_prints_residency_per_block_and_bytes_per_tier(offload, monkeypatch):
+    args = ["12GiB" if a == "16GiB" else a for a in PRESET]
+    rc, out, err = plan_in_process([*args, "--offload-params", offload], monkeypatch, TIERFLOW_HOST_MEMORY="200GiB")
+    assert rc == 0, err
+    doc = json.loads(out)
+    params = doc["parameters"]
+    assert params["offload"] == offload and params["policy"] == ("fetch-all" if offload == "host" else "auto")
+    fetched = [l["params"] for l in doc["layers"] if l["params"] != "gpu"]
+    assert len(fetched) == params["fetched_blocks"] > 0 and set(fetched) == {"host"}
+    if offload == "host":
+        assert params["fetched_blocks"] == 24 and params["rest"] == "host" and params["gpu_resident_bytes"] == 0
+    assert params["host_bytes"] > 0 and doc["predicted"]["gpu_peak_bytes"] <= 12 * GiB
+    assert doc["fixed_gpu_parts"][0] == {"part": "parameters", "gpu_bytes": 0, "freed_by": None}
+    rc, out, err = plan_in_process([a for a in args if a != "--json"] + ["--offload-params", offload], monkeypatch,
+                                   TIERFLOW_HOST_MEMORY="200GiB")
+    assert rc == 0, err
+    line = next(l for l in out.splitlines() if l.startswith("parameters between uses"))
+    assert f"(--offload-params {offload})" in line and "fetched from host" in line and "bytes per tier: device" in line
+
+
+def test_issue18_offload_params_nvme_needs_an_nvme_tier(monkeypatch):
+    rc, out, err = plan_in_process(SMALL + ["--tflops", "100", "--pcie-gbps", "20", "--offload-params", "nvme"],
+                                   monkeypatch)
+    expect_refused(rc, out, err, "--offload-params nvme needs an NVMe tier")

@@ -2,6 +2,7 @@
 #include "tierflow/tiering/auto_plan.hpp"
 
 #include <algorithm>
+#include <utility>
 #include <cstdio>
 
 namespace tierflow::tiering {
@@ -90,5 +91,30 @@ std::uint64_t nvme_probe_bytes(std::uint64_t available_bytes) noexcept {
 }
 
 std::uint64_t next_nvme_probe_bytes(std::uint64_t bytes) noexcept { return bytes / 2 / kProbeGranule * kProbeGranule; }
+
+double median_seconds(std::vector<double> seconds) noexcept {
+  if (seconds.empty()) return 0;
+  std::sort(seconds.begin(), seconds.end());
+  const auto n = seconds.size();
+  return n % 2 ? seconds[n / 2] : (seconds[n / 2 - 1] + seconds[n / 2]) / 2;
+}
+
+MeasuredBesidePredicted measured_beside_predicted(const std::vector<double>& forward_starts,
+                                                  std::optional<std::uint64_t> peak_reserved_bytes,
+                                                  std::optional<double> predicted_step_seconds,
+                                                  std::optional<double> predicted_peak_bytes) {
+  MeasuredBesidePredicted out;
+  std::vector<double> gaps;
+  for (std::size_t i = 1; i < forward_starts.size(); ++i) gaps.push_back(forward_starts[i] - forward_starts[i - 1]);
+  out.steps = gaps.size();
+  if (!gaps.empty()) out.step_seconds = median_seconds(std::move(gaps));
+  if (out.step_seconds && predicted_step_seconds && *predicted_step_seconds != 0) {
+    out.step_vs_predicted = *out.step_seconds / *predicted_step_seconds;
+  }
+  if (peak_reserved_bytes && predicted_peak_bytes && *predicted_peak_bytes != 0) {
+    out.peak_vs_predicted = static_cast<double>(*peak_reserved_bytes) / *predicted_peak_bytes;
+  }
+  return out;
+}
 
 }  // namespace tierflow::tiering

@@ -2,6 +2,7 @@
 #include "tierflow/tiering/block_table.hpp"
 
 #include <algorithm>
+#include <string>
 #include <utility>
 
 #include "tierflow/core/error.hpp"
@@ -128,6 +129,45 @@ BlockRecord BlockTable::record(double forward_seconds) const noexcept {
   r.has_split_ops = !split_ops_.empty();
   r.forward_seconds = forward_seconds;
   return r;
+}
+
+std::string_view to_string(OpKind kind) noexcept {
+  switch (kind) {
+    case OpKind::kAttention: return "attention";
+    case OpKind::kMatmul: return "matmul";
+    case OpKind::kOther: return "other";
+  }
+  return "?";
+}
+
+OpKind parse_op_kind(std::string_view text) {
+  for (auto k : {OpKind::kAttention, OpKind::kMatmul, OpKind::kOther})
+    if (to_string(k) == text) return k;
+  throw config_error("op kind '" + std::string(text) + "'; accepted: attention, matmul, other");
+}
+
+OpKind attention_kind(double dropout_p) noexcept { return dropout_p > 0 ? OpKind::kOther : OpKind::kAttention; }
+
+double attention_flops(std::int64_t q_elements, std::int64_t key_length, bool causal) noexcept {
+  return 4.0 * static_cast<double>(q_elements) * static_cast<double>(key_length) * (causal ? 0.5 : 1.0);
+}
+
+RowMatmul row_matmul(const MatmulOperand& m1, const MatmulOperand& m2, bool output_contiguous_at_zero) {
+  if (m1.sizes.size() < 2 || m2.sizes.size() < 2) throw logic_error("row_matmul: m1 and m2 must be 2-D");
+  RowMatmul out;
+  out.flops = 2.0 * static_cast<double>(m1.sizes[0]) * static_cast<double>(m1.sizes[1]) *
+              static_cast<double>(m2.sizes[1]);
+  const bool row_major = m1.sizes.size() == 2 && m1.strides.size() == 2 && m1.strides[1] == 1 &&
+                         m1.strides[0] == m1.sizes[1];
+  if (row_major && m1.sizes[0] >= 2 && m2.parameter_derived && !m1.parameter_derived && output_contiguous_at_zero) {
+    out.kind = OpKind::kMatmul;
+    out.rows = m1.sizes[0];
+  }
+  return out;
+}
+
+double batched_matmul_flops(std::int64_t a_elements, std::int64_t b_last) noexcept {
+  return 2.0 * static_cast<double>(a_elements) * static_cast<double>(b_last);
 }
 
 }  // namespace tierflow::tiering

@@ -37,7 +37,7 @@ std::string_view to_string(ParamState s) noexcept {
 
 ParamSchedule::ParamSchedule(std::vector<ParamUnit> units, ParamScheduleOptions options) : options_(options) {
   if (units.empty()) throw std::logic_error("ParamSchedule: no units (the rest unit at least)");
-  std::unordered_map<ParamId, std::size_t> index;
+  auto& index = index_;
   units_.resize(units.size());
   // Resident units first, so that a parameter any resident unit lists is resident; then by index.
   for (int pass = 0; pass < 2; ++pass) {
@@ -68,9 +68,9 @@ ParamSchedule::ParamSchedule(std::vector<ParamUnit> units, ParamScheduleOptions 
 }
 
 ParamSchedule::Param& ParamSchedule::param(ParamId id) {
-  auto it = std::find_if(params_.begin(), params_.end(), [&](const Param& p) { return p.id == id; });
-  if (it == params_.end()) throw std::logic_error("ParamSchedule: unknown parameter " + std::to_string(id));
-  return *it;
+  const auto it = index_.find(id);
+  if (it == index_.end()) throw std::logic_error("ParamSchedule: unknown parameter " + std::to_string(id));
+  return params_[it->second];
 }
 
 const ParamSchedule::Param& ParamSchedule::param(ParamId id) const {

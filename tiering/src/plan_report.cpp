@@ -3,6 +3,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
+#include <charconv>
 #include <cstdio>
 #include <string_view>
 #include <tuple>
@@ -71,6 +73,7 @@ std::vector<BlockPlan> rejected_actions(const BlockProfile& p, const BlockPlan& 
     BlockPlan b;
     b.mode = mode;
     b.tier = tier;
+    b.params = chosen.params;  // the alternative changes the activations' action only
     if (mode == BlockMode::kSplit) b.alpha = detail::link_alpha(p, links, tier);
     out.push_back(b);
   }
@@ -164,8 +167,10 @@ std::vector<FixedPart> fixed_parts(const PlanCommandInputs& in, const Budgets& b
   if (!in.state) return {{"from_profile", "the profile's rest of training", budgets.fixed_device_bytes, ""}};
   const auto& s = *in.state;
   const bool optimizer_on_device = in.optimizer == "none";
+  const bool params_on_device = budgets.params == ParamPolicy::kResident;  // else the plan counts them
   return {
-      {"parameters", "parameters", s.parameter_bytes, ""},
+      // No freed_by while training refuses TIERFLOW_OFFLOAD_PARAMS (tiering::params_offload_refusal).
+      {"parameters", "parameters", params_on_device ? s.parameter_bytes : 0, ""},
       {"gradients", "gradients", s.gradient_bytes, "TIERFLOW_OFFLOAD_GRADIENTS=on (each freed once copied to host)"},
       {"optimizer_states", "optimizer states", optimizer_on_device ? s.optimizer_bytes : 0,
        optimizer_on_device ? "--optimizer host or nvme (TIERFLOW_OFFLOAD_OPTIMIZER=host or nvme)" : ""},
@@ -189,6 +194,73 @@ Json fixed_json(const std::vector<FixedPart>& parts) {
     items.push_back({{"part", p.name}, {"gpu_bytes", p.bytes},
                      {"freed_by", p.freed_by.empty() ? Json(nullptr) : Json(p.freed_by)}});
   return items;
+}
+
+// ---- parameters between uses ------------------------------------------------------------------------
+
+// "0-3, 7": the blocks whose parameters live on `where`.
+std::string block_ranges(const Plan& plan, Tier where) {
+  std::string out;
+  for (std::size_t i = 0; i < plan.blocks.size(); ++i) {
+    if (plan.blocks[i].params != where || (i > 0 && plan.blocks[i - 1].params == where)) continue;
+    std::size_t j = i;
+    while (j + 1 < plan.blocks.size() && plan.blocks[j + 1].params == where) ++j;
+    out += (out.empty() ? "" : ", ") + std::to_string(i) + (j > i ? "-" + std::to_string(j) : "");
+  }
+  return out;
+}
+
+std::string params_line(const Plan& plan, const PlanCommandInputs& in, const Budgets& budgets) {
+  std::string s = "parameters between uses (--offload-params " + in.offload_params + "): ";
+  std::vector<std::string> parts;
+  for (Tier t : {Tier::kHost, Tier::kNvme, Tier::kGpu}) {
+    const std::string r = block_ranges(plan, t);
+    const bool several = r.find_first_of("-,") != std::string::npos;
+    if (!r.empty()) parts.push_back((several ? "blocks " : "block ") + r + (t == Tier::kGpu ? " resident" : " fetched from " + std::string(to_string(t))));
+  }
+  for (std::size_t k = 0; k < parts.size(); ++k) s += (k ? "; " : "") + parts[k];
+  s += "; the rest (embeddings, final norm, head: " + format_bytes(budgets.rest_parameter_bytes) + ") " +
+       (plan.rest_params == Tier::kGpu ? std::string("resident") : "fetched from " + std::string(to_string(plan.rest_params)));
+  return s + "; bytes per tier: device " + format_bytes(plan.device_param_bytes) + " resident + " +
+         format_bytes(plan.param_window_bytes) + " fetched at once (prefetch window " +
+         format_bytes(plan.param_prefetch_bytes) + "), host " + format_bytes(plan.host_param_bytes) + ", NVMe " +
+         format_bytes(plan.nvme_param_bytes);
+}
+
+Json params_json(const Plan& plan, const PlanCommandInputs& in, const Budgets& budgets) {
+  std::size_t fetched = 0;
+  for (const auto& b : plan.blocks) fetched += b.params != Tier::kGpu;
+  return {{"offload", in.offload_params},
+          {"policy", to_string(budgets.params)},
+          {"fetched_blocks", fetched},
+          {"rest", to_string(plan.rest_params)},
+          {"rest_bytes", budgets.rest_parameter_bytes},
+          {"gpu_resident_bytes", plan.device_param_bytes},
+          {"gpu_window_bytes", plan.param_window_bytes},
+          {"prefetch_bytes", plan.param_prefetch_bytes},
+          {"host_bytes", plan.host_param_bytes},
+          {"nvme_bytes", plan.nvme_param_bytes},
+          {"rest_fetch_seconds", plan.rest_fetch_seconds}};
+}
+
+// --offload-params: the policy, the tier and the parameters out of the fixed bytes (Note [Plan report]).
+void apply_offload_params(const PlanCommandInputs& in, Budgets& b) {
+  const std::string& v = in.offload_params;
+  if (v == "none" || v.empty()) return;
+  if (v != "host" && v != "nvme" && v != "auto")
+    throw config_error("--offload-params " + quote_config_value(v) + "; accepted: none, host, nvme, auto");
+  if (!in.shape || !in.state)
+    throw config_error("--offload-params " + v + " needs a model shape: a profile gives no parameter bytes per "
+                       "block; accepted with --profile: none");
+  if (v == "nvme" && b.nvme_bytes == 0)
+    throw config_error("--offload-params nvme needs an NVMe tier: pass --nvme-memory and --nvme-gbps");
+  b.params = v == "auto" ? ParamPolicy::kAuto : ParamPolicy::kFetchAll;
+  b.param_tier = v == "nvme" ? Tier::kNvme : Tier::kHost;
+  const std::uint64_t blocks = transformer_block_parameters(*in.shape) *
+                               static_cast<std::uint64_t>(in.shape->dtype_bytes) *
+                               static_cast<std::uint64_t>(in.shape->layers);
+  b.rest_parameter_bytes = in.state->parameter_bytes - blocks;  // the model's, so at least its blocks'
+  b.fixed_device_bytes -= in.state->parameter_bytes;             // in the fixed bytes (state->device)
 }
 
 // The text lines of Note [Plan report].
@@ -238,6 +310,7 @@ std::vector<std::string> plan_lines(const Plan& plan, const PlanCommandInputs& i
     lines.push_back("the rest of training on the device (from the profile): " +
                     format_bytes(budgets.fixed_device_bytes));
   }
+  if (budgets.params != ParamPolicy::kResident) lines.push_back(params_line(plan, in, budgets));
   lines.push_back("plan (forward order):");
   for (std::size_t i = 0; i < plan.blocks.size(); ++i) lines.push_back("  " + plan.block_line(i));
   lines.push_back(plan.summary());
@@ -271,6 +344,7 @@ std::string plan_json(const Plan& plan, const PlanCommandInputs& in, const PlanC
                       {"swap_bytes", b.swap_bytes},
                       {"forward_seconds", b.forward_seconds},
                       {"backward_seconds", b.backward_seconds},
+                      {"params", to_string(b.params)},
                       {"alternatives", alternatives_json(plan, why[i])}});
   }
   Json doc;
@@ -299,6 +373,7 @@ std::string plan_json(const Plan& plan, const PlanCommandInputs& in, const PlanC
                     {"outside_blocks_gpu_bytes", in.head_bytes}};
   }
   doc["fixed_gpu_parts"] = fixed_json(parts);
+  doc["parameters"] = params_json(plan, in, budgets);
   // Names and lines are ASCII; a --profile path of other bytes is escaped, never an error.
   return doc.dump(-1, ' ', true, Json::error_handler_t::replace);
 }
@@ -348,6 +423,7 @@ PlanCommandBudgets plan_command_budgets(const PlanCommandInputs& in) {
                                    "TIERFLOW_PREFETCH_BYTES");
   b.fixed_device_bytes = fixed_device_bytes(in);
   b.host_bytes = host_total - out.optimizer_host_bytes;
+  apply_offload_params(in, b);
   return out;
 }
 
@@ -370,6 +446,69 @@ PlanReport describe_plan(const Plan& plan, const std::vector<BlockProfile>& bloc
   const auto why = why_of_blocks(plan, blocks, pb.links, pb.budgets);
   const auto parts = fixed_parts(in, pb.budgets);
   return {plan_lines(plan, in, pb, why, parts), plan_json(plan, in, pb, why, parts)};
+}
+
+const std::vector<std::string>& plan_shape_flags() {
+  static const std::vector<std::string> flags{"layers", "hidden", "heads", "seq", "batch"};
+  return flags;
+}
+
+void check_blocks_source(bool profile, const std::vector<std::string>& given_shape_flags) {
+  auto flags = [](const std::vector<std::string>& names) {
+    std::string out;
+    for (const auto& n : names) out += (out.empty() ? "--" : ", --") + n;
+    return out;
+  };
+  if (profile && !given_shape_flags.empty()) {
+    throw config_error("--profile and a shape (" + flags(given_shape_flags) + ") exclude each other");
+  }
+  if (profile) return;
+  std::vector<std::string> missing;
+  for (const auto& f : plan_shape_flags()) {
+    if (std::find(given_shape_flags.begin(), given_shape_flags.end(), f) == given_shape_flags.end()) {
+      missing.push_back(f);
+    }
+  }
+  if (!missing.empty()) throw config_error("give a shape (missing " + flags(missing) + ") or --profile FILE");
+}
+
+double check_rate(std::optional<double> value, const std::string& shown, bool zero) {
+  if (value && ((*value >= kLeastRate && *value <= kMostRate) || (zero && *value == 0))) return *value;
+  char range[64];
+  std::snprintf(range, sizeof range, "a number from %g to %g", kLeastRate, kMostRate);
+  throw config_error(shown + " is not valid; accepted: " + range + (zero ? ", or 0 for none" : ""));
+}
+
+std::int64_t shape_argument(std::string_view field, std::string_view digits, const std::string& shown) {
+  std::int64_t most = 0;
+  for (const auto& l : transformer_shape_limits()) most = l.field == field ? l.max : most;
+  std::int64_t value = 0;
+  const bool all_digits = !digits.empty() && digits.size() <= 20 &&
+                          std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; });
+  const auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), value);
+  if (!all_digits || ec != std::errc{} || end != digits.data() + digits.size() || value < 1 || value > most) {
+    throw config_error(shown + " is not valid; accepted: an integer from 1 to " + std::to_string(most));
+  }
+  return value;
+}
+
+Links links_from_pcie_gbps(double gbps) noexcept {
+  Links links;
+  links.d2h = links.h2d = gbps * kDecimalGB;
+  links.duplex = 2 * links.d2h;
+  return links;
+}
+
+std::string plan_refusal(const std::string& error, bool out_of_memory, const PlanCommandInputs& inputs,
+                         const PlanCommandBudgets& budgets) {
+  const std::string prefix = "tierflow: ";
+  const std::string what = error.rfind(prefix, 0) == 0 ? error.substr(prefix.size()) : error;
+  if (out_of_memory) {
+    return what + " (the device budget: " + budgets.device_from +
+           (inputs.gpu_memory.source == SettingSource::kFlag ? "" : "; pass --gpu-memory") + ")";
+  }
+  return inputs.blocks_from + " with prefetch window " + std::to_string(budgets.budgets.prefetch_bytes) +
+         " bytes: " + error;
 }
 
 }  // namespace tierflow::tiering

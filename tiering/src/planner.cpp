@@ -288,6 +288,12 @@ std::string_view to_string(BlockMode m) noexcept {
   return "?";
 }
 
+BlockMode parse_block_mode(std::string_view text) {
+  for (auto m : {BlockMode::kKeep, BlockMode::kSwap, BlockMode::kSplit, BlockMode::kRecompute})
+    if (to_string(m) == text) return m;
+  throw config_error("block mode '" + std::string(text) + "'; accepted: keep, swap, split, recompute");
+}
+
 std::string_view to_string(SwapTier t) noexcept { return t == SwapTier::kHost ? "host" : "nvme"; }
 
 std::string_view to_string(ParamPolicy p) noexcept {

@@ -2,6 +2,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string>
+
+#include "tierflow/core/error.hpp"
 
 namespace tierflow::tiering {
 
@@ -42,6 +45,12 @@ std::string_view to_string(SavedAction a) noexcept {
     case SavedAction::kRecompute: return "recompute";
   }
   return "?";
+}
+
+SavedClass parse_saved_class(std::string_view text) {
+  for (auto c : {SavedClass::kExternal, SavedClass::kInput, SavedClass::kAttention, SavedClass::kSplit, SavedClass::kCheap})
+    if (to_string(c) == text) return c;
+  throw config_error("saved-tensor class '" + std::string(text) + "'; accepted: external, input, attention, split, cheap");
 }
 
 }  // namespace tierflow::tiering

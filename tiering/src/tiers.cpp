@@ -28,16 +28,6 @@ void refuse_unimplemented(const Config& c) {
   if (std::string why = params_offload_refusal(c); !why.empty()) throw config_error(why);
 }
 
-allocator::DeviceKind device_of(const Config& c) {
-  if (c.device == DeviceChoice::kCuda && !allocator::cuda_available())
-    throw config_error(std::string("TIERFLOW_DEVICE='cuda': ") +
-                       (allocator::cuda_compiled() ? "no CUDA GPU is usable on this machine"
-                                                   : "tierflow was built without the CUDA backend") +
-                       "; accepted here: auto, emulated");
-  const bool cuda = c.device == DeviceChoice::kCuda || (c.device == DeviceChoice::kAuto && allocator::cuda_available());
-  return cuda ? allocator::DeviceKind::kCuda : allocator::DeviceKind::kEmulated;
-}
-
 // The smallest free space among the NVMe paths; each must be an accessible directory.
 std::uint64_t smallest_free_bytes(const std::vector<std::string>& paths) {
   std::uint64_t smallest = ~std::uint64_t{0};
@@ -57,6 +47,17 @@ std::string params_offload_refusal(const Config& config) {
   return "TIERFLOW_OFFLOAD_PARAMS='" + std::string(to_string(config.offload_params)) +
          "': parameter offload is not available in this version of tierflow; accepted here: none";
 }
+
+allocator::DeviceKind device_kind(const Config& c) {
+  if (c.device == DeviceChoice::kCuda && !allocator::cuda_available())
+    throw config_error(std::string("TIERFLOW_DEVICE='cuda': ") +
+                       (allocator::cuda_compiled() ? "no CUDA GPU is usable on this machine"
+                                                   : "tierflow was built without the CUDA backend") +
+                       "; accepted here: auto, emulated");
+  const bool cuda = c.device == DeviceChoice::kCuda || (c.device == DeviceChoice::kAuto && allocator::cuda_available());
+  return cuda ? allocator::DeviceKind::kCuda : allocator::DeviceKind::kEmulated;
+}
+
 
 RankShare rank_share(int rank, int world_size) {
   if (world_size < 1 || rank < 0 || rank >= world_size)
@@ -86,7 +87,7 @@ std::uint64_t per_rank(const Budget& b, std::uint64_t capacity, const RankShare&
 TierSettings tier_settings(const Config& config, swap::NvmeFaults* nvme_faults, RankShare ranks) {
   refuse_unimplemented(config);
   TierSettings s;
-  s.device = device_of(config);
+  s.device = device_kind(config);
   s.adversarial = s.device == allocator::DeviceKind::kEmulated &&
                   config.emulated_device == EmulationMode::kAdversarial;
   s.pool.budget_bytes = per_rank(config.host_memory, allocator::host_capacity_bytes(), ranks);

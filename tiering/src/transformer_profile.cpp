@@ -44,6 +44,7 @@ struct Counts {
   std::uint64_t tokens = 0;
   std::uint64_t input = 0, whole = 0, split = 0, cheap = 0, transient = 0;  // one block
   std::uint64_t parameters = 0;
+  std::uint64_t block_parameters = 0;  // one block's
   std::uint64_t head = 0;  // estimate_head_device_bytes
 };
 
@@ -90,6 +91,7 @@ Counts counts(const TransformerShape& s) {
                                   + h * h + h            // attention projection
                                   + f * h * h + f * h    // MLP up
                                   + f * h * h + h;       // MLP down (h <= 2^20, f <= 64: < 2^48)
+  n.block_parameters = per_block;
   n.parameters = c.add(c.add(c.mul(2, c.mul(v, h, par), par), c.mul(static_cast<std::uint64_t>(s.seq), h, par), par),
                        c.add(c.mul(layers, per_block, par), 2 * h, par), par);
   // Training state: parameters and gradients, the fp32 master and Adam's m and v (all on the device at most).
@@ -140,6 +142,7 @@ std::vector<BlockProfile> estimate_transformer(const TransformerShape& s, double
   p.split_bytes = n.split;
   p.cheap_bytes = n.cheap;
   p.transient_bytes = n.transient;
+  p.parameter_bytes = n.block_parameters * static_cast<std::uint64_t>(s.dtype_bytes);  // < 2^48 * 4
 
   const double qkv_flops = 2 * hd * 3 * hd, proj_flops = 2 * hd * hd;
   const double mlp_flops = 2 * 2 * hd * static_cast<double>(f) * hd;      // fc and its projection
@@ -154,6 +157,8 @@ std::vector<BlockProfile> estimate_transformer(const TransformerShape& s, double
 }
 
 std::uint64_t transformer_parameters(const TransformerShape& s) { return counts(s).parameters; }
+
+std::uint64_t transformer_block_parameters(const TransformerShape& s) { return counts(s).block_parameters; }
 
 StateBytes estimate_training_state(const TransformerShape& s, OffloadTarget optimizer) {
   TIERFLOW_EXPECTS(optimizer != OffloadTarget::kAuto,
@@ -177,5 +182,12 @@ StateBytes estimate_training_state(const TransformerShape& s, OffloadTarget opti
 }
 
 std::uint64_t estimate_head_device_bytes(const TransformerShape& s) { return counts(s).head; }
+
+OffloadTarget parse_optimizer_placement(std::string_view text) {
+  if (text == "none") return OffloadTarget::kNone;
+  if (text == "host") return OffloadTarget::kHost;
+  if (text == "nvme") return OffloadTarget::kNvme;
+  throw config_error("optimizer placement '" + std::string(text) + "' is not one of none, host, nvme");
+}
 
 }  // namespace tierflow::tiering

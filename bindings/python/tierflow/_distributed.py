@@ -8,7 +8,7 @@ is refused with an error that names it:
 - DistributedDataParallel (DDP) trains right, with every activation and
   optimizer setting, in both orders: tierflow.wrap(DDP(model), ...) and
   DDP(model) of a wrapped model. One thing changes: the CPU optimizer's step
-  during backward (Note [Step during backward] in optim.py) would read each
+  during backward (Note [Step during backward] in step_ledger.hpp) would read each
   gradient as backward finishes it, which is the local one: DDP's all-reduce
   rewrites it at backward's end, so step() would find every early step stale
   and do it again. Under DDP tierflow therefore turns its steps during

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <cstddef>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -14,21 +15,24 @@
 
 namespace tierflow::bindings {
 
-/// The kernels' element type of a tensor of dtype `t`; any other dtype is a
-/// config_error that names `what` (and `index`, when given) and the accepted
-/// dtypes. Nothing is allocated unless it throws.
-inline optimizer::ScalarType optimizer_type(at::ScalarType t, std::string_view what,
-                                            std::size_t index = static_cast<std::size_t>(-1)) {
+/// The kernels' element type of dtype `t`, or nullopt for a dtype they do not take.
+inline std::optional<optimizer::ScalarType> kernel_type(at::ScalarType t) noexcept {
   switch (t) {
     case at::kFloat: return optimizer::ScalarType::kFloat32;
     case at::kBFloat16: return optimizer::ScalarType::kBFloat16;
     case at::kHalf: return optimizer::ScalarType::kFloat16;
-    default: {
-      std::string who(what);
-      if (index != static_cast<std::size_t>(-1)) who += " " + std::to_string(index);
-      throw config_error(who + ": dtype " + std::string(c10::toString(t)) + "; accepted: float32, bfloat16, float16");
-    }
+    default: return std::nullopt;
   }
+}
+
+/// kernel_type, where any other dtype is a config_error that names `what` (and
+/// `index`, when given) and the accepted dtypes. Nothing is allocated unless it throws.
+inline optimizer::ScalarType optimizer_type(at::ScalarType t, std::string_view what,
+                                            std::size_t index = static_cast<std::size_t>(-1)) {
+  if (const auto k = kernel_type(t)) return *k;
+  std::string who(what);
+  if (index != static_cast<std::size_t>(-1)) who += " " + std::to_string(index);
+  throw config_error(who + ": dtype " + std::string(c10::toString(t)) + "; accepted: float32, bfloat16, float16");
 }
 
 /// A gradient as optimizer::StepLedger and StepRetryMarks see it: its TensorImpl and version (Note [Step

@@ -2,4 +2,4 @@
 
 blocks.py finds a model's repeated blocks; table.py records what a block's forward saves; runner.py carries a
 block's plan out (keep, swap, split, recompute); autoplan.py measures the blocks and links, asks the C++ planner
-and applies its plan; profile.py is the profile file; meter.py measures what a forward saves."""
+and applies its plan; profile.py keeps the names of the profile file (tiering/profile_file.hpp); meter.py measures what a forward saves."""

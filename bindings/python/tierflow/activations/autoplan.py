@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import time
 from typing import Any, Optional
 
@@ -16,15 +15,14 @@ from .._report import write_json_atomic
 from .blocks import find_blocks
 from .plans import BUDGET_FIELDS, block_profile as profile_struct, fields_of, plan as make_plan_dict
 # The file format of `python -m tierflow plan`.
-from .profile import BLOCK_FIELDS, PROFILE_FORMAT, PROFILE_VERSION, profile_from_json
+from .profile import BLOCK_FIELDS, PROFILE_FORMAT, PROFILE_VERSION
 from .runner import BlockRunner
 from .table import probe_table
 
 def block_profile(runner: BlockRunner, traffic: Any = None) -> dict:
     """One profile block from a runner's recorded table and timings (tiering::BlockTable::record,
     tiering::measured_block_profile), with the optimizer's `traffic` inside it (tiering::optimizer_traffic; none by default)."""
-    seconds = statistics.median(runner.forward_seconds) if runner.forward_seconds else 0.0
-    record = runner.table.core.record(seconds)
+    record = runner.table.core.record(_C.median_seconds(runner.forward_seconds))
     record.parameter_bytes = sum(p.numel() * p.element_size() for p in runner.module.parameters())
     return fields_of(_C.measured_block_profile(record, traffic or _C.OptimizerTraffic()), BLOCK_FIELDS)
 
@@ -82,7 +80,8 @@ class AutoPlanner:
             out["predicted_step_seconds"] = self.plan["predicted_step_seconds"]
             out["why"] = self.plan.get("why", [])
             # Saved bytes of the blocks the plan keeps: they never pass through the offloader's counters.
-            out["kept_bytes"] = sum(_saved(b) for b, bp in zip(self.profile["blocks"], self.plan["blocks"])
+            out["kept_bytes"] = sum(profile_struct(b).saved_bytes()
+                                    for b, bp in zip(self.profile["blocks"], self.plan["blocks"])
                                     if bp["mode"] == "keep") if self.profile else 0
             out.update(self.measured_beside_predicted(out))
         else:
@@ -91,24 +90,21 @@ class AutoPlanner:
         return out
 
     def measured_beside_predicted(self, plan: dict) -> dict:
-        """The plan's predictions beside what the steps since it measured (issue 17): the wall time between
-        consecutive forwards (the whole step, where the plan prices its blocks' forward and backward) and, on
-        CUDA, the caching allocator's reserved peak (torch.cuda.max_memory_reserved, since the timed step reset
-        it, or since a plan read from a profile); their ratios to the predictions."""
-        gaps = [b - a for a, b in zip(self._step_starts, self._step_starts[1:])]
-        step = statistics.median(gaps) if gaps else None
+        """The plan's predictions beside what the steps since it measured (tiering::measured_beside_predicted,
+        Note [Auto plan phases]); the peak is the caching allocator's reserved one on CUDA
+        (torch.cuda.max_memory_reserved, since the timed step reset it, or since a plan read from a profile)."""
         peak = int(torch.cuda.max_memory_reserved(self._device())) if self._cuda() else None
-        predicted_step, predicted_peak = plan.get("predicted_step_seconds"), plan.get("predicted_device_peak_bytes")
-        return {"measured": {"step_seconds": step, "steps": len(gaps), "device_peak_reserved_bytes": peak},
-                "step_vs_predicted": step / predicted_step if step is not None and predicted_step else None,
-                "peak_vs_predicted": peak / predicted_peak if peak is not None and predicted_peak else None}
+        m = _C.measured_beside_predicted(self._step_starts, peak, plan.get("predicted_step_seconds"),
+                                         plan.get("predicted_device_peak_bytes"))
+        return {"measured": {"step_seconds": m.step_seconds, "steps": m.steps, "device_peak_reserved_bytes": peak},
+                "step_vs_predicted": m.step_vs_predicted, "peak_vs_predicted": m.peak_vs_predicted}
 
     # The session calls this before every forward of the model (Note [Auto plan phases]).
     def before_forward(self) -> None:
         action = self.phases.before_forward()
         self._act(action)
-        if self.plan is not None:  # the measured step: from one forward to the next (the last 32)
-            self._step_starts = (self._step_starts + [time.perf_counter()])[-33:]
+        if self.plan is not None:  # the measured step: from one forward to the next
+            self._step_starts = (self._step_starts + [time.perf_counter()])[-(_C.MEASURED_STEPS + 1):]
 
     def _act(self, action: Any) -> None:
         if action == _C.PhaseAction.plan_without_blocks:
@@ -230,22 +226,18 @@ class AutoPlanner:
                 r.install()
 
 
-def _saved(b: dict) -> int:
-    return int(b["input_bytes"] + b["whole_bytes"] + b["split_bytes"] + b["cheap_bytes"])
-
-
 def load_profile(path: str, blocks: int) -> dict:
-    """A profile written by a previous run (TIERFLOW_PROFILE); errors name what is wrong, the file stays."""
+    """A profile written by a previous run (TIERFLOW_PROFILE); errors name what is wrong, the file stays
+    (tiering::profile_for_model, Note [Profile file])."""
     try:
         with open(path) as f:
             text = f.read()
-        profile_from_json(text)  # the checks of `python -m tierflow plan --profile`
-        profile = json.loads(text)
     except (OSError, ValueError) as e:
-        raise _C.ConfigError(f"TIERFLOW_PROFILE={path}: not a tierflow profile ({e}); delete it to measure again") \
-            from e
-    if len(profile["blocks"]) != blocks:
-        raise _C.ConfigError(f"TIERFLOW_PROFILE={path}: profiles {len(profile['blocks'])} blocks, the model has "
-                             f"{blocks} (delete it to measure again)")
+        raise _C.ConfigError(_C.not_a_profile(path, str(e))) from e
+    _C.profile_for_model(path, text, blocks)
+    try:
+        profile = json.loads(text)  # as written: a block without backward_seconds gets the planner's estimate
+    except (ValueError, RecursionError) as e:
+        raise _C.ConfigError(_C.not_a_profile(path, str(e))) from e
     profile.setdefault("links", {})
     return profile

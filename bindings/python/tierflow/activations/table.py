@@ -150,24 +150,19 @@ class Recorder(TorchDispatchMode):
         kind, flops, rows = "other", 0.0, 0
         if tensors_in and all(storage_key(a) in self.param_derived for a in tensors_in):
             self.param_derived.update(k for k in keys if k is not None)
+        # The kind, FLOPs and rows are tiering's rules (Note [Block table]); torch only reads the numbers.
         if func in ATTENTION_OPS:
-            # An attention op with dropout draws from the device generator (flash/efficient attention advance
-            # its Philox offset): restoring its outputs would skip that draw, and every later dropout mask of
-            # the replay would differ. It is run again instead, from the generator state the replay restored.
-            kind = "other" if attention_dropout(func, args, kwargs) > 0 else "attention"
             q, k_ = args[0], args[1]
             causal = bool(kwargs.get("is_causal", args[4] if func.__name__.startswith("_scaled_dot_product_flash") and len(args) > 4 else False))
-            flops = 4.0 * q.numel() * k_.shape[-2] * (0.5 if causal else 1.0)
+            kind, flops = _C.attention_op(attention_dropout(func, args, kwargs), q.numel(), k_.shape[-2], causal)
         elif func in ROW_MATMULS:
             i = ROW_MATMULS[func]
             m1, m2 = args[i], args[i + 1]
-            flops = 2.0 * m1.shape[0] * m1.shape[1] * m2.shape[1]
             o = flat_out[0]
-            if (m1.dim() == 2 and m1.stride(1) == 1 and m1.stride(0) == m1.shape[1] and m1.shape[0] >= 2
-                    and storage_key(m2) in self.param_derived and storage_key(m1) not in self.param_derived
-                    and o.is_contiguous() and o.storage_offset() == 0):
-                kind = "matmul"
-                rows = m1.shape[0]
+            kind, flops, rows = _C.row_matmul(
+                list(m1.shape), list(m1.stride()), storage_key(m1) in self.param_derived, list(m2.shape),
+                storage_key(m2) in self.param_derived, o.is_contiguous() and o.storage_offset() == 0)
+            if kind == "matmul":
                 op.mat_geometry = {
                     "args": [(tuple(a.shape), tuple(a.stride()), a.dtype) if isinstance(a, torch.Tensor) else a
                              for a in args],
@@ -175,7 +170,7 @@ class Recorder(TorchDispatchMode):
                 }
         elif func in (aten.bmm.default, aten.matmul.default):
             a, b = args[0], args[1]
-            flops = 2.0 * a.numel() * b.shape[-1]
+            flops = _C.batched_matmul_flops(a.numel(), b.shape[-1])
         self.table.add_op(op, kind, flops, rows)
         return out
 
@@ -215,13 +210,10 @@ def probe_row_split(op: Op, r0: int, seed: int = 0) -> bool:
     return bool(torch.equal(full, part))
 
 
-_ROW_GRANULE = 8  # a split's first rows are a multiple of this (whole cache lines of a row-major output)
-
-
 def probe_table(table: "Table", alpha: float) -> bool:
     """Sets the exact first rows of each split matmul of ``table`` for ``alpha`` (tiering::BlockTable::probe,
     which asks probe_row_split for a proper suffix); False when none is exact."""
-    exact = table.core.probe(alpha, _ROW_GRANULE, lambda j, r0: probe_row_split(table.ops[j], r0))
+    exact = table.core.probe(alpha, _C.SPLIT_ROW_GRANULE, lambda j, r0: probe_row_split(table.ops[j], r0))
     table.exact_rows = dict(table.core.exact_rows())
     table._actions.clear()
     return exact

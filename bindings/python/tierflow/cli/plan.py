@@ -3,7 +3,8 @@
 The planner itself is C++ (tiering/planner.hpp, Note [Activation planner]); this
 module gathers its inputs (an estimated or recorded block profile, link
 bandwidths through torch, the settings' texts), runs it and prints the plan; the
-budgets and the report are tiering's too (tiering/plan_report.hpp, Note [Plan report]). The profile file it reads with ``--profile`` is described in tierflow/activations/profile.py.
+budgets and the report are tiering's too (tiering/plan_report.hpp, Note [Plan report]). The profile file it
+reads with ``--profile`` is tiering's (tiering/profile_file.hpp, Note [Profile file]).
 
 Errors
 ------
@@ -12,8 +13,8 @@ naming it, its value and what is accepted, and exit code 2. Sizes go through the
 configuration table's own parsers (``--gpu-memory`` as ``TIERFLOW_GPU_MEMORY``,
 ``--host-memory`` as ``TIERFLOW_HOST_MEMORY``, ``--prefetch`` as
 ``TIERFLOW_PREFETCH_BYTES``), shape arguments are checked against
-``transformer_shape_limits()`` before anything is built, and rates against
-``RATE_RANGE``.
+``transformer_shape_limits()`` before anything is built, and rates by
+tiering::check_rate (Note [Plan report]).
 """
 
 from __future__ import annotations
@@ -28,20 +29,9 @@ from .._config import resolve_config, set_explicitly
 from ..activations.profile import profile_from_json
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-GB = 1e9  # link speeds are decimal, like the vendors'
-RATE_RANGE = (1e-6, 1e6)  # accepted --tflops, --pcie-gbps and --nvme-gbps: every predicted time stays finite
 
 
 # ---- measurements ----------------------------------------------------------------------------
-
-def _use_cuda() -> bool:
-    choice = resolve_config()["TIERFLOW_DEVICE"]
-    if choice == "cuda" and not _C.cuda_available():  # as the runtime says it (bindings/src/runtime.cpp)
-        why = ("no CUDA GPU is usable on this machine" if _C.cuda_compiled()
-               else "tierflow was built without the CUDA backend")
-        raise PlanError(f"TIERFLOW_DEVICE='cuda': {why}; accepted here: auto, emulated")
-    return choice == "cuda" or (choice == "auto" and _C.cuda_available())
-
 
 def measure_flops(cuda: bool) -> float:
     """Matmul flops per second on the device tierflow would use (bf16 on a GPU, fp32 on the CPU)."""
@@ -106,25 +96,24 @@ def _shown(text: str) -> str:
 
 
 def _shape_int(field: str) -> Callable[[str], int]:
-    """argparse type of a shape argument: a decimal integer within transformer_shape_limits()."""
+    """argparse type of a shape argument: a decimal integer within transformer_shape_limits()
+    (tiering::shape_argument)."""
     def parse(text: str) -> int:
-        most = _C.transformer_shape_limits()[field]
         digits = text.strip()
-        if not (digits.isascii() and digits.isdigit() and len(digits) <= 20 and 1 <= int(digits) <= most):
-            raise argparse.ArgumentTypeError(f"{_shown(text)} is not valid; accepted: an integer from 1 to {most}")
-        return int(digits)
+        try:
+            return _C.shape_argument(field, digits if digits.isascii() else "", _shown(text))
+        except _C.ConfigError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
     return parse
 
 
 def _rate(zero: bool) -> Callable[[str], float]:
-    """argparse type of a rate: a decimal number in RATE_RANGE (or 0 when `zero`), no inf or nan."""
+    """argparse type of a rate (tiering::check_rate; or 0 when `zero`), no inf or nan."""
     def parse(text: str) -> float:
-        value = _C.parse_decimal(text) if text.isascii() else None
-        if value is None or not (RATE_RANGE[0] <= value <= RATE_RANGE[1] or (zero and value == 0)):
-            raise argparse.ArgumentTypeError(f"{_shown(text)} is not valid; accepted: a number from "
-                                             f"{RATE_RANGE[0]:g} to {RATE_RANGE[1]:g}"
-                                             + (", or 0 for none" if zero else ""))
-        return value
+        try:
+            return _C.check_rate(_C.parse_decimal(text) if text.isascii() else None, _shown(text), zero)
+        except _C.ConfigError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
     return parse
 
 
@@ -153,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="host<->NVMe GB/s each way (with --nvme-memory)")
     p.add_argument("--optimizer", choices=["none", "host", "nvme"],
                    help="where fp32 master weights and Adam states live (default: TIERFLOW_OFFLOAD_OPTIMIZER)")
+    p.add_argument("--offload-params", choices=["none", "host", "nvme", "auto"],
+                   help="where each block's parameters live between uses (default: TIERFLOW_OFFLOAD_PARAMS)")
     p.add_argument("--prefetch", metavar="SIZE", help="prefetch window (default: TIERFLOW_PREFETCH_BYTES)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     return p
@@ -181,21 +172,15 @@ def plan_command(argv: Sequence[str]) -> int:
 
 def _plan(args: argparse.Namespace) -> str:
     config = resolve_config()
-    cuda = _use_cuda()
-    shape_args = ("layers", "hidden", "heads", "seq", "batch")
-    given = [a for a in shape_args if getattr(args, a) is not None]
-    if args.profile is not None and given:
-        raise PlanError(f"--profile and a shape (--{', --'.join(given)}) exclude each other")
-    if args.profile is None and len(given) < len(shape_args):
-        missing = [a for a in shape_args if getattr(args, a) is None]
-        raise PlanError(f"give a shape (missing --{', --'.join(missing)}) or --profile FILE")
+    cuda = _C.device_is_cuda(config)  # as the runtime decides it (Note [Tiers from the configuration])
+    given = [a for a in _C.plan_shape_flags() if getattr(args, a) is not None]
+    _C.check_blocks_source(args.profile is not None, given)  # a whole shape or --profile (Note [Plan report])
     measured: list[str] = []
     device_name = "cuda" if cuda else "cpu (emulated device)"
 
     # Links.
     if args.pcie_gbps is not None:
-        bw = args.pcie_gbps * GB
-        links = _C.Links(d2h=bw, h2d=bw, duplex=2 * bw)
+        links = _C.links_from_pcie_gbps(args.pcie_gbps)
     elif args.profile is not None:
         links = None  # the profile's
     else:
@@ -239,8 +224,9 @@ def _plan(args: argparse.Namespace) -> str:
         host_memory=_setting(args.host_memory, "--host-memory", config["TIERFLOW_HOST_MEMORY"], True),
         prefetch=_setting(args.prefetch, "--prefetch", config["TIERFLOW_PREFETCH_BYTES"], True),
         nvme_memory=None if args.nvme_memory is None else _text("--nvme-memory", args.nvme_memory),
-        nvme_bytes_per_second=args.nvme_gbps * GB, device_capacity_bytes=_C.device_capacity_bytes(cuda),
+        nvme_bytes_per_second=args.nvme_gbps * _C.DECIMAL_GB, device_capacity_bytes=_C.device_capacity_bytes(cuda),
         host_capacity_bytes=_C.host_capacity_bytes(), device_name=device_name, optimizer=optimizer,
+        offload_params=args.offload_params or config["TIERFLOW_OFFLOAD_PARAMS"],
         shape=None if state is None else _shape(args), dtype_name=args.dtype, state=state, head_bytes=head_bytes,
         profile_path="" if args.profile is None else args.profile.encode("utf-8", "backslashreplace").decode(),
         profile_fixed_device_bytes=0 if args.profile is None else profile.fixed_device_bytes,
@@ -252,10 +238,9 @@ def _plan(args: argparse.Namespace) -> str:
     try:
         plan = _C.plan_activations(blocks, command.links, budgets)
     except MemoryError as e:  # tierflow.OutOfMemoryError: the budgets are too small
-        raise PlanError(f"{str(e).removeprefix('tierflow: ')} (the device budget: {command.device_from}"
-                        f"{'' if args.gpu_memory is not None else '; pass --gpu-memory'})") from None
+        raise PlanError(_C.plan_refusal(str(e), True, inputs, command)) from None
     except ValueError as e:  # ConfigError: the profile's or the shape's bytes with the prefetch window overflow
-        raise PlanError(f"{_shape_flags(args)} with prefetch window {budgets.prefetch_bytes} bytes: {e}") from None
+        raise PlanError(_C.plan_refusal(str(e), False, inputs, command)) from None
 
     report = _C.describe_plan(plan, blocks, inputs, command)
     return report.json if args.json else "\n".join(report.lines)

@@ -1,46 +1,9 @@
 """A drop-in replacement for torch.optim.Adam / AdamW that steps on the CPU.
 
-Note [Step during backward]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~
-As in Fuyou, a parameter's CPU update starts as soon as backward has
-finished its gradient (a post-accumulate-grad hook), on tierflow's optimizer
-worker thread, while backward goes on with earlier layers. The catch is that
-some decisions need every gradient first: global-norm clipping (a scale
-applied to all gradients), skipping a step when a gradient is inf/NaN (AMP's
-GradScaler), and user code that changes gradients between backward() and
-step() (torch.nn.utils.clip_grad_norm_, GradScaler.unscale_, gradient
-accumulation that continues).
-
-tierflow steps speculatively and can take any step back, exactly, at no
-extra memory traffic: the overlapped update writes the new master, m and v
-out of place into fresh pinned-pool buffers (the kernel reads the old ones
-and writes the new ones, the same 28 bytes per parameter as in place) and
-keeps the old ones. step() then checks, for every parameter stepped early,
-that its gradient is the same tensor at the same version (in-place changes
-bump it), that the hyperparameters did not change, and that no global
-decision alters the step: the clip coefficient, computed with the same torch
-ops as clip_grad_norm_, is exactly 1, and no gradient is non-finite when
-TIERFLOW_SKIP_NONFINITE is on. If so the new buffers are committed (a
-pointer swap) and the old ones return to the pool. If not, the old buffers
-are kept (the parameter was never written: its new value waited in pinned
-memory for step() to confirm it), and the step is redone from the gradient as
-it is now, scaled by the clip coefficient, or skipped. A step() that never comes (GradScaler skipping it) is taken back by
-zero_grad() or by the wrapped model's next forward (a forward before step()
-means that backward was not the last one). The cost is 12 bytes per parameter of
-pinned memory held between a gradient's completion and step(); when the pool
-cannot hold it, that parameter is simply stepped in step(). With gradient
-accumulation, TIERFLOW_GRAD_ACCUMULATION_STEPS says which backward is the
-last one before step(); a wrong value only costs redone steps.
-
-All of this runs in C++, bucket by bucket, with no Python per parameter: the
-gradients and weights move in Note [Gradient streaming]
-(bindings/include/tierflow/bindings/grad_stream.hpp), and what happens to each
-step is decided once, torch-free, in Note [Step ledger]
-(optimizer/include/tierflow/optimizer/step_ledger.hpp). It covers the
-parameters of the runtime's device (CUDA tensors, or CPU tensors on the
-emulated device); any other parameter (a CPU model beside a CUDA runtime)
-steps in step(). A parameter gets its new value in step(), when its step is
-confirmed.
+Its steps during backward are Note [Step during backward]
+(optimizer/include/tierflow/optimizer/step_ledger.hpp): the gradients and
+weights move in Note [Gradient streaming]
+(bindings/include/tierflow/bindings/grad_stream.hpp).
 
 Note [Optimizer copies] (copies.py) says how gradients, parameters and masters move.
 
@@ -164,12 +127,10 @@ class CPUAdamW(torch.optim.Optimizer):
         self._offload_grads = cfg["TIERFLOW_OFFLOAD_GRADIENTS"] == "on"
         # GradScaler then hands step() its scale and found_inf instead of stepping blind: step() refuses.
         self._step_supports_amp_scaling = self._offload_grads
-        if self._offload_grads and not self._overlap:
-            raise _C.ConfigError(
-                "TIERFLOW_OFFLOAD_GRADIENTS=on frees gradients as they stream to the CPU step during backward, "
-                f"which needs TIERFLOW_OVERLAP_STEP=on (it is {cfg['TIERFLOW_OVERLAP_STEP']}) and optimizer "
-                f"states on the host, TIERFLOW_OFFLOAD_OPTIMIZER=host (it is {cfg['TIERFLOW_OFFLOAD_OPTIMIZER']}); "
-                "accepted: those two settings, or TIERFLOW_OFFLOAD_GRADIENTS=off")
+        refusal = _C.offload_gradients_refusal(self._offload_grads, self._overlap, cfg["TIERFLOW_OVERLAP_STEP"],
+                                               cfg["TIERFLOW_OFFLOAD_OPTIMIZER"])
+        if refusal is not None:
+            raise _C.ConfigError(refusal)
         self._hooks = []
         self._gpu = GpuShare(cfg["TIERFLOW_GPU_OPTIMIZER_FRACTION"])  # Deep Optimizer States
         self._overlap_counts = {"early_steps": 0, "committed": 0, "redone": 0, "taken_back": 0, "held": 0,
@@ -478,10 +439,7 @@ class CPUAdamW(torch.optim.Optimizer):
             # gradients still in p.grad: the released ones would step scaled and unchecked.
             for attr in ("found_inf", "grad_scale"):  # the scaler deletes them only after a step
                 self.__dict__.pop(attr, None)
-            raise _C.TierflowError(
-                "tierflow CPUAdamW: torch.amp.GradScaler cannot see gradients that TIERFLOW_OFFLOAD_GRADIENTS=on "
-                "has freed on the device; accepted: bf16 without a scaler (with TIERFLOW_SKIP_NONFINITE=on "
-                "for inf/NaN steps), or TIERFLOW_OFFLOAD_GRADIENTS=off with the scaler")
+            raise _C.TierflowError(_C.grad_scaler_refusal())
         self._mark_step_called()
         loss = None
         if closure is not None:

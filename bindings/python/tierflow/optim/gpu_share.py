@@ -16,46 +16,47 @@ class GpuShare:
     """The CUDA parameters that step on the GPU (see the module doc)."""
 
     def __init__(self, setting: str) -> None:
-        self.auto = setting == "auto"  # chosen after the first step (choose)
-        self.fraction = 0.0 if self.auto else float(setting)
+        self.choice = _C.GpuShareChoice(setting)  # the decision: optimizer/grad_buckets.hpp
         self.ids: Optional[set] = None  # ids of CUDA params stepped on the GPU, fixed at the first step
+
+    @property
+    def auto(self) -> bool:
+        """TIERFLOW_GPU_OPTIMIZER_FRACTION=auto has not chosen yet (it chooses after the first step)."""
+        return self.choice.pending
+
+    @property
+    def fraction(self) -> float:
+        return self.choice.fraction
 
     def ensure(self, param_groups: list) -> set:
         """The share, assigned from the fraction the first time it is needed."""
         if self.ids is None:
-            self.ids = self.assign(param_groups)
+            cuda = [p for group in param_groups for p in group["params"] if p.device.type == "cuda"]
+            self.ids = {id(p) for p, on_gpu in zip(cuda, self.choice.assign([p.numel() for p in cuda])) if on_gpu}
         return self.ids
 
-    def assign(self, param_groups: list) -> set:
-        """Deep Optimizer States: interleave CUDA params so about `fraction` of the elements step on the GPU."""
-        cuda = [p for group in param_groups for p in group["params"] if p.device.type == "cuda"]
-        return {id(p) for p, on_gpu in zip(cuda, _C.assign_gpu_share([p.numel() for p in cuda], self.fraction))
-                if on_gpu}
-
     def choose(self, param_groups: list, runtime: "_C.Runtime", streaming: Any, state: Any) -> None:
-        """TIERFLOW_GPU_OPTIMIZER_FRACTION=auto, after the first streamed step: the share of CUDA
-        parameters that steps on the GPU so that the CPU's step ends with backward, from the
-        measured CPU rate and backward time, within the device memory left (Deep Optimizer States).
-        ``streaming``: the optimizer's GradientStreaming (the chosen leave it); ``state``: its state."""
-        if not self.auto:
+        """TIERFLOW_GPU_OPTIMIZER_FRACTION=auto, after the first streamed step: GpuShareChoice.choose
+        decides from the numbers gathered here; the chosen leave ``streaming`` (the optimizer's
+        GradientStreaming) and their CPU ``state`` moves to the device."""
+        if not self.choice.choose_now():
             return
-        self.auto = False  # decided once
-        cuda = [p for g in param_groups for p in g["params"] if p.device.type == "cuda" and streaming.carries(p)]
+        cuda = [p for g in param_groups for p in g["params"] if p.device.type == "cuda"]
+        carried = [streaming.carries(p) for p in cuda]
         opt = runtime.stats()["optimizer"]
-        backward_ms = streaming.stream.stats()["last_backward_ms"]
-        if not cuda or opt["step_ms"] <= 0 or backward_ms <= 0:
-            self.ids = set()
+        memory = (0, 0, 0)
+        if any(carried):
+            dev = next(p for p, c in zip(cuda, carried) if c).device
+            memory = (torch.cuda.mem_get_info(dev)[0], int(runtime.device_budget_bytes()),
+                      torch.cuda.max_memory_allocated(dev))
+        on_gpu = self.choice.choose([(p.numel(), c, p.dtype != torch.float32) for p, c in zip(cuda, carried)],
+                                    opt["elements"], opt["step_ms"], streaming.stream.stats()["last_backward_ms"],
+                                    *memory)
+        self.ids = {id(p) for p, g in zip(cuda, on_gpu) if g}
+        if not self.ids:
             return
-        rate = opt["elements"] / (opt["step_ms"] / 1e3)
-        dev = cuda[0].device
-        free, _total = torch.cuda.mem_get_info(dev)
-        room = gpu_share_room(free, int(runtime.device_budget_bytes()), torch.cuda.max_memory_allocated(dev))
-        per_element = _C.gpu_share_bytes_per_element(any(p.dtype != torch.float32 for p in cuda))
-        self.fraction = _C.choose_gpu_fraction(rate, 0.0, backward_ms / 1e3, sum(p.numel() for p in cuda),
-                                               per_element, room)
-        self.ids = self.assign(param_groups)
-        for p in cuda:
-            if id(p) not in self.ids:
+        for p, c in zip(cuda, carried):
+            if not c or id(p) not in self.ids:
                 continue
             streaming.exclude(p)
             s = state.get(p)

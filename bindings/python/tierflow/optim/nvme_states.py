@@ -216,6 +216,5 @@ def fill_lost_states(state_dict: dict, earlier: dict) -> dict:
             else:
                 out["state"][k] = old
     if missing:
-        raise _C.TierflowError(f"tierflow CPUAdamW.fill_lost_states: the earlier state dict has no intact state "
-                               f"for parameter(s) {missing}")
+        raise _C.TierflowError(_C.unfilled_lost_states([repr(k) for k in missing]))
     return out

@@ -31,9 +31,8 @@ class GradientStreaming:
         self._slot_of: dict = {}            # param -> slot of the C++ stream
         self._slot_params: list = []        # slot -> param
         self._python_params: Optional[list] = None  # per group: params that step() handles in Python
-        # TIERFLOW_GRAD_BUCKET_BYTES=auto: sized from measured speeds after the first streamed step.
-        self._buckets_unsized = bucket == "auto"
-        self._streamed_steps = 0  # steps whose gradients streamed (sizing waits for the second)
+        # TIERFLOW_GRAD_BUCKET_BYTES=auto: when it is sized (optimizer/grad_buckets.hpp).
+        self._sizing = _C.BucketSizingSchedule(bucket == "auto")
 
     # -- the parameters it carries -------------------------------------------------
     def add_parameter(self, p: torch.Tensor, group_index: int) -> None:
@@ -169,15 +168,11 @@ class GradientStreaming:
         first also created the optimizer states): the bucket size from that backward, CPU
         AdamW rate and the device -> host link (optimizer::measured_grad_bucket_bytes: the
         last bucket's copy and step, which run after backward, within 2% of it)."""
-        if not self._buckets_unsized or not self._slot_params:
+        if not self._sizing.pending:
             return
         s = self.stream.stats()
-        if s["last_backward_ms"] <= 0 or s["kernel_grad_bytes"] <= 0:
-            return  # nothing streamed and stepped yet: measure at a later step
-        self._streamed_steps += 1
-        if self._streamed_steps < 2:
+        if not self._sizing.due(bool(self._slot_params), s["last_backward_ms"], s["kernel_grad_bytes"]):
             return
-        self._buckets_unsized = False
         total = sum(p.numel() * p.element_size() for p in self._slot_params)
         probe = _C.grad_link_probe_bytes(total)
         link = measure_links(self._runtime, self._slot_params[0].device, probe)["d2h"]

@@ -31,6 +31,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "tierflow/optimizer/scalar_type.hpp"
@@ -78,12 +79,33 @@ struct AdamTensor {
   std::size_t numel = 0;
   /// Optional out-of-place outputs (null: update in place). With them the
   /// inputs are left untouched, so a step can be discarded (see
-  /// Note [Step during backward] in bindings/) at no extra memory traffic.
+  /// Note [Step during backward] in step_ledger.hpp) at no extra memory traffic.
   float* master_out = nullptr;
   float* exp_avg_out = nullptr;
   float* exp_avg_sq_out = nullptr;
   float* max_exp_avg_sq_out = nullptr;
 };
+
+/// A tensor handed to the CPU Adam, as plain facts (what the kernel reads or writes).
+struct KernelTensorFacts {
+  bool defined = false;
+  bool cpu = false;          ///< read only when defined
+  bool contiguous = false;   ///< read only when defined
+  std::size_t numel = 0;
+};
+
+/// Throws logic_error unless tensor `what` `index` is a contiguous CPU tensor
+/// of `numel` elements, naming what it is and what is accepted: "tierflow CPU
+/// Adam: grad 3 must be a contiguous CPU tensor".
+void check_kernel_tensor(const KernelTensorFacts& t, std::string_view what, std::size_t index, std::size_t numel);
+
+/// Throws logic_error unless the master and both moments of tensor `index` are float32.
+void check_kernel_states_fp32(bool all_float32, std::size_t index);
+
+/// Throws logic_error unless every list of one CPU Adam call has `n` entries
+/// (`optional_sizes` may also be empty).
+void check_kernel_lists(std::size_t n, const std::vector<std::size_t>& sizes,
+                        const std::vector<std::size_t>& optional_sizes);
 
 /// The SIMD code path of the CPU kernel. All paths give bit-identical results.
 enum class CpuIsa : std::uint8_t { kAuto, kAvx512, kAvx2, kPortable };

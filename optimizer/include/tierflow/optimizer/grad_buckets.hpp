@@ -1,11 +1,13 @@
 // The torch-free parts of streaming gradients to the CPU optimizer during
 // backward (Note [Gradient streaming] in bindings/include/tierflow/bindings/
-// grad_stream.hpp): which gradients share a bucket, the partial norms of the
-// buckets that have landed, and the GPU/CPU split chosen from measured speeds.
+// grad_stream.hpp): which gradients share a bucket and when `auto` sizes the
+// buckets, the partial norms of the buckets that have landed, and which
+// parameters step on the GPU (the share set, or chosen from measured speeds).
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "tierflow/optimizer/scalar_type.hpp"
@@ -57,6 +59,26 @@ std::size_t measured_grad_bucket_bytes(const BucketSizing& in) noexcept;
 /// measured_grad_bucket_bytes: a bucket-sized copy, total_grad_bytes / 16
 /// within [1 MiB, 16 MiB] (it takes that much device memory).
 std::size_t grad_link_probe_bytes(std::size_t total_grad_bytes) noexcept;
+
+/// When TIERFLOW_GRAD_BUCKET_BYTES=auto measures the bucket size: after the
+/// second step() whose gradients streamed and stepped (the first also created
+/// the optimizer states, so its backward and CPU rate are not the run's), once.
+class BucketSizingSchedule {
+ public:
+  /// `auto_size`: TIERFLOW_GRAD_BUCKET_BYTES=auto (otherwise never due).
+  explicit BucketSizingSchedule(bool auto_size) noexcept : pending_(auto_size) {}
+  /// True until the buckets have been sized.
+  bool pending() const noexcept { return pending_; }
+  /// After a step(): `carries_parameters`: the stream carries any; the last
+  /// backward's time and the gradient bytes its CPU AdamW stepped (0 when
+  /// nothing streamed and stepped yet: measured at a later step). True when the
+  /// buckets are sized now (with a copy of grad_link_probe_bytes); false after.
+  bool due(bool carries_parameters, double last_backward_ms, double kernel_grad_bytes) noexcept;
+
+ private:
+  bool pending_;
+  int streamed_steps_ = 0;  // steps whose gradients streamed and stepped
+};
 
 /// Sum of squares of `numel` values of type `type`, in double: a bucket's
 /// share of the squared global 2-norm. Non-finite values propagate (inf or NaN).
@@ -125,5 +147,49 @@ std::size_t gpu_share_bytes_per_element(bool any_16bit) noexcept;
 /// elements do: a parameter goes to the GPU while the share so far, counting
 /// half of it, stays within `fraction` of the elements seen.
 std::vector<bool> assign_gpu_share(const std::vector<std::size_t>& numels, double fraction);
+
+/// A device parameter the GPU share may take, in group order.
+struct ShareCandidate {
+  std::size_t numel = 0;
+  bool streamed = false;  ///< its gradient streams: only these are measured, and only these move at auto
+  bool is_16bit = false;  ///< bf16 or fp16 (its GPU step needs an fp32 master)
+};
+
+/// What TIERFLOW_GPU_OPTIMIZER_FRACTION=auto chooses from after the first streamed step.
+struct ShareMeasurements {
+  double cpu_elements = 0;   ///< elements the CPU AdamW has stepped (the runtime's optimizer stats)
+  double cpu_step_ms = 0;    ///< the time it took
+  double backward_ms = 0;    ///< the last backward, first gradient to its end
+  std::int64_t free_bytes = 0;             ///< device memory free now
+  std::int64_t budget_bytes = 0;           ///< TIERFLOW_GPU_MEMORY in bytes
+  std::int64_t first_step_peak_bytes = 0;  ///< the device's peak so far
+};
+
+/// TIERFLOW_GPU_OPTIMIZER_FRACTION: which device parameters step on the GPU
+/// (Deep Optimizer States). A number is the share of the elements, assigned at
+/// the first step; `auto` chooses once, after the first streamed step, the
+/// share with which the CPU's step ends with backward, within the device
+/// memory left (choose_gpu_fraction, gpu_share_room).
+class GpuShareChoice {
+ public:
+  /// `setting`: "auto" or a number from 0 to 1 (as the configuration table accepts it).
+  explicit GpuShareChoice(const std::string& setting);
+  /// True while `auto` has not chosen yet.
+  bool pending() const noexcept { return pending_; }
+  /// The share of the elements in force (0 while `auto` has not chosen).
+  double fraction() const noexcept { return fraction_; }
+  /// Which parameters (`numels`, in group order) step on the GPU at fraction().
+  std::vector<bool> assign(const std::vector<std::size_t>& numels) const { return assign_gpu_share(numels, fraction_); }
+  /// True once, for `auto` after its first streamed step: choose now.
+  bool choose_now() noexcept;
+  /// `auto`'s choice over every device parameter: none when no streamed
+  /// candidate, CPU step or backward was measured; otherwise the fraction from
+  /// the measured CPU rate, the backward and the room, then assign() over all.
+  std::vector<bool> choose(const std::vector<ShareCandidate>& candidates, const ShareMeasurements& measured);
+
+ private:
+  bool pending_ = false;
+  double fraction_ = 0.0;
+};
 
 }  // namespace tierflow::optimizer

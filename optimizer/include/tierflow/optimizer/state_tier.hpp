@@ -98,4 +98,20 @@ std::string nvme_step_error(const std::vector<StepProblem>& problems);
 /// `parameters` (described, not empty) are marked lost, pointing at fill_lost_states.
 std::string lost_states_refusal(const std::vector<std::string>& parameters);
 
+/// The text of fill_lost_states' refusal when the earlier state dict has no
+/// intact state for the parameters of these keys (as Python prints them, not empty).
+std::string unfilled_lost_states(const std::vector<std::string>& keys);
+
+/// TIERFLOW_OFFLOAD_GRADIENTS=on frees gradients as they stream to the CPU step
+/// during backward, so it needs those steps: the refusal when
+/// `steps_during_backward` is false, naming the two settings' values
+/// (`overlap_step`, `offload_optimizer`) and what is accepted; nullopt otherwise.
+std::optional<std::string> offload_gradients_refusal(bool offload_gradients, bool steps_during_backward,
+                                                     const std::string& overlap_step,
+                                                     const std::string& offload_optimizer);
+
+/// The text of step()'s refusal of torch.amp.GradScaler with
+/// TIERFLOW_OFFLOAD_GRADIENTS=on: the scaler cannot see the freed gradients.
+std::string grad_scaler_refusal();
+
 }  // namespace tierflow::optimizer

@@ -42,9 +42,16 @@
 // TIERFLOW_HOST_MEMORY less what is in use (optimizer states, saved tensors);
 // NVMe's what the engine can still place (NvmeEngine::available_bytes); the
 // prefetch window TIERFLOW_PREFETCH_BYTES, never more than the blocks save.
+//
+// Once a plan is in force, the report sets its predictions beside what the
+// steps since measured (measured_beside_predicted, issue 17): the median wall
+// time between consecutive forwards (the last kMeasuredSteps of them: the whole
+// step, where the plan prices its blocks' forward and backward) and, on CUDA,
+// the caching allocator's reserved peak; and their ratios to the predictions.
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -154,6 +161,28 @@ std::uint64_t link_probe_bytes(std::uint64_t host_budget_bytes, std::uint64_t ho
 /// place, in granules (0: no room). Halve it (next_nvme_probe_bytes) when the
 /// free space is in pieces.
 std::uint64_t nvme_probe_bytes(std::uint64_t available_bytes) noexcept;
+
+/// The median of `seconds` as Python's statistics.median (the mean of the middle two of an even count);
+/// 0 for none. A block's measured forward is the median of its timed forwards.
+double median_seconds(std::vector<double> seconds) noexcept;
+
+/// Step gaps the measured step is the median of (Note [Auto plan phases]).
+inline constexpr std::size_t kMeasuredSteps = 32;
+
+/// The plan's predictions beside what the steps since measured (Note [Auto plan phases]).
+struct MeasuredBesidePredicted {
+  std::optional<double> step_seconds;          ///< median gap between forwards; none before two forwards
+  std::size_t steps = 0;                       ///< gaps it is the median of
+  std::optional<double> step_vs_predicted;     ///< none without a measured step or a predicted one
+  std::optional<double> peak_vs_predicted;     ///< none without a measured peak or a predicted one
+};
+
+/// Ratios of the measured step and peak to the predicted ones; `forward_starts` are the last forwards' start
+/// times (seconds), the others are absent (or 0 when predicted) where unknown.
+MeasuredBesidePredicted measured_beside_predicted(const std::vector<double>& forward_starts,
+                                                  std::optional<std::uint64_t> peak_reserved_bytes,
+                                                  std::optional<double> predicted_step_seconds,
+                                                  std::optional<double> predicted_peak_bytes);
 std::uint64_t next_nvme_probe_bytes(std::uint64_t bytes) noexcept;
 
 }  // namespace tierflow::tiering

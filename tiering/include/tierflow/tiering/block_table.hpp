@@ -27,6 +27,9 @@
 //   hold its result, so such a matmul is rerun whole and never split, and all
 //   its saved outputs are cheap);
 // - cheap (anything else: norms, pointwise ops, dropout masks).
+// The recorder reads each op's shapes, strides and flags through torch and
+// asks attention_kind, attention_flops, row_matmul and batched_matmul_flops
+// (below) for its kind, FLOPs and rows: the rules are here, not beside torch.
 // finish() makes those calls once the forward ended. Bytes per class count a
 // storage once (its first save in the block); FLOPs per class are the
 // restorable attention ops', the split matmuls' and all ops'.
@@ -45,6 +48,7 @@
 #include <functional>
 #include <map>
 #include <set>
+#include <string_view>
 #include <vector>
 
 #include "tierflow/tiering/auto_plan.hpp"
@@ -59,6 +63,35 @@ enum class OpKind : std::uint8_t {
   kAttention,  ///< an attention op without dropout
   kMatmul,     ///< a row-wise matmul of an activation by parameters
 };
+
+std::string_view to_string(OpKind kind) noexcept;
+/// The kind named `text` (attention, matmul, other); config_error naming it and the accepted names.
+OpKind parse_op_kind(std::string_view text);
+
+/// An attention op's kind: other when it draws dropout (the replay must draw as forward did), else attention.
+OpKind attention_kind(double dropout_p) noexcept;
+/// FLOPs of an attention op: 4 * q's elements * the key length, halved when causal.
+double attention_flops(std::int64_t q_elements, std::int64_t key_length, bool causal) noexcept;
+
+/// An operand of a recorded matmul, as plain numbers.
+struct MatmulOperand {
+  std::vector<std::int64_t> sizes, strides;
+  bool parameter_derived = false;  ///< its storage derives from parameters and buffers only
+};
+
+/// A row-wise matmul (mm, addmm) as recorded: its kind (matmul when it may split, else other), FLOPs, rows.
+struct RowMatmul {
+  OpKind kind = OpKind::kOther;
+  double flops = 0;
+  std::int64_t rows = 0;  ///< m1's rows when it may split, else 0
+};
+
+/// m1 @ m2: it may split by rows when m1 is a 2-D row-major contiguous activation (not parameter-derived)
+/// of at least 2 rows, m2 derives from parameters, and the output is contiguous at offset 0
+/// (`output_contiguous_at_zero`). FLOPs: 2 * m1 rows * m1 columns * m2 columns.
+RowMatmul row_matmul(const MatmulOperand& m1, const MatmulOperand& m2, bool output_contiguous_at_zero);
+/// FLOPs of bmm/matmul: 2 * a's elements * b's last dimension.
+double batched_matmul_flops(std::int64_t a_elements, std::int64_t b_last) noexcept;
 
 /// One recorded aten op, as plain numbers.
 struct RecordedOp {

@@ -56,6 +56,7 @@
 
 #include <cstdint>
 #include <string_view>
+#include <unordered_map>
 #include <vector>
 
 #include "tierflow/core/tier.hpp"
@@ -162,6 +163,7 @@ class ParamSchedule {
 
   std::vector<std::vector<std::size_t>> units_;  // per unit: indices into params_
   std::vector<Param> params_;
+  std::unordered_map<ParamId, std::size_t> index_;  // id -> index into params_
   ParamScheduleOptions options_;
   ParamScheduleStats stats_;
   bool in_phase_ = false, backward_ = false;

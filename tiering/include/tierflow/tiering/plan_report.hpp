@@ -16,6 +16,15 @@
 // The fixed device bytes are the estimate's training state on the device plus
 // the activations outside the blocks (or the profile's fixed_device_bytes).
 //
+// Arguments. The blocks come from a whole shape (--layers, --hidden, --heads,
+// --seq, --batch) or from --profile, never both; --pcie-gbps is each way's
+// rate in decimal GB/s, both at once at twice it; a rate (--tflops,
+// --pcie-gbps, --nvme-gbps) is a number from kLeastRate to kMostRate, so that
+// every predicted time stays finite (--nvme-gbps: or 0 for none). A plan the
+// planner refuses is one line: too small budgets name what set the device
+// budget (and --gpu-memory when it was not given), bytes that overflow with
+// the prefetch window name the arguments that made the blocks.
+//
 // Why each block's action won. For each block, every action the planner did
 // not choose (keep; swap, on the block's tier; split at MEMO's link-rule alpha,
 // for a splittable block not already split; recompute) is priced by
@@ -27,6 +36,16 @@
 // with the setting that would move it off the device; a profile gives only
 // their sum. Workspace is not in the fixed bytes: each block's transient bytes
 // are in its working set (Note [Activation planner]).
+//
+// Parameters. --offload-params (or TIERFLOW_OFFLOAD_PARAMS) none keeps them
+// in the fixed bytes; host or nvme fetches every unit from that tier
+// (ParamPolicy::kFetchAll; nvme needs --nvme-memory), auto lets the planner
+// choose per block from the host (kAuto). Then the parameters leave the
+// fixed bytes: each block's are the estimate's per-layer parameters, the
+// rest unit's are the remainder (embeddings, final norm, head). A profile
+// gives no parameter bytes per block: with --profile only none is accepted.
+// The command prints which blocks fetch, the rest unit's residence, and the
+// parameter bytes per tier (device: resident and the window of fetched ones).
 #pragma once
 
 #include <cstdint>
@@ -63,6 +82,7 @@ struct PlanCommandInputs {
   std::uint64_t host_capacity_bytes = 0;    ///< this machine's RAM
   std::string device_name;                  ///< "cuda" or "cpu (emulated device)"
   std::string optimizer;                    ///< the optimizer's placement: none, host or nvme
+  std::string offload_params = "none";      ///< --offload-params or TIERFLOW_OFFLOAD_PARAMS: none, host, nvme, auto
   std::optional<TransformerShape> shape;    ///< the estimated model (none: a recorded profile)
   std::string dtype_name;                   ///< the shape's --dtype, e.g. "bf16"
   std::optional<StateBytes> state;          ///< estimate_training_state of the shape
@@ -93,6 +113,28 @@ PlanCommandBudgets plan_command_budgets(const PlanCommandInputs& inputs);
 /// Bytes of a size ("16GiB") or a percentage of `capacity_bytes` ("90%"); config_error for other text
 /// or for a percentage of an unknown (0) capacity.
 std::uint64_t budget_bytes(const std::string& text, std::uint64_t capacity_bytes);
+
+inline constexpr double kLeastRate = 1e-6;  ///< the smallest accepted rate argument
+inline constexpr double kMostRate = 1e6;    ///< the largest accepted rate argument
+inline constexpr double kDecimalGB = 1e9;   ///< link rates are decimal, like the vendors'
+
+/// The shape's flags, in the order errors name them.
+const std::vector<std::string>& plan_shape_flags();
+/// Throws config_error unless the blocks come from either a whole shape (`given_shape_flags`: those of
+/// plan_shape_flags given, e.g. "layers") or --profile (Note [Plan report]).
+void check_blocks_source(bool profile, const std::vector<std::string>& given_shape_flags);
+/// A rate argument, `value` as parse_decimal read it (none: not a number) and `shown` its text as errors quote
+/// it; config_error "<shown> is not valid; accepted: ..." outside [kLeastRate, kMostRate] (or 0 when `zero`).
+double check_rate(std::optional<double> value, const std::string& shown, bool zero);
+/// A shape argument (--layers, ...): `digits` (the text stripped) a decimal integer from 1 to the field's
+/// transformer_shape_limits(); config_error "<shown> is not valid; accepted: ..." otherwise.
+std::int64_t shape_argument(std::string_view field, std::string_view digits, const std::string& shown);
+/// The links of --pcie-gbps: each way at `gbps` decimal GB/s, both at once at twice it.
+Links links_from_pcie_gbps(double gbps) noexcept;
+/// The command's line when plan_activations refused: `error` its message (a leading "tierflow: " dropped),
+/// `out_of_memory` whether the budgets were too small (else bytes overflowed with the prefetch window).
+std::string plan_refusal(const std::string& error, bool out_of_memory, const PlanCommandInputs& inputs,
+                         const PlanCommandBudgets& budgets);
 
 /// A plan as the command prints it.
 struct PlanReport {

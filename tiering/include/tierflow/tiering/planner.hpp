@@ -112,7 +112,10 @@
 // the fastest wins (ties: fewer fetched). Exact for the model while the
 // counts give at most kMaxParamChoices combinations; beyond, blocks of one
 // shape are grouped with their times averaged, and then the k largest blocks
-// are fetched for every k (Plan::proven_optimal = false).
+// are fetched for every k (Plan::proven_optimal = false, unless the plan
+// keeps and holds everything: no plan is faster). The per-unit fetches and
+// releases that carry a plan out are tiering::ParamSchedule's (Note
+// [Parameter residency]; its window: Plan::param_prefetch_bytes).
 #pragma once
 
 #include <cstddef>
@@ -168,7 +171,7 @@ enum class ParamPolicy : std::uint8_t {
 struct Budgets {
   std::uint64_t device_bytes = 0;        ///< TIERFLOW_GPU_MEMORY resolved to bytes
   std::uint64_t fixed_device_bytes = 0;  ///< what the rest of training needs on the device: params, grads, optimizer states, workspace
-  std::uint64_t host_bytes = 0;          ///< host bytes available for swapped activations
+  std::uint64_t host_bytes = 0;          ///< host bytes available for swapped activations (and fetched parameters)
   std::uint64_t nvme_bytes = 0;          ///< NVMe bytes available (0: none)
   std::uint64_t prefetch_bytes = 0;      ///< in-flight window of the swap engine, counted on the device
   ParamPolicy params = ParamPolicy::kResident;  ///< whether block parameters may be fetched
@@ -198,7 +201,7 @@ struct Plan {
   std::vector<BlockPlan> blocks;
   std::uint64_t predicted_device_peak_bytes = 0;
   double predicted_step_seconds = 0;             ///< activations' part of the step: forward + backward of the blocks
-  std::uint64_t host_bytes = 0, nvme_bytes = 0;  ///< swapped activations held per tier at the peak
+  std::uint64_t host_bytes = 0, nvme_bytes = 0;  ///< swapped activations (and fetched parameters) held per tier at the peak
   // Additions to the agreed interface:
   double keep_all_step_seconds = 0;              ///< the step if every block were kept (the fastest possible)
   std::uint64_t device_budget_bytes = 0;         ///< Budgets::device_bytes the plan was made for
@@ -266,6 +269,8 @@ std::vector<BlockProfile> average_same_shape_blocks(const std::vector<BlockProfi
 
 /// Name of a mode: "keep", "swap", "split", "recompute".
 std::string_view to_string(BlockMode) noexcept;
+/// The mode named `text` (keep, swap, split, recompute); config_error naming it and the accepted names.
+BlockMode parse_block_mode(std::string_view text);
 /// Name of a tier: "host", "nvme".
 std::string_view to_string(SwapTier) noexcept;
 /// Name of a parameter policy: "resident", "auto", "fetch-all".

@@ -38,8 +38,12 @@ SavedAction saved_action(BlockMode mode, SavedClass cls, bool exact) noexcept;
 /// largest multiple of `granule` not above alpha * rows, or all rows when
 /// alpha is 1 (a whole output swapped needs no probe).
 std::int64_t split_rows(double alpha, std::int64_t rows, std::int64_t granule) noexcept;
+/// The granule of a recorded block's split: whole cache lines of a row-major output.
+inline constexpr std::int64_t kSplitRowGranule = 8;
 
 std::string_view to_string(SavedClass c) noexcept;
+/// The class named `text` (to_string's names); config_error naming it and the accepted names.
+SavedClass parse_saved_class(std::string_view text);
 std::string_view to_string(SavedAction a) noexcept;
 
 }  // namespace tierflow::tiering

@@ -90,6 +90,10 @@ struct TierSettings {
 /// TIERFLOW_NVME_PATHS is a configuration error before that (tier_settings names both settings).
 std::string params_offload_refusal(const Config& config);
 
+/// The device `config` asks for (TIERFLOW_DEVICE; auto: CUDA when a GPU is usable); config_error naming why
+/// cuda cannot be served and what is accepted here (Note [Tiers from the configuration]).
+allocator::DeviceKind device_kind(const Config& config);
+
 /// The tiers `config` asks for; throws config_error for a setting this
 /// machine or version cannot serve. `nvme_faults` (tests only) goes to the
 /// NVMe engine. Reads the free space of each NVMe path.

@@ -78,6 +78,8 @@ std::vector<BlockProfile> estimate_transformer(const TransformerShape& shape, do
 
 /// Parameters of the model (embeddings, blocks, final norm, head).
 std::uint64_t transformer_parameters(const TransformerShape& shape);
+/// Parameters of one repeated block (its BlockProfile::parameter_bytes is this times dtype_bytes).
+std::uint64_t transformer_block_parameters(const TransformerShape& shape);
 
 /// Bytes of training state per tier.
 struct StateBytes {
@@ -91,6 +93,8 @@ struct StateBytes {
 /// Parameters and optimizer: parameters (dtype) and gradients (dtype) on the device; the fp32 master
 /// (when the dtype is narrower) and Adam's m and v on the device for `none`, on host or NVMe otherwise.
 StateBytes estimate_training_state(const TransformerShape& shape, OffloadTarget optimizer);
+/// The optimizer placement named `text` (none, host, nvme); config_error naming it and the accepted names.
+OffloadTarget parse_optimizer_placement(std::string_view text);
 
 /// Device bytes of the activations outside the blocks: final norm, head input, and the loss's fp32
 /// logits (log-softmax output saved, plus the logits and their gradient while the loss runs).
