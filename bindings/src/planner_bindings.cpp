@@ -70,6 +70,7 @@ void bind_auto_plan(py::module_& m) {
       .def_readwrite("total_flops", &BlockRecord::total_flops)
       .def_readwrite("has_split_ops", &BlockRecord::has_split_ops)
       .def_readwrite("forward_seconds", &BlockRecord::forward_seconds)
+      .def_readwrite("backward_seconds", &BlockRecord::backward_seconds)
       .def_readwrite("parameter_bytes", &BlockRecord::parameter_bytes);
   init_from_kwargs(record);
   py::class_<OptimizerTraffic>(m, "OptimizerTraffic", "What the CPU optimizer moves over the link inside a block.")

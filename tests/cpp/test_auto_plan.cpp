@@ -80,6 +80,15 @@ TEST(MeasuredBlockProfile, SharesTheForwardOutByFlops) {
   EXPECT_FALSE(empty.splittable);
 }
 
+TEST(MeasuredBlockProfile, ATimedBackwardIsTakenAsMeasured) {
+  BlockRecord r;
+  r.forward_seconds = 1.0;
+  r.backward_seconds = 2.7;
+  EXPECT_DOUBLE_EQ(measured_block_profile(r).backward_seconds, 2.7);
+  r.backward_seconds = 0;  // none timed: the estimate stands in
+  EXPECT_DOUBLE_EQ(measured_block_profile(r).backward_seconds, kBackwardPerForward);
+}
+
 TEST(SessionBudgets, FromTheTiersAndWhatTrainingHolds) {
   BlockProfile b;
   b.input_bytes = 10;

@@ -129,6 +129,14 @@ def test_auto_keeps_everything_when_it_fits_and_profiles_once(tmp_path, device):
     assert again.report["plan"]["modes"] == ["keep", "keep"] and again.report["activations"]["packs"] == 0
 
 
+def test_auto_times_each_blocks_backward(tmp_path, device):
+    """A block's backward is measured in the timing step, from the gradient of its output to the gradient of its
+    input with its replay taken out (tiering::measured_block_profile), not taken as twice its forward."""
+    _tier, profile, _path = _profile_and_plan(tmp_path, gpt_task(), device)
+    for b in profile["blocks"]:
+        assert b["backward_seconds"] > 0 and b["backward_seconds"] != 2 * b["forward_seconds"], b
+
+
 @pytest.mark.parametrize("name", ["gpt", "sdpa_gpt", "encoder"])
 def test_auto_under_a_tight_budget_plans_offload_and_matches_the_baseline(tmp_path, device, name):
     task = TASKS[name]()

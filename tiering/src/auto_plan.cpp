@@ -33,7 +33,7 @@ BlockProfile measured_block_profile(const BlockRecord& r, OptimizerTraffic traff
   const double split_s = fwd * r.split_flops / total;
   const double attention_s = fwd * r.attention_flops / total;
   p.forward_seconds = fwd;
-  p.backward_seconds = kBackwardPerForward * fwd;
+  p.backward_seconds = r.backward_seconds > 0 ? r.backward_seconds : kBackwardPerForward * fwd;
   p.input_bytes = r.input_bytes;
   p.whole_bytes = r.attention_bytes;
   p.split_bytes = r.split_bytes;

@@ -23,6 +23,8 @@ def block_profile(runner: BlockRunner, traffic: Any = None) -> dict:
     """One profile block from a runner's recorded table and timings (tiering::BlockTable::record,
     tiering::measured_block_profile), with the optimizer's `traffic` inside it (tiering::optimizer_traffic; none by default)."""
     record = runner.table.core.record(_C.median_seconds(runner.forward_seconds))
+    if runner.backward_seconds:
+        record.backward_seconds = _C.median_seconds(runner.backward_seconds)
     record.parameter_bytes = sum(p.numel() * p.element_size() for p in runner.module.parameters())
     return fields_of(_C.measured_block_profile(record, traffic or _C.OptimizerTraffic()), BLOCK_FIELDS)
 

@@ -63,8 +63,10 @@ every block's forward and its recompute (synchronising the device around
 each block, in that step only), and the plan is made before the third
 forward and fixed from then on (printed once: one line per block at info,
 the summary at warn). TIERFLOW_PROFILE=path reads such a profile instead
-of measuring, or writes the measured one. The time of a block's backward is
-taken as twice its forward (the matmul FLOP ratio); a split's and the
+of measuring, or writes the measured one. A block's backward is timed in
+the same step, from the gradient of its output to the gradient of its input,
+its replay taken out (tiering::measured_block_profile, Note [Auto plan
+phases]); a split's and the
 attention's shares of the forward are their shares of the block's matmul
 FLOPs (counted from the recorded shapes).
 """
@@ -161,6 +163,8 @@ class _Frame:
         self.dynamic: Optional[str] = None  # why this forward is not its table's
         self.pending: dict = {}       # pack index -> the tensor behind a placeholder, until the forward ends
         self.whole_swapped: dict = {}  # pack index -> offloader handle, for placeholders of a departed forward
+        self.backward_t0: Optional[float] = None  # timing step: when the gradient of its output was ready
+        self.replay_seconds = 0.0                  # timing step: its replay's time
 
     # -- forward ---------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> Any:
@@ -297,7 +301,8 @@ class _Frame:
         runner.replays += 1
         if runner.timing:
             runner.sync()
-            runner.recompute_seconds.append(time.perf_counter() - t0)
+            self.replay_seconds = time.perf_counter() - t0
+            runner.recompute_seconds.append(self.replay_seconds)
 
 
 class _Replay(TorchDispatchMode):
@@ -369,6 +374,7 @@ class BlockRunner:
         self.split_rows = 0        # matmul output rows restored instead of computed
         self.forward_seconds: list = []
         self.recompute_seconds: list = []
+        self.backward_seconds: list = []  # timing step: output gradient -> input gradient, replay excluded
         self.dynamic: Optional[str] = None  # Note [Data-dependent blocks]: why its forwards are not its table's
         self._stack: list = []
         self._handles: list = []
@@ -416,6 +422,19 @@ class BlockRunner:
     def sync(self) -> None:
         if torch.cuda.is_available() and self.runtime.device == "cuda":
             torch.cuda.synchronize()
+
+    def _backward_mark(self, f: _Frame, start: bool) -> Any:
+        """A gradient hook timing one block's backward in the timing step: the gradient of its output starts
+        it, the gradient of its input ends it; its replay, inside, is taken out."""
+        def hook(grad: torch.Tensor) -> None:
+            self.sync()
+            now = time.perf_counter()
+            if start:
+                f.backward_t0 = now
+            elif f.backward_t0 is not None:
+                self.backward_seconds.append(max(now - f.backward_t0 - f.replay_seconds, 0.0))
+                f.backward_t0 = None
+        return hook
 
     def _signature(self, args: tuple, kwargs: dict) -> tuple:
         sig = []
@@ -483,6 +502,10 @@ class BlockRunner:
 
         f.args = tree_map(hold, (args, kwargs))
         f.external = external
+        if self.timing:  # the end of its backward: the gradient of its input (the first one that needs one)
+            first = next((t for t in tensors if t.requires_grad and storage_key(t) not in external), None)
+            if first is not None:
+                first.register_hook(self._backward_mark(f, start=False))
         if recording:
             f.recorder = Recorder(external, inputs, table)
             f.seen = set()
@@ -512,6 +535,9 @@ class BlockRunner:
         if self.timing:
             self.sync()
             self.forward_seconds.append(time.perf_counter() - f.t0)
+            out = next((t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad), None)
+            if out is not None:
+                out.register_hook(self._backward_mark(f, start=True))
         if f.table is None:  # a data-dependent block's forward: no table to keep
             return
         if f.recording:

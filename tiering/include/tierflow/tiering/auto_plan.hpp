@@ -22,9 +22,12 @@
 // A measured block (measured_block_profile): its saved bytes per class come
 // from the recorded table; its forward time is the median of the timed
 // forwards, shared out among the classes in proportion to their flops; its
-// backward is taken as kBackwardPerForward times its forward and its working
-// set as kTransientPerInput times its input (both estimates, see issue "cost
-// model"), its split is possible when the table found a split op. With the
+// backward is the median of the timed backwards, from the gradient of its
+// output to the gradient of its input, its replay taken out (a block whose
+// input needs no gradient has no end to time: kBackwardPerForward times its
+// forward stands in); its working set is kTransientPerInput times its input
+// (an estimate, see issue "cost model"); its split is possible when the table
+// found a split op. With the
 // CPU optimizer streaming (TIERFLOW_OFFLOAD_OPTIMIZER=host, TIERFLOW_OVERLAP_STEP
 // on) the block's gradients cross the link during its backward
 // (download_bytes = its parameters' bytes) and, with
@@ -110,6 +113,7 @@ struct BlockRecord {
   double split_flops = 0, attention_flops = 0, total_flops = 0;
   bool has_split_ops = false;
   double forward_seconds = 0;  ///< median of the timed forwards (0: none timed)
+  double backward_seconds = 0;  ///< median of the timed backwards, replays excluded (0: none timed)
   std::uint64_t parameter_bytes = 0;  ///< the block's own parameters, as stored
 };
 
