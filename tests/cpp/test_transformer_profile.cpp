@@ -37,7 +37,7 @@ TEST(TransformerProfile, TimesFollowTheFlops) {
   EXPECT_DOUBLE_EQ(blocks[0].forward_seconds, tokens * (24 * h * h + 2 * 4096 * h) / flops);
   EXPECT_DOUBLE_EQ(blocks[0].backward_seconds, 2 * blocks[0].forward_seconds);
   EXPECT_DOUBLE_EQ(blocks[0].split_recompute_seconds, tokens * 14 * h * h / flops);
-  EXPECT_DOUBLE_EQ(blocks[0].cheap_recompute_seconds, tokens * 2 * h * h / flops);
+  EXPECT_DOUBLE_EQ(blocks[0].cheap_recompute_seconds, tokens * (2 * h * h + 8 * h * h) / flops);  // proj, MLP down
   EXPECT_THROW(estimate_transformer(TransformerShape{24, 2048, 15, 4096, 2, 2, 50304, 4}, flops), config_error);
 }
 

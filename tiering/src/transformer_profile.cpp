@@ -151,7 +151,8 @@ std::vector<BlockProfile> estimate_transformer(const TransformerShape& s, double
   p.forward_seconds = tok * per_token / flops_per_second;
   p.backward_seconds = 2 * p.forward_seconds;
   p.split_recompute_seconds = tok * (qkv_flops + mlp_flops / 2) / flops_per_second;
-  p.cheap_recompute_seconds = tok * proj_flops / flops_per_second;
+  // The replay runs every recorded op again, the MLP's down projection included (Note [Activation plans]).
+  p.cheap_recompute_seconds = tok * (proj_flops + mlp_flops / 2) / flops_per_second;
   p.splittable = true;
   return std::vector<BlockProfile>(static_cast<std::size_t>(s.layers), p);
 }

@@ -22,7 +22,9 @@
 // per token, causal attention 2 * seq * h per token (4 * seq * h halved); the
 // backward is twice the forward; pointwise work is not counted. Recomputing
 // the split rows costs the qkv and fc matmuls, the cheap part costs proj's
-// matmul (x2 needs it). transient_bytes is the backward's gradient buffers of
+// matmul (x2 needs it) and the MLP's down projection (the replay runs every
+// recorded op again, Note [Activation plans], though backward needs only its
+// input). transient_bytes is the backward's gradient buffers of
 // the MLP: (2f + 1) * h elements per token.
 // Against the H100 figures of issue 9 (bench_gpu_offload's gpt1b, vocab 32000,
 // torch AdamW with bf16 states: fixed = 8 bytes per parameter plus
