@@ -72,14 +72,19 @@ def compare(dirs: list[str], nbytes: int, bs: int, qd: int, repeats: int) -> dic
             runs["fio_read_gbps"].append(fio_run(fio_file, nbytes, bs, qd, "read"))
     finally:
         os.unlink(fio_file)
-    # Medians: this disk's speed swings by 2x between back-to-back runs, and
-    # the median of alternating runs is what both tools sustain.
-    result = {k: statistics.median(v) for k, v in runs.items()}
+    result = summarise(runs)
     result.update({f"best_{k}": max(v) for k, v in runs.items()})
+    result.update({"block_bytes": bs, "queue_depth": qd, "bytes": nbytes, "paths": len(dirs)})
+    return result
+
+
+def summarise(runs: dict) -> dict:
+    """Medians of alternating runs and the ratios to fio: this disk's speed swings by 2x between back-to-back
+    runs, and the median of alternating runs is what both tools sustain."""
+    result = {k: statistics.median(v) for k, v in runs.items()}
     result["runs"] = runs
     result["read_over_fio"] = result["read_gbps"] / result["fio_read_gbps"]
     result["write_over_fio"] = result["write_gbps"] / result["fio_write_gbps"]
-    result.update({"block_bytes": bs, "queue_depth": qd, "bytes": nbytes, "paths": len(dirs)})
     return result
 
 
@@ -106,10 +111,7 @@ def probe_run(dirs: list[str], repeats: int) -> dict:
     finally:
         os.unlink(fio_file)
         del rt
-    result = {k: statistics.median(v) for k, v in runs.items()}
-    result["runs"] = runs
-    result["write_over_fio"] = result["write_gbps"] / result["fio_write_gbps"]
-    result["read_over_fio"] = result["read_gbps"] / result["fio_read_gbps"]
+    result = summarise(runs)
     result.update({"bytes": nbytes, "block_bytes": bs, "queue_depth": qd, "paths": len(dirs)})
     return result
 

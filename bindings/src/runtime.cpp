@@ -104,21 +104,20 @@ swap::TransferHandle Runtime::copy_to_host(const at::Tensor& dst, const at::Tens
 }
 
 swap::TransferHandle Runtime::copy_to_device(const at::Tensor& dst, const at::Tensor& src) {
-  check_copy_pair(src, dst, "copy_to_device");
-  TIERFLOW_EXPECTS(on_device(dst), "copy_to_device: the destination must be a tensor of the runtime's device (" +
-                                       std::string(allocator::to_string(device_kind())) + ")");
-  swap::CopyEngine& engine = *copy_engine();
-  const swap::StreamRef compute = compute_stream_of(engine, dst.device());
   // After the kernels that still read the old value (rule 1); before any
   // kernel queued from now on reads the new one (rule 2).
-  auto h = engine.copy(swap::Direction::kHostToDevice, dst.data_ptr(), src.data_ptr(), dst.nbytes(), {}, compute);
-  engine.make_stream_wait(compute, h);
+  swap::TransferHandle h = queue_to_device(dst, src, "copy_to_device");
+  await_on_device(h, dst.device());
   return h;
 }
 
 swap::TransferHandle Runtime::fetch_to_device(const at::Tensor& dst, const at::Tensor& src) {
-  check_copy_pair(src, dst, "fetch_to_device");
-  TIERFLOW_EXPECTS(on_device(dst), "fetch_to_device: the destination must be a tensor of the runtime's device (" +
+  return queue_to_device(dst, src, "fetch_to_device");
+}
+
+swap::TransferHandle Runtime::queue_to_device(const at::Tensor& dst, const at::Tensor& src, const char* what) {
+  check_copy_pair(src, dst, what);
+  TIERFLOW_EXPECTS(on_device(dst), std::string(what) + ": the destination must be a tensor of the runtime's device (" +
                                        std::string(allocator::to_string(device_kind())) + ")");
   swap::CopyEngine& engine = *copy_engine();
   return engine.copy(swap::Direction::kHostToDevice, dst.data_ptr(), src.data_ptr(), dst.nbytes(), {},

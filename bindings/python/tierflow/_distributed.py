@@ -64,14 +64,6 @@ def _class(module: str, name: str) -> Optional[type]:
     return cls if isinstance(cls, type) else None
 
 
-def _world_size() -> int:
-    """Processes in the default process group (1 without one)."""
-    dist = torch.distributed
-    if not dist.is_available() or not dist.is_initialized():
-        return 1
-    return dist.get_world_size()
-
-
 def rank_and_world_size() -> tuple:
     """(this process's rank, processes in the default process group): (0, 1) without one. The runtime divides
     the machine's RAM and NVMe among the ranks on it (Note [Ranks on one machine] in tiering/tiers.hpp)."""
@@ -79,6 +71,11 @@ def rank_and_world_size() -> tuple:
     if not dist.is_available() or not dist.is_initialized():
         return 0, 1
     return dist.get_rank(), dist.get_world_size()
+
+
+def _world_size() -> int:
+    """Processes in the default process group (1 without one)."""
+    return rank_and_world_size()[1]
 
 
 # -- FSDP2 and DTensor parameters: refused ----------------------------------------

@@ -109,6 +109,9 @@ class Runtime {
   optimizer::CpuIsa cpu_isa() const;
 
  private:
+  // The host-to-device copy of copy_to_device and fetch_to_device, after the compute stream's earlier work;
+  // `what` names the caller in its errors.
+  swap::TransferHandle queue_to_device(const at::Tensor& dst, const at::Tensor& src, const char* what);
   Config config_;
   tiering::Tiers tiers_;
   bool adversarial_ = false;
