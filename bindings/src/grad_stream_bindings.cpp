@@ -104,6 +104,8 @@ void bind_stream_setup(py::class_<PyGradStream, std::shared_ptr<PyGradStream>>& 
         return slot;
       })
       .def("exclude", [](PyGradStream& g, std::size_t slot) { g.stream->exclude(slot); }, py::call_guard<py::gil_scoped_release>())
+      .def("set_home", [](PyGradStream& g, std::size_t slot, const at::Tensor& home) { g.stream->set_home(slot, home); },
+           py::call_guard<py::gil_scoped_release>(), "The slot's parameter lives on the host: its weights go there.")
       .def("set_group", [](PyGradStream& g, int group, const py::dict& options) {
         const auto o = adam_options(options);
         py::gil_scoped_release release;

@@ -17,6 +17,7 @@ namespace tierflow::bindings {
 // The tensors and transfers of a slot; what happens to its step is the ledger's.
 struct GradStream::Slot {
   at::Tensor param;
+  at::Tensor home;  // the parameter's host copy when it lives on the host between uses (set_home)
   c10::intrusive_ptr<torch::autograd::Node> accumulator;  // kept alive: autograd reuses it, with our hook
   std::uintptr_t hook_key = 0;
   // The optimizer state (shared with the Python state dict).

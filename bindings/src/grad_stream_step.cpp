@@ -112,6 +112,11 @@ void GradStream::upload_locked(const std::vector<std::size_t>& committed) {
   for (std::size_t i : ledger_.forward_order(committed)) {  // forward order: the first layers first
     Slot& s = slots_[i];
     if (!s.staging.defined()) continue;
+    if (s.home.defined()) {  // on the host between uses: the next fetch copies it (Note [Parameter storage])
+      s.home.view(-1).copy_(s.staging.view(-1));
+      stats_.weight_bytes_to_host_copy += s.param.nbytes();
+      continue;
+    }
     const swap::StreamRef compute = compute_stream_of(*engine, s.param.device());
     // After the kernels still reading the old value (rule 1).
     s.upload = engine->copy(swap::Direction::kHostToDevice, s.param.data_ptr(), s.staging.data_ptr(),
@@ -250,6 +255,7 @@ const std::vector<StatField<GradStreamStats>>& grad_stream_stat_fields() {
       {"clips_picked_up", &S::clips_picked_up},
       {"grad_bytes_to_host", &S::grad_bytes_to_host},
       {"weight_bytes_to_device", &S::weight_bytes_to_device},
+      {"weight_bytes_to_host_copy", &S::weight_bytes_to_host_copy},
       {"grads_released", &S::grads_released},
       {"grad_bytes_freed", &S::grad_bytes_freed},
       {"grads_restored", &S::grads_restored},

@@ -98,7 +98,11 @@ void bind_auto_plan(py::module_& m) {
       .def_readwrite("parameter_bytes", &SessionBudgetInputs::parameter_bytes)
       .def_readwrite("parameter_elements", &SessionBudgetInputs::parameter_elements)
       .def_readwrite("optimizer_on_device", &SessionBudgetInputs::optimizer_on_device)
-      .def_readwrite("measured_peak_bytes", &SessionBudgetInputs::measured_peak_bytes);
+      .def_readwrite("measured_peak_bytes", &SessionBudgetInputs::measured_peak_bytes)
+      .def_readwrite("gradients_offloaded", &SessionBudgetInputs::gradients_offloaded)
+      .def_readwrite("params", &SessionBudgetInputs::params)
+      .def_readwrite("rest_parameter_bytes", &SessionBudgetInputs::rest_parameter_bytes)
+      .def_readwrite("measured_parameter_peak_bytes", &SessionBudgetInputs::measured_parameter_peak_bytes);
   init_from_kwargs(inputs);
   m.def("session_budgets", &session_budgets, py::arg("inputs"), py::arg("blocks"),
         "The planner's budgets in a training session (Note [Auto plan phases]).");
@@ -322,6 +326,10 @@ void bind_planner(py::module_& m) {
       .value("swap", BlockMode::kSwap)
       .value("split", BlockMode::kSplit)
       .value("recompute", BlockMode::kRecompute);
+  py::enum_<ParamPolicy>(m, "ParamPolicy", "Whether blocks' parameters may leave the device between uses.")
+      .value("resident", ParamPolicy::kResident)
+      .value("auto", ParamPolicy::kAuto)
+      .value("fetch_all", ParamPolicy::kFetchAll);
   py::enum_<SwapTier>(m, "SwapTier", "Where swapped bytes go.")
       .value("host", SwapTier::kHost)
       .value("nvme", SwapTier::kNvme);
@@ -340,6 +348,7 @@ void bind_planner(py::module_& m) {
       .def_readwrite("transient_bytes", &BlockProfile::transient_bytes)
       .def_readwrite("upload_bytes", &BlockProfile::upload_bytes)
       .def_readwrite("download_bytes", &BlockProfile::download_bytes)
+      .def_readwrite("parameter_bytes", &BlockProfile::parameter_bytes)
       .def("saved_bytes", &BlockProfile::saved_bytes);
   init_from_kwargs(profile);
 
@@ -360,7 +369,9 @@ void bind_planner(py::module_& m) {
       .def_readwrite("fixed_device_bytes", &Budgets::fixed_device_bytes)
       .def_readwrite("host_bytes", &Budgets::host_bytes)
       .def_readwrite("nvme_bytes", &Budgets::nvme_bytes)
-      .def_readwrite("prefetch_bytes", &Budgets::prefetch_bytes);
+      .def_readwrite("prefetch_bytes", &Budgets::prefetch_bytes)
+      .def_readwrite("params", &Budgets::params)
+      .def_readwrite("rest_parameter_bytes", &Budgets::rest_parameter_bytes);
   init_from_kwargs(budgets);
 
   py::class_<BlockPlan> block_plan(m, "BlockPlan", "The decision and the predictions for one block.");

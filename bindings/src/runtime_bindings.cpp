@@ -16,6 +16,7 @@
 #include "tierflow/bindings/dtypes.hpp"
 #include "tierflow/bindings/emulated_device_memory.hpp"
 #include "tierflow/bindings/grad_stream.hpp"
+#include "tierflow/bindings/param_residency.hpp"
 #include "tierflow/bindings/planner_bindings.hpp"
 #include "tierflow/bindings/runtime.hpp"
 #include "tierflow/core/error.hpp"
@@ -24,6 +25,7 @@
 #include "tierflow/optimizer/grad_buckets.hpp"
 #include "tierflow/optimizer/roofline.hpp"
 #include "tierflow/swap/nvme_probe.hpp"
+#include "tierflow/tiering/tiers.hpp"
 
 namespace py = pybind11;
 using namespace tierflow;
@@ -115,6 +117,11 @@ void bind_runtime_optimizer(py::class_<Runtime, std::shared_ptr<Runtime>>& c) {
         rt.adam_step(opts, step, masters, exp_avgs, exp_avg_sqs, maxes, grads, outs);
       })
       .def("on_device", &Runtime::on_device, "Whether a tensor is on this runtime's device.")
+      .def("params_optimizer_refusal", [](const Runtime& rt, bool cpu_optimizer) -> py::object {
+        const std::string why = tiering::params_optimizer_refusal(
+            rt.config(), rt.device_kind() == allocator::DeviceKind::kCuda, cpu_optimizer);
+        return why.empty() ? py::none() : py::cast(why);
+      }, py::arg("cpu_optimizer"), "Parameter offload with this optimizer: the refusal, or None.")
       .def("copy_to_host", [](Runtime& rt, const at::Tensor& dst, const at::Tensor& src) {
         return rt.copy_to_host(dst, src);
       }, "Device -> host copy after the current stream's work (Note [Copy ordering]); wait before reading dst.")
@@ -188,6 +195,38 @@ void bind_runtime_nvme_optimizer(py::class_<Runtime, std::shared_ptr<Runtime>>& 
       });
 }
 
+// Parameters between uses on the host tier (Note [Parameter storage]).
+void bind_param_residency(py::module_& m) {
+  py::class_<ParamResidency, std::shared_ptr<ParamResidency>>(
+      m, "ParamResidency", "The parameters of a model's units between uses (Note [Parameter storage]).")
+      .def(py::init([](std::shared_ptr<Runtime> rt, const std::vector<std::vector<at::Tensor>>& units,
+                       const std::vector<std::string>& residences, const std::vector<std::string>& names) {
+             std::vector<Tier> tiers;
+             for (const std::string& r : residences) {
+               const auto t = std::find_if(kAllTiers.begin(), kAllTiers.end(),
+                                           [&](Tier x) { return to_string(x) == r; });
+               TIERFLOW_EXPECTS(t != kAllTiers.end(), "ParamResidency: residence '" + r + "'; accepted: gpu, host, nvme");
+               tiers.push_back(*t);
+             }
+             py::gil_scoped_release release;  // the first copies wait on the copy engine
+             return std::make_shared<ParamResidency>(std::move(rt), units, tiers, names);
+           }),
+           py::arg("runtime"), py::arg("units"), py::arg("residences"), py::arg("names"))
+      .def("begin_forward", &ParamResidency::begin_forward, py::call_guard<py::gil_scoped_release>())
+      .def("end_forward", &ParamResidency::end_forward, py::call_guard<py::gil_scoped_release>())
+      .def("begin_backward", &ParamResidency::begin_backward, py::call_guard<py::gil_scoped_release>())
+      .def("end_backward", &ParamResidency::end_backward, py::call_guard<py::gil_scoped_release>())
+      .def("host_copy", [](const ParamResidency& r, const at::Tensor& p) -> py::object {
+        at::Tensor h = r.host_copy(p);
+        return h.defined() ? py::cast(h) : py::none();
+      }, "The host copy of a parameter kept on the host, or None.")
+      .def("point_at_host", &ParamResidency::point_at_host)
+      .def("materialize", &ParamResidency::materialize, py::arg("param"), py::arg("fetch"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("units", &ParamResidency::units)
+      .def("stats", [](const ParamResidency& r) { return stat_dict(r.stats(), tiering::param_schedule_stat_fields()); });
+}
+
 }  // namespace
 
 namespace tierflow::bindings::pymod {
@@ -234,6 +273,7 @@ void bind_runtime(py::module_& m) {
   bind_runtime_optimizer(runtime);
   bind_runtime_nvme_optimizer(runtime);
   runtime.def("stats", &runtime_stats);
+  bind_param_residency(m);
 }
 
 

@@ -120,6 +120,37 @@ TEST(SessionBudgets, FromTheTiersAndWhatTrainingHolds) {
   EXPECT_EQ(session_budgets(in, {}).prefetch_bytes, 0u);
 }
 
+TEST(SessionBudgets, FetchedParametersAreThePlansToCount) {
+  BlockProfile b;
+  b.input_bytes = 10;
+  b.whole_bytes = 20;
+  b.transient_bytes = 5;
+  SessionBudgetInputs in;
+  in.device_budget_bytes = 1000;
+  in.prefetch_bytes = 1 << 20;
+  in.parameter_bytes = 40;
+  in.parameter_elements = 10;
+  in.rest_parameter_bytes = 12;
+  in.params = ParamPolicy::kFetchAll;
+  Budgets out = session_budgets(in, {b, b});
+  EXPECT_EQ(out.fixed_device_bytes, 40u);  // their gradients only
+  in.gradients_offloaded = true;            // ... freed once on the host
+  EXPECT_EQ(session_budgets(in, {b, b}).fixed_device_bytes, 0u);
+  in.gradients_offloaded = false;
+  EXPECT_EQ(out.params, ParamPolicy::kFetchAll);
+  EXPECT_EQ(out.rest_parameter_bytes, 12u);
+  // The measured peak held fetched parameters too: taken out before it says what training holds.
+  in.measured_peak_bytes = 1000;
+  in.measured_parameter_peak_bytes = 300;
+  EXPECT_EQ(session_budgets(in, {b, b}).fixed_device_bytes, 1000u - 300u - 35u - 60u);
+  in.measured_parameter_peak_bytes = 5000;  // never below zero
+  EXPECT_EQ(session_budgets(in, {b, b}).fixed_device_bytes, 40u);
+  // Resident parameters: the rest bytes are not the plan's, and the measured peak is taken whole.
+  in.params = ParamPolicy::kResident;
+  EXPECT_EQ(session_budgets(in, {b, b}).rest_parameter_bytes, 0u);
+  EXPECT_EQ(session_budgets(in, {b, b}).fixed_device_bytes, 1000u - 35u - 60u);
+}
+
 TEST(ProbeSizes, FitTheRoomInGranules) {
   EXPECT_EQ(link_probe_bytes(1ull << 40, 0), kLinkProbeBytes);
   EXPECT_EQ(link_probe_bytes(16 * 10000, 0), 8192u);  // a sixteenth, in 4 KiB granules

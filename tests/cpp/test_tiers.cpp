@@ -72,9 +72,9 @@ TEST(TierSettings, HostBudgetFromTheConfiguration) {
 }
 
 TEST(TierSettings, SettingsThisVersionCannotServeAreRefused) {
-  std::string m = refusal(config({{"TIERFLOW_OFFLOAD_PARAMS", "host"}}));
-  EXPECT_NE(m.find("TIERFLOW_OFFLOAD_PARAMS='host'"), std::string::npos) << m;
-  EXPECT_NE(m.find("accepted here: none"), std::string::npos) << m;
+  std::string m = refusal(config({{"TIERFLOW_OFFLOAD_PARAMS", "auto"}}));
+  EXPECT_NE(m.find("TIERFLOW_OFFLOAD_PARAMS='auto'"), std::string::npos) << m;
+  EXPECT_NE(m.find("accepted here: none, host"), std::string::npos) << m;
   m = refusal(config({{"TIERFLOW_OFFLOAD_ACTIVATIONS", "nvme"}}));
   EXPECT_NE(m.find("needs TIERFLOW_NVME_PATHS"), std::string::npos) << m;
   m = refusal(config({{"TIERFLOW_OFFLOAD_OPTIMIZER", "nvme"}}));
@@ -83,15 +83,32 @@ TEST(TierSettings, SettingsThisVersionCannotServeAreRefused) {
   EXPECT_NE(m.find("'/no/such/tierflow/dir' is not an accessible directory"), std::string::npos) << m;
 }
 
-TEST(TierSettings, ParameterOffloadIsRefusedAtOnePointAndNvmeNeedsPaths) {
+TEST(TierSettings, ParameterOffloadServesHostAndRefusesTheRestAtOnePoint) {
   EXPECT_EQ(params_offload_refusal(config({})), "");
-  for (const char* v : {"host", "auto", "nvme"}) {
-    const std::string why = params_offload_refusal(config({{"TIERFLOW_OFFLOAD_PARAMS", v}}));
+  EXPECT_EQ(params_offload_refusal(config({{"TIERFLOW_OFFLOAD_PARAMS", "host"}})), "");
+  EXPECT_EQ(params_offload_refusal(config({{"TIERFLOW_OFFLOAD_PARAMS", "host"},
+                                           {"TIERFLOW_GPU_OPTIMIZER_FRACTION", "0"}})), "");
+  std::string why = params_offload_refusal(config({{"TIERFLOW_OFFLOAD_PARAMS", "host"},
+                                                   {"TIERFLOW_GPU_OPTIMIZER_FRACTION", "0.5"}}));
+  EXPECT_NE(why.find("TIERFLOW_GPU_OPTIMIZER_FRACTION=0.5"), std::string::npos) << why;
+  EXPECT_NE(why.find("accepted: TIERFLOW_GPU_OPTIMIZER_FRACTION=0 or auto"), std::string::npos) << why;
+  for (const char* v : {"auto", "nvme"}) {
+    why = params_offload_refusal(config({{"TIERFLOW_OFFLOAD_PARAMS", v}}));
     EXPECT_NE(why.find(std::string("TIERFLOW_OFFLOAD_PARAMS='") + v + "'"), std::string::npos) << why;
-    EXPECT_NE(why.find("accepted here: none"), std::string::npos) << why;
+    EXPECT_NE(why.find("accepted here: none, host"), std::string::npos) << why;
   }
   const std::string m = refusal(config({{"TIERFLOW_OFFLOAD_PARAMS", "nvme"}}));
   EXPECT_NE(m.find("TIERFLOW_OFFLOAD_PARAMS='nvme' needs TIERFLOW_NVME_PATHS"), std::string::npos) << m;
+}
+
+TEST(TierSettings, ParameterOffloadWithATorchOptimizerIsRefusedOnCudaOnly) {
+  const Config host = config({{"TIERFLOW_OFFLOAD_PARAMS", "host"}});
+  EXPECT_EQ(params_optimizer_refusal(host, false, false), "");  // emulated: steps the host copies
+  EXPECT_EQ(params_optimizer_refusal(host, true, true), "");     // CPU AdamW
+  EXPECT_EQ(params_optimizer_refusal(config({}), true, false), "");
+  const std::string why = params_optimizer_refusal(host, true, false);
+  EXPECT_NE(why.find("TIERFLOW_OFFLOAD_OPTIMIZER='none' on CUDA"), std::string::npos) << why;
+  EXPECT_NE(why.find("accepted: TIERFLOW_OFFLOAD_OPTIMIZER=host or nvme"), std::string::npos) << why;
 }
 
 TEST(TierSettings, WhichTargetsGetAnNvmeEngine) {

@@ -119,7 +119,7 @@ def test_environment_alone_configures_a_run(monkeypatch, device):
 
 
 @pytest.mark.parametrize("setting,value,needle", [
-    ("offload_params", "host", "TIERFLOW_OFFLOAD_PARAMS='host'"),
+    ("offload_params", "auto", "TIERFLOW_OFFLOAD_PARAMS='auto'"),
 ])
 def test_tiers_not_in_this_version_are_refused_clearly(setting, value, needle):
     with pytest.raises(tierflow.ConfigError, match=needle + ".*accepted here"):

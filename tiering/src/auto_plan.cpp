@@ -20,12 +20,15 @@ PhaseAction AutoPlanPhases::before_forward() noexcept {
 OptimizerTraffic optimizer_traffic(const Config& c) noexcept {
   OptimizerTraffic t;
   t.grads_down_in_backward = c.offload_optimizer == OffloadTarget::kHost && c.overlap_step;
-  t.weights_up_in_forward = t.grads_down_in_backward && c.weights_return_in_forward;
+  // Parameters on the host between uses get their weights there; their fetches are the plan's (Budgets::params).
+  t.weights_up_in_forward = t.grads_down_in_backward && c.weights_return_in_forward &&
+                            c.offload_params == OffloadTarget::kNone;
   return t;
 }
 
 BlockProfile measured_block_profile(const BlockRecord& r, OptimizerTraffic traffic) noexcept {
   BlockProfile p;
+  p.parameter_bytes = r.parameter_bytes;
   p.upload_bytes = traffic.weights_up_in_forward ? r.parameter_bytes : 0;
   p.download_bytes = traffic.grads_down_in_backward ? r.parameter_bytes : 0;
   const double fwd = r.forward_seconds;
@@ -68,10 +71,19 @@ Budgets session_budgets(const SessionBudgetInputs& in, const std::vector<BlockPr
     largest = std::max(largest, b.saved_bytes() + b.transient_bytes);
   }
   const std::uint64_t window = std::min(in.prefetch_bytes, saved);
-  std::uint64_t fixed = 2 * in.parameter_bytes;  // parameters and their gradients
+  const bool fetched = in.params != ParamPolicy::kResident;
+  // Parameters and their gradients (none with gradients freed once on the host); fetched parameters are the
+  // plan's to count (Budgets::params).
+  std::uint64_t fixed = ((fetched ? 0 : 1) + (in.gradients_offloaded ? 0 : 1)) * in.parameter_bytes;
   if (in.optimizer_on_device) fixed += 2 * 4 * in.parameter_elements;  // Adam's m and v in fp32
-  if (in.measured_peak_bytes > largest + window) fixed = std::max(fixed, in.measured_peak_bytes - largest - window);
+  // The measured peak held the fetched parameters of its time too: those are the plan's.
+  const std::uint64_t measured = fetched ? in.measured_peak_bytes - std::min(in.measured_peak_bytes,
+                                                                             in.measured_parameter_peak_bytes)
+                                         : in.measured_peak_bytes;
+  if (measured > largest + window) fixed = std::max(fixed, measured - largest - window);
   Budgets b;
+  b.params = in.params;
+  b.rest_parameter_bytes = fetched ? in.rest_parameter_bytes : 0;
   b.device_bytes = in.device_budget_bytes;
   b.fixed_device_bytes = fixed;
   b.host_bytes = in.host_budget_bytes > in.host_in_use_bytes ? in.host_budget_bytes - in.host_in_use_bytes : 0;

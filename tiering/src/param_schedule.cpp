@@ -14,6 +14,24 @@ namespace {
 
 }  // namespace
 
+const std::vector<StatField<ParamScheduleStats>>& param_schedule_stat_fields() {
+  using S = ParamScheduleStats;
+  static const std::vector<StatField<S>> fields = {
+      {"fetches", &S::fetches},
+      {"host_to_device_bytes", &S::host_to_device_bytes},
+      {"nvme_to_host_bytes", &S::nvme_to_host_bytes},
+      {"prefetch_hits", &S::prefetch_hits},
+      {"stalls", &S::stalls},
+      {"order_misses", &S::order_misses},
+      {"releases", &S::releases},
+      {"device_bytes", &S::device_bytes},
+      {"device_peak_bytes", &S::device_peak_bytes},
+      {"host_bytes", &S::host_bytes},
+      {"nvme_bytes", &S::nvme_bytes},
+  };
+  return fields;
+}
+
 std::vector<UnitId> ParamSchedule::default_forward() const {
   const UnitId rest = units_.size() - 1;
   const bool fetches_rest = std::any_of(units_[rest].begin(), units_[rest].end(),

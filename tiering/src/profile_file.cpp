@@ -201,6 +201,7 @@ void set_block_field(BlockProfile& b, std::string_view name, const Json& v) {
     else if (name == "cheap_bytes") b.cheap_bytes = n;
     else if (name == "transient_bytes") b.transient_bytes = n;
     else if (name == "upload_bytes") b.upload_bytes = n;
+    else if (name == "parameter_bytes") b.parameter_bytes = n;
     else b.download_bytes = n;
     return;
   }
@@ -258,7 +259,7 @@ const std::vector<std::string_view>& profile_block_fields() {
   static const std::vector<std::string_view> fields{
       "forward_seconds", "backward_seconds", "input_bytes", "whole_bytes", "split_bytes",
       "split_recompute_seconds", "cheap_bytes", "cheap_recompute_seconds", "splittable",
-      "transient_bytes", "upload_bytes", "download_bytes"};
+      "transient_bytes", "upload_bytes", "download_bytes", "parameter_bytes"};
   return fields;
 }
 
@@ -290,7 +291,7 @@ std::string profile_to_json(const std::vector<BlockProfile>& blocks, const Links
         {"split_recompute_seconds", b.split_recompute_seconds}, {"cheap_bytes", b.cheap_bytes},
         {"cheap_recompute_seconds", b.cheap_recompute_seconds}, {"splittable", b.splittable},
         {"transient_bytes", b.transient_bytes}, {"upload_bytes", b.upload_bytes},
-        {"download_bytes", b.download_bytes}});
+        {"download_bytes", b.download_bytes}, {"parameter_bytes", b.parameter_bytes}});
   }
   out["links"] = Json{{"d2h", links.d2h}, {"h2d", links.h2d}, {"duplex", links.duplex},
                       {"nvme_write", links.nvme_write}, {"nvme_read", links.nvme_read}};

@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <sstream>
 #include <string>
 
 #include "tierflow/allocator/aligned_buffer.hpp"
@@ -43,9 +44,30 @@ std::uint64_t smallest_free_bytes(const std::vector<std::string>& paths) {
 }  // namespace
 
 std::string params_offload_refusal(const Config& config) {
-  if (config.offload_params == OffloadTarget::kNone) return {};
+  const std::string setting = "TIERFLOW_OFFLOAD_PARAMS='" + std::string(to_string(config.offload_params)) + "'";
+  switch (config.offload_params) {
+    case OffloadTarget::kNone: return {};
+    case OffloadTarget::kHost: {
+      std::ostringstream fraction;
+      fraction << config.gpu_optimizer_fraction;
+      if (!config.gpu_optimizer_fraction_auto && config.gpu_optimizer_fraction > 0.0)
+        return setting + " with TIERFLOW_GPU_OPTIMIZER_FRACTION=" + fraction.str() +
+               ": the GPU share steps parameters on the device, and these live on the host between uses; "
+               "accepted: TIERFLOW_GPU_OPTIMIZER_FRACTION=0 or auto (which takes 0 with parameter offload)";
+      return {};
+    }
+    default:
+      return setting + ": parameters on the " + std::string(to_string(config.offload_params)) +
+             " tier are not available in this version of tierflow; accepted here: none, host";
+  }
+}
+
+std::string params_optimizer_refusal(const Config& config, bool cuda, bool cpu_optimizer) {
+  if (config.offload_params == OffloadTarget::kNone || cpu_optimizer || !cuda) return {};
   return "TIERFLOW_OFFLOAD_PARAMS='" + std::string(to_string(config.offload_params)) +
-         "': parameter offload is not available in this version of tierflow; accepted here: none";
+         "' with TIERFLOW_OFFLOAD_OPTIMIZER='none' on CUDA: a torch optimizer would step parameters whose "
+         "values live on the host while their gradients are on the GPU; accepted: TIERFLOW_OFFLOAD_OPTIMIZER=host "
+         "or nvme (tierflow's CPU AdamW steps the host copies)";
 }
 
 allocator::DeviceKind device_kind(const Config& c) {

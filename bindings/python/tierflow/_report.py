@@ -69,6 +69,12 @@ class Report(dict):
         if a["nvme_bytes"]["peak"]:  # Note [Block residences]: blocks whose only copy was on NVMe
             rows.insert(rows.index(("links", "")), ("  saved activations on NVMe only, peak",
                                                     fmt_bytes(a["nvme_bytes"]["peak"])))
+        pp = self.get("params")
+        if pp:
+            rows.insert(rows.index(("links", "")), ("  parameters on the device, peak",
+                                                    f'{fmt_bytes(pp["device_peak_bytes"])} (host copies '
+                                                    f'{fmt_bytes(pp["host_bytes"])}; {pp["fetches"]} fetches, '
+                                                    f'{pp["prefetch_hits"]} prefetched, {pp["stalls"]} stalls)'))
         ov = o.get("overlap") or {}
         if ov:
             rows.append(("  stepped during backward", f'{ov["early_steps"]} (committed {ov["committed"]}, redone {ov["redone"]}, '

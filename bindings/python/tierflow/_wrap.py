@@ -52,6 +52,7 @@ class Session:
         self.optimizer: Optional[weakref.ref] = None  # the CPUAdamW of this session, if any
         self.planner: Optional[Any] = None  # auto / recompute: the per-block plans (Note [Activation plans])
         self.distributed: Optional[Any] = None  # what the forwards still check (Note [Distributed training])
+        self.params: Optional[Any] = None  # TIERFLOW_OFFLOAD_PARAMS=host: the ParamOffload (Note [Parameter hooks])
 
     # -- model hooks -----------------------------------------------------------
     def attach(self, model: torch.nn.Module, blocks: Optional[list] = None) -> None:
@@ -67,6 +68,10 @@ class Session:
         # Note [Hooks outside graphs]: dynamo never traces them.
         self._handles.append(model.register_forward_pre_hook(outside_graphs(self._before_forward)))
         self._handles.append(model.register_forward_hook(outside_graphs(self._after_forward), always_call=True))
+        if self.config["TIERFLOW_OFFLOAD_PARAMS"] == "host":  # after the plans' hooks: Note [Parameter hooks]
+            from .params import ParamOffload
+
+            self.params = ParamOffload(self, model, blocks)
 
     def detach(self) -> None:
         """Removes the hooks; saved tensors already offloaded still come back."""
@@ -75,6 +80,9 @@ class Session:
         self._handles.clear()
         if self.planner is not None:
             self.planner.remove()
+        if self.params is not None:
+            self.params.remove()  # the parameters get their device memory back
+            self.params = None
 
     def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
         opt = self.optimizer() if self.optimizer is not None else None
@@ -121,6 +129,8 @@ class Session:
         r["optimizer"]["overlap"] = dict(getattr(opt, "overlap_stats", {}) or {})
         if self.planner is not None:
             r["plan"] = self.planner.report()
+        if self.params is not None:
+            r["params"] = self.params.stats()
         streaming = opt.stream_stats() if hasattr(opt, "stream_stats") else {}
         if streaming:
             r["optimizer"]["streaming"] = streaming
@@ -181,6 +191,8 @@ def wrap(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
         # DDP: steps during backward off, before any backward (Note [Distributed training]).
         session.distributed = check_wrap(session.optimizer() if session.optimizer is not None else None, model)
         session.attach(model, blocks)
+        if session.params is not None:  # Note [Parameter hooks]: which optimizer steps the host copies
+            session.params.adopt_optimizer(session.optimizer() if session.optimizer is not None else None)
         if session.config["TIERFLOW_OFFLOAD_ACTIVATIONS"] != "none":  # Note [HF caches]
             from ._hf import disable_cache_in_training
 

@@ -121,6 +121,7 @@ struct GradStreamStats {
   std::uint64_t clips_picked_up = 0;  ///< gradients scaled by the user's clip_grad_norm_ and kept as streamed
   std::uint64_t grad_bytes_to_host = 0;   ///< gradient bytes streamed device -> host
   std::uint64_t weight_bytes_to_device = 0;  ///< weight bytes streamed host -> device
+  std::uint64_t weight_bytes_to_host_copy = 0;  ///< weight bytes written into parameters' host copies (set_home)
   std::uint64_t grads_released = 0;   ///< device gradients let go after their copy (offload_gradients)
   std::uint64_t grad_bytes_freed = 0; ///< ... whose device memory was freed by step() (nothing else held it)
   std::uint64_t grads_restored = 0;   ///< released gradients put back on the device (restore_grads)
@@ -153,6 +154,9 @@ class GradStream : public std::enable_shared_from_this<GradStream> {
   std::size_t add_parameter(const at::Tensor& param, int group);
   /// Stops streaming `slot` for good (it steps elsewhere, e.g. the GPU share).
   void exclude(std::size_t slot);
+  /// The parameter of `slot` lives on the host between uses (Note [Parameter storage]): its new weights go
+  /// into `home` (a CPU tensor of its dtype and size) when its step is committed, instead of to the device.
+  void set_home(std::size_t slot, const at::Tensor& home);
   /// Current hyperparameters of `group` (pushed when each backward begins and at step()).
   void set_group(int group, const optimizer::AdamOptions& options);
   /// The optimizer state of `slot` (fp32 CPU tensors; `step` is the state's

@@ -178,7 +178,13 @@ class AutoPlanner:
             parameter_bytes=sum(p.numel() * p.element_size() for p in self.model_params),
             parameter_elements=sum(p.numel() for p in self.model_params),
             optimizer_on_device=cfg["TIERFLOW_OFFLOAD_OPTIMIZER"] == "none",
+            gradients_offloaded=cfg["TIERFLOW_OFFLOAD_GRADIENTS"] == "on",
             measured_peak_bytes=int(profile.get("measured_peak_bytes") or 0))
+        params = self.session.params  # TIERFLOW_OFFLOAD_PARAMS=host: the plan counts the fetched parameters
+        if params is not None:
+            inputs.params = _C.ParamPolicy.fetch_all
+            inputs.rest_parameter_bytes = params.rest_bytes
+            inputs.measured_parameter_peak_bytes = int(params.stats()["device_peak_bytes"])
         blocks = [profile_struct(b) for b in profile["blocks"]]
         return fields_of(_C.session_budgets(inputs, blocks), BUDGET_FIELDS)
 

@@ -187,6 +187,15 @@ class CPUAdamW(torch.optim.Optimizer):
         if streaming is not None:
             streaming.forget_python_path()  # its parameters step through the Python path
 
+    def use_host_copies(self, offload: Any) -> None:
+        """Parameters that live on the host between uses (Note [Parameter hooks]): their steps read and
+        write the host copies, and the stream commits their weights there. The GPU share (auto) takes none."""
+        self._copies.homes = offload
+        if self._gpu.auto:
+            self._gpu = GpuShare("0")
+        if self._streaming is not None:
+            self._streaming.use_homes(offload)
+
     def mark_master_stale(self) -> None:
         """Parameters were changed outside the optimizer: re-read masters from them at the next step."""
         self._master_stale = True
@@ -270,7 +279,7 @@ class CPUAdamW(torch.optim.Optimizer):
         """A fresh state for p; when making it fails (a full tier) p keeps none, so a later step starts it again."""
         try:
             if self._states.nvme:
-                fresh = self._states.add(p, group)
+                fresh = self._states.add(p, group, self._copies.source(p))
             else:
                 fresh = {"exp_avg": self._copies.host(p, True), "exp_avg_sq": self._copies.host(p, True)}
                 if group["amsgrad"]:
@@ -309,15 +318,15 @@ class CPUAdamW(torch.optim.Optimizer):
         sd["state"] = state
         return sd
 
-    @staticmethod
-    def _master_from(saved: Optional[torch.Tensor], p: torch.Tensor) -> torch.Tensor:
+    def _master_from(self, saved: Optional[torch.Tensor], p: torch.Tensor) -> torch.Tensor:
         # A saved master is used only where it is consistent with the parameter:
         # a checkpoint that went through torch.optim may carry a stale one.
+        value = self._copies.source(p)
         if saved is None or p.dtype == torch.float32:
-            return p.detach()
-        if saved.shape == p.shape and torch.equal(saved.to(p.dtype), p.detach()):
+            return value
+        if saved.shape == p.shape and torch.equal(saved.to(p.dtype), value.to(saved.device)):
             return saved
-        return p.detach()
+        return value
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Loads a CPUAdamW or torch Adam/AdamW state dict, keeping fp32 precision. Refuses one with
@@ -511,7 +520,10 @@ class CPUAdamW(torch.optim.Optimizer):
                 host_grad = grad.detach()
                 if host_grad.device.type != "cpu" or not host_grad.is_contiguous():
                     host_grad = host_grad.to("cpu").contiguous()
-            if p.device.type == "cpu" and p.is_contiguous() and not self._copies.staged(p):
+            home = self._copies.home(p)
+            if home is not None:
+                out = home  # the next forward fetches it (Note [Optimizer copies])
+            elif p.device.type == "cpu" and p.is_contiguous() and not self._copies.staged(p):
                 out = p.detach()
             else:
                 out = self._copies.staging(p)

@@ -16,10 +16,15 @@ device alike, so the adversarial emulated device checks this path too
 - an updated parameter goes back from pinned staging after the work queued on
   the current stream (kernels still reading the old value), the stream waits
   for it before its next kernel, and step() waits for every upload before the
-  staging returns to the pool.
+  staging returns to the pool;
+- a parameter that lives on the host between uses (TIERFLOW_OFFLOAD_PARAMS,
+  Note [Parameter hooks]) is read from and written to its host copy, never
+  the device: the next forward fetches it.
 """
 
 from __future__ import annotations
+
+from typing import Any, Optional
 
 import torch
 
@@ -34,6 +39,16 @@ class DeviceCopies:
     def __init__(self, runtime: "_C.Runtime") -> None:
         self._runtime = runtime
         self._pending_uploads: list = []  # (transfer, staging) of parameters on their way to the device
+        self.homes: Any = None  # the ParamOffload of parameters kept on the host between uses, if any
+
+    def home(self, p: torch.Tensor) -> Optional[torch.Tensor]:
+        """p's host copy when p lives on the host between uses (then the optimizer's parameter), else None."""
+        return self.homes.host_copy(p) if self.homes is not None else None
+
+    def source(self, p: torch.Tensor) -> torch.Tensor:
+        """Where p's current value can be read: its host copy, or p."""
+        home = self.home(p)
+        return p.detach() if home is None else home
 
     def host(self, like: torch.Tensor, zero: bool) -> torch.Tensor:
         """A pinned fp32 tensor of ``like``'s shape (zeroed when ``zero``)."""
@@ -61,7 +76,10 @@ class DeviceCopies:
 
     def read_into(self, dst: torch.Tensor, t: torch.Tensor) -> None:
         """dst (a host tensor) <- t, converting the dtype on the host."""
-        if self.staged(t):
+        home = self.home(t)
+        if home is not None:
+            dst.copy_(home.view(dst.shape))
+        elif self.staged(t):
             host, transfer, _src = self.fetch(t)
             transfer.wait()
             dst.copy_(host.view(dst.shape))
@@ -70,7 +88,11 @@ class DeviceCopies:
 
     def write_param(self, p: torch.Tensor, host: torch.Tensor) -> None:
         """p <- host (pinned, p's dtype): through the copy engine for a device parameter."""
-        if self.staged(p) and p.is_contiguous():
+        home = self.home(p)
+        if home is not None:
+            if home.data_ptr() != host.data_ptr():
+                home.copy_(host.view(p.shape))
+        elif self.staged(p) and p.is_contiguous():
             transfer = self._runtime.copy_to_device(p.detach(), host.view(p.shape))
             self._pending_uploads.append((transfer, host))
         else:

@@ -94,9 +94,9 @@ class StateTier:
                                               for p, is_lost, reason in problems]))
 
     # -- states on NVMe ------------------------------------------------------------
-    def add(self, p: torch.Tensor, group: dict) -> dict:
-        """A fresh NVMe state for p (its master from p), as the entries of its state dict."""
-        master = p.detach().reshape(-1).to("cpu", torch.float32).contiguous()
+    def add(self, p: torch.Tensor, group: dict, value: torch.Tensor) -> dict:
+        """A fresh NVMe state for p (its master from ``value``, p's current value), as the entries of its state dict."""
+        master = value.detach().reshape(-1).to("cpu", torch.float32).contiguous()
         return {"nvme_key": self._runtime.nvme_adam_add(master, bool(group["amsgrad"])),
                 "amsgrad": bool(group["amsgrad"])}
 

@@ -39,6 +39,13 @@ class GradientStreaming:
         self._slot_of[p] = self.stream.add_parameter(p, group_index)
         self._slot_params.append(p)
 
+    def use_homes(self, offload: Any) -> None:
+        """Committed weights of parameters kept on the host go into their host copies (Note [Parameter hooks])."""
+        for p, slot in self._slot_of.items():
+            home = offload.host_copy(p)
+            if home is not None:
+                self.stream.set_home(slot, home)
+
     def carries(self, p: torch.Tensor) -> bool:
         return p in self._slot_of
 

@@ -139,7 +139,13 @@ struct SessionBudgetInputs {
   std::uint64_t parameter_bytes = 0;      ///< the model's parameters, as stored
   std::uint64_t parameter_elements = 0;   ///< ... their element count
   bool optimizer_on_device = false;       ///< TIERFLOW_OFFLOAD_OPTIMIZER=none
+  bool gradients_offloaded = false;       ///< TIERFLOW_OFFLOAD_GRADIENTS=on: freed on the device once on the host
   std::uint64_t measured_peak_bytes = 0;  ///< the timed forward's device peak (0: not measured)
+  /// TIERFLOW_OFFLOAD_PARAMS: kFetchAll (host) fetches every unit; the plan then counts the parameters
+  /// (Budgets::params) and fixed_device_bytes keeps only their gradients.
+  ParamPolicy params = ParamPolicy::kResident;
+  std::uint64_t rest_parameter_bytes = 0;       ///< parameters outside the blocks (with params other than kResident)
+  std::uint64_t measured_parameter_peak_bytes = 0;  ///< fetched parameters' device peak in the timed step
 };
 
 /// The plan of a model without repeated blocks (Note [Auto plan phases]).

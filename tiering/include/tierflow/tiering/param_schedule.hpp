@@ -59,6 +59,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "tierflow/core/stats.hpp"
 #include "tierflow/core/tier.hpp"
 #include "tierflow/tiering/planner.hpp"
 
@@ -106,6 +107,9 @@ struct ParamScheduleStats {
   std::uint64_t device_peak_bytes = 0;        ///< the most device_bytes has been
   std::uint64_t host_bytes = 0, nvme_bytes = 0;  ///< fetched parameters each tier holds
 };
+
+/// The exported fields of ParamScheduleStats (Note [Stat fields]): tierflow.report()["params"].
+const std::vector<StatField<ParamScheduleStats>>& param_schedule_stat_fields();
 
 /// Settings of a ParamSchedule.
 struct ParamScheduleOptions {

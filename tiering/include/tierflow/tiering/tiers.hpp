@@ -83,12 +83,15 @@ struct TierSettings {
   swap::NvmeEngineOptions nvme_options;      ///< its paths and sizes (when `nvme`)
 };
 
-/// The one place parameter offload is refused while the torch side does not carry it out yet
-/// (Note [Parameter residency]): the refusal text for TIERFLOW_OFFLOAD_PARAMS other than none, or
-/// empty when `config` may run. tier_settings throws it; the torch side lifts it by returning empty
-/// here once its hooks follow tiering::ParamSchedule. TIERFLOW_OFFLOAD_PARAMS='nvme' without
-/// TIERFLOW_NVME_PATHS is a configuration error before that (tier_settings names both settings).
+/// What parameter offload (Note [Parameter residency]) cannot serve yet or with the other settings: the
+/// refusal text, or empty when `config` may run. Accepted: none, host (without an explicit GPU optimizer
+/// share: TIERFLOW_GPU_OPTIMIZER_FRACTION=auto takes 0 with it). tier_settings throws it.
+/// TIERFLOW_OFFLOAD_PARAMS='nvme' without TIERFLOW_NVME_PATHS is a configuration error before that.
 std::string params_offload_refusal(const Config& config);
+/// Parameter offload with the optimizer the user trains with: refused (the text) for a torch optimizer
+/// (`cpu_optimizer` false) on CUDA, whose gradients are on the device while the values are on the host;
+/// empty otherwise (on the emulated device a torch optimizer steps the host copies in place).
+std::string params_optimizer_refusal(const Config& config, bool cuda, bool cpu_optimizer);
 
 /// The device `config` asks for (TIERFLOW_DEVICE; auto: CUDA when a GPU is usable); config_error naming why
 /// cuda cannot be served and what is accepted here (Note [Tiers from the configuration]).

@@ -1,0 +1,108 @@
+// The parameters of an unchanged PyTorch model between their uses, on the
+// host tier: the torch side of tiering::ParamSchedule for the Python path
+// (TIERFLOW_OFFLOAD_PARAMS=host). The module hooks that call the events live
+// in bindings/python/tierflow/params.py.
+//
+// Note [Parameter storage]
+// ~~~~~~~~~~~~~~~~~~~~~~~~
+// An unchanged model's autograd graph saves its weights as the parameter
+// itself or as views of it (w.t() for a linear layer), each pointing at the
+// parameter's storage. Releasing a parameter by pointing it at another tensor
+// (set_data) would free nothing: the views keep the storage. So a released
+// parameter keeps its tensor and its storage object, and only the storage's
+// memory goes (its bytes set to 0); a fetch gives the same storage new device
+// memory (the device's allocator, on the compute stream) and copies the host
+// copy into it. Every view autograd saved sees the weights again, and the
+// parameter's identity (TensorImpl, StorageImpl: how the saved-tensor hooks
+// recognise it, Note [Saved-tensor decisions]) never changes. PyTorch's FSDP1
+// frees its unsharded parameters the same way.
+//
+// What a released parameter can and cannot do. Its shape, dtype, device and
+// gradient are intact (AccumulateGrad reads only its metadata); its values
+// are not there: reading it outside the model's forward and backward is
+// refused by the Python side where it can see it (state_dict and
+// load_state_dict go through the host copies; an optimizer steps the host
+// copies) and is otherwise the user's to avoid (the README says so).
+//
+// Rules, in the order the events carry them out (ParamActions):
+// 1. release: a parameter whose fetch is still in flight is waited for first
+//    (the copy must not land in freed memory); then its memory goes. On
+//    CUDA the caching allocator gives the block back to the compute stream,
+//    after whose queued kernels any reuse on that stream runs; a fetch into
+//    reused memory is queued after the compute stream's earlier work
+//    (Runtime::fetch_to_device).
+// 2. fetch and prefetch: new memory, then the copy host -> device on the copy
+//    engine after the compute stream's queued work; the compute stream does
+//    not wait yet.
+// 3. wait: the compute stream waits for each copy the unit needs before the
+//    unit's kernels (Runtime::await_on_device), then the schedule is told it
+//    arrived.
+// 4. The host copy is written only by the optimizer, in step(), when no fetch
+//    of it is in flight: a step's last use (the rest unit's, when backward
+//    ends) releases what is left, and the next forward's fetches come after
+//    step() returns.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstddef>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "tierflow/core/tier.hpp"
+#include "tierflow/swap/copy_engine.hpp"
+#include "tierflow/tiering/param_schedule.hpp"
+
+namespace tierflow::bindings {
+
+class Runtime;
+
+/// Parameters of units (repeated blocks, then the rest unit) kept on the host between uses (Note [Parameter
+/// storage]). Thread-safe: forward events come from the Python thread, backward events from autograd's.
+class ParamResidency {
+ public:
+  /// `units[u]`: unit u's parameters (blocks first, the rest unit last); `residences[u]`: kGpu (stays) or
+  /// kHost. Copies every fetched parameter to a pinned host copy and releases its device memory. Throws
+  /// config_error naming a parameter that cannot be offloaded (not a leaf of the runtime's device, not
+  /// contiguous, sharing its storage with another tensor) before anything changes.
+  ParamResidency(std::shared_ptr<Runtime> runtime, const std::vector<std::vector<at::Tensor>>& units,
+                 const std::vector<Tier>& residences, const std::vector<std::string>& names);
+  ~ParamResidency();
+
+  void begin_forward(std::size_t unit);
+  void end_forward(std::size_t unit);
+  void begin_backward(std::size_t unit);
+  void end_backward(std::size_t unit);
+
+  /// The host copy of `p` (what the optimizer steps and state_dict reads), undefined when `p` stays on the
+  /// device.
+  at::Tensor host_copy(const at::Tensor& p) const;
+  /// Points every offloaded parameter at its host copy (true) or back at its released device storage
+  /// (false): for a torch optimizer stepping on the emulated device, whose device tensors are CPU tensors.
+  void point_at_host(bool on_host);
+  /// Fetches `p` now and waits for it (a module's load_state_dict writes into it), or writes it back to its
+  /// host copy and releases it (`fetch` false).
+  void materialize(const at::Tensor& p, bool fetch);
+
+  std::size_t units() const;
+  tiering::ParamScheduleStats stats() const;
+
+ private:
+  struct Param;
+  enum class Use { kBeginForward, kEndForward, kBeginBackward, kEndBackward };
+  void use(std::size_t unit, Use what);
+  void carry_out(const tiering::ParamActions& a);
+  void release(Param& p);
+  void fetch(Param& p);
+
+  std::shared_ptr<Runtime> runtime_;
+  mutable std::mutex mutex_;
+  std::unique_ptr<tiering::ParamSchedule> schedule_;
+  std::unordered_map<tiering::ParamId, Param> params_;
+  bool on_host_ = false;
+};
+
+}  // namespace tierflow::bindings
