@@ -158,6 +158,7 @@ void ParamResidency::use(std::size_t unit, Use what) {
     case Use::kEndForward: carry_out(schedule_->end_forward(unit)); break;
     case Use::kBeginBackward: carry_out(schedule_->begin_backward(unit)); break;
     case Use::kEndBackward: carry_out(schedule_->end_backward(unit)); break;
+    case Use::kEndPhase: carry_out(schedule_->end_phase()); break;
   }
 }
 
@@ -165,6 +166,7 @@ void ParamResidency::begin_forward(std::size_t unit) { use(unit, Use::kBeginForw
 void ParamResidency::end_forward(std::size_t unit) { use(unit, Use::kEndForward); }
 void ParamResidency::begin_backward(std::size_t unit) { use(unit, Use::kBeginBackward); }
 void ParamResidency::end_backward(std::size_t unit) { use(unit, Use::kEndBackward); }
+void ParamResidency::end_phase() { use(0, Use::kEndPhase); }
 
 at::Tensor ParamResidency::host_copy(const at::Tensor& p) const {
   std::lock_guard<std::mutex> lock(mutex_);

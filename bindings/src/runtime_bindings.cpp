@@ -216,6 +216,7 @@ void bind_param_residency(py::module_& m) {
       .def("end_forward", &ParamResidency::end_forward, py::call_guard<py::gil_scoped_release>())
       .def("begin_backward", &ParamResidency::begin_backward, py::call_guard<py::gil_scoped_release>())
       .def("end_backward", &ParamResidency::end_backward, py::call_guard<py::gil_scoped_release>())
+      .def("end_phase", &ParamResidency::end_phase, py::call_guard<py::gil_scoped_release>())
       .def("host_copy", [](const ParamResidency& r, const at::Tensor& p) -> py::object {
         at::Tensor h = r.host_copy(p);
         return h.defined() ? py::cast(h) : py::none();

@@ -136,6 +136,46 @@ TEST(ParamSchedule, TheRecordedBackwardOrderDrivesTheNextStepsPrefetch) {
   EXPECT_EQ(s.stats().order_misses, misses);
 }
 
+TEST(ParamSchedule, EndingAPhaseReleasesEverythingLeftAndRecordsItsOrder) {
+  ParamSchedule s(chain(4, 100, Tier::kHost, Tier::kHost), {100});
+  EXPECT_TRUE(s.end_phase().release.empty());  // no phase yet
+  land(s, s.begin_forward(4));
+  land(s, s.end_forward(4));
+  run_forward(s, 4);
+  land(s, s.begin_forward(4));
+  land(s, s.end_forward(4));
+  // Backward uses only the rest unit and blocks 3 and 2 (frozen inputs below): 2's prefetch of 1 is left.
+  land(s, s.begin_backward(4));
+  land(s, s.end_backward(4));
+  land(s, s.begin_backward(3));
+  land(s, s.end_backward(3));
+  const ParamActions b2 = s.begin_backward(2);
+  ASSERT_EQ(b2.prefetch, Ids{11});  // in flight: the caller has not seen it land
+  land(s, ParamActions{{}, b2.fetch, {}, {}});
+  s.end_backward(2);
+  const ParamActions end = s.end_phase();
+  EXPECT_NE(std::find(end.release.begin(), end.release.end(), ParamId{11}), end.release.end());
+  EXPECT_EQ(s.stats().device_bytes, 0u);
+  EXPECT_EQ(s.state(11), ParamState::kReleased);
+  EXPECT_TRUE(s.end_phase().release.empty());
+  // The same forward again, ended by end_phase: the next backward expects the one recorded after it (rest, 3,
+  // 2), not the reverse of the forward.
+  land(s, s.begin_forward(4));
+  land(s, s.end_forward(4));
+  run_forward(s, 4);
+  land(s, s.begin_forward(4));
+  land(s, s.end_forward(4));
+  EXPECT_TRUE(s.end_phase().release.empty());  // the rest unit's last use released it already
+  const auto misses = s.stats().order_misses;
+  for (UnitId u : {UnitId{4}, UnitId{3}, UnitId{2}}) {
+    land(s, s.begin_backward(u));
+    land(s, s.end_backward(u));
+  }
+  EXPECT_EQ(s.stats().order_misses, misses);
+  s.end_phase();
+  EXPECT_EQ(s.stats().device_bytes, 0u);
+}
+
 TEST(ParamSchedule, IllegalMovesNameTheParameterAndBothStates) {
   ParamSchedule s(chain(2, 100, Tier::kHost), {0});
   s.begin_forward(0);  // fetch started, never reported arrived

@@ -124,6 +124,34 @@ void ParamSchedule::fetch(Param& p, bool ahead) {
 
 void ParamSchedule::arrived(ParamId id) { move(param(id), ParamState::kOnDevice); }
 
+void ParamSchedule::record_phase() {
+  if (backward_) {
+    recorded_backward_ = seen_;
+    backward_followed_ = last_forward_;
+  } else {
+    recorded_forward_ = last_forward_ = seen_;
+  }
+}
+
+ParamActions ParamSchedule::end_phase() {
+  ParamActions out;
+  if (!in_phase_) return out;
+  record_phase();
+  for (auto& p : params_) {
+    p.ahead = false;
+    if (p.home == Tier::kGpu) continue;
+    if (p.state == ParamState::kInFlight) move(p, ParamState::kOnDevice);  // its copy is waited for first
+    if (p.state != ParamState::kOnDevice) continue;
+    move(p, ParamState::kReleased);
+    stats_.device_bytes -= p.bytes;
+    ++stats_.releases;
+    out.release.push_back(p.id);
+  }
+  ahead_bytes_ = 0;
+  in_phase_ = false;
+  return out;
+}
+
 bool ParamSchedule::used_later(std::size_t param_index) const {
   for (std::size_t i = cursor_; i < expected_.size(); ++i) {
     const auto& members = units_[expected_[i]];
@@ -133,10 +161,7 @@ bool ParamSchedule::used_later(std::size_t param_index) const {
 }
 
 void ParamSchedule::start_phase(bool backward, ParamActions& out) {
-  if (in_phase_) {
-    (backward_ ? recorded_backward_ : recorded_forward_) = seen_;
-    if (!backward_) last_forward_ = seen_;
-  }
+  if (in_phase_) record_phase();
   for (auto& p : params_) {  // what the previous phase left on the device (its order changed)
     p.ahead = false;
     if (p.home != Tier::kGpu && p.state == ParamState::kOnDevice) {
@@ -149,7 +174,8 @@ void ParamSchedule::start_phase(bool backward, ParamActions& out) {
   ahead_bytes_ = 0;
   if (backward) {
     std::vector<UnitId> reverse(last_forward_.rbegin(), last_forward_.rend());
-    const bool usable = !recorded_backward_.empty() && recorded_backward_.size() == reverse.size();
+    // The recorded backward, when it followed a forward of the same uses as this one.
+    const bool usable = !recorded_backward_.empty() && backward_followed_ == last_forward_;
     expected_ = usable ? recorded_backward_ : reverse;
   } else {
     expected_ = recorded_forward_.empty() ? default_forward() : recorded_forward_;

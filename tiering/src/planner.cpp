@@ -538,7 +538,9 @@ std::string Plan::summary() const {
     std::snprintf(buf, sizeof buf, " (x%.3f)", predicted_step_seconds / keep_all_step_seconds);
     s += buf;
   }
-  s += "; swapped " + format_bytes(host_bytes) + " host, " + format_bytes(nvme_bytes) + " NVMe";
+  // Activations only: the fetched parameters' share of each tier is in the parameters' part.
+  s += "; swapped " + format_bytes(host_bytes - std::min(host_bytes, host_param_bytes)) + " host, " +
+       format_bytes(nvme_bytes - std::min(nvme_bytes, nvme_param_bytes)) + " NVMe";
   const auto fetched = std::count_if(blocks.begin(), blocks.end(), [](const BlockPlan& b) { return b.params != Tier::kGpu; });
   if (fetched > 0 || rest_params != Tier::kGpu) {
     s += "; parameters: " + std::to_string(fetched) + " blocks fetched, rest " + std::string(to_string(rest_params)) +

@@ -17,14 +17,24 @@ closes it and opens the rest unit again, so whatever runs between and after
 the blocks (a final norm, the head, a weight read outside any module) finds
 the rest unit's parameters on the device. The model's forward hook closes the
 last use: every fetched parameter is then released.
-Backward. The gradient of the model's output opens the rest unit (the loss
-and the head); the gradient of a block's output opens the block (before any
-of its backward runs, so before a replay of Note [Activation plans] or a
-gradient checkpoint's recompute, which run its forward again: a block's
-pre-hook during backward does nothing); the gradient of a block's input
-closes it and opens the rest unit; the end of backward (a callback queued on
-the engine when it starts) closes what is open. A forward run during
-backward (a recompute) changes nothing.
+Backward. The gradient of the model's output opens the rest unit, which
+stays until the end of backward (the head first, the embeddings last, a
+norm between an encoder's blocks and a decoder's). The gradient of a
+block's output opens the block (before any of its backward runs, so before a
+replay of Note [Activation plans] or a gradient checkpoint's recompute,
+which run its forward again: a block's pre-hook during backward does
+nothing). A block's use ends when the gradients of all its tensor inputs
+are ready: autograd reads a weight only to compute the gradient of what
+the weight multiplied, and everything a block computes flows out through its
+inputs or into its own parameters' gradients (which need the activations,
+not the weight), so nothing of the block can need its parameters after that.
+Uses may overlap (a decoder block's cross-attention input, the encoder's
+output, is ready only after every decoder block). The end of backward (a
+callback queued on the engine when it starts) ends what is still open, the
+rest unit last, and the phase, which releases whatever is left (Note
+[Parameter residency]: a block whose inputs need no gradient, such as the
+first of a model with frozen embeddings; a prefetch for a use that did not
+come). The model's forward hook ends the forward phase the same way.
 Everything else. With a torch optimizer (offload_optimizer="none") step()
 runs with every parameter pointing at its host copy, which it updates in
 place; on the emulated device only, whose device tensors are CPU tensors (on
@@ -79,7 +89,9 @@ class ParamOffload:
         self.impl = _C.ParamResidency(session.runtime, units, ["host"] * len(units),
                                       [names.get(id(p), "?") for u in units for p in u])
         self._model = weakref.ref(model)
-        self._open: Optional[tuple] = None  # (unit, backward) of the use in progress
+        self._open: Optional[int] = None  # the forward use in progress
+        self._backward: Optional[set] = None  # in a backward: its blocks whose use is open
+        self._pending: dict = {}  # block -> gradients of its inputs backward has still to produce
         self._handles: list = []
         me = weakref.ref(self)
 
@@ -111,7 +123,8 @@ class ParamOffload:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        self._switch(None, self._open is not None and self._open[1])
+        self._switch(None)
+        self._close_backward()
         self.impl.point_at_host(False)
         for p in self._params:
             self.impl.materialize(p, True)
@@ -125,46 +138,48 @@ class ParamOffload:
         _install_step_hooks()
         _live.add(self)
 
-    # -- uses --------------------------------------------------------------------------------------
-    def _switch(self, unit: Optional[int], backward: bool) -> None:
-        """Closes the open use and opens ``unit``'s (None: opens nothing)."""
+    # -- forward: one use at a time ----------------------------------------------------------------
+    def _switch(self, unit: Optional[int]) -> None:
+        """Closes the open forward use and opens ``unit``'s (None: opens nothing)."""
         if self._open is not None:
-            u, b = self._open
-            (self.impl.end_backward if b else self.impl.end_forward)(u)
+            self.impl.end_forward(self._open)
             self._open = None
         if unit is not None:
-            (self.impl.begin_backward if backward else self.impl.begin_forward)(unit)
-            self._open = (unit, backward)
+            self.impl.begin_forward(unit)
+            self._open = unit
 
     def _model_begins(self) -> None:
         if not _in_backward():
-            self._switch(self.rest, False)
+            self._close_backward()  # a backward that never reached its end (an error): its phase ends here
+            self._pending = {}
+            self._switch(self.rest)
 
     def _model_ends(self, out: Any) -> None:
         if _in_backward():
             return
-        self._switch(None, False)
+        self._switch(None)
+        self.impl.end_phase()
         if torch.is_grad_enabled():
-            self._on_grad(out, lambda: self._backward_begins())
+            self._on_grad(out, self._backward_begins)
 
     def _block_begins(self, i: int, args: Any, kwargs: Any) -> None:
         if _in_backward():
             return  # a recompute: the block's backward opened it
-        self._switch(i, False)
-        if torch.is_grad_enabled():  # its input's gradient closes its backward
-            first = next((t for t in tree_flatten((args, kwargs))[0]
-                          if isinstance(t, torch.Tensor) and t.requires_grad), None)
-            if first is not None:
-                first.register_hook(self._grad_hook(lambda: self._block_backward_ends(i)))
+        self._switch(i)
+        if torch.is_grad_enabled():  # the gradients of its inputs close its backward
+            inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            self._pending[i] = self._pending.get(i, 0) + len(inputs)
+            for t in inputs:
+                t.register_hook(self._grad_hook(lambda i=i: self._input_grad_ready(i)))
 
     def _block_ends(self, i: int, out: Any) -> None:
         if _in_backward():
             return
-        self._switch(self.rest, False)
+        self._switch(self.rest)
         if torch.is_grad_enabled():
             self._on_grad(out, lambda: self._block_backward_begins(i))
 
-    # -- backward ----------------------------------------------------------------------------------
+    # -- backward: uses that may overlap --------------------------------------------------------------
     def _on_grad(self, out: Any, then: Any) -> None:
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.requires_grad:
@@ -177,20 +192,35 @@ class ParamOffload:
         return hook
 
     def _backward_begins(self) -> None:
-        if self._open == (self.rest, True):
+        if self._backward is not None:
             return  # another output of the model
-        self._switch(self.rest, True)
+        self._backward = set()
+        self.impl.begin_backward(self.rest)
         me = weakref.ref(self)
-        torch.autograd.Variable._execution_engine.queue_callback(
-            lambda: me() is not None and me()._switch(None, True))
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: me() is not None and me()._close_backward())
 
     def _block_backward_begins(self, i: int) -> None:
-        if self._open != (i, True):
-            self._switch(i, True)
+        if self._backward is None:
+            self._backward_begins()  # backward from a block's output, not the model's
+        if i not in self._backward:
+            self._backward.add(i)
+            self.impl.begin_backward(i)
 
-    def _block_backward_ends(self, i: int) -> None:
-        if self._open == (i, True):
-            self._switch(self.rest, True)
+    def _input_grad_ready(self, i: int) -> None:
+        self._pending[i] -= 1
+        if self._pending[i] == 0 and self._backward is not None and i in self._backward:
+            self._backward.discard(i)
+            self.impl.end_backward(i)
+
+    def _close_backward(self) -> None:
+        """The end of backward: every use still open ends, and the phase with them."""
+        if self._backward is None:
+            return
+        for i in sorted(self._backward, reverse=True):
+            self.impl.end_backward(i)
+        self.impl.end_backward(self.rest)
+        self._backward = None
+        self.impl.end_phase()
 
     # -- outside forward and backward --------------------------------------------------------------
     def host_copy(self, p: torch.Tensor) -> Optional[torch.Tensor]:
@@ -230,7 +260,7 @@ class ParamOffload:
         for module in model.modules():
             if any(True for _ in module.parameters(recurse=False)):
                 handles.append(module._register_state_dict_hook(saving))
-                handles.append(module._register_load_state_dict_pre_hook(loading))
+                handles.append(module.register_load_state_dict_pre_hook(loading))
                 handles.append(module.register_load_state_dict_post_hook(loaded))
         return handles
 

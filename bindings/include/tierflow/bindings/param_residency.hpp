@@ -76,6 +76,8 @@ class ParamResidency {
   void end_forward(std::size_t unit);
   void begin_backward(std::size_t unit);
   void end_backward(std::size_t unit);
+  /// The forward (no backward follows) or the backward ended: everything fetched is released.
+  void end_phase();
 
   /// The host copy of `p` (what the optimizer steps and state_dict reads), undefined when `p` stays on the
   /// device.
@@ -92,7 +94,7 @@ class ParamResidency {
 
  private:
   struct Param;
-  enum class Use { kBeginForward, kEndForward, kBeginBackward, kEndBackward };
+  enum class Use { kBeginForward, kEndForward, kBeginBackward, kEndBackward, kEndPhase };
   void use(std::size_t unit, Use what);
   void carry_out(const tiering::ParamActions& a);
   void release(Param& p);

@@ -20,9 +20,10 @@
 // backward pair); a unit may be used several times in one phase (the rest
 // unit: the embeddings first, the head last). The schedule records the
 // sequence of units each phase began and expects the next phase of that
-// kind to repeat it. Before any record it expects: forward rest, 0..n-1,
-// rest (the rest unit's uses only when it fetches a parameter); backward the
-// reverse of the forward this step ran. A use that is not the expected one
+// kind to repeat it (a backward: the recorded one when it followed a
+// forward of the same uses, else the reverse of the forward it follows).
+// Before any record it expects: forward rest, 0..n-1, rest (the rest unit's
+// uses only when it fetches a parameter). A use that is not the expected one
 // counts as an order miss and is served anyway. Uses do not nest (the rest
 // unit's embeddings use ends before block 0 begins); the caller may skip the
 // events of a unit that fetches nothing.
@@ -37,7 +38,9 @@
 // So a shared parameter is fetched at its first use and released after its
 // last use, once per phase. A phase that begins with parameters of the
 // previous phase still on the device (its order changed) releases them
-// first. An illegal move throws std::logic_error naming the parameter and
+// first; the caller ends a phase (end_phase) when backward ends, which
+// releases every fetched parameter left, those prefetched for a use that
+// did not come included. An illegal move throws std::logic_error naming the parameter and
 // both states.
 //
 // Prefetch window. After each event the schedule walks the expected uses
@@ -132,6 +135,10 @@ class ParamSchedule {
   ParamActions begin_backward(UnitId unit);
   /// It ended.
   ParamActions end_backward(UnitId unit);
+  /// The phase in progress ended (the end of a backward, or of a forward no backward follows): every fetched
+  /// parameter still on the device, or in flight (the caller waits for its copy first), is released, and the
+  /// phase's order is recorded. Nothing when no phase is in progress.
+  ParamActions end_phase();
   /// A fetch the caller started has landed on the device (in flight -> on device).
   void arrived(ParamId id);
 
@@ -158,6 +165,7 @@ class ParamSchedule {
   ParamActions begin(UnitId unit, bool backward);
   ParamActions end(UnitId unit);
   void start_phase(bool backward, ParamActions& out);
+  void record_phase();
   void top_up(ParamActions& out);
   void fetch(Param& p, bool ahead);
   void move(Param& p, ParamState to);
@@ -174,6 +182,7 @@ class ParamSchedule {
   std::vector<UnitId> expected_;                  // this phase's expected uses
   std::vector<UnitId> seen_;                      // this phase's uses so far
   std::vector<UnitId> recorded_forward_, recorded_backward_, last_forward_;
+  std::vector<UnitId> backward_followed_;          // the forward recorded_backward_ followed
   std::size_t cursor_ = 0;                        // position of the current use in expected_
   std::uint64_t ahead_bytes_ = 0;
 };
