@@ -228,3 +228,31 @@ def test_torch_optimizer_refusal_text():
     rt = tierflow._C.Runtime({"TIERFLOW_OFFLOAD_PARAMS": "host", "TIERFLOW_DEVICE": "emulated"})
     assert rt.params_optimizer_refusal(False) is None  # the emulated device steps the host copies
     assert rt.params_optimizer_refusal(True) is None
+
+
+def test_ddp_with_parameters_on_the_host_is_refused_in_both_orders(monkeypatch):
+    """DDP reads and all-reduces the parameters themselves (issue 21 has DDP with parameter offload)."""
+    import os
+    import sys
+
+    dist = torch.distributed
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    if sys.platform.startswith("linux") and "GLOO_SOCKET_IFNAME" not in os.environ:
+        monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        task = ZOO["gpt2"][0]()
+        torch.manual_seed(0)
+        ddp = torch.nn.parallel.DistributedDataParallel(task.model_on("emulated"))
+        with pytest.raises(tierflow.ConfigError, match="OFFLOAD_PARAMS='host' under .*DistributedDataParallel.*"
+                                                       "accepted under DDP: TIERFLOW_OFFLOAD_PARAMS=none"):
+            tierflow.wrap(ddp, None, device="emulated", offload_params="host")
+        assert all(p.untyped_storage().nbytes() > 0 for p in ddp.parameters())  # nothing was released
+        model = task.model_on("emulated")
+        around = torch.nn.parallel.DistributedDataParallel(model)  # then the model inside it is wrapped
+        tierflow.wrap(model, None, device="emulated", offload_params="host", offload_activations="none")
+        with pytest.raises(tierflow.ConfigError, match="under .*DistributedDataParallel"):
+            task.loss(around, task.batch_on(0, "emulated"))
+    finally:
+        dist.destroy_process_group()

@@ -55,7 +55,13 @@ from torch.utils._pytree import tree_flatten
 
 from . import _C
 from ._compile import outside_graphs
+from ._distributed import _ddp_around, _ddp_inside
 from .activations.blocks import find_blocks
+
+
+_DDP_REFUSAL = ("TIERFLOW_OFFLOAD_PARAMS='host' under torch.nn.parallel.DistributedDataParallel (DDP): not "
+                "supported yet (DDP broadcasts and reads the parameters themselves, which live on the host between "
+                "uses); accepted under DDP: TIERFLOW_OFFLOAD_PARAMS=none")
 
 
 def _in_backward() -> bool:
@@ -67,6 +73,8 @@ class ParamOffload:
     """The parameter hooks of one wrapped model (Note [Parameter hooks])."""
 
     def __init__(self, session: Any, model: torch.nn.Module, blocks: Optional[list]) -> None:
+        if _ddp_inside(model) is not None:
+            raise _C.ConfigError(_DDP_REFUSAL)
         blocks = list(blocks) if blocks is not None else find_blocks(model)
         if not blocks:
             raise _C.ConfigError(
@@ -149,6 +157,9 @@ class ParamOffload:
             self._open = unit
 
     def _model_begins(self) -> None:
+        model = self._model()
+        if model is not None and _ddp_around(model) is not None:  # DDP(model) after wrap
+            raise _C.ConfigError(_DDP_REFUSAL)
         if not _in_backward():
             self._close_backward()  # a backward that never reached its end (an error): its phase ends here
             self._pending = {}
