@@ -7,7 +7,10 @@
 #include <algorithm>
 #include <utility>
 
+#include "tierflow/bindings/activation_offloader.hpp"
 #include "tierflow/bindings/runtime.hpp"
+#include "tierflow/core/size.hpp"
+#include "tierflow/swap/nvme_engine.hpp"
 #include "tierflow/core/error.hpp"
 
 namespace tierflow::bindings {
@@ -44,94 +47,156 @@ std::string cannot_offload(const Runtime& rt, const at::Tensor& p) {
 }  // namespace
 
 struct ParamResidency::Param {
-  at::Tensor param;   // the model's parameter
-  at::Tensor device;  // a tensor over the parameter's storage: what fetches fill and releases empty
-  at::Tensor host;    // its pinned host copy
+  at::Tensor param;    // the model's parameter
+  at::Tensor device;   // a tensor over the parameter's storage: what fetches fill and releases empty
+  at::Tensor host;     // its pinned host copy (host tier; undefined on NVMe)
+  bool nvme = false;   // on NVMe between uses: `block`
+  swap::NvmeBlock block = 0;
+  at::Tensor staging;  // NVMe: the pinned buffer a fetch reads into (kept until the fetch is released), or
+                       // what the parameter points at during point_at_host
   swap::TransferHandle fetch;
 };
 
-ParamResidency::ParamResidency(std::shared_ptr<Runtime> runtime, const std::vector<std::vector<at::Tensor>>& units,
-                               const std::vector<Tier>& residences, const std::vector<std::string>& names)
-    : runtime_(std::move(runtime)) {
+namespace {
+
+// Each unit's parameters as the schedule sees them, after checking that each fetched one can be offloaded.
+std::vector<tiering::ParamUnit> plan_units(const Runtime& rt, const std::vector<std::vector<at::Tensor>>& units,
+                                           const std::vector<Tier>& residences, const std::vector<std::string>& names) {
   TIERFLOW_EXPECTS(!units.empty() && units.size() == residences.size(),
                    "ParamResidency: one residence per unit, the rest unit last");
   std::vector<tiering::ParamUnit> plan(units.size());
   std::unordered_map<const void*, std::pair<tiering::ParamId, std::string>> storages;  // StorageImpl -> its parameter
-  std::uint64_t largest = 0;
   std::size_t index = 0;
   for (std::size_t u = 0; u < units.size(); ++u) {
-    if (residences[u] != Tier::kGpu && residences[u] != Tier::kHost)
-      throw config_error(std::string("offload_params: tier '") + std::string(to_string(residences[u])) +
-                         "' for parameters; accepted: host (the NVMe tier for parameters is not available yet)");
-    plan[u].residence = residences[u];
-    std::uint64_t bytes = 0;
+    const Tier tier = residences[u];
+    if (tier == Tier::kNvme && !rt.has_nvme())
+      throw config_error("offload_params: the NVMe tier for parameters needs TIERFLOW_NVME_PATHS");
+    plan[u].residence = tier;
     for (const at::Tensor& p : units[u]) {
       const std::string name = index < names.size() ? names[index] : "#" + std::to_string(index);
       ++index;
-      if (std::string why = cannot_offload(*runtime_, p); !why.empty() && residences[u] != Tier::kGpu)
-        throw config_error("offload_params: parameter '" + name + "' " + why +
-                           "; parameters offloaded to the host must be contiguous leaf tensors of the model's "
-                           "device, each with its own storage");
-      if (residences[u] != Tier::kGpu) {
-        auto [it, added] = storages.emplace(p.storage().unsafeGetStorageImpl(), std::make_pair(param_id(p), name));
-        if (!added && it->second.first != param_id(p))
-          throw config_error("offload_params: parameters '" + it->second.second + "' and '" + name +
-                             "' share one storage; parameters offloaded to the host must each have their own");
-      }
       plan[u].params.push_back({param_id(p), p.nbytes()});
-      bytes += p.nbytes();
+      if (tier == Tier::kGpu) continue;
+      if (std::string why = cannot_offload(rt, p); !why.empty())
+        throw config_error("offload_params: parameter '" + name + "' " + why + "; parameters offloaded to the " +
+                           std::string(to_string(tier)) + " must be contiguous leaf tensors of the model's device, "
+                           "each with its own storage");
+      auto [it, added] = storages.emplace(p.storage().unsafeGetStorageImpl(), std::make_pair(param_id(p), name));
+      if (!added && it->second.first != param_id(p))
+        throw config_error("offload_params: parameters '" + it->second.second + "' and '" + name +
+                           "' share one storage; offloaded parameters must each have their own");
     }
-    if (residences[u] != Tier::kGpu) largest = std::max(largest, bytes);
   }
+  return plan;
+}
+
+}  // namespace
+
+ParamResidency::ParamResidency(std::shared_ptr<Runtime> runtime, const std::vector<std::vector<at::Tensor>>& units,
+                               const std::vector<Tier>& residences, const std::vector<std::string>& names)
+    : runtime_(std::move(runtime)) {
+  const std::vector<tiering::ParamUnit> plan = plan_units(*runtime_, units, residences, names);
   std::vector<std::uint64_t> fetched;
   for (const auto& u : plan) {
     if (u.residence == Tier::kGpu) continue;
     fetched.push_back(0);
     for (const auto& r : u.params) fetched.back() += r.bytes;
   }
+  const std::uint64_t largest = fetched.empty() ? 0 : *std::max_element(fetched.begin(), fetched.end());
   // A budget below the largest unit and the window is refused before anything moves (the working set is
   // the activation planner's to count: Budgets::params).
   tiering::check_param_budget(runtime_->tiers().device_budget_bytes(), fetched, largest, 0);
   tiering::ParamScheduleOptions o;
   o.prefetch_bytes = largest;  // one unit ahead (Note [Parameter residency])
   auto schedule = std::make_unique<tiering::ParamSchedule>(plan, o);
-  // The host copies, in full, before any device memory goes.
   std::unordered_map<tiering::ParamId, Param> copies;
-  std::vector<swap::TransferHandle> copying;
+  std::uint64_t nvme_bytes = 0;
   for (const auto& unit : units) {
     for (const at::Tensor& p : unit) {
       const tiering::ParamId id = param_id(p);
-      if (copies.count(id) || schedule->home(id) == Tier::kGpu) continue;
-      Param c{p, p.detach(), runtime_->host_empty(p.sizes(), p.scalar_type(), false), {}};
-      copying.push_back(runtime_->copy_to_host(c.host, c.device));
+      const Tier home = schedule->home(id);
+      if (copies.count(id) || home == Tier::kGpu) continue;
+      Param c{p, p.detach(), {}, home == Tier::kNvme, 0, {}, {}};
+      if (c.nvme) nvme_bytes += p.nbytes();
       copies.emplace(id, std::move(c));
     }
   }
+  // NVMe space is checked before the first write; then every copy is made before any device memory goes.
+  if (nvme_bytes > 0 && nvme_bytes > runtime_->nvme_engine()->available_bytes())
+    throw out_of_memory("offload_params: the parameters need " + std::to_string(nvme_bytes) + " bytes (" +
+                        format_bytes(nvme_bytes) + ") on NVMe and the NVMe tier has " +
+                        format_bytes(runtime_->nvme_engine()->available_bytes()) +
+                        " available (TIERFLOW_NVME_MEMORY, TIERFLOW_NVME_PATHS)");
+  for (auto& [id, c] : copies) c.host = runtime_->host_empty(c.device.sizes(), c.device.scalar_type(), false);
+  std::vector<swap::TransferHandle> copying;
+  for (auto& [id, c] : copies) copying.push_back(runtime_->copy_to_host(c.host, c.device));
   for (const auto& h : copying) h.wait();
+  try {
+    for (auto& [id, c] : copies) {
+      if (!c.nvme) continue;
+      c.block = runtime_->nvme_engine()->allocate(c.host.nbytes());
+      runtime_->nvme_engine()->write(c.block, c.host.data_ptr(), c.host.nbytes()).wait();
+      c.host = at::Tensor();  // on NVMe only from now on
+    }
+  } catch (...) {
+    for (auto& [id, c] : copies)
+      if (c.nvme && c.block) runtime_->nvme_engine()->release(c.block);
+    throw;
+  }
   for (auto& [id, c] : copies) drop_memory(c.device);
   params_ = std::move(copies);
   schedule_ = std::move(schedule);
 }
 
 ParamResidency::~ParamResidency() {
-  // A fetch still in flight must not land in memory freed with the storage.
+  // A fetch still in flight must not land in memory freed with the storage, nor read freed staging.
   for (auto& [id, p] : params_) {
     try {
       p.fetch.wait();
     } catch (...) {
     }
+    if (p.nvme) runtime_->nvme_engine()->release(p.block);
   }
 }
 
 void ParamResidency::release(Param& p) {
   p.fetch.wait();  // rule 1
   p.fetch = swap::TransferHandle();
+  if (p.nvme) p.staging = at::Tensor();
   drop_memory(p.device);
 }
 
 void ParamResidency::fetch(Param& p) {
-  give_memory(p.device, p.host.nbytes());
-  p.fetch = runtime_->fetch_to_device(p.device, p.host);  // rule 2
+  give_memory(p.device, p.device.nbytes());
+  if (!p.nvme) {
+    p.fetch = runtime_->fetch_to_device(p.device, p.host);  // rule 2
+    return;
+  }
+  // NVMe -> pinned staging -> device: the copy to the device follows the read (a dependency of the copy
+  // engine), after the compute stream's queued work (rule 2); neither blocks the caller.
+  p.staging = runtime_->host_empty(p.device.sizes(), p.device.scalar_type(), false);
+  const swap::TransferHandle read = runtime_->nvme_engine()->read(p.block, p.staging.data_ptr(), p.staging.nbytes());
+  swap::CopyEngine& engine = *runtime_->copy_engine();
+  p.fetch = engine.copy(swap::Direction::kHostToDevice, p.device.data_ptr(), p.staging.data_ptr(), p.device.nbytes(),
+                        {read}, compute_stream_of(engine, p.device.device()));
+}
+
+at::Tensor ParamResidency::read_home(Param& p) {
+  if (!p.nvme) return p.host;
+  at::Tensor out = runtime_->host_empty(p.device.sizes(), p.device.scalar_type(), false);
+  runtime_->nvme_engine()->read(p.block, out.data_ptr(), out.nbytes()).wait();
+  return out;
+}
+
+void ParamResidency::write_home(Param& p, const at::Tensor& value) {
+  TIERFLOW_EXPECTS(value.is_cpu() && value.is_contiguous() && value.nbytes() == p.device.nbytes() &&
+                       value.scalar_type() == p.device.scalar_type(),
+                   "ParamResidency: a parameter's new value must be a contiguous CPU tensor of its dtype and size");
+  if (!p.nvme) {
+    if (p.host.data_ptr() != value.data_ptr()) p.host.copy_(value.view(p.host.sizes()));
+    return;
+  }
+  runtime_->nvme_engine()->write(p.block, value.data_ptr(), value.nbytes()).wait();
 }
 
 void ParamResidency::carry_out(const tiering::ParamActions& a) {
@@ -174,13 +239,41 @@ at::Tensor ParamResidency::host_copy(const at::Tensor& p) const {
   return it == params_.end() ? at::Tensor() : it->second.host;
 }
 
+bool ParamResidency::offloaded(const at::Tensor& p) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return params_.count(param_id(p)) > 0;
+}
+
+at::Tensor ParamResidency::load(const at::Tensor& p) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const auto it = params_.find(param_id(p));
+  TIERFLOW_EXPECTS(it != params_.end(), "ParamResidency::load: not an offloaded parameter");
+  return read_home(it->second);
+}
+
+void ParamResidency::store(const at::Tensor& p, const at::Tensor& value) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const auto it = params_.find(param_id(p));
+  TIERFLOW_EXPECTS(it != params_.end(), "ParamResidency::store: not an offloaded parameter");
+  write_home(it->second, value);
+}
+
 void ParamResidency::point_at_host(bool on_host) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (on_host == on_host_) return;
   for (auto& [id, p] : params_) {
     TIERFLOW_EXPECTS(!on_host || schedule_->state(id) != tiering::ParamState::kInFlight,
                      "ParamResidency::point_at_host: a parameter is being fetched");
-    p.param.set_data(on_host ? p.host : p.device);
+    if (!p.nvme) {
+      p.param.set_data(on_host ? p.host : p.device);
+    } else if (on_host) {  // NVMe: a host tensor for the step, written back after it
+      p.staging = read_home(p);
+      p.param.set_data(p.staging);
+    } else {
+      write_home(p, p.staging);
+      p.param.set_data(p.device);
+      p.staging = at::Tensor();
+    }
   }
   on_host_ = on_host;
 }
@@ -197,11 +290,14 @@ void ParamResidency::materialize(const at::Tensor& t, bool fetch_it) {
       p.fetch.wait();
       return runtime_->await_on_device(p.fetch, p.device.device());
     }
-    give_memory(p.device, p.host.nbytes());
-    runtime_->copy_to_device(p.device, p.host).wait();
+    give_memory(p.device, p.device.nbytes());
+    const at::Tensor value = read_home(p);
+    runtime_->copy_to_device(p.device, value).wait();
     return;
   }
-  runtime_->copy_to_host(p.host, p.device).wait();
+  at::Tensor value = runtime_->host_empty(p.device.sizes(), p.device.scalar_type(), false);
+  runtime_->copy_to_host(value, p.device).wait();
+  write_home(p, value);
   if (!held) drop_memory(p.device);
 }
 

@@ -101,6 +101,7 @@ void bind_auto_plan(py::module_& m) {
       .def_readwrite("measured_peak_bytes", &SessionBudgetInputs::measured_peak_bytes)
       .def_readwrite("gradients_offloaded", &SessionBudgetInputs::gradients_offloaded)
       .def_readwrite("params", &SessionBudgetInputs::params)
+      .def_readwrite("param_tier", &SessionBudgetInputs::param_tier)
       .def_readwrite("rest_parameter_bytes", &SessionBudgetInputs::rest_parameter_bytes)
       .def_readwrite("measured_parameter_peak_bytes", &SessionBudgetInputs::measured_parameter_peak_bytes);
   init_from_kwargs(inputs);
@@ -326,6 +327,10 @@ void bind_planner(py::module_& m) {
       .value("swap", BlockMode::kSwap)
       .value("split", BlockMode::kSplit)
       .value("recompute", BlockMode::kRecompute);
+  py::enum_<Tier>(m, "Tier", "A memory tier.")
+      .value("gpu", Tier::kGpu)
+      .value("host", Tier::kHost)
+      .value("nvme", Tier::kNvme);
   py::enum_<ParamPolicy>(m, "ParamPolicy", "Whether blocks' parameters may leave the device between uses.")
       .value("resident", ParamPolicy::kResident)
       .value("auto", ParamPolicy::kAuto)
@@ -371,6 +376,7 @@ void bind_planner(py::module_& m) {
       .def_readwrite("nvme_bytes", &Budgets::nvme_bytes)
       .def_readwrite("prefetch_bytes", &Budgets::prefetch_bytes)
       .def_readwrite("params", &Budgets::params)
+      .def_readwrite("param_tier", &Budgets::param_tier)
       .def_readwrite("rest_parameter_bytes", &Budgets::rest_parameter_bytes);
   init_from_kwargs(budgets);
 

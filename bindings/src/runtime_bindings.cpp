@@ -221,7 +221,12 @@ void bind_param_residency(py::module_& m) {
         at::Tensor h = r.host_copy(p);
         return h.defined() ? py::cast(h) : py::none();
       }, "The host copy of a parameter kept on the host, or None.")
-      .def("point_at_host", &ParamResidency::point_at_host)
+      .def("offloaded", &ParamResidency::offloaded)
+      .def("load", &ParamResidency::load, py::call_guard<py::gil_scoped_release>(),
+           "The parameter's current value on the host (its host copy, or read from NVMe).")
+      .def("store", &ParamResidency::store, py::call_guard<py::gil_scoped_release>(),
+           "Makes a CPU tensor the parameter's value between uses (its host copy, or NVMe).")
+      .def("point_at_host", &ParamResidency::point_at_host, py::call_guard<py::gil_scoped_release>())
       .def("materialize", &ParamResidency::materialize, py::arg("param"), py::arg("fetch"),
            py::call_guard<py::gil_scoped_release>())
       .def("units", &ParamResidency::units)

@@ -139,6 +139,9 @@ TEST(SessionBudgets, FetchedParametersAreThePlansToCount) {
   in.gradients_offloaded = false;
   EXPECT_EQ(out.params, ParamPolicy::kFetchAll);
   EXPECT_EQ(out.rest_parameter_bytes, 12u);
+  EXPECT_EQ(out.param_tier, tierflow::Tier::kHost);
+  in.param_tier = tierflow::Tier::kNvme;
+  EXPECT_EQ(session_budgets(in, {b, b}).param_tier, tierflow::Tier::kNvme);
   // The measured peak held fetched parameters too: taken out before it says what training holds.
   in.measured_peak_bytes = 1000;
   in.measured_parameter_peak_bytes = 300;

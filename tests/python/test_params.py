@@ -1,4 +1,4 @@
-"""Parameters on the host between uses (TIERFLOW_OFFLOAD_PARAMS=host, issue 18; Note [Parameter hooks]).
+"""Parameters on the host or NVMe between uses (TIERFLOW_OFFLOAD_PARAMS=host|nvme, issue 18; Note [Parameter hooks]).
 
 Correctness is the baseline's: the same model, data and seed without tierflow, bit for bit with a torch optimizer
 (offload_optimizer="none", which on the emulated device steps the host copies in place) under every activation
@@ -52,6 +52,17 @@ def test_zoo_with_parameters_on_the_host_is_bit_identical_to_the_baseline(device
     assert p["host_bytes"] == _parameter_bytes(ZOO[name][0]()), p  # every parameter lives on the host
 
 
+@pytest.mark.parametrize("name", ["gpt2", "llama", "t5", "gpt2_lora"])
+def test_zoo_with_parameters_on_nvme_is_bit_identical_to_the_baseline(device, name, nvme_dir):
+    _emulated_only(device)
+    run = train(ZOO[name][0](), STEPS, True, device=device, offload_activations="none", offload_params="nvme",
+                nvme_paths=[nvme_dir], **OPT_NONE)
+    assert_bit_identical(run, baseline(name, device))
+    p = run.report["params"]
+    assert p["nvme_bytes"] == _parameter_bytes(ZOO[name][0]()) and p["host_bytes"] == 0, p
+    assert p["nvme_to_host_bytes"] == p["host_to_device_bytes"] > 0 and p["device_bytes"] == 0, p
+
+
 def _deep(kind: str, layers: int = 16, width: int = 128) -> Task:
     """A zoo family made deep and wide enough that its parameters are most of what training holds (1 x 8 tokens)."""
     def make():
@@ -72,8 +83,9 @@ def _parameter_bytes(task: Task) -> int:
     return sum(p.numel() * p.element_size() for p in task.make_model().parameters())
 
 
+@pytest.mark.parametrize("tier", ["host", "nvme"])
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_parameters_four_times_the_device_budget_train_within_it(device, kind):
+def test_parameters_four_times_the_device_budget_train_within_it(device, kind, tier, nvme_dir):
     """The issue's CI target: parameters 4x TIERFLOW_GPU_MEMORY, with everything offloaded (CPU optimizer,
     gradients freed on the host, activations planned by auto within the budget); bit-identical to the same CPU
     optimizer run with the parameters on the device, and the report's device peak of parameter bytes within
@@ -81,34 +93,42 @@ def test_parameters_four_times_the_device_budget_train_within_it(device, kind):
     task = _deep(kind)
     budget = _parameter_bytes(task) // 4
     common = dict(offload_gradients="on", prefetch_bytes=256 << 10)
-    offloaded = train(task, STEPS, True, device=device, offload_params="host", gpu_memory=str(budget), **common)
+    placed = dict(offload_params=tier, nvme_paths=[nvme_dir]) if tier == "nvme" else dict(offload_params=tier)
+    offloaded = train(task, STEPS, True, device=device, gpu_memory=str(budget), **placed, **common)
     resident = train(task, STEPS, True, device=device, **common)
     assert_bit_identical(offloaded, resident)
     p = offloaded.report["params"]
     assert 0 < p["device_peak_bytes"] <= budget, (p, budget)
-    assert p["host_bytes"] == _parameter_bytes(task), p
-    assert p["prefetch_hits"] > 0 and p["host_to_device_bytes"] >= 2 * STEPS * p["host_bytes"], p
+    assert p[f"{tier}_bytes"] == _parameter_bytes(task), p
+    assert p["prefetch_hits"] > 0 and p["host_to_device_bytes"] >= 2 * STEPS * _parameter_bytes(task), p
+    if tier == "nvme":  # every fetch read its parameter from NVMe first
+        assert p["nvme_to_host_bytes"] == p["host_to_device_bytes"], p
     plan = offloaded.report["plan"]
     assert plan["predicted_device_peak_bytes"] <= budget, plan["summary"]
     if device == "emulated":  # and the torch optimizer stepping the host copies, bit for bit the baseline's
-        run = train(task, STEPS, True, device=device, offload_params="host", offload_activations="none",
-                    gpu_memory=str(budget), **OPT_NONE)
+        run = train(task, STEPS, True, device=device, offload_activations="none", gpu_memory=str(budget), **placed,
+                    **OPT_NONE)
         assert_bit_identical(run, train(task, STEPS, False, device=device))
         assert run.report["params"]["device_peak_bytes"] <= budget
 
 
-@pytest.mark.parametrize("acts", ["auto", "host"])
-def test_cpu_optimizer_steps_the_host_copies_bit_identically(device, acts):
-    """The default CPU optimizer (steps during backward, their weights committed into the host copies)."""
+@pytest.mark.parametrize("tier,acts", [("host", "auto"), ("host", "host"), ("nvme", "auto")])
+def test_cpu_optimizer_steps_the_offloaded_parameters_bit_identically(device, tier, acts, nvme_dir):
+    """The default CPU optimizer: on the host tier its steps during backward commit their weights into the host
+    copies; on NVMe those parameters step in step() and are written there."""
     task = ZOO["llama"][0]()
-    offloaded = train(task, STEPS, True, device=device, offload_activations=acts, offload_params="host",
-                      min_offload_bytes=0)
+    offloaded = train(task, STEPS, True, device=device, offload_activations=acts, offload_params=tier,
+                      nvme_paths=[nvme_dir], min_offload_bytes=0)
     resident = train(task, STEPS, True, device=device, offload_activations=acts, min_offload_bytes=0)
     assert_bit_identical(offloaded, resident)
-    assert offloaded.report["optimizer"]["overlap"] == resident.report["optimizer"]["overlap"]
     streaming = offloaded.report["optimizer"].get("streaming") or {}
-    if streaming:  # weights committed into the host copies, none sent to the device
-        assert streaming["weight_bytes_to_host_copy"] > 0 and streaming["weight_bytes_to_device"] == 0, streaming
+    if tier == "host":
+        assert offloaded.report["optimizer"]["overlap"] == resident.report["optimizer"]["overlap"]
+        if streaming:  # weights committed into the host copies, none sent to the device
+            assert streaming["weight_bytes_to_host_copy"] > 0 and streaming["weight_bytes_to_device"] == 0, \
+                streaming
+    else:
+        assert offloaded.report["optimizer"]["overlap"]["early_steps"] == 0
 
 
 def _wrapped(task: Task, device: str, **settings):
@@ -195,14 +215,30 @@ def test_a_budget_below_a_block_and_its_window_is_refused_and_changes_nothing(de
         assert torch.equal(v, before[k]), k
 
 
+def test_nvme_space_is_checked_before_the_first_write(device, nvme_dir):
+    import os
+
+    task = _deep("gpt2", layers=4)
+    torch.manual_seed(0)
+    model = task.model_on(device)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(tierflow.OutOfMemoryError, match=r"the parameters need \d+ bytes .* on NVMe and the NVMe "
+                                                        r"tier has .* available"):
+        tierflow.wrap(model, None, device=device, offload_params="nvme", nvme_paths=[nvme_dir], nvme_memory="1MiB")
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    gc.collect()
+    assert [f for f in os.listdir(nvme_dir) if f.startswith("tierflow")] == []  # no swap file left behind
+
+
 def test_settings_and_models_it_cannot_serve_are_refused(device):
     task = ZOO["gpt2"][0]()
     with pytest.raises(tierflow.ConfigError, match="TIERFLOW_GPU_OPTIMIZER_FRACTION=0.5.*accepted"):
         tierflow.wrap(task.model_on(device), None, device=device, offload_params="host", gpu_optimizer_fraction="0.5")
-    for value in ("auto", "nvme"):
-        with pytest.raises(tierflow.ConfigError, match=f"TIERFLOW_OFFLOAD_PARAMS='{value}'"):
-            tierflow.wrap(task.model_on(device), None, device=device, offload_params=value,
-                          nvme_paths="/tmp")
+    with pytest.raises(tierflow.ConfigError, match="TIERFLOW_OFFLOAD_PARAMS='auto'.*accepted here: none, host, nvme"):
+        tierflow.wrap(task.model_on(device), None, device=device, offload_params="auto")
+    with pytest.raises(tierflow.ConfigError, match="TIERFLOW_OFFLOAD_PARAMS='nvme' needs TIERFLOW_NVME_PATHS"):
+        tierflow.wrap(task.model_on(device), None, device=device, offload_params="nvme")
     with pytest.raises(tierflow.ConfigError, match="found no repeated blocks in Linear.*blocks="):
         tierflow.wrap(torch.nn.Linear(4, 4).to(task.model_on(device).lm_head.weight.device), None, device=device,
                       offload_params="host")
@@ -245,7 +281,7 @@ def test_ddp_with_parameters_on_the_host_is_refused_in_both_orders(monkeypatch):
         task = ZOO["gpt2"][0]()
         torch.manual_seed(0)
         ddp = torch.nn.parallel.DistributedDataParallel(task.model_on("emulated"))
-        with pytest.raises(tierflow.ConfigError, match="OFFLOAD_PARAMS='host' under .*DistributedDataParallel.*"
+        with pytest.raises(tierflow.ConfigError, match="OFFLOAD_PARAMS \\(host or nvme\\) under .*DistributedDataParallel.*"
                                                        "accepted under DDP: TIERFLOW_OFFLOAD_PARAMS=none"):
             tierflow.wrap(ddp, None, device="emulated", offload_params="host")
         assert all(p.untyped_storage().nbytes() > 0 for p in ddp.parameters())  # nothing was released

@@ -83,6 +83,7 @@ Budgets session_budgets(const SessionBudgetInputs& in, const std::vector<BlockPr
   if (measured > largest + window) fixed = std::max(fixed, measured - largest - window);
   Budgets b;
   b.params = in.params;
+  b.param_tier = in.param_tier;
   b.rest_parameter_bytes = fetched ? in.rest_parameter_bytes : 0;
   b.device_bytes = in.device_budget_bytes;
   b.fixed_device_bytes = fixed;

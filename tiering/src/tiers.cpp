@@ -47,18 +47,19 @@ std::string params_offload_refusal(const Config& config) {
   const std::string setting = "TIERFLOW_OFFLOAD_PARAMS='" + std::string(to_string(config.offload_params)) + "'";
   switch (config.offload_params) {
     case OffloadTarget::kNone: return {};
-    case OffloadTarget::kHost: {
+    case OffloadTarget::kHost:
+    case OffloadTarget::kNvme: {
       std::ostringstream fraction;
       fraction << config.gpu_optimizer_fraction;
       if (!config.gpu_optimizer_fraction_auto && config.gpu_optimizer_fraction > 0.0)
         return setting + " with TIERFLOW_GPU_OPTIMIZER_FRACTION=" + fraction.str() +
-               ": the GPU share steps parameters on the device, and these live on the host between uses; "
+               ": the GPU share steps parameters on the device, and these live off it between uses; "
                "accepted: TIERFLOW_GPU_OPTIMIZER_FRACTION=0 or auto (which takes 0 with parameter offload)";
       return {};
     }
     default:
-      return setting + ": parameters on the " + std::string(to_string(config.offload_params)) +
-             " tier are not available in this version of tierflow; accepted here: none, host";
+      return setting + ": parameters planned per block are not available in this version of tierflow; "
+             "accepted here: none, host, nvme";
   }
 }
 
@@ -126,7 +127,8 @@ TierSettings tier_settings(const Config& config, swap::NvmeFaults* nvme_faults, 
   const bool planned = config.offload_activations == OffloadTarget::kAuto ||
                        config.offload_activations == OffloadTarget::kRecompute;
   s.activations_on_nvme = config.offload_activations == OffloadTarget::kNvme || (planned && !config.nvme_paths.empty());
-  s.nvme = s.activations_on_nvme || config.offload_optimizer == OffloadTarget::kNvme;
+  s.nvme = s.activations_on_nvme || config.offload_optimizer == OffloadTarget::kNvme ||
+           config.offload_params == OffloadTarget::kNvme;
   if (s.nvme) {
     swap::NvmeEngineOptions& no = s.nvme_options;
     no.paths = config.nvme_paths;

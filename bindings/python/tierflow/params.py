@@ -1,4 +1,4 @@
-"""Parameters on the host between uses (TIERFLOW_OFFLOAD_PARAMS=host): the module hooks that tell
+"""Parameters on the host or NVMe between uses (TIERFLOW_OFFLOAD_PARAMS=host|nvme): the module hooks that tell
 tiering::ParamSchedule when each unit is used, on an unchanged model.
 
 Note [Parameter hooks]
@@ -36,13 +36,15 @@ rest unit last, and the phase, which releases whatever is left (Note
 first of a model with frozen embeddings; a prefetch for a use that did not
 come). The model's forward hook ends the forward phase the same way.
 Everything else. With a torch optimizer (offload_optimizer="none") step()
-runs with every parameter pointing at its host copy, which it updates in
-place; on the emulated device only, whose device tensors are CPU tensors (on
-CUDA the gradients are on the device: use the CPU optimizer, which steps the
-host copies and never reads the device). tierflow's CPUAdamW steps the host
-copies. state_dict() holds the host copies (CPU tensors); load_state_dict()
-fetches each module's parameters, lets the module load them and writes them
-back to the host copies.
+runs with every parameter pointing at its host copy (NVMe: read into a host
+tensor, written back after the step), which it updates in place; on the
+emulated device only, whose device tensors are CPU tensors (on CUDA the
+gradients are on the device: use the CPU optimizer, which steps the host
+copies and never reads the device). tierflow's CPUAdamW steps the host copies
+(NVMe: it writes each new value there in step(); those parameters step after
+backward, not during it). state_dict() holds the values on the host (CPU
+tensors); load_state_dict() fetches each module's parameters, lets the
+module load them and writes them back.
 """
 
 from __future__ import annotations
@@ -59,9 +61,9 @@ from ._distributed import _ddp_around, _ddp_inside
 from .activations.blocks import find_blocks
 
 
-_DDP_REFUSAL = ("TIERFLOW_OFFLOAD_PARAMS='host' under torch.nn.parallel.DistributedDataParallel (DDP): not "
-                "supported yet (DDP broadcasts and reads the parameters themselves, which live on the host between "
-                "uses); accepted under DDP: TIERFLOW_OFFLOAD_PARAMS=none")
+_DDP_REFUSAL = ("TIERFLOW_OFFLOAD_PARAMS (host or nvme) under torch.nn.parallel.DistributedDataParallel (DDP): not "
+                "supported yet (DDP broadcasts and reads the parameters themselves, which live off the device "
+                "between uses); accepted under DDP: TIERFLOW_OFFLOAD_PARAMS=none")
 
 
 def _in_backward() -> bool:
@@ -94,7 +96,8 @@ class ParamOffload:
         self._ids = {id(p) for p in self._params}
         self.rest_bytes = sum(p.numel() * p.element_size() for p in units[-1])
         self._runtime = session.runtime
-        self.impl = _C.ParamResidency(session.runtime, units, ["host"] * len(units),
+        self.tier = session.config["TIERFLOW_OFFLOAD_PARAMS"]  # host or nvme
+        self.impl = _C.ParamResidency(session.runtime, units, [self.tier] * len(units),
                                       [names.get(id(p), "?") for u in units for p in u])
         self._model = weakref.ref(model)
         self._open: Optional[int] = None  # the forward use in progress
@@ -235,8 +238,19 @@ class ParamOffload:
 
     # -- outside forward and backward --------------------------------------------------------------
     def host_copy(self, p: torch.Tensor) -> Optional[torch.Tensor]:
-        """The host copy of ``p`` (what the optimizer steps), or None when ``p`` stays on the device."""
+        """The host copy of ``p`` on the host tier (the optimizer steps it in place), else None."""
         return self.impl.host_copy(p)
+
+    def offloaded(self, p: torch.Tensor) -> bool:
+        return self.impl.offloaded(p)
+
+    def load(self, p: torch.Tensor) -> torch.Tensor:
+        """``p``'s value between uses, on the host (its host copy, or read from NVMe)."""
+        return self.impl.load(p)
+
+    def store(self, p: torch.Tensor, value: torch.Tensor) -> None:
+        """``value`` (a contiguous CPU tensor of p's dtype and shape) becomes p's value between uses."""
+        self.impl.store(p, value)
 
     def point_at_host(self, on_host: bool) -> None:
         self.impl.point_at_host(on_host)
@@ -252,9 +266,8 @@ class ParamOffload:
             if offload is None:
                 return
             for name, p in module.named_parameters(recurse=False):
-                host = offload.impl.host_copy(p)
-                if host is not None and prefix + name in state_dict:
-                    state_dict[prefix + name] = host.detach()
+                if prefix + name in state_dict and offload.impl.offloaded(p):
+                    state_dict[prefix + name] = offload.impl.load(p).detach()
 
         def loading(module: torch.nn.Module, *args: Any) -> None:
             offload = me()

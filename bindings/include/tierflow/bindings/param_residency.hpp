@@ -1,6 +1,6 @@
 // The parameters of an unchanged PyTorch model between their uses, on the
-// host tier: the torch side of tiering::ParamSchedule for the Python path
-// (TIERFLOW_OFFLOAD_PARAMS=host). The module hooks that call the events live
+// host or NVMe tier: the torch side of tiering::ParamSchedule for the Python
+// path (TIERFLOW_OFFLOAD_PARAMS=host|nvme). The module hooks that call the events live
 // in bindings/python/tierflow/params.py.
 //
 // Note [Parameter storage]
@@ -41,6 +41,12 @@
 //    of it is in flight: a step's last use (the rest unit's, when backward
 //    ends) releases what is left, and the next forward's fetches come after
 //    step() returns.
+// NVMe: a parameter's only copy between uses is its NVMe block (written once
+// at construction, then by store() after each step). A fetch reads it into a
+// pinned staging buffer and the copy to the device depends on that read (the
+// copy engine's dependency), so neither blocks the caller; the staging stays
+// until the fetch is released (rule 1 for its source). NVMe space is checked
+// before the first write.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -79,9 +85,17 @@ class ParamResidency {
   /// The forward (no backward follows) or the backward ended: everything fetched is released.
   void end_phase();
 
-  /// The host copy of `p` (what the optimizer steps and state_dict reads), undefined when `p` stays on the
-  /// device.
+  /// The host copy of `p` on the host tier (what the optimizer steps in place), undefined when `p` stays on
+  /// the device or lives on NVMe.
   at::Tensor host_copy(const at::Tensor& p) const;
+  /// Whether `p` lives on the host or NVMe between uses.
+  bool offloaded(const at::Tensor& p) const;
+  /// `p`'s current value on the host: its host copy, or a fresh read from NVMe. Throws for a parameter that
+  /// is not offloaded.
+  at::Tensor load(const at::Tensor& p);
+  /// Makes `value` (a contiguous CPU tensor of p's dtype and size) p's value between uses: into its host
+  /// copy, or written to NVMe (waited for). The next fetch copies it.
+  void store(const at::Tensor& p, const at::Tensor& value);
   /// Points every offloaded parameter at its host copy (true) or back at its released device storage
   /// (false): for a torch optimizer stepping on the emulated device, whose device tensors are CPU tensors.
   void point_at_host(bool on_host);
@@ -99,6 +113,8 @@ class ParamResidency {
   void carry_out(const tiering::ParamActions& a);
   void release(Param& p);
   void fetch(Param& p);
+  at::Tensor read_home(Param& p);
+  void write_home(Param& p, const at::Tensor& value);
 
   std::shared_ptr<Runtime> runtime_;
   mutable std::mutex mutex_;

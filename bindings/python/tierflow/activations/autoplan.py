@@ -183,6 +183,7 @@ class AutoPlanner:
         params = self.session.params  # TIERFLOW_OFFLOAD_PARAMS=host: the plan counts the fetched parameters
         if params is not None:
             inputs.params = _C.ParamPolicy.fetch_all
+            inputs.param_tier = _C.Tier.__members__[params.tier]
             inputs.rest_parameter_bytes = params.rest_bytes
             inputs.measured_parameter_peak_bytes = int(params.stats()["device_peak_bytes"])
         blocks = [profile_struct(b) for b in profile["blocks"]]

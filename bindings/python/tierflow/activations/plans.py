@@ -10,7 +10,7 @@ from .. import _C
 from .profile import BLOCK_FIELDS, LINK_FIELDS
 
 BUDGET_FIELDS = ("device_bytes", "fixed_device_bytes", "host_bytes", "nvme_bytes", "prefetch_bytes", "params",
-                 "rest_parameter_bytes")
+                 "param_tier", "rest_parameter_bytes")
 
 
 def block_profile(fields: dict) -> Any:

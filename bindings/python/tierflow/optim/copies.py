@@ -17,9 +17,9 @@ device alike, so the adversarial emulated device checks this path too
   the current stream (kernels still reading the old value), the stream waits
   for it before its next kernel, and step() waits for every upload before the
   staging returns to the pool;
-- a parameter that lives on the host between uses (TIERFLOW_OFFLOAD_PARAMS,
-  Note [Parameter hooks]) is read from and written to its host copy, never
-  the device: the next forward fetches it.
+- a parameter that lives on the host or NVMe between uses
+  (TIERFLOW_OFFLOAD_PARAMS, Note [Parameter hooks]) is read from and written
+  to its home there, never the device: the next forward fetches it.
 """
 
 from __future__ import annotations
@@ -45,10 +45,13 @@ class DeviceCopies:
         """p's host copy when p lives on the host between uses (then the optimizer's parameter), else None."""
         return self.homes.host_copy(p) if self.homes is not None else None
 
+    def offloaded(self, p: torch.Tensor) -> bool:
+        """True when p lives on the host or NVMe between uses."""
+        return self.homes is not None and self.homes.offloaded(p)
+
     def source(self, p: torch.Tensor) -> torch.Tensor:
-        """Where p's current value can be read: its host copy, or p."""
-        home = self.home(p)
-        return p.detach() if home is None else home
+        """Where p's current value can be read: its host copy, a read from NVMe, or p."""
+        return self.homes.load(p) if self.offloaded(p) else p.detach()
 
     def host(self, like: torch.Tensor, zero: bool) -> torch.Tensor:
         """A pinned fp32 tensor of ``like``'s shape (zeroed when ``zero``)."""
@@ -76,9 +79,8 @@ class DeviceCopies:
 
     def read_into(self, dst: torch.Tensor, t: torch.Tensor) -> None:
         """dst (a host tensor) <- t, converting the dtype on the host."""
-        home = self.home(t)
-        if home is not None:
-            dst.copy_(home.view(dst.shape))
+        if self.offloaded(t):
+            dst.copy_(self.homes.load(t).view(dst.shape))
         elif self.staged(t):
             host, transfer, _src = self.fetch(t)
             transfer.wait()
@@ -88,10 +90,8 @@ class DeviceCopies:
 
     def write_param(self, p: torch.Tensor, host: torch.Tensor) -> None:
         """p <- host (pinned, p's dtype): through the copy engine for a device parameter."""
-        home = self.home(p)
-        if home is not None:
-            if home.data_ptr() != host.data_ptr():
-                home.copy_(host.view(p.shape))
+        if self.offloaded(p):
+            self.homes.store(p, host.view(p.shape))  # nothing to copy when host is p's host copy
         elif self.staged(p) and p.is_contiguous():
             transfer = self._runtime.copy_to_device(p.detach(), host.view(p.shape))
             self._pending_uploads.append((transfer, host))

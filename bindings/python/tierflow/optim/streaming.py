@@ -40,11 +40,15 @@ class GradientStreaming:
         self._slot_params.append(p)
 
     def use_homes(self, offload: Any) -> None:
-        """Committed weights of parameters kept on the host go into their host copies (Note [Parameter hooks])."""
-        for p, slot in self._slot_of.items():
+        """Committed weights of parameters kept on the host go into their host copies; parameters on NVMe step
+        in step() (the Python path writes them there): Note [Parameter hooks]."""
+        for p, slot in list(self._slot_of.items()):
             home = offload.host_copy(p)
             if home is not None:
                 self.stream.set_home(slot, home)
+            elif offload.offloaded(p):
+                self.exclude(p)
+        self.forget_python_path()
 
     def carries(self, p: torch.Tensor) -> bool:
         return p in self._slot_of

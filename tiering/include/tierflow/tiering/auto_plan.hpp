@@ -144,6 +144,7 @@ struct SessionBudgetInputs {
   /// TIERFLOW_OFFLOAD_PARAMS: kFetchAll (host) fetches every unit; the plan then counts the parameters
   /// (Budgets::params) and fixed_device_bytes keeps only their gradients.
   ParamPolicy params = ParamPolicy::kResident;
+  Tier param_tier = Tier::kHost;                ///< where fetched parameters live between uses
   std::uint64_t rest_parameter_bytes = 0;       ///< parameters outside the blocks (with params other than kResident)
   std::uint64_t measured_parameter_peak_bytes = 0;  ///< fetched parameters' device peak in the timed step
 };
