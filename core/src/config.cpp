@@ -260,11 +260,10 @@ std::vector<Row> placement_rows() {
       "tokens, recompute) from the first step's measurements within TIERFLOW_GPU_MEMORY"},
      target_parser(&Config::offload_activations, TargetValues::kActivations)},
     {{"TIERFLOW_OFFLOAD_PARAMS", "none", "one of none, host, nvme, auto",
-      "where each block's 16-bit parameters live between uses: none keeps them on the device; host "
-      "(nvme) fetches every block's from the pinned host pool (NVMe, needs TIERFLOW_NVME_PATHS) ahead of "
-      "its forward and backward; auto plans per block with the activations within TIERFLOW_GPU_MEMORY "
-      "(Note [Parameter residency]; refused until the torch side carries it out: "
-      "tiering::params_offload_refusal)"},
+      "where the model's parameters live between uses: none keeps them on the device; host (nvme) keeps "
+      "them in the pinned host pool (on NVMe, needs TIERFLOW_NVME_PATHS) and fetches each repeated block's, "
+      "and the rest's, ahead of its forward and backward, releasing them after; auto (planned per block "
+      "with the activations) is refused in this version (Note [Parameter residency])"},
      target_parser(&Config::offload_params, TargetValues::kTiersAuto)},
     {{"TIERFLOW_OFFLOAD_OPTIMIZER", "host", "one of none, host, nvme",
       "where optimizer states and fp32 master weights live and step: host runs tierflow's CPU "
