@@ -27,11 +27,14 @@ void drop_memory(const at::Tensor& t) {
   s->set_nbytes(0);
 }
 
-// New memory of the device's allocator (CUDA: on the current stream) for the same storage object.
+// New memory for the same storage object: on CUDA from the storage's allocator (the caching allocator, on
+// the current stream); on the emulated device from torch's CPU allocator as installed now (the adversarial
+// mode's poisoning one).
 void give_memory(const at::Tensor& t, std::size_t nbytes) {
   c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
   c10::OptionalDeviceGuard guard(t.device());
-  s->set_data_ptr_noswap(c10::GetAllocator(t.device().type())->allocate(nbytes));
+  at::Allocator* a = t.is_cpu() || s->allocator() == nullptr ? c10::GetAllocator(t.device().type()) : s->allocator();
+  s->set_data_ptr_noswap(a->allocate(nbytes));
   s->set_nbytes(nbytes);
 }
 

@@ -89,11 +89,17 @@ TEST(MeasuredBlockProfile, ATimedBackwardIsTakenAsMeasured) {
   EXPECT_DOUBLE_EQ(measured_block_profile(r).backward_seconds, kBackwardPerForward);
 }
 
-TEST(SessionBudgets, FromTheTiersAndWhatTrainingHolds) {
+// A block that saves 30 bytes (10 of input) and needs 5 more while it runs.
+BlockProfile small_block() {
   BlockProfile b;
   b.input_bytes = 10;
   b.whole_bytes = 20;
   b.transient_bytes = 5;
+  return b;
+}
+
+TEST(SessionBudgets, FromTheTiersAndWhatTrainingHolds) {
+  const BlockProfile b = small_block();
   SessionBudgetInputs in;
   in.device_budget_bytes = 1000;
   in.host_budget_bytes = 500;
@@ -121,10 +127,7 @@ TEST(SessionBudgets, FromTheTiersAndWhatTrainingHolds) {
 }
 
 TEST(SessionBudgets, FetchedParametersAreThePlansToCount) {
-  BlockProfile b;
-  b.input_bytes = 10;
-  b.whole_bytes = 20;
-  b.transient_bytes = 5;
+  const BlockProfile b = small_block();
   SessionBudgetInputs in;
   in.device_budget_bytes = 1000;
   in.prefetch_bytes = 1 << 20;

@@ -63,3 +63,18 @@ def nvme_dir(request):
     os.makedirs(d, exist_ok=True)
     yield d
     shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def world_of_one(monkeypatch):
+    """A gloo process group of this process alone (DDP and fully_shard need one), gone after the test."""
+    dist = torch.distributed
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    if sys.platform.startswith("linux") and "GLOO_SOCKET_IFNAME" not in os.environ:
+        monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -202,31 +202,31 @@ def test_hf_gradient_checkpointing_recomputes_with_the_parameters_fetched(device
     assert_bit_identical(run, train(ckpt, STEPS, False, device=device))
 
 
-def test_a_budget_below_a_block_and_its_window_is_refused_and_changes_nothing(device):
+def _refused_leaving_the_model_as_it_was(device: str, error: type, match: str, **settings) -> None:
+    """wrap raises ``error`` matching ``match``, and the model keeps its parameters, values and no session."""
     task = _deep("gpt2", layers=4)
     torch.manual_seed(0)
     model = task.model_on(device)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(tierflow.OutOfMemoryError, match=r"parameters fetched from the host or NVMe need at least "
-                                                        r"\d+ bytes.*TIERFLOW_GPU_MEMORY\) is 1000 bytes"):
-        tierflow.wrap(model, None, device=device, offload_params="host", gpu_memory="1000")
+    with pytest.raises(error, match=match):
+        tierflow.wrap(model, None, device=device, **settings)
     assert getattr(model, "_tierflow_session", None) is None
     for k, v in model.state_dict().items():  # nothing was released
         assert torch.equal(v, before[k]), k
 
 
+def test_a_budget_below_a_block_and_its_window_is_refused_and_changes_nothing(device):
+    _refused_leaving_the_model_as_it_was(
+        device, tierflow.OutOfMemoryError, r"parameters fetched from the host or NVMe need at least \d+ bytes.*"
+        r"TIERFLOW_GPU_MEMORY\) is 1000 bytes", offload_params="host", gpu_memory="1000")
+
+
 def test_nvme_space_is_checked_before_the_first_write(device, nvme_dir):
     import os
 
-    task = _deep("gpt2", layers=4)
-    torch.manual_seed(0)
-    model = task.model_on(device)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(tierflow.OutOfMemoryError, match=r"the parameters need \d+ bytes .* on NVMe and the NVMe "
-                                                        r"tier has .* available"):
-        tierflow.wrap(model, None, device=device, offload_params="nvme", nvme_paths=[nvme_dir], nvme_memory="1MiB")
-    for k, v in model.state_dict().items():
-        assert torch.equal(v, before[k]), k
+    _refused_leaving_the_model_as_it_was(
+        device, tierflow.OutOfMemoryError, r"the parameters need \d+ bytes .* on NVMe and the NVMe tier has .* "
+        r"available", offload_params="nvme", nvme_paths=[nvme_dir], nvme_memory="1MiB")
     gc.collect()
     assert [f for f in os.listdir(nvme_dir) if f.startswith("tierflow")] == []  # no swap file left behind
 
@@ -266,29 +266,17 @@ def test_torch_optimizer_refusal_text():
     assert rt.params_optimizer_refusal(True) is None
 
 
-def test_ddp_with_parameters_on_the_host_is_refused_in_both_orders(monkeypatch):
+def test_ddp_with_parameters_on_the_host_is_refused_in_both_orders(world_of_one):
     """DDP reads and all-reduces the parameters themselves (issue 21 has DDP with parameter offload)."""
-    import os
-    import sys
-
-    dist = torch.distributed
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    if sys.platform.startswith("linux") and "GLOO_SOCKET_IFNAME" not in os.environ:
-        monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        task = ZOO["gpt2"][0]()
-        torch.manual_seed(0)
-        ddp = torch.nn.parallel.DistributedDataParallel(task.model_on("emulated"))
-        with pytest.raises(tierflow.ConfigError, match="OFFLOAD_PARAMS \\(host or nvme\\) under .*DistributedDataParallel.*"
-                                                       "accepted under DDP: TIERFLOW_OFFLOAD_PARAMS=none"):
-            tierflow.wrap(ddp, None, device="emulated", offload_params="host")
-        assert all(p.untyped_storage().nbytes() > 0 for p in ddp.parameters())  # nothing was released
-        model = task.model_on("emulated")
-        around = torch.nn.parallel.DistributedDataParallel(model)  # then the model inside it is wrapped
-        tierflow.wrap(model, None, device="emulated", offload_params="host", offload_activations="none")
-        with pytest.raises(tierflow.ConfigError, match="under .*DistributedDataParallel"):
-            task.loss(around, task.batch_on(0, "emulated"))
-    finally:
-        dist.destroy_process_group()
+    task = ZOO["gpt2"][0]()
+    torch.manual_seed(0)
+    ddp = torch.nn.parallel.DistributedDataParallel(task.model_on("emulated"))
+    with pytest.raises(tierflow.ConfigError, match="OFFLOAD_PARAMS \\(host or nvme\\) under .*DistributedDataParallel.*"
+                                                   "accepted under DDP: TIERFLOW_OFFLOAD_PARAMS=none"):
+        tierflow.wrap(ddp, None, device="emulated", offload_params="host")
+    assert all(p.untyped_storage().nbytes() > 0 for p in ddp.parameters())  # nothing was released
+    model = task.model_on("emulated")
+    around = torch.nn.parallel.DistributedDataParallel(model)  # then the model inside it is wrapped
+    tierflow.wrap(model, None, device="emulated", offload_params="host", offload_activations="none")
+    with pytest.raises(tierflow.ConfigError, match="under .*DistributedDataParallel"):
+        task.loss(around, task.batch_on(0, "emulated"))
