@@ -37,6 +37,17 @@ EMULATED_PEAK_NOTE = ("no device allocator on the CPU (emulated device): see sav
                       "and host_peak_rss_bytes")
 
 
+def parse_bytes(text: Any) -> Optional[int]:
+    """'16GiB', '256KiB', '4MiB' or a plain number of bytes (None stays None)."""
+    if text is None:
+        return None
+    t = str(text).strip()
+    for suffix, scale in (("KiB", 1 << 10), ("MiB", 1 << 20), ("GiB", 1 << 30), ("TiB", 1 << 40)):
+        if t.endswith(suffix):
+            return int(float(t[:-len(suffix)]) * scale)
+    return int(t)
+
+
 def _median(xs: list[float]) -> Optional[float]:
     return statistics.median(xs) if xs else None
 
