@@ -92,10 +92,12 @@ sys.path.insert(0, os.path.join(ROOT, "bindings", "python"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpt_model import GPT, Block, GPTConfig, lm_loss, parameter_count  # noqa: E402
 from gpu_offload_modes import (DEEPSPEED_MODES, PARAMS_MODE, PARAMS_PEER, SkipMode, deepspeed_engine,  # noqa: E402
-                               params_summary, throughput, time_cpu_step_kernel)
+                               link_bytes, params_summary, throughput,
+                               time_cpu_step_kernel)
 from gpu_offload_predict import beside_measured, predict_params_offload  # noqa: E402
 from gpu_offload_report import (EMULATED_PEAK_NOTE, GiB, _TIERFLOW_IMPORT_ERROR, _median,  # noqa: E402
-                                loss_agreement, parse_bytes, predicted_beside_measured, print_table, stream_summary,
+                                loss_agreement, parse_bytes, predicted_beside_measured, print_params_comparison,
+                                print_table, stream_summary,
                                 tierflow_summary,
                                 write_json_atomic)
 
@@ -124,7 +126,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # preset those two blocks and the rest unit are nearly all of the parameters.
     "tiny-params": dict(n_layer=12, d_model=64, n_head=4, seq_len=64, batch=1, vocab_size=256, dtype="fp32",
                         warmup=3, steps=5, min_offload_bytes="0", prefetch_bytes="64KiB", nvme_memory="256MiB",
-                        params_gpu_memory="832KiB"),
+                        params_gpu_memory="800KiB"),
 }
 
 MODES = ["baseline", "save_on_cpu", "checkpoint", "tierflow-host", "tierflow-nvme", "tierflow-host-opt",
@@ -212,6 +214,8 @@ def finish_result(mode: str, cfg: dict, result: dict, phases: dict, device: torc
         if mode in CPU_OPTIMIZER_MODES and mode != PARAMS_MODE:  # not beside 7B of host copies: 4 bytes more each
             result.update(time_cpu_step_kernel(session.runtime, opt, cfg["kernel_repeats"]))
         result.update(params_summary(before, report, cfg["steps"]))
+        if mode == PARAMS_MODE:
+            result["per_link_bytes_per_step"] = link_bytes(result)
         if "plan" in report:
             result["plan"] = report["plan"]
             result.update(predicted_beside_measured(report["plan"], result))
@@ -488,7 +492,9 @@ def predicted_params_mode(cfg: dict, est: dict) -> dict:
 
 
 def print_prediction(p: dict) -> None:
-    print(f"tierflow-params on an H100, PREDICTION (not measured), from shared/GPU.md's limits: step "
+    budget = "tierflow's default" if p["gpu_memory_bytes"] is None else f"{p['gpu_memory_bytes'] / GiB:.3g} GiB"
+    print(f"tierflow-params on an H100 within TIERFLOW_GPU_MEMORY {budget}, PREDICTION (not measured), from "
+          f"shared/GPU.md's limits: step "
           f"{p['step_seconds']:.3f} s = forward {p['forward_seconds']:.3f} s + backward {p['backward_seconds']:.3f} s "
           f"({p['bound_by']}); weights {p['param_bytes_host_to_device'] / 1e9:.1f} GB host->device, gradients "
           f"{p['grad_bytes_device_to_host'] / 1e9:.1f} GB device->host, activations swapped (estimate) "
@@ -664,6 +670,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     write_json_atomic(path, out)
     print()
     print_table(out)
+    print_params_comparison(out)
     print(f"\nwrote {path}")
     return 0
 

@@ -23,6 +23,20 @@ PARAMS_COUNTERS = ("fetches", "host_to_device_bytes", "prefetch_hits", "stalls")
 PARAMS_LEVELS = ("device_peak_bytes", "host_bytes")
 
 
+def link_bytes(result: dict) -> dict:
+    """Bytes per measured step on each link, split by what crossed it (tierflow's report: the links' counters
+    hold everything; the params section the weights, the gradient stream the gradients)."""
+    per = (result.get("tierflow") or {}).get("per_measured_step") or {}
+    h2d, d2h = per.get("links.host_to_gpu_bytes"), per.get("links.gpu_to_host_bytes")
+    weights = (result.get("params_per_measured_step") or {}).get("host_to_device_bytes")
+    grads = result.get("grad_bytes_to_host_per_step")
+    return {"host_to_device": {"total": h2d, "weights": weights,
+                               "other": h2d - weights if h2d is not None and weights is not None else None},
+            "device_to_host": {"total": d2h, "gradients": grads,
+                               "other": d2h - grads if d2h is not None and grads is not None else None},
+            "note": "per measured step; other: the swapped activations (and anything else the links carried)"}
+
+
 class SkipMode(Exception):
     """A mode that cannot run here (a missing package, no GPU): recorded as skipped with the reason."""
 

@@ -76,6 +76,7 @@ def _one(cfg: dict, n_params: int, block_params: int, batch: int, budget: float)
     ds_step = forward + max(2 * compute / 3, bwd_link) + cpu
     return {"batch": batch, "tokens_per_step": tokens, "flops_per_step": flops,
             "compute_seconds": compute, "param_bytes_host_to_device": 2 * p, "grad_bytes_device_to_host": p,
+            "host_to_device_bytes": 2 * p + swapped, "device_to_host_bytes": p + swapped,
             "saved_activation_bytes_estimate": acts, "swapped_activation_bytes_estimate": swapped,
             "forward_link_seconds": fwd_link, "backward_link_seconds": bwd_link, "cpu_adamw_seconds": cpu,
             "forward_seconds": forward, "backward_seconds": backward, "step_seconds": step, "bound_by": bound,
@@ -107,8 +108,13 @@ def predict_params_offload(cfg: dict, n_params: int, block_params: int, budget_b
 
 def beside_measured(prediction: dict, measured: dict) -> dict:
     """Measured over predicted for the figures both have (the measured mode's step, tokens/s, MFU)."""
+    links = measured.get("per_link_bytes_per_step") or {}
+    figures = {key: measured.get(key) for key in ("step_seconds", "tokens_per_second", "mfu", "forward_seconds",
+                                                   "backward_seconds")}
+    figures["host_to_device_bytes"] = (links.get("host_to_device") or {}).get("total")
+    figures["device_to_host_bytes"] = (links.get("device_to_host") or {}).get("total")
     out = {}
-    for key in ("step_seconds", "tokens_per_second", "mfu", "forward_seconds", "backward_seconds"):
-        m, p = measured.get(key), prediction.get(key)
+    for key, m in figures.items():
+        p = prediction.get(key)
         out[key] = m / p if m is not None and p else None
     return {"measured_over_predicted": out, "note": "measured / predicted; the prediction is for an H100"}
