@@ -62,6 +62,13 @@ tierflow-host-opt steps fp32 master weights on the CPU, which differs from
 torch's AdamW by rounding (and, for bf16 parameters, by torch's AdamW having no
 fp32 master at all).
 
+Presets: gpt1b (GPU.md's 1.34B GPT), llama7b (issue 18's 7B Llama shape within 16GiB: run it with
+--modes tierflow-params,deepspeed-zero3-offload), tiny (seconds on the CPU) and tiny-params (tiny made
+deep enough for tierflow-params to hold a third of its parameters on the device). With either of the
+parameter modes the JSON holds params_prediction: the tierflow-params step on an H100 predicted from
+shared/GPU.md's limits (gpu_offload_predict.py; a prediction, never measured), measured over it when the
+mode ran on CUDA, and params_vs_zero3.
+
 Writes benchmarks/results/gpu_offload.json for --preset gpt1b on a GPU
 (gpu_offload_<preset>.json for other presets); on the CPU it writes to
 $TMPDIR/gpu_offload_<preset>_emulated.json unless --out is given, so it never
@@ -77,7 +84,6 @@ import os
 import platform
 import resource
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -665,7 +671,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                              if m != "baseline"} if base_ok else {},
         "longest_seq": longest,
     }
-    out.update(params_vs_peer(results, prediction))
+    if PARAMS_MODE in modes or PARAMS_PEER in modes:
+        out.update(params_vs_peer(results, prediction))
     path = args.out or default_out(cfg)
     write_json_atomic(path, out)
     print()
