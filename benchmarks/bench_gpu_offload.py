@@ -26,6 +26,14 @@ weights, same seeded random tokens, AdamW at the same learning rate) for
                      device allocator: weights + grads + AdamW states + 60% of the baseline's saved
                      activations); torch's AdamW kept
   tierflow-auto-fits the planner with the default budget (everything fits on a large GPU: keep all)
+  tierflow-params    everything offloaded (issue 18): parameters on the host between uses
+                     (TIERFLOW_OFFLOAD_PARAMS=host), AdamW on the CPU stepping the host copies, gradients
+                     freed on the device, activations planned (auto) within the preset's params_gpu_memory;
+                     records the report's params section, tokens/s, MFU (CUDA, bf16) and, beside them, a
+                     prediction from shared/GPU.md's limits (benchmarks/gpu_offload_predict.py)
+  deepspeed-zero3-offload  DeepSpeed ZeRO stage 3 with offload_param and offload_optimizer to cpu
+                     (pinned), tierflow-params' peer (skipped, with the reason, without deepspeed or CUDA);
+                     the JSON's params_vs_zero3 is tierflow-params' tokens/s over its own when both ran
   baseline-rerun     (opt-in) the baseline again, in another process: the losses' run-to-run noise
 
 Every mode runs in a fresh process (this script with --worker MODE), so device
@@ -54,6 +62,13 @@ tierflow-host-opt steps fp32 master weights on the CPU, which differs from
 torch's AdamW by rounding (and, for bf16 parameters, by torch's AdamW having no
 fp32 master at all).
 
+Presets: gpt1b (GPU.md's 1.34B GPT), llama7b (issue 18's 7B Llama shape within 16GiB: run it with
+--modes tierflow-params,deepspeed-zero3-offload), tiny (seconds on the CPU) and tiny-params (tiny made
+deep enough for tierflow-params to hold a third of its parameters on the device). With either of the
+parameter modes the JSON holds params_prediction: the tierflow-params step on an H100 predicted from
+shared/GPU.md's limits (gpu_offload_predict.py; a prediction, never measured), measured over it when the
+mode ran on CUDA, and params_vs_zero3.
+
 Writes benchmarks/results/gpu_offload.json for --preset gpt1b on a GPU
 (gpu_offload_<preset>.json for other presets); on the CPU it writes to
 $TMPDIR/gpu_offload_<preset>_emulated.json unless --out is given, so it never
@@ -69,7 +84,6 @@ import os
 import platform
 import resource
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -82,9 +96,15 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bindings", "python"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpt_model import GPT, GPTConfig, lm_loss, parameter_count  # noqa: E402
+from gpt_model import GPT, Block, GPTConfig, lm_loss, parameter_count  # noqa: E402
+from gpu_offload_modes import (DEEPSPEED_MODES, PARAMS_MODE, PARAMS_PEER, SkipMode, deepspeed_engine,  # noqa: E402
+                               link_bytes, params_summary, throughput,
+                               time_cpu_step_kernel)
+from gpu_offload_predict import beside_measured, predict_params_offload  # noqa: E402
 from gpu_offload_report import (EMULATED_PEAK_NOTE, GiB, _TIERFLOW_IMPORT_ERROR, _median,  # noqa: E402
-                                loss_agreement, predicted_beside_measured, print_table, stream_summary, tierflow_summary,
+                                loss_agreement, parse_bytes, predicted_beside_measured, print_params_comparison,
+                                print_table, stream_summary,
+                                tierflow_summary,
                                 write_json_atomic)
 
 
@@ -92,18 +112,33 @@ PRESETS: dict[str, dict[str, Any]] = {
     # The 1.34B GPT of /work/shared/GPU.md (baseline on an H100: step 0.162 s, device peak 25.06 GiB,
     # 13.05 GiB of saved activations).
     "gpt1b": dict(n_layer=24, d_model=2048, n_head=16, seq_len=4096, batch=2, vocab_size=32000, dtype="bf16",
-                  warmup=3, steps=5, min_offload_bytes=None, prefetch_bytes=None, nvme_memory="24GiB"),
+                  warmup=3, steps=5, min_offload_bytes=None, prefetch_bytes=None, nvme_memory="24GiB",
+                  params_gpu_memory="8GiB"),
+    # Issue 18's GPU target: a 7B Llama shape (SwiGLU MLP of 11008; 6.76e9 parameters with this GPT's biases and
+    # learned positions), trained by tierflow-params within 16GiB of device memory. On an H100 its baseline
+    # modes run out of memory: run it with --modes tierflow-params,deepspeed-zero3-offload.
+    "llama7b": dict(n_layer=32, d_model=4096, n_head=32, mlp_hidden=11008, mlp="swiglu", seq_len=4096, batch=1,
+                    vocab_size=32000, dtype="bf16", warmup=3, steps=5, min_offload_bytes=None, prefetch_bytes=None,
+                    nvme_memory="64GiB", params_gpu_memory="16GiB"),
     # A few seconds per mode on a 2-core CPU. At this size (about 1.1 MiB saved per step) tierflow's
     # defaults would offload almost nothing: most tensors are below its 64KiB threshold, and the NVMe
     # mode keeps the last prefetch_bytes saved (64MiB by default) on the device. So everything is
     # offloaded, and only the last 256KiB stay.
     "tiny": dict(n_layer=2, d_model=64, n_head=4, seq_len=64, batch=2, vocab_size=256, dtype="fp32",
                  warmup=3, steps=5, min_offload_bytes="0", prefetch_bytes="256KiB", nvme_memory="256MiB"),
+    # tierflow-params on the CPU: the tiny model made deep enough (12 blocks of 195 KiB of fp32 parameters, 2.43 MiB
+    # in all) that its parameters are several times a budget the parameter schedule accepts (the largest unit
+    # and one more prefetched, 390 KiB, with the rest unit, 145 KiB, and a working set). In the 2-layer tiny
+    # preset those two blocks and the rest unit are nearly all of the parameters.
+    "tiny-params": dict(n_layer=12, d_model=64, n_head=4, seq_len=64, batch=1, vocab_size=256, dtype="fp32",
+                        warmup=3, steps=5, min_offload_bytes="0", prefetch_bytes="64KiB", nvme_memory="256MiB",
+                        params_gpu_memory="800KiB"),
 }
 
 MODES = ["baseline", "save_on_cpu", "checkpoint", "tierflow-host", "tierflow-nvme", "tierflow-host-opt",
-         "tierflow-opt", "deepspeed-offload", "tierflow-auto", "tierflow-auto-fits"]
+         "tierflow-opt", "deepspeed-offload", "tierflow-auto", "tierflow-auto-fits", PARAMS_MODE, PARAMS_PEER]
 AUTO_MODES = ("tierflow-auto", "tierflow-auto-fits")
+PLANNED_MODES = AUTO_MODES + (PARAMS_MODE,)  # profile two steps, plan before the third
 # Opt-in: the baseline again in another process. Its distance from the baseline is the run-to-run noise
 # of the losses (on CUDA, kernels that accumulate with atomics), the floor for reading the others'.
 EXTRA_MODES = ["baseline-rerun"]
@@ -114,85 +149,15 @@ TIERFLOW_MODES: dict[str, dict[str, str]] = {
     "tierflow-opt": dict(offload_activations="none", offload_optimizer="host", weights_return="forward"),
     "tierflow-auto": dict(offload_activations="auto", offload_optimizer="none"),
     "tierflow-auto-fits": dict(offload_activations="auto", offload_optimizer="none"),
+    PARAMS_MODE: dict(offload_params="host", offload_optimizer="host", offload_activations="auto"),
 }
-CPU_OPTIMIZER_MODES = ("tierflow-host-opt", "tierflow-opt")
+CPU_OPTIMIZER_MODES = ("tierflow-host-opt", "tierflow-opt", PARAMS_MODE)
 
 
-class SkipMode(Exception):
-    """A mode that cannot run here (a missing package, no GPU): recorded as skipped with the reason."""
-
-
-def deepspeed_engine(model: torch.nn.Module, cfg: dict, cuda: bool) -> Any:
-    """DeepSpeed ZeRO stage 2 with the optimizer offloaded to the CPU (ZeRO-Offload), one process.
-
-    AdamW with torch's defaults but lr, as the other modes; DeepSpeedCPUAdam steps on the host.
-    """
-    try:
-        import deepspeed
-    except ImportError as e:
-        raise SkipMode(f"the deepspeed package is not installed ({e}); `make bench` installs it") from e
-    if not cuda:
-        raise SkipMode("DeepSpeed ZeRO-Offload needs a CUDA GPU; this run is on the CPU (emulated device)")
-
-    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
-                       ("MASTER_PORT", str(29500 + os.getpid() % 1000))):
-        os.environ.setdefault(key, value)
-    deepspeed.init_distributed(dist_backend="nccl")
-    ds_config = {
-        "train_micro_batch_size_per_gpu": cfg["batch"],
-        "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "AdamW", "params": {"lr": cfg["lr"], "betas": [0.9, 0.999], "eps": 1e-8,
-                                                  "weight_decay": 0.01}},
-        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
-                              "overlap_comm": True, "contiguous_gradients": True},
-        "bf16": {"enabled": cfg["dtype"] == "bf16"},
-        "steps_per_print": 1 << 30,
-    }
-    if cfg.get("max_grad_norm") is not None:
-        ds_config["gradient_clipping"] = cfg["max_grad_norm"]
-    engine, _opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
-    return engine
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 # ---------------------------------------------------------------------------------------------- worker
-def time_cpu_step_kernel(runtime: Any, opt: torch.optim.Optimizer, repeats: int) -> dict:
-    """tierflow's CPU AdamW kernel alone (session.runtime.adam_step) over the model's parameters.
-
-    It steps the optimizer's own fp32 master, exp_avg and exp_avg_sq (host tensors of the parameters'
-    sizes; no second copy of 12 bytes per parameter), with gradients and written-back weights in the
-    parameters' dtype on the CPU, as CPUAdamW._step_group calls it. Run after the measured steps:
-    it changes the optimizer's state.
-    """
-    masters, ms, vs, grads, outs = [], [], [], [], []
-    for group in opt.param_groups:
-        for p in group["params"]:
-            state = opt.state.get(p, {})
-            if all(k in state for k in ("master", "exp_avg", "exp_avg_sq")):
-                masters.append(state["master"].view(-1))
-                ms.append(state["exp_avg"].view(-1))
-                vs.append(state["exp_avg_sq"].view(-1))
-            else:
-                masters.append(p.detach().reshape(-1).to("cpu", torch.float32))
-                ms.append(torch.zeros(p.numel()))
-                vs.append(torch.zeros(p.numel()))
-            grads.append(torch.full((p.numel(),), 1e-3, dtype=p.dtype))
-            outs.append(torch.empty(p.numel(), dtype=p.dtype))
-    options = type(opt)._options(opt.param_groups[0])
-    vmaxes = [None] * len(masters)
-    times = []
-    for i in range(repeats + 1):  # the first is a warm-up
-        t0 = time.perf_counter()
-        runtime.adam_step(options, 1000 + i, masters, ms, vs, vmaxes, grads, outs)
-        if i:
-            times.append(time.perf_counter() - t0)
-    n = sum(m.numel() for m in masters)
-    med = statistics.median(times)
-    return {"cpu_step_kernel_seconds": med, "cpu_step_kernel_all_seconds": times,
-            "cpu_step_kernel_params_per_second": n / med, "cpu_step_kernel_elements": n,
-            "cpu_step_kernel_grad_dtype": str(grads[0].dtype).replace("torch.", "")}
-
-
 def tierflow_settings(mode: str, cfg: dict, cuda: bool) -> dict:
     """tierflow.wrap's keyword arguments for a tierflow mode and the command line's settings."""
     import tierflow
@@ -211,6 +176,8 @@ def tierflow_settings(mode: str, cfg: dict, cuda: bool) -> dict:
         settings.update(nvme_paths=[cfg["nvme_path"]], nvme_memory=cfg["nvme_memory"])
     if mode == "tierflow-auto" and cfg.get("auto_gpu_memory"):
         settings["gpu_memory"] = str(cfg["auto_gpu_memory"])
+    if mode == PARAMS_MODE and cfg.get("params_gpu_memory"):  # else tierflow's default budget
+        settings["gpu_memory"] = str(cfg["params_gpu_memory"])
     known = {row["name"] for row in tierflow.config_table()}
     if not cuda and "TIERFLOW_DEVICE" in known:
         settings["device"] = "emulated"  # a CPU model on a machine that also has a GPU
@@ -225,6 +192,8 @@ def finish_result(mode: str, cfg: dict, result: dict, phases: dict, device: torc
     for name, values in phases.items():
         result[f"{name}_seconds"] = _median(values[measured])
         result[f"{name}_all_seconds"] = values
+    if mode in (PARAMS_MODE, PARAMS_PEER):
+        result.update(throughput(cfg, result, cuda))
     if mode in CPU_OPTIMIZER_MODES:
         result["phase_note"] = ("CPUAdamW steps each bucket of gradients as soon as it has landed on the "
                                 "host (Note [Gradient streaming]): that work overlaps backward_seconds, "
@@ -248,7 +217,11 @@ def finish_result(mode: str, cfg: dict, result: dict, phases: dict, device: torc
         result["saved_activations_device_peak_bytes"] = report["activations"]["device_bytes"]["peak"]
         if mode in CPU_OPTIMIZER_MODES:
             result.update(stream_summary(before, report, cfg["steps"]))
+        if mode in CPU_OPTIMIZER_MODES and mode != PARAMS_MODE:  # not beside 7B of host copies: 4 bytes more each
             result.update(time_cpu_step_kernel(session.runtime, opt, cfg["kernel_repeats"]))
+        result.update(params_summary(before, report, cfg["steps"]))
+        if mode == PARAMS_MODE:
+            result["per_link_bytes_per_step"] = link_bytes(result)
         if "plan" in report:
             result["plan"] = report["plan"]
             result.update(predicted_beside_measured(report["plan"], result))
@@ -269,12 +242,18 @@ def finish_result(mode: str, cfg: dict, result: dict, phases: dict, device: torc
         result["saved_activations_device_peak_bytes"] = None
 
 
+def gpt_config(cfg: dict) -> GPTConfig:
+    """The GPT of a resolved configuration (a preset with the command line's settings)."""
+    return GPTConfig(n_layer=cfg["n_layer"], d_model=cfg["d_model"], n_head=cfg["n_head"], seq_len=cfg["seq_len"],
+                     vocab_size=cfg["vocab_size"], tie_head=cfg["tie_head"], mlp_hidden=cfg.get("mlp_hidden"),
+                     mlp=cfg.get("mlp", "gelu"))
+
+
 def model_and_batches(mode: str, cfg: dict, device: torch.device, result: dict) -> tuple:
     """The mode's GPT (the same seeded weights in every mode) and its warm-up and measured batches."""
     cuda = device.type == "cuda"
     dtype = DTYPES[cfg["dtype"]]
-    gcfg = GPTConfig(n_layer=cfg["n_layer"], d_model=cfg["d_model"], n_head=cfg["n_head"], seq_len=cfg["seq_len"],
-                     vocab_size=cfg["vocab_size"], tie_head=cfg["tie_head"])
+    gcfg = gpt_config(cfg)
     torch.manual_seed(cfg["seed"])  # initial weights: the same in every mode (and on the same device kind)
     with torch.device(device):
         model = GPT(gcfg)
@@ -284,7 +263,7 @@ def model_and_batches(mode: str, cfg: dict, device: torch.device, result: dict) 
     result["parameters"] = sum(p.numel() for p in model.parameters())
     model.checkpoint_blocks = mode == "checkpoint"
 
-    if mode in AUTO_MODES and cfg["warmup"] < 3:
+    if mode in PLANNED_MODES and cfg["warmup"] < 3:
         raise ValueError(f"{mode} profiles two steps and plans before the third: it needs --warmup 3 or more")
     total = cfg["warmup"] + cfg["steps"]
     gen = torch.Generator().manual_seed(cfg["seed"] + 1)  # data: the same in every mode
@@ -302,7 +281,7 @@ def _train(mode: str, cfg: dict, result: dict) -> None:
     t_setup = time.perf_counter()
     model, batches = model_and_batches(mode, cfg, device, result)
     total = len(batches)
-    engine = deepspeed_engine(model, cfg, cuda) if mode == "deepspeed-offload" else None
+    engine = deepspeed_engine(model, cfg, cuda, DEEPSPEED_MODES[mode]) if mode in DEEPSPEED_MODES else None
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"]) if engine is None else engine.optimizer
     session = None
     if mode in TIERFLOW_MODES:
@@ -448,17 +427,17 @@ def run_mode(mode: str, cfg: dict, timeout_s: float) -> dict:
 
 
 def estimate(cfg: dict) -> dict:
-    gcfg = GPTConfig(n_layer=cfg["n_layer"], d_model=cfg["d_model"], n_head=cfg["n_head"], seq_len=cfg["seq_len"],
-                     vocab_size=cfg["vocab_size"], tie_head=cfg["tie_head"])
+    gcfg = gpt_config(cfg)
     n = parameter_count(gcfg)
     with torch.device("meta"):
         built = sum(p.numel() for p in GPT(gcfg).parameters())  # the real module, without memory
+        block = sum(p.numel() for p in Block(gcfg).parameters())
     elt = torch.finfo(DTYPES[cfg["dtype"]]).bits // 8
     return {"parameters": n, "parameters_built": built,
             # weights, gradients, AdamW's exp_avg and exp_avg_sq, all in the parameters' dtype (torch's AdamW)
             "weights_grads_adam_bytes": 4 * elt * n,
             # tierflow-host-opt: fp32 master, exp_avg, exp_avg_sq on the host
-            "host_optimizer_state_bytes": 12 * n}
+            "host_optimizer_state_bytes": 12 * n, "block_parameters": block}
 
 
 def auto_budget(cfg: dict, results: dict, est: dict) -> tuple[int, str]:
@@ -512,6 +491,40 @@ def seq_search(cfg: dict, args: argparse.Namespace) -> dict:
     return out
 
 
+def predicted_params_mode(cfg: dict, est: dict) -> dict:
+    """tierflow-params' step on an H100 for this shape, from GPU.md's limits (a prediction, not measured)."""
+    return predict_params_offload(cfg, est["parameters"], est["block_parameters"],
+                                  parse_bytes(cfg.get("params_gpu_memory")))
+
+
+def print_prediction(p: dict) -> None:
+    budget = "tierflow's default" if p["gpu_memory_bytes"] is None else f"{p['gpu_memory_bytes'] / GiB:.3g} GiB"
+    print(f"tierflow-params on an H100 within TIERFLOW_GPU_MEMORY {budget}, PREDICTION (not measured), from "
+          f"shared/GPU.md's limits: step "
+          f"{p['step_seconds']:.3f} s = forward {p['forward_seconds']:.3f} s + backward {p['backward_seconds']:.3f} s "
+          f"({p['bound_by']}); weights {p['param_bytes_host_to_device'] / 1e9:.1f} GB host->device, gradients "
+          f"{p['grad_bytes_device_to_host'] / 1e9:.1f} GB device->host, activations swapped (estimate) "
+          f"{p['swapped_activation_bytes_estimate'] / 1e9:.1f} GB each way; CPU AdamW {p['cpu_adamw_seconds']:.3f} s; "
+          f"compute {p['compute_seconds']:.3f} s at an assumed compute MFU of {p['assumed_compute_mfu']:.3f}; "
+          f"{p['tokens_per_second']:.0f} tokens/s, MFU {p['mfu']:.3f}; DeepSpeed ZeRO-3 offload (estimate) "
+          f"{p['deepspeed_zero3_step_seconds_estimate']:.3f} s, tierflow-params over it "
+          f"x{p['ratio_over_deepspeed_estimate']:.2f}")
+
+
+def params_vs_peer(results: dict, prediction: dict) -> dict:
+    """The prediction; beside it what tierflow-params measured (on CUDA) and its tokens/s over ZeRO-3's."""
+    mine, peer = results.get(PARAMS_MODE, {}), results.get(PARAMS_PEER, {})
+    ran = {m: "error" not in r and "skipped" not in r and r.get("tokens_per_second")
+           for m, r in ((PARAMS_MODE, mine), (PARAMS_PEER, peer))}
+    out: dict = {"params_prediction": prediction}
+    if ran[PARAMS_MODE] and mine.get("device_name") != "emulated":
+        out["params_prediction_vs_measured"] = beside_measured(prediction, mine)
+    out["params_vs_zero3"] = (mine["tokens_per_second"] / peer["tokens_per_second"] if all(ran.values()) else None)
+    if not all(ran.values()):
+        out["params_vs_zero3_note"] = "needs both tierflow-params and deepspeed-zero3-offload measured in this run"
+    return out
+
+
 def default_out(cfg: dict) -> str:
     if cfg["device"] == "cuda":
         name = "gpu_offload.json" if cfg["preset"] == "gpt1b" else f"gpu_offload_{cfg['preset']}.json"
@@ -544,6 +557,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--max-grad-norm", type=float,
                     help="clip to this global norm in every mode: clip_grad_norm_ before torch's step, "
                          "TIERFLOW_MAX_GRAD_NORM for the CPU-optimizer modes, gradient_clipping for DeepSpeed")
+    ap.add_argument("--params-gpu-memory", help="tierflow-params' TIERFLOW_GPU_MEMORY (default: the preset's)")
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--tie-head", action="store_true", help="tie the LM head to the token embedding")
@@ -560,7 +574,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 def resolve(args: argparse.Namespace) -> dict:
     cfg = dict(PRESETS[args.preset], preset=args.preset)
-    for key in ("dtype", "steps", "warmup", "nvme_memory", "min_offload_bytes", "prefetch_bytes", "grad_bucket_bytes"):
+    for key in ("dtype", "steps", "warmup", "nvme_memory", "min_offload_bytes", "prefetch_bytes", "grad_bucket_bytes",
+                "params_gpu_memory"):
         if getattr(args, key) is not None:
             cfg[key] = getattr(args, key)
     if args.max_grad_norm is not None and not args.max_grad_norm > 0:
@@ -588,14 +603,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     if cfg["device"] == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda, but torch sees no GPU (use --device cpu for the emulated device)")
     est = estimate(cfg)
+    gcfg = gpt_config(cfg)
     print(f"preset {cfg['preset']}: {cfg['n_layer']} layers, d_model {cfg['d_model']}, {cfg['n_head']} heads, "
-          f"seq {cfg['seq_len']}, batch {cfg['batch']}, vocab {cfg['vocab_size']}, {cfg['dtype']}, "
-          f"device {cfg['device']}")
+          f"MLP {gcfg.mlp} {gcfg.hidden}, seq {cfg['seq_len']}, batch {cfg['batch']}, vocab {cfg['vocab_size']}, "
+          f"{cfg['dtype']}, device {cfg['device']}")
     print(f"parameters {est['parameters']:,} ({est['parameters']:.3g}; built on the meta device: "
           f"{est['parameters_built']:,}); weights + grads + AdamW states {est['weights_grads_adam_bytes'] / GiB:.2f} "
           f"GiB on the device; tierflow-host-opt's fp32 master + states {est['host_optimizer_state_bytes'] / GiB:.2f} "
           f"GiB on the host")
     print(f"{cfg['warmup']} warm-up + {cfg['steps']} measured steps per mode; modes: {', '.join(modes)}")
+    prediction = predicted_params_mode(cfg, est)
+    if PARAMS_MODE in modes:
+        print_prediction(prediction)
     if args.dry_run:
         return 0
 
@@ -652,10 +671,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                              if m != "baseline"} if base_ok else {},
         "longest_seq": longest,
     }
+    if PARAMS_MODE in modes or PARAMS_PEER in modes:
+        out.update(params_vs_peer(results, prediction))
     path = args.out or default_out(cfg)
     write_json_atomic(path, out)
     print()
     print_table(out)
+    print_params_comparison(out)
     print(f"\nwrote {path}")
     return 0
 

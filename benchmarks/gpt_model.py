@@ -1,4 +1,5 @@
-"""The GPT that bench_gpu_offload.py trains: pre-LN blocks of causal SDPA attention and a 4x GELU MLP.
+"""The GPT that bench_gpu_offload.py trains: pre-LN blocks of causal SDPA attention and a 4x GELU MLP
+(or, with GPTConfig.mlp="swiglu", Llama's gated SiLU MLP of width mlp_hidden, without biases).
 
 No dropout, so every mode computes the same function and losses can be compared
 step by step. The blocks are an ``nn.ModuleList`` of identical ``Block``
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -24,6 +26,12 @@ class GPTConfig:
     seq_len: int
     vocab_size: int
     tie_head: bool = False
+    mlp_hidden: Optional[int] = None  # the MLP's inner width (default 4 * d_model)
+    mlp: str = "gelu"                  # "gelu": fc, GELU, proj; "swiglu": proj(silu(gate(x)) * up(x)), no biases
+
+    @property
+    def hidden(self) -> int:
+        return self.mlp_hidden if self.mlp_hidden is not None else 4 * self.d_model
 
 
 class CausalSelfAttention(nn.Module):
@@ -46,12 +54,25 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
+        self.fc = nn.Linear(cfg.d_model, cfg.hidden)
         self.act = nn.GELU()
-        self.proj = nn.Linear(4 * cfg.d_model, cfg.d_model)
+        self.proj = nn.Linear(cfg.hidden, cfg.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(self.act(self.fc(x)))
+
+
+class SwiGLU(nn.Module):
+    """Llama's MLP: proj(silu(gate(x)) * up(x)), three bias-free matrices of width cfg.hidden."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.gate = nn.Linear(cfg.d_model, cfg.hidden, bias=False)
+        self.up = nn.Linear(cfg.d_model, cfg.hidden, bias=False)
+        self.proj = nn.Linear(cfg.hidden, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.silu(self.gate(x)) * self.up(x))
 
 
 class Block(nn.Module):
@@ -60,7 +81,9 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(cfg.d_model)
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.d_model)
-        self.mlp = MLP(cfg)
+        if cfg.mlp not in ("gelu", "swiglu"):
+            raise ValueError(f"mlp {cfg.mlp!r}: accepted, 'gelu' or 'swiglu'")
+        self.mlp = SwiGLU(cfg) if cfg.mlp == "swiglu" else MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -108,11 +131,12 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def parameter_count(cfg: GPTConfig) -> int:
     """Parameters of GPT(cfg), from the shapes alone."""
-    d = cfg.d_model
+    d, h = cfg.d_model, cfg.hidden
+    mlp = (3 * d * h if cfg.mlp == "swiglu"   # gate, up, down; no biases
+           else d * h + h + h * d + d)      # up and down with biases
     block = (2 * 2 * d            # two LayerNorms
              + 3 * d * d + 3 * d  # qkv
              + d * d + d          # attention projection
-             + 4 * d * d + 4 * d  # MLP up
-             + 4 * d * d + d)     # MLP down
+             + mlp)
     head = 0 if cfg.tie_head else cfg.vocab_size * d
     return cfg.vocab_size * d + cfg.seq_len * d + cfg.n_layer * block + 2 * d + head

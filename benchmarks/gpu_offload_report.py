@@ -37,6 +37,17 @@ EMULATED_PEAK_NOTE = ("no device allocator on the CPU (emulated device): see sav
                       "and host_peak_rss_bytes")
 
 
+def parse_bytes(text: Any) -> Optional[int]:
+    """'16GiB', '256KiB', '4MiB' or a plain number of bytes (None stays None)."""
+    if text is None:
+        return None
+    t = str(text).strip()
+    for suffix, scale in (("KiB", 1 << 10), ("MiB", 1 << 20), ("GiB", 1 << 30), ("TiB", 1 << 40)):
+        if t.endswith(suffix):
+            return int(float(t[:-len(suffix)]) * scale)
+    return int(t)
+
+
 def _median(xs: list[float]) -> Optional[float]:
     return statistics.median(xs) if xs else None
 
@@ -141,6 +152,19 @@ def predicted_beside_measured(plan: dict, result: dict) -> dict:
             "peak_vs_predicted": ratio(reserved, peak), "prediction_note": PREDICTION_NOTE}
 
 
+def print_params_comparison(out: dict) -> None:
+    """tierflow-params over DeepSpeed ZeRO-3 offload, and the H100 prediction beside what was measured."""
+    pred = out.get("params_prediction")
+    if out.get("params_vs_zero3") is not None:
+        print(f"tierflow-params over deepspeed-zero3-offload: x{out['params_vs_zero3']:.2f} tokens/s")
+    if pred and "tierflow-params" in out.get("modes", {}):
+        print(f"tierflow-params PREDICTED on an H100 (not measured): step {pred['step_seconds']:.3g} s, "
+              f"{pred['tokens_per_second']:.0f} tokens/s, MFU {pred['mfu']:.3f} ({pred['bound_by']})")
+    vs = (out.get("params_prediction_vs_measured") or {}).get("measured_over_predicted")
+    if vs:
+        print("  measured / predicted: " + ", ".join(f"{k} {_fmt(v, '.2f')}" for k, v in vs.items()))
+
+
 def _fmt(x: Optional[float], spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
@@ -197,6 +221,20 @@ def print_table(out: dict) -> None:
                   f"{fmt_bytes(r['predicted_peak_bytes']) if r['predicted_peak_bytes'] is not None else '-'}, "
                   f"reserved {fmt_bytes(peak) if peak is not None else '- (no device allocator)'}"
                   f"{'' if r['peak_vs_predicted'] is None else ' x' + _fmt(r['peak_vs_predicted'], '.2f')}")
+        if r.get("params"):
+            pp, per, links = r["params"], r.get("params_per_measured_step") or {}, r.get("per_link_bytes_per_step")
+            budget = (r.get("tierflow_settings") or {}).get("gpu_memory", "tierflow's default")
+            print(f"{m}: parameters {fmt_bytes(pp.get('host_bytes') or 0)} on the host, device peak of parameters "
+                  f"{fmt_bytes(pp.get('device_peak_bytes') or 0)} (budget {budget}); per measured step "
+                  f"{per.get('fetches', 0):.0f} fetches, {fmt_bytes(per.get('host_to_device_bytes') or 0)} of weights "
+                  f"up, {per.get('prefetch_hits', 0):.0f} prefetch hits, {per.get('stalls', 0):.0f} stalls")
+            if links:
+                up, down = links["host_to_device"], links["device_to_host"]
+                print(f"{m}: links per measured step: host->device {fmt_bytes(up['total'] or 0)}, device->host "
+                      f"{fmt_bytes(down['total'] or 0)} (gradients {fmt_bytes(down['gradients'] or 0)})")
+        if "tokens_per_second" in r:
+            print(f"{m}: {_fmt(r['tokens_per_second'], '.1f')} tokens/s, MFU "
+                  f"{_fmt(r.get('mfu'), '.3f') if r.get('mfu') is not None else '- (' + r.get('mfu_note', '') + ')'}")
         if "cpu_step_kernel_seconds" in r:
             print(f"{m}: tierflow's CPU AdamW kernel alone, all {r['cpu_step_kernel_elements']:,} parameters: "
                   f"{r['cpu_step_kernel_seconds']:.4f} s ({r['cpu_step_kernel_params_per_second']:.3g} params/s)")

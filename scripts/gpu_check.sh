@@ -8,14 +8,18 @@
 #           every [cuda] test case of the Python suite, in the adversarial
 #           emulated mode (the [emulated] cases stay to CI),
 #   bench   runs benchmarks/bench_gpu_offload.py --preset gpt1b in every mode
-#           (the auto modes, the CPU-optimizer modes, deepspeed-offload when
-#           its wheel is installed, --seq-search), writing
-#           benchmarks/results/gpu_offload.json,
+#           (the auto modes, the CPU-optimizer modes, tierflow-params,
+#           deepspeed-offload and deepspeed-zero3-offload when its wheel is
+#           installed, --seq-search), writing benchmarks/results/gpu_offload.json,
+#   bench7b (opt-in, not in the default parts) issue 18's target: --preset
+#           llama7b, tierflow-params within 16GiB and deepspeed-zero3-offload,
+#           writing benchmarks/results/gpu_offload_llama7b.json,
 # and prints a one-screen summary. Each part logs into GPU_CHECK_OUT.
 #
 # Settings (environment):
 #   GPU_CHECK_PARTS   the parts to run, in order (default "build tests bench");
-#                     a 10-minute command fits "build tests", then "bench"
+#                     a 10-minute command fits "build tests", then "bench";
+#                     "bench7b" on its own
 #   GPU_CHECK_OUT     where logs and the summary go (default build/gpu-check)
 #   GPU_CHECK_BENCH_ARGS  more arguments for bench_gpu_offload.py
 #   GPU_CHECK_DRY_RUN=1   print what would run, run nothing (no GPU needed)
@@ -37,9 +41,11 @@ BUNDLE=${TIERFLOW_BUNDLE:-}
 [ -z "$BUNDLE" ] && [ -d bundle ] && BUNDLE=bundle
 VPY=.venv/bin/python
 RESULT=benchmarks/results/gpu_offload.json
+RESULT7B=benchmarks/results/gpu_offload_llama7b.json
 
 for p in $PARTS; do
-  case "$p" in build|tests|bench) ;; *) die "GPU_CHECK_PARTS: '$p' is not a part; accepted: build, tests, bench" ;; esac
+  case "$p" in build|tests|bench|bench7b) ;;
+    *) die "GPU_CHECK_PARTS: '$p' is not a part; accepted: build, tests, bench, bench7b" ;; esac
 done
 
 # A GPU, seen by the driver; torch must see it too once it is installed.
@@ -90,6 +96,12 @@ for part in $PARTS; do
       run bench "$OUT/bench.log" env PYTHONPATH="$ROOT/bindings/python" "$VPY" benchmarks/bench_gpu_offload.py \
         --preset gpt1b --seq-search --mode-timeout 300 --out "$RESULT" ${GPU_CHECK_BENCH_ARGS:-}
       ;;
+    bench7b)
+      # shellcheck disable=SC2086
+      run bench7b "$OUT/bench7b.log" env PYTHONPATH="$ROOT/bindings/python" "$VPY" benchmarks/bench_gpu_offload.py \
+        --preset llama7b --modes tierflow-params,deepspeed-zero3-offload --mode-timeout 280 --out "$RESULT7B" \
+        ${GPU_CHECK_BENCH_ARGS:-}
+      ;;
   esac
 done
 
@@ -104,6 +116,12 @@ done
     PYTHONPATH="$ROOT/benchmarks" "$VPY" -c 'import json, sys
 from gpu_offload_report import print_table
 print_table(json.load(open(sys.argv[1])))' "$RESULT" 2>&1 | tail -n 30
+  fi
+  if [ -f "$RESULT7B" ] && [[ " $PARTS " == *" bench7b "* ]]; then
+    echo "issue 18's 7B target ($RESULT7B):"
+    PYTHONPATH="$ROOT/benchmarks" "$VPY" -c 'import json, sys
+from gpu_offload_report import print_params_comparison, print_table
+out = json.load(open(sys.argv[1])); print_table(out); print_params_comparison(out)' "$RESULT7B" 2>&1 | tail -n 20
   fi
 } >>"$SUMMARY"
 cat "$SUMMARY"

@@ -154,3 +154,86 @@ def test_gpt1b_preset_is_the_1_3b_model():
     assert proc.returncode == 0, proc.stderr
     assert "parameters 1,348,063,232" in proc.stdout
     assert "built on the meta device: 1,348,063,232" in proc.stdout
+
+
+# tierflow-params (issue 18) on the CPU: the tiny-params preset, whose 12 blocks' parameters are several times
+# its params_gpu_memory (the 2-layer tiny preset's two blocks and rest unit are nearly all of its parameters,
+# and the schedule needs two blocks and the rest unit on the device at once).
+PARAMS_MODES = ["baseline", "tierflow-params", "deepspeed-zero3-offload"]
+PARAMS_BUDGET = 800 << 10  # the tiny-params preset's params_gpu_memory, 800KiB
+
+
+@pytest.fixture(scope="module")
+def params_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench_gpu_offload_params") / "tiny-params.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIERFLOW_")}
+    known = {row["name"] for row in tierflow.config_table()}
+    env.update({k: v for k, v in SUITE_ENVIRONMENT.items() if k in known})
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.join(ROOT, "bindings", "python"),
+                                                    env.get("PYTHONPATH")) if p)
+    cmd = [sys.executable, BENCH, "--preset", "tiny-params", "--device", "cpu", "--warmup", "3", "--steps", "2",
+           "--modes", ",".join(PARAMS_MODES), "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with open(out) as f:
+        return json.load(f), proc.stdout
+
+
+def test_tierflow_params_trains_the_baseline_within_its_device_budget(params_run):
+    data, stdout = params_run
+    assert data["config"]["params_gpu_memory"] == "800KiB"
+    base, r = data["modes"]["baseline"], data["modes"]["tierflow-params"]
+    assert "error" not in r, f"{r.get('error')}\n{r.get('traceback', '')}{r.get('stderr_tail', '')}"
+    assert r["tierflow_settings"]["offload_params"] == "host" and r["tierflow_settings"]["gpu_memory"] == "800KiB"
+    assert r["optimizer"].endswith("CPUAdamW") and r["tierflow_settings"]["offload_gradients"] == "on"
+    # The CPU optimizer's rounding of torch's AdamW, as tierflow-host-opt; the first step the same computation.
+    assert r["losses"][0] == base["losses"][0]
+    for step, (a, b) in enumerate(zip(r["losses"], base["losses"])):
+        assert abs(a - b) <= 1e-5 * abs(b), (step, a, b)
+    p, per = r["params"], r["params_per_measured_step"]
+    assert p["host_bytes"] == 4 * data["config"]["parameters"] >= 3 * PARAMS_BUDGET, p
+    assert 0 < p["device_peak_bytes"] <= PARAMS_BUDGET, p
+    assert per["fetches"] > 0 and per["prefetch_hits"] > 0 and per["stalls"] >= 0, per
+    assert per["host_to_device_bytes"] >= 2 * p["host_bytes"], per  # every weight up in forward and in backward
+    links = r["per_link_bytes_per_step"]
+    assert links["host_to_device"]["total"] >= links["host_to_device"]["weights"] == per["host_to_device_bytes"]
+    assert links["device_to_host"]["gradients"] == p["host_bytes"] <= links["device_to_host"]["total"], links
+    assert r["tokens_per_second"] == pytest.approx(64 / r["step_seconds"])
+    assert r["mfu"] is None and "CPU" in r["mfu_note"]
+    assert "tierflow-params: parameters" in stdout and "prefetch hits" in stdout
+
+
+def test_deepspeed_zero3_offload_is_skipped_with_the_reason_and_the_prediction_is_labelled(params_run):
+    data, stdout = params_run
+    ds = data["modes"]["deepspeed-zero3-offload"]
+    assert "error" not in ds and ds["skipped"], ds
+    assert data["params_vs_zero3"] is None and data["params_vs_zero3_note"]
+    pred = data["params_prediction"]
+    assert pred["label"] == "prediction, not measured" and pred["step_seconds"] > 0
+    assert "params_prediction_vs_measured" not in data  # an H100's prediction is not read against the CPU
+    assert "PREDICTED on an H100 (not measured)" in stdout
+
+
+def test_llama7b_preset_is_the_7b_llama_shape_and_its_prediction_is_gpu_md_arithmetic():
+    proc = subprocess.run([sys.executable, BENCH, "--preset", "llama7b", "--dry-run",
+                           "--modes", "tierflow-params,deepspeed-zero3-offload"], capture_output=True, text=True,
+                          timeout=120, env={k: v for k, v in os.environ.items() if not k.startswith("TIERFLOW_")})
+    assert proc.returncode == 0, proc.stderr
+    # Llama-2-7B's 6,738,415,616, plus this GPT's attention biases, LayerNorm biases and learned positions.
+    assert "parameters 6,755,983,360" in proc.stdout
+    assert "built on the meta device: 6,755,983,360" in proc.stdout
+    assert "32 layers, d_model 4096, 32 heads, MLP swiglu 11008, seq 4096, batch 1" in proc.stdout
+    assert "PREDICTION (not measured)" in proc.stdout
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        from gpu_offload_predict import predict_params_offload
+    finally:
+        sys.path.pop(0)
+    cfg = dict(n_layer=32, d_model=4096, seq_len=4096, batch=1, mlp_hidden=11008, mlp="swiglu")
+    d, h, n = 4096, 11008, 6_755_983_360
+    block = 4 * d * d + 4 * d + 2 * 2 * d + 3 * d * h  # attention with biases, two LayerNorms, SwiGLU
+    pred = predict_params_offload(cfg, n, block, 16 << 30)
+    assert pred["param_bytes_host_to_device"] == 2 * 2 * n and pred["grad_bytes_device_to_host"] == 2 * n
+    assert pred["cpu_adamw_seconds"] == pytest.approx(n / 5.0e9)
+    assert pred["step_seconds"] == pytest.approx(pred["forward_seconds"] + pred["backward_seconds"])
+    assert pred["mfu"] == pytest.approx(6 * n * 4096 / pred["step_seconds"] / 989e12)

@@ -34,6 +34,15 @@ def test_parts_run_in_the_order_given(tmp_path):
     assert len(lines) == 1 and "(bench)" in lines[0] and lines[0].rstrip().endswith("--steps 2"), lines
 
 
+def test_the_7b_part_is_opt_in_and_runs_tierflow_params_beside_zero3(tmp_path):
+    proc = gpu_check(tmp_path, GPU_CHECK_DRY_RUN="1", GPU_CHECK_PARTS="bench7b")
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if "would run" in line]
+    assert len(lines) == 1 and "(bench7b)" in lines[0], lines
+    assert "--preset llama7b" in lines[0] and "--modes tierflow-params,deepspeed-zero3-offload" in lines[0]
+    assert "benchmarks/results/gpu_offload_llama7b.json" in lines[0]
+
+
 def test_a_part_that_does_not_exist_is_refused(tmp_path):
     proc = gpu_check(tmp_path, GPU_CHECK_DRY_RUN="1", GPU_CHECK_PARTS="build test")
     assert proc.returncode == 2
