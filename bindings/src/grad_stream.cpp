@@ -103,8 +103,8 @@ void GradStream::set_home(std::size_t slot, const at::Tensor& home) {
   std::lock_guard<std::mutex> lock(mutex_);
   TIERFLOW_EXPECTS(slot < slots_.size(), "GradStream::set_home: slot " + std::to_string(slot));
   const at::Tensor& param = slots_[slot].param;
-  TIERFLOW_EXPECTS(home.is_cpu() && home.is_contiguous() && home.scalar_type() == param.scalar_type() &&
-                       home.numel() == param.numel(),
+  TIERFLOW_EXPECTS(!home.defined() || (home.is_cpu() && home.is_contiguous() &&
+                                        home.scalar_type() == param.scalar_type() && home.numel() == param.numel()),
                    "GradStream::set_home: the home of slot " + std::to_string(slot) +
                        " must be a contiguous CPU tensor of its parameter's dtype and size");
   slots_[slot].home = home;

@@ -2,6 +2,8 @@
 // sizing functions the Python optimizer calls.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+
+#include <optional>
 #include <torch/python.h>
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -104,7 +106,9 @@ void bind_stream_setup(py::class_<PyGradStream, std::shared_ptr<PyGradStream>>& 
         return slot;
       })
       .def("exclude", [](PyGradStream& g, std::size_t slot) { g.stream->exclude(slot); }, py::call_guard<py::gil_scoped_release>())
-      .def("set_home", [](PyGradStream& g, std::size_t slot, const at::Tensor& home) { g.stream->set_home(slot, home); },
+      .def("set_home", [](PyGradStream& g, std::size_t slot, const std::optional<at::Tensor>& home) {
+        g.stream->set_home(slot, home.value_or(at::Tensor()));
+      },
            py::call_guard<py::gil_scoped_release>(), "The slot's parameter lives on the host: its weights go there.")
       .def("set_group", [](PyGradStream& g, int group, const py::dict& options) {
         const auto o = adam_options(options);

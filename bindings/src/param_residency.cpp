@@ -236,6 +236,21 @@ void ParamResidency::begin_backward(std::size_t unit) { use(unit, Use::kBeginBac
 void ParamResidency::end_backward(std::size_t unit) { use(unit, Use::kEndBackward); }
 void ParamResidency::end_phase() { use(0, Use::kEndPhase); }
 
+std::vector<at::Tensor> ParamResidency::make_resident(const std::vector<std::size_t>& units) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<at::Tensor> out;
+  for (tiering::ParamId id : schedule_->make_resident(units)) {
+    auto it = params_.find(id);
+    Param& p = it->second;
+    give_memory(p.device, p.device.nbytes());
+    runtime_->copy_to_device(p.device, read_home(p)).wait();
+    if (p.nvme) runtime_->nvme_engine()->release(p.block);
+    out.push_back(p.param);
+    params_.erase(it);
+  }
+  return out;
+}
+
 at::Tensor ParamResidency::host_copy(const at::Tensor& p) const {
   std::lock_guard<std::mutex> lock(mutex_);
   const auto it = params_.find(param_id(p));

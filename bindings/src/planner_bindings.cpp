@@ -390,7 +390,8 @@ void bind_planner(py::module_& m) {
       .def_readwrite("recompute", &BlockPlan::recompute)
       .def_readwrite("swap_bytes", &BlockPlan::swap_bytes)
       .def_readwrite("forward_seconds", &BlockPlan::forward_seconds)
-      .def_readwrite("backward_seconds", &BlockPlan::backward_seconds);
+      .def_readwrite("backward_seconds", &BlockPlan::backward_seconds)
+      .def_readwrite("params", &BlockPlan::params);
   init_from_kwargs(block_plan);
 
   py::class_<Plan>(m, "Plan", "A plan for every block, with its predictions (Note [Activation planner]).")
@@ -402,6 +403,7 @@ void bind_planner(py::module_& m) {
       .def_readonly("keep_all_step_seconds", &Plan::keep_all_step_seconds)
       .def_readonly("device_budget_bytes", &Plan::device_budget_bytes)
       .def_readonly("fits", &Plan::fits)
+      .def_readonly("rest_params", &Plan::rest_params)
       .def_readonly("proven_optimal", &Plan::proven_optimal)
       .def("summary", &Plan::summary)
       .def("block_line", &Plan::block_line);

@@ -217,6 +217,8 @@ void bind_param_residency(py::module_& m) {
       .def("begin_backward", &ParamResidency::begin_backward, py::call_guard<py::gil_scoped_release>())
       .def("end_backward", &ParamResidency::end_backward, py::call_guard<py::gil_scoped_release>())
       .def("end_phase", &ParamResidency::end_phase, py::call_guard<py::gil_scoped_release>())
+      .def("make_resident", &ParamResidency::make_resident, py::arg("units"),
+           py::call_guard<py::gil_scoped_release>(), "Makes these units resident from now on; returns their parameters.")
       .def("host_copy", [](const ParamResidency& r, const at::Tensor& p) -> py::object {
         at::Tensor h = r.host_copy(p);
         return h.defined() ? py::cast(h) : py::none();

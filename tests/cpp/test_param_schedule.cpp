@@ -176,6 +176,26 @@ TEST(ParamSchedule, EndingAPhaseReleasesEverythingLeftAndRecordsItsOrder) {
   EXPECT_EQ(s.stats().device_bytes, 0u);
 }
 
+TEST(ParamSchedule, UnitsMadeResidentBetweenPhasesStayAndAreNeverFetchedAgain) {
+  ParamSchedule s(chain(3, 100, Tier::kHost, Tier::kHost), {100});
+  run_forward(s, 3);
+  EXPECT_THROW(s.make_resident({1}), std::logic_error);  // in a phase
+  s.end_phase();
+  EXPECT_THROW(s.make_resident({7}), std::logic_error);
+  EXPECT_EQ(s.make_resident({1, 3}), (Ids{11, 1}));
+  EXPECT_EQ(s.home(11), Tier::kGpu);
+  EXPECT_EQ(s.state(11), ParamState::kOnDevice);
+  EXPECT_EQ(s.stats().device_bytes, 105u);
+  EXPECT_EQ(s.stats().host_bytes, 200u);
+  EXPECT_TRUE(s.make_resident({1}).empty());  // already resident
+  const auto fetches = s.stats().fetches;
+  run_forward(s, 3);
+  s.end_phase();
+  EXPECT_EQ(s.stats().fetches, fetches + 2);  // blocks 0 and 2 only
+  EXPECT_EQ(s.state(11), ParamState::kOnDevice);
+  EXPECT_EQ(s.stats().device_bytes, 105u);
+}
+
 TEST(ParamSchedule, IllegalMovesNameTheParameterAndBothStates) {
   ParamSchedule s(chain(2, 100, Tier::kHost), {0});
   s.begin_forward(0);  // fetch started, never reported arrived

@@ -72,9 +72,8 @@ TEST(TierSettings, HostBudgetFromTheConfiguration) {
 }
 
 TEST(TierSettings, SettingsThisVersionCannotServeAreRefused) {
-  std::string m = refusal(config({{"TIERFLOW_OFFLOAD_PARAMS", "auto"}}));
-  EXPECT_NE(m.find("TIERFLOW_OFFLOAD_PARAMS='auto'"), std::string::npos) << m;
-  EXPECT_NE(m.find("accepted here: none, host, nvme"), std::string::npos) << m;
+  std::string m = refusal(config({{"TIERFLOW_OFFLOAD_PARAMS", "auto"}, {"TIERFLOW_OFFLOAD_ACTIVATIONS", "none"}}));
+  EXPECT_NE(m.find("TIERFLOW_OFFLOAD_PARAMS='auto' with TIERFLOW_OFFLOAD_ACTIVATIONS='none'"), std::string::npos) << m;
   m = refusal(config({{"TIERFLOW_OFFLOAD_ACTIVATIONS", "nvme"}}));
   EXPECT_NE(m.find("needs TIERFLOW_NVME_PATHS"), std::string::npos) << m;
   m = refusal(config({{"TIERFLOW_OFFLOAD_OPTIMIZER", "nvme"}}));
@@ -83,7 +82,7 @@ TEST(TierSettings, SettingsThisVersionCannotServeAreRefused) {
   EXPECT_NE(m.find("'/no/such/tierflow/dir' is not an accessible directory"), std::string::npos) << m;
 }
 
-TEST(TierSettings, ParameterOffloadServesHostAndNvmeAndRefusesTheRestAtOnePoint) {
+TEST(TierSettings, ParameterOffloadIsRefusedOnlyBesideSettingsItCannotServe) {
   EXPECT_EQ(params_offload_refusal(config({})), "");
   EXPECT_EQ(params_offload_refusal(config({{"TIERFLOW_OFFLOAD_PARAMS", "host"}})), "");
   EXPECT_EQ(params_offload_refusal(config({{"TIERFLOW_OFFLOAD_PARAMS", "nvme"}})), "");
@@ -93,9 +92,12 @@ TEST(TierSettings, ParameterOffloadServesHostAndNvmeAndRefusesTheRestAtOnePoint)
                                                    {"TIERFLOW_GPU_OPTIMIZER_FRACTION", "0.5"}}));
   EXPECT_NE(why.find("TIERFLOW_GPU_OPTIMIZER_FRACTION=0.5"), std::string::npos) << why;
   EXPECT_NE(why.find("accepted: TIERFLOW_GPU_OPTIMIZER_FRACTION=0 or auto"), std::string::npos) << why;
-  why = params_offload_refusal(config({{"TIERFLOW_OFFLOAD_PARAMS", "auto"}}));
-  EXPECT_NE(why.find("TIERFLOW_OFFLOAD_PARAMS='auto'"), std::string::npos) << why;
-  EXPECT_NE(why.find("accepted here: none, host, nvme"), std::string::npos) << why;
+  EXPECT_EQ(params_offload_refusal(config({{"TIERFLOW_OFFLOAD_PARAMS", "auto"}})), "");  // activations auto
+  why = params_offload_refusal(config({{"TIERFLOW_OFFLOAD_PARAMS", "auto"}, {"TIERFLOW_OFFLOAD_ACTIVATIONS", "host"}}));
+  EXPECT_NE(why.find("TIERFLOW_OFFLOAD_PARAMS='auto' with TIERFLOW_OFFLOAD_ACTIVATIONS='host'"), std::string::npos)
+      << why;
+  EXPECT_NE(why.find("accepted: TIERFLOW_OFFLOAD_ACTIVATIONS=auto, or TIERFLOW_OFFLOAD_PARAMS=host or nvme"),
+            std::string::npos) << why;
   const std::string m = refusal(config({{"TIERFLOW_OFFLOAD_PARAMS", "nvme"}}));
   EXPECT_NE(m.find("TIERFLOW_OFFLOAD_PARAMS='nvme' needs TIERFLOW_NVME_PATHS"), std::string::npos) << m;
 }

@@ -133,6 +133,30 @@ void ParamSchedule::record_phase() {
   }
 }
 
+std::vector<ParamId> ParamSchedule::make_resident(const std::vector<UnitId>& units) {
+  TIERFLOW_EXPECTS(!in_phase_, "ParamSchedule::make_resident: between phases only (after end_phase)");
+  std::vector<ParamId> out;
+  for (UnitId u : units) {
+    TIERFLOW_EXPECTS(u < units_.size(), "ParamSchedule::make_resident: unit " + std::to_string(u) + " of " +
+                                            std::to_string(units_.size()));
+    for (std::size_t i : units_[u]) {
+      Param& p = params_[i];
+      if (p.home == Tier::kGpu) continue;
+      TIERFLOW_EXPECTS(p.state == ParamState::kOnTier || p.state == ParamState::kReleased,
+                       "ParamSchedule::make_resident: parameter " + std::to_string(p.id) + " is " +
+                           std::string(to_string(p.state)));
+      (p.home == Tier::kHost ? stats_.host_bytes : stats_.nvme_bytes) -= p.bytes;
+      p.home = Tier::kGpu;
+      p.state = ParamState::kOnDevice;
+      stats_.device_bytes += p.bytes;
+      out.push_back(p.id);
+    }
+  }
+  stats_.device_peak_bytes = std::max(stats_.device_peak_bytes, stats_.device_bytes);
+  if (recorded_forward_.empty()) expected_ = default_forward();
+  return out;
+}
+
 ParamActions ParamSchedule::end_phase() {
   ParamActions out;
   if (!in_phase_) return out;

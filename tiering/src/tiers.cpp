@@ -48,18 +48,22 @@ std::string params_offload_refusal(const Config& config) {
   switch (config.offload_params) {
     case OffloadTarget::kNone: return {};
     case OffloadTarget::kHost:
-    case OffloadTarget::kNvme: {
+    case OffloadTarget::kNvme:
+    case OffloadTarget::kAuto: {
       std::ostringstream fraction;
       fraction << config.gpu_optimizer_fraction;
       if (!config.gpu_optimizer_fraction_auto && config.gpu_optimizer_fraction > 0.0)
         return setting + " with TIERFLOW_GPU_OPTIMIZER_FRACTION=" + fraction.str() +
                ": the GPU share steps parameters on the device, and these live off it between uses; "
                "accepted: TIERFLOW_GPU_OPTIMIZER_FRACTION=0 or auto (which takes 0 with parameter offload)";
+      if (config.offload_params == OffloadTarget::kAuto && config.offload_activations != OffloadTarget::kAuto)
+        return setting + " with TIERFLOW_OFFLOAD_ACTIVATIONS='" + std::string(to_string(config.offload_activations)) +
+               "': which blocks keep their parameters is planned with the activations; accepted: "
+               "TIERFLOW_OFFLOAD_ACTIVATIONS=auto, or TIERFLOW_OFFLOAD_PARAMS=host or nvme";
       return {};
     }
     default:
-      return setting + ": parameters planned per block are not available in this version of tierflow; "
-             "accepted here: none, host, nvme";
+      return setting + " is not a tier for parameters; accepted: none, host, nvme, auto";
   }
 }
 

@@ -155,7 +155,8 @@ class GradStream : public std::enable_shared_from_this<GradStream> {
   /// Stops streaming `slot` for good (it steps elsewhere, e.g. the GPU share).
   void exclude(std::size_t slot);
   /// The parameter of `slot` lives on the host between uses (Note [Parameter storage]): its new weights go
-  /// into `home` (a CPU tensor of its dtype and size) when its step is committed, instead of to the device.
+  /// into `home` (a CPU tensor of its dtype and size) when its step is committed, instead of to the device;
+  /// an undefined `home` sends them to the device again (the parameter became resident).
   void set_home(std::size_t slot, const at::Tensor& home);
   /// Current hyperparameters of `group` (pushed when each backward begins and at step()).
   void set_group(int group, const optimizer::AdamOptions& options);

@@ -84,6 +84,10 @@ class ParamResidency {
   void end_backward(std::size_t unit);
   /// The forward (no backward follows) or the backward ended: everything fetched is released.
   void end_phase();
+  /// Makes `units` resident from now on (TIERFLOW_OFFLOAD_PARAMS=auto's plan), between phases: their
+  /// parameters are copied to the device (waited for), their host copies or NVMe blocks go, and they are
+  /// no longer offloaded (the optimizer steps them on the device). Returns them.
+  std::vector<at::Tensor> make_resident(const std::vector<std::size_t>& units);
 
   /// The host copy of `p` on the host tier (what the optimizer steps in place), undefined when `p` stays on
   /// the device or lives on NVMe.

@@ -50,6 +50,11 @@
 // order is kept. The plan's window is Plan::param_prefetch_bytes (the
 // largest fetched unit: one unit ahead).
 //
+// Residence changes. make_resident(units), between phases, makes units
+// resident for the rest of the run (the plan of auto, made after two steps
+// with every unit fetched): their parameters are copied to the device once
+// and stay; a parameter another fetched unit lists becomes resident too.
+//
 // Counters: fetches and their bytes per link (host->device for every fetch;
 // NVMe->host as well for a parameter on NVMe), prefetch hits (a fetched
 // parameter on the device or in flight when its use begins), stalls (one not
@@ -141,6 +146,10 @@ class ParamSchedule {
   ParamActions end_phase();
   /// A fetch the caller started has landed on the device (in flight -> on device).
   void arrived(ParamId id);
+  /// Makes `units` resident from now on (a plan of TIERFLOW_OFFLOAD_PARAMS=auto): returns the parameters the
+  /// caller copies to the device and keeps there (those not resident already). Between phases only
+  /// (logic_error otherwise, or for an unknown unit).
+  std::vector<ParamId> make_resident(const std::vector<UnitId>& units);
 
   /// The state of a parameter; logic_error for an unknown id.
   ParamState state(ParamId id) const;

@@ -83,10 +83,11 @@ struct TierSettings {
   swap::NvmeEngineOptions nvme_options;      ///< its paths and sizes (when `nvme`)
 };
 
-/// What parameter offload (Note [Parameter residency]) cannot serve yet or with the other settings: the
-/// refusal text, or empty when `config` may run. Accepted: none, host (without an explicit GPU optimizer
-/// share: TIERFLOW_GPU_OPTIMIZER_FRACTION=auto takes 0 with it). tier_settings throws it.
-/// TIERFLOW_OFFLOAD_PARAMS='nvme' without TIERFLOW_NVME_PATHS is a configuration error before that.
+/// What parameter offload (Note [Parameter residency]) cannot serve with the other settings: the refusal
+/// text, or empty when `config` may run. An explicit GPU optimizer share is refused (auto takes 0 with
+/// parameter offload), and auto without TIERFLOW_OFFLOAD_ACTIVATIONS=auto (the plan that decides which
+/// blocks keep their parameters). tier_settings throws it. TIERFLOW_OFFLOAD_PARAMS='nvme' without
+/// TIERFLOW_NVME_PATHS is a configuration error before that.
 std::string params_offload_refusal(const Config& config);
 /// Parameter offload with the optimizer the user trains with: refused (the text) for a torch optimizer
 /// (`cpu_optimizer` false) on CUDA, whose gradients are on the device while the values are on the host;
