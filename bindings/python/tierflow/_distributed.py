@@ -51,7 +51,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import _C
+from . import _C, _ddp_feed
 
 _INSTEAD = "use torch.nn.parallel.DistributedDataParallel (DDP) instead, or train on one process"
 _ADVICE = f"{_INSTEAD}; FSDP2 support is planned"
@@ -176,11 +176,11 @@ class DistributedWatch:
 
 
 _DDP_WARNING = (
-    "tierflow: the model is trained with torch.nn.parallel.DistributedDataParallel (DDP) ({how}), which "
-    "all-reduces every gradient at the end of backward; under DDP tierflow's CPU optimizer steps after backward, "
-    "in step(), from the reduced gradients, instead of stepping each parameter during backward from its local "
-    "gradient (step() would have to redo every such step). The results are the same; what is lost is the overlap "
-    "of the CPU step with backward, until tierflow steps from the reduced gradient. "
+    "tierflow: the model is trained with torch.nn.parallel.DistributedDataParallel (DDP) ({how}), and tierflow "
+    "cannot feed its CPU optimizer the reduced gradients during backward: {why}. So under this DDP tierflow's CPU "
+    "optimizer steps after backward, in step(), from the reduced gradients, instead of stepping each parameter "
+    "during backward (from the local gradient, step() would have to redo every such step). The results are the "
+    "same; what is lost is the overlap of the CPU step with backward. "
     "TIERFLOW_OVERLAP_STEP=off (overlap_step='off') asks for this and silences this warning.")
 
 _REDONE_WARNING = (
@@ -199,8 +199,9 @@ def steps_after_backward(optimizer: Any, message: str, stacklevel: int = 2) -> N
         warnings.warn(message, UserWarning, stacklevel=stacklevel + 1)  # NVMe states), or done already
 
 
-def _note_ddp(optimizer: Any, how: str, stacklevel: int) -> None:
-    """DDP seen: TIERFLOW_OFFLOAD_GRADIENTS=on refused, the steps during backward turned off."""
+def _note_ddp(optimizer: Any, ddp: torch.nn.Module, how: str, stacklevel: int) -> None:
+    """DDP seen: TIERFLOW_OFFLOAD_GRADIENTS=on refused; the steps during backward fed DDP's reduced gradients
+    (tierflow._ddp_feed), or turned off with a warning that says why."""
     if optimizer is None:
         return  # offload_optimizer='none': the user's optimizer steps after backward anyway
     if optimizer.gradients_offloaded():
@@ -208,16 +209,22 @@ def _note_ddp(optimizer: Any, how: str, stacklevel: int) -> None:
             "tierflow: TIERFLOW_OFFLOAD_GRADIENTS=on does not work under torch.nn.parallel.DistributedDataParallel "
             f"(DDP; {how}): it sets p.grad to None during backward, while DDP still has to all-reduce that "
             "gradient; accepted under DDP: TIERFLOW_OFFLOAD_GRADIENTS=off (offload_gradients='off')")
-    steps_after_backward(optimizer, _DDP_WARNING.format(how=how), stacklevel + 1)
+    if not optimizer.steps_during_backward():
+        return  # TIERFLOW_OVERLAP_STEP=off, NVMe states, or turned off already: DDP's reduction as it is
+    why = _ddp_feed.why_not_fed(ddp)
+    if why is None:
+        _ddp_feed.feed(ddp, optimizer)
+    else:
+        steps_after_backward(optimizer, _DDP_WARNING.format(how=how, why=why), stacklevel + 1)
 
 
 def check_wrap(optimizer: Any, model: torch.nn.Module) -> DistributedWatch:
     """tierflow.wrap, once its optimizer (a CPUAdamW, or None) is made: DDP inside ``model`` is noted (or refused
     with TIERFLOW_OFFLOAD_GRADIENTS=on); the forwards check the rest (check_forward) with what this returns."""
-    ddp = _ddp_inside(model) is not None
-    if ddp:
-        _note_ddp(optimizer, "tierflow.wrap of a DDP model", 3)  # the warning points at the caller of wrap
-    return DistributedWatch(ddp)
+    ddp = _ddp_inside(model)
+    if ddp is not None:
+        _note_ddp(optimizer, ddp, "tierflow.wrap of a DDP model", 3)  # the warning points at the caller of wrap
+    return DistributedWatch(ddp is not None)
 
 
 def check_forward(watch: DistributedWatch, optimizer: Any, module: torch.nn.Module) -> None:
@@ -232,8 +239,9 @@ def check_forward(watch: DistributedWatch, optimizer: Any, module: torch.nn.Modu
     if watch.ddp_seen or not (offloading or early):
         watch.pending = False  # nothing left that DDP would change
         return
-    if _ddp_around(module) is not None:
-        _note_ddp(optimizer, "DDP(model) of a model wrapped by tierflow.wrap", 2)
+    ddp = _ddp_around(module)
+    if ddp is not None:
+        _note_ddp(optimizer, ddp, "DDP(model) of a model wrapped by tierflow.wrap", 2)
         watch.ddp_seen = True
         watch.pending = False
 
