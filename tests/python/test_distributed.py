@@ -3,10 +3,12 @@
 DDP: two gloo processes train a small MLP with DDP, with and without tierflow, in both orders
 (tierflow.wrap(DDP(model)) and DDP(tierflow.wrap(model))), activations kept or swapped to the host,
 the user's optimizer or tierflow's CPU optimizer. The results must be DDP's own (bit-identical with
-offload_optimizer='none', within the CPU optimizer's rounding with 'host'), and the CPU optimizer must
-not step during backward from the local gradient that DDP's all-reduce rewrites (every such step was
-redone in step() before): it steps in step() only, and says so once. TIERFLOW_OFFLOAD_GRADIENTS=on is
-refused under DDP.
+offload_optimizer='none', within the CPU optimizer's rounding with 'host'), and the CPU optimizer steps
+each parameter during backward from its reduced gradient (fed by tierflow's DDP communication hook), every
+such step committed and bit-identical to the step step() takes with TIERFLOW_OVERLAP_STEP=off; so also with
+gradient_as_bucket_view, no_sync, static_graph, find_unused_parameters, tierflow's clip (redone only where it
+binds) and a user's comm hook registered after wrap. A hook registered before tierflow sees DDP turns those
+steps off with a warning; TIERFLOW_OFFLOAD_GRADIENTS=on is refused under DDP.
 
 FSDP2 (torch.distributed.fsdp.fully_shard) is refused in every order, with an error that names it and
 says what to do, in a process group of one process (fully_shard runs on the CPU with gloo).
