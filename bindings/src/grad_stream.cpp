@@ -219,7 +219,10 @@ void GradStream::on_grad(std::size_t i) {
   stream_locked(i);
 }
 
-void GradStream::stream_locked(std::size_t i) { stream_from_locked(i, slots_[i].param.grad(), false); }
+void GradStream::stream_locked(std::size_t i) {
+  const at::Tensor grad = slots_[i].param.grad();  // a copy: p.grad may be released below
+  stream_from_locked(i, grad, false);
+}
 
 void GradStream::stream_from_locked(std::size_t i, const at::Tensor& grad, bool reduced) {
   // `reduced`: `grad` is the reduction's result, not p.grad (its identity comes with rebind).
