@@ -57,6 +57,14 @@ _WORKER = textwrap.dedent("""
         g = torch.Generator().manual_seed(100 * step + rank)  # each rank its own data
         return torch.randn(32, 16, generator=g), torch.randn(32, 4, generator=g)
 
+    class WithSpare(nn.Module):  # a parameter the forward never uses (find_unused_parameters=True)
+        def __init__(self, body):
+            super().__init__()
+            self.body, self.spare = body, nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.body(x)
+
     def halved(state, bucket):  # a user's hook that returns a new tensor: DDP's average, halved
         return allreduce_hook(state, bucket).then(lambda fut: fut.value() * 0.5)
 
@@ -66,6 +74,8 @@ _WORKER = textwrap.dedent("""
         # on the DDP module "before" tierflow sees it or "after" tierflow.wrap(DDP(model)).
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4))
+        if (ddp or {{}}).get("find_unused_parameters"):
+            model = WithSpare(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
         settings = dict(settings, device="emulated", min_offload_bytes=0, cpu_threads=1) if order else settings
         if clip is not None and order:
@@ -260,10 +270,11 @@ def _per_step(counts: list) -> list:
     return out
 
 
-def _assert_all_committed(counts: list, where: str) -> None:
-    """Every parameter stepped during backward, from the reduced gradient, and committed: nothing redone."""
+def _assert_all_committed(counts: list, where: str, unused: int = 0) -> None:
+    """Every parameter stepped during backward, from the reduced gradient, and committed: nothing redone. An
+    unused parameter (find_unused_parameters) streams DDP's zeros, and its step is taken back (p.grad stays None)."""
     for i, c in enumerate(_per_step(counts)):
-        assert c == dict(early_steps=PARAMS, committed=PARAMS, redone=0), f"{where}, step {i}: {c}"
+        assert c == dict(early_steps=PARAMS + unused, committed=PARAMS, redone=0), f"{where}, step {i}: {c}"
 
 
 @pytest.mark.parametrize("acts", ["none", "host"])
@@ -316,7 +327,10 @@ def test_ddp_settings_step_during_backward_from_the_reduced_gradients(ddp_runs, 
         assert_close(_as_run(runs[("ddp", case)]), _as_run(ours))
         if order == "wrap(DDP)":  # the steps during backward are the steps step() would take, bit for bit
             assert_bit_identical(_as_run(runs[(order, case, "overlap off")]), _as_run(ours))
-        _assert_all_committed(ours["overlap"], f"rank {rank}")
+        _assert_all_committed(ours["overlap"], f"rank {rank}", unused=2 if case == "unused found" else 0)
+        if case == "unused found":  # never stepped, as torch's AdamW skips a parameter without a gradient
+            for k in ("spare.weight", "spare.bias"):
+                assert torch.equal(ours["params"][k], runs[("ddp", case)]["params"][k]), k
     for k, v in ddp_runs[0][(order, case)]["params"].items():
         assert torch.equal(v, ddp_runs[1][(order, case)]["params"][k]), f"ranks differ in {k}"
 
