@@ -137,6 +137,7 @@ _WORKER = textwrap.dedent("""
         return result
 
     CASES = {{"bucket view": dict(ddp=dict(gradient_as_bucket_view=True)),
+             "small buckets": dict(ddp=dict(bucket_cap_mb=0.002)),  # several DDP buckets from the second step
              "clip binds": dict(clip=0.25, grad_bucket_bytes="4KiB"),  # bucket by bucket: some steps before the stop
              "clip loose": dict(clip=1e6), "no_sync": dict(no_sync=True),
              "no_sync told": dict(no_sync=True, grad_accumulation_steps=2),
@@ -312,15 +313,17 @@ def test_ddp_trains_as_without_tierflow_and_steps_once(ddp_runs, order, acts):
             assert torch.equal(v, ddp_runs[1][(order, acts, opt)]["params"][k]), f"ranks differ in {k} ({opt})"
 
 
-FED_CASES = ["bucket view", "no_sync", "no_sync told", "static graph", "unused found", "clip loose", "hook after"]
+FED_CASES = ["bucket view", "small buckets", "no_sync", "no_sync told", "static graph", "unused found", "clip loose",
+             "hook after"]
 
 
 # tierflow sees DDP(wrap) at the first forward: a hook registered before that is the "hook before" case.
 @pytest.mark.parametrize("order,case", [(o, c) for o in ORDERS for c in FED_CASES
                                         if not (o == "DDP(wrap)" and c == "hook after")])
 def test_ddp_settings_step_during_backward_from_the_reduced_gradients(ddp_runs, order, case):
-    """gradient_as_bucket_view, no_sync accumulation (with TIERFLOW_GRAD_ACCUMULATION_STEPS left at 1 or set to
-    the micro-batches per step: the reducing backward streams either way), static_graph, find_unused_parameters,
+    """gradient_as_bucket_view, several DDP buckets (each reduced bucket streams by itself), no_sync accumulation
+    (with TIERFLOW_GRAD_ACCUMULATION_STEPS left at 1 or set to the micro-batches per step: the reducing backward
+    streams either way), static_graph, find_unused_parameters,
     tierflow's clip that does not bind, and a comm hook of the user's registered after tierflow.wrap (it runs in
     place of tierflow's all-reduce; what it returns streams): DDP's results with the same settings, every step
     committed."""
