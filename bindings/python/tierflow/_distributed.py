@@ -21,9 +21,8 @@ is refused with an error that names it:
   divided by it with gradient_as_bucket_view=True (as DDP does from its
   second backward on; in the first it multiplies, which rounds differently
   only for a world size that is not a power of two), then an all-reduce
-  sum; and the
-  callback of the all-reduce's future hands the reduced bucket to the
-  gradient stream (GradStream::on_reduced in grad_stream_reduced.cpp: each
+  sum; and the callback of the all-reduce's future hands the reduced bucket
+  to the gradient stream (GradStream::on_reduced in grad_stream_reduced.cpp: each
   carried parameter's slice copied to pinned host memory on the copy engine,
   then stepped on the optimizer worker while backward goes on). The local
   gradient hook only counts those parameters. What torch does, in order
@@ -47,7 +46,11 @@ is refused with an error that names it:
   counts local backwards, so the default 1 fits no_sync); another backward
   before step() takes the step back. TIERFLOW_MAX_GRAD_NORM clips the reduced
   gradients: the early steps are redone only when the clip binds.
-  static_graph=True and find_unused_parameters=True work the same way (tested).
+  static_graph=True (whose first backward reduces every bucket in a final
+  callback of DDP's, queued before ours: torch/nn/parallel/distributed.py's
+  _DDPSink) and find_unused_parameters=True (a parameter no rank used streams
+  DDP's zeros; DDP leaves its p.grad None, so that step is taken back) work
+  the same way (tested).
   A communication hook the user registers on the DDP module after tierflow saw
   it runs in place of tierflow's all-reduce (ddp.register_comm_hook is
   replaced on that instance), and what its future holds streams: that is what
