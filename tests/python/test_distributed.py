@@ -45,8 +45,9 @@ EXACT = ("bucket view", "small buckets", "no_sync", "hook after")
 # One script, run by each of the two ranks: every DDP case in one process group (starting the
 # processes costs more than all the training). Each rank saves what it saw; the tests compare.
 _WORKER = textwrap.dedent("""
-    import datetime, sys, warnings
+    import contextlib, datetime, sys, warnings
     import torch, torch.distributed as dist, torch.nn as nn
+    from torch.distributed.algorithms.join import Join
     sys.path[:0] = [{bindings!r}]
     import tierflow
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -73,10 +74,11 @@ _WORKER = textwrap.dedent("""
     def halved(state, bucket):  # a user's hook that returns a new tensor: DDP's average, halved
         return allreduce_hook(state, bucket).then(lambda fut: fut.value() * 0.5)
 
-    def run(parallel, order, ddp=None, clip=None, no_sync=False, hook=None, **settings):
+    def run(parallel, order, ddp=None, clip=None, no_sync=False, hook=None, join=False, **settings):
         # ddp: DDP's keyword arguments; clip: clip_grad_norm_'s max_norm (tierflow's max_grad_norm when
         # wrapped); no_sync: each step a first micro-batch under DDP's no_sync; hook: (when, hook) registered
-        # on the DDP module "before" tierflow sees it or "after" tierflow.wrap(DDP(model)).
+        # on the DDP module "before" tierflow sees it or "after" tierflow.wrap(DDP(model)); join: uneven inputs
+        # (rank 1 has one step less) under DDP's join().
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4))
         if (ddp or {{}}).get("find_unused_parameters"):
@@ -112,26 +114,29 @@ _WORKER = textwrap.dedent("""
                         net.register_comm_hook(None, user_hook)
                 else:
                     net = model
-                for step in range(STEPS):
-                    x, y = batch(step)
-                    if no_sync:
-                        with net.no_sync():
-                            nn.functional.mse_loss(net(x[:16]), y[:16]).backward()
-                        x, y = x[16:], y[16:]
-                    loss = nn.functional.mse_loss(net(x), y)
-                    loss.backward()
-                    if parallel == "by hand":  # what DDP does, written out: average the gradients
-                        for p in model.parameters():
-                            dist.all_reduce(p.grad)
-                            p.grad.div_(2)
-                    if clip is not None and not order:
-                        result.setdefault("norms", []).append(
-                            float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
-                    opt.step()
-                    opt.zero_grad()
-                    result["losses"].append(loss.item())
-                    if isinstance(opt, tierflow.CPUAdamW):
-                        result["overlap"].append(dict(opt.overlap_stats))
+                with Join([net]) if join else contextlib.nullcontext():  # the ranks' steps may differ
+                    for step in range(STEPS - 1 if join and rank == 1 else STEPS):  # rank 1 runs out first
+                        x, y = batch(step)
+                        if no_sync:
+                            with net.no_sync():
+                                nn.functional.mse_loss(net(x[:16]), y[:16]).backward()
+                            x, y = x[16:], y[16:]
+                        loss = nn.functional.mse_loss(net(x), y)
+                        loss.backward()
+                        if parallel == "by hand":  # what DDP does, written out: average the gradients
+                            for p in model.parameters():
+                                dist.all_reduce(p.grad)
+                                p.grad.div_(2)
+                        if clip is not None and not order:
+                            result.setdefault("norms", []).append(
+                                float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+                        opt.step()
+                        opt.zero_grad()
+                        result["losses"].append(loss.item())
+                        if isinstance(opt, tierflow.CPUAdamW):
+                            result["overlap"].append(dict(opt.overlap_stats))
+                if isinstance(opt, tierflow.CPUAdamW):
+                    result["after_join"] = dict(opt.overlap_stats)  # what join's shadow passes streamed: nothing
             except tierflow.TierflowError as e:
                 result["error"] = str(e)
         result["warnings"] = [str(w.message) for w in caught if str(w.message).startswith("tierflow")]
@@ -149,7 +154,7 @@ _WORKER = textwrap.dedent("""
              "static graph": dict(ddp=dict(static_graph=True)),
              "unused found": dict(ddp=dict(find_unused_parameters=True)),
              "hook before": dict(hook=("before", halved)), "hook after": dict(hook=("after", halved)),
-             "builtin hook after": dict(hook=("after", "builtin"))}}
+             "builtin hook after": dict(hook=("after", "builtin")), "join": dict(join=True)}}
     results = {{("ddp", None): run("ddp", None), ("by hand", None): run("by hand", None),
                ("by hand", "wrap"): run("by hand", "wrap", offload_activations="none", offload_optimizer="host")}}
     for order in {orders!r}:
@@ -318,13 +323,15 @@ def test_ddp_trains_as_without_tierflow_and_steps_once(ddp_runs, order, acts):
             assert torch.equal(v, ddp_runs[1][(order, acts, opt)]["params"][k]), f"ranks differ in {k} ({opt})"
 
 
-FED_CASES = ["bucket view", "small buckets", "no_sync", "no_sync told", "static graph", "unused found", "hook after"]
+FED_CASES = ["bucket view", "small buckets", "no_sync", "no_sync told", "static graph", "unused found", "hook after",
+             "join"]
 
 
 @pytest.mark.parametrize("order,case", [(o, c) for o in ORDERS for c in FED_CASES
                                         if o == "wrap(DDP)" or c in BOTH_ORDERS])
 def test_ddp_settings_step_during_backward_from_the_reduced_gradients(ddp_runs, order, case):
-    """gradient_as_bucket_view, several DDP buckets (each reduced bucket streams by itself), no_sync accumulation
+    """gradient_as_bucket_view, several DDP buckets (each reduced bucket streams by itself), uneven inputs under
+    DDP's join(), no_sync accumulation
     (with TIERFLOW_GRAD_ACCUMULATION_STEPS left at 1 or set to the micro-batches per step: the reducing backward
     streams either way), static_graph, find_unused_parameters,
     and a comm hook of the user's registered after tierflow.wrap (it runs in
@@ -338,6 +345,9 @@ def test_ddp_settings_step_during_backward_from_the_reduced_gradients(ddp_runs, 
         if order == "wrap(DDP)" and case in EXACT:  # the steps during backward are step()'s, bit for bit
             assert_bit_identical(_as_run(runs[(order, case, "overlap off")]), _as_run(ours))
         _assert_all_committed(ours["overlap"], f"rank {rank}", unused=2 if case == "unused found" else 0)
+        if case == "join":  # rank 1 ran out of inputs: join's shadow passes ran tierflow's hook, outside backward
+            assert len(ours["losses"]) == STEPS - rank
+            assert ours["after_join"] == ours["overlap"][-1], "nothing streams from join's shadow all-reduces"
         if case == "unused found":  # never stepped, as torch's AdamW skips a parameter without a gradient
             for k in ("spare.weight", "spare.bias"):
                 assert torch.equal(ours["params"][k], runs[("ddp", case)]["params"][k]), k
@@ -453,6 +463,28 @@ def _train_steps(model: nn.Module, opt: torch.optim.Optimizer, steps: int = 2) -
         opt.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+def test_ddp_join_dividing_by_the_ranks_left_is_refused_with_the_steps_during_backward(world_of_one):
+    """join(divide_by_initial_world_size=False) divides by the ranks that have not joined, which DDP tells only its
+    own reduction; tierflow's hook (registered to step during backward) would divide by the world size."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = _mlp()
+    net, opt = tierflow.wrap(DDP(model), torch.optim.AdamW(model.parameters(), lr=1e-2), device="emulated",
+                             offload_activations="none", offload_optimizer="host")
+    x = torch.randn(4, 8)
+    with net.join():  # the default, dividing by the initial world size, is what the hook does
+        net(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    assert opt.overlap_stats["committed"] == 6, opt.overlap_stats
+    with pytest.raises(Exception, match=r"divide_by_initial_world_size=False.*accepted: join\(\) with "
+                                        r"divide_by_initial_world_size=True") as refused:
+        with net.join(divide_by_initial_world_size=False):
+            net(x).square().mean().backward()
+    assert "TIERFLOW_OVERLAP_STEP=off" in str(refused.value)
+    tierflow.unwrap(net)
 
 
 @pytest.mark.parametrize("settings", USERS_SETTINGS, ids=["host-none", "defaults", "none-host"])

@@ -25,6 +25,7 @@ class ReducedFeed:
 
     def __init__(self, ddp: torch.nn.Module, optimizer: Any) -> None:
         self.optimizer = weakref.ref(optimizer)
+        self.ddp = weakref.ref(ddp)
         self.group = ddp.process_group
         self.divide = bool(ddp.gradient_as_bucket_view)  # DDP divides in place then, multiplies by 1/n otherwise
         self.user: Optional[tuple] = None  # (hook, state) registered after tierflow's
@@ -39,11 +40,14 @@ def tierflow_reduce_and_stream(feed, bucket):  # no annotations: DDP's _check_co
     """The communication hook (a ReducedFeed, a torch.distributed.GradBucket -> a Future of the reduced bucket):
     the bucket's reduction (DDP's, or the user's hook), then its result streams."""
     params = bucket.parameters()
+    _refuse_uneven_divisor(feed.ddp())
+    # DDP's join() runs the hook outside any backward, on zeros, for a rank that ran out of inputs: nothing streams.
+    in_backward = torch._C._current_graph_task_id() != -1
 
     def fed(fut: torch.futures.Future) -> torch.Tensor:
         value = fut.value()
         reduced = value[0] if isinstance(value, list) else value
-        stream = feed.stream()
+        stream = feed.stream() if in_backward else None
         if stream is not None and isinstance(reduced, torch.Tensor) and reduced.layout == torch.strided:
             stream.on_reduced(params, reduced)
         return reduced
@@ -59,6 +63,19 @@ def tierflow_reduce_and_stream(feed, bucket):  # no annotations: DDP's _check_co
     else:
         buffer.mul_(1.0 / world)
     return dist.all_reduce(buffer, group=feed.group, async_op=True).get_future().then(fed)
+
+
+def _refuse_uneven_divisor(ddp: Optional[torch.nn.Module]) -> None:
+    """DDP's join(divide_by_initial_world_size=False) divides by the ranks that have not joined, which DDP tells
+    its own reduction only: tierflow's hook, like any, divides by the world size."""
+    config = getattr(ddp, "_join_config", None)
+    if config is not None and config.enable and not getattr(ddp, "_divide_by_initial_world_size", True):
+        raise _C.TierflowError(
+            "tierflow: DistributedDataParallel.join(divide_by_initial_world_size=False) under tierflow: DDP then "
+            "divides each gradient by the number of ranks that have not joined, which it tells its own reduction "
+            "only, and tierflow reduces through a DDP communication hook (to step during backward from the reduced "
+            "gradients), which divides by the world size; accepted: join() with divide_by_initial_world_size=True "
+            "(the default), or TIERFLOW_OVERLAP_STEP=off (overlap_step='off'; DDP then reduces by itself)")
 
 
 def _registered_hook(ddp: torch.nn.Module) -> Optional[str]:

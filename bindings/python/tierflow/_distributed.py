@@ -50,7 +50,11 @@ is refused with an error that names it:
   callback of DDP's, queued before ours: torch/nn/parallel/distributed.py's
   _DDPSink) and find_unused_parameters=True (a parameter no rank used streams
   DDP's zeros; DDP leaves its p.grad None, so that step is taken back) work
-  the same way (tested).
+  the same way (tested). Under DDP's join() (uneven inputs) a rank that ran
+  out of inputs runs the hook on zeros outside any backward, to match the
+  others' all-reduces (DistributedDataParallel._match_all_reduce_for_bwd_pass):
+  it reduces and streams nothing; join(divide_by_initial_world_size=False),
+  whose divisor DDP tells its own reduction only, is refused from the hook.
   A communication hook the user registers on the DDP module after tierflow saw
   it runs in place of tierflow's all-reduce (ddp.register_comm_hook is
   replaced on that instance), and what its future holds streams: that is what
