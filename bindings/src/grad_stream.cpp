@@ -184,21 +184,27 @@ void GradStream::sync_buckets_locked() {
   buckets_plan_ = ledger_.plan_id();
 }
 
-void GradStream::on_grad(std::size_t i) {
-  bool first = false;
+void GradStream::begin_backward(bool queue_end) {
+  bool first = false, queue = false;
   std::function<void()> begin;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     first = ledger_.backward_begins(now_ns());
     if (first) begin = on_backward_begin_;
+    queue = queue_end && !end_queued_;
+    end_queued_ = end_queued_ || queue;
   }
-  if (first) {
+  if (queue) {  // on the autograd thread only (a reduction may come on another: on_reduced)
     std::weak_ptr<GradStream> weak = weak_from_this();
     torch::autograd::Engine::get_default_engine().queue_callback([weak] {
       if (auto s = weak.lock()) s->on_backward_end();
     });
-    if (begin) begin();  // pushes the groups' current hyperparameters (Python, once per backward)
   }
+  if (first && begin) begin();  // pushes the groups' current hyperparameters (Python, once per backward)
+}
+
+void GradStream::on_grad(std::size_t i) {
+  begin_backward(true);
   std::function<void(std::size_t)> init;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -225,9 +231,14 @@ void GradStream::on_grad(std::size_t i) {
 }
 
 void GradStream::stream_locked(std::size_t i) {
+  const at::Tensor grad = slots_[i].param.grad();  // a copy: p.grad may be released below
+  stream_from_locked(i, grad, false);
+}
+
+void GradStream::stream_from_locked(std::size_t i, const at::Tensor& grad, bool reduced) {
+  // `reduced`: `grad` is the reduction's result, not p.grad (its identity comes with rebind).
   if (!ledger_.may_stream(i)) return;
   Slot& s = slots_[i];
-  const at::Tensor grad = s.param.grad();
   optimizer::GradFacts g;  // each fact read only where the ones before it hold
   if ((g.defined = grad.defined()) && !(g.sparse = grad.is_sparse()) && (g.contiguous = grad.is_contiguous())) {
     g.numel = static_cast<std::size_t>(grad.numel());
@@ -255,7 +266,8 @@ void GradStream::stream_locked(std::size_t i) {
   // After the work queued on the stream that produced the gradient (rule 1).
   // clip_grad_norm_'s op, queued before the copy: the copy's completion then
   // covers it too, and the gradient can go once the copy is done.
-  if (options_.offload_gradients && (options_.max_grad_norm > 0 || options_.skip_nonfinite))
+  const bool release = options_.offload_gradients && !reduced;
+  if (release && (options_.max_grad_norm > 0 || options_.skip_nonfinite))
     s.norm = at::_foreach_norm({grad}, 2)[0];
   s.copy = runtime_->copy_to_host(host, grad.view(-1));
   s.copy_seq = ++copy_seq_;
@@ -263,7 +275,7 @@ void GradStream::stream_locked(std::size_t i) {
   s.host_grad = host;
   s.grad_ref = grad;  // alive until the copy has landed (rule 3)
   stats_.grad_bytes_to_host += grad.nbytes();
-  if (options_.offload_gradients) {
+  if (release) {
     s.param.mutable_grad() = at::Tensor();  // p.grad is None; our reference goes once the copy is done
     s.grad_storage = std::make_unique<c10::weak_intrusive_ptr<c10::StorageImpl>>(grad.storage().getWeakStorageImpl());
     s.grad_bytes = grad.nbytes();
@@ -271,7 +283,8 @@ void GradStream::stream_locked(std::size_t i) {
     releasing_.push_back(i);
     stats_.grads_released += 1;
   }
-  if (ledger_.streamed(i, grad_identity(grad), options_.offload_gradients)) launch_locked(bucket);
+  const optimizer::GradIdentity identity = reduced ? optimizer::GradIdentity{} : grad_identity(grad);
+  if (ledger_.streamed(i, identity, release)) launch_locked(bucket);
 }
 
 void GradStream::launch_locked(std::size_t bi) {
@@ -415,7 +428,10 @@ std::uint64_t GradStream::step_entries(const std::vector<Entry>& entries) {
 }
 
 void GradStream::on_backward_end() {
+  if (await_reduction()) return;  // queued again, after DDP's write-back (grad_stream_reduced.cpp)
   std::lock_guard<std::mutex> lock(mutex_);
+  end_queued_ = false;
+  rebind_reduced_locked();
   ledger_.backward_ends(now_ns());
   release_landed_locked();
   count_freed_locked();
@@ -540,6 +556,7 @@ void GradStream::reset_window_locked(bool count_taken_back) {
   }
   for (auto& b : buckets_) b = Bucket{};
   releasing_.clear();
+  end_queued_ = end_requeued_ = false;  // a backward that failed never ran its end
   ledger_.end_window(count_taken_back);
   sync_buckets_locked();
 }

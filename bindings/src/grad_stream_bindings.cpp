@@ -147,6 +147,13 @@ void bind_stream_setup(py::class_<PyGradStream, std::shared_ptr<PyGradStream>>& 
             });
       })
       .def("set_enabled", [](PyGradStream& g, bool on) { g.stream->set_enabled(on); }, py::call_guard<py::gil_scoped_release>())
+      .def("set_reduced", [](PyGradStream& g, const std::vector<std::size_t>& slots) { g.stream->set_reduced(slots); },
+           py::call_guard<py::gil_scoped_release>(),
+           "DDP: these slots stream their reduced gradients (on_reduced), not their local ones")
+      .def("on_reduced", [](PyGradStream& g, const std::vector<at::Tensor>& params, const at::Tensor& flat) {
+        g.stream->on_reduced(params, flat);
+      }, py::call_guard<py::gil_scoped_release>(),
+           "DDP's comm hook, once a bucket is reduced: flat holds the reduced gradients of params, in order")
       .def("add_module", [](PyGradStream& g, const std::vector<std::size_t>& slots) {
         return g.stream->add_module(slots);
       }, py::call_guard<py::gil_scoped_release>());

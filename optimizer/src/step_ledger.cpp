@@ -111,6 +111,7 @@ void StepLedger::plan() {
 bool StepLedger::backward_begins(std::uint64_t now_ns) {
   if (in_backward_) return false;
   in_backward_ = true;
+  backward_ += 1;
   backward_start_ns_ = now_ns;
   return true;
 }
@@ -124,6 +125,12 @@ GradArrival StepLedger::arrive(std::size_t slot) {
     s.seen = true;
     arrival_.push_back(slot);
   }
+  if (s.reduced) {  // counted; the reduced gradient streams (arrive_reduced)
+    s.local_backward = backward_;
+    if (!s.streamed || s.streamed_backward == backward_) return GradArrival::kIgnore;
+    take_back(s);  // a later backward changed the reduced gradient that streamed
+    return GradArrival::kTakeBack;
+  }
   if (s.streamed) {  // the gradient changed again after it streamed (accumulation went on)
     take_back(s);
     return GradArrival::kTakeBack;
@@ -131,6 +138,36 @@ GradArrival StepLedger::arrive(std::size_t slot) {
   if (!enabled_ || s.discarded || s.grad_events != options_.accumulation_steps) return GradArrival::kIgnore;
   if (!planned_) plan();
   return s.has_state ? GradArrival::kStream : GradArrival::kNeedState;
+}
+
+void StepLedger::set_reduced(std::size_t slot, bool reduced) {
+  TIERFLOW_EXPECTS(slot < slots_.size(), "StepLedger::set_reduced: no slot " + std::to_string(slot));
+  Slot& s = slots_[slot];
+  if (s.reduced != reduced && s.streamed) take_back(s);  // what streamed came the other way
+  s.reduced = reduced;
+}
+
+GradArrival StepLedger::arrive_reduced(std::size_t slot) {
+  TIERFLOW_EXPECTS(slot < slots_.size(), "StepLedger::arrive_reduced: no slot " + std::to_string(slot));
+  Slot& s = slots_[slot];
+  if (!s.streamable || !s.reduced) return GradArrival::kIgnore;
+  if (s.streamed) {  // reduced twice in one window: the gradient changed after it streamed
+    take_back(s);
+    return GradArrival::kTakeBack;
+  }
+  // The reduction started from this backward's local gradient, seen or not yet.
+  const int local_events = s.grad_events + (s.local_backward == backward_ ? 0 : 1);
+  if (!enabled_ || s.discarded || local_events < options_.accumulation_steps) return GradArrival::kIgnore;
+  if (!planned_) plan();
+  return s.has_state ? GradArrival::kStream : GradArrival::kNeedState;
+}
+
+bool StepLedger::rebind(std::size_t slot, GradIdentity grad) {
+  TIERFLOW_EXPECTS(slot < slots_.size(), "StepLedger::rebind: no slot " + std::to_string(slot));
+  Slot& s = slots_[slot];
+  if (!s.reduced || !s.streamed || s.discarded || s.streamed_backward != backward_) return false;
+  s.grad = grad;
+  return true;
 }
 
 bool StepLedger::may_stream(std::size_t slot) const {
@@ -144,6 +181,7 @@ bool StepLedger::streamed(std::size_t slot, GradIdentity grad, bool released) {
   s.grad = grad;
   s.options_used = groups_[static_cast<std::size_t>(s.group)];
   s.streamed = true;
+  s.streamed_backward = backward_;
   s.released = released;
   Bucket& b = buckets_[s.bucket];
   b.arrived += 1;
@@ -262,6 +300,7 @@ void StepLedger::end_window(bool count_taken_back) {
   for (auto& s : slots_) {
     if (count_taken_back && s.streamed && !s.discarded) stats_.taken_back += 1;
     s.grad_events = 0;
+    s.local_backward = s.streamed_backward = 0;
     s.seen = s.streamed = s.landed = s.discarded = s.spec_done = s.released = false;
     s.grad = GradIdentity{};
     s.clip_base = -1;

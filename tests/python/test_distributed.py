@@ -3,10 +3,12 @@
 DDP: two gloo processes train a small MLP with DDP, with and without tierflow, in both orders
 (tierflow.wrap(DDP(model)) and DDP(tierflow.wrap(model))), activations kept or swapped to the host,
 the user's optimizer or tierflow's CPU optimizer. The results must be DDP's own (bit-identical with
-offload_optimizer='none', within the CPU optimizer's rounding with 'host'), and the CPU optimizer must
-not step during backward from the local gradient that DDP's all-reduce rewrites (every such step was
-redone in step() before): it steps in step() only, and says so once. TIERFLOW_OFFLOAD_GRADIENTS=on is
-refused under DDP.
+offload_optimizer='none', within the CPU optimizer's rounding with 'host'), and the CPU optimizer steps
+each parameter during backward from its reduced gradient (fed by tierflow's DDP communication hook), every
+such step committed and bit-identical to the step step() takes with TIERFLOW_OVERLAP_STEP=off; so also with
+gradient_as_bucket_view, no_sync, static_graph, find_unused_parameters, tierflow's clip (redone only where it
+binds) and a user's comm hook registered after wrap. A hook registered before tierflow sees DDP turns those
+steps off with a warning; TIERFLOW_OFFLOAD_GRADIENTS=on is refused under DDP.
 
 FSDP2 (torch.distributed.fsdp.fully_shard) is refused in every order, with an error that names it and
 says what to do, in a process group of one process (fully_shard runs on the CPU with gloo).
@@ -34,15 +36,22 @@ pytestmark = pytest.mark.skipif(not (torch.distributed.is_available() and torch.
 STEPS = 3
 SETTINGS = [(acts, opt) for acts in ("none", "host") for opt in ("none", "host")]
 ORDERS = ("wrap(DDP)", "DDP(wrap)")
+# The DDP settings run in both orders (the others, once tierflow's hook is registered, feed the same way: wrap(DDP)
+# only). tierflow sees DDP(wrap) at the first forward: a hook registered before that is the "hook before" case.
+BOTH_ORDERS = ("bucket view", "no_sync", "static graph", "clip binds", "hook before")
+# ... and those also run with TIERFLOW_OVERLAP_STEP=off, to compare the steps during backward with, bit for bit.
+EXACT = ("bucket view", "small buckets", "no_sync", "hook after")
 
 # One script, run by each of the two ranks: every DDP case in one process group (starting the
 # processes costs more than all the training). Each rank saves what it saw; the tests compare.
 _WORKER = textwrap.dedent("""
-    import datetime, sys, warnings
+    import contextlib, datetime, sys, warnings
     import torch, torch.distributed as dist, torch.nn as nn
+    from torch.distributed.algorithms.join import Join
     sys.path[:0] = [{bindings!r}]
     import tierflow
     from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     rank, store, out_path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2,
@@ -54,37 +63,80 @@ _WORKER = textwrap.dedent("""
         g = torch.Generator().manual_seed(100 * step + rank)  # each rank its own data
         return torch.randn(32, 16, generator=g), torch.randn(32, 4, generator=g)
 
-    def run(parallel, order, **settings):
+    class WithSpare(nn.Module):  # a parameter the forward never uses (find_unused_parameters=True)
+        def __init__(self, body):
+            super().__init__()
+            self.body, self.spare = body, nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.body(x)
+
+    def halved(state, bucket):  # a user's hook that returns a new tensor: DDP's average, halved
+        return allreduce_hook(state, bucket).then(lambda fut: fut.value() * 0.5)
+
+    def run(parallel, order, ddp=None, clip=None, no_sync=False, hook=None, join=False, **settings):
+        # ddp: DDP's keyword arguments; clip: clip_grad_norm_'s max_norm (tierflow's max_grad_norm when
+        # wrapped); no_sync: each step a first micro-batch under DDP's no_sync; hook: (when, hook) registered
+        # on the DDP module "before" tierflow sees it or "after" tierflow.wrap(DDP(model)); join: uneven inputs
+        # (rank 1 has one step less) under DDP's join().
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4))
+        if (ddp or {{}}).get("find_unused_parameters"):
+            model = WithSpare(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
         settings = dict(settings, device="emulated", min_offload_bytes=0, cpu_threads=1) if order else settings
+        if clip is not None and order:
+            settings["max_grad_norm"] = clip
+        when, user_hook = hook or (None, None)
         result = dict(losses=[], overlap=[], warnings=[], error=None, offloaded_bytes=0)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
                 if order == "wrap(DDP)":
-                    net, opt = tierflow.wrap(DDP(model), opt, **settings)
+                    net = DDP(model, **(ddp or {{}}))
+                    if when == "before":
+                        net.register_comm_hook(None, user_hook)
+                    net, opt = tierflow.wrap(net, opt, **settings)
+                    if when == "after" and user_hook == "builtin":
+                        net._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
+                    elif when == "after":
+                        net.register_comm_hook(None, user_hook)
                 elif order == "DDP(wrap)":
                     model, opt = tierflow.wrap(model, opt, **settings)
-                    net = DDP(model)
+                    net = DDP(model, **(ddp or {{}}))
+                    if when == "before":  # before the first forward, where tierflow sees the DDP
+                        net.register_comm_hook(None, user_hook)
                 elif order == "wrap":
                     net, opt = tierflow.wrap(model, opt, **settings)
+                elif parallel == "ddp":
+                    net = DDP(model, **(ddp or {{}}))
+                    if user_hook is not None:
+                        net.register_comm_hook(None, user_hook)
                 else:
-                    net = DDP(model) if parallel == "ddp" else model
-                for step in range(STEPS):
-                    x, y = batch(step)
-                    loss = nn.functional.mse_loss(net(x), y)
-                    loss.backward()
-                    if parallel == "by hand":  # what DDP does, written out: average the gradients
-                        for p in model.parameters():
-                            dist.all_reduce(p.grad)
-                            p.grad.div_(2)
-                    opt.step()
-                    opt.zero_grad()
-                    result["losses"].append(loss.item())
-                    if isinstance(opt, tierflow.CPUAdamW):
-                        result["overlap"].append(dict(opt.overlap_stats))
+                    net = model
+                with Join([net]) if join else contextlib.nullcontext():  # the ranks' steps may differ
+                    for step in range(STEPS - 1 if join and rank == 1 else STEPS):  # rank 1 runs out first
+                        x, y = batch(step)
+                        if no_sync:
+                            with net.no_sync():
+                                nn.functional.mse_loss(net(x[:16]), y[:16]).backward()
+                            x, y = x[16:], y[16:]
+                        loss = nn.functional.mse_loss(net(x), y)
+                        loss.backward()
+                        if parallel == "by hand":  # what DDP does, written out: average the gradients
+                            for p in model.parameters():
+                                dist.all_reduce(p.grad)
+                                p.grad.div_(2)
+                        if clip is not None and not order:
+                            result.setdefault("norms", []).append(
+                                float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+                        opt.step()
+                        opt.zero_grad()
+                        result["losses"].append(loss.item())
+                        if isinstance(opt, tierflow.CPUAdamW):
+                            result["overlap"].append(dict(opt.overlap_stats))
+                if isinstance(opt, tierflow.CPUAdamW):
+                    result["after_join"] = dict(opt.overlap_stats)  # what join's shadow passes streamed: nothing
             except tierflow.TierflowError as e:
                 result["error"] = str(e)
         result["warnings"] = [str(w.message) for w in caught if str(w.message).startswith("tierflow")]
@@ -94,6 +146,15 @@ _WORKER = textwrap.dedent("""
             tierflow.unwrap(model if order != "wrap(DDP)" else net)
         return result
 
+    CASES = {{"bucket view": dict(ddp=dict(gradient_as_bucket_view=True)),
+             "small buckets": dict(ddp=dict(bucket_cap_mb=0.002)),  # several DDP buckets from the second step
+             "clip binds": dict(clip=0.25, grad_bucket_bytes="4KiB"),  # bucket by bucket: some steps before the stop
+             "no_sync": dict(no_sync=True),
+             "no_sync told": dict(no_sync=True, grad_accumulation_steps=2),
+             "static graph": dict(ddp=dict(static_graph=True)),
+             "unused found": dict(ddp=dict(find_unused_parameters=True)),
+             "hook before": dict(hook=("before", halved)), "hook after": dict(hook=("after", halved)),
+             "builtin hook after": dict(hook=("after", "builtin")), "join": dict(join=True)}}
     results = {{("ddp", None): run("ddp", None), ("by hand", None): run("by hand", None),
                ("by hand", "wrap"): run("by hand", "wrap", offload_activations="none", offload_optimizer="host")}}
     for order in {orders!r}:
@@ -103,6 +164,17 @@ _WORKER = textwrap.dedent("""
                                               overlap_step="off")
         results[(order, "offload gradients")] = run("ddp", order, offload_activations="none",
                                                     offload_optimizer="host", offload_gradients="on")
+    for name, case in CASES.items():
+        if name != "builtin hook after":
+            results[("ddp", name)] = run("ddp", None, **case)
+        for order in {orders!r}:
+            if order == "DDP(wrap)" and name not in {both_orders!r}:
+                continue  # the same feeding once registered: the order's own cases only
+            results[(order, name)] = run("ddp", order, offload_activations="none", offload_optimizer="host", **case)
+        # What the CPU AdamW computes stepping in step() only, to compare the steps during backward with.
+        if name in {exact!r}:
+            results[("wrap(DDP)", name, "overlap off")] = run("ddp", "wrap(DDP)", offload_activations="none",
+                                                              offload_optimizer="host", overlap_step="off", **case)
     torch.save(results, out_path)
     dist.destroy_process_group()
 """)
@@ -113,7 +185,7 @@ def ddp_runs(tmp_path_factory) -> list:
     """Per rank, {case: what that rank saw}; both ranks run every case of the worker script."""
     d = tmp_path_factory.mktemp("ddp")
     script = _WORKER.format(bindings=os.path.join(ROOT, "bindings", "python"), steps=STEPS, orders=ORDERS,
-                            settings=SETTINGS)
+                            settings=SETTINGS, both_orders=BOTH_ORDERS, exact=EXACT)
     return _run_ranks(d, script)
 
 
@@ -197,11 +269,33 @@ def _as_run(result: dict) -> Run:
     return Run(losses=result["losses"], params=result["params"])
 
 
+PARAMS = 6  # the MLP's weights and biases, each stepped once per step
+
+
+def _per_step(counts: list) -> list:
+    """overlap_stats after each step -> what each step added."""
+    keys = ("early_steps", "committed", "redone")
+    before = dict.fromkeys(keys, 0)
+    out = []
+    for c in counts:
+        out.append({k: c[k] - before[k] for k in keys})
+        before = c
+    return out
+
+
+def _assert_all_committed(counts: list, where: str, unused: int = 0) -> None:
+    """Every parameter stepped during backward, from the reduced gradient, and committed: nothing redone. An
+    unused parameter (find_unused_parameters) streams DDP's zeros, and its step is taken back (p.grad stays None)."""
+    for i, c in enumerate(_per_step(counts)):
+        assert c == dict(early_steps=PARAMS + unused, committed=PARAMS, redone=0), f"{where}, step {i}: {c}"
+
+
 @pytest.mark.parametrize("acts", ["none", "host"])
 @pytest.mark.parametrize("order", ORDERS)
 def test_ddp_trains_as_without_tierflow_and_steps_once(ddp_runs, order, acts):
-    """DDP's results, with the user's optimizer and with the CPU one; the CPU one steps in step() only,
-    exactly as with TIERFLOW_OVERLAP_STEP=off, and says so once."""
+    """DDP's results, with the user's optimizer and with the CPU one; the CPU one steps each parameter once,
+    during backward from its reduced gradient, committed at step(), bit-identical to stepping in step() only
+    (TIERFLOW_OVERLAP_STEP=off), and has nothing to say."""
     for rank, runs in enumerate(ddp_runs):
         base = _as_run(runs[("ddp", None)])
         kept, ours = runs[(order, acts, "none")], runs[(order, acts, "host")]
@@ -220,17 +314,85 @@ def test_ddp_trains_as_without_tierflow_and_steps_once(ddp_runs, order, acts):
         assert off["error"] is None and off["warnings"] == [], off
         if acts == "none":
             assert_bit_identical(_as_run(off), _as_run(ours))
-        # No step during backward from the local gradient (each one was redone in step() before).
-        for i, counts in enumerate(ours["overlap"]):
-            assert counts["early_steps"] == 0 and counts["redone"] == 0, f"rank {rank}, step {i}: {counts}"
-        assert len(ours["warnings"]) == 1, ours["warnings"]
-        warning = ours["warnings"][0]
-        assert "DistributedDataParallel (DDP)" in warning and "steps after backward" in warning, warning
-        assert "until tierflow steps from the reduced gradient" in warning, warning
+        # Every step during backward, from the reduced gradient (tierflow's DDP communication hook): committed.
+        _assert_all_committed(ours["overlap"], f"rank {rank}")
+        assert ours["warnings"] == [], ours["warnings"]
     # DDP keeps the replicas equal.
     for opt in ("none", "host"):
         for k, v in ddp_runs[0][(order, acts, opt)]["params"].items():
             assert torch.equal(v, ddp_runs[1][(order, acts, opt)]["params"][k]), f"ranks differ in {k} ({opt})"
+
+
+FED_CASES = ["bucket view", "small buckets", "no_sync", "no_sync told", "static graph", "unused found", "hook after",
+             "join"]
+
+
+@pytest.mark.parametrize("order,case", [(o, c) for o in ORDERS for c in FED_CASES
+                                        if o == "wrap(DDP)" or c in BOTH_ORDERS])
+def test_ddp_settings_step_during_backward_from_the_reduced_gradients(ddp_runs, order, case):
+    """gradient_as_bucket_view, several DDP buckets (each reduced bucket streams by itself), uneven inputs under
+    DDP's join(), no_sync accumulation
+    (with TIERFLOW_GRAD_ACCUMULATION_STEPS left at 1 or set to the micro-batches per step: the reducing backward
+    streams either way), static_graph, find_unused_parameters,
+    and a comm hook of the user's registered after tierflow.wrap (it runs in
+    place of tierflow's all-reduce; what it returns streams): DDP's results with the same settings, every step
+    committed."""
+    for rank, runs in enumerate(ddp_runs):
+        ours = runs[(order, case)]
+        assert ours["error"] is None, f"rank {rank}: {ours['error']}"
+        assert ours["warnings"] == [], ours["warnings"]
+        assert_close(_as_run(runs[("ddp", case)]), _as_run(ours))
+        if order == "wrap(DDP)" and case in EXACT:  # the steps during backward are step()'s, bit for bit
+            assert_bit_identical(_as_run(runs[(order, case, "overlap off")]), _as_run(ours))
+        _assert_all_committed(ours["overlap"], f"rank {rank}", unused=2 if case == "unused found" else 0)
+        if case == "join":  # rank 1 ran out of inputs: join's shadow passes ran tierflow's hook, outside backward
+            assert len(ours["losses"]) == STEPS - rank
+            assert ours["after_join"] == ours["overlap"][-1], "nothing streams from join's shadow all-reduces"
+        if case == "unused found":  # never stepped, as torch's AdamW skips a parameter without a gradient
+            for k in ("spare.weight", "spare.bias"):
+                assert torch.equal(ours["params"][k], runs[("ddp", case)]["params"][k]), k
+    for k, v in ddp_runs[0][(order, case)]["params"].items():
+        assert torch.equal(v, ddp_runs[1][(order, case)]["params"][k]), f"ranks differ in {k}"
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_tierflows_clip_under_ddp_redoes_only_the_steps_where_it_binds(ddp_runs, order):
+    """TIERFLOW_MAX_GRAD_NORM under DDP clips the reduced gradients as clip_grad_norm_ after DDP's backward does:
+    where the clip binds (DDP's own norm says so) the early steps are redone and none is committed; where it
+    does not, all are committed."""
+    for rank, runs in enumerate(ddp_runs):
+        base, ours = runs[("ddp", "clip binds")], runs[(order, "clip binds")]
+        assert ours["error"] is None and ours["warnings"] == [], (ours["error"], ours["warnings"])
+        assert_close(_as_run(base), _as_run(ours))
+        binds = [norm > 0.25 for norm in base["norms"]]
+        assert any(binds) and not all(binds), base["norms"]  # both kinds of step are seen
+        for i, (c, bound) in enumerate(zip(_per_step(ours["overlap"]), binds)):
+            if bound:  # speculation stops once the running norm crosses the bound: the buckets before it redone
+                assert c["committed"] == 0 and 0 < c["redone"] == c["early_steps"] < PARAMS, (rank, i, c)
+            else:
+                assert c == dict(early_steps=PARAMS, committed=PARAMS, redone=0), (rank, i, c)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_a_comm_hook_registered_before_tierflow_sees_ddp_turns_the_steps_during_backward_off(ddp_runs, order):
+    """DDP takes one communication hook: with the user's there before tierflow sees the DDP module, the CPU
+    optimizer steps after backward (from what the user's hook made), and says why and what to do, once."""
+    for rank, runs in enumerate(ddp_runs):
+        ours = runs[(order, "hook before")]
+        assert ours["error"] is None, ours["error"]
+        assert_close(_as_run(runs[("ddp", "hook before")]), _as_run(ours))
+        assert all(c["early_steps"] == 0 for c in ours["overlap"]), ours["overlap"]
+        assert len(ours["warnings"]) == 1, ours["warnings"]
+        warning = ours["warnings"][0]
+        assert "a DDP communication hook is registered on it already (halved" in warning, warning
+        assert "register yours after tierflow.wrap" in warning and "steps after backward" in warning, warning
+
+
+def test_a_builtin_comm_hook_after_tierflow_is_refused(ddp_runs):
+    for runs in ddp_runs:
+        error = runs[("wrap(DDP)", "builtin hook after")]["error"]
+        assert error is not None and "_register_builtin_comm_hook" in error, error
+        assert "ddp.register_comm_hook(state, hook)" in error, error
 
 
 @pytest.mark.parametrize("order", ORDERS)
@@ -301,6 +463,28 @@ def _train_steps(model: nn.Module, opt: torch.optim.Optimizer, steps: int = 2) -
         opt.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+def test_ddp_join_dividing_by_the_ranks_left_is_refused_with_the_steps_during_backward(world_of_one):
+    """join(divide_by_initial_world_size=False) divides by the ranks that have not joined, which DDP tells only its
+    own reduction; tierflow's hook (registered to step during backward) would divide by the world size."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = _mlp()
+    net, opt = tierflow.wrap(DDP(model), torch.optim.AdamW(model.parameters(), lr=1e-2), device="emulated",
+                             offload_activations="none", offload_optimizer="host")
+    x = torch.randn(4, 8)
+    with net.join():  # the default, dividing by the initial world size, is what the hook does
+        net(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    assert opt.overlap_stats["committed"] == 6, opt.overlap_stats
+    with pytest.raises(Exception, match=r"divide_by_initial_world_size=False.*accepted: join\(\) with "
+                                        r"divide_by_initial_world_size=True") as refused:
+        with net.join(divide_by_initial_world_size=False):
+            net(x).square().mean().backward()
+    assert "TIERFLOW_OVERLAP_STEP=off" in str(refused.value)
+    tierflow.unwrap(net)
 
 
 @pytest.mark.parametrize("settings", USERS_SETTINGS, ids=["host-none", "defaults", "none-host"])

@@ -7,24 +7,71 @@ is refused with an error that names it:
 
 - DistributedDataParallel (DDP) trains right, with every activation and
   optimizer setting, in both orders: tierflow.wrap(DDP(model), ...) and
-  DDP(model) of a wrapped model. One thing changes: the CPU optimizer's step
-  during backward (Note [Step during backward] in step_ledger.hpp) would read each
-  gradient as backward finishes it, which is the local one: DDP's all-reduce
-  rewrites it at backward's end, so step() would find every early step stale
-  and do it again. Under DDP tierflow therefore turns its steps during
-  backward off for the rest of the run (the gradient stream's hooks only
-  count) and warns once: every parameter steps in step(), from the reduced
-  gradient, as with TIERFLOW_OVERLAP_STEP=off, by the same kernel that redid
-  it before, so the results are those of before. DDP is seen in wrap (the model is or
-  holds a DDP module) or at a forward of the wrapped model (DDP's forward
-  calls it with DistributedDataParallel._active_ddp_module set to itself),
-  before the first backward, so no early step is ever taken. A gradient
-  all-reduce that tierflow cannot see (written by hand between backward() and
-  step(), or a DDP that calls the model's forward without __call__) shows at
-  step(): in a process group of more than one process, a step in which the
-  early steps had to be redone and none could be committed turns them off
-  the same way, with its own warning (one wasted step). This lasts until
-  tierflow steps from the reduced gradient (DDP support proper is planned).
+  DDP(model) of a wrapped model, and the CPU optimizer steps each parameter
+  during backward (Note [Step during backward] in step_ledger.hpp) from its
+  reduced gradient, never from the local one that DDP's all-reduce replaces.
+  DDP is seen in wrap (the model is or holds a DDP module) or at a forward of
+  the wrapped model (DDP's forward calls it with
+  DistributedDataParallel._active_ddp_module set to itself), before the first
+  backward; tierflow then registers a DDP communication hook
+  (_ddp_feed.py; DDP checks nothing but that one is registered once, before
+  the backward that uses it: Reducer::register_comm_hook in torch's
+  reducer.cpp). Per bucket the hook reduces as DDP does without one: each
+  gradient times 1 / world size (mark_variable_ready_dense's mul_out), or
+  divided by it with gradient_as_bucket_view=True (as DDP does from its
+  second backward on; in the first it multiplies, which rounds differently
+  only for a world size that is not a power of two), then an all-reduce
+  sum; and the callback of the all-reduce's future hands the reduced bucket
+  to the gradient stream (GradStream::on_reduced in grad_stream_reduced.cpp: each
+  carried parameter's slice copied to pinned host memory on the copy engine,
+  then stepped on the optimizer worker while backward goes on). The local
+  gradient hook only counts those parameters. What torch does, in order
+  (torch/csrc/distributed/c10d/reducer.cpp): AccumulateGrad's post hook
+  (Reducer::autograd_hook) marks a gradient ready and copies it into its
+  bucket (mark_variable_ready_dense); a full bucket runs the comm hook
+  (all_reduce_bucket -> run_comm_hook); the last gradient queues
+  finalize_backward as an autograd final callback; finalize_backward waits for
+  each bucket's future (so our callback has run) and only then writes the
+  result into p.grad (finalize_bucket_dense: copy_bucket_to_grad's
+  grad.copy_(bucket_view) with gradient_as_bucket_view=False, which changes
+  p.grad's version; with True p.grad already is the bucket's view). So the
+  stream's end of backward, queued at the first gradient, queues itself once
+  more from within the final callbacks, which runs it after
+  finalize_backward, and there records p.grad's identity as the one the
+  streamed gradient has (Note [Step ledger], "Reduced gradients"): step()
+  commits the early step when p.grad was not changed after that, as without
+  DDP. Under no_sync() DDP neither reduces nor calls the hook: the local
+  gradients accumulate and nothing streams until the reducing backward, whose
+  reduced gradient streams (the n-th rule of TIERFLOW_GRAD_ACCUMULATION_STEPS
+  counts local backwards, so the default 1 fits no_sync); another backward
+  before step() takes the step back. TIERFLOW_MAX_GRAD_NORM clips the reduced
+  gradients: the early steps are redone only when the clip binds.
+  static_graph=True (whose first backward reduces every bucket in a final
+  callback of DDP's, queued before ours: torch/nn/parallel/distributed.py's
+  _DDPSink) and find_unused_parameters=True (a parameter no rank used streams
+  DDP's zeros; DDP leaves its p.grad None, so that step is taken back) work
+  the same way (tested). Under DDP's join() (uneven inputs) a rank that ran
+  out of inputs runs the hook on zeros outside any backward, to match the
+  others' all-reduces (DistributedDataParallel._match_all_reduce_for_bwd_pass):
+  it reduces and streams nothing; join(divide_by_initial_world_size=False),
+  whose divisor DDP tells its own reduction only, is refused from the hook.
+  A communication hook the user registers on the DDP module after tierflow saw
+  it runs in place of tierflow's all-reduce (ddp.register_comm_hook is
+  replaced on that instance), and what its future holds streams: that is what
+  DDP writes into p.grad (a result of another dtype than a parameter's steps
+  in step()). A built-in hook registered after that is refused (DDP takes one
+  hook). One registered before tierflow saw the DDP module (the user's, DDP's
+  mixed_precision's, optimizer-in-backward's) cannot be composed with: the
+  steps during backward are turned off for the rest of the run with a warning
+  that says why and what to do, and every parameter steps in step() from the
+  reduced gradient, as with TIERFLOW_OVERLAP_STEP=off, so the results are the
+  same; the same holds for DDP's Python reducer (compiled autograd). A
+  gradient all-reduce that tierflow cannot see (written by hand between
+  backward() and step()) shows at step(): in a process group of more than one
+  process, a step in which the early steps had to be redone and none could
+  be committed turns them off the same way, with its own warning (one wasted
+  step). Not done: a CPU optimizer partitioned across the ranks (each one
+  stepping 1/N of the parameters).
 - TIERFLOW_OFFLOAD_GRADIENTS=on under DDP is refused: it sets p.grad to None
   during backward, while DDP's reducer still has to read and all-reduce it
   (with DDP applied after wrap the losses silently left DDP's).
@@ -51,7 +98,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import _C
+from . import _C, _ddp_feed
 
 _INSTEAD = "use torch.nn.parallel.DistributedDataParallel (DDP) instead, or train on one process"
 _ADVICE = f"{_INSTEAD}; FSDP2 support is planned"
@@ -141,7 +188,7 @@ def _refuse_sharded_later(model: torch.nn.Module) -> None:
         "tierflow.unwrap(model) to train it without tierflow; FSDP2 support is planned")
 
 
-# -- DDP: right, with the steps during backward turned off --------------------------
+# -- DDP: the steps during backward fed the reduced gradients ----------------------
 
 
 def _ddp_class() -> Optional[type]:
@@ -176,11 +223,11 @@ class DistributedWatch:
 
 
 _DDP_WARNING = (
-    "tierflow: the model is trained with torch.nn.parallel.DistributedDataParallel (DDP) ({how}), which "
-    "all-reduces every gradient at the end of backward; under DDP tierflow's CPU optimizer steps after backward, "
-    "in step(), from the reduced gradients, instead of stepping each parameter during backward from its local "
-    "gradient (step() would have to redo every such step). The results are the same; what is lost is the overlap "
-    "of the CPU step with backward, until tierflow steps from the reduced gradient. "
+    "tierflow: the model is trained with torch.nn.parallel.DistributedDataParallel (DDP) ({how}), and tierflow "
+    "cannot feed its CPU optimizer the reduced gradients during backward: {why}. So under this DDP tierflow's CPU "
+    "optimizer steps after backward, in step(), from the reduced gradients, instead of stepping each parameter "
+    "during backward (from the local gradient, step() would have to redo every such step). The results are the "
+    "same; what is lost is the overlap of the CPU step with backward. "
     "TIERFLOW_OVERLAP_STEP=off (overlap_step='off') asks for this and silences this warning.")
 
 _REDONE_WARNING = (
@@ -188,9 +235,8 @@ _REDONE_WARNING = (
     "had to be stepped again in step(), because what it stepped from changed after backward (its gradient, as an "
     "all-reduce of the gradients does: DDP's, or one written by hand between backward() and step()); from now on "
     "the optimizer steps after backward, in step() only, instead of doing every step twice. The results are the "
-    "same; what is lost is the overlap of the CPU step with backward, until tierflow steps from the reduced "
-    "gradient (DDP support is planned). TIERFLOW_OVERLAP_STEP=off (overlap_step='off') asks for this and silences "
-    "this warning.")
+    "same; what is lost is the overlap of the CPU step with backward (under DDP tierflow steps from the reduced "
+    "gradients itself). TIERFLOW_OVERLAP_STEP=off (overlap_step='off') asks for this and silences this warning.")
 
 
 def steps_after_backward(optimizer: Any, message: str, stacklevel: int = 2) -> None:
@@ -199,8 +245,9 @@ def steps_after_backward(optimizer: Any, message: str, stacklevel: int = 2) -> N
         warnings.warn(message, UserWarning, stacklevel=stacklevel + 1)  # NVMe states), or done already
 
 
-def _note_ddp(optimizer: Any, how: str, stacklevel: int) -> None:
-    """DDP seen: TIERFLOW_OFFLOAD_GRADIENTS=on refused, the steps during backward turned off."""
+def _note_ddp(optimizer: Any, ddp: torch.nn.Module, how: str, stacklevel: int) -> None:
+    """DDP seen: TIERFLOW_OFFLOAD_GRADIENTS=on refused; the steps during backward fed DDP's reduced gradients
+    (tierflow._ddp_feed), or turned off with a warning that says why."""
     if optimizer is None:
         return  # offload_optimizer='none': the user's optimizer steps after backward anyway
     if optimizer.gradients_offloaded():
@@ -208,16 +255,22 @@ def _note_ddp(optimizer: Any, how: str, stacklevel: int) -> None:
             "tierflow: TIERFLOW_OFFLOAD_GRADIENTS=on does not work under torch.nn.parallel.DistributedDataParallel "
             f"(DDP; {how}): it sets p.grad to None during backward, while DDP still has to all-reduce that "
             "gradient; accepted under DDP: TIERFLOW_OFFLOAD_GRADIENTS=off (offload_gradients='off')")
-    steps_after_backward(optimizer, _DDP_WARNING.format(how=how), stacklevel + 1)
+    if not optimizer.steps_during_backward():
+        return  # TIERFLOW_OVERLAP_STEP=off, NVMe states, or turned off already: DDP's reduction as it is
+    why = _ddp_feed.why_not_fed(ddp)
+    if why is None:
+        _ddp_feed.feed(ddp, optimizer)
+    else:
+        steps_after_backward(optimizer, _DDP_WARNING.format(how=how, why=why), stacklevel + 1)
 
 
 def check_wrap(optimizer: Any, model: torch.nn.Module) -> DistributedWatch:
     """tierflow.wrap, once its optimizer (a CPUAdamW, or None) is made: DDP inside ``model`` is noted (or refused
     with TIERFLOW_OFFLOAD_GRADIENTS=on); the forwards check the rest (check_forward) with what this returns."""
-    ddp = _ddp_inside(model) is not None
-    if ddp:
-        _note_ddp(optimizer, "tierflow.wrap of a DDP model", 3)  # the warning points at the caller of wrap
-    return DistributedWatch(ddp)
+    ddp = _ddp_inside(model)
+    if ddp is not None:
+        _note_ddp(optimizer, ddp, "tierflow.wrap of a DDP model", 3)  # the warning points at the caller of wrap
+    return DistributedWatch(ddp is not None)
 
 
 def check_forward(watch: DistributedWatch, optimizer: Any, module: torch.nn.Module) -> None:
@@ -232,8 +285,9 @@ def check_forward(watch: DistributedWatch, optimizer: Any, module: torch.nn.Modu
     if watch.ddp_seen or not (offloading or early):
         watch.pending = False  # nothing left that DDP would change
         return
-    if _ddp_around(module) is not None:
-        _note_ddp(optimizer, "DDP(model) of a model wrapped by tierflow.wrap", 2)
+    ddp = _ddp_around(module)
+    if ddp is not None:
+        _note_ddp(optimizer, ddp, "DDP(model) of a model wrapped by tierflow.wrap", 2)
         watch.ddp_seen = True
         watch.pending = False
 

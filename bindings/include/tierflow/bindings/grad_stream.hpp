@@ -84,6 +84,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <unordered_map>
 #include <vector>
 
 #include "tierflow/bindings/runtime.hpp"
@@ -173,6 +174,14 @@ class GradStream : public std::enable_shared_from_this<GradStream> {
   void set_callbacks(std::function<void()> on_backward_begin, std::function<void(std::size_t)> init_state);
   /// Enables or disables streaming of the next gradients (disabled: hooks only count).
   void set_enabled(bool enabled);
+  /// DDP (Note [Distributed training]): the gradients of `slots` stream from
+  /// their reduction (on_reduced), not from their local hooks, and each
+  /// backward's end waits for the reduction's write-back into p.grad.
+  void set_reduced(const std::vector<std::size_t>& slots);
+  /// A reduction finished: `flat` holds the reduced gradients of `params` one
+  /// after the other (DDP's bucket layout, on the runtime's device); each one
+  /// of a slot set_reduced streams from its slice. Others are skipped.
+  void on_reduced(const std::vector<at::Tensor>& params, const at::Tensor& flat);
   /// Registers the slots of one module's own parameters; returns its id for wait_module.
   std::size_t add_module(const std::vector<std::size_t>& slots);
 
@@ -234,9 +243,13 @@ class GradStream : public std::enable_shared_from_this<GradStream> {
   struct Entry;
   GradStream(std::shared_ptr<Runtime> runtime, GradStreamOptions options);
   void on_grad(std::size_t slot);
+  void begin_backward(bool queue_end);
   void on_backward_end();
+  bool await_reduction();
+  void rebind_reduced_locked();
   void sync_buckets_locked();
   void stream_locked(std::size_t slot);
+  void stream_from_locked(std::size_t slot, const at::Tensor& grad, bool reduced);
   void launch_locked(std::size_t bucket);
   void run_bucket(std::uint64_t generation, std::vector<Entry> entries, std::vector<swap::TransferHandle> copies);
   void settle_failed_bucket(std::uint64_t generation, const std::vector<Entry>& entries);
@@ -266,6 +279,10 @@ class GradStream : public std::enable_shared_from_this<GradStream> {
   // last, and the compute streams that already wait for it (wait_step_uploads).
   std::vector<std::pair<c10::Device, swap::TransferHandle>> step_uploads_;
   std::vector<std::pair<c10::Device, void*>> waited_streams_;
+  std::vector<std::size_t> reduced_;    // slots set_reduced (DDP)
+  std::unordered_map<const void*, std::size_t> reduced_slot_;  // ... by parameter (its TensorImpl)
+  bool end_queued_ = false;              // this backward's on_backward_end is queued
+  bool end_requeued_ = false;            // ... and queued again, after the reduction's write-back
   std::function<void()> on_backward_begin_;
   std::function<void(std::size_t)> init_state_;
   std::unique_ptr<swap::detail::SerialWorker> worker_;

@@ -53,6 +53,13 @@ class GradientStreaming:
     def carries(self, p: torch.Tensor) -> bool:
         return p in self._slot_of
 
+    def stream_reduced(self, params: list) -> int:
+        """DDP (Note [Distributed training]): the carried ones of ``params`` stream their reduced gradients
+        (fed by tierflow._ddp_feed), not their local ones. Returns how many."""
+        slots = [self._slot_of[p] for p in params if p in self._slot_of]
+        self.stream.set_reduced(slots)
+        return len(slots)
+
     def param_of(self, slot: int) -> torch.Tensor:
         return self._slot_params[slot]
 

@@ -106,6 +106,20 @@
 // Windows have generations: a bucket that lands after its window ended (a
 // forward before step(), zero_grad) changes nothing.
 //
+// Reduced gradients (DDP; Note [Distributed training] in
+// bindings/python/tierflow/_distributed.py): a slot marked reduced streams the
+// gradient that a reduction across processes produced (arrive_reduced), never
+// its local one: a local arrival only counts (the n-th rule above counts local
+// backwards, so with no_sync the reducing backward is the n-th) and takes a
+// step back that streamed in an earlier backward of the window (the gradient
+// changed again). A reduced arrival implies this backward's local one (the
+// reduction starts from the accumulated gradient), whichever the ledger saw
+// first; a second reduced arrival in one window takes the step back. The
+// reduced values reach p.grad later, by a write that changes its identity
+// (DDP's copy into p.grad at the end of backward): rebind records the identity
+// p.grad has once that write is done, which confirm() then checks as usual;
+// until rebind the slot's identity matches no gradient (the step is unhandled).
+//
 // The ledger is not thread-safe: its owner serialises every call.
 #pragma once
 
@@ -195,6 +209,10 @@ class StepLedger {
   void state_set(std::size_t slot);
   /// Streaming of further gradients on or off (off: gradients are only counted).
   void set_enabled(bool enabled) noexcept { enabled_ = enabled; }
+  /// `slot`'s gradients stream from a reduction across processes
+  /// (arrive_reduced), not from its local ones (see "Reduced gradients" above).
+  void set_reduced(std::size_t slot, bool reduced);
+  bool reduced(std::size_t slot) const { return slots_.at(slot).reduced; }
 
   // -- backward --------------------------------------------------------------
   /// A gradient arrived. Returns true for the first of a backward (the caller
@@ -202,6 +220,12 @@ class StepLedger {
   bool backward_begins(std::uint64_t now_ns);
   /// A gradient of `slot` arrived: what to do with it (plans the buckets first if needed).
   GradArrival arrive(std::size_t slot);
+  /// The reduced gradient of a reduced `slot` is ready (all processes'): what to do with it.
+  GradArrival arrive_reduced(std::size_t slot);
+  /// The reduced gradient `slot` streamed in this backward is now p.grad as
+  /// `grad` (written back by the reduction): confirm() compares with it.
+  /// False (nothing changed) when no reduced gradient of this backward streamed.
+  bool rebind(std::size_t slot, GradIdentity grad);
   /// True when `slot` may stream now (state set, not streamed or discarded, its bucket not yet launched).
   bool may_stream(std::size_t slot) const;
   /// Its gradient's copy is queued: `grad` streamed (`released`: p.grad was set
@@ -301,6 +325,9 @@ class StepLedger {
     int grad_events = 0;
     bool seen = false, streamed = false, landed = false, discarded = false, spec_done = false;
     bool released = false;
+    bool reduced = false;               // streams from arrive_reduced only
+    std::uint64_t local_backward = 0;   // the backward of its last local arrival (0: none this window)
+    std::uint64_t streamed_backward = 0;  // the backward it streamed in
     GradIdentity grad;
     std::int64_t clip_base = -1;  // its version when the user's clip began (-1: not a candidate)
     bool clipped = false;
@@ -328,6 +355,7 @@ class StepLedger {
   std::size_t sized_bucket_bytes_ = 0;  // size_buckets' choice (0: not yet)
   bool enabled_ = true;
   bool in_backward_ = false;
+  std::uint64_t backward_ = 0;        // backwards begun (numbers them for reduced slots)
   bool stopped_ = false;              // speculation stopped in this window
   std::uint64_t generation_ = 0;
   std::uint64_t backward_start_ns_ = 0;

@@ -1,0 +1,103 @@
+// GradStream fed by DDP's reduction (Note [Distributed training] in
+// bindings/python/tierflow/_distributed.py; the ledger's side is "Reduced
+// gradients" in Note [Step ledger]).
+//
+// The Python communication hook (tierflow/_ddp_feed.py) calls on_reduced from
+// the callback of the reduction's future, once per DDP bucket: on the thread
+// that completed the all-reduce (gloo's, or the autograd thread when it had
+// completed already), before DDP's finalize_backward, which waits for that
+// future and only then writes the result into p.grad (a copy_ into p.grad with
+// gradient_as_bucket_view=False; p.grad already is the bucket's view with True).
+// So the stream copies the reduced slice itself, on the copy engine after the
+// work queued on the calling thread's current stream (rule 1 of Note [Copy
+// ordering]; on CUDA the future's callback runs on a stream that waits for the
+// all-reduce), and keeps the slice referenced until the copy landed (rule 3).
+//
+// The identity step() checks is p.grad's after the write-back: DDP queues
+// finalize_backward as an autograd final callback during backward (at the last
+// gradient), after ours (queued at the first gradient); so our end of backward
+// queues itself once more, from within the final callbacks, which puts it after
+// DDP's, and there records p.grad's identity (rebind) before backward ends.
+#include "tierflow/bindings/grad_stream.hpp"
+
+#include "grad_stream_parts.hpp"
+
+#include <torch/csrc/autograd/engine.h>
+
+#include <string>
+
+#include "tierflow/core/error.hpp"
+
+namespace tierflow::bindings {
+
+void GradStream::set_reduced(const std::vector<std::size_t>& slots) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (std::size_t i : slots) {
+    TIERFLOW_EXPECTS(i < slots_.size(), "GradStream::set_reduced: no slot " + std::to_string(i));
+    if (!ledger_.streamable(i) || reduced_slot_.count(slots_[i].param.unsafeGetTensorImpl())) continue;
+    ledger_.set_reduced(i, true);
+    reduced_.push_back(i);
+    reduced_slot_.emplace(slots_[i].param.unsafeGetTensorImpl(), i);
+  }
+}
+
+void GradStream::on_reduced(const std::vector<at::Tensor>& params, const at::Tensor& flat) {
+  std::int64_t total = 0;
+  for (const auto& p : params) total += p.numel();
+  TIERFLOW_EXPECTS(flat.dim() == 1 && flat.is_contiguous() && flat.numel() == total,
+                   "GradStream::on_reduced: the reduced bucket must be one contiguous 1-D tensor of " +
+                       std::to_string(total) + " elements (its parameters' sizes, one after the other); got " +
+                       std::to_string(flat.numel()) + " elements in " + std::to_string(flat.dim()) + " dimensions");
+  std::vector<std::pair<std::size_t, at::Tensor>> mine;  // (slot, its reduced gradient)
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::int64_t offset = 0;
+    for (const auto& p : params) {
+      const auto it = reduced_slot_.find(p.unsafeGetTensorImpl());
+      // A result of another dtype (a user's hook) is not what DDP casts into p.grad: that one steps in step().
+      if (it != reduced_slot_.end() && p.scalar_type() == flat.scalar_type())
+        mine.emplace_back(it->second, flat.narrow(0, offset, p.numel()));
+      offset += p.numel();
+    }
+  }
+  if (mine.empty()) return;
+  begin_backward(false);  // the end of backward is queued by the local hooks (autograd thread)
+  for (const auto& [i, grad] : mine) {
+    std::function<void(std::size_t)> init;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      const optimizer::GradArrival what = ledger_.arrive_reduced(i);
+      sync_buckets_locked();
+      if (what == optimizer::GradArrival::kStream) stream_from_locked(i, grad, true);
+      if (what != optimizer::GradArrival::kNeedState) continue;
+      init = init_state_;
+    }
+    if (!init) continue;
+    init(i);  // first step only: the Python state is created, and set_state called
+    std::lock_guard<std::mutex> lock(mutex_);
+    stream_from_locked(i, grad, true);
+  }
+}
+
+bool GradStream::await_reduction() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (reduced_.empty() || end_requeued_) {
+      end_requeued_ = false;
+      return false;
+    }
+    end_requeued_ = true;
+  }
+  // From within the final callbacks: runs after every callback queued so far, DDP's finalize_backward included.
+  std::weak_ptr<GradStream> weak = weak_from_this();
+  torch::autograd::Engine::get_default_engine().queue_callback([weak] {
+    if (auto s = weak.lock()) s->on_backward_end();
+  });
+  return true;
+}
+
+void GradStream::rebind_reduced_locked() {
+  for (std::size_t i : reduced_) ledger_.rebind(i, grad_identity(slots_[i].param.grad()));
+}
+
+}  // namespace tierflow::bindings
