@@ -426,21 +426,6 @@ USERS_SETTINGS = [dict(offload_activations="host", offload_optimizer="none"), di
                   dict(offload_activations="none", offload_optimizer="host")]
 
 
-@pytest.fixture
-def world_of_one(monkeypatch):
-    """A gloo process group of this process alone (fully_shard needs one), gone after the test."""
-    dist = torch.distributed
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    if sys.platform.startswith("linux") and "GLOO_SOCKET_IFNAME" not in os.environ:
-        monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def _mlp() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
