@@ -235,8 +235,9 @@ def test_settings_and_models_it_cannot_serve_are_refused(device):
     task = ZOO["gpt2"][0]()
     with pytest.raises(tierflow.ConfigError, match="TIERFLOW_GPU_OPTIMIZER_FRACTION=0.5.*accepted"):
         tierflow.wrap(task.model_on(device), None, device=device, offload_params="host", gpu_optimizer_fraction="0.5")
-    with pytest.raises(tierflow.ConfigError, match="TIERFLOW_OFFLOAD_PARAMS='auto'.*accepted here: none, host, nvme"):
-        tierflow.wrap(task.model_on(device), None, device=device, offload_params="auto")
+    with pytest.raises(tierflow.ConfigError, match="TIERFLOW_OFFLOAD_PARAMS='auto' with TIERFLOW_OFFLOAD_ACTIVATIONS"
+                                                   "='none'.*accepted: TIERFLOW_OFFLOAD_ACTIVATIONS=auto"):
+        tierflow.wrap(task.model_on(device), None, device=device, offload_params="auto", offload_activations="none")
     with pytest.raises(tierflow.ConfigError, match="TIERFLOW_OFFLOAD_PARAMS='nvme' needs TIERFLOW_NVME_PATHS"):
         tierflow.wrap(task.model_on(device), None, device=device, offload_params="nvme")
     with pytest.raises(tierflow.ConfigError, match="found no repeated blocks in Linear.*blocks="):
@@ -280,3 +281,28 @@ def test_ddp_with_parameters_on_the_host_is_refused_in_both_orders(world_of_one)
     tierflow.wrap(model, None, device="emulated", offload_params="host", offload_activations="none")
     with pytest.raises(tierflow.ConfigError, match="under .*DistributedDataParallel"):
         task.loss(around, task.batch_on(0, "emulated"))
+
+
+@pytest.mark.parametrize("room", ["tight", "ample"])
+def test_auto_plans_which_blocks_keep_their_parameters(device, room):
+    """TIERFLOW_OFFLOAD_PARAMS=auto: two steps with every unit fetched, then the plan's residences. Under a budget
+    of half the parameters some units are fetched and the device peak stays within it; with room for all, every
+    unit stays resident and nothing is fetched after the plan. Bit for bit the same CPU optimizer run without
+    parameter offload either way."""
+    task = _deep("llama", layers=8)
+    total = _parameter_bytes(task)
+    budget = total // 2 if room == "tight" else 64 * total
+    common = dict(offload_gradients="on", prefetch_bytes=256 << 10)
+    steps = 5
+    offloaded = train(task, steps, True, device=device, offload_params="auto", gpu_memory=str(budget), **common)
+    resident = train(task, steps, True, device=device, **common)
+    assert_bit_identical(offloaded, resident)
+    p, plan = offloaded.report["params"], offloaded.report["plan"]
+    fetched = plan["params"] + [plan["rest_params"]]
+    assert plan["predicted_device_peak_bytes"] <= budget, plan["summary"]
+    if room == "tight":
+        assert "host" in fetched and p["device_peak_bytes"] <= budget, (fetched, p)
+        assert p["host_bytes"] > 0, p
+    else:
+        assert set(fetched) == {"gpu"}, plan["summary"]
+        assert p["host_bytes"] == 0 and p["device_bytes"] == total, p  # all resident from the third step on

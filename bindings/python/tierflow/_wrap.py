@@ -52,7 +52,7 @@ class Session:
         self.optimizer: Optional[weakref.ref] = None  # the CPUAdamW of this session, if any
         self.planner: Optional[Any] = None  # auto / recompute: the per-block plans (Note [Activation plans])
         self.distributed: Optional[Any] = None  # what the forwards still check (Note [Distributed training])
-        self.params: Optional[Any] = None  # TIERFLOW_OFFLOAD_PARAMS=host|nvme: the ParamOffload (Note [Parameter hooks])
+        self.params: Optional[Any] = None  # TIERFLOW_OFFLOAD_PARAMS: the ParamOffload (Note [Parameter hooks])
 
     # -- model hooks -----------------------------------------------------------
     def attach(self, model: torch.nn.Module, blocks: Optional[list] = None) -> None:
@@ -68,7 +68,7 @@ class Session:
         # Note [Hooks outside graphs]: dynamo never traces them.
         self._handles.append(model.register_forward_pre_hook(outside_graphs(self._before_forward)))
         self._handles.append(model.register_forward_hook(outside_graphs(self._after_forward), always_call=True))
-        if self.config["TIERFLOW_OFFLOAD_PARAMS"] in ("host", "nvme"):  # after the plans' hooks: Note [Parameter hooks]
+        if self.config["TIERFLOW_OFFLOAD_PARAMS"] != "none":  # after the plans' hooks: Note [Parameter hooks]
             from .params import ParamOffload
 
             self.params = ParamOffload(self, model, blocks)

@@ -24,7 +24,9 @@ block's output opens the block (before any of its backward runs, so before a
 replay of Note [Activation plans] or a gradient checkpoint's recompute,
 which run its forward again: a block's pre-hook during backward does
 nothing). A block's use ends when the gradients of all its tensor inputs
-are ready: autograd reads a weight only to compute the gradient of what
+are ready (an input that is the previous block's output is counted by that
+block's output hook, before the previous block begins, so that two blocks
+and the prefetched one at most are on the device): autograd reads a weight only to compute the gradient of what
 the weight multiplied, and everything a block computes flows out through its
 inputs or into its own parameters' gradients (which need the activations,
 not the weight), so nothing of the block can need its parameters after that.
@@ -35,6 +37,13 @@ rest unit last, and the phase, which releases whatever is left (Note
 [Parameter residency]: a block whose inputs need no gradient, such as the
 first of a model with frozen embeddings; a prefetch for a use that did not
 come). The model's forward hook ends the forward phase the same way.
+Auto. With TIERFLOW_OFFLOAD_PARAMS=auto every unit is fetched from the host
+during the two steps the activation planner measures; its plan (Note
+[Activation planner], Parameters: which units keep their parameters,
+within TIERFLOW_GPU_MEMORY, together with the activations) is applied when
+the forward it was made in ends: those units' parameters are copied to the
+device once and stay (ParamSchedule::make_resident), and the optimizer
+steps them there from then on.
 Everything else. With a torch optimizer (offload_optimizer="none") step()
 runs with every parameter pointing at its host copy (NVMe: read into a host
 tensor, written back after the step), which it updates in place; on the
@@ -96,13 +105,19 @@ class ParamOffload:
         self._ids = {id(p) for p in self._params}
         self.rest_bytes = sum(p.numel() * p.element_size() for p in units[-1])
         self._runtime = session.runtime
-        self.tier = session.config["TIERFLOW_OFFLOAD_PARAMS"]  # host or nvme
+        setting = session.config["TIERFLOW_OFFLOAD_PARAMS"]
+        self.planned = setting == "auto"  # every unit fetched from the host until the plan says which stay
+        self.tier = "host" if self.planned else setting
         self.impl = _C.ParamResidency(session.runtime, units, [self.tier] * len(units),
                                       [names.get(id(p), "?") for u in units for p in u])
         self._model = weakref.ref(model)
         self._open: Optional[int] = None  # the forward use in progress
         self._backward: Optional[set] = None  # in a backward: its blocks whose use is open
         self._pending: dict = {}  # block -> gradients of its inputs backward has still to produce
+        self._awaiting: dict = {}  # key of one input's gradient -> the block waiting for it
+        self._next_key = 0
+        self._resident: Optional[list] = None  # auto: the units the plan keeps on the device, until applied
+        self._optimizer: Optional[Any] = None  # weak reference to the CPUAdamW stepping these parameters
         self._handles: list = []
         me = weakref.ref(self)
 
@@ -146,6 +161,7 @@ class ParamOffload:
         pointed at their host copies where the device allows it (_torch_optimizer_step), else is refused then."""
         if cpu_optimizer is not None:
             cpu_optimizer.use_host_copies(self)
+            self._optimizer = weakref.ref(cpu_optimizer)
         _install_step_hooks()
         _live.add(self)
 
@@ -165,7 +181,7 @@ class ParamOffload:
             raise _C.ConfigError(_DDP_REFUSAL)
         if not _in_backward():
             self._close_backward()  # a backward that never reached its end (an error): its phase ends here
-            self._pending = {}
+            self._pending, self._awaiting = {}, {}
             self._switch(self.rest)
 
     def _model_ends(self, out: Any) -> None:
@@ -173,6 +189,9 @@ class ParamOffload:
             return
         self._switch(None)
         self.impl.end_phase()
+        if self._resident is not None:  # between phases: the plan's resident units
+            self._make_resident(self._resident)
+            self._resident = None
         if torch.is_grad_enabled():
             self._on_grad(out, self._backward_begins)
 
@@ -184,14 +203,24 @@ class ParamOffload:
             inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             self._pending[i] = self._pending.get(i, 0) + len(inputs)
             for t in inputs:
-                t.register_hook(self._grad_hook(lambda i=i: self._input_grad_ready(i)))
+                key = self._next_key
+                self._next_key += 1
+                self._awaiting[key] = i
+                # The previous block's output hook, registered first, reads these keys (_output_grad).
+                t.__dict__.setdefault("_tierflow_awaiting", []).append(key)
+                t.register_hook(self._grad_hook(lambda key=key: self._input_grad_ready(key)))
 
     def _block_ends(self, i: int, out: Any) -> None:
         if _in_backward():
             return
         self._switch(self.rest)
         if torch.is_grad_enabled():
-            self._on_grad(out, lambda: self._block_backward_begins(i))
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    # The keys of the blocks that will take t as input (_block_begins adds them); the list, not
+                    # the tensor, whose hooks must not keep it alive (and whose Python object may go first).
+                    keys = t.__dict__.setdefault("_tierflow_awaiting", [])
+                    t.register_hook(self._grad_hook(lambda keys=keys: self._output_grad(i, keys)))
 
     # -- backward: uses that may overlap --------------------------------------------------------------
     def _on_grad(self, out: Any, then: Any) -> None:
@@ -220,7 +249,18 @@ class ParamOffload:
             self._backward.add(i)
             self.impl.begin_backward(i)
 
-    def _input_grad_ready(self, i: int) -> None:
+    def _output_grad(self, i: int, keys: list) -> None:
+        """The gradient of block i's output is ready: the blocks that took the tensor as input (``keys``) stop
+        waiting for it first (their own hooks, registered later, would run after this one), then block i's
+        backward begins."""
+        for key in keys:
+            self._input_grad_ready(key)
+        self._block_backward_begins(i)
+
+    def _input_grad_ready(self, key: int) -> None:
+        i = self._awaiting.pop(key, None)
+        if i is None:
+            return  # counted already, by the output hook of the block that made the tensor
         self._pending[i] -= 1
         if self._pending[i] == 0 and self._backward is not None and i in self._backward:
             self._backward.discard(i)
@@ -235,6 +275,24 @@ class ParamOffload:
         self.impl.end_backward(self.rest)
         self._backward = None
         self.impl.end_phase()
+
+    # -- auto: the plan's residences ----------------------------------------------------------------
+    def plan_residences(self, plan: dict) -> None:
+        """TIERFLOW_OFFLOAD_PARAMS=auto: the units whose parameters the plan keeps on the device, made
+        resident when the forward the plan was made in ends (between phases)."""
+        units = [i for i, b in enumerate(plan["blocks"]) if b.get("params") == "gpu"]
+        if plan.get("rest_params") == "gpu":
+            units.append(self.rest)
+        self._resident = units
+
+    def _make_resident(self, units: list) -> None:
+        params = self.impl.make_resident(units) if units else []
+        self._ids -= {id(p) for p in params}
+        opt = self._optimizer() if self._optimizer is not None else None
+        if opt is not None and params:
+            opt.params_became_resident(params)
+        _C.log("info", f"tierflow parameters: {len(units)} of {self.rest + 1} units resident from now on "
+                       f"({sum(p.numel() * p.element_size() for p in params)} bytes)")
 
     # -- outside forward and backward --------------------------------------------------------------
     def host_copy(self, p: torch.Tensor) -> Optional[torch.Tensor]:

@@ -78,6 +78,9 @@ class AutoPlanner:
             out["summary"] = self.plan["summary"]
             out["modes"] = [bp["mode"] for bp in self.plan["blocks"]]
             out["alpha"] = [bp["alpha"] for bp in self.plan["blocks"]]
+            # Where each block's parameters live between uses, then the rest unit's (gpu: resident).
+            out["params"] = [bp.get("params", "gpu") for bp in self.plan["blocks"]]
+            out["rest_params"] = self.plan.get("rest_params", "gpu")
             out["predicted_device_peak_bytes"] = self.plan["predicted_device_peak_bytes"]
             out["predicted_step_seconds"] = self.plan["predicted_step_seconds"]
             out["why"] = self.plan.get("why", [])
@@ -181,8 +184,8 @@ class AutoPlanner:
             gradients_offloaded=cfg["TIERFLOW_OFFLOAD_GRADIENTS"] == "on",
             measured_peak_bytes=int(profile.get("measured_peak_bytes") or 0))
         params = self.session.params  # TIERFLOW_OFFLOAD_PARAMS=host: the plan counts the fetched parameters
-        if params is not None:
-            inputs.params = _C.ParamPolicy.fetch_all
+        if params is not None:  # auto: which blocks keep theirs is the plan's (Note [Parameter hooks])
+            inputs.params = _C.ParamPolicy.auto if params.planned else _C.ParamPolicy.fetch_all
             inputs.param_tier = _C.Tier.__members__[params.tier]
             inputs.rest_parameter_bytes = params.rest_bytes
             inputs.measured_parameter_peak_bytes = int(params.stats()["device_peak_bytes"])
@@ -201,6 +204,8 @@ class AutoPlanner:
             plan = make_plan_dict(blocks, profile["links"], budgets, explain=True)
             self.probe(plan)
         self.apply(plan)
+        if self.session.params is not None and self.session.params.planned:
+            self.session.params.plan_residences(plan)
         self.plan = plan
         self.phases.planned()
         self.profile = profile

@@ -44,11 +44,12 @@ def plan_dict(plan: Any) -> dict:
     """A Plan as tierflow's report and the session read it."""
     blocks = [{"mode": b.mode.name, "alpha": b.alpha, "tier": b.tier.name, "keep": b.keep, "swap": b.swap,
                "recompute": b.recompute, "swap_bytes": b.swap_bytes, "forward_seconds": b.forward_seconds,
-               "backward_seconds": b.backward_seconds} for b in plan.blocks]
+               "backward_seconds": b.backward_seconds, "params": b.params.name} for b in plan.blocks]
     return {"blocks": blocks, "lines": [plan.block_line(i) for i in range(len(blocks))], "summary": plan.summary(),
             "predicted_device_peak_bytes": plan.predicted_device_peak_bytes,
             "predicted_step_seconds": plan.predicted_step_seconds, "keep_all_step_seconds": plan.keep_all_step_seconds,
-            "host_bytes": plan.host_bytes, "nvme_bytes": plan.nvme_bytes, "fits": plan.fits}
+            "host_bytes": plan.host_bytes, "nvme_bytes": plan.nvme_bytes, "fits": plan.fits,
+            "rest_params": plan.rest_params.name}
 
 
 def plan(blocks: list, links: Any, budgets: Any, mode: Optional[str] = None, explain: bool = False) -> dict:

@@ -196,6 +196,11 @@ class CPUAdamW(torch.optim.Optimizer):
         if self._streaming is not None:
             self._streaming.use_homes(offload)
 
+    def params_became_resident(self, params: list) -> None:
+        """TIERFLOW_OFFLOAD_PARAMS=auto's plan keeps these on the device now: their weights go there again."""
+        if self._streaming is not None:
+            self._streaming.drop_homes(params)
+
     def mark_master_stale(self) -> None:
         """Parameters were changed outside the optimizer: re-read masters from them at the next step."""
         self._master_stale = True

@@ -50,6 +50,12 @@ class GradientStreaming:
                 self.exclude(p)
         self.forget_python_path()
 
+    def drop_homes(self, params: list) -> None:
+        """These parameters are resident again: their committed weights go to the device."""
+        for p in params:
+            if p in self._slot_of:
+                self.stream.set_home(self._slot_of[p], None)
+
     def carries(self, p: torch.Tensor) -> bool:
         return p in self._slot_of
 
