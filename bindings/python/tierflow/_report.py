@@ -71,9 +71,11 @@ class Report(dict):
                                                     fmt_bytes(a["nvme_bytes"]["peak"])))
         pp = self.get("params")
         if pp:
-            rows.insert(rows.index(("links", "")), ("  parameters on the device, peak",
-                                                    f'{fmt_bytes(pp["device_peak_bytes"])} (host copies '
-                                                    f'{fmt_bytes(pp["host_bytes"])}; {pp["fetches"]} fetches, '
+            gpu_rows_end = rows.index(next(r for r in rows if r[0].startswith("host tier")))
+            rows.insert(gpu_rows_end, ("  parameters on the device, peak",
+                                                    f'{fmt_bytes(pp["device_peak_bytes"])} (between uses: host '
+                                                    f'{fmt_bytes(pp["host_bytes"])}, NVMe {fmt_bytes(pp["nvme_bytes"])}; '
+                                                    f'{pp["fetches"]} fetches, '
                                                     f'{pp["prefetch_hits"]} prefetched, {pp["stalls"]} stalls)'))
         ov = o.get("overlap") or {}
         if ov:
