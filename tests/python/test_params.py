@@ -306,3 +306,20 @@ def test_auto_plans_which_blocks_keep_their_parameters(device, room):
     else:
         assert set(fetched) == {"gpu"}, plan["summary"]
         assert p["host_bytes"] == 0 and p["device_bytes"] == total, p  # all resident from the third step on
+
+
+def test_generate_with_parameters_on_the_host_matches_the_model_without(device):
+    """generate(): many no_grad forwards with a KV cache, each fetching and releasing every unit."""
+    task = ZOO["llama"][0]()
+    ids = task.batch_on(0, device)[0][:1]
+    torch.manual_seed(0)
+    expected = task.model_on(device).eval().generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6,
+                                                     do_sample=False, pad_token_id=0)
+    torch.manual_seed(0)
+    model, _ = tierflow.wrap(task.model_on(device), None, device=device, offload_params="host", **OPT_NONE)
+    got = model.eval().generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                                pad_token_id=0)
+    assert torch.equal(got, expected)
+    p = tierflow.report()["params"]
+    n = len(list(model.parameters()))
+    assert p["device_bytes"] == 0 and p["fetches"] == p["releases"] == 6 * n, (p, n)  # each forward: each once

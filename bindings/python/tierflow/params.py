@@ -13,10 +13,13 @@ block shares with the rest, such as a tied weight, is fetched once).
 Forward. The model's pre-hook opens a use of the rest unit. A block's pre-hook
 (run before any other: the activation plans' hooks may record its ops) closes
 the open use and opens the block's; its forward hook (run after the others)
-closes it and opens the rest unit again, so whatever runs between and after
-the blocks (a final norm, the head, a weight read outside any module) finds
-the rest unit's parameters on the device. The model's forward hook closes the
-last use: every fetched parameter is then released.
+closes it. A module of the rest unit that runs after a block (a final norm,
+the head) opens the rest unit again. So a forward's uses are rest, the
+blocks, rest: the order the schedule expects before any record, and the
+rest unit, used again at the end, stays on the device through the forward
+(a weight read outside any module between blocks finds it there). The
+model's forward hook closes the last use and ends the phase: every fetched
+parameter is then released.
 Backward. The gradient of the model's output opens the rest unit, which
 stays until the end of backward (the head first, the embeddings last, a
 norm between an encoder's blocks and a decoder's). The gradient of a
@@ -135,6 +138,11 @@ class ParamOffload:
                 hook(lambda m, a, kw, i=i: call("_block_begins", i, a, kw)), prepend=True, with_kwargs=True))
             self._handles.append(block.register_forward_hook(
                 hook(lambda m, a, out, i=i: call("_block_ends", i, out)), always_call=True))
+        inside = {id(m) for block in blocks for m in block.modules()}
+        for module in model.modules():
+            if id(module) not in inside and module is not model and \
+                    any(True for _ in module.parameters(recurse=False)):
+                self._handles.append(module.register_forward_pre_hook(hook(lambda m, a: call("_rest_module_begins"))))
         self._handles += self._state_dict_hooks(model, me)
 
     def __hash__(self) -> int:
@@ -184,6 +192,11 @@ class ParamOffload:
             self._pending, self._awaiting = {}, {}
             self._switch(self.rest)
 
+    def _rest_module_begins(self) -> None:
+        """A module holding parameters of the rest unit runs between blocks (a final norm, the head)."""
+        if self._open is None and not _in_backward():
+            self._switch(self.rest)
+
     def _model_ends(self, out: Any) -> None:
         if _in_backward():
             return
@@ -213,7 +226,7 @@ class ParamOffload:
     def _block_ends(self, i: int, out: Any) -> None:
         if _in_backward():
             return
-        self._switch(self.rest)
+        self._switch(None)  # what runs next opens its unit: a block, or a module of the rest unit
         if torch.is_grad_enabled():
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
