@@ -220,7 +220,7 @@ TEST(DescribePlan, OptimizerOnTheDeviceNamesTheSettingThatMovesIt) {
   EXPECT_EQ(parts[2]["part"], "optimizer_states");
   EXPECT_EQ(parts[2]["gpu_bytes"], p.in.state->optimizer_bytes);
   EXPECT_EQ(parts[2]["freed_by"], "--optimizer host or nvme (TIERFLOW_OFFLOAD_OPTIMIZER=host or nvme)");
-  EXPECT_TRUE(parts[0]["freed_by"].is_null()) << "nothing frees the parameters in this version";
+  EXPECT_EQ(parts[0]["freed_by"], "--offload-params host, nvme or auto (TIERFLOW_OFFLOAD_PARAMS)");
 }
 
 TEST(DescribePlan, JsonHasTodaysKeysInOrderThenTheNewOnes) {

@@ -389,6 +389,7 @@ def test_fixed_device_bytes_are_broken_down_with_the_setting_that_frees_them(mon
         assert parts["parameters"]["gpu_bytes"] == parts["gradients"]["gpu_bytes"] == _C.transformer_parameters(shape) * 2
         assert sum(p["gpu_bytes"] for p in parts.values()) == data["budgets"]["fixed_gpu_bytes"]
         assert parts["gradients"]["freed_by"].startswith("TIERFLOW_OFFLOAD_GRADIENTS=on")
+        assert parts["parameters"]["freed_by"] == "--offload-params host, nvme or auto (TIERFLOW_OFFLOAD_PARAMS)"
         if optimizer == "none":
             assert parts["optimizer_states"]["gpu_bytes"] == state.optimizer_bytes > 0
             assert "--optimizer host" in parts["optimizer_states"]["freed_by"]

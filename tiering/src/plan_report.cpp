@@ -169,8 +169,8 @@ std::vector<FixedPart> fixed_parts(const PlanCommandInputs& in, const Budgets& b
   const bool optimizer_on_device = in.optimizer == "none";
   const bool params_on_device = budgets.params == ParamPolicy::kResident;  // else the plan counts them
   return {
-      // No freed_by while training refuses TIERFLOW_OFFLOAD_PARAMS (tiering::params_offload_refusal).
-      {"parameters", "parameters", params_on_device ? s.parameter_bytes : 0, ""},
+      {"parameters", "parameters", params_on_device ? s.parameter_bytes : 0,
+       params_on_device ? "--offload-params host, nvme or auto (TIERFLOW_OFFLOAD_PARAMS)" : ""},
       {"gradients", "gradients", s.gradient_bytes, "TIERFLOW_OFFLOAD_GRADIENTS=on (each freed once copied to host)"},
       {"optimizer_states", "optimizer states", optimizer_on_device ? s.optimizer_bytes : 0,
        optimizer_on_device ? "--optimizer host or nvme (TIERFLOW_OFFLOAD_OPTIMIZER=host or nvme)" : ""},
