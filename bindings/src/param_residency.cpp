@@ -163,7 +163,11 @@ ParamResidency::~ParamResidency() {
 }
 
 void ParamResidency::release(Param& p) {
-  p.fetch.wait();  // rule 1
+  try {
+    p.fetch.wait();  // rule 1
+  } catch (...) {
+    // A failed fetch has ended; its error reached the use that waited for it (carry_out), not the release.
+  }
   p.fetch = swap::TransferHandle();
   if (p.nvme) p.staging = at::Tensor();
   drop_memory(p.device);
@@ -176,12 +180,15 @@ void ParamResidency::fetch(Param& p) {
     return;
   }
   // NVMe -> pinned staging -> device: the copy to the device follows the read (a dependency of the copy
-  // engine), after the compute stream's queued work (rule 2); neither blocks the caller.
-  p.staging = runtime_->host_empty(p.device.sizes(), p.device.scalar_type(), false);
-  const swap::TransferHandle read = runtime_->nvme_engine()->read(p.block, p.staging.data_ptr(), p.staging.nbytes());
+  // engine), after the compute stream's queued work (rule 2). The emulated engine waits for the read on its
+  // worker; CUDA's waits for it on the caller's thread (a host dependency), so on CUDA an NVMe fetch blocks
+  // for its read.
+  at::Tensor staging = runtime_->host_empty(p.device.sizes(), p.device.scalar_type(), false);
+  const swap::TransferHandle read = runtime_->nvme_engine()->read(p.block, staging.data_ptr(), staging.nbytes());
   swap::CopyEngine& engine = *runtime_->copy_engine();
-  p.fetch = engine.copy(swap::Direction::kHostToDevice, p.device.data_ptr(), p.staging.data_ptr(), p.device.nbytes(),
+  p.fetch = engine.copy(swap::Direction::kHostToDevice, p.device.data_ptr(), staging.data_ptr(), p.device.nbytes(),
                         {read}, compute_stream_of(engine, p.device.device()));
+  p.staging = std::move(staging);  // until the fetch is released, which waits for the copy first (rule 1)
 }
 
 at::Tensor ParamResidency::read_home(Param& p) {
@@ -204,8 +211,25 @@ void ParamResidency::write_home(Param& p, const at::Tensor& value) {
 
 void ParamResidency::carry_out(const tiering::ParamActions& a) {
   for (tiering::ParamId id : a.release) release(params_.at(id));
-  for (const auto* ids : {&a.fetch, &a.prefetch})
-    for (tiering::ParamId id : *ids) fetch(params_.at(id));
+  std::vector<tiering::ParamId> started;
+  try {
+    for (const auto* ids : {&a.fetch, &a.prefetch}) {
+      for (tiering::ParamId id : *ids) {
+        fetch(params_.at(id));
+        started.push_back(id);
+      }
+    }
+  } catch (...) {  // out of memory, a failed read: what did not start is fetched again at its next use
+    for (const auto* ids : {&a.fetch, &a.prefetch}) {
+      for (tiering::ParamId id : *ids) {
+        if (std::find(started.begin(), started.end(), id) != started.end()) continue;
+        drop_memory(params_.at(id).device);
+        params_.at(id).staging = at::Tensor();
+        schedule_->fetch_failed(id);
+      }
+    }
+    throw;
+  }
   for (tiering::ParamId id : a.wait) {  // rule 3
     Param& p = params_.at(id);
     runtime_->await_on_device(p.fetch, p.device.device());
@@ -313,6 +337,7 @@ void ParamResidency::materialize(const at::Tensor& t, bool fetch_it) {
     runtime_->copy_to_device(p.device, value).wait();
     return;
   }
+  if (held) p.fetch.wait();  // the device copy is complete before it is read back
   at::Tensor value = runtime_->host_empty(p.device.sizes(), p.device.scalar_type(), false);
   runtime_->copy_to_host(value, p.device).wait();
   write_home(p, value);

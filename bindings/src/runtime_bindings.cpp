@@ -220,10 +220,14 @@ void bind_param_residency(py::module_& m) {
       .def("make_resident", &ParamResidency::make_resident, py::arg("units"),
            py::call_guard<py::gil_scoped_release>(), "Makes these units resident from now on; returns their parameters.")
       .def("host_copy", [](const ParamResidency& r, const at::Tensor& p) -> py::object {
-        at::Tensor h = r.host_copy(p);
+        at::Tensor h;
+        {
+          py::gil_scoped_release release;
+          h = r.host_copy(p);
+        }
         return h.defined() ? py::cast(h) : py::none();
       }, "The host copy of a parameter kept on the host, or None.")
-      .def("offloaded", &ParamResidency::offloaded)
+      .def("offloaded", &ParamResidency::offloaded, py::call_guard<py::gil_scoped_release>())
       .def("load", &ParamResidency::load, py::call_guard<py::gil_scoped_release>(),
            "The parameter's current value on the host (its host copy, or read from NVMe).")
       .def("store", &ParamResidency::store, py::call_guard<py::gil_scoped_release>(),
@@ -231,8 +235,15 @@ void bind_param_residency(py::module_& m) {
       .def("point_at_host", &ParamResidency::point_at_host, py::call_guard<py::gil_scoped_release>())
       .def("materialize", &ParamResidency::materialize, py::arg("param"), py::arg("fetch"),
            py::call_guard<py::gil_scoped_release>())
-      .def("units", &ParamResidency::units)
-      .def("stats", [](const ParamResidency& r) { return stat_dict(r.stats(), tiering::param_schedule_stat_fields()); });
+      .def("units", &ParamResidency::units, py::call_guard<py::gil_scoped_release>())
+      .def("stats", [](const ParamResidency& r) {
+        tiering::ParamScheduleStats s;
+        {
+          py::gil_scoped_release release;  // the mutex may be held across a wait (a release, a fetch)
+          s = r.stats();
+        }
+        return stat_dict(s, tiering::param_schedule_stat_fields());
+      });
 }
 
 }  // namespace

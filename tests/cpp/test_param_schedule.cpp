@@ -196,15 +196,31 @@ TEST(ParamSchedule, UnitsMadeResidentBetweenPhasesStayAndAreNeverFetchedAgain) {
   EXPECT_EQ(s.stats().device_bytes, 105u);
 }
 
+TEST(ParamSchedule, AStepThatFailedLeavesTheNextOneASchedule) {
+  ParamSchedule s(chain(2, 100, Tier::kHost), {0});
+  // A fetch whose wait failed: the use ends all the same, releasing it (the caller waits for the copy first).
+  s.begin_forward(0);
+  EXPECT_EQ(s.end_forward(0).release, Ids{10});
+  // A fetch the caller could not start goes back, and its next use fetches it again.
+  const ParamActions a = s.begin_forward(1);
+  ASSERT_EQ(a.fetch, Ids{11});
+  s.fetch_failed(11);
+  EXPECT_EQ(s.state(11), ParamState::kReleased);
+  EXPECT_EQ(s.stats().device_bytes, 5u);  // the resident rest unit
+  EXPECT_TRUE(s.end_forward(1).release.empty());
+  s.end_phase();
+  EXPECT_EQ(s.begin_forward(1).fetch, Ids{11});
+}
+
 TEST(ParamSchedule, IllegalMovesNameTheParameterAndBothStates) {
   ParamSchedule s(chain(2, 100, Tier::kHost), {0});
-  s.begin_forward(0);  // fetch started, never reported arrived
+  s.begin_forward(0);  // fetch started
   try {
-    s.end_forward(0);
-    FAIL() << "released a parameter still in flight";
+    s.fetch_failed(11);  // never fetched
+    FAIL() << "put back a parameter that was not in flight";
   } catch (const std::logic_error& e) {
     const std::string m = e.what();
-    EXPECT_NE(m.find("parameter 10 cannot move from in-flight to released"), std::string::npos) << m;
+    EXPECT_NE(m.find("fetch_failed: parameter 11 is on-tier"), std::string::npos) << m;
   }
   s.arrived(10);
   EXPECT_THROW(s.arrived(10), std::logic_error);  // on-device -> on-device

@@ -188,13 +188,15 @@ def test_an_optimizer_made_after_wrap_and_an_eval_forward_work(device):
     assert tierflow.report()["params"]["device_bytes"] == 0
 
 
-def test_hf_gradient_checkpointing_recomputes_with_the_parameters_fetched(device):
+@pytest.mark.parametrize("reentrant", [None, False])  # None: HF's default (torch.utils.checkpoint, reentrant)
+def test_hf_gradient_checkpointing_recomputes_with_the_parameters_fetched(device, reentrant):
     _emulated_only(device)
     task = ZOO["gpt2"][0]()
 
     def make():
         m = task.make_model()
-        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        m.gradient_checkpointing_enable(
+            **({} if reentrant is None else dict(gradient_checkpointing_kwargs={"use_reentrant": reentrant})))
         return m
 
     ckpt = Task(make, task.make_batch, task.loss)
@@ -323,3 +325,54 @@ def test_generate_with_parameters_on_the_host_matches_the_model_without(device):
     p = tierflow.report()["params"]
     n = len(list(model.parameters()))
     assert p["device_bytes"] == 0 and p["fetches"] == p["releases"] == 6 * n, (p, n)  # each forward: each once
+
+
+def test_the_cpu_optimizer_steps_the_model_on_the_device_again_after_unwrap(device):
+    task = ZOO["llama"][0]()
+
+    def run(**settings) -> dict:
+        torch.manual_seed(0)
+        model = task.model_on(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+        model, opt = tierflow.wrap(model, opt, device=device, **settings)
+        for i in range(2):
+            _step(task, model, opt, i, device)
+        tierflow.unwrap(model)
+        _step(task, model, opt, 2, device)  # the CPUAdamW wrap returned goes on stepping the model
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    offloaded, resident = run(offload_params="host"), run()
+    for k, v in resident.items():
+        assert torch.equal(offloaded[k], v), k
+
+
+def test_a_failed_fetch_leaves_a_model_that_trains(device, nvme_dir):
+    """An NVMe read error while fetching: that forward raises; the next steps train as if it had not happened."""
+    task = ZOO["llama"][0]()
+    base = train(task, STEPS, False, device=device)
+    faults = tierflow._C.NvmeFaults()
+    torch.manual_seed(0)
+    model = task.model_on(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    model, opt = tierflow.wrap(model, opt, device=device, offload_params="nvme", nvme_paths=[nvme_dir],
+                               _nvme_faults=faults, **OPT_NONE)
+    faults.fail_reads = 1
+    with pytest.raises(OSError, match="read of .* failed"):
+        task.loss(model, task.batch_on(0, device))
+    assert [_step(task, model, opt, i, device) for i in range(STEPS)] == base.losses
+
+
+def test_double_backward_is_refused(device):
+    task = ZOO["llama"][0]()
+    torch.manual_seed(0)
+    model = task.model_on(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    model, opt = tierflow.wrap(model, opt, device=device, offload_params="host", offload_activations="none")
+    weight = model.model.layers[0].mlp.up_proj.weight
+    loss = task.loss(model, task.batch_on(0, device))
+    with pytest.raises(tierflow.ConfigError, match="create_graph=True.*accepted: TIERFLOW_OFFLOAD_PARAMS=none"):
+        torch.autograd.grad(loss, weight, create_graph=True)
+    # The model trains on after the refusal.
+    before = weight._version
+    _step(task, model, opt, 0, device)
+    assert weight._version > before  # the step wrote the host copy: the version moved as torch's in-place step's

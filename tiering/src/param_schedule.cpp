@@ -124,6 +124,16 @@ void ParamSchedule::fetch(Param& p, bool ahead) {
 
 void ParamSchedule::arrived(ParamId id) { move(param(id), ParamState::kOnDevice); }
 
+void ParamSchedule::fetch_failed(ParamId id) {
+  Param& p = param(id);
+  TIERFLOW_EXPECTS(p.state == ParamState::kInFlight, "ParamSchedule::fetch_failed: parameter " + std::to_string(id) +
+                                                         " is " + std::string(to_string(p.state)));
+  p.state = ParamState::kReleased;
+  if (p.ahead) ahead_bytes_ -= p.bytes;
+  p.ahead = false;
+  stats_.device_bytes -= p.bytes;
+}
+
 void ParamSchedule::record_phase() {
   if (backward_) {
     recorded_backward_ = seen_;
@@ -249,6 +259,8 @@ ParamActions ParamSchedule::end(UnitId unit) {
   for (std::size_t i : units_[unit]) {
     Param& p = params_[i];
     if (p.home == Tier::kGpu || p.ahead || used_later(i)) continue;
+    if (p.state == ParamState::kInFlight) move(p, ParamState::kOnDevice);  // never waited for: the caller waits
+    if (p.state != ParamState::kOnDevice) continue;                         // released already (a shared one)
     move(p, ParamState::kReleased);
     stats_.device_bytes -= p.bytes;
     ++stats_.releases;

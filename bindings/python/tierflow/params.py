@@ -160,8 +160,10 @@ class ParamOffload:
         self._switch(None)
         self._close_backward()
         self.impl.point_at_host(False)
-        for p in self._params:
-            self.impl.materialize(p, True)
+        self.impl.end_phase()
+        # Every unit resident: the parameters get their memory and values back, and the optimizer that
+        # stepped their host copies steps them on the device again.
+        self._make_resident(list(range(self.rest + 1)))
         _live.discard(self)
 
     def adopt_optimizer(self, cpu_optimizer: Any) -> None:
@@ -210,8 +212,17 @@ class ParamOffload:
 
     def _block_begins(self, i: int, args: Any, kwargs: Any) -> None:
         if _in_backward():
-            return  # a recompute: the block's backward opened it
+            # A recompute. Its block's backward opened it, unless the block's forward ran under no_grad (a
+            # reentrant checkpoint: no output hook was registered): then the recompute opens it, and the
+            # gradients of the recompute's inputs close it.
+            if self._backward is not None and i not in self._backward:
+                self._block_backward_begins(i)
+                self._await_inputs(i, args, kwargs)
+            return
         self._switch(i)
+        self._await_inputs(i, args, kwargs)
+
+    def _await_inputs(self, i: int, args: Any, kwargs: Any) -> None:
         if torch.is_grad_enabled():  # the gradients of its inputs close its backward
             inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             self._pending[i] = self._pending.get(i, 0) + len(inputs)
@@ -250,6 +261,14 @@ class ParamOffload:
     def _backward_begins(self) -> None:
         if self._backward is not None:
             return  # another output of the model
+        if self._open is not None or torch.is_grad_enabled():
+            # A backward inside a forward (autograd.grad in a block), or one that builds a graph of its own
+            # (create_graph=True: double backward, gradient penalties), whose second pass reads the weights
+            # after this one released them.
+            raise _C.ConfigError(
+                "offload_params: a backward " + ("inside the model's forward" if self._open is not None else
+                                                 "with create_graph=True (double backward)") +
+                " is not supported with parameters off the device; accepted: TIERFLOW_OFFLOAD_PARAMS=none")
         self._backward = set()
         self.impl.begin_backward(self.rest)
         me = weakref.ref(self)
@@ -283,11 +302,13 @@ class ParamOffload:
         """The end of backward: every use still open ends, and the phase with them."""
         if self._backward is None:
             return
-        for i in sorted(self._backward, reverse=True):
-            self.impl.end_backward(i)
-        self.impl.end_backward(self.rest)
-        self._backward = None
-        self.impl.end_phase()
+        open_uses, self._backward = self._backward, None  # whatever happens below, this backward is over
+        try:
+            for i in sorted(open_uses, reverse=True):
+                self.impl.end_backward(i)
+            self.impl.end_backward(self.rest)
+        finally:
+            self.impl.end_phase()
 
     # -- auto: the plan's residences ----------------------------------------------------------------
     def plan_residences(self, plan: dict) -> None:

@@ -44,9 +44,12 @@
 // NVMe: a parameter's only copy between uses is its NVMe block (written once
 // at construction, then by store() after each step). A fetch reads it into a
 // pinned staging buffer and the copy to the device depends on that read (the
-// copy engine's dependency), so neither blocks the caller; the staging stays
-// until the fetch is released (rule 1 for its source). NVMe space is checked
-// before the first write.
+// copy engine's dependency: the emulated engine waits for it on its worker,
+// CUDA's on the caller's thread, so on CUDA an NVMe fetch blocks for its
+// read); the staging stays until the fetch is released, which waits for the
+// copy first (rule 1 for its source). NVMe space is checked before the first
+// write. A fetch that fails (out of memory, a read error) is put back
+// (ParamSchedule::fetch_failed) and the error goes to the caller.
 #pragma once
 
 #include <ATen/ATen.h>

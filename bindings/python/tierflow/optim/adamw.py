@@ -491,6 +491,7 @@ class CPUAdamW(torch.optim.Optimizer):
         if watched is not None:
             note_step(self, watched, scale)
         self._copies.finish_uploads()
+        self._copies.bump_offloaded_versions(self.param_groups)
         self._master_stale = False
         return loss
 

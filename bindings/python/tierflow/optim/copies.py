@@ -98,6 +98,17 @@ class DeviceCopies:
         else:
             p.detach().copy_(host.view(p.shape))
 
+    def bump_offloaded_versions(self, param_groups: list) -> None:
+        """A step wrote the host copies (or NVMe) of parameters off the device, not the parameters: their
+        version counters move as an in-place step's would, so a graph saved before the step and run after it
+        raises as in torch."""
+        if self.homes is None:
+            return
+        for group in param_groups:
+            for p in group["params"]:
+                if self.homes.offloaded(p):
+                    torch.autograd.graph.increment_version(p)
+
     def finish_uploads(self) -> None:
         """Waits for every parameter upload; only then may their staging return to the pool."""
         uploads, self._pending_uploads = self._pending_uploads, []

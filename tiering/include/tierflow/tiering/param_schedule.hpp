@@ -40,7 +40,10 @@
 // previous phase still on the device (its order changed) releases them
 // first; the caller ends a phase (end_phase) when backward ends, which
 // releases every fetched parameter left, those prefetched for a use that
-// did not come included. An illegal move throws std::logic_error naming the parameter and
+// did not come included. A use that ends with a parameter still in flight
+// (its wait failed) releases it all the same (the caller waits for the copy
+// first), and fetch_failed puts back one the caller could not fetch, so an
+// error in a step leaves the next step a schedule it can run. An illegal move throws std::logic_error naming the parameter and
 // both states.
 //
 // Prefetch window. After each event the schedule walks the expected uses
@@ -146,6 +149,9 @@ class ParamSchedule {
   ParamActions end_phase();
   /// A fetch the caller started has landed on the device (in flight -> on device).
   void arrived(ParamId id);
+  /// A fetch the caller could not start or finish (out of memory, an NVMe read error): in flight ->
+  /// released, so the next use fetches it again.
+  void fetch_failed(ParamId id);
   /// Makes `units` resident from now on (a plan of TIERFLOW_OFFLOAD_PARAMS=auto): returns the parameters the
   /// caller copies to the device and keeps there (those not resident already). Between phases only
   /// (logic_error otherwise, or for an unknown unit).
