@@ -137,8 +137,11 @@ TEST(SessionBudgets, FetchedParametersAreThePlansToCount) {
   in.params = ParamPolicy::kFetchAll;
   Budgets out = session_budgets(in, {b, b});
   EXPECT_EQ(out.fixed_device_bytes, 40u);  // their gradients only
-  in.gradients_offloaded = true;            // ... freed once on the host
-  EXPECT_EQ(session_budgets(in, {b, b}).fixed_device_bytes, 0u);
+  in.gradients_offloaded = true;            // ... freed once on the host: one block's in flight
+  EXPECT_EQ(session_budgets(in, {b, b}).fixed_device_bytes, 0u);  // blocks without parameters here
+  BlockProfile heavy = b;
+  heavy.parameter_bytes = 15;
+  EXPECT_EQ(session_budgets(in, {b, heavy}).fixed_device_bytes, 15u);
   in.gradients_offloaded = false;
   EXPECT_EQ(out.params, ParamPolicy::kFetchAll);
   EXPECT_EQ(out.rest_parameter_bytes, 12u);

@@ -72,9 +72,13 @@ Budgets session_budgets(const SessionBudgetInputs& in, const std::vector<BlockPr
   }
   const std::uint64_t window = std::min(in.prefetch_bytes, saved);
   const bool fetched = in.params != ParamPolicy::kResident;
-  // Parameters and their gradients (none with gradients freed once on the host); fetched parameters are the
-  // plan's to count (Budgets::params).
-  std::uint64_t fixed = ((fetched ? 0 : 1) + (in.gradients_offloaded ? 0 : 1)) * in.parameter_bytes;
+  // Parameters and their gradients; fetched parameters are the plan's to count (Budgets::params). Gradients
+  // freed once on the host hold the device only until their copy lands: one block's at a time, counted as
+  // the largest block's parameters.
+  std::uint64_t grads_in_flight = 0;
+  for (const auto& b : blocks) grads_in_flight = std::max(grads_in_flight, b.parameter_bytes);
+  std::uint64_t fixed = (fetched ? 0 : in.parameter_bytes) +
+                        (in.gradients_offloaded ? std::min(grads_in_flight, in.parameter_bytes) : in.parameter_bytes);
   if (in.optimizer_on_device) fixed += 2 * 4 * in.parameter_elements;  // Adam's m and v in fp32
   // The measured peak held the fetched parameters of its time too: those are the plan's.
   const std::uint64_t measured = fetched ? in.measured_peak_bytes - std::min(in.measured_peak_bytes,
