@@ -126,13 +126,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     # offloaded, and only the last 256KiB stay.
     "tiny": dict(n_layer=2, d_model=64, n_head=4, seq_len=64, batch=2, vocab_size=256, dtype="fp32",
                  warmup=3, steps=5, min_offload_bytes="0", prefetch_bytes="256KiB", nvme_memory="256MiB"),
-    # tierflow-params on the CPU: the tiny model made deep enough (12 blocks of 195 KiB of fp32 parameters, 2.43 MiB
-    # in all) that its parameters are several times a budget the parameter schedule accepts (the largest unit
-    # and one more prefetched, 390 KiB, with the rest unit, 145 KiB, and a working set). In the 2-layer tiny
-    # preset those two blocks and the rest unit are nearly all of the parameters.
-    "tiny-params": dict(n_layer=12, d_model=64, n_head=4, seq_len=64, batch=1, vocab_size=256, dtype="fp32",
+    # tierflow-params on the CPU: the tiny model made deep enough (16 blocks of 195 KiB of fp32 parameters, 3.19 MiB
+    # in all) that its parameters are several times a budget the plan accepts (the largest unit and one more
+    # prefetched, 390 KiB, one block's gradients in flight, 195 KiB, a working set and the prefetch window). In
+    # the 2-layer tiny preset those two blocks and the rest unit are nearly all of the parameters.
+    "tiny-params": dict(n_layer=16, d_model=64, n_head=4, seq_len=64, batch=1, vocab_size=256, dtype="fp32",
                         warmup=3, steps=5, min_offload_bytes="0", prefetch_bytes="64KiB", nvme_memory="256MiB",
-                        params_gpu_memory="800KiB"),
+                        params_gpu_memory="1MiB"),
 }
 
 MODES = ["baseline", "save_on_cpu", "checkpoint", "tierflow-host", "tierflow-nvme", "tierflow-host-opt",
