@@ -319,9 +319,8 @@ void bind_plan_command(py::module_& m) {
         "The plan command's text lines and JSON (Note [Plan report]).");
 }
 
-}  // namespace
-
-void bind_planner(py::module_& m) {
+// The planner's enums.
+void bind_planner_enums(py::module_& m) {
   py::enum_<BlockMode>(m, "BlockMode", "What happens to a block's saved bytes.")
       .value("keep", BlockMode::kKeep)
       .value("swap", BlockMode::kSwap)
@@ -338,6 +337,12 @@ void bind_planner(py::module_& m) {
   py::enum_<SwapTier>(m, "SwapTier", "Where swapped bytes go.")
       .value("host", SwapTier::kHost)
       .value("nvme", SwapTier::kNvme);
+}
+
+}  // namespace
+
+void bind_planner(py::module_& m) {
+  bind_planner_enums(m);
 
   py::class_<BlockProfile> profile(m, "BlockProfile", "Measured or estimated costs of one repeated block.");
   profile.def(py::init<>())

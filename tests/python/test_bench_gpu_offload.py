@@ -45,11 +45,7 @@ def tiny_run(tmp_path_factory):
         nvme_dir = os.path.join(ROOT, "build", f"bench-gpu-offload-test-{os.getpid()}")
         os.makedirs(nvme_dir, exist_ok=True)
     out = tmp / "tiny.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TIERFLOW_")}
-    known = {row["name"] for row in tierflow.config_table()}
-    env.update({k: v for k, v in SUITE_ENVIRONMENT.items() if k in known})
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.join(ROOT, "bindings", "python"),
-                                                    env.get("PYTHONPATH")) if p)
+    env = _bench_env()
     cmd = [sys.executable, BENCH, "--preset", "tiny", "--device", "cpu", "--warmup", "3", "--steps", "2",
            "--modes", ",".join(MODES), "--nvme-path", nvme_dir, "--kernel-repeats", "2", "--out", str(out)]
     try:
@@ -156,6 +152,16 @@ def test_gpt1b_preset_is_the_1_3b_model():
     assert "built on the meta device: 1,348,063,232" in proc.stdout
 
 
+def _bench_env() -> dict:
+    """The benchmark's environment: the suite's TIERFLOW_* settings only, and this tree's package."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIERFLOW_")}
+    known = {row["name"] for row in tierflow.config_table()}
+    env.update({k: v for k, v in SUITE_ENVIRONMENT.items() if k in known})
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.join(ROOT, "bindings", "python"),
+                                                    env.get("PYTHONPATH")) if p)
+    return env
+
+
 # tierflow-params (issue 18) on the CPU: the tiny-params preset, whose 16 blocks' parameters are several times
 # its params_gpu_memory (the 2-layer tiny preset's two blocks and rest unit are nearly all of its parameters,
 # and the schedule needs two blocks and the rest unit on the device at once).
@@ -166,11 +172,7 @@ PARAMS_BUDGET = 1 << 20  # the tiny-params preset's params_gpu_memory, 1MiB
 @pytest.fixture(scope="module")
 def params_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_gpu_offload_params") / "tiny-params.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TIERFLOW_")}
-    known = {row["name"] for row in tierflow.config_table()}
-    env.update({k: v for k, v in SUITE_ENVIRONMENT.items() if k in known})
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.join(ROOT, "bindings", "python"),
-                                                    env.get("PYTHONPATH")) if p)
+    env = _bench_env()
     cmd = [sys.executable, BENCH, "--preset", "tiny-params", "--device", "cpu", "--warmup", "3", "--steps", "2",
            "--modes", ",".join(PARAMS_MODES), "--out", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
