@@ -145,9 +145,6 @@ class ParamOffload:
                 self._handles.append(module.register_forward_pre_hook(hook(lambda m, a: call("_rest_module_begins"))))
         self._handles += self._state_dict_hooks(model, me)
 
-    def __hash__(self) -> int:
-        return id(self)
-
     def holds(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether ``optimizer`` steps any of these parameters."""
         return any(id(p) in self._ids for g in optimizer.param_groups for p in g["params"])
