@@ -590,6 +590,35 @@ def resolve(args: argparse.Namespace) -> dict:
     return cfg
 
 
+def assemble(cfg: dict, est: dict, modes: list[str], results: dict[str, dict], longest: dict,
+             prediction: dict) -> dict:
+    """The results JSON from the modes run so far."""
+    base = results.get("baseline", {})
+    ok = {m: r for m, r in results.items() if "error" not in r and "skipped" not in r}
+    base_ok = "baseline" in ok
+    device_name = next((r["device_name"] for r in ok.values() if "device_name" in r),
+                       "emulated" if cfg["device"] == "cpu" else None)
+    out = {
+        "device": device_name,
+        "preset": cfg["preset"],
+        "config": dict(cfg, parameters=est["parameters"]),
+        "torch": torch.__version__,
+        "host": {"cpu_count": os.cpu_count(), "cpus_usable": len(os.sched_getaffinity(0)),
+                 "platform": platform.platform(), "python": platform.python_version()},
+        "modes": results,
+        "ratios": {m: r["step_seconds"] / base["step_seconds"] for m, r in ok.items()} if base_ok else {},
+        "peak_ratio": {m: (r["device_peak_bytes"] / base["device_peak_bytes"]
+                           if r.get("device_peak_bytes") is not None and base.get("device_peak_bytes") else None)
+                       for m, r in ok.items()} if base_ok else {},
+        "loss_vs_baseline": {m: loss_agreement(base["losses"], r["losses"]) for m, r in ok.items()
+                             if m != "baseline"} if base_ok else {},
+        "longest_seq": longest,
+    }
+    if PARAMS_MODE in modes or PARAMS_PEER in modes:
+        out.update(params_vs_peer(results, prediction))
+    return out
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     if args.worker:
@@ -632,6 +661,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"tierflow-nvme swap files in {cfg['nvme_path']} ({cfg['nvme_fs_type']})")
 
     results: dict[str, dict] = {}
+    path = args.out or default_out(cfg)
     try:
         for mode in modes:
             if mode == "tierflow-auto":
@@ -644,36 +674,14 @@ def main(argv: Optional[list[str]] = None) -> int:
                 ("skipped: " + r["skipped"]) if "skipped" in r else \
                 f"step {r['step_seconds']:.4f} s, final loss {r['losses'][-1]:.6f}"
             print(f"  {mode:<18} {status}  ({r['process_seconds']:.1f} s)", flush=True)
+            # After every mode, so a run stopped part-way (a device lease's limit) keeps what finished.
+            write_json_atomic(path, assemble(cfg, est, modes, results, {"skipped": "not reached yet"}, prediction))
     finally:
         if made_nvme_dir:
             shutil.rmtree(made_nvme_dir, ignore_errors=True)
 
     longest = seq_search(cfg, args) if args.seq_search else {"skipped": "not asked (--seq-search)"}
-
-    base = results.get("baseline", {})
-    ok = {m: r for m, r in results.items() if "error" not in r and "skipped" not in r}
-    base_ok = "baseline" in ok
-    device_name = next((r["device_name"] for r in ok.values() if "device_name" in r),
-                       "emulated" if cfg["device"] == "cpu" else None)
-    out = {
-        "device": device_name,
-        "preset": cfg["preset"],
-        "config": dict(cfg, parameters=est["parameters"]),
-        "torch": torch.__version__,
-        "host": {"cpu_count": os.cpu_count(), "cpus_usable": len(os.sched_getaffinity(0)),
-                 "platform": platform.platform(), "python": platform.python_version()},
-        "modes": results,
-        "ratios": {m: r["step_seconds"] / base["step_seconds"] for m, r in ok.items()} if base_ok else {},
-        "peak_ratio": {m: (r["device_peak_bytes"] / base["device_peak_bytes"]
-                           if r.get("device_peak_bytes") is not None and base.get("device_peak_bytes") else None)
-                       for m, r in ok.items()} if base_ok else {},
-        "loss_vs_baseline": {m: loss_agreement(base["losses"], r["losses"]) for m, r in ok.items()
-                             if m != "baseline"} if base_ok else {},
-        "longest_seq": longest,
-    }
-    if PARAMS_MODE in modes or PARAMS_PEER in modes:
-        out.update(params_vs_peer(results, prediction))
-    path = args.out or default_out(cfg)
+    out = assemble(cfg, est, modes, results, longest, prediction)
     write_json_atomic(path, out)
     print()
     print_table(out)

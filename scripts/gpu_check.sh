@@ -21,7 +21,9 @@
 #                     a 10-minute command fits "build tests", then "bench";
 #                     "bench7b" on its own
 #   GPU_CHECK_OUT     where logs and the summary go (default build/gpu-check)
-#   GPU_CHECK_BENCH_ARGS  more arguments for bench_gpu_offload.py
+#   GPU_CHECK_BENCH_ARGS  more arguments for bench_gpu_offload.py (e.g. --modes a,b to run fewer)
+#   GPU_CHECK_SEQ_SEARCH  0 leaves out the bench's --seq-search (default 1)
+#   GPU_CHECK_PYTEST_ARGS more arguments for the [cuda] cases' pytest (e.g. "-n 8" with pytest-xdist)
 #   GPU_CHECK_DRY_RUN=1   print what would run, run nothing (no GPU needed)
 #   TIERFLOW_BUNDLE   the offline bundle (`make bundle`); default bundle/ when it exists
 # Exit status: 0 when every part ran and passed; 1 when a part failed (the
@@ -41,6 +43,8 @@ BUNDLE=${TIERFLOW_BUNDLE:-}
 [ -z "$BUNDLE" ] && [ -d bundle ] && BUNDLE=bundle
 VPY=.venv/bin/python
 RESULT=benchmarks/results/gpu_offload.json
+SEQ_SEARCH=--seq-search
+[ "${GPU_CHECK_SEQ_SEARCH:-1}" = 0 ] && SEQ_SEARCH=
 RESULT7B=benchmarks/results/gpu_offload_llama7b.json
 
 for p in $PARTS; do
@@ -87,14 +91,15 @@ for part in $PARTS; do
         CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=native ${CMAKE_ARGS:-}" bash scripts/setup.sh
       ;;
     tests)
+      # shellcheck disable=SC2086  # GPU_CHECK_PYTEST_ARGS is a list of arguments
       run tests-cpp "$OUT/tests-cpp.log" ctest --test-dir build/dev --output-on-failure -j 8
       run tests-cuda "$OUT/tests-cuda.log" env TIERFLOW_EMULATED_DEVICE=adversarial PYTHONPATH="$ROOT/bindings/python" \
-        "$VPY" -m pytest tests/python -q -rs -k cuda --junitxml "$OUT/tests-cuda.xml"
+        "$VPY" -m pytest tests/python -q -rs -k cuda --junitxml "$OUT/tests-cuda.xml" ${GPU_CHECK_PYTEST_ARGS:-}
       ;;
     bench)
-      # shellcheck disable=SC2086  # GPU_CHECK_BENCH_ARGS is a list of arguments
+      # shellcheck disable=SC2086  # SEQ_SEARCH and GPU_CHECK_BENCH_ARGS are lists of arguments
       run bench "$OUT/bench.log" env PYTHONPATH="$ROOT/bindings/python" "$VPY" benchmarks/bench_gpu_offload.py \
-        --preset gpt1b --seq-search --mode-timeout 300 --out "$RESULT" ${GPU_CHECK_BENCH_ARGS:-}
+        --preset gpt1b $SEQ_SEARCH --mode-timeout 300 --out "$RESULT" ${GPU_CHECK_BENCH_ARGS:-}
       ;;
     bench7b)
       # shellcheck disable=SC2086

@@ -97,7 +97,11 @@ PYTHON=${PYTHON:-python3}
 VPY=.venv/bin/python
 if [ ! -x "$VPY" ]; then
   say "creating .venv"
-  "$PYTHON" -m venv --system-site-packages .venv
+  # An interpreter without ensurepip (a GPU image's, say) still makes a venv without pip: with a
+  # bundle and everything importable, none is needed, and the parent's pip comes through the .pth below.
+  "$PYTHON" -m venv --system-site-packages .venv >build/setup-venv.log 2>&1 \
+    || { rm -rf .venv; say "venv with pip failed (no ensurepip?); making it without pip";
+         "$PYTHON" -m venv --system-site-packages --without-pip .venv; }
   # A python3 that is itself a virtual environment (a GPU image's, say) does not
   # pass its own packages (torch) on through --system-site-packages; a .pth does.
   parent_site=$("$PYTHON" -c 'import site, sys; print("\n".join(site.getsitepackages()) if sys.prefix != sys.base_prefix else "")')
