@@ -5,7 +5,11 @@
 
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function_hook.h>
+#if __has_include(<torch/csrc/autograd/node.h>)
 #include <torch/csrc/autograd/node.h>
+#else  // torch before 2.12 (a GPU image's 2.11) declares Node in function.h
+#include <torch/csrc/autograd/function.h>
+#endif
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>

@@ -3,10 +3,16 @@
 // confirmation, the weights back, the user's clip). Private to bindings/src.
 #pragma once
 
+#if __has_include(<torch/csrc/autograd/node.h>)
 #include <torch/csrc/autograd/node.h>
+#else  // torch before 2.12 (a GPU image's 2.11) declares Node in function.h
+#include <torch/csrc/autograd/function.h>
+#endif
+#include <torch/csrc/autograd/variable.h>
 
 #include <cstdint>
 #include <memory>
+#include <utility>
 
 #include "tierflow/bindings/dtypes.hpp"
 #include "tierflow/bindings/grad_stream.hpp"
@@ -18,7 +24,9 @@ namespace tierflow::bindings {
 struct GradStream::Slot {
   at::Tensor param;
   at::Tensor home;  // the parameter's host copy when it lives on the host between uses (set_home)
-  c10::intrusive_ptr<torch::autograd::Node> accumulator;  // kept alive: autograd reuses it, with our hook
+  // kept alive: autograd reuses it, with our hook. An intrusive_ptr from torch 2.12 on, a shared_ptr before
+  // (a GPU image's torch 2.11): the type grad_accumulator returns.
+  decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>())) accumulator;
   std::uintptr_t hook_key = 0;
   // The optimizer state (shared with the Python state dict).
   at::Tensor master, exp_avg, exp_avg_sq, max_exp_avg_sq, step;
