@@ -203,8 +203,11 @@ def finish_result(mode: str, cfg: dict, result: dict, phases: dict, device: torc
                                 "stream waits per module, inside forward_seconds; weight_wait_seconds is the "
                                 "host's share of that wait (all of it on the emulated device)")
     if cuda:
-        result["device_peak_bytes"] = torch.cuda.max_memory_allocated(device)
-        result["device_peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
+        phase = result.get("device_phase_bytes", {})  # the peaks were reset at each phase: their largest
+        result["device_peak_bytes"] = max((v for k, v in phase.items() if k.endswith("_allocated")),
+                                          default=torch.cuda.max_memory_allocated(device))
+        result["device_peak_reserved_bytes"] = max((v for k, v in phase.items() if k.endswith("_reserved")),
+                                                   default=torch.cuda.max_memory_reserved(device))
         result["device_peak_note"] = "torch.cuda.max_memory_allocated over the measured steps"
     else:
         result["device_peak_bytes"] = None
@@ -306,11 +309,31 @@ def _train(mode: str, cfg: dict, result: dict) -> None:
         if cuda:
             torch.cuda.synchronize(device)
 
+    # CUDA, measured steps: each phase's device peak (allocated and reserved; the caching allocator counts on the
+    # host, so reading and resetting them needs no synchronize) and what forward leaves allocated for backward:
+    # where a mode's device memory goes, not only how much.
+    memory: dict[str, int] = {}
+
+    def phase_peak(phase: str) -> None:
+        if not (cuda and measuring):
+            return
+        for key, value in ((f"{phase}_allocated", torch.cuda.max_memory_allocated(device)),
+                           (f"{phase}_reserved", torch.cuda.max_memory_reserved(device))):
+            memory[key] = max(memory.get(key, 0), int(value))
+        if phase == "forward":
+            memory["after_forward_allocated"] = max(memory.get("after_forward_allocated", 0),
+                                                    int(torch.cuda.memory_allocated(device)))
+        torch.cuda.reset_peak_memory_stats(device)
+
+    measuring = False
+
     def timed_step(x: torch.Tensor, y: torch.Tensor) -> tuple:
         """One step: its loss and (step, forward, backward, optimizer) seconds (CUDA events on CUDA)."""
         sync()
         if cuda:
             events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+            if measuring:
+                torch.cuda.reset_peak_memory_stats(device)
         t0 = time.perf_counter()
         if cuda:
             events[0].record()
@@ -318,6 +341,7 @@ def _train(mode: str, cfg: dict, result: dict) -> None:
         if cuda:
             events[1].record()
         t1 = time.perf_counter()
+        phase_peak("forward")
         if engine is not None:
             engine.backward(loss)
         else:
@@ -325,6 +349,7 @@ def _train(mode: str, cfg: dict, result: dict) -> None:
         if cuda:
             events[2].record()
         t2 = time.perf_counter()
+        phase_peak("backward")
         if engine is not None:
             engine.step()  # and zeroes the gradients (and clips, with gradient_clipping)
         else:
@@ -335,6 +360,7 @@ def _train(mode: str, cfg: dict, result: dict) -> None:
         if cuda:
             events[3].record()
         t3 = time.perf_counter()
+        phase_peak("optimizer")
         sync()
         t4 = time.perf_counter()
         if cuda:
@@ -348,6 +374,7 @@ def _train(mode: str, cfg: dict, result: dict) -> None:
     before: dict = {}
     for i in range(total):
         if i == cfg["warmup"]:
+            measuring = True
             sync()
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
@@ -363,6 +390,12 @@ def _train(mode: str, cfg: dict, result: dict) -> None:
         if not math.isfinite(losses[-1]):
             raise FloatingPointError(f"loss {losses[-1]} at step {i}")
 
+    if memory:
+        result["device_phase_bytes"] = memory
+        result["device_phase_note"] = ("per phase of the measured steps, the largest: the device peak allocated and "
+                                       "reserved (torch.cuda.max_memory_*), and after_forward_allocated, what the "
+                                       "forward leaves allocated for backward (weights, optimizer states, saved "
+                                       "tensors)")
     finish_result(mode, cfg, result, phases, device, session, before, opt, batches, forward)
 
 

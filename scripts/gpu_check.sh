@@ -6,7 +6,8 @@
 #           TIERFLOW_BUNDLE, CUDA for this GPU's architecture),
 #   tests   runs the C++ suite (CUDA copy engine and AdamW included) and
 #           every [cuda] test case of the Python suite, in the adversarial
-#           emulated mode (the [emulated] cases stay to CI),
+#           emulated mode (the [emulated] cases stay to CI); each failure is
+#           written to tests-cuda-failures.log as it happens,
 #   bench   runs benchmarks/bench_gpu_offload.py --preset gpt1b in every mode
 #           (the auto modes, the CPU-optimizer modes, tierflow-params,
 #           deepspeed-offload and deepspeed-zero3-offload when its wheel is
@@ -41,6 +42,9 @@ PARTS=${GPU_CHECK_PARTS:-build tests bench}
 DRY=${GPU_CHECK_DRY_RUN:-0}
 BUNDLE=${TIERFLOW_BUNDLE:-}
 [ -z "$BUNDLE" ] && [ -d bundle ] && BUNDLE=bundle
+# The set-up's variable only (given to it below): tierflow refuses TIERFLOW_* variables it does not know,
+# and the tests and the benchmark would inherit it (the C++ Config tests and every benchmark mode failed so).
+unset TIERFLOW_BUNDLE
 VPY=.venv/bin/python
 RESULT=benchmarks/results/gpu_offload.json
 SEQ_SEARCH=--seq-search
@@ -94,6 +98,7 @@ for part in $PARTS; do
       # shellcheck disable=SC2086  # GPU_CHECK_PYTEST_ARGS is a list of arguments
       run tests-cpp "$OUT/tests-cpp.log" ctest --test-dir build/dev --output-on-failure -j 8
       run tests-cuda "$OUT/tests-cuda.log" env TIERFLOW_EMULATED_DEVICE=adversarial PYTHONPATH="$ROOT/bindings/python" \
+        GPU_CHECK_FAILURE_LOG="$OUT/tests-cuda-failures.log" \
         "$VPY" -m pytest tests/python -q -rs -k cuda --junitxml "$OUT/tests-cuda.xml" ${GPU_CHECK_PYTEST_ARGS:-}
       ;;
     bench)

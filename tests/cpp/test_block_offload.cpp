@@ -20,7 +20,9 @@ namespace fs = std::filesystem;
 
 namespace {
 
+// The tensors here are CPU tensors: the emulated device, also on a machine with a GPU (where auto means CUDA).
 std::shared_ptr<tb::Runtime> make_runtime(std::map<std::string, std::string> overrides) {
+  overrides.emplace("device", "emulated");
   overrides.emplace("host_memory", "256MiB");
   overrides.emplace("pinned_slab_bytes", "8MiB");
   return std::make_shared<tb::Runtime>(tierflow::Config::parse({}, overrides));

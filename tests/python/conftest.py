@@ -78,3 +78,14 @@ def world_of_one(monkeypatch):
         yield
     finally:
         dist.destroy_process_group()
+
+
+def pytest_runtest_logreport(report):
+    """GPU_CHECK_FAILURE_LOG=path (scripts/gpu_check.sh sets it): each failure's report is appended as it
+    happens, so a run stopped by a lease's time limit, or one whose worker crashed, still says what failed
+    and why (pytest prints the details only at the end)."""
+    path = os.environ.get("GPU_CHECK_FAILURE_LOG")
+    if not path or not report.failed:
+        return
+    with open(path, "a") as f:  # one write per report: xdist's workers append to the same file
+        f.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
