@@ -57,3 +57,17 @@ def test_without_a_gpu_it_refuses_and_says_why(tmp_path):
     assert proc.returncode == 2
     assert "no CUDA GPU here" in proc.stderr and "make test" in proc.stderr
     assert not (tmp_path / "out").exists(), "nothing written before the refusal"
+
+
+def test_the_bundle_goes_to_the_build_only_and_the_options_reach_their_part(tmp_path):
+    proc = gpu_check(tmp_path, GPU_CHECK_DRY_RUN="1", TIERFLOW_BUNDLE="bundle", GPU_CHECK_SEQ_SEARCH="0",
+                     GPU_CHECK_PYTEST_ARGS="-n 8")
+    assert proc.returncode == 0, proc.stderr
+    build, _, cuda, bench = [line for line in proc.stdout.splitlines() if "would run" in line]
+    assert "TIERFLOW_BUNDLE=bundle" in build
+    # tierflow refuses TIERFLOW_* variables it does not know: the tests and the bench must not inherit it.
+    assert "TIERFLOW_BUNDLE" not in cuda + bench
+    assert cuda.rstrip().endswith("-n 8") and "GPU_CHECK_FAILURE_LOG=" in cuda
+    assert "--seq-search" not in bench
+    script = open(SCRIPT).read()
+    assert "unset TIERFLOW_BUNDLE" in script.split("for part in $PARTS")[0]

@@ -5,9 +5,9 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <sstream>
 #include <string>
 
 #include "tierflow/allocator/aligned_buffer.hpp"
@@ -50,10 +50,13 @@ std::string params_offload_refusal(const Config& config) {
     case OffloadTarget::kHost:
     case OffloadTarget::kNvme:
     case OffloadTarget::kAuto: {
-      std::ostringstream fraction;
-      fraction << config.gpu_optimizer_fraction;
+      // snprintf, not a stringstream: this was the only iostream in the library, and the likeliest suspect of
+      // the segfault every Runtime with parameter offload met on a GPU node (the torch wheel's libraries bring
+      // their own iostream symbols; docs/gpu.md#what-has-run-on-a-gpu).
+      char fraction[32];
+      std::snprintf(fraction, sizeof fraction, "%g", config.gpu_optimizer_fraction);
       if (!config.gpu_optimizer_fraction_auto && config.gpu_optimizer_fraction > 0.0)
-        return setting + " with TIERFLOW_GPU_OPTIMIZER_FRACTION=" + fraction.str() +
+        return setting + " with TIERFLOW_GPU_OPTIMIZER_FRACTION=" + fraction +
                ": the GPU share steps parameters on the device, and these live off it between uses; "
                "accepted: TIERFLOW_GPU_OPTIMIZER_FRACTION=0 or auto (which takes 0 with parameter offload)";
       if (config.offload_params == OffloadTarget::kAuto && config.offload_activations != OffloadTarget::kAuto)
