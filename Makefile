@@ -8,7 +8,7 @@
 PY := .venv/bin/python
 export PYTHONPATH := $(CURDIR)/bindings/python
 
-.PHONY: setup bundle demo test test-cpp test-python sanitize cpp-example bench gpu-check clean
+.PHONY: setup bundle demo test test-cpp test-python test-transformers5 sanitize cpp-example bench gpu-check clean
 
 # BUNDLE=dir or TIERFLOW_BUNDLE=dir (also for demo and test): install from a
 # bundle, using no registry. The variable goes to the set-up only: tierflow
@@ -52,6 +52,11 @@ test-cpp:
 test-python:
 	TIERFLOW_EMULATED_DEVICE=polite $(PY) -m pytest tests/python -q -rs
 	TIERFLOW_EMULATED_DEVICE=adversarial $(PY) -m pytest tests/python -q -rs
+
+# The suites that train transformers' models again under transformers 5 (CI pins 4.57.6; GPU images ship 5.x),
+# in .venv-tf5 over .venv (scripts/test_transformers5.sh).
+test-transformers5: setup
+	@bash scripts/test_transformers5.sh
 
 # Benchmarks compare against peers measured in the same run; DeepSpeed (its CPU
 # Adam op compiles on first use, about a minute) is installed into .venv here.

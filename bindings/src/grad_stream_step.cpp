@@ -193,7 +193,11 @@ void GradStream::begin_clip() {
 
 void GradStream::end_clip(double max_norm, double coefficient) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (!ledger_.learn_clip(max_norm)) return;  // tierflow clips as well: a changed gradient, stepped from p.grad
+  // tierflow clips as well: a clip that changed the gradients is stepped from p.grad; one that multiplied them by
+  // exactly 1 changed no value and keeps the streamed steps (a norm read: transformers 5's Trainer logs grad_norm
+  // so, clip_grad_norm_(max_norm=inf), at every step).
+  const bool unchanged = ledger_.clips_itself() && coefficient == 1.0;
+  if (!unchanged && !ledger_.learn_clip(max_norm)) return;
   for (std::size_t i = 0; i < slots_.size(); ++i) {
     const at::Tensor grad = slots_[i].param.grad();
     // The kernel's fp32 grad * grad_scale rounds as torch's multiply only for

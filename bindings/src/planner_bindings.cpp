@@ -96,7 +96,6 @@ void bind_auto_plan(py::module_& m) {
       .def_readwrite("nvme_available_bytes", &SessionBudgetInputs::nvme_available_bytes)
       .def_readwrite("prefetch_bytes", &SessionBudgetInputs::prefetch_bytes)
       .def_readwrite("parameter_bytes", &SessionBudgetInputs::parameter_bytes)
-      .def_readwrite("parameter_elements", &SessionBudgetInputs::parameter_elements)
       .def_readwrite("optimizer_on_device", &SessionBudgetInputs::optimizer_on_device)
       .def_readwrite("measured_peak_bytes", &SessionBudgetInputs::measured_peak_bytes)
       .def_readwrite("gradients_offloaded", &SessionBudgetInputs::gradients_offloaded)

@@ -353,9 +353,12 @@ void StepLedger::clipped(std::size_t slot, GradIdentity grad, double coefficient
   if (grad.id != s.grad.id || grad.version != base + 1) return;
   if (coefficient != 1.0 && !exact) return;
   s.grad.version = base + 1;
+  stats_.clips_picked_up += 1;
+  // A multiply by exactly 1 changed no value: the gradient is the one streamed, under whatever scale step()
+  // brings (tierflow's own clip's, if any). Any other coefficient is the slot's scale.
+  if (coefficient == 1.0) return;
   s.clipped = true;
   s.clip_scale = coefficient;
-  stats_.clips_picked_up += 1;
 }
 
 std::size_t StepLedger::size_buckets(double link_bytes_per_second) {

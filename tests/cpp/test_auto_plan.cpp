@@ -107,7 +107,6 @@ TEST(SessionBudgets, FromTheTiersAndWhatTrainingHolds) {
   in.nvme_available_bytes = 7;
   in.prefetch_bytes = 1 << 20;
   in.parameter_bytes = 40;
-  in.parameter_elements = 10;
   Budgets out = session_budgets(in, {b, b});
   EXPECT_EQ(out.device_bytes, 1000u);
   EXPECT_EQ(out.fixed_device_bytes, 80u);  // parameters and gradients
@@ -115,7 +114,10 @@ TEST(SessionBudgets, FromTheTiersAndWhatTrainingHolds) {
   EXPECT_EQ(out.nvme_bytes, 7u);
   EXPECT_EQ(out.prefetch_bytes, 60u);  // never more than the blocks save
   in.optimizer_on_device = true;
-  EXPECT_EQ(session_budgets(in, {b, b}).fixed_device_bytes, 80u + 80u);  // + m and v in fp32
+  EXPECT_EQ(session_budgets(in, {b, b}).fixed_device_bytes, 80u + 80u);  // + m and v, in the parameters' dtype
+  in.parameter_bytes = 20;  // the same 10 parameters in bf16: bf16 states (torch's AdamW), not fp32
+  EXPECT_EQ(session_budgets(in, {b, b}).fixed_device_bytes, 40u + 40u);
+  in.parameter_bytes = 40;
   // A measured peak above the largest working set and the window says what training holds.
   in.measured_peak_bytes = 1000;
   EXPECT_EQ(session_budgets(in, {b, b}).fixed_device_bytes, 1000u - 35u - 60u);
@@ -132,7 +134,6 @@ TEST(SessionBudgets, FetchedParametersAreThePlansToCount) {
   in.device_budget_bytes = 1000;
   in.prefetch_bytes = 1 << 20;
   in.parameter_bytes = 40;
-  in.parameter_elements = 10;
   in.rest_parameter_bytes = 12;
   in.params = ParamPolicy::kFetchAll;
   Budgets out = session_budgets(in, {b, b});

@@ -287,6 +287,32 @@ TEST(StepLedger, TheUsersClipIsPickedUpAndTeachesSpeculationItsNorm) {
   EXPECT_EQ(m.stats().clips_picked_up, 0u);
 }
 
+TEST(StepLedger, AUserClipByExactlyOneKeepsTheStreamedStepsUnderTierflowsOwnClip) {
+  // transformers 5's Trainer reads the norm at every step with clip_grad_norm_(max_norm=inf): a multiply by 1.
+  StepLedgerOptions o;
+  o.max_grad_norm = 2.0;
+  StepLedger l = make(2, o);
+  ASSERT_TRUE(l.clips_itself());
+  work(l, backward(l), 0.0);
+  ASSERT_TRUE(l.clip_candidate(0, grad_of(0)));
+  ASSERT_TRUE(l.clip_candidate(1, grad_of(1)));
+  // GradStream::end_clip asks learn_clip only for a coefficient other than 1 (it would refuse: tierflow clips).
+  l.clipped(0, grad_of(0, 1), 1.0, /*exact=*/false);  // any dtype: a multiply by 1 rounds nothing
+  l.clipped(1, grad_of(1, 2), 1.0, false);             // changed twice since its copy: not the clip alone
+  EXPECT_EQ(l.stats().clips_picked_up, 1u);
+  // tierflow's own clip still decides the scale: committed when it does not bind, redone with it when it does.
+  EXPECT_EQ(l.confirm(0, grad_of(0, 1), 1.0, false).kind, Confirmation::kCommit);
+  EXPECT_EQ(l.confirm(1, grad_of(1, 2), 1.0, false).kind, Confirmation::kUnhandled);
+  EXPECT_EQ(l.stats().taken_back, 1u);
+  l.end_window(false);
+  work(l, backward(l), 0.0);
+  ASSERT_TRUE(l.clip_candidate(0, grad_of(0)));
+  l.clipped(0, grad_of(0, 1), 1.0, false);
+  const Confirmation c = l.confirm(0, grad_of(0, 1), 0.25, false);
+  EXPECT_EQ(c.kind, Confirmation::kRedo);
+  EXPECT_EQ(c.scale, 0.25);
+}
+
 TEST(StepLedger, ReplacedStateTakesTheEarlyStepBack) {
   StepLedger l = make(2);
   work(l, backward(l));

@@ -9,6 +9,7 @@ bit-identical to the uninterrupted one.
 
 from __future__ import annotations
 
+import inspect
 import warnings
 
 import pytest
@@ -34,6 +35,12 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids}
 
 
+# transformers 4 saves checkpoints with torch.save when asked; transformers 5 has no such argument (always
+# safetensors): a GPU image ships 5.x, CI pins 4.57.6, and the test runs on both.
+_NO_SAFETENSORS = ({"save_safetensors": False}
+                   if "save_safetensors" in inspect.signature(transformers.TrainingArguments).parameters else {})
+
+
 def trainer_run(out: str, device: str, settings, resume=None, trainer_clip: float = 1.0) -> tuple:
     """4 optimizer steps of Trainer on a tiny GPT-2 (default config: dropout 0.1, use_cache=True)."""
     torch.manual_seed(0)
@@ -46,7 +53,7 @@ def trainer_run(out: str, device: str, settings, resume=None, trainer_clip: floa
     args = transformers.TrainingArguments(
         out, max_steps=4, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_grad_norm=trainer_clip,
         logging_steps=1, save_steps=2, report_to=[], use_cpu=device != "cuda", seed=0, data_seed=0,
-        dataloader_num_workers=0, disable_tqdm=True, save_safetensors=False)
+        dataloader_num_workers=0, disable_tqdm=True, **_NO_SAFETENSORS)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(), optimizers=(opt, sched))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="tierflow.wrap: .* has config.use_cache=True")

@@ -266,3 +266,35 @@ def test_auto_without_blocks_keeps_everything_when_it_fits(device):
     assert plan["blocks"] == 0 and "keep everything" in plan["summary"], plan
     one_step = train(task, 1, True, device=device, **OPT_NONE).report["activations"]
     assert act["offloaded_bytes"] == one_step["offloaded_bytes"] > 0, (act, one_step)  # swapped in step 1 only
+
+
+def test_the_timed_steps_peak_is_split_at_the_optimizers_step(monkeypatch):
+    """On CUDA the planner reads the device's peak over the timed step's forward and backward apart from its
+    optimizer step (whose temporaries, an AdamW's foreach buffers, never meet the saved activations): "the rest of
+    training" comes from the first. The caching allocator's counters are faked here (the emulated device has none):
+    forward and backward reach 1 MB, the step 5 MB."""
+    from tierflow.activations.autoplan import AutoPlanner
+
+    peak = {"now": 0}
+    monkeypatch.setattr(AutoPlanner, "_cuda", lambda self: True)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: peak["now"])
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: peak["now"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: peak.update(now=0))
+    task = gpt_task(layers=2, width=64)
+    torch.manual_seed(0)
+    model = task.model_on("emulated")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = tierflow.wrap(model, opt, device="emulated", offload_activations="auto", offload_optimizer="none")
+    # The step's own transient: an instance pre-hook runs after the global ones (the planner's).
+    opt.register_step_pre_hook(lambda *a: peak.update(now=max(peak["now"], 5_000_000)))
+    for i in range(3):
+        task.loss(model, task.batch_on(i, "emulated")).backward()
+        peak["now"] = max(peak["now"], 1_000_000)  # forward and backward's
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    planner = model._tierflow_session.planner
+    assert planner.profile["measured_peak_bytes"] == 1_000_000
+    assert tierflow.report()["plan"]["measured_peaks"] == {"forward_backward_bytes": 1_000_000,
+                                                           "optimizer_step_bytes": 5_000_000}
+    assert planner._step_hook is None  # the global hook lives only through the timed step
+    tierflow.unwrap(model)

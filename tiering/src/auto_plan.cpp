@@ -79,7 +79,9 @@ Budgets session_budgets(const SessionBudgetInputs& in, const std::vector<BlockPr
   for (const auto& b : blocks) grads_in_flight = std::max(grads_in_flight, b.parameter_bytes);
   std::uint64_t fixed = (fetched ? 0 : in.parameter_bytes) +
                         (in.gradients_offloaded ? std::min(grads_in_flight, in.parameter_bytes) : in.parameter_bytes);
-  if (in.optimizer_on_device) fixed += 2 * 4 * in.parameter_elements;  // Adam's m and v in fp32
+  // torch's Adam and AdamW make m and v with zeros_like: in the parameters' dtype (bf16 parameters, bf16 states).
+  // An optimizer that keeps more (fp32 masters) shows in the measured peak, on CUDA, below.
+  if (in.optimizer_on_device) fixed += 2 * in.parameter_bytes;
   // The measured peak held the fetched parameters of its time too: those are the plan's.
   const std::uint64_t measured = fetched ? in.measured_peak_bytes - std::min(in.measured_peak_bytes,
                                                                              in.measured_parameter_peak_bytes)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import os
 import time
+import weakref
 from typing import Any, Optional
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .. import _C
 from .._links import measure_links
@@ -54,6 +56,11 @@ class AutoPlanner:
             self.loaded_profile = load_profile(self.profile_path, len(self.runners))
         # Forwards' start times once a plan is in force: the measured step beside the predicted one.
         self._step_starts: list = []
+        # CUDA, the timed step: the device's peak over forward and backward, and over the optimizer's step
+        # (Note [Auto plan phases]); the global step pre-hook that splits them, while it is in place.
+        self._forward_backward_peak: Optional[int] = None
+        self.optimizer_step_peak: Optional[int] = None
+        self._step_hook: Any = None
         # Note [Auto plan phases]: when to record, time and plan.
         self.phases = _C.AutoPlanPhases(forced=self.forced, blocks=bool(self.runners),
                                         loaded_profile=self.loaded_profile is not None)
@@ -63,6 +70,7 @@ class AutoPlanner:
         return self.phases.forwards
 
     def remove(self) -> None:
+        self._end_step_hook()
         for r in self.runners:
             r.remove()
 
@@ -84,6 +92,9 @@ class AutoPlanner:
             out["predicted_device_peak_bytes"] = self.plan["predicted_device_peak_bytes"]
             out["predicted_step_seconds"] = self.plan["predicted_step_seconds"]
             out["why"] = self.plan.get("why", [])
+            if self.optimizer_step_peak is not None:  # CUDA: the timed step's optimizer step, apart
+                out["measured_peaks"] = {"forward_backward_bytes": self._forward_backward_peak,
+                                         "optimizer_step_bytes": self.optimizer_step_peak}
             # Saved bytes of the blocks the plan keeps: they never pass through the offloader's counters.
             out["kept_bytes"] = sum(profile_struct(b).saved_bytes()
                                     for b, bp in zip(self.profile["blocks"], self.plan["blocks"])
@@ -121,16 +132,40 @@ class AutoPlanner:
                 r.timing = True
             if self._cuda():
                 torch.cuda.reset_peak_memory_stats(self._device())
+                hook = weakref.WeakMethod(self._before_timed_step)  # the hook is global: it must not keep us
+                self._step_hook = register_optimizer_step_pre_hook(
+                    lambda *a: hook() and hook()(*a))
         elif action == _C.PhaseAction.measure_and_plan:
             for r in self.runners:
                 r.timing = False
-            profile = self.measure()
+            self._end_step_hook()
             if self._cuda():
-                profile["measured_peak_bytes"] = int(torch.cuda.max_memory_allocated(self._device()))
+                # Forward and backward's peak (read when the optimizer's step began, else now): what the saved
+                # activations meet. The step's own (an AdamW's temporaries) comes after they are gone.
+                now = int(torch.cuda.max_memory_allocated(self._device()))
+                if self._forward_backward_peak is None:
+                    self._forward_backward_peak = now
+                else:
+                    self.optimizer_step_peak = now
+            profile = self.measure()
+            if self._forward_backward_peak is not None:
+                profile["measured_peak_bytes"] = self._forward_backward_peak
             profile["fixed_device_bytes"] = self.budgets(profile)["fixed_device_bytes"]
             if self.profile_path:
                 write_json_atomic(self.profile_path, profile)
             self.make_plan(profile)
+
+    def _before_timed_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """A global optimizer step pre-hook during the timed step: the device's peak so far is forward and
+        backward's (Note [Auto plan phases]); the step's is counted from here."""
+        if self._forward_backward_peak is None:
+            self._forward_backward_peak = int(torch.cuda.max_memory_allocated(self._device()))
+            torch.cuda.reset_peak_memory_stats(self._device())
+
+    def _end_step_hook(self) -> None:
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
 
     def plan_without_blocks(self) -> None:
         """No blocks to plan: keep every saved tensor when the first step's fit beside what training holds,
@@ -179,7 +214,6 @@ class AutoPlanner:
             nvme_available_bytes=int(rt.nvme_available_bytes()) if rt.has_nvme_tier else 0,
             prefetch_bytes=int(cfg["TIERFLOW_PREFETCH_BYTES"]),
             parameter_bytes=sum(p.numel() * p.element_size() for p in self.model_params),
-            parameter_elements=sum(p.numel() for p in self.model_params),
             optimizer_on_device=cfg["TIERFLOW_OFFLOAD_OPTIMIZER"] == "none",
             gradients_offloaded=cfg["TIERFLOW_OFFLOAD_GRADIENTS"] == "on",
             measured_peak_bytes=int(profile.get("measured_peak_bytes") or 0))

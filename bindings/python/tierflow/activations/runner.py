@@ -86,7 +86,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from .. import _C
 from .._compile import outside_graphs
 from .._hf import cache_argument
-from .table import Recorder, Saved, Table, probe_table, row_suffix_matmul, storage_key
+from .table import TRANSPARENT_OPS, Recorder, Saved, Table, probe_table, row_suffix_matmul, storage_key
 
 _local = threading.local()  # .replaying: a replay runs on this thread (hooks stand aside)
 
@@ -318,6 +318,8 @@ class _Replay(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in TRANSPARENT_OPS:
+            return func(*args, **kwargs)
         f = self.frame
         j = self.j
         self.j += 1

@@ -18,6 +18,12 @@ from .. import _C
 
 aten = torch.ops.aten
 
+# Ops that neither the table nor a replay counts: they compute nothing and return an alias of their input, and
+# whether one runs can depend on autograd's state rather than on the model. transformers 5's Mixtral
+# (grouped_mm experts) dispatches an aten.detach in a layer's replay that its forward did not, at the inverse
+# permutation of its tokens; counted, the replay was refused as a departure from its forward.
+TRANSPARENT_OPS = frozenset({aten.detach.default})
+
 # Attention ops whose outputs (attention output and softmax statistics) are
 # swapped whole and restored in a split block's replay.
 ATTENTION_OPS = {
@@ -128,6 +134,8 @@ class Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if func in TRANSPARENT_OPS:
+            return out
         j = len(self.table.ops)
         flat_out = out if isinstance(out, (tuple, list)) else (out,)
         tensors_in = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]

@@ -160,8 +160,7 @@ class CPUAdamW(torch.optim.Optimizer):
         init = weakref.WeakMethod(self._init_slot)
         streaming.stream.set_callbacks(lambda: begin() and begin()(), lambda slot: init() and init()(slot))
         self._push_groups()
-        if self._max_grad_norm is None:  # the user may clip instead: Note [Clip picked up]
-            clip.watch(streaming)
+        clip.watch(streaming)  # the user's clip, instead of tierflow's or as a norm read: Note [Clip picked up]
 
     @property
     def overlap_stats(self) -> dict:

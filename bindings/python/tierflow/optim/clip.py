@@ -13,8 +13,7 @@ every early step wasted, even when the clip did not bind (torch multiplies by
 
 The clip is one known operation: ``p.grad *= c`` for every gradient, with
 ``c = clamp(max_norm / (total_norm + 1e-6), max=1)`` computed by torch. So
-tierflow watches it. While a CPU optimizer with a gradient stream and no clip
-of its own (``TIERFLOW_MAX_GRAD_NORM=none``) is alive,
+tierflow watches it. While a CPU optimizer with a gradient stream is alive,
 ``torch.nn.utils.clip_grad_norm_`` is this module's wrapper, which runs
 torch's function unchanged and around it tells each stream:
 
@@ -31,6 +30,13 @@ torch's function unchanged and around it tells each stream:
   learns ``max_norm``, so from the next backward its running norm stops
   speculation once the clip is certain to bind, as with
   ``TIERFLOW_MAX_GRAD_NORM``.
+
+With a clip of its own (``TIERFLOW_MAX_GRAD_NORM``) the stream keeps its
+steps only through a user clip whose coefficient is exactly 1, which changed
+no value: a norm read, as transformers 5's Trainer does at every step to log
+``grad_norm`` (``clip_grad_norm_(max_norm=inf)``, also with
+``max_grad_norm=0``); tierflow's own clip then applies as before. A user clip
+that binds on top of tierflow's changed ``p.grad``, which ``step()`` steps.
 
 Nothing about the result changes: ``p.grad`` holds the clipped gradient as
 torch left it, and the step is bit-identical to the one from ``p.grad``

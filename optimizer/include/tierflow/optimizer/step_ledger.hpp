@@ -280,6 +280,8 @@ class StepLedger {
   /// (buckets of this one may land before or after the clip; their steps do
   /// not depend on which). False when tierflow clips itself (nothing is picked up).
   bool learn_clip(double max_norm);
+  /// tierflow clips the gradients itself (TIERFLOW_MAX_GRAD_NORM).
+  bool clips_itself() const noexcept { return options_.max_grad_norm > 0; }
   /// After the clip: a candidate whose gradient is `grad` now, scaled by
   /// `coefficient`; `exact`: multiplying by the coefficient in the kernel
   /// rounds as the clip did (fp32 gradients, or a coefficient of 1).

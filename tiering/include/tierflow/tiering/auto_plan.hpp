@@ -38,10 +38,12 @@
 //
 // The budgets (session_budgets): the device's is TIERFLOW_GPU_MEMORY; what the
 // rest of training holds there (fixed) is the parameters and their gradients,
-// plus Adam's two fp32 moments when the optimizer stays on the device, or, once
-// the timed forward measured a device peak, that peak less the largest block's
-// working set and the prefetch window if that is more (workspace and the
-// tensors saved outside the blocks included); the host's is
+// plus Adam's two moments in the parameters' dtype (torch's AdamW) when the
+// optimizer stays on the device, or, once the timed step measured a device
+// peak over its forward and backward (on CUDA: up to the optimizer's step,
+// whose own transient memory never meets the saved activations), that peak less
+// the largest block's working set and the prefetch window if that is more
+// (workspace and the tensors saved outside the blocks included); the host's is
 // TIERFLOW_HOST_MEMORY less what is in use (optimizer states, saved tensors);
 // NVMe's what the engine can still place (NvmeEngine::available_bytes); the
 // prefetch window TIERFLOW_PREFETCH_BYTES, never more than the blocks save.
@@ -137,7 +139,6 @@ struct SessionBudgetInputs {
   std::uint64_t nvme_available_bytes = 0; ///< NvmeEngine::available_bytes (0: no NVMe tier)
   std::uint64_t prefetch_bytes = 0;       ///< TIERFLOW_PREFETCH_BYTES
   std::uint64_t parameter_bytes = 0;      ///< the model's parameters, as stored
-  std::uint64_t parameter_elements = 0;   ///< ... their element count
   bool optimizer_on_device = false;       ///< TIERFLOW_OFFLOAD_OPTIMIZER=none
   bool gradients_offloaded = false;       ///< TIERFLOW_OFFLOAD_GRADIENTS=on: freed on the device once on the host
   std::uint64_t measured_peak_bytes = 0;  ///< the timed forward's device peak (0: not measured)
