@@ -244,6 +244,9 @@ def test_a_forward_on_another_stream_reads_the_new_weights(weights_return, devic
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
+        # With weights_return="forward" the last step's weights arrive at the next forward, which never comes:
+        # parameters read any other way wait for them first (docs/python.md). Failed on an H200 without it.
+        opt.synchronize()
         return losses + [p.detach().cpu() for p in model.parameters()]
 
     for a, b in zip(run(True), run(False)):
