@@ -21,7 +21,9 @@ if [ ! -x "$VPY" ]; then
   say "creating .venv-tf5 over .venv"
   .venv/bin/python -m venv .venv-tf5
   site=$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-  .venv/bin/python -c 'import site; print("\n".join(site.getsitepackages()))' >"$site/_tierflow_base_env.pth"
+  # addsitedir, not bare paths: .pth files there are processed too (a GPU image's .venv reaches its torch so)
+  .venv/bin/python -c 'import site
+for d in site.getsitepackages(): print(f"import site; site.addsitedir({d!r})")' >"$site/_tierflow_base_env.pth"
 fi
 want=$(printf '%s\n' "${PINS[@]}")
 have=$("$VPY" -c 'import transformers, accelerate, peft

@@ -85,7 +85,7 @@ def pytest_runtest_logreport(report):
     happens, so a run stopped by a lease's time limit, or one whose worker crashed, still says what failed
     and why (pytest prints the details only at the end)."""
     path = os.environ.get("GPU_CHECK_FAILURE_LOG")
-    if not path or not report.failed:
-        return
+    if not path or not report.failed or getattr(report, "node", None) is not None:
+        return  # (under xdist the controller sees each worker's report again, with .node: the worker wrote it)
     with open(path, "a") as f:  # one write per report: xdist's workers append to the same file
         f.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext}\n")

@@ -287,8 +287,10 @@ def test_the_timed_steps_peak_is_split_at_the_optimizers_step(monkeypatch):
     model, opt = tierflow.wrap(model, opt, device="emulated", offload_activations="auto", offload_optimizer="none")
     # The step's own transient: an instance pre-hook runs after the global ones (the planner's).
     opt.register_step_pre_hook(lambda *a: peak.update(now=max(peak["now"], 5_000_000)))
+    other = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)  # another model's (a GAN's other half)
     for i in range(3):
         task.loss(model, task.batch_on(i, "emulated")).backward()
+        other.step()  # not this model's step: the window stays open
         peak["now"] = max(peak["now"], 1_000_000)  # forward and backward's
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -132,6 +132,7 @@ class AutoPlanner:
                 r.timing = True
             if self._cuda():
                 torch.cuda.reset_peak_memory_stats(self._device())
+                self._end_step_hook()  # a refused forward may have started the timing once already
                 hook = weakref.WeakMethod(self._before_timed_step)  # the hook is global: it must not keep us
                 self._step_hook = register_optimizer_step_pre_hook(
                     lambda *a: hook() and hook()(*a))
@@ -157,7 +158,11 @@ class AutoPlanner:
 
     def _before_timed_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """A global optimizer step pre-hook during the timed step: the device's peak so far is forward and
-        backward's (Note [Auto plan phases]); the step's is counted from here."""
+        backward's (Note [Auto plan phases]); the step's is counted from here. The hook is global: another
+        model's optimizer (a GAN's other half) is not this model's step."""
+        mine = {id(p) for p in self.model_params}
+        if not any(id(p) in mine for g in optimizer.param_groups for p in g["params"]):
+            return
         if self._forward_backward_peak is None:
             self._forward_backward_peak = int(torch.cuda.max_memory_allocated(self._device()))
             torch.cuda.reset_peak_memory_stats(self._device())

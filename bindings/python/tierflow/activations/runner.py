@@ -566,12 +566,12 @@ def _identity(t: Any) -> Any:
 # their storage outlive the step. That leaked each replay's attention inputs (the qkv projection), every backward
 # under `recompute` and the two profiling steps' worth for good under `auto`: 9.7 GB on an H200 for the 1.34B GPT
 # (measured 2026-11-26; tests/python/test_steady_memory.py). The alias shares the storage and the version
-# counter and holds no graph; autograd gives a saved output its grad_fn back when it unpacks it. It is made below
-# the dispatch modes: a replay's or a recording's op list is the model's, not tierflow's.
+# counter and holds no graph; autograd gives a saved output its grad_fn back when it unpacks it. A replay's or a
+# recording's op list does not count the detach (TRANSPARENT_OPS in table.py), and a tensor subclass detaches as
+# itself (its own __torch_dispatch__ sees it).
 def _alias(t: torch.Tensor) -> torch.Tensor:
     """A pack hook that keeps ``t`` where it is (Note [Saved-tensor hook aliases])."""
-    with torch._C._DisableTorchDispatch():
-        return t.detach()
+    return t.detach()
 
 
 def _unpack(packed: Any) -> torch.Tensor:
