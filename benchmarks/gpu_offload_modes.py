@@ -22,6 +22,28 @@ PARAMS_PEER = "deepspeed-zero3-offload"
 PARAMS_COUNTERS = ("fetches", "host_to_device_bytes", "prefetch_hits", "stalls")
 PARAMS_LEVELS = ("device_peak_bytes", "host_bytes")
 
+# The modes bench_gpu_offload.py runs, and the tierflow settings of each.
+MODES = ["baseline", "save_on_cpu", "checkpoint", "tierflow-host", "tierflow-nvme", "tierflow-host-opt",
+         "tierflow-opt", "deepspeed-offload", "tierflow-auto", "tierflow-auto-fits", PARAMS_MODE, PARAMS_PEER]
+AUTO_MODES = ("tierflow-auto", "tierflow-auto-fits")
+PLANNED_MODES = AUTO_MODES + (PARAMS_MODE,)  # profile two steps, plan before the third
+# Opt-in: the baseline again in another process. Its distance from the baseline is the run-to-run noise
+# of the losses (on CUDA, kernels that accumulate with atomics), the floor for reading the others'.
+EXTRA_MODES = ["baseline-rerun"]
+TIERFLOW_MODES: dict[str, dict[str, str]] = {
+    "tierflow-host": dict(offload_activations="host", offload_optimizer="none"),
+    "tierflow-nvme": dict(offload_activations="nvme", offload_optimizer="none"),
+    "tierflow-host-opt": dict(offload_activations="host", offload_optimizer="host", weights_return="forward"),
+    "tierflow-opt": dict(offload_activations="none", offload_optimizer="host", weights_return="forward"),
+    "tierflow-auto": dict(offload_activations="auto", offload_optimizer="none"),
+    "tierflow-auto-fits": dict(offload_activations="auto", offload_optimizer="none"),
+    PARAMS_MODE: dict(offload_params="host", offload_optimizer="host", offload_activations="auto"),
+}
+CPU_OPTIMIZER_MODES = ("tierflow-host-opt", "tierflow-opt", PARAMS_MODE)
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
 
 def link_bytes(result: dict) -> dict:
     """Bytes per measured step on each link, split by what crossed it (tierflow's report: the links' counters
