@@ -9,7 +9,7 @@ import math
 import resource
 import time
 import traceback
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -45,6 +45,41 @@ def tierflow_settings(mode: str, cfg: dict, cuda: bool) -> dict:
     if not cuda and "TIERFLOW_DEVICE" in known:
         settings["device"] = "emulated"  # a CPU model on a machine that also has a GPU
     return settings
+
+
+class PhasePeaks:
+    """CUDA, the measured steps: each phase's device peak, allocated and reserved, the largest over the steps, and
+    what forward leaves allocated for backward: where a mode's device memory goes, not only how much. The caching
+    allocator counts on the host, so reading and resetting its peaks needs no synchronize."""
+
+    def __init__(self, device: Optional[torch.device]) -> None:
+        self.device = device  # None: no device allocator (the emulated device)
+        self.measuring = False
+        self.bytes: dict[str, int] = {}
+
+    def _keep(self, key: str, value: int) -> None:
+        self.bytes[key] = max(self.bytes.get(key, 0), int(value))
+
+    def begin_step(self) -> None:
+        if self.device is not None and self.measuring:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def end_phase(self, phase: str) -> None:
+        if self.device is None or not self.measuring:
+            return
+        self._keep(f"{phase}_allocated", torch.cuda.max_memory_allocated(self.device))
+        self._keep(f"{phase}_reserved", torch.cuda.max_memory_reserved(self.device))
+        if phase == "forward":
+            self._keep("after_forward_allocated", torch.cuda.memory_allocated(self.device))
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def into(self, result: dict) -> None:
+        if self.bytes:
+            result["device_phase_bytes"] = self.bytes
+            result["device_phase_note"] = ("per phase of the measured steps, the largest: the device peak allocated "
+                                           "and reserved (torch.cuda.max_memory_*), and after_forward_allocated, "
+                                           "what the forward leaves allocated for backward (weights, optimizer "
+                                           "states, saved tensors)")
 
 
 def finish_result(mode: str, cfg: dict, result: dict, phases: dict, device: torch.device, session: Any,
@@ -172,31 +207,14 @@ def _train(mode: str, cfg: dict, result: dict) -> None:
         if cuda:
             torch.cuda.synchronize(device)
 
-    # CUDA, measured steps: each phase's device peak (allocated and reserved; the caching allocator counts on the
-    # host, so reading and resetting them needs no synchronize) and what forward leaves allocated for backward:
-    # where a mode's device memory goes, not only how much.
-    memory: dict[str, int] = {}
-
-    def phase_peak(phase: str) -> None:
-        if not (cuda and measuring):
-            return
-        for key, value in ((f"{phase}_allocated", torch.cuda.max_memory_allocated(device)),
-                           (f"{phase}_reserved", torch.cuda.max_memory_reserved(device))):
-            memory[key] = max(memory.get(key, 0), int(value))
-        if phase == "forward":
-            memory["after_forward_allocated"] = max(memory.get("after_forward_allocated", 0),
-                                                    int(torch.cuda.memory_allocated(device)))
-        torch.cuda.reset_peak_memory_stats(device)
-
-    measuring = False
+    peaks = PhasePeaks(device if cuda else None)
 
     def timed_step(x: torch.Tensor, y: torch.Tensor) -> tuple:
         """One step: its loss and (step, forward, backward, optimizer) seconds (CUDA events on CUDA)."""
         sync()
         if cuda:
             events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
-            if measuring:
-                torch.cuda.reset_peak_memory_stats(device)
+        peaks.begin_step()
         t0 = time.perf_counter()
         if cuda:
             events[0].record()
@@ -204,7 +222,7 @@ def _train(mode: str, cfg: dict, result: dict) -> None:
         if cuda:
             events[1].record()
         t1 = time.perf_counter()
-        phase_peak("forward")
+        peaks.end_phase("forward")
         if engine is not None:
             engine.backward(loss)
         else:
@@ -212,7 +230,7 @@ def _train(mode: str, cfg: dict, result: dict) -> None:
         if cuda:
             events[2].record()
         t2 = time.perf_counter()
-        phase_peak("backward")
+        peaks.end_phase("backward")
         if engine is not None:
             engine.step()  # and zeroes the gradients (and clips, with gradient_clipping)
         else:
@@ -223,7 +241,7 @@ def _train(mode: str, cfg: dict, result: dict) -> None:
         if cuda:
             events[3].record()
         t3 = time.perf_counter()
-        phase_peak("optimizer")
+        peaks.end_phase("optimizer")
         sync()
         t4 = time.perf_counter()
         if cuda:
@@ -237,7 +255,7 @@ def _train(mode: str, cfg: dict, result: dict) -> None:
     before: dict = {}
     for i in range(total):
         if i == cfg["warmup"]:
-            measuring = True
+            peaks.measuring = True
             sync()
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
@@ -253,12 +271,7 @@ def _train(mode: str, cfg: dict, result: dict) -> None:
         if not math.isfinite(losses[-1]):
             raise FloatingPointError(f"loss {losses[-1]} at step {i}")
 
-    if memory:
-        result["device_phase_bytes"] = memory
-        result["device_phase_note"] = ("per phase of the measured steps, the largest: the device peak allocated and "
-                                       "reserved (torch.cuda.max_memory_*), and after_forward_allocated, what the "
-                                       "forward leaves allocated for backward (weights, optimizer states, saved "
-                                       "tensors)")
+    peaks.into(result)
     finish_result(mode, cfg, result, phases, device, session, before, opt, batches, forward)
 
 

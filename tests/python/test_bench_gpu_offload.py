@@ -239,3 +239,36 @@ def test_llama7b_preset_is_the_7b_llama_shape_and_its_prediction_is_gpu_md_arith
     assert pred["cpu_adamw_seconds"] == pytest.approx(n / 5.0e9)
     assert pred["step_seconds"] == pytest.approx(pred["forward_seconds"] + pred["backward_seconds"])
     assert pred["mfu"] == pytest.approx(6 * n * 4096 / pred["step_seconds"] / 989e12)
+
+
+def test_each_phase_keeps_its_largest_device_peak(monkeypatch):
+    """gpu_offload_worker.PhasePeaks (CUDA only; the allocator's counters are faked here): per phase the largest
+    peak over the measured steps, what forward leaves allocated, nothing before measuring or without a device."""
+    import torch
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        from gpu_offload_worker import PhasePeaks
+    finally:
+        sys.path.pop(0)
+    now = {"peak": 0, "allocated": 0}
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: now["peak"])
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 2 * now["peak"])
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: now["allocated"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: now.update(peak=0))
+    peaks = PhasePeaks(torch.device("cpu"))
+    for step, (forward, backward) in enumerate([(5, 9), (7, 8)]):
+        peaks.measuring = step > 0  # the first step is a warm-up: not counted
+        peaks.begin_step()
+        now.update(peak=forward if step else 100, allocated=forward - 1)
+        peaks.end_phase("forward")
+        now.update(peak=backward)
+        peaks.end_phase("backward")
+    result = {}
+    peaks.into(result)
+    assert result["device_phase_bytes"] == {"forward_allocated": 7, "forward_reserved": 14,
+                                            "after_forward_allocated": 6, "backward_allocated": 8,
+                                            "backward_reserved": 16}
+    nothing = {}
+    PhasePeaks(None).into(nothing)
+    assert nothing == {}
