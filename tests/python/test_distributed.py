@@ -222,7 +222,7 @@ def _run_ranks(d, script: str, ranks: int = 2) -> list:
 
 # Note [Ranks on one machine]: two ranks on one machine with activations on one NVMe path.
 _RANKS_WORKER = textwrap.dedent("""
-    import datetime, os, sys
+    import datetime, os, sys, time
     import torch, torch.distributed as dist, torch.nn as nn
     sys.path[:0] = [{bindings!r}]
     import tierflow
@@ -239,8 +239,16 @@ _RANKS_WORKER = textwrap.dedent("""
                             timeout=datetime.timedelta(seconds=60))
     torch.manual_seed(0)
     model, _ = tierflow.wrap(nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 4)), None, **settings)
-    model(torch.randn(8, 16)).sum().backward()
+    loss = model(torch.randn(8, 16)).sum()
     rt = tierflow.current_session().runtime
+    # The write-behind to NVMe is asynchronous: a backward that came before it
+    # would take the blocks back from staging and write nothing. Settle the
+    # copies (which starts the writes) and wait for one to land, not for time.
+    deadline = time.monotonic() + 60
+    while tierflow.report()["activations"]["nvme"]["writes"] == 0 and time.monotonic() < deadline:
+        rt.synchronize()
+        time.sleep(0.01)
+    loss.backward()
     files = sorted(f for f in os.listdir(nvme) if f.startswith("tierflow-swap-"))
     dist.barrier()  # both ranks' files exist now
     files_now = sorted(f for f in os.listdir(nvme) if f.startswith("tierflow-swap-"))
