@@ -130,15 +130,17 @@ def loss_agreement(base: list[float], other: list[float]) -> dict:
             "abs_diff_per_step": diffs}
 
 
-PREDICTION_NOTE = ("the planner prices the repeated blocks' forward and backward (Note [Activation planner]): "
-                   "predicted_step_seconds is set beside the measured forward + backward (compute_vs_predicted) "
-                   "and the whole step (step_vs_predicted); predicted_peak_bytes beside torch's reserved peak "
+PREDICTION_NOTE = ("the planner prices the repeated blocks' forward and backward (Note [Activation planner], "
+                   "predicted_blocks_seconds, set beside the measured forward + backward: compute_vs_predicted) and "
+                   "adds the rest of the step the timed step measured (Note [Re-plan]): predicted_step_seconds, set "
+                   "beside the whole step (step_vs_predicted); predicted_peak_bytes beside torch's reserved peak "
                    "(peak_vs_predicted), on CUDA only")
 
 
 def predicted_beside_measured(plan: dict, result: dict) -> dict:
     """The plan's predictions for the mode beside what it measured (issue 17): the figures and their ratios."""
     step = plan.get("predicted_step_seconds")
+    blocks = plan.get("predicted_blocks_seconds", step)
     peak = plan.get("predicted_device_peak_bytes")
     compute = (result["forward_seconds"] + result["backward_seconds"]
                if result.get("forward_seconds") is not None and result.get("backward_seconds") is not None else None)
@@ -147,8 +149,9 @@ def predicted_beside_measured(plan: dict, result: dict) -> dict:
     def ratio(measured: Optional[float], predicted: Optional[float]) -> Optional[float]:
         return measured / predicted if measured is not None and predicted else None
 
-    return {"predicted_step_seconds": step, "predicted_peak_bytes": peak,
-            "compute_vs_predicted": ratio(compute, step), "step_vs_predicted": ratio(result.get("step_seconds"), step),
+    return {"predicted_step_seconds": step, "predicted_blocks_seconds": blocks, "predicted_peak_bytes": peak,
+            "rest_of_step_seconds": plan.get("rest_of_step_seconds"), "replanned": plan.get("replanned"),
+            "compute_vs_predicted": ratio(compute, blocks), "step_vs_predicted": ratio(result.get("step_seconds"), step),
             "peak_vs_predicted": ratio(reserved, peak), "prediction_note": PREDICTION_NOTE}
 
 
@@ -215,9 +218,11 @@ def print_table(out: dict) -> None:
                   f"before step() {fmt_bytes(r.get('grad_bytes_freed_before_step_per_step') or 0)}")
         if "predicted_step_seconds" in r:
             peak = r.get("device_peak_reserved_bytes")
-            print(f"{m}: predicted blocks' forward + backward {_fmt(r['predicted_step_seconds'], '.4f')} s, measured "
-                  f"forward + backward x{_fmt(r['compute_vs_predicted'], '.2f')} of it, whole step "
-                  f"x{_fmt(r['step_vs_predicted'], '.2f')}; predicted device peak "
+            print(f"{m}: predicted blocks' forward + backward {_fmt(r.get('predicted_blocks_seconds'), '.4f')} s, "
+                  f"measured forward + backward x{_fmt(r['compute_vs_predicted'], '.2f')} of it; predicted whole step "
+                  f"{_fmt(r['predicted_step_seconds'], '.4f')} s, measured x{_fmt(r['step_vs_predicted'], '.2f')}"
+                  f"{'' if not (r.get('replanned') or {}).get('replanned') else ' (after one re-plan)'}; "
+                  f"predicted device peak "
                   f"{fmt_bytes(r['predicted_peak_bytes']) if r['predicted_peak_bytes'] is not None else '-'}, "
                   f"reserved {fmt_bytes(peak) if peak is not None else '- (no device allocator)'}"
                   f"{'' if r['peak_vs_predicted'] is None else ' x' + _fmt(r['peak_vs_predicted'], '.2f')}")

@@ -53,8 +53,11 @@ void bind_auto_plan(py::module_& m) {
       .value("start_timing", PhaseAction::kStartTiming)
       .value("measure_and_plan", PhaseAction::kMeasureAndPlan);
   py::class_<AutoPlanPhases>(m, "AutoPlanPhases", "The phases of `auto` in one session (Note [Auto plan phases]).")
-      .def(py::init<bool, bool, bool>(), py::arg("forced"), py::arg("blocks"), py::arg("loaded_profile"))
+      .def(py::init<bool, bool, bool, bool>(), py::arg("forced"), py::arg("blocks"), py::arg("loaded_profile"),
+           py::arg("replan") = true)
       .def("before_forward", &AutoPlanPhases::before_forward)
+      .def_property_readonly("may_replan", &AutoPlanPhases::may_replan)
+      .def("replan_settled", &AutoPlanPhases::replan_settled)
       .def("planned", &AutoPlanPhases::planned)
       .def("forward_refused", &AutoPlanPhases::forward_refused)
       .def_property_readonly("has_plan", &AutoPlanPhases::has_plan)
@@ -80,6 +83,9 @@ void bind_auto_plan(py::module_& m) {
   m.def("optimizer_traffic", [](const std::map<std::string, std::string>& config) {
     return optimizer_traffic(Config::parse({}, config));
   }, py::arg("config"), "The optimizer's traffic inside the blocks for these TIERFLOW_* texts (Note [Auto plan phases]).");
+  m.def("replans", [](const std::map<std::string, std::string>& config) {
+    return replans(Config::parse({}, config));
+  }, py::arg("config"), "Whether a session under these TIERFLOW_* texts may re-plan once (Note [Re-plan]).");
   m.def("measured_block_profile", &measured_block_profile, py::arg("record"), py::arg("traffic") = OptimizerTraffic{},
         "The BlockProfile of a measured block (Note [Auto plan phases]).");
   py::class_<PlanWithoutBlocks>(m, "PlanWithoutBlocks", "The plan of a model without repeated blocks.")
@@ -102,7 +108,8 @@ void bind_auto_plan(py::module_& m) {
       .def_readwrite("params", &SessionBudgetInputs::params)
       .def_readwrite("param_tier", &SessionBudgetInputs::param_tier)
       .def_readwrite("rest_parameter_bytes", &SessionBudgetInputs::rest_parameter_bytes)
-      .def_readwrite("measured_parameter_peak_bytes", &SessionBudgetInputs::measured_parameter_peak_bytes);
+      .def_readwrite("measured_parameter_peak_bytes", &SessionBudgetInputs::measured_parameter_peak_bytes)
+      .def_readwrite("outside_saved_bytes", &SessionBudgetInputs::outside_saved_bytes);
   init_from_kwargs(inputs);
   m.def("session_budgets", &session_budgets, py::arg("inputs"), py::arg("blocks"),
         "The planner's budgets in a training session (Note [Auto plan phases]).");
@@ -117,6 +124,22 @@ void bind_auto_plan(py::module_& m) {
         py::arg("peak_reserved_bytes"), py::arg("predicted_step_seconds"), py::arg("predicted_peak_bytes"),
         "Ratios of the measured step and peak to the predictions (Note [Auto plan phases]).");
   m.attr("MEASURED_STEPS") = kMeasuredSteps;
+  m.attr("REPLAN_AFTER_STEPS") = kReplanAfterSteps;
+  m.attr("REPLAN_MARGIN") = kReplanMargin;
+  m.def("rest_of_step_seconds", &rest_of_step_seconds, py::arg("step_seconds"), py::arg("blocks_seconds"),
+        "The timed step less its blocks' forwards, backwards and replays (Note [Re-plan]).");
+  m.def("strays_from_prediction", &strays_from_prediction, py::arg("measured_step_seconds"), py::arg("steps"),
+        py::arg("predicted_step_seconds"), "Whether the measured step strays beyond the margin (Note [Re-plan]).");
+  py::class_<CalibratedFigures>(m, "CalibratedFigures", "Figures calibrated on a measured step (Note [Re-plan]).")
+      .def_readonly("calibrated", &CalibratedFigures::calibrated)
+      .def_readonly("link_factor", &CalibratedFigures::link_factor)
+      .def_readonly("compute_factor", &CalibratedFigures::compute_factor)
+      .def_readonly("blocks", &CalibratedFigures::blocks)
+      .def_readonly("links", &CalibratedFigures::links)
+      .def_readonly("why", &CalibratedFigures::why);
+  m.def("calibrate_figures", &calibrate_figures, py::arg("blocks"), py::arg("links"), py::arg("budgets"),
+        py::arg("plan"), py::arg("measured_step_seconds"), py::arg("rest_seconds"),
+        "Blocks and links scaled so the model predicts the plan's measured step (Note [Re-plan]).");
   m.def("median_seconds", &median_seconds, py::arg("seconds"), "The median, as statistics.median (0 for none).");
   m.def("nvme_probe_bytes", &nvme_probe_bytes, py::arg("available_bytes"), "The NVMe probe's first block size.");
   m.def("next_nvme_probe_bytes", &next_nvme_probe_bytes, py::arg("bytes"),
@@ -381,7 +404,8 @@ void bind_planner(py::module_& m) {
       .def_readwrite("prefetch_bytes", &Budgets::prefetch_bytes)
       .def_readwrite("params", &Budgets::params)
       .def_readwrite("param_tier", &Budgets::param_tier)
-      .def_readwrite("rest_parameter_bytes", &Budgets::rest_parameter_bytes);
+      .def_readwrite("rest_parameter_bytes", &Budgets::rest_parameter_bytes)
+      .def_readwrite("outside_saved_bytes", &Budgets::outside_saved_bytes);
   init_from_kwargs(budgets);
 
   py::class_<BlockPlan> block_plan(m, "BlockPlan", "The decision and the predictions for one block.");
@@ -409,6 +433,9 @@ void bind_planner(py::module_& m) {
       .def_readonly("fits", &Plan::fits)
       .def_readonly("rest_params", &Plan::rest_params)
       .def_readonly("proven_optimal", &Plan::proven_optimal)
+      .def_readonly("outside_kept", &Plan::outside_kept)
+      .def_readonly("outside_bytes", &Plan::outside_bytes)
+      .def_readonly("outside_swap_seconds", &Plan::outside_swap_seconds)
       .def("summary", &Plan::summary)
       .def("block_line", &Plan::block_line);
 

@@ -309,6 +309,10 @@ std::vector<Row> placement_rows() {
       "the activation planner's block profile: read from this file when it exists, otherwise "
       "measured in the first step and written there"},
      file_parser(&Config::profile_path, "a file path (empty: measure every run)")},
+    {{"TIERFLOW_REPLAN", "on", "on or off",
+      "re-plan the activations once when the steps under the plan take more than 25% longer or "
+      "shorter than it predicted, from its figures calibrated on that measurement (see Note [Re-plan])"},
+     on_off_parser(&Config::replan)},
     {{"TIERFLOW_MIN_OFFLOAD_BYTES", "64KiB", "a size, e.g. 0, 4096, 64KiB, 1MiB",
       "saved tensors smaller than this stay on the device (copying them costs more than it saves)"},
      size_parser(&Config::min_offload_bytes, 0, "a size, e.g. 0, 4096, 64KiB, 1MiB")},
@@ -630,6 +634,7 @@ std::map<std::string, std::string> Config::to_strings() const {
       {"TIERFLOW_LOG_LEVEL", std::string(to_string(log_level))},
       {"TIERFLOW_REPORT", report_path},
       {"TIERFLOW_PROFILE", profile_path},
+      {"TIERFLOW_REPLAN", replan ? "on" : "off"},
       {"TIERFLOW_MIN_OFFLOAD_BYTES", std::to_string(min_offload_bytes)},
       {"TIERFLOW_PREFETCH_BYTES", std::to_string(prefetch_bytes)},
       {"TIERFLOW_PINNED_SLAB_BYTES", std::to_string(pinned_slab_bytes)},

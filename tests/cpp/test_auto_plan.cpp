@@ -2,10 +2,12 @@
 // measured block costs, the budgets the planner gets and the probes' sizes.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <map>
 #include <string>
 #include <vector>
 
+#include "tierflow/core/error.hpp"
 #include "tierflow/tiering/auto_plan.hpp"
 
 namespace {
@@ -231,4 +233,143 @@ TEST(MeasuredBesidePredicted, MedianGapAndRatios) {
   EXPECT_EQ(none.steps, 0u);
   EXPECT_FALSE(none.step_seconds || none.step_vs_predicted || none.peak_vs_predicted);
   EXPECT_FALSE(measured_beside_predicted({0, 1}, 5, std::nullopt, 0.0).peak_vs_predicted);
+}
+
+// ---- Note [Re-plan] -----------------------------------------------------------------------------------------
+
+TEST(Replan, TheRestOfTheStepAndWhenAMeasurementStrays) {
+  EXPECT_DOUBLE_EQ(rest_of_step_seconds(1.0, 0.75), 0.25);
+  EXPECT_EQ(rest_of_step_seconds(0.5, 0.75), 0.0) << "timing's own syncs can make the blocks longer than the step";
+  EXPECT_FALSE(strays_from_prediction(2.0, kReplanAfterSteps - 1, 1.0)) << "too few steps to judge";
+  EXPECT_TRUE(strays_from_prediction(1.3, kReplanAfterSteps, 1.0));
+  EXPECT_FALSE(strays_from_prediction(1.2, kReplanAfterSteps, 1.0));
+  EXPECT_TRUE(strays_from_prediction(0.75, kReplanAfterSteps, 1.0)) << "faster than predicted strays too";
+  EXPECT_FALSE(strays_from_prediction(0.85, kReplanAfterSteps, 1.0));
+  EXPECT_FALSE(strays_from_prediction(std::nullopt, 5, 1.0));
+  EXPECT_FALSE(strays_from_prediction(3.0, 5, std::nullopt));
+  EXPECT_FALSE(strays_from_prediction(3.0, 5, 0.0));
+}
+
+TEST(Replan, OncePerSessionAndOnlyWhereItCanBeUndone) {
+  auto replans_under = [](std::map<std::string, std::string> v) { return replans(tierflow::Config::parse({}, v)); };
+  EXPECT_TRUE(replans_under({})) << "on by default";
+  EXPECT_FALSE(replans_under({{"TIERFLOW_REPLAN", "off"}}));
+  EXPECT_FALSE(replans_under({{"TIERFLOW_OFFLOAD_PARAMS", "auto"}})) << "resident units stay resident";
+  EXPECT_TRUE(replans_under({{"TIERFLOW_OFFLOAD_PARAMS", "host"}}));
+  EXPECT_THROW(replans_under({{"TIERFLOW_REPLAN", "sometimes"}}), tierflow::config_error);
+
+  AutoPlanPhases p(/*forced=*/false, /*blocks=*/true, /*loaded_profile=*/false);
+  run(p, 2);
+  EXPECT_FALSE(p.may_replan()) << "no plan in force yet";
+  run(p, 1);
+  p.planned();
+  EXPECT_TRUE(p.may_replan());
+  p.replan_settled();
+  EXPECT_FALSE(p.may_replan()) << "at most once";
+  AutoPlanPhases off(false, true, false, /*replan=*/false), forced(true, true, false), bare(false, false, false);
+  for (auto* q : {&off, &forced, &bare}) {
+    run(*q, 3);
+    q->planned();
+    EXPECT_FALSE(q->may_replan());
+  }
+}
+
+namespace {
+
+// Four blocks of a transformer's proportions on a PCIe-like link; the device holds about one block's bytes.
+struct Swapping {
+  std::vector<BlockProfile> blocks;
+  Links links;
+  Budgets budgets;
+  Swapping() {
+    BlockProfile b;
+    b.forward_seconds = 10e-3;
+    b.backward_seconds = 20e-3;
+    b.input_bytes = 100 << 20;
+    b.whole_bytes = 200 << 20;
+    b.split_bytes = 300 << 20;
+    b.split_recompute_seconds = 4e-3;
+    b.cheap_bytes = 50 << 20;
+    b.cheap_recompute_seconds = 1e-3;
+    b.transient_bytes = 100 << 20;
+    blocks.assign(4, b);
+    links.d2h = links.h2d = 50e9;
+    links.duplex = 90e9;
+    budgets.fixed_device_bytes = 1ull << 30;
+    budgets.device_bytes = budgets.fixed_device_bytes + 1600ull * (1 << 20);
+    budgets.host_bytes = 64ull << 30;
+    budgets.prefetch_bytes = 64 << 20;
+  }
+};
+
+double step_of(const Swapping& s, const std::vector<BlockProfile>& blocks, const Links& links, const Plan& plan) {
+  return evaluate_plan(blocks, links, s.budgets, plan.blocks, plan.rest_params).predicted_step_seconds;
+}
+
+Links times(Links l, double f) {
+  for (double* v : {&l.d2h, &l.h2d, &l.duplex, &l.nvme_write, &l.nvme_read}) *v *= f;
+  return l;
+}
+
+}  // namespace
+
+TEST(Replan, SlowLinksAreFoundAndThePlanIsTheOneTheTruthGives) {
+  const Swapping s;
+  const Plan plan = plan_activations(s.blocks, s.links, s.budgets);
+  ASSERT_TRUE(std::any_of(plan.blocks.begin(), plan.blocks.end(), [](const BlockPlan& b) { return b.swap_bytes > 0; }))
+      << "the case needs a plan that moves bytes";
+  // The machine's links are four times slower than probed (contention the probe did not see).
+  const Links truth = times(s.links, 0.25);
+  const double rest = 0.05;
+  const double measured = step_of(s, s.blocks, truth, plan) + rest;
+  const CalibratedFigures cal = calibrate_figures(s.blocks, s.links, s.budgets, plan, measured, rest);
+  ASSERT_TRUE(cal.calibrated) << cal.why;
+  EXPECT_NEAR(cal.link_factor, 0.25, 1e-9);
+  EXPECT_EQ(cal.compute_factor, 1.0);
+  EXPECT_NEAR(step_of(s, cal.blocks, cal.links, plan) + rest, measured, 1e-9 * measured)
+      << "the calibrated model predicts what was measured for the plan in force";
+  EXPECT_NE(cal.why.find("link speed x0.25"), std::string::npos) << cal.why;
+  const Plan again = plan_activations(cal.blocks, cal.links, s.budgets);
+  const Plan knowing = plan_activations(s.blocks, truth, s.budgets);
+  ASSERT_EQ(again.blocks.size(), knowing.blocks.size());
+  for (std::size_t i = 0; i < again.blocks.size(); ++i) {
+    EXPECT_EQ(again.blocks[i].mode, knowing.blocks[i].mode) << i;
+    EXPECT_NEAR(again.blocks[i].alpha, knowing.blocks[i].alpha, 1e-6) << i;
+  }
+  EXPECT_NEAR(again.predicted_step_seconds, knowing.predicted_step_seconds, 1e-9);
+  EXPECT_LT(step_of(s, s.blocks, truth, again), step_of(s, s.blocks, truth, plan))
+      << "on the real machine the new plan is faster than the one it replaces";
+}
+
+TEST(Replan, AFasterStepThanHiddenTransfersAllowIsTheComputes) {
+  Swapping s;
+  s.links = times(s.links, 8);  // fast links: the plan's transfers hide behind compute
+  const Plan plan = plan_activations(s.blocks, s.links, s.budgets);
+  const double predicted = plan.predicted_step_seconds;
+  ASSERT_NEAR(step_of(s, s.blocks, times(s.links, kCalibrationRange), plan), predicted, 1e-12)
+      << "the case needs a compute-bound plan";
+  const CalibratedFigures cal = calibrate_figures(s.blocks, s.links, s.budgets, plan, 0.5 * predicted + 0.01, 0.01);
+  ASSERT_TRUE(cal.calibrated) << cal.why;
+  EXPECT_EQ(cal.link_factor, 1.0);
+  EXPECT_NEAR(cal.compute_factor, 0.5, 1e-9);
+  EXPECT_NEAR(cal.blocks[0].forward_seconds, 5e-3, 1e-12);
+  EXPECT_NEAR(cal.blocks[0].split_recompute_seconds, 2e-3, 1e-12);
+  EXPECT_NEAR(step_of(s, cal.blocks, cal.links, plan), 0.5 * predicted, 1e-9 * predicted);
+  EXPECT_NE(cal.why.find("compute x0.5"), std::string::npos) << cal.why;
+}
+
+TEST(Replan, NothingToCalibrateIsSaid) {
+  Swapping s;
+  s.budgets.device_bytes = 64ull << 30;  // everything fits: every block kept
+  const Plan keep = plan_activations(s.blocks, s.links, s.budgets);
+  const CalibratedFigures kept = calibrate_figures(s.blocks, s.links, s.budgets, keep, 2 * keep.predicted_step_seconds, 0);
+  EXPECT_FALSE(kept.calibrated);
+  EXPECT_NE(kept.why.find("keeps every block"), std::string::npos) << kept.why;
+  const Swapping t;
+  const Plan plan = plan_activations(t.blocks, t.links, t.budgets);
+  const CalibratedFigures rest = calibrate_figures(t.blocks, t.links, t.budgets, plan, 0.1, 0.2);
+  EXPECT_FALSE(rest.calibrated);
+  EXPECT_NE(rest.why.find("the rest of the step alone is longer"), std::string::npos) << rest.why;
+  EXPECT_EQ(rest.link_factor, 1.0);
+  EXPECT_EQ(rest.compute_factor, 1.0);
 }

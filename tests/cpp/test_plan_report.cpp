@@ -86,7 +86,8 @@ TEST(PlanCommandBudgets, HostBudgetLessTheOptimizerStatesAndFixedBytesFromTheEst
   EXPECT_EQ(b.optimizer_host_bytes, in.state->host);
   EXPECT_EQ(b.budgets.host_bytes, 64 * GiB - in.state->host);
   EXPECT_EQ(b.host_from, "TIERFLOW_HOST_MEMORY");
-  EXPECT_EQ(b.budgets.fixed_device_bytes, in.state->device + in.head_bytes);
+  EXPECT_EQ(b.budgets.fixed_device_bytes, in.state->device);
+  EXPECT_EQ(b.budgets.outside_saved_bytes, in.head_bytes) << "the plan keeps or swaps them";
   EXPECT_EQ(b.budgets.prefetch_bytes, 256 * MiB);
   EXPECT_EQ(b.budgets.nvme_bytes, 0u);
 }
@@ -238,7 +239,8 @@ TEST(DescribePlan, JsonHasTodaysKeysInOrderThenTheNewOnes) {
   EXPECT_EQ(keys(j["layers"][0]), (V{"mode", "alpha", "keep", "swap", "recompute", "swap_tier", "swap_bytes",
                                      "forward_seconds", "backward_seconds", "params", "alternatives"}));
   EXPECT_EQ(keys(j["predicted"]), (V{"gpu_peak_bytes", "step_seconds", "keep_all_step_seconds", "host_bytes",
-                                     "nvme_bytes", "proven_optimal"}));
+                                     "nvme_bytes", "proven_optimal", "outside_kept", "outside_bytes",
+                                     "outside_swap_seconds"}));
   EXPECT_EQ(keys(j["budgets"]), (V{"gpu_bytes", "fixed_gpu_bytes", "host_bytes_for_activations", "nvme_bytes",
                                    "prefetch_bytes"}));
   EXPECT_EQ(keys(j["state"]), (V{"optimizer", "gpu_bytes", "host_bytes", "nvme_bytes", "outside_blocks_gpu_bytes"}));
@@ -272,7 +274,7 @@ TEST(DescribePlan, OffloadedParametersLeaveTheFixedBytesAndArePrintedPerBlockAnd
   const std::uint64_t block_params = p.blocks[0].parameter_bytes;
   EXPECT_EQ(block_params, transformer_block_parameters(*p.in.shape) * 2);
   EXPECT_EQ(b.rest_parameter_bytes + 4 * block_params, p.in.state->parameter_bytes);
-  EXPECT_EQ(b.fixed_device_bytes, p.in.state->device - p.in.state->parameter_bytes + p.in.head_bytes);
+  EXPECT_EQ(b.fixed_device_bytes, p.in.state->device - p.in.state->parameter_bytes);
   p.plan = plan_activations(p.blocks, p.budgets.links, b);
   const auto r = describe_plan(p.plan, p.blocks, p.in, p.budgets);
   EXPECT_EQ(r.lines[5].rfind("parameters between uses (--offload-params host): blocks 0-3 fetched from host; the rest "

@@ -71,6 +71,21 @@ TEST(SavedTensors, SmallBlocksAndNoOffloadRegionsStayOnTheDevice) {
   const SavedTensorStats s = saved.stats({});
   EXPECT_EQ(s.kept_small, 1u);
   EXPECT_EQ(s.kept_region, 1u);
+  EXPECT_EQ(s.policy_bytes, 1000u) << "what the policy's packs could offload: neither the small one nor the region's";
+}
+
+TEST(SavedTensors, PolicyBytesCountThePolicysPacksAlone) {
+  // Under auto the blocks' runners pack with their own targets; the model-level hook's packs (kPolicy) are what is
+  // saved outside the blocks (Note [Auto plan phases]), offloaded or not.
+  SavedTensors saved(target(OffloadTarget::kNone), 0);
+  saved.schedule().begin_forward();
+  EXPECT_FALSE(saved.pack(tensor(100), PackTarget::kPolicy, false).offload);
+  saved.pack(tensor(30), PackTarget::kHost, false);
+  saved.pack(tensor(7), PackTarget::kKeep, false);
+  SavedTensorFacts param = tensor(500);
+  param.parameter = true;
+  saved.pack(param, PackTarget::kPolicy, false);
+  EXPECT_EQ(saved.stats({}).policy_bytes, 100u);
 }
 
 TEST(SavedTensors, TheTargetPicksTheTierAndNvmeFallsBackToTheHostWithoutATier) {

@@ -180,11 +180,12 @@ class Fp32MasterAdamW:
 def train(task: Task, steps: int, use_tierflow: bool, *, device: str = "emulated", dtype: torch.dtype = torch.float32,
           accumulate: int = 1, lr: float = 1e-3, weight_decay: float = 0.01, optimizer_cls=torch.optim.AdamW,
           scheduler=None, clip_grad_norm: Optional[float] = None, fp32_masters: bool = False,
-          **settings) -> Run:
+          after_step: Optional[Callable[[int], None]] = None, **settings) -> Run:
     """`steps` optimizer steps of `accumulate` backward passes each, on `device` in `dtype`.
 
     clip_grad_norm: torch.nn.utils.clip_grad_norm_ after the last backward of each step (the user's clip).
     fp32_masters: the baseline steps fp32 masters of 16-bit parameters (Fp32MasterAdamW).
+    after_step: called with the step's index after each optimizer step (the user's own work between steps).
     settings: tierflow.wrap's keyword arguments (only with use_tierflow).
     """
     if settings and not use_tierflow:
@@ -222,6 +223,8 @@ def train(task: Task, steps: int, use_tierflow: bool, *, device: str = "emulated
         if sched:
             sched.step()
         run.losses.append(total)
+        if after_step is not None:
+            after_step(step)
     run.params = {k: v.detach().clone() for k, v in model.state_dict().items()}
     names = {id(p): k for k, p in model.named_parameters()}
     if use_tierflow:

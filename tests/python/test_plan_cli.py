@@ -387,7 +387,12 @@ def test_fixed_device_bytes_are_broken_down_with_the_setting_that_frees_them(mon
         parts = {p["part"]: p for p in data["fixed_gpu_parts"]}
         assert list(parts) == ["parameters", "gradients", "optimizer_states", "outside_blocks"]
         assert parts["parameters"]["gpu_bytes"] == parts["gradients"]["gpu_bytes"] == _C.transformer_parameters(shape) * 2
-        assert sum(p["gpu_bytes"] for p in parts.values()) == data["budgets"]["fixed_gpu_bytes"]
+        # The activations outside the blocks are the plan's: on the device only where it keeps them.
+        outside = data["state"]["outside_blocks_gpu_bytes"]
+        assert data["predicted"]["outside_bytes"] == outside > 0
+        assert parts["outside_blocks"]["gpu_bytes"] == (outside if data["predicted"]["outside_kept"] else 0)
+        assert sum(p["gpu_bytes"] for p in parts.values()) == data["budgets"]["fixed_gpu_bytes"] + \
+            parts["outside_blocks"]["gpu_bytes"]
         assert parts["gradients"]["freed_by"].startswith("TIERFLOW_OFFLOAD_GRADIENTS=on")
         assert parts["parameters"]["freed_by"] == "--offload-params host, nvme or auto (TIERFLOW_OFFLOAD_PARAMS)"
         if optimizer == "none":

@@ -147,7 +147,8 @@ def test_auto_under_a_tight_budget_plans_offload_and_matches_the_baseline(tmp_pa
     everything = tierflow.activations.plans.plan(profile["blocks"], profile["links"], session_budgets, mode="keep")
     budget = floor["predicted_device_peak_bytes"] + (everything["predicted_device_peak_bytes"]
                                                     - floor["predicted_device_peak_bytes"]) // 3
-    tier = train(task, 4, True, device=device, profile=path, gpu_memory=str(budget), **OPT_NONE)
+    # The profile's plan as it is, steps measured beside it (a re-plan would start the count again: test_replan).
+    tier = train(task, 4, True, device=device, profile=path, gpu_memory=str(budget), replan="off", **OPT_NONE)
     assert_bit_identical(base, tier)
     plan = tier.report["plan"]
     assert any(m != "keep" for m in plan["modes"]), plan
@@ -159,6 +160,10 @@ def test_auto_under_a_tight_budget_plans_offload_and_matches_the_baseline(tmp_pa
     assert [w.split(":")[0].strip() for w in plan["why"]] == [f"block {i}" for i in range(len(plan["modes"]))], plan
     assert all(("slower" in w or "over the" in w or "as fast" in w or "no other action" in w) for w in plan["why"])
     assert plan["step_vs_predicted"] == pytest.approx(plan["measured"]["step_seconds"] / plan["predicted_step_seconds"])
+    # The whole step: the blocks' part the plan prices and the rest the profiling run measured (Note [Re-plan]).
+    assert plan["rest_of_step_seconds"] == profile["rest_of_step_seconds"] > 0, profile
+    assert plan["predicted_step_seconds"] == pytest.approx(plan["predicted_blocks_seconds"] + plan["rest_of_step_seconds"])
+    assert plan["replanned"] is None
     if device == "cuda":
         assert plan["peak_vs_predicted"] > 0, plan
     else:
@@ -201,7 +206,8 @@ def test_auto_on_a_slow_link_splits_tokens_and_matches_the_baseline(tmp_path, de
         json.dump(profile, f)
     budgets = _budgets_for(measured, profile)
     floor = tierflow.activations.plans.plan(profile["blocks"], profile["links"], budgets, mode="recompute")
-    tier = train(task, 4, True, device=device, profile=path,
+    # The edited link is not the machine's: the steps would stray from its plan and re-plan (Note [Re-plan]).
+    tier = train(task, 4, True, device=device, profile=path, replan="off",
                  gpu_memory=str(floor["predicted_device_peak_bytes"]), **OPT_NONE)
     assert_bit_identical(base, tier)
     plan = tier.report["plan"]

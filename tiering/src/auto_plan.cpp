@@ -2,8 +2,10 @@
 #include "tierflow/tiering/auto_plan.hpp"
 
 #include <algorithm>
-#include <utility>
+#include <cmath>
 #include <cstdio>
+#include <functional>
+#include <utility>
 
 namespace tierflow::tiering {
 
@@ -96,6 +98,7 @@ Budgets session_budgets(const SessionBudgetInputs& in, const std::vector<BlockPr
   b.host_bytes = in.host_budget_bytes > in.host_in_use_bytes ? in.host_budget_bytes - in.host_in_use_bytes : 0;
   b.nvme_bytes = in.nvme_available_bytes;
   b.prefetch_bytes = window;
+  b.outside_saved_bytes = in.outside_saved_bytes;
   return b;
 }
 
@@ -133,6 +136,102 @@ MeasuredBesidePredicted measured_beside_predicted(const std::vector<double>& for
   if (peak_reserved_bytes && predicted_peak_bytes && *predicted_peak_bytes != 0) {
     out.peak_vs_predicted = static_cast<double>(*peak_reserved_bytes) / *predicted_peak_bytes;
   }
+  return out;
+}
+
+bool replans(const Config& config) noexcept {
+  return config.replan && config.offload_params != OffloadTarget::kAuto;
+}
+
+double rest_of_step_seconds(double step_seconds, double blocks_seconds) noexcept {
+  return std::max(step_seconds - blocks_seconds, 0.0);
+}
+
+bool strays_from_prediction(std::optional<double> measured_step_seconds, std::size_t steps,
+                            std::optional<double> predicted_step_seconds) noexcept {
+  if (steps < kReplanAfterSteps || !measured_step_seconds || !predicted_step_seconds || *predicted_step_seconds <= 0)
+    return false;
+  const double ratio = *measured_step_seconds / *predicted_step_seconds;
+  return ratio > 1 + kReplanMargin || ratio < 1 / (1 + kReplanMargin);
+}
+
+namespace {
+
+Links scaled(Links l, double f) {
+  for (double* v : {&l.d2h, &l.h2d, &l.duplex, &l.nvme_write, &l.nvme_read}) *v *= f;
+  return l;
+}
+
+std::vector<BlockProfile> scaled(std::vector<BlockProfile> blocks, double f) {
+  for (auto& b : blocks) {
+    for (double* v : {&b.forward_seconds, &b.backward_seconds, &b.split_recompute_seconds, &b.cheap_recompute_seconds})
+      *v *= f;
+  }
+  return blocks;
+}
+
+// The factor in [1/range, range] where `predicted` (monotone in it) meets `target`, by bisection on its
+// logarithm; clamped at the end nearer the target when none does.
+double solve(const std::function<double(double)>& predicted, double target, bool increasing) {
+  double lo = -std::log(kCalibrationRange), hi = std::log(kCalibrationRange);
+  for (int i = 0; i < 100; ++i) {
+    const double mid = (lo + hi) / 2;
+    const bool above = predicted(std::exp(mid)) > target;
+    (above == increasing ? hi : lo) = mid;
+  }
+  return std::exp((lo + hi) / 2);
+}
+
+std::string seconds(double s) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.4g s", s);
+  return buf;
+}
+
+}  // namespace
+
+CalibratedFigures calibrate_figures(const std::vector<BlockProfile>& blocks, const Links& links,
+                                    const Budgets& budgets, const Plan& plan, double measured_step_seconds,
+                                    double rest_seconds) {
+  CalibratedFigures out;
+  out.blocks = blocks;
+  out.links = links;
+  const double target = measured_step_seconds - rest_seconds;
+  const std::string seen = "measured step " + seconds(measured_step_seconds) + ", predicted " +
+                           seconds(plan.predicted_step_seconds + rest_seconds) + " (blocks " +
+                           seconds(plan.predicted_step_seconds) + " + the rest of the step " + seconds(rest_seconds) +
+                           ")";
+  const bool keeps_all = std::all_of(plan.blocks.begin(), plan.blocks.end(), [](const BlockPlan& b) {
+    return b.mode == BlockMode::kKeep && b.params == Tier::kGpu;
+  }) && plan.rest_params == Tier::kGpu;
+  if (keeps_all) {
+    out.why = seen + ": the plan keeps every block and its parameters, the fastest plan whatever the times";
+    return out;
+  }
+  if (target <= 0) {
+    out.why = seen + ": the rest of the step alone is longer than the measured step; nothing to calibrate";
+    return out;
+  }
+  auto step_with = [&](const std::vector<BlockProfile>& b, const Links& l) {
+    return evaluate_plan(b, l, budgets, plan.blocks, plan.rest_params).predicted_step_seconds;
+  };
+  auto with_links = [&](double f) { return step_with(blocks, scaled(links, f)); };
+  const double slowest = with_links(1 / kCalibrationRange), fastest = with_links(kCalibrationRange);
+  char buf[64];
+  if (slowest > fastest && target >= fastest && target <= slowest) {
+    out.link_factor = solve(with_links, target, /*increasing=*/false);
+    out.links = scaled(links, out.link_factor);
+    std::snprintf(buf, sizeof buf, "%.3g", out.link_factor);
+    out.why = seen + ": every link speed x" + buf + " explains it";
+  } else {
+    auto with_compute = [&](double f) { return step_with(scaled(blocks, f), links); };
+    out.compute_factor = solve(with_compute, target, /*increasing=*/true);
+    out.blocks = scaled(blocks, out.compute_factor);
+    std::snprintf(buf, sizeof buf, "%.3g", out.compute_factor);
+    out.why = seen + ": " + (slowest > fastest ? "no link speed explains it; " : "the plan's transfers are hidden; ") +
+              "every block's compute x" + buf;
+  }
+  out.calibrated = true;
   return out;
 }
 

@@ -51,6 +51,8 @@ std::pair<std::uint64_t, std::string> device_budget(const PlanCommandInputs& in)
 
 std::uint64_t fixed_device_bytes(const PlanCommandInputs& in) {
   if (!in.state) return in.profile_fixed_device_bytes;
+  // The activations outside the blocks are the plan's to keep or swap (Budgets::outside_saved_bytes); they must
+  // still add up with the rest of training.
   std::uint64_t fixed = 0;
   if (__builtin_add_overflow(in.state->device, in.head_bytes, &fixed)) {
     const unsigned __int128 sum = static_cast<unsigned __int128>(in.state->device) + in.head_bytes;
@@ -59,7 +61,7 @@ std::uint64_t fixed_device_bytes(const PlanCommandInputs& in) {
     throw config_error(in.blocks_from + ": the rest of training needs " + text +
                        " device bytes; accepted: a shape whose byte counts fit in 64 bits");
   }
-  return fixed;
+  return in.state->device;
 }
 
 // ---- why each block's action won --------------------------------------------------------------------
@@ -163,7 +165,7 @@ struct FixedPart {
   std::string freed_by;   // the setting that would move it off the device ("" none)
 };
 
-std::vector<FixedPart> fixed_parts(const PlanCommandInputs& in, const Budgets& budgets) {
+std::vector<FixedPart> fixed_parts(const PlanCommandInputs& in, const Budgets& budgets, const Plan& plan) {
   if (!in.state) return {{"from_profile", "the profile's rest of training", budgets.fixed_device_bytes, ""}};
   const auto& s = *in.state;
   const bool optimizer_on_device = in.optimizer == "none";
@@ -174,7 +176,11 @@ std::vector<FixedPart> fixed_parts(const PlanCommandInputs& in, const Budgets& b
       {"gradients", "gradients", s.gradient_bytes, "TIERFLOW_OFFLOAD_GRADIENTS=on (each freed once copied to host)"},
       {"optimizer_states", "optimizer states", optimizer_on_device ? s.optimizer_bytes : 0,
        optimizer_on_device ? "--optimizer host or nvme (TIERFLOW_OFFLOAD_OPTIMIZER=host or nvme)" : ""},
-      {"outside_blocks", "activations outside the blocks", in.head_bytes, ""},
+      // Not in the fixed bytes: the plan keeps them or swaps them (Note [Activation planner], Outside the blocks).
+      {"outside_blocks", "activations outside the blocks (the plan's choice)", plan.outside_kept ? in.head_bytes : 0,
+       plan.outside_kept && in.head_bytes > 0 ? "the plan, which swaps them to the host when that is faster within "
+                                                "the budgets"
+                                              : ""},
   };
 }
 
@@ -304,8 +310,8 @@ std::vector<std::string> plan_lines(const Plan& plan, const PlanCommandInputs& i
   if (in.state) {
     lines.push_back("parameters and optimizer (--optimizer " + in.optimizer + "): device " +
                     format_bytes(in.state->device) + ", host " + format_bytes(in.state->host) + ", NVMe " +
-                    format_bytes(in.state->nvme) + "; activations outside the blocks (final norm, head, fp32 loss): "
-                    "device " + format_bytes(in.head_bytes));
+                    format_bytes(in.state->nvme) + "; activations outside the blocks (final norm, head, fp32 loss): " +
+                    format_bytes(in.head_bytes) + (plan.outside_kept ? " kept on the device" : " swapped to the host"));
   } else {
     lines.push_back("the rest of training on the device (from the profile): " +
                     format_bytes(budgets.fixed_device_bytes));
@@ -354,7 +360,10 @@ std::string plan_json(const Plan& plan, const PlanCommandInputs& in, const PlanC
                       {"keep_all_step_seconds", plan.keep_all_step_seconds},
                       {"host_bytes", plan.host_bytes},
                       {"nvme_bytes", plan.nvme_bytes},
-                      {"proven_optimal", plan.proven_optimal}};
+                      {"proven_optimal", plan.proven_optimal},
+                      {"outside_kept", plan.outside_kept},
+                      {"outside_bytes", plan.outside_bytes},
+                      {"outside_swap_seconds", plan.outside_swap_seconds}};
   doc["budgets"] = {{"gpu_bytes", budgets.device_bytes},
                     {"fixed_gpu_bytes", budgets.fixed_device_bytes},
                     {"host_bytes_for_activations", budgets.host_bytes},
@@ -422,6 +431,7 @@ PlanCommandBudgets plan_command_budgets(const PlanCommandInputs& in) {
                                    in.prefetch.source == SettingSource::kFlag ? "--prefetch" : "TIERFLOW_PREFETCH_BYTES",
                                    "TIERFLOW_PREFETCH_BYTES");
   b.fixed_device_bytes = fixed_device_bytes(in);
+  b.outside_saved_bytes = in.state ? in.head_bytes : 0;
   b.host_bytes = host_total - out.optimizer_host_bytes;
   apply_offload_params(in, b);
   return out;
@@ -444,7 +454,7 @@ PlanReport describe_plan(const Plan& plan, const std::vector<BlockProfile>& bloc
                                                             std::to_string(plan.blocks.size()) + " blocks for " +
                                                             std::to_string(blocks.size()));
   const auto why = why_of_blocks(plan, blocks, pb.links, pb.budgets);
-  const auto parts = fixed_parts(in, pb.budgets);
+  const auto parts = fixed_parts(in, pb.budgets, plan);
   return {plan_lines(plan, in, pb, why, parts), plan_json(plan, in, pb, why, parts)};
 }
 

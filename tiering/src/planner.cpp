@@ -26,6 +26,12 @@ std::uint64_t split_rows_bytes(const BlockProfile& p, double alpha) {
 
 namespace detail {
 
+double outside_swap_seconds(const Links& links, std::uint64_t bytes) {
+  if (bytes == 0) return 0;
+  const double b = static_cast<double>(bytes);
+  return (links.d2h > 0 ? b / links.d2h : kInf) + (links.h2d > 0 ? b / links.h2d : kInf);
+}
+
 bool nvme_available(const Links& links, const Budgets& budgets) {
   return budgets.nvme_bytes > 0 && links.nvme_write > 0 && links.nvme_read > 0;
 }
@@ -193,8 +199,12 @@ struct PlanTotals {
   double step_seconds = 0;
   bool count_params = false;  // Budgets::params is not kResident
   detail::ParamTotals params;
+  bool outside_kept = true;
+  std::uint64_t outside_device = 0;  // the saved tensors outside the blocks, kept
+  double outside_seconds = 0;        // ... or swapped
 
-  explicit PlanTotals(const Budgets& budgets) : count_params(budgets.params != ParamPolicy::kResident) {}
+  PlanTotals(const Budgets& budgets, bool outside_kept)
+      : count_params(budgets.params != ParamPolicy::kResident), outside_kept(outside_kept) {}
 
   void add(const BlockProfile& p, const BlockPlan& b) {
     if (count_params) params.add(p.parameter_bytes, b.params);
@@ -208,8 +218,16 @@ struct PlanTotals {
       any_swapped = any_swapped || b.swap_bytes > 0;
     }
   }
-  // Adds the rest unit and the parameters' tier bytes (once, after every block).
+  // Adds the saved tensors outside the blocks, the rest unit and the parameters' tier bytes (once, after every
+  // block).
   void finish(const Links& links, const Budgets& budgets, Tier rest) {
+    if (outside_kept) {
+      outside_device = budgets.outside_saved_bytes;
+    } else {
+      host += budgets.outside_saved_bytes;
+      outside_seconds = detail::outside_swap_seconds(links, budgets.outside_saved_bytes);
+      step_seconds += outside_seconds;
+    }
     if (!count_params) return;
     params.add(budgets.rest_parameter_bytes, rest);
     host += params.host;
@@ -218,7 +236,7 @@ struct PlanTotals {
   }
   std::uint64_t peak(const Budgets& budgets) const {
     return budgets.fixed_device_bytes + kept + working + (any_swapped ? budgets.prefetch_bytes : 0) +
-           params.device + params.window();
+           params.device + params.window() + outside_device;
   }
 };
 
@@ -311,7 +329,7 @@ Plan evaluate_plan(const std::vector<BlockProfile>& blocks, const Links& links, 
 }
 
 Plan evaluate_plan(const std::vector<BlockProfile>& blocks, const Links& links, const Budgets& budgets,
-                   std::vector<BlockPlan> assignment, Tier rest_params) {
+                   std::vector<BlockPlan> assignment, Tier rest_params, bool outside_kept) {
   TIERFLOW_EXPECTS(assignment.size() == blocks.size(),
                    "evaluate_plan: " + std::to_string(assignment.size()) + " block plans for " +
                        std::to_string(blocks.size()) + " blocks");
@@ -319,7 +337,7 @@ Plan evaluate_plan(const std::vector<BlockProfile>& blocks, const Links& links, 
                    "evaluate_plan: the rest unit's parameters are fetched while Budgets::params is resident");
   Plan plan;
   plan.device_budget_bytes = budgets.device_bytes;
-  PlanTotals totals(budgets);
+  PlanTotals totals(budgets, outside_kept);
   for (std::size_t i = 0; i < blocks.size(); ++i) {
     const auto& p = blocks[i];
     auto& b = assignment[i];
@@ -339,6 +357,9 @@ Plan evaluate_plan(const std::vector<BlockProfile>& blocks, const Links& links, 
   plan.host_param_bytes = totals.params.host;
   plan.nvme_param_bytes = totals.params.nvme;
   plan.rest_fetch_seconds = detail::rest_fetch_seconds(links, budgets, plan.rest_params);
+  plan.outside_kept = outside_kept;
+  plan.outside_bytes = budgets.outside_saved_bytes;
+  plan.outside_swap_seconds = totals.outside_seconds;
   plan.predicted_step_seconds = totals.step_seconds;
   plan.host_bytes = totals.host;
   plan.nvme_bytes = totals.nvme;
@@ -358,7 +379,7 @@ AlternativeCost evaluate_alternative(const std::vector<BlockProfile>& blocks, co
   check_assignment("evaluate_alternative", i, blocks[i], alternative);
   if (budgets.params == ParamPolicy::kResident) alternative.params = Tier::kGpu;
   fill_block(timed_profile(blocks[i], budgets, alternative), links, alternative);
-  PlanTotals totals(budgets);  // in evaluate_plan's order, so the chosen assignment gives the plan's figures exactly
+  PlanTotals totals(budgets, plan.outside_kept);  // in evaluate_plan's order: the chosen assignment gives the plan's figures exactly
   for (std::size_t j = 0; j < blocks.size(); ++j) totals.add(blocks[j], j == i ? alternative : plan.blocks[j]);
   totals.finish(links, budgets, plan.rest_params);
   AlternativeCost out;
@@ -383,7 +404,8 @@ void check_inputs(const std::vector<BlockProfile>& blocks, const Links& links, c
   constexpr std::uint64_t kMaxTotal = std::uint64_t{1} << 63;
   std::uint64_t total = 0;
   const bool budgets_fit = !__builtin_add_overflow(budgets.fixed_device_bytes, budgets.prefetch_bytes, &total) &&
-                           !__builtin_add_overflow(total, budgets.rest_parameter_bytes, &total);
+                           !__builtin_add_overflow(total, budgets.rest_parameter_bytes, &total) &&
+                           !__builtin_add_overflow(total, budgets.outside_saved_bytes, &total);
   bool bytes_fit = budgets_fit && total < kMaxTotal;
   for (std::size_t i = 0; i < blocks.size(); ++i) {
     const auto& p = blocks[i];
@@ -405,7 +427,8 @@ void check_inputs(const std::vector<BlockProfile>& blocks, const Links& links, c
                          "; accepted: a fraction in (0, 1]");
   if (!bytes_fit)
     throw config_error("plan_activations: the blocks' saved, transient and parameter bytes plus "
-                       "fixed_device_bytes, prefetch_bytes and rest_parameter_bytes add up to 2^63 bytes or more; "
+                       "fixed_device_bytes, prefetch_bytes, rest_parameter_bytes and outside_saved_bytes add up to 2^63 "
+                       "bytes or more; "
                        "accepted: totals below 2^63 (8 EiB)");
   if (budgets.params != ParamPolicy::kResident) {
     if (budgets.param_tier == Tier::kGpu)
@@ -434,8 +457,10 @@ std::optional<Plan> plan_within(const std::vector<BlockProfile>& blocks, const L
 
 }  // namespace detail
 
-Plan plan_activations(const std::vector<BlockProfile>& blocks, const Links& links, const Budgets& budgets) {
-  check_inputs(blocks, links, budgets);
+namespace {
+
+// plan_activations with the saved tensors outside the blocks already decided (budgets.outside_saved_bytes 0).
+Plan plan_blocks(const std::vector<BlockProfile>& blocks, const Links& links, const Budgets& budgets) {
   if (budgets.params != ParamPolicy::kResident) return detail::plan_with_params(blocks, links, budgets);
   if (auto plan = detail::plan_within(blocks, links, budgets)) return *plan;
   // The cheapest plan in device memory keeps nothing: every block's working set comes back in turn.
@@ -459,6 +484,44 @@ Plan plan_activations(const std::vector<BlockProfile>& blocks, const Links& link
   throw out_of_memory(msg);
 }
 
+}  // namespace
+
+Plan plan_activations(const std::vector<BlockProfile>& blocks, const Links& links, const Budgets& budgets) {
+  check_inputs(blocks, links, budgets);
+  const std::uint64_t outside = budgets.outside_saved_bytes;
+  if (outside == 0) return plan_blocks(blocks, links, budgets);
+  // Note [Activation planner], Outside the blocks: the search once with them kept, once with them swapped.
+  std::optional<Plan> best;
+  std::optional<out_of_memory> refused;
+  for (const bool kept : {true, false}) {
+    Budgets b = budgets;
+    b.outside_saved_bytes = 0;
+    if (kept) {
+      b.fixed_device_bytes += outside;
+    } else if (b.host_bytes >= outside) {
+      b.host_bytes -= outside;
+    } else {
+      continue;  // the host cannot hold them: kept, or no plan
+    }
+    try {
+      const Plan inner = plan_blocks(blocks, links, b);
+      Plan plan = evaluate_plan(blocks, links, budgets, inner.blocks, inner.rest_params, kept);
+      plan.proven_optimal = inner.proven_optimal;
+      if (!best || plan.predicted_step_seconds < best->predicted_step_seconds) best = std::move(plan);
+    } catch (const out_of_memory& e) {
+      refused = e;  // the swapped choice's, when both fail: it needs the fewer device bytes
+    }
+  }
+  if (best) return *best;
+  if (refused) {
+    throw out_of_memory(std::string(refused->what()) + " (with " + format_bytes(outside) +
+                        " saved outside the blocks " + (budgets.host_bytes >= outside ? "swapped to the host" :
+                                                        "kept on the device: the host budget cannot hold them") +
+                        ")");
+  }
+  throw out_of_memory("tierflow: no activation plan fits");  // unreachable: the kept choice always runs
+}
+
 Plan forced_plan(const std::vector<BlockProfile>& blocks, const Links& links, const Budgets& budgets,
                  BlockMode mode) {
   const bool nvme = nvme_available(links, budgets);
@@ -467,9 +530,12 @@ Plan forced_plan(const std::vector<BlockProfile>& blocks, const Links& links, co
   std::uint64_t param_bytes = fetch ? budgets.rest_parameter_bytes : 0;
   for (const auto& p : blocks) param_bytes += fetch ? p.parameter_bytes : 0;
   const bool params_on_host = fetch && budgets.param_tier == Tier::kHost;
+  // What TIERFLOW_OFFLOAD_ACTIVATIONS=recompute does outside the blocks: swap them (Note [Activation planner]).
+  const bool outside_kept = mode == BlockMode::kKeep;
   // Host first, then NVMe; alphas capped at `cap`. Returns whether everything found room.
   auto assign = [&](double cap, std::vector<BlockPlan>& out) {
-    std::uint64_t host = params_on_host ? param_bytes : 0, disk = fetch && !params_on_host ? param_bytes : 0;
+    std::uint64_t host = (params_on_host ? param_bytes : 0) + (outside_kept ? 0 : budgets.outside_saved_bytes);
+    std::uint64_t disk = fetch && !params_on_host ? param_bytes : 0;
     bool room = true;
     for (std::size_t i = 0; i < blocks.size(); ++i) {
       const auto& p = blocks[i];
@@ -513,7 +579,7 @@ Plan forced_plan(const std::vector<BlockProfile>& blocks, const Links& links, co
     }
     assign(lo, out);
   }
-  return evaluate_plan(blocks, links, budgets, std::move(out));
+  return evaluate_plan(blocks, links, budgets, std::move(out), default_rest(budgets), outside_kept);
 }
 
 std::string Plan::summary() const {
@@ -541,6 +607,9 @@ std::string Plan::summary() const {
   // Activations only: the fetched parameters' share of each tier is in the parameters' part.
   s += "; swapped " + format_bytes(host_bytes - std::min(host_bytes, host_param_bytes)) + " host, " +
        format_bytes(nvme_bytes - std::min(nvme_bytes, nvme_param_bytes)) + " NVMe";
+  if (outside_bytes > 0)
+    s += std::string("; outside the blocks ") + format_bytes(outside_bytes) +
+         (outside_kept ? " kept" : " swapped to the host (" + seconds_text(outside_swap_seconds) + ")");
   const auto fetched = std::count_if(blocks.begin(), blocks.end(), [](const BlockPlan& b) { return b.params != Tier::kGpu; });
   if (fetched > 0 || rest_params != Tier::kGpu) {
     s += "; parameters: " + std::to_string(fetched) + " blocks fetched, rest " + std::string(to_string(rest_params)) +

@@ -25,6 +25,7 @@ const std::vector<StatField<SavedTensorStats>>& saved_tensor_stat_fields() {
       {"host_fallbacks", &S::host_fallbacks},
       {"offloaded_blocks", &S::offloaded_blocks},
       {"offloaded_bytes", &S::offloaded_bytes},
+      {"policy_bytes", &S::policy_bytes},
       {"offload_waits", &S::offload_waits},
       {"offload_wait_ms", &S::offload_wait_ns, nullptr, 1e-6},
       {"unpacks", &S::unpacks},
@@ -86,6 +87,7 @@ PackChoice SavedTensors::pack(const SavedTensorFacts& facts, PackTarget target, 
                                                                 : PackDirective::kOffload;
   const PackDecision d = schedule_.on_pack(static_cast<std::size_t>(facts.bytes), !small && !region, directive);
   c.verdict = PackVerdict::kNewBlock;
+  if (target == PackTarget::kPolicy && !small && !region) stats_.policy_bytes += facts.bytes;
   c.id = d.id;
   c.offload = d.offload;
   const bool nvme_asked = target == PackTarget::kNvme ||

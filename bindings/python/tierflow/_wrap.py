@@ -101,7 +101,11 @@ class Session:
                 self._contexts.append(None)
                 return
         self.runtime.begin_forward()
-        ctx = torch.autograd.graph.saved_tensors_hooks(self.runtime.pack, self.runtime.unpack)
+        if self.planner is not None and self.planner.outside_kept:
+            # The blocks' runners swap theirs; what is saved outside them stays (Note [Activation planner]).
+            ctx: Any = contextlib.nullcontext()
+        else:
+            ctx = torch.autograd.graph.saved_tensors_hooks(self.runtime.pack, self.runtime.unpack)
         ctx.__enter__()
         self._contexts.append(ctx)
 

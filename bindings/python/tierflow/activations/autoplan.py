@@ -15,9 +15,9 @@ from .. import _C
 from .._links import measure_links
 from .._report import write_json_atomic
 from .blocks import find_blocks
-from .plans import BUDGET_FIELDS, block_profile as profile_struct, fields_of, plan as make_plan_dict
+from .plans import BUDGET_FIELDS, block_profile as profile_struct, fields_of, links_struct, plan as make_plan_dict
 # The file format of `python -m tierflow plan`.
-from .profile import BLOCK_FIELDS, PROFILE_FORMAT, PROFILE_VERSION
+from .profile import BLOCK_FIELDS, LINK_FIELDS, PROFILE_FORMAT, PROFILE_VERSION
 from .runner import BlockRunner
 from .table import probe_table
 
@@ -44,7 +44,8 @@ class AutoPlanner:
         self.profile_path = cfg["TIERFLOW_PROFILE"]
         self.plan: Optional[dict] = None
         self.profile: Optional[dict] = None  # the one the plan was made from
-        self.keep_all = False  # the plan keeps every block: no saved-tensor hooks at all
+        self.keep_all = False  # the plan keeps every block and what is saved outside them: no saved-tensor hooks
+        self.outside_kept = False  # the plan keeps what is saved outside the blocks: no model-level hooks
         if not self.runners:
             _C.log("warn", "tierflow: no repeated blocks found in the model (pass blocks=[...] to tierflow.wrap); "
                    "TIERFLOW_OFFLOAD_ACTIVATIONS=" + cfg["TIERFLOW_OFFLOAD_ACTIVATIONS"] + (
@@ -56,6 +57,9 @@ class AutoPlanner:
             self.loaded_profile = load_profile(self.profile_path, len(self.runners))
         # Forwards' start times once a plan is in force: the measured step beside the predicted one.
         self._step_starts: list = []
+        self._timed_start: Optional[float] = None  # the timed step's forward (Note [Re-plan]: the rest of a step)
+        self.replanned: Optional[dict] = None  # Note [Re-plan]: the one re-plan, or why there was none
+        self._plan_struct: Any = None  # the plan in force as tiering's Plan (what a re-plan calibrates on)
         # CUDA, the timed step: the device's peak over forward and backward, and over the optimizer's step
         # (Note [Auto plan phases]); the global step pre-hook that splits them, while it is in place.
         self._forward_backward_peak: Optional[int] = None
@@ -63,7 +67,8 @@ class AutoPlanner:
         self._step_hook: Any = None
         # Note [Auto plan phases]: when to record, time and plan.
         self.phases = _C.AutoPlanPhases(forced=self.forced, blocks=bool(self.runners),
-                                        loaded_profile=self.loaded_profile is not None)
+                                        loaded_profile=self.loaded_profile is not None,
+                                        replan=_C.replans(dict(cfg)))
 
     @property
     def forwards(self) -> int:
@@ -89,8 +94,15 @@ class AutoPlanner:
             # Where each block's parameters live between uses, then the rest unit's (gpu: resident).
             out["params"] = [bp.get("params", "gpu") for bp in self.plan["blocks"]]
             out["rest_params"] = self.plan.get("rest_params", "gpu")
+            # What is saved outside the blocks: kept, or swapped by the model-level hooks (Note [Activation planner]).
+            for k in ("outside_kept", "outside_bytes", "outside_swap_seconds"):
+                out[k] = self.plan.get(k)
             out["predicted_device_peak_bytes"] = self.plan["predicted_device_peak_bytes"]
+            # The whole step: the blocks' part the plan prices and the rest the timed step measured (Note [Re-plan]).
             out["predicted_step_seconds"] = self.plan["predicted_step_seconds"]
+            out["predicted_blocks_seconds"] = self.plan.get("predicted_blocks_seconds")
+            out["rest_of_step_seconds"] = self.plan.get("rest_of_step_seconds")
+            out["replanned"] = self.replanned
             out["why"] = self.plan.get("why", [])
             if self.optimizer_step_peak is not None:  # CUDA: the timed step's optimizer step, apart
                 out["measured_peaks"] = {"forward_backward_bytes": self._forward_backward_peak,
@@ -121,6 +133,8 @@ class AutoPlanner:
         self._act(action)
         if self.plan is not None:  # the measured step: from one forward to the next
             self._step_starts = (self._step_starts + [time.perf_counter()])[-(_C.MEASURED_STEPS + 1):]
+            if self.phases.may_replan:
+                self.maybe_replan()
 
     def _act(self, action: Any) -> None:
         if action == _C.PhaseAction.plan_without_blocks:
@@ -128,6 +142,8 @@ class AutoPlanner:
         elif action == _C.PhaseAction.plan_from_profile:
             self.make_plan(self.loaded_profile)
         elif action == _C.PhaseAction.start_timing:
+            self._timed_start = time.perf_counter()
+            self._policy_bytes = self._packed_outside()
             for r in self.runners:
                 r.timing = True
             if self._cuda():
@@ -148,13 +164,22 @@ class AutoPlanner:
                     self._forward_backward_peak = now
                 else:
                     self.optimizer_step_peak = now
+            step = time.perf_counter() - self._timed_start if self._timed_start is not None else 0.0
             profile = self.measure()
+            # What the model-level hook packed in the timed step: the saved tensors outside the blocks (the runners
+            # shield theirs; Note [Auto plan phases]).
+            profile["outside_saved_bytes"] = self._packed_outside() - self._policy_bytes
+            profile["rest_of_step_seconds"] = _C.rest_of_step_seconds(step, sum(
+                sum(r.forward_seconds) + sum(r.backward_seconds) + sum(r.recompute_seconds) for r in self.runners))
             if self._forward_backward_peak is not None:
                 profile["measured_peak_bytes"] = self._forward_backward_peak
             profile["fixed_device_bytes"] = self.budgets(profile)["fixed_device_bytes"]
             if self.profile_path:
                 write_json_atomic(self.profile_path, profile)
             self.make_plan(profile)
+
+    def _packed_outside(self) -> int:
+        return int(self.session.runtime.stats()["activations"]["policy_bytes"])
 
     def _before_timed_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """A global optimizer step pre-hook during the timed step: the device's peak so far is forward and
@@ -177,7 +202,7 @@ class AutoPlanner:
         else go on swapping them all (the first step swapped them, so it fit wherever anything fits)."""
         saved = int(self.session.runtime.stats()["activations"]["offloaded_bytes"])
         decided = _C.plan_without_blocks(saved, _C.Budgets(**self.budgets({"blocks": []})))
-        self.keep_all = decided.keep_all
+        self.keep_all = self.outside_kept = decided.keep_all
         self.plan = {"summary": decided.summary, "blocks": [], "lines": [],
                      "predicted_device_peak_bytes": decided.predicted_device_peak_bytes,
                      "predicted_step_seconds": None}
@@ -221,7 +246,8 @@ class AutoPlanner:
             parameter_bytes=sum(p.numel() * p.element_size() for p in self.model_params),
             optimizer_on_device=cfg["TIERFLOW_OFFLOAD_OPTIMIZER"] == "none",
             gradients_offloaded=cfg["TIERFLOW_OFFLOAD_GRADIENTS"] == "on",
-            measured_peak_bytes=int(profile.get("measured_peak_bytes") or 0))
+            measured_peak_bytes=int(profile.get("measured_peak_bytes") or 0),
+            outside_saved_bytes=int(profile.get("outside_saved_bytes") or 0))
         params = self.session.params  # TIERFLOW_OFFLOAD_PARAMS=host: the plan counts the fetched parameters
         if params is not None:  # auto: which blocks keep theirs is the plan's (Note [Parameter hooks])
             inputs.params = _C.ParamPolicy.auto if params.planned else _C.ParamPolicy.fetch_all
@@ -230,6 +256,29 @@ class AutoPlanner:
             inputs.measured_parameter_peak_bytes = int(params.stats()["device_peak_bytes"])
         blocks = [profile_struct(b) for b in profile["blocks"]]
         return fields_of(_C.session_budgets(inputs, blocks), BUDGET_FIELDS)
+
+    def maybe_replan(self) -> None:
+        """Note [Re-plan]: once the steps under the plan stray from its whole-step prediction, plan once more
+        from the figures calibrated on them; or say once why not."""
+        m = _C.measured_beside_predicted(self._step_starts, None, self.plan.get("predicted_step_seconds"), None)
+        if not _C.strays_from_prediction(m.step_seconds, m.steps, self.plan.get("predicted_step_seconds")):
+            return
+        self.phases.replan_settled()
+        rest = float(self.plan.get("rest_of_step_seconds") or 0.0)
+        blocks = [profile_struct(b) for b in self.plan_blocks]
+        cal = _C.calibrate_figures(blocks, links_struct(self.profile["links"]),
+                                   _C.Budgets(**self.budgets(self.profile)), self._plan_struct, m.step_seconds, rest)
+        self.replanned = {"replanned": cal.calibrated, "why": cal.why, "measured_step_seconds": m.step_seconds,
+                          "steps": m.steps, "predicted_step_seconds": self.plan["predicted_step_seconds"],
+                          "link_factor": cal.link_factor, "compute_factor": cal.compute_factor}
+        if not cal.calibrated:
+            _C.log("info", "tierflow: no re-plan: " + cal.why)
+            return
+        profile = dict(self.profile, blocks=[fields_of(b, BLOCK_FIELDS) for b in cal.blocks],
+                       links=fields_of(cal.links, LINK_FIELDS))
+        _C.log("warn", "tierflow: re-planning once: " + cal.why)
+        self.make_plan(profile)
+        self._step_starts = self._step_starts[-1:]  # the steps under the new plan from here
 
     def make_plan(self, profile: dict) -> None:
         budgets = self.budgets(profile)
@@ -242,6 +291,12 @@ class AutoPlanner:
                 blocks[i]["splittable"] = False
             plan = make_plan_dict(blocks, profile["links"], budgets, explain=True)
             self.probe(plan)
+        self._plan_struct = plan.pop("struct")
+        self.plan_blocks = blocks  # the profile's blocks as planned (split ones that probed inexact marked so)
+        # The whole step predicted: the blocks' part priced by the plan, and the rest measured (Note [Re-plan]).
+        plan["predicted_blocks_seconds"] = plan["predicted_step_seconds"]
+        plan["rest_of_step_seconds"] = float(profile.get("rest_of_step_seconds") or 0.0)
+        plan["predicted_step_seconds"] += plan["rest_of_step_seconds"]
         self.apply(plan)
         if self.session.params is not None and self.session.params.planned:
             self.session.params.plan_residences(plan)
@@ -268,7 +323,10 @@ class AutoPlanner:
             r.mode = bp["mode"]
             r.alpha = bp["alpha"]
             r.tier = bp["tier"]
-        self.keep_all = all(bp["mode"] == "keep" for bp in plan["blocks"])
+        # What is saved outside the blocks: kept (the session puts no hooks on the model) or swapped by the
+        # model-level hooks (Note [Activation planner], Outside the blocks).
+        self.outside_kept = plan.get("outside_kept", True)
+        self.keep_all = self.outside_kept and all(bp["mode"] == "keep" for bp in plan["blocks"])
         # A plan that keeps everything leaves no hook on any block (the session puts none on the model either);
         # a later plan that moves something puts them back. In a mixed plan a kept block keeps its hooks: they
         # shield its saved tensors from the model-level hooks that offload the rest.

@@ -10,7 +10,7 @@ from .. import _C
 from .profile import BLOCK_FIELDS, LINK_FIELDS
 
 BUDGET_FIELDS = ("device_bytes", "fixed_device_bytes", "host_bytes", "nvme_bytes", "prefetch_bytes", "params",
-                 "param_tier", "rest_parameter_bytes")
+                 "param_tier", "rest_parameter_bytes", "outside_saved_bytes")
 
 
 def block_profile(fields: dict) -> Any:
@@ -49,7 +49,10 @@ def plan_dict(plan: Any) -> dict:
             "predicted_device_peak_bytes": plan.predicted_device_peak_bytes,
             "predicted_step_seconds": plan.predicted_step_seconds, "keep_all_step_seconds": plan.keep_all_step_seconds,
             "host_bytes": plan.host_bytes, "nvme_bytes": plan.nvme_bytes, "fits": plan.fits,
-            "rest_params": plan.rest_params.name}
+            "rest_params": plan.rest_params.name,
+            # The saved tensors outside the blocks: kept on the device, or swapped by the model-level hook.
+            "outside_kept": plan.outside_kept, "outside_bytes": plan.outside_bytes,
+            "outside_swap_seconds": plan.outside_swap_seconds}
 
 
 def plan(blocks: list, links: Any, budgets: Any, mode: Optional[str] = None, explain: bool = False) -> dict:
@@ -60,7 +63,7 @@ def plan(blocks: list, links: Any, budgets: Any, mode: Optional[str] = None, exp
     if mode is None:
         planned = _C.plan_activations(*args)
         # Why each block's action won (tiering::explain_plan): asked for the plan put in force only.
-        return dict(plan_dict(planned), why=_C.explain_plan(planned, *args) if explain else [])
+        return dict(plan_dict(planned), why=_C.explain_plan(planned, *args) if explain else [], struct=planned)
     if mode not in _C.BlockMode.__members__:
         raise _C.ConfigError(f"block mode {mode!r}; accepted: {', '.join(_C.BlockMode.__members__)}")
     return plan_dict(_C.forced_plan(*args, _C.BlockMode.__members__[mode]))

@@ -74,6 +74,7 @@ struct Config {
   LogLevel log_level{};                   ///< TIERFLOW_LOG_LEVEL
   std::string report_path;                ///< TIERFLOW_REPORT; empty means no file
   std::string profile_path;               ///< TIERFLOW_PROFILE; empty means measure every run
+  bool replan = true;                     ///< TIERFLOW_REPLAN (Note [Re-plan])
   std::uint64_t min_offload_bytes = 0;    ///< TIERFLOW_MIN_OFFLOAD_BYTES
   std::uint64_t prefetch_bytes = 0;       ///< TIERFLOW_PREFETCH_BYTES
   std::uint64_t pinned_slab_bytes = 0;    ///< TIERFLOW_PINNED_SLAB_BYTES

@@ -47,12 +47,46 @@
 // TIERFLOW_HOST_MEMORY less what is in use (optimizer states, saved tensors);
 // NVMe's what the engine can still place (NvmeEngine::available_bytes); the
 // prefetch window TIERFLOW_PREFETCH_BYTES, never more than the blocks save.
+// The saved tensors outside the blocks are what the model-level hook packed in
+// the timed step (SavedTensors' policy_bytes: the blocks' runners shield
+// theirs), large enough to offload; the plan keeps or swaps them (Note
+// [Activation planner], Outside the blocks). On CUDA the measured peak had them
+// swapped, so it never counts them twice.
 //
 // Once a plan is in force, the report sets its predictions beside what the
 // steps since measured (measured_beside_predicted, issue 17): the median wall
-// time between consecutive forwards (the last kMeasuredSteps of them: the whole
-// step, where the plan prices its blocks' forward and backward) and, on CUDA,
-// the caching allocator's reserved peak; and their ratios to the predictions.
+// time between consecutive forwards (the last kMeasuredSteps of them) and, on
+// CUDA, the caching allocator's reserved peak; and their ratios to the
+// predictions. The step predicted is a whole one: the plan prices the blocks'
+// forward and backward, and the rest of the step (the layers outside the
+// blocks, the loss, the optimizer's step, the user's loop) is what the timed
+// step measured beside its blocks (rest_of_step_seconds, Note [Re-plan]).
+//
+// Note [Re-plan]
+// ~~~~~~~~~~~~~~
+// The timed step's wall time, from its forward to the next, less its blocks'
+// timed forwards, backwards and replays is the rest of the step; the plan's
+// whole step is its blocks' predicted time plus that rest. Once
+// kReplanAfterSteps steps ran under a plan, the median of their wall times is
+// set beside it; a ratio beyond 1 + kReplanMargin either way re-plans, once per
+// session (TIERFLOW_REPLAN=off: never), from figures calibrated so that the
+// model predicts what was measured for the plan in force (calibrate_figures):
+//   - when the plan moves bytes over the link (swaps, the optimizer's traffic,
+//     fetched parameters) and a factor of every link speed within
+//     [1/kCalibrationRange, kCalibrationRange] explains the blocks' measured
+//     part (measured step less the rest), that factor (solved by bisection:
+//     the predicted step never grows with the links' speed);
+//   - else a factor of every block's compute times (forward, backward and
+//     recompute), in the same range, clamped at its ends.
+// Links first: the device's compute was measured in the timed step, the links
+// were probed idle; what a plan adds to the step that the timed step did not
+// have is its traffic. The calibrated model reproduces the plan in force's
+// measured step (the tests check it) and the planner's search runs on it
+// unchanged. With TIERFLOW_OFFLOAD_PARAMS=auto it never re-plans (replans):
+// the units its plan keeps on the device stay resident for good, and a second
+// plan could not undo that. A rest longer than the whole measured step leaves nothing to
+// calibrate, and a plan that keeps every block and parameter is the fastest
+// whatever the times: no re-plan, said once in the log, as any decision not to.
 #pragma once
 
 #include <cstdint>
@@ -90,8 +124,9 @@ class AutoPlanPhases {
  public:
   /// `forced`: TIERFLOW_OFFLOAD_ACTIVATIONS=recompute; `blocks`: repeated blocks
   /// found; `loaded_profile`: a profile was read from TIERFLOW_PROFILE.
-  AutoPlanPhases(bool forced, bool blocks, bool loaded_profile) noexcept
-      : forced_(forced), blocks_(blocks), loaded_(loaded_profile) {}
+  /// `replan`: TIERFLOW_REPLAN (Note [Re-plan]).
+  AutoPlanPhases(bool forced, bool blocks, bool loaded_profile, bool replan = true) noexcept
+      : forced_(forced), blocks_(blocks), loaded_(loaded_profile), replan_(replan) {}
   /// Counts a forward and says what to do before it.
   PhaseAction before_forward() noexcept;
   /// The forward just counted was refused before it ran (it raised): not one of the phases' forwards.
@@ -102,9 +137,15 @@ class AutoPlanPhases {
   void planned() noexcept { planned_ = true; }
   bool has_plan() const noexcept { return planned_; }
   int forwards() const noexcept { return forwards_; }
+  /// Whether the steps' measurement may still re-plan: a plan from blocks in force, TIERFLOW_REPLAN on, and the
+  /// one re-plan neither made nor ruled out (Note [Re-plan]).
+  bool may_replan() const noexcept { return planned_ && blocks_ && !forced_ && replan_ && !replan_settled_; }
+  /// The re-plan was made, or ruled out: no other this session.
+  void replan_settled() noexcept { replan_settled_ = true; }
 
  private:
-  bool forced_, blocks_, loaded_;
+  bool forced_, blocks_, loaded_, replan_;
+  bool replan_settled_ = false;
   bool planned_ = false;
   int forwards_ = 0;
 };
@@ -148,6 +189,9 @@ struct SessionBudgetInputs {
   Tier param_tier = Tier::kHost;                ///< where fetched parameters live between uses
   std::uint64_t rest_parameter_bytes = 0;       ///< parameters outside the blocks (with params other than kResident)
   std::uint64_t measured_parameter_peak_bytes = 0;  ///< fetched parameters' device peak in the timed step
+  /// What the model-level hook packed in the timed step, large enough to offload (SavedTensors' policy_bytes):
+  /// the saved tensors outside the blocks (Budgets::outside_saved_bytes).
+  std::uint64_t outside_saved_bytes = 0;
 };
 
 /// The plan of a model without repeated blocks (Note [Auto plan phases]).
@@ -196,5 +240,41 @@ MeasuredBesidePredicted measured_beside_predicted(const std::vector<double>& for
                                                   std::optional<double> predicted_step_seconds,
                                                   std::optional<double> predicted_peak_bytes);
 std::uint64_t next_nvme_probe_bytes(std::uint64_t bytes) noexcept;
+
+/// Whether a session under `config` may re-plan (Note [Re-plan]): TIERFLOW_REPLAN on, and parameters not
+/// planned per unit (TIERFLOW_OFFLOAD_PARAMS=auto makes the units its plan keeps resident for good, which a
+/// second plan could not undo).
+bool replans(const Config& config) noexcept;
+
+/// Note [Re-plan]: steps under a plan before its measurement is judged; how far it may stray; the calibration's
+/// range either way.
+inline constexpr std::size_t kReplanAfterSteps = 3;
+inline constexpr double kReplanMargin = 0.25;
+inline constexpr double kCalibrationRange = 64;
+
+/// The timed step's wall time less its blocks' timed forwards, backwards and replays (`blocks_seconds`); never
+/// below 0 (Note [Re-plan]).
+double rest_of_step_seconds(double step_seconds, double blocks_seconds) noexcept;
+
+/// Whether the measured step (median of `steps` step gaps) strays from the predicted whole step beyond the
+/// margin; false before kReplanAfterSteps gaps or without either figure.
+bool strays_from_prediction(std::optional<double> measured_step_seconds, std::size_t steps,
+                            std::optional<double> predicted_step_seconds) noexcept;
+
+/// Figures scaled so that the model predicts the measured step for the plan in force (Note [Re-plan]).
+struct CalibratedFigures {
+  bool calibrated = false;     ///< false: nothing explains the measurement (why says what); do not re-plan
+  double link_factor = 1;      ///< every link speed times this
+  double compute_factor = 1;   ///< every block's compute times times this
+  std::vector<BlockProfile> blocks;  ///< the blocks with compute_factor applied
+  Links links;                       ///< the links with link_factor applied
+  std::string why;                   ///< one line for the log: the measurement, the prediction, the factor
+};
+
+/// Note [Re-plan]: calibrates `blocks` and `links` on the plan in force (`plan`, made from them within
+/// `budgets`), its measured whole step and the measured rest of the step.
+CalibratedFigures calibrate_figures(const std::vector<BlockProfile>& blocks, const Links& links,
+                                    const Budgets& budgets, const Plan& plan, double measured_step_seconds,
+                                    double rest_seconds);
 
 }  // namespace tierflow::tiering

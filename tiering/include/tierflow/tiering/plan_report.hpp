@@ -13,8 +13,10 @@
 // --nvme-gbps; the prefetch window is --prefetch or TIERFLOW_PREFETCH_BYTES.
 // Sizes are parsed as the configuration table parses the variable standing
 // for the flag, and every error names the flag or the variable it came from.
-// The fixed device bytes are the estimate's training state on the device plus
-// the activations outside the blocks (or the profile's fixed_device_bytes).
+// The fixed device bytes are the estimate's training state on the device (or
+// the profile's fixed_device_bytes); the activations outside the blocks are
+// Budgets::outside_saved_bytes, which the plan keeps on the device or swaps to
+// the host (Note [Activation planner], Outside the blocks).
 //
 // Arguments. The blocks come from a whole shape (--layers, --hidden, --heads,
 // --seq, --batch) or from --profile, never both; --pcie-gbps is each way's
@@ -32,9 +34,10 @@
 // it. An alternative either breaks a budget, or is no faster than the chosen
 // action (the search is exact for the model), unless the search stopped at
 // its node limit. The fixed device bytes are broken down into parameters,
-// gradients, optimizer states and the activations outside the blocks, each
-// with the setting that would move it off the device; a profile gives only
-// their sum. Workspace is not in the fixed bytes: each block's transient bytes
+// gradients and optimizer states, each with the setting that would move it off
+// the device, beside the activations outside the blocks where the plan keeps
+// them (it swaps them itself when that is faster); a profile gives only the
+// sum of the fixed ones. Workspace is not in the fixed bytes: each block's transient bytes
 // are in its working set (Note [Activation planner]).
 //
 // Parameters. --offload-params (or TIERFLOW_OFFLOAD_PARAMS) none keeps them

@@ -116,6 +116,16 @@
 // keeps and holds everything: no plan is faster). The per-unit fetches and
 // releases that carry a plan out are tiering::ParamSchedule's (Note
 // [Parameter residency]; its window: Plan::param_prefetch_bytes).
+//
+// Outside the blocks (Budgets::outside_saved_bytes O: what the model saves
+// outside its blocks, the head's logits above all). They are kept on the
+// device (the peak adds O: they live from the forward to the backward, beside
+// everything else) or swapped to the host whole (the host's usage adds O, the
+// step adds O / d2h + O / h2d: saved at the end of the forward and needed at
+// the start of the backward, they have no compute to hide behind). The search
+// runs once for each choice, O in the fixed bytes or out of the host's budget,
+// and the faster plan wins (ties: kept). forced_plan keeps them with kKeep and
+// swaps them otherwise, as TIERFLOW_OFFLOAD_ACTIVATIONS=recompute does.
 #pragma once
 
 #include <cstddef>
@@ -177,6 +187,9 @@ struct Budgets {
   ParamPolicy params = ParamPolicy::kResident;  ///< whether block parameters may be fetched
   Tier param_tier = Tier::kHost;         ///< where fetched parameters live between uses (kHost or kNvme)
   std::uint64_t rest_parameter_bytes = 0;  ///< parameters outside the blocks (embeddings, final norm, head)
+  /// Saved tensors outside the blocks per step (the head's logits, the embeddings' output): kept on the device
+  /// or swapped to the host whole, the plan's choice (Note [Activation planner], Outside the blocks).
+  std::uint64_t outside_saved_bytes = 0;
 };
 
 /// What happens to a block's saved bytes. swap = every saved byte swapped, nothing recomputed;
@@ -213,6 +226,9 @@ struct Plan {
   std::uint64_t param_prefetch_bytes = 0;        ///< ParamSchedule's prefetch window: the largest fetched unit
   std::uint64_t host_param_bytes = 0, nvme_param_bytes = 0;  ///< fetched parameters held per tier
   double rest_fetch_seconds = 0;                 ///< the rest unit's fetches (in predicted_step_seconds)
+  bool outside_kept = true;                      ///< the saved tensors outside the blocks stay on the device
+  std::uint64_t outside_bytes = 0;               ///< Budgets::outside_saved_bytes (on the device if kept, else host)
+  double outside_swap_seconds = 0;               ///< their way to the host and back, not hidden (in predicted_step_seconds)
   std::string summary() const;                   ///< one line: modes count, peak, step, vs keep-all
   std::string block_line(std::size_t i) const;   ///< one line per block
 };
@@ -242,9 +258,10 @@ Plan forced_plan(const std::vector<BlockProfile>& blocks, const Links& links, co
 /// is a logic_error.
 Plan evaluate_plan(const std::vector<BlockProfile>& blocks, const Links& links, const Budgets& budgets,
                    std::vector<BlockPlan> assignment);
-/// The same with the rest unit's residence given.
+/// The same with the rest unit's residence given, and whether the saved tensors outside the blocks stay on the
+/// device (else they go to the host; Note [Activation planner], Outside the blocks).
 Plan evaluate_plan(const std::vector<BlockProfile>& blocks, const Links& links, const Budgets& budgets,
-                   std::vector<BlockPlan> assignment, Tier rest_params);
+                   std::vector<BlockPlan> assignment, Tier rest_params, bool outside_kept = true);
 
 /// The plan's predictions had block i alone taken `alternative` instead (the other blocks as planned).
 struct AlternativeCost {

@@ -90,6 +90,10 @@ struct SavedTensorStats {
   std::uint64_t host_fallbacks = 0;     ///< blocks kept: host pool budget full
   std::uint64_t offloaded_blocks = 0;   ///< blocks copied to the host
   std::uint64_t offloaded_bytes = 0;    ///< bytes copied to the host
+  /// Bytes of new saved tensors the policy's packs (PackTarget::kPolicy: the model-level hook) received, large
+  /// enough to offload and outside a no-offload region, offloaded or not: under `auto`, what is saved outside the
+  /// blocks (Note [Auto plan phases]).
+  std::uint64_t policy_bytes = 0;
   std::uint64_t offload_waits = 0;      ///< forward waited for a copy to the host (window full)
   std::uint64_t offload_wait_ns = 0;    ///< time spent in those waits
   std::uint64_t prefetched_blocks = 0;  ///< host->device copies started ahead of need

@@ -20,6 +20,8 @@ struct TierBandwidth {
 
 /// Whether the budgets and links give an NVMe tier.
 bool nvme_available(const Links& links, const Budgets& budgets);
+/// The saved tensors outside the blocks to the host and back, not hidden (Note [Activation planner]).
+double outside_swap_seconds(const Links& links, std::uint64_t bytes);
 /// The bandwidths of a tier: d2h/h2d, or for NVMe the smaller of PCIe and NVMe per direction.
 TierBandwidth bandwidth(const Links& links, SwapTier tier);
 
