@@ -247,6 +247,12 @@ void ActivationOffloader::synchronize() {
   pipeline_.synchronize();
 }
 
+void ActivationOffloader::set_window_bytes(std::uint64_t bytes) {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  saved_.schedule().set_prefetch_bytes(bytes);
+  pipeline_.set_max_to_host_bytes(bytes);
+}
+
 ActivationOffloaderStats ActivationOffloader::stats() const {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
   return saved_.stats(pipeline_.stats());

@@ -137,6 +137,12 @@ void bind_auto_plan(py::module_& m) {
       .def_readonly("blocks", &CalibratedFigures::blocks)
       .def_readonly("links", &CalibratedFigures::links)
       .def_readonly("why", &CalibratedFigures::why);
+  py::class_<PlanWindow>(m, "PlanWindow", "The window a plan runs with (Note [Overlap window]).")
+      .def_readonly("bytes", &PlanWindow::bytes)
+      .def_readonly("peak_bytes", &PlanWindow::peak_bytes)
+      .def_readonly("wanted_bytes", &PlanWindow::wanted_bytes);
+  m.def("plan_window", &plan_window, py::arg("plan"), py::arg("budgets"),
+        "The largest block's swap as the window, within the device room the plan leaves (Note [Overlap window]).");
   m.def("calibrate_figures", &calibrate_figures, py::arg("blocks"), py::arg("links"), py::arg("budgets"),
         py::arg("plan"), py::arg("measured_step_seconds"), py::arg("rest_seconds"),
         "Blocks and links scaled so the model predicts the plan's measured step (Note [Re-plan]).");

@@ -86,6 +86,8 @@ void bind_runtime_tiers(py::class_<Runtime, std::shared_ptr<Runtime>>& c) {
         rt.activations()->register_parameters(ps);
       })
       .def("synchronize", [](Runtime& rt) { rt.activations()->synchronize(); })
+      .def("set_activation_window", [](Runtime& rt, std::uint64_t bytes) { rt.activations()->set_window_bytes(bytes); },
+           py::arg("bytes"), "The prefetch window and the bound on copies to the host (a plan's).")
       .def("reset_peaks", [](Runtime& rt) { rt.activations()->reset_peaks(); })
       .def("unlink_nvme_files", [](Runtime& rt) { rt.unlink_nvme_files(); },
            "Removes the NVMe swap files' names now (called at exit).")

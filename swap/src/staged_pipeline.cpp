@@ -443,4 +443,9 @@ void StagedPipeline::synchronize() {
   poll();
 }
 
+void StagedPipeline::set_max_to_host_bytes(std::uint64_t bytes) {
+  TIERFLOW_EXPECTS(bytes > 0, "StagedPipeline: max_to_host_bytes must be > 0");
+  options_.max_to_host_bytes = bytes;
+}
+
 }  // namespace tierflow::swap

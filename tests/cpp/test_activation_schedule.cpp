@@ -57,6 +57,23 @@ TEST(ActivationSchedule, WindowAlwaysAdmitsTheNextBlock) {
   EXPECT_EQ(s.begin_backward(), (std::vector<BlockId>{1}));
 }
 
+TEST(ActivationSchedule, APlansWindowTakesOverFromTheNextBackward) {
+  // Note [Overlap window]: the same step prefetches three blocks ahead once the window holds three.
+  ActivationSchedule s(host_opts(100));
+  s.begin_forward();
+  for (int i = 0; i < 5; ++i) s.on_pack(100, true);
+  complete_offloads(s);
+  EXPECT_EQ(s.begin_backward(), (std::vector<BlockId>{4}));
+  release_all(s);
+  s.set_prefetch_bytes(300);
+  EXPECT_EQ(s.options().prefetch_bytes, 300u);
+  s.begin_forward();
+  for (int i = 0; i < 5; ++i) s.on_pack(100, true);
+  complete_offloads(s);
+  EXPECT_EQ(s.begin_backward(), (std::vector<BlockId>{4, 3, 2}));
+  EXPECT_THROW(s.set_prefetch_bytes(0), tierflow::logic_error);
+}
+
 TEST(ActivationSchedule, NextStepReplaysTheRecordedOrder) {
   ActivationSchedule s(host_opts(100));
   // Step 1: backward reads in an order that is not reverse save order.

@@ -373,3 +373,42 @@ TEST(Replan, NothingToCalibrateIsSaid) {
   EXPECT_EQ(rest.link_factor, 1.0);
   EXPECT_EQ(rest.compute_factor, 1.0);
 }
+
+TEST(OverlapWindow, TheLargestBlocksSwapWithinTheRoomTheBudgetLeaves) {
+  Swapping s;
+  const Plan plan = plan_activations(s.blocks, s.links, s.budgets);
+  std::uint64_t wanted = 0;
+  for (const auto& b : plan.blocks) wanted = std::max(wanted, b.swap_bytes);
+  ASSERT_GT(wanted, s.budgets.prefetch_bytes) << "the case needs a block that swaps more than the window";
+  // Room enough: the window is the largest block's swap, and the peak grows by what it adds.
+  Budgets roomy = s.budgets;
+  roomy.device_bytes = plan.predicted_device_peak_bytes + wanted;
+  const Plan same = plan_activations(s.blocks, s.links, roomy);
+  PlanWindow w = plan_window(same, roomy);
+  if (same.predicted_device_peak_bytes == plan.predicted_device_peak_bytes) {
+    EXPECT_EQ(w.bytes, wanted);
+    EXPECT_EQ(w.peak_bytes, plan.predicted_device_peak_bytes + wanted - s.budgets.prefetch_bytes);
+  }
+  EXPECT_LE(w.peak_bytes, roomy.device_bytes);
+  EXPECT_GE(w.bytes, roomy.prefetch_bytes);
+  // No room: the configured window stays.
+  Plan tight = plan;
+  tight.device_budget_bytes = plan.predicted_device_peak_bytes;
+  w = plan_window(tight, s.budgets);
+  EXPECT_EQ(w.bytes, s.budgets.prefetch_bytes);
+  EXPECT_EQ(w.peak_bytes, plan.predicted_device_peak_bytes);
+  EXPECT_EQ(w.wanted_bytes, wanted);
+  // Some room: as far as it goes.
+  tight.device_budget_bytes = plan.predicted_device_peak_bytes + 10;
+  w = plan_window(tight, s.budgets);
+  EXPECT_EQ(w.bytes, s.budgets.prefetch_bytes + 10);
+  EXPECT_EQ(w.peak_bytes, tight.device_budget_bytes);
+  // A plan that swaps nothing keeps the configured window and its peak.
+  Budgets all = s.budgets;
+  all.device_bytes = 64ull << 30;
+  const Plan keep = plan_activations(s.blocks, s.links, all);
+  w = plan_window(keep, all);
+  EXPECT_EQ(w.bytes, all.prefetch_bytes);
+  EXPECT_EQ(w.peak_bytes, keep.predicted_device_peak_bytes);
+  EXPECT_EQ(w.wanted_bytes, 0u);
+}

@@ -82,7 +82,10 @@ def test_every_mode_runs_and_records_its_measurements(tiny_run):
             assert r["predicted_step_seconds"] == r["plan"]["predicted_step_seconds"] > 0, r
             assert r["predicted_peak_bytes"] == r["plan"]["predicted_device_peak_bytes"] > 0, r
             compute = r["forward_seconds"] + r["backward_seconds"]
-            assert r["compute_vs_predicted"] == pytest.approx(compute / r["predicted_step_seconds"]), r
+            # The blocks' part beside the measured forward + backward; the whole step beside the whole prediction.
+            assert r["predicted_blocks_seconds"] == r["plan"]["predicted_blocks_seconds"] > 0, r
+            assert r["predicted_step_seconds"] == pytest.approx(r["predicted_blocks_seconds"] + r["rest_of_step_seconds"])
+            assert r["compute_vs_predicted"] == pytest.approx(compute / r["predicted_blocks_seconds"]), r
             assert r["step_vs_predicted"] == pytest.approx(r["step_seconds"] / r["predicted_step_seconds"]), r
             assert r["peak_vs_predicted"] is None, "no reserved peak on the emulated device"
             assert f"{mode}: predicted blocks' forward + backward" in stdout

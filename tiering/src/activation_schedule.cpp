@@ -9,6 +9,11 @@ ActivationSchedule::ActivationSchedule(ActivationScheduleOptions options) : opti
   TIERFLOW_EXPECTS(options_.prefetch_bytes > 0, "ActivationSchedule: prefetch_bytes must be > 0");
 }
 
+void ActivationSchedule::set_prefetch_bytes(std::uint64_t bytes) {
+  TIERFLOW_EXPECTS(bytes > 0, "ActivationSchedule: prefetch_bytes must be > 0");
+  options_.prefetch_bytes = bytes;
+}
+
 void ActivationSchedule::begin_forward() {
   // The previous backward's reads become the order to expect next time.
   if (!read_order_.empty()) {

@@ -139,6 +139,19 @@ MeasuredBesidePredicted measured_beside_predicted(const std::vector<double>& for
   return out;
 }
 
+PlanWindow plan_window(const Plan& plan, const Budgets& budgets) noexcept {
+  PlanWindow w;
+  w.bytes = budgets.prefetch_bytes;
+  w.peak_bytes = plan.predicted_device_peak_bytes;
+  for (const auto& b : plan.blocks) w.wanted_bytes = std::max(w.wanted_bytes, b.swap_bytes);
+  if (w.wanted_bytes <= w.bytes) return w;  // nothing swaps (no window in the peak), or it already fits the window
+  const std::uint64_t room = plan.device_budget_bytes > w.peak_bytes ? plan.device_budget_bytes - w.peak_bytes : 0;
+  const std::uint64_t grown = std::min(w.wanted_bytes, w.bytes + room);
+  w.peak_bytes += grown - w.bytes;
+  w.bytes = grown;
+  return w;
+}
+
 bool replans(const Config& config) noexcept {
   return config.replan && config.offload_params != OffloadTarget::kAuto;
 }

@@ -108,6 +108,9 @@ class ActivationOffloader : public std::enable_shared_from_this<ActivationOffloa
   void register_parameters(const std::vector<at::Tensor>& params);
   /// Waits for every copy in flight and settles block states.
   void synchronize();
+  /// The prefetch window and the bound on copies to the host, both `bytes` from now on (a plan's; Note [Overlap
+  /// window] in tiering/auto_plan.hpp).
+  void set_window_bytes(std::uint64_t bytes);
   /// Counters snapshot.
   ActivationOffloaderStats stats() const;
   /// Resets the peaks of the byte statistics.

@@ -95,7 +95,7 @@ class AutoPlanner:
             out["params"] = [bp.get("params", "gpu") for bp in self.plan["blocks"]]
             out["rest_params"] = self.plan.get("rest_params", "gpu")
             # What is saved outside the blocks: kept, or swapped by the model-level hooks (Note [Activation planner]).
-            for k in ("outside_kept", "outside_bytes", "outside_swap_seconds"):
+            for k in ("outside_kept", "outside_bytes", "outside_swap_seconds", "window_bytes", "window_wanted_bytes"):
                 out[k] = self.plan.get(k)
             out["predicted_device_peak_bytes"] = self.plan["predicted_device_peak_bytes"]
             # The whole step: the blocks' part the plan prices and the rest the timed step measured (Note [Re-plan]).
@@ -293,6 +293,11 @@ class AutoPlanner:
             self.probe(plan)
         self._plan_struct = plan.pop("struct")
         self.plan_blocks = blocks  # the profile's blocks as planned (split ones that probed inexact marked so)
+        # Note [Overlap window]: no block's swap waits inside its compute, as far as the device budget allows.
+        window = _C.plan_window(self._plan_struct, _C.Budgets(**budgets))
+        self.session.runtime.set_activation_window(window.bytes)
+        plan["window_bytes"], plan["window_wanted_bytes"] = window.bytes, window.wanted_bytes
+        plan["predicted_device_peak_bytes"] = window.peak_bytes
         # The whole step predicted: the blocks' part priced by the plan, and the rest measured (Note [Re-plan]).
         plan["predicted_blocks_seconds"] = plan["predicted_step_seconds"]
         plan["rest_of_step_seconds"] = float(profile.get("rest_of_step_seconds") or 0.0)

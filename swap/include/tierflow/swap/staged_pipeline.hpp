@@ -152,6 +152,8 @@ class StagedPipeline {
   void poll();
   /// Waits for every copy in flight and settles block states.
   void synchronize();
+  /// A new bound on the bytes copying to the host at once, from the next offload() on (> 0).
+  void set_max_to_host_bytes(std::uint64_t bytes);
   /// Counters snapshot.
   const StagedPipelineStats& stats() const noexcept { return stats_; }
 

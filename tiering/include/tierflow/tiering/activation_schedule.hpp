@@ -77,6 +77,8 @@ class ActivationSchedule {
   const ActivationScheduleStats& stats() const noexcept { return stats_; }
   /// Settings.
   const ActivationScheduleOptions& options() const noexcept { return options_; }
+  /// A new prefetch window from the next read on (a plan's; Note [Overlap window] in auto_plan.hpp); > 0.
+  void set_prefetch_bytes(std::uint64_t bytes);
   /// The order backward is expected to read this step's blocks in.
   const std::vector<BlockId>& expected_order() const noexcept { return expected_; }
 

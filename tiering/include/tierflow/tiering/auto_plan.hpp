@@ -241,6 +241,30 @@ MeasuredBesidePredicted measured_beside_predicted(const std::vector<double>& for
                                                   std::optional<double> predicted_peak_bytes);
 std::uint64_t next_nvme_probe_bytes(std::uint64_t bytes) noexcept;
 
+// Note [Overlap window]
+// ~~~~~~~~~~~~~~~~~~~~~
+// The planner prices a block's swap-out as overlapping its own forward and its
+// swap-in as overlapping its own backward. The swap engine bounds the bytes in
+// flight each way by one window (TIERFLOW_PREFETCH_BYTES: prefetch ahead, and
+// copies to the host before offload() waits, Note [Staged pipeline]); a block
+// that swaps more than the window makes the host wait on the device inside
+// the block's compute, every window's worth, which the model does not price.
+// So under a plan the window is the largest block's swap bytes
+// (plan_window), never below the configured one and only as far as the
+// device budget leaves room beside the plan's peak (which counts the window
+// once when anything swaps); the plan's peak is then the one with that window.
+// A plan that swaps nothing keeps the configured window.
+
+/// The window a plan runs with and the plan's device peak with it (Note [Overlap window]).
+struct PlanWindow {
+  std::uint64_t bytes = 0;        ///< the prefetch window / bound on copies to the host
+  std::uint64_t peak_bytes = 0;   ///< the plan's predicted device peak with that window
+  std::uint64_t wanted_bytes = 0; ///< the largest block's swap bytes (what no wait inside a block needs)
+};
+/// Note [Overlap window]: `plan` as plan_activations made it within `budgets` (budgets.prefetch_bytes: the
+/// configured window, in its peak).
+PlanWindow plan_window(const Plan& plan, const Budgets& budgets) noexcept;
+
 /// Whether a session under `config` may re-plan (Note [Re-plan]): TIERFLOW_REPLAN on, and parameters not
 /// planned per unit (TIERFLOW_OFFLOAD_PARAMS=auto makes the units its plan keeps resident for good, which a
 /// second plan could not undo).
