@@ -104,6 +104,7 @@ void bind_auto_plan(py::module_& m) {
       .def_readwrite("parameter_bytes", &SessionBudgetInputs::parameter_bytes)
       .def_readwrite("optimizer_on_device", &SessionBudgetInputs::optimizer_on_device)
       .def_readwrite("measured_peak_bytes", &SessionBudgetInputs::measured_peak_bytes)
+      .def_readwrite("measured_reserved_peak_bytes", &SessionBudgetInputs::measured_reserved_peak_bytes)
       .def_readwrite("gradients_offloaded", &SessionBudgetInputs::gradients_offloaded)
       .def_readwrite("params", &SessionBudgetInputs::params)
       .def_readwrite("param_tier", &SessionBudgetInputs::param_tier)

@@ -123,6 +123,9 @@ TEST(SessionBudgets, FromTheTiersAndWhatTrainingHolds) {
   // A measured peak above the largest working set and the window says what training holds.
   in.measured_peak_bytes = 1000;
   EXPECT_EQ(session_budgets(in, {b, b}).fixed_device_bytes, 1000u - 35u - 60u);
+  in.measured_reserved_peak_bytes = 1200;  // the caching allocator held more: that is what the device gave
+  EXPECT_EQ(session_budgets(in, {b, b}).fixed_device_bytes, 1200u - 35u - 60u);
+  in.measured_reserved_peak_bytes = 0;
   in.measured_peak_bytes = 50;  // below: the estimate stands
   EXPECT_EQ(session_budgets(in, {b, b}).fixed_device_bytes, 160u);
   in.host_in_use_bytes = 900;  // more in use than the budget

@@ -85,9 +85,9 @@ Budgets session_budgets(const SessionBudgetInputs& in, const std::vector<BlockPr
   // An optimizer that keeps more (fp32 masters) shows in the measured peak, on CUDA, below.
   if (in.optimizer_on_device) fixed += 2 * in.parameter_bytes;
   // The measured peak held the fetched parameters of its time too: those are the plan's.
-  const std::uint64_t measured = fetched ? in.measured_peak_bytes - std::min(in.measured_peak_bytes,
-                                                                             in.measured_parameter_peak_bytes)
-                                         : in.measured_peak_bytes;
+  // What the device gave: the reserved peak where the caching allocator reports it (Note [Auto plan phases]).
+  const std::uint64_t peak = std::max(in.measured_peak_bytes, in.measured_reserved_peak_bytes);
+  const std::uint64_t measured = fetched ? peak - std::min(peak, in.measured_parameter_peak_bytes) : peak;
   if (measured > largest + window) fixed = std::max(fixed, measured - largest - window);
   Budgets b;
   b.params = in.params;

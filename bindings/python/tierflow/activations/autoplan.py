@@ -63,6 +63,7 @@ class AutoPlanner:
         # CUDA, the timed step: the device's peak over forward and backward, and over the optimizer's step
         # (Note [Auto plan phases]); the global step pre-hook that splits them, while it is in place.
         self._forward_backward_peak: Optional[int] = None
+        self._forward_backward_reserved: Optional[int] = None  # the caching allocator's, over the same span
         self.optimizer_step_peak: Optional[int] = None
         self._step_hook: Any = None
         # Note [Auto plan phases]: when to record, time and plan.
@@ -106,6 +107,7 @@ class AutoPlanner:
             out["why"] = self.plan.get("why", [])
             if self.optimizer_step_peak is not None:  # CUDA: the timed step's optimizer step, apart
                 out["measured_peaks"] = {"forward_backward_bytes": self._forward_backward_peak,
+                                         "forward_backward_reserved_bytes": self._forward_backward_reserved,
                                          "optimizer_step_bytes": self.optimizer_step_peak}
             # Saved bytes of the blocks the plan keeps: they never pass through the offloader's counters.
             out["kept_bytes"] = sum(profile_struct(b).saved_bytes()
@@ -162,6 +164,7 @@ class AutoPlanner:
                 now = int(torch.cuda.max_memory_allocated(self._device()))
                 if self._forward_backward_peak is None:
                     self._forward_backward_peak = now
+                    self._forward_backward_reserved = int(torch.cuda.max_memory_reserved(self._device()))
                 else:
                     self.optimizer_step_peak = now
             step = time.perf_counter() - self._timed_start if self._timed_start is not None else 0.0
@@ -173,6 +176,7 @@ class AutoPlanner:
                 sum(r.forward_seconds) + sum(r.backward_seconds) + sum(r.recompute_seconds) for r in self.runners))
             if self._forward_backward_peak is not None:
                 profile["measured_peak_bytes"] = self._forward_backward_peak
+                profile["measured_reserved_peak_bytes"] = self._forward_backward_reserved
             profile["fixed_device_bytes"] = self.budgets(profile)["fixed_device_bytes"]
             if self.profile_path:
                 write_json_atomic(self.profile_path, profile)
@@ -190,6 +194,7 @@ class AutoPlanner:
             return
         if self._forward_backward_peak is None:
             self._forward_backward_peak = int(torch.cuda.max_memory_allocated(self._device()))
+            self._forward_backward_reserved = int(torch.cuda.max_memory_reserved(self._device()))
             torch.cuda.reset_peak_memory_stats(self._device())
 
     def _end_step_hook(self) -> None:
@@ -247,6 +252,7 @@ class AutoPlanner:
             optimizer_on_device=cfg["TIERFLOW_OFFLOAD_OPTIMIZER"] == "none",
             gradients_offloaded=cfg["TIERFLOW_OFFLOAD_GRADIENTS"] == "on",
             measured_peak_bytes=int(profile.get("measured_peak_bytes") or 0),
+            measured_reserved_peak_bytes=int(profile.get("measured_reserved_peak_bytes") or 0),
             outside_saved_bytes=int(profile.get("outside_saved_bytes") or 0))
         params = self.session.params  # TIERFLOW_OFFLOAD_PARAMS=host: the plan counts the fetched parameters
         if params is not None:  # auto: which blocks keep theirs is the plan's (Note [Parameter hooks])

@@ -41,9 +41,11 @@
 // plus Adam's two moments in the parameters' dtype (torch's AdamW) when the
 // optimizer stays on the device, or, once the timed step measured a device
 // peak over its forward and backward (on CUDA: up to the optimizer's step,
-// whose own transient memory never meets the saved activations), that peak less
-// the largest block's working set and the prefetch window if that is more
-// (workspace and the tensors saved outside the blocks included); the host's is
+// whose own transient memory never meets the saved activations; the larger of
+// the allocated and the caching allocator's reserved peak, so that the budget
+// bounds what the device really gives, fragmentation and cached blocks
+// included), that peak less the largest block's working set and the prefetch
+// window if that is more (workspace included); the host's is
 // TIERFLOW_HOST_MEMORY less what is in use (optimizer states, saved tensors);
 // NVMe's what the engine can still place (NvmeEngine::available_bytes); the
 // prefetch window TIERFLOW_PREFETCH_BYTES, never more than the blocks save.
@@ -183,6 +185,9 @@ struct SessionBudgetInputs {
   bool optimizer_on_device = false;       ///< TIERFLOW_OFFLOAD_OPTIMIZER=none
   bool gradients_offloaded = false;       ///< TIERFLOW_OFFLOAD_GRADIENTS=on: freed on the device once on the host
   std::uint64_t measured_peak_bytes = 0;  ///< the timed forward's device peak (0: not measured)
+  /// The caching allocator's reserved peak over the same span (0: not measured): what the device really gave, its
+  /// fragmentation and cached blocks included.
+  std::uint64_t measured_reserved_peak_bytes = 0;
   /// TIERFLOW_OFFLOAD_PARAMS: kFetchAll (host) fetches every unit; the plan then counts the parameters
   /// (Budgets::params) and fixed_device_bytes keeps only their gradients.
   ParamPolicy params = ParamPolicy::kResident;
