@@ -39,7 +39,10 @@ TEST(ProfileFile, RoundTrips) {
   Links links;
   links.d2h = 2e10;
   links.h2d = 22e9;
+  links.compute_share_during_copies = 0.875;
   const auto again = profile_from_json(profile_to_json({b, b}, links, 3ULL << 30));
+  EXPECT_EQ(again.links.compute_share_during_copies, 0.875);
+  EXPECT_EQ(again.links.copy_share_during_cpu_step, 1.0);
   ASSERT_EQ(again.blocks.size(), 2u);
   EXPECT_EQ(again.blocks[1].cheap_bytes, b.cheap_bytes);
   EXPECT_EQ(again.blocks[0].backward_seconds, 0.25);
@@ -66,6 +69,12 @@ TEST(ProfileFile, ValuesAreShownAsPythonShowsThem) {
   EXPECT_EQ(refusal(file("", R"(, "links": {"h2d": -5.0})")), "profile: links h2d -5.0" + bad + "a finite number >= 0");
   EXPECT_EQ(refusal(file("", R"(, "links": {"d2h": -Infinity})")), "profile: links d2h -inf" + bad +
                                                                         "a finite number >= 0");
+  // The measured shares are fractions of a speed: 0 would stop the device, above 1 is not a share.
+  for (const char* v : {"0.0", "1.5"})
+    EXPECT_EQ(refusal(file("", std::string(R"(, "links": {"compute_share_during_copies": )") + v + "}")),
+              std::string("profile: links compute_share_during_copies ") + v + bad + "a fraction in (0, 1]");
+  EXPECT_EQ(refusal(file("", R"(, "links": {"copy_share_during_cpu_step": -1.0})")),
+            "profile: links copy_share_during_cpu_step -1.0" + bad + "a fraction in (0, 1]");
   const std::string integer = "an integer from 0 to 2^64 - 1";
   EXPECT_EQ(refusal(file("", R"(, "fixed_device_bytes": -5)")), "profile: fixed_device_bytes -5" + bad + integer);
   EXPECT_EQ(refusal(file("", R"(, "fixed_device_bytes": 1e30)")), "profile: fixed_device_bytes 1e+30" + bad + integer);
@@ -94,7 +103,8 @@ TEST(ProfileFile, ShapesAndCountsAreRefused) {
   EXPECT_EQ(refusal(R"({"blocks": [{"forward_secs": 1, "a": 2}]})"),
             "profile: block 0 has unknown fields ['a', 'forward_secs']; known: " + fields);
   EXPECT_EQ(refusal(R"({"blocks": [{}], "links": []})"),
-            "profile: links is not an object; accepted: an object of ['d2h', 'h2d', 'duplex', 'nvme_write', 'nvme_read']");
+            "profile: links is not an object; accepted: an object of ['d2h', 'h2d', 'duplex', 'nvme_write', 'nvme_read', "
+            "'compute_share_during_copies', 'copy_share_during_cpu_step']");
   EXPECT_EQ(refusal(R"({"blocks": [{}], "version": 99})"),
             "profile: format None version 99 is not 'tierflow-profile' version 1");
   EXPECT_EQ(refusal(R"({"blocks": [{}], "version": 1.0, "format": "tierflow-profile"})"), "accepted");

@@ -1,6 +1,7 @@
 """Per-block activation plans (Note [Activation plans]): recompute, split, auto, against the baseline."""
 
 import json
+import time
 import os
 import sys
 
@@ -314,3 +315,35 @@ def test_the_timed_steps_peak_is_split_at_the_optimizers_step(monkeypatch):
     assert budgets["fixed_device_bytes"] == 120_000_000 - largest - budgets["prefetch_bytes"], budgets
     assert planner._step_hook is None  # the global hook lives only through the timed step
     tierflow.unwrap(model)
+
+
+def test_the_compute_share_during_copies_is_measured_and_planned_with(tmp_path, device, monkeypatch):
+    """Links.compute_share_during_copies (Note [Activation planner]) is measured when the plan is made: a matmul
+    chain about as long as one copy, alone and beside both copies; the profile carries it."""
+    _tier, profile, _path = _profile_and_plan(tmp_path, gpt_task(), device)
+    assert 0.05 <= profile["links"]["compute_share_during_copies"] <= 1.0, profile["links"]
+    assert tierflow.activations.plans.links_struct(profile["links"]).compute_share_during_copies == \
+        profile["links"]["compute_share_during_copies"]
+
+    # The measurement itself: matmuls that run four times slower while the copies run give a share near 1/4.
+    from tierflow._links import compute_share_during_copies
+    busy = {"on": False}
+
+    def slowed(a, b, out=None):  # a matmul of a known time: 1 ms alone, 4 ms beside the copies
+        until = time.perf_counter() + (0.004 if busy["on"] else 0.001)
+        while time.perf_counter() < until:  # a spin: sleep()'s granularity is coarse on a loaded machine
+            pass
+        return out
+
+    class Copy:
+        def wait(self):
+            busy["on"] = False
+
+    def start():
+        busy["on"] = True
+        return [Copy()]
+
+    monkeypatch.setattr(torch, "mm", slowed)
+    share = compute_share_during_copies(torch.device("cpu"), start, copy_seconds=0.02)
+    assert 0.2 < share < 0.5, share
+    assert compute_share_during_copies(torch.device("cpu"), lambda: [], copy_seconds=0.02) > 0.5

@@ -183,8 +183,9 @@ Json checked(const std::string& where, std::string_view name, const Json& v) {
     if (v.is_binary() && !v.get_binary().empty() && v.get_binary()[0] != '-') {
       d = std::strtod(std::string(v.get_binary().begin(), v.get_binary().end()).c_str(), nullptr);
     }
-    ok = std::isfinite(d) && d >= 0;
-    accepted = "a finite number >= 0";
+    const bool share = name.find("_share_") != std::string_view::npos;  // a measured fraction of a speed
+    ok = std::isfinite(d) && (share ? d > 0 && d <= 1 : d >= 0);
+    accepted = share ? "a fraction in (0, 1]" : "a finite number >= 0";
     if (ok) return d;
   }
   if (!ok) fail(where + std::string(name) + " " + shown(v) + " is not valid; accepted: " + accepted);
@@ -248,7 +249,9 @@ Links links_of(const Json& links) {
     else if (k == "h2d") out.h2d = d;
     else if (k == "duplex") out.duplex = d;
     else if (k == "nvme_write") out.nvme_write = d;
-    else out.nvme_read = d;
+    else if (k == "nvme_read") out.nvme_read = d;
+    else if (k == "compute_share_during_copies") out.compute_share_during_copies = d;
+    else out.copy_share_during_cpu_step = d;
   }
   return out;
 }
@@ -264,7 +267,8 @@ const std::vector<std::string_view>& profile_block_fields() {
 }
 
 const std::vector<std::string_view>& profile_link_fields() {
-  static const std::vector<std::string_view> fields{"d2h", "h2d", "duplex", "nvme_write", "nvme_read"};
+  static const std::vector<std::string_view> fields{"d2h", "h2d", "duplex", "nvme_write", "nvme_read",
+                                                    "compute_share_during_copies", "copy_share_during_cpu_step"};
   return fields;
 }
 
@@ -294,7 +298,9 @@ std::string profile_to_json(const std::vector<BlockProfile>& blocks, const Links
         {"download_bytes", b.download_bytes}, {"parameter_bytes", b.parameter_bytes}});
   }
   out["links"] = Json{{"d2h", links.d2h}, {"h2d", links.h2d}, {"duplex", links.duplex},
-                      {"nvme_write", links.nvme_write}, {"nvme_read", links.nvme_read}};
+                      {"nvme_write", links.nvme_write}, {"nvme_read", links.nvme_read},
+                      {"compute_share_during_copies", links.compute_share_during_copies},
+                      {"copy_share_during_cpu_step", links.copy_share_during_cpu_step}};
   out["fixed_device_bytes"] = fixed_device_bytes;
   return out.dump(1);
 }

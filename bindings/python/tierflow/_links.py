@@ -19,8 +19,10 @@ def probe_bytes(runtime: Any, most: int = 32 << 20) -> int:
     return int(_C.link_probe_bytes(int(runtime.host_budget_bytes()), in_use, most))
 
 
-def measure_links(runtime: Any, device: torch.device, nbytes: Optional[int] = None) -> dict:
-    """Copy bandwidths between this device and pinned host memory, in bytes/s, through tierflow's copy engine.
+def measure_links(runtime: Any, device: torch.device, nbytes: Optional[int] = None, shares: bool = False) -> dict:
+    """Copy bandwidths between this device and pinned host memory, in bytes/s, through tierflow's copy engine;
+    with ``shares``, also the device's compute speed left while both copies run (the planner's
+    ``compute_share_during_copies``, Note [Activation planner]).
 
     Its pinned buffers go back to the pool when it returns (an empty slab the pool releases when it needs
     the room)."""
@@ -50,4 +52,45 @@ def measure_links(runtime: Any, device: torch.device, nbytes: Optional[int] = No
         b.wait()
 
     duplex = 2 * nbytes / timed(both)
-    return {"d2h": d2h, "h2d": h2d, "duplex": duplex, "nvme_write": 0.0, "nvme_read": 0.0}
+    out = {"d2h": d2h, "h2d": h2d, "duplex": duplex, "nvme_write": 0.0, "nvme_read": 0.0}
+    if shares:
+        out["compute_share_during_copies"] = compute_share_during_copies(
+            device, lambda: (runtime.copy_to_host(host, src), runtime.copy_to_device(back, host2)),
+            nbytes / min(d2h, h2d))
+    return out
+
+
+def compute_share_during_copies(device: torch.device, start_copies: Any, copy_seconds: float,
+                                repeats: int = 3) -> float:
+    """The device's matmul speed while ``start_copies()`` (both directions) run, over its speed alone: a chain of
+    matmuls about as long as one copy, best of ``repeats`` each way; clamped to [1/20, 1] (noise can make the
+    busy chain the faster)."""
+    n = 2048 if device.type == "cuda" else 192
+    a = torch.randn(n, n, device=device)
+    c = torch.empty_like(a)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()  # the compute stream only, not the copies'
+
+    def chain(k: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(k):
+            torch.mm(a, a, out=c)
+        sync()
+        return time.perf_counter() - t0
+
+    chain(1)  # warm-up
+    one = min(chain(1) for _ in range(repeats))
+    k = max(1, min(64, round(copy_seconds / max(one, 1e-9))))
+    alone = min(chain(k) for _ in range(repeats))
+
+    def busy() -> float:
+        copies = start_copies()
+        t = chain(k)
+        for x in copies:
+            x.wait()
+        return t
+
+    with_copies = min(busy() for _ in range(repeats))
+    return min(1.0, max(0.05, alone / with_copies))

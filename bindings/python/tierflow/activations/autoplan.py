@@ -217,7 +217,7 @@ class AutoPlanner:
     def measure(self) -> dict:
         rt = self.session.runtime
         device = self._device()
-        links = measure_links(rt, device)
+        links = measure_links(rt, device, shares=True)
         traffic = _C.optimizer_traffic(self.session.config)  # the same for every block
         if rt.has_nvme_tier:  # Note [NVMe probe]: through the engine, every path, O_DIRECT
             probe = _C.nvme_probe_bytes(int(rt.nvme_available_bytes()))

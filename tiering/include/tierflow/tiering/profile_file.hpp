@@ -10,20 +10,22 @@
 //                  "split_bytes": n, "split_recompute_seconds": f, "cheap_bytes": n,
 //                  "cheap_recompute_seconds": f, "splittable": b, "transient_bytes": n,
 //                  "upload_bytes": n, "download_bytes": n}, ...],
-//      "links": {"d2h": f, "h2d": f, "duplex": f, "nvme_write": f, "nvme_read": f},
+//      "links": {"d2h": f, "h2d": f, "duplex": f, "nvme_write": f, "nvme_read": f,
+//                "compute_share_during_copies": f, "copy_share_during_cpu_step": f},
 //      "fixed_device_bytes": n}
 //
 // `blocks` are in forward order, one per repeated block (at most the `layers`
 // limit of transformer_shape_limits()), fields as in BlockProfile (a missing
 // field takes its default, an unknown one is an error); `links` are bytes per
-// second (0: absent); `fixed_device_bytes` is what the rest of training needs
+// second (0: absent), but for the two measured shares of Links (fractions in
+// (0, 1], 1 when left out); `fixed_device_bytes` is what the rest of training needs
 // on the device. Times and bandwidths are finite numbers >= 0, byte counts
 // integers from 0 to 2^64 - 1, `splittable` a boolean; anything else is an
 // error naming the field and showing the value as Python's repr shows it (the
 // file is often written from Python). The reader accepts what Python's json
 // accepts: NaN, Infinity and -Infinity (refused as values), integers of any
 // size (refused past 2^64 - 1, shown in full). Other top-level keys (auto's
-// measured_peak_bytes) are allowed.
+// measured_peak_bytes, rest_of_step_seconds, outside_saved_bytes) are allowed.
 #pragma once
 
 #include <cstdint>
