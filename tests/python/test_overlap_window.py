@@ -16,14 +16,15 @@ def test_the_window_grows_to_the_largest_blocks_swap_within_the_budget(tmp_path,
     wanted = max(b["swap_bytes"] for b in swap_all["blocks"])
     assert wanted > configured, (wanted, configured)  # OPT_NONE's 256 KiB: less than a block's saved bytes
     grown = []
-    for room in (wanted, (wanted - configured) // 2):
+    for room in ((wanted - configured) // 2, (wanted - configured) // 4):
         # Swap every block (keep-everything's peak is out of reach), with `room` beside the plan's peak.
         budget = swap_all["predicted_device_peak_bytes"] + room
         tier = train(task, 4, True, device=device, profile=path, gpu_memory=str(budget), replan="off", **OPT_NONE)
         assert_bit_identical(base, tier)
         plan = tier.report["plan"]
         assert plan["predicted_device_peak_bytes"] <= budget, plan
-        assert plan["window_wanted_bytes"] >= plan["window_bytes"] >= configured, plan
+        assert plan["window_bytes"] >= configured, plan
+        assert plan["window_wanted_bytes"] >= plan["window_bytes"] or plan["window_bytes"] == configured, plan
         if plan["window_wanted_bytes"] > configured:
             # Grown as far as the budget lets it: to what it wants, or to the budget's edge.
             assert plan["window_bytes"] == plan["window_wanted_bytes"] or \

@@ -202,7 +202,7 @@ def test_auto_on_a_slow_link_splits_tokens_and_matches_the_baseline(tmp_path, de
     b = profile["blocks"][0]
     swappable = b["input_bytes"] + b["whole_bytes"] + b["split_bytes"]
     bandwidth = swappable / b["forward_seconds"] * 0.6
-    profile["links"].update(d2h=bandwidth, h2d=bandwidth, duplex=2 * bandwidth)
+    profile["links"].update(d2h=bandwidth, h2d=bandwidth, duplex=2 * bandwidth, compute_share_during_copies=1.0)
     with open(path, "w") as f:
         json.dump(profile, f)
     budgets = _budgets_for(measured, profile)

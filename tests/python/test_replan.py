@@ -23,12 +23,12 @@ def _tight_budget(measured, profile) -> int:
 
 
 def _slow_steps(planned: list):
-    """The user's own work between steps, as long as the plan's whole predicted step: every measured step
+    """The user's own work between steps, twice as long as the plan's whole predicted step: every measured step
     takes at least twice the prediction, beyond any margin."""
     def after_step(step: int) -> None:
         plan = tierflow.report()["plan"]
         planned.append(dict(plan))
-        time.sleep(max(0.02, plan.get("predicted_step_seconds") or 0.0))
+        time.sleep(max(0.02, 2 * (plan.get("predicted_step_seconds") or 0.0)))
     return after_step
 
 

@@ -66,7 +66,7 @@ def compute_share_during_copies(device: torch.device, start_copies: Any, copy_se
     matmuls about as long as one copy, best of ``repeats`` each way; clamped to [1/20, 1] (noise can make the
     busy chain the faster)."""
     n = 2048 if device.type == "cuda" else 192
-    a = torch.randn(n, n, device=device)
+    a = torch.full((n, n), 1.0 / n, device=device)  # never from the RNG: the user's dropout masks must not move
     c = torch.empty_like(a)
 
     def sync() -> None:

@@ -89,34 +89,41 @@ class AutoPlanner:
                      # Note [Data-dependent blocks]: blocks that swap whole, and why.
                      "data_dependent": {r.index: r.dynamic for r in self.runners if r.dynamic is not None}}
         if self.plan is not None:
-            out["summary"] = self.plan["summary"]
-            out["modes"] = [bp["mode"] for bp in self.plan["blocks"]]
-            out["alpha"] = [bp["alpha"] for bp in self.plan["blocks"]]
-            # Where each block's parameters live between uses, then the rest unit's (gpu: resident).
-            out["params"] = [bp.get("params", "gpu") for bp in self.plan["blocks"]]
-            out["rest_params"] = self.plan.get("rest_params", "gpu")
-            # What is saved outside the blocks: kept, or swapped by the model-level hooks (Note [Activation planner]).
-            for k in ("outside_kept", "outside_bytes", "outside_swap_seconds", "window_bytes", "window_wanted_bytes"):
-                out[k] = self.plan.get(k)
-            out["predicted_device_peak_bytes"] = self.plan["predicted_device_peak_bytes"]
-            # The whole step: the blocks' part the plan prices and the rest the timed step measured (Note [Re-plan]).
-            out["predicted_step_seconds"] = self.plan["predicted_step_seconds"]
-            out["predicted_blocks_seconds"] = self.plan.get("predicted_blocks_seconds")
-            out["rest_of_step_seconds"] = self.plan.get("rest_of_step_seconds")
-            out["replanned"] = self.replanned
-            out["why"] = self.plan.get("why", [])
-            if self.optimizer_step_peak is not None:  # CUDA: the timed step's optimizer step, apart
-                out["measured_peaks"] = {"forward_backward_bytes": self._forward_backward_peak,
-                                         "forward_backward_reserved_bytes": self._forward_backward_reserved,
-                                         "optimizer_step_bytes": self.optimizer_step_peak}
-            # Saved bytes of the blocks the plan keeps: they never pass through the offloader's counters.
-            out["kept_bytes"] = sum(profile_struct(b).saved_bytes()
-                                    for b, bp in zip(self.profile["blocks"], self.plan["blocks"])
-                                    if bp["mode"] == "keep") if self.profile else 0
+            out.update(self.plan_in_force())
             out.update(self.measured_beside_predicted(out))
         else:
             out["summary"] = "recompute every block (forced)" if self.forced else \
                 f"profiling ({self.forwards} forwards so far; the plan is made before the third)"
+        return out
+
+    # The plan's figures a report shows, in this order.
+    _PLAN_FIELDS = (
+        "summary",
+        # What is saved outside the blocks: kept, or swapped by the model-level hooks (Note [Activation planner]);
+        # the window the plan runs with (Note [Overlap window]).
+        "outside_kept", "outside_bytes", "outside_swap_seconds", "window_bytes", "window_wanted_bytes",
+        "predicted_device_peak_bytes",
+        # The whole step: the blocks' part the plan prices and the rest the timed step measured (Note [Re-plan]).
+        "predicted_step_seconds", "predicted_blocks_seconds", "rest_of_step_seconds")
+
+    def plan_in_force(self) -> dict:
+        """The plan in force as report() shows it."""
+        blocks = self.plan["blocks"]
+        out: dict = {k: self.plan.get(k) for k in self._PLAN_FIELDS}
+        out["modes"] = [bp["mode"] for bp in blocks]
+        out["alpha"] = [bp["alpha"] for bp in blocks]
+        # Where each block's parameters live between uses, then the rest unit's (gpu: resident).
+        out["params"] = [bp.get("params", "gpu") for bp in blocks]
+        out["rest_params"] = self.plan.get("rest_params", "gpu")
+        out["replanned"] = self.replanned
+        out["why"] = self.plan.get("why", [])
+        if self.optimizer_step_peak is not None:  # CUDA: the timed step's optimizer step, apart
+            out["measured_peaks"] = {"forward_backward_bytes": self._forward_backward_peak,
+                                     "forward_backward_reserved_bytes": self._forward_backward_reserved,
+                                     "optimizer_step_bytes": self.optimizer_step_peak}
+        # Saved bytes of the blocks the plan keeps: they never pass through the offloader's counters.
+        out["kept_bytes"] = sum(profile_struct(b).saved_bytes() for b, bp in zip(self.profile["blocks"], blocks)
+                                if bp["mode"] == "keep") if self.profile else 0
         return out
 
     def measured_beside_predicted(self, plan: dict) -> dict:
