@@ -2,7 +2,6 @@
 planner], Outside the blocks): measured in the timed step, kept on the device or swapped to the host whole,
 whichever predicts the faster step within the budgets; the run stays the baseline's either way."""
 
-import json
 import os
 import sys
 
@@ -10,7 +9,7 @@ import torch
 
 import tierflow
 from harness import Task, assert_bit_identical, train
-from test_plans import OPT_NONE, _budgets_for
+from test_plans import OPT_NONE, _budgets_for, _profile_and_plan
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                 "benchmarks"))
@@ -41,10 +40,7 @@ def wide_head_task() -> Task:
 
 
 def _profile(tmp_path, task, device):
-    path = str(tmp_path / "profile.json")
-    measured = train(task, 4, True, device=device, profile=path, replan="off", **OPT_NONE)
-    with open(path) as f:
-        return measured, json.load(f), path
+    return _profile_and_plan(tmp_path, task, device, replan="off")
 
 
 def test_the_tensors_outside_the_blocks_are_measured_and_kept_when_they_fit(tmp_path, device):
