@@ -1,6 +1,7 @@
 """Note [Re-plan]: a plan whose steps stray from its whole-step prediction is made once more from figures
 calibrated on them; the run stays the baseline's, bit for bit, across the change."""
 
+import json
 import time
 
 import pytest
@@ -54,6 +55,13 @@ def test_steps_that_stray_replan_once_and_the_run_stays_the_baselines(tmp_path, 
     assert plan["step_vs_predicted"] > 1 + tierflow._C.REPLAN_MARGIN, plan
     assert not tierflow.current_session().planner.phases.may_replan
     assert capfd.readouterr().err.count("re-planning once") == 1
+    # TIERFLOW_PROFILE now holds the calibrated figures: the next run starts from them.
+    with open(path) as f:
+        saved = json.load(f)
+    assert saved["calibrated"]["link_factor"] == r["link_factor"], saved
+    assert saved["links"]["d2h"] == pytest.approx(profile["links"]["d2h"] * r["link_factor"])
+    assert saved["blocks"][0]["forward_seconds"] == pytest.approx(
+        profile["blocks"][0]["forward_seconds"] * r["compute_factor"])
 
 
 def test_replan_off_keeps_the_first_plan(tmp_path, device):

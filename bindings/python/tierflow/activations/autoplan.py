@@ -288,9 +288,13 @@ class AutoPlanner:
             _C.log("info", "tierflow: no re-plan: " + cal.why)
             return
         profile = dict(self.profile, blocks=[fields_of(b, BLOCK_FIELDS) for b in cal.blocks],
-                       links=fields_of(cal.links, LINK_FIELDS))
+                       links=fields_of(cal.links, LINK_FIELDS),
+                       calibrated={"link_factor": cal.link_factor, "compute_factor": cal.compute_factor,
+                                   "why": cal.why})
         _C.log("warn", "tierflow: re-planning once: " + cal.why)
         self.make_plan(profile)
+        if self.profile_path:  # the next run starts from the calibrated figures
+            write_json_atomic(self.profile_path, profile)
         self._step_starts = self._step_starts[-1:]  # the steps under the new plan from here
 
     def make_plan(self, profile: dict) -> None:

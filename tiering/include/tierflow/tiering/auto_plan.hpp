@@ -84,7 +84,8 @@
 // were probed idle; what a plan adds to the step that the timed step did not
 // have is its traffic. The calibrated model reproduces the plan in force's
 // measured step (the tests check it) and the planner's search runs on it
-// unchanged. With TIERFLOW_OFFLOAD_PARAMS=auto it never re-plans (replans):
+// unchanged; TIERFLOW_PROFILE, when set, is rewritten with the calibrated
+// figures (and the factors, under "calibrated"), so the next run starts there. With TIERFLOW_OFFLOAD_PARAMS=auto it never re-plans (replans):
 // the units its plan keeps on the device stay resident for good, and a second
 // plan could not undo that. A rest longer than the whole measured step leaves nothing to
 // calibrate, and a plan that keeps every block and parameter is the fastest
