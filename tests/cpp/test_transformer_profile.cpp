@@ -48,13 +48,16 @@ TEST(TransformerProfile, StateBytesPerOptimizerTier) {
   auto none = estimate_training_state(s, OffloadTarget::kNone);
   auto host = estimate_training_state(s, OffloadTarget::kHost);
   auto nvme = estimate_training_state(s, OffloadTarget::kNvme);
-  EXPECT_EQ(none.device, 16 * n);  // bf16 params and grads, fp32 master, m, v
+  EXPECT_EQ(none.device, 8 * n);  // bf16 params and grads, torch AdamW's m and v in bf16 (zeros_like): no master
+  EXPECT_EQ(none.optimizer_bytes, 4 * n);
   EXPECT_EQ(host.device, 4 * n);
   EXPECT_EQ(host.host, 12 * n);
   EXPECT_EQ(nvme.nvme, 12 * n);
   EXPECT_EQ(nvme.host, 0u);
+  EXPECT_EQ(host.optimizer_bytes, 12 * n) << "tierflow's CPU AdamW: fp32 master, m and v";
   s.dtype_bytes = 4;  // fp32 parameters are their own master
   EXPECT_EQ(estimate_training_state(s, OffloadTarget::kHost).host, 8 * transformer_parameters(s));
+  EXPECT_EQ(estimate_training_state(s, OffloadTarget::kNone).device, 16 * transformer_parameters(s));
 }
 
 TEST(TransformerProfile, IssuePresetSplitsTokens) {

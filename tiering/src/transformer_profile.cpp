@@ -166,16 +166,19 @@ StateBytes estimate_training_state(const TransformerShape& s, OffloadTarget opti
                    "estimate_training_state: the optimizer goes to none, host or nvme, not auto");
   const std::uint64_t n = transformer_parameters(s);  // checked: every product below fits
   const auto d = static_cast<std::uint64_t>(s.dtype_bytes);
+  // tierflow's CPU AdamW (host, nvme) keeps fp32 masters (a narrower dtype's) and fp32 moments; torch's AdamW on
+  // the device (none) makes its moments with zeros_like: in the parameters' dtype, and no masters.
   const std::uint64_t master = d < kFp32Bytes ? n * kFp32Bytes : 0;  // fp32 parameters are their own master
-  const std::uint64_t adam = 2 * n * kFp32Bytes;
+  const std::uint64_t offloaded = master + 2 * n * kFp32Bytes;
+  const std::uint64_t on_device = 2 * n * d;
   StateBytes out;
   out.parameter_bytes = out.gradient_bytes = n * d;
-  out.optimizer_bytes = master + adam;
+  out.optimizer_bytes = optimizer == OffloadTarget::kNone ? on_device : offloaded;
   out.device = 2 * n * d;  // parameters and gradients
   switch (optimizer) {
-    case OffloadTarget::kNone: out.device += master + adam; break;
-    case OffloadTarget::kHost: out.host = master + adam; break;
-    case OffloadTarget::kNvme: out.nvme = master + adam; break;
+    case OffloadTarget::kNone: out.device += on_device; break;
+    case OffloadTarget::kHost: out.host = offloaded; break;
+    case OffloadTarget::kNvme: out.nvme = offloaded; break;
     case OffloadTarget::kAuto: break;
     case OffloadTarget::kRecompute: break;
   }

@@ -89,11 +89,12 @@ struct StateBytes {
   // The same bytes by kind, wherever they live (device + host + nvme = their sum):
   std::uint64_t parameter_bytes = 0;  ///< the model's parameters, in its dtype
   std::uint64_t gradient_bytes = 0;   ///< their gradients, in the same dtype
-  std::uint64_t optimizer_bytes = 0;  ///< fp32 master weights (when the dtype is narrower) and Adam's m and v
+  std::uint64_t optimizer_bytes = 0;  ///< Adam's m and v (and fp32 masters on the CPU optimizer's tiers)
 };
 
-/// Parameters and optimizer: parameters (dtype) and gradients (dtype) on the device; the fp32 master
-/// (when the dtype is narrower) and Adam's m and v on the device for `none`, on host or NVMe otherwise.
+/// Parameters and optimizer: parameters (dtype) and gradients (dtype) on the device; for `none` torch's AdamW
+/// on the device, its m and v in the parameters' dtype (zeros_like); for host or NVMe tierflow's CPU AdamW there,
+/// the fp32 master (when the dtype is narrower) and fp32 m and v.
 StateBytes estimate_training_state(const TransformerShape& shape, OffloadTarget optimizer);
 /// The optimizer placement named `text` (none, host, nvme); config_error naming it and the accepted names.
 OffloadTarget parse_optimizer_placement(std::string_view text);
