@@ -127,7 +127,10 @@ void bind_auto_plan(py::module_& m) {
   m.attr("MEASURED_STEPS") = kMeasuredSteps;
   m.attr("REPLAN_AFTER_STEPS") = kReplanAfterSteps;
   m.attr("REPLAN_MARGIN") = kReplanMargin;
+  m.def("outside_swap_seconds", &outside_swap_seconds, py::arg("links"), py::arg("bytes"),
+        "What is saved outside the blocks, to the host and back (Note [Activation planner]).");
   m.def("rest_of_step_seconds", &rest_of_step_seconds, py::arg("step_seconds"), py::arg("blocks_seconds"),
+        py::arg("outside_seconds") = 0.0,
         "The timed step less its blocks' forwards, backwards and replays (Note [Re-plan]).");
   m.def("strays_from_prediction", &strays_from_prediction, py::arg("measured_step_seconds"), py::arg("steps"),
         py::arg("predicted_step_seconds"), "Whether the measured step strays beyond the margin (Note [Re-plan]).");
@@ -142,7 +145,7 @@ void bind_auto_plan(py::module_& m) {
       .def_readonly("bytes", &PlanWindow::bytes)
       .def_readonly("peak_bytes", &PlanWindow::peak_bytes)
       .def_readonly("wanted_bytes", &PlanWindow::wanted_bytes);
-  m.def("plan_window", &plan_window, py::arg("plan"), py::arg("budgets"),
+  m.def("plan_window", &plan_window, py::arg("plan"), py::arg("budgets"), py::arg("configured_bytes") = 0,
         "The largest block's swap as the window, within the device room the plan leaves (Note [Overlap window]).");
   m.def("calibrate_figures", &calibrate_figures, py::arg("blocks"), py::arg("links"), py::arg("budgets"),
         py::arg("plan"), py::arg("measured_step_seconds"), py::arg("rest_seconds"),
@@ -207,7 +210,8 @@ void bind_profile_file(py::module_& m) {
   py::class_<ProfileFile>(m, "ProfileFile", "A recorded profile: blocks, links, fixed device bytes.")
       .def_readwrite("blocks", &ProfileFile::blocks)
       .def_readwrite("links", &ProfileFile::links)
-      .def_readwrite("fixed_device_bytes", &ProfileFile::fixed_device_bytes);
+      .def_readwrite("fixed_device_bytes", &ProfileFile::fixed_device_bytes)
+      .def_readwrite("outside_saved_bytes", &ProfileFile::outside_saved_bytes);
   m.attr("PROFILE_FORMAT") = std::string(kProfileFormat);
   m.attr("PROFILE_VERSION") = kProfileVersion;
   auto names = [](const std::vector<std::string_view>& v) {

@@ -242,6 +242,7 @@ TEST(MeasuredBesidePredicted, MedianGapAndRatios) {
 
 TEST(Replan, TheRestOfTheStepAndWhenAMeasurementStrays) {
   EXPECT_DOUBLE_EQ(rest_of_step_seconds(1.0, 0.75), 0.25);
+  EXPECT_DOUBLE_EQ(rest_of_step_seconds(1.0, 0.5, 0.25), 0.25) << "the outside round trip is the plan's to add";
   EXPECT_EQ(rest_of_step_seconds(0.5, 0.75), 0.0) << "timing's own syncs can make the blocks longer than the step";
   EXPECT_FALSE(strays_from_prediction(2.0, kReplanAfterSteps - 1, 1.0)) << "too few steps to judge";
   EXPECT_TRUE(strays_from_prediction(1.3, kReplanAfterSteps, 1.0));
@@ -394,6 +395,8 @@ TEST(OverlapWindow, TheLargestBlocksSwapWithinTheRoomTheBudgetLeaves) {
   }
   EXPECT_LE(w.peak_bytes, roomy.device_bytes);
   EXPECT_GE(w.bytes, roomy.prefetch_bytes);
+  // A configured window above what the blocks save (the budgets cap it there) is never shrunk.
+  EXPECT_EQ(plan_window(plan, s.budgets, 1ull << 40).bytes, 1ull << 40);
   // No room: the configured window stays.
   Plan tight = plan;
   tight.device_budget_bytes = plan.predicted_device_peak_bytes;
@@ -414,4 +417,36 @@ TEST(OverlapWindow, TheLargestBlocksSwapWithinTheRoomTheBudgetLeaves) {
   EXPECT_EQ(w.bytes, all.prefetch_bytes);
   EXPECT_EQ(w.peak_bytes, keep.predicted_device_peak_bytes);
   EXPECT_EQ(w.wanted_bytes, 0u);
+}
+
+TEST(Replan, CalibrationPricesTheOutsideTensorsAsThePlanDoes) {
+  // What is saved outside the blocks, swapped (the only choice that fits here): its round trip is on the links
+  // too, so the calibrated links reproduce the measurement with it.
+  Swapping s;
+  s.budgets.outside_saved_bytes = 850ull << 20;
+  const Plan plan = plan_activations(s.blocks, s.links, s.budgets);
+  ASSERT_FALSE(plan.outside_kept) << plan.summary();
+  ASSERT_GT(plan.outside_swap_seconds, 0.0);
+  const Links truth = times(s.links, 0.5);
+  const double rest = 0.02;
+  const double measured =
+      evaluate_plan(s.blocks, truth, s.budgets, plan.blocks, plan.rest_params, false).predicted_step_seconds + rest;
+  const CalibratedFigures cal = calibrate_figures(s.blocks, s.links, s.budgets, plan, measured, rest);
+  ASSERT_TRUE(cal.calibrated) << cal.why;
+  EXPECT_NEAR(cal.link_factor, 0.5, 1e-9);
+  // At the plan's own prediction nothing changes.
+  const CalibratedFigures same =
+      calibrate_figures(s.blocks, s.links, s.budgets, plan, plan.predicted_step_seconds + rest, rest);
+  ASSERT_TRUE(same.calibrated) << same.why;
+  EXPECT_NEAR(same.link_factor, 1.0, 1e-9);
+}
+
+TEST(Replan, NoFactorInRangeMeansNoReplan) {
+  Swapping s;
+  s.links = times(s.links, 8);  // compute-bound: links cannot explain a slower step
+  const Plan plan = plan_activations(s.blocks, s.links, s.budgets);
+  const CalibratedFigures cal =
+      calibrate_figures(s.blocks, s.links, s.budgets, plan, 1000 * plan.predicted_step_seconds, 0);
+  EXPECT_FALSE(cal.calibrated);
+  EXPECT_NE(cal.why.find("nor does a compute factor"), std::string::npos) << cal.why;
 }

@@ -139,15 +139,17 @@ MeasuredBesidePredicted measured_beside_predicted(const std::vector<double>& for
   return out;
 }
 
-PlanWindow plan_window(const Plan& plan, const Budgets& budgets) noexcept {
+PlanWindow plan_window(const Plan& plan, const Budgets& budgets, std::uint64_t configured_bytes) noexcept {
   PlanWindow w;
-  w.bytes = budgets.prefetch_bytes;
+  w.bytes = std::max(budgets.prefetch_bytes, configured_bytes);
   w.peak_bytes = plan.predicted_device_peak_bytes;
   for (const auto& b : plan.blocks) w.wanted_bytes = std::max(w.wanted_bytes, b.swap_bytes);
   if (w.wanted_bytes <= w.bytes) return w;  // nothing swaps (no window in the peak), or it already fits the window
+  // The plan's peak counted budgets.prefetch_bytes; what the window adds beyond it takes the room left.
   const std::uint64_t room = plan.device_budget_bytes > w.peak_bytes ? plan.device_budget_bytes - w.peak_bytes : 0;
-  const std::uint64_t grown = std::min(w.wanted_bytes, w.bytes + room);
-  w.peak_bytes += grown - w.bytes;
+  const std::uint64_t grown = std::min(w.wanted_bytes, budgets.prefetch_bytes + room);
+  if (grown <= w.bytes) return w;
+  w.peak_bytes += grown - budgets.prefetch_bytes;
   w.bytes = grown;
   return w;
 }
@@ -156,8 +158,8 @@ bool replans(const Config& config) noexcept {
   return config.replan && config.offload_params != OffloadTarget::kAuto;
 }
 
-double rest_of_step_seconds(double step_seconds, double blocks_seconds) noexcept {
-  return std::max(step_seconds - blocks_seconds, 0.0);
+double rest_of_step_seconds(double step_seconds, double blocks_seconds, double outside_seconds) noexcept {
+  return std::max(step_seconds - blocks_seconds - outside_seconds, 0.0);
 }
 
 bool strays_from_prediction(std::optional<double> measured_step_seconds, std::size_t steps,
@@ -216,9 +218,10 @@ CalibratedFigures calibrate_figures(const std::vector<BlockProfile>& blocks, con
                            ")";
   const bool keeps_all = std::all_of(plan.blocks.begin(), plan.blocks.end(), [](const BlockPlan& b) {
     return b.mode == BlockMode::kKeep && b.params == Tier::kGpu;
-  }) && plan.rest_params == Tier::kGpu;
+  }) && plan.rest_params == Tier::kGpu && (plan.outside_kept || plan.outside_bytes == 0);
   if (keeps_all) {
-    out.why = seen + ": the plan keeps every block and its parameters, the fastest plan whatever the times";
+    out.why = seen + ": the plan keeps every block, its parameters and what is saved outside the blocks, the "
+                     "fastest plan whatever the times";
     return out;
   }
   if (target <= 0) {
@@ -226,7 +229,7 @@ CalibratedFigures calibrate_figures(const std::vector<BlockProfile>& blocks, con
     return out;
   }
   auto step_with = [&](const std::vector<BlockProfile>& b, const Links& l) {
-    return evaluate_plan(b, l, budgets, plan.blocks, plan.rest_params).predicted_step_seconds;
+    return evaluate_plan(b, l, budgets, plan.blocks, plan.rest_params, plan.outside_kept).predicted_step_seconds;
   };
   auto with_links = [&](double f) { return step_with(blocks, scaled(links, f)); };
   const double slowest = with_links(1 / kCalibrationRange), fastest = with_links(kCalibrationRange);
@@ -238,11 +241,17 @@ CalibratedFigures calibrate_figures(const std::vector<BlockProfile>& blocks, con
     out.why = seen + ": every link speed x" + buf + " explains it";
   } else {
     auto with_compute = [&](double f) { return step_with(scaled(blocks, f), links); };
-    out.compute_factor = solve(with_compute, target, /*increasing=*/true);
-    out.blocks = scaled(blocks, out.compute_factor);
-    std::snprintf(buf, sizeof buf, "%.3g", out.compute_factor);
-    out.why = seen + ": " + (slowest > fastest ? "no link speed explains it; " : "the plan's transfers are hidden; ") +
-              "every block's compute x" + buf;
+    const double f = solve(with_compute, target, /*increasing=*/true);
+    std::snprintf(buf, sizeof buf, "%.3g", f);
+    const std::string lead = seen + ": " + (slowest > fastest ? "no link speed explains it; " :
+                                                                "the plan's transfers are hidden; ");
+    if (std::abs(with_compute(f) - target) > 1e-3 * target) {  // clamped at the range's end: nothing explains it
+      out.why = lead + "nor does a compute factor within the calibration's range (x" + buf + " at its end)";
+      return out;
+    }
+    out.compute_factor = f;
+    out.blocks = scaled(blocks, f);
+    out.why = lead + "every block's compute x" + buf;
   }
   out.calibrated = true;
   return out;

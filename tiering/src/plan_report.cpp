@@ -322,7 +322,8 @@ std::vector<std::string> plan_lines(const Plan& plan, const PlanCommandInputs& i
   lines.push_back(plan.summary());
   lines.push_back("predicted: device peak " + format_bytes(plan.predicted_device_peak_bytes) + " of " +
                   format_bytes(budgets.device_bytes) +
-                  format(", blocks' forward + backward %.4f s per step (keeping everything: %.4f s)",
+                  format(", blocks' forward + backward%s %.4f s per step (keeping everything: %.4f s)",
+                         plan.outside_kept ? "" : " and the round trip of what is saved outside them",
                          plan.predicted_step_seconds, plan.keep_all_step_seconds));
   // Added by issue 17 (the plan explains itself), after the lines above.
   lines.push_back("why each block's action (the plan's step and device peak had that block alone done otherwise):");
@@ -431,7 +432,7 @@ PlanCommandBudgets plan_command_budgets(const PlanCommandInputs& in) {
                                    in.prefetch.source == SettingSource::kFlag ? "--prefetch" : "TIERFLOW_PREFETCH_BYTES",
                                    "TIERFLOW_PREFETCH_BYTES");
   b.fixed_device_bytes = fixed_device_bytes(in);
-  b.outside_saved_bytes = in.state ? in.head_bytes : 0;
+  b.outside_saved_bytes = in.head_bytes;  // the shape's estimate, or the profile's measurement
   b.host_bytes = host_total - out.optimizer_host_bytes;
   apply_offload_params(in, b);
   return out;

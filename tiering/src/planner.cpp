@@ -24,12 +24,16 @@ std::uint64_t split_rows_bytes(const BlockProfile& p, double alpha) {
 
 }  // namespace
 
-namespace detail {
-
 double outside_swap_seconds(const Links& links, std::uint64_t bytes) {
   if (bytes == 0) return 0;
   const double b = static_cast<double>(bytes);
-  return (links.d2h > 0 ? b / links.d2h : kInf) + (links.h2d > 0 ? b / links.h2d : kInf);
+  return (links.d2h > 0 ? b / links.d2h : detail::kInf) + (links.h2d > 0 ? b / links.h2d : detail::kInf);
+}
+
+namespace detail {
+
+std::uint64_t outside_device_bytes(std::uint64_t outside, std::uint64_t largest_transient, bool kept) {
+  return kept ? outside : outside - std::min(outside, largest_transient);
 }
 
 bool nvme_available(const Links& links, const Budgets& budgets) {
@@ -200,14 +204,16 @@ struct PlanTotals {
   bool count_params = false;  // Budgets::params is not kResident
   detail::ParamTotals params;
   bool outside_kept = true;
-  std::uint64_t outside_device = 0;  // the saved tensors outside the blocks, kept
-  double outside_seconds = 0;        // ... or swapped
+  std::uint64_t outside_device = 0;  // the saved tensors outside the blocks on the device at the peak
+  double outside_seconds = 0;        // their round trip, swapped
+  std::uint64_t largest_transient = 0;
 
   PlanTotals(const Budgets& budgets, bool outside_kept)
       : count_params(budgets.params != ParamPolicy::kResident), outside_kept(outside_kept) {}
 
   void add(const BlockProfile& p, const BlockPlan& b) {
     if (count_params) params.add(p.parameter_bytes, b.params);
+    largest_transient = std::max(largest_transient, p.transient_bytes);
     step_seconds += b.forward_seconds + b.backward_seconds;
     if (b.mode == BlockMode::kKeep) {
       kept += p.saved_bytes();
@@ -221,11 +227,10 @@ struct PlanTotals {
   // Adds the saved tensors outside the blocks, the rest unit and the parameters' tier bytes (once, after every
   // block).
   void finish(const Links& links, const Budgets& budgets, Tier rest) {
-    if (outside_kept) {
-      outside_device = budgets.outside_saved_bytes;
-    } else {
+    outside_device = detail::outside_device_bytes(budgets.outside_saved_bytes, largest_transient, outside_kept);
+    if (!outside_kept) {
       host += budgets.outside_saved_bytes;
-      outside_seconds = detail::outside_swap_seconds(links, budgets.outside_saved_bytes);
+      outside_seconds = outside_swap_seconds(links, budgets.outside_saved_bytes);
       step_seconds += outside_seconds;
     }
     if (!count_params) return;
@@ -493,15 +498,15 @@ Plan plan_activations(const std::vector<BlockProfile>& blocks, const Links& link
   // Note [Activation planner], Outside the blocks: the search once with them kept, once with them swapped.
   std::optional<Plan> best;
   std::optional<out_of_memory> refused;
+  std::uint64_t largest_transient = 0;
+  for (const auto& p : blocks) largest_transient = std::max(largest_transient, p.transient_bytes);
   for (const bool kept : {true, false}) {
     Budgets b = budgets;
     b.outside_saved_bytes = 0;
-    if (kept) {
-      b.fixed_device_bytes += outside;
-    } else if (b.host_bytes >= outside) {
+    b.fixed_device_bytes += detail::outside_device_bytes(outside, largest_transient, kept);
+    if (!kept) {
+      if (b.host_bytes < outside) continue;  // the host cannot hold them: kept, or no plan
       b.host_bytes -= outside;
-    } else {
-      continue;  // the host cannot hold them: kept, or no plan
     }
     try {
       const Plan inner = plan_blocks(blocks, links, b);

@@ -327,6 +327,8 @@ ProfileFile profile_from_json(std::string_view text) {
   out.fixed_device_bytes = checked("", "fixed_device_bytes", data.contains("fixed_device_bytes")
                                                                    ? data["fixed_device_bytes"] : Json(std::uint64_t{0}))
                                .get<std::uint64_t>();
+  if (data.contains("outside_saved_bytes"))
+    out.outside_saved_bytes = checked("", "outside_saved_bytes", data["outside_saved_bytes"]).get<std::uint64_t>();
   return out;
 }
 

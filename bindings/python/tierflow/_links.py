@@ -65,8 +65,10 @@ def compute_share_during_copies(device: torch.device, start_copies: Any, copy_se
     """The device's matmul speed while ``start_copies()`` (both directions) run, over its speed alone: a chain of
     matmuls about as long as one copy, best of ``repeats`` each way; clamped to [1/20, 1] (noise can make the
     busy chain the faster)."""
-    n = 2048 if device.type == "cuda" else 192
-    a = torch.full((n, n), 1.0 / n, device=device)  # never from the RNG: the user's dropout masks must not move
+    cuda = device.type == "cuda"
+    n = 4096 if cuda else 192
+    # Never from the RNG (the user's dropout masks must not move); bf16 on a GPU, as training's matmuls run there.
+    a = torch.full((n, n), 1.0 / n, device=device, dtype=torch.bfloat16 if cuda else torch.float32)
     c = torch.empty_like(a)
 
     def sync() -> None:

@@ -178,9 +178,12 @@ class AutoPlanner:
             profile = self.measure()
             # What the model-level hook packed in the timed step: the saved tensors outside the blocks (the runners
             # shield theirs; Note [Auto plan phases]).
-            profile["outside_saved_bytes"] = self._packed_outside() - self._policy_bytes
+            outside = self._packed_outside() - self._policy_bytes
+            profile["outside_saved_bytes"] = outside
+            # Less their round trip, which the timed step made and the plan adds back where it swaps them.
             profile["rest_of_step_seconds"] = _C.rest_of_step_seconds(step, sum(
-                sum(r.forward_seconds) + sum(r.backward_seconds) + sum(r.recompute_seconds) for r in self.runners))
+                sum(r.forward_seconds) + sum(r.backward_seconds) + sum(r.recompute_seconds) for r in self.runners),
+                _C.outside_swap_seconds(links_struct(profile["links"]), outside))
             if self._forward_backward_peak is not None:
                 profile["measured_peak_bytes"] = self._forward_backward_peak
                 profile["measured_reserved_peak_bytes"] = self._forward_backward_reserved
@@ -217,7 +220,10 @@ class AutoPlanner:
         self.keep_all = self.outside_kept = decided.keep_all
         self.plan = {"summary": decided.summary, "blocks": [], "lines": [],
                      "predicted_device_peak_bytes": decided.predicted_device_peak_bytes,
-                     "predicted_step_seconds": None}
+                     "predicted_step_seconds": None,
+                     # Without blocks everything saved is outside them.
+                     "outside_kept": decided.keep_all, "outside_bytes": saved,
+                     "window_bytes": int(self.session.config["TIERFLOW_PREFETCH_BYTES"])}
         self.phases.planned()
         _C.log("warn", "tierflow activation plan: " + decided.summary)
 
@@ -292,7 +298,13 @@ class AutoPlanner:
                        calibrated={"link_factor": cal.link_factor, "compute_factor": cal.compute_factor,
                                    "why": cal.why})
         _C.log("warn", "tierflow: re-planning once: " + cal.why)
-        self.make_plan(profile)
+        try:
+            self.make_plan(profile)
+        except (_C.OutOfMemoryError, _C.ConfigError) as e:  # the plan in force goes on: nothing was applied
+            self.replanned.update(replanned=False, why=cal.why + "; the re-plan failed, the plan in force stays: "
+                                  + str(e))
+            _C.log("warn", "tierflow: " + self.replanned["why"])
+            return
         if self.profile_path:  # the next run starts from the calibrated figures
             write_json_atomic(self.profile_path, profile)
         self._step_starts = self._step_starts[-1:]  # the steps under the new plan from here
@@ -311,7 +323,8 @@ class AutoPlanner:
         self._plan_struct = plan.pop("struct")
         self.plan_blocks = blocks  # the profile's blocks as planned (split ones that probed inexact marked so)
         # Note [Overlap window]: no block's swap waits inside its compute, as far as the device budget allows.
-        window = _C.plan_window(self._plan_struct, _C.Budgets(**budgets))
+        window = _C.plan_window(self._plan_struct, _C.Budgets(**budgets),
+                                int(self.session.config["TIERFLOW_PREFETCH_BYTES"]))
         self.session.runtime.set_activation_window(window.bytes)
         plan["window_bytes"], plan["window_wanted_bytes"] = window.bytes, window.wanted_bytes
         plan["predicted_device_peak_bytes"] = window.peak_bytes
@@ -319,6 +332,9 @@ class AutoPlanner:
         plan["predicted_blocks_seconds"] = plan["predicted_step_seconds"]
         plan["rest_of_step_seconds"] = float(profile.get("rest_of_step_seconds") or 0.0)
         plan["predicted_step_seconds"] += plan["rest_of_step_seconds"]
+        # A profile written before the tensors outside the blocks were measured: they stay as they were planned
+        # then, swapped by the model-level hooks unless every block is kept.
+        plan["outside_measured"] = "outside_saved_bytes" in profile
         self.apply(plan)
         if self.session.params is not None and self.session.params.planned:
             self.session.params.plan_residences(plan)
@@ -347,8 +363,9 @@ class AutoPlanner:
             r.tier = bp["tier"]
         # What is saved outside the blocks: kept (the session puts no hooks on the model) or swapped by the
         # model-level hooks (Note [Activation planner], Outside the blocks).
-        self.outside_kept = plan.get("outside_kept", True)
-        self.keep_all = self.outside_kept and all(bp["mode"] == "keep" for bp in plan["blocks"])
+        all_kept = all(bp["mode"] == "keep" for bp in plan["blocks"])
+        self.outside_kept = plan.get("outside_kept", True) if plan.get("outside_measured", True) else all_kept
+        self.keep_all = self.outside_kept and all_kept
         # A plan that keeps everything leaves no hook on any block (the session puts none on the model either);
         # a later plan that moves something puts them back. In a mixed plan a kept block keeps its hooks: they
         # shield its saved tensors from the model-level hooks that offload the rest.

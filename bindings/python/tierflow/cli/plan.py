@@ -201,6 +201,7 @@ def _plan(args: argparse.Namespace) -> str:
             raise PlanError(f"--profile {args.profile!r}: {e}") from None
         blocks = profile.blocks
         links = links or profile.links
+        head_bytes = profile.outside_saved_bytes  # auto's measurement: the plan keeps or swaps them
         flops = None
     else:
         shape = _shape(args)

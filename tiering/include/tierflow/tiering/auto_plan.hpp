@@ -67,7 +67,9 @@
 // Note [Re-plan]
 // ~~~~~~~~~~~~~~
 // The timed step's wall time, from its forward to the next, less its blocks'
-// timed forwards, backwards and replays is the rest of the step; the plan's
+// timed forwards, backwards and replays and the model's round trip of what
+// the model-level hooks swapped outside the blocks in it (the plan adds that
+// back where it swaps them) is the rest of the step; the plan's
 // whole step is its blocks' predicted time plus that rest. Once
 // kReplanAfterSteps steps ran under a plan, the median of their wall times is
 // set beside it; a ratio beyond 1 + kReplanMargin either way re-plans, once per
@@ -79,7 +81,8 @@
 //     part (measured step less the rest), that factor (solved by bisection:
 //     the predicted step never grows with the links' speed);
 //   - else a factor of every block's compute times (forward, backward and
-//     recompute), in the same range, clamped at its ends.
+//     recompute), in the same range; when none in it explains the
+//     measurement either, no re-plan.
 // Links first: the device's compute was measured in the timed step, the links
 // were probed idle; what a plan adds to the step that the timed step did not
 // have is its traffic. The calibrated model reproduces the plan in force's
@@ -259,7 +262,8 @@ std::uint64_t next_nvme_probe_bytes(std::uint64_t bytes) noexcept;
 // (plan_window), never below the configured one and only as far as the
 // device budget leaves room beside the plan's peak (which counts the window
 // once when anything swaps); the plan's peak is then the one with that window.
-// A plan that swaps nothing keeps the configured window.
+// A plan that swaps nothing keeps the configured window, and no plan shrinks
+// it.
 
 /// The window a plan runs with and the plan's device peak with it (Note [Overlap window]).
 struct PlanWindow {
@@ -268,8 +272,9 @@ struct PlanWindow {
   std::uint64_t wanted_bytes = 0; ///< the largest block's swap bytes (what no wait inside a block needs)
 };
 /// Note [Overlap window]: `plan` as plan_activations made it within `budgets` (budgets.prefetch_bytes: the
-/// configured window, in its peak).
-PlanWindow plan_window(const Plan& plan, const Budgets& budgets) noexcept;
+/// window in its peak); never below `configured_bytes` (TIERFLOW_PREFETCH_BYTES, which the budgets cap at what
+/// the blocks save).
+PlanWindow plan_window(const Plan& plan, const Budgets& budgets, std::uint64_t configured_bytes = 0) noexcept;
 
 /// Whether a session under `config` may re-plan (Note [Re-plan]): TIERFLOW_REPLAN on, and parameters not
 /// planned per unit (TIERFLOW_OFFLOAD_PARAMS=auto makes the units its plan keeps resident for good, which a
@@ -282,9 +287,10 @@ inline constexpr std::size_t kReplanAfterSteps = 3;
 inline constexpr double kReplanMargin = 0.25;
 inline constexpr double kCalibrationRange = 64;
 
-/// The timed step's wall time less its blocks' timed forwards, backwards and replays (`blocks_seconds`); never
-/// below 0 (Note [Re-plan]).
-double rest_of_step_seconds(double step_seconds, double blocks_seconds) noexcept;
+/// The timed step's wall time less its blocks' timed forwards, backwards and replays (`blocks_seconds`) and the
+/// model's round trip of what the model-level hooks swapped outside the blocks (`outside_seconds`: the plan adds
+/// it back where it swaps them); never below 0 (Note [Re-plan]).
+double rest_of_step_seconds(double step_seconds, double blocks_seconds, double outside_seconds = 0) noexcept;
 
 /// Whether the measured step (median of `steps` step gaps) strays from the predicted whole step beyond the
 /// margin; false before kReplanAfterSteps gaps or without either figure.

@@ -89,7 +89,7 @@ struct PlanCommandInputs {
   std::optional<TransformerShape> shape;    ///< the estimated model (none: a recorded profile)
   std::string dtype_name;                   ///< the shape's --dtype, e.g. "bf16"
   std::optional<StateBytes> state;          ///< estimate_training_state of the shape
-  std::uint64_t head_bytes = 0;             ///< estimate_head_device_bytes of the shape
+  std::uint64_t head_bytes = 0;  ///< saved outside the blocks: estimate_head_device_bytes of the shape, or the profile's
   std::uint64_t profile_fixed_device_bytes = 0;  ///< a profile's fixed_device_bytes
   std::string profile_path;                 ///< --profile FILE
   std::string blocks_from;                  ///< the arguments that made the blocks, as errors name them

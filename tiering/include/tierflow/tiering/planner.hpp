@@ -122,9 +122,13 @@
 // device (the peak adds O: they live from the forward to the backward, beside
 // everything else) or swapped to the host whole (the host's usage adds O, the
 // step adds O / d2h + O / h2d: saved at the end of the forward and needed at
-// the start of the backward, they have no compute to hide behind). The search
-// runs once for each choice, O in the fixed bytes or out of the host's budget,
-// and the faster plan wins (ties: kept). forced_plan keeps them with kKeep and
+// the start of the backward, they have no compute to hide behind). Swapped,
+// they are still on the device where they are made and where they come back,
+// beside every kept block, when no block's working set is: the peak adds
+// O - min(O, T), T the largest block's transient bytes (every working set
+// holds at least T, so the peak is at least fixed + kept + O). The search
+// runs once for each choice, that addition in the fixed bytes (and O out of
+// the host's budget when swapped), and the faster plan wins (ties: kept). forced_plan keeps them with kKeep and
 // swaps them otherwise, as TIERFLOW_OFFLOAD_ACTIVATIONS=recompute does.
 #pragma once
 
@@ -283,6 +287,9 @@ AlternativeCost evaluate_alternative(const std::vector<BlockProfile>& blocks, co
 /// replaced by the means over that shape: measured layers of one model differ only by noise, and
 /// identical profiles plan exactly and fast (they group; see Note [Activation planner]).
 std::vector<BlockProfile> average_same_shape_blocks(const std::vector<BlockProfile>& blocks);
+
+/// What is saved outside the blocks (`bytes`), to the host and back, not hidden (Note [Activation planner]).
+double outside_swap_seconds(const Links& links, std::uint64_t bytes);
 
 /// Name of a mode: "keep", "swap", "split", "recompute".
 std::string_view to_string(BlockMode) noexcept;

@@ -50,6 +50,7 @@ struct ProfileFile {
   std::vector<BlockProfile> blocks;
   Links links;
   std::uint64_t fixed_device_bytes = 0;
+  std::uint64_t outside_saved_bytes = 0;  ///< auto's measured tensors saved outside the blocks (0: none, or a file without)
 };
 
 /// The profile file's text (Note [Profile file]).

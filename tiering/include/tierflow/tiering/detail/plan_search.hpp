@@ -20,8 +20,8 @@ struct TierBandwidth {
 
 /// Whether the budgets and links give an NVMe tier.
 bool nvme_available(const Links& links, const Budgets& budgets);
-/// The saved tensors outside the blocks to the host and back, not hidden (Note [Activation planner]).
-double outside_swap_seconds(const Links& links, std::uint64_t bytes);
+/// What the saved tensors outside the blocks add to the device peak, kept or swapped (Note [Activation planner]).
+std::uint64_t outside_device_bytes(std::uint64_t outside, std::uint64_t largest_transient, bool kept);
 /// The bandwidths of a tier: d2h/h2d, or for NVMe the smaller of PCIe and NVMe per direction.
 TierBandwidth bandwidth(const Links& links, SwapTier tier);
 
