@@ -45,13 +45,14 @@ def test_steps_that_stray_replan_once_and_the_run_stays_the_baselines(tmp_path, 
     plan = tier.report["plan"]
     r = plan["replanned"]
     assert r is not None and r["replanned"] is True, plan
-    # Three steps under the profile's plan (made before the first forward), then the one re-plan.
+    # Four steps under the profile's plan (made before the first forward; the first is not judged: it pins the
+    # host memory the plan needs), then the one re-plan.
     assert r["steps"] == 3 and r["measured_step_seconds"] >= 2 * r["predicted_step_seconds"] * 0.99, r
     assert r["link_factor"] < 1 or r["compute_factor"] > 1, r
     assert "measured step" in r["why"] and ("link speed x" in r["why"] or "compute x" in r["why"]), r
-    assert [s["replanned"] for s in seen[:3]] == [None] * 3 and all(s["replanned"] == r for s in seen[3:]), seen
+    assert [s["replanned"] for s in seen[:4]] == [None] * 4 and all(s["replanned"] == r for s in seen[4:]), seen
     # From then on the new plan's steps are measured, and nothing re-plans again however far they stray.
-    assert plan["measured"]["steps"] == STEPS - 4, plan
+    assert plan["measured"]["steps"] == STEPS - 5, plan
     assert plan["step_vs_predicted"] > 1 + tierflow._C.REPLAN_MARGIN, plan
     assert not tierflow.current_session().planner.phases.may_replan
     assert capfd.readouterr().err.count("re-planning once") == 1
@@ -78,9 +79,9 @@ def test_replan_off_keeps_the_first_plan(tmp_path, device):
 
 def test_a_plan_that_keeps_everything_is_not_replanned_and_says_why(tmp_path, device, capfd):
     task = gpt_task()
-    base = train(task, 6, False, device=device)
+    base = train(task, STEPS, False, device=device)
     seen: list = []
-    tier = train(task, 6, True, device=device, after_step=_slow_steps(seen), log_level="info", **OPT_NONE)
+    tier = train(task, STEPS, True, device=device, after_step=_slow_steps(seen), log_level="info", **OPT_NONE)
     assert_bit_identical(base, tier)
     plan = tier.report["plan"]
     assert plan["modes"] == ["keep", "keep"], plan

@@ -279,7 +279,8 @@ class AutoPlanner:
     def maybe_replan(self) -> None:
         """Note [Re-plan]: once the steps under the plan stray from its whole-step prediction, plan once more
         from the figures calibrated on them; or say once why not."""
-        m = _C.measured_beside_predicted(self._step_starts, None, self.plan.get("predicted_step_seconds"), None)
+        # The first step under a plan is left out: it pins the host memory the plan's swaps need.
+        m = _C.measured_beside_predicted(self._step_starts[1:], None, self.plan.get("predicted_step_seconds"), None)
         if not _C.strays_from_prediction(m.step_seconds, m.steps, self.plan.get("predicted_step_seconds")):
             return
         self.phases.replan_settled()

@@ -71,7 +71,8 @@
 // the model-level hooks swapped outside the blocks in it (the plan adds that
 // back where it swaps them) is the rest of the step; the plan's
 // whole step is its blocks' predicted time plus that rest. Once
-// kReplanAfterSteps steps ran under a plan, the median of their wall times is
+// kReplanAfterSteps steps ran under a plan, not counting its first (which pins
+// the host memory the plan's swaps need), the median of their wall times is
 // set beside it; a ratio beyond 1 + kReplanMargin either way re-plans, once per
 // session (TIERFLOW_REPLAN=off: never), from figures calibrated so that the
 // model predicts what was measured for the plan in force (calibrate_figures):
