@@ -1,0 +1,111 @@
+// What is saved outside the blocks, kept or swapped, against brute force over both choices (Note [Activation
+// planner], Outside the blocks).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <string>
+
+#include "tierflow/core/error.hpp"
+#include "tierflow/core/size.hpp"
+#include "tierflow/tiering/planner.hpp"
+#include "planner_cases.hpp"
+
+using namespace tierflow;
+using namespace tierflow::tiering;
+using namespace tierflow::tiering::planner_cases;
+
+// Note [Activation planner], Outside the blocks: the search over blocks runs once with the saved tensors outside
+// the blocks kept (in the fixed bytes) and once swapped (out of the host's budget, their unhidden round trip in the
+// step); the plan is the faster, and the brute force over both choices finds nothing faster.
+TEST(ActivationPlanner, TensorsOutsideTheBlocksAreKeptOrSwappedWhicheverIsFaster) {
+  int kept = 0, swapped = 0;
+  for (std::uint64_t seed = 700; seed < 760; ++seed) {
+    SCOPED_TRACE("seed " + std::to_string(seed));
+    Case c = random_case(seed, 4, seed % 3 == 0 ? Kind::kMixed : Kind::kIdentical, false, seed % 2 == 0);
+    std::mt19937_64 rng(seed);
+    // Half the cases within the largest transient bytes (swapping them lowers the peak by all of them), half up
+    // to more than every block saves (swapping lowers it by the transient bytes only).
+    std::uint64_t transient = 0;
+    for (const auto& p : c.blocks) transient = std::max(transient, p.transient_bytes);
+    const double scale = static_cast<double>(seed % 2 ? transient : total_saved(c.blocks));
+    if (seed % 4 == 1) {  // a fast link: their round trip costs less than the blocks' room it buys
+      c.links.d2h *= 20;
+      c.links.h2d *= 20;
+      c.links.duplex *= 20;
+    }
+    const auto outside =
+        static_cast<std::uint64_t>(std::uniform_real_distribution<double>(0.05, seed % 2 ? 1.0 : 1.5)(rng) * scale);
+    const double round_trip = outside / c.links.d2h + outside / c.links.h2d;
+    Budgets keep_budgets = c.budgets, swap_budgets = c.budgets;
+    keep_budgets.fixed_device_bytes += outside;
+    // Swapped, they are on the device where they are made and come back: beside every kept block, when no
+    // working set is (at least the largest transient bytes).
+    swap_budgets.fixed_device_bytes += outside - std::min(outside, transient);
+    double best = brute_force(c.blocks, c.links, keep_budgets, 8).best;
+    if (c.budgets.host_bytes >= outside) {
+      swap_budgets.host_bytes -= outside;
+      best = std::min(best, brute_force(c.blocks, c.links, swap_budgets, 8).best + round_trip);
+    }
+    c.budgets.outside_saved_bytes = outside;
+    if (!std::isfinite(best)) {
+      try {
+        plan_activations(c.blocks, c.links, c.budgets);
+      } catch (const out_of_memory& e) {
+        EXPECT_NE(std::string(e.what()).find("outside the blocks"), std::string::npos) << e.what();
+      }
+      continue;
+    }
+    const Plan plan = plan_activations(c.blocks, c.links, c.budgets);
+    EXPECT_TRUE(plan.fits) << plan.summary();
+    EXPECT_LE(plan.predicted_step_seconds, best * (1 + 1e-9)) << plan.summary();
+    EXPECT_EQ(plan.outside_bytes, outside);
+    if (plan.outside_kept) {
+      ++kept;
+      EXPECT_EQ(plan.outside_swap_seconds, 0.0);
+      // The same assignment without them on the device peaks exactly that much lower.
+      Budgets none = c.budgets;
+      none.outside_saved_bytes = 0;
+      EXPECT_EQ(evaluate_plan(c.blocks, c.links, none, plan.blocks).predicted_device_peak_bytes + outside,
+                plan.predicted_device_peak_bytes);
+    } else {
+      ++swapped;
+      EXPECT_NEAR(plan.outside_swap_seconds, round_trip, 1e-12);
+      std::uint64_t kept_bytes = 0;
+      for (std::size_t i = 0; i < c.blocks.size(); ++i)
+        kept_bytes += plan.blocks[i].mode == BlockMode::kKeep ? c.blocks[i].saved_bytes() : 0;
+      EXPECT_GE(plan.predicted_device_peak_bytes, c.budgets.fixed_device_bytes + kept_bytes + outside)
+          << "at the forward's end they are on the device beside every kept block";
+      EXPECT_NE(plan.summary().find("outside the blocks"), std::string::npos) << plan.summary();
+      std::uint64_t blocks_host = 0;
+      for (const auto& b : plan.blocks) blocks_host += b.mode == BlockMode::kKeep ? 0 : b.swap_bytes;
+      EXPECT_EQ(plan.host_bytes, blocks_host + outside) << "the host holds them beside the swapped blocks";
+    }
+    // evaluate_plan with the plan's choice gives the plan's figures.
+    const Plan again = evaluate_plan(c.blocks, c.links, c.budgets, plan.blocks, plan.rest_params, plan.outside_kept);
+    EXPECT_DOUBLE_EQ(again.predicted_step_seconds, plan.predicted_step_seconds);
+    EXPECT_EQ(again.predicted_device_peak_bytes, plan.predicted_device_peak_bytes);
+  }
+  EXPECT_GE(kept, 3);
+  EXPECT_GE(swapped, 1);  // and Replan.CalibrationPricesTheOutsideTensorsAsThePlanDoes: a case only swapping fits
+}
+
+TEST(ActivationPlanner, ForcedPlansSwapTheTensorsOutsideTheBlocksAsRecomputeDoes) {
+  const Case c0 = random_case(42, 3, Kind::kIdentical, false, false);
+  Case c = c0;
+  c.budgets.outside_saved_bytes = 100 * MiB;
+  const Plan recompute = forced_plan(c.blocks, c.links, c.budgets, BlockMode::kRecompute);
+  const Plan bare = forced_plan(c0.blocks, c0.links, c0.budgets, BlockMode::kRecompute);
+  EXPECT_FALSE(recompute.outside_kept);
+  EXPECT_EQ(recompute.host_bytes, bare.host_bytes + 100 * MiB);
+  std::uint64_t transient = 0;
+  for (const auto& p : c.blocks) transient = std::max(transient, p.transient_bytes);
+  EXPECT_EQ(recompute.predicted_device_peak_bytes,
+            bare.predicted_device_peak_bytes + 100 * MiB - std::min<std::uint64_t>(100 * MiB, transient));
+  EXPECT_GT(recompute.predicted_step_seconds, bare.predicted_step_seconds);
+  const Plan keep = forced_plan(c.blocks, c.links, c.budgets, BlockMode::kKeep);
+  EXPECT_TRUE(keep.outside_kept);
+  EXPECT_EQ(keep.predicted_device_peak_bytes,
+            forced_plan(c0.blocks, c0.links, c0.budgets, BlockMode::kKeep).predicted_device_peak_bytes + 100 * MiB);
+}
