@@ -134,7 +134,8 @@ PREDICTION_NOTE = ("the planner prices the repeated blocks' forward and backward
                    "predicted_blocks_seconds, set beside the measured forward + backward: compute_vs_predicted) and "
                    "adds the rest of the step the timed step measured (Note [Re-plan]): predicted_step_seconds, set "
                    "beside the whole step (step_vs_predicted); predicted_peak_bytes beside torch's reserved peak "
-                   "(peak_vs_predicted), on CUDA only")
+                   "(peak_vs_predicted) and its allocated one, which the plan budgets (allocated_peak_vs_predicted), "
+                   "on CUDA only")
 
 
 def predicted_beside_measured(plan: dict, result: dict) -> dict:
@@ -152,7 +153,9 @@ def predicted_beside_measured(plan: dict, result: dict) -> dict:
     return {"predicted_step_seconds": step, "predicted_blocks_seconds": blocks, "predicted_peak_bytes": peak,
             "rest_of_step_seconds": plan.get("rest_of_step_seconds"), "replanned": plan.get("replanned"),
             "compute_vs_predicted": ratio(compute, blocks), "step_vs_predicted": ratio(result.get("step_seconds"), step),
-            "peak_vs_predicted": ratio(reserved, peak), "prediction_note": PREDICTION_NOTE}
+            "peak_vs_predicted": ratio(reserved, peak),
+            "allocated_peak_vs_predicted": ratio(result.get("device_peak_bytes") if reserved is not None else None, peak),
+            "prediction_note": PREDICTION_NOTE}
 
 
 def print_params_comparison(out: dict) -> None:
@@ -225,7 +228,8 @@ def print_table(out: dict) -> None:
                   f"predicted device peak "
                   f"{fmt_bytes(r['predicted_peak_bytes']) if r['predicted_peak_bytes'] is not None else '-'}, "
                   f"reserved {fmt_bytes(peak) if peak is not None else '- (no device allocator)'}"
-                  f"{'' if r['peak_vs_predicted'] is None else ' x' + _fmt(r['peak_vs_predicted'], '.2f')}")
+                  f"{'' if r['peak_vs_predicted'] is None else ' x' + _fmt(r['peak_vs_predicted'], '.2f')}"
+                  f"{'' if r.get('allocated_peak_vs_predicted') is None else ', allocated ' + fmt_bytes(r['device_peak_bytes']) + ' x' + _fmt(r['allocated_peak_vs_predicted'], '.2f')}")
         if r.get("params"):
             pp, per, links = r["params"], r.get("params_per_measured_step") or {}, r.get("per_link_bytes_per_step")
             budget = (r.get("tierflow_settings") or {}).get("gpu_memory", "tierflow's default")

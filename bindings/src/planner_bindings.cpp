@@ -6,6 +6,7 @@
 #include <pybind11/stl.h>
 
 #include <string>
+#include <tuple>
 
 #include "tierflow/allocator/device.hpp"
 #include "tierflow/core/config.hpp"
@@ -130,8 +131,19 @@ void bind_auto_plan(py::module_& m) {
   m.def("outside_swap_seconds", &outside_swap_seconds, py::arg("links"), py::arg("bytes"),
         "What is saved outside the blocks, to the host and back (Note [Activation planner]).");
   m.def("rest_of_step_seconds", &rest_of_step_seconds, py::arg("step_seconds"), py::arg("blocks_seconds"),
-        py::arg("outside_seconds") = 0.0,
+        py::arg("outside_seconds") = 0.0, py::arg("host_gaps_seconds") = 0.0,
         "The timed step less its blocks' forwards, backwards and replays (Note [Re-plan]).");
+  m.def(
+      "host_gaps_seconds",
+      [](const std::vector<std::tuple<bool, std::size_t, double, double>>& intervals) {
+        std::vector<TimedInterval> in;
+        in.reserve(intervals.size());
+        for (const auto& [backward, block, start, end] : intervals) in.push_back({backward, block, start, end});
+        return host_gaps_seconds(std::move(in));
+      },
+      py::arg("intervals"),
+      "The host's gaps between neighbouring blocks in the timed step, from (backward, block, start, end) "
+      "intervals (Note [Re-plan]).");
   m.def("strays_from_prediction", &strays_from_prediction, py::arg("measured_step_seconds"), py::arg("steps"),
         py::arg("predicted_step_seconds"), "Whether the measured step strays beyond the margin (Note [Re-plan]).");
   py::class_<CalibratedFigures>(m, "CalibratedFigures", "Figures calibrated on a measured step (Note [Re-plan]).")

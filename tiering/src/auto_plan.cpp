@@ -85,8 +85,8 @@ Budgets session_budgets(const SessionBudgetInputs& in, const std::vector<BlockPr
   // An optimizer that keeps more (fp32 masters) shows in the measured peak, on CUDA, below.
   if (in.optimizer_on_device) fixed += 2 * in.parameter_bytes;
   // The measured peak held the fetched parameters of its time too: those are the plan's.
-  // What the device gave: the reserved peak where the caching allocator reports it (Note [Auto plan phases]).
-  const std::uint64_t peak = std::max(in.measured_peak_bytes, in.measured_reserved_peak_bytes);
+  // The allocated peak, not the reserved one: the budget bounds allocated memory (Note [Auto plan phases]).
+  const std::uint64_t peak = in.measured_peak_bytes;
   const std::uint64_t measured = fetched ? peak - std::min(peak, in.measured_parameter_peak_bytes) : peak;
   if (measured > largest + window) fixed = std::max(fixed, measured - largest - window);
   Budgets b;
@@ -158,8 +158,23 @@ bool replans(const Config& config) noexcept {
   return config.replan && config.offload_params != OffloadTarget::kAuto;
 }
 
-double rest_of_step_seconds(double step_seconds, double blocks_seconds, double outside_seconds) noexcept {
-  return std::max(step_seconds - blocks_seconds - outside_seconds, 0.0);
+double rest_of_step_seconds(double step_seconds, double blocks_seconds, double outside_seconds,
+                            double host_gaps_seconds) noexcept {
+  return std::max(step_seconds - blocks_seconds - outside_seconds - host_gaps_seconds, 0.0);
+}
+
+double host_gaps_seconds(std::vector<TimedInterval> intervals) {
+  std::stable_sort(intervals.begin(), intervals.end(),
+                   [](const TimedInterval& a, const TimedInterval& b) { return a.start < b.start; });
+  double gaps = 0;
+  for (std::size_t i = 1; i < intervals.size(); ++i) {
+    const TimedInterval& prev = intervals[i - 1];
+    const TimedInterval& next = intervals[i];
+    const bool neighbours = prev.backward == next.backward &&
+                            (prev.backward ? next.block + 1 == prev.block : next.block == prev.block + 1);
+    if (neighbours) gaps += std::max(next.start - prev.end, 0.0);
+  }
+  return gaps;
 }
 
 bool strays_from_prediction(std::optional<double> measured_step_seconds, std::size_t steps,

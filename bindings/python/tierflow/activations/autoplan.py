@@ -131,10 +131,14 @@ class AutoPlanner:
         Note [Auto plan phases]); the peak is the caching allocator's reserved one on CUDA
         (torch.cuda.max_memory_reserved, since the timed step reset it, or since a plan read from a profile)."""
         peak = int(torch.cuda.max_memory_reserved(self._device())) if self._cuda() else None
-        m = _C.measured_beside_predicted(self._step_starts, peak, plan.get("predicted_step_seconds"),
-                                         plan.get("predicted_device_peak_bytes"))
-        return {"measured": {"step_seconds": m.step_seconds, "steps": m.steps, "device_peak_reserved_bytes": peak},
-                "step_vs_predicted": m.step_vs_predicted, "peak_vs_predicted": m.peak_vs_predicted}
+        allocated = int(torch.cuda.max_memory_allocated(self._device())) if self._cuda() else None
+        predicted = plan.get("predicted_device_peak_bytes")
+        m = _C.measured_beside_predicted(self._step_starts, peak, plan.get("predicted_step_seconds"), predicted)
+        # The plan budgets allocated memory (Note [Auto plan phases]): its own ratio beside the reserved one's.
+        return {"measured": {"step_seconds": m.step_seconds, "steps": m.steps, "device_peak_reserved_bytes": peak,
+                             "device_peak_allocated_bytes": allocated},
+                "step_vs_predicted": m.step_vs_predicted, "peak_vs_predicted": m.peak_vs_predicted,
+                "allocated_peak_vs_predicted": allocated / predicted if allocated is not None and predicted else None}
 
     # The session calls this before every forward of the model (Note [Auto plan phases]).
     def before_forward(self) -> None:
@@ -181,9 +185,13 @@ class AutoPlanner:
             outside = self._packed_outside() - self._policy_bytes
             profile["outside_saved_bytes"] = outside
             # Less their round trip, which the timed step made and the plan adds back where it swaps them.
+            # and less the host's gaps between neighbouring blocks, the timing's own (Note [Re-plan]).
+            gaps = _C.host_gaps_seconds([(kind == "backward", r.index, t0, t1) for r in self.runners
+                                         for kind, t0, t1 in r.intervals])
+            profile["host_gaps_seconds"] = gaps
             profile["rest_of_step_seconds"] = _C.rest_of_step_seconds(step, sum(
                 sum(r.forward_seconds) + sum(r.backward_seconds) + sum(r.recompute_seconds) for r in self.runners),
-                _C.outside_swap_seconds(links_struct(profile["links"]), outside))
+                _C.outside_swap_seconds(links_struct(profile["links"]), outside), gaps)
             if self._forward_backward_peak is not None:
                 profile["measured_peak_bytes"] = self._forward_backward_peak
                 profile["measured_reserved_peak_bytes"] = self._forward_backward_reserved

@@ -377,6 +377,8 @@ class BlockRunner:
         self.forward_seconds: list = []
         self.recompute_seconds: list = []
         self.backward_seconds: list = []  # timing step: output gradient -> input gradient, replay excluded
+        # Timing step: ("forward" | "backward", start, end) of each timed interval, for the gaps between blocks.
+        self.intervals: list = []
         self.dynamic: Optional[str] = None  # Note [Data-dependent blocks]: why its forwards are not its table's
         self._stack: list = []
         self._handles: list = []
@@ -435,6 +437,7 @@ class BlockRunner:
                 f.backward_t0 = now
             elif f.backward_t0 is not None:
                 self.backward_seconds.append(max(now - f.backward_t0 - f.replay_seconds, 0.0))
+                self.intervals.append(("backward", f.backward_t0, now))
                 f.backward_t0 = None
         return hook
 
@@ -536,7 +539,9 @@ class BlockRunner:
         f.finish()
         if self.timing:
             self.sync()
-            self.forward_seconds.append(time.perf_counter() - f.t0)
+            now = time.perf_counter()
+            self.forward_seconds.append(now - f.t0)
+            self.intervals.append(("forward", f.t0, now))
             out = next((t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad), None)
             if out is not None:
                 out.register_hook(self._backward_mark(f, start=True))

@@ -41,11 +41,17 @@
 // plus Adam's two moments in the parameters' dtype (torch's AdamW) when the
 // optimizer stays on the device, or, once the timed step measured a device
 // peak over its forward and backward (on CUDA: up to the optimizer's step,
-// whose own transient memory never meets the saved activations; the larger of
-// the allocated and the caching allocator's reserved peak, so that the budget
-// bounds what the device really gives, fragmentation and cached blocks
-// included), that peak less the largest block's working set and the prefetch
-// window if that is more (workspace included); the host's is
+// whose own transient memory never meets the saved activations), that peak
+// less the largest block's working set and the prefetch window if that is
+// more (workspace included). The peak is the allocated one: the budget bounds
+// allocated memory, as torch.cuda.max_memory_allocated counts it. The caching
+// allocator's reserved peak also counts blocks that earlier steps (or earlier
+// work in the process) cached and left free for the taking, and the allocator
+// releases those and retries before an allocation fails: on an H100 the timed
+// step's reserved peak stood 4.7 GB above its allocated one, and counting it
+// found no plan at checkpointing's allocated peak, where checkpointing itself
+// ran. The reserved peak is measured and reported beside (Note [Re-plan]'s
+// report), not budgeted. The host's is
 // TIERFLOW_HOST_MEMORY less what is in use (optimizer states, saved tensors);
 // NVMe's what the engine can still place (NvmeEngine::available_bytes); the
 // prefetch window TIERFLOW_PREFETCH_BYTES, never more than the blocks save.
@@ -69,8 +75,15 @@
 // The timed step's wall time, from its forward to the next, less its blocks'
 // timed forwards, backwards and replays and the model's round trip of what
 // the model-level hooks swapped outside the blocks in it (the plan adds that
-// back where it swaps them) is the rest of the step; the plan's
-// whole step is its blocks' predicted time plus that rest. Once
+// back where it swaps them) and the host's gaps between neighbouring blocks
+// (host_gaps_seconds) is the rest of the step; the plan's whole step is its
+// blocks' predicted time plus that rest. The gaps: between the end of a
+// block's timed forward and the start of the next block's (or of its backward
+// and the previous block's) the model runs nothing; what passes there is the
+// timing's own work (a device synchronize on each side, the runners' hooks,
+// the profiling step's swaps), which the device hides behind queued work once
+// the timing is gone (on an H100 the timed step's rest was twice the steady
+// step's rest without them). Once
 // kReplanAfterSteps steps ran under a plan, not counting its first (which pins
 // the host memory the plan's swaps need), the median of their wall times is
 // set beside it; a ratio beyond 1 + kReplanMargin either way re-plans, once per
@@ -190,8 +203,8 @@ struct SessionBudgetInputs {
   bool optimizer_on_device = false;       ///< TIERFLOW_OFFLOAD_OPTIMIZER=none
   bool gradients_offloaded = false;       ///< TIERFLOW_OFFLOAD_GRADIENTS=on: freed on the device once on the host
   std::uint64_t measured_peak_bytes = 0;  ///< the timed forward's device peak (0: not measured)
-  /// The caching allocator's reserved peak over the same span (0: not measured): what the device really gave, its
-  /// fragmentation and cached blocks included.
+  /// The caching allocator's reserved peak over the same span (0: not measured): reported, not budgeted (Note [Auto
+  /// plan phases]: cached blocks are free for the taking).
   std::uint64_t measured_reserved_peak_bytes = 0;
   /// TIERFLOW_OFFLOAD_PARAMS: kFetchAll (host) fetches every unit; the plan then counts the parameters
   /// (Budgets::params) and fixed_device_bytes keeps only their gradients.
@@ -291,7 +304,20 @@ inline constexpr double kCalibrationRange = 64;
 /// The timed step's wall time less its blocks' timed forwards, backwards and replays (`blocks_seconds`) and the
 /// model's round trip of what the model-level hooks swapped outside the blocks (`outside_seconds`: the plan adds
 /// it back where it swaps them); never below 0 (Note [Re-plan]).
-double rest_of_step_seconds(double step_seconds, double blocks_seconds, double outside_seconds = 0) noexcept;
+double rest_of_step_seconds(double step_seconds, double blocks_seconds, double outside_seconds = 0,
+                            double host_gaps_seconds = 0) noexcept;
+
+/// One timed interval of the timed step: a block's forward or its backward (Note [Re-plan]).
+struct TimedInterval {
+  bool backward = false;
+  std::size_t block = 0;
+  double start = 0, end = 0;  ///< seconds on one clock
+};
+
+/// The host's gaps between neighbouring blocks in the timed step (Note [Re-plan]): in start order, the time from
+/// one interval's end to the next one's start where both are forwards of blocks i and i + 1, or backwards of
+/// blocks i and i - 1; never negative.
+double host_gaps_seconds(std::vector<TimedInterval> intervals);
 
 /// Whether the measured step (median of `steps` step gaps) strays from the predicted whole step beyond the
 /// margin; false before kReplanAfterSteps gaps or without either figure.
