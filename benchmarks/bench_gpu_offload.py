@@ -25,6 +25,8 @@ weights, same seeded random tokens, AdamW at the same learning rate) for
                      TIERFLOW_GPU_MEMORY at the checkpoint mode's device peak (on the CPU, which has no
                      device allocator: weights + grads + AdamW states + 60% of the baseline's saved
                      activations); torch's AdamW kept
+  tierflow-auto-half the same, TIERFLOW_GPU_MEMORY halfway from the checkpoint mode's device peak to the
+                     baseline's (on the CPU: 80% of the saved activations): the plans between the two
   tierflow-auto-fits the planner with the default budget (everything fits on a large GPU: keep all)
   tierflow-params    everything offloaded (issue 18): parameters on the host between uses
                      (TIERFLOW_OFFLOAD_PARAMS=host), AdamW on the CPU stepping the host copies, gradients
@@ -94,7 +96,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bindings", "python"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpt_model import GPT, Block, parameter_count  # noqa: E402
-from gpu_offload_modes import DTYPES, EXTRA_MODES, MODES, PARAMS_MODE, PARAMS_PEER  # noqa: E402
+from gpu_offload_modes import BUDGETED_AUTO_MODES, DTYPES, EXTRA_MODES, MODES, PARAMS_MODE, PARAMS_PEER  # noqa: E402
 from gpu_offload_predict import beside_measured, predict_params_offload  # noqa: E402
 from gpu_offload_report import (GiB, loss_agreement, parse_bytes, print_params_comparison,  # noqa: E402
                                 print_table, write_json_atomic)
@@ -187,15 +189,19 @@ def estimate(cfg: dict) -> dict:
             "host_optimizer_state_bytes": 12 * n, "block_parameters": block}
 
 
-def auto_budget(cfg: dict, results: dict, est: dict) -> tuple[int, str]:
-    """tierflow-auto's TIERFLOW_GPU_MEMORY: the checkpoint mode's device peak (see the module doc)."""
-    ck = results.get("checkpoint", {})
-    if ck.get("device_peak_bytes"):
-        return int(ck["device_peak_bytes"]), "the checkpoint mode's device peak"
+def auto_budget(mode: str, results: dict, est: dict) -> tuple[int, str]:
+    """TIERFLOW_GPU_MEMORY of tierflow-auto: the checkpoint mode's device peak; of tierflow-auto-half: halfway
+    from it to the baseline's (see the module doc)."""
+    ck, base = results.get("checkpoint", {}).get("device_peak_bytes"), results.get("baseline", {}).get("device_peak_bytes")
+    if mode == "tierflow-auto" and ck:
+        return int(ck), "the checkpoint mode's device peak"
+    if mode == "tierflow-auto-half" and ck and base:
+        return int((ck + base) // 2), "halfway from the checkpoint mode's device peak to the baseline's"
     saved = results.get("baseline", {}).get("saved_activations_bytes") or 0
-    return (int(est["weights_grads_adam_bytes"] + 0.6 * saved),
-            "no device peak to read (emulated device or no checkpoint run): weights + grads + AdamW states + "
-            "60% of the baseline's saved activations")
+    share = 0.6 if mode == "tierflow-auto" else 0.8
+    return (int(est["weights_grads_adam_bytes"] + share * saved),
+            "no device peaks to read (emulated device, or no checkpoint or baseline run): weights + grads + AdamW "
+            f"states + {share:.0%} of the baseline's saved activations")
 
 
 def seq_search(cfg: dict, args: argparse.Namespace) -> dict:
@@ -411,10 +417,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     path = args.out or default_out(cfg)
     try:
         for mode in modes:
-            if mode == "tierflow-auto":
-                cfg["auto_gpu_memory"], cfg["auto_gpu_memory_note"] = auto_budget(cfg, results, est)
-                print(f"  tierflow-auto's TIERFLOW_GPU_MEMORY: {cfg['auto_gpu_memory']} bytes "
-                      f"({cfg['auto_gpu_memory_note']})")
+            if mode in BUDGETED_AUTO_MODES:
+                budget, note = auto_budget(mode, results, est)
+                cfg.setdefault("auto_gpu_memory", {})[mode] = budget
+                cfg.setdefault("auto_gpu_memory_note", {})[mode] = note
+                print(f"  {mode}'s TIERFLOW_GPU_MEMORY: {budget} bytes ({note})")
             r = run_mode(mode, cfg, args.mode_timeout)
             results[mode] = r
             status = ("FAILED: " + r["error"].splitlines()[0][:160]) if "error" in r else \

@@ -24,8 +24,12 @@ PARAMS_LEVELS = ("device_peak_bytes", "host_bytes")
 
 # The modes bench_gpu_offload.py runs, and the tierflow settings of each.
 MODES = ["baseline", "save_on_cpu", "checkpoint", "tierflow-host", "tierflow-nvme", "tierflow-host-opt",
-         "tierflow-opt", "deepspeed-offload", "tierflow-auto", "tierflow-auto-fits", PARAMS_MODE, PARAMS_PEER]
-AUTO_MODES = ("tierflow-auto", "tierflow-auto-fits")
+         "tierflow-opt", "deepspeed-offload", "tierflow-auto", "tierflow-auto-half", "tierflow-auto-fits", PARAMS_MODE,
+         PARAMS_PEER]
+AUTO_MODES = ("tierflow-auto", "tierflow-auto-half", "tierflow-auto-fits")
+# The planned modes given a device budget (bench_gpu_offload.auto_budget): checkpointing's peak, and halfway
+# from it to the baseline's.
+BUDGETED_AUTO_MODES = ("tierflow-auto", "tierflow-auto-half")
 PLANNED_MODES = AUTO_MODES + (PARAMS_MODE,)  # profile two steps, plan before the third
 # Opt-in: the baseline again in another process. Its distance from the baseline is the run-to-run noise
 # of the losses (on CUDA, kernels that accumulate with atomics), the floor for reading the others'.
@@ -36,6 +40,7 @@ TIERFLOW_MODES: dict[str, dict[str, str]] = {
     "tierflow-host-opt": dict(offload_activations="host", offload_optimizer="host", weights_return="forward"),
     "tierflow-opt": dict(offload_activations="none", offload_optimizer="host", weights_return="forward"),
     "tierflow-auto": dict(offload_activations="auto", offload_optimizer="none"),
+    "tierflow-auto-half": dict(offload_activations="auto", offload_optimizer="none"),
     "tierflow-auto-fits": dict(offload_activations="auto", offload_optimizer="none"),
     PARAMS_MODE: dict(offload_params="host", offload_optimizer="host", offload_activations="auto"),
 }

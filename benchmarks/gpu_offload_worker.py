@@ -14,7 +14,8 @@ from typing import Any, Optional
 import torch
 
 from gpt_model import GPT, GPTConfig, lm_loss
-from gpu_offload_modes import (CPU_OPTIMIZER_MODES, DEEPSPEED_MODES, DTYPES, PARAMS_MODE, PARAMS_PEER, PLANNED_MODES,
+from gpu_offload_modes import (BUDGETED_AUTO_MODES, CPU_OPTIMIZER_MODES, DEEPSPEED_MODES, DTYPES, PARAMS_MODE,
+                               PARAMS_PEER, PLANNED_MODES,
                                TIERFLOW_MODES, SkipMode, deepspeed_engine, link_bytes, params_summary, throughput,
                                time_cpu_step_kernel)
 from gpu_offload_report import (EMULATED_PEAK_NOTE, _TIERFLOW_IMPORT_ERROR, _median, predicted_beside_measured,
@@ -37,8 +38,8 @@ def tierflow_settings(mode: str, cfg: dict, cuda: bool) -> dict:
             settings["max_grad_norm"] = str(cfg["max_grad_norm"])
     if mode == "tierflow-nvme":
         settings.update(nvme_paths=[cfg["nvme_path"]], nvme_memory=cfg["nvme_memory"])
-    if mode == "tierflow-auto" and cfg.get("auto_gpu_memory"):
-        settings["gpu_memory"] = str(cfg["auto_gpu_memory"])
+    if mode in BUDGETED_AUTO_MODES and (cfg.get("auto_gpu_memory") or {}).get(mode):
+        settings["gpu_memory"] = str(cfg["auto_gpu_memory"][mode])
     if mode == PARAMS_MODE and cfg.get("params_gpu_memory"):  # else tierflow's default budget
         settings["gpu_memory"] = str(cfg["params_gpu_memory"])
     known = {row["name"] for row in tierflow.config_table()}

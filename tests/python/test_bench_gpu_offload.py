@@ -115,7 +115,7 @@ def test_every_mode_runs_and_records_its_measurements(tiny_run):
         # The workers ran on the emulated device in the mode this suite was started with.
         assert data["modes"]["tierflow-host"]["tierflow_report"]["config"]["TIERFLOW_EMULATED_DEVICE"] == \
             EMULATED_DEVICE
-    assert "60% of the baseline's saved activations" in data["config"]["auto_gpu_memory_note"]
+    assert "60% of the baseline's saved activations" in data["config"]["auto_gpu_memory_note"]["tierflow-auto"]
     assert data["longest_seq"]["skipped"]
     for mode in MODES:
         assert mode in stdout  # the table
