@@ -85,17 +85,21 @@ def _parameter_bytes(task: Task) -> int:
 
 def _resident_and_budget(task: Task, steps: int, device: str, params_share: float, **settings) -> tuple:
     """The run with every parameter on the device, and a device budget with room for `params_share` of the
-    parameters. On the emulated device that share is the budget (nothing else is counted there); on CUDA the
-    process holds more (cuBLAS's workspace, the logits, what earlier tests left allocated), so the budget is the
-    resident run's allocated peak less the rest of the parameters."""
+    parameters. On the emulated device that share is the budget (nothing else is counted there). On CUDA the
+    process holds more (cuBLAS's workspace, the logits, what earlier tests left allocated): a first run under
+    TIERFLOW_OFFLOAD_PARAMS=auto measures what the rest of training holds (its profile's fixed_device_bytes,
+    Note [Auto plan phases]), and the budget is that, the largest block's working set and the prefetch window,
+    and the share."""
     total = _parameter_bytes(task)
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
     resident = train(task, steps, True, device=device, **settings)
     if device != "cuda":
         return resident, int(total * params_share)
-    return resident, torch.cuda.max_memory_allocated() - int(total * (1 - params_share))
+    profile = train(task, 3, True, device=device, offload_params="auto", **settings).session.planner.profile
+    largest = max(b["input_bytes"] + b["whole_bytes"] + b["split_bytes"] + b["cheap_bytes"] + b["transient_bytes"]
+                  for b in profile["blocks"])
+    window = min(int(settings.get("prefetch_bytes", 0)), sum(
+        b["input_bytes"] + b["whole_bytes"] + b["split_bytes"] + b["cheap_bytes"] for b in profile["blocks"]))
+    return resident, profile["fixed_device_bytes"] + largest + window + int(total * params_share)
 
 
 @pytest.mark.parametrize("tier", ["host", "nvme"])

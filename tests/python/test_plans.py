@@ -128,6 +128,16 @@ def test_auto_keeps_everything_when_it_fits_and_profiles_once(tmp_path, device):
     # A second run reads the profile: the plan is made before its first forward.
     again = train(task, 1, True, device=device, profile=path, **OPT_NONE)
     assert again.report["plan"]["modes"] == ["keep", "keep"] and again.report["activations"]["packs"] == 0
+    assert again.report["plan"]["timed_step"] is None  # planned from the file: nothing timed
+    # What the timed step measured, in the report (issue 17: where a prediction went wrong, from a GPU run's JSON).
+    timed = tier.report["plan"]["timed_step"]
+    assert timed["step_seconds"] == profile["timed_step_seconds"] > 0 and timed["host_gaps_seconds"] >= 0, timed
+    assert timed["host_gaps_seconds"] == profile["host_gaps_seconds"]
+    assert timed["step_seconds"] >= (timed["blocks_forward_seconds"] + timed["blocks_backward_seconds"]
+                                     + timed["blocks_replay_seconds"] + timed["host_gaps_seconds"]), timed
+    assert timed["rest_of_step_seconds"] == profile["rest_of_step_seconds"]
+    assert [b["forward_seconds"] for b in timed["blocks"]] == [b["forward_seconds"] for b in profile["blocks"]]
+    assert timed["links"]["d2h"] == profile["links"]["d2h"] > 0
 
 
 def test_auto_times_each_blocks_backward(tmp_path, device):

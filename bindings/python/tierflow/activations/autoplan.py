@@ -59,6 +59,7 @@ class AutoPlanner:
         self._step_starts: list = []
         self._timed_start: Optional[float] = None  # the timed step's forward (Note [Re-plan]: the rest of a step)
         self.replanned: Optional[dict] = None  # Note [Re-plan]: the one re-plan, or why there was none
+        self.timed_step: Optional[dict] = None  # what the timed step measured (report()["plan"]["timed_step"])
         self._plan_struct: Any = None  # the plan in force as tiering's Plan (what a re-plan calibrates on)
         # CUDA, the timed step: the device's peak over forward and backward, and over the optimizer's step
         # (Note [Auto plan phases]); the global step pre-hook that splits them, while it is in place.
@@ -116,6 +117,7 @@ class AutoPlanner:
         out["params"] = [bp.get("params", "gpu") for bp in blocks]
         out["rest_params"] = self.plan.get("rest_params", "gpu")
         out["replanned"] = self.replanned
+        out["timed_step"] = self.timed_step  # None for a plan read from a profile
         out["why"] = self.plan.get("why", [])
         if self.optimizer_step_peak is not None:  # CUDA: the timed step's optimizer step, apart
             out["measured_peaks"] = {"forward_backward_bytes": self._forward_backward_peak,
@@ -189,9 +191,11 @@ class AutoPlanner:
             gaps = _C.host_gaps_seconds([(kind == "backward", r.index, t0, t1) for r in self.runners
                                          for kind, t0, t1 in r.intervals])
             profile["host_gaps_seconds"] = gaps
+            profile["timed_step_seconds"] = step
             profile["rest_of_step_seconds"] = _C.rest_of_step_seconds(step, sum(
                 sum(r.forward_seconds) + sum(r.backward_seconds) + sum(r.recompute_seconds) for r in self.runners),
                 _C.outside_swap_seconds(links_struct(profile["links"]), outside), gaps)
+            self.timed_step = self._timed_step_summary(profile, step, gaps)
             if self._forward_backward_peak is not None:
                 profile["measured_peak_bytes"] = self._forward_backward_peak
                 profile["measured_reserved_peak_bytes"] = self._forward_backward_reserved
@@ -199,6 +203,23 @@ class AutoPlanner:
             if self.profile_path:
                 write_json_atomic(self.profile_path, profile)
             self.make_plan(profile)
+
+    def _timed_step_summary(self, profile: dict, step: float, gaps: float) -> dict:
+        """What the timed step measured, as the report shows it: the figures the plan's predictions stand on, so
+        that a run on a GPU says where a prediction went wrong (issue 17)."""
+        runners = self.runners
+        return {"step_seconds": step, "blocks_forward_seconds": sum(sum(r.forward_seconds) for r in runners),
+                "blocks_backward_seconds": sum(sum(r.backward_seconds) for r in runners),
+                "blocks_replay_seconds": sum(sum(r.recompute_seconds) for r in runners),
+                "host_gaps_seconds": gaps, "rest_of_step_seconds": profile["rest_of_step_seconds"],
+                "outside_saved_bytes": profile.get("outside_saved_bytes"),
+                "measured_peak_bytes": profile.get("measured_peak_bytes"),
+                "fixed_device_bytes": profile.get("fixed_device_bytes"),
+                "links": dict(profile["links"]),
+                "blocks": [{k: b.get(k) for k in ("forward_seconds", "backward_seconds", "input_bytes", "whole_bytes",
+                                                  "split_bytes", "cheap_bytes", "transient_bytes",
+                                                  "split_recompute_seconds", "cheap_recompute_seconds")}
+                           for b in profile["blocks"]]}
 
     def _packed_outside(self) -> int:
         return int(self.session.runtime.stats()["activations"]["policy_bytes"])
