@@ -192,7 +192,8 @@ def estimate(cfg: dict) -> dict:
 def auto_budget(mode: str, results: dict, est: dict) -> tuple[int, str]:
     """TIERFLOW_GPU_MEMORY of tierflow-auto: the checkpoint mode's device peak; of tierflow-auto-half: halfway
     from it to the baseline's (see the module doc)."""
-    ck, base = results.get("checkpoint", {}).get("device_peak_bytes"), results.get("baseline", {}).get("device_peak_bytes")
+    ck = results.get("checkpoint", {}).get("device_peak_bytes")
+    base = results.get("baseline", {}).get("device_peak_bytes")
     if mode == "tierflow-auto" and ck:
         return int(ck), "the checkpoint mode's device peak"
     if mode == "tierflow-auto-half" and ck and base:

@@ -154,8 +154,16 @@ def predicted_beside_measured(plan: dict, result: dict) -> dict:
             "rest_of_step_seconds": plan.get("rest_of_step_seconds"), "replanned": plan.get("replanned"),
             "compute_vs_predicted": ratio(compute, blocks), "step_vs_predicted": ratio(result.get("step_seconds"), step),
             "peak_vs_predicted": ratio(reserved, peak),
-            "allocated_peak_vs_predicted": ratio(result.get("device_peak_bytes") if reserved is not None else None, peak),
+            # The allocated peak beside the plan's, on CUDA only (the emulated device has no allocator's peaks).
+            "allocated_peak_vs_predicted": None if reserved is None else ratio(result.get("device_peak_bytes"), peak),
             "prediction_note": PREDICTION_NOTE}
+
+
+def _allocated_beside(r: dict) -> str:
+    """", allocated X x R": the measured allocated peak and its ratio to the predicted one (CUDA), or ""."""
+    if r.get("allocated_peak_vs_predicted") is None:
+        return ""
+    return f", allocated {fmt_bytes(r['device_peak_bytes'])} x{_fmt(r['allocated_peak_vs_predicted'], '.2f')}"
 
 
 def print_params_comparison(out: dict) -> None:
@@ -229,7 +237,7 @@ def print_table(out: dict) -> None:
                   f"{fmt_bytes(r['predicted_peak_bytes']) if r['predicted_peak_bytes'] is not None else '-'}, "
                   f"reserved {fmt_bytes(peak) if peak is not None else '- (no device allocator)'}"
                   f"{'' if r['peak_vs_predicted'] is None else ' x' + _fmt(r['peak_vs_predicted'], '.2f')}"
-                  f"{'' if r.get('allocated_peak_vs_predicted') is None else ', allocated ' + fmt_bytes(r['device_peak_bytes']) + ' x' + _fmt(r['allocated_peak_vs_predicted'], '.2f')}")
+                  f"{_allocated_beside(r)}")
         if r.get("params"):
             pp, per, links = r["params"], r.get("params_per_measured_step") or {}, r.get("per_link_bytes_per_step")
             budget = (r.get("tierflow_settings") or {}).get("gpu_memory", "tierflow's default")

@@ -10,8 +10,12 @@ gradient_as_bucket_view, no_sync, static_graph, find_unused_parameters, tierflow
 binds) and a user's comm hook registered after wrap. A hook registered before tierflow sees DDP turns those
 steps off with a warning; TIERFLOW_OFFLOAD_GRADIENTS=on is refused under DDP.
 
-FSDP2 (torch.distributed.fsdp.fully_shard) is refused in every order, with an error that names it and
-says what to do, in a process group of one process (fully_shard runs on the CPU with gloo).
+FSDP2 (torch.distributed.fsdp.fully_shard): two gloo processes train a small transformer-like model whose blocks
+and root are FSDP2 units, with and without tierflow, in both orders (wrap after fully_shard, fully_shard after
+wrap), activations kept, swapped to the host, recomputed, and planned (auto, with room and under a tight budget),
+the user's optimizer stepping FSDP2's shards: bit-identical to FSDP2 alone on each rank. tierflow's CPU optimizer
+and parameter offload, which FSDP2's shards do not take yet, are refused in every order with an error that names
+them and says what FSDP2 accepts (a process group of one process; fully_shard runs on the CPU with gloo).
 """
 
 from __future__ import annotations
@@ -426,12 +430,164 @@ def test_gradients_all_reduced_by_hand_stop_the_steps_during_backward(ddp_runs):
         assert "all-reduce" in ours["warnings"][0] and "2-process" in ours["warnings"][0], ours["warnings"][0]
 
 
-# ---- FSDP2: refused ------------------------------------------------------------------------------------------------
+# ---- FSDP2: activations offloaded, the user's optimizer stepping the shards ---------------------------------------
 
-FSDP2_REFUSED = r"fully_shard \(FSDP2\).*does not support FSDP2 yet.*DistributedDataParallel \(DDP\).*one process"
-# The settings the issue's users tried: NaN losses; a replay op-count mismatch; a null-pointer copy.
-USERS_SETTINGS = [dict(offload_activations="host", offload_optimizer="none"), dict(),
-                  dict(offload_activations="none", offload_optimizer="host")]
+FSDP_STEPS = 5  # auto: two profiling steps, then its plan for three
+FSDP_ACTS = ("none", "host", "recompute", "auto", "auto tight")
+FSDP_ORDERS = ("wrap(fully_shard)", "fully_shard(wrap)")
+
+# Two ranks, four transformer-like blocks each its own FSDP2 unit and the root one more (reshard_after_forward: the
+# unsharded parameters are freed after each block's forward and gathered again for its backward).
+_FSDP_WORKER = textwrap.dedent("""
+    import datetime, sys
+    import torch, torch.distributed as dist, torch.nn as nn
+    sys.path[:0] = [{bindings!r}]
+    import tierflow
+    from torch.distributed.fsdp import fully_shard
+
+    rank, store, out_path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    torch.set_num_threads(1)
+    FSDP_STEPS = {steps}
+
+    class Block(nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.ln, self.fc1, self.fc2 = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+        def forward(self, x):
+            return x + self.fc2(nn.functional.gelu(self.fc1(self.ln(x))))
+
+    class Net(nn.Module):
+        def __init__(self, d=64, n=4):
+            super().__init__()
+            self.inp, self.out = nn.Linear(16, d), nn.Linear(d, 4)
+            self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+
+        def forward(self, x):
+            h = self.inp(x)
+            for b in self.blocks:
+                h = b(h)
+            return self.out(h)
+
+    def shard(model):
+        for b in model.blocks:
+            fully_shard(b)
+        return fully_shard(model)
+
+    def run(order, acts=None, budget=None):
+        torch.manual_seed(0)
+        model = Net()
+        settings = dict(device="emulated", offload_activations=acts, offload_optimizer="none", min_offload_bytes=0,
+                        prefetch_bytes="64KiB")
+        if acts == "auto tight":
+            settings.update(offload_activations="auto", gpu_memory=str(budget))
+        if order == "fully_shard(wrap)":  # wrap first: tierflow finds FSDP2 at the first forward
+            settings.pop("offload_optimizer")  # no optimizer to replace: the default's CPU optimizer is not made
+            model, _ = tierflow.wrap(model, None, **settings)
+        shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)  # steps FSDP2's shards
+        if order == "wrap(fully_shard)":
+            model, opt = tierflow.wrap(model, opt, **settings)
+        out = dict(losses=[])
+        for step in range(FSDP_STEPS):
+            g = torch.Generator().manual_seed(100 * step + rank)  # each rank its own data
+            x, y = torch.randn(64, 16, generator=g), torch.randn(64, 4, generator=g)
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            out["losses"].append(loss.item())
+        out["shards"] = {{n: p.to_local().detach().clone() for n, p in model.named_parameters()}}
+        if order is not None:
+            report = tierflow.report()
+            out.update(packs=report["activations"]["packs"], offloaded=report["activations"]["offloaded_bytes"],
+                       plan=report.get("plan"))
+            tierflow.unwrap(model)
+        return out
+
+    results = dict(baseline=run(None))
+    for order in {orders}:
+        for acts in {acts}:
+            budget = None
+            if acts == "auto tight":  # room for half of what the blocks save beside the rest of training
+                plan = results[(order, "auto")]["plan"]
+                budget = plan["predicted_device_peak_bytes"] - plan["kept_bytes"] // 2
+            results[(order, acts)] = run(order, acts, budget)
+    torch.save(results, out_path)
+    dist.barrier()
+    dist.destroy_process_group()
+""")
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory):
+    """Per rank, {case: what that rank saw}: FSDP2 without tierflow, and with it in both orders."""
+    d = tmp_path_factory.mktemp("fsdp")
+    script = _FSDP_WORKER.format(bindings=os.path.join(ROOT, "bindings", "python"), steps=FSDP_STEPS,
+                                 orders=FSDP_ORDERS, acts=FSDP_ACTS)
+    return _run_ranks(d, script)
+
+
+@pytest.mark.parametrize("order", FSDP_ORDERS)
+@pytest.mark.parametrize("acts", FSDP_ACTS)
+def test_fsdp2_with_offloaded_activations_trains_as_fsdp2_alone(fsdp_runs, order, acts):
+    """Bit for bit FSDP2's own run on each rank: losses and each rank's parameter shards. What moves is only
+    activations: FSDP2's unsharded parameters (freed after each block's forward, gathered again for backward)
+    are never copied, and the replays of recompute and auto run the blocks' forwards without FSDP2's hooks."""
+    for rank, results in enumerate(fsdp_runs):
+        base, run = results["baseline"], results[(order, acts)]
+        assert run["losses"] == base["losses"], (rank, run["losses"], base["losses"])
+        assert run["shards"].keys() == base["shards"].keys()
+        for name, shard in base["shards"].items():
+            assert torch.equal(run["shards"][name], shard), (rank, name)
+        if acts == "none":
+            assert run["offloaded"] == 0, run
+            continue
+        assert run["packs"] > 0, run
+        # What a step saves: the blocks' activations, not their parameters (64 x 64 floats and 64 x 256 floats
+        # per block's linear layers: no parameter shard or unsharded weight of 64 x 256 floats is among them).
+        if acts == "host":
+            assert 0 < run["offloaded"] < FSDP_STEPS * 4 * 64 * (3 * 64 + 3 * 256) * 4, run
+        if acts.startswith("auto"):
+            modes = run["plan"]["modes"]
+            assert len(modes) == 4, run["plan"]
+            assert set(modes) == {"keep"} if acts == "auto" else set(modes) != {"keep"}, run["plan"]["summary"]
+
+
+REFUSED_WITH_FSDP2 = [dict(), dict(offload_activations="none", offload_optimizer="host"),
+                      dict(offload_optimizer="none", offload_params="host")]
+
+
+@pytest.mark.parametrize("settings", REFUSED_WITH_FSDP2, ids=["defaults", "cpu optimizer", "params"])
+@pytest.mark.parametrize("sharded", ["blocks and root", "one block"])
+def test_fsdp2_with_settings_it_cannot_train_is_refused_and_leaves_nothing(world_of_one, sharded, settings):
+    """tierflow's CPU optimizer does not step DTensor shards, and parameter offload would move what FSDP2 gathers:
+    refused at wrap, naming the setting and what FSDP2 accepts; nothing left behind."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = _mlp()
+    if sharded == "blocks and root":
+        for i in (0, 2, 4):
+            fully_shard(model[i])
+        fully_shard(model)
+    else:
+        fully_shard(model[2])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    hooks = _hooks(model)
+    setting = "TIERFLOW_OFFLOAD_PARAMS='host'" if "offload_params" in settings else \
+        f"TIERFLOW_OFFLOAD_OPTIMIZER='{settings.get('offload_optimizer', 'host')}'"
+    with pytest.raises(tierflow.TierflowError, match=r"fully_shard \(FSDP2\)") as refused:
+        tierflow.wrap(model, opt, device="emulated", **settings)
+    message = str(refused.value)
+    assert setting in message and "accepted with FSDP2: TIERFLOW_OFFLOAD_OPTIMIZER=none" in message, message
+    # Nothing left behind: no session, no hook, the optimizer as it was; FSDP2 trains on.
+    assert getattr(model, "_tierflow_session", None) is None
+    assert _hooks(model) == hooks
+    assert type(opt) is torch.optim.AdamW and opt.state == {}
+    losses = _train_steps(model, opt)
+    assert all(torch.isfinite(torch.tensor(losses))), losses
 
 
 def _mlp() -> nn.Module:
@@ -480,33 +636,8 @@ def test_ddp_join_dividing_by_the_ranks_left_is_refused_with_the_steps_during_ba
     tierflow.unwrap(net)
 
 
-@pytest.mark.parametrize("settings", USERS_SETTINGS, ids=["host-none", "defaults", "none-host"])
-@pytest.mark.parametrize("sharded", ["blocks and root", "one block"])
-def test_wrap_of_a_fully_sharded_model_is_refused_and_leaves_nothing(world_of_one, sharded, settings):
-    from torch.distributed.fsdp import fully_shard
-
-    model = _mlp()
-    if sharded == "blocks and root":
-        for i in (0, 2, 4):
-            fully_shard(model[i])
-        fully_shard(model)
-    else:
-        fully_shard(model[2])
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    hooks = _hooks(model)
-    with pytest.raises(tierflow.TierflowError, match=FSDP2_REFUSED) as refused:
-        tierflow.wrap(model, opt, device="emulated", **settings)
-    assert "FSDP2 support is planned" in str(refused.value)
-    # Nothing left behind: no session, no hook, the optimizer as it was; FSDP2 trains on.
-    assert getattr(model, "_tierflow_session", None) is None
-    assert _hooks(model) == hooks
-    assert type(opt) is torch.optim.AdamW and opt.state == {}
-    losses = _train_steps(model, opt)
-    assert all(torch.isfinite(torch.tensor(losses))), losses
-
-
-@pytest.mark.parametrize("settings", USERS_SETTINGS, ids=["host-none", "defaults", "none-host"])
-def test_fully_shard_after_wrap_is_refused_at_the_first_forward(world_of_one, settings):
+@pytest.mark.parametrize("settings", REFUSED_WITH_FSDP2[:2], ids=["defaults", "cpu optimizer"])
+def test_fully_shard_after_wrap_with_settings_it_cannot_train_is_refused_at_the_first_forward(world_of_one, settings):
     from torch.distributed.fsdp import fully_shard
 
     model = _mlp()
@@ -521,8 +652,8 @@ def test_fully_shard_after_wrap_is_refused_at_the_first_forward(world_of_one, se
                                                          r"tierflow.wrap") as refused:
             model(x).sum().backward()
         message = str(refused.value)
-        assert "does not support FSDP2 yet" in message and "DistributedDataParallel (DDP)" in message, message
-        assert "one process" in message and "FSDP2 support is planned" in message, message
+        assert "accepted with FSDP2: TIERFLOW_OFFLOAD_OPTIMIZER=none" in message, message
+        assert "tierflow.unwrap(model)" in message, message
     report = tierflow.report()
     assert report["activations"]["packs"] == 0 and report["activations"]["offloaded_bytes"] == 0, \
         "refused before anything was saved"
@@ -532,14 +663,15 @@ def test_fully_shard_after_wrap_is_refused_at_the_first_forward(world_of_one, se
 
 
 def test_optimizer_holding_dtensor_parameters_is_refused(world_of_one):
+    """An optimizer of another, sharded model: its DTensors are not the wrapped model's."""
     from torch.distributed.fsdp import fully_shard
 
     model, sharded = _mlp(), fully_shard(_mlp())
     opt = torch.optim.AdamW(sharded.parameters(), lr=1e-2)
     hooks = _hooks(model)
     with pytest.raises(tierflow.TierflowError, match=r"6 of the optimizer's 6 parameters are DTensors.*"
-                                                     r"fully_shard \(FSDP2\).*DistributedDataParallel \(DDP\)"):
-        tierflow.wrap(model, opt, device="emulated")
+                                                     r"the model has no FSDP2 module.*another model's"):
+        tierflow.wrap(model, opt, device="emulated", offload_optimizer="none")
     assert getattr(model, "_tierflow_session", None) is None and _hooks(model) == hooks
 
 
@@ -550,6 +682,7 @@ def test_dtensor_parameters_of_tensor_parallelism_are_refused(world_of_one):
     model = _mlp()
     parallelize_module(model, init_device_mesh("cpu", (1,)), {"0": ColwiseParallel(), "2": RowwiseParallel()})
     with pytest.raises(tierflow.TierflowError, match=r"4 of the model's parameters are DTensors \('0.weight'.*"
-                                                     r"does not support FSDP2 or DTensor parameters yet"):
-        tierflow.wrap(model, torch.optim.AdamW(model.parameters()), device="emulated")
+                                                     r"no module of it is an FSDP2 module.*tensor parallelism.*"
+                                                     r"fully_shard \(FSDP2\) or DistributedDataParallel"):
+        tierflow.wrap(model, torch.optim.AdamW(model.parameters()), device="emulated", offload_optimizer="none")
     assert getattr(model, "_tierflow_session", None) is None

@@ -75,15 +75,29 @@ is refused with an error that names it:
 - TIERFLOW_OFFLOAD_GRADIENTS=on under DDP is refused: it sets p.grad to None
   during backward, while DDP's reducer still has to read and all-reduce it
   (with DDP applied after wrap the losses silently left DDP's).
-- FSDP2 (torch.distributed.fsdp.fully_shard) is refused, in either order:
-  wrap of a model with an FSDPModule or a DTensor parameter, or of an
-  optimizer holding DTensor parameters, and fully_shard after wrap, at the
-  wrapped model's first forward, before anything is saved. Unrefused it was
-  wrong: FSDP2's unsharded parameters are not registered parameters, so
-  activation offload copied them asynchronously while FSDP2 freed their
-  storage after forward (NaN losses), the activation planner's replay failed,
-  and the CPU optimizer cannot take DTensors. Tensor parallelism makes DTensor
-  parameters too: refused with the same check.
+- FSDP2 (torch.distributed.fsdp.fully_shard) trains right, in either order
+  (wrap of a sharded model, or fully_shard after wrap, found at the wrapped
+  model's first forward), with every activation setting and the user's
+  optimizer stepping FSDP2's shards (TIERFLOW_OFFLOAD_OPTIMIZER=none):
+  bit-identical to FSDP2 alone. Two things make it so. FSDP2's unsharded
+  parameters are not registered parameters (model.parameters() holds the
+  DTensor shards), and FSDP2 frees their storage after each unit's forward
+  and gathers it again for backward: a saved tensor that is one of them, or
+  a view of one (the weight.t() a linear layer saves), copied to the host as
+  an activation was read after its storage was freed. So before each FSDP2
+  unit's forward, after FSDP2's own pre-forward hook has gathered its
+  parameters, the session tells the offloader their storages, and those
+  saved tensors stay where FSDP2 manages them. And a block's recorded
+  forward ends before FSDP2's post-forward hook (the runner's forward hook
+  is put first on an FSDP2 module): its replay runs the module with FSDP2's
+  hooks, which do nothing during backward (FSDP2's pre-backward state, as
+  for torch.utils.checkpoint), so the hook's ops must not be in the record.
+  What FSDP2 cannot take from tierflow yet is refused in either order, with
+  the setting named and what FSDP2 accepts: tierflow's CPU optimizer
+  (TIERFLOW_OFFLOAD_OPTIMIZER=host or nvme, the default; it does not step
+  DTensor shards) and parameter offload (FSDP2 moves its parameters itself).
+  DTensor parameters without an FSDP2 module (tensor parallelism) are
+  refused, and so is an optimizer holding DTensors of another model.
 
 Nothing here imports torch.distributed's submodules: a class that was never
 imported has no instances, so a run without torch.distributed pays one
@@ -100,8 +114,8 @@ import torch
 
 from . import _C, _ddp_feed
 
-_INSTEAD = "use torch.nn.parallel.DistributedDataParallel (DDP) instead, or train on one process"
-_ADVICE = f"{_INSTEAD}; FSDP2 support is planned"
+_TP_ADVICE = ("use torch.distributed.fsdp.fully_shard (FSDP2) or DistributedDataParallel (DDP) instead, or train on "
+              "one process")
 
 
 def _class(module: str, name: str) -> Optional[type]:
@@ -144,21 +158,50 @@ def _some(names: list) -> str:
     return shown + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
-def refuse_sharded(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> None:
-    """tierflow.wrap, before anything is made: refuses FSDP2 modules, DTensor parameters, and an
-    optimizer holding DTensors, with a TierflowError that says what to do instead."""
+def fsdp_modules(model: torch.nn.Module) -> list:
+    """The FSDP2 modules (fully_shard) in ``model``, the model itself included."""
+    fsdp = _class("torch.distributed.fsdp", "FSDPModule")
+    return [] if fsdp is None else [m for m in model.modules() if isinstance(m, fsdp)]
+
+
+def _fsdp_settings_refusal(config: Any, replacing: bool) -> Optional[str]:
+    """Why these settings cannot train an FSDP2 model, or None: tierflow offloads its activations; the torch
+    optimizer steps FSDP2's shards (Note [Distributed training]). ``replacing``: tierflow's CPU optimizer takes an
+    optimizer's place (one was passed to wrap, and TIERFLOW_OFFLOAD_OPTIMIZER is not none)."""
+    optimizer, params = config["TIERFLOW_OFFLOAD_OPTIMIZER"], config["TIERFLOW_OFFLOAD_PARAMS"]
+    if replacing:
+        return (f"TIERFLOW_OFFLOAD_OPTIMIZER={optimizer!r} asks tierflow's CPU optimizer to step the parameters, which "
+                "FSDP2 has made DTensor shards, and it does not step those yet")
+    if params != "none":
+        return (f"TIERFLOW_OFFLOAD_PARAMS={params!r} would move the parameters FSDP2 shards and gathers itself")
+    return None
+
+
+_FSDP_ACCEPTED = ("accepted with FSDP2: TIERFLOW_OFFLOAD_OPTIMIZER=none (offload_optimizer='none': your torch "
+                  "optimizer steps FSDP2's shards, where FSDP2 keeps them, CPUOffloadPolicy included) and "
+                  "TIERFLOW_OFFLOAD_PARAMS=none, with any TIERFLOW_OFFLOAD_ACTIVATIONS (tierflow offloads the "
+                  "activations); or DistributedDataParallel (DDP), with which tierflow's CPU optimizer steps")
+
+
+def refuse_sharded(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], config: Any) -> None:
+    """tierflow.wrap, before anything is made: an FSDP2 model with settings that cannot train it, DTensor
+    parameters that FSDP2 did not make (tensor parallelism), and an optimizer holding DTensors of another
+    model are refused, with a TierflowError that says what to do instead."""
     modules, params = _sharded(model)
     if modules:
-        raise _C.TierflowError(
-            "tierflow.wrap: the model is sharded by torch.distributed.fsdp.fully_shard (FSDP2): "
-            f"{_some(modules)} {'is an FSDPModule' if len(modules) == 1 else 'are FSDPModules'}; tierflow does "
-            "not support FSDP2 yet (its activation offload would copy the parameters FSDP2 unshards and frees "
-            f"around each forward, and its CPU optimizer cannot step DTensor parameters); {_ADVICE}")
+        replacing = optimizer is not None and config["TIERFLOW_OFFLOAD_OPTIMIZER"] != "none"
+        why = _fsdp_settings_refusal(config, replacing)
+        if why is not None:
+            raise _C.TierflowError(
+                "tierflow.wrap: the model is sharded by torch.distributed.fsdp.fully_shard (FSDP2): "
+                f"{_some(modules)} {'is an FSDPModule' if len(modules) == 1 else 'are FSDPModules'}, and {why}; "
+                f"{_FSDP_ACCEPTED}")
+        return  # its DTensors are FSDP2's shards, stepped by the user's optimizer
     if params:
         raise _C.TierflowError(
-            f"tierflow.wrap: {len(params)} of the model's parameters are DTensors ({_some(params)}), as "
-            "torch.distributed.fsdp.fully_shard (FSDP2) or tensor parallelism make them; tierflow does not "
-            f"support FSDP2 or DTensor parameters yet; {_ADVICE}")
+            f"tierflow.wrap: {len(params)} of the model's parameters are DTensors ({_some(params)}) and no module "
+            "of it is an FSDP2 module (fully_shard), as tensor parallelism makes them; tierflow does not support "
+            f"tensor parallelism; {_TP_ADVICE}")
     dtensor = _class("torch.distributed.tensor", "DTensor")
     if optimizer is not None and dtensor is not None:
         held = [p for g in optimizer.param_groups for p in g["params"]]
@@ -166,26 +209,32 @@ def refuse_sharded(model: torch.nn.Module, optimizer: Optional[torch.optim.Optim
         if sharded:
             raise _C.TierflowError(
                 f"tierflow.wrap: {len(sharded)} of the optimizer's {len(held)} parameters are DTensors (the first "
-                f"has shape {list(sharded[0].shape)}), as torch.distributed.fsdp.fully_shard (FSDP2) or tensor "
-                f"parallelism make them; tierflow does not support FSDP2 or DTensor parameters yet; {_ADVICE}")
+                f"has shape {list(sharded[0].shape)}), but the model has no FSDP2 module (fully_shard) and no "
+                "DTensor parameter: the optimizer is another model's; pass the optimizer of the model you wrap")
 
 
-def _refuse_sharded_later(model: torch.nn.Module) -> None:
-    """At the wrapped model's first forward: fully_shard (or tensor parallelism) applied after wrap."""
+def refuse_sharded_later(model: torch.nn.Module, config: Any, cpu_optimizer: bool) -> list:
+    """At the wrapped model's first forward: fully_shard (or tensor parallelism) applied after wrap. Returns the
+    FSDP2 modules, whose unsharded parameters the session then tells the offloader about; raises for settings
+    that cannot train them (``cpu_optimizer``: wrap made a CPUAdamW), and for tensor parallelism."""
     modules, params = _sharded(model)
     if not modules and not params:
-        return
+        return []
     if modules:
+        why = _fsdp_settings_refusal(config, cpu_optimizer)
+        if why is None:
+            return fsdp_modules(model)
         what = ("torch.distributed.fsdp.fully_shard (FSDP2) was applied to the model after tierflow.wrap "
-                f"({_some(modules)} {'is an FSDPModule' if len(modules) == 1 else 'are FSDPModules'}); tierflow "
-                "does not support FSDP2 yet")
+                f"({_some(modules)} {'is an FSDPModule' if len(modules) == 1 else 'are FSDPModules'}), and {why}")
+        advice = _FSDP_ACCEPTED
     else:
-        what = (f"{len(params)} of the model's parameters became DTensors after tierflow.wrap ({_some(params)}), as "
-                "tensor parallelism or torch.distributed.fsdp.fully_shard (FSDP2) make them; tierflow does not "
-                "support FSDP2 or DTensor parameters yet")
+        what = (f"{len(params)} of the model's parameters became DTensors after tierflow.wrap ({_some(params)}) and "
+                "no module of it is an FSDP2 module, as tensor parallelism makes them; tierflow does not support "
+                "tensor parallelism")
+        advice = _TP_ADVICE
     raise _C.TierflowError(
-        f"tierflow: {what} (this forward was stopped before tierflow saved anything); {_INSTEAD}, or call "
-        "tierflow.unwrap(model) to train it without tierflow; FSDP2 support is planned")
+        f"tierflow: {what} (this forward was stopped before tierflow saved anything); {advice}; or call "
+        "tierflow.unwrap(model) to train it without tierflow")
 
 
 # -- DDP: the steps during backward fed the reduced gradients ----------------------
@@ -219,6 +268,7 @@ class DistributedWatch:
     def __init__(self, ddp_seen: bool) -> None:
         self.ddp_seen = ddp_seen  # DDP noted: steps during backward already off (or offloading refused)
         self.sharding_checked = False  # FSDP2 after wrap looked for, at the first forward
+        self.fsdp_found: list = []  # the FSDP2 modules found there (the session hooks them)
         self.pending = torch.distributed.is_available()  # anything left to check at a forward
 
 
@@ -273,12 +323,12 @@ def check_wrap(optimizer: Any, model: torch.nn.Module) -> DistributedWatch:
     return DistributedWatch(ddp is not None)
 
 
-def check_forward(watch: DistributedWatch, optimizer: Any, module: torch.nn.Module) -> None:
-    """A forward of the wrapped model, while ``watch.pending``: refuses FSDP2 applied after wrap (first forward,
-    before anything is saved) and notes a DDP around the wrapped model. ``optimizer``: the session's CPUAdamW,
-    or None."""
+def check_forward(watch: DistributedWatch, optimizer: Any, module: torch.nn.Module, config: Any) -> None:
+    """A forward of the wrapped model, while ``watch.pending``: looks for FSDP2 applied after wrap (first forward,
+    before anything is saved: ``watch.fsdp_found``, or refused) and notes a DDP around the wrapped model.
+    ``optimizer``: the session's CPUAdamW, or None."""
     if not watch.sharding_checked:
-        _refuse_sharded_later(module)
+        watch.fsdp_found = refuse_sharded_later(module, config, optimizer is not None)
         watch.sharding_checked = True
     offloading = optimizer is not None and optimizer.gradients_offloaded()
     early = optimizer is not None and optimizer.steps_during_backward()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import sys
 import weakref
 from typing import Any, Iterator, Optional
 
@@ -14,7 +15,7 @@ from torch.utils._pytree import tree_flatten
 from . import _C
 from ._compile import outside_graphs
 from ._config import settings_to_strings
-from ._distributed import check_forward, check_wrap, rank_and_world_size, refuse_sharded
+from ._distributed import check_forward, check_wrap, fsdp_modules, rank_and_world_size, refuse_sharded
 from ._report import Report
 
 # Note [Session lifetime]
@@ -65,6 +66,7 @@ class Session:
 
             self.planner = AutoPlanner(self, model, blocks)
         self.runtime.register_parameters([p for p in model.parameters()])
+        self.watch_fsdp(fsdp_modules(model))
         # Note [Hooks outside graphs]: dynamo never traces them.
         self._handles.append(model.register_forward_pre_hook(outside_graphs(self._before_forward)))
         self._handles.append(model.register_forward_hook(outside_graphs(self._after_forward), always_call=True))
@@ -72,6 +74,19 @@ class Session:
             from .params import ParamOffload
 
             self.params = ParamOffload(self, model, blocks)
+
+    def watch_fsdp(self, modules: list) -> None:
+        """FSDP2 modules (Note [Distributed training]): before each one's forward, after FSDP2's own pre-forward
+        hook has gathered its parameters, the offloader learns the unsharded parameters' storages, so that a
+        saved tensor that is (a view of) one stays where FSDP2 manages it and is never copied as an activation
+        (FSDP2 frees that storage after the forward and gathers it again for backward)."""
+        for m in modules:
+            self._handles.append(m.register_forward_pre_hook(outside_graphs(self._register_unsharded)))
+
+    def _register_unsharded(self, module: torch.nn.Module, args: Any) -> None:
+        dtensor = sys.modules.get("torch.distributed.tensor")
+        sharded = getattr(dtensor, "DTensor", ()) if dtensor is not None else ()
+        self.runtime.register_parameters([p for p in module.parameters() if not isinstance(p, sharded)])
 
     def detach(self) -> None:
         """Removes the hooks; saved tensors already offloaded still come back."""
@@ -87,7 +102,10 @@ class Session:
     def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
         opt = self.optimizer() if self.optimizer is not None else None
         if self.distributed is not None and self.distributed.pending:  # FSDP2 refused, DDP noted:
-            check_forward(self.distributed, opt, module)  # Note [Distributed training]
+            check_forward(self.distributed, opt, module, self.config)  # Note [Distributed training]
+            if self.distributed.fsdp_found:  # fully_shard after wrap: its modules' parameters from now on
+                self.watch_fsdp(self.distributed.fsdp_found)  # (the root's: registered below, as always)
+                self.distributed.fsdp_found = []
         if opt is not None and opt.has_unconfirmed_steps():
             # A forward before step(): the early steps were not the last backward's.
             opt.take_back_unconfirmed()
@@ -165,7 +183,6 @@ def wrap(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
     if getattr(model, "_tierflow_session", None) is not None:
         raise _C.TierflowError("tierflow.wrap: this model is already wrapped; call tierflow.unwrap(model) first")
     chain = _optimizer_chain(optimizer) if optimizer is not None else []
-    refuse_sharded(model, chain[-1] if chain else None)  # FSDP2 / DTensor: refused before anything is made
     devices = {t.device for t in model.parameters()} | {t.device for t in model.buffers()}
     wrong_device = one_cuda_device(devices, torch.cuda.current_device() if any(d.type == "cuda" for d in devices)
                                    else 0)
@@ -174,6 +191,8 @@ def wrap(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
     session = Session(**settings)
     new_optimizer = optimizer
     try:
+        # FSDP2 with settings it cannot train, tensor parallelism: refused before anything is attached.
+        refuse_sharded(model, chain[-1] if chain else None, session.config)
         replacing = optimizer is not None and session.config["TIERFLOW_OFFLOAD_OPTIMIZER"] in ("host", "nvme")
         if replacing:
             from .optim import CPUAdamW

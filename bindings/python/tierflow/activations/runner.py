@@ -74,6 +74,7 @@ FLOPs (counted from the recorded shapes).
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 import weakref
@@ -388,9 +389,13 @@ class BlockRunner:
         """Puts the hooks on the block (once)."""
         if not self._handles:
             # Note [Hooks outside graphs]: dynamo never traces them.
+            # The recorded forward ends before an FSDP2 block's post-forward hook (Note [Distributed training]):
+            # its ops are FSDP2's, which its replay, under FSDP2's pre-backward state, does not run.
+            fsdp = sys.modules.get("torch.distributed.fsdp")
+            first = isinstance(self.module, getattr(fsdp, "FSDPModule", ())) if fsdp is not None else False
             self._handles = [self.module.register_forward_pre_hook(outside_graphs(self._before), with_kwargs=True),
                              self.module.register_forward_hook(outside_graphs(self._after), with_kwargs=True,
-                                                               always_call=True)]
+                                                               always_call=True, prepend=first)]
 
     def remove(self) -> None:
         """Takes the hooks off the block: a module with none keeps torch's fast paths (TransformerEncoderLayer's
