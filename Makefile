@@ -67,6 +67,7 @@ bench: setup
 	OMP_NUM_THREADS=2 $(PY) benchmarks/bench_optimizer.py --threads 2
 	@command -v fio >/dev/null || (apt-get install -y -qq fio >/dev/null 2>&1 || sudo apt-get install -y -qq fio) || echo "fio could not be installed"
 	$(PY) benchmarks/bench_nvme.py
+	$(PY) benchmarks/bench_fsdp_optimizer.py
 
 clean:
 	rm -rf build bindings/python/tierflow/_C*.so

@@ -435,11 +435,12 @@ def test_gradients_all_reduced_by_hand_stop_the_steps_during_backward(ddp_runs):
 FSDP_STEPS = 5  # auto: two profiling steps, then its plan for three
 FSDP_ACTS = ("none", "host", "recompute", "auto", "auto tight")
 FSDP_ORDERS = ("wrap(fully_shard)", "fully_shard(wrap)")
+FSDP_CPU_ACTS = ("none", "host", "auto")
 
 # Two ranks, four transformer-like blocks each its own FSDP2 unit and the root one more (reshard_after_forward: the
 # unsharded parameters are freed after each block's forward and gathered again for its backward).
 _FSDP_WORKER = textwrap.dedent("""
-    import datetime, sys
+    import datetime, os, sys
     import torch, torch.distributed as dist, torch.nn as nn
     sys.path[:0] = [{bindings!r}]
     import tierflow
@@ -476,11 +477,11 @@ _FSDP_WORKER = textwrap.dedent("""
             fully_shard(b)
         return fully_shard(model)
 
-    def run(order, acts=None, budget=None):
+    def run(order, acts=None, budget=None, optimizer="none"):
         torch.manual_seed(0)
         model = Net()
-        settings = dict(device="emulated", offload_activations=acts, offload_optimizer="none", min_offload_bytes=0,
-                        prefetch_bytes="64KiB")
+        settings = dict(device="emulated", offload_activations=acts, offload_optimizer=optimizer,
+                        min_offload_bytes=0, prefetch_bytes="64KiB", cpu_threads=1)
         if acts == "auto tight":
             settings.update(offload_activations="auto", gpu_memory=str(budget))
         if order == "fully_shard(wrap)":  # wrap first: tierflow finds FSDP2 at the first forward
@@ -500,6 +501,10 @@ _FSDP_WORKER = textwrap.dedent("""
             opt.zero_grad()
             out["losses"].append(loss.item())
         out["shards"] = {{n: p.to_local().detach().clone() for n, p in model.named_parameters()}}
+        out["numel"] = sum(p.numel() for p in model.parameters())  # all ranks' shards together
+        if isinstance(opt, tierflow.CPUAdamW):  # what this rank holds of the states: its shards' only
+            out["state_numel"] = {{k: sum(s[k].numel() for s in opt.state.values())
+                                  for k in ("master", "exp_avg", "exp_avg_sq")}}
         if order is not None:
             report = tierflow.report()
             out.update(packs=report["activations"]["packs"], offloaded=report["activations"]["offloaded_bytes"],
@@ -515,6 +520,55 @@ _FSDP_WORKER = textwrap.dedent("""
                 plan = results[(order, "auto")]["plan"]
                 budget = plan["predicted_device_peak_bytes"] - plan["kept_bytes"] // 2
             results[(order, acts)] = run(order, acts, budget)
+    for acts in {cpu_acts}:  # tierflow's CPU AdamW stepping each rank's shard
+        results[("wrap(fully_shard)", acts, "host")] = run("wrap(fully_shard)", acts, optimizer="host")
+
+    def checkpointed(optimizer):
+        # torch.distributed.checkpoint (DCP) after 3 steps; the run goes on 2 more, and a new run (new model,
+        # new optimizer, wrapped, its state loaded from DCP) takes those 2 steps again.
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        def make():
+            torch.manual_seed(0)
+            model = shard(Net())
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+            return tierflow.wrap(model, opt, device="emulated", offload_activations="auto",
+                                 offload_optimizer=optimizer, min_offload_bytes=0, prefetch_bytes="64KiB",
+                                 cpu_threads=1)
+
+        def train(model, opt, steps):
+            losses = []
+            for step in steps:
+                g = torch.Generator().manual_seed(100 * step + rank)
+                x, y = torch.randn(64, 16, generator=g), torch.randn(64, 4, generator=g)
+                loss = nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+            return losses
+
+        path = os.path.join(os.path.dirname(store), "dcp-" + optimizer)
+        model, opt = make()
+        train(model, opt, range(3))
+        model_sd, optim_sd = get_state_dict(model, opt)
+        dcp.save(dict(model=model_sd, optim=optim_sd), checkpoint_id=path)
+        on = train(model, opt, range(3, 5))
+        went_on = {{n: p.to_local().detach().clone() for n, p in model.named_parameters()}}
+        tierflow.unwrap(model)
+        model, opt = make()
+        model_sd, optim_sd = get_state_dict(model, opt)
+        loaded = dict(model=model_sd, optim=optim_sd)
+        dcp.load(loaded, checkpoint_id=path)
+        set_state_dict(model, opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+        again = train(model, opt, range(3, 5))
+        resumed = {{n: p.to_local().detach().clone() for n, p in model.named_parameters()}}
+        tierflow.unwrap(model)
+        return dict(went_on=on, resumed=again, shards_went_on=went_on, shards_resumed=resumed)
+
+    for optimizer in ("none", "host"):
+        results[("checkpoint", optimizer)] = checkpointed(optimizer)
     torch.save(results, out_path)
     dist.barrier()
     dist.destroy_process_group()
@@ -526,7 +580,7 @@ def fsdp_runs(tmp_path_factory):
     """Per rank, {case: what that rank saw}: FSDP2 without tierflow, and with it in both orders."""
     d = tmp_path_factory.mktemp("fsdp")
     script = _FSDP_WORKER.format(bindings=os.path.join(ROOT, "bindings", "python"), steps=FSDP_STEPS,
-                                 orders=FSDP_ORDERS, acts=FSDP_ACTS)
+                                 orders=FSDP_ORDERS, acts=FSDP_ACTS, cpu_acts=FSDP_CPU_ACTS)
     return _run_ranks(d, script)
 
 
@@ -556,15 +610,48 @@ def test_fsdp2_with_offloaded_activations_trains_as_fsdp2_alone(fsdp_runs, order
             assert set(modes) == {"keep"} if acts == "auto" else set(modes) != {"keep"}, run["plan"]["summary"]
 
 
-REFUSED_WITH_FSDP2 = [dict(), dict(offload_activations="none", offload_optimizer="host"),
-                      dict(offload_optimizer="none", offload_params="host")]
+@pytest.mark.parametrize("acts", FSDP_CPU_ACTS)
+def test_fsdp2_with_the_cpu_optimizer_steps_each_ranks_shard(fsdp_runs, acts):
+    """tierflow's CPU AdamW under FSDP2 (ZeRO-Offload's design on FSDP2's shards): FSDP2's results within the CPU
+    AdamW's rounding, and each rank holds the states of its own shard only: one copy of them on the node."""
+    for rank, results in enumerate(fsdp_runs):
+        base, run = results["baseline"], results[("wrap(fully_shard)", acts, "host")]
+        assert_close(Run(losses=base["losses"], params=base["shards"]), Run(losses=run["losses"], params=run["shards"]))
+        shards = sum(t.numel() for t in run["shards"].values())
+        assert run["state_numel"] == {"master": shards, "exp_avg": shards, "exp_avg_sq": shards}, run["state_numel"]
+    total = fsdp_runs[0][("wrap(fully_shard)", acts, "host")]["numel"]
+    held = [results[("wrap(fully_shard)", acts, "host")]["state_numel"]["exp_avg"] for results in fsdp_runs]
+    assert sum(held) == total and all(0 < h < total for h in held), (held, total)
 
 
-@pytest.mark.parametrize("settings", REFUSED_WITH_FSDP2, ids=["defaults", "cpu optimizer", "params"])
+@pytest.mark.parametrize("optimizer", ["none", "host"])
+def test_fsdp2_checkpoints_through_dcp_resume_bit_for_bit(fsdp_runs, optimizer):
+    """torch.distributed.checkpoint (get_state_dict, dcp.save, dcp.load, set_state_dict) of a wrapped FSDP2 model and
+    its optimizer, the user's or tierflow's CPU AdamW (whose states of each rank's shard go out as DTensors): a new
+    run loaded from it takes the next steps exactly as the run that went on, on each rank."""
+    for rank, results in enumerate(fsdp_runs):
+        r = results[("checkpoint", optimizer)]
+        assert r["resumed"] == r["went_on"], (rank, r)
+        for name, shard in r["shards_went_on"].items():
+            assert torch.equal(r["shards_resumed"][name], shard), (rank, name)
+
+
+NVME = "<nvme>"  # the test's NVMe directory
+REFUSED_WITH_FSDP2 = [dict(offload_optimizer="nvme", nvme_paths=NVME), dict(offload_gradients="on"),
+                      dict(gpu_optimizer_fraction="0.5"), dict(offload_optimizer="none", offload_params="host")]
+REFUSED_SETTING = ["TIERFLOW_OFFLOAD_OPTIMIZER='nvme'", "TIERFLOW_OFFLOAD_GRADIENTS='on'",
+                   "TIERFLOW_GPU_OPTIMIZER_FRACTION=0.5", "TIERFLOW_OFFLOAD_PARAMS='host'"]
+
+
+@pytest.mark.parametrize("settings,setting", list(zip(REFUSED_WITH_FSDP2, REFUSED_SETTING)),
+                         ids=["nvme optimizer", "offloaded gradients", "gpu share", "params"])
 @pytest.mark.parametrize("sharded", ["blocks and root", "one block"])
-def test_fsdp2_with_settings_it_cannot_train_is_refused_and_leaves_nothing(world_of_one, sharded, settings):
-    """tierflow's CPU optimizer does not step DTensor shards, and parameter offload would move what FSDP2 gathers:
-    refused at wrap, naming the setting and what FSDP2 accepts; nothing left behind."""
+def test_fsdp2_with_settings_it_cannot_train_is_refused_and_leaves_nothing(world_of_one, sharded, settings, setting,
+                                                                          nvme_dir):
+    """What FSDP2's shards do not take yet (NVMe optimizer states, gradients freed during backward, the GPU share)
+    and parameter offload (which would move what FSDP2 gathers): refused at wrap, naming the setting and what FSDP2
+    accepts; nothing left behind."""
+    settings = {k: ([nvme_dir] if v == NVME else v) for k, v in settings.items()}
     from torch.distributed.fsdp import fully_shard
 
     model = _mlp()
@@ -576,12 +663,10 @@ def test_fsdp2_with_settings_it_cannot_train_is_refused_and_leaves_nothing(world
         fully_shard(model[2])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     hooks = _hooks(model)
-    setting = "TIERFLOW_OFFLOAD_PARAMS='host'" if "offload_params" in settings else \
-        f"TIERFLOW_OFFLOAD_OPTIMIZER='{settings.get('offload_optimizer', 'host')}'"
     with pytest.raises(tierflow.TierflowError, match=r"fully_shard \(FSDP2\)") as refused:
         tierflow.wrap(model, opt, device="emulated", **settings)
     message = str(refused.value)
-    assert setting in message and "accepted with FSDP2: TIERFLOW_OFFLOAD_OPTIMIZER=none" in message, message
+    assert setting in message and "accepted with FSDP2: TIERFLOW_OFFLOAD_OPTIMIZER=host" in message, message
     # Nothing left behind: no session, no hook, the optimizer as it was; FSDP2 trains on.
     assert getattr(model, "_tierflow_session", None) is None
     assert _hooks(model) == hooks
@@ -636,8 +721,9 @@ def test_ddp_join_dividing_by_the_ranks_left_is_refused_with_the_steps_during_ba
     tierflow.unwrap(net)
 
 
-@pytest.mark.parametrize("settings", REFUSED_WITH_FSDP2[:2], ids=["defaults", "cpu optimizer"])
-def test_fully_shard_after_wrap_with_settings_it_cannot_train_is_refused_at_the_first_forward(world_of_one, settings):
+@pytest.mark.parametrize("settings", [dict(), dict(offload_activations="none")], ids=["defaults", "no activations"])
+def test_fully_shard_after_wrap_with_the_cpu_optimizer_is_refused_at_the_first_forward(world_of_one, settings):
+    """The CPU optimizer made at wrap holds the parameters from before fully_shard replaced them."""
     from torch.distributed.fsdp import fully_shard
 
     model = _mlp()
@@ -652,8 +738,7 @@ def test_fully_shard_after_wrap_with_settings_it_cannot_train_is_refused_at_the_
                                                          r"tierflow.wrap") as refused:
             model(x).sum().backward()
         message = str(refused.value)
-        assert "accepted with FSDP2: TIERFLOW_OFFLOAD_OPTIMIZER=none" in message, message
-        assert "tierflow.unwrap(model)" in message, message
+        assert "call fully_shard before tierflow.wrap" in message and "tierflow.unwrap(model)" in message, message
     report = tierflow.report()
     assert report["activations"]["packs"] == 0 and report["activations"]["offloaded_bytes"] == 0, \
         "refused before anything was saved"

@@ -70,34 +70,47 @@ is refused with an error that names it:
   backward() and step()) shows at step(): in a process group of more than one
   process, a step in which the early steps had to be redone and none could
   be committed turns them off the same way, with its own warning (one wasted
-  step). Not done: a CPU optimizer partitioned across the ranks (each one
-  stepping 1/N of the parameters).
+  step). Not done: a CPU optimizer partitioned across DDP's ranks (each one
+  stepping 1/N of the parameters; FSDP2 with the CPU optimizer is that).
 - TIERFLOW_OFFLOAD_GRADIENTS=on under DDP is refused: it sets p.grad to None
   during backward, while DDP's reducer still has to read and all-reduce it
   (with DDP applied after wrap the losses silently left DDP's).
-- FSDP2 (torch.distributed.fsdp.fully_shard) trains right, in either order
-  (wrap of a sharded model, or fully_shard after wrap, found at the wrapped
-  model's first forward), with every activation setting and the user's
-  optimizer stepping FSDP2's shards (TIERFLOW_OFFLOAD_OPTIMIZER=none):
-  bit-identical to FSDP2 alone. Two things make it so. FSDP2's unsharded
-  parameters are not registered parameters (model.parameters() holds the
-  DTensor shards), and FSDP2 frees their storage after each unit's forward
-  and gathers it again for backward: a saved tensor that is one of them, or
-  a view of one (the weight.t() a linear layer saves), copied to the host as
-  an activation was read after its storage was freed. So before each FSDP2
-  unit's forward, after FSDP2's own pre-forward hook has gathered its
-  parameters, the session tells the offloader their storages, and those
-  saved tensors stay where FSDP2 manages them. And a block's recorded
-  forward ends before FSDP2's post-forward hook (the runner's forward hook
-  is put first on an FSDP2 module): its replay runs the module with FSDP2's
-  hooks, which do nothing during backward (FSDP2's pre-backward state, as
-  for torch.utils.checkpoint), so the hook's ops must not be in the record.
-  What FSDP2 cannot take from tierflow yet is refused in either order, with
-  the setting named and what FSDP2 accepts: tierflow's CPU optimizer
-  (TIERFLOW_OFFLOAD_OPTIMIZER=host or nvme, the default; it does not step
-  DTensor shards) and parameter offload (FSDP2 moves its parameters itself).
-  DTensor parameters without an FSDP2 module (tensor parallelism) are
-  refused, and so is an optimizer holding DTensors of another model.
+- FSDP2 (torch.distributed.fsdp.fully_shard) trains right with every
+  activation setting, in either order (wrap of a sharded model, or
+  fully_shard after wrap, found at the wrapped model's first forward), with
+  the user's optimizer stepping FSDP2's shards (TIERFLOW_OFFLOAD_OPTIMIZER=
+  none: bit-identical to FSDP2 alone) or tierflow's CPU AdamW (host, the
+  default; fully_shard before wrap) stepping each rank's shard: ZeRO-Offload's
+  design on FSDP2, one copy of the optimizer states on the node, within the
+  CPU AdamW's rounding of FSDP2 with torch's AdamW. Three things make it so.
+  FSDP2's unsharded parameters are not registered parameters
+  (model.parameters() holds the DTensor shards), and FSDP2 frees their
+  storage after each unit's forward and gathers it again for backward: a
+  saved tensor that is one of them, or a view of one (the weight.t() a
+  linear layer saves), copied to the host as an activation was read after
+  its storage was freed. So before each FSDP2 unit's forward, after FSDP2's
+  own pre-forward hook has gathered its parameters, the session tells the
+  offloader their storages, and those saved tensors stay where FSDP2
+  manages them. A block's recorded forward ends before FSDP2's post-forward
+  hook (the runner's forward hook is put first on an FSDP2 module): its
+  replay runs the module with FSDP2's hooks, which do nothing during
+  backward (FSDP2's pre-backward state, as for torch.utils.checkpoint), so
+  the hook's ops must not be in the record. And the CPU AdamW steps the
+  local shard of each DTensor parameter from the local shard of its
+  reduce-scattered gradient (copies.local_shard), in step(): FSDP2 sets the
+  sharded gradient after its reduce-scatter, not through a gradient hook the
+  stream could follow, so there are no steps during backward yet. Its
+  state_dict gives each state of a DTensor parameter as a DTensor like the
+  parameter (as torch's AdamW's are under FSDP2), so torch.distributed.
+  checkpoint saves every rank's shard and loads each back where it belongs
+  (tested: a run resumed from DCP is bit-identical to the one that went on);
+  load_state_dict takes DTensor states. Refused with FSDP2, in either order,
+  with the setting named and what FSDP2 accepts: NVMe optimizer states,
+  TIERFLOW_OFFLOAD_GRADIENTS=on, an explicit TIERFLOW_GPU_OPTIMIZER_FRACTION,
+  parameter offload (FSDP2 moves its parameters itself), and fully_shard
+  after a wrap that made the CPU optimizer (made for the parameters before
+  sharding). DTensor parameters without an FSDP2 module (tensor parallelism)
+  are refused, and so is an optimizer holding DTensors of another model.
 
 Nothing here imports torch.distributed's submodules: a class that was never
 imported has no instances, so a run without torch.distributed pays one
@@ -165,22 +178,31 @@ def fsdp_modules(model: torch.nn.Module) -> list:
 
 
 def _fsdp_settings_refusal(config: Any, replacing: bool) -> Optional[str]:
-    """Why these settings cannot train an FSDP2 model, or None: tierflow offloads its activations; the torch
-    optimizer steps FSDP2's shards (Note [Distributed training]). ``replacing``: tierflow's CPU optimizer takes an
-    optimizer's place (one was passed to wrap, and TIERFLOW_OFFLOAD_OPTIMIZER is not none)."""
+    """Why these settings cannot train an FSDP2 model, or None (Note [Distributed training]). ``replacing``:
+    tierflow's CPU optimizer takes an optimizer's place (one was passed to wrap, and TIERFLOW_OFFLOAD_OPTIMIZER
+    is not none); it steps each rank's shard in step()."""
     optimizer, params = config["TIERFLOW_OFFLOAD_OPTIMIZER"], config["TIERFLOW_OFFLOAD_PARAMS"]
-    if replacing:
-        return (f"TIERFLOW_OFFLOAD_OPTIMIZER={optimizer!r} asks tierflow's CPU optimizer to step the parameters, which "
-                "FSDP2 has made DTensor shards, and it does not step those yet")
     if params != "none":
-        return (f"TIERFLOW_OFFLOAD_PARAMS={params!r} would move the parameters FSDP2 shards and gathers itself")
+        return f"TIERFLOW_OFFLOAD_PARAMS={params!r} would move the parameters FSDP2 shards and gathers itself"
+    if not replacing:
+        return None
+    if optimizer == "nvme":
+        return ("TIERFLOW_OFFLOAD_OPTIMIZER='nvme' would put the optimizer states of FSDP2's shards on NVMe, which "
+                "the NVMe states do not take yet")
+    if config["TIERFLOW_OFFLOAD_GRADIENTS"] == "on":
+        return ("TIERFLOW_OFFLOAD_GRADIENTS='on' frees gradients during backward, where FSDP2 reduce-scatters "
+                "them itself")
+    fraction = config["TIERFLOW_GPU_OPTIMIZER_FRACTION"]
+    if fraction != "auto" and float(fraction) > 0:
+        return (f"TIERFLOW_GPU_OPTIMIZER_FRACTION={fraction} would step part of FSDP2's shards on the GPU, which "
+                "the GPU share does not take yet")
     return None
 
 
-_FSDP_ACCEPTED = ("accepted with FSDP2: TIERFLOW_OFFLOAD_OPTIMIZER=none (offload_optimizer='none': your torch "
-                  "optimizer steps FSDP2's shards, where FSDP2 keeps them, CPUOffloadPolicy included) and "
-                  "TIERFLOW_OFFLOAD_PARAMS=none, with any TIERFLOW_OFFLOAD_ACTIVATIONS (tierflow offloads the "
-                  "activations); or DistributedDataParallel (DDP), with which tierflow's CPU optimizer steps")
+_FSDP_ACCEPTED = ("accepted with FSDP2: TIERFLOW_OFFLOAD_OPTIMIZER=host (tierflow's CPU AdamW steps each rank's "
+                  "shard, in step(): one copy of the states on the node) or none (your optimizer steps the "
+                  "shards), TIERFLOW_OFFLOAD_PARAMS=none, TIERFLOW_OFFLOAD_GRADIENTS=off, "
+                  "TIERFLOW_GPU_OPTIMIZER_FRACTION=auto or 0, and any TIERFLOW_OFFLOAD_ACTIVATIONS")
 
 
 def refuse_sharded(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], config: Any) -> None:
@@ -221,7 +243,10 @@ def refuse_sharded_later(model: torch.nn.Module, config: Any, cpu_optimizer: boo
     if not modules and not params:
         return []
     if modules:
-        why = _fsdp_settings_refusal(config, cpu_optimizer)
+        why = _fsdp_settings_refusal(config, False)
+        if why is None and cpu_optimizer:
+            why = ("tierflow's CPU optimizer, made at wrap, holds the parameters as they were before sharding; "
+                   "call fully_shard before tierflow.wrap")
         if why is None:
             return fsdp_modules(model)
         what = ("torch.distributed.fsdp.fully_shard (FSDP2) was applied to the model after tierflow.wrap "
@@ -320,7 +345,10 @@ def check_wrap(optimizer: Any, model: torch.nn.Module) -> DistributedWatch:
     ddp = _ddp_inside(model)
     if ddp is not None:
         _note_ddp(optimizer, ddp, "tierflow.wrap of a DDP model", 3)  # the warning points at the caller of wrap
-    return DistributedWatch(ddp is not None)
+    watch = DistributedWatch(ddp is not None)
+    # Sharded before wrap: checked there (refuse_sharded), its CPU optimizer made for the shards.
+    watch.sharding_checked = bool(fsdp_modules(model))
+    return watch
 
 
 def check_forward(watch: DistributedWatch, optimizer: Any, module: torch.nn.Module, config: Any) -> None:

@@ -35,7 +35,7 @@ from .. import _C
 from .._distributed import note_step
 from . import clip
 from .accepted import GRAD_DTYPES, check_grad, check_replaceable
-from .copies import DeviceCopies
+from .copies import DeviceCopies, local_shard
 from .gpu_share import GpuShare
 from .nvme_states import LOST_STATE, StateTier, fill_lost_states
 from .streaming import GradientStreaming
@@ -117,6 +117,10 @@ class CPUAdamW(torch.optim.Optimizer):
         # With states on NVMe, step() streams them through pinned memory
         # (Note [Optimizer states on NVMe]); steps during backward are host-tier only.
         self._overlap = cfg["TIERFLOW_OVERLAP_STEP"] == "on" and not self._states.nvme
+        # FSDP2's DTensor parameters: each rank steps its own shard, in step() (Note [Distributed training]).
+        self._sharded = any(local_shard(p) is not p for g in self.param_groups for p in g["params"])
+        if self._sharded:
+            self._overlap = False
         # Why steps during backward are off for the rest of the run (DDP: Note [Distributed training]), or None.
         self._steps_after_backward: Optional[str] = None
         self._accumulation = int(cfg["TIERFLOW_GRAD_ACCUMULATION_STEPS"])
@@ -285,11 +289,12 @@ class CPUAdamW(torch.optim.Optimizer):
             if self._states.nvme:
                 fresh = self._states.add(p, group, self._copies.source(p))
             else:
-                fresh = {"exp_avg": self._copies.host(p, True), "exp_avg_sq": self._copies.host(p, True)}
+                shard = local_shard(p)  # FSDP2: this rank's shard only (one copy of the states on the node)
+                fresh = {"exp_avg": self._copies.host(shard, True), "exp_avg_sq": self._copies.host(shard, True)}
                 if group["amsgrad"]:
-                    fresh["max_exp_avg_sq"] = self._copies.host(p, True)
-                master = self._copies.host(p, False)
-                self._copies.read_into(master, p)
+                    fresh["max_exp_avg_sq"] = self._copies.host(shard, True)
+                master = self._copies.host(shard, False)
+                self._copies.read_into(master, shard)
                 fresh["master"] = master
         except BaseException:
             if p in self.state and len(self.state[p]) == 0:
@@ -320,7 +325,24 @@ class CPUAdamW(torch.optim.Optimizer):
                 s = {n: v for n, v in s.items() if n != "master"}
             state[k] = s
         sd["state"] = state
+        if self._sharded:
+            self._as_dtensors(sd, params)
         return sd
+
+    @staticmethod
+    def _as_dtensors(sd: dict, params: list) -> None:
+        """FSDP2: each state tensor of a DTensor parameter, a shard of this rank, goes out as a DTensor like its
+        parameter (torch's AdamW keeps DTensor states under FSDP2), so that torch.distributed.checkpoint saves
+        every rank's shard and loads each back where it belongs (Note [Distributed training])."""
+        for k, s in sd["state"].items():
+            p = params[k]
+            if local_shard(p) is p:
+                continue
+            shape = local_shard(p).shape
+            for name, v in list(s.items()):
+                if isinstance(v, torch.Tensor) and v.shape == shape:
+                    s[name] = type(p).from_local(v, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                                 stride=p.stride())
 
     def _master_from(self, saved: Optional[torch.Tensor], p: torch.Tensor) -> torch.Tensor:
         # A saved master is used only where it is consistent with the parameter:
@@ -346,8 +368,8 @@ class CPUAdamW(torch.optim.Optimizer):
             self._streaming.stream.restore_grads()  # the next step() still takes this backward's gradients
             self._streaming.stream.end_window()  # early steps read the state being replaced
             self._streaming.stream.synchronize()
-        # torch casts state to the parameter's dtype; keep the fp32 originals.
-        originals = {k: {n: v for n, v in s.items() if n in _STATE_KEYS}
+        # torch casts state to the parameter's dtype; keep the fp32 originals (FSDP2: this rank's shards).
+        originals = {k: {n: local_shard(v) for n, v in s.items() if n in _STATE_KEYS}
                      for k, s in state_dict["state"].items()}
         groups, dicts = self.param_groups, list(self.param_groups)
         super().load_state_dict(state_dict)
@@ -363,15 +385,16 @@ class CPUAdamW(torch.optim.Optimizer):
                 if p not in self.state or key not in originals:
                     continue
                 state = self.state[p]
+                shard = local_shard(p)  # FSDP2: this rank's shard
                 for name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
                     if name in originals[key]:
-                        fresh = self._copies.host(p, False)
+                        fresh = self._copies.host(shard, False)
                         fresh.copy_(originals[key][name])
                         state[name] = fresh
                 if group["amsgrad"] and "max_exp_avg_sq" not in state:
-                    state["max_exp_avg_sq"] = self._copies.host(p, True)
-                master = self._copies.host(p, False)
-                master.copy_(self._master_from(originals[key].get("master"), p))
+                    state["max_exp_avg_sq"] = self._copies.host(shard, True)
+                master = self._copies.host(shard, False)
+                master.copy_(self._master_from(originals[key].get("master"), shard))
                 state["master"] = master
                 step = state.get("step", 0.0)
                 state["step"] = torch.tensor(float(step), dtype=torch.float32)
@@ -429,6 +452,8 @@ class CPUAdamW(torch.optim.Optimizer):
             if not grads:
                 return 1.0, True
             total = torch.nn.utils.get_total_norm(grads, 2.0)
+            if hasattr(total, "full_tensor"):  # FSDP2's sharded gradients: the norm over every rank's shard
+                total = total.full_tensor()
         finite = bool(torch.isfinite(total))
         if self._max_grad_norm is None:
             return 1.0, finite
@@ -510,13 +535,13 @@ class CPUAdamW(torch.optim.Optimizer):
                 continue
             if p.grad is None:
                 continue
-            grad = p.grad
+            grad = local_shard(p.grad)
             check_grad(grad)
             state = self.state[p]
             if len(state) == 0:
                 state = self._init_state(p, group)
             elif self._master_stale:
-                self._copies.read_into(state["master"], p)
+                self._copies.read_into(state["master"], local_shard(p))
             state["step"] += 1
             if self._copies.staged(grad):
                 host_grad, transfer, src = self._copies.fetch(grad)
@@ -526,13 +551,14 @@ class CPUAdamW(torch.optim.Optimizer):
                 if host_grad.device.type != "cpu" or not host_grad.is_contiguous():
                     host_grad = host_grad.to("cpu").contiguous()
             home = self._copies.home(p)
+            shard = local_shard(p)
             if home is not None:
                 out = home  # the next forward fetches it (Note [Optimizer copies])
-            elif p.device.type == "cpu" and p.is_contiguous() and not self._copies.staged(p):
-                out = p.detach()
+            elif shard.device.type == "cpu" and shard.is_contiguous() and not self._copies.staged(shard):
+                out = shard.detach()
             else:
-                out = self._copies.staging(p)
-                copy_back.append((p, out))
+                out = self._copies.staging(shard)
+                copy_back.append((shard, out))
             members.append((state, host_grad, out))
         if scale != 1.0:
             options = dict(options, grad_scale=scale)

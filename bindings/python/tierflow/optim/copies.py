@@ -24,6 +24,7 @@ device alike, so the adversarial emulated device checks this path too
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Optional
 
 import torch
@@ -31,6 +32,16 @@ import torch
 from .. import _C
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def local_shard(t: Any) -> Any:
+    """An FSDP2 parameter or gradient (a DTensor): this rank's shard, a plain tensor over the DTensor's own
+    storage, what tierflow's CPU optimizer steps (Note [Distributed training]); any other tensor as it is."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is not None and isinstance(t, dtensor.DTensor):
+        with torch.no_grad():  # to_local() under no_grad is the shard itself, not a view through autograd
+            return t.to_local()
+    return t
 
 
 class DeviceCopies:

@@ -19,7 +19,7 @@ import torch
 
 from .. import _C
 from .accepted import check_grad
-from .copies import DeviceCopies
+from .copies import DeviceCopies, local_shard
 
 #: The key that marks a state lost to NVMe corruption in state_dict() (Note [NVMe optimizer faults]).
 LOST_STATE = _C.LOST_STATE_KEY
@@ -68,8 +68,9 @@ class StateTier:
         if not todo:
             return
         budget = int(self._runtime.stats()["host_pool"]["budget_bytes"])
-        _C.check_optimizer_state_pool([(p.numel(), bool(g["amsgrad"])) for p, g in todo], self.nvme, budget,
-                                      str(self._host_memory))
+        # FSDP2's parameters: each rank holds its shard's states only.
+        _C.check_optimizer_state_pool([(local_shard(p).numel(), bool(g["amsgrad"])) for p, g in todo], self.nvme,
+                                      budget, str(self._host_memory))
         if self.nvme:
             self.reserve(todo)
 
