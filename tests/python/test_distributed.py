@@ -569,6 +569,36 @@ _FSDP_WORKER = textwrap.dedent("""
 
     for optimizer in ("none", "host"):
         results[("checkpoint", optimizer)] = checkpointed(optimizer)
+
+    def gpt2(acts=None, optimizer="none"):
+        # transformers' GPT-2 with its default config (dropout on), each block an FSDP2 unit.
+        import transformers
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128,
+                                                                     n_positions=32))
+        for block in model.transformer.h:
+            fully_shard(block)
+        fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+        if acts is not None:
+            model, opt = tierflow.wrap(model, opt, device="emulated", offload_activations=acts,
+                                       offload_optimizer=optimizer, min_offload_bytes=0, cpu_threads=1)
+        losses = []
+        for step in range(FSDP_STEPS):
+            ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(100 * step + rank))
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        shards = {{n: p.to_local().detach().clone() for n, p in model.named_parameters()}}
+        if acts is not None:
+            tierflow.unwrap(model)
+        return dict(losses=losses, shards=shards)
+
+    results[("gpt2", None, None)] = gpt2()
+    for acts, optimizer in (("host", "none"), ("auto", "none"), ("auto", "host")):
+        results[("gpt2", acts, optimizer)] = gpt2(acts, optimizer)
     torch.save(results, out_path)
     dist.barrier()
     dist.destroy_process_group()
@@ -634,6 +664,21 @@ def test_fsdp2_checkpoints_through_dcp_resume_bit_for_bit(fsdp_runs, optimizer):
         assert r["resumed"] == r["went_on"], (rank, r)
         for name, shard in r["shards_went_on"].items():
             assert torch.equal(r["shards_resumed"][name], shard), (rank, name)
+
+
+@pytest.mark.parametrize("acts,optimizer", [("host", "none"), ("auto", "none"), ("auto", "host")])
+def test_fsdp2_trains_transformers_gpt2_as_fsdp2_alone(fsdp_runs, acts, optimizer):
+    """A model nobody here wrote, with its default config (dropout on): transformers' GPT-2, each block an FSDP2
+    unit. The user's optimizer: bit for bit FSDP2 alone; tierflow's CPU AdamW: within its rounding."""
+    for rank, results in enumerate(fsdp_runs):
+        base, run = results[("gpt2", None, None)], results[("gpt2", acts, optimizer)]
+        if optimizer == "none":
+            assert run["losses"] == base["losses"], (rank, run["losses"], base["losses"])
+            for name, shard in base["shards"].items():
+                assert torch.equal(run["shards"][name], shard), (rank, name)
+        else:
+            assert_close(Run(losses=base["losses"], params=base["shards"]),
+                         Run(losses=run["losses"], params=run["shards"]))
 
 
 NVME = "<nvme>"  # the test's NVMe directory
