@@ -83,7 +83,13 @@ void ActivationOffloader::register_parameters(const std::vector<at::Tensor>& par
   for (const auto& p : params) {
     if (!p.defined() || !p.has_storage()) continue;
     const void* key = p.storage().unsafeGetStorageImpl();
-    if (parameter_index_.count(key)) continue;
+    auto found = parameter_index_.find(key);
+    if (found != parameter_index_.end()) {
+      // Our weak reference keeps the address from being reused; should a storage there be new all the same,
+      // it is this parameter's now.
+      if (parameters_[found->second].expired()) parameters_[found->second] = p.storage().getWeakStorageImpl();
+      continue;
+    }
     parameter_index_.emplace(key, parameters_.size());
     parameters_.push_back(p.storage().getWeakStorageImpl());
   }

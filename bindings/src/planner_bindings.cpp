@@ -135,15 +135,16 @@ void bind_auto_plan(py::module_& m) {
         "The timed step less its blocks' forwards, backwards and replays (Note [Re-plan]).");
   m.def(
       "host_gaps_seconds",
-      [](const std::vector<std::tuple<bool, std::size_t, double, double>>& intervals) {
+      [](const std::vector<std::tuple<bool, std::size_t, double, double, double>>& intervals) {
         std::vector<TimedInterval> in;
         in.reserve(intervals.size());
-        for (const auto& [backward, block, start, end] : intervals) in.push_back({backward, block, start, end});
+        for (const auto& [backward, block, start, end, wait] : intervals)
+          in.push_back({backward, block, start, end, wait});
         return host_gaps_seconds(std::move(in));
       },
       py::arg("intervals"),
-      "The host's gaps between neighbouring blocks in the timed step, from (backward, block, start, end) "
-      "intervals (Note [Re-plan]).");
+      "The host's own time between neighbouring blocks in the timed step, from (backward, block, start, end, "
+      "wait_before) intervals (Note [Re-plan]).");
   m.def("strays_from_prediction", &strays_from_prediction, py::arg("measured_step_seconds"), py::arg("steps"),
         py::arg("predicted_step_seconds"), "Whether the measured step strays beyond the margin (Note [Re-plan]).");
   py::class_<CalibratedFigures>(m, "CalibratedFigures", "Figures calibrated on a measured step (Note [Re-plan]).")

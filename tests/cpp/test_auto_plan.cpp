@@ -258,7 +258,11 @@ TEST(Replan, TheHostsGapsAreBetweenNeighbouringBlocksOnly) {
       {true, 2, 12.0, 20.0}, {true, 0, 22.25, 23.0},
   };
   EXPECT_DOUBLE_EQ(host_gaps_seconds(timed), 1 + 2 + 0.5 + 0.25);
-  // A block that is not the next one (a model that skips a block, or runs another module between) makes no gap.
+  // What the synchronize before a block waited for is device work queued in the gap (FSDP2's all-gather, a module
+  // between the blocks): it stays in the rest of the step.
+  EXPECT_DOUBLE_EQ(host_gaps_seconds({{false, 0, 0.0, 1.0}, {false, 1, 2.0, 3.0, 0.75}}), 0.25);
+  EXPECT_DOUBLE_EQ(host_gaps_seconds({{false, 0, 0.0, 1.0}, {false, 1, 2.0, 3.0, 1.5}}), 0.0) << "never negative";
+  // A block that is not the next one (a model that skips a block) makes no gap.
   EXPECT_DOUBLE_EQ(host_gaps_seconds({{false, 0, 0.0, 1.0}, {false, 2, 2.0, 3.0}}), 0.0);
   // Two forwards of one block (gradient accumulation's micro-batches) are not neighbours either; overlap is 0.
   EXPECT_DOUBLE_EQ(host_gaps_seconds({{false, 0, 0.0, 1.0}, {false, 0, 2.0, 3.0}, {false, 1, 2.5, 4.0}}), 0.0);

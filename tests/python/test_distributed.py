@@ -13,9 +13,12 @@ steps off with a warning; TIERFLOW_OFFLOAD_GRADIENTS=on is refused under DDP.
 FSDP2 (torch.distributed.fsdp.fully_shard): two gloo processes train a small transformer-like model whose blocks
 and root are FSDP2 units, with and without tierflow, in both orders (wrap after fully_shard, fully_shard after
 wrap), activations kept, swapped to the host, recomputed, and planned (auto, with room and under a tight budget),
-the user's optimizer stepping FSDP2's shards: bit-identical to FSDP2 alone on each rank. tierflow's CPU optimizer
-and parameter offload, which FSDP2's shards do not take yet, are refused in every order with an error that names
-them and says what FSDP2 accepts (a process group of one process; fully_shard runs on the CPU with gloo).
+the user's optimizer stepping FSDP2's shards (bit-identical to FSDP2 alone on each rank) or tierflow's CPU AdamW
+stepping each rank's shard (within its rounding; each rank holds its shard's states only); transformers' GPT-2
+with its default config alike; checkpoints through torch.distributed.checkpoint resume bit for bit. What FSDP2's
+shards do not take yet (NVMe optimizer states, offloaded gradients, the GPU share, parameter offload, a CPU
+optimizer over a partly sharded model or made before fully_shard) is refused with an error that names it and
+says what FSDP2 accepts (a process group of one process; fully_shard runs on the CPU with gloo).
 """
 
 from __future__ import annotations
@@ -523,7 +526,7 @@ _FSDP_WORKER = textwrap.dedent("""
     for acts in {cpu_acts}:  # tierflow's CPU AdamW stepping each rank's shard
         results[("wrap(fully_shard)", acts, "host")] = run("wrap(fully_shard)", acts, optimizer="host")
 
-    def checkpointed(optimizer):
+    def checkpointed(optimizer, dtype=torch.float32):
         # torch.distributed.checkpoint (DCP) after 3 steps; the run goes on 2 more, and a new run (new model,
         # new optimizer, wrapped, its state loaded from DCP) takes those 2 steps again.
         import torch.distributed.checkpoint as dcp
@@ -531,7 +534,7 @@ _FSDP_WORKER = textwrap.dedent("""
 
         def make():
             torch.manual_seed(0)
-            model = shard(Net())
+            model = shard(Net().to(dtype))  # bf16: the CPU AdamW's fp32 masters go through the checkpoint too
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
             return tierflow.wrap(model, opt, device="emulated", offload_activations="auto",
                                  offload_optimizer=optimizer, min_offload_bytes=0, prefetch_bytes="64KiB",
@@ -541,7 +544,7 @@ _FSDP_WORKER = textwrap.dedent("""
             losses = []
             for step in steps:
                 g = torch.Generator().manual_seed(100 * step + rank)
-                x, y = torch.randn(64, 16, generator=g), torch.randn(64, 4, generator=g)
+                x, y = torch.randn(64, 16, generator=g).to(dtype), torch.randn(64, 4, generator=g).to(dtype)
                 loss = nn.functional.mse_loss(model(x), y)
                 loss.backward()
                 opt.step()
@@ -549,7 +552,7 @@ _FSDP_WORKER = textwrap.dedent("""
                 losses.append(loss.item())
             return losses
 
-        path = os.path.join(os.path.dirname(store), "dcp-" + optimizer)
+        path = os.path.join(os.path.dirname(store), f"dcp-{{optimizer}}-{{dtype}}")
         model, opt = make()
         train(model, opt, range(3))
         model_sd, optim_sd = get_state_dict(model, opt)
@@ -569,6 +572,7 @@ _FSDP_WORKER = textwrap.dedent("""
 
     for optimizer in ("none", "host"):
         results[("checkpoint", optimizer)] = checkpointed(optimizer)
+    results[("checkpoint", "host", "bf16")] = checkpointed("host", torch.bfloat16)
 
     def gpt2(acts=None, optimizer="none"):
         # transformers' GPT-2 with its default config (dropout on), each block an FSDP2 unit.
@@ -654,13 +658,15 @@ def test_fsdp2_with_the_cpu_optimizer_steps_each_ranks_shard(fsdp_runs, acts):
     assert sum(held) == total and all(0 < h < total for h in held), (held, total)
 
 
-@pytest.mark.parametrize("optimizer", ["none", "host"])
-def test_fsdp2_checkpoints_through_dcp_resume_bit_for_bit(fsdp_runs, optimizer):
+@pytest.mark.parametrize("case", [("none",), ("host",), ("host", "bf16")], ids=["torch AdamW", "CPU AdamW",
+                                                                            "CPU AdamW bf16"])
+def test_fsdp2_checkpoints_through_dcp_resume_bit_for_bit(fsdp_runs, case):
     """torch.distributed.checkpoint (get_state_dict, dcp.save, dcp.load, set_state_dict) of a wrapped FSDP2 model and
-    its optimizer, the user's or tierflow's CPU AdamW (whose states of each rank's shard go out as DTensors): a new
-    run loaded from it takes the next steps exactly as the run that went on, on each rank."""
+    its optimizer, the user's or tierflow's CPU AdamW (whose states of each rank's shard go out as DTensors, fp32
+    masters of bf16 parameters included, without touching the states it steps): a new run loaded from it takes
+    the next steps exactly as the run that went on after the checkpoint, on each rank."""
     for rank, results in enumerate(fsdp_runs):
-        r = results[("checkpoint", optimizer)]
+        r = results[("checkpoint", *case)]
         assert r["resumed"] == r["went_on"], (rank, r)
         for name, shard in r["shards_went_on"].items():
             assert torch.equal(r["shards_resumed"][name], shard), (rank, name)
@@ -790,6 +796,23 @@ def test_fully_shard_after_wrap_with_the_cpu_optimizer_is_refused_at_the_first_f
     tierflow.unwrap(model)  # what the message offers: FSDP2 without tierflow then trains
     losses = _train_steps(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
     assert all(torch.isfinite(torch.tensor(losses))), losses
+
+
+def test_the_cpu_optimizer_over_a_partly_sharded_model_is_refused(world_of_one):
+    """fully_shard on one block only: its parameters are DTensor shards, the others plain, whose gradients FSDP2
+    does not reduce; the CPU optimizer would step both kinds (and take one norm over both): refused, naming them."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = _mlp()
+    fully_shard(model[2])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    hooks = _hooks(model)
+    with pytest.raises(tierflow.ConfigError, match=r"2 of its 6 parameters are FSDP2's DTensor shards and 4 are not "
+                                                   r"\('0.weight', '0.bias', '4.weight' and more\).*only partly "
+                                                   r"under fully_shard"):
+        tierflow.wrap(model, opt, device="emulated")
+    assert getattr(model, "_tierflow_session", None) is None and _hooks(model) == hooks
+    assert type(opt) is torch.optim.AdamW
 
 
 def test_optimizer_holding_dtensor_parameters_is_refused(world_of_one):

@@ -172,7 +172,7 @@ double host_gaps_seconds(std::vector<TimedInterval> intervals) {
     const TimedInterval& next = intervals[i];
     const bool neighbours = prev.backward == next.backward &&
                             (prev.backward ? next.block + 1 == prev.block : next.block == prev.block + 1);
-    if (neighbours) gaps += std::max(next.start - prev.end, 0.0);
+    if (neighbours) gaps += std::max(next.start - prev.end - next.wait_before, 0.0);
   }
   return gaps;
 }

@@ -103,8 +103,16 @@ is refused with an error that names it:
   state_dict gives each state of a DTensor parameter as a DTensor like the
   parameter (as torch's AdamW's are under FSDP2), so torch.distributed.
   checkpoint saves every rank's shard and loads each back where it belongs
-  (tested: a run resumed from DCP is bit-identical to the one that went on);
-  load_state_dict takes DTensor states. Refused with FSDP2, in either order,
+  (tested: a run resumed from DCP is bit-identical to the one that went on,
+  fp32 and bf16); load_state_dict takes DTensor states, and, as every
+  parameter steps in step(), takes a saved fp32 master as it is and keeps it
+  at the next step where its parameter is its rounding (set_state_dict loads
+  the model after the optimizer). The states stay in host memory in those
+  DTensors (built around the local tensor, as FSDP2's CPUOffloadPolicy
+  does: DTensor.from_local would copy them to the mesh's GPU). A CPU
+  optimizer over a model only partly under fully_shard is refused (its plain
+  parameters' gradients are not reduced), also when a CPUAdamW is made
+  directly, which applies the same refusals as wrap. Refused with FSDP2, in either order,
   with the setting named and what FSDP2 accepts: NVMe optimizer states,
   TIERFLOW_OFFLOAD_GRADIENTS=on, an explicit TIERFLOW_GPU_OPTIMIZER_FRACTION,
   parameter offload (FSDP2 moves its parameters itself), and fully_shard
@@ -177,7 +185,7 @@ def fsdp_modules(model: torch.nn.Module) -> list:
     return [] if fsdp is None else [m for m in model.modules() if isinstance(m, fsdp)]
 
 
-def _fsdp_settings_refusal(config: Any, replacing: bool) -> Optional[str]:
+def fsdp_settings_refusal(config: Any, replacing: bool) -> Optional[str]:
     """Why these settings cannot train an FSDP2 model, or None (Note [Distributed training]). ``replacing``:
     tierflow's CPU optimizer takes an optimizer's place (one was passed to wrap, and TIERFLOW_OFFLOAD_OPTIMIZER
     is not none); it steps each rank's shard in step()."""
@@ -199,7 +207,7 @@ def _fsdp_settings_refusal(config: Any, replacing: bool) -> Optional[str]:
     return None
 
 
-_FSDP_ACCEPTED = ("accepted with FSDP2: TIERFLOW_OFFLOAD_OPTIMIZER=host (tierflow's CPU AdamW steps each rank's "
+FSDP_ACCEPTED = ("accepted with FSDP2: TIERFLOW_OFFLOAD_OPTIMIZER=host (tierflow's CPU AdamW steps each rank's "
                   "shard, in step(): one copy of the states on the node) or none (your optimizer steps the "
                   "shards), TIERFLOW_OFFLOAD_PARAMS=none, TIERFLOW_OFFLOAD_GRADIENTS=off, "
                   "TIERFLOW_GPU_OPTIMIZER_FRACTION=auto or 0, and any TIERFLOW_OFFLOAD_ACTIVATIONS")
@@ -212,12 +220,12 @@ def refuse_sharded(model: torch.nn.Module, optimizer: Optional[torch.optim.Optim
     modules, params = _sharded(model)
     if modules:
         replacing = optimizer is not None and config["TIERFLOW_OFFLOAD_OPTIMIZER"] != "none"
-        why = _fsdp_settings_refusal(config, replacing)
+        why = fsdp_settings_refusal(config, replacing)
         if why is not None:
             raise _C.TierflowError(
                 "tierflow.wrap: the model is sharded by torch.distributed.fsdp.fully_shard (FSDP2): "
                 f"{_some(modules)} {'is an FSDPModule' if len(modules) == 1 else 'are FSDPModules'}, and {why}; "
-                f"{_FSDP_ACCEPTED}")
+                f"{FSDP_ACCEPTED}")
         return  # its DTensors are FSDP2's shards, stepped by the user's optimizer
     if params:
         raise _C.TierflowError(
@@ -243,7 +251,7 @@ def refuse_sharded_later(model: torch.nn.Module, config: Any, cpu_optimizer: boo
     if not modules and not params:
         return []
     if modules:
-        why = _fsdp_settings_refusal(config, False)
+        why = fsdp_settings_refusal(config, False)
         if why is None and cpu_optimizer:
             why = ("tierflow's CPU optimizer, made at wrap, holds the parameters as they were before sharding; "
                    "call fully_shard before tierflow.wrap")
@@ -251,7 +259,7 @@ def refuse_sharded_later(model: torch.nn.Module, config: Any, cpu_optimizer: boo
             return fsdp_modules(model)
         what = ("torch.distributed.fsdp.fully_shard (FSDP2) was applied to the model after tierflow.wrap "
                 f"({_some(modules)} {'is an FSDPModule' if len(modules) == 1 else 'are FSDPModules'}), and {why}")
-        advice = _FSDP_ACCEPTED
+        advice = FSDP_ACCEPTED
     else:
         what = (f"{len(params)} of the model's parameters became DTensors after tierflow.wrap ({_some(params)}) and "
                 "no module of it is an FSDP2 module, as tensor parallelism makes them; tierflow does not support "

@@ -101,7 +101,7 @@ class Session:
 
     def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
         opt = self.optimizer() if self.optimizer is not None else None
-        if self.distributed is not None and self.distributed.pending:  # FSDP2 refused, DDP noted:
+        if self.distributed is not None and self.distributed.pending:  # FSDP2 after wrap found, DDP noted:
             check_forward(self.distributed, opt, module, self.config)  # Note [Distributed training]
             if self.distributed.fsdp_found:  # fully_shard after wrap: its modules' parameters from now on
                 self.watch_fsdp(self.distributed.fsdp_found)  # (the root's: registered below, as always)

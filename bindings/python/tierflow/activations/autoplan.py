@@ -186,20 +186,20 @@ class AutoPlanner:
             # shield theirs; Note [Auto plan phases]).
             outside = self._packed_outside() - self._policy_bytes
             profile["outside_saved_bytes"] = outside
-            # Less their round trip, which the timed step made and the plan adds back where it swaps them.
-            # and less the host's gaps between neighbouring blocks, the timing's own (Note [Re-plan]).
-            gaps = _C.host_gaps_seconds([(kind == "backward", r.index, t0, t1) for r in self.runners
-                                         for kind, t0, t1 in r.intervals])
+            # Less their round trip, which the timed step made and the plan adds back where it swaps them,
+            # and less the host's own time between neighbouring blocks, the timing's (Note [Re-plan]).
+            gaps = _C.host_gaps_seconds([(kind == "backward", r.index, t0, t1, wait) for r in self.runners
+                                         for kind, t0, t1, wait in r.intervals])
             profile["host_gaps_seconds"] = gaps
             profile["timed_step_seconds"] = step
             profile["rest_of_step_seconds"] = _C.rest_of_step_seconds(step, sum(
                 sum(r.forward_seconds) + sum(r.backward_seconds) + sum(r.recompute_seconds) for r in self.runners),
                 _C.outside_swap_seconds(links_struct(profile["links"]), outside), gaps)
-            self.timed_step = self._timed_step_summary(profile, step, gaps)
             if self._forward_backward_peak is not None:
                 profile["measured_peak_bytes"] = self._forward_backward_peak
                 profile["measured_reserved_peak_bytes"] = self._forward_backward_reserved
             profile["fixed_device_bytes"] = self.budgets(profile)["fixed_device_bytes"]
+            self.timed_step = self._timed_step_summary(profile, step, gaps)
             if self.profile_path:
                 write_json_atomic(self.profile_path, profile)
             self.make_plan(profile)

@@ -165,6 +165,9 @@ class _Frame:
         self.pending: dict = {}       # pack index -> the tensor behind a placeholder, until the forward ends
         self.whole_swapped: dict = {}  # pack index -> offloader handle, for placeholders of a departed forward
         self.backward_t0: Optional[float] = None  # timing step: when the gradient of its output was ready
+        self.backward_wait0 = 0.0                  # timing step: the device wait just before backward_t0
+        self.t0 = 0.0                              # timing step: when its forward began
+        self.wait0 = 0.0                           # timing step: the device wait just before t0
         self.replay_seconds = 0.0                  # timing step: its replay's time
 
     # -- forward ---------------------------------------------------------------------
@@ -378,7 +381,8 @@ class BlockRunner:
         self.forward_seconds: list = []
         self.recompute_seconds: list = []
         self.backward_seconds: list = []  # timing step: output gradient -> input gradient, replay excluded
-        # Timing step: ("forward" | "backward", start, end) of each timed interval, for the gaps between blocks.
+        # Timing step: ("forward" | "backward", start, end, the device wait just before start) of each timed
+        # interval, for the host's own time between blocks (Note [Re-plan]).
         self.intervals: list = []
         self.dynamic: Optional[str] = None  # Note [Data-dependent blocks]: why its forwards are not its table's
         self._stack: list = []
@@ -436,13 +440,15 @@ class BlockRunner:
         """A gradient hook timing one block's backward in the timing step: the gradient of its output starts
         it, the gradient of its input ends it; its replay, inside, is taken out."""
         def hook(grad: torch.Tensor) -> None:
+            before = time.perf_counter()
             self.sync()
             now = time.perf_counter()
             if start:
                 f.backward_t0 = now
+                f.backward_wait0 = now - before  # the device work queued since the last block's end
             elif f.backward_t0 is not None:
                 self.backward_seconds.append(max(now - f.backward_t0 - f.replay_seconds, 0.0))
-                self.intervals.append(("backward", f.backward_t0, now))
+                self.intervals.append(("backward", f.backward_t0, now, f.backward_wait0))
                 f.backward_t0 = None
         return hook
 
@@ -527,8 +533,10 @@ class BlockRunner:
         ctx = torch.autograd.graph.saved_tensors_hooks(f.pack, _unpack)
         ctx.__enter__()
         if self.timing:
-            self.sync()
+            before = time.perf_counter()
+            self.sync()  # the device work queued since the last block (FSDP2's all-gather, say): real work
             f.t0 = time.perf_counter()
+            f.wait0 = f.t0 - before
         self._stack.append((f, ctx, sig))
 
     def _after(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -546,7 +554,7 @@ class BlockRunner:
             self.sync()
             now = time.perf_counter()
             self.forward_seconds.append(now - f.t0)
-            self.intervals.append(("forward", f.t0, now))
+            self.intervals.append(("forward", f.t0, now, f.wait0))
             out = next((t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad), None)
             if out is not None:
                 out.register_hook(self._backward_mark(f, start=True))

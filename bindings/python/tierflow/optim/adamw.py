@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .. import _C
-from .._distributed import note_step
+from .._distributed import FSDP_ACCEPTED, fsdp_settings_refusal, note_step
 from . import clip
 from .accepted import GRAD_DTYPES, check_grad, check_replaceable
 from .copies import DeviceCopies, local_shard
@@ -118,11 +118,13 @@ class CPUAdamW(torch.optim.Optimizer):
         # (Note [Optimizer states on NVMe]); steps during backward are host-tier only.
         self._overlap = cfg["TIERFLOW_OVERLAP_STEP"] == "on" and not self._states.nvme
         # FSDP2's DTensor parameters: each rank steps its own shard, in step() (Note [Distributed training]).
-        self._sharded = any(local_shard(p) is not p for g in self.param_groups for p in g["params"])
-        if self._sharded:
-            self._overlap = False
+        self._sharded = self._check_sharding(cfg)
         # Why steps during backward are off for the rest of the run (DDP: Note [Distributed training]), or None.
         self._steps_after_backward: Optional[str] = None
+        if self._sharded and self._overlap:
+            self._overlap = False
+            self._steps_after_backward = ("FSDP2 sets each shard's gradient after its reduce-scatter, where no "
+                                          "gradient hook sees it: every shard steps in step()")
         self._accumulation = int(cfg["TIERFLOW_GRAD_ACCUMULATION_STEPS"])
         norm = cfg["TIERFLOW_MAX_GRAD_NORM"]
         self._max_grad_norm = None if norm == "none" else float(norm)
@@ -189,6 +191,40 @@ class CPUAdamW(torch.optim.Optimizer):
         streaming = getattr(self, "_streaming", None)  # None inside torch's __init__, before _setup
         if streaming is not None:
             streaming.forget_python_path()  # its parameters step through the Python path
+        if hasattr(self, "_sharded"):  # after _setup: the same rules for the new group's parameters
+            try:
+                sharded = self._check_sharding(self._runtime.config())
+            except BaseException:
+                self.param_groups.pop()
+                raise
+            if sharded != self._sharded:
+                self.param_groups.pop()
+                raise _C.ConfigError(
+                    "CPUAdamW.add_param_group: the new group's parameters are " +
+                    ("FSDP2's DTensor shards and the optimizer's are not" if sharded else
+                     "not DTensors and the optimizer steps FSDP2's shards") +
+                    "; accepted: one optimizer for the FSDP2 model's shards, another for other parameters")
+
+    def _check_sharding(self, cfg: Any) -> bool:
+        """Whether the parameters are FSDP2's DTensor shards (each rank steps its own: Note [Distributed
+        training]); raises for a mix of shards and plain parameters (the plain ones' gradients are not reduced
+        across ranks, and one norm cannot be taken over both) and for the settings the shards do not take."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        sharded = [p for p in params if local_shard(p) is not p]
+        if not sharded:
+            return False
+        if len(sharded) != len(params):
+            plain = [self._names.get(id(p), f"a parameter of shape {list(p.shape)}")
+                     for p in params if local_shard(p) is p]
+            raise _C.ConfigError(
+                f"tierflow's CPU optimizer: {len(sharded)} of its {len(params)} parameters are FSDP2's DTensor "
+                f"shards and {len(plain)} are not ({', '.join(repr(n) for n in plain[:3])}"
+                f"{' and more' if len(plain) > 3 else ''}): the model is only partly under fully_shard; accepted: "
+                "fully_shard on the model too (its root), or TIERFLOW_OFFLOAD_OPTIMIZER=none")
+        why = fsdp_settings_refusal(cfg, True)
+        if why is not None:
+            raise _C.ConfigError(f"tierflow's CPU optimizer over FSDP2's shards: {why}; {FSDP_ACCEPTED}")
+        return True
 
     def use_host_copies(self, offload: Any) -> None:
         """Parameters that live on the host between uses (Note [Parameter hooks]): their steps read and
@@ -207,6 +243,14 @@ class CPUAdamW(torch.optim.Optimizer):
     def mark_master_stale(self) -> None:
         """Parameters were changed outside the optimizer: re-read masters from them at the next step."""
         self._master_stale = True
+
+    def _reconcile_master(self, master: torch.Tensor, p: torch.Tensor) -> None:
+        """A stale master (the model or the optimizer was loaded): kept where p is its rounding (the master of a
+        checkpoint whose model was loaded after its optimizer, whatever the order), else read from p."""
+        current = self._copies.source(p)
+        if master.shape == p.shape and torch.equal(master.to(p.dtype), current.to(master.device)):
+            return
+        self._copies.read_into(master, p)
 
     fill_lost_states = staticmethod(fill_lost_states)
 
@@ -326,23 +370,27 @@ class CPUAdamW(torch.optim.Optimizer):
             state[k] = s
         sd["state"] = state
         if self._sharded:
-            self._as_dtensors(sd, params)
+            sd["state"] = {k: self._as_dtensors(s, params[k]) for k, s in state.items()}
         return sd
 
     @staticmethod
-    def _as_dtensors(sd: dict, params: list) -> None:
-        """FSDP2: each state tensor of a DTensor parameter, a shard of this rank, goes out as a DTensor like its
-        parameter (torch's AdamW keeps DTensor states under FSDP2), so that torch.distributed.checkpoint saves
-        every rank's shard and loads each back where it belongs (Note [Distributed training])."""
-        for k, s in sd["state"].items():
-            p = params[k]
-            if local_shard(p) is p:
-                continue
-            shape = local_shard(p).shape
-            for name, v in list(s.items()):
-                if isinstance(v, torch.Tensor) and v.shape == shape:
-                    s[name] = type(p).from_local(v, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                                 stride=p.stride())
+    def _as_dtensors(s: dict, p: torch.Tensor) -> dict:
+        """FSDP2: a new dict of p's state (the live one stays as it is) whose tensors of this rank's shard go out
+        as DTensors like p (torch's AdamW keeps DTensor states under FSDP2), so that torch.distributed.checkpoint
+        saves every rank's shard and loads each back where it belongs (Note [Distributed training]). The local
+        tensor stays where it is, in host memory: DTensor.from_local would copy it to the mesh's device (the
+        GPU), the memory offload frees; FSDP2's CPUOffloadPolicy builds its DTensors the same way."""
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+        shape = local_shard(p).shape
+        out = {}
+        for name, v in s.items():
+            if isinstance(v, torch.Tensor) and v.shape == shape:
+                spec = DTensorSpec(p.device_mesh, p.placements, TensorMeta(p.shape, p.stride(), v.dtype))
+                v = DTensor(v, spec, requires_grad=False)
+            out[name] = v
+        return out
 
     def _master_from(self, saved: Optional[torch.Tensor], p: torch.Tensor) -> torch.Tensor:
         # A saved master is used only where it is consistent with the parameter:
@@ -368,6 +416,10 @@ class CPUAdamW(torch.optim.Optimizer):
             self._streaming.stream.restore_grads()  # the next step() still takes this backward's gradients
             self._streaming.stream.end_window()  # early steps read the state being replaced
             self._streaming.stream.synchronize()
+        # Where every parameter steps in step() (FSDP2's shards; no stream), a saved master is taken as it is and
+        # the next step checks it against its parameter (reconcile_master): the model may be loaded after the
+        # optimizer, as torch.distributed.checkpoint's set_state_dict does.
+        reconcile = self._streaming is None and not self._states.nvme
         # torch casts state to the parameter's dtype; keep the fp32 originals (FSDP2: this rank's shards).
         originals = {k: {n: local_shard(v) for n, v in s.items() if n in _STATE_KEYS}
                      for k, s in state_dict["state"].items()}
@@ -394,7 +446,11 @@ class CPUAdamW(torch.optim.Optimizer):
                 if group["amsgrad"] and "max_exp_avg_sq" not in state:
                     state["max_exp_avg_sq"] = self._copies.host(shard, True)
                 master = self._copies.host(shard, False)
-                master.copy_(self._master_from(originals[key].get("master"), shard))
+                saved = originals[key].get("master")
+                if reconcile and saved is not None and saved.shape == shard.shape:
+                    master.copy_(saved)  # the next step keeps it where the parameter is its rounding
+                else:
+                    master.copy_(self._master_from(saved, shard))
                 state["master"] = master
                 step = state.get("step", 0.0)
                 state["step"] = torch.tensor(float(step), dtype=torch.float32)
@@ -403,7 +459,7 @@ class CPUAdamW(torch.optim.Optimizer):
                     self._states.to_nvme(p, state, group)
                 else:
                     self._register_state(p)
-        self._master_stale = False
+        self._master_stale = reconcile
 
     # -- step during backward (Note [Step during backward]) ----------------------
     @staticmethod
@@ -541,7 +597,7 @@ class CPUAdamW(torch.optim.Optimizer):
             if len(state) == 0:
                 state = self._init_state(p, group)
             elif self._master_stale:
-                self._copies.read_into(state["master"], local_shard(p))
+                self._reconcile_master(state["master"], local_shard(p))
             state["step"] += 1
             if self._copies.staged(grad):
                 host_grad, transfer, src = self._copies.fetch(grad)

@@ -79,11 +79,13 @@
 // (host_gaps_seconds) is the rest of the step; the plan's whole step is its
 // blocks' predicted time plus that rest. The gaps: between the end of a
 // block's timed forward and the start of the next block's (or of its backward
-// and the previous block's) the model runs nothing; what passes there is the
-// timing's own work (a device synchronize on each side, the runners' hooks,
-// the profiling step's swaps), which the device hides behind queued work once
-// the timing is gone (on an H100 the timed step's rest was twice the steady
-// step's rest without them). Once
+// and the previous block's) the host runs the timing's own work (the runners'
+// hooks, the profiling step's swaps), which the device hides behind queued
+// work once the timing is gone (on an H100 the timed step's rest was twice
+// the steady step's rest without them); what the device synchronize before
+// the next block waited for is device work queued there (a module between
+// the blocks, FSDP2's all-gather or reduce-scatter) and stays in the rest.
+// Once
 // kReplanAfterSteps steps ran under a plan, not counting its first (which pins
 // the host memory the plan's swaps need), the median of their wall times is
 // set beside it; a ratio beyond 1 + kReplanMargin either way re-plans, once per
@@ -312,11 +314,14 @@ struct TimedInterval {
   bool backward = false;
   std::size_t block = 0;
   double start = 0, end = 0;  ///< seconds on one clock
+  /// How long the device synchronize just before `start` waited: device work queued since the last interval
+  /// (a module between the blocks, FSDP2's all-gather), which is real work and stays in the rest of the step.
+  double wait_before = 0;
 };
 
-/// The host's gaps between neighbouring blocks in the timed step (Note [Re-plan]): in start order, the time from
-/// one interval's end to the next one's start where both are forwards of blocks i and i + 1, or backwards of
-/// blocks i and i - 1; never negative.
+/// The host's own time between neighbouring blocks in the timed step (Note [Re-plan]): in start order, the time
+/// from one interval's end to the next one's start, less the next one's wait_before, where both are forwards of
+/// blocks i and i + 1, or backwards of blocks i and i - 1; never negative.
 double host_gaps_seconds(std::vector<TimedInterval> intervals);
 
 /// Whether the measured step (median of `steps` step gaps) strays from the predicted whole step beyond the
