@@ -138,6 +138,8 @@ def test_auto_keeps_everything_when_it_fits_and_profiles_once(tmp_path, device):
     assert timed["rest_of_step_seconds"] == profile["rest_of_step_seconds"]
     assert [b["forward_seconds"] for b in timed["blocks"]] == [b["forward_seconds"] for b in profile["blocks"]]
     assert timed["links"]["d2h"] == profile["links"]["d2h"] > 0
+    assert timed["fixed_device_bytes"] == profile["fixed_device_bytes"] > 0
+    assert timed["measured_peak_bytes"] == profile.get("measured_peak_bytes")  # CUDA only
 
 
 def test_auto_times_each_blocks_backward(tmp_path, device):
