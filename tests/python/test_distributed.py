@@ -687,6 +687,60 @@ def test_fsdp2_trains_transformers_gpt2_as_fsdp2_alone(fsdp_runs, acts, optimize
                          Run(losses=run["losses"], params=run["shards"]))
 
 
+def test_fsdp2_on_one_cuda_rank_with_the_cpu_optimizer_trains_and_checkpoints(device, tmp_path, monkeypatch):
+    """FSDP2's CUDA path on one GPU (an NCCL group of one process): the CPU AdamW copies each local shard's gradient
+    to the host and its new value back, activations go to the host, within its rounding of FSDP2 with torch's
+    AdamW; its states stay in host memory, in the checkpoint's DTensors too, and DCP saves them."""
+    if device != "cuda":
+        pytest.skip("FSDP2 on CUDA; on the emulated device the two-rank gloo tests above cover FSDP2")
+    dist = torch.distributed
+    if not dist.is_nccl_available() or dist.is_initialized():
+        pytest.skip("needs NCCL and no process group yet in this process")
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
+                            device_id=torch.device("cuda", torch.cuda.current_device()))
+    try:
+        runs = {}
+        for kind in ("torch", "tierflow"):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4)).cuda()
+            for i in (0, 2, 4):
+                fully_shard(model[i])
+            fully_shard(model)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+            if kind == "tierflow":
+                model, opt = tierflow.wrap(model, opt, device="cuda", offload_activations="host", min_offload_bytes=0)
+            losses = []
+            for step in range(3):
+                g = torch.Generator().manual_seed(step)
+                x, y = torch.randn(32, 16, generator=g).cuda(), torch.randn(32, 4, generator=g).cuda()
+                loss = nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+            shards = {n: p.to_local().detach().cpu() for n, p in model.named_parameters()}
+            runs[kind] = Run(losses=losses, params=shards)
+            if kind == "tierflow":
+                assert tierflow.report()["activations"]["offloaded_bytes"] > 0
+                assert all(t.device.type == "cpu" for s in opt.state.values() for t in s.values()
+                           if isinstance(t, torch.Tensor))
+                allocated = torch.cuda.memory_allocated()
+                model_sd, optim_sd = get_state_dict(model, opt)
+                local = [v.to_local() for s in optim_sd["state"].values() for v in s.values() if hasattr(v, "to_local")]
+                assert local and all(t.device.type == "cpu" for t in local), "the states stay in host memory"
+                assert torch.cuda.memory_allocated() <= allocated + (1 << 20), "no copy of the states on the GPU"
+                dcp.save(dict(model=model_sd, optim=optim_sd), checkpoint_id=str(tmp_path / "dcp"))
+                tierflow.unwrap(model)
+        assert_close(runs["torch"], runs["tierflow"])
+    finally:
+        dist.destroy_process_group()
+
+
 NVME = "<nvme>"  # the test's NVMe directory
 REFUSED_WITH_FSDP2 = [dict(offload_optimizer="nvme", nvme_paths=NVME), dict(offload_gradients="on"),
                       dict(gpu_optimizer_fraction="0.5"), dict(offload_optimizer="none", offload_params="host")]
