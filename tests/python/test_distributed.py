@@ -508,6 +508,8 @@ _FSDP_WORKER = textwrap.dedent("""
         if isinstance(opt, tierflow.CPUAdamW):  # what this rank holds of the states: its shards' only
             out["state_numel"] = {{k: sum(s[k].numel() for s in opt.state.values())
                                   for k in ("master", "exp_avg", "exp_avg_sq")}}
+            out["off"] = tierflow.report()["optimizer"].get("steps_during_backward_off")
+            out["table"] = str(tierflow.report())
         if order is not None:
             report = tierflow.report()
             out.update(packs=report["activations"]["packs"], offloaded=report["activations"]["offloaded_bytes"],
@@ -653,6 +655,9 @@ def test_fsdp2_with_the_cpu_optimizer_steps_each_ranks_shard(fsdp_runs, acts):
         assert_close(Run(losses=base["losses"], params=base["shards"]), Run(losses=run["losses"], params=run["shards"]))
         shards = sum(t.numel() for t in run["shards"].values())
         assert run["state_numel"] == {"master": shards, "exp_avg": shards, "exp_avg_sq": shards}, run["state_numel"]
+        # Nothing silent: the report says that, and why, every shard steps in step() (not during backward).
+        assert "FSDP2" in run["off"] and "steps in step()" in run["off"], run["off"]
+        assert "steps during backward" in run["table"] and "off: FSDP2" in run["table"], run["table"]
     total = fsdp_runs[0][("wrap(fully_shard)", acts, "host")]["numel"]
     held = [results[("wrap(fully_shard)", acts, "host")]["state_numel"]["exp_avg"] for results in fsdp_runs]
     assert sum(held) == total and all(0 < h < total for h in held), (held, total)

@@ -77,6 +77,8 @@ class Report(dict):
                                                     f'{fmt_bytes(pp["host_bytes"])}, NVMe {fmt_bytes(pp["nvme_bytes"])}; '
                                                     f'{pp["fetches"]} fetches, '
                                                     f'{pp["prefetch_hits"]} prefetched, {pp["stalls"]} stalls)'))
+        if o.get("steps_during_backward_off"):
+            rows.append(("  steps during backward", "off: " + o["steps_during_backward_off"]))
         ov = o.get("overlap") or {}
         if ov:
             rows.append(("  stepped during backward", f'{ov["early_steps"]} (committed {ov["committed"]}, redone {ov["redone"]}, '

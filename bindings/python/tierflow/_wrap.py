@@ -149,6 +149,9 @@ class Session:
         r["config"] = dict(self.config)
         opt = self.optimizer() if self.optimizer is not None else None
         r["optimizer"]["overlap"] = dict(getattr(opt, "overlap_stats", {}) or {})
+        off = getattr(opt, "_steps_after_backward", None)
+        if off:  # why every parameter steps in step() (DDP's hook before tierflow's, FSDP2's shards, ...)
+            r["optimizer"]["steps_during_backward_off"] = off
         if self.planner is not None:
             r["plan"] = self.planner.report()
         if self.params is not None:
