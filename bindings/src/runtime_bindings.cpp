@@ -130,7 +130,11 @@ void bind_runtime_optimizer(py::class_<Runtime, std::shared_ptr<Runtime>>& c) {
       .def("copy_to_device", [](Runtime& rt, const at::Tensor& dst, const at::Tensor& src) {
         py::gil_scoped_release release;  // the emulated compute waits on the host
         return rt.copy_to_device(dst, src);
-      }, "Host -> device copy after the current stream's work; the stream waits for it. Keep src alive until ready.");
+      }, "Host -> device copy after the current stream's work; the stream waits for it. Keep src alive until ready.")
+      .def("fetch_to_device", [](Runtime& rt, const at::Tensor& dst, const at::Tensor& src) {
+        return rt.fetch_to_device(dst, src);
+      }, "Host -> device copy after the current stream's work; no stream waits for it (a reader waits for the "
+         "handle first). Keep src alive until ready.");
 }
 
 // Optimizer states on NVMe (Note [Optimizer states on NVMe]).

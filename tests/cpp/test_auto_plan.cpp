@@ -404,11 +404,15 @@ TEST(Replan, NothingToCalibrateIsSaid) {
   EXPECT_EQ(rest.compute_factor, 1.0);
 }
 
-TEST(OverlapWindow, TheLargestBlocksSwapWithinTheRoomTheBudgetLeaves) {
+TEST(OverlapWindow, TheLargestSwapOfTwoNeighbouringBlocksWithinTheRoomTheBudgetLeaves) {
   Swapping s;
   const Plan plan = plan_activations(s.blocks, s.links, s.budgets);
-  std::uint64_t wanted = 0;
-  for (const auto& b : plan.blocks) wanted = std::max(wanted, b.swap_bytes);
+  std::uint64_t wanted = 0, largest = 0;
+  for (std::size_t i = 0; i < plan.blocks.size(); ++i) {
+    largest = std::max(largest, plan.blocks[i].swap_bytes);
+    wanted = std::max(wanted, plan.blocks[i].swap_bytes + (i > 0 ? plan.blocks[i - 1].swap_bytes : 0));
+  }
+  ASSERT_GT(wanted, largest) << "the case needs two neighbouring blocks that swap";
   ASSERT_GT(wanted, s.budgets.prefetch_bytes) << "the case needs a block that swaps more than the window";
   // Room enough: the window is the largest block's swap, and the peak grows by what it adds.
   Budgets roomy = s.budgets;

@@ -192,6 +192,11 @@ def train(task: Task, steps: int, use_tierflow: bool, *, device: str = "emulated
         raise TypeError(f"train: tierflow settings {sorted(settings)} given for a run without tierflow")
     if fp32_masters and use_tierflow:
         raise TypeError("train: fp32_masters describes the baseline; tierflow's CPU optimizer always keeps them")
+    if device == "cuda":
+        # What earlier runs left for the garbage collector (a wrapped model's cycles) still holds device memory,
+        # which a run's measured peak (the plan's fixed bytes) would count: a budget taken from one run must
+        # hold for the next.
+        gc.collect()
     torch.manual_seed(0)
     model = task.model_on(device, dtype)
     hyper = dict(lr=lr, weight_decay=weight_decay)

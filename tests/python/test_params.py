@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import warnings
+from typing import Optional
 
 import pytest
 import torch
@@ -83,18 +84,21 @@ def _parameter_bytes(task: Task) -> int:
     return sum(p.numel() * p.element_size() for p in task.make_model().parameters())
 
 
-def _resident_and_budget(task: Task, steps: int, device: str, params_share: float, **settings) -> tuple:
+def _resident_and_budget(task: Task, steps: int, device: str, params_share: float, placed: Optional[dict] = None,
+                         **settings) -> tuple:
     """The run with every parameter on the device, and a device budget with room for `params_share` of the
     parameters. On the emulated device that share is the budget (nothing else is counted there). On CUDA the
-    process holds more (cuBLAS's workspace, the logits, what earlier tests left allocated): a first run under
-    TIERFLOW_OFFLOAD_PARAMS=auto measures what the rest of training holds (its profile's fixed_device_bytes,
-    Note [Auto plan phases]), and the budget is that, the largest block's working set and the prefetch window,
-    and the share."""
+    process holds more (cuBLAS's workspace, the logits, what earlier tests left allocated): a first run with the
+    parameters placed as the test places them (`placed`; default TIERFLOW_OFFLOAD_PARAMS=auto) measures what the
+    rest of training holds (its profile's fixed_device_bytes, Note [Auto plan phases]), and the budget is that,
+    the largest block's working set and the prefetch window, and the share."""
     total = _parameter_bytes(task)
     resident = train(task, steps, True, device=device, **settings)
     if device != "cuda":
         return resident, int(total * params_share)
-    profile = train(task, 3, True, device=device, offload_params="auto", **settings).session.planner.profile
+    probe = train(task, 3, True, device=device, **(placed or dict(offload_params="auto")), **settings)
+    profile = probe.session.planner.profile
+    del probe  # its session's device buffers go with it (train() collects cycles before the next run)
     largest = max(b["input_bytes"] + b["whole_bytes"] + b["split_bytes"] + b["cheap_bytes"] + b["transient_bytes"]
                   for b in profile["blocks"])
     window = min(int(settings.get("prefetch_bytes", 0)), sum(
@@ -112,7 +116,7 @@ def test_parameters_four_times_the_device_budget_train_within_it(device, kind, t
     task = _deep(kind)
     common = dict(offload_gradients="on", prefetch_bytes=256 << 10)
     placed = dict(offload_params=tier, nvme_paths=[nvme_dir]) if tier == "nvme" else dict(offload_params=tier)
-    resident, budget = _resident_and_budget(task, STEPS, device, 1 / 4, **common)
+    resident, budget = _resident_and_budget(task, STEPS, device, 1 / 4, placed, **common)
     offloaded = train(task, STEPS, True, device=device, gpu_memory=str(budget), **placed, **common)
     assert_bit_identical(offloaded, resident)
     p = offloaded.report["params"]

@@ -361,3 +361,32 @@ def test_the_compute_share_during_copies_is_measured_and_planned_with(tmp_path, 
     share = compute_share_during_copies(torch.device("cpu"), start, copy_seconds=0.02)
     assert 0.05 <= share < 0.5, share  # 1/4 on an idle machine; a loaded one only stretches the busy chain
     assert compute_share_during_copies(torch.device("cpu"), lambda: [], copy_seconds=0.02) > 0.5
+
+
+def test_the_compute_share_probe_does_not_make_the_compute_stream_wait_for_its_copies(device):
+    """The share is compute beside the copies, not after them: the probe's copy to the device is queued with
+    fetch_to_device (no stream waits for it). With copy_to_device the compute stream waited for the copy and an
+    H100 measured a share of 0.45 that was the wait (the planner then priced every swapping block's compute at
+    2.2x). The copy still delivers once its handle is waited for."""
+    rt = tierflow._C.Runtime({"device": device})
+    where = torch_device(device)
+    calls = []
+
+    class Spy:
+        def __getattr__(self, name):
+            attr = getattr(rt, name)
+            if name.startswith(("copy_to", "fetch_to")):
+                def spied(*args):
+                    calls.append(name)
+                    return attr(*args)
+                return spied
+            return attr
+
+    links = tierflow._links.measure_links(Spy(), where, nbytes=1 << 20, shares=True)
+    share_calls = calls[calls.index("fetch_to_device"):] if "fetch_to_device" in calls else []
+    assert share_calls and "copy_to_device" not in share_calls, calls
+    assert 0.05 <= links["compute_share_during_copies"] <= 1.0, links
+    src = rt.host_empty([1024], "float32").copy_(torch.arange(1024, dtype=torch.float32))
+    dst = torch.zeros(1024, device=where)
+    rt.fetch_to_device(dst, src).wait()
+    assert torch.equal(dst.cpu(), src)

@@ -143,7 +143,11 @@ PlanWindow plan_window(const Plan& plan, const Budgets& budgets, std::uint64_t c
   PlanWindow w;
   w.bytes = std::max(budgets.prefetch_bytes, configured_bytes);
   w.peak_bytes = plan.predicted_device_peak_bytes;
-  for (const auto& b : plan.blocks) w.wanted_bytes = std::max(w.wanted_bytes, b.swap_bytes);
+  // A block's copies to the host start as its forward saves; the block before's may still be in flight.
+  for (std::size_t i = 0; i < plan.blocks.size(); ++i) {
+    const std::uint64_t before = i > 0 ? plan.blocks[i - 1].swap_bytes : 0;
+    w.wanted_bytes = std::max(w.wanted_bytes, before + plan.blocks[i].swap_bytes);
+  }
   if (w.wanted_bytes <= w.bytes) return w;  // nothing swaps (no window in the peak), or it already fits the window
   // The plan's peak counted budgets.prefetch_bytes; what the window adds beyond it takes the room left.
   const std::uint64_t room = plan.device_budget_bytes > w.peak_bytes ? plan.device_budget_bytes - w.peak_bytes : 0;

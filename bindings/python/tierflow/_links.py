@@ -55,7 +55,9 @@ def measure_links(runtime: Any, device: torch.device, nbytes: Optional[int] = No
     out = {"d2h": d2h, "h2d": h2d, "duplex": duplex, "nvme_write": 0.0, "nvme_read": 0.0}
     if shares:
         out["compute_share_during_copies"] = compute_share_during_copies(
-            device, lambda: (runtime.copy_to_host(host, src), runtime.copy_to_device(back, host2)),
+            # fetch_to_device: the compute stream must not wait for the copy (copy_to_device makes it), or the
+            # chain would run after the copy rather than beside it, and the share measure that wait.
+            device, lambda: (runtime.copy_to_host(host, src), runtime.fetch_to_device(back, host2)),
             nbytes / min(d2h, h2d))
     return out
 

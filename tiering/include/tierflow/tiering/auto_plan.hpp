@@ -274,18 +274,23 @@ std::uint64_t next_nvme_probe_bytes(std::uint64_t bytes) noexcept;
 // copies to the host before offload() waits, Note [Staged pipeline]); a block
 // that swaps more than the window makes the host wait on the device inside
 // the block's compute, every window's worth, which the model does not price.
-// So under a plan the window is the largest block's swap bytes
-// (plan_window), never below the configured one and only as far as the
-// device budget leaves room beside the plan's peak (which counts the window
-// once when anything swaps); the plan's peak is then the one with that window.
-// A plan that swaps nothing keeps the configured window, and no plan shrinks
-// it.
+// A window of one block is not enough either: a block's copies are queued
+// as its forward saves, so the last of them finish after its compute, and
+// the next block's first save would wait for them while the device has only
+// that block's first kernels queued; each block's last copies then run
+// beside no compute (measured on an H100: a 1.34B GPT's forward twice as
+// long with 22 blocks swapping about one window each). So under a plan the
+// window is the largest swap of two neighbouring blocks (plan_window), never
+// below the configured one and only as far as the device budget leaves room
+// beside the plan's peak (which counts the window once when anything swaps);
+// the plan's peak is then the one with that window. A plan that swaps nothing
+// keeps the configured window, and no plan shrinks it.
 
 /// The window a plan runs with and the plan's device peak with it (Note [Overlap window]).
 struct PlanWindow {
   std::uint64_t bytes = 0;        ///< the prefetch window / bound on copies to the host
   std::uint64_t peak_bytes = 0;   ///< the plan's predicted device peak with that window
-  std::uint64_t wanted_bytes = 0; ///< the largest block's swap bytes (what no wait inside a block needs)
+  std::uint64_t wanted_bytes = 0; ///< the largest swap of two neighbouring blocks (what no wait inside a block needs)
 };
 /// Note [Overlap window]: `plan` as plan_activations made it within `budgets` (budgets.prefetch_bytes: the
 /// window in its peak); never below `configured_bytes` (TIERFLOW_PREFETCH_BYTES, which the budgets cap at what
