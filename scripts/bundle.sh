@@ -26,6 +26,11 @@
 #                          empty: Debian packages only
 #   BUNDLE_WHEELS_NO_DEPS  requirements bundled without what they require
 #                          (they name torch; default below)
+#   BUNDLE_DEEPSPEED=1     also dir/deepspeed/: a DeepSpeed wheel built here
+#                          from its source release (DeepSpeed publishes no
+#                          wheels; its ops compile on first use) and what it
+#                          requires beyond torch's image, for the benchmark's
+#                          deepspeed-* peers; scripts/gpu_check.sh installs it
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 
@@ -62,7 +67,7 @@ LOCAL_VERSION=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 PLATFORMS=${BUNDLE_PLATFORMS:-manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux_2_5_x86_64 manylinux1_x86_64}
 
 rm -f "$OUT/MANIFEST.txt"      # until the end, the bundle is incomplete
-rm -rf "$OUT/debs" "$OUT/wheels"
+rm -rf "$OUT/debs" "$OUT/wheels" "$OUT/deepspeed"
 mkdir -p "$OUT/debs" "$OUT/wheels"
 
 # ---- Debian packages ------------------------------------------------------------
@@ -107,6 +112,31 @@ if [ -n "$WHEELS" ]; then
   fi
 fi
 
+# ---- DeepSpeed (opt-in) ---------------------------------------------------------------
+# Its requirements that a CUDA torch image lacks (torch, numpy, packaging, psutil and tqdm it has), installed
+# with --no-deps so that nothing reaches for torch: DEEPSPEED_REQUIRES, also scripts/gpu_check.sh's list.
+DEEPSPEED_REQUIRES="hjson py-cpuinfo msgpack nvidia-ml-py einops ninja pydantic pydantic-core annotated-types typing-inspection typing-extensions"
+if [ "${BUNDLE_DEEPSPEED:-0}" = 1 ]; then
+  mkdir -p "$OUT/deepspeed"
+  "$PY" -c 'import torch' 2>/dev/null || die "BUNDLE_DEEPSPEED: building DeepSpeed's wheel needs torch in $PY"
+  say "building a DeepSpeed wheel from its source release"
+  "$PY" -m pip download -q --no-deps --no-binary=:all: --dest "$OUT/deepspeed/src" deepspeed \
+    || die "pip could not download DeepSpeed's source release"
+  "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$OUT/deepspeed" "$OUT"/deepspeed/src/deepspeed-*.tar.gz \
+    || die "DeepSpeed's wheel did not build"
+  rm -rf "$OUT/deepspeed/src"
+  for v in $PY_VERSIONS; do
+    target=()
+    if [ "$v" != "$LOCAL_VERSION" ]; then
+      target=(--python-version "$v" --implementation cp --abi "cp${v/./}")
+      for plat in $PLATFORMS; do target+=(--platform "$plat"); done
+    fi
+    # shellcheck disable=SC2086  # a list of requirements
+    "$PY" -m pip download -q --only-binary=:all: --no-deps --dest "$OUT/deepspeed" "${target[@]}" $DEEPSPEED_REQUIRES \
+      || die "pip could not download DeepSpeed's requirements for Python $v"
+  done
+fi
+
 # ---- manifest -----------------------------------------------------------------------
 {
   echo "# tierflow bundle, made by scripts/bundle.sh on $(date -u +%Y-%m-%dT%H:%MZ) ($(. /etc/os-release && echo "$PRETTY_NAME"), $(dpkg --print-architecture))"
@@ -117,8 +147,9 @@ fi
   else
     echo "# no wheels (BUNDLE_WHEELS was empty)"
   fi
+  if [ -d "$OUT/deepspeed" ]; then echo "# deepspeed/: a DeepSpeed wheel and its requirements beyond torch's image: ${DEEPSPEED_REQUIRES}"; fi
   echo "# sha256 and path of every file (check: grep -v '^#' MANIFEST.txt | sha256sum -c):"
-  (cd "$OUT" && find debs wheels -type f | LC_ALL=C sort | xargs -r sha256sum)
+  (cd "$OUT" && find debs wheels $([ -d deepspeed ] && echo deepspeed) -type f | LC_ALL=C sort | xargs -r sha256sum)
 } >"$OUT/MANIFEST.txt.tmp"
 mv "$OUT/MANIFEST.txt.tmp" "$OUT/MANIFEST.txt"
 say "$(find "$OUT/debs" -name '*.deb' | wc -l) Debian packages, $(find "$OUT/wheels" -name '*.whl' | wc -l) wheels, $(du -sh "$OUT" | cut -f1) in $OUT"

@@ -102,6 +102,12 @@ for part in $PARTS; do
         "$VPY" -m pytest tests/python -q -rs -k cuda --junitxml "$OUT/tests-cuda.xml" ${GPU_CHECK_PYTEST_ARGS:-}
       ;;
     bench)
+      # DeepSpeed, the peer, from the bundle (BUNDLE_DEEPSPEED=1 make bundle) when the machine lacks it.
+      if [ -n "$BUNDLE" ] && [ -d "$BUNDLE/deepspeed" ] && ! "$VPY" -c 'import deepspeed' 2>/dev/null; then
+        # shellcheck disable=SC2046  # the wheels' names
+        run deepspeed "$OUT/deepspeed.log" "$VPY" -m pip install -q --no-deps --no-index \
+          $(ls "$BUNDLE"/deepspeed/*.whl)
+      fi
       # shellcheck disable=SC2086  # SEQ_SEARCH and GPU_CHECK_BENCH_ARGS are lists of arguments
       run bench "$OUT/bench.log" env PYTHONPATH="$ROOT/bindings/python" "$VPY" benchmarks/bench_gpu_offload.py \
         --preset gpt1b $SEQ_SEARCH --mode-timeout 300 --out "$RESULT" ${GPU_CHECK_BENCH_ARGS:-}

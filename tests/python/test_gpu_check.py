@@ -11,7 +11,9 @@ SCRIPT = os.path.join(ROOT, "scripts", "gpu_check.sh")
 
 
 def gpu_check(tmp_path, **env):
-    full = dict(os.environ, GPU_CHECK_OUT=str(tmp_path / "out"), **env)
+    # The checkout's own bundle/ (a developer's, with DeepSpeed in it, say) must not change what a case sees.
+    full = dict(os.environ, GPU_CHECK_OUT=str(tmp_path / "out"), TIERFLOW_BUNDLE=str(tmp_path / "no-bundle"))
+    full.update(env)
     return subprocess.run(["bash", SCRIPT], cwd=ROOT, env=full, capture_output=True, text=True, timeout=60)
 
 
@@ -60,14 +62,37 @@ def test_without_a_gpu_it_refuses_and_says_why(tmp_path):
 
 
 def test_the_bundle_goes_to_the_build_only_and_the_options_reach_their_part(tmp_path):
-    proc = gpu_check(tmp_path, GPU_CHECK_DRY_RUN="1", TIERFLOW_BUNDLE="bundle", GPU_CHECK_SEQ_SEARCH="0",
+    bundle = str(tmp_path / "bundle")
+    proc = gpu_check(tmp_path, GPU_CHECK_DRY_RUN="1", TIERFLOW_BUNDLE=bundle, GPU_CHECK_SEQ_SEARCH="0",
                      GPU_CHECK_PYTEST_ARGS="-n 8")
     assert proc.returncode == 0, proc.stderr
     build, _, cuda, bench = [line for line in proc.stdout.splitlines() if "would run" in line]
-    assert "TIERFLOW_BUNDLE=bundle" in build
+    assert f"TIERFLOW_BUNDLE={bundle}" in build
     # tierflow refuses TIERFLOW_* variables it does not know: the tests and the bench must not inherit it.
     assert "TIERFLOW_BUNDLE" not in cuda + bench
     assert cuda.rstrip().endswith("-n 8") and "GPU_CHECK_FAILURE_LOG=" in cuda
     assert "--seq-search" not in bench
     script = open(SCRIPT).read()
     assert "unset TIERFLOW_BUNDLE" in script.split("for part in $PARTS")[0]
+
+
+def test_deepspeed_comes_from_the_bundle_before_the_benchmark_when_the_machine_lacks_it(tmp_path):
+    """BUNDLE_DEEPSPEED=1 make bundle puts DeepSpeed's wheel and its requirements in bundle/deepspeed/; the bench
+    part installs them (no index, no dependencies: nothing may reach for torch) before the benchmark."""
+    if subprocess.run([os.path.join(ROOT, ".venv", "bin", "python"), "-c", "import deepspeed"],
+                      capture_output=True).returncode == 0:
+        pytest.skip("deepspeed is installed here: gpu-check would not install it")
+    wheels = tmp_path / "bundle" / "deepspeed"
+    wheels.mkdir(parents=True)
+    for name in ("deepspeed-0.19.8-py3-none-any.whl", "hjson-3.1.0-py3-none-any.whl"):
+        (wheels / name).write_bytes(b"")
+    proc = gpu_check(tmp_path, GPU_CHECK_DRY_RUN="1", GPU_CHECK_PARTS="bench", TIERFLOW_BUNDLE=str(tmp_path / "bundle"))
+    assert proc.returncode == 0, proc.stderr
+    install, bench = [line for line in proc.stdout.splitlines() if "would run" in line]
+    assert "(deepspeed)" in install and "--no-deps --no-index" in install, install
+    assert all(str(wheels / name) in install for name in ("deepspeed-0.19.8-py3-none-any.whl",
+                                                           "hjson-3.1.0-py3-none-any.whl")), install
+    assert "(bench)" in bench
+    # Without the directory, nothing is installed.
+    proc = gpu_check(tmp_path, GPU_CHECK_DRY_RUN="1", GPU_CHECK_PARTS="bench")
+    assert [line for line in proc.stdout.splitlines() if "would run" in line][0].count("(bench)") == 1
