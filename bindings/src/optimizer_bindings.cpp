@@ -27,6 +27,7 @@
 #include "tierflow/core/log.hpp"
 #include "tierflow/optimizer/cuda_adam.hpp"
 #include "tierflow/optimizer/grad_buckets.hpp"
+#include "tierflow/optimizer/partition.hpp"
 #include "tierflow/optimizer/roofline.hpp"
 #include "tierflow/optimizer/state_tier.hpp"
 #include "tierflow/swap/nvme_probe.hpp"
@@ -66,6 +67,17 @@ void bind_optimizer_policy(py::module_& m) {
         py::arg("steps_during_backward"), py::arg("overlap_step"), py::arg("offload_optimizer"),
         "TIERFLOW_OFFLOAD_GRADIENTS=on without steps during backward: the refusal, or None.");
   m.def("grad_scaler_refusal", &grad_scaler_refusal, "step()'s refusal of GradScaler with offloaded gradients.");
+  m.def("partition_parameters", &partition_parameters, py::arg("elements"), py::arg("world_size"),
+        "Note [Partitioned optimizer]: the owner rank of each parameter (by numel, in the optimizer's order).");
+  m.def("owned_elements", &owned_elements, py::arg("owners"), py::arg("elements"), py::arg("world_size"),
+        "Elements each rank owns under partition_parameters' owners.");
+  m.def("loaded_partition_refusal", [](const std::vector<int>& owners, const std::vector<bool>& has_state, int rank,
+                                       int world_size) -> py::object {
+    const std::string why = loaded_partition_refusal(owners, has_state, rank, world_size);
+    return why.empty() ? py::none() : py::cast(why);
+  }, py::arg("owners"), py::arg("has_state"), py::arg("rank"), py::arg("world_size"),
+        "Loading a state dict with these parameters' states on this rank of a partitioned optimizer: the refusal "
+        "(another rank's partition), or None.");
   m.def("group_by_step", [](const std::vector<std::int64_t>& steps) {
     std::vector<std::pair<std::int64_t, std::vector<std::size_t>>> out;
     for (auto& g : group_by_step(steps)) out.emplace_back(g.step, std::move(g.members));

@@ -335,6 +335,12 @@ std::vector<Row> step_rows() {
       "step each parameter on the CPU as soon as backward completes its gradient, while backward "
       "goes on; step() then only confirms (see Note [Step during backward])"},
      on_off_parser(&Config::overlap_step)},
+    {{"TIERFLOW_PARTITION_OPTIMIZER", "on", "on or off",
+      "under DistributedDataParallel with several ranks: each rank keeps the CPU optimizer's states of, and "
+      "steps, its own share of the parameters, then broadcasts their new weights (ZeRO-Offload's design: one "
+      "copy of the states on the node); each rank saves and loads its own optimizer state dict (see Note "
+      "[Partitioned optimizer])"},
+     on_off_parser(&Config::partition_optimizer)},
     {{"TIERFLOW_GRAD_BUCKET_BYTES", "auto", "auto or a size of at least 4KiB, e.g. 16MiB",
       "gradients travel device->host and step on the CPU in buckets of this size while backward "
       "goes on; auto: about 16 buckets (4MiB to 64MiB) for the first step, then the largest whose copy and "
@@ -641,6 +647,7 @@ std::map<std::string, std::string> Config::to_strings() const {
       {"TIERFLOW_PREFETCH_BYTES", std::to_string(prefetch_bytes)},
       {"TIERFLOW_PINNED_SLAB_BYTES", std::to_string(pinned_slab_bytes)},
       {"TIERFLOW_OVERLAP_STEP", overlap_step ? "on" : "off"},
+      {"TIERFLOW_PARTITION_OPTIMIZER", partition_optimizer ? "on" : "off"},
       {"TIERFLOW_GRAD_ACCUMULATION_STEPS", std::to_string(grad_accumulation_steps)},
       {"TIERFLOW_MAX_GRAD_NORM", max_grad_norm > 0 ? format_double(max_grad_norm) : "none"},
       {"TIERFLOW_SKIP_NONFINITE", skip_nonfinite ? "on" : "off"},

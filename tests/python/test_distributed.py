@@ -132,6 +132,10 @@ _WORKER = textwrap.dedent("""
                             result["overlap"].append(dict(opt.overlap_stats))
                 if isinstance(opt, tierflow.CPUAdamW):
                     result["after_join"] = dict(opt.overlap_stats)  # what join's shadow passes streamed: nothing
+                    # Note [Partitioned optimizer]: what this rank steps and keeps states of.
+                    result["owned"] = [n for n, p in model.named_parameters() if opt.owns(p)]
+                    result["state_elements"] = sum(s["exp_avg"].numel() for s in opt.state.values() if "exp_avg" in s)
+                    result["partition"] = opt.partition_stats()
             except tierflow.TierflowError as e:
                 result["error"] = str(e)
         result["warnings"] = [str(w.message) for w in caught if str(w.message).startswith("tierflow")]
@@ -149,7 +153,11 @@ _WORKER = textwrap.dedent("""
              "static graph": dict(ddp=dict(static_graph=True)),
              "unused found": dict(ddp=dict(find_unused_parameters=True)),
              "hook before": dict(hook=("before", halved)), "hook after": dict(hook=("after", halved)),
-             "builtin hook after": dict(hook=("after", "builtin")), "join": dict(join=True)}}
+             "builtin hook after": dict(hook=("after", "builtin")),
+             # Note [Partitioned optimizer]: under join() a rank that ran out of inputs takes no step(), so the
+             # owners' broadcasts cannot be matched: join runs unpartitioned, and partitioned it is refused.
+             "join": dict(join=True, partition_optimizer="off"), "join partitioned": dict(join=True),
+             "partition off": dict(partition_optimizer="off")}}
     results = {{("ddp", None): run("ddp", None), ("by hand", None): run("by hand", None),
                ("by hand", "wrap"): run("by hand", "wrap", offload_activations="none", offload_optimizer="host")}}
     for order in {orders!r}:
@@ -160,7 +168,7 @@ _WORKER = textwrap.dedent("""
         results[(order, "offload gradients")] = run("ddp", order, offload_activations="none",
                                                     offload_optimizer="host", offload_gradients="on")
     for name, case in CASES.items():
-        if name != "builtin hook after":
+        if name not in ("builtin hook after", "join partitioned", "partition off"):
             results[("ddp", name)] = run("ddp", None, **case)
         for order in {orders!r}:
             if order == "DDP(wrap)" and name not in {both_orders!r}:
@@ -255,11 +263,19 @@ def _per_step(counts: list) -> list:
     return out
 
 
-def _assert_all_committed(counts: list, where: str, unused: int = 0) -> None:
-    """Every parameter stepped during backward, from the reduced gradient, and committed: nothing redone. An
-    unused parameter (find_unused_parameters) streams DDP's zeros, and its step is taken back (p.grad stays None)."""
-    for i, c in enumerate(_per_step(counts)):
-        assert c == dict(early_steps=PARAMS + unused, committed=PARAMS, redone=0), f"{where}, step {i}: {c}"
+def _stepped(result: dict) -> int:
+    """The parameters of the MLP this rank steps: all of them, or its own under the partitioned optimizer."""
+    return sum(not n.startswith("spare.") for n in result["owned"])
+
+
+def _assert_all_committed(result: dict, where: str, unused: bool = False) -> None:
+    """Every parameter this rank steps stepped during backward, from the reduced gradient, and committed: nothing
+    redone. An unused parameter (find_unused_parameters) streams DDP's zeros, and its step is taken back (p.grad
+    stays None)."""
+    stepped = _stepped(result)
+    spare = sum(n.startswith("spare.") for n in result["owned"]) if unused else 0
+    for i, c in enumerate(_per_step(result["overlap"])):
+        assert c == dict(early_steps=stepped + spare, committed=stepped, redone=0), f"{where}, step {i}: {c}"
 
 
 @pytest.mark.parametrize("acts", ["none", "host"])
@@ -287,7 +303,7 @@ def test_ddp_trains_as_without_tierflow_and_steps_once(ddp_runs, order, acts):
         if acts == "none":
             assert_bit_identical(_as_run(off), _as_run(ours))
         # Every step during backward, from the reduced gradient (tierflow's DDP communication hook): committed.
-        _assert_all_committed(ours["overlap"], f"rank {rank}")
+        _assert_all_committed(ours, f"rank {rank}")
         assert ours["warnings"] == [], ours["warnings"]
     # DDP keeps the replicas equal.
     for opt in ("none", "host"):
@@ -316,7 +332,7 @@ def test_ddp_settings_step_during_backward_from_the_reduced_gradients(ddp_runs, 
         assert_close(_as_run(runs[("ddp", case)]), _as_run(ours))
         if order == "wrap(DDP)" and case in EXACT:  # the steps during backward are step()'s, bit for bit
             assert_bit_identical(_as_run(runs[(order, case, "overlap off")]), _as_run(ours))
-        _assert_all_committed(ours["overlap"], f"rank {rank}", unused=2 if case == "unused found" else 0)
+        _assert_all_committed(ours, f"rank {rank}", unused=case == "unused found")
         if case == "join":  # rank 1 ran out of inputs: join's shadow passes ran tierflow's hook, outside backward
             assert len(ours["losses"]) == STEPS - rank
             assert ours["after_join"] == ours["overlap"][-1], "nothing streams from join's shadow all-reduces"
@@ -340,9 +356,11 @@ def test_tierflows_clip_under_ddp_redoes_only_the_steps_where_it_binds(ddp_runs,
         assert any(binds) and not all(binds), base["norms"]  # both kinds of step are seen
         for i, (c, bound) in enumerate(zip(_per_step(ours["overlap"]), binds)):
             if bound:  # speculation stops once the running norm crosses the bound: the buckets before it redone
-                assert c["committed"] == 0 and 0 < c["redone"] == c["early_steps"] < PARAMS, (rank, i, c)
+                # (partitioned, a rank's own buckets may all come before the stop)
+                most = _stepped(ours) - (ours["partition"] is None)
+                assert c["committed"] == 0 and 0 < c["redone"] == c["early_steps"] <= most, (rank, i, c)
             else:
-                assert c == dict(early_steps=PARAMS, committed=PARAMS, redone=0), (rank, i, c)
+                assert c == dict(early_steps=_stepped(ours), committed=_stepped(ours), redone=0), (rank, i, c)
 
 
 @pytest.mark.parametrize("order", ORDERS)
@@ -410,3 +428,38 @@ def test_ddp_join_dividing_by_the_ranks_left_is_refused_with_the_steps_during_ba
             net(x).square().mean().backward()
     assert "TIERFLOW_OVERLAP_STEP=off" in str(refused.value)
     tierflow.unwrap(net)
+
+
+# -- Note [Partitioned optimizer]: the CPU optimizer partitioned across DDP's ranks ----------------------------------
+def test_the_partitioned_optimizer_steps_each_parameter_on_its_owner_alone_bit_for_bit_as_unpartitioned(ddp_runs):
+    """TIERFLOW_PARTITION_OPTIMIZER=on (the default) under DDP: each parameter has one owner rank, which alone keeps
+    its states and steps it (during backward, committed), and broadcasts its new weights; the results are, bit for
+    bit, those of every rank stepping every parameter (partition_optimizer='off'); the ranks' states add up to
+    one copy of the model's, where unpartitioned each rank holds a whole copy."""
+    total = sum(v.numel() for v in ddp_runs[0][("ddp", None)]["params"].values())
+    for order in ORDERS:
+        owned = [set(runs[(order, "none", "host")]["owned"]) for runs in ddp_runs]
+        assert owned[0] and owned[1] and not owned[0] & owned[1], owned
+        assert owned[0] | owned[1] == set(ddp_runs[0][("ddp", None)]["params"]), owned
+        elements = [runs[(order, "none", "host")]["state_elements"] for runs in ddp_runs]
+        assert sum(elements) == total and max(elements) < total, (elements, total)
+        for rank, runs in enumerate(ddp_runs):
+            part = runs[(order, "none", "host")]["partition"]
+            assert part["rank"] == rank and part["world_size"] == 2 and part["broadcasts"] == STEPS, part
+            assert part["owned_elements"] == elements[rank] and part["elements"] == total, part
+    for rank, runs in enumerate(ddp_runs):
+        off = runs[("wrap(DDP)", "partition off")]
+        assert off["error"] is None and off["partition"] is None and off["state_elements"] == total, off
+        _assert_all_committed(off, f"rank {rank}, unpartitioned")
+        assert_bit_identical(_as_run(off), _as_run(runs[("wrap(DDP)", "none", "host")]))
+
+
+def test_join_with_the_partitioned_optimizer_is_refused_on_every_rank_before_it_steps(ddp_runs):
+    """Under DDP's join() a rank that ran out of inputs takes no step(): the owners' broadcasts could not be
+    matched. The first step() inside join() refuses on every rank, naming the setting that works (join runs
+    unpartitioned: test_ddp_settings_step_during_backward_from_the_reduced_gradients[wrap(DDP)-join])."""
+    for runs in ddp_runs:
+        ours = runs[("wrap(DDP)", "join partitioned")]
+        assert ours["error"] is not None and ours["losses"] == [], ours
+        assert "join()" in ours["error"] and "TIERFLOW_PARTITION_OPTIMIZER=off" in ours["error"], ours["error"]
+        assert "partition_optimizer='off'" in ours["error"], ours["error"]

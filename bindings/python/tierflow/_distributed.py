@@ -70,8 +70,13 @@ is refused with an error that names it:
   backward() and step()) shows at step(): in a process group of more than one
   process, a step in which the early steps had to be redone and none could
   be committed turns them off the same way, with its own warning (one wasted
-  step). Not done: a CPU optimizer partitioned across DDP's ranks (each one
-  stepping 1/N of the parameters; FSDP2 with the CPU optimizer is that).
+  step). With several ranks the CPU optimizer is partitioned across them
+  (TIERFLOW_PARTITION_OPTIMIZER=on, the default; Note [Partitioned
+  optimizer] in optimizer/partition.hpp): when DDP is seen, before the first
+  backward, each rank keeps the states of, streams and steps only the
+  parameters it owns, and step() broadcasts every parameter's new weights
+  from its owner, so the node holds one copy of the states; each rank saves
+  and loads its own optimizer state dict.
 - TIERFLOW_OFFLOAD_GRADIENTS=on under DDP is refused: it sets p.grad to None
   during backward, while DDP's reducer still has to read and all-reduce it
   (with DDP applied after wrap the losses silently left DDP's).
@@ -338,6 +343,7 @@ def _note_ddp(optimizer: Any, ddp: torch.nn.Module, how: str, stacklevel: int) -
             "tierflow: TIERFLOW_OFFLOAD_GRADIENTS=on does not work under torch.nn.parallel.DistributedDataParallel "
             f"(DDP; {how}): it sets p.grad to None during backward, while DDP still has to all-reduce that "
             "gradient; accepted under DDP: TIERFLOW_OFFLOAD_GRADIENTS=off (offload_gradients='off')")
+    optimizer.partition_across(ddp)  # Note [Partitioned optimizer], before the stream is fed
     if not optimizer.steps_during_backward():
         return  # TIERFLOW_OVERLAP_STEP=off, NVMe states, or turned off already: DDP's reduction as it is
     why = _ddp_feed.why_not_fed(ddp)
@@ -367,7 +373,7 @@ def check_forward(watch: DistributedWatch, optimizer: Any, module: torch.nn.Modu
         watch.fsdp_found = refuse_sharded_later(module, config, optimizer is not None)
         watch.sharding_checked = True
     offloading = optimizer is not None and optimizer.gradients_offloaded()
-    early = optimizer is not None and optimizer.steps_during_backward()
+    early = optimizer is not None and (optimizer.steps_during_backward() or optimizer.partition_pending())
     if watch.ddp_seen or not (offloading or early):
         watch.pending = False  # nothing left that DDP would change
         return

@@ -152,6 +152,9 @@ class Session:
         off = getattr(opt, "_steps_after_backward", None)
         if off:  # why every parameter steps in step() (DDP's hook before tierflow's, FSDP2's shards, ...)
             r["optimizer"]["steps_during_backward_off"] = off
+        partition = opt.partition_stats() if hasattr(opt, "partition_stats") else None
+        if partition:  # Note [Partitioned optimizer]: this rank's share
+            r["optimizer"]["partition"] = partition
         if self.planner is not None:
             r["plan"] = self.planner.report()
         if self.params is not None:

@@ -38,6 +38,7 @@ from .accepted import GRAD_DTYPES, check_grad, check_replaceable
 from .copies import DeviceCopies, local_shard
 from .gpu_share import GpuShare
 from .nvme_states import LOST_STATE, StateTier, fill_lost_states
+from .partition import Partition
 from .streaming import GradientStreaming
 
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
@@ -125,6 +126,9 @@ class CPUAdamW(torch.optim.Optimizer):
             self._overlap = False
             self._steps_after_backward = ("FSDP2 sets each shard's gradient after its reduce-scatter, where no "
                                           "gradient hook sees it: every shard steps in step()")
+        # Note [Partitioned optimizer]: under DDP with several ranks, this rank's share of the parameters only.
+        self._partition: Optional[Partition] = None
+        self._partition_wanted = cfg["TIERFLOW_PARTITION_OPTIMIZER"] == "on"
         self._accumulation = int(cfg["TIERFLOW_GRAD_ACCUMULATION_STEPS"])
         norm = cfg["TIERFLOW_MAX_GRAD_NORM"]
         self._max_grad_norm = None if norm == "none" else float(norm)
@@ -273,6 +277,40 @@ class CPUAdamW(torch.optim.Optimizer):
             self._streaming.stream.set_enabled(False)  # _on_backward_begin keeps it off from now on
         return True
 
+    def partition_across(self, ddp: torch.nn.Module) -> bool:
+        """Note [Partitioned optimizer]: the DDP module ``ddp`` was seen, before the first
+        backward. With TIERFLOW_PARTITION_OPTIMIZER=on and several ranks, this rank keeps the states of and steps
+        only the parameters it owns (the others leave the gradient stream; states of theirs that a loaded state
+        dict brought are dropped, another rank's partition alone is refused), and step() broadcasts every
+        parameter's new weights from its owner. Returns whether it partitioned (now or before)."""
+        if self._partition is not None:
+            return True
+        if not self._partition_wanted or self._sharded or torch.distributed.get_world_size(ddp.process_group) < 2:
+            return False
+        part = Partition([p for g in self.param_groups for p in g["params"]], ddp)
+        part.check_loaded(self.state)
+        part.drop_others(self.state)
+        if self._streaming is not None:
+            for p in part.params:
+                if not part.owns(p) and self._streaming.carries(p):
+                    self._streaming.exclude(p)
+            self._streaming.forget_python_path()
+        self._partition = part
+        return True
+
+    def owns(self, p: torch.Tensor) -> bool:
+        """Whether this rank keeps p's states and steps it: every parameter, unless the optimizer is partitioned
+        across DDP's ranks (Note [Partitioned optimizer]), where only those this rank owns."""
+        return self._partition is None or self._partition.owns(p)
+
+    def partition_pending(self) -> bool:
+        """Whether DDP, once seen, would partition this optimizer (it has not yet)."""
+        return self._partition_wanted and self._partition is None and not self._sharded
+
+    def partition_stats(self) -> Optional[dict]:
+        """This rank's share (Note [Partitioned optimizer]) and the weights' broadcasts, or None."""
+        return dict(self._partition.stats) if self._partition is not None else None
+
     # -- the gradient stream (Note [Gradient streaming]) ------------------------------
     @property
     def _stream(self) -> Optional["_C.GradStream"]:
@@ -411,6 +449,8 @@ class CPUAdamW(torch.optim.Optimizer):
             raise _C.TierflowError(_C.lost_states_refusal(
                 [self._states.describe(params[k], self.param_groups) if isinstance(k, int) and k < len(params)
                  else repr(k) for k in lost]))
+        if self._partition is not None:  # refused before anything changes: another rank's partition
+            self._partition.check_loaded(_states_by_param(state_dict, self.param_groups))
         if self._streaming is not None:
             self._wait_worker()
             self._streaming.stream.restore_grads()  # the next step() still takes this backward's gradients
@@ -432,6 +472,8 @@ class CPUAdamW(torch.optim.Optimizer):
                 shared.update(loaded)
         groups[:] = dicts
         self.param_groups = groups
+        if self._partition is not None:  # a whole state dict: the other ranks keep theirs
+            self._partition.drop_others(self.state)
         for group, saved in zip(self.param_groups, state_dict["param_groups"]):
             for p, key in zip(group["params"], saved["params"]):
                 if p not in self.state or key not in originals:
@@ -534,7 +576,10 @@ class CPUAdamW(torch.optim.Optimizer):
             for attr in ("found_inf", "grad_scale"):  # the scaler deletes them only after a step
                 self.__dict__.pop(attr, None)
             raise _C.TierflowError(_C.grad_scaler_refusal())
+        if self._partition is not None:
+            self._partition.refuse_join()
         self._mark_step_called()
+        skipped = False
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -549,6 +594,7 @@ class CPUAdamW(torch.optim.Optimizer):
                 self._streaming.stream.restore_grads()  # a skipped step leaves p.grad as torch's does
                 self._streaming.stream.end_window()
             self._overlap_counts["skipped_steps"] += 1
+            skipped = True
         elif self._streaming is not None:
             # Note [Gradient streaming]: the stream commits or redoes what it carried and
             # sends the weights back; the Python path steps only what it left.
@@ -571,6 +617,9 @@ class CPUAdamW(torch.optim.Optimizer):
         if watched is not None:
             note_step(self, watched, scale)
         self._copies.finish_uploads()
+        if self._partition is not None and not skipped:  # Note [Partitioned optimizer]: the owners' new weights
+            self.synchronize()
+            self._partition.broadcast()
         self._copies.bump_offloaded_versions(self.param_groups)
         self._master_stale = False
         return loss
@@ -578,6 +627,9 @@ class CPUAdamW(torch.optim.Optimizer):
     def _step_group(self, group: dict, scale: float = 1.0, params: Optional[list] = None) -> Optional[list]:
         options = self._options(group)
         gpu = self._gpu.ensure(self.param_groups)
+        if self._partition is not None:  # Note [Partitioned optimizer]: the other ranks step theirs
+            params = [p for p in (group["params"] if params is None else params) if self._partition.owns(p)]
+            group = dict(group, params=params) if self._states.nvme else group
         if self._states.nvme:
             return self._states.step_group(group, dict(options, grad_scale=scale) if scale != 1.0 else options,
                                            self.state, gpu, self._copies, self._init_state, self._master_stale)
@@ -631,3 +683,12 @@ class CPUAdamW(torch.optim.Optimizer):
                                     [g for _, g, _ in batch], [out for _, _, out in batch])
         for p, out in copy_back:
             self._copies.write_param(p, out)
+
+
+def _states_by_param(state_dict: dict, groups: list) -> dict:
+    """The parameters of ``groups`` that ``state_dict`` holds a state for, as {param: state} (torch maps saved
+    indices to parameters by their order across the groups)."""
+    saved = [k for g in state_dict.get("param_groups", []) for k in g["params"]]
+    params = [p for g in groups for p in g["params"]]
+    states = state_dict.get("state", {})
+    return {p: states[k] for k, p in zip(saved, params) if k in states}

@@ -1,0 +1,56 @@
+// Note [Partitioned optimizer]: which rank owns each parameter, and which loaded state dicts a rank refuses.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <numeric>
+#include <random>
+
+#include "tierflow/optimizer/partition.hpp"
+
+using namespace tierflow::optimizer;
+
+namespace {
+std::uint64_t total(const std::vector<std::uint64_t>& v) { return std::accumulate(v.begin(), v.end(), 0ull); }
+}  // namespace
+
+TEST(Partition, EveryParameterHasOneOwnerAndNoRankHoldsMoreThanItsShareAndTheLargest) {
+  std::mt19937_64 rng(7);
+  for (int world : {1, 2, 3, 4, 8}) {
+    for (int trial = 0; trial < 50; ++trial) {
+      std::vector<std::uint64_t> elements(1 + rng() % 40);
+      for (auto& e : elements) e = 1 + rng() % (trial % 2 ? 1000 : 4'000'000);
+      const auto owners = partition_parameters(elements, world);
+      ASSERT_EQ(owners.size(), elements.size());
+      for (int o : owners) ASSERT_TRUE(o >= 0 && o < world);
+      const auto owned = owned_elements(owners, elements, world);
+      ASSERT_EQ(total(owned), total(elements));
+      const std::uint64_t largest = *std::max_element(elements.begin(), elements.end());
+      for (auto o : owned) EXPECT_LE(o, total(elements) / world + largest) << "world " << world;
+    }
+  }
+}
+
+TEST(Partition, LargestFirstOntoTheLeastLoadedRankTheSameOnEveryRank) {
+  // 10, 10, 6, 4, 4 over 2 ranks: 10 -> 0, 10 -> 1, 6 -> 0 (tie: the lowest rank), 4 -> 1, 4 -> 1: 16 and 18.
+  const std::vector<std::uint64_t> elements{4, 10, 6, 10, 4};
+  const auto owners = partition_parameters(elements, 2);
+  EXPECT_EQ(owners, (std::vector<int>{1, 0, 0, 1, 1}));
+  EXPECT_EQ(owned_elements(owners, elements, 2), (std::vector<std::uint64_t>{16, 18}));
+  EXPECT_EQ(partition_parameters(elements, 2), owners);  // deterministic: nothing to exchange
+  EXPECT_EQ(partition_parameters(elements, 1), (std::vector<int>(5, 0)));
+  // More ranks than parameters: some own nothing.
+  EXPECT_EQ(owned_elements(partition_parameters({5, 3}, 4), {5, 3}, 4), (std::vector<std::uint64_t>{5, 3, 0, 0}));
+  EXPECT_THROW(partition_parameters(elements, 0), std::invalid_argument);
+}
+
+TEST(Partition, AnotherRanksStatesAloneAreRefusedItsOwnAWholeOneOrNoneLoad) {
+  const std::vector<int> owners{0, 1, 0, 1};
+  EXPECT_EQ(loaded_partition_refusal(owners, {true, false, true, false}, 0, 2), "");  // its own
+  EXPECT_EQ(loaded_partition_refusal(owners, {true, true, true, true}, 1, 2), "");    // a whole one
+  EXPECT_EQ(loaded_partition_refusal(owners, {false, false, false, false}, 1, 2), "");  // before any step
+  EXPECT_EQ(loaded_partition_refusal(owners, {false, true, false, false}, 1, 2), "");  // its own, partly
+  const std::string why = loaded_partition_refusal(owners, {true, false, true, false}, 1, 2);
+  EXPECT_NE(why.find("states of 2 parameters of rank 0 and none of rank 1's"), std::string::npos) << why;
+  EXPECT_NE(why.find("TIERFLOW_PARTITION_OPTIMIZER=on"), std::string::npos) << why;
+  EXPECT_NE(why.find("each rank loads the state dict it saved itself"), std::string::npos) << why;
+}
