@@ -68,6 +68,7 @@ bench: setup
 	@command -v fio >/dev/null || (apt-get install -y -qq fio >/dev/null 2>&1 || sudo apt-get install -y -qq fio) || echo "fio could not be installed"
 	$(PY) benchmarks/bench_nvme.py
 	$(PY) benchmarks/bench_fsdp_optimizer.py
+	$(PY) benchmarks/bench_ddp_optimizer.py
 
 clean:
 	rm -rf build bindings/python/tierflow/_C*.so

@@ -318,8 +318,8 @@ std::vector<Row> placement_rows() {
      size_parser(&Config::min_offload_bytes, 0, "a size, e.g. 0, 4096, 64KiB, 1MiB")},
     {{"TIERFLOW_PREFETCH_BYTES", "64MiB", "a size of at least 1 byte, e.g. 8MiB, 256MiB",
       "how many bytes of offloaded activations backward prefetches ahead of their use (and forward copies to "
-      "the host at once); under an activation plan, at least this: the largest block's swap where the device "
-      "budget has room (see Note [Overlap window])"},
+      "the host at once); under an activation plan, at least this: the largest swap of two neighbouring blocks "
+      "where the device budget has room (see Note [Overlap window])"},
      size_parser(&Config::prefetch_bytes, 1, "a size of at least 1 byte, e.g. 8MiB, 256MiB")},
     {{"TIERFLOW_PINNED_SLAB_BYTES", "64MiB", "a size of at least 64KiB, e.g. 64MiB, 1GiB",
       "size of each pinned slab the host pool allocates at once (pinning is slow, so it is "

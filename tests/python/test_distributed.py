@@ -463,3 +463,100 @@ def test_join_with_the_partitioned_optimizer_is_refused_on_every_rank_before_it_
         assert ours["error"] is not None and ours["losses"] == [], ours
         assert "join()" in ours["error"] and "TIERFLOW_PARTITION_OPTIMIZER=off" in ours["error"], ours["error"]
         assert "partition_optimizer='off'" in ours["error"], ours["error"]
+
+
+_CHECKPOINT_WORKER = textwrap.dedent("""
+    import datetime, os, sys
+    import torch, torch.distributed as dist, torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    sys.path[:0] = [{bindings!r}]
+    import tierflow
+
+    rank, store, out_path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    d = os.path.dirname(store)
+    dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    torch.set_num_threads(1)
+
+    def make(partition="on"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+        net, opt = tierflow.wrap(DDP(model), opt, device="emulated", offload_activations="none",
+                                 partition_optimizer=partition, cpu_threads=1)
+        return model, net, opt
+
+    def train(net, opt, start, n):
+        losses = []
+        for step in range(start, start + n):
+            g = torch.Generator().manual_seed(100 * step + rank)
+            x, y = torch.randn(32, 16, generator=g), torch.randn(32, 4, generator=g)
+            loss = nn.functional.mse_loss(net(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    def params(model):
+        return {{k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+    def states(opt):
+        return [{{k: v.clone() for k, v in s.items()}} for s in opt.state.values()]
+
+    out = {{}}
+    model, net, opt = make()
+    train(net, opt, 0, 2)
+    torch.save(opt.state_dict(), os.path.join(d, f"opt{{rank}}.pt"))  # each rank its own
+    torch.save(model.state_dict(), os.path.join(d, "model.pt")) if rank == 0 else None
+    dist.barrier()
+    out["went_on"], out["went_on_params"] = train(net, opt, 2, 2), params(model)
+    tierflow.unwrap(net)
+
+    model, net, opt = make()  # a new run resumes from the files
+    model.load_state_dict(torch.load(os.path.join(d, "model.pt")))
+    opt.load_state_dict(torch.load(os.path.join(d, f"opt{{rank}}.pt")))
+    before = states(opt)
+    try:  # another rank's partition: refused, nothing changed
+        opt.load_state_dict(torch.load(os.path.join(d, f"opt{{1 - rank}}.pt")))
+        out["other"] = None
+    except tierflow.TierflowError as e:
+        out["other"] = str(e)
+    after = states(opt)
+    out["unchanged"] = len(before) == len(after) and all(
+        a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a) for a, b in zip(before, after))
+    out["resumed"], out["resumed_params"] = train(net, opt, 2, 2), params(model)
+    tierflow.unwrap(net)
+
+    model, net, opt = make("off")  # a whole state dict, saved without partitioning
+    train(net, opt, 0, 2)
+    whole, whole_model = opt.state_dict(), params(model)
+    tierflow.unwrap(net)
+    model, net, opt = make()
+    model.load_state_dict(whole_model)
+    opt.load_state_dict(whole)
+    out["whole_elements"] = sum(s["exp_avg"].numel() for s in opt.state.values())
+    out["whole_resumed"], out["whole_params"] = train(net, opt, 2, 2), params(model)
+    out["owned_elements"] = opt.partition_stats()["owned_elements"]
+    tierflow.unwrap(net)
+    torch.save(out, out_path)
+    dist.destroy_process_group()
+""")
+
+
+def test_a_partitioned_optimizer_saved_per_rank_resumes_bit_for_bit_and_refuses_another_ranks_state(tmp_path):
+    """Note [Partitioned optimizer]: each rank saves its own optimizer state dict (its share of the states); a new
+    run on as many ranks that loads its own resumes bit for bit (losses and parameters). Loading another rank's
+    is refused, naming what to do, and changes nothing; a whole state dict (saved unpartitioned) loads, each rank
+    keeping its share, and resumes bit for bit too."""
+    script = _CHECKPOINT_WORKER.format(bindings=os.path.join(ROOT, "bindings", "python"))
+    outs = run_ranks(tmp_path, script)
+    for rank, out in enumerate(outs):
+        assert out["resumed"] == out["went_on"], (rank, out["resumed"], out["went_on"])
+        assert_bit_identical(Run(losses=out["went_on"], params=out["went_on_params"]),
+                             Run(losses=out["resumed"], params=out["resumed_params"]))
+        assert out["other"] is not None and out["unchanged"], out["other"]
+        assert f"none of rank {rank}'s" in out["other"] and "each rank loads the state dict it saved" in out["other"]
+        assert out["whole_elements"] == out["owned_elements"], out
+        assert_bit_identical(Run(losses=out["went_on"], params=out["went_on_params"]),
+                             Run(losses=out["whole_resumed"], params=out["whole_params"]))

@@ -79,11 +79,11 @@ class Report(dict):
                                                     f'{pp["prefetch_hits"]} prefetched, {pp["stalls"]} stalls)'))
         part = o.get("partition")
         if part:
-            rows.append(("  partitioned across ranks", f'rank {part["rank"]} of {part["world_size"]}: '
-                                                       f'{part["owned_parameters"]} of {part["parameters"]} parameters, '
-                                                       f'{part["owned_elements"]} of {part["elements"]} elements; '
-                                                       f'{part["broadcasts"]} weight broadcasts '
-                                                       f'({fmt_bytes(part["broadcast_bytes"])}, {part["broadcast_ms"]:.1f} ms)'))
+            rows.append(("  partitioned across ranks",
+                         f'rank {part["rank"]} of {part["world_size"]}: {part["owned_parameters"]} of '
+                         f'{part["parameters"]} parameters, {part["owned_elements"]} of {part["elements"]} elements; '
+                         f'{part["broadcasts"]} weight broadcasts ({fmt_bytes(part["broadcast_bytes"])}, '
+                         f'{part["broadcast_ms"]:.1f} ms)'))
         if o.get("steps_during_backward_off"):
             rows.append(("  steps during backward", "off: " + o["steps_during_backward_off"]))
         ov = o.get("overlap") or {}

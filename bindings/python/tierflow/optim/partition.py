@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import time
 import weakref
-from typing import Any
 
 import torch
 
