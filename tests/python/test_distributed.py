@@ -40,7 +40,7 @@ EXACT = ("bucket view", "small buckets", "no_sync", "hook after")
 # One script, run by each of the two ranks: every DDP case in one process group (starting the
 # processes costs more than all the training). Each rank saves what it saw; the tests compare.
 _WORKER = textwrap.dedent("""
-    import contextlib, datetime, sys, warnings
+    import contextlib, datetime, os, sys, warnings
     import torch, torch.distributed as dist, torch.nn as nn
     from torch.distributed.algorithms.join import Join
     sys.path[:0] = [{bindings!r}]
@@ -180,6 +180,11 @@ _WORKER = textwrap.dedent("""
                                                               offload_optimizer="host", overlap_step="off", **case)
     torch.save(results, out_path)
     dist.destroy_process_group()
+    # torch's gloo may abort at exit once a broadcast ran beside DDP's all-reduces ("terminate called without an
+    # active exception" after Python's finalization: reproduced without tierflow, plain DDP and a broadcast a step,
+    # 3 of 40 runs; the partitioned optimizer broadcasts every step). What the test reads is saved: skip the teardown.
+    sys.stdout.flush()
+    os._exit(0)
 """)
 
 
@@ -541,6 +546,11 @@ _CHECKPOINT_WORKER = textwrap.dedent("""
     tierflow.unwrap(net)
     torch.save(out, out_path)
     dist.destroy_process_group()
+    # torch's gloo may abort at exit once a broadcast ran beside DDP's all-reduces ("terminate called without an
+    # active exception" after Python's finalization: reproduced without tierflow, plain DDP and a broadcast a step,
+    # 3 of 40 runs; the partitioned optimizer broadcasts every step). What the test reads is saved: skip the teardown.
+    sys.stdout.flush()
+    os._exit(0)
 """)
 
 
