@@ -29,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 pytestmark = GLOO
 
 STEPS = 3
-SETTINGS = [(acts, opt) for acts in ("none", "host") for opt in ("none", "host")]
+SETTINGS = [(acts, opt) for acts in ("none", "host", "auto") for opt in ("none", "host", "nvme")]
 ORDERS = ("wrap(DDP)", "DDP(wrap)")
 # The DDP settings run in both orders (the others, once tierflow's hook is registered, feed the same way: wrap(DDP)
 # only). tierflow sees DDP(wrap) at the first forward: a hook registered before that is the "hook before" case.
@@ -53,6 +53,8 @@ _WORKER = textwrap.dedent("""
                             timeout=datetime.timedelta(seconds=60))  # a rank that failed ends the other's wait
     torch.set_num_threads(1)
     STEPS = {steps}
+    NVME = os.path.join(os.path.dirname(store), "nvme")  # both ranks' swap files, named by rank
+    os.makedirs(NVME, exist_ok=True)
 
     def batch(step):
         g = torch.Generator().manual_seed(100 * step + rank)  # each rank its own data
@@ -162,7 +164,8 @@ _WORKER = textwrap.dedent("""
                ("by hand", "wrap"): run("by hand", "wrap", offload_activations="none", offload_optimizer="host")}}
     for order in {orders!r}:
         for acts, opt in {settings!r}:
-            results[(order, acts, opt)] = run("ddp", order, offload_activations=acts, offload_optimizer=opt)
+            nvme = dict(nvme_paths=NVME, nvme_memory="256MiB") if opt == "nvme" else {{}}
+            results[(order, acts, opt)] = run("ddp", order, offload_activations=acts, offload_optimizer=opt, **nvme)
         results[(order, "overlap off")] = run("ddp", order, offload_activations="none", offload_optimizer="host",
                                               overlap_step="off")
         results[(order, "offload gradients")] = run("ddp", order, offload_activations="none",
@@ -283,7 +286,7 @@ def _assert_all_committed(result: dict, where: str, unused: bool = False) -> Non
         assert c == dict(early_steps=stepped + spare, committed=stepped, redone=0), f"{where}, step {i}: {c}"
 
 
-@pytest.mark.parametrize("acts", ["none", "host"])
+@pytest.mark.parametrize("acts", ["none", "host", "auto"])
 @pytest.mark.parametrize("order", ORDERS)
 def test_ddp_trains_as_without_tierflow_and_steps_once(ddp_runs, order, acts):
     """DDP's results, with the user's optimizer and with the CPU one; the CPU one steps each parameter once,
@@ -570,3 +573,22 @@ def test_a_partitioned_optimizer_saved_per_rank_resumes_bit_for_bit_and_refuses_
         assert out["whole_elements"] == out["owned_elements"], out
         assert_bit_identical(Run(losses=out["went_on"], params=out["went_on_params"]),
                              Run(losses=out["whole_resumed"], params=out["whole_params"]))
+
+
+@pytest.mark.parametrize("acts", ["none", "host", "auto"])
+@pytest.mark.parametrize("order", ORDERS)
+def test_ddp_with_the_optimizer_states_on_nvme_steps_in_step_as_the_host_tier_does(ddp_runs, order, acts):
+    """TIERFLOW_OFFLOAD_OPTIMIZER=nvme under DDP, partitioned (each rank keeps its own parameters' states in its own
+    swap file): DDP's results within the CPU AdamW's rounding; every step in step() (the NVMe tier has no steps
+    during backward), bit for bit what the host tier computes there (TIERFLOW_OVERLAP_STEP=off)."""
+    for rank, runs in enumerate(ddp_runs):
+        ours = runs[(order, acts, "nvme")]
+        assert ours["error"] is None, f"rank {rank}: {ours['error']}"
+        assert ours["warnings"] == [], ours["warnings"]
+        assert_close(_as_run(runs[("ddp", None)]), _as_run(ours))
+        assert all(c["early_steps"] == 0 for c in ours["overlap"]), ours["overlap"]
+        assert ours["partition"] is not None and ours["owned"] == runs[(order, acts, "host")]["owned"]
+        if acts == "none":
+            assert_bit_identical(_as_run(runs[(order, "overlap off")]), _as_run(ours))
+    for k, v in ddp_runs[0][(order, acts, "nvme")]["params"].items():
+        assert torch.equal(v, ddp_runs[1][(order, acts, "nvme")]["params"][k]), f"ranks differ in {k}"
