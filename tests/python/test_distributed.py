@@ -592,3 +592,63 @@ def test_ddp_with_the_optimizer_states_on_nvme_steps_in_step_as_the_host_tier_do
             assert_bit_identical(_as_run(runs[(order, "overlap off")]), _as_run(ours))
     for k, v in ddp_runs[0][(order, acts, "nvme")]["params"].items():
         assert torch.equal(v, ddp_runs[1][(order, acts, "nvme")]["params"][k]), f"ranks differ in {k}"
+
+
+_FOUR_RANKS_WORKER = textwrap.dedent("""
+    import datetime, os, sys
+    import torch, torch.distributed as dist, torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    sys.path[:0] = [{bindings!r}]
+    import tierflow
+
+    rank, store, out_path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=4,
+                            timeout=datetime.timedelta(seconds=60))
+    torch.set_num_threads(1)
+    out = {{}}
+    for partition in ("on", "off", None):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+        net = DDP(model)
+        if partition is not None:
+            net, opt = tierflow.wrap(net, opt, device="emulated", offload_activations="host", min_offload_bytes=0,
+                                     partition_optimizer=partition, cpu_threads=1)
+        losses = []
+        for step in range(3):
+            g = torch.Generator().manual_seed(100 * step + rank)
+            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+            loss = nn.functional.mse_loss(net(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        r = dict(losses=losses, params={{k: v.detach().clone() for k, v in model.state_dict().items()}})
+        if partition is not None:
+            r.update(owned=[n for n, p in model.named_parameters() if opt.owns(p)], overlap=dict(opt.overlap_stats),
+                     states=sum(s["exp_avg"].numel() for s in opt.state.values()))
+            tierflow.unwrap(net)
+        out[partition] = r
+    torch.save(out, out_path)
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # torch's gloo may abort at exit after broadcasts (see the DDP worker above)
+""")
+
+
+def test_four_ranks_partition_the_optimizer_and_train_as_every_rank_stepping_everything(tmp_path):
+    """Four gloo ranks under DDP, activations on the host: the partitioned CPU AdamW (each of the MLP's six
+    parameters on one of four ranks) trains bit for bit as the unpartitioned one and within its rounding of DDP
+    with torch's AdamW; the ranks' states add up to one copy of the model's, and every step is committed."""
+    outs = run_ranks(tmp_path, _FOUR_RANKS_WORKER.format(bindings=os.path.join(ROOT, "bindings", "python")), ranks=4)
+    total = sum(v.numel() for v in outs[0][None]["params"].values())
+    owned = [set(out["on"]["owned"]) for out in outs]
+    assert set().union(*owned) == set(outs[0][None]["params"]) and sum(map(len, owned)) == PARAMS, owned
+    assert sum(out["on"]["states"] for out in outs) == total and all(out["off"]["states"] == total for out in outs)
+    for rank, out in enumerate(outs):
+        on, off = _as_run(out["on"]), _as_run(out["off"])
+        assert_bit_identical(off, on)
+        assert_close(_as_run(out[None]), on)
+        assert out["on"]["overlap"]["redone"] == 0 and out["on"]["overlap"]["committed"] == 3 * len(owned[rank])
+        for k, v in out["on"]["params"].items():
+            assert torch.equal(v, outs[0]["on"]["params"][k]), f"rank {rank} differs from rank 0 in {k}"
