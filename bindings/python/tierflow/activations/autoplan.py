@@ -105,7 +105,9 @@ class AutoPlanner:
         "outside_kept", "outside_bytes", "outside_swap_seconds", "window_bytes", "window_wanted_bytes",
         "predicted_device_peak_bytes",
         # The whole step: the blocks' part the plan prices and the rest the timed step measured (Note [Re-plan]).
-        "predicted_step_seconds", "predicted_blocks_seconds", "rest_of_step_seconds")
+        "predicted_step_seconds", "predicted_blocks_seconds", "rest_of_step_seconds",
+        # CUDA: what the caching allocator gave back when the plan came in force (Note [Auto plan phases]).
+        "released_cached_bytes")
 
     def plan_in_force(self) -> dict:
         """The plan in force as report() shows it."""
@@ -368,6 +370,10 @@ class AutoPlanner:
         self.apply(plan)
         if self.session.params is not None and self.session.params.planned:
             self.session.params.plan_residences(plan)
+        if self._device().type == "cuda":  # Note [Auto plan phases]: the profiling's cached blocks go back
+            reserved = torch.cuda.memory_reserved(self._device())
+            torch.cuda.empty_cache()
+            plan["released_cached_bytes"] = reserved - torch.cuda.memory_reserved(self._device())
         self.plan = plan
         self.phases.planned()
         self.profile = profile
