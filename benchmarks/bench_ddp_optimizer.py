@@ -23,15 +23,16 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bindings", "python"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+from gloo_ranks import run_ranks  # noqa: E402
 
 SETTINGS = ("partitioned", "unpartitioned")
 
@@ -133,25 +134,7 @@ def main() -> None:
         return
     if args.ranks < 2 or args.steps < 1 or args.threads < 1 or args.rounds < 1:
         ap.error("--ranks must be at least 2 (partitioning needs several); --steps, --threads, --rounds at least 1")
-    with tempfile.TemporaryDirectory() as tmp:
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.path.join(ROOT, "bindings", "python"),
-                                                                         os.environ.get("PYTHONPATH")])))
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        env.pop("LOCAL_WORLD_SIZE", None)
-        procs = []
-        for rank in range(args.ranks):
-            cmd = [sys.executable, os.path.abspath(__file__), "--rank", str(rank), "--store",
-                   os.path.join(tmp, "store"), "--worker-out", os.path.join(tmp, f"rank{rank}.json")]
-            cmd += [f"--{k}={getattr(args, k)}" for k in ("params", "width", "ranks", "threads", "batch", "steps",
-                                                         "warmup", "rounds")]
-            procs.append(subprocess.Popen(cmd, env=env))
-        codes = [p.wait(timeout=3600) for p in procs]
-        if any(codes):
-            raise SystemExit(f"bench_ddp_optimizer: a rank failed (exit codes {codes})")
-        ranks = []
-        for rank in range(args.ranks):
-            with open(os.path.join(tmp, f"rank{rank}.json")) as f:
-                ranks.append(json.load(f))
+    ranks = run_ranks(__file__, args, ("params", "width", "ranks", "threads", "batch", "steps", "warmup", "rounds"))
     summaries = [_summary(r) for r in ranks]
     parameters = sum(p.numel() for p in _model(args.blocks, args.width).parameters())
     states = [s["state_elements_per_moment"]["partitioned"] for s in summaries]

@@ -23,15 +23,16 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bindings", "python"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+from gloo_ranks import run_ranks  # noqa: E402
 
 PREDICTION = ("PREDICTION (not measured): on a multi-GPU node the peer is FSDP2's CPUOffloadPolicy, which steps "
               "torch's per-parameter CPU AdamW after backward; tierflow's oneTBB AdamW steps at memory bandwidth "
@@ -117,24 +118,8 @@ def main() -> None:
         return
     if args.ranks < 1 or args.steps < 1 or args.threads < 1:
         ap.error("--ranks, --steps and --threads must be at least 1")
-    with tempfile.TemporaryDirectory() as tmp:
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.path.join(ROOT, "bindings", "python"),
-                                                                         os.environ.get("PYTHONPATH")])))
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        procs = []
-        for rank in range(args.ranks):
-            cmd = [sys.executable, os.path.abspath(__file__), "--rank", str(rank), "--store",
-                   os.path.join(tmp, "store"), "--worker-out", os.path.join(tmp, f"rank{rank}.json")]
-            cmd += [f"--{k}={getattr(args, k)}" for k in ("params", "width", "ranks", "threads", "batch", "steps",
-                                                         "warmup")]
-            procs.append(subprocess.Popen(cmd, env=env))
-        codes = [p.wait(timeout=1800) for p in procs]
-        if any(codes):
-            raise SystemExit(f"bench_fsdp_optimizer: a rank failed (exit codes {codes})")
-        ranks = []
-        for rank in range(args.ranks):
-            with open(os.path.join(tmp, f"rank{rank}.json")) as f:
-                ranks.append(json.load(f))
+    ranks = run_ranks(__file__, args, ("params", "width", "ranks", "threads", "batch", "steps", "warmup"),
+                      timeout_s=1800)
     per_rank = [statistics.median(r["ratio_per_round"]) for r in ranks]
     total = sum(r["shard_parameters"] for r in ranks)
     result = {
