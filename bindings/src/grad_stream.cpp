@@ -115,10 +115,17 @@ void GradStream::set_home(std::size_t slot, const at::Tensor& home) {
 }
 
 void GradStream::exclude(std::size_t slot) {
+  worker_->drain();  // no step of this slot is running (a failed one's error surfaces here, as in wait_worker)
   std::lock_guard<std::mutex> lock(mutex_);
   TIERFLOW_EXPECTS(slot < slots_.size(), "GradStream::exclude: no slot " + std::to_string(slot));
   restore_locked(slot, false);  // a released gradient steps elsewhere, from p.grad
   ledger_.exclude(slot);
+  // Its states are no longer the stream's: whoever steps it keeps them (the GPU share moves them to the device;
+  // a partitioned optimizer's other rank has its own), so the host pool gets them back once Python lets go too.
+  Slot& s = slots_[slot];
+  for (at::Tensor* t : {&s.master, &s.exp_avg, &s.exp_avg_sq, &s.max_exp_avg_sq, &s.step, &s.out_master,
+                        &s.out_exp_avg, &s.out_exp_avg_sq, &s.out_max_exp_avg_sq})
+    *t = at::Tensor();
 }
 
 void GradStream::set_group(int group, const optimizer::AdamOptions& options) {

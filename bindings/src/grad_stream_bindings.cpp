@@ -105,7 +105,13 @@ void bind_stream_setup(py::class_<PyGradStream, std::shared_ptr<PyGradStream>>& 
         g.states.resize(slot + 1, py::none());
         return slot;
       })
-      .def("exclude", [](PyGradStream& g, std::size_t slot) { g.stream->exclude(slot); }, py::call_guard<py::gil_scoped_release>())
+      .def("exclude", [](PyGradStream& g, std::size_t slot) {
+        {
+          py::gil_scoped_release release;
+          g.stream->exclude(slot);
+        }
+        if (slot < g.states.size()) g.states[slot] = py::none();  // its state dict too: whoever steps it keeps it
+      })
       .def("set_home", [](PyGradStream& g, std::size_t slot, const std::optional<at::Tensor>& home) {
         g.stream->set_home(slot, home.value_or(at::Tensor()));
       },

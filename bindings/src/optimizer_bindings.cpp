@@ -78,6 +78,21 @@ void bind_optimizer_policy(py::module_& m) {
   }, py::arg("owners"), py::arg("has_state"), py::arg("rank"), py::arg("world_size"),
         "Loading a state dict with these parameters' states on this rank of a partitioned optimizer: the refusal "
         "(another rank's partition), or None.");
+  m.def("partition_layout_refusal", [](const py::object& saved, const py::object& mine) -> py::object {
+    auto layout = [](const py::object& o) {  // None: the whole; else (rank, world_size, owners)
+      PartitionLayout l;
+      if (o.is_none()) return l;
+      auto t = o.cast<std::tuple<int, int, std::vector<int>>>();
+      l.rank = std::get<0>(t);
+      l.world_size = std::get<1>(t);
+      l.owners = std::get<2>(t);
+      return l;
+    };
+    const std::string why = partition_layout_refusal(layout(saved), layout(mine));
+    return why.empty() ? py::none() : py::cast(why);
+  }, py::arg("saved"), py::arg("mine"),
+        "Note [Partitioned optimizer]: loading a state dict saved with layout `saved` into an optimizer kept as "
+        "`mine` (each None for the whole, or (rank, world_size, owners) with -1 for every rank): the refusal, or None.");
   m.def("group_by_step", [](const std::vector<std::int64_t>& steps) {
     std::vector<std::pair<std::int64_t, std::vector<std::size_t>>> out;
     for (auto& g : group_by_step(steps)) out.emplace_back(g.step, std::move(g.members));

@@ -335,11 +335,11 @@ std::vector<Row> step_rows() {
       "step each parameter on the CPU as soon as backward completes its gradient, while backward "
       "goes on; step() then only confirms (see Note [Step during backward])"},
      on_off_parser(&Config::overlap_step)},
-    {{"TIERFLOW_PARTITION_OPTIMIZER", "on", "on or off",
-      "under DistributedDataParallel with several ranks: each rank keeps the CPU optimizer's states of, and "
-      "steps, its own share of the parameters, then broadcasts their new weights (ZeRO-Offload's design: one "
-      "copy of the states on the node); each rank saves and loads its own optimizer state dict (see Note "
-      "[Partitioned optimizer])"},
+    {{"TIERFLOW_PARTITION_OPTIMIZER", "off", "on or off",
+      "under DistributedDataParallel with several ranks: on, each rank keeps the CPU optimizer's states of, and "
+      "steps, its own share of the parameters DDP reduces, then broadcasts their new weights (ZeRO-Offload's "
+      "design: one copy of the states on the node), and each rank saves and loads its own optimizer state dict; "
+      "off, every rank steps every parameter (see Note [Partitioned optimizer])"},
      on_off_parser(&Config::partition_optimizer)},
     {{"TIERFLOW_GRAD_BUCKET_BYTES", "auto", "auto or a size of at least 4KiB, e.g. 16MiB",
       "gradients travel device->host and step on the CPU in buckets of this size while backward "

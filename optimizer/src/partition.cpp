@@ -63,4 +63,28 @@ std::string loaded_partition_refusal(const std::vector<int>& owners, const std::
          "saved without partitioning";
 }
 
+std::string partition_layout_refusal(const PartitionLayout& saved, const PartitionLayout& mine) {
+  if (!saved.partitioned()) return "";
+  const std::string what = "this optimizer state dict holds rank " + std::to_string(saved.rank) + "'s share of a CPU "
+                           "optimizer partitioned across " + std::to_string(saved.world_size) +
+                           " ranks (TIERFLOW_PARTITION_OPTIMIZER=on: each rank keeps the states of its own "
+                           "parameters)";
+  const std::string accepted = "; accepted: each rank loads the state dict it saved itself, into the same model "
+                               "and parameter groups on as many ranks with TIERFLOW_PARTITION_OPTIMIZER=on";
+  if (!mine.partitioned()) {
+    return what + ", and this optimizer is not partitioned, so the other ranks' parameters would start with fresh "
+                  "moments" + accepted;
+  }
+  if (saved.world_size != mine.world_size || saved.owners != mine.owners) {
+    return what + ", and this optimizer is partitioned differently (" + std::to_string(mine.world_size) +
+           " ranks" + (saved.world_size == mine.world_size ? ", other owners" : "") +
+           "), so some of its parameters' states are in another rank's file" + accepted;
+  }
+  if (saved.rank != mine.rank) {
+    return what + ", and this is rank " + std::to_string(mine.rank) + ", whose parameters would start with fresh "
+                  "moments" + accepted;
+  }
+  return "";
+}
+
 }  // namespace tierflow::optimizer

@@ -54,3 +54,26 @@ TEST(Partition, AnotherRanksStatesAloneAreRefusedItsOwnAWholeOneOrNoneLoad) {
   EXPECT_NE(why.find("TIERFLOW_PARTITION_OPTIMIZER=on"), std::string::npos) << why;
   EXPECT_NE(why.find("each rank loads the state dict it saved itself"), std::string::npos) << why;
 }
+
+TEST(Partition, AShareLoadsOnlyIntoTheSameRankOfTheSamePartitionAWholeOneAnywhere) {
+  const PartitionLayout whole;
+  const PartitionLayout r0{0, 2, {0, 1, 0, PartitionLayout::kEveryRank}};
+  PartitionLayout r1 = r0;
+  r1.rank = 1;
+  EXPECT_EQ(partition_layout_refusal(whole, whole), "");
+  EXPECT_EQ(partition_layout_refusal(whole, r1), "");
+  EXPECT_EQ(partition_layout_refusal(r0, r0), "");
+  std::string why = partition_layout_refusal(r0, whole);
+  EXPECT_NE(why.find("rank 0's share of a CPU optimizer partitioned across 2 ranks"), std::string::npos) << why;
+  EXPECT_NE(why.find("this optimizer is not partitioned"), std::string::npos) << why;
+  why = partition_layout_refusal(r0, r1);
+  EXPECT_NE(why.find("this is rank 1"), std::string::npos) << why;
+  EXPECT_NE(why.find("each rank loads the state dict it saved itself"), std::string::npos) << why;
+  const PartitionLayout four{0, 4, {0, 1, 2, 3}};
+  why = partition_layout_refusal(r0, four);
+  EXPECT_NE(why.find("partitioned differently (4 ranks)"), std::string::npos) << why;
+  PartitionLayout moved = r0;
+  moved.owners = {1, 0, 0, PartitionLayout::kEveryRank};  // a parameter group added: other owners
+  why = partition_layout_refusal(r0, moved);
+  EXPECT_NE(why.find("partitioned differently (2 ranks, other owners)"), std::string::npos) << why;
+}

@@ -33,7 +33,7 @@ SETTINGS = [(acts, opt) for acts in ("none", "host", "auto") for opt in ("none",
 ORDERS = ("wrap(DDP)", "DDP(wrap)")
 # The DDP settings run in both orders (the others, once tierflow's hook is registered, feed the same way: wrap(DDP)
 # only). tierflow sees DDP(wrap) at the first forward: a hook registered before that is the "hook before" case.
-BOTH_ORDERS = ("bucket view", "no_sync", "static graph", "clip binds", "hook before")
+BOTH_ORDERS = ("bucket view", "no_sync", "static graph", "clip binds", "hook before", "partitioned")
 # ... and those also run with TIERFLOW_OVERLAP_STEP=off, to compare the steps during backward with, bit for bit.
 EXACT = ("bucket view", "small buckets", "no_sync", "hook after")
 
@@ -71,13 +71,14 @@ _WORKER = textwrap.dedent("""
     def halved(state, bucket):  # a user's hook that returns a new tensor: DDP's average, halved
         return allreduce_hook(state, bucket).then(lambda fut: fut.value() * 0.5)
 
-    def run(parallel, order, ddp=None, clip=None, no_sync=False, hook=None, join=False, **settings):
+    def run(parallel, order, ddp=None, clip=None, no_sync=False, hook=None, join=False, frozen=False, **settings):
         # ddp: DDP's keyword arguments; clip: clip_grad_norm_'s max_norm (tierflow's max_grad_norm when
         # wrapped); no_sync: each step a first micro-batch under DDP's no_sync; hook: (when, hook) registered
         # on the DDP module "before" tierflow sees it or "after" tierflow.wrap(DDP(model)); join: uneven inputs
-        # (rank 1 has one step less) under DDP's join().
+        # (rank 1 has one step less) under DDP's join(); frozen: the first layer's weight does not train.
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4))
+        model[0].weight.requires_grad_(not frozen)
         if (ddp or {{}}).get("find_unused_parameters"):
             model = WithSpare(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
@@ -158,8 +159,9 @@ _WORKER = textwrap.dedent("""
              "builtin hook after": dict(hook=("after", "builtin")),
              # Note [Partitioned optimizer]: under join() a rank that ran out of inputs takes no step(), so the
              # owners' broadcasts cannot be matched: join runs unpartitioned, and partitioned it is refused.
-             "join": dict(join=True, partition_optimizer="off"), "join partitioned": dict(join=True),
-             "partition off": dict(partition_optimizer="off")}}
+             "join": dict(join=True), "join partitioned": dict(join=True, partition_optimizer="on"),
+             "partitioned": dict(partition_optimizer="on"),
+             "frozen": dict(frozen=True), "frozen partitioned": dict(frozen=True, partition_optimizer="on")}}
     results = {{("ddp", None): run("ddp", None), ("by hand", None): run("by hand", None),
                ("by hand", "wrap"): run("by hand", "wrap", offload_activations="none", offload_optimizer="host")}}
     for order in {orders!r}:
@@ -171,12 +173,18 @@ _WORKER = textwrap.dedent("""
         results[(order, "offload gradients")] = run("ddp", order, offload_activations="none",
                                                     offload_optimizer="host", offload_gradients="on")
     for name, case in CASES.items():
-        if name not in ("builtin hook after", "join partitioned", "partition off"):
+        if name not in ("builtin hook after", "join partitioned", "partitioned", "frozen partitioned"):
             results[("ddp", name)] = run("ddp", None, **case)
         for order in {orders!r}:
             if order == "DDP(wrap)" and name not in {both_orders!r}:
                 continue  # the same feeding once registered: the order's own cases only
             results[(order, name)] = run("ddp", order, offload_activations="none", offload_optimizer="host", **case)
+        if name == "partitioned":  # and with the optimizer states on NVMe, partitioned and not
+            for order in {orders!r}:
+                for partition in ("on", "off"):
+                    results[(order, "nvme", partition)] = run(
+                        "ddp", order, offload_activations="none", offload_optimizer="nvme", nvme_paths=NVME,
+                        nvme_memory="256MiB", partition_optimizer=partition)
         # What the CPU AdamW computes stepping in step() only, to compare the steps during backward with.
         if name in {exact!r}:
             results[("wrap(DDP)", name, "overlap off")] = run("ddp", "wrap(DDP)", offload_activations="none",
@@ -440,26 +448,48 @@ def test_ddp_join_dividing_by_the_ranks_left_is_refused_with_the_steps_during_ba
 
 # -- Note [Partitioned optimizer]: the CPU optimizer partitioned across DDP's ranks ----------------------------------
 def test_the_partitioned_optimizer_steps_each_parameter_on_its_owner_alone_bit_for_bit_as_unpartitioned(ddp_runs):
-    """TIERFLOW_PARTITION_OPTIMIZER=on (the default) under DDP: each parameter has one owner rank, which alone keeps
-    its states and steps it (during backward, committed), and broadcasts its new weights; the results are, bit for
-    bit, those of every rank stepping every parameter (partition_optimizer='off'); the ranks' states add up to
-    one copy of the model's, where unpartitioned each rank holds a whole copy."""
+    """TIERFLOW_PARTITION_OPTIMIZER=on under DDP (off is the default, unpartitioned): each parameter has one owner
+    rank, which alone keeps its states and steps it (during backward, committed), and broadcasts its new weights;
+    the results are, bit for bit, those of every rank stepping every parameter; the ranks' states add up to one
+    copy of the model's, where unpartitioned each rank holds a whole copy. So with the states on NVMe (stepped in
+    step())."""
     total = sum(v.numel() for v in ddp_runs[0][("ddp", None)]["params"].values())
     for order in ORDERS:
-        owned = [set(runs[(order, "none", "host")]["owned"]) for runs in ddp_runs]
+        owned = [set(runs[(order, "partitioned")]["owned"]) for runs in ddp_runs]
         assert owned[0] and owned[1] and not owned[0] & owned[1], owned
         assert owned[0] | owned[1] == set(ddp_runs[0][("ddp", None)]["params"]), owned
-        elements = [runs[(order, "none", "host")]["state_elements"] for runs in ddp_runs]
+        elements = [runs[(order, "partitioned")]["state_elements"] for runs in ddp_runs]
         assert sum(elements) == total and max(elements) < total, (elements, total)
+        shares = [runs[(order, "nvme", "on")]["partition"]["owned_elements"] for runs in ddp_runs]
+        assert shares == elements, shares  # on NVMe, the same shares
         for rank, runs in enumerate(ddp_runs):
-            part = runs[(order, "none", "host")]["partition"]
+            ours, off = runs[(order, "partitioned")], runs[(order, "none", "host")]
+            assert ours["error"] is None and ours["warnings"] == [], ours
+            part = ours["partition"]
             assert part["rank"] == rank and part["world_size"] == 2 and part["broadcasts"] == STEPS, part
-            assert part["owned_elements"] == elements[rank] and part["elements"] == total, part
+            assert part["owned_elements"] == ours["state_elements"] and part["elements"] == total, part
+            _assert_all_committed(ours, f"rank {rank}, partitioned")
+            assert off["partition"] is None and off["state_elements"] == total, off  # the default
+            assert_bit_identical(_as_run(off), _as_run(ours))
+            nvme = runs[(order, "nvme", "on")]
+            assert nvme["error"] is None and nvme["owned"] == ours["owned"], nvme["error"]
+            assert_bit_identical(_as_run(runs[(order, "nvme", "off")]), _as_run(nvme))
+        for k, v in ddp_runs[0][(order, "partitioned")]["params"].items():
+            assert torch.equal(v, ddp_runs[1][(order, "partitioned")]["params"][k]), f"ranks differ in {k}"
+
+
+def test_a_frozen_parameter_is_not_partitioned(ddp_runs):
+    """A parameter that does not train (or one DDP does not reduce) has no reduced gradient to step from on an
+    owner: every rank keeps it as its own, nothing of it is broadcast, and the partitioned run trains as the
+    unpartitioned one, bit for bit."""
     for rank, runs in enumerate(ddp_runs):
-        off = runs[("wrap(DDP)", "partition off")]
-        assert off["error"] is None and off["partition"] is None and off["state_elements"] == total, off
-        _assert_all_committed(off, f"rank {rank}, unpartitioned")
-        assert_bit_identical(_as_run(off), _as_run(runs[("wrap(DDP)", "none", "host")]))
+        ours, off = runs[("wrap(DDP)", "frozen partitioned")], runs[("wrap(DDP)", "frozen")]
+        assert ours["error"] is None and off["error"] is None, (ours["error"], off["error"])
+        assert "0.weight" in ours["owned"], ours["owned"]  # every rank's
+        assert_bit_identical(_as_run(off), _as_run(ours))
+        assert torch.equal(ours["params"]["0.weight"], runs[("ddp", "frozen")]["params"]["0.weight"])  # untouched
+    trained = [set(runs[("wrap(DDP)", "frozen partitioned")]["owned"]) - {"0.weight"} for runs in ddp_runs]
+    assert not trained[0] & trained[1] and len(trained[0] | trained[1]) == PARAMS - 1, trained
 
 
 def test_join_with_the_partitioned_optimizer_is_refused_on_every_rank_before_it_steps(ddp_runs):
@@ -469,7 +499,8 @@ def test_join_with_the_partitioned_optimizer_is_refused_on_every_rank_before_it_
     for runs in ddp_runs:
         ours = runs[("wrap(DDP)", "join partitioned")]
         assert ours["error"] is not None and ours["losses"] == [], ours
-        assert "join()" in ours["error"] and "TIERFLOW_PARTITION_OPTIMIZER=off" in ours["error"], ours["error"]
+        assert "join() was entered" in ours["error"] and "TIERFLOW_PARTITION_OPTIMIZER=off" in ours["error"], ours
+
         assert "partition_optimizer='off'" in ours["error"], ours["error"]
 
 
@@ -546,6 +577,31 @@ _CHECKPOINT_WORKER = textwrap.dedent("""
     out["whole_elements"] = sum(s["exp_avg"].numel() for s in opt.state.values())
     out["whole_resumed"], out["whole_params"] = train(net, opt, 2, 2), params(model)
     out["owned_elements"] = opt.partition_stats()["owned_elements"]
+    out["whole_in_use"] = tierflow.report()["host_pool"]["in_use"]["current"]
+    tierflow.unwrap(net)
+
+    # The whole state dict loaded before DDP is seen (DDP(wrap) order): every parameter's states, streamed, until
+    # the partition drops the others' (the gradient stream lets go of its references too).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4))
+    model.load_state_dict(whole_model)
+    model, opt = tierflow.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01),
+                               device="emulated", offload_activations="none", partition_optimizer="on",
+                               cpu_threads=1)
+    opt.load_state_dict(whole)
+    net = DDP(model)
+    out["late_resumed"], out["late_params"] = train(net, opt, 2, 2), params(model)
+    out["late_in_use"] = tierflow.report()["host_pool"]["in_use"]["current"]
+    out["late_elements"] = sum(s["exp_avg"].numel() for s in opt.state.values())
+    tierflow.unwrap(model)
+
+    model, net, opt = make("off")  # a share into an unpartitioned optimizer: refused
+    try:
+        opt.load_state_dict(torch.load(os.path.join(d, f"opt{{rank}}.pt")))
+        out["into_whole"] = None
+    except tierflow.TierflowError as e:
+        out["into_whole"] = str(e)
+    out["into_whole_states"] = len(opt.state)
     tierflow.unwrap(net)
     torch.save(out, out_path)
     dist.destroy_process_group()
@@ -560,8 +616,8 @@ _CHECKPOINT_WORKER = textwrap.dedent("""
 def test_a_partitioned_optimizer_saved_per_rank_resumes_bit_for_bit_and_refuses_another_ranks_state(tmp_path):
     """Note [Partitioned optimizer]: each rank saves its own optimizer state dict (its share of the states); a new
     run on as many ranks that loads its own resumes bit for bit (losses and parameters). Loading another rank's
-    is refused, naming what to do, and changes nothing; a whole state dict (saved unpartitioned) loads, each rank
-    keeping its share, and resumes bit for bit too."""
+    is refused, naming what to do, and changes nothing, as is loading a share into an unpartitioned optimizer; a
+    whole state dict (saved unpartitioned) loads, each rank keeping its share, and resumes bit for bit too."""
     script = _CHECKPOINT_WORKER.format(bindings=os.path.join(ROOT, "bindings", "python"))
     outs = run_ranks(tmp_path, script)
     for rank, out in enumerate(outs):
@@ -569,8 +625,14 @@ def test_a_partitioned_optimizer_saved_per_rank_resumes_bit_for_bit_and_refuses_
         assert_bit_identical(Run(losses=out["went_on"], params=out["went_on_params"]),
                              Run(losses=out["resumed"], params=out["resumed_params"]))
         assert out["other"] is not None and out["unchanged"], out["other"]
-        assert f"none of rank {rank}'s" in out["other"] and "each rank loads the state dict it saved" in out["other"]
-        assert out["whole_elements"] == out["owned_elements"], out
+        assert f"holds rank {1 - rank}'s share" in out["other"] and f"this is rank {rank}" in out["other"], out["other"]
+        assert "each rank loads the state dict it saved itself" in out["other"], out["other"]
+        assert out["into_whole"] is not None and "this optimizer is not partitioned" in out["into_whole"]
+        assert out["into_whole_states"] == 0, "nothing loaded"
+        assert out["whole_elements"] == out["owned_elements"] == out["late_elements"], out
+        assert out["late_in_use"] <= out["whole_in_use"], (out["late_in_use"], out["whole_in_use"])
+        assert_bit_identical(Run(losses=out["went_on"], params=out["went_on_params"]),
+                             Run(losses=out["late_resumed"], params=out["late_params"]))
         assert_bit_identical(Run(losses=out["went_on"], params=out["went_on_params"]),
                              Run(losses=out["whole_resumed"], params=out["whole_params"]))
 
@@ -578,16 +640,15 @@ def test_a_partitioned_optimizer_saved_per_rank_resumes_bit_for_bit_and_refuses_
 @pytest.mark.parametrize("acts", ["none", "host", "auto"])
 @pytest.mark.parametrize("order", ORDERS)
 def test_ddp_with_the_optimizer_states_on_nvme_steps_in_step_as_the_host_tier_does(ddp_runs, order, acts):
-    """TIERFLOW_OFFLOAD_OPTIMIZER=nvme under DDP, partitioned (each rank keeps its own parameters' states in its own
-    swap file): DDP's results within the CPU AdamW's rounding; every step in step() (the NVMe tier has no steps
-    during backward), bit for bit what the host tier computes there (TIERFLOW_OVERLAP_STEP=off)."""
+    """TIERFLOW_OFFLOAD_OPTIMIZER=nvme under DDP (each rank's states in its own swap file): DDP's results within the
+    CPU AdamW's rounding; every step in step() (the NVMe tier has no steps during backward), bit for bit what the
+    host tier computes there (TIERFLOW_OVERLAP_STEP=off)."""
     for rank, runs in enumerate(ddp_runs):
         ours = runs[(order, acts, "nvme")]
         assert ours["error"] is None, f"rank {rank}: {ours['error']}"
         assert ours["warnings"] == [], ours["warnings"]
         assert_close(_as_run(runs[("ddp", None)]), _as_run(ours))
         assert all(c["early_steps"] == 0 for c in ours["overlap"]), ours["overlap"]
-        assert ours["partition"] is not None and ours["owned"] == runs[(order, acts, "host")]["owned"]
         if acts == "none":
             assert_bit_identical(_as_run(runs[(order, "overlap off")]), _as_run(ours))
     for k, v in ddp_runs[0][(order, acts, "nvme")]["params"].items():

@@ -153,7 +153,8 @@ class GradStream : public std::enable_shared_from_this<GradStream> {
   /// Registers a parameter of hyperparameter group `group`; returns its slot.
   /// A parameter of the runtime's device that requires grad gets the hook.
   std::size_t add_parameter(const at::Tensor& param, int group);
-  /// Stops streaming `slot` for good (it steps elsewhere, e.g. the GPU share).
+  /// Stops streaming `slot` for good (it steps elsewhere: the GPU share, another rank of a partitioned
+  /// optimizer): waits for the worker, then lets go of the slot's state tensors.
   void exclude(std::size_t slot);
   /// The parameter of `slot` lives on the host between uses (Note [Parameter storage]): its new weights go
   /// into `home` (a CPU tensor of its dtype and size) when its step is committed, instead of to the device;

@@ -32,13 +32,13 @@ from typing import Any, Callable, Optional
 import torch
 
 from .. import _C
-from .._distributed import FSDP_ACCEPTED, fsdp_settings_refusal, note_step
+from .._distributed import FSDP_ACCEPTED, fsdp_settings_refusal, note_step, rank_and_world_size
 from . import clip
 from .accepted import GRAD_DTYPES, check_grad, check_replaceable
 from .copies import DeviceCopies, local_shard
 from .gpu_share import GpuShare
 from .nvme_states import LOST_STATE, StateTier, fill_lost_states
-from .partition import Partition
+from .partition import LAYOUT_KEY, Partition
 from .streaming import GradientStreaming
 
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
@@ -129,6 +129,7 @@ class CPUAdamW(torch.optim.Optimizer):
         # Note [Partitioned optimizer]: under DDP with several ranks, this rank's share of the parameters only.
         self._partition: Optional[Partition] = None
         self._partition_wanted = cfg["TIERFLOW_PARTITION_OPTIMIZER"] == "on"
+        self._loaded_layout: Optional[tuple] = None  # a state dict's share, loaded before the partition was made
         self._accumulation = int(cfg["TIERFLOW_GRAD_ACCUMULATION_STEPS"])
         norm = cfg["TIERFLOW_MAX_GRAD_NORM"]
         self._max_grad_norm = None if norm == "none" else float(norm)
@@ -153,7 +154,10 @@ class CPUAdamW(torch.optim.Optimizer):
             self._gpu.ensure(self.param_groups)
         if self._overlap:
             self._start_streaming(runtime, cfg)
-        self._states.check_space(self.param_groups, self._gpu.ids or set())
+        # Partitioned, this rank holds its share only: checked (and NVMe space reserved) once the share is known.
+        self._space_pending = self.partition_pending() and rank_and_world_size()[1] > 1
+        if not self._space_pending:
+            self._states.check_space(self.param_groups, self._gpu.ids or set())
 
     def _start_streaming(self, runtime: "_C.Runtime", cfg: Any) -> None:
         """The gradient stream for the parameters of the runtime's device."""
@@ -288,15 +292,23 @@ class CPUAdamW(torch.optim.Optimizer):
         if not self._partition_wanted or self._sharded or torch.distributed.get_world_size(ddp.process_group) < 2:
             return False
         part = Partition([p for g in self.param_groups for p in g["params"]], ddp)
-        part.check_loaded(self.state)
+        part.check_loaded(self.state, self._loaded_layout)
         part.drop_others(self.state)
         if self._streaming is not None:
             for p in part.params:
                 if not part.owns(p) and self._streaming.carries(p):
-                    self._streaming.exclude(p)
+                    self._streaming.exclude(p)  # the stream lets go of its states too
             self._streaming.forget_python_path()
         self._partition = part
+        self._check_space_once()
         return True
+
+    def _check_space_once(self) -> None:
+        """The states' room (and NVMe space), checked for the parameters this rank steps, once."""
+        if self._space_pending:
+            self._space_pending = False
+            self._states.check_space([dict(g, params=[p for p in g["params"] if self.owns(p)])
+                                      for g in self.param_groups], self._gpu.ids or set())
 
     def owns(self, p: torch.Tensor) -> bool:
         """Whether this rank keeps p's states and steps it: every parameter, unless the optimizer is partitioned
@@ -409,6 +421,8 @@ class CPUAdamW(torch.optim.Optimizer):
         sd["state"] = state
         if self._sharded:
             sd["state"] = {k: self._as_dtensors(s, params[k]) for k, s in state.items()}
+        if self._partition is not None:  # Note [Partitioned optimizer]: whose share this is
+            sd[LAYOUT_KEY] = self._partition.layout
         return sd
 
     @staticmethod
@@ -449,8 +463,11 @@ class CPUAdamW(torch.optim.Optimizer):
             raise _C.TierflowError(_C.lost_states_refusal(
                 [self._states.describe(params[k], self.param_groups) if isinstance(k, int) and k < len(params)
                  else repr(k) for k in lost]))
-        if self._partition is not None:  # refused before anything changes: another rank's partition
-            self._partition.check_loaded(_states_by_param(state_dict, self.param_groups))
+        layout = state_dict.get(LAYOUT_KEY)
+        if self._partition is not None:  # refused before anything changes: not this rank's share
+            self._partition.check_loaded(_states_by_param(state_dict, self.param_groups), layout)
+        elif layout is not None and not self.partition_pending():
+            raise _C.TierflowError(_C.partition_layout_refusal(layout, None))
         if self._streaming is not None:
             self._wait_worker()
             self._streaming.stream.restore_grads()  # the next step() still takes this backward's gradients
@@ -474,6 +491,8 @@ class CPUAdamW(torch.optim.Optimizer):
         self.param_groups = groups
         if self._partition is not None:  # a whole state dict: the other ranks keep theirs
             self._partition.drop_others(self.state)
+        else:  # checked when the partition is made (DDP seen after this load)
+            self._loaded_layout = layout
         for group, saved in zip(self.param_groups, state_dict["param_groups"]):
             for p, key in zip(group["params"], saved["params"]):
                 if p not in self.state or key not in originals:
@@ -578,12 +597,31 @@ class CPUAdamW(torch.optim.Optimizer):
             raise _C.TierflowError(_C.grad_scaler_refusal())
         if self._partition is not None:
             self._partition.refuse_join()
+        self._check_space_once()  # a multi-process run that never showed its DDP: every parameter's states here
         self._mark_step_called()
-        skipped = False
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._partition is None:
+            self._step_all()
+        else:  # Note [Partitioned optimizer]: the ranks agree on how the step went, then the owners' weights move
+            try:
+                skipped = self._step_all()
+            except BaseException:
+                self._partition.agree(failed=True, skipped=False)
+                raise
+            self._partition.agree(failed=False, skipped=skipped)
+            if not skipped:
+                self.synchronize()
+                self._partition.broadcast()
+        self._copies.bump_offloaded_versions(self.param_groups)
+        self._master_stale = False
+        return loss
+
+    def _step_all(self) -> bool:
+        """step()'s work on this rank's parameters; returns whether the step was skipped (not finite)."""
+        skipped = False
         self._wait_worker()
         scale, finite = self._clip_coefficient()
         # Note [Distributed training]: early steps all redone in a multi-process run (an all-reduce) turn them off.
@@ -617,12 +655,7 @@ class CPUAdamW(torch.optim.Optimizer):
         if watched is not None:
             note_step(self, watched, scale)
         self._copies.finish_uploads()
-        if self._partition is not None and not skipped:  # Note [Partitioned optimizer]: the owners' new weights
-            self.synchronize()
-            self._partition.broadcast()
-        self._copies.bump_offloaded_versions(self.param_groups)
-        self._master_stale = False
-        return loss
+        return skipped
 
     def _step_group(self, group: dict, scale: float = 1.0, params: Optional[list] = None) -> Optional[list]:
         options = self._options(group)

@@ -83,7 +83,7 @@ struct Config {
   EmulationMode emulated_device{};        ///< TIERFLOW_EMULATED_DEVICE
   std::uint64_t emulated_seed = 0;        ///< TIERFLOW_EMULATED_SEED
   bool overlap_step = true;               ///< TIERFLOW_OVERLAP_STEP
-  bool partition_optimizer = true;        ///< TIERFLOW_PARTITION_OPTIMIZER (Note [Partitioned optimizer])
+  bool partition_optimizer = false;       ///< TIERFLOW_PARTITION_OPTIMIZER (Note [Partitioned optimizer])
   int grad_accumulation_steps = 1;        ///< TIERFLOW_GRAD_ACCUMULATION_STEPS
   double max_grad_norm = 0.0;             ///< TIERFLOW_MAX_GRAD_NORM; 0 means none
   bool skip_nonfinite = false;            ///< TIERFLOW_SKIP_NONFINITE

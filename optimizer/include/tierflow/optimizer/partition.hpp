@@ -44,4 +44,20 @@ std::vector<std::uint64_t> owned_elements(const std::vector<int>& owners, const 
 std::string loaded_partition_refusal(const std::vector<int>& owners, const std::vector<bool>& has_state, int rank,
                                      int world_size);
 
+/// Where a state dict's states came from, or where an optimizer's are kept: one rank's share of a partition
+/// (`rank` of `world_size`, each parameter's owner in `owners`, kEveryRank for one every rank steps), or the
+/// whole (world_size 0).
+struct PartitionLayout {
+  static constexpr int kEveryRank = -1;
+  int rank = 0;
+  int world_size = 0;
+  std::vector<int> owners;
+  bool partitioned() const noexcept { return world_size > 0; }
+};
+
+/// Note [Partitioned optimizer]: loading a state dict saved with layout `saved` into an optimizer whose states are
+/// kept as `mine`: the refusal, or "" to load it. A whole state dict loads anywhere (a partitioned optimizer keeps
+/// its share); one rank's share loads only into the same rank of the same partition (same world size, same owners).
+std::string partition_layout_refusal(const PartitionLayout& saved, const PartitionLayout& mine);
+
 }  // namespace tierflow::optimizer
