@@ -108,7 +108,7 @@ def _summary(rank: dict) -> dict:
             "unpartitioned_over_partitioned_step": step["unpartitioned"] / step["partitioned"],
             "state_elements_per_moment": {s: last[s]["state_elements_per_moment"] for s in SETTINGS},
             "host_in_use_bytes": {s: last[s]["host_in_use_bytes"] for s in SETTINGS},
-            "broadcast_ms_per_step": part.get("broadcast_ms", 0.0) / max(part.get("broadcasts", 0), 1),
+            "broadcast_ms_per_step": part.get("broadcast_host_ms", 0.0) / max(part.get("broadcasts", 0), 1),
             "losses_equal": all(r["partitioned"]["losses"] == r["unpartitioned"]["losses"] for r in rounds),
             "redone": {s: last[s]["overlap"]["redone"] for s in SETTINGS}}
 

@@ -113,9 +113,10 @@ if [ -n "$WHEELS" ]; then
 fi
 
 # ---- DeepSpeed (opt-in) ---------------------------------------------------------------
-# Its requirements that a CUDA torch image lacks (torch, numpy, packaging, psutil and tqdm it has), installed
-# with --no-deps so that nothing reaches for torch: DEEPSPEED_REQUIRES, also scripts/gpu_check.sh's list.
-DEEPSPEED_REQUIRES="hjson py-cpuinfo msgpack nvidia-ml-py einops ninja pydantic pydantic-core annotated-types typing-inspection typing-extensions"
+# Its requirements that a CUDA torch image lacks (torch, numpy, packaging, psutil and tqdm it has). None of them
+# requires torch, so they are resolved together (pydantic pins the pydantic-core it needs); DeepSpeed itself
+# goes in without its requirements (it names torch).
+DEEPSPEED_REQUIRES="hjson py-cpuinfo msgpack nvidia-ml-py einops ninja pydantic"
 if [ "${BUNDLE_DEEPSPEED:-0}" = 1 ]; then
   mkdir -p "$OUT/deepspeed"
   "$PY" -c 'import torch' 2>/dev/null || die "BUNDLE_DEEPSPEED: building DeepSpeed's wheel needs torch in $PY"
@@ -132,7 +133,7 @@ if [ "${BUNDLE_DEEPSPEED:-0}" = 1 ]; then
       for plat in $PLATFORMS; do target+=(--platform "$plat"); done
     fi
     # shellcheck disable=SC2086  # a list of requirements
-    "$PY" -m pip download -q --only-binary=:all: --no-deps --dest "$OUT/deepspeed" "${target[@]}" $DEEPSPEED_REQUIRES \
+    "$PY" -m pip download -q --only-binary=:all: --dest "$OUT/deepspeed" "${target[@]}" $DEEPSPEED_REQUIRES \
       || die "pip could not download DeepSpeed's requirements for Python $v"
   done
 fi

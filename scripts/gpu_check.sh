@@ -104,9 +104,11 @@ for part in $PARTS; do
     bench)
       # DeepSpeed, the peer, from the bundle (BUNDLE_DEEPSPEED=1 make bundle) when the machine lacks it.
       if [ -n "$BUNDLE" ] && [ -d "$BUNDLE/deepspeed" ] && ! "$VPY" -c 'import deepspeed' 2>/dev/null; then
-        # shellcheck disable=SC2046  # the wheels' names
-        run deepspeed "$OUT/deepspeed.log" "$VPY" -m pip install -q --no-deps --no-index \
-          $(ls "$BUNDLE"/deepspeed/*.whl)
+        # Only what this Python takes (the bundle may hold wheels for several): DeepSpeed without its requirements
+        # (it names torch, which the machine has), then those it needs beyond the image, resolved from the bundle.
+        run deepspeed "$OUT/deepspeed.log" bash -c "'$VPY' -m pip install -q --no-index --find-links '$BUNDLE/deepspeed' \
+          --no-deps deepspeed && '$VPY' -m pip install -q --no-index --find-links '$BUNDLE/deepspeed' \
+          hjson py-cpuinfo msgpack nvidia-ml-py einops ninja pydantic"
       fi
       # shellcheck disable=SC2086  # SEQ_SEARCH and GPU_CHECK_BENCH_ARGS are lists of arguments
       run bench "$OUT/bench.log" env PYTHONPATH="$ROOT/bindings/python" "$VPY" benchmarks/bench_gpu_offload.py \

@@ -139,6 +139,7 @@ _WORKER = textwrap.dedent("""
                     result["owned"] = [n for n, p in model.named_parameters() if opt.owns(p)]
                     result["state_elements"] = sum(s["exp_avg"].numel() for s in opt.state.values() if "exp_avg" in s)
                     result["partition"] = opt.partition_stats()
+                    result["table"] = str(tierflow.report())
             except tierflow.TierflowError as e:
                 result["error"] = str(e)
         result["warnings"] = [str(w.message) for w in caught if str(w.message).startswith("tierflow")]
@@ -193,7 +194,10 @@ _WORKER = textwrap.dedent("""
     dist.destroy_process_group()
     # torch's gloo may abort at exit once a broadcast ran beside DDP's all-reduces ("terminate called without an
     # active exception" after Python's finalization: reproduced without tierflow, plain DDP and a broadcast a step,
-    # 3 of 40 runs; the partitioned optimizer broadcasts every step). What the test reads is saved: skip the teardown.
+    # 3 of 40 runs; the partitioned optimizer broadcasts every step). What the test reads is saved: skip the teardown,
+    # once every session is closed (their swap files go with them).
+    import gc
+    gc.collect()
     sys.stdout.flush()
     os._exit(0)
 """)
@@ -469,6 +473,9 @@ def test_the_partitioned_optimizer_steps_each_parameter_on_its_owner_alone_bit_f
             assert part["rank"] == rank and part["world_size"] == 2 and part["broadcasts"] == STEPS, part
             assert part["owned_elements"] == ours["state_elements"] and part["elements"] == total, part
             _assert_all_committed(ours, f"rank {rank}, partitioned")
+            assert "partitioned across ranks" in ours["table"], ours["table"]  # report()'s table says so
+            assert f"rank {rank} of 2: {part['owned_parameters']} of 6 parameters" in ours["table"], ours["table"]
+            assert f"{STEPS} weight broadcasts" in ours["table"], ours["table"]
             assert off["partition"] is None and off["state_elements"] == total, off  # the default
             assert_bit_identical(_as_run(off), _as_run(ours))
             nvme = runs[(order, "nvme", "on")]
@@ -607,7 +614,10 @@ _CHECKPOINT_WORKER = textwrap.dedent("""
     dist.destroy_process_group()
     # torch's gloo may abort at exit once a broadcast ran beside DDP's all-reduces ("terminate called without an
     # active exception" after Python's finalization: reproduced without tierflow, plain DDP and a broadcast a step,
-    # 3 of 40 runs; the partitioned optimizer broadcasts every step). What the test reads is saved: skip the teardown.
+    # 3 of 40 runs; the partitioned optimizer broadcasts every step). What the test reads is saved: skip the teardown,
+    # once every session is closed (their swap files go with them).
+    import gc
+    gc.collect()
     sys.stdout.flush()
     os._exit(0)
 """)
@@ -692,6 +702,8 @@ _FOUR_RANKS_WORKER = textwrap.dedent("""
         out[partition] = r
     torch.save(out, out_path)
     dist.destroy_process_group()
+    import gc
+    gc.collect()  # every session closed
     sys.stdout.flush()
     os._exit(0)  # torch's gloo may abort at exit after broadcasts (see the DDP worker above)
 """)

@@ -83,7 +83,7 @@ class Report(dict):
                          f'rank {part["rank"]} of {part["world_size"]}: {part["owned_parameters"]} of '
                          f'{part["parameters"]} parameters, {part["owned_elements"]} of {part["elements"]} elements; '
                          f'{part["broadcasts"]} weight broadcasts ({fmt_bytes(part["broadcast_bytes"])}, '
-                         f'{part["broadcast_ms"]:.1f} ms)'))
+                         f'{part["broadcast_host_ms"]:.1f} ms on the host)'))
         if o.get("steps_during_backward_off"):
             rows.append(("  steps during backward", "off: " + o["steps_during_backward_off"]))
         ov = o.get("overlap") or {}
