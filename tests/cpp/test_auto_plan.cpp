@@ -414,7 +414,7 @@ TEST(OverlapWindow, TheLargestSwapOfTwoNeighbouringBlocksWithinTheRoomTheBudgetL
   }
   ASSERT_GT(wanted, largest) << "the case needs two neighbouring blocks that swap";
   ASSERT_GT(wanted, s.budgets.prefetch_bytes) << "the case needs a block that swaps more than the window";
-  // Room enough: the window is the largest block's swap, and the peak grows by what it adds.
+  // Room enough: the window is the largest swap of two neighbouring blocks, and the peak grows by what it adds.
   Budgets roomy = s.budgets;
   roomy.device_bytes = plan.predicted_device_peak_bytes + wanted;
   const Plan same = plan_activations(s.blocks, s.links, roomy);
