@@ -97,7 +97,7 @@ def test_auto_under_a_tight_budget_offloads_and_matches_the_baseline(tmp_path, d
     for other in profile["blocks"][1:]:
         other.update({k: b[k] for k in timing})
     bandwidth = (b["input_bytes"] + b["whole_bytes"] + b["split_bytes"]) / b["forward_seconds"] * 0.6
-    profile["links"].update(d2h=bandwidth, h2d=bandwidth, duplex=2 * bandwidth)
+    profile["links"].update(d2h=bandwidth, h2d=bandwidth, duplex=2 * bandwidth, compute_share_during_copies=1.0)
     with open(path, "w") as f:
         json.dump(profile, f)
     budgets = measured.session.planner.budgets(profile)
