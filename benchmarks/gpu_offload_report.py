@@ -115,7 +115,27 @@ def stream_summary(before: dict, after: dict, steps: int) -> dict:
             "grad_bytes_freed_before_step_per_step": per_step("grad_bytes_freed"),
             "grad_bucket_bytes": a.get("bucket_bytes"), "grad_bucket_count": a.get("bucket_count"),
             "gpu_optimizer_fraction": a.get("gpu_optimizer_fraction"),
+            "stream_window": window_summary(a.get("last_window") or {}),
             "stream_counters": a}
+
+
+def window_summary(window: dict) -> dict:
+    """Where the last window's time went on the optimizer's worker (Note [Stream timeline]), in ms from the
+    window's first gradient: the kernel, waiting for copies, idle with nothing to step, and when it was done."""
+    buckets = window.get("buckets") or []
+    done = [b for b in buckets if b["stepped_ms"] >= 0]
+    if not done:
+        return {}
+    kernel = sum(b["stepped_ms"] - b["landed_ms"] for b in done)
+    copy_wait = sum(b["landed_ms"] - b["picked_ms"] for b in done)
+    idle, free_at = 0.0, done[0]["launched_ms"]
+    for b in done:
+        idle += max(0.0, b["picked_ms"] - free_at)
+        free_at = b["stepped_ms"]
+    return {"buckets": len(buckets), "kernel_ms": kernel, "copy_wait_ms": copy_wait, "idle_ms": idle,
+            "first_launched_ms": done[0]["launched_ms"], "first_landed_ms": done[0]["landed_ms"],
+            "last_stepped_ms": done[-1]["stepped_ms"], "backward_end_ms": window.get("backward_end_ms"),
+            "step_ms": window.get("step_ms"), "worker_done_ms": window.get("worker_done_ms")}
 
 
 def loss_agreement(base: list[float], other: list[float]) -> dict:

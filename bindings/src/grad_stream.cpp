@@ -200,8 +200,10 @@ void GradStream::begin_backward(bool queue_end) {
   std::function<void()> begin;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    first = ledger_.backward_begins(now_ns());
+    const std::uint64_t now = now_ns();
+    first = ledger_.backward_begins(now);
     if (first) begin = on_backward_begin_;
+    if (first && clock_.start == 0) clock_.start = now;
     queue = queue_end && !end_queued_;
     end_queued_ = end_queued_ || queue;
   }
@@ -333,13 +335,24 @@ void GradStream::launch_locked(std::size_t bi) {
   }
   std::vector<swap::TransferHandle> copies = std::move(buckets_[bi].copies);
   buckets_[bi].copies.clear();
-  worker_->push([this, gen = ledger_.generation(), entries = std::move(entries), copies = std::move(copies)]() mutable {
-    run_bucket(gen, std::move(entries), std::move(copies));
+  WindowClock::Bucket timed;  // Note [Stream timeline]
+  timed.bucket = bi;
+  timed.launched = now_ns();
+  for (const Entry& e : entries) timed.grad_bytes += e.host_grad.defined() ? e.host_grad.nbytes() : 0;
+  clock_.buckets.push_back(timed);
+  worker_->push([this, gen = ledger_.generation(), entries = std::move(entries), copies = std::move(copies),
+                 window = clock_window_, index = clock_.buckets.size() - 1]() mutable {
+    run_bucket(gen, std::move(entries), std::move(copies), window, index);
   });
 }
 
 void GradStream::run_bucket(std::uint64_t generation, std::vector<Entry> entries,
-                            std::vector<swap::TransferHandle> copies) {
+                            std::vector<swap::TransferHandle> copies, std::uint64_t clock_window, std::size_t timed) {
+  const std::uint64_t picked = now_ns();
+  // Note [Stream timeline]: this bucket's record, when its window is still the current one.
+  auto times = [&]() -> WindowClock::Bucket* {
+    return clock_window == clock_window_ && timed < clock_.buckets.size() ? &clock_.buckets[timed] : nullptr;
+  };
   // Rule 2: the CPU reads the gradients only once they landed. Every copy is
   // waited for, even after one failed: none may still use memory that goes.
   std::exception_ptr failed;
@@ -354,10 +367,15 @@ void GradStream::run_bucket(std::uint64_t generation, std::vector<Entry> entries
     settle_failed_bucket(generation, entries);
     std::rethrow_exception(failed);
   }
+  const std::uint64_t landed = now_ns();
   bool need_norm = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     need_norm = ledger_.needs_norm();
+    if (WindowClock::Bucket* t = times()) {
+      t->picked = picked;
+      t->landed = landed;
+    }
   }
   double sum_sq = 0;
   if (need_norm)
@@ -383,6 +401,7 @@ void GradStream::run_bucket(std::uint64_t generation, std::vector<Entry> entries
   const std::uint64_t stepped_bytes = step_entries(entries);
   const std::uint64_t ns = now_ns() - t0;
   std::lock_guard<std::mutex> lock(mutex_);
+  if (WindowClock::Bucket* t = times()) t->stepped = t0 + ns;
   stats_.kernel_ns += ns;
   stats_.kernel_grad_bytes += stepped_bytes;
   ledger_.kernel_time(ns, stepped_bytes);
@@ -443,15 +462,22 @@ void GradStream::on_backward_end() {
   std::lock_guard<std::mutex> lock(mutex_);
   end_queued_ = false;
   rebind_reduced_locked();
-  ledger_.backward_ends(now_ns());
+  const std::uint64_t now = now_ns();
+  ledger_.backward_ends(now);
+  if (clock_.start != 0) clock_.backward_end = now;
   release_landed_locked();
   count_freed_locked();
   for (std::size_t b : ledger_.unlaunched()) launch_locked(b);
 }
 
 void GradStream::wait_worker() {
+  const std::uint64_t t0 = now_ns();
   worker_->drain();
   std::lock_guard<std::mutex> lock(mutex_);
+  if (clock_.start != 0 && clock_.step == 0) {  // Note [Stream timeline]: step()'s wait
+    clock_.step = t0;
+    clock_.worker_done = now_ns();
+  }
   count_freed_locked();
 }
 
@@ -570,6 +596,30 @@ void GradStream::reset_window_locked(bool count_taken_back) {
   end_queued_ = end_requeued_ = false;  // a backward that failed never ran its end
   ledger_.end_window(count_taken_back);
   sync_buckets_locked();
+  finish_clock_locked();
+}
+
+void GradStream::finish_clock_locked() {
+  // Note [Stream timeline]: a window with buckets becomes the last one; the
+  // worker's late records of this window (a discarded one) go nowhere.
+  if (clock_.start != 0 && !clock_.buckets.empty()) {
+    const std::uint64_t t0 = clock_.start;
+    auto ms = [t0](std::uint64_t t) { return t == 0 ? -1.0 : (static_cast<double>(t) - static_cast<double>(t0)) / 1e6; };
+    WindowTimeline w;
+    w.backward_end_ms = ms(clock_.backward_end);
+    w.step_ms = ms(clock_.step);
+    w.worker_done_ms = ms(clock_.worker_done);
+    for (const auto& b : clock_.buckets)
+      w.buckets.push_back({b.bucket, b.grad_bytes, ms(b.launched), ms(b.picked), ms(b.landed), ms(b.stepped)});
+    last_window_ = std::move(w);
+  }
+  clock_ = WindowClock{};
+  ++clock_window_;
+}
+
+WindowTimeline GradStream::last_window() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return last_window_;
 }
 
 }  // namespace tierflow::bindings

@@ -226,7 +226,31 @@ void bind_stream_step(py::class_<PyGradStream, std::shared_ptr<PyGradStream>>& c
         }
         return stat_dict(s, grad_stream_stat_fields());
       })
-      .def("__len__", [](PyGradStream& g) { return g.stream->size(); }, py::call_guard<py::gil_scoped_release>());;
+      .def("last_window", [](PyGradStream& g) {
+        WindowTimeline w;
+        {
+          py::gil_scoped_release release;
+          w = g.stream->last_window();
+        }
+        py::list buckets;
+        for (const BucketTimes& b : w.buckets) {
+          py::dict d;
+          d["bucket"] = b.bucket;
+          d["grad_bytes"] = b.grad_bytes;
+          d["launched_ms"] = b.launched_ms;
+          d["picked_ms"] = b.picked_ms;
+          d["landed_ms"] = b.landed_ms;
+          d["stepped_ms"] = b.stepped_ms;
+          buckets.append(d);
+        }
+        py::dict out;
+        out["backward_end_ms"] = w.backward_end_ms;
+        out["step_ms"] = w.step_ms;
+        out["worker_done_ms"] = w.worker_done_ms;
+        out["buckets"] = buckets;
+        return out;
+      }, "The last finished window's times (Note [Stream timeline] in grad_stream.hpp); no buckets before one.")
+      .def("__len__", [](PyGradStream& g) { return g.stream->size(); }, py::call_guard<py::gil_scoped_release>());
 }
 
 }  // namespace

@@ -70,6 +70,43 @@ struct AdamOutputs {
         max_exp_avg_sq(t.max_exp_avg_sq_out ? t.max_exp_avg_sq_out : t.max_exp_avg_sq) {}
 };
 
+/// Note [Streaming stores]
+/// ~~~~~~~~~~~~~~~~~~~~~~~
+/// An out-of-place step (the gradient stream's, Note [Step during backward])
+/// writes its new master, m and v into arrays it did not read, and every step
+/// writes the 16-bit (or fp32) weights into staging that only a DMA to the
+/// device or the next forward reads. Ordinary stores first read each of those
+/// lines into the cache (read-for-ownership): 14 more bytes read per element
+/// for the 30 the out-of-place step moves anyway, on the host memory bandwidth
+/// the copies beside it share. Non-temporal stores skip that read. They are
+/// used for a chunk of at least kStreamingStoreElements (smaller outputs are
+/// likely read again from the cache) whose outputs are aligned for them; the
+/// kernel ends with an sfence, so the stores are visible before the caller
+/// (TBB's join, then the worker's handoff) signals the step done. In-place
+/// outputs keep ordinary stores: their lines are in the cache already.
+inline constexpr std::size_t kStreamingStoreElements = std::size_t{1} << 16;
+
+/// Which outputs of a chunk take non-temporal stores (Note [Streaming stores]).
+struct Streaming {
+  bool state = false;  ///< master, m, v (and max v): out of place
+  bool param = false;  ///< the weights' copy-out
+};
+
+inline bool aligned_to(const void* p, std::size_t a) noexcept { return reinterpret_cast<std::uintptr_t>(p) % a == 0; }
+
+/// `param_bytes`: the copy-out's element size (0: none).
+inline Streaming streaming_stores(const AdamTensor& t, const AdamOutputs& out, std::size_t begin, std::size_t end,
+                                  std::size_t param_bytes) noexcept {
+  Streaming s;
+  if (end - begin < kStreamingStoreElements) return s;
+  s.state = t.master_out != nullptr && aligned_to(out.master + begin, 64) && aligned_to(out.exp_avg + begin, 64) &&
+            aligned_to(out.exp_avg_sq + begin, 64) &&
+            (!t.max_exp_avg_sq_out || aligned_to(out.max_exp_avg_sq + begin, 64));
+  s.param = param_bytes != 0 &&
+            aligned_to(static_cast<const char*>(t.param_out) + begin * param_bytes, param_bytes == 4 ? 64 : 32);
+  return s;
+}
+
 /// One element, in the exact operation order of torch's vectorized kernels
 /// (lerp and add-with-alpha and addcmul are fused multiply-adds there).
 inline void adam_element(float g, float& p, float& m, float& v, float* vmax, const AdamScalars& s) {

@@ -173,6 +173,9 @@ void CpuAdam::step(const AdamOptions& o, std::int64_t step, const std::vector<Ad
     for (std::size_t b = 0; b < tensors[i].numel; b += kChunkElements)
       chunks.push_back({i, b, std::min(tensors[i].numel, b + kChunkElements)});
   }
+  // Work stealing, not a static split: during backward the kernel shares the
+  // cores with the training thread and the CUDA driver, and a static split
+  // makes every bucket wait for its slowest (descheduled) thread.
   impl_->arena.execute([&] {
     tbb::parallel_for(tbb::blocked_range<std::size_t>(0, chunks.size(), 1),
                       [&](const tbb::blocked_range<std::size_t>& r) {
@@ -181,7 +184,7 @@ void CpuAdam::step(const AdamOptions& o, std::int64_t step, const std::vector<Ad
                           kernel(tensors[ch.tensor], s, ch.begin, ch.end);
                         }
                       },
-                      tbb::static_partitioner());
+                      tbb::auto_partitioner());
   });
 }
 

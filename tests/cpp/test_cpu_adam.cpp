@@ -1,6 +1,8 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <random>
 #include <vector>
 
@@ -299,6 +301,61 @@ TEST(CpuAdam, OutOfPlaceLeavesInputsAndMatchesInPlace) {
     EXPECT_EQ(vmax, a.vmax);
     t.exp_avg_sq_out = nullptr;
     EXPECT_THROW(adam.step(o, 1, {t}), logic_error);
+  }
+}
+
+// Note [Streaming stores]: chunks of 64K elements and more whose outputs are
+// aligned take non-temporal stores; the values are the same as with ordinary
+// stores (misaligned by one element: the ordinary path), in place or not.
+TEST(CpuAdam, StreamingStoresWriteWhatOrdinaryStoresWrite) {
+  const std::size_t n = (std::size_t{1} << 17) + 37;  // one chunk past the threshold, and a tail
+  auto aligned = [](std::vector<float>& v, std::size_t skew) {
+    auto addr = reinterpret_cast<std::uintptr_t>(v.data());
+    return v.data() + ((64 - addr % 64) % 64) / sizeof(float) + skew;
+  };
+  for (CpuIsa isa : {CpuIsa::kPortable, best_cpu_isa()}) {
+    Fixture ref(n, 7);
+    for (std::size_t i = 0; i < n; ++i) ref.grad[i] = std::cos(float(i) * 0.01f) * 0.2f;
+    AdamOptions o;
+    o.amsgrad = true;
+    o.weight_decay = 0.01;
+    CpuAdam adam(2, isa);
+    std::vector<std::uint16_t> ref16(n);
+    AdamTensor r = ref.tensor();
+    r.param_type = ScalarType::kBFloat16;
+    r.param_out = ref16.data();
+    adam.step(o, 1, {r});  // small-pointer alignment of std::vector: not the streaming path's
+    for (std::size_t skew : {0, 1}) {
+      Fixture f(n, 7);
+      f.grad = ref.grad;
+      std::vector<float> p(n + 32), m(n + 32), v(n + 32), vmax(n + 32), out32(n + 32);
+      AdamTensor t = f.tensor();
+      t.master_out = aligned(p, skew);
+      t.exp_avg_out = aligned(m, skew);
+      t.exp_avg_sq_out = aligned(v, skew);
+      t.max_exp_avg_sq_out = aligned(vmax, skew);
+      t.param_type = ScalarType::kFloat32;
+      t.param_out = aligned(out32, skew);
+      adam.step(o, 1, {t});
+      for (std::size_t i = 0; i < n; ++i) {
+        ASSERT_EQ(t.master_out[i], ref.master[i]) << to_string(isa) << " skew " << skew << " element " << i;
+        ASSERT_EQ(t.exp_avg_out[i], ref.m[i]) << "element " << i;
+        ASSERT_EQ(t.exp_avg_sq_out[i], ref.v[i]) << "element " << i;
+        ASSERT_EQ(t.max_exp_avg_sq_out[i], ref.vmax[i]) << "element " << i;
+        ASSERT_EQ(static_cast<const float*>(t.param_out)[i], ref.master[i]) << "element " << i;
+      }
+      // In place, with the 16-bit copy-out (32-byte aligned when skew is 0) streamed.
+      Fixture g(n, 7);
+      g.grad = ref.grad;
+      std::vector<float> buf((n + 64) / 2);
+      auto* out16 = reinterpret_cast<std::uint16_t*>(aligned(buf, 0)) + skew;
+      AdamTensor u = g.tensor();
+      u.param_type = ScalarType::kBFloat16;
+      u.param_out = out16;
+      adam.step(o, 1, {u});
+      EXPECT_EQ(g.master, ref.master);
+      EXPECT_TRUE(std::equal(ref16.begin(), ref16.end(), out16)) << to_string(isa) << " skew " << skew;
+    }
   }
 }
 

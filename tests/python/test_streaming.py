@@ -422,6 +422,23 @@ def test_auto_buckets_are_sized_from_the_measured_step(device):
     assert fixed["bucket_bytes"] == 64 << 10 and fixed["sized_link_bytes_per_s"] == 0, "an explicit size stands"
 
 
+def test_the_last_window_timeline_orders_every_bucket(device):
+    """Note [Stream timeline]: per bucket of the last step, launched <= picked <= landed <= stepped, all before
+    step()'s wait ended; every bucket of the plan once, with all of the step's gradient bytes."""
+    task = gpt_task(dropout=0.0)
+    s = train(task, 3, True, device=device, grad_bucket_bytes=SMALL).report["optimizer"]["streaming"]
+    w = s["last_window"]
+    buckets = w["buckets"]
+    assert len(buckets) == s["bucket_count"] > 4
+    assert sorted(b["bucket"] for b in buckets) == list(range(s["bucket_count"]))
+    assert sum(b["grad_bytes"] for b in buckets) == grad_bytes(task, device)
+    for b in buckets:
+        assert 0 <= b["launched_ms"] <= b["picked_ms"] <= b["landed_ms"] <= b["stepped_ms"] <= w["worker_done_ms"], b
+    assert 0 <= w["backward_end_ms"] <= w["step_ms"] <= w["worker_done_ms"]
+    picked = [b["picked_ms"] for b in buckets]
+    assert picked == sorted(picked), "one worker: buckets are taken in the order they went to it"
+
+
 class _ManyParameters(torch.nn.Module):
     """16 parameters of one module and 16 in a ParameterList (which has no forward of its own):
     with TIERFLOW_WEIGHTS_RETURN=forward, this module's forward must wait for all 32."""

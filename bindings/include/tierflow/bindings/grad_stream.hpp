@@ -138,6 +138,37 @@ struct GradStreamStats {
   double last_partial_norm = 0.0;     ///< norm of the gradients landed in the last window
 };
 
+/// When one bucket of the last window moved, in ms from the window's first
+/// gradient (Note [Stream timeline]).
+struct BucketTimes {
+  std::size_t bucket = 0;         ///< its index in the bucket plan
+  std::uint64_t grad_bytes = 0;   ///< its gradients' bytes
+  double launched_ms = -1;        ///< its last gradient is in: handed to the worker
+  double picked_ms = -1;          ///< the worker takes it (the buckets before it are stepped)
+  double landed_ms = -1;          ///< its copies are seen complete: the kernel begins
+  double stepped_ms = -1;         ///< the kernel is done
+};
+
+/// Note [Stream timeline]
+/// ~~~~~~~~~~~~~~~~~~~~~~
+/// The times of the last finished window (a step() or a zero_grad), kept so
+/// that a step slower than its parts can be taken apart: per bucket, when its
+/// last gradient came in (launched), when the worker took it (picked: the
+/// kernel of the bucket before it is done), when its copies were seen complete
+/// (landed) and when its kernel was done (stepped); for the window, when
+/// backward ended (its end callback, on the host: the GPU may still run it)
+/// and when step() began waiting for the worker and when that wait ended.
+/// launched <= picked <= landed <= stepped for every bucket; on a GPU,
+/// `landed - picked` is the worker waiting for a copy and `picked - launched`
+/// the bucket waiting behind the kernels of the buckets before it. -1: did not
+/// happen in that window.
+struct WindowTimeline {
+  double backward_end_ms = -1;    ///< the backward's end callback ran
+  double step_ms = -1;            ///< step() began waiting for the worker
+  double worker_done_ms = -1;     ///< ... and the worker was done
+  std::vector<BucketTimes> buckets;  ///< in the order they went to the worker
+};
+
 /// GradStreamStats' exported fields (Note [Stat fields]): nanoseconds as *_ms.
 const std::vector<StatField<GradStreamStats>>& grad_stream_stat_fields();
 
@@ -234,6 +265,8 @@ class GradStream : public std::enable_shared_from_this<GradStream> {
   std::size_t size_buckets(double link_bytes_per_second);
   /// Counters.
   GradStreamStats stats() const;
+  /// The last finished window's times (Note [Stream timeline]); empty before one finished.
+  WindowTimeline last_window() const;
   /// Slots registered.
   std::size_t size() const;
 
@@ -252,7 +285,8 @@ class GradStream : public std::enable_shared_from_this<GradStream> {
   void stream_locked(std::size_t slot);
   void stream_from_locked(std::size_t slot, const at::Tensor& grad, bool reduced);
   void launch_locked(std::size_t bucket);
-  void run_bucket(std::uint64_t generation, std::vector<Entry> entries, std::vector<swap::TransferHandle> copies);
+  void run_bucket(std::uint64_t generation, std::vector<Entry> entries, std::vector<swap::TransferHandle> copies,
+                  std::uint64_t clock_window, std::size_t timed);
   void settle_failed_bucket(std::uint64_t generation, const std::vector<Entry>& entries);
   std::uint64_t step_entries(const std::vector<Entry>& entries);
   void redo_locked(const std::vector<std::pair<std::size_t, double>>& redo, std::vector<std::size_t>& committed);
@@ -286,6 +320,19 @@ class GradStream : public std::enable_shared_from_this<GradStream> {
   bool end_requeued_ = false;            // ... and queued again, after the reduction's write-back
   std::function<void()> on_backward_begin_;
   std::function<void(std::size_t)> init_state_;
+  // Note [Stream timeline]: this window's times (absolute ns, 0: not yet) and the last finished one's.
+  struct WindowClock {
+    std::uint64_t start = 0, backward_end = 0, step = 0, worker_done = 0;
+    struct Bucket {
+      std::size_t bucket = 0;
+      std::uint64_t grad_bytes = 0, launched = 0, picked = 0, landed = 0, stepped = 0;
+    };
+    std::vector<Bucket> buckets;
+  };
+  void finish_clock_locked();
+  WindowClock clock_;
+  std::uint64_t clock_window_ = 0;       // windows finished: a bucket's times go to its own window only
+  WindowTimeline last_window_;
   std::unique_ptr<swap::detail::SerialWorker> worker_;
 };
 

@@ -339,6 +339,7 @@ class CPUAdamW(torch.optim.Optimizer):
         out = dict(self._streaming.stream.stats()) if self._streaming is not None else {}
         if out:
             out["gpu_optimizer_fraction"] = self._gpu.fraction
+            out["last_window"] = self._streaming.stream.last_window()  # Note [Stream timeline]
         return out
 
     def synchronize(self) -> None:
