@@ -107,7 +107,7 @@ void bind_optimizer_policy(py::module_& m) {
       .def_property_readonly("pending", &GpuShareChoice::pending)
       .def_property_readonly("fraction", &GpuShareChoice::fraction)
       .def("assign", &GpuShareChoice::assign, py::arg("numels"))
-      .def("choose_now", &GpuShareChoice::choose_now)
+      .def("choose_now", &GpuShareChoice::choose_now, py::arg("streamed"), py::arg("pool_grew"))
       .def("choose", [](GpuShareChoice& c, const std::vector<std::tuple<std::size_t, bool, bool>>& candidates,
                         double cpu_elements, double cpu_step_ms, double backward_ms, std::int64_t free_bytes,
                         std::int64_t budget_bytes, std::int64_t peak_bytes) {
@@ -119,7 +119,7 @@ void bind_optimizer_policy(py::module_& m) {
       .def(py::init<bool>(), py::arg("auto_size"))
       .def_property_readonly("pending", &BucketSizingSchedule::pending)
       .def("due", &BucketSizingSchedule::due, py::arg("carries_parameters"), py::arg("last_backward_ms"),
-           py::arg("kernel_grad_bytes"));
+           py::arg("kernel_grad_bytes"), py::arg("pool_grew"));
 }
 
 }  // namespace

@@ -138,10 +138,11 @@ std::vector<bool> assign_gpu_share(const std::vector<std::size_t>& numels, doubl
   return chosen;
 }
 
-bool BucketSizingSchedule::due(bool carries_parameters, double last_backward_ms, double kernel_grad_bytes) noexcept {
+bool BucketSizingSchedule::due(bool carries_parameters, double last_backward_ms, double kernel_grad_bytes,
+                               bool pool_grew) noexcept {
   if (!pending_ || !carries_parameters) return false;
   if (last_backward_ms <= 0 || kernel_grad_bytes <= 0) return false;  // nothing streamed and stepped yet
-  if (++streamed_steps_ < 2) return false;
+  if (!steady_step(++streamed_steps_, pool_grew)) return false;
   pending_ = false;
   return true;
 }
@@ -158,10 +159,10 @@ GpuShareChoice::GpuShareChoice(const std::string& setting) : pending_(setting ==
                    "TIERFLOW_GPU_OPTIMIZER_FRACTION: '" + setting + "'; accepted: auto or a number from 0 to 1");
 }
 
-bool GpuShareChoice::choose_now() noexcept {
-  const bool now = pending_;
+bool GpuShareChoice::choose_now(bool streamed, bool pool_grew) noexcept {
+  if (!pending_ || !streamed || !steady_step(++streamed_steps_, pool_grew)) return false;
   pending_ = false;  // decided once
-  return now;
+  return true;
 }
 
 std::vector<bool> GpuShareChoice::choose(const std::vector<ShareCandidate>& candidates,

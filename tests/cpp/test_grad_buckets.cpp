@@ -164,21 +164,34 @@ TEST(GradBuckets, LinkProbeIsASixteenthOfTheGradientsWithin1And16MiB) {
   EXPECT_EQ(grad_link_probe_bytes(1024 * MiB), 16 * MiB);
 }
 
-TEST(BucketSizingSchedule, SizesOnceAfterTheSecondStepThatStreamedAndStepped) {
+TEST(BucketSizingSchedule, SizesOnceAtTheFirstSteadyStep) {
   BucketSizingSchedule s(true);
   EXPECT_TRUE(s.pending());
-  EXPECT_FALSE(s.due(false, 10.0, 1e6));  // the stream carries nothing
-  EXPECT_FALSE(s.due(true, 0.0, 1e6));    // nothing measured: not counted
-  EXPECT_FALSE(s.due(true, 10.0, 0.0));
-  EXPECT_FALSE(s.due(true, 10.0, 1e6));   // the first also created the states
+  EXPECT_FALSE(s.due(false, 10.0, 1e6, false));  // the stream carries nothing
+  EXPECT_FALSE(s.due(true, 0.0, 1e6, false));    // nothing measured: not counted
+  EXPECT_FALSE(s.due(true, 10.0, 0.0, false));
+  EXPECT_FALSE(s.due(true, 10.0, 1e6, false));   // the first also created the states
+  EXPECT_FALSE(s.due(true, 10.0, 1e6, true));    // the second grew the pinned pool: not steady
   EXPECT_TRUE(s.pending());
-  EXPECT_TRUE(s.due(true, 10.0, 1e6));
+  EXPECT_TRUE(s.due(true, 10.0, 1e6, false));
   EXPECT_FALSE(s.pending());
-  EXPECT_FALSE(s.due(true, 10.0, 1e6));   // once
+  EXPECT_FALSE(s.due(true, 10.0, 1e6, false));   // once
   BucketSizingSchedule fixed(false);
   EXPECT_FALSE(fixed.pending());
-  EXPECT_FALSE(fixed.due(true, 10.0, 1e6));
-  EXPECT_FALSE(fixed.due(true, 10.0, 1e6));
+  EXPECT_FALSE(fixed.due(true, 10.0, 1e6, false));
+  EXPECT_FALSE(fixed.due(true, 10.0, 1e6, false));
+}
+
+TEST(SteadyStep, WaitsForAStepThatGrewNoPinnedSlabButNotForever) {
+  EXPECT_FALSE(steady_step(1, false));  // the first streamed step created the optimizer states
+  EXPECT_TRUE(steady_step(2, false));
+  for (int n = 2; n < kSteadyStepLimit; ++n) EXPECT_FALSE(steady_step(n, true)) << n;
+  EXPECT_TRUE(steady_step(kSteadyStepLimit, true));  // a pool that keeps growing still decides
+  BucketSizingSchedule s(true);
+  int sized_at = 0;
+  for (int n = 1; n <= kSteadyStepLimit + 2 && !sized_at; ++n)
+    if (s.due(true, 10.0, 1e6, true)) sized_at = n;
+  EXPECT_EQ(sized_at, kSteadyStepLimit);
 }
 
 TEST(GpuShareChoice, AFixedFractionAssignsAtOnceAndNeverChooses) {
@@ -186,7 +199,7 @@ TEST(GpuShareChoice, AFixedFractionAssignsAtOnceAndNeverChooses) {
   EXPECT_FALSE(c.pending());
   EXPECT_EQ(c.fraction(), 0.5);
   EXPECT_EQ(c.assign({10, 10, 10, 10}), (std::vector<bool>{true, false, true, false}));
-  EXPECT_FALSE(c.choose_now());
+  EXPECT_FALSE(c.choose_now(true, false));
   EXPECT_THROW(GpuShareChoice("1.5"), std::exception);
   EXPECT_THROW(GpuShareChoice("half"), std::exception);
 }
@@ -195,8 +208,12 @@ TEST(GpuShareChoice, AutoChoosesOnceAndNothingWhenNothingWasMeasured) {
   GpuShareChoice c("auto");
   EXPECT_TRUE(c.pending());
   EXPECT_EQ(c.fraction(), 0.0);
-  EXPECT_TRUE(c.choose_now());
-  EXPECT_FALSE(c.choose_now());  // decided once
+  EXPECT_FALSE(c.choose_now(false, false));  // nothing streamed yet: not counted
+  EXPECT_FALSE(c.choose_now(true, false));   // the first streamed step created the states (Note [Steady step])
+  EXPECT_FALSE(c.choose_now(true, true));    // the second grew the pinned pool
+  EXPECT_TRUE(c.pending());
+  EXPECT_TRUE(c.choose_now(true, false));
+  EXPECT_FALSE(c.choose_now(true, false));  // decided once
   ShareMeasurements m;
   m.cpu_elements = 1e9;
   m.cpu_step_ms = 1000;
@@ -210,7 +227,8 @@ TEST(GpuShareChoice, AutoChoosesOnceAndNothingWhenNothingWasMeasured) {
 TEST(GpuShareChoice, AutoTakesTheShareThatMakesTheCpuEndWithBackward) {
   // 1e9 elements/s on the CPU, 4e8 elements against 0.2 s of backward: 0.4 s of CPU, half must go.
   GpuShareChoice c("auto");
-  ASSERT_TRUE(c.choose_now());
+  ASSERT_FALSE(c.choose_now(true, false));
+  ASSERT_TRUE(c.choose_now(true, false));
   ShareMeasurements m;
   m.cpu_elements = 1e9;
   m.cpu_step_ms = 1000;
@@ -221,7 +239,8 @@ TEST(GpuShareChoice, AutoTakesTheShareThatMakesTheCpuEndWithBackward) {
   EXPECT_NEAR(c.fraction(), 0.5, 1e-12);
   // The room caps it: 16-bit parameters need 12 bytes per element; 1.2e9 bytes hold 1e8 of 4e8 elements.
   GpuShareChoice small("auto");
-  ASSERT_TRUE(small.choose_now());
+  ASSERT_FALSE(small.choose_now(true, false));
+  ASSERT_TRUE(small.choose_now(true, false));
   m.free_bytes = 2'400'000'000;
   m.budget_bytes = 1'200'000'000;
   m.first_step_peak_bytes = 0;
@@ -231,7 +250,8 @@ TEST(GpuShareChoice, AutoTakesTheShareThatMakesTheCpuEndWithBackward) {
   EXPECT_NEAR(small.fraction(), 0.25, 1e-12);
   // An unstreamed parameter is assigned over but neither measured nor counted.
   GpuShareChoice mixed("auto");
-  ASSERT_TRUE(mixed.choose_now());
+  ASSERT_FALSE(mixed.choose_now(true, false));
+  ASSERT_TRUE(mixed.choose_now(true, false));
   m.free_bytes = m.budget_bytes = std::int64_t{1} << 40;
   std::vector<ShareCandidate> with_cold = four;
   with_cold.push_back({100'000'000, false, true});

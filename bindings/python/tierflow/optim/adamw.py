@@ -642,8 +642,9 @@ class CPUAdamW(torch.optim.Optimizer):
             for group, params in zip(self.param_groups, self._streaming.python_path(self.param_groups, unhandled)):
                 if params:
                     self._step_group(group, scale, params)
-            self._streaming.size_buckets()
-            self._gpu.choose(self.param_groups, self._runtime, self._streaming, self.state)
+            grew = self._streaming.window_grew_pool()  # Note [Steady step]: what decides from this step waits
+            self._streaming.size_buckets(grew)
+            self._gpu.choose(self.param_groups, self._runtime, self._streaming, self.state, grew)
         else:
             problems: list = []
             for group in self.param_groups:

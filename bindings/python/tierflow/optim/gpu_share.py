@@ -35,11 +35,12 @@ class GpuShare:
             self.ids = {id(p) for p, on_gpu in zip(cuda, self.choice.assign([p.numel() for p in cuda])) if on_gpu}
         return self.ids
 
-    def choose(self, param_groups: list, runtime: "_C.Runtime", streaming: Any, state: Any) -> None:
-        """TIERFLOW_GPU_OPTIMIZER_FRACTION=auto, after the first streamed step: GpuShareChoice.choose
-        decides from the numbers gathered here; the chosen leave ``streaming`` (the optimizer's
-        GradientStreaming) and their CPU ``state`` moves to the device."""
-        if not self.choice.choose_now():
+    def choose(self, param_groups: list, runtime: "_C.Runtime", streaming: Any, state: Any, pool_grew: bool) -> None:
+        """TIERFLOW_GPU_OPTIMIZER_FRACTION=auto, at the first steady step (Note [Steady step]; ``pool_grew``:
+        this step's window allocated pinned slabs): GpuShareChoice.choose decides from the numbers gathered
+        here; the chosen leave ``streaming`` (the optimizer's GradientStreaming) and their CPU ``state`` moves
+        to the device."""
+        if not self.choice.choose_now(streaming.streamed_and_stepped(), pool_grew):
             return
         cuda = [p for g in param_groups for p in g["params"] if p.device.type == "cuda"]
         carried = [streaming.carries(p) for p in cuda]

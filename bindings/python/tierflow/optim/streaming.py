@@ -33,6 +33,7 @@ class GradientStreaming:
         self._python_params: Optional[list] = None  # per group: params that step() handles in Python
         # TIERFLOW_GRAD_BUCKET_BYTES=auto: when it is sized (optimizer/grad_buckets.hpp).
         self._sizing = _C.BucketSizingSchedule(bucket == "auto")
+        self._slabs = self._pinned_slabs()  # pinned slabs allocated so far (Note [Steady step])
 
     # -- the parameters it carries -------------------------------------------------
     def add_parameter(self, p: torch.Tensor, group_index: int) -> None:
@@ -187,15 +188,30 @@ class GradientStreaming:
             norms.extend(t if is_norm[i] else next(computed) for t, i in zip(tensors, indices))
         return torch.linalg.vector_norm(torch.stack([n.to(first_device) for n in norms]), 2.0)
 
-    def size_buckets(self) -> None:
-        """TIERFLOW_GRAD_BUCKET_BYTES=auto, after the second step whose gradients streamed (the
-        first also created the optimizer states): the bucket size from that backward, CPU
-        AdamW rate and the device -> host link (optimizer::measured_grad_bucket_bytes: the
-        last bucket's copy and step, which run after backward, within 2% of it)."""
+    def _pinned_slabs(self) -> int:
+        return int(self._runtime.stats()["host_pool"]["slab_allocations"])
+
+    def window_grew_pool(self) -> bool:
+        """Whether the window step() ends allocated pinned slabs (Note [Steady step]); once per step()."""
+        slabs = self._pinned_slabs()
+        grew, self._slabs = slabs != self._slabs, slabs
+        return grew
+
+    def streamed_and_stepped(self) -> bool:
+        """Whether gradients have streamed and stepped on the CPU (backward and kernel measured)."""
+        s = self.stream.stats()
+        return bool(self._slot_params) and s["last_backward_ms"] > 0 and s["kernel_grad_bytes"] > 0
+
+    def size_buckets(self, pool_grew: bool) -> None:
+        """TIERFLOW_GRAD_BUCKET_BYTES=auto, at the first steady step (Note [Steady step]: not the
+        first streamed one, which also created the optimizer states, and none that grew the pinned
+        pool): the bucket size from that backward, CPU AdamW rate and the device -> host link
+        (optimizer::measured_grad_bucket_bytes: the last bucket's copy and step, which run after
+        backward, within 2% of it)."""
         if not self._sizing.pending:
             return
         s = self.stream.stats()
-        if not self._sizing.due(bool(self._slot_params), s["last_backward_ms"], s["kernel_grad_bytes"]):
+        if not self._sizing.due(bool(self._slot_params), s["last_backward_ms"], s["kernel_grad_bytes"], pool_grew):
             return
         total = sum(p.numel() * p.element_size() for p in self._slot_params)
         probe = _C.grad_link_probe_bytes(total)

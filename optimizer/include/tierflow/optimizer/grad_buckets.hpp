@@ -60,9 +60,27 @@ std::size_t measured_grad_bucket_bytes(const BucketSizing& in) noexcept;
 /// within [1 MiB, 16 MiB] (it takes that much device memory).
 std::size_t grad_link_probe_bytes(std::size_t total_grad_bytes) noexcept;
 
-/// When TIERFLOW_GRAD_BUCKET_BYTES=auto measures the bucket size: after the
-/// second step() whose gradients streamed and stepped (the first also created
-/// the optimizer states, so its backward and CPU rate are not the run's), once.
+/// Note [Steady step]
+/// ~~~~~~~~~~~~~~~~~~
+/// The first steps of a streamed run are not the run's: the first creates the
+/// optimizer states, and the next ones allocate the pinned out-of-place
+/// outputs (Note [Step during backward]; a new pinned slab is a
+/// cudaHostAlloc), so their backward and CPU rate can be far from an ordinary
+/// step's (the 1.34B preset on an H100: backward 33 s, 2.1 s, 2.8 s, then
+/// 0.095 s). What is decided from those measurements (the bucket size, the
+/// GPU share of the optimizer) waits for a steady step: a step() whose
+/// gradients streamed and stepped, not the first such, whose window grew no
+/// pinned slab; or the kSteadyStepLimit-th such step, whatever it allocated
+/// (a run that keeps growing its pool still decides).
+inline constexpr int kSteadyStepLimit = 5;
+/// `streamed_steps`: the steps so far whose gradients streamed and stepped,
+/// this one included; `pool_grew`: this one's window allocated pinned slabs.
+constexpr bool steady_step(int streamed_steps, bool pool_grew) noexcept {
+  return streamed_steps >= 2 && (!pool_grew || streamed_steps >= kSteadyStepLimit);
+}
+
+/// When TIERFLOW_GRAD_BUCKET_BYTES=auto measures the bucket size: at the first
+/// steady step (Note [Steady step]), once.
 class BucketSizingSchedule {
  public:
   /// `auto_size`: TIERFLOW_GRAD_BUCKET_BYTES=auto (otherwise never due).
@@ -71,9 +89,10 @@ class BucketSizingSchedule {
   bool pending() const noexcept { return pending_; }
   /// After a step(): `carries_parameters`: the stream carries any; the last
   /// backward's time and the gradient bytes its CPU AdamW stepped (0 when
-  /// nothing streamed and stepped yet: measured at a later step). True when the
-  /// buckets are sized now (with a copy of grad_link_probe_bytes); false after.
-  bool due(bool carries_parameters, double last_backward_ms, double kernel_grad_bytes) noexcept;
+  /// nothing streamed and stepped yet: measured at a later step); `pool_grew`:
+  /// the step's window allocated pinned slabs. True when the buckets are sized
+  /// now (with a copy of grad_link_probe_bytes); false after.
+  bool due(bool carries_parameters, double last_backward_ms, double kernel_grad_bytes, bool pool_grew) noexcept;
 
  private:
   bool pending_;
@@ -180,8 +199,11 @@ class GpuShareChoice {
   double fraction() const noexcept { return fraction_; }
   /// Which parameters (`numels`, in group order) step on the GPU at fraction().
   std::vector<bool> assign(const std::vector<std::size_t>& numels) const { return assign_gpu_share(numels, fraction_); }
-  /// True once, for `auto` after its first streamed step: choose now.
-  bool choose_now() noexcept;
+  /// After each step(): `streamed`: its gradients streamed and stepped (the
+  /// stream's backward and kernel were measured); `pool_grew`: its window
+  /// allocated pinned slabs. True once, for `auto` at the first steady step
+  /// (Note [Steady step]): choose now.
+  bool choose_now(bool streamed, bool pool_grew) noexcept;
   /// `auto`'s choice over every device parameter: none when no streamed
   /// candidate, CPU step or backward was measured; otherwise the fraction from
   /// the measured CPU rate, the backward and the room, then assign() over all.
@@ -190,6 +212,7 @@ class GpuShareChoice {
  private:
   bool pending_ = false;
   double fraction_ = 0.0;
+  int streamed_steps_ = 0;
 };
 
 }  // namespace tierflow::optimizer
