@@ -147,14 +147,16 @@ def time_cpu_step_kernel(runtime: Any, opt: torch.optim.Optimizer, repeats: int)
 
     It steps the optimizer's own fp32 master, exp_avg and exp_avg_sq (host tensors of the parameters'
     sizes; no second copy of 12 bytes per parameter), with gradients and written-back weights in the
-    parameters' dtype on the CPU, as CPUAdamW._step_group calls it. Run after the measured steps:
-    it changes the optimizer's state.
+    parameters' dtype on the CPU, as CPUAdamW._step_group calls it. A parameter without a state on the
+    host (not stepped yet, or in the GPU share: TIERFLOW_GPU_OPTIMIZER_FRACTION) gets host tensors of
+    its own, so that the figure is always the CPU kernel over every parameter. Run after the measured
+    steps: it changes the optimizer's state.
     """
     masters, ms, vs, grads, outs = [], [], [], [], []
     for group in opt.param_groups:
         for p in group["params"]:
             state = opt.state.get(p, {})
-            if all(k in state for k in ("master", "exp_avg", "exp_avg_sq")):
+            if all(k in state and state[k].device.type == "cpu" for k in ("master", "exp_avg", "exp_avg_sq")):
                 masters.append(state["master"].view(-1))
                 ms.append(state["exp_avg"].view(-1))
                 vs.append(state["exp_avg_sq"].view(-1))

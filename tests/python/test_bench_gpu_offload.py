@@ -275,3 +275,30 @@ def test_each_phase_keeps_its_largest_device_peak(monkeypatch):
     nothing = {}
     PhasePeaks(None).into(nothing)
     assert nothing == {}
+
+
+def test_the_cpu_kernel_alone_steps_every_parameter_with_states_off_the_host_copied():
+    """gpu_offload_modes.time_cpu_step_kernel: a parameter whose states live on the device (the GPU share;
+    here the meta device stands in for CUDA) is timed on host copies, not refused by the CPU kernel (the
+    H100 run lost tierflow-opt's figures so); host states are stepped in place."""
+    import torch
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        from gpu_offload_modes import time_cpu_step_kernel
+    finally:
+        sys.path.pop(0)
+    model = torch.nn.Linear(64, 32)
+    model, opt = tierflow.wrap(model, torch.optim.AdamW(model.parameters()), device="emulated")
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    weight, bias = model.weight, model.bias
+    host_master = opt.state[weight]["master"]
+    before = host_master.clone()
+    opt.state[bias] = dict(opt.state[bias], **{k: torch.empty(bias.numel(), device="meta")
+                                               for k in ("master", "exp_avg", "exp_avg_sq")})
+    out = time_cpu_step_kernel(model._tierflow_session.runtime, opt, repeats=2)
+    assert out["cpu_step_kernel_elements"] == weight.numel() + bias.numel()
+    assert out["cpu_step_kernel_seconds"] > 0
+    assert not torch.equal(host_master, before), "a state on the host is the one stepped"
+    tierflow.unwrap(model)
