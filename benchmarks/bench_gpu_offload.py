@@ -43,8 +43,9 @@ peaks and allocator caches do not mix; a mode that fails records its error and
 the others go on. Times are medians over the measured steps. The planner's modes
 profile during their first two steps and plan before the third: they run at
 least 3 warm-up steps. --seq-search also finds, on CUDA, the longest sequence
-(a multiple of 256) that checkpoint and tierflow-auto (default budget) train
-without running out of device memory, and their tokens/s there. On CUDA each step
+(a multiple of 1024) that checkpoint and tierflow-auto-fits (default budget) train
+without running out of device memory, and their tokens/s there, in few trials
+(--seq-search-trials per mode, --seq-search-seconds in all; gpu_offload_seq.py). On CUDA each step
 is bracketed by torch.cuda.synchronize() and its phases are timed with CUDA
 events on the compute stream (read after the synchronize, so they are honest
 and the phases still overlap as in an unmeasured loop). On the CPU (tierflow's
@@ -96,6 +97,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bindings", "python"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpt_model import GPT, Block, parameter_count  # noqa: E402
+from gpu_offload_seq import seq_search  # noqa: E402
 from gpu_offload_modes import BUDGETED_AUTO_MODES, DTYPES, EXTRA_MODES, MODES, PARAMS_MODE, PARAMS_PEER  # noqa: E402
 from gpu_offload_predict import beside_measured, predict_params_offload  # noqa: E402
 from gpu_offload_report import (GiB, loss_agreement, parse_bytes, print_params_comparison,  # noqa: E402
@@ -205,46 +207,6 @@ def auto_budget(mode: str, results: dict, est: dict) -> tuple[int, str]:
             f"states + {share:.0%} of the baseline's saved activations")
 
 
-def seq_search(cfg: dict, args: argparse.Namespace) -> dict:
-    """The longest sequence (a multiple of 256) checkpoint and tierflow-auto train on this GPU, and tokens/s."""
-    if cfg["device"] != "cuda":
-        return {"skipped": "needs CUDA: running out of device memory is what ends the search"}
-    out: dict = {}
-    for mode in ("checkpoint", "tierflow-auto-fits"):
-        def trains(seq: int) -> Optional[dict]:
-            r = run_mode(mode, dict(cfg, seq_len=seq, warmup=1, steps=2), args.mode_timeout)
-            return None if "error" in r else r
-        lo, hi, best = cfg["seq_len"], None, None
-        r = trains(lo)
-        if r is None:
-            out[mode] = {"error": f"does not train at seq {lo}"}
-            continue
-        best = (lo, r)
-        while hi is None and lo < (1 << 20):
-            r = trains(2 * lo)
-            if r is None:
-                hi = 2 * lo
-            else:
-                lo, best = 2 * lo, (2 * lo, r)
-        while hi is not None and hi - lo > 256:
-            mid = (lo + hi) // 2 // 256 * 256
-            r = trains(mid)
-            if r is None:
-                hi = mid
-            else:
-                lo, best = mid, (mid, r)
-        seq, r = best
-        out[mode] = {"seq": seq, "step_seconds": r["step_seconds"],
-                     "tokens_per_second": cfg["batch"] * seq / r["step_seconds"],
-                     "device_peak_bytes": r.get("device_peak_bytes")}
-        print(f"  longest sequence, {mode}: {seq} ({out[mode]['tokens_per_second']:.0f} tokens/s)", flush=True)
-    ck, auto = out.get("checkpoint", {}), out.get("tierflow-auto-fits", {})
-    if "seq" in ck and "seq" in auto:
-        out["seq_ratio"] = auto["seq"] / ck["seq"]
-        out["tokens_per_second_ratio"] = auto["tokens_per_second"] / ck["tokens_per_second"]
-    return out
-
-
 def predicted_params_mode(cfg: dict, est: dict) -> dict:
     """tierflow-params' step on an H100 for this shape, from GPU.md's limits (a prediction, not measured)."""
     return predict_params_offload(cfg, est["parameters"], est["block_parameters"],
@@ -319,7 +281,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--mode-timeout", type=float, default=1800.0, help="seconds one mode may take")
     ap.add_argument("--dry-run", action="store_true", help="print the configuration and estimates, run nothing")
     ap.add_argument("--seq-search", action="store_true",
-                    help="CUDA: the longest sequence checkpoint and tierflow-auto train, with tokens/s")
+                    help="CUDA: the longest sequence checkpoint and tierflow-auto-fits train, with tokens/s "
+                         "(benchmarks/gpu_offload_seq.py)")
+    ap.add_argument("--seq-search-trials", type=int, default=6, help="--seq-search's trials per mode (default 6)")
+    ap.add_argument("--seq-search-seconds", type=float, default=420.0,
+                    help="--seq-search's time for both modes together (default 420)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--worker-config", help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
@@ -435,7 +401,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         if made_nvme_dir:
             shutil.rmtree(made_nvme_dir, ignore_errors=True)
 
-    longest = seq_search(cfg, args) if args.seq_search else {"skipped": "not asked (--seq-search)"}
+    longest = seq_search(cfg, run_mode, args.mode_timeout, args.seq_search_trials, args.seq_search_seconds) \
+        if args.seq_search else {"skipped": "not asked (--seq-search)"}
     out = assemble(cfg, est, modes, results, longest, prediction)
     write_json_atomic(path, out)
     print()

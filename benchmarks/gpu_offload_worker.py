@@ -180,6 +180,8 @@ def _train(mode: str, cfg: dict, result: dict) -> None:
     device = torch.device(cfg["device"])
     cuda = device.type == "cuda"
     result["device_name"] = torch.cuda.get_device_name(device) if cuda else "emulated"
+    if cuda:  # what --seq-search aims the predicted peak at
+        result["device_total_bytes"] = torch.cuda.get_device_properties(device).total_memory
     t_setup = time.perf_counter()
     model, batches = model_and_batches(mode, cfg, device, result)
     total = len(batches)

@@ -12,6 +12,9 @@
 #           (the auto modes, the CPU-optimizer modes, tierflow-params,
 #           deepspeed-offload and deepspeed-zero3-offload when its wheel is
 #           installed, --seq-search), writing benchmarks/results/gpu_offload.json,
+#   seq     (opt-in, not in the default parts) issue 17's longest sequence alone:
+#           --preset gpt1b --modes baseline --seq-search within GPU_CHECK_SEQ_SECONDS,
+#           writing benchmarks/results/gpu_offload_seq.json (a command of its own in a lease),
 #   bench7b (opt-in, not in the default parts) issue 18's target: --preset
 #           llama7b, tierflow-params within 16GiB and deepspeed-zero3-offload,
 #           writing benchmarks/results/gpu_offload_llama7b.json,
@@ -24,6 +27,7 @@
 #   GPU_CHECK_OUT     where logs and the summary go (default build/gpu-check)
 #   GPU_CHECK_BENCH_ARGS  more arguments for bench_gpu_offload.py (e.g. --modes a,b to run fewer)
 #   GPU_CHECK_SEQ_SEARCH  0 leaves out the bench's --seq-search (default 1)
+#   GPU_CHECK_SEQ_SECONDS the seq part's search time, both modes together (default 400)
 #   GPU_CHECK_PYTEST_ARGS more arguments for the [cuda] cases' pytest (e.g. "-n 8" with pytest-xdist)
 #   GPU_CHECK_DRY_RUN=1   print what would run, run nothing (no GPU needed)
 #   TIERFLOW_BUNDLE   the offline bundle (`make bundle`); default bundle/ when it exists
@@ -50,10 +54,11 @@ RESULT=benchmarks/results/gpu_offload.json
 SEQ_SEARCH=--seq-search
 [ "${GPU_CHECK_SEQ_SEARCH:-1}" = 0 ] && SEQ_SEARCH=
 RESULT7B=benchmarks/results/gpu_offload_llama7b.json
+RESULTSEQ=benchmarks/results/gpu_offload_seq.json
 
 for p in $PARTS; do
-  case "$p" in build|tests|bench|bench7b) ;;
-    *) die "GPU_CHECK_PARTS: '$p' is not a part; accepted: build, tests, bench, bench7b" ;; esac
+  case "$p" in build|tests|bench|seq|bench7b) ;;
+    *) die "GPU_CHECK_PARTS: '$p' is not a part; accepted: build, tests, bench, seq, bench7b" ;; esac
 done
 
 # A GPU, seen by the driver; torch must see it too once it is installed.
@@ -114,6 +119,12 @@ for part in $PARTS; do
       run bench "$OUT/bench.log" env PYTHONPATH="$ROOT/bindings/python" "$VPY" benchmarks/bench_gpu_offload.py \
         --preset gpt1b $SEQ_SEARCH --mode-timeout 300 --out "$RESULT" ${GPU_CHECK_BENCH_ARGS:-}
       ;;
+    seq)
+      # shellcheck disable=SC2086
+      run seq "$OUT/seq.log" env PYTHONPATH="$ROOT/bindings/python" "$VPY" benchmarks/bench_gpu_offload.py \
+        --preset gpt1b --modes baseline --seq-search --seq-search-seconds "${GPU_CHECK_SEQ_SECONDS:-400}" \
+        --mode-timeout 120 --out "$RESULTSEQ" ${GPU_CHECK_BENCH_ARGS:-}
+      ;;
     bench7b)
       # shellcheck disable=SC2086
       run bench7b "$OUT/bench7b.log" env PYTHONPATH="$ROOT/bindings/python" "$VPY" benchmarks/bench_gpu_offload.py \
@@ -134,6 +145,16 @@ done
     PYTHONPATH="$ROOT/benchmarks" "$VPY" -c 'import json, sys
 from gpu_offload_report import print_table
 print_table(json.load(open(sys.argv[1])))' "$RESULT" 2>&1 | tail -n 30
+  fi
+  if [ -f "$RESULTSEQ" ] && [[ " $PARTS " == *" seq "* ]]; then
+    echo "issue 17's longest sequence ($RESULTSEQ):"
+    "$VPY" -c 'import json, sys
+d = json.load(open(sys.argv[1]))["longest_seq"]
+for m in ("checkpoint", "tierflow-auto-fits"):
+    r = d.get(m, {})
+    print("  %s: sequence %s, %s tokens/s, stopped: %s" % (m, r.get("seq"), r.get("tokens_per_second"), r.get("stopped")))
+print("  planner / checkpoint: sequence x%s, tokens/s x%s" % (d.get("seq_ratio"), d.get("tokens_per_second_ratio")))' \
+      "$RESULTSEQ" 2>&1 | tail -n 5
   fi
   if [ -f "$RESULT7B" ] && [[ " $PARTS " == *" bench7b "* ]]; then
     echo "issue 18's 7B target ($RESULT7B):"

@@ -302,3 +302,79 @@ def test_the_cpu_kernel_alone_steps_every_parameter_with_states_off_the_host_cop
     assert out["cpu_step_kernel_seconds"] > 0
     assert not torch.equal(host_master, before), "a state on the host is the one stepped"
     tierflow.unwrap(model)
+
+
+def _seq_module():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import gpu_offload_seq
+    finally:
+        sys.path.pop(0)
+    return gpu_offload_seq
+
+
+def test_the_sequence_search_closes_in_on_the_limit_in_few_trials():
+    """gpu_offload_seq.search_longest against a fake device whose limit is 52,000 tokens: from a prediction
+    near it, within one grain in at most 6 trials; from none (growing), still within the grain with enough
+    trials; a trial cap and a passed deadline stop it and say so."""
+    import time as _time
+
+    seq = _seq_module()
+    limit = 52_000
+    tried = []
+
+    def trains(n):
+        tried.append(n)
+        return {"step_seconds": n / 1e4} if n <= limit else None
+
+    far = _time.monotonic() + 3600
+    r = seq.search_longest(trains, 8192, None, 51_200, trials=6, deadline=far)
+    assert r["stopped"] == "found" and limit - seq.GRAIN < r["seq"] <= limit and r["seq"] % seq.GRAIN == 0
+    assert tried[0] == 51_200 and len(tried) <= 6 and r["result"] == {"step_seconds": r["seq"] / 1e4}
+    tried.clear()
+    r = seq.search_longest(trains, 4096, None, None, trials=30, deadline=far)
+    assert r["stopped"] == "found" and limit - seq.GRAIN < r["seq"] <= limit
+    assert r["trials"] == [[n, n <= limit] for n in tried]
+    r = seq.search_longest(trains, 4096, None, None, trials=2, deadline=far)
+    assert r["stopped"] == "trials" and len(r["trials"]) == 2 and r["seq"] < limit
+    r = seq.search_longest(trains, 4096, None, None, trials=5, deadline=_time.monotonic() - 1)
+    assert r["stopped"] == "deadline" and r["trials"] == [] and r["seq"] == 4096 and r["result"] is None
+    # A prediction past a known failure is not tried; the interval is halved instead.
+    tried.clear()
+    r = seq.search_longest(trains, 8192, 60_000, 70_000, trials=10, deadline=far)
+    assert tried[0] < 60_000 and r["stopped"] == "found"
+
+
+def test_the_sequence_prediction_is_where_a_linear_peak_meets_the_capacity():
+    seq = _seq_module()
+    # 8 GB fixed, 1.3 MB per token: 4096 -> 13.3 GB, 8192 -> 18.6 GB; 76.8 GB reached at 52,900 (down to 1024s).
+    at = lambda n: 8e9 + 1.3e6 * n  # noqa: E731
+    assert seq.predicted_longest(4096, at(4096), 8192, at(8192), 76.8e9) == 52_224
+    assert seq.predicted_longest(4096, 5e9, 8192, 5e9, 76.8e9) is None, "a peak that does not grow predicts nothing"
+
+
+def test_the_sequence_search_runs_checkpoint_then_the_planner_at_twice_its_longest():
+    """gpu_offload_seq.seq_search with a fake run_mode (checkpoint's limit 20,480, the planner's 45,056): the
+    first trials are the preset's sequence and twice it, the prediction from their peaks next; the planner is
+    tried first at twice checkpointing's longest; the ratios are the target's."""
+    seq = _seq_module()
+    limits = {"checkpoint": 20_480, "tierflow-auto-fits": 45_056}
+    calls = []
+
+    def run_mode(mode, cfg, timeout):
+        calls.append((mode, cfg["seq_len"]))
+        n = cfg["seq_len"]
+        if n > limits[mode]:
+            return {"mode": mode, "error": "OutOfMemoryError: CUDA out of memory"}
+        return {"mode": mode, "step_seconds": n / 2e4 * (1.1 if mode != "checkpoint" else 1.0),
+                "device_peak_bytes": 8e9 + 3.5e6 * n, "device_total_bytes": 8e10}
+
+    cfg = {"device": "cuda", "seq_len": 4096, "batch": 2}
+    out = seq.seq_search(cfg, run_mode, 100.0, trials=6, seconds=3600)
+    assert calls[:2] == [("checkpoint", 4096), ("checkpoint", 8192)]
+    assert out["checkpoint"]["seq"] == 20_480 and out["checkpoint"]["tried_first"] == calls[2][1]
+    first_auto = next(n for m, n in calls if m == "tierflow-auto-fits")
+    assert first_auto == 2 * 20_480 == out["tierflow-auto-fits"]["tried_first"]
+    assert out["tierflow-auto-fits"]["seq"] > 40_960 and out["seq_ratio"] == out["tierflow-auto-fits"]["seq"] / 20_480
+    assert out["tokens_per_second_ratio"] == pytest.approx(1 / 1.1)
+    assert seq.seq_search(dict(cfg, device="cpu"), run_mode, 100.0, 6, 60)["skipped"]

@@ -45,10 +45,19 @@ def test_the_7b_part_is_opt_in_and_runs_tierflow_params_beside_zero3(tmp_path):
     assert "benchmarks/results/gpu_offload_llama7b.json" in lines[0]
 
 
+def test_the_sequence_part_is_opt_in_and_searches_beside_the_baseline_only(tmp_path):
+    proc = gpu_check(tmp_path, GPU_CHECK_DRY_RUN="1", GPU_CHECK_PARTS="seq", GPU_CHECK_SEQ_SECONDS="300")
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if "would run" in line]
+    assert len(lines) == 1 and "(seq)" in lines[0], lines
+    assert "--modes baseline --seq-search --seq-search-seconds 300" in lines[0]
+    assert "benchmarks/results/gpu_offload_seq.json" in lines[0]
+
+
 def test_a_part_that_does_not_exist_is_refused(tmp_path):
     proc = gpu_check(tmp_path, GPU_CHECK_DRY_RUN="1", GPU_CHECK_PARTS="build test")
     assert proc.returncode == 2
-    assert "'test' is not a part; accepted: build, tests, bench" in proc.stderr
+    assert "'test' is not a part; accepted: build, tests, bench, seq, bench7b" in proc.stderr
 
 
 def test_without_a_gpu_it_refuses_and_says_why(tmp_path):
