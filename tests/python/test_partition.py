@@ -79,6 +79,33 @@ _CHECKPOINT_WORKER = textwrap.dedent("""
     out["resumed"], out["resumed_params"] = train(net, opt, 2, 2), params(model)
     tierflow.unwrap(net)
 
+    # torch.distributed.checkpoint: get_state_dict (each rank's share; its fake zero step to make states runs on
+    # every rank, the partition's all-reduce and broadcasts with it), dcp.save, and a new run's dcp.load and
+    # set_state_dict, which needs strict=False: each rank holds the states of its share only (torch's strict
+    # check wants one for every parameter; tierflow checks the share itself).
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+    model, net, opt = make()
+    train(net, opt, 0, 2)
+    model_sd, optim_sd = get_state_dict(net, opt)
+    dcp.save(dict(model=model_sd, optim=optim_sd), checkpoint_id=os.path.join(d, "dcp"))
+    out["dcp_went_on"], out["dcp_went_on_params"] = train(net, opt, 2, 2), params(model)
+    tierflow.unwrap(net)
+    model, net, opt = make()
+    model_sd, optim_sd = get_state_dict(net, opt)
+    loaded = dict(model=model_sd, optim=optim_sd)
+    dcp.load(loaded, checkpoint_id=os.path.join(d, "dcp"))
+    try:
+        set_state_dict(net, opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+        out["dcp_strict"] = None
+    except RuntimeError as e:
+        out["dcp_strict"] = str(e)
+    set_state_dict(net, opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"],
+                   options=StateDictOptions(strict=False))
+    out["dcp_elements"] = sum(s["exp_avg"].numel() for s in opt.state.values())
+    out["dcp_resumed"], out["dcp_resumed_params"] = train(net, opt, 2, 2), params(model)
+    tierflow.unwrap(net)
+
     model, net, opt = make("off")  # a whole state dict, saved without partitioning
     train(net, opt, 0, 2)
     whole, whole_model = opt.state_dict(), params(model)
@@ -130,7 +157,8 @@ _CHECKPOINT_WORKER = textwrap.dedent("""
 
 def test_a_partitioned_optimizer_saved_per_rank_resumes_bit_for_bit_and_refuses_another_ranks_state(tmp_path):
     """Note [Partitioned optimizer]: each rank saves its own optimizer state dict (its share of the states); a new
-    run on as many ranks that loads its own resumes bit for bit (losses and parameters). Loading another rank's
+    run on as many ranks that loads its own resumes bit for bit (losses and parameters), and so does one saved and
+    loaded through torch.distributed.checkpoint (get_state_dict, dcp.save, dcp.load, set_state_dict). Loading another rank's
     is refused, naming what to do, and changes nothing, as is loading a share into an unpartitioned optimizer; a
     whole state dict (saved unpartitioned) loads, each rank keeping its share, and resumes bit for bit too."""
     script = _CHECKPOINT_WORKER.format(bindings=os.path.join(ROOT, "bindings", "python"))
@@ -150,6 +178,12 @@ def test_a_partitioned_optimizer_saved_per_rank_resumes_bit_for_bit_and_refuses_
                              Run(losses=out["late_resumed"], params=out["late_params"]))
         assert_bit_identical(Run(losses=out["went_on"], params=out["went_on_params"]),
                              Run(losses=out["whole_resumed"], params=out["whole_params"]))
+        assert out["dcp_elements"] == out["owned_elements"], "through DCP too, each rank holds its share"
+        assert "strict=False" in (out["dcp_strict"] or ""), "torch's own check names the option"
+        assert_bit_identical(Run(losses=out["dcp_went_on"], params=out["dcp_went_on_params"]),
+                             Run(losses=out["dcp_resumed"], params=out["dcp_resumed_params"]))
+        assert_bit_identical(Run(losses=out["went_on"], params=out["went_on_params"]),
+                             Run(losses=out["dcp_went_on"], params=out["dcp_went_on_params"]))
 
 
 _FOUR_RANKS_WORKER = textwrap.dedent("""
