@@ -642,7 +642,8 @@ class CPUAdamW(torch.optim.Optimizer):
             for group, params in zip(self.param_groups, self._streaming.python_path(self.param_groups, unhandled)):
                 if params:
                     self._step_group(group, scale, params)
-            grew = self._streaming.window_grew_pool()  # Note [Steady step]: what decides from this step waits
+            # Note [Steady step]: what decides from measurements waits for a step that grew no pinned slab.
+            grew = self._streaming.window_grew_pool() if self._streaming.sizing_pending or self._gpu.auto else False
             self._streaming.size_buckets(grew)
             self._gpu.choose(self.param_groups, self._runtime, self._streaming, self.state, grew)
         else:

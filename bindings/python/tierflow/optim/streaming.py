@@ -191,6 +191,11 @@ class GradientStreaming:
     def _pinned_slabs(self) -> int:
         return int(self._runtime.stats()["host_pool"]["slab_allocations"])
 
+    @property
+    def sizing_pending(self) -> bool:
+        """TIERFLOW_GRAD_BUCKET_BYTES=auto has not sized the buckets yet."""
+        return self._sizing.pending
+
     def window_grew_pool(self) -> bool:
         """Whether the window step() ends allocated pinned slabs (Note [Steady step]); once per step()."""
         slabs = self._pinned_slabs()
