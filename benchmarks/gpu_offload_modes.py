@@ -161,7 +161,7 @@ def time_cpu_step_kernel(runtime: Any, opt: torch.optim.Optimizer, repeats: int)
                 ms.append(state["exp_avg"].view(-1))
                 vs.append(state["exp_avg_sq"].view(-1))
             else:
-                masters.append(p.detach().reshape(-1).to("cpu", torch.float32))
+                masters.append(p.detach().reshape(-1).to("cpu", torch.float32, copy=True))  # never the model's
                 ms.append(torch.zeros(p.numel()))
                 vs.append(torch.zeros(p.numel()))
             grads.append(torch.full((p.numel(),), 1e-3, dtype=p.dtype))

@@ -21,7 +21,9 @@ GradStream::Finish GradStream::finish(double scale, bool stale) {
   const std::uint64_t t0 = now_ns();
   worker_->drain();
   std::lock_guard<std::mutex> lock(mutex_);
-  stats_.step_wait_ns += now_ns() - t0;
+  const std::uint64_t drained = now_ns();
+  stats_.step_wait_ns += drained - t0;
+  if (clock_.start != 0) clock_.worker_done = drained;  // Note [Stream timeline]: buckets launched here included
   count_freed_locked();
   wait_uploads_locked();
   Finish out;

@@ -44,6 +44,7 @@ namespace {
 void bind_optimizer_policy(py::module_& m) {
   using namespace tierflow::optimizer;
   m.attr("LOST_STATE_KEY") = kLostStateKey;
+  m.attr("STEADY_STEP_LIMIT") = kSteadyStepLimit;  // Note [Steady step]
   m.def("optimizer_state_bytes", [](std::size_t numel, bool amsgrad) { return state_bytes({numel, amsgrad}); },
         py::arg("numel"), py::arg("amsgrad"), "Bytes of one parameter's fp32 optimizer state.");
   m.def("check_optimizer_state_pool", [](const std::vector<std::pair<std::size_t, bool>>& states, bool nvme,
@@ -102,12 +103,14 @@ void bind_optimizer_policy(py::module_& m) {
         "Bytes of the copy that measures the link for the gradient bucket size.");
   m.def("gpu_share_room", &gpu_share_room, py::arg("free_bytes"), py::arg("budget_bytes"),
         py::arg("first_step_peak_bytes"), "Device bytes the GPU share's states may take.");
+  m.def("gpu_share_bytes_per_element", &gpu_share_bytes_per_element, py::arg("any_16bit"),
+        "Device bytes per element of a GPU-stepped parameter.");
   py::class_<GpuShareChoice>(m, "GpuShareChoice", "TIERFLOW_GPU_OPTIMIZER_FRACTION (grad_buckets.hpp).")
       .def(py::init<const std::string&>(), py::arg("setting"))
       .def_property_readonly("pending", &GpuShareChoice::pending)
       .def_property_readonly("fraction", &GpuShareChoice::fraction)
       .def("assign", &GpuShareChoice::assign, py::arg("numels"))
-      .def("choose_now", &GpuShareChoice::choose_now, py::arg("streamed"), py::arg("pool_grew"))
+      .def("choose_now", &GpuShareChoice::choose_now, py::arg("streamed"), py::arg("backward_ms"), py::arg("pool_grew"))
       .def("choose", [](GpuShareChoice& c, const std::vector<std::tuple<std::size_t, bool, bool>>& candidates,
                         double cpu_elements, double cpu_step_ms, double backward_ms, std::int64_t free_bytes,
                         std::int64_t budget_bytes, std::int64_t peak_bytes) {
@@ -118,8 +121,8 @@ void bind_optimizer_policy(py::module_& m) {
   py::class_<BucketSizingSchedule>(m, "BucketSizingSchedule", "When auto measures the bucket size (grad_buckets.hpp).")
       .def(py::init<bool>(), py::arg("auto_size"))
       .def_property_readonly("pending", &BucketSizingSchedule::pending)
-      .def("due", &BucketSizingSchedule::due, py::arg("carries_parameters"), py::arg("last_backward_ms"),
-           py::arg("kernel_grad_bytes"), py::arg("pool_grew"));
+      .def("due", &BucketSizingSchedule::due, py::arg("carries_parameters"), py::arg("streamed"),
+           py::arg("last_backward_ms"), py::arg("pool_grew"));
 }
 
 }  // namespace

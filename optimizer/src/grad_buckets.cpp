@@ -138,11 +138,19 @@ std::vector<bool> assign_gpu_share(const std::vector<std::size_t>& numels, doubl
   return chosen;
 }
 
-bool BucketSizingSchedule::due(bool carries_parameters, double last_backward_ms, double kernel_grad_bytes,
+bool SteadyStepWatch::steady(double backward_ms, bool pool_grew) noexcept {
+  const double previous = previous_backward_ms_;
+  previous_backward_ms_ = backward_ms;
+  if (++streamed_steps_ >= kSteadyStepLimit) return true;
+  if (streamed_steps_ < 2 || pool_grew || !(previous > 0)) return false;
+  return std::abs(backward_ms - previous) <= kSteadyBackwardSpread * previous;
+}
+
+bool BucketSizingSchedule::due(bool carries_parameters, bool streamed, double last_backward_ms,
                                bool pool_grew) noexcept {
   if (!pending_ || !carries_parameters) return false;
-  if (last_backward_ms <= 0 || kernel_grad_bytes <= 0) return false;  // nothing streamed and stepped yet
-  if (!steady_step(++streamed_steps_, pool_grew)) return false;
+  if (!streamed || last_backward_ms <= 0) return false;  // nothing streamed and stepped in this window
+  if (!watch_.steady(last_backward_ms, pool_grew)) return false;
   pending_ = false;
   return true;
 }
@@ -159,8 +167,8 @@ GpuShareChoice::GpuShareChoice(const std::string& setting) : pending_(setting ==
                    "TIERFLOW_GPU_OPTIMIZER_FRACTION: '" + setting + "'; accepted: auto or a number from 0 to 1");
 }
 
-bool GpuShareChoice::choose_now(bool streamed, bool pool_grew) noexcept {
-  if (!pending_ || !streamed || !steady_step(++streamed_steps_, pool_grew)) return false;
+bool GpuShareChoice::choose_now(bool streamed, double backward_ms, bool pool_grew) noexcept {
+  if (!pending_ || !streamed || !(backward_ms > 0) || !watch_.steady(backward_ms, pool_grew)) return false;
   pending_ = false;  // decided once
   return true;
 }

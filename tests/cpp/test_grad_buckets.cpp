@@ -167,31 +167,36 @@ TEST(GradBuckets, LinkProbeIsASixteenthOfTheGradientsWithin1And16MiB) {
 TEST(BucketSizingSchedule, SizesOnceAtTheFirstSteadyStep) {
   BucketSizingSchedule s(true);
   EXPECT_TRUE(s.pending());
-  EXPECT_FALSE(s.due(false, 10.0, 1e6, false));  // the stream carries nothing
-  EXPECT_FALSE(s.due(true, 0.0, 1e6, false));    // nothing measured: not counted
-  EXPECT_FALSE(s.due(true, 10.0, 0.0, false));
-  EXPECT_FALSE(s.due(true, 10.0, 1e6, false));   // the first also created the states
-  EXPECT_FALSE(s.due(true, 10.0, 1e6, true));    // the second grew the pinned pool: not steady
+  EXPECT_FALSE(s.due(false, true, 10.0, false));  // the stream carries nothing
+  EXPECT_FALSE(s.due(true, false, 10.0, false));  // nothing streamed and stepped in this window: not counted
+  EXPECT_FALSE(s.due(true, true, 0.0, false));    // no backward measured: not counted
+  EXPECT_FALSE(s.due(true, true, 900.0, false));  // the first also created the states
+  EXPECT_FALSE(s.due(true, true, 10.0, false));   // its backward is far from the one before
+  EXPECT_FALSE(s.due(true, true, 10.5, true));    // close, but it grew the pinned pool
   EXPECT_TRUE(s.pending());
-  EXPECT_TRUE(s.due(true, 10.0, 1e6, false));
+  EXPECT_TRUE(s.due(true, true, 11.0, false));    // close to the one before, nothing allocated
   EXPECT_FALSE(s.pending());
-  EXPECT_FALSE(s.due(true, 10.0, 1e6, false));   // once
+  EXPECT_FALSE(s.due(true, true, 11.0, false));   // once
   BucketSizingSchedule fixed(false);
   EXPECT_FALSE(fixed.pending());
-  EXPECT_FALSE(fixed.due(true, 10.0, 1e6, false));
-  EXPECT_FALSE(fixed.due(true, 10.0, 1e6, false));
+  EXPECT_FALSE(fixed.due(true, true, 10.0, false));
+  EXPECT_FALSE(fixed.due(true, true, 10.0, false));
 }
 
-TEST(SteadyStep, WaitsForAStepThatGrewNoPinnedSlabButNotForever) {
-  EXPECT_FALSE(steady_step(1, false));  // the first streamed step created the optimizer states
-  EXPECT_TRUE(steady_step(2, false));
-  for (int n = 2; n < kSteadyStepLimit; ++n) EXPECT_FALSE(steady_step(n, true)) << n;
-  EXPECT_TRUE(steady_step(kSteadyStepLimit, true));  // a pool that keeps growing still decides
-  BucketSizingSchedule s(true);
-  int sized_at = 0;
-  for (int n = 1; n <= kSteadyStepLimit + 2 && !sized_at; ++n)
-    if (s.due(true, 10.0, 1e6, true)) sized_at = n;
-  EXPECT_EQ(sized_at, kSteadyStepLimit);
+TEST(SteadyStepWatch, WaitsForASettledBackwardWithoutNewPinnedMemoryButNotForever) {
+  SteadyStepWatch w;
+  EXPECT_FALSE(w.steady(100.0, false));  // the first streamed step created the optimizer states
+  EXPECT_TRUE(w.steady(100.0 * (1 + kSteadyBackwardSpread), false));  // within the spread of the one before
+  SteadyStepWatch growing;
+  for (int n = 1; n < kSteadyStepLimit; ++n) EXPECT_FALSE(growing.steady(100.0, true)) << n;
+  EXPECT_TRUE(growing.steady(100.0, true)) << "a pool that keeps growing still decides at the limit";
+  SteadyStepWatch unsettled;  // 33 s, 2.1 s, 2.8 s, then 0.095 s: the 1.34B preset's first backwards on an H100
+  const double backward_ms[] = {33000, 2100, 2800, 95, 96};
+  int steady_at = 0;
+  for (int n = 0; n < 5 && !steady_at; ++n)
+    if (unsettled.steady(backward_ms[n], false)) steady_at = n + 1;
+  EXPECT_EQ(steady_at, 5) << "decided from the first two ordinary backwards";
+  EXPECT_EQ(unsettled.streamed_steps(), 5);
 }
 
 TEST(GpuShareChoice, AFixedFractionAssignsAtOnceAndNeverChooses) {
@@ -199,7 +204,7 @@ TEST(GpuShareChoice, AFixedFractionAssignsAtOnceAndNeverChooses) {
   EXPECT_FALSE(c.pending());
   EXPECT_EQ(c.fraction(), 0.5);
   EXPECT_EQ(c.assign({10, 10, 10, 10}), (std::vector<bool>{true, false, true, false}));
-  EXPECT_FALSE(c.choose_now(true, false));
+  EXPECT_FALSE(c.choose_now(true, 10.0, false));
   EXPECT_THROW(GpuShareChoice("1.5"), std::exception);
   EXPECT_THROW(GpuShareChoice("half"), std::exception);
 }
@@ -208,12 +213,13 @@ TEST(GpuShareChoice, AutoChoosesOnceAndNothingWhenNothingWasMeasured) {
   GpuShareChoice c("auto");
   EXPECT_TRUE(c.pending());
   EXPECT_EQ(c.fraction(), 0.0);
-  EXPECT_FALSE(c.choose_now(false, false));  // nothing streamed yet: not counted
-  EXPECT_FALSE(c.choose_now(true, false));   // the first streamed step created the states (Note [Steady step])
-  EXPECT_FALSE(c.choose_now(true, true));    // the second grew the pinned pool
+  EXPECT_FALSE(c.choose_now(false, 10.0, false));  // nothing streamed yet: not counted
+  EXPECT_FALSE(c.choose_now(true, 0.0, false));    // no backward measured: not counted
+  EXPECT_FALSE(c.choose_now(true, 10.0, false));   // the first streamed step created the states (Note [Steady step])
+  EXPECT_FALSE(c.choose_now(true, 10.0, true));    // the second grew the pinned pool
   EXPECT_TRUE(c.pending());
-  EXPECT_TRUE(c.choose_now(true, false));
-  EXPECT_FALSE(c.choose_now(true, false));  // decided once
+  EXPECT_TRUE(c.choose_now(true, 10.0, false));
+  EXPECT_FALSE(c.choose_now(true, 10.0, false));  // decided once
   ShareMeasurements m;
   m.cpu_elements = 1e9;
   m.cpu_step_ms = 1000;
@@ -227,8 +233,8 @@ TEST(GpuShareChoice, AutoChoosesOnceAndNothingWhenNothingWasMeasured) {
 TEST(GpuShareChoice, AutoTakesTheShareThatMakesTheCpuEndWithBackward) {
   // 1e9 elements/s on the CPU, 4e8 elements against 0.2 s of backward: 0.4 s of CPU, half must go.
   GpuShareChoice c("auto");
-  ASSERT_FALSE(c.choose_now(true, false));
-  ASSERT_TRUE(c.choose_now(true, false));
+  ASSERT_FALSE(c.choose_now(true, 200.0, false));
+  ASSERT_TRUE(c.choose_now(true, 200.0, false));
   ShareMeasurements m;
   m.cpu_elements = 1e9;
   m.cpu_step_ms = 1000;
@@ -239,8 +245,8 @@ TEST(GpuShareChoice, AutoTakesTheShareThatMakesTheCpuEndWithBackward) {
   EXPECT_NEAR(c.fraction(), 0.5, 1e-12);
   // The room caps it: 16-bit parameters need 12 bytes per element; 1.2e9 bytes hold 1e8 of 4e8 elements.
   GpuShareChoice small("auto");
-  ASSERT_FALSE(small.choose_now(true, false));
-  ASSERT_TRUE(small.choose_now(true, false));
+  ASSERT_FALSE(small.choose_now(true, 200.0, false));
+  ASSERT_TRUE(small.choose_now(true, 200.0, false));
   m.free_bytes = 2'400'000'000;
   m.budget_bytes = 1'200'000'000;
   m.first_step_peak_bytes = 0;
@@ -250,8 +256,8 @@ TEST(GpuShareChoice, AutoTakesTheShareThatMakesTheCpuEndWithBackward) {
   EXPECT_NEAR(small.fraction(), 0.25, 1e-12);
   // An unstreamed parameter is assigned over but neither measured nor counted.
   GpuShareChoice mixed("auto");
-  ASSERT_FALSE(mixed.choose_now(true, false));
-  ASSERT_TRUE(mixed.choose_now(true, false));
+  ASSERT_FALSE(mixed.choose_now(true, 200.0, false));
+  ASSERT_TRUE(mixed.choose_now(true, 200.0, false));
   m.free_bytes = m.budget_bytes = std::int64_t{1} << 40;
   std::vector<ShareCandidate> with_cold = four;
   with_cold.push_back({100'000'000, false, true});

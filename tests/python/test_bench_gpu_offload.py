@@ -294,13 +294,14 @@ def test_the_cpu_kernel_alone_steps_every_parameter_with_states_off_the_host_cop
     opt.step()
     weight, bias = model.weight, model.bias
     host_master = opt.state[weight]["master"]
-    before = host_master.clone()
+    before, bias_before = host_master.clone(), bias.detach().clone()
     opt.state[bias] = dict(opt.state[bias], **{k: torch.empty(bias.numel(), device="meta")
                                                for k in ("master", "exp_avg", "exp_avg_sq")})
     out = time_cpu_step_kernel(model._tierflow_session.runtime, opt, repeats=2)
     assert out["cpu_step_kernel_elements"] == weight.numel() + bias.numel()
     assert out["cpu_step_kernel_seconds"] > 0
     assert not torch.equal(host_master, before), "a state on the host is the one stepped"
+    assert torch.equal(bias.detach(), bias_before), "a host copy of the parameter, never the parameter itself"
     tierflow.unwrap(model)
 
 

@@ -411,15 +411,68 @@ def test_offloaded_gradients_need_the_stream(device):
 
 
 def test_auto_buckets_are_sized_from_the_measured_step(device):
-    """After the first streamed step, auto buckets follow the measured backward, CPU AdamW rate and link."""
+    """At a steady step (Note [Steady step]; at the latest the STEADY_STEP_LIMIT-th streamed one), auto buckets
+    follow the measured backward, CPU AdamW rate and link."""
     task = gpt_task(dropout=0.0)
-    s = train(task, 3, True, device=device).report["optimizer"]["streaming"]
+    s = train(task, tierflow._C.STEADY_STEP_LIMIT, True, device=device).report["optimizer"]["streaming"]
     assert s["sized_link_bytes_per_s"] > 0 and s["sized_cpu_grad_bytes_per_s"] > 0 and s["sized_backward_ms"] > 0
     assert s["bucket_bytes"] == tierflow._C.measured_grad_bucket_bytes(
         s["sized_backward_ms"] / 1e3, s["sized_link_bytes_per_s"], s["sized_cpu_grad_bytes_per_s"],
         grad_bytes(task, device))
     fixed = train(task, 3, True, device=device, grad_bucket_bytes="64KiB").report["optimizer"]["streaming"]
     assert fixed["bucket_bytes"] == 64 << 10 and fixed["sized_link_bytes_per_s"] == 0, "an explicit size stands"
+
+
+def test_a_window_is_seen_as_streamed_and_growing_the_pool_only_when_it_did(device):
+    """Note [Steady step]'s inputs, per window: whether the CPU AdamW stepped streamed gradients in it, and whether
+    it allocated pinned slabs (the first step does: the optimizer states)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 4))
+    model, opt = tierflow.wrap(model, torch.optim.AdamW(model.parameters()), device=device, grad_bucket_bytes=SMALL)
+    streaming = opt._streaming
+    assert streaming.window_seen()[0] is False, "nothing streamed before the first backward"
+    model(torch.randn(8, 32)).sum().backward()
+    streaming.stream.wait_worker()  # as step() does before it asks
+    streamed, backward_ms, grew = streaming.window_seen()
+    assert streamed and backward_ms > 0 and grew, "the first window streamed and made the optimizer states"
+    assert streaming.window_seen()[0] is False and streaming.window_seen()[2] is False, "nothing since"
+    opt.zero_grad()
+    tierflow.unwrap(model)
+
+
+class _FakePlanner:
+    forced = False
+    plan = None
+    settled = None
+
+    def settle(self, why):
+        self.settled = why
+
+
+def test_the_gpu_share_waits_for_the_activation_plan_in_force(device):
+    """Note [Steady step]: under the activation planner the share is chosen only once a plan is in force (its
+    timed step must measure the peak without the share, or with it, never half): before, steady steps do not
+    count; after, it decides at a steady step."""
+    import weakref
+
+    from tierflow.optim.gpu_share import GpuShare
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    model, opt = tierflow.wrap(model, torch.optim.AdamW(model.parameters()), device=device)
+    share, planner = GpuShare("auto"), _FakePlanner()
+    share.planner = weakref.ref(planner)
+    steady = (True, 10.0, False)
+    for _ in range(tierflow._C.STEADY_STEP_LIMIT + 1):
+        assert share.choose(opt.param_groups, opt._runtime, opt._streaming, opt.state, steady) is False
+    assert share.auto, "no plan in force: still waiting, nothing counted"
+    planner.plan = {"predicted_device_peak_bytes": 1 << 20}
+    assert share.choose(opt.param_groups, opt._runtime, opt._streaming, opt.state, steady) is False
+    assert share.auto, "the first streamed step it sees is not steady"
+    assert share.choose(opt.param_groups, opt._runtime, opt._streaming, opt.state, steady) is False
+    assert not share.auto and share.fraction == 0.0, "decided (no CUDA parameter here: none moves)"
+    assert planner.settled is None, "nothing moved: the plan may still change"
+    tierflow.unwrap(model)
 
 
 def test_the_last_window_timeline_orders_every_bucket(device):

@@ -220,6 +220,8 @@ def wrap(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
         # DDP: steps during backward off, before any backward (Note [Distributed training]).
         session.distributed = check_wrap(session.optimizer() if session.optimizer is not None else None, model)
         session.attach(model, blocks)
+        if session.planner is not None and session.optimizer is not None:  # Note [Steady step]: the GPU share
+            session.optimizer()._gpu.planner = weakref.ref(session.planner)  # waits for the plan in force
         if session.params is not None:  # Note [Parameter hooks]: which optimizer steps the host copies
             session.params.adopt_optimizer(session.optimizer() if session.optimizer is not None else None)
         if session.config["TIERFLOW_OFFLOAD_ACTIVATIONS"] != "none":  # Note [HF caches]

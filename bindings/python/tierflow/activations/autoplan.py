@@ -307,6 +307,15 @@ class AutoPlanner:
         blocks = [profile_struct(b) for b in profile["blocks"]]
         return fields_of(_C.session_budgets(inputs, blocks), BUDGET_FIELDS)
 
+    def settle(self, why: str) -> None:
+        """The plan in force stays: device memory was taken after its measurements (``why``), which a re-plan's
+        figures would not count (Note [Steady step])."""
+        if self.phases.may_replan:
+            self.phases.replan_settled()
+            if self.plan is not None:
+                self.plan["settled"] = why
+            _C.log("info", "tierflow activation plan: no re-plan from here: " + why)
+
     def maybe_replan(self) -> None:
         """Note [Re-plan]: once the steps under the plan stray from its whole-step prediction, plan once more
         from the figures calibrated on them; or say once why not."""

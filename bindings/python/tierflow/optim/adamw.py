@@ -642,10 +642,11 @@ class CPUAdamW(torch.optim.Optimizer):
             for group, params in zip(self.param_groups, self._streaming.python_path(self.param_groups, unhandled)):
                 if params:
                     self._step_group(group, scale, params)
-            # Note [Steady step]: what decides from measurements waits for a step that grew no pinned slab.
-            grew = self._streaming.window_grew_pool() if self._streaming.sizing_pending or self._gpu.auto else False
-            self._streaming.size_buckets(grew)
-            self._gpu.choose(self.param_groups, self._runtime, self._streaming, self.state, grew)
+            if self._streaming.sizing_pending or self._gpu.auto:  # Note [Steady step]
+                seen = self._streaming.window_seen()
+                # The share first: the buckets are cut for what stays on the CPU, at a steady step after it.
+                if not self._gpu.choose(self.param_groups, self._runtime, self._streaming, self.state, seen):
+                    self._streaming.size_buckets(seen)
         else:
             problems: list = []
             for group in self.param_groups:

@@ -18,6 +18,7 @@ class GpuShare:
     def __init__(self, setting: str) -> None:
         self.choice = _C.GpuShareChoice(setting)  # the decision: optimizer/grad_buckets.hpp
         self.ids: Optional[set] = None  # ids of CUDA params stepped on the GPU, fixed at the first step
+        self.planner: Optional[Any] = None  # a weakref to the session's activation planner (set by wrap), or None
 
     @property
     def auto(self) -> bool:
@@ -35,27 +36,37 @@ class GpuShare:
             self.ids = {id(p) for p, on_gpu in zip(cuda, self.choice.assign([p.numel() for p in cuda])) if on_gpu}
         return self.ids
 
-    def choose(self, param_groups: list, runtime: "_C.Runtime", streaming: Any, state: Any, pool_grew: bool) -> None:
-        """TIERFLOW_GPU_OPTIMIZER_FRACTION=auto, at the first steady step (Note [Steady step]; ``pool_grew``:
-        this step's window allocated pinned slabs): GpuShareChoice.choose decides from the numbers gathered
-        here; the chosen leave ``streaming`` (the optimizer's GradientStreaming) and their CPU ``state`` moves
-        to the device."""
-        if not self.choice.choose_now(streaming.streamed_and_stepped(), pool_grew):
-            return
+    def choose(self, param_groups: list, runtime: "_C.Runtime", streaming: Any, state: Any, seen: tuple) -> bool:
+        """TIERFLOW_GPU_OPTIMIZER_FRACTION=auto, at the first steady step (Note [Steady step]; ``seen``:
+        GradientStreaming.window_seen()'s): GpuShareChoice.choose decides from the numbers gathered here; the
+        chosen leave ``streaming`` (the optimizer's GradientStreaming) and their CPU ``state`` moves to the
+        device. Under the activation planner (auto), only once its plan is in force, in the room the plan
+        leaves, and the plan is final from then on. Returns whether any parameter moved."""
+        if not self.choice.pending:
+            return False
+        planner = self.planner() if self.planner is not None else None
+        if planner is not None and not planner.forced and planner.plan is None:
+            # The plan is made from the timed step's peak, which must not miss the share's states: choose once
+            # it is in force, in what its predicted peak leaves.
+            return False
+        streamed, backward_ms, grew = seen
+        if not self.choice.choose_now(streamed, backward_ms, grew):
+            return False
         cuda = [p for g in param_groups for p in g["params"] if p.device.type == "cuda"]
         carried = [streaming.carries(p) for p in cuda]
         opt = runtime.stats()["optimizer"]
         memory = (0, 0, 0)
         if any(carried):
             dev = next(p for p, c in zip(cuda, carried) if c).device
-            memory = (torch.cuda.mem_get_info(dev)[0], int(runtime.device_budget_bytes()),
-                      torch.cuda.max_memory_allocated(dev))
+            peak = torch.cuda.max_memory_allocated(dev)
+            if planner is not None and planner.plan is not None:
+                peak = max(peak, int(planner.plan.get("predicted_device_peak_bytes") or 0))
+            memory = (torch.cuda.mem_get_info(dev)[0], int(runtime.device_budget_bytes()), peak)
         on_gpu = self.choice.choose([(p.numel(), c, p.dtype != torch.float32) for p, c in zip(cuda, carried)],
-                                    opt["elements"], opt["step_ms"], streaming.stream.stats()["last_backward_ms"],
-                                    *memory)
+                                    opt["elements"], opt["step_ms"], backward_ms, *memory)
         self.ids = {id(p) for p, g in zip(cuda, on_gpu) if g}
         if not self.ids:
-            return
+            return False
         for p, c in zip(cuda, carried):
             if not c or id(p) not in self.ids:
                 continue
@@ -67,6 +78,12 @@ class GpuShare:
                         s[k] = s[k].to(p.device).view_as(p)
                 s["master"] = p.detach() if p.dtype == torch.float32 else s["master"].to(p.device).view_as(p)
         streaming.forget_python_path()
+        if planner is not None:
+            moved = sum(p.numel() for p in cuda if id(p) in self.ids)
+            planner.settle("the CPU optimizer's GPU share took the device memory of "
+                           f"{moved * _C.gpu_share_bytes_per_element(any(p.dtype != torch.float32 for p in cuda))} "
+                           "bytes of states after the plan was made")
+        return True
 
     @staticmethod
     def step(params: list, state: Any, options: dict) -> None:

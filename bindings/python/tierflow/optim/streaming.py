@@ -34,6 +34,7 @@ class GradientStreaming:
         # TIERFLOW_GRAD_BUCKET_BYTES=auto: when it is sized (optimizer/grad_buckets.hpp).
         self._sizing = _C.BucketSizingSchedule(bucket == "auto")
         self._slabs = self._pinned_slabs()  # pinned slabs allocated so far (Note [Steady step])
+        self._stepped_bytes = 0  # gradient bytes the CPU AdamW had stepped at the last window_seen()
 
     # -- the parameters it carries -------------------------------------------------
     def add_parameter(self, p: torch.Tensor, group_index: int) -> None:
@@ -196,27 +197,27 @@ class GradientStreaming:
         """TIERFLOW_GRAD_BUCKET_BYTES=auto has not sized the buckets yet."""
         return self._sizing.pending
 
-    def window_grew_pool(self) -> bool:
-        """Whether the window step() ends allocated pinned slabs (Note [Steady step]); once per step()."""
-        slabs = self._pinned_slabs()
-        grew, self._slabs = slabs != self._slabs, slabs
-        return grew
-
-    def streamed_and_stepped(self) -> bool:
-        """Whether gradients have streamed and stepped on the CPU (backward and kernel measured)."""
+    def window_seen(self) -> tuple:
+        """What Note [Steady step] asks of the window step() ends, once per step(): whether its gradients
+        streamed and the CPU AdamW stepped them, its backward (ms, first gradient to its end), and whether it
+        allocated pinned slabs."""
         s = self.stream.stats()
-        return bool(self._slot_params) and s["last_backward_ms"] > 0 and s["kernel_grad_bytes"] > 0
+        stepped, slabs = int(s["kernel_grad_bytes"]), self._pinned_slabs()
+        streamed = bool(self._slot_params) and stepped > self._stepped_bytes
+        grew = slabs != self._slabs
+        self._stepped_bytes, self._slabs = stepped, slabs
+        return streamed, float(s["last_backward_ms"]), grew
 
-    def size_buckets(self, pool_grew: bool) -> None:
+    def size_buckets(self, seen: tuple) -> None:
         """TIERFLOW_GRAD_BUCKET_BYTES=auto, at the first steady step (Note [Steady step]: not the
         first streamed one, which also created the optimizer states, and none that grew the pinned
         pool): the bucket size from that backward, CPU AdamW rate and the device -> host link
         (optimizer::measured_grad_bucket_bytes: the last bucket's copy and step, which run after
-        backward, within 2% of it)."""
+        backward, within 2% of it). ``seen``: window_seen()'s."""
         if not self._sizing.pending:
             return
-        s = self.stream.stats()
-        if not self._sizing.due(bool(self._slot_params), s["last_backward_ms"], s["kernel_grad_bytes"], pool_grew):
+        streamed, backward_ms, grew = seen
+        if not self._sizing.due(bool(self._slot_params), streamed, backward_ms, grew):
             return
         total = sum(p.numel() * p.element_size() for p in self._slot_params)
         probe = _C.grad_link_probe_bytes(total)

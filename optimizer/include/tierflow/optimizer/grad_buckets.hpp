@@ -65,19 +65,31 @@ std::size_t grad_link_probe_bytes(std::size_t total_grad_bytes) noexcept;
 /// The first steps of a streamed run are not the run's: the first creates the
 /// optimizer states, and the next ones allocate the pinned out-of-place
 /// outputs (Note [Step during backward]; a new pinned slab is a
-/// cudaHostAlloc), so their backward and CPU rate can be far from an ordinary
-/// step's (the 1.34B preset on an H100: backward 33 s, 2.1 s, 2.8 s, then
-/// 0.095 s). What is decided from those measurements (the bucket size, the
-/// GPU share of the optimizer) waits for a steady step: a step() whose
-/// gradients streamed and stepped, not the first such, whose window grew no
-/// pinned slab; or the kSteadyStepLimit-th such step, whatever it allocated
-/// (a run that keeps growing its pool still decides).
-inline constexpr int kSteadyStepLimit = 5;
-/// `streamed_steps`: the steps so far whose gradients streamed and stepped,
-/// this one included; `pool_grew`: this one's window allocated pinned slabs.
-constexpr bool steady_step(int streamed_steps, bool pool_grew) noexcept {
-  return streamed_steps >= 2 && (!pool_grew || streamed_steps >= kSteadyStepLimit);
-}
+/// cudaHostAlloc) and warm up the device, so their backward and CPU rate can
+/// be far from an ordinary step's (the 1.34B preset on an H100: backward 33 s,
+/// 2.1 s, 2.8 s, then 0.095 s). What is decided from those measurements (the
+/// bucket size, the GPU share of the optimizer) waits for a steady step: a
+/// step() whose gradients streamed and stepped, not the first such, whose
+/// window grew no pinned slab, and whose backward is within
+/// kSteadyBackwardSpread of the streamed step's before it; or the
+/// kSteadyStepLimit-th such step, whatever it measured (a run that never
+/// settles still decides). Each decision watches the steps it is called for.
+inline constexpr int kSteadyStepLimit = 6;
+inline constexpr double kSteadyBackwardSpread = 0.25;
+
+/// Counts the streamed steps one decision sees (Note [Steady step]).
+class SteadyStepWatch {
+ public:
+  /// After a step() whose gradients streamed and stepped: its backward
+  /// (first gradient to its end) and whether its window grew the pinned pool.
+  /// True when the decision may be made from it.
+  bool steady(double backward_ms, bool pool_grew) noexcept;
+  int streamed_steps() const noexcept { return streamed_steps_; }
+
+ private:
+  int streamed_steps_ = 0;
+  double previous_backward_ms_ = 0;
+};
 
 /// When TIERFLOW_GRAD_BUCKET_BYTES=auto measures the bucket size: at the first
 /// steady step (Note [Steady step]), once.
@@ -87,16 +99,16 @@ class BucketSizingSchedule {
   explicit BucketSizingSchedule(bool auto_size) noexcept : pending_(auto_size) {}
   /// True until the buckets have been sized.
   bool pending() const noexcept { return pending_; }
-  /// After a step(): `carries_parameters`: the stream carries any; the last
-  /// backward's time and the gradient bytes its CPU AdamW stepped (0 when
-  /// nothing streamed and stepped yet: measured at a later step); `pool_grew`:
-  /// the step's window allocated pinned slabs. True when the buckets are sized
-  /// now (with a copy of grad_link_probe_bytes); false after.
-  bool due(bool carries_parameters, double last_backward_ms, double kernel_grad_bytes, bool pool_grew) noexcept;
+  /// After a step(): `carries_parameters`: the stream carries any;
+  /// `streamed`: its gradients streamed and the CPU AdamW stepped them; the
+  /// last backward's time; `pool_grew`: the step's window allocated pinned
+  /// slabs. True when the buckets are sized now (with a copy of
+  /// grad_link_probe_bytes); false after.
+  bool due(bool carries_parameters, bool streamed, double last_backward_ms, bool pool_grew) noexcept;
 
  private:
   bool pending_;
-  int streamed_steps_ = 0;  // steps whose gradients streamed and stepped
+  SteadyStepWatch watch_;
 };
 
 /// Sum of squares of `numel` values of type `type`, in double: a bucket's
@@ -150,10 +162,11 @@ struct SplitInputs {
 double choose_gpu_fraction(const SplitInputs& in) noexcept;
 
 /// Device bytes the GPU share's states may take: within TIERFLOW_GPU_MEMORY
-/// (`budget_bytes`), what the first step's peak left of it (that step ran the
-/// activation planner's floor, so every plan the planner can make still fits:
-/// the timing step's measured peak, which the plan is made from, then holds the
-/// share's states as fixed bytes), and at most half of what the device has free.
+/// (`budget_bytes`), what the peak so far left of it (chosen at a steady step,
+/// Note [Steady step]; under the activation planner once its plan is in force,
+/// with the plan's predicted peak as the peak at least, after which the plan
+/// does not change: its measured figures do not hold the share's states), and
+/// at most half of what the device has free.
 std::int64_t gpu_share_room(std::int64_t free_bytes, std::int64_t budget_bytes,
                             std::int64_t first_step_peak_bytes) noexcept;
 
@@ -200,10 +213,10 @@ class GpuShareChoice {
   /// Which parameters (`numels`, in group order) step on the GPU at fraction().
   std::vector<bool> assign(const std::vector<std::size_t>& numels) const { return assign_gpu_share(numels, fraction_); }
   /// After each step(): `streamed`: its gradients streamed and stepped (the
-  /// stream's backward and kernel were measured); `pool_grew`: its window
-  /// allocated pinned slabs. True once, for `auto` at the first steady step
-  /// (Note [Steady step]): choose now.
-  bool choose_now(bool streamed, bool pool_grew) noexcept;
+  /// stream's backward and kernel were measured); its backward's time;
+  /// `pool_grew`: its window allocated pinned slabs. True once, for `auto` at
+  /// the first steady step (Note [Steady step]): choose now.
+  bool choose_now(bool streamed, double backward_ms, bool pool_grew) noexcept;
   /// `auto`'s choice over every device parameter: none when no streamed
   /// candidate, CPU step or backward was measured; otherwise the fraction from
   /// the measured CPU rate, the backward and the room, then assign() over all.
@@ -212,7 +225,7 @@ class GpuShareChoice {
  private:
   bool pending_ = false;
   double fraction_ = 0.0;
-  int streamed_steps_ = 0;
+  SteadyStepWatch watch_;
 };
 
 }  // namespace tierflow::optimizer
