@@ -343,9 +343,9 @@ std::vector<Row> step_rows() {
      on_off_parser(&Config::partition_optimizer)},
     {{"TIERFLOW_GRAD_BUCKET_BYTES", "auto", "auto or a size of at least 4KiB, e.g. 16MiB",
       "gradients travel device->host and step on the CPU in buckets of this size while backward "
-      "goes on; auto: about 16 buckets (4MiB to 64MiB) for the first step, then the largest whose copy and "
-      "CPU step, at the measured link and AdamW rates, take 2% of the measured backward (see Note "
-      "[Gradient streaming])"},
+      "goes on; auto: about 16 buckets (4MiB to 64MiB) until a steady step (see Note [Steady step]), "
+      "then the largest whose copy and CPU step, at the measured link and AdamW rates, take 2% of the "
+      "measured backward (see Note [Gradient streaming])"},
      [](Config& c, std::string_view name, std::string_view v) {
        if (lower(trim(v)) == "auto") {
          c.grad_bucket_bytes = 0;
@@ -395,8 +395,9 @@ std::vector<Row> step_rows() {
      on_off_parser(&Config::skip_nonfinite)},
     {{"TIERFLOW_GPU_OPTIMIZER_FRACTION", "auto", "auto or a number from 0 to 1",
       "share of the parameters (by elements) of CUDA models whose optimizer state stays on the "
-      "GPU and steps there (Deep Optimizer States); the rest steps on the CPU; auto picks, after "
-      "the first step, the share that makes the CPU's step end with backward (0 without CUDA)"},
+      "GPU and steps there (Deep Optimizer States); the rest steps on the CPU; auto picks, at the "
+      "first steady step (see Note [Steady step]), the share that makes the CPU's step end with "
+      "backward, within what TIERFLOW_GPU_MEMORY leaves (0 without CUDA)"},
      [](Config& c, std::string_view name, std::string_view v) {
        std::string s = lower(trim(v));
        if (s == "auto") {

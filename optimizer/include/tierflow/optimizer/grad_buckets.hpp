@@ -187,7 +187,7 @@ struct ShareCandidate {
   bool is_16bit = false;  ///< bf16 or fp16 (its GPU step needs an fp32 master)
 };
 
-/// What TIERFLOW_GPU_OPTIMIZER_FRACTION=auto chooses from after the first streamed step.
+/// What TIERFLOW_GPU_OPTIMIZER_FRACTION=auto chooses from, at a steady step (Note [Steady step]).
 struct ShareMeasurements {
   double cpu_elements = 0;   ///< elements the CPU AdamW has stepped (the runtime's optimizer stats)
   double cpu_step_ms = 0;    ///< the time it took
@@ -199,7 +199,7 @@ struct ShareMeasurements {
 
 /// TIERFLOW_GPU_OPTIMIZER_FRACTION: which device parameters step on the GPU
 /// (Deep Optimizer States). A number is the share of the elements, assigned at
-/// the first step; `auto` chooses once, after the first streamed step, the
+/// the first step; `auto` chooses once, at the first steady step (Note [Steady step]), the
 /// share with which the CPU's step ends with backward, within the device
 /// memory left (choose_gpu_fraction, gpu_share_room).
 class GpuShareChoice {
