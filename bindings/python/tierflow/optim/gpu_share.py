@@ -42,10 +42,8 @@ class GpuShare:
         chosen leave ``streaming`` (the optimizer's GradientStreaming) and their CPU ``state`` moves to the
         device. Under the activation planner (auto), only once its plan is in force, in the room the plan
         leaves, and the plan is final from then on. Returns whether any parameter moved."""
-        if not self.choice.pending:
-            return False
         planner = self.planner() if self.planner is not None else None
-        if planner is not None and not planner.forced and planner.plan is None:
+        if not self.choice.pending or (planner is not None and not planner.forced and planner.plan is None):
             # The plan is made from the timed step's peak, which must not miss the share's states: choose once
             # it is in force, in what its predicted peak leaves.
             return False
@@ -55,34 +53,21 @@ class GpuShare:
         cuda = [p for g in param_groups for p in g["params"] if p.device.type == "cuda"]
         carried = [streaming.carries(p) for p in cuda]
         opt = runtime.stats()["optimizer"]
-        memory = (0, 0, 0)
-        if any(carried):
-            dev = next(p for p, c in zip(cuda, carried) if c).device
-            peak = torch.cuda.max_memory_allocated(dev)
-            if planner is not None and planner.plan is not None:
-                peak = max(peak, int(planner.plan.get("predicted_device_peak_bytes") or 0))
-            memory = (torch.cuda.mem_get_info(dev)[0], int(runtime.device_budget_bytes()), peak)
         on_gpu = self.choice.choose([(p.numel(), c, p.dtype != torch.float32) for p, c in zip(cuda, carried)],
-                                    opt["elements"], opt["step_ms"], backward_ms, *memory)
+                                    opt["elements"], opt["step_ms"], backward_ms,
+                                    *_device_room(runtime, cuda, carried, planner))
         self.ids = {id(p) for p, g in zip(cuda, on_gpu) if g}
         if not self.ids:
             return False
-        for p, c in zip(cuda, carried):
-            if not c or id(p) not in self.ids:
-                continue
+        moved = [p for p, c in zip(cuda, carried) if c and id(p) in self.ids]
+        for p in moved:
             streaming.exclude(p)
-            s = state.get(p)
-            if s and "master" in s:  # its CPU state moves to the device
-                for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
-                    if k in s:
-                        s[k] = s[k].to(p.device).view_as(p)
-                s["master"] = p.detach() if p.dtype == torch.float32 else s["master"].to(p.device).view_as(p)
+            _states_to_device(p, state.get(p))
         streaming.forget_python_path()
         if planner is not None:
-            moved = sum(p.numel() for p in cuda if id(p) in self.ids)
-            planner.settle("the CPU optimizer's GPU share took the device memory of "
-                           f"{moved * _C.gpu_share_bytes_per_element(any(p.dtype != torch.float32 for p in cuda))} "
-                           "bytes of states after the plan was made")
+            per_element = _C.gpu_share_bytes_per_element(any(p.dtype != torch.float32 for p in cuda))
+            planner.settle(f"the CPU optimizer's GPU share took {sum(p.numel() for p in moved) * per_element} bytes "
+                           "of the device for its states after the plan was made")
         return True
 
     @staticmethod
@@ -105,6 +90,28 @@ class GpuShare:
                               [s.get("max_exp_avg_sq") if options["amsgrad"] else None for _, s in batch],
                               [p.grad.contiguous() for p, _ in batch],
                               [None if p.dtype == torch.float32 else p.detach() for p, _ in batch])
+
+
+def _device_room(runtime: "_C.Runtime", cuda: list, carried: list, planner: Any) -> tuple:
+    """(free, budget, peak so far) of the device the share's candidates live on, the peak at least the
+    activation plan's predicted one; zeros without a candidate."""
+    if not any(carried):
+        return (0, 0, 0)
+    dev = next(p for p, c in zip(cuda, carried) if c).device
+    peak = torch.cuda.max_memory_allocated(dev)
+    if planner is not None and planner.plan is not None:
+        peak = max(peak, int(planner.plan.get("predicted_device_peak_bytes") or 0))
+    return (torch.cuda.mem_get_info(dev)[0], int(runtime.device_budget_bytes()), peak)
+
+
+def _states_to_device(p: torch.Tensor, s: Optional[dict]) -> None:
+    """A parameter's CPU optimizer state, when it has one, moves to the parameter's device."""
+    if not s or "master" not in s:
+        return
+    for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+        if k in s:
+            s[k] = s[k].to(p.device).view_as(p)
+    s["master"] = p.detach() if p.dtype == torch.float32 else s["master"].to(p.device).view_as(p)
 
 
 #: Device bytes the GPU share's states may take (optimizer/include/tierflow/optimizer/grad_buckets.hpp).
