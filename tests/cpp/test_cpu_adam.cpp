@@ -308,7 +308,7 @@ TEST(CpuAdam, OutOfPlaceLeavesInputsAndMatchesInPlace) {
 // aligned take non-temporal stores; the values are the same as with ordinary
 // stores (misaligned by one element: the ordinary path), in place or not.
 TEST(CpuAdam, StreamingStoresWriteWhatOrdinaryStoresWrite) {
-  const std::size_t n = (std::size_t{1} << 17) + 37;  // one chunk past the threshold, and a tail
+  const std::size_t n = (std::size_t{1} << 20) + (std::size_t{1} << 17) + 37;  // two chunks, both streamed, a tail
   auto aligned = [](std::vector<float>& v, std::size_t skew) {
     auto addr = reinterpret_cast<std::uintptr_t>(v.data());
     return v.data() + ((64 - addr % 64) % 64) / sizeof(float) + skew;
