@@ -102,7 +102,8 @@ void bind_optimizer_policy(py::module_& m) {
   m.def("grad_link_probe_bytes", &grad_link_probe_bytes, py::arg("total_grad_bytes"),
         "Bytes of the copy that measures the link for the gradient bucket size.");
   m.def("gpu_share_room", &gpu_share_room, py::arg("free_bytes"), py::arg("budget_bytes"),
-        py::arg("first_step_peak_bytes"), "Device bytes the GPU share's states may take.");
+        py::arg("first_step_peak_bytes"), py::arg("planned_peak_bytes") = 0,
+        "Device bytes the GPU share's states may take.");
   m.def("gpu_share_bytes_per_element", &gpu_share_bytes_per_element, py::arg("any_16bit"),
         "Device bytes per element of a GPU-stepped parameter.");
   py::class_<GpuShareChoice>(m, "GpuShareChoice", "TIERFLOW_GPU_OPTIMIZER_FRACTION (grad_buckets.hpp).")
@@ -113,11 +114,14 @@ void bind_optimizer_policy(py::module_& m) {
       .def("choose_now", &GpuShareChoice::choose_now, py::arg("streamed"), py::arg("backward_ms"), py::arg("pool_grew"))
       .def("choose", [](GpuShareChoice& c, const std::vector<std::tuple<std::size_t, bool, bool>>& candidates,
                         double cpu_elements, double cpu_step_ms, double backward_ms, std::int64_t free_bytes,
-                        std::int64_t budget_bytes, std::int64_t peak_bytes) {
+                        std::int64_t budget_bytes, std::int64_t peak_bytes, std::int64_t planned_peak_bytes) {
         std::vector<ShareCandidate> cs;
         for (const auto& [numel, streamed, is_16bit] : candidates) cs.push_back({numel, streamed, is_16bit});
-        return c.choose(cs, {cpu_elements, cpu_step_ms, backward_ms, free_bytes, budget_bytes, peak_bytes});
-      }, "[(numel, streamed, 16-bit)] and the measurements -> which step on the GPU.");
+        return c.choose(cs, {cpu_elements, cpu_step_ms, backward_ms, free_bytes, budget_bytes, peak_bytes,
+                             planned_peak_bytes});
+      }, py::arg("candidates"), py::arg("cpu_elements"), py::arg("cpu_step_ms"), py::arg("backward_ms"),
+         py::arg("free_bytes"), py::arg("budget_bytes"), py::arg("peak_bytes"), py::arg("planned_peak_bytes") = 0,
+         "[(numel, streamed, 16-bit)] and the measurements -> which step on the GPU.");
   py::class_<BucketSizingSchedule>(m, "BucketSizingSchedule", "When auto measures the bucket size (grad_buckets.hpp).")
       .def(py::init<bool>(), py::arg("auto_size"))
       .def_property_readonly("pending", &BucketSizingSchedule::pending)

@@ -117,8 +117,9 @@ std::size_t grad_link_probe_bytes(std::size_t total_grad_bytes) noexcept {
 }
 
 std::int64_t gpu_share_room(std::int64_t free_bytes, std::int64_t budget_bytes,
-                            std::int64_t first_step_peak_bytes) noexcept {
-  return std::max<std::int64_t>(0, std::min(free_bytes / 2, budget_bytes - first_step_peak_bytes));
+                            std::int64_t first_step_peak_bytes, std::int64_t planned_peak_bytes) noexcept {
+  const std::int64_t peak = std::max(first_step_peak_bytes, planned_peak_bytes);
+  return std::max<std::int64_t>(0, std::min(free_bytes / 2, budget_bytes - peak));
 }
 
 std::size_t gpu_share_bytes_per_element(bool any_16bit) noexcept { return any_16bit ? 12 : 8; }
@@ -194,7 +195,8 @@ std::vector<bool> GpuShareChoice::choose(const std::vector<ShareCandidate>& cand
   in.elements = elements;
   in.gpu_bytes_per_element = gpu_share_bytes_per_element(any_16bit);
   in.gpu_free_bytes = static_cast<std::size_t>(
-      gpu_share_room(measured.free_bytes, measured.budget_bytes, measured.first_step_peak_bytes));
+      gpu_share_room(measured.free_bytes, measured.budget_bytes, measured.first_step_peak_bytes,
+                     measured.planned_peak_bytes));
   fraction_ = choose_gpu_fraction(in);
   return assign(numels);
 }

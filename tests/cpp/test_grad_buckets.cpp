@@ -136,6 +136,7 @@ TEST(GpuShare, RoomIsTheBudgetLeftByThePeakAndAtMostHalfTheFreeMemory) {
   EXPECT_EQ(gpu_share_room(60 * GiB, 16 * GiB, 15 * GiB), GiB);
   EXPECT_EQ(gpu_share_room(60 * GiB, 16 * GiB, 17 * GiB), 0);  // the peak passed the budget: no room
   EXPECT_EQ(gpu_share_room(4 * GiB, 80 * GiB, GiB), 2 * GiB);
+  EXPECT_EQ(gpu_share_room(60 * GiB, 16 * GiB, 10 * GiB, 15 * GiB), GiB);  // the plan in force predicts more
   EXPECT_EQ(gpu_share_room(5, 80, 0), 2);
 }
 

@@ -93,15 +93,14 @@ class GpuShare:
 
 
 def _device_room(runtime: "_C.Runtime", cuda: list, carried: list, planner: Any) -> tuple:
-    """(free, budget, peak so far) of the device the share's candidates live on, the peak at least the
-    activation plan's predicted one; zeros without a candidate."""
+    """(free, budget, peak so far, the activation plan's predicted peak or 0) of the device the share's candidates
+    live on (gpu_share_room weighs them); zeros without a candidate."""
     if not any(carried):
-        return (0, 0, 0)
+        return (0, 0, 0, 0)
     dev = next(p for p, c in zip(cuda, carried) if c).device
-    peak = torch.cuda.max_memory_allocated(dev)
-    if planner is not None and planner.plan is not None:
-        peak = max(peak, int(planner.plan.get("predicted_device_peak_bytes") or 0))
-    return (torch.cuda.mem_get_info(dev)[0], int(runtime.device_budget_bytes()), peak)
+    planned = int(planner.plan.get("predicted_device_peak_bytes") or 0) if planner is not None and planner.plan else 0
+    return (torch.cuda.mem_get_info(dev)[0], int(runtime.device_budget_bytes()),
+            torch.cuda.max_memory_allocated(dev), planned)
 
 
 def _states_to_device(p: torch.Tensor, s: Optional[dict]) -> None:

@@ -162,13 +162,14 @@ struct SplitInputs {
 double choose_gpu_fraction(const SplitInputs& in) noexcept;
 
 /// Device bytes the GPU share's states may take: within TIERFLOW_GPU_MEMORY
-/// (`budget_bytes`), what the peak so far left of it (chosen at a steady step,
-/// Note [Steady step]; under the activation planner once its plan is in force,
-/// with the plan's predicted peak as the peak at least, after which the plan
-/// does not change: its measured figures do not hold the share's states), and
-/// at most half of what the device has free.
+/// (`budget_bytes`), what the peak so far left of it, or what the activation
+/// plan in force predicts for its peak when that is higher (`planned_peak_bytes`,
+/// 0 without a plan; chosen at a steady step, Note [Steady step]: under the
+/// planner once its plan is in force, after which the plan does not change,
+/// since its measured figures do not hold the share's states), and at most half
+/// of what the device has free.
 std::int64_t gpu_share_room(std::int64_t free_bytes, std::int64_t budget_bytes,
-                            std::int64_t first_step_peak_bytes) noexcept;
+                            std::int64_t first_step_peak_bytes, std::int64_t planned_peak_bytes = 0) noexcept;
 
 /// Device bytes per element of a GPU-stepped parameter: m and v in fp32, plus
 /// an fp32 master when any of them is 16-bit.
@@ -195,6 +196,7 @@ struct ShareMeasurements {
   std::int64_t free_bytes = 0;             ///< device memory free now
   std::int64_t budget_bytes = 0;           ///< TIERFLOW_GPU_MEMORY in bytes
   std::int64_t first_step_peak_bytes = 0;  ///< the device's peak so far
+  std::int64_t planned_peak_bytes = 0;     ///< the activation plan in force's predicted peak (0: none)
 };
 
 /// TIERFLOW_GPU_OPTIMIZER_FRACTION: which device parameters step on the GPU
