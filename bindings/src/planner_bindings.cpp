@@ -111,8 +111,12 @@ void bind_auto_plan(py::module_& m) {
       .def_readwrite("param_tier", &SessionBudgetInputs::param_tier)
       .def_readwrite("rest_parameter_bytes", &SessionBudgetInputs::rest_parameter_bytes)
       .def_readwrite("measured_parameter_peak_bytes", &SessionBudgetInputs::measured_parameter_peak_bytes)
-      .def_readwrite("outside_saved_bytes", &SessionBudgetInputs::outside_saved_bytes);
+      .def_readwrite("outside_saved_bytes", &SessionBudgetInputs::outside_saved_bytes)
+      .def_readwrite("sharded_unit_bytes", &SessionBudgetInputs::sharded_unit_bytes)
+      .def_readwrite("sharded_root_bytes", &SessionBudgetInputs::sharded_root_bytes);
   init_from_kwargs(inputs);
+  m.def("fsdp_gathered_bytes", &fsdp_gathered_bytes, py::arg("unit_bytes"), py::arg("root_bytes"),
+        "FSDP2's gathered copies on the device at their most (Note [Auto plan phases]).");
   m.def("session_budgets", &session_budgets, py::arg("inputs"), py::arg("blocks"),
         "The planner's budgets in a training session (Note [Auto plan phases]).");
   m.def("link_probe_bytes", &link_probe_bytes, py::arg("host_budget_bytes"), py::arg("host_in_use_bytes"),

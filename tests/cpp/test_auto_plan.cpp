@@ -100,6 +100,32 @@ BlockProfile small_block() {
   return b;
 }
 
+TEST(SessionBudgets, FsdpGatheredCopiesAtTheirMost) {
+  EXPECT_EQ(fsdp_gathered_bytes({}, 0), 0u);  // no FSDP2
+  EXPECT_EQ(fsdp_gathered_bytes({}, 7), 7u);  // the root alone: gathered for the whole step
+  EXPECT_EQ(fsdp_gathered_bytes({10}, 0), 20u);  // its parameters and unsharded gradients
+  // Uniform units: backward of an inner one holds its neighbours' too.
+  EXPECT_EQ(fsdp_gathered_bytes({10, 10, 10, 10}, 3), 3u + 40u);
+  EXPECT_EQ(fsdp_gathered_bytes({10, 10}, 0), 30u);
+  // One large unit: forward beside its neighbour counts once, backward twice.
+  EXPECT_EQ(fsdp_gathered_bytes({1, 100, 1}, 0), 202u);
+  // Neighbours count: 50 beside 40 holds 1 + 2*50 + 40; apart, 2*50 + 1 is the most.
+  EXPECT_EQ(fsdp_gathered_bytes({1, 50, 40, 1}, 0), 1u + 100u + 40u);
+  EXPECT_EQ(fsdp_gathered_bytes({50, 1, 40, 1}, 0), 100u + 1u);
+}
+
+TEST(SessionBudgets, FsdpGatheredCopiesAreFixedBytes) {
+  SessionBudgetInputs in;
+  in.device_budget_bytes = 1000;
+  in.parameter_bytes = 40;  // this rank's shards
+  BlockProfile b;
+  b.parameter_bytes = 20;
+  const std::uint64_t plain = session_budgets(in, {b, b}).fixed_device_bytes;
+  in.sharded_unit_bytes = {40, 40};
+  in.sharded_root_bytes = 0;
+  EXPECT_EQ(session_budgets(in, {b, b}).fixed_device_bytes, plain + fsdp_gathered_bytes({40, 40}, 0));
+}
+
 TEST(SessionBudgets, FromTheTiersAndWhatTrainingHolds) {
   const BlockProfile b = small_block();
   SessionBudgetInputs in;

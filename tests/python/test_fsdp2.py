@@ -83,6 +83,9 @@ _FSDP_WORKER = textwrap.dedent("""
                         min_offload_bytes=0, prefetch_bytes="64KiB", cpu_threads=1)
         if acts == "auto tight":
             settings.update(offload_activations="auto", gpu_memory=str(budget))
+        # What FSDP2 gathers per unit, from the unsharded model: each block's parameter bytes, the root's.
+        units = ([sum(p.numel() * p.element_size() for p in b.parameters()) for b in model.blocks],
+                 sum(p.numel() * p.element_size() for m in (model.inp, model.out) for p in m.parameters()))
         if order == "fully_shard(wrap)":  # wrap first: tierflow finds FSDP2 at the first forward
             settings.pop("offload_optimizer")  # no optimizer to replace: the default's CPU optimizer is not made
             model, _ = tierflow.wrap(model, None, **settings)
@@ -90,7 +93,7 @@ _FSDP_WORKER = textwrap.dedent("""
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)  # steps FSDP2's shards
         if order == "wrap(fully_shard)":
             model, opt = tierflow.wrap(model, opt, **settings)
-        out = dict(losses=[])
+        out = dict(losses=[], units=units)
         for step in range(FSDP_STEPS):
             g = torch.Generator().manual_seed(100 * step + rank)  # each rank its own data
             x, y = torch.randn(64, 16, generator=g), torch.randn(64, 4, generator=g)
@@ -240,6 +243,28 @@ def test_fsdp2_with_offloaded_activations_trains_as_fsdp2_alone(fsdp_runs, order
             modes = run["plan"]["modes"]
             assert len(modes) == 4, run["plan"]
             assert set(modes) == {"keep"} if acts == "auto" else set(modes) != {"keep"}, run["plan"]["summary"]
+
+
+@pytest.mark.parametrize("order", FSDP_ORDERS)
+def test_fsdp2_auto_budgets_each_ranks_shards_and_fsdp2s_gathered_copies(fsdp_runs, order):
+    """`auto` under FSDP2 counts what each rank holds: its shards of the parameters, their gradients and (torch's
+    AdamW on the device) their two moments, and FSDP2's gathered copies (tiering::fsdp_gathered_bytes: the root's
+    for the whole step, and for four equal blocks a block's parameters and unsharded gradients beside both
+    neighbours' in backward), whether FSDP2 came before wrap or after it."""
+    for rank, results in enumerate(fsdp_runs):
+        run = results[(order, "auto")]
+        blocks, root = run["units"]
+        assert len(set(blocks)) == 1 and len(blocks) == 4, blocks
+        gathered = root + 4 * blocks[0]
+        assert run["plan"]["fsdp_gathered_bytes"] == gathered, (run["plan"]["fsdp_gathered_bytes"], gathered)
+        shards = sum(t.numel() * t.element_size() for t in run["shards"].values())  # this rank's
+        assert 2 * shards == run["numel"] * 4, (shards, run["numel"])  # half of every fp32 parameter
+        # The emulated device measures no peak: the fixed bytes are what is counted (Note [Auto plan phases]):
+        # the moments too where offload_optimizer="none" was set (fully_shard(wrap) leaves the default, "host").
+        held = 4 * shards if order == "wrap(fully_shard)" else 2 * shards
+        assert run["plan"]["timed_step"]["fixed_device_bytes"] == held + gathered, run["plan"]["timed_step"]
+    base = fsdp_runs[0]["baseline"]
+    assert base["units"] == fsdp_runs[0][(order, "auto")]["units"]
 
 
 @pytest.mark.parametrize("acts", FSDP_CPU_ACTS)

@@ -66,6 +66,18 @@ PlanWithoutBlocks plan_without_blocks(std::uint64_t saved_bytes, const Budgets& 
   return p;
 }
 
+std::uint64_t fsdp_gathered_bytes(const std::vector<std::uint64_t>& unit_bytes, std::uint64_t root_bytes) noexcept {
+  const std::size_t n = unit_bytes.size();
+  auto at = [&](std::size_t i) { return i < n ? unit_bytes[i] : std::uint64_t{0}; };
+  std::uint64_t most = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::uint64_t forward = at(i) + at(i + 1);
+    const std::uint64_t backward = (i > 0 ? at(i - 1) : 0) + 2 * at(i) + at(i + 1);
+    most = std::max({most, forward, backward});
+  }
+  return root_bytes + most;
+}
+
 Budgets session_budgets(const SessionBudgetInputs& in, const std::vector<BlockProfile>& blocks) noexcept {
   std::uint64_t saved = 0, largest = 0;
   for (const auto& b : blocks) {
@@ -84,6 +96,7 @@ Budgets session_budgets(const SessionBudgetInputs& in, const std::vector<BlockPr
   // torch's Adam and AdamW make m and v with zeros_like: in the parameters' dtype (bf16 parameters, bf16 states).
   // An optimizer that keeps more (fp32 masters) shows in the measured peak, on CUDA, below.
   if (in.optimizer_on_device) fixed += 2 * in.parameter_bytes;
+  fixed += fsdp_gathered_bytes(in.sharded_unit_bytes, in.sharded_root_bytes);
   // The measured peak held the fetched parameters of its time too: those are the plan's.
   // The allocated peak, not the reserved one: the budget bounds allocated memory (Note [Auto plan phases]).
   const std::uint64_t peak = in.measured_peak_bytes;

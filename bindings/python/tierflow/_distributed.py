@@ -124,6 +124,11 @@ is refused with an error that names it:
   after a wrap that made the CPU optimizer (made for the parameters before
   sharding). DTensor parameters without an FSDP2 module (tensor parallelism)
   are refused, and so is an optimizer holding DTensors of another model.
+  TIERFLOW_OFFLOAD_ACTIVATIONS=auto budgets what this rank holds under FSDP2:
+  its shards of the parameters, gradients and optimizer states, and FSDP2's
+  gathered copies (fsdp_unit_bytes here; the rule, torch-free, is
+  tiering::fsdp_gathered_bytes, Note [Auto plan phases]), read when it plans,
+  so fully_shard after wrap counts too.
 
 Nothing here imports torch.distributed's submodules: a class that was never
 imported has no instances, so a run without torch.distributed pays one
@@ -188,6 +193,52 @@ def fsdp_modules(model: torch.nn.Module) -> list:
     """The FSDP2 modules (fully_shard) in ``model``, the model itself included."""
     fsdp = _class("torch.distributed.fsdp", "FSDPModule")
     return [] if fsdp is None else [m for m in model.modules() if isinstance(m, fsdp)]
+
+
+def fsdp_unit_bytes(model: torch.nn.Module) -> tuple:
+    """(each FSDP2 unit's unsharded parameter bytes, in module order, the root's left out; the root unit's): what
+    tiering::fsdp_gathered_bytes weighs (Note [Auto plan phases]). A unit is a fully_shard module's parameters
+    outside the fully_shard modules within it; the root is the model's own, when fully_shard was applied to it.
+    Bytes at the shards' dtype (a MixedPrecisionPolicy that gathers in a narrower one is counted high). ([], 0)
+    without FSDP2."""
+    units = fsdp_modules(model)
+    if not units:
+        return [], 0
+    owner: dict = {}
+    for unit in units:  # module order: an inner unit comes later and takes its parameters from the outer one
+        for p in unit.parameters():
+            owner[id(p)] = (unit, p.numel() * p.element_size())
+    sizes = {id(u): 0 for u in units}
+    for unit, size in owner.values():
+        sizes[id(unit)] += size
+    root = sizes.pop(id(model), 0)
+    return [sizes[id(u)] for u in units if id(u) in sizes], root
+
+
+def rank_shard_bytes(model: torch.nn.Module) -> int:
+    """This rank's bytes of ``model``'s parameters: a DTensor's local shard; a parameter of an FSDP2 unit that
+    FSDP2 holds gathered at the moment (the root unit's from its forward through its backward: the planner
+    decides inside a forward) as the dim-0 chunk FSDP2 keeps of it (its default Shard(0) over the units' mesh);
+    any other parameter whole."""
+    dtensor = _class("torch.distributed.tensor", "DTensor")
+    params = list(model.parameters())
+    sharded = [p for p in params if dtensor is not None and isinstance(p, dtensor)]
+    if not sharded:
+        return sum(p.numel() * p.element_size() for p in params)
+    mesh = sharded[0].device_mesh
+    rank, world = mesh.get_local_rank(), mesh.size()
+    gathered = {id(p) for unit in fsdp_modules(model) for p in unit.parameters()}
+    total = 0
+    for p in params:
+        if isinstance(p, dtensor):
+            total += p.to_local().numel() * p.element_size()
+        elif id(p) in gathered and p.dim() > 0:
+            rows = -(-p.shape[0] // world)
+            mine = max(0, min(p.shape[0], (rank + 1) * rows) - rank * rows)
+            total += mine * (p.numel() // max(p.shape[0], 1)) * p.element_size()
+        else:
+            total += p.numel() * p.element_size()
+    return total
 
 
 def fsdp_settings_refusal(config: Any, replacing: bool) -> Optional[str]:

@@ -12,6 +12,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .. import _C
+from .._distributed import fsdp_unit_bytes, rank_shard_bytes
 from .._links import measure_links
 from .._report import write_json_atomic
 from .blocks import find_blocks
@@ -41,6 +42,8 @@ class AutoPlanner:
         modules = list(blocks) if blocks is not None else find_blocks(model)
         self.runners = [BlockRunner(session, m, i, self) for i, m in enumerate(modules)]
         self.model_params = [p for p in model.parameters()]
+        self._model = weakref.ref(model)  # FSDP2 may shard it after wrap: its parameters are read when planning
+        self.fsdp_gathered_bytes = 0  # tiering::fsdp_gathered_bytes at the last budgets()
         self.profile_path = cfg["TIERFLOW_PROFILE"]
         self.plan: Optional[dict] = None
         self.profile: Optional[dict] = None  # the one the plan was made from
@@ -121,6 +124,7 @@ class AutoPlanner:
         out["replanned"] = self.replanned
         out["timed_step"] = self.timed_step  # None for a plan read from a profile
         out["why"] = self.plan.get("why", [])
+        out["fsdp_gathered_bytes"] = self.fsdp_gathered_bytes  # FSDP2's gathered copies, in the fixed bytes (0: none)
         if self.optimizer_step_peak is not None:  # CUDA: the timed step's optimizer step, apart
             out["measured_peaks"] = {"forward_backward_bytes": self._forward_backward_peak,
                                      "forward_backward_reserved_bytes": self._forward_backward_reserved,
@@ -285,6 +289,10 @@ class AutoPlanner:
         rt = self.session.runtime
         cfg = self.session.config
         pool = rt.stats().get("host_pool", {})
+        model = self._model()
+        # FSDP2: this rank's shards, and the units' gathered copies (tiering::fsdp_gathered_bytes).
+        units, root = fsdp_unit_bytes(model) if model is not None else ([], 0)
+        self.fsdp_gathered_bytes = _C.fsdp_gathered_bytes(units, root)  # in fixed_device_bytes; for the report
         inputs = _C.SessionBudgetInputs(
             device_budget_bytes=int(rt.device_budget_bytes()), host_budget_bytes=int(rt.host_budget_bytes()),
             # What is in use (optimizer states, saved tensors): slabs the pool reserved but holds nothing in (the
@@ -292,7 +300,9 @@ class AutoPlanner:
             host_in_use_bytes=int(pool.get("in_use", {}).get("current", 0)) if isinstance(pool, dict) else 0,
             nvme_available_bytes=int(rt.nvme_available_bytes()) if rt.has_nvme_tier else 0,
             prefetch_bytes=int(cfg["TIERFLOW_PREFETCH_BYTES"]),
-            parameter_bytes=sum(p.numel() * p.element_size() for p in self.model_params),
+            parameter_bytes=rank_shard_bytes(model) if model is not None else
+            sum(p.numel() * p.element_size() for p in self.model_params),
+            sharded_unit_bytes=units, sharded_root_bytes=root,
             optimizer_on_device=cfg["TIERFLOW_OFFLOAD_OPTIMIZER"] == "none",
             gradients_offloaded=cfg["TIERFLOW_OFFLOAD_GRADIENTS"] == "on",
             measured_peak_bytes=int(profile.get("measured_peak_bytes") or 0),

@@ -60,6 +60,16 @@
 // TIERFLOW_HOST_MEMORY less what is in use (optimizer states, saved tensors);
 // NVMe's what the engine can still place (NvmeEngine::available_bytes); the
 // prefetch window TIERFLOW_PREFETCH_BYTES, never more than the blocks save.
+// Under FSDP2 (fully_shard), the parameters, gradients and optimizer states
+// counted are each rank's shards, and FSDP2's gathered copies are added
+// (fsdp_gathered_bytes): the root unit's unsharded parameters for the whole
+// step (FSDP2 keeps the root gathered from its forward through backward), and
+// at the most of the other units, in forward order: in forward a unit's
+// parameters beside the next one's prefetched all-gather; in backward a unit's
+// parameters and its unsharded gradients, the previous unit's prefetched
+// all-gather and the reduce-scatter input of the unit after it still in
+// flight (FSDP2 keeps one). A model, not a measurement: on CUDA the measured
+// peak, which holds them as they are, takes over where it is more.
 // The saved tensors outside the blocks are what the model-level hook packed in
 // the timed step (SavedTensors' policy_bytes: the blocks' runners shield
 // theirs), large enough to offload; the plan keeps or swaps them (Note
@@ -222,7 +232,17 @@ struct SessionBudgetInputs {
   /// What the model-level hook packed in the timed step, large enough to offload (SavedTensors' policy_bytes):
   /// the saved tensors outside the blocks (Budgets::outside_saved_bytes).
   std::uint64_t outside_saved_bytes = 0;
+  /// FSDP2 (fully_shard): each unit's unsharded parameter bytes other than the root's, in forward order, and the
+  /// root unit's (fsdp_gathered_bytes; empty and 0 without FSDP2). parameter_bytes is then this rank's shards.
+  std::vector<std::uint64_t> sharded_unit_bytes;
+  std::uint64_t sharded_root_bytes = 0;
 };
+
+/// FSDP2's gathered copies on the device at their most (Note [Auto plan phases]): the root unit's unsharded
+/// parameters plus, over the other units in forward order (u), the larger of u[i] + u[i+1] (forward, the next
+/// all-gather prefetched) and u[i-1] + 2 u[i] + u[i+1] (backward: the previous unit prefetched, this unit's
+/// parameters and unsharded gradients, the reduce-scatter input of the unit after it). 0 without FSDP2.
+std::uint64_t fsdp_gathered_bytes(const std::vector<std::uint64_t>& unit_bytes, std::uint64_t root_bytes) noexcept;
 
 /// The plan of a model without repeated blocks (Note [Auto plan phases]).
 struct PlanWithoutBlocks {
