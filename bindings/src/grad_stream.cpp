@@ -103,6 +103,30 @@ std::size_t GradStream::add_parameter(const at::Tensor& param, int group) {
   return slot;
 }
 
+std::size_t GradStream::add_fed_parameter(const at::Tensor& shard, const at::Tensor& owner, int group) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  optimizer::ParamFacts f;  // no hook: requires_grad and a leaf's accumulator are FSDP2's DTensor's, not its shard's
+  f.requires_grad = f.leaf = true;
+  if ((f.contiguous = shard.is_contiguous()) && (f.type = kernel_type(shard.scalar_type())))
+    f.on_device = runtime_->on_device(shard);
+  const std::size_t slot = ledger_.add(shard.nbytes(), group, !optimizer::param_not_streamable(f));
+  Slot s;
+  s.param = shard;
+  s.owner = owner;
+  slots_.push_back(std::move(s));
+  return slot;
+}
+
+optimizer::GradIdentity GradStream::identity_of(std::size_t i) const {
+  const Slot& s = slots_[i];
+  if (!s.owner.defined()) return grad_identity(s.param.grad());
+  const at::Tensor grad = s.owner.grad();
+  if (!grad.defined()) return {};
+  const at::Tensor local = s.param.grad();
+  return {reinterpret_cast<std::uintptr_t>(grad.unsafeGetTensorImpl()),
+          static_cast<std::int64_t>(grad._version() + (local.defined() ? local._version() : 0))};
+}
+
 void GradStream::set_home(std::size_t slot, const at::Tensor& home) {
   std::lock_guard<std::mutex> lock(mutex_);
   TIERFLOW_EXPECTS(slot < slots_.size(), "GradStream::set_home: slot " + std::to_string(slot));

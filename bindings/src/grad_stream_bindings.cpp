@@ -105,6 +105,15 @@ void bind_stream_setup(py::class_<PyGradStream, std::shared_ptr<PyGradStream>>& 
         g.states.resize(slot + 1, py::none());
         return slot;
       })
+      .def("add_fed_parameter", [](PyGradStream& g, const at::Tensor& shard, const at::Tensor& owner, int group) {
+        std::size_t slot;
+        {
+          py::gil_scoped_release release;
+          slot = g.stream->add_fed_parameter(shard, owner, group);
+        }
+        g.states.resize(slot + 1, py::none());
+        return slot;
+      }, "FSDP2: a DTensor parameter's local tensor, fed through on_reduced only")
       .def("exclude", [](PyGradStream& g, std::size_t slot) {
         {
           py::gil_scoped_release release;
@@ -160,6 +169,9 @@ void bind_stream_setup(py::class_<PyGradStream, std::shared_ptr<PyGradStream>>& 
         g.stream->on_reduced(params, flat);
       }, py::call_guard<py::gil_scoped_release>(),
            "DDP's comm hook, once a bucket is reduced: flat holds the reduced gradients of params, in order")
+      .def("queue_backward_end", [](PyGradStream& g) { g.stream->queue_backward_end(); },
+           py::call_guard<py::gil_scoped_release>(),
+           "FSDP2: from the feed's final callback, the end of this backward after every callback queued so far")
       .def("add_module", [](PyGradStream& g, const std::vector<std::size_t>& slots) {
         return g.stream->add_module(slots);
       }, py::call_guard<py::gil_scoped_release>());

@@ -23,6 +23,9 @@ namespace tierflow::bindings {
 // The tensors and transfers of a slot; what happens to its step is the ledger's.
 struct GradStream::Slot {
   at::Tensor param;
+  // FSDP2 (add_fed_parameter): the DTensor parameter whose .grad is this slot's gradient; `param` is its local
+  // tensor, whose .grad the feed keeps at that gradient's local tensor (identity_of).
+  at::Tensor owner;
   at::Tensor home;  // the parameter's host copy when it lives on the host between uses (set_home)
   // kept alive: autograd reuses it, with our hook. An intrusive_ptr from torch 2.12 on, a shared_ptr before
   // (a GPU image's torch 2.11): the type grad_accumulator returns.

@@ -79,6 +79,14 @@ void GradStream::on_reduced(const std::vector<at::Tensor>& params, const at::Ten
   }
 }
 
+void GradStream::queue_backward_end() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!ledger_.in_backward()) return;  // nothing arrived in this backward: nothing to end
+  }
+  begin_backward(true);
+}
+
 bool GradStream::await_reduction() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -97,7 +105,7 @@ bool GradStream::await_reduction() {
 }
 
 void GradStream::rebind_reduced_locked() {
-  for (std::size_t i : reduced_) ledger_.rebind(i, grad_identity(slots_[i].param.grad()));
+  for (std::size_t i : reduced_) ledger_.rebind(i, identity_of(i));
 }
 
 }  // namespace tierflow::bindings

@@ -32,7 +32,7 @@ GradStream::Finish GradStream::finish(double scale, bool stale) {
     if (!ledger_.streamable(i)) continue;
     Slot& s = slots_[i];
     if (stale) restore_locked(i, false);  // the caller re-reads the master and takes p.grad
-    const optimizer::Confirmation c = ledger_.confirm(i, grad_identity(s.param.grad()), scale, stale);
+    const optimizer::Confirmation c = ledger_.confirm(i, identity_of(i), scale, stale);
     switch (c.kind) {
       case optimizer::Confirmation::kNone:
         break;
@@ -178,7 +178,7 @@ void GradStream::begin_clip() {
     std::lock_guard<std::mutex> lock(mutex_);
     for (std::size_t i = 0; i < slots_.size(); ++i) {
       const Slot& s = slots_[i];
-      if (!ledger_.clip_candidate(i, grad_identity(s.param.grad()))) continue;
+      if (!ledger_.clip_candidate(i, identity_of(i))) continue;
       const c10::Device d = s.param.device();
       auto it = std::find_if(last.begin(), last.end(), [&](const auto& l) { return l.first == d; });
       if (it == last.end()) last.emplace_back(d, &s);
@@ -205,7 +205,7 @@ void GradStream::end_clip(double max_norm, double coefficient) {
     // The kernel's fp32 grad * grad_scale rounds as torch's multiply only for
     // fp32 gradients; a coefficient of exactly 1 changes no value in any type.
     const bool exact = grad.defined() && grad.scalar_type() == at::kFloat;
-    ledger_.clipped(i, grad_identity(grad), coefficient, exact);
+    ledger_.clipped(i, identity_of(i), coefficient, exact);
   }
 }
 

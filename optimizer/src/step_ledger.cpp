@@ -151,6 +151,10 @@ GradArrival StepLedger::arrive_reduced(std::size_t slot) {
   TIERFLOW_EXPECTS(slot < slots_.size(), "StepLedger::arrive_reduced: no slot " + std::to_string(slot));
   Slot& s = slots_[slot];
   if (!s.streamable || !s.reduced) return GradArrival::kIgnore;
+  if (!s.seen) {  // FSDP2's shards have no local arrivals: their order is the reductions'
+    s.seen = true;
+    arrival_.push_back(slot);
+  }
   if (s.streamed) {  // reduced twice in one window: the gradient changed after it streamed
     take_back(s);
     return GradArrival::kTakeBack;

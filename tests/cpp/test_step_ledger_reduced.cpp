@@ -154,3 +154,35 @@ TEST(StepLedgerReduced, OnlyReducedSlotsTakeReducedGradientsAndRebinding) {
 }
 
 }  // namespace
+
+namespace {
+
+// FSDP2 (Note [Distributed training]): shards have no local arrival at all; the reductions' order cuts the buckets.
+TEST(StepLedgerReduced, ReducedOnlySlotsAreBucketedInTheOrderTheirReductionsCame) {
+  StepLedgerOptions o;
+  o.bucket_bytes = kBytes;  // one slot per bucket
+  StepLedger l(o);
+  for (std::size_t i = 0; i < 3; ++i) l.add(kBytes, 0, true);
+  l.set_group(0, {});
+  for (std::size_t i = 0; i < 3; ++i) {
+    l.state_set(i);
+    l.set_reduced(i, true);
+  }
+  l.backward_begins(0);
+  for (std::size_t slot : {1, 0, 2}) {
+    EXPECT_EQ(l.arrive_reduced(slot), GradArrival::kStream) << slot;  // no local arrival counted: one backward
+    ASSERT_TRUE(l.may_stream(slot));
+    l.streamed(slot, GradIdentity{}, false);
+  }
+  // Planned at the first reduction: it first, then the rest in the reverse of registration.
+  EXPECT_EQ(l.bucket_of(1), 0u);
+  EXPECT_EQ(l.bucket_of(2), 1u);
+  EXPECT_EQ(l.bucket_of(0), 2u);
+  l.backward_ends(1);
+  l.end_window(true);
+  EXPECT_EQ(l.bucket_of(1), 0u);  // then the reductions' order
+  EXPECT_EQ(l.bucket_of(0), 1u);
+  EXPECT_EQ(l.bucket_of(2), 2u);
+}
+
+}  // namespace

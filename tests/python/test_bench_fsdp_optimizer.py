@@ -35,6 +35,8 @@ def test_the_fsdp_optimizer_benchmark_writes_both_optimizers_and_their_ratio(tmp
         assert 0 < r["shard_parameters"] < data["parameters"]
     assert data["torch_over_tierflow_step"] > 0 and len(data["torch_over_tierflow_step_per_rank"]) == 2
     assert data["tierflow_states_one_copy"] is True
+    assert data["torch_over_tierflow_streamed_backward_and_step"] > 0
+    assert data["streamed_early_steps_committed"] is True and data["streamed_losses_equal_step_only"] is True
     assert data["max_abs_loss_difference"] < 1e-3  # the same model trained by both
     assert "PREDICTION" in data["multi_gpu_peer"]
     assert "torch / tierflow" in done.stdout

@@ -102,9 +102,22 @@ is refused with an error that names it:
   backward (FSDP2's pre-backward state, as for torch.utils.checkpoint), so
   the hook's ops must not be in the record. And the CPU AdamW steps the
   local shard of each DTensor parameter from the local shard of its
-  reduce-scattered gradient (copies.local_shard), in step(): FSDP2 sets the
-  sharded gradient after its reduce-scatter, not through a gradient hook the
-  stream could follow, so there are no steps during backward yet. Its
+  reduce-scattered gradient (copies.local_shard), during backward: FSDP2
+  sets each unit's sharded gradients in the unit's post-backward, which no
+  gradient hook sees, so tierflow._fsdp_feed puts an identity autograd
+  function on the unit's inputs ahead of FSDP2's own, whose backward (right
+  after FSDP2's post-backward) hands the new local gradients to the stream
+  as DDP's reduced buckets are (GradStream::add_fed_parameter, on_reduced);
+  what FSDP2 reduces in its final callback (the root unit) is fed from a
+  final callback queued after FSDP2's. step() confirms each early step as
+  under DDP (bit for bit the shards stepped in step() alone, tested, with a
+  clip too). The gradient's identity is the DTensor's with the version
+  counters of both it and its local tensor; a foreach op on DTensors (torch's
+  clip, a GradScaler's unscale) moves neither, so the clip wrapper moves it
+  for the clip (Note [Clip picked up]) and step() compares each fed
+  gradient's fingerprint (its norm and sum) with the one it streamed with: a
+  change no counter showed is stepped again from p.grad. Under wrap only
+  (which finds the units); a CPUAdamW made directly steps them in step(). Its
   state_dict gives each state of a DTensor parameter as a DTensor like the
   parameter (as torch's AdamW's are under FSDP2), so torch.distributed.
   checkpoint saves every rank's shard and loads each back where it belongs
@@ -195,24 +208,29 @@ def fsdp_modules(model: torch.nn.Module) -> list:
     return [] if fsdp is None else [m for m in model.modules() if isinstance(m, fsdp)]
 
 
+def fsdp_units(model: torch.nn.Module) -> list:
+    """[(an FSDP2 module of ``model``, its own parameters)] in module order: a unit's parameters are those outside
+    the fully_shard modules within it (FSDP2 gathers and reduces them together)."""
+    units = fsdp_modules(model)
+    owner: dict = {}
+    for unit in units:  # module order: an inner unit comes later and takes its parameters from the outer one
+        for p in unit.parameters():
+            owner[id(p)] = (unit, p)
+    own: dict = {id(u): [] for u in units}
+    for unit, p in owner.values():
+        own[id(unit)].append(p)
+    return [(u, own[id(u)]) for u in units]
+
+
 def fsdp_unit_bytes(model: torch.nn.Module) -> tuple:
     """(each FSDP2 unit's unsharded parameter bytes, in module order, the root's left out; the root unit's): what
     tiering::fsdp_gathered_bytes weighs (Note [Auto plan phases]). A unit is a fully_shard module's parameters
     outside the fully_shard modules within it; the root is the model's own, when fully_shard was applied to it.
     Bytes at the shards' dtype (a MixedPrecisionPolicy that gathers in a narrower one is counted high). ([], 0)
     without FSDP2."""
-    units = fsdp_modules(model)
-    if not units:
-        return [], 0
-    owner: dict = {}
-    for unit in units:  # module order: an inner unit comes later and takes its parameters from the outer one
-        for p in unit.parameters():
-            owner[id(p)] = (unit, p.numel() * p.element_size())
-    sizes = {id(u): 0 for u in units}
-    for unit, size in owner.values():
-        sizes[id(unit)] += size
-    root = sizes.pop(id(model), 0)
-    return [sizes[id(u)] for u in units if id(u) in sizes], root
+    units = fsdp_units(model)
+    sizes = [(u, sum(p.numel() * p.element_size() for p in params)) for u, params in units]
+    return [size for u, size in sizes if u is not model], sum(size for u, size in sizes if u is model)
 
 
 def rank_shard_bytes(model: torch.nn.Module) -> int:

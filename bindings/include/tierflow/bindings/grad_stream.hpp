@@ -184,6 +184,13 @@ class GradStream : public std::enable_shared_from_this<GradStream> {
   /// Registers a parameter of hyperparameter group `group`; returns its slot.
   /// A parameter of the runtime's device that requires grad gets the hook.
   std::size_t add_parameter(const at::Tensor& param, int group);
+  /// FSDP2 (Note [Distributed training]): registers `shard`, the local tensor of the DTensor parameter `owner`,
+  /// which no autograd hook sees (FSDP2 assigns the sharded gradient after its reduce-scatter); its gradient
+  /// only ever comes through on_reduced. Its identity is owner.grad's with both version counters: the DTensor's
+  /// moves with an in-place op on it (a clip), its local tensor's with FSDP2's accumulation into it
+  /// (`shard.grad`, which the feed keeps at that local tensor).
+  /// Streams like a parameter when it is contiguous, of a kernel dtype and on the runtime's device.
+  std::size_t add_fed_parameter(const at::Tensor& shard, const at::Tensor& owner, int group);
   /// Stops streaming `slot` for good (it steps elsewhere: the GPU share, another rank of a partitioned
   /// optimizer): waits for the worker, then lets go of the slot's state tensors.
   void exclude(std::size_t slot);
@@ -214,6 +221,9 @@ class GradStream : public std::enable_shared_from_this<GradStream> {
   /// after the other (DDP's bucket layout, on the runtime's device); each one
   /// of a slot set_reduced streams from its slice. Others are skipped.
   void on_reduced(const std::vector<at::Tensor>& params, const at::Tensor& flat);
+  /// FSDP2: from an autograd final callback that runs after FSDP2's own (the feed's), queues this backward's
+  /// end once more, after every callback queued so far; nothing when no gradient streamed in it.
+  void queue_backward_end();
   /// Registers the slots of one module's own parameters; returns its id for wait_module.
   std::size_t add_module(const std::vector<std::size_t>& slots);
 
@@ -281,6 +291,7 @@ class GradStream : public std::enable_shared_from_this<GradStream> {
   void on_backward_end();
   bool await_reduction();
   void rebind_reduced_locked();
+  optimizer::GradIdentity identity_of(std::size_t slot) const;
   void sync_buckets_locked();
   void stream_locked(std::size_t slot);
   void stream_from_locked(std::size_t slot, const at::Tensor& grad, bool reduced);

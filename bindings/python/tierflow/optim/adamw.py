@@ -32,7 +32,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from .. import _C
-from .._distributed import FSDP_ACCEPTED, fsdp_settings_refusal, note_step, rank_and_world_size
+from .. import _fsdp_feed as fsdp_feed
+from .._distributed import FSDP_ACCEPTED, fsdp_settings_refusal, fsdp_units, note_step, rank_and_world_size
 from . import clip
 from .accepted import GRAD_DTYPES, check_grad, check_replaceable
 from .copies import DeviceCopies, local_shard
@@ -101,7 +102,9 @@ class CPUAdamW(torch.optim.Optimizer):
         if model is not None:
             # model.load_state_dict(...) changes parameters behind the optimizer's back.
             model.register_load_state_dict_post_hook(lambda module, keys: new.mark_master_stale())
-            if new._streaming is not None and runtime.config()["TIERFLOW_WEIGHTS_RETURN"] == "forward":
+            if new._sharded:  # step() waits for the shards' weights: FSDP2 gathers them in its own pre-forward
+                new._stream_fsdp_shards(model)
+            elif new._streaming is not None and runtime.config()["TIERFLOW_WEIGHTS_RETURN"] == "forward":
                 new._hooks += new._streaming.attach_weight_waits(model)
             elif new._streaming is not None:
                 new._hooks += new._streaming.attach_step_wait(model)
@@ -122,10 +125,12 @@ class CPUAdamW(torch.optim.Optimizer):
         self._sharded = self._check_sharding(cfg)
         # Why steps during backward are off for the rest of the run (DDP: Note [Distributed training]), or None.
         self._steps_after_backward: Optional[str] = None
+        # FSDP2: the feed of each unit's reduce-scattered gradients (tierflow._fsdp_feed), once wrap shows the units.
+        self._fsdp_feed: Any = None
         if self._sharded and self._overlap:
             self._overlap = False
-            self._steps_after_backward = ("FSDP2 sets each shard's gradient after its reduce-scatter, where no "
-                                          "gradient hook sees it: every shard steps in step()")
+            self._steps_after_backward = ("FSDP2's shards step during backward under tierflow.wrap only, which finds "
+                                          "the model's FSDP2 units: every shard steps in step()")
         # Note [Partitioned optimizer]: under DDP with several ranks, this rank's share of the parameters only.
         self._partition: Optional[Partition] = None
         self._partition_wanted = cfg["TIERFLOW_PARTITION_OPTIMIZER"] == "on"
@@ -143,7 +148,8 @@ class CPUAdamW(torch.optim.Optimizer):
         if refusal is not None:
             raise _C.ConfigError(refusal)
         self._hooks = []
-        self._gpu = GpuShare(cfg["TIERFLOW_GPU_OPTIMIZER_FRACTION"])  # Deep Optimizer States
+        # Deep Optimizer States; none of FSDP2's shards (an explicit fraction is refused with them).
+        self._gpu = GpuShare("0" if self._sharded else cfg["TIERFLOW_GPU_OPTIMIZER_FRACTION"])
         self._overlap_counts = {"early_steps": 0, "committed": 0, "redone": 0, "taken_back": 0, "held": 0,
                                 "skipped_steps": 0}
         # Note [Gradient streaming]: parameters of the runtime's device stream their
@@ -168,6 +174,10 @@ class CPUAdamW(torch.optim.Optimizer):
             for p in group["params"]:
                 if not p.requires_grad or streaming.carries(p):
                     continue
+                if self._sharded:  # FSDP2: the local tensor steps, fed its reduce-scattered gradient
+                    if p.dtype in GRAD_DTYPES:
+                        streaming.add_fed_parameter(p, local_shard(p), gi)
+                    continue
                 if runtime.on_device(p) and p.is_contiguous() and p.dtype in GRAD_DTYPES and id(p) not in gpu:
                     streaming.add_parameter(p, gi)
         begin = weakref.WeakMethod(self._on_backward_begin)
@@ -175,6 +185,18 @@ class CPUAdamW(torch.optim.Optimizer):
         streaming.stream.set_callbacks(lambda: begin() and begin()(), lambda slot: init() and init()(slot))
         self._push_groups()
         clip.watch(streaming)  # the user's clip, instead of tierflow's or as a norm read: Note [Clip picked up]
+
+    def _stream_fsdp_shards(self, model: torch.nn.Module) -> None:
+        """FSDP2 under wrap (Note [Distributed training]): each rank's shards step during backward, fed each unit's
+        reduce-scattered gradients as FSDP2 assigns them (tierflow._fsdp_feed); step() only confirms."""
+        cfg = self._runtime.config()
+        if not self._sharded or cfg["TIERFLOW_OVERLAP_STEP"] != "on" or self._states.nvme:
+            return
+        self._overlap, self._steps_after_backward = True, None
+        self._start_streaming(self._runtime, cfg)
+        units = [(u, [p for p in params if self._streaming.carries(p)]) for u, params in fsdp_units(model)]
+        self._fsdp_feed, hooks = fsdp_feed.attach(model, self, [(u, ps) for u, ps in units if ps])
+        self._hooks += hooks
 
     @property
     def overlap_stats(self) -> dict:
@@ -474,10 +496,11 @@ class CPUAdamW(torch.optim.Optimizer):
             self._streaming.stream.restore_grads()  # the next step() still takes this backward's gradients
             self._streaming.stream.end_window()  # early steps read the state being replaced
             self._streaming.stream.synchronize()
-        # Where every parameter steps in step() (FSDP2's shards; no stream), a saved master is taken as it is and
-        # the next step checks it against its parameter (reconcile_master): the model may be loaded after the
-        # optimizer, as torch.distributed.checkpoint's set_state_dict does.
-        reconcile = self._streaming is None and not self._states.nvme
+        # Where every parameter steps in step() (no stream) or FSDP2's shards (whose next step is step()'s: a
+        # stale master turns the stream off for it), a saved master is taken as it is and the next step checks it
+        # against its parameter (reconcile_master): the model may be loaded after the optimizer, as
+        # torch.distributed.checkpoint's set_state_dict does.
+        reconcile = (self._streaming is None or self._sharded) and not self._states.nvme
         # torch casts state to the parameter's dtype; keep the fp32 originals (FSDP2: this rank's shards).
         originals = {k: {n: local_shard(v) for n, v in s.items() if n in _STATE_KEYS}
                      for k, s in state_dict["state"].items()}
@@ -585,6 +608,8 @@ class CPUAdamW(torch.optim.Optimizer):
             self._streaming.stream.end_window()
         self._states.new_window()  # a new window: the next step() is a step for everyone
         super().zero_grad(set_to_none=set_to_none)
+        if self._fsdp_feed is not None:  # the shards let go of the gradients too
+            self._fsdp_feed.sync_grads()
 
     # -- step ------------------------------------------------------------------
     @torch.no_grad()
@@ -638,10 +663,15 @@ class CPUAdamW(torch.optim.Optimizer):
             # Note [Gradient streaming]: the stream commits or redoes what it carried and
             # sends the weights back; the Python path steps only what it left.
             self._push_groups()
+            if self._fsdp_feed is not None:  # the identities finish() checks: each shard's .grad, p.grad's local
+                self._fsdp_feed.sync_grads()
+                self._fsdp_feed.mark_unseen_changes()
             unhandled = self._streaming.stream.finish(scale, self._master_stale)
             for group, params in zip(self.param_groups, self._streaming.python_path(self.param_groups, unhandled)):
                 if params:
                     self._step_group(group, scale, params)
+            if self._sharded:  # the next forward's all-gathers read the shards: their weights are back first
+                self._streaming.stream.synchronize()
             if self._streaming.sizing_pending or self._gpu.auto:  # Note [Steady step]
                 seen = self._streaming.window_seen()
                 # The share first: the buckets are cut for what stays on the CPU, at a steady step after it.

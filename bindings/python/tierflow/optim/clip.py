@@ -38,6 +38,12 @@ no value: a norm read, as transformers 5's Trainer does at every step to log
 ``max_grad_norm=0``); tierflow's own clip then applies as before. A user clip
 that binds on top of tierflow's changed ``p.grad``, which ``step()`` steps.
 
+FSDP2's DTensor gradients: torch's clip multiplies them with
+``_foreach_mul_``, which on DTensors moves no version counter; the wrapper
+moves the version of each it left unmoved, as the multiply of a plain tensor
+would, so the stream sees the clip there too (tierflow._fsdp_feed), and the
+coefficient is taken from the norm over every rank's shards.
+
 Nothing about the result changes: ``p.grad`` holds the clipped gradient as
 torch left it, and the step is bit-identical to the one from ``p.grad``
 (tested against tierflow's own clip in ``test_hf_trainer.py``). The wrapper
@@ -79,12 +85,35 @@ def watch(streaming: Any) -> None:
             parameters = list(parameters)  # a generator is read once, by torch
         for s in streams:
             s.begin_clip()
+        sharded = _dtensor_grads(parameters)
         total = _torch_clip(parameters, max_norm, *args, **kwargs)
+        _show_the_multiply(sharded)
         with torch.no_grad():  # torch's own coefficient, in the norm's dtype
-            coefficient = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+            norm = total.full_tensor() if hasattr(total, "full_tensor") else total  # FSDP2: every rank's shards
+            coefficient = float(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
         for s in streams:
             s.end_clip(float(max_norm), coefficient)
         return total
 
     torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
     torch.nn.utils.clip_grad.clip_grad_norm_ = clip_grad_norm_
+
+
+def _dtensor_grads(parameters: list) -> list:
+    """FSDP2's DTensor gradients among ``parameters``' and their versions (the DTensor's and its local tensor's)."""
+    out = []
+    for p in parameters:
+        g = getattr(p, "grad", None)
+        local = getattr(g, "_local_tensor", None)
+        if local is not None:
+            out.append((g, g._version + local._version))
+    return out
+
+
+def _show_the_multiply(sharded: list) -> None:
+    """torch's clip multiplies every gradient with _foreach_mul_, which on DTensors moves no version counter:
+    the gradients it left at their versions get one more, as a multiply in place of a plain tensor would
+    (the stream then sees the clip: Note [Step ledger])."""
+    for g, before in sharded:
+        if g._version + g._local_tensor._version == before:
+            torch.autograd.graph.increment_version(g)

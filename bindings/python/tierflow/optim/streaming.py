@@ -30,6 +30,7 @@ class GradientStreaming:
         self._runtime = runtime
         self._slot_of: dict = {}            # param -> slot of the C++ stream
         self._slot_params: list = []        # slot -> param
+        self._shards: dict = {}             # FSDP2: id(param) -> the local tensor its slot steps
         self._python_params: Optional[list] = None  # per group: params that step() handles in Python
         # TIERFLOW_GRAD_BUCKET_BYTES=auto: when it is sized (optimizer/grad_buckets.hpp).
         self._sizing = _C.BucketSizingSchedule(bucket == "auto")
@@ -40,6 +41,19 @@ class GradientStreaming:
     def add_parameter(self, p: torch.Tensor, group_index: int) -> None:
         self._slot_of[p] = self.stream.add_parameter(p, group_index)
         self._slot_params.append(p)
+
+    def add_fed_parameter(self, p: torch.Tensor, shard: torch.Tensor, group_index: int) -> None:
+        """FSDP2: p is a DTensor parameter, ``shard`` its local tensor; its reduce-scattered gradients are fed
+        (tierflow._fsdp_feed), never hooked."""
+        slot = self.stream.add_fed_parameter(shard, p, group_index)
+        self._slot_of[p] = slot
+        self._slot_params.append(p)
+        self._shards[id(p)] = shard
+        self.stream.set_reduced([slot])
+
+    def shard_of(self, p: torch.Tensor) -> Optional[torch.Tensor]:
+        """FSDP2: the local tensor the stream steps for p (add_fed_parameter), or None."""
+        return self._shards.get(id(p)) if p in self._slot_of else None
 
     def use_homes(self, offload: Any) -> None:
         """Committed weights of parameters kept on the host go into their host copies; parameters on NVMe step
