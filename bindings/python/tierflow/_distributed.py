@@ -262,7 +262,7 @@ def rank_shard_bytes(model: torch.nn.Module) -> int:
 def fsdp_settings_refusal(config: Any, replacing: bool) -> Optional[str]:
     """Why these settings cannot train an FSDP2 model, or None (Note [Distributed training]). ``replacing``:
     tierflow's CPU optimizer takes an optimizer's place (one was passed to wrap, and TIERFLOW_OFFLOAD_OPTIMIZER
-    is not none); it steps each rank's shard in step()."""
+    is not none); it steps each rank's shard (during backward, under wrap)."""
     optimizer, params = config["TIERFLOW_OFFLOAD_OPTIMIZER"], config["TIERFLOW_OFFLOAD_PARAMS"]
     if params != "none":
         return f"TIERFLOW_OFFLOAD_PARAMS={params!r} would move the parameters FSDP2 shards and gathers itself"
@@ -282,7 +282,7 @@ def fsdp_settings_refusal(config: Any, replacing: bool) -> Optional[str]:
 
 
 FSDP_ACCEPTED = ("accepted with FSDP2: TIERFLOW_OFFLOAD_OPTIMIZER=host (tierflow's CPU AdamW steps each rank's "
-                  "shard, in step(): one copy of the states on the node) or none (your optimizer steps the "
+                  "shard, during backward: one copy of the states on the node) or none (your optimizer steps the "
                   "shards), TIERFLOW_OFFLOAD_PARAMS=none, TIERFLOW_OFFLOAD_GRADIENTS=off, "
                   "TIERFLOW_GPU_OPTIMIZER_FRACTION=auto or 0, and any TIERFLOW_OFFLOAD_ACTIVATIONS")
 
