@@ -320,7 +320,10 @@ void GradStream::stream_from_locked(std::size_t i, const at::Tensor& grad, bool 
     releasing_.push_back(i);
     stats_.grads_released += 1;
   }
-  const optimizer::GradIdentity identity = reduced ? optimizer::GradIdentity{} : grad_identity(grad);
+  // DDP writes the reduced values into p.grad later (rebind); FSDP2 assigned its gradient before the feed: a
+  // change after this (an accumulation by a later reduce-scatter, an in-place op) is a change at confirm.
+  const optimizer::GradIdentity identity =
+      !reduced ? grad_identity(grad) : (s.owner.defined() ? identity_of(i) : optimizer::GradIdentity{});
   if (ledger_.streamed(i, identity, release)) launch_locked(bucket);
 }
 

@@ -105,7 +105,8 @@ bool GradStream::await_reduction() {
 }
 
 void GradStream::rebind_reduced_locked() {
-  for (std::size_t i : reduced_) ledger_.rebind(i, identity_of(i));
+  for (std::size_t i : reduced_)
+    if (!slots_[i].owner.defined()) ledger_.rebind(i, identity_of(i));  // FSDP2's: their identity at the feed
 }
 
 }  // namespace tierflow::bindings

@@ -4,9 +4,10 @@ FSDP2 (torch.distributed.fsdp.fully_shard): two gloo processes train a small tra
 and root are FSDP2 units, with and without tierflow, in both orders (wrap after fully_shard, fully_shard after
 wrap), activations kept, swapped to the host, recomputed, and planned (auto, with room and under a tight budget),
 the user's optimizer stepping FSDP2's shards (bit-identical to FSDP2 alone on each rank) or tierflow's CPU AdamW
-stepping each rank's shard (within its rounding; each rank holds its shard's states only); transformers' GPT-2
-with its default config alike; checkpoints through torch.distributed.checkpoint resume bit for bit. What FSDP2's
-shards do not take yet (NVMe optimizer states, offloaded gradients, the GPU share, parameter offload, a CPU
+stepping each rank's shard (during backward; within its rounding; each rank holds its shard's states only, in
+memory or on NVMe); transformers' GPT-2 with its default config alike; checkpoints through
+torch.distributed.checkpoint resume bit for bit. What FSDP2's shards do not take yet (offloaded gradients, the
+GPU share, parameter offload, a CPU
 optimizer over a partly sharded model or made before fully_shard) is refused with an error that names it and
 says what FSDP2 accepts (a process group of one process; fully_shard runs on the CPU with gloo).
 """
@@ -109,8 +110,10 @@ _FSDP_WORKER = textwrap.dedent("""
         out["shards"] = {{n: p.to_local().detach().clone() for n, p in model.named_parameters()}}
         out["numel"] = sum(p.numel() for p in model.parameters())  # all ranks' shards together
         if isinstance(opt, tierflow.CPUAdamW):  # what this rank holds of the states: its shards' only
-            out["state_numel"] = {{k: sum(s[k].numel() for s in opt.state.values())
-                                  for k in ("master", "exp_avg", "exp_avg_sq")}}
+            saved = opt.state_dict()["state"]  # NVMe states read back; each a DTensor of this rank's shard
+            out["state_numel"] = {{k: sum(s[k].to_local().numel() for s in saved.values())
+                                  for k in ("exp_avg", "exp_avg_sq")}}
+            out["master_numel"] = sum(s["master"].numel() for s in opt.state.values() if "master" in s)
             out["off"] = tierflow.report()["optimizer"].get("steps_during_backward_off")
             out["overlap"] = dict(opt.overlap_stats)
             out["table"] = str(tierflow.report())
@@ -129,8 +132,12 @@ _FSDP_WORKER = textwrap.dedent("""
                 plan = results[(order, "auto")]["plan"]
                 budget = plan["predicted_device_peak_bytes"] - plan["kept_bytes"] // 2
             results[(order, acts)] = run(order, acts, budget)
-    for acts in {cpu_acts}:  # tierflow's CPU AdamW stepping each rank's shard
+    NVME = os.path.join(os.path.dirname(store), "nvme")  # both ranks' swap files, named by rank
+    os.makedirs(NVME, exist_ok=True)
+    nvme = dict(nvme_paths=NVME, nvme_memory="256MiB")
+    for acts in {cpu_acts}:  # tierflow's CPU AdamW stepping each rank's shard, its states in memory or on NVMe
         results[("wrap(fully_shard)", acts, "host")] = run("wrap(fully_shard)", acts, optimizer="host")
+        results[("wrap(fully_shard)", acts, "nvme")] = run("wrap(fully_shard)", acts, optimizer="nvme", **nvme)
     # The shards' steps during backward against step()'s, and under a clip (the user's, and tierflow's own).
     results["step() only"] = run("wrap(fully_shard)", "none", optimizer="host", overlap_step="off")
     results["baseline clipped"] = run(None, clip=0.3)
@@ -153,7 +160,7 @@ _FSDP_WORKER = textwrap.dedent("""
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
             return tierflow.wrap(model, opt, device="emulated", offload_activations="auto",
                                  offload_optimizer=optimizer, min_offload_bytes=0, prefetch_bytes="64KiB",
-                                 cpu_threads=1)
+                                 cpu_threads=1, **(nvme if optimizer == "nvme" else {{}}))
 
         def train(model, opt, steps):
             losses = []
@@ -185,7 +192,7 @@ _FSDP_WORKER = textwrap.dedent("""
         tierflow.unwrap(model)
         return dict(went_on=on, resumed=again, shards_went_on=went_on, shards_resumed=resumed)
 
-    for optimizer in ("none", "host"):
+    for optimizer in ("none", "host", "nvme"):
         results[("checkpoint", optimizer)] = checkpointed(optimizer)
     results[("checkpoint", "host", "bf16")] = checkpointed("host", torch.bfloat16)
 
@@ -281,21 +288,27 @@ def test_fsdp2_auto_budgets_each_ranks_shards_and_fsdp2s_gathered_copies(fsdp_ru
     assert base["units"] == fsdp_runs[0][(order, "auto")]["units"]
 
 
+@pytest.mark.parametrize("optimizer", ["host", "nvme"])
 @pytest.mark.parametrize("acts", FSDP_CPU_ACTS)
-def test_fsdp2_with_the_cpu_optimizer_steps_each_ranks_shard(fsdp_runs, acts):
-    """tierflow's CPU AdamW under FSDP2 (ZeRO-Offload's design on FSDP2's shards): FSDP2's results within the CPU
-    AdamW's rounding, and each rank holds the states of its own shard only: one copy of them on the node."""
+def test_fsdp2_with_the_cpu_optimizer_steps_each_ranks_shard(fsdp_runs, acts, optimizer):
+    """tierflow's CPU AdamW under FSDP2 (ZeRO-Offload's design on FSDP2's shards), its states in host memory or
+    on NVMe (each rank's in its own swap files): FSDP2's results within the CPU AdamW's rounding, and each rank
+    holds the states of its own shard only: one copy of them on the node."""
     for rank, results in enumerate(fsdp_runs):
-        base, run = results["baseline"], results[("wrap(fully_shard)", acts, "host")]
+        base, run = results["baseline"], results[("wrap(fully_shard)", acts, optimizer)]
         assert_close(Run(losses=base["losses"], params=base["shards"]), Run(losses=run["losses"], params=run["shards"]))
         shards = sum(t.numel() for t in run["shards"].values())
-        assert run["state_numel"] == {"master": shards, "exp_avg": shards, "exp_avg_sq": shards}, run["state_numel"]
+        assert run["state_numel"] == {"exp_avg": shards, "exp_avg_sq": shards}, run["state_numel"]
+        assert run["master_numel"] == (shards if optimizer == "host" else 0), run["master_numel"]  # NVMe: there
+        if optimizer == "nvme":  # states on NVMe step in step() (Note [Optimizer states on NVMe])
+            assert run["overlap"]["early_steps"] == 0, run["overlap"]
+            continue
         # Each shard steps during backward from its reduce-scattered gradient, and step() commits every one.
         assert run["off"] is None, run["off"]
         assert run["overlap"]["early_steps"] == run["overlap"]["committed"] == FSDP_STEPS * len(run["shards"]), \
             run["overlap"]
-    total = fsdp_runs[0][("wrap(fully_shard)", acts, "host")]["numel"]
-    held = [results[("wrap(fully_shard)", acts, "host")]["state_numel"]["exp_avg"] for results in fsdp_runs]
+    total = fsdp_runs[0][("wrap(fully_shard)", acts, optimizer)]["numel"]
+    held = [results[("wrap(fully_shard)", acts, optimizer)]["state_numel"]["exp_avg"] for results in fsdp_runs]
     assert sum(held) == total and all(0 < h < total for h in held), (held, total)
 
 
@@ -334,8 +347,8 @@ def test_fsdp2_gradients_changed_after_backward_step_as_in_step(fsdp_runs, chang
         assert run["losses"][1:] != unchanged["losses"][1:], "the change changed nothing"
 
 
-@pytest.mark.parametrize("case", [("none",), ("host",), ("host", "bf16")], ids=["torch AdamW", "CPU AdamW",
-                                                                            "CPU AdamW bf16"])
+@pytest.mark.parametrize("case", [("none",), ("host",), ("host", "bf16"), ("nvme",)],
+                         ids=["torch AdamW", "CPU AdamW", "CPU AdamW bf16", "CPU AdamW, NVMe states"])
 def test_fsdp2_checkpoints_through_dcp_resume_bit_for_bit(fsdp_runs, case):
     """torch.distributed.checkpoint (get_state_dict, dcp.save, dcp.load, set_state_dict) of a wrapped FSDP2 model and
     its optimizer, the user's or tierflow's CPU AdamW (whose states of each rank's shard go out as DTensors, fp32
@@ -418,19 +431,18 @@ def test_fsdp2_on_one_cuda_rank_with_the_cpu_optimizer_trains_and_checkpoints(de
 
 
 NVME = "<nvme>"  # the test's NVMe directory
-REFUSED_WITH_FSDP2 = [dict(offload_optimizer="nvme", nvme_paths=NVME), dict(offload_gradients="on"),
-                      dict(gpu_optimizer_fraction="0.5"), dict(offload_optimizer="none", offload_params="host")]
-REFUSED_SETTING = ["TIERFLOW_OFFLOAD_OPTIMIZER='nvme'", "TIERFLOW_OFFLOAD_GRADIENTS='on'",
-                   "TIERFLOW_GPU_OPTIMIZER_FRACTION=0.5", "TIERFLOW_OFFLOAD_PARAMS='host'"]
+REFUSED_WITH_FSDP2 = [dict(offload_gradients="on"), dict(gpu_optimizer_fraction="0.5"),
+                      dict(offload_optimizer="none", offload_params="host")]
+REFUSED_SETTING = ["TIERFLOW_OFFLOAD_GRADIENTS='on'", "TIERFLOW_GPU_OPTIMIZER_FRACTION=0.5",
+                   "TIERFLOW_OFFLOAD_PARAMS='host'"]
 
 
 @pytest.mark.parametrize("settings,setting", list(zip(REFUSED_WITH_FSDP2, REFUSED_SETTING)),
-                         ids=["nvme optimizer", "offloaded gradients", "gpu share", "params"])
+                         ids=["offloaded gradients", "gpu share", "params"])
 @pytest.mark.parametrize("sharded", ["blocks and root", "one block"])
 def test_fsdp2_with_settings_it_cannot_train_is_refused_and_leaves_nothing(world_of_one, sharded, settings, setting,
                                                                           nvme_dir):
-    """What FSDP2's shards do not take yet (NVMe optimizer states, gradients freed during backward, the GPU share)
-    and parameter offload (which would move what FSDP2 gathers): refused at wrap, naming the setting and what FSDP2
+    """What FSDP2's shards do not take yet (gradients freed during backward, the GPU share) and parameter offload (which would move what FSDP2 gathers): refused at wrap, naming the setting and what FSDP2
     accepts; nothing left behind."""
     settings = {k: ([nvme_dir] if v == NVME else v) for k, v in settings.items()}
     from torch.distributed.fsdp import fully_shard

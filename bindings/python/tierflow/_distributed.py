@@ -85,7 +85,8 @@ is refused with an error that names it:
   fully_shard after wrap, found at the wrapped model's first forward), with
   the user's optimizer stepping FSDP2's shards (TIERFLOW_OFFLOAD_OPTIMIZER=
   none: bit-identical to FSDP2 alone) or tierflow's CPU AdamW (host, the
-  default; fully_shard before wrap) stepping each rank's shard: ZeRO-Offload's
+  default, or nvme, which steps in step() with each rank's states in its own
+  swap files; fully_shard before wrap) stepping each rank's shard: ZeRO-Offload's
   design on FSDP2, one copy of the optimizer states on the node, within the
   CPU AdamW's rounding of FSDP2 with torch's AdamW. Three things make it so.
   FSDP2's unsharded parameters are not registered parameters
@@ -131,7 +132,7 @@ is refused with an error that names it:
   optimizer over a model only partly under fully_shard is refused (its plain
   parameters' gradients are not reduced), also when a CPUAdamW is made
   directly, which applies the same refusals as wrap. Refused with FSDP2, in either order,
-  with the setting named and what FSDP2 accepts: NVMe optimizer states,
+  with the setting named and what FSDP2 accepts:
   TIERFLOW_OFFLOAD_GRADIENTS=on, an explicit TIERFLOW_GPU_OPTIMIZER_FRACTION,
   parameter offload (FSDP2 moves its parameters itself), and fully_shard
   after a wrap that made the CPU optimizer (made for the parameters before
@@ -268,9 +269,6 @@ def fsdp_settings_refusal(config: Any, replacing: bool) -> Optional[str]:
         return f"TIERFLOW_OFFLOAD_PARAMS={params!r} would move the parameters FSDP2 shards and gathers itself"
     if not replacing:
         return None
-    if optimizer == "nvme":
-        return ("TIERFLOW_OFFLOAD_OPTIMIZER='nvme' would put the optimizer states of FSDP2's shards on NVMe, which "
-                "the NVMe states do not take yet")
     if config["TIERFLOW_OFFLOAD_GRADIENTS"] == "on":
         return ("TIERFLOW_OFFLOAD_GRADIENTS='on' frees gradients during backward, where FSDP2 reduce-scatters "
                 "them itself")
@@ -282,7 +280,8 @@ def fsdp_settings_refusal(config: Any, replacing: bool) -> Optional[str]:
 
 
 FSDP_ACCEPTED = ("accepted with FSDP2: TIERFLOW_OFFLOAD_OPTIMIZER=host (tierflow's CPU AdamW steps each rank's "
-                  "shard, during backward: one copy of the states on the node) or none (your optimizer steps the "
+                  "shard, during backward: one copy of the states on the node), nvme (the same in step(), "
+                  "each rank's states in its own swap files) or none (your optimizer steps the "
                   "shards), TIERFLOW_OFFLOAD_PARAMS=none, TIERFLOW_OFFLOAD_GRADIENTS=off, "
                   "TIERFLOW_GPU_OPTIMIZER_FRACTION=auto or 0, and any TIERFLOW_OFFLOAD_ACTIVATIONS")
 

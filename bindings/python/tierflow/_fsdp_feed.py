@@ -13,17 +13,18 @@ FSDP2's. It feeds the rest, sets each carried shard's ``.grad`` to its gradient'
 identity that step() and a clip check is the DTensor's with the version counters of both: GradStream::
 add_fed_parameter) and queues the stream's end of backward after itself.
 
-On CUDA the local gradient is ready on FSDP2's reduce-scatter stream, not the compute stream the stream's copy
-waits for: the feed makes the current stream wait for it (the unit's post-reduce event, FSDP2's private state:
-where it cannot be found, nothing streams and step() steps the unit), as FSDP2's own finalize_backward does at the
-end of backward, only earlier. Unmeasured on a GPU. Nothing here runs in a replay (a recompute inside
+On CUDA the local gradient is ready on FSDP2's reduce-scatter stream, not the compute stream: the feed runs on a
+stream of its own that waits for the unit's post-reduce event (FSDP2's private state: where it cannot be found,
+nothing streams and step() steps the unit), so the stream's copies wait for it (rule 1 of Note [Copy ordering])
+while the compute stream goes on, as under FSDP2 alone. Unmeasured on a GPU. Nothing here runs in a replay (a recompute inside
 backward) or without autograd.
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -36,8 +37,10 @@ class FsdpFeed:
     def __init__(self, optimizer: Any, units: list) -> None:
         self.optimizer = weakref.ref(optimizer)
         self.units = units  # [(FSDP2 module, [its own parameters the stream carries])]
-        self._fed: dict = {}  # id(parameter) -> (the gradient fed last, its versions then)
-        self._queued = False  # tierflow's final callback is queued in this backward
+        self._fed: dict = {}  # id(parameter) -> (the gradient fed last, its versions then, its fingerprint)
+        self._queued_in: Optional[int] = None  # the backward (graph task) tierflow's final callback is queued in
+        self._side: dict = {}  # CUDA: per device, the stream the feed runs on (waits for FSDP2, not compute)
+        self.handles: list = []
 
     def streaming(self) -> Any:
         opt = self.optimizer()
@@ -50,29 +53,50 @@ class FsdpFeed:
         """FSDP2's post-backward of unit ``index`` has run: its new gradients stream."""
         streaming = self.streaming()
         unit, params = self.units[index]
-        if streaming is not None and _wait_post_reduce(unit, params):
-            for p in params:
-                self._feed(streaming, p)
+        if streaming is None or not params:
+            return
+        with self._feeding(unit, params) as ready:
+            if ready:
+                for p in params:
+                    self._feed(streaming, p)
 
     def output_gradient(self, grad: torch.Tensor) -> None:
         """A unit's output gradient, after FSDP2's pre-backward hook queued its final callback: ours after it."""
-        if not self._queued and self.streaming() is not None:
-            self._queued = True
+        task = torch._C._current_graph_task_id()
+        if self._queued_in != task and self.streaming() is not None:  # a backward that raised left it queued
+            self._queued_in = task
             torch.autograd.Variable._execution_engine.queue_callback(self.end_of_backward)
 
     def end_of_backward(self) -> None:
         """After FSDP2's final callback: the units it reduced there stream, each shard's .grad is its gradient's
         local tensor, and the stream's end of backward comes after this."""
-        self._queued = False
+        self._queued_in = None
         streaming = self.streaming()
         if streaming is None:
             return
         for unit, params in self.units:
-            if _wait_post_reduce(unit, params):  # FSDP2's finalize_backward waited already: no event left
-                for p in params:
-                    self._feed(streaming, p)
+            with self._feeding(unit, params) as ready:  # FSDP2's finalize_backward waited: no event left
+                if ready:
+                    for p in params:
+                        self._feed(streaming, p)
         self.sync_grads()
         streaming.stream.queue_backward_end()
+
+    @contextlib.contextmanager
+    def _feeding(self, unit: torch.nn.Module, params: list) -> Iterator[bool]:
+        """Where a unit's gradients are read: on CUDA a stream of the feed's own that waits for the unit's
+        reduce-scatter (_wait_post_reduce), so the compute stream keeps FSDP2's overlap; yields whether they can
+        be (False: nothing of the unit streams, step() steps it)."""
+        if not params or params[0].device.type != "cuda":
+            yield True
+            return
+        device = params[0].device
+        side = self._side.get(device)
+        if side is None:
+            side = self._side[device] = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))  # what backward computed before this point too
+        with torch.cuda.stream(side):
+            yield _wait_post_reduce(unit, side)
 
     def _feed(self, streaming: Any, p: torch.Tensor) -> None:
         grad = p.grad
@@ -92,7 +116,41 @@ class FsdpFeed:
         if local.is_contiguous():
             streaming.stream.on_reduced([shard], local.view(-1))
 
-    # -- what step() and zero_grad() ask ------------------------------------------------
+    # -- what step(), zero_grad() and the user's clip ask ---------------------------------
+    def refresh(self) -> None:
+        """After a change the stream was shown (torch's clip, marked in clip.py): what was fed is what is there
+        now, so that a later change no counter shows is found against it."""
+        for _unit, params in self.units:
+            for p in params:
+                fed = self._fed.get(id(p))
+                if fed is not None and p.grad is fed[0]:
+                    local = local_shard(p.grad)
+                    self._fed[id(p)] = (p.grad, p.grad._version + local._version, _fingerprint(local))
+
+    def after_step(self) -> None:
+        """step() confirmed this window: the shards let go of its gradients (model.zero_grad() does not reach
+        them), and the next backward's are new."""
+        self._fed.clear()
+        opt = self.optimizer()
+        streaming = opt._streaming if opt is not None else None
+        if streaming is not None:
+            for _unit, params in self.units:
+                for p in params:
+                    shard = streaming.shard_of(p)
+                    if shard is not None:
+                        shard.grad = None
+
+    def join(self) -> None:
+        """CUDA: the current stream waits for what the feed queued on its own (the fingerprints)."""
+        for device, side in self._side.items():
+            torch.cuda.current_stream(device).wait_stream(side)
+
+    def remove(self) -> None:
+        """unwrap: no more feeding (a CPUAdamW kept steps the shards in step())."""
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
     def mark_unseen_changes(self) -> int:
         """Before step() confirms: a gradient whose values changed since it streamed while neither version
         counter moved (DTensor's foreach ops move none: a GradScaler's unscale, a clip of the user's own) gets
@@ -102,6 +160,7 @@ class FsdpFeed:
                and f[0]._version + local_shard(f[0])._version == f[1]]
         if not fed:
             return 0
+        self.join()
         with torch.no_grad():
             now = torch.stack([_fingerprint(local_shard(p.grad)) for p, _f in fed]).cpu()
             then = torch.stack([f[2] for _p, f in fed]).cpu()
@@ -142,13 +201,11 @@ class _UnitReduced(torch.autograd.Function):
         return (None, None) + grads
 
 
-def _wait_post_reduce(unit: torch.nn.Module, params: list) -> bool:
-    """The current stream waits for the unit's reduce-scatter and post-divide (FSDP2's post-reduce event, on
-    CUDA), which its local gradients come from; on the CPU gloo's reduce-scatter is done. False where the event
-    cannot be found (FSDP2's internals moved: torch 2.13 keeps the unit's groups in _fsdp_param_groups, earlier
-    ones one in _fsdp_param_group): then nothing of the unit streams and step() steps it."""
-    if not params or params[0].device.type == "cpu":
-        return True
+def _wait_post_reduce(unit: torch.nn.Module, stream: Any) -> bool:
+    """``stream`` waits for the unit's reduce-scatter and post-divide (FSDP2's post-reduce event), which its
+    local gradients come from. False where the event cannot be found (FSDP2's internals moved: torch 2.13 keeps
+    the unit's groups in _fsdp_param_groups, earlier ones one in _fsdp_param_group): then nothing of the unit
+    streams and step() steps it."""
     get_state = getattr(unit, "_get_fsdp_state", None)
     state = get_state() if get_state is not None else None
     groups = getattr(state, "_fsdp_param_groups", None)
@@ -160,15 +217,16 @@ def _wait_post_reduce(unit: torch.nn.Module, params: list) -> bool:
     for group in groups:
         event = group._post_reduce_event
         if event is not None:
-            torch.cuda.current_stream(params[0].device).wait_event(event)
+            stream.wait_event(event)
     return True
 
 
 def _fingerprint(local: torch.Tensor) -> torch.Tensor:
-    """Two float64 figures of a gradient's values (its L2 norm and its sum), on its device: a change of them
-    between the feed and step() is a change no version counter showed (mark_unseen_changes)."""
+    """Two float32 figures of a gradient's values (its L2 norm and its sum), on its device, one pass each at
+    memory speed: a change of them between the feed and step() is a change no version counter showed
+    (mark_unseen_changes). A change that keeps both (a permutation) is not one a training loop makes."""
     with torch.no_grad():
-        return torch.stack([torch.linalg.vector_norm(local, dtype=torch.float64), local.sum(dtype=torch.float64)])
+        return torch.stack([torch.linalg.vector_norm(local, dtype=torch.float32), local.sum(dtype=torch.float32)])
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -182,10 +240,9 @@ def _in_backward() -> bool:
 
 def attach(model: torch.nn.Module, optimizer: Any, units: list) -> tuple:
     """Feeds ``optimizer``'s gradient stream from the FSDP2 ``units`` of ``model`` ([(module, params)]);
-    returns (the feed, the hook handles)."""
+    returns the feed (its hooks: feed.handles)."""
     feed = FsdpFeed(optimizer, units)
     me = weakref.ref(feed)
-    handles = []
 
     def pre_hook(index: int) -> Any:
         def hook(module: torch.nn.Module, args: tuple) -> Optional[tuple]:
@@ -211,9 +268,9 @@ def attach(model: torch.nn.Module, optimizer: Any, units: list) -> tuple:
                 return
 
     for index, (unit, _params) in enumerate(units):
-        handles.append(unit.register_forward_pre_hook(pre_hook(index), prepend=True))
-        handles.append(unit.register_forward_hook(post_hook))
-    return feed, handles
+        feed.handles.append(unit.register_forward_pre_hook(pre_hook(index), prepend=True))
+        feed.handles.append(unit.register_forward_hook(post_hook))
+    return feed
 
 
 def _tensors(value: Any) -> list:

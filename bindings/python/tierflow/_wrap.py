@@ -93,6 +93,9 @@ class Session:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        opt = self.optimizer() if self.optimizer is not None else None
+        if opt is not None and hasattr(opt, "detach_model"):
+            opt.detach_model()
         if self.planner is not None:
             self.planner.remove()
         if self.params is not None:

@@ -195,8 +195,13 @@ class CPUAdamW(torch.optim.Optimizer):
         self._overlap, self._steps_after_backward = True, None
         self._start_streaming(self._runtime, cfg)
         units = [(u, [p for p in params if self._streaming.carries(p)]) for u, params in fsdp_units(model)]
-        self._fsdp_feed, hooks = fsdp_feed.attach(model, self, [(u, ps) for u, ps in units if ps])
-        self._hooks += hooks
+        self._fsdp_feed = fsdp_feed.attach(model, self, [(u, ps) for u, ps in units if ps])
+        self._streaming.fsdp_feed = self._fsdp_feed  # the user's clip asks it too (Note [Clip picked up])
+
+    def detach_model(self) -> None:
+        """tierflow.unwrap: the FSDP2 feed's hooks go (its shards step in step() from now on)."""
+        if self._fsdp_feed is not None:
+            self._fsdp_feed.remove()
 
     @property
     def overlap_stats(self) -> dict:
@@ -404,7 +409,7 @@ class CPUAdamW(torch.optim.Optimizer):
         """A fresh state for p; when making it fails (a full tier) p keeps none, so a later step starts it again."""
         try:
             if self._states.nvme:
-                fresh = self._states.add(p, group, self._copies.source(p))
+                fresh = self._states.add(p, group, self._copies.source(local_shard(p)))  # FSDP2: its shard
             else:
                 shard = local_shard(p)  # FSDP2: this rank's shard only (one copy of the states on the node)
                 fresh = {"exp_avg": self._copies.host(shard, True), "exp_avg_sq": self._copies.host(shard, True)}
@@ -672,6 +677,8 @@ class CPUAdamW(torch.optim.Optimizer):
                     self._step_group(group, scale, params)
             if self._sharded:  # the next forward's all-gathers read the shards: their weights are back first
                 self._streaming.stream.synchronize()
+                if self._fsdp_feed is not None:
+                    self._fsdp_feed.after_step()
             if self._streaming.sizing_pending or self._gpu.auto:  # Note [Steady step]
                 seen = self._streaming.window_seen()
                 # The share first: the buckets are cut for what stays on the CPU, at a steady step after it.

@@ -76,18 +76,24 @@ def watch(streaming: Any) -> None:
 
     @functools.wraps(_torch_clip)
     def clip_grad_norm_(parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> torch.Tensor:
-        streams = [s.stream for s in list(_watching)]
+        watching = list(_watching)
+        streams = [s.stream for s in watching]
         if not streams:
             return _torch_clip(parameters, max_norm, *args, **kwargs)
         if isinstance(parameters, torch.Tensor):
             parameters = [parameters]
         else:
             parameters = list(parameters)  # a generator is read once, by torch
+        feeds = [s.fsdp_feed for s in watching if s.fsdp_feed is not None]
+        for feed in feeds:  # FSDP2: a change before the clip no counter showed (a GradScaler's unscale) first
+            feed.mark_unseen_changes()
         for s in streams:
             s.begin_clip()
         sharded = _dtensor_grads(parameters)
         total = _torch_clip(parameters, max_norm, *args, **kwargs)
         _show_the_multiply(sharded)
+        for feed in feeds:
+            feed.refresh()
         with torch.no_grad():  # torch's own coefficient, in the norm's dtype
             norm = total.full_tensor() if hasattr(total, "full_tensor") else total  # FSDP2: every rank's shards
             coefficient = float(torch.clamp(max_norm / (norm + 1e-6), max=1.0))

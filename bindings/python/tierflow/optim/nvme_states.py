@@ -27,7 +27,7 @@ LOST_STATE = _C.LOST_STATE_KEY
 
 def state_bytes(p: torch.Tensor, group: dict) -> int:
     """The fp32 state of one parameter: master, exp_avg, exp_avg_sq (and max_exp_avg_sq with amsgrad)."""
-    return _C.optimizer_state_bytes(p.numel(), bool(group["amsgrad"]))
+    return _C.optimizer_state_bytes(local_shard(p).numel(), bool(group["amsgrad"]))  # FSDP2: this rank's shard
 
 
 class StateTier:
@@ -86,7 +86,7 @@ class StateTier:
         """True when p (whose state is ``state``, or None) stepped with this very gradient in a step() that then
         failed for others (Note [NVMe optimizer faults]): a retry must not step it twice."""
         done = self._done.get(p)
-        return (done is not None and p.grad is done[0] and p.grad._version == done[1] and state is not None
+        return (done is not None and p.grad is done[0] and _version(p.grad) == done[1] and state is not None
                 and "step" in state and float(state["step"]) == done[2])
 
     def step_error(self, problems: list, param_groups: list) -> Exception:
@@ -119,14 +119,15 @@ class StateTier:
         """A parameter's NVMe-resident state as CPU tensors, in torch's layout."""
         if "nvme_key" not in state:
             return state
-        n = p.numel()
+        shape = local_shard(p).shape  # FSDP2: this rank's shard
+        n = shape.numel()
         master, m, v = (torch.empty(n, dtype=torch.float32) for _ in range(3))
         vmax = torch.empty(n, dtype=torch.float32) if state.get("amsgrad") else None
         self._runtime.nvme_adam_read(state["nvme_key"], master, m, v, vmax)
-        out = {"step": state["step"], "exp_avg": m.view(p.shape), "exp_avg_sq": v.view(p.shape),
-               "master": master.view(p.shape)}
+        out = {"step": state["step"], "exp_avg": m.view(shape), "exp_avg_sq": v.view(shape),
+               "master": master.view(shape)}
         if vmax is not None:
-            out["max_exp_avg_sq"] = vmax.view(p.shape)
+            out["max_exp_avg_sq"] = vmax.view(shape)
         return out
 
     def materialize_or_mark(self, p: torch.Tensor, state: dict, param_groups: list) -> dict:
@@ -159,8 +160,9 @@ class StateTier:
                 todo = [p for p in todo if id(p) not in unreserved]
         members: list = []  # (param, its state, its gradient on the host, its output, copied back?)
         for p in todo:
-            grad = p.grad.detach()
+            grad = local_shard(p.grad).detach()  # FSDP2: the shard of the reduce-scattered gradient
             check_grad(grad)
+            shard = local_shard(p)
             s = state[p]
             if len(s) == 0:
                 try:
@@ -170,7 +172,7 @@ class StateTier:
                     continue
             elif master_stale:
                 full = self.materialize(p, s)
-                copies.read_into(full["master"], p)
+                copies.read_into(full["master"], shard)
                 s.update({k: v for k, v in full.items() if k != "step"})
                 self.to_nvme(p, s, group)
             if copies.staged(grad):
@@ -181,10 +183,10 @@ class StateTier:
                 grad = grad.reshape(-1)
                 if grad.device.type != "cpu" or not grad.is_contiguous():
                     grad = grad.to("cpu").contiguous()
-            if p.device.type == "cpu" and p.is_contiguous() and not copies.staged(p):
-                out, copy = p.detach().reshape(-1), False
+            if shard.device.type == "cpu" and shard.is_contiguous() and not copies.staged(shard):
+                out, copy = shard.detach().reshape(-1), False
             else:
-                out, copy = copies.staging(p, flat=True), True
+                out, copy = copies.staging(shard, flat=True), True
             members.append((p, s, grad, out, copy))
         for step, batch in _C.group_by_step([int(m[1]["step"].item()) + 1 for m in members]):
             batch = [members[i] for i in batch]
@@ -197,10 +199,18 @@ class StateTier:
                     problems.append((p, i in lost, first_error))
                     continue
                 s["step"] += 1
-                self._done[p] = (p.grad, p.grad._version, float(s["step"]))
+                self._done[p] = (p.grad, _version(p.grad), float(s["step"]))
                 if copy:
-                    copies.write_param(p, out.view(p.shape))
+                    shard = local_shard(p)
+                    copies.write_param(shard, out.view(shard.shape))
         return problems
+
+
+def _version(grad: torch.Tensor) -> int:
+    """A gradient's version; FSDP2's DTensor's with its local tensor's (a foreach op on DTensors moves neither
+    alone: tierflow._fsdp_feed)."""
+    local = getattr(grad, "_local_tensor", None)
+    return grad._version + (local._version if local is not None else 0)
 
 
 def fill_lost_states(state_dict: dict, earlier: dict) -> dict:

@@ -31,6 +31,7 @@ class GradientStreaming:
         self._slot_of: dict = {}            # param -> slot of the C++ stream
         self._slot_params: list = []        # slot -> param
         self._shards: dict = {}             # FSDP2: id(param) -> the local tensor its slot steps
+        self.fsdp_feed: Any = None          # FSDP2: tierflow._fsdp_feed's feed, which the user's clip asks too
         self._python_params: Optional[list] = None  # per group: params that step() handles in Python
         # TIERFLOW_GRAD_BUCKET_BYTES=auto: when it is sized (optimizer/grad_buckets.hpp).
         self._sizing = _C.BucketSizingSchedule(bucket == "auto")
