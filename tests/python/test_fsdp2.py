@@ -535,3 +535,64 @@ def test_dtensor_parameters_of_tensor_parallelism_are_refused(world_of_one):
                                                      r"fully_shard \(FSDP2\) or DistributedDataParallel"):
         tierflow.wrap(model, torch.optim.AdamW(model.parameters()), device="emulated", offload_optimizer="none")
     assert getattr(model, "_tierflow_session", None) is None
+
+
+def _feed_run(overlap: str, loop: str) -> tuple:
+    """An FSDP2 model (each linear layer a unit; the model itself too unless `loop` says otherwise) trained 4
+    steps by tierflow's CPU AdamW, with overlap_step `overlap`, in a training loop of kind `loop`."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = mlp()
+    for i in (0, 2, 4):
+        fully_shard(model[i])
+    if loop != "several roots, accumulation":  # else each unit is a root of its own (FSDP2 allows it)
+        fully_shard(model)
+    model, opt = tierflow.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), device="emulated",
+                               offload_optimizer="host", offload_activations="none", cpu_threads=1,
+                               grad_bucket_bytes="4KiB", overlap_step=overlap)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if loop == "GradScaler, unscale then clip" else None
+    for step in range(4):
+        micro = 2 if loop == "several roots, accumulation" else 1
+        for m in range(micro):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + m))
+            loss = model(x).square().mean()
+            if loop == "a backward that raised" and step == 1:
+                def boom(grad):
+                    raise RuntimeError("boom")
+                loss.register_hook(boom)
+                with pytest.raises(RuntimeError, match="boom"):
+                    loss.backward()
+                opt.zero_grad()
+                continue
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        if scaler is not None:
+            scaler.unscale_(opt)  # a foreach op on FSDP2's DTensor gradients: no version counter moves
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e6)  # binds nowhere: a norm read
+            scaler.step(opt)
+            scaler.update()
+        elif loop != "a backward that raised" or step != 1:
+            opt.step()
+        opt.zero_grad()
+    shards = {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
+    stats = dict(opt.overlap_stats)
+    tierflow.unwrap(model)
+    return shards, stats
+
+
+@pytest.mark.parametrize("loop", ["several roots, accumulation", "GradScaler, unscale then clip",
+                                  "a backward that raised"])
+def test_fsdp2_feed_in_loops_that_change_gradients_or_fail_steps_as_in_step(world_of_one, loop):
+    """Loops a review of the FSDP2 feed (tierflow._fsdp_feed) found wrong: several FSDP2 roots with gradient
+    accumulation (a root reduces in its own final callback, after tierflow's, into the gradient fed from the
+    backward before), a GradScaler's unscale before a clip (a change no version counter shows, then the clip's
+    one that tierflow marks), a backward that raised (the feed goes on at the next). Bit for bit the shards
+    stepped in step() alone, and steps during backward happened (and committed where nothing changed)."""
+    on, stats = _feed_run("on", loop)
+    off, _ = _feed_run("off", loop)
+    for name, shard in off.items():
+        assert torch.equal(on[name], shard), (loop, name, stats)
+    assert stats["early_steps"] > 0, stats
+    if loop == "a backward that raised":
+        assert stats["committed"] >= 3 * 6, stats  # the other three steps' six parameters each
+    if loop == "GradScaler, unscale then clip":
+        assert stats["committed"] == 0, stats  # every gradient was unscaled after it streamed
