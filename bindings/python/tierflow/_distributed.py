@@ -111,14 +111,18 @@ is refused with an error that names it:
   as DDP's reduced buckets are (GradStream::add_fed_parameter, on_reduced);
   what FSDP2 reduces in its final callback (the root unit) is fed from a
   final callback queued after FSDP2's. step() confirms each early step as
-  under DDP (bit for bit the shards stepped in step() alone, tested, with a
-  clip too). The gradient's identity is the DTensor's with the version
+  under DDP (bit for bit the shards stepped in step() alone, tested, with
+  clips, a GradScaler, several FSDP2 roots with accumulation). The
+  gradient's identity, taken at the feed (FSDP2 assigned it before: unlike
+  DDP's, nothing is written back later), is the DTensor's with the version
   counters of both it and its local tensor; a foreach op on DTensors (torch's
   clip, a GradScaler's unscale) moves neither, so the clip wrapper moves it
-  for the clip (Note [Clip picked up]) and step() compares each fed
-  gradient's fingerprint (its norm and sum) with the one it streamed with: a
-  change no counter showed is stepped again from p.grad. Under wrap only
-  (which finds the units); a CPUAdamW made directly steps them in step(). Its
+  for the clip (Note [Clip picked up]), and before the clip and in step()
+  each fed gradient's fingerprint (its norm and sum) is compared with the
+  one it streamed with: a change no counter showed is stepped again from
+  p.grad. On CUDA the feed reads on a stream of its own that waits for
+  FSDP2's post-reduce event (unmeasured). Under wrap only (which finds the
+  units); a CPUAdamW made directly steps them in step(). Its
   state_dict gives each state of a DTensor parameter as a DTensor like the
   parameter (as torch's AdamW's are under FSDP2), so torch.distributed.
   checkpoint saves every rank's shard and loads each back where it belongs
