@@ -596,3 +596,20 @@ def test_fsdp2_feed_in_loops_that_change_gradients_or_fail_steps_as_in_step(worl
         assert stats["committed"] >= 3 * 6, stats  # the other three steps' six parameters each
     if loop == "GradScaler, unscale then clip":
         assert stats["committed"] == 0, stats  # every gradient was unscaled after it streamed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_feeds_fingerprint_sees_a_change_of_one_tiny_element(dtype):
+    """tierflow._fsdp_feed's fingerprint is exact (the sum of the bit patterns): a change no version counter shows
+    is found however small, where a float32 norm and sum round it away (1e-10 beside 1e-3 values)."""
+    from tierflow._fsdp_feed import _fingerprint
+
+    g = torch.full((1 << 20,), 1e-3, dtype=dtype)
+    g[12345] = 1e-10
+    before = _fingerprint(g)
+    assert torch.equal(before, _fingerprint(g.clone()))
+    g[12345] = 0.0
+    assert not torch.equal(before, _fingerprint(g))
+    if dtype == torch.float32:  # what the float fingerprint it replaced could not see
+        assert torch.linalg.vector_norm(g) == torch.linalg.vector_norm(g.clone().index_fill_(0, torch.tensor([12345]),
+                                                                                          1e-10))

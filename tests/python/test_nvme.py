@@ -206,6 +206,32 @@ def test_nvme_optimizer_state_dict_round_trip_and_torch_compat(nvme_dir, device)
         assert torch.equal(v, whole.params[k]), k
 
 
+def test_loading_into_an_optimizer_with_nvme_states_writes_them_in_place(nvme_dir):
+    """load_state_dict over NVMe states (a resume: torch.distributed.checkpoint's set_state_dict steps a fresh
+    optimizer once, making its states, then loads): each parameter's NVMe store takes the loaded state, no
+    second store beside it outside the reserved space; the run goes on as the one never reloaded."""
+    task = gpt_task(dropout=0.0)
+    whole = train(task, 4, True, device="emulated", offload_optimizer="nvme", nvme_paths=nvme_dir,
+                  nvme_memory="128MiB")
+    torch.manual_seed(0)
+    model = task.model_on("emulated")
+    model, opt = tierflow.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01),
+                               device="emulated", offload_optimizer="nvme", nvme_paths=nvme_dir, nvme_memory="128MiB")
+    for i in range(2):
+        task.loss(model, task.batch_on(i, "emulated")).backward()
+        opt.step()
+        opt.zero_grad()
+    keys = {id(p): s["nvme_key"] for p, s in opt.state.items()}
+    opt.load_state_dict(opt.state_dict())
+    assert {id(p): s["nvme_key"] for p, s in opt.state.items()} == keys
+    for i in range(2, 4):
+        task.loss(model, task.batch_on(i, "emulated")).backward()
+        opt.step()
+        opt.zero_grad()
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, whole.params[k]), k
+
+
 def test_nvme_optimizer_write_failure_keeps_state(nvme_dir):
     faults = tierflow._C.NvmeFaults()
     task = gpt_task(dropout=0.0)

@@ -118,7 +118,7 @@ is refused with an error that names it:
   counters of both it and its local tensor; a foreach op on DTensors (torch's
   clip, a GradScaler's unscale) moves neither, so the clip wrapper moves it
   for the clip (Note [Clip picked up]), and before the clip and in step()
-  each fed gradient's fingerprint (its norm and sum) is compared with the
+  each fed gradient's fingerprint (the sum of its bit patterns) is compared with the
   one it streamed with: a change no counter showed is stepped again from
   p.grad. On CUDA the feed reads on a stream of its own that waits for
   FSDP2's post-reduce event (unmeasured). Under wrap only (which finds the

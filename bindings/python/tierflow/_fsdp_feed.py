@@ -111,6 +111,8 @@ class FsdpFeed:
         shard = streaming.shard_of(p)
         if shard is None or not _same_memory(local_shard(p), shard) or local.shape != shard.shape:
             return  # FSDP2 gave the parameter a new local tensor: step() steps it from p.grad
+        if local.is_cuda:  # read on the feed's stream: the allocator keeps its block until that work is done
+            local.record_stream(torch.cuda.current_stream(local.device))
         self._fed[id(p)] = (grad, version, _fingerprint(local))  # held while p.grad holds it (sync_grads lets go)
         shard.grad = local
         if local.is_contiguous():
@@ -130,6 +132,7 @@ class FsdpFeed:
     def after_step(self) -> None:
         """step() confirmed this window: the shards let go of its gradients (model.zero_grad() does not reach
         them), and the next backward's are new."""
+        self.join()
         self._fed.clear()
         opt = self.optimizer()
         streaming = opt._streaming if opt is not None else None
@@ -158,9 +161,9 @@ class FsdpFeed:
         fed = [(p, f) for _unit, params in self.units for p in params
                if (f := self._fed.get(id(p))) is not None and p.grad is f[0]
                and f[0]._version + local_shard(f[0])._version == f[1]]
+        self.join()
         if not fed:
             return 0
-        self.join()
         with torch.no_grad():
             now = torch.stack([_fingerprint(local_shard(p.grad)) for p, _f in fed]).cpu()
             then = torch.stack([f[2] for _p, f in fed]).cpu()
@@ -221,12 +224,15 @@ def _wait_post_reduce(unit: torch.nn.Module, stream: Any) -> bool:
     return True
 
 
+_BITS = {8: torch.int64, 4: torch.int32, 2: torch.int16}
+
+
 def _fingerprint(local: torch.Tensor) -> torch.Tensor:
-    """Two float32 figures of a gradient's values (its L2 norm and its sum), on its device, one pass each at
-    memory speed: a change of them between the feed and step() is a change no version counter showed
-    (mark_unseen_changes). A change that keeps both (a permutation) is not one a training loop makes."""
+    """The sum of a gradient's bit patterns, as integers (exact: one pass, no rounding, the same for the same
+    values whatever the order), on its device: a change of it between the feed and step() is a change no
+    version counter showed (mark_unseen_changes). Any change but one that keeps that sum (values swapped)."""
     with torch.no_grad():
-        return torch.stack([torch.linalg.vector_norm(local, dtype=torch.float32), local.sum(dtype=torch.float32)])
+        return local.view(_BITS[local.element_size()]).sum(dtype=torch.int64).reshape(1)
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -509,6 +509,8 @@ class CPUAdamW(torch.optim.Optimizer):
         # torch casts state to the parameter's dtype; keep the fp32 originals (FSDP2: this rank's shards).
         originals = {k: {n: local_shard(v) for n, v in s.items() if n in _STATE_KEYS}
                      for k, s in state_dict["state"].items()}
+        # States on NVMe: torch replaces self.state; each parameter's NVMe store (reserved) takes its loaded state.
+        stores = {p: (s["nvme_key"], s.get("amsgrad")) for p, s in self.state.items() if "nvme_key" in s}
         groups, dicts = self.param_groups, list(self.param_groups)
         super().load_state_dict(state_dict)
         # torch puts fresh group dicts in a fresh list; keep the shared ones (Note [Shared param groups]).
@@ -545,6 +547,9 @@ class CPUAdamW(torch.optim.Optimizer):
                 step = state.get("step", 0.0)
                 state["step"] = torch.tensor(float(step), dtype=torch.float32)
                 if self._states.nvme:
+                    store = stores.get(p)
+                    if store is not None and store[1] == bool(group["amsgrad"]):
+                        state["nvme_key"] = store[0]  # written in place, not a second store beside it
                     self._states.reserve([(p, group)])
                     self._states.to_nvme(p, state, group)
                 else:
