@@ -125,8 +125,6 @@ class CPUAdamW(torch.optim.Optimizer):
         self._sharded = self._check_sharding(cfg)
         # Why steps during backward are off for the rest of the run (DDP: Note [Distributed training]), or None.
         self._steps_after_backward: Optional[str] = None
-        # FSDP2: the feed of each unit's reduce-scattered gradients (tierflow._fsdp_feed), once wrap shows the units.
-        self._fsdp_feed: Any = None
         if self._sharded and self._overlap:
             self._overlap = False
             self._steps_after_backward = ("FSDP2's shards step during backward under tierflow.wrap only, which finds "
@@ -195,8 +193,15 @@ class CPUAdamW(torch.optim.Optimizer):
         self._overlap, self._steps_after_backward = True, None
         self._start_streaming(self._runtime, cfg)
         units = [(u, [p for p in params if self._streaming.carries(p)]) for u, params in fsdp_units(model)]
-        self._fsdp_feed = fsdp_feed.attach(model, self, [(u, ps) for u, ps in units if ps])
-        self._streaming.fsdp_feed = self._fsdp_feed  # the user's clip asks it too (Note [Clip picked up])
+        # Kept by the stream, which the user's clip asks too (Note [Clip picked up]).
+        self._streaming.fsdp_feed = fsdp_feed.attach(model, self, [(u, ps) for u, ps in units if ps])
+
+    @property
+    def _fsdp_feed(self) -> Any:
+        """FSDP2: the feed of each unit's reduce-scattered gradients (tierflow._fsdp_feed), once wrap showed the
+        units; None otherwise."""
+        streaming = getattr(self, "_streaming", None)
+        return streaming.fsdp_feed if streaming is not None else None
 
     def detach_model(self) -> None:
         """tierflow.unwrap: the FSDP2 feed's hooks go (its shards step in step() from now on)."""
@@ -509,8 +514,7 @@ class CPUAdamW(torch.optim.Optimizer):
         # torch casts state to the parameter's dtype; keep the fp32 originals (FSDP2: this rank's shards).
         originals = {k: {n: local_shard(v) for n, v in s.items() if n in _STATE_KEYS}
                      for k, s in state_dict["state"].items()}
-        # States on NVMe: torch replaces self.state; each parameter's NVMe store (reserved) takes its loaded state.
-        stores = {p: (s["nvme_key"], s.get("amsgrad")) for p, s in self.state.items() if "nvme_key" in s}
+        stores = self._states.stores(self.state)  # torch replaces self.state: the NVMe stores are written again
         groups, dicts = self.param_groups, list(self.param_groups)
         super().load_state_dict(state_dict)
         # torch puts fresh group dicts in a fresh list; keep the shared ones (Note [Shared param groups]).
@@ -547,11 +551,8 @@ class CPUAdamW(torch.optim.Optimizer):
                 step = state.get("step", 0.0)
                 state["step"] = torch.tensor(float(step), dtype=torch.float32)
                 if self._states.nvme:
-                    store = stores.get(p)
-                    if store is not None and store[1] == bool(group["amsgrad"]):
-                        state["nvme_key"] = store[0]  # written in place, not a second store beside it
                     self._states.reserve([(p, group)])
-                    self._states.to_nvme(p, state, group)
+                    self._states.to_nvme(p, state, group, stores.get(p))
                 else:
                     self._register_state(p)
         self._master_stale = reconcile

@@ -13,7 +13,7 @@ keeps what touches tensors: which parameters, their gradients and states.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
@@ -101,9 +101,18 @@ class StateTier:
         return {"nvme_key": self._runtime.nvme_adam_add(master, bool(group["amsgrad"])),
                 "amsgrad": bool(group["amsgrad"])}
 
-    def to_nvme(self, p: torch.Tensor, state: dict, group: dict) -> None:
-        """Moves a parameter's state tensors into the NVMe store (in place of the tensors)."""
+    @staticmethod
+    def stores(state: Any) -> dict:
+        """The NVMe stores of an optimizer's ``state``, {param: (key, amsgrad)}: to_nvme writes a loaded state into
+        its parameter's store, not a second, unreserved one beside it (load_state_dict replaces the states)."""
+        return {p: (s["nvme_key"], s.get("amsgrad")) for p, s in state.items() if "nvme_key" in s}
+
+    def to_nvme(self, p: torch.Tensor, state: dict, group: dict, store: Optional[tuple] = None) -> None:
+        """Moves a parameter's state tensors into the NVMe store (in place of the tensors): ``store``'s (stores())
+        when it has the room (the same amsgrad), else a new one."""
         amsgrad = bool(group["amsgrad"])
+        if store is not None and store[1] == amsgrad and "nvme_key" not in state:
+            state["nvme_key"] = store[0]
         flat = lambda t: t.detach().reshape(-1).to(torch.float32).contiguous()  # noqa: E731
         master = flat(state.pop("master"))
         m, v = flat(state.pop("exp_avg")), flat(state.pop("exp_avg_sq"))
