@@ -26,6 +26,7 @@
 #include "tierflow/optimizer/grad_buckets.hpp"
 #include "tierflow/optimizer/roofline.hpp"
 #include "tierflow/swap/nvme_probe.hpp"
+#include "tierflow/tiering/tiers.hpp"
 
 namespace py = pybind11;
 using namespace tierflow;
@@ -148,6 +149,12 @@ PYBIND11_MODULE(_C, m) {
     const auto given = Config::from_environment(to_string_map(overrides)).given;
     return std::vector<std::string>(given.begin(), given.end());
   }, "The TIERFLOW_* variables the environment plus `overrides` set (the others hold the table's defaults).");
+  m.def("fsdp_settings_refusal", [](const py::dict& config, bool cpu_optimizer, bool cpu_offload_policy) -> py::object {
+    const std::string why =
+        tiering::fsdp_settings_refusal(Config::parse(to_string_map(config)), cpu_optimizer, cpu_offload_policy);
+    return why.empty() ? py::none() : py::cast(why);
+  }, py::arg("config"), py::arg("cpu_optimizer"), py::arg("cpu_offload_policy") = false,
+     "What FSDP2 cannot train with these settings (a Runtime's config()), ending with what it accepts; or None.");
   m.def("cuda_compiled", &allocator::cuda_compiled, "Whether the CUDA backend was compiled in.");
   m.def("cuda_available", &allocator::cuda_available, "Whether a CUDA GPU is usable.");
   m.def("push_no_offload", &push_no_offload);

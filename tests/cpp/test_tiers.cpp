@@ -82,6 +82,41 @@ TEST(TierSettings, SettingsThisVersionCannotServeAreRefused) {
   EXPECT_NE(m.find("'/no/such/tierflow/dir' is not an accessible directory"), std::string::npos) << m;
 }
 
+TEST(TierSettings, FsdpRefusesWhatWouldMoveItsShardsAndSaysWhatItAccepts) {
+  const std::string accepted = "accepted with FSDP2: TIERFLOW_OFFLOAD_OPTIMIZER=host";
+  // What FSDP2 trains: the defaults with tierflow's CPU optimizer or the user's, any activation setting.
+  for (bool cpu_optimizer : {false, true}) {
+    EXPECT_EQ(fsdp_settings_refusal(config({}), cpu_optimizer), "");
+    for (const char* activations : {"none", "host", "recompute", "auto"})
+      EXPECT_EQ(fsdp_settings_refusal(config({{"TIERFLOW_OFFLOAD_ACTIVATIONS", activations}}), cpu_optimizer), "");
+    EXPECT_EQ(fsdp_settings_refusal(config({{"TIERFLOW_GPU_OPTIMIZER_FRACTION", "0"}}), cpu_optimizer), "");
+    // Parameter offload would move the shards whoever steps them.
+    const std::string why = fsdp_settings_refusal(config({{"TIERFLOW_OFFLOAD_PARAMS", "host"}}), cpu_optimizer);
+    EXPECT_NE(why.find("TIERFLOW_OFFLOAD_PARAMS='host' would move the parameters FSDP2 shards"), std::string::npos)
+        << why;
+    EXPECT_NE(why.find(accepted), std::string::npos) << why;
+  }
+  // Gradients freed during backward and an explicit GPU share: refused only where the CPU optimizer steps.
+  const Config grads = config({{"TIERFLOW_OFFLOAD_GRADIENTS", "on"}});
+  EXPECT_EQ(fsdp_settings_refusal(grads, false), "");
+  std::string why = fsdp_settings_refusal(grads, true);
+  EXPECT_NE(why.find("TIERFLOW_OFFLOAD_GRADIENTS='on' frees gradients during backward"), std::string::npos) << why;
+  EXPECT_NE(why.find(accepted), std::string::npos) << why;
+  const Config share = config({{"TIERFLOW_GPU_OPTIMIZER_FRACTION", "0.25"}});
+  EXPECT_EQ(fsdp_settings_refusal(share, false), "");
+  why = fsdp_settings_refusal(share, true);
+  EXPECT_NE(why.find("TIERFLOW_GPU_OPTIMIZER_FRACTION=0.25 would step part of FSDP2's shards"), std::string::npos)
+      << why;
+  EXPECT_NE(why.find("TIERFLOW_GPU_OPTIMIZER_FRACTION=auto or 0"), std::string::npos) << why;
+  // FSDP2's own CPU offload: the user's optimizer steps its host shards; tierflow's would own them too.
+  EXPECT_EQ(fsdp_settings_refusal(config({}), false, true), "");
+  EXPECT_EQ(fsdp_settings_refusal(config({{"TIERFLOW_OFFLOAD_OPTIMIZER", "none"}}), false, true), "");
+  why = fsdp_settings_refusal(config({}), true, true);
+  EXPECT_NE(why.find("TIERFLOW_OFFLOAD_OPTIMIZER='host' beside FSDP2's CPUOffloadPolicy"), std::string::npos) << why;
+  EXPECT_NE(why.find("TIERFLOW_OFFLOAD_OPTIMIZER=none"), std::string::npos) << why;
+  EXPECT_EQ(fsdp_settings_refusal(config({}), true, false), "");
+}
+
 TEST(TierSettings, ParameterOffloadIsRefusedOnlyBesideSettingsItCannotServe) {
   EXPECT_EQ(params_offload_refusal(config({})), "");
   EXPECT_EQ(params_offload_refusal(config({{"TIERFLOW_OFFLOAD_PARAMS", "host"}})), "");

@@ -511,6 +511,42 @@ def test_the_cpu_optimizer_over_a_partly_sharded_model_is_refused(world_of_one):
     assert type(opt) is torch.optim.AdamW
 
 
+def _cpu_offloaded_mlp() -> nn.Module:
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    model = mlp()
+    for i in (0, 2, 4):
+        fully_shard(model[i], offload_policy=CPUOffloadPolicy(pin_memory=False))
+    return fully_shard(model, offload_policy=CPUOffloadPolicy(pin_memory=False))
+
+
+def test_fsdp2_cpu_offload_policy_with_the_cpu_optimizer_is_refused_and_with_the_users_trains_as_alone(world_of_one):
+    """FSDP2's CPUOffloadPolicy keeps the shards and their gradients on the host itself: tierflow's CPU AdamW beside
+    it would own the same host copies, refused at wrap (naming it and what to do) with nothing left behind; the
+    user's optimizer stepping FSDP2's host shards, with tierflow's activation offload, trains bit for bit as FSDP2
+    alone."""
+    model = _cpu_offloaded_mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    hooks = module_hooks(model)
+    with pytest.raises(tierflow.TierflowError, match=r"TIERFLOW_OFFLOAD_OPTIMIZER='host' beside FSDP2's "
+                                                     r"CPUOffloadPolicy.*TIERFLOW_OFFLOAD_OPTIMIZER=none"):
+        tierflow.wrap(model, opt, device="emulated")
+    assert getattr(model, "_tierflow_session", None) is None and module_hooks(model) == hooks
+    assert type(opt) is torch.optim.AdamW and opt.state == {}
+
+    alone = train_steps(model, opt, steps=3)
+    model = _cpu_offloaded_mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = tierflow.wrap(model, opt, device="emulated", offload_optimizer="none", offload_activations="host",
+                               min_offload_bytes=0)
+    try:
+        assert type(opt) is torch.optim.AdamW
+        assert train_steps(model, opt, steps=3) == alone
+        assert tierflow.report()["activations"]["offloaded_blocks"] > 0
+    finally:
+        tierflow.unwrap(model)
+
+
 def test_optimizer_holding_dtensor_parameters_is_refused(world_of_one):
     """An optimizer of another, sharded model: its DTensors are not the wrapped model's."""
     from torch.distributed.fsdp import fully_shard

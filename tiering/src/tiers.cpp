@@ -70,6 +70,34 @@ std::string params_offload_refusal(const Config& config) {
   }
 }
 
+std::string fsdp_settings_refusal(const Config& config, bool cpu_optimizer, bool cpu_offload_policy) {
+  std::string why;
+  if (config.offload_params != OffloadTarget::kNone) {
+    why = "TIERFLOW_OFFLOAD_PARAMS='" + std::string(to_string(config.offload_params)) +
+          "' would move the parameters FSDP2 shards and gathers itself";
+  } else if (cpu_optimizer && config.offload_gradients) {
+    why = "TIERFLOW_OFFLOAD_GRADIENTS='on' frees gradients during backward, where FSDP2 reduce-scatters them itself";
+  } else if (cpu_optimizer && !config.gpu_optimizer_fraction_auto && config.gpu_optimizer_fraction > 0.0) {
+    char fraction[32];
+    std::snprintf(fraction, sizeof fraction, "%g", config.gpu_optimizer_fraction);
+    why = std::string("TIERFLOW_GPU_OPTIMIZER_FRACTION=") + fraction +
+          " would step part of FSDP2's shards on the GPU, which the GPU share does not take yet";
+  } else if (cpu_optimizer && cpu_offload_policy) {
+    why = "TIERFLOW_OFFLOAD_OPTIMIZER='" + std::string(to_string(config.offload_optimizer)) +
+          "' beside FSDP2's CPUOffloadPolicy (fully_shard's offload_policy): both would own the shards' host copies "
+          "(FSDP2 copies the gradients there asynchronously, which tierflow's step has not been verified against); "
+          "for states on the host, shard without offload_policy and let tierflow's CPU AdamW keep them, or keep "
+          "FSDP2's CPUOffloadPolicy with TIERFLOW_OFFLOAD_OPTIMIZER=none";
+  }
+  if (why.empty()) return why;
+  return why +
+         "; accepted with FSDP2: TIERFLOW_OFFLOAD_OPTIMIZER=host (tierflow's CPU AdamW steps each rank's shard, "
+         "during backward: one copy of the states on the node), nvme (the same in step(), each rank's states in its "
+         "own swap files) or none (your optimizer steps the shards), TIERFLOW_OFFLOAD_PARAMS=none, "
+         "TIERFLOW_OFFLOAD_GRADIENTS=off, TIERFLOW_GPU_OPTIMIZER_FRACTION=auto or 0, and any "
+         "TIERFLOW_OFFLOAD_ACTIVATIONS";
+}
+
 std::string params_optimizer_refusal(const Config& config, bool cuda, bool cpu_optimizer) {
   if (config.offload_params == OffloadTarget::kNone || cpu_optimizer || !cuda) return {};
   return "TIERFLOW_OFFLOAD_PARAMS='" + std::string(to_string(config.offload_params)) +

@@ -136,8 +136,12 @@ is refused with an error that names it:
   optimizer over a model only partly under fully_shard is refused (its plain
   parameters' gradients are not reduced), also when a CPUAdamW is made
   directly, which applies the same refusals as wrap. Refused with FSDP2, in either order,
-  with the setting named and what FSDP2 accepts:
-  TIERFLOW_OFFLOAD_GRADIENTS=on, an explicit TIERFLOW_GPU_OPTIMIZER_FRACTION,
+  with the setting named and what FSDP2 accepts (the rule, torch-free:
+  tiering::fsdp_settings_refusal): TIERFLOW_OFFLOAD_GRADIENTS=on, an explicit
+  TIERFLOW_GPU_OPTIMIZER_FRACTION and FSDP2's own CPUOffloadPolicy beside the
+  CPU optimizer (both would own the shards' host copies; with
+  TIERFLOW_OFFLOAD_OPTIMIZER=none the user's optimizer steps FSDP2's host
+  shards and the activations offload, tested bit for bit on one rank),
   parameter offload (FSDP2 moves its parameters itself), and fully_shard
   after a wrap that made the CPU optimizer (made for the parameters before
   sharding). DTensor parameters without an FSDP2 module (tensor parallelism)
@@ -213,6 +217,16 @@ def fsdp_modules(model: torch.nn.Module) -> list:
     return [] if fsdp is None else [m for m in model.modules() if isinstance(m, fsdp)]
 
 
+def fsdp_cpu_offloaded(model: torch.nn.Module) -> bool:
+    """Whether a unit of ``model`` was sharded with FSDP2's CPUOffloadPolicy (fully_shard's offload_policy)."""
+    policy = _class("torch.distributed.fsdp", "CPUOffloadPolicy")
+    for unit in fsdp_modules(model):
+        group = getattr(unit._get_fsdp_state(), "_fsdp_param_group", None)  # None: a unit with no parameters
+        if policy is not None and isinstance(getattr(group, "offload_policy", None), policy):
+            return True
+    return False
+
+
 def fsdp_units(model: torch.nn.Module) -> list:
     """[(an FSDP2 module of ``model``, its own parameters)] in module order: a unit's parameters are those outside
     the fully_shard modules within it (FSDP2 gathers and reduces them together)."""
@@ -264,32 +278,6 @@ def rank_shard_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def fsdp_settings_refusal(config: Any, replacing: bool) -> Optional[str]:
-    """Why these settings cannot train an FSDP2 model, or None (Note [Distributed training]). ``replacing``:
-    tierflow's CPU optimizer takes an optimizer's place (one was passed to wrap, and TIERFLOW_OFFLOAD_OPTIMIZER
-    is not none); it steps each rank's shard (during backward, under wrap)."""
-    optimizer, params = config["TIERFLOW_OFFLOAD_OPTIMIZER"], config["TIERFLOW_OFFLOAD_PARAMS"]
-    if params != "none":
-        return f"TIERFLOW_OFFLOAD_PARAMS={params!r} would move the parameters FSDP2 shards and gathers itself"
-    if not replacing:
-        return None
-    if config["TIERFLOW_OFFLOAD_GRADIENTS"] == "on":
-        return ("TIERFLOW_OFFLOAD_GRADIENTS='on' frees gradients during backward, where FSDP2 reduce-scatters "
-                "them itself")
-    fraction = config["TIERFLOW_GPU_OPTIMIZER_FRACTION"]
-    if fraction != "auto" and float(fraction) > 0:
-        return (f"TIERFLOW_GPU_OPTIMIZER_FRACTION={fraction} would step part of FSDP2's shards on the GPU, which "
-                "the GPU share does not take yet")
-    return None
-
-
-FSDP_ACCEPTED = ("accepted with FSDP2: TIERFLOW_OFFLOAD_OPTIMIZER=host (tierflow's CPU AdamW steps each rank's "
-                  "shard, during backward: one copy of the states on the node), nvme (the same in step(), "
-                  "each rank's states in its own swap files) or none (your optimizer steps the "
-                  "shards), TIERFLOW_OFFLOAD_PARAMS=none, TIERFLOW_OFFLOAD_GRADIENTS=off, "
-                  "TIERFLOW_GPU_OPTIMIZER_FRACTION=auto or 0, and any TIERFLOW_OFFLOAD_ACTIVATIONS")
-
-
 def refuse_sharded(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], config: Any) -> None:
     """tierflow.wrap, before anything is made: an FSDP2 model with settings that cannot train it, DTensor
     parameters that FSDP2 did not make (tensor parallelism), and an optimizer holding DTensors of another
@@ -297,12 +285,11 @@ def refuse_sharded(model: torch.nn.Module, optimizer: Optional[torch.optim.Optim
     modules, params = _sharded(model)
     if modules:
         replacing = optimizer is not None and config["TIERFLOW_OFFLOAD_OPTIMIZER"] != "none"
-        why = fsdp_settings_refusal(config, replacing)
+        why = _C.fsdp_settings_refusal(dict(config), replacing, fsdp_cpu_offloaded(model))  # ends with what it accepts
         if why is not None:
             raise _C.TierflowError(
                 "tierflow.wrap: the model is sharded by torch.distributed.fsdp.fully_shard (FSDP2): "
-                f"{_some(modules)} {'is an FSDPModule' if len(modules) == 1 else 'are FSDPModules'}, and {why}; "
-                f"{FSDP_ACCEPTED}")
+                f"{_some(modules)} {'is an FSDPModule' if len(modules) == 1 else 'are FSDPModules'}, and {why}")
         return  # its DTensors are FSDP2's shards, stepped by the user's optimizer
     if params:
         raise _C.TierflowError(
@@ -328,7 +315,7 @@ def refuse_sharded_later(model: torch.nn.Module, config: Any, cpu_optimizer: boo
     if not modules and not params:
         return []
     if modules:
-        why = fsdp_settings_refusal(config, False)
+        why = _C.fsdp_settings_refusal(dict(config), False)  # ends with what FSDP2 accepts; cpu_optimizer below
         if why is None and cpu_optimizer:
             why = ("tierflow's CPU optimizer, made at wrap, holds the parameters as they were before sharding; "
                    "call fully_shard before tierflow.wrap")
@@ -336,15 +323,15 @@ def refuse_sharded_later(model: torch.nn.Module, config: Any, cpu_optimizer: boo
             return fsdp_modules(model)
         what = ("torch.distributed.fsdp.fully_shard (FSDP2) was applied to the model after tierflow.wrap "
                 f"({_some(modules)} {'is an FSDPModule' if len(modules) == 1 else 'are FSDPModules'}), and {why}")
-        advice = FSDP_ACCEPTED
+        advice = None
     else:
         what = (f"{len(params)} of the model's parameters became DTensors after tierflow.wrap ({_some(params)}) and "
                 "no module of it is an FSDP2 module, as tensor parallelism makes them; tierflow does not support "
                 "tensor parallelism")
         advice = _TP_ADVICE
     raise _C.TierflowError(
-        f"tierflow: {what} (this forward was stopped before tierflow saved anything); {advice}; or call "
-        "tierflow.unwrap(model) to train it without tierflow")
+        f"tierflow: {what} (this forward was stopped before tierflow saved anything); {advice + '; ' if advice else ''}"
+        "or call tierflow.unwrap(model) to train it without tierflow")
 
 
 # -- DDP: the steps during backward fed the reduced gradients ----------------------

@@ -33,7 +33,7 @@ import torch
 
 from .. import _C
 from .. import _fsdp_feed as fsdp_feed
-from .._distributed import FSDP_ACCEPTED, fsdp_settings_refusal, fsdp_units, note_step, rank_and_world_size
+from .._distributed import fsdp_units, note_step, rank_and_world_size
 from . import clip
 from .accepted import GRAD_DTYPES, check_grad, check_replaceable
 from .copies import DeviceCopies, local_shard
@@ -261,9 +261,11 @@ class CPUAdamW(torch.optim.Optimizer):
                 f"shards and {len(plain)} are not ({', '.join(repr(n) for n in plain[:3])}"
                 f"{' and more' if len(plain) > 3 else ''}): the model is only partly under fully_shard; accepted: "
                 "fully_shard on the model too (its root), or TIERFLOW_OFFLOAD_OPTIMIZER=none")
-        why = fsdp_settings_refusal(cfg, True)
+        # FSDP2's CPUOffloadPolicy keeps the shards on the host: on CUDA, a host shard is its (without the model).
+        host_shards = self._runtime.device == "cuda" and any(local_shard(p).device.type == "cpu" for p in sharded)
+        why = _C.fsdp_settings_refusal(dict(cfg), True, host_shards)  # ends with what FSDP2 accepts
         if why is not None:
-            raise _C.ConfigError(f"tierflow's CPU optimizer over FSDP2's shards: {why}; {FSDP_ACCEPTED}")
+            raise _C.ConfigError(f"tierflow's CPU optimizer over FSDP2's shards: {why}")
         return True
 
     def use_host_copies(self, offload: Any) -> None:
