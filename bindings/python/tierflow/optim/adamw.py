@@ -479,6 +479,22 @@ class CPUAdamW(torch.optim.Optimizer):
             out[name] = v
         return out
 
+    def _check_loadable(self, state_dict: dict) -> Any:
+        """Refuses, before anything changes, a state dict with states marked lost (Note [NVMe optimizer faults])
+        and one of another partition's share (Note [Partitioned optimizer]); returns its share's layout."""
+        lost = [k for k, s in state_dict.get("state", {}).items() if isinstance(s, dict) and LOST_STATE in s]
+        if lost:
+            params = [p for g in self.param_groups for p in g["params"]]
+            raise _C.TierflowError(_C.lost_states_refusal(
+                [self._states.describe(params[k], self.param_groups) if isinstance(k, int) and k < len(params)
+                 else repr(k) for k in lost]))
+        layout = state_dict.get(LAYOUT_KEY)
+        if self._partition is not None:
+            self._partition.check_loaded(_states_by_param(state_dict, self.param_groups), layout)
+        elif layout is not None and not self.partition_pending():
+            raise _C.TierflowError(_C.partition_layout_refusal(layout, None))
+        return layout
+
     def _master_from(self, saved: Optional[torch.Tensor], p: torch.Tensor) -> torch.Tensor:
         # A saved master is used only where it is consistent with the parameter:
         # a checkpoint that went through torch.optim may carry a stale one.
@@ -492,17 +508,7 @@ class CPUAdamW(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Loads a CPUAdamW or torch Adam/AdamW state dict, keeping fp32 precision. Refuses one with
         states marked lost (Note [NVMe optimizer faults]), naming them."""
-        lost = [k for k, s in state_dict.get("state", {}).items() if isinstance(s, dict) and LOST_STATE in s]
-        if lost:
-            params = [p for g in self.param_groups for p in g["params"]]
-            raise _C.TierflowError(_C.lost_states_refusal(
-                [self._states.describe(params[k], self.param_groups) if isinstance(k, int) and k < len(params)
-                 else repr(k) for k in lost]))
-        layout = state_dict.get(LAYOUT_KEY)
-        if self._partition is not None:  # refused before anything changes: not this rank's share
-            self._partition.check_loaded(_states_by_param(state_dict, self.param_groups), layout)
-        elif layout is not None and not self.partition_pending():
-            raise _C.TierflowError(_C.partition_layout_refusal(layout, None))
+        layout = self._check_loadable(state_dict)
         if self._streaming is not None:
             self._wait_worker()
             self._streaming.stream.restore_grads()  # the next step() still takes this backward's gradients
@@ -532,32 +538,37 @@ class CPUAdamW(torch.optim.Optimizer):
             self._loaded_layout = layout
         for group, saved in zip(self.param_groups, state_dict["param_groups"]):
             for p, key in zip(group["params"], saved["params"]):
-                if p not in self.state or key not in originals:
-                    continue
-                state = self.state[p]
-                shard = local_shard(p)  # FSDP2: this rank's shard
-                for name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
-                    if name in originals[key]:
-                        fresh = self._copies.host(shard, False)
-                        fresh.copy_(originals[key][name])
-                        state[name] = fresh
-                if group["amsgrad"] and "max_exp_avg_sq" not in state:
-                    state["max_exp_avg_sq"] = self._copies.host(shard, True)
-                master = self._copies.host(shard, False)
-                saved = originals[key].get("master")
-                if reconcile and saved is not None and saved.shape == shard.shape:
-                    master.copy_(saved)  # the next step keeps it where the parameter is its rounding
-                else:
-                    master.copy_(self._master_from(saved, shard))
-                state["master"] = master
-                step = state.get("step", 0.0)
-                state["step"] = torch.tensor(float(step), dtype=torch.float32)
-                if self._states.nvme:
-                    self._states.reserve([(p, group)])
-                    self._states.to_nvme(p, state, group, stores.get(p))
-                else:
-                    self._register_state(p)
+                if p in self.state and key in originals:
+                    self._restore_state(p, group, originals[key], reconcile, stores.get(p))
         self._master_stale = reconcile
+
+    def _restore_state(self, p: torch.Tensor, group: dict, original: dict, reconcile: bool, store: Any) -> None:
+        """After torch's load: p's state in fp32 host tensors of its own (``original``: the loaded fp32 states,
+        which torch cast to p's dtype), a master (the loaded one where it is consistent, or taken as it is when
+        ``reconcile``: the next step checks it against p), and back to its tier (``store``: the NVMe store it had
+        before the load, written in place)."""
+        state = self.state[p]
+        shard = local_shard(p)  # FSDP2: this rank's shard
+        for name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+            if name in original:
+                fresh = self._copies.host(shard, False)
+                fresh.copy_(original[name])
+                state[name] = fresh
+        if group["amsgrad"] and "max_exp_avg_sq" not in state:
+            state["max_exp_avg_sq"] = self._copies.host(shard, True)
+        master = self._copies.host(shard, False)
+        saved = original.get("master")
+        if reconcile and saved is not None and saved.shape == shard.shape:
+            master.copy_(saved)  # the next step keeps it where the parameter is its rounding
+        else:
+            master.copy_(self._master_from(saved, shard))
+        state["master"] = master
+        state["step"] = torch.tensor(float(state.get("step", 0.0)), dtype=torch.float32)
+        if self._states.nvme:
+            self._states.reserve([(p, group)])
+            self._states.to_nvme(p, state, group, store)
+        else:
+            self._register_state(p)
 
     # -- step during backward (Note [Step during backward]) ----------------------
     @staticmethod
@@ -722,34 +733,8 @@ class CPUAdamW(torch.optim.Optimizer):
         for p in group["params"] if params is None else params:
             if p.grad is not None and id(p) in gpu:
                 on_gpu.append(p)
-                continue
-            if p.grad is None:
-                continue
-            grad = local_shard(p.grad)
-            check_grad(grad)
-            state = self.state[p]
-            if len(state) == 0:
-                state = self._init_state(p, group)
-            elif self._master_stale:
-                self._reconcile_master(state["master"], local_shard(p))
-            state["step"] += 1
-            if self._copies.staged(grad):
-                host_grad, transfer, src = self._copies.fetch(grad)
-                fetches.append((transfer, src))  # all gradients in flight at once; waited below
-            else:
-                host_grad = grad.detach()
-                if host_grad.device.type != "cpu" or not host_grad.is_contiguous():
-                    host_grad = host_grad.to("cpu").contiguous()
-            home = self._copies.home(p)
-            shard = local_shard(p)
-            if home is not None:
-                out = home  # the next forward fetches it (Note [Optimizer copies])
-            elif shard.device.type == "cpu" and shard.is_contiguous() and not self._copies.staged(shard):
-                out = shard.detach()
-            else:
-                out = self._copies.staging(shard)
-                copy_back.append((shard, out))
-            members.append((state, host_grad, out))
+            elif p.grad is not None:
+                members.append(self._member(p, group, fetches, copy_back))
         if scale != 1.0:
             options = dict(options, grad_scale=scale)
         if on_gpu:
@@ -765,6 +750,37 @@ class CPUAdamW(torch.optim.Optimizer):
                                     [g for _, g, _ in batch], [out for _, _, out in batch])
         for p, out in copy_back:
             self._copies.write_param(p, out)
+
+
+    def _member(self, p: torch.Tensor, group: dict, fetches: list, copy_back: list) -> tuple:
+        """p's part of a step on the host: (its state, its step counted; its gradient on the host, whose copy is
+        put in ``fetches`` when it is in flight; where the kernel writes its new weights, put in ``copy_back``
+        when that is a staging buffer to copy into p)."""
+        grad = local_shard(p.grad)
+        check_grad(grad)
+        state = self.state[p]
+        if len(state) == 0:
+            state = self._init_state(p, group)
+        elif self._master_stale:
+            self._reconcile_master(state["master"], local_shard(p))
+        state["step"] += 1
+        if self._copies.staged(grad):
+            host_grad, transfer, src = self._copies.fetch(grad)
+            fetches.append((transfer, src))  # all gradients in flight at once; waited by the caller
+        else:
+            host_grad = grad.detach()
+            if host_grad.device.type != "cpu" or not host_grad.is_contiguous():
+                host_grad = host_grad.to("cpu").contiguous()
+        home = self._copies.home(p)
+        shard = local_shard(p)
+        if home is not None:
+            out = home  # the next forward fetches it (Note [Optimizer copies])
+        elif shard.device.type == "cpu" and shard.is_contiguous() and not self._copies.staged(shard):
+            out = shard.detach()
+        else:
+            out = self._copies.staging(shard)
+            copy_back.append((shard, out))
+        return state, host_grad, out
 
 
 def _states_by_param(state_dict: dict, groups: list) -> dict:
