@@ -135,7 +135,7 @@ void bind_auto_plan(py::module_& m) {
   m.def("outside_swap_seconds", &outside_swap_seconds, py::arg("links"), py::arg("bytes"),
         "What is saved outside the blocks, to the host and back (Note [Activation planner]).");
   m.def("rest_of_step_seconds", &rest_of_step_seconds, py::arg("step_seconds"), py::arg("blocks_seconds"),
-        py::arg("outside_seconds") = 0.0, py::arg("host_gaps_seconds") = 0.0,
+        py::arg("outside_seconds") = 0.0, py::arg("host_gaps_seconds") = 0.0, py::arg("input_swap_seconds") = 0.0,
         "The timed step less its blocks' forwards, backwards and replays (Note [Re-plan]).");
   m.def(
       "host_gaps_seconds",

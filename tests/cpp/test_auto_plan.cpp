@@ -273,6 +273,9 @@ TEST(Replan, TheRestOfTheStep) {
   EXPECT_DOUBLE_EQ(rest_of_step_seconds(1.0, 0.5, 0.25), 0.25) << "the outside round trip is the plan's to add";
   EXPECT_EQ(rest_of_step_seconds(0.5, 0.75), 0.0) << "timing's own syncs can make the blocks longer than the step";
   EXPECT_DOUBLE_EQ(rest_of_step_seconds(1.0, 0.5, 0.125, 0.125), 0.25) << "the host's gaps are the timing's";
+  EXPECT_DOUBLE_EQ(rest_of_step_seconds(1.0, 0.5, 0.125, 0.125, 0.125), 0.125)
+      << "the inputs' swaps are the timed step's, priced by the plan where it makes them";
+  EXPECT_EQ(rest_of_step_seconds(1.0, 0.5, 0.25, 0.125, 0.25), 0.0);
 }
 
 TEST(Replan, TheHostsGapsAreBetweenNeighbouringBlocksOnly) {

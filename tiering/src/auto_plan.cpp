@@ -176,8 +176,8 @@ bool replans(const Config& config) noexcept {
 }
 
 double rest_of_step_seconds(double step_seconds, double blocks_seconds, double outside_seconds,
-                            double host_gaps_seconds) noexcept {
-  return std::max(step_seconds - blocks_seconds - outside_seconds - host_gaps_seconds, 0.0);
+                            double host_gaps_seconds, double input_swap_seconds) noexcept {
+  return std::max(step_seconds - blocks_seconds - outside_seconds - host_gaps_seconds - input_swap_seconds, 0.0);
 }
 
 double host_gaps_seconds(std::vector<TimedInterval> intervals) {

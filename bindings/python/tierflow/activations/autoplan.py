@@ -200,7 +200,8 @@ class AutoPlanner:
             profile["timed_step_seconds"] = step
             profile["rest_of_step_seconds"] = _C.rest_of_step_seconds(step, sum(
                 sum(r.forward_seconds) + sum(r.backward_seconds) + sum(r.recompute_seconds) for r in self.runners),
-                _C.outside_swap_seconds(links_struct(profile["links"]), outside), gaps)
+                _C.outside_swap_seconds(links_struct(profile["links"]), outside), gaps,
+                sum(sum(r.input_swap_seconds) for r in self.runners))
             if self._forward_backward_peak is not None:
                 profile["measured_peak_bytes"] = self._forward_backward_peak
                 profile["measured_reserved_peak_bytes"] = self._forward_backward_reserved
@@ -217,6 +218,7 @@ class AutoPlanner:
         return {"step_seconds": step, "blocks_forward_seconds": sum(sum(r.forward_seconds) for r in runners),
                 "blocks_backward_seconds": sum(sum(r.backward_seconds) for r in runners),
                 "blocks_replay_seconds": sum(sum(r.recompute_seconds) for r in runners),
+                "blocks_input_swap_seconds": sum(sum(r.input_swap_seconds) for r in runners),
                 "host_gaps_seconds": gaps, "rest_of_step_seconds": profile["rest_of_step_seconds"],
                 "outside_saved_bytes": profile.get("outside_saved_bytes"),
                 "measured_peak_bytes": profile.get("measured_peak_bytes"),

@@ -169,6 +169,8 @@ class _Frame:
         self.t0 = 0.0                              # timing step: when its forward began
         self.wait0 = 0.0                           # timing step: the device wait just before t0
         self.replay_seconds = 0.0                  # timing step: its replay's time
+        self.input_swap = 0.0                      # timing step: its inputs' swap before its forward
+        self.wait_before_inputs = 0.0              # timing step: the device wait just before that swap
 
     # -- forward ---------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> Any:
@@ -381,6 +383,7 @@ class BlockRunner:
         self.forward_seconds: list = []
         self.recompute_seconds: list = []
         self.backward_seconds: list = []  # timing step: output gradient -> input gradient, replay excluded
+        self.input_swap_seconds: list = []  # timing step: each forward's inputs to the tier, synchronized
         # Timing step: ("forward" | "backward", start, end, the device wait just before start) of each timed
         # interval, for the host's own time between blocks (Note [Re-plan]).
         self.intervals: list = []
@@ -516,7 +519,17 @@ class BlockRunner:
                 return held[id(a)]
             return a
 
-        f.args = tree_map(hold, (args, kwargs))
+        if self.timing:  # Note [Re-plan]: the inputs' swap, timed apart (the plan prices it where it applies)
+            before = time.perf_counter()
+            self.sync()  # device work queued since the last block: real work, stays in the rest of the step
+            start = time.perf_counter()
+            f.args = tree_map(hold, (args, kwargs))
+            self.sync()
+            f.input_swap = time.perf_counter() - start
+            f.wait_before_inputs = start - before
+            self.input_swap_seconds.append(f.input_swap)
+        else:
+            f.args = tree_map(hold, (args, kwargs))
         f.external = external
         if self.timing:  # the end of its backward: the gradient of its input (the first one that needs one)
             first = next((t for t in tensors if t.requires_grad and storage_key(t) not in external), None)
@@ -536,7 +549,8 @@ class BlockRunner:
             before = time.perf_counter()
             self.sync()  # the device work queued since the last block (FSDP2's all-gather, say): real work
             f.t0 = time.perf_counter()
-            f.wait0 = f.t0 - before
+            # Not the host's own gap: the device's waits, and the inputs' swap (taken out of the rest apart).
+            f.wait0 = f.t0 - before + f.wait_before_inputs + f.input_swap
         self._stack.append((f, ctx, sig))
 
     def _after(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
