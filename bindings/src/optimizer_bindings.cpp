@@ -94,6 +94,12 @@ void bind_optimizer_policy(py::module_& m) {
   }, py::arg("saved"), py::arg("mine"),
         "Note [Partitioned optimizer]: loading a state dict saved with layout `saved` into an optimizer kept as "
         "`mine` (each None for the whole, or (rank, world_size, owners) with -1 for every rank): the refusal, or None.");
+  m.def("step_agreement_refusal", [](bool this_rank_failed, int failed_ranks, int skipped_ranks,
+                                     int world_size) -> py::object {
+    const std::string why = step_agreement_refusal(this_rank_failed, failed_ranks, skipped_ranks, world_size);
+    return why.empty() ? py::none() : py::cast(why);
+  }, py::arg("this_rank_failed"), py::arg("failed_ranks"), py::arg("skipped_ranks"), py::arg("world_size"),
+        "Note [Partitioned optimizer]: how the ranks' step() went, agreed: the error this rank raises, or None.");
   m.def("group_by_step", [](const std::vector<std::int64_t>& steps) {
     std::vector<std::pair<std::int64_t, std::vector<std::size_t>>> out;
     for (auto& g : group_by_step(steps)) out.emplace_back(g.step, std::move(g.members));

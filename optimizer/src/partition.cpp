@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <numeric>
 #include <stdexcept>
+#include <string>
 
 namespace tierflow::optimizer {
 
@@ -61,6 +62,21 @@ std::string loaded_partition_refusal(const std::vector<int>& owners, const std::
          "'s parameters with fresh moments; accepted: each rank loads the state dict it saved itself "
          "(torch.save(optimizer.state_dict(), f'optimizer-rank{rank}.pt') on every rank), or a whole one "
          "saved without partitioning";
+}
+
+std::string step_agreement_refusal(bool this_rank_failed, int failed_ranks, int skipped_ranks, int world_size) {
+  if (this_rank_failed) return {};  // the caller raises its own error
+  if (failed_ranks > 0)
+    return "tierflow's partitioned CPU optimizer: another rank's step() failed (its error says why); this rank "
+           "stepped its own parameters but no new weights were exchanged, so the replicas differ now: resume from the "
+           "last checkpoint";
+  if (skipped_ranks > 0 && skipped_ranks < world_size)
+    return "tierflow's partitioned CPU optimizer: " + std::to_string(skipped_ranks) + " of " +
+           std::to_string(world_size) +
+           " ranks skipped this step (TIERFLOW_SKIP_NONFINITE: a gradient not finite on those ranks only, one DDP "
+           "does not reduce) and the others stepped, so the replicas differ now: resume from the last checkpoint, or "
+           "keep every parameter's gradient reduced by DDP";
+  return {};
 }
 
 std::string partition_layout_refusal(const PartitionLayout& saved, const PartitionLayout& mine) {

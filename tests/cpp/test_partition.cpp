@@ -77,3 +77,21 @@ TEST(Partition, AShareLoadsOnlyIntoTheSameRankOfTheSamePartitionAWholeOneAnywher
   why = partition_layout_refusal(r0, moved);
   EXPECT_NE(why.find("partitioned differently (2 ranks, other owners)"), std::string::npos) << why;
 }
+
+TEST(Partition, RanksAgreeOnTheStepBeforeTheWeightsMove) {
+  // Every rank stepped, or every rank skipped (a non-finite gradient DDP reduced everywhere): nothing to say.
+  EXPECT_EQ(step_agreement_refusal(false, 0, 0, 4), "");
+  EXPECT_EQ(step_agreement_refusal(false, 0, 4, 4), "");
+  // This rank failed: its own error is raised, not this one.
+  EXPECT_EQ(step_agreement_refusal(true, 1, 0, 4), "");
+  EXPECT_EQ(step_agreement_refusal(true, 2, 0, 4), "");
+  std::string why = step_agreement_refusal(false, 1, 0, 4);
+  EXPECT_NE(why.find("another rank's step() failed"), std::string::npos) << why;
+  EXPECT_NE(why.find("resume from the last checkpoint"), std::string::npos) << why;
+  why = step_agreement_refusal(false, 0, 1, 4);
+  EXPECT_NE(why.find("1 of 4 ranks skipped this step"), std::string::npos) << why;
+  EXPECT_NE(why.find("keep every parameter's gradient reduced by DDP"), std::string::npos) << why;
+  // A failure elsewhere says so first, whatever was skipped.
+  why = step_agreement_refusal(false, 1, 2, 4);
+  EXPECT_NE(why.find("another rank's step() failed"), std::string::npos) << why;
+}

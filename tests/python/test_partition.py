@@ -246,3 +246,52 @@ def test_four_ranks_partition_the_optimizer_and_train_as_every_rank_stepping_eve
         assert out["on"]["overlap"]["redone"] == 0 and out["on"]["overlap"]["committed"] == 3 * len(owned[rank])
         for k, v in out["on"]["params"].items():
             assert torch.equal(v, outs[0]["on"]["params"][k]), f"rank {rank} differs from rank 0 in {k}"
+
+
+_AGREE_WORKER = textwrap.dedent("""
+    import datetime, sys
+    import torch, torch.distributed as dist, torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    sys.path[:0] = [{bindings!r}]
+    import tierflow
+
+    rank, store, out_path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    torch.set_num_threads(1)
+    out = {{}}
+    for case in ("failed", "skipped"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+        net, opt = tierflow.wrap(DDP(model), torch.optim.AdamW(model.parameters(), lr=1e-2), device="emulated",
+                                 offload_activations="none", partition_optimizer="on", cpu_threads=1)
+        if rank == 1:  # this rank's step() fails, or skips (as a gradient not finite here alone would make it)
+            def injected():
+                if case == "failed":
+                    raise RuntimeError("injected failure")
+                return True
+            opt._step_all = injected
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank))
+        net(x).square().mean().backward()
+        try:
+            opt.step()
+            out[case] = None
+        except Exception as e:
+            out[case] = str(e)
+        tierflow.unwrap(net)
+    torch.save(out, out_path)
+    dist.barrier()
+    import os
+    os._exit(0)  # torch's gloo teardown aborts now and then after broadcasts (test_distributed.py)
+""")
+
+
+def test_a_rank_whose_partitioned_step_failed_or_skipped_alone_makes_every_rank_raise(tmp_path):
+    """Note [Partitioned optimizer]: before the owners' weights move, the ranks agree on how step() went
+    (optimizer::step_agreement_refusal): a rank that failed raises its own error and the others say another rank
+    failed; a rank that skipped alone makes every rank raise; no rank waits in a broadcast."""
+    outs = run_ranks(tmp_path, _AGREE_WORKER.format(bindings=os.path.join(ROOT, "bindings", "python")))
+    assert outs[1]["failed"] == "injected failure", outs
+    assert "another rank's step() failed" in outs[0]["failed"], outs
+    for out in outs:
+        assert "1 of 2 ranks skipped this step" in out["skipped"], outs

@@ -95,20 +95,9 @@ class Partition:
         device = self.params[0].device if self.params else torch.device("cpu")
         flags = torch.tensor([float(failed), float(skipped)], device=device)
         torch.distributed.all_reduce(flags, group=self.group)
-        others_failed, skipping = float(flags[0]) - float(failed), float(flags[1])
-        if failed:
-            return  # the caller raises its own error
-        if others_failed > 0:
-            raise _C.TierflowError(
-                "tierflow's partitioned CPU optimizer: another rank's step() failed (its error says why); this rank "
-                "stepped its own parameters but no new weights were exchanged, so the replicas differ now: resume "
-                "from the last checkpoint")
-        if 0 < skipping < self.world_size:
-            raise _C.TierflowError(
-                f"tierflow's partitioned CPU optimizer: {int(skipping)} of {self.world_size} ranks skipped this step "
-                "(TIERFLOW_SKIP_NONFINITE: a gradient not finite on those ranks only, one DDP does not reduce) and the "
-                "others stepped, so the replicas differ now: resume from the last checkpoint, or keep every "
-                "parameter's gradient reduced by DDP")
+        why = _C.step_agreement_refusal(failed, int(flags[0]), int(flags[1]), self.world_size)
+        if why is not None:
+            raise _C.TierflowError(why)
 
     @torch.no_grad()
     def broadcast(self) -> None:

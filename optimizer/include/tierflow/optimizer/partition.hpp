@@ -60,4 +60,10 @@ struct PartitionLayout {
 /// its share); one rank's share loads only into the same rank of the same partition (same world size, same owners).
 std::string partition_layout_refusal(const PartitionLayout& saved, const PartitionLayout& mine);
 
+/// Note [Partitioned optimizer]: before the owners' weights move, every rank of `world_size` says how its step()
+/// went (one all-reduce of two counts: `failed_ranks`, `skipped_ranks`, this rank's own included). The error this
+/// rank raises so that no rank waits in a broadcast another will not join, or "": nothing when this rank failed
+/// (its own error is raised) or when every rank stepped or every rank skipped (TIERFLOW_SKIP_NONFINITE).
+std::string step_agreement_refusal(bool this_rank_failed, int failed_ranks, int skipped_ranks, int world_size);
+
 }  // namespace tierflow::optimizer
