@@ -528,8 +528,9 @@ def test_fsdp2_cpu_offload_policy_with_the_cpu_optimizer_is_refused_and_with_the
     model = _cpu_offloaded_mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     hooks = module_hooks(model)
-    with pytest.raises(tierflow.TierflowError, match=r"TIERFLOW_OFFLOAD_OPTIMIZER='host' beside FSDP2's "
-                                                     r"CPUOffloadPolicy.*TIERFLOW_OFFLOAD_OPTIMIZER=none"):
+    with pytest.raises(tierflow.TierflowError, match=r"TIERFLOW_OFFLOAD_OPTIMIZER='host' beside FSDP2's shards "
+                                                     r"kept in host memory \(fully_shard's "
+                                                     r"offload_policy=CPUOffloadPolicy\).*TIERFLOW_OFFLOAD_OPTIMIZER=none"):
         tierflow.wrap(model, opt, device="emulated")
     assert getattr(model, "_tierflow_session", None) is None and module_hooks(model) == hooks
     assert type(opt) is torch.optim.AdamW and opt.state == {}

@@ -84,8 +84,9 @@ std::string fsdp_settings_refusal(const Config& config, bool cpu_optimizer, bool
           " would step part of FSDP2's shards on the GPU, which the GPU share does not take yet";
   } else if (cpu_optimizer && cpu_offload_policy) {
     why = "TIERFLOW_OFFLOAD_OPTIMIZER='" + std::string(to_string(config.offload_optimizer)) +
-          "' beside FSDP2's CPUOffloadPolicy (fully_shard's offload_policy): both would own the shards' host copies "
-          "(FSDP2 copies the gradients there asynchronously, which tierflow's step has not been verified against); "
+          "' beside FSDP2's shards kept in host memory (fully_shard's offload_policy=CPUOffloadPolicy): both would "
+          "own the shards' host copies (FSDP2 copies the gradients there asynchronously, which tierflow's step has "
+          "not been verified against); "
           "for states on the host, shard without offload_policy and let tierflow's CPU AdamW keep them, or keep "
           "FSDP2's CPUOffloadPolicy with TIERFLOW_OFFLOAD_OPTIMIZER=none";
   }

@@ -261,7 +261,8 @@ class CPUAdamW(torch.optim.Optimizer):
                 f"shards and {len(plain)} are not ({', '.join(repr(n) for n in plain[:3])}"
                 f"{' and more' if len(plain) > 3 else ''}): the model is only partly under fully_shard; accepted: "
                 "fully_shard on the model too (its root), or TIERFLOW_OFFLOAD_OPTIMIZER=none")
-        # FSDP2's CPUOffloadPolicy keeps the shards on the host: on CUDA, a host shard is its (without the model).
+        # Shards in host memory while tierflow's device is CUDA (FSDP2's CPUOffloadPolicy; wrap reads the policy
+        # itself from the model, which a CPUAdamW made directly does not have): refused as that policy is.
         host_shards = self._runtime.device == "cuda" and any(local_shard(p).device.type == "cpu" for p in sharded)
         why = _C.fsdp_settings_refusal(dict(cfg), True, host_shards)  # ends with what FSDP2 accepts
         if why is not None:

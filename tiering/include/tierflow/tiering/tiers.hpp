@@ -97,8 +97,8 @@ std::string params_optimizer_refusal(const Config& config, bool cuda, bool cpu_o
 /// What FSDP2 (torch's fully_shard: the parameters are each rank's DTensor shards, gathered and reduce-scattered
 /// by FSDP2 itself) cannot train with `config` (Note [Distributed training]): the refusal, ending with what FSDP2
 /// accepts, or empty. `cpu_optimizer`: tierflow's CPU AdamW steps the shards (an optimizer was replaced, or made
-/// for them); `cpu_offload_policy`: a unit was sharded with FSDP2's CPUOffloadPolicy (its shards and their
-/// gradients on the host, the gradients copied there asynchronously). Parameter offload is refused always (it
+/// for them); `cpu_offload_policy`: FSDP2 keeps the shards in host memory (a unit sharded with its
+/// CPUOffloadPolicy: the shards and their gradients on the host, the gradients copied there asynchronously). Parameter offload is refused always (it
 /// would move what FSDP2 shards and gathers); with the CPU optimizer, gradients freed during backward (FSDP2
 /// reduce-scatters them), an explicit GPU optimizer share, and FSDP2's own CPU offload (two owners of the host
 /// copies; its asynchronous gradient copies are unverified beside the streamed step).
