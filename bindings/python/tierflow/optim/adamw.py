@@ -38,11 +38,11 @@ from . import clip
 from .accepted import GRAD_DTYPES, check_grad, check_replaceable
 from .copies import DeviceCopies, local_shard
 from .gpu_share import GpuShare
-from .nvme_states import LOST_STATE, StateTier, fill_lost_states
-from .partition import LAYOUT_KEY, Partition
+from . import checkpoint
+from .nvme_states import StateTier, fill_lost_states
+from .partition import Partition
 from .streaming import GradientStreaming
 
-_STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
 
 
 class CPUAdamW(torch.optim.Optimizer):
@@ -440,136 +440,14 @@ class CPUAdamW(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """torch's layout; ``master`` is included only for non-fp32 parameters
         (for fp32 ones the parameter itself is the master). States on NVMe are
-        read back into CPU tensors, so checkpoints hold them too."""
+        read back into CPU tensors, so checkpoints hold them too (checkpoint.py)."""
         self.synchronize()
-        sd = super().state_dict()
-        if self._states.nvme:
-            params = [p for g in self.param_groups for p in g["params"]]
-            sd["state"] = {k: self._states.materialize_or_mark(params[k], self.state[params[k]], self.param_groups) for k in sd["state"]}
-        params = [p for g in self.param_groups for p in g["params"]]
-        index = {i: p for i, p in enumerate(params)}
-        state = {}
-        for k, s in sd["state"].items():
-            p = index.get(k)
-            if p is not None and p.dtype == torch.float32 and "master" in s:
-                s = {n: v for n, v in s.items() if n != "master"}
-            state[k] = s
-        sd["state"] = state
-        if self._sharded:
-            sd["state"] = {k: self._as_dtensors(s, params[k]) for k, s in state.items()}
-        if self._partition is not None:  # Note [Partitioned optimizer]: whose share this is
-            sd[LAYOUT_KEY] = self._partition.layout
-        return sd
-
-    @staticmethod
-    def _as_dtensors(s: dict, p: torch.Tensor) -> dict:
-        """FSDP2: a new dict of p's state (the live one stays as it is) whose tensors of this rank's shard go out
-        as DTensors like p (torch's AdamW keeps DTensor states under FSDP2), so that torch.distributed.checkpoint
-        saves every rank's shard and loads each back where it belongs (Note [Distributed training]). The local
-        tensor stays where it is, in host memory: DTensor.from_local would copy it to the mesh's device (the
-        GPU), the memory offload frees; FSDP2's CPUOffloadPolicy builds its DTensors the same way."""
-        from torch.distributed.tensor import DTensor
-        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-
-        shape = local_shard(p).shape
-        out = {}
-        for name, v in s.items():
-            if isinstance(v, torch.Tensor) and v.shape == shape:
-                spec = DTensorSpec(p.device_mesh, p.placements, TensorMeta(p.shape, p.stride(), v.dtype))
-                v = DTensor(v, spec, requires_grad=False)
-            out[name] = v
-        return out
-
-    def _check_loadable(self, state_dict: dict) -> Any:
-        """Refuses, before anything changes, a state dict with states marked lost (Note [NVMe optimizer faults])
-        and one of another partition's share (Note [Partitioned optimizer]); returns its share's layout."""
-        lost = [k for k, s in state_dict.get("state", {}).items() if isinstance(s, dict) and LOST_STATE in s]
-        if lost:
-            params = [p for g in self.param_groups for p in g["params"]]
-            raise _C.TierflowError(_C.lost_states_refusal(
-                [self._states.describe(params[k], self.param_groups) if isinstance(k, int) and k < len(params)
-                 else repr(k) for k in lost]))
-        layout = state_dict.get(LAYOUT_KEY)
-        if self._partition is not None:
-            self._partition.check_loaded(_states_by_param(state_dict, self.param_groups), layout)
-        elif layout is not None and not self.partition_pending():
-            raise _C.TierflowError(_C.partition_layout_refusal(layout, None))
-        return layout
-
-    def _master_from(self, saved: Optional[torch.Tensor], p: torch.Tensor) -> torch.Tensor:
-        # A saved master is used only where it is consistent with the parameter:
-        # a checkpoint that went through torch.optim may carry a stale one.
-        value = self._copies.source(p)
-        if saved is None or p.dtype == torch.float32:
-            return value
-        if saved.shape == p.shape and torch.equal(saved.to(p.dtype), value.to(saved.device)):
-            return saved
-        return value
+        return checkpoint.state_dict_of(self, super().state_dict())
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Loads a CPUAdamW or torch Adam/AdamW state dict, keeping fp32 precision. Refuses one with
-        states marked lost (Note [NVMe optimizer faults]), naming them."""
-        layout = self._check_loadable(state_dict)
-        if self._streaming is not None:
-            self._wait_worker()
-            self._streaming.stream.restore_grads()  # the next step() still takes this backward's gradients
-            self._streaming.stream.end_window()  # early steps read the state being replaced
-            self._streaming.stream.synchronize()
-        # Where every parameter steps in step() (no stream) or FSDP2's shards (whose next step is step()'s: a
-        # stale master turns the stream off for it), a saved master is taken as it is and the next step checks it
-        # against its parameter (reconcile_master): the model may be loaded after the optimizer, as
-        # torch.distributed.checkpoint's set_state_dict does.
-        reconcile = (self._streaming is None or self._sharded) and not self._states.nvme
-        # torch casts state to the parameter's dtype; keep the fp32 originals (FSDP2: this rank's shards).
-        originals = {k: {n: local_shard(v) for n, v in s.items() if n in _STATE_KEYS}
-                     for k, s in state_dict["state"].items()}
-        stores = self._states.stores(self.state)  # torch replaces self.state: the NVMe stores are written again
-        groups, dicts = self.param_groups, list(self.param_groups)
-        super().load_state_dict(state_dict)
-        # torch puts fresh group dicts in a fresh list; keep the shared ones (Note [Shared param groups]).
-        for shared, loaded in zip(dicts, self.param_groups):
-            if shared is not loaded:
-                shared.clear()
-                shared.update(loaded)
-        groups[:] = dicts
-        self.param_groups = groups
-        if self._partition is not None:  # a whole state dict: the other ranks keep theirs
-            self._partition.drop_others(self.state)
-        else:  # checked when the partition is made (DDP seen after this load)
-            self._loaded_layout = layout
-        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
-            for p, key in zip(group["params"], saved["params"]):
-                if p in self.state and key in originals:
-                    self._restore_state(p, group, originals[key], reconcile, stores.get(p))
-        self._master_stale = reconcile
-
-    def _restore_state(self, p: torch.Tensor, group: dict, original: dict, reconcile: bool, store: Any) -> None:
-        """After torch's load: p's state in fp32 host tensors of its own (``original``: the loaded fp32 states,
-        which torch cast to p's dtype), a master (the loaded one where it is consistent, or taken as it is when
-        ``reconcile``: the next step checks it against p), and back to its tier (``store``: the NVMe store it had
-        before the load, written in place)."""
-        state = self.state[p]
-        shard = local_shard(p)  # FSDP2: this rank's shard
-        for name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
-            if name in original:
-                fresh = self._copies.host(shard, False)
-                fresh.copy_(original[name])
-                state[name] = fresh
-        if group["amsgrad"] and "max_exp_avg_sq" not in state:
-            state["max_exp_avg_sq"] = self._copies.host(shard, True)
-        master = self._copies.host(shard, False)
-        saved = original.get("master")
-        if reconcile and saved is not None and saved.shape == shard.shape:
-            master.copy_(saved)  # the next step keeps it where the parameter is its rounding
-        else:
-            master.copy_(self._master_from(saved, shard))
-        state["master"] = master
-        state["step"] = torch.tensor(float(state.get("step", 0.0)), dtype=torch.float32)
-        if self._states.nvme:
-            self._states.reserve([(p, group)])
-            self._states.to_nvme(p, state, group, store)
-        else:
-            self._register_state(p)
+        states marked lost (Note [NVMe optimizer faults]), naming them (checkpoint.py)."""
+        checkpoint.load(self, state_dict, super().load_state_dict)
 
     # -- step during backward (Note [Step during backward]) ----------------------
     @staticmethod
@@ -782,12 +660,3 @@ class CPUAdamW(torch.optim.Optimizer):
             out = self._copies.staging(shard)
             copy_back.append((shard, out))
         return state, host_grad, out
-
-
-def _states_by_param(state_dict: dict, groups: list) -> dict:
-    """The parameters of ``groups`` that ``state_dict`` holds a state for, as {param: state} (torch maps saved
-    indices to parameters by their order across the groups)."""
-    saved = [k for g in state_dict.get("param_groups", []) for k in g["params"]]
-    params = [p for g in groups for p in g["params"]]
-    states = state_dict.get("state", {})
-    return {p: states[k] for k, p in zip(saved, params) if k in states}
