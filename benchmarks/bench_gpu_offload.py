@@ -45,7 +45,9 @@ profile during their first two steps and plan before the third: they run at
 least 3 warm-up steps. --seq-search also finds, on CUDA, the longest sequence
 (a multiple of 1024) that checkpoint and tierflow-auto-fits (default budget) train
 without running out of device memory, and their tokens/s there, in few trials
-(--seq-search-trials per mode, --seq-search-seconds in all; gpu_offload_seq.py). On CUDA each step
+(--seq-search-trials per mode, --seq-search-seconds in all; gpu_offload_seq.py); the JSON's
+longest_seq.prediction is that outcome predicted for an H100 from the shapes, with or without the search
+(never measured; measured over predicted beside it when the search ran). On CUDA each step
 is bracketed by torch.cuda.synchronize() and its phases are timed with CUDA
 events on the compute stream (read after the synchronize, so they are honest
 and the phases still overlap as in an unmeasured loop). On the CPU (tierflow's
@@ -97,7 +99,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bindings", "python"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpt_model import GPT, Block, parameter_count  # noqa: E402
-from gpu_offload_seq import seq_search  # noqa: E402
+import gpu_offload_seq  # noqa: E402
 from gpu_offload_modes import BUDGETED_AUTO_MODES, DTYPES, EXTRA_MODES, MODES, PARAMS_MODE, PARAMS_PEER  # noqa: E402
 from gpu_offload_predict import beside_measured, predict_params_offload  # noqa: E402
 from gpu_offload_report import (GiB, loss_agreement, parse_bytes, print_params_comparison,  # noqa: E402
@@ -382,6 +384,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     results: dict[str, dict] = {}
     path = args.out or default_out(cfg)
+    seq_prediction = gpu_offload_seq.predict_longest(cfg, est["parameters"])
     try:
         for mode in modes:
             if mode in BUDGETED_AUTO_MODES:
@@ -396,13 +399,18 @@ def main(argv: Optional[list[str]] = None) -> int:
                 f"step {r['step_seconds']:.4f} s, final loss {r['losses'][-1]:.6f}"
             print(f"  {mode:<18} {status}  ({r['process_seconds']:.1f} s)", flush=True)
             # After every mode, so a run stopped part-way (a device lease's limit) keeps what finished.
-            write_json_atomic(path, assemble(cfg, est, modes, results, {"skipped": "not reached yet"}, prediction))
+            write_json_atomic(path, assemble(cfg, est, modes, results,
+                                             {"skipped": "not reached yet", "prediction": seq_prediction}, prediction))
     finally:
         if made_nvme_dir:
             shutil.rmtree(made_nvme_dir, ignore_errors=True)
 
-    longest = seq_search(cfg, run_mode, args.mode_timeout, args.seq_search_trials, args.seq_search_seconds) \
+    longest = gpu_offload_seq.seq_search(cfg, run_mode, args.mode_timeout, args.seq_search_trials,
+                                         args.seq_search_seconds) \
         if args.seq_search else {"skipped": "not asked (--seq-search)"}
+    longest["prediction"] = seq_prediction
+    if "seq_ratio" in longest:
+        longest["measured_over_predicted"] = gpu_offload_seq.beside_measured(seq_prediction, longest)
     out = assemble(cfg, est, modes, results, longest, prediction)
     write_json_atomic(path, out)
     print()

@@ -31,6 +31,13 @@ AUTO_MODES = ("tierflow-auto", "tierflow-auto-half", "tierflow-auto-fits")
 # from it to the baseline's.
 BUDGETED_AUTO_MODES = ("tierflow-auto", "tierflow-auto-half")
 PLANNED_MODES = AUTO_MODES + (PARAMS_MODE,)  # profile two steps, plan before the third
+
+
+def warmup_needed(mode: str) -> int:
+    """The warm-up steps `mode` needs before a measured step: a planned mode's plan comes in force in the third."""
+    return 3 if mode in PLANNED_MODES else 0
+
+
 # Opt-in: the baseline again in another process. Its distance from the baseline is the run-to-run noise
 # of the losses (on CUDA, kernels that accumulate with atomics), the floor for reading the others'.
 EXTRA_MODES = ["baseline-rerun"]

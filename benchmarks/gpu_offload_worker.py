@@ -15,9 +15,9 @@ import torch
 
 from gpt_model import GPT, GPTConfig, lm_loss
 from gpu_offload_modes import (BUDGETED_AUTO_MODES, CPU_OPTIMIZER_MODES, DEEPSPEED_MODES, DTYPES, PARAMS_MODE,
-                               PARAMS_PEER, PLANNED_MODES,
+                               PARAMS_PEER,
                                TIERFLOW_MODES, SkipMode, deepspeed_engine, link_bytes, params_summary, throughput,
-                               time_cpu_step_kernel)
+                               time_cpu_step_kernel, warmup_needed)
 from gpu_offload_report import (EMULATED_PEAK_NOTE, _TIERFLOW_IMPORT_ERROR, _median, predicted_beside_measured,
                                 stream_summary, tierflow_summary, write_json_atomic)
 
@@ -165,8 +165,9 @@ def model_and_batches(mode: str, cfg: dict, device: torch.device, result: dict) 
     result["parameters"] = sum(p.numel() for p in model.parameters())
     model.checkpoint_blocks = mode == "checkpoint"
 
-    if mode in PLANNED_MODES and cfg["warmup"] < 3:
-        raise ValueError(f"{mode} profiles two steps and plans before the third: it needs --warmup 3 or more")
+    if cfg["warmup"] < warmup_needed(mode):
+        raise ValueError(f"{mode} profiles two steps and plans before the third: it needs --warmup "
+                         f"{warmup_needed(mode)} or more")
     total = cfg["warmup"] + cfg["steps"]
     gen = torch.Generator().manual_seed(cfg["seed"] + 1)  # data: the same in every mode
     batches = []

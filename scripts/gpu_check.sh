@@ -153,8 +153,11 @@ d = json.load(open(sys.argv[1]))["longest_seq"]
 for m in ("checkpoint", "tierflow-auto-fits"):
     r = d.get(m, {})
     print("  %s: sequence %s, %s tokens/s, stopped: %s" % (m, r.get("seq"), r.get("tokens_per_second"), r.get("stopped")))
-print("  planner / checkpoint: sequence x%s, tokens/s x%s" % (d.get("seq_ratio"), d.get("tokens_per_second_ratio")))' \
-      "$RESULTSEQ" 2>&1 | tail -n 5
+print("  planner / checkpoint: sequence x%s, tokens/s x%s" % (d.get("seq_ratio"), d.get("tokens_per_second_ratio")))
+p = d.get("prediction", {}).get("as_run", {})
+print("  predicted (not measured): checkpoint %s, planner %s: sequence x%.2f, tokens/s x%.2f" % (
+    p.get("checkpoint_seq"), p.get("planner_seq"), p.get("seq_ratio") or 0, p.get("tokens_per_second_ratio") or 0))' \
+      "$RESULTSEQ" 2>&1 | tail -n 6
   fi
   if [ -f "$RESULT7B" ] && [[ " $PARTS " == *" bench7b "* ]]; then
     echo "issue 18's 7B target ($RESULT7B):"
