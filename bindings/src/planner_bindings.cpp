@@ -113,12 +113,19 @@ void bind_auto_plan(py::module_& m) {
       .def_readwrite("measured_parameter_peak_bytes", &SessionBudgetInputs::measured_parameter_peak_bytes)
       .def_readwrite("outside_saved_bytes", &SessionBudgetInputs::outside_saved_bytes)
       .def_readwrite("sharded_unit_bytes", &SessionBudgetInputs::sharded_unit_bytes)
-      .def_readwrite("sharded_root_bytes", &SessionBudgetInputs::sharded_root_bytes);
+      .def_readwrite("sharded_root_bytes", &SessionBudgetInputs::sharded_root_bytes)
+      .def_readwrite("batch_ratio", &SessionBudgetInputs::batch_ratio);
   init_from_kwargs(inputs);
   m.def("fsdp_gathered_bytes", &fsdp_gathered_bytes, py::arg("unit_bytes"), py::arg("root_bytes"),
         "FSDP2's gathered copies on the device at their most (Note [Auto plan phases]).");
   m.def("session_budgets", &session_budgets, py::arg("inputs"), py::arg("blocks"),
         "The planner's budgets in a training session (Note [Auto plan phases]).");
+  m.def("blocks_for_batch", &blocks_for_batch, py::arg("blocks"), py::arg("ratio"),
+        "The blocks' profiles for a batch so many times as large (Note [Batch growth]).");
+  m.def("grown_batch", &grown_batch, py::arg("planned_elements"), py::arg("elements"),
+        "0 when the plan for planned_elements holds for a forward of elements; else the size to re-plan for.");
+  m.def("batch_varies", &batch_varies, py::arg("planned_elements"), py::arg("elements"),
+        "Whether a forward's size is not comparable with the plan's steps (Note [Batch growth]).");
   m.def("link_probe_bytes", &link_probe_bytes, py::arg("host_budget_bytes"), py::arg("host_in_use_bytes"),
         py::arg("most") = kLinkProbeBytes, "The link probe's buffer size for the host room left.");
   py::class_<MeasuredBesidePredicted>(m, "MeasuredBesidePredicted", "A plan's predictions beside the steps since.")
@@ -130,6 +137,7 @@ void bind_auto_plan(py::module_& m) {
         py::arg("peak_reserved_bytes"), py::arg("predicted_step_seconds"), py::arg("predicted_peak_bytes"),
         "Ratios of the measured step and peak to the predictions (Note [Auto plan phases]).");
   m.attr("MEASURED_STEPS") = kMeasuredSteps;
+  m.attr("TABLES_KEPT_PER_BLOCK") = kTablesKeptPerBlock;
   m.attr("REPLAN_AFTER_STEPS") = kReplanAfterSteps;
   m.attr("REPLAN_MARGIN") = kReplanMargin;
   m.def("outside_swap_seconds", &outside_swap_seconds, py::arg("links"), py::arg("bytes"),

@@ -257,7 +257,8 @@ std::vector<Row> placement_rows() {
       "where tensors saved for backward go: none keeps them on the device; host (nvme) swaps "
       "every one to the pinned host pool (NVMe); recompute swaps each block's input and "
       "recomputes the block in backward; auto plans per block (keep, swap a share of the "
-      "tokens, recompute) from the first step's measurements within TIERFLOW_GPU_MEMORY"},
+      "tokens, recompute) from the first steps' measurements within TIERFLOW_GPU_MEMORY, and "
+      "again before a batch larger than the plan was made for"},
      target_parser(&Config::offload_activations, TargetValues::kActivations)},
     {{"TIERFLOW_OFFLOAD_PARAMS", "none", "one of none, host, nvme, auto",
       "where the model's parameters live between uses: none keeps them on the device; host (nvme) keeps "

@@ -509,3 +509,66 @@ TEST(Replan, NoFactorInRangeMeansNoReplan) {
   EXPECT_FALSE(cal.calibrated);
   EXPECT_NE(cal.why.find("nor does a compute factor"), std::string::npos) << cal.why;
 }
+
+// Note [Batch growth]
+TEST(BatchGrowth, BlocksScaleTheirSavedBytesWorkingSetAndTimesNotTheirParameters) {
+  BlockProfile b;
+  b.input_bytes = 100;
+  b.whole_bytes = 200;
+  b.split_bytes = 300;
+  b.cheap_bytes = 50;
+  b.transient_bytes = 80;
+  b.forward_seconds = 1.0;
+  b.backward_seconds = 2.0;
+  b.split_recompute_seconds = 0.5;
+  b.cheap_recompute_seconds = 0.25;
+  b.parameter_bytes = 1000;
+  b.upload_bytes = 1000;
+  b.download_bytes = 1000;
+  const auto out = blocks_for_batch({b}, 2.5);
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_EQ(out[0].saved_bytes(), 1625u);
+  EXPECT_EQ(out[0].input_bytes, 250u);
+  EXPECT_EQ(out[0].transient_bytes, 200u);
+  EXPECT_DOUBLE_EQ(out[0].forward_seconds, 2.5);
+  EXPECT_DOUBLE_EQ(out[0].backward_seconds, 5.0);
+  EXPECT_DOUBLE_EQ(out[0].split_recompute_seconds, 1.25);
+  EXPECT_DOUBLE_EQ(out[0].cheap_recompute_seconds, 0.625);
+  EXPECT_EQ(out[0].parameter_bytes, 1000u);
+  EXPECT_EQ(out[0].upload_bytes, 1000u);
+  EXPECT_EQ(out[0].download_bytes, 1000u);
+}
+
+TEST(BatchGrowth, OnlyALargerBatchReplansAndOnlyAVaryingOneSettlesCalibration) {
+  EXPECT_EQ(grown_batch(1000, 1000), 0u);
+  EXPECT_EQ(grown_batch(1000, 400), 0u);  // a plan for more holds for less
+  EXPECT_EQ(grown_batch(1000, 1001), 1001u);
+  EXPECT_EQ(grown_batch(0, 5000), 0u);  // the size not tracked
+  EXPECT_EQ(grown_batch(1000, 0), 0u);
+  EXPECT_FALSE(batch_varies(1000, 1090));
+  EXPECT_FALSE(batch_varies(1000, 910));
+  EXPECT_TRUE(batch_varies(1000, 1200));
+  EXPECT_TRUE(batch_varies(1000, 500));
+  EXPECT_FALSE(batch_varies(0, 500));
+}
+
+TEST(BatchGrowth, TheMeasuredPeakBeyondTheBlocksGrowsWithTheBatchTheFixedBytesDoNot) {
+  SessionBudgetInputs in;
+  in.device_budget_bytes = 1 << 30;
+  in.parameter_bytes = 1000;  // + its gradients: 2000 fixed
+  in.prefetch_bytes = 64;
+  BlockProfile b;
+  b.input_bytes = 100;
+  b.transient_bytes = 50;
+  // Measured at the profile's size: the fixed 2000, the largest block 150, the window 64, and 500 more (logits).
+  in.measured_peak_bytes = 2000 + 150 + 64 + 500;
+  EXPECT_EQ(session_budgets(in, {b, b}).fixed_device_bytes, 2500u);  // as before batch growth existed
+  in.batch_ratio = 4.0;
+  const auto grown = blocks_for_batch({b, b}, 4.0);
+  const Budgets at4 = session_budgets(in, grown);
+  EXPECT_EQ(at4.fixed_device_bytes, 2000u + 4 * 500u);
+  EXPECT_EQ(at4.prefetch_bytes, 64u);
+  // A peak that held nothing beyond the blocks: the fixed bytes alone, at any size.
+  in.measured_peak_bytes = 2000 + 150 + 64;
+  EXPECT_EQ(session_budgets(in, grown).fixed_device_bytes, 2000u);
+}

@@ -101,7 +101,15 @@ Budgets session_budgets(const SessionBudgetInputs& in, const std::vector<BlockPr
   // The allocated peak, not the reserved one: the budget bounds allocated memory (Note [Auto plan phases]).
   const std::uint64_t peak = in.measured_peak_bytes;
   const std::uint64_t measured = fetched ? peak - std::min(peak, in.measured_parameter_peak_bytes) : peak;
-  if (measured > largest + window) fixed = std::max(fixed, measured - largest - window);
+  // Note [Batch growth]: the peak was measured at the profile's size, where the blocks were 1/ratio of these;
+  // what it held beyond them and beyond the fixed bytes (the logits, the loss's arrays) grows with the batch.
+  const double ratio = in.batch_ratio > 0 ? in.batch_ratio : 1.0;
+  const auto at_profile = [ratio](std::uint64_t bytes) {
+    return static_cast<std::uint64_t>(std::llround(static_cast<double>(bytes) / ratio));
+  };
+  const std::uint64_t profiled = at_profile(largest) + std::min(in.prefetch_bytes, at_profile(saved));
+  if (measured > profiled + fixed)
+    fixed += static_cast<std::uint64_t>(std::llround(static_cast<double>(measured - profiled - fixed) * ratio));
   Budgets b;
   b.params = in.params;
   b.param_tier = in.param_tier;
@@ -113,6 +121,35 @@ Budgets session_budgets(const SessionBudgetInputs& in, const std::vector<BlockPr
   b.prefetch_bytes = window;
   b.outside_saved_bytes = in.outside_saved_bytes;
   return b;
+}
+
+std::vector<BlockProfile> blocks_for_batch(const std::vector<BlockProfile>& blocks, double ratio) {
+  const auto bytes = [ratio](std::uint64_t b) {
+    return static_cast<std::uint64_t>(std::llround(static_cast<double>(b) * ratio));
+  };
+  std::vector<BlockProfile> out = blocks;
+  for (auto& b : out) {
+    b.input_bytes = bytes(b.input_bytes);
+    b.whole_bytes = bytes(b.whole_bytes);
+    b.split_bytes = bytes(b.split_bytes);
+    b.cheap_bytes = bytes(b.cheap_bytes);
+    b.transient_bytes = bytes(b.transient_bytes);
+    b.forward_seconds *= ratio;
+    b.backward_seconds *= ratio;
+    b.split_recompute_seconds *= ratio;
+    b.cheap_recompute_seconds *= ratio;
+  }
+  return out;
+}
+
+std::uint64_t grown_batch(std::uint64_t planned_elements, std::uint64_t elements) noexcept {
+  return planned_elements > 0 && elements > planned_elements ? elements : 0;
+}
+
+bool batch_varies(std::uint64_t planned_elements, std::uint64_t elements) noexcept {
+  if (planned_elements == 0 || elements == 0) return false;
+  const double p = static_cast<double>(planned_elements), e = static_cast<double>(elements);
+  return std::abs(e - p) > kBatchVaries * p;
 }
 
 std::uint64_t link_probe_bytes(std::uint64_t host_budget_bytes, std::uint64_t host_in_use_bytes,

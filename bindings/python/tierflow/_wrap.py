@@ -38,6 +38,12 @@ def _live_sessions() -> "list[Session]":
     return [s for _, s in alive if s is not None]
 
 
+
+def batch_elements(args: Any, kwargs: Any) -> int:
+    """A forward's size (Note [Batch growth]): the elements of every tensor the model is called with, nested
+    ones included (input ids, masks, labels: each grows with the batch's tokens)."""
+    return sum(t.numel() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor))
+
 class Session:
     """One runtime and the hooks that connect it to one model."""
 
@@ -68,7 +74,7 @@ class Session:
         self.runtime.register_parameters([p for p in model.parameters()])
         self.watch_fsdp(fsdp_modules(model))
         # Note [Hooks outside graphs]: dynamo never traces them.
-        self._handles.append(model.register_forward_pre_hook(outside_graphs(self._before_forward)))
+        self._handles.append(model.register_forward_pre_hook(outside_graphs(self._before_forward), with_kwargs=True))
         self._handles.append(model.register_forward_hook(outside_graphs(self._after_forward), always_call=True))
         if self.config["TIERFLOW_OFFLOAD_PARAMS"] != "none":  # after the plans' hooks: Note [Parameter hooks]
             from .params import ParamOffload
@@ -102,7 +108,7 @@ class Session:
             self.params.remove()  # the parameters get their device memory back
             self.params = None
 
-    def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
+    def _before_forward(self, module: torch.nn.Module, args: Any, kwargs: Any = None) -> None:
         opt = self.optimizer() if self.optimizer is not None else None
         if self.distributed is not None and self.distributed.pending:  # FSDP2 after wrap found, DDP noted:
             check_forward(self.distributed, opt, module, self.config)  # Note [Distributed training]
@@ -117,7 +123,7 @@ class Session:
             return
         self.runtime.register_parameters([p for p in module.parameters()])
         if self.planner is not None:
-            self.planner.before_forward()
+            self.planner.before_forward(batch_elements(args, kwargs))
             if self.planner.keep_all:  # the plan keeps everything: no hooks, no cost
                 self._contexts.append(None)
                 return

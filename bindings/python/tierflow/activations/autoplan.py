@@ -64,6 +64,13 @@ class AutoPlanner:
         self.replanned: Optional[dict] = None  # Note [Re-plan]: the one re-plan, or why there was none
         self.timed_step: Optional[dict] = None  # what the timed step measured (report()["plan"]["timed_step"])
         self._plan_struct: Any = None  # the plan in force as tiering's Plan (what a re-plan calibrates on)
+        # Note [Batch growth]: the profiling forwards' sizes (elements of the model's input tensors) by forward,
+        # the size the plan in force is for (0: not tracked), and what larger batches did.
+        self._sizes: dict = {}
+        self._elements = 0  # this forward's
+        self.planned_elements = 0
+        self.batch_growth: dict = {"replans": 0, "refused": None}
+        self._first_saved_bytes = 0  # without blocks: what the first step saved (plan_without_blocks)
         # CUDA, the timed step: the device's peak over forward and backward, and over the optimizer's step
         # (Note [Auto plan phases]); the global step pre-hook that splits them, while it is in place.
         self._forward_backward_peak: Optional[int] = None
@@ -110,7 +117,11 @@ class AutoPlanner:
         # The whole step: the blocks' part the plan prices and the rest the timed step measured (Note [Re-plan]).
         "predicted_step_seconds", "predicted_blocks_seconds", "rest_of_step_seconds",
         # CUDA: what the caching allocator gave back when the plan came in force (Note [Auto plan phases]).
-        "released_cached_bytes")
+        "released_cached_bytes",
+        # Note [Batch growth]: the batch size (input elements) the plan is for, and the profile's.
+        "batch_elements", "profiled_batch_elements",
+        # Note [Re-plan]: why the steps' measurement may no longer re-plan (None: it still may, or it did).
+        "settled")
 
     def plan_in_force(self) -> dict:
         """The plan in force as report() shows it."""
@@ -125,6 +136,7 @@ class AutoPlanner:
         out["timed_step"] = self.timed_step  # None for a plan read from a profile
         out["why"] = self.plan.get("why", [])
         out["fsdp_gathered_bytes"] = self.fsdp_gathered_bytes  # FSDP2's gathered copies, in the fixed bytes (0: none)
+        out["batch_growth"] = dict(self.batch_growth)  # Note [Batch growth]: re-plans for larger batches
         if self.optimizer_step_peak is not None:  # CUDA: the timed step's optimizer step, apart
             out["measured_peaks"] = {"forward_backward_bytes": self._forward_backward_peak,
                                      "forward_backward_reserved_bytes": self._forward_backward_reserved,
@@ -148,20 +160,52 @@ class AutoPlanner:
                 "step_vs_predicted": m.step_vs_predicted, "peak_vs_predicted": m.peak_vs_predicted,
                 "allocated_peak_vs_predicted": allocated / predicted if allocated is not None and predicted else None}
 
-    # The session calls this before every forward of the model (Note [Auto plan phases]).
-    def before_forward(self) -> None:
+    # The session calls this before every forward of the model (Note [Auto plan phases]) with its size (Note
+    # [Batch growth]: the elements of the tensors the model is called with; 0 when it is called with none).
+    def before_forward(self, elements: int = 0) -> None:
         action = self.phases.before_forward()
+        self._elements = int(elements)
+        if self.plan is None:
+            self._sizes[self.forwards] = self._elements
         self._act(action)
         if self.plan is not None:  # the measured step: from one forward to the next
             self._step_starts = (self._step_starts + [time.perf_counter()])[-(_C.MEASURED_STEPS + 1):]
+            grown = _C.grown_batch(self.planned_elements, self._elements)
+            if grown and not self.forced:
+                self.grow(grown)
+            if self.phases.may_replan and _C.batch_varies(self.planned_elements, self._elements):
+                self.settle("the batches' sizes vary (Note [Batch growth]): a step's time is not comparable with "
+                            "the plan's prediction")
             if self.phases.may_replan:
                 self.maybe_replan()
 
+    def grow(self, elements: int) -> None:
+        """Note [Batch growth]: a forward larger than the plan in force is for: plan again for its size, before
+        it runs, from the profile scaled to it; when nothing fits, the plan in force stays and says so."""
+        ratio = elements / self.planned_elements
+        _C.log("warn", f"tierflow: a batch of {elements} input elements, x{ratio:.3g} the {self.planned_elements} "
+               "the activation plan in force was made for: planning again for it (Note [Batch growth])")
+        try:
+            if self.plan.get("blocks"):
+                self.make_plan(self.profile, elements)
+            else:
+                self.plan_without_blocks(elements)
+        except (_C.OutOfMemoryError, _C.ConfigError) as e:
+            self.batch_growth["refused"] = {"batch_elements": elements, "why": str(e)}
+            self.planned_elements = elements  # said once for this size; a larger one tries again
+            _C.log("warn", f"tierflow: no activation plan fits a batch of {elements} input elements; the plan in "
+                   f"force (for {self.plan.get('batch_elements')}) stays and may exceed TIERFLOW_GPU_MEMORY: {e}")
+            return
+        self.batch_growth["replans"] += 1
+        self._step_starts = self._step_starts[-1:]
+
     def _act(self, action: Any) -> None:
         if action == _C.PhaseAction.plan_without_blocks:
-            self.plan_without_blocks()
+            self.plan_without_blocks(self._elements)
         elif action == _C.PhaseAction.plan_from_profile:
-            self.make_plan(self.loaded_profile)
+            # A profile file from before Note [Batch growth]: taken to be for this (the first) forward's size.
+            self.loaded_profile.setdefault("batch_elements", self._elements)
+            self.make_plan(self.loaded_profile, self._elements)
         elif action == _C.PhaseAction.start_timing:
             self._timed_start = time.perf_counter()
             self._policy_bytes = self._packed_outside()
@@ -188,6 +232,8 @@ class AutoPlanner:
                     self.optimizer_step_peak = now
             step = time.perf_counter() - self._timed_start if self._timed_start is not None else 0.0
             profile = self.measure()
+            # Note [Batch growth]: the timed forward's size (its tables, times and peak).
+            profile["batch_elements"] = self._sizes.get(2, 0)
             # What the model-level hook packed in the timed step: the saved tensors outside the blocks (the runners
             # shield theirs; Note [Auto plan phases]).
             outside = self._packed_outside() - self._policy_bytes
@@ -209,7 +255,7 @@ class AutoPlanner:
             self.timed_step = self._timed_step_summary(profile, step, gaps)
             if self.profile_path:
                 write_json_atomic(self.profile_path, profile)
-            self.make_plan(profile)
+            self.make_plan(profile, max(self._sizes.values(), default=0))
 
     def _timed_step_summary(self, profile: dict, step: float, gaps: float) -> dict:
         """What the timed step measured, as the report shows it: the figures the plan's predictions stand on, so
@@ -249,18 +295,25 @@ class AutoPlanner:
             self._step_hook.remove()
             self._step_hook = None
 
-    def plan_without_blocks(self) -> None:
+    def plan_without_blocks(self, elements: int = 0) -> None:
         """No blocks to plan: keep every saved tensor when the first step's fit beside what training holds,
-        else go on swapping them all (the first step swapped them, so it fit wherever anything fits)."""
-        saved = int(self.session.runtime.stats()["activations"]["offloaded_bytes"])
+        else go on swapping them all (the first step swapped them, so it fit wherever anything fits); for a
+        larger batch than the first, its saved bytes scaled alike (Note [Batch growth])."""
+        if self.plan is None:
+            self._first_saved_bytes = int(self.session.runtime.stats()["activations"]["offloaded_bytes"])
+        first = self._sizes.get(1, 0)
+        target = max(first, int(elements))
+        saved = int(round(self._first_saved_bytes * (target / first if first else 1.0)))
         decided = _C.plan_without_blocks(saved, _C.Budgets(**self.budgets({"blocks": []})))
+        self.planned_elements = target
         self.keep_all = self.outside_kept = decided.keep_all
         self.plan = {"summary": decided.summary, "blocks": [], "lines": [],
                      "predicted_device_peak_bytes": decided.predicted_device_peak_bytes,
                      "predicted_step_seconds": None,
                      # Without blocks everything saved is outside them.
                      "outside_kept": decided.keep_all, "outside_bytes": saved,
-                     "window_bytes": int(self.session.config["TIERFLOW_PREFETCH_BYTES"])}
+                     "window_bytes": int(self.session.config["TIERFLOW_PREFETCH_BYTES"]),
+                     "batch_elements": target, "profiled_batch_elements": first}
         self.phases.planned()
         _C.log("warn", "tierflow activation plan: " + decided.summary)
 
@@ -309,7 +362,8 @@ class AutoPlanner:
             gradients_offloaded=cfg["TIERFLOW_OFFLOAD_GRADIENTS"] == "on",
             measured_peak_bytes=int(profile.get("measured_peak_bytes") or 0),
             measured_reserved_peak_bytes=int(profile.get("measured_reserved_peak_bytes") or 0),
-            outside_saved_bytes=int(profile.get("outside_saved_bytes") or 0))
+            outside_saved_bytes=int(profile.get("outside_saved_bytes") or 0),
+            batch_ratio=float(profile.get("batch_ratio") or 1.0))
         params = self.session.params  # TIERFLOW_OFFLOAD_PARAMS=host: the plan counts the fetched parameters
         if params is not None:  # auto: which blocks keep theirs is the plan's (Note [Parameter hooks])
             inputs.params = _C.ParamPolicy.auto if params.planned else _C.ParamPolicy.fetch_all
@@ -362,7 +416,22 @@ class AutoPlanner:
             write_json_atomic(self.profile_path, profile)
         self._step_starts = self._step_starts[-1:]  # the steps under the new plan from here
 
-    def make_plan(self, profile: dict) -> None:
+    def for_batch(self, profile: dict, elements: int) -> tuple:
+        """`profile` scaled to a batch of `elements` (Note [Batch growth]) and the size it is for: the profile's
+        own size when it records none or `elements` is not larger."""
+        base = int(profile.get("batch_elements") or 0)
+        target = max(base, int(elements)) if base else 0
+        if not base or target == base:
+            return profile, base
+        ratio = target / base
+        blocks = _C.blocks_for_batch([profile_struct(b) for b in profile["blocks"]], ratio)
+        return dict(profile, blocks=[fields_of(b, BLOCK_FIELDS) for b in blocks], batch_ratio=ratio,
+                    outside_saved_bytes=int(round(int(profile.get("outside_saved_bytes") or 0) * ratio))), target
+
+    def make_plan(self, base_profile: dict, elements: int = 0) -> None:
+        """Plans from `base_profile` for a batch of `elements` (Note [Batch growth]: the profile's own size when
+        that is larger or not known)."""
+        profile, target = self.for_batch(base_profile, elements)
         budgets = self.budgets(profile)
         blocks = [dict(b) for b in profile["blocks"]]
         plan = make_plan_dict(blocks, profile["links"], budgets, explain=True)
@@ -395,9 +464,15 @@ class AutoPlanner:
             reserved = torch.cuda.memory_reserved(self._device())
             torch.cuda.empty_cache()
             plan["released_cached_bytes"] = reserved - torch.cuda.memory_reserved(self._device())
+        plan["batch_elements"] = target
+        plan["profiled_batch_elements"] = int(base_profile.get("batch_elements") or 0)
         self.plan = plan
         self.phases.planned()
-        self.profile = profile
+        self.profile = base_profile
+        self.planned_elements = target
+        if profile is not base_profile and self.phases.may_replan:
+            # The calibration compares steps with the timed one: not with a plan for another size.
+            self.settle("the plan is for a larger batch than the profile's (Note [Batch growth])")
         _C.log("warn", "tierflow activation plan: " + plan["summary"])
         for line in plan["lines"]:
             _C.log("info", "tierflow   " + line)

@@ -492,8 +492,10 @@ class BlockRunner:
                 planner.phases.forward_refused()  # a refused forward is not one of the profiling steps
             raise _C.TierflowError(message)
         sig = self._signature(args, kwargs)
-        table = self.tables.get(sig)
+        table = self.tables.pop(sig, None)
         recording = table is None
+        if table is not None:
+            self.tables[sig] = table  # the most recently met, last in the order tables leave by
         if recording:
             table = Table()
         f = _Frame(self, table, recording)
@@ -578,6 +580,8 @@ class BlockRunner:
             f.recorder.__exit__(None, None, None)
             f.table.finish()
             self.tables[sig] = f.table
+            while len(self.tables) > _C.TABLES_KEPT_PER_BLOCK:  # Note [Batch growth]: the shapes met last
+                del self.tables[next(iter(self.tables))]
             f.recorder = None
             if self.mode == "split":
                 if not probe_table(f.table, self.alpha):

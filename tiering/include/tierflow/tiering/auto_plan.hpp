@@ -242,6 +242,9 @@ struct SessionBudgetInputs {
   /// root unit's (fsdp_gathered_bytes; empty and 0 without FSDP2). parameter_bytes is then this rank's shards.
   std::vector<std::uint64_t> sharded_unit_bytes;
   std::uint64_t sharded_root_bytes = 0;
+  /// Note [Batch growth]: the blocks given are scaled by this ratio from the size the profile measured; the
+  /// measured peak's part beyond the blocks, the parameters, gradients and optimizer states grows with it.
+  double batch_ratio = 1.0;
 };
 
 /// FSDP2's gathered copies on the device at their most (Note [Auto plan phases]): the root unit's unsharded
@@ -262,6 +265,55 @@ PlanWithoutBlocks plan_without_blocks(std::uint64_t saved_bytes, const Budgets& 
 
 /// The planner's budgets for `blocks` (Note [Auto plan phases]).
 Budgets session_budgets(const SessionBudgetInputs& in, const std::vector<BlockProfile>& blocks) noexcept;
+
+// Note [Batch growth]
+// ~~~~~~~~~~~~~~~~~~~
+// A plan is made for the batch its profile measured, and a later batch can be
+// larger: with dynamic padding (transformers' data collators, the default)
+// every batch is as long as its longest sequence, and a plan that kept
+// everything for a short first batch would hold a long one's activations on
+// the device past TIERFLOW_GPU_MEMORY. A forward's size is the number of
+// elements of the tensors the model is called with (input ids, masks, labels:
+// each grows with the batch's tokens); 0 (no tensor among them) is not tracked.
+// - The profile is the timed forward's (forward 2): its times, its measured
+//   peak and its saved bytes (a block records a table for each input shape it
+//   meets, so forward 2's own), and it records that size (batch_elements; a
+//   profile file without it is taken to be for the first forward's size).
+// - A plan is for the largest size seen: made before forward 3, for the
+//   largest of the three; under a plan, a forward larger than the plan's size
+//   re-plans for it before it runs (grown_batch), from the profile with every
+//   block's saved bytes, working set and times scaled by the ratio
+//   (blocks_for_batch), the saved tensors outside the blocks and the measured
+//   peak's part beyond the blocks too (SessionBudgetInputs::batch_ratio); the
+//   parameters, their gradients and the optimizer's states do not grow. A
+//   plan for a larger batch holds for every smaller one (it moves more than
+//   they need), so the re-plans are as many as the records the sizes set.
+// - Linear in the size: the saved tensors grow with the tokens, attention
+//   through SDPA's kernels included; an eager attention's scores grow with
+//   their square and are underestimated (on CUDA the measured peak in the
+//   report shows it).
+// - No plan fits the larger batch: the plan in force stays, said (warn) and in
+//   report()["plan"]["batch_growth"].
+// - The calibration re-plan (Note [Re-plan]) compares steps of one size: once
+//   a forward's size differs from the plan's by more than kBatchVaries, it is
+//   settled (batch_varies).
+// - A model without repeated blocks (plan_without_blocks) decides again for the
+//   larger batch from its first step's saved bytes scaled alike.
+// - A block keeps the tables of the kTablesKeptPerBlock input shapes it met
+//   last (a table is its forward's ops and saved tensors, for one shape): with
+//   a length per batch, one per shape would grow through the run. A shape met
+//   again after its table went is recorded again (that forward recomputes
+//   where its plan splits).
+inline constexpr double kBatchVaries = 0.1;
+inline constexpr int kTablesKeptPerBlock = 8;
+
+/// `blocks` for a batch `ratio` times as large: their saved bytes, working sets and times scaled (Note [Batch
+/// growth]); their parameters and the optimizer's traffic unchanged.
+std::vector<BlockProfile> blocks_for_batch(const std::vector<BlockProfile>& blocks, double ratio);
+/// 0 when a plan made for `planned_elements` holds for a forward of `elements`; else the size to re-plan for.
+std::uint64_t grown_batch(std::uint64_t planned_elements, std::uint64_t elements) noexcept;
+/// Whether a forward of `elements` is not comparable with steps of `planned_elements` (Note [Batch growth]).
+bool batch_varies(std::uint64_t planned_elements, std::uint64_t elements) noexcept;
 
 /// The link probe's buffer size: at most `most` and a sixteenth of the host
 /// room left (its two pinned buffers take at most an eighth), in granules, at
