@@ -123,3 +123,60 @@ def test_trainers_clip_is_picked_up_exactly(tmp_path, device, clip):
         assert overlap["redone"] == 0, overlap
     else:  # the running norm stops speculation once the learned clip must bind, as TIERFLOW_MAX_GRAD_NORM's does
         assert streaming["speculation_stops"] >= 3, streaming
+
+
+class Sentences(torch.utils.data.Dataset):
+    """Examples of 6 to 40 tokens, as text of varying length tokenizes to."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> dict:
+        g = torch.Generator().manual_seed(7000 + i)
+        n = int(torch.randint(6, 41, (1,), generator=g))
+        return {"input_ids": torch.randint(1, VOCAB, (n,), generator=g).tolist()}
+
+
+def pad_to_longest(examples: list) -> dict:
+    """What transformers' DataCollatorWithPadding does for a causal LM: each batch padded to its longest example,
+    the padding masked out of attention and of the loss."""
+    longest = max(len(e["input_ids"]) for e in examples)
+    ids = torch.zeros(len(examples), longest, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, e in enumerate(examples):
+        ids[row, :len(e["input_ids"])] = torch.tensor(e["input_ids"])
+        mask[row, :len(e["input_ids"])] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def test_trainer_with_dynamic_padding_under_auto_is_bit_identical(tmp_path, device):
+    """Batches padded to their longest example, a length per batch (Note [Batch growth]): auto's plan grows with
+    the longest batch so far, and the run is Trainer's without tierflow bit for bit (your optimizer kept). The
+    config's use_cache is off in both, as tierflow's training forwards run: with the cache on, GPT-2's dropout and
+    masked attention round otherwise in the last bit (7e-9 in a gradient, plain transformers)."""
+    def go(out: str, settings) -> tuple:
+        torch.manual_seed(0)
+        config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=64,
+                                         use_cache=False)
+        model = transformers.GPT2LMHeadModel(config).to(torch_device(device))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        if settings is not None:
+            model, opt = tierflow.wrap(model, opt, device=device, **settings)
+        args = transformers.TrainingArguments(
+            out, max_steps=8, per_device_train_batch_size=2, report_to=[], use_cpu=device != "cuda", seed=0,
+            data_seed=0, dataloader_num_workers=0, disable_tqdm=True, save_strategy="no")
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=Sentences(), optimizers=(opt, None),
+                                       data_collator=pad_to_longest)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="tierflow.wrap: .* has config.use_cache=True")
+            trainer.train()
+        report = tierflow.report() if settings is not None else None
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}, report
+
+    base, _ = go(str(tmp_path / "base"), None)
+    tier, report = go(str(tmp_path / "tier"), dict(offload_optimizer="none", offload_activations="auto"))
+    for k, v in base.items():
+        assert torch.equal(tier[k], v), k
+    plan = report["plan"]
+    assert plan["batch_elements"] > plan["profiled_batch_elements"], plan  # a longer batch came after the profile
+    assert plan["batch_growth"]["replans"] >= 1 and plan["batch_growth"]["refused"] is None
