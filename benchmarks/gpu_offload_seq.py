@@ -191,6 +191,8 @@ def _phase_lines(cfg: dict, n_params: int, chunked_loss: bool) -> dict:
     - backward of the last block (the first to run backward): the block inputs not yet used (all L; the
       planner's in flight: two) and one block recomputed (its saved tensors, as the baseline saves them);
     - backward of block 0: every gradient, one input, one block recomputed.
+    The model's learned positions grow with the sequence too (gpt_model.GPT.pos: d parameters a position, with
+    AdamW's states and, in block 0's backward, their gradient); `n_params` is the model's at cfg["seq_len"].
     With a chunked loss (not the benchmark's: torchtune's and Liger's) the loss's arrays are a chunk's and
     leave the lines."""
     e = torch_dtype_bytes(cfg["dtype"])
@@ -199,12 +201,14 @@ def _phase_lines(cfg: dict, n_params: int, chunked_loss: bool) -> dict:
     loss_bwd = 0 if chunked_loss else V * LOSS_BACKWARD_BYTES
     head = 2 * d * e
     block = saved_activation_bytes(dict(cfg, seq_len=1, n_layer=1), 1)
-    states, grads = 3 * e * n_params, e * n_params
+    n = n_params - cfg["seq_len"] * d  # the parameters that do not grow with the sequence
+    states, grads, pos, pos_grad = 3 * e * n, e * n, 3 * e * d, e * d
     return {
-        "forward": (states, b * (L * d * e + head + loss_fwd), b * (d * e + head + loss_fwd)),
-        "loss_backward": (states, b * (L * d * e + head + loss_bwd), b * (d * e + head + loss_bwd)),
-        "last_block_backward": (states, b * (L * d * e + block), b * (2 * d * e + block)),
-        "block0_backward": (states + grads, b * (d * e + block), b * (d * e + block)),
+        "forward": (states, pos + b * (L * d * e + head + loss_fwd), pos + b * (d * e + head + loss_fwd)),
+        "loss_backward": (states, pos + b * (L * d * e + head + loss_bwd), pos + b * (d * e + head + loss_bwd)),
+        "last_block_backward": (states, pos + b * (L * d * e + block), pos + b * (2 * d * e + block)),
+        "block0_backward": (states + grads, pos + pos_grad + b * (d * e + block),
+                            pos + pos_grad + b * (d * e + block)),
     }
 
 
@@ -218,6 +222,9 @@ def _longest(lines: dict, which: int, capacity: float) -> tuple[int, str]:
                for phase, (fixed, *per) in lines.items())
 
 
+PLANNER_CAPACITY = 0.90  # TIERFLOW_GPU_MEMORY's default, which tierflow-auto-fits runs with: the plan's budget
+
+
 def _work_per_token(cfg: dict, n_params: int, seq: int) -> float:
     """A step's FLOPs per token with every block recomputed: the forward twice and a backward of twice the
     forward, the forward being 2 N for the weights and 2 S d L for causal attention (flash: half the S x S
@@ -226,16 +233,17 @@ def _work_per_token(cfg: dict, n_params: int, seq: int) -> float:
 
 
 def predict_longest(cfg: dict, n_params: int, device_bytes: float = H100_DEVICE_BYTES) -> dict:
-    """Where checkpointing's and the planner's device peaks reach CAPACITY of an H100's memory, the ratio of
+    """Where checkpointing's device peak reaches CAPACITY of an H100's memory and the planner's its default budget
+    (PLANNER_CAPACITY: the plan bounds allocated memory by TIERFLOW_GPU_MEMORY), the ratio of
     their tokens/s there (both recompute every block: at their limits nothing else fits), and the same for a
     chunked loss. A prediction from the shapes (`_phase_lines`), never measured; checked against the H100's
     checkpoint step at the preset's sequence in tests/python/test_bench_gpu_offload.py."""
-    capacity = CAPACITY * device_bytes
+    capacity, planner_capacity = CAPACITY * device_bytes, PLANNER_CAPACITY * device_bytes
     out: dict = {"label": "prediction, not measured", "device": "NVIDIA H100 80GB (79.2 GiB)",
-                 "capacity_bytes": capacity}
+                 "capacity_bytes": capacity, "planner_capacity_bytes": planner_capacity}
     for name, chunked in (("as_run", False), ("loss_chunked", True)):
         lines = _phase_lines(cfg, n_params, chunked)
-        (ck, ck_by), (auto, auto_by) = _longest(lines, 1, capacity), _longest(lines, 2, capacity)
+        (ck, ck_by), (auto, auto_by) = _longest(lines, 1, capacity), _longest(lines, 2, planner_capacity)
         ratio = _work_per_token(cfg, n_params, ck) / _work_per_token(cfg, n_params, auto) if auto else None
         out[name] = {"checkpoint_seq": ck, "checkpoint_limited_by": ck_by, "planner_seq": auto,
                      "planner_limited_by": auto_by, "seq_ratio": auto / ck if ck else None,

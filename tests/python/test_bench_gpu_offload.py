@@ -412,9 +412,10 @@ def test_the_longest_sequence_prediction_matches_the_h100s_peaks_and_says_the_ta
     """predict_longest's memory lines at the preset's sequence against what an H100 measured there (committed:
     benchmarks/results/gpu_offload_h100_2f5cf58.json): checkpointing's forward and backward peaks, and
     tierflow-host's (every saved tensor on the host: the planner's line, where only the loss's arrays and one
-    block's input stay) within 3%. From those lines the target (twice checkpointing's sequence at 0.9 of its
-    tokens/s) is predicted missed on this model: the fp32 loss's arrays limit both; with a chunked loss the
-    planner reaches twice the sequence, and causal attention's work per token then costs the tokens/s."""
+    block's input stay) within 1.5% (they are within 0.7%; 11 or 13 bytes a logit at the loss's backward would
+    leave it). From those lines the target (twice checkpointing's sequence at 0.9 of its tokens/s) is predicted
+    missed on this model: the fp32 loss's arrays limit both; with a chunked loss the blocks limit, still short
+    of twice within the planner's default budget, and causal attention's work per token costs the tokens/s."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     try:
         import bench_gpu_offload as bench
@@ -433,17 +434,17 @@ def test_the_longest_sequence_prediction_matches_the_h100s_peaks_and_says_the_ta
 
     for mode, which in (("checkpoint", 1), ("tierflow-host", 2)):
         phase = measured["modes"][mode]["device_phase_bytes"]
-        assert at(which, ["forward"]) == pytest.approx(phase["forward_allocated"], rel=0.03), mode
+        assert at(which, ["forward"]) == pytest.approx(phase["forward_allocated"], rel=0.015), mode
         assert at(which, ["loss_backward", "last_block_backward", "block0_backward"]) == \
-            pytest.approx(phase["backward_allocated"], rel=0.03), mode
+            pytest.approx(phase["backward_allocated"], rel=0.015), mode
 
     p = seq.predict_longest(cfg, n)
     assert p["label"] == "prediction, not measured"
     run, chunked = p["as_run"], p["loss_chunked"]
     assert run["checkpoint_limited_by"] == run["planner_limited_by"] == "loss_backward"
     assert 60_000 < run["checkpoint_seq"] < run["planner_seq"] < 2 * run["checkpoint_seq"]
-    assert chunked["checkpoint_limited_by"] == chunked["planner_limited_by"] == "last_block_backward"
-    assert chunked["seq_ratio"] >= 2 and chunked["tokens_per_second_ratio"] < 0.9
+    assert chunked["checkpoint_limited_by"] == "last_block_backward" != chunked["planner_limited_by"]
+    assert run["seq_ratio"] < chunked["seq_ratio"] < 2 and chunked["tokens_per_second_ratio"] < 0.9
     assert p["tokens_per_second_target_unreachable_past_seq"] < run["checkpoint_seq"]
     bound = p["tokens_per_second_target_unreachable_past_seq"]
     a, x = 2 * n, 2 * bound * cfg["d_model"] * cfg["n_layer"]
