@@ -87,6 +87,9 @@ void bind_auto_plan(py::module_& m) {
   m.def("replans", [](const std::map<std::string, std::string>& config) {
     return replans(Config::parse({}, config));
   }, py::arg("config"), "Whether a session under these TIERFLOW_* texts may re-plan once (Note [Re-plan]).");
+  m.def("batch_growth_refusal", [](const std::map<std::string, std::string>& config) {
+    return batch_growth_refusal(Config::parse({}, config));
+  }, py::arg("config"), "Why a session cannot plan again for a larger batch (empty: it can; Note [Batch growth]).");
   m.def("measured_block_profile", &measured_block_profile, py::arg("record"), py::arg("traffic") = OptimizerTraffic{},
         "The BlockProfile of a measured block (Note [Auto plan phases]).");
   py::class_<PlanWithoutBlocks>(m, "PlanWithoutBlocks", "The plan of a model without repeated blocks.")

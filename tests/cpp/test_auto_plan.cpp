@@ -572,3 +572,14 @@ TEST(BatchGrowth, TheMeasuredPeakBeyondTheBlocksGrowsWithTheBatchTheFixedBytesDo
   in.measured_peak_bytes = 2000 + 150 + 64;
   EXPECT_EQ(session_budgets(in, grown).fixed_device_bytes, 2000u);
 }
+
+TEST(BatchGrowth, ParametersPlannedPerUnitRefuseToPlanAgainAndSayWhatToDo) {
+  tierflow::Config c;
+  EXPECT_EQ(batch_growth_refusal(c), "");
+  c.offload_params = tierflow::OffloadTarget::kHost;
+  EXPECT_EQ(batch_growth_refusal(c), "");
+  c.offload_params = tierflow::OffloadTarget::kAuto;
+  const std::string why = batch_growth_refusal(c);
+  EXPECT_NE(why.find("TIERFLOW_OFFLOAD_PARAMS=auto"), std::string::npos);
+  EXPECT_NE(why.find("TIERFLOW_OFFLOAD_PARAMS=host"), std::string::npos);
+}

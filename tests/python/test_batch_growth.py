@@ -127,8 +127,9 @@ def test_no_plan_for_a_much_longer_batch_keeps_the_plan_in_force_and_says_so(dev
     assert tier[2][3]["batch_elements"] == 4 * 32, "the plan in force is still the short batches'"
     assert tier[2][5]["batch_growth"]["refused"]["batch_elements"] == 4 * 2048
     err = capfd.readouterr().err
-    assert err.count("no activation plan fits a batch of 4096 input elements") == 1, err
-    assert err.count("no activation plan fits a batch of 8192 input elements") == 1, err
+    for n in (4096, 8192):
+        assert err.count(f"a batch of {n} input elements, larger than the 128 the activation plan in force was "
+                         "made for, which stays and may exceed TIERFLOW_GPU_MEMORY: no activation plan fits it") == 1, err
 
 
 def test_the_profile_is_for_the_timed_forwards_size(device, tmp_path):
@@ -247,3 +248,17 @@ def test_a_block_keeps_the_tables_of_the_shapes_it_met_last(device):
     tierflow.unwrap(model)
     assert most == _C.TABLES_KEPT_PER_BLOCK < len(set(lengths))
     assert_same(base, (losses, weights))
+
+
+def test_parameters_planned_per_block_refuse_to_plan_again_and_say_what_to_do(device, capfd):
+    """TIERFLOW_OFFLOAD_PARAMS=auto makes the blocks its first plan keeps on the device resident for good, which a
+    plan for a larger batch could not undo: the plan in force stays, said with what to do, and the run is the
+    baseline's."""
+    lengths = [64, 64, 64, 256, 64]
+    base = run(gpt2, lengths, device, False)
+    tier = run(gpt2, lengths, device, True, offload_params="auto")
+    assert_same(base, tier)
+    growth = tier[2][3]["batch_growth"]
+    assert growth["replans"] == 0 and growth["refused"]["batch_elements"] == 4 * 256
+    assert "TIERFLOW_OFFLOAD_PARAMS=host" in growth["refused"]["why"]
+    assert "resident for good" in capfd.readouterr().err

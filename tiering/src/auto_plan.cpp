@@ -212,6 +212,13 @@ bool replans(const Config& config) noexcept {
   return config.replan && config.offload_params != OffloadTarget::kAuto;
 }
 
+std::string batch_growth_refusal(const Config& config) {
+  if (config.offload_params != OffloadTarget::kAuto) return {};
+  return "TIERFLOW_OFFLOAD_PARAMS=auto made the blocks its first plan kept on the device resident for good, "
+         "which a plan for a larger batch could not undo; make the first batches the longest (or pad to one "
+         "length), or set TIERFLOW_OFFLOAD_PARAMS=host (every block fetched) or none";
+}
+
 double rest_of_step_seconds(double step_seconds, double blocks_seconds, double outside_seconds,
                             double host_gaps_seconds, double input_swap_seconds) noexcept {
   return std::max(step_seconds - blocks_seconds - outside_seconds - host_gaps_seconds - input_swap_seconds, 0.0);

@@ -183,6 +183,10 @@ class AutoPlanner:
         """Note [Batch growth]: a forward larger than the plan in force is for: plan again for its size, before
         it runs, from the profile scaled to it; when nothing fits, the plan in force stays and says so."""
         ratio = elements / self.planned_elements
+        refusal = _C.batch_growth_refusal(dict(self.session.config))
+        if refusal:
+            self.refuse_growth(elements, refusal)
+            return
         _C.log("warn", f"tierflow: a batch of {elements} input elements, x{ratio:.3g} the {self.planned_elements} "
                "the activation plan in force was made for: planning again for it (Note [Batch growth])")
         try:
@@ -191,13 +195,20 @@ class AutoPlanner:
             else:
                 self.plan_without_blocks(elements)
         except (_C.OutOfMemoryError, _C.ConfigError) as e:
-            self.batch_growth["refused"] = {"batch_elements": elements, "why": str(e)}
-            self.planned_elements = elements  # said once for this size; a larger one tries again
-            _C.log("warn", f"tierflow: no activation plan fits a batch of {elements} input elements; the plan in "
-                   f"force (for {self.plan.get('batch_elements')}) stays and may exceed TIERFLOW_GPU_MEMORY: {e}")
+            self.refuse_growth(elements, "no activation plan fits it: " + str(e))
             return
         self.batch_growth["replans"] += 1
+        self.batch_growth["refused"] = None
         self._step_starts = self._step_starts[-1:]
+
+    def refuse_growth(self, elements: int, why: str) -> None:
+        """The plan in force stays for a larger batch than it was made for: said once per size (a larger one
+        tries again) and in the report (Note [Batch growth])."""
+        self.batch_growth["refused"] = {"batch_elements": elements, "why": why}
+        self.planned_elements = elements
+        _C.log("warn", f"tierflow: a batch of {elements} input elements, larger than the "
+               f"{self.plan.get('batch_elements')} the activation plan in force was made for, which stays and may "
+               f"exceed TIERFLOW_GPU_MEMORY: {why}")
 
     def _act(self, action: Any) -> None:
         if action == _C.PhaseAction.plan_without_blocks:

@@ -293,7 +293,10 @@ Budgets session_budgets(const SessionBudgetInputs& in, const std::vector<BlockPr
 //   their square and are underestimated (on CUDA the measured peak in the
 //   report shows it).
 // - No plan fits the larger batch: the plan in force stays, said (warn) and in
-//   report()["plan"]["batch_growth"].
+//   report()["plan"]["batch_growth"]. So it does under
+//   TIERFLOW_OFFLOAD_PARAMS=auto (batch_growth_refusal): the units its first
+//   plan kept on the device stay there for good, which a plan for more
+//   activations could not undo.
 // - The calibration re-plan (Note [Re-plan]) compares steps of one size: once
 //   a forward's size differs from the plan's by more than kBatchVaries, it is
 //   settled (batch_varies).
@@ -384,6 +387,9 @@ PlanWindow plan_window(const Plan& plan, const Budgets& budgets, std::uint64_t c
 /// planned per unit (TIERFLOW_OFFLOAD_PARAMS=auto makes the units its plan keeps resident for good, which a
 /// second plan could not undo).
 bool replans(const Config& config) noexcept;
+/// Why a session under `config` cannot plan again for a larger batch (Note [Batch growth]), empty when it can:
+/// TIERFLOW_OFFLOAD_PARAMS=auto, whose first plan made its units resident for good.
+std::string batch_growth_refusal(const Config& config);
 
 /// Note [Re-plan]: steps under a plan before its measurement is judged; how far it may stray; the calibration's
 /// range either way.
