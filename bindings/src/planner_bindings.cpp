@@ -125,6 +125,8 @@ void bind_auto_plan(py::module_& m) {
         "The planner's budgets in a training session (Note [Auto plan phases]).");
   m.def("blocks_for_batch", &blocks_for_batch, py::arg("blocks"), py::arg("ratio"),
         "The blocks' profiles for a batch so many times as large (Note [Batch growth]).");
+  m.def("batch_size", &batch_size, py::arg("profiled"), py::arg("inputs"),
+        "A forward's size from its input tensors' elements, against the profiled forward's (Note [Batch growth]).");
   m.def("grown_batch", &grown_batch, py::arg("planned_elements"), py::arg("elements"),
         "0 when the plan for planned_elements holds for a forward of elements; else the size to re-plan for.");
   m.def("batch_varies", &batch_varies, py::arg("planned_elements"), py::arg("elements"),

@@ -583,3 +583,15 @@ TEST(BatchGrowth, ParametersPlannedPerUnitRefuseToPlanAgainAndSayWhatToDo) {
   EXPECT_NE(why.find("TIERFLOW_OFFLOAD_PARAMS=auto"), std::string::npos);
   EXPECT_NE(why.find("TIERFLOW_OFFLOAD_PARAMS=host"), std::string::npos);
 }
+
+TEST(BatchGrowth, ABatchsSizeFollowsTheInputThatGrewMostNotOneOfFixedSize) {
+  // input ids and labels of 2 x 100 tokens beside an image of 3072 elements, profiled at 2 x 50 tokens
+  const std::vector<std::uint64_t> profiled{100, 100, 3072};
+  EXPECT_EQ(batch_size(profiled, {200, 200, 3072}), 2u * (100 + 100 + 3072));  // x2: the tokens' growth
+  EXPECT_EQ(batch_size(profiled, {50, 50, 3072}), (100 + 100 + 3072) / 2);
+  EXPECT_EQ(batch_size(profiled, {100, 100, 3072}), 3272u);
+  EXPECT_EQ(batch_size({}, {200, 200}), 400u);             // no profiled forward yet: its elements
+  EXPECT_EQ(batch_size(profiled, {200, 200}), 400u);       // another structure: its elements
+  EXPECT_EQ(batch_size({0, 100}, {7, 300}), 300u);         // an empty profiled tensor is no measure
+  EXPECT_EQ(batch_size({}, {}), 0u);                       // nothing to count: not tracked
+}

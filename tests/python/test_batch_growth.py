@@ -16,7 +16,7 @@ import transformers
 
 import tierflow
 from harness import torch_device
-from tierflow._wrap import batch_elements
+from tierflow._wrap import input_elements
 
 OPT_NONE = dict(offload_optimizer="none")
 VOCAB = 128
@@ -171,12 +171,63 @@ def test_varying_sizes_settle_the_calibration_replan(device):
     assert plans[3]["replanned"] is None
 
 
-def test_a_forwards_size_counts_every_tensor_it_is_called_with():
+def test_a_forwards_size_is_measured_on_every_tensor_it_is_called_with():
     ids = torch.zeros(2, 7, dtype=torch.long)
-    assert batch_elements((ids,), {}) == 14
-    assert batch_elements((), {"input_ids": ids, "attention_mask": ids, "labels": ids}) == 42
-    assert batch_elements(([ids, ids],), {"extra": {"pixel_values": torch.zeros(2, 3, 4, 4)}, "n": 3}) == 124
-    assert batch_elements(("text",), {}) == 0
+    assert input_elements((ids,), {}) == [14]
+    assert input_elements((), {"input_ids": ids, "attention_mask": ids, "labels": ids}) == [14, 14, 14]
+    assert input_elements(([ids, ids],), {"extra": {"pixel_values": torch.zeros(2, 3, 4, 4)}, "n": 3}) == [14, 14, 96]
+    assert input_elements(("text",), {}) == []
+
+
+def test_text_beside_an_image_of_fixed_size_grows_with_the_text(device, capfd):
+    """A forward's size follows the input that grew most (tiering::batch_size): the text of a model called with
+    a fixed-size image grows fourfold, and the plan is made again for four times the profile's size, not for
+    the few percent the sum of the elements grew; a batch in a dataclass is not seen, said once."""
+    class Captioner(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm = gpt2()
+            self.image = torch.nn.Linear(64, 128)
+
+        def forward(self, input_ids, pixel_values, labels):
+            image = self.image(pixel_values).unsqueeze(1)  # one position before the text
+            embeds = torch.cat([image, self.lm.transformer.wte(input_ids)], dim=1)
+            return self.lm(inputs_embeds=embeds, labels=torch.cat([labels[:, :1], labels], dim=1)).loss
+
+    model = Captioner().to(torch_device(device))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = tierflow.wrap(model, opt, device=device, blocks=list(model.lm.transformer.h), **OPT_NONE)
+    plans = []
+    for n in (32, 32, 32, 128):
+        x = torch.randint(0, VOCAB, (2, n)).to(torch_device(device))
+        model(x, torch.randn(2, 64).to(torch_device(device)), x).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        plans.append(tierflow.report()["plan"])
+    tierflow.unwrap(model)
+    profiled = plans[2]["profiled_batch_elements"]
+    assert profiled == 2 * 2 * 32 + 2 * 64
+    assert plans[3]["batch_elements"] == 4 * profiled and plans[3]["batch_growth"]["replans"] == 1
+
+    class Batch:
+        def __init__(self, ids):
+            self.ids = ids
+
+    class Untracked(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm = gpt2()
+
+        def forward(self, batch):
+            return self.lm(input_ids=batch.ids, labels=batch.ids).loss
+
+    model = Untracked().to(torch_device(device))
+    model, _ = tierflow.wrap(model, None, device=device, blocks=list(model.lm.transformer.h), **OPT_NONE)
+    capfd.readouterr()
+    for _ in range(2):
+        model(Batch(torch.randint(0, VOCAB, (2, 16)).to(torch_device(device)))).backward()
+    tierflow.unwrap(model)
+    assert capfd.readouterr().err.count("no tensor among its arguments that tierflow can count") == 1
 
 
 def test_a_model_without_blocks_decides_again_for_a_longer_batch(device):

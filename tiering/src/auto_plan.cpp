@@ -142,6 +142,25 @@ std::vector<BlockProfile> blocks_for_batch(const std::vector<BlockProfile>& bloc
   return out;
 }
 
+std::uint64_t batch_size(const std::vector<std::uint64_t>& profiled, const std::vector<std::uint64_t>& inputs) noexcept {
+  std::uint64_t now = 0, then = 0;
+  for (auto n : inputs) now += n;
+  for (auto n : profiled) then += n;
+  if (profiled.size() != inputs.size() || then == 0) return now;
+  // The input that grew most; when none grew, the one that shrank most (a shorter batch beside a fixed image).
+  double most = 0, least = 0;
+  bool any = false;
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    if (profiled[i] == 0) continue;
+    const double r = static_cast<double>(inputs[i]) / static_cast<double>(profiled[i]);
+    most = any ? std::max(most, r) : r;
+    least = any ? std::min(least, r) : r;
+    any = true;
+  }
+  const double ratio = most > 1 ? most : least;
+  return static_cast<std::uint64_t>(std::llround(ratio * static_cast<double>(then)));
+}
+
 std::uint64_t grown_batch(std::uint64_t planned_elements, std::uint64_t elements) noexcept {
   return planned_elements > 0 && elements > planned_elements ? elements : 0;
 }

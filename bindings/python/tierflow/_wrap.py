@@ -39,10 +39,10 @@ def _live_sessions() -> "list[Session]":
 
 
 
-def batch_elements(args: Any, kwargs: Any) -> int:
-    """A forward's size (Note [Batch growth]): the elements of every tensor the model is called with, nested
-    ones included (input ids, masks, labels: each grows with the batch's tokens)."""
-    return sum(t.numel() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor))
+def input_elements(args: Any, kwargs: Any) -> list:
+    """The elements of each tensor the model is called with, nested ones included, in order: what a forward's
+    size is measured on (Note [Batch growth]; tiering::batch_size)."""
+    return [t.numel() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
 
 class Session:
     """One runtime and the hooks that connect it to one model."""
@@ -123,7 +123,7 @@ class Session:
             return
         self.runtime.register_parameters([p for p in module.parameters()])
         if self.planner is not None:
-            self.planner.before_forward(batch_elements(args, kwargs))
+            self.planner.before_forward(input_elements(args, kwargs))
             if self.planner.keep_all:  # the plan keeps everything: no hooks, no cost
                 self._contexts.append(None)
                 return

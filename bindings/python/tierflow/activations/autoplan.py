@@ -66,8 +66,10 @@ class AutoPlanner:
         self._plan_struct: Any = None  # the plan in force as tiering's Plan (what a re-plan calibrates on)
         # Note [Batch growth]: the profiling forwards' sizes (elements of the model's input tensors) by forward,
         # the size the plan in force is for (0: not tracked), and what larger batches did.
-        self._sizes: dict = {}
-        self._elements = 0  # this forward's
+        self._inputs: dict = {}  # the profiling forwards' input tensors' elements, by forward
+        self._reference: list = []  # the profiled forward's, which a forward's size is measured against
+        self._elements = 0  # this forward's size
+        self._untracked_said = False
         self.planned_elements = 0
         self.batch_growth: dict = {"replans": 0, "refused": None}
         self._first_saved_bytes = 0  # without blocks: what the first step saved (plan_without_blocks)
@@ -160,14 +162,21 @@ class AutoPlanner:
                 "step_vs_predicted": m.step_vs_predicted, "peak_vs_predicted": m.peak_vs_predicted,
                 "allocated_peak_vs_predicted": allocated / predicted if allocated is not None and predicted else None}
 
-    # The session calls this before every forward of the model (Note [Auto plan phases]) with its size (Note
-    # [Batch growth]: the elements of the tensors the model is called with; 0 when it is called with none).
-    def before_forward(self, elements: int = 0) -> None:
+    # The session calls this before every forward of the model (Note [Auto plan phases]) with the elements of
+    # each tensor it is called with, its size's measure (Note [Batch growth]).
+    def before_forward(self, inputs: Optional[list] = None) -> None:
         action = self.phases.before_forward()
-        self._elements = int(elements)
-        if self.plan is None:
-            self._sizes[self.forwards] = self._elements
-        self._act(action)
+        inputs = [int(n) for n in inputs or []]
+        if self.plan is None and self.forwards <= 3:  # the profiling forwards (none kept under forced recompute)
+            self._inputs[self.forwards] = inputs
+        self._act(action)  # a plan made here sets the reference
+        self._elements = _C.batch_size(self._reference, inputs)
+        if not self._elements and not self._untracked_said and not self.forced:
+            self._untracked_said = True
+            _C.log("warn", "tierflow: the model is called with no tensor among its arguments that tierflow can count "
+                   "(a batch in a dataclass?): a batch larger than the one the activation plan was made for is not "
+                   "seen, and the plan may then exceed TIERFLOW_GPU_MEMORY (Note [Batch growth]); pass the tensors "
+                   "as arguments, or keep one batch size")
         if self.plan is not None:  # the measured step: from one forward to the next
             self._step_starts = (self._step_starts + [time.perf_counter()])[-(_C.MEASURED_STEPS + 1):]
             grown = _C.grown_batch(self.planned_elements, self._elements)
@@ -212,11 +221,14 @@ class AutoPlanner:
 
     def _act(self, action: Any) -> None:
         if action == _C.PhaseAction.plan_without_blocks:
-            self.plan_without_blocks(self._elements)
+            self.plan_without_blocks()
         elif action == _C.PhaseAction.plan_from_profile:
             # A profile file from before Note [Batch growth]: taken to be for this (the first) forward's size.
-            self.loaded_profile.setdefault("batch_elements", self._elements)
-            self.make_plan(self.loaded_profile, self._elements)
+            profile = self.loaded_profile
+            profile.setdefault("batch_tensor_elements", self._inputs.get(self.forwards, []))
+            profile.setdefault("batch_elements", sum(profile["batch_tensor_elements"]))
+            self._reference = list(profile["batch_tensor_elements"])
+            self.make_plan(profile, _C.batch_size(self._reference, self._inputs.get(self.forwards, [])))
         elif action == _C.PhaseAction.start_timing:
             self._timed_start = time.perf_counter()
             self._policy_bytes = self._packed_outside()
@@ -243,8 +255,11 @@ class AutoPlanner:
                     self.optimizer_step_peak = now
             step = time.perf_counter() - self._timed_start if self._timed_start is not None else 0.0
             profile = self.measure()
-            # Note [Batch growth]: the timed forward's size (its tables, times and peak).
-            profile["batch_elements"] = self._sizes.get(2, 0)
+            # Note [Batch growth]: the timed forward's size (its tables, times and peak), which later ones are
+            # measured against.
+            self._reference = self._inputs.get(2, [])
+            profile["batch_tensor_elements"] = list(self._reference)
+            profile["batch_elements"] = sum(self._reference)
             # What the model-level hook packed in the timed step: the saved tensors outside the blocks (the runners
             # shield theirs; Note [Auto plan phases]).
             outside = self._packed_outside() - self._policy_bytes
@@ -266,7 +281,7 @@ class AutoPlanner:
             self.timed_step = self._timed_step_summary(profile, step, gaps)
             if self.profile_path:
                 write_json_atomic(self.profile_path, profile)
-            self.make_plan(profile, max(self._sizes.values(), default=0))
+            self.make_plan(profile, max(_C.batch_size(self._reference, n) for n in self._inputs.values()))
 
     def _timed_step_summary(self, profile: dict, step: float, gaps: float) -> dict:
         """What the timed step measured, as the report shows it: the figures the plan's predictions stand on, so
@@ -312,8 +327,10 @@ class AutoPlanner:
         larger batch than the first, its saved bytes scaled alike (Note [Batch growth])."""
         if self.plan is None:
             self._first_saved_bytes = int(self.session.runtime.stats()["activations"]["offloaded_bytes"])
-        first = self._sizes.get(1, 0)
-        target = max(first, int(elements))
+            self._reference = self._inputs.get(1, [])  # what the first step saved was its size's
+            elements = _C.batch_size(self._reference, self._inputs.get(self.forwards, []))
+        first = sum(self._reference)
+        target = max(first, int(elements)) if first else 0
         saved = int(round(self._first_saved_bytes * (target / first if first else 1.0)))
         decided = _C.plan_without_blocks(saved, _C.Budgets(**self.budgets({"blocks": []})))
         self.planned_elements = target

@@ -272,9 +272,15 @@ Budgets session_budgets(const SessionBudgetInputs& in, const std::vector<BlockPr
 // larger: with dynamic padding (transformers' data collators, the default)
 // every batch is as long as its longest sequence, and a plan that kept
 // everything for a short first batch would hold a long one's activations on
-// the device past TIERFLOW_GPU_MEMORY. A forward's size is the number of
-// elements of the tensors the model is called with (input ids, masks, labels:
-// each grows with the batch's tokens); 0 (no tensor among them) is not tracked.
+// the device past TIERFLOW_GPU_MEMORY. A forward's size is measured on the
+// tensors the model is called with (input ids, masks, labels grow with the
+// batch's tokens), against the profiled forward's (batch_size): the largest
+// ratio of a tensor's elements to the same tensor's there (the smallest when
+// none grew), times that forward's elements, so an input of fixed size (an
+// image beside the text) does not dilute the tokens' growth (a mask of the sequence's square
+// overstates it: more is moved than needed, the budget holds). Inputs of
+// another structure: their elements. 0 (no tensor among them: a dataclass
+// batch) is not tracked, said once.
 // - The profile is the timed forward's (forward 2): its times, its measured
 //   peak and its saved bytes (a block records a table for each input shape it
 //   meets, so forward 2's own), and it records that size (batch_elements; a
@@ -313,6 +319,9 @@ inline constexpr int kTablesKeptPerBlock = 8;
 /// `blocks` for a batch `ratio` times as large: their saved bytes, working sets and times scaled (Note [Batch
 /// growth]); their parameters and the optimizer's traffic unchanged.
 std::vector<BlockProfile> blocks_for_batch(const std::vector<BlockProfile>& blocks, double ratio);
+/// A forward's size (Note [Batch growth]) from the elements of each tensor it is called with (`inputs`, in the
+/// order of the model's arguments), against the profiled forward's (`profiled`; empty: none yet).
+std::uint64_t batch_size(const std::vector<std::uint64_t>& profiled, const std::vector<std::uint64_t>& inputs) noexcept;
 /// 0 when a plan made for `planned_elements` holds for a forward of `elements`; else the size to re-plan for.
 std::uint64_t grown_batch(std::uint64_t planned_elements, std::uint64_t elements) noexcept;
 /// Whether a forward of `elements` is not comparable with steps of `planned_elements` (Note [Batch growth]).
