@@ -117,7 +117,8 @@ void bind_auto_plan(py::module_& m) {
       .def_readwrite("outside_saved_bytes", &SessionBudgetInputs::outside_saved_bytes)
       .def_readwrite("sharded_unit_bytes", &SessionBudgetInputs::sharded_unit_bytes)
       .def_readwrite("sharded_root_bytes", &SessionBudgetInputs::sharded_root_bytes)
-      .def_readwrite("batch_ratio", &SessionBudgetInputs::batch_ratio);
+      .def_readwrite("batch_ratio", &SessionBudgetInputs::batch_ratio)
+      .def_readwrite("measured_start_bytes", &SessionBudgetInputs::measured_start_bytes);
   init_from_kwargs(inputs);
   m.def("fsdp_gathered_bytes", &fsdp_gathered_bytes, py::arg("unit_bytes"), py::arg("root_bytes"),
         "FSDP2's gathered copies on the device at their most (Note [Auto plan phases]).");

@@ -595,3 +595,22 @@ TEST(BatchGrowth, ABatchsSizeFollowsTheInputThatGrewMostNotOneOfFixedSize) {
   EXPECT_EQ(batch_size({0, 100}, {7, 300}), 300u);         // an empty profiled tensor is no measure
   EXPECT_EQ(batch_size({}, {}), 0u);                       // nothing to count: not tracked
 }
+
+TEST(BatchGrowth, WhatTheStepStartedFromDoesNotGrowWithTheBatch) {
+  SessionBudgetInputs in;
+  in.device_budget_bytes = 1 << 30;
+  in.parameter_bytes = 1000;  // + its gradients: 2000 fixed
+  in.prefetch_bytes = 64;
+  BlockProfile b;
+  b.input_bytes = 100;
+  b.transient_bytes = 50;
+  // The step started from its parameters and a frozen model of 1000 bytes beside (2000), added its gradients
+  // (1000), and held the largest block (150), the window (64) and 500 more (logits) at its peak.
+  in.measured_peak_bytes = 2000 + 1000 + 150 + 64 + 500;
+  in.measured_start_bytes = 2000;
+  EXPECT_EQ(session_budgets(in, {b, b}).fixed_device_bytes, 3500u);  // ratio 1: as before
+  in.batch_ratio = 4.0;
+  EXPECT_EQ(session_budgets(in, blocks_for_batch({b, b}, 4.0)).fixed_device_bytes, 3000u + 4 * 500u);
+  in.measured_start_bytes = 0;  // not measured: the frozen model taken to grow with the rest
+  EXPECT_EQ(session_budgets(in, blocks_for_batch({b, b}, 4.0)).fixed_device_bytes, 2000u + 4 * 1500u);
+}

@@ -313,3 +313,23 @@ def test_parameters_planned_per_block_refuse_to_plan_again_and_say_what_to_do(de
     assert growth["replans"] == 0 and growth["refused"]["batch_elements"] == 4 * 256
     assert "TIERFLOW_OFFLOAD_PARAMS=host" in growth["refused"]["why"]
     assert "resident for good" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("field, value", [("batch_elements", -4), ("batch_elements", 2.5),
+                                          ("batch_tensor_elements", "512"), ("batch_tensor_elements", [256, -1]),
+                                          ("measured_start_bytes", "a lot")])
+def test_a_profile_files_batch_size_is_checked(tmp_path, field, value):
+    """A profile file whose batch size is not one is refused at wrap, naming the field and what is accepted, and
+    the file stays."""
+    path = tmp_path / "profile.json"
+    run(gpt2, [64] * 3, "emulated", True, profile=str(path))
+    import json
+    data = json.loads(path.read_text())
+    data[field] = value
+    path.write_text(json.dumps(data))
+    before = path.read_text()
+    model = gpt2()
+    with pytest.raises(tierflow.ConfigError, match=f"{field} .* is not valid; accepted: .*integer"):
+        tierflow.wrap(model, torch.optim.AdamW(model.parameters()), device="emulated", offload_activations="auto",
+                      profile=str(path), **OPT_NONE)
+    assert path.read_text() == before

@@ -102,14 +102,23 @@ Budgets session_budgets(const SessionBudgetInputs& in, const std::vector<BlockPr
   const std::uint64_t peak = in.measured_peak_bytes;
   const std::uint64_t measured = fetched ? peak - std::min(peak, in.measured_parameter_peak_bytes) : peak;
   // Note [Batch growth]: the peak was measured at the profile's size, where the blocks were 1/ratio of these;
-  // what it held beyond them and beyond the fixed bytes (the logits, the loss's arrays) grows with the batch.
+  // what it held beyond them, beyond the fixed bytes and beyond what the step started from (the logits, the
+  // loss's arrays) grows with the batch. At ratio 1: max(fixed, measured - largest - window).
   const double ratio = in.batch_ratio > 0 ? in.batch_ratio : 1.0;
   const auto at_profile = [ratio](std::uint64_t bytes) {
     return static_cast<std::uint64_t>(std::llround(static_cast<double>(bytes) / ratio));
   };
   const std::uint64_t profiled = at_profile(largest) + std::min(in.prefetch_bytes, at_profile(saved));
-  if (measured > profiled + fixed)
-    fixed += static_cast<std::uint64_t>(std::llround(static_cast<double>(measured - profiled - fixed) * ratio));
+  if (measured > profiled) {
+    // What the step adds to what it started from and keeps whatever the batch: the gradients (and FSDP2's
+    // gathered copies), the fixed bytes less the parameters and states there at the step's start.
+    const std::uint64_t added = fixed - std::min(fixed, (fetched ? 0 : in.parameter_bytes) +
+                                                            (in.optimizer_on_device ? 2 * in.parameter_bytes : 0));
+    const std::uint64_t steady = std::max(fixed, in.measured_start_bytes + added);
+    const std::uint64_t rest = measured - profiled;
+    const std::uint64_t grows = rest > steady ? rest - steady : 0;
+    fixed = std::max(fixed, rest - grows) + static_cast<std::uint64_t>(std::llround(static_cast<double>(grows) * ratio));
+  }
   Budgets b;
   b.params = in.params;
   b.param_tier = in.param_tier;

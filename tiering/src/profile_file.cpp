@@ -174,7 +174,8 @@ Json checked(const std::string& where, std::string_view name, const Json& v) {
   if (name == "splittable") {
     ok = v.is_boolean();
     accepted = "true or false";
-  } else if (name.size() >= 6 && name.substr(name.size() - 6) == "_bytes") {
+  } else if ((name.size() >= 6 && name.substr(name.size() - 6) == "_bytes") ||
+             (name.size() >= 9 && name.substr(name.size() - 9) == "_elements")) {
     ok = v.is_number_unsigned();
     accepted = "an integer from 0 to 2^64 - 1";
   } else {
@@ -329,6 +330,15 @@ ProfileFile profile_from_json(std::string_view text) {
                                .get<std::uint64_t>();
   if (data.contains("outside_saved_bytes"))
     out.outside_saved_bytes = checked("", "outside_saved_bytes", data["outside_saved_bytes"]).get<std::uint64_t>();
+  // Note [Batch growth]: the size the profile is for, read by the session from the text (checked here).
+  for (const char* key : {"batch_elements", "measured_start_bytes"})
+    if (data.contains(key)) checked("", key, data[key]);
+  if (data.contains("batch_tensor_elements")) {
+    const auto& sizes = data["batch_tensor_elements"];
+    if (!sizes.is_array())
+      fail("batch_tensor_elements " + shown(sizes) + " is not valid; accepted: a list of integers from 0 to 2^64 - 1");
+    for (const auto& n : sizes) checked("", "batch_tensor_elements", n);
+  }
   return out;
 }
 

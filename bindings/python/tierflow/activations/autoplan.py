@@ -70,6 +70,7 @@ class AutoPlanner:
         self._reference: list = []  # the profiled forward's, which a forward's size is measured against
         self._elements = 0  # this forward's size
         self._untracked_said = False
+        self._timed_start_bytes = 0  # CUDA: the device's allocated bytes when the timed forward began
         self.planned_elements = 0
         self.batch_growth: dict = {"replans": 0, "refused": None}
         self._first_saved_bytes = 0  # without blocks: what the first step saved (plan_without_blocks)
@@ -236,6 +237,8 @@ class AutoPlanner:
                 r.timing = True
             if self._cuda():
                 torch.cuda.reset_peak_memory_stats(self._device())
+                # Note [Batch growth]: what the step starts from does not grow with the batch.
+                self._timed_start_bytes = int(torch.cuda.memory_allocated(self._device()))
                 self._end_step_hook()  # a refused forward may have started the timing once already
                 hook = weakref.WeakMethod(self._before_timed_step)  # the hook is global: it must not keep us
                 self._step_hook = register_optimizer_step_pre_hook(
@@ -275,6 +278,7 @@ class AutoPlanner:
                 _C.outside_swap_seconds(links_struct(profile["links"]), outside), gaps,
                 sum(sum(r.input_swap_seconds) for r in self.runners))
             if self._forward_backward_peak is not None:
+                profile["measured_start_bytes"] = self._timed_start_bytes
                 profile["measured_peak_bytes"] = self._forward_backward_peak
                 profile["measured_reserved_peak_bytes"] = self._forward_backward_reserved
             profile["fixed_device_bytes"] = self.budgets(profile)["fixed_device_bytes"]
@@ -391,7 +395,8 @@ class AutoPlanner:
             measured_peak_bytes=int(profile.get("measured_peak_bytes") or 0),
             measured_reserved_peak_bytes=int(profile.get("measured_reserved_peak_bytes") or 0),
             outside_saved_bytes=int(profile.get("outside_saved_bytes") or 0),
-            batch_ratio=float(profile.get("batch_ratio") or 1.0))
+            batch_ratio=float(profile.get("batch_ratio") or 1.0),
+            measured_start_bytes=int(profile.get("measured_start_bytes") or 0))
         params = self.session.params  # TIERFLOW_OFFLOAD_PARAMS=host: the plan counts the fetched parameters
         if params is not None:  # auto: which blocks keep theirs is the plan's (Note [Parameter hooks])
             inputs.params = _C.ParamPolicy.auto if params.planned else _C.ParamPolicy.fetch_all
@@ -518,6 +523,10 @@ class AutoPlanner:
 
     def apply(self, plan: dict) -> None:
         for r, bp in zip(self.runners, plan["blocks"]):
+            if (r.mode, r.alpha) != (bp["mode"], bp["alpha"]):
+                # Only the last forward's table was probed for this plan's split (probe): the other shapes' go,
+                # and record again when met (Note [Batch growth]).
+                r.tables = {k: t for k, t in r.tables.items() if t is r.table}
             r.mode = bp["mode"]
             r.alpha = bp["alpha"]
             r.tier = bp["tier"]

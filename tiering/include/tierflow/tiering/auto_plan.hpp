@@ -245,6 +245,9 @@ struct SessionBudgetInputs {
   /// Note [Batch growth]: the blocks given are scaled by this ratio from the size the profile measured; the
   /// measured peak's part beyond the blocks, the parameters, gradients and optimizer states grows with it.
   double batch_ratio = 1.0;
+  /// The device's allocated bytes when the timed forward began (0: not measured): what the step started from
+  /// (parameters, optimizer states, a frozen model beside) does not grow with the batch.
+  std::uint64_t measured_start_bytes = 0;
 };
 
 /// FSDP2's gathered copies on the device at their most (Note [Auto plan phases]): the root unit's unsharded
@@ -312,7 +315,9 @@ Budgets session_budgets(const SessionBudgetInputs& in, const std::vector<BlockPr
 //   last (a table is its forward's ops and saved tensors, for one shape): with
 //   a length per batch, one per shape would grow through the run. A shape met
 //   again after its table went is recorded again (that forward recomputes
-//   where its plan splits).
+//   where its plan splits: with more lengths than that in turn, a split block
+//   mostly recomputes). A plan that changes a block's action or split keeps
+//   only the table its probe checked.
 inline constexpr double kBatchVaries = 0.1;
 inline constexpr int kTablesKeptPerBlock = 8;
 
