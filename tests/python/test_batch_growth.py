@@ -43,13 +43,15 @@ def batches(lengths: list) -> list:
     return [torch.randint(0, VOCAB, (2, n), generator=gen) for n in lengths]
 
 
-def run(make, lengths: list, device: str, wrap: bool, **settings) -> tuple:
+def run(make, lengths: list, device: str, wrap: bool, activations: str = "auto", each_step=None,
+        **settings) -> tuple:
     """Trains on batches of `lengths` tokens (the model called with input_ids and labels, as Trainer does):
-    the losses, the final weights and, with tierflow, the plan's report after each step."""
+    the losses, the final weights and, with tierflow, the plan's report after each step (and `each_step()`)."""
     model = make().to(torch_device(device))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     if wrap:
-        model, opt = tierflow.wrap(model, opt, device=device, offload_activations="auto", **OPT_NONE, **settings)
+        model, opt = tierflow.wrap(model, opt, device=device, offload_activations=activations, **OPT_NONE,
+                                   **settings)
     torch.manual_seed(123)  # dropout
     losses, plans = [], []
     for x in batches(lengths):
@@ -61,6 +63,8 @@ def run(make, lengths: list, device: str, wrap: bool, **settings) -> tuple:
         losses.append(loss.item())
         if wrap:
             plans.append(copy.deepcopy(tierflow.report()["plan"]))
+        if each_step is not None:
+            each_step()
     weights = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     if wrap:
         tierflow.unwrap(model)
@@ -281,24 +285,11 @@ def test_a_block_keeps_the_tables_of_the_shapes_it_met_last(device):
 
     lengths = [16 + 8 * i for i in range(12)] + [16, 24, 104, 16]
     base = run(gpt2, lengths, device, False)
-    model = gpt2().to(torch_device(device))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model, opt = tierflow.wrap(model, opt, device=device, offload_activations="recompute", **OPT_NONE)
-    runners = tierflow.current_session().planner.runners
-    torch.manual_seed(123)
-    losses, most = [], 0
-    for x in batches(lengths):
-        x = x.to(torch_device(device))
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        most = max(most, max(len(r.tables) for r in runners))
-    weights = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-    tierflow.unwrap(model)
-    assert most == _C.TABLES_KEPT_PER_BLOCK < len(set(lengths))
-    assert_same(base, (losses, weights))
+    kept = []
+    tier = run(gpt2, lengths, device, True, activations="recompute", each_step=lambda: kept.append(
+        max(len(r.tables) for r in tierflow.current_session().planner.runners)))
+    assert max(kept) == _C.TABLES_KEPT_PER_BLOCK < len(set(lengths))
+    assert_same(base, tier)
 
 
 def test_parameters_planned_per_block_refuse_to_plan_again_and_say_what_to_do(device, capfd):

@@ -306,6 +306,15 @@ def test_the_cpu_kernel_alone_steps_every_parameter_with_states_off_the_host_cop
     tierflow.unwrap(model)
 
 
+def _bench_module():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import bench_gpu_offload
+    finally:
+        sys.path.pop(0)
+    return bench_gpu_offload
+
+
 def _seq_module():
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     try:
@@ -416,11 +425,7 @@ def test_the_longest_sequence_prediction_matches_the_h100s_peaks_and_says_the_ta
     leave it). From those lines the target (twice checkpointing's sequence at 0.9 of its tokens/s) is predicted
     missed on this model: the fp32 loss's arrays limit both; with a chunked loss the blocks limit, still short
     of twice within the planner's default budget, and causal attention's work per token costs the tokens/s."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        import bench_gpu_offload as bench
-    finally:
-        sys.path.pop(0)
+    bench = _bench_module()
     seq = _seq_module()
     cfg = bench.resolve(bench.parse_args(["--preset", "gpt1b", "--device", "cpu"]))
     n = bench.estimate(cfg)["parameters"]
@@ -460,11 +465,7 @@ def test_the_longest_sequence_prediction_matches_the_h100s_peaks_and_says_the_ta
 def test_a_search_trial_trains_in_the_real_worker(mode, monkeypatch):
     """The search runs only on CUDA, so its trials' configuration is run here by the benchmark's own worker on the
     CPU (the tiny preset at twice its sequence): each mode accepts it and trains its one measured step."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        import bench_gpu_offload as bench
-    finally:
-        sys.path.pop(0)
+    bench = _bench_module()
     seq = _seq_module()
     cfg = bench.resolve(bench.parse_args(["--preset", "tiny", "--device", "cpu"]))
     for key in [k for k in os.environ if k.startswith("TIERFLOW_") and k not in SUITE_ENVIRONMENT]:
