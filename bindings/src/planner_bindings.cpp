@@ -118,7 +118,7 @@ void bind_auto_plan(py::module_& m) {
       .def_readwrite("sharded_unit_bytes", &SessionBudgetInputs::sharded_unit_bytes)
       .def_readwrite("sharded_root_bytes", &SessionBudgetInputs::sharded_root_bytes)
       .def_readwrite("batch_ratio", &SessionBudgetInputs::batch_ratio)
-      .def_readwrite("measured_start_bytes", &SessionBudgetInputs::measured_start_bytes);
+      .def_readwrite("measured_beside_bytes", &SessionBudgetInputs::measured_beside_bytes);
   init_from_kwargs(inputs);
   m.def("fsdp_gathered_bytes", &fsdp_gathered_bytes, py::arg("unit_bytes"), py::arg("root_bytes"),
         "FSDP2's gathered copies on the device at their most (Note [Auto plan phases]).");
@@ -126,7 +126,8 @@ void bind_auto_plan(py::module_& m) {
         "The planner's budgets in a training session (Note [Auto plan phases]).");
   m.def("blocks_for_batch", &blocks_for_batch, py::arg("blocks"), py::arg("ratio"),
         "The blocks' profiles for a batch so many times as large (Note [Batch growth]).");
-  m.def("batch_size", &batch_size, py::arg("profiled"), py::arg("inputs"),
+  m.def("batch_size", &batch_size, py::arg("profiled"), py::arg("inputs"), py::arg("profiled_elements"),
+        py::arg("elements"),
         "A forward's size from its input tensors' elements, against the profiled forward's (Note [Batch growth]).");
   m.def("grown_batch", &grown_batch, py::arg("planned_elements"), py::arg("elements"),
         "0 when the plan for planned_elements holds for a forward of elements; else the size to re-plan for.");

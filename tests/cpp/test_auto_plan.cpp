@@ -587,13 +587,16 @@ TEST(BatchGrowth, ParametersPlannedPerUnitRefuseToPlanAgainAndSayWhatToDo) {
 TEST(BatchGrowth, ABatchsSizeFollowsTheInputThatGrewMostNotOneOfFixedSize) {
   // input ids and labels of 2 x 100 tokens beside an image of 3072 elements, profiled at 2 x 50 tokens
   const std::vector<std::uint64_t> profiled{100, 100, 3072};
-  EXPECT_EQ(batch_size(profiled, {200, 200, 3072}), 2u * (100 + 100 + 3072));  // x2: the tokens' growth
-  EXPECT_EQ(batch_size(profiled, {50, 50, 3072}), (100 + 100 + 3072) / 2);
-  EXPECT_EQ(batch_size(profiled, {100, 100, 3072}), 3272u);
-  EXPECT_EQ(batch_size({}, {200, 200}), 400u);             // no profiled forward yet: its elements
-  EXPECT_EQ(batch_size(profiled, {200, 200}), 400u);       // another structure: its elements
-  EXPECT_EQ(batch_size({0, 100}, {7, 300}), 300u);         // an empty profiled tensor is no measure
-  EXPECT_EQ(batch_size({}, {}), 0u);                       // nothing to count: not tracked
+  const std::uint64_t all = 3272;
+  EXPECT_EQ(batch_size(profiled, {200, 200, 3072}, all, 3472), 2u * all);  // x2: the tokens' growth
+  EXPECT_EQ(batch_size(profiled, {50, 50, 3072}, all, 3172), all / 2);     // none grew: the one that shrank most
+  EXPECT_EQ(batch_size(profiled, {100, 100, 3072}, all, all), all);
+  // Called with fewer tensors than the profiled forward (no labels): measured on those both have, ids and image.
+  EXPECT_EQ(batch_size({100, 3072}, {300, 3072}, all, 3372), 3u * all);
+  EXPECT_EQ(batch_size({}, {}, 0, 400), 400u);        // no profiled forward yet: its elements
+  EXPECT_EQ(batch_size({}, {}, all, 400), 400u);      // no tensor in common: its elements
+  EXPECT_EQ(batch_size({0, 100}, {7, 300}, 100, 307), 300u);  // an empty profiled tensor is no measure
+  EXPECT_EQ(batch_size({}, {}, 0, 0), 0u);            // nothing to count: not tracked
 }
 
 TEST(BatchGrowth, WhatTheStepStartedFromDoesNotGrowWithTheBatch) {
@@ -604,13 +607,19 @@ TEST(BatchGrowth, WhatTheStepStartedFromDoesNotGrowWithTheBatch) {
   BlockProfile b;
   b.input_bytes = 100;
   b.transient_bytes = 50;
-  // The step started from its parameters and a frozen model of 1000 bytes beside (2000), added its gradients
-  // (1000), and held the largest block (150), the window (64) and 500 more (logits) at its peak.
+  // Before the first forward a frozen model of 1000 bytes was there beside the parameters; the step held its
+  // parameters and gradients (2000), the frozen model, the largest block (150), the window (64) and 500 more
+  // (logits) at its peak.
   in.measured_peak_bytes = 2000 + 1000 + 150 + 64 + 500;
-  in.measured_start_bytes = 2000;
+  in.measured_beside_bytes = 1000;
   EXPECT_EQ(session_budgets(in, {b, b}).fixed_device_bytes, 3500u);  // ratio 1: as before
   in.batch_ratio = 4.0;
   EXPECT_EQ(session_budgets(in, blocks_for_batch({b, b}, 4.0)).fixed_device_bytes, 3000u + 4 * 500u);
-  in.measured_start_bytes = 0;  // not measured: the frozen model taken to grow with the rest
+  in.measured_beside_bytes = 0;  // not measured: the frozen model taken to grow with the rest
   EXPECT_EQ(session_budgets(in, blocks_for_batch({b, b}, 4.0)).fixed_device_bytes, 2000u + 4 * 1500u);
+  // With the optimizer on the device, bytes beside up to its states are taken for a resumed optimizer's.
+  in.optimizer_on_device = true;  // fixed: 1000 + 1000 + 2000
+  in.measured_peak_bytes = 4000 + 1000 + 150 + 64 + 500;
+  in.measured_beside_bytes = 2000 + 1000;  // the states of a resumed optimizer and the frozen model
+  EXPECT_EQ(session_budgets(in, blocks_for_batch({b, b}, 4.0)).fixed_device_bytes, 5000u + 4 * 500u);
 }

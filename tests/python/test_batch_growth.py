@@ -175,12 +175,33 @@ def test_varying_sizes_settle_the_calibration_replan(device):
     assert plans[3]["replanned"] is None
 
 
-def test_a_forwards_size_is_measured_on_every_tensor_it_is_called_with():
+def test_a_forwards_size_is_measured_on_every_tensor_it_is_called_with_by_place():
     ids = torch.zeros(2, 7, dtype=torch.long)
-    assert input_elements((ids,), {}) == [14]
-    assert input_elements((), {"input_ids": ids, "attention_mask": ids, "labels": ids}) == [14, 14, 14]
-    assert input_elements(([ids, ids],), {"extra": {"pixel_values": torch.zeros(2, 3, 4, 4)}, "n": 3}) == [14, 14, 96]
-    assert input_elements(("text",), {}) == []
+    assert input_elements((ids,), {}) == {"[0][0]": 14}
+    assert input_elements((), {"input_ids": ids, "labels": ids}) == {"[1]['input_ids']": 14, "[1]['labels']": 14}
+    assert input_elements(([ids, ids],), {"extra": {"pixel_values": torch.zeros(2, 3, 4, 4)}, "n": 3}) == {
+        "[0][0][0]": 14, "[0][0][1]": 14, "[1]['extra']['pixel_values']": 96}
+    assert input_elements(("text",), {}) == {}
+
+
+def test_a_forward_with_other_tensors_is_measured_on_those_both_have(device, capfd):
+    """Profiled with input_ids, attention_mask and labels, then called without the mask: the batch is measured on
+    the ids and labels (four times as long: planned again for four times the profile's size), said once."""
+    model = gpt2().to(torch_device(device))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = tierflow.wrap(model, opt, device=device, offload_activations="auto", **OPT_NONE)
+    plans = []
+    for n, masked in ((32, True), (32, True), (32, True), (128, False), (128, False)):
+        x = torch.randint(0, VOCAB, (2, n)).to(torch_device(device))
+        mask = {"attention_mask": torch.ones_like(x)} if masked else {}
+        model(input_ids=x, labels=x, **mask).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        plans.append(tierflow.report()["plan"])
+    tierflow.unwrap(model)
+    assert plans[2]["profiled_batch_elements"] == 3 * 2 * 32
+    assert plans[3]["batch_elements"] == 4 * 3 * 2 * 32 and plans[4]["batch_growth"]["replans"] == 1
+    assert capfd.readouterr().err.count("is called with other tensors") == 1
 
 
 def test_text_beside_an_image_of_fixed_size_grows_with_the_text(device, capfd):
@@ -307,8 +328,9 @@ def test_parameters_planned_per_block_refuse_to_plan_again_and_say_what_to_do(de
 
 
 @pytest.mark.parametrize("field, value", [("batch_elements", -4), ("batch_elements", 2.5),
-                                          ("batch_tensor_elements", "512"), ("batch_tensor_elements", [256, -1]),
-                                          ("measured_start_bytes", "a lot")])
+                                          ("batch_tensor_elements", [256, 256]),
+                                          ("batch_tensor_elements", {"[1]['input_ids']": -1}),
+                                          ("measured_beside_bytes", "a lot")])
 def test_a_profile_files_batch_size_is_checked(tmp_path, field, value):
     """A profile file whose batch size is not one is refused at wrap, naming the field and what is accepted, and
     the file stays."""
@@ -320,7 +342,7 @@ def test_a_profile_files_batch_size_is_checked(tmp_path, field, value):
     path.write_text(json.dumps(data))
     before = path.read_text()
     model = gpt2()
-    with pytest.raises(tierflow.ConfigError, match=f"{field} .* is not valid; accepted: .*integer"):
+    with pytest.raises(tierflow.ConfigError, match=f"{field}\\W.*is not valid; accepted: .*integer"):
         tierflow.wrap(model, torch.optim.AdamW(model.parameters()), device="emulated", offload_activations="auto",
                       profile=str(path), **OPT_NONE)
     assert path.read_text() == before

@@ -102,19 +102,16 @@ Budgets session_budgets(const SessionBudgetInputs& in, const std::vector<BlockPr
   const std::uint64_t peak = in.measured_peak_bytes;
   const std::uint64_t measured = fetched ? peak - std::min(peak, in.measured_parameter_peak_bytes) : peak;
   // Note [Batch growth]: the peak was measured at the profile's size, where the blocks were 1/ratio of these;
-  // what it held beyond them, beyond the fixed bytes and beyond what the step started from (the logits, the
-  // loss's arrays) grows with the batch. At ratio 1: max(fixed, measured - largest - window).
+  // what it held beyond them, beyond the fixed bytes and beyond what was there before the first forward (the
+  // logits, the loss's arrays) grows with the batch. At ratio 1: max(fixed, measured - largest - window).
   const double ratio = in.batch_ratio > 0 ? in.batch_ratio : 1.0;
   const auto at_profile = [ratio](std::uint64_t bytes) {
     return static_cast<std::uint64_t>(std::llround(static_cast<double>(bytes) / ratio));
   };
   const std::uint64_t profiled = at_profile(largest) + std::min(in.prefetch_bytes, at_profile(saved));
   if (measured > profiled) {
-    // What the step adds to what it started from and keeps whatever the batch: the gradients (and FSDP2's
-    // gathered copies), the fixed bytes less the parameters and states there at the step's start.
-    const std::uint64_t added = fixed - std::min(fixed, (fetched ? 0 : in.parameter_bytes) +
-                                                            (in.optimizer_on_device ? 2 * in.parameter_bytes : 0));
-    const std::uint64_t steady = std::max(fixed, in.measured_start_bytes + added);
+    const std::uint64_t states = in.optimizer_on_device ? 2 * in.parameter_bytes : 0;
+    const std::uint64_t steady = fixed + (in.measured_beside_bytes > states ? in.measured_beside_bytes - states : 0);
     const std::uint64_t rest = measured - profiled;
     const std::uint64_t grows = rest > steady ? rest - steady : 0;
     fixed = std::max(fixed, rest - grows) + static_cast<std::uint64_t>(std::llround(static_cast<double>(grows) * ratio));
@@ -151,11 +148,9 @@ std::vector<BlockProfile> blocks_for_batch(const std::vector<BlockProfile>& bloc
   return out;
 }
 
-std::uint64_t batch_size(const std::vector<std::uint64_t>& profiled, const std::vector<std::uint64_t>& inputs) noexcept {
-  std::uint64_t now = 0, then = 0;
-  for (auto n : inputs) now += n;
-  for (auto n : profiled) then += n;
-  if (profiled.size() != inputs.size() || then == 0) return now;
+std::uint64_t batch_size(const std::vector<std::uint64_t>& profiled, const std::vector<std::uint64_t>& inputs,
+                         std::uint64_t profiled_elements, std::uint64_t elements) noexcept {
+  if (profiled.size() != inputs.size() || profiled_elements == 0) return elements;
   // The input that grew most; when none grew, the one that shrank most (a shorter batch beside a fixed image).
   double most = 0, least = 0;
   bool any = false;
@@ -166,8 +161,9 @@ std::uint64_t batch_size(const std::vector<std::uint64_t>& profiled, const std::
     least = any ? std::min(least, r) : r;
     any = true;
   }
+  if (!any) return elements;
   const double ratio = most > 1 ? most : least;
-  return static_cast<std::uint64_t>(std::llround(ratio * static_cast<double>(then)));
+  return static_cast<std::uint64_t>(std::llround(ratio * static_cast<double>(profiled_elements)));
 }
 
 std::uint64_t grown_batch(std::uint64_t planned_elements, std::uint64_t elements) noexcept {

@@ -175,7 +175,7 @@ Json checked(const std::string& where, std::string_view name, const Json& v) {
     ok = v.is_boolean();
     accepted = "true or false";
   } else if ((name.size() >= 6 && name.substr(name.size() - 6) == "_bytes") ||
-             (name.size() >= 9 && name.substr(name.size() - 9) == "_elements")) {
+             name.find("_elements") != std::string_view::npos) {
     ok = v.is_number_unsigned();
     accepted = "an integer from 0 to 2^64 - 1";
   } else {
@@ -331,13 +331,15 @@ ProfileFile profile_from_json(std::string_view text) {
   if (data.contains("outside_saved_bytes"))
     out.outside_saved_bytes = checked("", "outside_saved_bytes", data["outside_saved_bytes"]).get<std::uint64_t>();
   // Note [Batch growth]: the size the profile is for, read by the session from the text (checked here).
-  for (const char* key : {"batch_elements", "measured_start_bytes"})
+  for (const char* key : {"batch_elements", "measured_beside_bytes", "measured_peak_bytes",
+                          "measured_reserved_peak_bytes"})
     if (data.contains(key)) checked("", key, data[key]);
   if (data.contains("batch_tensor_elements")) {
     const auto& sizes = data["batch_tensor_elements"];
-    if (!sizes.is_array())
-      fail("batch_tensor_elements " + shown(sizes) + " is not valid; accepted: a list of integers from 0 to 2^64 - 1");
-    for (const auto& n : sizes) checked("", "batch_tensor_elements", n);
+    if (!sizes.is_object())
+      fail("batch_tensor_elements " + shown(sizes) +
+           " is not valid; accepted: an object of the model's input tensors' places to integers from 0 to 2^64 - 1");
+    for (const auto& [place, n] : sizes.items()) checked("", "batch_tensor_elements[" + place + "]", n);
   }
   return out;
 }

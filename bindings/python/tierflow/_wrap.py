@@ -10,7 +10,7 @@ import weakref
 from typing import Any, Iterator, Optional
 
 import torch
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path
 
 from . import _C
 from ._compile import outside_graphs
@@ -39,10 +39,11 @@ def _live_sessions() -> "list[Session]":
 
 
 
-def input_elements(args: Any, kwargs: Any) -> list:
-    """The elements of each tensor the model is called with, nested ones included, in order: what a forward's
-    size is measured on (Note [Batch growth]; tiering::batch_size)."""
-    return [t.numel() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+def input_elements(args: Any, kwargs: Any) -> dict:
+    """The elements of each tensor the model is called with, nested ones included, by its place among the
+    arguments: what a forward's size is measured on (Note [Batch growth]; tiering::batch_size)."""
+    return {keystr(path): t.numel() for path, t in tree_flatten_with_path((args, kwargs))[0]
+            if isinstance(t, torch.Tensor)}
 
 class Session:
     """One runtime and the hooks that connect it to one model."""

@@ -66,11 +66,11 @@ class AutoPlanner:
         self._plan_struct: Any = None  # the plan in force as tiering's Plan (what a re-plan calibrates on)
         # Note [Batch growth]: the profiling forwards' sizes (elements of the model's input tensors) by forward,
         # the size the plan in force is for (0: not tracked), and what larger batches did.
-        self._inputs: dict = {}  # the profiling forwards' input tensors' elements, by forward
-        self._reference: list = []  # the profiled forward's, which a forward's size is measured against
+        self._inputs: dict = {}  # the profiling forwards' input tensors' elements (by place), by forward
+        self._reference: dict = {}  # the profiled forward's, which a forward's size is measured against
         self._elements = 0  # this forward's size
-        self._untracked_said = False
-        self._timed_start_bytes = 0  # CUDA: the device's allocated bytes when the timed forward began
+        self._untracked_said = self._other_inputs_said = False
+        self._beside_bytes = 0  # CUDA: the device's bytes beside the model's before the first forward
         self.planned_elements = 0
         self.batch_growth: dict = {"replans": 0, "refused": None}
         self._first_saved_bytes = 0  # without blocks: what the first step saved (plan_without_blocks)
@@ -165,13 +165,15 @@ class AutoPlanner:
 
     # The session calls this before every forward of the model (Note [Auto plan phases]) with the elements of
     # each tensor it is called with, its size's measure (Note [Batch growth]).
-    def before_forward(self, inputs: Optional[list] = None) -> None:
+    def before_forward(self, inputs: Optional[dict] = None) -> None:
         action = self.phases.before_forward()
-        inputs = [int(n) for n in inputs or []]
-        if self.plan is None and self.forwards <= 3:  # the profiling forwards (none kept under forced recompute)
+        inputs = {k: int(n) for k, n in (inputs or {}).items()}
+        if self.plan is None and self.forwards <= 3:  # the profiling forwards
             self._inputs[self.forwards] = inputs
+            if self.forwards == 1 and self._cuda():
+                self._beside_bytes = self._bytes_beside_model()
         self._act(action)  # a plan made here sets the reference
-        self._elements = _C.batch_size(self._reference, inputs)
+        self._elements = self._size(inputs)
         if not self._elements and not self._untracked_said and not self.forced:
             self._untracked_said = True
             _C.log("warn", "tierflow: the model is called with no tensor among its arguments that tierflow can count "
@@ -188,6 +190,33 @@ class AutoPlanner:
                             "the plan's prediction")
             if self.phases.may_replan:
                 self.maybe_replan()
+
+    def _size(self, inputs: dict) -> int:
+        """This forward's size against the profiled forward's (tiering::batch_size), their tensors matched by place
+        (Note [Batch growth]); other tensors than the profiled forward's are said once."""
+        ref = self._reference
+        common = [k for k in inputs if k in ref]
+        if ref and inputs and (len(common) != len(ref) or len(common) != len(inputs)) and not self._other_inputs_said:
+            self._other_inputs_said = True
+            _C.log("warn", f"tierflow: the model is called with other tensors ({sorted(inputs)}) than in the forward "
+                   f"its activation plan was profiled on ({sorted(ref)}): a batch's size is measured on those both "
+                   "have, or on all of its elements when none (Note [Batch growth])")
+        return _C.batch_size([ref[k] for k in common], [inputs[k] for k in common], sum(ref.values()),
+                             sum(inputs.values()))
+
+    def _bytes_beside_model(self) -> int:
+        """CUDA, before the first forward: the device's allocated bytes other than the model's parameters and
+        gradients (a frozen model beside, another's tensors), which do not grow with the batch."""
+        seen, own = set(), 0
+        for p in self.model_params:
+            for t in (p, p.grad):
+                t = getattr(t, "_local_tensor", t)  # an FSDP2 shard
+                if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+                    key = t.untyped_storage().data_ptr()
+                    if key not in seen:
+                        seen.add(key)
+                        own += t.untyped_storage().nbytes()
+        return max(0, int(torch.cuda.memory_allocated(self._device())) - own)
 
     def grow(self, elements: int) -> None:
         """Note [Batch growth]: a forward larger than the plan in force is for: plan again for its size, before
@@ -216,6 +245,8 @@ class AutoPlanner:
         tries again) and in the report (Note [Batch growth])."""
         self.batch_growth["refused"] = {"batch_elements": elements, "why": why}
         self.planned_elements = elements
+        if self.phases.may_replan:  # the steps from here are not the plan's size
+            self.settle("a batch larger than the plan's, which stays (Note [Batch growth])")
         _C.log("warn", f"tierflow: a batch of {elements} input elements, larger than the "
                f"{self.plan.get('batch_elements')} the activation plan in force was made for, which stays and may "
                f"exceed TIERFLOW_GPU_MEMORY: {why}")
@@ -226,10 +257,10 @@ class AutoPlanner:
         elif action == _C.PhaseAction.plan_from_profile:
             # A profile file from before Note [Batch growth]: taken to be for this (the first) forward's size.
             profile = self.loaded_profile
-            profile.setdefault("batch_tensor_elements", self._inputs.get(self.forwards, []))
-            profile.setdefault("batch_elements", sum(profile["batch_tensor_elements"]))
-            self._reference = list(profile["batch_tensor_elements"])
-            self.make_plan(profile, _C.batch_size(self._reference, self._inputs.get(self.forwards, [])))
+            profile.setdefault("batch_tensor_elements", self._inputs.get(self.forwards, {}))
+            self._reference = {k: int(n) for k, n in profile["batch_tensor_elements"].items()}
+            profile["batch_elements"] = sum(self._reference.values())
+            self.make_plan(profile, self._size(self._inputs.get(self.forwards, {})))
         elif action == _C.PhaseAction.start_timing:
             self._timed_start = time.perf_counter()
             self._policy_bytes = self._packed_outside()
@@ -237,8 +268,6 @@ class AutoPlanner:
                 r.timing = True
             if self._cuda():
                 torch.cuda.reset_peak_memory_stats(self._device())
-                # Note [Batch growth]: what the step starts from does not grow with the batch.
-                self._timed_start_bytes = int(torch.cuda.memory_allocated(self._device()))
                 self._end_step_hook()  # a refused forward may have started the timing once already
                 hook = weakref.WeakMethod(self._before_timed_step)  # the hook is global: it must not keep us
                 self._step_hook = register_optimizer_step_pre_hook(
@@ -260,9 +289,9 @@ class AutoPlanner:
             profile = self.measure()
             # Note [Batch growth]: the timed forward's size (its tables, times and peak), which later ones are
             # measured against.
-            self._reference = self._inputs.get(2, [])
-            profile["batch_tensor_elements"] = list(self._reference)
-            profile["batch_elements"] = sum(self._reference)
+            self._reference = self._inputs.get(2, {})
+            profile["batch_tensor_elements"] = dict(self._reference)
+            profile["batch_elements"] = sum(self._reference.values())
             # What the model-level hook packed in the timed step: the saved tensors outside the blocks (the runners
             # shield theirs; Note [Auto plan phases]).
             outside = self._packed_outside() - self._policy_bytes
@@ -278,14 +307,14 @@ class AutoPlanner:
                 _C.outside_swap_seconds(links_struct(profile["links"]), outside), gaps,
                 sum(sum(r.input_swap_seconds) for r in self.runners))
             if self._forward_backward_peak is not None:
-                profile["measured_start_bytes"] = self._timed_start_bytes
+                profile["measured_beside_bytes"] = self._beside_bytes
                 profile["measured_peak_bytes"] = self._forward_backward_peak
                 profile["measured_reserved_peak_bytes"] = self._forward_backward_reserved
             profile["fixed_device_bytes"] = self.budgets(profile)["fixed_device_bytes"]
             self.timed_step = self._timed_step_summary(profile, step, gaps)
             if self.profile_path:
                 write_json_atomic(self.profile_path, profile)
-            self.make_plan(profile, max(_C.batch_size(self._reference, n) for n in self._inputs.values()))
+            self.make_plan(profile, max(self._size(n) for n in self._inputs.values()))
 
     def _timed_step_summary(self, profile: dict, step: float, gaps: float) -> dict:
         """What the timed step measured, as the report shows it: the figures the plan's predictions stand on, so
@@ -331,9 +360,9 @@ class AutoPlanner:
         larger batch than the first, its saved bytes scaled alike (Note [Batch growth])."""
         if self.plan is None:
             self._first_saved_bytes = int(self.session.runtime.stats()["activations"]["offloaded_bytes"])
-            self._reference = self._inputs.get(1, [])  # what the first step saved was its size's
-            elements = _C.batch_size(self._reference, self._inputs.get(self.forwards, []))
-        first = sum(self._reference)
+            self._reference = self._inputs.get(1, {})  # what the first step saved was its size's
+            elements = self._size(self._inputs.get(self.forwards, {}))
+        first = sum(self._reference.values())
         target = max(first, int(elements)) if first else 0
         saved = int(round(self._first_saved_bytes * (target / first if first else 1.0)))
         decided = _C.plan_without_blocks(saved, _C.Budgets(**self.budgets({"blocks": []})))
@@ -396,7 +425,7 @@ class AutoPlanner:
             measured_reserved_peak_bytes=int(profile.get("measured_reserved_peak_bytes") or 0),
             outside_saved_bytes=int(profile.get("outside_saved_bytes") or 0),
             batch_ratio=float(profile.get("batch_ratio") or 1.0),
-            measured_start_bytes=int(profile.get("measured_start_bytes") or 0))
+            measured_beside_bytes=int(profile.get("measured_beside_bytes") or 0))
         params = self.session.params  # TIERFLOW_OFFLOAD_PARAMS=host: the plan counts the fetched parameters
         if params is not None:  # auto: which blocks keep theirs is the plan's (Note [Parameter hooks])
             inputs.params = _C.ParamPolicy.auto if params.planned else _C.ParamPolicy.fetch_all

@@ -245,9 +245,10 @@ struct SessionBudgetInputs {
   /// Note [Batch growth]: the blocks given are scaled by this ratio from the size the profile measured; the
   /// measured peak's part beyond the blocks, the parameters, gradients and optimizer states grows with it.
   double batch_ratio = 1.0;
-  /// The device's allocated bytes when the timed forward began (0: not measured): what the step started from
-  /// (parameters, optimizer states, a frozen model beside) does not grow with the batch.
-  std::uint64_t measured_start_bytes = 0;
+  /// The device's allocated bytes before the first forward beside the model's parameters and gradients (0: not
+  /// measured): a frozen model, another's tensors; they do not grow with the batch (Note [Batch growth]). Up to
+  /// the optimizer's states (optimizer_on_device) they are taken for a resumed optimizer's, counted already.
+  std::uint64_t measured_beside_bytes = 0;
 };
 
 /// FSDP2's gathered copies on the device at their most (Note [Auto plan phases]): the root unit's unsharded
@@ -280,14 +281,18 @@ Budgets session_budgets(const SessionBudgetInputs& in, const std::vector<BlockPr
 // batch's tokens), against the profiled forward's (batch_size): the largest
 // ratio of a tensor's elements to the same tensor's there (the smallest when
 // none grew), times that forward's elements, so an input of fixed size (an
-// image beside the text) does not dilute the tokens' growth (a mask of the sequence's square
-// overstates it: more is moved than needed, the budget holds). Inputs of
-// another structure: their elements. 0 (no tensor among them: a dataclass
-// batch) is not tracked, said once.
+// image beside the text) does not dilute the tokens' growth (a mask of the
+// sequence's square overstates it: more is moved than needed, the budget
+// holds). Tensors are matched by their place among the arguments (keyword
+// names, nesting); a forward called with other ones than the profiled forward
+// is measured on those both have, said once, or on its own elements when they
+// have none. 0 (no tensor among them: a dataclass batch) is not tracked, said
+// once.
 // - The profile is the timed forward's (forward 2): its times, its measured
 //   peak and its saved bytes (a block records a table for each input shape it
-//   meets, so forward 2's own), and it records that size (batch_elements; a
-//   profile file without it is taken to be for the first forward's size).
+//   meets, so forward 2's own), and it records that forward's tensors
+//   (batch_tensor_elements, by place; batch_elements their sum; a profile file
+//   without them is taken to be for the first forward's).
 // - A plan is for the largest size seen: made before forward 3, for the
 //   largest of the three; under a plan, a forward larger than the plan's size
 //   re-plans for it before it runs (grown_batch), from the profile with every
@@ -324,9 +329,12 @@ inline constexpr int kTablesKeptPerBlock = 8;
 /// `blocks` for a batch `ratio` times as large: their saved bytes, working sets and times scaled (Note [Batch
 /// growth]); their parameters and the optimizer's traffic unchanged.
 std::vector<BlockProfile> blocks_for_batch(const std::vector<BlockProfile>& blocks, double ratio);
-/// A forward's size (Note [Batch growth]) from the elements of each tensor it is called with (`inputs`, in the
-/// order of the model's arguments), against the profiled forward's (`profiled`; empty: none yet).
-std::uint64_t batch_size(const std::vector<std::uint64_t>& profiled, const std::vector<std::uint64_t>& inputs) noexcept;
+/// A forward's size (Note [Batch growth]): `inputs` and `profiled` are the elements of the tensors this forward
+/// and the profiled one were both called with (matched by their place among the arguments), `profiled_elements`
+/// all of the profiled forward's and `elements` all of this one's. No tensor in common (or no profiled forward
+/// yet): `elements`.
+std::uint64_t batch_size(const std::vector<std::uint64_t>& profiled, const std::vector<std::uint64_t>& inputs,
+                         std::uint64_t profiled_elements, std::uint64_t elements) noexcept;
 /// 0 when a plan made for `planned_elements` holds for a forward of `elements`; else the size to re-plan for.
 std::uint64_t grown_batch(std::uint64_t planned_elements, std::uint64_t elements) noexcept;
 /// Whether a forward of `elements` is not comparable with steps of `planned_elements` (Note [Batch growth]).

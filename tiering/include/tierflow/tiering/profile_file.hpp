@@ -25,7 +25,10 @@
 // file is often written from Python). The reader accepts what Python's json
 // accepts: NaN, Infinity and -Infinity (refused as values), integers of any
 // size (refused past 2^64 - 1, shown in full). Other top-level keys (auto's
-// measured_peak_bytes, rest_of_step_seconds, outside_saved_bytes) are allowed.
+// measured_peak_bytes, rest_of_step_seconds, outside_saved_bytes) are allowed;
+// those Note [Batch growth] reads are checked: batch_elements,
+// measured_beside_bytes and the measured peaks integers as above, and
+// batch_tensor_elements an object of the input tensors' places to integers.
 #pragma once
 
 #include <cstdint>
