@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional
 
-from gpu_offload_modes import warmup_needed
+from gpu_offload_modes import DTYPES, warmup_needed
 from gpu_offload_predict import saved_activation_bytes
 
 GRAIN = 1024        # sequences tried are multiples of this
@@ -195,7 +195,7 @@ def _phase_lines(cfg: dict, n_params: int, chunked_loss: bool) -> dict:
     AdamW's states and, in block 0's backward, their gradient); `n_params` is the model's at cfg["seq_len"].
     With a chunked loss (not the benchmark's: torchtune's and Liger's) the loss's arrays are a chunk's and
     leave the lines."""
-    e = torch_dtype_bytes(cfg["dtype"])
+    e = DTYPES[cfg["dtype"]].itemsize
     b, d, L, V = cfg["batch"], cfg["d_model"], cfg["n_layer"], cfg["vocab_size"]
     loss_fwd = 0 if chunked_loss else V * (e + (4 if e != 4 else 0) + 4)
     loss_bwd = 0 if chunked_loss else V * LOSS_BACKWARD_BYTES
@@ -210,10 +210,6 @@ def _phase_lines(cfg: dict, n_params: int, chunked_loss: bool) -> dict:
         "block0_backward": (states + grads, pos + pos_grad + b * (d * e + block),
                             pos + pos_grad + b * (d * e + block)),
     }
-
-
-def torch_dtype_bytes(dtype: str) -> int:
-    return {"bf16": 2, "fp16": 2, "fp32": 4}[dtype]
 
 
 def _longest(lines: dict, which: int, capacity: float) -> tuple[int, str]:
