@@ -1,6 +1,8 @@
 # The two commands a newcomer needs (README.md):
 #   make demo   installs what is missing, builds, trains the demo GPT with and without tierflow
 #   make test   installs what is missing, builds, runs every test (GoogleTest + pytest)
+#   make test-fast  the edit-test loop (under 5 minutes): the C++ suite and a slice of
+#               the Python suite on both emulated devices (tests/README.md)
 #   make cpp-example  installs the C++ package into build/dev/install, builds the
 #               LibTorch trainer examples/cpp_trainer against it and runs each plan
 # For a machine with no package registry: `make bundle` where there is one, then
@@ -8,7 +10,7 @@
 PY := .venv/bin/python
 export PYTHONPATH := $(CURDIR)/bindings/python
 
-.PHONY: setup bundle demo test test-cpp test-python test-transformers5 sanitize cpp-example bench gpu-check clean
+.PHONY: setup bundle demo test test-fast test-cpp test-python test-python-fast test-transformers5 sanitize cpp-example bench gpu-check clean
 
 # BUNDLE=dir or TIERFLOW_BUNDLE=dir (also for demo and test): install from a
 # bundle, using no registry. The variable goes to the set-up only: tierflow
@@ -44,19 +46,48 @@ cpp-example: setup
 test: setup
 	@$(MAKE) --no-print-directory test-cpp test-python
 
+test-fast: setup
+	@$(MAKE) --no-print-directory test-cpp test-python-fast
+
 test-cpp:
-	cd build/dev && ctest --output-on-failure -j 2
+	@bash scripts/timed.sh "ctest (C++ suite)" sh -c 'cd build/dev && ctest --output-on-failure -j 2'
 
-# The suite runs on the emulated device in both of its modes (Note [Adversarial
-# emulated device]); on a machine with a GPU the [cuda] cases run too.
+# pytest's options for every Python run: PYTEST_WORKERS processes (pytest-xdist;
+# 0 for one process), one intra-op thread each (the tests' models are tiny: two
+# workers of two threads each on two cores run 2.4x slower than one), the
+# slowest tests named, and PYTEST_ARGS of yours (e.g. PYTEST_ARGS="-k zoo").
+PYTEST_WORKERS ?= 2
+PYTEST_OPTIONS = -q -rs -p no:cacheprovider --durations=15 $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS))
+export PYTEST_OPTIONS
+PYTEST = OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m pytest $(PYTEST_OPTIONS) $(PYTEST_ARGS)
+
+# Note [Test tiers] (tests/README.md): every test on the polite emulated device,
+# then the tests whose outcome can depend on copy order (-m ordering) on the
+# adversarial one (Note [Adversarial emulated device]). Every test's time is in
+# build/pytest-*.xml. On a machine with a GPU the [cuda] cases run too.
 test-python:
-	TIERFLOW_EMULATED_DEVICE=polite $(PY) -m pytest tests/python -q -rs
-	TIERFLOW_EMULATED_DEVICE=adversarial $(PY) -m pytest tests/python -q -rs
+	@mkdir -p build
+	@bash scripts/timed.sh "pytest, polite (every test)" env TIERFLOW_EMULATED_DEVICE=polite \
+	  $(PYTEST) tests/python --junitxml=build/pytest-polite.xml
+	@bash scripts/timed.sh "pytest, adversarial (-m ordering)" env TIERFLOW_EMULATED_DEVICE=adversarial \
+	  $(PYTEST) tests/python -m ordering --junitxml=build/pytest-adversarial.xml
 
-# The suites that train transformers' models again under transformers 5 (CI pins 4.57.6; GPU images ship 5.x),
+# The edit-test loop's slice: one file of each kind the suite has (the API and
+# its refusals, activations, streaming and the CPU optimizer, parameters, NVMe,
+# the planner, transformers' families), on both emulated devices.
+FAST_TESTS ?= tests/python/test_api.py tests/python/test_equivalence.py tests/python/test_streaming.py \
+	tests/python/test_plans.py tests/python/test_nvme.py tests/python/test_hf_models.py tests/python/test_readme.py
+test-python-fast:
+	@bash scripts/timed.sh "pytest, polite (fast slice)" env TIERFLOW_EMULATED_DEVICE=polite \
+	  $(PYTEST) $(FAST_TESTS)
+	@bash scripts/timed.sh "pytest, adversarial (fast slice, -m ordering)" env TIERFLOW_EMULATED_DEVICE=adversarial \
+	  $(PYTEST) $(FAST_TESTS) -m ordering
+
+# The tests marked `transformers` again under transformers 5 (CI pins 4.57.6; GPU images ship 5.x),
 # in .venv-tf5 over .venv (scripts/test_transformers5.sh).
 test-transformers5: setup
-	@bash scripts/test_transformers5.sh
+	@bash scripts/timed.sh "pytest, transformers 5 (-m transformers)" env OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 \
+	  bash scripts/test_transformers5.sh
 
 # Benchmarks compare against peers measured in the same run; DeepSpeed (its CPU
 # Adam op compiles on first use, about a minute) is installed into .venv here.

@@ -100,6 +100,17 @@ std::unique_ptr<CopyEngine> make_emulated_copy_engine(std::shared_ptr<const Copy
   return std::make_unique<EmulatedCopyEngine>(std::move(faults), options);
 }
 
+namespace {
+Counter& queued_transfers() noexcept {
+  static Counter c;
+  return c;
+}
+}  // namespace
+
+void detail::count_queued_transfer() noexcept { queued_transfers().add(); }
+
+std::uint64_t queued_transfers_in_process() noexcept { return queued_transfers().value(); }
+
 EmulatedCopyStats emulated_copy_stats(const CopyEngine& engine) noexcept {
   const auto* e = dynamic_cast<const EmulatedCopyEngine*>(&engine);
   return e ? e->adversarial_stats() : EmulatedCopyStats{};

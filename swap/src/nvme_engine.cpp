@@ -26,6 +26,7 @@
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/log.hpp"
 #include "tierflow/core/size.hpp"
+#include "tierflow/swap/copy_engine.hpp"
 #include "tierflow/swap/detail/host_event.hpp"
 
 #include "nvme_space.hpp"
@@ -464,6 +465,7 @@ struct NvmeEngine::Impl {
   }
 
   TransferHandle submit(NvmeBlock block, bool is_write, void* buffer, std::uint64_t bytes) {
+    detail::count_queued_transfer();
     auto event = std::make_shared<detail::HostEvent>(bytes);
     auto op = std::make_unique<Operation>();
     op->is_write = is_write;

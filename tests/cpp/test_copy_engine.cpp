@@ -46,6 +46,20 @@ TEST(CopyEngine, CopiesBytesBothWays) {
   }
 }
 
+// The Python suite's tiers (tests/README.md) trust this count: every queued
+// copy moves it, whatever its size, and nothing else does.
+TEST(CopyEngine, CountsEveryQueuedCopyInTheProcess) {
+  auto engine = make_emulated_copy_engine();
+  std::vector<std::uint8_t> a(64, 1), b(64, 0);
+  const std::uint64_t before = queued_transfers_in_process();
+  engine->synchronize();
+  EXPECT_EQ(queued_transfers_in_process(), before);
+  engine->copy(Direction::kDeviceToHost, b.data(), a.data(), a.size());
+  engine->copy(Direction::kHostToDevice, a.data(), b.data(), 0);
+  engine->synchronize();
+  EXPECT_EQ(queued_transfers_in_process(), before + 2);
+}
+
 TEST(CopyEngine, StreamIsInOrder) {
   auto engine = make_emulated_copy_engine();
   // Each copy overwrites the same destination; the last submitted must win,

@@ -19,6 +19,7 @@
 #include "sanitizers.hpp"
 #include "tierflow/allocator/aligned_buffer.hpp"
 #include "tierflow/core/error.hpp"
+#include "tierflow/swap/copy_engine.hpp"
 #include "tierflow/swap/nvme_engine.hpp"
 #include "tierflow/swap/nvme_probe.hpp"
 
@@ -118,6 +119,20 @@ TEST_F(NvmeTest, RoundTripsRandomSizesOnOneAndTwoPaths) {
     e.release(b);
     EXPECT_EQ(e.stats().bytes_in_use, 0u);
   }
+}
+
+// The Python suite's tiers (tests/README.md) count NVMe requests as queued
+// transfers: a write and a read move the process's count by two.
+TEST_F(NvmeTest, CountsEveryRequestInTheProcess) {
+  NvmeEngine e(opts());
+  std::vector<std::uint8_t> data(4096, 7), back(4096, 0);
+  NvmeBlock b = e.allocate(data.size());
+  const std::uint64_t before = queued_transfers_in_process();
+  e.write(b, data.data(), data.size()).wait();
+  e.read(b, back.data(), back.size()).wait();
+  EXPECT_EQ(queued_transfers_in_process(), before + 2);
+  EXPECT_EQ(back, data);
+  e.release(b);
 }
 
 TEST_F(NvmeTest, TheLargestBlockFillsEveryFile) {

@@ -21,6 +21,51 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 from harness import DEVICES, KEPT_ENVIRONMENT  # noqa: E402  (needs the paths above)
+import tierflow  # noqa: E402
+
+# ---- Note [Test tiers] ------------------------------------------------------------------------------------------
+# Where a test runs (tests/README.md has the whole rule). `make test-python` runs the suite on the polite emulated
+# device, then again on the adversarial one (Note [Adversarial emulated device]) with `-m ordering`: only the
+# tests whose outcome can depend on the order in which copies and NVMe requests complete. A test is `ordering`
+#   - when it asks for the `device` fixture (it wraps a model on a device) or the `nvme_dir` fixture, unless it
+#     says `@pytest.mark.order_free` (it asks for a device only to be refused, say);
+#   - when it says `@pytest.mark.ordering` (a test whose children train: gloo ranks, a fresh interpreter).
+# Every other test runs once. The rule is held by what a test does, not by what it says: a test outside the
+# `ordering` tier that queued a copy or an NVMe request in this process fails, naming the marker it needs.
+TIER_MARKERS = {
+    "ordering": "moves data through the copy engine or the NVMe pipeline, or steps during backward: runs on both "
+                "emulated devices, polite and adversarial (Note [Test tiers] in tests/python/conftest.py)",
+    "order_free": "asks for the device fixture but cannot depend on copy order (a refusal): runs once",
+    "transformers": "a code path that differs between transformers versions: runs again under transformers 5 "
+                    "(make test-transformers5)",
+}
+ORDERING_FIXTURES = ("device", "nvme_dir")
+
+
+def pytest_configure(config):
+    for name, doc in TIER_MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {doc}")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("order_free") is None and any(f in item.fixturenames for f in ORDERING_FIXTURES):
+            item.add_marker(pytest.mark.ordering)
+
+
+@pytest.fixture(autouse=True)
+def _tier_is_what_the_test_does(request):
+    """A test outside the `ordering` tier must not queue copies or NVMe requests (Note [Test tiers])."""
+    before = tierflow._C._queued_transfers_in_process()
+    yield
+    if request.node.get_closest_marker("ordering") is not None:
+        return
+    queued = tierflow._C._queued_transfers_in_process() - before
+    if queued:
+        pytest.fail(f"{request.node.nodeid} queued {queued} copies or NVMe requests, so its outcome can depend on "
+                    "their order, but it runs on one emulated device only: ask for the `device` fixture, or mark "
+                    "it @pytest.mark.ordering (Note [Test tiers] in tests/python/conftest.py)", pytrace=False)
 
 
 @pytest.fixture(autouse=True)

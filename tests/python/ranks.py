@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 import torch.nn as nn
 
+from children import HANG_GUARD_SECONDS, hang_guard_failure
 from harness import subprocess_environment
 
 GLOO = pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
@@ -30,21 +32,32 @@ def run_ranks(d, script: str, ranks: int = 2) -> list:
                                        str(d / f"rank{rank}.pt")], stdout=log, stderr=subprocess.STDOUT,
                                       env=env))
     try:
-        for p in procs:
-            p.wait(timeout=240)
+        # Under the hang guard (children.py), and a rank that failed ends the others at once: they would
+        # otherwise wait in a collective for the gloo timeout.
+        deadline = time.monotonic() + HANG_GUARD_SECONDS
+        while any(p.poll() is None for p in procs):
+            if any(p.returncode not in (None, 0) for p in procs):
+                break
+            if time.monotonic() > deadline:
+                hang_guard_failure(f"{ranks} gloo ranks", HANG_GUARD_SECONDS)
+            time.sleep(0.05)
     finally:
-        for p in procs:
-            if p.poll() is None:
+        killed = [p.poll() is None for p in procs]
+        for p, k in zip(procs, killed):
+            if k:
                 p.kill()
                 p.wait()
-    outputs = []
-    for rank, (p, log) in enumerate(zip(procs, logs)):
+    texts = []
+    for log in logs:
         log.seek(0)
-        text = log.read()
+        texts.append(log.read())
         log.close()
-        assert p.returncode == 0, f"rank {rank} exited with {p.returncode}:\n{text[-4000:]}"
-        outputs.append(torch.load(d / f"rank{rank}.pt", weights_only=False))
-    return outputs
+    # The ranks that failed on their own first, then those ended because another failed.
+    for rank in sorted(range(ranks), key=lambda r: killed[r]):
+        why = " (killed: another rank had failed)" if killed[rank] else ""
+        assert procs[rank].returncode == 0, \
+            f"rank {rank} exited with {procs[rank].returncode}{why}:\n{texts[rank][-4000:]}"
+    return [torch.load(d / f"rank{rank}.pt", weights_only=False) for rank in range(ranks)]
 
 
 def mlp() -> nn.Module:

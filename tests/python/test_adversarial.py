@@ -10,6 +10,9 @@ import torch
 import tierflow
 from harness import gpt_task
 
+# Each test picks the emulated mode itself; as tests that copy they are in the ordering tier all the same.
+pytestmark = pytest.mark.ordering
+
 AGGRESSIVE = dict(min_offload_bytes=0, prefetch_bytes="256KiB")
 
 

@@ -331,6 +331,7 @@ def test_parameters_planned_per_block_refuse_to_plan_again_and_say_what_to_do(de
                                           ("batch_tensor_elements", [256, 256]),
                                           ("batch_tensor_elements", {"[1]['input_ids']": -1}),
                                           ("measured_beside_bytes", "a lot")])
+@pytest.mark.ordering
 def test_a_profile_files_batch_size_is_checked(tmp_path, field, value):
     """A profile file whose batch size is not one is refused at wrap, naming the field and what is accepted, and
     the file stays."""

@@ -10,21 +10,24 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from harness import subprocess_environment
 from ranks import GLOO
+from children import run_child
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-pytestmark = GLOO
+pytestmark = [GLOO, pytest.mark.ordering]  # the ranks train in children (Note [Test tiers])
 
 
 def test_the_ddp_optimizer_benchmark_writes_both_settings_their_ratio_and_the_states_each_rank_holds(tmp_path):
     out = tmp_path / "ddp_optimizer.json"
     env = subprocess_environment()
     env.pop("LOCAL_WORLD_SIZE", None)
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_ddp_optimizer.py"), "--params",
+    done = run_child([sys.executable, os.path.join(ROOT, "benchmarks", "bench_ddp_optimizer.py"), "--params",
                            "3e5", "--width", "128", "--steps", "2", "--warmup", "1", "--rounds", "2", "--out",
-                           str(out)], env=env, capture_output=True, text=True, timeout=600)
+                           str(out)], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     data = json.loads(out.read_text())
     assert len(data["per_rank"]) == 2 and len(data["raw"]) == 2

@@ -13,20 +13,22 @@ import pytest
 import torch
 
 from harness import subprocess_environment
+from children import run_child
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-pytestmark = pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
-                                reason="needs torch.distributed with the gloo backend")
+pytestmark = [pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+                                 reason="needs torch.distributed with the gloo backend"),
+              pytest.mark.ordering]  # the ranks train in children (Note [Test tiers])
 
 
 def test_the_fsdp_optimizer_benchmark_writes_both_optimizers_and_their_ratio(tmp_path):
     out = tmp_path / "fsdp_optimizer.json"
     env = subprocess_environment()
     env.pop("LOCAL_WORLD_SIZE", None)
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_fsdp_optimizer.py"), "--params",
+    done = run_child([sys.executable, os.path.join(ROOT, "benchmarks", "bench_fsdp_optimizer.py"), "--params",
                            "3e5", "--width", "128", "--steps", "2", "--warmup", "1", "--out", str(out)],
-                          env=env, capture_output=True, text=True, timeout=600)
+                     env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     data = json.loads(out.read_text())
     assert len(data["ranks"]) == 2 and data["parameters"] == sum(r["shard_parameters"] for r in data["ranks"])

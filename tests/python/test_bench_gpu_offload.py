@@ -10,6 +10,7 @@ import sys
 import pytest
 
 import tierflow
+from children import run_child
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BENCH = os.path.join(ROOT, "benchmarks", "bench_gpu_offload.py")
@@ -49,7 +50,7 @@ def tiny_run(tmp_path_factory):
     cmd = [sys.executable, BENCH, "--preset", "tiny", "--device", "cpu", "--warmup", "3", "--steps", "2",
            "--modes", ",".join(MODES), "--nvme-path", nvme_dir, "--kernel-repeats", "2", "--out", str(out)]
     try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        proc = run_child(cmd, env=env, capture_output=True, text=True)
     finally:
         if nvme_dir != str(nvme):
             shutil.rmtree(nvme_dir, ignore_errors=True)
@@ -59,6 +60,7 @@ def tiny_run(tmp_path_factory):
     return data, proc.stdout, nvme_dir
 
 
+@pytest.mark.ordering
 def test_every_mode_runs_and_records_its_measurements(tiny_run):
     data, stdout, _ = tiny_run
     assert data["device"] == "emulated" and data["preset"] == "tiny"
@@ -123,6 +125,7 @@ def test_every_mode_runs_and_records_its_measurements(tiny_run):
     assert "max |loss - baseline loss|" in stdout
 
 
+@pytest.mark.ordering
 def test_offload_keeps_the_baseline_losses(tiny_run):
     data, _, _ = tiny_run
     base = data["modes"]["baseline"]["losses"]
@@ -141,6 +144,7 @@ def test_offload_keeps_the_baseline_losses(tiny_run):
         assert abs(a - b) <= 1e-5 * abs(b), (step, a, b)
 
 
+@pytest.mark.ordering
 def test_no_swap_files_are_left_behind(tiny_run):
     _, _, nvme_dir = tiny_run
     if os.path.isdir(nvme_dir):
@@ -148,9 +152,9 @@ def test_no_swap_files_are_left_behind(tiny_run):
 
 
 def test_gpt1b_preset_is_the_1_3b_model():
-    proc = subprocess.run([sys.executable, BENCH, "--preset", "gpt1b", "--dry-run"], capture_output=True,
-                          text=True, timeout=120,
-                          env={k: v for k, v in os.environ.items() if not k.startswith("TIERFLOW_")})
+    proc = run_child([sys.executable, BENCH, "--preset", "gpt1b", "--dry-run"], capture_output=True,
+                     text=True,
+                     env={k: v for k, v in os.environ.items() if not k.startswith("TIERFLOW_")})
     assert proc.returncode == 0, proc.stderr
     assert "parameters 1,348,063,232" in proc.stdout
     assert "built on the meta device: 1,348,063,232" in proc.stdout
@@ -179,12 +183,13 @@ def params_run(tmp_path_factory):
     env = _bench_env()
     cmd = [sys.executable, BENCH, "--preset", "tiny-params", "--device", "cpu", "--warmup", "3", "--steps", "2",
            "--modes", ",".join(PARAMS_MODES), "--out", str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_child(cmd, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     with open(out) as f:
         return json.load(f), proc.stdout
 
 
+@pytest.mark.ordering
 def test_tierflow_params_trains_the_baseline_within_its_device_budget(params_run):
     data, stdout = params_run
     assert data["config"]["params_gpu_memory"] == "1MiB"
@@ -209,6 +214,7 @@ def test_tierflow_params_trains_the_baseline_within_its_device_budget(params_run
     assert "tierflow-params: parameters" in stdout and "prefetch hits" in stdout
 
 
+@pytest.mark.ordering
 def test_deepspeed_zero3_offload_is_skipped_with_the_reason_and_the_prediction_is_labelled(params_run):
     data, stdout = params_run
     ds = data["modes"]["deepspeed-zero3-offload"]
@@ -221,9 +227,8 @@ def test_deepspeed_zero3_offload_is_skipped_with_the_reason_and_the_prediction_i
 
 
 def test_llama7b_preset_is_the_7b_llama_shape_and_its_prediction_is_gpu_md_arithmetic():
-    proc = subprocess.run([sys.executable, BENCH, "--preset", "llama7b", "--dry-run",
-                           "--modes", "tierflow-params,deepspeed-zero3-offload"], capture_output=True, text=True,
-                          timeout=120, env={k: v for k, v in os.environ.items() if not k.startswith("TIERFLOW_")})
+    proc = run_child([sys.executable, BENCH, "--preset", "llama7b", "--dry-run",
+                           "--modes", "tierflow-params,deepspeed-zero3-offload"], capture_output=True, text=True, env={k: v for k, v in os.environ.items() if not k.startswith("TIERFLOW_")})
     assert proc.returncode == 0, proc.stderr
     # Llama-2-7B's 6,738,415,616, plus this GPT's attention biases, LayerNorm biases and learned positions.
     assert "parameters 6,755,983,360" in proc.stdout
@@ -278,6 +283,7 @@ def test_each_phase_keeps_its_largest_device_peak(monkeypatch):
     assert nothing == {}
 
 
+@pytest.mark.ordering
 def test_the_cpu_kernel_alone_steps_every_parameter_with_states_off_the_host_copied():
     """gpu_offload_modes.time_cpu_step_kernel: a parameter whose states live on the device (the GPU share;
     here the meta device stands in for CUDA) is timed on host copies, not refused by the CPU kernel (the
@@ -462,6 +468,7 @@ def test_the_longest_sequence_prediction_matches_the_h100s_peaks_and_says_the_ta
 
 
 @pytest.mark.parametrize("mode", ["checkpoint", "tierflow-auto-fits"])
+@pytest.mark.ordering
 def test_a_search_trial_trains_in_the_real_worker(mode, monkeypatch):
     """The search runs only on CUDA, so its trials' configuration is run here by the benchmark's own worker on the
     CPU (the tiny preset at twice its sequence): each mode accepts it and trains its one measured step."""

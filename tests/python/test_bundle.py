@@ -18,10 +18,11 @@ import textwrap
 import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+from children import run_child
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # What scripts/setup.sh needs from a bundle (besides Debian packages, which it lists itself).
-WHEEL_PACKAGES = ("pybind11", "scikit_build_core", "numpy", "pytest", "transformers", "accelerate", "peft")
+WHEEL_PACKAGES = ("pybind11", "scikit_build_core", "numpy", "pytest", "pytest_xdist", "transformers", "accelerate", "peft")
 LIBRARIES = ("libmimalloc.so", "libtbb.so", "libaio.so", "libxxhash.so")
 
 
@@ -47,8 +48,8 @@ def _offline_env(bin_dir, **extra):
 
 def _copy_working_tree(dst):
     """The files git would commit now (tracked and untracked, not ignored), as a fresh clone would have them."""
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                            capture_output=True, check=True).stdout.decode()
+    listed = run_child(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                       capture_output=True, check=True).stdout.decode()
     for rel in filter(None, listed.split("\0")):
         src = os.path.join(ROOT, rel)
         if os.path.lexists(src):  # a tracked file deleted in the working tree is not copied
@@ -83,8 +84,8 @@ def _torch_only_site(dst):
 
 
 def _setup(repo, env):
-    done = subprocess.run(["make", "-C", repo, "--no-print-directory", "setup"], env=env, capture_output=True,
-                          text=True, timeout=1800)
+    done = run_child(["make", "-C", repo, "--no-print-directory", "setup"], env=env, capture_output=True,
+                     text=True)
     return done, done.stdout + done.stderr
 
 
@@ -100,13 +101,13 @@ def test_setup_refuses_an_incomplete_bundle_without_calling_apt(tmp_path):
     os.makedirs(script.parent)
     shutil.copy(os.path.join(ROOT, "scripts", "setup.sh"), script)
 
-    done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=120)
+    done = run_child(["bash", str(script)], env=env, capture_output=True, text=True)
     assert done.returncode != 0
     assert "no MANIFEST.txt" in done.stderr and str(bundle) in done.stderr, done.stderr
 
     # A manifest that a file no longer matches (a copy cut short) is refused too, naming the file.
     (bundle / "MANIFEST.txt").write_text("# a bundle\n" + "0" * 64 + "  debs/libaio1_0.3.113-4_amd64.deb\n")
-    done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=120)
+    done = run_child(["bash", str(script)], env=env, capture_output=True, text=True)
     assert done.returncode != 0
     assert "libaio1_0.3.113-4_amd64.deb" in done.stderr and "differ from its MANIFEST.txt" in done.stderr, done.stderr
     assert not os.path.exists(log), open(log).read()
@@ -117,8 +118,8 @@ def test_setup_refuses_an_incomplete_bundle_without_calling_apt(tmp_path):
 def test_make_bundle_then_offline_setup_builds_and_imports(tmp_path):
     # 1. The bundle, made with the registries.
     bundle = tmp_path / "bundle"
-    made = subprocess.run(["make", "-C", ROOT, "--no-print-directory", "bundle", f"BUNDLE={bundle}"],
-                          capture_output=True, text=True, timeout=900)
+    made = run_child(["make", "-C", ROOT, "--no-print-directory", "bundle", f"BUNDLE={bundle}"],
+                     capture_output=True, text=True)
     assert made.returncode == 0, made.stdout[-3000:] + made.stderr[-3000:]
     manifest = (bundle / "MANIFEST.txt").read_text()
     listed = re.findall(r"^[0-9a-f]{64}  (\S+)$", manifest, re.M)
@@ -133,14 +134,14 @@ def test_make_bundle_then_offline_setup_builds_and_imports(tmp_path):
     # 2. A fresh copy of the repository whose Python has torch and nothing else.
     repo = str(tmp_path / "repo")
     _copy_working_tree(repo)
-    subprocess.run([sys.executable, "-m", "venv", os.path.join(repo, ".venv")], check=True, timeout=300)
+    run_child([sys.executable, "-m", "venv", os.path.join(repo, ".venv")], check=True)
     vpy = os.path.join(repo, ".venv", "bin", "python")
-    site = subprocess.run([vpy, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+    site = run_child([vpy, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           capture_output=True, text=True, check=True).stdout.strip()
     assert "torch" in _torch_only_site(str(tmp_path / "torch-site"))
     with open(os.path.join(site, "_node_torch.pth"), "w") as f:
         f.write(str(tmp_path / "torch-site") + "\n")
-    missing = subprocess.run([vpy, "-c", "import pybind11"], capture_output=True)
+    missing = run_child([vpy, "-c", "import pybind11"], capture_output=True)
     assert missing.returncode != 0, "the fresh .venv should not see pybind11 before the set-up"
 
     # 3. The set-up from the bundle, with no registry and an apt that fails if called.
@@ -155,8 +156,8 @@ def test_make_bundle_then_offline_setup_builds_and_imports(tmp_path):
     # The wheels came from the bundle, at the bundle's versions.
     listed_wheels = {canonicalize_name(os.path.basename(p).split("-")[0]): os.path.basename(p).split("-")[1]
                      for p in listed if p.endswith(".whl")}
-    pip_list = subprocess.run([vpy, "-m", "pip", "list", "--format=json"], capture_output=True, text=True,
-                              env=env, check=True).stdout
+    pip_list = run_child([vpy, "-m", "pip", "list", "--format=json"], capture_output=True, text=True,
+                         env=env, check=True).stdout
     installed = {canonicalize_name(d["name"]): d["version"] for d in json.loads(pip_list)}
     for name in WHEEL_PACKAGES:
         assert installed.get(canonicalize_name(name)) == listed_wheels[canonicalize_name(name)], (name, installed)
@@ -181,8 +182,7 @@ def test_make_bundle_then_offline_setup_builds_and_imports(tmp_path):
         print(json.dumps({"init": tierflow.__file__, "C": tierflow._C.__file__, "maps": sorted(maps)}))
     """)
     run_env = {k: v for k, v in env.items() if k not in ("TIERFLOW_BUNDLE", "LD_LIBRARY_PATH")}
-    ran = subprocess.run([vpy, "-c", probe], cwd=str(tmp_path), env=run_env, capture_output=True, text=True,
-                         timeout=300)
+    ran = run_child([vpy, "-c", probe], cwd=str(tmp_path), env=run_env, capture_output=True, text=True)
     assert ran.returncode == 0, ran.stderr[-3000:]
     seen = json.loads(ran.stdout.strip().splitlines()[-1])
     assert seen["init"] == os.path.join(repo, "bindings", "python", "tierflow", "__init__.py")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from children import run_child
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD = ROOT / "build" / "dev"
@@ -36,10 +37,10 @@ def _deps_prefix() -> list[str]:
 
 
 def _configure(source: Path, build: Path, prefixes: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run([_cmake(), "-S", str(source), "-B", str(build),
+    return run_child([_cmake(), "-S", str(source), "-B", str(build),
                            "-DCMAKE_PREFIX_PATH=" + ";".join(prefixes + _deps_prefix()),
                            "-DCMAKE_FIND_PACKAGE_NO_PACKAGE_REGISTRY=ON"],
-                          capture_output=True, text=True)
+                     capture_output=True, text=True)
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +48,8 @@ def installed(tmp_path_factory) -> Path:
     if not (BUILD / "CMakeCache.txt").exists():
         pytest.skip("build/dev is not configured (make setup)")
     prefix = tmp_path_factory.mktemp("install") / "prefix"
-    done = subprocess.run([_cmake(), "--install", str(BUILD), "--prefix", str(prefix)],
-                          capture_output=True, text=True)
+    done = run_child([_cmake(), "--install", str(BUILD), "--prefix", str(prefix)],
+                     capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
     return prefix
 
@@ -84,8 +85,8 @@ def test_moved_prefix_configures_the_example(installed, tmp_path):
 def test_core_component_builds_without_torch(tmp_path):
     # A fresh install: the module's prefix was moved away by the test above.
     prefix = tmp_path / "prefix"
-    done = subprocess.run([_cmake(), "--install", str(BUILD), "--prefix", str(prefix)],
-                          capture_output=True, text=True)
+    done = run_child([_cmake(), "--install", str(BUILD), "--prefix", str(prefix)],
+                     capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
     project = tmp_path / "project"
     project.mkdir()
@@ -99,6 +100,6 @@ def test_core_component_builds_without_torch(tmp_path):
         "target_link_libraries(uses_core PRIVATE tierflow::tierflow)\n")
     done = _configure(project, tmp_path / "build", [str(prefix)])  # no Torch in the search path
     assert done.returncode == 0, done.stdout + done.stderr
-    done = subprocess.run([_cmake(), "--build", str(tmp_path / "build")], capture_output=True, text=True)
+    done = run_child([_cmake(), "--build", str(tmp_path / "build")], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert subprocess.run([str(tmp_path / "build" / "uses_core")]).returncode == 0
+    assert run_child([str(tmp_path / "build" / "uses_core")]).returncode == 0

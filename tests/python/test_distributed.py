@@ -26,7 +26,7 @@ from ranks import GLOO, mlp, run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-pytestmark = GLOO
+pytestmark = [GLOO, pytest.mark.ordering]  # the ranks train in children (Note [Test tiers])
 
 STEPS = 3
 SETTINGS = [(acts, opt) for acts in ("none", "host", "auto") for opt in ("none", "host", "nvme")]
@@ -50,7 +50,7 @@ _WORKER = textwrap.dedent("""
 
     rank, store, out_path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=60))  # a rank that failed ends the other's wait
+                            timeout=datetime.timedelta(seconds=600))  # a hang guard (run_ranks ends the rest)
     torch.set_num_threads(1)
     STEPS = {steps}
     NVME = os.path.join(os.path.dirname(store), "nvme")  # both ranks' swap files, named by rank
@@ -228,7 +228,7 @@ _RANKS_WORKER = textwrap.dedent("""
     alone_budgets = (alone.host_budget_bytes(), alone.nvme_available_bytes())
     del alone
     dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=60))
+                            timeout=datetime.timedelta(seconds=600))  # a hang guard (run_ranks ends the rest)
     torch.manual_seed(0)
     model, _ = tierflow.wrap(nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 4)), None, **settings)
     loss = model(torch.randn(8, 16)).sum()
@@ -236,7 +236,7 @@ _RANKS_WORKER = textwrap.dedent("""
     # The write-behind to NVMe is asynchronous: a backward that came before it
     # would take the blocks back from staging and write nothing. Settle the
     # copies (which starts the writes) and wait for one to land, not for time.
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 600  # a hang guard, generous for a loaded machine
     while tierflow.report()["activations"]["nvme"]["writes"] == 0 and time.monotonic() < deadline:
         rt.synchronize()
         time.sleep(0.01)

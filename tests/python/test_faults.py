@@ -20,6 +20,7 @@ from torch import nn
 
 import tierflow
 from tierflow.optim import LOST_STATE
+from children import run_child
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -38,7 +39,7 @@ def _mount(kind: str, size_mib: int = 16):
                f"mount -o loop {img} {mnt}")
     else:
         cmd = f"mount -t ramfs none {mnt}"
-    if subprocess.run(cmd, shell=True, capture_output=True).returncode != 0:
+    if run_child(cmd, shell=True, capture_output=True).returncode != 0:
         shutil.rmtree(base, ignore_errors=True)
         pytest.skip(f"cannot mount a {kind} file system here ({cmd.split(' && ')[-1]} failed: no loop device?)")
 
@@ -52,8 +53,8 @@ def _mount(kind: str, size_mib: int = 16):
             s.detach()
             s.runtime.unlink_nvme_files()
         gc.collect()
-        if subprocess.run(["umount", mnt], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", mnt], capture_output=True)  # detached now, gone with its last file
+        if run_child(["umount", mnt], capture_output=True).returncode != 0:
+            run_child(["umount", "-l", mnt], capture_output=True)  # detached now, gone with its last file
         shutil.rmtree(base, ignore_errors=True)
     return mnt, cleanup
 
@@ -281,6 +282,7 @@ def test_states_larger_than_the_disk_are_an_error_at_wrap_and_leave_nothing(smal
     assert getattr(model, "_tierflow_session", None) is None
 
 
+@pytest.mark.ordering
 def test_a_checkpoint_still_fits_beside_the_swap_files(small_disk):
     model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256))
     model, opt = tierflow.wrap(model, torch.optim.AdamW(model.parameters()), device="emulated",
@@ -329,13 +331,13 @@ def test_a_full_disk_is_an_error_at_wrap(small_disk):
 
 
 def test_a_read_only_file_system_is_an_error_at_wrap(small_disk):
-    if subprocess.run(["mount", "-o", "remount,ro", small_disk], capture_output=True).returncode != 0:
+    if run_child(["mount", "-o", "remount,ro", small_disk], capture_output=True).returncode != 0:
         pytest.skip("cannot remount the test file system read-only")
     try:
         msg = _wrap_error(small_disk)
         assert small_disk in msg and "Read-only" in msg, msg
     finally:
-        subprocess.run(["mount", "-o", "remount,rw", small_disk], capture_output=True)
+        run_child(["mount", "-o", "remount,rw", small_disk], capture_output=True)
 
 
 def test_a_file_system_without_o_direct_is_an_error_at_wrap():

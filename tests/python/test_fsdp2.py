@@ -27,7 +27,7 @@ from ranks import GLOO, mlp, module_hooks, run_ranks, train_steps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-pytestmark = GLOO
+pytestmark = [GLOO, pytest.mark.ordering]  # the ranks train in children (Note [Test tiers])
 
 
 # ---- FSDP2: activations offloaded, the user's optimizer stepping the shards ---------------------------------------
@@ -48,7 +48,7 @@ _FSDP_WORKER = textwrap.dedent("""
 
     rank, store, out_path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=60))
+                            timeout=datetime.timedelta(seconds=600))  # a hang guard (run_ranks ends the rest)
     torch.set_num_threads(1)
     FSDP_STEPS = {steps}
 

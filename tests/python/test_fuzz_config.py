@@ -36,6 +36,7 @@ from tierflow.__main__ import main as tierflow_main
 from tierflow.activations.profile import profile_to_json
 
 from harness import subprocess_environment
+from children import run_child
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SEED = 16
@@ -200,7 +201,7 @@ def test_fuzz_every_variable():
     print(f"\nconfiguration fuzz: {len(TABLE)} variables x {per_variable} values: {counts['accepted']} accepted, "
           f"{counts['refused']} refused in {elapsed:.2f} s")
     assert counts["accepted"] > 2000 and counts["refused"] > 2000  # both sides exercised
-    assert elapsed < 30
+    # No time limit: a test asserts behaviour, not speed, and a busy machine is not a fault (tests/README.md).
 
 
 def test_sizes_that_fit_are_exact_and_the_rest_refused():
@@ -454,6 +455,7 @@ def profiles(tmp_path_factory):
     return out
 
 
+@pytest.mark.ordering
 def test_fuzz_plan_command(profiles):
     rng = random.Random(SEED)
     runs, t0 = 1500, time.perf_counter()
@@ -467,7 +469,6 @@ def test_fuzz_plan_command(profiles):
     elapsed = time.perf_counter() - t0
     print(f"\nplan fuzz: {runs} argument sets in-process: {exits[0]} planned, {exits[2]} refused in {elapsed:.2f} s")
     assert exits[0] > 200 and exits[2] > 300
-    assert elapsed < 40
 
 
 def test_fuzz_plan_command_subprocess(profiles):
@@ -485,7 +486,6 @@ def test_fuzz_plan_command_subprocess(profiles):
     for argv, bad, env in cases:
         run_env = {k.encode(): v.encode() for k, v in e.items()}
         run_env.update(env)
-        proc = subprocess.run([sys.executable, "-m", "tierflow", "plan", *argv], env=run_env, capture_output=True,
-                              timeout=120)
+        proc = run_child([sys.executable, "-m", "tierflow", "plan", *argv], env=run_env, capture_output=True)
         out, err = proc.stdout.decode(errors="backslashreplace"), proc.stderr.decode(errors="backslashreplace")
         check_run(argv, bad, env, proc.returncode, out, err)

@@ -5,6 +5,7 @@ import shutil
 import subprocess
 
 import pytest
+from children import run_child
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "scripts", "gpu_check.sh")
@@ -14,7 +15,7 @@ def gpu_check(tmp_path, **env):
     # The checkout's own bundle/ (a developer's, with DeepSpeed in it, say) must not change what a case sees.
     full = dict(os.environ, GPU_CHECK_OUT=str(tmp_path / "out"), TIERFLOW_BUNDLE=str(tmp_path / "no-bundle"))
     full.update(env)
-    return subprocess.run(["bash", SCRIPT], cwd=ROOT, env=full, capture_output=True, text=True, timeout=60)
+    return run_child(["bash", SCRIPT], cwd=ROOT, env=full, capture_output=True, text=True)
 
 
 def test_dry_run_names_every_part(tmp_path):
@@ -62,7 +63,7 @@ def test_a_part_that_does_not_exist_is_refused(tmp_path):
 
 def test_without_a_gpu_it_refuses_and_says_why(tmp_path):
     smi = shutil.which("nvidia-smi")
-    if smi and subprocess.run([smi, "-L"], capture_output=True).returncode == 0:
+    if smi and run_child([smi, "-L"], capture_output=True).returncode == 0:
         pytest.skip("a GPU is present here: gpu-check would run for real")
     proc = gpu_check(tmp_path)
     assert proc.returncode == 2
@@ -89,7 +90,7 @@ def test_deepspeed_comes_from_the_bundle_before_the_benchmark_when_the_machine_l
     """BUNDLE_DEEPSPEED=1 make bundle puts DeepSpeed's wheel and its requirements in bundle/deepspeed/; the bench
     part installs them from there (no index; DeepSpeed without its requirements, which name torch; the rest
     resolved among the bundle's wheels for this Python) before the benchmark."""
-    if subprocess.run([os.path.join(ROOT, ".venv", "bin", "python"), "-c", "import deepspeed"],
+    if run_child([os.path.join(ROOT, ".venv", "bin", "python"), "-c", "import deepspeed"],
                       capture_output=True).returncode == 0:
         pytest.skip("deepspeed is installed here: gpu-check would not install it")
     wheels = tmp_path / "bundle" / "deepspeed"

@@ -18,6 +18,9 @@ import torch
 import tierflow
 from harness import torch_device
 
+# Trainer differs between transformers versions: these run again under transformers 5 (Note [Test tiers]).
+pytestmark = pytest.mark.transformers
+
 transformers = pytest.importorskip(
     "transformers", reason="transformers is a test dependency (scripts/setup.sh installs it); not importable here")
 pytest.importorskip("accelerate", reason="accelerate (which Trainer needs) is a test dependency (scripts/setup.sh "

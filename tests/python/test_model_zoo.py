@@ -259,6 +259,7 @@ def train_mixed(task: Task, device: str) -> tuple:
 
 
 @pytest.mark.parametrize("name", sorted(ZOO))
+@pytest.mark.transformers
 def test_blocks_are_found(name):
     task, classes = ZOO[name][0](), ZOO[name][1]
     from tierflow.activations.blocks import find_blocks
@@ -279,6 +280,7 @@ def test_every_mode_is_bit_identical_to_the_baseline(device, name, mode):
 
 
 @pytest.mark.parametrize("name", sorted(ZOO))
+@pytest.mark.transformers
 def test_a_mixed_plan_is_bit_identical_to_the_baseline(device, name):
     losses, params, modes, report = train_mixed(ZOO[name][0](), device)
     base = baseline(name, device)
@@ -291,6 +293,7 @@ def test_a_mixed_plan_is_bit_identical_to_the_baseline(device, name):
 
 
 @pytest.mark.parametrize("name", sorted(ZOO))
+@pytest.mark.transformers
 def test_the_default_settings_match_torch_adamw(device, name):
     task = ZOO[name][0]()
     base, tier = dataclasses.replace(baseline(name, device)), train(task, STEPS, True, device=device)
@@ -308,6 +311,7 @@ def test_the_default_settings_match_torch_adamw(device, name):
     assert tier.report["optimizer"]["steps"] >= STEPS
 
 
+@pytest.mark.transformers
 def test_a_data_dependent_block_swaps_whole_and_says_so_once(device, capfd):
     # Mixtral routes other tokens to each expert every step: its layers' forwards depart from the tables their
     # first forward recorded. Each layer says so once, swaps whole from then on, and the run stays the baseline's.

@@ -11,6 +11,7 @@ import torch
 
 import tierflow
 from harness import assert_bit_identical, assert_close, gpt_task, subprocess_environment, train
+from children import run_child
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -130,8 +131,8 @@ def test_swap_files_are_removed_at_exit_even_with_live_tensors(nvme_dir):
         import os
         print(len([f for f in os.listdir({nvme_dir!r}) if f.startswith("tierflow-swap-")]))
     """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                         env=subprocess_environment())
+    out = run_child([sys.executable, "-c", script], capture_output=True, text=True,
+                    env=subprocess_environment())
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "1", "one swap file while running"
     assert swap_files(nvme_dir) == [], "no swap file after exit"
@@ -146,8 +147,8 @@ def test_crashed_run_files_are_removed_by_the_next_start(nvme_dir):
                                   "nvme_memory": "16MiB"}})
         os._exit(0)  # a crash: no destructor runs
     """)
-    subprocess.run([sys.executable, "-c", script], check=True, timeout=120,
-                   env=subprocess_environment())
+    run_child([sys.executable, "-c", script], check=True,
+              env=subprocess_environment())
     assert len(swap_files(nvme_dir)) == 1
     rt = tierflow._C.Runtime({"device": "emulated", "offload_activations": "nvme", "nvme_paths": nvme_dir,
                               "nvme_memory": "16MiB"})
@@ -283,8 +284,8 @@ def test_no_swap_file_leaks_after_io_failures(nvme_dir):
         except OSError as e:
             print("raised", "checksum" in str(e))
     """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                         env=subprocess_environment())
+    out = run_child([sys.executable, "-c", script], capture_output=True, text=True,
+                    env=subprocess_environment())
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "raised True"
     assert swap_files(nvme_dir) == [], "failed I/O leaves no swap file behind"

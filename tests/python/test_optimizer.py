@@ -48,15 +48,18 @@ def lockstep(torch_cls, steps=100, lr_change_at=None, **hp):
     dict(lr=3e-3, maximize=True),
     dict(lr=1e-3, betas=(0.8, 0.95), eps=1e-6),
 ])
+@pytest.mark.ordering
 def test_adamw_lockstep(hp):
     lockstep(torch.optim.AdamW, **hp)
 
 
 @pytest.mark.parametrize("hp", [dict(lr=1e-2, weight_decay=0.1), dict(lr=1e-2, amsgrad=True, weight_decay=0.01)])
+@pytest.mark.ordering
 def test_adam_lockstep(hp):
     lockstep(torch.optim.Adam, **hp)
 
 
+@pytest.mark.ordering
 def test_learning_rate_changed_mid_run():
     lockstep(torch.optim.AdamW, lr=1e-2, lr_change_at=37)
     lockstep(torch.optim.Adam, lr=1e-2, weight_decay=0.01, lr_change_at=50)
@@ -64,6 +67,7 @@ def test_learning_rate_changed_mid_run():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("hp", [dict(lr=1e-2), dict(lr=1e-2, weight_decay=0.1, amsgrad=True)])
+@pytest.mark.ordering
 def test_16_bit_params_step_an_fp32_master(dtype, hp):
     """16-bit model weights and gradients, fp32 master: the master follows AdamW on fp32."""
     params = make_params(dtype)
@@ -85,6 +89,7 @@ def test_16_bit_params_step_an_fp32_master(dtype, hp):
 
 
 @pytest.mark.parametrize("isa", ["portable", "avx2", "avx512"])
+@pytest.mark.ordering
 def test_every_simd_path_gives_the_same_parameters(isa):
     from tierflow._C import TierflowError
 

@@ -7,6 +7,7 @@ import torch
 
 import tierflow
 from harness import gpt_task, subprocess_environment
+from children import run_child
 
 
 def run(task, steps, use_tierflow, *, device, clip=None, poison=None, scale_grads=None, skip_on_nonfinite=False,
@@ -166,6 +167,6 @@ def test_dropping_everything_with_early_steps_queued_does_not_hang(device):
             gc.collect()                                      # the runtime goes while they may still run
         print("ok")
     """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                         env=subprocess_environment())
+    out = run_child([sys.executable, "-c", script], capture_output=True, text=True,
+                    env=subprocess_environment())
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

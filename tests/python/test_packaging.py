@@ -7,6 +7,7 @@ import sys
 import zipfile
 
 import pytest
+from children import run_child
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VENV_PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
@@ -17,8 +18,7 @@ def test_the_set_up_makes_tierflow_importable_from_any_directory(tmp_path):
     # As a user would: another directory, no PYTHONPATH (the Makefile sets one; this must not need it).
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSAFEPATH")}
     probe = "import tierflow, tierflow._C; print(tierflow.__file__); print(tierflow._C.__file__)"
-    done = subprocess.run([VENV_PYTHON, "-c", probe], cwd=str(tmp_path), env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = run_child([VENV_PYTHON, "-c", probe], cwd=str(tmp_path), env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     init, extension = done.stdout.split()[-2:]
     sources = os.path.join(ROOT, "bindings", "python", "tierflow")
@@ -31,7 +31,7 @@ def test_the_set_up_makes_tierflow_importable_from_any_directory(tmp_path):
 def test_wheel_contains_the_extension_and_the_package(tmp_path):
     # --no-build-isolation: build against this environment's torch, as a user with a CUDA torch would.
     cmd = [sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-w", str(tmp_path), ROOT]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    done = run_child(cmd, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     wheels = [p for p in os.listdir(tmp_path) if p.endswith(".whl")]
     assert len(wheels) == 1, wheels

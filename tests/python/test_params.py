@@ -41,7 +41,8 @@ def _emulated_only(device: str) -> None:
                     "(test_torch_optimizer_refusal_text) and the CPU optimizer tests cover CUDA")
 
 
-@pytest.mark.parametrize("acts", ["none", "auto", "recompute"])
+# Under transformers 5 (Note [Test tiers]) once per family, with the planner: the families' code paths.
+@pytest.mark.parametrize("acts", ["none", pytest.param("auto", marks=pytest.mark.transformers), "recompute"])
 @pytest.mark.parametrize("name", sorted(ZOO))
 def test_zoo_with_parameters_on_the_host_is_bit_identical_to_the_baseline(device, name, acts):
     _emulated_only(device)
@@ -211,6 +212,7 @@ def test_an_optimizer_made_after_wrap_and_an_eval_forward_work(device):
 
 
 @pytest.mark.parametrize("reentrant", [None, False])  # None: HF's default (torch.utils.checkpoint, reentrant)
+@pytest.mark.transformers
 def test_hf_gradient_checkpointing_recomputes_with_the_parameters_fetched(device, reentrant):
     _emulated_only(device)
     task = ZOO["gpt2"][0]()
@@ -291,6 +293,7 @@ def test_torch_optimizer_refusal_text():
     assert rt.params_optimizer_refusal(True) is None
 
 
+@pytest.mark.ordering
 def test_ddp_with_parameters_on_the_host_is_refused_in_both_orders(world_of_one):
     """DDP reads and all-reduces the parameters themselves (issue 21 has DDP with parameter offload)."""
     task = ZOO["gpt2"][0]()
@@ -331,6 +334,7 @@ def test_auto_plans_which_blocks_keep_their_parameters(device, room):
         assert p["host_bytes"] == 0 and p["device_bytes"] == total, p  # all resident from the third step on
 
 
+@pytest.mark.transformers
 def test_generate_with_parameters_on_the_host_matches_the_model_without(device):
     """generate(): many no_grad forwards with a KV cache, each fetching and releasing every unit."""
     task = ZOO["llama"][0]()

@@ -7,13 +7,14 @@ from __future__ import annotations
 import os
 import textwrap
 
+import pytest
 import torch
 
 from harness import Run, assert_bit_identical, assert_close
 from ranks import GLOO, run_ranks
 from test_distributed import PARAMS, ROOT, _as_run
 
-pytestmark = GLOO
+pytestmark = [GLOO, pytest.mark.ordering]  # the ranks train in children (Note [Test tiers])
 
 
 _CHECKPOINT_WORKER = textwrap.dedent("""
@@ -26,7 +27,7 @@ _CHECKPOINT_WORKER = textwrap.dedent("""
     rank, store, out_path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     d = os.path.dirname(store)
     dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=60))
+                            timeout=datetime.timedelta(seconds=600))  # a hang guard (run_ranks ends the rest)
     torch.set_num_threads(1)
 
     def make(partition="on"):
@@ -195,7 +196,7 @@ _FOUR_RANKS_WORKER = textwrap.dedent("""
 
     rank, store, out_path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=4,
-                            timeout=datetime.timedelta(seconds=60))
+                            timeout=datetime.timedelta(seconds=600))  # a hang guard (run_ranks ends the rest)
     torch.set_num_threads(1)
     out = {{}}
     for partition in ("on", "off", None):
@@ -257,7 +258,7 @@ _AGREE_WORKER = textwrap.dedent("""
 
     rank, store, out_path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=60))
+                            timeout=datetime.timedelta(seconds=600))  # a hang guard (run_ranks ends the rest)
     torch.set_num_threads(1)
     out = {{}}
     for case in ("failed", "skipped"):

@@ -301,6 +301,7 @@ def test_auto_without_blocks_keeps_everything_when_it_fits(device):
     assert act["offloaded_bytes"] == one_step["offloaded_bytes"] > 0, (act, one_step)  # swapped in step 1 only
 
 
+@pytest.mark.ordering
 def test_the_timed_steps_peak_is_split_at_the_optimizers_step(monkeypatch):
     """On CUDA the planner reads the device's peak over the timed step's forward and backward apart from its
     optimizer step (whose temporaries, an AdamW's foreach buffers, never meet the saved activations): "the rest of

@@ -87,6 +87,7 @@ def test_scheduler_made_before_or_after_wrap_schedules_the_cpu_optimizer(device,
     assert ours["warnings"] == base["warnings"] == [], ours["warnings"]
 
 
+@pytest.mark.ordering
 def test_scheduler_made_before_wrap_survives_load_state_dict():
     """A resume (opt.load_state_dict on the CPUAdamW; accelerate's prepare does one too) keeps the groups shared."""
     model = nn.Linear(8, 4)
@@ -225,6 +226,7 @@ def test_optimizer_wrapper_with_its_own_reference_is_refused_with_the_order():
     tierflow.unwrap(model)
 
 
+@pytest.mark.ordering
 def test_accelerate_prepare_then_wrap():
     accelerate = pytest.importorskip("accelerate", reason="accelerate is not installed (not part of the set-up); "
                                                           "the generic wrapper tests above cover its pattern")
@@ -273,6 +275,7 @@ def test_optimizer_over_another_models_parameters_is_refused(offload_optimizer):
         tierflow.wrap(model, opt, device="emulated", offload_optimizer=offload_optimizer)
 
 
+@pytest.mark.ordering
 def test_optimizer_over_part_of_the_model_is_accepted():
     """Frozen parameters, or a second optimizer for the rest: the model's parameters the optimizer lacks are fine."""
     torch.manual_seed(0)

@@ -43,6 +43,18 @@ class StreamRef {
   void* native_ = nullptr;
 };
 
+/// Copies (any engine) and NVMe requests queued in this process since it
+/// started: what the adversarial emulated device reorders, delays or poisons.
+/// The Python suite reads it to hold its rule of where a test runs (Note
+/// [Test tiers] in tests/README.md): a test that queued none cannot depend on
+/// their completion order, so it runs in one emulated mode only.
+std::uint64_t queued_transfers_in_process() noexcept;
+
+namespace detail {
+/// Counts one queued copy or NVMe request in queued_transfers_in_process().
+void count_queued_transfer() noexcept;
+}  // namespace detail
+
 /// Bytes and operations per direction since the engine was created.
 struct CopyEngineStats {
   std::uint64_t d2h_bytes = 0;  ///< bytes copied device -> host
@@ -140,6 +152,7 @@ class CopyEngine {
  protected:
   /// Counts one submitted copy.
   void count(Direction dir, std::size_t bytes) noexcept {
+    detail::count_queued_transfer();
     if (dir == Direction::kDeviceToHost) {
       d2h_bytes_.add(bytes);
       d2h_ops_.add();
