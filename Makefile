@@ -53,11 +53,13 @@ test-cpp:
 	@bash scripts/timed.sh "ctest (C++ suite)" sh -c 'cd build/dev && ctest --output-on-failure -j 2'
 
 # pytest's options for every Python run: PYTEST_WORKERS processes (pytest-xdist;
-# 0 for one process), one intra-op thread each (the tests' models are tiny: two
-# workers of two threads each on two cores run 2.4x slower than one), the
-# slowest tests named, and PYTEST_ARGS of yours (e.g. PYTEST_ARGS="-k zoo").
-PYTEST_WORKERS ?= 2
-PYTEST_OPTIONS = -q -rs -p no:cacheprovider --durations=15 $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS))
+# 2 where it is installed, else 0: one process), one intra-op thread each (the tests' models are tiny: two
+# workers of two threads each on two cores run 2.4x slower than one), a
+# module's tests that share a module-scoped fixture in one worker (conftest.py),
+# the slowest tests named, and PYTEST_ARGS of yours (e.g. PYTEST_ARGS="-k zoo").
+PYTEST_WORKERS ?= $(shell $(PY) -c 'import xdist' 2>/dev/null && echo 2 || echo 0)
+PYTEST_OPTIONS = -q -rs -p no:cacheprovider --durations=15 \
+	$(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadgroup)
 export PYTEST_OPTIONS
 PYTEST = OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m pytest $(PYTEST_OPTIONS) $(PYTEST_ARGS)
 

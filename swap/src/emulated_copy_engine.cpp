@@ -33,6 +33,7 @@ class EmulatedCopyEngine final : public CopyEngine {
     // Handles are small and frequent: see Note [mimalloc shim].
     auto state = std::allocate_shared<EmulatedState>(allocator::SmallAllocator<EmulatedState>(), bytes);
     count(dir, bytes);
+    detail::count_queued_transfer();
     int delay_us = faults_ && dir == Direction::kDeviceToHost ? faults_->d2h_delay_us.load() : 0;
     const bool fail = faults_ && dir == Direction::kDeviceToHost && faults_->fail_d2h_copies.load() > 0 &&
                       faults_->fail_d2h_copies.fetch_sub(1) > 0;

@@ -28,10 +28,12 @@ import tierflow  # noqa: E402
 # device, then again on the adversarial one (Note [Adversarial emulated device]) with `-m ordering`: only the
 # tests whose outcome can depend on the order in which copies and NVMe requests complete. A test is `ordering`
 #   - when it asks for the `device` fixture (it wraps a model on a device) or the `nvme_dir` fixture, unless it
-#     says `@pytest.mark.order_free` (it asks for a device only to be refused, say);
+#     says `@pytest.mark.order_free` (it asks for a device only to be refused, say) or is a [cuda] case (no
+#     emulated mode reaches CUDA);
 #   - when it says `@pytest.mark.ordering` (a test whose children train: gloo ranks, a fresh interpreter).
 # Every other test runs once. The rule is held by what a test does, not by what it says: a test outside the
-# `ordering` tier that queued a copy or an NVMe request in this process fails, naming the marker it needs.
+# `ordering` tier that queued a copy on the emulated device or an NVMe request in this process, in its set-up
+# (module-scoped fixtures included), its call or its teardown, fails, naming the marker it needs.
 TIER_MARKERS = {
     "ordering": "moves data through the copy engine or the NVMe pipeline, or steps during backward: runs on both "
                 "emulated devices, polite and adversarial (Note [Test tiers] in tests/python/conftest.py)",
@@ -45,27 +47,51 @@ ORDERING_FIXTURES = ("device", "nvme_dir")
 def pytest_configure(config):
     for name, doc in TIER_MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {doc}")
+    # pytest-xdist registers it; without xdist (PYTEST_WORKERS=0, an older bundle) it is known all the same.
+    config.addinivalue_line("markers", "xdist_group(name): run the tests of one group in one pytest-xdist worker")
 
 
-@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker and pytest-xdist groups
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.get_closest_marker("order_free") is None and any(f in item.fixturenames for f in ORDERING_FIXTURES):
+        if item.get_closest_marker("order_free") is None and any(f in item.fixturenames for f in ORDERING_FIXTURES) \
+                and not _on_cuda(item):
             item.add_marker(pytest.mark.ordering)
+        # A module-scoped fixture (a benchmark run, gloo ranks, an install) runs once per worker that needs it:
+        # under pytest-xdist (--dist loadgroup, as the Makefile runs it) the module's tests that use one go to one
+        # worker.
+        defs = item._fixtureinfo.name2fixturedefs.values()
+        if any(d and d[-1].scope == "module" for d in defs) and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 
 
-@pytest.fixture(autouse=True)
-def _tier_is_what_the_test_does(request):
-    """A test outside the `ordering` tier must not queue copies or NVMe requests (Note [Test tiers])."""
-    before = tierflow._C._queued_transfers_in_process()
+def _on_cuda(item) -> bool:
+    """A [cuda] case: no emulated mode reaches it, so it runs once (the counter below leaves CUDA copies out)."""
+    callspec = getattr(item, "callspec", None)
+    return callspec is not None and callspec.params.get("device") == "cuda"
+
+
+# The count is read around the whole of a test's set-up, call and teardown, module-scoped fixtures included (a
+# module fixture that trains is counted at the first test that uses it).
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    item.stash[_QUEUED_BEFORE] = tierflow._C._queued_transfers_in_process()
     yield
-    if request.node.get_closest_marker("ordering") is not None:
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield
+    if item.get_closest_marker("ordering") is not None or _QUEUED_BEFORE not in item.stash:
         return
-    queued = tierflow._C._queued_transfers_in_process() - before
+    queued = tierflow._C._queued_transfers_in_process() - item.stash[_QUEUED_BEFORE]
     if queued:
-        pytest.fail(f"{request.node.nodeid} queued {queued} copies or NVMe requests, so its outcome can depend on "
-                    "their order, but it runs on one emulated device only: ask for the `device` fixture, or mark "
-                    "it @pytest.mark.ordering (Note [Test tiers] in tests/python/conftest.py)", pytrace=False)
+        pytest.fail(f"{item.nodeid} queued {queued} copies or NVMe requests, so its outcome can depend on their "
+                    "order, but it runs on one emulated device only: ask for the `device` fixture, or mark it "
+                    "@pytest.mark.ordering (Note [Test tiers] in tests/python/conftest.py)", pytrace=False)
+
+
+_QUEUED_BEFORE = pytest.StashKey[int]()
 
 
 @pytest.fixture(autouse=True)

@@ -86,10 +86,15 @@ class Run:
 
 @dataclass
 class Task:
-    """A model factory, a batch factory and a loss. Factories build on the CPU; `model_on`/`batch_on` move."""
+    """A model factory, a batch factory and a loss. Factories build on the CPU; `model_on`/`batch_on` move.
+
+    key: what makes the task, when its factory says it (gpt_task, encoder_task, cnn_task): `train` runs the
+    baseline of a keyed task once per process for each set of its arguments (the factories' code and the torch
+    settings a run reads among them) and hands out copies, leaving torch's random state as the run would."""
     make_model: Callable[[], nn.Module]
     make_batch: Callable[[int], tuple]
     loss: Callable[[nn.Module, tuple], torch.Tensor]
+    key: Optional[tuple] = None
 
     def model_on(self, device: str, dtype: torch.dtype = torch.float32) -> nn.Module:
         """A fresh model (from the current torch seed) on `device` in `dtype`."""
@@ -108,7 +113,8 @@ def gpt_task(layers: int = 2, width: int = 64, block: int = 64, batch: int = 8, 
     def batch_fn(i: int) -> tuple:
         return data.batch(batch, torch.Generator().manual_seed(1000 + i))
 
-    return Task(lambda: GPT(cfg), batch_fn, lambda m, b: gpt_loss(m, *b))
+    return Task(lambda: GPT(cfg), batch_fn, lambda m, b: gpt_loss(m, *b),
+                key=("gpt", layers, width, block, batch, dropout))
 
 
 def encoder_task() -> Task:
@@ -124,7 +130,7 @@ def encoder_task() -> Task:
         out = m(b[0])
         return F.cross_entropy(out.reshape(-1, 8), b[1].reshape(-1))
 
-    return Task(make, batch_fn, loss)
+    return Task(make, batch_fn, loss, key=("encoder",))
 
 
 def cnn_task() -> Task:
@@ -138,7 +144,7 @@ def cnn_task() -> Task:
         g = torch.Generator().manual_seed(3000 + i)
         return torch.randn(16, 3, 32, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
 
-    return Task(make, batch_fn, lambda m, b: F.cross_entropy(m(b[0]), b[1]))
+    return Task(make, batch_fn, lambda m, b: F.cross_entropy(m(b[0]), b[1]), key=("cnn",))
 
 
 # ---- the baseline's optimizer for 16-bit models ------------------------------------------------------------------
@@ -192,6 +198,19 @@ def train(task: Task, steps: int, use_tierflow: bool, *, device: str = "emulated
         raise TypeError(f"train: tierflow settings {sorted(settings)} given for a run without tierflow")
     if fp32_masters and use_tierflow:
         raise TypeError("train: fp32_masters describes the baseline; tierflow's CPU optimizer always keeps them")
+    # The baseline of a keyed task, once per process (tests/README.md): everything it depends on is in the key; a
+    # run with a callback of the test's (a scheduler, after_step) is its own.
+    # On the emulated device only: a CUDA run keeps nothing on the GPU past its test.
+    cache_key = None
+    if not use_tierflow and task.key is not None and scheduler is None and after_step is None and device != "cuda":
+        cache_key = (task.key, task.make_model.__code__, task.make_batch.__code__, task.loss.__code__, steps, device,
+                     dtype, accumulate, lr, weight_decay, optimizer_cls, clip_grad_norm, fp32_masters,
+                     torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled(),
+                     torch.get_float32_matmul_precision(), torch.is_autocast_enabled("cpu"))
+        if cache_key in _BASELINES:
+            cached, rng = _BASELINES[cache_key]
+            torch.set_rng_state(rng)  # where the run would have left it
+            return _copy_of(cached)
     if device == "cuda":
         # What earlier runs left for the garbage collector (a wrapped model's cycles) still holds device memory,
         # which a run's measured peak (the plan's fixed bytes) would count: a budget taken from one run must
@@ -255,7 +274,18 @@ def train(task: Task, steps: int, use_tierflow: bool, *, device: str = "emulated
         run.host_in_use_after_release = session.runtime.stats()["host_pool"]["in_use"]["current"]
     else:
         run.meter_peak = meter.peak_bytes
+    if cache_key is not None:
+        _BASELINES[cache_key] = (_copy_of(run), torch.get_rng_state())
     return run
+
+
+_BASELINES: dict = {}
+
+
+def _copy_of(run: Run) -> Run:
+    """A baseline's copy a test may change (its tensors cloned)."""
+    return Run(losses=list(run.losses), params={k: v.clone() for k, v in run.params.items()},
+               masters={k: v.clone() for k, v in run.masters.items()}, meter_peak=run.meter_peak)
 
 
 # ---- comparisons -------------------------------------------------------------------------------------------------

@@ -35,8 +35,9 @@ def run_ranks(d, script: str, ranks: int = 2) -> list:
         # Under the hang guard (children.py), and a rank that failed ends the others at once: they would
         # otherwise wait in a collective for the gloo timeout.
         deadline = time.monotonic() + HANG_GUARD_SECONDS
-        while any(p.poll() is None for p in procs):
-            if any(p.returncode not in (None, 0) for p in procs):
+        while True:
+            codes = [p.poll() for p in procs]  # every rank's, each time: a later one may be the one that failed
+            if None not in codes or any(c not in (None, 0) for c in codes):
                 break
             if time.monotonic() > deadline:
                 hang_guard_failure(f"{ranks} gloo ranks", HANG_GUARD_SECONDS)

@@ -17,6 +17,9 @@ import pytest
 import torch
 from children import run_child
 
+# Every test here installs build/dev (cmake --install writes its manifest there): one pytest-xdist worker.
+pytestmark = pytest.mark.xdist_group("test_cpp_package")  # the name conftest.py gives the module
+
 ROOT = Path(__file__).resolve().parents[2]
 BUILD = ROOT / "build" / "dev"
 

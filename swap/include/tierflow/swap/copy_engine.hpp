@@ -43,8 +43,10 @@ class StreamRef {
   void* native_ = nullptr;
 };
 
-/// Copies (any engine) and NVMe requests queued in this process since it
-/// started: what the adversarial emulated device reorders, delays or poisons.
+/// Copies on the emulated device and NVMe requests queued in this process
+/// since it started: the work whose buffers the adversarial emulated device
+/// delays, reorders or poisons (CUDA copies are not counted: no emulated mode
+/// reaches them).
 /// The Python suite reads it to hold its rule of where a test runs (Note
 /// [Test tiers] in tests/README.md): a test that queued none cannot depend on
 /// their completion order, so it runs in one emulated mode only.
@@ -152,7 +154,6 @@ class CopyEngine {
  protected:
   /// Counts one submitted copy.
   void count(Direction dir, std::size_t bytes) noexcept {
-    detail::count_queued_transfer();
     if (dir == Direction::kDeviceToHost) {
       d2h_bytes_.add(bytes);
       d2h_ops_.add();
