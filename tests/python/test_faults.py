@@ -20,7 +20,7 @@ from torch import nn
 
 import tierflow
 from tierflow.optim import LOST_STATE
-from children import run_child
+from children import run_child, wait_child
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -434,7 +434,7 @@ def test_a_live_trainers_swap_file_is_kept_and_a_killed_ones_is_removed(nvme_dir
         assert len(swap_files(nvme_dir)) == 2
         del rt
         other.send_signal(signal.SIGKILL)
-        other.wait(timeout=60)
+        wait_child(other, "the trainer killed with SIGKILL")
         assert swap_files(nvme_dir) == [theirs], "kill -9 leaves the file behind"
         rt = tierflow._C.Runtime(settings)
         assert theirs not in swap_files(nvme_dir) and len(swap_files(nvme_dir)) == 1, "removed at the next start"
