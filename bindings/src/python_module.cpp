@@ -158,7 +158,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("cuda_compiled", &allocator::cuda_compiled, "Whether the CUDA backend was compiled in.");
   m.def("cuda_available", &allocator::cuda_available, "Whether a CUDA GPU is usable.");
   m.def("_queued_transfers_in_process", &swap::queued_transfers_in_process,
-        "Copies and NVMe requests queued in this process so far (the test suite's tiers).");
+        "Copies on the emulated device and NVMe requests queued in this process so far (the test suite's tiers).");
   m.def("push_no_offload", &push_no_offload);
   m.def("pop_no_offload", &pop_no_offload);
   m.def("no_offload_depth", &no_offload_depth, "Depth of tierflow.no_offload() regions open on this thread.");
