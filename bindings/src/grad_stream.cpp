@@ -127,6 +127,31 @@ optimizer::GradIdentity GradStream::identity_of(std::size_t i) const {
           static_cast<std::int64_t>(grad._version() + (local.defined() ? local._version() : 0))};
 }
 
+std::vector<optimizer::GradContent> GradStream::grad_contents_locked() {
+  // Note [Gradient content]: p.grad's bytes now, for the slots whose confirm (or clip) compares them, read
+  // with the streamed ones' device results in one transfer per device.
+  const std::uint64_t t0 = now_ns();
+  std::vector<ContentProbe> now(slots_.size());
+  std::vector<ContentProbe*> pending;
+  for (std::size_t i = 0; i < slots_.size(); ++i) {
+    if (!ledger_.compares_content(i)) continue;
+    Slot& s = slots_[i];
+    const at::Tensor grad = s.param.grad();  // FSDP2's: the local tensor of the owner's gradient
+    now[i] = ContentProbe::of(grad.defined() ? grad.view(-1) : grad);
+    for (ContentProbe* p : {&now[i], &s.streamed_content})
+      if (p->pending()) pending.push_back(p);
+  }
+  ContentProbe::resolve(pending);
+  std::vector<optimizer::GradContent> out(slots_.size());
+  for (std::size_t i = 0; i < slots_.size(); ++i) {
+    if (!ledger_.compares_content(i)) continue;
+    ledger_.streamed_content(i, slots_[i].streamed_content.get());
+    out[i] = now[i].get();
+  }
+  stats_.content_check_ns += now_ns() - t0;
+  return out;
+}
+
 void GradStream::set_home(std::size_t slot, const at::Tensor& home) {
   std::lock_guard<std::mutex> lock(mutex_);
   TIERFLOW_EXPECTS(slot < slots_.size(), "GradStream::set_home: slot " + std::to_string(slot));
@@ -322,8 +347,15 @@ void GradStream::stream_from_locked(std::size_t i, const at::Tensor& grad, bool 
   }
   // DDP writes the reduced values into p.grad later (rebind); FSDP2 assigned its gradient before the feed: a
   // change after this (an accumulation by a later reduce-scatter, an in-place op) is a change at confirm.
-  const optimizer::GradIdentity identity =
+  optimizer::GradIdentity identity =
       !reduced ? grad_identity(grad) : (s.owner.defined() ? identity_of(i) : optimizer::GradIdentity{});
+  // What it streamed, by content (Note [Gradient content]): a write no version counter shows is a change at
+  // confirm. Read on the stream that produced it, before anything later can write it; a device's result is
+  // read in step(). A released gradient is gone from p.grad: nothing to compare.
+  const std::uint64_t tc = now_ns();
+  s.streamed_content = release ? ContentProbe() : ContentProbe::of(grad.view(-1));
+  stats_.content_check_ns += now_ns() - tc;
+  if (!s.streamed_content.pending()) identity.content = s.streamed_content.get();
   if (ledger_.streamed(i, identity, release)) launch_locked(bucket);
 }
 
@@ -579,8 +611,13 @@ void GradStream::restore_locked(std::size_t i, bool accumulate) {
     uploads_.emplace_back(runtime_->copy_to_device(g.view(-1), s.host_grad), s.host_grad);
   }
   g = g.view(s.param.sizes());
-  if (current.defined()) current.add_(g);  // as AccumulateGrad would have: old + new
-  else s.param.mutable_grad() = g;
+  if (current.defined()) {
+    current.add_(g);  // as AccumulateGrad would have: old + new
+  } else {
+    s.param.mutable_grad() = g;
+    // The streamed bytes (nothing wrote them while p.grad was None): compared at confirm like any gradient's.
+    if (g.is_same(s.grad_ref)) s.streamed_content = ContentProbe::of(g.view(-1));
+  }
   stats_.grads_restored += 1;
 }
 

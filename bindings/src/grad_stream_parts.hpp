@@ -15,6 +15,7 @@
 #include <utility>
 
 #include "tierflow/bindings/dtypes.hpp"
+#include "tierflow/bindings/grad_content.hpp"
 #include "tierflow/bindings/grad_stream.hpp"
 
 namespace tierflow::bindings {
@@ -35,6 +36,7 @@ struct GradStream::Slot {
   at::Tensor master, exp_avg, exp_avg_sq, max_exp_avg_sq, step;
   // This window.
   at::Tensor grad_ref, host_grad;
+  ContentProbe streamed_content;  // of the gradient that streamed, not released (Note [Gradient content])
   swap::TransferHandle copy;  // of its gradient to host_grad
   std::uint64_t copy_seq = 0; // submission order of `copy` (begin_clip)
   // A released gradient's storage, to see when it is freed (grad_bytes_freed).

@@ -28,11 +28,14 @@ GradStream::Finish GradStream::finish(double scale, bool stale) {
   wait_uploads_locked();
   Finish out;
   std::vector<std::pair<std::size_t, double>> redo;  // with the clip coefficient each is stepped with
+  const std::vector<optimizer::GradContent> contents = grad_contents_locked();
   for (std::size_t i = 0; i < slots_.size(); ++i) {
     if (!ledger_.streamable(i)) continue;
     Slot& s = slots_[i];
     if (stale) restore_locked(i, false);  // the caller re-reads the master and takes p.grad
-    const optimizer::Confirmation c = ledger_.confirm(i, identity_of(i), scale, stale);
+    optimizer::GradIdentity now = identity_of(i);
+    now.content = contents[i];
+    const optimizer::Confirmation c = ledger_.confirm(i, now, scale, stale);
     switch (c.kind) {
       case optimizer::Confirmation::kNone:
         break;
@@ -176,9 +179,12 @@ void GradStream::begin_clip() {
   std::vector<std::pair<c10::Device, swap::TransferHandle>> copies;
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    const std::vector<optimizer::GradContent> contents = grad_contents_locked();  // changed since the copy?
     for (std::size_t i = 0; i < slots_.size(); ++i) {
       const Slot& s = slots_[i];
-      if (!ledger_.clip_candidate(i, identity_of(i))) continue;
+      optimizer::GradIdentity now = identity_of(i);
+      now.content = contents[i];
+      if (!ledger_.clip_candidate(i, now)) continue;
       const c10::Device d = s.param.device();
       auto it = std::find_if(last.begin(), last.end(), [&](const auto& l) { return l.first == d; });
       if (it == last.end()) last.emplace_back(d, &s);
@@ -200,12 +206,15 @@ void GradStream::end_clip(double max_norm, double coefficient) {
   // so, clip_grad_norm_(max_norm=inf), at every step).
   const bool unchanged = ledger_.clips_itself() && coefficient == 1.0;
   if (!unchanged && !ledger_.learn_clip(max_norm)) return;
+  const std::vector<optimizer::GradContent> contents = grad_contents_locked();  // the clip's bytes
   for (std::size_t i = 0; i < slots_.size(); ++i) {
     const at::Tensor grad = slots_[i].param.grad();
     // The kernel's fp32 grad * grad_scale rounds as torch's multiply only for
     // fp32 gradients; a coefficient of exactly 1 changes no value in any type.
     const bool exact = grad.defined() && grad.scalar_type() == at::kFloat;
-    ledger_.clipped(i, identity_of(i), coefficient, exact);
+    optimizer::GradIdentity now = identity_of(i);
+    now.content = contents[i];
+    ledger_.clipped(i, now, coefficient, exact);
   }
 }
 
@@ -273,6 +282,7 @@ const std::vector<StatField<GradStreamStats>>& grad_stream_stat_fields() {
       {"step_kernel_ms", &S::step_kernel_ns, nullptr, 1e-6},
       {"step_wait_ms", &S::step_wait_ns, nullptr, 1e-6},
       {"weight_wait_ms", &S::weight_wait_ns, nullptr, 1e-6},
+      {"content_check_ms", &S::content_check_ns, nullptr, 1e-6},
       {"last_backward_ms", &S::last_backward_ns, nullptr, 1e-6},
       {"last_partial_norm", nullptr, &S::last_partial_norm},
   };

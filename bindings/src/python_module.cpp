@@ -10,6 +10,7 @@
 
 #include <chrono>
 #include <map>
+#include <set>
 #include <string>
 
 #include "module_parts.hpp"
@@ -17,6 +18,7 @@
 #include "tierflow/allocator/device.hpp"
 #include "tierflow/bindings/dtypes.hpp"
 #include "tierflow/bindings/emulated_device_memory.hpp"
+#include "tierflow/bindings/grad_content.hpp"
 #include "tierflow/bindings/grad_stream.hpp"
 #include "tierflow/bindings/planner_bindings.hpp"
 #include "tierflow/bindings/runtime.hpp"
@@ -149,6 +151,14 @@ PYBIND11_MODULE(_C, m) {
     const auto given = Config::from_environment(to_string_map(overrides)).given;
     return std::vector<std::string>(given.begin(), given.end());
   }, "The TIERFLOW_* variables the environment plus `overrides` set (the others hold the table's defaults).");
+  m.def("ignored_setting_refusal", [](const py::dict& config, const std::vector<std::string>& given) -> py::object {
+    Config c = Config::parse(to_string_map(config));
+    c.given = std::set<std::string>(given.begin(), given.end());
+    const std::string why = ignored_setting_refusal(c);
+    return why.empty() ? py::none() : py::cast(why);
+  }, py::arg("config"), py::arg("given"),
+     "Note [Settings a mode ignores]: the refusal of a given setting these settings (a Runtime's config()) ignore, "
+     "or None.");
   m.def("fsdp_settings_refusal", [](const py::dict& config, bool cpu_optimizer, bool cpu_offload_policy) -> py::object {
     const std::string why =
         tiering::fsdp_settings_refusal(Config::parse(to_string_map(config)), cpu_optimizer, cpu_offload_policy);
@@ -159,6 +169,20 @@ PYBIND11_MODULE(_C, m) {
   m.def("cuda_available", &allocator::cuda_available, "Whether a CUDA GPU is usable.");
   m.def("_queued_transfers_in_process", &swap::queued_transfers_in_process,
         "Copies on the emulated device and NVMe requests queued in this process so far (the test suite's tiers).");
+  // Note [Gradient content]: the pair as the host computes it and as a device would (its torch ops, run on
+  // whatever device the tensor is on), for the tests that hold them equal.
+  m.def("_grad_content", [](const at::Tensor& grad) {
+    const optimizer::GradContent c = ContentProbe::of(grad).get();
+    return py::make_tuple(c.sum, c.weighted, c.known);
+  });
+  m.def("_grad_content_by_slabs", [](const at::Tensor& grad) {
+    const at::Tensor slabs = content_slab_sums(grad).cpu().contiguous();
+    const std::int64_t n = slabs.size(1);
+    const optimizer::GradContent c = optimizer::combine_grad_content(slabs.data_ptr<std::int64_t>(),
+                                                                     slabs.data_ptr<std::int64_t>() + n,
+                                                                     static_cast<std::size_t>(n));
+    return py::make_tuple(c.sum, c.weighted, c.known);
+  });
   m.def("push_no_offload", &push_no_offload);
   m.def("pop_no_offload", &pop_no_offload);
   m.def("no_offload_depth", &no_offload_depth, "Depth of tierflow.no_offload() regions open on this thread.");

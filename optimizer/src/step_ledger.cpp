@@ -9,6 +9,10 @@
 
 namespace tierflow::optimizer {
 
+bool same_gradient(const GradIdentity& a, const GradIdentity& b) noexcept {
+  return a.id == b.id && a.version == b.version && same_content(a.content, b.content);
+}
+
 bool same_options(const AdamOptions& a, const AdamOptions& b) noexcept {
   return a.lr == b.lr && a.beta1 == b.beta1 && a.beta2 == b.beta2 && a.eps == b.eps &&
          a.weight_decay == b.weight_decay && a.amsgrad == b.amsgrad && a.maximize == b.maximize &&
@@ -170,8 +174,22 @@ bool StepLedger::rebind(std::size_t slot, GradIdentity grad) {
   TIERFLOW_EXPECTS(slot < slots_.size(), "StepLedger::rebind: no slot " + std::to_string(slot));
   Slot& s = slots_[slot];
   if (!s.reduced || !s.streamed || s.discarded || s.streamed_backward != backward_) return false;
+  // The tensor p.grad is now; the bytes that streamed stay what confirm() compares with.
+  const GradContent streamed = s.grad.content;
   s.grad = grad;
+  s.grad.content = streamed;
   return true;
+}
+
+void StepLedger::streamed_content(std::size_t slot, GradContent content) {
+  TIERFLOW_EXPECTS(slot < slots_.size(), "StepLedger::streamed_content: no slot " + std::to_string(slot));
+  Slot& s = slots_[slot];
+  if (s.streamed) s.grad.content = content;
+}
+
+bool StepLedger::compares_content(std::size_t slot) const {
+  const Slot& s = slots_.at(slot);
+  return s.streamable && s.streamed && !s.discarded && !s.released;
 }
 
 bool StepLedger::may_stream(std::size_t slot) const {
@@ -272,7 +290,7 @@ Confirmation StepLedger::confirm(std::size_t slot, GradIdentity grad, double sca
     return {};
   }
   const bool same_grad = s.streamed && s.landed && !s.discarded && !stale && s.has_state &&
-                         (released || (grad.id == s.grad.id && grad.version == s.grad.version));
+                         (released || same_gradient(grad, s.grad));
   const double slot_scale = s.clipped ? s.clip_scale : scale;  // Note [Clip picked up]
   if (same_grad && early && slot_scale == 1.0 &&
       same_options(s.options_used, groups_[static_cast<std::size_t>(s.group)])) {
@@ -334,7 +352,7 @@ bool StepLedger::clip_candidate(std::size_t slot, GradIdentity grad) {
   Slot& s = slots_.at(slot);
   s.clip_base = -1;
   if (!s.streamed || s.discarded || s.clipped || s.released) return false;
-  if (grad.id != s.grad.id || grad.version != s.grad.version) return false;
+  if (!same_gradient(grad, s.grad)) return false;
   s.clip_base = s.grad.version;
   return true;
 }
@@ -356,6 +374,10 @@ void StepLedger::clipped(std::size_t slot, GradIdentity grad, double coefficient
   // The clip's one in-place multiply, and nothing else, since the copy.
   if (grad.id != s.grad.id || grad.version != base + 1) return;
   if (coefficient != 1.0 && !exact) return;
+  // From here on the clipped bytes are the gradient (the landed copy times the coefficient): a later change to
+  // them, counted or not, is a change at confirm(). Not known: stepped from p.grad.
+  if (coefficient != 1.0) s.grad.content = grad.content;
+  else if (!same_content(grad.content, s.grad.content)) return;
   s.grad.version = base + 1;
   stats_.clips_picked_up += 1;
   // A multiply by exactly 1 changed no value: the gradient is the one streamed, under whatever scale step()

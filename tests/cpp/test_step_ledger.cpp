@@ -23,8 +23,11 @@ using tierflow::optimizer::StepLedgerOptions;
 
 constexpr std::size_t kBytes = 64;
 
-// A gradient tensor as the ledger sees it: slot i's is id 100 + i at `version`.
-GradIdentity grad_of(std::size_t slot, std::int64_t version = 0) { return {100 + slot, version}; }
+// A gradient tensor as the ledger sees it: slot i's is id 100 + i at `version`, with bytes `bytes` (the same
+// unless a test changes them; Note [Gradient content]).
+GradIdentity grad_of(std::size_t slot, std::int64_t version = 0, std::uint64_t bytes = 0) {
+  return {100 + slot, version, {slot + 1, bytes, true}};
+}
 
 // n slots of kBytes in group 0, with state, buckets of `per_bucket` slots.
 StepLedger make(std::size_t n, StepLedgerOptions o = {}, std::size_t per_bucket = 2) {
@@ -205,6 +208,62 @@ TEST(StepLedger, AChangedGradientIsSteppedByTheCaller) {
   StepLedger m = make(2);
   work(m, backward(m));
   EXPECT_EQ(m.confirm(0, grad_of(0), 1.0, true).kind, Confirmation::kUnhandled);
+}
+
+TEST(StepLedger, AGradientWhoseBytesChangedUnderTheSameVersionIsSteppedByTheCaller) {
+  // dist.all_reduce(p.grad), p.grad.data.clamp_(): the tensor and its version as streamed, other bytes (Note
+  // [Gradient content]). Neither committed nor redone from the landed copy.
+  StepLedgerOptions o;
+  o.max_grad_norm = 1.0;
+  StepLedger l = make(3, o);
+  work(l, backward(l), 0.0);
+  EXPECT_EQ(l.confirm(0, grad_of(0, 0, /*bytes=*/9), 1.0, false).kind, Confirmation::kUnhandled);
+  EXPECT_EQ(l.confirm(1, grad_of(1, 0, 9), 0.5, false).kind, Confirmation::kUnhandled);  // not a redo either
+  GradIdentity unknown = grad_of(2);
+  unknown.content.known = false;  // not computed: counts as changed
+  EXPECT_EQ(l.confirm(2, unknown, 1.0, false).kind, Confirmation::kUnhandled);
+  EXPECT_EQ(l.stats().committed, 0u);
+  EXPECT_EQ(l.stats().taken_back, 3u);
+}
+
+TEST(StepLedger, TheStreamedBytesCanBeKnownAfterTheStream) {
+  // A device's content is read later (streamed_content); until then nothing is committed.
+  StepLedger l = make(2);
+  l.backward_begins(1000);
+  std::vector<std::size_t> full;
+  for (std::size_t i = l.size(); i-- > 0;) {
+    ASSERT_EQ(l.arrive(i), GradArrival::kStream);
+    GradIdentity g = grad_of(i);
+    g.content = {};
+    if (l.streamed(i, g, false)) full.push_back(l.bucket_of(i));
+  }
+  work(l, full);
+  EXPECT_TRUE(l.compares_content(0));
+  l.streamed_content(0, grad_of(0).content);
+  EXPECT_EQ(l.confirm(0, grad_of(0), 1.0, false).kind, Confirmation::kCommit);
+  EXPECT_EQ(l.confirm(1, grad_of(1), 1.0, false).kind, Confirmation::kUnhandled);
+  EXPECT_FALSE(l.compares_content(0));  // consumed
+}
+
+TEST(StepLedger, AClipOfChangedBytesIsNotPickedUp) {
+  StepLedger l = make(2);
+  work(l, backward(l));
+  EXPECT_FALSE(l.clip_candidate(0, grad_of(0, 0, 9)));  // changed before the clip
+  ASSERT_TRUE(l.clip_candidate(1, grad_of(1)));
+  ASSERT_TRUE(l.learn_clip(1.0));
+  l.clipped(0, grad_of(0, 1, 10), 0.5, true);
+  // The clip's bytes are the gradient from now on: a later change is one more.
+  l.clipped(1, grad_of(1, 1, 11), 0.5, true);
+  EXPECT_EQ(l.stats().clips_picked_up, 1u);
+  EXPECT_EQ(l.confirm(0, grad_of(0, 1, 10), 1.0, false).kind, Confirmation::kUnhandled);
+  EXPECT_EQ(l.confirm(1, grad_of(1, 1, 12), 1.0, false).kind, Confirmation::kUnhandled);
+  // A multiply by exactly 1 whose bytes changed all the same is not the streamed gradient.
+  StepLedger m = make(1);
+  work(m, backward(m));
+  ASSERT_TRUE(m.clip_candidate(0, grad_of(0)));
+  ASSERT_TRUE(m.learn_clip(1.0));
+  m.clipped(0, grad_of(0, 1, 9), 1.0, true);
+  EXPECT_EQ(m.confirm(0, grad_of(0, 1, 9), 1.0, false).kind, Confirmation::kUnhandled);
 }
 
 TEST(StepLedger, AReleasedGradientCountsAsUnchangedWhilePGradIsNone) {

@@ -20,8 +20,10 @@ using tierflow::optimizer::StepLedgerOptions;
 
 constexpr std::size_t kBytes = 64;
 
-GradIdentity local_grad(std::size_t slot, std::int64_t version = 0) { return {100 + slot, version}; }
-GradIdentity written_back(std::size_t slot) { return {100 + slot, 1}; }  // DDP's copy_ into p.grad bumps it
+// Slot i's gradient has the bytes {i + 1, 0} (Note [Gradient content]): the reduced ones as streamed and written back.
+tierflow::optimizer::GradContent bytes_of(std::size_t slot) { return {slot + 1, 0, true}; }
+GradIdentity local_grad(std::size_t slot, std::int64_t version = 0) { return {100 + slot, version, bytes_of(slot)}; }
+GradIdentity written_back(std::size_t slot) { return {100 + slot, 1, bytes_of(slot)}; }  // DDP's copy_ bumps it
 
 // n reduced slots with state, one bucket.
 StepLedger make_reduced(std::size_t n, StepLedgerOptions o = {}) {
@@ -40,7 +42,7 @@ StepLedger make_reduced(std::size_t n, StepLedgerOptions o = {}) {
 bool stream_reduced(StepLedger& l, std::size_t slot) {
   EXPECT_EQ(l.arrive_reduced(slot), GradArrival::kStream) << slot;
   EXPECT_TRUE(l.may_stream(slot)) << slot;
-  return l.streamed(slot, GradIdentity{}, false);
+  return l.streamed(slot, GradIdentity{0, 0, bytes_of(slot)}, false);
 }
 
 void land_and_step(StepLedger& l, std::size_t bucket) {
@@ -172,7 +174,7 @@ TEST(StepLedgerReduced, ReducedOnlySlotsAreBucketedInTheOrderTheirReductionsCame
   for (std::size_t slot : {1, 0, 2}) {
     EXPECT_EQ(l.arrive_reduced(slot), GradArrival::kStream) << slot;  // no local arrival counted: one backward
     ASSERT_TRUE(l.may_stream(slot));
-    l.streamed(slot, GradIdentity{}, false);
+    l.streamed(slot, GradIdentity{0, 0, bytes_of(slot)}, false);
   }
   // Planned at the first reduction: it first, then the rest in the reverse of registration.
   EXPECT_EQ(l.bucket_of(1), 0u);

@@ -186,12 +186,15 @@ class Fp32MasterAdamW:
 def train(task: Task, steps: int, use_tierflow: bool, *, device: str = "emulated", dtype: torch.dtype = torch.float32,
           accumulate: int = 1, lr: float = 1e-3, weight_decay: float = 0.01, optimizer_cls=torch.optim.AdamW,
           scheduler=None, clip_grad_norm: Optional[float] = None, fp32_masters: bool = False,
-          after_step: Optional[Callable[[int], None]] = None, **settings) -> Run:
+          after_step: Optional[Callable[[int], None]] = None,
+          before_step: Optional[Callable[[torch.nn.Module], None]] = None, **settings) -> Run:
     """`steps` optimizer steps of `accumulate` backward passes each, on `device` in `dtype`.
 
     clip_grad_norm: torch.nn.utils.clip_grad_norm_ after the last backward of each step (the user's clip).
     fp32_masters: the baseline steps fp32 masters of 16-bit parameters (Fp32MasterAdamW).
     after_step: called with the step's index after each optimizer step (the user's own work between steps).
+    before_step: called with the model after the clip, before each optimizer step (the user's own edits of the
+    gradients: p.grad.data.clamp_(), a hand-written all-reduce).
     settings: tierflow.wrap's keyword arguments (only with use_tierflow).
     """
     if settings and not use_tierflow:
@@ -202,7 +205,8 @@ def train(task: Task, steps: int, use_tierflow: bool, *, device: str = "emulated
     # run with a callback of the test's (a scheduler, after_step) is its own.
     # On the emulated device only: a CUDA run keeps nothing on the GPU past its test.
     cache_key = None
-    if not use_tierflow and task.key is not None and scheduler is None and after_step is None and device != "cuda":
+    if not use_tierflow and task.key is not None and scheduler is None and after_step is None and \
+            before_step is None and device != "cuda":
         cache_key = (task.key, task.make_model.__code__, task.make_batch.__code__, task.loss.__code__, steps, device,
                      dtype, accumulate, lr, weight_decay, optimizer_cls, clip_grad_norm, fp32_masters,
                      torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled(),
@@ -242,6 +246,8 @@ def train(task: Task, steps: int, use_tierflow: bool, *, device: str = "emulated
             total += loss.item()
         if clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
+        if before_step is not None:
+            before_step(model)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if sched:

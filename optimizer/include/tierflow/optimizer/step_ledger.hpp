@@ -17,7 +17,8 @@
 // and writes the new ones, the same 28 bytes per parameter as in place) and
 // keeps the old ones. step() then checks, for every parameter stepped early,
 // that its gradient is the same tensor at the same version (in-place changes
-// bump it), that the hyperparameters did not change, and that no global
+// bump it) with the same bytes (the counter does not see every write: Note
+// [Gradient content]), that the hyperparameters did not change, and that no global
 // decision alters the step: the clip coefficient, computed with the same torch
 // ops as clip_grad_norm_, is exactly 1, and no gradient is non-finite when
 // TIERFLOW_SKIP_NONFINITE is on. If so the new buffers are committed (a
@@ -61,8 +62,9 @@
 //
 // and step() confirms each one (confirm()):
 //   commit     streamed, landed, stepped early, the gradient is the one that
-//              streamed (same tensor at the same version, or released and
-//              p.grad still None), its group's hyperparameters are the ones it
+//              streamed (same tensor at the same version with the same bytes,
+//              Note [Gradient content], or released and p.grad still None),
+//              its group's hyperparameters are the ones it
 //              stepped with and the clip coefficient is exactly 1: the caller
 //              swaps the out-of-place results in;
 //   redo       the gradient is the one that streamed but the step is not
@@ -129,6 +131,7 @@
 
 #include "tierflow/optimizer/cpu_adam.hpp"
 #include "tierflow/optimizer/grad_buckets.hpp"
+#include "tierflow/optimizer/grad_content.hpp"
 
 namespace tierflow::optimizer {
 
@@ -160,13 +163,18 @@ struct StepLedgerStats {
   double sized_backward_s = 0;        ///< ... and the backward (0: not sized)
 };
 
-/// Which gradient tensor a slot holds: an opaque identity (the tensor's
-/// implementation) and its version counter (bumped by every in-place write).
+/// Which gradient a slot holds: an opaque identity (the tensor's
+/// implementation), its version counter (bumped by most in-place writes, not
+/// all) and its content (Note [Gradient content]: what the counter cannot promise).
 struct GradIdentity {
   std::uintptr_t id = 0;  ///< 0: no gradient (p.grad is None)
   std::int64_t version = 0;
+  GradContent content;    ///< not known: the gradient counts as changed
   bool defined() const noexcept { return id != 0; }
 };
+
+/// True when `a` and `b` are the same gradient: the same tensor at the same version with the same bytes.
+bool same_gradient(const GradIdentity& a, const GradIdentity& b) noexcept;
 
 /// What to do with a gradient that backward just delivered.
 enum class GradArrival {
@@ -231,6 +239,13 @@ class StepLedger {
   /// Its gradient's copy is queued: `grad` streamed (`released`: p.grad was set
   /// to None). Returns true when that completes its bucket (launch it).
   bool streamed(std::size_t slot, GradIdentity grad, bool released);
+  /// The content of the gradient `slot` streamed, computed after streamed() (a
+  /// device's result read later); ignored unless it streamed in this window.
+  void streamed_content(std::size_t slot, GradContent content);
+  /// True when confirm() or clip_candidate() would compare `slot`'s gradient
+  /// with the one it streamed (streamed, landed or on its way, not released):
+  /// the caller computes the content of p.grad for those only.
+  bool compares_content(std::size_t slot) const;
   /// Hands bucket `bucket` to the worker: returns the slots to step (streamed,
   /// not discarded), or nothing if it was launched already.
   std::vector<std::size_t> launch(std::size_t bucket);
