@@ -16,6 +16,7 @@
 #include "tierflow/tiering/block_table.hpp"
 #include "tierflow/tiering/plan_report.hpp"
 #include "tierflow/tiering/profile_file.hpp"
+#include "tierflow/tiering/replay_rule.hpp"
 #include "tierflow/tiering/planner.hpp"
 #include "tierflow/tiering/saved_actions.hpp"
 #include "tierflow/tiering/tiers.hpp"
@@ -73,6 +74,7 @@ void bind_auto_plan(py::module_& m) {
       .def_readwrite("attention_flops", &BlockRecord::attention_flops)
       .def_readwrite("total_flops", &BlockRecord::total_flops)
       .def_readwrite("has_split_ops", &BlockRecord::has_split_ops)
+      .def_readwrite("replayable", &BlockRecord::replayable)
       .def_readwrite("forward_seconds", &BlockRecord::forward_seconds)
       .def_readwrite("backward_seconds", &BlockRecord::backward_seconds)
       .def_readwrite("parameter_bytes", &BlockRecord::parameter_bytes);
@@ -420,6 +422,7 @@ void bind_planner(py::module_& m) {
       .def_readwrite("cheap_bytes", &BlockProfile::cheap_bytes)
       .def_readwrite("cheap_recompute_seconds", &BlockProfile::cheap_recompute_seconds)
       .def_readwrite("splittable", &BlockProfile::splittable)
+      .def_readwrite("replayable", &BlockProfile::replayable)
       .def_readwrite("transient_bytes", &BlockProfile::transient_bytes)
       .def_readwrite("upload_bytes", &BlockProfile::upload_bytes)
       .def_readwrite("download_bytes", &BlockProfile::download_bytes)
@@ -495,6 +498,17 @@ void bind_planner(py::module_& m) {
 
   m.def("average_same_shape_blocks", &average_same_shape_blocks, py::arg("blocks"),
         "Blocks of the same shape get the mean of their times (measured layers differ by noise only).");
+
+  // Note [Replay side effects]: which forwards may be replayed.
+  m.def(
+      "replay_refusal",
+      [](std::vector<std::string> foreign_hooks, std::vector<std::string> unrestorable_state) {
+        return replay_refusal(BlockSideEffects{std::move(foreign_hooks), std::move(unrestorable_state)});
+      },
+      py::arg("foreign_hooks"), py::arg("unrestorable_state"),
+      "Why a block's forward may not be replayed (empty when it may; Note [Replay side effects]).");
+  m.def("replay_mode", &replay_mode, py::arg("planned"), py::arg("replayable"),
+        "The mode a block runs in: swap where a block that may not be replayed is planned to split or recompute.");
 
   bind_auto_plan(m);
   bind_block_table(m);

@@ -46,6 +46,7 @@ BlockProfile measured_block_profile(const BlockRecord& r, OptimizerTraffic traff
   p.cheap_bytes = r.cheap_bytes;
   p.cheap_recompute_seconds = std::max(fwd - split_s - attention_s, 0.0);
   p.splittable = r.has_split_ops;
+  p.replayable = r.replayable;
   p.transient_bytes = kTransientPerInput * r.input_bytes;
   return p;
 }

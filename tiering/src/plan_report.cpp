@@ -72,6 +72,7 @@ std::vector<BlockPlan> rejected_actions(const BlockProfile& p, const BlockPlan& 
   std::vector<BlockPlan> out;
   for (BlockMode mode : {BlockMode::kKeep, BlockMode::kSwap, BlockMode::kSplit, BlockMode::kRecompute}) {
     if (mode == chosen.mode || (mode == BlockMode::kSplit && !p.splittable)) continue;
+    if (!p.replayable && mode != BlockMode::kKeep && mode != BlockMode::kSwap) continue;  // Note [Replay side effects]
     BlockPlan b;
     b.mode = mode;
     b.tier = tier;

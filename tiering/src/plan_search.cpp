@@ -114,7 +114,8 @@ std::vector<Group> make_groups(const std::vector<BlockProfile>& blocks, const Li
         g.base_bytes[c] = swap_bytes_of(p, mode, 0);
       }
       g.usable[c] = std::isfinite(g.time_lb[c]) && (tier == SwapTier::kHost || nvme) &&
-                    (mode != BlockMode::kSplit || p.splittable) && g.base_bytes[c] <= tier_budget;
+                    (mode != BlockMode::kSplit || p.splittable) && (mode == BlockMode::kSwap || p.replayable) &&
+                    g.base_bytes[c] <= tier_budget;
       if (g.usable[c]) g.best_nonkeep = std::min(g.best_nonkeep, g.time_lb[c]);
     }
   }
@@ -197,7 +198,7 @@ class Search {
     // Earlier groups with the same bytes (blocks that differ only in their times).
     auto shape = [](const BlockProfile& p) {
       return std::make_tuple(p.input_bytes, p.whole_bytes, p.split_bytes, p.cheap_bytes, p.transient_bytes,
-                             p.splittable);
+                             p.splittable, p.replayable);
     };
     twins_.assign(n, {});
     for (std::size_t g = 0; g < n; ++g) {

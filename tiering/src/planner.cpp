@@ -12,6 +12,7 @@
 
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/size.hpp"
+#include "tierflow/tiering/replay_rule.hpp"
 #include "tierflow/tiering/detail/plan_params.hpp"
 #include "tierflow/tiering/detail/plan_search.hpp"
 
@@ -148,7 +149,7 @@ double link_alpha(const BlockProfile& p, const Links& links, SwapTier tier) {
 bool same_profile(const BlockProfile& a, const BlockProfile& b) {
   auto key = [](const BlockProfile& p) {
     return std::make_tuple(p.forward_seconds, p.backward_seconds, p.input_bytes, p.whole_bytes, p.split_bytes,
-                           p.split_recompute_seconds, p.cheap_bytes, p.cheap_recompute_seconds, p.splittable,
+                           p.split_recompute_seconds, p.cheap_bytes, p.cheap_recompute_seconds, p.splittable, p.replayable,
                            p.transient_bytes, p.upload_bytes, p.download_bytes, p.parameter_bytes, p.fetch_bytes,
                            p.fetch_tier);
   };
@@ -194,6 +195,9 @@ void check_assignment(const char* who, std::size_t i, const BlockProfile& p, con
                                                      std::to_string(b.alpha) + " outside [0, 1]");
   TIERFLOW_EXPECTS(b.mode != BlockMode::kSplit || p.splittable,
                    std::string(who) + ": block " + std::to_string(i) + " is not splittable");
+  TIERFLOW_EXPECTS(p.replayable || b.mode == BlockMode::kKeep || b.mode == BlockMode::kSwap,
+                   std::string(who) + ": block " + std::to_string(i) +
+                       " may not be replayed (Note [Replay side effects]): keep or swap only");
 }
 
 // The sums of Note [Activation planner] over a plan's blocks (each filled in by fill_block).
@@ -274,7 +278,8 @@ std::string seconds_text(double s) {
 std::vector<BlockProfile> average_same_shape_blocks(const std::vector<BlockProfile>& blocks) {
   auto shape = [](const BlockProfile& p) {
     return std::make_tuple(p.input_bytes, p.whole_bytes, p.split_bytes, p.cheap_bytes, p.transient_bytes,
-                           p.splittable, p.upload_bytes, p.download_bytes, p.parameter_bytes, p.fetch_bytes,
+                           p.splittable, p.replayable, p.upload_bytes, p.download_bytes, p.parameter_bytes,
+                           p.fetch_bytes,
                            p.fetch_tier);
   };
   std::vector<BlockProfile> out = blocks;
@@ -545,7 +550,7 @@ Plan forced_plan(const std::vector<BlockProfile>& blocks, const Links& links, co
     for (std::size_t i = 0; i < blocks.size(); ++i) {
       const auto& p = blocks[i];
       auto& b = out[i];
-      b.mode = mode == BlockMode::kSplit && !p.splittable ? BlockMode::kRecompute : mode;
+      b.mode = replay_mode(mode == BlockMode::kSplit && !p.splittable ? BlockMode::kRecompute : mode, p.replayable);
       b.tier = SwapTier::kHost;
       b.params = fetch ? budgets.param_tier : Tier::kGpu;
       if (b.mode == BlockMode::kKeep) continue;

@@ -167,11 +167,11 @@ std::string names_list(const std::vector<std::string_view>& names) {  // as Pyth
   return out + "]";
 }
 
-// A number field (Note [Profile file]): seconds and bandwidths, byte counts, or splittable.
+// A number field (Note [Profile file]): seconds and bandwidths, byte counts, or splittable and replayable.
 Json checked(const std::string& where, std::string_view name, const Json& v) {
   bool ok = false;
   const char* accepted = nullptr;
-  if (name == "splittable") {
+  if (name == "splittable" || name == "replayable") {
     ok = v.is_boolean();
     accepted = "true or false";
   } else if ((name.size() >= 6 && name.substr(name.size() - 6) == "_bytes") ||
@@ -195,6 +195,7 @@ Json checked(const std::string& where, std::string_view name, const Json& v) {
 
 void set_block_field(BlockProfile& b, std::string_view name, const Json& v) {
   if (name == "splittable") { b.splittable = v.get<bool>(); return; }
+  if (name == "replayable") { b.replayable = v.get<bool>(); return; }
   if (name.size() >= 6 && name.substr(name.size() - 6) == "_bytes") {
     const auto n = v.get<std::uint64_t>();
     if (name == "input_bytes") b.input_bytes = n;
@@ -263,7 +264,7 @@ const std::vector<std::string_view>& profile_block_fields() {
   static const std::vector<std::string_view> fields{
       "forward_seconds", "backward_seconds", "input_bytes", "whole_bytes", "split_bytes",
       "split_recompute_seconds", "cheap_bytes", "cheap_recompute_seconds", "splittable",
-      "transient_bytes", "upload_bytes", "download_bytes", "parameter_bytes"};
+      "transient_bytes", "upload_bytes", "download_bytes", "parameter_bytes", "replayable"};
   return fields;
 }
 
@@ -296,7 +297,8 @@ std::string profile_to_json(const std::vector<BlockProfile>& blocks, const Links
         {"split_recompute_seconds", b.split_recompute_seconds}, {"cheap_bytes", b.cheap_bytes},
         {"cheap_recompute_seconds", b.cheap_recompute_seconds}, {"splittable", b.splittable},
         {"transient_bytes", b.transient_bytes}, {"upload_bytes", b.upload_bytes},
-        {"download_bytes", b.download_bytes}, {"parameter_bytes", b.parameter_bytes}});
+        {"download_bytes", b.download_bytes}, {"parameter_bytes", b.parameter_bytes},
+        {"replayable", b.replayable}});
   }
   out["links"] = Json{{"d2h", links.d2h}, {"h2d", links.h2d}, {"duplex", links.duplex},
                       {"nvme_write", links.nvme_write}, {"nvme_read", links.nvme_read},

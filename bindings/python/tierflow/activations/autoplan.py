@@ -29,6 +29,7 @@ def block_profile(runner: BlockRunner, traffic: Any = None) -> dict:
     if runner.backward_seconds:
         record.backward_seconds = _C.median_seconds(runner.backward_seconds)
     record.parameter_bytes = sum(p.numel() * p.element_size() for p in runner.module.parameters())
+    record.replayable = runner.replayable  # Note [Replay side effects]: a user's hook on it: keep or swap only
     return fields_of(_C.measured_block_profile(record, traffic or _C.OptimizerTraffic()), BLOCK_FIELDS)
 
 
@@ -101,7 +102,12 @@ class AutoPlanner:
                      "restored_ops": sum(r.restored_ops for r in self.runners),
                      "split_rows": sum(r.split_rows for r in self.runners),
                      # Note [Data-dependent blocks]: blocks that swap whole, and why.
-                     "data_dependent": {r.index: r.dynamic for r in self.runners if r.dynamic is not None}}
+                     "data_dependent": {r.index: r.dynamic for r in self.runners if r.dynamic is not None},
+                     # Note [Replay side effects]: blocks whose forward was not replayed, and why (the last
+                     # reason); the state replays restored (parameters and buffers by name) and how often.
+                     "not_replayed": {r.index: r.not_replayed for r in self.runners if r.not_replayed is not None},
+                     "replay_restored": {r.index: sorted(r.writes) for r in self.runners if r.writes},
+                     "restoring_replays": sum(r.restores for r in self.runners)}
         if self.plan is not None:
             out.update(self.plan_in_force())
             out.update(self.measured_beside_predicted(out))
@@ -167,6 +173,8 @@ class AutoPlanner:
     # each tensor it is called with, its size's measure (Note [Batch growth]).
     def before_forward(self, inputs: Optional[dict] = None) -> None:
         action = self.phases.before_forward()
+        for r in self.runners:  # Note [Hooks stand aside]: back after a forward without grad
+            r.step_in()
         inputs = {k: int(n) for k, n in (inputs or {}).items()}
         if self.plan is None and self.forwards <= 3:  # the profiling forwards
             self._inputs[self.forwards] = inputs

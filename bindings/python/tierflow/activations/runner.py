@@ -74,6 +74,7 @@ FLOPs (counted from the recorded shapes).
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 import time
@@ -88,6 +89,7 @@ from .. import _C
 from .._compile import outside_graphs
 from .._hf import cache_argument
 from .table import TRANSPARENT_OPS, Recorder, Saved, Table, probe_table, row_suffix_matmul, storage_key
+from .side_effects import BlockState, foreign_hooks
 
 _local = threading.local()  # .replaying: a replay runs on this thread (hooks stand aside)
 
@@ -171,6 +173,7 @@ class _Frame:
         self.replay_seconds = 0.0                  # timing step: its replay's time
         self.input_swap = 0.0                      # timing step: its inputs' swap before its forward
         self.wait_before_inputs = 0.0              # timing step: the device wait just before that swap
+        self.state: Optional[BlockState] = None    # Note [Replay side effects]: what a replay restores
 
     # -- forward ---------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> Any:
@@ -200,6 +203,11 @@ class _Frame:
         self.dynamic = why
         self.runner.fall_back(why)
         return self._pack_whole(t) if t is not None else None
+
+    def not_replayed(self, why: str) -> None:
+        """This forward may not be replayed (Note [Replay side effects]): what it left to the replay is swapped
+        whole when it ends (finish), as a departed forward's; the block's later forwards are not affected."""
+        self.dynamic = why
 
     def finish(self) -> None:
         """The block's forward ended: placeholders of a departed forward get their tensors swapped whole."""
@@ -254,6 +262,7 @@ class _Frame:
             return t
         if self.mode == "swap" or cls == "input":
             return _Swapped(self.runner.runtime, self.runner.runtime.pack_to(t, self.tier))
+        self.pending[i] = t  # until the forward ends: one that may not be replayed needs it (not_replayed)
         return _Placeholder(self, i)
 
     # -- backward --------------------------------------------------------------------
@@ -290,8 +299,9 @@ class _Frame:
                 if devices:
                     torch.cuda.set_rng_state(self.rng[1], self.device)
                 dev_type, enabled, dtype, cache = self.autocast
-                with torch.enable_grad(), torch.autocast(dev_type, dtype=dtype, enabled=enabled,
-                                                         cache_enabled=cache), \
+                # Note [Replay side effects]: the state the forward started from, outside the op walk.
+                with self.state.restored() if self.state is not None else _nothing(), torch.enable_grad(), \
+                        torch.autocast(dev_type, dtype=dtype, enabled=enabled, cache_enabled=cache), \
                         torch.autograd.graph.saved_tensors_hooks(_alias, _identity), mode:
                     runner.module(*args, **kwargs)
         finally:
@@ -305,6 +315,8 @@ class _Frame:
             base = mode.outputs[(s.op, s.out)]
             self.resolved[i] = base.new_empty(0).set_(base.untyped_storage(), s.offset, s.sizes, s.strides).detach()
         runner.replays += 1
+        if self.state is not None and (self.state.copies or self.state.rebound):
+            runner.restores += 1
         if runner.timing:
             runner.sync()
             self.replay_seconds = time.perf_counter() - t0
@@ -388,6 +400,14 @@ class BlockRunner:
         # interval, for the host's own time between blocks (Note [Re-plan]).
         self.intervals: list = []
         self.dynamic: Optional[str] = None  # Note [Data-dependent blocks]: why its forwards are not its table's
+        # Note [Replay side effects]: the parameters and buffers its forwards write (kept before each forward
+        # that may be replayed), why its last forward was not replayed, its replays that restored state.
+        self.writes: set = set()
+        self.not_replayed: Optional[str] = None
+        self.replayable = True   # no hook of a user's on it at its last forward (the profile's `replayable`)
+        self.restores = 0
+        self._said: set = set()
+        self._aside: Optional[tuple] = None  # Note [Hooks stand aside]: the hook order while they are off
         self._stack: list = []
         self._handles: list = []
         self.install()
@@ -400,8 +420,9 @@ class BlockRunner:
             # its ops are FSDP2's, which its replay, under FSDP2's pre-backward state, does not run.
             fsdp = sys.modules.get("torch.distributed.fsdp")
             first = isinstance(self.module, getattr(fsdp, "FSDPModule", ())) if fsdp is not None else False
-            self._handles = [self.module.register_forward_pre_hook(outside_graphs(self._before), with_kwargs=True),
-                             self.module.register_forward_hook(outside_graphs(self._after), with_kwargs=True,
+            self._hook_fns = [outside_graphs(self._before), outside_graphs(self._after)]
+            self._handles = [self.module.register_forward_pre_hook(self._hook_fns[0], with_kwargs=True),
+                             self.module.register_forward_hook(self._hook_fns[1], with_kwargs=True,
                                                                always_call=True, prepend=first)]
 
     def remove(self) -> None:
@@ -410,6 +431,54 @@ class BlockRunner:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self._aside = None
+
+    # Note [Hooks stand aside]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~
+    # A forward without grad (evaluation under torch.no_grad or inference_mode) saves nothing, so the runner has
+    # nothing to do in it; but a hook on the block changes it anyway: nn.TransformerEncoderLayer (and
+    # nn.MultiheadAttention) leave their inference fast path when any module of theirs carries a forward hook,
+    # and the outputs then differ from the model's without tierflow in the last bits (6e-7 under recompute). So
+    # the runner's pre-hook, called without grad, takes both of its hooks off the block before the forward runs
+    # (the pre-hooks are iterated from a copy, and the fast path looks at the hooks inside forward), and the
+    # session puts them back, at the places they had among the block's other hooks (FSDP2's, the parameter
+    # fetches', a user's), before the model's next forward with grad (AutoPlanner.before_forward).
+    def stand_aside(self) -> None:
+        """Takes the runner's hooks off the block until step_in (Note [Hooks stand aside])."""
+        if self._aside is not None or not self._handles:
+            return
+        m = self.module
+        self._aside = (list(m._forward_pre_hooks), list(m._forward_hooks))
+        for h in self._handles:
+            m._forward_pre_hooks.pop(h.id, None)
+            m._forward_hooks.pop(h.id, None)
+
+    def step_in(self) -> None:
+        """Puts the runner's hooks back where they were among the block's (Note [Hooks stand aside])."""
+        if self._aside is None:
+            return
+        order, self._aside = self._aside, None
+        if not self._handles:
+            return
+        m = self.module
+        for d, before, handle, fn in zip((m._forward_pre_hooks, m._forward_hooks), order, self._handles,
+                                         self._hook_fns):
+            now = dict(d)
+            d.clear()
+            for k in before:  # the old order: ours come back, a hook removed since stays removed
+                if k in now or k == handle.id:
+                    d[k] = now.get(k, fn)
+            for k, v in now.items():  # hooks added since: after
+                if k not in d:
+                    d[k] = v
+
+    def refuse_replay(self, why: str) -> None:
+        """Says once per reason that this block is not replayed, and why (Note [Replay side effects])."""
+        self.not_replayed = why
+        if why not in self._said:
+            self._said.add(why)
+            _C.log("warn", f"tierflow: block {self.index} ({type(self.module).__name__}) is not recomputed in "
+                   f"backward: {why}; it swaps what it saves to the {self.tier} instead")
 
     def mismatch(self, what: str) -> str:
         return (f"tierflow: block {self.index} ({type(self.module).__name__}) {what}: its forward must run the same "
@@ -468,7 +537,10 @@ class BlockRunner:
 
     def _before(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         planner = self.planner()
-        if _replaying() or not torch.is_grad_enabled() or (planner is not None and planner.keep_all):
+        if not torch.is_grad_enabled() and not _replaying():
+            self.stand_aside()  # Note [Hooks stand aside]: _after is off too, so nothing is pushed
+            return
+        if _replaying() or (planner is not None and planner.keep_all):
             self._stack.append(None)
             return
         if self.mode == "keep" or _C.no_offload_depth() > 0:
@@ -484,7 +556,15 @@ class BlockRunner:
             f.external = external
             self._enter(f, None)
             return
-        cache = cache_argument(module, args, kwargs) if self.mode != "swap" else None
+        # Note [Replay side effects]: a block carrying a user's hook is not replayed; it swaps instead.
+        mode = self.mode
+        if mode in ("recompute", "split"):
+            hooks = foreign_hooks(module)
+            self.replayable = not hooks
+            if hooks:
+                self.refuse_replay(_C.replay_refusal(hooks, []))
+                mode = _C.replay_mode(_C.BlockMode.__members__[mode], False).name
+        cache = cache_argument(module, args, kwargs) if mode != "swap" else None
         if cache is not None:  # a replay would run on the cache its forward grew (Note [HF caches] in _hf.py)
             self._stack.append(None)  # what _after, called even when this raises, pops
             message = self.cache_refusal(cache)
@@ -499,6 +579,10 @@ class BlockRunner:
         if recording:
             table = Table()
         f = _Frame(self, table, recording)
+        if mode != self.mode:
+            f.mode = mode
+        if f.mode in ("recompute", "split"):  # what a replay restores, taken before the forward
+            f.state = BlockState(module, self.writes, recording)
         tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
         dev = next((t.device for t in tensors), torch.device("cpu"))
         f.device = dev
@@ -538,7 +622,7 @@ class BlockRunner:
             if first is not None:
                 first.register_hook(self._backward_mark(f, start=False))
         if recording:
-            f.recorder = Recorder(external, inputs, table)
+            f.recorder = Recorder(external, inputs, table, f.state)
             f.seen = set()
             f.recorder.__enter__()
         self._enter(f, sig)
@@ -565,6 +649,15 @@ class BlockRunner:
         ctx.__exit__(None, None, None)
         if f is None:
             return
+        if f.recording:  # the block's ops end here: nothing below is the block's
+            f.recorder.__exit__(None, None, None)
+        if f.state is not None:  # Note [Replay side effects]: what it wrote, and whether a replay can restore it
+            unrestorable = f.state.compare()
+            self.writes |= f.state.written() | {name for _, name in unrestorable}
+            if unrestorable:
+                why = _C.replay_refusal([], [f"{kind} {name}" for kind, name in unrestorable])
+                f.not_replayed(why)
+                self.refuse_replay(why + " (from the next forward on it is kept before the forward and restored)")
         f.finish()
         if self.timing:
             self.sync()
@@ -577,7 +670,6 @@ class BlockRunner:
         if f.table is None:  # a data-dependent block's forward: no table to keep
             return
         if f.recording:
-            f.recorder.__exit__(None, None, None)
             f.table.finish()
             self.tables[sig] = f.table
             while len(self.tables) > _C.TABLES_KEPT_PER_BLOCK:  # Note [Batch growth]: the shapes met last
@@ -616,3 +708,9 @@ def _unpack(packed: Any) -> torch.Tensor:
     if isinstance(packed, _Swapped):
         return packed.runtime.unpack(packed.handle)
     return packed
+
+
+def _nothing() -> Any:
+    import contextlib
+
+    return contextlib.nullcontext()

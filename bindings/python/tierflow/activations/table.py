@@ -123,9 +123,12 @@ class Table:
 class Recorder(TorchDispatchMode):
     """Records the ops of one block forward (Note [Activation plans])."""
 
-    def __init__(self, external: set, inputs: set, table: Table) -> None:
+    def __init__(self, external: set, inputs: set, table: Table, state: Any = None) -> None:
         super().__init__()
         self.table = table
+        # Note [Replay side effects]: the block's parameters and buffers, kept before their first write.
+        self.state = state
+        self.guard: dict = state.guard() if state is not None else {}
         self.producer: dict = {}               # storage key -> (op, out)
         self.param_derived = set(external)    # storage keys derived from parameters and buffers only
         self.inputs = inputs
@@ -133,6 +136,8 @@ class Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.guard and func._schema.is_mutable:
+            self._before_write(func, args, kwargs)
         out = func(*args, **kwargs)
         if func in TRANSPARENT_OPS:
             return out
@@ -181,6 +186,18 @@ class Recorder(TorchDispatchMode):
             flops = _C.batched_matmul_flops(a.numel(), b.shape[-1])
         self.table.add_op(op, kind, flops, rows)
         return out
+
+    def _before_write(self, func: Any, args: tuple, kwargs: dict) -> None:
+        """An op that writes in place: the block's parameters and buffers it writes are copied first."""
+        for k, a in enumerate(func._schema.arguments):
+            if a.alias_info is None or not a.alias_info.is_write:
+                continue
+            value = kwargs[a.name] if a.name in kwargs else args[k] if k < len(args) and not a.kwarg_only else None
+            for t in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+                    names = self.guard.get(storage_key(t))
+                    if names:
+                        self.state.before_write(names)
 
 
 def row_suffix_matmul(func: Any, args: tuple, kwargs: dict, r0: int, prefix: Optional[torch.Tensor]) -> torch.Tensor:

@@ -198,6 +198,7 @@ struct BlockRecord {
   std::uint64_t input_bytes = 0, attention_bytes = 0, split_bytes = 0, cheap_bytes = 0;
   double split_flops = 0, attention_flops = 0, total_flops = 0;
   bool has_split_ops = false;
+  bool replayable = true;  ///< its forward may run again in backward (Note [Replay side effects])
   double forward_seconds = 0;  ///< median of the timed forwards (0: none timed)
   double backward_seconds = 0;  ///< median of the timed backwards, replays excluded (0: none timed)
   std::uint64_t parameter_bytes = 0;  ///< the block's own parameters, as stored

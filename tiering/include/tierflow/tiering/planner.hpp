@@ -153,6 +153,7 @@ struct BlockProfile {
   std::uint64_t cheap_bytes = 0;       ///< the other saved bytes (norms, pointwise, dropout masks): recomputed whenever the block is not kept/swapped whole
   double cheap_recompute_seconds = 0;  ///< time to recompute them
   bool splittable = true;              ///< false: no exact token split exists for this block (only keep / swap / recompute)
+  bool replayable = true;              ///< false: its forward may not run again in backward (only keep / swap; Note [Replay side effects])
   std::uint64_t transient_bytes = 0;   ///< device bytes the block needs while it runs (workspace, its own recomputed tensors beyond saved bytes)
   std::uint64_t upload_bytes = 0;      ///< host->device bytes beside its swap during its forward (its weights back from the CPU optimizer)
   std::uint64_t download_bytes = 0;    ///< device->host bytes beside its swap during its backward (its gradients to the CPU optimizer)

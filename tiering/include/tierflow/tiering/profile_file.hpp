@@ -9,7 +9,8 @@
 //      "blocks": [{"forward_seconds": f, "backward_seconds": f, "input_bytes": n, "whole_bytes": n,
 //                  "split_bytes": n, "split_recompute_seconds": f, "cheap_bytes": n,
 //                  "cheap_recompute_seconds": f, "splittable": b, "transient_bytes": n,
-//                  "upload_bytes": n, "download_bytes": n}, ...],
+//                  "upload_bytes": n, "download_bytes": n, "parameter_bytes": n,
+//                  "replayable": b}, ...],
 //      "links": {"d2h": f, "h2d": f, "duplex": f, "nvme_write": f, "nvme_read": f,
 //                "compute_share_during_copies": f, "copy_share_during_cpu_step": f},
 //      "fixed_device_bytes": n}
@@ -20,7 +21,7 @@
 // second (0: absent), but for the two measured shares of Links (fractions in
 // (0, 1], 1 when left out); `fixed_device_bytes` is what the rest of training needs
 // on the device. Times and bandwidths are finite numbers >= 0, byte counts
-// integers from 0 to 2^64 - 1, `splittable` a boolean; anything else is an
+// integers from 0 to 2^64 - 1, `splittable` and `replayable` (Note [Replay side effects]) booleans; anything else is an
 // error naming the field and showing the value as Python's repr shows it (the
 // file is often written from Python). The reader accepts what Python's json
 // accepts: NaN, Infinity and -Infinity (refused as values), integers of any
