@@ -660,7 +660,11 @@ def _versioned(loop: Loop) -> Loop:
     return r(loop, overlap_step="off") if loop.scaler != "none" else loop
 
 
-KNOWN_CAUSES = (
+# The causes issue 37 named were fixed while the fuzzer was written (replays: 90e32a0; gradient content:
+# 0278f52; max_grad_norm under offload_optimizer='none' refused at wrap): their tests in
+# test_loop_fuzz_findings.py now guard the fixes, and FIXED_CAUSES keeps their triggers for `attribute` to try
+# when a run finds one of them again (`make fuzz-loops` reports it under that name, not as a new cause).
+FIXED_CAUSES = (
     Cause("replayed_forward_side_effects",
           "issue 37 (activations/): a block's forward run again by tierflow (recompute's replay in backward, auto's "
           "profiling) repeats its side effects: BatchNorm's running statistics move twice, forward hooks fire twice",
@@ -679,6 +683,9 @@ KNOWN_CAUSES = (
           lambda l: l.opt_offload == "none" and (l.clip == "tierflow" or l.skip_nonfinite),
           lambda l: dataclasses.replace(l, clip="torch" if l.clip == "tierflow" else l.clip, skip_nonfinite=False)),
 )
+# Causes found and owned but not fixed yet (each with a strict xfail in test_loop_fuzz_findings.py): CI's chunks
+# tolerate their findings. None at present.
+KNOWN_CAUSES: tuple = ()
 
 
 @dataclass
@@ -687,10 +694,11 @@ class Attribution:
     residual: Verdict     # the loop's verdict with those causes' triggers replaced
 
 
-def attribute(loop: Loop, verdict: Verdict, nvme_dir: Optional[str] = None) -> Attribution:
+def attribute(loop: Loop, verdict: Verdict, nvme_dir: Optional[str] = None,
+              causes: tuple = KNOWN_CAUSES) -> Attribution:
     """Which known causes explain `verdict` (a finding of `loop`): the fewest whose triggers, replaced, make the
     loop match or be refused by name. None: a new finding (residual says what remains)."""
-    applicable = [c for c in KNOWN_CAUSES if c.applies(loop)]
+    applicable = [c for c in causes if c.applies(loop)]
     residual = verdict
     for n in range(1, len(applicable) + 1):
         for subset in _subsets(applicable, n):
@@ -777,6 +785,8 @@ def main(argv: Optional[list] = None) -> int:
         if v.kind == "finding":
             a = attribute(loop, v)
             rec["known"] = a.causes
+            if not a.causes:  # a fixed cause come back is named as such, still a finding
+                rec["fixed_cause_again"] = attribute(loop, v, causes=FIXED_CAUSES).causes
             if not a.causes:
                 bad += 1
                 if args.minimize:
