@@ -91,6 +91,13 @@ test-transformers5: setup
 	@bash scripts/timed.sh "pytest, transformers 5 (-m transformers)" env OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 \
 	  bash scripts/test_transformers5.sh
 
+# The training-loop fuzzer's long run (tests/python/loop_fuzz.py, issue 37): SEEDS loops from START in JOBS
+# processes on the emulated device (TIERFLOW_EMULATED_DEVICE=adversarial for the other mode); a JSON summary of
+# the findings by cause on stdout and in build/fuzz-loops/summary.json (scripts/fuzz_loops.py). Builds nothing.
+.PHONY: fuzz-loops
+fuzz-loops:
+	$(PY) scripts/fuzz_loops.py --seeds $(or $(SEEDS),1000) --start $(or $(START),0) $(if $(JOBS),--jobs $(JOBS))
+
 # Benchmarks compare against peers measured in the same run; DeepSpeed (its CPU
 # Adam op compiles on first use, about a minute) is installed into .venv here.
 bench: setup
