@@ -478,7 +478,9 @@ class BlockRunner:
         if why not in self._said:
             self._said.add(why)
             _C.log("warn", f"tierflow: block {self.index} ({type(self.module).__name__}) is not recomputed in "
-                   f"backward: {why}; it swaps what it saves to the {self.tier} instead")
+                   f"backward: {why}; it swaps what it saves to the {self.tier} instead"
+                   + ("; a hook whose only effect is on the tensors it returns can be marked with "
+                      "tierflow.activations.replay_safe(hook)" if "hook" in why else ""))
 
     def mismatch(self, what: str) -> str:
         return (f"tierflow: block {self.index} ({type(self.module).__name__}) {what}: its forward must run the same "

@@ -39,7 +39,25 @@ def _origin(hook: Any) -> str:
     return module or type(code).__module__ or ""
 
 
+def replay_safe(hook: Any) -> Any:
+    """Marks a forward hook or pre-hook as safe to call again when its block is recomputed in backward: it has
+    no effect but on the tensors it returns (no counter, no statistics kept outside). A block whose only hooks
+    of a user's are marked so is replayed as its plan says (Note [Replay side effects]). Returns the hook."""
+    try:
+        hook.__tierflow_replay_safe__ = True
+        return hook
+    except (AttributeError, TypeError):  # a bound method or a builtin: a function that calls it
+        @functools.wraps(hook)
+        def marked(*args: Any, **kwargs: Any) -> Any:
+            return hook(*args, **kwargs)
+
+        marked.__tierflow_replay_safe__ = True
+        return marked
+
+
 def _own(hook: Any) -> bool:
+    if getattr(hook, "__tierflow_replay_safe__", False):
+        return True
     origin = _origin(hook)
     return any(origin == p or origin.startswith(p + ".") for p in _OWN_CODE)
 
@@ -177,5 +195,5 @@ def _set_version(t: torch.Tensor, version: int) -> None:
         torch._C._autograd._unsafe_set_version_counter((t,), (version,))
 
 
-__all__ = ["BlockState", "foreign_hooks"]
+__all__ = ["BlockState", "foreign_hooks", "replay_safe"]
 
