@@ -120,11 +120,14 @@ _WORKER = textwrap.dedent("""
                                 nn.functional.mse_loss(net(x[:16]), y[:16]).backward()
                             x, y = x[16:], y[16:]
                         loss = nn.functional.mse_loss(net(x), y)
-                        loss.backward()
+                        (loss / 2 if parallel == "by hand, pre-divided" else loss).backward()
                         if parallel == "by hand":  # what DDP does, written out: average the gradients
                             for p in model.parameters():
                                 dist.all_reduce(p.grad)
                                 p.grad.div_(2)
+                        elif parallel == "by hand, pre-divided":  # the loss divided instead: the all-reduce's
+                            for p in model.parameters():          # write is all, and it moves no version counter
+                                dist.all_reduce(p.grad)
                         if clip is not None and not order:
                             result.setdefault("norms", []).append(
                                 float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
@@ -164,7 +167,10 @@ _WORKER = textwrap.dedent("""
              "partitioned": dict(partition_optimizer="on"),
              "frozen": dict(frozen=True), "frozen partitioned": dict(frozen=True, partition_optimizer="on")}}
     results = {{("ddp", None): run("ddp", None), ("by hand", None): run("by hand", None),
-               ("by hand", "wrap"): run("by hand", "wrap", offload_activations="none", offload_optimizer="host")}}
+               ("by hand", "wrap"): run("by hand", "wrap", offload_activations="none", offload_optimizer="host"),
+               ("by hand, pre-divided", None): run("by hand, pre-divided", None),
+               ("by hand, pre-divided", "wrap"): run("by hand, pre-divided", "wrap", offload_activations="none",
+                                                     offload_optimizer="host")}}
     for order in {orders!r}:
         for acts, opt in {settings!r}:
             nvme = dict(nvme_paths=NVME, nvme_memory="256MiB") if opt == "nvme" else {{}}
@@ -426,6 +432,19 @@ def test_gradients_all_reduced_by_hand_stop_the_steps_during_backward(ddp_runs):
         assert last["early_steps"] == first["early_steps"] and last["redone"] == first["redone"], (first, last)
         assert len(ours["warnings"]) == 1 and "steps after backward" in ours["warnings"][0], ours["warnings"]
         assert "all-reduce" in ours["warnings"][0] and "2-process" in ours["warnings"][0], ours["warnings"][0]
+
+
+def test_gradients_all_reduced_by_hand_without_a_version_change_are_stepped_as_reduced(ddp_runs):
+    """A loss pre-divided by the world size and dist.all_reduce(p.grad) alone: the reduction's write moves no
+    version counter, so only the gradients' content (Note [Gradient content]) shows that every early step was
+    taken from the local gradient. Before, each rank committed its own and the ranks diverged."""
+    for rank, runs in enumerate(ddp_runs):
+        base, ours = runs[("by hand, pre-divided", None)], runs[("by hand, pre-divided", "wrap")]
+        assert ours["error"] is None, ours["error"]
+        assert_close(_as_run(base), _as_run(ours))
+        assert all(o["committed"] == 0 for o in ours["overlap"]), ours["overlap"]
+    assert torch.equal(ddp_runs[0][("by hand, pre-divided", "wrap")]["params"]["0.weight"],
+                       ddp_runs[1][("by hand, pre-divided", "wrap")]["params"]["0.weight"]), "the ranks agree"
 
 
 def test_ddp_join_dividing_by_the_ranks_left_is_refused_with_the_steps_during_backward(world_of_one):
