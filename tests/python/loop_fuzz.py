@@ -163,7 +163,7 @@ def draw(seed: int) -> Loop:
     optimizer = pick(("AdamW",) * 8 + ("Adam", "SGD"))
     steps = pick((2, 3, 4))
     save_load = pick(("none",) * 5 + ("in_place", "rollback"))
-    return Loop(
+    loop = Loop(
         seed=seed, model=model, dropout=pick((0.0, 0.0, 0.1)), steps=steps,
         acts=acts, opt_offload=opt_offload, offload_params=offload_params,
         overlap_step=pick(("on", "on", "off")), weights_return=pick(("step", "step", "forward")),
@@ -180,6 +180,16 @@ def draw(seed: int) -> Loop:
         two_forwards=r.random() < 0.15, retain_graph=r.random() < 0.15, autocast=r.random() < 0.15,
         eval_forward=r.random() < 0.15, save_load=save_load, save_at=r.randrange(0, max(1, steps - 1)),
     )
+    if r.random() < 0.9:
+        # Mostly settings that act in the loop's mode; one loop in ten keeps a setting its mode ignores, which
+        # tierflow refuses at wrap, naming it.
+        streams = loop.opt_offload == "host" and loop.overlap_step == "on"
+        loop = dataclasses.replace(
+            loop, weights_return=loop.weights_return if streams else "step",
+            tell_accumulation=loop.tell_accumulation and streams,
+            skip_nonfinite=loop.skip_nonfinite and loop.opt_offload != "none",
+            clip="torch" if loop.clip == "tierflow" and loop.opt_offload == "none" else loop.clip)
+    return loop
 
 
 # ---- the zoo ---------------------------------------------------------------------------------------------------
