@@ -9,6 +9,7 @@
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/size.hpp"
 #include "tierflow/tiering/planner.hpp"
+#include "tierflow/tiering/replay_rule.hpp"
 #include "planner_cases.hpp"
 
 using namespace tierflow;
@@ -429,6 +430,49 @@ TEST(ActivationPlannerIssue16, TotalsPastTwoToThe63AreRefused) {
   blocks = std::vector<BlockProfile>(4, good[0]);
   for (auto& p : blocks) p.cheap_bytes = std::uint64_t{1} << 61;  // each fits, the sum does not
   expect_refused(blocks, budgets);
+}
+
+// Note [Replay side effects]: a block whose forward may not run again in backward is kept or swapped, never
+// split or recomputed, by the search, by forced_plan (recompute) and by a plan handed in; the others are not
+// affected; the refusal names what it saw.
+TEST(ReplaySideEffects, ABlockThatMayNotBeReplayedIsKeptOrSwapped) {
+  std::mt19937_64 rng(7);
+  std::vector<BlockProfile> blocks(4, random_profile(rng, false));
+  blocks[1].replayable = false;
+  Budgets budgets;
+  budgets.fixed_device_bytes = 3 * GiB;
+  budgets.prefetch_bytes = 64 * MiB;
+  budgets.host_bytes = 64 * GiB;
+  budgets.device_bytes = budgets.fixed_device_bytes + largest_working_set(blocks) + budgets.prefetch_bytes + 1;
+  Links links{20 * kGBps, 20 * kGBps, 35 * kGBps, 0, 0};
+  // The tightest budget: every replayable block splits or recomputes, the other swaps.
+  const Plan plan = plan_activations(blocks, links, budgets);
+  expect_well_formed(plan, blocks, budgets);
+  EXPECT_EQ(plan.blocks[1].mode, BlockMode::kSwap) << plan.block_line(1);
+  EXPECT_TRUE(plan.blocks[0].mode == BlockMode::kSplit || plan.blocks[0].mode == BlockMode::kRecompute)
+      << plan.block_line(0);
+  budgets.device_bytes = 64 * GiB;
+  const Plan forced = forced_plan(blocks, links, budgets, BlockMode::kRecompute);
+  EXPECT_EQ(forced.blocks[0].mode, BlockMode::kRecompute);
+  EXPECT_EQ(forced.blocks[1].mode, BlockMode::kSwap);
+  EXPECT_EQ(forced_plan(blocks, links, budgets, BlockMode::kSplit).blocks[1].mode, BlockMode::kSwap);
+  std::vector<BlockPlan> asked(4);
+  for (auto& b : asked) b.mode = BlockMode::kRecompute;
+  EXPECT_THROW(evaluate_plan(blocks, links, budgets, asked), logic_error);
+  asked[1].mode = BlockMode::kKeep;
+  EXPECT_NO_THROW(evaluate_plan(blocks, links, budgets, asked));
+}
+
+TEST(ReplaySideEffects, TheRuleNamesWhatItSaw) {
+  EXPECT_EQ(replay_refusal({}), "");
+  const std::string hooks = replay_refusal({{"forward hook Counter on conv"}, {}});
+  EXPECT_NE(hooks.find("forward hook Counter on conv"), std::string::npos) << hooks;
+  const std::string state = replay_refusal({{}, {"buffer bn.running_mean"}});
+  EXPECT_NE(state.find("buffer bn.running_mean"), std::string::npos) << state;
+  EXPECT_EQ(replay_mode(BlockMode::kRecompute, false), BlockMode::kSwap);
+  EXPECT_EQ(replay_mode(BlockMode::kSplit, false), BlockMode::kSwap);
+  EXPECT_EQ(replay_mode(BlockMode::kKeep, false), BlockMode::kKeep);
+  EXPECT_EQ(replay_mode(BlockMode::kRecompute, true), BlockMode::kRecompute);
 }
 
 }  // namespace

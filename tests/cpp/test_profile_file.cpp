@@ -95,7 +95,7 @@ TEST(ProfileFile, ValuesAreShownAsPythonShowsThem) {
 TEST(ProfileFile, ShapesAndCountsAreRefused) {
   const std::string fields = "['forward_seconds', 'backward_seconds', 'input_bytes', 'whole_bytes', 'split_bytes', "
                              "'split_recompute_seconds', 'cheap_bytes', 'cheap_recompute_seconds', 'splittable', "
-                             "'transient_bytes', 'upload_bytes', 'download_bytes', 'parameter_bytes']";
+                             "'transient_bytes', 'upload_bytes', 'download_bytes', 'parameter_bytes', 'replayable']";
   const std::string shape = "profile: expected an object with a non-empty \"blocks\" list";
   EXPECT_EQ(refusal("[]"), shape);
   EXPECT_EQ(refusal(R"({"blocks": []})"), shape);
