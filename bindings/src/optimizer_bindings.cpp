@@ -47,12 +47,12 @@ void bind_optimizer_policy(py::module_& m) {
   m.attr("STEADY_STEP_LIMIT") = kSteadyStepLimit;  // Note [Steady step]
   m.def("optimizer_state_bytes", [](std::size_t numel, bool amsgrad) { return state_bytes({numel, amsgrad}); },
         py::arg("numel"), py::arg("amsgrad"), "Bytes of one parameter's fp32 optimizer state.");
-  m.def("check_optimizer_state_pool", [](const std::vector<std::pair<std::size_t, bool>>& states, bool nvme,
+  m.def("check_optimizer_state_pool", [](const std::vector<std::tuple<std::size_t, bool, std::size_t>>& states, bool nvme,
                                          std::uint64_t pool_budget_bytes, const std::string& host_memory) {
     std::vector<ParamStateShape> shapes;
-    for (const auto& [numel, amsgrad] : states) shapes.push_back({numel, amsgrad});
+    for (const auto& [numel, amsgrad, moved] : states) shapes.push_back({numel, amsgrad, moved});
     check_state_pool(shapes, nvme, pool_budget_bytes, host_memory);
-  }, "Raises OutOfMemoryError when the pinned pool cannot hold these (numel, amsgrad) states (state_tier.hpp).");
+  }, "Raises OutOfMemoryError when the pinned pool cannot hold one step of these (numel, amsgrad, moved element bytes) states (state_tier.hpp).");
   m.def("describe_parameter", &describe_parameter, py::arg("name"), py::arg("group_and_index"), py::arg("shape"),
         "A parameter as a user knows it, for error messages.");
   m.def("nvme_step_error", [](const std::vector<std::tuple<std::string, bool, std::string>>& problems) {

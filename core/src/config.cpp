@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include "tierflow/core/error.hpp"
 
@@ -135,13 +136,23 @@ auto int_parser(int Config::*field, int lo, int hi, std::string_view accepted) {
   };
 }
 
-// A file that tierflow reads or writes later: a directory there would fail only then.
-auto file_parser(std::string Config::*field, std::string_view accepted) {
+// A file that tierflow reads or writes later: a directory there would fail only then. `written`: tierflow
+// writes it (TIERFLOW_REPORT), so its directory must exist and be writable now, not at the process's exit.
+auto file_parser(std::string Config::*field, std::string_view accepted, bool written = false) {
   return [=](Config& c, std::string_view name, std::string_view v) {
     std::string path = trim(v);
     struct stat st {};
     if (!path.empty() && (path.back() == '/' || (::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode))))
       bad_value(name, v, accepted, "it is a directory");
+    if (written && !path.empty()) {
+      const std::size_t slash = path.rfind('/');
+      const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
+      struct stat dst {};
+      if (::stat(dir.c_str(), &dst) != 0 || !S_ISDIR(dst.st_mode))
+        bad_value(name, v, accepted, "its directory " + quote_config_value(dir) + " does not exist");
+      if (::access(dir.c_str(), W_OK) != 0)
+        bad_value(name, v, accepted, "its directory " + quote_config_value(dir) + " is not writable");
+    }
     c.*field = std::move(path);
   };
 }
@@ -186,6 +197,33 @@ auto target_parser(OffloadTarget Config::*field, TargetValues values) {
   };
 }
 
+// TIERFLOW_NVME_PATHS: a path that exists must be a directory (a file there fails only when the engine opens
+// its swap file), and no directory may be named twice, directly or through a link: the engine would take it for
+// two devices and stripe over one. A path that does not exist yet is the runtime's to refuse (tiering/tiers.cpp).
+void check_nvme_directories(std::string_view name, std::string_view v, const std::vector<std::string>& paths) {
+  constexpr std::string_view kAccepted = "a comma-separated list of distinct directories, e.g. /mnt/nvme0,/mnt/nvme1";
+  std::vector<std::pair<std::string, struct stat>> seen;
+  for (const auto& p : paths) {
+    std::string bare = p;
+    while (bare.size() > 1 && bare.back() == '/') bare.pop_back();
+    struct stat st {};
+    const bool exists = ::stat(p.c_str(), &st) == 0;
+    if (exists && !S_ISDIR(st.st_mode))
+      bad_value(name, v, kAccepted, quote_config_value(p) + ": Not a directory");
+    for (const auto& [other, other_st] : seen) {
+      std::string other_bare = other;
+      while (other_bare.size() > 1 && other_bare.back() == '/') other_bare.pop_back();
+      const bool same_file = exists && other_st.st_ino != 0 && st.st_dev == other_st.st_dev && st.st_ino == other_st.st_ino;
+      if (bare == other_bare || same_file)
+        bad_value(name, v, kAccepted,
+                  quote_config_value(other) + " and " + quote_config_value(p) +
+                      " are the same directory (named twice, or through a link), which would be taken for two devices");
+    }
+    if (!exists) st = {};
+    seen.emplace_back(p, st);
+  }
+}
+
 // The tiers' budgets and the NVMe engine.
 std::vector<Row> memory_rows() {
   return {
@@ -213,6 +251,7 @@ std::vector<Row> memory_rows() {
          if (e == v.size()) break;
          b = e + 1;
        }
+       check_nvme_directories(name, v, c.nvme_paths);
      }},
     // `auto` is the Budget of kNvmeAutoBytes bytes (swap::kNvmeAutoBytes, Note [NVMe space]).
     {{"TIERFLOW_NVME_MEMORY", "auto",
@@ -302,10 +341,10 @@ std::vector<Row> placement_rows() {
        else if (s == "debug") c.log_level = LogLevel::kDebug;
        else bad_value(name, v, "one of error, warn, info, debug");
      }},
-    {{"TIERFLOW_REPORT", "", "a file path (empty: no file)",
+    {{"TIERFLOW_REPORT", "", "a file path in a writable directory (empty: no file)",
       "write the statistics report as JSON to this path when the process exits and on every "
       "tierflow.report() call"},
-     file_parser(&Config::report_path, "a file path (empty: no file)")},
+     file_parser(&Config::report_path, "a file path in a writable directory (empty: no file)", /*written=*/true)},
     {{"TIERFLOW_PROFILE", "", "a file path (empty: measure every run)",
       "the activation planner's block profile: read from this file when it exists, otherwise "
       "measured in the first step and written there"},
@@ -663,6 +702,63 @@ std::map<std::string, std::string> Config::to_strings() const {
       {"TIERFLOW_EMULATED_DEVICE", std::string(to_string(emulated_device))},
       {"TIERFLOW_EMULATED_SEED", std::to_string(emulated_seed)},
   };
+}
+
+namespace {
+
+// Why a mode ignores some settings, and which (Note [Settings a mode ignores]).
+struct IgnoringMode {
+  std::string_view setting;  // the setting that chose the mode, e.g. TIERFLOW_OFFLOAD_OPTIMIZER
+  std::string_view why;      // what that mode does instead
+  std::vector<std::string_view> ignored;
+  std::string_view accepted;  // the way out, besides leaving the ignored setting unset
+};
+
+}  // namespace
+
+std::string ignored_setting_refusal(const Config& config) {
+  const auto now = config.to_strings();
+  const auto defaults = Config::defaults().to_strings();
+  std::vector<IgnoringMode> modes;
+  if (config.offload_optimizer == OffloadTarget::kNone) {
+    modes.push_back({"TIERFLOW_OFFLOAD_OPTIMIZER",
+                     "none leaves your optimizer as it is, and this setting acts on tierflow's CPU optimizer only",
+                     {"TIERFLOW_MAX_GRAD_NORM", "TIERFLOW_SKIP_NONFINITE", "TIERFLOW_OVERLAP_STEP",
+                      "TIERFLOW_GRAD_BUCKET_BYTES", "TIERFLOW_WEIGHTS_RETURN", "TIERFLOW_OFFLOAD_GRADIENTS",
+                      "TIERFLOW_GRAD_ACCUMULATION_STEPS", "TIERFLOW_PARTITION_OPTIMIZER",
+                      "TIERFLOW_GPU_OPTIMIZER_FRACTION"},
+                     "TIERFLOW_OFFLOAD_OPTIMIZER=host or nvme (tierflow's CPU optimizer); with your own optimizer, "
+                     "clip with torch.nn.utils.clip_grad_norm_ and skip non-finite steps with torch.amp.GradScaler"});
+  } else if (config.offload_optimizer == OffloadTarget::kNvme || !config.overlap_step) {
+    const bool nvme = config.offload_optimizer == OffloadTarget::kNvme;
+    modes.push_back({nvme ? "TIERFLOW_OFFLOAD_OPTIMIZER" : "TIERFLOW_OVERLAP_STEP",
+                     nvme ? "states on NVMe step in step(), with no gradient stream during backward"
+                          : "off steps every parameter in step(), with no gradient stream during backward",
+                     {"TIERFLOW_GRAD_BUCKET_BYTES", "TIERFLOW_WEIGHTS_RETURN", "TIERFLOW_GRAD_ACCUMULATION_STEPS"},
+                     "TIERFLOW_OFFLOAD_OPTIMIZER=host with TIERFLOW_OVERLAP_STEP=on"});
+  }
+  if (config.nvme_paths.empty())
+    modes.push_back({"TIERFLOW_NVME_PATHS", "no path means no NVMe tier",
+                     {"TIERFLOW_NVME_MEMORY", "TIERFLOW_AIO_BLOCK_SIZE", "TIERFLOW_AIO_QUEUE_DEPTH",
+                      "TIERFLOW_NVME_CHECKSUM"},
+                     "TIERFLOW_NVME_PATHS set to the directories of the NVMe tier"});
+  const auto acts = config.offload_activations;
+  if (acts == OffloadTarget::kNone || acts == OffloadTarget::kHost || acts == OffloadTarget::kNvme)
+    modes.push_back({"TIERFLOW_OFFLOAD_ACTIVATIONS", "there is no activation planner in this mode",
+                     {"TIERFLOW_PROFILE", "TIERFLOW_REPLAN"}, "TIERFLOW_OFFLOAD_ACTIVATIONS=auto"});
+  for (const auto& mode : modes) {
+    for (std::string_view name : mode.ignored) {
+      const std::string key(name);
+      if (config.given.count(key) == 0 || now.at(key) == defaults.at(key)) continue;
+      const std::string chooser(mode.setting);
+      const std::string chosen = chooser == "TIERFLOW_NVME_PATHS" ? "(empty)" : now.at(chooser);
+      return key + "=" + quote_config_value(now.at(key)) + " (keyword " + keyword_of(name) + ") is ignored with " +
+             chooser + "=" + chosen + " (keyword " + keyword_of(mode.setting) + "): " + std::string(mode.why) +
+             "; accepted: " + std::string(mode.accepted) + ", or leave " + key + " unset (its default is " +
+             quote_config_value(defaults.at(key)) + ")";
+    }
+  }
+  return {};
 }
 
 }  // namespace tierflow

@@ -26,12 +26,23 @@ std::uint64_t state_bytes(const ParamStateShape& state) noexcept {
 StatePoolNeed state_pool_need(const std::vector<ParamStateShape>& states, bool nvme) {
   TIERFLOW_EXPECTS(!states.empty(), "state_pool_need: no states");
   StatePoolNeed out;
+  // A step's gradients on the host and new weights in staging: one block each per moving parameter.
+  std::uint64_t moved = 0;
+  std::size_t moving = 0;
+  for (const auto& s : states) {
+    if (s.moved_element_bytes == 0) continue;
+    moved += 2 * pool_rounded(static_cast<std::uint64_t>(s.numel) * s.moved_element_bytes);
+    ++moving;
+  }
+  const std::string step_part =
+      moving == 0 ? "" : " and one step's gradients and new weights of " + std::to_string(moving) +
+                             " parameters in pinned staging (" + format_bytes(moved) + ")";
   if (nvme) {
     std::uint64_t largest = 0;
     for (const auto& s : states) largest = std::max(largest, state_bytes(s));
-    out.bytes = 2 * pool_rounded(largest);
+    out.bytes = 2 * pool_rounded(largest) + moved;
     out.what = "two buffers of the largest parameter's state (" + format_bytes(largest) +
-               ") that the states stream through from NVMe";
+               ") that the states stream through from NVMe" + step_part;
     return out;
   }
   std::uint64_t elements = 0;
@@ -41,8 +52,9 @@ StatePoolNeed state_pool_need(const std::vector<ParamStateShape>& states, bool n
     elements += s.numel;
     amsgrad = amsgrad || s.amsgrad;
   }
+  out.bytes += moved;
   out.what = "the states of " + std::to_string(states.size()) + " parameters (" + std::to_string(elements) +
-             " elements, fp32 master, exp_avg, exp_avg_sq" + (amsgrad ? ", max_exp_avg_sq" : "") + ")";
+             " elements, fp32 master, exp_avg, exp_avg_sq" + (amsgrad ? ", max_exp_avg_sq" : "") + ")" + step_part;
   return out;
 }
 

@@ -170,8 +170,11 @@ struct NvmeEngine::Impl {
         if (err == EEXIST && attempt < 16) continue;
         // Some file systems (ramfs) create the file and then refuse O_DIRECT: the name is ours (O_EXCL).
         if (err != EEXIST) (void)::unlink(file.c_str());
-        throw io_error(err, "NvmeEngine: open(" + file + ", O_DIRECT) failed: " + errno_text(err) +
-                                (err == EINVAL ? " (the file system does not support O_DIRECT)" : ""));
+        throw io_error(err, "TIERFLOW_NVME_PATHS (keyword nvme_paths): the directory '" + dir +
+                                "' cannot hold a swap file: open(" + file + ", O_DIRECT) failed: " + errno_text(err) +
+                                (err == EINVAL ? " (the file system does not support O_DIRECT)" : "") +
+                                "; accepted: existing, writable directories on file systems that support O_DIRECT "
+                                "(ext4, xfs on an NVMe SSD; not ramfs)");
       }
       bool ours = ::flock(fd, LOCK_EX | LOCK_NB) == 0;
       int lock_err = ours ? 0 : errno;

@@ -1,6 +1,11 @@
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <cstdlib>
+#include <map>
+
+#include <sys/stat.h>
+#include <unistd.h>
 #include <set>
 #include <string>
 
@@ -343,4 +348,102 @@ TEST(Config, RemembersWhichVariablesWereGiven) {
   EXPECT_EQ(c.given, (std::set<std::string>{"TIERFLOW_GPU_MEMORY", "TIERFLOW_HOST_MEMORY"}));
   EXPECT_TRUE(tierflow::Config::defaults().given.empty());
   EXPECT_TRUE(tierflow::Config::parse({}).given.empty());
+}
+
+// ---- Note [Settings a mode ignores] and the paths checked when parsed (issue 37) ----------------------------------
+
+namespace {
+
+std::string ignored(const std::map<std::string, std::string>& overrides) {
+  return tierflow::ignored_setting_refusal(tierflow::Config::parse({}, overrides));
+}
+
+std::string parse_error(const std::map<std::string, std::string>& overrides) {
+  try {
+    tierflow::Config::parse({}, overrides);
+  } catch (const tierflow::config_error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST(ConfigIgnored, TheCpuOptimizersSettingsWithOffloadOptimizerNoneAreRefusedNamingBoth) {
+  const std::string why = ignored({{"offload_optimizer", "none"}, {"skip_nonfinite", "on"}});
+  EXPECT_NE(why.find("TIERFLOW_SKIP_NONFINITE='on' (keyword skip_nonfinite) is ignored with "
+                     "TIERFLOW_OFFLOAD_OPTIMIZER=none (keyword offload_optimizer)"), std::string::npos) << why;
+  EXPECT_NE(why.find("accepted:"), std::string::npos) << why;
+  const std::string clip = ignored({{"offload_optimizer", "none"}, {"max_grad_norm", "1.0"}});
+  EXPECT_NE(clip.find("TIERFLOW_MAX_GRAD_NORM"), std::string::npos) << clip;
+  EXPECT_NE(clip.find("clip_grad_norm_"), std::string::npos) << clip;
+  for (const char* key : {"overlap_step", "grad_bucket_bytes", "weights_return", "offload_gradients",
+                          "grad_accumulation_steps", "partition_optimizer", "gpu_optimizer_fraction"}) {
+    const std::map<std::string, std::string> values = {
+        {"overlap_step", "off"}, {"grad_bucket_bytes", "8MiB"}, {"weights_return", "forward"},
+        {"offload_gradients", "on"}, {"grad_accumulation_steps", "4"}, {"partition_optimizer", "on"},
+        {"gpu_optimizer_fraction", "0.5"}};
+    EXPECT_NE(ignored({{"offload_optimizer", "none"}, {key, values.at(key)}}).find(std::string("(keyword ") + key + ")"),
+              std::string::npos) << key;
+    EXPECT_EQ(ignored({{"offload_optimizer", "host"}, {key, values.at(key)}}).find("ignored with TIERFLOW_OFFLOAD_OPTIMIZER"),
+              std::string::npos) << key;
+  }
+}
+
+TEST(ConfigIgnored, DefaultsAndSettingsTheModeUsesAreLetThrough) {
+  EXPECT_EQ(ignored({}), "");
+  EXPECT_EQ(ignored({{"offload_optimizer", "none"}}), "");
+  // Given, but at its default: changes nothing either way.
+  EXPECT_EQ(ignored({{"offload_optimizer", "none"}, {"skip_nonfinite", "off"}, {"max_grad_norm", "none"}}), "");
+  EXPECT_EQ(ignored({{"offload_optimizer", "host"}, {"skip_nonfinite", "on"}, {"max_grad_norm", "1"}}), "");
+  EXPECT_EQ(ignored({{"offload_optimizer", "nvme"}, {"nvme_paths", "/x"}, {"max_grad_norm", "1"}}), "");
+}
+
+TEST(ConfigIgnored, TheStreamsSettingsWithoutStepsDuringBackwardAreRefused) {
+  const std::string off = ignored({{"overlap_step", "off"}, {"grad_bucket_bytes", "8MiB"}});
+  EXPECT_NE(off.find("TIERFLOW_GRAD_BUCKET_BYTES='8388608' (keyword grad_bucket_bytes) is ignored with "
+                     "TIERFLOW_OVERLAP_STEP=off (keyword overlap_step)"), std::string::npos) << off;
+  const std::string nvme = ignored({{"offload_optimizer", "nvme"}, {"nvme_paths", "/x"}, {"weights_return", "forward"}});
+  EXPECT_NE(nvme.find("TIERFLOW_WEIGHTS_RETURN='forward' (keyword weights_return) is ignored with "
+                      "TIERFLOW_OFFLOAD_OPTIMIZER=nvme"), std::string::npos) << nvme;
+}
+
+TEST(ConfigIgnored, NvmeAndPlannerSettingsWithoutTheirTierOrPlannerAreRefused) {
+  const std::string nvme = ignored({{"nvme_checksum", "off"}});
+  EXPECT_NE(nvme.find("TIERFLOW_NVME_CHECKSUM='off' (keyword nvme_checksum) is ignored with "
+                      "TIERFLOW_NVME_PATHS=(empty) (keyword nvme_paths)"), std::string::npos) << nvme;
+  EXPECT_EQ(ignored({{"nvme_checksum", "off"}, {"nvme_paths", "/x"}}), "");
+  const std::string replan = ignored({{"offload_activations", "host"}, {"replan", "off"}});
+  EXPECT_NE(replan.find("TIERFLOW_REPLAN='off' (keyword replan) is ignored with TIERFLOW_OFFLOAD_ACTIVATIONS=host"),
+            std::string::npos) << replan;
+  EXPECT_EQ(ignored({{"offload_activations", "auto"}, {"replan", "off"}}), "");
+}
+
+TEST(ConfigNvmePaths, AFileOrTheSameDirectoryTwiceIsRefusedWhenParsed) {
+  char dir_template[] = "/tmp/tierflow-config-XXXXXX";
+  ASSERT_NE(::mkdtemp(dir_template), nullptr);
+  const std::string dir = dir_template, file = dir + "/a-file", link = dir + "-link";
+  { std::FILE* f = std::fopen(file.c_str(), "w"); ASSERT_NE(f, nullptr); std::fclose(f); }
+  ASSERT_EQ(::symlink(dir.c_str(), link.c_str()), 0);
+  const std::string as_file = parse_error({{"nvme_paths", file}});
+  EXPECT_NE(as_file.find("TIERFLOW_NVME_PATHS="), std::string::npos) << as_file;
+  EXPECT_NE(as_file.find("a-file': Not a directory"), std::string::npos) << as_file;
+  EXPECT_NE(as_file.find("accepted:"), std::string::npos) << as_file;
+  const std::string twice = parse_error({{"nvme_paths", dir + "," + dir + "/"}});
+  EXPECT_NE(twice.find("are the same directory"), std::string::npos) << twice;
+  const std::string linked = parse_error({{"nvme_paths", dir + "," + link}});
+  EXPECT_NE(linked.find("are the same directory"), std::string::npos) << linked;
+  EXPECT_EQ(parse_error({{"nvme_paths", dir}}), "");
+  EXPECT_EQ(parse_error({{"nvme_paths", dir + "/missing-yet"}}), "");  // the runtime names a missing one
+  ::unlink(link.c_str());
+  ::unlink(file.c_str());
+  ::rmdir(dir.c_str());
+}
+
+TEST(ConfigReport, AReportInAMissingDirectoryIsRefusedWhenParsed) {
+  const std::string why = parse_error({{"report", "/nonexistent-tierflow-dir/r.json"}});
+  EXPECT_NE(why.find("TIERFLOW_REPORT='/nonexistent-tierflow-dir/r.json' is not valid (its directory "
+                     "'/nonexistent-tierflow-dir' does not exist)"), std::string::npos) << why;
+  EXPECT_EQ(parse_error({{"report", "/tmp/r.json"}}), "");
+  EXPECT_EQ(parse_error({{"report", "r.json"}}), "");  // the working directory
 }

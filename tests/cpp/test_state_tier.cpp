@@ -117,3 +117,19 @@ TEST(StateTier, OffloadedGradientsNeedStepsDuringBackward) {
   EXPECT_NE(text->find("accepted: those two settings, or TIERFLOW_OFFLOAD_GRADIENTS=off"), std::string::npos);
   EXPECT_NE(grad_scaler_refusal().find("accepted: bf16 without a scaler"), std::string::npos);
 }
+
+TEST(StateTier, OneStepAlsoHoldsTheMovingParametersGradientsAndNewWeights) {
+  // 1000 fp32 elements on the device: 12000 bytes of states (3 pages), a 4000-byte gradient and a
+  // 4000-byte staging (a page each); a CPU parameter (0) moves nothing.
+  const auto need = state_pool_need({{1000, false, 4}, {1000, false, 0}}, /*nvme=*/false);
+  EXPECT_EQ(need.bytes, 2u * 12288u + 2u * 4096u);
+  EXPECT_EQ(need.what, "the states of 2 parameters (2000 elements, fp32 master, exp_avg, exp_avg_sq) and one "
+                       "step's gradients and new weights of 1 parameters in pinned staging (8.00 KiB)");
+  // bf16 on NVMe: two buffers of the largest state, plus 2 bytes per element twice.
+  const auto nvme = state_pool_need({{1 << 20, false, 2}}, /*nvme=*/true);
+  EXPECT_EQ(nvme.bytes, 2u * 12u * (1u << 20) + 2u * 2u * (1u << 20));
+  // A budget that holds the states but not the step is refused, naming the bytes needed.
+  const std::string text = oom_text({{1 << 20, false, 4}}, false, 12u << 20);
+  EXPECT_NE(text.find("needs 20.00 MiB of pinned host memory"), std::string::npos) << text;
+  EXPECT_EQ(oom_text({{1 << 20, false, 4}}, false, 20u << 20), "");
+}

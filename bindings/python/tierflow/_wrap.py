@@ -204,9 +204,15 @@ def wrap(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
                                    else 0)
     if wrong_device:
         raise _C.TierflowError(wrong_device)
+    _refuse_meta(model)
     session = Session(**settings)
     new_optimizer = optimizer
     try:
+        # A setting the chosen mode would ignore (Note [Settings a mode ignores] in core/config.hpp).
+        ignored = _C.ignored_setting_refusal(dict(session.config), _C.config_given(settings_to_strings(settings)))
+        if ignored is not None:
+            raise _C.ConfigError(f"tierflow.wrap: {ignored}")
+        _refuse_device_budget(model, session)
         # FSDP2 with settings it cannot train, tensor parallelism: refused before anything is attached.
         refuse_sharded(model, chain[-1] if chain else None, session.config)
         replacing = optimizer is not None and session.config["TIERFLOW_OFFLOAD_OPTIMIZER"] in ("host", "nvme")
@@ -272,6 +278,40 @@ def one_cuda_device(devices: "set[torch.device]", current: int) -> Optional[str]
     (tiering::one_cuda_device decides and words it)."""
     return _C.one_cuda_device([current if d.index is None else d.index for d in devices if d.type == "cuda"],
                               current) or None
+
+
+def _refuse_meta(model: torch.nn.Module) -> None:
+    """A model on the meta device has shapes and no values: training it would fail in step(), after wrap took it."""
+    meta = [(n, t) for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.device.type == "meta"]
+    if meta:
+        name, t = meta[0]
+        raise _C.TierflowError(
+            f"tierflow.wrap: {len(meta)} of the model's parameters and buffers are on the meta device (the first: "
+            f"{name!r} {list(t.shape)}): they have shapes but no values to train; accepted: a model whose tensors "
+            "hold values on the CPU or a GPU (materialize it first, e.g. model.to_empty(device='cpu') then load its "
+            "weights, or build it outside torch.device('meta'))")
+
+
+def _refuse_device_budget(model: torch.nn.Module, session: Session) -> None:
+    """TIERFLOW_OFFLOAD_ACTIVATIONS=auto plans the whole step within TIERFLOW_GPU_MEMORY: with the parameters on the
+    device (TIERFLOW_OFFLOAD_PARAMS=none), their bytes and their gradients' already exceed a budget no plan can fit
+    in; said at wrap, where the shapes are known, not at the first forward."""
+    cfg = session.config
+    if cfg["TIERFLOW_OFFLOAD_ACTIVATIONS"] != "auto" or cfg["TIERFLOW_OFFLOAD_PARAMS"] != "none":
+        return
+    runtime = session.runtime
+    params = [p for p in {id(p): p for p in model.parameters()}.values() if runtime.on_device(p)]
+    weights = sum(p.numel() * p.element_size() for p in params)
+    grads = 0 if cfg["TIERFLOW_OFFLOAD_GRADIENTS"] == "on" else \
+        sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    budget = int(runtime.device_budget_bytes())
+    if weights + grads > budget:
+        raise _C.ConfigError(
+            f"tierflow.wrap: TIERFLOW_GPU_MEMORY={cfg['TIERFLOW_GPU_MEMORY']} (keyword gpu_memory) gives the device "
+            f"{_C.format_bytes(budget)}, less than the model's parameters and their gradients take on it "
+            f"({_C.format_bytes(weights + grads)}: {_C.format_bytes(weights)} of parameters), so no activation plan "
+            f"can fit; accepted: a budget above {_C.format_bytes(weights + grads)} with room for the activations, or "
+            "TIERFLOW_OFFLOAD_PARAMS=host (keyword offload_params) to keep the parameters off the device")
 
 
 def _optimizer_chain(optimizer: Any) -> list:

@@ -200,6 +200,12 @@ def _plan(args: argparse.Namespace) -> str:
         except ValueError as e:  # UnicodeDecodeError included
             raise PlanError(f"--profile {args.profile!r}: {e}") from None
         blocks = profile.blocks
+        if links is None:  # the profile's: a missing or zero rate would plan every swap at inf s
+            missing = [k for k in ("d2h", "h2d", "duplex") if not getattr(profile.links, k) > 0]
+            if missing:
+                raise PlanError(f"--profile {args.profile!r}: links has no positive {', '.join(missing)} (bytes/s); "
+                                "accepted: a profile whose links d2h, h2d and duplex are positive rates (as "
+                                "TIERFLOW_PROFILE writes them), or --pcie-gbps to give the link")
         links = links or profile.links
         head_bytes = profile.outside_saved_bytes  # auto's measurement: the plan keeps or swaps them
         flops = None

@@ -570,9 +570,8 @@ class CPUAdamW(torch.optim.Optimizer):
                 self._fsdp_feed.sync_grads()
                 self._fsdp_feed.mark_unseen_changes()
             unhandled = self._streaming.stream.finish(scale, self._master_stale)
-            for group, params in zip(self.param_groups, self._streaming.python_path(self.param_groups, unhandled)):
-                if params:
-                    self._step_group(group, scale, params)
+            self._step_groups(scale, [(group, params) for group, params in zip(
+                self.param_groups, self._streaming.python_path(self.param_groups, unhandled)) if params])
             if self._sharded:  # the next forward's all-gathers read the shards: their weights are back first
                 self._streaming.stream.synchronize()
                 if self._fsdp_feed is not None:
@@ -582,6 +581,9 @@ class CPUAdamW(torch.optim.Optimizer):
                 # The share first: the buckets are cut for what stays on the CPU, at a steady step after it.
                 if not self._gpu.choose(self.param_groups, self._runtime, self._streaming, self.state, seen):
                     self._streaming.size_buckets(seen)
+        elif not self._states.nvme:
+            self._step_groups(scale, [(group, None) for group in self.param_groups])
+            self._states.new_window()
         else:
             problems: list = []
             for group in self.param_groups:
@@ -597,14 +599,38 @@ class CPUAdamW(torch.optim.Optimizer):
         return skipped
 
     def _step_group(self, group: dict, scale: float = 1.0, params: Optional[list] = None) -> Optional[list]:
+        """States on NVMe: one group's step (Note [NVMe optimizer faults]: the parameters it could not step)."""
         options = self._options(group)
         gpu = self._gpu.ensure(self.param_groups)
         if self._partition is not None:  # Note [Partitioned optimizer]: the other ranks step theirs
             params = [p for p in (group["params"] if params is None else params) if self._partition.owns(p)]
-            group = dict(group, params=params) if self._states.nvme else group
-        if self._states.nvme:
-            return self._states.step_group(group, dict(options, grad_scale=scale) if scale != 1.0 else options,
-                                           self.state, gpu, self._copies, self._init_state, self._master_stale)
+            group = dict(group, params=params)
+        return self._states.step_group(group, dict(options, grad_scale=scale) if scale != 1.0 else options,
+                                       self.state, gpu, self._copies, self._init_state, self._master_stale)
+
+    def _step_groups(self, scale: float, todo: list) -> None:
+        """States on the host: one step of [(group, its params or None for all)], all or nothing (Note [Atomic
+        step]): everything that can fail (new states, gradients' copies, staging) first, for every group; then
+        the kernels and the weights' way back."""
+        fresh: list = []  # parameters whose state this step made
+        prepared = []
+        try:
+            for group, params in todo:
+                prepared.append(self._prepare_group(group, scale, params, fresh))
+        except BaseException:
+            for p in fresh:  # a state made for a step that did not happen: the next step() makes it again
+                self.state.pop(p, None)
+            raise
+        for work in prepared:
+            self._apply_group(*work)
+
+    def _prepare_group(self, group: dict, scale: float, params: Optional[list], fresh: list) -> tuple:
+        """Note [Atomic step]: a host-tier group's part of a step up to the kernels, writing nothing a caller
+        sees: (options, members, copy_back, on_gpu)."""
+        options = self._options(group)
+        gpu = self._gpu.ensure(self.param_groups)
+        if self._partition is not None:  # Note [Partitioned optimizer]: the other ranks step theirs
+            params = [p for p in (group["params"] if params is None else params) if self._partition.owns(p)]
         members: list = []  # (its state, its gradient on the host, its output) per parameter stepped here
         copy_back: list = []
         on_gpu: list = []
@@ -613,36 +639,41 @@ class CPUAdamW(torch.optim.Optimizer):
             if p.grad is not None and id(p) in gpu:
                 on_gpu.append(p)
             elif p.grad is not None:
-                members.append(self._member(p, group, fetches, copy_back))
+                members.append(self._member(p, group, fetches, copy_back, fresh))
         if scale != 1.0:
             options = dict(options, grad_scale=scale)
-        if on_gpu:
-            self._gpu.step(on_gpu, self.state, options)
         for transfer, _src in fetches:
             transfer.wait()
+        return options, members, copy_back, on_gpu
+
+    def _apply_group(self, options: dict, members: list, copy_back: list, on_gpu: list) -> None:
+        """The kernels of a prepared group (_prepare_group), the step counts, and the new weights' way back."""
+        if on_gpu:
+            self._gpu.step(on_gpu, self.state, options)
         amsgrad = options["amsgrad"]
-        for step, batch in _C.group_by_step([int(s["step"].item()) for s, _, _ in members]):
+        for step, batch in _C.group_by_step([int(s["step"].item()) + 1 for s, _, _ in members]):
             batch = [members[i] for i in batch]
             self._runtime.adam_step(options, step, [s["master"] for s, _, _ in batch],
                                     [s["exp_avg"] for s, _, _ in batch], [s["exp_avg_sq"] for s, _, _ in batch],
                                     [s.get("max_exp_avg_sq") if amsgrad else None for s, _, _ in batch],
                                     [g for _, g, _ in batch], [out for _, _, out in batch])
+            for s, _, _ in batch:
+                s["step"] += 1
         for p, out in copy_back:
             self._copies.write_param(p, out)
 
-
-    def _member(self, p: torch.Tensor, group: dict, fetches: list, copy_back: list) -> tuple:
-        """p's part of a step on the host: (its state, its step counted; its gradient on the host, whose copy is
-        put in ``fetches`` when it is in flight; where the kernel writes its new weights, put in ``copy_back``
-        when that is a staging buffer to copy into p)."""
+    def _member(self, p: torch.Tensor, group: dict, fetches: list, copy_back: list, fresh: list) -> tuple:
+        """p's part of a step on the host: (its state, whose step _apply_group counts; its gradient on the host,
+        whose copy is put in ``fetches`` when it is in flight; where the kernel writes its new weights, put in
+        ``copy_back`` when that is a staging buffer to copy into p). A state it makes is put in ``fresh``."""
         grad = local_shard(p.grad)
         check_grad(grad)
         state = self.state[p]
         if len(state) == 0:
             state = self._init_state(p, group)
+            fresh.append(p)
         elif self._master_stale:
-            self._reconcile_master(state["master"], local_shard(p))
-        state["step"] += 1
+            self._reconcile_master(state["master"], local_shard(p))  # the same master again on a retry
         if self._copies.staged(grad):
             host_grad, transfer, src = self._copies.fetch(grad)
             fetches.append((transfer, src))  # all gradients in flight at once; waited by the caller

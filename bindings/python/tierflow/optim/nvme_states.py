@@ -68,11 +68,18 @@ class StateTier:
         if not todo:
             return
         budget = int(self._runtime.stats()["host_pool"]["budget_bytes"])
-        # FSDP2's parameters: each rank holds its shard's states only.
-        _C.check_optimizer_state_pool([(local_shard(p).numel(), bool(g["amsgrad"])) for p, g in todo], self.nvme,
-                                      budget, str(self._host_memory))
+        # FSDP2's parameters: each rank holds its shard's states only. A parameter of the runtime's device also
+        # holds its gradient's host copy and its new weight's staging during a step (state_tier.hpp).
+        _C.check_optimizer_state_pool([(local_shard(p).numel(), bool(g["amsgrad"]), self._moved_element_bytes(p))
+                                       for p, g in todo], self.nvme, budget, str(self._host_memory))
         if self.nvme:
             self.reserve(todo)
+
+    def _moved_element_bytes(self, p: torch.Tensor) -> int:
+        """Bytes per element that p's step moves through pinned memory (its gradient in, its new weight out):
+        its element size when it lives on the runtime's device, else 0 (a CPU parameter steps in place)."""
+        shard = local_shard(p)
+        return shard.element_size() if self._runtime.on_device(shard) else 0
 
     def reserve(self, todo: list) -> None:
         """Grows the swap files for these (param, group) states now (Note [NVMe space]); raises naming the

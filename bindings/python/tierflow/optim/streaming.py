@@ -14,7 +14,7 @@ import torch
 
 from .. import _C
 from .._compile import outside_graphs
-from .._links import measure_links
+from .._links import measure_links, probe_bytes
 
 
 class GradientStreaming:
@@ -235,6 +235,21 @@ class GradientStreaming:
         if not self._sizing.due(bool(self._slot_params), streamed, backward_ms, grew):
             return
         total = sum(p.numel() * p.element_size() for p in self._slot_params)
-        probe = _C.grad_link_probe_bytes(total)
-        link = measure_links(self._runtime, self._slot_params[0].device, probe)["d2h"]
-        self.stream.size_buckets(link)
+        self.stream.size_buckets(self._measure_link(total))
+
+    def _measure_link(self, total_grad_bytes: int) -> float:
+        """The device -> host rate for the bucket size, or 0.0 (a missing speed: measured_grad_bucket_bytes
+        falls back to the first step's size) when the probe cannot run. It runs after step() committed (Note
+        [Atomic step] in adamw.py), so it must not fail that step: its buffers are at most what the pinned pool
+        has room for (probe_bytes: a sixteenth of it), and a probe that still fails is said and skipped."""
+        probe = min(_C.grad_link_probe_bytes(total_grad_bytes), probe_bytes(self._runtime)) // 4096 * 4096
+        if probe <= 0:
+            _C.log("info", "tierflow gradient buckets: no pinned room left to measure the link; the buckets keep "
+                           "the first step's size (raise TIERFLOW_HOST_MEMORY to have them measured)")
+            return 0.0
+        try:
+            return float(measure_links(self._runtime, self._slot_params[0].device, probe)["d2h"])
+        except Exception as e:  # noqa: BLE001  a speed, never worth a step: any failure leaves it unmeasured
+            _C.log("warn", f"tierflow gradient buckets: the link probe failed ({e}); the buckets keep the first "
+                           "step's size")
+            return 0.0

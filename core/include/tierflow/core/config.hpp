@@ -108,6 +108,25 @@ struct Config {
   std::map<std::string, std::string> to_strings() const;
 };
 
+/// Note [Settings a mode ignores]
+/// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+/// Some settings act only in some modes: the CPU optimizer's (clip, skip,
+/// buckets, accumulation, ...) do nothing with TIERFLOW_OFFLOAD_OPTIMIZER=none,
+/// which leaves the user's optimizer as it is; the gradient stream's (buckets,
+/// weights' return, accumulation) nothing without steps during backward (states
+/// on NVMe, TIERFLOW_OVERLAP_STEP=off); the NVMe engine's nothing without
+/// TIERFLOW_NVME_PATHS; the activation planner's (profile, re-plan) nothing
+/// without a planner. A setting given (environment or keyword) a value other
+/// than its default in a mode that ignores it is refused when the runtime is
+/// attached (tierflow.wrap), naming both settings: a user who asked for a clip
+/// must not train unclipped without a word. A setting at its default changes
+/// nothing either way and is let through.
+
+/// The refusal of the first setting `config` gives a non-default value that its
+/// mode ignores (Note [Settings a mode ignores]): both variables and keywords,
+/// the values and what is accepted; empty when there is none.
+std::string ignored_setting_refusal(const Config& config);
+
 /// One row of the configuration table.
 struct ConfigEntry {
   std::string_view name;           ///< full variable name, e.g. "TIERFLOW_HOST_MEMORY"

@@ -52,6 +52,10 @@ inline constexpr const char* kLostStateKey = "tierflow_state_lost";
 struct ParamStateShape {
   std::size_t numel = 0;  ///< elements of the parameter
   bool amsgrad = false;   ///< its group keeps max_exp_avg_sq too
+  /// Bytes per element of its gradient's host copy and of its new weight's pinned staging, which a step
+  /// holds beside the states (the parameter's element size for one on the runtime's device; 0 for a CPU
+  /// parameter, stepped from p.grad into p in place).
+  std::size_t moved_element_bytes = 0;
 };
 
 /// Bytes of one parameter's fp32 state: master, exp_avg, exp_avg_sq (and max_exp_avg_sq with amsgrad).
@@ -63,9 +67,14 @@ struct StatePoolNeed {
   std::string what;         ///< "the states of N parameters (...)" or "two buffers of ..."
 };
 
-/// What the pinned pool must hold for `states` (not empty): every state on the
-/// host tier, or on the NVMe tier the two buffers the states stream through
-/// (two of the largest state: Note [Optimizer states on NVMe]).
+/// What the pinned pool must hold for one step of `states` (not empty): every
+/// state on the host tier, or on the NVMe tier the two buffers the states
+/// stream through (two of the largest state: Note [Optimizer states on NVMe]);
+/// and, for parameters that move (moved_element_bytes), the step's gradients
+/// on the host and new weights in staging, all held at once (Note [Atomic
+/// step] in bindings/python/tierflow/optim/adamw.py: everything a step
+/// allocates is allocated before anything is written). A budget below this
+/// cannot complete a single step: wrap refuses it.
 StatePoolNeed state_pool_need(const std::vector<ParamStateShape>& states, bool nvme);
 
 /// Throws out_of_memory naming the need, the pool's budget and
