@@ -137,7 +137,8 @@ auto int_parser(int Config::*field, int lo, int hi, std::string_view accepted) {
 }
 
 // A file that tierflow reads or writes later: a directory there would fail only then. `written`: tierflow
-// writes it (TIERFLOW_REPORT), so its directory must exist and be writable now, not at the process's exit.
+// writes it (TIERFLOW_REPORT), making the directories missing on the way, so the nearest one that exists must be a
+// directory and writable now, not at the process's exit.
 auto file_parser(std::string Config::*field, std::string_view accepted, bool written = false) {
   return [=](Config& c, std::string_view name, std::string_view v) {
     std::string path = trim(v);
@@ -145,11 +146,15 @@ auto file_parser(std::string Config::*field, std::string_view accepted, bool wri
     if (!path.empty() && (path.back() == '/' || (::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode))))
       bad_value(name, v, accepted, "it is a directory");
     if (written && !path.empty()) {
-      const std::size_t slash = path.rfind('/');
-      const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
+      std::string dir = path;
       struct stat dst {};
-      if (::stat(dir.c_str(), &dst) != 0 || !S_ISDIR(dst.st_mode))
-        bad_value(name, v, accepted, "its directory " + quote_config_value(dir) + " does not exist");
+      for (;;) {  // up to the nearest part of the path that exists
+        const std::size_t slash = dir.rfind('/');
+        dir = slash == std::string::npos ? "." : slash == 0 ? "/" : dir.substr(0, slash);
+        if (::stat(dir.c_str(), &dst) == 0 || dir == "." || dir == "/") break;
+      }
+      if (!S_ISDIR(dst.st_mode))
+        bad_value(name, v, accepted, quote_config_value(dir) + " on its way is not a directory");
       if (::access(dir.c_str(), W_OK) != 0)
         bad_value(name, v, accepted, "its directory " + quote_config_value(dir) + " is not writable");
     }
@@ -341,10 +346,10 @@ std::vector<Row> placement_rows() {
        else if (s == "debug") c.log_level = LogLevel::kDebug;
        else bad_value(name, v, "one of error, warn, info, debug");
      }},
-    {{"TIERFLOW_REPORT", "", "a file path in a writable directory (empty: no file)",
+    {{"TIERFLOW_REPORT", "", "a file path under a writable folder (empty: no file)",
       "write the statistics report as JSON to this path when the process exits and on every "
       "tierflow.report() call"},
-     file_parser(&Config::report_path, "a file path in a writable directory (empty: no file)", /*written=*/true)},
+     file_parser(&Config::report_path, "a file path under a writable folder (empty: no file)", /*written=*/true)},
     {{"TIERFLOW_PROFILE", "", "a file path (empty: measure every run)",
       "the activation planner's block profile: read from this file when it exists, otherwise "
       "measured in the first step and written there"},

@@ -440,10 +440,16 @@ TEST(ConfigNvmePaths, AFileOrTheSameDirectoryTwiceIsRefusedWhenParsed) {
   ::rmdir(dir.c_str());
 }
 
-TEST(ConfigReport, AReportInAMissingDirectoryIsRefusedWhenParsed) {
-  const std::string why = parse_error({{"report", "/nonexistent-tierflow-dir/r.json"}});
-  EXPECT_NE(why.find("TIERFLOW_REPORT='/nonexistent-tierflow-dir/r.json' is not valid (its directory "
-                     "'/nonexistent-tierflow-dir' does not exist)"), std::string::npos) << why;
-  EXPECT_EQ(parse_error({{"report", "/tmp/r.json"}}), "");
+TEST(ConfigReport, AReportUnderAFileIsRefusedWhenParsed) {
+  char dir_template[] = "/tmp/tierflow-report-XXXXXX";
+  ASSERT_NE(::mkdtemp(dir_template), nullptr);
+  const std::string dir = dir_template, file = dir + "/a-file";
+  { std::FILE* f = std::fopen(file.c_str(), "w"); ASSERT_NE(f, nullptr); std::fclose(f); }
+  const std::string why = parse_error({{"report", file + "/sub/r.json"}});
+  EXPECT_NE(why.find("TIERFLOW_REPORT='" + file + "/sub/r.json' is not valid ('" + file +
+                     "' on its way is not a directory)"), std::string::npos) << why;
+  EXPECT_EQ(parse_error({{"report", dir + "/new/dirs/r.json"}}), "");  // made when the report is written
   EXPECT_EQ(parse_error({{"report", "r.json"}}), "");  // the working directory
+  ::unlink(file.c_str());
+  ::rmdir(dir.c_str());
 }

@@ -116,10 +116,10 @@ def test_a_directory_without_o_direct_names_the_setting(monkeypatch):
 
 
 @pytest.mark.parametrize("how", BOTH)
-def test_a_report_in_a_missing_directory_is_refused_when_parsed(how, tmp_path, monkeypatch):
-    path = str(tmp_path / "no-such-dir" / "report.json")
-    msg = refused(how, monkeypatch, report=path)
-    assert "TIERFLOW_REPORT=" in msg and "no-such-dir' does not exist" in msg and "accepted:" in msg, msg
+def test_a_report_under_a_file_is_refused_when_parsed(how, tmp_path, monkeypatch):
+    (tmp_path / "a-file").write_text("")
+    msg = refused(how, monkeypatch, report=str(tmp_path / "a-file" / "sub" / "report.json"))
+    assert "TIERFLOW_REPORT=" in msg and "a-file' on its way is not a directory" in msg and "accepted:" in msg, msg
 
 
 def test_a_model_on_the_meta_device_is_refused_at_wrap(monkeypatch):

@@ -209,7 +209,8 @@ def wrap(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
     new_optimizer = optimizer
     try:
         # A setting the chosen mode would ignore (Note [Settings a mode ignores] in core/config.hpp).
-        ignored = _C.ignored_setting_refusal(dict(session.config), _C.config_given(settings_to_strings(settings)))
+        ignored = _C.ignored_setting_refusal(dict(session.config), _C.config_given(settings_to_strings(
+            {k: v for k, v in settings.items() if not k.startswith("_")})))
         if ignored is not None:
             raise _C.ConfigError(f"tierflow.wrap: {ignored}")
         _refuse_device_budget(model, session)
