@@ -2,6 +2,8 @@
 #include "tierflow/bindings/grad_content.hpp"
 
 #include <ATen/core/grad_mode.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -20,6 +22,18 @@ at::Tensor bits_of(const at::Tensor& grad) {
 
 bool probed(const at::Tensor& grad) {
   return grad.defined() && !grad.is_sparse() && grad.is_contiguous() && kernel_type(grad.scalar_type());
+}
+
+// One kernel on the tensor's current stream (what wrote the gradient is ordered before it).
+at::Tensor cuda_slab_sums(const at::Tensor& grad) {
+  const auto count = static_cast<std::size_t>(grad.numel());
+  const auto slabs = static_cast<std::int64_t>((count + optimizer::kGradContentSlab - 1) / optimizer::kGradContentSlab);
+  at::Tensor out = at::empty({2, slabs}, grad.options().dtype(at::kLong));
+  const c10::DeviceGuard guard(grad.device());
+  void* stream = c10::impl::getDeviceGuardImpl(grad.device().type())->getStream(grad.device()).native_handle();
+  optimizer::cuda_grad_content_slabs(grad.data_ptr(), grad.element_size(), count, out.data_ptr<std::int64_t>(),
+                                     out.data_ptr<std::int64_t>() + slabs, stream);
+  return out;
 }
 
 }  // namespace
@@ -55,7 +69,7 @@ ContentProbe ContentProbe::of(const at::Tensor& grad) {
     p.content_ = optimizer::grad_content(grad.data_ptr(), grad.element_size(), static_cast<std::size_t>(grad.numel()));
     return p;
   }
-  p.slabs_ = content_slab_sums(grad);
+  p.slabs_ = grad.is_cuda() && optimizer::cuda_grad_content_compiled() ? cuda_slab_sums(grad) : content_slab_sums(grad);
   return p;
 }
 

@@ -167,6 +167,9 @@ struct StepLedgerStats {
 /// implementation), its version counter (bumped by most in-place writes, not
 /// all) and its content (Note [Gradient content]: what the counter cannot promise).
 struct GradIdentity {
+  GradIdentity() = default;
+  GradIdentity(std::uintptr_t id_, std::int64_t version_, GradContent content_ = {})
+      : id(id_), version(version_), content(content_) {}
   std::uintptr_t id = 0;  ///< 0: no gradient (p.grad is None)
   std::int64_t version = 0;
   GradContent content;    ///< not known: the gradient counts as changed
