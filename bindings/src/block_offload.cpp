@@ -14,6 +14,7 @@
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/clock.hpp"
 #include "tierflow/core/log.hpp"
+#include "tierflow/tiering/replay_rule.hpp"
 
 namespace tierflow::bindings {
 
@@ -37,6 +38,15 @@ struct BlockOffload::Shared {
     at::Tensor host;             // its pinned host copy, what the optimizer steps
     swap::TransferHandle fetch;  // the copy of its device copy, while one is held
   };
+  // What a rerun restores (Note [C++ block offload]): per block, which of its state and parameters it writes.
+  struct Writes {
+    bool compared = false;       // its first call was compared
+    std::vector<bool> written;   // state, then parameters
+    std::string refused;         // why it is kept from now on ("" while it is rerun)
+  };
+  std::unordered_map<std::size_t, Writes> writes;
+  std::uint64_t restoring_reruns = 0;
+
   std::unique_ptr<tiering::ParamSchedule> params;  // null: parameters stay where the trainer put them
   std::unordered_map<tiering::ParamId, Param> param_copies;
   std::shared_ptr<Runtime> runtime;
@@ -183,6 +193,41 @@ class AutocastFork {
   AutocastState found_;
 };
 
+// A tensor the block wrote in its forward and its value from before (Note [C++ block offload]).
+struct Written {
+  at::Tensor tensor;
+  at::Tensor before;
+};
+
+// A rerun's scope: the written tensors hold their values from before the forward; on leaving, what they held
+// on entering, version counters as they were (what autograd saved of them stays valid).
+class RestoredState {
+ public:
+  explicit RestoredState(const std::vector<Written>& written) : written_(written) {
+    at::AutoGradMode no_grad(false);
+    for (const auto& w : written_) {
+      found_.push_back(w.tensor.detach().clone());
+      versions_.push_back(w.tensor._version());
+      w.tensor.detach().copy_(w.before);
+    }
+  }
+  ~RestoredState() {
+    at::AutoGradMode no_grad(false);
+    for (std::size_t i = 0; i < written_.size(); ++i) {
+      written_[i].tensor.detach().copy_(found_[i]);
+      c10::VariableVersion counter = torch::autograd::impl::version_counter(written_[i].tensor);
+      counter.set_version(versions_[i]);
+    }
+  }
+  RestoredState(const RestoredState&) = delete;
+  RestoredState& operator=(const RestoredState&) = delete;
+
+ private:
+  const std::vector<Written>& written_;
+  std::vector<at::Tensor> found_;
+  std::vector<std::int64_t> versions_;
+};
+
 // What one block call keeps for its backward (an IValue capsule in the context).
 struct BlockState : torch::CustomClassHolder {
   BlockForward fn;
@@ -194,7 +239,58 @@ struct BlockState : torch::CustomClassHolder {
   std::vector<bool> param_requires_grad;
   RngState rng;
   AutocastState autocast;
+  std::vector<at::Tensor> state;  // what the block may write besides its parameters (its buffers)
+  std::vector<Written> written;   // what its rerun restores
 };
+
+// Runs the block's forward, noting what it writes in place (Note [C++ block offload], What a rerun restores).
+at::Tensor forward_noting_writes(BlockState& s, const at::Tensor& input, at::TensorList params) {
+  std::vector<at::Tensor> tracked(s.state.begin(), s.state.end());
+  tracked.insert(tracked.end(), params.begin(), params.end());
+  BlockOffload::Shared& shared = *s.shared;
+  bool compared = false;
+  std::vector<bool> known(tracked.size(), false);
+  {
+    std::lock_guard<std::mutex> lock(shared.mutex);
+    const auto it = shared.writes.find(s.block);
+    if (it != shared.writes.end() && it->second.written.size() == tracked.size()) {
+      compared = it->second.compared;
+      known = it->second.written;
+    }
+  }
+  std::vector<at::Tensor> before(tracked.size());
+  std::vector<std::int64_t> versions(tracked.size());
+  {
+    at::AutoGradMode no_grad(false);
+    for (std::size_t i = 0; i < tracked.size(); ++i) {
+      versions[i] = tracked[i]._version();
+      if (!compared || known[i]) before[i] = tracked[i].detach().clone();  // the first call: all, dropped after
+    }
+  }
+  at::Tensor output = s.fn(input);
+  std::vector<std::string> unrestorable;
+  std::vector<bool> wrote(tracked.size(), false);
+  for (std::size_t i = 0; i < tracked.size(); ++i) {
+    // native_batch_norm writes the running statistics without bumping their version: compared by value once.
+    wrote[i] = tracked[i]._version() != versions[i] ||
+               (!compared && i < s.state.size() && !at::equal(before[i], tracked[i]));
+    if (wrote[i] && !before[i].defined())
+      unrestorable.push_back(i < s.state.size() ? "state tensor " + std::to_string(i)
+                                                : "parameter " + std::to_string(i - s.state.size()));
+    if (before[i].defined() && (wrote[i] || known[i])) s.written.push_back({tracked[i], before[i]});
+  }
+  std::lock_guard<std::mutex> lock(shared.mutex);
+  auto& w = shared.writes[s.block];
+  if (w.written.size() != tracked.size()) w.written.assign(tracked.size(), false);
+  w.compared = true;
+  for (std::size_t i = 0; i < tracked.size(); ++i) w.written[i] = w.written[i] || wrote[i];
+  if (!unrestorable.empty() && w.refused.empty()) {
+    w.refused = tiering::replay_refusal({{}, unrestorable});
+    log(LogLevel::kWarn, "BlockOffload: block " + std::to_string(s.block) + " is not rerun from its next call on "
+                         "(kept; this call's rerun may differ from its forward): " + w.refused);
+  }
+  return output;
+}
 
 constexpr const char* kStateKey = "tierflow_block";
 
@@ -205,7 +301,7 @@ struct BlockFunction : torch::autograd::Function<BlockFunction> {
     state->autocast = capture_autocast();
     state->input_requires_grad = input.requires_grad();
     for (const auto& p : params) state->param_requires_grad.push_back(p.requires_grad());
-    at::Tensor output = state->fn(input);
+    at::Tensor output = forward_noting_writes(*state, input, params);
     std::vector<at::Tensor> saved(params.begin(), params.end());
     if (state->offloader) {
       state->input = state->offloader->pack(input);
@@ -237,6 +333,13 @@ struct BlockFunction : torch::autograd::Function<BlockFunction> {
     at::Tensor x = input.detach().requires_grad_(state->input_requires_grad);
     const std::uint64_t t0 = now_ns();
     at::Tensor y;
+    // What the forward wrote holds its values from before it until the rerun's gradients are computed.
+    std::optional<RestoredState> restored;
+    if (!state->written.empty()) {
+      restored.emplace(state->written);
+      std::lock_guard<std::mutex> lock(state->shared->mutex);
+      ++state->shared->restoring_reruns;
+    }
     {
       RngFork rng(state->rng);
       AutocastFork autocast(state->autocast);
@@ -251,6 +354,7 @@ struct BlockFunction : torch::autograd::Function<BlockFunction> {
     if (y.requires_grad() && !wrt.empty())
       grads = torch::autograd::grad({y}, wrt, {grad_outputs.at(0)}, /*retain_graph=*/false,
                                     /*create_graph=*/false, /*allow_unused=*/true);
+    restored.reset();  // the forward's (or a later call's) values back
     state->shared->param_use(state->block, BlockOffload::Shared::Use::kEndBackward, input.device());
     {
       std::lock_guard<std::mutex> lock(state->shared->mutex);
@@ -316,12 +420,22 @@ BlockAction BlockOffload::action(std::size_t block) const {
 
 at::Tensor BlockOffload::forward(std::size_t block, const BlockForward& fn, const at::Tensor& input,
                                  const std::vector<at::Tensor>& parameters) {
+  return forward(block, fn, input, parameters, {});
+}
+
+at::Tensor BlockOffload::forward(std::size_t block, const BlockForward& fn, const at::Tensor& input,
+                                 const std::vector<at::Tensor>& parameters, const std::vector<at::Tensor>& block_state) {
   bool needs_graph = at::GradMode::is_enabled() && input.requires_grad();
   for (const auto& p : parameters) needs_graph = needs_graph || (at::GradMode::is_enabled() && p.requires_grad());
   tiering::BlockCall call;
   {
     std::lock_guard<std::mutex> lock(shared_->mutex);
-    const BlockAction planned = shared_->actions.action(block);
+    BlockAction planned = shared_->actions.action(block);
+    const auto refused = shared_->writes.find(block);
+    const bool fetched = shared_->params && block + 1 < shared_->params->units() && !parameters.empty() &&
+                         shared_->params->home(param_id(parameters[0])) != Tier::kGpu;
+    if (refused != shared_->writes.end() && !refused->second.refused.empty() && !fetched)
+      planned = BlockAction::kKeep;  // Note [C++ block offload], What a rerun restores
     if (planned == BlockAction::kKeep && shared_->params && block + 1 < shared_->params->units() &&
         !parameters.empty() && shared_->params->home(param_id(parameters[0])) != Tier::kGpu)
       throw config_error("BlockOffload: block " + std::to_string(block) + " is kKeep, but its parameters are "
@@ -352,6 +466,7 @@ at::Tensor BlockOffload::forward(std::size_t block, const BlockForward& fn, cons
   state->fn = fn;
   state->block = block;
   state->shared = shared_;
+  state->state = block_state;
   if (call.action == BlockAction::kSwapHost) state->offloader = shared_->host;
   if (call.action == BlockAction::kSwapNvme) state->offloader = shared_->nvme;
   return BlockFunction::apply(state, input, at::TensorList(parameters));
@@ -406,6 +521,17 @@ void BlockOffload::offload_parameters(const std::vector<std::vector<at::Tensor>>
 tiering::ParamScheduleStats BlockOffload::parameter_stats() const {
   std::lock_guard<std::mutex> lock(shared_->mutex);
   return shared_->params ? shared_->params->stats() : tiering::ParamScheduleStats{};
+}
+
+std::string BlockOffload::not_replayed(std::size_t block) const {
+  std::lock_guard<std::mutex> lock(shared_->mutex);
+  const auto it = shared_->writes.find(block);
+  return it == shared_->writes.end() ? std::string() : it->second.refused;
+}
+
+std::uint64_t BlockOffload::restoring_reruns() const {
+  std::lock_guard<std::mutex> lock(shared_->mutex);
+  return shared_->restoring_reruns;
 }
 
 BlockOffloadStats BlockOffload::stats() const {

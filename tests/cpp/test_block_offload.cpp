@@ -449,3 +449,94 @@ TEST(BlockOffload, ParameterOffloadRefusesWhatItCannotCarryOut) {
     EXPECT_NE(std::string(e.what()).find("block 2 is kKeep"), std::string::npos) << e.what();
   }
 }
+
+// ---- what a rerun restores (Note [C++ block offload]; Note [Replay side effects]) ---------------------------------
+
+namespace {
+
+// Blocks with BatchNorm: its running statistics are written by every forward in training.
+struct NormModel {
+  std::vector<torch::nn::Sequential> blocks;
+  NormModel() {
+    torch::manual_seed(5);
+    for (int i = 0; i < 2; ++i)
+      blocks.push_back(torch::nn::Sequential(torch::nn::Linear(64, 64), torch::nn::BatchNorm1d(64),
+                                             torch::nn::GELU(), torch::nn::Dropout(0.25)));
+  }
+  torch::Tensor loss(tb::BlockOffload* offload, const torch::Tensor& input) {
+    auto x = input;
+    for (std::size_t i = 0; i < blocks.size(); ++i) x = offload ? offload->forward(i, blocks[i], x) : blocks[i]->forward(x);
+    return x.pow(2).mean();
+  }
+  std::vector<torch::Tensor> state() const {
+    std::vector<torch::Tensor> all;
+    for (const auto& b : blocks) {
+      for (const auto& p : b->parameters()) all.push_back(p.grad().clone());
+      for (const auto& t : b->buffers()) all.push_back(t.clone());
+    }
+    return all;
+  }
+};
+
+std::vector<torch::Tensor> train_norm_model(tb::BlockOffload* offload) {
+  NormModel m;
+  torch::manual_seed(3);
+  const auto input = torch::randn({16, 64}, torch::requires_grad());
+  for (int step = 0; step < 3; ++step) {
+    for (const auto& b : m.blocks)
+      for (auto& p : b->parameters()) p.mutable_grad() = torch::Tensor();
+    m.loss(offload, input).backward();
+  }
+  return m.state();
+}
+
+}  // namespace
+
+class RerunRestores : public testing::TestWithParam<Case> {};
+
+TEST_P(RerunRestores, BatchNormStatisticsAreUpdatedOncePerForward) {
+  // The rerun ran BatchNorm again: its batches counted twice, its running means off. Restored around the
+  // rerun, every gradient and buffer (running_mean, running_var, num_batches_tracked) is the plain run's.
+  const Case c = GetParam();
+  const auto plain = train_norm_model(nullptr);
+  tb::BlockOffload offload(make_runtime({{"emulated_device", c.device_mode}}));
+  offload.set_default_action(c.action);
+  const auto with = train_norm_model(&offload);
+  offload.synchronize();
+  ASSERT_EQ(plain.size(), with.size());
+  for (std::size_t i = 0; i < plain.size(); ++i) EXPECT_TRUE(torch::equal(plain[i], with[i])) << "tensor " << i;
+  EXPECT_EQ(offload.stats().reruns, 6u);
+  EXPECT_EQ(offload.restoring_reruns(), 6u);
+  EXPECT_EQ(offload.not_replayed(0), "");
+}
+
+INSTANTIATE_TEST_SUITE_P(BlockOffload, RerunRestores,
+                         testing::Values(Case{tb::BlockAction::kRecompute, "polite"},
+                                         Case{tb::BlockAction::kSwapHost, "adversarial"}),
+                         [](const testing::TestParamInfo<Case>& info) {
+                           std::string name = std::string(tb::to_string(info.param.action)) + "_" +
+                                              info.param.device_mode;
+                           for (auto& ch : name)
+                             if (ch == '-') ch = '_';
+                           return name;
+                         });
+
+TEST(BlockOffload, AWriteItsFirstCallDidNotMakeIsRefusedAndTheBlockKept) {
+  // A block that writes a tensor only from its second call on: no value from before was copied, so its
+  // reruns could not be exact; it is kept from its next call on, and says why.
+  tb::BlockOffload offload(make_runtime({}));
+  offload.set_default_action(tb::BlockAction::kRecompute);
+  auto counter = torch::zeros({1});
+  auto weight = torch::randn({8, 8}, torch::requires_grad());
+  int calls = 0;
+  const tb::BlockForward fn = [&](const at::Tensor& x) {
+    if (++calls >= 2) counter.add_(1);  // not in its first call
+    return torch::tanh(x.matmul(weight));
+  };
+  for (int step = 0; step < 3; ++step) {
+    auto x = torch::randn({4, 8}, torch::requires_grad());
+    offload.forward(0, fn, x, {weight}, {counter}).sum().backward();
+  }
+  EXPECT_NE(offload.not_replayed(0).find("state tensor 0"), std::string::npos) << offload.not_replayed(0);
+  EXPECT_EQ(offload.stats().kept, 1u);  // the third call
+}

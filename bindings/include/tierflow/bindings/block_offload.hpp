@@ -79,6 +79,25 @@
 // call. Parameters outside the blocks (embeddings, head) stay where the
 // trainer put them.
 //
+// What a rerun restores (Note [Replay side effects] in tiering/replay_rule.hpp).
+// A block's forward may write its own state in place: BatchNorm's running
+// statistics (which native_batch_norm writes without bumping a version
+// counter), a power iteration's vectors. The rerun would write them again
+// (counted twice, the running means off) and would compute from the
+// forward's result instead of what the forward started from. So the
+// tensors a block may write are handed in beside its parameters (`state`:
+// its modules' buffers; the ModuleHolder overload passes
+// module->buffers()), and on a block's first call every one of them and
+// of its parameters is copied before the forward and compared after (by
+// value for the state, by version counter for the parameters); the ones it
+// wrote are copied before each later call. The rerun sets those copies,
+// runs, and puts back what the tensors held (the forward's result, or a
+// later call's), version counters as they were. A later call that writes
+// a tensor its first call did not (its version counter moved) had no copy
+// taken: tiering::replay_refusal says why, once, and the block is kept
+// (kKeep) from its next call on. C++ modules have no forward hooks, so the
+// other refusal of the Note does not arise here.
+//
 // Where the plan comes from: the per-block action table of
 // tiering::BlockActionTable (Note [C++ block actions]: the default from
 // TIERFLOW_OFFLOAD_ACTIVATIONS, per-block overrides, a plan's mode and tier).
@@ -99,6 +118,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -152,12 +172,17 @@ class BlockOffload {
   /// autograd off, or nothing requiring grad, the block simply runs.
   at::Tensor forward(std::size_t block, const BlockForward& fn, const at::Tensor& input,
                      const std::vector<at::Tensor>& parameters);
+  /// Same, with the tensors the block may write in place besides its parameters (`state`: its modules'
+  /// buffers, BatchNorm's running statistics): a rerun restores what they held before the forward and puts
+  /// back what they hold after it (Note [C++ block offload], What a rerun restores).
+  at::Tensor forward(std::size_t block, const BlockForward& fn, const at::Tensor& input,
+                     const std::vector<at::Tensor>& parameters, const std::vector<at::Tensor>& state);
 
-  /// Same for a torch::nn module holder (anything with ->forward(x) and ->parameters()).
+  /// Same for a torch::nn module holder (anything with ->forward(x), ->parameters() and ->buffers()).
   template <class ModuleHolder>
   at::Tensor forward(std::size_t block, const ModuleHolder& module, const at::Tensor& input) {
     return forward(block, [m = ModuleHolder(module)](const at::Tensor& x) mutable { return m->forward(x); }, input,
-                   module->parameters());
+                   module->parameters(), module->buffers());
   }
 
   /// Puts the blocks' parameters on the host tier between uses (Note [C++ parameter residency]):
@@ -173,6 +198,10 @@ class BlockOffload {
   void synchronize();
   /// Counters.
   BlockOffloadStats stats() const;
+  /// Why block `block` is no longer rerun ("" when it is; Note [Replay side effects]).
+  std::string not_replayed(std::size_t block) const;
+  /// Reruns that restored a block's written state first.
+  std::uint64_t restoring_reruns() const;
   /// The host-tier offloader's counters (swapped bytes, prefetch hits, stalls).
   ActivationOffloaderStats host_stats() const;
   /// The NVMe-tier offloader's counters (zero when there is none).
