@@ -254,3 +254,49 @@ def test_transformer_encoder_eval_keeps_the_fast_path(device, mode):
     # The last evaluation ran without them on the layers (their fast path looks there).
     assert all(r._aside is not None for r in tierflow.current_session().planner.runners)
     assert not any(layer._forward_pre_hooks or layer._forward_hooks for layer in model[0].layers)
+
+
+# ---- state a forward writes by rebinding, or that its recording did not write ------------------------------------
+
+
+class EmaBlock(nn.Module):
+    """Keeps an average of its inputs in a buffer: rebound each forward (``ema``), and written in place once
+    ``late_on`` is set (``late``, which the forward recorded first did not write)."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.register_buffer("ema", torch.zeros(d))
+        self.register_buffer("late", torch.zeros(d))
+        self.scratch = torch.zeros(d)  # not a buffer
+        self.late_on = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.ema = 0.9 * self.ema + 0.1 * x.detach().mean(dim=(0, 1))  # a new tensor
+            # The same ops every forward (a replay walks the recorded ones), into `late` once late_on is set.
+            (self.late if self.late_on else self.scratch).add_(x.detach().mean(dim=(0, 1)))
+        return x + torch.tanh(self.lin(x + self.ema + self.late))
+
+
+def test_rebound_and_late_written_buffers(device):
+    blocks: list = []
+
+    def make():
+        blocks[:] = [EmaBlock(), EmaBlock()]
+        return nn.Sequential(nn.Sequential(*blocks), nn.Linear(32, 4))
+
+    def late_from_the_third_step(step: int) -> None:
+        for b in blocks:
+            b.late_on = step >= 1
+
+    inner = spectral_task("hook")
+    task = Task(make, inner.make_batch, inner.loss)
+    base = train(task, 4, False, device=device, after_step=late_from_the_third_step)
+    tier = train(task, 4, True, device=device, offload_activations="recompute", after_step=late_from_the_third_step,
+                 **OPT_NONE)
+    assert_bit_identical(base, tier)
+    plan = tier.report["plan"]
+    # The third forward wrote `late` with nothing kept from before: swapped whole, not replayed; the fourth is.
+    assert "late" in plan["not_replayed"][0] and plan["replays"] == 2 * 3
+    assert plan["replay_restored"][0] == ["ema", "late"]
