@@ -105,6 +105,10 @@ class Report(dict):
             rows.append(("  CPU step during backward / in step()", f'{st["kernel_ms"]:.1f} ms / {st["step_kernel_ms"]:.1f} ms '
                                                                  f'(step() waited {st["step_wait_ms"]:.1f} ms, '
                                                                  f'weights waited {st["weight_wait_ms"]:.1f} ms)'))
+        not_replayed = (self.get("plan") or {}).get("not_replayed")
+        if not_replayed:  # Note [Replay side effects]: blocks swapped instead of recomputed, and why
+            rows.append(("blocks not recomputed (side effects)", ""))
+            rows += [(f"  block {i}", why) for i, why in sorted(not_replayed.items())]
         width = max(len(k) for k, _ in rows) + 2
         lines = ["tierflow report"]
         lines += [f"{k:<{width}}{v}" if v else k for k, v in rows]
