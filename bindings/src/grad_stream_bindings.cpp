@@ -192,6 +192,20 @@ void bind_stream_step(py::class_<PyGradStream, std::shared_ptr<PyGradStream>>& c
         g.commit_into_states(f.committed);
         return f.unhandled;
       }, "step(): commits or redoes the streamed steps and sends weights back; returns the slots left to the caller.")
+      .def("prepare_finish", [](PyGradStream& g, double scale, bool stale, bool frugal) {
+             return g.stream->prepare_finish(scale, stale, frugal);
+           }, py::arg("scale"), py::arg("stale"), py::arg("frugal") = false,
+           py::call_guard<py::gil_scoped_release>(),
+           "Note [Atomic step]: finish()'s part that can fail, changing no weight or state; the slots left to the caller.")
+      .def("commit_finish", [](PyGradStream& g) {
+        GradStream::Finish f;
+        {
+          py::gil_scoped_release release;
+          f = g.stream->commit_finish();
+        }
+        g.commit_into_states(f.committed);
+        return f.unhandled;
+      }, "Note [Atomic step]: finish()'s part that cannot fail (after prepare_finish).")
       .def("discard_all", [](PyGradStream& g) { g.stream->discard_all(); }, py::call_guard<py::gil_scoped_release>())
       .def("size_buckets", [](PyGradStream& g, double link) { return g.stream->size_buckets(link); }, py::call_guard<py::gil_scoped_release>(),
            "TIERFLOW_GRAD_BUCKET_BYTES=auto from the measured step and this device -> host rate; the size in force.")

@@ -14,6 +14,14 @@
 namespace tierflow::bindings {
 
 GradStream::Finish GradStream::finish(double scale, bool stale) {
+  prepare_finish(scale, stale, false);
+  return commit_finish();
+}
+
+std::vector<std::size_t> GradStream::prepare_finish(double scale, bool stale, bool frugal) {
+  // Note [Atomic step]: everything that can fail, and nothing a caller sees: the verdicts, the redone steps'
+  // staging; a released gradient the caller steps goes back to p.grad. A failure leaves the window open (a
+  // retry prepares again); the commit then cannot fail.
   {
     std::lock_guard<std::mutex> lock(mutex_);
     for (std::size_t b : ledger_.unlaunched()) launch_locked(b);  // a backward that ended without its callback
@@ -26,8 +34,10 @@ GradStream::Finish GradStream::finish(double scale, bool stale) {
   if (clock_.start != 0) clock_.worker_done = drained;  // Note [Stream timeline]: buckets launched here included
   count_freed_locked();
   wait_uploads_locked();
-  Finish out;
-  std::vector<std::pair<std::size_t, double>> redo;  // with the clip coefficient each is stepped with
+  prepared_ = Prepared{};
+  prepared_.scale = scale;
+  prepared_.stale = stale;
+  std::vector<std::size_t> unhandled;
   const std::vector<optimizer::GradContent> contents = grad_contents_locked();
   for (std::size_t i = 0; i < slots_.size(); ++i) {
     if (!ledger_.streamable(i)) continue;
@@ -35,7 +45,60 @@ GradStream::Finish GradStream::finish(double scale, bool stale) {
     if (stale) restore_locked(i, false);  // the caller re-reads the master and takes p.grad
     optimizer::GradIdentity now = identity_of(i);
     now.content = contents[i];
-    const optimizer::Confirmation c = ledger_.confirm(i, now, scale, stale);
+    const optimizer::Confirmation c = ledger_.verdict(i, now, scale, stale);
+    prepared_.slots.push_back({i, now, c.kind});
+    if (c.kind == optimizer::Confirmation::kUnhandled) {
+      restore_locked(i, false);  // the caller steps it from p.grad
+      unhandled.push_back(i);
+      // Never committed: their pinned room goes to what the step needs (a tight host budget holds one or the other).
+      s.out_master = s.out_exp_avg = s.out_exp_avg_sq = s.out_max_exp_avg_sq = s.staging = at::Tensor();
+    } else if (c.kind == optimizer::Confirmation::kRedo) {
+      s.out_master = s.out_exp_avg = s.out_exp_avg_sq = s.out_max_exp_avg_sq = at::Tensor();  // redone in place
+    }
+  }
+  // The early steps' out-of-place results are an optimisation: with `frugal`, or when the redone steps'
+  // staging finds no room beside them, they go and their steps are redone in place from the landed gradients
+  // (the same kernel on the same values: the same bits).
+  auto let_early_results_go = [&] {
+    for (auto& p : prepared_.slots) {
+      if (p.kind != optimizer::Confirmation::kCommit) continue;
+      Slot& s = slots_[p.slot];
+      s.out_master = s.out_exp_avg = s.out_exp_avg_sq = s.out_max_exp_avg_sq = at::Tensor();
+      ledger_.forget_early(p.slot);
+      p.kind = optimizer::Confirmation::kRedo;
+    }
+  };
+  if (frugal) let_early_results_go();
+  auto allocate_staging = [&] {
+    for (const auto& p : prepared_.slots) {
+      Slot& s = slots_[p.slot];
+      if (p.kind == optimizer::Confirmation::kRedo && !s.staging.defined())
+        s.staging = runtime_->host_empty({s.param.numel()}, s.param.scalar_type(), false);
+    }
+  };
+  try {
+    allocate_staging();
+  } catch (const out_of_memory&) {
+    if (frugal) throw;
+    let_early_results_go();
+    allocate_staging();
+  }
+  prepared_.ready = true;
+  return unhandled;
+}
+
+GradStream::Finish GradStream::commit_finish() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TIERFLOW_EXPECTS(prepared_.ready, "GradStream::commit_finish: no prepare_finish before it");
+  prepared_.ready = false;
+  Finish out;
+  std::vector<std::pair<std::size_t, double>> redo;  // with the clip coefficient each is stepped with
+  for (const auto& p : prepared_.slots) {
+    const std::size_t i = p.slot;
+    Slot& s = slots_[i];
+    const optimizer::Confirmation c = ledger_.confirm(i, p.identity, prepared_.scale, prepared_.stale);
+    TIERFLOW_EXPECTS(c.kind == p.kind, "GradStream::commit_finish: slot " + std::to_string(i) +
+                                           "'s verdict changed since prepare_finish");
     switch (c.kind) {
       case optimizer::Confirmation::kNone:
         break;
@@ -51,11 +114,11 @@ GradStream::Finish GradStream::finish(double scale, bool stale) {
         redo.emplace_back(i, c.scale);
         break;
       case optimizer::Confirmation::kUnhandled:
-        restore_locked(i, false);  // the caller steps it from p.grad
         out.unhandled.push_back(i);
         break;
     }
   }
+  prepared_.slots.clear();
   redo_locked(redo, out.committed);
   upload_locked(out.committed);
   reset_window_locked(false);

@@ -279,34 +279,53 @@ void StepLedger::kernel_time(std::uint64_t ns, std::uint64_t grad_bytes) noexcep
   window_kernel_bytes_ += grad_bytes;
 }
 
-Confirmation StepLedger::confirm(std::size_t slot, GradIdentity grad, double scale, bool stale) {
-  TIERFLOW_EXPECTS(slot < slots_.size(), "StepLedger::confirm: no slot " + std::to_string(slot));
-  Slot& s = slots_[slot];
+Confirmation StepLedger::verdict(std::size_t slot, const GradIdentity& grad, double scale, bool stale) const {
+  TIERFLOW_EXPECTS(slot < slots_.size(), "StepLedger::verdict: no slot " + std::to_string(slot));
+  const Slot& s = slots_[slot];
   if (!s.streamable) return {};
   const bool released = s.released && !grad.defined();  // its gradient is the landed host copy
   const bool early = s.spec_done && !s.discarded;
-  if (!grad.defined() && !released) {
-    take_back(s);
-    return {};
-  }
+  if (!grad.defined() && !released) return {};
   const bool same_grad = s.streamed && s.landed && !s.discarded && !stale && s.has_state &&
                          (released || same_gradient(grad, s.grad));
   const double slot_scale = s.clipped ? s.clip_scale : scale;  // Note [Clip picked up]
   if (same_grad && early && slot_scale == 1.0 &&
-      same_options(s.options_used, groups_[static_cast<std::size_t>(s.group)])) {
+      same_options(s.options_used, groups_[static_cast<std::size_t>(s.group)]))
+    return {Confirmation::kCommit, 1.0};
+  if (same_grad) return {Confirmation::kRedo, slot_scale};
+  return {Confirmation::kUnhandled, 1.0};
+}
+
+Confirmation StepLedger::confirm(std::size_t slot, GradIdentity grad, double scale, bool stale) {
+  const Confirmation c = verdict(slot, grad, scale, stale);
+  Slot& s = slots_[slot];
+  if (!s.streamable) return c;
+  if (c.kind == Confirmation::kNone) {  // no gradient now, and none released: nothing to step
+    take_back(s);
+    return c;
+  }
+  const bool early = s.spec_done && !s.discarded;
+  if (c.kind == Confirmation::kCommit) {
     s.discarded = true;  // consumed: the window's end must not count it as taken back
     stats_.committed += 1;
-    return {Confirmation::kCommit, 1.0};
+    return c;
   }
   if (early) {
     stats_.taken_back += 1;
     stats_.redone += 1;
-  } else if (s.streamed && !s.discarded && s.landed && !same_grad) {
+  } else if (s.streamed && !s.discarded && s.landed && c.kind != Confirmation::kRedo) {
     stats_.taken_back += 1;  // streamed, never stepped (speculation stopped), and now not usable
   }
   s.discarded = s.discarded || s.streamed;
-  if (same_grad) return {Confirmation::kRedo, slot_scale};
-  return {Confirmation::kUnhandled, 1.0};
+  return c;
+}
+
+void StepLedger::forget_early(std::size_t slot) {
+  TIERFLOW_EXPECTS(slot < slots_.size(), "StepLedger::forget_early: no slot " + std::to_string(slot));
+  Slot& s = slots_[slot];
+  if (!s.spec_done || s.discarded) return;
+  s.spec_done = false;
+  stats_.held += 1;
 }
 
 void StepLedger::discard_all() {

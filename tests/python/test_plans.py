@@ -32,7 +32,8 @@ def sdpa_gpt_task(layers: int = 3, seq: int = 128, batch: int = 4) -> Task:
         # The benchmark's model has no dropout; recomputation must replay the RNG, so add some.
         m = gpt_model.GPT(cfg)
         for blk in find_blocks(m):
-            blk.register_forward_hook(lambda mod, a, out: torch.nn.functional.dropout(out, 0.1, mod.training))
+            blk.register_forward_hook(tierflow.activations.replay_safe(
+                lambda mod, a, out: torch.nn.functional.dropout(out, 0.1, mod.training)))
         return m
 
     return Task(make, batch_fn, loss)
@@ -205,8 +206,12 @@ def _budgets_for(measured, profile: dict) -> dict:
 def test_auto_budget_below_the_floor_says_how_much_is_needed(tmp_path, device):
     task = gpt_task()
     _, profile, path = _profile_and_plan(tmp_path, task, device)
-    with pytest.raises(tierflow.OutOfMemoryError, match=r"needs? .*B"):
+    # Below the parameters and their gradients: refused at wrap, before any forward, naming the setting.
+    with pytest.raises(tierflow.ConfigError, match=r"TIERFLOW_GPU_MEMORY=4096 \(keyword gpu_memory\).*834\.00 KiB"):
         train(task, 1, True, device=device, profile=path, gpu_memory="4KiB", **OPT_NONE)
+    # Above them, below the plan's floor: the planner says how much and which setting.
+    with pytest.raises(tierflow.OutOfMemoryError, match=r"needs? .*B.*raise TIERFLOW_GPU_MEMORY \(gpu_memory=\)"):
+        train(task, 1, True, device=device, profile=path, gpu_memory="900KiB", **OPT_NONE)
 
 
 def test_a_bad_profile_file_is_refused_and_left_alone(tmp_path, device):

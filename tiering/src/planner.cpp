@@ -489,7 +489,12 @@ Plan plan_blocks(const std::vector<BlockProfile>& blocks, const Links& links, co
   if (floor <= budgets.device_bytes) {
     msg += "; it also swaps " + format_bytes(inputs) + " of block inputs, more than the host (" +
            format_bytes(budgets.host_bytes) + ") and NVMe (" + format_bytes(budgets.nvme_bytes) +
-           ") budgets hold with what the device can keep";
+           ") budgets hold with what the device can keep; raise TIERFLOW_HOST_MEMORY (host_memory=) or give "
+           "TIERFLOW_NVME_PATHS (nvme_paths=)";
+  } else {
+    msg += "; raise TIERFLOW_GPU_MEMORY (gpu_memory=) to at least " + format_bytes(floor) +
+           ", lower TIERFLOW_PREFETCH_BYTES (prefetch_bytes=), or offload the parameters "
+           "(TIERFLOW_OFFLOAD_PARAMS, offload_params=)";
   }
   throw out_of_memory(msg);
 }

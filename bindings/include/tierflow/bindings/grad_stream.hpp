@@ -239,6 +239,14 @@ class GradStream : public std::enable_shared_from_this<GradStream> {
   /// coefficient), sends weights back, and ends the window. `stale`: the
   /// masters must be re-read from the parameters (every streamed slot is unhandled).
   Finish finish(double scale, bool stale);
+  /// finish() in two (Note [Atomic step]): everything that can fail (the verdicts, the redone steps' staging,
+  /// released gradients the caller steps back in p.grad), changing no weight or state; returns the slots the
+  /// caller steps. A failure leaves the window open. `frugal`: the early steps' out-of-place results go first
+  /// and every streamed step is redone in place (room for the caller's part under a tight host budget); they
+  /// go as well when the redone steps' staging finds no room beside them.
+  std::vector<std::size_t> prepare_finish(double scale, bool stale, bool frugal);
+  /// ... then what cannot fail: commits, redoes, sends weights back, ends the window.
+  Finish commit_finish();
   /// Discards every early step not yet confirmed (a forward before step(), a
   /// skipped step); released gradients go back to p.grad (restore_grads).
   void discard_all();
@@ -294,6 +302,18 @@ class GradStream : public std::enable_shared_from_this<GradStream> {
   void rebind_reduced_locked();
   optimizer::GradIdentity identity_of(std::size_t slot) const;
   std::vector<optimizer::GradContent> grad_contents_locked();
+  struct Prepared {  // prepare_finish's verdicts, for commit_finish
+    struct Entry {
+      std::size_t slot;
+      optimizer::GradIdentity identity;
+      optimizer::Confirmation::Kind kind;
+    };
+    std::vector<Entry> slots;
+    double scale = 1.0;
+    bool stale = false;
+    bool ready = false;
+  };
+  Prepared prepared_;
   void sync_buckets_locked();
   void stream_locked(std::size_t slot);
   void stream_from_locked(std::size_t slot, const at::Tensor& grad, bool reduced);

@@ -21,9 +21,11 @@ pool's room and a probe that still fails leaves the buckets' size as it was.
 wrap refuses a TIERFLOW_HOST_MEMORY that cannot hold one step (states,
 gradients' host copies, staging: optimizer/state_tier.hpp). States on NVMe
 keep Note [NVMe optimizer faults] (the parameters that stepped stay stepped; a
-retry steps only the others, exactly once). The gradient stream's finish()
-(grad_stream_step.cpp) commits early steps before its redone steps allocate
-their staging: see issue 37's report.
+retry steps only the others, exactly once). Steps taken during backward
+(Note [Gradient streaming]) join the same order: the stream's prepare_finish
+(its verdicts, its redone steps' staging, the released gradients it leaves to
+Python back in p.grad) and the Python path's preparation both run before the
+stream's commit_finish, which cannot fail.
 
 Note [Shared param groups]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -587,9 +589,19 @@ class CPUAdamW(torch.optim.Optimizer):
             if self._fsdp_feed is not None:  # the identities finish() checks: each shard's .grad, p.grad's local
                 self._fsdp_feed.sync_grads()
                 self._fsdp_feed.mark_unseen_changes()
-            unhandled = self._streaming.stream.finish(scale, self._master_stale)
-            self._step_groups(scale, [(group, params) for group, params in zip(
-                self.param_groups, self._streaming.python_path(self.param_groups, unhandled)) if params])
+            # Note [Atomic step]: what can fail, the stream's and the Python path's, before anything commits.
+            def prepare(frugal: bool) -> list:
+                unhandled = self._streaming.stream.prepare_finish(scale, self._master_stale, frugal)
+                return self._prepare_groups(scale, [(group, params) for group, params in zip(
+                    self.param_groups, self._streaming.python_path(self.param_groups, unhandled)) if params])
+
+            try:
+                prepared = prepare(False)
+            except _C.OutOfMemoryError:  # the early steps' out-of-place results let go for the rest's room
+                prepared = prepare(True)
+            self._streaming.stream.commit_finish()
+            for work in prepared:
+                self._apply_group(*work)
             if self._sharded:  # the next forward's all-gathers read the shards: their weights are back first
                 self._streaming.stream.synchronize()
                 if self._fsdp_feed is not None:
@@ -630,6 +642,12 @@ class CPUAdamW(torch.optim.Optimizer):
         """States on the host: one step of [(group, its params or None for all)], all or nothing (Note [Atomic
         step]): everything that can fail (new states, gradients' copies, staging) first, for every group; then
         the kernels and the weights' way back."""
+        for work in self._prepare_groups(scale, todo):
+            self._apply_group(*work)
+
+    def _prepare_groups(self, scale: float, todo: list) -> list:
+        """Note [Atomic step]: _prepare_group for each of [(group, its params or None)]; on a failure the states
+        it made are dropped and it raises, having changed nothing a caller sees."""
         fresh: list = []  # parameters whose state this step made
         prepared = []
         try:
@@ -639,8 +657,7 @@ class CPUAdamW(torch.optim.Optimizer):
             for p in fresh:  # a state made for a step that did not happen: the next step() makes it again
                 self.state.pop(p, None)
             raise
-        for work in prepared:
-            self._apply_group(*work)
+        return prepared
 
     def _prepare_group(self, group: dict, scale: float, params: Optional[list], fresh: list) -> tuple:
         """Note [Atomic step]: a host-tier group's part of a step up to the kernels, writing nothing a caller

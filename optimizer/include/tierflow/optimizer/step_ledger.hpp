@@ -282,6 +282,11 @@ class StepLedger {
   /// What step() does with `slot`, whose p.grad is `grad` now, with the clip
   /// coefficient `scale`; `stale`: the masters must be re-read (nothing streamed counts).
   Confirmation confirm(std::size_t slot, GradIdentity grad, double scale, bool stale);
+  /// What confirm() would say, changing nothing (Note [Atomic step]: step() prepares before it commits).
+  Confirmation verdict(std::size_t slot, const GradIdentity& grad, double scale, bool stale) const;
+  /// `slot`'s early step's results were let go for room (Note [Atomic step]): step() redoes it from the
+  /// landed gradient, as a held slot (counted as held).
+  void forget_early(std::size_t slot);
   /// Discards every early step not yet confirmed (a forward before step()).
   void discard_all();
   /// Ends the window: resets the slots, re-cuts the buckets in the observed
