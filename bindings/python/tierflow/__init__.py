@@ -17,6 +17,7 @@ import torch  # noqa: F401  (loads libtorch before the extension that links it)
 from . import _C
 from ._C import ConfigError, OutOfMemoryError, TierflowError
 from ._config import config_table, resolve_config
+from .activations import replay_safe
 from .activations.meter import SavedActivationMeter
 from ._report import Report
 from ._wrap import Session, current_session, no_offload, report, unwrap, wrap
@@ -35,6 +36,7 @@ __all__ = [
     "config_table",
     "current_session",
     "no_offload",
+    "replay_safe",
     "report",
     "resolve_config",
     "unwrap",
