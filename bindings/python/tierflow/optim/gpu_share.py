@@ -60,9 +60,19 @@ class GpuShare:
         if not self.ids:
             return False
         moved = [p for p, c in zip(cuda, carried) if c and id(p) in self.ids]
-        for p in moved:
+        # Note [Atomic step]: this runs after the step committed, so it may not fail it: every device copy is
+        # made before any state changes, and a device without the room keeps the share on the CPU.
+        try:
+            copies = [_device_copies(p, state.get(p)) for p in moved]
+        except (torch.OutOfMemoryError, _C.OutOfMemoryError) as e:
+            self.ids = set()
+            _C.log("warn", "tierflow: the CPU optimizer's GPU share found no device memory for its states "
+                           f"({str(e).splitlines()[0]}); every parameter steps on the CPU")
+            return False
+        for p, c in zip(moved, copies):
             streaming.exclude(p)
-            _states_to_device(p, state.get(p))
+            if c:
+                state[p].update(c)
         streaming.forget_python_path()
         if planner is not None:
             per_element = _C.gpu_share_bytes_per_element(any(p.dtype != torch.float32 for p in cuda))
@@ -103,14 +113,14 @@ def _device_room(runtime: "_C.Runtime", cuda: list, carried: list, planner: Any)
             torch.cuda.max_memory_allocated(dev), planned)
 
 
-def _states_to_device(p: torch.Tensor, s: Optional[dict]) -> None:
-    """A parameter's CPU optimizer state, when it has one, moves to the parameter's device."""
+def _device_copies(p: torch.Tensor, s: Optional[dict]) -> dict:
+    """A parameter's CPU optimizer state, when it has one, copied to the parameter's device (the entries to
+    put in its state); nothing changes until the caller puts them."""
     if not s or "master" not in s:
-        return
-    for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
-        if k in s:
-            s[k] = s[k].to(p.device).view_as(p)
-    s["master"] = p.detach() if p.dtype == torch.float32 else s["master"].to(p.device).view_as(p)
+        return {}
+    out = {k: s[k].to(p.device).view_as(p) for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if k in s}
+    out["master"] = p.detach() if p.dtype == torch.float32 else s["master"].to(p.device).view_as(p)
+    return out
 
 
 #: Device bytes the GPU share's states may take (optimizer/include/tierflow/optimizer/grad_buckets.hpp).
