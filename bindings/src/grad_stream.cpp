@@ -137,7 +137,7 @@ std::vector<optimizer::GradContent> GradStream::grad_contents_locked() {
     if (!ledger_.compares_content(i)) continue;
     Slot& s = slots_[i];
     const at::Tensor grad = s.param.grad();  // FSDP2's: the local tensor of the owner's gradient
-    now[i] = ContentProbe::of(grad.defined() ? grad.view(-1) : grad);
+    now[i] = ContentProbe::of(grad);  // not contiguous (other strides, same values): not known, stepped again
     for (ContentProbe* p : {&now[i], &s.streamed_content})
       if (p->pending()) pending.push_back(p);
   }

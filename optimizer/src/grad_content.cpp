@@ -15,7 +15,7 @@ GradContent content_of(const Bits* b, std::size_t count) {
   for (std::size_t i = 0; i < count; ++i) {
     const auto v = static_cast<std::uint64_t>(static_cast<std::int64_t>(b[i]));
     sum += v;
-    weighted += v * static_cast<std::uint64_t>(i + 1);
+    weighted += v * content_weight(i);
   }
   return {sum, weighted, true};
 }
@@ -32,15 +32,12 @@ GradContent grad_content(const void* data, std::size_t element_bytes, std::size_
   }
 }
 
-GradContent combine_grad_content(const std::int64_t* slab_sum, const std::int64_t* slab_weighted,
+GradContent combine_grad_content(const std::uint64_t* slab_sum, const std::uint64_t* slab_weighted,
                                  std::size_t slabs) {
   std::uint64_t sum = 0, weighted = 0;
   for (std::size_t r = 0; r < slabs; ++r) {
-    const auto s = static_cast<std::uint64_t>(slab_sum[r]);
-    const std::uint64_t offset = static_cast<std::uint64_t>(r) * kGradContentSlab;
-    sum += s;
-    // sum_k b (offset + k + 1) = sum_k b (k + 1) + offset * sum_k b
-    weighted += static_cast<std::uint64_t>(slab_weighted[r]) + offset * s;
+    sum += slab_sum[r];
+    weighted += slab_weighted[r];
   }
   return {sum, weighted, true};
 }

@@ -14,19 +14,19 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// Block r sums slab r: sum b and sum b (k + 1), k within the slab, in int64 (at most 2^31 * 2^12 * 2^12 in
-// magnitude: no overflow), as the host's combine_grad_content expects.
+// Block r sums slab r: sum b and sum b * content_weight(i) over its elements, modulo 2^64 (unsigned
+// arithmetic wraps by definition), as the host's combine_grad_content adds them.
 template <typename Bits>
-__global__ void content_slabs(const Bits* __restrict__ bits, std::size_t count, long long* __restrict__ sums,
-                              long long* __restrict__ weighted) {
-  __shared__ long long s_sum[kThreads];
-  __shared__ long long s_weighted[kThreads];
+__global__ void content_slabs(const Bits* __restrict__ bits, std::size_t count,
+                              unsigned long long* __restrict__ sums, unsigned long long* __restrict__ weighted) {
+  __shared__ unsigned long long s_sum[kThreads];
+  __shared__ unsigned long long s_weighted[kThreads];
   const std::size_t start = static_cast<std::size_t>(blockIdx.x) * kGradContentSlab;
-  long long sum = 0, w = 0;
+  unsigned long long sum = 0, w = 0;
   for (std::size_t k = threadIdx.x; k < kGradContentSlab && start + k < count; k += kThreads) {
-    const long long b = static_cast<long long>(bits[start + k]);
+    const auto b = static_cast<unsigned long long>(static_cast<long long>(bits[start + k]));
     sum += b;
-    w += b * static_cast<long long>(k + 1);
+    w += b * content_weight(start + k);
   }
   s_sum[threadIdx.x] = sum;
   s_weighted[threadIdx.x] = w;
@@ -49,13 +49,13 @@ __global__ void content_slabs(const Bits* __restrict__ bits, std::size_t count, 
 bool cuda_grad_content_compiled() noexcept { return true; }
 
 void cuda_grad_content_slabs(const void* data, std::size_t element_bytes, std::size_t count,
-                             std::int64_t* slab_sum, std::int64_t* slab_weighted, void* stream) {
+                             std::uint64_t* slab_sum, std::uint64_t* slab_weighted, void* stream) {
   const std::size_t slabs = (count + kGradContentSlab - 1) / kGradContentSlab;
   if (slabs == 0) return;
   TIERFLOW_EXPECTS(slabs <= 0x7fffffffu, "cuda_grad_content_slabs: " + std::to_string(count) + " elements");
   const auto s = static_cast<cudaStream_t>(stream);
-  auto* sums = reinterpret_cast<long long*>(slab_sum);
-  auto* weighted = reinterpret_cast<long long*>(slab_weighted);
+  auto* sums = reinterpret_cast<unsigned long long*>(slab_sum);
+  auto* weighted = reinterpret_cast<unsigned long long*>(slab_weighted);
   const auto grid = static_cast<unsigned>(slabs);
   switch (element_bytes) {
     case 2:

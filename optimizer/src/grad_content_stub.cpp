@@ -6,7 +6,7 @@ namespace tierflow::optimizer {
 
 bool cuda_grad_content_compiled() noexcept { return false; }
 
-void cuda_grad_content_slabs(const void*, std::size_t, std::size_t, std::int64_t*, std::int64_t*, void*) {
+void cuda_grad_content_slabs(const void*, std::size_t, std::size_t, std::uint64_t*, std::uint64_t*, void*) {
   throw logic_error("cuda_grad_content_slabs: tierflow was built without CUDA");
 }
 

@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cstring>
 #include <random>
 #include <utility>
 #include <vector>
@@ -24,15 +25,16 @@ std::vector<T> random_bits(std::size_t n, unsigned seed) {
   return v;
 }
 
-// What a device computes: per slab, sum b and sum b (k + 1), in int64 (no overflow inside a slab).
+// What a device computes: per slab, sum b and sum b * content_weight(i) (global i), modulo 2^64.
 template <typename T>
 GradContent by_slabs(const std::vector<T>& v) {
-  std::vector<std::int64_t> sums, weighted;
+  std::vector<std::uint64_t> sums, weighted;
   for (std::size_t start = 0; start < v.size(); start += kGradContentSlab) {
-    std::int64_t s = 0, w = 0;
-    for (std::size_t k = 0; start + k < v.size() && k < kGradContentSlab; ++k) {
-      s += v[start + k];
-      w += static_cast<std::int64_t>(v[start + k]) * static_cast<std::int64_t>(k + 1);
+    std::uint64_t s = 0, w = 0;
+    for (std::size_t i = start; i < v.size() && i < start + kGradContentSlab; ++i) {
+      const auto b = static_cast<std::uint64_t>(static_cast<std::int64_t>(v[i]));
+      s += b;
+      w += b * tierflow::optimizer::content_weight(i);
     }
     sums.push_back(s);
     weighted.push_back(w);
@@ -63,6 +65,30 @@ TEST(GradContent, SeesOneChangedElementAndTwoSwapped) {
   const GradContent swapped = grad_content(a.data(), 4, a.size());
   EXPECT_EQ(placed.sum, swapped.sum);
   EXPECT_FALSE(same_content(placed, swapped));
+}
+
+TEST(GradContent, SeesSignFlipsThatCancelUnderLinearWeights) {
+  // p.grad.data.neg_() of values whose signs run +, -, -, +: each flip is +-2^31 in the bit pattern, and
+  // positions 1 + 4 = 2 + 3, so sums weighted by i + 1 held. Pseudo-random weights do not cancel.
+  const float values[] = {0.5F, -0.25F, -2.0F, 1.5F};
+  std::vector<std::int32_t> a(4), b(4);
+  for (int i = 0; i < 4; ++i) {
+    const float neg = -values[i];
+    std::memcpy(&a[static_cast<std::size_t>(i)], &values[i], 4);
+    std::memcpy(&b[static_cast<std::size_t>(i)], &neg, 4);
+  }
+  EXPECT_FALSE(same_content(grad_content(a.data(), 4, 4), grad_content(b.data(), 4, 4)));
+  // Every sign pattern of eight elements, negated: never the same pair.
+  for (unsigned mask = 1; mask < 256; ++mask) {
+    std::vector<std::int32_t> x(8), y(8);
+    for (unsigned i = 0; i < 8; ++i) {
+      const float f = (mask >> i & 1U) ? -1.0F - static_cast<float>(i) : 1.0F + static_cast<float>(i);
+      const float g = -f;
+      std::memcpy(&x[i], &f, 4);
+      std::memcpy(&y[i], &g, 4);
+    }
+    EXPECT_FALSE(same_content(grad_content(x.data(), 4, 8), grad_content(y.data(), 4, 8))) << mask;
+  }
 }
 
 TEST(GradContent, UnknownNeverMatchesAndOtherWidthsAreRefused) {

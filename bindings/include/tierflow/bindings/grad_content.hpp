@@ -16,7 +16,7 @@ class ContentProbe {
  public:
   ContentProbe() = default;
   /// Probes `grad`: a contiguous float32, bfloat16 or float16 tensor (anything else: not known, which
-  /// compares unequal). A host tensor is read now; a device one's sums are queued on its current stream.
+  /// compares unequal). A host tensor is read now; a CUDA one's sums are queued on its current stream.
   static ContentProbe of(const at::Tensor& grad);
   bool pending() const noexcept { return slabs_.defined(); }
   /// The content (reads a pending device result: prefer resolve() for many).
@@ -26,10 +26,7 @@ class ContentProbe {
 
  private:
   optimizer::GradContent content_;
-  at::Tensor slabs_;  // [2, slabs] int64 on the device: each slab's sum and weighted sum (pending)
+  at::Tensor slabs_;  // [2, slabs] on the device: each slab's sum and weighted sum, uint64 bits (pending)
 };
-
-/// The device computation of ContentProbe::of, for any tensor (a host one too): [2, slabs] int64 (tests).
-at::Tensor content_slab_sums(const at::Tensor& grad);
 
 }  // namespace tierflow::bindings
