@@ -151,14 +151,14 @@ PYBIND11_MODULE(_C, m) {
     const auto given = Config::from_environment(to_string_map(overrides)).given;
     return std::vector<std::string>(given.begin(), given.end());
   }, "The TIERFLOW_* variables the environment plus `overrides` set (the others hold the table's defaults).");
-  m.def("ignored_setting_refusal", [](const py::dict& config, const std::vector<std::string>& given) -> py::object {
+  m.def("ignored_settings", [](const py::dict& config, const std::vector<std::string>& given, bool cuda) {
     Config c = Config::parse(to_string_map(config));
     c.given = std::set<std::string>(given.begin(), given.end());
-    const std::string why = ignored_setting_refusal(c);
-    return why.empty() ? py::none() : py::cast(why);
-  }, py::arg("config"), py::arg("given"),
-     "Note [Settings a mode ignores]: the refusal of a given setting these settings (a Runtime's config()) ignore, "
-     "or None.");
+    const IgnoredSettings r = ignored_settings(c, ModelFacts{cuda});
+    return py::make_tuple(r.refusal.empty() ? py::object(py::none()) : py::object(py::cast(r.refusal)), r.warnings);
+  }, py::arg("config"), py::arg("given"), py::arg("cuda"),
+     "Note [Settings a mode ignores]: (the refusal of a given setting these settings (a Runtime's config()) ignore, "
+     "or None; the warning lines of those let through), for a model on a CUDA GPU or not.");
   m.def("fsdp_settings_refusal", [](const py::dict& config, bool cpu_optimizer, bool cpu_offload_policy) -> py::object {
     const std::string why =
         tiering::fsdp_settings_refusal(Config::parse(to_string_map(config)), cpu_optimizer, cpu_offload_policy);

@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
@@ -354,8 +355,23 @@ TEST(Config, RemembersWhichVariablesWereGiven) {
 
 namespace {
 
-std::string ignored(const std::map<std::string, std::string>& overrides) {
-  return tierflow::ignored_setting_refusal(tierflow::Config::parse({}, overrides));
+tierflow::IgnoredSettings ignored_on(const std::map<std::string, std::string>& overrides, bool cuda) {
+  return tierflow::ignored_settings(tierflow::Config::parse({}, overrides), tierflow::ModelFacts{cuda});
+}
+
+std::string ignored(const std::map<std::string, std::string>& overrides) { return ignored_on(overrides, false).refusal; }
+
+// The one warning line naming `variable`, or "" (and a failure) when there is not exactly one such line.
+std::string warned(const std::map<std::string, std::string>& overrides, const std::string& variable,
+                   bool cuda = false) {
+  const auto r = ignored_on(overrides, cuda);
+  EXPECT_EQ(r.refusal, "") << variable;
+  std::string line;
+  int n = 0;
+  for (const auto& w : r.warnings)
+    if (w.find(variable + "=") != std::string::npos) line = w, ++n;
+  EXPECT_EQ(n, 1) << variable;
+  return line;
 }
 
 std::string parse_error(const std::map<std::string, std::string>& overrides) {
@@ -369,54 +385,122 @@ std::string parse_error(const std::map<std::string, std::string>& overrides) {
 
 }  // namespace
 
-TEST(ConfigIgnored, TheCpuOptimizersSettingsWithOffloadOptimizerNoneAreRefusedNamingBoth) {
+TEST(ConfigIgnored, WhatChangesResultsOrMemoryWithOffloadOptimizerNoneIsRefusedNamingBoth) {
   const std::string why = ignored({{"offload_optimizer", "none"}, {"skip_nonfinite", "on"}});
   EXPECT_NE(why.find("TIERFLOW_SKIP_NONFINITE='on' (keyword skip_nonfinite) is ignored with "
                      "TIERFLOW_OFFLOAD_OPTIMIZER=none (keyword offload_optimizer)"), std::string::npos) << why;
   EXPECT_NE(why.find("accepted:"), std::string::npos) << why;
+  EXPECT_NE(why.find("GradScaler"), std::string::npos) << why;
   const std::string clip = ignored({{"offload_optimizer", "none"}, {"max_grad_norm", "1.0"}});
   EXPECT_NE(clip.find("TIERFLOW_MAX_GRAD_NORM"), std::string::npos) << clip;
   EXPECT_NE(clip.find("clip_grad_norm_"), std::string::npos) << clip;
-  for (const char* key : {"overlap_step", "grad_bucket_bytes", "weights_return", "offload_gradients",
-                          "grad_accumulation_steps", "partition_optimizer", "gpu_optimizer_fraction"}) {
-    const std::map<std::string, std::string> values = {
-        {"overlap_step", "off"}, {"grad_bucket_bytes", "8MiB"}, {"weights_return", "forward"},
-        {"offload_gradients", "on"}, {"grad_accumulation_steps", "4"}, {"partition_optimizer", "on"},
-        {"gpu_optimizer_fraction", "0.5"}};
-    EXPECT_NE(ignored({{"offload_optimizer", "none"}, {key, values.at(key)}}).find(std::string("(keyword ") + key + ")"),
-              std::string::npos) << key;
-    EXPECT_EQ(ignored({{"offload_optimizer", "host"}, {key, values.at(key)}}).find("ignored with TIERFLOW_OFFLOAD_OPTIMIZER"),
-              std::string::npos) << key;
+  for (const char* key : {"offload_gradients", "partition_optimizer"}) {
+    const std::string why = ignored({{"offload_optimizer", "none"}, {key, "on"}});
+    EXPECT_NE(why.find(std::string("(keyword ") + key + ") is ignored with TIERFLOW_OFFLOAD_OPTIMIZER=none"),
+              std::string::npos) << why;
+    EXPECT_NE(why.find("accepted: TIERFLOW_OFFLOAD_OPTIMIZER=host or nvme"), std::string::npos) << why;
+    EXPECT_EQ(ignored({{"offload_optimizer", "host"}, {key, "on"}}), "") << key;
   }
+  // A refusal wins over the warnings beside it.
+  EXPECT_NE(ignored({{"offload_optimizer", "none"}, {"overlap_step", "off"}, {"max_grad_norm", "1"}})
+                .find("TIERFLOW_MAX_GRAD_NORM"), std::string::npos);
 }
 
-TEST(ConfigIgnored, DefaultsAndSettingsTheModeUsesAreLetThrough) {
+TEST(ConfigIgnored, TheCpuOptimizersSpeedSettingsWithOffloadOptimizerNoneWarnOnceEach) {
+  const std::map<std::string, std::string> values = {
+      {"overlap_step", "off"}, {"grad_bucket_bytes", "8MiB"}, {"weights_return", "forward"},
+      {"grad_accumulation_steps", "4"}, {"gpu_optimizer_fraction", "0.5"}, {"cpu_threads", "2"},
+      {"cpu_isa", "portable"}};
+  for (const auto& [key, value] : values) {
+    std::string variable = "TIERFLOW_" + key;
+    std::transform(variable.begin(), variable.end(), variable.begin(), ::toupper);
+    const std::string line = warned({{"offload_optimizer", "none"}, {key, value}}, variable, /*cuda=*/true);
+    EXPECT_NE(line.find("(keyword " + key + ") is ignored with TIERFLOW_OFFLOAD_OPTIMIZER=none "
+                        "(keyword offload_optimizer)"), std::string::npos) << line;
+    EXPECT_NE(line.find("it would act with TIERFLOW_OFFLOAD_OPTIMIZER=host or nvme"), std::string::npos) << line;
+    EXPECT_TRUE(ignored_on({{"offload_optimizer", "host"}, {key, value}}, true).warnings.empty()) << key;
+  }
+  // Several ignored settings: one line each.
+  EXPECT_EQ(ignored_on({{"offload_optimizer", "none"}, {"overlap_step", "off"}, {"cpu_threads", "2"}}, true)
+                .warnings.size(), 2u);
+}
+
+TEST(ConfigIgnored, DefaultsAndSettingsTheModeUsesAreLetThroughSilently) {
   EXPECT_EQ(ignored({}), "");
-  EXPECT_EQ(ignored({{"offload_optimizer", "none"}}), "");
+  EXPECT_TRUE(ignored_on({}, false).warnings.empty());
+  EXPECT_TRUE(ignored_on({{"offload_optimizer", "none"}}, false).warnings.empty());
   // Given, but at its default: changes nothing either way.
-  EXPECT_EQ(ignored({{"offload_optimizer", "none"}, {"skip_nonfinite", "off"}, {"max_grad_norm", "none"}}), "");
+  const auto at_default = ignored_on({{"offload_optimizer", "none"}, {"skip_nonfinite", "off"},
+                                      {"max_grad_norm", "none"}, {"overlap_step", "on"}, {"gpu_memory", "90%"}},
+                                     false);
+  EXPECT_EQ(at_default.refusal, "");
+  EXPECT_TRUE(at_default.warnings.empty());
   EXPECT_EQ(ignored({{"offload_optimizer", "host"}, {"skip_nonfinite", "on"}, {"max_grad_norm", "1"}}), "");
   EXPECT_EQ(ignored({{"offload_optimizer", "nvme"}, {"nvme_paths", "/x"}, {"max_grad_norm", "1"}}), "");
+  EXPECT_TRUE(ignored_on({{"gpu_memory", "1GiB"}, {"profile", "/tmp/p.json"}, {"min_offload_bytes", "0"},
+                          {"gpu_optimizer_fraction", "0.5"}}, true).warnings.empty());
+  // A parsed config remembers nothing as given: nothing is ignored.
+  EXPECT_TRUE(tierflow::ignored_settings(tierflow::Config::defaults(), {}).warnings.empty());
 }
 
-TEST(ConfigIgnored, TheStreamsSettingsWithoutStepsDuringBackwardAreRefused) {
-  const std::string off = ignored({{"overlap_step", "off"}, {"grad_bucket_bytes", "8MiB"}});
+TEST(ConfigIgnored, TheStreamsSettingsWithoutStepsDuringBackwardWarn) {
+  const std::string off = warned({{"overlap_step", "off"}, {"grad_bucket_bytes", "8MiB"}}, "TIERFLOW_GRAD_BUCKET_BYTES");
   EXPECT_NE(off.find("TIERFLOW_GRAD_BUCKET_BYTES='8388608' (keyword grad_bucket_bytes) is ignored with "
                      "TIERFLOW_OVERLAP_STEP=off (keyword overlap_step)"), std::string::npos) << off;
-  const std::string nvme = ignored({{"offload_optimizer", "nvme"}, {"nvme_paths", "/x"}, {"weights_return", "forward"}});
+  const std::string nvme = warned({{"offload_optimizer", "nvme"}, {"nvme_paths", "/x"}, {"weights_return", "forward"}},
+                                  "TIERFLOW_WEIGHTS_RETURN");
   EXPECT_NE(nvme.find("TIERFLOW_WEIGHTS_RETURN='forward' (keyword weights_return) is ignored with "
                       "TIERFLOW_OFFLOAD_OPTIMIZER=nvme"), std::string::npos) << nvme;
+  warned({{"offload_optimizer", "nvme"}, {"nvme_paths", "/x"}, {"overlap_step", "off"}}, "TIERFLOW_OVERLAP_STEP");
+  warned({{"overlap_step", "off"}, {"grad_accumulation_steps", "4"}}, "TIERFLOW_GRAD_ACCUMULATION_STEPS");
 }
 
-TEST(ConfigIgnored, NvmeAndPlannerSettingsWithoutTheirTierOrPlannerAreRefused) {
-  const std::string nvme = ignored({{"nvme_checksum", "off"}});
-  EXPECT_NE(nvme.find("TIERFLOW_NVME_CHECKSUM='off' (keyword nvme_checksum) is ignored with "
-                      "TIERFLOW_NVME_PATHS=(empty) (keyword nvme_paths)"), std::string::npos) << nvme;
-  EXPECT_EQ(ignored({{"nvme_checksum", "off"}, {"nvme_paths", "/x"}}), "");
-  const std::string replan = ignored({{"offload_activations", "host"}, {"replan", "off"}});
+TEST(ConfigIgnored, NvmePlannerSwapHostAndGpuShareSettingsWithoutTheirUseWarn) {
+  for (const char* key : {"nvme_checksum", "nvme_memory", "aio_block_size", "aio_queue_depth"}) {
+    const std::map<std::string, std::string> values = {
+        {"nvme_checksum", "off"}, {"nvme_memory", "1GiB"}, {"aio_block_size", "4KiB"}, {"aio_queue_depth", "8"}};
+    std::string variable = std::string("TIERFLOW_") + key;
+    std::transform(variable.begin(), variable.end(), variable.begin(), ::toupper);
+    const std::string line = warned({{key, values.at(key)}}, variable);
+    EXPECT_NE(line.find("is ignored with TIERFLOW_NVME_PATHS=(empty) (keyword nvme_paths)"), std::string::npos)
+        << line;
+    EXPECT_TRUE(ignored_on({{key, values.at(key)}, {"nvme_paths", "/x"}}, false).warnings.empty()) << key;
+  }
+  const std::string replan = warned({{"offload_activations", "host"}, {"replan", "off"}}, "TIERFLOW_REPLAN");
   EXPECT_NE(replan.find("TIERFLOW_REPLAN='off' (keyword replan) is ignored with TIERFLOW_OFFLOAD_ACTIVATIONS=host"),
             std::string::npos) << replan;
-  EXPECT_EQ(ignored({{"offload_activations", "auto"}, {"replan", "off"}}), "");
+  warned({{"offload_activations", "none"}, {"profile", "/tmp/p.json"}}, "TIERFLOW_PROFILE");
+  warned({{"offload_activations", "recompute"}, {"profile", "/tmp/p.json"}}, "TIERFLOW_PROFILE");
+  EXPECT_TRUE(ignored_on({{"offload_activations", "auto"}, {"replan", "off"}}, false).warnings.empty());
+  for (const char* key : {"min_offload_bytes", "prefetch_bytes"}) {
+    std::string variable = std::string("TIERFLOW_") + key;
+    std::transform(variable.begin(), variable.end(), variable.begin(), ::toupper);
+    warned({{"offload_activations", "none"}, {key, "8MiB"}}, variable);
+    EXPECT_TRUE(ignored_on({{"offload_activations", "host"}, {key, "8MiB"}}, false).warnings.empty()) << key;
+  }
+  // The GPU share: off CUDA, every state steps on the CPU.
+  const std::string share = warned({{"gpu_optimizer_fraction", "0.5"}}, "TIERFLOW_GPU_OPTIMIZER_FRACTION");
+  EXPECT_NE(share.find("not on a CUDA GPU"), std::string::npos) << share;
+  EXPECT_TRUE(ignored_on({{"gpu_optimizer_fraction", "0.5"}}, true).warnings.empty());
+  // Nothing goes to the host.
+  warned({{"offload_activations", "none"}, {"offload_optimizer", "none"}, {"host_memory", "1GiB"}},
+         "TIERFLOW_HOST_MEMORY");
+  EXPECT_TRUE(ignored_on({{"offload_activations", "none"}, {"host_memory", "1GiB"}}, false).warnings.empty());
+}
+
+TEST(ConfigIgnored, TheDeviceBudgetInAFixedActivationModeWarnsUnlessSomethingElseReadsIt) {
+  for (const char* mode : {"none", "host", "recompute"}) {
+    const std::string line = warned({{"offload_activations", mode}, {"gpu_memory", "1KiB"}}, "TIERFLOW_GPU_MEMORY");
+    EXPECT_NE(line.find(std::string("is ignored with TIERFLOW_OFFLOAD_ACTIVATIONS=") + mode), std::string::npos)
+        << line;
+    EXPECT_NE(line.find("does not plan by the device budget"), std::string::npos) << line;
+  }
+  // The parameters' residency and the GPU share's choice read it.
+  EXPECT_TRUE(ignored_on({{"offload_activations", "none"}, {"offload_params", "host"}, {"gpu_memory", "1GiB"}}, false)
+                  .warnings.empty());
+  EXPECT_TRUE(ignored_on({{"offload_activations", "none"}, {"gpu_memory", "1GiB"}}, true).warnings.empty());
+  warned({{"offload_activations", "none"}, {"gpu_memory", "1GiB"}, {"gpu_optimizer_fraction", "0"}},
+         "TIERFLOW_GPU_MEMORY", /*cuda=*/true);
 }
 
 TEST(ConfigNvmePaths, AFileOrTheSameDirectoryTwiceIsRefusedWhenParsed) {

@@ -36,14 +36,13 @@ def refused(how: str, monkeypatch, model: nn.Module = None, **settings) -> str:
 
 BOTH = ["keyword", "environment"]
 
+# Note [Settings a mode ignores]: ignoring these changes results or breaks a promise about memory.
 IGNORED = [
     ({"offload_optimizer": "none", "skip_nonfinite": "on"}, "TIERFLOW_SKIP_NONFINITE", "skip_nonfinite"),
     ({"offload_optimizer": "none", "max_grad_norm": "1.0"}, "TIERFLOW_MAX_GRAD_NORM", "max_grad_norm"),
     ({"offload_optimizer": "none", "offload_gradients": "on"}, "TIERFLOW_OFFLOAD_GRADIENTS", "offload_gradients"),
-    ({"overlap_step": "off", "grad_bucket_bytes": "8MiB"}, "TIERFLOW_GRAD_BUCKET_BYTES", "grad_bucket_bytes"),
-    ({"overlap_step": "off", "weights_return": "forward"}, "TIERFLOW_WEIGHTS_RETURN", "weights_return"),
-    ({"nvme_checksum": "off"}, "TIERFLOW_NVME_CHECKSUM", "nvme_checksum"),
-    ({"offload_activations": "host", "replan": "off"}, "TIERFLOW_REPLAN", "replan"),
+    ({"offload_optimizer": "none", "partition_optimizer": "on"}, "TIERFLOW_PARTITION_OPTIMIZER",
+     "partition_optimizer"),
 ]
 
 
@@ -51,17 +50,63 @@ IGNORED = [
 @pytest.mark.parametrize("settings, variable, keyword", IGNORED, ids=[c[2] for c in IGNORED])
 def test_a_setting_the_mode_ignores_is_refused_naming_both(how, settings, variable, keyword, monkeypatch):
     msg = refused(how, monkeypatch, **settings)
-    chooser = next(k for k in settings if k != keyword) if len(settings) > 1 else "nvme_paths"
+    chooser = next(k for k in settings if k != keyword)
     assert f"{variable}=" in msg and f"(keyword {keyword})" in msg, msg
     assert f"TIERFLOW_{chooser.upper()}=" in msg and f"(keyword {chooser})" in msg, msg
     assert "accepted:" in msg, msg
 
 
-def test_settings_the_mode_uses_or_defaults_are_not_refused(monkeypatch):
-    model = nn.Linear(4, 4)
-    tierflow.wrap(model, torch.optim.AdamW(model.parameters()), device="emulated", offload_optimizer="none",
-                  skip_nonfinite="off", max_grad_norm="none")
+# Speed only, or the integrity of a tier not in use (settings users set globally): accepted, one warning each.
+WARNED = [
+    ({"offload_activations": "none", "profile": "/tmp/tierflow-unused-profile.json"}, "TIERFLOW_PROFILE", "profile"),
+    ({"offload_activations": "host", "replan": "off"}, "TIERFLOW_REPLAN", "replan"),
+    ({"offload_activations": "none", "min_offload_bytes": "0"}, "TIERFLOW_MIN_OFFLOAD_BYTES", "min_offload_bytes"),
+    ({"offload_activations": "none", "prefetch_bytes": "1MiB"}, "TIERFLOW_PREFETCH_BYTES", "prefetch_bytes"),
+    ({"aio_queue_depth": "8"}, "TIERFLOW_AIO_QUEUE_DEPTH", "aio_queue_depth"),
+    ({"aio_block_size": "4KiB"}, "TIERFLOW_AIO_BLOCK_SIZE", "aio_block_size"),
+    ({"nvme_memory": "1GiB"}, "TIERFLOW_NVME_MEMORY", "nvme_memory"),
+    ({"nvme_checksum": "off"}, "TIERFLOW_NVME_CHECKSUM", "nvme_checksum"),
+    ({"offload_optimizer": "none", "grad_accumulation_steps": "4"}, "TIERFLOW_GRAD_ACCUMULATION_STEPS",
+     "grad_accumulation_steps"),
+    ({"overlap_step": "off", "grad_accumulation_steps": "4"}, "TIERFLOW_GRAD_ACCUMULATION_STEPS",
+     "grad_accumulation_steps"),
+    ({"offload_optimizer": "none", "overlap_step": "off"}, "TIERFLOW_OVERLAP_STEP", "overlap_step"),
+    ({"overlap_step": "off", "grad_bucket_bytes": "8MiB"}, "TIERFLOW_GRAD_BUCKET_BYTES", "grad_bucket_bytes"),
+    ({"overlap_step": "off", "weights_return": "forward"}, "TIERFLOW_WEIGHTS_RETURN", "weights_return"),
+    ({"offload_optimizer": "none", "cpu_threads": "1"}, "TIERFLOW_CPU_THREADS", "cpu_threads"),
+    ({"gpu_optimizer_fraction": "0.5"}, "TIERFLOW_GPU_OPTIMIZER_FRACTION", "gpu_optimizer_fraction"),
+    ({"offload_activations": "none", "gpu_memory": "1GiB"}, "TIERFLOW_GPU_MEMORY", "gpu_memory"),
+]
+
+
+@pytest.mark.parametrize("how", BOTH)
+@pytest.mark.parametrize("settings, variable, keyword", WARNED, ids=[f"{c[2]}-{next(iter(c[0]))}" for c in WARNED])
+def test_a_speed_only_setting_the_mode_ignores_is_accepted_with_one_warning(how, settings, variable, keyword,
+                                                                           monkeypatch, capfd):
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+    if how == "environment":
+        for k, v in settings.items():
+            monkeypatch.setenv("TIERFLOW_" + k.upper(), str(v))
+    capfd.readouterr()
+    tierflow.wrap(model, torch.optim.AdamW(model.parameters()), device="emulated",
+                  **(settings if how == "keyword" else {}))
     tierflow.unwrap(model)
+    lines = [line for line in capfd.readouterr().err.splitlines() if "is ignored with" in line]
+    assert len(lines) == 1, lines
+    assert f"{variable}=" in lines[0] and f"(keyword {keyword})" in lines[0] and "no effect" in lines[0], lines
+
+
+def test_settings_the_mode_uses_or_defaults_are_not_refused_nor_warned(monkeypatch, capfd):
+    model = nn.Linear(4, 4)
+    capfd.readouterr()
+    tierflow.wrap(model, torch.optim.AdamW(model.parameters()), device="emulated", offload_optimizer="none",
+                  skip_nonfinite="off", max_grad_norm="none", overlap_step="on", gpu_memory="90%")
+    tierflow.unwrap(model)
+    model = nn.Linear(4, 4)
+    tierflow.wrap(model, torch.optim.AdamW(model.parameters()), device="emulated", max_grad_norm="1.0",
+                  grad_accumulation_steps="2", profile="/tmp/tierflow-unused-profile.json", gpu_memory="1GiB")
+    tierflow.unwrap(model)
+    assert "is ignored with" not in capfd.readouterr().err
 
 
 def test_a_list_where_one_value_is_expected_names_the_setting():
@@ -130,11 +175,15 @@ def test_a_model_on_the_meta_device_is_refused_at_wrap(monkeypatch):
 
 
 @pytest.mark.parametrize("how", BOTH)
-def test_a_device_budget_below_the_parameters_is_refused_at_wrap(how, monkeypatch):
+@pytest.mark.parametrize("mode", ["auto", "none", "host", "recompute"])
+def test_a_device_budget_below_the_parameters_is_refused_at_wrap(how, mode, monkeypatch):
     model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(4)])
-    msg = refused(how, monkeypatch, model=model, gpu_memory="4KiB")
-    assert "TIERFLOW_GPU_MEMORY=4096 (keyword gpu_memory)" in msg and "no activation plan can fit" in msg, msg
-    assert "130.00 KiB" in msg and "accepted:" in msg, msg
+    msg = refused(how, monkeypatch, model=model, gpu_memory="4KiB", offload_activations=mode)
+    assert "TIERFLOW_GPU_MEMORY=4096 (keyword gpu_memory)" in msg and "130.00 KiB" in msg and "accepted:" in msg, msg
+    if mode == "auto":
+        assert "no activation plan can fit" in msg, msg
+    else:
+        assert f"TIERFLOW_OFFLOAD_ACTIVATIONS={mode} (keyword offload_activations) cannot keep" in msg, msg
 
 
 def test_a_plan_profile_without_links_is_refused(tmp_path, capsys):

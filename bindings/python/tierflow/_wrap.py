@@ -209,11 +209,13 @@ def wrap(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
     new_optimizer = optimizer
     try:
         # A setting the chosen mode would ignore (Note [Settings a mode ignores] in core/config.hpp).
-        ignored = _C.ignored_setting_refusal(dict(session.config), _C.config_given(settings_to_strings(
-            {k: v for k, v in settings.items() if not k.startswith("_")})))
-        if ignored is not None:
-            raise _C.ConfigError(f"tierflow.wrap: {ignored}")
+        refusal, warnings = _C.ignored_settings(dict(session.config), _C.config_given(settings_to_strings(
+            {k: v for k, v in settings.items() if not k.startswith("_")})), any(d.type == "cuda" for d in devices))
+        if refusal is not None:
+            raise _C.ConfigError(f"tierflow.wrap: {refusal}")
         _refuse_device_budget(model, session)
+        for line in warnings:
+            _C.log("warn", f"tierflow.wrap: {line}")
         # FSDP2 with settings it cannot train, tensor parallelism: refused before anything is attached.
         refuse_sharded(model, chain[-1] if chain else None, session.config)
         replacing = optimizer is not None and session.config["TIERFLOW_OFFLOAD_OPTIMIZER"] in ("host", "nvme")
@@ -294,11 +296,12 @@ def _refuse_meta(model: torch.nn.Module) -> None:
 
 
 def _refuse_device_budget(model: torch.nn.Module, session: Session) -> None:
-    """TIERFLOW_OFFLOAD_ACTIVATIONS=auto plans the whole step within TIERFLOW_GPU_MEMORY: with the parameters on the
-    device (TIERFLOW_OFFLOAD_PARAMS=none), their bytes and their gradients' already exceed a budget no plan can fit
-    in; said at wrap, where the shapes are known, not at the first forward."""
+    """With the parameters on the device (TIERFLOW_OFFLOAD_PARAMS=none), their bytes and their gradients' exceed a
+    TIERFLOW_GPU_MEMORY below them in any activation mode: under auto no plan can fit, under a fixed mode the budget
+    cannot be kept (Note [Settings a mode ignores]); said at wrap, where the shapes are known, not at the first
+    forward."""
     cfg = session.config
-    if cfg["TIERFLOW_OFFLOAD_ACTIVATIONS"] != "auto" or cfg["TIERFLOW_OFFLOAD_PARAMS"] != "none":
+    if cfg["TIERFLOW_OFFLOAD_PARAMS"] != "none":
         return
     runtime = session.runtime
     params = [p for p in {id(p): p for p in model.parameters()}.values() if runtime.on_device(p)]
@@ -307,11 +310,14 @@ def _refuse_device_budget(model: torch.nn.Module, session: Session) -> None:
         sum(p.numel() * p.element_size() for p in params if p.requires_grad)
     budget = int(runtime.device_budget_bytes())
     if weights + grads > budget:
+        mode = cfg["TIERFLOW_OFFLOAD_ACTIVATIONS"]
+        why = "no activation plan can fit" if mode == "auto" else \
+            f"TIERFLOW_OFFLOAD_ACTIVATIONS={mode} (keyword offload_activations) cannot keep the run within it"
         raise _C.ConfigError(
             f"tierflow.wrap: TIERFLOW_GPU_MEMORY={cfg['TIERFLOW_GPU_MEMORY']} (keyword gpu_memory) gives the device "
             f"{_C.format_bytes(budget)}, less than the model's parameters and their gradients take on it "
-            f"({_C.format_bytes(weights + grads)}: {_C.format_bytes(weights)} of parameters), so no activation plan "
-            f"can fit; accepted: a budget above {_C.format_bytes(weights + grads)} with room for the activations, or "
+            f"({_C.format_bytes(weights + grads)}: {_C.format_bytes(weights)} of parameters), so "
+            f"{why}; accepted: a budget above {_C.format_bytes(weights + grads)} with room for the activations, or "
             "TIERFLOW_OFFLOAD_PARAMS=host (keyword offload_params) to keep the parameters off the device")
 
 

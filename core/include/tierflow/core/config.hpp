@@ -111,21 +111,47 @@ struct Config {
 /// Note [Settings a mode ignores]
 /// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 /// Some settings act only in some modes: the CPU optimizer's (clip, skip,
-/// buckets, accumulation, ...) do nothing with TIERFLOW_OFFLOAD_OPTIMIZER=none,
-/// which leaves the user's optimizer as it is; the gradient stream's (buckets,
-/// weights' return, accumulation) nothing without steps during backward (states
-/// on NVMe, TIERFLOW_OVERLAP_STEP=off); the NVMe engine's nothing without
+/// buckets, accumulation, threads, ...) do nothing with
+/// TIERFLOW_OFFLOAD_OPTIMIZER=none, which leaves the user's optimizer as it is;
+/// the gradient stream's (buckets, weights' return, accumulation) nothing
+/// without steps during backward (states on NVMe, TIERFLOW_OVERLAP_STEP=off);
+/// the GPU share nothing for a model off CUDA; the NVMe engine's nothing without
 /// TIERFLOW_NVME_PATHS; the activation planner's (profile, re-plan) nothing
-/// without a planner. A setting given (environment or keyword) a value other
-/// than its default in a mode that ignores it is refused when the runtime is
-/// attached (tierflow.wrap), naming both settings: a user who asked for a clip
-/// must not train unclipped without a word. A setting at its default changes
-/// nothing either way and is let through.
+/// in a fixed activation mode (recompute's plan is forced); the activation
+/// swaps' (smallest size, prefetch window) nothing with
+/// TIERFLOW_OFFLOAD_ACTIVATIONS=none; the device budget nothing in
+/// a fixed activation mode with the parameters on the device and no GPU share
+/// choosing by it; the host pool's nothing when nothing goes to the host.
+/// Only a setting given explicitly (environment or keyword) a value other than
+/// its default counts: at its default it changes nothing either way. Then, when
+/// the runtime is attached (tierflow.wrap):
+///  - refused, naming both settings and what would make it act, when ignoring
+///    it changes results or breaks a promise about memory: max_grad_norm and
+///    skip_nonfinite (a user who asked for a clip must not train unclipped
+///    without a word), offload_gradients=on and partition_optimizer=on (each
+///    promises gradients or states off the device) with offload_optimizer=none;
+///    and a device budget below what the parameters and their gradients take on
+///    the device, in any activation mode (checked in tierflow.wrap, where the
+///    shapes are known);
+///  - otherwise (speed only, or the integrity of a tier not in use: settings
+///    that users set globally, in a cluster's environment or a Makefile) let
+///    through with one warning line per setting naming it, the mode that
+///    ignores it and what would make it act.
+/// The emulated device's settings (TIERFLOW_EMULATED_DEVICE, _SEED) are a test
+/// suite's, set for whole suites whatever the device, and are let through.
+/// docs/configuration.md lists every case and its kind.
 
-/// The refusal of the first setting `config` gives a non-default value that its
-/// mode ignores (Note [Settings a mode ignores]): both variables and keywords,
-/// the values and what is accepted; empty when there is none.
-std::string ignored_setting_refusal(const Config& config);
+/// What tierflow.wrap knows of the model being wrapped.
+struct ModelFacts {
+  bool cuda = false;  ///< its parameters are on a CUDA GPU (the GPU share applies)
+};
+
+/// The given settings `config`'s modes ignore (Note [Settings a mode ignores]).
+struct IgnoredSettings {
+  std::string refusal;  ///< the first refused one (both variables and keywords, what is accepted), or empty
+  std::vector<std::string> warnings;  ///< one line for each let-through one
+};
+IgnoredSettings ignored_settings(const Config& config, const ModelFacts& model);
 
 /// One row of the configuration table.
 struct ConfigEntry {
