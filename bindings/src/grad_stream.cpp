@@ -200,7 +200,19 @@ void GradStream::set_state(std::size_t slot, at::Tensor master, at::Tensor exp_a
   s.exp_avg_sq = std::move(exp_avg_sq);
   s.max_exp_avg_sq = std::move(max_exp_avg_sq);
   s.step = std::move(step);
+  s.written = s.home.defined() ? ContentProbe() : ContentProbe::of(s.param);  // the master's source (Note [Weight content])
+  s.probe_after_upload = false;
   ledger_.state_set(slot);
+}
+
+void GradStream::note_written(const std::vector<std::size_t>& slots) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (std::size_t i : slots) {
+    TIERFLOW_EXPECTS(i < slots_.size(), "GradStream::note_written: no slot " + std::to_string(i));
+    Slot& s = slots_[i];
+    s.written = s.home.defined() ? ContentProbe() : ContentProbe::of(s.param);
+    s.probe_after_upload = false;
+  }
 }
 
 std::vector<at::Tensor> GradStream::state_of(std::size_t slot) const {

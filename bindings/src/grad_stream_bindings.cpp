@@ -197,6 +197,10 @@ void bind_stream_step(py::class_<PyGradStream, std::shared_ptr<PyGradStream>>& c
            }, py::arg("scale"), py::arg("stale"), py::arg("frugal") = false,
            py::call_guard<py::gil_scoped_release>(),
            "Note [Atomic step]: finish()'s part that can fail, changing no weight or state; the slots left to the caller.")
+      .def("weights_changed", [](PyGradStream& g) { return g.stream->weights_changed(); },
+           "Note [Weight content]: slots whose parameter the user wrote since tierflow did (their masters go stale).")
+      .def("note_written", [](PyGradStream& g, const std::vector<std::size_t>& slots) { g.stream->note_written(slots); },
+           py::call_guard<py::gil_scoped_release>(), "The caller wrote these slots' parameters (Note [Weight content]).")
       .def("commit_finish", [](PyGradStream& g) {
         GradStream::Finish f;
         {

@@ -45,6 +45,10 @@ struct GradStream::Slot {
   bool freed_counted = false;
   at::Tensor norm;            // clip_grad_norm_'s per-tensor norm of the released gradient
   at::Tensor out_master, out_exp_avg, out_exp_avg_sq, out_max_exp_avg_sq, staging;
+  // What tierflow last wrote into the parameter (Note [Weight content]): a write of the user's since then
+  // (p.data edits) makes the master stale for this parameter.
+  ContentProbe written;
+  bool probe_after_upload = false;  // CUDA: probe the parameter once the compute stream waits for `upload`
   // Its weights on the way back.
   swap::TransferHandle upload;
   bool upload_pending = false;

@@ -37,6 +37,8 @@ std::vector<std::size_t> GradStream::prepare_finish(double scale, bool stale, bo
   prepared_ = Prepared{};
   prepared_.scale = scale;
   prepared_.stale = stale;
+  const std::vector<std::size_t> changed = weights_changed_locked();
+  weights_changed_.insert(weights_changed_.end(), changed.begin(), changed.end());
   std::vector<std::size_t> unhandled;
   const std::vector<optimizer::GradContent> contents = grad_contents_locked();
   for (std::size_t i = 0; i < slots_.size(); ++i) {
@@ -119,6 +121,7 @@ GradStream::Finish GradStream::commit_finish() {
     }
   }
   prepared_.slots.clear();
+  weights_changed_.clear();
   redo_locked(redo, out.committed);
   upload_locked(out.committed);
   reset_window_locked(false);
@@ -182,6 +185,7 @@ void GradStream::upload_locked(const std::vector<std::size_t>& committed) {
     if (!s.staging.defined()) continue;
     if (s.home.defined()) {  // on the host between uses: the next fetch copies it (Note [Parameter storage])
       s.home.view(-1).copy_(s.staging.view(-1));
+      s.written = ContentProbe();  // (its weight lives in the home: not checked, Note [Weight content])
       stats_.weight_bytes_to_host_copy += s.param.nbytes();
       continue;
     }
@@ -189,6 +193,10 @@ void GradStream::upload_locked(const std::vector<std::size_t>& committed) {
     // After the kernels still reading the old value (rule 1).
     s.upload = engine->copy(swap::Direction::kHostToDevice, s.param.data_ptr(), s.staging.data_ptr(),
                             s.param.nbytes(), {}, compute);
+    // Note [Weight content]: the bytes on their way are the staging's. On the host (the emulated device) read
+    // them now; a GPU reads the parameter once its compute stream waits for the copy (below, or wait_module).
+    s.probe_after_upload = !s.param.is_cpu();
+    s.written = s.probe_after_upload ? ContentProbe() : ContentProbe::of(s.staging);
     s.upload_pending = true;
     s.upload_seq = ++upload_seq_;
     uploads_.emplace_back(s.upload, s.staging);  // staging stays until the copy is done (rule 3)
@@ -216,6 +224,7 @@ void GradStream::upload_locked(const std::vector<std::size_t>& committed) {
     step_uploads_.emplace_back(d, slots_[i].upload);
     waited_streams_.emplace_back(d, compute.native());
   }
+  for (std::size_t i : sent) probe_written_locked(slots_[i]);  // after the compute streams' waits
   stats_.weight_wait_ns += now_ns() - t0;
 }
 
@@ -297,7 +306,42 @@ void GradStream::wait_module(std::size_t module) {
   }
   // (A module's parameters are on one device: the runtime's.)
   if (last) engine->make_stream_wait(compute_stream_of(*engine, last->param.device()), last->upload);
+  for (std::size_t i : modules_[module]) probe_written_locked(slots_[i]);
   stats_.weight_wait_ns += now_ns() - t0;
+}
+
+void GradStream::probe_written_locked(Slot& s) {
+  if (!s.probe_after_upload) return;
+  s.probe_after_upload = false;
+  if (s.upload_pending)  // its compute stream has not waited for it yet
+    runtime_->copy_engine()->make_stream_wait(compute_stream_of(*runtime_->copy_engine(), s.param.device()), s.upload);
+  s.written = ContentProbe::of(s.param);
+}
+
+std::vector<std::size_t> GradStream::weights_changed_locked() {
+  // Note [Weight content]: a parameter whose bytes are not what tierflow wrote last was written by the user.
+  std::vector<ContentProbe> now(slots_.size());
+  std::vector<ContentProbe*> pending;
+  for (std::size_t i = 0; i < slots_.size(); ++i) {
+    Slot& s = slots_[i];
+    probe_written_locked(s);
+    if (!s.written.pending() && !s.written.get().known) continue;
+    now[i] = ContentProbe::of(s.param);
+    for (ContentProbe* p : {&now[i], &s.written})
+      if (p->pending()) pending.push_back(p);
+  }
+  ContentProbe::resolve(pending);
+  std::vector<std::size_t> changed;
+  for (std::size_t i = 0; i < slots_.size(); ++i) {
+    Slot& s = slots_[i];
+    if (!s.written.get().known) continue;
+    if (!optimizer::same_content(now[i].get(), s.written.get())) {
+      changed.push_back(i);
+      s.written = ContentProbe();  // read from p from now on: the caller reconciles the master
+      ledger_.state_set(i);        // an early step read the old master: not committed (stepped again)
+    }
+  }
+  return changed;
 }
 
 void GradStream::synchronize() {

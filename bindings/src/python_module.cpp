@@ -169,18 +169,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("cuda_available", &allocator::cuda_available, "Whether a CUDA GPU is usable.");
   m.def("_queued_transfers_in_process", &swap::queued_transfers_in_process,
         "Copies on the emulated device and NVMe requests queued in this process so far (the test suite's tiers).");
-  // Note [Gradient content]: the pair as the host computes it and as a device would (its torch ops, run on
-  // whatever device the tensor is on), for the tests that hold them equal.
+  // Note [Gradient content]: the pair where the tensor lives (the host's pass, or a GPU's kernel), for the tests
+  // that hold them equal.
   m.def("_grad_content", [](const at::Tensor& grad) {
     const optimizer::GradContent c = ContentProbe::of(grad).get();
-    return py::make_tuple(c.sum, c.weighted, c.known);
-  });
-  m.def("_grad_content_by_slabs", [](const at::Tensor& grad) {
-    const at::Tensor slabs = content_slab_sums(grad).cpu().contiguous();
-    const std::int64_t n = slabs.size(1);
-    const optimizer::GradContent c = optimizer::combine_grad_content(slabs.data_ptr<std::int64_t>(),
-                                                                     slabs.data_ptr<std::int64_t>() + n,
-                                                                     static_cast<std::size_t>(n));
     return py::make_tuple(c.sum, c.weighted, c.known);
   });
   m.def("push_no_offload", &push_no_offload);

@@ -247,6 +247,15 @@ class GradStream : public std::enable_shared_from_this<GradStream> {
   std::vector<std::size_t> prepare_finish(double scale, bool stale, bool frugal);
   /// ... then what cannot fail: commits, redoes, sends weights back, ends the window.
   Finish commit_finish();
+  /// The slots whose parameter's bytes were not what tierflow wrote last (Note [Weight content]), found by
+  /// prepare_finish since the last commit: the caller re-reads their masters from the parameters.
+  /// The caller wrote these slots' parameters (the Python path's steps, its uploads complete): their bytes
+  /// now are what the next step compares with.
+  void note_written(const std::vector<std::size_t>& slots);
+  std::vector<std::size_t> weights_changed() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return weights_changed_;
+  }
   /// Discards every early step not yet confirmed (a forward before step(), a
   /// skipped step); released gradients go back to p.grad (restore_grads).
   void discard_all();
@@ -314,6 +323,9 @@ class GradStream : public std::enable_shared_from_this<GradStream> {
     bool ready = false;
   };
   Prepared prepared_;
+  std::vector<std::size_t> weights_changed_;
+  void probe_written_locked(Slot& s);
+  std::vector<std::size_t> weights_changed_locked();
   void sync_buckets_locked();
   void stream_locked(std::size_t slot);
   void stream_from_locked(std::size_t slot, const at::Tensor& grad, bool reduced);

@@ -27,6 +27,25 @@ retry steps only the others, exactly once). Steps taken during backward
 Python back in p.grad) and the Python path's preparation both run before the
 stream's commit_finish, which cannot fail.
 
+Note [Weight content]
+~~~~~~~~~~~~~~~~~~~~
+The CPU AdamW steps an fp32 master of each weight, kept on the host, and
+writes the parameter from it. A user's write to the parameter since then
+(p.data.clamp_() after step(), WGAN's weight clipping; p.data edited between
+backward() and step(); a copy from an EMA) would be overwritten by the next
+step from the old master, where torch's AdamW steps from whatever p holds.
+So each parameter is known by its content (Note [Gradient content]: the same
+two exact sums): what tierflow last wrote into it, or read from it to make the
+master, is compared with its bytes at the next step(). Where they differ, the
+master is re-read from p (kept where p is its rounding, as after a load) and
+an early step taken from the old master is stepped again. The stream's
+parameters are checked in C++ (GradStream: the staging's bytes on the host;
+on a GPU the parameter once its compute stream waits for the copy), the
+others here. Not checked: parameters that live on the host between uses
+(TIERFLOW_OFFLOAD_PARAMS), states on NVMe, and, with
+TIERFLOW_WEIGHTS_RETURN=forward, a write between step() and the next forward,
+which races the new weights on their way (docs/models.md).
+
 Note [Shared param groups]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
 An LR scheduler made before tierflow.wrap holds the optimizer that wrap
@@ -133,6 +152,8 @@ class CPUAdamW(torch.optim.Optimizer):
     def _setup(self, runtime: "_C.Runtime") -> None:
         self._runtime = runtime
         self._master_stale = False
+        self._written: dict = {}    # Note [Weight content]: id(p) -> what the Python path last wrote into p
+        self._reread: set = set()   # ids of parameters whose masters this step re-reads (written by the user)
         cfg = runtime.config()
         if not hasattr(self, "_names"):
             self._names: dict = {}
@@ -592,6 +613,9 @@ class CPUAdamW(torch.optim.Optimizer):
             # Note [Atomic step]: what can fail, the stream's and the Python path's, before anything commits.
             def prepare(frugal: bool) -> list:
                 unhandled = self._streaming.stream.prepare_finish(scale, self._master_stale, frugal)
+                # Note [Weight content]: parameters the user wrote since tierflow did: their masters are re-read.
+                self._reread |= {id(self._streaming._slot_params[i]) for i in self._streaming.stream.weights_changed()}
+                self._stream_stepped = unhandled
                 return self._prepare_groups(scale, [(group, params) for group, params in zip(
                     self.param_groups, self._streaming.python_path(self.param_groups, unhandled)) if params])
 
@@ -626,7 +650,29 @@ class CPUAdamW(torch.optim.Optimizer):
         if watched is not None:
             note_step(self, watched, scale)
         self._copies.finish_uploads()
+        self._note_written()
         return skipped
+
+    # -- Note [Weight content] ------------------------------------------------------------------------
+    def _weight_written_by_user(self, p: torch.Tensor) -> bool:
+        """True when p's bytes are not what tierflow last wrote into it (p.data edits between steps: WGAN's
+        weight clipping): its master is re-read from p. The stream checks its own parameters."""
+        if id(p) in self._reread:
+            return True
+        then = self._written.get(id(p))
+        return then is not None and _C._grad_content(self._copies.source(local_shard(p)).detach()) != then
+
+    def _note_written(self) -> None:
+        """After a step's writes are complete: what the next step compares each parameter with."""
+        self._reread.clear()
+        stream = self._streaming.stream if self._streaming is not None else None
+        if stream is not None and getattr(self, "_stream_stepped", None):
+            stream.note_written(self._stream_stepped)  # carried, stepped here: the stream compares them
+        self._stream_stepped = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if (self._streaming is None or not self._streaming.carries(p)) and self.state.get(p):
+                    self._written[id(p)] = _C._grad_content(self._copies.source(local_shard(p)).detach())
 
     def _step_group(self, group: dict, scale: float = 1.0, params: Optional[list] = None) -> Optional[list]:
         """States on NVMe: one group's step (Note [NVMe optimizer faults]: the parameters it could not step)."""
@@ -707,7 +753,7 @@ class CPUAdamW(torch.optim.Optimizer):
         if len(state) == 0:
             state = self._init_state(p, group)
             fresh.append(p)
-        elif self._master_stale:
+        elif self._master_stale or self._weight_written_by_user(p):
             self._reconcile_master(state["master"], local_shard(p))  # the same master again on a retry
         if self._copies.staged(grad):
             host_grad, transfer, src = self._copies.fetch(grad)
