@@ -196,7 +196,9 @@ void GradStream::upload_locked(const std::vector<std::size_t>& committed) {
     // Note [Weight content]: the bytes on their way are the staging's. On the host (the emulated device) read
     // them now; a GPU reads the parameter once its compute stream waits for the copy (below, or wait_module).
     s.probe_after_upload = !s.param.is_cpu();
+    const std::uint64_t tw = now_ns();
     s.written = s.probe_after_upload ? ContentProbe() : ContentProbe::of(s.staging);
+    stats_.content_check_ns += now_ns() - tw;
     s.upload_pending = true;
     s.upload_seq = ++upload_seq_;
     uploads_.emplace_back(s.upload, s.staging);  // staging stays until the copy is done (rule 3)
@@ -320,6 +322,7 @@ void GradStream::probe_written_locked(Slot& s) {
 
 std::vector<std::size_t> GradStream::weights_changed_locked() {
   // Note [Weight content]: a parameter whose bytes are not what tierflow wrote last was written by the user.
+  const std::uint64_t t0 = now_ns();
   std::vector<ContentProbe> now(slots_.size());
   std::vector<ContentProbe*> pending;
   for (std::size_t i = 0; i < slots_.size(); ++i) {
@@ -341,6 +344,7 @@ std::vector<std::size_t> GradStream::weights_changed_locked() {
       ledger_.state_set(i);        // an early step read the old master: not committed (stepped again)
     }
   }
+  stats_.content_check_ns += now_ns() - t0;
   return changed;
 }
 

@@ -134,7 +134,7 @@ struct GradStreamStats {
   double sized_backward_s = 0;        ///< ... and the backward (0: not sized from measurements)
   std::uint64_t step_wait_ns = 0;     ///< time step() waited for the worker after backward
   std::uint64_t weight_wait_ns = 0;   ///< host time spent waiting for weights (forward mode: in pre-hooks)
-  std::uint64_t content_check_ns = 0; ///< host time spent on gradients' contents (Note [Gradient content])
+  std::uint64_t content_check_ns = 0; ///< host time spent on gradients' and weights' contents (Notes [Gradient content], [Weight content])
   std::uint64_t last_backward_ns = 0; ///< last backward, from its first gradient to its end
   double last_partial_norm = 0.0;     ///< norm of the gradients landed in the last window
 };
