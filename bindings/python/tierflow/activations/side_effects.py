@@ -109,6 +109,13 @@ class BlockState:
                 owner_name, _, attr = name.rpartition(".")
                 owner = block.get_submodule(owner_name) if owner_name else block
                 self.slots[name] = (owner, attr, kind, t, t._version)
+        # Tensors a module keeps as plain attributes (self.ema = torch.zeros(...), neither parameter nor buffer):
+        # state its forward may write like a buffer's, restored the same way.
+        for prefix, module in block.named_modules(remove_duplicate=False):
+            for attr, t in vars(module).items():
+                if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter) and \
+                        not (sharded and isinstance(t, sharded)):
+                    self.slots[f"{prefix}.{attr}" if prefix else attr] = (module, attr, "attribute", t, t._version)
         self.copies: dict = {}   # name -> the slot's value before the forward
         self.rebound: dict = {}  # name -> the tensor the slot held before the forward (buffers rebound in it)
         # Recording: every buffer's value, compared after the forward. Some ops write their arguments without
@@ -120,7 +127,7 @@ class BlockState:
                     self.copies[name] = self.slots[name][3].detach().clone()
             if recording:
                 for name, (_, _, kind, t, _) in self.slots.items():
-                    if kind == "buffer" and name not in self.copies:
+                    if kind != "parameter" and name not in self.copies:
                         self.snapshots[name] = t.detach().clone()
 
     def guard(self) -> dict:
@@ -146,8 +153,8 @@ class BlockState:
                 self.copies[name] = before
         self.snapshots.clear()
         for name, (owner, attr, kind, t, version) in self.slots.items():
-            now = (owner._parameters if kind == "parameter" else owner._buffers).get(attr)
-            if kind == "buffer" and now is not t:
+            now = _holder(owner, kind).get(attr)
+            if kind != "parameter" and now is not t:
                 self.rebound[name] = t
             if t._version != version and name not in self.copies:
                 unrestorable.append((kind, name))
@@ -169,7 +176,7 @@ class BlockState:
             with torch.no_grad():
                 for name, t0 in self.rebound.items():
                     owner, attr, kind, _, _ = self.slots[name]
-                    slots = owner._buffers
+                    slots = _holder(owner, kind)
                     undo.append(("rebind", slots, attr, slots.get(attr)))
                     slots[attr] = t0
                 for name, before in self.copies.items():
@@ -187,6 +194,11 @@ class BlockState:
                         _, t, value, version = entry
                         t.detach().copy_(value)
                         _set_version(t, version)
+
+
+def _holder(owner: torch.nn.Module, kind: str) -> dict:
+    """The dict a slot of ``kind`` lives in: the module's parameters, buffers, or plain attributes."""
+    return owner._parameters if kind == "parameter" else owner._buffers if kind == "buffer" else vars(owner)
 
 
 def _set_version(t: torch.Tensor, version: int) -> None:
