@@ -119,8 +119,9 @@ class Loop:
 
     def settings(self, nvme_dir: Optional[str]) -> dict:
         """tierflow.wrap's keywords for this loop."""
-        s: dict[str, Any] = dict(offload_activations=self.acts, offload_optimizer=self.opt_offload,
-                                 min_offload_bytes=0, prefetch_bytes="64KiB")
+        s: dict[str, Any] = dict(offload_activations=self.acts, offload_optimizer=self.opt_offload)
+        if self.acts != "none":  # (ignored without offloaded activations: a warning each)
+            s.update(min_offload_bytes=0, prefetch_bytes="64KiB")
         if self.offload_params != "none":
             s["offload_params"] = self.offload_params
         if self.opt_offload != "none":
@@ -181,8 +182,9 @@ def draw(seed: int) -> Loop:
         eval_forward=r.random() < 0.15, save_load=save_load, save_at=r.randrange(0, max(1, steps - 1)),
     )
     if r.random() < 0.9:
-        # Mostly settings that act in the loop's mode; one loop in ten keeps a setting its mode ignores, which
-        # tierflow refuses at wrap, naming it.
+        # Mostly settings that act in the loop's mode; one loop in ten keeps a setting its mode ignores: refused
+        # at wrap by name when ignoring it changes results (a clip, a skip), accepted with a warning when it
+        # only changes speed (Note [Settings a mode ignores]), and then it must match.
         streams = loop.opt_offload == "host" and loop.overlap_step == "on"
         loop = dataclasses.replace(
             loop, weights_return=loop.weights_return if streams else "step",
