@@ -108,6 +108,10 @@ class Loop:
     eval_forward: bool = False
     save_load: str = "none"          # none, in_place, rollback
     save_at: int = 1
+    # drawn after the rest (the earlier fields of a seed's loop are what they were before these came)
+    weight_edit: str = "none"        # none, clip_after_step (WGAN: p.data.clamp_), scale_before_step
+    grad_negate: bool = False        # p.grad.data.neg_() after backward (sign flips only)
+    grad_strides: bool = False       # p.grad replaced by the same values in other strides
 
     def line(self) -> str:
         """The loop in one line: what differs from the defaults (the seed always)."""
@@ -191,6 +195,16 @@ def draw(seed: int) -> Loop:
             tell_accumulation=loop.tell_accumulation and streams,
             skip_nonfinite=loop.skip_nonfinite and loop.opt_offload != "none",
             clip="torch" if loop.clip == "tierflow" and loop.opt_offload == "none" else loop.clip)
+    # Weights written outside the optimizer (Note [Weight content]), where tierflow checks them: not with the
+    # parameters on the host or the states on NVMe, and after step() not with TIERFLOW_WEIGHTS_RETURN=forward
+    # (docs/models.md: still assumed).
+    weight_edit = pick(("none",) * 6 + ("clip_after_step", "scale_before_step"))
+    if loop.offload_params != "none" or loop.opt_offload == "nvme" or \
+            (weight_edit == "clip_after_step" and loop.weights_return == "forward"):
+        weight_edit = "none"
+    free = loop.offload_gradients == "off"
+    loop = dataclasses.replace(loop, weight_edit=weight_edit, grad_negate=free and r.random() < 0.1,
+                               grad_strides=free and r.random() < 0.1)
     return loop
 
 
@@ -409,6 +423,10 @@ def _run(loop: Loop, use_tierflow: bool, nvme_dir: Optional[str]) -> Result:
                         scaled.backward()
                 total += float(loss.detach())
             _edit_grads(loop, params, step)
+            if loop.weight_edit == "scale_before_step":
+                with torch.no_grad():
+                    for p in params:
+                        p.data.mul_(0.99)
             if scaler is not None and loop.clip != "none":
                 # A clip is of the true gradients: unscaled first (tierflow's max_grad_norm clips in step(),
                 # which the scaler reaches after its own unscale_; the baseline's clip_grad_norm_ stands for it).
@@ -420,6 +438,9 @@ def _run(loop: Loop, use_tierflow: bool, nvme_dir: Optional[str]) -> Result:
                 scaler.update()
             else:
                 opt.step()
+            if loop.weight_edit == "clip_after_step":  # WGAN's weight clipping
+                for p in params:
+                    p.data.clamp_(-0.05, 0.05)
             if loop.zero_grad.startswith("end"):
                 opt.zero_grad(set_to_none=loop.zero_grad == "end_none")
             if sched is not None:
@@ -453,9 +474,7 @@ def _run(loop: Loop, use_tierflow: bool, nvme_dir: Optional[str]) -> Result:
 
 def _edit_grads(loop: Loop, params: list, step: int) -> None:
     """The user's own gradient edits after backward; `.data` edits do not bump the gradient's version."""
-    if loop.grad_edit == "none":
-        return
-    for k, p in enumerate(params):
+    for k, p in enumerate(params if loop.grad_edit != "none" else ()):
         if p.grad is None:
             continue
         # A factor that changes with the step and the parameter: Adam does not see a constant one.
@@ -470,6 +489,13 @@ def _edit_grads(loop: Loop, params: list, step: int) -> None:
             other = torch.randn(p.grad.shape, generator=torch.Generator().manual_seed(31 * step + k)) * 1e-3
             g = p.grad.data if loop.grad_edit == "data_allreduce" else p.grad
             g.add_(other.to(p.grad.dtype)).div_(2)
+    for p in params:
+        if p.grad is None:
+            continue
+        if loop.grad_negate:
+            p.grad.data.neg_()
+        if loop.grad_strides and p.grad.dim() == 2:
+            p.grad = p.grad.t().contiguous().t()
 
 
 def _clip(loop: Loop, params: list, use_tierflow: bool) -> None:
