@@ -202,6 +202,7 @@ void GradStream::set_state(std::size_t slot, at::Tensor master, at::Tensor exp_a
   s.step = std::move(step);
   s.written = s.home.defined() ? ContentProbe() : ContentProbe::of(s.param);  // the master's source (Note [Weight content])
   s.probe_after_upload = false;
+  s.master_stale = false;
   ledger_.state_set(slot);
 }
 
@@ -212,6 +213,7 @@ void GradStream::note_written(const std::vector<std::size_t>& slots) {
     Slot& s = slots_[i];
     s.written = s.home.defined() ? ContentProbe() : ContentProbe::of(s.param);
     s.probe_after_upload = false;
+    s.master_stale = false;  // its master was re-read and stepped
   }
 }
 

@@ -37,14 +37,14 @@ std::vector<std::size_t> GradStream::prepare_finish(double scale, bool stale, bo
   prepared_ = Prepared{};
   prepared_.scale = scale;
   prepared_.stale = stale;
-  const std::vector<std::size_t> changed = weights_changed_locked();
-  weights_changed_.insert(weights_changed_.end(), changed.begin(), changed.end());
+  weights_changed_ = weights_changed_locked();
   std::vector<std::size_t> unhandled;
   const std::vector<optimizer::GradContent> contents = grad_contents_locked();
   for (std::size_t i = 0; i < slots_.size(); ++i) {
     if (!ledger_.streamable(i)) continue;
     Slot& s = slots_[i];
-    if (stale) restore_locked(i, false);  // the caller re-reads the master and takes p.grad
+    // The caller re-reads the master and takes p.grad (a released one back first: the identity is p.grad's then).
+    if (stale || s.master_stale) restore_locked(i, false);
     optimizer::GradIdentity now = identity_of(i);
     now.content = contents[i];
     const optimizer::Confirmation c = ledger_.verdict(i, now, scale, stale);
@@ -121,7 +121,6 @@ GradStream::Finish GradStream::commit_finish() {
     }
   }
   prepared_.slots.clear();
-  weights_changed_.clear();
   redo_locked(redo, out.committed);
   upload_locked(out.committed);
   reset_window_locked(false);
@@ -337,12 +336,13 @@ std::vector<std::size_t> GradStream::weights_changed_locked() {
   std::vector<std::size_t> changed;
   for (std::size_t i = 0; i < slots_.size(); ++i) {
     Slot& s = slots_[i];
-    if (!s.written.get().known) continue;
-    if (!optimizer::same_content(now[i].get(), s.written.get())) {
-      changed.push_back(i);
-      s.written = ContentProbe();  // read from p from now on: the caller reconciles the master
-      ledger_.state_set(i);        // an early step read the old master: not committed (stepped again)
+    if (s.written.get().known && !optimizer::same_content(now[i].get(), s.written.get())) {
+      s.master_stale = true;  // until a step re-reads it (note_written), whatever steps come without its gradient
+      s.written = ContentProbe();
     }
+    if (!s.master_stale) continue;
+    changed.push_back(i);
+    if (ledger_.is_streamed(i)) ledger_.state_set(i);  // an early step read the old master: stepped again
   }
   stats_.content_check_ns += now_ns() - t0;
   return changed;

@@ -67,3 +67,53 @@ def test_unwritten_weights_keep_every_early_step(device):
     """The check costs no right early step: with no user write, every one commits."""
     _, stats = run(device, "never", weights_return="step")
     assert stats["committed"] == stats["early_steps"] > 0 and stats["taken_back"] == 0, stats
+
+
+class TwoBranches(nn.Module):
+    """Branch b runs at even steps only: at odd steps its parameters get no gradient (set_to_none)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 4)
+        self.b = nn.Linear(16, 4)
+        self.use_b = True
+
+    def forward(self, x):
+        return self.a(x) + (self.b(x) if self.use_b else 0)
+
+
+def run_variant(device: str, variant: str, **settings) -> dict:
+    torch.manual_seed(0)
+    if variant == "channels_last":  # not contiguous: the Python path steps them
+        model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3)).to(memory_format=torch.channels_last)
+    else:
+        model = TwoBranches()
+    model = model.to(torch_device(device))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if settings:
+        model, opt = tierflow.wrap(model, opt, device=device, offload_activations="none", **settings)
+    for i in range(STEPS + 1):
+        g = torch.Generator().manual_seed(i)
+        if variant == "channels_last":
+            x = torch.randn(2, 3, 8, 8, generator=g).to(torch_device(device))
+        else:
+            model.use_b = i % 2 == 0
+            x = torch.randn(8, 16, generator=g).to(torch_device(device))
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        clip_weights(model)
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items() if k != "use_b"}
+
+
+@pytest.mark.parametrize("variant, settings", [
+    ("branch", {}), ("branch", {"overlap_step": "off"}), ("branch", {"offload_gradients": "on"}),
+    ("channels_last", {})], ids=["no-gradient-then", "no-gradient-then-off", "offload-gradients", "channels-last"])
+def test_a_write_is_seen_whatever_the_step_that_finds_it(device, variant, settings):
+    """From review: a write found at a step where the parameter has no gradient was forgotten (its next early
+    step committed from the old master); a parameter whose content is not known (not contiguous) was never
+    re-read; with offload_gradients="on" the step that found a write failed its own consistency check."""
+    base = run_variant(device, variant)
+    tier = run_variant(device, variant, **settings)
+    for k in base:
+        torch.testing.assert_close(tier[k], base[k], rtol=1e-6, atol=1e-6, msg=k)

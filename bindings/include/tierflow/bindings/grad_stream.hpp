@@ -247,8 +247,9 @@ class GradStream : public std::enable_shared_from_this<GradStream> {
   std::vector<std::size_t> prepare_finish(double scale, bool stale, bool frugal);
   /// ... then what cannot fail: commits, redoes, sends weights back, ends the window.
   Finish commit_finish();
-  /// The slots whose parameter's bytes were not what tierflow wrote last (Note [Weight content]), found by
-  /// prepare_finish since the last commit: the caller re-reads their masters from the parameters.
+  /// The slots whose parameter's bytes were not what tierflow wrote last (Note [Weight content]) and that no
+  /// step has stepped since, as the last prepare_finish found them: the caller re-reads their masters from
+  /// the parameters when it steps them (note_written).
   /// The caller wrote these slots' parameters (the Python path's steps, its uploads complete): their bytes
   /// now are what the next step compares with.
   void note_written(const std::vector<std::size_t>& slots);

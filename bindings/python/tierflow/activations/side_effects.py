@@ -114,7 +114,7 @@ class BlockState:
         for prefix, module in block.named_modules(remove_duplicate=False):
             for attr, t in vars(module).items():
                 if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter) and \
-                        not (sharded and isinstance(t, sharded)):
+                        not (sharded and isinstance(t, sharded)) and not t.is_inference():  # (no version counter)
                     self.slots[f"{prefix}.{attr}" if prefix else attr] = (module, attr, "attribute", t, t._version)
         self.copies: dict = {}   # name -> the slot's value before the forward
         self.rebound: dict = {}  # name -> the tensor the slot held before the forward (buffers rebound in it)

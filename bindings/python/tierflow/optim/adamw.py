@@ -44,7 +44,9 @@ on a GPU the parameter once its compute stream waits for the copy), the
 others here. Not checked: parameters that live on the host between uses
 (TIERFLOW_OFFLOAD_PARAMS), states on NVMe, and, with
 TIERFLOW_WEIGHTS_RETURN=forward, a write between step() and the next forward,
-which races the new weights on their way (docs/models.md).
+which races the new weights on their way (docs/models.md). The GPU share
+steps an fp32 parameter in place (its master is the parameter) and re-reads a
+16-bit parameter's master where the parameter is not its rounding.
 
 Note [Shared param groups]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -592,6 +594,7 @@ class CPUAdamW(torch.optim.Optimizer):
     def _step_all(self) -> bool:
         """step()'s work on this rank's parameters; returns whether the step was skipped (not finite)."""
         skipped = False
+        self._python_stepped = []  # Note [Weight content]: what this step writes in the Python path
         self._wait_worker()
         scale, finite = self._clip_coefficient()
         # Note [Distributed training]: early steps all redone in a multi-process run (an all-reduce) turn them off.
@@ -614,7 +617,7 @@ class CPUAdamW(torch.optim.Optimizer):
             def prepare(frugal: bool) -> list:
                 unhandled = self._streaming.stream.prepare_finish(scale, self._master_stale, frugal)
                 # Note [Weight content]: parameters the user wrote since tierflow did: their masters are re-read.
-                self._reread |= {id(self._streaming._slot_params[i]) for i in self._streaming.stream.weights_changed()}
+                self._reread = {id(self._streaming._slot_params[i]) for i in self._streaming.stream.weights_changed()}
                 self._stream_stepped = unhandled
                 return self._prepare_groups(scale, [(group, params) for group, params in zip(
                     self.param_groups, self._streaming.python_path(self.param_groups, unhandled)) if params])
@@ -660,19 +663,23 @@ class CPUAdamW(torch.optim.Optimizer):
         if id(p) in self._reread:
             return True
         then = self._written.get(id(p))
-        return then is not None and _C._grad_content(self._copies.source(local_shard(p)).detach()) != then
+        if then is None:
+            return False
+        now = _C._grad_content(self._copies.source(local_shard(p)).detach())
+        return not now[2] or now != then  # not known (not contiguous): re-read (kept where p is its rounding)
 
     def _note_written(self) -> None:
-        """After a step's writes are complete: what the next step compares each parameter with."""
-        self._reread.clear()
+        """After a step's writes are complete: what the next step compares each parameter this step wrote with
+        (one it did not write keeps what it had: a user's write to it is still to be seen)."""
+        self._reread = set()
         stream = self._streaming.stream if self._streaming is not None else None
         if stream is not None and getattr(self, "_stream_stepped", None):
             stream.note_written(self._stream_stepped)  # carried, stepped here: the stream compares them
         self._stream_stepped = []
-        for group in self.param_groups:
-            for p in group["params"]:
-                if (self._streaming is None or not self._streaming.carries(p)) and self.state.get(p):
-                    self._written[id(p)] = _C._grad_content(self._copies.source(local_shard(p)).detach())
+        stepped, self._python_stepped = getattr(self, "_python_stepped", []), []
+        for p in stepped:
+            if self._streaming is None or not self._streaming.carries(p):
+                self._written[id(p)] = _C._grad_content(self._copies.source(local_shard(p)).detach())
 
     def _step_group(self, group: dict, scale: float = 1.0, params: Optional[list] = None) -> Optional[list]:
         """States on NVMe: one group's step (Note [NVMe optimizer faults]: the parameters it could not step)."""
@@ -755,6 +762,8 @@ class CPUAdamW(torch.optim.Optimizer):
             fresh.append(p)
         elif self._master_stale or self._weight_written_by_user(p):
             self._reconcile_master(state["master"], local_shard(p))  # the same master again on a retry
+        self._python_stepped = getattr(self, "_python_stepped", [])
+        self._python_stepped.append(p)  # (a failed step's are dropped by the retry's, which steps them again)
         if self._copies.staged(grad):
             host_grad, transfer, src = self._copies.fetch(grad)
             fetches.append((transfer, src))  # all gradients in flight at once; waited by the caller

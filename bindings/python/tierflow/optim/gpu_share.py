@@ -83,6 +83,14 @@ class GpuShare:
     @staticmethod
     def step(params: list, state: Any, options: dict) -> None:
         """One AdamW step of these parameters on the GPU, their states made there at their first step."""
+        # Note [Weight content]: a 16-bit parameter that is not its master's rounding was written by the user (an
+        # fp32 one is its own master): its master is re-read from it, as torch's AdamW steps from p.
+        held = [p for p in params if len(state[p]) and p.dtype != torch.float32]
+        if held:
+            written = torch.stack([(state[p]["master"].to(p.dtype) != p.detach()).any() for p in held]).tolist()
+            for p, w in zip(held, written):
+                if w:
+                    state[p]["master"].copy_(p.detach())
         for p in params:
             s = state[p]
             if len(s) == 0:
