@@ -156,6 +156,8 @@ class CPUAdamW(torch.optim.Optimizer):
         self._master_stale = False
         self._written: dict = {}    # Note [Weight content]: id(p) -> what the Python path last wrote into p
         self._reread: set = set()   # ids of parameters whose masters this step re-reads (written by the user)
+        self._stream_stepped: list = []  # the stream's slots this step steps in the Python path
+        self._python_stepped: list = []  # the parameters this step writes in the Python path
         cfg = runtime.config()
         if not hasattr(self, "_names"):
             self._names: dict = {}
@@ -594,7 +596,7 @@ class CPUAdamW(torch.optim.Optimizer):
     def _step_all(self) -> bool:
         """step()'s work on this rank's parameters; returns whether the step was skipped (not finite)."""
         skipped = False
-        self._python_stepped = []  # Note [Weight content]: what this step writes in the Python path
+        self._python_stepped = []  # Note [Weight content]: a failed step's left none behind
         self._wait_worker()
         scale, finite = self._clip_coefficient()
         # Note [Distributed training]: early steps all redone in a multi-process run (an all-reduce) turn them off.
@@ -673,10 +675,10 @@ class CPUAdamW(torch.optim.Optimizer):
         (one it did not write keeps what it had: a user's write to it is still to be seen)."""
         self._reread = set()
         stream = self._streaming.stream if self._streaming is not None else None
-        if stream is not None and getattr(self, "_stream_stepped", None):
+        if stream is not None and self._stream_stepped:
             stream.note_written(self._stream_stepped)  # carried, stepped here: the stream compares them
         self._stream_stepped = []
-        stepped, self._python_stepped = getattr(self, "_python_stepped", []), []
+        stepped, self._python_stepped = self._python_stepped, []
         for p in stepped:
             if self._streaming is None or not self._streaming.carries(p):
                 self._written[id(p)] = _C._grad_content(self._copies.source(local_shard(p)).detach())
@@ -762,7 +764,6 @@ class CPUAdamW(torch.optim.Optimizer):
             fresh.append(p)
         elif self._master_stale or self._weight_written_by_user(p):
             self._reconcile_master(state["master"], local_shard(p))  # the same master again on a retry
-        self._python_stepped = getattr(self, "_python_stepped", [])
         self._python_stepped.append(p)  # (a failed step's are dropped by the retry's, which steps them again)
         if self._copies.staged(grad):
             host_grad, transfer, src = self._copies.fetch(grad)
