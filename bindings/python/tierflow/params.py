@@ -71,6 +71,7 @@ from . import _C
 from ._compile import outside_graphs
 from ._distributed import _ddp_around, _ddp_inside
 from .activations.blocks import find_blocks
+from ._param_state import state_hooks
 
 
 _DDP_REFUSAL = ("TIERFLOW_OFFLOAD_PARAMS (host or nvme) under torch.nn.parallel.DistributedDataParallel (DDP): not "
@@ -143,7 +144,7 @@ class ParamOffload:
             if id(module) not in inside and module is not model and \
                     any(True for _ in module.parameters(recurse=False)):
                 self._handles.append(module.register_forward_pre_hook(hook(lambda m, a: call("_rest_module_begins"))))
-        self._handles += self._state_dict_hooks(model, me)
+        self._handles += state_hooks(model, me)  # Note [Parameter state]
 
     def holds(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether ``optimizer`` steps any of these parameters."""
@@ -346,37 +347,6 @@ class ParamOffload:
 
     def stats(self) -> dict:
         return self.impl.stats()
-
-    def _state_dict_hooks(self, model: torch.nn.Module, me: Any) -> list:
-        handles = []
-
-        def saving(module: torch.nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
-            offload = me()
-            if offload is None:
-                return
-            for name, p in module.named_parameters(recurse=False):
-                if prefix + name in state_dict and offload.impl.offloaded(p):
-                    state_dict[prefix + name] = offload.impl.load(p).detach()
-
-        def loading(module: torch.nn.Module, *args: Any) -> None:
-            offload = me()
-            if offload is not None:
-                for p in module.parameters(recurse=False):
-                    offload.impl.materialize(p, True)
-
-        def loaded(module: torch.nn.Module, incompatible: Any) -> None:
-            offload = me()
-            if offload is not None:
-                for p in module.parameters(recurse=False):
-                    offload.impl.materialize(p, False)
-
-        for module in model.modules():
-            if any(True for _ in module.parameters(recurse=False)):
-                handles.append(module._register_state_dict_hook(saving))
-                handles.append(module.register_load_state_dict_pre_hook(loading))
-                handles.append(module.register_load_state_dict_post_hook(loaded))
-        return handles
-
 
 # -- torch optimizers over offloaded parameters ----------------------------------------------------
 # Note [Parameter hooks], "Everything else": any torch optimizer (made before or after wrap) steps the host
