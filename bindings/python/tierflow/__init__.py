@@ -19,6 +19,7 @@ from ._C import ConfigError, OutOfMemoryError, TierflowError
 from ._config import config_table, resolve_config
 from .activations import replay_safe
 from .activations.meter import SavedActivationMeter
+from ._param_state import gathered
 from ._report import Report
 from ._wrap import Session, current_session, no_offload, report, unwrap, wrap
 from .optim import CPUAdamW
@@ -35,6 +36,7 @@ __all__ = [
     "TierflowError",
     "config_table",
     "current_session",
+    "gathered",
     "no_offload",
     "replay_safe",
     "report",

@@ -1,47 +1,405 @@
-"""state_dict() and load_state_dict() of a model whose parameters live off the device between uses
-(Note [Parameter hooks], "Everything else").
+"""Reading, loading and converting the parameters of a model whose parameters live off the device between uses
+(Note [Parameter hooks], "Everything else"): state_dict() and load_state_dict(), tierflow.gathered(...), and
+Module._apply (model.to(), .half(), .cuda(), ...).
 
 Note [Parameter state]
 ~~~~~~~~~~~~~~~~~~~~~~
-state_dict() holds each offloaded parameter's value on the host (a CPU tensor); load_state_dict() fetches each
-module's parameters, lets the module load them and writes them back.
+state_dict(). Each offloaded parameter's entry is a copy of its value on the host (a CPU tensor), made once per
+state_dict() call: later steps do not change it, as they do not change what PyTorch's state_dict() returns once
+it is copied off the device (the "keep the best weights" idiom, {k: v.cpu() for k, v in model.state_dict()},
+copies on CUDA; here the values are on the host already, so .cpu() would not, and the host copy itself is what
+the next step() overwrites). One copy per parameter: the host tier clones its host copy, the NVMe tier's read is
+the copy. A tied weight (GPT-2's lm_head.weight and transformer.wte.weight) is one parameter under two keys, and
+gets one copy under both, the same tensor object (PyTorch gives both keys one storage; safetensors' and
+save_pretrained's de-duplication of tied weights go by storage). A call's copies are kept while it runs: its
+outermost module's state_dict pre-hook starts the call, its own state_dict hook (the last, after its
+children's) ends it. A parameter held on the device by gathered() is copied from the device (an edit made
+inside gathered(modify=True) is in the snapshot). keep_vars=True returns the parameters themselves, as PyTorch
+does (identity, requires_grad); their values are readable inside gathered(), as DeepSpeed ZeRO-3's are inside
+GatheredParameters.
+
+load_state_dict() fetches each module's parameters, lets the module load them and writes them back (one that
+gathered() holds is the context's to write back or discard).
+
+gathered(). DeepSpeed's GatheredParameters: outside the model's forward and backward (EMA, norms, logging,
+an edit of the weights), the given offloaded parameters are fetched to the device and held there until the
+context exits; then written back to their host copy or NVMe block only with modify=True, and released. Whether
+to write back is the caller's word, not decided by comparing contents: a comparison costs what the write back
+costs (a read of every byte from the device, and from NVMe), and DeepSpeed's users already say it
+(modifier_rank=None: read only). An in-place write under modify=False that autograd's version counter saw
+(p.mul_(), p.copy_() under no_grad; not p.data.mul_(), which has its own counter) is not silently dropped: the
+context raises on exit naming the parameter and saying to pass modify=True. Inside the model's forward or
+backward gathered() is refused: the parameters of the module running are on the device already, a weight of
+another module read through its module attribute is fetched for the step (Note [Parameter hooks]), and a
+release on exit would free the storage autograd saved for backward; DeepSpeed's users do the same there with
+register_external_parameter, not GatheredParameters. Nested contexts over one parameter fetch it once; the
+outermost releases it (written back if any level asked to modify). The device memory is counted with the
+schedule's (ParamResidency::gather): a gather beyond TIERFLOW_GPU_MEMORY raises out_of_memory, and the message
+says to gather fewer modules at a time.
+
+Module._apply. model.to(), .half(), .float(), .bfloat16(), .double(), .type(), .cuda(), .cpu(), .to_empty() all
+call Module._apply(fn), which calls each child's _apply and then fn on each of the module's own parameters. A
+conversion of an offloaded parameter would read storage that has no memory and replace the tensor whose identity
+the schedule holds, so every module of a wrapped model gets an instance attribute _apply (removed by unwrap)
+that, at the outermost call (the user's, on the model or any submodule), first runs fn on a stand-in of each
+offloaded parameter in its subtree (a FakeTensor: the same shape, strides, dtype and device, no memory): if fn
+returns the stand-in itself (model.to(the same device), .float() of fp32 parameters, which HF Trainer and
+accelerate call again after wrap) the call goes on with the offloaded parameters hidden from Module._apply
+(their _parameters slots None for its duration, so their order is kept), and buffers and resident parameters
+are converted as usual; otherwise nothing is changed and it raises ConfigError naming the call, the parameter,
+the conversion and what to do (call it before tierflow.wrap, or tierflow.unwrap first).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import sys
+import threading
+import types
+import weakref
+from typing import Any, Iterable, Optional
 
 import torch
 
+from . import _C
+from ._compile import outside_graphs
+
+# The ParamState of every wrapped model with offloaded parameters, so that gathered() can find the one holding a
+# parameter (a state whose ParamOffload has gone is dropped at the next wrap).
+_states: list = []
+# module -> its ParamState (Note [Parameter state], Module._apply); weak: a module that goes takes its entry.
+_apply_guards: "weakref.WeakKeyDictionary[torch.nn.Module, ParamState]" = weakref.WeakKeyDictionary()
+_applying = threading.local()  # .depth: nested Module._apply calls under the outermost checked one
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class ParamState:
+    """What one wrapped model's parameter state needs between calls: its ParamOffload (weak), the forward in
+    progress, the parameters gathered() holds, a state_dict() call's copies."""
+
+    def __init__(self, model: torch.nn.Module, me: Any) -> None:
+        self.me = me
+        self.model_type = type(model).__name__
+        self.forwards = 0  # forwards of the model in progress (on any thread)
+        self.held: dict = {}  # id(p) -> [p, open contexts, modify asked, version when fetched]
+        self.local = threading.local()  # .depth, .copies: the state_dict() call in progress on this thread
+
+    def offload(self) -> Any:
+        return self.me()
+
+    def offloaded(self, p: torch.Tensor) -> bool:
+        offload = self.me()
+        return offload is not None and offload.impl.offloaded(p)
+
+
+class _Removable:
+    def __init__(self, remove: Any) -> None:
+        self.remove = remove
+
 
 def state_hooks(model: torch.nn.Module, me: Any) -> list:
-    """The state_dict and load_state_dict hooks of every module of ``model`` holding parameters; ``me``: a weak
-    reference to its ParamOffload."""
+    """The state_dict and load_state_dict hooks of every module of ``model`` holding parameters, the forward
+    hooks that tell gathered() a forward is in progress, and the Module._apply guard of every module (Note
+    [Parameter state]); ``me``: a weak reference to its ParamOffload. Returns handles with remove()."""
+    state = ParamState(model, me)
     handles = []
+    _states[:] = [s for s in _states if s.offload() is not None] + [state]
+
+    def begins(module: torch.nn.Module, prefix: str, keep_vars: bool) -> None:
+        local = state.local
+        if getattr(local, "depth", 0) == 0:
+            local.copies = {}  # a new state_dict() call: its copies
+        local.depth = getattr(local, "depth", 0) + 1
 
     def saving(module: torch.nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
-        offload = me()
-        if offload is None:
-            return
-        for name, p in module.named_parameters(recurse=False):
-            if prefix + name in state_dict and offload.impl.offloaded(p):
-                state_dict[prefix + name] = offload.impl.load(p).detach()
+        local = state.local
+        local.depth = max(getattr(local, "depth", 1) - 1, 0)
+        copies = getattr(local, "copies", None)
+        if copies is None:
+            copies = local.copies = {}
+        try:
+            offload = me()
+            if offload is None:
+                return
+            for name, p in module._parameters.items():
+                key = prefix + name
+                if p is None or key not in state_dict or state_dict[key] is p:  # keep_vars=True: p itself
+                    continue
+                if not offload.impl.offloaded(p):
+                    continue
+                made = copies.get(id(p))
+                if made is None or made[0] is not state_dict:
+                    made = copies[id(p)] = (state_dict, _snapshot(state, offload, p))
+                state_dict[key] = made[1]
+        finally:
+            if local.depth == 0:
+                local.copies = None  # the call ends: its copies are the caller's alone
 
     def loading(module: torch.nn.Module, *args: Any) -> None:
         offload = me()
         if offload is not None:
             for p in module.parameters(recurse=False):
-                offload.impl.materialize(p, True)
+                if id(p) not in state.held:
+                    offload.impl.materialize(p, True)
 
     def loaded(module: torch.nn.Module, incompatible: Any) -> None:
         offload = me()
         if offload is not None:
             for p in module.parameters(recurse=False):
-                offload.impl.materialize(p, False)
+                if id(p) not in state.held:
+                    offload.impl.materialize(p, False)
 
     for module in model.modules():
+        handles.append(module.register_state_dict_pre_hook(begins))
+        handles.append(module._register_state_dict_hook(saving))
         if any(True for _ in module.parameters(recurse=False)):
-            handles.append(module._register_state_dict_hook(saving))
             handles.append(module.register_load_state_dict_pre_hook(loading))
             handles.append(module.register_load_state_dict_post_hook(loaded))
+
+    def forward_begins(m: torch.nn.Module, args: Any) -> None:
+        if not _in_backward():
+            state.forwards += 1
+
+    def forward_ends(m: torch.nn.Module, args: Any, out: Any) -> None:
+        if not _in_backward():
+            state.forwards = max(state.forwards - 1, 0)
+
+    handles.append(model.register_forward_pre_hook(outside_graphs(forward_begins), prepend=True))
+    handles.append(model.register_forward_hook(outside_graphs(forward_ends), always_call=True))
+    handles.append(_guard_apply(model, state))
     return handles
+
+
+def _snapshot(state: ParamState, offload: Any, p: torch.Tensor) -> torch.Tensor:
+    """p's value now, in a host tensor of its own: the device's copy while gathered() holds it, else its host
+    copy's clone or a fresh read from NVMe (ParamResidency::load: the host copy itself, or a new tensor)."""
+    if id(p) in state.held:
+        return p.detach().to("cpu", copy=True)
+    value = offload.impl.load(p)
+    return value.clone() if offload.impl.host_copy(p) is not None else value
+
+
+# -- gathered() --------------------------------------------------------------------------------------------------
+
+def _parameters_of(what: Any) -> list:
+    if isinstance(what, torch.nn.Module):
+        return list(what.parameters())
+    if isinstance(what, torch.Tensor):
+        return [what]
+    if isinstance(what, Iterable) and not isinstance(what, (str, bytes)):
+        out = []
+        for item in what:
+            out += _parameters_of(item)
+        return out
+    raise TypeError(f"tierflow.gathered: takes a module, a parameter, or an iterable of them; got "
+                    f"{type(what).__name__}")
+
+
+class gathered:
+    """``with tierflow.gathered(model_or_modules_or_params, modify=False):`` the given parameters that live off
+    the device between uses (TIERFLOW_OFFLOAD_PARAMS) are on the device inside the block; on exit, written back
+    when ``modify`` (else an in-place write raises) and released. Others pass through. Outside the model's
+    forward and backward only (Note [Parameter state], gathered())."""
+
+    def __init__(self, params: Any, modify: bool = False) -> None:
+        self._params = _parameters_of(params)
+        self._modify = bool(modify)
+        self._mine: list = []  # [(state, [params this context fetched or joined])]
+
+    def __enter__(self) -> "gathered":
+        seen: set = set()
+        params = [p for p in self._params if not (id(p) in seen or seen.add(id(p)))]
+        try:
+            for state in list(_states):
+                offload = state.offload()
+                if offload is None:
+                    continue
+                mine = [p for p in params if offload.impl.offloaded(p)]
+                if not mine:
+                    continue
+                if state.forwards > 0 or _in_backward():
+                    raise _C.ConfigError(
+                        f"tierflow.gathered: inside {state.model_type}'s " +
+                        ("backward" if _in_backward() else "forward") + ", whose parameters tierflow fetches "
+                        "for their uses (a weight of another module is fetched when read through its module, "
+                        "self.wte.weight); gathered() is for reads outside the forward and backward (EMA, norms, "
+                        "logging, an edit of the weights): move it out, or read the weight through its module")
+                fresh = [p for p in mine if id(p) not in state.held]
+                _gather(offload, fresh)
+                for p in fresh:
+                    state.held[id(p)] = [p, 0, False, p._version]
+                for p in mine:
+                    entry = state.held[id(p)]
+                    entry[1] += 1
+                    entry[2] = entry[2] or self._modify
+                self._mine.append((state, mine))
+        except BaseException:
+            self._release(raising=True)
+            raise
+        return self
+
+    def __exit__(self, kind: Any, value: Any, traceback: Any) -> None:
+        self._release(raising=kind is not None)
+
+    def _release(self, raising: bool) -> None:
+        written = []
+        error: Optional[BaseException] = None
+        mine, self._mine = self._mine, []
+        for state, params in mine:
+            offload = state.offload()
+            done = []
+            for p in params:
+                entry = state.held[id(p)]
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del state.held[id(p)]
+                    done.append(entry)
+            if offload is None or not done:
+                continue
+            back = [e[0] for e in done if e[2]]
+            keep = [e[0] for e in done if not e[2]]
+            written += [_name(offload, e[0]) for e in done if not e[2] and e[0]._version != e[3]]
+            try:
+                _scatter(offload, back, True)
+                _scatter(offload, keep, False)
+            except BaseException as e:  # released what it could; the first error goes on
+                error = error or e
+        if error is not None and not raising:
+            raise error
+        if written and not raising:
+            raise _C.TierflowError(
+                f"tierflow.gathered(..., modify=False): {', '.join(repr(n) for n in written[:4])}"
+                f"{' and others' if len(written) > 4 else ''} written in place inside the block; the write was "
+                "discarded (modify=False releases without writing back): pass modify=True to keep it")
+
+
+def _name(offload: Any, p: torch.Tensor) -> str:
+    model = offload._model()
+    if model is not None:
+        for name, q in model.named_parameters(remove_duplicate=False):
+            if q is p:
+                return name
+    return "?"
+
+
+_GATHER_FEWER = ("; tierflow.gathered: gather fewer modules at a time (one block, say: "
+                 "`with tierflow.gathered(model.layers[i])` in a loop over the blocks), or raise TIERFLOW_GPU_MEMORY "
+                 "(gpu_memory=)")
+
+
+def _gather(offload: Any, params: list) -> None:
+    """Fetches ``params`` to the device and waits: ParamResidency::gather (counted in the budget), else each
+    alone (ParamResidency::materialize, uncounted), put back on a failure."""
+    if not params:
+        return
+    impl = offload.impl
+    if hasattr(impl, "gather"):
+        try:
+            impl.gather(params)
+        except _C.OutOfMemoryError as e:
+            raise _C.OutOfMemoryError(f"{e}{_GATHER_FEWER}") from e
+        return
+    done = []
+    try:
+        for p in params:
+            impl.materialize(p, True)
+            done.append(p)
+    except BaseException:
+        _scatter(offload, done, False)
+        raise
+
+
+def _scatter(offload: Any, params: list, write_back: bool) -> None:
+    """Writes ``params`` back to their host copy or NVMe (``write_back``) and releases them."""
+    if not params:
+        return
+    impl = offload.impl
+    if hasattr(impl, "scatter"):
+        impl.scatter(params, write_back)
+        return
+    for p in params:
+        if not write_back:  # materialize writes back: put the value it had first
+            with torch.no_grad():
+                p.detach().copy_(impl.load(p).to(p.device))
+        impl.materialize(p, False)
+
+
+# -- Module._apply: model.to(), .half(), .cuda(), ... after wrap ------------------------------------------------
+
+def _guard_apply(model: torch.nn.Module, state: ParamState) -> _Removable:
+    """Every module of ``model`` gets the _apply of Note [Parameter state]; the handle takes them away."""
+    guarded = []
+    for module in model.modules():
+        if "_apply" in module.__dict__:
+            continue  # a module of two wrapped models' (or its own _apply): leave it
+        module.__dict__["_apply"] = types.MethodType(_guarded_apply, module)
+        _apply_guards[module] = state
+        guarded.append(weakref.ref(module))
+
+    def remove() -> None:
+        for ref in guarded:
+            module = ref()
+            if module is None:
+                continue
+            bound = module.__dict__.get("_apply")
+            if isinstance(bound, types.MethodType) and bound.__func__ is _guarded_apply:
+                del module.__dict__["_apply"]
+            if _apply_guards.get(module) is state:
+                del _apply_guards[module]
+        guarded.clear()
+
+    return _Removable(remove)
+
+
+def _guarded_apply(module: torch.nn.Module, fn: Any, recurse: bool = True) -> torch.nn.Module:
+    state = _apply_guards.get(module)
+    original = type(module)._apply
+    if state is None or state.offload() is None:  # unwrapped, or a deep copy of a wrapped module
+        return original(module, fn, recurse)
+    depth = getattr(_applying, "depth", 0)
+    if depth == 0:
+        _refuse_conversion(module, fn, recurse, state, sys._getframe(1).f_code.co_name)
+    hidden = {k: p for k, p in module._parameters.items() if p is not None and state.offloaded(p)}
+    _applying.depth = depth + 1
+    try:
+        for k in hidden:
+            module._parameters[k] = None  # Module._apply skips it; the slot keeps its place in the order
+        return original(module, fn, recurse)
+    finally:
+        for k, p in hidden.items():
+            module._parameters[k] = p
+        _applying.depth = depth
+
+
+def _refuse_conversion(module: torch.nn.Module, fn: Any, recurse: bool, state: ParamState, call: str) -> None:
+    """Raises ConfigError, changing nothing, where ``fn`` would convert an offloaded parameter of ``module``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    offload = state.offload()
+    seen: set = set()
+    tried: dict = {}  # (shape, strides, dtype, device) -> None (fn returns the stand-in) or what it makes
+    for name, p in module.named_parameters(recurse=recurse, remove_duplicate=False):
+        if id(p) in seen or not offload.impl.offloaded(p):
+            continue
+        seen.add(id(p))
+        key = (tuple(p.shape), p.stride(), p.dtype, p.device)
+        if key not in tried:
+            with FakeTensorMode():
+                stand_in = torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device=p.device)
+                try:
+                    with torch.no_grad():
+                        out = fn(stand_in)
+                    tried[key] = None if out is stand_in else f"{out.dtype} on {out.device}"
+                except Exception as e:  # what the call would do to it fails anyway
+                    tried[key] = f"something it cannot be ({type(e).__name__}: {e})"
+        if tried[key] is not None:
+            what = call if call not in ("_apply", "<lambda>") else "_apply"
+            setting = offload.tier
+            raise _C.ConfigError(
+                f"tierflow: {type(module).__name__}.{what}() after tierflow.wrap would make parameter '{name}' "
+                f"({p.dtype} on {p.device}) {tried[key]}, and it lives on the {setting} between uses "
+                f"(TIERFLOW_OFFLOAD_PARAMS={setting}, offload_params='{setting}'), where tierflow cannot convert "
+                f"it; call .{what}() before tierflow.wrap, or tierflow.unwrap(model) first and wrap again after. "
+                "Nothing was changed")
