@@ -12,7 +12,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path
 
-from . import _C
+from . import _C, _param_casts
 from ._compile import outside_graphs
 from ._config import settings_to_strings
 from ._distributed import check_forward, check_wrap, fsdp_modules, rank_and_world_size, refuse_sharded
@@ -44,6 +44,23 @@ def input_elements(args: Any, kwargs: Any) -> dict:
     arguments: what a forward's size is measured on (Note [Batch growth]; tiering::batch_size)."""
     return {keystr(path): t.numel() for path, t in tree_flatten_with_path((args, kwargs))[0]
             if isinstance(t, torch.Tensor)}
+
+
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    return t.detach()  # Note [Saved-tensor hook aliases] in activations/runner.py
+
+
+_kept = (_alias, lambda t: t)  # saved tensors stay where they are
+
+
+class _CastsOnly(torch.autograd.graph.saved_tensors_hooks):
+    """A forward whose plan keeps everything: only casts of offloaded parameters are saved as recipes (Note
+    [Parameter casts])."""
+
+    def __init__(self) -> None:
+        super().__init__(*_param_casts.around(*_kept))
+        self.__enter__()
+
 
 class Session:
     """One runtime and the hooks that connect it to one model."""
@@ -81,6 +98,7 @@ class Session:
             from .params import ParamOffload
 
             self.params = ParamOffload(self, model, blocks)
+            _param_casts.watch(self.params)
 
     def watch_fsdp(self, modules: list) -> None:
         """FSDP2 modules (Note [Distributed training]): before each one's forward, after FSDP2's own pre-forward
@@ -126,14 +144,17 @@ class Session:
         if self.planner is not None:
             self.planner.before_forward(input_elements(args, kwargs))
             if self.planner.keep_all:  # the plan keeps everything: no hooks, no cost
-                self._contexts.append(None)
+                # (but casts of offloaded parameters: Note [Parameter casts])
+                self._contexts.append(_CastsOnly() if self.params is not None else None)
                 return
         self.runtime.begin_forward()
+        hooks: Any = (self.runtime.pack, self.runtime.unpack)
         if self.planner is not None and self.planner.outside_kept:
             # The blocks' runners swap theirs; what is saved outside them stays (Note [Activation planner]).
-            ctx: Any = contextlib.nullcontext()
-        else:
-            ctx = torch.autograd.graph.saved_tensors_hooks(self.runtime.pack, self.runtime.unpack)
+            hooks = None
+        if self.params is not None:  # Note [Parameter casts]: casts of offloaded parameters are made again
+            hooks = _param_casts.around(*(hooks or _kept))
+        ctx = torch.autograd.graph.saved_tensors_hooks(*hooks) if hooks else contextlib.nullcontext()
         ctx.__enter__()
         self._contexts.append(ctx)
 
@@ -144,6 +165,8 @@ class Session:
         if ctx is None:
             return
         ctx.__exit__(None, None, None)
+        if isinstance(ctx, _CastsOnly):
+            return
         # Backward reaches the model's outputs first: that is when prefetch starts.
         for t in tree_flatten(output)[0]:
             if isinstance(t, torch.Tensor) and t.requires_grad:
@@ -151,6 +174,7 @@ class Session:
 
     def _on_backward_start(self, grad: torch.Tensor) -> None:
         self.runtime.begin_backward()
+
 
     # -- reporting -------------------------------------------------------------
     def report(self) -> Report:
@@ -169,6 +193,7 @@ class Session:
             r["plan"] = self.planner.report()
         if self.params is not None:
             r["params"] = self.params.stats()
+            r["params"]["casts"] = _param_casts.stats(self.params)  # Note [Parameter casts]
         streaming = opt.stream_stats() if hasattr(opt, "stream_stats") else {}
         if streaming:
             r["optimizer"]["streaming"] = streaming

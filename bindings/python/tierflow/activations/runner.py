@@ -86,6 +86,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .. import _C
+from .._param_casts import SavedCast, around, saved_cast
 from .._compile import outside_graphs
 from .._hf import cache_argument
 from .table import TRANSPARENT_OPS, Recorder, Saved, Table, probe_table, row_suffix_matmul, storage_key
@@ -194,6 +195,14 @@ class _Frame:
     def _pack_whole(self, t: torch.Tensor) -> Any:
         if storage_key(t) in self.external:
             return t
+        return self._to_tier(t)
+
+    def _to_tier(self, t: torch.Tensor) -> Any:
+        """A saved tensor that leaves the device: to the block's tier, or a recipe when it is a cast of an
+        offloaded parameter (Note [Parameter casts])."""
+        cast = saved_cast(t)
+        if cast is not None:
+            return cast
         rt = self.runner.runtime
         return _Swapped(rt, rt.pack_to(t, self.tier))
 
@@ -228,9 +237,10 @@ class _Frame:
         if action == "reference":
             return t
         if action == "swap":
+            if self.table.classes[i] != "attention":
+                return self._to_tier(t)
             h = rt.pack_to(t, self.tier)
-            if self.table.classes[i] == "attention":
-                self.whole[(s.op, s.out)] = h
+            self.whole[(s.op, s.out)] = h
             return _Swapped(rt, h)
         if action == "swap_rows" and s.op not in self.prefix:
             r0 = self.table.exact_rows[s.op]
@@ -261,7 +271,7 @@ class _Frame:
         if cls == "external":
             return t
         if self.mode == "swap" or cls == "input":
-            return _Swapped(self.runner.runtime, self.runner.runtime.pack_to(t, self.tier))
+            return self._to_tier(t)
         self.pending[i] = t  # until the forward ends: one that may not be replayed needs it (not_replayed)
         return _Placeholder(self, i)
 
@@ -546,8 +556,9 @@ class BlockRunner:
             self._stack.append(None)
             return
         if self.mode == "keep" or _C.no_offload_depth() > 0:
-            # Saved tensors stay where autograd put them, whatever the model-level hooks do.
-            ctx = torch.autograd.graph.saved_tensors_hooks(_alias, _identity)
+            # Saved tensors stay where autograd put them, whatever the model-level hooks do (casts of offloaded
+            # parameters are made again: Note [Parameter casts]).
+            ctx = torch.autograd.graph.saved_tensors_hooks(*around(_alias, _identity))
             ctx.__enter__()
             self._stack.append((None, ctx, None))
             return
@@ -709,6 +720,8 @@ def _unpack(packed: Any) -> torch.Tensor:
         return packed.frame.unpack(packed)
     if isinstance(packed, _Swapped):
         return packed.runtime.unpack(packed.handle)
+    if isinstance(packed, SavedCast):
+        return packed.materialize()
     return packed
 
 

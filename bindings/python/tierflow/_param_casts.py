@@ -1,0 +1,149 @@
+"""The 16-bit casts autocast makes of offloaded fp32 parameters (TIERFLOW_OFFLOAD_PARAMS=host|nvme under
+torch.autocast; issue 38, item 2).
+
+Note [Parameter casts]
+~~~~~~~~~~~~~~~~~~~~~~
+Under autocast a matmul of an fp32 weight runs on a 16-bit cast of it (aten::_to_copy). Two things keep such
+a cast, a copy of the weight in the device's memory, long after tierflow released the weight itself (Note
+[Parameter hooks]):
+
+- autocast's weight-cast cache (cache_enabled=True, the default) keeps the cast of every leaf that requires
+  grad until the outermost autocast region exits: every weight of the model at the forward's end. tierflow
+  empties it each time a forward use of a unit closes (forward_use_ended, called by params.py), so a cast
+  lives as long as its unit's use. A cast is deterministic, so the next use casting again gives the same
+  bits. What changes: a weight cast in two uses of one forward (a block called twice, a tied weight cast in
+  two units) gets one cast per use, each with its own ToCopyBackward0, so its gradient is the fp32 sum of the
+  uses' gradients rather than autocast's 16-bit sum converted once: the numerics of autocast with
+  cache_enabled=False, not bit for bit cache_enabled=True's, in that case only.
+- autograd saves the cast for backward (mm saves its 16-bit weight to compute the gradient of its input):
+  with the cache off, and with it on (the cache's reference goes with the use, autograd's stays), every
+  weight's cast would stay on the device from its forward to its backward. Every saved-tensor hook tierflow
+  installs (the model's in _wrap.py, the block runners' in activations/runner.py) asks saved_cast() first:
+  a saved tensor that is a cast of an offloaded parameter, or a view of one (its base's grad_fn is
+  ToCopyBackward0 whose input is the parameter's AccumulateGrad), is saved as a recipe (the parameter, the
+  dtype, the cast's layout, the view's) and cast again when backward unpacks it, when the parameter is on
+  the device again: its unit's backward use is open while autograd computes the gradients that read it.
+  The same op on the same values: bit for bit the cast it replaces. The parameter's version is kept with the
+  recipe; a parameter written in place between the forward and the backward (which autocast's saved cast
+  would not have seen) is refused, naming it, rather than re-cast from the new values.
+- A frozen parameter (requires_grad=False: LoRA's base weights) is cast without a graph (and never cached):
+  nothing tells its saved cast from any other tensor, so it is an ordinary saved activation. The activation
+  modes move it like one (host, nvme and the plans' swap copy it off the device; recompute and split cast it
+  again in the replay); with TIERFLOW_OFFLOAD_ACTIVATIONS=none it stays on the device until its backward.
+  Keep frozen base weights in the 16-bit dtype autocast runs them in (as PEFT loads them) to have no cast.
+
+What remains on the device: the casts of the unit in use (at most its weights in 16 bits, half its fp32
+bytes) and, in backward, the one cast a gradient is being computed from. The report counts them under
+params.casts (stats()): the casts saved as recipes and the bytes cast again in backward, and the largest
+sum of distinct casts saved within one forward use (what autocast's cache held then).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Optional
+
+import torch
+
+from . import _C
+
+# The ParamOffload of each live session (Session.attach registers it): whose parameters are offloaded.
+_offloads: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_stats: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+_use: dict = {}  # id(parameter) -> bytes of its cast, saved during the forward use in progress
+
+
+def watch(offload: Any) -> None:
+    """Recognises casts of ``offload``'s parameters from now on (Session.attach)."""
+    _offloads.add(offload)
+    _stats[offload] = {"saved_as_recipes": 0, "recast_bytes": 0, "use_peak_bytes": 0}
+
+
+def stats(offload: Any) -> dict:
+    """What the report says under params.casts (Note [Parameter casts])."""
+    return dict(_stats.get(offload, {}))
+
+
+def forward_use_ended() -> None:
+    """A forward use of a unit closed (params.py): autocast's cached casts go with it (Note [Parameter casts])."""
+    _use.clear()
+    if torch.is_autocast_cache_enabled():
+        torch.clear_autocast_cache()
+
+
+class SavedCast:
+    """What autograd holds for a saved cast of an offloaded parameter: how to make it again."""
+
+    __slots__ = ("param", "dtype", "cast_size", "cast_stride", "size", "stride", "offset", "version", "offload")
+
+    def __init__(self, param: torch.Tensor, cast: torch.Tensor, t: torch.Tensor, offload: Any) -> None:
+        self.param = param
+        self.dtype = cast.dtype
+        self.cast_size, self.cast_stride = cast.size(), cast.stride()
+        self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
+        self.version = param._version
+        self.offload = weakref.ref(offload)
+
+    def materialize(self) -> torch.Tensor:
+        """The cast again, from the parameter on the device (its unit's backward use is open)."""
+        p = self.param
+        if p._version != self.version:
+            model_ref = getattr(self.offload(), "_model", None)
+            model = model_ref() if model_ref is not None else None
+            name = next((n for n, q in model.named_parameters() if q is p), "?") if model is not None else "?"
+            raise _C.TierflowError(
+                f"tierflow: parameter '{name}' {list(p.shape)} was written in place between the forward that cast "
+                f"it to {self.dtype} (autocast) and the backward that reads the cast; with offloaded parameters "
+                "the cast is made again in backward from the parameter (Note [Parameter casts]), so it would "
+                "not be the forward's. Update parameters after backward (optimizer.step() after loss.backward()), "
+                "or use offload_params='none'")
+        with torch.no_grad():
+            # aten::_to_copy is empty_strided in the source's layout then copy_: the same bits.
+            cast = torch.empty_strided(self.cast_size, self.cast_stride, dtype=self.dtype, device=p.device)
+            cast.copy_(p)
+        stats = _stats.get(self.offload())
+        if stats is not None:
+            stats["recast_bytes"] += cast.untyped_storage().nbytes()
+        if self.size == self.cast_size and self.stride == self.cast_stride and self.offset == 0:
+            return cast
+        return cast.as_strided(self.size, self.stride, self.offset)
+
+
+def saved_cast(t: torch.Tensor) -> Optional[SavedCast]:
+    """A recipe for ``t`` when it is a cast of an offloaded parameter or a view of one, else None (Note
+    [Parameter casts])."""
+    if not _offloads or not t.requires_grad or t.is_leaf:
+        return None
+    cast = t._base if t._is_view() else t
+    fn = cast.grad_fn
+    if fn is None or fn.name() != "ToCopyBackward0":
+        return None
+    acc = fn.next_functions[0][0]
+    p = getattr(acc, "variable", None)  # AccumulateGrad's parameter
+    if p is None or p.dtype == cast.dtype or p.device != cast.device or p.shape != cast.shape:
+        return None
+    if cast.storage_offset() != 0 or cast.untyped_storage().nbytes() != cast.numel() * cast.element_size():
+        return None  # not a dense cast: made again, it might not lie where the view expects it
+    offload = next((o for o in list(_offloads) if o.offloaded(p)), None)
+    if offload is None:
+        return None
+    s = _stats.get(offload)
+    if s is not None:
+        s["saved_as_recipes"] += 1
+        if id(p) not in _use:
+            _use[id(p)] = cast.numel() * cast.element_size()
+            s["use_peak_bytes"] = max(s["use_peak_bytes"], sum(_use.values()))
+    return SavedCast(p, cast, t, offload)
+
+
+def around(pack: Callable[[torch.Tensor], Any], unpack: Callable[[Any], torch.Tensor]) -> tuple:
+    """Saved-tensor hooks that save casts of offloaded parameters as recipes and hand the rest to ``pack`` /
+    ``unpack``."""
+    def pack_or_recipe(t: torch.Tensor) -> Any:
+        r = saved_cast(t)
+        return r if r is not None else pack(t)
+
+    def unpack_or_cast(saved: Any) -> torch.Tensor:
+        return saved.materialize() if type(saved) is SavedCast else unpack(saved)
+
+    return pack_or_recipe, unpack_or_cast

@@ -1,0 +1,205 @@
+"""autocast with fp32 parameters offloaded (TIERFLOW_OFFLOAD_PARAMS=host|nvme; issue 38 item 2, Note [Parameter
+casts] in bindings/python/tierflow/_param_casts.py).
+
+Against the same loop under the same autocast without tierflow, bit for bit (a torch optimizer, which on the
+emulated device steps the host copies in place), and with the device bytes held by 16-bit casts of the offloaded
+weights measured: the storages of every aten::_to_copy of a parameter, watched by a dispatch mode during the
+forward, still alive (held by autocast's cache or by autograd's saved tensors) at each op and at the forward's
+end. Without tierflow's handling every weight's cast is alive at the forward's end.
+"""
+
+from __future__ import annotations
+
+import inspect
+import pytest
+import torch
+import torch.nn as nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import tierflow
+from tierflow import _param_casts
+from tierflow import params as tierflow_params
+
+WIDTH, BLOCKS, STEPS = 32, 4, 3
+OPT_NONE = dict(offload_optimizer="none", min_offload_bytes=0)
+
+
+@pytest.fixture(autouse=True)
+def _uses_end_casts(monkeypatch):
+    """Until params.py calls _param_casts.forward_use_ended() where a forward use closes (issue 38: its owner
+    wires it), this process does it for it."""
+    if "_param_casts" in inspect.getsource(tierflow_params) or not hasattr(tierflow_params.ParamOffload, "_switch"):
+        yield
+        return
+    switch = tierflow_params.ParamOffload._switch
+
+    def _switch(self, unit):
+        closing = self._open is not None
+        switch(self, unit)
+        if closing:
+            _param_casts.forward_use_ended()
+
+    monkeypatch.setattr(tierflow_params.ParamOffload, "_switch", _switch)
+    yield
+
+
+class Block(nn.Module):
+    def __init__(self, frozen: bool) -> None:
+        super().__init__()
+        self.up = nn.Linear(WIDTH, 2 * WIDTH)
+        self.down = nn.Linear(2 * WIDTH, WIDTH)
+        self.adapter = nn.Linear(WIDTH, WIDTH, bias=False) if frozen else None
+        if frozen:  # LoRA's shape: the base weights frozen (fp32 here, so autocast casts them), an adapter trained
+            self.up.requires_grad_(False)
+            self.down.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x + self.down(torch.relu(self.up(x)))
+        return y + self.adapter(x) if self.adapter is not None else y
+
+
+class Net(nn.Module):
+    def __init__(self, frozen: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Linear(WIDTH, WIDTH)
+        self.blocks = nn.ModuleList(Block(frozen) for _ in range(BLOCKS))
+        self.head = nn.Linear(WIDTH, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h)
+
+
+class CastWatch(TorchDispatchMode):
+    """Bytes of the live casts of ``params`` (each aten::_to_copy of one): the largest at any op, and now."""
+
+    def __init__(self, params: list) -> None:
+        super().__init__()
+        self.ids = {id(p) for p in params}
+        self.casts: list = []
+        self.peak_bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and id(args[0]) in self.ids:
+            self.casts.append((StorageWeakRef(out.untyped_storage()), out.untyped_storage().nbytes()))
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes())
+        return out
+
+    def live_bytes(self) -> int:
+        return sum(n for ref, n in self.casts if not ref.expired())
+
+
+def _cast_bytes(module: nn.Module) -> int:
+    """What the 16-bit casts of ``module``'s parameters take."""
+    return sum(p.numel() * 2 for p in module.parameters())
+
+
+def _train(wrapped: bool, cache: bool, frozen: bool = False, **settings) -> dict:
+    torch.manual_seed(0)
+    model = Net(frozen)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    params = list(model.parameters())
+    if wrapped:
+        model, opt = tierflow.wrap(model, opt, device="emulated", **OPT_NONE, **settings)
+    losses, at_end, peaks, settled = [], [], [], []
+    for step in range(STEPS):
+        x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(step))
+        watch = CastWatch(params)
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=cache):
+            with watch:
+                y = model(x)
+            at_end.append(watch.live_bytes())
+            peaks.append(watch.peak_bytes)
+            if wrapped:  # what is still on the device once the copies under way (saved tensors leaving) are done
+                model._tierflow_session.runtime.synchronize()
+                settled.append(watch.live_bytes())
+            loss = y.float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return dict(losses=losses, state={k: v.detach().clone() for k, v in model.state_dict().items()},
+                at_end=at_end, peaks=peaks, settled=settled, model=model,
+                casts=tierflow.report()["params"]["casts"] if wrapped else None)
+
+
+def _assert_bit_identical(run: dict, base: dict) -> None:
+    assert run["losses"] == base["losses"]
+    assert run["state"].keys() == base["state"].keys()
+    for k, v in base["state"].items():
+        assert torch.equal(run["state"][k], v), k
+
+
+def _largest_unit_cast_bytes(model: Net) -> int:
+    rest = _cast_bytes(model.embed) + _cast_bytes(model.head)
+    return max(rest, max(_cast_bytes(b) for b in model.blocks))
+
+
+def _placed(tier: str, nvme_dir: str) -> dict:
+    return dict(offload_params=tier, nvme_paths=[nvme_dir]) if tier == "nvme" else dict(offload_params=tier)
+
+
+@pytest.mark.parametrize("cache", [True, False], ids=["cache", "no_cache"])
+@pytest.mark.parametrize("acts", ["none", "recompute"])
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+def test_autocast_trains_bit_for_bit_and_holds_a_units_casts_at_most(device, tier, acts, cache, nvme_dir):
+    if device != "emulated":
+        pytest.skip("a torch optimizer steps the host copies only on the emulated device")
+    base = _train(False, cache)
+    model = base["model"]
+    # What autocast alone keeps: every weight's cast (but the first layer's without the cache: its input needs no
+    # gradient, so no op saves its cast)
+    every_weight = sum(p.numel() * 2 for n, p in model.named_parameters() if n.endswith("weight"))
+    assert min(base["at_end"]) >= every_weight - (0 if cache else model.embed.weight.numel() * 2)
+    run = _train(True, cache, offload_activations=acts, **_placed(tier, nvme_dir))
+    _assert_bit_identical(run, base)
+    unit = _largest_unit_cast_bytes(model)
+    assert unit < every_weight // 3
+    assert max(run["at_end"]) <= unit, run["at_end"]
+    assert max(run["peaks"]) <= unit, run["peaks"]
+    casts = run["casts"]
+    assert casts["saved_as_recipes"] > 0 and casts["recast_bytes"] > 0, casts
+    assert 0 < casts["use_peak_bytes"] <= unit, casts
+
+
+def test_frozen_fp32_weights_casts_are_saved_activations(device):
+    """A frozen weight's cast has no graph (Note [Parameter casts]): training is bit for bit; with activations on
+    the device its cast stays until backward (the documented limit), with activations offloaded it leaves."""
+    if device != "emulated":
+        pytest.skip("a torch optimizer steps the host copies only on the emulated device")
+    base = _train(False, True, frozen=True)
+    model = base["model"]
+    frozen_weights = sum(p.numel() * 2 for n, p in model.named_parameters()
+                         if not p.requires_grad and n.endswith("weight"))
+    kept = _train(True, True, frozen=True, offload_activations="none", offload_params="host")
+    _assert_bit_identical(kept, base)
+    assert min(kept["at_end"]) >= frozen_weights, kept["at_end"]
+    moved = _train(True, True, frozen=True, offload_activations="host", offload_params="host")
+    _assert_bit_identical(moved, base)
+    assert max(moved["settled"]) <= _largest_unit_cast_bytes(model), moved["settled"]
+
+
+def test_a_parameter_written_between_forward_and_backward_is_refused(device):
+    """The recipe would cast the new values where autocast's saved cast held the old ones: refused, naming it."""
+    if device != "emulated":
+        pytest.skip("emulated device")
+    torch.manual_seed(0)
+    model, _ = tierflow.wrap(Net(), None, device="emulated", offload_params="host", offload_activations="none",
+                             **OPT_NONE)
+    weight = model.blocks[1].down.weight
+
+    def write(grad: torch.Tensor) -> None:  # in backward, while block 1's parameters are on the device
+        with torch.no_grad():
+            weight.mul_(1.0)
+
+    # After tierflow's own hooks: the gradient of block 1's output has opened its backward use.
+    model.blocks[1].register_forward_hook(lambda m, a, out: [out.register_hook(write), None][1])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = model(torch.randn(4, WIDTH))
+    with pytest.raises(tierflow.TierflowError, match=r"parameter 'blocks\.1\.down\.weight' \[32, 64\] was "
+                                                     "written in place between the forward"):
+        y.float().sum().backward()
