@@ -20,11 +20,12 @@ tiering::ParamId param_id(const at::Tensor& p) {
   return static_cast<tiering::ParamId>(reinterpret_cast<std::uintptr_t>(p.unsafeGetTensorImpl()));
 }
 
-// The storage's memory goes; the storage object (and every view of it) stays.
-void drop_memory(const at::Tensor& t) {
+// The storage's memory goes; the storage object (and every view of it) stays, its size too, and any access to
+// its data raises `why` (Note [Parameter storage]).
+void drop_memory(const at::Tensor& t, const std::string& why) {
   c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
   s->set_data_ptr_noswap(at::DataPtr(nullptr, t.device()));
-  s->set_nbytes(0);
+  s->release_data_and_set_meta_custom_data_ptr_error_msg_(why);
 }
 
 // New memory for the same storage object: on CUDA from the storage's allocator (the caching allocator, on
@@ -36,6 +37,16 @@ void give_memory(const at::Tensor& t, std::size_t nbytes) {
   at::Allocator* a = t.is_cpu() || s->allocator() == nullptr ? c10::GetAllocator(t.device().type()) : s->allocator();
   s->set_data_ptr_noswap(a->allocate(nbytes));
   s->set_nbytes(nbytes);
+  s->clear_data_ptr_access_error_msg_();
+}
+
+// What a read of a released parameter raises.
+std::string released_error(const std::string& name, bool nvme) {
+  return "tierflow: parameter '" + name + "' lives on the " + (nvme ? "NVMe tier" : "host") +
+         " between its uses (TIERFLOW_OFFLOAD_PARAMS, keyword offload_params) and its values were read or written "
+         "where no use of it is open: after or between steps, or by code outside the modules that hold it. Read it "
+         "inside `with tierflow.gathered(model):` (or a submodule holding it), copy it with model.state_dict(), or "
+         "call tierflow.unwrap(model) first (model.to()/.half() included)";
 }
 
 // Why `p` cannot live on the host between uses, or "".
@@ -51,6 +62,7 @@ std::string cannot_offload(const Runtime& rt, const at::Tensor& p) {
 
 struct ParamResidency::Param {
   at::Tensor param;    // the model's parameter
+  std::string name;    // its name in the model
   at::Tensor device;   // a tensor over the parameter's storage: what fetches fill and releases empty
   at::Tensor host;     // its pinned host copy (host tier; undefined on NVMe)
   bool nvme = false;   // on NVMe between uses: `block`
@@ -64,7 +76,8 @@ namespace {
 
 // Each unit's parameters as the schedule sees them, after checking that each fetched one can be offloaded.
 std::vector<tiering::ParamUnit> plan_units(const Runtime& rt, const std::vector<std::vector<at::Tensor>>& units,
-                                           const std::vector<Tier>& residences, const std::vector<std::string>& names) {
+                                           const std::vector<Tier>& residences, const std::vector<std::string>& names,
+                                           const std::vector<std::string>& unit_names) {
   TIERFLOW_EXPECTS(!units.empty() && units.size() == residences.size(),
                    "ParamResidency: one residence per unit, the rest unit last");
   std::vector<tiering::ParamUnit> plan(units.size());
@@ -75,6 +88,7 @@ std::vector<tiering::ParamUnit> plan_units(const Runtime& rt, const std::vector<
     if (tier == Tier::kNvme && !rt.has_nvme())
       throw config_error("offload_params: the NVMe tier for parameters needs TIERFLOW_NVME_PATHS");
     plan[u].residence = tier;
+    if (u < unit_names.size()) plan[u].name = unit_names[u];
     for (const at::Tensor& p : units[u]) {
       const std::string name = index < names.size() ? names[index] : "#" + std::to_string(index);
       ++index;
@@ -96,9 +110,10 @@ std::vector<tiering::ParamUnit> plan_units(const Runtime& rt, const std::vector<
 }  // namespace
 
 ParamResidency::ParamResidency(std::shared_ptr<Runtime> runtime, const std::vector<std::vector<at::Tensor>>& units,
-                               const std::vector<Tier>& residences, const std::vector<std::string>& names)
+                               const std::vector<Tier>& residences, const std::vector<std::string>& names,
+                               std::size_t blocks, const std::vector<std::string>& unit_names)
     : runtime_(std::move(runtime)) {
-  const std::vector<tiering::ParamUnit> plan = plan_units(*runtime_, units, residences, names);
+  const std::vector<tiering::ParamUnit> plan = plan_units(*runtime_, units, residences, names, unit_names);
   std::vector<std::uint64_t> fetched;
   for (const auto& u : plan) {
     if (u.residence == Tier::kGpu) continue;
@@ -111,15 +126,20 @@ ParamResidency::ParamResidency(std::shared_ptr<Runtime> runtime, const std::vect
   tiering::check_param_budget(runtime_->tiers().device_budget_bytes(), fetched, largest, 0);
   tiering::ParamScheduleOptions o;
   o.prefetch_bytes = largest;  // one unit ahead (Note [Parameter residency])
+  o.device_budget_bytes = runtime_->tiers().device_budget_bytes();
+  o.blocks = std::min(blocks, units.size());
   auto schedule = std::make_unique<tiering::ParamSchedule>(plan, o);
   std::unordered_map<tiering::ParamId, Param> copies;
   std::uint64_t nvme_bytes = 0;
+  std::size_t index = 0;
   for (const auto& unit : units) {
     for (const at::Tensor& p : unit) {
+      const std::string name = index < names.size() ? names[index] : "#" + std::to_string(index);
+      ++index;
       const tiering::ParamId id = param_id(p);
       const Tier home = schedule->home(id);
       if (copies.count(id) || home == Tier::kGpu) continue;
-      Param c{p, p.detach(), {}, home == Tier::kNvme, 0, {}, {}};
+      Param c{p, name, p.detach(), {}, home == Tier::kNvme, 0, {}, {}};
       if (c.nvme) nvme_bytes += p.nbytes();
       copies.emplace(id, std::move(c));
     }
@@ -146,7 +166,7 @@ ParamResidency::ParamResidency(std::shared_ptr<Runtime> runtime, const std::vect
       if (c.nvme && c.block) runtime_->nvme_engine()->release(c.block);
     throw;
   }
-  for (auto& [id, c] : copies) drop_memory(c.device);
+  for (auto& [id, c] : copies) drop(c);
   params_ = std::move(copies);
   schedule_ = std::move(schedule);
 }
@@ -170,8 +190,10 @@ void ParamResidency::release(Param& p) {
   }
   p.fetch = swap::TransferHandle();
   if (p.nvme) p.staging = at::Tensor();
-  drop_memory(p.device);
+  drop(p);
 }
+
+void ParamResidency::drop(Param& p) { drop_memory(p.device, released_error(p.name, p.nvme)); }
 
 void ParamResidency::fetch(Param& p) {
   give_memory(p.device, p.device.nbytes());
@@ -211,6 +233,7 @@ void ParamResidency::write_home(Param& p, const at::Tensor& value) {
 
 void ParamResidency::carry_out(const tiering::ParamActions& a) {
   for (tiering::ParamId id : a.release) release(params_.at(id));
+  if (!a.refused.empty()) throw out_of_memory(a.refused);
   std::vector<tiering::ParamId> started;
   try {
     for (const auto* ids : {&a.fetch, &a.prefetch}) {
@@ -223,7 +246,7 @@ void ParamResidency::carry_out(const tiering::ParamActions& a) {
     for (const auto* ids : {&a.fetch, &a.prefetch}) {
       for (tiering::ParamId id : *ids) {
         if (std::find(started.begin(), started.end(), id) != started.end()) continue;
-        drop_memory(params_.at(id).device);
+        drop(params_.at(id));
         params_.at(id).staging = at::Tensor();
         schedule_->fetch_failed(id);
       }
@@ -241,16 +264,79 @@ void ParamResidency::use(std::size_t unit, Use what) {
   std::lock_guard<std::mutex> lock(mutex_);
   TIERFLOW_EXPECTS(unit < schedule_->units(), "ParamResidency: unit " + std::to_string(unit) + " of " +
                                                   std::to_string(schedule_->units()));
-  if (on_host_) {  // a step that raised before its post-hook: the parameters point back at their storage
-    for (auto& [id, p] : params_) p.param.set_data(p.device);
-    on_host_ = false;
-  }
+  point_back_locked();
   switch (what) {
     case Use::kBeginForward: carry_out(schedule_->begin_forward(unit)); break;
     case Use::kEndForward: carry_out(schedule_->end_forward(unit)); break;
     case Use::kBeginBackward: carry_out(schedule_->begin_backward(unit)); break;
     case Use::kEndBackward: carry_out(schedule_->end_backward(unit)); break;
     case Use::kEndPhase: carry_out(schedule_->end_phase()); break;
+  }
+}
+
+void ParamResidency::point_back_locked() {
+  if (!on_host_) return;  // a step that raised before its post-hook: the parameters point back at their storage
+  for (auto& [id, p] : params_) p.param.set_data(p.device);
+  on_host_ = false;
+}
+
+void ParamResidency::hold(const at::Tensor& p) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!params_.count(param_id(p))) return;
+  point_back_locked();
+  carry_out(schedule_->hold(param_id(p)));
+}
+
+void ParamResidency::unhold(const at::Tensor& p) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!params_.count(param_id(p))) return;
+  carry_out(schedule_->unhold(param_id(p)));
+}
+
+void ParamResidency::attach(std::size_t unit, const at::Tensor& p) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!params_.count(param_id(p))) return;
+  point_back_locked();
+  carry_out(schedule_->attach(unit, param_id(p)));
+}
+
+bool ParamResidency::on_device(const at::Tensor& p) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return params_.count(param_id(p)) > 0 && schedule_->on_device(param_id(p));
+}
+
+void ParamResidency::gather(const std::vector<at::Tensor>& params) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  point_back_locked();
+  std::vector<tiering::ParamId> held;
+  try {
+    for (const at::Tensor& t : params) {
+      const tiering::ParamId id = param_id(t);
+      if (!params_.count(id) || std::find(held.begin(), held.end(), id) != held.end()) continue;
+      carry_out(schedule_->hold(id));
+      held.push_back(id);
+    }
+  } catch (...) {  // all or none
+    for (auto it = held.rbegin(); it != held.rend(); ++it) carry_out(schedule_->unhold(*it));
+    throw;
+  }
+}
+
+void ParamResidency::scatter(const std::vector<at::Tensor>& params, bool write_back) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<tiering::ParamId> done;
+  for (const at::Tensor& t : params) {
+    const tiering::ParamId id = param_id(t);
+    if (!params_.count(id) || std::find(done.begin(), done.end(), id) != done.end()) continue;
+    done.push_back(id);
+    Param& p = params_.at(id);
+    if (write_back) {
+      p.fetch.wait();
+      at::Tensor value = runtime_->host_empty(p.device.sizes(), p.device.scalar_type(), false);
+      runtime_->copy_to_host(value, p.device).wait();
+      write_home(p, value);
+    }
+    carry_out(schedule_->unhold(id));
   }
 }
 
@@ -341,7 +427,7 @@ void ParamResidency::materialize(const at::Tensor& t, bool fetch_it) {
   at::Tensor value = runtime_->host_empty(p.device.sizes(), p.device.scalar_type(), false);
   runtime_->copy_to_host(value, p.device).wait();
   write_home(p, value);
-  if (!held) drop_memory(p.device);
+  if (!held) drop(p);
 }
 
 std::size_t ParamResidency::units() const {

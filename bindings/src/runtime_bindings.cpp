@@ -206,7 +206,8 @@ void bind_param_residency(py::module_& m) {
   py::class_<ParamResidency, std::shared_ptr<ParamResidency>>(
       m, "ParamResidency", "The parameters of a model's units between uses (Note [Parameter storage]).")
       .def(py::init([](std::shared_ptr<Runtime> rt, const std::vector<std::vector<at::Tensor>>& units,
-                       const std::vector<std::string>& residences, const std::vector<std::string>& names) {
+                       const std::vector<std::string>& residences, const std::vector<std::string>& names,
+                       std::size_t blocks, const std::vector<std::string>& unit_names) {
              std::vector<Tier> tiers;
              for (const std::string& r : residences) {
                const auto t = std::find_if(kAllTiers.begin(), kAllTiers.end(),
@@ -215,9 +216,21 @@ void bind_param_residency(py::module_& m) {
                tiers.push_back(*t);
              }
              py::gil_scoped_release release;  // the first copies wait on the copy engine
-             return std::make_shared<ParamResidency>(std::move(rt), units, tiers, names);
+             return std::make_shared<ParamResidency>(std::move(rt), units, tiers, names, blocks, unit_names);
            }),
-           py::arg("runtime"), py::arg("units"), py::arg("residences"), py::arg("names"))
+           py::arg("runtime"), py::arg("units"), py::arg("residences"), py::arg("names"), py::arg("blocks"),
+           py::arg("unit_names"))
+      .def("hold", &ParamResidency::hold, py::call_guard<py::gil_scoped_release>(),
+           "Fetches a parameter read outside its units' uses and keeps it on the device until unhold.")
+      .def("unhold", &ParamResidency::unhold, py::call_guard<py::gil_scoped_release>())
+      .def("attach", &ParamResidency::attach, py::arg("unit"), py::arg("param"), py::call_guard<py::gil_scoped_release>(),
+           "The parameter belongs to the unit from now on (a weight its module reads that another module owns).")
+      .def("on_device", &ParamResidency::on_device, py::call_guard<py::gil_scoped_release>())
+      .def("gather", &ParamResidency::gather, py::call_guard<py::gil_scoped_release>(),
+           "Holds every offloaded parameter of the list on the device (all or none; out_of_memory names the budget).")
+      .def("scatter", &ParamResidency::scatter, py::arg("params"), py::arg("write_back"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Writes each gathered parameter back to its home when write_back, then releases it.")
       .def("begin_forward", &ParamResidency::begin_forward, py::call_guard<py::gil_scoped_release>())
       .def("end_forward", &ParamResidency::end_forward, py::call_guard<py::gil_scoped_release>())
       .def("begin_backward", &ParamResidency::begin_backward, py::call_guard<py::gil_scoped_release>())

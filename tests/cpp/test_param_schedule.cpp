@@ -80,26 +80,117 @@ TEST(ParamSchedule, FetchesAheadInOrderAndReleasesAfterEachUse) {
   EXPECT_EQ(s.stats().order_misses, 0u);
 }
 
-TEST(ParamSchedule, ASharedParameterIsFetchedAtItsFirstUseAndReleasedAfterItsLast) {
+TEST(ParamSchedule, AParameterTwoUnitsListIsFetchedForEachUseNotKeptBetweenThem) {
   std::vector<ParamUnit> units = chain(3, 100, Tier::kNvme);
-  units[0].params.push_back({7, 50});  // tied: blocks 0 and 2 use parameter 7
+  units[0].params.push_back({7, 50});  // tied: blocks 0 and 2 use parameter 7 (an embedding and its head)
   units[2].params.push_back({7, 50});
   ParamSchedule s(std::move(units), {0});  // no prefetch: every fetch is at its use
   EXPECT_EQ(s.stats().nvme_bytes, 350u);
   ParamActions a = s.begin_forward(0);
   EXPECT_EQ(a.fetch, Ids({10, 7}));
   land(s, a);
-  EXPECT_EQ(s.end_forward(0).release, Ids({10}));  // 7 is used again by block 2
-  EXPECT_EQ(s.state(7), ParamState::kOnDevice);
+  EXPECT_EQ(s.end_forward(0).release, Ids({10, 7}));  // block 1 comes between: 7 does not wait on the device
   land(s, s.begin_forward(1));
   land(s, s.end_forward(1));
   a = s.begin_forward(2);
-  EXPECT_EQ(a.fetch, Ids({12}));  // 7 is still there: a hit
+  EXPECT_EQ(a.fetch, Ids({12, 7}));
   land(s, a);
   EXPECT_EQ(s.end_forward(2).release, Ids({12, 7}));
-  EXPECT_EQ(s.stats().fetches, 4u);
-  EXPECT_EQ(s.stats().nvme_to_host_bytes, 350u);
+  EXPECT_EQ(s.stats().fetches, 5u);
+  EXPECT_EQ(s.stats().nvme_to_host_bytes, 400u);
+  EXPECT_EQ(s.stats().device_peak_bytes, 155u);  // the rest unit's 5 bytes stay
 }
+
+TEST(ParamSchedule, OverlappingUsesKeepASharedParameterUntilTheLastOneEnds) {
+  std::vector<ParamUnit> units = chain(3, 100, Tier::kHost);
+  units[0].params.push_back({7, 50});
+  units[2].params.push_back({7, 50});
+  ParamSchedule s(std::move(units), {0});
+  land(s, s.begin_forward(0));
+  land(s, s.begin_forward(2));  // block 2's use begins before block 0's ends (a shared input, a nested call)
+  EXPECT_EQ(s.end_forward(0).release, Ids({10}));  // 7: block 2 still uses it
+  EXPECT_EQ(s.state(7), ParamState::kOnDevice);
+  EXPECT_EQ(s.end_forward(2).release, Ids({12, 7}));
+  // The same unit open twice (a block called twice before its first call's backward ended).
+  land(s, s.begin_backward(1));
+  land(s, s.begin_backward(1));
+  EXPECT_TRUE(s.end_backward(1).release.empty());
+  EXPECT_EQ(s.end_backward(1).release, Ids({11}));
+  EXPECT_THROW(s.end_backward(1), std::logic_error);  // no use of block 1 is open
+}
+
+TEST(ParamSchedule, TheBudgetBoundsEveryFetchAndAUseThatCannotFitIsRefusedNamingTheOpenUses) {
+  std::vector<ParamUnit> units = chain(4, 100, Tier::kHost);
+  for (std::size_t i = 0; i < 4; ++i) units[i].name = "block " + std::to_string(i);
+  ParamScheduleOptions o;
+  o.prefetch_bytes = 100;
+  o.device_budget_bytes = 250;
+  ParamSchedule s(std::move(units), o);
+  land(s, s.begin_forward(0));  // 0, and 1 prefetched: 205 with the rest unit's 5 resident bytes
+  EXPECT_EQ(s.stats().device_bytes, 205u);
+  ParamActions a = s.begin_forward(1);  // a hit; 2 would make 300: not prefetched
+  EXPECT_TRUE(a.prefetch.empty() && a.refused.empty());
+  land(s, a);
+  a = s.begin_forward(2);  // three uses open at once do not fit 250
+  EXPECT_TRUE(a.fetch.empty() && a.wait.empty());
+  ASSERT_FALSE(a.refused.empty());
+  for (const char* part : {"TIERFLOW_GPU_MEMORY", "block 0, block 1", "block 2", "250 bytes"})
+    EXPECT_NE(a.refused.find(part), std::string::npos) << part << " in: " << a.refused;
+  EXPECT_EQ(s.state(12), ParamState::kOnTier);  // nothing changed
+  EXPECT_EQ(s.stats().device_bytes, 205u);
+  a = s.end_forward(0);  // one use ended: 2 fits now, prefetched
+  EXPECT_EQ(a.prefetch, Ids({12}));
+  land(s, a);
+  a = s.begin_forward(2);
+  EXPECT_TRUE(a.refused.empty() && a.fetch.empty());
+  land(s, a);
+  EXPECT_LE(s.stats().device_peak_bytes, 250u);
+}
+
+TEST(ParamSchedule, ANeededFetchFirstReleasesPrefetchedParametersNoUseHolds) {
+  std::vector<ParamUnit> units = chain(3, 100, Tier::kHost, Tier::kHost);
+  ParamScheduleOptions o;
+  o.prefetch_bytes = 100;
+  o.device_budget_bytes = 200;
+  ParamSchedule s(std::move(units), o);
+  land(s, s.begin_forward(0));  // and 1 prefetched
+  ParamActions a = s.hold(1);   // the rest unit's parameter read where its module does not run
+  EXPECT_TRUE(a.refused.empty());
+  EXPECT_EQ(a.release, Ids({11}));  // the prefetch made room
+  EXPECT_EQ(a.fetch, Ids({1}));
+  land(s, a);
+  EXPECT_LE(s.stats().device_peak_bytes, 200u);
+}
+
+TEST(ParamSchedule, AHeldParameterStaysThroughPhaseEndsUntilUnheld) {
+  ParamSchedule s(chain(2, 100, Tier::kHost, Tier::kHost), {0});
+  land(s, s.begin_forward(0));
+  land(s, s.hold(1));
+  land(s, s.hold(1));  // held twice (a read inline, a gathered context)
+  land(s, s.end_forward(0));
+  EXPECT_EQ(s.end_phase().release, Ids());  // 10 went at the end of its use; 1 is held
+  EXPECT_EQ(s.state(1), ParamState::kOnDevice);
+  land(s, s.begin_backward(0));
+  land(s, s.end_backward(0));
+  s.end_phase();
+  EXPECT_TRUE(s.unhold(1).release.empty());
+  EXPECT_EQ(s.unhold(1).release, Ids({1}));
+  EXPECT_THROW(s.unhold(1), std::logic_error);
+}
+
+TEST(ParamSchedule, AnAttachedParameterIsFetchedWithItsNewUnitFromNowOn) {
+  ParamSchedule s(chain(2, 100, Tier::kHost, Tier::kHost), {0});
+  land(s, s.begin_forward(1));
+  ParamActions a = s.attach(1, 1);  // block 1 reads the rest unit's parameter
+  EXPECT_EQ(a.fetch, Ids({1}));
+  land(s, a);
+  EXPECT_TRUE(s.attach(1, 1).fetch.empty());  // listed already
+  EXPECT_EQ(s.end_forward(1).release, Ids({11, 1}));
+  s.end_phase();
+  a = s.begin_forward(1);
+  EXPECT_EQ(a.fetch, Ids({11, 1}));
+}
+
 
 TEST(ParamSchedule, AParameterAResidentUnitListsStaysResident) {
   std::vector<ParamUnit> units = chain(2, 100, Tier::kHost);
@@ -238,15 +329,15 @@ TEST(ParamSchedule, ResidencesComeFromThePlan) {
   EXPECT_EQ(residences_from_plan(plan), std::vector<Tier>({Tier::kGpu, Tier::kNvme, Tier::kHost}));
 }
 
-TEST(ParamSchedule, TheRestUnitIsUsedFirstAndLastByDefault) {
+TEST(ParamSchedule, BeforeAnyRecordTheBlocksAreExpectedAndOtherUnitsFetchedAtTheirUse) {
   ParamSchedule s(chain(2, 100, Tier::kHost, Tier::kHost), {100});
-  EXPECT_EQ(s.expected_order(), std::vector<UnitId>({2, 0, 1, 2}));
-  land(s, s.begin_forward(2));
-  EXPECT_TRUE(s.end_forward(2).release.empty());  // the head uses it again at the end
-  run_forward(s, 2);
-  land(s, s.begin_forward(2));
+  EXPECT_EQ(s.expected_order(), std::vector<UnitId>({0, 1}));
+  ParamActions a = s.begin_forward(2);  // the embeddings: not expected yet, fetched at their use
+  EXPECT_EQ(a.fetch, Ids({1}));
+  land(s, a);
   EXPECT_EQ(s.end_forward(2).release, Ids({1}));
-  EXPECT_EQ(s.stats().order_misses, 0u);
+  run_forward(s, 2);
+  EXPECT_EQ(s.stats().order_misses, 1u);
 }
 
 TEST(ParamBudget, ABudgetBelowTheLargestUnitWindowAndWorkingSetNamesTheBytes) {

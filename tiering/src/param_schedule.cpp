@@ -33,14 +33,13 @@ const std::vector<StatField<ParamScheduleStats>>& param_schedule_stat_fields() {
 }
 
 std::vector<UnitId> ParamSchedule::default_forward() const {
-  const UnitId rest = units_.size() - 1;
-  const bool fetches_rest = std::any_of(units_[rest].begin(), units_[rest].end(),
-                                        [&](std::size_t i) { return params_[i].home != Tier::kGpu; });
   std::vector<UnitId> order;
-  if (fetches_rest) order.push_back(rest);
-  for (UnitId u = 0; u < rest; ++u) order.push_back(u);
-  if (fetches_rest) order.push_back(rest);
+  for (UnitId u = 0; u < std::min(options_.blocks, units_.size()); ++u) order.push_back(u);
   return order;
+}
+
+std::string ParamSchedule::unit_name(UnitId u) const {
+  return u < names_.size() && !names_[u].empty() ? names_[u] : "unit " + std::to_string(u);
 }
 
 std::string_view to_string(ParamState s) noexcept {
@@ -57,6 +56,9 @@ ParamSchedule::ParamSchedule(std::vector<ParamUnit> units, ParamScheduleOptions 
   if (units.empty()) throw std::logic_error("ParamSchedule: no units (the rest unit at least)");
   auto& index = index_;
   units_.resize(units.size());
+  unit_open_.assign(units.size(), 0);
+  for (const auto& u : units) names_.push_back(u.name);
+  if (options_.blocks == static_cast<std::size_t>(-1)) options_.blocks = units.size() - 1;
   // Resident units first, so that a parameter any resident unit lists is resident; then by index.
   for (int pass = 0; pass < 2; ++pass) {
     for (std::size_t u = 0; u < units.size(); ++u) {
@@ -85,11 +87,13 @@ ParamSchedule::ParamSchedule(std::vector<ParamUnit> units, ParamScheduleOptions 
   expected_ = default_forward();
 }
 
-ParamSchedule::Param& ParamSchedule::param(ParamId id) {
+std::size_t ParamSchedule::index_of(ParamId id) const {
   const auto it = index_.find(id);
   if (it == index_.end()) throw std::logic_error("ParamSchedule: unknown parameter " + std::to_string(id));
-  return params_[it->second];
+  return it->second;
 }
+
+ParamSchedule::Param& ParamSchedule::param(ParamId id) { return params_[index_of(id)]; }
 
 const ParamSchedule::Param& ParamSchedule::param(ParamId id) const {
   return const_cast<ParamSchedule*>(this)->param(id);
@@ -167,45 +171,80 @@ std::vector<ParamId> ParamSchedule::make_resident(const std::vector<UnitId>& uni
   return out;
 }
 
+void ParamSchedule::release(Param& p, ParamActions& out) {
+  if (p.ahead) ahead_bytes_ -= p.bytes;
+  p.ahead = false;
+  if (p.state == ParamState::kInFlight) move(p, ParamState::kOnDevice);  // the caller waits for its copy first
+  if (p.state != ParamState::kOnDevice) return;
+  move(p, ParamState::kReleased);
+  stats_.device_bytes -= p.bytes;
+  ++stats_.releases;
+  out.release.push_back(p.id);
+}
+
 ParamActions ParamSchedule::end_phase() {
   ParamActions out;
   if (!in_phase_) return out;
   record_phase();
   for (auto& p : params_) {
-    p.ahead = false;
-    if (p.home == Tier::kGpu) continue;
-    if (p.state == ParamState::kInFlight) move(p, ParamState::kOnDevice);  // its copy is waited for first
-    if (p.state != ParamState::kOnDevice) continue;
-    move(p, ParamState::kReleased);
-    stats_.device_bytes -= p.bytes;
-    ++stats_.releases;
-    out.release.push_back(p.id);
+    p.open = 0;
+    if (p.home != Tier::kGpu && p.holds == 0) release(p, out);
   }
-  ahead_bytes_ = 0;
+  std::fill(unit_open_.begin(), unit_open_.end(), 0);
   in_phase_ = false;
   return out;
 }
 
-bool ParamSchedule::used_later(std::size_t param_index) const {
-  for (std::size_t i = cursor_; i < expected_.size(); ++i) {
-    const auto& members = units_[expected_[i]];
-    if (std::find(members.begin(), members.end(), param_index) != members.end()) return true;
+bool ParamSchedule::next_uses(std::size_t param_index) const {
+  if (!in_phase_ || cursor_ >= expected_.size()) return false;
+  const auto& members = units_[expected_[cursor_]];
+  return std::find(members.begin(), members.end(), param_index) != members.end();
+}
+
+bool ParamSchedule::needed(std::size_t param_index) const {
+  const Param& p = params_[param_index];
+  return p.open > 0 || p.holds > 0 || p.ahead || next_uses(param_index);
+}
+
+void ParamSchedule::make_room(std::uint64_t bytes, const std::vector<std::size_t>& wanted, const std::string& what,
+                              ParamActions& out) {
+  const std::uint64_t budget = options_.device_budget_bytes;
+  if (budget == 0 || stats_.device_bytes + bytes <= budget) return;
+  auto freeable = [&](std::size_t i) {
+    const Param& p = params_[i];
+    return p.ahead && p.open == 0 && p.holds == 0 && std::find(wanted.begin(), wanted.end(), i) == wanted.end();
+  };
+  std::uint64_t free = 0;
+  for (std::size_t i = 0; i < params_.size(); ++i)
+    if (freeable(i)) free += params_[i].bytes;
+  if (stats_.device_bytes - free + bytes > budget) {
+    std::string uses, held;
+    std::uint64_t held_bytes = 0;
+    for (UnitId u = 0; u < units_.size(); ++u)
+      if (unit_open_[u] > 0)
+        uses += (uses.empty() ? "" : ", ") + unit_name(u) + (unit_open_[u] > 1 ? " (x" + std::to_string(unit_open_[u]) + ")" : "");
+    for (const auto& p : params_)
+      if (p.holds > 0 && p.home != Tier::kGpu && p.state != ParamState::kReleased && p.state != ParamState::kOnTier)
+        held_bytes += p.bytes;
+    out.refused = "tierflow: parameters fetched from the host or NVMe would need " +
+                  std::to_string(stats_.device_bytes - free + bytes) + " bytes (" +
+                  format_bytes(stats_.device_bytes - free + bytes) + ") of device memory for " + what +
+                  ", over the device budget (TIERFLOW_GPU_MEMORY, keyword gpu_memory) of " + std::to_string(budget) +
+                  " bytes (" + format_bytes(budget) + "); on the device then: the uses of " +
+                  (uses.empty() ? std::string("no unit") : uses) + " (open at once), " + format_bytes(held_bytes) +
+                  " held by reads outside their modules (tierflow.gathered, a weight read inline). Raise "
+                  "TIERFLOW_GPU_MEMORY, or use less at once (fewer forwards before a backward, fewer modules "
+                  "gathered)";
+    return;
   }
-  return false;
+  for (std::size_t i = 0; i < params_.size() && stats_.device_bytes + bytes > budget; ++i)
+    if (freeable(i)) release(params_[i], out);
 }
 
 void ParamSchedule::start_phase(bool backward, ParamActions& out) {
   if (in_phase_) record_phase();
-  for (auto& p : params_) {  // what the previous phase left on the device (its order changed)
-    p.ahead = false;
-    if (p.home != Tier::kGpu && p.state == ParamState::kOnDevice) {
-      move(p, ParamState::kReleased);
-      stats_.device_bytes -= p.bytes;
-      ++stats_.releases;
-      out.release.push_back(p.id);
-    }
-  }
-  ahead_bytes_ = 0;
+  for (auto& p : params_)  // what the previous phase left on the device (its order changed)
+    if (p.home != Tier::kGpu && p.open == 0 && p.holds == 0 && p.state == ParamState::kOnDevice) release(p, out);
   if (backward) {
     std::vector<UnitId> reverse(last_forward_.rbegin(), last_forward_.rend());
     // The recorded backward, when it followed a forward of the same uses as this one.
@@ -225,6 +264,14 @@ ParamActions ParamSchedule::begin(UnitId unit, bool backward) {
                                              std::to_string(units_.size()));
   ParamActions out;
   if (!in_phase_ || backward_ != backward) start_phase(backward, out);
+  std::uint64_t missing = 0;
+  for (std::size_t i : units_[unit]) {
+    const Param& p = params_[i];
+    if (p.home != Tier::kGpu && p.state != ParamState::kOnDevice && p.state != ParamState::kInFlight) missing += p.bytes;
+  }
+  make_room(missing, units_[unit], "the use of " + unit_name(unit), out);
+  if (!out.refused.empty()) return out;
+  ++unit_open_[unit];
   seen_.push_back(unit);
   if (cursor_ < expected_.size() && expected_[cursor_] == unit) {
     ++cursor_;
@@ -236,8 +283,10 @@ ParamActions ParamSchedule::begin(UnitId unit, bool backward) {
   for (std::size_t i : units_[unit]) {
     Param& p = params_[i];
     if (p.home == Tier::kGpu) continue;
+    ++p.open;
     if (p.ahead) ahead_bytes_ -= p.bytes;
     p.ahead = false;
+    if (p.open > 1) continue;  // another open use has it
     if (p.state == ParamState::kOnDevice || p.state == ParamState::kInFlight) {
       ++stats_.prefetch_hits;
       if (p.state == ParamState::kInFlight) out.wait.push_back(p.id);
@@ -253,29 +302,92 @@ ParamActions ParamSchedule::begin(UnitId unit, bool backward) {
 }
 
 ParamActions ParamSchedule::end(UnitId unit) {
-  TIERFLOW_EXPECTS(unit < units_.size() && in_phase_,
+  TIERFLOW_EXPECTS(unit < units_.size() && in_phase_ && unit_open_[unit] > 0,
                    "ParamSchedule: end of unit " + std::to_string(unit) + " outside a use");
   ParamActions out;
+  --unit_open_[unit];
   for (std::size_t i : units_[unit]) {
     Param& p = params_[i];
-    if (p.home == Tier::kGpu || p.ahead || used_later(i)) continue;
-    if (p.state == ParamState::kInFlight) move(p, ParamState::kOnDevice);  // never waited for: the caller waits
-    if (p.state != ParamState::kOnDevice) continue;                         // released already (a shared one)
-    move(p, ParamState::kReleased);
-    stats_.device_bytes -= p.bytes;
-    ++stats_.releases;
-    out.release.push_back(p.id);
+    if (p.home == Tier::kGpu) continue;
+    if (p.open > 0) --p.open;
+    if (!needed(i)) release(p, out);  // released already (a shared one): nothing
   }
   top_up(out);
   return out;
 }
 
+ParamActions ParamSchedule::hold(ParamId id) {
+  const std::size_t i = index_of(id);
+  Param& p = params_[i];
+  ParamActions out;
+  if (p.home == Tier::kGpu) return out;
+  if (p.state != ParamState::kOnDevice && p.state != ParamState::kInFlight) {
+    make_room(p.bytes, {i}, "a read of parameter " + std::to_string(id) + " outside its modules", out);
+    if (!out.refused.empty()) return out;
+    ++stats_.stalls;
+    fetch(p, false);
+    out.fetch.push_back(p.id);
+    out.wait.push_back(p.id);
+  } else if (p.state == ParamState::kInFlight) {
+    out.wait.push_back(p.id);
+  }
+  if (p.ahead) ahead_bytes_ -= p.bytes;
+  p.ahead = false;
+  ++p.holds;
+  return out;
+}
+
+ParamActions ParamSchedule::unhold(ParamId id) {
+  const std::size_t i = index_of(id);
+  Param& p = params_[i];
+  ParamActions out;
+  if (p.home == Tier::kGpu) return out;
+  TIERFLOW_EXPECTS(p.holds > 0, "ParamSchedule::unhold: parameter " + std::to_string(id) + " is not held");
+  --p.holds;
+  if (!needed(i)) release(p, out);
+  return out;
+}
+
+ParamActions ParamSchedule::attach(UnitId unit, ParamId id) {
+  TIERFLOW_EXPECTS(unit < units_.size(), "ParamSchedule::attach: unit " + std::to_string(unit) + " of " +
+                                             std::to_string(units_.size()));
+  const std::size_t i = index_of(id);
+  ParamActions out;
+  auto& members = units_[unit];
+  if (std::find(members.begin(), members.end(), i) != members.end()) return out;
+  Param& p = params_[i];
+  if (unit_open_[unit] > 0 && p.home != Tier::kGpu) {
+    if (p.state != ParamState::kOnDevice && p.state != ParamState::kInFlight) {
+      make_room(p.bytes, {i}, "parameter " + std::to_string(id) + ", read by " + unit_name(unit), out);
+      if (!out.refused.empty()) return out;
+      ++stats_.stalls;
+      fetch(p, false);
+      out.fetch.push_back(p.id);
+      out.wait.push_back(p.id);
+    } else if (p.state == ParamState::kInFlight) {
+      out.wait.push_back(p.id);
+    }
+    if (p.ahead) ahead_bytes_ -= p.bytes;
+    p.ahead = false;
+    p.open += unit_open_[unit];
+  }
+  members.push_back(i);
+  return out;
+}
+
+bool ParamSchedule::on_device(ParamId id) const {
+  const Param& p = param(id);
+  return p.state == ParamState::kOnDevice || p.state == ParamState::kInFlight;
+}
+
 void ParamSchedule::top_up(ParamActions& out) {
+  const std::uint64_t budget = options_.device_budget_bytes;
   for (std::size_t i = cursor_; i < expected_.size(); ++i) {
     for (std::size_t j : units_[expected_[i]]) {
       Param& p = params_[j];
       if (p.home == Tier::kGpu || p.state == ParamState::kInFlight || p.state == ParamState::kOnDevice) continue;
       if (ahead_bytes_ + p.bytes > options_.prefetch_bytes) return;
+      if (budget != 0 && stats_.device_bytes + p.bytes > budget) return;
       fetch(p, true);
       out.prefetch.push_back(p.id);
     }

@@ -6,47 +6,61 @@ Note [Parameter hooks]
 The schedule (Note [Parameter residency] in tiering/param_schedule.hpp) decides
 what moves; _C.ParamResidency carries it out on the parameters' storages (Note
 [Parameter storage]); this module only says when a unit is used. Units: the
-repeated blocks (find_blocks, or the blocks given to wrap) and the rest unit,
-every parameter outside them (embeddings, final norm, head; a parameter a
-block shares with the rest, such as a tied weight, is fetched once).
+repeated blocks (find_blocks, or the blocks given to wrap), each with every
+parameter inside it, then one unit per other module that holds parameters of
+its own (the embeddings, the final norm, the head, the model itself): each is
+fetched for its own use, so embeddings that outweigh a block are not on the
+device through the step, and a weight two modules hold (a tied embedding and
+head) is one parameter that each one's use fetches.
 
-Forward. The model's pre-hook opens a use of the rest unit. A block's pre-hook
-(run before any other: the activation plans' hooks may record its ops) closes
-the open use and opens the block's; its forward hook (run after the others)
-closes it. A module of the rest unit that runs after a block (a final norm,
-the head) opens the rest unit again. So a forward's uses are rest, the
-blocks, rest: the order the schedule expects before any record, and the
-rest unit, used again at the end, stays on the device through the forward
-(a weight read outside any module between blocks finds it there). The
-model's forward hook closes the last use and ends the phase: every fetched
-parameter is then released.
-Backward. The gradient of the model's output opens the rest unit, which
-stays until the end of backward (the head first, the embeddings last, a
-norm between an encoder's blocks and a decoder's). The gradient of a
-block's output opens the block (before any of its backward runs, so before a
-replay of Note [Activation plans] or a gradient checkpoint's recompute,
-which run its forward again: a block's pre-hook during backward does
-nothing). A block's use ends when the gradients of all its tensor inputs
-are ready (an input that is the previous block's output is counted by that
-block's output hook, before the previous block begins, so that two blocks
-and the prefetched one at most are on the device): autograd reads a weight only to compute the gradient of what
-the weight multiplied, and everything a block computes flows out through its
-inputs or into its own parameters' gradients (which need the activations,
-not the weight), so nothing of the block can need its parameters after that.
-Uses may overlap (a decoder block's cross-attention input, the encoder's
-output, is ready only after every decoder block). The end of backward (a
-callback queued on the engine when it starts) ends what is still open, the
-rest unit last, and the phase, which releases whatever is left (Note
-[Parameter residency]: a block whose inputs need no gradient, such as the
-first of a model with frozen embeddings; a prefetch for a use that did not
-come). The model's forward hook ends the forward phase the same way.
+Uses are per call. A unit's pre-hook (run before any other: the activation
+plans' hooks may record its ops) begins a forward use and its forward hook
+(run after the others) ends it; uses nest (a module inside the model's
+forward). For the backward, the pre-hook passes the call's inputs that need a
+gradient through one identity autograd function (_CallEnds, as FSDP2's
+post-backward function), and the forward hook puts a hook on each output that
+needs one. The first output gradient of the call begins its backward use;
+the identity's backward, which autograd runs once every gradient of the
+call's inputs from this call is ready, ends it: autograd reads a weight only
+to compute the gradient of what the weight multiplied, which flows out
+through the call's inputs, so nothing of the call needs its weights after
+that. So an input every block shares (T5's position bias, an encoder's
+output under cross-attention) holds no block, two forwards before one
+backward are two uses each, and a parameter two open uses list stays until
+the last one ends (the schedule counts open uses). A call whose inputs need
+no gradient (the embeddings; the first block under frozen embeddings) keeps
+its use until the end of backward: a callback queued on the engine when it
+starts ends what is still open, and the phase, which releases what is left
+(prefetches for a use that did not come). The model's forward hook ends the
+forward phase the same way. A recompute (a gradient checkpoint, a replay of
+Note [Activation plans]) runs a block's forward inside its open backward
+use: its pre-hook does nothing, unless no use is open (a reentrant
+checkpoint's first forward ran under no_grad: no output hook), when it
+begins one and its identity ends it.
+
+Reads outside uses. Every module holding parameters reads them through its
+_parameters, which becomes a _WatchedParameters during wrap: in a forward or
+backward, a read of an offloaded parameter that no open use lists (OLMo's
+head, F.linear(h, self.wte.weight), in the model's forward; a block reading a
+weight another module holds) is served: inside a block's forward the weight
+joins the block's unit from now on (ParamSchedule::attach: fetched with its
+uses, forward and backward); elsewhere it is fetched and held (hold) until
+the end of the backward (or of a forward no backward follows; two forwards
+before one backward keep it). Both count in the budget. A read is seen, not
+what it reads: a read of a weight's dtype fetches it too. A second backward
+of a retained graph that needs a weight read inline finds it released (the
+error below). A read tierflow cannot see (a reference kept, model.parameters()
+after training) finds the parameter released and raises the error of Note
+[Parameter storage], naming it and tierflow.gathered.
+
 Auto. With TIERFLOW_OFFLOAD_PARAMS=auto every unit is fetched from the host
 during the two steps the activation planner measures; its plan (Note
-[Activation planner], Parameters: which units keep their parameters,
-within TIERFLOW_GPU_MEMORY, together with the activations) is applied when
-the forward it was made in ends: those units' parameters are copied to the
-device once and stay (ParamSchedule::make_resident), and the optimizer
-steps them there from then on.
+[Activation planner], Parameters: which blocks keep their parameters, within
+TIERFLOW_GPU_MEMORY, together with the activations; rest_params for every
+other unit) is applied when the forward it was made in ends: those units'
+parameters are copied to the device once and stay
+(ParamSchedule::make_resident), and the optimizer steps them there from then
+on.
 Everything else. With a torch optimizer (offload_optimizer="none") step()
 runs with every parameter pointing at its host copy (NVMe: read into a host
 tensor, written back after the step), which it updates in place; on the
@@ -54,9 +68,8 @@ emulated device only, whose device tensors are CPU tensors (on CUDA the
 gradients are on the device: use the CPU optimizer, which steps the host
 copies and never reads the device). tierflow's CPUAdamW steps the host copies
 (NVMe: it writes each new value there in step(); those parameters step after
-backward, not during it). state_dict() holds the values on the host (CPU
-tensors); load_state_dict() fetches each module's parameters, lets the
-module load them and writes them back.
+backward, not during it). state_dict() and load_state_dict(): Note [Parameter
+state].
 """
 
 from __future__ import annotations
@@ -65,6 +78,7 @@ import weakref
 from typing import Any, Optional
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten
 
 from . import _C
@@ -84,6 +98,75 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def _node_hook(me: Any, call: Any) -> Any:
+    """A post-hook of one of a call's nodes that take its inputs."""
+    def hook(grad_inputs: Any, grad_outputs: Any) -> None:
+        offload = me()
+        if offload is not None:
+            offload._edge_ran(call)
+    return hook
+
+
+def _grad_hook(me: Any, method: str, *args: Any) -> Any:
+    """A tensor hook that calls ``method`` of the ParamOffload ``me`` refers to (it must not keep it alive)."""
+    def hook(grad: torch.Tensor) -> None:
+        offload = me()
+        if offload is not None:
+            getattr(offload, method)(*args)
+    return hook
+
+
+class _Call:
+    """One call of a unit: its backward use, begun by the first gradient of its outputs and ended when the last
+    node of the call that takes one of its inputs has run (Note [Parameter hooks]); once per backward (a retained
+    graph's second backward uses it again)."""
+
+    __slots__ = ("unit", "start", "inputs", "edges", "left", "begun", "ended")
+
+    def __init__(self, unit: int, start: int, inputs: list) -> None:
+        self.unit = unit
+        self.start = start  # the sequence number of the first autograd node the call may make
+        self.inputs = inputs  # the autograd nodes of its inputs that need a gradient
+        self.edges = 0  # its nodes that take an input (each ends the use once it has run)
+        self.left = 0  # of those, the ones this backward has still to run
+        self.begun: Optional[int] = None  # the backward (ParamOffload._backwards) that began it
+        self.ended: Optional[int] = None
+
+
+_ACCUMULATE = (1 << 64) - 1  # an AccumulateGrad node's sequence number
+_counter = torch.zeros((), requires_grad=True)  # a CPU leaf whose view tells the next sequence number
+
+
+def _next_sequence_nr() -> int:
+    return _counter.view_as(_counter).grad_fn._sequence_nr() + 1
+
+
+class _WatchedParameters(dict):
+    """A module's _parameters that tells its ParamOffload of each read in a forward or backward (Note [Parameter
+    hooks], Reads outside uses)."""
+
+    __slots__ = ("reads",)
+
+    def __getitem__(self, key: str) -> Any:
+        p = dict.__getitem__(self, key)
+        reads = self.reads
+        if reads.active and p is not None:
+            offload = reads.offload()
+            if offload is not None:
+                offload._read(p)
+        return p
+
+
+class _Reads:
+    """Whether reads are watched now (during a forward or backward), shared by every _WatchedParameters."""
+
+    __slots__ = ("active", "offload")
+
+    def __init__(self, offload: Any) -> None:
+        self.active = False
+        self.offload = offload
+
+
 class ParamOffload:
     """The parameter hooks of one wrapped model (Note [Parameter hooks])."""
 
@@ -98,32 +181,46 @@ class ParamOffload:
         names = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             names.setdefault(id(p), name)
-        units: list = []
-        seen: set = set()
-        for block in blocks:
-            units.append([p for p in block.parameters()])
-            seen.update(id(p) for p in units[-1])
-        units.append([p for p in model.parameters() if id(p) not in seen])
-        self.rest = len(blocks)
+        module_names = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
+        units: list = [[p for p in block.parameters()] for block in blocks]
+        unit_names = [f"block {i} ({module_names.get(id(b), '?') or type(b).__name__})" for i, b in enumerate(blocks)]
+        inside = {id(m) for block in blocks for m in block.modules()}
+        in_blocks = {id(p) for u in units for p in u}
+        rest_modules = [m for m in model.modules()
+                        if id(m) not in inside and any(True for _ in m.parameters(recurse=False))]
+        for m in rest_modules:
+            units.append(list(m.parameters(recurse=False)))
+            unit_names.append(f"'{module_names.get(id(m)) or type(m).__name__}'")
+        self.rest = len(blocks)  # the first unit that is not a block
         self._params = [p for u in units for p in u]
         self._ids = {id(p) for p in self._params}
-        self.rest_bytes = sum(p.numel() * p.element_size() for p in units[-1])
+        self._units_of: dict = {}  # id(parameter) -> the units listing it
+        for u, members in enumerate(units):
+            for p in members:
+                self._units_of.setdefault(id(p), set()).add(u)
+        self.rest_bytes = sum(p.numel() * p.element_size()
+                              for p in {id(p): p for u in units[self.rest:] for p in u if id(p) not in in_blocks}.values())
         self._runtime = session.runtime
         setting = session.config["TIERFLOW_OFFLOAD_PARAMS"]
         self.planned = setting == "auto"  # every unit fetched from the host until the plan says which stay
         self.tier = "host" if self.planned else setting
         self.impl = _C.ParamResidency(session.runtime, units, [self.tier] * len(units),
-                                      [names.get(id(p), "?") for u in units for p in u])
+                                      [names.get(id(p), "?") for u in units for p in u], len(blocks), unit_names)
         self._model = weakref.ref(model)
-        self._open: Optional[int] = None  # the forward use in progress
-        self._backward: Optional[set] = None  # in a backward: its blocks whose use is open
-        self._pending: dict = {}  # block -> gradients of its inputs backward has still to produce
-        self._awaiting: dict = {}  # key of one input's gradient -> the block waiting for it
-        self._next_key = 0
+        self._open = [0] * len(units)  # per unit: its open uses, forward and backward
+        self._forward: list = []  # the forward uses open, innermost last: (unit, _Call)
+        self._backward: Optional[set] = None  # in a backward: its calls whose use is open
+        self._recomputes: list = []  # calls begun by a recompute in backward, until its forward hook
+        self._backwards = 0  # backwards begun so far (a _Call's begun and ended name one)
+        self._held: list = []  # parameters held for reads outside their units' uses
+        self._held_ids: set = set()
+        self._graph_pending = False  # a forward that built a graph ran since the last backward ended
         self._resident: Optional[list] = None  # auto: the units the plan keeps on the device, until applied
         self._optimizer: Optional[Any] = None  # weak reference to the CPUAdamW stepping these parameters
         self._handles: list = []
         me = weakref.ref(self)
+        self._me = me
+        self._reads = _Reads(me)
 
         def call(method: str, *args: Any) -> Any:
             offload = me()
@@ -134,16 +231,22 @@ class ParamOffload:
             hook(lambda m, a: call("_model_begins")), prepend=True))
         self._handles.append(model.register_forward_hook(
             hook(lambda m, a, out: call("_model_ends", out)), always_call=True))
-        for i, block in enumerate(blocks):
-            self._handles.append(block.register_forward_pre_hook(
-                hook(lambda m, a, kw, i=i: call("_block_begins", i, a, kw)), prepend=True, with_kwargs=True))
-            self._handles.append(block.register_forward_hook(
-                hook(lambda m, a, out, i=i: call("_block_ends", i, out)), always_call=True))
-        inside = {id(m) for block in blocks for m in block.modules()}
+        for u, module in enumerate(list(blocks) + rest_modules):
+            # The model's own unit (parameters it holds itself) opens after _model_begins and closes before
+            # _model_ends: registered after the first, with prepend before the second.
+            self._handles.append(module.register_forward_pre_hook(
+                hook(lambda m, a, kw, u=u: call("_unit_begins", u, a, kw)), prepend=module is not model,
+                with_kwargs=True))
+            self._handles.append(module.register_forward_hook(
+                hook(lambda m, a, out, u=u: call("_unit_ends", u, out)), always_call=True, prepend=module is model))
+        self._watched = []
         for module in model.modules():
-            if id(module) not in inside and module is not model and \
-                    any(True for _ in module.parameters(recurse=False)):
-                self._handles.append(module.register_forward_pre_hook(hook(lambda m, a: call("_rest_module_begins"))))
+            params = module.__dict__.get("_parameters")
+            if params and not isinstance(params, _WatchedParameters):
+                watched = _WatchedParameters(params)
+                watched.reads = self._reads
+                module._parameters = watched
+                self._watched.append(module)
         self._handles += state_hooks(model, me)  # Note [Parameter state]
 
     def holds(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -155,13 +258,19 @@ class ParamOffload:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        self._switch(None)
+        for module in self._watched:
+            if isinstance(module.__dict__.get("_parameters"), _WatchedParameters):
+                module._parameters = dict(module._parameters)
+        self._watched = []
+        self._reads.active = False
+        self._end_forward_uses()
         self._close_backward()
+        self._release_held()
         self.impl.point_at_host(False)
         self.impl.end_phase()
         # Every unit resident: the parameters get their memory and values back, and the optimizer that
         # stepped their host copies steps them on the device again.
-        self._make_resident(list(range(self.rest + 1)))
+        self._make_resident(list(range(len(self._open))))
         _live.discard(self)
 
     def adopt_optimizer(self, cpu_optimizer: Any) -> None:
@@ -173,140 +282,199 @@ class ParamOffload:
         _install_step_hooks()
         _live.add(self)
 
-    # -- forward: one use at a time ----------------------------------------------------------------
-    def _switch(self, unit: Optional[int]) -> None:
-        """Closes the open forward use and opens ``unit``'s (None: opens nothing)."""
-        if self._open is not None:
-            self.impl.end_forward(self._open)
-            self._open = None
-        if unit is not None:
-            self.impl.begin_forward(unit)
-            self._open = unit
-
+    # -- forward ----------------------------------------------------------------------------------
     def _model_begins(self) -> None:
         model = self._model()
         if model is not None and _ddp_around(model) is not None:  # DDP(model) after wrap
             raise _C.ConfigError(_DDP_REFUSAL)
         if not _in_backward():
             self._close_backward()  # a backward that never reached its end (an error): its phase ends here
-            self._pending, self._awaiting = {}, {}
-            self._switch(self.rest)
-
-    def _rest_module_begins(self) -> None:
-        """A module holding parameters of the rest unit runs between blocks (a final norm, the head)."""
-        if self._open is None and not _in_backward():
-            self._switch(self.rest)
+            self._end_forward_uses()  # a forward that raised
+            if not self._graph_pending:
+                self._release_held()  # held by a forward no backward followed
+            self._reads.active = True
 
     def _model_ends(self, out: Any) -> None:
         if _in_backward():
             return
-        self._switch(None)
+        self._end_forward_uses()
         self.impl.end_phase()
         if self._resident is not None:  # between phases: the plan's resident units
             self._make_resident(self._resident)
             self._resident = None
         if torch.is_grad_enabled():
-            self._on_grad(out, self._backward_begins)
-
-    def _block_begins(self, i: int, args: Any, kwargs: Any) -> None:
-        if _in_backward():
-            # A recompute. Its block's backward opened it, unless the block's forward ran under no_grad (a
-            # reentrant checkpoint: no output hook was registered): then the recompute opens it, and the
-            # gradients of the recompute's inputs close it.
-            if self._backward is not None and i not in self._backward:
-                self._block_backward_begins(i)
-                self._await_inputs(i, args, kwargs)
-            return
-        self._switch(i)
-        self._await_inputs(i, args, kwargs)
-
-    def _await_inputs(self, i: int, args: Any, kwargs: Any) -> None:
-        if torch.is_grad_enabled():  # the gradients of its inputs close its backward
-            inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-            self._pending[i] = self._pending.get(i, 0) + len(inputs)
-            for t in inputs:
-                key = self._next_key
-                self._next_key += 1
-                self._awaiting[key] = i
-                # The previous block's output hook, registered first, reads these keys (_output_grad).
-                t.__dict__.setdefault("_tierflow_awaiting", []).append(key)
-                t.register_hook(self._grad_hook(lambda key=key: self._input_grad_ready(key)))
-
-    def _block_ends(self, i: int, out: Any) -> None:
-        if _in_backward():
-            return
-        self._switch(None)  # what runs next opens its unit: a block, or a module of the rest unit
-        if torch.is_grad_enabled():
+            self._graph_pending = True
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
-                    # The keys of the blocks that will take t as input (_block_begins adds them); the list, not
-                    # the tensor, whose hooks must not keep it alive (and whose Python object may go first).
-                    keys = t.__dict__.setdefault("_tierflow_awaiting", [])
-                    t.register_hook(self._grad_hook(lambda keys=keys: self._output_grad(i, keys)))
+                    t.register_hook(_grad_hook(self._me, "_backward_begins"))
+        else:
+            self._reads.active = False
+            if not self._graph_pending:
+                self._release_held()
 
-    # -- backward: uses that may overlap --------------------------------------------------------------
-    def _on_grad(self, out: Any, then: Any) -> None:
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(self._grad_hook(then))
+    def _unit_begins(self, u: int, args: Any, kwargs: Any) -> Any:
+        if _in_backward():
+            # A recompute: its call's backward use is open, unless its first forward ran under no_grad (a
+            # reentrant checkpoint): then the recompute begins one, and its identity ends it.
+            if self._backward is None or self._open[u] > 0 or not torch.is_grad_enabled():
+                return
+            call = self._new_call(u, args, kwargs)
+            self._call_begins(call)
+            self._recomputes.append(call)
+            return
+        self.impl.begin_forward(u)
+        self._open[u] += 1
+        self._forward.append((u, self._new_call(u, args, kwargs) if torch.is_grad_enabled() else None))
 
     @staticmethod
-    def _grad_hook(then: Any) -> Any:
-        def hook(grad: torch.Tensor) -> None:
-            then()
-        return hook
+    def _new_call(u: int, args: Any, kwargs: Any) -> _Call:
+        inputs = [get_gradient_edge(t).node for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor) and t.requires_grad]
+        return _Call(u, _next_sequence_nr(), inputs)
 
+    def _unit_ends(self, u: int, out: Any) -> None:
+        if _in_backward():
+            for k, call in enumerate(self._recomputes):
+                if call.unit == u:
+                    self._recomputes.pop(k)
+                    self._watch_call(call, out)  # the recompute's own backward ends its use
+                    return
+            return
+        for k in range(len(self._forward) - 1, -1, -1):
+            if self._forward[k][0] == u:
+                _, call = self._forward.pop(k)
+                break
+        else:
+            return  # its begin raised (over the budget)
+        self._open[u] -= 1
+        self._forward_use_ended(u)
+        if call is not None and torch.is_grad_enabled():
+            self._watch_call(call, out)
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None and \
+                        call.start <= t.grad_fn._sequence_nr() != _ACCUMULATE:  # made by the call, not passed through
+                    t.register_hook(_grad_hook(self._me, "_call_begins", call))
+
+    def _watch_call(self, call: _Call, out: Any) -> None:
+        """Finds the call's nodes that take one of its inputs (walking back from its outputs through the nodes
+        it made) and hooks each: once all have run, nothing of the call needs its weights."""
+        inputs = set(call.inputs)
+        stack = [t.grad_fn for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        seen: set = set()
+        edges = []
+        while stack:
+            node = stack.pop()
+            if node in seen or node in inputs:
+                continue
+            seen.add(node)
+            seq = node._sequence_nr()
+            if seq < call.start or seq == _ACCUMULATE:
+                continue  # made before the call (a tensor it read from elsewhere), or a leaf
+            takes_input = False
+            for nxt, _ in node.next_functions:
+                if nxt is None:
+                    continue
+                if nxt in inputs:
+                    takes_input = True
+                else:
+                    stack.append(nxt)
+            if takes_input:
+                edges.append(node)
+        call.edges = len(edges)
+        for node in edges:
+            node.register_hook(_node_hook(self._me, call))
+
+    def _edge_ran(self, call: _Call) -> None:
+        if self._backward is None or call.begun != self._backwards:
+            return
+        call.left -= 1
+        if call.left == 0:
+            self._call_ends(call)
+
+    def _forward_use_ended(self, u: int) -> None:
+        self.impl.end_forward(u)
+
+    def _end_forward_uses(self) -> None:
+        while self._forward:
+            u, _ = self._forward.pop()
+            self._open[u] -= 1
+            self.impl.end_forward(u)
+
+    # -- reads outside uses -------------------------------------------------------------------------
+    def _read(self, p: torch.Tensor) -> None:
+        units = self._units_of.get(id(p))
+        if units is None or any(self._open[u] > 0 for u in units) or id(p) in self._held_ids or \
+                not self.impl.offloaded(p):
+            return
+        block = next((u for u, _ in reversed(self._forward) if u < self.rest), None)
+        if block is not None and not _in_backward():  # a block reads a weight another module holds
+            self.impl.attach(block, p)
+            units.add(block)
+            return
+        self.impl.hold(p)  # the model, or a module outside the blocks, reads it inline
+        self._held.append(p)
+        self._held_ids.add(id(p))
+
+    def _release_held(self) -> None:
+        held, self._held = self._held, []
+        self._held_ids = set()
+        for p in held:
+            self.impl.unhold(p)
+
+    # -- backward -----------------------------------------------------------------------------------
     def _backward_begins(self) -> None:
         if self._backward is not None:
             return  # another output of the model
-        if self._open is not None or torch.is_grad_enabled():
+        if self._forward or torch.is_grad_enabled():
             # A backward inside a forward (autograd.grad in a block), or one that builds a graph of its own
             # (create_graph=True: double backward, gradient penalties), whose second pass reads the weights
             # after this one released them.
             raise _C.ConfigError(
-                "offload_params: a backward " + ("inside the model's forward" if self._open is not None else
+                "offload_params: a backward " + ("inside the model's forward" if self._forward else
                                                  "with create_graph=True (double backward)") +
                 " is not supported with parameters off the device; accepted: TIERFLOW_OFFLOAD_PARAMS=none")
         self._backward = set()
-        self.impl.begin_backward(self.rest)
-        me = weakref.ref(self)
+        self._backwards += 1
+        self._reads.active = True
+        me = self._me
         torch.autograd.Variable._execution_engine.queue_callback(lambda: me() is not None and me()._close_backward())
 
-    def _block_backward_begins(self, i: int) -> None:
+    def _call_begins(self, call: _Call) -> None:
         if self._backward is None:
-            self._backward_begins()  # backward from a block's output, not the model's
-        if i not in self._backward:
-            self._backward.add(i)
-            self.impl.begin_backward(i)
+            self._backward_begins()  # backward from a unit's output, not the model's
+        if call.begun == self._backwards:
+            return  # another output of the call
+        self.impl.begin_backward(call.unit)
+        call.begun = self._backwards
+        call.left = call.edges
+        self._open[call.unit] += 1
+        self._backward.add(call)
 
-    def _output_grad(self, i: int, keys: list) -> None:
-        """The gradient of block i's output is ready: the blocks that took the tensor as input (``keys``) stop
-        waiting for it first (their own hooks, registered later, would run after this one), then block i's
-        backward begins."""
-        for key in keys:
-            self._input_grad_ready(key)
-        self._block_backward_begins(i)
-
-    def _input_grad_ready(self, key: int) -> None:
-        i = self._awaiting.pop(key, None)
-        if i is None:
-            return  # counted already, by the output hook of the block that made the tensor
-        self._pending[i] -= 1
-        if self._pending[i] == 0 and self._backward is not None and i in self._backward:
-            self._backward.discard(i)
-            self.impl.end_backward(i)
+    def _call_ends(self, call: _Call) -> None:
+        if self._backward is None or call.begun != self._backwards or call.ended == self._backwards:
+            return
+        call.ended = self._backwards
+        self._backward.discard(call)
+        self._open[call.unit] -= 1
+        self.impl.end_backward(call.unit)
 
     def _close_backward(self) -> None:
         """The end of backward: every use still open ends, and the phase with them."""
         if self._backward is None:
             return
-        open_uses, self._backward = self._backward, None  # whatever happens below, this backward is over
+        open_calls, self._backward = self._backward, None  # whatever happens below, this backward is over
+        self._graph_pending = False
+        self._reads.active = False
         try:
-            for i in sorted(open_uses, reverse=True):
-                self.impl.end_backward(i)
-            self.impl.end_backward(self.rest)
+            for call in sorted(open_calls, key=lambda c: -c.unit):
+                call.ended = self._backwards
+                self._open[call.unit] -= 1
+                self.impl.end_backward(call.unit)
         finally:
-            self.impl.end_phase()
+            try:
+                self._release_held()
+            finally:
+                self.impl.end_phase()
 
     # -- auto: the plan's residences ----------------------------------------------------------------
     def plan_residences(self, plan: dict) -> None:
@@ -314,16 +482,18 @@ class ParamOffload:
         resident when the forward the plan was made in ends (between phases)."""
         units = [i for i, b in enumerate(plan["blocks"]) if b.get("params") == "gpu"]
         if plan.get("rest_params") == "gpu":
-            units.append(self.rest)
+            units += range(self.rest, len(self._open))
         self._resident = units
 
     def _make_resident(self, units: list) -> None:
         params = self.impl.make_resident(units) if units else []
         self._ids -= {id(p) for p in params}
+        for p in params:
+            self._units_of.pop(id(p), None)
         opt = self._optimizer() if self._optimizer is not None else None
         if opt is not None and params:
             opt.params_became_resident(params)
-        _C.log("info", f"tierflow parameters: {len(units)} of {self.rest + 1} units resident from now on "
+        _C.log("info", f"tierflow parameters: {len(units)} of {len(self._open)} units resident from now on "
                        f"({sum(p.numel() * p.element_size() for p in params)} bytes)")
 
     # -- outside forward and backward --------------------------------------------------------------

@@ -17,12 +17,15 @@
 // recognise it, Note [Saved-tensor decisions]) never changes. PyTorch's FSDP1
 // frees its unsharded parameters the same way.
 //
-// What a released parameter can and cannot do. Its shape, dtype, device and
-// gradient are intact (AccumulateGrad reads only its metadata); its values
-// are not there: reading it outside the model's forward and backward is
-// refused by the Python side where it can see it (state_dict and
-// load_state_dict go through the host copies; an optimizer steps the host
-// copies) and is otherwise the user's to avoid (the README says so).
+// What a released parameter can and cannot do. Its shape, dtype, device,
+// storage size and gradient are intact (AccumulateGrad reads only its
+// metadata; a view of it can be made); its values are not there, and any
+// read or write of them raises an error that names the parameter and says
+// what to do (c10's data-pointer check on the storage: the one FakeTensor
+// uses), never a crash nor a read of freed memory. The Python side serves
+// the reads it can see (Note [Parameter hooks]: a weight read where no
+// module of its own runs, tierflow.gathered; state_dict and load_state_dict
+// go through the host copies; an optimizer steps the host copies).
 //
 // Rules, in the order the events carry them out (ParamActions):
 // 1. release: a parameter whose fetch is still in flight is waited for first
@@ -77,16 +80,33 @@ class ParamResidency {
   /// kHost. Copies every fetched parameter to a pinned host copy and releases its device memory. Throws
   /// config_error naming a parameter that cannot be offloaded (not a leaf of the runtime's device, not
   /// contiguous, sharing its storage with another tensor) before anything changes.
+  /// `blocks`: units 0..blocks-1 are the repeated blocks (expected in order before any record);
+  /// `unit_names`: what errors call each unit. The device budget (TIERFLOW_GPU_MEMORY) bounds the fetched
+  /// parameters' device bytes (Note [Parameter residency], Budget).
   ParamResidency(std::shared_ptr<Runtime> runtime, const std::vector<std::vector<at::Tensor>>& units,
-                 const std::vector<Tier>& residences, const std::vector<std::string>& names);
+                 const std::vector<Tier>& residences, const std::vector<std::string>& names, std::size_t blocks,
+                 const std::vector<std::string>& unit_names);
   ~ParamResidency();
 
   void begin_forward(std::size_t unit);
   void end_forward(std::size_t unit);
   void begin_backward(std::size_t unit);
   void end_backward(std::size_t unit);
-  /// The forward (no backward follows) or the backward ended: everything fetched is released.
+  /// The forward (no backward follows) or the backward ended: everything fetched is released but holds.
   void end_phase();
+  /// A read of `p` outside its units' uses: fetched now (waited for) and kept until as many unhold.
+  /// Throws out_of_memory, nothing changed, where the budget has no room. Nothing for a resident one.
+  void hold(const at::Tensor& p);
+  void unhold(const at::Tensor& p);
+  /// `p` belongs to `unit` from now on (a weight the unit's module reads that another module owns); fetched
+  /// now when the unit's use is open.
+  void attach(std::size_t unit, const at::Tensor& p);
+  /// Whether `p` is offloaded and its values are on the device now (a read of it finds them).
+  bool on_device(const at::Tensor& p) const;
+  /// tierflow.gathered: holds every offloaded parameter of `params` (all, or none: out_of_memory names the
+  /// budget); `scatter` writes each one's device values back to its home when `write_back`, then unholds.
+  void gather(const std::vector<at::Tensor>& params);
+  void scatter(const std::vector<at::Tensor>& params, bool write_back);
   /// Makes `units` resident from now on (TIERFLOW_OFFLOAD_PARAMS=auto's plan), between phases: their
   /// parameters are copied to the device (waited for), their host copies or NVMe blocks go, and they are
   /// no longer offloaded (the optimizer steps them on the device). Returns them.
@@ -117,7 +137,9 @@ class ParamResidency {
   struct Param;
   enum class Use { kBeginForward, kEndForward, kBeginBackward, kEndBackward, kEndPhase };
   void use(std::size_t unit, Use what);
+  void point_back_locked();
   void carry_out(const tiering::ParamActions& a);
+  void drop(Param& p);
   void release(Param& p);
   void fetch(Param& p);
   at::Tensor read_home(Param& p);

@@ -17,41 +17,58 @@
 // index) that lists it.
 //
 // Uses and order. A use is begin_forward(u) .. end_forward(u) (or the
-// backward pair); a unit may be used several times in one phase (the rest
-// unit: the embeddings first, the head last). The schedule records the
+// backward pair). Uses may overlap and nest (a use per call of a block: two
+// forwards before one backward, a block whose input another block's
+// backward still needs), and a unit may be used several times in a phase:
+// each parameter counts the uses open on it. The schedule records the
 // sequence of units each phase began and expects the next phase of that
 // kind to repeat it (a backward: the recorded one when it followed a
 // forward of the same uses, else the reverse of the forward it follows).
-// Before any record it expects: forward rest, 0..n-1, rest (the rest unit's
-// uses only when it fetches a parameter). A use that is not the expected one
-// counts as an order miss and is served anyway. Uses do not nest (the rest
-// unit's embeddings use ends before block 0 begins); the caller may skip the
-// events of a unit that fetches nothing.
+// Before any record it expects the blocks, in order (units
+// 0..blocks-1; the other units, each a module outside the blocks, are
+// fetched at their first use until a phase is recorded). A use that is not
+// the expected one counts as an order miss and is served anyway; the
+// caller may skip the events of a unit that fetches nothing.
 //
 // Fetch and release. A fetched parameter is fetched (state on tier or
 // released -> in flight) at its first use in a phase, or ahead of it as a
 // prefetch; the caller copies it and reports arrived (in flight -> on
 // device) before the unit runs. At the end of a use, each of the unit's
-// fetched parameters that the rest of the expected phase does not use again
-// is released (on device -> released: the device copy is dropped; the host
-// or NVMe copy is the parameter, which the CPU optimizer updates in place).
-// So a shared parameter is fetched at its first use and released after its
-// last use, once per phase. A phase that begins with parameters of the
-// previous phase still on the device (its order changed) releases them
-// first; the caller ends a phase (end_phase) when backward ends, which
-// releases every fetched parameter left, those prefetched for a use that
-// did not come included. A use that ends with a parameter still in flight
-// (its wait failed) releases it all the same (the caller waits for the copy
-// first), and fetch_failed puts back one the caller could not fetch, so an
-// error in a step leaves the next step a schedule it can run. An illegal move throws std::logic_error naming the parameter and
-// both states.
+// fetched parameters that no open use or hold needs, and the next expected
+// use does not list, is released (on device -> released: the device copy is
+// dropped; the host or NVMe copy is the parameter, which the CPU optimizer
+// updates in place). So a parameter two units list (a tied embedding and
+// head) is fetched for each use, not kept between them. A phase that
+// begins with parameters of the previous phase still on the device (its
+// order changed) releases them first; the caller ends a phase (end_phase)
+// when backward ends, which releases every fetched parameter left that no
+// hold keeps, those prefetched for a use that did not come included. A use
+// that ends with a parameter still in flight (its wait failed) releases it
+// all the same (the caller waits for the copy first), and fetch_failed puts
+// back one the caller could not fetch, so an error in a step leaves the
+// next step a schedule it can run. An illegal move throws std::logic_error
+// naming the parameter and both states.
+//
+// Holds. hold(p) fetches a parameter for a read outside its units' uses
+// (a weight read where no module of its own runs, tierflow.gathered) and
+// keeps it on the device, through phase ends, until as many unhold(p);
+// attach(u, p) makes p a member of unit u from now on (a weight a block
+// reads that belongs to another module: fetched with the block's uses).
+//
+// Budget. device_budget_bytes (TIERFLOW_GPU_MEMORY) bounds the fetched
+// parameters' device bytes, always: a prefetch that does not fit is not
+// started, a fetch a use or hold needs first releases prefetched
+// parameters no open use needs, and one that still does not fit throws
+// tierflow::out_of_memory before anything changes, naming the unit, the
+// open uses and holds, and the budget. So the device peak of parameter
+// bytes never exceeds the budget.
 //
 // Prefetch window. After each event the schedule walks the expected uses
 // after the current one, in order, and starts fetching their parameters
 // while the bytes fetched ahead (in flight or arrived, not yet needed) stay
-// within prefetch_bytes; it stops at the first that does not fit, so the
-// order is kept. The plan's window is Plan::param_prefetch_bytes (the
-// largest fetched unit: one unit ahead).
+// within prefetch_bytes and the budget; it stops at the first that does not
+// fit, so the order is kept. The plan's window is
+// Plan::param_prefetch_bytes (the largest fetched unit: one unit ahead).
 //
 // Residence changes. make_resident(units), between phases, makes units
 // resident for the rest of the run (the plan of auto, made after two steps
@@ -66,6 +83,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <string_view>
 #include <unordered_map>
 #include <vector>
@@ -91,6 +109,7 @@ struct ParamRef {
 struct ParamUnit {
   Tier residence = Tier::kGpu;   ///< kGpu: resident; kHost or kNvme: fetched from there
   std::vector<ParamRef> params;
+  std::string name;              ///< what errors call it (a block's or module's name); "unit <index>" when empty
 };
 
 /// Where a parameter is (Note [Parameter residency]).
@@ -103,6 +122,9 @@ struct ParamActions {
   std::vector<ParamId> fetch;     ///< needed now and not yet fetched (stalls)
   std::vector<ParamId> prefetch;  ///< for later uses, within the window
   std::vector<ParamId> wait;      ///< the unit's parameters not yet on the device (fetch and earlier prefetches)
+  /// Non-empty: the use or hold did not fit the budget and did not begin (nothing fetched, nothing counted);
+  /// the caller carries out `release` and raises tierflow::out_of_memory with this text.
+  std::string refused;
 };
 
 /// Counters since creation.
@@ -125,6 +147,8 @@ const std::vector<StatField<ParamScheduleStats>>& param_schedule_stat_fields();
 /// Settings of a ParamSchedule.
 struct ParamScheduleOptions {
   std::uint64_t prefetch_bytes = 0;  ///< bytes fetched ahead of their use (Plan::param_prefetch_bytes)
+  std::uint64_t device_budget_bytes = 0;  ///< the most parameter bytes on the device at once; 0: no bound
+  std::size_t blocks = static_cast<std::size_t>(-1);  ///< units 0..blocks-1 are the blocks; default: all but the last
 };
 
 /// The fetches and releases of parameters (Note [Parameter residency]). Not thread-safe: called from the
@@ -147,6 +171,16 @@ class ParamSchedule {
   /// parameter still on the device, or in flight (the caller waits for its copy first), is released, and the
   /// phase's order is recorded. Nothing when no phase is in progress.
   ParamActions end_phase();
+  /// A read of `id` outside its units' uses: fetched (a stall) unless on the device already, and kept there
+  /// until as many unhold. Throws out_of_memory (nothing changed) where the budget has no room.
+  ParamActions hold(ParamId id);
+  /// One hold of `id` ends: released when nothing else needs it. logic_error when it is not held.
+  ParamActions unhold(ParamId id);
+  /// `id` belongs to `unit` from now on (a parameter the unit's module reads that another module owns);
+  /// fetched now when the unit's use is open. Nothing when it is listed already.
+  ParamActions attach(UnitId unit, ParamId id);
+  /// Whether `id` is on the device or in flight (a read of it now finds it there).
+  bool on_device(ParamId id) const;
   /// A fetch the caller started has landed on the device (in flight -> on device).
   void arrived(ParamId id);
   /// A fetch the caller could not start or finish (out of memory, an NVMe read error): in flight ->
@@ -175,6 +209,8 @@ class ParamSchedule {
     Tier home = Tier::kGpu;
     ParamState state = ParamState::kOnTier;
     bool ahead = false;  // fetched for a later use, not yet needed (counted in the window)
+    std::uint32_t open = 0;   // open uses of units listing it
+    std::uint32_t holds = 0;  // hold() not yet undone
   };
   std::vector<UnitId> default_forward() const;
   ParamActions begin(UnitId unit, bool backward);
@@ -184,11 +220,19 @@ class ParamSchedule {
   void top_up(ParamActions& out);
   void fetch(Param& p, bool ahead);
   void move(Param& p, ParamState to);
-  bool used_later(std::size_t param) const;
+  void release(Param& p, ParamActions& out);
+  bool needed(std::size_t param) const;
+  bool next_uses(std::size_t param) const;
+  void make_room(std::uint64_t bytes, const std::vector<std::size_t>& wanted, const std::string& what,
+                 ParamActions& out);
+  std::string unit_name(UnitId u) const;
+  std::size_t index_of(ParamId id) const;
   Param& param(ParamId id);
   const Param& param(ParamId id) const;
 
   std::vector<std::vector<std::size_t>> units_;  // per unit: indices into params_
+  std::vector<std::string> names_;               // per unit
+  std::vector<std::uint32_t> unit_open_;         // per unit: its open uses
   std::vector<Param> params_;
   std::unordered_map<ParamId, std::size_t> index_;  // id -> index into params_
   ParamScheduleOptions options_;
