@@ -23,8 +23,9 @@ E: the embedding-sized tensor) and explains where it is computed. What each case
   model.parameters()]`` after training either gives the trained values or raises a RuntimeError naming the parameter
   and pointing at tierflow.gathered, which then gives them; never a crash (issue: SIGSEGV every time).
 - test_a_budget_the_pattern_cannot_meet_is_refused: under a budget below one block it is refused by an error naming
-  TIERFLOW_GPU_MEMORY; under a tight one (two blocks and the rest) each pattern trains within it or is refused so;
-  never exceeded in silence.
+  TIERFLOW_GPU_MEMORY; under tight ones (the largest unit and half a block; two blocks and the rest) each pattern
+  (T5, two forwards, the inline head at vocab 256 and at 4096) trains within it or is refused so, at wrap or in a
+  step; never exceeded in silence.
 
 Sizes: 4 blocks (T5: 4 + 4, the fewest where a shared input holds more blocks than the order needs) of width 32-64,
 3 steps; offload_activations="none", so the parameters are all the budget counts on the emulated device.
@@ -249,15 +250,15 @@ class InlineHeadLM(nn.Module):
         return F.linear(self.ln_f(h), self.wte.weight)
 
 
-def _inline_head() -> Task:
+def _inline_head(vocab: int = 256) -> Task:
     def batch(i: int) -> tuple:
-        return (torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(7300 + i)),)
+        return (torch.randint(0, vocab, (2, SEQ), generator=torch.Generator().manual_seed(7300 + i)),)
 
     def loss(m, b):
         logits = m(b[0])
         return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), b[0][:, 1:].reshape(-1))
 
-    return Task(InlineHeadLM, batch, loss)
+    return Task(lambda: InlineHeadLM(vocab), batch, loss)
 
 
 @pytest.mark.parametrize("tier", TIERS)
@@ -391,20 +392,28 @@ def test_reading_parameters_after_training(device, tier, nvme_dir):
 
 # ---- 6. a budget the pattern cannot meet ---------------------------------------------------------------------------
 
-PATTERNS = {"t5": _t5, "two_forwards": _dpo, "inline_head": _inline_head}
+# inline_head_4096: the inline-read embedding (1 MiB) outweighs a block five times, so holding it from the read to
+# the end of the step beside a block in backward needs E + B at once, more than largest_and_half_a_block gives.
+PATTERNS = {"t5": _t5, "two_forwards": _dpo, "inline_head": _inline_head,
+            "inline_head_4096": lambda: _inline_head(BIG_VOCAB)}
+ROOMS = ["below_a_block", "largest_and_half_a_block", "two_blocks"]
 
 
 @pytest.mark.parametrize("tier", TIERS)
-@pytest.mark.parametrize("room", ["below_a_block", "two_blocks"])
+@pytest.mark.parametrize("room", ROOMS)
 @pytest.mark.parametrize("pattern", sorted(PATTERNS))
 def test_a_budget_the_pattern_cannot_meet_is_refused(device, pattern, room, tier, nvme_dir):
-    """below_a_block: B - 1, under the one block every order has in use: refused. two_blocks: 2 B + R, the order's
-    count without the block that just ended: trained within it (bit for bit, peak within) or refused; both say so.
-    Either way the refusal names TIERFLOW_GPU_MEMORY, and nothing fetched before it went over the budget."""
+    """below_a_block: B - 1, under the one block every order has in use: refused. largest_and_half_a_block: the
+    largest unit (a block, or a non-block tensor) and half a block, too little for a unit in use and the next one
+    beside it; two_blocks: 2 B + R, the order's count without the block that just ended. Under those two, trained
+    within the budget (bit for bit, peak within) or refused. A refusal names TIERFLOW_GPU_MEMORY, at wrap or during
+    a step, and nothing fetched before it went over the budget: never exceeded in silence."""
     _emulated_only(device)
     task = PATTERNS[pattern]()
     sizes = Sizes(task)
-    budget = sizes.block - 1 if room == "below_a_block" else 2 * sizes.block + sizes.rest
+    budget = {"below_a_block": sizes.block - 1,
+              "largest_and_half_a_block": max([sizes.block] + sizes.rest_tensors) + sizes.block // 2,
+              "two_blocks": 2 * sizes.block + sizes.rest}[room]
     before = tierflow.current_session()
     try:
         run = train(task, STEPS, True, device=device, **_settings(tier, nvme_dir, budget))
