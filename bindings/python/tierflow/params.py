@@ -85,6 +85,7 @@ from . import _C
 from ._compile import outside_graphs
 from ._distributed import _ddp_around, _ddp_inside
 from .activations.blocks import find_blocks
+from ._param_casts import forward_use_ended
 from ._param_state import state_hooks
 
 
@@ -393,12 +394,13 @@ class ParamOffload:
 
     def _forward_use_ended(self, u: int) -> None:
         self.impl.end_forward(u)
+        forward_use_ended()  # autocast's casts of the unit's weights go with its use (Note [Parameter casts])
 
     def _end_forward_uses(self) -> None:
         while self._forward:
             u, _ = self._forward.pop()
             self._open[u] -= 1
-            self.impl.end_forward(u)
+            self._forward_use_ended(u)
 
     # -- reads outside uses -------------------------------------------------------------------------
     def _read(self, p: torch.Tensor) -> None:
