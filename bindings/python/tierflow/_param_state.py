@@ -109,8 +109,8 @@ def state_hooks(model: torch.nn.Module, me: Any) -> list:
 
     def begins(module: torch.nn.Module, prefix: str, keep_vars: bool) -> None:
         local = state.local
-        if getattr(local, "depth", 0) == 0:
-            local.copies = {}  # a new state_dict() call: its copies
+        if getattr(local, "depth", 0) == 0 or prefix == "":  # a new call (prefix "": no parent's, whatever an
+            local.depth, local.copies = 0, {}                # earlier call that raised left)
         local.depth = getattr(local, "depth", 0) + 1
 
     def saving(module: torch.nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
