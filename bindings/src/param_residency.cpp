@@ -121,9 +121,10 @@ ParamResidency::ParamResidency(std::shared_ptr<Runtime> runtime, const std::vect
     for (const auto& r : u.params) fetched.back() += r.bytes;
   }
   const std::uint64_t largest = fetched.empty() ? 0 : *std::max_element(fetched.begin(), fetched.end());
-  // A budget below the largest unit and the window is refused before anything moves (the working set is
-  // the activation planner's to count: Budgets::params).
-  tiering::check_param_budget(runtime_->tiers().device_budget_bytes(), fetched, largest, 0);
+  // A budget below the largest unit is refused before anything moves; the prefetch window shrinks to what the
+  // budget leaves (Note [Parameter residency], Budget), and the working set is the activation planner's to
+  // count (Budgets::params).
+  tiering::check_param_budget(runtime_->tiers().device_budget_bytes(), fetched, 0, 0);
   tiering::ParamScheduleOptions o;
   o.prefetch_bytes = largest;  // one unit ahead (Note [Parameter residency])
   o.device_budget_bytes = runtime_->tiers().device_budget_bytes();
