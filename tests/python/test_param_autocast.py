@@ -10,7 +10,6 @@ end. Without tierflow's handling every weight's cast is alive at the forward's e
 
 from __future__ import annotations
 
-import inspect
 import pytest
 import torch
 import torch.nn as nn
@@ -18,30 +17,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tierflow
-from tierflow import _param_casts
-from tierflow import params as tierflow_params
 
 WIDTH, BLOCKS, STEPS = 32, 4, 3
 OPT_NONE = dict(offload_optimizer="none", min_offload_bytes=0)
-
-
-@pytest.fixture(autouse=True)
-def _uses_end_casts(monkeypatch):
-    """Until params.py calls _param_casts.forward_use_ended() where a forward use closes (issue 38: its owner
-    wires it), this process does it for it."""
-    if "_param_casts" in inspect.getsource(tierflow_params) or not hasattr(tierflow_params.ParamOffload, "_switch"):
-        yield
-        return
-    switch = tierflow_params.ParamOffload._switch
-
-    def _switch(self, unit):
-        closing = self._open is not None
-        switch(self, unit)
-        if closing:
-            _param_casts.forward_use_ended()
-
-    monkeypatch.setattr(tierflow_params.ParamOffload, "_switch", _switch)
-    yield
 
 
 class Block(nn.Module):
@@ -213,3 +191,28 @@ def test_a_parameter_written_between_forward_and_backward_is_refused(device):
     with pytest.raises(tierflow.TierflowError, match=r"parameter 'blocks\.1\.down\.weight' \[32, 64\] was "
                                                      "written in place between the forward"):
         y.float().sum().backward()
+
+
+def test_a_cast_made_again_after_its_parameter_left_the_device_is_refused(device):
+    """A recipe unpacked while its parameter is released (its unit's use over) names the parameter; while it is on
+    the device, the cast made again is the cast, bit for bit."""
+    if device != "emulated":
+        pytest.skip("emulated device")
+    from tierflow._param_casts import saved_cast
+
+    torch.manual_seed(0)
+    model, _ = tierflow.wrap(Net(), None, device="emulated", offload_params="host", offload_activations="none",
+                             **OPT_NONE)
+    recipes = []
+
+    def keep(module, args, out):
+        cast = module.weight.to(torch.bfloat16)
+        recipe = saved_cast(cast.t())
+        assert recipe is not None and torch.equal(recipe.materialize(), cast.t())
+        recipes.append(recipe)
+
+    model.blocks[2].down.register_forward_hook(keep)
+    model(torch.randn(4, WIDTH))
+    with pytest.raises(tierflow.TierflowError, match=r"parameter 'blocks\.2\.down\.weight' \[32, 64\] is not on "
+                                                     "the device when backward reads its cast"):
+        recipes[0].materialize()

@@ -93,10 +93,21 @@ class SavedCast:
         model = model_ref() if model_ref is not None else None
         return next((n for n, q in model.named_parameters() if q is self.param), "?") if model is not None else "?"
 
+    def _on_device(self) -> bool:
+        """False when the parameter is offloaded and released now (made resident since the forward: on the
+        device)."""
+        impl = getattr(self.offload(), "impl", None)
+        if impl is None or not impl.offloaded(self.param):
+            return True
+        on_device = getattr(impl, "on_device", None)
+        if on_device is not None:
+            return on_device(self.param)
+        return self.param.numel() == 0 or self.param.untyped_storage().nbytes() > 0
+
     def materialize(self) -> torch.Tensor:
         """The cast again, from the parameter on the device (its unit's backward use is open)."""
         p = self.param
-        if p.numel() > 0 and p.untyped_storage().nbytes() == 0:
+        if not self._on_device():
             raise _C.TierflowError(
                 f"tierflow: parameter '{self._name()}' {list(p.shape)} is not on the device when backward reads its "
                 f"cast to {self.dtype} (autocast; Note [Parameter casts]): its unit's backward use has ended; read "
