@@ -227,6 +227,31 @@ def test_gathered_modify_writes_back_and_the_next_step_trains_from_it(device, ti
 
 
 @pytest.mark.parametrize("tier", TIERS)
+def test_gathered_modify_reaches_the_cpu_optimizers_masters(device, tier, nvme_dir):
+    """tierflow's CPU AdamW keeps fp32 masters apart from the host copies: an edit written back is stepped from,
+    bit for bit as the same optimizer with the parameters on the device and the same edit."""
+    _emulated_only(device)
+    task = _task()
+
+    def run(**where) -> tuple:
+        model, opt = _plain(task, device)
+        model, opt = tierflow.wrap(model, opt, device=device, min_offload_bytes=0, **where)
+        losses = _steps(task, model, opt, 0, 1, device)
+        with tierflow.gathered(model, modify=True):  # nothing to gather with offload_params="none"
+            _halve_norm_weights(model)
+        losses += _steps(task, model, opt, 1, 2, device)
+        values = _values(model)
+        tierflow.unwrap(model)
+        return losses, values
+
+    want_losses, want = run(offload_params="none")
+    where = dict(nvme_paths=[nvme_dir]) if tier == "nvme" else {}
+    losses, got = run(offload_params=tier, **where)
+    assert losses == want_losses
+    _assert_equal(got, want)
+
+
+@pytest.mark.parametrize("tier", TIERS)
 def test_an_edit_inside_gathered_without_modify_is_refused_and_discarded(device, tier, nvme_dir):
     _emulated_only(device)
     task = _task()

@@ -264,6 +264,8 @@ class gathered:
             try:
                 _scatter(offload, back, True)
                 _scatter(offload, keep, False)
+                if back:
+                    _masters_stale(offload)
             except BaseException as e:  # released what it could; the first error goes on
                 error = error or e
         if error is not None and not raising:
@@ -273,6 +275,15 @@ class gathered:
                 f"tierflow.gathered(..., modify=False): {', '.join(repr(n) for n in written[:4])}"
                 f"{' and others' if len(written) > 4 else ''} written in place inside the block; the write was "
                 "discarded (modify=False releases without writing back): pass modify=True to keep it")
+
+
+def _masters_stale(offload: Any) -> None:
+    """tierflow's CPUAdamW stepping these parameters keeps fp32 masters apart from the host copies: written
+    back, they are re-read from the parameters at its next step (as after model.load_state_dict)."""
+    ref = getattr(offload, "_optimizer", None)
+    optimizer = ref() if ref is not None else None
+    if optimizer is not None:
+        optimizer.mark_master_stale()
 
 
 def _name(offload: Any, p: torch.Tensor) -> str:
