@@ -10,6 +10,8 @@ end. Without tierflow's handling every weight's cast is alive at the forward's e
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import torch.nn as nn
@@ -216,3 +218,26 @@ def test_a_cast_made_again_after_its_parameter_left_the_device_is_refused(device
     with pytest.raises(tierflow.TierflowError, match=r"parameter 'blocks\.2\.down\.weight' \[32, 64\] is not on "
                                                      "the device when backward reads its cast"):
         recipes[0].materialize()
+
+
+class TwiceNet(Net):
+    """Each block called twice in one forward (shared weights, as ALBERT's layers)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for b in self.blocks:
+            h = b(b(h))
+        return self.head(h)
+
+
+def test_a_block_called_twice_is_autocast_without_the_cache_bit_for_bit(device, monkeypatch):
+    """Each use casts its weights again (Note [Parameter casts]): a weight cast in two uses of one forward has its
+    gradient summed in fp32 from two casts, as autocast with cache_enabled=False computes it (with the cache one
+    cast's 16-bit gradients are summed first); its casts still go with each use."""
+    if device != "emulated":
+        pytest.skip("a torch optimizer steps the host copies only on the emulated device")
+    monkeypatch.setattr(sys.modules[__name__], "Net", TwiceNet)
+    base = _train(False, False)
+    run = _train(True, True, offload_activations="none", offload_params="host")
+    _assert_bit_identical(run, base)
+    assert max(run["peaks"]) <= _largest_unit_cast_bytes(base["model"]), run["peaks"]
