@@ -14,6 +14,7 @@ trained without tierflow, bit for bit:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 
@@ -299,6 +300,36 @@ def test_gathered_inside_the_forward_or_backward_is_refused(device):
     loss.backward()
     assert where == ["forward", "backward"]
     opt.step()
+
+
+def test_evaluation_inside_gathered_works_and_training_is_refused(device):
+    """A forward under no_grad inside gathered() (evaluation, generation: DeepSpeed-Chat gathers for it) reads the
+    gathered values; a forward that builds a graph and an optimizer step are refused (the step would update the
+    host copies behind the block), and training goes on as the baseline's."""
+    _emulated_only(device)
+    task = _task()
+
+    def run(model, opt, inside) -> list:
+        out = _steps(task, model, opt, 0, 1, device)
+        loss = task.loss(model, task.batch_on(1, device))
+        loss.backward()
+        out.append(loss.item())
+        with inside(model):
+            with torch.no_grad():
+                out.append(task.loss(model, task.batch_on(9, device)).item())
+            if inside is tierflow.gathered:
+                with pytest.raises(tierflow.ConfigError, match=r"a forward of GPT2LMHeadModel that builds a graph "
+                                                               r".*inside a gathered\(\) block.*torch\.no_grad"):
+                    task.loss(model, task.batch_on(1, device))
+                with pytest.raises(tierflow.ConfigError, match=r"AdamW\.step\(\) inside a gathered\(\) block.*"
+                                                               r"step outside the block"):
+                    opt.step()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return out + _steps(task, model, opt, 2, 1, device)
+
+    want = run(*_plain(task, device), inside=lambda m: contextlib.nullcontext())
+    assert run(*_wrapped(task, device, "host", ""), inside=tierflow.gathered) == want
 
 
 @pytest.mark.skipif(not hasattr(tierflow._C.ParamResidency, "gather"),

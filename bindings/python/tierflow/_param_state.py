@@ -105,6 +105,7 @@ def state_hooks(model: torch.nn.Module, me: Any) -> list:
     [Parameter state]); ``me``: a weak reference to its ParamOffload. Returns handles with remove()."""
     state = ParamState(model, me)
     handles = []
+    _install_step_refusal()
     _states[:] = [s for s in _states if s.offload() is not None] + [state]
 
     def begins(module: torch.nn.Module, prefix: str, keep_vars: bool) -> None:
@@ -159,8 +160,15 @@ def state_hooks(model: torch.nn.Module, me: Any) -> list:
             handles.append(module.register_load_state_dict_post_hook(loaded))
 
     def forward_begins(m: torch.nn.Module, args: Any) -> None:
-        if not _in_backward():
-            state.forwards += 1
+        if _in_backward():
+            return
+        if state.held and torch.is_grad_enabled():
+            raise _C.ConfigError(
+                f"tierflow.gathered: a forward of {state.model_type} that builds a graph (grad enabled) inside a "
+                "gathered() block over its parameters: the step it leads to would update the host copies while "
+                "the block holds the values it read on the device (written back over them with modify=True); "
+                "train outside the block, or run the forward under torch.no_grad() (evaluation, generation)")
+        state.forwards += 1
 
     def forward_ends(m: torch.nn.Module, args: Any, out: Any) -> None:
         if not _in_backward():
@@ -170,6 +178,32 @@ def state_hooks(model: torch.nn.Module, me: Any) -> list:
     handles.append(model.register_forward_hook(outside_graphs(forward_ends), always_call=True))
     handles.append(_guard_apply(model, state))
     return handles
+
+
+_step_refusal_installed = False
+
+
+def _install_step_refusal() -> None:
+    """An optimizer step over parameters gathered() holds is refused (torch's global step pre-hook, once)."""
+    global _step_refusal_installed
+    if not _step_refusal_installed:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        register_optimizer_step_pre_hook(_refuse_step_inside_gathered)
+        _step_refusal_installed = True
+
+
+def _refuse_step_inside_gathered(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    held = [s for s in _states if s.held]
+    if not held:
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if any(id(p) in s.held for s in held):
+                raise _C.ConfigError(
+                    f"tierflow.gathered: {type(optimizer).__name__}.step() inside a gathered() block over the "
+                    "parameters it steps: the step updates the host copies while the block holds the values it "
+                    "read on the device (written back over them with modify=True); step outside the block")
 
 
 def _snapshot(state: ParamState, offload: Any, p: torch.Tensor) -> torch.Tensor:
