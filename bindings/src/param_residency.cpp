@@ -261,16 +261,16 @@ void ParamResidency::carry_out(const tiering::ParamActions& a) {
   }
 }
 
-void ParamResidency::use(std::size_t unit, Use what) {
+void ParamResidency::use(std::size_t unit, Use what, std::uint64_t extra) {
   std::lock_guard<std::mutex> lock(mutex_);
   TIERFLOW_EXPECTS(unit < schedule_->units(), "ParamResidency: unit " + std::to_string(unit) + " of " +
                                                   std::to_string(schedule_->units()));
   point_back_locked();
   switch (what) {
-    case Use::kBeginForward: carry_out(schedule_->begin_forward(unit)); break;
-    case Use::kEndForward: carry_out(schedule_->end_forward(unit)); break;
-    case Use::kBeginBackward: carry_out(schedule_->begin_backward(unit)); break;
-    case Use::kEndBackward: carry_out(schedule_->end_backward(unit)); break;
+    case Use::kBeginForward: carry_out(schedule_->begin_forward(unit, extra)); break;
+    case Use::kEndForward: carry_out(schedule_->end_forward(unit, extra)); break;
+    case Use::kBeginBackward: carry_out(schedule_->begin_backward(unit, extra)); break;
+    case Use::kEndBackward: carry_out(schedule_->end_backward(unit, extra)); break;
     case Use::kEndPhase: carry_out(schedule_->end_phase()); break;
   }
 }
@@ -341,10 +341,10 @@ void ParamResidency::scatter(const std::vector<at::Tensor>& params, bool write_b
   }
 }
 
-void ParamResidency::begin_forward(std::size_t unit) { use(unit, Use::kBeginForward); }
-void ParamResidency::end_forward(std::size_t unit) { use(unit, Use::kEndForward); }
-void ParamResidency::begin_backward(std::size_t unit) { use(unit, Use::kBeginBackward); }
-void ParamResidency::end_backward(std::size_t unit) { use(unit, Use::kEndBackward); }
+void ParamResidency::begin_forward(std::size_t unit, std::uint64_t extra) { use(unit, Use::kBeginForward, extra); }
+void ParamResidency::end_forward(std::size_t unit, std::uint64_t extra) { use(unit, Use::kEndForward, extra); }
+void ParamResidency::begin_backward(std::size_t unit, std::uint64_t extra) { use(unit, Use::kBeginBackward, extra); }
+void ParamResidency::end_backward(std::size_t unit, std::uint64_t extra) { use(unit, Use::kEndBackward, extra); }
 void ParamResidency::end_phase() { use(0, Use::kEndPhase); }
 
 std::vector<at::Tensor> ParamResidency::make_resident(const std::vector<std::size_t>& units) {

@@ -231,10 +231,14 @@ void bind_param_residency(py::module_& m) {
       .def("scatter", &ParamResidency::scatter, py::arg("params"), py::arg("write_back"),
            py::call_guard<py::gil_scoped_release>(),
            "Writes each gathered parameter back to its home when write_back, then releases it.")
-      .def("begin_forward", &ParamResidency::begin_forward, py::call_guard<py::gil_scoped_release>())
-      .def("end_forward", &ParamResidency::end_forward, py::call_guard<py::gil_scoped_release>())
-      .def("begin_backward", &ParamResidency::begin_backward, py::call_guard<py::gil_scoped_release>())
-      .def("end_backward", &ParamResidency::end_backward, py::call_guard<py::gil_scoped_release>())
+      .def("begin_forward", &ParamResidency::begin_forward, py::arg("unit"), py::arg("extra_bytes") = 0,
+           py::call_guard<py::gil_scoped_release>())
+      .def("end_forward", &ParamResidency::end_forward, py::arg("unit"), py::arg("extra_bytes") = 0,
+           py::call_guard<py::gil_scoped_release>())
+      .def("begin_backward", &ParamResidency::begin_backward, py::arg("unit"), py::arg("extra_bytes") = 0,
+           py::call_guard<py::gil_scoped_release>())
+      .def("end_backward", &ParamResidency::end_backward, py::arg("unit"), py::arg("extra_bytes") = 0,
+           py::call_guard<py::gil_scoped_release>())
       .def("end_phase", &ParamResidency::end_phase, py::call_guard<py::gil_scoped_release>())
       .def("make_resident", &ParamResidency::make_resident, py::arg("units"),
            py::call_guard<py::gil_scoped_release>(), "Makes these units resident from now on; returns their parameters.")

@@ -147,6 +147,22 @@ TEST(ParamSchedule, TheBudgetBoundsEveryFetchAndAUseThatCannotFitIsRefusedNaming
   EXPECT_LE(s.stats().device_peak_bytes, 250u);
 }
 
+TEST(ParamSchedule, AUsesExtraBytesCountInTheBudgetUntilItEnds) {
+  ParamScheduleOptions o;
+  o.device_budget_bytes = 260;
+  ParamSchedule s(chain(2, 100, Tier::kHost, Tier::kHost), o);
+  land(s, s.begin_forward(0, 50));  // block 0 and its casts (autocast's 16-bit copies of its fp32 weights)
+  EXPECT_EQ(s.stats().device_bytes, 150u);
+  ParamActions a = s.begin_forward(1, 50);  // 150 + 100 + 50 > 260
+  EXPECT_FALSE(a.refused.empty());
+  land(s, s.end_forward(0, 50));
+  EXPECT_EQ(s.stats().device_bytes, 0u);
+  land(s, s.begin_forward(1, 50));
+  EXPECT_EQ(s.stats().device_peak_bytes, 150u);
+  s.end_phase();  // an open use's extra bytes go with the phase
+  EXPECT_EQ(s.stats().device_bytes, 0u);
+}
+
 TEST(ParamSchedule, ANeededFetchFirstReleasesPrefetchedParametersNoUseHolds) {
   std::vector<ParamUnit> units = chain(3, 100, Tier::kHost, Tier::kHost);
   ParamScheduleOptions o;

@@ -241,3 +241,31 @@ def test_a_block_called_twice_is_autocast_without_the_cache_bit_for_bit(device, 
     run = _train(True, True, offload_activations="none", offload_params="host")
     _assert_bit_identical(run, base)
     assert max(run["peaks"]) <= _largest_unit_cast_bytes(base["model"]), run["peaks"]
+
+
+def test_the_casts_count_in_the_budget_and_the_report(device):
+    """A use under autocast counts its 16-bit casts of its fp32 weights with its parameters (Note [Parameter
+    casts]): the report's device peak of parameter bytes grows by them, and a budget that holds a unit's
+    parameters but not its casts beside them is refused by name, never exceeded."""
+    if device != "emulated":
+        pytest.skip("a torch optimizer steps the host copies only on the emulated device")
+
+    def peak(autocast: bool, **settings) -> int:
+        torch.manual_seed(0)
+        model = Net()
+        model, opt = tierflow.wrap(model, torch.optim.AdamW(model.parameters()), device="emulated",
+                                   offload_params="host", offload_activations="none", **OPT_NONE, **settings)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y = model(torch.randn(4, WIDTH))
+        y.float().sum().backward()
+        out = tierflow.report()["params"]["device_peak_bytes"]
+        tierflow.unwrap(model)
+        return out
+
+    block = sum(p.numel() * 4 for p in Net().blocks[0].parameters())
+    plain, cast = peak(False), peak(True)
+    assert block // 2 <= cast - plain <= 2 * block, (plain, cast, block)  # the casts of a use or two at once
+    budget = block + block // 4  # one unit's parameters, not its casts beside them
+    assert peak(False, gpu_memory=str(budget)) <= budget
+    with pytest.raises(tierflow.OutOfMemoryError, match="TIERFLOW_GPU_MEMORY"):
+        peak(True, gpu_memory=str(budget))

@@ -191,6 +191,8 @@ ParamActions ParamSchedule::end_phase() {
     if (p.home != Tier::kGpu && p.holds == 0) release(p, out);
   }
   std::fill(unit_open_.begin(), unit_open_.end(), 0);
+  stats_.device_bytes -= extra_bytes_;
+  extra_bytes_ = 0;
   in_phase_ = false;
   return out;
 }
@@ -259,7 +261,7 @@ void ParamSchedule::start_phase(bool backward, ParamActions& out) {
   backward_ = backward;
 }
 
-ParamActions ParamSchedule::begin(UnitId unit, bool backward) {
+ParamActions ParamSchedule::begin(UnitId unit, bool backward, std::uint64_t extra_bytes) {
   TIERFLOW_EXPECTS(unit < units_.size(), "ParamSchedule: unit " + std::to_string(unit) + " of " +
                                              std::to_string(units_.size()));
   ParamActions out;
@@ -269,9 +271,12 @@ ParamActions ParamSchedule::begin(UnitId unit, bool backward) {
     const Param& p = params_[i];
     if (p.home != Tier::kGpu && p.state != ParamState::kOnDevice && p.state != ParamState::kInFlight) missing += p.bytes;
   }
-  make_room(missing, units_[unit], "the use of " + unit_name(unit), out);
+  make_room(missing + extra_bytes, units_[unit], "the use of " + unit_name(unit), out);
   if (!out.refused.empty()) return out;
   ++unit_open_[unit];
+  extra_bytes_ += extra_bytes;
+  stats_.device_bytes += extra_bytes;
+  stats_.device_peak_bytes = std::max(stats_.device_peak_bytes, stats_.device_bytes);
   seen_.push_back(unit);
   if (cursor_ < expected_.size() && expected_[cursor_] == unit) {
     ++cursor_;
@@ -301,11 +306,13 @@ ParamActions ParamSchedule::begin(UnitId unit, bool backward) {
   return out;
 }
 
-ParamActions ParamSchedule::end(UnitId unit) {
-  TIERFLOW_EXPECTS(unit < units_.size() && in_phase_ && unit_open_[unit] > 0,
+ParamActions ParamSchedule::end(UnitId unit, std::uint64_t extra_bytes) {
+  TIERFLOW_EXPECTS(unit < units_.size() && in_phase_ && unit_open_[unit] > 0 && extra_bytes <= extra_bytes_,
                    "ParamSchedule: end of unit " + std::to_string(unit) + " outside a use");
   ParamActions out;
   --unit_open_[unit];
+  extra_bytes_ -= extra_bytes;
+  stats_.device_bytes -= extra_bytes;
   for (std::size_t i : units_[unit]) {
     Param& p = params_[i];
     if (p.home == Tier::kGpu) continue;
@@ -394,10 +401,10 @@ void ParamSchedule::top_up(ParamActions& out) {
   }
 }
 
-ParamActions ParamSchedule::begin_forward(UnitId unit) { return begin(unit, false); }
-ParamActions ParamSchedule::end_forward(UnitId unit) { return end(unit); }
-ParamActions ParamSchedule::begin_backward(UnitId unit) { return begin(unit, true); }
-ParamActions ParamSchedule::end_backward(UnitId unit) { return end(unit); }
+ParamActions ParamSchedule::begin_forward(UnitId unit, std::uint64_t extra) { return begin(unit, false, extra); }
+ParamActions ParamSchedule::end_forward(UnitId unit, std::uint64_t extra) { return end(unit, extra); }
+ParamActions ParamSchedule::begin_backward(UnitId unit, std::uint64_t extra) { return begin(unit, true, extra); }
+ParamActions ParamSchedule::end_backward(UnitId unit, std::uint64_t extra) { return end(unit, extra); }
 
 std::vector<Tier> residences_from_plan(const Plan& plan) {
   std::vector<Tier> out;

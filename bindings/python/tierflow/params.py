@@ -122,10 +122,11 @@ class _Call:
     node of the call that takes one of its inputs has run (Note [Parameter hooks]); once per backward (a retained
     graph's second backward uses it again)."""
 
-    __slots__ = ("unit", "start", "inputs", "edges", "left", "begun", "ended")
+    __slots__ = ("unit", "casts", "start", "inputs", "edges", "left", "begun", "ended")
 
-    def __init__(self, unit: int, start: int, inputs: list) -> None:
+    def __init__(self, unit: int, casts: int, start: int, inputs: list) -> None:
         self.unit = unit
+        self.casts = casts  # bytes of autocast's casts of its weights its forward made (its backward makes again)
         self.start = start  # the sequence number of the first autograd node the call may make
         self.inputs = inputs  # the autograd nodes of its inputs that need a gradient
         self.edges = 0  # its nodes that take an input (each ends the use once it has run)
@@ -201,6 +202,9 @@ class ParamOffload:
                 self._units_of.setdefault(id(p), set()).add(u)
         self.rest_bytes = sum(p.numel() * p.element_size()
                               for p in {id(p): p for u in units[self.rest:] for p in u if id(p) not in in_blocks}.values())
+        # Per unit, its fp32 elements that require grad: what autocast casts (counted with the use).
+        self._fp32 = [sum(p.numel() for p in u if p.dtype == torch.float32 and p.requires_grad) for u in units]
+        self._device_type = self._params[0].device.type if self._params else "cpu"
         self._runtime = session.runtime
         setting = session.config["TIERFLOW_OFFLOAD_PARAMS"]
         self.planned = setting == "auto"  # every unit fetched from the host until the plan says which stay
@@ -209,7 +213,7 @@ class ParamOffload:
                                       [names.get(id(p), "?") for u in units for p in u], len(blocks), unit_names)
         self._model = weakref.ref(model)
         self._open = [0] * len(units)  # per unit: its open uses, forward and backward
-        self._forward: list = []  # the forward uses open, innermost last: (unit, _Call)
+        self._forward: list = []  # the forward uses open, innermost last: (unit, cast bytes, _Call)
         self._backward: Optional[set] = None  # in a backward: its calls whose use is open
         self._recomputes: list = []  # calls begun by a recompute in backward, until its forward hook
         self._backwards = 0  # backwards begun so far (a _Call's begun and ended name one)
@@ -319,19 +323,28 @@ class ParamOffload:
             # reentrant checkpoint): then the recompute begins one, and its identity ends it.
             if self._backward is None or self._open[u] > 0 or not torch.is_grad_enabled():
                 return
-            call = self._new_call(u, args, kwargs)
+            call = self._new_call(u, self._cast_bytes(u), args, kwargs)
             self._call_begins(call)
             self._recomputes.append(call)
             return
-        self.impl.begin_forward(u)
+        casts = self._cast_bytes(u)
+        self.impl.begin_forward(u, casts)
         self._open[u] += 1
-        self._forward.append((u, self._new_call(u, args, kwargs) if torch.is_grad_enabled() else None))
+        self._forward.append((u, casts, self._new_call(u, casts, args, kwargs) if torch.is_grad_enabled() else None))
 
     @staticmethod
-    def _new_call(u: int, args: Any, kwargs: Any) -> _Call:
+    def _new_call(u: int, casts: int, args: Any, kwargs: Any) -> _Call:
         inputs = [get_gradient_edge(t).node for t in tree_flatten((args, kwargs))[0]
                   if isinstance(t, torch.Tensor) and t.requires_grad]
-        return _Call(u, _next_sequence_nr(), inputs)
+        return _Call(u, casts, _next_sequence_nr(), inputs)
+
+    def _cast_bytes(self, u: int) -> int:
+        """The most autocast's casts of unit u's fp32 weights can hold (Note [Parameter casts]), counted with
+        its use in the budget: autocast's 16-bit dtype's bytes for each fp32 element that requires grad."""
+        elements = self._fp32[u]
+        if elements == 0 or not torch.is_autocast_enabled(self._device_type):
+            return 0
+        return elements * torch.get_autocast_dtype(self._device_type).itemsize
 
     def _unit_ends(self, u: int, out: Any) -> None:
         if _in_backward():
@@ -343,12 +356,12 @@ class ParamOffload:
             return
         for k in range(len(self._forward) - 1, -1, -1):
             if self._forward[k][0] == u:
-                _, call = self._forward.pop(k)
+                _, casts, call = self._forward.pop(k)
                 break
         else:
             return  # its begin raised (over the budget)
         self._open[u] -= 1
-        self._forward_use_ended(u)
+        self._forward_use_ended(u, casts)
         if call is not None and torch.is_grad_enabled():
             self._watch_call(call, out)
             for t in tree_flatten(out)[0]:
@@ -392,15 +405,15 @@ class ParamOffload:
         if call.left == 0:
             self._call_ends(call)
 
-    def _forward_use_ended(self, u: int) -> None:
-        self.impl.end_forward(u)
+    def _forward_use_ended(self, u: int, casts: int) -> None:
+        self.impl.end_forward(u, casts)
         forward_use_ended()  # autocast's casts of the unit's weights go with its use (Note [Parameter casts])
 
     def _end_forward_uses(self) -> None:
         while self._forward:
-            u, _ = self._forward.pop()
+            u, casts, _ = self._forward.pop()
             self._open[u] -= 1
-            self._forward_use_ended(u)
+            self._forward_use_ended(u, casts)
 
     # -- reads outside uses -------------------------------------------------------------------------
     def _read(self, p: torch.Tensor) -> None:
@@ -408,7 +421,7 @@ class ParamOffload:
         if units is None or any(self._open[u] > 0 for u in units) or id(p) in self._held_ids or \
                 not self.impl.offloaded(p):
             return
-        block = next((u for u, _ in reversed(self._forward) if u < self.rest), None)
+        block = next((u for u, _, _ in reversed(self._forward) if u < self.rest), None)
         if block is not None and not _in_backward():  # a block reads a weight another module holds
             self.impl.attach(block, p)
             units.add(block)
@@ -446,7 +459,7 @@ class ParamOffload:
             self._backward_begins()  # backward from a unit's output, not the model's
         if call.begun == self._backwards:
             return  # another output of the call
-        self.impl.begin_backward(call.unit)
+        self.impl.begin_backward(call.unit, call.casts)
         call.begun = self._backwards
         call.left = call.edges
         self._open[call.unit] += 1
@@ -458,7 +471,7 @@ class ParamOffload:
         call.ended = self._backwards
         self._backward.discard(call)
         self._open[call.unit] -= 1
-        self.impl.end_backward(call.unit)
+        self.impl.end_backward(call.unit, call.casts)
 
     def _close_backward(self) -> None:
         """The end of backward: every use still open ends, and the phase with them."""
@@ -471,7 +484,7 @@ class ParamOffload:
             for call in sorted(open_calls, key=lambda c: -c.unit):
                 call.ended = self._backwards
                 self._open[call.unit] -= 1
-                self.impl.end_backward(call.unit)
+                self.impl.end_backward(call.unit, call.casts)
         finally:
             try:
                 self._release_held()

@@ -88,10 +88,11 @@ class ParamResidency {
                  const std::vector<std::string>& unit_names);
   ~ParamResidency();
 
-  void begin_forward(std::size_t unit);
-  void end_forward(std::size_t unit);
-  void begin_backward(std::size_t unit);
-  void end_backward(std::size_t unit);
+  /// `extra_bytes`: what the use makes beside its parameters (autocast's casts: ParamSchedule::begin_forward).
+  void begin_forward(std::size_t unit, std::uint64_t extra_bytes = 0);
+  void end_forward(std::size_t unit, std::uint64_t extra_bytes = 0);
+  void begin_backward(std::size_t unit, std::uint64_t extra_bytes = 0);
+  void end_backward(std::size_t unit, std::uint64_t extra_bytes = 0);
   /// The forward (no backward follows) or the backward ended: everything fetched is released but holds.
   void end_phase();
   /// A read of `p` outside its units' uses: fetched now (waited for) and kept until as many unhold.
@@ -136,7 +137,7 @@ class ParamResidency {
  private:
   struct Param;
   enum class Use { kBeginForward, kEndForward, kBeginBackward, kEndBackward, kEndPhase };
-  void use(std::size_t unit, Use what);
+  void use(std::size_t unit, Use what, std::uint64_t extra_bytes = 0);
   void point_back_locked();
   void carry_out(const tiering::ParamActions& a);
   void drop(Param& p);

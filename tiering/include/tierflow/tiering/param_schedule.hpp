@@ -136,7 +136,8 @@ struct ParamScheduleStats {
   std::uint64_t stalls = 0;                   ///< fetched parameters not yet fetched when needed
   std::uint64_t order_misses = 0;             ///< uses that were not the expected one
   std::uint64_t releases = 0;                 ///< device copies dropped
-  std::uint64_t device_bytes = 0;             ///< parameters on the device now (resident, in flight, fetched)
+  std::uint64_t device_bytes = 0;             ///< parameters on the device now (resident, in flight, fetched),
+                                              ///< and the open uses' extra bytes (autocast's casts)
   std::uint64_t device_peak_bytes = 0;        ///< the most device_bytes has been
   std::uint64_t host_bytes = 0, nvme_bytes = 0;  ///< fetched parameters each tier holds
 };
@@ -159,14 +160,16 @@ class ParamSchedule {
   /// parameter listed with two different sizes.
   ParamSchedule(std::vector<ParamUnit> units, ParamScheduleOptions options);
 
-  /// A forward use of `unit` begins.
-  ParamActions begin_forward(UnitId unit);
+  /// A forward use of `unit` begins. `extra_bytes`: device memory the use makes beside its parameters and
+  /// that goes with it (autocast's 16-bit casts of its fp32 weights), counted in device_bytes and the budget
+  /// until the end of the use, which passes the same figure.
+  ParamActions begin_forward(UnitId unit, std::uint64_t extra_bytes = 0);
   /// It ended: releases its parameters not used again in this forward, and tops up the prefetch.
-  ParamActions end_forward(UnitId unit);
+  ParamActions end_forward(UnitId unit, std::uint64_t extra_bytes = 0);
   /// A backward use of `unit` begins.
-  ParamActions begin_backward(UnitId unit);
+  ParamActions begin_backward(UnitId unit, std::uint64_t extra_bytes = 0);
   /// It ended.
-  ParamActions end_backward(UnitId unit);
+  ParamActions end_backward(UnitId unit, std::uint64_t extra_bytes = 0);
   /// The phase in progress ended (the end of a backward, or of a forward no backward follows): every fetched
   /// parameter still on the device, or in flight (the caller waits for its copy first), is released, and the
   /// phase's order is recorded. Nothing when no phase is in progress.
@@ -213,8 +216,8 @@ class ParamSchedule {
     std::uint32_t holds = 0;  // hold() not yet undone
   };
   std::vector<UnitId> default_forward() const;
-  ParamActions begin(UnitId unit, bool backward);
-  ParamActions end(UnitId unit);
+  ParamActions begin(UnitId unit, bool backward, std::uint64_t extra_bytes);
+  ParamActions end(UnitId unit, std::uint64_t extra_bytes);
   void start_phase(bool backward, ParamActions& out);
   void record_phase();
   void top_up(ParamActions& out);
@@ -244,6 +247,7 @@ class ParamSchedule {
   std::vector<UnitId> backward_followed_;          // the forward recorded_backward_ followed
   std::size_t cursor_ = 0;                        // position of the current use in expected_
   std::uint64_t ahead_bytes_ = 0;
+  std::uint64_t extra_bytes_ = 0;  // the open uses' extra bytes
 };
 
 /// Name of a state: "on-tier", "in-flight", "on-device", "released".
