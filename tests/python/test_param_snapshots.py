@@ -167,6 +167,24 @@ def test_loading_a_snapshot_back_trains_as_the_baseline_restarted_from_it(device
     _assert_equal(_values(model), _values(plain))
 
 
+def test_loading_with_assign_is_refused_and_changes_nothing(device):
+    _emulated_only(device)
+    task = _task()
+    plain, plain_opt = _plain(task, device)
+    want = _steps(task, plain, plain_opt, 0, 2, device)
+    model, opt = _wrapped(task, device, "host", "")
+    _steps(task, model, opt, 0, 1, device)
+    before, params = _values(model), list(model.parameters())
+    other = {k: torch.zeros_like(v) for k, v in before.items()}
+    with pytest.raises(tierflow.ConfigError, match=r"load_state_dict\(\.\.\., assign=True\) after tierflow\.wrap "
+                                                   r"would replace parameter 'transformer\.wte\.weight'.*"
+                                                   r"load without assign.*Nothing was changed"):
+        model.load_state_dict(other, assign=True)
+    assert list(model.parameters()) == params
+    _assert_equal(_values(model), before)
+    assert _steps(task, model, opt, 1, 1, device) == want[1:]
+
+
 # -- gathered() ------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("tier", TIERS)

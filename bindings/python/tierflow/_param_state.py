@@ -138,6 +138,20 @@ def state_hooks(model: torch.nn.Module, me: Any) -> list:
             if local.depth == 0:
                 local.copies = None  # the call ends: its copies are the caller's alone
 
+    def refuse_assign(module: torch.nn.Module, state_dict: dict, prefix: str, local_metadata: Any,
+                      *args: Any) -> None:
+        offload = me()
+        if offload is None or not (local_metadata or {}).get("assign_to_params_buffers", False):
+            return
+        # The outermost module's pre-hook runs before any module loads: nothing has changed yet.
+        for name, p in module.named_parameters(prefix=prefix.rstrip("."), remove_duplicate=False):
+            if offload.impl.offloaded(p):
+                raise _C.ConfigError(
+                    f"tierflow: load_state_dict(..., assign=True) after tierflow.wrap would replace parameter "
+                    f"'{name}', which lives on the {offload.tier} between uses (TIERFLOW_OFFLOAD_PARAMS="
+                    f"{offload.tier}, offload_params='{offload.tier}'), with the loaded tensor; load without "
+                    "assign (the values are copied into it), or tierflow.unwrap(model) first. Nothing was changed")
+
     def loading(module: torch.nn.Module, *args: Any) -> None:
         offload = me()
         if offload is not None:
@@ -153,6 +167,7 @@ def state_hooks(model: torch.nn.Module, me: Any) -> list:
                     offload.impl.materialize(p, False)
 
     for module in model.modules():
+        handles.append(module.register_load_state_dict_pre_hook(refuse_assign))
         handles.append(module.register_state_dict_pre_hook(begins))
         handles.append(module._register_state_dict_hook(saving))
         if any(True for _ in module.parameters(recurse=False)):
