@@ -1,6 +1,7 @@
 // See Note [Parameter storage] in param_residency.hpp.
 #include "tierflow/bindings/param_residency.hpp"
 
+#include <ATen/autocast_mode.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/StorageImpl.h>
 
@@ -59,6 +60,24 @@ std::string cannot_offload(const Runtime& rt, const at::Tensor& p) {
 }
 
 }  // namespace
+
+at::Tensor autocast_cached_cast(const at::Tensor& p, at::ScalarType dtype, const std::string& device_type) {
+  return at::autocast::cached_cast(dtype, p, c10::Device(device_type).type());
+}
+
+void drop_cast(const at::Tensor& cast, const std::string& why) { drop_memory(cast, why); }
+
+bool refill_cast(const at::Tensor& cast, const at::Tensor& p, const std::string& device_type) {
+  const at::Tensor cached = at::autocast::cached_cast(cast.scalar_type(), p, c10::Device(device_type).type());
+  if (cached.unsafeGetTensorImpl() != cast.unsafeGetTensorImpl()) return false;
+  give_memory(cast, cast.storage().nbytes());
+  at::NoGradGuard no_grad;
+  // A tensor of its own over the cast's storage: the copy does not move the cast's version.
+  at::Tensor into = at::empty({0}, cast.options()).set_(cast.storage(), cast.storage_offset(), cast.sizes(),
+                                                         cast.strides());
+  into.copy_(p);
+  return true;
+}
 
 struct ParamResidency::Param {
   at::Tensor param;    // the model's parameter

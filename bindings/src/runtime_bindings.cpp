@@ -203,6 +203,12 @@ void bind_runtime_nvme_optimizer(py::class_<Runtime, std::shared_ptr<Runtime>>& 
 
 // Parameters between uses on the host tier (Note [Parameter storage]).
 void bind_param_residency(py::module_& m) {
+  m.def("_autocast_cached_cast", &autocast_cached_cast, py::arg("param"), py::arg("dtype"), py::arg("device_type"),
+        "Autocast's cached cast of a parameter (made and cached now when there is none; Note [Parameter casts]).");
+  m.def("_drop_cast", &drop_cast, py::arg("cast"), py::arg("why"),
+        "A cached cast's memory goes; its tensor stays, and reading it raises `why`.");
+  m.def("_refill_cast", &refill_cast, py::arg("cast"), py::arg("param"), py::arg("device_type"),
+        "The cast's memory back with the parameter's values, when autocast's cache still holds it: True.");
   py::class_<ParamResidency, std::shared_ptr<ParamResidency>>(
       m, "ParamResidency", "The parameters of a model's units between uses (Note [Parameter storage]).")
       .def(py::init([](std::shared_ptr<Runtime> rt, const std::vector<std::vector<at::Tensor>>& units,

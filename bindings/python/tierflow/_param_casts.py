@@ -8,13 +8,18 @@ a cast, a copy of the weight in the device's memory, long after tierflow release
 [Parameter hooks]):
 
 - autocast's weight-cast cache (cache_enabled=True, the default) keeps the cast of every leaf that requires
-  grad until the outermost autocast region exits: every weight of the model at the forward's end. tierflow
-  empties it each time a forward use of a unit closes (forward_use_ended, called by params.py), so a cast
-  lives as long as its unit's use. A cast is deterministic, so the next use casting again gives the same
-  bits. What changes: a weight cast in two uses of one forward (a block called twice, a tied weight cast in
-  two units) gets one cast per use, each with its own ToCopyBackward0, so its gradient is the fp32 sum of the
-  uses' gradients rather than autocast's 16-bit sum converted once: the numerics of autocast with
-  cache_enabled=False, not bit for bit cache_enabled=True's, in that case only.
+  grad until the outermost autocast region exits: every weight of the model at the forward's end. The cast
+  stays in the cache, but its memory goes with its unit's use: when a forward use ends, each weight of the
+  unit that the use cast (params.py finds autocast's ToCopyBackward0 into the weight's AccumulateGrad among
+  the nodes the call made, or the cast came back at the use's beginning) has its cached cast's memory
+  dropped (forward_use_ended: the tensor stays in the cache; reading it raises an error naming the weight's
+  shape), and when a use of the unit begins again in the same autocast region the cast gets memory and the
+  weight's values back (forward_use_begins: the cast again, into the same tensor, whose version does not
+  move). So every use in one region shares one cast and one ToCopyBackward0, as without tierflow: a weight
+  used in two forwards under one autocast (two passes before one backward, a block called twice) has its
+  uses' 16-bit gradients summed before the one conversion, bit for bit cache_enabled=True. A use that builds
+  no graph (no_grad: evaluation, generation) empties the cache when it ends: no backward reads a cast, and
+  a use casting again makes the same values.
 - autograd saves the cast for backward (mm saves its 16-bit weight to compute the gradient of its input):
   with the cache off, and with it on (the cache's reference goes with the use, autograd's stays), every
   weight's cast would stay on the device from its forward to its backward. Every saved-tensor hook tierflow
@@ -55,6 +60,7 @@ from . import _C
 _offloads: "weakref.WeakSet[Any]" = weakref.WeakSet()
 _stats: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 _use: dict = {}  # id(parameter) -> bytes of its cast, saved during the forward use in progress
+_dropped: dict = {}  # id(parameter) -> (parameter, its cast in autocast's cache, whose memory went with its use)
 
 
 def watch(offload: Any) -> None:
@@ -68,11 +74,63 @@ def stats(offload: Any) -> dict:
     return dict(_stats.get(offload, {}))
 
 
-def forward_use_ended() -> None:
-    """A forward use of a unit closed (params.py): autocast's cached casts go with it (Note [Parameter casts])."""
+def _caching(device_type: str) -> bool:
+    return torch.is_autocast_enabled(device_type) and torch.is_autocast_cache_enabled()
+
+
+def forward_use_begins(params: list, device_type: str) -> list:
+    """A forward use of a unit with these fp32 weights begins (params.py): their cached casts, whose memory went
+    with their last use in this autocast region, get it back with their values (Note [Parameter casts]).
+    Returns the weights whose casts are in the cache now (came back, or cast again in a new region)."""
+    if not _dropped or not _caching(device_type):
+        return []
+    back = []
+    for p in params:
+        entry = _dropped.pop(id(p), None)
+        if entry is not None:
+            # False: the region ended since, and the cache holds a new cast of p now (made by the call): the use
+            # drops that one when it ends, as the one that came back.
+            _C._refill_cast(entry[1], p, device_type)
+            back.append(p)
+    return back
+
+
+def forward_use_ended(cast: Optional[list], device_type: str) -> None:
+    """A forward use of a unit ended (params.py); ``cast``: its fp32 weights autocast cast in it, or None for a use
+    that built no graph. The memory of their cached casts goes with the use, their tensors stay in autocast's
+    cache; without a graph, the cache is emptied (no backward reads a cast, and a use casting again makes the
+    same values) (Note [Parameter casts])."""
     _use.clear()
-    if torch.is_autocast_cache_enabled():
+    if not _caching(device_type):
+        return
+    if cast is None:
         torch.clear_autocast_cache()
+        return
+    dtype = torch.get_autocast_dtype(device_type)
+    for p in cast:
+        if id(p) in _dropped:
+            continue
+        c = _C._autocast_cached_cast(p, dtype, device_type)
+        if c.dtype != dtype:
+            continue
+        _C._drop_cast(c, f"tierflow: the {dtype} cast autocast keeps of an offloaded parameter of shape "
+                         f"{list(p.shape)} was read outside its unit's use (Note [Parameter casts]); read "
+                         "parameters inside the modules that hold them, or use offload_params='none'")
+        _dropped[id(p)] = (p, c)
+
+
+def resident(params: list, device_type: str) -> None:
+    """These weights stay on the device from now on (TIERFLOW_OFFLOAD_PARAMS=auto's plan): their casts whose
+    memory went get it back now when this autocast region still caches them, and are autocast's alone again."""
+    for p in params:
+        entry = _dropped.pop(id(p), None)
+        if entry is not None and _caching(device_type):
+            _C._refill_cast(entry[1], p, device_type)
+
+
+def forget() -> None:
+    """unwrap: no cast of an offloaded weight is dropped any more (those dropped go with their region)."""
+    _dropped.clear()
 
 
 class SavedCast:

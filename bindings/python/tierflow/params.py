@@ -85,7 +85,7 @@ from . import _C
 from ._compile import outside_graphs
 from ._distributed import _ddp_around, _ddp_inside
 from .activations.blocks import find_blocks
-from ._param_casts import forward_use_ended
+from ._param_casts import forget as forget_casts, forward_use_begins, forward_use_ended, resident as casts_resident
 from ._param_state import state_hooks
 
 
@@ -203,7 +203,8 @@ class ParamOffload:
         self.rest_bytes = sum(p.numel() * p.element_size()
                               for p in {id(p): p for u in units[self.rest:] for p in u if id(p) not in in_blocks}.values())
         # Per unit, its fp32 elements that require grad: what autocast casts (counted with the use).
-        self._fp32 = [sum(p.numel() for p in u if p.dtype == torch.float32 and p.requires_grad) for u in units]
+        self._fp32_params = [[p for p in u if p.dtype == torch.float32 and p.requires_grad] for u in units]
+        self._fp32 = [sum(p.numel() for p in u) for u in self._fp32_params]
         self._device_type = self._params[0].device.type if self._params else "cpu"
         self._runtime = session.runtime
         setting = session.config["TIERFLOW_OFFLOAD_PARAMS"]
@@ -213,7 +214,7 @@ class ParamOffload:
                                       [names.get(id(p), "?") for u in units for p in u], len(blocks), unit_names)
         self._model = weakref.ref(model)
         self._open = [0] * len(units)  # per unit: its open uses, forward and backward
-        self._forward: list = []  # the forward uses open, innermost last: (unit, cast bytes, _Call)
+        self._forward: list = []  # the forward uses open, innermost last: (unit, cast bytes, casts refilled, _Call)
         self._backward: Optional[set] = None  # in a backward: its calls whose use is open
         self._recomputes: list = []  # calls begun by a recompute in backward, until its forward hook
         self._backwards = 0  # backwards begun so far (a _Call's begun and ended name one)
@@ -268,6 +269,7 @@ class ParamOffload:
                 module._parameters = dict(module._parameters)
         self._watched = []
         self._reads.active = False
+        forget_casts()
         self._end_forward_uses()
         self._close_backward()
         self._release_held()
@@ -329,8 +331,11 @@ class ParamOffload:
             return
         casts = self._cast_bytes(u)
         self.impl.begin_forward(u, casts)
+        # Note [Parameter casts]: autocast's casts of its weights this region has made get their memory back.
+        refilled = forward_use_begins(self._fp32_params[u], self._device_type) if casts else []
         self._open[u] += 1
-        self._forward.append((u, casts, self._new_call(u, casts, args, kwargs) if torch.is_grad_enabled() else None))
+        call = self._new_call(u, casts, args, kwargs) if torch.is_grad_enabled() else None
+        self._forward.append((u, casts, refilled, call))
 
     @staticmethod
     def _new_call(u: int, casts: int, args: Any, kwargs: Any) -> _Call:
@@ -356,23 +361,28 @@ class ParamOffload:
             return
         for k in range(len(self._forward) - 1, -1, -1):
             if self._forward[k][0] == u:
-                _, casts, call = self._forward.pop(k)
+                _, casts, refilled, call = self._forward.pop(k)
                 break
         else:
             return  # its begin raised (over the budget)
         self._open[u] -= 1
-        self._forward_use_ended(u, casts)
-        if call is not None and torch.is_grad_enabled():
-            self._watch_call(call, out)
+        graph = call is not None and torch.is_grad_enabled()
+        cast = self._watch_call(call, out) if graph else []
+        self._forward_use_ended(u, casts, refilled + cast if graph else None)
+        if graph:
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None and \
                         call.start <= t.grad_fn._sequence_nr() != _ACCUMULATE:  # made by the call, not passed through
                     t.register_hook(_grad_hook(self._me, "_call_begins", call))
 
-    def _watch_call(self, call: _Call, out: Any) -> None:
+    def _watch_call(self, call: _Call, out: Any) -> list:
         """Finds the call's nodes that take one of its inputs (walking back from its outputs through the nodes
-        it made) and hooks each: once all have run, nothing of the call needs its weights."""
+        it made) and hooks each: once all have run, nothing of the call needs its weights. Returns the unit's
+        fp32 weights the call cast (autocast's ToCopyBackward0 into their AccumulateGrad: Note [Parameter
+        casts])."""
         inputs = set(call.inputs)
+        weights = {id(p) for p in self._fp32_params[call.unit]} if call.casts else ()
+        cast = []
         stack = [t.grad_fn for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.grad_fn is not None]
         seen: set = set()
         edges = []
@@ -394,9 +404,14 @@ class ParamOffload:
                     stack.append(nxt)
             if takes_input:
                 edges.append(node)
+            if weights and node.name() == "ToCopyBackward0":
+                p = getattr(node.next_functions[0][0], "variable", None)
+                if p is not None and id(p) in weights:
+                    cast.append(p)
         call.edges = len(edges)
         for node in edges:
             node.register_hook(_node_hook(self._me, call))
+        return cast
 
     def _edge_ran(self, call: _Call) -> None:
         if self._backward is None or call.begun != self._backwards:
@@ -405,15 +420,19 @@ class ParamOffload:
         if call.left == 0:
             self._call_ends(call)
 
-    def _forward_use_ended(self, u: int, casts: int) -> None:
-        self.impl.end_forward(u, casts)
-        forward_use_ended()  # autocast's casts of the unit's weights go with its use (Note [Parameter casts])
+    def _forward_use_ended(self, u: int, casts: int, cast: Optional[list]) -> None:
+        """``cast``: the unit's weights autocast cast in the use (None: a use that built no graph)."""
+        try:
+            if casts:  # autocast's casts of the unit's weights go with its use (Note [Parameter casts])
+                forward_use_ended(cast, self._device_type)
+        finally:
+            self.impl.end_forward(u, casts)
 
     def _end_forward_uses(self) -> None:
         while self._forward:
-            u, casts, _ = self._forward.pop()
+            u, casts, _, _ = self._forward.pop()
             self._open[u] -= 1
-            self._forward_use_ended(u, casts)
+            self._forward_use_ended(u, casts, None)
 
     # -- reads outside uses -------------------------------------------------------------------------
     def _read(self, p: torch.Tensor) -> None:
@@ -421,7 +440,7 @@ class ParamOffload:
         if units is None or any(self._open[u] > 0 for u in units) or id(p) in self._held_ids or \
                 not self.impl.offloaded(p):
             return
-        block = next((u for u, _, _ in reversed(self._forward) if u < self.rest), None)
+        block = next((u for u, _, _, _ in reversed(self._forward) if u < self.rest), None)
         if block is not None and not _in_backward():  # a block reads a weight another module holds
             self.impl.attach(block, p)
             units.add(block)
@@ -502,9 +521,14 @@ class ParamOffload:
 
     def _make_resident(self, units: list) -> None:
         params = self.impl.make_resident(units) if units else []
-        self._ids -= {id(p) for p in params}
+        gone = {id(p) for p in params}
+        self._ids -= gone
         for p in params:
             self._units_of.pop(id(p), None)
+        # Resident weights' casts are autocast's alone again (Note [Parameter casts]).
+        self._fp32_params = [[p for p in u if id(p) not in gone] for u in self._fp32_params]
+        self._fp32 = [sum(p.numel() for p in u) for u in self._fp32_params]
+        casts_resident(params, self._device_type)
         opt = self._optimizer() if self._optimizer is not None else None
         if opt is not None and params:
             opt.params_became_resident(params)
