@@ -19,7 +19,8 @@ does (identity, requires_grad); their values are readable inside gathered(), as 
 GatheredParameters.
 
 load_state_dict() fetches each module's parameters, lets the module load them and writes them back (one that
-gathered() holds is the context's to write back or discard).
+gathered() holds is the context's to write back or discard). With assign=True it would put the loaded tensors in
+place of the parameters the schedule holds: refused by the outermost module's pre-hook, before anything loads.
 
 gathered(). DeepSpeed's GatheredParameters: outside the model's forward and backward (EMA, norms, logging,
 an edit of the weights), the given offloaded parameters are fetched to the device and held there until the
@@ -33,7 +34,12 @@ backward gathered() is refused: the parameters of the module running are on the 
 another module read through its module attribute is fetched for the step (Note [Parameter hooks]), and a
 release on exit would free the storage autograd saved for backward; DeepSpeed's users do the same there with
 register_external_parameter, not GatheredParameters. Nested contexts over one parameter fetch it once; the
-outermost releases it (written back if any level asked to modify). The device memory is counted with the
+outermost releases it (written back if any level asked to modify). Inside the block a forward under no_grad
+(evaluation, generation: DeepSpeed-Chat gathers for it) reads the gathered values; a forward that builds a graph,
+and an optimizer step over the parameters held, are refused: the step would update the host copies (or the CPU
+AdamW's masters) behind the block, which would write its stale values over them with modify=True. A write back
+marks the CPU AdamW's masters stale, as model.load_state_dict() does (its fp32 masters are apart from the host
+copies: the edit was overwritten at the next step). The device memory is counted with the
 schedule's (ParamResidency::gather): a gather beyond TIERFLOW_GPU_MEMORY raises out_of_memory, and the message
 says to gather fewer modules at a time.
 
