@@ -396,7 +396,12 @@ at::Tensor ParamResidency::load(const at::Tensor& p) {
   std::lock_guard<std::mutex> lock(mutex_);
   const auto it = params_.find(param_id(p));
   TIERFLOW_EXPECTS(it != params_.end(), "ParamResidency::load: not an offloaded parameter");
-  return read_home(it->second);
+  Param& q = it->second;
+  if (!q.nvme) return q.host;
+  // Read into pageable memory, not the pinned pool: a snapshot the caller keeps (state_dict) holds none of it.
+  at::Tensor out = at::empty(q.device.sizes(), q.device.options().device(at::kCPU).pinned_memory(false));
+  runtime_->nvme_engine()->read(q.block, out.data_ptr(), out.nbytes()).wait();
+  return out;
 }
 
 void ParamResidency::store(const at::Tensor& p, const at::Tensor& value) {

@@ -110,6 +110,10 @@ def test_a_state_dict_snapshot_is_not_changed_by_later_steps(device, tier, nvme_
     _assert_equal(best, after_one)  # the snapshot did not follow the two steps
     later = model.state_dict()
     assert not torch.equal(later["transformer.h.0.attn.c_attn.weight"], best["transformer.h.0.attn.c_attn.weight"])
+    # A snapshot kept holds none of the pinned pool (an NVMe model's would be its whole weights there).
+    pool = model._tierflow_session.runtime.stats()["host_pool"]["in_use"]["current"]
+    kept = [model.state_dict() for _ in range(3)]
+    assert model._tierflow_session.runtime.stats()["host_pool"]["in_use"]["current"] == pool, len(kept)
 
 
 class _CountingLoads:

@@ -131,8 +131,8 @@ class ParamResidency {
   at::Tensor host_copy(const at::Tensor& p) const;
   /// Whether `p` lives on the host or NVMe between uses.
   bool offloaded(const at::Tensor& p) const;
-  /// `p`'s current value on the host: its host copy, or a fresh read from NVMe. Throws for a parameter that
-  /// is not offloaded.
+  /// `p`'s current value on the host: its host copy, or a fresh read from NVMe into pageable memory (a snapshot
+  /// kept holds none of the pinned pool). Throws for a parameter that is not offloaded.
   at::Tensor load(const at::Tensor& p);
   /// Makes `value` (a contiguous CPU tensor of p's dtype and size) p's value between uses: into its host
   /// copy, or written to NVMe (waited for). The next fetch copies it.
