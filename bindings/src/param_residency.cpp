@@ -67,16 +67,13 @@ at::Tensor autocast_cached_cast(const at::Tensor& p, at::ScalarType dtype, const
 
 void drop_cast(const at::Tensor& cast, const std::string& why) { drop_memory(cast, why); }
 
-bool refill_cast(const at::Tensor& cast, const at::Tensor& p, const std::string& device_type) {
-  const at::Tensor cached = at::autocast::cached_cast(cast.scalar_type(), p, c10::Device(device_type).type());
-  if (cached.unsafeGetTensorImpl() != cast.unsafeGetTensorImpl()) return false;
+void refill_cast(const at::Tensor& cast, const at::Tensor& p) {
   give_memory(cast, cast.storage().nbytes());
   at::NoGradGuard no_grad;
   // A tensor of its own over the cast's storage: the copy does not move the cast's version.
   at::Tensor into = at::empty({0}, cast.options()).set_(cast.storage(), cast.storage_offset(), cast.sizes(),
                                                          cast.strides());
   into.copy_(p);
-  return true;
 }
 
 struct ParamResidency::Param {
@@ -372,8 +369,11 @@ std::vector<at::Tensor> ParamResidency::make_resident(const std::vector<std::siz
   for (tiering::ParamId id : schedule_->make_resident(units)) {
     auto it = params_.find(id);
     Param& p = it->second;
-    give_memory(p.device, p.device.nbytes());
-    runtime_->copy_to_device(p.device, read_home(p)).wait();
+    // A held one (a read outside its units' uses) has its values on the device already.
+    if (p.device.storage().unsafeGetStorageImpl()->_mutable_data_ptr_no_checks().get() == nullptr) {
+      give_memory(p.device, p.device.nbytes());
+      runtime_->copy_to_device(p.device, read_home(p)).wait();
+    }
     if (p.nvme) runtime_->nvme_engine()->release(p.block);
     out.push_back(p.param);
     params_.erase(it);

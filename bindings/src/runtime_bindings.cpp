@@ -207,8 +207,8 @@ void bind_param_residency(py::module_& m) {
         "Autocast's cached cast of a parameter (made and cached now when there is none; Note [Parameter casts]).");
   m.def("_drop_cast", &drop_cast, py::arg("cast"), py::arg("why"),
         "A cached cast's memory goes; its tensor stays, and reading it raises `why`.");
-  m.def("_refill_cast", &refill_cast, py::arg("cast"), py::arg("param"), py::arg("device_type"),
-        "The cast's memory back with the parameter's values, when autocast's cache still holds it: True.");
+  m.def("_refill_cast", &refill_cast, py::arg("cast"), py::arg("param"),
+        "A dropped cast's memory back, with the parameter's values cast into it.");
   py::class_<ParamResidency, std::shared_ptr<ParamResidency>>(
       m, "ParamResidency", "The parameters of a model's units between uses (Note [Parameter storage]).")
       .def(py::init([](std::shared_ptr<Runtime> rt, const std::vector<std::vector<at::Tensor>>& units,

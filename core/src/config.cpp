@@ -307,7 +307,8 @@ std::vector<Row> placement_rows() {
     {{"TIERFLOW_OFFLOAD_PARAMS", "none", "one of none, host, nvme, auto",
       "where the model's parameters live between uses: none keeps them on the device; host (nvme) keeps "
       "them in the pinned host pool (on NVMe, needs TIERFLOW_NVME_PATHS) and fetches each repeated block's, "
-      "and the rest's, ahead of its forward and backward, releasing them after; auto lets the activation "
+      "and each other module's, ahead of each call's forward and backward, releasing them after, within "
+      "TIERFLOW_GPU_MEMORY (a use that cannot fit is refused by name); auto lets the activation "
       "plan (TIERFLOW_OFFLOAD_ACTIVATIONS=auto) keep each block's on the device or fetch it from the host, "
       "within TIERFLOW_GPU_MEMORY (Note [Parameter residency])"},
      target_parser(&Config::offload_params, TargetValues::kTiersAuto)},

@@ -194,6 +194,15 @@ TEST(ParamSchedule, AHeldParameterStaysThroughPhaseEndsUntilUnheld) {
   EXPECT_THROW(s.unhold(1), std::logic_error);
 }
 
+TEST(ParamSchedule, AHeldParameterMadeResidentStaysWhereItIs) {
+  ParamSchedule s(chain(2, 100, Tier::kHost, Tier::kHost), {0});
+  land(s, s.hold(1));  // read inline in the forward the plan was made in (auto)
+  EXPECT_EQ(s.make_resident({2}), Ids({1}));
+  EXPECT_EQ(s.stats().device_bytes, 5u);  // counted once
+  EXPECT_EQ(s.home(1), Tier::kGpu);
+  EXPECT_TRUE(s.unhold(1).release.empty());  // the hold's end leaves it resident
+}
+
 TEST(ParamSchedule, AnAttachedParameterIsFetchedWithItsNewUnitFromNowOn) {
   ParamSchedule s(chain(2, 100, Tier::kHost, Tier::kHost), {0});
   land(s, s.begin_forward(1));

@@ -39,6 +39,7 @@ import re
 import sys
 import textwrap
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -429,3 +430,78 @@ def test_a_budget_the_pattern_cannot_meet_is_refused(device, pattern, room, tier
     assert room != "below_a_block", f"trained under a budget below one block ({budget} B; {sizes}): {_peak(run)} B"
     assert _peak(run) <= budget, f"over TIERFLOW_GPU_MEMORY in silence: peak {_peak(run)} B > {budget} B; {sizes}"
     assert_bit_identical(run, train(task, STEPS, False, device=device))
+
+
+# ---- what an adversarial review found (issue 38's review): each trains bit for bit within the order's count -----
+
+
+class _ShapedBlock(_Block):
+    """_Block with what a call may hold beyond its input's path: ``latent``, a weight branch that meets the input
+    late (Perceiver's latents, Q-Former's queries); ``merged``, a weight computed before it is applied (a LoRA
+    merged into its base: W + B @ A); ``aux``, an output the caller drops (its nodes never run)."""
+
+    def __init__(self, width: int, shape: str) -> None:
+        super().__init__(width)
+        self.shape = shape
+        self.latent = nn.Parameter(torch.randn(1, 1, width) * 0.1) if shape == "latent" else None
+        self.lora_a = nn.Parameter(torch.randn(4, width) * 0.1) if shape == "merged" else None
+        self.lora_b = nn.Parameter(torch.randn(width, 4) * 0.1) if shape == "merged" else None
+
+    def forward(self, x: torch.Tensor) -> Any:
+        if self.shape == "merged":
+            w = self.proj.weight + self.lora_b @ self.lora_a  # made before x meets it: a branch of weights only
+            x = x + F.linear(self.ln1(x), w, self.proj.bias)
+        lat = self.proj(self.latent) if self.shape == "latent" else None  # before x's path: runs after it
+        h = super().forward(x)
+        if lat is not None:
+            return h + lat
+        if self.shape == "aux":
+            return h, self.ln2(x) * 2.0  # the caller drops the second
+        return h
+
+
+class _ShapedLM(InlineHeadLM):
+    def __init__(self, shape: str, checkpoint: bool = False) -> None:
+        super().__init__(vocab=96)
+        self.blocks = nn.ModuleList(_ShapedBlock(64, shape) for _ in range(4))
+        self.head = nn.Linear(64, 96)
+        self.checkpoint = checkpoint
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.wte(ids)
+        for block in self.blocks:
+            if self.checkpoint:  # HF's gradient_checkpointing_enable default (transformers 4.57): reentrant
+                h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=True)
+            else:
+                h = block(h)
+            h = h[0] if isinstance(h, tuple) else h
+        return self.head(self.ln_f(h))
+
+
+@pytest.mark.parametrize("shape", ["latent", "merged", "aux", "reentrant"])
+def test_calls_whose_weights_do_not_only_meet_their_input(device, shape, nvme_dir):
+    """A use ends once every last node of its call the backward runs has run (Note [Parameter hooks]): a latent
+    branch and a merged weight read their weights after the input's path (before: the released weight's error in
+    backward); an output nobody uses does not hold its block to the end of backward (before: over the budget); a
+    reentrant checkpoint's recompute ends its use (before: every block held through backward)."""
+    _emulated_only(device)
+    task = _inline_head(96)
+    task = Task(lambda: _ShapedLM("plain" if shape == "reentrant" else shape, shape == "reentrant"),
+                task.make_batch, task.loss)
+    sizes = Sizes(task)
+    bound, budget = _blocks_bound(sizes)
+    base = train(task, STEPS, False, device=device)
+    run = train(task, STEPS, True, device=device, **_settings("host", nvme_dir, budget))
+    _check(run, base, budget, bound, sizes, "3 blocks + R")
+
+
+@pytest.mark.transformers
+def test_auto_with_an_inline_head_applies_its_plan(device):
+    """offload_params='auto' makes the plan's units resident at the end of the forward it was made in, while the
+    inline-read embedding is held (before: an internal assertion in ParamSchedule::make_resident)."""
+    _emulated_only(device)
+    task = _inline_head()
+    base = train(task, 4, False, device=device)
+    run = train(task, 4, True, device=device, offload_params="auto", offload_activations="auto", min_offload_bytes=0,
+                **OPT_NONE)
+    assert_bit_identical(run, base)

@@ -33,6 +33,10 @@ def _held_bytes(device: str) -> int:
     for o in gc.get_objects():
         if isinstance(o, torch.Tensor) and o.device.type == "cpu":
             storage = o.untyped_storage()
+            try:
+                storage.data_ptr()
+            except RuntimeError:  # a parameter tierflow released (Note [Parameter storage]): no memory
+                continue
             if storage.data_ptr() and storage.data_ptr() not in seen:
                 seen.add(storage.data_ptr())
                 total += storage.nbytes()

@@ -156,13 +156,13 @@ std::vector<ParamId> ParamSchedule::make_resident(const std::vector<UnitId>& uni
     for (std::size_t i : units_[u]) {
       Param& p = params_[i];
       if (p.home == Tier::kGpu) continue;
-      TIERFLOW_EXPECTS(p.state == ParamState::kOnTier || p.state == ParamState::kReleased,
-                       "ParamSchedule::make_resident: parameter " + std::to_string(p.id) + " is " +
-                           std::string(to_string(p.state)));
+      TIERFLOW_EXPECTS(p.state != ParamState::kInFlight, "ParamSchedule::make_resident: parameter " +
+                                                              std::to_string(p.id) + " is in flight");
       (p.home == Tier::kHost ? stats_.host_bytes : stats_.nvme_bytes) -= p.bytes;
       p.home = Tier::kGpu;
+      if (p.state != ParamState::kOnDevice) stats_.device_bytes += p.bytes;  // a held one is there already
       p.state = ParamState::kOnDevice;
-      stats_.device_bytes += p.bytes;
+      p.holds = 0;
       out.push_back(p.id);
     }
   }

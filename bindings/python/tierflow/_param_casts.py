@@ -11,15 +11,19 @@ a cast, a copy of the weight in the device's memory, long after tierflow release
   grad until the outermost autocast region exits: every weight of the model at the forward's end. The cast
   stays in the cache, but its memory goes with its unit's use: when a forward use ends, each weight of the
   unit that the use cast (params.py finds autocast's ToCopyBackward0 into the weight's AccumulateGrad among
-  the nodes the call made, or the cast came back at the use's beginning) has its cached cast's memory
+  the nodes the call made) or whose cast came back at the use's beginning has its cached cast's memory
   dropped (forward_use_ended: the tensor stays in the cache; reading it raises an error naming the weight's
-  shape), and when a use of the unit begins again in the same autocast region the cast gets memory and the
-  weight's values back (forward_use_begins: the cast again, into the same tensor, whose version does not
-  move). So every use in one region shares one cast and one ToCopyBackward0, as without tierflow: a weight
-  used in two forwards under one autocast (two passes before one backward, a block called twice) has its
+  shape), and when a use of the unit begins again while the cast lives (its region's cache holds it: a weak
+  reference tells) the cast gets memory and the weight's values back (forward_use_begins: the cast again,
+  into the same tensor, whose version does not move). tierflow never makes a cast itself, so every cast and
+  its ToCopyBackward0 are made where autocast makes them: every use in one region shares one cast, as
+  without tierflow, and the engine runs its gradient in the same order. A weight used in two forwards under
+  one autocast (two passes before one backward, a block called twice, a tied embedding and head) has its
   uses' 16-bit gradients summed before the one conversion, bit for bit cache_enabled=True. A use that builds
-  no graph (no_grad: evaluation, generation) empties the cache when it ends: no backward reads a cast, and
-  a use casting again makes the same values.
+  no graph (no_grad: evaluation, generation) empties the cache when it ends (no backward reads a cast, and a
+  use casting again makes the same values), unless a forward that built a graph waits for its backward: its
+  casts stay cached (a no_grad pass between two passes with gradients keeps its own casts, with their
+  memory, until the region exits).
 - autograd saves the cast for backward (mm saves its 16-bit weight to compute the gradient of its input):
   with the cache off, and with it on (the cache's reference goes with the use, autograd's stays), every
   weight's cast would stay on the device from its forward to its backward. Every saved-tensor hook tierflow
@@ -60,7 +64,9 @@ from . import _C
 _offloads: "weakref.WeakSet[Any]" = weakref.WeakSet()
 _stats: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 _use: dict = {}  # id(parameter) -> bytes of its cast, saved during the forward use in progress
-_dropped: dict = {}  # id(parameter) -> (parameter, its cast in autocast's cache, whose memory went with its use)
+# id(parameter) -> weak references to it and to its cast in autocast's cache, whose memory went with its use (weak:
+# the cache holds the cast while its region lives, and the cast's graph holds the parameter)
+_dropped: dict = {}
 
 
 def watch(offload: Any) -> None:
@@ -81,42 +87,51 @@ def _caching(device_type: str) -> bool:
 def forward_use_begins(params: list, device_type: str) -> list:
     """A forward use of a unit with these fp32 weights begins (params.py): their cached casts, whose memory went
     with their last use in this autocast region, get it back with their values (Note [Parameter casts]).
-    Returns the weights whose casts are in the cache now (came back, or cast again in a new region)."""
+    Returns (weight, cast) of those. A cast that died went with its region: the use casts anew, as autocast."""
     if not _dropped or not _caching(device_type):
         return []
     back = []
     for p in params:
         entry = _dropped.pop(id(p), None)
-        if entry is not None:
-            # False: the region ended since, and the cache holds a new cast of p now (made by the call): the use
-            # drops that one when it ends, as the one that came back.
-            _C._refill_cast(entry[1], p, device_type)
-            back.append(p)
+        cast = entry[1]() if entry is not None and entry[0]() is p else None
+        if cast is not None:
+            _C._refill_cast(cast, p)
+            back.append((p, cast))
     return back
 
 
-def forward_use_ended(cast: Optional[list], device_type: str) -> None:
-    """A forward use of a unit ended (params.py); ``cast``: its fp32 weights autocast cast in it, or None for a use
-    that built no graph. The memory of their cached casts goes with the use, their tensors stay in autocast's
-    cache; without a graph, the cache is emptied (no backward reads a cast, and a use casting again makes the
-    same values) (Note [Parameter casts])."""
+def forward_use_ended(refilled: list, cast: Optional[list], device_type: str, may_clear: bool) -> None:
+    """A forward use of a unit ended (params.py). ``refilled``: what forward_use_begins gave back; ``cast``: the
+    unit's fp32 weights autocast cast in the use (the nodes the call made), or None for a use that built no
+    graph. Their cached casts' memory goes with the use, their tensors stay in autocast's cache. A use without a
+    graph empties the cache (no backward reads a cast, and a use casting again makes the same values) when
+    ``may_clear`` (no forward that built a graph is waiting for its backward, whose casts the cache must keep)
+    (Note [Parameter casts])."""
     _use.clear()
     if not _caching(device_type):
         return
-    if cast is None:
-        torch.clear_autocast_cache()
-        return
     dtype = torch.get_autocast_dtype(device_type)
+    done = set()
+    for p, c in refilled:
+        _drop(p, c, dtype)
+        done.add(id(p))
+    if cast is None:
+        if may_clear:
+            torch.clear_autocast_cache()
+        return
     for p in cast:
-        if id(p) in _dropped:
-            continue
-        c = _C._autocast_cached_cast(p, dtype, device_type)
-        if c.dtype != dtype:
-            continue
-        _C._drop_cast(c, f"tierflow: the {dtype} cast autocast keeps of an offloaded parameter of shape "
-                         f"{list(p.shape)} was read outside its unit's use (Note [Parameter casts]); read "
-                         "parameters inside the modules that hold them, or use offload_params='none'")
-        _dropped[id(p)] = (p, c)
+        if id(p) not in done:
+            done.add(id(p))
+            _drop(p, _C._autocast_cached_cast(p, dtype, device_type), dtype)  # made in the use: cached
+
+
+def _drop(p: torch.Tensor, c: torch.Tensor, dtype: torch.dtype) -> None:
+    if c.dtype != dtype:
+        return
+    _C._drop_cast(c, f"tierflow: the {dtype} cast autocast keeps of an offloaded parameter of shape "
+                     f"{list(p.shape)} was read outside its unit's use (Note [Parameter casts]); read "
+                     "parameters inside the modules that hold them, or use offload_params='none'")
+    _dropped[id(p)] = (weakref.ref(p), weakref.ref(c))
 
 
 def resident(params: list, device_type: str) -> None:
@@ -124,8 +139,9 @@ def resident(params: list, device_type: str) -> None:
     memory went get it back now when this autocast region still caches them, and are autocast's alone again."""
     for p in params:
         entry = _dropped.pop(id(p), None)
-        if entry is not None and _caching(device_type):
-            _C._refill_cast(entry[1], p, device_type)
+        cast = entry[1]() if entry is not None and entry[0]() is p else None
+        if cast is not None and _caching(device_type):
+            _C._refill_cast(cast, p)
 
 
 def forget() -> None:

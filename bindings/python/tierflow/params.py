@@ -122,14 +122,14 @@ class _Call:
     node of the call that takes one of its inputs has run (Note [Parameter hooks]); once per backward (a retained
     graph's second backward uses it again)."""
 
-    __slots__ = ("unit", "casts", "start", "inputs", "edges", "left", "begun", "ended")
+    __slots__ = ("unit", "casts", "start", "inputs", "ends", "left", "begun", "ended")
 
     def __init__(self, unit: int, casts: int, start: int, inputs: list) -> None:
         self.unit = unit
         self.casts = casts  # bytes of autocast's casts of its weights its forward made (its backward makes again)
         self.start = start  # the sequence number of the first autograd node the call may make
         self.inputs = inputs  # the autograd nodes of its inputs that need a gradient
-        self.edges = 0  # its nodes that take an input (each ends the use once it has run)
+        self.ends: Optional[list] = None  # its last nodes (_watch_call), once its forward returned
         self.left = 0  # of those, the ones this backward has still to run
         self.begun: Optional[int] = None  # the backward (ParamOffload._backwards) that began it
         self.ended: Optional[int] = None
@@ -356,7 +356,10 @@ class ParamOffload:
             for k, call in enumerate(self._recomputes):
                 if call.unit == u:
                     self._recomputes.pop(k)
-                    self._watch_call(call, out)  # the recompute's own backward ends its use
+                    self._watch_call(call, out)  # the recompute's own backward (all of it) ends its use
+                    call.left = len(call.ends)
+                    if call.left == 0:
+                        self._call_ends(call)
                     return
             return
         for k in range(len(self._forward) - 1, -1, -1):
@@ -367,8 +370,8 @@ class ParamOffload:
             return  # its begin raised (over the budget)
         self._open[u] -= 1
         graph = call is not None and torch.is_grad_enabled()
-        cast = self._watch_call(call, out) if graph else []
-        self._forward_use_ended(u, casts, refilled + cast if graph else None)
+        cast = self._watch_call(call, out) if graph else None
+        self._forward_use_ended(u, casts, refilled, cast)
         if graph:
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None and \
@@ -376,16 +379,18 @@ class ParamOffload:
                     t.register_hook(_grad_hook(self._me, "_call_begins", call))
 
     def _watch_call(self, call: _Call, out: Any) -> list:
-        """Finds the call's nodes that take one of its inputs (walking back from its outputs through the nodes
-        it made) and hooks each: once all have run, nothing of the call needs its weights. Returns the unit's
-        fp32 weights the call cast (autocast's ToCopyBackward0 into their AccumulateGrad: Note [Parameter
-        casts])."""
+        """Finds the call's last nodes (walking back from its outputs through the nodes it made: those with an
+        edge out of the call, to one of its inputs, a leaf such as a weight, or a tensor made before it) and
+        hooks each: a node runs after every node of the call above it, so once those of them the backward runs
+        have run, nothing of the call needs its weights (a branch of weights only, such as latents or a merged
+        LoRA weight, included). Returns the unit's fp32 weights the call cast (autocast's ToCopyBackward0 into
+        their AccumulateGrad: Note [Parameter casts])."""
         inputs = set(call.inputs)
         weights = {id(p) for p in self._fp32_params[call.unit]} if call.casts else ()
         cast = []
         stack = [t.grad_fn for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.grad_fn is not None]
         seen: set = set()
-        edges = []
+        ends = []
         while stack:
             node = stack.pop()
             if node in seen or node in inputs:
@@ -394,22 +399,22 @@ class ParamOffload:
             seq = node._sequence_nr()
             if seq < call.start or seq == _ACCUMULATE:
                 continue  # made before the call (a tensor it read from elsewhere), or a leaf
-            takes_input = False
+            leaves = False
             for nxt, _ in node.next_functions:
                 if nxt is None:
                     continue
-                if nxt in inputs:
-                    takes_input = True
+                if nxt in inputs or nxt._sequence_nr() < call.start or nxt._sequence_nr() == _ACCUMULATE:
+                    leaves = True
                 else:
                     stack.append(nxt)
-            if takes_input:
-                edges.append(node)
+            if leaves:
+                ends.append(node)
             if weights and node.name() == "ToCopyBackward0":
                 p = getattr(node.next_functions[0][0], "variable", None)
                 if p is not None and id(p) in weights:
                     cast.append(p)
-        call.edges = len(edges)
-        for node in edges:
+        call.ends = ends
+        for node in ends:
             node.register_hook(_node_hook(self._me, call))
         return cast
 
@@ -420,19 +425,20 @@ class ParamOffload:
         if call.left == 0:
             self._call_ends(call)
 
-    def _forward_use_ended(self, u: int, casts: int, cast: Optional[list]) -> None:
-        """``cast``: the unit's weights autocast cast in the use (None: a use that built no graph)."""
+    def _forward_use_ended(self, u: int, casts: int, refilled: list, cast: Optional[list]) -> None:
+        """``refilled``: the casts that came back when the use began; ``cast``: the unit's weights autocast cast
+        in the use (None: a use that built no graph)."""
         try:
             if casts:  # autocast's casts of the unit's weights go with its use (Note [Parameter casts])
-                forward_use_ended(cast, self._device_type)
+                forward_use_ended(refilled, cast, self._device_type, not self._graph_pending)
         finally:
             self.impl.end_forward(u, casts)
 
     def _end_forward_uses(self) -> None:
         while self._forward:
-            u, casts, _, _ = self._forward.pop()
+            u, casts, refilled, _ = self._forward.pop()
             self._open[u] -= 1
-            self._forward_use_ended(u, casts, None)
+            self._forward_use_ended(u, casts, refilled, None)
 
     # -- reads outside uses -------------------------------------------------------------------------
     def _read(self, p: torch.Tensor) -> None:
@@ -480,9 +486,13 @@ class ParamOffload:
             return  # another output of the call
         self.impl.begin_backward(call.unit, call.casts)
         call.begun = self._backwards
-        call.left = call.edges
         self._open[call.unit] += 1
         self._backward.add(call)
+        if call.ends is not None:  # (a recompute's call counts them when its forward returns)
+            # The last nodes this backward runs (not those of an output no gradient reaches).
+            call.left = sum(1 for n in call.ends if torch._C._will_engine_execute_node(n))
+            if call.left == 0:
+                self._call_ends(call)
 
     def _call_ends(self, call: _Call) -> None:
         if self._backward is None or call.begun != self._backwards or call.ended == self._backwards:

@@ -79,11 +79,9 @@ class Runtime;
 at::Tensor autocast_cached_cast(const at::Tensor& p, at::ScalarType dtype, const std::string& device_type);
 /// The cast's memory goes; its tensor stays (in autocast's cache), and any access to its data raises `why`.
 void drop_cast(const at::Tensor& cast, const std::string& why);
-/// When `cast` is still autocast's cached cast of `p`, its memory back and `p`'s values cast into it (the same
-/// bits as the cast: aten::_to_copy copies into a new tensor the same way; its version does not move): true.
-/// False when the cache held another (its autocast region ended since): the cast of `p` it holds now (made
-/// and cached by this call, as the next op under autocast would) is left as it is.
-bool refill_cast(const at::Tensor& cast, const at::Tensor& p, const std::string& device_type);
+/// The cast's memory back, with `p`'s values cast into it (the same bits as the cast: aten::_to_copy copies into a
+/// new tensor the same way; the cast's version does not move).
+void refill_cast(const at::Tensor& cast, const at::Tensor& p);
 
 /// Parameters of units (repeated blocks, then the rest unit) kept on the host between uses (Note [Parameter
 /// storage]). Thread-safe: forward events come from the Python thread, backward events from autograd's.

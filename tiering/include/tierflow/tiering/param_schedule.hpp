@@ -190,8 +190,8 @@ class ParamSchedule {
   /// released, so the next use fetches it again.
   void fetch_failed(ParamId id);
   /// Makes `units` resident from now on (a plan of TIERFLOW_OFFLOAD_PARAMS=auto): returns the parameters the
-  /// caller copies to the device and keeps there (those not resident already). Between phases only
-  /// (logic_error otherwise, or for an unknown unit).
+  /// caller keeps on the device from now on, copying there those not there yet (a held one is: its holds end).
+  /// Between phases only (logic_error otherwise, or for an unknown unit).
   std::vector<ParamId> make_resident(const std::vector<UnitId>& units);
 
   /// The state of a parameter; logic_error for an unknown id.
