@@ -79,6 +79,7 @@ void refill_cast(const at::Tensor& cast, const at::Tensor& p) {
 struct ParamResidency::Param {
   at::Tensor param;    // the model's parameter
   std::string name;    // its name in the model
+  std::string why;     // what a read of it raises when the release under way drops it, if not the usual
   at::Tensor device;   // a tensor over the parameter's storage: what fetches fill and releases empty
   at::Tensor host;     // its pinned host copy (host tier; undefined on NVMe)
   bool nvme = false;   // on NVMe between uses: `block`
@@ -156,7 +157,7 @@ ParamResidency::ParamResidency(std::shared_ptr<Runtime> runtime, const std::vect
       const tiering::ParamId id = param_id(p);
       const Tier home = schedule->home(id);
       if (copies.count(id) || home == Tier::kGpu) continue;
-      Param c{p, name, p.detach(), {}, home == Tier::kNvme, 0, {}, {}};
+      Param c{p, name, {}, p.detach(), {}, home == Tier::kNvme, 0, {}, {}};
       if (c.nvme) nvme_bytes += p.nbytes();
       copies.emplace(id, std::move(c));
     }
@@ -210,7 +211,10 @@ void ParamResidency::release(Param& p) {
   drop(p);
 }
 
-void ParamResidency::drop(Param& p) { drop_memory(p.device, released_error(p.name, p.nvme)); }
+void ParamResidency::drop(Param& p) {
+  drop_memory(p.device, p.why.empty() ? released_error(p.name, p.nvme) : p.why);
+  p.why.clear();
+}
 
 void ParamResidency::fetch(Param& p) {
   give_memory(p.device, p.device.nbytes());
@@ -304,10 +308,18 @@ void ParamResidency::hold(const at::Tensor& p) {
   carry_out(schedule_->hold(param_id(p)));
 }
 
-void ParamResidency::unhold(const at::Tensor& p) {
+void ParamResidency::unhold(const at::Tensor& p, const std::string& why) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (!params_.count(param_id(p))) return;
-  carry_out(schedule_->unhold(param_id(p)));
+  const auto it = params_.find(param_id(p));
+  if (it == params_.end()) return;
+  it->second.why = why;
+  try {
+    carry_out(schedule_->unhold(param_id(p)));
+  } catch (...) {
+    it->second.why.clear();
+    throw;
+  }
+  it->second.why.clear();  // not released now (another use or hold has it)
 }
 
 void ParamResidency::attach(std::size_t unit, const at::Tensor& p) {

@@ -228,7 +228,8 @@ void bind_param_residency(py::module_& m) {
            py::arg("unit_names"))
       .def("hold", &ParamResidency::hold, py::call_guard<py::gil_scoped_release>(),
            "Fetches a parameter read outside its units' uses and keeps it on the device until unhold.")
-      .def("unhold", &ParamResidency::unhold, py::call_guard<py::gil_scoped_release>())
+      .def("unhold", &ParamResidency::unhold, py::arg("param"), py::arg("why") = "",
+           py::call_guard<py::gil_scoped_release>())
       .def("attach", &ParamResidency::attach, py::arg("unit"), py::arg("param"), py::call_guard<py::gil_scoped_release>(),
            "The parameter belongs to the unit from now on (a weight its module reads that another module owns).")
       .def("on_device", &ParamResidency::on_device, py::call_guard<py::gil_scoped_release>())

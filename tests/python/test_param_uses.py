@@ -505,3 +505,25 @@ def test_auto_with_an_inline_head_applies_its_plan(device):
     run = train(task, 4, True, device=device, offload_params="auto", offload_activations="auto", min_offload_bytes=0,
                 **OPT_NONE)
     assert_bit_identical(run, base)
+
+
+def test_a_retained_graphs_second_backward_through_an_inline_read_is_refused_by_name(device):
+    """A weight the forward read outside its modules is held through that forward's backward only: a second
+    backward through the retained graph is refused with an error that says so (Note [Parameter hooks]), and the
+    model trains on."""
+    _emulated_only(device)
+    torch.manual_seed(0)
+    task = _inline_head()
+    model = task.model_on(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = tierflow.wrap(model, opt, device=device, offload_params="host", offload_activations="none",
+                               **OPT_NONE)
+    loss = task.loss(model, task.batch_on(0, device))
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match=r"parameter 'wte\.weight' .* held through that forward's backward.*"
+                                           r"retain_graph=True"):
+        loss.backward()
+    opt.zero_grad(set_to_none=True)
+    task.loss(model, task.batch_on(1, device)).backward()
+    opt.step()
+    tierflow.unwrap(model)

@@ -48,8 +48,8 @@ uses, forward and backward); elsewhere it is fetched and held (hold) until
 the end of the backward (or of a forward no backward follows; two forwards
 before one backward keep it). Both count in the budget. A read is seen, not
 what it reads: a read of a weight's dtype fetches it too. A second backward
-of a retained graph that needs a weight read inline finds it released (the
-error below). A read tierflow cannot see (a reference kept, model.parameters()
+of a retained graph that needs a weight read inline finds it released: its
+error says so (the hold's end leaves that text on its storage). A read tierflow cannot see (a reference kept, model.parameters()
 after training) finds the parameter released and raises the error of Note
 [Parameter storage], naming it and tierflow.gathered.
 
@@ -455,11 +455,21 @@ class ParamOffload:
         self._held.append(p)
         self._held_ids.add(id(p))
 
-    def _release_held(self) -> None:
+    def _release_held(self, backward_ended: bool = False) -> None:
         held, self._held = self._held, []
         self._held_ids = set()
         for p in held:
-            self.impl.unhold(p)
+            self.impl.unhold(p, self._held_error(p) if backward_ended else "")
+
+    def _held_error(self, p: torch.Tensor) -> str:
+        model = self._model()
+        name = next((n for n, q in model.named_parameters() if q is p), "?") if model is not None else "?"
+        return (f"tierflow: parameter '{name}' lives on the {self.tier} between its uses (TIERFLOW_OFFLOAD_PARAMS, "
+                "keyword offload_params); the forward read it outside the modules that hold it, so it was held "
+                "through that forward's backward, and it was read again after that backward ended: a second backward "
+                "through a retained graph (retain_graph=True) reads it, or code after the step. Read the weight "
+                "through a module that holds it (an nn.Linear whose weight it is), backward once per forward, or "
+                "read it inside `with tierflow.gathered(model):` between steps")
 
     # -- backward -----------------------------------------------------------------------------------
     def _backward_begins(self) -> None:
@@ -516,7 +526,7 @@ class ParamOffload:
                 self.impl.end_backward(call.unit, call.casts)
         finally:
             try:
-                self._release_held()
+                self._release_held(backward_ended=True)
             finally:
                 self.impl.end_phase()
 

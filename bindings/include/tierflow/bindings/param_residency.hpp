@@ -109,7 +109,8 @@ class ParamResidency {
   /// A read of `p` outside its units' uses: fetched now (waited for) and kept until as many unhold.
   /// Throws out_of_memory, nothing changed, where the budget has no room. Nothing for a resident one.
   void hold(const at::Tensor& p);
-  void unhold(const at::Tensor& p);
+  /// One hold of `p` ends; `why`, when not empty, is what a read of it raises if this releases it.
+  void unhold(const at::Tensor& p, const std::string& why = "");
   /// `p` belongs to `unit` from now on (a weight the unit's module reads that another module owns); fetched
   /// now when the unit's use is open.
   void attach(std::size_t unit, const at::Tensor& p);
