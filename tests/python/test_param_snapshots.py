@@ -430,3 +430,16 @@ def test_a_conversion_that_changes_nothing_works_after_wrap(device, tier, nvme_d
     assert list(model.parameters()) == params and _released(model)
     assert _steps(task, model, opt, 1, 2, device) == want[1:]
     _assert_equal(_values(model), _values(plain))
+
+
+def test_deepcopy_of_a_wrapped_model_is_refused_by_name(device):
+    """copy.deepcopy of a wrapped model (TRL's reference model, an EMA copy) is refused, saying to copy before
+    wrap: the copy's hooks would drive the original's runtime (before: TypeError, cannot pickle the runtime)."""
+    _emulated_only(device)
+    import copy
+
+    task = _task()
+    model, opt = _wrapped(task, device, "host", None)
+    with pytest.raises(tierflow.ConfigError, match=r"copy\.deepcopy .*before tierflow\.wrap"):
+        copy.deepcopy(model)
+    _steps(task, model, opt, 0, 1, device)  # trains on

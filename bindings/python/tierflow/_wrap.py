@@ -62,8 +62,20 @@ class _CastsOnly(torch.autograd.graph.saved_tensors_hooks):
         self.__enter__()
 
 
+def _refuse_deepcopy(memo: Any = None) -> None:
+    """copy.deepcopy(model) of a wrapped model (TRL's reference model, an EMA copy): the copy's hooks would drive
+    this session's runtime, and its parameters may live off the device. Set on the model (and the session) by wrap."""
+    raise _C.ConfigError(
+        "copy.deepcopy of a model tierflow.wrap wrapped: its hooks would drive the original's runtime (and "
+        "offloaded parameters would be copied without their values). Deep-copy the model before tierflow.wrap "
+        "(a reference model, an EMA copy), or call tierflow.unwrap(model) first and wrap both after")
+
+
 class Session:
     """One runtime and the hooks that connect it to one model."""
+
+    def __deepcopy__(self, memo: dict) -> None:
+        _refuse_deepcopy(memo)
 
     def __init__(self, _nvme_faults: Any = None, _copy_faults: Any = None, **settings: Any) -> None:
         # _nvme_faults, _copy_faults: a tierflow._C.NvmeFaults or CopyFaults, for fault-injection tests only.
@@ -280,6 +292,7 @@ def wrap(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
         session.runtime.unlink_nvme_files()
         raise
     model._tierflow_session = session
+    model.__deepcopy__ = _refuse_deepcopy  # copy.deepcopy looks it up on the instance first
     _sessions.append(weakref.ref(session))
     return model, new_optimizer
 
@@ -419,6 +432,7 @@ def unwrap(model: torch.nn.Module) -> None:
         raise _C.TierflowError("tierflow.unwrap: this model was not wrapped by tierflow.wrap")
     session.detach()
     model._tierflow_session = None
+    model.__dict__.pop("__deepcopy__", None)
     _sessions[:] = [r for r in _sessions if r() is not session and r() is not None]
 
 
