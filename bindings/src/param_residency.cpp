@@ -301,11 +301,23 @@ void ParamResidency::point_back_locked() {
   on_host_ = false;
 }
 
+void ParamResidency::carry_out_named(const tiering::ParamActions& a, tiering::ParamId id) {
+  try {
+    carry_out(a);
+  } catch (const out_of_memory& e) {  // the schedule knows the parameter by its id; the user, by its name
+    std::string what = e.what();
+    const std::string number = "parameter " + std::to_string(id);
+    const auto at = what.find(number);
+    if (at != std::string::npos) what.replace(at, number.size(), "parameter '" + params_.at(id).name + "'");
+    throw out_of_memory(what);
+  }
+}
+
 void ParamResidency::hold(const at::Tensor& p) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!params_.count(param_id(p))) return;
   point_back_locked();
-  carry_out(schedule_->hold(param_id(p)));
+  carry_out_named(schedule_->hold(param_id(p)), param_id(p));
 }
 
 void ParamResidency::unhold(const at::Tensor& p, const std::string& why) {
@@ -326,7 +338,7 @@ void ParamResidency::attach(std::size_t unit, const at::Tensor& p) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!params_.count(param_id(p))) return;
   point_back_locked();
-  carry_out(schedule_->attach(unit, param_id(p)));
+  carry_out_named(schedule_->attach(unit, param_id(p)), param_id(p));
 }
 
 bool ParamResidency::on_device(const at::Tensor& p) const {
@@ -342,7 +354,7 @@ void ParamResidency::gather(const std::vector<at::Tensor>& params) {
     for (const at::Tensor& t : params) {
       const tiering::ParamId id = param_id(t);
       if (!params_.count(id) || std::find(held.begin(), held.end(), id) != held.end()) continue;
-      carry_out(schedule_->hold(id));
+      carry_out_named(schedule_->hold(id), id);
       held.push_back(id);
     }
   } catch (...) {  // all or none

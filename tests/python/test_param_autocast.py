@@ -338,3 +338,65 @@ def test_two_forwards_of_a_tied_model_in_one_region_are_bit_for_bit(device, betw
     for step, (b, g) in enumerate(zip(base, got)):
         for i, (x, y) in enumerate(zip(b, g)):
             assert torch.equal(x, y), f"step {step}, parameter {i}"
+
+
+class NoGradBlockNet(Net):
+    """Block 1 called again under no_grad inside the grad forward (a probe, an EMA teacher's pass)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for i, b in enumerate(self.blocks):
+            h = b(h)
+            if i == 1:
+                with torch.no_grad():
+                    probe = b(h)
+                h = h + 0.0 * probe
+        return self.head(h)
+
+
+@pytest.mark.parametrize("case", ["no_grad_block", "regularizer", "reference"])
+def test_casts_of_other_uses_are_left_as_autocast_keeps_them(device, case):
+    """A use without a graph casts without the cache and leaves every cast in it (another pass's, another model's)
+    alone, and a weight read after its use (a regulariser on it after the forward) gets its cast's memory back
+    (Note [Parameter casts]). Before: tierflow emptied the whole cache after a no_grad use, so later passes cast
+    again and their gradients were summed in fp32 (silently different), and the regulariser read a dropped cast."""
+    if device != "emulated":
+        pytest.skip("a torch optimizer steps the host copies only on the emulated device")
+
+    def run(wrapped: bool) -> list:
+        torch.manual_seed(0)
+        model = NoGradBlockNet() if case == "no_grad_block" else Net()
+        ref = Net() if case == "reference" else None  # a reference model whose parameters still require grad
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if wrapped:
+            model, opt = tierflow.wrap(model, opt, device="emulated", offload_params="host",
+                                       offload_activations="none", **OPT_NONE)
+            if ref is not None:  # wrapped too: its no_grad uses are tierflow's
+                ref, _ = tierflow.wrap(ref, None, device="emulated", offload_params="host",
+                                       offload_activations="none", **OPT_NONE)
+        out = []
+        for step in range(STEPS):
+            x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(step))
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(x).float().pow(2).mean()
+                if case == "reference":
+                    with torch.no_grad():
+                        r = ref(x).float().mean()
+                    loss = loss + model(x.flip(0)).float().pow(2).mean() + 0.0 * r
+                if case == "regularizer":
+                    w = model.blocks[2].down.weight
+                    loss = loss + 1e-3 * (w @ w.t()).float().diagonal().sum()
+            loss.backward()
+            out.append([p.grad.clone() for p in model.parameters()])
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if wrapped:
+            tierflow.unwrap(model)
+            if ref is not None:
+                tierflow.unwrap(ref)
+        return out
+
+    base, got = run(False), run(True)
+    for step, (b, g) in enumerate(zip(base, got)):
+        for i, (x, y) in enumerate(zip(b, g)):
+            assert torch.equal(x, y), f"step {step}, parameter {i}"

@@ -452,16 +452,27 @@ class _ShapedBlock(_Block):
             w = self.proj.weight + self.lora_b @ self.lora_a  # made before x meets it: a branch of weights only
             x = x + F.linear(self.ln1(x), w, self.proj.bias)
         lat = self.proj(self.latent) if self.shape == "latent" else None  # before x's path: runs after it
+        if self.shape == "aux_attr":  # an auxiliary loss kept on the module, added to the loss later
+            self.aux = self.up.weight.pow(2).mean()
         h = super().forward(x)
         if lat is not None:
             return h + lat
         if self.shape == "aux":
             return h, self.ln2(x) * 2.0  # the caller drops the second
+        if self.shape == "dataclass":
+            return _Out(h)
         return h
 
 
+class _Out:
+    """A block's output that is no pytree (a plain object holding the tensor)."""
+
+    def __init__(self, h: torch.Tensor) -> None:
+        self.h = h
+
+
 class _ShapedLM(InlineHeadLM):
-    def __init__(self, shape: str, checkpoint: bool = False) -> None:
+    def __init__(self, shape: str, checkpoint: Any = False) -> None:
         super().__init__(vocab=96)
         self.blocks = nn.ModuleList(_ShapedBlock(64, shape) for _ in range(4))
         self.head = nn.Linear(64, 96)
@@ -469,25 +480,37 @@ class _ShapedLM(InlineHeadLM):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         h = self.wte(ids)
+        if self.checkpoint == "all":  # one non-reentrant checkpoint around every block
+            h = torch.utils.checkpoint.checkpoint(lambda t: self._blocks(t), h, use_reentrant=False)
+        else:
+            h = self._blocks(h)
+        out = self.head(self.ln_f(h))
+        aux = [b.aux for b in self.blocks if getattr(b, "aux", None) is not None]
+        return out + 0.1 * sum(aux) if aux else out
+
+    def _blocks(self, h: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
-            if self.checkpoint:  # HF's gradient_checkpointing_enable default (transformers 4.57): reentrant
+            if self.checkpoint is True:  # HF's gradient_checkpointing_enable default (transformers 4.57): reentrant
                 h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=True)
             else:
                 h = block(h)
-            h = h[0] if isinstance(h, tuple) else h
-        return self.head(self.ln_f(h))
+            h = h[0] if isinstance(h, tuple) else h.h if isinstance(h, _Out) else h
+        return h
 
 
-@pytest.mark.parametrize("shape", ["latent", "merged", "aux", "reentrant"])
+@pytest.mark.parametrize("shape", ["latent", "merged", "aux", "reentrant", "aux_attr", "dataclass", "checkpoint_all"])
 def test_calls_whose_weights_do_not_only_meet_their_input(device, shape, nvme_dir):
     """A use ends once every last node of its call the backward runs has run (Note [Parameter hooks]): a latent
     branch and a merged weight read their weights after the input's path (before: the released weight's error in
     backward); an output nobody uses does not hold its block to the end of backward (before: over the budget); a
-    reentrant checkpoint's recompute ends its use (before: every block held through backward)."""
+    reentrant checkpoint's recompute ends its use (before: every block held through backward). From the second
+    review: an auxiliary loss of weights kept on the module and an output that is no pytree are walked too
+    (before: the released weight's error in backward); one non-reentrant checkpoint around every block ends each
+    recompute's use with its forward, the engine never running the recompute's graph (before: every block held)."""
     _emulated_only(device)
     task = _inline_head(96)
-    task = Task(lambda: _ShapedLM("plain" if shape == "reentrant" else shape, shape == "reentrant"),
-                task.make_batch, task.loss)
+    checkpoint = {"reentrant": True, "checkpoint_all": "all"}.get(shape, False)
+    task = Task(lambda: _ShapedLM("plain" if checkpoint else shape, checkpoint), task.make_batch, task.loss)
     sizes = Sizes(task)
     bound, budget = _blocks_bound(sizes)
     base = train(task, STEPS, False, device=device)
@@ -527,3 +550,21 @@ def test_a_retained_graphs_second_backward_through_an_inline_read_is_refused_by_
     task.loss(model, task.batch_on(1, device)).backward()
     opt.step()
     tierflow.unwrap(model)
+
+
+def test_two_forwards_then_two_backwards_keep_a_weight_read_inline(device):
+    """A weight the forward read outside its modules stays held while another forward's graph waits for its
+    backward (before: the second backward found it released)."""
+    _emulated_only(device)
+    inline = _inline_head()
+
+    def two(m, b):
+        a = inline.loss(m, b)
+        c = inline.loss(m, (b[0].flip(1),))
+        c.backward()  # the second forward's backward first; harness.train runs the first's
+        return a
+
+    task = Task(inline.make_model, inline.make_batch, two)
+    base = train(task, STEPS, False, device=device)
+    assert_bit_identical(train(task, STEPS, True, device=device, offload_params="host", offload_activations="none",
+                               **OPT_NONE), base)

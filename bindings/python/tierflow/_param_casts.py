@@ -20,10 +20,11 @@ a cast, a copy of the weight in the device's memory, long after tierflow release
   without tierflow, and the engine runs its gradient in the same order. A weight used in two forwards under
   one autocast (two passes before one backward, a block called twice, a tied embedding and head) has its
   uses' 16-bit gradients summed before the one conversion, bit for bit cache_enabled=True. A use that builds
-  no graph (no_grad: evaluation, generation) empties the cache when it ends (no backward reads a cast, and a
-  use casting again makes the same values), unless a forward that built a graph waits for its backward: its
-  casts stay cached (a no_grad pass between two passes with gradients keeps its own casts, with their
-  memory, until the region exits).
+  no graph (no_grad: evaluation, generation, a block under no_grad inside a forward) casts without the
+  cache (params.py turns it off for the use and back after: the same values, and no gradient reads them),
+  which leaves the cache and every cast in it as it is; tierflow never empties the cache (another model's
+  or module's casts, waiting for a backward, are in it). A weight read outside its units' uses (params.py
+  serves the read: Note [Parameter hooks]) gets its cast's memory back until the region ends (read).
 - autograd saves the cast for backward (mm saves its 16-bit weight to compute the gradient of its input):
   with the cache off, and with it on (the cache's reference goes with the use, autograd's stays), every
   weight's cast would stay on the device from its forward to its backward. Every saved-tensor hook tierflow
@@ -100,13 +101,11 @@ def forward_use_begins(params: list, device_type: str) -> list:
     return back
 
 
-def forward_use_ended(refilled: list, cast: Optional[list], device_type: str, may_clear: bool) -> None:
+def forward_use_ended(refilled: list, cast: Optional[list], device_type: str) -> None:
     """A forward use of a unit ended (params.py). ``refilled``: what forward_use_begins gave back; ``cast``: the
-    unit's fp32 weights autocast cast in the use (the nodes the call made), or None for a use that built no
-    graph. Their cached casts' memory goes with the use, their tensors stay in autocast's cache. A use without a
-    graph empties the cache (no backward reads a cast, and a use casting again makes the same values) when
-    ``may_clear`` (no forward that built a graph is waiting for its backward, whose casts the cache must keep)
-    (Note [Parameter casts])."""
+    unit's fp32 weights autocast cast in the use (the nodes the call made), or None for a use that built no graph
+    (which cast without the cache: params.py turns it off for such a use). Their cached casts' memory goes with
+    the use, their tensors stay in autocast's cache (Note [Parameter casts])."""
     _use.clear()
     if not _caching(device_type):
         return
@@ -115,14 +114,19 @@ def forward_use_ended(refilled: list, cast: Optional[list], device_type: str, ma
     for p, c in refilled:
         _drop(p, c, dtype)
         done.add(id(p))
-    if cast is None:
-        if may_clear:
-            torch.clear_autocast_cache()
-        return
-    for p in cast:
+    for p in cast or ():
         if id(p) not in done:
             done.add(id(p))
             _drop(p, _C._autocast_cached_cast(p, dtype, device_type), dtype)  # made in the use: cached
+
+
+def read(p: torch.Tensor, device_type: str) -> None:
+    """``p`` is read outside its units' uses (params.py serves the read): its cast in autocast's cache, if its
+    memory went, gets it back, and keeps it until the region ends (Note [Parameter casts])."""
+    entry = _dropped.pop(id(p), None) if _dropped else None
+    cast = entry[1]() if entry is not None and entry[0]() is p else None
+    if cast is not None and _caching(device_type):
+        _C._refill_cast(cast, p)
 
 
 def _drop(p: torch.Tensor, c: torch.Tensor, dtype: torch.dtype) -> None:

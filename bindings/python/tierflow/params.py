@@ -85,7 +85,8 @@ from . import _C
 from ._compile import outside_graphs
 from ._distributed import _ddp_around, _ddp_inside
 from .activations.blocks import find_blocks
-from ._param_casts import forget as forget_casts, forward_use_begins, forward_use_ended, resident as casts_resident
+from ._param_casts import forget as forget_casts, forward_use_begins, forward_use_ended, read as cast_read, \
+    resident as casts_resident
 from ._param_state import state_hooks
 
 
@@ -97,6 +98,31 @@ _DDP_REFUSAL = ("TIERFLOW_OFFLOAD_PARAMS (host or nvme) under torch.nn.parallel.
 def _in_backward() -> bool:
     """True while autograd's engine runs a backward on this thread (a recompute's forward)."""
     return torch._C._current_graph_task_id() != -1
+
+
+def _tensors_of(out: Any, module: torch.nn.Module) -> list:
+    """The tensors a call leaves that need a gradient: its output's (pytree leaves, and one level into other
+    objects, such as dataclasses), and those its modules keep as attributes (an auxiliary loss kept on the
+    module, added to the loss later). Their gradients begin the call's backward use; the walk from them finds
+    its last nodes."""
+    found, seen = [], set()
+
+    def add(t: Any) -> None:
+        if isinstance(t, torch.Tensor) and t.requires_grad and id(t) not in seen:
+            seen.add(id(t))
+            found.append(t)
+
+    for leaf in tree_flatten(out)[0]:
+        if isinstance(leaf, torch.Tensor):
+            add(leaf)
+        elif hasattr(leaf, "__dict__"):
+            for v in vars(leaf).values():
+                add(v)
+    for m in module.modules():
+        for name, v in vars(m).items():
+            if name not in ("_parameters", "_buffers") and isinstance(v, torch.Tensor):
+                add(v)
+    return found
 
 
 def _node_hook(me: Any, call: Any) -> Any:
@@ -122,7 +148,7 @@ class _Call:
     node of the call that takes one of its inputs has run (Note [Parameter hooks]); once per backward (a retained
     graph's second backward uses it again)."""
 
-    __slots__ = ("unit", "casts", "start", "inputs", "ends", "left", "begun", "ended")
+    __slots__ = ("unit", "casts", "start", "inputs", "ends", "left", "begun", "ended", "__weakref__")
 
     def __init__(self, unit: int, casts: int, start: int, inputs: list) -> None:
         self.unit = unit
@@ -216,7 +242,8 @@ class ParamOffload:
         self._open = [0] * len(units)  # per unit: its open uses, forward and backward
         self._forward: list = []  # the forward uses open, innermost last: (unit, cast bytes, casts refilled, _Call)
         self._backward: Optional[set] = None  # in a backward: its calls whose use is open
-        self._recomputes: list = []  # calls begun by a recompute in backward, until its forward hook
+        self._recomputes: list = []  # (call, transient) begun by a recompute in backward, until its forward hook
+        self._unbegun: "weakref.WeakSet[_Call]" = weakref.WeakSet()  # watched calls whose backward has not begun
         self._backwards = 0  # backwards begun so far (a _Call's begun and ended name one)
         self._held: list = []  # parameters held for reads outside their units' uses
         self._held_ids: set = set()
@@ -237,6 +264,7 @@ class ParamOffload:
             hook(lambda m, a: call("_model_begins")), prepend=True))
         self._handles.append(model.register_forward_hook(
             hook(lambda m, a, out: call("_model_ends", out)), always_call=True))
+        self._model_of_unit = list(blocks) + rest_modules
         for u, module in enumerate(list(blocks) + rest_modules):
             # The model's own unit (parameters it holds itself) opens after _model_begins and closes before
             # _model_ends: registered after the first, with prepend before the second.
@@ -327,15 +355,26 @@ class ParamOffload:
                 return
             call = self._new_call(u, self._cast_bytes(u), args, kwargs)
             self._call_begins(call)
-            self._recomputes.append(call)
+            # A call of the unit whose backward has not begun: a non-reentrant checkpoint recomputes a region that
+            # holds it, and the engine never runs the recompute's graph (that call's own use comes later); the
+            # use ends with the recompute's forward. Else a reentrant one, whose nested backward ends it.
+            transient = any(c.unit == u for c in self._unbegun)
+            self._recomputes.append((call, transient))
             return
         casts = self._cast_bytes(u)
         self.impl.begin_forward(u, casts)
+        grad = torch.is_grad_enabled()
+        cache = None
+        if casts and not grad:
+            # Note [Parameter casts]: a use without a graph casts without autocast's cache (the same values; no
+            # gradient reads them), which leaves the cache, and every cast in it, as it is.
+            cache = torch.is_autocast_cache_enabled()
+            torch.set_autocast_cache_enabled(False)
         # Note [Parameter casts]: autocast's casts of its weights this region has made get their memory back.
-        refilled = forward_use_begins(self._fp32_params[u], self._device_type) if casts else []
+        refilled = forward_use_begins(self._fp32_params[u], self._device_type) if casts and grad else []
         self._open[u] += 1
-        call = self._new_call(u, casts, args, kwargs) if torch.is_grad_enabled() else None
-        self._forward.append((u, casts, refilled, call))
+        call = self._new_call(u, casts, args, kwargs) if grad else None
+        self._forward.append((u, casts, refilled, call, cache))
 
     @staticmethod
     def _new_call(u: int, casts: int, args: Any, kwargs: Any) -> _Call:
@@ -353,9 +392,12 @@ class ParamOffload:
 
     def _unit_ends(self, u: int, out: Any) -> None:
         if _in_backward():
-            for k, call in enumerate(self._recomputes):
+            for k, (call, transient) in enumerate(self._recomputes):
                 if call.unit == u:
                     self._recomputes.pop(k)
+                    if transient:
+                        self._call_ends(call)
+                        return
                     self._watch_call(call, out)  # the recompute's own backward (all of it) ends its use
                     call.left = len(call.ends)
                     if call.left == 0:
@@ -364,16 +406,20 @@ class ParamOffload:
             return
         for k in range(len(self._forward) - 1, -1, -1):
             if self._forward[k][0] == u:
-                _, casts, refilled, call = self._forward.pop(k)
+                _, casts, refilled, call, cache = self._forward.pop(k)
                 break
         else:
             return  # its begin raised (over the budget)
         self._open[u] -= 1
+        if cache is not None:
+            torch.set_autocast_cache_enabled(cache)
         graph = call is not None and torch.is_grad_enabled()
+        out = _tensors_of(out, self._model_of_unit[u])
         cast = self._watch_call(call, out) if graph else None
         self._forward_use_ended(u, casts, refilled, cast)
         if graph:
-            for t in tree_flatten(out)[0]:
+            self._unbegun.add(call)
+            for t in out:
                 if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None and \
                         call.start <= t.grad_fn._sequence_nr() != _ACCUMULATE:  # made by the call, not passed through
                     t.register_hook(_grad_hook(self._me, "_call_begins", call))
@@ -388,7 +434,7 @@ class ParamOffload:
         inputs = set(call.inputs)
         weights = {id(p) for p in self._fp32_params[call.unit]} if call.casts else ()
         cast = []
-        stack = [t.grad_fn for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        stack = [t.grad_fn for t in out if t.grad_fn is not None]
         seen: set = set()
         ends = []
         while stack:
@@ -430,14 +476,16 @@ class ParamOffload:
         in the use (None: a use that built no graph)."""
         try:
             if casts:  # autocast's casts of the unit's weights go with its use (Note [Parameter casts])
-                forward_use_ended(refilled, cast, self._device_type, not self._graph_pending)
+                forward_use_ended(refilled, cast, self._device_type)
         finally:
             self.impl.end_forward(u, casts)
 
     def _end_forward_uses(self) -> None:
         while self._forward:
-            u, casts, refilled, _ = self._forward.pop()
+            u, casts, refilled, _, cache = self._forward.pop()
             self._open[u] -= 1
+            if cache is not None:
+                torch.set_autocast_cache_enabled(cache)
             self._forward_use_ended(u, casts, refilled, None)
 
     # -- reads outside uses -------------------------------------------------------------------------
@@ -446,14 +494,15 @@ class ParamOffload:
         if units is None or any(self._open[u] > 0 for u in units) or id(p) in self._held_ids or \
                 not self.impl.offloaded(p):
             return
-        block = next((u for u, _, _, _ in reversed(self._forward) if u < self.rest), None)
+        block = next((e[0] for e in reversed(self._forward) if e[0] < self.rest), None)
         if block is not None and not _in_backward():  # a block reads a weight another module holds
             self.impl.attach(block, p)
             units.add(block)
-            return
-        self.impl.hold(p)  # the model, or a module outside the blocks, reads it inline
-        self._held.append(p)
-        self._held_ids.add(id(p))
+        else:
+            self.impl.hold(p)  # the model, or a module outside the blocks, reads it inline
+            self._held.append(p)
+            self._held_ids.add(id(p))
+        cast_read(p, self._device_type)  # its cast in autocast's cache, if its memory went (Note [Parameter casts])
 
     def _release_held(self, backward_ended: bool = False) -> None:
         held, self._held = self._held, []
@@ -496,6 +545,7 @@ class ParamOffload:
             return  # another output of the call
         self.impl.begin_backward(call.unit, call.casts)
         call.begun = self._backwards
+        self._unbegun.discard(call)
         self._open[call.unit] += 1
         self._backward.add(call)
         if call.ends is not None:  # (a recompute's call counts them when its forward returns)
@@ -517,7 +567,9 @@ class ParamOffload:
         if self._backward is None:
             return
         open_calls, self._backward = self._backward, None  # whatever happens below, this backward is over
-        self._graph_pending = False
+        # Another forward's graph still waiting for its backward (two forwards, two backwards) keeps the weights
+        # read inline held for it.
+        self._graph_pending = len(self._unbegun) > 0
         self._reads.active = False
         try:
             for call in sorted(open_calls, key=lambda c: -c.unit):
@@ -526,7 +578,8 @@ class ParamOffload:
                 self.impl.end_backward(call.unit, call.casts)
         finally:
             try:
-                self._release_held(backward_ended=True)
+                if not self._graph_pending:
+                    self._release_held(backward_ended=True)
             finally:
                 self.impl.end_phase()
 

@@ -152,6 +152,7 @@ class ParamResidency {
   void use(std::size_t unit, Use what, std::uint64_t extra_bytes = 0);
   void point_back_locked();
   void carry_out(const tiering::ParamActions& a);
+  void carry_out_named(const tiering::ParamActions& a, tiering::ParamId id);
   void drop(Param& p);
   void release(Param& p);
   void fetch(Param& p);
