@@ -16,27 +16,35 @@ head) is one parameter that each one's use fetches.
 Uses are per call. A unit's pre-hook (run before any other: the activation
 plans' hooks may record its ops) begins a forward use and its forward hook
 (run after the others) ends it; uses nest (a module inside the model's
-forward). For the backward, the pre-hook passes the call's inputs that need a
-gradient through one identity autograd function (_CallEnds, as FSDP2's
-post-backward function), and the forward hook puts a hook on each output that
-needs one. The first output gradient of the call begins its backward use;
-the identity's backward, which autograd runs once every gradient of the
-call's inputs from this call is ready, ends it: autograd reads a weight only
-to compute the gradient of what the weight multiplied, which flows out
-through the call's inputs, so nothing of the call needs its weights after
-that. So an input every block shares (T5's position bias, an encoder's
-output under cross-attention) holds no block, two forwards before one
-backward are two uses each, and a parameter two open uses list stays until
-the last one ends (the schedule counts open uses). A call whose inputs need
-no gradient (the embeddings; the first block under frozen embeddings) keeps
-its use until the end of backward: a callback queued on the engine when it
-starts ends what is still open, and the phase, which releases what is left
-(prefetches for a use that did not come). The model's forward hook ends the
-forward phase the same way. A recompute (a gradient checkpoint, a replay of
-Note [Activation plans]) runs a block's forward inside its open backward
-use: its pre-hook does nothing, unless no use is open (a reentrant
-checkpoint's first forward ran under no_grad: no output hook), when it
-begins one and its identity ends it.
+forward). For the backward, the forward hook finds the call's tensors that
+need a gradient (its output's, one level into objects that are no pytree,
+and its modules' tensor attributes: an auxiliary loss kept on a module) and
+puts a hook on each the call made: the first gradient of one begins the
+call's backward use. It walks back from them through the autograd nodes
+the call made (sequence numbers from the call's start) to the call's last
+nodes, those with an edge out of it (to one of its inputs, to a leaf such
+as a weight, to a node made before it), and puts a post-hook on each; the
+use ends once every last node the engine will run in this backward
+(torch._C._will_engine_execute_node) has run: a node runs after every node
+of the call above it, so nothing of the call reads its weights after that,
+a branch of weights only (latents, a merged LoRA weight) included. The
+graph is not changed (an identity function on the inputs, as FSDP2's
+post-backward, regroups the sums of a shared input's gradient). So an input
+every block shares (T5's position bias, an encoder's output under
+cross-attention) holds no block, two forwards before one backward are two
+uses each, and a parameter two open uses list stays until the last one ends
+(the schedule counts open uses). A call that made no last node the backward
+runs keeps its use until the end of backward: a callback queued on the
+engine when it starts ends what is still open, and the phase, which
+releases what is left (prefetches for a use that did not come). The model's
+forward hook ends the forward phase the same way. A recompute (a gradient
+checkpoint, a replay of Note [Activation plans]) runs a block's forward
+inside its open backward use: its pre-hook does nothing, unless no use is
+open. Then, when a call of the unit still waits for its backward (a
+non-reentrant checkpoint around several blocks recomputes them all; the
+engine never runs the recompute's graph), the recompute's use ends with its
+forward; else (a reentrant checkpoint's first forward ran under no_grad: no
+call) the recompute's own nested backward ends it, through its last nodes.
 
 Reads outside uses. Every module holding parameters reads them through its
 _parameters, which becomes a _WatchedParameters during wrap: in a forward or
@@ -45,8 +53,9 @@ head, F.linear(h, self.wte.weight), in the model's forward; a block reading a
 weight another module holds) is served: inside a block's forward the weight
 joins the block's unit from now on (ParamSchedule::attach: fetched with its
 uses, forward and backward); elsewhere it is fetched and held (hold) until
-the end of the backward (or of a forward no backward follows; two forwards
-before one backward keep it). Both count in the budget. A read is seen, not
+the end of the backward (or of a forward no backward follows), while no
+other forward's graph waits for its backward (two forwards, one or two
+backwards, keep it). Both count in the budget. A read is seen, not
 what it reads: a read of a weight's dtype fetches it too. A second backward
 of a retained graph that needs a weight read inline finds it released: its
 error says so (the hold's end leaves that text on its storage). A read tierflow cannot see (a reference kept, model.parameters()
