@@ -53,12 +53,13 @@ head, F.linear(h, self.wte.weight), in the model's forward; a block reading a
 weight another module holds) is served: inside a block's forward the weight
 joins the block's unit from now on (ParamSchedule::attach: fetched with its
 uses, forward and backward); elsewhere it is fetched and held (hold) until
-the end of the backward (or of a forward no backward follows), while no
-other forward's graph waits for its backward (two forwards, one or two
-backwards, keep it). Both count in the budget. A read is seen, not
+the end of the next backward (or of a forward no backward follows; two
+forwards before one backward keep it): a hold over a step would keep a copy
+the step makes stale. Both count in the budget. A read is seen, not
 what it reads: a read of a weight's dtype fetches it too. A second backward
-of a retained graph that needs a weight read inline finds it released: its
-error says so (the hold's end leaves that text on its storage). A read tierflow cannot see (a reference kept, model.parameters()
+that needs a weight read inline (of a retained graph, or of a second forward
+made before the first backward) finds it released: its error says so (the
+hold's end leaves that text on its storage). A read tierflow cannot see (a reference kept, model.parameters()
 after training) finds the parameter released and raises the error of Note
 [Parameter storage], naming it and tierflow.gathered.
 
@@ -111,8 +112,8 @@ def _in_backward() -> bool:
 
 def _tensors_of(out: Any, module: torch.nn.Module) -> list:
     """The tensors a call leaves that need a gradient: its output's (pytree leaves, and one level into other
-    objects, such as dataclasses), and those its modules keep as attributes (an auxiliary loss kept on the
-    module, added to the loss later). Their gradients begin the call's backward use; the walk from them finds
+    objects, such as dataclasses), and those its modules keep as attributes, or in a list or dict attribute (an
+    auxiliary loss kept on the module, added to the loss later). Their gradients begin the call's backward use; the walk from them finds
     its last nodes."""
     found, seen = [], set()
 
@@ -129,17 +130,25 @@ def _tensors_of(out: Any, module: torch.nn.Module) -> list:
                 add(v)
     for m in module.modules():
         for name, v in vars(m).items():
-            if name not in ("_parameters", "_buffers") and isinstance(v, torch.Tensor):
+            if isinstance(v, torch.Tensor):
                 add(v)
+            elif isinstance(v, (list, tuple, dict)) and name not in ("_parameters", "_buffers", "_modules") and \
+                    not name.endswith("hooks"):
+                for t in tree_flatten(v)[0]:  # an auxiliary loss kept in a list or dict
+                    add(t)
     return found
 
 
 def _node_hook(me: Any, call: Any) -> Any:
-    """A post-hook of one of a call's nodes that take its inputs."""
+    """A post-hook of one of a call's last nodes. It holds the call weakly: the call holds its last nodes, and
+    the hooks on its outputs (nodes above them) hold the call, so the graph owns it without a cycle; an open
+    call is held by its ParamOffload."""
+    ref = weakref.ref(call)
+
     def hook(grad_inputs: Any, grad_outputs: Any) -> None:
-        offload = me()
-        if offload is not None:
-            offload._edge_ran(call)
+        offload, c = me(), ref()
+        if offload is not None and c is not None:
+            offload._edge_ran(c)
     return hook
 
 
@@ -367,7 +376,8 @@ class ParamOffload:
             # A call of the unit whose backward has not begun: a non-reentrant checkpoint recomputes a region that
             # holds it, and the engine never runs the recompute's graph (that call's own use comes later); the
             # use ends with the recompute's forward. Else a reentrant one, whose nested backward ends it.
-            transient = any(c.unit == u for c in self._unbegun)
+            transient = any(c.unit == u and any(torch._C._will_engine_execute_node(n) for n in c.ends or ())
+                            for c in list(self._unbegun))  # (of this backward's graph: not a forward discarded)
             self._recomputes.append((call, transient))
             return
         casts = self._cast_bytes(u)
@@ -523,11 +533,12 @@ class ParamOffload:
         model = self._model()
         name = next((n for n, q in model.named_parameters() if q is p), "?") if model is not None else "?"
         return (f"tierflow: parameter '{name}' lives on the {self.tier} between its uses (TIERFLOW_OFFLOAD_PARAMS, "
-                "keyword offload_params); the forward read it outside the modules that hold it, so it was held "
-                "through that forward's backward, and it was read again after that backward ended: a second backward "
-                "through a retained graph (retain_graph=True) reads it, or code after the step. Read the weight "
-                "through a module that holds it (an nn.Linear whose weight it is), backward once per forward, or "
-                "read it inside `with tierflow.gathered(model):` between steps")
+                "keyword offload_params); a forward read it outside the modules that hold it, so it was held "
+                "through the next backward only, and it was read again after that backward ended: a second backward "
+                "reads it (through a retained graph, retain_graph=True, or the graph of a second forward made before "
+                "the first backward), or code after the step. Read the weight through a module that holds it (an "
+                "nn.Linear whose weight it is), run one backward over both forwards (a summed loss), or read it "
+                "inside `with tierflow.gathered(model):` between steps")
 
     # -- backward -----------------------------------------------------------------------------------
     def _backward_begins(self) -> None:
@@ -576,9 +587,9 @@ class ParamOffload:
         if self._backward is None:
             return
         open_calls, self._backward = self._backward, None  # whatever happens below, this backward is over
-        # Another forward's graph still waiting for its backward (two forwards, two backwards) keeps the weights
-        # read inline held for it.
-        self._graph_pending = len(self._unbegun) > 0
+        # Weights read inline are held through this backward only: a hold over a step would keep a copy the step
+        # makes stale (a second backward, of a retained graph or of another forward, is refused by name).
+        self._graph_pending = False
         self._reads.active = False
         try:
             for call in sorted(open_calls, key=lambda c: -c.unit):
@@ -587,8 +598,7 @@ class ParamOffload:
                 self.impl.end_backward(call.unit, call.casts)
         finally:
             try:
-                if not self._graph_pending:
-                    self._release_held(backward_ended=True)
+                self._release_held(backward_ended=True)
             finally:
                 self.impl.end_phase()
 
