@@ -323,14 +323,11 @@ ParamActions ParamSchedule::end(UnitId unit, std::uint64_t extra_bytes) {
   return out;
 }
 
-ParamActions ParamSchedule::hold(ParamId id) {
-  const std::size_t i = index_of(id);
+bool ParamSchedule::need_now(std::size_t i, const std::string& what, ParamActions& out) {
   Param& p = params_[i];
-  ParamActions out;
-  if (p.home == Tier::kGpu) return out;
   if (p.state != ParamState::kOnDevice && p.state != ParamState::kInFlight) {
-    make_room(p.bytes, {i}, "a read of parameter " + std::to_string(id) + " outside its modules", out);
-    if (!out.refused.empty()) return out;
+    make_room(p.bytes, {i}, what, out);
+    if (!out.refused.empty()) return false;
     ++stats_.stalls;
     fetch(p, false);
     out.fetch.push_back(p.id);
@@ -340,7 +337,14 @@ ParamActions ParamSchedule::hold(ParamId id) {
   }
   if (p.ahead) ahead_bytes_ -= p.bytes;
   p.ahead = false;
-  ++p.holds;
+  return true;
+}
+
+ParamActions ParamSchedule::hold(ParamId id) {
+  const std::size_t i = index_of(id);
+  ParamActions out;
+  if (params_[i].home == Tier::kGpu) return out;
+  if (need_now(i, "a read of parameter " + std::to_string(id) + " outside its modules", out)) ++params_[i].holds;
   return out;
 }
 
@@ -364,18 +368,7 @@ ParamActions ParamSchedule::attach(UnitId unit, ParamId id) {
   if (std::find(members.begin(), members.end(), i) != members.end()) return out;
   Param& p = params_[i];
   if (unit_open_[unit] > 0 && p.home != Tier::kGpu) {
-    if (p.state != ParamState::kOnDevice && p.state != ParamState::kInFlight) {
-      make_room(p.bytes, {i}, "parameter " + std::to_string(id) + ", read by " + unit_name(unit), out);
-      if (!out.refused.empty()) return out;
-      ++stats_.stalls;
-      fetch(p, false);
-      out.fetch.push_back(p.id);
-      out.wait.push_back(p.id);
-    } else if (p.state == ParamState::kInFlight) {
-      out.wait.push_back(p.id);
-    }
-    if (p.ahead) ahead_bytes_ -= p.bytes;
-    p.ahead = false;
+    if (!need_now(i, "parameter " + std::to_string(id) + ", read by " + unit_name(unit), out)) return out;
     p.open += unit_open_[unit];
   }
   members.push_back(i);

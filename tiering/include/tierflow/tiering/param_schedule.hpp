@@ -224,6 +224,8 @@ class ParamSchedule {
   void fetch(Param& p, bool ahead);
   void move(Param& p, ParamState to);
   void release(Param& p, ParamActions& out);
+  // Fetches param i now unless it is on the device or in flight (within the budget: false, out.refused set).
+  bool need_now(std::size_t i, const std::string& what, ParamActions& out);
   bool needed(std::size_t param) const;
   bool next_uses(std::size_t param) const;
   void make_room(std::uint64_t bytes, const std::vector<std::size_t>& wanted, const std::string& what,
