@@ -124,6 +124,173 @@ void run_out(const AdamTensor& t, const AdamScalars& s, std::size_t begin, std::
 
 }  // namespace
 
+// ---- Packed moments (Note [Optimizer state formats]) -------------------------
+namespace {
+
+TIERFLOW_AVX2 inline __m256 load_bf16(const void* base, std::size_t i) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const std::uint16_t*>(base) + i));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+TIERFLOW_AVX2 inline __m128i load8(const void* codes, std::size_t i) {
+  return _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const std::uint8_t*>(codes) + i)));
+}
+
+TIERFLOW_AVX2 inline __m256 decode_m8(const void* codes, std::size_t i, __m256 scale) {
+  const __m128i w = load8(codes, i);
+  const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7f)), 7),
+                                 _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8));
+  return _mm256_mul_ps(_mm256_cvtph_ps(h), scale);
+}
+
+TIERFLOW_AVX2 inline __m256 decode_v8(const void* codes, std::size_t i, __m256 scale) {
+  const __m256 y = _mm256_cvtph_ps(_mm_slli_epi16(load8(codes, i), 7));
+  return _mm256_mul_ps(_mm256_mul_ps(y, _mm256_set1_ps(0x1p-15f)), scale);
+}
+
+// Non-negative halves rounded to 3 mantissa bits, as encode_m8/encode_v8 do.
+TIERFLOW_AVX2 inline __m128i round_to_q(__m128i a) {
+  const __m128i odd = _mm_and_si128(_mm_srli_epi16(a, 7), _mm_set1_epi16(1));
+  return _mm_srli_epi16(_mm_add_epi16(a, _mm_add_epi16(odd, _mm_set1_epi16(0x3f))), 7);
+}
+
+TIERFLOW_AVX2 inline void store8(void* codes, std::size_t i, __m128i q) {
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(static_cast<std::uint8_t*>(codes) + i), _mm_packus_epi16(q, q));
+}
+
+TIERFLOW_AVX2 inline __m128i encode_m8(__m256 m, __m256 inv) {
+  const __m128i h = _mm256_cvtps_ph(_mm256_mul_ps(m, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m128i q = round_to_q(_mm_and_si128(h, _mm_set1_epi16(0x7fff)));
+  return _mm_or_si128(q, _mm_and_si128(_mm_srli_epi16(h, 8), _mm_set1_epi16(0x80)));
+}
+
+TIERFLOW_AVX2 inline __m128i encode_v8(__m256 v, __m256 inv) {
+  const __m256 y = _mm256_mul_ps(_mm256_mul_ps(v, inv), _mm256_set1_ps(kVCodeScale));
+  return round_to_q(_mm256_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+TIERFLOW_AVX2 inline float hmax(__m256 x) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+  return _mm_cvtss_f32(m);
+}
+
+template <ScalarType G, int P, StateFormat F, bool kDecoupled, bool kWd>
+TIERFLOW_AVX2 void run_packed(const AdamTensor& t, const AdamScalars& s, std::size_t begin, std::size_t end) {
+  const __m256 decay = _mm256_set1_ps(s.decay), wd = _mm256_set1_ps(s.wd);
+  const __m256 w = _mm256_set1_ps(s.one_minus_b1), b2 = _mm256_set1_ps(s.b2);
+  const __m256 omb2 = _mm256_set1_ps(s.one_minus_b2), inv_bc2 = _mm256_set1_ps(s.inv_bc2_sqrt);
+  const __m256 eps = _mm256_set1_ps(s.eps), nss = _mm256_set1_ps(s.neg_step_size);
+  const __m256 flip = _mm256_castsi256_ps(_mm256_set1_epi32(s.maximize ? static_cast<int>(0x80000000u) : 0));
+  const __m256 scale = _mm256_set1_ps(s.grad_scale);
+  const AdamOutputs out(t);
+  const PackedOutputs q(t);
+  auto update = [&](std::size_t i, __m256& m, __m256& v) TIERFLOW_AVX2 {
+    __m256 g = load_grad<G>(t, i);
+    if (s.scale_grad) g = _mm256_mul_ps(g, scale);
+    g = _mm256_xor_ps(g, flip);
+    __m256 p = _mm256_loadu_ps(t.master + i);
+    if (kWd) {
+      if (kDecoupled) p = _mm256_mul_ps(p, decay);
+      else g = _mm256_fmadd_ps(wd, p, g);
+    }
+    m = _mm256_fmadd_ps(w, _mm256_sub_ps(g, m), m);
+    v = _mm256_fmadd_ps(_mm256_mul_ps(omb2, g), g, _mm256_mul_ps(v, b2));
+    const __m256 denom = _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(v), inv_bc2), eps);
+    p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(nss, m), denom));
+    _mm256_storeu_ps(out.master + i, p);
+    store_param<P>(t, i, p);
+  };
+  if (F == StateFormat::kBf16) {
+    std::size_t i = begin;
+    for (; i + 8 <= end; i += 8) {
+      __m256 m = load_bf16(t.m.data, i), v = load_bf16(t.v.data, i);
+      update(i, m, v);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<std::uint16_t*>(q.m.data) + i), to_bf16(m));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<std::uint16_t*>(q.v.data) + i), to_bf16(v));
+    }
+    if (i < end) adam_range_portable_packed(t, s, i, end);
+    return;
+  }
+  alignas(32) float mb[kQuantBlock], vb[kQuantBlock];
+  const __m256 abs_bits = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (std::size_t b = begin; b < end; b += kQuantBlock) {
+    const std::size_t n = block_length(b, t.numel), block = b / kQuantBlock;
+    if (n % 8 != 0) {  // the tensor's last block, short: the portable kernel (bit-identical)
+      adam_range_portable_packed(t, s, b, end);
+      return;
+    }
+    const __m256 m_scale = _mm256_set1_ps(t.m.absmax[block]), v_scale = _mm256_set1_ps(t.v.absmax[block]);
+    __m256 m_max = _mm256_setzero_ps(), v_max = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+    for (std::size_t j = 0; j < n; j += 8) {
+      __m256 m = decode_m8(t.m.data, b + j, m_scale), v = decode_v8(t.v.data, b + j, v_scale);
+      update(b + j, m, v);
+      _mm256_store_ps(mb + j, m);
+      _mm256_store_ps(vb + j, v);
+      m_max = _mm256_max_ps(_mm256_and_ps(m, abs_bits), m_max);  // keeps m_max where |m| is NaN
+      v_max = _mm256_max_ps(v, v_max);
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(m, v, _CMP_UNORD_Q));
+    }
+    const int nan_lanes = _mm256_movemask_ps(nan);
+    bool m_nan = false, v_nan = false;
+    if (nan_lanes != 0) {  // which moment: rare, so counted again
+      for (std::size_t j = 0; j < n; ++j) {
+        m_nan = m_nan || std::isnan(mb[j]);
+        v_nan = v_nan || std::isnan(vb[j]);
+      }
+    }
+    const BlockScale ms = block_scale(hmax(m_max), m_nan), vs = block_scale(hmax(v_max), v_nan);
+    auto* mo = static_cast<std::uint8_t*>(q.m.data) + b;
+    auto* vo = static_cast<std::uint8_t*>(q.v.data) + b;
+    const __m256 m_inv = _mm256_set1_ps(ms.inv), v_inv = _mm256_set1_ps(vs.inv);
+    const __m128i zero = _mm_setzero_si128();
+    for (std::size_t j = 0; j < n; j += 8) {
+      store8(mo, j, ms.inv == 0.f ? zero : encode_m8(_mm256_load_ps(mb + j), m_inv));
+      store8(vo, j, vs.inv == 0.f ? zero : encode_v8(_mm256_load_ps(vb + j), v_inv));
+    }
+    q.m.absmax[block] = ms.stored;
+    q.v.absmax[block] = vs.stored;
+  }
+}
+
+template <ScalarType G, int P, StateFormat F>
+void packed_flags(const AdamTensor& t, const AdamScalars& s, std::size_t begin, std::size_t end) {
+  const int key = (s.decoupled ? 2 : 0) | (s.has_wd ? 1 : 0);
+  switch (key) {
+    case 0: return run_packed<G, P, F, false, false>(t, s, begin, end);
+    case 1: return run_packed<G, P, F, false, true>(t, s, begin, end);
+    case 2: return run_packed<G, P, F, true, false>(t, s, begin, end);
+    case 3: return run_packed<G, P, F, true, true>(t, s, begin, end);
+  }
+}
+
+template <ScalarType G, int P>
+void packed_format(const AdamTensor& t, const AdamScalars& s, std::size_t begin, std::size_t end) {
+  if (t.state_format == StateFormat::kBf16) return packed_flags<G, P, StateFormat::kBf16>(t, s, begin, end);
+  return packed_flags<G, P, StateFormat::k8bit>(t, s, begin, end);
+}
+
+template <ScalarType G>
+void packed_out(const AdamTensor& t, const AdamScalars& s, std::size_t begin, std::size_t end) {
+  if (!t.param_out) return packed_format<G, 0>(t, s, begin, end);
+  switch (t.param_type) {
+    case ScalarType::kFloat32: return packed_format<G, 1>(t, s, begin, end);
+    case ScalarType::kBFloat16: return packed_format<G, 2>(t, s, begin, end);
+    case ScalarType::kFloat16: return packed_format<G, 3>(t, s, begin, end);
+  }
+}
+
+}  // namespace
+
+void adam_range_avx2_packed(const AdamTensor& t, const AdamScalars& s, std::size_t begin, std::size_t end) {
+  switch (t.grad_type) {
+    case ScalarType::kFloat32: return packed_out<ScalarType::kFloat32>(t, s, begin, end);
+    case ScalarType::kBFloat16: return packed_out<ScalarType::kBFloat16>(t, s, begin, end);
+    case ScalarType::kFloat16: return packed_out<ScalarType::kFloat16>(t, s, begin, end);
+  }
+}
+
 void adam_range_avx2(const AdamTensor& t, const AdamScalars& s, std::size_t begin, std::size_t end) {
   switch (t.grad_type) {
     case ScalarType::kFloat32: return run_out<ScalarType::kFloat32>(t, s, begin, end);

@@ -201,6 +201,157 @@ void run_out(const AdamTensor& t, const AdamScalars& s, std::size_t begin, std::
 
 }  // namespace
 
+// ---- Packed moments (Note [Optimizer state formats]) -------------------------
+namespace {
+
+TIERFLOW_AVX512 inline __m512 load_bf16(const void* base, std::size_t i, __mmask16 k) {
+  const __m256i h = _mm256_maskz_loadu_epi16(k, static_cast<const std::uint16_t*>(base) + i);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+TIERFLOW_AVX512 inline __m512 decode_m8(const void* codes, std::size_t i, __mmask16 k, __m512 scale) {
+  const __m256i w = _mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(k, static_cast<const std::uint8_t*>(codes) + i));
+  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), 7),
+                                    _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
+  return _mm512_mul_ps(_mm512_cvtph_ps(h), scale);
+}
+
+TIERFLOW_AVX512 inline __m512 decode_v8(const void* codes, std::size_t i, __mmask16 k, __m512 scale) {
+  const __m256i w = _mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(k, static_cast<const std::uint8_t*>(codes) + i));
+  const __m512 y = _mm512_cvtph_ps(_mm256_slli_epi16(w, 7));
+  return _mm512_mul_ps(_mm512_mul_ps(y, _mm512_set1_ps(0x1p-15f)), scale);
+}
+
+// Non-negative halves rounded to 3 mantissa bits, as encode_m8/encode_v8 do.
+TIERFLOW_AVX512 inline __m256i round_to_q(__m256i a) {
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi16(a, 7), _mm256_set1_epi16(1));
+  return _mm256_srli_epi16(_mm256_add_epi16(a, _mm256_add_epi16(odd, _mm256_set1_epi16(0x3f))), 7);
+}
+
+TIERFLOW_AVX512 inline __m128i encode_m8(__m512 m, __m512 inv) {
+  const __m256i h = _mm512_cvtps_ph(_mm512_mul_ps(m, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256i q = round_to_q(_mm256_and_si256(h, _mm256_set1_epi16(0x7fff)));
+  return _mm256_cvtepi16_epi8(_mm256_or_si256(q, _mm256_and_si256(_mm256_srli_epi16(h, 8), _mm256_set1_epi16(0x80))));
+}
+
+TIERFLOW_AVX512 inline __m128i encode_v8(__m512 v, __m512 inv) {
+  const __m512 y = _mm512_mul_ps(_mm512_mul_ps(v, inv), _mm512_set1_ps(kVCodeScale));
+  return _mm256_cvtepi16_epi8(round_to_q(_mm512_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+}
+
+TIERFLOW_AVX512 inline __mmask16 lanes(std::size_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1u);
+}
+
+template <ScalarType G, int P, StateFormat F, bool kDecoupled, bool kWd>
+TIERFLOW_AVX512 void run_packed(const AdamTensor& t, const AdamScalars& s, std::size_t begin, std::size_t end) {
+  const __m512 decay = _mm512_set1_ps(s.decay), wd = _mm512_set1_ps(s.wd);
+  const __m512 w = _mm512_set1_ps(s.one_minus_b1), b2 = _mm512_set1_ps(s.b2);
+  const __m512 omb2 = _mm512_set1_ps(s.one_minus_b2), inv_bc2 = _mm512_set1_ps(s.inv_bc2_sqrt);
+  const __m512 eps = _mm512_set1_ps(s.eps), nss = _mm512_set1_ps(s.neg_step_size);
+  const __m512i flip = _mm512_set1_epi32(s.maximize ? static_cast<int>(0x80000000u) : 0);
+  const __m512 scale = _mm512_set1_ps(s.grad_scale);
+  const AdamOutputs out(t);
+  const PackedOutputs q(t);
+  // The element update of adam_element, on 16 lanes; stores the master and the copy-out.
+  auto update = [&](std::size_t i, __mmask16 k, __m512& m, __m512& v) TIERFLOW_AVX512 {
+    __m512 g = load_grad<G>(t, i, k);
+    if (s.scale_grad) g = _mm512_mul_ps(g, scale);
+    g = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), flip));
+    __m512 p = _mm512_maskz_loadu_ps(k, t.master + i);
+    if (kWd) {
+      if (kDecoupled) p = _mm512_mul_ps(p, decay);
+      else g = _mm512_fmadd_ps(wd, p, g);
+    }
+    m = _mm512_fmadd_ps(w, _mm512_sub_ps(g, m), m);
+    v = _mm512_fmadd_ps(_mm512_mul_ps(omb2, g), g, _mm512_mul_ps(v, b2));
+    const __m512 denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(v), inv_bc2), eps);
+    p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(nss, m), denom));
+    _mm512_mask_storeu_ps(out.master + i, k, p);
+    store_param<P>(t, i, k, p);
+  };
+  if (F == StateFormat::kBf16) {
+    for (std::size_t i = begin; i < end; i += 16) {
+      const __mmask16 k = lanes(end - i);
+      __m512 m = load_bf16(t.m.data, i, k), v = load_bf16(t.v.data, i, k);
+      update(i, k, m, v);
+      _mm256_mask_storeu_epi16(static_cast<std::uint16_t*>(q.m.data) + i, k, to_bf16(m));
+      _mm256_mask_storeu_epi16(static_cast<std::uint16_t*>(q.v.data) + i, k, to_bf16(v));
+    }
+    return;
+  }
+  alignas(64) float mb[kQuantBlock], vb[kQuantBlock];
+  const __m512i abs_bits = _mm512_set1_epi32(0x7fffffff);
+  for (std::size_t b = begin; b < end; b += kQuantBlock) {
+    const std::size_t n = block_length(b, t.numel), block = b / kQuantBlock;
+    const __m512 m_scale = _mm512_set1_ps(t.m.absmax[block]), v_scale = _mm512_set1_ps(t.v.absmax[block]);
+    __m512 m_max = _mm512_setzero_ps(), v_max = _mm512_setzero_ps();
+    __mmask16 m_nan = 0, v_nan = 0;
+    for (std::size_t j = 0; j < n; j += 16) {
+      const __mmask16 k = lanes(n - j);
+      __m512 m = decode_m8(t.m.data, b + j, k, m_scale), v = decode_v8(t.v.data, b + j, k, v_scale);
+      update(b + j, k, m, v);
+      _mm512_store_ps(mb + j, m);
+      _mm512_store_ps(vb + j, v);
+      const __m512 am = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(m), abs_bits));
+      m_max = _mm512_mask_max_ps(m_max, k, m_max, am);
+      v_max = _mm512_mask_max_ps(v_max, k, v_max, v);
+      m_nan |= _mm512_mask_cmp_ps_mask(k, m, m, _CMP_UNORD_Q);
+      v_nan |= _mm512_mask_cmp_ps_mask(k, v, v, _CMP_UNORD_Q);
+    }
+    const BlockScale ms = block_scale(_mm512_reduce_max_ps(m_max), m_nan != 0);
+    const BlockScale vs = block_scale(_mm512_reduce_max_ps(v_max), v_nan != 0);
+    auto* mo = static_cast<std::uint8_t*>(q.m.data) + b;
+    auto* vo = static_cast<std::uint8_t*>(q.v.data) + b;
+    const __m512 m_inv = _mm512_set1_ps(ms.inv), v_inv = _mm512_set1_ps(vs.inv);
+    for (std::size_t j = 0; j < n; j += 16) {
+      const __mmask16 k = lanes(n - j);
+      const __m128i zero = _mm_setzero_si128();
+      _mm_mask_storeu_epi8(mo + j, k, ms.inv == 0.f ? zero : encode_m8(_mm512_load_ps(mb + j), m_inv));
+      _mm_mask_storeu_epi8(vo + j, k, vs.inv == 0.f ? zero : encode_v8(_mm512_load_ps(vb + j), v_inv));
+    }
+    q.m.absmax[block] = ms.stored;
+    q.v.absmax[block] = vs.stored;
+  }
+}
+
+template <ScalarType G, int P, StateFormat F>
+void packed_flags(const AdamTensor& t, const AdamScalars& s, std::size_t begin, std::size_t end) {
+  const int key = (s.decoupled ? 2 : 0) | (s.has_wd ? 1 : 0);
+  switch (key) {
+    case 0: return run_packed<G, P, F, false, false>(t, s, begin, end);
+    case 1: return run_packed<G, P, F, false, true>(t, s, begin, end);
+    case 2: return run_packed<G, P, F, true, false>(t, s, begin, end);
+    case 3: return run_packed<G, P, F, true, true>(t, s, begin, end);
+  }
+}
+
+template <ScalarType G, int P>
+void packed_format(const AdamTensor& t, const AdamScalars& s, std::size_t begin, std::size_t end) {
+  if (t.state_format == StateFormat::kBf16) return packed_flags<G, P, StateFormat::kBf16>(t, s, begin, end);
+  return packed_flags<G, P, StateFormat::k8bit>(t, s, begin, end);
+}
+
+template <ScalarType G>
+void packed_out(const AdamTensor& t, const AdamScalars& s, std::size_t begin, std::size_t end) {
+  if (!t.param_out) return packed_format<G, 0>(t, s, begin, end);
+  switch (t.param_type) {
+    case ScalarType::kFloat32: return packed_format<G, 1>(t, s, begin, end);
+    case ScalarType::kBFloat16: return packed_format<G, 2>(t, s, begin, end);
+    case ScalarType::kFloat16: return packed_format<G, 3>(t, s, begin, end);
+  }
+}
+
+}  // namespace
+
+void adam_range_avx512_packed(const AdamTensor& t, const AdamScalars& s, std::size_t begin, std::size_t end) {
+  switch (t.grad_type) {
+    case ScalarType::kFloat32: return packed_out<ScalarType::kFloat32>(t, s, begin, end);
+    case ScalarType::kBFloat16: return packed_out<ScalarType::kBFloat16>(t, s, begin, end);
+    case ScalarType::kFloat16: return packed_out<ScalarType::kFloat16>(t, s, begin, end);
+  }
+}
+
 void adam_range_avx512(const AdamTensor& t, const AdamScalars& s, std::size_t begin, std::size_t end) {
   switch (t.grad_type) {
     case ScalarType::kFloat32: return run_out<ScalarType::kFloat32>(t, s, begin, end);

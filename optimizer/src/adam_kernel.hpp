@@ -15,6 +15,7 @@ namespace tierflow::optimizer::detail {
 /// 2^20 at 1e8 elements with 2 threads) and still balances two threads.
 /// The roofline kernel uses the same chunking.
 inline constexpr std::size_t kChunkElements = std::size_t{1} << 20;
+static_assert(kChunkElements % kQuantBlock == 0, "8-bit ranges must begin on a block boundary");
 
 /// Per-step scalars, each rounded to fp32 exactly as torch rounds its Python scalars.
 struct AdamScalars {
@@ -126,11 +127,68 @@ inline void adam_element(float g, float& p, float& m, float& v, float* vmax, con
   p = p + (s.neg_step_size * m) / denom;
 }
 
+// ---- Packed moments (Note [Optimizer state formats]) -------------------------
+
+/// m's code of y = m * (1/absmax), |y| <= 1: sign in bit 7, q <= 120 below.
+inline std::uint8_t encode_m8(float y) noexcept {
+  const std::uint16_t h = float_to_fp16(y);
+  const unsigned a = h & 0x7fffu;
+  const unsigned q = (a + 0x3fu + ((a >> 7) & 1u)) >> 7;
+  return static_cast<std::uint8_t>(q | ((h >> 8) & 0x80u));
+}
+
+/// m / absmax of code `c`.
+inline float decode_m8(std::uint8_t c) noexcept {
+  return fp16_to_float(static_cast<std::uint16_t>(((c & 0x7fu) << 7) | ((c & 0x80u) << 8)));
+}
+
+/// v's code of y = (v * (1/absmax)) * 2^15, 0 <= y <= 2^15: q <= 240.
+inline std::uint8_t encode_v8(float y) noexcept {
+  const unsigned h = float_to_fp16(y);
+  return static_cast<std::uint8_t>((h + 0x3fu + ((h >> 7) & 1u)) >> 7);
+}
+
+/// v / absmax of code `c`.
+inline float decode_v8(std::uint8_t c) noexcept {
+  return fp16_to_float(static_cast<std::uint16_t>(c << 7)) * 0x1p-15f;
+}
+
+inline constexpr float kVCodeScale = 32768.f;  // 2^15
+
+/// What a block stores as its scale, and the factor its moments are encoded with.
+struct BlockScale {
+  float stored;  ///< absmax; 0 below FLT_MIN; NaN for a non-finite block
+  float inv;     ///< 1/absmax; 0 when the block's codes are all 0
+};
+
+/// The scale of a block whose largest |moment| (NaN ignored) is `absmax`, `nan` if one was NaN.
+inline BlockScale block_scale(float absmax, bool nan) noexcept {
+  if (nan || !(absmax <= 3.4028234664e38f)) return {NAN, 0.f};
+  if (absmax < 1.17549435e-38f) return {0.f, 0.f};
+  return {absmax, 1.f / absmax};
+}
+
+/// Elements of a moment's block at `begin` (the tensor's last block may be short).
+inline std::size_t block_length(std::size_t begin, std::size_t numel) noexcept {
+  return numel - begin < kQuantBlock ? numel - begin : kQuantBlock;
+}
+
+/// Output moments of a packed step: the out-of-place ones, or the inputs.
+struct PackedOutputs {
+  PackedMoment m, v;
+  explicit PackedOutputs(const AdamTensor& t) : m(t.m_out.data ? t.m_out : t.m), v(t.v_out.data ? t.v_out : t.v) {}
+};
+
 /// Scalar update of [begin, end) including the copy-out; exact reference for the SIMD paths.
 void adam_range_portable(const AdamTensor& t, const AdamScalars& s, std::size_t begin, std::size_t end);
+/// The same for bf16 or 8-bit moments; 8-bit ranges begin on a block boundary.
+void adam_range_portable_packed(const AdamTensor& t, const AdamScalars& s, std::size_t begin, std::size_t end);
 /// AVX2 + FMA + F16C; tails go through adam_range_portable.
 void adam_range_avx2(const AdamTensor& t, const AdamScalars& s, std::size_t begin, std::size_t end);
 /// AVX-512 (F, BW, VL) + FMA + F16C, masked tails.
 void adam_range_avx512(const AdamTensor& t, const AdamScalars& s, std::size_t begin, std::size_t end);
+/// Packed moments on each SIMD path (block-aligned ranges for 8-bit).
+void adam_range_avx2_packed(const AdamTensor& t, const AdamScalars& s, std::size_t begin, std::size_t end);
+void adam_range_avx512_packed(const AdamTensor& t, const AdamScalars& s, std::size_t begin, std::size_t end);
 
 }  // namespace tierflow::optimizer::detail

@@ -38,4 +38,54 @@ void adam_range_portable(const AdamTensor& t, const AdamScalars& s, std::size_t 
   }
 }
 
+void adam_range_portable_packed(const AdamTensor& t, const AdamScalars& s, std::size_t begin, std::size_t end) {
+  const AdamOutputs out(t);
+  const PackedOutputs q(t);
+  if (t.state_format == StateFormat::kBf16) {
+    const auto* m16 = static_cast<const std::uint16_t*>(t.m.data);
+    const auto* v16 = static_cast<const std::uint16_t*>(t.v.data);
+    for (std::size_t i = begin; i < end; ++i) {
+      float p = t.master[i], m = bf16_to_float(m16[i]), v = bf16_to_float(v16[i]);
+      adam_element(load_grad(t, i), p, m, v, nullptr, s);
+      out.master[i] = p;
+      static_cast<std::uint16_t*>(q.m.data)[i] = float_to_bf16(m);
+      static_cast<std::uint16_t*>(q.v.data)[i] = float_to_bf16(v);
+      store_param(t, i, p);
+    }
+    return;
+  }
+  const auto* mc = static_cast<const std::uint8_t*>(t.m.data);
+  const auto* vc = static_cast<const std::uint8_t*>(t.v.data);
+  float mb[kQuantBlock], vb[kQuantBlock];
+  for (std::size_t b = begin; b < end; b += kQuantBlock) {
+    const std::size_t n = block_length(b, t.numel), block = b / kQuantBlock;
+    const float m_scale = t.m.absmax[block], v_scale = t.v.absmax[block];
+    float m_max = 0.f, v_max = 0.f;
+    bool m_nan = false, v_nan = false;
+    for (std::size_t j = 0; j < n; ++j) {
+      const std::size_t i = b + j;
+      float p = t.master[i], m = decode_m8(mc[i]) * m_scale, v = decode_v8(vc[i]) * v_scale;
+      adam_element(load_grad(t, i), p, m, v, nullptr, s);
+      out.master[i] = p;
+      store_param(t, i, p);
+      mb[j] = m;
+      vb[j] = v;
+      const float am = std::fabs(m);
+      m_max = am > m_max ? am : m_max;
+      v_max = v > v_max ? v : v_max;
+      m_nan = m_nan || std::isnan(m);
+      v_nan = v_nan || std::isnan(v);
+    }
+    const BlockScale ms = block_scale(m_max, m_nan), vs = block_scale(v_max, v_nan);
+    auto* mo = static_cast<std::uint8_t*>(q.m.data) + b;
+    auto* vo = static_cast<std::uint8_t*>(q.v.data) + b;
+    for (std::size_t j = 0; j < n; ++j) {
+      mo[j] = ms.inv == 0.f ? std::uint8_t{0} : encode_m8(mb[j] * ms.inv);
+      vo[j] = vs.inv == 0.f ? std::uint8_t{0} : encode_v8((vb[j] * vs.inv) * kVCodeScale);
+    }
+    q.m.absmax[block] = ms.stored;
+    q.v.absmax[block] = vs.stored;
+  }
+}
+
 }  // namespace tierflow::optimizer::detail

@@ -52,6 +52,30 @@ RangeFn kernel_for(CpuIsa isa) {
   }
 }
 
+RangeFn packed_kernel_for(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::kAvx512: return detail::adam_range_avx512_packed;
+    case CpuIsa::kAvx2: return detail::adam_range_avx2_packed;
+    default: return detail::adam_range_portable_packed;
+  }
+}
+
+// Throws naming tensor `i` unless its packed moments (Note [Optimizer state formats]) are complete.
+void check_packed(const AdamTensor& t, const AdamOptions& o, std::size_t i) {
+  const std::string who = "CpuAdam::step: tensor " + std::to_string(i) + " (" + to_string(t.state_format) + " moments)";
+  TIERFLOW_EXPECTS(!o.amsgrad, "tierflow CPU Adam: amsgrad keeps fp32 moments; optimizer_states=" +
+                                   std::string(to_string(t.state_format)) + " is refused with it (accepted: fp32)");
+  const bool q8 = t.state_format == StateFormat::k8bit;
+  TIERFLOW_EXPECTS(t.m.data && t.v.data && (!q8 || (t.m.absmax && t.v.absmax)),
+                   who + " is missing its moments" + (q8 ? " or their block scales" : ""));
+  TIERFLOW_EXPECTS(!t.exp_avg && !t.exp_avg_sq && !t.exp_avg_out && !t.exp_avg_sq_out,
+                   who + " also sets fp32 moments");
+  const bool out = t.m_out.data && t.v_out.data && (!q8 || (t.m_out.absmax && t.v_out.absmax));
+  const bool some = t.m_out.data || t.v_out.data || t.m_out.absmax || t.v_out.absmax;
+  TIERFLOW_EXPECTS((t.master_out != nullptr) == out && (out || !some),
+                   who + " sets some out-of-place outputs but not all");
+}
+
 }  // namespace
 
 std::optional<std::string> adam_options_problem(const AdamOptions& options) {
@@ -121,12 +145,16 @@ CpuIsa best_cpu_isa() noexcept {
 
 struct CpuAdam::Impl {
   Impl(int threads, CpuIsa isa_)
-      : arena(threads > 0 ? threads : tbb::task_arena::automatic), isa(isa_), kernel(kernel_for(isa_)) {
+      : arena(threads > 0 ? threads : tbb::task_arena::automatic),
+        isa(isa_),
+        kernel(kernel_for(isa_)),
+        packed(packed_kernel_for(isa_)) {
     arena.initialize();
   }
   tbb::task_arena arena;
   CpuIsa isa;
   RangeFn kernel;
+  RangeFn packed;  // bf16 and 8-bit moments
   std::vector<Chunk> chunks;  // reused across steps: no allocation once warm
 };
 
@@ -153,6 +181,12 @@ void CpuAdam::step(const AdamOptions& o, std::int64_t step, const std::vector<Ad
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     const AdamTensor& t = tensors[i];
     if (t.numel == 0) continue;
+    if (t.state_format != StateFormat::kFp32) {
+      TIERFLOW_EXPECTS(t.master && t.grad, "CpuAdam::step: tensor " + std::to_string(i) +
+                                               " is missing its master or grad buffer");
+      check_packed(t, o, i);
+      continue;
+    }
     TIERFLOW_EXPECTS(t.master && t.exp_avg && t.exp_avg_sq && t.grad,
                      "CpuAdam::step: tensor " + std::to_string(i) +
                          " is missing its master, exp_avg, exp_avg_sq or grad buffer");
@@ -167,7 +201,7 @@ void CpuAdam::step(const AdamOptions& o, std::int64_t step, const std::vector<Ad
   const detail::AdamScalars s = detail::make_scalars(o, step);
 
   auto& chunks = impl_->chunks;
-  const RangeFn kernel = impl_->kernel;
+  const RangeFn kernel = impl_->kernel, packed = impl_->packed;
   chunks.clear();
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     for (std::size_t b = 0; b < tensors[i].numel; b += kChunkElements)
@@ -181,7 +215,8 @@ void CpuAdam::step(const AdamOptions& o, std::int64_t step, const std::vector<Ad
                       [&](const tbb::blocked_range<std::size_t>& r) {
                         for (std::size_t c = r.begin(); c != r.end(); ++c) {
                           const Chunk& ch = chunks[c];
-                          kernel(tensors[ch.tensor], s, ch.begin, ch.end);
+                          const AdamTensor& t = tensors[ch.tensor];
+                          (t.state_format == StateFormat::kFp32 ? kernel : packed)(t, s, ch.begin, ch.end);
                         }
                       },
                       tbb::auto_partitioner());

@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "tierflow/optimizer/scalar_type.hpp"
+#include "tierflow/optimizer/state_format.hpp"
 
 namespace tierflow::optimizer {
 
@@ -84,6 +85,12 @@ struct AdamTensor {
   float* exp_avg_out = nullptr;
   float* exp_avg_sq_out = nullptr;
   float* max_exp_avg_sq_out = nullptr;
+  /// How the moments are stored (Note [Optimizer state formats]). With kBf16
+  /// or k8bit, exp_avg and exp_avg_sq (and their _out) stay null and the
+  /// moments are `m` and `v` (out of place: `m_out` and `v_out`, set together
+  /// with master_out); amsgrad is refused.
+  StateFormat state_format = StateFormat::kFp32;
+  PackedMoment m, v, m_out, v_out;
 };
 
 /// A tensor handed to the CPU Adam, as plain facts (what the kernel reads or writes).

@@ -1,0 +1,98 @@
+// How a CPU Adam keeps its moments: fp32, bf16, or 8-bit block-wise codes.
+//
+// Note [Optimizer state formats]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// TIERFLOW_OPTIMIZER_STATES (keyword optimizer_states=) picks how exp_avg (m)
+// and exp_avg_sq (v) are stored between steps. The fp32 master is always fp32,
+// and every step computes in fp32 (Note [Adam semantics]): a step decodes m
+// and v, updates them and the master exactly as the fp32 kernel does (the
+// master's update uses the new m and v before they are stored), then encodes
+// the new m and v, all in one pass with the 16-bit copy-out.
+//
+//   fp32  4 + 4 bytes a parameter; today's kernel, bit for bit.
+//   bf16  2 + 2 bytes: each moment rounded to bfloat16, to nearest even.
+//   8bit  1 + 1 bytes + two fp32 scales per block of kQuantBlock (256)
+//         elements, counted from the tensor's (or shard's) first element
+//         (Dettmers et al., ICLR'22: block-wise, dynamic, separate maps):
+//     m: a signed code: bit 7 the sign, bits 0..6 q in [0, 120], where q/8
+//        spans the exponents and 3 mantissa bits of |m|/absmax(m) as an
+//        IEEE half whose exponents 0..15 cover [2^-17, 1] (E4M3, subnormals
+//        below 2^-14): y = |m| * (1/absmax); q = the half of y, its 10
+//        mantissa bits rounded to 3 (nearest even, in integers).
+//     v: an unsigned code q in [0, 240]: the half of (v * (1/absmax)) * 2^15
+//        rounded to 3 mantissa bits (E5M3, [2^-32, 1] of absmax). v needs
+//        the wider range: a v coded as 0 under a non-zero m would make the
+//        next step's denominator eps.
+//   Decoding: m = ±half(q << 7) * absmax; v = (half(q << 7) * 2^-15) * absmax.
+//   Both use the hardware's fp32<->fp16 conversion (F16C), so encoding is two
+//   multiplies, one conversion and four integer operations a moment.
+// A block's largest element encodes as exactly 1 (m) or 2^15 (v) and
+// decodes to absmax exactly, so decoding then encoding gives back the same
+// codes and scales: a checkpoint may carry decoded fp32 moments and resume
+// bit for bit (tested in test_state_format.cpp).
+// Non-finite moments: a block with a NaN or infinite new moment stores
+// absmax NaN and codes 0, so the whole block decodes to NaN (fp32 states
+// keep NaN to the element; the master of that element is already NaN or
+// infinite). A block whose absmax is below FLT_MIN encodes as zeros with
+// absmax 0. amsgrad is refused with bf16 and 8-bit moments.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string_view>
+
+namespace tierflow::optimizer {
+
+/// How the moments are stored; see Note [Optimizer state formats].
+enum class StateFormat : std::uint8_t { kFp32, kBf16, k8bit };
+
+/// "fp32", "bf16" or "8bit".
+const char* to_string(StateFormat f) noexcept;
+
+/// The format named `name` (as TIERFLOW_OPTIMIZER_STATES spells it); nullopt otherwise.
+std::optional<StateFormat> parse_state_format(std::string_view name) noexcept;
+
+/// Elements sharing one scale in the 8-bit format.
+inline constexpr std::size_t kQuantBlock = 256;
+
+/// Scales (per moment) of `numel` elements in the 8-bit format.
+constexpr std::size_t quant_blocks(std::size_t numel) noexcept { return (numel + kQuantBlock - 1) / kQuantBlock; }
+
+/// Bytes of one moment of `numel` elements in format `f`, scales included.
+constexpr std::size_t moment_bytes(StateFormat f, std::size_t numel) noexcept {
+  switch (f) {
+    case StateFormat::kFp32: return 4 * numel;
+    case StateFormat::kBf16: return 2 * numel;
+    case StateFormat::k8bit: return numel + 4 * quant_blocks(numel);
+  }
+  return 4 * numel;
+}
+
+/// Host bytes a parameter of both moments in format `f` (scales amortised):
+/// 8, 4 or 2 + 8/256. Add 4 for an fp32 master.
+constexpr double moments_bytes_per_param(StateFormat f) noexcept {
+  switch (f) {
+    case StateFormat::kFp32: return 8.0;
+    case StateFormat::kBf16: return 4.0;
+    case StateFormat::k8bit: return 2.0 + 8.0 / static_cast<double>(kQuantBlock);
+  }
+  return 8.0;
+}
+
+/// One moment in a packed format: `data` holds numel uint16 (bf16 bits) or
+/// uint8 codes; `absmax` one fp32 scale per block (8-bit only).
+struct PackedMoment {
+  void* data = nullptr;
+  float* absmax = nullptr;
+};
+
+/// Encodes `n` fp32 moments (m, v) into format `f` (not kFp32): what a step
+/// stores, block by block from element 0. Used to convert checkpoints.
+void encode_moments(StateFormat f, const float* m, const float* v, std::size_t n, PackedMoment m_out,
+                    PackedMoment v_out);
+
+/// Decodes `n` moments of format `f` (not kFp32) into fp32.
+void decode_moments(StateFormat f, PackedMoment m, PackedMoment v, std::size_t n, float* m_out, float* v_out);
+
+}  // namespace tierflow::optimizer
