@@ -316,6 +316,15 @@ std::vector<Row> placement_rows() {
       "where optimizer states and fp32 master weights live and step: host runs tierflow's CPU "
       "AdamW, none leaves the optimizer as it is"},
      target_parser(&Config::offload_optimizer, TargetValues::kTiers)},
+    {{"TIERFLOW_OPTIMIZER_STATES", "fp32", "one of fp32, bf16, 8bit",
+      "how the CPU AdamW keeps exp_avg and exp_avg_sq (the master stays fp32 and every step computes in fp32): "
+      "fp32 (8 bytes a parameter), bf16 (4, rounded to nearest even) or 8bit (2 + two fp32 scales per 256, "
+      "block-wise dynamic codes; Note [Optimizer state formats]); the same format on NVMe; refused with amsgrad"},
+     [](Config& c, std::string_view name, std::string_view v) {
+       const auto f = parse_state_format(lower(trim(v)));
+       if (!f) bad_value(name, v, "one of fp32, bf16, 8bit");
+       c.optimizer_states = *f;
+     }},
     {{"TIERFLOW_CPU_THREADS", "auto", "auto or an integer from 1 to 1024",
       "threads of the CPU optimizer's oneTBB arena; auto uses every core"},
      [](Config& c, std::string_view name, std::string_view v) {
@@ -684,6 +693,7 @@ std::map<std::string, std::string> Config::to_strings() const {
       {"TIERFLOW_OFFLOAD_ACTIVATIONS", std::string(to_string(offload_activations))},
       {"TIERFLOW_OFFLOAD_PARAMS", std::string(to_string(offload_params))},
       {"TIERFLOW_OFFLOAD_OPTIMIZER", std::string(to_string(offload_optimizer))},
+      {"TIERFLOW_OPTIMIZER_STATES", to_string(optimizer_states)},
       {"TIERFLOW_CPU_THREADS", cpu_threads == 0 ? "auto" : std::to_string(cpu_threads)},
       {"TIERFLOW_CPU_ISA", cpu_isa},
       {"TIERFLOW_LOG_LEVEL", std::string(to_string(log_level))},
@@ -747,7 +757,7 @@ IgnoredSettings ignored_settings(const Config& config, const ModelFacts& model) 
                      kCpuOptimizer, true});
     for (std::string_view speed : {"TIERFLOW_OVERLAP_STEP", "TIERFLOW_GRAD_BUCKET_BYTES", "TIERFLOW_WEIGHTS_RETURN",
                                    "TIERFLOW_GRAD_ACCUMULATION_STEPS", "TIERFLOW_GPU_OPTIMIZER_FRACTION",
-                                   "TIERFLOW_CPU_THREADS", "TIERFLOW_CPU_ISA"})
+                                   "TIERFLOW_CPU_THREADS", "TIERFLOW_CPU_ISA", "TIERFLOW_OPTIMIZER_STATES"})
       rules.push_back({speed, kOptimizer, "none leaves your optimizer as it is, and this setting tunes tierflow's "
                                           "CPU optimizer only", kCpuOptimizer, false});
   } else {

@@ -8,21 +8,6 @@
 
 namespace tierflow::optimizer {
 
-const char* to_string(StateFormat f) noexcept {
-  switch (f) {
-    case StateFormat::kFp32: return "fp32";
-    case StateFormat::kBf16: return "bf16";
-    case StateFormat::k8bit: return "8bit";
-  }
-  return "?";
-}
-
-std::optional<StateFormat> parse_state_format(std::string_view name) noexcept {
-  for (StateFormat f : {StateFormat::kFp32, StateFormat::kBf16, StateFormat::k8bit})
-    if (name == to_string(f)) return f;
-  return std::nullopt;
-}
-
 void encode_moments(StateFormat f, const float* m, const float* v, std::size_t n, PackedMoment m_out,
                     PackedMoment v_out) {
   TIERFLOW_EXPECTS(f != StateFormat::kFp32, "encode_moments: fp32 moments are not packed");

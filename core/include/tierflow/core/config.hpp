@@ -22,6 +22,7 @@
 #include <string_view>
 #include <vector>
 
+#include "tierflow/core/state_format.hpp"
 #include "tierflow/core/size.hpp"
 
 namespace tierflow {
@@ -71,6 +72,7 @@ struct Config {
   OffloadTarget offload_optimizer{};      ///< TIERFLOW_OFFLOAD_OPTIMIZER
   int cpu_threads = 0;                    ///< TIERFLOW_CPU_THREADS; 0 means all cores
   std::string cpu_isa;                    ///< TIERFLOW_CPU_ISA: auto, avx512, avx2 or portable
+  StateFormat optimizer_states{};         ///< TIERFLOW_OPTIMIZER_STATES
   LogLevel log_level{};                   ///< TIERFLOW_LOG_LEVEL
   std::string report_path;                ///< TIERFLOW_REPORT; empty means no file
   std::string profile_path;               ///< TIERFLOW_PROFILE; empty means measure every run

@@ -42,16 +42,11 @@
 #include <optional>
 #include <string_view>
 
+#include "tierflow/core/state_format.hpp"
+
 namespace tierflow::optimizer {
 
-/// How the moments are stored; see Note [Optimizer state formats].
-enum class StateFormat : std::uint8_t { kFp32, kBf16, k8bit };
-
-/// "fp32", "bf16" or "8bit".
-const char* to_string(StateFormat f) noexcept;
-
-/// The format named `name` (as TIERFLOW_OPTIMIZER_STATES spells it); nullopt otherwise.
-std::optional<StateFormat> parse_state_format(std::string_view name) noexcept;
+using tierflow::StateFormat;  // and to_string, parse_state_format: tierflow/core/state_format.hpp
 
 /// Elements sharing one scale in the 8-bit format.
 inline constexpr std::size_t kQuantBlock = 256;
