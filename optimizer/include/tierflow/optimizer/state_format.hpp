@@ -35,6 +35,12 @@
 // keep NaN to the element; the master of that element is already NaN or
 // infinite). A block whose absmax is below FLT_MIN encodes as zeros with
 // absmax 0. amsgrad is refused with bf16 and 8-bit moments.
+// Buffers: a bf16 moment is a bfloat16 tensor shaped like its parameter (or
+// shard); an 8-bit moment is one uint8 tensor of moment_bytes(k8bit, n): the
+// n codes, padded to 16 bytes, then the fp32 scales (packed_8bit), so every
+// place a moment goes (the gradient stream's out-of-place buffers, NVMe
+// files, partitions) moves one tensor per moment, as with fp32. The format of
+// a moment is its dtype: float32, bfloat16 or uint8.
 #pragma once
 
 #include <cstddef>
@@ -54,14 +60,31 @@ inline constexpr std::size_t kQuantBlock = 256;
 /// Scales (per moment) of `numel` elements in the 8-bit format.
 constexpr std::size_t quant_blocks(std::size_t numel) noexcept { return (numel + kQuantBlock - 1) / kQuantBlock; }
 
-/// Bytes of one moment of `numel` elements in format `f`, scales included.
+/// One moment in a packed format: `data` holds numel uint16 (bf16 bits) or
+/// uint8 codes; `absmax` one fp32 scale per block (8-bit only).
+struct PackedMoment {
+  void* data = nullptr;
+  float* absmax = nullptr;
+};
+
+/// Where the scales of an 8-bit moment of `numel` elements begin in its
+/// buffer: the codes, padded to 16 bytes, then quant_blocks(numel) fp32 scales.
+constexpr std::size_t absmax_offset(std::size_t numel) noexcept { return (numel + 15) / 16 * 16; }
+
+/// Bytes of one moment of `numel` elements in format `f`: 4n, 2n, or the
+/// 8-bit buffer (codes, padding, scales; one tensor of uint8 in the bindings).
 constexpr std::size_t moment_bytes(StateFormat f, std::size_t numel) noexcept {
   switch (f) {
     case StateFormat::kFp32: return 4 * numel;
     case StateFormat::kBf16: return 2 * numel;
-    case StateFormat::k8bit: return numel + 4 * quant_blocks(numel);
+    case StateFormat::k8bit: return absmax_offset(numel) + 4 * quant_blocks(numel);
   }
   return 4 * numel;
+}
+
+/// The codes and scales of an 8-bit moment buffer of `numel` elements at `base`.
+inline PackedMoment packed_8bit(void* base, std::size_t numel) noexcept {
+  return {base, reinterpret_cast<float*>(static_cast<char*>(base) + absmax_offset(numel))};
 }
 
 /// Host bytes a parameter of both moments in format `f` (scales amortised):
@@ -74,13 +97,6 @@ constexpr double moments_bytes_per_param(StateFormat f) noexcept {
   }
   return 8.0;
 }
-
-/// One moment in a packed format: `data` holds numel uint16 (bf16 bits) or
-/// uint8 codes; `absmax` one fp32 scale per block (8-bit only).
-struct PackedMoment {
-  void* data = nullptr;
-  float* absmax = nullptr;
-};
 
 /// Encodes `n` fp32 moments (m, v) into format `f` (not kFp32): what a step
 /// stores, block by block from element 0. Used to convert checkpoints.
