@@ -110,5 +110,14 @@ bench: setup
 	$(PY) benchmarks/bench_fsdp_optimizer.py
 	$(PY) benchmarks/bench_ddp_optimizer.py
 
+# Issue 39's accuracy study, not part of bench: a transformers GPT-2 trained 300 steps with fp32, bf16 and 8-bit
+# AdamW moments (TIERFLOW_OPTIMIZER_STATES), three seeds each, one after another on the emulated device (about
+# 6 minutes on 2 cores); writes benchmarks/results/finetune_states.json and docs/finetune_states.png
+# (docs/benchmarks.md). ARGS for the script's options (e.g. ARGS="--seeds 5").
+.PHONY: finetune-states
+finetune-states: setup
+	@$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install -q matplotlib
+	$(PY) benchmarks/finetune_states.py $(ARGS)
+
 clean:
 	rm -rf build bindings/python/tierflow/_C*.so
