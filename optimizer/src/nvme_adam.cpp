@@ -39,6 +39,27 @@ void write_param(void* out, ScalarType type, const float* master, std::size_t n)
   }
 }
 
+// Byte offsets of the parts of an n-element state in its block (and in a buffer holding one): the fp32
+// master at 0, then m and v in their format, then the fp32 vmax (amsgrad).
+struct StateLayout {
+  std::size_t m, v, vmax;
+  StateLayout(std::size_t n, StateFormat f) : m(4 * n), v(4 * n + moment_bytes(f, n)), vmax(4 * n + 2 * moment_bytes(f, n)) {}
+};
+
+// A packed moment of format `f` (not kFp32) at `base`.
+PackedMoment packed(StateFormat f, void* base, std::size_t n) {
+  return f == StateFormat::k8bit ? packed_8bit(base, n) : PackedMoment{base, nullptr};
+}
+
+char* at_offset(void* base, std::size_t offset) { return static_cast<char*>(base) + offset; }
+
+// Throws unless moments handed in or out in `given` suit an entry of `kept`: its own bytes, or fp32.
+void check_moments_format(StateFormat given, StateFormat kept, const char* what) {
+  TIERFLOW_EXPECTS(given == kept || given == StateFormat::kFp32,
+                   std::string("NvmeAdamStore::") + what + ": moments in " + to_string(given) + " for a state kept in " +
+                       to_string(kept) + " (accepted: fp32 or " + to_string(kept) + ")");
+}
+
 }  // namespace
 
 NvmeAdamStore::NvmeAdamStore(std::shared_ptr<swap::NvmeEngine> nvme, std::shared_ptr<allocator::PinnedHostPool> pool,
@@ -59,12 +80,18 @@ const NvmeAdamStore::Entry& NvmeAdamStore::entry(std::uint64_t key) const {
 
 std::size_t NvmeAdamStore::numel(std::uint64_t key) const { return entry(key).numel; }
 
-std::uint64_t NvmeAdamStore::add(std::size_t numel, bool amsgrad, const float* master, const float* m,
-                                 const float* v, const float* vmax) {
+StateFormat NvmeAdamStore::format(std::uint64_t key) const { return entry(key).format; }
+
+std::uint64_t NvmeAdamStore::add(std::size_t numel, bool amsgrad, const float* master, const void* m, const void* v,
+                                 const float* vmax, StateFormat format, StateFormat moments_format) {
+  TIERFLOW_EXPECTS(!amsgrad || format == StateFormat::kFp32,
+                   std::string("NVMe optimizer: amsgrad keeps fp32 moments; optimizer_states=") + to_string(format) +
+                       " (TIERFLOW_OPTIMIZER_STATES) is refused with it (accepted: fp32)");
+  check_moments_format(moments_format, format, "add");
   // The first state goes straight into its block: there is no older one to keep.
-  Entry e{nvme_->allocate(state_bytes(numel, amsgrad)), numel, amsgrad};
+  Entry e{nvme_->allocate(state_bytes(numel, amsgrad, format)), numel, amsgrad, format};
   try {
-    fill_and_write(e, e.block, master, m, v, vmax);
+    fill_and_write(e, e.block, master, m, v, vmax, moments_format);
   } catch (...) {
     nvme_->release(e.block);
     throw;
@@ -74,18 +101,27 @@ std::uint64_t NvmeAdamStore::add(std::size_t numel, bool amsgrad, const float* m
   return key;
 }
 
-void NvmeAdamStore::fill_and_write(const Entry& e, swap::NvmeBlock block, const float* master, const float* m,
-                                   const float* v, const float* vmax) {
+void NvmeAdamStore::fill_and_write(const Entry& e, swap::NvmeBlock block, const float* master, const void* m,
+                                   const void* v, const float* vmax, StateFormat moments_format) {
   const std::size_t n = e.numel;
+  const StateLayout at(n, e.format);
+  const std::size_t mbytes = moment_bytes(e.format, n);
   PoolBuffer buf(pool_.get(), state_bytes(e));
-  std::memcpy(buf.f(), master, n * 4);
-  auto fill = [&](float* dst, const float* src) {
-    if (src) std::memcpy(dst, src, n * 4);
-    else std::memset(dst, 0, n * 4);
-  };
-  fill(buf.f() + n, m);
-  fill(buf.f() + 2 * n, v);
-  if (e.amsgrad) fill(buf.f() + 3 * n, vmax);
+  std::memcpy(buf.p, master, n * 4);
+  if (!m || !v) {  // a fresh state: zeros are zero moments in every format (8bit: codes 0, scales 0)
+    TIERFLOW_EXPECTS(!m && !v, "NvmeAdamStore: both moments or neither");
+    std::memset(at_offset(buf.p, at.m), 0, 2 * mbytes);
+  } else if (moments_format == e.format) {
+    std::memcpy(at_offset(buf.p, at.m), m, mbytes);
+    std::memcpy(at_offset(buf.p, at.v), v, mbytes);
+  } else {
+    encode_moments(e.format, static_cast<const float*>(m), static_cast<const float*>(v), n,
+                   packed(e.format, at_offset(buf.p, at.m), n), packed(e.format, at_offset(buf.p, at.v), n));
+  }
+  if (e.amsgrad) {
+    if (vmax) std::memcpy(at_offset(buf.p, at.vmax), vmax, n * 4);
+    else std::memset(at_offset(buf.p, at.vmax), 0, n * 4);
+  }
   nvme_->write(block, buf.p, state_bytes(e)).wait();
 }
 
@@ -112,24 +148,34 @@ std::vector<swap::NvmeExtent> NvmeAdamStore::extents(std::uint64_t key) const {
   return nvme_->extents(entry(key).block);
 }
 
-void NvmeAdamStore::read(std::uint64_t key, float* master, float* m, float* v, float* vmax) const {
+void NvmeAdamStore::read(std::uint64_t key, float* master, void* m, void* v, float* vmax,
+                         StateFormat moments_format) const {
   const Entry& e = entry(key);
+  check_moments_format(moments_format, e.format, "read");
   PoolBuffer buf(pool_.get(), state_bytes(e));
   nvme_->read(e.block, buf.p, state_bytes(e)).wait();
   const std::size_t n = e.numel;
-  std::memcpy(master, buf.f(), n * 4);
-  std::memcpy(m, buf.f() + n, n * 4);
-  std::memcpy(v, buf.f() + 2 * n, n * 4);
-  if (vmax && e.amsgrad) std::memcpy(vmax, buf.f() + 3 * n, n * 4);
+  const StateLayout at(n, e.format);
+  std::memcpy(master, buf.p, n * 4);
+  if (moments_format == e.format) {
+    std::memcpy(m, at_offset(buf.p, at.m), moment_bytes(e.format, n));
+    std::memcpy(v, at_offset(buf.p, at.v), moment_bytes(e.format, n));
+  } else {
+    decode_moments(e.format, packed(e.format, at_offset(buf.p, at.m), n), packed(e.format, at_offset(buf.p, at.v), n),
+                   n, static_cast<float*>(m), static_cast<float*>(v));
+  }
+  if (vmax && e.amsgrad) std::memcpy(vmax, at_offset(buf.p, at.vmax), n * 4);
 }
 
-void NvmeAdamStore::write(std::uint64_t key, const float* master, const float* m, const float* v,
-                          const float* vmax) {
+void NvmeAdamStore::write(std::uint64_t key, const float* master, const void* m, const void* v, const float* vmax,
+                          StateFormat moments_format) {
   Entry& e = entries_.at(key);
+  check_moments_format(moments_format, e.format, "write");
+  TIERFLOW_EXPECTS(m && v, "NvmeAdamStore::write: both moments are needed");
   // Out of place: the old state stays valid until the new one is on disk.
   swap::NvmeBlock fresh = nvme_->allocate(state_bytes(e));
   try {
-    fill_and_write(e, fresh, master, m, v, vmax);
+    fill_and_write(e, fresh, master, m, v, vmax, moments_format);
   } catch (...) {
     nvme_->release(fresh);
     throw;
@@ -209,7 +255,7 @@ struct NvmeAdamStore::Flight {
     try {
       PoolBuffer old(s.pool_.get(), s.state_bytes(e));
       s.nvme_->read(e.block, old.p, s.state_bytes(e)).wait();
-      write_param(it.param_out, it.param_type, old.f(), e.numel);
+      write_param(it.param_out, it.param_type, old.f(), e.numel);  // the master leads every block
     } catch (const std::exception& restore) {
       log(LogLevel::kError,
           std::string("NVMe optimizer: could not restore a weight after a failed write: ") + restore.what());
@@ -258,10 +304,18 @@ bool NvmeAdamStore::step_item(Flight& f, const AdamOptions& options, std::int64_
   }
   AdamTensor t;
   t.numel = e.numel;
-  t.master = f.bufs[cur].f();
-  t.exp_avg = t.master + e.numel;
-  t.exp_avg_sq = t.master + 2 * e.numel;
-  t.max_exp_avg_sq = e.amsgrad ? t.master + 3 * e.numel : nullptr;
+  void* base = f.bufs[cur].p;
+  const StateLayout at(e.numel, e.format);
+  t.master = static_cast<float*>(base);
+  t.state_format = e.format;
+  if (e.format == StateFormat::kFp32) {
+    t.exp_avg = reinterpret_cast<float*>(at_offset(base, at.m));
+    t.exp_avg_sq = reinterpret_cast<float*>(at_offset(base, at.v));
+  } else {  // stepped in place in the buffer: the block goes back to NVMe in its format
+    t.m = packed(e.format, at_offset(base, at.m), e.numel);
+    t.v = packed(e.format, at_offset(base, at.v), e.numel);
+  }
+  t.max_exp_avg_sq = e.amsgrad ? reinterpret_cast<float*>(at_offset(base, at.vmax)) : nullptr;
   t.grad = f.items[i].grad;
   t.grad_type = f.items[i].grad_type;
   t.param_out = f.items[i].param_out;

@@ -295,3 +295,93 @@ TEST_F(NvmeAdamTest, ReservationNamesTheNeedAndTheFreeSpace) {
     EXPECT_NE(m.find("TIERFLOW_NVME_MEMORY"), std::string::npos) << m;
   }
 }
+
+// Note [Optimizer state formats] on NVMe: a bf16 or 8-bit state stepped through the store equals the same state
+// stepped in memory byte for byte, moments included, and its block holds the master plus moment_bytes per moment.
+TEST_F(NvmeAdamTest, PackedMomentsStepLikeTheInMemoryOptimizerAndTakeTheirBytesOnly) {
+  const std::vector<std::size_t> sizes{1, 17, 300, 100003};  // one block, a part block, several, many
+  for (StateFormat format : {StateFormat::kBf16, StateFormat::k8bit}) {
+    SCOPED_TRACE(to_string(format));
+    NvmeAdamStore store(nvme_, pool_, tierflow::testing::kAdamThreads);
+    CpuAdam adam(tierflow::testing::kAdamThreads);
+    std::vector<Param> mem;
+    std::vector<std::vector<std::uint8_t>> mm, mv;  // the in-memory run's moments, in the format
+    std::vector<std::vector<float>> grads;
+    std::vector<std::uint64_t> keys;
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      mem.emplace_back(sizes[i], 10 + i);
+      mm.emplace_back(moment_bytes(format, sizes[i]), 0);
+      mv.emplace_back(moment_bytes(format, sizes[i]), 0);
+      grads.emplace_back(sizes[i]);
+      keys.push_back(store.add(sizes[i], false, mem[i].master.data(), nullptr, nullptr, nullptr, format));
+      EXPECT_EQ(store.format(keys[i]), format);
+      std::uint64_t on_disk = 0;
+      for (const auto& x : store.extents(keys[i])) on_disk += x.bytes;
+      EXPECT_GE(on_disk, 4 * sizes[i] + 2 * moment_bytes(format, sizes[i]));
+    }
+    EXPECT_EQ(NvmeAdamStore::state_bytes(1000, false, StateFormat::k8bit), 4000u + 2 * (1008u + 4 * 4));
+    EXPECT_EQ(NvmeAdamStore::state_bytes(1000, false, StateFormat::kBf16), 4000u + 2 * 2000u);
+    std::vector<Param> disk;
+    for (std::size_t i = 0; i < sizes.size(); ++i) disk.emplace_back(sizes[i], 10 + i);
+    AdamOptions o;
+    o.lr = 1e-2;
+    o.weight_decay = 0.1;
+    std::mt19937 rng(3);
+    std::normal_distribution<float> d;
+    const std::uint64_t read_before = store.stats().bytes_read;
+    for (int step = 1; step <= 4; ++step) {
+      std::vector<AdamTensor> ts;
+      std::vector<NvmeAdamStore::Item> items;
+      for (std::size_t i = 0; i < sizes.size(); ++i) {
+        for (auto& g : grads[i]) g = d(rng) * (i == 3 ? 1e-3f : 1.0f);
+        AdamTensor t;
+        t.numel = sizes[i];
+        t.master = mem[i].master.data();
+        t.state_format = format;
+        t.m = format == StateFormat::k8bit ? packed_8bit(mm[i].data(), sizes[i]) : PackedMoment{mm[i].data(), nullptr};
+        t.v = format == StateFormat::k8bit ? packed_8bit(mv[i].data(), sizes[i]) : PackedMoment{mv[i].data(), nullptr};
+        t.grad = grads[i].data();
+        t.param_out = mem[i].out.data();
+        t.param_type = ScalarType::kBFloat16;
+        ts.push_back(t);
+        items.push_back({keys[i], grads[i].data(), ScalarType::kFloat32, disk[i].out.data(), ScalarType::kBFloat16});
+      }
+      adam.step(o, step, ts);
+      ASSERT_TRUE(store.step(o, step, items).failed.empty());
+    }
+    std::uint64_t state_total = 0;
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      state_total += NvmeAdamStore::state_bytes(sizes[i], false, format);
+      std::vector<float> master(sizes[i]);
+      std::vector<std::uint8_t> m(moment_bytes(format, sizes[i])), v(m.size());
+      store.read(keys[i], master.data(), m.data(), v.data(), nullptr, format);
+      EXPECT_EQ(master, mem[i].master) << i;
+      EXPECT_EQ(m, mm[i]) << i << ": the moments' bytes, scales included";
+      EXPECT_EQ(v, mv[i]) << i;
+      EXPECT_EQ(disk[i].out, mem[i].out) << i;
+      // Read as fp32 (decoded) and written back (encoded): the same bytes on disk.
+      std::vector<float> m32(sizes[i]), v32(sizes[i]);
+      store.read(keys[i], master.data(), m32.data(), v32.data(), nullptr);
+      store.write(keys[i], master.data(), m32.data(), v32.data(), nullptr);
+      store.read(keys[i], master.data(), m.data(), v.data(), nullptr, format);
+      EXPECT_EQ(m, mm[i]) << i << ": decoded and encoded again";
+      EXPECT_EQ(v, mv[i]) << i;
+    }
+    EXPECT_EQ(store.stats().bytes_read - read_before, 4 * state_total) << "moment_bytes a moment, not 4 a parameter";
+    for (auto k : keys) store.remove(k);
+  }
+}
+
+TEST_F(NvmeAdamTest, PackedMomentsRefuseAmsgradAndForeignFormats) {
+  std::vector<float> master(64, 1.0f);
+  NvmeAdamStore store(nvme_, pool_, 1);
+  try {
+    store.add(64, true, master.data(), nullptr, nullptr, nullptr, StateFormat::k8bit);
+    FAIL() << "amsgrad with 8-bit moments was accepted";
+  } catch (const logic_error& e) {
+    EXPECT_NE(std::string(e.what()).find("TIERFLOW_OPTIMIZER_STATES"), std::string::npos) << e.what();
+  }
+  const auto key = store.add(64, false, master.data(), nullptr, nullptr, nullptr, StateFormat::kBf16);
+  std::vector<std::uint8_t> m(moment_bytes(StateFormat::k8bit, 64)), v(m.size());
+  EXPECT_THROW(store.read(key, master.data(), m.data(), v.data(), nullptr, StateFormat::k8bit), logic_error);
+}

@@ -20,6 +20,16 @@
 // reserve() grows the swap files up front for the states and a step's new
 // state (Note [NVMe space] in nvme_engine.hpp), so that too little disk is an
 // error when the optimizer is made, not in a step.
+// The moments sit on NVMe in their format (Note [Optimizer state formats]):
+// a block is the fp32 master, then m and v of moment_bytes each (bf16, or
+// 8bit's codes, padding and scales), then vmax (fp32, amsgrad only): 4+2+2 or
+// 4+1+1 bytes a parameter read and written a step instead of 4+4+4. The
+// kernel steps the block in place in its buffer, so an 8-bit state goes back
+// to NVMe exactly as a host step leaves it (its blocks counted from the
+// state's, or shard's, first element). read() and write() take the moments
+// in the entry's format, or in fp32 (decoded and encoded: decoding then
+// encoding gives the same bytes back, so a state read as fp32 and written
+// back is unchanged).
 #pragma once
 
 #include <cstdint>
@@ -50,19 +60,29 @@ class NvmeAdamStore {
                 int threads, CpuIsa isa = CpuIsa::kAuto);
   ~NvmeAdamStore();
 
-  /// Registers a parameter of `numel` elements: writes its initial state
-  /// (master from `master`, moments from `m`/`v`/`vmax` or zeros when null).
-  /// Returns its key; when it throws (a full tier, a failed write) nothing is registered.
-  std::uint64_t add(std::size_t numel, bool amsgrad, const float* master, const float* m = nullptr,
-                    const float* v = nullptr, const float* vmax = nullptr);
-  /// Reads a parameter's state (vmax may be null); synchronous.
-  void read(std::uint64_t key, float* master, float* m, float* v, float* vmax) const;
-  /// Replaces a parameter's state; synchronous, out of place like a step.
-  void write(std::uint64_t key, const float* master, const float* m, const float* v, const float* vmax);
+  /// Registers a parameter of `numel` elements whose moments are kept in
+  /// `format`: writes its initial state (master from `master`, moments from
+  /// `m`/`v` in `moments_format` (`format` or fp32) and `vmax`, or zeros when null).
+  /// Returns its key; when it throws (a full tier, a failed write) nothing is
+  /// registered. amsgrad is refused with bf16 and 8-bit moments.
+  std::uint64_t add(std::size_t numel, bool amsgrad, const float* master, const void* m = nullptr,
+                    const void* v = nullptr, const float* vmax = nullptr, StateFormat format = StateFormat::kFp32,
+                    StateFormat moments_format = StateFormat::kFp32);
+  /// Reads a parameter's state (vmax may be null); synchronous. The moments
+  /// come in `moments_format`: fp32 (decoded) or the entry's own format (its bytes).
+  void read(std::uint64_t key, float* master, void* m, void* v, float* vmax,
+            StateFormat moments_format = StateFormat::kFp32) const;
+  /// Replaces a parameter's state; synchronous, out of place like a step. The
+  /// moments are given in `moments_format`: fp32 (encoded) or the entry's own.
+  void write(std::uint64_t key, const float* master, const void* m, const void* v, const float* vmax,
+             StateFormat moments_format = StateFormat::kFp32);
   /// Forgets a parameter and frees its space.
   void remove(std::uint64_t key) noexcept;
-  /// Bytes of one parameter's state: fp32 master, m, v and, with amsgrad, vmax.
-  static std::uint64_t state_bytes(std::size_t numel, bool amsgrad) noexcept { return numel * 4ULL * (amsgrad ? 4 : 3); }
+  /// Bytes of one parameter's state: fp32 master, m and v in `format`
+  /// (moment_bytes each) and, with amsgrad, an fp32 vmax.
+  static std::uint64_t state_bytes(std::size_t numel, bool amsgrad, StateFormat format = StateFormat::kFp32) noexcept {
+    return 4ULL * numel * (amsgrad ? 2 : 1) + 2ULL * moment_bytes(format, numel);
+  }
   /// Grows the NVMe files now for states of these sizes plus a step's new
   /// state; throws io_error naming the need, the free space and TIERFLOW_NVME_MEMORY.
   void reserve(const std::vector<std::uint64_t>& state_sizes);
@@ -92,16 +112,19 @@ class NvmeAdamStore {
   NvmeAdamStats stats() const noexcept { return stats_; }
   /// Elements of a registered parameter.
   std::size_t numel(std::uint64_t key) const;
+  /// The format a registered parameter's moments are kept in.
+  StateFormat format(std::uint64_t key) const;
 
  private:
   struct Entry {
     swap::NvmeBlock block;
     std::size_t numel;
     bool amsgrad;
+    StateFormat format;
   };
-  std::size_t state_bytes(const Entry& e) const noexcept { return state_bytes(e.numel, e.amsgrad); }
-  void fill_and_write(const Entry& e, swap::NvmeBlock block, const float* master, const float* m, const float* v,
-                      const float* vmax);
+  std::size_t state_bytes(const Entry& e) const noexcept { return state_bytes(e.numel, e.amsgrad, e.format); }
+  void fill_and_write(const Entry& e, swap::NvmeBlock block, const float* master, const void* m, const void* v,
+                      const float* vmax, StateFormat moments_format);
   const Entry& entry(std::uint64_t key) const;
   struct Flight;  // step()'s two buffers: one item's read ahead, another's write behind
   bool step_item(Flight& f, const AdamOptions& options, std::int64_t step, std::size_t i);
