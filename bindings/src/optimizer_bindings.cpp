@@ -41,8 +41,59 @@ namespace tierflow::bindings::pymod {
 
 namespace {
 
+// TIERFLOW_OPTIMIZER_STATES's value `name` as a format; a config_error naming what is accepted otherwise.
+StateFormat state_format_named(const std::string& name) {
+  const auto f = parse_state_format(name);
+  if (!f) throw config_error("optimizer state format '" + name +
+                             "'; accepted: fp32, bf16, 8bit (TIERFLOW_OPTIMIZER_STATES, keyword optimizer_states)");
+  return *f;
+}
+
+// Note [Optimizer state formats]: conversions between fp32 moments and the packed formats.
+void bind_state_formats(py::module_& m) {
+  m.def("moment_bytes", [](const std::string& format, std::size_t numel) {
+    return optimizer::moment_bytes(state_format_named(format), numel);
+  }, py::arg("format"), py::arg("numel"), "Bytes of one moment of `numel` elements in `format` (fp32, bf16, 8bit).");
+  m.def("moment_layout", [](std::size_t numel) {
+    return std::make_pair(optimizer::absmax_offset(numel), optimizer::quant_blocks(numel));
+  }, py::arg("numel"),
+        "An 8-bit moment buffer of `numel` elements: (byte offset of its fp32 scales, number of scales); the codes "
+        "are its first `numel` bytes.");
+  m.def("moment_format", [](const at::Tensor& t) -> py::object {
+    const auto f = moment_format(t);
+    return f ? py::cast(std::string(to_string(*f))) : py::none();
+  }, py::arg("moment"), "The format of a moment tensor (its dtype): 'fp32', 'bf16', '8bit', or None.");
+  m.def("encode_moments", [](const std::string& format, const at::Tensor& m, const at::Tensor& v,
+                             std::optional<at::Tensor> m_out, std::optional<at::Tensor> v_out) {
+    const StateFormat f = state_format_named(format);
+    const auto shape = moment_shape(f, m.sizes());
+    const auto opts = at::TensorOptions().dtype(moment_dtype(f)).device(at::kCPU);
+    at::Tensor mo = m_out ? *m_out : at::zeros(shape, opts), vo = v_out ? *v_out : at::zeros(shape, opts);  // zero padding
+    {
+      py::gil_scoped_release release;
+      encode_moments(f, m, v, mo, vo);
+    }
+    return std::make_pair(mo, vo);
+  }, py::arg("format"), py::arg("m"), py::arg("v"), py::arg("m_out") = py::none(), py::arg("v_out") = py::none(),
+        "(m, v) encoded into `format` as a step stores them (into m_out and v_out when given).");
+  m.def("decode_moments", [](const at::Tensor& m, const at::Tensor& v, std::size_t numel) {
+    const auto f = moment_format(m);
+    const auto shape = f == StateFormat::k8bit ? std::vector<std::int64_t>{static_cast<std::int64_t>(numel)}
+                                               : m.sizes().vec();
+    const auto opts = at::TensorOptions().dtype(at::kFloat).device(at::kCPU);
+    at::Tensor mo = at::empty(shape, opts), vo = at::empty(shape, opts);
+    {
+      py::gil_scoped_release release;
+      decode_moments(m, v, numel, mo, vo);
+    }
+    return std::make_pair(mo, vo);
+  }, py::arg("m"), py::arg("v"), py::arg("numel"),
+        "fp32 (m, v) of moments in the format of their dtype (8bit: one dimension of `numel`; else m's shape).");
+}
+
 void bind_optimizer_policy(py::module_& m) {
   using namespace tierflow::optimizer;
+  bind_state_formats(m);
   m.attr("LOST_STATE_KEY") = kLostStateKey;
   m.attr("STEADY_STEP_LIMIT") = kSteadyStepLimit;  // Note [Steady step]
   m.def("optimizer_state_bytes", [](std::size_t numel, bool amsgrad) { return state_bytes({numel, amsgrad}); },

@@ -129,6 +129,105 @@ void Runtime::await_on_device(const swap::TransferHandle& h, const at::Device& d
   engine.make_stream_wait(compute_stream_of(engine, device), h);
 }
 
+namespace {
+
+using optimizer::StateFormat;
+
+// Moment `t` (`what` `i`) of format `f` for `numel` elements: a contiguous CPU tensor of moment_dtype(f) and
+// moment_bytes(f, numel) bytes; throws naming it and what is accepted otherwise.
+void check_moment(const at::Tensor& t, StateFormat f, const char* what, std::size_t i, std::int64_t numel) {
+  const std::string who = std::string("tierflow CPU Adam: ") + what + " " + std::to_string(i);
+  const bool cpu = t.defined() && t.is_cpu();
+  TIERFLOW_EXPECTS(cpu && t.is_contiguous(), who + " must be a contiguous CPU tensor");
+  const auto g = moment_format(t);
+  TIERFLOW_EXPECTS(g == f, who + " has dtype " + std::string(c10::toString(t.scalar_type())) + " where a " +
+                               to_string(f) + " moment (" + std::string(c10::toString(moment_dtype(f))) +
+                               ") is expected: exp_avg, exp_avg_sq and their outputs take one format");
+  const std::size_t want = optimizer::moment_bytes(f, static_cast<std::size_t>(numel));
+  TIERFLOW_EXPECTS(t.nbytes() == want, who + " (" + to_string(f) + " moment) has " + std::to_string(t.nbytes()) +
+                                           " bytes, expected " + std::to_string(want) + " for " +
+                                           std::to_string(numel) + " elements");
+}
+
+// The packed view (Note [Optimizer state formats]) of moment `t` of format `f` (not fp32) of `numel` elements.
+optimizer::PackedMoment packed(const at::Tensor& t, StateFormat f, std::int64_t numel) {
+  if (f == StateFormat::k8bit) return optimizer::packed_8bit(t.data_ptr(), static_cast<std::size_t>(numel));
+  return {t.data_ptr(), nullptr};
+}
+
+const char* kAcceptedMoments = "accepted: float32 (fp32), bfloat16 (bf16), uint8 (8bit; TIERFLOW_OPTIMIZER_STATES)";
+
+}  // namespace
+
+std::optional<StateFormat> moment_format(const at::Tensor& moment) noexcept {
+  if (!moment.defined()) return std::nullopt;
+  switch (moment.scalar_type()) {
+    case at::kFloat: return StateFormat::kFp32;
+    case at::kBFloat16: return StateFormat::kBf16;
+    case at::kByte: return StateFormat::k8bit;
+    default: return std::nullopt;
+  }
+}
+
+at::ScalarType moment_dtype(StateFormat f) noexcept {
+  switch (f) {
+    case StateFormat::kFp32: return at::kFloat;
+    case StateFormat::kBf16: return at::kBFloat16;
+    case StateFormat::k8bit: return at::kByte;
+  }
+  return at::kFloat;
+}
+
+std::vector<std::int64_t> moment_shape(StateFormat f, at::IntArrayRef like) {
+  if (f != StateFormat::k8bit) return like.vec();
+  std::int64_t numel = 1;
+  for (auto s : like) numel *= s;
+  return {static_cast<std::int64_t>(optimizer::moment_bytes(f, static_cast<std::size_t>(numel)))};
+}
+
+at::Tensor Runtime::host_moment(at::IntArrayRef like, StateFormat f) {
+  return host_empty(moment_shape(f, like), moment_dtype(f), true);
+}
+
+void encode_moments(StateFormat f, const at::Tensor& m, const at::Tensor& v, const at::Tensor& m_out,
+                    const at::Tensor& v_out) {
+  TIERFLOW_EXPECTS(m.defined() && v.defined() && m.numel() == v.numel(),
+                   "encode_moments: m and v must be tensors of one size");
+  const std::int64_t n = m.numel();
+  check_moment(m_out, f, "encoded exp_avg", 0, n);
+  check_moment(v_out, f, "encoded exp_avg_sq", 0, n);
+  const at::Tensor mf = m.to(at::kCPU, at::kFloat).contiguous(), vf = v.to(at::kCPU, at::kFloat).contiguous();
+  if (f == StateFormat::kFp32) {
+    m_out.view({n}).copy_(mf.view({n}));
+    v_out.view({n}).copy_(vf.view({n}));
+    return;
+  }
+  optimizer::encode_moments(f, mf.data_ptr<float>(), vf.data_ptr<float>(), static_cast<std::size_t>(n),
+                            packed(m_out, f, n), packed(v_out, f, n));
+}
+
+void decode_moments(const at::Tensor& m, const at::Tensor& v, std::size_t numel, const at::Tensor& m_out,
+                    const at::Tensor& v_out) {
+  const auto f = moment_format(m);
+  TIERFLOW_EXPECTS(f.has_value(), "decode_moments: exp_avg has dtype " +
+                                      std::string(m.defined() ? c10::toString(m.scalar_type()) : "undefined") +
+                                      "; " + kAcceptedMoments);
+  const auto n = static_cast<std::int64_t>(numel);
+  check_moment(m, *f, "exp_avg", 0, n);
+  check_moment(v, *f, "exp_avg_sq", 0, n);
+  check_cpu_contiguous(m_out, "decoded exp_avg", 0, n);
+  check_cpu_contiguous(v_out, "decoded exp_avg_sq", 0, n);
+  TIERFLOW_EXPECTS(m_out.scalar_type() == at::kFloat && v_out.scalar_type() == at::kFloat,
+                   "decode_moments: the outputs must be float32");
+  if (*f == StateFormat::kFp32) {
+    m_out.view({n}).copy_(m.view({n}));
+    v_out.view({n}).copy_(v.view({n}));
+    return;
+  }
+  optimizer::decode_moments(*f, packed(m, *f, n), packed(v, *f, n), numel, m_out.data_ptr<float>(),
+                            v_out.data_ptr<float>());
+}
+
 void Runtime::adam_step(const optimizer::AdamOptions& options, std::int64_t step,
                         const std::vector<at::Tensor>& masters,
                         const std::vector<at::Tensor>& exp_avgs,
@@ -144,19 +243,35 @@ void Runtime::adam_step(const optimizer::AdamOptions& options, std::int64_t step
   for (std::size_t i = 0; i < n; ++i) {
     const std::int64_t numel = masters[i].numel();
     check_cpu_contiguous(masters[i], "master", i, numel);
-    check_cpu_contiguous(exp_avgs[i], "exp_avg", i, numel);
-    check_cpu_contiguous(exp_avg_sqs[i], "exp_avg_sq", i, numel);
-    check_cpu_contiguous(grads[i], "grad", i, numel);
-    optimizer::check_kernel_states_fp32(masters[i].scalar_type() == at::kFloat &&
-                                            exp_avgs[i].scalar_type() == at::kFloat &&
-                                            exp_avg_sqs[i].scalar_type() == at::kFloat, i);
+    // Note [Optimizer state formats]: the moments' format is their dtype.
+    const auto format = moment_format(exp_avgs[i]);
+    TIERFLOW_EXPECTS(!exp_avgs[i].defined() || format.has_value(),
+                     "tierflow CPU Adam: exp_avg " + std::to_string(i) + " has dtype " +
+                         std::string(c10::toString(exp_avgs[i].scalar_type())) + "; " + kAcceptedMoments);
+    const StateFormat f = format.value_or(StateFormat::kFp32);
     auto& t = tensors[i];
     t.numel = static_cast<std::size_t>(numel);
-    t.master = masters[i].data_ptr<float>();
-    t.exp_avg = exp_avgs[i].data_ptr<float>();
-    t.exp_avg_sq = exp_avg_sqs[i].data_ptr<float>();
+    t.state_format = f;
+    t.master = masters[i].scalar_type() == at::kFloat ? masters[i].data_ptr<float>() : nullptr;
+    const bool has_out = !outputs.masters.empty() && outputs.masters[i].defined();
+    if (f == StateFormat::kFp32) {
+      check_cpu_contiguous(exp_avgs[i], "exp_avg", i, numel);
+      check_cpu_contiguous(exp_avg_sqs[i], "exp_avg_sq", i, numel);
+      optimizer::check_kernel_states_fp32(masters[i].scalar_type() == at::kFloat &&
+                                              exp_avg_sqs[i].scalar_type() == at::kFloat, i);
+      t.exp_avg = exp_avgs[i].data_ptr<float>();
+      t.exp_avg_sq = exp_avg_sqs[i].data_ptr<float>();
+    } else {
+      optimizer::check_kernel_states_fp32(masters[i].scalar_type() == at::kFloat, i);
+      check_moment(exp_avgs[i], f, "exp_avg", i, numel);
+      check_moment(exp_avg_sqs[i], f, "exp_avg_sq", i, numel);
+      t.m = packed(exp_avgs[i], f, numel);
+      t.v = packed(exp_avg_sqs[i], f, numel);
+    }
     if (!max_exp_avg_sqs.empty() && max_exp_avg_sqs[i].defined()) {
       check_cpu_contiguous(max_exp_avg_sqs[i], "max_exp_avg_sq", i, numel);
+      TIERFLOW_EXPECTS(max_exp_avg_sqs[i].scalar_type() == at::kFloat,
+                       "tierflow CPU Adam: max_exp_avg_sq " + std::to_string(i) + " must be float32");
       t.max_exp_avg_sq = max_exp_avg_sqs[i].data_ptr<float>();
     }
     t.grad = grads[i].data_ptr();
@@ -166,13 +281,26 @@ void Runtime::adam_step(const optimizer::AdamOptions& options, std::int64_t step
       t.param_out = params_out[i].data_ptr();
       t.param_type = optimizer_type(params_out[i].scalar_type(), "tierflow CPU Adam: param", i);
     }
-    if (!outputs.masters.empty() && outputs.masters[i].defined()) {
+    if (has_out) {
       check_cpu_contiguous(outputs.masters[i], "master_out", i, numel);
-      check_cpu_contiguous(outputs.exp_avgs[i], "exp_avg_out", i, numel);
-      check_cpu_contiguous(outputs.exp_avg_sqs[i], "exp_avg_sq_out", i, numel);
+      TIERFLOW_EXPECTS(outputs.masters[i].scalar_type() == at::kFloat,
+                       "tierflow CPU Adam: master_out " + std::to_string(i) + " must be float32");
       t.master_out = outputs.masters[i].data_ptr<float>();
-      t.exp_avg_out = outputs.exp_avgs[i].data_ptr<float>();
-      t.exp_avg_sq_out = outputs.exp_avg_sqs[i].data_ptr<float>();
+      if (f == StateFormat::kFp32) {
+        check_cpu_contiguous(outputs.exp_avgs[i], "exp_avg_out", i, numel);
+        check_cpu_contiguous(outputs.exp_avg_sqs[i], "exp_avg_sq_out", i, numel);
+        TIERFLOW_EXPECTS(outputs.exp_avgs[i].scalar_type() == at::kFloat &&
+                             outputs.exp_avg_sqs[i].scalar_type() == at::kFloat,
+                         "tierflow CPU Adam: exp_avg_out and exp_avg_sq_out " + std::to_string(i) +
+                             " must be float32, as their inputs are");
+        t.exp_avg_out = outputs.exp_avgs[i].data_ptr<float>();
+        t.exp_avg_sq_out = outputs.exp_avg_sqs[i].data_ptr<float>();
+      } else {
+        check_moment(outputs.exp_avgs[i], f, "exp_avg_out", i, numel);
+        check_moment(outputs.exp_avg_sqs[i], f, "exp_avg_sq_out", i, numel);
+        t.m_out = packed(outputs.exp_avgs[i], f, numel);
+        t.v_out = packed(outputs.exp_avg_sqs[i], f, numel);
+      }
       if (t.max_exp_avg_sq) {
         check_cpu_contiguous(outputs.max_exp_avg_sqs[i], "max_exp_avg_sq_out", i, numel);
         t.max_exp_avg_sq_out = outputs.max_exp_avg_sqs[i].data_ptr<float>();

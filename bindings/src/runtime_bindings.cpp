@@ -94,7 +94,15 @@ void bind_runtime_tiers(py::class_<Runtime, std::shared_ptr<Runtime>>& c) {
       .def("host_empty", [](Runtime& rt, const std::vector<std::int64_t>& sizes,
                             const std::string& dtype, bool zero) {
         return rt.host_empty(sizes, dtype_from_name(dtype), zero);
-      }, py::arg("sizes"), py::arg("dtype"), py::arg("zero") = false);
+      }, py::arg("sizes"), py::arg("dtype"), py::arg("zero") = false)
+      .def("host_moment", [](Runtime& rt, const std::vector<std::int64_t>& like, const std::string& format) {
+        const auto f = parse_state_format(format);
+        if (!f) throw config_error("host_moment: optimizer state format '" + format +
+                                   "'; accepted: fp32, bf16, 8bit (TIERFLOW_OPTIMIZER_STATES)");
+        return rt.host_moment(like, *f);
+      }, py::arg("like"), py::arg("format"),
+           "A zeroed pinned moment in `format` for a parameter of shape `like` (Note [Optimizer state formats]): "
+           "float32 or bfloat16 of that shape, or one uint8 buffer of moment_bytes('8bit', numel) bytes.");
 }
 
 // The CPU Adam on host tensors, and the copies the Python optimizer path makes.

@@ -7,6 +7,7 @@
 #include <map>
 #include <mutex>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -19,6 +20,27 @@
 #include "tierflow/tiering/tiers.hpp"
 
 namespace tierflow::bindings {
+
+/// The format of a CPU Adam moment: its dtype (Note [Optimizer state formats]): float32 (fp32),
+/// bfloat16 (bf16) or uint8 (8bit: one buffer of moment_bytes(k8bit, numel) bytes); nullopt for any other.
+std::optional<optimizer::StateFormat> moment_format(const at::Tensor& moment) noexcept;
+
+/// The dtype of a moment of format `f`: float32, bfloat16 or uint8.
+at::ScalarType moment_dtype(optimizer::StateFormat f) noexcept;
+
+/// The shape of a moment of format `f` for a parameter (or shard) of shape `like`: `like` itself (fp32,
+/// bf16), or one dimension of moment_bytes(k8bit, numel) bytes (8bit).
+std::vector<std::int64_t> moment_shape(optimizer::StateFormat f, at::IntArrayRef like);
+
+/// `m` and `v` (any floating dtype, `numel` elements each) encoded into format `f`, written into `m_out`
+/// and `v_out` (contiguous CPU tensors of that format; fp32 copies).
+void encode_moments(optimizer::StateFormat f, const at::Tensor& m, const at::Tensor& v, const at::Tensor& m_out,
+                    const at::Tensor& v_out);
+
+/// Moments `m` and `v` of one format (their dtype), `numel` elements each, decoded into fp32 `m_out` and
+/// `v_out` (contiguous CPU float32 tensors of `numel` elements).
+void decode_moments(const at::Tensor& m, const at::Tensor& v, std::size_t numel, const at::Tensor& m_out,
+                    const at::Tensor& v_out);
 
 /// Statistics of the optimizer side.
 struct OptimizerStats {
@@ -58,14 +80,20 @@ class Runtime {
   /// A CPU tensor whose memory comes from the pinned host pool (zeroed when `zero`).
   at::Tensor host_empty(at::IntArrayRef sizes, at::ScalarType dtype, bool zero);
 
+  /// A fresh moment in the pinned host pool for a parameter (or shard) of shape `like`, in format `f`
+  /// (moment_shape, moment_dtype), zeroed: all-zero 8-bit codes and scales decode to 0.
+  at::Tensor host_moment(at::IntArrayRef like, optimizer::StateFormat f);
+
   /// Out-of-place outputs for adam_step (all undefined: in place).
   struct AdamOutputs {
     std::vector<at::Tensor> masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs;
   };
 
-  /// One Adam/AdamW step over CPU tensors: fp32 contiguous masters and
-  /// moments, gradients in fp32/bf16/fp16, optional copy-outs (undefined
-  /// tensors skip). Throws logic_error naming the offending tensor.
+  /// One Adam/AdamW step over CPU tensors: fp32 contiguous masters, moments
+  /// in the format of their dtype (moment_format: exp_avg and exp_avg_sq of one
+  /// format; out-of-place outputs in it too), gradients in fp32/bf16/fp16,
+  /// optional copy-outs (undefined tensors skip). Throws logic_error naming
+  /// the offending tensor.
   void adam_step(const optimizer::AdamOptions& options, std::int64_t step,
                  const std::vector<at::Tensor>& masters, const std::vector<at::Tensor>& exp_avgs,
                  const std::vector<at::Tensor>& exp_avg_sqs,

@@ -33,6 +33,49 @@ from .. import _C
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
+# Note [Optimizer state formats] (optimizer/state_format.hpp): the format of a moment is its dtype. A bf16 moment
+# is shaped like its parameter (or shard); an 8-bit one is ONE uint8 tensor of _C.moment_bytes("8bit", numel)
+# bytes: the codes, padded to 16 bytes, then the fp32 scales (_C.moment_layout).
+MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "8bit": torch.uint8}
+STATE_FORMATS = tuple(MOMENT_DTYPES)  # TIERFLOW_OPTIMIZER_STATES's values
+
+
+def moment_format(moment: torch.Tensor) -> Optional[str]:
+    """The format of a moment tensor, from its dtype: "fp32", "bf16", "8bit", or None for another dtype."""
+    for name, dtype in MOMENT_DTYPES.items():
+        if moment.dtype == dtype:
+            return name
+    return None
+
+
+def host_moment(runtime: "_C.Runtime", like: torch.Tensor, fmt: str) -> torch.Tensor:
+    """A fresh moment (exp_avg or exp_avg_sq) in format ``fmt`` for a parameter or shard shaped like ``like``,
+    zeroed in the pinned host pool: float32 or bfloat16 of like's shape, or the one uint8 buffer of an 8-bit
+    moment (all zero: codes 0 and scales 0 decode to 0)."""
+    return runtime.host_moment(list(like.shape), fmt)
+
+
+def moment_views(moment: torch.Tensor, like: torch.Tensor) -> tuple:
+    """An 8-bit moment's (codes shaped like ``like``, fp32 scales [blocks]): views of its buffer, no copy."""
+    numel = like.numel()
+    offset, blocks = _C.moment_layout(numel)
+    return moment[:numel].view(like.shape), moment[offset:offset + 4 * blocks].view(torch.float32)
+
+
+def packed_moment(codes: torch.Tensor, absmax: torch.Tensor) -> torch.Tensor:
+    """The one-buffer 8-bit moment of ``codes`` (uint8, any shape) and ``absmax`` (its fp32 scales): a new CPU
+    tensor (moment_views' inverse); padding zero."""
+    numel = codes.numel()
+    offset, blocks = _C.moment_layout(numel)
+    if codes.dtype != torch.uint8 or absmax.numel() != blocks:
+        raise _C.TierflowError(f"tierflow CPUAdamW: an 8-bit moment of {numel} elements takes uint8 codes and "
+                               f"{blocks} fp32 scales (exp_avg_absmax); got {codes.dtype} codes and "
+                               f"{absmax.numel()} scales")
+    out = torch.zeros(_C.moment_bytes("8bit", numel), dtype=torch.uint8)
+    out[:numel].copy_(codes.reshape(-1))
+    out[offset:].view(torch.float32).copy_(absmax.reshape(-1).to(torch.float32))
+    return out
+
 
 def local_shard(t: Any) -> Any:
     """An FSDP2 parameter or gradient (a DTensor): this rank's shard, a plain tensor over the DTensor's own
@@ -67,6 +110,10 @@ class DeviceCopies:
     def host(self, like: torch.Tensor, zero: bool) -> torch.Tensor:
         """A pinned fp32 tensor of ``like``'s shape (zeroed when ``zero``)."""
         return self._runtime.host_empty(list(like.shape), "float32", zero)
+
+    def host_moment(self, like: torch.Tensor, fmt: str) -> torch.Tensor:
+        """A zeroed pinned moment in format ``fmt`` for ``like`` (host_moment)."""
+        return host_moment(self._runtime, like, fmt)
 
     def staging(self, p: torch.Tensor, flat: bool = False) -> torch.Tensor:
         """A pinned tensor of p's dtype and shape (one dimension when ``flat``) for its new value."""
