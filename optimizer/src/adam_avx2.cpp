@@ -240,7 +240,7 @@ TIERFLOW_AVX2 void run_packed(const AdamTensor& t, const AdamScalars& s, std::si
         v_nan = v_nan || std::isnan(vb[j]);
       }
     }
-    const BlockScale ms = block_scale(hmax(m_max), m_nan), vs = block_scale(hmax(v_max), v_nan);
+    const BlockScale ms = block_scale(hmax(m_max), m_nan, kMinMScale), vs = block_scale(hmax(v_max), v_nan, kMinVScale);
     auto* mo = static_cast<std::uint8_t*>(q.m.data) + b;
     auto* vo = static_cast<std::uint8_t*>(q.v.data) + b;
     const __m256 m_inv = _mm256_set1_ps(ms.inv), v_inv = _mm256_set1_ps(vs.inv);

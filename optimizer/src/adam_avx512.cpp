@@ -6,6 +6,8 @@
 // (which the copy-out must equal) does not.
 #include <immintrin.h>
 
+#include <type_traits>
+
 // GCC 12's AVX-512 headers trip -Wmaybe-uninitialized on masked intrinsics.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 
@@ -216,10 +218,10 @@ TIERFLOW_AVX512 inline __m512 decode_m8(const void* codes, std::size_t i, __mmas
   return _mm512_mul_ps(_mm512_cvtph_ps(h), scale);
 }
 
+// `scale`: absmax * 2^-15, exact (kMinVScale), so one multiply rounds as decode_v8(c) * absmax does.
 TIERFLOW_AVX512 inline __m512 decode_v8(const void* codes, std::size_t i, __mmask16 k, __m512 scale) {
   const __m256i w = _mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(k, static_cast<const std::uint8_t*>(codes) + i));
-  const __m512 y = _mm512_cvtph_ps(_mm256_slli_epi16(w, 7));
-  return _mm512_mul_ps(_mm512_mul_ps(y, _mm512_set1_ps(0x1p-15f)), scale);
+  return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_slli_epi16(w, 7)), scale);
 }
 
 // Non-negative halves rounded to 3 mantissa bits, as encode_m8/encode_v8 do.
@@ -234,8 +236,9 @@ TIERFLOW_AVX512 inline __m128i encode_m8(__m512 m, __m512 inv) {
   return _mm256_cvtepi16_epi8(_mm256_or_si256(q, _mm256_and_si256(_mm256_srli_epi16(h, 8), _mm256_set1_epi16(0x80))));
 }
 
+// `inv`: (1/absmax) * 2^15, exact (kMinVScale); (v * inv) rounds to what (v * (1/absmax)) * 2^15 does.
 TIERFLOW_AVX512 inline __m128i encode_v8(__m512 v, __m512 inv) {
-  const __m512 y = _mm512_mul_ps(_mm512_mul_ps(v, inv), _mm512_set1_ps(kVCodeScale));
+  const __m512 y = _mm512_mul_ps(v, inv);
   return _mm256_cvtepi16_epi8(round_to_q(_mm512_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
 }
 
@@ -244,7 +247,8 @@ TIERFLOW_AVX512 inline __mmask16 lanes(std::size_t n) {
 }
 
 template <ScalarType G, int P, StateFormat F, bool kDecoupled, bool kWd>
-TIERFLOW_AVX512 void run_packed(const AdamTensor& t, const AdamScalars& s, std::size_t begin, std::size_t end) {
+TIERFLOW_AVX512 void run_packed(const AdamTensor& tensor, const AdamScalars& s, std::size_t begin, std::size_t end) {
+  const AdamTensor t = tensor;  // a local copy: its pointers stay in registers across the stores below
   const __m512 decay = _mm512_set1_ps(s.decay), wd = _mm512_set1_ps(s.wd);
   const __m512 w = _mm512_set1_ps(s.one_minus_b1), b2 = _mm512_set1_ps(s.b2);
   const __m512 omb2 = _mm512_set1_ps(s.one_minus_b2), inv_bc2 = _mm512_set1_ps(s.inv_bc2_sqrt);
@@ -253,30 +257,62 @@ TIERFLOW_AVX512 void run_packed(const AdamTensor& t, const AdamScalars& s, std::
   const __m512 scale = _mm512_set1_ps(s.grad_scale);
   const AdamOutputs out(t);
   const PackedOutputs q(t);
-  // The element update of adam_element, on 16 lanes; stores the master and the copy-out.
-  auto update = [&](std::size_t i, __mmask16 k, __m512& m, __m512& v) TIERFLOW_AVX512 {
-    __m512 g = load_grad<G>(t, i, k);
-    if (s.scale_grad) g = _mm512_mul_ps(g, scale);
-    g = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), flip));
-    __m512 p = _mm512_maskz_loadu_ps(k, t.master + i);
-    if (kWd) {
-      if (kDecoupled) p = _mm512_mul_ps(p, decay);
-      else g = _mm512_fmadd_ps(wd, p, g);
+  float* const master_out = out.master;
+  // The element update of adam_element on U vectors of 16 lanes at i, i + 16, ...
+  // (masks k[u]), each operation issued for all U before the next, as the fp32
+  // kernel does (sqrt and div have long latencies); m and v in, new m and v out;
+  // stores the master and the copy-out.
+  auto update = [&](auto unroll, std::size_t i, const __mmask16* k, __m512* m, __m512* v) TIERFLOW_AVX512 {
+    constexpr int U = decltype(unroll)::value;
+    __m512 g[U], p[U], d[U];
+    for (int u = 0; u < U; ++u) {
+      g[u] = load_grad<G>(t, i + 16 * u, k[u]);
+      p[u] = _mm512_maskz_loadu_ps(k[u], t.master + i + 16 * u);
     }
-    m = _mm512_fmadd_ps(w, _mm512_sub_ps(g, m), m);
-    v = _mm512_fmadd_ps(_mm512_mul_ps(omb2, g), g, _mm512_mul_ps(v, b2));
-    const __m512 denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(v), inv_bc2), eps);
-    p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(nss, m), denom));
-    _mm512_mask_storeu_ps(out.master + i, k, p);
-    store_param<P>(t, i, k, p);
+    for (int u = 0; u < U; ++u) {
+      if (s.scale_grad) g[u] = _mm512_mul_ps(g[u], scale);
+      g[u] = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g[u]), flip));
+      if (kWd) {
+        if (kDecoupled) p[u] = _mm512_mul_ps(p[u], decay);
+        else g[u] = _mm512_fmadd_ps(wd, p[u], g[u]);
+      }
+      m[u] = _mm512_fmadd_ps(w, _mm512_sub_ps(g[u], m[u]), m[u]);
+      v[u] = _mm512_fmadd_ps(_mm512_mul_ps(omb2, g[u]), g[u], _mm512_mul_ps(v[u], b2));
+    }
+    for (int u = 0; u < U; ++u) d[u] = _mm512_sqrt_ps(v[u]);
+    for (int u = 0; u < U; ++u) d[u] = _mm512_add_ps(_mm512_mul_ps(d[u], inv_bc2), eps);
+    for (int u = 0; u < U; ++u) p[u] = _mm512_add_ps(p[u], _mm512_div_ps(_mm512_mul_ps(nss, m[u]), d[u]));
+    for (int u = 0; u < U; ++u) {
+      _mm512_mask_storeu_ps(master_out + i + 16 * u, k[u], p[u]);
+      store_param<P>(t, i + 16 * u, k[u], p[u]);
+    }
   };
+  using One = std::integral_constant<int, 1>;
+  using Four = std::integral_constant<int, 4>;
+  constexpr __mmask16 all = static_cast<__mmask16>(0xffff);
+  const __mmask16 full[4] = {all, all, all, all};
   if (F == StateFormat::kBf16) {
-    for (std::size_t i = begin; i < end; i += 16) {
+    auto* mo = static_cast<std::uint16_t*>(q.m.data);
+    auto* vo = static_cast<std::uint16_t*>(q.v.data);
+    std::size_t i = begin;
+    for (; i + 64 <= end; i += 64) {
+      __m512 m[4], v[4];
+      for (int u = 0; u < 4; ++u) {
+        m[u] = load_bf16(t.m.data, i + 16 * u, all);
+        v[u] = load_bf16(t.v.data, i + 16 * u, all);
+      }
+      update(Four{}, i, full, m, v);
+      for (int u = 0; u < 4; ++u) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(mo + i + 16 * u), to_bf16(m[u]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(vo + i + 16 * u), to_bf16(v[u]));
+      }
+    }
+    for (; i < end; i += 16) {
       const __mmask16 k = lanes(end - i);
       __m512 m = load_bf16(t.m.data, i, k), v = load_bf16(t.v.data, i, k);
-      update(i, k, m, v);
-      _mm256_mask_storeu_epi16(static_cast<std::uint16_t*>(q.m.data) + i, k, to_bf16(m));
-      _mm256_mask_storeu_epi16(static_cast<std::uint16_t*>(q.v.data) + i, k, to_bf16(v));
+      update(One{}, i, &k, &m, &v);
+      _mm256_mask_storeu_epi16(mo + i, k, to_bf16(m));
+      _mm256_mask_storeu_epi16(vo + i, k, to_bf16(v));
     }
     return;
   }
@@ -284,31 +320,44 @@ TIERFLOW_AVX512 void run_packed(const AdamTensor& t, const AdamScalars& s, std::
   const __m512i abs_bits = _mm512_set1_epi32(0x7fffffff);
   for (std::size_t b = begin; b < end; b += kQuantBlock) {
     const std::size_t n = block_length(b, t.numel), block = b / kQuantBlock;
-    const __m512 m_scale = _mm512_set1_ps(t.m.absmax[block]), v_scale = _mm512_set1_ps(t.v.absmax[block]);
+    const __m512 m_scale = _mm512_set1_ps(t.m.absmax[block]), v_scale = _mm512_set1_ps(t.v.absmax[block] * 0x1p-15f);
     __m512 m_max = _mm512_setzero_ps(), v_max = _mm512_setzero_ps();
     __mmask16 m_nan = 0, v_nan = 0;
-    for (std::size_t j = 0; j < n; j += 16) {
+    // Decodes, updates and keeps U vectors of the block at j in mb and vb.
+    auto part = [&](auto unroll, std::size_t j, const __mmask16* k) TIERFLOW_AVX512 {
+      constexpr int U = decltype(unroll)::value;
+      __m512 m[U], v[U];
+      for (int u = 0; u < U; ++u) {
+        m[u] = decode_m8(t.m.data, b + j + 16 * u, k[u], m_scale);
+        v[u] = decode_v8(t.v.data, b + j + 16 * u, k[u], v_scale);
+      }
+      update(unroll, b + j, k, m, v);
+      for (int u = 0; u < U; ++u) {
+        _mm512_store_ps(mb + j + 16 * u, m[u]);
+        _mm512_store_ps(vb + j + 16 * u, v[u]);
+        const __m512 am = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(m[u]), abs_bits));
+        m_max = _mm512_mask_max_ps(m_max, k[u], m_max, am);
+        v_max = _mm512_mask_max_ps(v_max, k[u], v_max, v[u]);
+        m_nan |= _mm512_mask_cmp_ps_mask(k[u], m[u], m[u], _CMP_UNORD_Q);
+        v_nan |= _mm512_mask_cmp_ps_mask(k[u], v[u], v[u], _CMP_UNORD_Q);
+      }
+    };
+    std::size_t j = 0;
+    for (; j + 64 <= n; j += 64) part(Four{}, j, full);
+    for (; j < n; j += 16) {
       const __mmask16 k = lanes(n - j);
-      __m512 m = decode_m8(t.m.data, b + j, k, m_scale), v = decode_v8(t.v.data, b + j, k, v_scale);
-      update(b + j, k, m, v);
-      _mm512_store_ps(mb + j, m);
-      _mm512_store_ps(vb + j, v);
-      const __m512 am = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(m), abs_bits));
-      m_max = _mm512_mask_max_ps(m_max, k, m_max, am);
-      v_max = _mm512_mask_max_ps(v_max, k, v_max, v);
-      m_nan |= _mm512_mask_cmp_ps_mask(k, m, m, _CMP_UNORD_Q);
-      v_nan |= _mm512_mask_cmp_ps_mask(k, v, v, _CMP_UNORD_Q);
+      part(One{}, j, &k);
     }
-    const BlockScale ms = block_scale(_mm512_reduce_max_ps(m_max), m_nan != 0);
-    const BlockScale vs = block_scale(_mm512_reduce_max_ps(v_max), v_nan != 0);
+    const BlockScale ms = block_scale(_mm512_reduce_max_ps(m_max), m_nan != 0, kMinMScale);
+    const BlockScale vs = block_scale(_mm512_reduce_max_ps(v_max), v_nan != 0, kMinVScale);
     auto* mo = static_cast<std::uint8_t*>(q.m.data) + b;
     auto* vo = static_cast<std::uint8_t*>(q.v.data) + b;
-    const __m512 m_inv = _mm512_set1_ps(ms.inv), v_inv = _mm512_set1_ps(vs.inv);
-    for (std::size_t j = 0; j < n; j += 16) {
-      const __mmask16 k = lanes(n - j);
-      const __m128i zero = _mm_setzero_si128();
-      _mm_mask_storeu_epi8(mo + j, k, ms.inv == 0.f ? zero : encode_m8(_mm512_load_ps(mb + j), m_inv));
-      _mm_mask_storeu_epi8(vo + j, k, vs.inv == 0.f ? zero : encode_v8(_mm512_load_ps(vb + j), v_inv));
+    const __m512 m_inv = _mm512_set1_ps(ms.inv), v_inv = _mm512_set1_ps(vs.inv * kVCodeScale);
+    const __m128i zero = _mm_setzero_si128();
+    for (std::size_t e = 0; e < n; e += 16) {
+      const __mmask16 k = lanes(n - e);
+      _mm_mask_storeu_epi8(mo + e, k, ms.inv == 0.f ? zero : encode_m8(_mm512_load_ps(mb + e), m_inv));
+      _mm_mask_storeu_epi8(vo + e, k, vs.inv == 0.f ? zero : encode_v8(_mm512_load_ps(vb + e), v_inv));
     }
     q.m.absmax[block] = ms.stored;
     q.v.absmax[block] = vs.stored;

@@ -161,10 +161,16 @@ struct BlockScale {
   float inv;     ///< 1/absmax; 0 when the block's codes are all 0
 };
 
-/// The scale of a block whose largest |moment| (NaN ignored) is `absmax`, `nan` if one was NaN.
-inline BlockScale block_scale(float absmax, bool nan) noexcept {
+/// Below these a block's moments encode as zeros with scale 0: m below the
+/// smallest normal float; v below 2^-100, so that absmax * 2^-15 and
+/// (1/absmax) * 2^15 are exact and a SIMD path may fold them into one factor.
+inline constexpr float kMinMScale = 1.17549435e-38f, kMinVScale = 0x1p-100f;
+
+/// The scale of a block whose largest |moment| (NaN ignored) is `absmax`, `nan`
+/// if one was NaN; scales below `min` encode as zeros.
+inline BlockScale block_scale(float absmax, bool nan, float min) noexcept {
   if (nan || !(absmax <= 3.4028234664e38f)) return {NAN, 0.f};
-  if (absmax < 1.17549435e-38f) return {0.f, 0.f};
+  if (absmax < min) return {0.f, 0.f};
   return {absmax, 1.f / absmax};
 }
 

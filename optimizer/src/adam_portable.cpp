@@ -76,7 +76,7 @@ void adam_range_portable_packed(const AdamTensor& t, const AdamScalars& s, std::
       m_nan = m_nan || std::isnan(m);
       v_nan = v_nan || std::isnan(v);
     }
-    const BlockScale ms = block_scale(m_max, m_nan), vs = block_scale(v_max, v_nan);
+    const BlockScale ms = block_scale(m_max, m_nan, kMinMScale), vs = block_scale(v_max, v_nan, kMinVScale);
     auto* mo = static_cast<std::uint8_t*>(q.m.data) + b;
     auto* vo = static_cast<std::uint8_t*>(q.v.data) + b;
     for (std::size_t j = 0; j < n; ++j) {

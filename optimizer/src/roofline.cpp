@@ -46,13 +46,71 @@ TIERFLOW_AVX512 void traffic_avx512(const AdamTensor& t, std::size_t b, std::siz
   }
 }
 
+// Packed moments (Note [Optimizer state formats]): the same master, gradient
+// and copy-out traffic, and the moments' own bytes: 16-bit m and v, or 8-bit
+// codes and a scale per block read and written.
+TIERFLOW_AVX512 void traffic_packed_avx512(const AdamTensor& t, std::size_t b, std::size_t e) {
+  const bool g16 = t.grad_type != ScalarType::kFloat32;
+  const bool o16 = t.param_out && t.param_type != ScalarType::kFloat32;
+  const bool q8 = t.state_format == StateFormat::k8bit;
+  for (std::size_t i = b; i < e; i += 16) {
+    const std::size_t left = e - i;
+    const __mmask16 k = left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1u);
+    __m512 g;
+    __m256i gbits;
+    if (g16) {
+      gbits = _mm256_maskz_loadu_epi16(k, static_cast<const std::uint16_t*>(t.grad) + i);
+      g = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(gbits), 16));
+    } else {
+      g = _mm512_maskz_loadu_ps(k, static_cast<const float*>(t.grad) + i);
+      gbits = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(g), 16));
+    }
+    const __m512 p = _mm512_add_ps(_mm512_maskz_loadu_ps(k, t.master + i), g);
+    if (q8) {
+      const __m128i g8 = _mm256_cvtepi16_epi8(gbits);
+      for (void* d : {t.m.data, t.v.data}) {
+        auto* c = static_cast<std::uint8_t*>(d) + i;
+        _mm_mask_storeu_epi8(c, k, _mm_add_epi8(_mm_maskz_loadu_epi8(k, c), g8));
+      }
+      if (i % kQuantBlock == 0) {
+        t.m.absmax[i / kQuantBlock] += 1.f;
+        t.v.absmax[i / kQuantBlock] += 1.f;
+      }
+    } else {
+      for (void* d : {t.m.data, t.v.data}) {
+        auto* h = static_cast<std::uint16_t*>(d) + i;
+        _mm256_mask_storeu_epi16(h, k, _mm256_add_epi16(_mm256_maskz_loadu_epi16(k, h), gbits));
+      }
+    }
+    _mm512_mask_storeu_ps(t.master + i, k, p);
+    if (o16) {
+      _mm256_mask_storeu_epi16(static_cast<std::uint16_t*>(t.param_out) + i, k,
+                               _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(p), 16)));
+    } else if (t.param_out) {
+      _mm512_mask_storeu_ps(static_cast<float*>(t.param_out) + i, k, p);
+    }
+  }
+}
+
 void traffic_portable(const AdamTensor& t, std::size_t b, std::size_t e) {
   for (std::size_t i = b; i < e; ++i) {
     float g = t.grad_type == ScalarType::kFloat32 ? static_cast<const float*>(t.grad)[i]
                                                   : bf16_to_float(static_cast<const std::uint16_t*>(t.grad)[i]);
     float p = t.master[i] + g;
-    t.exp_avg[i] += g;
-    t.exp_avg_sq[i] += g;
+    if (t.state_format == StateFormat::kFp32) {
+      t.exp_avg[i] += g;
+      t.exp_avg_sq[i] += g;
+    } else if (t.state_format == StateFormat::kBf16) {
+      static_cast<std::uint16_t*>(t.m.data)[i] = static_cast<std::uint16_t>(static_cast<std::uint16_t*>(t.m.data)[i] + 1);
+      static_cast<std::uint16_t*>(t.v.data)[i] = static_cast<std::uint16_t>(static_cast<std::uint16_t*>(t.v.data)[i] + 1);
+    } else {
+      static_cast<std::uint8_t*>(t.m.data)[i] = static_cast<std::uint8_t>(static_cast<std::uint8_t*>(t.m.data)[i] + 1);
+      static_cast<std::uint8_t*>(t.v.data)[i] = static_cast<std::uint8_t>(static_cast<std::uint8_t*>(t.v.data)[i] + 1);
+      if (i % kQuantBlock == 0) {
+        t.m.absmax[i / kQuantBlock] += 1.f;
+        t.v.absmax[i / kQuantBlock] += 1.f;
+      }
+    }
     t.master[i] = p;
     if (!t.param_out) continue;
     if (t.param_type == ScalarType::kFloat32) static_cast<float*>(t.param_out)[i] = p;
@@ -84,7 +142,9 @@ void AdamTrafficKernel::run(const std::vector<AdamTensor>& tensors) {
                       [&](const tbb::blocked_range<std::size_t>& r) {
                         for (std::size_t c = r.begin(); c != r.end(); ++c) {
                           auto [ti, b, e] = chunks[c];
-                          if (wide) traffic_avx512(tensors[ti], b, e);
+                          const bool packed = tensors[ti].state_format != StateFormat::kFp32;
+                          if (wide && packed) traffic_packed_avx512(tensors[ti], b, e);
+                          else if (wide) traffic_avx512(tensors[ti], b, e);
                           else traffic_portable(tensors[ti], b, e);
                         }
                       },

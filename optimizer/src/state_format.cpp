@@ -29,7 +29,7 @@ void encode_moments(StateFormat f, const float* m, const float* v, std::size_t n
       m_nan = m_nan || std::isnan(m[i]);
       v_nan = v_nan || std::isnan(v[i]);
     }
-    const detail::BlockScale ms = detail::block_scale(m_max, m_nan), vs = detail::block_scale(v_max, v_nan);
+    const detail::BlockScale ms = detail::block_scale(m_max, m_nan, detail::kMinMScale), vs = detail::block_scale(v_max, v_nan, detail::kMinVScale);
     for (std::size_t i = b; i < b + len; ++i) {
       static_cast<std::uint8_t*>(m_out.data)[i] = ms.inv == 0.f ? 0 : detail::encode_m8(m[i] * ms.inv);
       static_cast<std::uint8_t*>(v_out.data)[i] =

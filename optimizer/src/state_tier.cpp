@@ -20,7 +20,7 @@ std::uint64_t pool_rounded(std::uint64_t bytes) noexcept {
 }  // namespace
 
 std::uint64_t state_bytes(const ParamStateShape& state) noexcept {
-  return static_cast<std::uint64_t>(state.numel) * 4ULL * (state.amsgrad ? 4 : 3);
+  return 4ULL * state.numel * (state.amsgrad ? 2 : 1) + 2ULL * moment_bytes(state.format, state.numel);
 }
 
 StatePoolNeed state_pool_need(const std::vector<ParamStateShape>& states, bool nvme) {
@@ -54,7 +54,9 @@ StatePoolNeed state_pool_need(const std::vector<ParamStateShape>& states, bool n
   }
   out.bytes += moved;
   out.what = "the states of " + std::to_string(states.size()) + " parameters (" + std::to_string(elements) +
-             " elements, fp32 master, exp_avg, exp_avg_sq" + (amsgrad ? ", max_exp_avg_sq" : "") + ")" + step_part;
+             " elements, fp32 master, exp_avg, exp_avg_sq" + (amsgrad ? ", max_exp_avg_sq" : "") +
+             (states.front().format == StateFormat::kFp32 ? "" : std::string(" with ") + to_string(states.front().format) + " moments") +
+             ")" + step_part;
   return out;
 }
 

@@ -107,6 +107,9 @@ void reference_step(const AdamOptions& o, std::int64_t step, Packed& s, std::vec
       am = std::max(am, std::fabs(m[i]));
       av = std::max(av, v[i]);
     }
+    // Scales below the smallest normal float (m) or 2^-100 (v) encode as zeros.
+    if (am < std::numeric_limits<float>::min()) am = 0;
+    if (av < 0x1p-100f) av = 0;
     const float mi = am > 0 ? 1.f / am : 0.f, vi = av > 0 ? 1.f / av : 0.f;
     for (std::size_t i = b; i < e; ++i) {
       const float y = m[i] * mi;

@@ -40,6 +40,7 @@
 
 #include "tierflow/allocator/pinned_host_pool.hpp"
 #include "tierflow/optimizer/cpu_adam.hpp"
+#include "tierflow/optimizer/state_tier.hpp"
 #include "tierflow/swap/nvme_engine.hpp"
 
 namespace tierflow::optimizer {
@@ -81,7 +82,7 @@ class NvmeAdamStore {
   /// Bytes of one parameter's state: fp32 master, m and v in `format`
   /// (moment_bytes each) and, with amsgrad, an fp32 vmax.
   static std::uint64_t state_bytes(std::size_t numel, bool amsgrad, StateFormat format = StateFormat::kFp32) noexcept {
-    return 4ULL * numel * (amsgrad ? 2 : 1) + 2ULL * moment_bytes(format, numel);
+    return optimizer::state_bytes(ParamStateShape{numel, amsgrad, 0, format});
   }
   /// Grows the NVMe files now for states of these sizes plus a step's new
   /// state; throws io_error naming the need, the free space and TIERFLOW_NVME_MEMORY.

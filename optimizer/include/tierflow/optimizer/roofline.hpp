@@ -13,7 +13,9 @@ namespace tierflow::optimizer {
 /// dtypes and with the same chunking, thread count and SIMD width as
 /// CpuAdam::step, but with one add per array instead of Adam's arithmetic.
 /// Its time is the memory-bandwidth floor of the step (benchmarks only: it
-/// overwrites the state with meaningless values).
+/// overwrites the state with meaningless values). bf16 and 8-bit moments
+/// (AdamTensor::state_format) move their own bytes: 2 + 2, or 1 + 1 and a
+/// scale per block each, read and written.
 class AdamTrafficKernel {
  public:
   /// `threads` == 0 uses every core.

@@ -43,6 +43,8 @@
 #include <utility>
 #include <vector>
 
+#include "tierflow/optimizer/state_format.hpp"
+
 namespace tierflow::optimizer {
 
 /// The key that marks a state lost to NVMe corruption in state_dict() (Note [NVMe optimizer faults]).
@@ -56,9 +58,12 @@ struct ParamStateShape {
   /// holds beside the states (the parameter's element size for one on the runtime's device; 0 for a CPU
   /// parameter, stepped from p.grad into p in place).
   std::size_t moved_element_bytes = 0;
+  /// How its moments are kept (TIERFLOW_OPTIMIZER_STATES; Note [Optimizer state formats]).
+  StateFormat format = StateFormat::kFp32;
 };
 
-/// Bytes of one parameter's fp32 state: master, exp_avg, exp_avg_sq (and max_exp_avg_sq with amsgrad).
+/// Bytes of one parameter's state: the fp32 master, exp_avg and exp_avg_sq in
+/// its format (moment_bytes each) and, with amsgrad, an fp32 max_exp_avg_sq.
 std::uint64_t state_bytes(const ParamStateShape& state) noexcept;
 
 /// The pinned host memory the states need and what for, in the words of the error.
