@@ -77,7 +77,7 @@ from .. import _fsdp_feed as fsdp_feed
 from .._distributed import fsdp_units, note_step, rank_and_world_size
 from . import clip
 from .accepted import GRAD_DTYPES, check_grad, check_replaceable
-from .copies import DeviceCopies, local_shard
+from .copies import STATE_FORMATS, DeviceCopies, local_shard
 from .gpu_share import GpuShare
 from . import checkpoint
 from .nvme_states import StateTier, fill_lost_states
@@ -95,12 +95,20 @@ class CPUAdamW(torch.optim.Optimizer):
     master is written back into each parameter in the parameter's dtype. Its
     ``state_dict`` has torch's layout plus an fp32 ``master`` per parameter,
     and loads into ``torch.optim.AdamW``; torch's loads into it.
+
+    ``exp_avg`` and ``exp_avg_sq`` are kept in the format TIERFLOW_OPTIMIZER_STATES
+    (keyword ``optimizer_states``: fp32, bf16 or 8bit; Note [Optimizer state
+    formats]) names; the format of a moment is its dtype (float32, bfloat16, or
+    one uint8 buffer of codes and scales). The state dict carries the format
+    (checkpoint.py) and a load converts any format into this optimizer's.
     """
 
     def __init__(self, params: Any, runtime: "_C.Runtime", lr: float = 1e-3,
                  betas: tuple = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
                  amsgrad: bool = False, *, maximize: bool = False,
-                 decoupled_weight_decay: bool = True) -> None:
+                 decoupled_weight_decay: bool = True, optimizer_states: Optional[str] = None) -> None:
+        # None: the runtime's TIERFLOW_OPTIMIZER_STATES (tierflow.wrap's keyword optimizer_states sets it).
+        self._states_keyword = optimizer_states
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, foreach=None, capturable=False, differentiable=False,
                         fused=None, decoupled_weight_decay=decoupled_weight_decay)
@@ -159,6 +167,10 @@ class CPUAdamW(torch.optim.Optimizer):
         self._stream_stepped: list = []  # the stream's slots this step steps in the Python path
         self._python_stepped: list = []  # the parameters this step writes in the Python path
         cfg = runtime.config()
+        # Note [Optimizer state formats]: how exp_avg and exp_avg_sq are kept (their dtype says it too).
+        self._state_format = self._format_of(getattr(self, "_states_keyword", None), cfg)
+        for i, group in enumerate(self.param_groups):
+            self._check_amsgrad(group, i)
         if not hasattr(self, "_names"):
             self._names: dict = {}
         self._copies = DeviceCopies(runtime)  # Note [Optimizer copies]
@@ -271,8 +283,33 @@ class CPUAdamW(torch.optim.Optimizer):
         if old is not None:
             old._opt_called = True
 
+    @staticmethod
+    def _format_of(keyword: Optional[str], cfg: Any) -> str:
+        """The moments' format: CPUAdamW's keyword ``optimizer_states`` if given, else TIERFLOW_OPTIMIZER_STATES."""
+        if keyword is None:
+            return cfg["TIERFLOW_OPTIMIZER_STATES"]
+        name = str(keyword).strip().lower()
+        if name not in STATE_FORMATS:
+            raise _C.ConfigError(f"tierflow CPUAdamW: optimizer_states={keyword!r} (TIERFLOW_OPTIMIZER_STATES); "
+                                 f"accepted: {', '.join(STATE_FORMATS)}")
+        return name
+
+    def _check_amsgrad(self, group: dict, index: int) -> None:
+        """amsgrad keeps fp32 moments: refused with bf16 or 8-bit ones, naming the setting."""
+        fmt = getattr(self, "_state_format", "fp32")
+        if group.get("amsgrad") and fmt != "fp32":
+            raise _C.ConfigError(
+                f"tierflow CPUAdamW: param group {index} has amsgrad=True, and amsgrad keeps fp32 moments; "
+                f"TIERFLOW_OPTIMIZER_STATES={fmt} (keyword optimizer_states={fmt}) is refused with it "
+                "(accepted: fp32)")
+
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
+        try:
+            self._check_amsgrad(self.param_groups[-1], len(self.param_groups) - 1)
+        except BaseException:
+            self.param_groups.pop()
+            raise
         streaming = getattr(self, "_streaming", None)  # None inside torch's __init__, before _setup
         if streaming is not None:
             streaming.forget_python_path()  # its parameters step through the Python path
@@ -465,7 +502,9 @@ class CPUAdamW(torch.optim.Optimizer):
                 fresh = self._states.add(p, group, self._copies.source(local_shard(p)))  # FSDP2: its shard
             else:
                 shard = local_shard(p)  # FSDP2: this rank's shard only (one copy of the states on the node)
-                fresh = {"exp_avg": self._copies.host(shard, True), "exp_avg_sq": self._copies.host(shard, True)}
+                fmt = self._state_format  # Note [Optimizer state formats]
+                fresh = {"exp_avg": self._copies.host_moment(shard, fmt),
+                         "exp_avg_sq": self._copies.host_moment(shard, fmt)}
                 if group["amsgrad"]:
                     fresh["max_exp_avg_sq"] = self._copies.host(shard, True)
                 master = self._copies.host(shard, False)
@@ -490,7 +529,8 @@ class CPUAdamW(torch.optim.Optimizer):
         return checkpoint.state_dict_of(self, super().state_dict())
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Loads a CPUAdamW or torch Adam/AdamW state dict, keeping fp32 precision. Refuses one with
+        """Loads a CPUAdamW or torch Adam/AdamW state dict, keeping fp32 precision; moments of another format
+        are converted to this optimizer's (one log line says so). Refuses one with
         states marked lost (Note [NVMe optimizer faults]), naming them (checkpoint.py)."""
         checkpoint.load(self, state_dict, super().load_state_dict)
 

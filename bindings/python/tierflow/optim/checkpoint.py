@@ -1,7 +1,18 @@
 """tierflow's CPU AdamW to and from a state dict (CPUAdamW.state_dict / load_state_dict): torch's layout, the
 fp32 master only where the parameter is not fp32, NVMe states read back into CPU tensors or marked lost (Note
 [NVMe optimizer faults]), FSDP2's shards as DTensors (Note [Distributed training]), a partitioned optimizer's
-share recorded and checked (Note [Partitioned optimizer])."""
+share recorded and checked (Note [Partitioned optimizer]).
+
+Note [Optimizer states in checkpoints]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A state dict carries the moments in the optimizer's own format (Note [Optimizer state formats]): fp32 and bf16
+moments as they are (float32 / bfloat16 tensors shaped like the parameter); 8-bit ones as ``exp_avg`` = the
+uint8 codes shaped like the parameter plus ``exp_avg_absmax`` = its fp32 scales [quant_blocks] (both views of the
+moment's one buffer, no copy), the same for ``exp_avg_sq``. Under FSDP2 the 8-bit moments go out decoded to fp32
+(DTensors like the other states): their scales are per block of this rank's shard and could not be resharded.
+load_state_dict takes any format (torch.optim.AdamW's fp32 included) and converts it into this optimizer's,
+through fp32 (decode, then encode), with one log line naming the conversion; decoding then encoding gives back
+the same codes and scales, so a resume through fp32 (FSDP2's, or a format change and back) is bit for bit."""
 
 from __future__ import annotations
 
@@ -10,11 +21,13 @@ from typing import Any, Callable, Optional
 import torch
 
 from .. import _C
-from .copies import local_shard
+from .copies import local_shard, moment_format, moment_views, packed_moment
 from .nvme_states import LOST_STATE
 from .partition import LAYOUT_KEY
 
-_STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+_ABSMAX = {name: name + "_absmax" for name in _MOMENTS}  # an 8-bit moment's scales in a state dict
+_STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master", *_ABSMAX.values())
 
 
 def state_dict_of(opt: Any, sd: dict) -> dict:
@@ -29,6 +42,8 @@ def state_dict_of(opt: Any, sd: dict) -> dict:
         p = index.get(k)
         if p is not None and p.dtype == torch.float32 and "master" in s:
             s = {n: v for n, v in s.items() if n != "master"}
+        if p is not None:
+            s = exported_moments(s, local_shard(p), decode=opt._sharded)
         state[k] = s
     sd["state"] = state
     if opt._sharded:
@@ -36,6 +51,24 @@ def state_dict_of(opt: Any, sd: dict) -> dict:
     if opt._partition is not None:  # Note [Partitioned optimizer]: whose share this is
         sd[LAYOUT_KEY] = opt._partition.layout
     return sd
+
+
+def exported_moments(s: dict, shard: torch.Tensor, decode: bool) -> dict:
+    """Note [Optimizer states in checkpoints]: ``s`` (a new dict where it changes; the live state stays) with
+    8-bit moments as codes shaped like ``shard`` and their scales (views), or decoded to fp32 when ``decode``
+    (FSDP2: shaped like the shard, so they go out as DTensors)."""
+    m, v = s.get("exp_avg"), s.get("exp_avg_sq")
+    if not isinstance(m, torch.Tensor) or not isinstance(v, torch.Tensor) or moment_format(m) != "8bit" or \
+            m.dim() != 1 or m.numel() != _C.moment_bytes("8bit", shard.numel()):
+        return s
+    out = dict(s)
+    if decode:
+        dm, dv = _C.decode_moments(m, v, shard.numel())
+        out["exp_avg"], out["exp_avg_sq"] = dm.view(shard.shape), dv.view(shard.shape)
+        return out
+    for name, t in (("exp_avg", m), ("exp_avg_sq", v)):
+        out[name], out[_ABSMAX[name]] = moment_views(t, shard)
+    return out
 
 
 def as_dtensors(s: dict, p: torch.Tensor) -> dict:
@@ -89,6 +122,7 @@ def load(opt: Any, state_dict: dict, torch_load: Callable[[dict], None]) -> None
     """CPUAdamW.load_state_dict: refused before anything changes (check_loadable); else torch's load
     (``torch_load``), the shared param groups kept, and each parameter's state restored in fp32 on its tier."""
     layout = check_loadable(opt, state_dict)
+    converted: set = set()  # the formats of loaded moments that were converted into the optimizer's
     if opt._streaming is not None:
         opt._wait_worker()
         opt._streaming.stream.restore_grads()  # the next step() still takes this backward's gradients
@@ -119,22 +153,98 @@ def load(opt: Any, state_dict: dict, torch_load: Callable[[dict], None]) -> None
     for group, saved in zip(opt.param_groups, state_dict["param_groups"]):
         for p, key in zip(group["params"], saved["params"]):
             if p in opt.state and key in originals:
-                restore_state(opt, p, group, originals[key], reconcile, stores.get(p))
+                restore_state(opt, p, group, originals[key], reconcile, stores.get(p), converted)
     opt._master_stale = reconcile
+    if converted:  # Note [Optimizer states in checkpoints]: once a load, naming the formats
+        target = opt._state_format
+        lossy = any(_NARROWER[target] < _NARROWER[f] for f in converted)
+        _C.log("warn" if lossy else "info",
+               f"tierflow: optimizer states in the checkpoint are {' and '.join(sorted(converted))}; converted to "
+               f"{target} (TIERFLOW_OPTIMIZER_STATES)")
 
 
-def restore_state(opt: Any, p: torch.Tensor, group: dict, original: dict, reconcile: bool, store: Any) -> None:
+_NARROWER = {"fp32": 2, "bf16": 1, "8bit": 0}  # bits kept, in order: a conversion to a lower one loses some
+
+
+def loaded_moments(original: dict, shard: torch.Tensor) -> Optional[tuple]:
+    """A loaded state's moments as (format, m, v): fp32 (any float dtype but bfloat16, as float32), bf16, or
+    8bit (the one buffer, from codes and ``*_absmax`` scales, or the buffer itself); None without both."""
+    m, v = original.get("exp_avg"), original.get("exp_avg_sq")
+    if not isinstance(m, torch.Tensor) or not isinstance(v, torch.Tensor):
+        return None
+    m, v = m.detach().cpu(), v.detach().cpu()
+    if m.dtype != v.dtype:
+        raise _C.TierflowError(f"tierflow CPUAdamW.load_state_dict: exp_avg is {m.dtype} and exp_avg_sq "
+                               f"{v.dtype}; accepted: both of one format (float32, bfloat16, or uint8 codes)")
+    fmt = moment_format(m)
+    if fmt == "8bit":
+        n = shard.numel()
+        bufs = []
+        for name, t in (("exp_avg", m), ("exp_avg_sq", v)):
+            absmax = original.get(_ABSMAX[name])
+            if absmax is not None:
+                if t.numel() != n:
+                    raise _C.TierflowError(f"tierflow CPUAdamW.load_state_dict: 8-bit {name} has {t.numel()} codes "
+                                           f"for a parameter of {n} elements")
+                bufs.append(packed_moment(t, absmax.detach().cpu()))
+            elif t.dim() == 1 and t.numel() == _C.moment_bytes("8bit", n):
+                bufs.append(t.contiguous())
+            else:
+                raise _C.TierflowError(f"tierflow CPUAdamW.load_state_dict: 8-bit {name} (uint8) without "
+                                       f"{_ABSMAX[name]}; accepted: codes shaped like the parameter with their "
+                                       "scales, as CPUAdamW.state_dict writes them")
+        return fmt, bufs[0], bufs[1]
+    if fmt == "bf16":
+        return fmt, m.contiguous(), v.contiguous()
+    if not m.is_floating_point():
+        raise _C.TierflowError(f"tierflow CPUAdamW.load_state_dict: exp_avg of dtype {m.dtype}; accepted: float32, "
+                               "bfloat16 (bf16), uint8 with exp_avg_absmax (8bit)")
+    return "fp32", m.to(torch.float32).contiguous(), v.to(torch.float32).contiguous()
+
+
+def restore_moments(opt: Any, shard: torch.Tensor, state: dict, original: dict, converted: set) -> None:
+    """state's exp_avg and exp_avg_sq from ``original`` (the loaded state), in the optimizer's format: as they
+    are when the formats agree, else decoded to fp32 and encoded (``converted`` gets the loaded format)."""
+    loaded = loaded_moments(original, shard)
+    target = opt._state_format
+    if loaded is None:  # a partial state: each moment there as fp32, the other zero (both in the target format)
+        ms = {n: original[n].detach().to("cpu", torch.float32) if isinstance(original.get(n), torch.Tensor)
+              else torch.zeros(shard.shape) for n in _MOMENTS}
+        if all(not isinstance(original.get(n), torch.Tensor) for n in _MOMENTS):
+            return
+        loaded = ("fp32", ms["exp_avg"].contiguous(), ms["exp_avg_sq"].contiguous())
+    fmt, m, v = loaded
+    fresh_m, fresh_v = opt._copies.host_moment(shard, target), opt._copies.host_moment(shard, target)
+    if fmt == target:
+        fresh_m.view(-1).copy_(m.reshape(-1))
+        fresh_v.view(-1).copy_(v.reshape(-1))
+    else:
+        converted.add(fmt)
+        if fmt != "fp32":
+            m, v = _C.decode_moments(m, v, shard.numel())
+        if target == "fp32":
+            fresh_m.view(-1).copy_(m.reshape(-1))
+            fresh_v.view(-1).copy_(v.reshape(-1))
+        else:
+            _C.encode_moments(target, m.reshape(shard.shape), v.reshape(shard.shape), fresh_m, fresh_v)
+    state["exp_avg"], state["exp_avg_sq"] = fresh_m, fresh_v
+
+
+def restore_state(opt: Any, p: torch.Tensor, group: dict, original: dict, reconcile: bool, store: Any,
+                  converted: Optional[set] = None) -> None:
     """After torch's load: p's state in fp32 host tensors of its own (``original``: the loaded fp32 states,
     which torch cast to p's dtype), a master (the loaded one where it is consistent, or taken as it is when
     ``reconcile``: the next step checks it against p), and back to its tier (``store``: the NVMe store it had
     before the load, written in place)."""
     state = opt.state[p]
     shard = local_shard(p)  # FSDP2: this rank's shard
-    for name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
-        if name in original:
-            fresh = opt._copies.host(shard, False)
-            fresh.copy_(original[name])
-            state[name] = fresh
+    for name in _ABSMAX.values():  # torch's load put them (cast) in the state: their moments hold them
+        state.pop(name, None)
+    restore_moments(opt, shard, state, original, set() if converted is None else converted)
+    if "max_exp_avg_sq" in original:
+        fresh = opt._copies.host(shard, False)
+        fresh.copy_(original["max_exp_avg_sq"])
+        state["max_exp_avg_sq"] = fresh
     if group["amsgrad"] and "max_exp_avg_sq" not in state:
         state["max_exp_avg_sq"] = opt._copies.host(shard, True)
     master = opt._copies.host(shard, False)
