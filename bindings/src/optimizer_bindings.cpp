@@ -204,21 +204,8 @@ void bind_optimizer_kernels(py::module_& m) {
       }
       ts[i].numel = static_cast<std::size_t>(masters[i].numel());
       ts[i].master = masters[i].data_ptr<float>();
-      // Moments in the format of their dtype (Note [Optimizer state formats]): packed ones move their own bytes.
-      const auto f = moment_format(ms[i]);
-      TIERFLOW_EXPECTS(f && moment_format(vs[i]) == f, "adam_traffic: exp_avg and exp_avg_sq take one format: "
-                                                       "float32, bfloat16 or uint8 (8bit)");
-      ts[i].state_format = *f;
-      if (*f == StateFormat::kFp32) {
-        ts[i].exp_avg = ms[i].data_ptr<float>();
-        ts[i].exp_avg_sq = vs[i].data_ptr<float>();
-      } else if (*f == StateFormat::kBf16) {
-        ts[i].m = {ms[i].data_ptr(), nullptr};
-        ts[i].v = {vs[i].data_ptr(), nullptr};
-      } else {
-        ts[i].m = optimizer::packed_8bit(ms[i].data_ptr(), ts[i].numel);
-        ts[i].v = optimizer::packed_8bit(vs[i].data_ptr(), ts[i].numel);
-      }
+      ts[i].exp_avg = ms[i].data_ptr<float>();
+      ts[i].exp_avg_sq = vs[i].data_ptr<float>();
       if (vmaxes[i]) ts[i].max_exp_avg_sq = vmaxes[i]->data_ptr<float>();
       ts[i].grad = grads[i].data_ptr();
       ts[i].grad_type = optimizer_type(grads[i].scalar_type(), "cuda_adam_step");
@@ -241,8 +228,21 @@ void bind_optimizer_kernels(py::module_& m) {
     for (std::size_t i = 0; i < ts.size(); ++i) {
       ts[i].numel = static_cast<std::size_t>(masters[i].numel());
       ts[i].master = masters[i].data_ptr<float>();
-      ts[i].exp_avg = ms[i].data_ptr<float>();
-      ts[i].exp_avg_sq = vs[i].data_ptr<float>();
+      // Moments in the format of their dtype (Note [Optimizer state formats]): packed ones move their own bytes.
+      const auto f = moment_format(ms[i]);
+      TIERFLOW_EXPECTS(f && moment_format(vs[i]) == f, "adam_traffic: exp_avg and exp_avg_sq take one format: "
+                                                       "float32, bfloat16 or uint8 (8bit)");
+      ts[i].state_format = *f;
+      if (*f == StateFormat::kFp32) {
+        ts[i].exp_avg = ms[i].data_ptr<float>();
+        ts[i].exp_avg_sq = vs[i].data_ptr<float>();
+      } else if (*f == StateFormat::kBf16) {
+        ts[i].m = {ms[i].data_ptr(), nullptr};
+        ts[i].v = {vs[i].data_ptr(), nullptr};
+      } else {
+        ts[i].m = optimizer::packed_8bit(ms[i].data_ptr(), ts[i].numel);
+        ts[i].v = optimizer::packed_8bit(vs[i].data_ptr(), ts[i].numel);
+      }
       ts[i].grad = grads[i].data_ptr();
       ts[i].grad_type = optimizer_type(grads[i].scalar_type(), "adam_traffic_step");
       if (outs[i]) {
