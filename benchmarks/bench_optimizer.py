@@ -13,6 +13,20 @@ Configurations:
               run is: an fp32 step, then copying the fp32 parameters into bf16
               ones (the same result: fp32 master, bf16 model weights).
 
+  bf16_states, 8bit_states
+              bf16_mixed with the moments kept as bf16 (20 bytes a
+              parameter) or as 8-bit block-wise codes with a scale per 256
+              (16 + 8*2/256): TIERFLOW_OPTIMIZER_STATES, Note [Optimizer state
+              formats]. Each has its own roofline (the traffic kernel moving
+              that format's bytes). Peers of the same format, where they
+              install: bitsandbytes' AdamW8bit and torchao's AdamW8bit on the
+              CPU (fp32 parameters and gradients, 8-bit moments, no separate
+              master), DeepSpeedCPUAdam with fp32_optimizer_states=False and
+              torch's fused AdamW on bf16 parameters (bf16 moments, no fp32
+              master). They move fewer bytes than tierflow (no fp32 master:
+              14 for the 8-bit peers, 14 for the bf16 ones), so their ratio
+              understates tierflow's efficiency; each row says so.
+
 The roofline is a streaming kernel with exactly the step's loads and stores
 (same arrays, dtypes, in-place writes, chunking and threads) and one add per
 array: optimizer/roofline.hpp. Every implementation steps the same shared
@@ -39,6 +53,12 @@ import tierflow  # noqa: E402
 from tierflow._report import write_json_atomic  # noqa: E402
 
 CHUNK = 125_000_000  # elements per tensor: 1e9 parameters are 8 tensors
+# Configurations whose moments are not fp32, and their TIERFLOW_OPTIMIZER_STATES format.
+STATE_FORMATS = {"bf16_states": "bf16", "8bit_states": "8bit"}
+# Bytes a parameter each configuration's step moves (its roofline's access pattern).
+TRAFFIC_BYTES = {"fp32": 28, "bf16_mixed": 28, "bf16_states": 20, "8bit_states": 16 + 2 * 8 / 256}
+# Host state a parameter: fp32 master + the two moments (scales included).
+STATE_BYTES = {"fp32": 12, "bf16_mixed": 12, "bf16_states": 8, "8bit_states": 6 + 8 / 256}
 
 
 def split(n: int) -> list[int]:
@@ -66,8 +86,14 @@ class Arrays:
     def __init__(self, n: int, config: str) -> None:
         sizes = split(n)
         self.masters = [fill(torch.empty(s), 0.5) for s in sizes]
-        self.ms = [torch.zeros(s) for s in sizes]
-        self.vs = [torch.zeros(s) for s in sizes]
+        self.format = STATE_FORMATS.get(config, "fp32")
+        if self.format == "8bit":  # one uint8 buffer a moment: codes, padding, scales (Note [Optimizer state formats])
+            self.ms = [torch.zeros(tierflow._C.moment_bytes("8bit", s), dtype=torch.uint8) for s in sizes]
+            self.vs = [torch.zeros(tierflow._C.moment_bytes("8bit", s), dtype=torch.uint8) for s in sizes]
+        else:
+            dt = torch.bfloat16 if self.format == "bf16" else torch.float32
+            self.ms = [torch.zeros(s, dtype=dt) for s in sizes]
+            self.vs = [torch.zeros(s, dtype=dt) for s in sizes]
         gdt = torch.float32 if config == "fp32" else torch.bfloat16
         self.grads = [fill(torch.empty(s, dtype=gdt), 0.01) for s in sizes]
         self.outs = [None] * len(sizes) if config == "fp32" else [torch.empty(s, dtype=torch.bfloat16) for s in sizes]
@@ -137,14 +163,59 @@ class Peer(Impl):
             c.copy_(p.detach())
 
 
-def deepspeed_factory():
+class FormatPeer(Impl):
+    """A peer of a packed format over its own parameters (views of nothing shared: its dtypes differ), stepping
+    its own states: bitsandbytes' or torchao's AdamW8bit on fp32 parameters, DeepSpeedCPUAdam or torch's fused
+    AdamW on bf16 parameters with bf16 states (see the module doc)."""
+
+    def __init__(self, name: str, n: int, dtype: torch.dtype, make_opt) -> None:
+        self.name = name
+        self.params = [torch.nn.Parameter(fill(torch.empty(s, dtype=dtype), 0.5)) for s in split(n)]
+        for p in self.params:
+            p.grad = fill(torch.empty_like(p), 0.01)
+        self.opt = make_opt([{"params": [p]} for p in self.params])
+
+    def step(self) -> None:
+        self.opt.step()
+
+
+def format_peers(config: str, n: int) -> tuple[list, dict]:
+    """The peers of a packed-moment configuration that install here, and why the others do not."""
+    makers, errors = [], {}
+    if config == "8bit_states":
+        try:
+            import bitsandbytes as bnb
+            makers.append(("bitsandbytes_8bit", lambda: FormatPeer(
+                "bitsandbytes_8bit", n, torch.float32,
+                lambda g: bnb.optim.AdamW8bit(g, lr=1e-3, weight_decay=0.01))))
+        except Exception as e:  # noqa: BLE001  reported, not hidden
+            errors["bitsandbytes_8bit"] = f"import bitsandbytes failed: {type(e).__name__}: {e}"
+        try:
+            from torchao.optim import AdamW8bit
+            makers.append(("torchao_8bit", lambda: FormatPeer(
+                "torchao_8bit", n, torch.float32, lambda g: AdamW8bit(g, lr=1e-3, weight_decay=0.01))))
+        except Exception as e:  # noqa: BLE001
+            errors["torchao_8bit"] = f"import torchao failed: {type(e).__name__}: {e}"
+    elif config == "bf16_states":
+        makers.append(("torch_fused_bf16", lambda: FormatPeer(
+            "torch_fused_bf16", n, torch.bfloat16,
+            lambda g: torch.optim.AdamW(g, lr=1e-3, weight_decay=0.01, fused=True))))
+        ds_make, ds_info = deepspeed_factory(fp32_states=False)
+        if ds_make is not None:
+            makers.append(("deepspeed_bf16", lambda: FormatPeer("deepspeed_bf16", n, torch.bfloat16, ds_make)))
+        else:
+            errors["deepspeed_bf16"] = ds_info
+    return makers, errors
+
+
+def deepspeed_factory(fp32_states: bool = True):
     try:
         import deepspeed
         from deepspeed.ops.adam import DeepSpeedCPUAdam
     except Exception as e:  # noqa: BLE001  reported, not hidden
         return None, f"import deepspeed failed: {type(e).__name__}: {e}"
     return (lambda groups: DeepSpeedCPUAdam(groups, lr=1e-3, weight_decay=0.01, adamw_mode=True,
-                                            fp32_optimizer_states=True)), f"deepspeed {deepspeed.__version__}"
+                                            fp32_optimizer_states=fp32_states)), f"deepspeed {deepspeed.__version__}"
 
 
 def measure(impls: list, rounds: int) -> dict:
@@ -163,6 +234,9 @@ def measure(impls: list, rounds: int) -> dict:
 def run_config(n: int, config: str, threads: int, rounds: int) -> dict:
     ds_make, ds_info = deepspeed_factory()
     a = Arrays(n, config)
+    if config in STATE_FORMATS:
+        makers, errors = format_peers(config, n)
+        return run_impls(a, threads, rounds, makers, errors, ds_info)
     makers = [
         ("torch_fused", lambda: Peer("torch_fused", a,
                                      lambda g: torch.optim.AdamW(g, lr=1e-3, weight_decay=0.01, fused=True), True)),
@@ -172,6 +246,10 @@ def run_config(n: int, config: str, threads: int, rounds: int) -> dict:
     if ds_make is not None:
         makers.append(("deepspeed", lambda: Peer("deepspeed", a, ds_make, False)))
     errors = {} if ds_make is not None else {"deepspeed": ds_info}
+    return run_impls(a, threads, rounds, makers, errors, ds_info)
+
+
+def run_impls(a: Arrays, threads: int, rounds: int, makers: list, errors: dict, ds_info: str) -> dict:
     tf = Tierflow(a, threads)
     impls = [tf, Roofline(a, threads)]
     for name, make in makers:
@@ -184,6 +262,19 @@ def run_config(n: int, config: str, threads: int, rounds: int) -> dict:
     return {"times": times, "errors": errors, "isa": isa, "deepspeed": ds_info}
 
 
+PEER_CONFIGURATION = {
+    "fp32": "the same configuration",
+    "bf16_mixed": ("fp32 step, then a copy of the fp32 parameters into bf16 (peers keep no fp32 master for bf16 "
+                   "parameters and take no bf16 gradients for fp32 ones)"),
+    "8bit_states": ("8-bit moments on fp32 parameters and fp32 gradients, no separate master and no 16-bit copy-out "
+                    "(about 14 bytes a parameter against tierflow's 16.06)"),
+    "bf16_states": ("bf16 parameters, gradients and moments, no fp32 master (14 bytes a parameter against "
+                    "tierflow's 20)"),
+}
+PEERS = ("roofline", "torch_fused", "torch_foreach", "deepspeed", "bitsandbytes_8bit", "torchao_8bit",
+         "torch_fused_bf16", "deepspeed_bf16")
+
+
 def ratios(times: dict) -> dict:
     """tierflow's speed over each other's, from the seconds of every round.
 
@@ -194,7 +285,7 @@ def ratios(times: dict) -> dict:
     """
     out = {}
     mine = times["tierflow"]
-    for other in ("roofline", "torch_fused", "torch_foreach", "deepspeed"):
+    for other in PEERS:
         if other not in times:
             continue
         r = sorted(t / m for m, t in zip(mine, times[other]))  # above 1: tierflow was faster
@@ -204,11 +295,37 @@ def ratios(times: dict) -> dict:
     return out
 
 
+def format_summary(results: list) -> list:
+    """Per size: each packed format's speed over fp32 moments' in the same mixed configuration (bf16 gradients
+    and copy-out), its fraction of its own roofline, its host state a parameter, and over its best peer."""
+    out = []
+    for n in sorted({r["elements"] for r in results}):
+        rows = {r["config"]: r for r in results if r["elements"] == n}
+        base = rows.get("bf16_mixed")
+        for config in STATE_FORMATS:
+            r = rows.get(config)
+            if r is None:
+                continue
+            peers = r["peers_params_per_s"]
+            best = max(peers, key=peers.get) if peers else None
+            out.append({
+                "elements": n, "optimizer_states": STATE_FORMATS[config],
+                "over_fp32_states": r["tierflow_params_per_s"] / base["tierflow_params_per_s"] if base else None,
+                "of_own_roofline": r["of_own_roofline"],
+                "host_state_bytes_per_param": r["host_state_bytes_per_param"],
+                "best_peer": best,
+                "over_best_peer": r["tierflow_params_per_s"] / peers[best] if best else None,
+            })
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description="CPU Adam benchmark")
     ap.add_argument("--sizes", nargs="+", type=float, default=[1e8, 1e9])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=7, help="timed steps of each implementation, round-robin")
+    ap.add_argument("--configs", nargs="+", default=["fp32", "bf16_mixed", "bf16_states", "8bit_states"],
+                    choices=["fp32", "bf16_mixed", "bf16_states", "8bit_states"])
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "optimizer.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -217,7 +334,7 @@ def main() -> int:
     results = []
     for size in args.sizes:
         n = int(size)
-        for config in ("fp32", "bf16_mixed"):
+        for config in args.configs:
             r = run_config(n, config, args.threads, args.rounds)
             gc.collect()  # the arrays of this configuration go before the next one's
             t = r["times"]
@@ -229,21 +346,24 @@ def main() -> int:
                 "torch_fused_params_per_s": rate.get("torch_fused"),
                 "torch_foreach_params_per_s": rate.get("torch_foreach"),
                 "deepspeed_params_per_s": rate.get("deepspeed"),
+                "peers_params_per_s": {k: v for k, v in rate.items() if k not in ("tierflow", "roofline")},
                 "deepspeed": r["deepspeed"],
+                "optimizer_states": STATE_FORMATS.get(config, "fp32"),
+                "traffic_bytes_per_param": TRAFFIC_BYTES[config],
+                "host_state_bytes_per_param": STATE_BYTES[config],
+                "of_own_roofline": rate["tierflow"] / rate["roofline"],
                 "errors": r["errors"],
-                "peer_configuration": ("fp32 step, then a copy of the fp32 parameters into bf16 (peers keep no fp32 "
-                                       "master for bf16 parameters and take no bf16 gradients for fp32 ones)"
-                                       if config != "fp32" else "the same configuration"),
+                "peer_configuration": PEER_CONFIGURATION[config],
                 "seconds_per_round": {k: v for k, v in t.items()},
             }
             row.update(ratios(t))
-            row["roofline_gbps"] = 28 * rate["roofline"] / 1e9
+            row["roofline_gbps"] = TRAFFIC_BYTES[config] * rate["roofline"] / 1e9
             results.append(row)
             fmt = lambda x: f"{x:.3e}" if x else "n/a"  # noqa: E731
             print(f'{n:.0e} {config:10s} tierflow {fmt(rate["tierflow"])}/s  roofline {fmt(rate["roofline"])}/s  '
                   f'torch fused {fmt(rate.get("torch_fused"))}  foreach {fmt(rate.get("torch_foreach"))}  '
                   f'deepspeed {fmt(rate.get("deepspeed"))}', flush=True)
-            for other in ("roofline", "torch_fused", "torch_foreach", "deepspeed"):
+            for other in PEERS:
                 if other in rate:
                     lo, med, hi = row[f"tierflow_over_{other}_per_round_min_median_max"]
                     print(f'    x {other:13s} {med:.3f} (median of rounds; min {lo:.3f}, max {hi:.3f}; '
@@ -259,6 +379,7 @@ def main() -> int:
         "torch_foreach_params_per_s": head["torch_foreach_params_per_s"],
         "deepspeed_params_per_s": head["deepspeed_params_per_s"],
         "roofline_params_per_s": head["roofline_params_per_s"],
+        "state_formats": format_summary(results),
         "results": results,
     }
     write_json_atomic(args.out, out)
