@@ -7,8 +7,9 @@ Note [Optimizer states in checkpoints]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 A state dict carries the moments in the optimizer's own format (Note [Optimizer state formats]): fp32 and bf16
 moments as they are (float32 / bfloat16 tensors shaped like the parameter); 8-bit ones as ``exp_avg`` = the
-uint8 codes shaped like the parameter plus ``exp_avg_absmax`` = its fp32 scales [quant_blocks] (both views of the
-moment's one buffer, no copy), the same for ``exp_avg_sq``. Under FSDP2 the 8-bit moments go out decoded to fp32
+uint8 codes shaped like the parameter (a view of the moment's one buffer, no copy) plus ``exp_avg_absmax`` = its
+fp32 scales [quant_blocks] (a copy: torch.save refuses a float32 and a uint8 view of one storage), the same for
+``exp_avg_sq``. Under FSDP2 the 8-bit moments go out decoded to fp32
 (DTensors like the other states): their scales are per block of this rank's shard and could not be resharded.
 load_state_dict takes any format (torch.optim.AdamW's fp32 included) and converts it into this optimizer's,
 through fp32 (decode, then encode), with one log line naming the conversion; decoding then encoding gives back
@@ -67,7 +68,9 @@ def exported_moments(s: dict, shard: torch.Tensor, decode: bool) -> dict:
         out["exp_avg"], out["exp_avg_sq"] = dm.view(shard.shape), dv.view(shard.shape)
         return out
     for name, t in (("exp_avg", m), ("exp_avg_sq", v)):
-        out[name], out[_ABSMAX[name]] = moment_views(t, shard)
+        codes, absmax = moment_views(t, shard)
+        # torch.save refuses two dtypes over one storage: the scales (4 bytes a 256 elements) are a copy.
+        out[name], out[_ABSMAX[name]] = codes, absmax.clone()
     return out
 
 
