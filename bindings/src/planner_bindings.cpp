@@ -12,6 +12,7 @@
 #include "tierflow/core/config.hpp"
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/size.hpp"
+#include "tierflow/core/state_format.hpp"
 #include "tierflow/tiering/auto_plan.hpp"
 #include "tierflow/tiering/block_table.hpp"
 #include "tierflow/tiering/plan_report.hpp"
@@ -28,6 +29,12 @@ namespace tierflow::bindings {
 namespace {
 
 using namespace tierflow::tiering;
+
+// The format TIERFLOW_OPTIMIZER_STATES names `text` (the table's parser: "8BIT " is 8bit); ConfigError naming
+// the variable and the accepted values otherwise.
+StateFormat state_format_of(const std::string& text) {
+  return *parse_state_format(parse_setting("TIERFLOW_OPTIMIZER_STATES", text));
+}
 
 // A keyword constructor: every keyword must name a field (a typo must not pass silently).
 template <typename T>
@@ -290,10 +297,16 @@ void bind_estimates(py::module_& m) {
   m.def("estimate_transformer", &estimate_transformer, py::arg("shape"), py::arg("flops_per_second"),
         "One estimated BlockProfile per layer (Note [Transformer estimate]).");
   m.def("transformer_parameters", &transformer_parameters, py::arg("shape"), "Parameters of the model.");
-  m.def("estimate_training_state", [](const TransformerShape& s, const std::string& optimizer) {
-    return estimate_training_state(s, parse_optimizer_placement(optimizer));
-  }, py::arg("shape"), py::arg("optimizer"),
-        "Parameters, gradients and optimizer states per tier for optimizer placement none, host or nvme.");
+  m.def("estimate_training_state", [](const TransformerShape& s, const std::string& optimizer,
+                                      const std::string& states) {
+    return estimate_training_state(s, parse_optimizer_placement(optimizer), state_format_of(states));
+  }, py::arg("shape"), py::arg("optimizer"), py::arg("optimizer_states") = "fp32",
+        "Parameters, gradients and optimizer states per tier for optimizer placement none, host or nvme, the "
+        "CPU AdamW's moments in optimizer_states fp32, bf16 or 8bit (Note [Transformer estimate]).");
+  m.def("cpu_optimizer_bytes_per_param", [](const std::string& states, int dtype_bytes) {
+    return cpu_optimizer_bytes_per_param(state_format_of(states), dtype_bytes);
+  }, py::arg("optimizer_states"), py::arg("dtype_bytes"),
+        "Bytes the CPU AdamW keeps a parameter (fp32 master and m, v in fp32, bf16 or 8bit): 12, 8, 6.03 for bf16.");
   m.def("estimate_head_device_bytes", &estimate_head_device_bytes, py::arg("shape"),
         "Device bytes of the activations outside the blocks (final norm, head, fp32 loss).");
   m.def("parse_budget", &budget_bytes, py::arg("text"), py::arg("capacity_bytes") = 0,
@@ -344,6 +357,9 @@ void bind_plan_command(py::module_& m) {
       .def_readwrite("host_capacity_bytes", &PlanCommandInputs::host_capacity_bytes)
       .def_readwrite("device_name", &PlanCommandInputs::device_name)
       .def_readwrite("optimizer", &PlanCommandInputs::optimizer)
+      .def_property("optimizer_states",
+                    [](const PlanCommandInputs& in) { return std::string(to_string(in.optimizer_states)); },
+                    [](PlanCommandInputs& in, const std::string& text) { in.optimizer_states = state_format_of(text); })
       .def_readwrite("offload_params", &PlanCommandInputs::offload_params)
       .def_readwrite("shape", &PlanCommandInputs::shape)
       .def_readwrite("dtype_name", &PlanCommandInputs::dtype_name)
@@ -362,7 +378,8 @@ void bind_plan_command(py::module_& m) {
       .def_readonly("links", &PlanCommandBudgets::links)
       .def_readonly("device_from", &PlanCommandBudgets::device_from)
       .def_readonly("host_from", &PlanCommandBudgets::host_from)
-      .def_readonly("optimizer_host_bytes", &PlanCommandBudgets::optimizer_host_bytes);
+      .def_readonly("optimizer_host_bytes", &PlanCommandBudgets::optimizer_host_bytes)
+      .def_readonly("optimizer_nvme_bytes", &PlanCommandBudgets::optimizer_nvme_bytes);
   py::class_<PlanReport>(m, "PlanReport", "A plan as the plan command prints it.")
       .def_readonly("lines", &PlanReport::lines)
       .def_readonly("json", &PlanReport::json);

@@ -64,6 +64,23 @@ std::uint64_t fixed_device_bytes(const PlanCommandInputs& in) {
   return in.state->device;
 }
 
+// "--optimizer-states 8bit: 6.03 bytes a parameter, 40.2 GiB": what the states would take in the format that
+// keeps the fewest bytes, for a budget too small for them (empty when they are in it already, or from a profile).
+std::string smaller_states_hint(const PlanCommandInputs& in) {
+  constexpr StateFormat kLeast = StateFormat::k8bit;
+  if (!in.shape || in.optimizer_states == kLeast) return "";
+  const std::uint64_t bytes = cpu_optimizer_state_bytes(kLeast, transformer_parameters(*in.shape),
+                                                        in.shape->dtype_bytes);
+  return format(", or --optimizer-states %s (TIERFLOW_OPTIMIZER_STATES=%s: %.3g bytes a parameter, ",
+                to_string(kLeast), to_string(kLeast), cpu_optimizer_bytes_per_param(kLeast, in.shape->dtype_bytes)) +
+         format_bytes(bytes) + ")";
+}
+
+// "--optimizer-states fp32": the CPU AdamW's states as errors and the report name their format.
+std::string states_named(const PlanCommandInputs& in) {
+  return std::string("--optimizer-states ") + to_string(in.optimizer_states);
+}
+
 // ---- why each block's action won --------------------------------------------------------------------
 
 // The actions the planner did not choose for block i (Note [Plan report]).
@@ -306,12 +323,22 @@ std::vector<std::string> plan_lines(const Plan& plan, const PlanCommandInputs& i
                   format_bytes(budgets.host_bytes) + " for activations (" +
                   format_bytes(budgets.host_bytes + pb.optimizer_host_bytes) + " from " + pb.host_from + ", less " +
                   format_bytes(pb.optimizer_host_bytes) + " of optimizer states); NVMe " +
-                  (budgets.nvme_bytes ? format_bytes(budgets.nvme_bytes) : "none") + "; prefetch window " +
+                  (budgets.nvme_bytes ? format_bytes(budgets.nvme_bytes) : "none") +
+                  (pb.optimizer_nvme_bytes ? " (" + format_bytes(budgets.nvme_bytes + pb.optimizer_nvme_bytes) +
+                                                 " from --nvme-memory, less " + format_bytes(pb.optimizer_nvme_bytes) +
+                                                 " of optimizer states)"
+                                           : "") +
+                  "; prefetch window " +
                   format_bytes(budgets.prefetch_bytes));
   if (in.state) {
     lines.push_back("parameters and optimizer (--optimizer " + in.optimizer + "): device " +
                     format_bytes(in.state->device) + ", host " + format_bytes(in.state->host) + ", NVMe " +
-                    format_bytes(in.state->nvme) + "; activations outside the blocks (final norm, head, fp32 loss): " +
+                    format_bytes(in.state->nvme) +
+                    (in.optimizer == "none" || !in.shape
+                         ? std::string()
+                         : format("; CPU AdamW states %s: %.3g bytes a parameter", states_named(in).c_str(),
+                                  cpu_optimizer_bytes_per_param(in.optimizer_states, in.shape->dtype_bytes))) +
+                    "; activations outside the blocks (final norm, head, fp32 loss): " +
                     format_bytes(in.head_bytes) + (plan.outside_kept ? " kept on the device" : " swapped to the host"));
   } else {
     lines.push_back("the rest of training on the device (from the profile): " +
@@ -417,7 +444,8 @@ PlanCommandBudgets plan_command_budgets(const PlanCommandInputs& in) {
                        in.host_memory.text + ", of " + format_bytes(in.host_capacity_bytes) +
                        " RAM here) cannot hold the optimizer states' " + format_bytes(out.optimizer_host_bytes) +
                        ": it needs " + std::to_string(out.optimizer_host_bytes) +
-                       " bytes and more for activations; pass --host-memory, or --optimizer nvme");
+                       " bytes (" + states_named(in) + ") and more for activations; pass --host-memory, or "
+                       "--optimizer nvme" + smaller_states_hint(in));
   }
   if (in.nvme_memory) {
     try {
@@ -427,6 +455,16 @@ PlanCommandBudgets plan_command_budgets(const PlanCommandInputs& in) {
     }
   }
   if (b.nvme_bytes && in.nvme_bytes_per_second <= 0) throw config_error("--nvme-memory needs --nvme-gbps");
+  // --optimizer nvme: the states share the NVMe budget when there is one (without one, activations get none).
+  out.optimizer_nvme_bytes = in.nvme_memory && in.state ? in.state->nvme : 0;
+  if (out.optimizer_nvme_bytes > b.nvme_bytes) {
+    throw config_error("the NVMe budget " + format_bytes(b.nvme_bytes) + " (--nvme-memory=" + *in.nvme_memory +
+                       ") cannot hold the optimizer states' " + format_bytes(out.optimizer_nvme_bytes) +
+                       " (--optimizer nvme): it needs " + std::to_string(out.optimizer_nvme_bytes) + " bytes (" +
+                       states_named(in) + ") and more for activations; pass a larger --nvme-memory, or "
+                       "--optimizer host" + smaller_states_hint(in));
+  }
+  b.nvme_bytes -= out.optimizer_nvme_bytes;
   out.links = in.links;
   if (b.nvme_bytes) out.links.nvme_write = out.links.nvme_read = in.nvme_bytes_per_second;
   b.prefetch_bytes = setting_bytes(in.prefetch.text, 0,

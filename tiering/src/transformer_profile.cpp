@@ -161,15 +161,35 @@ std::uint64_t transformer_parameters(const TransformerShape& s) { return counts(
 
 std::uint64_t transformer_block_parameters(const TransformerShape& s) { return counts(s).block_parameters; }
 
-StateBytes estimate_training_state(const TransformerShape& s, OffloadTarget optimizer) {
+double cpu_optimizer_bytes_per_param(StateFormat states, int dtype_bytes) noexcept {
+  const double master = dtype_bytes < static_cast<int>(kFp32Bytes) ? kFp32Bytes : 0.0;
+  switch (states) {
+    case StateFormat::kFp32: return master + 2.0 * kFp32Bytes;
+    case StateFormat::kBf16: return master + 2.0 * 2;
+    case StateFormat::k8bit: return master + 2.0 * (1 + static_cast<double>(kFp32Bytes) / kStateQuantBlock);
+  }
+  return master + 2.0 * kFp32Bytes;
+}
+
+std::uint64_t cpu_optimizer_state_bytes(StateFormat states, std::uint64_t n, int dtype_bytes) noexcept {
+  const std::uint64_t master = dtype_bytes < static_cast<int>(kFp32Bytes) ? n * kFp32Bytes : 0;
+  switch (states) {
+    case StateFormat::kFp32: return master + 2 * n * kFp32Bytes;
+    case StateFormat::kBf16: return master + 2 * n * 2;
+    case StateFormat::k8bit: return master + 2 * (n + kFp32Bytes * ((n + kStateQuantBlock - 1) / kStateQuantBlock));
+  }
+  return master + 2 * n * kFp32Bytes;
+}
+
+StateBytes estimate_training_state(const TransformerShape& s, OffloadTarget optimizer, StateFormat states) {
   TIERFLOW_EXPECTS(optimizer != OffloadTarget::kAuto,
                    "estimate_training_state: the optimizer goes to none, host or nvme, not auto");
   const std::uint64_t n = transformer_parameters(s);  // checked: every product below fits
   const auto d = static_cast<std::uint64_t>(s.dtype_bytes);
-  // tierflow's CPU AdamW (host, nvme) keeps fp32 masters (a narrower dtype's) and fp32 moments; torch's AdamW on
-  // the device (none) makes its moments with zeros_like: in the parameters' dtype, and no masters.
-  const std::uint64_t master = d < kFp32Bytes ? n * kFp32Bytes : 0;  // fp32 parameters are their own master
-  const std::uint64_t offloaded = master + 2 * n * kFp32Bytes;
+  // tierflow's CPU AdamW (host, nvme) keeps fp32 masters (a narrower dtype's) and m and v in `states` (at most
+  // the 12 bytes counts() checked); torch's AdamW on the device (none) makes its moments with zeros_like: in the
+  // parameters' dtype, and no masters.
+  const std::uint64_t offloaded = cpu_optimizer_state_bytes(states, n, s.dtype_bytes);
   const std::uint64_t on_device = 2 * n * d;
   StateBytes out;
   out.parameter_bytes = out.gradient_bytes = n * d;

@@ -12,7 +12,7 @@ Every bad argument, profile or ``TIERFLOW_*`` variable is one line on stderr
 naming it, its value and what is accepted, and exit code 2. Sizes go through the
 configuration table's own parsers (``--gpu-memory`` as ``TIERFLOW_GPU_MEMORY``,
 ``--host-memory`` as ``TIERFLOW_HOST_MEMORY``, ``--prefetch`` as
-``TIERFLOW_PREFETCH_BYTES``), shape arguments are checked against
+``TIERFLOW_PREFETCH_BYTES``; ``--optimizer-states`` as ``TIERFLOW_OPTIMIZER_STATES``), shape arguments are checked against
 ``transformer_shape_limits()`` before anything is built, and rates by
 tiering::check_rate (Note [Plan report]).
 """
@@ -142,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="host<->NVMe GB/s each way (with --nvme-memory)")
     p.add_argument("--optimizer", choices=["none", "host", "nvme"],
                    help="where fp32 master weights and Adam states live (default: TIERFLOW_OFFLOAD_OPTIMIZER)")
+    p.add_argument("--optimizer-states", metavar="{fp32,bf16,8bit}",
+                   help="how the CPU AdamW (--optimizer host or nvme) keeps m and v: their bytes a parameter in the "
+                        "host or NVMe budget (default: TIERFLOW_OPTIMIZER_STATES)")
     p.add_argument("--offload-params", choices=["none", "host", "nvme", "auto"],
                    help="where each block's parameters live between uses (default: TIERFLOW_OFFLOAD_PARAMS)")
     p.add_argument("--prefetch", metavar="SIZE", help="prefetch window (default: TIERFLOW_PREFETCH_BYTES)")
@@ -191,6 +194,9 @@ def _plan(args: argparse.Namespace) -> str:
     state = None
     head_bytes = 0
     optimizer = args.optimizer or config["TIERFLOW_OFFLOAD_OPTIMIZER"]
+    # Parsed as the table parses TIERFLOW_OPTIMIZER_STATES, errors naming the flag.
+    states = config["TIERFLOW_OPTIMIZER_STATES"] if args.optimizer_states is None else _C.parse_setting(
+        "TIERFLOW_OPTIMIZER_STATES", _text("--optimizer-states", args.optimizer_states), "--optimizer-states")
     if args.profile is not None:
         try:
             with open(args.profile, encoding="utf-8") as f:
@@ -219,7 +225,7 @@ def _plan(args: argparse.Namespace) -> str:
         try:
             _C.check_transformer_shape(shape)  # before building a profile per layer
             blocks = _C.estimate_transformer(shape, flops)
-            state = _C.estimate_training_state(shape, optimizer)
+            state = _C.estimate_training_state(shape, optimizer, states)
             head_bytes = _C.estimate_head_device_bytes(shape)
         except ValueError as e:  # a shape the estimate refuses (ConfigError)
             raise PlanError(f"{_shape_flags(args)}: {e}") from None
@@ -233,6 +239,7 @@ def _plan(args: argparse.Namespace) -> str:
         nvme_memory=None if args.nvme_memory is None else _text("--nvme-memory", args.nvme_memory),
         nvme_bytes_per_second=args.nvme_gbps * _C.DECIMAL_GB, device_capacity_bytes=_C.device_capacity_bytes(cuda),
         host_capacity_bytes=_C.host_capacity_bytes(), device_name=device_name, optimizer=optimizer,
+        optimizer_states=states,
         offload_params=args.offload_params or config["TIERFLOW_OFFLOAD_PARAMS"],
         shape=None if state is None else _shape(args), dtype_name=args.dtype, state=state, head_bytes=head_bytes,
         profile_path="" if args.profile is None else args.profile.encode("utf-8", "backslashreplace").decode(),

@@ -10,7 +10,11 @@
 // or TIERFLOW_HOST_MEMORY) less the optimizer states the estimate puts on
 // host is what swapped activations may use; NVMe is --nvme-memory (a size,
 // never a percentage: there is no capacity to take it of) and needs
-// --nvme-gbps; the prefetch window is --prefetch or TIERFLOW_PREFETCH_BYTES.
+// --nvme-gbps, less the optimizer states the estimate puts on NVMe (--optimizer
+// nvme) when it is given; the states' bytes a parameter are those of
+// --optimizer-states or TIERFLOW_OPTIMIZER_STATES (Note [Transformer
+// estimate], Optimizer states), and a budget too small for them names the
+// format that would fit more; the prefetch window is --prefetch or TIERFLOW_PREFETCH_BYTES.
 // Sizes are parsed as the configuration table parses the variable standing
 // for the flag, and every error names the flag or the variable it came from.
 // The fixed device bytes are the estimate's training state on the device (or
@@ -85,6 +89,7 @@ struct PlanCommandInputs {
   std::uint64_t host_capacity_bytes = 0;    ///< this machine's RAM
   std::string device_name;                  ///< "cuda" or "cpu (emulated device)"
   std::string optimizer;                    ///< the optimizer's placement: none, host or nvme
+  StateFormat optimizer_states = StateFormat::kFp32;  ///< --optimizer-states or TIERFLOW_OPTIMIZER_STATES: `state`'s
   std::string offload_params = "none";      ///< --offload-params or TIERFLOW_OFFLOAD_PARAMS: none, host, nvme, auto
   std::optional<TransformerShape> shape;    ///< the estimated model (none: a recorded profile)
   std::string dtype_name;                   ///< the shape's --dtype, e.g. "bf16"
@@ -106,11 +111,12 @@ struct PlanCommandBudgets {
   std::string device_from;              ///< what set the device budget, e.g. "--gpu-memory"
   std::string host_from;                ///< "--host-memory" or "TIERFLOW_HOST_MEMORY"
   std::uint64_t optimizer_host_bytes = 0;  ///< optimizer states on host, taken out of the host budget
+  std::uint64_t optimizer_nvme_bytes = 0;  ///< optimizer states on NVMe, taken out of --nvme-memory (when given)
 };
 
 /// The budgets of Note [Plan report]. Throws config_error naming the flag or variable (and what to
-/// pass) for a size the table refuses, a host budget smaller than the optimizer states, NVMe without a
-/// rate, or fixed device bytes past 64 bits.
+/// pass) for a size the table refuses, a host or NVMe budget smaller than the optimizer states, NVMe
+/// without a rate, or fixed device bytes past 64 bits.
 PlanCommandBudgets plan_command_budgets(const PlanCommandInputs& inputs);
 
 /// Bytes of a size ("16GiB") or a percentage of `capacity_bytes` ("90%"); config_error for other text

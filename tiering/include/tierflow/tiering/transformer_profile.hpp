@@ -31,6 +31,13 @@
 // estimate_head_device_bytes), the planner's model predicts a device peak of
 // 25.8 GiB with every block kept and 14.3 GiB with every block recomputed;
 // measured: 25.06 GiB (baseline) and 15.04 GiB (checkpoint per block).
+// Optimizer states (Note [Optimizer state formats] in optimizer/state_format.hpp): tierflow's CPU AdamW
+// (--optimizer host or nvme) keeps on its tier the fp32 master (none when the parameters are fp32: they are
+// their own) and m and v in the format TIERFLOW_OPTIMIZER_STATES names (--optimizer-states): 8, 4, or 2
+// bytes a parameter plus two fp32 scales per block of 256, i.e. 12, 8 or about 6.03 bytes a bf16
+// parameter. The 8-bit scales are counted per whole block of the model's parameters: each tensor's partial
+// last block and its codes' padding to 16 bytes (under 1 KiB a tensor) are not. torch's AdamW on the device
+// (--optimizer none) keeps its m and v in the parameters' dtype whatever the setting says.
 // A shape is checked before anything is built: every field within
 // transformer_shape_limits() (far past any real model, and few enough layers
 // that one profile per layer is cheap to build and plan), and every byte count
@@ -43,6 +50,7 @@
 #include <vector>
 
 #include "tierflow/core/config.hpp"
+#include "tierflow/core/state_format.hpp"
 #include "tierflow/tiering/planner.hpp"
 
 namespace tierflow::tiering {
@@ -92,10 +100,23 @@ struct StateBytes {
   std::uint64_t optimizer_bytes = 0;  ///< Adam's m and v (and fp32 masters on the CPU optimizer's tiers)
 };
 
+/// Elements sharing one pair of fp32 scales in the 8-bit format (optimizer::kQuantBlock; a test holds them equal).
+inline constexpr std::uint64_t kStateQuantBlock = 256;
+
+/// Bytes tierflow's CPU AdamW keeps a parameter of `dtype_bytes` with moments in `states`: the fp32 master
+/// (4, none for fp32 parameters) and m and v (8, 4, or 2 + 8/256): 12, 8 or 6.03 for bf16 (Note
+/// [Transformer estimate], Optimizer states).
+double cpu_optimizer_bytes_per_param(StateFormat states, int dtype_bytes) noexcept;
+
+/// The same for `parameters` parameters, in whole bytes (the 8-bit scales of ceil(parameters / 256) blocks).
+/// `parameters` with 12 bytes each within 64 bits (transformer_parameters of any accepted shape).
+std::uint64_t cpu_optimizer_state_bytes(StateFormat states, std::uint64_t parameters, int dtype_bytes) noexcept;
+
 /// Parameters and optimizer: parameters (dtype) and gradients (dtype) on the device; for `none` torch's AdamW
-/// on the device, its m and v in the parameters' dtype (zeros_like); for host or NVMe tierflow's CPU AdamW there,
-/// the fp32 master (when the dtype is narrower) and fp32 m and v.
-StateBytes estimate_training_state(const TransformerShape& shape, OffloadTarget optimizer);
+/// on the device, its m and v in the parameters' dtype (zeros_like; `states` does not apply); for host or NVMe
+/// tierflow's CPU AdamW there, cpu_optimizer_state_bytes in `states` (TIERFLOW_OPTIMIZER_STATES).
+StateBytes estimate_training_state(const TransformerShape& shape, OffloadTarget optimizer,
+                                   StateFormat states = StateFormat::kFp32);
 /// The optimizer placement named `text` (none, host, nvme); config_error naming it and the accepted names.
 OffloadTarget parse_optimizer_placement(std::string_view text);
 

@@ -1,0 +1,59 @@
+"""``python -m tierflow plan --optimizer-states``: the CPU AdamW's host bytes a parameter from the format (issue 39;
+Note [Transformer estimate], Optimizer states). The counts themselves are tested in C++
+(tests/cpp/test_plan_state_format.cpp); here, that the flag and TIERFLOW_OPTIMIZER_STATES reach them."""
+
+import io
+import json
+from contextlib import redirect_stderr, redirect_stdout
+
+import pytest
+
+from tierflow import _C
+from tierflow.__main__ import main as tierflow_main
+
+SMALL = ["--layers", "4", "--hidden", "256", "--heads", "4", "--seq", "128", "--batch", "2", "--vocab", "1000",
+         "--gpu-memory", "16GiB", "--tflops", "100", "--pcie-gbps", "20", "--optimizer", "host"]
+PARAMS = _C.transformer_parameters(_C.TransformerShape(layers=4, hidden=256, heads=4, seq=128, batch=2,
+                                                       dtype_bytes=2, vocab=1000, ffn_mult=4))
+# 10 bytes a parameter: fp32 states (12) do not fit, 8bit's (6 + 8/256) do.
+HOST = ["--host-memory", str(10 * PARAMS)]
+EIGHT_BIT_BYTES = 6 * PARAMS + 8 * -(-PARAMS // 256)
+
+
+def plan(args, monkeypatch, states_variable=None):
+    """(exit code, stdout, stderr) of ``python -m tierflow plan ARGS`` in this process."""
+    if states_variable is None:
+        monkeypatch.delenv("TIERFLOW_OPTIMIZER_STATES", raising=False)
+    else:
+        monkeypatch.setenv("TIERFLOW_OPTIMIZER_STATES", states_variable)
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        rc = tierflow_main(["plan", *args])
+    return rc, out.getvalue(), err.getvalue()
+
+
+@pytest.mark.parametrize("flag, variable", [(["--optimizer-states", "8bit"], None), ([], "8bit"),
+                                            (["--optimizer-states", "8BIT"], "fp32")])
+def test_eight_bit_states_fit_a_host_budget_fp32_states_do_not(monkeypatch, flag, variable):
+    rc, out, err = plan([*SMALL, *HOST, "--json", *flag], monkeypatch, variable)
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert doc["state"]["host_bytes"] == EIGHT_BIT_BYTES
+    assert doc["budgets"]["host_bytes_for_activations"] == 10 * PARAMS - EIGHT_BIT_BYTES
+    rc, out, err = plan([*SMALL, *HOST, *flag], monkeypatch, variable)
+    assert rc == 0, err
+    assert "; CPU AdamW states --optimizer-states 8bit: 6.03 bytes a parameter;" in out
+
+
+@pytest.mark.parametrize("flag, variable", [([], None), (["--optimizer-states", "fp32"], "8bit")])
+def test_fp32_states_are_refused_naming_the_format_that_fits(monkeypatch, flag, variable):
+    rc, out, err = plan([*SMALL, *HOST, *flag], monkeypatch, variable)
+    assert rc == 2 and out == "", (out, err)
+    assert f"it needs {12 * PARAMS} bytes (--optimizer-states fp32)" in err, err
+    assert "or --optimizer-states 8bit (TIERFLOW_OPTIMIZER_STATES=8bit: 6.03 bytes a parameter" in err, err
+
+
+def test_a_bad_format_names_the_flag_and_what_is_accepted(monkeypatch):
+    rc, out, err = plan([*SMALL, *HOST, "--optimizer-states", "4bit"], monkeypatch)
+    assert rc == 2 and out == "" and err.count("\n") == 1, (out, err)
+    assert err.startswith("tierflow plan: --optimizer-states='4bit'") and "one of fp32, bf16, 8bit" in err, err
