@@ -188,11 +188,23 @@ void GradStream::set_state(std::size_t slot, at::Tensor master, at::Tensor exp_a
   TIERFLOW_EXPECTS(slot < slots_.size(), "GradStream::set_state: no slot " + std::to_string(slot));
   Slot& s = slots_[slot];
   const std::int64_t n = s.param.numel();
-  for (const at::Tensor* t : {&master, &exp_avg, &exp_avg_sq})
-    TIERFLOW_EXPECTS(t->defined() && t->is_cpu() && t->is_contiguous() && t->scalar_type() == at::kFloat &&
-                         t->numel() == n,
+  auto host_flat = [](const at::Tensor& t) { return t.defined() && t.is_cpu() && t.is_contiguous(); };
+  TIERFLOW_EXPECTS(host_flat(master) && master.scalar_type() == at::kFloat && master.numel() == n,
+                   "GradStream::set_state: slot " + std::to_string(slot) +
+                       " needs a contiguous fp32 CPU master of the parameter's size");
+  // Note [Optimizer state formats]: a moment's format is its dtype; both moments share it.
+  const std::optional<optimizer::StateFormat> format = moment_format(exp_avg);
+  for (const at::Tensor* t : {&exp_avg, &exp_avg_sq})
+    TIERFLOW_EXPECTS(host_flat(*t) && format && moment_format(*t) == format &&
+                         t->nbytes() == optimizer::moment_bytes(*format, static_cast<std::size_t>(n)),
                      "GradStream::set_state: slot " + std::to_string(slot) +
-                         " needs contiguous fp32 CPU master and moments of the parameter's size");
+                         " needs contiguous CPU moments of one format (TIERFLOW_OPTIMIZER_STATES): float32 or "
+                         "bfloat16 of the parameter's size, or 8bit's uint8 buffer of moment_bytes");
+  TIERFLOW_EXPECTS(!max_exp_avg_sq.defined() || (host_flat(max_exp_avg_sq) &&
+                                                 max_exp_avg_sq.scalar_type() == at::kFloat &&
+                                                 max_exp_avg_sq.numel() == n),
+                   "GradStream::set_state: slot " + std::to_string(slot) +
+                       " needs a contiguous fp32 CPU max_exp_avg_sq of the parameter's size");
   TIERFLOW_EXPECTS(step.defined() && step.is_cpu() && step.numel() == 1,
                    "GradStream::set_state: the step counter must be a one-element CPU tensor");
   s.master = std::move(master);
@@ -222,7 +234,10 @@ std::vector<at::Tensor> GradStream::state_of(std::size_t slot) const {
   TIERFLOW_EXPECTS(slot < slots_.size(), "GradStream::state_of: no slot " + std::to_string(slot));
   const Slot& s = slots_[slot];
   // Shaped like the parameter, as torch.optim keeps its state (the stream works on flat views).
-  auto shaped = [&](const at::Tensor& t) { return t.defined() ? t.view(s.param.sizes()) : t; };
+  // An 8-bit moment stays the one flat buffer it is (codes, then scales).
+  auto shaped = [&](const at::Tensor& t) {
+    return t.defined() && t.numel() == s.param.numel() && t.scalar_type() != at::kByte ? t.view(s.param.sizes()) : t;
+  };
   return {shaped(s.master), shaped(s.exp_avg), shaped(s.exp_avg_sq), shaped(s.max_exp_avg_sq)};
 }
 
@@ -390,8 +405,9 @@ void GradStream::launch_locked(std::size_t bi) {
     try {
       const std::vector<std::int64_t> flat = {s.param.numel()};
       e.out_master = runtime_->host_empty(flat, at::kFloat, false);
-      e.out_exp_avg = runtime_->host_empty(flat, at::kFloat, false);
-      e.out_exp_avg_sq = runtime_->host_empty(flat, at::kFloat, false);
+      // Like the moments (Note [Optimizer state formats]): bf16, or 8bit's one buffer of codes and scales.
+      e.out_exp_avg = runtime_->host_empty({s.exp_avg.numel()}, s.exp_avg.scalar_type(), false);
+      e.out_exp_avg_sq = runtime_->host_empty({s.exp_avg_sq.numel()}, s.exp_avg_sq.scalar_type(), false);
       if (e.options.amsgrad) e.out_max_exp_avg_sq = runtime_->host_empty(flat, at::kFloat, false);
       e.staging = runtime_->host_empty(flat, s.param.scalar_type(), false);
     } catch (const out_of_memory&) {

@@ -287,7 +287,70 @@ void bind_stream_step(py::class_<PyGradStream, std::shared_ptr<PyGradStream>>& c
 
 namespace tierflow::bindings::pymod {
 
+namespace {
+
+// TIERFLOW_OPTIMIZER_STATES's value `name`; a config_error naming what is accepted otherwise.
+optimizer::StateFormat moments_format_named(const std::string& name) {
+  const auto f = parse_state_format(name);
+  if (!f) throw config_error("optimizer state format '" + name +
+                             "'; accepted: fp32, bf16, 8bit (TIERFLOW_OPTIMIZER_STATES, keyword optimizer_states)");
+  return *f;
+}
+
+// The moments handed to or from an NVMe state of key `key`: of one format (their dtype), fp32 or the state's,
+// contiguous on the CPU and of its size (Note [Optimizer states on NVMe]).
+optimizer::StateFormat nvme_moments(Runtime& rt, std::uint64_t key, const at::Tensor& m, const at::Tensor& v,
+                                    const char* what) {
+  const std::size_t n = rt.nvme_adam().numel(key);
+  const auto f = moment_format(m);
+  TIERFLOW_EXPECTS(f && moment_format(v) == f && m.is_cpu() && v.is_cpu() && m.is_contiguous() && v.is_contiguous() &&
+                       m.nbytes() == optimizer::moment_bytes(*f, n) && v.nbytes() == m.nbytes(),
+                   std::string(what) + ": the moments must be contiguous CPU tensors of one format (float32, "
+                       "bfloat16, or 8bit's uint8 buffer) of the state's size");
+  return *f;
+}
+
+// Optimizer states on NVMe in a format (Note [Optimizer states on NVMe], Note [Optimizer state formats]):
+// what runtime_bindings.cpp's fp32 nvme_adam_* do, with the format.
+void bind_nvme_state_formats(py::module_& m) {
+  m.def("nvme_optimizer_state_bytes", [](std::size_t numel, bool amsgrad, const std::string& format) {
+    return optimizer::NvmeAdamStore::state_bytes(numel, amsgrad, moments_format_named(format));
+  }, py::arg("numel"), py::arg("amsgrad"), py::arg("format"),
+        "Bytes of one parameter's state on NVMe: fp32 master, both moments in `format`, fp32 vmax with amsgrad.");
+  m.def("nvme_adam_add_in", [](Runtime& rt, const at::Tensor& master, bool amsgrad, const std::string& format) {
+    TIERFLOW_EXPECTS(master.is_cpu() && master.is_contiguous() && master.scalar_type() == at::kFloat,
+                     "nvme_adam_add_in: the master must be a contiguous float32 CPU tensor");
+    const optimizer::StateFormat f = moments_format_named(format);
+    py::gil_scoped_release release;
+    return rt.nvme_adam().add(static_cast<std::size_t>(master.numel()), amsgrad, master.data_ptr<float>(), nullptr,
+                              nullptr, nullptr, f);
+  }, py::arg("runtime"), py::arg("master"), py::arg("amsgrad"), py::arg("format"),
+        "A new NVMe state with zero moments kept in `format` (fp32, bf16, 8bit); returns its key.");
+  m.def("nvme_adam_format", [](Runtime& rt, std::uint64_t key) {
+    return std::string(to_string(rt.nvme_adam().format(key)));
+  }, py::arg("runtime"), py::arg("key"), "The format an NVMe state's moments are kept in.");
+  m.def("nvme_adam_read_in", [](Runtime& rt, std::uint64_t key, at::Tensor master, at::Tensor mo, at::Tensor v,
+                                std::optional<at::Tensor> vmax) {
+    const optimizer::StateFormat f = nvme_moments(rt, key, mo, v, "nvme_adam_read_in");
+    py::gil_scoped_release release;
+    rt.nvme_adam().read(key, master.data_ptr<float>(), mo.data_ptr(), v.data_ptr(),
+                        vmax ? vmax->data_ptr<float>() : nullptr, f);
+  }, py::arg("runtime"), py::arg("key"), py::arg("master"), py::arg("m"), py::arg("v"), py::arg("vmax"),
+        "Reads an NVMe state; the moments come in their tensors' format: fp32 (decoded) or the state's own.");
+  m.def("nvme_adam_write_in", [](Runtime& rt, std::uint64_t key, at::Tensor master, at::Tensor mo, at::Tensor v,
+                                 std::optional<at::Tensor> vmax) {
+    const optimizer::StateFormat f = nvme_moments(rt, key, mo, v, "nvme_adam_write_in");
+    py::gil_scoped_release release;
+    rt.nvme_adam().write(key, master.data_ptr<float>(), mo.data_ptr(), v.data_ptr(),
+                         vmax ? vmax->data_ptr<float>() : nullptr, f);
+  }, py::arg("runtime"), py::arg("key"), py::arg("master"), py::arg("m"), py::arg("v"), py::arg("vmax"),
+        "Replaces an NVMe state; the moments are given in fp32 (encoded) or the state's own format.");
+}
+
+}  // namespace
+
 void bind_grad_stream(py::module_& m) {
+  bind_nvme_state_formats(m);
   m.def("measured_grad_bucket_bytes", [](double backward_s, double link, double cpu, std::size_t total) {
     return optimizer::measured_grad_bucket_bytes({backward_s, link, cpu, total});
   }, "TIERFLOW_GRAD_BUCKET_BYTES=auto from measured speeds (bytes/s), see optimizer/grad_buckets.hpp.");

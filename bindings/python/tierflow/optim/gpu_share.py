@@ -1,7 +1,15 @@
 """CPUAdamW's GPU share (Deep Optimizer States): which CUDA parameters step on
 the GPU, chosen from measured speeds with TIERFLOW_GPU_OPTIMIZER_FRACTION=auto,
 and their step with tierflow's CUDA AdamW. CPUAdamW owns one GpuShare and hands
-it its param groups, its state and its gradient stream where a call needs them."""
+it its param groups, its state and its gradient stream where a call needs them.
+
+The share's states stay fp32 on the device whatever TIERFLOW_OPTIMIZER_STATES says (Note [Optimizer state
+formats]): the share is a few percent of the parameters, so packing its moments would save little; its CUDA
+kernel is bit for bit torch's fused AdamW in fp32 (optimizer/cuda_adam.hpp), which packed moments would give
+up; and the planner budgeted its device memory at 8 bytes of moments an element (gpu_share_bytes_per_element).
+A parameter that moves from the host into the share (choose) has its host moments decoded to fp32 on the way
+(_device_copies); nothing moves a parameter from the share back to the host. One info line says so when the
+format is not fp32."""
 
 from __future__ import annotations
 
@@ -15,10 +23,21 @@ from .. import _C
 class GpuShare:
     """The CUDA parameters that step on the GPU (see the module doc)."""
 
-    def __init__(self, setting: str) -> None:
+    def __init__(self, setting: str, state_format: str = "fp32") -> None:
         self.choice = _C.GpuShareChoice(setting)  # the decision: optimizer/grad_buckets.hpp
         self.ids: Optional[set] = None  # ids of CUDA params stepped on the GPU, fixed at the first step
         self.planner: Optional[Any] = None  # a weakref to the session's activation planner (set by wrap), or None
+        self.state_format = state_format  # the host's moments (TIERFLOW_OPTIMIZER_STATES); the share keeps fp32
+        self._format_noted = False
+
+    def _note_format(self) -> None:
+        """The one info line (module doc): a share with states while the host's moments are packed."""
+        if self.ids and self.state_format != "fp32" and not self._format_noted:
+            self._format_noted = True
+            _C.log("info", f"tierflow: the CPU optimizer's GPU share ({len(self.ids)} parameters) keeps fp32 "
+                           f"moments on the device, not TIERFLOW_OPTIMIZER_STATES={self.state_format}: its CUDA "
+                           "AdamW is torch's fused AdamW bit for bit in fp32, and its room was planned at 8 bytes "
+                           "of moments an element")
 
     @property
     def auto(self) -> bool:
@@ -34,6 +53,7 @@ class GpuShare:
         if self.ids is None:
             cuda = [p for group in param_groups for p in group["params"] if p.device.type == "cuda"]
             self.ids = {id(p) for p, on_gpu in zip(cuda, self.choice.assign([p.numel() for p in cuda])) if on_gpu}
+            self._note_format()
         return self.ids
 
     def choose(self, param_groups: list, runtime: "_C.Runtime", streaming: Any, state: Any, seen: tuple) -> bool:
@@ -69,6 +89,7 @@ class GpuShare:
             _C.log("warn", "tierflow: the CPU optimizer's GPU share found no device memory for its states "
                            f"({str(e).splitlines()[0]}); every parameter steps on the CPU")
             return False
+        self._note_format()
         for p, c in zip(moved, copies):
             streaming.exclude(p)
             if c:
@@ -123,10 +144,15 @@ def _device_room(runtime: "_C.Runtime", cuda: list, carried: list, planner: Any)
 
 def _device_copies(p: torch.Tensor, s: Optional[dict]) -> dict:
     """A parameter's CPU optimizer state, when it has one, copied to the parameter's device (the entries to
-    put in its state); nothing changes until the caller puts them."""
+    put in its state); nothing changes until the caller puts them. Moments kept in bf16 or 8bit on the host are
+    decoded to fp32 (the share keeps fp32: module doc)."""
     if not s or "master" not in s:
         return {}
-    out = {k: s[k].to(p.device).view_as(p) for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if k in s}
+    moments = {k: s[k] for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if k in s}
+    if _C.moment_format(moments["exp_avg"]) != "fp32":
+        moments["exp_avg"], moments["exp_avg_sq"] = _C.decode_moments(
+            moments["exp_avg"].reshape(-1).contiguous(), moments["exp_avg_sq"].reshape(-1).contiguous(), p.numel())
+    out = {k: m.to(p.device, torch.float32).view_as(p) for k, m in moments.items()}
     out["master"] = p.detach() if p.dtype == torch.float32 else s["master"].to(p.device).view_as(p)
     return out
 

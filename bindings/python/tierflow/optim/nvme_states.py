@@ -19,25 +19,31 @@ import torch
 
 from .. import _C
 from .accepted import check_grad
-from .copies import DeviceCopies, local_shard
+from .copies import MOMENT_DTYPES, DeviceCopies, local_shard
 
 #: The key that marks a state lost to NVMe corruption in state_dict() (Note [NVMe optimizer faults]).
 LOST_STATE = _C.LOST_STATE_KEY
 
 
-def state_bytes(p: torch.Tensor, group: dict) -> int:
-    """The fp32 state of one parameter: master, exp_avg, exp_avg_sq (and max_exp_avg_sq with amsgrad)."""
-    return _C.optimizer_state_bytes(local_shard(p).numel(), bool(group["amsgrad"]))  # FSDP2: this rank's shard
+def state_bytes(p: torch.Tensor, group: dict, state_format: str = "fp32") -> int:
+    """The NVMe state of one parameter: fp32 master, exp_avg and exp_avg_sq in ``state_format`` (Note [Optimizer
+    state formats]) and, with amsgrad, an fp32 max_exp_avg_sq."""
+    return _C.nvme_optimizer_state_bytes(local_shard(p).numel(), bool(group["amsgrad"]),  # FSDP2: this rank's shard
+                                         state_format)
 
 
 class StateTier:
     """Where CPUAdamW's states sit, the host pool or NVMe (TIERFLOW_OFFLOAD_OPTIMIZER): space checks, the
     NVMe states' step and I/O, and their faults (Note [NVMe optimizer faults])."""
 
-    def __init__(self, runtime: "_C.Runtime", cfg: Mapping[str, str], names: dict) -> None:
+    def __init__(self, runtime: "_C.Runtime", cfg: Mapping[str, str], names: dict,
+                 state_format: Optional[str] = None) -> None:
         self._runtime = runtime
         self._host_memory = cfg.get("TIERFLOW_HOST_MEMORY")
         self.nvme = cfg["TIERFLOW_OFFLOAD_OPTIMIZER"] == "nvme"
+        # How the moments are kept (Note [Optimizer state formats]): on NVMe too, in the same bytes as on the host
+        # (Note [Optimizer states on NVMe]). None: TIERFLOW_OPTIMIZER_STATES.
+        self.format = state_format or cfg.get("TIERFLOW_OPTIMIZER_STATES", "fp32")
         self._names = names  # id(param) -> its name in the model, for error messages
         self._reserved: set = set()  # ids of parameters whose NVMe state space is reserved
         # Note [NVMe optimizer faults]: param -> (gradient, its version, step count after) of a step taken.
@@ -86,7 +92,7 @@ class StateTier:
         need and the free space, and then reserves nothing."""
         todo = [(p, g) for p, g in todo if id(p) not in self._reserved]
         if todo:
-            self._runtime.nvme_adam_reserve([state_bytes(p, g) for p, g in todo])
+            self._runtime.nvme_adam_reserve([state_bytes(p, g, self.format) for p, g in todo])
             self._reserved.update(id(p) for p, _ in todo)
 
     def stepped_already(self, p: torch.Tensor, state: Any) -> bool:
@@ -105,7 +111,7 @@ class StateTier:
     def add(self, p: torch.Tensor, group: dict, value: torch.Tensor) -> dict:
         """A fresh NVMe state for p (its master from ``value``, p's current value), as the entries of its state dict."""
         master = value.detach().reshape(-1).to("cpu", torch.float32).contiguous()
-        return {"nvme_key": self._runtime.nvme_adam_add(master, bool(group["amsgrad"])),
+        return {"nvme_key": _C.nvme_adam_add_in(self._runtime, master, bool(group["amsgrad"]), self.format),
                 "amsgrad": bool(group["amsgrad"])}
 
     @staticmethod
@@ -122,14 +128,25 @@ class StateTier:
             state["nvme_key"] = store[0]
         flat = lambda t: t.detach().reshape(-1).to(torch.float32).contiguous()  # noqa: E731
         master = flat(state.pop("master"))
-        m, v = flat(state.pop("exp_avg")), flat(state.pop("exp_avg_sq"))
+        m, v = self._moments_for_nvme(state.pop("exp_avg"), state.pop("exp_avg_sq"), master.numel())
         vmax = flat(state.pop("max_exp_avg_sq")) if amsgrad and "max_exp_avg_sq" in state else (
             torch.zeros_like(master) if amsgrad else None)
         state.pop("max_exp_avg_sq", None)
         if "nvme_key" not in state:
-            state["nvme_key"] = self._runtime.nvme_adam_add(master, amsgrad)
-        self._runtime.nvme_adam_write(state["nvme_key"], master, m, v, vmax)
+            state["nvme_key"] = _C.nvme_adam_add_in(self._runtime, master, amsgrad, self.format)
+        _C.nvme_adam_write_in(self._runtime, state["nvme_key"], master, m, v, vmax)
         state["amsgrad"] = amsgrad
+
+    def _moments_for_nvme(self, m: torch.Tensor, v: torch.Tensor, numel: int) -> tuple:
+        """(m, v) as the NVMe store takes them: in its format as they are (their bytes), else as fp32, which it
+        encodes (Note [Optimizer state formats]: decoding then encoding gives the same bytes back)."""
+        fmt = _C.moment_format(m)
+        if fmt == self.format and _C.moment_format(v) == fmt:
+            return m.detach().reshape(-1).contiguous(), v.detach().reshape(-1).contiguous()
+        if fmt in ("bf16", "8bit"):  # another packed format: decoded first
+            m, v = _C.decode_moments(m.detach().reshape(-1).contiguous(), v.detach().reshape(-1).contiguous(), numel)
+        return (m.detach().reshape(-1).to(torch.float32).contiguous(),
+                v.detach().reshape(-1).to(torch.float32).contiguous())
 
     def materialize(self, p: torch.Tensor, state: dict) -> dict:
         """A parameter's NVMe-resident state as CPU tensors, in torch's layout."""
@@ -137,10 +154,16 @@ class StateTier:
             return state
         shape = local_shard(p).shape  # FSDP2: this rank's shard
         n = shape.numel()
-        master, m, v = (torch.empty(n, dtype=torch.float32) for _ in range(3))
+        master = torch.empty(n, dtype=torch.float32)
+        # The moments in their format, as the host tier keeps them: float32 or bfloat16 shaped like the
+        # parameter, or 8bit's one uint8 buffer (Note [Optimizer state formats]).
+        fmt = _C.nvme_adam_format(self._runtime, state["nvme_key"])
+        dtype = MOMENT_DTYPES[fmt]
+        m, v = (torch.empty(_C.moment_bytes(fmt, n) // dtype.itemsize, dtype=dtype) for _ in range(2))
         vmax = torch.empty(n, dtype=torch.float32) if state.get("amsgrad") else None
-        self._runtime.nvme_adam_read(state["nvme_key"], master, m, v, vmax)
-        out = {"step": state["step"], "exp_avg": m.view(shape), "exp_avg_sq": v.view(shape),
+        _C.nvme_adam_read_in(self._runtime, state["nvme_key"], master, m, v, vmax)
+        moment_shape = (m.shape if fmt == "8bit" else shape)
+        out = {"step": state["step"], "exp_avg": m.view(moment_shape), "exp_avg_sq": v.view(moment_shape),
                "master": master.view(shape)}
         if vmax is not None:
             out["max_exp_avg_sq"] = vmax.view(shape)

@@ -1,0 +1,79 @@
+"""Optimizer state formats (TIERFLOW_OPTIMIZER_STATES: Note [Optimizer state formats]) everywhere the states go:
+the step during backward (Note [Step during backward]), the NVMe tier (Note [Optimizer states on NVMe]), the
+GPU share (Note [GPU optimizer share]) and partitioned or sharded data parallelism.
+
+Each path is compared with the host path of the same format, bit for bit: every path runs the same kernel on the
+same gradients and the same stored moments, so a format that is lost, mis-sized or re-quantized on the way
+shows up as a different weight. The host path itself is tested against a scalar reference in
+tests/cpp/test_state_format.cpp and against fp32 with rounding in test_optimizer_states.py.
+"""
+
+import pytest
+import torch
+
+from harness import assert_bit_identical, gpt_task, train
+
+SMALL = "4KiB"  # many buckets even for the small test GPT
+PACKED = ["bf16", "8bit"]
+
+
+def _moments(opt):
+    """{(group index, param index): (exp_avg, exp_avg_sq)} of a CPUAdamW, as its state_dict holds them."""
+    return {k: (s["exp_avg"].clone(), s["exp_avg_sq"].clone()) for k, s in opt.state_dict()["state"].items()}
+
+
+# -- the step during backward ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", PACKED)
+def test_streamed_steps_with_packed_moments_equal_steps_after_backward(fmt, device):
+    """Early steps committed: the out-of-place moments are the format's (same dtype and bytes), so the committed
+    state is the one a step after backward leaves."""
+    task = gpt_task(dropout=0.0)
+    streamed = train(task, 3, True, device=device, grad_bucket_bytes=SMALL, optimizer_states=fmt)
+    after = train(task, 3, True, device=device, overlap_step="off", optimizer_states=fmt)
+    assert_bit_identical(streamed, after)
+    s = streamed.report["optimizer"]["streaming"]
+    assert s["committed"] == s["early_steps"] > 0 and s["redone"] == 0 and s["taken_back"] == 0
+    assert streamed.host_in_use_after_release == 0
+
+
+@pytest.mark.parametrize("fmt", PACKED)
+def test_taken_back_and_redone_packed_steps_restart_from_the_same_quantized_state(fmt, device):
+    """A wrong accumulation hint takes early steps back (accumulation: every micro-batch but the last streams
+    for nothing); a binding clip redoes them from the landed gradients. Both restart from the stored moments,
+    which the discarded out-of-place results never touched: bit for bit the step after backward."""
+    task = gpt_task(dropout=0.0)
+    hinted = train(task, 3, True, device=device, accumulate=3, grad_accumulation_steps=1, grad_bucket_bytes=SMALL,
+                   optimizer_states=fmt)
+    assert_bit_identical(hinted, train(task, 3, True, device=device, accumulate=3, overlap_step="off",
+                                       optimizer_states=fmt))
+    s = hinted.report["optimizer"]["streaming"]
+    assert s["taken_back"] > 0, s
+    # 1.0: the running norm crosses the bound after some buckets stepped early (0.6 stops before any)
+    clipped = train(task, 3, True, device=device, max_grad_norm=1.0, grad_bucket_bytes=SMALL, optimizer_states=fmt)
+    assert_bit_identical(clipped, train(task, 3, True, device=device, clip_grad_norm=1.0, overlap_step="off",
+                                        optimizer_states=fmt))
+    s = clipped.report["optimizer"]["streaming"]
+    assert s["redone"] > 0 and s["committed"] == 0, s
+
+
+# -- the GPU share -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", PACKED)
+def test_a_parameter_moving_into_the_gpu_share_takes_its_moments_decoded_to_fp32(fmt):
+    """The share keeps fp32 moments (gpu_share.py's module doc): a host state in bf16 or 8bit moving into it
+    (GpuShare.choose) arrives decoded, shaped like its parameter; the master and step as they were."""
+    from tierflow import _C
+    from tierflow.optim.gpu_share import _device_copies
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(3, 300))  # several 8-bit blocks, the last one partial
+    m, v = _C.encode_moments(fmt, torch.randn(900) * 1e-2, torch.rand(900) * 1e-4)
+    state = {"step": torch.tensor(2.0), "exp_avg": m, "exp_avg_sq": v, "master": p.detach().clone()}
+    moved = _device_copies(p, state)
+    want_m, want_v = _C.decode_moments(m, v, 900)
+    for name, want in (("exp_avg", want_m), ("exp_avg_sq", want_v)):
+        assert moved[name].dtype == torch.float32 and moved[name].shape == p.shape, name
+        assert torch.equal(moved[name].reshape(-1), want.reshape(-1)), name
+    assert torch.equal(moved["master"], p.detach())
