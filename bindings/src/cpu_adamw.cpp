@@ -3,6 +3,7 @@
 
 #include <torch/optim/serialize.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 
@@ -54,6 +55,34 @@ CpuAdamW::CpuAdamW(std::shared_ptr<Runtime> runtime, const std::vector<torch::op
   TIERFLOW_EXPECTS(runtime_ != nullptr, "CpuAdamW: a runtime is required");
   if (auto why = optimizer::adam_options_problem(adam_options_of(defaults))) TORCH_CHECK(false, *why);
   on_nvme_ = optimizer::adamw_state_tier(runtime_->config().offload_optimizer) == Tier::kNvme;
+  format_ = runtime_->config().optimizer_states;
+  check_amsgrad();
+}
+
+void CpuAdamW::check_amsgrad() const {
+  if (format_ == optimizer::StateFormat::kFp32) return;
+  for (std::size_t g = 0; g < param_groups_.size(); ++g) {
+    if (!static_cast<const AdamWOptions&>(param_groups_[g].options()).amsgrad()) continue;
+    const std::string f = to_string(format_);
+    throw config_error("tierflow CpuAdamW: param group " + std::to_string(g) +
+                       " has amsgrad, and amsgrad keeps fp32 moments; TIERFLOW_OPTIMIZER_STATES=" + f +
+                       " (set_state_format) is refused with it (accepted: fp32)");
+  }
+}
+
+void CpuAdamW::set_state_format(optimizer::StateFormat f) {
+  TIERFLOW_EXPECTS(state_.empty() && std::all_of(slots_.begin(), slots_.end(),
+                                                 [](const auto& s) { return s.second.nvme_key == 0; }),
+                   "CpuAdamW::set_state_format: the optimizer has states already; set the format before the first "
+                   "step or load");
+  const optimizer::StateFormat before = format_;
+  format_ = f;
+  try {
+    check_amsgrad();
+  } catch (...) {
+    format_ = before;
+    throw;
+  }
 }
 
 CpuAdamW::CpuAdamW(std::shared_ptr<Runtime> runtime, std::vector<at::Tensor> params, AdamWOptions defaults)
@@ -81,7 +110,7 @@ CpuAdamW::Slot& CpuAdamW::slot(const at::Tensor& p, const AdamWOptions& options)
     if (s.nvme_key == 0) {  // the master lives on NVMe from here on
       at::Tensor master = own_master(p) ? p.detach() : p.detach().to(at::kCPU, at::kFloat).contiguous();
       s.nvme_key = runtime_->nvme_adam().add(static_cast<std::size_t>(p.numel()), options.amsgrad(),
-                                             master.data_ptr<float>());
+                                             master.data_ptr<float>(), nullptr, nullptr, nullptr, format_);
     }
   } else if (!own_master(p) && !s.master.defined()) {
     s.master = runtime_->host_empty(p.sizes(), at::kFloat, false);
@@ -131,8 +160,9 @@ bool CpuAdamW::step_group(torch::optim::OptimizerParamGroup& group, std::size_t 
     auto& entry = state_[p.unsafeGetTensorImpl()];
     if (!entry && !on_nvme_) {  // NVMe states are made once their parameter has stepped
       auto st = std::make_unique<AdamWParamState>();
-      st->exp_avg(runtime_->host_empty(p.sizes(), at::kFloat, true));
-      st->exp_avg_sq(runtime_->host_empty(p.sizes(), at::kFloat, true));
+      check_amsgrad();  // a group added since construction
+      st->exp_avg(runtime_->host_moment(p.sizes(), format_));  // Note [Optimizer state formats]
+      st->exp_avg_sq(runtime_->host_moment(p.sizes(), format_));
       if (o.amsgrad()) st->max_exp_avg_sq(runtime_->host_empty(p.sizes(), at::kFloat, true));
       entry = std::move(st);
     }
@@ -246,11 +276,30 @@ std::vector<bool> CpuAdamW::run_kernel(const Batch& batch, const AdamWOptions& o
 }
 
 void CpuAdamW::save(torch::serialize::OutputArchive& archive) const {
-  if (!on_nvme_) {
+  if (!on_nvme_ && format_ == optimizer::StateFormat::kFp32) {
     torch::optim::serialize<AdamWParamState, AdamWOptions>(archive, *this);
     return;
   }
   ArchiveView view(param_groups_, defaults_->clone());
+  if (!on_nvme_) {  // bf16 or 8-bit moments: decoded to fp32, torch's layout (Note [C++ CpuAdamW])
+    for (const auto& group : param_groups_) {
+      for (const auto& p : group.params()) {
+        auto found = state_.find(p.unsafeGetTensorImpl());
+        if (found == state_.end()) continue;
+        const auto& st = static_cast<const AdamWParamState&>(*found->second);
+        auto copy = std::make_unique<AdamWParamState>(st);
+        if (st.exp_avg().defined() && st.exp_avg_sq().defined()) {
+          at::Tensor m = at::empty(p.sizes(), at::kFloat), v = at::empty(p.sizes(), at::kFloat);
+          decode_moments(st.exp_avg(), st.exp_avg_sq(), static_cast<std::size_t>(p.numel()), m, v);
+          copy->exp_avg(m);
+          copy->exp_avg_sq(v);
+        }
+        view.state()[p.unsafeGetTensorImpl()] = std::move(copy);
+      }
+    }
+    torch::optim::serialize<AdamWParamState, AdamWOptions>(archive, view);
+    return;
+  }
   for (const auto& group : param_groups_) {
     for (const auto& p : group.params()) {
       auto found = state_.find(p.unsafeGetTensorImpl());
@@ -276,6 +325,7 @@ void CpuAdamW::save(torch::serialize::OutputArchive& archive) const {
 
 void CpuAdamW::load(torch::serialize::InputArchive& archive) {
   torch::optim::serialize<AdamWParamState, AdamWOptions>(archive, *this);
+  check_amsgrad();
   adopt_loaded_state();
 }
 
@@ -300,7 +350,8 @@ void CpuAdamW::adopt_loaded_state() {
         at::Tensor master = own_master(p) ? p.detach() : p.detach().to(at::kCPU, at::kFloat).contiguous();
         s.nvme_key = runtime_->nvme_adam().add(static_cast<std::size_t>(p.numel()), amsgrad, master.data_ptr<float>(),
                                                m.data_ptr<float>(), v.data_ptr<float>(),
-                                               amsgrad ? vmax.data_ptr<float>() : nullptr);
+                                               amsgrad ? vmax.data_ptr<float>() : nullptr, format_,
+                                               optimizer::StateFormat::kFp32);
         st.exp_avg(at::Tensor());
         st.exp_avg_sq(at::Tensor());
         st.max_exp_avg_sq(at::Tensor());
@@ -310,8 +361,11 @@ void CpuAdamW::adopt_loaded_state() {
           h.copy_(t.view(p.sizes()));
           return h;
         };
-        st.exp_avg(pinned(m));
-        st.exp_avg_sq(pinned(v));
+        // Note [Optimizer state formats]: the archive's fp32 moments encoded into this optimizer's format.
+        at::Tensor hm = runtime_->host_moment(p.sizes(), format_), hv = runtime_->host_moment(p.sizes(), format_);
+        encode_moments(format_, m, v, hm, hv);
+        st.exp_avg(hm);
+        st.exp_avg_sq(hv);
         st.max_exp_avg_sq(amsgrad ? pinned(vmax) : at::Tensor());
       }
     }

@@ -22,8 +22,10 @@ using torch::optim::AdamWParamState;
 
 namespace {
 
-std::shared_ptr<tb::Runtime> make_runtime(bool nvme, tierflow::swap::NvmeFaults* faults = nullptr) {
-  std::map<std::string, std::string> o{{"host_memory", "256MiB"}, {"pinned_slab_bytes", "8MiB"}};
+std::shared_ptr<tb::Runtime> make_runtime(bool nvme, tierflow::swap::NvmeFaults* faults = nullptr,
+                                          const std::string& states = "fp32") {
+  std::map<std::string, std::string> o{{"host_memory", "256MiB"}, {"pinned_slab_bytes", "8MiB"},
+                                       {"optimizer_states", states}};
   if (nvme) {
     const auto* info = testing::UnitTest::GetInstance()->current_test_info();
     std::string name = std::string(info->test_suite_name()) + "-" + info->name();
@@ -126,8 +128,95 @@ TEST_P(OnEachTier, ArchivesLoadIntoTorchAdamWAndBack) {
   for (std::size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(torch::equal(params[i], copy[i])) << "parameter " << i;
 }
 
+// Note [Optimizer state formats]: 8-bit moments step exactly as the fp32 step does when its moments are
+// encoded and decoded back after every step (the reference: an fp32 CpuAdamW on the host, quantized by hand).
+TEST_P(OnEachTier, EightBitMomentsStepAsTheFp32StepQuantized) {
+  auto params = make_params(4), ref = make_params(4);
+  tb::CpuAdamW opt(make_runtime(GetParam(), nullptr, "8bit"), two_groups(params), AdamWOptions(1e-2).weight_decay(0.1));
+  tb::CpuAdamW fp32(make_runtime(false), two_groups(ref), AdamWOptions(1e-2).weight_decay(0.1));
+  EXPECT_EQ(opt.state_format(), tierflow::StateFormat::k8bit);
+  for (int s = 0; s < 4; ++s) {
+    set_grads(params, s);
+    set_grads(ref, s);
+    opt.step();
+    fp32.step();
+    for (const auto& p : ref) {
+      auto& st = static_cast<AdamWParamState&>(*fp32.state().at(p.unsafeGetTensorImpl()));
+      const auto bytes = static_cast<std::int64_t>(tierflow::optimizer::moment_bytes(tierflow::StateFormat::k8bit,
+                                                                                     static_cast<std::size_t>(p.numel())));
+      at::Tensor m = torch::zeros({bytes}, torch::kUInt8), v = torch::zeros({bytes}, torch::kUInt8);
+      tb::encode_moments(tierflow::StateFormat::k8bit, st.exp_avg(), st.exp_avg_sq(), m, v);
+      tb::decode_moments(m, v, static_cast<std::size_t>(p.numel()), st.exp_avg().view({-1}), st.exp_avg_sq().view({-1}));
+    }
+    for (std::size_t i = 0; i < params.size(); ++i)
+      ASSERT_TRUE(torch::equal(params[i], ref[i])) << "step " << s << ", parameter " << i;
+  }
+  if (!GetParam()) {
+    for (const auto& p : params) {
+      auto& st = static_cast<AdamWParamState&>(*opt.state().at(p.unsafeGetTensorImpl()));
+      EXPECT_EQ(st.exp_avg().scalar_type(), torch::kUInt8);
+      EXPECT_EQ(static_cast<std::size_t>(st.exp_avg().numel()),
+                tierflow::optimizer::moment_bytes(tierflow::StateFormat::k8bit, static_cast<std::size_t>(p.numel())));
+    }
+  }
+}
+
+// An 8-bit CpuAdamW's archive (fp32 moments, torch's layout) resumes bit for bit, and holds what it decodes to.
+TEST_P(OnEachTier, EightBitArchivesResumeBitForBit) {
+  auto params = make_params(6);
+  tb::CpuAdamW opt(make_runtime(GetParam(), nullptr, "8bit"), params, AdamWOptions(1e-2));
+  for (int s = 0; s < 3; ++s) {
+    set_grads(params, s);
+    opt.step();
+  }
+  std::stringstream buffer;
+  {
+    torch::serialize::OutputArchive out;
+    opt.save(out);
+    out.save_to(buffer);
+  }
+  auto copy = std::vector<torch::Tensor>();
+  for (const auto& p : params) copy.push_back(p.detach().clone().requires_grad_(true));
+  tb::CpuAdamW restored(make_runtime(GetParam(), nullptr, "fp32"), copy, AdamWOptions(1e-2));
+  restored.set_state_format(tierflow::StateFormat::k8bit);
+  {
+    torch::serialize::InputArchive in;
+    in.load_from(buffer);
+    restored.load(in);
+  }
+  if (!GetParam()) {
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      auto& a = static_cast<AdamWParamState&>(*opt.state().at(params[i].unsafeGetTensorImpl()));
+      auto& b = static_cast<AdamWParamState&>(*restored.state().at(copy[i].unsafeGetTensorImpl()));
+      EXPECT_TRUE(torch::equal(a.exp_avg(), b.exp_avg()) && torch::equal(a.exp_avg_sq(), b.exp_avg_sq())) << i;
+    }
+  }
+  for (int s = 3; s < 5; ++s) {
+    set_grads(params, s);
+    set_grads(copy, s);
+    opt.step();
+    restored.step();
+  }
+  for (std::size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(torch::equal(params[i], copy[i])) << "parameter " << i;
+}
+
 INSTANTIATE_TEST_SUITE_P(CpuAdamW, OnEachTier, testing::Values(false, true),
                          [](const testing::TestParamInfo<bool>& info) { return info.param ? "nvme" : "host"; });
+
+TEST(CpuAdamW, AmsgradIsRefusedWithPackedMoments) {
+  auto params = make_params(8);
+  try {
+    tb::CpuAdamW opt(make_runtime(false, nullptr, "bf16"), params, AdamWOptions(1e-2).amsgrad(true));
+    FAIL() << "amsgrad with bf16 moments was accepted";
+  } catch (const tierflow::config_error& e) {
+    EXPECT_NE(std::string(e.what()).find("amsgrad keeps fp32 moments; TIERFLOW_OPTIMIZER_STATES=bf16"),
+              std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("(accepted: fp32)"), std::string::npos) << e.what();
+  }
+  tb::CpuAdamW opt(make_runtime(false), params, AdamWOptions(1e-2).amsgrad(true));
+  EXPECT_THROW(opt.set_state_format(tierflow::StateFormat::k8bit), tierflow::config_error);
+  EXPECT_EQ(opt.state_format(), tierflow::StateFormat::kFp32);
+}
 
 TEST(CpuAdamW, ParametersWithoutGradientsAreLeftAlone) {
   auto params = make_params(3);

@@ -20,6 +20,13 @@
 // NVMe first), so either optimizer loads the other's checkpoints. The archive
 // carries no fp32 master: after load() a 16-bit parameter's master is its
 // current value.
+// The moments are kept in the format of Note [Optimizer state formats]:
+// the runtime's TIERFLOW_OPTIMIZER_STATES (Config::optimizer_states), or
+// set_state_format before the first step; amsgrad is refused with bf16 and
+// 8-bit moments. In state_ the moments are tensors of their format
+// (Runtime::host_moment); an archive always holds them decoded to fp32
+// (torch's layout), and load() encodes them again: decoding then encoding is
+// the identity, so a resume is bit for bit.
 // A step that fails for some parameters: Note [C++ CpuAdamW faults] in
 // optimizer/partial_step.hpp (the retry steps only those).
 #pragma once
@@ -63,6 +70,12 @@ class CpuAdamW : public torch::optim::Optimizer {
   /// Reads an archive of CpuAdamW or torch::optim::AdamW.
   void load(torch::serialize::InputArchive& archive) override;
 
+  /// Keeps the moments in format `f` from now on; only before any state exists (throws logic_error after),
+  /// and refused (config_error) with a group's amsgrad unless fp32.
+  void set_state_format(optimizer::StateFormat f);
+  /// The moments' format.
+  optimizer::StateFormat state_format() const noexcept { return format_; }
+
   /// True when the states live on the NVMe tier.
   bool states_on_nvme() const noexcept { return on_nvme_; }
   /// Counters.
@@ -97,9 +110,12 @@ class CpuAdamW : public torch::optim::Optimizer {
   void step_batch(const Batch& batch, const torch::optim::AdamWOptions& o, const optimizer::AdamOptions& ao,
                   std::vector<Failure>& failed, std::string& first_error);
   void adopt_loaded_state();
+  // Refuses amsgrad in any group unless the moments are fp32.
+  void check_amsgrad() const;
 
   std::shared_ptr<Runtime> runtime_;
   bool on_nvme_ = false;
+  optimizer::StateFormat format_ = optimizer::StateFormat::kFp32;
   std::unordered_map<const void*, Slot> slots_;  // by TensorImpl, as state_
   optimizer::StepRetryMarks retry_marks_;        // by Slot::index (Note [C++ CpuAdamW faults])
   CpuAdamWStats stats_;
