@@ -6,6 +6,7 @@
 // (which the copy-out must equal) does not.
 #include <immintrin.h>
 
+#include <cstring>
 #include <type_traits>
 
 // GCC 12's AVX-512 headers trip -Wmaybe-uninitialized on masked intrinsics.
@@ -213,8 +214,9 @@ TIERFLOW_AVX512 inline __m512 load_bf16(const void* base, std::size_t i, __mmask
 
 TIERFLOW_AVX512 inline __m512 decode_m8(const void* codes, std::size_t i, __mmask16 k, __m512 scale) {
   const __m256i w = _mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(k, static_cast<const std::uint8_t*>(codes) + i));
-  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), 7),
-                                    _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
+  // c << 7 puts q in bits 7..13 and the sign in bit 14; adding bit 14 to itself moves it to bit 15.
+  const __m256i a = _mm256_slli_epi16(w, 7);
+  const __m256i h = _mm256_add_epi16(a, _mm256_and_si256(a, _mm256_set1_epi16(0x4000)));
   return _mm512_mul_ps(_mm512_cvtph_ps(h), scale);
 }
 
@@ -230,16 +232,40 @@ TIERFLOW_AVX512 inline __m256i round_to_q(__m256i a) {
   return _mm256_srli_epi16(_mm256_add_epi16(a, _mm256_add_epi16(odd, _mm256_set1_epi16(0x3f))), 7);
 }
 
-TIERFLOW_AVX512 inline __m128i encode_m8(__m512 m, __m512 inv) {
+// `qmax`: the largest q so far; above 120 only for a NaN (its half is a NaN: q >= 248).
+TIERFLOW_AVX512 inline __m128i encode_m8(__m512 m, __m512 inv, __m256i& qmax) {
   const __m256i h = _mm512_cvtps_ph(_mm512_mul_ps(m, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256i q = round_to_q(_mm256_and_si256(h, _mm256_set1_epi16(0x7fff)));
+  qmax = _mm256_max_epu16(qmax, q);
   return _mm256_cvtepi16_epi8(_mm256_or_si256(q, _mm256_and_si256(_mm256_srli_epi16(h, 8), _mm256_set1_epi16(0x80))));
 }
 
 // `inv`: (1/absmax) * 2^15, exact (kMinVScale); (v * inv) rounds to what (v * (1/absmax)) * 2^15 does.
-TIERFLOW_AVX512 inline __m128i encode_v8(__m512 v, __m512 inv) {
+// `qmax` as for encode_m8: above 240 only for a NaN.
+TIERFLOW_AVX512 inline __m128i encode_v8(__m512 v, __m512 inv, __m256i& qmax) {
   const __m512 y = _mm512_mul_ps(v, inv);
-  return _mm256_cvtepi16_epi8(round_to_q(_mm512_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+  const __m256i q = round_to_q(_mm512_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  qmax = _mm256_max_epu16(qmax, q);
+  return _mm256_cvtepi16_epi8(q);
+}
+
+TIERFLOW_AVX512 inline std::uint16_t hmax_epu16(__m256i x) {
+  __m128i m = _mm_max_epu16(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
+  m = _mm_max_epu16(m, _mm_srli_si128(m, 8));
+  m = _mm_max_epu16(m, _mm_srli_si128(m, 4));
+  m = _mm_max_epu16(m, _mm_srli_si128(m, 2));
+  return static_cast<std::uint16_t>(_mm_extract_epi16(m, 0));
+}
+
+// Whether any of the first n floats at x is NaN.
+TIERFLOW_AVX512 inline bool any_nan(const float* x, std::size_t n) {
+  __mmask16 nan = 0;
+  for (std::size_t j = 0; j < n; j += 16) {
+    const __mmask16 k = n - j >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - j)) - 1u);
+    const __m512 a = _mm512_maskz_loadu_ps(k, x + j);
+    nan |= _mm512_mask_cmp_ps_mask(k, a, a, _CMP_UNORD_Q);
+  }
+  return nan != 0;
 }
 
 TIERFLOW_AVX512 inline __mmask16 lanes(std::size_t n) {
@@ -321,8 +347,9 @@ TIERFLOW_AVX512 void run_packed(const AdamTensor& tensor, const AdamScalars& s, 
   for (std::size_t b = begin; b < end; b += kQuantBlock) {
     const std::size_t n = block_length(b, t.numel), block = b / kQuantBlock;
     const __m512 m_scale = _mm512_set1_ps(t.m.absmax[block]), v_scale = _mm512_set1_ps(t.v.absmax[block] * 0x1p-15f);
+    // Largest |m| and v, NaN ignored (max returns its second operand when either is NaN): a NaN
+    // shows in the codes below, or, when the block encodes as zeros, in a scan (any_nan).
     __m512 m_max = _mm512_setzero_ps(), v_max = _mm512_setzero_ps();
-    __mmask16 m_nan = 0, v_nan = 0;
     // Decodes, updates and keeps U vectors of the block at j in mb and vb.
     auto part = [&](auto unroll, std::size_t j, const __mmask16* k) TIERFLOW_AVX512 {
       constexpr int U = decltype(unroll)::value;
@@ -336,10 +363,8 @@ TIERFLOW_AVX512 void run_packed(const AdamTensor& tensor, const AdamScalars& s, 
         _mm512_store_ps(mb + j + 16 * u, m[u]);
         _mm512_store_ps(vb + j + 16 * u, v[u]);
         const __m512 am = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(m[u]), abs_bits));
-        m_max = _mm512_mask_max_ps(m_max, k[u], m_max, am);
-        v_max = _mm512_mask_max_ps(v_max, k[u], v_max, v[u]);
-        m_nan |= _mm512_mask_cmp_ps_mask(k[u], m[u], m[u], _CMP_UNORD_Q);
-        v_nan |= _mm512_mask_cmp_ps_mask(k[u], v[u], v[u], _CMP_UNORD_Q);
+        m_max = _mm512_mask_max_ps(m_max, k[u], am, m_max);
+        v_max = _mm512_mask_max_ps(v_max, k[u], v[u], v_max);
       }
     };
     std::size_t j = 0;
@@ -348,16 +373,26 @@ TIERFLOW_AVX512 void run_packed(const AdamTensor& tensor, const AdamScalars& s, 
       const __mmask16 k = lanes(n - j);
       part(One{}, j, &k);
     }
-    const BlockScale ms = block_scale(_mm512_reduce_max_ps(m_max), m_nan != 0, kMinMScale);
-    const BlockScale vs = block_scale(_mm512_reduce_max_ps(v_max), v_nan != 0, kMinVScale);
+    BlockScale ms = block_scale(_mm512_reduce_max_ps(m_max), false, kMinMScale);
+    BlockScale vs = block_scale(_mm512_reduce_max_ps(v_max), false, kMinVScale);
     auto* mo = static_cast<std::uint8_t*>(q.m.data) + b;
     auto* vo = static_cast<std::uint8_t*>(q.v.data) + b;
     const __m512 m_inv = _mm512_set1_ps(ms.inv), v_inv = _mm512_set1_ps(vs.inv * kVCodeScale);
     const __m128i zero = _mm_setzero_si128();
+    __m256i m_q = _mm256_setzero_si256(), v_q = _mm256_setzero_si256();
     for (std::size_t e = 0; e < n; e += 16) {
       const __mmask16 k = lanes(n - e);
-      _mm_mask_storeu_epi8(mo + e, k, ms.inv == 0.f ? zero : encode_m8(_mm512_load_ps(mb + e), m_inv));
-      _mm_mask_storeu_epi8(vo + e, k, vs.inv == 0.f ? zero : encode_v8(_mm512_load_ps(vb + e), v_inv));
+      _mm_mask_storeu_epi8(mo + e, k, ms.inv == 0.f ? zero : encode_m8(_mm512_maskz_load_ps(k, mb + e), m_inv, m_q));
+      _mm_mask_storeu_epi8(vo + e, k, vs.inv == 0.f ? zero : encode_v8(_mm512_maskz_load_ps(k, vb + e), v_inv, v_q));
+    }
+    // A NaN makes the block non-finite: codes 0, scale NaN (Note [Optimizer state formats]).
+    if (ms.inv == 0.f ? ms.stored == 0.f && any_nan(mb, n) : hmax_epu16(m_q) > 120) {
+      ms = block_scale(0.f, true, kMinMScale);
+      std::memset(mo, 0, n);
+    }
+    if (vs.inv == 0.f ? vs.stored == 0.f && any_nan(vb, n) : hmax_epu16(v_q) > 240) {
+      vs = block_scale(0.f, true, kMinVScale);
+      std::memset(vo, 0, n);
     }
     q.m.absmax[block] = ms.stored;
     q.v.absmax[block] = vs.stored;

@@ -337,17 +337,20 @@ TEST(StateFormat, PackedMomentsTrackFp32) {
 
 // A NaN gradient makes its block's moments NaN (scale NaN, codes 0), and no other block's.
 TEST(StateFormat, NonFiniteMomentsPoisonTheirBlockOnly) {
-  const std::size_t n = 1024;
+  const std::size_t n = 1280;
   for (CpuIsa isa : every_isa()) {
     Packed s(StateFormat::k8bit, n);
     std::vector<float> master = normal(n, 11, 1.f), g = normal(n, 12, 1.f);
     g[300] = NAN;
     g[600] = std::numeric_limits<float>::infinity();
+    std::fill(g.begin() + 1024, g.end(), 0.f);  // a block of zeros but one NaN: encodes as zeros, still NaN
+    g[1100] = NAN;
     CpuAdam adam(1, isa);
     adam.step({}, 1, {tensor_of(s, master, g.data(), ScalarType::kFloat32)});
     EXPECT_TRUE(std::isnan(s.m_absmax[1]) && std::isnan(s.v_absmax[1]));
     EXPECT_TRUE(std::isnan(s.m_absmax[2]) && std::isnan(s.v_absmax[2])) << to_string(isa);
     EXPECT_TRUE(std::all_of(s.m.begin() + 256, s.m.begin() + 768, [](std::uint8_t c) { return c == 0; }));
+    EXPECT_TRUE(std::isnan(s.m_absmax[4]) && std::isnan(s.v_absmax[4])) << to_string(isa);
     EXPECT_TRUE(std::isfinite(s.m_absmax[0]) && std::isfinite(s.m_absmax[3]));
     EXPECT_GT(s.m_absmax[0], 0.f);
   }
