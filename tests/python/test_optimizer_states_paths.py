@@ -8,10 +8,16 @@ shows up as a different weight. The host path itself is tested against a scalar 
 tests/cpp/test_state_format.cpp and against fp32 with rounding in test_optimizer_states.py.
 """
 
+import os
+import textwrap
+
 import pytest
 import torch
 
 from harness import assert_bit_identical, gpt_task, train
+from ranks import GLOO, run_ranks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SMALL = "4KiB"  # many buckets even for the small test GPT
 PACKED = ["bf16", "8bit"]
@@ -103,3 +109,107 @@ def test_packed_states_on_nvme_equal_the_host_tier_and_move_their_own_bytes(fmt,
     assert per_step < (0.55 if fmt == "8bit" else 0.7) * sum(12 * n for n in numels)
     # Each step reads and writes every state once (the state_dict's reads are not a step's).
     assert nvme.nvme_adam["bytes_written"] == nvme.nvme_adam["bytes_read"] == steps * per_step
+
+
+# -- partitioned DDP and FSDP2's shards (gloo ranks) -------------------------------------------------------------
+
+_RANKS_WORKER = textwrap.dedent("""
+    import datetime, os, sys
+    import torch, torch.distributed as dist, torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.distributed.fsdp import fully_shard
+    sys.path[:0] = [{bindings!r}]
+    import tierflow
+    from tierflow import _C
+
+    rank, store, out_path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=600))  # a hang guard (run_ranks ends the rest)
+    torch.set_num_threads(1)
+
+    def mlp():
+        return nn.Sequential(nn.Linear(16, 300), nn.GELU(), nn.Linear(300, 64), nn.LayerNorm(64), nn.Linear(64, 4))
+
+    def steps(net, opt, n=3):
+        losses = []
+        for step in range(n):
+            g = torch.Generator().manual_seed(100 * step + rank)
+            x, y = torch.randn(32, 16, generator=g), torch.randn(32, 4, generator=g)
+            loss = nn.functional.mse_loss(net(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    def states(opt):
+        # (dtype, numel) of each state's exp_avg, with the numel of its parameter's local shard
+        out = []
+        for p, s in opt.state.items():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            out.append((str(s["exp_avg"].dtype), s["exp_avg"].numel(), local.numel()))
+        return out
+
+    out = {{}}
+    for fmt in ("bf16", "8bit"):
+        for partition in ("on", "off"):
+            torch.manual_seed(0)
+            model = mlp()
+            net, opt = tierflow.wrap(DDP(model), torch.optim.AdamW(model.parameters(), lr=1e-2), device="emulated",
+                                     offload_activations="none", partition_optimizer=partition, cpu_threads=1,
+                                     optimizer_states=fmt)
+            losses = steps(net, opt)
+            out[("ddp", fmt, partition)] = dict(losses=losses, states=states(opt),
+                                                params={{k: v.detach().clone() for k, v in model.state_dict().items()}})
+            tierflow.unwrap(net)
+        for overlap in ("on", "off"):
+            torch.manual_seed(0)
+            model = mlp()
+            for i in (0, 2, 4):
+                fully_shard(model[i])
+            fully_shard(model)
+            net, opt = tierflow.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), device="emulated",
+                                     offload_activations="none", cpu_threads=1, optimizer_states=fmt,
+                                     overlap_step=overlap)
+            losses = steps(net, opt)
+            out[("fsdp2", fmt, overlap)] = dict(
+                losses=losses, states=states(opt), overlap=dict(opt.overlap_stats),
+                params={{n: p.to_local().detach().clone() for n, p in model.named_parameters()}})
+            tierflow.unwrap(net)
+    torch.save(out, out_path)
+    dist.barrier()
+    os._exit(0)  # torch's gloo may abort at exit after broadcasts (test_distributed.py)
+""")
+
+
+@GLOO
+@pytest.mark.ordering
+def test_partitioned_ddp_and_fsdp2_shards_keep_packed_states_per_rank(tmp_path):
+    """Two gloo ranks. Partitioned DDP (each parameter's state on one rank): bit for bit the unpartitioned
+    optimizer, which steps every parameter on every rank from the same reduced gradient, with the format's
+    moments. FSDP2: each rank keeps its shard's moments in the format, its 8-bit blocks counted from the shard's
+    first element (a buffer of moment_bytes of the shard, not of the parameter), and the shards stepped during
+    backward are bit for bit those step() steps."""
+    from tierflow import _C
+    outs = run_ranks(tmp_path, _RANKS_WORKER.format(bindings=os.path.join(ROOT, "bindings", "python")))
+    dtype = {"bf16": "torch.bfloat16", "8bit": "torch.uint8"}
+    for rank, out in enumerate(outs):
+        for fmt in PACKED:
+            on, off = out[("ddp", fmt, "on")], out[("ddp", fmt, "off")]
+            assert on["losses"] == off["losses"], (rank, fmt)
+            for k, v in off["params"].items():
+                assert torch.equal(on["params"][k], v), (rank, fmt, k)
+                assert torch.equal(outs[0][("ddp", fmt, "on")]["params"][k], v), (rank, fmt, k)
+            assert 0 < len(on["states"]) < len(off["states"]) == 8, (rank, fmt)
+            fs, fs_off = out[("fsdp2", fmt, "on")], out[("fsdp2", fmt, "off")]
+            assert fs["losses"] == fs_off["losses"], (rank, fmt)
+            for k, v in fs_off["params"].items():
+                assert torch.equal(fs["params"][k], v), (rank, fmt, k)
+            assert fs["overlap"]["committed"] > 0 and fs_off["overlap"]["early_steps"] == 0, (rank, fmt)
+            for states in (on["states"], off["states"], fs["states"]):
+                for kind, numel, local in states:
+                    assert kind == dtype[fmt], (rank, fmt, kind)
+                    assert numel == (_C.moment_bytes("8bit", local) if fmt == "8bit" else local), (rank, fmt)
+    # FSDP2 sharded each parameter: the ranks' shards of the 300-row layer are half of it
+    assert {n for _, _, n in outs[0][("fsdp2", "8bit", "on")]["states"]} != \
+        {n for _, _, n in outs[0][("ddp", "8bit", "off")]["states"]}
