@@ -79,8 +79,10 @@ def one_run(fmt: str, seed: int, args: argparse.Namespace) -> dict:
     # What the CPU AdamW keeps: the format of a moment is its dtype (Note [Optimizer state formats]).
     moment_dtypes = sorted({str(st[k].dtype).replace("torch.", "") for st in optimizer.state.values()
                             for k in ("exp_avg", "exp_avg_sq") if k in st})
+    # Which path stepped: during backward (the gradient stream; committed) or in step().
+    overlap = {k: v for k, v in optimizer.overlap_stats.items() if k in ("early_steps", "committed", "redone")}
     tierflow.unwrap(model)
-    return {"format": fmt, "seed": seed, "moment_dtypes": moment_dtypes,
+    return {"format": fmt, "seed": seed, "moment_dtypes": moment_dtypes, "stepped_during_backward": overlap,
             "losses": losses, "wall_s": wall_s, "parameters": n_params,
             "final_loss": sum(losses[-FINAL_WINDOW:]) / len(losses[-FINAL_WINDOW:])}
 
@@ -111,6 +113,9 @@ def summarize(runs: list, formats: list) -> dict:
     # fp32's seed spread at each step (max - min over seeds of the smoothed curves).
     ref_band = [(min(c[i] for c in smooth["fp32"]), max(c[i] for c in smooth["fp32"])) for i in range(len(ref_mean))]
     out = {"fp32_final_min": lo, "fp32_final_max": hi, "fp32_final_spread": spread,
+           # A run drawn from fp32's own distribution of final losses lies outside the min..max of
+           # n fp32 seeds with probability 2/(n+1): the yardstick of "within the spread" is coarse.
+           "chance_outside_if_same_distribution": 2 / (len(finals) + 1),
            "final_window_steps": FINAL_WINDOW, "formats": {}}
     for f, rs in by_fmt.items():
         f_finals = [r["final_loss"] for r in rs]
@@ -144,7 +149,7 @@ def plot(runs: list, formats: list, path: str, args: argparse.Namespace) -> None
     import matplotlib.pyplot as plt
 
     colors = {"fp32": "black", "bf16": "tab:blue", "8bit": "tab:red"}
-    fig, (ax, axz) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (ax, axz, axf) = plt.subplots(1, 3, figsize=(15, 4.2), gridspec_kw={"width_ratios": [3, 3, 2]})
     smooth = {f: [trailing_mean(r["losses"], FINAL_WINDOW) for r in runs if r["format"] == f] for f in formats}
     # From the first step whose trailing mean covers the whole window.
     first = min(FINAL_WINDOW, args.steps) - 1
@@ -165,6 +170,18 @@ def plot(runs: list, formats: list, path: str, args: argparse.Namespace) -> None
     axz.set_ylim(min(tail) - 0.02, max(tail) + 0.02)
     axz.set_title("second half, zoomed")
     ax.legend(fontsize=8)
+    # Each seed's final loss in each format: a seed's runs share weights' init, batches and dropout.
+    finals = {(r["format"], r["seed"]): r["final_loss"] for r in runs}
+    seeds = sorted({r["seed"] for r in runs})
+    ref_finals = [finals[("fp32", sd)] for sd in seeds]
+    axf.axhspan(min(ref_finals), max(ref_finals), color="0.8", label="fp32 min..max")
+    for sd in seeds:
+        axf.plot(range(len(formats)), [finals[(f, sd)] for f in formats], marker="o", lw=0.8, label=f"seed {sd}")
+    axf.set_xticks(range(len(formats)), formats)
+    axf.set_xlim(-0.4, len(formats) - 0.6)
+    axf.set_ylabel(f"final loss (mean of the last {FINAL_WINDOW} steps)")
+    axf.set_title("final loss by seed")
+    axf.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -180,12 +197,20 @@ def main() -> int:
     ap.add_argument("--block", type=int, default=128, help="tokens a sequence (at most n_positions)")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--weight-decay", type=float, default=0.1)
+    ap.add_argument("--from", dest="from_json", default="",
+                    help="no training: summarize and plot the runs of this results JSON again (into --out, --plot)")
     ap.add_argument("--one", default="", help=argparse.SUPPRESS)  # "fmt,seed": a child run, JSON on stdout
     args = ap.parse_args()
     if args.one:
         fmt, seed = args.one.split(",")
         print(json.dumps(one_run(fmt, int(seed), args)))
         return 0
+    if args.from_json:
+        with open(args.from_json) as f:
+            result = json.load(f)
+        result["summary"] = summarize(result["runs"], result["settings"]["formats"])
+        args.steps = result["settings"]["steps"]
+        return report(result, args)
 
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     bad = [f for f in formats if f not in FORMATS]
@@ -195,10 +220,13 @@ def main() -> int:
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TIERFLOW_CPU_THREADS="1",
                TIERFLOW_DEVICE="emulated")
     env.setdefault("TIERFLOW_EMULATED_DEVICE", "polite")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.join(ROOT, "bindings", "python"),
-                                                     env.get("PYTHONPATH", "")) if p)
+    # A PYTHONPATH given first: a copy of the package can be measured while the tree rebuilds.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH", ""),
+                                                     os.path.join(ROOT, "bindings", "python")) if p)
     child_args = ["--steps", str(args.steps), "--batch", str(args.batch), "--block", str(args.block),
                   "--lr", repr(args.lr), "--weight-decay", repr(args.weight_decay)]
+    commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
     runs = []
     t_all = time.perf_counter()
     for seed in range(args.seeds):
@@ -229,12 +257,19 @@ def main() -> int:
         "settings": {"steps": args.steps, "batch": args.batch, "block": args.block, "lr": args.lr,
                      "weight_decay": args.weight_decay, "seeds": list(range(args.seeds)), "formats": formats,
                      "device": "emulated (" + env["TIERFLOW_EMULATED_DEVICE"] + ")", "threads": 1},
+        "commit": commit,
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
                     "transformers": transformers.__version__},
         "total_wall_s": time.perf_counter() - t_all,
         "summary": summary,
         "runs": runs,
     }
+    return report(result, args)
+
+
+def report(result: dict, args: argparse.Namespace) -> int:
+    """Writes the results JSON and the plot, and prints the summary."""
+    summary, runs, formats = result["summary"], result["runs"], result["settings"]["formats"]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
