@@ -68,8 +68,8 @@ def one_run(fmt: str, seed: int, args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     for _ in range(args.steps):
         x, y = data.batch(args.batch, gen)
-        loss = model(input_ids=x).logits.flatten(0, 1)
-        loss = torch.nn.functional.cross_entropy(loss, y.flatten())
+        logits = model(input_ids=x).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -217,6 +217,8 @@ def main() -> int:
     if bad:
         ap.error(f"--formats {','.join(bad)}: accepted: {', '.join(FORMATS)}")
     formats = ["fp32"] + [f for f in formats if f != "fp32"]
+    if not 1 <= args.block <= MODEL_SIZE["n_positions"]:
+        ap.error(f"--block {args.block}: accepted: 1 to n_positions ({MODEL_SIZE['n_positions']})")
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TIERFLOW_CPU_THREADS="1",
                TIERFLOW_DEVICE="emulated")
     env.setdefault("TIERFLOW_EMULATED_DEVICE", "polite")
