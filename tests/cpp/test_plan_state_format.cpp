@@ -78,12 +78,6 @@ TEST(PlanStateFormat, BytesAParameterAreTheMasterAndTheFormatsMoments) {
   // fp32 parameters are their own master.
   EXPECT_DOUBLE_EQ(cpu_optimizer_bytes_per_param(StateFormat::kFp32, 4), 8.0);
   EXPECT_DOUBLE_EQ(cpu_optimizer_bytes_per_param(StateFormat::k8bit, 4), 2.0 + 8.0 / 256);
-  // The optimizer's own count (Note [Optimizer state formats]): the two may not drift apart.
-  static_assert(kStateQuantBlock == optimizer::kQuantBlock);
-  for (StateFormat f : kFormats) {
-    EXPECT_DOUBLE_EQ(cpu_optimizer_bytes_per_param(f, 2), 4 + optimizer::moments_bytes_per_param(f)) << to_string(f);
-    EXPECT_DOUBLE_EQ(cpu_optimizer_bytes_per_param(f, 4), optimizer::moments_bytes_per_param(f)) << to_string(f);
-  }
 }
 
 TEST(PlanStateFormat, StateBytesAreTheOptimizersBuffersToTheirPadding) {

@@ -165,8 +165,8 @@ double cpu_optimizer_bytes_per_param(StateFormat states, int dtype_bytes) noexce
   const double master = dtype_bytes < static_cast<int>(kFp32Bytes) ? kFp32Bytes : 0.0;
   switch (states) {
     case StateFormat::kFp32: return master + 2.0 * kFp32Bytes;
-    case StateFormat::kBf16: return master + 2.0 * 2;
-    case StateFormat::k8bit: return master + 2.0 * (1 + static_cast<double>(kFp32Bytes) / kStateQuantBlock);
+    case StateFormat::kBf16:
+    case StateFormat::k8bit: return master + moments_bytes_per_param(states);
   }
   return master + 2.0 * kFp32Bytes;
 }
@@ -176,7 +176,7 @@ std::uint64_t cpu_optimizer_state_bytes(StateFormat states, std::uint64_t n, int
   switch (states) {
     case StateFormat::kFp32: return master + 2 * n * kFp32Bytes;
     case StateFormat::kBf16: return master + 2 * n * 2;
-    case StateFormat::k8bit: return master + 2 * (n + kFp32Bytes * ((n + kStateQuantBlock - 1) / kStateQuantBlock));
+    case StateFormat::k8bit: return master + 2 * (n + kFp32Bytes * quant_blocks(n));
   }
   return master + 2 * n * kFp32Bytes;
 }

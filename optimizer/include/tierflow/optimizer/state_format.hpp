@@ -53,12 +53,9 @@
 namespace tierflow::optimizer {
 
 using tierflow::StateFormat;  // and to_string, parse_state_format: tierflow/core/state_format.hpp
-
-/// Elements sharing one scale in the 8-bit format.
-inline constexpr std::size_t kQuantBlock = 256;
-
-/// Scales (per moment) of `numel` elements in the 8-bit format.
-constexpr std::size_t quant_blocks(std::size_t numel) noexcept { return (numel + kQuantBlock - 1) / kQuantBlock; }
+using tierflow::kQuantBlock;
+using tierflow::moments_bytes_per_param;
+using tierflow::quant_blocks;
 
 /// One moment in a packed format: `data` holds numel uint16 (bf16 bits) or
 /// uint8 codes; `absmax` one fp32 scale per block (8-bit only).
@@ -85,17 +82,6 @@ constexpr std::size_t moment_bytes(StateFormat f, std::size_t numel) noexcept {
 /// The codes and scales of an 8-bit moment buffer of `numel` elements at `base`.
 inline PackedMoment packed_8bit(void* base, std::size_t numel) noexcept {
   return {base, reinterpret_cast<float*>(static_cast<char*>(base) + absmax_offset(numel))};
-}
-
-/// Host bytes a parameter of both moments in format `f` (scales amortised):
-/// 8, 4 or 2 + 8/256. Add 4 for an fp32 master.
-constexpr double moments_bytes_per_param(StateFormat f) noexcept {
-  switch (f) {
-    case StateFormat::kFp32: return 8.0;
-    case StateFormat::kBf16: return 4.0;
-    case StateFormat::k8bit: return 2.0 + 8.0 / static_cast<double>(kQuantBlock);
-  }
-  return 8.0;
 }
 
 /// Encodes `n` fp32 moments (m, v) into format `f` (not kFp32): what a step

@@ -100,9 +100,6 @@ struct StateBytes {
   std::uint64_t optimizer_bytes = 0;  ///< Adam's m and v (and fp32 masters on the CPU optimizer's tiers)
 };
 
-/// Elements sharing one pair of fp32 scales in the 8-bit format (optimizer::kQuantBlock; a test holds them equal).
-inline constexpr std::uint64_t kStateQuantBlock = 256;
-
 /// Bytes tierflow's CPU AdamW keeps a parameter of `dtype_bytes` with moments in `states`: the fp32 master
 /// (4, none for fp32 parameters) and m and v (8, 4, or 2 + 8/256): 12, 8 or 6.03 for bf16 (Note
 /// [Transformer estimate], Optimizer states).
