@@ -189,8 +189,18 @@ def estimate(cfg: dict) -> dict:
     return {"parameters": n, "parameters_built": built,
             # weights, gradients, AdamW's exp_avg and exp_avg_sq, all in the parameters' dtype (torch's AdamW)
             "weights_grads_adam_bytes": 4 * elt * n,
-            # tierflow-host-opt: fp32 master, exp_avg, exp_avg_sq on the host
-            "host_optimizer_state_bytes": 12 * n, "block_parameters": block}
+            # tierflow-host-opt: fp32 master, exp_avg, exp_avg_sq on the host, the moments in
+            # TIERFLOW_OPTIMIZER_STATES's format (12, 8 or 6.03 bytes a parameter: Note [Optimizer state formats])
+            "host_optimizer_state_bytes": int(n * (4 + MOMENTS_BYTES_PER_PARAM[optimizer_states()])),
+            "optimizer_states": optimizer_states(), "block_parameters": block}
+
+
+MOMENTS_BYTES_PER_PARAM = {"fp32": 8.0, "bf16": 4.0, "8bit": 2.0 + 8.0 / 256}  # core/state_format.hpp
+
+
+def optimizer_states() -> str:
+    """The moments' format this run's CPU AdamW keeps (TIERFLOW_OPTIMIZER_STATES; fp32 by default)."""
+    return os.environ.get("TIERFLOW_OPTIMIZER_STATES", "fp32").strip().lower() or "fp32"
 
 
 def auto_budget(mode: str, results: dict, est: dict) -> tuple[int, str]:
@@ -212,7 +222,7 @@ def auto_budget(mode: str, results: dict, est: dict) -> tuple[int, str]:
 def predicted_params_mode(cfg: dict, est: dict) -> dict:
     """tierflow-params' step on an H100 for this shape, from GPU.md's limits (a prediction, not measured)."""
     return predict_params_offload(cfg, est["parameters"], est["block_parameters"],
-                                  parse_bytes(cfg.get("params_gpu_memory")))
+                                  parse_bytes(cfg.get("params_gpu_memory")), optimizer_states=optimizer_states())
 
 
 def print_prediction(p: dict) -> None:

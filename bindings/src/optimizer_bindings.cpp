@@ -96,14 +96,21 @@ void bind_optimizer_policy(py::module_& m) {
   bind_state_formats(m);
   m.attr("LOST_STATE_KEY") = kLostStateKey;
   m.attr("STEADY_STEP_LIMIT") = kSteadyStepLimit;  // Note [Steady step]
-  m.def("optimizer_state_bytes", [](std::size_t numel, bool amsgrad) { return state_bytes({numel, amsgrad}); },
-        py::arg("numel"), py::arg("amsgrad"), "Bytes of one parameter's fp32 optimizer state.");
+  m.def("optimizer_state_bytes", [](std::size_t numel, bool amsgrad, const std::string& format) {
+    return state_bytes({numel, amsgrad, 0, state_format_named(format)});
+  }, py::arg("numel"), py::arg("amsgrad"), py::arg("format") = "fp32",
+        "Bytes of one parameter's optimizer state: the fp32 master and the moments in `format`.");
   m.def("check_optimizer_state_pool", [](const std::vector<std::tuple<std::size_t, bool, std::size_t>>& states, bool nvme,
-                                         std::uint64_t pool_budget_bytes, const std::string& host_memory) {
+                                         std::uint64_t pool_budget_bytes, const std::string& host_memory,
+                                         const std::string& format) {
+    const StateFormat f = state_format_named(format);
     std::vector<ParamStateShape> shapes;
-    for (const auto& [numel, amsgrad, moved] : states) shapes.push_back({numel, amsgrad, moved});
+    for (const auto& [numel, amsgrad, moved] : states) shapes.push_back({numel, amsgrad, moved, f});
     check_state_pool(shapes, nvme, pool_budget_bytes, host_memory);
-  }, "Raises OutOfMemoryError when the pinned pool cannot hold one step of these (numel, amsgrad, moved element bytes) states (state_tier.hpp).");
+  }, py::arg("states"), py::arg("nvme"), py::arg("pool_budget_bytes"), py::arg("host_memory"),
+        py::arg("format") = "fp32",
+        "Raises OutOfMemoryError when the pinned pool cannot hold one step of these (numel, amsgrad, moved element "
+        "bytes) states with moments in `format` (state_tier.hpp).");
   m.def("describe_parameter", &describe_parameter, py::arg("name"), py::arg("group_and_index"), py::arg("shape"),
         "A parameter as a user knows it, for error messages.");
   m.def("nvme_step_error", [](const std::vector<std::tuple<std::string, bool, std::string>>& problems) {

@@ -55,7 +55,9 @@ StatePoolNeed state_pool_need(const std::vector<ParamStateShape>& states, bool n
   out.bytes += moved;
   out.what = "the states of " + std::to_string(states.size()) + " parameters (" + std::to_string(elements) +
              " elements, fp32 master, exp_avg, exp_avg_sq" + (amsgrad ? ", max_exp_avg_sq" : "") +
-             (states.front().format == StateFormat::kFp32 ? "" : std::string(" with ") + to_string(states.front().format) + " moments") +
+             (states.front().format == StateFormat::kFp32
+                  ? ""
+                  : std::string(" with ") + to_string(states.front().format) + " moments") +
              ")" + step_part;
   return out;
 }
@@ -69,6 +71,10 @@ void check_state_pool(const std::vector<ParamStateShape>& states, bool nvme, std
                       " of pinned host memory for " + need.what + ", more than the pinned pool's budget of " +
                       format_bytes(pool_budget_bytes) + " (TIERFLOW_HOST_MEMORY=" + host_memory_setting +
                       "); raise TIERFLOW_HOST_MEMORY" +
+                      (states.front().format == StateFormat::k8bit
+                           ? ""
+                           : ", keep the moments in 8 bits (TIERFLOW_OPTIMIZER_STATES=8bit, 6 bytes a parameter "
+                             "with the master)") +
                       (nvme ? "" : " or put the states on NVMe (TIERFLOW_OFFLOAD_OPTIMIZER=nvme)"));
 }
 

@@ -50,11 +50,21 @@ TEST(StateTier, PoolCheckRaisesOnlyPastTheBudgetNamingTheSetting) {
   EXPECT_EQ(oom_text(states, false, (12u << 20) - 1),
             "tierflow: the optimizer needs 12.00 MiB of pinned host memory for the states of 1 parameters "
             "(1048576 elements, fp32 master, exp_avg, exp_avg_sq), more than the pinned pool's budget of "
-            "12.00 MiB (TIERFLOW_HOST_MEMORY=64MiB); raise TIERFLOW_HOST_MEMORY or put the states on NVMe "
+            "12.00 MiB (TIERFLOW_HOST_MEMORY=64MiB); raise TIERFLOW_HOST_MEMORY, keep the moments in 8 bits "
+            "(TIERFLOW_OPTIMIZER_STATES=8bit, 6 bytes a parameter with the master) or put the states on NVMe "
             "(TIERFLOW_OFFLOAD_OPTIMIZER=nvme)");
   const std::string nvme = oom_text(states, true, 1 << 20);
   EXPECT_NE(nvme.find("needs 24.00 MiB of pinned host memory for two buffers"), std::string::npos) << nvme;
-  EXPECT_EQ(nvme.substr(nvme.find("(TIERFLOW_HOST_MEMORY=")), "(TIERFLOW_HOST_MEMORY=64MiB); raise TIERFLOW_HOST_MEMORY") << nvme;
+  EXPECT_EQ(nvme.substr(nvme.find("(TIERFLOW_HOST_MEMORY=")),
+            "(TIERFLOW_HOST_MEMORY=64MiB); raise TIERFLOW_HOST_MEMORY, keep the moments in 8 bits "
+            "(TIERFLOW_OPTIMIZER_STATES=8bit, 6 bytes a parameter with the master)")
+      << nvme;
+  // 8-bit moments already: the advice is the budget or NVMe.
+  ParamStateShape q8{1 << 20, false};
+  q8.format = StateFormat::k8bit;
+  const std::string small = oom_text({q8}, false, 1 << 20);
+  EXPECT_NE(small.find("with 8bit moments"), std::string::npos) << small;
+  EXPECT_EQ(small.find("keep the moments in 8 bits"), std::string::npos) << small;
   EXPECT_EQ(oom_text({}, false, 0), "");  // nothing to hold
 }
 

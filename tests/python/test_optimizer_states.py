@@ -216,3 +216,24 @@ def test_bad_formats_are_refused_by_name():
                           optimizer_states="int4")
     with pytest.raises(_C.ConfigError, match="accepted: fp32, bf16, 8bit"):
         _C.moment_bytes("fp16", 3)
+
+
+def test_the_host_pool_check_counts_the_formats_bytes():
+    """A pinned pool that holds 8-bit states but not fp32 ones: the state tier's check (wrap's first step) takes
+    the format's bytes (6.03 a parameter of a device model), not fp32's 12."""
+    states = [(1 << 20, False, 2)]  # a 1 Mi-element bf16 parameter on the device
+    need = {f: _C.optimizer_state_bytes(1 << 20, False, f) for f in FORMATS}
+    assert need["8bit"] < need["bf16"] < need["fp32"]
+    budget = (need["8bit"] + need["fp32"]) // 2 + 4 * (1 << 20)  # and the gradient and staging blocks beside (2 x 2 MiB)
+    with pytest.raises(_C.OutOfMemoryError, match="TIERFLOW_HOST_MEMORY=test budget"):
+        _C.check_optimizer_state_pool(states, False, budget, "test budget", "fp32")
+    _C.check_optimizer_state_pool(states, False, budget, "test budget", "8bit")
+
+
+def test_the_keyword_sets_every_tiers_format():
+    """CPUAdamW(optimizer_states=...) over a runtime configured otherwise: the state tier and the GPU share take
+    the keyword's format, not the configuration's."""
+    rt = _C.Runtime({"device": EMULATED, "TIERFLOW_OPTIMIZER_STATES": "fp32"})
+    opt = tierflow.CPUAdamW([torch.nn.Parameter(torch.zeros(3))], rt, optimizer_states="8bit")
+    assert opt._states.format == "8bit"
+    assert opt._gpu.state_format == "8bit"

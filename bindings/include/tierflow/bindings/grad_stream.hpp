@@ -201,9 +201,10 @@ class GradStream : public std::enable_shared_from_this<GradStream> {
   void set_home(std::size_t slot, const at::Tensor& home);
   /// Current hyperparameters of `group` (pushed when each backward begins and at step()).
   void set_group(int group, const optimizer::AdamOptions& options);
-  /// The optimizer state of `slot` (fp32 CPU tensors; `step` is the state's
-  /// step counter tensor, shared with the Python state). `max_exp_avg_sq` may
-  /// be undefined.
+  /// The optimizer state of `slot` (CPU tensors: the master fp32, the moments
+  /// in the format of their dtype, Note [Optimizer state formats]; `step` is
+  /// the state's step counter tensor, shared with the Python state).
+  /// `max_exp_avg_sq` (fp32) may be undefined.
   void set_state(std::size_t slot, at::Tensor master, at::Tensor exp_avg, at::Tensor exp_avg_sq,
                  at::Tensor max_exp_avg_sq, at::Tensor step);
   /// The state tensors of `slot` now, shaped like the parameter: master, exp_avg,

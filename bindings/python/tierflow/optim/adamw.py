@@ -174,7 +174,8 @@ class CPUAdamW(torch.optim.Optimizer):
         if not hasattr(self, "_names"):
             self._names: dict = {}
         self._copies = DeviceCopies(runtime)  # Note [Optimizer copies]
-        self._states = StateTier(runtime, cfg, self._names)  # host pool or NVMe: Note [NVMe optimizer faults]
+        # host pool or NVMe: Note [NVMe optimizer faults]; the moments in this optimizer's format
+        self._states = StateTier(runtime, cfg, self._names, state_format=self._state_format)
         # With states on NVMe, step() streams them through pinned memory
         # (Note [Optimizer states on NVMe]); steps during backward are host-tier only.
         self._overlap = cfg["TIERFLOW_OVERLAP_STEP"] == "on" and not self._states.nvme
@@ -204,7 +205,8 @@ class CPUAdamW(torch.optim.Optimizer):
             raise _C.ConfigError(refusal)
         self._hooks = []
         # Deep Optimizer States; none of FSDP2's shards (an explicit fraction is refused with them).
-        self._gpu = GpuShare("0" if self._sharded else cfg["TIERFLOW_GPU_OPTIMIZER_FRACTION"])
+        self._gpu = GpuShare("0" if self._sharded else cfg["TIERFLOW_GPU_OPTIMIZER_FRACTION"],
+                             state_format=self._state_format)
         self._overlap_counts = {"early_steps": 0, "committed": 0, "redone": 0, "taken_back": 0, "held": 0,
                                 "skipped_steps": 0}
         # Note [Gradient streaming]: parameters of the runtime's device stream their
@@ -356,7 +358,7 @@ class CPUAdamW(torch.optim.Optimizer):
         write the host copies, and the stream commits their weights there. The GPU share (auto) takes none."""
         self._copies.homes = offload
         if self._gpu.auto:
-            self._gpu = GpuShare("0")
+            self._gpu = GpuShare("0", state_format=self._state_format)
         if self._streaming is not None:
             self._streaming.use_homes(offload)
 

@@ -77,7 +77,7 @@ class StateTier:
         # FSDP2's parameters: each rank holds its shard's states only. A parameter of the runtime's device also
         # holds its gradient's host copy and its new weight's staging during a step (state_tier.hpp).
         _C.check_optimizer_state_pool([(local_shard(p).numel(), bool(g["amsgrad"]), self._moved_element_bytes(p))
-                                       for p, g in todo], self.nvme, budget, str(self._host_memory))
+                                       for p, g in todo], self.nvme, budget, str(self._host_memory), self.format)
         if self.nvme:
             self.reserve(todo)
 
