@@ -405,6 +405,7 @@ std::string plan_json(const Plan& plan, const PlanCommandInputs& in, const PlanC
   doc["summary"] = plan.summary();
   if (in.state) {
     doc["state"] = {{"optimizer", in.optimizer},
+                    {"optimizer_states", to_string(in.optimizer_states)},
                     {"gpu_bytes", in.state->device},
                     {"host_bytes", in.state->host},
                     {"nvme_bytes", in.state->nvme},
