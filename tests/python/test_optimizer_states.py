@@ -237,3 +237,21 @@ def test_the_keyword_sets_every_tiers_format():
     opt = tierflow.CPUAdamW([torch.nn.Parameter(torch.zeros(3))], rt, optimizer_states="8bit")
     assert opt._states.format == "8bit"
     assert opt._gpu.state_format == "8bit"
+
+
+@pytest.mark.parametrize("fmt,per_param", [("fp32", 12.0), ("bf16", 8.0), ("8bit", 6.0)])
+@pytest.mark.ordering
+def test_the_report_says_what_the_states_hold(fmt, per_param):
+    """report() names the format and counts the states' bytes: master (4) + moments, 12, 8 or about 6 a
+    parameter of a bf16 model (the 8-bit codes' padding and scales add a little on small tensors)."""
+    task = _task()
+    torch.manual_seed(0)
+    model = task.model_on(EMULATED).to(torch.bfloat16)
+    model, opt = tierflow.wrap(model, torch.optim.AdamW(model.parameters(), **HP), device=EMULATED,
+                               optimizer_states=fmt)
+    _train(task, model, opt, 1)
+    st = tierflow.report()["optimizer"]["states"]
+    n = sum(p.numel() for p in model.parameters())
+    assert (st["format"], st["elements"], st["tier"]) == (fmt, n, "host")
+    assert per_param <= st["bytes"] / n <= per_param + (0.5 if fmt == "8bit" else 0.0)
+    assert f"{fmt} moments" in str(tierflow.report())

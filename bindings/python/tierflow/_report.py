@@ -77,6 +77,11 @@ class Report(dict):
                                                     f'{fmt_bytes(pp["host_bytes"])}, NVMe {fmt_bytes(pp["nvme_bytes"])}; '
                                                     f'{pp["fetches"]} fetches, '
                                                     f'{pp["prefetch_hits"]} prefetched, {pp["stalls"]} stalls)'))
+        sts = o.get("states")
+        if sts and sts["elements"]:
+            rows.append(("  states (master, moments)", f'{fmt_bytes(sts["bytes"])} on the {sts["tier"]} for '
+                                                       f'{sts["elements"]} elements, {sts["format"]} moments '
+                                                       f'({sts["bytes"] / sts["elements"]:.2f} bytes each)'))
         part = o.get("partition")
         if part:
             rows.append(("  partitioned across ranks",

@@ -198,6 +198,8 @@ class Session:
         off = getattr(opt, "_steps_after_backward", None)
         if off:  # why every parameter steps in step() (DDP's hook before tierflow's, FSDP2's shards, ...)
             r["optimizer"]["steps_during_backward_off"] = off
+        if hasattr(opt, "state_stats"):  # Note [Optimizer state formats]: what the states hold, in which format
+            r["optimizer"]["states"] = opt.state_stats()
         partition = opt.partition_stats() if hasattr(opt, "partition_stats") else None
         if partition:  # Note [Partitioned optimizer]: this rank's share
             r["optimizer"]["partition"] = partition

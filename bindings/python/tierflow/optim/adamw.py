@@ -442,6 +442,27 @@ class CPUAdamW(torch.optim.Optimizer):
         """This rank's share (Note [Partitioned optimizer]) and the weights' broadcasts, or None."""
         return dict(self._partition.stats) if self._partition is not None else None
 
+    def state_stats(self) -> dict:
+        """What the states hold (Note [Optimizer state formats]): the moments' format, the parameters and
+        elements with a state, and the bytes of their masters and moments on the host (or reserved on NVMe)."""
+        elements, nbytes, count = 0, 0, 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                s = self.state.get(p)
+                if not s:
+                    continue
+                shard = local_shard(p)
+                count += 1
+                elements += shard.numel()
+                if self._states.nvme:
+                    nbytes += _C.optimizer_state_bytes(shard.numel(), bool(group["amsgrad"]), self._state_format)
+                    continue
+                nbytes += sum(t.nbytes for k, t in s.items()
+                              if k in ("master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq") and
+                              isinstance(t, torch.Tensor) and t.data_ptr() != shard.data_ptr())
+        return {"format": self._state_format, "parameters": count, "elements": elements, "bytes": nbytes,
+                "tier": "nvme" if self._states.nvme else "host"}
+
     # -- the gradient stream (Note [Gradient streaming]) ------------------------------
     @property
     def _stream(self) -> Optional["_C.GradStream"]:
