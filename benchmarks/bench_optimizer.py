@@ -98,7 +98,7 @@ class Arrays:
         self.grads = [fill(torch.empty(s, dtype=gdt), 0.01) for s in sizes]
         self.outs = [None] * len(sizes) if config == "fp32" else [torch.empty(s, dtype=torch.bfloat16) for s in sizes]
         # The peers take fp32 gradients only (see the module doc); bf16_states' peers step bf16 ones (self.grads).
-        no_fp32_grads = config == "bf16_states" or (config == "8bit_states" and n > EIGHT_BIT_PEERS_UP_TO)
+        no_fp32_grads = config == "bf16_states" or (config == "8bit_states" and n > FORMAT_PEERS_UP_TO)
         self.fp32_grads = (self.grads if config == "fp32" else None if no_fp32_grads
                            else [fill(torch.empty(s), 0.01) for s in sizes])
 
@@ -202,20 +202,24 @@ class FormatPeer(Impl):
         self.opt.step()
 
 
-# The 8-bit peers step on the CPU 40x slower than tierflow at 1e8 elements (bitsandbytes' and torchao's CPU
-# paths); at 1e9 their rounds would take minutes and their temporaries do not fit beside the shared arrays in
-# this machine's 24 GiB, so they run up to this size and the larger rows say why they are absent.
-EIGHT_BIT_PEERS_UP_TO = int(1e8)
+# The packed formats' peers run up to this size: the 8-bit ones step on the CPU 40x slower than tierflow at 1e8
+# elements (bitsandbytes' and torchao's CPU paths), so their rounds would take minutes at 1e9; and beside the
+# shared arrays and the fp32-moment step's moments, no peer's states fit this machine's 24 GiB at 1e9. The
+# larger rows say why they are absent.
+FORMAT_PEERS_UP_TO = int(1e8)
 
 
 def format_peers(config: str, a: Arrays) -> tuple[list, dict]:
     """The peers of a packed-moment configuration that install here, and why the others do not."""
     makers, errors = [], {}
     n = sum(m.numel() for m in a.masters)
-    if config == "8bit_states" and n > EIGHT_BIT_PEERS_UP_TO:
-        why = (f"not run above {EIGHT_BIT_PEERS_UP_TO:.0e} elements: 40x slower than tierflow at 1e8 on this CPU, "
-               "and their temporaries do not fit beside the shared arrays")
-        return [], {"bitsandbytes_8bit": why, "torchao_8bit": why}
+    if n > FORMAT_PEERS_UP_TO:
+        why = (f"not run above {FORMAT_PEERS_UP_TO:.0e} elements: their states do not fit beside the shared arrays "
+               "in this machine's memory" + (" (and they are 40x slower than tierflow at 1e8 on this CPU)"
+                                             if config == "8bit_states" else ""))
+        names = ("bitsandbytes_8bit", "torchao_8bit") if config == "8bit_states" else ("torch_fused_bf16",
+                                                                                         "deepspeed_bf16")
+        return [], {k: why for k in names}
     if config == "8bit_states":
         try:
             import bitsandbytes as bnb
@@ -359,6 +363,33 @@ def format_summary(results: list) -> list:
     return out
 
 
+def compute_ceiling(steps: int = 300) -> dict:
+    """Each format's step rate on one thread over 2^19 elements (one chunk: one thread; in the last-level cache,
+    so memory hardly bounds it): its compute ceiling a core, bf16 gradients and copy-out. A machine whose
+    memory floor a core (bandwidth / bytes a parameter / cores) lies below this is memory-bound in that format;
+    gpu_offload_predict.py takes these to predict the CPU step on a node of many cores."""
+    n = 1 << 19
+    rt = tierflow._C.Runtime({"cpu_threads": "1", "host_memory": "90%"})
+    opts = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, amsgrad=False, maximize=False,
+                decoupled_weight_decay=True)
+    master, grad, out = fill(torch.empty(n), 0.5), fill(torch.empty(n, dtype=torch.bfloat16), 0.01), \
+        torch.empty(n, dtype=torch.bfloat16)
+    rates = {}
+    for fmt in ("fp32", "bf16", "8bit"):
+        if fmt == "8bit":
+            m, v = (torch.zeros(tierflow._C.moment_bytes("8bit", n), dtype=torch.uint8) for _ in range(2))
+        else:
+            m, v = (torch.zeros(n, dtype=torch.float32 if fmt == "fp32" else torch.bfloat16) for _ in range(2))
+        best = float("inf")
+        for rep in range(3):
+            t0 = time.perf_counter()
+            for i in range(steps):
+                rt.adam_step(opts, rep * steps + i + 1, [master], [m], [v], [None], [grad], [out])
+            best = min(best, time.perf_counter() - t0)
+        rates[fmt] = n * steps / best
+    return {"elements": n, "threads": 1, "params_per_s_per_thread": rates}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description="CPU Adam benchmark")
     ap.add_argument("--sizes", nargs="+", type=float, default=[1e8, 1e9])
@@ -372,6 +403,9 @@ def main() -> int:
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
 
     results = []
+    ceiling = args.ceiling = compute_ceiling()
+    print("compute ceiling a thread (2^19 elements, in cache):",
+          ", ".join(f"{k} {v:.3e}/s" for k, v in ceiling["params_per_s_per_thread"].items()), flush=True)
     for size in args.sizes:
         n = int(size)
         for config in args.configs:
@@ -430,6 +464,7 @@ def write_results(args: argparse.Namespace, results: list) -> None:
         "deepspeed_params_per_s": head["deepspeed_params_per_s"],
         "roofline_params_per_s": head["roofline_params_per_s"],
         "state_formats": format_summary(results),
+        "compute_ceiling": args.ceiling,
         "results": results,
     }
     write_json_atomic(args.out, out)

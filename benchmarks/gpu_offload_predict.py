@@ -25,9 +25,10 @@ compute in backward. The host holds the bf16 weights and gradients (2 + 2 bytes 
 states (fp32 master and m, v in the TIERFLOW_OPTIMIZER_STATES format: 12, 8 or 6.03 bytes a parameter) and the
 swapped activations, within HOST_BYTES less HOST_RESERVE_BYTES.
 
-Optimizer states (issue 39): the CPU AdamW is at its memory floor, so its rate with bf16 or 8-bit moments is
-GPU.md's fp32 rate times the ratio of bytes a parameter the step moves (28, 20, 16.06), capped by the ratio
-measured on one machine (STATE_FORMAT_MEASURED_PARAMS_PER_S): the kernel may not reach its floor.
+Optimizer states (issue 39): the CPU AdamW is at its memory floor on the node's 16 threads, so its rate with
+bf16 or 8-bit moments is GPU.md's fp32 rate times the ratio of bytes a parameter the step moves (28, 20,
+16.06), capped by the format's compute: 16 threads at the ceiling a thread measured on the development machine
+(STATE_FORMAT_CEILING_PER_THREAD; bench_optimizer.py's compute_ceiling).
 ``python benchmarks/gpu_offload_predict.py`` writes the llama7b prediction per format to
 benchmarks/results/gpu_offload_predict_llama7b.json.
 """
@@ -57,12 +58,25 @@ HOST_COPY_BYTES_PER_PARAM = 2 + 2  # the bf16 weights between uses and the bf16 
 # out) and bytes it keeps (master + m + v; tiering::cpu_optimizer_bytes_per_param for bf16 parameters).
 STATE_STEP_BYTES_PER_PARAM = {"fp32": 28.0, "bf16": 20.0, "8bit": 16.0 + 2 * 2 * 4 / 256}
 STATE_HOST_BYTES_PER_PARAM = {"fp32": 12.0, "bf16": 8.0, "8bit": 6.0 + 2 * 4 / 256}
-# The CPU AdamW measured per format on the development machine (AVX-512, 2 threads, 1e8 elements, bf16 gradients
-# and bf16 copy-out), by the kernels' owner on 2026-11-29 while the 8-bit kernel was still being tuned;
-# benchmarks/results/optimizer.json had no per-format entries yet. Only their ratios are used.
-STATE_FORMAT_MEASURED_PARAMS_PER_S = {"fp32": 1.62e9, "bf16": 2.21e9, "8bit": 2.06e9}
-STATE_FORMAT_MEASURED_SOURCE = ("development machine, AVX-512, 2 threads, 1e8 elements, bf16 gradients and copy-out; "
-                                "measured by the kernels' owner (not in benchmarks/results/optimizer.json yet)")
+# Each format's compute ceiling a thread (bench_optimizer.py's compute_ceiling: one thread, 2^19 elements in
+# cache, bf16 gradients and copy-out), measured on the development machine (AVX-512, Zen 4) on 2026-11-29; read
+# from benchmarks/results/optimizer.json when it has them. The prediction assumes the node's 16 Xeon cores step
+# as fast a core (an assumption: the node's cores were not measured in these formats).
+STATE_FORMAT_CEILING_PER_THREAD = {"fp32": 2.65e9, "bf16": 1.69e9, "8bit": 1.28e9}
+NODE_THREADS = 16
+
+
+def measured_ceilings() -> tuple[dict, str]:
+    """The compute ceilings a thread per format, and where they come from."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "optimizer.json")
+    try:
+        with open(path) as f:
+            c = json.load(f)["compute_ceiling"]["params_per_s_per_thread"]
+        return {k: float(c[k]) for k in STATE_FORMAT_CEILING_PER_THREAD}, "benchmarks/results/optimizer.json"
+    except (OSError, KeyError, ValueError):
+        return dict(STATE_FORMAT_CEILING_PER_THREAD), "the constants in gpu_offload_predict.py"
+
+
 # GPU.md's 1.34B GPT baseline: forward + backward seconds, parameters, tokens per step, saved activation bytes.
 GPT1B_COMPUTE_SECONDS = 0.042 + 0.116
 GPT1B_PARAMETERS = 1_348_063_232
@@ -77,15 +91,19 @@ def assumed_compute_mfu() -> float:
 
 
 def cpu_adamw_rate(states: str, capped: bool = True) -> dict:
-    """The CPU AdamW's params/s on the H100 node with moments in `states`: GPU.md's fp32 rate times the ratio of
-    bytes a parameter the step moves (its memory floor), capped by the ratio measured per format (unless not
-    `capped`: the kernel at its floor)."""
+    """The CPU AdamW's params/s on the H100 node with moments in `states`: GPU.md's fp32 rate (memory-bound on
+    16 threads) times the ratio of bytes a parameter the step moves (the format's memory floor), capped (unless
+    not `capped`) by the format's compute: 16 threads at the ceiling a thread measured on the development
+    machine. The 2-core development machine is compute-bound in the packed formats (bench_optimizer.py: 8-bit
+    0.79x fp32 there); 16 cores sharing the node's memory are not, at these ceilings."""
     floor = STATE_STEP_BYTES_PER_PARAM["fp32"] / STATE_STEP_BYTES_PER_PARAM[states]
-    measured = STATE_FORMAT_MEASURED_PARAMS_PER_S[states] / STATE_FORMAT_MEASURED_PARAMS_PER_S["fp32"]
-    ratio = min(floor, measured) if capped else floor
-    return {"params_per_s": CPU_ADAMW_PARAMS_PER_S * ratio, "ratio_over_fp32": ratio,
-            "memory_floor_ratio": floor, "measured_ratio": measured,
-            "capped_by": "measured ratio" if capped and measured < floor else "memory floor",
+    ceilings, source = measured_ceilings()
+    by_floor = CPU_ADAMW_PARAMS_PER_S * floor
+    by_compute = NODE_THREADS * ceilings[states]
+    rate = min(by_floor, by_compute) if capped else by_floor
+    return {"params_per_s": rate, "ratio_over_fp32": rate / CPU_ADAMW_PARAMS_PER_S,
+            "memory_floor_ratio": floor, "compute_params_per_s": by_compute, "compute_source": source,
+            "capped_by": "compute" if capped and by_compute < by_floor else "memory floor",
             "step_bytes_per_param": STATE_STEP_BYTES_PER_PARAM[states],
             "host_state_bytes_per_param": STATE_HOST_BYTES_PER_PARAM[states]}
 
@@ -178,8 +196,7 @@ def predict_params_offload(cfg: dict, n_params: int, block_params: int, budget_b
                 limits={"host_to_device_bytes_per_s": H2D_BYTES_PER_S, "device_to_host_bytes_per_s": D2H_BYTES_PER_S,
                         "duplex_bytes_per_s": DUPLEX_BYTES_PER_S, "cpu_adamw_params_per_s": CPU_ADAMW_PARAMS_PER_S,
                         "host_bytes": HOST_BYTES, "host_reserve_bytes": HOST_RESERVE_BYTES},
-                cpu_adamw=dict(cpu_adamw_rate(optimizer_states, capped), measured_source=STATE_FORMAT_MEASURED_SOURCE,
-                               measured_params_per_s=STATE_FORMAT_MEASURED_PARAMS_PER_S),
+                cpu_adamw=cpu_adamw_rate(optimizer_states, capped),
                 by_batch={str(b): {k: r[k] for k in ("step_seconds", "tokens_per_second", "mfu", "bound_by",
                                                      "host_bytes_estimate", "fits_host",
                                                      "swapped_activation_bytes_estimate",

@@ -148,7 +148,7 @@ _FSDP_WORKER = textwrap.dedent("""
                      ("scaled", dict(scale=0.5))):
         results[name + ", step() only"] = run("wrap(fully_shard)", "none", optimizer="host", overlap_step="off", **kw)
 
-    def checkpointed(optimizer, dtype=torch.float32):
+    def checkpointed(optimizer, dtype=torch.float32, states="fp32"):
         # torch.distributed.checkpoint (DCP) after 3 steps; the run goes on 2 more, and a new run (new model,
         # new optimizer, wrapped, its state loaded from DCP) takes those 2 steps again.
         import torch.distributed.checkpoint as dcp
@@ -160,7 +160,8 @@ _FSDP_WORKER = textwrap.dedent("""
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
             return tierflow.wrap(model, opt, device="emulated", offload_activations="auto",
                                  offload_optimizer=optimizer, min_offload_bytes=0, prefetch_bytes="64KiB",
-                                 cpu_threads=1, **(nvme if optimizer == "nvme" else {{}}))
+                                 cpu_threads=1, **(nvme if optimizer == "nvme" else {{}}),
+                                 **({{}} if optimizer == "none" else dict(optimizer_states=states)))
 
         def train(model, opt, steps):
             losses = []
@@ -174,7 +175,7 @@ _FSDP_WORKER = textwrap.dedent("""
                 losses.append(loss.item())
             return losses
 
-        path = os.path.join(os.path.dirname(store), f"dcp-{{optimizer}}-{{dtype}}")
+        path = os.path.join(os.path.dirname(store), f"dcp-{{optimizer}}-{{dtype}}-{{states}}")
         model, opt = make()
         train(model, opt, range(3))
         model_sd, optim_sd = get_state_dict(model, opt)
@@ -195,6 +196,9 @@ _FSDP_WORKER = textwrap.dedent("""
     for optimizer in ("none", "host", "nvme"):
         results[("checkpoint", optimizer)] = checkpointed(optimizer)
     results[("checkpoint", "host", "bf16")] = checkpointed("host", torch.bfloat16)
+    # 8-bit moments (Note [Optimizer states in checkpoints]): out as decoded fp32 DTensors, encoded again on load
+    results[("checkpoint", "host", "bf16", "8bit")] = checkpointed("host", torch.bfloat16, "8bit")
+    results[("checkpoint", "nvme", "fp32", "8bit")] = checkpointed("nvme", torch.float32, "8bit")
 
     def gpt2(acts=None, optimizer="none"):
         # transformers' GPT-2 with its default config (dropout on), each block an FSDP2 unit.
@@ -347,8 +351,10 @@ def test_fsdp2_gradients_changed_after_backward_step_as_in_step(fsdp_runs, chang
         assert run["losses"][1:] != unchanged["losses"][1:], "the change changed nothing"
 
 
-@pytest.mark.parametrize("case", [("none",), ("host",), ("host", "bf16"), ("nvme",)],
-                         ids=["torch AdamW", "CPU AdamW", "CPU AdamW bf16", "CPU AdamW, NVMe states"])
+@pytest.mark.parametrize("case", [("none",), ("host",), ("host", "bf16"), ("nvme",), ("host", "bf16", "8bit"),
+                                  ("nvme", "fp32", "8bit")],
+                         ids=["torch AdamW", "CPU AdamW", "CPU AdamW bf16", "CPU AdamW, NVMe states",
+                              "CPU AdamW bf16, 8-bit moments", "CPU AdamW, 8-bit moments on NVMe"])
 def test_fsdp2_checkpoints_through_dcp_resume_bit_for_bit(fsdp_runs, case):
     """torch.distributed.checkpoint (get_state_dict, dcp.save, dcp.load, set_state_dict) of a wrapped FSDP2 model and
     its optimizer, the user's or tierflow's CPU AdamW (whose states of each rank's shard go out as DTensors, fp32

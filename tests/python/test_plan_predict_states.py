@@ -19,12 +19,12 @@ BLOCK = 4 * D * D + 4 * D + 2 * 2 * D + 3 * D * H
 BUDGET = 16 << 30
 
 
-def test_each_format_steps_at_the_fp32_rate_times_its_floor_capped_by_the_measured_ratio():
-    measured = gp.STATE_FORMAT_MEASURED_PARAMS_PER_S
+def test_each_format_steps_at_the_fp32_rate_times_its_floor_capped_by_its_compute():
+    ceilings, _ = gp.measured_ceilings()
     for states, step_bytes, state_bytes in (("fp32", 28, 12), ("bf16", 20, 8), ("8bit", 16 + 16 / 256, 6 + 8 / 256)):
         pred = gp.predict_params_offload(CFG, N, BLOCK, BUDGET, states)
-        ratio = min(28 / step_bytes, measured[states] / measured["fp32"])
-        assert pred["cpu_adamw_seconds"] == pytest.approx(N / (5.0e9 * ratio))
+        rate = min(5.0e9 * 28 / step_bytes, 16 * ceilings[states])
+        assert pred["cpu_adamw_seconds"] == pytest.approx(N / rate)
         one = pred["by_batch"]["1"]
         # bf16 weights and gradients on the host, the states, and the activations swapped at batch 1.
         assert one["host_bytes_estimate"] == pytest.approx(N * (4 + state_bytes) + pred["swapped_activation_bytes_estimate"])
@@ -57,3 +57,12 @@ def test_smaller_states_leave_the_host_room_to_swap_within_the_nodes_memory():
     # forward's link cannot take.
     assert eight["1"]["recomputed_activation_bytes_estimate"] == 0
     assert eight["4"]["recomputed_activation_bytes_estimate"] > 0
+
+
+def test_a_format_slower_than_its_floor_is_capped_by_its_compute(monkeypatch):
+    """Where 16 threads at the measured ceiling a thread step slower than the memory floor (a 2-core machine's
+    8-bit kernel is compute-bound), the prediction takes the compute rate."""
+    monkeypatch.setattr(gp, "measured_ceilings", lambda: ({"fp32": 1e9, "bf16": 1e8, "8bit": 1e8}, "test"))
+    pred = gp.predict_params_offload(CFG, N, BLOCK, BUDGET, "8bit")
+    assert pred["cpu_adamw"]["capped_by"] == "compute"
+    assert pred["cpu_adamw_seconds"] == pytest.approx(N / (16 * 1e8))
