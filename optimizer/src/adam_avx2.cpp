@@ -232,22 +232,23 @@ TIERFLOW_AVX2 void run_packed(const AdamTensor& t, const AdamScalars& s, std::si
       v_max = _mm256_max_ps(v, v_max);
       nan = _mm256_or_ps(nan, _mm256_cmp_ps(m, v, _CMP_UNORD_Q));
     }
-    const int nan_lanes = _mm256_movemask_ps(nan);
-    bool m_nan = false, v_nan = false;
-    if (nan_lanes != 0) {  // which moment: rare, so counted again
-      for (std::size_t j = 0; j < n; ++j) {
-        m_nan = m_nan || std::isnan(mb[j]);
-        v_nan = v_nan || std::isnan(vb[j]);
-      }
-    }
-    const BlockScale ms = block_scale(hmax(m_max), m_nan, kMinMScale), vs = block_scale(hmax(v_max), v_nan, kMinVScale);
     auto* mo = static_cast<std::uint8_t*>(q.m.data) + b;
     auto* vo = static_cast<std::uint8_t*>(q.v.data) + b;
+    const float m_top = hmax(m_max), v_top = hmax(v_max);
+    if (_mm256_movemask_ps(nan) != 0 || std::isinf(m_top) || std::isinf(v_top)) {
+      // a NaN or an infinite moment (rare): the scalar definition
+      encode_block8(mb, vb, n, mo, vo, q.m.absmax[block], q.v.absmax[block]);
+      continue;
+    }
+    const BlockScale ms = block_scale(m_top, false, kMinMScale), vs = block_scale(v_top, false, kMinVScale);
     const __m256 m_inv = _mm256_set1_ps(ms.inv), v_inv = _mm256_set1_ps(vs.inv);
-    const __m128i zero = _mm_setzero_si128();
+    const __m128i zero = _mm_setzero_si128(), mag = _mm_set1_epi16(0x7f), one = _mm_set1_epi16(1);
     for (std::size_t j = 0; j < n; j += 8) {
-      store8(mo, j, ms.inv == 0.f ? zero : encode_m8(_mm256_load_ps(mb + j), m_inv));
-      store8(vo, j, vs.inv == 0.f ? zero : encode_v8(_mm256_load_ps(vb + j), v_inv));
+      const __m128i mc = ms.inv == 0.f ? zero : encode_m8(_mm256_load_ps(mb + j), m_inv);
+      __m128i vc = vs.inv == 0.f ? zero : encode_v8(_mm256_load_ps(vb + j), v_inv);
+      if (vs.inv != 0.f) vc = _mm_max_epu16(vc, _mm_min_epu16(_mm_and_si128(mc, mag), one));  // floored_v8
+      store8(mo, j, mc);
+      store8(vo, j, vc);
     }
     q.m.absmax[block] = ms.stored;
     q.v.absmax[block] = vs.stored;

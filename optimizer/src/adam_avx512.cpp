@@ -232,21 +232,24 @@ TIERFLOW_AVX512 inline __m256i round_to_q(__m256i a) {
   return _mm256_srli_epi16(_mm256_add_epi16(a, _mm256_add_epi16(odd, _mm256_set1_epi16(0x3f))), 7);
 }
 
-// `qmax`: the largest q so far; above 120 only for a NaN (its half is a NaN: q >= 248).
-TIERFLOW_AVX512 inline __m128i encode_m8(__m512 m, __m512 inv, __m256i& qmax) {
+// m's codes in 16-bit lanes. `qmax`: the largest q so far; above 120 only for a NaN (its half is a NaN:
+// q >= 248; an infinite m never gets here, its block's scale is not finite).
+TIERFLOW_AVX512 inline __m256i encode_m8(__m512 m, __m512 inv, __m256i& qmax) {
   const __m256i h = _mm512_cvtps_ph(_mm512_mul_ps(m, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256i q = round_to_q(_mm256_and_si256(h, _mm256_set1_epi16(0x7fff)));
   qmax = _mm256_max_epu16(qmax, q);
-  return _mm256_cvtepi16_epi8(_mm256_or_si256(q, _mm256_and_si256(_mm256_srli_epi16(h, 8), _mm256_set1_epi16(0x80))));
+  return _mm256_or_si256(q, _mm256_and_si256(_mm256_srli_epi16(h, 8), _mm256_set1_epi16(0x80)));
 }
 
 // `inv`: (1/absmax) * 2^15, exact (kMinVScale); (v * inv) rounds to what (v * (1/absmax)) * 2^15 does.
-// `qmax` as for encode_m8: above 240 only for a NaN.
-TIERFLOW_AVX512 inline __m128i encode_v8(__m512 v, __m512 inv, __m256i& qmax) {
+// v's codes in 16-bit lanes, at least 1 where m's (`mc`) are non-zero (floored_v8). `qmax` as for encode_m8:
+// above 240 only for a NaN (an infinite v never gets here: its block goes through encode_block8).
+TIERFLOW_AVX512 inline __m256i encode_v8(__m512 v, __m512 inv, __m256i mc, __m256i& qmax) {
   const __m512 y = _mm512_mul_ps(v, inv);
   const __m256i q = round_to_q(_mm512_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   qmax = _mm256_max_epu16(qmax, q);
-  return _mm256_cvtepi16_epi8(q);
+  const __m256i m_nonzero = _mm256_min_epu16(_mm256_and_si256(mc, _mm256_set1_epi16(0x7f)), _mm256_set1_epi16(1));
+  return _mm256_max_epu16(q, m_nonzero);
 }
 
 TIERFLOW_AVX512 inline std::uint16_t hmax_epu16(__m256i x) {
@@ -348,7 +351,8 @@ TIERFLOW_AVX512 void run_packed(const AdamTensor& tensor, const AdamScalars& s, 
     const std::size_t n = block_length(b, t.numel), block = b / kQuantBlock;
     const __m512 m_scale = _mm512_set1_ps(t.m.absmax[block]), v_scale = _mm512_set1_ps(t.v.absmax[block] * 0x1p-15f);
     // Largest |m| and v, NaN ignored (max returns its second operand when either is NaN): a NaN
-    // shows in the codes below, or, when the block encodes as zeros, in a scan (any_nan).
+    // shows in the codes below, or, when the block encodes as zeros, in a scan (any_nan); an
+    // infinity shows here.
     __m512 m_max = _mm512_setzero_ps(), v_max = _mm512_setzero_ps();
     // Decodes, updates and keeps U vectors of the block at j in mb and vb.
     auto part = [&](auto unroll, std::size_t j, const __mmask16* k) TIERFLOW_AVX512 {
@@ -373,26 +377,29 @@ TIERFLOW_AVX512 void run_packed(const AdamTensor& tensor, const AdamScalars& s, 
       const __mmask16 k = lanes(n - j);
       part(One{}, j, &k);
     }
-    BlockScale ms = block_scale(_mm512_reduce_max_ps(m_max), false, kMinMScale);
-    BlockScale vs = block_scale(_mm512_reduce_max_ps(v_max), false, kMinVScale);
     auto* mo = static_cast<std::uint8_t*>(q.m.data) + b;
     auto* vo = static_cast<std::uint8_t*>(q.v.data) + b;
+    const float m_top = _mm512_reduce_max_ps(m_max), v_top = _mm512_reduce_max_ps(v_max);
+    if (std::isinf(m_top) || std::isinf(v_top)) {  // an infinite moment (rare): the scalar definition
+      encode_block8(mb, vb, n, mo, vo, q.m.absmax[block], q.v.absmax[block]);
+      continue;
+    }
+    const BlockScale ms = block_scale(m_top, false, kMinMScale), vs = block_scale(v_top, false, kMinVScale);
     const __m512 m_inv = _mm512_set1_ps(ms.inv), v_inv = _mm512_set1_ps(vs.inv * kVCodeScale);
-    const __m128i zero = _mm_setzero_si128();
-    __m256i m_q = _mm256_setzero_si256(), v_q = _mm256_setzero_si256();
+    const __m256i zero = _mm256_setzero_si256();
+    __m256i m_q = zero, v_q = zero;
     for (std::size_t e = 0; e < n; e += 16) {
       const __mmask16 k = lanes(n - e);
-      _mm_mask_storeu_epi8(mo + e, k, ms.inv == 0.f ? zero : encode_m8(_mm512_maskz_load_ps(k, mb + e), m_inv, m_q));
-      _mm_mask_storeu_epi8(vo + e, k, vs.inv == 0.f ? zero : encode_v8(_mm512_maskz_load_ps(k, vb + e), v_inv, v_q));
+      const __m256i mc = ms.inv == 0.f ? zero : encode_m8(_mm512_maskz_load_ps(k, mb + e), m_inv, m_q);
+      const __m256i vc = vs.inv == 0.f ? zero : encode_v8(_mm512_maskz_load_ps(k, vb + e), v_inv, mc, v_q);
+      _mm_mask_storeu_epi8(mo + e, k, _mm256_cvtepi16_epi8(mc));
+      _mm_mask_storeu_epi8(vo + e, k, _mm256_cvtepi16_epi8(vc));
     }
-    // A NaN makes the block non-finite: codes 0, scale NaN (Note [Optimizer state formats]).
-    if (ms.inv == 0.f ? ms.stored == 0.f && any_nan(mb, n) : hmax_epu16(m_q) > 120) {
-      ms = block_scale(0.f, true, kMinMScale);
-      std::memset(mo, 0, n);
-    }
-    if (vs.inv == 0.f ? vs.stored == 0.f && any_nan(vb, n) : hmax_epu16(v_q) > 240) {
-      vs = block_scale(0.f, true, kMinVScale);
-      std::memset(vo, 0, n);
+    // A NaN (found in the codes, or by a scan where a block codes as zeros): the scalar definition (rare).
+    if ((ms.inv == 0.f ? any_nan(mb, n) : hmax_epu16(m_q) > 120) ||
+        (vs.inv == 0.f ? any_nan(vb, n) : hmax_epu16(v_q) > 240)) {
+      encode_block8(mb, vb, n, mo, vo, q.m.absmax[block], q.v.absmax[block]);
+      continue;
     }
     q.m.absmax[block] = ms.stored;
     q.v.absmax[block] = vs.stored;

@@ -174,6 +174,48 @@ inline BlockScale block_scale(float absmax, bool nan, float min) noexcept {
   return {absmax, 1.f / absmax};
 }
 
+/// v's block scale (Note [Optimizer state formats]): `finite_max` the largest
+/// finite v (NaN and +inf ignored), `nan` whether one was NaN, `inf` whether
+/// one was +inf (a finite gradient's square can overflow: that element codes
+/// as 248, the half +inf, so its step is 0 as in fp32, and the block keeps a
+/// positive scale for it).
+inline BlockScale v_block_scale(float finite_max, bool nan, bool inf) noexcept {
+  if (nan) return {NAN, 0.f};
+  const BlockScale s = block_scale(finite_max, false, kMinVScale);
+  if (inf && s.inv == 0.f) return {1.f, 1.f};
+  return s;
+}
+
+/// v's code where m's is `m_code`: at least 1 (v's smallest non-zero value,
+/// 2^-32 of its scale) under a non-zero m, since a v coded 0 there would make
+/// the next step's denominator eps; a larger v only shortens that step.
+inline std::uint8_t floored_v8(std::uint8_t v_code, std::uint8_t m_code) noexcept {
+  return v_code == 0 && (m_code & 0x7fu) != 0 ? std::uint8_t{1} : v_code;
+}
+
+/// Encodes one block of `n` new moments (m[j], v[j]) into codes and scales:
+/// the scalar definition the SIMD paths match bit for bit.
+inline void encode_block8(const float* m, const float* v, std::size_t n, std::uint8_t* mo, std::uint8_t* vo,
+                          float& m_absmax, float& v_absmax) noexcept {
+  float m_max = 0.f, v_max = 0.f;
+  bool m_nan = false, v_nan = false, v_inf = false;
+  for (std::size_t j = 0; j < n; ++j) {
+    const float am = std::fabs(m[j]);
+    m_max = am > m_max ? am : m_max;
+    m_nan = m_nan || std::isnan(m[j]);
+    v_nan = v_nan || std::isnan(v[j]);
+    if (std::isinf(v[j])) v_inf = true;
+    else if (v[j] > v_max) v_max = v[j];
+  }
+  const BlockScale ms = block_scale(m_max, m_nan, kMinMScale), vs = v_block_scale(v_max, v_nan, v_inf);
+  for (std::size_t j = 0; j < n; ++j) {
+    mo[j] = ms.inv == 0.f ? std::uint8_t{0} : encode_m8(m[j] * ms.inv);
+    vo[j] = vs.inv == 0.f ? std::uint8_t{0} : floored_v8(encode_v8((v[j] * vs.inv) * kVCodeScale), mo[j]);
+  }
+  m_absmax = ms.stored;
+  v_absmax = vs.stored;
+}
+
 /// Elements of a moment's block at `begin` (the tensor's last block may be short).
 inline std::size_t block_length(std::size_t begin, std::size_t numel) noexcept {
   return numel - begin < kQuantBlock ? numel - begin : kQuantBlock;

@@ -60,8 +60,6 @@ void adam_range_portable_packed(const AdamTensor& t, const AdamScalars& s, std::
   for (std::size_t b = begin; b < end; b += kQuantBlock) {
     const std::size_t n = block_length(b, t.numel), block = b / kQuantBlock;
     const float m_scale = t.m.absmax[block], v_scale = t.v.absmax[block];
-    float m_max = 0.f, v_max = 0.f;
-    bool m_nan = false, v_nan = false;
     for (std::size_t j = 0; j < n; ++j) {
       const std::size_t i = b + j;
       float p = t.master[i], m = decode_m8(mc[i]) * m_scale, v = decode_v8(vc[i]) * v_scale;
@@ -70,21 +68,9 @@ void adam_range_portable_packed(const AdamTensor& t, const AdamScalars& s, std::
       store_param(t, i, p);
       mb[j] = m;
       vb[j] = v;
-      const float am = std::fabs(m);
-      m_max = am > m_max ? am : m_max;
-      v_max = v > v_max ? v : v_max;
-      m_nan = m_nan || std::isnan(m);
-      v_nan = v_nan || std::isnan(v);
     }
-    const BlockScale ms = block_scale(m_max, m_nan, kMinMScale), vs = block_scale(v_max, v_nan, kMinVScale);
-    auto* mo = static_cast<std::uint8_t*>(q.m.data) + b;
-    auto* vo = static_cast<std::uint8_t*>(q.v.data) + b;
-    for (std::size_t j = 0; j < n; ++j) {
-      mo[j] = ms.inv == 0.f ? std::uint8_t{0} : encode_m8(mb[j] * ms.inv);
-      vo[j] = vs.inv == 0.f ? std::uint8_t{0} : encode_v8((vb[j] * vs.inv) * kVCodeScale);
-    }
-    q.m.absmax[block] = ms.stored;
-    q.v.absmax[block] = vs.stored;
+    encode_block8(mb, vb, n, static_cast<std::uint8_t*>(q.m.data) + b, static_cast<std::uint8_t*>(q.v.data) + b,
+                  q.m.absmax[block], q.v.absmax[block]);
   }
 }
 

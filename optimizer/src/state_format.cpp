@@ -19,24 +19,9 @@ void encode_moments(StateFormat f, const float* m, const float* v, std::size_t n
     return;
   }
   for (std::size_t b = 0; b < n; b += kQuantBlock) {
-    const std::size_t len = detail::block_length(b, n), block = b / kQuantBlock;
-    float m_max = 0.f, v_max = 0.f;
-    bool m_nan = false, v_nan = false;
-    for (std::size_t i = b; i < b + len; ++i) {
-      const float am = std::fabs(m[i]);
-      m_max = am > m_max ? am : m_max;
-      v_max = v[i] > v_max ? v[i] : v_max;
-      m_nan = m_nan || std::isnan(m[i]);
-      v_nan = v_nan || std::isnan(v[i]);
-    }
-    const detail::BlockScale ms = detail::block_scale(m_max, m_nan, detail::kMinMScale), vs = detail::block_scale(v_max, v_nan, detail::kMinVScale);
-    for (std::size_t i = b; i < b + len; ++i) {
-      static_cast<std::uint8_t*>(m_out.data)[i] = ms.inv == 0.f ? 0 : detail::encode_m8(m[i] * ms.inv);
-      static_cast<std::uint8_t*>(v_out.data)[i] =
-          vs.inv == 0.f ? 0 : detail::encode_v8((v[i] * vs.inv) * detail::kVCodeScale);
-    }
-    m_out.absmax[block] = ms.stored;
-    v_out.absmax[block] = vs.stored;
+    const std::size_t block = b / kQuantBlock;
+    detail::encode_block8(m + b, v + b, detail::block_length(b, n), static_cast<std::uint8_t*>(m_out.data) + b,
+                          static_cast<std::uint8_t*>(v_out.data) + b, m_out.absmax[block], v_out.absmax[block]);
   }
 }
 

@@ -113,8 +113,10 @@ void reference_step(const AdamOptions& o, std::int64_t step, Packed& s, std::vec
     const float mi = am > 0 ? 1.f / am : 0.f, vi = av > 0 ? 1.f / av : 0.f;
     for (std::size_t i = b; i < e; ++i) {
       const float y = m[i] * mi;
-      s.m[i] = static_cast<std::uint8_t>(nearest(mt, std::fabs(y)) | (std::signbit(y) ? 0x80 : 0));
-      s.v[i] = static_cast<std::uint8_t>(nearest(vt, (v[i] * vi) * 32768.f));
+      s.m[i] = static_cast<std::uint8_t>(mi == 0 ? 0 : nearest(mt, std::fabs(y)) | (std::signbit(y) ? 0x80 : 0));
+      s.v[i] = static_cast<std::uint8_t>(vi == 0 ? 0 : nearest(vt, (v[i] * vi) * 32768.f));
+      // Under a non-zero m, v's smallest non-zero code at least: never a denominator of eps.
+      if (vi != 0 && s.v[i] == 0 && (s.m[i] & 0x7f) != 0) s.v[i] = 1;
     }
     s.m_absmax[b / kQuantBlock] = am;
     s.v_absmax[b / kQuantBlock] = av;
@@ -337,7 +339,10 @@ TEST(StateFormat, PackedMomentsTrackFp32) {
   std::printf("drift from fp32: bf16 %.4f, 8bit %.4f of the distance moved\n", bf16, q8);
 }
 
-// A NaN gradient makes its block's moments NaN (scale NaN, codes 0), and no other block's.
+// A NaN or infinite gradient makes its block's moments NaN (scale NaN, codes
+// 0; its own master is NaN as in fp32), and no other block's. A finite
+// gradient whose square overflows keeps its block: its v codes as +inf (248),
+// so its step is 0 as in fp32, and the other elements step as before.
 TEST(StateFormat, NonFiniteMomentsPoisonTheirBlockOnly) {
   const std::size_t n = 1280;
   for (CpuIsa isa : every_isa()) {
@@ -345,16 +350,55 @@ TEST(StateFormat, NonFiniteMomentsPoisonTheirBlockOnly) {
     std::vector<float> master = normal(n, 11, 1.f), g = normal(n, 12, 1.f);
     g[300] = NAN;
     g[600] = std::numeric_limits<float>::infinity();
+    g[800] = 1e30f;  // finite; (1 - b2) g^2 overflows
     std::fill(g.begin() + 1024, g.end(), 0.f);  // a block of zeros but one NaN: encodes as zeros, still NaN
     g[1100] = NAN;
     CpuAdam adam(1, isa);
     adam.step({}, 1, {tensor_of(s, master, g.data(), ScalarType::kFloat32)});
-    EXPECT_TRUE(std::isnan(s.m_absmax[1]) && std::isnan(s.v_absmax[1]));
-    EXPECT_TRUE(std::isnan(s.m_absmax[2]) && std::isnan(s.v_absmax[2])) << to_string(isa);
+    EXPECT_TRUE(std::isnan(s.m_absmax[1]) && std::isnan(s.v_absmax[1])) << to_string(isa);
+    EXPECT_TRUE(std::isnan(s.m_absmax[2])) << to_string(isa);  // m = inf
     EXPECT_TRUE(std::all_of(s.m.begin() + 256, s.m.begin() + 768, [](std::uint8_t c) { return c == 0; }));
     EXPECT_TRUE(std::isnan(s.m_absmax[4]) && std::isnan(s.v_absmax[4])) << to_string(isa);
-    EXPECT_TRUE(std::isfinite(s.m_absmax[0]) && std::isfinite(s.m_absmax[3]));
+    EXPECT_TRUE(std::isfinite(s.m_absmax[0]) && std::isfinite(s.m_absmax[3]) && std::isfinite(s.v_absmax[3]));
     EXPECT_GT(s.m_absmax[0], 0.f);
+    EXPECT_EQ(s.v[800], 248) << to_string(isa);  // +inf
+    // The next step: the overflowed element does not move, its block's others do, all finite.
+    const std::vector<float> before = master;
+    std::vector<float> g2 = normal(n, 13, 1.f);
+    adam.step({}, 2, {tensor_of(s, master, g2.data(), ScalarType::kFloat32)});
+    EXPECT_EQ(master[800], before[800]) << to_string(isa);
+    for (std::size_t i = 768; i < 1024; ++i) EXPECT_TRUE(std::isfinite(master[i])) << i << " " << to_string(isa);
+    EXPECT_NE(master[801], before[801]);
+  }
+}
+
+// An element whose m codes non-zero at the bottom of m's range has a v below
+// v's range (v ~ m^2): its v codes 1, not 0, so a later step with a zero
+// gradient divides by sqrt(v's smallest code), not by eps (the review's case:
+// a 360x lr jump). Its step stays within fp32's order.
+TEST(StateFormat, AVCodedZeroNeverSitsUnderANonZeroM) {
+  const std::size_t n = 256;
+  for (CpuIsa isa : every_isa()) {
+    Packed s(StateFormat::k8bit, n);
+    std::vector<float> p8(n, 0.f), p32(n, 0.f), m32(n), v32(n);
+    CpuAdam adam(1, isa);
+    AdamOptions o;
+    o.weight_decay = 0;
+    for (int step = 1; step <= 3; ++step) {
+      std::vector<float> g(n, 0.f);
+      g[0] = 1.f;
+      if (step == 1) g[1] = 1e-5f;
+      AdamTensor t;
+      t.master = p32.data();
+      t.exp_avg = m32.data();
+      t.exp_avg_sq = v32.data();
+      t.grad = g.data();
+      t.numel = n;
+      adam.step(o, step, {t, tensor_of(s, p8, g.data(), ScalarType::kFloat32)});
+      for (std::size_t i = 0; i < n; ++i)
+        ASSERT_FALSE((s.m[i] & 0x7f) != 0 && s.v[i] == 0) << "element " << i << " step " << step;
+    }
+    EXPECT_LT(std::fabs(p8[1]), 3 * std::fabs(p32[1])) << to_string(isa) << ": " << p8[1] << " vs " << p32[1];
   }
 }
 

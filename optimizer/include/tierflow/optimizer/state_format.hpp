@@ -21,8 +21,11 @@
 //        mantissa bits rounded to 3 (nearest even, in integers).
 //     v: an unsigned code q in [0, 240]: the half of (v * (1/absmax)) * 2^15
 //        rounded to 3 mantissa bits (E5M3, [2^-32, 1] of absmax). v needs
-//        the wider range: a v coded as 0 under a non-zero m would make the
-//        next step's denominator eps.
+//        the wider range (v ~ m^2), and where m codes non-zero, v codes at
+//        least 1 (2^-32 of its absmax): a v coded 0 under a non-zero m would
+//        make the next step's denominator eps and the step lr * m / eps (a
+//        review found a 360x lr jump before this floor). A v above its true
+//        value only shortens that element's step.
 //   Decoding: m = ±half(q << 7) * absmax; v = (half(q << 7) * 2^-15) * absmax.
 //   Both use the hardware's fp32<->fp16 conversion (F16C), so encoding is two
 //   multiplies, one conversion and four integer operations a moment.
@@ -30,11 +33,16 @@
 // decodes to absmax exactly, so decoding then encoding gives back the same
 // codes and scales: a checkpoint may carry decoded fp32 moments and resume
 // bit for bit (tested in test_state_format.cpp).
-// Non-finite moments: a block with a NaN or infinite new moment stores
-// absmax NaN and codes 0, so the whole block decodes to NaN (fp32 states
-// keep NaN to the element; the master of that element is already NaN or
-// infinite). A block whose absmax is below FLT_MIN encodes as zeros with
-// absmax 0. amsgrad is refused with bf16 and 8-bit moments.
+// Non-finite moments: a block with a NaN moment, or an infinite m (only an
+// infinite gradient makes one, and it makes that element's master NaN in
+// fp32 too), stores absmax NaN and codes 0: the whole block decodes to NaN.
+// A finite gradient whose square overflows makes v +inf with m finite; fp32
+// then steps that element by 0 and keeps it finite, and so does this format:
+// v codes 248 (the half +inf), the block's scale is its largest finite v
+// (1 if none), and its other elements step as before. A block whose absmax
+// is below FLT_MIN (m) or 2^-100 (v) encodes as zeros with absmax 0. The SIMD
+// paths encode such rare blocks (a NaN, an infinity) with encode_block8, the
+// scalar definition. amsgrad is refused with bf16 and 8-bit moments.
 // Buffers: a bf16 moment is a bfloat16 tensor shaped like its parameter (or
 // shard); an 8-bit moment is one uint8 tensor of moment_bytes(k8bit, n): the
 // n codes, padded to 16 bytes, then the fp32 scales (packed_8bit), so every
