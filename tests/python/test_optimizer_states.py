@@ -136,12 +136,13 @@ def test_state_dict_resume_is_bit_for_bit(fmt):
     model, opt = _wrapped(task, fmt)
     _train(task, model, opt, 3)
     sd = opt.state_dict()
-    if fmt == "8bit":  # codes shaped like the parameter, scales beside them: views of the live buffers
+    if fmt == "8bit":  # codes shaped like the parameter, scales beside them; no "exp_avg" (torch would load it)
         p0 = next(model.parameters())
         s0 = sd["state"][0]
-        assert s0["exp_avg"].shape == p0.shape and s0["exp_avg"].dtype == torch.uint8
+        assert "exp_avg" not in s0 and "exp_avg_sq" not in s0
+        assert s0["exp_avg_codes"].shape == p0.shape and s0["exp_avg_codes"].dtype == torch.uint8
         assert s0["exp_avg_absmax"].dtype == torch.float32
-        assert s0["exp_avg"].data_ptr() == opt.state[p0]["exp_avg"].data_ptr()
+        assert s0["exp_avg_codes"].data_ptr() == opt.state[p0]["exp_avg"].data_ptr()
     ckpt = _save({"model": model.state_dict(), "opt": sd})
     fresh, opt2 = _wrapped(task, fmt)
     fresh.load_state_dict(ckpt["model"])
@@ -163,7 +164,8 @@ def test_cross_format_loads_convert_and_say_so(capfd):
     m32.load_state_dict(model.state_dict())
     opt32.load_state_dict(sd8)
     err = capfd.readouterr().err
-    assert err.count("optimizer states in the checkpoint are 8bit; converted to fp32 (TIERFLOW_OPTIMIZER_STATES)") == 1
+    assert err.count("optimizer states loaded (a state dict, or the optimizer tierflow.wrap replaced) are 8bit; "
+                     "converted to fp32 (TIERFLOW_OPTIMIZER_STATES)") == 1
     for p, q in zip(model.parameters(), m32.parameters()):
         m, v = _decoded(opt.state[p], p)
         assert opt32.state[q]["exp_avg"].dtype == torch.float32
@@ -171,7 +173,7 @@ def test_cross_format_loads_convert_and_say_so(capfd):
     # And back into 8bit: the same codes and scales (decode then encode is the identity).
     m8, opt8 = _wrapped(task, "8bit", log_level="info")
     opt8.load_state_dict(_save(opt32.state_dict()))
-    assert "checkpoint are fp32; converted to 8bit" in capfd.readouterr().err
+    assert "replaced) are fp32; converted to 8bit" in capfd.readouterr().err
     for p, q in zip(model.parameters(), m8.parameters()):
         for name in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(opt8.state[q][name], opt.state[p][name]), name
@@ -183,7 +185,7 @@ def test_cross_format_loads_convert_and_say_so(capfd):
     m8b, opt8b = _wrapped(task, "8bit", log_level="info")
     m8b.load_state_dict(twin.state_dict())
     opt8b.load_state_dict(torch_opt.state_dict())
-    assert "checkpoint are fp32; converted to 8bit" in capfd.readouterr().err
+    assert "replaced) are fp32; converted to 8bit" in capfd.readouterr().err
     for p, q in zip(twin.parameters(), m8b.parameters()):
         s = torch_opt.state[p]
         want = _C.encode_moments("8bit", s["exp_avg"], s["exp_avg_sq"])
@@ -255,3 +257,40 @@ def test_the_report_says_what_the_states_hold(fmt, per_param):
     assert (st["format"], st["elements"], st["tier"]) == (fmt, n, "host")
     assert per_param <= st["bytes"] / n <= per_param + (0.5 if fmt == "8bit" else 0.0)
     assert f"{fmt} moments" in str(tierflow.report())
+
+
+@pytest.mark.ordering
+def test_an_8bit_state_dict_is_not_taken_for_moments_by_torch():
+    """torch.optim.AdamW loading an 8-bit state dict: no "exp_avg" there, so its step stops at the missing key
+    instead of stepping on the codes cast to floats (the review found it did)."""
+    task = _task()
+    model, opt = _wrapped(task, "8bit")
+    _train(task, model, opt, 2)
+    sd = _save(opt.state_dict())
+    torch.manual_seed(0)
+    twin = task.model_on(EMULATED)
+    torch_opt = torch.optim.AdamW(twin.parameters(), **HP)
+    torch_opt.load_state_dict(sd)
+    task.loss(twin, task.batch_on(0, EMULATED)).backward()
+    with pytest.raises(KeyError, match="exp_avg"):
+        torch_opt.step()
+
+
+@pytest.mark.ordering
+def test_amsgrad_from_a_state_dict_or_set_later_is_refused_before_anything_changes():
+    task = _task()
+    model, opt = _wrapped(task, "8bit")
+    _train(task, model, opt, 1)
+    torch.manual_seed(0)
+    twin = task.model_on(EMULATED)
+    ams = torch.optim.AdamW(twin.parameters(), amsgrad=True, **HP)
+    _train(task, twin, ams, 1)
+    steps = [float(s["step"]) for s in opt.state.values()]
+    with pytest.raises(_C.ConfigError, match="amsgrad keeps fp32 moments; TIERFLOW_OPTIMIZER_STATES=8bit"):
+        opt.load_state_dict(ams.state_dict())
+    assert [g["amsgrad"] for g in opt.param_groups] == [False] * len(opt.param_groups)
+    assert [float(s["step"]) for s in opt.state.values()] == steps
+    opt.param_groups[0]["amsgrad"] = True  # set by hand: refused by name at the next backward, not in the kernel
+    with pytest.raises(_C.ConfigError, match="param group 0 has amsgrad=True"):
+        task.loss(model, task.batch_on(1, EMULATED)).backward()
+        opt.step()

@@ -25,7 +25,12 @@ PACKED = ["bf16", "8bit"]
 
 def _moments(opt):
     """{(group index, param index): (exp_avg, exp_avg_sq)} of a CPUAdamW, as its state_dict holds them."""
-    return {k: (s["exp_avg"].clone(), s["exp_avg_sq"].clone()) for k, s in opt.state_dict()["state"].items()}
+    def pair(s):
+        if "exp_avg_codes" in s:  # 8-bit (Note [Optimizer states in checkpoints]): codes and scales
+            return tuple(torch.cat([s[n + "_codes"].reshape(-1), s[n + "_absmax"].view(torch.uint8)])
+                         for n in ("exp_avg", "exp_avg_sq"))
+        return s["exp_avg"].clone(), s["exp_avg_sq"].clone()
+    return {k: pair(s) for k, s in opt.state_dict()["state"].items()}
 
 
 # -- the step during backward ----------------------------------------------------------------------------------

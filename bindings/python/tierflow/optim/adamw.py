@@ -493,6 +493,8 @@ class CPUAdamW(torch.optim.Optimizer):
             self._streaming.stream.synchronize()
 
     def _push_groups(self) -> None:
+        for i, group in enumerate(self.param_groups):  # a group's amsgrad set after construction: refused here,
+            self._check_amsgrad(group, i)              # before the stream steps with it
         self._streaming.push_groups([self._options(group) for group in self.param_groups])
 
     def _on_backward_begin(self) -> None:
@@ -634,6 +636,8 @@ class CPUAdamW(torch.optim.Optimizer):
             raise _C.TierflowError(_C.grad_scaler_refusal())
         if self._partition is not None:
             self._partition.refuse_join()
+        for i, group in enumerate(self.param_groups):  # a group's amsgrad set after construction
+            self._check_amsgrad(group, i)
         self._check_space_once()  # a multi-process run that never showed its DDP: every parameter's states here
         self._mark_step_called()
         loss = None

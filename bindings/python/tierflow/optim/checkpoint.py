@@ -6,10 +6,12 @@ share recorded and checked (Note [Partitioned optimizer]).
 Note [Optimizer states in checkpoints]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 A state dict carries the moments in the optimizer's own format (Note [Optimizer state formats]): fp32 and bf16
-moments as they are (float32 / bfloat16 tensors shaped like the parameter); 8-bit ones as ``exp_avg`` = the
+moments as they are (float32 / bfloat16 tensors shaped like the parameter); 8-bit ones as ``exp_avg_codes`` = the
 uint8 codes shaped like the parameter (a view of the moment's one buffer, no copy) plus ``exp_avg_absmax`` = its
 fp32 scales [quant_blocks] (a copy: torch.save refuses a float32 and a uint8 view of one storage), the same for
-``exp_avg_sq``. Under FSDP2 the 8-bit moments go out decoded to fp32
+``exp_avg_sq``. No ``exp_avg`` then: torch.optim.AdamW would load codes under that name as moments, cast to
+floats without a word (a review found it stepping on them); without it, its step stops at the missing key. To
+hand an 8-bit run to torch, load its state dict into a CPUAdamW with fp32 states and save that. Under FSDP2 the 8-bit moments go out decoded to fp32
 (DTensors like the other states): their scales are per block of this rank's shard and could not be resharded.
 load_state_dict takes any format (torch.optim.AdamW's fp32 included) and converts it into this optimizer's,
 through fp32 (decode, then encode), with one log line naming the conversion; decoding then encoding gives back
@@ -27,8 +29,11 @@ from .nvme_states import LOST_STATE
 from .partition import LAYOUT_KEY
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
-_ABSMAX = {name: name + "_absmax" for name in _MOMENTS}  # an 8-bit moment's scales in a state dict
-_STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master", *_ABSMAX.values())
+# An 8-bit moment in a state dict: its codes and its scales, under names of their own (not "exp_avg"): a
+# torch optimizer loading it must not take the codes for moments (torch casts them to floats without a word).
+_CODES = {name: name + "_codes" for name in _MOMENTS}
+_ABSMAX = {name: name + "_absmax" for name in _MOMENTS}
+_STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master", *_CODES.values(), *_ABSMAX.values())
 
 
 def state_dict_of(opt: Any, sd: dict) -> dict:
@@ -70,7 +75,8 @@ def exported_moments(s: dict, shard: torch.Tensor, decode: bool) -> dict:
     for name, t in (("exp_avg", m), ("exp_avg_sq", v)):
         codes, absmax = moment_views(t, shard)
         # torch.save refuses two dtypes over one storage: the scales (4 bytes a 256 elements) are a copy.
-        out[name], out[_ABSMAX[name]] = codes, absmax.clone()
+        del out[name]
+        out[_CODES[name]], out[_ABSMAX[name]] = codes, absmax.clone()
     return out
 
 
@@ -96,6 +102,8 @@ def as_dtensors(s: dict, p: torch.Tensor) -> dict:
 def check_loadable(opt: Any, state_dict: dict) -> Any:
     """Refuses, before anything changes, a state dict with states marked lost (Note [NVMe optimizer faults])
     and one of another partition's share (Note [Partitioned optimizer]); returns its share's layout."""
+    for i, group in enumerate(state_dict.get("param_groups", [])):  # amsgrad keeps fp32 moments
+        opt._check_amsgrad(group, i)
     lost = [k for k, s in state_dict.get("state", {}).items() if isinstance(s, dict) and LOST_STATE in s]
     if lost:
         params = [p for g in opt.param_groups for p in g["params"]]
@@ -162,8 +170,8 @@ def load(opt: Any, state_dict: dict, torch_load: Callable[[dict], None]) -> None
         target = opt._state_format
         lossy = any(_NARROWER[target] < _NARROWER[f] for f in converted)
         _C.log("warn" if lossy else "info",
-               f"tierflow: optimizer states in the checkpoint are {' and '.join(sorted(converted))}; converted to "
-               f"{target} (TIERFLOW_OPTIMIZER_STATES)")
+               f"tierflow: the optimizer states loaded (a state dict, or the optimizer tierflow.wrap replaced) are "
+               f"{' and '.join(sorted(converted))}; converted to {target} (TIERFLOW_OPTIMIZER_STATES)")
 
 
 _NARROWER = {"fp32": 2, "bf16": 1, "8bit": 0}  # bits kept, in order: a conversion to a lower one loses some
@@ -171,7 +179,13 @@ _NARROWER = {"fp32": 2, "bf16": 1, "8bit": 0}  # bits kept, in order: a conversi
 
 def loaded_moments(original: dict, shard: torch.Tensor) -> Optional[tuple]:
     """A loaded state's moments as (format, m, v): fp32 (any float dtype but bfloat16, as float32), bf16, or
-    8bit (the one buffer, from codes and ``*_absmax`` scales, or the buffer itself); None without both."""
+    8bit (the one buffer, from ``*_codes`` and ``*_absmax``, or the buffer itself); None without both."""
+    if any(_CODES[n] in original for n in _MOMENTS):
+        if not all(_CODES[n] in original and _ABSMAX[n] in original for n in _MOMENTS):
+            raise _C.TierflowError("tierflow CPUAdamW.load_state_dict: an 8-bit state needs exp_avg_codes, "
+                                   "exp_avg_absmax, exp_avg_sq_codes and exp_avg_sq_absmax, as CPUAdamW.state_dict "
+                                   f"writes them; this one has {sorted(k for k in original if k != 'step')}")
+        original = dict(original, exp_avg=original["exp_avg_codes"], exp_avg_sq=original["exp_avg_sq_codes"])
     m, v = original.get("exp_avg"), original.get("exp_avg_sq")
     if not isinstance(m, torch.Tensor) or not isinstance(v, torch.Tensor):
         return None
@@ -241,7 +255,7 @@ def restore_state(opt: Any, p: torch.Tensor, group: dict, original: dict, reconc
     before the load, written in place)."""
     state = opt.state[p]
     shard = local_shard(p)  # FSDP2: this rank's shard
-    for name in _ABSMAX.values():  # torch's load put them (cast) in the state: their moments hold them
+    for name in (*_CODES.values(), *_ABSMAX.values()):  # torch's load put them (cast) in the state
         state.pop(name, None)
     restore_moments(opt, shard, state, original, set() if converted is None else converted)
     if "max_exp_avg_sq" in original:
