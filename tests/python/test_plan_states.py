@@ -57,3 +57,12 @@ def test_a_bad_format_names_the_flag_and_what_is_accepted(monkeypatch):
     rc, out, err = plan([*SMALL, *HOST, "--optimizer-states", "4bit"], monkeypatch)
     assert rc == 2 and out == "" and err.count("\n") == 1, (out, err)
     assert err.startswith("tierflow plan: --optimizer-states='4bit'") and "one of fp32, bf16, 8bit" in err, err
+
+
+def test_the_8bit_hint_is_given_only_where_8bit_states_fit(monkeypatch):
+    """A host budget too small even for 8-bit states: the refusal does not suggest them (the review found it
+    suggested 38.56 GiB of 8-bit states for an 11.77 GiB budget)."""
+    small = ["--host-memory", str(5 * PARAMS)]  # below 8bit's 6.03 bytes a parameter
+    rc, _, err = plan(SMALL + small + ["--optimizer-states", "fp32"], monkeypatch)
+    assert rc == 2 and "cannot hold the optimizer states" in err, err
+    assert "--optimizer-states 8bit" not in err, err

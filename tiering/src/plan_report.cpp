@@ -65,12 +65,14 @@ std::uint64_t fixed_device_bytes(const PlanCommandInputs& in) {
 }
 
 // "--optimizer-states 8bit: 6.03 bytes a parameter, 40.2 GiB": what the states would take in the format that
-// keeps the fewest bytes, for a budget too small for them (empty when they are in it already, or from a profile).
-std::string smaller_states_hint(const PlanCommandInputs& in) {
+// keeps the fewest bytes, for a budget too small for them (empty when they are in it already, from a profile,
+// or when they would not fit `budget_bytes` either).
+std::string smaller_states_hint(const PlanCommandInputs& in, std::uint64_t budget_bytes) {
   constexpr StateFormat kLeast = StateFormat::k8bit;
   if (!in.shape || in.optimizer_states == kLeast) return "";
   const std::uint64_t bytes = cpu_optimizer_state_bytes(kLeast, transformer_parameters(*in.shape),
                                                         in.shape->dtype_bytes);
+  if (bytes > budget_bytes) return "";  // 8-bit states would not fit either: no hint that does not help
   return format(", or --optimizer-states %s (TIERFLOW_OPTIMIZER_STATES=%s: %.3g bytes a parameter, ",
                 to_string(kLeast), to_string(kLeast), cpu_optimizer_bytes_per_param(kLeast, in.shape->dtype_bytes)) +
          format_bytes(bytes) + ")";
@@ -446,7 +448,7 @@ PlanCommandBudgets plan_command_budgets(const PlanCommandInputs& in) {
                        " RAM here) cannot hold the optimizer states' " + format_bytes(out.optimizer_host_bytes) +
                        ": it needs " + std::to_string(out.optimizer_host_bytes) +
                        " bytes (" + states_named(in) + ") and more for activations; pass --host-memory, or "
-                       "--optimizer nvme" + smaller_states_hint(in));
+                       "--optimizer nvme" + smaller_states_hint(in, host_total));
   }
   if (in.nvme_memory) {
     try {
@@ -463,7 +465,7 @@ PlanCommandBudgets plan_command_budgets(const PlanCommandInputs& in) {
                        ") cannot hold the optimizer states' " + format_bytes(out.optimizer_nvme_bytes) +
                        " (--optimizer nvme): it needs " + std::to_string(out.optimizer_nvme_bytes) + " bytes (" +
                        states_named(in) + ") and more for activations; pass a larger --nvme-memory, or "
-                       "--optimizer host" + smaller_states_hint(in));
+                       "--optimizer host" + smaller_states_hint(in, b.nvme_bytes));
   }
   b.nvme_bytes -= out.optimizer_nvme_bytes;
   out.links = in.links;

@@ -100,7 +100,8 @@ class CPUAdamW(torch.optim.Optimizer):
     (keyword ``optimizer_states``: fp32, bf16 or 8bit; Note [Optimizer state
     formats]) names; the format of a moment is its dtype (float32, bfloat16, or
     one uint8 buffer of codes and scales). The state dict carries the format
-    (checkpoint.py) and a load converts any format into this optimizer's.
+    (checkpoint.py: 8-bit moments as ``exp_avg_codes``/``exp_avg_sq_codes`` and their scales, which
+    torch.optim.AdamW does not load) and a load converts any format into this optimizer's.
     """
 
     def __init__(self, params: Any, runtime: "_C.Runtime", lr: float = 1e-3,
