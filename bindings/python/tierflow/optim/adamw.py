@@ -458,9 +458,10 @@ class CPUAdamW(torch.optim.Optimizer):
                 if self._states.nvme:
                     nbytes += _C.optimizer_state_bytes(shard.numel(), bool(group["amsgrad"]), self._state_format)
                     continue
+                # Sizes only: a parameter living on the host between uses refuses any access to its data.
                 nbytes += sum(t.nbytes for k, t in s.items()
                               if k in ("master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq") and
-                              isinstance(t, torch.Tensor) and t.data_ptr() != shard.data_ptr())
+                              isinstance(t, torch.Tensor))
         return {"format": self._state_format, "parameters": count, "elements": elements, "bytes": nbytes,
                 "tier": "nvme" if self._states.nvme else "host"}
 
