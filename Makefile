@@ -99,11 +99,12 @@ fuzz-loops:
 	$(PY) scripts/fuzz_loops.py --seeds $(or $(SEEDS),1000) --start $(or $(START),0) $(if $(JOBS),--jobs $(JOBS))
 
 # Benchmarks compare against peers measured in the same run; DeepSpeed (its CPU
-# Adam op compiles on first use, about a minute), and bitsandbytes and torchao
-# (the 8-bit AdamW peers), are installed into .venv here.
+# Adam op compiles on first use, about a minute) is installed into .venv here;
+# bitsandbytes and torchao (the 8-bit AdamW peers) into build/bench-peers, which
+# only the benchmark imports from: in .venv, torchao breaks peft's LoRA import.
 bench: setup
 	@$(PY) -c "import deepspeed" 2>/dev/null || DS_BUILD_OPS=0 $(PY) -m pip install -q deepspeed || echo "deepspeed could not be installed: the benchmark reports why"
-	@$(PY) -c "import bitsandbytes, torchao" 2>/dev/null || $(PY) -m pip install -q --no-deps bitsandbytes torchao || echo "bitsandbytes or torchao could not be installed: the benchmark reports why"
+	@[ -d build/bench-peers/torchao ] || $(PY) -m pip install -q --no-deps --target build/bench-peers bitsandbytes torchao || echo "bitsandbytes or torchao could not be installed: the benchmark reports why"
 	mkdir -p benchmarks/results
 	build/dev/benchmarks/bench_host_tier --json benchmarks/results/host_tier.json
 	OMP_NUM_THREADS=2 $(PY) benchmarks/bench_optimizer.py --threads 2

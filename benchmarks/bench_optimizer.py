@@ -209,9 +209,16 @@ class FormatPeer(Impl):
 FORMAT_PEERS_UP_TO = int(1e8)
 
 
+# Where `make bench` installs bitsandbytes and torchao: outside .venv, since torchao there breaks peft's import
+# (peft's LoRA imports torchao names that torchao 0.18 no longer has).
+PEERS_DIR = os.path.join(ROOT, "build", "bench-peers")
+
+
 def format_peers(config: str, a: Arrays) -> tuple[list, dict]:
     """The peers of a packed-moment configuration that install here, and why the others do not."""
     makers, errors = [], {}
+    if os.path.isdir(PEERS_DIR) and PEERS_DIR not in sys.path:
+        sys.path.append(PEERS_DIR)
     n = sum(m.numel() for m in a.masters)
     if n > FORMAT_PEERS_UP_TO:
         why = (f"not run above {FORMAT_PEERS_UP_TO:.0e} elements: their states do not fit beside the shared arrays "
