@@ -62,7 +62,7 @@ STATE_HOST_BYTES_PER_PARAM = {"fp32": 12.0, "bf16": 8.0, "8bit": 6.0 + 2 * 4 / 2
 # cache, bf16 gradients and copy-out), measured on the development machine (AVX-512, Zen 4) on 2026-11-29; read
 # from benchmarks/results/optimizer.json when it has them. The prediction assumes the node's 16 Xeon cores step
 # as fast a core (an assumption: the node's cores were not measured in these formats).
-STATE_FORMAT_CEILING_PER_THREAD = {"fp32": 2.65e9, "bf16": 1.69e9, "8bit": 1.28e9}
+STATE_FORMAT_CEILING_PER_THREAD = {"fp32": 2.72e9, "bf16": 1.74e9, "8bit": 1.25e9}
 NODE_THREADS = 16
 
 
