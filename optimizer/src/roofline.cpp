@@ -3,6 +3,9 @@
 #include "adam_kernel.hpp"
 
 #include <immintrin.h>
+
+// GCC 12's AVX-512 headers trip -Wmaybe-uninitialized on masked intrinsics (as in adam_avx512.cpp).
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <oneapi/tbb/blocked_range.h>
 #include <oneapi/tbb/parallel_for.h>
 #include <oneapi/tbb/partitioner.h>
