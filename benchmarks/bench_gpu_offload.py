@@ -101,7 +101,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpt_model import GPT, Block, parameter_count  # noqa: E402
 import gpu_offload_seq  # noqa: E402
 from gpu_offload_modes import BUDGETED_AUTO_MODES, DTYPES, EXTRA_MODES, MODES, PARAMS_MODE, PARAMS_PEER  # noqa: E402
-from gpu_offload_predict import beside_measured, predict_params_offload  # noqa: E402
+from gpu_offload_predict import STATE_HOST_BYTES_PER_PARAM, beside_measured, predict_params_offload  # noqa: E402
 from gpu_offload_report import (GiB, loss_agreement, parse_bytes, print_params_comparison,  # noqa: E402
                                 print_table, write_json_atomic)
 from gpu_offload_worker import gpt_config, worker_main  # noqa: E402  (one mode, in its own process)
@@ -191,11 +191,8 @@ def estimate(cfg: dict) -> dict:
             "weights_grads_adam_bytes": 4 * elt * n,
             # tierflow-host-opt: fp32 master, exp_avg, exp_avg_sq on the host, the moments in
             # TIERFLOW_OPTIMIZER_STATES's format (12, 8 or 6.03 bytes a parameter: Note [Optimizer state formats])
-            "host_optimizer_state_bytes": int(n * (4 + MOMENTS_BYTES_PER_PARAM[optimizer_states()])),
+            "host_optimizer_state_bytes": int(n * STATE_HOST_BYTES_PER_PARAM[optimizer_states()]),
             "optimizer_states": optimizer_states(), "block_parameters": block}
-
-
-MOMENTS_BYTES_PER_PARAM = {"fp32": 8.0, "bf16": 4.0, "8bit": 2.0 + 8.0 / 256}  # core/state_format.hpp
 
 
 def optimizer_states() -> str:

@@ -58,7 +58,8 @@ STATE_FORMATS = {"bf16_states": "bf16", "8bit_states": "8bit"}
 # Bytes a parameter each configuration's step moves (its roofline's access pattern).
 TRAFFIC_BYTES = {"fp32": 28, "bf16_mixed": 28, "bf16_states": 20, "8bit_states": 16 + 2 * 8 / 256}
 # Host state a parameter: fp32 master + the two moments (scales included).
-STATE_BYTES = {"fp32": 12, "bf16_mixed": 12, "bf16_states": 8, "8bit_states": 6 + 8 / 256}
+STATE_BYTES = {c: tierflow._C.cpu_optimizer_bytes_per_param(STATE_FORMATS.get(c, "fp32"), 2)
+               for c in ("fp32", "bf16_mixed", "bf16_states", "8bit_states")}
 
 
 def split(n: int) -> list[int]:

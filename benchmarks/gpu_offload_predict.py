@@ -40,6 +40,9 @@ import os
 import sys
 from typing import Optional
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bindings", "python"))
+from tierflow import _C  # noqa: E402  (the states' bytes a parameter: tiering's count, one definition)
+
 GB = 1e9
 # The H100's dense bf16 peak (SXM datasheet, without sparsity); MFU is read against it on CUDA only.
 H100_BF16_DENSE_PEAK_FLOPS = 989e12
@@ -57,7 +60,7 @@ HOST_COPY_BYTES_PER_PARAM = 2 + 2  # the bf16 weights between uses and the bf16 
 # (fp32 master read and written, m and v read and written with the 8-bit scales, bf16 gradient in, bf16 weight
 # out) and bytes it keeps (master + m + v; tiering::cpu_optimizer_bytes_per_param for bf16 parameters).
 STATE_STEP_BYTES_PER_PARAM = {"fp32": 28.0, "bf16": 20.0, "8bit": 16.0 + 2 * 2 * 4 / 256}
-STATE_HOST_BYTES_PER_PARAM = {"fp32": 12.0, "bf16": 8.0, "8bit": 6.0 + 2 * 4 / 256}
+STATE_HOST_BYTES_PER_PARAM = {f: _C.cpu_optimizer_bytes_per_param(f, 2) for f in STATE_STEP_BYTES_PER_PARAM}
 # Each format's compute ceiling a thread (bench_optimizer.py's compute_ceiling: one thread, 2^19 elements in
 # cache, bf16 gradients and copy-out), measured on the development machine (AVX-512, Zen 4) on 2026-11-29; read
 # from benchmarks/results/optimizer.json when it has them. The prediction assumes the node's 16 Xeon cores step
