@@ -1,0 +1,290 @@
+// The torch-free part of the streaming CPU optimizer (Note [Gradient streaming] in
+// bindings/include/tierflow/bindings/grad_stream.hpp): gradient buckets in pinned host buffers, the worker that
+// waits for their copies and steps them during backward, step()'s commits and redone steps over raw host
+// arrays, the window's timeline and the counters. What only a front end can do (allocate pinned memory it can
+// hand to its own tensors, run its CPU Adam, count a state's steps, let go of a device gradient) comes through
+// StepEngineHost; which step is committed, redone or left to the caller is optimizer::StepLedger's.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+#include "tierflow/core/stats.hpp"
+#include "tierflow/optimizer/cpu_adam.hpp"
+#include "tierflow/optimizer/scalar_type.hpp"
+#include "tierflow/optimizer/state_format.hpp"
+#include "tierflow/optimizer/step_ledger.hpp"
+#include "tierflow/swap/copy_engine.hpp"
+#include "tierflow/swap/detail/serial_worker.hpp"
+
+namespace tierflow::optimizer {
+
+/// A host buffer the engine reads or writes: `data` for `bytes`, alive while `keep` is (its owner, whatever
+/// the front end allocated it as: a tensor, a pool block). A slice of a buffer shares the buffer's `keep`.
+struct HostArray {
+  void* data = nullptr;
+  std::size_t bytes = 0;
+  std::shared_ptr<void> keep;
+  bool defined() const noexcept { return keep != nullptr; }
+  /// `bytes` at `offset`, kept alive with this buffer.
+  HostArray slice(std::size_t offset, std::size_t n) const {
+    return {static_cast<char*>(data) + offset, n, keep};
+  }
+};
+
+/// Settings of a StepEngine (GradStreamOptions' torch-free part, from the TIERFLOW_* table).
+struct StepEngineOptions {
+  std::size_t bucket_bytes = 0;       ///< 0: optimizer::auto_grad_bucket_bytes
+  int accumulation_steps = 1;         ///< backward passes per step()
+  double max_grad_norm = 0.0;         ///< 0: no clipping
+  bool skip_nonfinite = false;        ///< skip the step on an inf/NaN gradient
+};
+
+/// Counters of the streaming path (cumulative, except the `last_` ones).
+struct StepEngineStats {
+  std::uint64_t early_steps = 0;      ///< parameters stepped during backward
+  std::uint64_t committed = 0;        ///< early steps confirmed by step()
+  std::uint64_t redone = 0;           ///< early steps stepped again in step()
+  std::uint64_t taken_back = 0;       ///< early steps discarded
+  std::uint64_t held = 0;             ///< parameters not streamed: pinned pool full
+  std::uint64_t buckets = 0;          ///< buckets handed to the CPU
+  std::uint64_t bucket_count = 0;     ///< buckets in the current plan
+  std::uint64_t bucket_bytes = 0;     ///< bucket size in force
+  std::uint64_t speculation_stops = 0;  ///< backwards where the running norm stopped speculation
+  std::uint64_t clips_picked_up = 0;  ///< gradients scaled by the user's clip_grad_norm_ and kept as streamed
+  std::uint64_t grad_bytes_to_host = 0;   ///< gradient bytes streamed device -> host
+  std::uint64_t weight_bytes_to_device = 0;  ///< weight bytes streamed host -> device
+  std::uint64_t weight_bytes_to_host_copy = 0;  ///< weight bytes written into parameters' host copies (set_home)
+  std::uint64_t grads_released = 0;   ///< device gradients let go after their copy (offload_gradients)
+  std::uint64_t grad_bytes_freed = 0; ///< ... whose device memory was freed by step() (nothing else held it)
+  std::uint64_t grads_restored = 0;   ///< released gradients put back on the device (restore_grads)
+  std::uint64_t kernel_ns = 0;        ///< time in the CPU AdamW during backward (worker)
+  std::uint64_t step_kernel_ns = 0;   ///< time in the CPU AdamW inside step() (redone steps)
+  std::uint64_t kernel_grad_bytes = 0;  ///< gradient bytes stepped in those times, both together
+  double sized_link_bytes_per_s = 0;  ///< what size_buckets chose the buckets from: the link,
+  double sized_cpu_grad_bytes_per_s = 0;  ///< ... the CPU AdamW's rate,
+  double sized_backward_s = 0;        ///< ... and the backward (0: not sized from measurements)
+  std::uint64_t step_wait_ns = 0;     ///< time step() waited for the worker after backward
+  std::uint64_t weight_wait_ns = 0;   ///< host time spent waiting for weights (forward mode: in pre-hooks)
+  std::uint64_t content_check_ns = 0; ///< host time spent on gradients' and weights' contents (Notes [Gradient content], [Weight content])
+  std::uint64_t last_backward_ns = 0; ///< last backward, from its first gradient to its end
+  double last_partial_norm = 0.0;     ///< norm of the gradients landed in the last window
+};
+
+/// StepEngineStats' exported fields (Note [Stat fields]): nanoseconds as *_ms.
+const std::vector<StatField<StepEngineStats>>& step_engine_stat_fields();
+
+/// When one bucket of the last window moved, in ms from the window's first
+/// gradient (Note [Stream timeline]).
+struct BucketTimes {
+  std::size_t bucket = 0;         ///< its index in the bucket plan
+  std::uint64_t grad_bytes = 0;   ///< its gradients' bytes
+  double launched_ms = -1;        ///< its last gradient is in: handed to the worker
+  double picked_ms = -1;          ///< the worker takes it (the buckets before it are stepped)
+  double landed_ms = -1;          ///< its copies are seen complete: the kernel begins
+  double stepped_ms = -1;         ///< the kernel is done
+};
+
+/// Note [Stream timeline]
+/// ~~~~~~~~~~~~~~~~~~~~~~
+/// The times of the last finished window (a step() or a zero_grad), kept so
+/// that a step slower than its parts can be taken apart: per bucket, when its
+/// last gradient came in (launched), when the worker took it (picked: the
+/// kernel of the bucket before it is done), when its copies were seen complete
+/// (landed) and when its kernel was done (stepped); for the window, when
+/// backward ended (its end callback, on the host: the GPU may still run it)
+/// and when step() began waiting for the worker and when that wait ended.
+/// launched <= picked <= landed <= stepped for every bucket; on a GPU,
+/// `landed - picked` is the worker waiting for a copy and `picked - launched`
+/// the bucket waiting behind the kernels of the buckets before it. -1: did not
+/// happen in that window.
+struct WindowTimeline {
+  double backward_end_ms = -1;    ///< the backward's end callback ran
+  double step_ms = -1;            ///< step() began waiting for the worker
+  double worker_done_ms = -1;     ///< ... and the worker was done
+  std::vector<BucketTimes> buckets;  ///< in the order they went to the worker
+};
+
+/// One parameter's arrays in one CPU Adam call (the engine's, or the front end's for its own steps).
+struct KernelArrays {
+  std::size_t numel = 0;
+  StateFormat format = StateFormat::kFp32;  ///< the moments' (and their outputs') format
+  ScalarType grad_type = ScalarType::kFloat32;
+  ScalarType param_type = ScalarType::kFloat32;
+  HostArray master, exp_avg, exp_avg_sq, max_exp_avg_sq, grad, param_out;
+  HostArray master_out, exp_avg_out, exp_avg_sq_out, max_exp_avg_sq_out;  ///< all undefined: in place
+};
+
+/// The AdamTensor of `a`: the kernel's view of its pointers (packed moments for bf16 and 8bit).
+AdamTensor adam_tensor(const KernelArrays& a);
+
+/// What only the front end can do for a StepEngine. Every call but allocate's comes with the engine's mutex
+/// held (the worker's too): none may call back into the engine.
+class StepEngineHost {
+ public:
+  virtual ~StepEngineHost() = default;
+  /// `bytes` of pinned host memory; throws tierflow::out_of_memory when the pool has no room.
+  virtual HostArray allocate(std::size_t bytes) = 0;
+  /// One CPU Adam call over `arrays` (one group's options and step number).
+  virtual void adam_step(const AdamOptions& options, std::int64_t step, const std::vector<KernelArrays>& arrays) = 0;
+  /// The steps the state of `slot` has taken (its step counter).
+  virtual std::int64_t steps_taken(std::size_t slot) = 0;
+  /// The state of `slot` took one more step.
+  virtual void count_step(std::size_t slot) = 0;
+  /// The copy of `slot`'s released gradient landed (rule 3 of Note [Copy ordering]): its device memory may go.
+  virtual void gradient_landed(std::size_t slot) = 0;
+  /// The copy of `slot`'s gradient failed: a released one goes back where the caller steps it from.
+  virtual void gradient_copy_failed(std::size_t slot) = 0;
+};
+
+/// The buckets, worker, commits and redone steps of the streaming CPU optimizer; see the file comment.
+///
+/// Locking: mutex() guards the engine and the front end's own records of the same slots. Methods named
+/// `*_unlocked` take it themselves (they wait for the worker, which takes it); every other method runs with
+/// the caller holding it.
+class StepEngine {
+ public:
+  StepEngine(StepEngineOptions options, StepEngineHost& host);
+  /// Waits for the worker and for every gradient copy still writing into the engine's buffers.
+  ~StepEngine();
+  StepEngine(const StepEngine&) = delete;
+  StepEngine& operator=(const StepEngine&) = delete;
+
+  std::mutex& mutex() const noexcept { return mutex_; }
+  /// The ledger that decides what happens to each step (Note [Step ledger]).
+  StepLedger& ledger() noexcept { return ledger_; }
+  const StepLedger& ledger() const noexcept { return ledger_; }
+  /// The counters the front end adds to (its transfers, its waits); stats() merges the ledger's.
+  StepEngineStats& counters() noexcept { return stats_; }
+
+  // Slots and states.
+  /// A parameter of `numel` elements of `param_type` in hyperparameter group `group`; returns its slot.
+  std::size_t add(std::size_t numel, ScalarType param_type, int group, bool streamable);
+  /// The state of `slot`: fp32 master, moments in `format` (moment_bytes each), fp32 max_exp_avg_sq or undefined.
+  void set_state(std::size_t slot, HostArray master, HostArray exp_avg, HostArray exp_avg_sq,
+                 HostArray max_exp_avg_sq, StateFormat format);
+  /// Lets go of `slot`'s state and outputs (it steps elsewhere from now on; the ledger is told by the caller).
+  void drop_state(std::size_t slot);
+  /// The state of `slot` now: master, exp_avg, exp_avg_sq, max_exp_avg_sq.
+  std::vector<HostArray> state_of(std::size_t slot) const;
+  StateFormat format_of(std::size_t slot) const { return slots_.at(slot).format; }
+  std::size_t numel_of(std::size_t slot) const { return slots_.at(slot).numel; }
+  std::size_t size() const noexcept { return slots_.size(); }
+
+  // Backward.
+  /// A backward delivers a gradient at `now_ns`: true for its first (Note [Stream timeline]'s start).
+  bool backward_begins(std::uint64_t now_ns);
+  /// Backward's end callback ran at `now_ns`.
+  void backward_ends(std::uint64_t now_ns);
+  /// Hands every bucket whose gradients are all in, or whose backward ended, to the worker.
+  void launch_unlaunched();
+  /// The ledger re-cut the buckets: the buffers of the old cut go (slices still referenced stay).
+  void sync_buckets();
+  /// Where `slot`'s gradient of `bytes` (of `grad_type`) goes: its slice of its bucket's pinned buffer.
+  /// Undefined when the pool has no room for the bucket (counted held; step() steps it from the device).
+  HostArray stage_gradient(std::size_t slot, ScalarType grad_type, std::size_t bytes);
+  /// The front end queued `copy` into stage_gradient's slice (after the work that produced the gradient).
+  void gradient_copied(std::size_t slot, swap::TransferHandle copy);
+  /// The gradient of `slot` streamed (the ledger's streamed()); launches its bucket when it was the last.
+  void streamed(std::size_t slot, GradIdentity identity, bool released);
+  /// The copy of `slot`'s gradient (undefined when none this window) and its submission order.
+  const swap::TransferHandle& copy_of(std::size_t slot) const { return slots_.at(slot).copy; }
+  std::uint64_t copy_seq_of(std::size_t slot) const { return slots_.at(slot).copy_seq; }
+  /// The landed host copy of `slot`'s gradient this window (undefined when none).
+  const HostArray& host_grad_of(std::size_t slot) const { return slots_.at(slot).host_grad; }
+  ScalarType grad_type_of(std::size_t slot) const { return slots_.at(slot).grad_type; }
+
+  // step().
+  /// Waits for the worker; with `step`, as step()'s wait (Note [Stream timeline], step_wait_ns). Takes the lock.
+  void wait_worker_unlocked(bool step);
+  /// The early step's out-of-place results of `slot` go (it is redone in place); with `staging` its new
+  /// weights' staging too (it is not stepped here at all).
+  void drop_outputs(std::size_t slot, bool staging);
+  /// Allocates the staging of `slot`'s new weights if it has none (throws out_of_memory).
+  void ensure_staging(std::size_t slot);
+  /// The new weights of `slot` (its param_type), as the last commit or redone step wrote them.
+  const HostArray& staging_of(std::size_t slot) const { return slots_.at(slot).staging; }
+  /// What step() decided per slot.
+  struct Finish {
+    std::vector<std::size_t> committed;  ///< early steps committed, or stepped here from landed gradients
+    std::vector<std::size_t> unhandled;  ///< the caller steps these (gradient changed, not streamed, stale)
+  };
+  /// One slot's verdict as prepared (the ledger's verdict()), confirmed here.
+  struct Verdict {
+    std::size_t slot;
+    GradIdentity identity;
+    Confirmation::Kind kind;
+  };
+  /// Confirms `verdicts` with the ledger (each must still be what it was), commits the early steps by a
+  /// pointer swap and redoes the others in place from the landed gradients with the clip coefficient.
+  Finish commit(const std::vector<Verdict>& verdicts, double scale, bool stale);
+  /// Ends the window: waits for the copies still writing into the buckets (rule 3), lets go of this window's
+  /// gradients and outputs, tells the ledger, and closes the timeline.
+  void end_window(bool count_taken_back);
+  /// TIERFLOW_GRAD_BUCKET_BYTES=auto: the ledger's size_buckets, the buffers re-cut; the size in force.
+  std::size_t size_buckets(double link_bytes_per_second);
+  /// Counters, the ledger's merged.
+  StepEngineStats stats() const;
+  /// The last finished window's times (Note [Stream timeline]); empty before one finished.
+  const WindowTimeline& last_window() const noexcept { return last_window_; }
+
+ private:
+  struct Slot {
+    std::size_t numel = 0;
+    ScalarType param_type = ScalarType::kFloat32;
+    StateFormat format = StateFormat::kFp32;
+    HostArray master, exp_avg, exp_avg_sq, max_exp_avg_sq;
+    // This window.
+    HostArray host_grad;
+    ScalarType grad_type = ScalarType::kFloat32;
+    swap::TransferHandle copy;   // of its gradient to host_grad
+    std::uint64_t copy_seq = 0;  // submission order of `copy`
+    HostArray out_master, out_exp_avg, out_exp_avg_sq, out_max_exp_avg_sq, staging;
+  };
+  struct Bucket {
+    HostArray buffer;  // pinned, this window
+    std::vector<swap::TransferHandle> copies;
+  };
+  struct Entry {  // one slot of a bucket on the worker: its arrays as they were at launch
+    std::size_t slot = 0;
+    AdamOptions options;
+    std::int64_t step = 0;
+    bool held = false;  // no memory for the out-of-place outputs: steps in step()
+    KernelArrays arrays;
+  };
+  struct WindowClock {  // this window's times (absolute ns, 0: not yet)
+    std::uint64_t start = 0, backward_end = 0, step = 0, worker_done = 0;
+    struct Bucket {
+      std::size_t bucket = 0;
+      std::uint64_t grad_bytes = 0, launched = 0, picked = 0, landed = 0, stepped = 0;
+    };
+    std::vector<Bucket> buckets;
+  };
+  KernelArrays arrays_of(const Slot& s) const;
+  void launch(std::size_t bucket);
+  void run_bucket(std::uint64_t generation, std::vector<Entry> entries, std::vector<swap::TransferHandle> copies,
+                  std::uint64_t clock_window, std::size_t timed);
+  void settle_failed_bucket(std::uint64_t generation, const std::vector<Entry>& entries);
+  std::uint64_t step_entries(const std::vector<Entry>& entries);
+  void redo(const std::vector<std::pair<std::size_t, double>>& redo, std::vector<std::size_t>& committed);
+  void finish_clock();
+
+  StepEngineHost& host_;
+  mutable std::mutex mutex_;
+  StepLedger ledger_;
+  std::vector<Slot> slots_;
+  std::vector<Bucket> buckets_;
+  std::uint64_t buckets_plan_ = ~std::uint64_t{0};  // the ledger's plan_id that buckets_ follows
+  StepEngineStats stats_;
+  std::uint64_t copy_seq_ = 0;
+  WindowClock clock_;
+  std::uint64_t clock_window_ = 0;  // windows finished: a bucket's times go to its own window only
+  WindowTimeline last_window_;
+  std::unique_ptr<swap::detail::SerialWorker> worker_;
+};
+
+}  // namespace tierflow::optimizer
