@@ -275,6 +275,70 @@ TIERFLOW_AVX512 inline __mmask16 lanes(std::size_t n) {
   return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1u);
 }
 
+// bf16 moments over [begin, end): 4 vectors at a time, then masked vectors of the tail, each through
+// run_packed's `update` (the element update) and stored back rounded to bf16.
+template <class Update>
+TIERFLOW_AVX512 inline void run_bf16_moments(const AdamTensor& t, const PackedOutputs& q, std::size_t begin,
+                                             std::size_t end, Update& update) {
+  using One = std::integral_constant<int, 1>;
+  using Four = std::integral_constant<int, 4>;
+  constexpr __mmask16 all = static_cast<__mmask16>(0xffff);
+  const __mmask16 full[4] = {all, all, all, all};
+  auto* mo = static_cast<std::uint16_t*>(q.m.data);
+  auto* vo = static_cast<std::uint16_t*>(q.v.data);
+  std::size_t i = begin;
+  for (; i + 64 <= end; i += 64) {
+    __m512 m[4], v[4];
+    for (int u = 0; u < 4; ++u) {
+      m[u] = load_bf16(t.m.data, i + 16 * u, all);
+      v[u] = load_bf16(t.v.data, i + 16 * u, all);
+    }
+    update(Four{}, i, full, m, v);
+    for (int u = 0; u < 4; ++u) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(mo + i + 16 * u), to_bf16(m[u]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(vo + i + 16 * u), to_bf16(v[u]));
+    }
+  }
+  for (; i < end; i += 16) {
+    const __mmask16 k = lanes(end - i);
+    __m512 m = load_bf16(t.m.data, i, k), v = load_bf16(t.v.data, i, k);
+    update(One{}, i, &k, &m, &v);
+    _mm256_mask_storeu_epi16(mo + i, k, to_bf16(m));
+    _mm256_mask_storeu_epi16(vo + i, k, to_bf16(v));
+  }
+}
+
+// One 8-bit block's updated moments (mb, vb: its n floats, 64-byte aligned; m_top, v_top: the largest |m| and
+// v, NaN ignored) encoded into codes at mo, vo and their scales; an infinity or a NaN in it takes the scalar
+// definition (encode_block8, rare).
+TIERFLOW_AVX512 inline void encode_block_avx512(const float* mb, const float* vb, std::size_t n, float m_top,
+                                                float v_top, std::uint8_t* mo, std::uint8_t* vo, float& m_absmax,
+                                                float& v_absmax) {
+  if (std::isinf(m_top) || std::isinf(v_top)) {  // an infinite moment (rare): the scalar definition
+    encode_block8(mb, vb, n, mo, vo, m_absmax, v_absmax);
+    return;
+  }
+  const BlockScale ms = block_scale(m_top, false, kMinMScale), vs = block_scale(v_top, false, kMinVScale);
+  const __m512 m_inv = _mm512_set1_ps(ms.inv), v_inv = _mm512_set1_ps(vs.inv * kVCodeScale);
+  const __m256i zero = _mm256_setzero_si256();
+  __m256i m_q = zero, v_q = zero;
+  for (std::size_t e = 0; e < n; e += 16) {
+    const __mmask16 k = lanes(n - e);
+    const __m256i mc = ms.inv == 0.f ? zero : encode_m8(_mm512_maskz_load_ps(k, mb + e), m_inv, m_q);
+    const __m256i vc = vs.inv == 0.f ? zero : encode_v8(_mm512_maskz_load_ps(k, vb + e), v_inv, mc, v_q);
+    _mm_mask_storeu_epi8(mo + e, k, _mm256_cvtepi16_epi8(mc));
+    _mm_mask_storeu_epi8(vo + e, k, _mm256_cvtepi16_epi8(vc));
+  }
+  // A NaN (found in the codes, or by a scan where a block codes as zeros): the scalar definition (rare).
+  if ((ms.inv == 0.f ? any_nan(mb, n) : hmax_epu16(m_q) > 120) ||
+      (vs.inv == 0.f ? any_nan(vb, n) : hmax_epu16(v_q) > 240)) {
+    encode_block8(mb, vb, n, mo, vo, m_absmax, v_absmax);
+    return;
+  }
+  m_absmax = ms.stored;
+  v_absmax = vs.stored;
+}
+
 template <ScalarType G, int P, StateFormat F, bool kDecoupled, bool kWd>
 TIERFLOW_AVX512 void run_packed(const AdamTensor& tensor, const AdamScalars& s, std::size_t begin, std::size_t end) {
   const AdamTensor t = tensor;  // a local copy: its pointers stay in registers across the stores below
@@ -320,31 +384,7 @@ TIERFLOW_AVX512 void run_packed(const AdamTensor& tensor, const AdamScalars& s, 
   using Four = std::integral_constant<int, 4>;
   constexpr __mmask16 all = static_cast<__mmask16>(0xffff);
   const __mmask16 full[4] = {all, all, all, all};
-  if (F == StateFormat::kBf16) {
-    auto* mo = static_cast<std::uint16_t*>(q.m.data);
-    auto* vo = static_cast<std::uint16_t*>(q.v.data);
-    std::size_t i = begin;
-    for (; i + 64 <= end; i += 64) {
-      __m512 m[4], v[4];
-      for (int u = 0; u < 4; ++u) {
-        m[u] = load_bf16(t.m.data, i + 16 * u, all);
-        v[u] = load_bf16(t.v.data, i + 16 * u, all);
-      }
-      update(Four{}, i, full, m, v);
-      for (int u = 0; u < 4; ++u) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(mo + i + 16 * u), to_bf16(m[u]));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(vo + i + 16 * u), to_bf16(v[u]));
-      }
-    }
-    for (; i < end; i += 16) {
-      const __mmask16 k = lanes(end - i);
-      __m512 m = load_bf16(t.m.data, i, k), v = load_bf16(t.v.data, i, k);
-      update(One{}, i, &k, &m, &v);
-      _mm256_mask_storeu_epi16(mo + i, k, to_bf16(m));
-      _mm256_mask_storeu_epi16(vo + i, k, to_bf16(v));
-    }
-    return;
-  }
+  if (F == StateFormat::kBf16) return run_bf16_moments(t, q, begin, end, update);
   alignas(64) float mb[kQuantBlock], vb[kQuantBlock];
   const __m512i abs_bits = _mm512_set1_epi32(0x7fffffff);
   for (std::size_t b = begin; b < end; b += kQuantBlock) {
@@ -377,32 +417,9 @@ TIERFLOW_AVX512 void run_packed(const AdamTensor& tensor, const AdamScalars& s, 
       const __mmask16 k = lanes(n - j);
       part(One{}, j, &k);
     }
-    auto* mo = static_cast<std::uint8_t*>(q.m.data) + b;
-    auto* vo = static_cast<std::uint8_t*>(q.v.data) + b;
-    const float m_top = _mm512_reduce_max_ps(m_max), v_top = _mm512_reduce_max_ps(v_max);
-    if (std::isinf(m_top) || std::isinf(v_top)) {  // an infinite moment (rare): the scalar definition
-      encode_block8(mb, vb, n, mo, vo, q.m.absmax[block], q.v.absmax[block]);
-      continue;
-    }
-    const BlockScale ms = block_scale(m_top, false, kMinMScale), vs = block_scale(v_top, false, kMinVScale);
-    const __m512 m_inv = _mm512_set1_ps(ms.inv), v_inv = _mm512_set1_ps(vs.inv * kVCodeScale);
-    const __m256i zero = _mm256_setzero_si256();
-    __m256i m_q = zero, v_q = zero;
-    for (std::size_t e = 0; e < n; e += 16) {
-      const __mmask16 k = lanes(n - e);
-      const __m256i mc = ms.inv == 0.f ? zero : encode_m8(_mm512_maskz_load_ps(k, mb + e), m_inv, m_q);
-      const __m256i vc = vs.inv == 0.f ? zero : encode_v8(_mm512_maskz_load_ps(k, vb + e), v_inv, mc, v_q);
-      _mm_mask_storeu_epi8(mo + e, k, _mm256_cvtepi16_epi8(mc));
-      _mm_mask_storeu_epi8(vo + e, k, _mm256_cvtepi16_epi8(vc));
-    }
-    // A NaN (found in the codes, or by a scan where a block codes as zeros): the scalar definition (rare).
-    if ((ms.inv == 0.f ? any_nan(mb, n) : hmax_epu16(m_q) > 120) ||
-        (vs.inv == 0.f ? any_nan(vb, n) : hmax_epu16(v_q) > 240)) {
-      encode_block8(mb, vb, n, mo, vo, q.m.absmax[block], q.v.absmax[block]);
-      continue;
-    }
-    q.m.absmax[block] = ms.stored;
-    q.v.absmax[block] = vs.stored;
+    encode_block_avx512(mb, vb, n, _mm512_reduce_max_ps(m_max), _mm512_reduce_max_ps(v_max),
+                        static_cast<std::uint8_t*>(q.m.data) + b, static_cast<std::uint8_t*>(q.v.data) + b,
+                        q.m.absmax[block], q.v.absmax[block]);
   }
 }
 
