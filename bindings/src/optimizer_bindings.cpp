@@ -91,6 +91,40 @@ void bind_state_formats(py::module_& m) {
         "fp32 (m, v) of moments in the format of their dtype (8bit: one dimension of `numel`; else m's shape).");
 }
 
+// The gradient buckets' link probe and sizing schedule, and the GPU share's choice (grad_buckets.hpp,
+// Note [Steady step]).
+void bind_gpu_share(py::module_& m) {
+  using namespace tierflow::optimizer;
+  m.def("grad_link_probe_bytes", &grad_link_probe_bytes, py::arg("total_grad_bytes"),
+        "Bytes of the copy that measures the link for the gradient bucket size.");
+  m.def("gpu_share_room", &gpu_share_room, py::arg("free_bytes"), py::arg("budget_bytes"),
+        py::arg("first_step_peak_bytes"), py::arg("planned_peak_bytes") = 0,
+        "Device bytes the GPU share's states may take.");
+  m.def("gpu_share_bytes_per_element", &gpu_share_bytes_per_element, py::arg("any_16bit"),
+        "Device bytes per element of a GPU-stepped parameter.");
+  py::class_<GpuShareChoice>(m, "GpuShareChoice", "TIERFLOW_GPU_OPTIMIZER_FRACTION (grad_buckets.hpp).")
+      .def(py::init<const std::string&>(), py::arg("setting"))
+      .def_property_readonly("pending", &GpuShareChoice::pending)
+      .def_property_readonly("fraction", &GpuShareChoice::fraction)
+      .def("assign", &GpuShareChoice::assign, py::arg("numels"))
+      .def("choose_now", &GpuShareChoice::choose_now, py::arg("streamed"), py::arg("backward_ms"), py::arg("pool_grew"))
+      .def("choose", [](GpuShareChoice& c, const std::vector<std::tuple<std::size_t, bool, bool>>& candidates,
+                        double cpu_elements, double cpu_step_ms, double backward_ms, std::int64_t free_bytes,
+                        std::int64_t budget_bytes, std::int64_t peak_bytes, std::int64_t planned_peak_bytes) {
+        std::vector<ShareCandidate> cs;
+        for (const auto& [numel, streamed, is_16bit] : candidates) cs.push_back({numel, streamed, is_16bit});
+        return c.choose(cs, {cpu_elements, cpu_step_ms, backward_ms, free_bytes, budget_bytes, peak_bytes,
+                             planned_peak_bytes});
+      }, py::arg("candidates"), py::arg("cpu_elements"), py::arg("cpu_step_ms"), py::arg("backward_ms"),
+         py::arg("free_bytes"), py::arg("budget_bytes"), py::arg("peak_bytes"), py::arg("planned_peak_bytes") = 0,
+         "[(numel, streamed, 16-bit)] and the measurements -> which step on the GPU.");
+  py::class_<BucketSizingSchedule>(m, "BucketSizingSchedule", "When auto measures the bucket size (grad_buckets.hpp).")
+      .def(py::init<bool>(), py::arg("auto_size"))
+      .def_property_readonly("pending", &BucketSizingSchedule::pending)
+      .def("due", &BucketSizingSchedule::due, py::arg("carries_parameters"), py::arg("streamed"),
+           py::arg("last_backward_ms"), py::arg("pool_grew"));
+}
+
 void bind_optimizer_policy(py::module_& m) {
   using namespace tierflow::optimizer;
   bind_state_formats(m);
@@ -163,34 +197,7 @@ void bind_optimizer_policy(py::module_& m) {
     for (auto& g : group_by_step(steps)) out.emplace_back(g.step, std::move(g.members));
     return out;
   }, "[(step, [indices])]: one kernel call per step number, in order of first appearance.");
-  m.def("grad_link_probe_bytes", &grad_link_probe_bytes, py::arg("total_grad_bytes"),
-        "Bytes of the copy that measures the link for the gradient bucket size.");
-  m.def("gpu_share_room", &gpu_share_room, py::arg("free_bytes"), py::arg("budget_bytes"),
-        py::arg("first_step_peak_bytes"), py::arg("planned_peak_bytes") = 0,
-        "Device bytes the GPU share's states may take.");
-  m.def("gpu_share_bytes_per_element", &gpu_share_bytes_per_element, py::arg("any_16bit"),
-        "Device bytes per element of a GPU-stepped parameter.");
-  py::class_<GpuShareChoice>(m, "GpuShareChoice", "TIERFLOW_GPU_OPTIMIZER_FRACTION (grad_buckets.hpp).")
-      .def(py::init<const std::string&>(), py::arg("setting"))
-      .def_property_readonly("pending", &GpuShareChoice::pending)
-      .def_property_readonly("fraction", &GpuShareChoice::fraction)
-      .def("assign", &GpuShareChoice::assign, py::arg("numels"))
-      .def("choose_now", &GpuShareChoice::choose_now, py::arg("streamed"), py::arg("backward_ms"), py::arg("pool_grew"))
-      .def("choose", [](GpuShareChoice& c, const std::vector<std::tuple<std::size_t, bool, bool>>& candidates,
-                        double cpu_elements, double cpu_step_ms, double backward_ms, std::int64_t free_bytes,
-                        std::int64_t budget_bytes, std::int64_t peak_bytes, std::int64_t planned_peak_bytes) {
-        std::vector<ShareCandidate> cs;
-        for (const auto& [numel, streamed, is_16bit] : candidates) cs.push_back({numel, streamed, is_16bit});
-        return c.choose(cs, {cpu_elements, cpu_step_ms, backward_ms, free_bytes, budget_bytes, peak_bytes,
-                             planned_peak_bytes});
-      }, py::arg("candidates"), py::arg("cpu_elements"), py::arg("cpu_step_ms"), py::arg("backward_ms"),
-         py::arg("free_bytes"), py::arg("budget_bytes"), py::arg("peak_bytes"), py::arg("planned_peak_bytes") = 0,
-         "[(numel, streamed, 16-bit)] and the measurements -> which step on the GPU.");
-  py::class_<BucketSizingSchedule>(m, "BucketSizingSchedule", "When auto measures the bucket size (grad_buckets.hpp).")
-      .def(py::init<bool>(), py::arg("auto_size"))
-      .def_property_readonly("pending", &BucketSizingSchedule::pending)
-      .def("due", &BucketSizingSchedule::due, py::arg("carries_parameters"), py::arg("streamed"),
-           py::arg("last_backward_ms"), py::arg("pool_grew"));
+  bind_gpu_share(m);
 }
 
 }  // namespace
