@@ -518,6 +518,12 @@ void BlockOffload::offload_parameters(const std::vector<std::vector<at::Tensor>>
   shared_->params = std::move(schedule);
 }
 
+at::Tensor BlockOffload::host_copy(const at::Tensor& p) const {
+  std::lock_guard<std::mutex> lock(shared_->mutex);
+  const auto found = shared_->param_copies.find(param_id(p));
+  return found == shared_->param_copies.end() ? at::Tensor() : found->second.host;
+}
+
 tiering::ParamScheduleStats BlockOffload::parameter_stats() const {
   std::lock_guard<std::mutex> lock(shared_->mutex);
   return shared_->params ? shared_->params->stats() : tiering::ParamScheduleStats{};

@@ -29,6 +29,8 @@ class ArchiveView : public torch::optim::Optimizer {
   at::Tensor step(LossClosure) override { TORCH_CHECK(false, "ArchiveView cannot step"); }
 };
 
+}  // namespace
+
 // torch's AdamW options as the kernel's (AdamW: decoupled weight decay).
 optimizer::AdamOptions adam_options_of(const AdamWOptions& o) {
   optimizer::AdamOptions ao;
@@ -42,6 +44,8 @@ optimizer::AdamOptions adam_options_of(const AdamWOptions& o) {
   return ao;
 }
 
+namespace {
+
 // A parameter as Note [CPU AdamW state placement] sees it.
 optimizer::ParamLayout layout(const at::Tensor& p) {
   return {p.is_cpu(), p.scalar_type() == at::kFloat, p.is_contiguous()};
@@ -50,13 +54,15 @@ optimizer::ParamLayout layout(const at::Tensor& p) {
 }  // namespace
 
 CpuAdamW::CpuAdamW(std::shared_ptr<Runtime> runtime, const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
-                   AdamWOptions defaults)
+                   AdamWOptions defaults, std::optional<CpuAdamWOptions> options)
     : Optimizer(param_groups, std::make_unique<AdamWOptions>(defaults)), runtime_(std::move(runtime)) {
   TIERFLOW_EXPECTS(runtime_ != nullptr, "CpuAdamW: a runtime is required");
   if (auto why = optimizer::adam_options_problem(adam_options_of(defaults))) TORCH_CHECK(false, *why);
   on_nvme_ = optimizer::adamw_state_tier(runtime_->config().offload_optimizer) == Tier::kNvme;
   format_ = runtime_->config().optimizer_states;
   check_amsgrad();
+  options_ = options ? *options : CpuAdamWOptions::from_config(runtime_->config());
+  start_streaming();  // Note [C++ steps during backward]
 }
 
 void CpuAdamW::check_amsgrad() const {
@@ -85,17 +91,21 @@ void CpuAdamW::set_state_format(optimizer::StateFormat f) {
   }
 }
 
-CpuAdamW::CpuAdamW(std::shared_ptr<Runtime> runtime, std::vector<at::Tensor> params, AdamWOptions defaults)
-    : CpuAdamW(std::move(runtime), {torch::optim::OptimizerParamGroup(std::move(params))}, std::move(defaults)) {}
+CpuAdamW::CpuAdamW(std::shared_ptr<Runtime> runtime, std::vector<at::Tensor> params, AdamWOptions defaults,
+                   std::optional<CpuAdamWOptions> options)
+    : CpuAdamW(std::move(runtime), {torch::optim::OptimizerParamGroup(std::move(params))}, std::move(defaults),
+               std::move(options)) {}
 
 CpuAdamW::~CpuAdamW() {
+  stream_.reset();  // its callbacks reach this optimizer: it goes first (its hooks with it)
   if (!on_nvme_) return;
   for (auto& [impl, s] : slots_)
     if (s.nvme_key) runtime_->nvme_adam().remove(s.nvme_key);
 }
 
 bool CpuAdamW::own_master(const at::Tensor& p) const {
-  return optimizer::is_own_master(layout(p));
+  // A carried parameter steps out of place during backward: its master is its own tensor.
+  return !carried(p) && optimizer::is_own_master(layout(p));
 }
 
 CpuAdamW::Slot& CpuAdamW::slot_of(const at::Tensor& p) {
@@ -126,11 +136,38 @@ at::Tensor CpuAdamW::step(LossClosure closure) {
     loss = closure();
   }
   at::NoGradGuard no_grad;
-  bool stepped = false;
+  check_amsgrad();  // a group's amsgrad set, or a group added, since construction
+  if (stream_) {
+    try {
+      stream_->wait_worker();
+    } catch (...) {  // an early step failed: all of them are taken back
+      stream_->discard_all();
+      throw;
+    }
+  }
+  const auto [scale, finite] = clip_coefficient();
+  if (options_.skip_nonfinite && !finite) {
+    if (stream_) {
+      stream_->restore_grads();  // a skipped step leaves p.grad as torch's does
+      stream_->end_window();
+    }
+    stats_.skipped_steps += 1;
+    return loss;
+  }
+  scale_ = scale;
+  bool stepped = stream_ ? step_streamed(scale) : false;
   std::vector<Failure> failed;
   std::string first_error;
   for (std::size_t g = 0; g < param_groups_.size(); ++g)
     stepped = step_group(param_groups_[g], g, failed, first_error) || stepped;
+  stepped_by_stream_.clear();
+  reread_.clear();
+  if (stream_) {
+    register_states();  // states this path made for carried parameters
+    if (!written_here_.empty()) stream_->note_written(written_here_);  // Note [Weight content]
+    written_here_.clear();
+    master_stale_ = false;
+  }
   if (!failed.empty()) throw io_error(EIO, optimizer::unstepped_message(failed, first_error));
   // A step that completed: every parameter is even again (Note [C++ CpuAdamW faults]).
   retry_marks_.clear();
@@ -141,7 +178,8 @@ at::Tensor CpuAdamW::step(LossClosure closure) {
 bool CpuAdamW::step_group(torch::optim::OptimizerParamGroup& group, std::size_t group_index,
                           std::vector<Failure>& failed, std::string& first_error) {
   const auto& o = static_cast<const AdamWOptions&>(group.options());
-  const optimizer::AdamOptions ao = adam_options_of(o);
+  optimizer::AdamOptions ao = adam_options_of(o);
+  if (scale_ != 1.0) ao.grad_scale = scale_;  // TIERFLOW_MAX_GRAD_NORM's coefficient
 
   // Parameters with a gradient and the steps each has taken; one kernel call
   // per step number (Note [C++ CpuAdamW faults]).
@@ -150,7 +188,7 @@ bool CpuAdamW::step_group(torch::optim::OptimizerParamGroup& group, std::size_t 
   std::unordered_map<const void*, std::size_t> index_in_group;
   for (std::size_t k = 0; k < group.params().size(); ++k) {
     const auto& p = group.params()[k];
-    if (!p.grad().defined()) continue;
+    if (!p.grad().defined() || stepped_by_stream_.count(p.unsafeGetTensorImpl())) continue;
     TORCH_CHECK(!p.grad().is_sparse(), "tierflow CpuAdamW does not support sparse gradients");
     TORCH_CHECK(p.is_contiguous(), "tierflow CpuAdamW: parameters must be contiguous");
     auto sit = slots_.find(p.unsafeGetTensorImpl());
@@ -200,7 +238,11 @@ void CpuAdamW::step_batch(const Batch& batch, const AdamWOptions& o, const optim
     } else {
       grads[i] = g.to(at::kCPU).contiguous();
     }
-    switch (optimizer::weight_update(layout(p))) {
+    optimizer::WeightUpdate update = optimizer::weight_update(layout(p));
+    if (update == optimizer::WeightUpdate::kInPlace && !own_master(p))
+      update = optimizer::WeightUpdate::kIntoParameter;  // carried: its own master (Note [C++ steps during backward])
+    if (carried(p) && reread_.count(p.unsafeGetTensorImpl())) reconcile_master(p, slot(p, o).master);
+    switch (update) {
       case optimizer::WeightUpdate::kInPlace: break;
       case optimizer::WeightUpdate::kIntoParameter: params_out[i] = p.detach(); break;
       case optimizer::WeightUpdate::kStaged:
@@ -223,6 +265,12 @@ void CpuAdamW::step_batch(const Batch& batch, const AdamWOptions& o, const optim
     auto& entry = state_[params[i].unsafeGetTensorImpl()];
     if (!entry) entry = std::make_unique<AdamWParamState>();
     static_cast<AdamWParamState&>(*entry).step(batch.step);
+    if (carried(params[i])) {  // the stream's counter follows (Note [C++ steps during backward])
+      Slot& s = slot_of(params[i]);
+      if (!s.step_count.defined()) s.step_count = at::zeros({1}, at::kFloat);
+      s.step_count.fill_(static_cast<double>(batch.step));
+      written_here_.push_back(stream_slot_.at(params[i].unsafeGetTensorImpl()));
+    }
     at::Tensor p = params[i].detach();
     p.unsafeGetTensorImpl()->bump_version();  // an in-place update, as torch's p.addcdiv_ is
     stats_.elements += static_cast<std::uint64_t>(p.numel());
@@ -324,9 +372,17 @@ void CpuAdamW::save(torch::serialize::OutputArchive& archive) const {
 }
 
 void CpuAdamW::load(torch::serialize::InputArchive& archive) {
+  if (stream_) {  // early steps of the states being replaced are taken back
+    stream_->wait_worker();
+    stream_->end_window();
+  }
   torch::optim::serialize<AdamWParamState, AdamWOptions>(archive, *this);
   check_amsgrad();
   adopt_loaded_state();
+  if (stream_) {  // the stream gets the loaded states at the next step(), which steps every carried one here
+    for (auto& [impl, s] : slots_) s.registered = false;
+    master_stale_ = true;
+  }
 }
 
 void CpuAdamW::adopt_loaded_state() {

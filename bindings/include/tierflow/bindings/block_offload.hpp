@@ -191,6 +191,8 @@ class BlockOffload {
   /// once, before training; `tier` must be Tier::kHost (config_error otherwise, naming what is accepted);
   /// tierflow::out_of_memory when TIERFLOW_HOST_MEMORY cannot hold them.
   void offload_parameters(const std::vector<std::vector<at::Tensor>>& block_parameters, Tier tier = Tier::kHost);
+  /// The pinned host copy of `p` (its data between uses), undefined when offload_parameters did not take it.
+  at::Tensor host_copy(const at::Tensor& p) const;
   /// The parameters' counters: fetches, bytes, prefetch hits, stalls, device bytes and their peak.
   tiering::ParamScheduleStats parameter_stats() const;
 

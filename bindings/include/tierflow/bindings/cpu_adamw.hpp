@@ -29,6 +29,34 @@
 // the identity, so a resume is bit for bit.
 // A step that fails for some parameters: Note [C++ CpuAdamW faults] in
 // optimizer/partial_step.hpp (the retry steps only those).
+//
+// Note [C++ steps during backward]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// With CpuAdamWOptions::step_during_backward (TIERFLOW_OVERLAP_STEP=on, the
+// default, as Python's CPUAdamW) and states on the host, the parameters of
+// the runtime's device that GradStream can carry (a leaf that requires grad,
+// contiguous, fp32/bf16/fp16) stream their gradients to the CPU and step
+// during backward (Note [Gradient streaming], Note [Step ledger]); step()
+// confirms them (GradStream's prepare_finish then commit_finish), steps here
+// the rest and the slots the stream left (a gradient changed, not streamed,
+// a load), and ends the window. This is the adapter the Python CPUAdamW is:
+// the same calls in the same order (set_callbacks: each backward's first
+// gradient pushes the groups' hyperparameters and turns streaming off while
+// the masters are stale; a slot's first stream makes its state; set_state,
+// state_of after a commit; note_written after this path wrote a carried
+// parameter). A carried parameter keeps an fp32 master of its own (the early
+// step is out of place), so it steps from that master here too, and its step
+// counter is a float tensor the stream shares, copied into torch's
+// AdamWParamState after each step(). TIERFLOW_MAX_GRAD_NORM and
+// TIERFLOW_SKIP_NONFINITE take clip_grad_norm_'s norm over every gradient
+// (released ones by the norm the stream took before freeing them,
+// TIERFLOW_OFFLOAD_GRADIENTS=on), in both modes. TIERFLOW_WEIGHTS_RETURN=forward
+// is refused: a C++ module has no forward pre-hook to wait for its weights.
+// A step during backward is not atomic across the two paths: the stream
+// commits before this path steps what it left (Python's Note [Atomic step]
+// prepares both first). Parameters that live on the host between uses
+// (BlockOffload::offload_parameters) get their committed weights written into
+// their host copies: use_host_copies.
 #pragma once
 
 #include <torch/optim/adamw.h>
@@ -36,31 +64,61 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
+#include <string>
+#include <utility>
 #include <unordered_map>
 #include <vector>
 
+#include "tierflow/bindings/grad_stream.hpp"
+#include "tierflow/core/config.hpp"
 #include "tierflow/optimizer/cpu_adam.hpp"
 #include "tierflow/optimizer/partial_step.hpp"
 
 namespace tierflow::bindings {
 
 class Runtime;
+class BlockOffload;
+
+/// How a CpuAdamW steps (Note [C++ steps during backward]); from_config reads the TIERFLOW_* table as
+/// Python's CPUAdamW does.
+struct CpuAdamWOptions {
+  bool step_during_backward = true;   ///< TIERFLOW_OVERLAP_STEP (host-tier states only)
+  std::size_t grad_bucket_bytes = 0;  ///< TIERFLOW_GRAD_BUCKET_BYTES; 0: auto
+  bool offload_gradients = false;     ///< TIERFLOW_OFFLOAD_GRADIENTS: p.grad is None from backward to step()
+  double max_grad_norm = 0.0;         ///< TIERFLOW_MAX_GRAD_NORM; 0: no clipping
+  bool skip_nonfinite = false;        ///< TIERFLOW_SKIP_NONFINITE
+  int accumulation_steps = 1;         ///< TIERFLOW_GRAD_ACCUMULATION_STEPS (backward passes per step())
+  bool weights_in_forward = false;    ///< TIERFLOW_WEIGHTS_RETURN=forward: refused from C++ (config_error)
+  /// The settings of `config`.
+  static CpuAdamWOptions from_config(const Config& config);
+};
 
 /// Statistics of a CpuAdamW.
 struct CpuAdamWStats {
   std::uint64_t steps = 0;          ///< step() calls that updated something
   std::uint64_t elements = 0;       ///< parameters updated, summed over steps
   std::uint64_t kernel_ns = 0;      ///< time in the CPU kernel (host states) or the NVMe pipeline
+  std::uint64_t skipped_steps = 0;  ///< steps skipped for a non-finite gradient (TIERFLOW_SKIP_NONFINITE)
 };
+
+/// torch's AdamW options as the CPU kernel's (decoupled weight decay).
+optimizer::AdamOptions adam_options_of(const torch::optim::AdamWOptions& o);
+
+/// `stepped during backward N (committed C, redone R, taken back T, held H)`, as Python's report prints it.
+std::string describe_steps_during_backward(const GradStreamStats& s);
 
 /// AdamW over tierflow's CPU kernel, with states on the host or NVMe tier.
 class CpuAdamW : public torch::optim::Optimizer {
  public:
-  /// Param groups without options take `defaults`.
+  /// Param groups without options take `defaults`; `options` unset: CpuAdamWOptions::from_config(runtime's).
+  /// Throws config_error for TIERFLOW_WEIGHTS_RETURN=forward and for TIERFLOW_OFFLOAD_GRADIENTS=on without
+  /// steps during backward.
   CpuAdamW(std::shared_ptr<Runtime> runtime, const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
-           torch::optim::AdamWOptions defaults = {});
+           torch::optim::AdamWOptions defaults = {}, std::optional<CpuAdamWOptions> options = std::nullopt);
   /// One group of `params`.
-  CpuAdamW(std::shared_ptr<Runtime> runtime, std::vector<at::Tensor> params, torch::optim::AdamWOptions defaults = {});
+  CpuAdamW(std::shared_ptr<Runtime> runtime, std::vector<at::Tensor> params, torch::optim::AdamWOptions defaults = {},
+           std::optional<CpuAdamWOptions> options = std::nullopt);
   ~CpuAdamW() override;
 
   /// One AdamW step of every parameter with a gradient; evaluates `closure` first (with grad mode) if given.
@@ -81,11 +139,29 @@ class CpuAdamW : public torch::optim::Optimizer {
   /// Counters.
   CpuAdamWStats stats() const noexcept { return stats_; }
 
+  /// True when parameters step during backward (Note [C++ steps during backward]).
+  bool steps_during_backward() const noexcept { return stream_ != nullptr; }
+  /// The gradient stream's counters (early_steps, committed, redone, taken_back, held, buckets...); zeros when off.
+  GradStreamStats stream_stats() const;
+  /// The settings in force.
+  const CpuAdamWOptions& options() const noexcept { return options_; }
+  /// Parameters `offload` keeps on the host between uses: their committed weights go into their host copies
+  /// (GradStream::set_home). Call after offload.offload_parameters and before training.
+  void use_host_copies(const BlockOffload& offload);
+  /// As torch's; also ends the window of steps during backward (takes back early steps no step() confirmed).
+  /// (torch::optim::Optimizer::zero_grad is not virtual: through a base reference only the gradients go,
+  /// which is enough after a step(), which ends the window itself.)
+  void zero_grad(bool set_to_none = true);
+  /// Waits for every weight the stream still sends back.
+  void synchronize();
+
  private:
   struct Slot {
     at::Tensor master;        // fp32 host master; undefined when the parameter is its own master
     std::uint64_t nvme_key = 0;
     std::size_t index = 0;    // its slot in retry_marks_
+    at::Tensor step_count;    // carried by the stream: the step counter it shares (float, one element)
+    bool registered = false;  // carried: the stream has its current state tensors
   };
   using Failure = optimizer::UnsteppedParameter;
   bool own_master(const at::Tensor& p) const;
@@ -112,6 +188,17 @@ class CpuAdamW : public torch::optim::Optimizer {
   void adopt_loaded_state();
   // Refuses amsgrad in any group unless the moments are fp32.
   void check_amsgrad() const;
+  // Note [C++ steps during backward] (cpu_adamw_stream.cpp).
+  void start_streaming();
+  bool carried(const at::Tensor& p) const { return stream_slot_.count(p.unsafeGetTensorImpl()) != 0; }
+  void push_groups();
+  void on_backward_begin();
+  void init_slot(std::size_t slot);
+  void register_states(const void* fresh = nullptr);  // `fresh`: the TensorImpl whose state is made now
+  std::pair<double, bool> clip_coefficient() const;  // (coefficient, every gradient finite)
+  bool step_streamed(double scale);  // the stream's part of step(); false when nothing was left to step here
+  void adopt_stream_states(const std::vector<std::size_t>& slots);
+  void reconcile_master(const at::Tensor& p, at::Tensor& master) const;
 
   std::shared_ptr<Runtime> runtime_;
   bool on_nvme_ = false;
@@ -119,6 +206,15 @@ class CpuAdamW : public torch::optim::Optimizer {
   std::unordered_map<const void*, Slot> slots_;  // by TensorImpl, as state_
   optimizer::StepRetryMarks retry_marks_;        // by Slot::index (Note [C++ CpuAdamW faults])
   CpuAdamWStats stats_;
+  CpuAdamWOptions options_;
+  double scale_ = 1.0;                      // this step()'s clip coefficient
+  std::shared_ptr<GradStream> stream_;      // null when nothing steps during backward
+  std::unordered_map<const void*, std::size_t> stream_slot_;  // carried parameters' slots, by TensorImpl
+  std::vector<at::Tensor> stream_params_;   // by slot
+  std::unordered_map<const void*, bool> stepped_by_stream_;  // this step(): carried and confirmed by the stream
+  std::unordered_map<const void*, bool> reread_;             // this step(): masters re-read from the parameter
+  std::vector<std::size_t> written_here_;   // this step(): carried slots this path stepped (note_written)
+  bool master_stale_ = false;               // a load(): every carried master is re-read at the next step()
 };
 
 }  // namespace tierflow::bindings

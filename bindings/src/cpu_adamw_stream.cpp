@@ -1,0 +1,231 @@
+// CpuAdamW's steps during backward: the adapter over GradStream that the
+// Python CPUAdamW is too. See Note [C++ steps during backward] in cpu_adamw.hpp.
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <cstdio>
+#include <unordered_set>
+
+#include "tierflow/bindings/block_offload.hpp"
+#include "tierflow/bindings/cpu_adamw.hpp"
+#include "tierflow/bindings/dtypes.hpp"
+#include "tierflow/bindings/runtime.hpp"
+#include "tierflow/core/error.hpp"
+#include "tierflow/optimizer/state_tier.hpp"
+#include "tierflow/optimizer/stream_rules.hpp"
+
+namespace tierflow::bindings {
+
+using torch::optim::AdamWOptions;
+using torch::optim::AdamWParamState;
+
+CpuAdamWOptions CpuAdamWOptions::from_config(const Config& c) {
+  CpuAdamWOptions o;
+  o.step_during_backward = c.overlap_step;
+  o.grad_bucket_bytes = c.grad_bucket_bytes;
+  o.offload_gradients = c.offload_gradients;
+  o.max_grad_norm = c.max_grad_norm;
+  o.skip_nonfinite = c.skip_nonfinite;
+  o.accumulation_steps = c.grad_accumulation_steps;
+  o.weights_in_forward = c.weights_return_in_forward;
+  return o;
+}
+
+std::string describe_steps_during_backward(const GradStreamStats& s) {
+  char line[256];
+  std::snprintf(line, sizeof line, "stepped during backward %llu (committed %llu, redone %llu, taken back %llu, held %llu)",
+                static_cast<unsigned long long>(s.early_steps), static_cast<unsigned long long>(s.committed),
+                static_cast<unsigned long long>(s.redone), static_cast<unsigned long long>(s.taken_back),
+                static_cast<unsigned long long>(s.held));
+  return line;
+}
+
+void CpuAdamW::start_streaming() {
+  const CpuAdamWOptions& o = options_;
+  if (o.weights_in_forward)
+    throw config_error("tierflow CpuAdamW: TIERFLOW_WEIGHTS_RETURN=forward (CpuAdamWOptions::weights_in_forward) "
+                       "waits for each module's weights in its forward pre-hook, which a C++ module does not have; "
+                       "accepted from C++: TIERFLOW_WEIGHTS_RETURN=step");
+  if (!(o.max_grad_norm >= 0.0) || !std::isfinite(o.max_grad_norm))
+    throw config_error("tierflow CpuAdamW: TIERFLOW_MAX_GRAD_NORM (CpuAdamWOptions::max_grad_norm) is " +
+                       std::to_string(o.max_grad_norm) + "; accepted: a finite number >= 0 (0: no clipping)");
+  if (o.accumulation_steps < 1)
+    throw config_error("tierflow CpuAdamW: TIERFLOW_GRAD_ACCUMULATION_STEPS (CpuAdamWOptions::accumulation_steps) "
+                       "is " + std::to_string(o.accumulation_steps) + "; accepted: an integer >= 1");
+  const bool streams = o.step_during_backward && !on_nvme_;  // steps during backward are host-tier only
+  if (auto why = optimizer::offload_gradients_refusal(o.offload_gradients, streams,
+                                                      o.step_during_backward ? "on" : "off",
+                                                      std::string(to_string(runtime_->config().offload_optimizer))))
+    throw config_error("tierflow CpuAdamW: " + *why);
+  if (!streams) return;
+  GradStreamOptions go;
+  go.bucket_bytes = o.grad_bucket_bytes;
+  go.accumulation_steps = o.accumulation_steps;
+  go.max_grad_norm = o.max_grad_norm;
+  go.skip_nonfinite = o.skip_nonfinite;
+  go.offload_gradients = o.offload_gradients;
+  auto stream = GradStream::create(runtime_, go);
+  for (std::size_t g = 0; g < param_groups_.size(); ++g) {
+    for (const at::Tensor& p : param_groups_[g].params()) {
+      optimizer::ParamFacts f;  // as GradStream::add_parameter reads them: only those it hooks are carried
+      if ((f.requires_grad = p.requires_grad()) && (f.leaf = p.is_leaf()) && (f.contiguous = p.is_contiguous()) &&
+          (f.type = kernel_type(p.scalar_type())))
+        f.on_device = runtime_->on_device(p);
+      if (optimizer::param_not_streamable(f) || stream_slot_.count(p.unsafeGetTensorImpl())) continue;
+      const std::size_t slot = stream->add_parameter(p, static_cast<int>(g));
+      stream_slot_[p.unsafeGetTensorImpl()] = slot;
+      if (stream_params_.size() <= slot) stream_params_.resize(slot + 1);
+      stream_params_[slot] = p;
+    }
+  }
+  if (stream_slot_.empty()) return;  // nothing it could carry: every parameter steps in step()
+  stream_ = std::move(stream);
+  // The stream (owned here, and reset first by the destructor) calls back without a lock held.
+  stream_->set_callbacks([this] { on_backward_begin(); }, [this](std::size_t slot) { init_slot(slot); });
+  push_groups();
+}
+
+void CpuAdamW::push_groups() {
+  for (std::size_t g = 0; g < param_groups_.size(); ++g)
+    stream_->set_group(static_cast<int>(g), adam_options_of(static_cast<const AdamWOptions&>(param_groups_[g].options())));
+}
+
+void CpuAdamW::on_backward_begin() {
+  push_groups();  // an LR scheduler may have changed them since the last step()
+  stream_->set_enabled(!master_stale_);  // after a load every carried parameter steps in step()
+}
+
+void CpuAdamW::init_slot(std::size_t slot_index) {
+  // From autograd's thread, the first time a slot streams (the trainer's thread waits in backward()).
+  const at::Tensor& p = stream_params_.at(slot_index);
+  slot_of(p).registered = false;
+  register_states(p.unsafeGetTensorImpl());
+}
+
+void CpuAdamW::register_states(const void* fresh) {
+  for (std::size_t g = 0; g < param_groups_.size(); ++g) {
+    const auto& o = static_cast<const AdamWOptions&>(param_groups_[g].options());
+    for (const at::Tensor& p : param_groups_[g].params()) {
+      const auto found = stream_slot_.find(p.unsafeGetTensorImpl());
+      if (found == stream_slot_.end()) continue;
+      Slot& s = slot_of(p);
+      if (s.registered) continue;
+      const bool make = p.unsafeGetTensorImpl() == fresh;
+      if (!make && !state_.count(p.unsafeGetTensorImpl())) continue;  // no state yet: its first stream makes it
+      auto& entry = state_[p.unsafeGetTensorImpl()];
+      if (!entry) {  // the first stream of the slot: a fresh state, as step_group makes one
+        auto st = std::make_unique<AdamWParamState>();
+        st->exp_avg(runtime_->host_moment(p.sizes(), format_));  // Note [Optimizer state formats]
+        st->exp_avg_sq(runtime_->host_moment(p.sizes(), format_));
+        if (o.amsgrad()) st->max_exp_avg_sq(runtime_->host_empty(p.sizes(), at::kFloat, true));
+        entry = std::move(st);
+      }
+      auto& st = static_cast<AdamWParamState&>(*entry);
+      const at::Tensor master = slot(p, o).master;  // read from p when there is none
+      if (!s.step_count.defined()) s.step_count = at::zeros({1}, at::kFloat);
+      s.step_count.fill_(static_cast<double>(st.step()));
+      stream_->set_state(found->second, master, st.exp_avg(), st.exp_avg_sq(),
+                         o.amsgrad() ? st.max_exp_avg_sq() : at::Tensor(), s.step_count);
+      s.registered = true;
+    }
+  }
+}
+
+std::pair<double, bool> CpuAdamW::clip_coefficient() const {
+  if (options_.max_grad_norm == 0.0 && !options_.skip_nonfinite) return {1.0, true};
+  // torch.nn.utils.clip_grad_norm_'s norm: per-tensor norms (_foreach_norm) in parameter order, a released
+  // gradient by the norm the stream took with the same op before freeing it; then the norm of those.
+  std::unordered_map<std::size_t, at::Tensor> released;
+  if (stream_ && options_.offload_gradients)
+    for (auto& [slot, norm] : stream_->released_norms()) released.emplace(slot, norm);
+  std::vector<at::Tensor> grads;
+  std::vector<std::pair<bool, at::Tensor>> items;  // (a released norm, it) or (false, undefined: next computed)
+  for (const auto& group : param_groups_) {
+    for (const at::Tensor& p : group.params()) {
+      if (p.grad().defined()) {
+        grads.push_back(p.grad());
+        items.emplace_back(false, at::Tensor());
+        continue;
+      }
+      const auto found = stream_slot_.find(p.unsafeGetTensorImpl());
+      if (found == stream_slot_.end()) continue;
+      const auto norm = released.find(found->second);
+      if (norm != released.end()) items.emplace_back(true, norm->second);
+    }
+  }
+  if (items.empty()) return {1.0, true};
+  const std::vector<at::Tensor> computed = grads.empty() ? std::vector<at::Tensor>() : at::_foreach_norm(grads, 2);
+  std::vector<at::Tensor> norms;
+  std::size_t next = 0;
+  for (const auto& [is_released, norm] : items) norms.push_back(is_released ? norm : computed[next++]);
+  const at::Device device = norms.front().device();
+  for (auto& n : norms) n = n.to(device);
+  const at::Tensor total = at::linalg_vector_norm(at::stack(norms), 2);
+  const bool finite = at::isfinite(total).item<bool>();
+  if (options_.max_grad_norm == 0.0) return {1.0, finite};
+  // Python's max_norm / (total + 1e-6) is reciprocal() * max_norm (Tensor.__rtruediv__).
+  const at::Tensor coef = at::clamp((total + 1e-6).reciprocal() * options_.max_grad_norm, std::nullopt, 1.0);
+  return {coef.item<double>(), finite};
+}
+
+bool CpuAdamW::step_streamed(double scale) {
+  push_groups();
+  std::vector<std::size_t> unhandled;
+  try {
+    unhandled = stream_->prepare_finish(scale, master_stale_, false);
+  } catch (const out_of_memory&) {  // the early steps' out-of-place results let go for this path's room
+    unhandled = stream_->prepare_finish(scale, master_stale_, true);
+  }
+  for (std::size_t i : stream_->weights_changed()) reread_[stream_params_.at(i).unsafeGetTensorImpl()] = true;
+  const GradStream::Finish f = stream_->commit_finish();  // cannot fail
+  adopt_stream_states(f.committed);
+  std::unordered_set<std::size_t> left(unhandled.begin(), unhandled.end());
+  left.insert(f.unhandled.begin(), f.unhandled.end());
+  for (const auto& [impl, slot] : stream_slot_)
+    if (!left.count(slot)) stepped_by_stream_[impl] = true;  // confirmed, redone, or nothing to step
+  return !f.committed.empty();
+}
+
+void CpuAdamW::adopt_stream_states(const std::vector<std::size_t>& slots) {
+  // A commit swapped the out-of-place results in: torch's state (save, load, state()) holds them from now on.
+  for (std::size_t i : slots) {
+    const at::Tensor& p = stream_params_.at(i);
+    const std::vector<at::Tensor> t = stream_->state_of(i);
+    Slot& s = slot_of(p);
+    s.master = t[0];
+    auto& st = static_cast<AdamWParamState&>(*state_.at(p.unsafeGetTensorImpl()));
+    st.exp_avg(t[1]);
+    st.exp_avg_sq(t[2]);
+    if (t[3].defined()) st.max_exp_avg_sq(t[3]);
+    st.step(static_cast<std::int64_t>(s.step_count.item<float>()));
+    stats_.elements += static_cast<std::uint64_t>(p.numel());
+  }
+}
+
+void CpuAdamW::reconcile_master(const at::Tensor& p, at::Tensor& master) const {
+  // Kept where p is its rounding (a 16-bit parameter's master after a load), else read from p.
+  const at::Tensor now = p.detach().to(at::kCPU);
+  if (at::equal(master.to(now.scalar_type()), now)) return;
+  master.copy_(now);
+}
+
+GradStreamStats CpuAdamW::stream_stats() const { return stream_ ? stream_->stats() : GradStreamStats{}; }
+
+void CpuAdamW::use_host_copies(const BlockOffload& offload) {
+  if (!stream_) return;  // the kernel steps the parameters where they are (their host copies between uses)
+  for (const auto& [impl, slot] : stream_slot_) {
+    const at::Tensor home = offload.host_copy(stream_params_.at(slot));
+    if (home.defined()) stream_->set_home(slot, home);
+  }
+}
+
+void CpuAdamW::zero_grad(bool set_to_none) {
+  if (stream_) stream_->end_window();
+  Optimizer::zero_grad(set_to_none);
+}
+
+void CpuAdamW::synchronize() {
+  if (stream_) stream_->synchronize();
+}
+
+}  // namespace tierflow::bindings
