@@ -7,6 +7,7 @@
 #include <string>
 
 #include "tierflow/core/error.hpp"
+#include "tierflow/tiering/tier_table.hpp"
 #include "tierflow/tiering/tiers.hpp"
 
 using namespace tierflow;
@@ -205,6 +206,25 @@ TEST(Tiers, NvmeEngineOnlyWhereATargetNeedsIt) {
   const swap::NvmeBandwidth bw = tiers.measure_nvme(4 << 20);
   EXPECT_GT(bw.write_bytes_per_second, 0.0);
   EXPECT_GT(bw.read_bytes_per_second, 0.0);
+}
+
+// Note [GPU budget]: one function, the unset case its only difference between a run and the plan command.
+TEST(GpuBudget, UnsetIsTheTableDefaultForARunAndTheWholeDeviceForThePlanCommand) {
+  constexpr std::uint64_t kDevice = 80ULL << 30;
+  const Config unset = config({});
+  EXPECT_EQ(gpu_budget_bytes(unset.gpu_memory, false, kDevice, UnsetGpuBudget::kTableDefault), kDevice / 10 * 9);
+  EXPECT_EQ(gpu_budget_bytes(unset.gpu_memory, false, kDevice, UnsetGpuBudget::kWholeDevice), kDevice);
+  const Config half = config({{"TIERFLOW_GPU_MEMORY", "50%"}});
+  for (auto unset_means : {UnsetGpuBudget::kTableDefault, UnsetGpuBudget::kWholeDevice})
+    EXPECT_EQ(gpu_budget_bytes(half.gpu_memory, true, kDevice, unset_means), kDevice / 2);
+  // A run's budget is that function on its device.
+  const Tiers tiers(config({{"TIERFLOW_GPU_MEMORY", "3MiB"}}));
+  EXPECT_EQ(tiers.device_budget_bytes(), 3u << 20);
+  const Tiers defaults(config({}));
+  EXPECT_EQ(defaults.device_budget_bytes(),
+            gpu_budget_bytes(unset.gpu_memory, false, allocator::device_capacity_bytes(defaults.device()),
+                             UnsetGpuBudget::kTableDefault));
+  EXPECT_LT(defaults.device_budget_bytes(), allocator::device_capacity_bytes(defaults.device()));
 }
 
 TEST(Tiers, OneCudaDeviceNamesTheDevicesAndWhatToDo) {

@@ -13,6 +13,7 @@
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/size.hpp"
 #include "tierflow/tiering/detail/plan_search.hpp"
+#include "tierflow/tiering/tier_table.hpp"
 
 namespace tierflow::tiering {
 namespace {
@@ -31,22 +32,33 @@ using Json = nlohmann::ordered_json;  // keys in the order written (Note [Plan r
 
 // ---- budgets --------------------------------------------------------------------------------------
 
+// `text` as a budget; config_error for a malformed one or a percentage of an unknown capacity.
+Budget budget_of(const std::string& text, std::uint64_t capacity_bytes);
+
 // Bytes of a size setting parsed as the table parses `variable`; errors name `label` (the flag or variable).
 std::uint64_t setting_bytes(const std::string& text, std::uint64_t capacity, const std::string& label,
                             const char* variable) {
   return budget_bytes(parse_setting(variable, text, label), capacity);
 }
 
+// The device budget and what set it; the unset case is the plan command's (Note [GPU budget]).
 std::pair<std::uint64_t, std::string> device_budget(const PlanCommandInputs& in) {
-  const auto capacity = in.device_capacity_bytes;
+  constexpr const char* kVariable = "TIERFLOW_GPU_MEMORY";
+  Budget setting;
+  std::string from = "the " + in.device_name + " device's total memory";
   switch (in.gpu_memory.source) {
     case SettingSource::kFlag:
-      return {setting_bytes(in.gpu_memory.text, capacity, "--gpu-memory", "TIERFLOW_GPU_MEMORY"), "--gpu-memory"};
+      setting = budget_of(parse_setting(kVariable, in.gpu_memory.text, "--gpu-memory"), in.device_capacity_bytes);
+      from = "--gpu-memory";
+      break;
     case SettingSource::kVariable:  // set: its value, as the table validated it
-      return {budget_bytes(in.gpu_memory.text, capacity), "TIERFLOW_GPU_MEMORY"};
+      setting = budget_of(in.gpu_memory.text, in.device_capacity_bytes);
+      from = kVariable;
+      break;
     case SettingSource::kUnset: break;
   }
-  return {capacity, "the " + in.device_name + " device's total memory"};
+  const bool given = in.gpu_memory.source != SettingSource::kUnset;
+  return {gpu_budget_bytes(setting, given, in.device_capacity_bytes, UnsetGpuBudget::kWholeDevice), from};
 }
 
 std::uint64_t fixed_device_bytes(const PlanCommandInputs& in) {
@@ -422,6 +434,11 @@ std::string plan_json(const Plan& plan, const PlanCommandInputs& in, const PlanC
 }  // namespace
 
 std::uint64_t budget_bytes(const std::string& text, std::uint64_t capacity_bytes) {
+  return budget_of(text, capacity_bytes).resolve(capacity_bytes);
+}
+
+namespace {
+Budget budget_of(const std::string& text, std::uint64_t capacity_bytes) {
   const auto b = parse_budget(text);
   if (!b) {
     throw config_error(quote_config_value(text) + " is not a size or a percentage; accepted: " +
@@ -431,8 +448,9 @@ std::uint64_t budget_bytes(const std::string& text, std::uint64_t capacity_bytes
     throw config_error(quote_config_value(text) + " is a percentage of a capacity that is unknown here; accepted: " +
                        std::string(kSizeForms));
   }
-  return b->resolve(capacity_bytes);
+  return *b;
 }
+}  // namespace
 
 PlanCommandBudgets plan_command_budgets(const PlanCommandInputs& in) {
   PlanCommandBudgets out;

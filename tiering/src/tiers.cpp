@@ -12,6 +12,7 @@
 
 #include "tierflow/allocator/aligned_buffer.hpp"
 #include "tierflow/core/error.hpp"
+#include "tierflow/tiering/tier_table.hpp"
 
 namespace tierflow::tiering {
 namespace {
@@ -209,7 +210,8 @@ std::string one_cuda_device(std::vector<int> cuda, int current) {
 }
 
 std::uint64_t Tiers::device_budget_bytes() const {
-  return config_.gpu_memory.resolve(allocator::device_capacity_bytes(settings_.device));
+  return gpu_budget_bytes(config_.gpu_memory, config_.given.count("TIERFLOW_GPU_MEMORY") > 0,
+                          allocator::device_capacity_bytes(settings_.device), UnsetGpuBudget::kTableDefault);
 }
 
 std::uint64_t Tiers::host_budget_bytes() const { return settings_.pool.budget_bytes; }

@@ -21,9 +21,10 @@
 //    space]). The planner's NVMe budget is what that engine can still place
 //    (nvme_available_bytes), and its probe runs through that engine (Note
 //    [NVMe probe]);
-//  - the GPU tier's budget: TIERFLOW_GPU_MEMORY of the device's memory. The
-//    device's memory itself is torch's caching allocator; the budget is the
-//    number the planner and the GPU share plan within.
+//  - the GPU tier's budget: TIERFLOW_GPU_MEMORY of the device's memory
+//    (Note [GPU budget]). The device's memory itself is torch's caching
+//    allocator; the budget is the number the planner and the GPU share plan
+//    within.
 // Settings this version cannot serve are refused here, naming the variable.
 //
 // Note [Ranks on one machine]
@@ -136,7 +137,7 @@ class Tiers {
   /// Null unless a target is NVMe.
   const std::shared_ptr<swap::NvmeEngine>& nvme_engine() const noexcept { return nvme_; }
 
-  /// TIERFLOW_GPU_MEMORY in bytes on this device.
+  /// TIERFLOW_GPU_MEMORY in bytes on this device (gpu_budget_bytes, the table's default when not given).
   std::uint64_t device_budget_bytes() const;
   /// TIERFLOW_HOST_MEMORY in bytes.
   std::uint64_t host_budget_bytes() const;
