@@ -1,0 +1,231 @@
+// The `auto` activation planner's sequencing in one torch-free class: measured
+// events in, a typed plan out (Note [Plan driver]).
+//
+// Note [Plan driver]
+// ~~~~~~~~~~~~~~~~~~
+// PlanDriver runs every phase and rule of Note [Auto plan phases], [Re-plan]
+// and [Batch growth]: when to record, time and plan; the profile the timed
+// step makes; the plan (and the plan again once a split probed inexact); the
+// window; the whole step predicted; the one calibration re-plan (and its
+// failure, which keeps the plan in force); planning again for a larger batch,
+// or refusing to; settling; the plan of a model without repeated blocks; the
+// reference sizes by input place; the measured step beside the predicted one;
+// and the log lines saying so. It decides; a front end measures and applies:
+//
+//   the driver (tiering/)                 the front end (PlanFrontEnd)
+//   -------------------------------       -----------------------------------
+//   counts forwards, picks the phase      starts the timing (runners, peaks)
+//   builds the profile from the timed     measures it: block records, links,
+//     step's measures, asks to write it     NVMe, outside bytes, intervals, peaks;
+//   plans, re-plans, grows, settles         writes the profile file
+//   asks which split blocks are exact     probes the splits on the device
+//   the window, hooks needed or not       applies the plan: runners' modes,
+//     (keep_all, outside_kept)              the window, parameter residency,
+//                                            the caching allocator's release
+//   the budgets from measured inputs      the inputs: runtime, FSDP2, parameters
+//
+// Python's AutoPlanner (bindings/python/tierflow/activations/autoplan.py) is
+// one front end; the C++ BlockOffload of a LibTorch trainer can be another.
+// The driver never holds its front end: each event that may plan takes it.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "tierflow/core/config.hpp"
+#include "tierflow/tiering/auto_plan.hpp"
+#include "tierflow/tiering/planner.hpp"
+#include "tierflow/tiering/profile_file.hpp"
+
+namespace tierflow::tiering {
+
+/// A forward's input tensors' elements by their place among the arguments (Note [Batch growth]), in call order.
+using InputElements = std::vector<std::pair<std::string, std::uint64_t>>;
+
+/// The calibration a re-plan made its profile with (Note [Re-plan]); written under "calibrated".
+struct ProfileCalibration {
+  double link_factor = 1, compute_factor = 1;
+  std::string why;
+};
+
+/// A profile as `auto` measures, writes and reads it (Note [Profile file]): the file's blocks, links and fixed
+/// bytes, and the timed step's figures beside them (absent: a file written before they were measured).
+struct AutoProfile {
+  ProfileFile file;              ///< blocks, links, fixed_device_bytes; outside_saved_bytes when outside_measured
+  bool outside_measured = false; ///< the file has outside_saved_bytes
+  std::optional<InputElements> batch_tensor_elements;  ///< the timed forward's tensors by place
+  std::uint64_t batch_elements = 0;      ///< their sum (0: not known)
+  std::optional<double> host_gaps_seconds, timed_step_seconds, rest_of_step_seconds;
+  std::optional<std::uint64_t> measured_beside_bytes, measured_peak_bytes, measured_reserved_peak_bytes;
+  std::optional<ProfileCalibration> calibrated;
+  double batch_ratio = 1;  ///< scaled for a larger batch than batch_elements (for_batch); never written
+};
+
+/// What the timed step measured, as the front end hands it over (Note [Auto plan phases], [Re-plan]).
+struct TimedStepMeasures {
+  std::vector<BlockRecord> blocks;  ///< each block's recorded table and timings, in forward order
+  Links links;                      ///< measured (NVMe probed when there is a tier)
+  std::uint64_t outside_saved_bytes = 0;  ///< what the model-level hook packed in the timed step
+  std::vector<TimedInterval> intervals;   ///< the blocks' timed forwards and backwards
+  double blocks_forward_seconds = 0, blocks_backward_seconds = 0, blocks_replay_seconds = 0;
+  double blocks_input_swap_seconds = 0;   ///< the blocks' inputs swapped before their forwards
+  std::optional<std::uint64_t> peak_bytes, reserved_peak_bytes;  ///< CUDA: forward and backward's device peaks
+  std::uint64_t beside_bytes = 0;  ///< CUDA: the device's bytes beside the model's before the first forward
+};
+
+/// The timed step's figures as the report shows them (report()["plan"]["timed_step"]).
+struct TimedStepSummary {
+  double step_seconds = 0, blocks_forward_seconds = 0, blocks_backward_seconds = 0, blocks_replay_seconds = 0;
+  double blocks_input_swap_seconds = 0, host_gaps_seconds = 0, rest_of_step_seconds = 0;
+  std::uint64_t outside_saved_bytes = 0, fixed_device_bytes = 0;
+  std::optional<std::uint64_t> measured_peak_bytes;
+  Links links;                      ///< as measured (a re-plan's calibration leaves them)
+  std::vector<BlockProfile> blocks; ///< as measured
+};
+
+/// The plan in force, typed, with what the front end needs to apply it.
+struct DrivenPlan {
+  bool without_blocks = false;  ///< plan_without_blocks's: no blocks, keep or swap all (Plan left empty)
+  Plan plan;                    ///< per block mode, alpha, tier, params; rest_params; outside_*; predictions
+  std::string summary;
+  std::vector<std::string> lines, why;  ///< one per block; what each rejected action would have cost
+  bool keep_all = false;        ///< every block and what is outside them kept: no saved-tensor hooks at all
+  bool outside_kept = false;    ///< what is saved outside the blocks kept: no model-level hooks
+  bool outside_measured = true; ///< the profile measured the outside tensors
+  std::uint64_t outside_bytes = 0;  ///< without blocks: what a step saves
+  std::uint64_t window_bytes = 0, window_wanted_bytes = 0;  ///< Note [Overlap window]
+  std::uint64_t predicted_device_peak_bytes = 0;
+  std::optional<double> predicted_step_seconds;  ///< the whole step (none without blocks)
+  double predicted_blocks_seconds = 0, rest_of_step_seconds = 0;
+  std::optional<std::uint64_t> released_cached_bytes;  ///< CUDA: what the front end's apply gave back
+  std::uint64_t batch_elements = 0, profiled_batch_elements = 0;
+  std::optional<std::string> settled;  ///< why the steps may no longer re-plan (Note [Steady step])
+};
+
+/// Note [Re-plan]: the one re-plan, or why there was none.
+struct Replanned {
+  bool replanned = false;
+  std::string why;
+  std::optional<double> measured_step_seconds;
+  std::size_t steps = 0;
+  std::optional<double> predicted_step_seconds;
+  double link_factor = 1, compute_factor = 1;
+};
+
+/// Note [Batch growth]: re-plans for larger batches, and the last refusal.
+struct BatchGrowth {
+  int replans = 0;
+  std::optional<std::pair<std::uint64_t, std::string>> refused;  ///< batch_elements, why
+};
+
+/// What only the front end can do (Note [Plan driver]). The driver calls these inside the event it was handed to.
+class PlanFrontEnd {
+ public:
+  virtual ~PlanFrontEnd() = default;
+  /// The budgets' inputs measured now; the settings' (prefetch, optimizer, gradients) and the profile's own
+  /// fields (peaks, outside bytes, batch ratio) are the driver's.
+  virtual SessionBudgetInputs budget_inputs() = 0;
+  /// Of `blocks` (a plan's), the indices of split blocks where no split op is exact on the device; each split
+  /// block's exact rows are set as a side effect (a block without a table yet probes when it has one).
+  virtual std::vector<std::size_t> inexact_splits(const std::vector<BlockPlan>& blocks) = 0;
+  /// Puts `plan` in force (runners' modes and hooks, the window, parameter residency); returns the cached bytes
+  /// given back to the device (CUDA; none elsewhere).
+  virtual std::optional<std::uint64_t> apply(const DrivenPlan& plan) = 0;
+  /// The timed forward begins: time the blocks (and on CUDA reset the peaks).
+  virtual void start_timing() = 0;
+  /// The timed step ended: stop timing and hand over what it measured (links and NVMe probed here).
+  virtual TimedStepMeasures measure_timed_step() = 0;
+  /// The bytes the first step swapped (a model without blocks swaps every saved tensor in it).
+  virtual std::uint64_t first_step_saved_bytes() = 0;
+  /// `profile` made or calibrated: write it to TIERFLOW_PROFILE when set.
+  virtual void write_profile(const AutoProfile& profile) = 0;
+};
+
+/// The settings a driver runs under, from the configuration.
+struct PlanDriverSettings {
+  bool forced = false;                  ///< TIERFLOW_OFFLOAD_ACTIVATIONS=recompute
+  std::size_t blocks = 0;               ///< repeated blocks found
+  bool replan = true;                   ///< replans(config)
+  std::string growth_refusal;           ///< batch_growth_refusal(config)
+  std::uint64_t prefetch_bytes = 0;     ///< TIERFLOW_PREFETCH_BYTES
+  bool optimizer_on_device = false;     ///< TIERFLOW_OFFLOAD_OPTIMIZER=none
+  bool gradients_offloaded = false;     ///< TIERFLOW_OFFLOAD_GRADIENTS=on
+  OptimizerTraffic traffic;             ///< optimizer_traffic(config)
+  /// `config`'s, for a model of `blocks` repeated blocks.
+  static PlanDriverSettings of(const Config& config, std::size_t blocks);
+};
+
+/// TIERFLOW_OFFLOAD_ACTIVATIONS=auto and =recompute for one session (Note [Plan driver]).
+class PlanDriver {
+ public:
+  /// `loaded`: the profile read from TIERFLOW_PROFILE (never with `forced`). Says (warn) when there are no blocks.
+  explicit PlanDriver(PlanDriverSettings settings, std::optional<AutoProfile> loaded = std::nullopt);
+
+  /// Before every forward of the model with grad: its input tensors' elements and the time now (seconds, one
+  /// clock). Records, times, plans, grows, settles or re-plans as the phases say; returns the phase's action.
+  PhaseAction before_forward(const InputElements& inputs, double now_seconds, PlanFrontEnd& front);
+  /// The forward just counted was refused before it ran (it raised): not one of the profiling forwards.
+  void forward_refused() noexcept;
+  /// The plan in force stays from here: device memory was taken after its measurements (`why`, logged once).
+  void settle(const std::string& why);
+
+  /// The planner's budgets for `profile` with the front end's inputs measured now.
+  Budgets budgets(const AutoProfile& profile, PlanFrontEnd& front);
+  /// `profile` scaled to a batch of `elements` and the size it is for (Note [Batch growth]).
+  std::pair<AutoProfile, std::uint64_t> for_batch(const AutoProfile& profile, std::uint64_t elements) const;
+
+  const AutoPlanPhases& phases() const noexcept { return phases_; }
+  const std::optional<DrivenPlan>& plan() const noexcept { return plan_; }
+  /// Counts every change of plan() (a new plan, a settled one): the front end's copy is stale when it moved.
+  std::uint64_t revision() const noexcept { return revision_; }
+  /// The profile the plan in force was made from (before scaling for a batch).
+  const std::optional<AutoProfile>& profile() const noexcept { return profile_; }
+  const std::optional<AutoProfile>& loaded_profile() const noexcept { return loaded_; }
+  const std::optional<Replanned>& replanned() const noexcept { return replanned_; }
+  const std::optional<TimedStepSummary>& timed_step() const noexcept { return timed_step_; }
+  const BatchGrowth& batch_growth() const noexcept { return growth_; }
+  std::uint64_t fsdp_gathered_bytes() const noexcept { return fsdp_gathered_; }
+  std::uint64_t planned_elements() const noexcept { return planned_elements_; }
+  /// Saved bytes of the blocks the plan in force keeps (0 without a profile).
+  std::uint64_t kept_bytes() const noexcept;
+  /// The plan's predictions beside the steps since it came in force; `peak_reserved_bytes` the front end's.
+  MeasuredBesidePredicted measured_beside_predicted(std::optional<std::uint64_t> peak_reserved_bytes) const;
+
+ private:
+  void act(PhaseAction action, double now_seconds, PlanFrontEnd& front);
+  void measure_and_plan(double now_seconds, PlanFrontEnd& front);
+  void plan_from_profile(PlanFrontEnd& front);
+  void make_plan(const AutoProfile& base, std::uint64_t elements, PlanFrontEnd& front);
+  void plan_without_blocks(std::uint64_t elements, PlanFrontEnd& front);
+  void grow(std::uint64_t elements, PlanFrontEnd& front);
+  void refuse_growth(std::uint64_t elements, const std::string& why);
+  void maybe_replan(PlanFrontEnd& front);
+  void put_in_force(DrivenPlan plan);
+  std::uint64_t size(const InputElements& inputs);
+
+  PlanDriverSettings settings_;
+  AutoPlanPhases phases_;
+  std::optional<AutoProfile> loaded_;
+  std::map<int, InputElements> inputs_;  ///< the profiling forwards' inputs, by forward
+  InputElements reference_;              ///< the profiled forward's, which a forward's size is measured against
+  bool untracked_said_ = false, other_inputs_said_ = false;
+  std::uint64_t planned_elements_ = 0;
+  std::uint64_t first_saved_bytes_ = 0;
+  std::uint64_t fsdp_gathered_ = 0;
+  BatchGrowth growth_;
+  std::vector<double> step_starts_;
+  std::optional<double> timed_start_;
+  std::optional<Replanned> replanned_;
+  std::optional<TimedStepSummary> timed_step_;
+  std::optional<DrivenPlan> plan_;
+  std::uint64_t revision_ = 0;
+  Plan plan_struct_;                       ///< the plan in force as the planner made it (what a re-plan calibrates)
+  std::vector<BlockProfile> plan_blocks_;  ///< the profile's blocks as planned (inexact splits marked so)
+  std::optional<AutoProfile> profile_;
+};
+
+}  // namespace tierflow::tiering

@@ -1,0 +1,426 @@
+// See Note [Plan driver] in plan_driver.hpp; the phases and rules are Note [Auto plan phases], [Re-plan] and
+// [Batch growth] in auto_plan.hpp.
+#include "tierflow/tiering/plan_driver.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <numeric>
+
+#include "tierflow/core/error.hpp"
+#include "tierflow/core/log.hpp"
+#include "tierflow/tiering/plan_report.hpp"
+
+namespace tierflow::tiering {
+namespace {
+
+std::uint64_t sum_of(const InputElements& inputs) {
+  std::uint64_t n = 0;
+  for (const auto& [place, elements] : inputs) n += elements;
+  return n;
+}
+
+// Python's round(): half to even (the profile's scaled bytes were Python's).
+std::uint64_t round_half_even(double v) { return static_cast<std::uint64_t>(std::nearbyint(v)); }
+
+// A sorted list of places as Python's repr of it shows them (the log line was Python's).
+std::string places_repr(const InputElements& inputs) {
+  std::vector<std::string> names;
+  for (const auto& [place, n] : inputs) names.push_back(place);
+  std::sort(names.begin(), names.end());
+  std::string out = "[";
+  for (const auto& s : names) {
+    if (out.size() > 1) out += ", ";
+    const char q = s.find('\'') != std::string::npos && s.find('"') == std::string::npos ? '"' : '\'';
+    out += q;
+    for (const char c : s) {
+      if (c == '\\' || c == q) out += '\\';
+      out += c;
+    }
+    out += q;
+  }
+  return out + "]";
+}
+
+const InputElements& at_or_empty(const std::map<int, InputElements>& by_forward, int forward) {
+  static const InputElements kNone;
+  const auto it = by_forward.find(forward);
+  return it == by_forward.end() ? kNone : it->second;
+}
+
+}  // namespace
+
+PlanDriverSettings PlanDriverSettings::of(const Config& config, std::size_t blocks) {
+  PlanDriverSettings s;
+  s.forced = config.offload_activations == OffloadTarget::kRecompute;
+  s.blocks = blocks;
+  s.replan = replans(config);
+  s.growth_refusal = batch_growth_refusal(config);
+  s.prefetch_bytes = config.prefetch_bytes;
+  s.optimizer_on_device = config.offload_optimizer == OffloadTarget::kNone;
+  s.gradients_offloaded = config.offload_gradients;
+  s.traffic = optimizer_traffic(config);
+  return s;
+}
+
+PlanDriver::PlanDriver(PlanDriverSettings settings, std::optional<AutoProfile> loaded)
+    : settings_(std::move(settings)),
+      phases_(settings_.forced, settings_.blocks > 0, loaded.has_value() && !settings_.forced, settings_.replan),
+      loaded_(settings_.forced ? std::nullopt : std::move(loaded)) {
+  if (settings_.blocks == 0) {
+    log(LogLevel::kWarn,
+        std::string("tierflow: no repeated blocks found in the model (pass blocks=[...] to tierflow.wrap); "
+                    "TIERFLOW_OFFLOAD_ACTIVATIONS=") +
+            (settings_.forced ? "recompute swaps every saved tensor to the host instead"
+                              : "auto swaps every saved tensor to the host in the first step, then keeps them all on "
+                                "the device if what that step saved fits within TIERFLOW_GPU_MEMORY"));
+  }
+}
+
+PhaseAction PlanDriver::before_forward(const InputElements& inputs, double now_seconds, PlanFrontEnd& front) {
+  const PhaseAction action = phases_.before_forward();
+  if (!plan_ && phases_.forwards() <= kPlanForward) inputs_[phases_.forwards()] = inputs;
+  act(action, now_seconds, front);  // a plan made here sets the reference
+  const std::uint64_t elements = size(inputs);
+  if (elements == 0 && !untracked_said_ && !settings_.forced) {
+    untracked_said_ = true;
+    log(LogLevel::kWarn,
+        "tierflow: the model is called with no tensor among its arguments that tierflow can count (a batch in a "
+        "dataclass?): a batch larger than the one the activation plan was made for is not seen, and the plan may "
+        "then exceed TIERFLOW_GPU_MEMORY (Note [Batch growth]); pass the tensors as arguments, or keep one batch "
+        "size");
+  }
+  if (!plan_) return action;
+  // The measured step: from one forward to the next.
+  step_starts_.push_back(now_seconds);
+  if (step_starts_.size() > kMeasuredSteps + 1)
+    step_starts_.erase(step_starts_.begin(), step_starts_.end() - static_cast<std::ptrdiff_t>(kMeasuredSteps + 1));
+  if (const std::uint64_t grown = grown_batch(planned_elements_, elements); grown && !settings_.forced)
+    grow(grown, front);
+  if (phases_.may_replan() && batch_varies(planned_elements_, elements))
+    settle("the batches' sizes vary (Note [Batch growth]): a step's time is not comparable with the plan's "
+           "prediction");
+  if (phases_.may_replan()) maybe_replan(front);
+  return action;
+}
+
+void PlanDriver::forward_refused() noexcept { phases_.forward_refused(); }
+
+void PlanDriver::act(PhaseAction action, double now_seconds, PlanFrontEnd& front) {
+  switch (action) {
+    case PhaseAction::kPlanWithoutBlocks: plan_without_blocks(0, front); break;
+    case PhaseAction::kPlanFromProfile: plan_from_profile(front); break;
+    case PhaseAction::kStartTiming:
+      timed_start_ = now_seconds;
+      front.start_timing();
+      break;
+    case PhaseAction::kMeasureAndPlan: measure_and_plan(now_seconds, front); break;
+    case PhaseAction::kNone: break;
+  }
+}
+
+std::uint64_t PlanDriver::size(const InputElements& inputs) {
+  // This forward's size against the profiled forward's, their tensors matched by place (Note [Batch growth]).
+  std::vector<std::uint64_t> profiled, common;
+  std::map<std::string, std::uint64_t> ref(reference_.begin(), reference_.end());
+  for (const auto& [place, n] : inputs) {
+    if (const auto it = ref.find(place); it != ref.end()) {
+      profiled.push_back(it->second);
+      common.push_back(n);
+    }
+  }
+  if (!ref.empty() && !inputs.empty() && (common.size() != ref.size() || common.size() != inputs.size()) &&
+      !other_inputs_said_) {
+    other_inputs_said_ = true;
+    log(LogLevel::kWarn, "tierflow: the model is called with other tensors (" + places_repr(inputs) +
+                             ") than in the forward its activation plan was profiled on (" + places_repr(reference_) +
+                             "): a batch's size is measured on those both have, or on all of its elements when "
+                             "none (Note [Batch growth])");
+  }
+  return batch_size(profiled, common, sum_of(reference_), sum_of(inputs));
+}
+
+void PlanDriver::measure_and_plan(double now_seconds, PlanFrontEnd& front) {
+  const TimedStepMeasures m = front.measure_timed_step();
+  const double step = timed_start_ ? now_seconds - *timed_start_ : 0.0;
+  AutoProfile p;
+  for (const auto& record : m.blocks) p.file.blocks.push_back(measured_block_profile(record, settings_.traffic));
+  p.file.links = m.links;
+  // Note [Batch growth]: the timed forward's size (its tables, times and peak), which later ones are measured
+  // against.
+  reference_ = at_or_empty(inputs_, kTimedForward);
+  p.batch_tensor_elements = reference_;
+  p.batch_elements = sum_of(reference_);
+  // What the model-level hook packed in the timed step: the saved tensors outside the blocks.
+  p.file.outside_saved_bytes = m.outside_saved_bytes;
+  p.outside_measured = true;
+  // Less their round trip (the plan adds it back where it swaps them) and the host's gaps (Note [Re-plan]).
+  const double gaps = host_gaps_seconds(m.intervals);
+  p.host_gaps_seconds = gaps;
+  p.timed_step_seconds = step;
+  p.rest_of_step_seconds = rest_of_step_seconds(
+      step, m.blocks_forward_seconds + m.blocks_backward_seconds + m.blocks_replay_seconds,
+      outside_swap_seconds(m.links, m.outside_saved_bytes), gaps, m.blocks_input_swap_seconds);
+  if (m.peak_bytes) {
+    p.measured_beside_bytes = m.beside_bytes;
+    p.measured_peak_bytes = *m.peak_bytes;
+    p.measured_reserved_peak_bytes = m.reserved_peak_bytes.value_or(0);
+  }
+  p.file.fixed_device_bytes = budgets(p, front).fixed_device_bytes;
+  TimedStepSummary t;
+  t.step_seconds = step;
+  t.blocks_forward_seconds = m.blocks_forward_seconds;
+  t.blocks_backward_seconds = m.blocks_backward_seconds;
+  t.blocks_replay_seconds = m.blocks_replay_seconds;
+  t.blocks_input_swap_seconds = m.blocks_input_swap_seconds;
+  t.host_gaps_seconds = gaps;
+  t.rest_of_step_seconds = *p.rest_of_step_seconds;
+  t.outside_saved_bytes = m.outside_saved_bytes;
+  t.measured_peak_bytes = p.measured_peak_bytes;
+  t.fixed_device_bytes = p.file.fixed_device_bytes;
+  t.links = p.file.links;
+  t.blocks = p.file.blocks;
+  timed_step_ = t;
+  front.write_profile(p);
+  std::uint64_t largest = 0;
+  for (const auto& [forward, inputs] : inputs_) largest = std::max(largest, size(inputs));
+  make_plan(p, largest, front);
+}
+
+void PlanDriver::plan_from_profile(PlanFrontEnd& front) {
+  // A profile file from before Note [Batch growth]: taken to be for this (the first) forward's size.
+  AutoProfile& profile = *loaded_;
+  if (!profile.batch_tensor_elements) profile.batch_tensor_elements = at_or_empty(inputs_, phases_.forwards());
+  reference_ = *profile.batch_tensor_elements;
+  profile.batch_elements = sum_of(reference_);
+  make_plan(profile, size(at_or_empty(inputs_, phases_.forwards())), front);
+}
+
+Budgets PlanDriver::budgets(const AutoProfile& profile, PlanFrontEnd& front) {
+  SessionBudgetInputs in = front.budget_inputs();
+  fsdp_gathered_ = tiering::fsdp_gathered_bytes(in.sharded_unit_bytes, in.sharded_root_bytes);
+  in.prefetch_bytes = settings_.prefetch_bytes;
+  in.optimizer_on_device = settings_.optimizer_on_device;
+  in.gradients_offloaded = settings_.gradients_offloaded;
+  in.measured_peak_bytes = profile.measured_peak_bytes.value_or(0);
+  in.measured_reserved_peak_bytes = profile.measured_reserved_peak_bytes.value_or(0);
+  in.outside_saved_bytes = profile.outside_measured ? profile.file.outside_saved_bytes : 0;
+  in.batch_ratio = profile.batch_ratio > 0 ? profile.batch_ratio : 1.0;
+  in.measured_beside_bytes = profile.measured_beside_bytes.value_or(0);
+  return session_budgets(in, profile.file.blocks);
+}
+
+std::pair<AutoProfile, std::uint64_t> PlanDriver::for_batch(const AutoProfile& profile, std::uint64_t elements) const {
+  const std::uint64_t base = profile.batch_elements;
+  const std::uint64_t target = base ? std::max(base, elements) : 0;
+  if (!base || target == base) return {profile, base};
+  const double ratio = static_cast<double>(target) / static_cast<double>(base);
+  AutoProfile out = profile;
+  out.file.blocks = blocks_for_batch(profile.file.blocks, ratio);
+  out.batch_ratio = ratio;
+  out.file.outside_saved_bytes =
+      round_half_even(static_cast<double>(profile.outside_measured ? profile.file.outside_saved_bytes : 0) * ratio);
+  out.outside_measured = true;
+  return {std::move(out), target};
+}
+
+void PlanDriver::make_plan(const AutoProfile& base, std::uint64_t elements, PlanFrontEnd& front) {
+  const auto [profile, target] = for_batch(base, elements);
+  const bool scaled = base.batch_elements != 0 && target != base.batch_elements;
+  const Budgets b = budgets(profile, front);
+  std::vector<BlockProfile> blocks = profile.file.blocks;
+  const Links& links = profile.file.links;
+  Plan plan = plan_activations(blocks, links, b);
+  std::vector<std::string> why = explain_plan(plan, blocks, links, b);
+  // A split is exact only where the suffix matmul gives the full one's bits (Note [Activation plans]).
+  if (const auto unsplittable = front.inexact_splits(plan.blocks); !unsplittable.empty()) {
+    for (const std::size_t i : unsplittable) blocks.at(i).splittable = false;
+    plan = plan_activations(blocks, links, b);
+    why = explain_plan(plan, blocks, links, b);
+    front.inexact_splits(plan.blocks);
+  }
+  plan_struct_ = plan;
+  plan_blocks_ = blocks;
+  DrivenPlan d;
+  // Note [Overlap window]: no block's swap waits inside its compute, as far as the device budget allows.
+  const PlanWindow window = plan_window(plan, b, settings_.prefetch_bytes);
+  d.window_bytes = window.bytes;
+  d.window_wanted_bytes = window.wanted_bytes;
+  d.predicted_device_peak_bytes = window.peak_bytes;
+  // The whole step predicted: the blocks' part priced by the plan, and the rest measured (Note [Re-plan]).
+  d.predicted_blocks_seconds = plan.predicted_step_seconds;
+  d.rest_of_step_seconds = profile.rest_of_step_seconds.value_or(0.0);
+  d.predicted_step_seconds = d.predicted_blocks_seconds + d.rest_of_step_seconds;
+  // A profile written before the tensors outside the blocks were measured: they stay as they were planned then,
+  // swapped by the model-level hooks unless every block is kept.
+  d.outside_measured = profile.outside_measured;
+  const bool all_kept = std::all_of(plan.blocks.begin(), plan.blocks.end(),
+                                    [](const BlockPlan& bp) { return bp.mode == BlockMode::kKeep; });
+  d.outside_kept = d.outside_measured ? plan.outside_kept : all_kept;
+  d.keep_all = d.outside_kept && all_kept;
+  d.summary = plan.summary();
+  for (std::size_t i = 0; i < plan.blocks.size(); ++i) d.lines.push_back(plan.block_line(i));
+  d.why = std::move(why);
+  d.plan = std::move(plan);
+  d.released_cached_bytes = front.apply(d);
+  d.batch_elements = target;
+  d.profiled_batch_elements = base.batch_elements;
+  put_in_force(std::move(d));
+  profile_ = base;
+  planned_elements_ = target;
+  if (scaled && phases_.may_replan()) {
+    // The calibration compares steps with the timed one: not with a plan for another size.
+    settle("the plan is for a larger batch than the profile's (Note [Batch growth])");
+  }
+  log(LogLevel::kWarn, "tierflow activation plan: " + plan_->summary);
+  for (const auto& line : plan_->lines) log(LogLevel::kInfo, "tierflow   " + line);
+  for (const auto& line : plan_->why) log(LogLevel::kInfo, "tierflow " + line);
+}
+
+void PlanDriver::put_in_force(DrivenPlan plan) {
+  plan_ = std::move(plan);
+  phases_.planned();
+  revision_ += 1;
+}
+
+void PlanDriver::plan_without_blocks(std::uint64_t elements, PlanFrontEnd& front) {
+  // Keep every saved tensor when the first step's fit beside what training holds, else go on swapping them all;
+  // for a larger batch than the first, its saved bytes scaled alike (Note [Batch growth]).
+  if (!plan_) {
+    first_saved_bytes_ = front.first_step_saved_bytes();
+    reference_ = at_or_empty(inputs_, kRecordForward);  // what the first step saved was its size's
+    elements = size(at_or_empty(inputs_, phases_.forwards()));
+  }
+  const std::uint64_t first = sum_of(reference_);
+  const std::uint64_t target = first ? std::max(first, elements) : 0;
+  const std::uint64_t saved = round_half_even(
+      static_cast<double>(first_saved_bytes_) * (first ? static_cast<double>(target) / static_cast<double>(first) : 1.0));
+  const PlanWithoutBlocks decided = tiering::plan_without_blocks(saved, budgets(AutoProfile{}, front));
+  planned_elements_ = target;
+  DrivenPlan d;
+  d.without_blocks = true;
+  d.summary = decided.summary;
+  d.keep_all = d.outside_kept = decided.keep_all;  // without blocks everything saved is outside them
+  d.outside_bytes = saved;
+  d.predicted_device_peak_bytes = decided.predicted_device_peak_bytes;
+  d.window_bytes = settings_.prefetch_bytes;
+  d.batch_elements = target;
+  d.profiled_batch_elements = first;
+  put_in_force(std::move(d));
+  log(LogLevel::kWarn, "tierflow activation plan: " + decided.summary);
+}
+
+void PlanDriver::grow(std::uint64_t elements, PlanFrontEnd& front) {
+  // A forward larger than the plan in force is for: plan again for its size, before it runs, from the profile
+  // scaled to it; when nothing fits, the plan in force stays and says so (Note [Batch growth]).
+  const double ratio = static_cast<double>(elements) / static_cast<double>(planned_elements_);
+  if (!settings_.growth_refusal.empty()) {
+    refuse_growth(elements, settings_.growth_refusal);
+    return;
+  }
+  char shown[32];
+  std::snprintf(shown, sizeof shown, "%.3g", ratio);
+  log(LogLevel::kWarn, "tierflow: a batch of " + std::to_string(elements) + " input elements, x" + shown + " the " +
+                           std::to_string(planned_elements_) +
+                           " the activation plan in force was made for: planning again for it (Note [Batch growth])");
+  try {
+    if (!plan_->without_blocks && !plan_->plan.blocks.empty()) make_plan(*profile_, elements, front);
+    else plan_without_blocks(elements, front);
+  } catch (const out_of_memory& e) {
+    refuse_growth(elements, std::string("no activation plan fits it: ") + e.what());
+    return;
+  } catch (const config_error& e) {
+    refuse_growth(elements, std::string("no activation plan fits it: ") + e.what());
+    return;
+  }
+  growth_.replans += 1;
+  growth_.refused.reset();
+  step_starts_.erase(step_starts_.begin(), step_starts_.end() - 1);
+}
+
+void PlanDriver::refuse_growth(std::uint64_t elements, const std::string& why) {
+  // Said once per size (a larger one tries again) and in the report (Note [Batch growth]).
+  growth_.refused = std::make_pair(elements, why);
+  planned_elements_ = elements;
+  if (phases_.may_replan()) settle("a batch larger than the plan's, which stays (Note [Batch growth])");
+  log(LogLevel::kWarn, "tierflow: a batch of " + std::to_string(elements) + " input elements, larger than the " +
+                           std::to_string(plan_->batch_elements) +
+                           " the activation plan in force was made for, which stays and may exceed "
+                           "TIERFLOW_GPU_MEMORY: " + why);
+}
+
+void PlanDriver::settle(const std::string& why) {
+  if (!phases_.may_replan()) return;
+  phases_.replan_settled();
+  if (plan_) {
+    plan_->settled = why;
+    revision_ += 1;
+  }
+  log(LogLevel::kInfo, "tierflow activation plan: no re-plan from here: " + why);
+}
+
+void PlanDriver::maybe_replan(PlanFrontEnd& front) {
+  // Note [Re-plan]: the first step under a plan is left out: it pins the host memory the plan's swaps need.
+  const std::vector<double> judged(step_starts_.begin() + (step_starts_.empty() ? 0 : 1), step_starts_.end());
+  const MeasuredBesidePredicted m =
+      tiering::measured_beside_predicted(judged, std::nullopt, plan_->predicted_step_seconds, std::nullopt);
+  if (!strays_from_prediction(m.step_seconds, m.steps, plan_->predicted_step_seconds)) return;
+  phases_.replan_settled();
+  const CalibratedFigures cal = calibrate_figures(plan_blocks_, profile_->file.links, budgets(*profile_, front),
+                                                  plan_struct_, *m.step_seconds, plan_->rest_of_step_seconds);
+  Replanned r;
+  r.replanned = cal.calibrated;
+  r.why = cal.why;
+  r.measured_step_seconds = m.step_seconds;
+  r.steps = m.steps;
+  r.predicted_step_seconds = plan_->predicted_step_seconds;
+  r.link_factor = cal.link_factor;
+  r.compute_factor = cal.compute_factor;
+  replanned_ = r;
+  revision_ += 1;
+  if (!cal.calibrated) {
+    log(LogLevel::kInfo, "tierflow: no re-plan: " + cal.why);
+    return;
+  }
+  AutoProfile profile = *profile_;
+  profile.file.blocks = cal.blocks;
+  profile.file.links = cal.links;
+  profile.calibrated = ProfileCalibration{cal.link_factor, cal.compute_factor, cal.why};
+  log(LogLevel::kWarn, "tierflow: re-planning once: " + cal.why);
+  const auto failed = [&](const char* what) {  // the plan in force goes on: nothing was applied
+    replanned_->replanned = false;
+    replanned_->why = cal.why + "; the re-plan failed, the plan in force stays: " + what;
+    log(LogLevel::kWarn, "tierflow: " + replanned_->why);
+  };
+  try {
+    make_plan(profile, 0, front);
+  } catch (const out_of_memory& e) {
+    failed(e.what());
+    return;
+  } catch (const config_error& e) {
+    failed(e.what());
+    return;
+  }
+  front.write_profile(profile);  // the next run starts from the calibrated figures
+  step_starts_.erase(step_starts_.begin(), step_starts_.end() - 1);  // the steps under the new plan from here
+}
+
+std::uint64_t PlanDriver::kept_bytes() const noexcept {
+  if (!profile_ || !plan_) return 0;
+  std::uint64_t kept = 0;
+  const auto& blocks = profile_->file.blocks;
+  for (std::size_t i = 0; i < std::min(blocks.size(), plan_->plan.blocks.size()); ++i)
+    if (plan_->plan.blocks[i].mode == BlockMode::kKeep) kept += blocks[i].saved_bytes();
+  return kept;
+}
+
+MeasuredBesidePredicted PlanDriver::measured_beside_predicted(std::optional<std::uint64_t> peak_reserved_bytes) const {
+  std::optional<double> step, peak;
+  if (plan_) {
+    step = plan_->predicted_step_seconds;
+    peak = static_cast<double>(plan_->predicted_device_peak_bytes);
+  }
+  return tiering::measured_beside_predicted(step_starts_, peak_reserved_bytes, step, peak);
+}
+
+}  // namespace tierflow::tiering
