@@ -1,12 +1,14 @@
 // CpuAdamW (Note [C++ CpuAdamW]): steps like torch::optim::AdamW (to a few
 // ulp), per param group, with states on the host or NVMe; its archives load
-// into torch::optim::AdamW and back; LR schedulers drive it.
+// into torch::optim::AdamW and back; LR schedulers drive it; it steps during
+// backward as it steps after (Note [C++ steps during backward]).
 #include "tierflow/bindings/cpu_adamw.hpp"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <filesystem>
+#include <limits>
 #include <map>
 #include <sstream>
 #include <string>
@@ -283,6 +285,172 @@ TEST(CpuAdamW, LrSchedulersDriveIt) {
     scheduler.step();
   }
   EXPECT_DOUBLE_EQ(static_cast<AdamWOptions&>(opt.param_groups()[0].options()).lr(), 0.05);
+}
+
+// Note [C++ steps during backward]: a small model trained by real backward passes.
+struct Mlp {
+  torch::nn::Sequential net;
+  explicit Mlp(std::uint64_t seed) {
+    torch::manual_seed(seed);
+    net = torch::nn::Sequential(torch::nn::Linear(24, 64), torch::nn::GELU(), torch::nn::Linear(64, 48),
+                                torch::nn::GELU(), torch::nn::Linear(48, 8));
+  }
+  // One step on batch `s`: zero_grad, forward, backward, step.
+  void train_step(torch::optim::Optimizer& opt, int s, tb::CpuAdamW* ours = nullptr) {
+    torch::manual_seed(1000 + s);
+    auto x = torch::randn({16, 24});
+    ours ? ours->zero_grad() : opt.zero_grad();
+    auto loss = net->forward(x).pow(2).mean() * 10;
+    loss.backward();
+    opt.step();
+  }
+};
+
+tb::CpuAdamWOptions streaming(bool on) {
+  tb::CpuAdamWOptions o;
+  o.step_during_backward = on;
+  o.grad_bucket_bytes = 4096;  // several buckets over these 5.2k parameters
+  return o;
+}
+
+// The first moments as torch::optim::AdamW loads them from `opt`'s archive.
+std::vector<torch::Tensor> exp_avgs_through_torch(const torch::optim::Optimizer& opt, const std::vector<torch::Tensor>& params) {
+  std::stringstream buffer;
+  torch::serialize::OutputArchive out;
+  opt.save(out);
+  out.save_to(buffer);
+  torch::optim::AdamW loaded(params, AdamWOptions(1e-2));
+  torch::serialize::InputArchive in;
+  in.load_from(buffer);
+  loaded.load(in);
+  std::vector<torch::Tensor> m;
+  for (const auto& p : params) {
+    auto& st = static_cast<AdamWParamState&>(*loaded.state().at(p.unsafeGetTensorImpl()));
+    EXPECT_EQ(st.step(), 5) << "the archive's step count";
+    m.push_back(st.exp_avg().clone());
+  }
+  return m;
+}
+
+// The early steps committed by step() are the steps after backward, bit for bit (the same kernel on the same
+// gradients), their states reach the archive, and both are LibTorch's AdamW to its rounding.
+TEST(CpuAdamW, StepsDuringBackwardAreTheStepsAfterBackward) {
+  const AdamWOptions defaults = AdamWOptions(1e-2).weight_decay(0.1);
+  Mlp during(7), after(7), plain(7);
+  tb::CpuAdamW opt_during(make_runtime(false), during.net->parameters(), defaults, streaming(true));
+  tb::CpuAdamW opt_after(make_runtime(false), after.net->parameters(), defaults, streaming(false));
+  torch::optim::AdamW opt_plain(plain.net->parameters(), defaults);
+  ASSERT_TRUE(opt_during.steps_during_backward());
+  ASSERT_FALSE(opt_after.steps_during_backward());
+  for (int s = 0; s < 5; ++s) {
+    during.train_step(opt_during, s, &opt_during);
+    after.train_step(opt_after, s);
+    plain.train_step(opt_plain, s);
+  }
+  const auto pd = during.net->parameters(), pa = after.net->parameters(), pp = plain.net->parameters();
+  for (std::size_t i = 0; i < pd.size(); ++i) {
+    EXPECT_TRUE(torch::equal(pd[i], pa[i])) << "parameter " << i;
+    EXPECT_LT(max_rel_diff(pd[i], pp[i]), 1e-4) << "parameter " << i;
+  }
+  const tb::GradStreamStats st = opt_during.stream_stats();
+  EXPECT_EQ(st.early_steps, 5 * pd.size()) << "every parameter stepped during every backward";
+  EXPECT_EQ(st.committed, st.early_steps);
+  EXPECT_EQ(st.redone + st.taken_back, 0u);
+  EXPECT_GT(st.buckets, 5u);
+  EXPECT_EQ(opt_after.stream_stats().early_steps, 0u);
+  EXPECT_EQ(tb::describe_steps_during_backward(st).rfind("stepped during backward 30 (committed 30, redone 0, ", 0), 0u)
+      << tb::describe_steps_during_backward(st);
+  const auto md = exp_avgs_through_torch(opt_during, pd), ma = exp_avgs_through_torch(opt_after, pa);
+  for (std::size_t i = 0; i < md.size(); ++i) EXPECT_TRUE(torch::equal(md[i], ma[i])) << "exp_avg " << i;
+}
+
+// TIERFLOW_MAX_GRAD_NORM: the stream steps the landed gradients with clip_grad_norm_'s coefficient in step(),
+// as the step after backward steps; with TIERFLOW_OFFLOAD_GRADIENTS the released gradients enter the norm by the norm the
+// stream took, and p.grad is undefined from backward to step().
+class ClippedDuringBackward : public testing::TestWithParam<bool> {};
+
+TEST_P(ClippedDuringBackward, AsAfterBackward) {
+  const bool offload = GetParam();
+  const AdamWOptions defaults = AdamWOptions(1e-2).weight_decay(0.1);
+  Mlp during(9), after(9), plain(9);
+  tb::CpuAdamWOptions on = streaming(true), off = streaming(false);
+  on.max_grad_norm = off.max_grad_norm = 0.05;
+  on.offload_gradients = offload;
+  tb::CpuAdamW opt_during(make_runtime(false), during.net->parameters(), defaults, on);
+  tb::CpuAdamW opt_after(make_runtime(false), after.net->parameters(), defaults, off);
+  torch::optim::AdamW opt_plain(plain.net->parameters(), defaults);
+  for (int s = 0; s < 4; ++s) {
+    during.train_step(opt_during, s, &opt_during);
+    after.train_step(opt_after, s);
+    torch::manual_seed(1000 + s);  // Mlp::train_step's batch, clipped by torch's clip_grad_norm_
+    auto x = torch::randn({16, 24});
+    opt_plain.zero_grad();
+    (plain.net->forward(x).pow(2).mean() * 10).backward();
+    torch::nn::utils::clip_grad_norm_(plain.net->parameters(), 0.05);
+    opt_plain.step();
+  }
+  const auto pd = during.net->parameters(), pa = after.net->parameters(), pp = plain.net->parameters();
+  for (std::size_t i = 0; i < pd.size(); ++i) {
+    EXPECT_TRUE(torch::equal(pd[i], pa[i])) << "parameter " << i;
+    EXPECT_LT(max_rel_diff(pd[i], pp[i]), 1e-4) << "parameter " << i;
+    EXPECT_EQ(pd[i].grad().defined(), !offload) << "parameter " << i;
+  }
+  const tb::GradStreamStats st = opt_during.stream_stats();
+  // The norm is over 0.05 in every step: speculation stops, and step() steps every landed gradient with the
+  // coefficient (none is left to the step after backward's path).
+  std::uint64_t grad_bytes = 0;
+  for (const auto& p : pd) grad_bytes += p.nbytes();
+  EXPECT_EQ(st.speculation_stops, 4u);
+  EXPECT_EQ(st.kernel_grad_bytes, 4 * grad_bytes);
+  EXPECT_EQ(st.grads_released, offload ? 4 * pd.size() : 0u);
+}
+
+INSTANTIATE_TEST_SUITE_P(CpuAdamW, ClippedDuringBackward, testing::Values(false, true),
+                         [](const testing::TestParamInfo<bool>& info) { return info.param ? "offload" : "kept"; });
+
+// TIERFLOW_SKIP_NONFINITE: a step with an inf gradient changes nothing, the early steps included.
+TEST(CpuAdamW, ANonFiniteStepDuringBackwardIsSkipped) {
+  Mlp m(11);
+  tb::CpuAdamWOptions o = streaming(true);
+  o.skip_nonfinite = true;
+  tb::CpuAdamW opt(make_runtime(false), m.net->parameters(), AdamWOptions(1e-2), o);
+  m.train_step(opt, 0, &opt);
+  std::vector<torch::Tensor> before;
+  for (const auto& p : m.net->parameters()) before.push_back(p.detach().clone());
+  opt.zero_grad();
+  auto loss = m.net->forward(torch::full({2, 24}, std::numeric_limits<float>::infinity())).sum();
+  loss.backward();
+  opt.step();
+  EXPECT_EQ(opt.stats().skipped_steps, 1u);
+  const auto params = m.net->parameters();
+  for (std::size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(torch::equal(params[i], before[i])) << "parameter " << i;
+  EXPECT_GT(opt.stream_stats().taken_back, 0u);
+}
+
+// The settings C++ cannot serve are refused by name, with what is accepted.
+TEST(CpuAdamW, SettingsWithoutACppMeaningAreRefusedByName) {
+  auto refusal = [](tb::CpuAdamWOptions o) -> std::string {
+    try {
+      tb::CpuAdamW opt(make_runtime(false), make_params(1), AdamWOptions(1e-2), o);
+    } catch (const tierflow::config_error& e) {
+      return e.what();
+    }
+    return "";
+  };
+  tb::CpuAdamWOptions forward = streaming(true);
+  forward.weights_in_forward = true;
+  EXPECT_NE(refusal(forward).find("TIERFLOW_WEIGHTS_RETURN=forward"), std::string::npos);
+  EXPECT_NE(refusal(forward).find("accepted from C++: TIERFLOW_WEIGHTS_RETURN=step"), std::string::npos);
+  tb::CpuAdamWOptions offload = streaming(false);
+  offload.offload_gradients = true;
+  EXPECT_NE(refusal(offload).find("TIERFLOW_OFFLOAD_GRADIENTS=on"), std::string::npos) << refusal(offload);
+  tb::CpuAdamWOptions norm = streaming(true);
+  norm.max_grad_norm = -1;
+  EXPECT_NE(refusal(norm).find("TIERFLOW_MAX_GRAD_NORM"), std::string::npos);
+  // From the table: TIERFLOW_OVERLAP_STEP=off steps after backward.
+  auto runtime = std::make_shared<tb::Runtime>(tierflow::Config::parse({}, {{"overlap_step", "off"}}));
+  EXPECT_FALSE(tb::CpuAdamW(runtime, make_params(1), AdamWOptions(1e-2)).steps_during_backward());
+  EXPECT_TRUE(tb::CpuAdamW(make_runtime(false), make_params(1), AdamWOptions(1e-2)).steps_during_backward());
 }
 
 }  // namespace
