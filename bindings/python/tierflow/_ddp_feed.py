@@ -32,7 +32,7 @@ class ReducedFeed:
 
     def stream(self) -> Any:
         opt = self.optimizer()
-        streaming = getattr(opt, "_streaming", None) if opt is not None else None
+        streaming = opt.streaming if opt is not None else None
         return streaming.stream if streaming is not None and opt.steps_during_backward() else None
 
 
@@ -109,7 +109,7 @@ def feed(ddp: torch.nn.Module, optimizer: Any) -> None:
     """Registers tierflow's hook on ``ddp`` (why_not_fed must be None) for ``optimizer``'s stream; a later
     ddp.register_comm_hook composes with it, a built-in hook is refused with an error that says so."""
     params = [p for p in ddp._module_parameters if p.requires_grad]
-    optimizer._streaming.stream_reduced(params)
+    optimizer.streaming.stream_reduced(params)
     state = getattr(ddp, "_tierflow_feed", None)
     if state is not None:
         state.optimizer = weakref.ref(optimizer)

@@ -46,7 +46,7 @@ class FsdpFeed:
         opt = self.optimizer()
         if opt is None or not opt.steps_during_backward():
             return None
-        return opt._streaming
+        return opt.streaming
 
     # -- backward -----------------------------------------------------------------
     def unit_reduced(self, index: int) -> None:
@@ -135,7 +135,7 @@ class FsdpFeed:
         self.join()
         self._fed.clear()
         opt = self.optimizer()
-        streaming = opt._streaming if opt is not None else None
+        streaming = opt.streaming if opt is not None else None
         if streaming is not None:
             for _unit, params in self.units:
                 for p in params:
@@ -176,7 +176,7 @@ class FsdpFeed:
     def sync_grads(self) -> None:
         """Each carried shard's .grad is its parameter's gradient's local tensor, or None."""
         opt = self.optimizer()
-        streaming = opt._streaming if opt is not None else None
+        streaming = opt.streaming if opt is not None else None
         if streaming is None:
             return
         for _unit, params in self.units:

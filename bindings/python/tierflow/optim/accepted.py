@@ -1,10 +1,14 @@
-"""What CPUAdamW accepts: the optimizers tierflow.wrap replaces by it, and the gradient dtypes its kernels take."""
+"""What CPUAdamW accepts: the optimizers tierflow.wrap replaces by it, the gradient dtypes its kernels take, the
+moments' formats, and FSDP2's shards (all of its parameters or none, with the settings they take)."""
 
 from __future__ import annotations
+
+from typing import Any, Optional
 
 import torch
 
 from .. import _C
+from .copies import STATE_FORMATS, local_shard
 
 GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -37,3 +41,39 @@ def check_replaceable(optimizer: torch.optim.Optimizer) -> None:
             if not p.is_floating_point() or p.dtype not in GRAD_DTYPES:
                 raise _C.TierflowError(f"tierflow.wrap: param group {i} holds a parameter of dtype {p.dtype}; "
                                        "accepted: float32, bfloat16, float16")
+
+
+def state_format_of(keyword: Optional[str], cfg: Any) -> str:
+    """The moments' format: CPUAdamW's keyword ``optimizer_states`` if given, else TIERFLOW_OPTIMIZER_STATES."""
+    if keyword is None:
+        return cfg["TIERFLOW_OPTIMIZER_STATES"]
+    name = str(keyword).strip().lower()
+    if name not in STATE_FORMATS:
+        raise _C.ConfigError(f"tierflow CPUAdamW: optimizer_states={keyword!r} (TIERFLOW_OPTIMIZER_STATES); "
+                             f"accepted: {', '.join(STATE_FORMATS)}")
+    return name
+
+
+def check_sharding(param_groups: list, names: dict, runtime: "_C.Runtime", cfg: Any) -> bool:
+    """Whether the parameters of ``param_groups`` are FSDP2's DTensor shards (each rank steps its own: Note
+    [Distributed training]); raises for a mix of shards and plain parameters (the plain ones' gradients are not
+    reduced across ranks, and one norm cannot be taken over both; ``names``: id(p) -> its name, for the message)
+    and for the settings the shards do not take."""
+    params = [p for g in param_groups for p in g["params"]]
+    sharded = [p for p in params if local_shard(p) is not p]
+    if not sharded:
+        return False
+    if len(sharded) != len(params):
+        plain = [names.get(id(p), f"a parameter of shape {list(p.shape)}") for p in params if local_shard(p) is p]
+        raise _C.ConfigError(
+            f"tierflow's CPU optimizer: {len(sharded)} of its {len(params)} parameters are FSDP2's DTensor "
+            f"shards and {len(plain)} are not ({', '.join(repr(n) for n in plain[:3])}"
+            f"{' and more' if len(plain) > 3 else ''}): the model is only partly under fully_shard; accepted: "
+            "fully_shard on the model too (its root), or TIERFLOW_OFFLOAD_OPTIMIZER=none")
+    # Shards in host memory while tierflow's device is CUDA (FSDP2's CPUOffloadPolicy; wrap reads the policy
+    # itself from the model, which a CPUAdamW made directly does not have): refused as that policy is.
+    host_shards = runtime.device == "cuda" and any(local_shard(p).device.type == "cpu" for p in sharded)
+    why = _C.fsdp_settings_refusal(dict(cfg), True, host_shards)  # ends with what FSDP2 accepts
+    if why is not None:
+        raise _C.ConfigError(f"tierflow's CPU optimizer over FSDP2's shards: {why}")
+    return True

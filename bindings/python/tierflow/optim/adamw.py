@@ -74,19 +74,20 @@ import torch
 
 from .. import _C
 from .. import _fsdp_feed as fsdp_feed
-from .._distributed import fsdp_units, note_step, rank_and_world_size
+from .._distributed import fsdp_units, rank_and_world_size
 from . import clip
-from .accepted import GRAD_DTYPES, check_grad, check_replaceable
-from .copies import STATE_FORMATS, DeviceCopies, local_shard
+from .accepted import GRAD_DTYPES, check_replaceable, check_sharding, state_format_of
+from .copies import DeviceCopies, local_shard
 from .gpu_share import GpuShare
 from . import checkpoint
 from .nvme_states import StateTier, fill_lost_states
 from .partition import Partition
+from .step_paths import StepPaths
 from .streaming import GradientStreaming
 
 
 
-class CPUAdamW(torch.optim.Optimizer):
+class CPUAdamW(StepPaths, torch.optim.Optimizer):
     """Adam / AdamW with fp32 master weights and moments in the pinned host pool.
 
     The update is tierflow's C++ CpuAdam on oneTBB, with the semantics of
@@ -169,9 +170,9 @@ class CPUAdamW(torch.optim.Optimizer):
         self._python_stepped: list = []  # the parameters this step writes in the Python path
         cfg = runtime.config()
         # Note [Optimizer state formats]: how exp_avg and exp_avg_sq are kept (their dtype says it too).
-        self._state_format = self._format_of(getattr(self, "_states_keyword", None), cfg)
+        self._state_format = state_format_of(getattr(self, "_states_keyword", None), cfg)
         for i, group in enumerate(self.param_groups):
-            self._check_amsgrad(group, i)
+            self.check_amsgrad(group, i)
         if not hasattr(self, "_names"):
             self._names: dict = {}
         self._copies = DeviceCopies(runtime)  # Note [Optimizer copies]
@@ -181,7 +182,7 @@ class CPUAdamW(torch.optim.Optimizer):
         # (Note [Optimizer states on NVMe]); steps during backward are host-tier only.
         self._overlap = cfg["TIERFLOW_OVERLAP_STEP"] == "on" and not self._states.nvme
         # FSDP2's DTensor parameters: each rank steps its own shard, in step() (Note [Distributed training]).
-        self._sharded = self._check_sharding(cfg)
+        self._sharded = check_sharding(self.param_groups, self._names, self._runtime, cfg)
         # Why steps during backward are off for the rest of the run (DDP: Note [Distributed training]), or None.
         self._steps_after_backward: Optional[str] = None
         if self._sharded and self._overlap:
@@ -286,18 +287,7 @@ class CPUAdamW(torch.optim.Optimizer):
         if old is not None:
             old._opt_called = True
 
-    @staticmethod
-    def _format_of(keyword: Optional[str], cfg: Any) -> str:
-        """The moments' format: CPUAdamW's keyword ``optimizer_states`` if given, else TIERFLOW_OPTIMIZER_STATES."""
-        if keyword is None:
-            return cfg["TIERFLOW_OPTIMIZER_STATES"]
-        name = str(keyword).strip().lower()
-        if name not in STATE_FORMATS:
-            raise _C.ConfigError(f"tierflow CPUAdamW: optimizer_states={keyword!r} (TIERFLOW_OPTIMIZER_STATES); "
-                                 f"accepted: {', '.join(STATE_FORMATS)}")
-        return name
-
-    def _check_amsgrad(self, group: dict, index: int) -> None:
+    def check_amsgrad(self, group: dict, index: int) -> None:
         """amsgrad keeps fp32 moments: refused with bf16 or 8-bit ones, naming the setting."""
         fmt = getattr(self, "_state_format", "fp32")
         if group.get("amsgrad") and fmt != "fp32":
@@ -309,7 +299,7 @@ class CPUAdamW(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         try:
-            self._check_amsgrad(self.param_groups[-1], len(self.param_groups) - 1)
+            self.check_amsgrad(self.param_groups[-1], len(self.param_groups) - 1)
         except BaseException:
             self.param_groups.pop()
             raise
@@ -318,7 +308,8 @@ class CPUAdamW(torch.optim.Optimizer):
             streaming.forget_python_path()  # its parameters step through the Python path
         if hasattr(self, "_sharded"):  # after _setup: the same rules for the new group's parameters
             try:
-                sharded = self._check_sharding(self._runtime.config())
+                sharded = check_sharding(self.param_groups, self._names, self._runtime,
+                                         self._runtime.config())
             except BaseException:
                 self.param_groups.pop()
                 raise
@@ -330,30 +321,6 @@ class CPUAdamW(torch.optim.Optimizer):
                      "not DTensors and the optimizer steps FSDP2's shards") +
                     "; accepted: one optimizer for the FSDP2 model's shards, another for other parameters")
 
-    def _check_sharding(self, cfg: Any) -> bool:
-        """Whether the parameters are FSDP2's DTensor shards (each rank steps its own: Note [Distributed
-        training]); raises for a mix of shards and plain parameters (the plain ones' gradients are not reduced
-        across ranks, and one norm cannot be taken over both) and for the settings the shards do not take."""
-        params = [p for g in self.param_groups for p in g["params"]]
-        sharded = [p for p in params if local_shard(p) is not p]
-        if not sharded:
-            return False
-        if len(sharded) != len(params):
-            plain = [self._names.get(id(p), f"a parameter of shape {list(p.shape)}")
-                     for p in params if local_shard(p) is p]
-            raise _C.ConfigError(
-                f"tierflow's CPU optimizer: {len(sharded)} of its {len(params)} parameters are FSDP2's DTensor "
-                f"shards and {len(plain)} are not ({', '.join(repr(n) for n in plain[:3])}"
-                f"{' and more' if len(plain) > 3 else ''}): the model is only partly under fully_shard; accepted: "
-                "fully_shard on the model too (its root), or TIERFLOW_OFFLOAD_OPTIMIZER=none")
-        # Shards in host memory while tierflow's device is CUDA (FSDP2's CPUOffloadPolicy; wrap reads the policy
-        # itself from the model, which a CPUAdamW made directly does not have): refused as that policy is.
-        host_shards = self._runtime.device == "cuda" and any(local_shard(p).device.type == "cpu" for p in sharded)
-        why = _C.fsdp_settings_refusal(dict(cfg), True, host_shards)  # ends with what FSDP2 accepts
-        if why is not None:
-            raise _C.ConfigError(f"tierflow's CPU optimizer over FSDP2's shards: {why}")
-        return True
-
     def use_host_copies(self, offload: Any) -> None:
         """Parameters that live on the host between uses (Note [Parameter hooks]): their steps read and
         write the host copies, and the stream commits their weights there. The GPU share (auto) takes none."""
@@ -363,6 +330,18 @@ class CPUAdamW(torch.optim.Optimizer):
         if self._streaming is not None:
             self._streaming.use_homes(offload)
 
+    def follow_activation_plan(self, planner: Any) -> None:
+        """tierflow.wrap under the activation planner (auto; held weakly): the GPU share (auto) is chosen once
+        the plan is in force, in the room it leaves, and the plan settles if the share takes device memory
+        (Note [Steady step])."""
+        self._planner = weakref.ref(planner)
+
+    def activation_planner(self) -> Any:
+        """The activation planner follow_activation_plan gave (or, set by a wrap from before it, the GPU
+        share's reference), or None."""
+        ref = getattr(self, "_planner", None) or self._gpu.planner
+        return ref() if ref is not None else None
+
     def params_became_resident(self, params: list) -> None:
         """TIERFLOW_OFFLOAD_PARAMS=auto's plan keeps these on the device now: their weights go there again."""
         if self._streaming is not None:
@@ -371,14 +350,6 @@ class CPUAdamW(torch.optim.Optimizer):
     def mark_master_stale(self) -> None:
         """Parameters were changed outside the optimizer: re-read masters from them at the next step."""
         self._master_stale = True
-
-    def _reconcile_master(self, master: torch.Tensor, p: torch.Tensor) -> None:
-        """A stale master (the model or the optimizer was loaded): kept where p is its rounding (the master of a
-        checkpoint whose model was loaded after its optimizer, whatever the order), else read from p."""
-        current = self._copies.source(p)
-        if master.shape == p.shape and torch.equal(master.to(p.dtype), current.to(master.device)):
-            return
-        self._copies.read_into(master, p)
 
     fill_lost_states = staticmethod(fill_lost_states)
 
@@ -465,6 +436,93 @@ class CPUAdamW(torch.optim.Optimizer):
         return {"format": self._state_format, "parameters": count, "elements": elements, "bytes": nbytes,
                 "tier": "nvme" if self._states.nvme else "host"}
 
+    # -- what DDP's and FSDP2's feeds and checkpoint.py use (never a private attribute) ---------------------
+    @property
+    def streaming(self) -> Optional[GradientStreaming]:
+        """The gradient stream (optim/streaming.py, Note [Gradient streaming]) the feeds hand reduced gradients
+        to, or None when it is off."""
+        return getattr(self, "_streaming", None)
+
+    @property
+    def state_format(self) -> str:
+        """The moments' format: fp32, bf16 or 8bit (Note [Optimizer state formats])."""
+        return self._state_format
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the parameters are FSDP2's DTensor shards, each rank's stepped there (Note [Distributed
+        training])."""
+        return self._sharded
+
+    @property
+    def states_on_nvme(self) -> bool:
+        """Whether the states live on NVMe (Note [NVMe optimizer faults]), not in the pinned host pool."""
+        return self._states.nvme
+
+    @property
+    def partition(self) -> Optional[Partition]:
+        """This rank's share under DDP (Note [Partitioned optimizer]), or None: it steps every parameter."""
+        return self._partition
+
+    @property
+    def master_stale(self) -> bool:
+        """Whether the next step re-reads each master from its parameter (kept where the parameter is its
+        rounding): set after the model or the optimizer was loaded."""
+        return self._master_stale
+
+    @master_stale.setter
+    def master_stale(self, stale: bool) -> None:
+        self._master_stale = bool(stale)
+
+    def keep_loaded_layout(self, layout: Optional[tuple]) -> None:
+        """A loaded state dict's share (Note [Partitioned optimizer]), checked when the partition is made."""
+        self._loaded_layout = layout
+
+    def settle_before_load(self) -> None:
+        """Before a load replaces the states: the early steps finished (or taken back), this backward's
+        gradients back in p.grad for the next step(), the window ended and the weights back."""
+        if self._streaming is not None:
+            self._wait_worker()
+            self._streaming.stream.restore_grads()
+            self._streaming.stream.end_window()
+            self._streaming.stream.synchronize()
+
+    def describe(self, p: torch.Tensor) -> str:
+        """p as a user knows it (its name, or its group and index), for error messages."""
+        return self._states.describe(p, self.param_groups)
+
+    def exportable_state(self, p: torch.Tensor) -> dict:
+        """p's state as CPU tensors a state dict can hold: the live one on the host; on NVMe read back, or
+        marked lost (Note [NVMe optimizer faults])."""
+        if not self._states.nvme:
+            return self.state[p]
+        return self._states.materialize_or_mark(p, self.state[p], self.param_groups)
+
+    def tier_stores(self) -> dict:
+        """{p: where its state lives on NVMe} (empty on the host): a load writes them again in place."""
+        return self._states.stores(self.state)
+
+    def weight_source(self, p: torch.Tensor) -> torch.Tensor:
+        """What p holds, where the optimizer reads it (the host copy of a parameter living on the host)."""
+        return self._copies.source(p)
+
+    def host_moment(self, shard: torch.Tensor) -> torch.Tensor:
+        """A new moment for ``shard`` in the pinned pool, in this optimizer's format."""
+        return self._copies.host_moment(shard, self._state_format)
+
+    def host_tensor(self, shard: torch.Tensor, zero: bool) -> torch.Tensor:
+        """A new fp32 tensor shaped like ``shard`` in the pinned pool (zeros when ``zero``)."""
+        return self._copies.host(shard, zero)
+
+    def place_state(self, p: torch.Tensor, group: dict, store: Any = None) -> None:
+        """p's state (new or replaced, in host tensors) to its tier: written to NVMe (into ``store``, where it
+        lived before, when given), or handed to the gradient stream."""
+        if self._states.nvme:
+            self._states.reserve([(p, group)])
+            self._states.to_nvme(p, self.state[p], group, store)
+        else:
+            self._register_state(p)
+
     # -- the gradient stream (Note [Gradient streaming]) ------------------------------
     @property
     def _stream(self) -> Optional["_C.GradStream"]:
@@ -496,7 +554,7 @@ class CPUAdamW(torch.optim.Optimizer):
 
     def _push_groups(self) -> None:
         for i, group in enumerate(self.param_groups):  # a group's amsgrad set after construction: refused here,
-            self._check_amsgrad(group, i)              # before the stream steps with it
+            self.check_amsgrad(group, i)              # before the stream steps with it
         self._streaming.push_groups([self._options(group) for group in self.param_groups])
 
     def _on_backward_begin(self) -> None:
@@ -521,32 +579,6 @@ class CPUAdamW(torch.optim.Optimizer):
             self._streaming.set_state(p, self.state[p])
 
     # -- state -----------------------------------------------------------------
-
-    def _init_state(self, p: torch.Tensor, group: dict) -> dict:
-        """A fresh state for p; when making it fails (a full tier) p keeps none, so a later step starts it again."""
-        try:
-            if self._states.nvme:
-                fresh = self._states.add(p, group, self._copies.source(local_shard(p)))  # FSDP2: its shard
-            else:
-                shard = local_shard(p)  # FSDP2: this rank's shard only (one copy of the states on the node)
-                fmt = self._state_format  # Note [Optimizer state formats]
-                fresh = {"exp_avg": self._copies.host_moment(shard, fmt),
-                         "exp_avg_sq": self._copies.host_moment(shard, fmt)}
-                if group["amsgrad"]:
-                    fresh["max_exp_avg_sq"] = self._copies.host(shard, True)
-                master = self._copies.host(shard, False)
-                self._copies.read_into(master, shard)
-                fresh["master"] = master
-        except BaseException:
-            if p in self.state and len(self.state[p]) == 0:
-                del self.state[p]
-            raise
-        state = self.state[p]
-        state["step"] = torch.tensor(0.0, dtype=torch.float32)
-        state.update(fresh)
-        if not self._states.nvme:
-            self._register_state(p)
-        return state
 
     def state_dict(self) -> dict:
         """torch's layout; ``master`` is included only for non-fp32 parameters
@@ -596,26 +628,6 @@ class CPUAdamW(torch.optim.Optimizer):
         if self._streaming is not None:
             self._streaming.stream.discard_all()
 
-    def _clip_coefficient(self) -> tuple[float, bool]:
-        """(clip coefficient, all gradients finite), with clip_grad_norm_'s own ops."""
-        if self._max_grad_norm is None and not self._skip_nonfinite:
-            return 1.0, True
-        released = self._streaming.stream.released_norms() if self._offload_grads else {}
-        if released:
-            total = self._streaming.total_norm_with_released(self.param_groups, released)
-        else:
-            grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-            if not grads:
-                return 1.0, True
-            total = torch.nn.utils.get_total_norm(grads, 2.0)
-            if hasattr(total, "full_tensor"):  # FSDP2's sharded gradients: the norm over every rank's shard
-                total = total.full_tensor()
-        finite = bool(torch.isfinite(total))
-        if self._max_grad_norm is None:
-            return 1.0, finite
-        coef = torch.clamp(self._max_grad_norm / (total + 1e-6), max=1.0)
-        return float(coef), finite
-
     @torch.no_grad()
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's; also takes back early steps that no step() confirmed."""
@@ -639,7 +651,7 @@ class CPUAdamW(torch.optim.Optimizer):
         if self._partition is not None:
             self._partition.refuse_join()
         for i, group in enumerate(self.param_groups):  # a group's amsgrad set after construction
-            self._check_amsgrad(group, i)
+            self.check_amsgrad(group, i)
         self._check_space_once()  # a multi-process run that never showed its DDP: every parameter's states here
         self._mark_step_called()
         loss = None
@@ -661,193 +673,3 @@ class CPUAdamW(torch.optim.Optimizer):
         self._copies.bump_offloaded_versions(self.param_groups)
         self._master_stale = False
         return loss
-
-    def _step_all(self) -> bool:
-        """step()'s work on this rank's parameters; returns whether the step was skipped (not finite)."""
-        skipped = False
-        self._python_stepped = []  # Note [Weight content]: a failed step's left none behind
-        self._wait_worker()
-        scale, finite = self._clip_coefficient()
-        # Note [Distributed training]: early steps all redone in a multi-process run (an all-reduce) turn them off.
-        watch = self._overlap and not self._master_stale and not self._steps_after_backward
-        watched = self.overlap_stats if watch else None
-        if self._skip_nonfinite and not finite:
-            if self._streaming is not None:
-                self._streaming.stream.restore_grads()  # a skipped step leaves p.grad as torch's does
-                self._streaming.stream.end_window()
-            self._overlap_counts["skipped_steps"] += 1
-            skipped = True
-        elif self._streaming is not None:
-            # Note [Gradient streaming]: the stream commits or redoes what it carried and
-            # sends the weights back; the Python path steps only what it left.
-            self._push_groups()
-            if self._fsdp_feed is not None:  # the identities finish() checks: each shard's .grad, p.grad's local
-                self._fsdp_feed.sync_grads()
-                self._fsdp_feed.mark_unseen_changes()
-            # Note [Atomic step]: what can fail, the stream's and the Python path's, before anything commits.
-            def prepare(frugal: bool) -> list:
-                unhandled = self._streaming.stream.prepare_finish(scale, self._master_stale, frugal)
-                # Note [Weight content]: parameters the user wrote since tierflow did: their masters are re-read.
-                self._reread = {id(self._streaming._slot_params[i]) for i in self._streaming.stream.weights_changed()}
-                self._stream_stepped = unhandled
-                return self._prepare_groups(scale, [(group, params) for group, params in zip(
-                    self.param_groups, self._streaming.python_path(self.param_groups, unhandled)) if params])
-
-            try:
-                prepared = prepare(False)
-            except _C.OutOfMemoryError:  # the early steps' out-of-place results let go for the rest's room
-                prepared = prepare(True)
-            self._streaming.stream.commit_finish()
-            for work in prepared:
-                self._apply_group(*work)
-            if self._sharded:  # the next forward's all-gathers read the shards: their weights are back first
-                self._streaming.stream.synchronize()
-                if self._fsdp_feed is not None:
-                    self._fsdp_feed.after_step()
-            if self._streaming.sizing_pending or self._gpu.auto:  # Note [Steady step]
-                seen = self._streaming.window_seen()
-                # The share first: the buckets are cut for what stays on the CPU, at a steady step after it.
-                if not self._gpu.choose(self.param_groups, self._runtime, self._streaming, self.state, seen):
-                    self._streaming.size_buckets(seen)
-        elif not self._states.nvme:
-            self._step_groups(scale, [(group, None) for group in self.param_groups])
-            self._states.new_window()
-        else:
-            problems: list = []
-            for group in self.param_groups:
-                problems += self._step_group(group, scale) or []
-            if problems:  # Note [NVMe optimizer faults]: the others stepped; a retry steps these
-                self._copies.finish_uploads()
-                self._master_stale = False
-                raise self._states.step_error(problems, self.param_groups)
-            self._states.new_window()
-        if watched is not None:
-            note_step(self, watched, scale)
-        self._copies.finish_uploads()
-        self._note_written()
-        return skipped
-
-    # -- Note [Weight content] ------------------------------------------------------------------------
-    def _weight_written_by_user(self, p: torch.Tensor) -> bool:
-        """True when p's bytes are not what tierflow last wrote into it (p.data edits between steps: WGAN's
-        weight clipping): its master is re-read from p. The stream checks its own parameters."""
-        if id(p) in self._reread:
-            return True
-        then = self._written.get(id(p))
-        if then is None:
-            return False
-        now = _C._grad_content(self._copies.source(local_shard(p)).detach())
-        return not now[2] or now != then  # not known (not contiguous): re-read (kept where p is its rounding)
-
-    def _note_written(self) -> None:
-        """After a step's writes are complete: what the next step compares each parameter this step wrote with
-        (one it did not write keeps what it had: a user's write to it is still to be seen)."""
-        self._reread = set()
-        stream = self._streaming.stream if self._streaming is not None else None
-        if stream is not None and self._stream_stepped:
-            stream.note_written(self._stream_stepped)  # carried, stepped here: the stream compares them
-        self._stream_stepped = []
-        stepped, self._python_stepped = self._python_stepped, []
-        for p in stepped:
-            if self._streaming is None or not self._streaming.carries(p):
-                self._written[id(p)] = _C._grad_content(self._copies.source(local_shard(p)).detach())
-
-    def _step_group(self, group: dict, scale: float = 1.0, params: Optional[list] = None) -> Optional[list]:
-        """States on NVMe: one group's step (Note [NVMe optimizer faults]: the parameters it could not step)."""
-        options = self._options(group)
-        gpu = self._gpu.ensure(self.param_groups)
-        if self._partition is not None:  # Note [Partitioned optimizer]: the other ranks step theirs
-            params = [p for p in (group["params"] if params is None else params) if self._partition.owns(p)]
-            group = dict(group, params=params)
-        return self._states.step_group(group, dict(options, grad_scale=scale) if scale != 1.0 else options,
-                                       self.state, gpu, self._copies, self._init_state, self._master_stale)
-
-    def _step_groups(self, scale: float, todo: list) -> None:
-        """States on the host: one step of [(group, its params or None for all)], all or nothing (Note [Atomic
-        step]): everything that can fail (new states, gradients' copies, staging) first, for every group; then
-        the kernels and the weights' way back."""
-        for work in self._prepare_groups(scale, todo):
-            self._apply_group(*work)
-
-    def _prepare_groups(self, scale: float, todo: list) -> list:
-        """Note [Atomic step]: _prepare_group for each of [(group, its params or None)]; on a failure the states
-        it made are dropped and it raises, having changed nothing a caller sees."""
-        fresh: list = []  # parameters whose state this step made
-        prepared = []
-        try:
-            for group, params in todo:
-                prepared.append(self._prepare_group(group, scale, params, fresh))
-        except BaseException:
-            for p in fresh:  # a state made for a step that did not happen: the next step() makes it again
-                self.state.pop(p, None)
-            raise
-        return prepared
-
-    def _prepare_group(self, group: dict, scale: float, params: Optional[list], fresh: list) -> tuple:
-        """Note [Atomic step]: a host-tier group's part of a step up to the kernels, writing nothing a caller
-        sees: (options, members, copy_back, on_gpu)."""
-        options = self._options(group)
-        gpu = self._gpu.ensure(self.param_groups)
-        if self._partition is not None:  # Note [Partitioned optimizer]: the other ranks step theirs
-            params = [p for p in (group["params"] if params is None else params) if self._partition.owns(p)]
-        members: list = []  # (its state, its gradient on the host, its output) per parameter stepped here
-        copy_back: list = []
-        on_gpu: list = []
-        fetches: list = []
-        for p in group["params"] if params is None else params:
-            if p.grad is not None and id(p) in gpu:
-                on_gpu.append(p)
-            elif p.grad is not None:
-                members.append(self._member(p, group, fetches, copy_back, fresh))
-        if scale != 1.0:
-            options = dict(options, grad_scale=scale)
-        for transfer, _src in fetches:
-            transfer.wait()
-        return options, members, copy_back, on_gpu
-
-    def _apply_group(self, options: dict, members: list, copy_back: list, on_gpu: list) -> None:
-        """The kernels of a prepared group (_prepare_group), the step counts, and the new weights' way back."""
-        if on_gpu:
-            self._gpu.step(on_gpu, self.state, options)
-        amsgrad = options["amsgrad"]
-        for step, batch in _C.group_by_step([int(s["step"].item()) + 1 for s, _, _ in members]):
-            batch = [members[i] for i in batch]
-            self._runtime.adam_step(options, step, [s["master"] for s, _, _ in batch],
-                                    [s["exp_avg"] for s, _, _ in batch], [s["exp_avg_sq"] for s, _, _ in batch],
-                                    [s.get("max_exp_avg_sq") if amsgrad else None for s, _, _ in batch],
-                                    [g for _, g, _ in batch], [out for _, _, out in batch])
-            for s, _, _ in batch:
-                s["step"] += 1
-        for p, out in copy_back:
-            self._copies.write_param(p, out)
-
-    def _member(self, p: torch.Tensor, group: dict, fetches: list, copy_back: list, fresh: list) -> tuple:
-        """p's part of a step on the host: (its state, whose step _apply_group counts; its gradient on the host,
-        whose copy is put in ``fetches`` when it is in flight; where the kernel writes its new weights, put in
-        ``copy_back`` when that is a staging buffer to copy into p). A state it makes is put in ``fresh``."""
-        grad = local_shard(p.grad)
-        check_grad(grad)
-        state = self.state[p]
-        if len(state) == 0:
-            state = self._init_state(p, group)
-            fresh.append(p)
-        elif self._master_stale or self._weight_written_by_user(p):
-            self._reconcile_master(state["master"], local_shard(p))  # the same master again on a retry
-        self._python_stepped.append(p)  # (a failed step's are dropped by the retry's, which steps them again)
-        if self._copies.staged(grad):
-            host_grad, transfer, src = self._copies.fetch(grad)
-            fetches.append((transfer, src))  # all gradients in flight at once; waited by the caller
-        else:
-            host_grad = grad.detach()
-            if host_grad.device.type != "cpu" or not host_grad.is_contiguous():
-                host_grad = host_grad.to("cpu").contiguous()
-        home = self._copies.home(p)
-        shard = local_shard(p)
-        if home is not None:
-            out = home  # the next forward fetches it (Note [Optimizer copies])
-        elif shard.device.type == "cpu" and shard.is_contiguous() and not self._copies.staged(shard):
-            out = shard.detach()
-        else:
-            out = self._copies.staging(shard)
-            copy_back.append((shard, out))
-        return state, host_grad, out

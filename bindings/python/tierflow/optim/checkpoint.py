@@ -39,9 +39,8 @@ _STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master", *_CODES.valu
 def state_dict_of(opt: Any, sd: dict) -> dict:
     """``sd`` (torch's state_dict of ``opt``, after its worker settled) made a CPUAdamW's."""
     params = [p for g in opt.param_groups for p in g["params"]]
-    if opt._states.nvme:
-        sd["state"] = {k: opt._states.materialize_or_mark(params[k], opt.state[params[k]], opt.param_groups)
-                       for k in sd["state"]}
+    if opt.states_on_nvme:
+        sd["state"] = {k: opt.exportable_state(params[k]) for k in sd["state"]}
     index = {i: p for i, p in enumerate(params)}
     state = {}
     for k, s in sd["state"].items():
@@ -49,13 +48,13 @@ def state_dict_of(opt: Any, sd: dict) -> dict:
         if p is not None and p.dtype == torch.float32 and "master" in s:
             s = {n: v for n, v in s.items() if n != "master"}
         if p is not None:
-            s = exported_moments(s, local_shard(p), decode=opt._sharded)
+            s = exported_moments(s, local_shard(p), decode=opt.sharded)
         state[k] = s
     sd["state"] = state
-    if opt._sharded:
+    if opt.sharded:
         sd["state"] = {k: as_dtensors(s, params[k]) for k, s in state.items()}
-    if opt._partition is not None:  # Note [Partitioned optimizer]: whose share this is
-        sd[LAYOUT_KEY] = opt._partition.layout
+    if opt.partition is not None:  # Note [Partitioned optimizer]: whose share this is
+        sd[LAYOUT_KEY] = opt.partition.layout
     return sd
 
 
@@ -103,16 +102,16 @@ def check_loadable(opt: Any, state_dict: dict) -> Any:
     """Refuses, before anything changes, a state dict with states marked lost (Note [NVMe optimizer faults])
     and one of another partition's share (Note [Partitioned optimizer]); returns its share's layout."""
     for i, group in enumerate(state_dict.get("param_groups", [])):  # amsgrad keeps fp32 moments
-        opt._check_amsgrad(group, i)
+        opt.check_amsgrad(group, i)
     lost = [k for k, s in state_dict.get("state", {}).items() if isinstance(s, dict) and LOST_STATE in s]
     if lost:
         params = [p for g in opt.param_groups for p in g["params"]]
         raise _C.TierflowError(_C.lost_states_refusal(
-            [opt._states.describe(params[k], opt.param_groups) if isinstance(k, int) and k < len(params)
+            [opt.describe(params[k]) if isinstance(k, int) and k < len(params)
              else repr(k) for k in lost]))
     layout = state_dict.get(LAYOUT_KEY)
-    if opt._partition is not None:
-        opt._partition.check_loaded(states_by_param(state_dict, opt.param_groups), layout)
+    if opt.partition is not None:
+        opt.partition.check_loaded(states_by_param(state_dict, opt.param_groups), layout)
     elif layout is not None and not opt.partition_pending():
         raise _C.TierflowError(_C.partition_layout_refusal(layout, None))
     return layout
@@ -121,7 +120,7 @@ def check_loadable(opt: Any, state_dict: dict) -> Any:
 def master_from(opt: Any, saved: Optional[torch.Tensor], p: torch.Tensor) -> torch.Tensor:
     # A saved master is used only where it is consistent with the parameter:
     # a checkpoint that went through torch.optim may carry a stale one.
-    value = opt._copies.source(p)
+    value = opt.weight_source(p)
     if saved is None or p.dtype == torch.float32:
         return value
     if saved.shape == p.shape and torch.equal(saved.to(p.dtype), value.to(saved.device)):
@@ -134,20 +133,16 @@ def load(opt: Any, state_dict: dict, torch_load: Callable[[dict], None]) -> None
     (``torch_load``), the shared param groups kept, and each parameter's state restored in fp32 on its tier."""
     layout = check_loadable(opt, state_dict)
     converted: set = set()  # the formats of loaded moments that were converted into the optimizer's
-    if opt._streaming is not None:
-        opt._wait_worker()
-        opt._streaming.stream.restore_grads()  # the next step() still takes this backward's gradients
-        opt._streaming.stream.end_window()  # early steps read the state being replaced
-        opt._streaming.stream.synchronize()
+    opt.settle_before_load()  # the next step() still takes this backward's gradients; early steps read the state
     # Where every parameter steps in step() (no stream) or FSDP2's shards (whose next step is step()'s: a
     # stale master turns the stream off for it), a saved master is taken as it is and the next step checks it
     # against its parameter (reconcile_master): the model may be loaded after the optimizer, as
     # torch.distributed.checkpoint's set_state_dict does.
-    reconcile = (opt._streaming is None or opt._sharded) and not opt._states.nvme
+    reconcile = (opt.streaming is None or opt.sharded) and not opt.states_on_nvme
     # torch casts state to the parameter's dtype; keep the fp32 originals (FSDP2: this rank's shards).
     originals = {k: {n: local_shard(v) for n, v in s.items() if n in _STATE_KEYS}
                  for k, s in state_dict["state"].items()}
-    stores = opt._states.stores(opt.state)  # torch replaces opt.state: the NVMe stores are written again
+    stores = opt.tier_stores()  # torch replaces opt.state: the NVMe stores are written again
     groups, dicts = opt.param_groups, list(opt.param_groups)
     torch_load(state_dict)
     # torch puts fresh group dicts in a fresh list; keep the shared ones (Note [Shared param groups]).
@@ -157,17 +152,17 @@ def load(opt: Any, state_dict: dict, torch_load: Callable[[dict], None]) -> None
             shared.update(loaded)
     groups[:] = dicts
     opt.param_groups = groups
-    if opt._partition is not None:  # a whole state dict: the other ranks keep theirs
-        opt._partition.drop_others(opt.state)
+    if opt.partition is not None:  # a whole state dict: the other ranks keep theirs
+        opt.partition.drop_others(opt.state)
     else:  # checked when the partition is made (DDP seen after this load)
-        opt._loaded_layout = layout
+        opt.keep_loaded_layout(layout)
     for group, saved in zip(opt.param_groups, state_dict["param_groups"]):
         for p, key in zip(group["params"], saved["params"]):
             if p in opt.state and key in originals:
                 restore_state(opt, p, group, originals[key], reconcile, stores.get(p), converted)
-    opt._master_stale = reconcile
+    opt.master_stale = reconcile
     if converted:  # Note [Optimizer states in checkpoints]: once a load, naming the formats
-        target = opt._state_format
+        target = opt.state_format
         lossy = any(_NARROWER[target] < _NARROWER[f] for f in converted)
         _C.log("warn" if lossy else "info",
                f"tierflow: the optimizer states loaded (a state dict, or the optimizer tierflow.wrap replaced) are "
@@ -223,7 +218,7 @@ def restore_moments(opt: Any, shard: torch.Tensor, state: dict, original: dict, 
     """state's exp_avg and exp_avg_sq from ``original`` (the loaded state), in the optimizer's format: as they
     are when the formats agree, else decoded to fp32 and encoded (``converted`` gets the loaded format)."""
     loaded = loaded_moments(original, shard)
-    target = opt._state_format
+    target = opt.state_format
     if loaded is None:  # a partial state: each moment there as fp32, the other zero (both in the target format)
         ms = {n: original[n].detach().to("cpu", torch.float32) if isinstance(original.get(n), torch.Tensor)
               else torch.zeros(shard.shape) for n in _MOMENTS}
@@ -231,7 +226,7 @@ def restore_moments(opt: Any, shard: torch.Tensor, state: dict, original: dict, 
             return
         loaded = ("fp32", ms["exp_avg"].contiguous(), ms["exp_avg_sq"].contiguous())
     fmt, m, v = loaded
-    fresh_m, fresh_v = opt._copies.host_moment(shard, target), opt._copies.host_moment(shard, target)
+    fresh_m, fresh_v = opt.host_moment(shard), opt.host_moment(shard)
     if fmt == target:
         fresh_m.view(-1).copy_(m.reshape(-1))
         fresh_v.view(-1).copy_(v.reshape(-1))
@@ -259,12 +254,12 @@ def restore_state(opt: Any, p: torch.Tensor, group: dict, original: dict, reconc
         state.pop(name, None)
     restore_moments(opt, shard, state, original, set() if converted is None else converted)
     if "max_exp_avg_sq" in original:
-        fresh = opt._copies.host(shard, False)
+        fresh = opt.host_tensor(shard, False)
         fresh.copy_(original["max_exp_avg_sq"])
         state["max_exp_avg_sq"] = fresh
     if group["amsgrad"] and "max_exp_avg_sq" not in state:
-        state["max_exp_avg_sq"] = opt._copies.host(shard, True)
-    master = opt._copies.host(shard, False)
+        state["max_exp_avg_sq"] = opt.host_tensor(shard, True)
+    master = opt.host_tensor(shard, False)
     saved = original.get("master")
     if reconcile and saved is not None and saved.shape == shard.shape:
         master.copy_(saved)  # the next step keeps it where the parameter is its rounding
@@ -272,11 +267,7 @@ def restore_state(opt: Any, p: torch.Tensor, group: dict, original: dict, reconc
         master.copy_(master_from(opt, saved, shard))
     state["master"] = master
     state["step"] = torch.tensor(float(state.get("step", 0.0)), dtype=torch.float32)
-    if opt._states.nvme:
-        opt._states.reserve([(p, group)])
-        opt._states.to_nvme(p, state, group, store)
-    else:
-        opt._register_state(p)
+    opt.place_state(p, group, store)
 
 
 def states_by_param(state_dict: dict, groups: list) -> dict:

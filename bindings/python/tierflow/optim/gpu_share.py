@@ -13,11 +13,36 @@ format is not fp32."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
 from .. import _C
+
+
+@dataclass(frozen=True)
+class PlanRoom:
+    """The activation plan as the share's choice sees it: a value read when the choice is asked, not a reference
+    into the planner. ``in_force``: a plan is in force (while the planner profiles, none is: the share waits, for
+    the plan is made from a timed step's peak, which must not miss the share's states, nor half of them);
+    ``predicted_peak_bytes``: the device peak the plan predicts (0: none), whose rest of the budget the share may
+    take (gpu_share_room)."""
+
+    in_force: bool = True
+    predicted_peak_bytes: int = 0
+
+
+NO_PLAN = PlanRoom()  # no activation planner: nothing to wait for, no predicted peak
+
+
+def plan_room(planner: Any) -> PlanRoom:
+    """The room of ``planner``'s plan (an AutoPlanner: its ``forced`` and ``plan``), or NO_PLAN for None."""
+    if planner is None:
+        return NO_PLAN
+    if not planner.forced and planner.plan is None:
+        return PlanRoom(in_force=False)
+    return PlanRoom(True, int((planner.plan or {}).get("predicted_device_peak_bytes") or 0))
 
 
 class GpuShare:
@@ -26,7 +51,10 @@ class GpuShare:
     def __init__(self, setting: str, state_format: str = "fp32") -> None:
         self.choice = _C.GpuShareChoice(setting)  # the decision: optimizer/grad_buckets.hpp
         self.ids: Optional[set] = None  # ids of CUDA params stepped on the GPU, fixed at the first step
-        self.planner: Optional[Any] = None  # a weakref to the session's activation planner (set by wrap), or None
+        # Before issue 40, wrap set a weakref to its activation planner here; choose still reads it when it is
+        # not handed the plan's room (``plan``), for a caller that sets it. CPUAdamW hands the room.
+        self.planner: Optional[Any] = None
+        self.took_bytes = 0  # device bytes the states of the parameters that moved in took (choose)
         self.state_format = state_format  # the host's moments (TIERFLOW_OPTIMIZER_STATES); the share keeps fp32
         self._format_noted = False
 
@@ -56,16 +84,17 @@ class GpuShare:
             self._note_format()
         return self.ids
 
-    def choose(self, param_groups: list, runtime: "_C.Runtime", streaming: Any, state: Any, seen: tuple) -> bool:
+    def choose(self, param_groups: list, runtime: "_C.Runtime", streaming: Any, state: Any, seen: tuple,
+               plan: Optional[PlanRoom] = None) -> bool:
         """TIERFLOW_GPU_OPTIMIZER_FRACTION=auto, at the first steady step (Note [Steady step]; ``seen``:
         GradientStreaming.window_seen()'s): GpuShareChoice.choose decides from the numbers gathered here; the
         chosen leave ``streaming`` (the optimizer's GradientStreaming) and their CPU ``state`` moves to the
-        device. Under the activation planner (auto), only once its plan is in force, in the room the plan
-        leaves, and the plan is final from then on. Returns whether any parameter moved."""
-        planner = self.planner() if self.planner is not None else None
-        if not self.choice.pending or (planner is not None and not planner.forced and planner.plan is None):
-            # The plan is made from the timed step's peak, which must not miss the share's states: choose once
-            # it is in force, in what its predicted peak leaves.
+        device. Under the activation planner (auto), only once its plan is in force, in the room it leaves
+        (``plan``, a value: PlanRoom); the caller then settles the plan when any moved (``took_bytes``).
+        Returns whether any parameter moved."""
+        if plan is None:
+            plan = plan_room(self.planner() if self.planner is not None else None)
+        if not self.choice.pending or not plan.in_force:
             return False
         streamed, backward_ms, grew = seen
         if not self.choice.choose_now(streamed, backward_ms, grew):
@@ -75,7 +104,7 @@ class GpuShare:
         opt = runtime.stats()["optimizer"]
         on_gpu = self.choice.choose([(p.numel(), c, p.dtype != torch.float32) for p, c in zip(cuda, carried)],
                                     opt["elements"], opt["step_ms"], backward_ms,
-                                    *_device_room(runtime, cuda, carried, planner))
+                                    *_device_room(runtime, cuda, carried, plan))
         self.ids = {id(p) for p, g in zip(cuda, on_gpu) if g}
         if not self.ids:
             return False
@@ -95,10 +124,8 @@ class GpuShare:
             if c:
                 state[p].update(c)
         streaming.forget_python_path()
-        if planner is not None:
-            per_element = _C.gpu_share_bytes_per_element(any(p.dtype != torch.float32 for p in cuda))
-            planner.settle(f"the CPU optimizer's GPU share took {sum(p.numel() for p in moved) * per_element} bytes "
-                           "of the device for its states after the plan was made")
+        per_element = _C.gpu_share_bytes_per_element(any(p.dtype != torch.float32 for p in cuda))
+        self.took_bytes = sum(p.numel() for p in moved) * per_element
         return True
 
     @staticmethod
@@ -131,15 +158,14 @@ class GpuShare:
                               [None if p.dtype == torch.float32 else p.detach() for p, _ in batch])
 
 
-def _device_room(runtime: "_C.Runtime", cuda: list, carried: list, planner: Any) -> tuple:
+def _device_room(runtime: "_C.Runtime", cuda: list, carried: list, plan: PlanRoom) -> tuple:
     """(free, budget, peak so far, the activation plan's predicted peak or 0) of the device the share's candidates
     live on (gpu_share_room weighs them); zeros without a candidate."""
     if not any(carried):
         return (0, 0, 0, 0)
     dev = next(p for p, c in zip(cuda, carried) if c).device
-    planned = int(planner.plan.get("predicted_device_peak_bytes") or 0) if planner is not None and planner.plan else 0
     return (torch.cuda.mem_get_info(dev)[0], int(runtime.device_budget_bytes()),
-            torch.cuda.max_memory_allocated(dev), planned)
+            torch.cuda.max_memory_allocated(dev), plan.predicted_peak_bytes)
 
 
 def _device_copies(p: torch.Tensor, s: Optional[dict]) -> dict:
