@@ -3,8 +3,10 @@
 # build tree, builds examples/cpp_trainer against that INSTALLED package (its
 # CMake sees the prefix and LibTorch, never build/dev), and runs the trainer
 # with each activation plan: blocks swapped to the host, swapped to NVMe (with
-# the optimizer states on NVMe too), recomputed, and once with torch's own
-# AdamW, where the losses must be bit-identical to plain LibTorch. Each plan
+# the optimizer states on NVMe too), recomputed; the CPU AdamW stepping during
+# backward (TIERFLOW_OVERLAP_STEP=on) and after it; the blocks' parameters on
+# the host between uses; and with torch's own AdamW, where the losses must be
+# bit-identical to plain LibTorch. Each plan
 # runs on the emulated device in both of its modes (Note [Adversarial emulated
 # device]), or on CUDA where torch sees a GPU. Run after scripts/setup.sh.
 set -euo pipefail
@@ -75,11 +77,15 @@ fi
 for mode in "${MODES[@]}"; do
   DEV=(TIERFLOW_EMULATED_DEVICE=$mode)
   [ "$mode" = cuda ] && DEV=(TIERFLOW_DEVICE=auto)
-  run "$mode: blocks swapped to the host, CPU AdamW" "${DEV[@]}" -- --activations host
+  run "$mode: blocks swapped to the host, CPU AdamW stepping during backward" "${DEV[@]}" -- --activations host
+  run "$mode: blocks swapped to the host, CPU AdamW stepping after backward" "${DEV[@]}" TIERFLOW_OVERLAP_STEP=off -- \
+      --activations host
   run "$mode: blocks swapped to NVMe, CPU AdamW with states on NVMe" "${DEV[@]}" "${NVME[@]}" -- --activations config
-  run "$mode: blocks recomputed, CPU AdamW" "${DEV[@]}" -- --activations recompute
-  run "$mode: blocks swapped to the host, their parameters on the host between uses, CPU AdamW" "${DEV[@]}" -- \
-      --activations host --params host
+  run "$mode: blocks recomputed, CPU AdamW stepping during backward" "${DEV[@]}" -- --activations recompute
+  run "$mode: blocks swapped to the host, their parameters on the host between uses, CPU AdamW stepping during backward" \
+      "${DEV[@]}" -- --activations host --params host
+  run "$mode: blocks swapped to the host, their parameters on the host between uses, torch's AdamW (bit-identical)" \
+      "${DEV[@]}" "${EXACT_ENV[@]}" -- --activations host --params host --optimizer torch --tolerance "$EXACT_TOLERANCE"
   run "$mode: blocks swapped to the host, torch's AdamW (bit-identical)" "${DEV[@]}" "${EXACT_ENV[@]}" -- \
       --activations host --optimizer torch --tolerance "$EXACT_TOLERANCE"
 done

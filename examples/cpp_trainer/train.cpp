@@ -10,8 +10,14 @@
 //
 // --params host keeps the blocks' parameters on the host between uses
 // (Note [C++ parameter residency]): fetched before each block runs and
-// released after, stepped in place on the host by the CPU AdamW, so the
-// device holds about two blocks' weights at a time.
+// released after, stepped on the host by the CPU AdamW (during backward, its
+// committed weights written into the host copies), so the device holds about
+// two blocks' weights at a time.
+//
+// The CPU AdamW steps during backward with TIERFLOW_OVERLAP_STEP=on, the
+// default (Note [C++ steps during backward]): the run then prints
+// `stepped during backward N (committed C, redone R, ...)` and fails when
+// nothing was.
 //
 // --activations picks every block's action; `config` (the default) takes it
 // from TIERFLOW_OFFLOAD_ACTIVATIONS. --optimizer torch keeps torch::optim::AdamW
@@ -154,6 +160,110 @@ Args parse_args(int argc, char** argv) {
   return a;
 }
 
+// What the tierflow run used and saw, for the report and the checks.
+struct Tierflow {
+  std::shared_ptr<tb::Runtime> runtime;
+  std::unique_ptr<tb::BlockOffload> offload;
+  tb::BlockAction action = tb::BlockAction::kKeep;
+  std::unique_ptr<torch::optim::Optimizer> opt;
+  const tb::CpuAdamW* cpu_adamw = nullptr;  // null with --optimizer torch
+};
+
+// The same model with tierflow: the runtime from the TIERFLOW_* variables, one action per block, the blocks'
+// parameters on the host (--params host), the CPU AdamW (steps during backward with TIERFLOW_OVERLAP_STEP=on,
+// Note [C++ steps during backward]) or torch's.
+Result train_with_tierflow(const Args& args, const GPTConfig& c, const std::vector<torch::Tensor>& batches,
+                           torch::Device device, Tierflow& tf) {
+  tf.runtime = std::make_shared<tb::Runtime>(tierflow::Config::from_environment());
+  tf.offload = std::make_unique<tb::BlockOffload>(tf.runtime);
+  tf.action = parse_action(args.activations, tf.runtime->config());
+  tf.offload->set_actions(std::vector<tb::BlockAction>(static_cast<std::size_t>(c.layers), tf.action));
+  torch::manual_seed(kSeed);
+  GPT model(c);
+  model->to(device);
+  if (args.params == "host") {
+    if (device.is_cuda() && args.optimizer == "torch") {
+      std::fprintf(stderr, "cpp_trainer: --params host with --optimizer torch on CUDA: torch's AdamW would step host "
+                           "weights with device gradients; accepted with --params host on CUDA: --optimizer tierflow\n");
+      std::exit(2);
+    }
+    std::vector<std::vector<torch::Tensor>> block_params;
+    for (const auto& b : model->blocks) block_params.push_back(b->parameters());
+    tf.offload->offload_parameters(block_params);  // before the optimizer: it steps them where they live
+  }
+  if (args.optimizer == "torch") {
+    tf.opt = std::make_unique<torch::optim::AdamW>(model->parameters(), kAdamW);
+  } else {
+    auto opt = std::make_unique<tb::CpuAdamW>(tf.runtime, model->parameters(), kAdamW);
+    opt->use_host_copies(*tf.offload);  // committed weights of host-resident parameters go to their host copies
+    tf.cpu_adamw = opt.get();
+    tf.opt = std::move(opt);
+  }
+  Result r = train(model, *tf.opt, batches, c, tf.offload.get());
+  tf.offload->synchronize();
+  r.exp_avgs = exp_avgs_via_torch(*tf.opt, model);
+  return r;
+}
+
+std::string optimizer_name(const Tierflow& tf) {
+  if (!tf.cpu_adamw) return "torch::optim::AdamW";
+  if (tf.cpu_adamw->states_on_nvme()) return "tierflow CpuAdamW, states on nvme";
+  return tf.cpu_adamw->steps_during_backward() ? "tierflow CpuAdamW, states on host, steps during backward"
+                                               : "tierflow CpuAdamW, states on host";
+}
+
+// Prints the tierflow run's counters.
+void print_counters(const Args& args, const Tierflow& tf) {
+  const auto st = tf.offload->stats();
+  const auto host = tf.offload->host_stats();
+  const auto nvme = tf.offload->nvme_stats();
+  std::printf("blocks: swapped to host %llu, to nvme %llu, recomputed-only %llu, kept %llu; reruns %llu (%.1f ms)\n",
+              (unsigned long long)st.swapped_host, (unsigned long long)st.swapped_nvme,
+              (unsigned long long)st.recomputed, (unsigned long long)st.kept, (unsigned long long)st.reruns,
+              static_cast<double>(st.rerun_ns) / 1e6);
+  std::printf("host tier: %llu inputs offloaded (%llu bytes), prefetch hits %llu, stalls %llu; "
+              "nvme tier: %llu writes (%llu bytes), %llu reads\n",
+              (unsigned long long)host.offloaded_blocks, (unsigned long long)host.offloaded_bytes,
+              (unsigned long long)(host.prefetch_hits + nvme.prefetch_hits),
+              (unsigned long long)(host.stalls + nvme.stalls), (unsigned long long)nvme.nvme_writes,
+              (unsigned long long)nvme.nvme_write_bytes, (unsigned long long)nvme.nvme_reads);
+  const auto ps = tf.offload->parameter_stats();
+  if (args.params == "host")
+    std::printf("parameters: on the host between uses; %llu fetches (%llu bytes host->device), prefetch hits %llu, "
+                "stalls %llu; on the device at most %llu bytes, %llu bytes on the host\n",
+                (unsigned long long)ps.fetches, (unsigned long long)ps.host_to_device_bytes,
+                (unsigned long long)ps.prefetch_hits, (unsigned long long)ps.stalls,
+                (unsigned long long)ps.device_peak_bytes, (unsigned long long)ps.host_bytes);
+  if (tf.cpu_adamw && tf.cpu_adamw->steps_during_backward()) {
+    const tb::GradStreamStats ss = tf.cpu_adamw->stream_stats();
+    std::printf("optimizer: %s; %llu gradient buckets of %llu bytes, %llu weight bytes into host copies\n",
+                tb::describe_steps_during_backward(ss).c_str(), (unsigned long long)ss.buckets,
+                (unsigned long long)ss.bucket_bytes, (unsigned long long)ss.weight_bytes_to_host_copy);
+  }
+}
+
+// Why the run did not go through the path it names (it then proves nothing), or "".
+std::string not_exercised(const Args& args, const Tierflow& tf, torch::Device device) {
+  const auto st = tf.offload->stats();
+  const bool on_runtime_device = tf.runtime->on_device(torch::empty({1}, torch::device(device)));
+  const auto what = std::string(tb::to_string(tf.action));
+  if (on_runtime_device && tf.action == tb::BlockAction::kSwapHost && tf.offload->host_stats().offloaded_blocks == 0)
+    return "the " + what + " plan swapped nothing";
+  if (on_runtime_device && tf.action == tb::BlockAction::kSwapNvme && tf.offload->nvme_stats().nvme_writes == 0)
+    return "the " + what + " plan wrote nothing to NVMe";
+  if (tf.action != tb::BlockAction::kKeep && st.reruns == 0) return "the " + what + " plan reran nothing";
+  const auto ps = tf.offload->parameter_stats();
+  if (args.params == "host" && !(ps.fetches > 0 && ps.device_peak_bytes < ps.host_bytes))
+    return "--params host fetched nothing, or held every block's weights at once";
+  if (tf.cpu_adamw && tf.cpu_adamw->steps_during_backward()) {
+    const tb::GradStreamStats ss = tf.cpu_adamw->stream_stats();
+    if (ss.early_steps == 0 || ss.committed == 0) return "nothing stepped during backward and was committed";
+    if (args.params == "host" && ss.weight_bytes_to_host_copy == 0)
+      return "no committed weight went into a host copy";
+  }
+  return "";
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -170,86 +280,34 @@ int main(int argc, char** argv) {
   Result baseline = train(baseline_model, baseline_opt, batches, c, nullptr);
   baseline.exp_avgs = exp_avgs_via_torch(baseline_opt, baseline_model);
 
-  // 2. The same with tierflow: the runtime from the TIERFLOW_* variables, one
-  //    action per block, the CPU AdamW with states on the host or NVMe tier.
-  auto runtime = std::make_shared<tb::Runtime>(tierflow::Config::from_environment());
-  tb::BlockOffload offload(runtime);
-  const tb::BlockAction action = parse_action(args.activations, runtime->config());
-  offload.set_actions(std::vector<tb::BlockAction>(static_cast<std::size_t>(c.layers), action));
-  torch::manual_seed(kSeed);
-  GPT model(c);
-  model->to(device);
-  if (args.params == "host") {
-    if (device.is_cuda() && args.optimizer == "torch") {
-      std::fprintf(stderr, "cpp_trainer: --params host with --optimizer torch on CUDA: torch's AdamW would step host "
-                           "weights with device gradients; accepted with --params host on CUDA: --optimizer tierflow\n");
-      return 2;
-    }
-    std::vector<std::vector<torch::Tensor>> block_params;
-    for (const auto& b : model->blocks) block_params.push_back(b->parameters());
-    offload.offload_parameters(block_params);  // before the optimizer: it steps them where they live
-  }
-  std::unique_ptr<torch::optim::Optimizer> opt;
-  if (args.optimizer == "torch")
-    opt = std::make_unique<torch::optim::AdamW>(model->parameters(), kAdamW);
-  else
-    opt = std::make_unique<tb::CpuAdamW>(runtime, model->parameters(), kAdamW);
-  Result tf = train(model, *opt, batches, c, &offload);
-  offload.synchronize();
-  tf.exp_avgs = exp_avgs_via_torch(*opt, model);
-  const auto* cpu_adamw = dynamic_cast<const tb::CpuAdamW*>(opt.get());
+  // 2. The same with tierflow.
+  Tierflow tf;
+  const Result ours = train_with_tierflow(args, c, batches, device, tf);
 
   std::printf("cpp_trainer: device %s (tierflow runtime: %s%s), %lld blocks: %s, optimizer %s\n",
-              device.str().c_str(), std::string(tierflow::allocator::to_string(runtime->device_kind())).c_str(),
-              runtime->adversarial() ? ", adversarial" : "", static_cast<long long>(c.layers),
-              std::string(tb::to_string(action)).c_str(), !cpu_adamw ? "torch::optim::AdamW" : cpu_adamw->states_on_nvme() ? "tierflow CpuAdamW, states on nvme" : "tierflow CpuAdamW, states on host");
+              device.str().c_str(), std::string(tierflow::allocator::to_string(tf.runtime->device_kind())).c_str(),
+              tf.runtime->adversarial() ? ", adversarial" : "", static_cast<long long>(c.layers),
+              std::string(tb::to_string(tf.action)).c_str(), optimizer_name(tf).c_str());
   std::printf("%6s %14s %14s %10s\n", "step", "libtorch", "tierflow", "|diff|");
   double max_diff = 0;
   for (std::size_t s = 0; s < baseline.losses.size(); ++s) {
-    const double d = std::abs(baseline.losses[s] - tf.losses[s]);
+    const double d = std::abs(baseline.losses[s] - ours.losses[s]);
     max_diff = std::max(max_diff, d);
-    std::printf("%6zu %14.8f %14.8f %10.2e\n", s, baseline.losses[s], tf.losses[s], d);
+    std::printf("%6zu %14.8f %14.8f %10.2e\n", s, baseline.losses[s], ours.losses[s], d);
   }
   double exp_avg_diff = 0, exp_avg_max = 0;
   for (std::size_t i = 0; i < baseline.exp_avgs.size(); ++i) {
-    exp_avg_diff = std::max(exp_avg_diff, (baseline.exp_avgs[i] - tf.exp_avgs[i]).abs().max().item<double>());
+    exp_avg_diff = std::max(exp_avg_diff, (baseline.exp_avgs[i] - ours.exp_avgs[i]).abs().max().item<double>());
     exp_avg_max = std::max(exp_avg_max, baseline.exp_avgs[i].abs().max().item<double>());
   }
-  const auto st = offload.stats();
-  const auto host = offload.host_stats();
-  const auto nvme = offload.nvme_stats();
-  std::printf("step time (mean after the first): libtorch %.1f ms, tierflow %.1f ms\n", baseline.step_ms, tf.step_ms);
-  std::printf("blocks: swapped to host %llu, to nvme %llu, recomputed-only %llu, kept %llu; reruns %llu (%.1f ms)\n",
-              (unsigned long long)st.swapped_host, (unsigned long long)st.swapped_nvme,
-              (unsigned long long)st.recomputed, (unsigned long long)st.kept, (unsigned long long)st.reruns,
-              static_cast<double>(st.rerun_ns) / 1e6);
-  std::printf("host tier: %llu inputs offloaded (%llu bytes), prefetch hits %llu, stalls %llu; "
-              "nvme tier: %llu writes (%llu bytes), %llu reads\n",
-              (unsigned long long)host.offloaded_blocks, (unsigned long long)host.offloaded_bytes,
-              (unsigned long long)(host.prefetch_hits + nvme.prefetch_hits),
-              (unsigned long long)(host.stalls + nvme.stalls), (unsigned long long)nvme.nvme_writes,
-              (unsigned long long)nvme.nvme_write_bytes, (unsigned long long)nvme.nvme_reads);
-  const auto ps = offload.parameter_stats();
-  if (args.params == "host")
-    std::printf("parameters: on the host between uses; %llu fetches (%llu bytes host->device), prefetch hits %llu, "
-                "stalls %llu; on the device at most %llu bytes, %llu bytes on the host\n",
-                (unsigned long long)ps.fetches, (unsigned long long)ps.host_to_device_bytes,
-                (unsigned long long)ps.prefetch_hits, (unsigned long long)ps.stalls,
-                (unsigned long long)ps.device_peak_bytes, (unsigned long long)ps.host_bytes);
+  std::printf("step time (mean after the first): libtorch %.1f ms, tierflow %.1f ms\n", baseline.step_ms, ours.step_ms);
+  print_counters(args, tf);
   std::printf("optimizer: saved and loaded into torch::optim::AdamW, max |exp_avg diff| = %.2e (max |exp_avg| %.2e)\n",
               exp_avg_diff, exp_avg_max);
   std::printf("cpp_trainer: max |loss diff| = %.3e over %zu steps\n", max_diff, baseline.losses.size());
 
-  // The run must have gone through the path it names, or it proves nothing.
-  const bool on_runtime_device = runtime->on_device(torch::empty({1}, torch::device(device)));
-  bool exercised = true;
-  if (on_runtime_device && action == tb::BlockAction::kSwapHost) exercised = host.offloaded_blocks > 0;
-  if (on_runtime_device && action == tb::BlockAction::kSwapNvme) exercised = nvme.nvme_writes > 0;
-  if (action != tb::BlockAction::kKeep) exercised = exercised && st.reruns > 0;
-  if (args.params == "host") exercised = exercised && ps.fetches > 0 && ps.device_peak_bytes < ps.host_bytes;
-  if (!exercised) {
-    std::fprintf(stderr, "cpp_trainer: FAILED: the %s plan moved or recomputed nothing\n",
-                 std::string(tb::to_string(action)).c_str());
+  if (const std::string why = not_exercised(args, tf, device); !why.empty()) {
+    std::fprintf(stderr, "cpp_trainer: FAILED: %s\n", why.c_str());
     return 1;
   }
   if (!(max_diff <= args.tolerance)) {
