@@ -2,11 +2,14 @@
 #include <gtest/gtest.h>
 #include <sys/statvfs.h>
 
+#include <algorithm>
 #include <filesystem>
+#include <limits>
 #include <map>
 #include <string>
 
 #include "tierflow/core/error.hpp"
+#include "tierflow/tiering/planner.hpp"
 #include "tierflow/tiering/tier_table.hpp"
 #include "tierflow/tiering/tiers.hpp"
 
@@ -279,4 +282,70 @@ TEST(RankShare, TheLocalRanksAreTorchrunsOrTheWholeGroup) {
   ::unsetenv("LOCAL_WORLD_SIZE");
   EXPECT_THROW(rank_share(2, 2), config_error);
   EXPECT_THROW(rank_share(0, 0), config_error);
+}
+
+// Note [Tier descriptors]: a fourth tier is a row with its links and room; the planner's search, untouched,
+// puts blocks on it where it beats the other rows, and its plan is the brute force's optimum over every row.
+TEST(TierDescriptors, PlannerUsesAFurtherTierRow) {
+  BlockProfile p;
+  p.forward_seconds = 2e-3;
+  p.backward_seconds = 4e-3;
+  p.input_bytes = 16 * MiB;
+  p.whole_bytes = 32 * MiB;
+  p.cheap_bytes = 48 * MiB;
+  p.cheap_recompute_seconds = 0.2e-3;
+  p.splittable = false;  // keep, swap or recompute: the brute force below has no alphas to grid
+  p.transient_bytes = 8 * MiB;
+  const std::vector<BlockProfile> blocks(4, p);
+  Links links;
+  links.d2h = links.h2d = 20e9;
+  links.nvme_write = links.nvme_read = 3e9;
+  Budgets budgets;
+  budgets.fixed_device_bytes = 64 * MiB;
+  budgets.device_bytes = budgets.fixed_device_bytes + 2 * p.saved_bytes() + p.transient_bytes;  // one kept
+  budgets.host_bytes = p.input_bytes;                                                            // one input
+  budgets.nvme_bytes = 1ULL << 30;
+  const Plan without = plan_activations(blocks, links, budgets);
+  // A remote host's memory behind the host's network link: slower than the host, faster than NVMe.
+  budgets.further_swap_tiers.push_back({"remote", /*via=*/0, 8e9, 8e9, 2 * p.input_bytes, true});
+  const TierTable tiers = swap_tiers(links, budgets);
+  ASSERT_EQ(tiers.size(), 3u);
+  EXPECT_EQ(tiers.path_write(2), 8e9);
+  EXPECT_EQ(tiers.path_read(1), 3e9);
+  TierTable fast = tiers;
+  fast.rows[2].link_write = fast.rows[2].link_read = 40e9;
+  EXPECT_EQ(fast.path_write(2), 20e9) << "a swap through the host is no faster than the host's own link";
+  EXPECT_EQ(fast.path_read(2), 20e9);
+  // Parameters fetched from NVMe share NVMe's own link with an NVMe swap only; PCIe is priced apart.
+  EXPECT_TRUE(tiers.shares_own_link(1, 1));
+  EXPECT_FALSE(tiers.shares_own_link(0, 1));
+  EXPECT_FALSE(tiers.shares_own_link(2, 1));
+  EXPECT_FALSE(tiers.shares_own_link(0, 0));
+  const Plan with = plan_activations(blocks, links, budgets);
+  ASSERT_TRUE(with.fits);
+  const auto on_remote = std::count_if(with.blocks.begin(), with.blocks.end(), [](const BlockPlan& b) {
+    return b.mode != BlockMode::kKeep && b.tier == static_cast<SwapTier>(2);
+  });
+  EXPECT_EQ(on_remote, 2) << with.summary();
+  ASSERT_EQ(with.tier_bytes.size(), 3u);
+  EXPECT_EQ(with.tier_bytes[2], 2 * p.input_bytes);
+  EXPECT_LT(with.predicted_step_seconds, without.predicted_step_seconds);
+  // The brute force over keep and {swap, recompute} x {host, nvme, remote} for every block.
+  const std::vector<std::pair<BlockMode, int>> choices = {
+      {BlockMode::kKeep, 0},      {BlockMode::kSwap, 0}, {BlockMode::kRecompute, 0}, {BlockMode::kSwap, 1},
+      {BlockMode::kRecompute, 1}, {BlockMode::kSwap, 2}, {BlockMode::kRecompute, 2}};
+  double best = std::numeric_limits<double>::infinity();
+  std::vector<BlockPlan> a(blocks.size());
+  for (std::size_t code = 0; code < 7 * 7 * 7 * 7; ++code) {
+    for (std::size_t i = 0, c = code; i < blocks.size(); ++i, c /= 7) {
+      a[i].mode = choices[c % 7].first;
+      a[i].tier = static_cast<SwapTier>(choices[c % 7].second);
+    }
+    const Plan plan = evaluate_plan(blocks, links, budgets, a);
+    if (plan.fits) best = std::min(best, plan.predicted_step_seconds);
+  }
+  EXPECT_NEAR(with.predicted_step_seconds, best, 1e-12 * best);
+  // A row the configuration's table cannot reach is refused by name.
+  budgets.further_swap_tiers[0].via = 3;
+  EXPECT_THROW(swap_tiers(links, budgets), config_error);
 }

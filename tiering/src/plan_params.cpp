@@ -28,7 +28,8 @@ void ParamTotals::add(std::uint64_t bytes, Tier where) {
 
 double rest_fetch_seconds(const Links& links, const Budgets& budgets, Tier rest) {
   if (rest == Tier::kGpu || budgets.rest_parameter_bytes == 0) return 0;
-  const double bw = rest == Tier::kNvme ? std::min(links.h2d, links.nvme_read) : links.h2d;
+  // Its home's row read back to the device: the host's PCIe, or NVMe's path through the host.
+  const double bw = swap_tiers(links, budgets).path_read(index(rest) - index(Tier::kHost));
   return bw > 0 ? 2.0 * static_cast<double>(budgets.rest_parameter_bytes) / bw : kInf;
 }
 
@@ -79,7 +80,9 @@ std::optional<Plan> plan_choice(const std::vector<BlockProfile>& blocks, const L
 double lower_bound(const std::vector<BlockProfile>& blocks, const Links& links, const Budgets& budgets,
                    const Choice& c) {
   double t = rest_fetch_seconds(links, budgets, c.rest);
-  for (const auto& p : timed_profiles(blocks, budgets, c)) t += block_times(p, links, BlockMode::kKeep, 0, SwapTier::kHost).total();
+  const TierTable tiers = swap_tiers(links, budgets);
+  for (const auto& p : timed_profiles(blocks, budgets, c))
+    t += block_times(p, links, tiers, BlockMode::kKeep, 0, SwapTier::kHost).total();
   return t;
 }
 

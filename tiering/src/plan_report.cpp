@@ -108,7 +108,7 @@ std::vector<BlockPlan> rejected_actions(const BlockProfile& p, const BlockPlan& 
     b.mode = mode;
     b.tier = tier;
     b.params = chosen.params;  // the alternative changes the activations' action only
-    if (mode == BlockMode::kSplit) b.alpha = detail::link_alpha(p, links, tier);
+    if (mode == BlockMode::kSplit) b.alpha = detail::link_alpha(p, swap_tiers(links, {}), tier);
     out.push_back(b);
   }
   return out;

@@ -19,24 +19,47 @@ constexpr std::uint64_t kNodeLimit = 1'000'000;
 // Bounds of the search: unpriced, and priced at the root's best prices.
 constexpr std::size_t kRelaxations = 2;
 
-// A block's choice: keep, or a mode on a tier.
-enum Choice : int {
-  kKeepC, kSwapHostC, kSplitHostC, kRecomputeHostC, kSwapNvmeC, kSplitNvmeC, kRecomputeNvmeC, kChoices
+// A block's choice: keep (0), or a mode on a swap tier's row t: swap 1 + 3t, split 2 + 3t, recompute 3 + 3t
+// (Note [Tier descriptors]: the rows are the search's only notion of a tier).
+constexpr int kKeepC = 0;
+constexpr int kModesPerTier = 3;
+constexpr std::size_t kMaxChoices = 1 + kModesPerTier * kMaxSwapTiers;
+using Counts = std::array<int, kMaxChoices>;
+constexpr std::array<BlockMode, kModesPerTier> kTierModes = {BlockMode::kSwap, BlockMode::kSplit, BlockMode::kRecompute};
+
+BlockMode choice_mode(int c) { return c == kKeepC ? BlockMode::kKeep : kTierModes[(c - 1) % kModesPerTier]; }
+// The row of a choice (keep: 0, where fill_block puts a kept block).
+int choice_row(int c) { return c == kKeepC ? 0 : (c - 1) / kModesPerTier; }
+SwapTier choice_tier(int c) { return static_cast<SwapTier>(choice_row(c)); }
+int choice_of(BlockMode mode, int row) {
+  switch (mode) {
+    case BlockMode::kKeep: return kKeepC;
+    case BlockMode::kSwap: return 1 + kModesPerTier * row;
+    case BlockMode::kSplit: return 2 + kModesPerTier * row;
+    case BlockMode::kRecompute: return 3 + kModesPerTier * row;
+  }
+  return kKeepC;
+}
+
+// The choices of a table of `rows` swap tiers, in the two orders the search uses.
+struct ChoiceOrders {
+  int count = 1;
+  // The order the search decides a group's counts in: a tier's split after its other choices,
+  // so the split's bound knows the tier bytes those take.
+  std::vector<int> search;
+  // Positions inside a group: the last row first (read last in backward), kept blocks last (keep-tail).
+  std::vector<int> placement;
+  explicit ChoiceOrders(std::size_t rows) : count(1 + kModesPerTier * static_cast<int>(rows)) {
+    search.push_back(kKeepC);
+    for (int t = 0; t < static_cast<int>(rows); ++t) {
+      for (BlockMode m : {BlockMode::kSwap, BlockMode::kRecompute, BlockMode::kSplit}) search.push_back(choice_of(m, t));
+    }
+    for (int t = static_cast<int>(rows); t-- > 0;) {
+      for (BlockMode m : {BlockMode::kRecompute, BlockMode::kSplit, BlockMode::kSwap}) placement.push_back(choice_of(m, t));
+    }
+    placement.push_back(kKeepC);
+  }
 };
-constexpr std::array<BlockMode, kChoices> kChoiceMode = {BlockMode::kKeep,  BlockMode::kSwap, BlockMode::kSplit,
-                                                         BlockMode::kRecompute, BlockMode::kSwap, BlockMode::kSplit,
-                                                         BlockMode::kRecompute};
-constexpr std::array<SwapTier, kChoices> kChoiceTier = {SwapTier::kHost, SwapTier::kHost, SwapTier::kHost,
-                                                        SwapTier::kHost, SwapTier::kNvme, SwapTier::kNvme,
-                                                        SwapTier::kNvme};
-// The order the search decides a group's counts in: a tier's split after its other choices,
-// so the split's bound knows the tier bytes those take.
-constexpr std::array<int, kChoices> kSearchOrder = {kKeepC,     kSwapHostC,      kRecomputeHostC, kSplitHostC,
-                                                    kSwapNvmeC, kRecomputeNvmeC, kSplitNvmeC};
-// Positions inside a group: NVMe first (read last in backward), kept blocks last (keep-tail).
-constexpr std::array<int, kChoices> kPlacementOrder = {kRecomputeNvmeC, kSplitNvmeC, kSwapNvmeC, kRecomputeHostC,
-                                                       kSplitHostC, kSwapHostC, kKeepC};
-using Counts = std::array<int, kChoices>;
 
 // A split block's time at the breakpoints of its convex piecewise-linear curve in alpha.
 struct SplitCurve {
@@ -46,15 +69,15 @@ struct SplitCurve {
   double best_alpha = 0;       // where; the curve falls before it
 };
 
-SplitCurve split_curve(const BlockProfile& p, const Links& links, SwapTier tier) {
+SplitCurve split_curve(const BlockProfile& p, const Links& links, const TierTable& tiers, SwapTier tier) {
   SplitCurve c;
   if (p.split_bytes == 0) {
     c.alphas = {1.0};  // no bytes to trade: recompute nothing
   } else {
-    c.alphas = split_breakpoints(p, links, tier);
+    c.alphas = split_breakpoints(p, links, tiers, tier);
   }
   for (double a : c.alphas) {
-    c.times.push_back(block_times(p, links, BlockMode::kSplit, a, tier).total());
+    c.times.push_back(block_times(p, links, tiers, BlockMode::kSplit, a, tier).total());
     if (c.times.back() < c.best_time) {
       c.best_time = c.times.back();
       c.best_alpha = a;
@@ -69,15 +92,15 @@ struct Group {
   std::vector<std::size_t> members;  // block indices, ascending
   std::uint64_t saved = 0;
   double keep_time = 0;                          // forward + backward, kept
-  std::array<bool, kChoices> usable{};
-  std::array<double, kChoices> time_lb{};        // a block's time; split: its best alpha, host unlimited
-  std::array<std::uint64_t, kChoices> base_bytes{};  // a block's tier bytes; split: at alpha 0
-  std::array<SplitCurve, 2> curves;              // split, per tier
+  std::array<bool, kMaxChoices> usable{};
+  std::array<double, kMaxChoices> time_lb{};        // a block's time; split: its best alpha, its tier unlimited
+  std::array<std::uint64_t, kMaxChoices> base_bytes{};  // a block's tier bytes; split: at alpha 0
+  std::array<SplitCurve, kMaxSwapTiers> curves;     // split, per row
   double best_nonkeep = kInf;                    // min of time_lb over usable non-keep choices
   int size() const { return static_cast<int>(members.size()); }
 };
 
-std::vector<Group> make_groups(const std::vector<BlockProfile>& blocks, const Links& links, const Budgets& budgets) {
+std::vector<Group> make_groups(const std::vector<BlockProfile>& blocks, const Links& links, const TierTable& tiers) {
   std::vector<Group> groups;
   for (std::size_t i = 0; i < blocks.size(); ++i) {
     auto it = std::find_if(groups.begin(), groups.end(),
@@ -89,33 +112,32 @@ std::vector<Group> make_groups(const std::vector<BlockProfile>& blocks, const Li
     }
     it->members.push_back(i);
   }
-  const bool nvme = nvme_available(links, budgets);
+  const ChoiceOrders choices(tiers.size());
   for (auto& g : groups) {
     const auto& p = g.profile;
     g.saved = p.saved_bytes();
-    g.keep_time = block_times(p, links, BlockMode::kKeep, 0, SwapTier::kHost).total();
-    g.curves[0] = split_curve(p, links, SwapTier::kHost);
-    g.curves[1] = split_curve(p, links, SwapTier::kNvme);
-    for (int c = 0; c < kChoices; ++c) {
-      const BlockMode mode = kChoiceMode[c];
-      const SwapTier tier = kChoiceTier[c];
-      const std::uint64_t tier_budget = tier == SwapTier::kHost ? budgets.host_bytes : budgets.nvme_bytes;
+    g.keep_time = block_times(p, links, tiers, BlockMode::kKeep, 0, SwapTier::kHost).total();
+    for (std::size_t t = 0; t < tiers.size(); ++t) g.curves[t] = split_curve(p, links, tiers, static_cast<SwapTier>(t));
+    for (int c = 0; c < choices.count; ++c) {
+      const BlockMode mode = choice_mode(c);
+      const SwapTier tier = choice_tier(c);
+      const TierRow& row = tiers[static_cast<std::size_t>(choice_row(c))];
       if (mode == BlockMode::kKeep) {
         g.usable[c] = true;
         g.time_lb[c] = g.keep_time;
         continue;
       }
       if (mode == BlockMode::kSplit) {
-        const auto& curve = g.curves[tier == SwapTier::kHost ? 0 : 1];
+        const auto& curve = g.curves[choice_row(c)];
         g.time_lb[c] = curve.best_time;
         g.base_bytes[c] = swap_bytes_of(p, mode, p.split_bytes == 0 ? 1.0 : 0.0);
       } else {
-        g.time_lb[c] = block_times(p, links, mode, 0, tier).total();
+        g.time_lb[c] = block_times(p, links, tiers, mode, 0, tier).total();
         g.base_bytes[c] = swap_bytes_of(p, mode, 0);
       }
-      g.usable[c] = std::isfinite(g.time_lb[c]) && (tier == SwapTier::kHost || nvme) &&
+      g.usable[c] = std::isfinite(g.time_lb[c]) && row.present &&
                     (mode != BlockMode::kSplit || p.splittable) && (mode == BlockMode::kSwap || p.replayable) &&
-                    g.base_bytes[c] <= tier_budget;
+                    g.base_bytes[c] <= row.budget_bytes;
       if (g.usable[c]) g.best_nonkeep = std::min(g.best_nonkeep, g.time_lb[c]);
     }
   }
@@ -123,16 +145,17 @@ std::vector<Group> make_groups(const std::vector<BlockProfile>& blocks, const Li
 }
 
 // The continuous part: given the choices, the split blocks' alphas under each tier's budget.
+using TierDoubles = std::array<double, kMaxSwapTiers>;
 struct AlphaSolution {
-  std::vector<std::array<double, 2>> alphas;  // per group, per tier (a group's split blocks share it)
+  std::vector<TierDoubles> alphas;  // per group, per row (a group's split blocks share it)
 };
 
 AlphaSolution solve_alphas(const std::vector<Group>& groups, const std::vector<Counts>& counts,
-                           const std::array<double, 2>& free_bytes) {
+                           const TierDoubles& free_bytes, std::size_t rows) {
   AlphaSolution s;
-  s.alphas.assign(groups.size(), {0.0, 0.0});
-  for (int t = 0; t < 2; ++t) {
-    const int choice = t == 0 ? kSplitHostC : kSplitNvmeC;
+  s.alphas.assign(groups.size(), TierDoubles{});
+  for (std::size_t t = 0; t < rows; ++t) {
+    const int choice = choice_of(BlockMode::kSplit, static_cast<int>(t));
     struct Segment {
       double slope;  // seconds per byte
       std::size_t group;
@@ -171,8 +194,8 @@ AlphaSolution solve_alphas(const std::vector<Group>& groups, const std::vector<C
 // (kSearchOrder); leaves solve the alphas exactly.
 class Search {
  public:
-  Search(std::vector<Group> groups, const Links& links, const Budgets& budgets)
-      : groups_(std::move(groups)), links_(links), budgets_(budgets) {
+  Search(std::vector<Group> groups, const Links& links, const TierTable& tiers, const Budgets& budgets)
+      : groups_(std::move(groups)), links_(links), tiers_(tiers), budgets_(budgets), choices_(tiers.size()) {
     // Everything kept does not fit, so some block is not kept: its saved bytes come back while it runs,
     // and it swaps at least its smallest choice's bytes.
     std::uint64_t smallest_working = std::numeric_limits<std::uint64_t>::max();
@@ -180,7 +203,7 @@ class Search {
     for (const auto& g : groups_) {
       working_floor_ = std::max(working_floor_, g.profile.transient_bytes);
       smallest_working = std::min(smallest_working, g.saved + g.profile.transient_bytes);
-      for (int c = 0; c < kChoices; ++c) {
+      for (int c = 0; c < choices_.count; ++c) {
         if (c != kKeepC && g.usable[c] && g.base_bytes[c] == 0) always_swaps_ = false;
       }
     }
@@ -192,7 +215,7 @@ class Search {
       const std::uint64_t forced = std::isfinite(gr.best_nonkeep) ? 0 : gr.size() * gr.saved;
       suffix_forced_bytes_[g] = suffix_forced_bytes_[g + 1] + forced;
     }
-    relaxations_.push_back(relax(0, 0));
+    relaxations_.push_back(relax(TierDoubles{}));
     relaxations_.push_back(best_priced_relaxation());
     counts_.assign(n, Counts{});
     // Earlier groups with the same bytes (blocks that differ only in their times).
@@ -223,10 +246,10 @@ class Search {
       for (std::size_t b : gr.members) {
         int c = 0;
         auto matches = [&](int k) {
-          return kChoiceMode[k] == plan[b].mode && (k == kKeepC || kChoiceTier[k] == plan[b].tier);
+          return choice_mode(k) == plan[b].mode && (k == kKeepC || choice_tier(k) == plan[b].tier);
         };
-        while (c < kChoices && !matches(c)) ++c;
-        if (c == kChoices || !gr.usable[c]) {  // not a plan of this search
+        while (c < choices_.count && !matches(c)) ++c;
+        if (c == choices_.count || !gr.usable[c]) {  // not a plan of this search
           counts_.assign(groups_.size(), Counts{});
           return;
         }
@@ -234,11 +257,13 @@ class Search {
         if (c == kKeepC) {
           path.kept += gr.saved;
         } else {
-          path.base[kChoiceTier[c] == SwapTier::kHost ? 0 : 1] += gr.base_bytes[c];
+          path.base[choice_row(c)] += gr.base_bytes[c];
         }
       }
     }
-    if (path.base[0] <= budgets_.host_bytes && path.base[1] <= budgets_.nvme_bytes) leaf(path);
+    bool within = true;
+    for (std::size_t t = 0; t < tiers_.size(); ++t) within = within && path.base[t] <= tiers_[t].budget_bytes;
+    if (within) leaf(path);
     counts_.assign(groups_.size(), Counts{});
   }
 
@@ -252,20 +277,20 @@ class Search {
     for (std::size_t g = 0; g < groups_.size(); ++g) {
       const auto& gr = groups_[g];
       std::size_t pos = 0;
-      for (int c : kPlacementOrder) {
+      for (int c : choices_.placement) {
         const int m = best_counts_[g][c];
-        const int t = kChoiceTier[c] == SwapTier::kHost ? 0 : 1;
+        const int t = choice_row(c);
         // Split blocks share the group's alpha to a byte: whole bytes, the remainder one byte each.
         std::uint64_t total = 0;
-        if (kChoiceMode[c] == BlockMode::kSplit && gr.profile.split_bytes > 0 && m > 0) {
+        if (choice_mode(c) == BlockMode::kSplit && gr.profile.split_bytes > 0 && m > 0) {
           total = static_cast<std::uint64_t>(
               std::floor(best_alphas_[g][t] * m * static_cast<double>(gr.profile.split_bytes)));
           total = std::min<std::uint64_t>(total, m * gr.profile.split_bytes);
         }
         for (int k = 0; k < m; ++k, ++pos) {
           auto& b = out[gr.members[pos]];
-          b.mode = kChoiceMode[c];
-          b.tier = kChoiceTier[c];
+          b.mode = choice_mode(c);
+          b.tier = choice_tier(c);
           if (b.mode != BlockMode::kSplit) continue;
           if (gr.profile.split_bytes == 0) {
             b.alpha = 1;
@@ -281,15 +306,15 @@ class Search {
 
  private:
   // A relaxation of the remaining groups' choices: each block's cheapest non-keep choice when tier bytes
-  // cost `price` seconds per byte (a Lagrangian relaxation of the host and NVMe budgets; price 0 ignores
+  // cost `price` seconds per byte (a Lagrangian relaxation of the rows' budgets; price 0 ignores
   // them), and keeping bounded by a knapsack over device bytes.
   struct Relaxation {
-    std::array<double, 2> price{};      // seconds per byte, host and NVMe
+    TierDoubles price{};                // seconds per byte, per row
     std::vector<double> cost;           // per group: a block's cheapest non-keep time + price * tier bytes
     std::vector<double> suffix_cost;    // per g: sum over groups >= g (forced groups at their keep time)
     std::vector<std::size_t> by_ratio;  // groups that may choose, by keep gain per byte, descending
     std::vector<std::size_t> by_gain;   // the same by keep gain, descending
-    std::vector<std::array<double, kChoices>> later;  // per group and search position: the cheapest
+    std::vector<std::array<double, kMaxChoices>> later;  // per group and search position: the cheapest
                                                       // priced choice strictly after that position
   };
 
@@ -297,9 +322,8 @@ class Search {
   // the choice's minimum (a split's alpha rows), with at most `free` such bytes. The split's curve is
   // convex in alpha, so the least is at a breakpoint or at the cap.
   double priced_rows_cost(const Group& gr, int c, double price, double free) const {
-    if (kChoiceMode[c] != BlockMode::kSplit || gr.profile.split_bytes == 0) return gr.time_lb[c];
-    const int t = kChoiceTier[c] == SwapTier::kHost ? 0 : 1;
-    const auto& curve = gr.curves[t];
+    if (choice_mode(c) != BlockMode::kSplit || gr.profile.split_bytes == 0) return gr.time_lb[c];
+    const auto& curve = gr.curves[choice_row(c)];
     const double rows = static_cast<double>(gr.profile.split_bytes);
     const double cap = std::min(1.0, free / rows);
     double best = kInf;
@@ -307,33 +331,33 @@ class Search {
       best = std::min(best, curve.times[k] + price * curve.alphas[k] * rows);
     }
     if (cap < 1) {
-      best = std::min(best, block_times(gr.profile, links_, BlockMode::kSplit, cap, kChoiceTier[c]).total() +
+      best = std::min(best, block_times(gr.profile, links_, tiers_, BlockMode::kSplit, cap, choice_tier(c)).total() +
                                 price * cap * rows);
     }
     return best;
   }
 
-  Relaxation relax(double host_price, double nvme_price) const {
+  Relaxation relax(const TierDoubles& price) const {
     Relaxation r;
-    r.price = {host_price, nvme_price};
+    r.price = price;
     const std::size_t n = groups_.size();
     r.cost.assign(n, kInf);
     r.suffix_cost.assign(n + 1, 0);
     r.later.assign(n, {});
     for (std::size_t g = 0; g < n; ++g) {
       const auto& gr = groups_[g];
-      std::array<double, kChoices> choice_cost;
+      std::array<double, kMaxChoices> choice_cost;
       choice_cost.fill(kInf);
-      for (int c = 0; c < kChoices; ++c) {
+      for (int c = 0; c < choices_.count; ++c) {
         if (c == kKeepC || !gr.usable[c]) continue;
-        const double price = r.price[kChoiceTier[c] == SwapTier::kHost ? 0 : 1];
+        const double price = r.price[choice_row(c)];
         choice_cost[c] = price * static_cast<double>(gr.base_bytes[c]) + priced_rows_cost(gr, c, price, kInf);
         r.cost[g] = std::min(r.cost[g], choice_cost[c]);
       }
       double m = kInf;
-      for (int i = kChoices; i-- > 0;) {
+      for (int i = choices_.count; i-- > 0;) {
         r.later[g][i] = m;
-        m = std::min(m, choice_cost[kSearchOrder[i]]);
+        m = std::min(m, choice_cost[choices_.search[i]]);
       }
     }
     for (std::size_t g = n; g-- > 0;) {
@@ -351,16 +375,16 @@ class Search {
     return r;
   }
 
-  // The prices whose relaxation bounds the whole search best: host first, then NVMe, each over the
+  // The prices whose relaxation bounds the whole search best: row by row in order, each over the
   // prices at which some block's cheapest choice changes (the relaxation's breakpoints).
   Relaxation best_priced_relaxation() const {
-    std::array<std::vector<double>, 2> prices;
+    std::array<std::vector<double>, kMaxSwapTiers> prices;
     for (const auto& gr : groups_) {
-      for (int t = 0; t < 2; ++t) {
+      for (std::size_t t = 0; t < tiers_.size(); ++t) {
         std::vector<std::pair<double, double>> points;  // (bytes, seconds)
-        for (int c = 0; c < kChoices; ++c) {
-          if (c == kKeepC || !gr.usable[c] || (kChoiceTier[c] == SwapTier::kHost) != (t == 0)) continue;
-          if (kChoiceMode[c] == BlockMode::kSplit) {
+        for (int c = 0; c < choices_.count; ++c) {
+          if (c == kKeepC || !gr.usable[c] || choice_row(c) != static_cast<int>(t)) continue;
+          if (choice_mode(c) == BlockMode::kSplit) {
             const auto& curve = gr.curves[t];
             for (std::size_t k = 0; k < curve.alphas.size(); ++k) {
               points.emplace_back(static_cast<double>(gr.base_bytes[c]) +
@@ -380,11 +404,13 @@ class Search {
         }
       }
     }
-    Relaxation best = relax(0, 0);
+    Relaxation best = relax(TierDoubles{});
     double best_bound = root_bound(best);
-    for (int t = 0; t < 2; ++t) {
+    for (std::size_t t = 0; t < tiers_.size(); ++t) {
       for (double price : prices[t]) {
-        Relaxation r = t == 0 ? relax(price, 0) : relax(best.price[0], price);
+        TierDoubles priced = best.price;  // the earlier rows' best prices, the later rows' still 0
+        priced[t] = price;
+        Relaxation r = relax(priced);
         const double bound = root_bound(r);
         if (bound > best_bound) {
           best_bound = bound;
@@ -441,7 +467,7 @@ class Search {
   struct Path {
     std::array<double, kRelaxations> time_lb{};  // lower bound on their time, per relaxation (priced)
     std::uint64_t kept = 0;                // device bytes kept
-    std::array<std::uint64_t, 2> base{};   // tier bytes at the least (split alphas 0)
+    std::array<std::uint64_t, kMaxSwapTiers> base{};  // tier bytes per row at the least (split alphas 0)
     std::uint64_t working = 0;             // largest working set so far
     bool swapped = false;                  // something is swapped
   };
@@ -458,9 +484,10 @@ class Search {
     const double used = static_cast<double>(device_used(p)) + static_cast<double>(suffix_forced_bytes_[g]);
     const double capacity = static_cast<double>(budgets_.device_bytes) - used;
     if (capacity < 0) return kInf;
-    const double free_host = static_cast<double>(budgets_.host_bytes - p.base[0]);
-    const double free_nvme = static_cast<double>(budgets_.nvme_bytes - p.base[1]);
-    const double unpriced = r.price[0] * free_host + r.price[1] * free_nvme;
+    double unpriced = 0;
+    for (std::size_t t = 0; t < tiers_.size(); ++t) {
+      unpriced += r.price[t] * static_cast<double>(tiers_[t].budget_bytes - p.base[t]);
+    }
     if (g == groups_.size()) return -unpriced;
     return r.suffix_cost[g] - keep_gain_bound(r, g, capacity) - unpriced;
   }
@@ -472,8 +499,8 @@ class Search {
 
   // Time of one block of `gr` on choice c at split alpha `alpha`.
   double choice_time(const Group& gr, int c, double alpha) const {
-    if (kChoiceMode[c] != BlockMode::kSplit) return gr.time_lb[c];
-    return block_times(gr.profile, links_, BlockMode::kSplit, alpha, kChoiceTier[c]).total();
+    if (choice_mode(c) != BlockMode::kSplit) return gr.time_lb[c];
+    return block_times(gr.profile, links_, tiers_, BlockMode::kSplit, alpha, choice_tier(c)).total();
   }
 
   // Symmetry: blocks with the same bytes can trade choices (and alphas) without changing any memory
@@ -484,11 +511,11 @@ class Search {
     const auto& gr = groups_[g];
     for (std::size_t h : twins_[g]) {
       const auto& hr = groups_[h];
-      for (int a = 0; a < kChoices; ++a) {
+      for (int a = 0; a < choices_.count; ++a) {
         if (a == c || counts_[h][a] == 0) continue;
-        const bool split_a = kChoiceMode[a] == BlockMode::kSplit, split_c = kChoiceMode[c] == BlockMode::kSplit;
+        const bool split_a = choice_mode(a) == BlockMode::kSplit, split_c = choice_mode(c) == BlockMode::kSplit;
         if (split_a && split_c) continue;
-        const int t = kChoiceTier[split_a ? a : c] == SwapTier::kHost ? 0 : 1;
+        const int t = choice_row(split_a ? a : c);
         std::vector<double> alphas = {0.0};
         if (split_a || split_c) {
           alphas = hr.curves[t].alphas;
@@ -513,7 +540,7 @@ class Search {
   // Decides how many of group g's `left` undecided blocks take the choice at search position i.
   void step(std::size_t g, int i, int left, const Path& path) {
     if (++nodes_ > kNodeLimit) return;
-    if (i == kChoices) {
+    if (i == choices_.count) {
       if (g + 1 == groups_.size()) {
         leaf(path);
       } else {
@@ -522,15 +549,15 @@ class Search {
       return;
     }
     const auto& gr = groups_[g];
-    const int c = kSearchOrder[i];
-    const int t = kChoiceTier[c] == SwapTier::kHost ? 0 : 1;
-    const std::uint64_t tier_budget = t == 0 ? budgets_.host_bytes : budgets_.nvme_bytes;
-    const bool last = i == kChoices - 1;
+    const int c = choices_.search[i];
+    const int t = choice_row(c);
+    const std::uint64_t tier_budget = tiers_[static_cast<std::size_t>(t)].budget_bytes;
+    const bool last = i == choices_.count - 1;
     const int most = gr.usable[c] ? left : 0;
     const int least = last ? left : 0;
     if (least > most) return;
     // Keep and split try the most blocks first (the first dive is then a good plan), the others the fewest.
-    const bool descending = c == kKeepC || kChoiceMode[c] == BlockMode::kSplit;
+    const bool descending = c == kKeepC || choice_mode(c) == BlockMode::kSplit;
     for (int n = 0; n <= most - least; ++n) {
       const int k = descending ? most - n : least + n;
       const int rest = left - k;
@@ -568,9 +595,11 @@ class Search {
   void leaf(const Path& path) {
     const std::uint64_t kept = path.kept;
     const auto& base = path.base;
-    const std::array<double, 2> free_bytes = {static_cast<double>(budgets_.host_bytes - base[0]),
-                                              static_cast<double>(budgets_.nvme_bytes - base[1])};
-    auto alphas = solve_alphas(groups_, counts_, free_bytes);
+    TierDoubles free_bytes{};
+    for (std::size_t t = 0; t < tiers_.size(); ++t) {
+      free_bytes[t] = static_cast<double>(tiers_[t].budget_bytes - base[t]);
+    }
+    auto alphas = solve_alphas(groups_, counts_, free_bytes, tiers_.size());
     double time = 0;
     std::uint64_t working = 0;
     bool any_swapped = false;
@@ -579,12 +608,11 @@ class Search {
       const auto& cnt = counts_[g];
       if (cnt[kKeepC] > 0) working = std::max(working, gr.profile.transient_bytes);
       if (cnt[kKeepC] < gr.size()) working = std::max(working, gr.saved + gr.profile.transient_bytes);
-      for (int c = 0; c < kChoices; ++c) {
+      for (int c = 0; c < choices_.count; ++c) {
         if (cnt[c] == 0) continue;
-        const int t = kChoiceTier[c] == SwapTier::kHost ? 0 : 1;
-        const double alpha = kChoiceMode[c] == BlockMode::kSplit ? alphas.alphas[g][t] : 0.0;
-        time += cnt[c] * block_times(gr.profile, links_, kChoiceMode[c], alpha, kChoiceTier[c]).total();
-        if (c != kKeepC && swap_bytes_of(gr.profile, kChoiceMode[c], alpha) > 0) any_swapped = true;
+        const double alpha = choice_mode(c) == BlockMode::kSplit ? alphas.alphas[g][choice_row(c)] : 0.0;
+        time += cnt[c] * block_times(gr.profile, links_, tiers_, choice_mode(c), alpha, choice_tier(c)).total();
+        if (c != kKeepC && swap_bytes_of(gr.profile, choice_mode(c), alpha) > 0) any_swapped = true;
       }
     }
     const std::uint64_t peak =
@@ -597,7 +625,9 @@ class Search {
 
   std::vector<Group> groups_;
   Links links_;
+  TierTable tiers_;
   Budgets budgets_;
+  ChoiceOrders choices_;
   std::uint64_t working_floor_ = 0;                 // the working set of every plan here is at least this
   bool always_swaps_ = false;                       // every plan here swaps something: the prefetch window counts
   std::vector<std::uint64_t> suffix_forced_bytes_;  // per g: bytes of groups >= g that must be kept
@@ -607,20 +637,21 @@ class Search {
   std::uint64_t nodes_ = 0;
   double best_time_ = kInf;
   std::vector<Counts> best_counts_;
-  std::vector<std::array<double, 2>> best_alphas_;
+  std::vector<TierDoubles> best_alphas_;
 };
 
 }  // namespace
 
 SearchOutcome search_plan(const std::vector<BlockProfile>& blocks, const Links& links, const Budgets& budgets) {
-  Search search(make_groups(blocks, links, budgets), links, budgets);
+  const TierTable tiers = swap_tiers(links, budgets);
+  Search search(make_groups(blocks, links, tiers), links, tiers, budgets);
   // Layers of one shape whose measured times differ (noise) group only once averaged: the averaged
   // plan is found fast and seeds the exact search.
   const auto averaged = average_same_shape_blocks(blocks);
   bool differ = false;
   for (std::size_t i = 0; i < blocks.size() && !differ; ++i) differ = !same_profile(blocks[i], averaged[i]);
   if (differ) {
-    Search coarse(make_groups(averaged, links, budgets), links, budgets);
+    Search coarse(make_groups(averaged, links, tiers), links, tiers, budgets);
     coarse.run();
     if (coarse.found()) search.seed(coarse.assignment(blocks.size()));
   }

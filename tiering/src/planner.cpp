@@ -41,12 +41,8 @@ bool nvme_available(const Links& links, const Budgets& budgets) {
   return budgets.nvme_bytes > 0 && links.nvme_write > 0 && links.nvme_read > 0;
 }
 
-TierBandwidth bandwidth(const Links& links, SwapTier tier) {
-  if (tier == SwapTier::kHost) return {links.d2h, links.h2d};
-  return {std::min(links.d2h, links.nvme_write), std::min(links.h2d, links.nvme_read)};
-}
-
-Phases block_phases(const BlockProfile& p, const Links& links, BlockMode mode, SwapTier tier) {
+Phases block_phases(const BlockProfile& p, const Links& links, const TierTable& tiers, BlockMode mode,
+                    SwapTier tier) {
   // s = base + slope * alpha; recompute = recompute0 - recompute_slope * alpha (Note [Activation planner]).
   double base = 0, slope = 0, recompute0 = 0, recompute_slope = 0;
   switch (mode) {
@@ -63,10 +59,15 @@ Phases block_phases(const BlockProfile& p, const Links& links, BlockMode mode, S
       recompute0 = p.forward_seconds;
       break;
   }
-  const auto bw = bandwidth(links, tier);
+  const auto row = static_cast<std::size_t>(tier);
+  const double write = tiers.path_write(row), read = tiers.path_read(row);
   const double up = static_cast<double>(p.upload_bytes), down = static_cast<double>(p.download_bytes);
   const double fetch = static_cast<double>(p.fetch_bytes);  // fetched parameters, each phase (0: resident)
-  const bool fetch_nvme = fetch > 0 && p.fetch_tier == Tier::kNvme;
+  // Fetched parameters cross PCIe (links.h2d) and, from a tier behind the host, that row's own link too; a swap
+  // to a row whose path crosses that link shares it. Rows 0 and 1 are core's Tier::kHost and kNvme.
+  const std::size_t fetch_row = fetch > 0 ? index(p.fetch_tier) - index(Tier::kHost) : 0;
+  const bool fetch_own_link = fetch > 0 && tiers[fetch_row].via >= 0;
+  const double fetch_read = fetch_own_link ? tiers[fetch_row].link_read : 0;
   // The compute share applies to a phase that copies at alpha = 0 already (a split swaps its input), so it is
   // one constant per phase and the time stays linear in alpha between breakpoints.
   const double c_fwd = base + up + fetch > 0 ? links.compute_share_during_copies : 1.0;
@@ -80,17 +81,17 @@ Phases block_phases(const BlockProfile& p, const Links& links, BlockMode mode, S
   };
   Phases ph;
   ph.forward.push_back({p.forward_seconds / c_fwd, 0});
-  transfer(ph.forward, base, slope, bw.write);
+  transfer(ph.forward, base, slope, write);
   transfer(ph.forward, up + fetch, 0, links.h2d);
-  if (fetch_nvme) transfer(ph.forward, fetch, 0, links.nvme_read);
+  if (fetch_own_link) transfer(ph.forward, fetch, 0, fetch_read);
   if (links.duplex > 0 && up + fetch > 0) transfer(ph.forward, base + up + fetch, slope, links.duplex);
   ph.backward.push_back({(p.backward_seconds + recompute0) / c_bwd, -recompute_slope / c_bwd});
-  transfer(ph.backward, base, slope, bw.read * k);
+  transfer(ph.backward, base, slope, read * k);
   transfer(ph.backward, down, 0, links.d2h * k);
   if (fetch > 0) {  // the parameters share host->device with the swap-in (and NVMe reads with an NVMe swap)
     transfer(ph.backward, base + fetch, slope, links.h2d * k);
-    if (fetch_nvme && tier == SwapTier::kNvme) transfer(ph.backward, base + fetch, slope, links.nvme_read * k);
-    else if (fetch_nvme) transfer(ph.backward, fetch, 0, links.nvme_read * k);
+    if (fetch_own_link && tiers.shares_own_link(row, fetch_row)) transfer(ph.backward, base + fetch, slope, fetch_read * k);
+    else if (fetch_own_link) transfer(ph.backward, fetch, 0, fetch_read * k);
   }
   if (links.duplex > 0 && down + fetch > 0) transfer(ph.backward, base + down + fetch, slope, links.duplex * k);
   return ph;
@@ -105,9 +106,10 @@ double phase_seconds(const std::vector<Line>& lines, double alpha) {
   return t;
 }
 
-std::vector<double> split_breakpoints(const BlockProfile& p, const Links& links, SwapTier tier) {
+std::vector<double> split_breakpoints(const BlockProfile& p, const Links& links, const TierTable& tiers,
+                                      SwapTier tier) {
   std::vector<double> out = {0.0, 1.0};
-  const Phases ph = block_phases(p, links, BlockMode::kSplit, tier);
+  const Phases ph = block_phases(p, links, tiers, BlockMode::kSplit, tier);
   for (const auto* lines : {&ph.forward, &ph.backward}) {
     for (std::size_t i = 0; i < lines->size(); ++i) {
       for (std::size_t j = i + 1; j < lines->size(); ++j) {
@@ -124,8 +126,9 @@ std::vector<double> split_breakpoints(const BlockProfile& p, const Links& links,
   return out;
 }
 
-Times block_times(const BlockProfile& p, const Links& links, BlockMode mode, double alpha, SwapTier tier) {
-  const Phases ph = block_phases(p, links, mode, tier);
+Times block_times(const BlockProfile& p, const Links& links, const TierTable& tiers, BlockMode mode, double alpha,
+                  SwapTier tier) {
+  const Phases ph = block_phases(p, links, tiers, mode, tier);
   return {phase_seconds(ph.forward, alpha), phase_seconds(ph.backward, alpha)};
 }
 
@@ -139,10 +142,10 @@ std::uint64_t swap_bytes_of(const BlockProfile& p, BlockMode mode, double alpha)
   return 0;
 }
 
-double link_alpha(const BlockProfile& p, const Links& links, SwapTier tier) {
+double link_alpha(const BlockProfile& p, const TierTable& tiers, SwapTier tier) {
   if (p.split_bytes == 0) return 1.0;
-  const double fits =
-      p.forward_seconds * bandwidth(links, tier).write - static_cast<double>(p.input_bytes + p.whole_bytes);
+  const double fits = p.forward_seconds * tiers.path_write(static_cast<std::size_t>(tier)) -
+                      static_cast<double>(p.input_bytes + p.whole_bytes);
   return std::clamp(fits / static_cast<double>(p.split_bytes), 0.0, 1.0);
 }
 
@@ -160,7 +163,6 @@ bool same_profile(const BlockProfile& a, const BlockProfile& b) {
 
 namespace {
 
-using detail::bandwidth;
 using detail::block_times;
 using detail::kInf;
 using detail::link_alpha;
@@ -168,7 +170,7 @@ using detail::nvme_available;
 using detail::swap_bytes_of;
 
 // Fills swap_bytes, the fractions and the times of `b` from its mode, alpha and tier.
-void fill_block(const BlockProfile& p, const Links& links, BlockPlan& b) {
+void fill_block(const BlockProfile& p, const Links& links, const TierTable& tiers, BlockPlan& b) {
   if (b.mode != BlockMode::kSplit) b.alpha = 0;
   if (b.mode == BlockMode::kKeep) b.tier = SwapTier::kHost;
   b.swap_bytes = swap_bytes_of(p, b.mode, b.alpha);
@@ -184,7 +186,7 @@ void fill_block(const BlockProfile& p, const Links& links, BlockPlan& b) {
   } else {
     b.recompute = 1;
   }
-  const auto t = block_times(p, links, b.mode, b.alpha, b.tier);
+  const auto t = block_times(p, links, tiers, b.mode, b.alpha, b.tier);
   b.forward_seconds = t.forward;
   b.backward_seconds = t.backward;
 }
@@ -202,7 +204,8 @@ void check_assignment(const char* who, std::size_t i, const BlockProfile& p, con
 
 // The sums of Note [Activation planner] over a plan's blocks (each filled in by fill_block).
 struct PlanTotals {
-  std::uint64_t kept = 0, working = 0, host = 0, nvme = 0;
+  std::uint64_t kept = 0, working = 0;
+  std::vector<std::uint64_t> tier_bytes;  // per row of the swap tiers: host, NVMe, further rows
   bool any_swapped = false;
   double step_seconds = 0;
   bool count_params = false;  // Budgets::params is not kResident
@@ -212,8 +215,9 @@ struct PlanTotals {
   double outside_seconds = 0;        // their round trip, swapped
   std::uint64_t largest_transient = 0;
 
-  PlanTotals(const Budgets& budgets, bool outside_kept)
-      : count_params(budgets.params != ParamPolicy::kResident), outside_kept(outside_kept) {}
+  PlanTotals(const Budgets& budgets, const TierTable& tiers, bool outside_kept)
+      : tier_bytes(tiers.size(), 0), count_params(budgets.params != ParamPolicy::kResident),
+        outside_kept(outside_kept) {}
 
   void add(const BlockProfile& p, const BlockPlan& b) {
     if (count_params) params.add(p.parameter_bytes, b.params);
@@ -224,7 +228,7 @@ struct PlanTotals {
       working = std::max(working, p.transient_bytes);
     } else {
       working = std::max(working, p.saved_bytes() + p.transient_bytes);
-      (b.tier == SwapTier::kHost ? host : nvme) += b.swap_bytes;
+      tier_bytes.at(static_cast<std::size_t>(b.tier)) += b.swap_bytes;
       any_swapped = any_swapped || b.swap_bytes > 0;
     }
   }
@@ -233,14 +237,14 @@ struct PlanTotals {
   void finish(const Links& links, const Budgets& budgets, Tier rest) {
     outside_device = detail::outside_device_bytes(budgets.outside_saved_bytes, largest_transient, outside_kept);
     if (!outside_kept) {
-      host += budgets.outside_saved_bytes;
+      tier_bytes[0] += budgets.outside_saved_bytes;  // the host's
       outside_seconds = outside_swap_seconds(links, budgets.outside_saved_bytes);
       step_seconds += outside_seconds;
     }
     if (!count_params) return;
     params.add(budgets.rest_parameter_bytes, rest);
-    host += params.host;
-    nvme += params.nvme;
+    tier_bytes[0] += params.host;
+    tier_bytes[1] += params.nvme;
     step_seconds += detail::rest_fetch_seconds(links, budgets, rest);
   }
   std::uint64_t peak(const Budgets& budgets) const {
@@ -256,6 +260,14 @@ BlockProfile timed_profile(const BlockProfile& p, const Budgets& budgets, const 
   out.fetch_bytes = b.params == Tier::kGpu ? 0 : p.parameter_bytes;
   out.fetch_tier = b.params == Tier::kNvme ? Tier::kNvme : Tier::kHost;
   return out;
+}
+
+// Whether rows `first` and on hold their bytes.
+bool within_rows(const TierTable& tiers, const std::vector<std::uint64_t>& bytes, std::size_t first) {
+  for (std::size_t t = first; t < tiers.size(); ++t) {
+    if (bytes[t] > tiers[t].budget_bytes) return false;
+  }
+  return true;
 }
 
 Tier default_rest(const Budgets& budgets) {
@@ -322,7 +334,33 @@ BlockMode parse_block_mode(std::string_view text) {
   throw config_error("block mode '" + std::string(text) + "'; accepted: keep, swap, split, recompute");
 }
 
-std::string_view to_string(SwapTier t) noexcept { return t == SwapTier::kHost ? "host" : "nvme"; }
+std::string_view to_string(SwapTier t) noexcept {
+  switch (static_cast<int>(t)) {
+    case 0: return "host";
+    case 1: return "nvme";
+    case 2: return "tier 2";
+    case 3: return "tier 3";
+  }
+  return "?";
+}
+
+TierTable swap_tiers(const Links& links, const Budgets& budgets) {
+  TierTable t;
+  t.rows.push_back({"host", -1, links.d2h, links.h2d, budgets.host_bytes, true});
+  t.rows.push_back({"nvme", 0, links.nvme_write, links.nvme_read, budgets.nvme_bytes,
+                    detail::nvme_available(links, budgets)});
+  for (TierRow row : budgets.further_swap_tiers) {
+    if (row.via < -1 || row.via >= static_cast<int>(t.size()))
+      throw config_error("swap tier '" + row.name + "' is reached through row " + std::to_string(row.via) +
+                         "; accepted: -1 (the device) or an earlier row (0: host, 1: nvme, ...)");
+    row.present = row.present && row.budget_bytes > 0 && row.link_write > 0 && row.link_read > 0;
+    t.rows.push_back(std::move(row));
+  }
+  if (t.size() > kMaxSwapTiers)
+    throw config_error(std::to_string(t.size()) + " swap tiers; accepted: at most " + std::to_string(kMaxSwapTiers) +
+                       " (host, NVMe and " + std::to_string(kMaxSwapTiers - 2) + " further)");
+  return t;
+}
 
 std::string_view to_string(ParamPolicy p) noexcept {
   switch (p) {
@@ -347,7 +385,8 @@ Plan evaluate_plan(const std::vector<BlockProfile>& blocks, const Links& links, 
                    "evaluate_plan: the rest unit's parameters are fetched while Budgets::params is resident");
   Plan plan;
   plan.device_budget_bytes = budgets.device_bytes;
-  PlanTotals totals(budgets, outside_kept);
+  const TierTable tiers = swap_tiers(links, budgets);
+  PlanTotals totals(budgets, tiers, outside_kept);
   for (std::size_t i = 0; i < blocks.size(); ++i) {
     const auto& p = blocks[i];
     auto& b = assignment[i];
@@ -355,8 +394,8 @@ Plan evaluate_plan(const std::vector<BlockProfile>& blocks, const Links& links, 
     TIERFLOW_EXPECTS(budgets.params != ParamPolicy::kResident || b.params == Tier::kGpu,
                      "evaluate_plan: block " + std::to_string(i) +
                          " fetches its parameters while Budgets::params is resident");
-    fill_block(timed_profile(p, budgets, b), links, b);
-    plan.keep_all_step_seconds += block_times(p, links, BlockMode::kKeep, 0, SwapTier::kHost).total();
+    fill_block(timed_profile(p, budgets, b), links, tiers, b);
+    plan.keep_all_step_seconds += block_times(p, links, tiers, BlockMode::kKeep, 0, SwapTier::kHost).total();
     totals.add(p, b);
   }
   totals.finish(links, budgets, rest_params);
@@ -371,11 +410,11 @@ Plan evaluate_plan(const std::vector<BlockProfile>& blocks, const Links& links, 
   plan.outside_bytes = budgets.outside_saved_bytes;
   plan.outside_swap_seconds = totals.outside_seconds;
   plan.predicted_step_seconds = totals.step_seconds;
-  plan.host_bytes = totals.host;
-  plan.nvme_bytes = totals.nvme;
+  plan.host_bytes = totals.tier_bytes[0];
+  plan.nvme_bytes = totals.tier_bytes[1];
+  plan.tier_bytes = totals.tier_bytes;
   plan.predicted_device_peak_bytes = totals.peak(budgets);
-  plan.fits = plan.predicted_device_peak_bytes <= budgets.device_bytes && plan.host_bytes <= budgets.host_bytes &&
-              plan.nvme_bytes <= budgets.nvme_bytes;
+  plan.fits = plan.predicted_device_peak_bytes <= budgets.device_bytes && within_rows(tiers, totals.tier_bytes, 0);
   plan.blocks = std::move(assignment);
   return plan;
 }
@@ -388,19 +427,21 @@ AlternativeCost evaluate_alternative(const std::vector<BlockProfile>& blocks, co
                        std::to_string(plan.blocks.size()) + " blocks for " + std::to_string(blocks.size()));
   check_assignment("evaluate_alternative", i, blocks[i], alternative);
   if (budgets.params == ParamPolicy::kResident) alternative.params = Tier::kGpu;
-  fill_block(timed_profile(blocks[i], budgets, alternative), links, alternative);
-  PlanTotals totals(budgets, plan.outside_kept);  // in evaluate_plan's order: the chosen assignment gives the plan's figures exactly
+  const TierTable tiers = swap_tiers(links, budgets);
+  fill_block(timed_profile(blocks[i], budgets, alternative), links, tiers, alternative);
+  PlanTotals totals(budgets, tiers, plan.outside_kept);  // in evaluate_plan's order: the chosen assignment gives the plan's figures exactly
   for (std::size_t j = 0; j < blocks.size(); ++j) totals.add(blocks[j], j == i ? alternative : plan.blocks[j]);
   totals.finish(links, budgets, plan.rest_params);
   AlternativeCost out;
   out.block = alternative;
   out.step_seconds = totals.step_seconds;
   out.device_peak_bytes = totals.peak(budgets);
-  out.host_bytes = totals.host;
-  out.nvme_bytes = totals.nvme;
+  out.host_bytes = totals.tier_bytes[0];
+  out.nvme_bytes = totals.tier_bytes[1];
   out.fits_device = out.device_peak_bytes <= budgets.device_bytes;
   out.fits_host = out.host_bytes <= budgets.host_bytes;
   out.fits_nvme = out.nvme_bytes <= budgets.nvme_bytes;
+  out.fits_further = within_rows(tiers, totals.tier_bytes, 2);
   return out;
 }
 
@@ -539,7 +580,7 @@ Plan plan_activations(const std::vector<BlockProfile>& blocks, const Links& link
 
 Plan forced_plan(const std::vector<BlockProfile>& blocks, const Links& links, const Budgets& budgets,
                  BlockMode mode) {
-  const bool nvme = nvme_available(links, budgets);
+  const TierTable tiers = swap_tiers(links, budgets);
   // kFetchAll: every unit's parameters on their tier first, beside which the activations find room.
   const bool fetch = budgets.params == ParamPolicy::kFetchAll;
   std::uint64_t param_bytes = fetch ? budgets.rest_parameter_bytes : 0;
@@ -547,10 +588,12 @@ Plan forced_plan(const std::vector<BlockProfile>& blocks, const Links& links, co
   const bool params_on_host = fetch && budgets.param_tier == Tier::kHost;
   // What TIERFLOW_OFFLOAD_ACTIVATIONS=recompute does outside the blocks: swap them (Note [Activation planner]).
   const bool outside_kept = mode == BlockMode::kKeep;
-  // Host first, then NVMe; alphas capped at `cap`. Returns whether everything found room.
+  // The rows in order (host, then NVMe, then further rows); alphas capped at `cap`. Returns whether everything
+  // found room.
   auto assign = [&](double cap, std::vector<BlockPlan>& out) {
-    std::uint64_t host = (params_on_host ? param_bytes : 0) + (outside_kept ? 0 : budgets.outside_saved_bytes);
-    std::uint64_t disk = fetch && !params_on_host ? param_bytes : 0;
+    std::vector<std::uint64_t> used(tiers.size(), 0);
+    used[0] = (params_on_host ? param_bytes : 0) + (outside_kept ? 0 : budgets.outside_saved_bytes);
+    used[1] = fetch && !params_on_host ? param_bytes : 0;
     bool room = true;
     for (std::size_t i = 0; i < blocks.size(); ++i) {
       const auto& p = blocks[i];
@@ -561,22 +604,20 @@ Plan forced_plan(const std::vector<BlockProfile>& blocks, const Links& links, co
       if (b.mode == BlockMode::kKeep) continue;
       auto place = [&](SwapTier tier) {
         b.tier = tier;
-        b.alpha = b.mode == BlockMode::kSplit ? std::min(cap, link_alpha(p, links, tier)) : 0.0;
+        b.alpha = b.mode == BlockMode::kSplit ? std::min(cap, link_alpha(p, tiers, tier)) : 0.0;
         return swap_bytes_of(p, b.mode, b.alpha);
       };
-      std::uint64_t bytes = place(SwapTier::kHost);
-      if (host + bytes <= budgets.host_bytes) {
-        host += bytes;
-        continue;
-      }
-      if (nvme) {
-        bytes = place(SwapTier::kNvme);
-        if (disk + bytes <= budgets.nvme_bytes) {
-          disk += bytes;
-          continue;
+      bool placed = false;
+      for (std::size_t t = 0; t < tiers.size() && !placed; ++t) {
+        if (!tiers[t].present) continue;
+        const std::uint64_t bytes = place(static_cast<SwapTier>(t));
+        if (used[t] + bytes <= tiers[t].budget_bytes) {
+          used[t] += bytes;
+          placed = true;
         }
       }
-      host += place(SwapTier::kHost);  // no room anywhere: host, over budget
+      if (placed) continue;
+      used[0] += place(SwapTier::kHost);  // no room anywhere: host, over budget
       room = false;
     }
     return room;

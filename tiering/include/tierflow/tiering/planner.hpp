@@ -48,7 +48,9 @@
 // last ones, so their bytes are gone by the time an earlier block's backward
 // rebuilds its working set.
 // Host (NVMe) usage = the sum of swap_bytes of the blocks on that tier; both
-// must fit their budgets. NVMe is never faster than host in this model, so
+// must fit their budgets. (The swap tiers are rows of a TierTable, and the
+// model and the search read a row's path bandwidths and room, never its name:
+// Note [Tier descriptors] in tier_table.hpp.) NVMe is never faster than host in this model, so
 // an optimal plan uses it only where host memory is short (ties go to host).
 //
 // Optimization (exact for the model). Keeping is the fastest option of every
@@ -139,6 +141,7 @@
 #include <vector>
 
 #include "tierflow/core/tier.hpp"
+#include "tierflow/tiering/tier_table.hpp"
 
 namespace tierflow::tiering {
 
@@ -195,12 +198,22 @@ struct Budgets {
   /// Saved tensors outside the blocks per step (the head's logits, the embeddings' output): kept on the device
   /// or swapped to the host whole, the plan's choice (Note [Activation planner], Outside the blocks).
   std::uint64_t outside_saved_bytes = 0;
+  /// Swap tiers after host and NVMe, each a row with its links and room (none from the configuration; Note
+  /// [Tier descriptors] sketches a remote host's). swap_tiers puts them in the table the search iterates.
+  std::vector<TierRow> further_swap_tiers;
 };
+
+/// The swap tiers of `links` and `budgets` as rows (Note [Tier descriptors]): host (the device's link, d2h/h2d;
+/// host_bytes; always present), NVMe (through the host, nvme_write/nvme_read; nvme_bytes; present with a budget
+/// and both rates), then Budgets::further_swap_tiers (present with a budget and both rates). config_error for
+/// more than kMaxSwapTiers rows or a row whose `via` is not an earlier row.
+TierTable swap_tiers(const Links& links, const Budgets& budgets);
 
 /// What happens to a block's saved bytes. swap = every saved byte swapped, nothing recomputed;
 /// split = MEMO; recompute = only the input swapped, the whole block recomputed.
 enum class BlockMode : std::uint8_t { kKeep, kSwap, kSplit, kRecompute };
-/// Where swapped bytes go.
+/// Where swapped bytes go: the index of a row of swap_tiers' table (Note [Tier descriptors]); kHost and kNvme
+/// are the rows the configuration builds, a further row i is static_cast<SwapTier>(i).
 enum class SwapTier : std::uint8_t { kHost, kNvme };
 
 /// The decision and the predictions for one block.
@@ -220,6 +233,7 @@ struct Plan {
   std::uint64_t predicted_device_peak_bytes = 0;
   double predicted_step_seconds = 0;             ///< activations' part of the step: forward + backward of the blocks
   std::uint64_t host_bytes = 0, nvme_bytes = 0;  ///< swapped activations (and fetched parameters) held per tier at the peak
+  std::vector<std::uint64_t> tier_bytes;         ///< the same per row of swap_tiers (host_bytes, nvme_bytes, further rows)
   // Additions to the agreed interface:
   double keep_all_step_seconds = 0;              ///< the step if every block were kept (the fastest possible)
   std::uint64_t device_budget_bytes = 0;         ///< Budgets::device_bytes the plan was made for
@@ -274,7 +288,8 @@ struct AlternativeCost {
   double step_seconds = 0;             ///< the plan's predicted step with it
   std::uint64_t device_peak_bytes = 0, host_bytes = 0, nvme_bytes = 0;  ///< the plan's usage with it
   bool fits_device = true, fits_host = true, fits_nvme = true;         ///< each usage within its budget
-  bool fits() const noexcept { return fits_device && fits_host && fits_nvme; }
+  bool fits_further = true;            ///< every further swap tier's usage within its budget
+  bool fits() const noexcept { return fits_device && fits_host && fits_nvme && fits_further; }
 };
 
 /// The model of evaluate_plan for `plan` (as evaluate_plan or plan_activations returned it) with block i's
@@ -296,7 +311,7 @@ double outside_swap_seconds(const Links& links, std::uint64_t bytes);
 std::string_view to_string(BlockMode) noexcept;
 /// The mode named `text` (keep, swap, split, recompute); config_error naming it and the accepted names.
 BlockMode parse_block_mode(std::string_view text);
-/// Name of a tier: "host", "nvme".
+/// Name of a tier: "host", "nvme" ("tier 2" and on for further rows: their names are the table's).
 std::string_view to_string(SwapTier) noexcept;
 /// Name of a parameter policy: "resident", "auto", "fetch-all".
 std::string_view to_string(ParamPolicy) noexcept;

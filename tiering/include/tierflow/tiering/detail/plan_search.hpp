@@ -12,18 +12,10 @@ namespace tierflow::tiering::detail {
 
 inline constexpr double kInf = std::numeric_limits<double>::infinity();
 
-/// A tier's bandwidths, bytes per second.
-struct TierBandwidth {
-  double write = 0;  ///< device -> tier
-  double read = 0;   ///< tier -> device
-};
-
-/// Whether the budgets and links give an NVMe tier.
+/// Whether the budgets and links give an NVMe tier (swap_tiers' row kNvme is present).
 bool nvme_available(const Links& links, const Budgets& budgets);
 /// What the saved tensors outside the blocks add to the device peak, kept or swapped (Note [Activation planner]).
 std::uint64_t outside_device_bytes(std::uint64_t outside, std::uint64_t largest_transient, bool kept);
-/// The bandwidths of a tier: d2h/h2d, or for NVMe the smaller of PCIe and NVMe per direction.
-TierBandwidth bandwidth(const Links& links, SwapTier tier);
 
 /// A block's predicted forward and backward seconds.
 struct Times {
@@ -39,18 +31,22 @@ struct Line {
 struct Phases {
   std::vector<Line> forward, backward;
 };
-/// Note [Activation planner]'s terms of a block (alpha matters for kSplit only).
-Phases block_phases(const BlockProfile& p, const Links& links, BlockMode mode, SwapTier tier);
+/// Note [Activation planner]'s terms of a block swapping to row `tier` of `tiers` (alpha matters for kSplit
+/// only): the swap at that row's path bandwidths (Note [Tier descriptors]), the rest on `links`' PCIe.
+Phases block_phases(const BlockProfile& p, const Links& links, const TierTable& tiers, BlockMode mode,
+                    SwapTier tier);
 /// The alphas in [0, 1] where a split block's time can bend: 0, 1 and where two terms of a phase cross.
-std::vector<double> split_breakpoints(const BlockProfile& p, const Links& links, SwapTier tier);
+std::vector<double> split_breakpoints(const BlockProfile& p, const Links& links, const TierTable& tiers,
+                                      SwapTier tier);
 
 /// The per-block pipeline of Note [Activation planner]. Swapped bytes are taken continuous in alpha
 /// (swap_bytes rounds them to a byte), so the time is exactly piecewise linear in alpha.
-Times block_times(const BlockProfile& p, const Links& links, BlockMode mode, double alpha, SwapTier tier);
+Times block_times(const BlockProfile& p, const Links& links, const TierTable& tiers, BlockMode mode, double alpha,
+                  SwapTier tier);
 /// Bytes a block sends to its tier per step.
 std::uint64_t swap_bytes_of(const BlockProfile& p, BlockMode mode, double alpha);
 /// MEMO's link rule: the largest alpha whose swap-out to `tier` fits in the block's forward (1: nothing to split).
-double link_alpha(const BlockProfile& p, const Links& links, SwapTier tier);
+double link_alpha(const BlockProfile& p, const TierTable& tiers, SwapTier tier);
 /// Whether two profiles are equal in every field (their blocks group in the search).
 bool same_profile(const BlockProfile& a, const BlockProfile& b);
 
