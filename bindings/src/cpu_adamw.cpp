@@ -62,7 +62,8 @@ CpuAdamW::CpuAdamW(std::shared_ptr<Runtime> runtime, const std::vector<torch::op
   format_ = runtime_->config().optimizer_states;
   check_amsgrad();
   options_ = options ? *options : CpuAdamWOptions::from_config(runtime_->config());
-  start_streaming();  // Note [C++ steps during backward]
+  assign_gpu_share();  // Note [C++ GPU share]: before the stream takes the rest
+  start_streaming();   // Note [C++ steps during backward]
 }
 
 void CpuAdamW::check_amsgrad() const {
@@ -186,9 +187,14 @@ bool CpuAdamW::step_group(torch::optim::OptimizerParamGroup& group, std::size_t 
   std::vector<at::Tensor> candidates;
   std::vector<std::int64_t> steps_taken;
   std::unordered_map<const void*, std::size_t> index_in_group;
+  std::vector<at::Tensor> gpu;  // Note [C++ GPU share]
   for (std::size_t k = 0; k < group.params().size(); ++k) {
     const auto& p = group.params()[k];
     if (!p.grad().defined() || stepped_by_stream_.count(p.unsafeGetTensorImpl())) continue;
+    if (on_gpu(p)) {
+      gpu.push_back(p);
+      continue;
+    }
     TORCH_CHECK(!p.grad().is_sparse(), "tierflow CpuAdamW does not support sparse gradients");
     TORCH_CHECK(p.is_contiguous(), "tierflow CpuAdamW: parameters must be contiguous");
     auto sit = slots_.find(p.unsafeGetTensorImpl());
@@ -216,7 +222,8 @@ bool CpuAdamW::step_group(torch::optim::OptimizerParamGroup& group, std::size_t 
     for (std::size_t i : b.members) params.push_back(candidates[i]);
     step_batch({b.step, std::move(params), group_index, &index_in_group}, o, ao, failed, first_error);
   }
-  return !candidates.empty();
+  if (!gpu.empty()) gpu_step(gpu, o, ao);
+  return !candidates.empty() || !gpu.empty();
 }
 
 void CpuAdamW::step_batch(const Batch& batch, const AdamWOptions& o, const optimizer::AdamOptions& ao,
@@ -394,6 +401,15 @@ void CpuAdamW::adopt_loaded_state() {
       auto found = state_.find(p.unsafeGetTensorImpl());
       if (found == state_.end()) continue;
       auto& st = static_cast<AdamWParamState&>(*found->second);
+      if (on_gpu(p)) {  // Note [C++ GPU share]: fp32 states on the device
+        const auto fp32_there = [&](const at::Tensor& t) {
+          return t.defined() ? t.to(p.device(), at::kFloat).contiguous() : at::zeros_like(p, at::kFloat);
+        };
+        st.exp_avg(fp32_there(st.exp_avg()));
+        st.exp_avg_sq(fp32_there(st.exp_avg_sq()));
+        st.max_exp_avg_sq(amsgrad ? fp32_there(st.max_exp_avg_sq()) : at::Tensor());
+        continue;
+      }
       const auto fp32_cpu = [&](const at::Tensor& t) {
         return t.defined() ? t.to(at::kCPU, at::kFloat).contiguous() : at::zeros(p.sizes(), at::kFloat);
       };

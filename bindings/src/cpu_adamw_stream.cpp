@@ -11,6 +11,8 @@
 #include "tierflow/bindings/dtypes.hpp"
 #include "tierflow/bindings/runtime.hpp"
 #include "tierflow/core/error.hpp"
+#include "tierflow/optimizer/cuda_adam.hpp"
+#include "tierflow/optimizer/grad_buckets.hpp"
 #include "tierflow/optimizer/state_tier.hpp"
 #include "tierflow/optimizer/stream_rules.hpp"
 
@@ -28,6 +30,7 @@ CpuAdamWOptions CpuAdamWOptions::from_config(const Config& c) {
   o.skip_nonfinite = c.skip_nonfinite;
   o.accumulation_steps = c.grad_accumulation_steps;
   o.weights_in_forward = c.weights_return_in_forward;
+  o.gpu_fraction = c.gpu_optimizer_fraction_auto ? 0.0 : c.gpu_optimizer_fraction;  // Note [C++ GPU share]
   return o;
 }
 
@@ -207,6 +210,80 @@ void CpuAdamW::reconcile_master(const at::Tensor& p, at::Tensor& master) const {
   const at::Tensor now = p.detach().to(at::kCPU);
   if (at::equal(master.to(now.scalar_type()), now)) return;
   master.copy_(now);
+}
+
+void CpuAdamW::assign_gpu_share() {
+  if (!(options_.gpu_fraction >= 0.0 && options_.gpu_fraction <= 1.0))
+    throw config_error("tierflow CpuAdamW: TIERFLOW_GPU_OPTIMIZER_FRACTION (CpuAdamWOptions::gpu_fraction) is " +
+                       std::to_string(options_.gpu_fraction) + "; accepted: a number from 0 to 1");
+  if (options_.gpu_fraction == 0.0) return;
+  std::vector<at::Tensor> cuda;
+  std::vector<std::size_t> numels;
+  for (const auto& group : param_groups_)
+    for (const at::Tensor& p : group.params())
+      if (p.is_cuda() && p.is_contiguous() && p.requires_grad()) {
+        cuda.push_back(p);
+        numels.push_back(static_cast<std::size_t>(p.numel()));
+      }
+  if (cuda.empty()) return;  // nothing on a GPU: every parameter steps on the CPU
+  if (!optimizer::cuda_adam_compiled())
+    throw config_error("tierflow CpuAdamW: TIERFLOW_GPU_OPTIMIZER_FRACTION=" + std::to_string(options_.gpu_fraction) +
+                       " (CpuAdamWOptions::gpu_fraction) needs the CUDA AdamW, which this build lacks "
+                       "(TIERFLOW_WITH_CUDA); accepted: 0");
+  optimizer::GpuShareChoice choice(std::to_string(options_.gpu_fraction));
+  const std::vector<bool> picked = choice.assign(numels);
+  for (std::size_t i = 0; i < cuda.size(); ++i)
+    if (picked[i]) gpu_share_[cuda[i].unsafeGetTensorImpl()] = true;
+}
+
+void CpuAdamW::gpu_step(const std::vector<at::Tensor>& params, const AdamWOptions& o, const optimizer::AdamOptions& ao) {
+  // States made on the device at a parameter's first step; an fp32 parameter is its own master (in place), a
+  // 16-bit one steps an fp32 master on the device and is written from it (Note [C++ GPU share]).
+  std::vector<std::int64_t> steps;
+  for (const at::Tensor& p : params) {
+    auto& entry = state_[p.unsafeGetTensorImpl()];
+    if (!entry) {
+      auto st = std::make_unique<AdamWParamState>();
+      st->exp_avg(at::zeros_like(p, at::kFloat));
+      st->exp_avg_sq(at::zeros_like(p, at::kFloat));
+      if (o.amsgrad()) st->max_exp_avg_sq(at::zeros_like(p, at::kFloat));
+      entry = std::move(st);
+    }
+    Slot& s = slot_of(p);
+    if (p.scalar_type() != at::kFloat && !s.master.defined()) s.master = p.detach().to(at::kFloat);
+    auto& st = static_cast<AdamWParamState&>(*entry);
+    steps.push_back(st.step());  // taken so far: groups_by_next_step's step is the one stepped now
+    st.step(st.step() + 1);
+  }
+  const auto* guard = c10::impl::getDeviceGuardImpl(params.front().device().type());
+  void* stream = guard->getStream(params.front().device()).native_handle();
+  for (const auto& b : optimizer::groups_by_next_step(steps)) {
+    std::vector<optimizer::AdamTensor> ts;
+    std::vector<at::Tensor> grads;  // kept alive until the kernel is queued
+    for (std::size_t i : b.members) {
+      const at::Tensor& p = params[i];
+      auto& st = static_cast<AdamWParamState&>(*state_.at(p.unsafeGetTensorImpl()));
+      const bool fp32 = p.scalar_type() == at::kFloat;
+      const at::Tensor master = fp32 ? p.detach() : slot_of(p).master;
+      grads.push_back(p.grad().contiguous());
+      optimizer::AdamTensor t;
+      t.numel = static_cast<std::size_t>(p.numel());
+      t.master = master.data_ptr<float>();
+      t.exp_avg = st.exp_avg().data_ptr<float>();
+      t.exp_avg_sq = st.exp_avg_sq().data_ptr<float>();
+      if (o.amsgrad()) t.max_exp_avg_sq = st.max_exp_avg_sq().data_ptr<float>();
+      t.grad = grads.back().data_ptr();
+      t.grad_type = optimizer_type(grads.back().scalar_type(), "tierflow CpuAdamW (GPU share): gradient");
+      if (!fp32) {
+        t.param_out = p.data_ptr();
+        t.param_type = optimizer_type(p.scalar_type(), "tierflow CpuAdamW (GPU share): parameter");
+      }
+      ts.push_back(t);
+      p.unsafeGetTensorImpl()->bump_version();
+      stats_.elements += static_cast<std::uint64_t>(p.numel());
+    }
+    optimizer::cuda_adam_step(ao, b.step, ts, stream);
+  }
 }
 
 GradStreamStats CpuAdamW::stream_stats() const { return stream_ ? stream_->stats() : GradStreamStats{}; }

@@ -447,6 +447,14 @@ TEST(CpuAdamW, SettingsWithoutACppMeaningAreRefusedByName) {
   tb::CpuAdamWOptions norm = streaming(true);
   norm.max_grad_norm = -1;
   EXPECT_NE(refusal(norm).find("TIERFLOW_MAX_GRAD_NORM"), std::string::npos);
+  tb::CpuAdamWOptions share = streaming(true);
+  share.gpu_fraction = 1.5;
+  EXPECT_NE(refusal(share).find("TIERFLOW_GPU_OPTIMIZER_FRACTION (CpuAdamWOptions::gpu_fraction) is 1.5"),
+            std::string::npos) << refusal(share);
+  share.gpu_fraction = 0.5;  // Note [C++ GPU share]: CUDA parameters only; these stream to the CPU
+  tb::CpuAdamW shared(make_runtime(false), make_params(1), AdamWOptions(1e-2), share);
+  EXPECT_EQ(shared.gpu_share_size(), 0u);
+  EXPECT_TRUE(shared.steps_during_backward());
   // From the table: TIERFLOW_OVERLAP_STEP=off steps after backward.
   auto runtime = std::make_shared<tb::Runtime>(tierflow::Config::parse({}, {{"overlap_step", "off"}}));
   EXPECT_FALSE(tb::CpuAdamW(runtime, make_params(1), AdamWOptions(1e-2)).steps_during_backward());

@@ -57,6 +57,18 @@
 // prepares both first). Parameters that live on the host between uses
 // (BlockOffload::offload_parameters) get their committed weights written into
 // their host copies: use_host_copies.
+//
+// Note [C++ GPU share]
+// ~~~~~~~~~~~~~~~~~~~~
+// With CpuAdamWOptions::gpu_fraction > 0 (TIERFLOW_GPU_OPTIMIZER_FRACTION as a
+// number) the CUDA parameters that optimizer::GpuShareChoice::assign picks for
+// that share of the elements (decided once, at construction, before the
+// stream takes the rest) keep fp32 states on the device and step there in
+// step(), with tierflow's CUDA AdamW (optimizer/cuda_adam.hpp, torch's fused
+// AdamW bit for bit in fp32) on the current stream: the same placement as
+// Python's GpuShare with a fixed fraction. `auto` (choosing from a measured
+// step and the activation plan's room) is not served from C++ yet: it reads
+// as 0. Built and compiled; never run on a GPU (unmeasured).
 #pragma once
 
 #include <torch/optim/adamw.h>
@@ -90,6 +102,9 @@ struct CpuAdamWOptions {
   bool skip_nonfinite = false;        ///< TIERFLOW_SKIP_NONFINITE
   int accumulation_steps = 1;         ///< TIERFLOW_GRAD_ACCUMULATION_STEPS (backward passes per step())
   bool weights_in_forward = false;    ///< TIERFLOW_WEIGHTS_RETURN=forward: refused from C++ (config_error)
+  /// TIERFLOW_GPU_OPTIMIZER_FRACTION as a number from 0 to 1: that share of the CUDA parameters' elements steps
+  /// on the GPU (Note [C++ GPU share]); `auto` (the table's default) reads as 0 from C++.
+  double gpu_fraction = 0.0;
   /// The settings of `config`.
   static CpuAdamWOptions from_config(const Config& config);
 };
@@ -143,6 +158,8 @@ class CpuAdamW : public torch::optim::Optimizer {
   bool steps_during_backward() const noexcept { return stream_ != nullptr; }
   /// The gradient stream's counters (early_steps, committed, redone, taken_back, held, buckets...); zeros when off.
   GradStreamStats stream_stats() const;
+  /// Parameters stepping on the GPU (Note [C++ GPU share]).
+  std::size_t gpu_share_size() const noexcept { return gpu_share_.size(); }
   /// The settings in force.
   const CpuAdamWOptions& options() const noexcept { return options_; }
   /// Parameters `offload` keeps on the host between uses: their committed weights go into their host copies
@@ -199,6 +216,11 @@ class CpuAdamW : public torch::optim::Optimizer {
   bool step_streamed(double scale);  // the stream's part of step(); false when nothing was left to step here
   void adopt_stream_states(const std::vector<std::size_t>& slots);
   void reconcile_master(const at::Tensor& p, at::Tensor& master) const;
+  // Note [C++ GPU share] (cpu_adamw_stream.cpp).
+  void assign_gpu_share();
+  bool on_gpu(const at::Tensor& p) const { return gpu_share_.count(p.unsafeGetTensorImpl()) != 0; }
+  void gpu_step(const std::vector<at::Tensor>& params, const torch::optim::AdamWOptions& o,
+                const optimizer::AdamOptions& ao);
 
   std::shared_ptr<Runtime> runtime_;
   bool on_nvme_ = false;
@@ -215,6 +237,7 @@ class CpuAdamW : public torch::optim::Optimizer {
   std::unordered_map<const void*, bool> reread_;             // this step(): masters re-read from the parameter
   std::vector<std::size_t> written_here_;   // this step(): carried slots this path stepped (note_written)
   bool master_stale_ = false;               // a load(): every carried master is re-read at the next step()
+  std::unordered_map<const void*, bool> gpu_share_;  // CUDA parameters stepping on the GPU (Note [C++ GPU share])
 };
 
 }  // namespace tierflow::bindings
