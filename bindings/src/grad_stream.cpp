@@ -44,44 +44,45 @@ std::shared_ptr<GradStream> GradStream::create(std::shared_ptr<Runtime> runtime,
 }
 
 namespace {
-optimizer::StepLedgerOptions ledger_options(const GradStreamOptions& o) {
-  optimizer::StepLedgerOptions l;
-  l.bucket_bytes = o.bucket_bytes;
-  l.accumulation_steps = o.accumulation_steps;
-  l.max_grad_norm = o.max_grad_norm;
-  l.skip_nonfinite = o.skip_nonfinite;
-  return l;
+optimizer::StepEngineOptions engine_options(const GradStreamOptions& o) {
+  optimizer::StepEngineOptions e;
+  e.bucket_bytes = o.bucket_bytes;
+  e.accumulation_steps = o.accumulation_steps;
+  e.max_grad_norm = o.max_grad_norm;
+  e.skip_nonfinite = o.skip_nonfinite;
+  return e;
+}
+
+// The kernel type a parameter's new weights are written in (float32 when it has none: it never streams).
+optimizer::ScalarType weight_type(const at::Tensor& param) {
+  return kernel_type(param.scalar_type()).value_or(optimizer::ScalarType::kFloat32);
 }
 }  // namespace
 
 GradStream::GradStream(std::shared_ptr<Runtime> runtime, GradStreamOptions options)
     : runtime_(std::move(runtime)),
       options_(options),
-      ledger_(ledger_options(options)),
-      worker_(std::make_unique<swap::detail::SerialWorker>()) {
+      engine_(std::make_unique<optimizer::StepEngine>(engine_options(options),
+                                                      static_cast<optimizer::StepEngineHost&>(*this))),
+      mutex_(engine_->mutex()),
+      ledger_(engine_->ledger()) {
   TIERFLOW_EXPECTS(runtime_ != nullptr, "GradStream: no runtime");
 }
 
 GradStream::~GradStream() {
   try {
-    worker_->drain();
+    engine_->drain_unlocked();
   } catch (const std::exception& e) {
     log(LogLevel::kError, std::string("a streamed optimizer step failed at shutdown: ") + e.what());
   }
-  worker_.reset();
   try {
     for (auto& [h, staging] : uploads_) h.wait();
   } catch (const std::exception& e) {
     log(LogLevel::kError, std::string("a weight upload failed at shutdown: ") + e.what());
   }
-  for (auto& s : slots_) {
-    try {
-      s.copy.wait();  // a gradient's copy still reading device memory this slot may hold last (rule 3)
-    } catch (const std::exception& e) {
-      log(LogLevel::kError, std::string("a gradient copy failed at shutdown: ") + e.what());
-    }
+  engine_.reset();  // waits for the gradients' copies still reading device memory a slot may hold last (rule 3)
+  for (auto& s : slots_)
     if (s.accumulator) s.accumulator->del_post_hook(s.hook_key);
-  }
 }
 
 std::size_t GradStream::add_parameter(const at::Tensor& param, int group) {
@@ -91,7 +92,8 @@ std::size_t GradStream::add_parameter(const at::Tensor& param, int group) {
       (f.contiguous = param.is_contiguous()) && (f.type = kernel_type(param.scalar_type())))
     f.on_device = runtime_->on_device(param);
   const bool streamable = !optimizer::param_not_streamable(f);
-  const std::size_t slot = ledger_.add(param.nbytes(), group, streamable);
+  const std::size_t slot = engine_->add(static_cast<std::size_t>(param.numel()), param.nbytes(), weight_type(param),
+                                        group, streamable);
   Slot s;
   s.param = param;
   if (streamable) {
@@ -109,7 +111,8 @@ std::size_t GradStream::add_fed_parameter(const at::Tensor& shard, const at::Ten
   f.requires_grad = f.leaf = true;
   if ((f.contiguous = shard.is_contiguous()) && (f.type = kernel_type(shard.scalar_type())))
     f.on_device = runtime_->on_device(shard);
-  const std::size_t slot = ledger_.add(shard.nbytes(), group, !optimizer::param_not_streamable(f));
+  const std::size_t slot = engine_->add(static_cast<std::size_t>(shard.numel()), shard.nbytes(), weight_type(shard),
+                                        group, !optimizer::param_not_streamable(f));
   Slot s;
   s.param = shard;
   s.owner = owner;
@@ -148,7 +151,7 @@ std::vector<optimizer::GradContent> GradStream::grad_contents_locked() {
     ledger_.streamed_content(i, slots_[i].streamed_content.get());
     out[i] = now[i].get();
   }
-  stats_.content_check_ns += now_ns() - t0;
+  engine_->counters().content_check_ns += now_ns() - t0;
   return out;
 }
 
@@ -164,17 +167,15 @@ void GradStream::set_home(std::size_t slot, const at::Tensor& home) {
 }
 
 void GradStream::exclude(std::size_t slot) {
-  worker_->drain();  // no step of this slot is running (a failed one's error surfaces here, as in wait_worker)
+  engine_->drain_unlocked();  // no step of this slot is running (a failed one's error surfaces here, as in wait_worker)
   std::lock_guard<std::mutex> lock(mutex_);
   TIERFLOW_EXPECTS(slot < slots_.size(), "GradStream::exclude: no slot " + std::to_string(slot));
   restore_locked(slot, false);  // a released gradient steps elsewhere, from p.grad
   ledger_.exclude(slot);
   // Its states are no longer the stream's: whoever steps it keeps them (the GPU share moves them to the device;
   // a partitioned optimizer's other rank has its own), so the host pool gets them back once Python lets go too.
-  Slot& s = slots_[slot];
-  for (at::Tensor* t : {&s.master, &s.exp_avg, &s.exp_avg_sq, &s.max_exp_avg_sq, &s.step, &s.out_master,
-                        &s.out_exp_avg, &s.out_exp_avg_sq, &s.out_max_exp_avg_sq})
-    *t = at::Tensor();
+  engine_->drop_state(slot);
+  slots_[slot].step = at::Tensor();
 }
 
 void GradStream::set_group(int group, const optimizer::AdamOptions& options) {
@@ -207,15 +208,12 @@ void GradStream::set_state(std::size_t slot, at::Tensor master, at::Tensor exp_a
                        " needs a contiguous fp32 CPU max_exp_avg_sq of the parameter's size");
   TIERFLOW_EXPECTS(step.defined() && step.is_cpu() && step.numel() == 1,
                    "GradStream::set_state: the step counter must be a one-element CPU tensor");
-  s.master = std::move(master);
-  s.exp_avg = std::move(exp_avg);
-  s.exp_avg_sq = std::move(exp_avg_sq);
-  s.max_exp_avg_sq = std::move(max_exp_avg_sq);
+  engine_->set_state(slot, host_array(master), host_array(exp_avg), host_array(exp_avg_sq),
+                     host_array(max_exp_avg_sq), *format);  // tells the ledger (state_set)
   s.step = std::move(step);
   s.written = s.home.defined() ? ContentProbe() : ContentProbe::of(s.param);  // the master's source (Note [Weight content])
   s.probe_after_upload = false;
   s.master_stale = false;
-  ledger_.state_set(slot);
 }
 
 void GradStream::note_written(const std::vector<std::size_t>& slots) {
@@ -238,7 +236,10 @@ std::vector<at::Tensor> GradStream::state_of(std::size_t slot) const {
   auto shaped = [&](const at::Tensor& t) {
     return t.defined() && t.numel() == s.param.numel() && t.scalar_type() != at::kByte ? t.view(s.param.sizes()) : t;
   };
-  return {shaped(s.master), shaped(s.exp_avg), shaped(s.exp_avg_sq), shaped(s.max_exp_avg_sq)};
+  const std::vector<optimizer::HostArray> state = engine_->state_of(slot);
+  const at::ScalarType moment = moment_dtype(engine_->format_of(slot));
+  return {shaped(tensor_of(state[0], at::kFloat)), shaped(tensor_of(state[1], moment)),
+          shaped(tensor_of(state[2], moment)), shaped(tensor_of(state[3], at::kFloat))};
 }
 
 void GradStream::set_callbacks(std::function<void()> on_backward_begin, std::function<void(std::size_t)> init_state) {
@@ -265,23 +266,14 @@ std::size_t GradStream::size() const {
   return slots_.size();
 }
 
-void GradStream::sync_buckets_locked() {
-  // The ledger re-cut the buckets: the buffers of the old cut go (their
-  // gradients' host slices keep what is still referenced).
-  if (buckets_plan_ == ledger_.plan_id()) return;
-  buckets_.assign(ledger_.bucket_count(), Bucket{});
-  buckets_plan_ = ledger_.plan_id();
-}
-
 void GradStream::begin_backward(bool queue_end) {
   bool first = false, queue = false;
   std::function<void()> begin;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     const std::uint64_t now = now_ns();
-    first = ledger_.backward_begins(now);
+    first = engine_->backward_begins(now);  // Note [Stream timeline]'s start
     if (first) begin = on_backward_begin_;
-    if (first && clock_.start == 0) clock_.start = now;
     queue = queue_end && !end_queued_;
     end_queued_ = end_queued_ || queue;
   }
@@ -300,7 +292,7 @@ void GradStream::on_grad(std::size_t i) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     const optimizer::GradArrival what = ledger_.arrive(i);
-    sync_buckets_locked();
+    engine_->sync_buckets();
     switch (what) {
       case optimizer::GradArrival::kIgnore:
         return;
@@ -338,41 +330,27 @@ void GradStream::stream_from_locked(std::size_t i, const at::Tensor& grad, bool 
     g.on_device = g.numel == g.param_numel && g.type && runtime_->on_device(grad);
   }
   if (optimizer::grad_not_streamable(g)) return;  // step() takes it through the Python path, naming what it refuses
-  const std::size_t bucket = ledger_.bucket_of(i);
-  Bucket& b = buckets_[bucket];
-  if (!b.buffer.defined()) {
-    try {
-      b.buffer = runtime_->host_empty({static_cast<std::int64_t>(ledger_.bucket_bytes(bucket))}, at::kByte, false);
-    } catch (const out_of_memory&) {
-      ledger_.held();
-      return;
-    }
-  }
+  const optimizer::HostArray slice = engine_->stage_gradient(i, *g.type, grad.nbytes());
+  if (!slice.defined()) return;  // no room for its bucket: held, step() steps it from p.grad
   // Earlier gradients whose copies are done go now; not this one: autograd
   // still holds it until this hook returns.
   release_landed_locked();
-  at::Tensor host = b.buffer.narrow(0, static_cast<std::int64_t>(ledger_.offset_of(i)),
-                                    static_cast<std::int64_t>(grad.nbytes()))
-                        .view(grad.scalar_type());
+  const at::Tensor host = tensor_of(slice, grad.scalar_type());
   // After the work queued on the stream that produced the gradient (rule 1).
   // clip_grad_norm_'s op, queued before the copy: the copy's completion then
   // covers it too, and the gradient can go once the copy is done.
   const bool release = options_.offload_gradients && !reduced;
   if (release && (options_.max_grad_norm > 0 || options_.skip_nonfinite))
     s.norm = at::_foreach_norm({grad}, 2)[0];
-  s.copy = runtime_->copy_to_host(host, grad.view(-1));
-  s.copy_seq = ++copy_seq_;
-  b.copies.push_back(s.copy);
-  s.host_grad = host;
+  engine_->gradient_copied(i, runtime_->copy_to_host(host, grad.view(-1)));
   s.grad_ref = grad;  // alive until the copy has landed (rule 3)
-  stats_.grad_bytes_to_host += grad.nbytes();
   if (release) {
     s.param.mutable_grad() = at::Tensor();  // p.grad is None; our reference goes once the copy is done
     s.grad_storage = std::make_unique<c10::weak_intrusive_ptr<c10::StorageImpl>>(grad.storage().getWeakStorageImpl());
     s.grad_bytes = grad.nbytes();
     s.freed_counted = false;
     releasing_.push_back(i);
-    stats_.grads_released += 1;
+    engine_->counters().grads_released += 1;
   }
   // DDP writes the reduced values into p.grad later (rebind); FSDP2 assigned its gradient before the feed: a
   // change after this (an accumulation by a later reduce-scatter, an in-place op) is a change at confirm.
@@ -383,167 +361,9 @@ void GradStream::stream_from_locked(std::size_t i, const at::Tensor& grad, bool 
   // read in step(). A released gradient is gone from p.grad: nothing to compare.
   const std::uint64_t tc = now_ns();
   s.streamed_content = release ? ContentProbe() : ContentProbe::of(grad.view(-1));
-  stats_.content_check_ns += now_ns() - tc;
+  engine_->counters().content_check_ns += now_ns() - tc;
   if (!s.streamed_content.pending()) identity.content = s.streamed_content.get();
-  if (ledger_.streamed(i, identity, release)) launch_locked(bucket);
-}
-
-void GradStream::launch_locked(std::size_t bi) {
-  if (ledger_.launched(bi)) return;
-  std::vector<Entry> entries;
-  for (std::size_t i : ledger_.launch(bi)) {
-    Slot& s = slots_[i];
-    Entry e;
-    e.slot = i;
-    e.options = ledger_.options_used(i);
-    e.step = static_cast<std::int64_t>(s.step.item<float>()) + 1;
-    e.host_grad = s.host_grad;
-    e.master = s.master;
-    e.exp_avg = s.exp_avg;
-    e.exp_avg_sq = s.exp_avg_sq;
-    if (e.options.amsgrad) e.max_exp_avg_sq = s.max_exp_avg_sq;
-    try {
-      const std::vector<std::int64_t> flat = {s.param.numel()};
-      e.out_master = runtime_->host_empty(flat, at::kFloat, false);
-      // Like the moments (Note [Optimizer state formats]): bf16, or 8bit's one buffer of codes and scales.
-      e.out_exp_avg = runtime_->host_empty({s.exp_avg.numel()}, s.exp_avg.scalar_type(), false);
-      e.out_exp_avg_sq = runtime_->host_empty({s.exp_avg_sq.numel()}, s.exp_avg_sq.scalar_type(), false);
-      if (e.options.amsgrad) e.out_max_exp_avg_sq = runtime_->host_empty(flat, at::kFloat, false);
-      e.staging = runtime_->host_empty(flat, s.param.scalar_type(), false);
-    } catch (const out_of_memory&) {
-      e.held = true;  // its gradient still lands; step() steps it from there
-      e.out_master = e.out_exp_avg = e.out_exp_avg_sq = e.out_max_exp_avg_sq = e.staging = at::Tensor();
-      ledger_.held();
-    }
-    s.out_master = e.out_master;
-    s.out_exp_avg = e.out_exp_avg;
-    s.out_exp_avg_sq = e.out_exp_avg_sq;
-    s.out_max_exp_avg_sq = e.out_max_exp_avg_sq;
-    s.staging = e.staging;
-    entries.push_back(std::move(e));
-  }
-  std::vector<swap::TransferHandle> copies = std::move(buckets_[bi].copies);
-  buckets_[bi].copies.clear();
-  WindowClock::Bucket timed;  // Note [Stream timeline]
-  timed.bucket = bi;
-  timed.launched = now_ns();
-  for (const Entry& e : entries) timed.grad_bytes += e.host_grad.defined() ? e.host_grad.nbytes() : 0;
-  clock_.buckets.push_back(timed);
-  worker_->push([this, gen = ledger_.generation(), entries = std::move(entries), copies = std::move(copies),
-                 window = clock_window_, index = clock_.buckets.size() - 1]() mutable {
-    run_bucket(gen, std::move(entries), std::move(copies), window, index);
-  });
-}
-
-void GradStream::run_bucket(std::uint64_t generation, std::vector<Entry> entries,
-                            std::vector<swap::TransferHandle> copies, std::uint64_t clock_window, std::size_t timed) {
-  const std::uint64_t picked = now_ns();
-  // Note [Stream timeline]: this bucket's record, when its window is still the current one.
-  auto times = [&]() -> WindowClock::Bucket* {
-    return clock_window == clock_window_ && timed < clock_.buckets.size() ? &clock_.buckets[timed] : nullptr;
-  };
-  // Rule 2: the CPU reads the gradients only once they landed. Every copy is
-  // waited for, even after one failed: none may still use memory that goes.
-  std::exception_ptr failed;
-  for (const auto& h : copies) {
-    try {
-      h.wait();
-    } catch (...) {
-      if (!failed) failed = std::current_exception();
-    }
-  }
-  if (failed) {
-    settle_failed_bucket(generation, entries);
-    std::rethrow_exception(failed);
-  }
-  const std::uint64_t landed = now_ns();
-  bool need_norm = false;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    need_norm = ledger_.needs_norm();
-    if (WindowClock::Bucket* t = times()) {
-      t->picked = picked;
-      t->landed = landed;
-    }
-  }
-  double sum_sq = 0;
-  if (need_norm)
-    for (const auto& e : entries)
-      sum_sq += optimizer::sum_of_squares(e.host_grad.data_ptr(),
-                                          optimizer_type(e.host_grad.scalar_type(), "GradStream: a gradient"),
-                                          static_cast<std::size_t>(e.host_grad.numel()));
-  std::vector<std::size_t> slots;
-  std::vector<bool> held;
-  for (const auto& e : entries) {
-    slots.push_back(e.slot);
-    held.push_back(e.held);
-  }
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    const optimizer::Landed next = ledger_.landed(generation, slots, sum_sq);
-    if (next == optimizer::Landed::kGone) return;
-    for (std::size_t i : slots)
-      if (ledger_.released(i)) slots_[i].grad_ref = at::Tensor();  // its copy is done (rule 3): the memory goes
-    if (next == optimizer::Landed::kWait) return;  // step() steps these once the norm is known
-  }
-  const std::uint64_t t0 = now_ns();
-  const std::uint64_t stepped_bytes = step_entries(entries);
-  const std::uint64_t ns = now_ns() - t0;
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (WindowClock::Bucket* t = times()) t->stepped = t0 + ns;
-  stats_.kernel_ns += ns;
-  stats_.kernel_grad_bytes += stepped_bytes;
-  ledger_.kernel_time(ns, stepped_bytes);
-  ledger_.stepped_early(generation, slots, held);
-}
-
-void GradStream::settle_failed_bucket(std::uint64_t generation, const std::vector<Entry>& entries) {
-  // A released gradient whose own copy failed is still on the device: back to
-  // p.grad. The others landed and stay released (restore_grads brings them).
-  std::lock_guard<std::mutex> lock(mutex_);
-  for (const auto& e : entries) {
-    Slot& s = slots_[e.slot];
-    bool ok = true;
-    try {
-      s.copy.wait();
-    } catch (...) {
-      ok = false;
-    }
-    if (ok) {
-      ledger_.copy_landed(generation, e.slot);
-      continue;
-    }
-    if (ledger_.released(e.slot) && s.grad_ref.defined() && !s.param.grad().defined())
-      s.param.mutable_grad() = s.grad_ref;
-    ledger_.copy_failed(e.slot);  // its early step cannot run: step() takes it from p.grad
-  }
-}
-
-std::uint64_t GradStream::step_entries(const std::vector<Entry>& entries) {
-  std::uint64_t stepped_bytes = 0;
-  std::vector<optimizer::KernelStep> keys;
-  for (const Entry& e : entries) keys.push_back({e.step, e.options, -1, e.held});
-  for (const auto& call : optimizer::group_kernel_calls(keys)) {
-    std::vector<at::Tensor> masters, ms, vs, vmaxes, grads, outs;
-    Runtime::AdamOutputs out;
-    for (std::size_t k : call) {
-      const Entry& e = entries[k];
-      masters.push_back(e.master);
-      ms.push_back(e.exp_avg);
-      vs.push_back(e.exp_avg_sq);
-      vmaxes.push_back(e.max_exp_avg_sq);
-      grads.push_back(e.host_grad);
-      outs.push_back(e.staging);
-      stepped_bytes += e.host_grad.nbytes();
-      out.masters.push_back(e.out_master);
-      out.exp_avgs.push_back(e.out_exp_avg);
-      out.exp_avg_sqs.push_back(e.out_exp_avg_sq);
-      out.max_exp_avg_sqs.push_back(e.out_max_exp_avg_sq);
-    }
-    const Entry& first = entries[call.front()];
-    runtime_->adam_step(first.options, first.step, masters, ms, vs, vmaxes, grads, outs, out);
-  }
-  return stepped_bytes;
+  engine_->streamed(i, identity, release);  // launches its bucket when it was the last
 }
 
 void GradStream::on_backward_end() {
@@ -551,22 +371,15 @@ void GradStream::on_backward_end() {
   std::lock_guard<std::mutex> lock(mutex_);
   end_queued_ = false;
   rebind_reduced_locked();
-  const std::uint64_t now = now_ns();
-  ledger_.backward_ends(now);
-  if (clock_.start != 0) clock_.backward_end = now;
+  engine_->backward_ends(now_ns());
   release_landed_locked();
   count_freed_locked();
-  for (std::size_t b : ledger_.unlaunched()) launch_locked(b);
+  engine_->launch_unlaunched();
 }
 
 void GradStream::wait_worker() {
-  const std::uint64_t t0 = now_ns();
-  worker_->drain();
+  engine_->wait_worker_unlocked(false);  // Note [Stream timeline]: step()'s wait
   std::lock_guard<std::mutex> lock(mutex_);
-  if (clock_.start != 0 && clock_.step == 0) {  // Note [Stream timeline]: step()'s wait
-    clock_.step = t0;
-    clock_.worker_done = now_ns();
-  }
   count_freed_locked();
 }
 
@@ -600,7 +413,7 @@ void GradStream::count_freed_locked() {
   // returned, or a user who kept `g = p.grad`. Counted once it is gone.
   for (auto& s : slots_) {
     if (!s.freed_counted && s.grad_storage && !s.grad_ref.defined() && s.grad_storage->expired()) {
-      stats_.grad_bytes_freed += s.grad_bytes;
+      engine_->counters().grad_bytes_freed += s.grad_bytes;
       s.freed_counted = true;
     }
   }
@@ -612,9 +425,10 @@ void GradStream::release_landed_locked() {
     Slot& s = slots_[i];
     if (!ledger_.released(i) || !s.grad_ref.defined()) continue;
     bool done = false;
-    if (s.copy.ready()) {
+    const swap::TransferHandle& copy = engine_->copy_of(i);
+    if (copy.ready()) {
       try {
-        s.copy.wait();  // does not block: rethrows a failed copy, whose gradient the worker puts back
+        copy.wait();  // does not block: rethrows a failed copy, whose gradient the worker puts back
         done = true;
       } catch (const std::exception&) {
       }
@@ -634,11 +448,12 @@ void GradStream::restore_locked(std::size_t i, bool accumulate) {
   if (current.defined() && !accumulate) return;  // the user set p.grad meanwhile: theirs stands
   at::Tensor g = s.grad_ref;  // still on the device: no copy needed
   if (!g.defined()) {
-    s.copy.wait();  // its bytes are on the host (rethrows a failed copy)
-    g = at::empty(s.param.sizes(), s.param.options().dtype(s.host_grad.scalar_type()));
+    engine_->copy_of(i).wait();  // its bytes are on the host (rethrows a failed copy)
+    const at::Tensor host = tensor_of(engine_->host_grad_of(i), torch_type(engine_->grad_type_of(i)));
+    g = at::empty(s.param.sizes(), s.param.options().dtype(host.scalar_type()));
     // After the kernels queued so far, and before the next one (rules 1 and 2);
     // the host slice stays until the copy is done (rule 3).
-    uploads_.emplace_back(runtime_->copy_to_device(g.view(-1), s.host_grad), s.host_grad);
+    uploads_.emplace_back(runtime_->copy_to_device(g.view(-1), host), host);
   }
   g = g.view(s.param.sizes());
   if (current.defined()) {
@@ -648,13 +463,13 @@ void GradStream::restore_locked(std::size_t i, bool accumulate) {
     // The streamed bytes (nothing wrote them while p.grad was None): compared at confirm like any gradient's.
     if (g.is_same(s.grad_ref)) s.streamed_content = ContentProbe::of(g.view(-1));
   }
-  stats_.grads_restored += 1;
+  engine_->counters().grads_restored += 1;
 }
 
 void GradStream::end_window() {
   std::exception_ptr error;
   try {
-    worker_->drain();
+    engine_->drain_unlocked();
   } catch (...) {
     error = std::current_exception();
   }
@@ -666,54 +481,28 @@ void GradStream::end_window() {
 }
 
 void GradStream::reset_window_locked(bool count_taken_back) {
-  // Copies of a bucket that never went to the worker (a backward that failed)
-  // and of released gradients must be done before their memory goes (rule 3).
-  auto settle = [](const swap::TransferHandle& h) {
+  // Copies of released gradients must be done before their memory goes (rule 3); the engine waits for its
+  // buckets' own.
+  for (std::size_t i : releasing_) {
     try {
-      h.wait();
+      engine_->copy_of(i).wait();
     } catch (const std::exception& e) {
       log(LogLevel::kWarn, std::string("a gradient copy of a discarded window failed: ") + e.what());
     }
-  };
-  for (auto& b : buckets_)
-    for (const auto& h : b.copies) settle(h);
-  for (std::size_t i : releasing_) settle(slots_[i].copy);
+  }
   count_freed_locked();
   for (auto& s : slots_) {
-    s.grad_ref = s.host_grad = s.norm = at::Tensor();
-    s.copy = swap::TransferHandle();
+    s.grad_ref = s.norm = at::Tensor();
     s.grad_storage.reset();
-    s.out_master = s.out_exp_avg = s.out_exp_avg_sq = s.out_max_exp_avg_sq = s.staging = at::Tensor();
   }
-  for (auto& b : buckets_) b = Bucket{};
   releasing_.clear();
   end_queued_ = end_requeued_ = false;  // a backward that failed never ran its end
-  ledger_.end_window(count_taken_back);
-  sync_buckets_locked();
-  finish_clock_locked();
-}
-
-void GradStream::finish_clock_locked() {
-  // Note [Stream timeline]: a window with buckets becomes the last one; the
-  // worker's late records of this window (a discarded one) go nowhere.
-  if (clock_.start != 0 && !clock_.buckets.empty()) {
-    const std::uint64_t t0 = clock_.start;
-    auto ms = [t0](std::uint64_t t) { return t == 0 ? -1.0 : (static_cast<double>(t) - static_cast<double>(t0)) / 1e6; };
-    WindowTimeline w;
-    w.backward_end_ms = ms(clock_.backward_end);
-    w.step_ms = ms(clock_.step);
-    w.worker_done_ms = ms(clock_.worker_done);
-    for (const auto& b : clock_.buckets)
-      w.buckets.push_back({b.bucket, b.grad_bytes, ms(b.launched), ms(b.picked), ms(b.landed), ms(b.stepped)});
-    last_window_ = std::move(w);
-  }
-  clock_ = WindowClock{};
-  ++clock_window_;
+  engine_->end_window(count_taken_back);  // the ledger's end_window, the timeline's (Note [Stream timeline])
 }
 
 WindowTimeline GradStream::last_window() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  return last_window_;
+  return engine_->last_window();
 }
 
 }  // namespace tierflow::bindings

@@ -177,7 +177,7 @@ void bind_stream_setup(py::class_<PyGradStream, std::shared_ptr<PyGradStream>>& 
       }, py::call_guard<py::gil_scoped_release>());
 }
 
-// What step(), zero_grad(), the user's clip and the next forward ask of it; its counters.
+// What step() and zero_grad() ask of it.
 void bind_stream_step(py::class_<PyGradStream, std::shared_ptr<PyGradStream>>& c) {
   c.def("wait_worker", [](PyGradStream& g) {
         py::gil_scoped_release release;
@@ -231,8 +231,12 @@ void bind_stream_step(py::class_<PyGradStream, std::shared_ptr<PyGradStream>>& c
         py::gil_scoped_release release;
         g.stream->end_window();
       })
-      .def("has_unconfirmed", [](PyGradStream& g) { return g.stream->has_unconfirmed(); }, py::call_guard<py::gil_scoped_release>())
-      .def("begin_clip", [](PyGradStream& g) { g.stream->begin_clip(); }, py::call_guard<py::gil_scoped_release>(),
+      .def("has_unconfirmed", [](PyGradStream& g) { return g.stream->has_unconfirmed(); }, py::call_guard<py::gil_scoped_release>());
+}
+
+// The user's clip, the next forward's waits for the weights, the counters and the timeline.
+void bind_stream_waits(py::class_<PyGradStream, std::shared_ptr<PyGradStream>>& c) {
+  c.def("begin_clip", [](PyGradStream& g) { g.stream->begin_clip(); }, py::call_guard<py::gil_scoped_release>(),
            "Before the user's clip_grad_norm_ (Note [Clip picked up]).")
       .def("end_clip", [](PyGradStream& g, double max_norm, double coefficient) { g.stream->end_clip(max_norm, coefficient); },
            py::call_guard<py::gil_scoped_release>(), py::arg("max_norm"), py::arg("coefficient"),
@@ -279,7 +283,7 @@ void bind_stream_step(py::class_<PyGradStream, std::shared_ptr<PyGradStream>>& c
         out["worker_done_ms"] = w.worker_done_ms;
         out["buckets"] = buckets;
         return out;
-      }, "The last finished window's times (Note [Stream timeline] in grad_stream.hpp); no buckets before one.")
+      }, "The last finished window's times (Note [Stream timeline] in optimizer/step_engine.hpp); no buckets before one.")
       .def("__len__", [](PyGradStream& g) { return g.stream->size(); }, py::call_guard<py::gil_scoped_release>());
 }
 
@@ -359,6 +363,7 @@ void bind_grad_stream(py::module_& m) {
       m, "GradStream", "Gradients to the CPU optimizer in buckets during backward (Note [Gradient streaming]).");
   bind_stream_setup(stream);
   bind_stream_step(stream);
+  bind_stream_waits(stream);
 }
 
 }  // namespace tierflow::bindings::pymod

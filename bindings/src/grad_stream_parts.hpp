@@ -21,7 +21,7 @@
 namespace tierflow::bindings {
 
 
-// The tensors and transfers of a slot; what happens to its step is the ledger's.
+// The tensors of a slot; its host arrays and copies are the engine's, what happens to its step the ledger's.
 struct GradStream::Slot {
   at::Tensor param;
   // FSDP2 (add_fed_parameter): the DTensor parameter whose .grad is this slot's gradient; `param` is its local
@@ -32,19 +32,15 @@ struct GradStream::Slot {
   // (a GPU image's torch 2.11): the type grad_accumulator returns.
   decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>())) accumulator;
   std::uintptr_t hook_key = 0;
-  // The optimizer state (shared with the Python state dict).
-  at::Tensor master, exp_avg, exp_avg_sq, max_exp_avg_sq, step;
+  at::Tensor step;  // the state's step counter (shared with the Python state dict)
   // This window.
-  at::Tensor grad_ref, host_grad;
+  at::Tensor grad_ref;
   ContentProbe streamed_content;  // of the gradient that streamed, not released (Note [Gradient content])
-  swap::TransferHandle copy;  // of its gradient to host_grad
-  std::uint64_t copy_seq = 0; // submission order of `copy` (begin_clip)
   // A released gradient's storage, to see when it is freed (grad_bytes_freed).
   std::unique_ptr<c10::weak_intrusive_ptr<c10::StorageImpl>> grad_storage;
   std::size_t grad_bytes = 0;
   bool freed_counted = false;
   at::Tensor norm;            // clip_grad_norm_'s per-tensor norm of the released gradient
-  at::Tensor out_master, out_exp_avg, out_exp_avg_sq, out_max_exp_avg_sq, staging;
   // What tierflow last wrote into the parameter (Note [Weight content]): a write of the user's since then
   // (p.data edits) makes the master stale for this parameter.
   ContentProbe written;
@@ -56,18 +52,12 @@ struct GradStream::Slot {
   std::uint64_t upload_seq = 0;
 };
 
-struct GradStream::Bucket {
-  at::Tensor buffer;  // pinned, this window
-  std::vector<swap::TransferHandle> copies;
-};
-
-struct GradStream::Entry {
-  std::size_t slot = 0;
-  optimizer::AdamOptions options;
-  std::int64_t step = 0;
-  bool held = false;  // no memory for the out-of-place outputs: steps in step()
-  at::Tensor host_grad, master, exp_avg, exp_avg_sq, max_exp_avg_sq;
-  at::Tensor out_master, out_exp_avg, out_exp_avg_sq, out_max_exp_avg_sq, staging;
-};
+/// `t` (contiguous, on the host) as the engine's array; the array keeps `t`.
+optimizer::HostArray host_array(const at::Tensor& t);
+/// The tensor of `dtype` over array `a` (one host_array or GradStream::allocate made, or a slice of one):
+/// the very tensor when `a` is all of it in its dtype; undefined for an undefined array.
+at::Tensor tensor_of(const optimizer::HostArray& a, at::ScalarType dtype);
+/// The torch dtype of a kernel type.
+at::ScalarType torch_type(optimizer::ScalarType t) noexcept;
 
 }  // namespace tierflow::bindings

@@ -67,7 +67,7 @@ void GradStream::on_reduced(const std::vector<at::Tensor>& params, const at::Ten
     {
       std::lock_guard<std::mutex> lock(mutex_);
       const optimizer::GradArrival what = ledger_.arrive_reduced(i);
-      sync_buckets_locked();
+      engine_->sync_buckets();
       if (what == optimizer::GradArrival::kStream) stream_from_locked(i, grad, true);
       if (what != optimizer::GradArrival::kNeedState) continue;
       init = init_state_;

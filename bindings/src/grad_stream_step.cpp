@@ -24,14 +24,10 @@ std::vector<std::size_t> GradStream::prepare_finish(double scale, bool stale, bo
   // retry prepares again); the commit then cannot fail.
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    for (std::size_t b : ledger_.unlaunched()) launch_locked(b);  // a backward that ended without its callback
+    engine_->launch_unlaunched();  // a backward that ended without its callback
   }
-  const std::uint64_t t0 = now_ns();
-  worker_->drain();
+  engine_->wait_worker_unlocked(true);  // step_wait_ns; Note [Stream timeline]: buckets launched here included
   std::lock_guard<std::mutex> lock(mutex_);
-  const std::uint64_t drained = now_ns();
-  stats_.step_wait_ns += drained - t0;
-  if (clock_.start != 0) clock_.worker_done = drained;  // Note [Stream timeline]: buckets launched here included
   count_freed_locked();
   wait_uploads_locked();
   prepared_ = Prepared{};
@@ -53,9 +49,9 @@ std::vector<std::size_t> GradStream::prepare_finish(double scale, bool stale, bo
       restore_locked(i, false);  // the caller steps it from p.grad
       unhandled.push_back(i);
       // Never committed: their pinned room goes to what the step needs (a tight host budget holds one or the other).
-      s.out_master = s.out_exp_avg = s.out_exp_avg_sq = s.out_max_exp_avg_sq = s.staging = at::Tensor();
+      engine_->drop_outputs(i, true);
     } else if (c.kind == optimizer::Confirmation::kRedo) {
-      s.out_master = s.out_exp_avg = s.out_exp_avg_sq = s.out_max_exp_avg_sq = at::Tensor();  // redone in place
+      engine_->drop_outputs(i, false);  // redone in place
     }
   }
   // The early steps' out-of-place results are an optimisation: with `frugal`, or when the redone steps'
@@ -64,19 +60,15 @@ std::vector<std::size_t> GradStream::prepare_finish(double scale, bool stale, bo
   auto let_early_results_go = [&] {
     for (auto& p : prepared_.slots) {
       if (p.kind != optimizer::Confirmation::kCommit) continue;
-      Slot& s = slots_[p.slot];
-      s.out_master = s.out_exp_avg = s.out_exp_avg_sq = s.out_max_exp_avg_sq = at::Tensor();
+      engine_->drop_outputs(p.slot, false);
       ledger_.forget_early(p.slot);
       p.kind = optimizer::Confirmation::kRedo;
     }
   };
   if (frugal) let_early_results_go();
   auto allocate_staging = [&] {
-    for (const auto& p : prepared_.slots) {
-      Slot& s = slots_[p.slot];
-      if (p.kind == optimizer::Confirmation::kRedo && !s.staging.defined())
-        s.staging = runtime_->host_empty({s.param.numel()}, s.param.scalar_type(), false);
-    }
+    for (const auto& p : prepared_.slots)
+      if (p.kind == optimizer::Confirmation::kRedo) engine_->ensure_staging(p.slot);
   };
   try {
     allocate_staging();
@@ -93,78 +85,13 @@ GradStream::Finish GradStream::commit_finish() {
   std::lock_guard<std::mutex> lock(mutex_);
   TIERFLOW_EXPECTS(prepared_.ready, "GradStream::commit_finish: no prepare_finish before it");
   prepared_.ready = false;
-  Finish out;
-  std::vector<std::pair<std::size_t, double>> redo;  // with the clip coefficient each is stepped with
-  for (const auto& p : prepared_.slots) {
-    const std::size_t i = p.slot;
-    Slot& s = slots_[i];
-    const optimizer::Confirmation c = ledger_.confirm(i, p.identity, prepared_.scale, prepared_.stale);
-    TIERFLOW_EXPECTS(c.kind == p.kind, "GradStream::commit_finish: slot " + std::to_string(i) +
-                                           "'s verdict changed since prepare_finish");
-    switch (c.kind) {
-      case optimizer::Confirmation::kNone:
-        break;
-      case optimizer::Confirmation::kCommit:
-        s.master = s.out_master;
-        s.exp_avg = s.out_exp_avg;
-        s.exp_avg_sq = s.out_exp_avg_sq;
-        if (s.out_max_exp_avg_sq.defined()) s.max_exp_avg_sq = s.out_max_exp_avg_sq;
-        s.step.add_(1);
-        out.committed.push_back(i);
-        break;
-      case optimizer::Confirmation::kRedo:
-        redo.emplace_back(i, c.scale);
-        break;
-      case optimizer::Confirmation::kUnhandled:
-        out.unhandled.push_back(i);
-        break;
-    }
-  }
+  // Commits by a pointer swap, redoes the others in place (Note [Step ledger]); p.grad and the weights are ours.
+  const optimizer::StepEngine::Finish f = engine_->commit(prepared_.slots, prepared_.scale, prepared_.stale);
   prepared_.slots.clear();
-  redo_locked(redo, out.committed);
+  Finish out{f.committed, f.unhandled};
   upload_locked(out.committed);
   reset_window_locked(false);
   return out;
-}
-
-void GradStream::redo_locked(const std::vector<std::pair<std::size_t, double>>& redo,
-                             std::vector<std::size_t>& committed) {
-  // Stepped here from the gradients already on the host, with the clip
-  // coefficient: the same kernel on the same values as the Python path. One
-  // call per (group, coefficient, step number).
-  std::uint64_t adam_ns = 0, adam_bytes = 0;
-  std::vector<optimizer::KernelStep> keys;
-  for (const auto& [i, scale] : redo) {
-    const int group = ledger_.group_of(i);
-    optimizer::AdamOptions o = ledger_.group_options(group);
-    if (scale != 1.0) o.grad_scale = scale;
-    keys.push_back({static_cast<std::int64_t>(slots_[i].step.item<float>()) + 1, o, group, false});
-  }
-  for (const auto& call : optimizer::group_kernel_calls(keys)) {
-    const optimizer::KernelStep& key = keys[call.front()];
-    std::vector<at::Tensor> masters, ms, vs, vmaxes, grads, outs;
-    for (std::size_t k : call) {
-      Slot& s = slots_[redo[k].first];
-      if (!s.staging.defined()) s.staging = runtime_->host_empty({s.param.numel()}, s.param.scalar_type(), false);
-      masters.push_back(s.master);
-      ms.push_back(s.exp_avg);
-      vs.push_back(s.exp_avg_sq);
-      vmaxes.push_back(key.options.amsgrad ? s.max_exp_avg_sq : at::Tensor());
-      grads.push_back(s.host_grad);
-      outs.push_back(s.staging);
-      adam_bytes += s.host_grad.nbytes();
-    }
-    const std::uint64_t tk = now_ns();
-    runtime_->adam_step(key.options, key.step, masters, ms, vs, vmaxes, grads, outs);
-    adam_ns += now_ns() - tk;
-    for (std::size_t k : call) {
-      slots_[redo[k].first].step.add_(1);
-      committed.push_back(redo[k].first);
-    }
-  }
-  stats_.step_kernel_ns += adam_ns;
-  stats_.kernel_grad_bytes += adam_bytes;
-  ledger_.kernel_time(adam_ns, adam_bytes);
 }
 
 void GradStream::wait_uploads_locked() {
@@ -173,7 +100,7 @@ void GradStream::wait_uploads_locked() {
   uploads_.clear();
   // Copies seen complete on the host are complete for any kernel queued from now on.
   for (auto& s : slots_) s.upload_pending = false;
-  stats_.weight_wait_ns += now_ns() - t0;
+  engine_->counters().weight_wait_ns += now_ns() - t0;
 }
 
 void GradStream::upload_locked(const std::vector<std::size_t>& committed) {
@@ -181,27 +108,28 @@ void GradStream::upload_locked(const std::vector<std::size_t>& committed) {
   std::vector<std::size_t> sent;
   for (std::size_t i : ledger_.forward_order(committed)) {  // forward order: the first layers first
     Slot& s = slots_[i];
-    if (!s.staging.defined()) continue;
+    const at::Tensor staging = staging_of(i);
+    if (!staging.defined()) continue;
     if (s.home.defined()) {  // on the host between uses: the next fetch copies it (Note [Parameter storage])
-      s.home.view(-1).copy_(s.staging.view(-1));
+      s.home.view(-1).copy_(staging.view(-1));
       s.written = ContentProbe();  // (its weight lives in the home: not checked, Note [Weight content])
-      stats_.weight_bytes_to_host_copy += s.param.nbytes();
+      engine_->counters().weight_bytes_to_host_copy += s.param.nbytes();
       continue;
     }
     const swap::StreamRef compute = compute_stream_of(*engine, s.param.device());
     // After the kernels still reading the old value (rule 1).
-    s.upload = engine->copy(swap::Direction::kHostToDevice, s.param.data_ptr(), s.staging.data_ptr(),
+    s.upload = engine->copy(swap::Direction::kHostToDevice, s.param.data_ptr(), staging.data_ptr(),
                             s.param.nbytes(), {}, compute);
     // Note [Weight content]: the bytes on their way are the staging's. On the host (the emulated device) read
     // them now; a GPU reads the parameter once its compute stream waits for the copy (below, or wait_module).
     s.probe_after_upload = !s.param.is_cpu();
     const std::uint64_t tw = now_ns();
-    s.written = s.probe_after_upload ? ContentProbe() : ContentProbe::of(s.staging);
-    stats_.content_check_ns += now_ns() - tw;
+    s.written = s.probe_after_upload ? ContentProbe() : ContentProbe::of(staging);
+    engine_->counters().content_check_ns += now_ns() - tw;
     s.upload_pending = true;
     s.upload_seq = ++upload_seq_;
-    uploads_.emplace_back(s.upload, s.staging);  // staging stays until the copy is done (rule 3)
-    stats_.weight_bytes_to_device += s.param.nbytes();
+    uploads_.emplace_back(s.upload, staging);  // staging stays until the copy is done (rule 3)
+    engine_->counters().weight_bytes_to_device += s.param.nbytes();
     sent.push_back(i);
   }
   if (options_.weights_in_forward) return;  // each module's forward waits for its own (wait_module)
@@ -226,7 +154,7 @@ void GradStream::upload_locked(const std::vector<std::size_t>& committed) {
     waited_streams_.emplace_back(d, compute.native());
   }
   for (std::size_t i : sent) probe_written_locked(slots_[i]);  // after the compute streams' waits
-  stats_.weight_wait_ns += now_ns() - t0;
+  engine_->counters().weight_wait_ns += now_ns() - t0;
 }
 
 void GradStream::wait_step_uploads() {
@@ -248,7 +176,7 @@ void GradStream::wait_step_uploads() {
 void GradStream::begin_clip() {
   // Per device, the candidate whose copy was sent last: copies in one
   // direction complete in submission order (Note [Copy ordering]).
-  std::vector<std::pair<c10::Device, const Slot*>> last;
+  std::vector<std::pair<c10::Device, std::size_t>> last;
   std::vector<std::pair<c10::Device, swap::TransferHandle>> copies;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -260,10 +188,10 @@ void GradStream::begin_clip() {
       if (!ledger_.clip_candidate(i, now)) continue;
       const c10::Device d = s.param.device();
       auto it = std::find_if(last.begin(), last.end(), [&](const auto& l) { return l.first == d; });
-      if (it == last.end()) last.emplace_back(d, &s);
-      else if (s.copy_seq > it->second->copy_seq) it->second = &s;
+      if (it == last.end()) last.emplace_back(d, i);
+      else if (engine_->copy_seq_of(i) > engine_->copy_seq_of(it->second)) it->second = i;
     }
-    for (const auto& [d, s] : last) copies.emplace_back(d, s->copy);
+    for (const auto& [d, i] : last) copies.emplace_back(d, engine_->copy_of(i));
   }
   // The clip writes the gradients in place on the compute stream: after their
   // copies have read them (rule 2 of Note [Copy ordering]), or the host copy
@@ -308,7 +236,7 @@ void GradStream::wait_module(std::size_t module) {
   // (A module's parameters are on one device: the runtime's.)
   if (last) engine->make_stream_wait(compute_stream_of(*engine, last->param.device()), last->upload);
   for (std::size_t i : modules_[module]) probe_written_locked(slots_[i]);
-  stats_.weight_wait_ns += now_ns() - t0;
+  engine_->counters().weight_wait_ns += now_ns() - t0;
 }
 
 void GradStream::probe_written_locked(Slot& s) {
@@ -344,7 +272,7 @@ std::vector<std::size_t> GradStream::weights_changed_locked() {
     changed.push_back(i);
     if (ledger_.is_streamed(i)) ledger_.state_set(i);  // an early step read the old master: stepped again
   }
-  stats_.content_check_ns += now_ns() - t0;
+  engine_->counters().content_check_ns += now_ns() - t0;
   return changed;
 }
 
@@ -361,65 +289,16 @@ void GradStream::synchronize() {
 
 std::size_t GradStream::size_buckets(double link_bytes_per_second) {
   std::lock_guard<std::mutex> lock(mutex_);
-  const std::size_t bytes = ledger_.size_buckets(link_bytes_per_second);
-  sync_buckets_locked();
-  return bytes;
+  return engine_->size_buckets(link_bytes_per_second);
 }
 
 const std::vector<StatField<GradStreamStats>>& grad_stream_stat_fields() {
-  using S = GradStreamStats;
-  static const std::vector<StatField<S>> fields = {
-      {"early_steps", &S::early_steps},
-      {"committed", &S::committed},
-      {"redone", &S::redone},
-      {"taken_back", &S::taken_back},
-      {"held", &S::held},
-      {"buckets", &S::buckets},
-      {"bucket_count", &S::bucket_count},
-      {"bucket_bytes", &S::bucket_bytes},
-      {"speculation_stops", &S::speculation_stops},
-      {"clips_picked_up", &S::clips_picked_up},
-      {"grad_bytes_to_host", &S::grad_bytes_to_host},
-      {"weight_bytes_to_device", &S::weight_bytes_to_device},
-      {"weight_bytes_to_host_copy", &S::weight_bytes_to_host_copy},
-      {"grads_released", &S::grads_released},
-      {"grad_bytes_freed", &S::grad_bytes_freed},
-      {"grads_restored", &S::grads_restored},
-      {"kernel_grad_bytes", &S::kernel_grad_bytes},
-      {"sized_link_bytes_per_s", nullptr, &S::sized_link_bytes_per_s},
-      {"sized_cpu_grad_bytes_per_s", nullptr, &S::sized_cpu_grad_bytes_per_s},
-      {"sized_backward_ms", nullptr, &S::sized_backward_s, 1e3},
-      {"kernel_ms", &S::kernel_ns, nullptr, 1e-6},
-      {"step_kernel_ms", &S::step_kernel_ns, nullptr, 1e-6},
-      {"step_wait_ms", &S::step_wait_ns, nullptr, 1e-6},
-      {"weight_wait_ms", &S::weight_wait_ns, nullptr, 1e-6},
-      {"content_check_ms", &S::content_check_ns, nullptr, 1e-6},
-      {"last_backward_ms", &S::last_backward_ns, nullptr, 1e-6},
-      {"last_partial_norm", nullptr, &S::last_partial_norm},
-  };
-  return fields;
+  return optimizer::step_engine_stat_fields();
 }
 
 GradStreamStats GradStream::stats() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  GradStreamStats out = stats_;
-  const optimizer::StepLedgerStats l = ledger_.stats();
-  out.early_steps = l.early_steps;
-  out.committed = l.committed;
-  out.redone = l.redone;
-  out.taken_back = l.taken_back;
-  out.held = l.held;
-  out.buckets = l.buckets;
-  out.bucket_count = l.bucket_count;
-  out.bucket_bytes = l.bucket_bytes;
-  out.speculation_stops = l.speculation_stops;
-  out.clips_picked_up = l.clips_picked_up;
-  out.sized_link_bytes_per_s = l.sized_link_bytes_per_s;
-  out.sized_cpu_grad_bytes_per_s = l.sized_cpu_grad_bytes_per_s;
-  out.sized_backward_s = l.sized_backward_s;
-  out.last_backward_ns = l.last_backward_ns;
-  out.last_partial_norm = l.last_partial_norm;
-  return out;
+  return engine_->stats();
 }
 
 }  // namespace tierflow::bindings

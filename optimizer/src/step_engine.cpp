@@ -85,8 +85,9 @@ StepEngine::~StepEngine() {
   }
 }
 
-std::size_t StepEngine::add(std::size_t numel, ScalarType param_type, int group, bool streamable) {
-  const std::size_t slot = ledger_.add(numel * element_size(param_type), group, streamable);
+std::size_t StepEngine::add(std::size_t numel, std::size_t bytes, ScalarType param_type, int group,
+                            bool streamable) {
+  const std::size_t slot = ledger_.add(bytes, group, streamable);
   Slot s;
   s.numel = numel;
   s.param_type = param_type;

@@ -75,6 +75,14 @@
 //
 // Clipping, speculation's stop and gradient accumulation: Note [Step ledger]
 // in optimizer/include/tierflow/optimizer/step_ledger.hpp.
+//
+// What needs no torch (the buckets' pinned buffers, the worker and its
+// kernels, the commits and redone steps, the timeline and the counters) is
+// optimizer::StepEngine (optimizer/include/tierflow/optimizer/step_engine.hpp,
+// tested without torch in tests/cpp/test_step_engine.cpp). GradStream is its
+// torch adapter: the autograd hooks, the tensors and their lifetimes, p.grad
+// released and restored, DDP's and FSDP2's reduced gradients, the contents
+// (Notes [Gradient content], [Weight content]) and the weights' uploads.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -91,8 +99,8 @@
 #include "tierflow/core/stats.hpp"
 #include "tierflow/optimizer/cpu_adam.hpp"
 #include "tierflow/optimizer/grad_buckets.hpp"
+#include "tierflow/optimizer/step_engine.hpp"
 #include "tierflow/optimizer/step_ledger.hpp"
-#include "tierflow/swap/detail/serial_worker.hpp"
 
 namespace tierflow::bindings {
 
@@ -108,73 +116,18 @@ struct GradStreamOptions {
   bool offload_gradients = false;     ///< TIERFLOW_OFFLOAD_GRADIENTS: p.grad is None once its copy is queued
 };
 
-/// Counters of the streaming path (cumulative, except the `last_` ones).
-struct GradStreamStats {
-  std::uint64_t early_steps = 0;      ///< parameters stepped during backward
-  std::uint64_t committed = 0;        ///< early steps confirmed by step()
-  std::uint64_t redone = 0;           ///< early steps stepped again in step()
-  std::uint64_t taken_back = 0;       ///< early steps discarded
-  std::uint64_t held = 0;             ///< parameters not streamed: pinned pool full
-  std::uint64_t buckets = 0;          ///< buckets handed to the CPU
-  std::uint64_t bucket_count = 0;     ///< buckets in the current plan
-  std::uint64_t bucket_bytes = 0;     ///< bucket size in force
-  std::uint64_t speculation_stops = 0;  ///< backwards where the running norm stopped speculation
-  std::uint64_t clips_picked_up = 0;  ///< gradients scaled by the user's clip_grad_norm_ and kept as streamed
-  std::uint64_t grad_bytes_to_host = 0;   ///< gradient bytes streamed device -> host
-  std::uint64_t weight_bytes_to_device = 0;  ///< weight bytes streamed host -> device
-  std::uint64_t weight_bytes_to_host_copy = 0;  ///< weight bytes written into parameters' host copies (set_home)
-  std::uint64_t grads_released = 0;   ///< device gradients let go after their copy (offload_gradients)
-  std::uint64_t grad_bytes_freed = 0; ///< ... whose device memory was freed by step() (nothing else held it)
-  std::uint64_t grads_restored = 0;   ///< released gradients put back on the device (restore_grads)
-  std::uint64_t kernel_ns = 0;        ///< time in the CPU AdamW during backward (worker)
-  std::uint64_t step_kernel_ns = 0;   ///< time in the CPU AdamW inside step() (redone steps)
-  std::uint64_t kernel_grad_bytes = 0;  ///< gradient bytes stepped in those times, both together
-  double sized_link_bytes_per_s = 0;  ///< what size_buckets chose the buckets from: the link,
-  double sized_cpu_grad_bytes_per_s = 0;  ///< ... the CPU AdamW's rate,
-  double sized_backward_s = 0;        ///< ... and the backward (0: not sized from measurements)
-  std::uint64_t step_wait_ns = 0;     ///< time step() waited for the worker after backward
-  std::uint64_t weight_wait_ns = 0;   ///< host time spent waiting for weights (forward mode: in pre-hooks)
-  std::uint64_t content_check_ns = 0; ///< host time spent on gradients' and weights' contents (Notes [Gradient content], [Weight content])
-  std::uint64_t last_backward_ns = 0; ///< last backward, from its first gradient to its end
-  double last_partial_norm = 0.0;     ///< norm of the gradients landed in the last window
-};
-
-/// When one bucket of the last window moved, in ms from the window's first
-/// gradient (Note [Stream timeline]).
-struct BucketTimes {
-  std::size_t bucket = 0;         ///< its index in the bucket plan
-  std::uint64_t grad_bytes = 0;   ///< its gradients' bytes
-  double launched_ms = -1;        ///< its last gradient is in: handed to the worker
-  double picked_ms = -1;          ///< the worker takes it (the buckets before it are stepped)
-  double landed_ms = -1;          ///< its copies are seen complete: the kernel begins
-  double stepped_ms = -1;         ///< the kernel is done
-};
-
-/// Note [Stream timeline]
-/// ~~~~~~~~~~~~~~~~~~~~~~
-/// The times of the last finished window (a step() or a zero_grad), kept so
-/// that a step slower than its parts can be taken apart: per bucket, when its
-/// last gradient came in (launched), when the worker took it (picked: the
-/// kernel of the bucket before it is done), when its copies were seen complete
-/// (landed) and when its kernel was done (stepped); for the window, when
-/// backward ended (its end callback, on the host: the GPU may still run it)
-/// and when step() began waiting for the worker and when that wait ended.
-/// launched <= picked <= landed <= stepped for every bucket; on a GPU,
-/// `landed - picked` is the worker waiting for a copy and `picked - launched`
-/// the bucket waiting behind the kernels of the buckets before it. -1: did not
-/// happen in that window.
-struct WindowTimeline {
-  double backward_end_ms = -1;    ///< the backward's end callback ran
-  double step_ms = -1;            ///< step() began waiting for the worker
-  double worker_done_ms = -1;     ///< ... and the worker was done
-  std::vector<BucketTimes> buckets;  ///< in the order they went to the worker
-};
+/// Counters of the streaming path (cumulative, except the `last_` ones): the engine's.
+using GradStreamStats = optimizer::StepEngineStats;
+/// When one bucket of the last window moved (Note [Stream timeline] in optimizer/step_engine.hpp).
+using BucketTimes = optimizer::BucketTimes;
+/// The times of the last finished window (Note [Stream timeline]).
+using WindowTimeline = optimizer::WindowTimeline;
 
 /// GradStreamStats' exported fields (Note [Stat fields]): nanoseconds as *_ms.
 const std::vector<StatField<GradStreamStats>>& grad_stream_stat_fields();
 
 /// The streaming CPU optimizer path of one CPUAdamW; see Note [Gradient streaming].
-class GradStream : public std::enable_shared_from_this<GradStream> {
+class GradStream : public std::enable_shared_from_this<GradStream>, private optimizer::StepEngineHost {
  public:
   /// A stream over `runtime`'s copy engine, pool and CPU Adam.
   static std::shared_ptr<GradStream> create(std::shared_ptr<Runtime> runtime, GradStreamOptions options);
@@ -303,9 +256,16 @@ class GradStream : public std::enable_shared_from_this<GradStream> {
  private:
   friend class GradReadyHook;
   struct Slot;
-  struct Bucket;
-  struct Entry;
   GradStream(std::shared_ptr<Runtime> runtime, GradStreamOptions options);
+  // optimizer::StepEngineHost: what only torch does for the engine (grad_stream_host.cpp).
+  optimizer::HostArray allocate(std::size_t bytes) override;
+  void adam_step(const optimizer::AdamOptions& options, std::int64_t step,
+                 const std::vector<optimizer::KernelArrays>& arrays) override;
+  std::int64_t steps_taken(std::size_t slot) override;
+  void count_step(std::size_t slot) override;
+  void gradient_landed(std::size_t slot) override;
+  void gradient_copy_failed(std::size_t slot) override;
+
   void on_grad(std::size_t slot);
   void begin_backward(bool queue_end);
   void on_backward_end();
@@ -314,12 +274,7 @@ class GradStream : public std::enable_shared_from_this<GradStream> {
   optimizer::GradIdentity identity_of(std::size_t slot) const;
   std::vector<optimizer::GradContent> grad_contents_locked();
   struct Prepared {  // prepare_finish's verdicts, for commit_finish
-    struct Entry {
-      std::size_t slot;
-      optimizer::GradIdentity identity;
-      optimizer::Confirmation::Kind kind;
-    };
-    std::vector<Entry> slots;
+    std::vector<optimizer::StepEngine::Verdict> slots;
     double scale = 1.0;
     bool stale = false;
     bool ready = false;
@@ -328,35 +283,28 @@ class GradStream : public std::enable_shared_from_this<GradStream> {
   std::vector<std::size_t> weights_changed_;
   void probe_written_locked(Slot& s);
   std::vector<std::size_t> weights_changed_locked();
-  void sync_buckets_locked();
   void stream_locked(std::size_t slot);
   void stream_from_locked(std::size_t slot, const at::Tensor& grad, bool reduced);
-  void launch_locked(std::size_t bucket);
-  void run_bucket(std::uint64_t generation, std::vector<Entry> entries, std::vector<swap::TransferHandle> copies,
-                  std::uint64_t clock_window, std::size_t timed);
-  void settle_failed_bucket(std::uint64_t generation, const std::vector<Entry>& entries);
-  std::uint64_t step_entries(const std::vector<Entry>& entries);
-  void redo_locked(const std::vector<std::pair<std::size_t, double>>& redo, std::vector<std::size_t>& committed);
   void reset_window_locked(bool count_taken_back);
   void upload_locked(const std::vector<std::size_t>& committed);
   void release_landed_locked();
   void count_freed_locked();
   void restore_locked(std::size_t slot, bool accumulate);
   void wait_uploads_locked();
+  at::Tensor staging_of(std::size_t slot) const;
 
   std::shared_ptr<Runtime> runtime_;
   GradStreamOptions options_;
-  mutable std::mutex mutex_;
-  optimizer::StepLedger ledger_;         // what happens to each step (Note [Step ledger])
-  std::vector<Slot> slots_;              // the tensors and transfers of each ledger slot
-  std::vector<Bucket> buckets_;          // the pinned buffer and copies of each ledger bucket
-  std::uint64_t buckets_plan_ = ~std::uint64_t{0};  // the ledger's plan_id that buckets_ follows
+  // The buckets, the worker, the commits and redone steps, the timeline (Note [Stream timeline]) and the
+  // counters; its mutex guards this stream too, its ledger decides what happens to each step (Note [Step ledger]).
+  std::unique_ptr<optimizer::StepEngine> engine_;
+  std::mutex& mutex_;
+  optimizer::StepLedger& ledger_;
+  std::vector<Slot> slots_;              // the tensors of each engine slot
   std::vector<std::vector<std::size_t>> modules_;
-  GradStreamStats stats_;                // the transfer counters (the ledger's are merged in stats())
   std::vector<std::pair<swap::TransferHandle, at::Tensor>> uploads_;  // staging kept until its copy is done
   std::vector<std::size_t> releasing_;   // released slots whose device gradient waits for its copy
   std::uint64_t upload_seq_ = 0;         // submission order of weight copies (wait_module)
-  std::uint64_t copy_seq_ = 0;           // submission order of gradient copies (begin_clip)
   // Weights back with TIERFLOW_WEIGHTS_RETURN=step: per device the copy sent
   // last, and the compute streams that already wait for it (wait_step_uploads).
   std::vector<std::pair<c10::Device, swap::TransferHandle>> step_uploads_;
@@ -367,20 +315,6 @@ class GradStream : public std::enable_shared_from_this<GradStream> {
   bool end_requeued_ = false;            // ... and queued again, after the reduction's write-back
   std::function<void()> on_backward_begin_;
   std::function<void(std::size_t)> init_state_;
-  // Note [Stream timeline]: this window's times (absolute ns, 0: not yet) and the last finished one's.
-  struct WindowClock {
-    std::uint64_t start = 0, backward_end = 0, step = 0, worker_done = 0;
-    struct Bucket {
-      std::size_t bucket = 0;
-      std::uint64_t grad_bytes = 0, launched = 0, picked = 0, landed = 0, stepped = 0;
-    };
-    std::vector<Bucket> buckets;
-  };
-  void finish_clock_locked();
-  WindowClock clock_;
-  std::uint64_t clock_window_ = 0;       // windows finished: a bucket's times go to its own window only
-  WindowTimeline last_window_;
-  std::unique_ptr<swap::detail::SerialWorker> worker_;
 };
 
 }  // namespace tierflow::bindings

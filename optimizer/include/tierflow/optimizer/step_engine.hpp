@@ -162,8 +162,9 @@ class StepEngine {
   StepEngineStats& counters() noexcept { return stats_; }
 
   // Slots and states.
-  /// A parameter of `numel` elements of `param_type` in hyperparameter group `group`; returns its slot.
-  std::size_t add(std::size_t numel, ScalarType param_type, int group, bool streamable);
+  /// A parameter of `numel` elements, `bytes` bytes, of `param_type` (its new weights' type; any when it is
+  /// not streamable) in hyperparameter group `group`; returns its slot.
+  std::size_t add(std::size_t numel, std::size_t bytes, ScalarType param_type, int group, bool streamable);
   /// The state of `slot`: fp32 master, moments in `format` (moment_bytes each), fp32 max_exp_avg_sq or undefined.
   void set_state(std::size_t slot, HostArray master, HostArray exp_avg, HostArray exp_avg_sq,
                  HostArray max_exp_avg_sq, StateFormat format);
@@ -199,7 +200,10 @@ class StepEngine {
   ScalarType grad_type_of(std::size_t slot) const { return slots_.at(slot).grad_type; }
 
   // step().
-  /// Waits for the worker; with `step`, as step()'s wait (Note [Stream timeline], step_wait_ns). Takes the lock.
+  /// Waits for the worker (without the lock); rethrows the first failure of a bucket's step.
+  void drain_unlocked() { worker_->drain(); }
+  /// Waits for the worker, then takes the lock; with `step` as step()'s own wait (step_wait_ns), without as its
+  /// first (Note [Stream timeline]).
   void wait_worker_unlocked(bool step);
   /// The early step's out-of-place results of `slot` go (it is redone in place); with `staging` its new
   /// weights' staging too (it is not stepped here at all).

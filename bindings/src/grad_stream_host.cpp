@@ -1,0 +1,80 @@
+// What only torch does for GradStream's optimizer::StepEngine (its StepEngineHost): pinned buffers as tensors,
+// the runtime's CPU Adam over them, the state's step counter tensor, a device gradient's last reference.
+#include <memory>
+#include <string>
+
+#include "grad_stream_parts.hpp"
+#include "tierflow/bindings/runtime.hpp"
+
+namespace tierflow::bindings {
+
+optimizer::HostArray host_array(const at::Tensor& t) {
+  if (!t.defined()) return {};
+  return {t.data_ptr(), t.nbytes(), std::make_shared<at::Tensor>(t)};
+}
+
+at::Tensor tensor_of(const optimizer::HostArray& a, at::ScalarType dtype) {
+  if (!a.defined()) return at::Tensor();
+  // Every array the engine holds came from host_array or allocate: its keep is a tensor.
+  const at::Tensor& t = *static_cast<const at::Tensor*>(a.keep.get());
+  if (t.data_ptr() == a.data && t.nbytes() == a.bytes && t.scalar_type() == dtype) return t;
+  const auto offset = static_cast<std::int64_t>(static_cast<const char*>(a.data) - static_cast<const char*>(t.data_ptr()));
+  return t.view(-1).view(at::kByte).narrow(0, offset, static_cast<std::int64_t>(a.bytes)).view(dtype);
+}
+
+at::ScalarType torch_type(optimizer::ScalarType t) noexcept {
+  switch (t) {
+    case optimizer::ScalarType::kFloat32: return at::kFloat;
+    case optimizer::ScalarType::kBFloat16: return at::kBFloat16;
+    case optimizer::ScalarType::kFloat16: return at::kHalf;
+  }
+  return at::kFloat;
+}
+
+optimizer::HostArray GradStream::allocate(std::size_t bytes) {
+  return host_array(runtime_->host_empty({static_cast<std::int64_t>(bytes)}, at::kByte, false));
+}
+
+void GradStream::adam_step(const optimizer::AdamOptions& options, std::int64_t step,
+                           const std::vector<optimizer::KernelArrays>& arrays) {
+  std::vector<at::Tensor> masters, ms, vs, vmaxes, grads, outs;
+  Runtime::AdamOutputs out;
+  for (const auto& a : arrays) {
+    const at::ScalarType moment = moment_dtype(a.format);
+    masters.push_back(tensor_of(a.master, at::kFloat));
+    ms.push_back(tensor_of(a.exp_avg, moment));
+    vs.push_back(tensor_of(a.exp_avg_sq, moment));
+    vmaxes.push_back(tensor_of(a.max_exp_avg_sq, at::kFloat));
+    grads.push_back(tensor_of(a.grad, torch_type(a.grad_type)));
+    outs.push_back(tensor_of(a.param_out, torch_type(a.param_type)));
+    out.masters.push_back(tensor_of(a.master_out, at::kFloat));
+    out.exp_avgs.push_back(tensor_of(a.exp_avg_out, moment));
+    out.exp_avg_sqs.push_back(tensor_of(a.exp_avg_sq_out, moment));
+    out.max_exp_avg_sqs.push_back(tensor_of(a.max_exp_avg_sq_out, at::kFloat));
+  }
+  bool out_of_place = false;
+  for (const auto& a : arrays) out_of_place = out_of_place || a.master_out.defined();
+  if (!out_of_place) out = Runtime::AdamOutputs{};  // in place, as the redone steps are
+  runtime_->adam_step(options, step, masters, ms, vs, vmaxes, grads, outs, out);
+}
+
+std::int64_t GradStream::steps_taken(std::size_t slot) {
+  return static_cast<std::int64_t>(slots_[slot].step.item<float>());
+}
+
+void GradStream::count_step(std::size_t slot) { slots_[slot].step.add_(1); }
+
+void GradStream::gradient_landed(std::size_t slot) {
+  slots_[slot].grad_ref = at::Tensor();  // its copy is done (rule 3): the memory goes
+}
+
+void GradStream::gradient_copy_failed(std::size_t slot) {
+  Slot& s = slots_[slot];
+  if (ledger_.released(slot) && s.grad_ref.defined() && !s.param.grad().defined()) s.param.mutable_grad() = s.grad_ref;
+}
+
+at::Tensor GradStream::staging_of(std::size_t slot) const {
+  return tensor_of(engine_->staging_of(slot), slots_[slot].param.scalar_type());
+}
+
+}  // namespace tierflow::bindings

@@ -1,0 +1,450 @@
+// optimizer::StepEngine (issue 40 item 2) without torch, on the emulated copy engine (polite and adversarial):
+// the paths the Python streaming suites drive through GradStream -- buckets stepped during backward and
+// committed, redone with a clip coefficient, taken back, accumulated over a window, a held parameter stepped in
+// step(), a changed gradient left to the caller, released gradients, the timeline's order, size_buckets --
+// each checked element-wise, bit for bit, against a plain in-place CpuAdam step over copies of the same arrays.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <vector>
+
+#include "tierflow/core/error.hpp"
+#include "tierflow/optimizer/cpu_adam.hpp"
+#include "tierflow/optimizer/grad_content.hpp"
+#include "tierflow/optimizer/step_engine.hpp"
+#include "tierflow/swap/copy_engine.hpp"
+
+namespace {
+
+using namespace tierflow;
+using namespace tierflow::optimizer;
+
+std::uint64_t now() {
+  return static_cast<std::uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+          .count());
+}
+
+// Host memory as a front end would hand it out: a block kept by the array; `refuse` bytes fail (a full pool).
+struct FakeHost final : StepEngineHost {
+  CpuAdam adam{1};
+  std::vector<std::int64_t> steps;
+  std::set<std::size_t> landed, failed;
+  std::size_t refuse = 0;  // allocations of exactly these bytes throw out_of_memory (0: none)
+  std::size_t calls = 0;
+  std::vector<std::weak_ptr<void>> blocks;  // every allocation, to see which are still held
+
+  std::size_t alive() const {
+    std::size_t n = 0;
+    for (const auto& b : blocks) n += b.expired() ? 0 : 1;
+    return n;
+  }
+
+  HostArray allocate(std::size_t bytes) override {
+    if (refuse != 0 && bytes == refuse) throw out_of_memory("FakeHost: refused " + std::to_string(bytes));
+    auto block = std::make_shared<std::vector<float>>((bytes + 3) / 4 + 1, std::nanf(""));  // garbage until written
+    blocks.push_back(block);
+    return {block->data(), bytes, block};
+  }
+  void adam_step(const AdamOptions& options, std::int64_t step, const std::vector<KernelArrays>& arrays) override {
+    std::vector<AdamTensor> t;
+    for (const auto& a : arrays) t.push_back(adam_tensor(a));
+    adam.step(options, step, t);
+    ++calls;
+  }
+  std::int64_t steps_taken(std::size_t slot) override { return steps.at(slot); }
+  void count_step(std::size_t slot) override { steps.at(slot) += 1; }
+  void gradient_landed(std::size_t slot) override { landed.insert(slot); }
+  void gradient_copy_failed(std::size_t slot) override { failed.insert(slot); }
+};
+
+HostArray array_of(std::vector<float>& v) {
+  return {v.data(), v.size() * 4, std::shared_ptr<void>(&v, [](void*) {})};
+}
+
+// One parameter as the front end holds it: its device weight and gradient, its state, and the reference's copy.
+struct Param {
+  std::vector<float> weight, grad, master, m, v;      // the engine's state arrays are master, m, v
+  std::vector<float> ref_master, ref_m, ref_v, ref_w;  // a plain in-place step over copies
+  std::int64_t version = 0;
+};
+
+class StepEngineTest : public ::testing::TestWithParam<bool> {
+ protected:
+  void build(StepEngineOptions o, std::vector<std::size_t> sizes) {
+    swap::EmulatedCopyOptions co;
+    co.adversarial = GetParam();
+    copies_ = swap::make_emulated_copy_engine(nullptr, co);
+    engine_ = std::make_unique<StepEngine>(o, host_);
+    opts_.lr = 1e-2;
+    opts_.weight_decay = 0.01;
+    std::lock_guard<std::mutex> lock(engine_->mutex());
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      Param p;
+      const std::size_t n = sizes[i];
+      for (std::size_t k = 0; k < n; ++k) p.weight.push_back(0.1f * static_cast<float>((k * 7 + i * 3) % 11) - 0.5f);
+      p.master = p.ref_master = p.weight;
+      p.m = p.v = p.ref_m = p.ref_v = std::vector<float>(n, 0.0f);
+      p.ref_w = p.weight;
+      p.grad.assign(n, 0.0f);
+      params_.push_back(std::move(p));
+      EXPECT_EQ(engine_->add(n, 4 * n, ScalarType::kFloat32, 0, true), i);
+      host_.steps.push_back(0);
+    }
+    engine_->ledger().set_group(0, opts_);
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      Param& p = params_[i];
+      engine_->set_state(i, array_of(p.master), array_of(p.m), array_of(p.v), {}, StateFormat::kFp32);
+    }
+  }
+
+  GradIdentity identity(std::size_t i) {
+    const Param& p = params_[i];
+    return {100 + i, p.version, grad_content(p.grad.data(), 4, p.grad.size())};
+  }
+
+  // A backward: fresh gradients (scaled by `size`), delivered last registered first; each streams as
+  // GradStream's hook would stream it (accumulated onto the last ones within a window).
+  void backward(float size, bool released = false, bool fresh = true) {
+    ++backwards_;
+    for (std::size_t i = params_.size(); i-- > 0;) {
+      Param& p = params_[i];
+      for (std::size_t k = 0; k < p.grad.size(); ++k) {
+        const float g = size * std::sin(static_cast<float>(k + 1) * 0.37f + static_cast<float>(i + backwards_));
+        p.grad[k] = fresh ? g : p.grad[k] + g;
+      }
+      p.version += 1;
+      std::lock_guard<std::mutex> lock(engine_->mutex());
+      engine_->backward_begins(now());
+      const GradArrival what = engine_->ledger().arrive(i);
+      engine_->sync_buckets();
+      if (what != GradArrival::kStream || !engine_->ledger().may_stream(i)) continue;
+      const HostArray dst = engine_->stage_gradient(i, ScalarType::kFloat32, p.grad.size() * 4);
+      if (!dst.defined()) continue;
+      engine_->gradient_copied(i, copies_->copy(swap::Direction::kDeviceToHost, dst.data, p.grad.data(), dst.bytes,
+                                                {}, swap::StreamRef::emulated_compute()));
+      engine_->streamed(i, identity(i), released);
+    }
+    std::lock_guard<std::mutex> lock(engine_->mutex());
+    engine_->backward_ends(now());
+    engine_->launch_unlaunched();
+  }
+
+  // step(): what GradStream's prepare_finish and commit_finish do, the caller's own steps for the slots left
+  // to it; `scale` is the clip coefficient.
+  StepEngine::Finish step(double scale = 1.0) {
+    engine_->wait_worker_unlocked(false);  // as the Python path's step() does first (Note [Stream timeline])
+    {
+      std::lock_guard<std::mutex> lock(engine_->mutex());
+      engine_->launch_unlaunched();
+    }
+    engine_->wait_worker_unlocked(true);
+    std::lock_guard<std::mutex> lock(engine_->mutex());
+    std::vector<StepEngine::Verdict> verdicts;
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      const GradIdentity now_id = identity(i);
+      const Confirmation c = engine_->ledger().verdict(i, now_id, scale, false);
+      verdicts.push_back({i, now_id, c.kind});
+      if (c.kind == Confirmation::kUnhandled) engine_->drop_outputs(i, true);
+      if (c.kind == Confirmation::kRedo) {
+        engine_->drop_outputs(i, false);
+        engine_->ensure_staging(i);
+      }
+    }
+    StepEngine::Finish f = engine_->commit(verdicts, scale, false);
+    for (std::size_t i : f.committed) {  // the new weights go back to the device
+      const HostArray& staging = engine_->staging_of(i);
+      std::memcpy(params_[i].weight.data(), staging.data, staging.bytes);
+    }
+    for (std::size_t i : f.unhandled) own_step(i, scale);
+    engine_->end_window(false);
+    return f;
+  }
+
+  // The caller's own step of slot i (the Python path), in place on the engine's state from its device gradient.
+  void own_step(std::size_t i, double scale) {
+    Param& p = params_[i];
+    const std::vector<HostArray> state = engine_->state_of(i);
+    AdamOptions o = opts_;
+    o.grad_scale = scale;
+    AdamTensor t;
+    t.numel = p.grad.size();
+    t.master = static_cast<float*>(state[0].data);
+    t.exp_avg = static_cast<float*>(state[1].data);
+    t.exp_avg_sq = static_cast<float*>(state[2].data);
+    t.grad = p.grad.data();
+    t.param_out = p.weight.data();
+    host_.adam.step(o, ++host_.steps[i], {t});
+  }
+
+  // The reference: a plain in-place step of every parameter with its current gradient.
+  void reference_step(double scale = 1.0) {
+    ++ref_steps_;
+    for (Param& p : params_) {
+      AdamOptions o = opts_;
+      o.grad_scale = scale;
+      AdamTensor t;
+      t.numel = p.grad.size();
+      t.master = p.ref_master.data();
+      t.exp_avg = p.ref_m.data();
+      t.exp_avg_sq = p.ref_v.data();
+      t.grad = p.grad.data();
+      t.param_out = p.ref_w.data();
+      reference_.step(o, ref_steps_, {t});
+    }
+  }
+
+  // The weights and the engine's state now (bit for bit) against the reference's.
+  void expect_matches_reference() {
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      const Param& p = params_[i];
+      std::vector<HostArray> state;
+      {
+        std::lock_guard<std::mutex> lock(engine_->mutex());
+        state = engine_->state_of(i);
+      }
+      const float* master = static_cast<const float*>(state[0].data);
+      const float* m = static_cast<const float*>(state[1].data);
+      const float* v = static_cast<const float*>(state[2].data);
+      for (std::size_t k = 0; k < p.grad.size(); ++k) {
+        ASSERT_EQ(p.weight[k], p.ref_w[k]) << "param " << i << " element " << k;
+        ASSERT_EQ(master[k], p.ref_master[k]) << "master " << i << " element " << k;
+        ASSERT_EQ(m[k], p.ref_m[k]) << "exp_avg " << i << " element " << k;
+        ASSERT_EQ(v[k], p.ref_v[k]) << "exp_avg_sq " << i << " element " << k;
+      }
+      EXPECT_EQ(host_.steps[i], ref_steps_) << "param " << i;
+    }
+  }
+
+  double grad_norm() const {
+    double sq = 0;
+    for (const Param& p : params_)
+      for (float g : p.grad) sq += static_cast<double>(g) * g;
+    return std::sqrt(sq);
+  }
+
+  StepEngineStats stats() {
+    std::lock_guard<std::mutex> lock(engine_->mutex());
+    return engine_->stats();
+  }
+
+  FakeHost host_;
+  std::unique_ptr<swap::CopyEngine> copies_;
+  std::vector<Param> params_;  // before the engine: it may hold arrays of theirs to its end
+  std::unique_ptr<StepEngine> engine_;
+  CpuAdam reference_{1};
+  AdamOptions opts_;
+  std::int64_t ref_steps_ = 0;
+  int backwards_ = 0;
+};
+
+StepEngineOptions buckets_of(std::size_t bytes) {
+  StepEngineOptions o;
+  o.bucket_bytes = bytes;
+  return o;
+}
+
+const std::vector<std::size_t> kSizes = {37, 64, 5, 128, 19};
+
+TEST_P(StepEngineTest, StepsBucketsDuringBackwardAndCommitsThem) {
+  build(buckets_of(256), kSizes);
+  for (int s = 0; s < 3; ++s) {
+    backward(1.0f);
+    const StepEngine::Finish f = step();
+    reference_step();
+    EXPECT_EQ(f.committed.size(), kSizes.size());
+    EXPECT_TRUE(f.unhandled.empty());
+    expect_matches_reference();
+  }
+  const StepEngineStats st = stats();
+  EXPECT_EQ(st.early_steps, 3 * kSizes.size());
+  EXPECT_EQ(st.committed, 3 * kSizes.size());
+  EXPECT_EQ(st.redone, 0u);
+  EXPECT_GE(st.buckets, 3u * 3u);  // 1,036 bytes in 256-byte buckets: at least three a step
+  EXPECT_EQ(st.grad_bytes_to_host, 3u * 4u * (37 + 64 + 5 + 128 + 19));
+}
+
+TEST_P(StepEngineTest, RedoesWithTheClipCoefficientWhenTheClipBinds) {
+  StepEngineOptions o = buckets_of(256);
+  o.max_grad_norm = 0.5;
+  build(o, kSizes);
+  for (int s = 0; s < 2; ++s) {
+    backward(1.0f);
+    const double norm = grad_norm();
+    ASSERT_GT(norm, 0.5);
+    const double coef = 0.5 / (norm + 1e-6);
+    const StepEngine::Finish f = step(coef);
+    reference_step(coef);
+    EXPECT_EQ(f.committed.size(), kSizes.size());
+    expect_matches_reference();
+  }
+  // The running norm passed max_grad_norm: speculation stopped, and nothing stepped early was committed.
+  EXPECT_EQ(stats().speculation_stops, 2u);
+  EXPECT_EQ(stats().committed, 0u);
+}
+
+TEST_P(StepEngineTest, CommitsWhenTheClipDoesNotBind) {
+  StepEngineOptions o = buckets_of(256);
+  o.max_grad_norm = 1e6;
+  build(o, kSizes);
+  backward(1.0f);
+  step(1.0);
+  reference_step(1.0);
+  expect_matches_reference();
+  EXPECT_EQ(stats().committed, kSizes.size());
+  EXPECT_GT(stats().last_partial_norm, 0.0);
+}
+
+TEST_P(StepEngineTest, TakesBackEveryEarlyStepOfADiscardedWindow) {
+  build(buckets_of(256), kSizes);
+  backward(1.0f);
+  engine_->wait_worker_unlocked(false);
+  {
+    std::lock_guard<std::mutex> lock(engine_->mutex());
+    EXPECT_TRUE(engine_->ledger().has_unconfirmed());
+    engine_->ledger().discard_all();
+    engine_->end_window(true);
+  }
+  expect_matches_reference();  // nothing stepped: the state is the initial one, bit for bit
+  EXPECT_EQ(stats().taken_back, kSizes.size());
+  backward(1.0f);  // the next window steps from the old state
+  step();
+  reference_step();
+  expect_matches_reference();
+}
+
+TEST_P(StepEngineTest, AccumulatesOverAWindowAndStreamsOnlyTheLastBackward) {
+  StepEngineOptions o = buckets_of(256);
+  o.accumulation_steps = 3;
+  build(o, kSizes);
+  for (int s = 0; s < 2; ++s) {
+    backward(1.0f, false, true);
+    backward(0.5f, false, false);
+    backward(0.25f, false, false);
+    step();
+    reference_step();
+    expect_matches_reference();
+  }
+  EXPECT_EQ(stats().early_steps, 2 * kSizes.size());
+  EXPECT_EQ(stats().grad_bytes_to_host, 2u * 4u * (37 + 64 + 5 + 128 + 19));  // one copy per window
+}
+
+TEST_P(StepEngineTest, AHeldParameterStepsInStep) {
+  build(buckets_of(256), kSizes);
+  host_.refuse = 4 * 5;  // parameter 2's out-of-place outputs find no room
+  backward(1.0f);
+  engine_->wait_worker_unlocked(false);
+  host_.refuse = 0;
+  const StepEngine::Finish f = step();
+  reference_step();
+  expect_matches_reference();
+  EXPECT_EQ(f.committed.size(), kSizes.size());
+  const StepEngineStats st = stats();
+  EXPECT_GE(st.held, 1u);
+  EXPECT_EQ(st.early_steps, kSizes.size() - 1);
+}
+
+TEST_P(StepEngineTest, LeavesAChangedGradientToTheCaller) {
+  build(buckets_of(256), kSizes);
+  backward(1.0f);
+  engine_->wait_worker_unlocked(false);
+  params_[3].grad[7] += 1.0f;  // an in-place write after it streamed
+  params_[3].version += 1;
+  const StepEngine::Finish f = step();
+  reference_step();
+  ASSERT_EQ(f.unhandled, std::vector<std::size_t>{3});
+  expect_matches_reference();
+}
+
+TEST_P(StepEngineTest, ReleasedGradientsAreLetGoOnceTheirCopyLanded) {
+  build(buckets_of(256), kSizes);
+  backward(1.0f, true);
+  engine_->wait_worker_unlocked(false);
+  EXPECT_EQ(host_.landed.size(), kSizes.size());
+  EXPECT_TRUE(host_.failed.empty());
+  step();
+  reference_step();
+  expect_matches_reference();
+}
+
+TEST_P(StepEngineTest, TimelineOrdersEveryBucket) {
+  build(buckets_of(256), kSizes);
+  backward(1.0f);
+  step();
+  std::lock_guard<std::mutex> lock(engine_->mutex());
+  const WindowTimeline& w = engine_->last_window();
+  ASSERT_GE(w.buckets.size(), 3u);
+  std::uint64_t bytes = 0;
+  for (const BucketTimes& b : w.buckets) {
+    EXPECT_GE(b.launched_ms, 0.0);
+    EXPECT_LE(b.launched_ms, b.picked_ms);
+    EXPECT_LE(b.picked_ms, b.landed_ms);
+    EXPECT_LE(b.landed_ms, b.stepped_ms);
+    EXPECT_LE(b.stepped_ms, w.worker_done_ms);
+    bytes += b.grad_bytes;
+  }
+  EXPECT_EQ(bytes, 4u * (37 + 64 + 5 + 128 + 19));
+  EXPECT_GE(w.backward_end_ms, 0.0);
+  EXPECT_GE(w.step_ms, 0.0);
+  EXPECT_LE(w.step_ms, w.worker_done_ms);
+}
+
+TEST_P(StepEngineTest, SizeBucketsReCutsThemFromTheMeasuredStep) {
+  build(StepEngineOptions{}, kSizes);  // bucket size on auto
+  backward(1.0f);
+  step();
+  reference_step();
+  std::size_t bytes = 0;
+  {
+    std::lock_guard<std::mutex> lock(engine_->mutex());
+    bytes = engine_->size_buckets(1e3);  // a slow link: the smallest buckets
+    EXPECT_EQ(engine_->stats().bucket_bytes, bytes);
+    EXPECT_EQ(engine_->stats().sized_link_bytes_per_s, 1e3);
+  }
+  EXPECT_GT(bytes, 0u);
+  for (int s = 0; s < 2; ++s) {  // the new cut steps the same values
+    backward(1.0f);
+    step();
+    reference_step();
+    expect_matches_reference();
+  }
+}
+
+TEST_P(StepEngineTest, EndsAWindowHoldingOnlyTheCommittedState) {
+  build(buckets_of(256), kSizes);
+  backward(1.0f);
+  step();
+  // The buckets' buffers, the staging and the old outputs went with the window; the committed outputs are the
+  // state now (master and both moments of each parameter).
+  EXPECT_EQ(host_.alive(), 3 * kSizes.size());
+  backward(1.0f);
+  {
+    std::lock_guard<std::mutex> lock(engine_->mutex());
+    engine_->ledger().discard_all();
+  }
+  engine_->wait_worker_unlocked(false);
+  {
+    std::lock_guard<std::mutex> lock(engine_->mutex());
+    engine_->end_window(true);
+  }
+  EXPECT_EQ(host_.alive(), 3 * kSizes.size());  // a discarded window's outputs go too
+}
+
+TEST_P(StepEngineTest, RefusesAStateOfTheWrongSize) {
+  build(buckets_of(256), kSizes);
+  std::vector<float> short_master(3);
+  std::lock_guard<std::mutex> lock(engine_->mutex());
+  EXPECT_THROW(engine_->set_state(0, array_of(short_master), array_of(params_[0].m), array_of(params_[0].v), {},
+                                  StateFormat::kFp32),
+               std::logic_error);
+}
+
+INSTANTIATE_TEST_SUITE_P(EmulatedDevice, StepEngineTest, ::testing::Values(false, true),
+                         [](const ::testing::TestParamInfo<bool>& i) { return i.param ? "adversarial" : "polite"; });
+
+}  // namespace
