@@ -74,7 +74,8 @@ void CpuAdamW::start_streaming() {
       if ((f.requires_grad = p.requires_grad()) && (f.leaf = p.is_leaf()) && (f.contiguous = p.is_contiguous()) &&
           (f.type = kernel_type(p.scalar_type())))
         f.on_device = runtime_->on_device(p);
-      if (optimizer::param_not_streamable(f) || stream_slot_.count(p.unsafeGetTensorImpl())) continue;
+      if (optimizer::param_not_streamable(f) || stream_slot_.count(p.unsafeGetTensorImpl()) || on_gpu(p))
+        continue;  // (the GPU share steps on the GPU: Note [C++ GPU share])
       const std::size_t slot = stream->add_parameter(p, static_cast<int>(g));
       stream_slot_[p.unsafeGetTensorImpl()] = slot;
       if (stream_params_.size() <= slot) stream_params_.resize(slot + 1);
