@@ -5,6 +5,8 @@
 #include <pybind11/functional.h>
 #include <pybind11/stl.h>
 
+#include <map>
+#include <optional>
 #include <string>
 #include <tuple>
 
@@ -15,6 +17,7 @@
 #include "tierflow/core/state_format.hpp"
 #include "tierflow/tiering/auto_plan.hpp"
 #include "tierflow/tiering/block_table.hpp"
+#include "tierflow/tiering/plan_driver.hpp"
 #include "tierflow/tiering/plan_report.hpp"
 #include "tierflow/tiering/profile_file.hpp"
 #include "tierflow/tiering/replay_rule.hpp"
@@ -54,23 +57,8 @@ void init_from_kwargs(py::class_<T>& cls) {
           "Keyword arguments set fields of the same name; the others keep their defaults.");
 }
 
+// The measured block and the budgets' inputs (Note [Auto plan phases]): what the front end hands the driver.
 void bind_auto_plan(py::module_& m) {
-  py::enum_<PhaseAction>(m, "PhaseAction", "What `auto` does before a forward (Note [Auto plan phases]).")
-      .value("none", PhaseAction::kNone)
-      .value("plan_without_blocks", PhaseAction::kPlanWithoutBlocks)
-      .value("plan_from_profile", PhaseAction::kPlanFromProfile)
-      .value("start_timing", PhaseAction::kStartTiming)
-      .value("measure_and_plan", PhaseAction::kMeasureAndPlan);
-  py::class_<AutoPlanPhases>(m, "AutoPlanPhases", "The phases of `auto` in one session (Note [Auto plan phases]).")
-      .def(py::init<bool, bool, bool, bool>(), py::arg("forced"), py::arg("blocks"), py::arg("loaded_profile"),
-           py::arg("replan") = true)
-      .def("before_forward", &AutoPlanPhases::before_forward)
-      .def_property_readonly("may_replan", &AutoPlanPhases::may_replan)
-      .def("replan_settled", &AutoPlanPhases::replan_settled)
-      .def("planned", &AutoPlanPhases::planned)
-      .def("forward_refused", &AutoPlanPhases::forward_refused)
-      .def_property_readonly("has_plan", &AutoPlanPhases::has_plan)
-      .def_property_readonly("forwards", &AutoPlanPhases::forwards);
   py::class_<BlockRecord> record(m, "BlockRecord", "What a recorded block saves and computes, per class.");
   record.def(py::init<>())
       .def_readwrite("input_bytes", &BlockRecord::input_bytes)
@@ -86,115 +74,159 @@ void bind_auto_plan(py::module_& m) {
       .def_readwrite("backward_seconds", &BlockRecord::backward_seconds)
       .def_readwrite("parameter_bytes", &BlockRecord::parameter_bytes);
   init_from_kwargs(record);
-  py::class_<OptimizerTraffic>(m, "OptimizerTraffic", "What the CPU optimizer moves over the link inside a block.")
-      .def(py::init<>())
-      .def_readonly("weights_up_in_forward", &OptimizerTraffic::weights_up_in_forward)
-      .def_readonly("grads_down_in_backward", &OptimizerTraffic::grads_down_in_backward);
-  m.def("optimizer_traffic", [](const std::map<std::string, std::string>& config) {
-    return optimizer_traffic(Config::parse({}, config));
-  }, py::arg("config"), "The optimizer's traffic inside the blocks for these TIERFLOW_* texts (Note [Auto plan phases]).");
-  m.def("replans", [](const std::map<std::string, std::string>& config) {
-    return replans(Config::parse({}, config));
-  }, py::arg("config"), "Whether a session under these TIERFLOW_* texts may re-plan once (Note [Re-plan]).");
-  m.def("batch_growth_refusal", [](const std::map<std::string, std::string>& config) {
-    return batch_growth_refusal(Config::parse({}, config));
-  }, py::arg("config"), "Why a session cannot plan again for a larger batch (empty: it can; Note [Batch growth]).");
-  m.def("measured_block_profile", &measured_block_profile, py::arg("record"), py::arg("traffic") = OptimizerTraffic{},
-        "The BlockProfile of a measured block (Note [Auto plan phases]).");
-  py::class_<PlanWithoutBlocks>(m, "PlanWithoutBlocks", "The plan of a model without repeated blocks.")
-      .def_readonly("keep_all", &PlanWithoutBlocks::keep_all)
-      .def_readonly("predicted_device_peak_bytes", &PlanWithoutBlocks::predicted_device_peak_bytes)
-      .def_readonly("summary", &PlanWithoutBlocks::summary);
-  m.def("plan_without_blocks", &plan_without_blocks, py::arg("saved_bytes"), py::arg("budgets"),
-        "Keep everything when what a step saved fits, else swap it all (Note [Auto plan phases]).");
+  m.def("measured_block_profile", [](const BlockRecord& r) { return measured_block_profile(r); }, py::arg("record"),
+        "The BlockProfile of a measured block without the optimizer's traffic (Note [Auto plan phases]).");
   py::class_<SessionBudgetInputs> inputs(m, "SessionBudgetInputs", "What session_budgets is computed from.");
   inputs.def(py::init<>())
       .def_readwrite("device_budget_bytes", &SessionBudgetInputs::device_budget_bytes)
       .def_readwrite("host_budget_bytes", &SessionBudgetInputs::host_budget_bytes)
       .def_readwrite("host_in_use_bytes", &SessionBudgetInputs::host_in_use_bytes)
       .def_readwrite("nvme_available_bytes", &SessionBudgetInputs::nvme_available_bytes)
-      .def_readwrite("prefetch_bytes", &SessionBudgetInputs::prefetch_bytes)
       .def_readwrite("parameter_bytes", &SessionBudgetInputs::parameter_bytes)
-      .def_readwrite("optimizer_on_device", &SessionBudgetInputs::optimizer_on_device)
-      .def_readwrite("measured_peak_bytes", &SessionBudgetInputs::measured_peak_bytes)
-      .def_readwrite("measured_reserved_peak_bytes", &SessionBudgetInputs::measured_reserved_peak_bytes)
-      .def_readwrite("gradients_offloaded", &SessionBudgetInputs::gradients_offloaded)
       .def_readwrite("params", &SessionBudgetInputs::params)
       .def_readwrite("param_tier", &SessionBudgetInputs::param_tier)
       .def_readwrite("rest_parameter_bytes", &SessionBudgetInputs::rest_parameter_bytes)
       .def_readwrite("measured_parameter_peak_bytes", &SessionBudgetInputs::measured_parameter_peak_bytes)
-      .def_readwrite("outside_saved_bytes", &SessionBudgetInputs::outside_saved_bytes)
       .def_readwrite("sharded_unit_bytes", &SessionBudgetInputs::sharded_unit_bytes)
-      .def_readwrite("sharded_root_bytes", &SessionBudgetInputs::sharded_root_bytes)
-      .def_readwrite("batch_ratio", &SessionBudgetInputs::batch_ratio)
-      .def_readwrite("measured_beside_bytes", &SessionBudgetInputs::measured_beside_bytes);
+      .def_readwrite("sharded_root_bytes", &SessionBudgetInputs::sharded_root_bytes);
   init_from_kwargs(inputs);
-  m.def("fsdp_gathered_bytes", &fsdp_gathered_bytes, py::arg("unit_bytes"), py::arg("root_bytes"),
-        "FSDP2's gathered copies on the device at their most (Note [Auto plan phases]).");
-  m.def("session_budgets", &session_budgets, py::arg("inputs"), py::arg("blocks"),
-        "The planner's budgets in a training session (Note [Auto plan phases]).");
-  m.def("blocks_for_batch", &blocks_for_batch, py::arg("blocks"), py::arg("ratio"),
-        "The blocks' profiles for a batch so many times as large (Note [Batch growth]).");
-  m.def("batch_size", &batch_size, py::arg("profiled"), py::arg("inputs"), py::arg("profiled_elements"),
-        py::arg("elements"),
-        "A forward's size from its input tensors' elements, against the profiled forward's (Note [Batch growth]).");
-  m.def("grown_batch", &grown_batch, py::arg("planned_elements"), py::arg("elements"),
-        "0 when the plan for planned_elements holds for a forward of elements; else the size to re-plan for.");
-  m.def("batch_varies", &batch_varies, py::arg("planned_elements"), py::arg("elements"),
-        "Whether a forward's size is not comparable with the plan's steps (Note [Batch growth]).");
-  m.def("link_probe_bytes", &link_probe_bytes, py::arg("host_budget_bytes"), py::arg("host_in_use_bytes"),
-        py::arg("most") = kLinkProbeBytes, "The link probe's buffer size for the host room left.");
   py::class_<MeasuredBesidePredicted>(m, "MeasuredBesidePredicted", "A plan's predictions beside the steps since.")
       .def_readonly("step_seconds", &MeasuredBesidePredicted::step_seconds)
       .def_readonly("steps", &MeasuredBesidePredicted::steps)
       .def_readonly("step_vs_predicted", &MeasuredBesidePredicted::step_vs_predicted)
       .def_readonly("peak_vs_predicted", &MeasuredBesidePredicted::peak_vs_predicted);
-  m.def("measured_beside_predicted", &measured_beside_predicted, py::arg("forward_starts"),
-        py::arg("peak_reserved_bytes"), py::arg("predicted_step_seconds"), py::arg("predicted_peak_bytes"),
-        "Ratios of the measured step and peak to the predictions (Note [Auto plan phases]).");
-  m.attr("MEASURED_STEPS") = kMeasuredSteps;
   m.attr("TABLES_KEPT_PER_BLOCK") = kTablesKeptPerBlock;
-  m.attr("REPLAN_AFTER_STEPS") = kReplanAfterSteps;
   m.attr("REPLAN_MARGIN") = kReplanMargin;
   m.def("outside_swap_seconds", &outside_swap_seconds, py::arg("links"), py::arg("bytes"),
         "What is saved outside the blocks, to the host and back (Note [Activation planner]).");
-  m.def("rest_of_step_seconds", &rest_of_step_seconds, py::arg("step_seconds"), py::arg("blocks_seconds"),
-        py::arg("outside_seconds") = 0.0, py::arg("host_gaps_seconds") = 0.0, py::arg("input_swap_seconds") = 0.0,
-        "The timed step less its blocks' forwards, backwards and replays (Note [Re-plan]).");
-  m.def(
-      "host_gaps_seconds",
-      [](const std::vector<std::tuple<bool, std::size_t, double, double, double>>& intervals) {
-        std::vector<TimedInterval> in;
-        in.reserve(intervals.size());
-        for (const auto& [backward, block, start, end, wait] : intervals)
-          in.push_back({backward, block, start, end, wait});
-        return host_gaps_seconds(std::move(in));
-      },
-      py::arg("intervals"),
-      "The host's own time between neighbouring blocks in the timed step, from (backward, block, start, end, "
-      "wait_before) intervals (Note [Re-plan]).");
-  m.def("strays_from_prediction", &strays_from_prediction, py::arg("measured_step_seconds"), py::arg("steps"),
-        py::arg("predicted_step_seconds"), "Whether the measured step strays beyond the margin (Note [Re-plan]).");
-  py::class_<CalibratedFigures>(m, "CalibratedFigures", "Figures calibrated on a measured step (Note [Re-plan]).")
-      .def_readonly("calibrated", &CalibratedFigures::calibrated)
-      .def_readonly("link_factor", &CalibratedFigures::link_factor)
-      .def_readonly("compute_factor", &CalibratedFigures::compute_factor)
-      .def_readonly("blocks", &CalibratedFigures::blocks)
-      .def_readonly("links", &CalibratedFigures::links)
-      .def_readonly("why", &CalibratedFigures::why);
-  py::class_<PlanWindow>(m, "PlanWindow", "The window a plan runs with (Note [Overlap window]).")
-      .def_readonly("bytes", &PlanWindow::bytes)
-      .def_readonly("peak_bytes", &PlanWindow::peak_bytes)
-      .def_readonly("wanted_bytes", &PlanWindow::wanted_bytes);
-  m.def("plan_window", &plan_window, py::arg("plan"), py::arg("budgets"), py::arg("configured_bytes") = 0,
-        "The largest block's swap as the window, within the device room the plan leaves (Note [Overlap window]).");
-  m.def("calibrate_figures", &calibrate_figures, py::arg("blocks"), py::arg("links"), py::arg("budgets"),
-        py::arg("plan"), py::arg("measured_step_seconds"), py::arg("rest_seconds"),
-        "Blocks and links scaled so the model predicts the plan's measured step (Note [Re-plan]).");
+  // The probes' sizes and a runner's median: the front end measures.
+  m.def("link_probe_bytes", &link_probe_bytes, py::arg("host_budget_bytes"), py::arg("host_in_use_bytes"),
+        py::arg("most") = kLinkProbeBytes, "The link probe's buffer size for the host room left.");
   m.def("median_seconds", &median_seconds, py::arg("seconds"), "The median, as statistics.median (0 for none).");
   m.def("nvme_probe_bytes", &nvme_probe_bytes, py::arg("available_bytes"), "The NVMe probe's first block size.");
   m.def("next_nvme_probe_bytes", &next_nvme_probe_bytes, py::arg("bytes"),
         "The next NVMe probe size when the free space is in pieces (0: give up).");
+}
+
+// tiering::PlanDriver's front end, overridden in Python (AutoPlanner): the driver decides, it measures and applies.
+class PyPlanFrontEnd : public PlanFrontEnd {
+ public:
+  SessionBudgetInputs budget_inputs() override {
+    PYBIND11_OVERRIDE_PURE(SessionBudgetInputs, PlanFrontEnd, budget_inputs);
+  }
+  std::vector<std::size_t> inexact_splits(const std::vector<BlockPlan>& blocks) override {
+    PYBIND11_OVERRIDE_PURE(std::vector<std::size_t>, PlanFrontEnd, inexact_splits, blocks);
+  }
+  std::optional<std::uint64_t> apply(const DrivenPlan& plan) override {
+    PYBIND11_OVERRIDE_PURE_NAME(std::optional<std::uint64_t>, PlanFrontEnd, "apply_plan", apply, plan);
+  }
+  void start_timing() override { PYBIND11_OVERRIDE_PURE(void, PlanFrontEnd, start_timing); }
+  TimedStepMeasures measure_timed_step() override {
+    PYBIND11_OVERRIDE_PURE(TimedStepMeasures, PlanFrontEnd, measure_timed_step);
+  }
+  std::uint64_t first_step_saved_bytes() override {
+    PYBIND11_OVERRIDE_PURE(std::uint64_t, PlanFrontEnd, first_step_saved_bytes);
+  }
+  void write_profile(const AutoProfile& profile) override {
+    PYBIND11_OVERRIDE_PURE(void, PlanFrontEnd, write_profile, profile);
+  }
+};
+
+// What the driver decided: what applying a plan needs, the rest as JSON (plan_json, PlanDriver::report_json).
+void bind_plan_driver_results(py::module_& m) {
+  py::class_<DrivenPlan>(m, "DrivenPlan", "The plan in force, typed (plan_json: as the session reads it).")
+      .def_readonly("plan", &DrivenPlan::plan)
+      .def_readonly("keep_all", &DrivenPlan::keep_all)
+      .def_readonly("outside_kept", &DrivenPlan::outside_kept)
+      .def_readonly("window_bytes", &DrivenPlan::window_bytes);
+  m.def("plan_json", &plan_json, py::arg("plan"), "The plan as the session and the report read it (JSON).");
+  m.def("auto_profile_json", &auto_profile_json, py::arg("profile"),
+        "The profile as its file holds it (JSON, Note [Profile file]).");
+}
+
+// What the driver takes in and gives out (Note [Plan driver]).
+void bind_plan_driver_values(py::module_& m) {
+  py::class_<ProfileCalibration> cal(m, "ProfileCalibration", "The calibration a re-plan's profile was made with.");
+  cal.def(py::init<>())
+      .def_readwrite("link_factor", &ProfileCalibration::link_factor)
+      .def_readwrite("compute_factor", &ProfileCalibration::compute_factor)
+      .def_readwrite("why", &ProfileCalibration::why);
+  init_from_kwargs(cal);
+  auto file = [](auto member) {
+    return [member](AutoProfile& p) -> auto& { return p.file.*member; };
+  };
+  py::class_<AutoProfile>(m, "AutoProfile", "A profile as auto measures, writes and reads it (Note [Profile file]).")
+      .def(py::init<>())
+      .def_property("blocks", file(&ProfileFile::blocks), [](AutoProfile& p, std::vector<BlockProfile> v) {
+        p.file.blocks = std::move(v);
+      })
+      .def_property("links", file(&ProfileFile::links), [](AutoProfile& p, const Links& v) { p.file.links = v; })
+      .def_property("fixed_device_bytes", file(&ProfileFile::fixed_device_bytes),
+                    [](AutoProfile& p, std::uint64_t v) { p.file.fixed_device_bytes = v; })
+      .def_property("outside_saved_bytes", [](const AutoProfile& p) {
+        return p.outside_measured ? std::optional<std::uint64_t>(p.file.outside_saved_bytes) : std::nullopt;
+      }, [](AutoProfile& p, std::optional<std::uint64_t> v) {
+        p.outside_measured = v.has_value();
+        p.file.outside_saved_bytes = v.value_or(0);
+      }, "None: a file written before the tensors outside the blocks were measured.")
+      .def_readwrite("batch_tensor_elements", &AutoProfile::batch_tensor_elements)
+      .def_readwrite("batch_elements", &AutoProfile::batch_elements)
+      .def_readwrite("host_gaps_seconds", &AutoProfile::host_gaps_seconds)
+      .def_readwrite("timed_step_seconds", &AutoProfile::timed_step_seconds)
+      .def_readwrite("rest_of_step_seconds", &AutoProfile::rest_of_step_seconds)
+      .def_readwrite("measured_beside_bytes", &AutoProfile::measured_beside_bytes)
+      .def_readwrite("measured_peak_bytes", &AutoProfile::measured_peak_bytes)
+      .def_readwrite("measured_reserved_peak_bytes", &AutoProfile::measured_reserved_peak_bytes)
+      .def_readwrite("calibrated", &AutoProfile::calibrated)
+      .def_readwrite("batch_ratio", &AutoProfile::batch_ratio);
+  py::class_<TimedStepMeasures> measures(m, "TimedStepMeasures", "What the timed step measured (the front end's).");
+  measures.def(py::init<>())
+      .def_readwrite("blocks", &TimedStepMeasures::blocks)
+      .def_readwrite("links", &TimedStepMeasures::links)
+      .def_readwrite("outside_saved_bytes", &TimedStepMeasures::outside_saved_bytes)
+      .def_property("intervals", [](const TimedStepMeasures&) { return py::none(); },
+                    [](TimedStepMeasures& t, const std::vector<std::tuple<bool, std::size_t, double, double, double>>& v) {
+                      t.intervals.clear();
+                      for (const auto& [backward, block, start, end, wait] : v)
+                        t.intervals.push_back({backward, block, start, end, wait});
+                    }, "(backward, block, start, end, wait_before) of each timed interval (write-only).")
+      .def_readwrite("blocks_forward_seconds", &TimedStepMeasures::blocks_forward_seconds)
+      .def_readwrite("blocks_backward_seconds", &TimedStepMeasures::blocks_backward_seconds)
+      .def_readwrite("blocks_replay_seconds", &TimedStepMeasures::blocks_replay_seconds)
+      .def_readwrite("blocks_input_swap_seconds", &TimedStepMeasures::blocks_input_swap_seconds)
+      .def_readwrite("peak_bytes", &TimedStepMeasures::peak_bytes)
+      .def_readwrite("reserved_peak_bytes", &TimedStepMeasures::reserved_peak_bytes)
+      .def_readwrite("beside_bytes", &TimedStepMeasures::beside_bytes);
+  init_from_kwargs(measures);
+  bind_plan_driver_results(m);
+}
+
+// tiering::PlanDriver (Note [Plan driver]).
+void bind_plan_driver(py::module_& m) {
+  bind_plan_driver_values(m);
+  py::class_<PlanFrontEnd, PyPlanFrontEnd>(m, "PlanFrontEnd",
+                                           "What the driver asks of its front end: override every method.")
+      .def(py::init<>());
+  py::class_<PlanDriverSettings>(m, "PlanDriverSettings", "The settings a driver runs under.")
+      .def(py::init([](const std::map<std::string, std::string>& config, std::size_t blocks) {
+        return PlanDriverSettings::of(Config::parse({}, config), blocks);
+      }), py::arg("config"), py::arg("blocks"))
+      .def_readonly("forced", &PlanDriverSettings::forced);
+  py::class_<PlanDriver>(m, "PlanDriver", "auto's phases, re-plan and batch growth for one session.")
+      .def(py::init<PlanDriverSettings, std::optional<AutoProfile>>(), py::arg("settings"), py::arg("loaded"))
+      .def("before_forward", [](PlanDriver& d, const InputElements& inputs, double now, PlanFrontEnd& front) {
+        d.before_forward(inputs, now, front);  // the front end learns what happened from its calls and plan
+      }, py::arg("inputs"), py::arg("now_seconds"), py::arg("front"))
+      .def("forward_refused", &PlanDriver::forward_refused)
+      .def("settle", &PlanDriver::settle, py::arg("why"))
+      .def("budgets", &PlanDriver::budgets, py::arg("profile"), py::arg("front"))
+      .def_property_readonly("forwards", [](const PlanDriver& d) { return d.phases().forwards(); })
+      .def_property_readonly("may_replan", [](const PlanDriver& d) { return d.phases().may_replan(); })
+      .def_property_readonly("plan", [](const PlanDriver& d) { return d.plan(); })
+      .def_property_readonly("revision", &PlanDriver::revision)
+      .def_property_readonly("profile", [](const PlanDriver& d) { return d.profile(); })
+      .def("report_json", &PlanDriver::report_json, py::arg("plan_text"))
+      .def("measured_beside_predicted", &PlanDriver::measured_beside_predicted, py::arg("peak_reserved_bytes"));
 }
 
 // tiering::BlockTable (Note [Block table]): kinds, classes, modes and actions as the strings Python uses.
@@ -423,9 +455,8 @@ void bind_planner_enums(py::module_& m) {
       .value("nvme", SwapTier::kNvme);
 }
 
-}  // namespace
-
-void bind_planner(py::module_& m) {
+// The planner's structs (tiering/planner.hpp) as classes with read-write fields.
+void bind_planner_structs(py::module_& m) {
   bind_planner_enums(m);
 
   py::class_<BlockProfile> profile(m, "BlockProfile", "Measured or estimated costs of one repeated block.");
@@ -501,6 +532,12 @@ void bind_planner(py::module_& m) {
       .def_readonly("outside_swap_seconds", &Plan::outside_swap_seconds)
       .def("summary", &Plan::summary)
       .def("block_line", &Plan::block_line);
+}
+
+}  // namespace
+
+void bind_planner(py::module_& m) {
+  bind_planner_structs(m);
 
   m.def("plan_activations", &plan_activations, py::arg("blocks"), py::arg("links"), py::arg("budgets"),
         py::call_guard<py::gil_scoped_release>(),
@@ -528,6 +565,7 @@ void bind_planner(py::module_& m) {
         "The mode a block runs in: swap where a block that may not be replayed is planned to split or recompute.");
 
   bind_auto_plan(m);
+  bind_plan_driver(m);
   bind_block_table(m);
   bind_estimates(m);
   bind_plan_command(m);

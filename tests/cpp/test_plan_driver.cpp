@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -307,14 +308,14 @@ TEST(PlanDriver, ALargerBatchPlansAgainFromTheScaledProfile) {
 
 TEST(PlanDriver, ScalingABatchScalesTheBlocksAndTheOutsideBytes) {
   FakeFront f;
-  f.outside_bytes = 3;
+  f.outside_bytes = 5;
   PlanDriver d(settings());
   profile_and_plan(d, f);
   const auto [scaled, target] = d.for_batch(*d.profile(), 640);
   EXPECT_EQ(target, 640u);
   EXPECT_DOUBLE_EQ(scaled.batch_ratio, 2.5);
   EXPECT_EQ(scaled.file.blocks[0].split_bytes, 20 * kMiB);
-  EXPECT_EQ(scaled.file.outside_saved_bytes, 8u) << "7.5 rounds half to even, as Python's round";
+  EXPECT_EQ(scaled.file.outside_saved_bytes, 12u) << "12.5 rounds half to even, as Python's round";
   const auto [same, base] = d.for_batch(*d.profile(), 100);
   EXPECT_EQ(base, 256u);
   EXPECT_DOUBLE_EQ(same.batch_ratio, 1.0);
@@ -525,6 +526,79 @@ TEST(PlanDriver, SettingsComeFromTheConfiguration) {
   EXPECT_EQ(s.prefetch_bytes, 1u << 20);
   EXPECT_EQ(s.blocks, 3u);
   EXPECT_TRUE(s.growth_refusal.empty());
+}
+
+using Json = nlohmann::ordered_json;
+
+TEST(PlanDriverJson, ThePlanAsTheSessionReadsIt) {
+  FakeFront f;
+  f.inputs.device_budget_bytes = tight_budget(f);
+  PlanDriver d(settings());
+  profile_and_plan(d, f);
+  const Json p = Json::parse(plan_json(*d.plan()));
+  ASSERT_EQ(p["blocks"].size(), kBlocks);
+  EXPECT_EQ(p["blocks"][0]["mode"], "split");
+  EXPECT_EQ(p["blocks"][0]["tier"], "host");
+  EXPECT_EQ(p["blocks"][0]["params"], "gpu");
+  EXPECT_EQ(p["rest_params"], "gpu");
+  EXPECT_EQ(p["summary"], d.plan()->summary);
+  EXPECT_EQ(p["window_bytes"], d.plan()->window_bytes);
+  EXPECT_EQ(p["predicted_step_seconds"].get<double>(), *d.plan()->predicted_step_seconds);
+  EXPECT_EQ(p["rest_of_step_seconds"].get<double>(), d.plan()->rest_of_step_seconds);
+  EXPECT_TRUE(p["settled"].is_null());
+  EXPECT_EQ(p["why"].size(), kBlocks);
+}
+
+TEST(PlanDriverJson, TheReportShowsThePlanTheReplanAndTheTimedStep) {
+  FakeFront f;
+  f.inputs.device_budget_bytes = tight_budget(f);
+  PlanDriver d(settings());
+  profile_and_plan(d, f);
+  run_steps(d, f, 4, 3 * *d.plan()->predicted_step_seconds);
+  run_steps(d, f, 1, 1.0, 100.0, 100);  // a shorter batch: nothing to plan
+  const Json r = Json::parse(d.report_json());
+  EXPECT_EQ(r["modes"].size(), kBlocks);
+  EXPECT_EQ(r["replanned"]["replanned"], true);
+  EXPECT_EQ(r["replanned"]["steps"], 3);
+  EXPECT_EQ(r["replanned"]["link_factor"].get<double>(), d.replanned()->link_factor);
+  EXPECT_EQ(r["timed_step"]["step_seconds"].get<double>(), 1.0);
+  EXPECT_EQ(r["timed_step"]["links"]["d2h"].get<double>(), links().d2h) << "as measured, not as calibrated";
+  EXPECT_EQ(r["timed_step"]["blocks"].size(), kBlocks);
+  EXPECT_EQ(r["batch_growth"], Json({{"replans", 0}, {"refused", nullptr}}));
+  EXPECT_EQ(r["kept_bytes"], d.kept_bytes());
+  EXPECT_TRUE(r.contains("released_cached_bytes") && r["released_cached_bytes"].is_null());
+  // A plan given by hand (a forced session's): its own fields, nothing measured.
+  PlanDriverSettings forced = settings();
+  forced.forced = true;
+  const Json hand = Json::parse(PlanDriver(forced).report_json(
+      R"({"blocks": [{"mode": "split", "alpha": 0.5, "tier": "host"}], "summary": "forced split"})"));
+  EXPECT_EQ(hand["summary"], "forced split");
+  EXPECT_EQ(hand["modes"], Json::array({"split"}));
+  EXPECT_EQ(hand["params"], Json::array({"gpu"}));
+  EXPECT_TRUE(hand["replanned"].is_null() && hand["timed_step"].is_null() && hand["window_bytes"].is_null());
+}
+
+TEST(PlanDriverJson, TheProfileFileKeepsItsFormatAndTheTimedStepsFigures) {
+  FakeFront f;
+  f.inputs.device_budget_bytes = tight_budget(f);
+  PlanDriver d(settings());
+  profile_and_plan(d, f);
+  run_steps(d, f, 4, 3 * *d.plan()->predicted_step_seconds);
+  ASSERT_EQ(f.written.size(), 2u);
+  const Json measured = Json::parse(auto_profile_json(f.written[0]));
+  std::vector<std::string> keys;
+  for (const auto& [k, v] : measured.items()) keys.push_back(k);
+  EXPECT_EQ(keys, (std::vector<std::string>{"format", "version", "blocks", "links", "batch_tensor_elements",
+                                            "batch_elements", "outside_saved_bytes", "host_gaps_seconds",
+                                            "timed_step_seconds", "rest_of_step_seconds", "fixed_device_bytes"}));
+  EXPECT_EQ(measured["batch_tensor_elements"], Json({{"[0][0]", 128}, {"[1]['labels']", 128}}));
+  // What the file reader takes back: the same blocks and links.
+  const ProfileFile back = profile_from_json(auto_profile_json(f.written[1]));
+  EXPECT_EQ(back.blocks.size(), kBlocks);
+  EXPECT_EQ(back.links.d2h, f.written[1].file.links.d2h);
+  const Json calibrated = Json::parse(auto_profile_json(f.written[1]));
+  EXPECT_EQ(calibrated["calibrated"]["link_factor"].get<double>(), d.replanned()->link_factor);
+  EXPECT_EQ(calibrated["rest_of_step_seconds"], measured["rest_of_step_seconds"]);
 }
 
 }  // namespace

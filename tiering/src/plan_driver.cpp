@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <nlohmann/json.hpp>
 #include <numeric>
 
 #include "tierflow/core/error.hpp"
@@ -421,6 +422,163 @@ MeasuredBesidePredicted PlanDriver::measured_beside_predicted(std::optional<std:
     peak = static_cast<double>(plan_->predicted_device_peak_bytes);
   }
   return tiering::measured_beside_predicted(step_starts_, peak_reserved_bytes, step, peak);
+}
+
+// ---- as JSON: the session's plan, the report's plan fields, the profile file (Note [Plan driver]) ----
+
+namespace {
+
+using Json = nlohmann::ordered_json;
+
+template <typename T>
+Json or_null(const std::optional<T>& v) {
+  return v ? Json(*v) : Json(nullptr);
+}
+
+Json plan_object(const DrivenPlan& d) {
+  Json out = Json::object();
+  if (d.without_blocks) {  // without blocks everything saved is outside them
+    out["summary"] = d.summary;
+    out["blocks"] = Json::array();
+    out["lines"] = Json::array();
+    out["outside_kept"] = d.outside_kept;
+    out["outside_bytes"] = d.outside_bytes;
+  } else {
+    const Plan& p = d.plan;
+    Json blocks = Json::array();
+    for (const BlockPlan& b : p.blocks) {
+      blocks.push_back({{"mode", to_string(b.mode)}, {"alpha", b.alpha}, {"tier", to_string(b.tier)},
+                        {"keep", b.keep}, {"swap", b.swap}, {"recompute", b.recompute}, {"swap_bytes", b.swap_bytes},
+                        {"forward_seconds", b.forward_seconds}, {"backward_seconds", b.backward_seconds},
+                        {"params", to_string(b.params)}});
+    }
+    out["blocks"] = std::move(blocks);
+    out["lines"] = d.lines;
+    out["summary"] = d.summary;
+    out["keep_all_step_seconds"] = p.keep_all_step_seconds;
+    out["host_bytes"] = p.host_bytes;
+    out["nvme_bytes"] = p.nvme_bytes;
+    out["fits"] = p.fits;
+    out["rest_params"] = to_string(p.rest_params);
+    out["outside_kept"] = p.outside_kept;  // the planner's: a profile without outside bytes swaps them anyway
+    out["outside_bytes"] = p.outside_bytes;
+    out["outside_swap_seconds"] = p.outside_swap_seconds;
+    out["why"] = d.why;
+    out["window_wanted_bytes"] = d.window_wanted_bytes;
+    out["predicted_blocks_seconds"] = d.predicted_blocks_seconds;
+    out["rest_of_step_seconds"] = d.rest_of_step_seconds;
+    out["outside_measured"] = d.outside_measured;
+    if (d.released_cached_bytes) out["released_cached_bytes"] = *d.released_cached_bytes;
+  }
+  out["predicted_device_peak_bytes"] = d.predicted_device_peak_bytes;
+  out["predicted_step_seconds"] = or_null(d.predicted_step_seconds);
+  out["window_bytes"] = d.window_bytes;
+  out["batch_elements"] = d.batch_elements;
+  out["profiled_batch_elements"] = d.profiled_batch_elements;
+  out["settled"] = or_null(d.settled);
+  return out;
+}
+
+// The plan's figures a report shows, in this order.
+constexpr const char* kReportPlanFields[] = {
+    "summary",
+    // What is saved outside the blocks: kept, or swapped by the model-level hooks (Note [Activation planner]);
+    // the window the plan runs with (Note [Overlap window]).
+    "outside_kept", "outside_bytes", "outside_swap_seconds", "window_bytes", "window_wanted_bytes",
+    "predicted_device_peak_bytes",
+    // The whole step: the blocks' part the plan prices and the rest the timed step measured (Note [Re-plan]).
+    "predicted_step_seconds", "predicted_blocks_seconds", "rest_of_step_seconds",
+    // CUDA: what the caching allocator gave back when the plan came in force (Note [Auto plan phases]).
+    "released_cached_bytes",
+    // Note [Batch growth]: the batch size (input elements) the plan is for, and the profile's.
+    "batch_elements", "profiled_batch_elements",
+    // Note [Re-plan]: why the steps' measurement may no longer re-plan (None: it still may, or it did).
+    "settled"};
+
+Json links_object(const Links& links) {
+  return Json::parse(profile_to_json({}, links, 0))["links"];
+}
+
+Json timed_step_object(const TimedStepSummary& t) {
+  Json blocks = Json::array();
+  for (const BlockProfile& b : t.blocks) {
+    blocks.push_back({{"forward_seconds", b.forward_seconds}, {"backward_seconds", b.backward_seconds},
+                      {"input_bytes", b.input_bytes}, {"whole_bytes", b.whole_bytes}, {"split_bytes", b.split_bytes},
+                      {"cheap_bytes", b.cheap_bytes}, {"transient_bytes", b.transient_bytes},
+                      {"split_recompute_seconds", b.split_recompute_seconds},
+                      {"cheap_recompute_seconds", b.cheap_recompute_seconds}});
+  }
+  return {{"step_seconds", t.step_seconds}, {"blocks_forward_seconds", t.blocks_forward_seconds},
+          {"blocks_backward_seconds", t.blocks_backward_seconds}, {"blocks_replay_seconds", t.blocks_replay_seconds},
+          {"blocks_input_swap_seconds", t.blocks_input_swap_seconds}, {"host_gaps_seconds", t.host_gaps_seconds},
+          {"rest_of_step_seconds", t.rest_of_step_seconds}, {"outside_saved_bytes", t.outside_saved_bytes},
+          {"measured_peak_bytes", or_null(t.measured_peak_bytes)}, {"fixed_device_bytes", t.fixed_device_bytes},
+          {"links", links_object(t.links)}, {"blocks", std::move(blocks)}};
+}
+
+}  // namespace
+
+std::string plan_json(const DrivenPlan& plan) { return plan_object(plan).dump(); }
+
+std::string PlanDriver::report_json(std::string_view plan_text) const {
+  const Json plan = plan_ ? plan_object(*plan_) : Json::parse(plan_text);
+  Json out = Json::object();
+  for (const char* k : kReportPlanFields) out[k] = plan.contains(k) ? plan[k] : Json(nullptr);
+  Json modes = Json::array(), alpha = Json::array(), params = Json::array();
+  for (const auto& b : plan.value("blocks", Json::array())) {
+    modes.push_back(b.value("mode", Json(nullptr)));
+    alpha.push_back(b.value("alpha", Json(nullptr)));
+    params.push_back(b.value("params", Json("gpu")));  // where each block's parameters live between uses
+  }
+  out["modes"] = std::move(modes);
+  out["alpha"] = std::move(alpha);
+  out["params"] = std::move(params);
+  out["rest_params"] = plan.value("rest_params", Json("gpu"));
+  Json replanned(nullptr);  // Note [Re-plan]: the one re-plan, or why there was none
+  if (replanned_) {
+    const Replanned& r = *replanned_;
+    replanned = {{"replanned", r.replanned}, {"why", r.why}, {"measured_step_seconds", or_null(r.measured_step_seconds)},
+                 {"steps", r.steps}, {"predicted_step_seconds", or_null(r.predicted_step_seconds)},
+                 {"link_factor", r.link_factor}, {"compute_factor", r.compute_factor}};
+  }
+  out["replanned"] = std::move(replanned);
+  out["timed_step"] = timed_step_ ? timed_step_object(*timed_step_) : Json(nullptr);  // none from a profile file
+  out["why"] = plan.value("why", Json::array());
+  out["fsdp_gathered_bytes"] = fsdp_gathered_;  // FSDP2's gathered copies, in the fixed bytes (0: none)
+  Json refused(nullptr);  // Note [Batch growth]: re-plans for larger batches
+  if (growth_.refused) refused = {{"batch_elements", growth_.refused->first}, {"why", growth_.refused->second}};
+  out["batch_growth"] = {{"replans", growth_.replans}, {"refused", std::move(refused)}};
+  out["kept_bytes"] = kept_bytes();  // they never pass through the offloader's counters
+  return out.dump();
+}
+
+std::string auto_profile_json(const AutoProfile& p) {
+  const Json file = Json::parse(profile_to_json(p.file.blocks, p.file.links, p.file.fixed_device_bytes));
+  Json out = {{"format", file["format"]}, {"version", file["version"]}, {"blocks", file["blocks"]},
+              {"links", file["links"]}};
+  if (p.batch_tensor_elements) {
+    Json sizes = Json::object();
+    for (const auto& [place, n] : *p.batch_tensor_elements) sizes[place] = n;
+    out["batch_tensor_elements"] = std::move(sizes);
+  }
+  out["batch_elements"] = p.batch_elements;
+  if (p.outside_measured) out["outside_saved_bytes"] = p.file.outside_saved_bytes;
+  const std::pair<const char*, const std::optional<double>*> seconds[] = {
+      {"host_gaps_seconds", &p.host_gaps_seconds}, {"timed_step_seconds", &p.timed_step_seconds},
+      {"rest_of_step_seconds", &p.rest_of_step_seconds}};
+  for (const auto& [k, v] : seconds)
+    if (*v) out[k] = **v;
+  const std::pair<const char*, const std::optional<std::uint64_t>*> bytes[] = {
+      {"measured_beside_bytes", &p.measured_beside_bytes}, {"measured_peak_bytes", &p.measured_peak_bytes},
+      {"measured_reserved_peak_bytes", &p.measured_reserved_peak_bytes}};
+  for (const auto& [k, v] : bytes)
+    if (*v) out[k] = **v;
+  out["fixed_device_bytes"] = p.file.fixed_device_bytes;
+  if (p.calibrated) {
+    out["calibrated"] = {{"link_factor", p.calibrated->link_factor},
+                         {"compute_factor", p.calibrated->compute_factor}, {"why", p.calibrated->why}};
+  }
+  return out.dump();
 }
 
 }  // namespace tierflow::tiering

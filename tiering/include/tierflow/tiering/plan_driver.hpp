@@ -33,6 +33,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -192,6 +193,9 @@ class PlanDriver {
   std::uint64_t planned_elements() const noexcept { return planned_elements_; }
   /// Saved bytes of the blocks the plan in force keeps (0 without a profile).
   std::uint64_t kept_bytes() const noexcept;
+  /// The plan in force's figures report()["plan"] shows (a JSON object): the plan's (the driver's, else
+  /// `plan_text`, one given by hand as plan_json writes it), the re-plan, the timed step, batch growth.
+  std::string report_json(std::string_view plan_text = "{}") const;
   /// The plan's predictions beside the steps since it came in force; `peak_reserved_bytes` the front end's.
   MeasuredBesidePredicted measured_beside_predicted(std::optional<std::uint64_t> peak_reserved_bytes) const;
 
@@ -227,5 +231,11 @@ class PlanDriver {
   std::vector<BlockProfile> plan_blocks_;  ///< the profile's blocks as planned (inexact splits marked so)
   std::optional<AutoProfile> profile_;
 };
+
+/// `plan` as the session and the report read it (a JSON object): the planner's fields, the window, the whole step
+/// predicted, the batch sizes and why it settled.
+std::string plan_json(const DrivenPlan& plan);
+/// `profile` as its file holds it (Note [Profile file]), with the timed step's figures beside.
+std::string auto_profile_json(const AutoProfile& profile);
 
 }  // namespace tierflow::tiering
