@@ -408,6 +408,34 @@ TEST_P(ClippedDuringBackward, AsAfterBackward) {
 INSTANTIATE_TEST_SUITE_P(CpuAdamW, ClippedDuringBackward, testing::Values(false, true),
                          [](const testing::TestParamInfo<bool>& info) { return info.param ? "offload" : "kept"; });
 
+// TIERFLOW_GRAD_ACCUMULATION_STEPS=2: the window's second backward streams the sums; and an lr changed between
+// backward and step() (a scheduler stepped there) redoes the early steps with it. Both as after backward.
+TEST(CpuAdamW, AccumulatedAndRescheduledStepsDuringBackwardAreTheStepsAfterBackward) {
+  const AdamWOptions defaults = AdamWOptions(1e-2).weight_decay(0.1);
+  Mlp during(13), after(13);
+  tb::CpuAdamWOptions on = streaming(true), off = streaming(false);
+  on.accumulation_steps = off.accumulation_steps = 2;
+  tb::CpuAdamW opt_during(make_runtime(false), during.net->parameters(), defaults, on);
+  tb::CpuAdamW opt_after(make_runtime(false), after.net->parameters(), defaults, off);
+  for (int s = 0; s < 4; ++s) {
+    for (auto [m, opt] : {std::pair<Mlp*, tb::CpuAdamW*>{&during, &opt_during}, {&after, &opt_after}}) {
+      opt->zero_grad();
+      for (int micro = 0; micro < 2; ++micro) {
+        torch::manual_seed(2000 + 2 * s + micro);
+        (m->net->forward(torch::randn({16, 24})).pow(2).mean() * 10).backward();
+      }
+      if (s == 2) static_cast<AdamWOptions&>(opt->param_groups()[0].options()).lr(5e-3);
+      opt->step();
+    }
+  }
+  const auto pd = during.net->parameters(), pa = after.net->parameters();
+  for (std::size_t i = 0; i < pd.size(); ++i) EXPECT_TRUE(torch::equal(pd[i], pa[i])) << "parameter " << i;
+  const tb::GradStreamStats st = opt_during.stream_stats();
+  EXPECT_EQ(st.early_steps, 4 * pd.size()) << "one early step per window, at its last backward";
+  EXPECT_EQ(st.redone, pd.size()) << "the window whose lr changed after backward";
+  EXPECT_EQ(st.committed, 3 * pd.size());
+}
+
 // TIERFLOW_SKIP_NONFINITE: a step with an inf gradient changes nothing, the early steps included.
 TEST(CpuAdamW, ANonFiniteStepDuringBackwardIsSkipped) {
   Mlp m(11);
