@@ -23,6 +23,9 @@
 // repeated blocks decides before forward 2 between keeping every saved tensor
 // (what forward 1 swapped fits beside the rest of training) and swapping them
 // all. TIERFLOW_OFFLOAD_ACTIVATIONS=recompute is forced: no phases.
+// tiering::PlanDriver (plan_driver.hpp, Note [Plan driver]) runs these phases
+// and every rule of this Note, [Re-plan] and [Batch growth]; a front end (the
+// Python AutoPlanner, a C++ trainer's) measures and applies.
 //
 // A measured block (measured_block_profile): its saved bytes per class come
 // from the recorded table; its forward time is the median of the timed
