@@ -123,6 +123,78 @@ std::map<std::string, std::string> to_string_map(const py::dict& d) {
 
 }  // namespace tierflow::bindings::pymod
 
+namespace {
+
+// Note [Typed settings]: core::Config as Python sees it: each TIERFLOW_* setting typed, read once by the table
+// (sizes as ints of bytes, switches as bools, choices as the table's names, budgets as their text: a percentage
+// is of a capacity only the runtime knows, Runtime.device_budget_bytes() and host_budget_bytes() resolve them).
+// Python reads these instead of comparing the strings of Runtime.config(), which stays for reports and old code.
+void bind_settings(py::module_& m) {
+  auto text = [](auto field) { return [field](const Config& c) { return std::string(to_string(c.*field)); }; };
+  py::class_<Config>(m, "Settings", "Every TIERFLOW_* setting, typed (Note [One configuration table]).")
+      .def_property_readonly("gpu_memory", [](const Config& c) { return c.gpu_memory.to_string(); },
+                             "TIERFLOW_GPU_MEMORY as written (a size or a percentage); bytes: Runtime.device_budget_bytes()")
+      .def_property_readonly("host_memory", [](const Config& c) { return c.host_memory.to_string(); },
+                             "TIERFLOW_HOST_MEMORY as written; bytes: Runtime.host_budget_bytes()")
+      .def_property_readonly("nvme_paths", [](const Config& c) { return c.nvme_paths; }, "TIERFLOW_NVME_PATHS")
+      .def_property_readonly("nvme_memory", [](const Config& c) { return c.to_strings().at("TIERFLOW_NVME_MEMORY"); },
+                             "TIERFLOW_NVME_MEMORY as written (auto, a size or a percentage)")
+      .def_readonly("aio_block_size", &Config::aio_block_size, "TIERFLOW_AIO_BLOCK_SIZE, bytes")
+      .def_readonly("aio_queue_depth", &Config::aio_queue_depth, "TIERFLOW_AIO_QUEUE_DEPTH")
+      .def_readonly("nvme_checksum", &Config::nvme_checksum, "TIERFLOW_NVME_CHECKSUM")
+      .def_property_readonly("offload_activations", text(&Config::offload_activations),
+                             "TIERFLOW_OFFLOAD_ACTIVATIONS: none, host, nvme, auto or recompute")
+      .def_property_readonly("offload_params", text(&Config::offload_params),
+                             "TIERFLOW_OFFLOAD_PARAMS: none, host, nvme or auto")
+      .def_property_readonly("offload_optimizer", text(&Config::offload_optimizer),
+                             "TIERFLOW_OFFLOAD_OPTIMIZER: none, host or nvme")
+      .def_readonly("cpu_threads", &Config::cpu_threads, "TIERFLOW_CPU_THREADS; 0: all cores (auto)")
+      .def_readonly("cpu_isa", &Config::cpu_isa, "TIERFLOW_CPU_ISA: auto, avx512, avx2 or portable")
+      .def_property_readonly("optimizer_states", text(&Config::optimizer_states),
+                             "TIERFLOW_OPTIMIZER_STATES: fp32, bf16 or 8bit")
+      .def_property_readonly("log_level", text(&Config::log_level), "TIERFLOW_LOG_LEVEL")
+      .def_readonly("report", &Config::report_path, "TIERFLOW_REPORT; empty: no file")
+      .def_readonly("profile", &Config::profile_path, "TIERFLOW_PROFILE; empty: measure every run")
+      .def_readonly("replan", &Config::replan, "TIERFLOW_REPLAN")
+      .def_readonly("min_offload_bytes", &Config::min_offload_bytes, "TIERFLOW_MIN_OFFLOAD_BYTES")
+      .def_readonly("prefetch_bytes", &Config::prefetch_bytes, "TIERFLOW_PREFETCH_BYTES")
+      .def_readonly("pinned_slab_bytes", &Config::pinned_slab_bytes, "TIERFLOW_PINNED_SLAB_BYTES")
+      .def_readonly("mimalloc", &Config::mimalloc, "TIERFLOW_MIMALLOC")
+      .def_property_readonly("device", text(&Config::device), "TIERFLOW_DEVICE: auto, cuda or emulated")
+      .def_property_readonly("emulated_device", text(&Config::emulated_device),
+                             "TIERFLOW_EMULATED_DEVICE: polite or adversarial")
+      .def_readonly("emulated_seed", &Config::emulated_seed, "TIERFLOW_EMULATED_SEED")
+      .def_readonly("overlap_step", &Config::overlap_step, "TIERFLOW_OVERLAP_STEP")
+      .def_readonly("partition_optimizer", &Config::partition_optimizer, "TIERFLOW_PARTITION_OPTIMIZER")
+      .def_readonly("grad_accumulation_steps", &Config::grad_accumulation_steps, "TIERFLOW_GRAD_ACCUMULATION_STEPS")
+      .def_property_readonly("max_grad_norm", [](const Config& c) -> py::object {
+        return c.max_grad_norm > 0 ? py::cast(c.max_grad_norm) : py::none();
+      }, "TIERFLOW_MAX_GRAD_NORM; None: no clip")
+      .def_readonly("skip_nonfinite", &Config::skip_nonfinite, "TIERFLOW_SKIP_NONFINITE")
+      .def_property_readonly("gpu_optimizer_fraction", [](const Config& c) -> py::object {
+        return c.gpu_optimizer_fraction_auto ? py::none() : py::cast(c.gpu_optimizer_fraction);
+      }, "TIERFLOW_GPU_OPTIMIZER_FRACTION; None: auto")
+      .def_property_readonly("grad_bucket_bytes", [](const Config& c) -> py::object {
+        return c.grad_bucket_bytes == 0 ? py::none() : py::cast(c.grad_bucket_bytes);
+      }, "TIERFLOW_GRAD_BUCKET_BYTES; None: auto")
+      .def_readonly("weights_return_in_forward", &Config::weights_return_in_forward,
+                    "TIERFLOW_WEIGHTS_RETURN=forward")
+      .def_readonly("offload_gradients", &Config::offload_gradients, "TIERFLOW_OFFLOAD_GRADIENTS")
+      .def_property_readonly("given", [](const Config& c) { return c.given; },
+                             "The TIERFLOW_* variables set (environment or keywords); the others hold their defaults")
+      .def("to_strings", &Config::to_strings, "Every setting as text, keyed by variable (Runtime.config())")
+      .def("__repr__", [](const Config& c) {
+        std::string out = "Settings(";
+        for (const auto& [name, value] : c.to_strings()) out += name.substr(9) + "=" + value + ", ";
+        return out.substr(0, out.size() - 2) + ")";
+      });
+  m.def("resolve_settings", [](const py::dict& overrides) {
+    return Config::from_environment(to_string_map(overrides));
+  }, py::arg("overrides") = py::dict(), "The settings the environment plus `overrides` give, typed; raises ConfigError.");
+}
+
+}  // namespace
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "tierflow's C++ runtime";
 
@@ -144,6 +216,7 @@ PYBIND11_MODULE(_C, m) {
     }
     return rows;
   }, "Every TIERFLOW_* variable: name, default, accepted forms, meaning.");
+  bind_settings(m);
   m.def("resolve_config", [](const py::dict& overrides) {
     return Config::from_environment(to_string_map(overrides)).to_strings();
   }, "The configuration the environment plus `overrides` give; raises ConfigError.");
@@ -159,6 +232,15 @@ PYBIND11_MODULE(_C, m) {
   }, py::arg("config"), py::arg("given"), py::arg("cuda"),
      "Note [Settings a mode ignores]: (the refusal of a given setting these settings (a Runtime's config()) ignore, "
      "or None; the warning lines of those let through), for a model on a CUDA GPU or not.");
+  m.def("ignored_settings", [](const Config& settings, bool cuda) {
+    const IgnoredSettings r = ignored_settings(settings, ModelFacts{cuda});
+    return py::make_tuple(r.refusal.empty() ? py::object(py::none()) : py::object(py::cast(r.refusal)), r.warnings);
+  }, py::arg("settings"), py::arg("cuda"), "The same for typed settings (a Runtime's settings(), their own given).");
+  m.def("fsdp_settings_refusal", [](const Config& settings, bool cpu_optimizer, bool cpu_offload_policy) -> py::object {
+    const std::string why = tiering::fsdp_settings_refusal(settings, cpu_optimizer, cpu_offload_policy);
+    return why.empty() ? py::none() : py::cast(why);
+  }, py::arg("settings"), py::arg("cpu_optimizer"), py::arg("cpu_offload_policy") = false,
+     "The same for typed settings (a Runtime's settings()).");
   m.def("fsdp_settings_refusal", [](const py::dict& config, bool cpu_optimizer, bool cpu_offload_policy) -> py::object {
     const std::string why =
         tiering::fsdp_settings_refusal(Config::parse(to_string_map(config)), cpu_optimizer, cpu_offload_policy);

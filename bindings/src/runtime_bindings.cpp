@@ -54,6 +54,7 @@ void bind_runtime_tiers(py::class_<Runtime, std::shared_ptr<Runtime>>& c) {
            py::arg("overrides") = py::dict(), py::arg("nvme_faults") = nullptr,
            py::arg("copy_faults") = nullptr, py::arg("rank") = 0, py::arg("world_size") = 1)
       .def("config", [](const Runtime& rt) { return rt.config().to_strings(); })
+      .def("settings", [](const Runtime& rt) { return rt.config(); }, "The settings, typed (_C.Settings).")
       .def_property_readonly("device", [](const Runtime& rt) {
         return std::string(allocator::to_string(rt.device_kind()));
       })

@@ -53,8 +53,8 @@ def resolve_config(**settings: Any) -> dict[str, str]:
     return _C.resolve_config(settings_to_strings(settings))
 
 
-def set_explicitly(name: str) -> bool:
-    """Whether the ``TIERFLOW_*`` variable ``name`` is set in the environment, not left at its default
-    (``python -m tierflow plan`` budgets the whole device when TIERFLOW_GPU_MEMORY is not set): the C++
-    table's answer (Config::given)."""
-    return name in _C.config_given({})
+def resolve_settings(**settings: Any) -> Any:
+    """The same, typed (``tierflow._C.Settings``: ints for bytes, bools for switches, the table's names for
+    choices; Note [Typed settings] in bindings/src/python_module.cpp): what Python code reads."""
+    return _C.resolve_settings(settings_to_strings(settings))
+

@@ -82,7 +82,8 @@ class Session:
         self._faults = (_nvme_faults, _copy_faults)  # the runtime holds raw pointers to them
         rank, world_size = rank_and_world_size()  # Note [Ranks on one machine]
         self.runtime = _C.Runtime(settings_to_strings(settings), _nvme_faults, _copy_faults, rank, world_size)
-        self.config = self.runtime.config()
+        self.config = self.runtime.config()  # every setting as text, for reports (and code that still reads text)
+        self.settings = self.runtime.settings()  # the same, typed: read these (Note [Typed settings])
         self._handles: list[Any] = []
         self._contexts: list[Optional[Any]] = []
         self._model_ref: Optional[weakref.ref] = None
@@ -97,7 +98,7 @@ class Session:
         TIERFLOW_OFFLOAD_ACTIVATIONS=auto or recompute, the per-block plans on
         ``blocks`` (default: the repeated blocks found in the model)."""
         self._model_ref = weakref.ref(model)
-        if self.config["TIERFLOW_OFFLOAD_ACTIVATIONS"] in ("auto", "recompute"):
+        if self.settings.offload_activations in ("auto", "recompute"):
             from .activations.autoplan import AutoPlanner
 
             self.planner = AutoPlanner(self, model, blocks)
@@ -106,7 +107,7 @@ class Session:
         # Note [Hooks outside graphs]: dynamo never traces them.
         self._handles.append(model.register_forward_pre_hook(outside_graphs(self._before_forward), with_kwargs=True))
         self._handles.append(model.register_forward_hook(outside_graphs(self._after_forward), always_call=True))
-        if self.config["TIERFLOW_OFFLOAD_PARAMS"] != "none":  # after the plans' hooks: Note [Parameter hooks]
+        if self.settings.offload_params != "none":  # after the plans' hooks: Note [Parameter hooks]
             from .params import ParamOffload
 
             self.params = ParamOffload(self, model, blocks)
@@ -211,7 +212,7 @@ class Session:
         streaming = opt.stream_stats() if hasattr(opt, "stream_stats") else {}
         if streaming:
             r["optimizer"]["streaming"] = streaming
-        path = self.config.get("TIERFLOW_REPORT", "")
+        path = self.settings.report
         if path:
             r.save(path)
         return r
@@ -248,8 +249,7 @@ def wrap(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
     new_optimizer = optimizer
     try:
         # A setting the chosen mode would ignore (Note [Settings a mode ignores] in core/config.hpp).
-        refusal, warnings = _C.ignored_settings(dict(session.config), _C.config_given(settings_to_strings(
-            {k: v for k, v in settings.items() if not k.startswith("_")})), any(d.type == "cuda" for d in devices))
+        refusal, warnings = _C.ignored_settings(session.settings, any(d.type == "cuda" for d in devices))
         if refusal is not None:
             raise _C.ConfigError(f"tierflow.wrap: {refusal}")
         _refuse_device_budget(model, session)
@@ -257,7 +257,7 @@ def wrap(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
             _C.log("warn", f"tierflow.wrap: {line}")
         # FSDP2 with settings it cannot train, tensor parallelism: refused before anything is attached.
         refuse_sharded(model, chain[-1] if chain else None, session.config)
-        replacing = optimizer is not None and session.config["TIERFLOW_OFFLOAD_OPTIMIZER"] in ("host", "nvme")
+        replacing = optimizer is not None and session.settings.offload_optimizer in ("host", "nvme")
         if replacing:
             from .optim import CPUAdamW
 
@@ -282,7 +282,7 @@ def wrap(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
             session.optimizer()._gpu.planner = weakref.ref(session.planner)  # waits for the plan in force
         if session.params is not None:  # Note [Parameter hooks]: which optimizer steps the host copies
             session.params.adopt_optimizer(session.optimizer() if session.optimizer is not None else None)
-        if session.config["TIERFLOW_OFFLOAD_ACTIVATIONS"] != "none":  # Note [HF caches]
+        if session.settings.offload_activations != "none":  # Note [HF caches]
             from ._hf import disable_cache_in_training
 
             session._handles += disable_cache_in_training(model)
@@ -340,21 +340,21 @@ def _refuse_device_budget(model: torch.nn.Module, session: Session) -> None:
     TIERFLOW_GPU_MEMORY below them in any activation mode: under auto no plan can fit, under a fixed mode the budget
     cannot be kept (Note [Settings a mode ignores]); said at wrap, where the shapes are known, not at the first
     forward."""
-    cfg = session.config
-    if cfg["TIERFLOW_OFFLOAD_PARAMS"] != "none":
+    cfg = session.settings
+    if cfg.offload_params != "none":
         return
     runtime = session.runtime
     params = [p for p in {id(p): p for p in model.parameters()}.values() if runtime.on_device(p)]
     weights = sum(p.numel() * p.element_size() for p in params)
-    grads = 0 if cfg["TIERFLOW_OFFLOAD_GRADIENTS"] == "on" else \
+    grads = 0 if cfg.offload_gradients else \
         sum(p.numel() * p.element_size() for p in params if p.requires_grad)
     budget = int(runtime.device_budget_bytes())
     if weights + grads > budget:
-        mode = cfg["TIERFLOW_OFFLOAD_ACTIVATIONS"]
+        mode = cfg.offload_activations
         why = "no activation plan can fit" if mode == "auto" else \
             f"TIERFLOW_OFFLOAD_ACTIVATIONS={mode} (keyword offload_activations) cannot keep the run within it"
         raise _C.ConfigError(
-            f"tierflow.wrap: TIERFLOW_GPU_MEMORY={cfg['TIERFLOW_GPU_MEMORY']} (keyword gpu_memory) gives the device "
+            f"tierflow.wrap: TIERFLOW_GPU_MEMORY={cfg.gpu_memory} (keyword gpu_memory) gives the device "
             f"{_C.format_bytes(budget)}, less than the model's parameters and their gradients take on it "
             f"({_C.format_bytes(weights + grads)}: {_C.format_bytes(weights)} of parameters), so "
             f"{why}; accepted: a budget above {_C.format_bytes(weights + grads)} with room for the activations, or "
@@ -467,7 +467,7 @@ def no_offload() -> Iterator[None]:
 def _write_final_reports() -> None:
     live = _live_sessions()
     for session in live:
-        if session.config.get("TIERFLOW_REPORT"):
+        if session.settings.report:
             try:
                 session.report()
             except Exception:  # noqa: BLE001  the interpreter is exiting; never mask its status

@@ -251,7 +251,7 @@ class ParamOffload:
         self._fp32 = [sum(p.numel() for p in u) for u in self._fp32_params]
         self._device_type = self._params[0].device.type if self._params else "cpu"
         self._runtime = session.runtime
-        setting = session.config["TIERFLOW_OFFLOAD_PARAMS"]
+        setting = session.settings.offload_params
         self.planned = setting == "auto"  # every unit fetched from the host until the plan says which stay
         self.tier = "host" if self.planned else setting
         self.impl = _C.ParamResidency(session.runtime, units, [self.tier] * len(units),

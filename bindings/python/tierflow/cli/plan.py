@@ -25,7 +25,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from .. import _C
-from .._config import resolve_config, set_explicitly
+from .._config import resolve_settings
 from ..activations.profile import profile_from_json
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -174,8 +174,8 @@ def plan_command(argv: Sequence[str]) -> int:
 
 
 def _plan(args: argparse.Namespace) -> str:
-    config = resolve_config()
-    cuda = _C.device_is_cuda(config)  # as the runtime decides it (Note [Tiers from the configuration])
+    settings = resolve_settings()
+    cuda = _C.device_is_cuda(settings.to_strings())  # as the runtime decides it (Note [Tiers from the configuration])
     given = [a for a in _C.plan_shape_flags() if getattr(args, a) is not None]
     _C.check_blocks_source(args.profile is not None, given)  # a whole shape or --profile (Note [Plan report])
     measured: list[str] = []
@@ -193,9 +193,9 @@ def _plan(args: argparse.Namespace) -> str:
     # Blocks and what the rest of training needs on the device.
     state = None
     head_bytes = 0
-    optimizer = args.optimizer or config["TIERFLOW_OFFLOAD_OPTIMIZER"]
+    optimizer = args.optimizer or settings.offload_optimizer
     # Parsed as the table parses TIERFLOW_OPTIMIZER_STATES, errors naming the flag.
-    states = config["TIERFLOW_OPTIMIZER_STATES"] if args.optimizer_states is None else _C.parse_setting(
+    states = settings.optimizer_states if args.optimizer_states is None else _C.parse_setting(
         "TIERFLOW_OPTIMIZER_STATES", _text("--optimizer-states", args.optimizer_states), "--optimizer-states")
     if args.profile is not None:
         try:
@@ -232,15 +232,15 @@ def _plan(args: argparse.Namespace) -> str:
 
     # Budgets and the report: tiering/plan_report.hpp (Note [Plan report]).
     inputs = _C.PlanCommandInputs(
-        gpu_memory=_setting(args.gpu_memory, "--gpu-memory", config["TIERFLOW_GPU_MEMORY"],
-                            set_explicitly("TIERFLOW_GPU_MEMORY")),
-        host_memory=_setting(args.host_memory, "--host-memory", config["TIERFLOW_HOST_MEMORY"], True),
-        prefetch=_setting(args.prefetch, "--prefetch", config["TIERFLOW_PREFETCH_BYTES"], True),
+        gpu_memory=_setting(args.gpu_memory, "--gpu-memory", settings.gpu_memory,
+                            "TIERFLOW_GPU_MEMORY" in settings.given),
+        host_memory=_setting(args.host_memory, "--host-memory", settings.host_memory, True),
+        prefetch=_setting(args.prefetch, "--prefetch", str(settings.prefetch_bytes), True),
         nvme_memory=None if args.nvme_memory is None else _text("--nvme-memory", args.nvme_memory),
         nvme_bytes_per_second=args.nvme_gbps * _C.DECIMAL_GB, device_capacity_bytes=_C.device_capacity_bytes(cuda),
         host_capacity_bytes=_C.host_capacity_bytes(), device_name=device_name, optimizer=optimizer,
         optimizer_states=states,
-        offload_params=args.offload_params or config["TIERFLOW_OFFLOAD_PARAMS"],
+        offload_params=args.offload_params or settings.offload_params,
         shape=None if state is None else _shape(args), dtype_name=args.dtype, state=state, head_bytes=head_bytes,
         profile_path="" if args.profile is None else args.profile.encode("utf-8", "backslashreplace").decode(),
         profile_fixed_device_bytes=0 if args.profile is None else profile.fixed_device_bytes,

@@ -13,7 +13,7 @@ keeps what touches tensors: which parameters, their gradients and states.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -36,14 +36,16 @@ class StateTier:
     """Where CPUAdamW's states sit, the host pool or NVMe (TIERFLOW_OFFLOAD_OPTIMIZER): space checks, the
     NVMe states' step and I/O, and their faults (Note [NVMe optimizer faults])."""
 
-    def __init__(self, runtime: "_C.Runtime", cfg: Mapping[str, str], names: dict,
+    def __init__(self, runtime: "_C.Runtime", cfg: Any, names: dict,
                  state_format: Optional[str] = None) -> None:
+        # `cfg` is unused: the settings come typed from the runtime (Note [Typed settings]).
+        settings = runtime.settings()
         self._runtime = runtime
-        self._host_memory = cfg.get("TIERFLOW_HOST_MEMORY")
-        self.nvme = cfg["TIERFLOW_OFFLOAD_OPTIMIZER"] == "nvme"
+        self._host_memory = settings.host_memory
+        self.nvme = settings.offload_optimizer == "nvme"
         # How the moments are kept (Note [Optimizer state formats]): on NVMe too, in the same bytes as on the host
         # (Note [Optimizer states on NVMe]). None: TIERFLOW_OPTIMIZER_STATES.
-        self.format = state_format or cfg.get("TIERFLOW_OPTIMIZER_STATES", "fp32")
+        self.format = state_format or settings.optimizer_states
         self._names = names  # id(param) -> its name in the model, for error messages
         self._reserved: set = set()  # ids of parameters whose NVMe state space is reserved
         # Note [NVMe optimizer faults]: param -> (gradient, its version, step count after) of a step taken.

@@ -8,7 +8,7 @@ parameter's state); the callbacks the stream makes stay in the optimizer."""
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -20,13 +20,14 @@ from .._links import measure_links, probe_bytes
 class GradientStreaming:
     """One C++ GradStream and the parameters it carries (see the module doc)."""
 
-    def __init__(self, runtime: "_C.Runtime", cfg: Mapping[str, str], accumulation: int,
+    def __init__(self, runtime: "_C.Runtime", cfg: Any, accumulation: int,
                  max_grad_norm: Optional[float], skip_nonfinite: bool, offload_grads: bool) -> None:
-        bucket = cfg["TIERFLOW_GRAD_BUCKET_BYTES"]
+        # `cfg` is unused: the settings come typed from the runtime (Note [Typed settings]).
+        settings = runtime.settings()
         #: The C++ stream (its methods are called directly: finish, end_window, wait_worker, ...).
-        self.stream = _C.GradStream(runtime, 0 if bucket == "auto" else int(bucket), accumulation,
+        self.stream = _C.GradStream(runtime, settings.grad_bucket_bytes or 0, accumulation,
                                     max_grad_norm or 0.0, skip_nonfinite,
-                                    cfg["TIERFLOW_WEIGHTS_RETURN"] == "forward", offload_grads)
+                                    settings.weights_return_in_forward, offload_grads)
         self._runtime = runtime
         self._slot_of: dict = {}            # param -> slot of the C++ stream
         self._slot_params: list = []        # slot -> param
@@ -34,7 +35,7 @@ class GradientStreaming:
         self.fsdp_feed: Any = None          # FSDP2: tierflow._fsdp_feed's feed, which the user's clip asks too
         self._python_params: Optional[list] = None  # per group: params that step() handles in Python
         # TIERFLOW_GRAD_BUCKET_BYTES=auto: when it is sized (optimizer/grad_buckets.hpp).
-        self._sizing = _C.BucketSizingSchedule(bucket == "auto")
+        self._sizing = _C.BucketSizingSchedule(settings.grad_bucket_bytes is None)
         self._slabs = self._pinned_slabs()  # pinned slabs allocated so far (Note [Steady step])
         self._stepped_bytes = 0  # gradient bytes the CPU AdamW had stepped at the last window_seen()
 
