@@ -130,6 +130,7 @@ class PyPlanFrontEnd : public PlanFrontEnd {
   void write_profile(const AutoProfile& profile) override {
     PYBIND11_OVERRIDE_PURE(void, PlanFrontEnd, write_profile, profile);
   }
+  double now_seconds() override { PYBIND11_OVERRIDE_PURE(double, PlanFrontEnd, now_seconds); }
 };
 
 // What the driver decided: what applying a plan needs, the rest as JSON (plan_json, PlanDriver::report_json).
@@ -214,9 +215,9 @@ void bind_plan_driver(py::module_& m) {
       .def_readonly("forced", &PlanDriverSettings::forced);
   py::class_<PlanDriver>(m, "PlanDriver", "auto's phases, re-plan and batch growth for one session.")
       .def(py::init<PlanDriverSettings, std::optional<AutoProfile>>(), py::arg("settings"), py::arg("loaded"))
-      .def("before_forward", [](PlanDriver& d, const InputElements& inputs, double now, PlanFrontEnd& front) {
-        d.before_forward(inputs, now, front);  // the front end learns what happened from its calls and plan
-      }, py::arg("inputs"), py::arg("now_seconds"), py::arg("front"))
+      .def("before_forward", [](PlanDriver& d, const InputElements& inputs, PlanFrontEnd& front) {
+        d.before_forward(inputs, front);  // the front end learns what happened from its calls and plan
+      }, py::arg("inputs"), py::arg("front"))
       .def("forward_refused", &PlanDriver::forward_refused)
       .def("settle", &PlanDriver::settle, py::arg("why"))
       .def("budgets", &PlanDriver::budgets, py::arg("profile"), py::arg("front"))

@@ -74,8 +74,10 @@ struct FakeFront : PlanFrontEnd {
     return std::nullopt;
   }
   void start_timing() override { ++timings; }
+  double probe_seconds = 0;  // how long measuring the timed step (its link probes) takes
   TimedStepMeasures measure_timed_step() override {
     ++measures;
+    now += probe_seconds;
     TimedStepMeasures m;
     m.blocks.assign(kBlocks, block_record());
     m.links = links();
@@ -87,7 +89,15 @@ struct FakeFront : PlanFrontEnd {
   }
   std::uint64_t first_step_saved_bytes() override { return first_saved; }
   void write_profile(const AutoProfile& profile) override { written.push_back(profile); }
+  double now = 0;  // the clock: each forward's time, set by forward()
+  double now_seconds() override { return now; }
 };
+
+// A forward of the model at time `t` (seconds).
+PhaseAction forward(PlanDriver& d, FakeFront& f, const InputElements& inputs, double t) {
+  f.now = t;
+  return d.before_forward(inputs, f);
+}
 
 PlanDriverSettings settings(std::size_t blocks = kBlocks) {
   PlanDriverSettings s;
@@ -100,9 +110,9 @@ InputElements batch(std::uint64_t tokens) { return {{"[0][0]", tokens}, {"[1]['l
 
 // Three forwards of `tokens` a second apart: the profiling steps; the plan comes before the third.
 void profile_and_plan(PlanDriver& d, FakeFront& f, std::uint64_t tokens = 128) {
-  EXPECT_EQ(d.before_forward(batch(tokens), 1.0, f), PhaseAction::kNone);
-  EXPECT_EQ(d.before_forward(batch(tokens), 2.0, f), PhaseAction::kStartTiming);
-  EXPECT_EQ(d.before_forward(batch(tokens), 3.0, f), PhaseAction::kMeasureAndPlan);
+  EXPECT_EQ(forward(d, f, batch(tokens), 1.0), PhaseAction::kNone);
+  EXPECT_EQ(forward(d, f, batch(tokens), 2.0), PhaseAction::kStartTiming);
+  EXPECT_EQ(forward(d, f, batch(tokens), 3.0), PhaseAction::kMeasureAndPlan);
 }
 
 // A device budget between recomputing every block and keeping them all: the plan moves bytes over the link.
@@ -155,7 +165,7 @@ TEST(PlanDriver, ProfilesInTheFirstStepsThenPlansBeforeTheThird) {
   EXPECT_NEAR(d.timed_step()->rest_of_step_seconds, rest, 1e-12);
   EXPECT_EQ(d.kept_bytes(), kBlocks * 17 * kMiB);
   // No plan again under the same size: the phases are over.
-  EXPECT_EQ(d.before_forward(batch(128), 4.0, f), PhaseAction::kNone);
+  EXPECT_EQ(forward(d, f, batch(128), 4.0), PhaseAction::kNone);
   EXPECT_EQ(f.applied.size(), 1u);
   EXPECT_EQ(d.phases().forwards(), 4);
 }
@@ -197,7 +207,7 @@ double run_steps(PlanDriver& d, FakeFront& f, int steps, double seconds, double 
                  std::uint64_t tokens = 128) {
   for (int i = 0; i < steps; ++i) {
     t += seconds;
-    d.before_forward(batch(tokens), t, f);
+    forward(d, f, batch(tokens), t);
   }
   return t;
 }
@@ -375,9 +385,9 @@ TEST(PlanDriver, BatchesOfVaryingSizeSettleTheReplan) {
 TEST(PlanDriver, ALargerThirdForwardPlansForItsSizeAndSettles) {
   FakeFront f;
   PlanDriver d(settings());
-  d.before_forward(batch(128), 1.0, f);
-  d.before_forward(batch(128), 2.0, f);
-  d.before_forward(batch(512), 3.0, f);
+  forward(d, f, batch(128), 1.0);
+  forward(d, f, batch(128), 2.0);
+  forward(d, f, batch(512), 3.0);
   EXPECT_EQ(d.plan()->batch_elements, 1024u);
   EXPECT_EQ(d.plan()->profiled_batch_elements, 256u);
   EXPECT_NE(d.plan()->settled.value_or("").find("larger batch than the profile's"), std::string::npos);
@@ -389,8 +399,8 @@ TEST(PlanDriver, OtherTensorsAreMeasuredOnThoseBothHaveAndSaidOnce) {
   profile_and_plan(d, f);
   testing::internal::CaptureStderr();
   InputElements other = {{"[0][0]", 512}, {"[1]['mask']", 7}};
-  d.before_forward(other, 4.0, f);
-  d.before_forward(other, 5.0, f);
+  forward(d, f, other, 4.0);
+  forward(d, f, other, 5.0);
   const std::string err = testing::internal::GetCapturedStderr();
   EXPECT_NE(err.find("tierflow: the model is called with other tensors (['[0][0]', \"[1]['mask']\"]) than in the "
                      "forward its activation plan was profiled on (['[0][0]', \"[1]['labels']\"])"),
@@ -404,8 +414,8 @@ TEST(PlanDriver, AForwardWithoutTensorsIsNotTrackedAndSaidOnce) {
   FakeFront f;
   PlanDriver d(settings());
   testing::internal::CaptureStderr();
-  d.before_forward({}, 1.0, f);
-  d.before_forward({}, 2.0, f);
+  forward(d, f, {}, 1.0);
+  forward(d, f, {}, 2.0);
   const std::string err = testing::internal::GetCapturedStderr();
   EXPECT_NE(err.find("no tensor among its arguments that tierflow can count"), std::string::npos) << err;
   EXPECT_EQ(err.find("can count", err.find("can count") + 1), std::string::npos) << "said once";
@@ -418,8 +428,8 @@ TEST(PlanDriver, WithoutBlocksKeepsWhatTheFirstStepSavedWhenItFitsAndScalesItFor
   f.inputs.device_budget_bytes = 40 * kMiB;
   testing::internal::CaptureStderr();
   PlanDriver d(settings(0));
-  EXPECT_EQ(d.before_forward(batch(128), 1.0, f), PhaseAction::kNone);
-  EXPECT_EQ(d.before_forward(batch(128), 2.0, f), PhaseAction::kPlanWithoutBlocks);
+  EXPECT_EQ(forward(d, f, batch(128), 1.0), PhaseAction::kNone);
+  EXPECT_EQ(forward(d, f, batch(128), 2.0), PhaseAction::kPlanWithoutBlocks);
   const std::string err = testing::internal::GetCapturedStderr();
   EXPECT_NE(err.find("tierflow: no repeated blocks found in the model (pass blocks=[...] to tierflow.wrap); "
                      "TIERFLOW_OFFLOAD_ACTIVATIONS=auto swaps every saved tensor to the host in the first step"),
@@ -434,7 +444,7 @@ TEST(PlanDriver, WithoutBlocksKeepsWhatTheFirstStepSavedWhenItFitsAndScalesItFor
   EXPECT_TRUE(f.applied.empty()) << "no blocks: nothing to apply";
   EXPECT_FALSE(d.phases().may_replan());
   // Eight times the batch: eight times the bytes, which no longer fit.
-  d.before_forward(batch(1024), 3.0, f);
+  forward(d, f, batch(1024), 3.0);
   EXPECT_FALSE(d.plan()->keep_all) << d.plan()->summary;
   EXPECT_EQ(d.plan()->outside_bytes, 80 * kMiB);
   EXPECT_EQ(d.plan()->batch_elements, 2048u);
@@ -451,7 +461,7 @@ TEST(PlanDriver, AProfileReadBackPlansBeforeTheFirstForwardForItsSize) {
   f.applied.clear();
   f.written.clear();
   PlanDriver d(settings(), loaded);
-  EXPECT_EQ(d.before_forward(batch(64), 1.0, f), PhaseAction::kPlanFromProfile);
+  EXPECT_EQ(forward(d, f, batch(64), 1.0), PhaseAction::kPlanFromProfile);
   ASSERT_TRUE(d.plan().has_value());
   EXPECT_EQ(f.timings + f.measures, 2) << "only the measured run timed and measured";
   EXPECT_EQ(d.plan()->batch_elements, 128u) << "taken to be for the first forward's size";
@@ -459,7 +469,7 @@ TEST(PlanDriver, AProfileReadBackPlansBeforeTheFirstForwardForItsSize) {
   EXPECT_TRUE(f.written.empty());
   EXPECT_FALSE(d.timed_step().has_value());
   // Its size is the reference from here: a larger batch plans again.
-  d.before_forward(batch(128), 2.0, f);
+  forward(d, f, batch(128), 2.0);
   EXPECT_EQ(d.plan()->batch_elements, 256u);
   EXPECT_EQ(d.batch_growth().replans, 1);
 }
@@ -473,7 +483,7 @@ TEST(PlanDriver, AProfileWithoutOutsideBytesSwapsThemUnlessEveryBlockIsKept) {
   loaded.outside_measured = false;
   f.inputs.device_budget_bytes = tight_budget(f);
   PlanDriver d(settings(), loaded);
-  d.before_forward(batch(128), 1.0, f);
+  forward(d, f, batch(128), 1.0);
   EXPECT_FALSE(d.plan()->outside_measured);
   EXPECT_FALSE(d.plan()->outside_kept) << d.plan()->summary;
   EXPECT_FALSE(d.plan()->keep_all);
@@ -485,7 +495,7 @@ TEST(PlanDriver, ForcedRecomputeHasNoPhases) {
   s.forced = true;
   testing::internal::CaptureStderr();
   PlanDriver d(s);
-  for (int i = 1; i <= 5; ++i) EXPECT_EQ(d.before_forward({}, i, f), PhaseAction::kNone);
+  for (int i = 1; i <= 5; ++i) EXPECT_EQ(forward(d, f, {}, i), PhaseAction::kNone);
   EXPECT_TRUE(testing::internal::GetCapturedStderr().empty()) << "a forced plan tracks no batch size";
   EXPECT_FALSE(d.plan().has_value());
   EXPECT_EQ(f.timings + f.measures + static_cast<int>(f.applied.size()), 0);
@@ -494,12 +504,24 @@ TEST(PlanDriver, ForcedRecomputeHasNoPhases) {
 TEST(PlanDriver, ARefusedForwardIsNotOneOfTheProfilingForwards) {
   FakeFront f;
   PlanDriver d(settings());
-  d.before_forward(batch(128), 1.0, f);
-  EXPECT_EQ(d.before_forward(batch(128), 2.0, f), PhaseAction::kStartTiming);
+  forward(d, f, batch(128), 1.0);
+  EXPECT_EQ(forward(d, f, batch(128), 2.0), PhaseAction::kStartTiming);
   d.forward_refused();
-  EXPECT_EQ(d.before_forward(batch(128), 2.5, f), PhaseAction::kStartTiming);
-  EXPECT_EQ(d.before_forward(batch(128), 3.0, f), PhaseAction::kMeasureAndPlan);
+  EXPECT_EQ(forward(d, f, batch(128), 2.5), PhaseAction::kStartTiming);
+  EXPECT_EQ(forward(d, f, batch(128), 3.0), PhaseAction::kMeasureAndPlan);
   EXPECT_DOUBLE_EQ(d.timed_step()->step_seconds, 0.5);
+}
+
+TEST(PlanDriver, TheMeasuredStepStartsOnceThePlanIsInForce) {
+  FakeFront f;
+  f.probe_seconds = 10;  // the links probed before the plan: not part of any step
+  PlanDriver d(settings());
+  profile_and_plan(d, f);
+  EXPECT_DOUBLE_EQ(d.timed_step()->step_seconds, 1.0);
+  forward(d, f, batch(128), 14.0);
+  const MeasuredBesidePredicted m = d.measured_beside_predicted(std::nullopt);
+  EXPECT_EQ(m.steps, 1u);
+  EXPECT_DOUBLE_EQ(*m.step_seconds, 1.0);
 }
 
 TEST(PlanDriver, SettlingOnceAPlanIsInForceIsSaidAndStops) {

@@ -78,7 +78,9 @@ PlanDriver::PlanDriver(PlanDriverSettings settings, std::optional<AutoProfile> l
   }
 }
 
-PhaseAction PlanDriver::before_forward(const InputElements& inputs, double now_seconds, PlanFrontEnd& front) {
+PhaseAction PlanDriver::before_forward(const InputElements& inputs, PlanFrontEnd& front) {
+  const double now_seconds = front.now_seconds();
+  const bool had_plan = plan_.has_value();
   const PhaseAction action = phases_.before_forward();
   if (!plan_ && phases_.forwards() <= kPlanForward) inputs_[phases_.forwards()] = inputs;
   act(action, now_seconds, front);  // a plan made here sets the reference
@@ -92,8 +94,8 @@ PhaseAction PlanDriver::before_forward(const InputElements& inputs, double now_s
         "size");
   }
   if (!plan_) return action;
-  // The measured step: from one forward to the next.
-  step_starts_.push_back(now_seconds);
+  // The measured step: from one forward to the next (a plan made here: from when it is in force).
+  step_starts_.push_back(had_plan ? now_seconds : front.now_seconds());
   if (step_starts_.size() > kMeasuredSteps + 1)
     step_starts_.erase(step_starts_.begin(), step_starts_.end() - static_cast<std::ptrdiff_t>(kMeasuredSteps + 1));
   if (const std::uint64_t grown = grown_batch(planned_elements_, elements); grown && !settings_.forced)

@@ -92,7 +92,7 @@ class AutoPlanner(_C.PlanFrontEnd):
             self._beside_bytes = self._bytes_beside_model()
         for r in self.runners:  # Note [Hooks stand aside]: back after a forward without grad
             r.step_in()
-        self.driver.before_forward([(k, int(n)) for k, n in (inputs or {}).items()], time.perf_counter(), self)
+        self.driver.before_forward([(k, int(n)) for k, n in (inputs or {}).items()], self)
         self._sync()
 
     def settle(self, why: str) -> None:
@@ -243,6 +243,9 @@ class AutoPlanner(_C.PlanFrontEnd):
         if self._forward_backward_peak is not None:
             m.peak_bytes, m.reserved_peak_bytes = self._forward_backward_peak, self._forward_backward_reserved
         return m
+
+    def now_seconds(self) -> float:
+        return time.perf_counter()
 
     def first_step_saved_bytes(self) -> int:
         return int(self.session.runtime.stats()["activations"]["offloaded_bytes"])

@@ -144,6 +144,8 @@ class PlanFrontEnd {
   virtual std::uint64_t first_step_saved_bytes() = 0;
   /// `profile` made or calibrated: write it to TIERFLOW_PROFILE when set.
   virtual void write_profile(const AutoProfile& profile) = 0;
+  /// The time now, in seconds on one clock: a forward's start, a plan's end.
+  virtual double now_seconds() = 0;
 };
 
 /// The settings a driver runs under, from the configuration.
@@ -166,9 +168,9 @@ class PlanDriver {
   /// `loaded`: the profile read from TIERFLOW_PROFILE (never with `forced`). Says (warn) when there are no blocks.
   explicit PlanDriver(PlanDriverSettings settings, std::optional<AutoProfile> loaded = std::nullopt);
 
-  /// Before every forward of the model with grad: its input tensors' elements and the time now (seconds, one
-  /// clock). Records, times, plans, grows, settles or re-plans as the phases say; returns the phase's action.
-  PhaseAction before_forward(const InputElements& inputs, double now_seconds, PlanFrontEnd& front);
+  /// Before every forward of the model with grad, with its input tensors' elements. Records, times, plans, grows,
+  /// settles or re-plans as the phases say; returns the phase's action.
+  PhaseAction before_forward(const InputElements& inputs, PlanFrontEnd& front);
   /// The forward just counted was refused before it ran (it raised): not one of the profiling forwards.
   void forward_refused() noexcept;
   /// The plan in force stays from here: device memory was taken after its measurements (`why`, logged once).
