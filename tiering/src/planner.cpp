@@ -344,24 +344,6 @@ std::string_view to_string(SwapTier t) noexcept {
   return "?";
 }
 
-TierTable swap_tiers(const Links& links, const Budgets& budgets) {
-  TierTable t;
-  t.rows.push_back({"host", -1, links.d2h, links.h2d, budgets.host_bytes, true});
-  t.rows.push_back({"nvme", 0, links.nvme_write, links.nvme_read, budgets.nvme_bytes,
-                    detail::nvme_available(links, budgets)});
-  for (TierRow row : budgets.further_swap_tiers) {
-    if (row.via < -1 || row.via >= static_cast<int>(t.size()))
-      throw config_error("swap tier '" + row.name + "' is reached through row " + std::to_string(row.via) +
-                         "; accepted: -1 (the device) or an earlier row (0: host, 1: nvme, ...)");
-    row.present = row.present && row.budget_bytes > 0 && row.link_write > 0 && row.link_read > 0;
-    t.rows.push_back(std::move(row));
-  }
-  if (t.size() > kMaxSwapTiers)
-    throw config_error(std::to_string(t.size()) + " swap tiers; accepted: at most " + std::to_string(kMaxSwapTiers) +
-                       " (host, NVMe and " + std::to_string(kMaxSwapTiers - 2) + " further)");
-  return t;
-}
-
 std::string_view to_string(ParamPolicy p) noexcept {
   switch (p) {
     case ParamPolicy::kResident: return "resident";
@@ -394,6 +376,10 @@ Plan evaluate_plan(const std::vector<BlockProfile>& blocks, const Links& links, 
     TIERFLOW_EXPECTS(budgets.params != ParamPolicy::kResident || b.params == Tier::kGpu,
                      "evaluate_plan: block " + std::to_string(i) +
                          " fetches its parameters while Budgets::params is resident");
+    TIERFLOW_EXPECTS(b.mode == BlockMode::kKeep || static_cast<std::size_t>(b.tier) < tiers.size(),
+                     "evaluate_plan: block " + std::to_string(i) + " swaps to row " +
+                         std::to_string(static_cast<int>(b.tier)) + " of " + std::to_string(tiers.size()) +
+                         " swap tiers (Note [Tier descriptors])");
     fill_block(timed_profile(p, budgets, b), links, tiers, b);
     plan.keep_all_step_seconds += block_times(p, links, tiers, BlockMode::kKeep, 0, SwapTier::kHost).total();
     totals.add(p, b);

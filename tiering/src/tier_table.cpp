@@ -2,8 +2,12 @@
 #include "tierflow/tiering/tier_table.hpp"
 
 #include <algorithm>
+#include <string>
+#include <utility>
 
 #include "tierflow/core/error.hpp"
+#include "tierflow/tiering/detail/plan_search.hpp"
+#include "tierflow/tiering/planner.hpp"
 
 namespace tierflow::tiering {
 
@@ -29,6 +33,24 @@ bool TierTable::shares_own_link(std::size_t swap, std::size_t other) const {
     if (static_cast<std::size_t>(i) == other) return true;
   }
   return false;
+}
+
+TierTable swap_tiers(const Links& links, const Budgets& budgets) {
+  TierTable t;
+  t.rows.push_back({"host", -1, links.d2h, links.h2d, budgets.host_bytes, true});
+  t.rows.push_back({"nvme", 0, links.nvme_write, links.nvme_read, budgets.nvme_bytes,
+                    detail::nvme_available(links, budgets)});
+  for (TierRow row : budgets.further_swap_tiers) {
+    if (row.via < -1 || row.via >= static_cast<int>(t.size()))
+      throw config_error("swap tier '" + row.name + "' is reached through row " + std::to_string(row.via) +
+                         "; accepted: -1 (the device) or an earlier row (0: host, 1: nvme, ...)");
+    row.present = row.present && row.budget_bytes > 0 && row.link_write > 0 && row.link_read > 0;
+    t.rows.push_back(std::move(row));
+  }
+  if (t.size() > kMaxSwapTiers)
+    throw config_error(std::to_string(t.size()) + " swap tiers; accepted: at most " + std::to_string(kMaxSwapTiers) +
+                       " (host, NVMe and " + std::to_string(kMaxSwapTiers - 2) + " further)");
+  return t;
 }
 
 }  // namespace tierflow::tiering
