@@ -29,7 +29,8 @@ def _as_text(name, value, text):
 def test_every_setting_is_a_typed_property_that_agrees_with_the_table():
     settings = resolve_settings(offload_optimizer="nvme", prefetch_bytes="4MiB", max_grad_norm=1.5,
                                 overlap_step="off", grad_bucket_bytes="8MiB", weights_return="forward",
-                                cpu_threads=3, gpu_optimizer_fraction="0.25", nvme_paths=["/a", "/b"])
+                                cpu_threads=3, gpu_optimizer_fraction="0.25", nvme_paths=["/a", "/b"],
+                                partition_optimizer="on", replan="off", skip_nonfinite="on", aio_queue_depth=8)
     text = settings.to_strings()
     for row in tierflow.config_table():
         name = row["name"]
@@ -37,7 +38,7 @@ def test_every_setting_is_a_typed_property_that_agrees_with_the_table():
         value = getattr(settings, RENAMED.get(keyword, keyword))
         assert _as_text(name, value, text[name]) == text[name], (name, value, text[name])
     assert isinstance(settings.prefetch_bytes, int) and settings.prefetch_bytes == 4 << 20
-    assert settings.overlap_step is False and settings.replan is True
+    assert settings.overlap_step is False and settings.partition_optimizer is True and settings.replan is False
     assert settings.max_grad_norm == 1.5 and settings.gpu_optimizer_fraction == 0.25
     assert settings.grad_bucket_bytes == 8 << 20 and settings.weights_return_in_forward is True
     assert settings.offload_optimizer == "nvme" and settings.nvme_paths == ["/a", "/b"]
