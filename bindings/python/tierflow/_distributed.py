@@ -284,8 +284,8 @@ def refuse_sharded(model: torch.nn.Module, optimizer: Optional[torch.optim.Optim
     model are refused, with a TierflowError that says what to do instead."""
     modules, params = _sharded(model)
     if modules:
-        replacing = optimizer is not None and config["TIERFLOW_OFFLOAD_OPTIMIZER"] != "none"
-        why = _C.fsdp_settings_refusal(dict(config), replacing, fsdp_cpu_offloaded(model))  # ends with what it accepts
+        replacing = optimizer is not None and config.offload_optimizer != "none"
+        why = _C.fsdp_settings_refusal(config, replacing, fsdp_cpu_offloaded(model))  # ends with what it accepts
         if why is not None:
             raise _C.TierflowError(
                 "tierflow.wrap: the model is sharded by torch.distributed.fsdp.fully_shard (FSDP2): "
@@ -315,7 +315,7 @@ def refuse_sharded_later(model: torch.nn.Module, config: Any, cpu_optimizer: boo
     if not modules and not params:
         return []
     if modules:
-        why = _C.fsdp_settings_refusal(dict(config), False)  # ends with what FSDP2 accepts; cpu_optimizer below
+        why = _C.fsdp_settings_refusal(config, False)  # ends with what FSDP2 accepts; cpu_optimizer below
         if why is None and cpu_optimizer:
             why = ("tierflow's CPU optimizer, made at wrap, holds the parameters as they were before sharding; "
                    "call fully_shard before tierflow.wrap")

@@ -143,7 +143,7 @@ class Session:
     def _before_forward(self, module: torch.nn.Module, args: Any, kwargs: Any = None) -> None:
         opt = self.optimizer() if self.optimizer is not None else None
         if self.distributed is not None and self.distributed.pending:  # FSDP2 after wrap found, DDP noted:
-            check_forward(self.distributed, opt, module, self.config)  # Note [Distributed training]
+            check_forward(self.distributed, opt, module, self.settings)  # Note [Distributed training]
             if self.distributed.fsdp_found:  # fully_shard after wrap: its modules' parameters from now on
                 self.watch_fsdp(self.distributed.fsdp_found)  # (the root's: registered below, as always)
                 self.distributed.fsdp_found = []
@@ -256,7 +256,7 @@ def wrap(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
         for line in warnings:
             _C.log("warn", f"tierflow.wrap: {line}")
         # FSDP2 with settings it cannot train, tensor parallelism: refused before anything is attached.
-        refuse_sharded(model, chain[-1] if chain else None, session.config)
+        refuse_sharded(model, chain[-1] if chain else None, session.settings)
         replacing = optimizer is not None and session.settings.offload_optimizer in ("host", "nvme")
         if replacing:
             from .optim import CPUAdamW
@@ -279,7 +279,7 @@ def wrap(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
         session.distributed = check_wrap(session.optimizer() if session.optimizer is not None else None, model)
         session.attach(model, blocks)
         if session.planner is not None and session.optimizer is not None:  # Note [Steady step]: the GPU share
-            session.optimizer()._gpu.planner = weakref.ref(session.planner)  # waits for the plan in force
+            session.optimizer().follow_activation_plan(session.planner)  # waits for the plan in force
         if session.params is not None:  # Note [Parameter hooks]: which optimizer steps the host copies
             session.params.adopt_optimizer(session.optimizer() if session.optimizer is not None else None)
         if session.settings.offload_activations != "none":  # Note [HF caches]

@@ -46,7 +46,7 @@ def check_replaceable(optimizer: torch.optim.Optimizer) -> None:
 def state_format_of(keyword: Optional[str], cfg: Any) -> str:
     """The moments' format: CPUAdamW's keyword ``optimizer_states`` if given, else TIERFLOW_OPTIMIZER_STATES."""
     if keyword is None:
-        return cfg["TIERFLOW_OPTIMIZER_STATES"]
+        return cfg.optimizer_states
     name = str(keyword).strip().lower()
     if name not in STATE_FORMATS:
         raise _C.ConfigError(f"tierflow CPUAdamW: optimizer_states={keyword!r} (TIERFLOW_OPTIMIZER_STATES); "
@@ -73,7 +73,7 @@ def check_sharding(param_groups: list, names: dict, runtime: "_C.Runtime", cfg: 
     # Shards in host memory while tierflow's device is CUDA (FSDP2's CPUOffloadPolicy; wrap reads the policy
     # itself from the model, which a CPUAdamW made directly does not have): refused as that policy is.
     host_shards = runtime.device == "cuda" and any(local_shard(p).device.type == "cpu" for p in sharded)
-    why = _C.fsdp_settings_refusal(dict(cfg), True, host_shards)  # ends with what FSDP2 accepts
+    why = _C.fsdp_settings_refusal(cfg, True, host_shards)  # ends with what FSDP2 accepts
     if why is not None:
         raise _C.ConfigError(f"tierflow's CPU optimizer over FSDP2's shards: {why}")
     return True

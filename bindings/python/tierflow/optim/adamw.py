@@ -87,6 +87,11 @@ from .streaming import GradientStreaming
 
 
 
+def _fraction_text(fraction: Optional[float]) -> str:
+    """TIERFLOW_GPU_OPTIMIZER_FRACTION as optimizer::GpuShareChoice reads it: None (auto) as "auto"."""
+    return "auto" if fraction is None else repr(float(fraction))
+
+
 class CPUAdamW(StepPaths, torch.optim.Optimizer):
     """Adam / AdamW with fp32 master weights and moments in the pinned host pool.
 
@@ -168,7 +173,7 @@ class CPUAdamW(StepPaths, torch.optim.Optimizer):
         self._reread: set = set()   # ids of parameters whose masters this step re-reads (written by the user)
         self._stream_stepped: list = []  # the stream's slots this step steps in the Python path
         self._python_stepped: list = []  # the parameters this step writes in the Python path
-        cfg = runtime.config()
+        cfg = runtime.settings()  # typed (Note [Typed settings])
         # Note [Optimizer state formats]: how exp_avg and exp_avg_sq are kept (their dtype says it too).
         self._state_format = state_format_of(getattr(self, "_states_keyword", None), cfg)
         for i, group in enumerate(self.param_groups):
@@ -180,7 +185,7 @@ class CPUAdamW(StepPaths, torch.optim.Optimizer):
         self._states = StateTier(runtime, cfg, self._names, state_format=self._state_format)
         # With states on NVMe, step() streams them through pinned memory
         # (Note [Optimizer states on NVMe]); steps during backward are host-tier only.
-        self._overlap = cfg["TIERFLOW_OVERLAP_STEP"] == "on" and not self._states.nvme
+        self._overlap = cfg.overlap_step and not self._states.nvme
         # FSDP2's DTensor parameters: each rank steps its own shard, in step() (Note [Distributed training]).
         self._sharded = check_sharding(self.param_groups, self._names, self._runtime, cfg)
         # Why steps during backward are off for the rest of the run (DDP: Note [Distributed training]), or None.
@@ -191,23 +196,22 @@ class CPUAdamW(StepPaths, torch.optim.Optimizer):
                                           "the model's FSDP2 units: every shard steps in step()")
         # Note [Partitioned optimizer]: under DDP with several ranks, this rank's share of the parameters only.
         self._partition: Optional[Partition] = None
-        self._partition_wanted = cfg["TIERFLOW_PARTITION_OPTIMIZER"] == "on"
+        self._partition_wanted = cfg.partition_optimizer
         self._loaded_layout: Optional[tuple] = None  # a state dict's share, loaded before the partition was made
-        self._accumulation = int(cfg["TIERFLOW_GRAD_ACCUMULATION_STEPS"])
-        norm = cfg["TIERFLOW_MAX_GRAD_NORM"]
-        self._max_grad_norm = None if norm == "none" else float(norm)
-        self._skip_nonfinite = cfg["TIERFLOW_SKIP_NONFINITE"] == "on"
+        self._accumulation = int(cfg.grad_accumulation_steps)
+        self._max_grad_norm = cfg.max_grad_norm  # None: no clipping
+        self._skip_nonfinite = cfg.skip_nonfinite
         # Note [Gradient streaming]: device gradients freed once on the host; p.grad is None until step().
-        self._offload_grads = cfg["TIERFLOW_OFFLOAD_GRADIENTS"] == "on"
+        self._offload_grads = cfg.offload_gradients
         # GradScaler then hands step() its scale and found_inf instead of stepping blind: step() refuses.
         self._step_supports_amp_scaling = self._offload_grads
-        refusal = _C.offload_gradients_refusal(self._offload_grads, self._overlap, cfg["TIERFLOW_OVERLAP_STEP"],
-                                               cfg["TIERFLOW_OFFLOAD_OPTIMIZER"])
+        refusal = _C.offload_gradients_refusal(self._offload_grads, self._overlap,
+                                               "on" if cfg.overlap_step else "off", cfg.offload_optimizer)
         if refusal is not None:
             raise _C.ConfigError(refusal)
         self._hooks = []
         # Deep Optimizer States; none of FSDP2's shards (an explicit fraction is refused with them).
-        self._gpu = GpuShare("0" if self._sharded else cfg["TIERFLOW_GPU_OPTIMIZER_FRACTION"],
+        self._gpu = GpuShare("0" if self._sharded else _fraction_text(cfg.gpu_optimizer_fraction),
                              state_format=self._state_format)
         self._overlap_counts = {"early_steps": 0, "committed": 0, "redone": 0, "taken_back": 0, "held": 0,
                                 "skipped_steps": 0}
@@ -248,8 +252,8 @@ class CPUAdamW(StepPaths, torch.optim.Optimizer):
     def _stream_fsdp_shards(self, model: torch.nn.Module) -> None:
         """FSDP2 under wrap (Note [Distributed training]): each rank's shards step during backward, fed each unit's
         reduce-scattered gradients as FSDP2 assigns them (tierflow._fsdp_feed); step() only confirms."""
-        cfg = self._runtime.config()
-        if not self._sharded or cfg["TIERFLOW_OVERLAP_STEP"] != "on" or self._states.nvme:
+        cfg = self._runtime.settings()
+        if not self._sharded or not cfg.overlap_step or self._states.nvme:
             return
         self._overlap, self._steps_after_backward = True, None
         self._start_streaming(self._runtime, cfg)
@@ -309,7 +313,7 @@ class CPUAdamW(StepPaths, torch.optim.Optimizer):
         if hasattr(self, "_sharded"):  # after _setup: the same rules for the new group's parameters
             try:
                 sharded = check_sharding(self.param_groups, self._names, self._runtime,
-                                         self._runtime.config())
+                                         self._runtime.settings())
             except BaseException:
                 self.param_groups.pop()
                 raise
@@ -337,9 +341,8 @@ class CPUAdamW(StepPaths, torch.optim.Optimizer):
         self._planner = weakref.ref(planner)
 
     def activation_planner(self) -> Any:
-        """The activation planner follow_activation_plan gave (or, set by a wrap from before it, the GPU
-        share's reference), or None."""
-        ref = getattr(self, "_planner", None) or self._gpu.planner
+        """The activation planner follow_activation_plan gave, or None."""
+        ref = getattr(self, "_planner", None)
         return ref() if ref is not None else None
 
     def params_became_resident(self, params: list) -> None:
