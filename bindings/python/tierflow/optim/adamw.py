@@ -160,7 +160,7 @@ class CPUAdamW(StepPaths, torch.optim.Optimizer):
             model.register_load_state_dict_post_hook(lambda module, keys: new.mark_master_stale())
             if new._sharded:  # step() waits for the shards' weights: FSDP2 gathers them in its own pre-forward
                 new._stream_fsdp_shards(model)
-            elif new._streaming is not None and runtime.config()["TIERFLOW_WEIGHTS_RETURN"] == "forward":
+            elif new._streaming is not None and runtime.settings().weights_return_in_forward:
                 new._hooks += new._streaming.attach_weight_waits(model)
             elif new._streaming is not None:
                 new._hooks += new._streaming.attach_step_wait(model)
