@@ -209,6 +209,9 @@ void bind_plan_driver(py::module_& m) {
                                            "What the driver asks of its front end: override every method.")
       .def(py::init<>());
   py::class_<PlanDriverSettings>(m, "PlanDriverSettings", "The settings a driver runs under.")
+      .def(py::init([](const Config& settings, std::size_t blocks) {  // typed (Note [Typed settings])
+        return PlanDriverSettings::of(settings, blocks);
+      }), py::arg("settings"), py::arg("blocks"))
       .def(py::init([](const std::map<std::string, std::string>& config, std::size_t blocks) {
         return PlanDriverSettings::of(Config::parse({}, config), blocks);
       }), py::arg("config"), py::arg("blocks"))

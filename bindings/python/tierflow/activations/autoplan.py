@@ -44,13 +44,13 @@ class AutoPlanner(_C.PlanFrontEnd):
     def __init__(self, session: Any, model: torch.nn.Module, blocks: Optional[list] = None) -> None:
         super().__init__()
         self.session = session
-        cfg = session.config
+        cfg = session.settings  # typed (Note [Typed settings])
         modules = list(blocks) if blocks is not None else find_blocks(model)
         self.runners = [BlockRunner(session, m, i, self) for i, m in enumerate(modules)]
         self.model_params = [p for p in model.parameters()]
         self._model = weakref.ref(model)  # FSDP2 may shard it after wrap: its parameters are read when planning
-        self.profile_path = cfg["TIERFLOW_PROFILE"]
-        settings = _C.PlanDriverSettings(dict(cfg), len(self.runners))
+        self.profile_path = cfg.profile
+        settings = _C.PlanDriverSettings(cfg, len(self.runners))
         self.forced = settings.forced
         self._loaded: Optional[dict] = None  # the profile file as read: its other keys are written back
         if not self.forced and self.profile_path and os.path.exists(self.profile_path):
