@@ -5,11 +5,14 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <atomic>
 #include <chrono>
 #include <optional>
 #include <unordered_map>
 
 #include "tierflow/allocator/device.hpp"
+#include "block_offload_auto.hpp"
+#include "tierflow/bindings/device_memory_meter.hpp"
 #include "tierflow/bindings/runtime.hpp"
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/clock.hpp"
@@ -50,6 +53,10 @@ struct BlockOffload::Shared {
   std::unique_ptr<tiering::ParamSchedule> params;  // null: parameters stay where the trainer put them
   std::unordered_map<tiering::ParamId, Param> param_copies;
   std::shared_ptr<Runtime> runtime;
+  // TIERFLOW_OFFLOAD_ACTIVATIONS=auto: the plan driver's front end (Note [C++ auto activations]); null otherwise.
+  std::shared_ptr<BlockAutoPlan> autoplan;
+  std::atomic<bool> by_hand{false};  // the trainer set actions itself: the plan driver stands aside
+  BlockAutoPlan* automatic() const { return by_hand.load() ? nullptr : autoplan.get(); }
 
   // Carries out what the schedule decided for one block's use; under `mutex`.
   void carry_out(const tiering::ParamActions& a, const at::Device& device) {
@@ -301,7 +308,19 @@ struct BlockFunction : torch::autograd::Function<BlockFunction> {
     state->autocast = capture_autocast();
     state->input_requires_grad = input.requires_grad();
     for (const auto& p : params) state->param_requires_grad.push_back(p.requires_grad());
+    // Note [C++ auto activations]: until a plan is in force, each block's forward is timed.
+    BlockAutoPlan* const autoplan = state->shared->automatic();
+    const bool measure = autoplan && autoplan->measuring();
+    if (measure) settle_device(input.device());
+    const std::uint64_t t0 = now_ns();
     at::Tensor output = forward_noting_writes(*state, input, params);
+    if (measure) {
+      settle_device(input.device());
+      std::uint64_t parameter_bytes = 0;
+      for (const auto& p : params) parameter_bytes += p.nbytes();
+      autoplan->forward_measured(state->block, input.nbytes(), parameter_bytes,
+                                 static_cast<double>(now_ns() - t0) / 1e9);
+    }
     std::vector<at::Tensor> saved(params.begin(), params.end());
     if (state->offloader) {
       state->input = state->offloader->pack(input);
@@ -340,12 +359,25 @@ struct BlockFunction : torch::autograd::Function<BlockFunction> {
       std::lock_guard<std::mutex> lock(state->shared->mutex);
       ++state->shared->restoring_reruns;
     }
+    // Note [C++ auto activations]: until a plan is in force, the rerun (a kept forward) measures what the block
+    // saves for backward (what it leaves allocated but its output), and the backward is timed.
+    BlockAutoPlan* const autoplan = state->shared->automatic();
+    const bool measure = autoplan && autoplan->measuring();
+    std::uint64_t saved_bytes = 0;
     {
       RngFork rng(state->rng);
       AutocastFork autocast(state->autocast);
       at::AutoGradMode grad_mode(true);
+      std::optional<DeviceMemoryMeter> meter;
+      if (measure) meter.emplace(x.device());
       y = state->fn(x);
+      if (meter) {
+        const std::uint64_t live = meter->live_bytes(), output = y.nbytes();
+        saved_bytes = live > output ? live - output : 0;
+      }
     }
+    if (measure) settle_device(x.device());
+    const std::uint64_t backward_t0 = now_ns();
     std::vector<at::Tensor> wrt;
     if (state->input_requires_grad) wrt.push_back(x);
     for (std::size_t i = 0; i < n_params; ++i)
@@ -354,6 +386,10 @@ struct BlockFunction : torch::autograd::Function<BlockFunction> {
     if (y.requires_grad() && !wrt.empty())
       grads = torch::autograd::grad({y}, wrt, {grad_outputs.at(0)}, /*retain_graph=*/false,
                                     /*create_graph=*/false, /*allow_unused=*/true);
+    if (measure) {
+      settle_device(x.device());
+      autoplan->rerun_measured(state->block, saved_bytes, static_cast<double>(now_ns() - backward_t0) / 1e9);
+    }
     restored.reset();  // the forward's (or a later call's) values back
     state->shared->param_use(state->block, BlockOffload::Shared::Use::kEndBackward, input.device());
     {
@@ -389,26 +425,44 @@ BlockOffload::BlockOffload(std::shared_ptr<Runtime> runtime)
                                                           runtime_->nvme_engine());
   }
   shared_->actions = tiering::BlockActionTable(block_action_from_config(c), shared_->nvme != nullptr);
+  if (c.offload_activations == OffloadTarget::kAuto) {
+    // Note [C++ auto activations]: the emulated device's saved bytes need the counting allocator, put in front
+    // of the one in force (the adversarial device's poisoning one, which the runtime installed first).
+    if (runtime_->device_kind() == allocator::DeviceKind::kEmulated && !install_counting_cpu_allocator())
+      log(LogLevel::kWarn, "BlockOffload: TIERFLOW_OFFLOAD_ACTIVATIONS=auto: torch's CPU allocator could not be "
+                           "counted; the blocks' saved bytes on the emulated device read as their inputs only");
+    std::weak_ptr<Shared> weak = shared_;
+    shared_->autoplan = std::make_shared<BlockAutoPlan>(runtime_, [weak](const tiering::Plan& plan) {
+      if (const auto shared = weak.lock()) {
+        std::lock_guard<std::mutex> lock(shared->mutex);
+        shared->actions.apply_plan(plan);
+      }
+    });
+  }
 }
 
 BlockOffload::~BlockOffload() = default;
 
 void BlockOffload::apply_plan(const tiering::Plan& plan) {
+  shared_->by_hand = true;  // Note [C++ auto activations]: the trainer's actions, not the driver's
   std::lock_guard<std::mutex> lock(shared_->mutex);
   shared_->actions.apply_plan(plan);
 }
 
 void BlockOffload::set_action(std::size_t block, BlockAction action) {
+  shared_->by_hand = true;  // Note [C++ auto activations]: the trainer's actions, not the driver's
   std::lock_guard<std::mutex> lock(shared_->mutex);
   shared_->actions.set(block, action);
 }
 
 void BlockOffload::set_actions(const std::vector<BlockAction>& actions) {
+  shared_->by_hand = true;  // Note [C++ auto activations]: the trainer's actions, not the driver's
   std::lock_guard<std::mutex> lock(shared_->mutex);
   shared_->actions.set_all(actions);
 }
 
 void BlockOffload::set_default_action(BlockAction action) {
+  shared_->by_hand = true;  // Note [C++ auto activations]: the trainer's actions, not the driver's
   std::lock_guard<std::mutex> lock(shared_->mutex);
   shared_->actions.set_default(action);
 }
@@ -427,6 +481,8 @@ at::Tensor BlockOffload::forward(std::size_t block, const BlockForward& fn, cons
                                  const std::vector<at::Tensor>& parameters, const std::vector<at::Tensor>& block_state) {
   bool needs_graph = at::GradMode::is_enabled() && input.requires_grad();
   for (const auto& p : parameters) needs_graph = needs_graph || (at::GradMode::is_enabled() && p.requires_grad());
+  // Note [C++ auto activations]: a forward pass's first call lets the plan driver act (it may plan) first.
+  if (BlockAutoPlan* autoplan = shared_->automatic(); autoplan && needs_graph) autoplan->before_call(block, input);
   tiering::BlockCall call;
   {
     std::lock_guard<std::mutex> lock(shared_->mutex);
@@ -436,6 +492,9 @@ at::Tensor BlockOffload::forward(std::size_t block, const BlockForward& fn, cons
                          shared_->params->home(param_id(parameters[0])) != Tier::kGpu;
     if (refused != shared_->writes.end() && !refused->second.refused.empty() && !fetched)
       planned = BlockAction::kKeep;  // Note [C++ block offload], What a rerun restores
+    // An automatic plan keeps a block whose parameters are fetched: autograd would hold them, so its input stays
+    // and the rest is recomputed (Note [C++ auto activations]).
+    if (planned == BlockAction::kKeep && fetched && shared_->automatic()) planned = BlockAction::kRecompute;
     if (planned == BlockAction::kKeep && shared_->params && block + 1 < shared_->params->units() &&
         !parameters.empty() && shared_->params->home(param_id(parameters[0])) != Tier::kGpu)
       throw config_error("BlockOffload: block " + std::to_string(block) + " is kKeep, but its parameters are "
@@ -549,6 +608,29 @@ ActivationOffloaderStats BlockOffload::host_stats() const { return shared_->host
 
 ActivationOffloaderStats BlockOffload::nvme_stats() const {
   return shared_->nvme ? shared_->nvme->stats() : ActivationOffloaderStats{};
+}
+
+void BlockOffload::set_model_parameters(const std::vector<at::Tensor>& parameters) {
+  std::uint64_t bytes = 0;
+  for (const auto& p : parameters) bytes += p.nbytes();
+  if (BlockAutoPlan* autoplan = shared_->automatic()) autoplan->set_model_parameter_bytes(bytes);
+}
+
+bool BlockOffload::plans_automatically() const { return shared_->automatic() != nullptr; }
+
+std::string BlockOffload::activation_plan() const {
+  const BlockAutoPlan* autoplan = shared_->automatic();
+  return autoplan ? autoplan->summary() : std::string();
+}
+
+std::vector<std::string> BlockOffload::activation_plan_lines() const {
+  const BlockAutoPlan* autoplan = shared_->automatic();
+  return autoplan ? autoplan->lines() : std::vector<std::string>{};
+}
+
+int BlockOffload::forwards_counted() const {
+  const BlockAutoPlan* autoplan = shared_->automatic();
+  return autoplan ? autoplan->driver().phases().forwards() : 0;
 }
 
 }  // namespace tierflow::bindings

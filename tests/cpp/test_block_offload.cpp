@@ -540,3 +540,57 @@ TEST(BlockOffload, AWriteItsFirstCallDidNotMakeIsRefusedAndTheBlockKept) {
   EXPECT_NE(offload.not_replayed(0).find("state tensor 0"), std::string::npos) << offload.not_replayed(0);
   EXPECT_EQ(offload.stats().kept, 1u);  // the third call
 }
+
+// Note [C++ auto activations]: TIERFLOW_OFFLOAD_ACTIVATIONS=auto profiles in forwards 1 and 2 (every block swapped
+// to the host), plans before forward 3, and trains bit for bit as the plain blocks throughout.
+struct AutoCase {
+  const char* device_mode;
+  const char* gpu_memory;
+  bool moves;  // the plan moves a block off the device
+};
+
+class AutoActivations : public testing::TestWithParam<AutoCase> {};
+
+TEST_P(AutoActivations, PlansByTheThirdForwardAndTrainsAsThePlainBlocks) {
+  const AutoCase c = GetParam();
+  Model m;
+  const Outcome plain = run(m, nullptr, 4);
+  tb::BlockOffload offload(make_runtime({{"emulated_device", c.device_mode},
+                                         {"offload_activations", "auto"},
+                                         {"gpu_memory", c.gpu_memory},
+                                         {"prefetch_bytes", "256KiB"}}));
+  ASSERT_TRUE(offload.plans_automatically());
+  m.zero_grad();
+  torch::manual_seed(11);
+  // Two profiling forwards: every block swapped, no plan yet.
+  for (int s = 0; s < 2; ++s) m.loss(&offload).backward();
+  EXPECT_EQ(offload.activation_plan(), "") << "planned before the third forward";
+  EXPECT_EQ(offload.stats().swapped_host, 6u);
+  EXPECT_EQ(offload.stats().kept, 0u);
+  for (std::size_t i = 0; i < 3; ++i) EXPECT_EQ(offload.action(i), tb::BlockAction::kSwapHost);
+
+  Model again;
+  const Outcome with = run(again, &offload, 4);
+  expect_identical(plain, with);
+  EXPECT_EQ(offload.forwards_counted(), 6);
+  const std::string plan = offload.activation_plan();
+  EXPECT_NE(plan, "") << "no plan by the third forward";
+  std::size_t moved = 0;
+  for (std::size_t i = 0; i < 3; ++i) moved += offload.action(i) != tb::BlockAction::kKeep;
+  std::string lines;
+  for (const auto& l : offload.activation_plan_lines()) lines += "\n  " + l;
+  if (c.moves) {
+    EXPECT_GT(moved, 0u) << plan << lines;
+    EXPECT_LT(moved, 3u) << "a budget that holds one block's saved bytes keeps one: " << plan << lines;
+  } else {
+    EXPECT_EQ(moved, 0u) << plan << lines;
+    EXPECT_EQ(offload.stats().kept, 3u * 4u) << "the plan's forwards keep every block";
+  }
+}
+
+// The blocks' inputs are 128 KiB and each saves about 0.75 MiB more; 3 MiB holds the parameters, their gradients,
+// one block's saved bytes and the working set, not three: counted without what the blocks save (their inputs
+// alone), all three would fit.
+INSTANTIATE_TEST_SUITE_P(BlockOffload, AutoActivations,
+                         testing::Values(AutoCase{"polite", "8GiB", false}, AutoCase{"adversarial", "8GiB", false},
+                                         AutoCase{"polite", "3MiB", true}, AutoCase{"adversarial", "3MiB", true}));

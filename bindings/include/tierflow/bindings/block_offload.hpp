@@ -102,6 +102,46 @@
 // tiering::BlockActionTable (Note [C++ block actions]: the default from
 // TIERFLOW_OFFLOAD_ACTIVATIONS, per-block overrides, a plan's mode and tier).
 //
+// Note [C++ auto activations]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// TIERFLOW_OFFLOAD_ACTIVATIONS=auto makes BlockOffload a front end of
+// tiering::PlanDriver (Note [Plan driver]), as Python's AutoPlanner is: the
+// driver decides the phases, the plan, the re-plan and batch growth; the
+// front end (bindings/src/block_offload_auto.cpp) measures and applies.
+//   phases    the first call of each forward pass (block 0 again) is the
+//             driver's before_forward, its size the elements of block 0's
+//             input; forwards 1 and 2 run every block swapped to the host
+//             (the table's default for auto), forward 2 is timed, and the
+//             plan is in force from forward 3 (Note [Auto plan phases]).
+//   measures  until a plan is in force: per block its input bytes, its
+//             parameters' bytes, its forward's time (autograd off), and in
+//             backward its rerun, which is a kept forward: the bytes it
+//             leaves allocated besides its output are what the block saves
+//             (tierflow::bindings::DeviceMemoryMeter, Note [Device memory
+//             meter]: CUDA's caching allocator, or on the emulated device a
+//             counting allocator in front of torch's CPU one), and the
+//             backward's time. The saved bytes are one class (the record's
+//             attention bytes: swapped whole), with no split op: C++ has no
+//             split action, so the planner never splits (inexact_splits
+//             calls every split inexact besides). The link probe times a
+//             4 MiB pinned copy each way and both at once through
+//             Runtime::copy_to_host / copy_to_device.
+//   budgets   the runtime's device, host and NVMe room; the parameters are
+//             set_model_parameters' (else the blocks' own), all counted on
+//             the device (conservative with offload_parameters).
+//   applies   the plan's blocks through BlockActionTable::apply_plan (keep
+//             -> kKeep, the others -> kSwapHost / kSwapNvme by tier: a swap
+//             block reruns where the plan priced a swap of everything it
+//             saves, so the prediction is a lower bound, Note [C++ block
+//             actions]). A kept block whose parameters are fetched
+//             (offload_parameters) runs kRecompute: its input stays on the
+//             device and autograd holds none of its weights.
+// Setting an action by hand (set_action, set_actions, set_default_action,
+// apply_plan) is the trainer's plan: the driver stands aside from then on.
+// What Python's front end measures and this one does not: the tensors saved
+// outside the blocks (C++ cannot see them: 0), the host's gaps between
+// blocks, and CUDA's peaks; TIERFLOW_PROFILE is written, never read back.
+//
 // LibTorch API relied on (checked against 2.13.0; the range is 2.4, where
 // at::autocast took a DeviceType, to 2.13):
 // torch::autograd::Function with non-tensor and TensorList arguments
@@ -195,6 +235,17 @@ class BlockOffload {
   at::Tensor host_copy(const at::Tensor& p) const;
   /// The parameters' counters: fetches, bytes, prefetch hits, stalls, device bytes and their peak.
   tiering::ParamScheduleStats parameter_stats() const;
+
+  /// TIERFLOW_OFFLOAD_ACTIVATIONS=auto: the whole model's parameters (embeddings and head besides the blocks'),
+  /// which the plan's device budget counts (Note [C++ auto activations]); nothing otherwise.
+  void set_model_parameters(const std::vector<at::Tensor>& parameters);
+  /// Whether TIERFLOW_OFFLOAD_ACTIVATIONS=auto plans the blocks' actions (Note [C++ auto activations]).
+  bool plans_automatically() const;
+  /// The automatic plan in force, one line ("" before it is made, and without auto), and its per-block lines.
+  std::string activation_plan() const;
+  std::vector<std::string> activation_plan_lines() const;
+  /// The forward passes the plan driver counted (0 without auto).
+  int forwards_counted() const;
 
   /// Waits for every copy in flight (call before timing or tearing down).
   void synchronize();
