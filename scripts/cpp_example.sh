@@ -5,7 +5,8 @@
 # with each activation plan: blocks swapped to the host, swapped to NVMe (with
 # the optimizer states on NVMe too), recomputed; the CPU AdamW stepping during
 # backward (TIERFLOW_OVERLAP_STEP=on) and after it; the blocks' parameters on
-# the host between uses; and with torch's own AdamW, where the losses must be
+# the host between uses; TIERFLOW_OFFLOAD_ACTIVATIONS=auto (the plan driver's
+# plan from the third step); and with torch's own AdamW, where the losses must be
 # bit-identical to plain LibTorch. Each plan
 # runs on the emulated device in both of its modes (Note [Adversarial emulated
 # device]), or on CUDA where torch sees a GPU. Run after scripts/setup.sh.
@@ -74,6 +75,9 @@ else
   # for cuBLAS in the Python tests, it makes the comparison see tierflow only.
   EXACT_ENV=(MKL_CBWR=COMPATIBLE)
 fi
+# A device budget that holds the model, a block's working set, a 1 MiB prefetch window and some of the
+# blocks' saved activations, not all of them (keeping all 4 blocks needs 16.9 MiB here).
+SMALL_GPU=12MiB
 for mode in "${MODES[@]}"; do
   DEV=(TIERFLOW_EMULATED_DEVICE=$mode)
   [ "$mode" = cuda ] && DEV=(TIERFLOW_DEVICE=auto)
@@ -88,5 +92,13 @@ for mode in "${MODES[@]}"; do
       "${DEV[@]}" "${EXACT_ENV[@]}" -- --activations host --params host --optimizer torch --tolerance "$EXACT_TOLERANCE"
   run "$mode: blocks swapped to the host, torch's AdamW (bit-identical)" "${DEV[@]}" "${EXACT_ENV[@]}" -- \
       --activations host --optimizer torch --tolerance "$EXACT_TOLERANCE"
+  # Note [C++ auto activations]: the plan driver profiles two steps and plans before the third.
+  AUTO=(TIERFLOW_OFFLOAD_ACTIVATIONS=auto)
+  run "$mode: auto activations, CPU AdamW stepping during backward" "${DEV[@]}" "${AUTO[@]}" -- --activations auto
+  run "$mode: auto activations under TIERFLOW_GPU_MEMORY=$SMALL_GPU, their parameters on the host, CPU AdamW stepping during backward" \
+      "${DEV[@]}" "${AUTO[@]}" TIERFLOW_GPU_MEMORY=$SMALL_GPU TIERFLOW_PREFETCH_BYTES=1MiB -- --activations auto --params host
+  run "$mode: auto activations under TIERFLOW_GPU_MEMORY=$SMALL_GPU, torch's AdamW (bit-identical)" "${DEV[@]}" \
+      "${EXACT_ENV[@]}" "${AUTO[@]}" TIERFLOW_GPU_MEMORY=$SMALL_GPU TIERFLOW_PREFETCH_BYTES=1MiB -- --activations auto --optimizer torch \
+      --tolerance "$EXACT_TOLERANCE"
 done
 say "all runs passed"

@@ -5,7 +5,7 @@
 // both loss series and exits non-zero when they differ by more than the
 // tolerance.
 //
-//   cpp_trainer [--activations config|keep|host|nvme|recompute] [--optimizer tierflow|torch]
+//   cpp_trainer [--activations config|keep|host|nvme|recompute|auto] [--optimizer tierflow|torch]
 //               [--params device|host] [--steps N] [--tolerance X]
 //
 // --params host keeps the blocks' parameters on the host between uses
@@ -20,7 +20,11 @@
 // nothing was.
 //
 // --activations picks every block's action; `config` (the default) takes it
-// from TIERFLOW_OFFLOAD_ACTIVATIONS. --optimizer torch keeps torch::optim::AdamW
+// from TIERFLOW_OFFLOAD_ACTIVATIONS. `auto` (with TIERFLOW_OFFLOAD_ACTIVATIONS=auto)
+// sets none: tiering::PlanDriver plans them (Note [C++ auto activations]),
+// every block swapped in the first two steps and the plan in force from the
+// third; the run prints `tierflow activation plan: ...` and fails without one.
+// --optimizer torch keeps torch::optim::AdamW
 // in the tierflow run, so only the activation offload differs: the losses
 // must then be bit-identical (--tolerance 0). Every other setting comes from the
 // TIERFLOW_* variables (tierflow::Config::from_environment()), e.g.
@@ -133,7 +137,16 @@ tb::BlockAction parse_action(const std::string& name, const tierflow::Config& co
   if (name == "host") return tb::BlockAction::kSwapHost;
   if (name == "nvme") return tb::BlockAction::kSwapNvme;
   if (name == "recompute") return tb::BlockAction::kRecompute;
-  std::fprintf(stderr, "cpp_trainer: --activations '%s'; accepted: config, keep, host, nvme, recompute\n", name.c_str());
+  if (name == "auto") {
+    if (config.offload_activations != tierflow::OffloadTarget::kAuto) {
+      std::fprintf(stderr, "cpp_trainer: --activations auto needs TIERFLOW_OFFLOAD_ACTIVATIONS=auto (the plan driver "
+                           "runs under it); accepted with another value: config, keep, host, nvme, recompute\n");
+      std::exit(2);
+    }
+    return tb::BlockAction::kSwapHost;  // the profiling steps' action; the plan's from the third step
+  }
+  std::fprintf(stderr, "cpp_trainer: --activations '%s'; accepted: config, keep, host, nvme, recompute, auto\n",
+               name.c_str());
   std::exit(2);
 }
 
@@ -152,7 +165,7 @@ Args parse_args(int argc, char** argv) {
     else if (arg == "--steps" && has_value) a.steps = std::atoi(argv[++i]);
     else if (arg == "--tolerance" && has_value) a.tolerance = std::atof(argv[++i]);
     else {
-      std::fprintf(stderr, "usage: cpp_trainer [--activations config|keep|host|nvme|recompute] "
+      std::fprintf(stderr, "usage: cpp_trainer [--activations config|keep|host|nvme|recompute|auto] "
                            "[--optimizer tierflow|torch] [--params device|host] [--steps N] [--tolerance X]\n");
       std::exit(2);
     }
@@ -177,10 +190,12 @@ Result train_with_tierflow(const Args& args, const GPTConfig& c, const std::vect
   tf.runtime = std::make_shared<tb::Runtime>(tierflow::Config::from_environment());
   tf.offload = std::make_unique<tb::BlockOffload>(tf.runtime);
   tf.action = parse_action(args.activations, tf.runtime->config());
-  tf.offload->set_actions(std::vector<tb::BlockAction>(static_cast<std::size_t>(c.layers), tf.action));
+  if (args.activations != "auto")  // auto: the plan driver's (Note [C++ auto activations])
+    tf.offload->set_actions(std::vector<tb::BlockAction>(static_cast<std::size_t>(c.layers), tf.action));
   torch::manual_seed(kSeed);
   GPT model(c);
   model->to(device);
+  tf.offload->set_model_parameters(model->parameters());  // auto's device budget counts them all
   if (args.params == "host") {
     if (device.is_cuda() && args.optimizer == "torch") {
       std::fprintf(stderr, "cpp_trainer: --params host with --optimizer torch on CUDA: torch's AdamW would step host "
@@ -247,6 +262,8 @@ std::string not_exercised(const Args& args, const Tierflow& tf, torch::Device de
   const auto st = tf.offload->stats();
   const bool on_runtime_device = tf.runtime->on_device(torch::empty({1}, torch::device(device)));
   const auto what = std::string(tb::to_string(tf.action));
+  if (args.activations == "auto" && tf.offload->activation_plan().empty())
+    return "auto made no activation plan by the third step";
   if (on_runtime_device && tf.action == tb::BlockAction::kSwapHost && tf.offload->host_stats().offloaded_blocks == 0)
     return "the " + what + " plan swapped nothing";
   if (on_runtime_device && tf.action == tb::BlockAction::kSwapNvme && tf.offload->nvme_stats().nvme_writes == 0)
@@ -301,6 +318,10 @@ int main(int argc, char** argv) {
     exp_avg_max = std::max(exp_avg_max, baseline.exp_avgs[i].abs().max().item<double>());
   }
   std::printf("step time (mean after the first): libtorch %.1f ms, tierflow %.1f ms\n", baseline.step_ms, ours.step_ms);
+  if (args.activations == "auto") {
+    std::printf("tierflow activation plan: %s\n", tf.offload->activation_plan().c_str());
+    for (const auto& line : tf.offload->activation_plan_lines()) std::printf("  %s\n", line.c_str());
+  }
   print_counters(args, tf);
   std::printf("optimizer: saved and loaded into torch::optim::AdamW, max |exp_avg diff| = %.2e (max |exp_avg| %.2e)\n",
               exp_avg_diff, exp_avg_max);
