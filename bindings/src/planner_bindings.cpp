@@ -109,28 +109,58 @@ void bind_auto_plan(py::module_& m) {
 }
 
 // tiering::PlanDriver's front end, overridden in Python (AutoPlanner): the driver decides, it measures and applies.
+// A front end's Python error the driver handles as its own: _C.OutOfMemoryError and _C.ConfigError (a plan that
+// cannot be applied or measured) come back as out_of_memory and config_error, which refuse a batch's growth or a
+// re-plan and keep the plan in force as they do when the planner raises them; any other error goes on to the user.
+template <class F>
+auto translated(F&& call) -> decltype(call()) {
+  try {
+    return call();
+  } catch (py::error_already_set& e) {
+    py::gil_scoped_acquire gil;
+    const py::module_ c = py::module_::import("tierflow._C");
+    if (e.matches(c.attr("OutOfMemoryError"))) throw out_of_memory(py::str(e.value()).cast<std::string>());
+    if (e.matches(c.attr("ConfigError"))) throw config_error(py::str(e.value()).cast<std::string>());
+    throw;
+  }
+}
+
 class PyPlanFrontEnd : public PlanFrontEnd {
  public:
   SessionBudgetInputs budget_inputs() override {
-    PYBIND11_OVERRIDE_PURE(SessionBudgetInputs, PlanFrontEnd, budget_inputs);
+    return translated([&]() -> SessionBudgetInputs {
+      PYBIND11_OVERRIDE_PURE(SessionBudgetInputs, PlanFrontEnd, budget_inputs);
+    });
   }
   std::vector<std::size_t> inexact_splits(const std::vector<BlockPlan>& blocks) override {
-    PYBIND11_OVERRIDE_PURE(std::vector<std::size_t>, PlanFrontEnd, inexact_splits, blocks);
+    return translated([&]() -> std::vector<std::size_t> {
+      PYBIND11_OVERRIDE_PURE(std::vector<std::size_t>, PlanFrontEnd, inexact_splits, blocks);
+    });
   }
   std::optional<std::uint64_t> apply(const DrivenPlan& plan) override {
-    PYBIND11_OVERRIDE_PURE_NAME(std::optional<std::uint64_t>, PlanFrontEnd, "apply_plan", apply, plan);
+    return translated([&]() -> std::optional<std::uint64_t> {
+      PYBIND11_OVERRIDE_PURE_NAME(std::optional<std::uint64_t>, PlanFrontEnd, "apply_plan", apply, plan);
+    });
   }
-  void start_timing() override { PYBIND11_OVERRIDE_PURE(void, PlanFrontEnd, start_timing); }
+  void start_timing() override {
+    translated([&]() -> void { PYBIND11_OVERRIDE_PURE(void, PlanFrontEnd, start_timing); });
+  }
   TimedStepMeasures measure_timed_step() override {
-    PYBIND11_OVERRIDE_PURE(TimedStepMeasures, PlanFrontEnd, measure_timed_step);
+    return translated([&]() -> TimedStepMeasures {
+      PYBIND11_OVERRIDE_PURE(TimedStepMeasures, PlanFrontEnd, measure_timed_step);
+    });
   }
   std::uint64_t first_step_saved_bytes() override {
-    PYBIND11_OVERRIDE_PURE(std::uint64_t, PlanFrontEnd, first_step_saved_bytes);
+    return translated([&]() -> std::uint64_t {
+      PYBIND11_OVERRIDE_PURE(std::uint64_t, PlanFrontEnd, first_step_saved_bytes);
+    });
   }
   void write_profile(const AutoProfile& profile) override {
-    PYBIND11_OVERRIDE_PURE(void, PlanFrontEnd, write_profile, profile);
+    translated([&]() -> void { PYBIND11_OVERRIDE_PURE(void, PlanFrontEnd, write_profile, profile); });
   }
-  double now_seconds() override { PYBIND11_OVERRIDE_PURE(double, PlanFrontEnd, now_seconds); }
+  double now_seconds() override {
+    return translated([&]() -> double { PYBIND11_OVERRIDE_PURE(double, PlanFrontEnd, now_seconds); });
+  }
 };
 
 // What the driver decided: what applying a plan needs, the rest as JSON (plan_json, PlanDriver::report_json).

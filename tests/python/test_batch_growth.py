@@ -349,3 +349,32 @@ def test_a_profile_files_batch_size_is_checked(tmp_path, field, value):
         tierflow.wrap(model, torch.optim.AdamW(model.parameters()), device="emulated", offload_activations="auto",
                       profile=str(path), **OPT_NONE)
     assert path.read_text() == before
+
+
+def test_a_plan_the_front_end_cannot_apply_for_a_longer_batch_keeps_the_plan_in_force(device, monkeypatch, capfd):
+    """The front end (autoplan.py's AutoPlanner, a tiering::PlanFrontEnd) raising tierflow's OutOfMemoryError while
+    it puts a grown batch's plan in force (the new plan's host memory, say): the driver refuses the growth as it
+    does when no plan fits, and training goes on under the plan in force, still the baseline's; the error does
+    not reach the user's forward (Note [Plan driver])."""
+    from tierflow import _C
+    from tierflow.activations import autoplan
+
+    apply = autoplan.AutoPlanner.apply_plan
+    calls = []
+
+    def refusing(self, plan):
+        calls.append(1)
+        if len(calls) == 2:  # the growth's plan; the first is the profiled one
+            raise _C.OutOfMemoryError("pinned host pool exhausted (test)")
+        return apply(self, plan)
+
+    monkeypatch.setattr(autoplan.AutoPlanner, "apply_plan", refusing)
+    lengths = [32, 32, 32, 64, 32]
+    base = run(gpt2, lengths, device, False)
+    tier = run(gpt2, lengths, device, True)
+    assert_same(base, tier)
+    assert len(calls) == 2
+    growth = tier[2][3]["batch_growth"]
+    assert growth["replans"] == 0 and growth["refused"]["batch_elements"] == 4 * 64, growth
+    assert "pinned host pool exhausted (test)" in growth["refused"]["why"]
+    assert "which stays and may exceed TIERFLOW_GPU_MEMORY" in capfd.readouterr().err
