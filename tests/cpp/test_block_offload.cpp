@@ -594,3 +594,24 @@ TEST_P(AutoActivations, PlansByTheThirdForwardAndTrainsAsThePlainBlocks) {
 INSTANTIATE_TEST_SUITE_P(BlockOffload, AutoActivations,
                          testing::Values(AutoCase{"polite", "8GiB", false}, AutoCase{"adversarial", "8GiB", false},
                                          AutoCase{"polite", "3MiB", true}, AutoCase{"adversarial", "3MiB", true}));
+
+// Note [C++ auto activations]: a block the automatic plan keeps whose parameters are fetched from the host runs
+// kRecompute (autograd would hold its weights), and trains as the blocks swapped by hand.
+TEST(BlockOffload, AnAutoKeptBlockWithFetchedParametersIsRecomputed) {
+  auto plain_runtime = make_runtime({{"emulated_device", "polite"}});
+  tb::BlockOffload swapped(plain_runtime);
+  swapped.set_default_action(tb::BlockAction::kSwapHost);
+  tb::BlockOffload automatic(
+      make_runtime({{"emulated_device", "polite"}, {"offload_activations", "auto"}, {"gpu_memory", "8GiB"}}));
+  const Trained a = train_deep(&swapped, "polite", true);
+  const Trained b = train_deep(&automatic, "polite", true);
+  ASSERT_EQ(a.losses.size(), b.losses.size());
+  for (std::size_t i = 0; i < a.losses.size(); ++i) EXPECT_EQ(a.losses[i], b.losses[i]) << "step " << i;
+  for (std::size_t i = 0; i < a.params.size(); ++i) EXPECT_TRUE(torch::equal(a.params[i], b.params[i])) << "param " << i;
+  ASSERT_NE(automatic.activation_plan(), "");
+  EXPECT_NE(automatic.activation_plan().find("0 swap"), std::string::npos) << automatic.activation_plan();
+  const auto st = automatic.stats();
+  EXPECT_EQ(st.recomputed, 8u) << "the third step's 8 kept blocks, their parameters fetched";
+  EXPECT_EQ(st.kept, 0u);
+  EXPECT_GT(automatic.parameter_stats().fetches, 0u);
+}
