@@ -345,6 +345,13 @@ TEST(TierDescriptors, PlannerUsesAFurtherTierRow) {
     if (plan.fits) best = std::min(best, plan.predicted_step_seconds);
   }
   EXPECT_NEAR(with.predicted_step_seconds, best, 1e-12 * best);
+  // A row reached through an absent one is absent too: behind NVMe with no NVMe, nothing goes there.
+  Budgets no_nvme = budgets;
+  no_nvme.nvme_bytes = 0;
+  no_nvme.further_swap_tiers[0].via = 1;
+  EXPECT_FALSE(swap_tiers(links, no_nvme).rows[2].present);
+  no_nvme.further_swap_tiers[0].via = 0;
+  EXPECT_TRUE(swap_tiers(links, no_nvme).rows[2].present);
   // A row the configuration's table cannot reach is refused by name.
   budgets.further_swap_tiers[0].via = 3;
   EXPECT_THROW(swap_tiers(links, budgets), config_error);

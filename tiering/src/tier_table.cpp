@@ -44,7 +44,9 @@ TierTable swap_tiers(const Links& links, const Budgets& budgets) {
     if (row.via < -1 || row.via >= static_cast<int>(t.size()))
       throw config_error("swap tier '" + row.name + "' is reached through row " + std::to_string(row.via) +
                          "; accepted: -1 (the device) or an earlier row (0: host, 1: nvme, ...)");
-    row.present = row.present && row.budget_bytes > 0 && row.link_write > 0 && row.link_read > 0;
+    // A row is there only when the row it is reached through is (a remote host behind an absent NVMe is not).
+    row.present = row.present && row.budget_bytes > 0 && row.link_write > 0 && row.link_read > 0 &&
+                  (row.via < 0 || t.rows[static_cast<std::size_t>(row.via)].present);
     t.rows.push_back(std::move(row));
   }
   if (t.size() > kMaxSwapTiers)
