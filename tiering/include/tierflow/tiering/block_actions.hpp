@@ -14,10 +14,13 @@
 // memory until its backward; C++ has one way to do that (the block's input to
 // the tier, the rest recomputed), so a swap or split block recomputes more
 // than its plan priced (the planner's prediction is then a lower bound on the
-// step time) and never holds more. TIERFLOW_OFFLOAD_ACTIVATIONS=recompute and
-// auto give every block kSwapHost, the memory floor: C++ cannot measure what
-// a block saves (no saved-tensor hooks), which the planner needs, so a C++
-// plan comes from a plan applied to the table. kSwapNvme needs the NVMe tier;
+// step time) and never holds more. TIERFLOW_OFFLOAD_ACTIVATIONS=recompute
+// gives every block kSwapHost, the memory floor. auto gives them kSwapHost for
+// the two profiling forwards only: BlockOffload then measures what each block
+// saves in its rerun (a kept forward, through the device memory meter, with no
+// saved-tensor hooks), and tiering::PlanDriver plans before the third forward
+// (Note [C++ auto activations] in bindings/.../block_offload.hpp); actions
+// set by hand make the driver stand aside. kSwapNvme needs the NVMe tier;
 // the table refuses it otherwise, with a message naming the settings.
 //
 // Each call of a block (BlockCalls::call) runs with its table action, except
@@ -51,7 +54,7 @@ enum class BlockAction : std::uint8_t {
 std::string_view to_string(BlockAction a) noexcept;
 
 /// The action every block gets from TIERFLOW_OFFLOAD_ACTIVATIONS: none keeps,
-/// host, recompute and auto swap the input to the host, nvme to NVMe
+/// host, recompute and auto (until auto's plan is in force) swap the input to the host, nvme to NVMe
 /// (Note [C++ block actions]).
 BlockAction block_action_from_config(const Config& config) noexcept;
 
