@@ -329,6 +329,11 @@ TEST(TierDescriptors, PlannerUsesAFurtherTierRow) {
   EXPECT_EQ(on_remote, 2) << with.summary();
   ASSERT_EQ(with.tier_bytes.size(), 3u);
   EXPECT_EQ(with.tier_bytes[2], 2 * p.input_bytes);
+  // The lines name the row: the summary counts its bytes, a block on it says where it goes.
+  EXPECT_NE(with.summary().find(format_bytes(2 * p.input_bytes) + " remote"), std::string::npos) << with.summary();
+  for (std::size_t i = 0; i < with.blocks.size(); ++i)
+    if (with.blocks[i].mode != BlockMode::kKeep && with.blocks[i].tier == static_cast<SwapTier>(2))
+      EXPECT_NE(with.block_line(i).find(" remote "), std::string::npos) << with.block_line(i);
   EXPECT_LT(with.predicted_step_seconds, without.predicted_step_seconds);
   // The brute force over keep and {swap, recompute} x {host, nvme, remote} for every block.
   const std::vector<std::pair<BlockMode, int>> choices = {

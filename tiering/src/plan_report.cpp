@@ -153,19 +153,19 @@ std::vector<BlockWhy> why_of_blocks(const Plan& plan, const std::vector<BlockPro
   return out;
 }
 
-std::string action_name(const BlockPlan& b) {
+std::string action_name(const Plan& plan, const BlockPlan& b) {
   std::string s(to_string(b.mode));
   if (b.mode == BlockMode::kSplit) s += format(" alpha %.3f", b.alpha);
-  if (b.mode != BlockMode::kKeep) s += " " + std::string(to_string(b.tier));
+  if (b.mode != BlockMode::kKeep) s += " " + plan.tier_name(b.tier);
   return s;
 }
 
 std::string why_line(std::size_t i, const Plan& plan, const BlockWhy& why) {
-  std::string s = format("  block %zu: %s; ", i, action_name(plan.blocks[i]).c_str());
+  std::string s = format("  block %zu: %s; ", i, action_name(plan, plan.blocks[i]).c_str());
   if (why.rejected.empty()) return s + "no other action";
   for (std::size_t k = 0; k < why.rejected.size(); ++k) {
     const auto& a = why.rejected[k];
-    s += (k ? "; " : "") + action_name(a.block) + format(" %.4f s, peak ", a.step_seconds) +
+    s += (k ? "; " : "") + action_name(plan, a.block) + format(" %.4f s, peak ", a.step_seconds) +
          format_bytes(a.device_peak_bytes) + ": " + why_rejected(a, plan);
   }
   return s;

@@ -399,6 +399,7 @@ Plan evaluate_plan(const std::vector<BlockProfile>& blocks, const Links& links, 
   plan.host_bytes = totals.tier_bytes[0];
   plan.nvme_bytes = totals.tier_bytes[1];
   plan.tier_bytes = totals.tier_bytes;
+  for (const TierRow& row : tiers.rows) plan.tier_names.push_back(row.name);
   plan.predicted_device_peak_bytes = totals.peak(budgets);
   plan.fits = plan.predicted_device_peak_bytes <= budgets.device_bytes && within_rows(tiers, totals.tier_bytes, 0);
   plan.blocks = std::move(assignment);
@@ -649,6 +650,8 @@ std::string Plan::summary() const {
   // Activations only: the fetched parameters' share of each tier is in the parameters' part.
   s += "; swapped " + format_bytes(host_bytes - std::min(host_bytes, host_param_bytes)) + " host, " +
        format_bytes(nvme_bytes - std::min(nvme_bytes, nvme_param_bytes)) + " NVMe";
+  for (std::size_t r = 2; r < tier_bytes.size(); ++r)  // further rows (Note [Tier descriptors]), by name
+    if (tier_bytes[r] > 0) s += ", " + format_bytes(tier_bytes[r]) + " " + tier_name(static_cast<SwapTier>(r));
   if (outside_bytes > 0)
     s += std::string("; outside the blocks ") + format_bytes(outside_bytes) +
          (outside_kept ? " kept" : " swapped to the host (" + seconds_text(outside_swap_seconds) + ")");
@@ -664,6 +667,11 @@ std::string Plan::summary() const {
   return s;
 }
 
+std::string Plan::tier_name(SwapTier t) const {
+  const auto r = static_cast<std::size_t>(t);
+  return r < tier_names.size() ? tier_names[r] : std::string(to_string(t));
+}
+
 std::string Plan::block_line(std::size_t i) const {
   TIERFLOW_EXPECTS(i < blocks.size(), "block_line: block " + std::to_string(i) + " of " +
                                           std::to_string(blocks.size()));
@@ -672,7 +680,7 @@ std::string Plan::block_line(std::size_t i) const {
   std::snprintf(buf, sizeof buf,
                 "block %zu: %-9s alpha %.3f  keep %.3f swap %.3f recompute %.3f  %s %s/step  fwd %s bwd %s", i,
                 std::string(to_string(b.mode)).c_str(), b.alpha, b.keep, b.swap, b.recompute,
-                b.mode == BlockMode::kKeep ? "-" : std::string(to_string(b.tier)).c_str(),
+                b.mode == BlockMode::kKeep ? "-" : tier_name(b.tier).c_str(),
                 format_bytes(b.swap_bytes).c_str(),
                 seconds_text(b.forward_seconds).c_str(), seconds_text(b.backward_seconds).c_str());
   std::string line = buf;

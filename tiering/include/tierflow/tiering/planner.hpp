@@ -234,6 +234,7 @@ struct Plan {
   double predicted_step_seconds = 0;             ///< activations' part of the step: forward + backward of the blocks
   std::uint64_t host_bytes = 0, nvme_bytes = 0;  ///< swapped activations (and fetched parameters) held per tier at the peak
   std::vector<std::uint64_t> tier_bytes;         ///< the same per row of swap_tiers (host_bytes, nvme_bytes, further rows)
+  std::vector<std::string> tier_names;           ///< the rows' names, as the lines print them (Note [Tier descriptors])
   // Additions to the agreed interface:
   double keep_all_step_seconds = 0;              ///< the step if every block were kept (the fastest possible)
   std::uint64_t device_budget_bytes = 0;         ///< Budgets::device_bytes the plan was made for
@@ -250,6 +251,7 @@ struct Plan {
   double outside_swap_seconds = 0;               ///< their way to the host and back, not hidden (in predicted_step_seconds)
   std::string summary() const;                   ///< one line: modes count, peak, step, vs keep-all
   std::string block_line(std::size_t i) const;   ///< one line per block
+  std::string tier_name(SwapTier t) const;       ///< row `t`'s name (to_string(t) without the table's names)
 };
 
 /// Most combinations of fetched counts the joint search tries exactly (Note [Activation planner], Parameters).
