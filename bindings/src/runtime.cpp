@@ -11,16 +11,40 @@
 #include "tierflow/bindings/emulated_device_memory.hpp"
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/log.hpp"
-#include "tierflow/bindings/dtypes.hpp"
+#include "tierflow/optimizer/adam_args.hpp"
 
 namespace tierflow::bindings {
 namespace {
 
-void check_cpu_contiguous(const at::Tensor& t, const char* what, std::size_t i, std::int64_t numel) {
-  const bool cpu = t.defined() && t.is_cpu();  // each fact read only where the ones before it hold
-  optimizer::check_kernel_tensor({t.defined(), cpu, cpu && t.is_contiguous(),
-                                  t.defined() ? static_cast<std::size_t>(t.numel()) : 0},
-                                 what, i, static_cast<std::size_t>(numel));
+// `t` as the CPU Adam's checks see it (optimizer/adam_args.hpp): facts read only where the ones before hold.
+optimizer::KernelArg kernel_arg(const at::Tensor& t) {
+  optimizer::KernelArg a;
+  if (!t.defined()) {
+    a.dtype_name = "undefined";
+    return a;
+  }
+  a.defined = true;
+  a.cpu = t.is_cpu();
+  a.contiguous = a.cpu && t.is_contiguous();
+  a.numel = static_cast<std::size_t>(t.numel());
+  a.nbytes = t.nbytes();
+  switch (t.scalar_type()) {
+    case at::kFloat: a.dtype = optimizer::ArgDtype::kFloat32; break;
+    case at::kBFloat16: a.dtype = optimizer::ArgDtype::kBFloat16; break;
+    case at::kHalf: a.dtype = optimizer::ArgDtype::kFloat16; break;
+    case at::kByte: a.dtype = optimizer::ArgDtype::kUint8; break;
+    default: a.dtype = optimizer::ArgDtype::kOther; break;
+  }
+  a.dtype_name = c10::toString(t.scalar_type());
+  if (t.has_storage()) a.data = t.data_ptr();
+  return a;
+}
+
+std::vector<optimizer::KernelArg> kernel_args(const std::vector<at::Tensor>& ts) {
+  std::vector<optimizer::KernelArg> out;
+  out.reserve(ts.size());
+  for (const at::Tensor& t : ts) out.push_back(kernel_arg(t));
+  return out;
 }
 
 }  // namespace
@@ -53,10 +77,7 @@ optimizer::NvmeAdamStore& Runtime::nvme_adam() {
 }
 
 optimizer::CpuIsa Runtime::cpu_isa() const {
-  const std::string& s = config_.cpu_isa;
-  if (s == "avx512") return optimizer::CpuIsa::kAvx512;
-  if (s == "avx2") return optimizer::CpuIsa::kAvx2;
-  if (s == "portable") return optimizer::CpuIsa::kPortable;
+  if (const auto isa = optimizer::parse_cpu_isa(config_.cpu_isa)) return *isa;
   return adam_ ? adam_->isa() : optimizer::CpuIsa::kAuto;
 }
 
@@ -129,35 +150,7 @@ void Runtime::await_on_device(const swap::TransferHandle& h, const at::Device& d
   engine.make_stream_wait(compute_stream_of(engine, device), h);
 }
 
-namespace {
-
 using optimizer::StateFormat;
-
-// Moment `t` (`what` `i`) of format `f` for `numel` elements: a contiguous CPU tensor of moment_dtype(f) and
-// moment_bytes(f, numel) bytes; throws naming it and what is accepted otherwise.
-void check_moment(const at::Tensor& t, StateFormat f, const char* what, std::size_t i, std::int64_t numel) {
-  const std::string who = std::string("tierflow CPU Adam: ") + what + " " + std::to_string(i);
-  const bool cpu = t.defined() && t.is_cpu();
-  TIERFLOW_EXPECTS(cpu && t.is_contiguous(), who + " must be a contiguous CPU tensor");
-  const auto g = moment_format(t);
-  TIERFLOW_EXPECTS(g == f, who + " has dtype " + std::string(c10::toString(t.scalar_type())) + " where a " +
-                               to_string(f) + " moment (" + std::string(c10::toString(moment_dtype(f))) +
-                               ") is expected: exp_avg, exp_avg_sq and their outputs take one format");
-  const std::size_t want = optimizer::moment_bytes(f, static_cast<std::size_t>(numel));
-  TIERFLOW_EXPECTS(t.nbytes() == want, who + " (" + to_string(f) + " moment) has " + std::to_string(t.nbytes()) +
-                                           " bytes, expected " + std::to_string(want) + " for " +
-                                           std::to_string(numel) + " elements");
-}
-
-// The packed view (Note [Optimizer state formats]) of moment `t` of format `f` (not fp32) of `numel` elements.
-optimizer::PackedMoment packed(const at::Tensor& t, StateFormat f, std::int64_t numel) {
-  if (f == StateFormat::k8bit) return optimizer::packed_8bit(t.data_ptr(), static_cast<std::size_t>(numel));
-  return {t.data_ptr(), nullptr};
-}
-
-const char* kAcceptedMoments = "accepted: float32 (fp32), bfloat16 (bf16), uint8 (8bit; TIERFLOW_OPTIMIZER_STATES)";
-
-}  // namespace
 
 std::optional<StateFormat> moment_format(const at::Tensor& moment) noexcept {
   if (!moment.defined()) return std::nullopt;
@@ -194,8 +187,9 @@ void encode_moments(StateFormat f, const at::Tensor& m, const at::Tensor& v, con
   TIERFLOW_EXPECTS(m.defined() && v.defined() && m.numel() == v.numel(),
                    "encode_moments: m and v must be tensors of one size");
   const std::int64_t n = m.numel();
-  check_moment(m_out, f, "encoded exp_avg", 0, n);
-  check_moment(v_out, f, "encoded exp_avg_sq", 0, n);
+  const optimizer::KernelArg mo = kernel_arg(m_out), vo = kernel_arg(v_out);
+  optimizer::check_moment(mo, f, "encoded exp_avg", 0, static_cast<std::size_t>(n));
+  optimizer::check_moment(vo, f, "encoded exp_avg_sq", 0, static_cast<std::size_t>(n));
   const at::Tensor mf = m.to(at::kCPU, at::kFloat).contiguous(), vf = v.to(at::kCPU, at::kFloat).contiguous();
   if (f == StateFormat::kFp32) {
     m_out.view({n}).copy_(mf.view({n}));
@@ -203,7 +197,8 @@ void encode_moments(StateFormat f, const at::Tensor& m, const at::Tensor& v, con
     return;
   }
   optimizer::encode_moments(f, mf.data_ptr<float>(), vf.data_ptr<float>(), static_cast<std::size_t>(n),
-                            packed(m_out, f, n), packed(v_out, f, n));
+                            optimizer::packed(mo, f, static_cast<std::size_t>(n)),
+                            optimizer::packed(vo, f, static_cast<std::size_t>(n)));
 }
 
 void decode_moments(const at::Tensor& m, const at::Tensor& v, std::size_t numel, const at::Tensor& m_out,
@@ -211,12 +206,13 @@ void decode_moments(const at::Tensor& m, const at::Tensor& v, std::size_t numel,
   const auto f = moment_format(m);
   TIERFLOW_EXPECTS(f.has_value(), "decode_moments: exp_avg has dtype " +
                                       std::string(m.defined() ? c10::toString(m.scalar_type()) : "undefined") +
-                                      "; " + kAcceptedMoments);
+                                      "; " + optimizer::kAcceptedMoments);
   const auto n = static_cast<std::int64_t>(numel);
-  check_moment(m, *f, "exp_avg", 0, n);
-  check_moment(v, *f, "exp_avg_sq", 0, n);
-  check_cpu_contiguous(m_out, "decoded exp_avg", 0, n);
-  check_cpu_contiguous(v_out, "decoded exp_avg_sq", 0, n);
+  const optimizer::KernelArg mi = kernel_arg(m), vi = kernel_arg(v);
+  optimizer::check_moment(mi, *f, "exp_avg", 0, numel);
+  optimizer::check_moment(vi, *f, "exp_avg_sq", 0, numel);
+  optimizer::check_cpu_contiguous(kernel_arg(m_out), "decoded exp_avg", 0, numel);
+  optimizer::check_cpu_contiguous(kernel_arg(v_out), "decoded exp_avg_sq", 0, numel);
   TIERFLOW_EXPECTS(m_out.scalar_type() == at::kFloat && v_out.scalar_type() == at::kFloat,
                    "decode_moments: the outputs must be float32");
   if (*f == StateFormat::kFp32) {
@@ -224,7 +220,8 @@ void decode_moments(const at::Tensor& m, const at::Tensor& v, std::size_t numel,
     v_out.view({n}).copy_(v.view({n}));
     return;
   }
-  optimizer::decode_moments(*f, packed(m, *f, n), packed(v, *f, n), numel, m_out.data_ptr<float>(),
+  optimizer::decode_moments(*f, optimizer::packed(mi, *f, numel), optimizer::packed(vi, *f, numel), numel,
+                            m_out.data_ptr<float>(),
                             v_out.data_ptr<float>());
 }
 
@@ -235,79 +232,12 @@ void Runtime::adam_step(const optimizer::AdamOptions& options, std::int64_t step
                         const std::vector<at::Tensor>& max_exp_avg_sqs,
                         const std::vector<at::Tensor>& grads,
                         const std::vector<at::Tensor>& params_out, const AdamOutputs& outputs) {
-  const std::size_t n = masters.size();
-  optimizer::check_kernel_lists(n, {exp_avgs.size(), exp_avg_sqs.size(), grads.size(), params_out.size()},
-                                {max_exp_avg_sqs.size()});
-  std::vector<optimizer::AdamTensor> tensors(n);
+  optimizer::AdamArgs args{kernel_args(masters),  kernel_args(exp_avgs),      kernel_args(exp_avg_sqs),
+                           kernel_args(max_exp_avg_sqs), kernel_args(grads), kernel_args(params_out),
+                           kernel_args(outputs.masters), kernel_args(outputs.exp_avgs),
+                           kernel_args(outputs.exp_avg_sqs), kernel_args(outputs.max_exp_avg_sqs)};
   std::uint64_t elements = 0;
-  for (std::size_t i = 0; i < n; ++i) {
-    const std::int64_t numel = masters[i].numel();
-    check_cpu_contiguous(masters[i], "master", i, numel);
-    // Note [Optimizer state formats]: the moments' format is their dtype.
-    const auto format = moment_format(exp_avgs[i]);
-    TIERFLOW_EXPECTS(!exp_avgs[i].defined() || format.has_value(),
-                     "tierflow CPU Adam: exp_avg " + std::to_string(i) + " has dtype " +
-                         std::string(c10::toString(exp_avgs[i].scalar_type())) + "; " + kAcceptedMoments);
-    const StateFormat f = format.value_or(StateFormat::kFp32);
-    auto& t = tensors[i];
-    t.numel = static_cast<std::size_t>(numel);
-    t.state_format = f;
-    t.master = masters[i].scalar_type() == at::kFloat ? masters[i].data_ptr<float>() : nullptr;
-    const bool has_out = !outputs.masters.empty() && outputs.masters[i].defined();
-    if (f == StateFormat::kFp32) {
-      check_cpu_contiguous(exp_avgs[i], "exp_avg", i, numel);
-      check_cpu_contiguous(exp_avg_sqs[i], "exp_avg_sq", i, numel);
-      optimizer::check_kernel_states_fp32(masters[i].scalar_type() == at::kFloat &&
-                                              exp_avg_sqs[i].scalar_type() == at::kFloat, i);
-      t.exp_avg = exp_avgs[i].data_ptr<float>();
-      t.exp_avg_sq = exp_avg_sqs[i].data_ptr<float>();
-    } else {
-      optimizer::check_kernel_states_fp32(masters[i].scalar_type() == at::kFloat, i);
-      check_moment(exp_avgs[i], f, "exp_avg", i, numel);
-      check_moment(exp_avg_sqs[i], f, "exp_avg_sq", i, numel);
-      t.m = packed(exp_avgs[i], f, numel);
-      t.v = packed(exp_avg_sqs[i], f, numel);
-    }
-    if (!max_exp_avg_sqs.empty() && max_exp_avg_sqs[i].defined()) {
-      check_cpu_contiguous(max_exp_avg_sqs[i], "max_exp_avg_sq", i, numel);
-      TIERFLOW_EXPECTS(max_exp_avg_sqs[i].scalar_type() == at::kFloat,
-                       "tierflow CPU Adam: max_exp_avg_sq " + std::to_string(i) + " must be float32");
-      t.max_exp_avg_sq = max_exp_avg_sqs[i].data_ptr<float>();
-    }
-    t.grad = grads[i].data_ptr();
-    t.grad_type = optimizer_type(grads[i].scalar_type(), "tierflow CPU Adam: grad", i);
-    if (params_out[i].defined()) {
-      check_cpu_contiguous(params_out[i], "param", i, numel);
-      t.param_out = params_out[i].data_ptr();
-      t.param_type = optimizer_type(params_out[i].scalar_type(), "tierflow CPU Adam: param", i);
-    }
-    if (has_out) {
-      check_cpu_contiguous(outputs.masters[i], "master_out", i, numel);
-      TIERFLOW_EXPECTS(outputs.masters[i].scalar_type() == at::kFloat,
-                       "tierflow CPU Adam: master_out " + std::to_string(i) + " must be float32");
-      t.master_out = outputs.masters[i].data_ptr<float>();
-      if (f == StateFormat::kFp32) {
-        check_cpu_contiguous(outputs.exp_avgs[i], "exp_avg_out", i, numel);
-        check_cpu_contiguous(outputs.exp_avg_sqs[i], "exp_avg_sq_out", i, numel);
-        TIERFLOW_EXPECTS(outputs.exp_avgs[i].scalar_type() == at::kFloat &&
-                             outputs.exp_avg_sqs[i].scalar_type() == at::kFloat,
-                         "tierflow CPU Adam: exp_avg_out and exp_avg_sq_out " + std::to_string(i) +
-                             " must be float32, as their inputs are");
-        t.exp_avg_out = outputs.exp_avgs[i].data_ptr<float>();
-        t.exp_avg_sq_out = outputs.exp_avg_sqs[i].data_ptr<float>();
-      } else {
-        check_moment(outputs.exp_avgs[i], f, "exp_avg_out", i, numel);
-        check_moment(outputs.exp_avg_sqs[i], f, "exp_avg_sq_out", i, numel);
-        t.m_out = packed(outputs.exp_avgs[i], f, numel);
-        t.v_out = packed(outputs.exp_avg_sqs[i], f, numel);
-      }
-      if (t.max_exp_avg_sq) {
-        check_cpu_contiguous(outputs.max_exp_avg_sqs[i], "max_exp_avg_sq_out", i, numel);
-        t.max_exp_avg_sq_out = outputs.max_exp_avg_sqs[i].data_ptr<float>();
-      }
-    }
-    elements += static_cast<std::uint64_t>(numel);
-  }
+  std::vector<optimizer::AdamTensor> tensors = optimizer::adam_tensors(args, &elements);
   std::lock_guard<std::mutex> lock(adam_mutex_);
   if (!adam_) adam_ = std::make_unique<optimizer::CpuAdam>(config_.cpu_threads, cpu_isa());
   const auto t0 = std::chrono::steady_clock::now();
