@@ -10,9 +10,9 @@
 
 #include "tierflow/bindings/activation_offloader.hpp"
 #include "tierflow/bindings/runtime.hpp"
-#include "tierflow/core/size.hpp"
 #include "tierflow/swap/nvme_engine.hpp"
 #include "tierflow/core/error.hpp"
+#include "tierflow/tiering/param_residency_plan.hpp"
 
 namespace tierflow::bindings {
 namespace {
@@ -98,7 +98,7 @@ std::vector<tiering::ParamUnit> plan_units(const Runtime& rt, const std::vector<
   TIERFLOW_EXPECTS(!units.empty() && units.size() == residences.size(),
                    "ParamResidency: one residence per unit, the rest unit last");
   std::vector<tiering::ParamUnit> plan(units.size());
-  std::unordered_map<const void*, std::pair<tiering::ParamId, std::string>> storages;  // StorageImpl -> its parameter
+  tiering::ParamStorages storages;  // by StorageImpl
   std::size_t index = 0;
   for (std::size_t u = 0; u < units.size(); ++u) {
     const Tier tier = residences[u];
@@ -115,10 +115,7 @@ std::vector<tiering::ParamUnit> plan_units(const Runtime& rt, const std::vector<
         throw config_error("offload_params: parameter '" + name + "' " + why + "; parameters offloaded to the " +
                            std::string(to_string(tier)) + " must be contiguous leaf tensors of the model's device, "
                            "each with its own storage");
-      auto [it, added] = storages.emplace(p.storage().unsafeGetStorageImpl(), std::make_pair(param_id(p), name));
-      if (!added && it->second.first != param_id(p))
-        throw config_error("offload_params: parameters '" + it->second.second + "' and '" + name +
-                           "' share one storage; offloaded parameters must each have their own");
+      storages.add(p.storage().unsafeGetStorageImpl(), param_id(p), name);
     }
   }
   return plan;
@@ -131,22 +128,8 @@ ParamResidency::ParamResidency(std::shared_ptr<Runtime> runtime, const std::vect
                                std::size_t blocks, const std::vector<std::string>& unit_names)
     : runtime_(std::move(runtime)) {
   const std::vector<tiering::ParamUnit> plan = plan_units(*runtime_, units, residences, names, unit_names);
-  std::vector<std::uint64_t> fetched;
-  for (const auto& u : plan) {
-    if (u.residence == Tier::kGpu) continue;
-    fetched.push_back(0);
-    for (const auto& r : u.params) fetched.back() += r.bytes;
-  }
-  const std::uint64_t largest = fetched.empty() ? 0 : *std::max_element(fetched.begin(), fetched.end());
-  // A budget below the largest unit is refused before anything moves; the prefetch window shrinks to what the
-  // budget leaves (Note [Parameter residency], Budget), and the working set is the activation planner's to
-  // count (Budgets::params).
-  tiering::check_param_budget(runtime_->tiers().device_budget_bytes(), fetched, 0, 0);
-  tiering::ParamScheduleOptions o;
-  o.prefetch_bytes = largest;  // one unit ahead (Note [Parameter residency])
-  o.device_budget_bytes = runtime_->tiers().device_budget_bytes();
-  o.blocks = std::min(blocks, units.size());
-  auto schedule = std::make_unique<tiering::ParamSchedule>(plan, o);
+  auto schedule = std::make_unique<tiering::ParamSchedule>(
+      plan, tiering::param_residency_options(plan, runtime_->tiers().device_budget_bytes(), blocks));
   std::unordered_map<tiering::ParamId, Param> copies;
   std::uint64_t nvme_bytes = 0;
   std::size_t index = 0;
@@ -163,11 +146,7 @@ ParamResidency::ParamResidency(std::shared_ptr<Runtime> runtime, const std::vect
     }
   }
   // NVMe space is checked before the first write; then every copy is made before any device memory goes.
-  if (nvme_bytes > 0 && nvme_bytes > runtime_->nvme_engine()->available_bytes())
-    throw out_of_memory("offload_params: the parameters need " + std::to_string(nvme_bytes) + " bytes (" +
-                        format_bytes(nvme_bytes) + ") on NVMe and the NVMe tier has " +
-                        format_bytes(runtime_->nvme_engine()->available_bytes()) +
-                        " available (TIERFLOW_NVME_MEMORY, TIERFLOW_NVME_PATHS)");
+  if (nvme_bytes > 0) tiering::check_param_nvme_space(nvme_bytes, runtime_->nvme_engine()->available_bytes());
   for (auto& [id, c] : copies) c.host = runtime_->host_empty(c.device.sizes(), c.device.scalar_type(), false);
   std::vector<swap::TransferHandle> copying;
   for (auto& [id, c] : copies) copying.push_back(runtime_->copy_to_host(c.host, c.device));
@@ -305,11 +284,7 @@ void ParamResidency::carry_out_named(const tiering::ParamActions& a, tiering::Pa
   try {
     carry_out(a);
   } catch (const out_of_memory& e) {  // the schedule knows the parameter by its id; the user, by its name
-    std::string what = e.what();
-    const std::string number = "parameter " + std::to_string(id);
-    const auto at = what.find(number);
-    if (at != std::string::npos) what.replace(at, number.size(), "parameter '" + params_.at(id).name + "'");
-    throw out_of_memory(what);
+    throw out_of_memory(tiering::name_parameter(e.what(), id, params_.at(id).name));
   }
 }
 
