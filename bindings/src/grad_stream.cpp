@@ -75,12 +75,9 @@ GradStream::~GradStream() {
   } catch (const std::exception& e) {
     log(LogLevel::kError, std::string("a streamed optimizer step failed at shutdown: ") + e.what());
   }
-  try {
-    for (auto& [h, staging] : uploads_) h.wait();
-  } catch (const std::exception& e) {
-    log(LogLevel::kError, std::string("a weight upload failed at shutdown: ") + e.what());
-  }
-  engine_.reset();  // waits for the gradients' copies still reading device memory a slot may hold last (rule 3)
+  // Waits for the weights' uploads still reading their staging, and for the gradients' copies still reading
+  // device memory a slot may hold last (rule 3).
+  engine_.reset();
   for (auto& s : slots_)
     if (s.accumulator) s.accumulator->del_post_hook(s.hook_key);
 }
@@ -257,8 +254,7 @@ std::size_t GradStream::add_module(const std::vector<std::size_t>& slots) {
   std::lock_guard<std::mutex> lock(mutex_);
   for (std::size_t i : slots)
     TIERFLOW_EXPECTS(i < slots_.size(), "GradStream::add_module: no slot " + std::to_string(i));
-  modules_.push_back(slots);
-  return modules_.size() - 1;
+  return engine_->add_module(slots);
 }
 
 std::size_t GradStream::size() const {
@@ -453,7 +449,7 @@ void GradStream::restore_locked(std::size_t i, bool accumulate) {
     g = at::empty(s.param.sizes(), s.param.options().dtype(host.scalar_type()));
     // After the kernels queued so far, and before the next one (rules 1 and 2);
     // the host slice stays until the copy is done (rule 3).
-    uploads_.emplace_back(runtime_->copy_to_device(g.view(-1), host), host);
+    engine_->keep_until_done(runtime_->copy_to_device(g.view(-1), host), host_array(host));
   }
   g = g.view(s.param.sizes());
   if (current.defined()) {

@@ -1,9 +1,11 @@
 // What only torch does for GradStream's optimizer::StepEngine (its StepEngineHost): pinned buffers as tensors,
 // the runtime's CPU Adam over them, the state's step counter tensor, a device gradient's last reference.
+#include <algorithm>
 #include <memory>
 #include <string>
 
 #include "grad_stream_parts.hpp"
+#include "tierflow/bindings/activation_offloader.hpp"
 #include "tierflow/bindings/runtime.hpp"
 
 namespace tierflow::bindings {
@@ -71,6 +73,21 @@ void GradStream::gradient_landed(std::size_t slot) {
 void GradStream::gradient_copy_failed(std::size_t slot) {
   Slot& s = slots_[slot];
   if (ledger_.released(slot) && s.grad_ref.defined() && !s.param.grad().defined()) s.param.mutable_grad() = s.grad_ref;
+}
+
+swap::StreamRef GradStream::compute_stream(optimizer::DeviceId device) {
+  return compute_stream_of(*runtime_->copy_engine(), devices_.at(device));
+}
+
+void GradStream::make_stream_wait(swap::StreamRef stream, const swap::TransferHandle& copy) {
+  runtime_->copy_engine()->make_stream_wait(stream, copy);
+}
+
+optimizer::DeviceId GradStream::device_id(const c10::Device& device) {
+  const auto it = std::find(devices_.begin(), devices_.end(), device);
+  if (it != devices_.end()) return static_cast<optimizer::DeviceId>(it - devices_.begin());
+  devices_.push_back(device);
+  return devices_.size() - 1;
 }
 
 at::Tensor GradStream::staging_of(std::size_t slot) const {

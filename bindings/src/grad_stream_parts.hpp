@@ -46,10 +46,6 @@ struct GradStream::Slot {
   ContentProbe written;
   bool probe_after_upload = false;  // CUDA: probe the parameter once the compute stream waits for `upload`
   bool master_stale = false;        // the user wrote it: stepped from p (its master re-read) before any early step
-  // Its weights on the way back.
-  swap::TransferHandle upload;
-  bool upload_pending = false;
-  std::uint64_t upload_seq = 0;
 };
 
 /// `t` (contiguous, on the host) as the engine's array; the array keeps `t`.

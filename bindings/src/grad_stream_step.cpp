@@ -29,78 +29,33 @@ std::vector<std::size_t> GradStream::prepare_finish(double scale, bool stale, bo
   engine_->wait_worker_unlocked(true);  // step_wait_ns; Note [Stream timeline]: buckets launched here included
   std::lock_guard<std::mutex> lock(mutex_);
   count_freed_locked();
-  wait_uploads_locked();
-  prepared_ = Prepared{};
-  prepared_.scale = scale;
-  prepared_.stale = stale;
+  engine_->wait_uploads();
+  engine_->unprepare();
   weights_changed_ = weights_changed_locked();
-  std::vector<std::size_t> unhandled;
   const std::vector<optimizer::GradContent> contents = grad_contents_locked();
+  std::vector<optimizer::GradIdentity> now(slots_.size());
   for (std::size_t i = 0; i < slots_.size(); ++i) {
     if (!ledger_.streamable(i)) continue;
-    Slot& s = slots_[i];
     // The caller re-reads the master and takes p.grad (a released one back first: the identity is p.grad's then).
-    if (stale || s.master_stale) restore_locked(i, false);
-    optimizer::GradIdentity now = identity_of(i);
-    now.content = contents[i];
-    const optimizer::Confirmation c = ledger_.verdict(i, now, scale, stale);
-    prepared_.slots.push_back({i, now, c.kind});
-    if (c.kind == optimizer::Confirmation::kUnhandled) {
-      restore_locked(i, false);  // the caller steps it from p.grad
-      unhandled.push_back(i);
-      // Never committed: their pinned room goes to what the step needs (a tight host budget holds one or the other).
-      engine_->drop_outputs(i, true);
-    } else if (c.kind == optimizer::Confirmation::kRedo) {
-      engine_->drop_outputs(i, false);  // redone in place
-    }
+    if (stale || slots_[i].master_stale) restore_locked(i, false);
+    now[i] = identity_of(i);
+    now[i].content = contents[i];
   }
-  // The early steps' out-of-place results are an optimisation: with `frugal`, or when the redone steps'
-  // staging finds no room beside them, they go and their steps are redone in place from the landed gradients
-  // (the same kernel on the same values: the same bits).
-  auto let_early_results_go = [&] {
-    for (auto& p : prepared_.slots) {
-      if (p.kind != optimizer::Confirmation::kCommit) continue;
-      engine_->drop_outputs(p.slot, false);
-      ledger_.forget_early(p.slot);
-      p.kind = optimizer::Confirmation::kRedo;
-    }
-  };
-  if (frugal) let_early_results_go();
-  auto allocate_staging = [&] {
-    for (const auto& p : prepared_.slots)
-      if (p.kind == optimizer::Confirmation::kRedo) engine_->ensure_staging(p.slot);
-  };
-  try {
-    allocate_staging();
-  } catch (const out_of_memory&) {
-    if (frugal) throw;
-    let_early_results_go();
-    allocate_staging();
-  }
-  prepared_.ready = true;
+  // The verdicts (optimizer::StepEngine::prepare); the caller steps the unhandled ones from p.grad.
+  const std::vector<std::size_t> unhandled = engine_->prepare(now, scale, stale);
+  for (std::size_t i : unhandled) restore_locked(i, false);
+  engine_->prepare_staging(frugal);
   return unhandled;
 }
 
 GradStream::Finish GradStream::commit_finish() {
   std::lock_guard<std::mutex> lock(mutex_);
-  TIERFLOW_EXPECTS(prepared_.ready, "GradStream::commit_finish: no prepare_finish before it");
-  prepared_.ready = false;
   // Commits by a pointer swap, redoes the others in place (Note [Step ledger]); p.grad and the weights are ours.
-  const optimizer::StepEngine::Finish f = engine_->commit(prepared_.slots, prepared_.scale, prepared_.stale);
-  prepared_.slots.clear();
+  const optimizer::StepEngine::Finish f = engine_->commit_prepared();
   Finish out{f.committed, f.unhandled};
   upload_locked(out.committed);
   reset_window_locked(false);
   return out;
-}
-
-void GradStream::wait_uploads_locked() {
-  const std::uint64_t t0 = now_ns();
-  for (auto& [h, staging] : uploads_) h.wait();
-  uploads_.clear();
-  // Copies seen complete on the host are complete for any kernel queued from now on.
-  for (auto& s : slots_) s.upload_pending = false;
-  engine_->counters().weight_wait_ns += now_ns() - t0;
 }
 
 void GradStream::upload_locked(const std::vector<std::size_t>& committed) {
@@ -117,60 +72,29 @@ void GradStream::upload_locked(const std::vector<std::size_t>& committed) {
       continue;
     }
     const swap::StreamRef compute = compute_stream_of(*engine, s.param.device());
-    // After the kernels still reading the old value (rule 1).
-    s.upload = engine->copy(swap::Direction::kHostToDevice, s.param.data_ptr(), staging.data_ptr(),
-                            s.param.nbytes(), {}, compute);
+    // After the kernels still reading the old value (rule 1); the engine keeps the staging until it is done.
+    engine_->upload_sent(i, device_id(s.param.device()),
+                         engine->copy(swap::Direction::kHostToDevice, s.param.data_ptr(), staging.data_ptr(),
+                                      s.param.nbytes(), {}, compute));
     // Note [Weight content]: the bytes on their way are the staging's. On the host (the emulated device) read
     // them now; a GPU reads the parameter once its compute stream waits for the copy (below, or wait_module).
     s.probe_after_upload = !s.param.is_cpu();
     const std::uint64_t tw = now_ns();
     s.written = s.probe_after_upload ? ContentProbe() : ContentProbe::of(staging);
     engine_->counters().content_check_ns += now_ns() - tw;
-    s.upload_pending = true;
-    s.upload_seq = ++upload_seq_;
-    uploads_.emplace_back(s.upload, staging);  // staging stays until the copy is done (rule 3)
-    engine_->counters().weight_bytes_to_device += s.param.nbytes();
     sent.push_back(i);
   }
   if (options_.weights_in_forward) return;  // each module's forward waits for its own (wait_module)
   if (sent.empty()) return;
   const std::uint64_t t0 = now_ns();
-  // Rule 2; host -> device copies complete in submission order, so one event
-  // per device's compute stream: that of the last copy sent to it.
-  std::vector<std::pair<c10::Device, std::size_t>> last;
-  for (std::size_t i : sent) {
-    slots_[i].upload_pending = false;
-    const c10::Device d = slots_[i].param.device();
-    auto it = std::find_if(last.begin(), last.end(), [&](const auto& l) { return l.first == d; });
-    if (it == last.end()) last.emplace_back(d, i);
-    else it->second = i;
-  }
-  step_uploads_.clear();
-  waited_streams_.clear();
-  for (const auto& [d, i] : last) {
-    const swap::StreamRef compute = compute_stream_of(*engine, d);
-    engine->make_stream_wait(compute, slots_[i].upload);
-    step_uploads_.emplace_back(d, slots_[i].upload);
-    waited_streams_.emplace_back(d, compute.native());
-  }
-  for (std::size_t i : sent) probe_written_locked(slots_[i]);  // after the compute streams' waits
+  engine_->wait_for_step_uploads(sent);  // rule 2: per device, for the copy sent last
+  for (std::size_t i : sent) probe_written_locked(slots_[i], i);  // after the compute streams' waits
   engine_->counters().weight_wait_ns += now_ns() - t0;
 }
 
 void GradStream::wait_step_uploads() {
   std::lock_guard<std::mutex> lock(mutex_);
-  step_uploads_.erase(std::remove_if(step_uploads_.begin(), step_uploads_.end(),
-                                     [](const auto& u) { return u.second.ready(); }),
-                      step_uploads_.end());
-  if (step_uploads_.empty()) return;
-  const auto& engine = runtime_->copy_engine();
-  for (const auto& [device, upload] : step_uploads_) {
-    const swap::StreamRef compute = compute_stream_of(*engine, device);
-    const std::pair<c10::Device, void*> key(device, compute.native());
-    if (std::find(waited_streams_.begin(), waited_streams_.end(), key) != waited_streams_.end()) continue;
-    engine->make_stream_wait(compute, upload);  // rule 2, for a reader on another stream
-    waited_streams_.push_back(key);
-  }
+  engine_->wait_step_uploads();
 }
 
 void GradStream::begin_clip() {
@@ -221,29 +145,16 @@ void GradStream::end_clip(double max_norm, double coefficient) {
 
 void GradStream::wait_module(std::size_t module) {
   std::lock_guard<std::mutex> lock(mutex_);
-  TIERFLOW_EXPECTS(module < modules_.size(), "GradStream::wait_module: no module " + std::to_string(module));
   const std::uint64_t t0 = now_ns();
-  const auto& engine = runtime_->copy_engine();
-  // Host -> device copies complete in submission order: waiting for the one
-  // sent last waits for all of the module's (rule 2, one event per module).
-  Slot* last = nullptr;
-  for (std::size_t i : modules_[module]) {
-    Slot& s = slots_[i];
-    if (!s.upload_pending) continue;
-    if (!last || s.upload_seq > last->upload_seq) last = &s;
-    s.upload_pending = false;
-  }
-  // (A module's parameters are on one device: the runtime's.)
-  if (last) engine->make_stream_wait(compute_stream_of(*engine, last->param.device()), last->upload);
-  for (std::size_t i : modules_[module]) probe_written_locked(slots_[i]);
+  engine_->wait_module(module);  // rule 2: for the last of its parameters' copies sent
+  for (std::size_t i : engine_->module_slots(module)) probe_written_locked(slots_[i], i);
   engine_->counters().weight_wait_ns += now_ns() - t0;
 }
 
-void GradStream::probe_written_locked(Slot& s) {
+void GradStream::probe_written_locked(Slot& s, std::size_t slot) {
   if (!s.probe_after_upload) return;
   s.probe_after_upload = false;
-  if (s.upload_pending)  // its compute stream has not waited for it yet
-    runtime_->copy_engine()->make_stream_wait(compute_stream_of(*runtime_->copy_engine(), s.param.device()), s.upload);
+  engine_->wait_upload(slot);  // when its compute stream has not waited for it yet
   s.written = ContentProbe::of(s.param);
 }
 
@@ -254,7 +165,7 @@ std::vector<std::size_t> GradStream::weights_changed_locked() {
   std::vector<ContentProbe*> pending;
   for (std::size_t i = 0; i < slots_.size(); ++i) {
     Slot& s = slots_[i];
-    probe_written_locked(s);
+    probe_written_locked(s, i);
     if (!s.written.pending() && !s.written.get().known) continue;
     now[i] = ContentProbe::of(s.param);
     for (ContentProbe* p : {&now[i], &s.written})
@@ -278,13 +189,7 @@ std::vector<std::size_t> GradStream::weights_changed_locked() {
 
 void GradStream::synchronize() {
   std::lock_guard<std::mutex> lock(mutex_);
-  const auto& engine = runtime_->copy_engine();
-  for (auto& s : slots_)
-    if (s.upload_pending) {
-      engine->make_stream_wait(compute_stream_of(*engine, s.param.device()), s.upload);
-      s.upload_pending = false;
-    }
-  wait_uploads_locked();
+  engine_->synchronize();
 }
 
 std::size_t GradStream::size_buckets(double link_bytes_per_second) {

@@ -76,6 +76,11 @@ StepEngine::~StepEngine() {
     log(LogLevel::kError, std::string("a streamed optimizer step failed at shutdown: ") + e.what());
   }
   worker_.reset();
+  try {
+    for (auto& [h, buffer] : uploads_) h.wait();  // a weight upload still reading its staging (rule 3)
+  } catch (const std::exception& e) {
+    log(LogLevel::kError, std::string("a weight upload failed at shutdown: ") + e.what());
+  }
   for (auto& s : slots_) {
     try {
       s.copy.wait();  // a gradient's copy still writing into a bucket (rule 3)

@@ -1,8 +1,10 @@
 // optimizer::StepEngine (issue 40 item 2) without torch, on the emulated copy engine (polite and adversarial):
 // the paths the Python streaming suites drive through GradStream -- buckets stepped during backward and
 // committed, redone with a clip coefficient, taken back, accumulated over a window, a held parameter stepped in
-// step(), a changed gradient left to the caller, released gradients, the timeline's order, size_buckets --
-// each checked element-wise, bit for bit, against a plain in-place CpuAdam step over copies of the same arrays.
+// step(), a changed gradient left to the caller, released gradients, the timeline's order, size_buckets, a
+// frugal step (every early step redone in place) -- each checked element-wise, bit for bit, against a plain
+// in-place CpuAdam step over copies of the same arrays; and the weights' uploads: which copy each device's
+// compute stream and each module waits for, and the staging kept until its copy is done.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -61,6 +63,26 @@ struct FakeHost final : StepEngineHost {
   void count_step(std::size_t slot) override { steps.at(slot) += 1; }
   void gradient_landed(std::size_t slot) override { landed.insert(slot); }
   void gradient_copy_failed(std::size_t slot) override { failed.insert(slot); }
+  // Devices as the front end names them: each its own compute stream (`stream_of`, else emulated compute).
+  swap::CopyEngine* copies = nullptr;
+  std::vector<void*> stream_of;
+  struct Wait {
+    DeviceId device;
+    void* stream;
+    swap::TransferHandle copy;
+  };
+  std::vector<Wait> waits;  // every stream wait the engine asked for
+  swap::StreamRef compute_stream(DeviceId device) override {
+    if (device < stream_of.size() && stream_of[device]) return swap::StreamRef::cuda(stream_of[device]);
+    return swap::StreamRef::emulated_compute();
+  }
+  void make_stream_wait(swap::StreamRef stream, const swap::TransferHandle& copy) override {
+    DeviceId device = stream_of.size();
+    for (DeviceId d = 0; d < stream_of.size(); ++d)
+      if (stream_of[d] == stream.native()) device = d;
+    waits.push_back({device, stream.native(), copy});
+    if (!stream.is_cuda()) copies->make_stream_wait(stream, copy);
+  }
 };
 
 HostArray array_of(std::vector<float>& v) {
@@ -80,6 +102,7 @@ class StepEngineTest : public ::testing::TestWithParam<bool> {
     swap::EmulatedCopyOptions co;
     co.adversarial = GetParam();
     copies_ = swap::make_emulated_copy_engine(nullptr, co);
+    host_.copies = copies_.get();
     engine_ = std::make_unique<StepEngine>(o, host_);
     opts_.lr = 1e-2;
     opts_.weight_decay = 0.01;
@@ -145,22 +168,29 @@ class StepEngineTest : public ::testing::TestWithParam<bool> {
     }
     engine_->wait_worker_unlocked(true);
     std::lock_guard<std::mutex> lock(engine_->mutex());
-    std::vector<StepEngine::Verdict> verdicts;
-    for (std::size_t i = 0; i < params_.size(); ++i) {
-      const GradIdentity now_id = identity(i);
-      const Confirmation c = engine_->ledger().verdict(i, now_id, scale, false);
-      verdicts.push_back({i, now_id, c.kind});
-      if (c.kind == Confirmation::kUnhandled) engine_->drop_outputs(i, true);
-      if (c.kind == Confirmation::kRedo) {
-        engine_->drop_outputs(i, false);
-        engine_->ensure_staging(i);
-      }
-    }
-    StepEngine::Finish f = engine_->commit(verdicts, scale, false);
-    for (std::size_t i : f.committed) {  // the new weights go back to the device
+    engine_->wait_uploads();  // the last step's weights are in (as GradStream's prepare_finish)
+    std::vector<GradIdentity> now_ids;
+    for (std::size_t i = 0; i < params_.size(); ++i) now_ids.push_back(identity(i));
+    const std::vector<std::size_t> unhandled = engine_->prepare(now_ids, scale, false);
+    engine_->prepare_staging(frugal_);
+    StepEngine::Finish f = engine_->commit_prepared();
+    EXPECT_EQ(f.unhandled, unhandled);
+    // The new weights go back to the device: queued in forward order, each device's (slot % devices_)
+    // compute stream ordered after the copy sent last to it.
+    std::vector<std::size_t> sent;
+    for (std::size_t i : engine_->ledger().forward_order(f.committed)) {
       const HostArray& staging = engine_->staging_of(i);
-      std::memcpy(params_[i].weight.data(), staging.data, staging.bytes);
+      engine_->upload_sent(i, i % devices_,
+                           copies_->copy(swap::Direction::kHostToDevice, params_[i].weight.data(), staging.data,
+                                         staging.bytes, {}, swap::StreamRef::emulated_compute()));
+      sent.push_back(i);
     }
+    if (weights_in_forward_) return end_step(f, scale);
+    engine_->wait_for_step_uploads(sent);
+    return end_step(f, scale);
+  }
+
+  StepEngine::Finish end_step(const StepEngine::Finish& f, double scale) {
     for (std::size_t i : f.unhandled) own_step(i, scale);
     engine_->end_window(false);
     return f;
@@ -201,6 +231,10 @@ class StepEngineTest : public ::testing::TestWithParam<bool> {
 
   // The weights and the engine's state now (bit for bit) against the reference's.
   void expect_matches_reference() {
+    {
+      std::lock_guard<std::mutex> lock(engine_->mutex());
+      engine_->synchronize();  // the weights on their way are in
+    }
     for (std::size_t i = 0; i < params_.size(); ++i) {
       const Param& p = params_[i];
       std::vector<HostArray> state;
@@ -241,6 +275,9 @@ class StepEngineTest : public ::testing::TestWithParam<bool> {
   AdamOptions opts_;
   std::int64_t ref_steps_ = 0;
   int backwards_ = 0;
+  bool frugal_ = false;             // step()'s prepare_staging lets the early results go
+  bool weights_in_forward_ = false; // step() leaves the uploads pending (TIERFLOW_WEIGHTS_RETURN=forward)
+  std::size_t devices_ = 1;         // step() sends slot i's weights to device i % devices_
 };
 
 StepEngineOptions buckets_of(std::size_t bytes) {
@@ -419,8 +456,13 @@ TEST_P(StepEngineTest, EndsAWindowHoldingOnlyTheCommittedState) {
   build(buckets_of(256), kSizes);
   backward(1.0f);
   step();
-  // The buckets' buffers, the staging and the old outputs went with the window; the committed outputs are the
-  // state now (master and both moments of each parameter).
+  // The buckets' buffers and the old outputs went with the window, the staging is kept by the uploads until
+  // their copies are done (rule 3); the committed outputs are the state now (master and both moments).
+  EXPECT_EQ(host_.alive(), 4 * kSizes.size());
+  {
+    std::lock_guard<std::mutex> lock(engine_->mutex());
+    engine_->wait_uploads();
+  }
   EXPECT_EQ(host_.alive(), 3 * kSizes.size());
   backward(1.0f);
   {
@@ -433,6 +475,114 @@ TEST_P(StepEngineTest, EndsAWindowHoldingOnlyTheCommittedState) {
     engine_->end_window(true);
   }
   EXPECT_EQ(host_.alive(), 3 * kSizes.size());  // a discarded window's outputs go too
+}
+
+TEST_P(StepEngineTest, AFrugalStepRedoesEveryEarlyStepInPlace) {
+  build(buckets_of(256), kSizes);
+  frugal_ = true;  // a tight host budget: the early steps' out-of-place results go, their steps are redone
+  devices_ = 2;
+  weights_in_forward_ = true;
+  for (int s = 0; s < 2; ++s) {
+    backward(1.0f);
+    const StepEngine::Finish f = step();
+    reference_step();
+    EXPECT_EQ(f.committed.size(), kSizes.size());
+    expect_matches_reference();  // the same kernel on the same values: the same bits
+  }
+  const StepEngineStats st = stats();
+  EXPECT_EQ(st.early_steps, 2 * kSizes.size());
+  EXPECT_EQ(st.committed, 0u);  // none by a pointer swap: each forgotten and stepped again in place
+  EXPECT_EQ(st.weight_bytes_to_device, 2u * 4u * (37 + 64 + 5 + 128 + 19));
+}
+
+TEST_P(StepEngineTest, CommitsOnlyWhatWasPrepared) {
+  build(buckets_of(256), kSizes);
+  backward(1.0f);
+  engine_->wait_worker_unlocked(true);
+  std::lock_guard<std::mutex> lock(engine_->mutex());
+  EXPECT_THROW(engine_->commit_prepared(), std::logic_error);  // no prepare
+  std::vector<GradIdentity> now_ids;
+  for (std::size_t i = 0; i < params_.size(); ++i) now_ids.push_back(identity(i));
+  EXPECT_THROW(engine_->prepare({now_ids[0]}, 1.0, false), std::logic_error);  // one identity per slot
+  EXPECT_TRUE(engine_->prepare(now_ids, 1.0, false).empty());
+  EXPECT_THROW(engine_->commit_prepared(), std::logic_error);  // no prepare_staging
+  engine_->prepare_staging(false);
+  EXPECT_EQ(engine_->commit_prepared().committed.size(), kSizes.size());
+  EXPECT_THROW(engine_->commit_prepared(), std::logic_error);  // once
+  engine_->end_window(false);
+}
+
+// A copy that completes when the host waits for it: the uploads' bookkeeping without a copy engine's timing.
+struct Gate final : swap::detail::TransferState {
+  mutable bool open = false;
+  bool ready() const override { return open; }
+  void wait() const override { open = true; }
+  std::size_t bytes() const noexcept override { return 0; }
+};
+
+TEST_P(StepEngineTest, UploadsWaitForTheCopySentLastPerDeviceAndModule) {
+  build(buckets_of(256), kSizes);
+  backward(1.0f);
+  step();
+  int a = 0, b = 0, c = 0;  // three compute streams: device 0's, device 1's, another of device 0's
+  host_.stream_of = {&a, &b};
+  std::vector<std::shared_ptr<Gate>> g(kSizes.size());
+  std::lock_guard<std::mutex> lock(engine_->mutex());
+  engine_->synchronize();  // the step's own uploads are done
+  auto send = [&](const std::vector<std::size_t>& order) {
+    for (std::size_t i : order) {
+      engine_->ensure_staging(i);
+      g[i] = std::make_shared<Gate>();
+      engine_->upload_sent(i, i % 2, swap::TransferHandle(g[i]));
+    }
+    host_.waits.clear();
+  };
+  auto waited = [&](std::size_t k, void* stream, std::size_t slot) {
+    ASSERT_LT(k, host_.waits.size());
+    EXPECT_EQ(host_.waits[k].stream, stream) << "wait " << k;
+    EXPECT_EQ(host_.waits[k].copy.state().get(), static_cast<swap::detail::TransferState*>(g[slot].get()))
+        << "wait " << k << " is not slot " << slot;
+  };
+  // TIERFLOW_WEIGHTS_RETURN=step: one wait per device, for the copy sent to it last.
+  send({2, 0, 4, 1, 3});
+  engine_->wait_for_step_uploads({2, 0, 4, 1, 3});
+  ASSERT_EQ(host_.waits.size(), 2u);
+  waited(0, &a, 4);
+  waited(1, &b, 3);
+  // A forward on another stream of device 0 waits too, once; device 1's stream waits already.
+  host_.stream_of[0] = &c;
+  engine_->wait_step_uploads();
+  engine_->wait_step_uploads();
+  ASSERT_EQ(host_.waits.size(), 3u);
+  waited(2, &c, 4);
+  // The staging stays until its copy is done (rule 3), even once the slots let go of it.
+  const std::size_t alive = host_.alive();
+  for (std::size_t i = 0; i < kSizes.size(); ++i) engine_->drop_outputs(i, true);
+  EXPECT_EQ(host_.alive(), alive);
+  engine_->wait_uploads();
+  EXPECT_EQ(host_.alive(), alive - kSizes.size());
+  for (const auto& gi : g) EXPECT_TRUE(gi->open);
+  // =forward: each module's forward waits for its own parameters' last copy only.
+  host_.stream_of[0] = &a;
+  const std::size_t even = engine_->add_module({0, 2, 4}), odd = engine_->add_module({1, 3});
+  send({4, 0, 2, 3, 1});
+  engine_->wait_module(even);
+  engine_->wait_module(even);  // nothing pending any more
+  ASSERT_EQ(host_.waits.size(), 1u);
+  waited(0, &a, 2);
+  EXPECT_FALSE(engine_->upload_pending(0));
+  EXPECT_TRUE(engine_->upload_pending(1));
+  engine_->wait_upload(1);  // one parameter's probe: its copy waited for, the module's still pending
+  ASSERT_EQ(host_.waits.size(), 2u);
+  waited(1, &b, 1);
+  EXPECT_TRUE(engine_->upload_pending(3));
+  engine_->synchronize();  // the pending ones (1 and 3), then the host waits for all
+  ASSERT_EQ(host_.waits.size(), 4u);
+  EXPECT_FALSE(engine_->upload_pending(1));
+  EXPECT_FALSE(engine_->upload_pending(3));
+  for (const auto& gi : g) EXPECT_TRUE(gi->open);
+  EXPECT_THROW(engine_->wait_module(odd + 1), std::logic_error);
+  engine_->end_window(false);
 }
 
 TEST_P(StepEngineTest, RefusesAStateOfTheWrongSize) {

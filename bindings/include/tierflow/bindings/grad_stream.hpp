@@ -82,7 +82,9 @@
 // tested without torch in tests/cpp/test_step_engine.cpp). GradStream is its
 // torch adapter: the autograd hooks, the tensors and their lifetimes, p.grad
 // released and restored, DDP's and FSDP2's reduced gradients, the contents
-// (Notes [Gradient content], [Weight content]) and the weights' uploads.
+// (Notes [Gradient content], [Weight content]) and the weights' copies queued to
+// the device; which copy each device and module waits for, when staging may
+// go, and each slot's verdict at step() are the engine's.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -265,6 +267,10 @@ class GradStream : public std::enable_shared_from_this<GradStream>, private opti
   void count_step(std::size_t slot) override;
   void gradient_landed(std::size_t slot) override;
   void gradient_copy_failed(std::size_t slot) override;
+  swap::StreamRef compute_stream(optimizer::DeviceId device) override;
+  void make_stream_wait(swap::StreamRef stream, const swap::TransferHandle& copy) override;
+  /// The engine's name for `device` (its index in devices_).
+  optimizer::DeviceId device_id(const c10::Device& device);
 
   void on_grad(std::size_t slot);
   void begin_backward(bool queue_end);
@@ -273,15 +279,8 @@ class GradStream : public std::enable_shared_from_this<GradStream>, private opti
   void rebind_reduced_locked();
   optimizer::GradIdentity identity_of(std::size_t slot) const;
   std::vector<optimizer::GradContent> grad_contents_locked();
-  struct Prepared {  // prepare_finish's verdicts, for commit_finish
-    std::vector<optimizer::StepEngine::Verdict> slots;
-    double scale = 1.0;
-    bool stale = false;
-    bool ready = false;
-  };
-  Prepared prepared_;
   std::vector<std::size_t> weights_changed_;
-  void probe_written_locked(Slot& s);
+  void probe_written_locked(Slot& s, std::size_t slot);
   std::vector<std::size_t> weights_changed_locked();
   void stream_locked(std::size_t slot);
   void stream_from_locked(std::size_t slot, const at::Tensor& grad, bool reduced);
@@ -290,7 +289,6 @@ class GradStream : public std::enable_shared_from_this<GradStream>, private opti
   void release_landed_locked();
   void count_freed_locked();
   void restore_locked(std::size_t slot, bool accumulate);
-  void wait_uploads_locked();
   at::Tensor staging_of(std::size_t slot) const;
 
   std::shared_ptr<Runtime> runtime_;
@@ -301,14 +299,8 @@ class GradStream : public std::enable_shared_from_this<GradStream>, private opti
   std::mutex& mutex_;
   optimizer::StepLedger& ledger_;
   std::vector<Slot> slots_;              // the tensors of each engine slot
-  std::vector<std::vector<std::size_t>> modules_;
-  std::vector<std::pair<swap::TransferHandle, at::Tensor>> uploads_;  // staging kept until its copy is done
   std::vector<std::size_t> releasing_;   // released slots whose device gradient waits for its copy
-  std::uint64_t upload_seq_ = 0;         // submission order of weight copies (wait_module)
-  // Weights back with TIERFLOW_WEIGHTS_RETURN=step: per device the copy sent
-  // last, and the compute streams that already wait for it (wait_step_uploads).
-  std::vector<std::pair<c10::Device, swap::TransferHandle>> step_uploads_;
-  std::vector<std::pair<c10::Device, void*>> waited_streams_;
+  std::vector<c10::Device> devices_;     // the engine's DeviceIds: the devices weights were sent to
   std::vector<std::size_t> reduced_;    // slots set_reduced (DDP)
   std::unordered_map<const void*, std::size_t> reduced_slot_;  // ... by parameter (its TensorImpl)
   bool end_queued_ = false;              // this backward's on_backward_end is queued

@@ -122,6 +122,9 @@ struct KernelArrays {
 /// The AdamTensor of `a`: the kernel's view of its pointers (packed moments for bf16 and 8bit).
 AdamTensor adam_tensor(const KernelArrays& a);
 
+/// The front end's name for a device (an index into its own table of them).
+using DeviceId = std::size_t;
+
 /// What only the front end can do for a StepEngine. Every call but allocate's comes with the engine's mutex
 /// held (the worker's too): none may call back into the engine.
 class StepEngineHost {
@@ -139,6 +142,10 @@ class StepEngineHost {
   virtual void gradient_landed(std::size_t slot) = 0;
   /// The copy of `slot`'s gradient failed: a released one goes back where the caller steps it from.
   virtual void gradient_copy_failed(std::size_t slot) = 0;
+  /// The stream `device`'s compute runs on now (the current one: a forward under another stream names it).
+  virtual swap::StreamRef compute_stream(DeviceId device) = 0;
+  /// Makes `stream` wait for `copy` (rule 2 of Note [Copy ordering]; on CUDA without blocking the host).
+  virtual void make_stream_wait(swap::StreamRef stream, const swap::TransferHandle& copy) = 0;
 };
 
 /// The buckets, worker, commits and redone steps of the streaming CPU optimizer; see the file comment.
@@ -226,9 +233,46 @@ class StepEngine {
   /// Confirms `verdicts` with the ledger (each must still be what it was), commits the early steps by a
   /// pointer swap and redoes the others in place from the landed gradients with the clip coefficient.
   Finish commit(const std::vector<Verdict>& verdicts, double scale, bool stale);
+  /// step() in two (Note [Atomic step]), first the verdicts: `now` holds each slot's gradient identity now
+  /// (read for the streamable ones). Asks the ledger for every streamable slot's verdict and keeps them (the
+  /// prepared record); the unhandled ones' outputs and staging go, the redone ones' outputs. Returns the
+  /// unhandled slots (the caller steps them from its device gradients).
+  std::vector<std::size_t> prepare(const std::vector<GradIdentity>& now, double scale, bool stale);
+  /// ... then the redone steps' staging. `frugal`, or no room for that staging beside the early steps'
+  /// out-of-place results: those go and their steps are redone in place (the same kernel on the same values:
+  /// the same bits). Throws out_of_memory (the window stays open; a retry prepares again).
+  void prepare_staging(bool frugal);
+  /// commit() of what prepare and prepare_staging decided; throws without them.
+  Finish commit_prepared();
+  /// What was prepared is no longer what step() commits (a prepare begins again).
+  void unprepare() noexcept { prepared_.ready = false; }
   /// Ends the window: waits for the copies still writing into the buckets (rule 3), lets go of this window's
   /// gradients and outputs, tells the ledger, and closes the timeline.
   void end_window(bool count_taken_back);
+  // Weights back (Note [Gradient streaming], 4): which copy each slot and device sent last, which compute
+  // stream waits for which, and when staging may go.
+  /// One module's own parameters; returns its id for wait_module.
+  std::size_t add_module(std::vector<std::size_t> slots);
+  const std::vector<std::size_t>& module_slots(std::size_t module) const { return modules_.at(module); }
+  /// The front end queued `upload`, of staging_of(slot) to `slot`'s parameter on `device`: the staging is
+  /// kept until the copy is done (rule 3), and the upload is pending until a compute stream waits for it.
+  void upload_sent(std::size_t slot, DeviceId device, swap::TransferHandle upload);
+  /// Keeps `buffer` (the source of the front end's `copy`) until the copy is done (rule 3).
+  void keep_until_done(swap::TransferHandle copy, HostArray buffer);
+  /// Waits on the host for every upload and copy kept: their buffers go, no upload is pending (weight_wait_ns).
+  void wait_uploads();
+  /// TIERFLOW_WEIGHTS_RETURN=step: per device, the compute stream waits for the upload of `sent` sent last
+  /// (copies in one direction complete in submission order), remembered for wait_step_uploads.
+  void wait_for_step_uploads(const std::vector<std::size_t>& sent);
+  /// ... and a compute stream current at a later forward that has not waited yet waits too, until they are done.
+  void wait_step_uploads();
+  /// The compute stream of `module`'s device waits for the last of its parameters' pending uploads.
+  void wait_module(std::size_t module);
+  /// The compute stream of `slot`'s device waits for its upload if pending (it stays pending).
+  void wait_upload(std::size_t slot);
+  bool upload_pending(std::size_t slot) const { return slots_.at(slot).upload_pending; }
+  /// Every pending upload waited for by its compute stream, then wait_uploads.
+  void synchronize();
   /// TIERFLOW_GRAD_BUCKET_BYTES=auto: the ledger's size_buckets, the buffers re-cut; the size in force.
   std::size_t size_buckets(double link_bytes_per_second);
   /// Counters, the ledger's merged.
@@ -248,6 +292,17 @@ class StepEngine {
     swap::TransferHandle copy;   // of its gradient to host_grad
     std::uint64_t copy_seq = 0;  // submission order of `copy`
     HostArray out_master, out_exp_avg, out_exp_avg_sq, out_max_exp_avg_sq, staging;
+    // Its weights on the way back.
+    swap::TransferHandle upload;
+    DeviceId device = 0;
+    bool upload_pending = false;
+    std::uint64_t upload_seq = 0;
+  };
+  struct Prepared {  // prepare's verdicts, for commit_prepared
+    std::vector<Verdict> slots;
+    double scale = 1.0;
+    bool stale = false;
+    bool ready = false;
   };
   struct Bucket {
     HostArray buffer;  // pinned, this window
@@ -288,6 +343,13 @@ class StepEngine {
   WindowClock clock_;
   std::uint64_t clock_window_ = 0;  // windows finished: a bucket's times go to its own window only
   WindowTimeline last_window_;
+  Prepared prepared_;
+  std::vector<std::vector<std::size_t>> modules_;
+  std::vector<std::pair<swap::TransferHandle, HostArray>> uploads_;  // buffers kept until their copy is done
+  std::uint64_t upload_seq_ = 0;  // submission order of weight copies (wait_module)
+  // With TIERFLOW_WEIGHTS_RETURN=step: per device the copy sent last, and the compute streams that wait for it.
+  std::vector<std::pair<DeviceId, swap::TransferHandle>> step_uploads_;
+  std::vector<std::pair<DeviceId, void*>> waited_streams_;
   std::unique_ptr<swap::detail::SerialWorker> worker_;
 };
 
