@@ -92,6 +92,10 @@ for mode in "${MODES[@]}"; do
       "${DEV[@]}" "${EXACT_ENV[@]}" -- --activations host --params host --optimizer torch --tolerance "$EXACT_TOLERANCE"
   run "$mode: blocks swapped to the host, torch's AdamW (bit-identical)" "${DEV[@]}" "${EXACT_ENV[@]}" -- \
       --activations host --optimizer torch --tolerance "$EXACT_TOLERANCE"
+  if [ "$mode" = cuda ]; then  # Note [C++ GPU share]: a quarter of the parameters step on the GPU, the rest stream
+    run "$mode: blocks swapped to the host, a GPU share of 0.25, CPU AdamW stepping the rest during backward" \
+        "${DEV[@]}" TIERFLOW_GPU_OPTIMIZER_FRACTION=0.25 -- --activations host
+  fi
   # Note [C++ auto activations]: the plan driver profiles two steps and plans before the third.
   AUTO=(TIERFLOW_OFFLOAD_ACTIVATIONS=auto)
   run "$mode: auto activations, CPU AdamW stepping during backward" "${DEV[@]}" "${AUTO[@]}" -- --activations auto

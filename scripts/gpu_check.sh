@@ -15,6 +15,8 @@
 #   seq     (opt-in, not in the default parts) issue 17's longest sequence alone:
 #           --preset gpt1b --modes baseline --seq-search within GPU_CHECK_SEQ_SECONDS,
 #           writing benchmarks/results/gpu_offload_seq.json (a command of its own in a lease),
+#   cpp     (opt-in, not in the default parts) make cpp-example on CUDA: the C++ trainer's plans, auto,
+#           steps during backward, parameters on the host and the GPU share against plain LibTorch,
 #   bench7b (opt-in, not in the default parts) issue 18's target: --preset
 #           llama7b, tierflow-params within 16GiB and deepspeed-zero3-offload,
 #           writing benchmarks/results/gpu_offload_llama7b.json,
@@ -57,8 +59,8 @@ RESULT7B=benchmarks/results/gpu_offload_llama7b.json
 RESULTSEQ=benchmarks/results/gpu_offload_seq.json
 
 for p in $PARTS; do
-  case "$p" in build|tests|bench|seq|bench7b) ;;
-    *) die "GPU_CHECK_PARTS: '$p' is not a part; accepted: build, tests, bench, seq, bench7b" ;; esac
+  case "$p" in build|tests|bench|seq|bench7b|cpp) ;;
+    *) die "GPU_CHECK_PARTS: '$p' is not a part; accepted: build, tests, bench, seq, bench7b, cpp" ;; esac
 done
 
 # A GPU, seen by the driver; torch must see it too once it is installed.
@@ -130,6 +132,9 @@ for part in $PARTS; do
       run bench7b "$OUT/bench7b.log" env PYTHONPATH="$ROOT/bindings/python" "$VPY" benchmarks/bench_gpu_offload.py \
         --preset llama7b --modes tierflow-params,deepspeed-zero3-offload --mode-timeout 280 --out "$RESULT7B" \
         ${GPU_CHECK_BENCH_ARGS:-}
+      ;;
+    cpp)
+      run cpp "$OUT/cpp.log" bash scripts/cpp_example.sh
       ;;
   esac
 done

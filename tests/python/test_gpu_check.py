@@ -55,6 +55,14 @@ def test_the_sequence_part_is_opt_in_and_searches_beside_the_baseline_only(tmp_p
     assert "benchmarks/results/gpu_offload_seq.json" in lines[0]
 
 
+def test_the_cpp_part_is_opt_in_and_runs_the_cpp_example(tmp_path):
+    """The C++ trainer on CUDA (its auto, steps during backward, parameters on the host, GPU share) against LibTorch."""
+    proc = gpu_check(tmp_path, GPU_CHECK_DRY_RUN="1", GPU_CHECK_PARTS="cpp")
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if "would run" in line]
+    assert lines == ["[gpu-check] would run (cpp): bash scripts/cpp_example.sh"], lines
+
+
 def test_a_part_that_does_not_exist_is_refused(tmp_path):
     proc = gpu_check(tmp_path, GPU_CHECK_DRY_RUN="1", GPU_CHECK_PARTS="build test")
     assert proc.returncode == 2
