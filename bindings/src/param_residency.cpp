@@ -6,6 +6,7 @@
 #include <c10/core/StorageImpl.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <utility>
 
 #include "tierflow/bindings/activation_offloader.hpp"
@@ -19,6 +20,33 @@ namespace {
 
 tiering::ParamId param_id(const at::Tensor& p) {
   return static_cast<tiering::ParamId>(reinterpret_cast<std::uintptr_t>(p.unsafeGetTensorImpl()));
+}
+
+// Clearing the access error that drop_memory set. torch 2.13 has StorageImpl::clear_data_ptr_access_error_msg_;
+// torch 2.11 (a GPU image's) has no public way back from release_data_and_set_meta_custom_data_ptr_error_msg_,
+// so there the flag it set and the refresh it needs are reached through pointers to members named by an explicit
+// instantiation (the one place access checks allow it). The first build on an H200 (torch 2.11) failed on this.
+template <typename S, typename = void>
+struct HasClearAccessError : std::false_type {};
+template <typename S>
+struct HasClearAccessError<S, std::void_t<decltype(std::declval<S&>().clear_data_ptr_access_error_msg_())>>
+    : std::true_type {};
+
+struct ThrowFlag { using type = bool c10::StorageImpl::*; friend type member(ThrowFlag); };
+struct RefreshCheck { using type = void (c10::StorageImpl::*)(); friend type member(RefreshCheck); };
+template <typename Tag, typename Tag::type M>
+struct NameMember { friend typename Tag::type member(Tag) { return M; } };
+template struct NameMember<ThrowFlag, &c10::StorageImpl::throw_on_immutable_data_ptr_>;
+template struct NameMember<RefreshCheck, &c10::StorageImpl::refresh_has_data_ptr_check>;
+
+template <typename S>
+void clear_access_error(S* s) {
+  if constexpr (HasClearAccessError<S>::value) {
+    s->clear_data_ptr_access_error_msg_();
+  } else {
+    s->*member(ThrowFlag{}) = false;
+    (s->*member(RefreshCheck{}))();
+  }
 }
 
 // The storage's memory goes; the storage object (and every view of it) stays, its size too, and any access to
@@ -38,7 +66,7 @@ void give_memory(const at::Tensor& t, std::size_t nbytes) {
   at::Allocator* a = t.is_cpu() || s->allocator() == nullptr ? c10::GetAllocator(t.device().type()) : s->allocator();
   s->set_data_ptr_noswap(a->allocate(nbytes));
   s->set_nbytes(nbytes);
-  s->clear_data_ptr_access_error_msg_();
+  clear_access_error(s);
 }
 
 // What a read of a released parameter raises.
