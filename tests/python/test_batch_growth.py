@@ -8,6 +8,7 @@ cache path lays out attention's keys and values otherwise, and at 48 tokens and 
 differ in the last bits in plain torch, with or without tierflow.
 """
 
+import contextlib
 import copy
 
 import pytest
@@ -54,6 +55,31 @@ def run(make, lengths: list, device: str, wrap: bool, activations: str = "auto",
                                    **settings)
     torch.manual_seed(123)  # dropout
     losses, plans = [], []
+    with _deterministic_attention(device):
+        _train(model, opt, lengths, device, wrap, losses, plans, each_step)
+    weights = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    if wrap:
+        tierflow.unwrap(model)
+    return losses, weights, plans
+
+
+@contextlib.contextmanager
+def _deterministic_attention(device: str):
+    """On CUDA, SDPA's memory-efficient backward accumulates in no fixed order unless torch is asked for
+    determinism: on an H200 the plain run twice differed by 2.3e-7 in the weights. Asked (warning where an op has
+    no deterministic kernel), attention keeps its kernels and memory, and bit for bit can be asked of the runs."""
+    if device != "cuda":
+        yield
+        return
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+def _train(model, opt, lengths: list, device: str, wrap: bool, losses: list, plans: list, each_step) -> None:
     for x in batches(lengths):
         x = x.to(torch_device(device))
         loss = model(input_ids=x, labels=x).loss
@@ -65,10 +91,6 @@ def run(make, lengths: list, device: str, wrap: bool, activations: str = "auto",
             plans.append(copy.deepcopy(tierflow.report()["plan"]))
         if each_step is not None:
             each_step()
-    weights = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-    if wrap:
-        tierflow.unwrap(model)
-    return losses, weights, plans
 
 
 def keep_all_peak(make, device: str, length: int) -> int:
@@ -92,8 +114,13 @@ def test_a_longer_batch_plans_again_within_the_budget_and_the_run_stays_the_base
     for it and moves blocks off the device, its predicted peak within the budget; 1024 plans once more; the
     shorter batches keep the plan for the longest so far. Bit for bit the baseline's throughout."""
     make = FAMILIES[family]
-    lengths = [128, 128, 128, 512, 256, 1024, 64]
-    budget = int(2.0 * keep_all_peak(make, device, 128))
+    # On CUDA the rest of the step (measured there: the caching allocator's peak) is most of a 128-token peak, so
+    # a longer batch fit twice it keeping every block (an H200 run); twice the tokens make the blocks count.
+    # From that run's figures (GPT-2, 2048 tokens: 122 MiB for the rest, 61 MiB for a block's working set) a
+    # budget of 2.5 times; these CUDA figures were not run again (docs/gpu.md).
+    scale, times = (1, 2.0) if device == "emulated" else (2, 2.5)
+    lengths = [n * scale for n in (128, 128, 128, 512, 256, 1024, 64)]
+    budget = int(times * keep_all_peak(make, device, lengths[0]))
     capfd.readouterr()
     base = run(make, lengths, device, False)
     tier = run(make, lengths, device, True, gpu_memory=str(budget), prefetch_bytes="4MiB")
@@ -169,8 +196,9 @@ def test_a_profile_file_plans_for_the_larger_batch_at_once(device, tmp_path):
 def test_varying_sizes_settle_the_calibration_replan(device):
     """Note [Re-plan] compares steps of one size: a plan that moves bytes, then a batch half the profile's size,
     settles it, saying why."""
-    budget = int(0.8 * keep_all_peak(gpt2, device, 256))
-    _, _, plans = run(gpt2, [256, 256, 256, 128, 256], device, True, gpu_memory=str(budget),
+    n = 256 if device == "emulated" else 1024  # at 256 tokens on CUDA the rest of the step leaves no plan in 80%
+    budget = int(0.8 * keep_all_peak(gpt2, device, n))
+    _, _, plans = run(gpt2, [n, n, n, n // 2, n], device, True, gpu_memory=str(budget),
                       prefetch_bytes="4MiB")
     assert set(plans[2]["modes"]) != {"keep"}, plans[2]["summary"]
     assert "sizes vary" in (plans[3].get("settled") or ""), plans[3].get("settled")
