@@ -94,6 +94,20 @@ run() {
   return 0
 }
 
+# DeepSpeed, the benchmarks' peer, from the bundle (BUNDLE_DEEPSPEED=1 make bundle) when the machine lacks it.
+installed_deepspeed=0
+install_deepspeed() {
+  [ "$installed_deepspeed" = 1 ] && return 0
+  installed_deepspeed=1
+  if [ -n "$BUNDLE" ] && [ -d "$BUNDLE/deepspeed" ] && ! "$VPY" -c 'import deepspeed' 2>/dev/null; then
+    # Only what this Python takes (the bundle may hold wheels for several): DeepSpeed without its requirements
+    # (it names torch, which the machine has), then those it needs beyond the image, resolved from the bundle.
+    run deepspeed "$OUT/deepspeed.log" bash -c "'$VPY' -m pip install -q --no-index --find-links '$BUNDLE/deepspeed' \
+      --no-deps deepspeed && '$VPY' -m pip install -q --no-index --find-links '$BUNDLE/deepspeed' \
+      hjson py-cpuinfo msgpack nvidia-ml-py einops ninja pydantic"
+  fi
+}
+
 for part in $PARTS; do
   case "$part" in
     build)
@@ -109,14 +123,7 @@ for part in $PARTS; do
         "$VPY" -m pytest tests/python -q -rs -k cuda --junitxml "$OUT/tests-cuda.xml" ${GPU_CHECK_PYTEST_ARGS:-}
       ;;
     bench)
-      # DeepSpeed, the peer, from the bundle (BUNDLE_DEEPSPEED=1 make bundle) when the machine lacks it.
-      if [ -n "$BUNDLE" ] && [ -d "$BUNDLE/deepspeed" ] && ! "$VPY" -c 'import deepspeed' 2>/dev/null; then
-        # Only what this Python takes (the bundle may hold wheels for several): DeepSpeed without its requirements
-        # (it names torch, which the machine has), then those it needs beyond the image, resolved from the bundle.
-        run deepspeed "$OUT/deepspeed.log" bash -c "'$VPY' -m pip install -q --no-index --find-links '$BUNDLE/deepspeed' \
-          --no-deps deepspeed && '$VPY' -m pip install -q --no-index --find-links '$BUNDLE/deepspeed' \
-          hjson py-cpuinfo msgpack nvidia-ml-py einops ninja pydantic"
-      fi
+      install_deepspeed
       # shellcheck disable=SC2086  # SEQ_SEARCH and GPU_CHECK_BENCH_ARGS are lists of arguments
       run bench "$OUT/bench.log" env PYTHONPATH="$ROOT/bindings/python" "$VPY" benchmarks/bench_gpu_offload.py \
         --preset gpt1b $SEQ_SEARCH --mode-timeout 300 --out "$RESULT" ${GPU_CHECK_BENCH_ARGS:-}
@@ -128,6 +135,7 @@ for part in $PARTS; do
         --mode-timeout 120 --out "$RESULTSEQ" ${GPU_CHECK_BENCH_ARGS:-}
       ;;
     bench7b)
+      install_deepspeed  # its peer, deepspeed-zero3-offload (the first H200 lease installed it by hand)
       # shellcheck disable=SC2086
       run bench7b "$OUT/bench7b.log" env PYTHONPATH="$ROOT/bindings/python" "$VPY" benchmarks/bench_gpu_offload.py \
         --preset llama7b --modes tierflow-params,deepspeed-zero3-offload --mode-timeout 280 --out "$RESULT7B" \

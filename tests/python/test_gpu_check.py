@@ -38,7 +38,7 @@ def test_parts_run_in_the_order_given(tmp_path):
 
 
 def test_the_7b_part_is_opt_in_and_runs_tierflow_params_beside_zero3(tmp_path):
-    proc = gpu_check(tmp_path, GPU_CHECK_DRY_RUN="1", GPU_CHECK_PARTS="bench7b")
+    proc = gpu_check(tmp_path, GPU_CHECK_DRY_RUN="1", GPU_CHECK_PARTS="bench7b", TIERFLOW_BUNDLE=str(tmp_path / "none"))
     assert proc.returncode == 0, proc.stderr
     lines = [line for line in proc.stdout.splitlines() if "would run" in line]
     assert len(lines) == 1 and "(bench7b)" in lines[0], lines
@@ -111,6 +111,10 @@ def test_deepspeed_comes_from_the_bundle_before_the_benchmark_when_the_machine_l
     assert "(deepspeed)" in install and f"--no-index --find-links '{wheels}'" in install, install
     assert "--no-deps deepspeed" in install and "hjson py-cpuinfo msgpack nvidia-ml-py einops ninja pydantic" in install
     assert "(bench)" in bench
+    # The 7B part's peer is DeepSpeed too: installed the same way, once.
+    proc = gpu_check(tmp_path, GPU_CHECK_DRY_RUN="1", GPU_CHECK_PARTS="bench7b bench", TIERFLOW_BUNDLE=str(tmp_path / "bundle"))
+    parts = [line.split("(")[1].split(")")[0] for line in proc.stdout.splitlines() if "would run" in line]
+    assert parts == ["deepspeed", "bench7b", "bench"], parts
     # Without the directory, nothing is installed.
     proc = gpu_check(tmp_path, GPU_CHECK_DRY_RUN="1", GPU_CHECK_PARTS="bench")
     assert [line for line in proc.stdout.splitlines() if "would run" in line][0].count("(bench)") == 1
