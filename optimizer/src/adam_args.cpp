@@ -27,6 +27,43 @@ ScalarType io_type(const KernelArg& t, const char* what, std::size_t index) {
 
 float* floats(const KernelArg& t) noexcept { return static_cast<float*>(t.data); }
 
+ArgDtype arg_dtype(ScalarType t) noexcept {
+  switch (t) {
+    case ScalarType::kFloat32: return ArgDtype::kFloat32;
+    case ScalarType::kBFloat16: return ArgDtype::kBFloat16;
+    case ScalarType::kFloat16: return ArgDtype::kFloat16;
+  }
+  return ArgDtype::kOther;
+}
+
+const char* dtype_name(ArgDtype d) noexcept {
+  switch (d) {
+    case ArgDtype::kFloat32: return "Float";
+    case ArgDtype::kBFloat16: return "BFloat16";
+    case ArgDtype::kFloat16: return "Half";
+    case ArgDtype::kUint8: return "Byte";
+    case ArgDtype::kOther: break;
+  }
+  return "other";
+}
+
+// `a` as a contiguous CPU tensor of dtype `d` (elements of `element_bytes` each); undefined stays undefined.
+KernelArg arg_of(const HostArray& a, ArgDtype d, std::size_t element_bytes) {
+  if (!a.defined()) return {};
+  return {true, true, true, a.bytes / element_bytes, a.bytes, d, dtype_name(d), a.data};
+}
+
+KernelArg moment_arg(const HostArray& a, StateFormat f) {
+  switch (f) {
+    case StateFormat::kFp32: return arg_of(a, ArgDtype::kFloat32, 4);
+    case StateFormat::kBf16: return arg_of(a, ArgDtype::kBFloat16, 2);
+    case StateFormat::k8bit: return arg_of(a, ArgDtype::kUint8, 1);
+  }
+  return arg_of(a, ArgDtype::kOther, 1);
+}
+
+KernelArg typed_arg(const HostArray& a, ScalarType t) { return arg_of(a, arg_dtype(t), element_size(t)); }
+
 }  // namespace
 
 const char* const kAcceptedMoments =
@@ -150,6 +187,23 @@ std::vector<AdamTensor> adam_tensors(const AdamArgs& a, std::uint64_t* elements)
   }
   if (elements) *elements = total;
   return tensors;
+}
+
+std::vector<AdamTensor> adam_tensors(const std::vector<KernelArrays>& arrays, std::uint64_t* elements) {
+  AdamArgs args;
+  for (const KernelArrays& a : arrays) {
+    args.masters.push_back(typed_arg(a.master, ScalarType::kFloat32));
+    args.exp_avgs.push_back(moment_arg(a.exp_avg, a.format));
+    args.exp_avg_sqs.push_back(moment_arg(a.exp_avg_sq, a.format));
+    args.max_exp_avg_sqs.push_back(typed_arg(a.max_exp_avg_sq, ScalarType::kFloat32));
+    args.grads.push_back(typed_arg(a.grad, a.grad_type));
+    args.params_out.push_back(typed_arg(a.param_out, a.param_type));
+    args.masters_out.push_back(typed_arg(a.master_out, ScalarType::kFloat32));
+    args.exp_avgs_out.push_back(moment_arg(a.exp_avg_out, a.format));
+    args.exp_avg_sqs_out.push_back(moment_arg(a.exp_avg_sq_out, a.format));
+    args.max_exp_avg_sqs_out.push_back(typed_arg(a.max_exp_avg_sq_out, ScalarType::kFloat32));
+  }
+  return adam_tensors(args, elements);
 }
 
 std::optional<CpuIsa> parse_cpu_isa(const std::string& s) noexcept {

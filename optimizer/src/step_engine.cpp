@@ -24,47 +24,7 @@ StepLedgerOptions ledger_options(const StepEngineOptions& o) {
   return l;
 }
 
-PackedMoment packed(const HostArray& a, StateFormat f, std::size_t numel) {
-  if (!a.defined()) return {};
-  if (f == StateFormat::k8bit) return packed_8bit(a.data, numel);
-  return {a.data, nullptr};
-}
-
-float* floats(const HostArray& a) { return a.defined() ? static_cast<float*>(a.data) : nullptr; }
 }  // namespace
-
-AdamTensor adam_tensor(const KernelArrays& a) {
-  AdamTensor t;
-  t.numel = a.numel;
-  t.state_format = a.format;
-  t.master = floats(a.master);
-  if (a.format == StateFormat::kFp32) {
-    t.exp_avg = floats(a.exp_avg);
-    t.exp_avg_sq = floats(a.exp_avg_sq);
-  } else {
-    t.m = packed(a.exp_avg, a.format, a.numel);
-    t.v = packed(a.exp_avg_sq, a.format, a.numel);
-  }
-  t.max_exp_avg_sq = floats(a.max_exp_avg_sq);
-  t.grad = a.grad.data;
-  t.grad_type = a.grad_type;
-  if (a.param_out.defined()) {
-    t.param_out = a.param_out.data;
-    t.param_type = a.param_type;
-  }
-  if (a.master_out.defined()) {
-    t.master_out = floats(a.master_out);
-    if (a.format == StateFormat::kFp32) {
-      t.exp_avg_out = floats(a.exp_avg_out);
-      t.exp_avg_sq_out = floats(a.exp_avg_sq_out);
-    } else {
-      t.m_out = packed(a.exp_avg_out, a.format, a.numel);
-      t.v_out = packed(a.exp_avg_sq_out, a.format, a.numel);
-    }
-    if (t.max_exp_avg_sq) t.max_exp_avg_sq_out = floats(a.max_exp_avg_sq_out);
-  }
-  return t;
-}
 
 StepEngine::StepEngine(StepEngineOptions options, StepEngineHost& host)
     : host_(host), ledger_(ledger_options(options)), worker_(std::make_unique<swap::detail::SerialWorker>()) {}

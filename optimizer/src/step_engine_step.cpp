@@ -1,5 +1,6 @@
 // StepEngine's step(): the commits and redone steps (Note [Step ledger]), the window's end, the bucket sizing,
 // the counters and the timeline (Note [Stream timeline]).
+#include <cstdio>
 #include <string>
 #include <utility>
 
@@ -204,6 +205,15 @@ const std::vector<StatField<StepEngineStats>>& step_engine_stat_fields() {
       {"last_partial_norm", nullptr, &S::last_partial_norm},
   };
   return fields;
+}
+
+std::string describe_steps_during_backward(const StepEngineStats& s) {
+  char line[256];
+  std::snprintf(line, sizeof line, "stepped during backward %llu (committed %llu, redone %llu, taken back %llu, held %llu)",
+                static_cast<unsigned long long>(s.early_steps), static_cast<unsigned long long>(s.committed),
+                static_cast<unsigned long long>(s.redone), static_cast<unsigned long long>(s.taken_back),
+                static_cast<unsigned long long>(s.held));
+  return line;
 }
 
 }  // namespace tierflow::optimizer

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "tierflow/core/error.hpp"
+#include "tierflow/optimizer/adam_args.hpp"
 #include "tierflow/optimizer/cpu_adam.hpp"
 #include "tierflow/optimizer/grad_content.hpp"
 #include "tierflow/optimizer/step_engine.hpp"
@@ -54,9 +55,7 @@ struct FakeHost final : StepEngineHost {
     return {block->data(), bytes, block};
   }
   void adam_step(const AdamOptions& options, std::int64_t step, const std::vector<KernelArrays>& arrays) override {
-    std::vector<AdamTensor> t;
-    for (const auto& a : arrays) t.push_back(adam_tensor(a));
-    adam.step(options, step, t);
+    adam.step(options, step, adam_tensors(arrays));
     ++calls;
   }
   std::int64_t steps_taken(std::size_t slot) override { return steps.at(slot); }

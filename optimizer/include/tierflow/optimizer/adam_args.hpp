@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "tierflow/optimizer/cpu_adam.hpp"
+#include "tierflow/optimizer/kernel_arrays.hpp"
 #include "tierflow/optimizer/state_format.hpp"
 
 namespace tierflow::optimizer {
@@ -62,6 +63,11 @@ struct AdamArgs {
 /// first one wrong throws, naming it and what is accepted); `*elements`: the
 /// parameters' elements summed.
 std::vector<AdamTensor> adam_tensors(const AdamArgs& args, std::uint64_t* elements = nullptr);
+
+/// The same for host arrays (the step engine's and its hosts'): each array a contiguous CPU tensor of its
+/// type (the master float32, the moments their format's dtype, the gradient grad_type, the new weights
+/// param_type), checked as above; the first one wrong throws, naming it.
+std::vector<AdamTensor> adam_tensors(const std::vector<KernelArrays>& arrays, std::uint64_t* elements = nullptr);
 
 /// TIERFLOW_CPU_ISA's "avx512", "avx2", "portable"; nullopt for anything else (auto: the arena's choice).
 std::optional<CpuIsa> parse_cpu_isa(const std::string& s) noexcept;

@@ -10,11 +10,13 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <utility>
 #include <vector>
 
 #include "tierflow/core/stats.hpp"
 #include "tierflow/optimizer/cpu_adam.hpp"
+#include "tierflow/optimizer/kernel_arrays.hpp"
 #include "tierflow/optimizer/scalar_type.hpp"
 #include "tierflow/optimizer/state_format.hpp"
 #include "tierflow/optimizer/step_ledger.hpp"
@@ -22,19 +24,6 @@
 #include "tierflow/swap/detail/serial_worker.hpp"
 
 namespace tierflow::optimizer {
-
-/// A host buffer the engine reads or writes: `data` for `bytes`, alive while `keep` is (its owner, whatever
-/// the front end allocated it as: a tensor, a pool block). A slice of a buffer shares the buffer's `keep`.
-struct HostArray {
-  void* data = nullptr;
-  std::size_t bytes = 0;
-  std::shared_ptr<void> keep;
-  bool defined() const noexcept { return keep != nullptr; }
-  /// `bytes` at `offset`, kept alive with this buffer.
-  HostArray slice(std::size_t offset, std::size_t n) const {
-    return {static_cast<char*>(data) + offset, n, keep};
-  }
-};
 
 /// Settings of a StepEngine (GradStreamOptions' torch-free part, from the TIERFLOW_* table).
 struct StepEngineOptions {
@@ -78,6 +67,9 @@ struct StepEngineStats {
 /// StepEngineStats' exported fields (Note [Stat fields]): nanoseconds as *_ms.
 const std::vector<StatField<StepEngineStats>>& step_engine_stat_fields();
 
+/// `stepped during backward N (committed C, redone R, taken back T, held H)`, as Python's report prints it.
+std::string describe_steps_during_backward(const StepEngineStats& s);
+
 /// When one bucket of the last window moved, in ms from the window's first
 /// gradient (Note [Stream timeline]).
 struct BucketTimes {
@@ -108,19 +100,6 @@ struct WindowTimeline {
   double worker_done_ms = -1;     ///< ... and the worker was done
   std::vector<BucketTimes> buckets;  ///< in the order they went to the worker
 };
-
-/// One parameter's arrays in one CPU Adam call (the engine's, or the front end's for its own steps).
-struct KernelArrays {
-  std::size_t numel = 0;
-  StateFormat format = StateFormat::kFp32;  ///< the moments' (and their outputs') format
-  ScalarType grad_type = ScalarType::kFloat32;
-  ScalarType param_type = ScalarType::kFloat32;
-  HostArray master, exp_avg, exp_avg_sq, max_exp_avg_sq, grad, param_out;
-  HostArray master_out, exp_avg_out, exp_avg_sq_out, max_exp_avg_sq_out;  ///< all undefined: in place
-};
-
-/// The AdamTensor of `a`: the kernel's view of its pointers (packed moments for bf16 and 8bit).
-AdamTensor adam_tensor(const KernelArrays& a);
 
 /// The front end's name for a device (an index into its own table of them).
 using DeviceId = std::size_t;
