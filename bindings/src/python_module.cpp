@@ -273,6 +273,7 @@ PYBIND11_MODULE(_C, m) {
   bind_optimizer_kernels(m);
   bind_runtime(m);
   bind_grad_stream(m);
+  { void bind_distributed(py::module_&); bind_distributed(m); }  // distributed_bindings.cpp: _C.distributed
   (void)base;
 }
 
