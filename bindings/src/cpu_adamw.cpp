@@ -4,7 +4,6 @@
 #include <torch/optim/serialize.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <chrono>
 
 #include "tierflow/bindings/runtime.hpp"
@@ -109,12 +108,6 @@ bool CpuAdamW::own_master(const at::Tensor& p) const {
   return !carried(p) && optimizer::is_own_master(layout(p));
 }
 
-CpuAdamW::Slot& CpuAdamW::slot_of(const at::Tensor& p) {
-  auto [it, made] = slots_.try_emplace(p.unsafeGetTensorImpl());
-  if (made) it->second.index = slots_.size() - 1;  // slots are never erased: indices stay distinct
-  return it->second;
-}
-
 CpuAdamW::Slot& CpuAdamW::slot(const at::Tensor& p, const AdamWOptions& options) {
   Slot& s = slot_of(p);
   if (on_nvme_) {
@@ -128,6 +121,14 @@ CpuAdamW::Slot& CpuAdamW::slot(const at::Tensor& p, const AdamWOptions& options)
     s.master.copy_(p.detach());
   }
   return s;
+}
+
+std::unique_ptr<AdamWParamState> CpuAdamW::new_state(const at::Tensor& p, bool amsgrad) const {
+  auto st = std::make_unique<AdamWParamState>();
+  st->exp_avg(runtime_->host_moment(p.sizes(), format_));  // Note [Optimizer state formats]
+  st->exp_avg_sq(runtime_->host_moment(p.sizes(), format_));
+  if (amsgrad) st->max_exp_avg_sq(runtime_->host_empty(p.sizes(), at::kFloat, true));
+  return st;
 }
 
 at::Tensor CpuAdamW::step(LossClosure closure) {
@@ -152,35 +153,25 @@ at::Tensor CpuAdamW::step(LossClosure closure) {
       stream_->restore_grads();  // a skipped step leaves p.grad as torch's does
       stream_->end_window();
     }
-    stats_.skipped_steps += 1;
+    records_.skipped();
     return loss;
   }
-  scale_ = scale;
+  records_.begin(scale);
   bool stepped = stream_ ? step_streamed(scale) : false;
-  std::vector<Failure> failed;
-  std::string first_error;
-  for (std::size_t g = 0; g < param_groups_.size(); ++g)
-    stepped = step_group(param_groups_[g], g, failed, first_error) || stepped;
-  stepped_by_stream_.clear();
-  reread_.clear();
+  for (std::size_t g = 0; g < param_groups_.size(); ++g) stepped = step_group(param_groups_[g], g) || stepped;
   if (stream_) {
     register_states();  // states this path made for carried parameters
-    if (!written_here_.empty()) stream_->note_written(written_here_);  // Note [Weight content]
-    written_here_.clear();
-    master_stale_ = false;
+    const std::vector<std::size_t> written = records_.take_written();
+    if (!written.empty()) stream_->note_written(written);  // Note [Weight content]
   }
-  if (!failed.empty()) throw io_error(EIO, optimizer::unstepped_message(failed, first_error));
-  // A step that completed: every parameter is even again (Note [C++ CpuAdamW faults]).
-  retry_marks_.clear();
-  if (stepped) stats_.steps += 1;
+  records_.finish(stepped);  // throws io_error naming what did not step (Note [C++ CpuAdamW faults])
   return loss;
 }
 
-bool CpuAdamW::step_group(torch::optim::OptimizerParamGroup& group, std::size_t group_index,
-                          std::vector<Failure>& failed, std::string& first_error) {
+bool CpuAdamW::step_group(torch::optim::OptimizerParamGroup& group, std::size_t group_index) {
   const auto& o = static_cast<const AdamWOptions&>(group.options());
   optimizer::AdamOptions ao = adam_options_of(o);
-  if (scale_ != 1.0) ao.grad_scale = scale_;  // TIERFLOW_MAX_GRAD_NORM's coefficient
+  if (records_.scale() != 1.0) ao.grad_scale = records_.scale();  // TIERFLOW_MAX_GRAD_NORM's coefficient
 
   // Parameters with a gradient and the steps each has taken; one kernel call
   // per step number (Note [C++ CpuAdamW faults]).
@@ -190,25 +181,21 @@ bool CpuAdamW::step_group(torch::optim::OptimizerParamGroup& group, std::size_t 
   std::vector<at::Tensor> gpu;  // Note [C++ GPU share]
   for (std::size_t k = 0; k < group.params().size(); ++k) {
     const auto& p = group.params()[k];
-    if (!p.grad().defined() || stepped_by_stream_.count(p.unsafeGetTensorImpl())) continue;
-    if (on_gpu(p)) {
+    const Route route = records_.route(p.unsafeGetTensorImpl(), p.grad().defined());
+    if (route == Route::kSkip) continue;
+    if (route == Route::kGpu) {
       gpu.push_back(p);
       continue;
     }
     TORCH_CHECK(!p.grad().is_sparse(), "tierflow CpuAdamW does not support sparse gradients");
     TORCH_CHECK(p.is_contiguous(), "tierflow CpuAdamW: parameters must be contiguous");
-    auto sit = slots_.find(p.unsafeGetTensorImpl());
-    if (sit != slots_.end() && retry_marks_.stepped_with(sit->second.index, grad_identity(p.grad())))
+    if (records_.stepped_before(p.unsafeGetTensorImpl(), grad_identity(p.grad())))
       continue;  // stepped with this gradient in a step() that failed for others
     index_in_group[p.unsafeGetTensorImpl()] = k;
     auto& entry = state_[p.unsafeGetTensorImpl()];
     if (!entry && !on_nvme_) {  // NVMe states are made once their parameter has stepped
-      auto st = std::make_unique<AdamWParamState>();
       check_amsgrad();  // a group added since construction
-      st->exp_avg(runtime_->host_moment(p.sizes(), format_));  // Note [Optimizer state formats]
-      st->exp_avg_sq(runtime_->host_moment(p.sizes(), format_));
-      if (o.amsgrad()) st->max_exp_avg_sq(runtime_->host_empty(p.sizes(), at::kFloat, true));
-      entry = std::move(st);
+      entry = new_state(p, o.amsgrad());
     }
     const std::int64_t taken = entry ? static_cast<AdamWParamState&>(*entry).step() : 0;
     if (!entry) state_.erase(p.unsafeGetTensorImpl());
@@ -220,14 +207,13 @@ bool CpuAdamW::step_group(torch::optim::OptimizerParamGroup& group, std::size_t 
     std::vector<at::Tensor> params;
     params.reserve(b.members.size());
     for (std::size_t i : b.members) params.push_back(candidates[i]);
-    step_batch({b.step, std::move(params), group_index, &index_in_group}, o, ao, failed, first_error);
+    step_batch({b.step, std::move(params), group_index, &index_in_group}, o, ao);
   }
   if (!gpu.empty()) gpu_step(gpu, o, ao);
   return !candidates.empty() || !gpu.empty();
 }
 
-void CpuAdamW::step_batch(const Batch& batch, const AdamWOptions& o, const optimizer::AdamOptions& ao,
-                          std::vector<Failure>& failed, std::string& first_error) {
+void CpuAdamW::step_batch(const Batch& batch, const AdamWOptions& o, const optimizer::AdamOptions& ao) {
   const std::vector<at::Tensor>& params = batch.params;
   const std::size_t n = params.size();
   // Gradients and updated values cross between the device and the host
@@ -248,7 +234,7 @@ void CpuAdamW::step_batch(const Batch& batch, const AdamWOptions& o, const optim
     optimizer::WeightUpdate update = optimizer::weight_update(layout(p));
     if (update == optimizer::WeightUpdate::kInPlace && !own_master(p))
       update = optimizer::WeightUpdate::kIntoParameter;  // carried: its own master (Note [C++ steps during backward])
-    if (carried(p) && reread_.count(p.unsafeGetTensorImpl())) reconcile_master(p, slot(p, o).master);
+    if (carried(p) && records_.rereads(p.unsafeGetTensorImpl())) reconcile_master(p, slot(p, o).master);
     switch (update) {
       case optimizer::WeightUpdate::kInPlace: break;
       case optimizer::WeightUpdate::kIntoParameter: params_out[i] = p.detach(); break;
@@ -261,14 +247,15 @@ void CpuAdamW::step_batch(const Batch& batch, const AdamWOptions& o, const optim
   for (const auto& h : grad_copies) h.wait();
 
   const std::uint64_t t0 = now_ns();
-  const std::vector<bool> stepped = run_kernel(batch, o, ao, grads, params_out, failed, first_error);
-  stats_.kernel_ns += now_ns() - t0;
+  const std::vector<bool> stepped = run_kernel(batch, o, ao, grads, params_out);
+  records_.stats().kernel_ns += now_ns() - t0;
 
   std::vector<swap::TransferHandle> param_copies;
   for (std::size_t i = 0; i < n; ++i) {
     if (!stepped[i]) continue;  // its state and weight are as before
-    const at::Tensor& grad = params[i].grad();
-    retry_marks_.mark(slot_of(params[i]).index, grad_identity(grad));
+    at::Tensor p = params[i].detach();
+    records_.stepped(params[i].unsafeGetTensorImpl(), grad_identity(params[i].grad()),
+                     static_cast<std::size_t>(p.numel()));
     auto& entry = state_[params[i].unsafeGetTensorImpl()];
     if (!entry) entry = std::make_unique<AdamWParamState>();
     static_cast<AdamWParamState&>(*entry).step(batch.step);
@@ -276,11 +263,8 @@ void CpuAdamW::step_batch(const Batch& batch, const AdamWOptions& o, const optim
       Slot& s = slot_of(params[i]);
       if (!s.step_count.defined()) s.step_count = at::zeros({1}, at::kFloat);
       s.step_count.fill_(static_cast<double>(batch.step));
-      written_here_.push_back(stream_slot_.at(params[i].unsafeGetTensorImpl()));
     }
-    at::Tensor p = params[i].detach();
     p.unsafeGetTensorImpl()->bump_version();  // an in-place update, as torch's p.addcdiv_ is
-    stats_.elements += static_cast<std::uint64_t>(p.numel());
     if (!staged_out[i].defined()) continue;
     if (runtime_->on_device(p))
       param_copies.push_back(runtime_->copy_to_device(p, staged_out[i]));
@@ -291,8 +275,7 @@ void CpuAdamW::step_batch(const Batch& batch, const AdamWOptions& o, const optim
 }
 
 std::vector<bool> CpuAdamW::run_kernel(const Batch& batch, const AdamWOptions& o, const optimizer::AdamOptions& ao,
-                                       const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params_out,
-                                       std::vector<Failure>& failed, std::string& first_error) {
+                                       const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params_out) {
   const std::vector<at::Tensor>& params = batch.params;
   const std::size_t n = params.size();
   std::vector<bool> stepped(n, true);
@@ -311,9 +294,9 @@ std::vector<bool> CpuAdamW::run_kernel(const Batch& batch, const AdamWOptions& o
     for (std::size_t i : result.failed) {
       stepped[i] = false;
       const at::Tensor& p = params[i];
-      failed.push_back({batch.group, batch.by_index->at(p.unsafeGetTensorImpl()), p.sizes().vec()});
+      records_.unstepped({batch.group, batch.by_index->at(p.unsafeGetTensorImpl()), p.sizes().vec()},
+                         result.first_error);
     }
-    if (!result.failed.empty() && first_error.empty()) first_error = result.first_error;
     return stepped;
   }
   std::vector<at::Tensor> masters(n), exp_avgs(n), exp_avg_sqs(n), max_exp_avg_sqs;
@@ -388,7 +371,7 @@ void CpuAdamW::load(torch::serialize::InputArchive& archive) {
   adopt_loaded_state();
   if (stream_) {  // the stream gets the loaded states at the next step(), which steps every carried one here
     for (auto& [impl, s] : slots_) s.registered = false;
-    master_stale_ = true;
+    records_.set_masters_stale();
   }
 }
 

@@ -2,8 +2,6 @@
 // Python CPUAdamW is too. See Note [C++ steps during backward] in cpu_adamw.hpp.
 #include <ATen/ATen.h>
 
-#include <cmath>
-#include <cstdio>
 #include <unordered_set>
 
 #include "tierflow/bindings/block_offload.hpp"
@@ -12,8 +10,6 @@
 #include "tierflow/bindings/runtime.hpp"
 #include "tierflow/core/error.hpp"
 #include "tierflow/optimizer/cuda_adam.hpp"
-#include "tierflow/optimizer/grad_buckets.hpp"
-#include "tierflow/optimizer/state_tier.hpp"
 #include "tierflow/optimizer/stream_rules.hpp"
 
 namespace tierflow::bindings {
@@ -21,46 +17,9 @@ namespace tierflow::bindings {
 using torch::optim::AdamWOptions;
 using torch::optim::AdamWParamState;
 
-CpuAdamWOptions CpuAdamWOptions::from_config(const Config& c) {
-  CpuAdamWOptions o;
-  o.step_during_backward = c.overlap_step;
-  o.grad_bucket_bytes = c.grad_bucket_bytes;
-  o.offload_gradients = c.offload_gradients;
-  o.max_grad_norm = c.max_grad_norm;
-  o.skip_nonfinite = c.skip_nonfinite;
-  o.accumulation_steps = c.grad_accumulation_steps;
-  o.weights_in_forward = c.weights_return_in_forward;
-  o.gpu_fraction = c.gpu_optimizer_fraction_auto ? 0.0 : c.gpu_optimizer_fraction;  // Note [C++ GPU share]
-  return o;
-}
-
-std::string describe_steps_during_backward(const GradStreamStats& s) {
-  char line[256];
-  std::snprintf(line, sizeof line, "stepped during backward %llu (committed %llu, redone %llu, taken back %llu, held %llu)",
-                static_cast<unsigned long long>(s.early_steps), static_cast<unsigned long long>(s.committed),
-                static_cast<unsigned long long>(s.redone), static_cast<unsigned long long>(s.taken_back),
-                static_cast<unsigned long long>(s.held));
-  return line;
-}
-
 void CpuAdamW::start_streaming() {
   const CpuAdamWOptions& o = options_;
-  if (o.weights_in_forward)
-    throw config_error("tierflow CpuAdamW: TIERFLOW_WEIGHTS_RETURN=forward (CpuAdamWOptions::weights_in_forward) "
-                       "waits for each module's weights in its forward pre-hook, which a C++ module does not have; "
-                       "accepted from C++: TIERFLOW_WEIGHTS_RETURN=step");
-  if (!(o.max_grad_norm >= 0.0) || !std::isfinite(o.max_grad_norm))
-    throw config_error("tierflow CpuAdamW: TIERFLOW_MAX_GRAD_NORM (CpuAdamWOptions::max_grad_norm) is " +
-                       std::to_string(o.max_grad_norm) + "; accepted: a finite number >= 0 (0: no clipping)");
-  if (o.accumulation_steps < 1)
-    throw config_error("tierflow CpuAdamW: TIERFLOW_GRAD_ACCUMULATION_STEPS (CpuAdamWOptions::accumulation_steps) "
-                       "is " + std::to_string(o.accumulation_steps) + "; accepted: an integer >= 1");
-  const bool streams = o.step_during_backward && !on_nvme_;  // steps during backward are host-tier only
-  if (auto why = optimizer::offload_gradients_refusal(o.offload_gradients, streams,
-                                                      o.step_during_backward ? "on" : "off",
-                                                      std::string(to_string(runtime_->config().offload_optimizer))))
-    throw config_error("tierflow CpuAdamW: " + *why);
-  if (!streams) return;
+  if (!optimizer::check_stream_options(o, on_nvme_, runtime_->config().offload_optimizer)) return;
   GradStreamOptions go;
   go.bucket_bytes = o.grad_bucket_bytes;
   go.accumulation_steps = o.accumulation_steps;
@@ -74,15 +33,15 @@ void CpuAdamW::start_streaming() {
       if ((f.requires_grad = p.requires_grad()) && (f.leaf = p.is_leaf()) && (f.contiguous = p.is_contiguous()) &&
           (f.type = kernel_type(p.scalar_type())))
         f.on_device = runtime_->on_device(p);
-      if (optimizer::param_not_streamable(f) || stream_slot_.count(p.unsafeGetTensorImpl()) || on_gpu(p))
+      if (optimizer::param_not_streamable(f) || carried(p) || on_gpu(p))
         continue;  // (the GPU share steps on the GPU: Note [C++ GPU share])
       const std::size_t slot = stream->add_parameter(p, static_cast<int>(g));
-      stream_slot_[p.unsafeGetTensorImpl()] = slot;
+      records_.carry(p.unsafeGetTensorImpl(), slot);
       if (stream_params_.size() <= slot) stream_params_.resize(slot + 1);
       stream_params_[slot] = p;
     }
   }
-  if (stream_slot_.empty()) return;  // nothing it could carry: every parameter steps in step()
+  if (records_.carried_slots().empty()) return;  // nothing it could carry: every parameter steps in step()
   stream_ = std::move(stream);
   // The stream (owned here, and reset first by the destructor) calls back without a lock held.
   stream_->set_callbacks([this] { on_backward_begin(); }, [this](std::size_t slot) { init_slot(slot); });
@@ -96,7 +55,7 @@ void CpuAdamW::push_groups() {
 
 void CpuAdamW::on_backward_begin() {
   push_groups();  // an LR scheduler may have changed them since the last step()
-  stream_->set_enabled(!master_stale_);  // after a load every carried parameter steps in step()
+  stream_->set_enabled(!records_.masters_stale());  // after a load every carried parameter steps in step()
 }
 
 void CpuAdamW::init_slot(std::size_t slot_index) {
@@ -110,25 +69,18 @@ void CpuAdamW::register_states(const void* fresh) {
   for (std::size_t g = 0; g < param_groups_.size(); ++g) {
     const auto& o = static_cast<const AdamWOptions&>(param_groups_[g].options());
     for (const at::Tensor& p : param_groups_[g].params()) {
-      const auto found = stream_slot_.find(p.unsafeGetTensorImpl());
-      if (found == stream_slot_.end()) continue;
+      if (!carried(p)) continue;
       Slot& s = slot_of(p);
       if (s.registered) continue;
       const bool make = p.unsafeGetTensorImpl() == fresh;
       if (!make && !state_.count(p.unsafeGetTensorImpl())) continue;  // no state yet: its first stream makes it
       auto& entry = state_[p.unsafeGetTensorImpl()];
-      if (!entry) {  // the first stream of the slot: a fresh state, as step_group makes one
-        auto st = std::make_unique<AdamWParamState>();
-        st->exp_avg(runtime_->host_moment(p.sizes(), format_));  // Note [Optimizer state formats]
-        st->exp_avg_sq(runtime_->host_moment(p.sizes(), format_));
-        if (o.amsgrad()) st->max_exp_avg_sq(runtime_->host_empty(p.sizes(), at::kFloat, true));
-        entry = std::move(st);
-      }
+      if (!entry) entry = new_state(p, o.amsgrad());  // the first stream of the slot: as step_group makes one
       auto& st = static_cast<AdamWParamState&>(*entry);
       const at::Tensor master = slot(p, o).master;  // read from p when there is none
       if (!s.step_count.defined()) s.step_count = at::zeros({1}, at::kFloat);
       s.step_count.fill_(static_cast<double>(st.step()));
-      stream_->set_state(found->second, master, st.exp_avg(), st.exp_avg_sq(),
+      stream_->set_state(records_.stream_slot(p.unsafeGetTensorImpl()), master, st.exp_avg(), st.exp_avg_sq(),
                          o.amsgrad() ? st.max_exp_avg_sq() : at::Tensor(), s.step_count);
       s.registered = true;
     }
@@ -151,9 +103,8 @@ std::pair<double, bool> CpuAdamW::clip_coefficient() const {
         items.emplace_back(false, at::Tensor());
         continue;
       }
-      const auto found = stream_slot_.find(p.unsafeGetTensorImpl());
-      if (found == stream_slot_.end()) continue;
-      const auto norm = released.find(found->second);
+      if (!carried(p)) continue;
+      const auto norm = released.find(records_.stream_slot(p.unsafeGetTensorImpl()));
       if (norm != released.end()) items.emplace_back(true, norm->second);
     }
   }
@@ -176,17 +127,17 @@ bool CpuAdamW::step_streamed(double scale) {
   push_groups();
   std::vector<std::size_t> unhandled;
   try {
-    unhandled = stream_->prepare_finish(scale, master_stale_, false);
+    unhandled = stream_->prepare_finish(scale, records_.masters_stale(), false);
   } catch (const out_of_memory&) {  // the early steps' out-of-place results let go for this path's room
-    unhandled = stream_->prepare_finish(scale, master_stale_, true);
+    unhandled = stream_->prepare_finish(scale, records_.masters_stale(), true);
   }
-  for (std::size_t i : stream_->weights_changed()) reread_[stream_params_.at(i).unsafeGetTensorImpl()] = true;
+  for (std::size_t i : stream_->weights_changed()) records_.reread(stream_params_.at(i).unsafeGetTensorImpl());
   const GradStream::Finish f = stream_->commit_finish();  // cannot fail
   adopt_stream_states(f.committed);
   std::unordered_set<std::size_t> left(unhandled.begin(), unhandled.end());
   left.insert(f.unhandled.begin(), f.unhandled.end());
-  for (const auto& [impl, slot] : stream_slot_)
-    if (!left.count(slot)) stepped_by_stream_[impl] = true;  // confirmed, redone, or nothing to step
+  for (const auto& [impl, slot] : records_.carried_slots())
+    if (!left.count(slot)) records_.stream_confirmed(impl);  // confirmed, redone, or nothing to step
   return !f.committed.empty();
 }
 
@@ -202,7 +153,7 @@ void CpuAdamW::adopt_stream_states(const std::vector<std::size_t>& slots) {
     st.exp_avg_sq(t[2]);
     if (t[3].defined()) st.max_exp_avg_sq(t[3]);
     st.step(static_cast<std::int64_t>(s.step_count.item<float>()));
-    stats_.elements += static_cast<std::uint64_t>(p.numel());
+    records_.count_elements(static_cast<std::size_t>(p.numel()));
   }
 }
 
@@ -214,10 +165,6 @@ void CpuAdamW::reconcile_master(const at::Tensor& p, at::Tensor& master) const {
 }
 
 void CpuAdamW::assign_gpu_share() {
-  if (!(options_.gpu_fraction >= 0.0 && options_.gpu_fraction <= 1.0))
-    throw config_error("tierflow CpuAdamW: TIERFLOW_GPU_OPTIMIZER_FRACTION (CpuAdamWOptions::gpu_fraction) is " +
-                       std::to_string(options_.gpu_fraction) + "; accepted: a number from 0 to 1");
-  if (options_.gpu_fraction == 0.0) return;
   std::vector<at::Tensor> cuda;
   std::vector<std::size_t> numels;
   for (const auto& group : param_groups_)
@@ -226,15 +173,9 @@ void CpuAdamW::assign_gpu_share() {
         cuda.push_back(p);
         numels.push_back(static_cast<std::size_t>(p.numel()));
       }
-  if (cuda.empty()) return;  // nothing on a GPU: every parameter steps on the CPU
-  if (!optimizer::cuda_adam_compiled())
-    throw config_error("tierflow CpuAdamW: TIERFLOW_GPU_OPTIMIZER_FRACTION=" + std::to_string(options_.gpu_fraction) +
-                       " (CpuAdamWOptions::gpu_fraction) needs the CUDA AdamW, which this build lacks "
-                       "(TIERFLOW_WITH_CUDA); accepted: 0");
-  optimizer::GpuShareChoice choice(std::to_string(options_.gpu_fraction));
-  const std::vector<bool> picked = choice.assign(numels);
+  const std::vector<bool> picked = optimizer::choose_gpu_share(options_.gpu_fraction, numels);
   for (std::size_t i = 0; i < cuda.size(); ++i)
-    if (picked[i]) gpu_share_[cuda[i].unsafeGetTensorImpl()] = true;
+    if (picked[i]) records_.share_on_gpu(cuda[i].unsafeGetTensorImpl());
 }
 
 void CpuAdamW::gpu_step(const std::vector<at::Tensor>& params, const AdamWOptions& o, const optimizer::AdamOptions& ao) {
@@ -281,7 +222,7 @@ void CpuAdamW::gpu_step(const std::vector<at::Tensor>& params, const AdamWOption
       }
       ts.push_back(t);
       p.unsafeGetTensorImpl()->bump_version();
-      stats_.elements += static_cast<std::uint64_t>(p.numel());
+      records_.count_elements(static_cast<std::size_t>(p.numel()));
     }
     optimizer::cuda_adam_step(ao, b.step, ts, stream);
   }
@@ -291,7 +232,7 @@ GradStreamStats CpuAdamW::stream_stats() const { return stream_ ? stream_->stats
 
 void CpuAdamW::use_host_copies(const BlockOffload& offload) {
   if (!stream_) return;  // the kernel steps the parameters where they are (their host copies between uses)
-  for (const auto& [impl, slot] : stream_slot_) {
+  for (const auto& [impl, slot] : records_.carried_slots()) {
     const at::Tensor home = offload.host_copy(stream_params_.at(slot));
     if (home.defined()) stream_->set_home(slot, home);
   }

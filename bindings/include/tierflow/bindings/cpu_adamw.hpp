@@ -85,6 +85,7 @@
 #include "tierflow/bindings/grad_stream.hpp"
 #include "tierflow/core/config.hpp"
 #include "tierflow/optimizer/cpu_adam.hpp"
+#include "tierflow/optimizer/cpu_adamw_steps.hpp"
 #include "tierflow/optimizer/partial_step.hpp"
 
 namespace tierflow::bindings {
@@ -92,36 +93,14 @@ namespace tierflow::bindings {
 class Runtime;
 class BlockOffload;
 
-/// How a CpuAdamW steps (Note [C++ steps during backward]); from_config reads the TIERFLOW_* table as
-/// Python's CPUAdamW does.
-struct CpuAdamWOptions {
-  bool step_during_backward = true;   ///< TIERFLOW_OVERLAP_STEP (host-tier states only)
-  std::size_t grad_bucket_bytes = 0;  ///< TIERFLOW_GRAD_BUCKET_BYTES; 0: auto
-  bool offload_gradients = false;     ///< TIERFLOW_OFFLOAD_GRADIENTS: p.grad is None from backward to step()
-  double max_grad_norm = 0.0;         ///< TIERFLOW_MAX_GRAD_NORM; 0: no clipping
-  bool skip_nonfinite = false;        ///< TIERFLOW_SKIP_NONFINITE
-  int accumulation_steps = 1;         ///< TIERFLOW_GRAD_ACCUMULATION_STEPS (backward passes per step())
-  bool weights_in_forward = false;    ///< TIERFLOW_WEIGHTS_RETURN=forward: refused from C++ (config_error)
-  /// TIERFLOW_GPU_OPTIMIZER_FRACTION as a number from 0 to 1: that share of the CUDA parameters' elements steps
-  /// on the GPU (Note [C++ GPU share]); `auto` (the table's default) reads as 0 from C++.
-  double gpu_fraction = 0.0;
-  /// The settings of `config`.
-  static CpuAdamWOptions from_config(const Config& config);
-};
-
-/// Statistics of a CpuAdamW.
-struct CpuAdamWStats {
-  std::uint64_t steps = 0;          ///< step() calls that updated something
-  std::uint64_t elements = 0;       ///< parameters updated, summed over steps
-  std::uint64_t kernel_ns = 0;      ///< time in the CPU kernel (host states) or the NVMe pipeline
-  std::uint64_t skipped_steps = 0;  ///< steps skipped for a non-finite gradient (TIERFLOW_SKIP_NONFINITE)
-};
+/// How a CpuAdamW steps, its counters, and the text of its steps during backward: torch-free, in
+/// optimizer/cpu_adamw_steps.hpp and step_engine.hpp.
+using CpuAdamWOptions = optimizer::CpuAdamWOptions;
+using CpuAdamWStats = optimizer::CpuAdamWStats;
+using optimizer::describe_steps_during_backward;
 
 /// torch's AdamW options as the CPU kernel's (decoupled weight decay).
 optimizer::AdamOptions adam_options_of(const torch::optim::AdamWOptions& o);
-
-/// `stepped during backward N (committed C, redone R, taken back T, held H)`, as Python's report prints it.
-std::string describe_steps_during_backward(const GradStreamStats& s);
 
 /// AdamW over tierflow's CPU kernel, with states on the host or NVMe tier.
 class CpuAdamW : public torch::optim::Optimizer {
@@ -152,14 +131,14 @@ class CpuAdamW : public torch::optim::Optimizer {
   /// True when the states live on the NVMe tier.
   bool states_on_nvme() const noexcept { return on_nvme_; }
   /// Counters.
-  CpuAdamWStats stats() const noexcept { return stats_; }
+  CpuAdamWStats stats() const noexcept { return records_.stats(); }
 
   /// True when parameters step during backward (Note [C++ steps during backward]).
   bool steps_during_backward() const noexcept { return stream_ != nullptr; }
   /// The gradient stream's counters (early_steps, committed, redone, taken_back, held, buckets...); zeros when off.
   GradStreamStats stream_stats() const;
   /// Parameters stepping on the GPU (Note [C++ GPU share]).
-  std::size_t gpu_share_size() const noexcept { return gpu_share_.size(); }
+  std::size_t gpu_share_size() const noexcept { return records_.gpu_share_size(); }
   /// The settings in force.
   const CpuAdamWOptions& options() const noexcept { return options_; }
   /// Parameters `offload` keeps on the host between uses: their committed weights go into their host copies
@@ -176,18 +155,18 @@ class CpuAdamW : public torch::optim::Optimizer {
   struct Slot {
     at::Tensor master;        // fp32 host master; undefined when the parameter is its own master
     std::uint64_t nvme_key = 0;
-    std::size_t index = 0;    // its slot in retry_marks_
     at::Tensor step_count;    // carried by the stream: the step counter it shares (float, one element)
     bool registered = false;  // carried: the stream has its current state tensors
   };
-  using Failure = optimizer::UnsteppedParameter;
+  using Route = optimizer::CpuAdamWSteps::Route;
   bool own_master(const at::Tensor& p) const;
-  // The slot of `p`, made (with the next index) on first use.
-  Slot& slot_of(const at::Tensor& p);
+  Slot& slot_of(const at::Tensor& p) { return slots_[p.unsafeGetTensorImpl()]; }
+  // slot_of with its master made: on NVMe, or in the pinned pool unless `p` is its own master.
   Slot& slot(const at::Tensor& p, const torch::optim::AdamWOptions& options);
-  // false: nothing had a gradient. Parameters that could not step go to `failed`.
-  bool step_group(torch::optim::OptimizerParamGroup& group, std::size_t group_index, std::vector<Failure>& failed,
-                  std::string& first_error);
+  // A fresh state of `p` on the host: its moments in format_ (Note [Optimizer state formats]).
+  std::unique_ptr<torch::optim::AdamWParamState> new_state(const at::Tensor& p, bool amsgrad) const;
+  // false: nothing had a gradient. Parameters that could not step go to records_.unstepped.
+  bool step_group(torch::optim::OptimizerParamGroup& group, std::size_t group_index);
   // One step number's parameters of a group: in `by_index`, each one's index in the group.
   struct Batch {
     std::int64_t step = 0;
@@ -198,16 +177,14 @@ class CpuAdamW : public torch::optim::Optimizer {
   // The kernel over a batch whose gradients are on the host; false where a parameter did not step.
   std::vector<bool> run_kernel(const Batch& batch, const torch::optim::AdamWOptions& o,
                                const optimizer::AdamOptions& ao, const std::vector<at::Tensor>& grads,
-                               const std::vector<at::Tensor>& params_out, std::vector<Failure>& failed,
-                               std::string& first_error);
-  void step_batch(const Batch& batch, const torch::optim::AdamWOptions& o, const optimizer::AdamOptions& ao,
-                  std::vector<Failure>& failed, std::string& first_error);
+                               const std::vector<at::Tensor>& params_out);
+  void step_batch(const Batch& batch, const torch::optim::AdamWOptions& o, const optimizer::AdamOptions& ao);
   void adopt_loaded_state();
   // Refuses amsgrad in any group unless the moments are fp32.
   void check_amsgrad() const;
   // Note [C++ steps during backward] (cpu_adamw_stream.cpp).
   void start_streaming();
-  bool carried(const at::Tensor& p) const { return stream_slot_.count(p.unsafeGetTensorImpl()) != 0; }
+  bool carried(const at::Tensor& p) const { return records_.carried(p.unsafeGetTensorImpl()); }
   void push_groups();
   void on_backward_begin();
   void init_slot(std::size_t slot);
@@ -218,7 +195,7 @@ class CpuAdamW : public torch::optim::Optimizer {
   void reconcile_master(const at::Tensor& p, at::Tensor& master) const;
   // Note [C++ GPU share] (cpu_adamw_stream.cpp).
   void assign_gpu_share();
-  bool on_gpu(const at::Tensor& p) const { return gpu_share_.count(p.unsafeGetTensorImpl()) != 0; }
+  bool on_gpu(const at::Tensor& p) const { return records_.on_gpu(p.unsafeGetTensorImpl()); }
   void gpu_step(const std::vector<at::Tensor>& params, const torch::optim::AdamWOptions& o,
                 const optimizer::AdamOptions& ao);
 
@@ -226,18 +203,10 @@ class CpuAdamW : public torch::optim::Optimizer {
   bool on_nvme_ = false;
   optimizer::StateFormat format_ = optimizer::StateFormat::kFp32;
   std::unordered_map<const void*, Slot> slots_;  // by TensorImpl, as state_
-  optimizer::StepRetryMarks retry_marks_;        // by Slot::index (Note [C++ CpuAdamW faults])
-  CpuAdamWStats stats_;
+  optimizer::CpuAdamWSteps records_;             // where each parameter steps; this step()'s records; counters
   CpuAdamWOptions options_;
-  double scale_ = 1.0;                      // this step()'s clip coefficient
   std::shared_ptr<GradStream> stream_;      // null when nothing steps during backward
-  std::unordered_map<const void*, std::size_t> stream_slot_;  // carried parameters' slots, by TensorImpl
-  std::vector<at::Tensor> stream_params_;   // by slot
-  std::unordered_map<const void*, bool> stepped_by_stream_;  // this step(): carried and confirmed by the stream
-  std::unordered_map<const void*, bool> reread_;             // this step(): masters re-read from the parameter
-  std::vector<std::size_t> written_here_;   // this step(): carried slots this path stepped (note_written)
-  bool master_stale_ = false;               // a load(): every carried master is re-read at the next step()
-  std::unordered_map<const void*, bool> gpu_share_;  // CUDA parameters stepping on the GPU (Note [C++ GPU share])
+  std::vector<at::Tensor> stream_params_;   // carried parameters, by stream slot
 };
 
 }  // namespace tierflow::bindings
