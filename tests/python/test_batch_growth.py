@@ -123,7 +123,8 @@ def test_a_longer_batch_plans_again_within_the_budget_and_the_run_stays_the_base
     budget = int(times * keep_all_peak(make, device, lengths[0]))
     capfd.readouterr()
     base = run(make, lengths, device, False)
-    tier = run(make, lengths, device, True, gpu_memory=str(budget), prefetch_bytes="4MiB")
+    tier = run(make, lengths, device, True, gpu_memory=str(budget), prefetch_bytes="4MiB",
+               log_level="info")  # planning again is info (Note [Plan messages])
     assert_same(base, tier)
     plans = tier[2]
     elements = [2 * 2 * n for n in lengths]  # input_ids and labels, batch 2

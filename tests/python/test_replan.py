@@ -40,7 +40,7 @@ def test_steps_that_stray_replan_once_and_the_run_stays_the_baselines(tmp_path, 
     budget = _tight_budget(measured, profile)
     seen: list = []
     tier = train(task, STEPS, True, device=device, profile=path, gpu_memory=str(budget), after_step=_slow_steps(seen),
-                 **OPT_NONE)
+                 log_level="info", **OPT_NONE)  # the re-plan's line is info (Note [Plan messages])
     assert_bit_identical(base, tier)
     plan = tier.report["plan"]
     r = plan["replanned"]

@@ -275,9 +275,10 @@ void PlanDriver::make_plan(const AutoProfile& base, std::uint64_t elements, Plan
     // The calibration compares steps with the timed one: not with a plan for another size.
     settle("the plan is for a larger batch than the profile's (Note [Batch growth])");
   }
-  log(LogLevel::kWarn, "tierflow activation plan: " + plan_->summary);
-  for (const auto& line : plan_->lines) log(LogLevel::kInfo, "tierflow   " + line);
-  for (const auto& line : plan_->why) log(LogLevel::kInfo, "tierflow " + line);
+  // Note [Plan messages]: a plan in force is one line at info; its blocks and reasons at debug.
+  log(LogLevel::kInfo, "tierflow activation plan: " + plan_->summary);
+  for (const auto& line : plan_->lines) log(LogLevel::kDebug, "tierflow   " + line);
+  for (const auto& line : plan_->why) log(LogLevel::kDebug, "tierflow " + line);
 }
 
 void PlanDriver::put_in_force(DrivenPlan plan) {
@@ -310,7 +311,7 @@ void PlanDriver::plan_without_blocks(std::uint64_t elements, PlanFrontEnd& front
   d.batch_elements = target;
   d.profiled_batch_elements = first;
   put_in_force(std::move(d));
-  log(LogLevel::kWarn, "tierflow activation plan: " + decided.summary);
+  log(LogLevel::kInfo, "tierflow activation plan: " + decided.summary);
 }
 
 void PlanDriver::grow(std::uint64_t elements, PlanFrontEnd& front) {
@@ -323,7 +324,7 @@ void PlanDriver::grow(std::uint64_t elements, PlanFrontEnd& front) {
   }
   char shown[32];
   std::snprintf(shown, sizeof shown, "%.3g", ratio);
-  log(LogLevel::kWarn, "tierflow: a batch of " + std::to_string(elements) + " input elements, x" + shown + " the " +
+  log(LogLevel::kInfo, "tierflow: a batch of " + std::to_string(elements) + " input elements, x" + shown + " the " +
                            std::to_string(planned_elements_) +
                            " the activation plan in force was made for: planning again for it (Note [Batch growth])");
   try {
@@ -389,7 +390,7 @@ void PlanDriver::maybe_replan(PlanFrontEnd& front) {
   profile.file.blocks = cal.blocks;
   profile.file.links = cal.links;
   profile.calibrated = ProfileCalibration{cal.link_factor, cal.compute_factor, cal.why};
-  log(LogLevel::kWarn, "tierflow: re-planning once: " + cal.why);
+  log(LogLevel::kInfo, "tierflow: re-planning once: " + cal.why);
   const auto failed = [&](const char* what) {  // the plan in force goes on: nothing was applied
     replanned_->replanned = false;
     replanned_->why = cal.why + "; the re-plan failed, the plan in force stays: " + what;

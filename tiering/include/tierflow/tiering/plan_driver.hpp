@@ -27,6 +27,16 @@
 // Python's AutoPlanner (bindings/python/tierflow/activations/autoplan.py) is
 // one front end; the C++ BlockOffload of a LibTorch trainer can be another.
 // The driver never holds its front end: each event that may plan takes it.
+//
+// Note [Plan messages]
+// ~~~~~~~~~~~~~~~~~~~~
+// Planning is routine, so its lines are quiet (TIERFLOW_LOG_LEVEL): a plan
+// put in force is one line at info (its blocks' lines and reasons at debug);
+// the calibration re-plan and planning again for a larger batch are info too.
+// A warning means something is wrong or a budget may not hold: no repeated
+// blocks, a batch the driver cannot measure or measures on other tensors, a
+// re-plan that failed, a larger batch no plan fits (the plan in force stays
+// and may exceed TIERFLOW_GPU_MEMORY). report()["plan"] has every figure.
 #pragma once
 
 #include <cstdint>
