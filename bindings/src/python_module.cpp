@@ -274,6 +274,7 @@ PYBIND11_MODULE(_C, m) {
   bind_runtime(m);
   bind_grad_stream(m);
   { void bind_distributed(py::module_&); bind_distributed(m); }  // distributed_bindings.cpp: _C.distributed
+  { void bind_param_uses(py::module_&); bind_param_uses(m); }  // param_uses_bindings.cpp: _C.ParamUses
   (void)base;
 }
 
