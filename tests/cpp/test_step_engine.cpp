@@ -10,9 +10,11 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <set>
+#include <string>
 #include <vector>
 
 #include "tierflow/core/error.hpp"
@@ -595,5 +597,99 @@ TEST_P(StepEngineTest, RefusesAStateOfTheWrongSize) {
 
 INSTANTIATE_TEST_SUITE_P(EmulatedDevice, StepEngineTest, ::testing::Values(false, true),
                          [](const ::testing::TestParamInfo<bool>& i) { return i.param ? "adversarial" : "polite"; });
+
+// The engine's arrays reach the kernel through adam_tensors, the checks every front end's tensors pass: each
+// array where the kernel reads it (packed moments for bf16 and 8bit), and a wrong one refused by name.
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+HostArray block(std::size_t bytes) {
+  auto keep = std::make_shared<std::vector<char>>(bytes + 1);
+  return {keep->data(), bytes, keep};
+}
+
+TEST(KernelArraysTest, EveryArrayReachesTheKernelWhereItIsRead) {
+  constexpr std::size_t n = 5;
+  for (StateFormat f : {StateFormat::kFp32, StateFormat::kBf16, StateFormat::k8bit}) {
+    KernelArrays a;
+    a.numel = n;
+    a.format = f;
+    a.grad_type = ScalarType::kBFloat16;
+    a.param_type = ScalarType::kFloat16;
+    a.master = block(4 * n);
+    a.exp_avg = block(moment_bytes(f, n));
+    a.exp_avg_sq = block(moment_bytes(f, n));
+    a.max_exp_avg_sq = block(4 * n);
+    a.grad = block(2 * n);
+    a.param_out = block(2 * n);
+    a.master_out = block(4 * n);
+    a.exp_avg_out = block(moment_bytes(f, n));
+    a.exp_avg_sq_out = block(moment_bytes(f, n));
+    a.max_exp_avg_sq_out = block(4 * n);
+    KernelArrays in_place = a;
+    in_place.master_out = in_place.exp_avg_out = in_place.exp_avg_sq_out = in_place.max_exp_avg_sq_out = {};
+    in_place.max_exp_avg_sq = in_place.param_out = {};
+    std::uint64_t elements = 0;
+    const std::vector<AdamTensor> ts = adam_tensors({a, in_place}, &elements);
+    ASSERT_EQ(ts.size(), 2u);
+    EXPECT_EQ(elements, 2 * n);
+    const AdamTensor& t = ts[0];
+    EXPECT_EQ(t.numel, n);
+    EXPECT_EQ(t.state_format, f);
+    EXPECT_EQ(t.master, a.master.data);
+    EXPECT_EQ(t.max_exp_avg_sq, a.max_exp_avg_sq.data);
+    EXPECT_EQ(t.grad, a.grad.data);
+    EXPECT_EQ(t.grad_type, ScalarType::kBFloat16);
+    EXPECT_EQ(t.param_out, a.param_out.data);
+    EXPECT_EQ(t.param_type, ScalarType::kFloat16);
+    EXPECT_EQ(t.master_out, a.master_out.data);
+    EXPECT_EQ(t.max_exp_avg_sq_out, a.max_exp_avg_sq_out.data);
+    if (f == StateFormat::kFp32) {
+      EXPECT_EQ(t.exp_avg, a.exp_avg.data);
+      EXPECT_EQ(t.exp_avg_sq, a.exp_avg_sq.data);
+      EXPECT_EQ(t.exp_avg_out, a.exp_avg_out.data);
+      EXPECT_EQ(t.exp_avg_sq_out, a.exp_avg_sq_out.data);
+    } else {
+      const PackedMoment m = f == StateFormat::k8bit ? packed_8bit(a.exp_avg.data, n) : PackedMoment{a.exp_avg.data, nullptr};
+      const PackedMoment v_out =
+          f == StateFormat::k8bit ? packed_8bit(a.exp_avg_sq_out.data, n) : PackedMoment{a.exp_avg_sq_out.data, nullptr};
+      EXPECT_EQ(t.m.data, m.data);
+      EXPECT_EQ(t.m.absmax, m.absmax);
+      EXPECT_EQ(t.v.data, a.exp_avg_sq.data);
+      EXPECT_EQ(t.m_out.data, a.exp_avg_out.data);
+      EXPECT_EQ(t.v_out.data, v_out.data);
+      EXPECT_EQ(t.v_out.absmax, v_out.absmax);
+    }
+    const AdamTensor& p = ts[1];  // in place: no outputs, no max_exp_avg_sq
+    EXPECT_EQ(p.master, a.master.data);
+    EXPECT_EQ(p.master_out, nullptr);
+    EXPECT_EQ(p.param_out, nullptr);
+    EXPECT_EQ(p.max_exp_avg_sq, nullptr);
+  }
+}
+
+TEST(KernelArraysTest, AWrongArrayIsRefusedByName) {
+  constexpr std::size_t n = 4;
+  KernelArrays a;
+  a.numel = n;
+  a.master = block(4 * n);
+  a.exp_avg = block(4 * n);
+  a.exp_avg_sq = block(4 * (n - 1));
+  a.grad = block(4 * n);
+  EXPECT_NE(error_of([&] { adam_tensors({a}); }).find("tierflow CPU Adam: exp_avg_sq 0 has 3 elements, expected 4"),
+            std::string::npos)
+      << error_of([&] { adam_tensors({a}); });
+  a.exp_avg_sq = block(4 * n);
+  a.format = StateFormat::k8bit;  // fp32-sized moments where 8bit ones are expected
+  EXPECT_NE(error_of([&] { adam_tensors({a}); }).find("exp_avg 0 (8bit moment) has 16 bytes, expected"),
+            std::string::npos)
+      << error_of([&] { adam_tensors({a}); });
+}
 
 }  // namespace
