@@ -43,7 +43,7 @@ struct Recorder final : ParamUsesHost {
 // Blocks 0 and 1 (params 10, 11), the rest unit 2 (the embedding 20, shared by the head: one parameter).
 struct Fixture {
   Recorder host;
-  ParamUses uses{{{10}, {11}, {20}}, 2, {{10, "blocks.0.w"}, {11, "blocks.1.w"}, {20, "wte.weight"}}, "host", host};
+  ParamUses uses{{{10}, {11}, {20}}, 2, {"blocks.0.w", "blocks.1.w", "wte.weight"}, "host", host};
 };
 
 }  // namespace

@@ -8,10 +8,13 @@
 namespace tierflow::tiering {
 
 ParamUses::ParamUses(const std::vector<std::vector<ParamId>>& units, std::size_t blocks,
-                     std::unordered_map<ParamId, std::string> names, std::string tier, ParamUsesHost& host)
-    : host_(host), blocks_(blocks), names_(std::move(names)), tier_(std::move(tier)), open_(units.size(), 0) {
+                     const std::vector<std::string>& names, std::string tier, ParamUsesHost& host)
+    : host_(host), blocks_(blocks), tier_(std::move(tier)), open_(units.size(), 0) {
+  std::size_t i = 0;
   for (UnitId u = 0; u < units.size(); ++u) {
     for (ParamId p : units[u]) {
+      names_.emplace(p, i < names.size() ? names[i] : "?");
+      ++i;
       auto& of = units_of_[p];
       if (std::find(of.begin(), of.end(), u) == of.end()) of.push_back(u);
     }

@@ -81,10 +81,11 @@ enum class ReadVerdict : std::uint8_t { kNothing, kAttached, kHeld };
 /// the thread that runs the hooks.
 class ParamUses {
  public:
-  /// `units`: each unit's parameters (0..blocks-1 the blocks); `names`: what the held error calls each;
-  /// `tier`: where they live between uses ("host", "nvme"). The host outlives this object.
-  ParamUses(const std::vector<std::vector<ParamId>>& units, std::size_t blocks,
-            std::unordered_map<ParamId, std::string> names, std::string tier, ParamUsesHost& host);
+  /// `units`: each unit's parameters (0..blocks-1 the blocks); `names`: what the held error calls each, in the
+  /// order `units` lists them ("?" for any missing); `tier`: where they live between uses ("host", "nvme"). The
+  /// host outlives this object.
+  ParamUses(const std::vector<std::vector<ParamId>>& units, std::size_t blocks, const std::vector<std::string>& names,
+            std::string tier, ParamUsesHost& host);
 
   std::size_t units() const noexcept { return open_.size(); }
   /// Open uses of `unit`, forward and backward.
