@@ -1,7 +1,8 @@
 // tierflow._C's Adam kernels called from Python: the CUDA AdamW of the GPU share
 // and the Adam-traffic roofline the optimizer benchmark times; and the CPU
 // AdamW's torch-free decisions (optimizer/: state_tier.hpp, cpu_adam.hpp's
-// group_by_step, grad_buckets.hpp's GPU share) that optim/ calls.
+// group_by_step, grad_buckets.hpp's GPU share, step_plan.hpp) that optim/ calls.
+#include <pybind11/operators.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <torch/python.h>
@@ -30,6 +31,7 @@
 #include "tierflow/optimizer/partition.hpp"
 #include "tierflow/optimizer/roofline.hpp"
 #include "tierflow/optimizer/state_tier.hpp"
+#include "tierflow/optimizer/step_plan.hpp"
 #include "tierflow/swap/nvme_probe.hpp"
 
 namespace py = pybind11;
@@ -95,34 +97,92 @@ void bind_state_formats(py::module_& m) {
 // Note [Steady step]).
 void bind_gpu_share(py::module_& m) {
   using namespace tierflow::optimizer;
+  using Candidates = std::vector<std::tuple<std::size_t, bool, bool>>;  // (numel, streamed, 16-bit)
+  const auto candidates = [](const Candidates& in) {
+    std::vector<ShareCandidate> cs;
+    for (const auto& [numel, streamed, is_16bit] : in) cs.push_back({numel, streamed, is_16bit});
+    return cs;
+  };
   m.def("grad_link_probe_bytes", &grad_link_probe_bytes, py::arg("total_grad_bytes"),
         "Bytes of the copy that measures the link for the gradient bucket size.");
   m.def("gpu_share_room", &gpu_share_room, py::arg("free_bytes"), py::arg("budget_bytes"),
         py::arg("first_step_peak_bytes"), py::arg("planned_peak_bytes") = 0,
         "Device bytes the GPU share's states may take.");
-  m.def("gpu_share_bytes_per_element", &gpu_share_bytes_per_element, py::arg("any_16bit"),
-        "Device bytes per element of a GPU-stepped parameter.");
   py::class_<GpuShareChoice>(m, "GpuShareChoice", "TIERFLOW_GPU_OPTIMIZER_FRACTION (grad_buckets.hpp).")
       .def(py::init<const std::string&>(), py::arg("setting"))
       .def_property_readonly("pending", &GpuShareChoice::pending)
       .def_property_readonly("fraction", &GpuShareChoice::fraction)
       .def("assign", &GpuShareChoice::assign, py::arg("numels"))
       .def("choose_now", &GpuShareChoice::choose_now, py::arg("streamed"), py::arg("backward_ms"), py::arg("pool_grew"))
-      .def("choose", [](GpuShareChoice& c, const std::vector<std::tuple<std::size_t, bool, bool>>& candidates,
-                        double cpu_elements, double cpu_step_ms, double backward_ms, std::int64_t free_bytes,
-                        std::int64_t budget_bytes, std::int64_t peak_bytes, std::int64_t planned_peak_bytes) {
-        std::vector<ShareCandidate> cs;
-        for (const auto& [numel, streamed, is_16bit] : candidates) cs.push_back({numel, streamed, is_16bit});
-        return c.choose(cs, {cpu_elements, cpu_step_ms, backward_ms, free_bytes, budget_bytes, peak_bytes,
-                             planned_peak_bytes});
+      .def("due", [](GpuShareChoice& c, const std::tuple<bool, double, bool>& seen, const PlanRoom& room) {
+        return share_due(c, {std::get<0>(seen), std::get<1>(seen), std::get<2>(seen)}, room);
+      }, py::arg("seen"), py::arg("room"), "auto chooses now: a steady step (WindowWatch's), the plan in force.")
+      .def("choose", [candidates](GpuShareChoice& c, const Candidates& cs, double cpu_elements, double cpu_step_ms,
+                                  double backward_ms, std::int64_t free_bytes, std::int64_t budget_bytes,
+                                  std::int64_t peak_bytes, std::int64_t planned_peak_bytes) {
+        return c.choose(candidates(cs), {cpu_elements, cpu_step_ms, backward_ms, free_bytes, budget_bytes, peak_bytes,
+                                         planned_peak_bytes});
       }, py::arg("candidates"), py::arg("cpu_elements"), py::arg("cpu_step_ms"), py::arg("backward_ms"),
          py::arg("free_bytes"), py::arg("budget_bytes"), py::arg("peak_bytes"), py::arg("planned_peak_bytes") = 0,
          "[(numel, streamed, 16-bit)] and the measurements -> which step on the GPU.");
+  m.def("gpu_share_took_bytes", [candidates](const Candidates& cs, const std::vector<bool>& on_gpu) {
+    return share_took_bytes(candidates(cs), on_gpu);
+  }, py::arg("candidates"), py::arg("on_gpu"), "Device bytes the chosen streamed candidates' states take.");
   py::class_<BucketSizingSchedule>(m, "BucketSizingSchedule", "When auto measures the bucket size (grad_buckets.hpp).")
       .def(py::init<bool>(), py::arg("auto_size"))
       .def_property_readonly("pending", &BucketSizingSchedule::pending)
       .def("due", &BucketSizingSchedule::due, py::arg("carries_parameters"), py::arg("streamed"),
            py::arg("last_backward_ms"), py::arg("pool_grew"));
+}
+
+// Note [Step plan]: the CPU AdamW's plan, its steps' paths and Note [Steady step]'s window (step_plan.hpp).
+void bind_step_plan(py::module_& m) {
+  using namespace tierflow::optimizer;
+  py::enum_<StepPath>(m, "StepPath").value("skipped", StepPath::kSkipped).value("streamed", StepPath::kStreamed)
+      .value("host", StepPath::kHost).value("nvme", StepPath::kNvme);
+  py::enum_<ParamRoute>(m, "ParamRoute").value("step_in_step", ParamRoute::kStepInStep)
+      .value("stream", ParamRoute::kStream).value("feed", ParamRoute::kFeed);
+  py::enum_<WeightTarget>(m, "WeightTarget").value("home", WeightTarget::kHome)
+      .value("parameter", WeightTarget::kParameter).value("staging", WeightTarget::kStaging);
+  py::class_<PlanRoom>(m, "PlanRoom", "The activation plan as the GPU share sees it, a value (step_plan.hpp).")
+      .def(py::init([](bool in_force, std::int64_t peak) { return PlanRoom{in_force, peak}; }),
+           py::arg("in_force") = true, py::arg("predicted_peak_bytes") = 0)
+      .def_readonly("in_force", &PlanRoom::in_force)
+      .def_readonly("predicted_peak_bytes", &PlanRoom::predicted_peak_bytes)
+      .def(py::self == py::self);
+  m.def("plan_room", &plan_room, py::arg("forced"), py::arg("has_plan"), py::arg("predicted_peak_bytes"));
+  py::class_<WindowWatch>(m, "WindowWatch", "What each step()'s window showed (Note [Steady step]).")
+      .def(py::init<std::uint64_t>(), py::arg("pinned_slabs"))
+      .def("seen", [](WindowWatch& w, bool carries, std::uint64_t kernel_grad_bytes, std::uint64_t slabs,
+                      double backward_ms) {
+        const StepWindow s = w.seen(carries, kernel_grad_bytes, slabs, backward_ms);
+        return std::make_tuple(s.streamed, s.backward_ms, s.pool_grew);
+      }, py::arg("carries"), py::arg("kernel_grad_bytes"), py::arg("pinned_slabs"), py::arg("last_backward_ms"),
+         "(streamed, backward ms, pool grew) of the window a step() ends.");
+  py::class_<StepPlan>(m, "StepPlan", "Note [Step plan] (optimizer/step_plan.hpp).")
+      .def(py::init<const Config&, const std::optional<std::string>&, bool>(), py::arg("settings"),
+           py::arg("optimizer_states"), py::arg("sharded"))
+      .def_property_readonly("format", [](const StepPlan& p) { return std::string(to_string(p.format())); })
+      .def_property_readonly("states_on_nvme", &StepPlan::states_on_nvme)
+      .def_property_readonly("tier", &StepPlan::tier_name)
+      .def_property_readonly("sharded", &StepPlan::sharded)
+      .def_property_readonly("overlap", &StepPlan::overlap)
+      .def_property_readonly("steps_after_backward", [](const StepPlan& p) -> py::object {
+        return p.steps_after_backward().empty() ? py::none() : py::cast(p.steps_after_backward());
+      })
+      .def_property_readonly("gpu_share_setting", &StepPlan::gpu_share_setting)
+      .def("check_amsgrad", &StepPlan::check_amsgrad, py::arg("amsgrad"), py::arg("group"))
+      .def("steps_during_backward", &StepPlan::steps_during_backward, py::arg("master_stale") = false)
+      .def("stop_steps_during_backward", &StepPlan::stop_steps_during_backward, py::arg("why"))
+      .def("stream_shards", &StepPlan::stream_shards)
+      .def("route", [](const StepPlan& p, bool requires_grad, bool carried, bool on_device, bool contiguous,
+                       bool kernel_dtype, bool in_gpu_share) {
+        return p.route({requires_grad, carried, on_device, contiguous, kernel_dtype, in_gpu_share});
+      }, py::arg("requires_grad"), py::arg("carried"), py::arg("on_device"), py::arg("contiguous"),
+         py::arg("kernel_dtype"), py::arg("in_gpu_share"))
+      .def("path", &StepPlan::path, py::arg("streaming"), py::arg("finite"))
+      .def_static("weight_target", &StepPlan::weight_target, py::arg("has_home"), py::arg("in_host_memory"),
+                  py::arg("contiguous"));
 }
 
 void bind_optimizer_policy(py::module_& m) {
@@ -156,9 +216,6 @@ void bind_optimizer_policy(py::module_& m) {
         "load_state_dict's refusal of states marked lost, naming these (described) parameters.");
   m.def("unfilled_lost_states", &unfilled_lost_states, py::arg("keys"),
         "fill_lost_states' refusal for these state dict keys (as printed).");
-  m.def("offload_gradients_refusal", &offload_gradients_refusal, py::arg("offload_gradients"),
-        py::arg("steps_during_backward"), py::arg("overlap_step"), py::arg("offload_optimizer"),
-        "TIERFLOW_OFFLOAD_GRADIENTS=on without steps during backward: the refusal, or None.");
   m.def("grad_scaler_refusal", &grad_scaler_refusal, "step()'s refusal of GradScaler with offloaded gradients.");
   m.def("partition_parameters", &partition_parameters, py::arg("elements"), py::arg("world_size"),
         "Note [Partitioned optimizer]: the owner rank of each parameter (by numel, in the optimizer's order).");
@@ -198,6 +255,7 @@ void bind_optimizer_policy(py::module_& m) {
     return out;
   }, "[(step, [indices])]: one kernel call per step number, in order of first appearance.");
   bind_gpu_share(m);
+  bind_step_plan(m);
 }
 
 }  // namespace

@@ -1,14 +1,14 @@
-"""What CPUAdamW accepts: the optimizers tierflow.wrap replaces by it, the gradient dtypes its kernels take, the
-moments' formats, and FSDP2's shards (all of its parameters or none, with the settings they take)."""
+"""What CPUAdamW accepts: the optimizers tierflow.wrap replaces by it, the gradient dtypes its kernels take, and
+FSDP2's shards (all of its parameters or none, with the settings they take)."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 from .. import _C
-from .copies import STATE_FORMATS, local_shard
+from .copies import local_shard
 
 GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -41,17 +41,6 @@ def check_replaceable(optimizer: torch.optim.Optimizer) -> None:
             if not p.is_floating_point() or p.dtype not in GRAD_DTYPES:
                 raise _C.TierflowError(f"tierflow.wrap: param group {i} holds a parameter of dtype {p.dtype}; "
                                        "accepted: float32, bfloat16, float16")
-
-
-def state_format_of(keyword: Optional[str], cfg: Any) -> str:
-    """The moments' format: CPUAdamW's keyword ``optimizer_states`` if given, else TIERFLOW_OPTIMIZER_STATES."""
-    if keyword is None:
-        return cfg.optimizer_states
-    name = str(keyword).strip().lower()
-    if name not in STATE_FORMATS:
-        raise _C.ConfigError(f"tierflow CPUAdamW: optimizer_states={keyword!r} (TIERFLOW_OPTIMIZER_STATES); "
-                             f"accepted: {', '.join(STATE_FORMATS)}")
-    return name
 
 
 def check_sharding(param_groups: list, names: dict, runtime: "_C.Runtime", cfg: Any) -> bool:

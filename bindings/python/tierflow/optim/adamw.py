@@ -76,7 +76,7 @@ from .. import _C
 from .. import _fsdp_feed as fsdp_feed
 from .._distributed import fsdp_units, rank_and_world_size
 from . import clip
-from .accepted import GRAD_DTYPES, check_replaceable, check_sharding, state_format_of
+from .accepted import GRAD_DTYPES, check_replaceable, check_sharding
 from .copies import DeviceCopies, local_shard
 from .gpu_share import GpuShare
 from . import checkpoint
@@ -85,11 +85,6 @@ from .partition import Partition
 from .step_paths import StepPaths
 from .streaming import GradientStreaming
 
-
-
-def _fraction_text(fraction: Optional[float]) -> str:
-    """TIERFLOW_GPU_OPTIMIZER_FRACTION as optimizer::GpuShareChoice reads it: None (auto) as "auto"."""
-    return "auto" if fraction is None else repr(float(fraction))
 
 
 class CPUAdamW(StepPaths, torch.optim.Optimizer):
@@ -174,26 +169,19 @@ class CPUAdamW(StepPaths, torch.optim.Optimizer):
         self._stream_stepped: list = []  # the stream's slots this step steps in the Python path
         self._python_stepped: list = []  # the parameters this step writes in the Python path
         cfg = runtime.settings()  # typed (Note [Typed settings])
-        # Note [Optimizer state formats]: how exp_avg and exp_avg_sq are kept (their dtype says it too).
-        self._state_format = state_format_of(getattr(self, "_states_keyword", None), cfg)
-        for i, group in enumerate(self.param_groups):
-            self.check_amsgrad(group, i)
         if not hasattr(self, "_names"):
             self._names: dict = {}
+        # Note [Step plan]: the states' tier and format (Note [Optimizer state formats]), steps during backward
+        # (FSDP2's DTensor shards step in step() until wrap streams them: Note [Distributed training]), the GPU
+        # share's setting, each step()'s path; TIERFLOW_OFFLOAD_GRADIENTS=on without those steps is refused.
+        keyword = getattr(self, "_states_keyword", None)
+        self._plan = _C.StepPlan(cfg, None if keyword is None else str(keyword),
+                                 check_sharding(self.param_groups, self._names, self._runtime, cfg))
+        for i, group in enumerate(self.param_groups):
+            self.check_amsgrad(group, i)
         self._copies = DeviceCopies(runtime)  # Note [Optimizer copies]
         # host pool or NVMe: Note [NVMe optimizer faults]; the moments in this optimizer's format
-        self._states = StateTier(runtime, cfg, self._names, state_format=self._state_format)
-        # With states on NVMe, step() streams them through pinned memory
-        # (Note [Optimizer states on NVMe]); steps during backward are host-tier only.
-        self._overlap = cfg.overlap_step and not self._states.nvme
-        # FSDP2's DTensor parameters: each rank steps its own shard, in step() (Note [Distributed training]).
-        self._sharded = check_sharding(self.param_groups, self._names, self._runtime, cfg)
-        # Why steps during backward are off for the rest of the run (DDP: Note [Distributed training]), or None.
-        self._steps_after_backward: Optional[str] = None
-        if self._sharded and self._overlap:
-            self._overlap = False
-            self._steps_after_backward = ("FSDP2's shards step during backward under tierflow.wrap only, which finds "
-                                          "the model's FSDP2 units: every shard steps in step()")
+        self._states = StateTier(runtime, self._plan, self._names)
         # Note [Partitioned optimizer]: under DDP with several ranks, this rank's share of the parameters only.
         self._partition: Optional[Partition] = None
         self._partition_wanted = cfg.partition_optimizer
@@ -205,14 +193,8 @@ class CPUAdamW(StepPaths, torch.optim.Optimizer):
         self._offload_grads = cfg.offload_gradients
         # GradScaler then hands step() its scale and found_inf instead of stepping blind: step() refuses.
         self._step_supports_amp_scaling = self._offload_grads
-        refusal = _C.offload_gradients_refusal(self._offload_grads, self._overlap,
-                                               "on" if cfg.overlap_step else "off", cfg.offload_optimizer)
-        if refusal is not None:
-            raise _C.ConfigError(refusal)
         self._hooks = []
-        # Deep Optimizer States; none of FSDP2's shards (an explicit fraction is refused with them).
-        self._gpu = GpuShare("0" if self._sharded else _fraction_text(cfg.gpu_optimizer_fraction),
-                             state_format=self._state_format)
+        self._gpu = GpuShare(self._plan.gpu_share_setting, state_format=self._state_format)  # Deep Optimizer States
         self._overlap_counts = {"early_steps": 0, "committed": 0, "redone": 0, "taken_back": 0, "held": 0,
                                 "skipped_steps": 0}
         # Note [Gradient streaming]: parameters of the runtime's device stream their
@@ -222,26 +204,24 @@ class CPUAdamW(StepPaths, torch.optim.Optimizer):
         if not self._gpu.auto:
             self._gpu.ensure(self.param_groups)
         if self._overlap:
-            self._start_streaming(runtime, cfg)
+            self._start_streaming(runtime)
         # Partitioned, this rank holds its share only: checked (and NVMe space reserved) once the share is known.
         self._space_pending = self.partition_pending() and rank_and_world_size()[1] > 1
         if not self._space_pending:
             self._states.check_space(self.param_groups, self._gpu.ids or set())
 
-    def _start_streaming(self, runtime: "_C.Runtime", cfg: Any) -> None:
+    def _start_streaming(self, runtime: "_C.Runtime") -> None:
         """The gradient stream for the parameters of the runtime's device."""
-        streaming = self._streaming = GradientStreaming(runtime, cfg, self._accumulation, self._max_grad_norm,
+        streaming = self._streaming = GradientStreaming(runtime, self._accumulation, self._max_grad_norm,
                                                         self._skip_nonfinite, self._offload_grads)
         gpu = self._gpu.ids or set()
         for gi, group in enumerate(self.param_groups):
             for p in group["params"]:
-                if not p.requires_grad or streaming.carries(p):
-                    continue
-                if self._sharded:  # FSDP2: the local tensor steps, fed its reduce-scattered gradient
-                    if p.dtype in GRAD_DTYPES:
-                        streaming.add_fed_parameter(p, local_shard(p), gi)
-                    continue
-                if runtime.on_device(p) and p.is_contiguous() and p.dtype in GRAD_DTYPES and id(p) not in gpu:
+                route = self._plan.route(p.requires_grad, streaming.carries(p), runtime.on_device(local_shard(p)),
+                                         p.is_contiguous(), p.dtype in GRAD_DTYPES, id(p) in gpu)
+                if route == _C.ParamRoute.feed:  # FSDP2: the local tensor steps, fed its reduce-scattered gradient
+                    streaming.add_fed_parameter(p, local_shard(p), gi)
+                elif route == _C.ParamRoute.stream:
                     streaming.add_parameter(p, gi)
         begin = weakref.WeakMethod(self._on_backward_begin)
         init = weakref.WeakMethod(self._init_slot)
@@ -252,11 +232,9 @@ class CPUAdamW(StepPaths, torch.optim.Optimizer):
     def _stream_fsdp_shards(self, model: torch.nn.Module) -> None:
         """FSDP2 under wrap (Note [Distributed training]): each rank's shards step during backward, fed each unit's
         reduce-scattered gradients as FSDP2 assigns them (tierflow._fsdp_feed); step() only confirms."""
-        cfg = self._runtime.settings()
-        if not self._sharded or not cfg.overlap_step or self._states.nvme:
+        if not self._plan.stream_shards():
             return
-        self._overlap, self._steps_after_backward = True, None
-        self._start_streaming(self._runtime, cfg)
+        self._start_streaming(self._runtime)
         units = [(u, [p for p in params if self._streaming.carries(p)]) for u, params in fsdp_units(model)]
         # Kept by the stream, which the user's clip asks too (Note [Clip picked up]).
         self._streaming.fsdp_feed = fsdp_feed.attach(model, self, [(u, ps) for u, ps in units if ps])
@@ -292,13 +270,16 @@ class CPUAdamW(StepPaths, torch.optim.Optimizer):
             old._opt_called = True
 
     def check_amsgrad(self, group: dict, index: int) -> None:
-        """amsgrad keeps fp32 moments: refused with bf16 or 8-bit ones, naming the setting."""
-        fmt = getattr(self, "_state_format", "fp32")
-        if group.get("amsgrad") and fmt != "fp32":
-            raise _C.ConfigError(
-                f"tierflow CPUAdamW: param group {index} has amsgrad=True, and amsgrad keeps fp32 moments; "
-                f"TIERFLOW_OPTIMIZER_STATES={fmt} (keyword optimizer_states={fmt}) is refused with it "
-                "(accepted: fp32)")
+        """amsgrad keeps fp32 moments: refused with bf16 or 8-bit ones, naming the setting (Note [Step plan])."""
+        plan = getattr(self, "_plan", None)  # None inside torch's __init__, before _setup
+        if plan is not None:
+            plan.check_amsgrad(bool(group.get("amsgrad")), index)
+
+    # What the plan decided (Note [Step plan]), as the step paths and the feeds read it.
+    _state_format = property(lambda self: self._plan.format)
+    _sharded = property(lambda self: self._plan.sharded)
+    _overlap = property(lambda self: self._plan.overlap)
+    _steps_after_backward = property(lambda self: self._plan.steps_after_backward)  # why they are off, or None
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -363,14 +344,13 @@ class CPUAdamW(StepPaths, torch.optim.Optimizer):
 
     def steps_during_backward(self) -> bool:
         """True while parameters step during backward (Note [Step during backward])."""
-        return self._overlap and not self._steps_after_backward
+        return self._plan.steps_during_backward()
 
     def steps_after_backward_only(self, why: str) -> bool:
         """Turns the steps during backward off for the rest of the run (``why``: the reason); False when there
         were none to turn off (TIERFLOW_OVERLAP_STEP=off, states on NVMe) or they were off already."""
-        if not self._overlap or self._steps_after_backward:
+        if not self._plan.stop_steps_during_backward(why):
             return False
-        self._steps_after_backward = why
         if self._streaming is not None:
             self._streaming.stream.set_enabled(False)  # _on_backward_begin keeps it off from now on
         return True
@@ -437,7 +417,7 @@ class CPUAdamW(StepPaths, torch.optim.Optimizer):
                               if k in ("master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq") and
                               isinstance(t, torch.Tensor))
         return {"format": self._state_format, "parameters": count, "elements": elements, "bytes": nbytes,
-                "tier": "nvme" if self._states.nvme else "host"}
+                "tier": self._plan.tier}
 
     # -- what DDP's and FSDP2's feeds and checkpoint.py use (never a private attribute) ---------------------
     @property
@@ -564,7 +544,7 @@ class CPUAdamW(StepPaths, torch.optim.Optimizer):
         """Once per backward, from C++: the hyperparameters in force (an LR scheduler may have changed them)."""
         self._push_groups()
         # Under DDP every parameter steps in step(), from the reduced gradient (Note [Distributed training]).
-        self._streaming.stream.set_enabled(not self._master_stale and not self._steps_after_backward)
+        self._streaming.stream.set_enabled(self._plan.steps_during_backward(self._master_stale))
 
     @torch.no_grad()
     def _init_slot(self, slot: int) -> None:

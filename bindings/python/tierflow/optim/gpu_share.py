@@ -13,7 +13,6 @@ format is not fp32."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -21,18 +20,10 @@ import torch
 from .. import _C
 
 
-@dataclass(frozen=True)
-class PlanRoom:
-    """The activation plan as the share's choice sees it: a value read when the choice is asked, not a reference
-    into the planner. ``in_force``: a plan is in force (while the planner profiles, none is: the share waits, for
-    the plan is made from a timed step's peak, which must not miss the share's states, nor half of them);
-    ``predicted_peak_bytes``: the device peak the plan predicts (0: none), whose rest of the budget the share may
-    take (gpu_share_room)."""
-
-    in_force: bool = True
-    predicted_peak_bytes: int = 0
-
-
+#: The activation plan as the share's choice sees it, a value read when the choice is asked, never a reference into
+#: the planner (optimizer/step_plan.hpp): ``in_force`` (while the planner profiles, no plan is, and the share waits)
+#: and ``predicted_peak_bytes`` (0: none), whose rest of the budget the share may take (gpu_share_room).
+PlanRoom = _C.PlanRoom
 NO_PLAN = PlanRoom()  # no activation planner: nothing to wait for, no predicted peak
 
 
@@ -40,9 +31,9 @@ def plan_room(planner: Any) -> PlanRoom:
     """The room of ``planner``'s plan (an AutoPlanner: its ``forced`` and ``plan``), or NO_PLAN for None."""
     if planner is None:
         return NO_PLAN
-    if not planner.forced and planner.plan is None:
-        return PlanRoom(in_force=False)
-    return PlanRoom(True, int((planner.plan or {}).get("predicted_device_peak_bytes") or 0))
+    plan = planner.plan
+    return _C.plan_room(bool(planner.forced), plan is not None,
+                        int((plan or {}).get("predicted_device_peak_bytes") or 0))
 
 
 class GpuShare:
@@ -94,16 +85,13 @@ class GpuShare:
         Returns whether any parameter moved."""
         if plan is None:
             plan = plan_room(self.planner() if self.planner is not None else None)
-        if not self.choice.pending or not plan.in_force:
-            return False
-        streamed, backward_ms, grew = seen
-        if not self.choice.choose_now(streamed, backward_ms, grew):
+        if not self.choice.due(seen, plan):  # Note [Steady step], with the plan in force
             return False
         cuda = [p for g in param_groups for p in g["params"] if p.device.type == "cuda"]
         carried = [streaming.carries(p) for p in cuda]
+        candidates = [(p.numel(), c, p.dtype != torch.float32) for p, c in zip(cuda, carried)]
         opt = runtime.stats()["optimizer"]
-        on_gpu = self.choice.choose([(p.numel(), c, p.dtype != torch.float32) for p, c in zip(cuda, carried)],
-                                    opt["elements"], opt["step_ms"], backward_ms,
+        on_gpu = self.choice.choose(candidates, opt["elements"], opt["step_ms"], seen[1],
                                     *_device_room(runtime, cuda, carried, plan))
         self.ids = {id(p) for p, g in zip(cuda, on_gpu) if g}
         if not self.ids:
@@ -124,8 +112,7 @@ class GpuShare:
             if c:
                 state[p].update(c)
         streaming.forget_python_path()
-        per_element = _C.gpu_share_bytes_per_element(any(p.dtype != torch.float32 for p in cuda))
-        self.took_bytes = sum(p.numel() for p in moved) * per_element
+        self.took_bytes = _C.gpu_share_took_bytes(candidates, on_gpu)
         return True
 
     @staticmethod

@@ -36,16 +36,13 @@ class StateTier:
     """Where CPUAdamW's states sit, the host pool or NVMe (TIERFLOW_OFFLOAD_OPTIMIZER): space checks, the
     NVMe states' step and I/O, and their faults (Note [NVMe optimizer faults])."""
 
-    def __init__(self, runtime: "_C.Runtime", cfg: Any, names: dict,
-                 state_format: Optional[str] = None) -> None:
-        # `cfg` is unused: the settings come typed from the runtime (Note [Typed settings]).
-        settings = runtime.settings()
+    def __init__(self, runtime: "_C.Runtime", plan: "_C.StepPlan", names: dict) -> None:
         self._runtime = runtime
-        self._host_memory = settings.host_memory
-        self.nvme = settings.offload_optimizer == "nvme"
+        self._host_memory = runtime.settings().host_memory
+        self.nvme = plan.states_on_nvme  # Note [Step plan]
         # How the moments are kept (Note [Optimizer state formats]): on NVMe too, in the same bytes as on the host
-        # (Note [Optimizer states on NVMe]). None: TIERFLOW_OPTIMIZER_STATES.
-        self.format = state_format or settings.optimizer_states
+        # (Note [Optimizer states on NVMe]).
+        self.format = plan.format
         self._names = names  # id(param) -> its name in the model, for error messages
         self._reserved: set = set()  # ids of parameters whose NVMe state space is reserved
         # Note [NVMe optimizer faults]: param -> (gradient, its version, step count after) of a step taken.
@@ -224,7 +221,8 @@ class StateTier:
                 grad = grad.reshape(-1)
                 if grad.device.type != "cpu" or not grad.is_contiguous():
                     grad = grad.to("cpu").contiguous()
-            if shard.device.type == "cpu" and shard.is_contiguous() and not copies.staged(shard):
+            if _C.StepPlan.weight_target(False, shard.device.type == "cpu" and not copies.staged(shard),
+                                         shard.is_contiguous()) == _C.WeightTarget.parameter:
                 out, copy = shard.detach().reshape(-1), False
             else:
                 out, copy = copies.staging(shard, flat=True), True

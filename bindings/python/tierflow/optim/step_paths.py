@@ -51,15 +51,15 @@ class StepPaths:
         self._wait_worker()
         scale, finite = self._clip_coefficient()
         # Note [Distributed training]: early steps all redone in a multi-process run (an all-reduce) turn them off.
-        watch = self._overlap and not self._master_stale and not self._steps_after_backward
-        watched = self.overlap_stats if watch else None
-        if self._skip_nonfinite and not finite:
+        watched = self.overlap_stats if self._plan.steps_during_backward(self._master_stale) else None
+        path = self._plan.path(self._streaming is not None, finite)  # Note [Step plan]
+        if path == _C.StepPath.skipped:
             if self._streaming is not None:
                 self._streaming.stream.restore_grads()  # a skipped step leaves p.grad as torch's does
                 self._streaming.stream.end_window()
             self._overlap_counts["skipped_steps"] += 1
             skipped = True
-        elif self._streaming is not None:
+        elif path == _C.StepPath.streamed:
             # Note [Gradient streaming]: the stream commits or redoes what it carried and
             # sends the weights back; the Python path steps only what it left.
             self._push_groups()
@@ -91,7 +91,7 @@ class StepPaths:
                 # The share first: the buckets are cut for what stays on the CPU, at a steady step after it.
                 if not self._choose_gpu_share(seen):
                     self._streaming.size_buckets(seen)
-        elif not self._states.nvme:
+        elif path == _C.StepPath.host:
             self._step_groups(scale, [(group, None) for group in self.param_groups])
             self._states.new_window()
         else:
@@ -237,9 +237,11 @@ class StepPaths:
                 host_grad = host_grad.to("cpu").contiguous()
         home = self._copies.home(p)
         shard = local_shard(p)
-        if home is not None:
+        target = _C.StepPlan.weight_target(home is not None, shard.device.type == "cpu" and not self._copies.staged(shard),
+                                           shard.is_contiguous())
+        if target == _C.WeightTarget.home:
             out = home  # the next forward fetches it (Note [Optimizer copies])
-        elif shard.device.type == "cpu" and shard.is_contiguous() and not self._copies.staged(shard):
+        elif target == _C.WeightTarget.parameter:
             out = shard.detach()
         else:
             out = self._copies.staging(shard)

@@ -20,10 +20,9 @@ from .._links import measure_links, probe_bytes
 class GradientStreaming:
     """One C++ GradStream and the parameters it carries (see the module doc)."""
 
-    def __init__(self, runtime: "_C.Runtime", cfg: Any, accumulation: int,
-                 max_grad_norm: Optional[float], skip_nonfinite: bool, offload_grads: bool) -> None:
-        # `cfg` is unused: the settings come typed from the runtime (Note [Typed settings]).
-        settings = runtime.settings()
+    def __init__(self, runtime: "_C.Runtime", accumulation: int, max_grad_norm: Optional[float],
+                 skip_nonfinite: bool, offload_grads: bool) -> None:
+        settings = runtime.settings()  # typed (Note [Typed settings])
         #: The C++ stream (its methods are called directly: finish, end_window, wait_worker, ...).
         self.stream = _C.GradStream(runtime, settings.grad_bucket_bytes or 0, accumulation,
                                     max_grad_norm or 0.0, skip_nonfinite,
@@ -36,8 +35,7 @@ class GradientStreaming:
         self._python_params: Optional[list] = None  # per group: params that step() handles in Python
         # TIERFLOW_GRAD_BUCKET_BYTES=auto: when it is sized (optimizer/grad_buckets.hpp).
         self._sizing = _C.BucketSizingSchedule(settings.grad_bucket_bytes is None)
-        self._slabs = self._pinned_slabs()  # pinned slabs allocated so far (Note [Steady step])
-        self._stepped_bytes = 0  # gradient bytes the CPU AdamW had stepped at the last window_seen()
+        self._window = _C.WindowWatch(self._pinned_slabs())  # what each step()'s window showed (Note [Steady step])
 
     # -- the parameters it carries -------------------------------------------------
     def add_parameter(self, p: torch.Tensor, group_index: int) -> None:
@@ -218,11 +216,8 @@ class GradientStreaming:
         streamed and the CPU AdamW stepped them, its backward (ms, first gradient to its end), and whether it
         allocated pinned slabs."""
         s = self.stream.stats()
-        stepped, slabs = int(s["kernel_grad_bytes"]), self._pinned_slabs()
-        streamed = bool(self._slot_params) and stepped > self._stepped_bytes
-        grew = slabs != self._slabs
-        self._stepped_bytes, self._slabs = stepped, slabs
-        return streamed, float(s["last_backward_ms"]), grew
+        return self._window.seen(bool(self._slot_params), int(s["kernel_grad_bytes"]), self._pinned_slabs(),
+                                 float(s["last_backward_ms"]))
 
     def size_buckets(self, seen: tuple) -> None:
         """TIERFLOW_GRAD_BUCKET_BYTES=auto, at the first steady step (Note [Steady step]: not the
