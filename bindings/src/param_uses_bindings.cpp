@@ -83,7 +83,9 @@ void bind_param_uses(py::module_& m) {
         const auto f = u ? s.pop_forward(*u) : s.pop_forward();
         return f ? std::optional(std::make_tuple(f->unit, f->extra_bytes, f->token, f->call)) : std::nullopt;
       }, py::arg("unit") = py::none())
-      .def("end_forward", [](U& s, std::size_t u, std::uint64_t extra) { s.end_forward({u, extra}); })
+      .def("end_forward", [](OwnedUses& s, std::size_t u, std::uint64_t extra) {
+        static_cast<U&>(s).end_forward({u, extra});  // (a lambda's self is the bound type, not its base)
+      })
       .def("end_phase", &U::end_phase)
       .def("new_call", &U::new_call)
       .def("drop_call", &U::drop_call)
