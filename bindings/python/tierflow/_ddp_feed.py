@@ -7,7 +7,9 @@ gradient_as_bucket_view=True a division, as DDP does then) and, in the callback 
 future, hands the reduced bucket to the gradient stream, which copies each carried parameter's slice to
 the host and steps it while backward goes on. A hook the user registers later (ddp.register_comm_hook
 after tierflow saw the DDP) runs in place of that reduction, and what its future holds streams: it is
-what DDP writes into p.grad. Nothing here runs per parameter but the list DDP's bucket builds.
+what DDP writes into p.grad. Nothing here runs per parameter but the list DDP's bucket builds. What is decided
+(the bucket's scaling, whether tierflow can feed, the refusals) is decided torch-free: Note [Rank decisions under
+DDP] in optimizer/distributed_ranks.hpp (_C.distributed).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ class ReducedFeed:
         self.optimizer = weakref.ref(optimizer)
         self.ddp = weakref.ref(ddp)
         self.group = ddp.process_group
-        self.divide = bool(ddp.gradient_as_bucket_view)  # DDP divides in place then, multiplies by 1/n otherwise
+        self.as_view = bool(ddp.gradient_as_bucket_view)  # DDP divides in place then, multiplies by 1/n otherwise
         self.user: Optional[tuple] = None  # (hook, state) registered after tierflow's
 
     def stream(self) -> Any:
@@ -58,24 +60,21 @@ def tierflow_reduce_and_stream(feed, bucket):  # no annotations: DDP's _check_co
     dist = torch.distributed
     buffer = bucket.buffer()
     world = feed.group.size() if feed.group is not None else dist.get_world_size()
-    if feed.divide:
-        buffer.div_(world)
+    divide, factor = _C.distributed.ddp_bucket_scaling(feed.as_view, world)
+    if divide:
+        buffer.div_(world)  # factor == world
     else:
-        buffer.mul_(1.0 / world)
+        buffer.mul_(factor)
     return dist.all_reduce(buffer, group=feed.group, async_op=True).get_future().then(fed)
 
 
 def _refuse_uneven_divisor(ddp: Optional[torch.nn.Module]) -> None:
-    """DDP's join(divide_by_initial_world_size=False) divides by the ranks that have not joined, which DDP tells
-    its own reduction only: tierflow's hook, like any, divides by the world size."""
+    """DDP's join(divide_by_initial_world_size=False): refused (its divisor is told to DDP's own reduction only)."""
     config = getattr(ddp, "_join_config", None)
-    if config is not None and config.enable and not getattr(ddp, "_divide_by_initial_world_size", True):
-        raise _C.TierflowError(
-            "tierflow: DistributedDataParallel.join(divide_by_initial_world_size=False) under tierflow: DDP then "
-            "divides each gradient by the number of ranks that have not joined, which it tells its own reduction "
-            "only, and tierflow reduces through a DDP communication hook (to step during backward from the reduced "
-            "gradients), which divides by the world size; accepted: join() with divide_by_initial_world_size=True "
-            "(the default), or TIERFLOW_OVERLAP_STEP=off (overlap_step='off'; DDP then reduces by itself)")
+    why = _C.distributed.ddp_join_divisor_refusal(config is not None and bool(config.enable),
+                                                  bool(getattr(ddp, "_divide_by_initial_world_size", True)))
+    if why is not None:
+        raise _C.TierflowError(why)
 
 
 def _registered_hook(ddp: torch.nn.Module) -> Optional[str]:
@@ -93,16 +92,8 @@ def _registered_hook(ddp: torch.nn.Module) -> Optional[str]:
 
 def why_not_fed(ddp: torch.nn.Module) -> Optional[str]:
     """Why tierflow cannot feed the reduced gradients of ``ddp`` (None: it can)."""
-    existing = _registered_hook(ddp)
-    if getattr(ddp, "_tierflow_feed", None) is not None:
-        return None  # ours, from an earlier session: it feeds the new optimizer
-    if existing:
-        return (f"a DDP communication hook is registered on it already ({existing}; DDP's mixed_precision and "
-                "optimizer-in-backward register one too), and DDP takes one only; register yours after "
-                "tierflow.wrap has seen the DDP module (tierflow then runs it and steps from what it returns)")
-    if getattr(ddp, "_use_python_reducer", False):
-        return "DDP runs its Python reducer (compiled autograd), which calls hooks per parameter"
-    return None
+    return _C.distributed.ddp_feed_refusal(_registered_hook(ddp) or "", getattr(ddp, "_tierflow_feed", None) is not None,
+                                           bool(getattr(ddp, "_use_python_reducer", False)))
 
 
 def feed(ddp: torch.nn.Module, optimizer: Any) -> None:
@@ -130,8 +121,7 @@ def _composing(ddp: torch.nn.Module, state: ReducedFeed) -> Callable:
         module = ref()
         module._check_comm_hook(hook)
         if state.user is not None:
-            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once "
-                               f"(a hook is registered already: {getattr(state.user[0], '__qualname__', '?')})")
+            raise RuntimeError(_C.distributed.ddp_second_hook_refusal(getattr(state.user[0], '__qualname__', '?')))
         state.user = (hook, state_of_hook)
         module._comm_hooks.append((hook, state_of_hook))
         if module.logger is not None:
@@ -141,9 +131,4 @@ def _composing(ddp: torch.nn.Module, state: ReducedFeed) -> Callable:
 
 
 def _refusing_builtin(comm_hook_type: Any) -> None:
-    raise _C.TierflowError(
-        f"DistributedDataParallel._register_builtin_comm_hook({comm_hook_type}) after tierflow.wrap: tierflow "
-        "registered its own DDP communication hook, which streams the reduced gradients to its CPU optimizer, and "
-        "DDP takes one only; accepted: a Python hook through ddp.register_comm_hook(state, hook) (tierflow runs it "
-        "in place of its all-reduce), or a built-in hook registered before tierflow.wrap (tierflow's CPU optimizer "
-        "then steps after backward)")
+    raise _C.TierflowError(_C.distributed.ddp_builtin_hook_refusal(str(comm_hook_type)))

@@ -152,6 +152,11 @@ is refused with an error that names it:
   tiering::fsdp_gathered_bytes, Note [Auto plan phases]), read when it plans,
   so fully_shard after wrap counts too.
 
+What is decided here is decided torch-free, below bindings/: the partition, DDP's bucket scaling, the DDP
+refusals and warnings in optimizer/distributed_ranks.hpp (Note [Rank decisions under DDP]), the FSDP2 and DTensor
+refusals, each unit's own parameters and this rank's parameter bytes in tiering/distributed_sharding.hpp (Note
+[Sharded models]), through _C.distributed; this file finds torch's facts and applies the answers.
+
 Nothing here imports torch.distributed's submodules: a class that was never
 imported has no instances, so a run without torch.distributed pays one
 sys.modules lookup per check.
@@ -166,10 +171,6 @@ from typing import Any, Optional
 import torch
 
 from . import _C, _ddp_feed
-
-_TP_ADVICE = ("use torch.distributed.fsdp.fully_shard (FSDP2) or DistributedDataParallel (DDP) instead, or train on "
-              "one process")
-
 
 def _class(module: str, name: str) -> Optional[type]:
     """``module.name`` if that module has been imported (nothing can be an instance otherwise)."""
@@ -196,19 +197,13 @@ def _world_size() -> int:
 
 
 def _sharded(model: torch.nn.Module) -> tuple:
-    """(names of the FSDP2 modules in ``model``, names of its DTensor parameters)."""
+    """(names of the FSDP2 modules in ``model``, "" for the model itself; names of its DTensor parameters)."""
     fsdp = _class("torch.distributed.fsdp", "FSDPModule")
     dtensor = _class("torch.distributed.tensor", "DTensor")
-    modules = [] if fsdp is None else \
-        [n or "(the model itself)" for n, m in model.named_modules() if isinstance(m, fsdp)]
+    modules = [] if fsdp is None else [n for n, m in model.named_modules() if isinstance(m, fsdp)]
     params = [] if dtensor is None else \
         [n for n, p in model.named_parameters(remove_duplicate=False) if isinstance(p, dtensor)]
     return modules, params
-
-
-def _some(names: list) -> str:
-    shown = ", ".join(repr(n) for n in names[:3])
-    return shown + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
 def fsdp_modules(model: torch.nn.Module) -> list:
@@ -228,17 +223,13 @@ def fsdp_cpu_offloaded(model: torch.nn.Module) -> bool:
 
 
 def fsdp_units(model: torch.nn.Module) -> list:
-    """[(an FSDP2 module of ``model``, its own parameters)] in module order: a unit's parameters are those outside
-    the fully_shard modules within it (FSDP2 gathers and reduces them together)."""
+    """[(an FSDP2 module of ``model``, its own parameters)] in module order (Note [Sharded models]: the parameters
+    outside the fully_shard modules within it)."""
     units = fsdp_modules(model)
-    owner: dict = {}
-    for unit in units:  # module order: an inner unit comes later and takes its parameters from the outer one
-        for p in unit.parameters():
-            owner[id(p)] = (unit, p)
-    own: dict = {id(u): [] for u in units}
-    for unit, p in owner.values():
-        own[id(unit)].append(p)
-    return [(u, own[id(u)]) for u in units]
+    number: dict = {}  # id(parameter) -> (its number, in order of first appearance; the parameter)
+    listed = [[number.setdefault(id(p), (len(number), p))[0] for p in unit.parameters()] for unit in units]
+    params = [p for _n, p in number.values()]
+    return [(u, [params[i] for i in own]) for u, own in zip(units, _C.distributed.fsdp_unit_parameters(listed))]
 
 
 def fsdp_unit_bytes(model: torch.nn.Module) -> tuple:
@@ -253,29 +244,20 @@ def fsdp_unit_bytes(model: torch.nn.Module) -> tuple:
 
 
 def rank_shard_bytes(model: torch.nn.Module) -> int:
-    """This rank's bytes of ``model``'s parameters: a DTensor's local shard; a parameter of an FSDP2 unit that
-    FSDP2 holds gathered at the moment (the root unit's from its forward through its backward: the planner
-    decides inside a forward) as the dim-0 chunk FSDP2 keeps of it (its default Shard(0) over the units' mesh);
-    any other parameter whole."""
+    """This rank's bytes of ``model``'s parameters (Note [Sharded models]): a DTensor's local shard; a parameter of
+    an FSDP2 unit that FSDP2 holds gathered at the moment (the root unit's from its forward through its backward:
+    the planner decides inside a forward) as FSDP2's dim-0 chunk of it; any other parameter whole."""
     dtensor = _class("torch.distributed.tensor", "DTensor")
     params = list(model.parameters())
-    sharded = [p for p in params if dtensor is not None and isinstance(p, dtensor)]
-    if not sharded:
-        return sum(p.numel() * p.element_size() for p in params)
-    mesh = sharded[0].device_mesh
-    rank, world = mesh.get_local_rank(), mesh.size()
-    gathered = {id(p) for unit in fsdp_modules(model) for p in unit.parameters()}
-    total = 0
-    for p in params:
-        if isinstance(p, dtensor):
-            total += p.to_local().numel() * p.element_size()
-        elif id(p) in gathered and p.dim() > 0:
-            rows = -(-p.shape[0] // world)
-            mine = max(0, min(p.shape[0], (rank + 1) * rows) - rank * rows)
-            total += mine * (p.numel() // max(p.shape[0], 1)) * p.element_size()
-        else:
-            total += p.numel() * p.element_size()
-    return total
+    sharded = {id(p): p for p in params if dtensor is not None and isinstance(p, dtensor)}
+    rank, world, gathered = 0, 1, set()
+    if sharded:
+        mesh = next(iter(sharded.values())).device_mesh
+        rank, world = mesh.get_local_rank(), mesh.size()
+        gathered = {id(p) for unit in fsdp_modules(model) for p in unit.parameters()}
+    facts = [(id(p) in sharded, id(p) in gathered, p.shape[0] if p.dim() > 0 else -1,
+              (p.to_local() if id(p) in sharded else p).numel(), p.element_size()) for p in params]
+    return _C.distributed.rank_shard_bytes(facts, rank, world)
 
 
 def refuse_sharded(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], config: Any) -> None:
@@ -283,28 +265,15 @@ def refuse_sharded(model: torch.nn.Module, optimizer: Optional[torch.optim.Optim
     parameters that FSDP2 did not make (tensor parallelism), and an optimizer holding DTensors of another
     model are refused, with a TierflowError that says what to do instead."""
     modules, params = _sharded(model)
-    if modules:
-        replacing = optimizer is not None and config.offload_optimizer != "none"
-        why = _C.fsdp_settings_refusal(config, replacing, fsdp_cpu_offloaded(model))  # ends with what it accepts
-        if why is not None:
-            raise _C.TierflowError(
-                "tierflow.wrap: the model is sharded by torch.distributed.fsdp.fully_shard (FSDP2): "
-                f"{_some(modules)} {'is an FSDPModule' if len(modules) == 1 else 'are FSDPModules'}, and {why}")
-        return  # its DTensors are FSDP2's shards, stepped by the user's optimizer
-    if params:
-        raise _C.TierflowError(
-            f"tierflow.wrap: {len(params)} of the model's parameters are DTensors ({_some(params)}) and no module "
-            "of it is an FSDP2 module (fully_shard), as tensor parallelism makes them; tierflow does not support "
-            f"tensor parallelism; {_TP_ADVICE}")
     dtensor = _class("torch.distributed.tensor", "DTensor")
-    if optimizer is not None and dtensor is not None:
-        held = [p for g in optimizer.param_groups for p in g["params"]]
-        sharded = [p for p in held if isinstance(p, dtensor)]
-        if sharded:
-            raise _C.TierflowError(
-                f"tierflow.wrap: {len(sharded)} of the optimizer's {len(held)} parameters are DTensors (the first "
-                f"has shape {list(sharded[0].shape)}), but the model has no FSDP2 module (fully_shard) and no "
-                "DTensor parameter: the optimizer is another model's; pass the optimizer of the model you wrap")
+    held = [p for g in optimizer.param_groups for p in g["params"]] if optimizer is not None else []
+    theirs = [p for p in held if dtensor is not None and isinstance(p, dtensor)]
+    replacing = optimizer is not None and config.offload_optimizer != "none"
+    why = _C.distributed.sharded_wrap_refusal(config, modules, params, replacing,
+                                              bool(modules) and fsdp_cpu_offloaded(model), len(theirs), len(held),
+                                              list(theirs[0].shape) if theirs else [])
+    if why is not None:
+        raise _C.TierflowError(why)
 
 
 def refuse_sharded_later(model: torch.nn.Module, config: Any, cpu_optimizer: bool) -> list:
@@ -312,26 +281,10 @@ def refuse_sharded_later(model: torch.nn.Module, config: Any, cpu_optimizer: boo
     FSDP2 modules, whose unsharded parameters the session then tells the offloader about; raises for settings
     that cannot train them (``cpu_optimizer``: wrap made a CPUAdamW), and for tensor parallelism."""
     modules, params = _sharded(model)
-    if not modules and not params:
-        return []
-    if modules:
-        why = _C.fsdp_settings_refusal(config, False)  # ends with what FSDP2 accepts; cpu_optimizer below
-        if why is None and cpu_optimizer:
-            why = ("tierflow's CPU optimizer, made at wrap, holds the parameters as they were before sharding; "
-                   "call fully_shard before tierflow.wrap")
-        if why is None:
-            return fsdp_modules(model)
-        what = ("torch.distributed.fsdp.fully_shard (FSDP2) was applied to the model after tierflow.wrap "
-                f"({_some(modules)} {'is an FSDPModule' if len(modules) == 1 else 'are FSDPModules'}), and {why}")
-        advice = None
-    else:
-        what = (f"{len(params)} of the model's parameters became DTensors after tierflow.wrap ({_some(params)}) and "
-                "no module of it is an FSDP2 module, as tensor parallelism makes them; tierflow does not support "
-                "tensor parallelism")
-        advice = _TP_ADVICE
-    raise _C.TierflowError(
-        f"tierflow: {what} (this forward was stopped before tierflow saved anything); {advice + '; ' if advice else ''}"
-        "or call tierflow.unwrap(model) to train it without tierflow")
+    why = _C.distributed.sharded_later_refusal(config, modules, params, cpu_optimizer)
+    if why is not None:
+        raise _C.TierflowError(why)
+    return fsdp_modules(model) if modules else []
 
 
 # -- DDP: the steps during backward fed the reduced gradients ----------------------
@@ -369,23 +322,6 @@ class DistributedWatch:
         self.pending = torch.distributed.is_available()  # anything left to check at a forward
 
 
-_DDP_WARNING = (
-    "tierflow: the model is trained with torch.nn.parallel.DistributedDataParallel (DDP) ({how}), and tierflow "
-    "cannot feed its CPU optimizer the reduced gradients during backward: {why}. So under this DDP tierflow's CPU "
-    "optimizer steps after backward, in step(), from the reduced gradients, instead of stepping each parameter "
-    "during backward (from the local gradient, step() would have to redo every such step). The results are the "
-    "same; what is lost is the overlap of the CPU step with backward. "
-    "TIERFLOW_OVERLAP_STEP=off (overlap_step='off') asks for this and silences this warning.")
-
-_REDONE_WARNING = (
-    "tierflow: in this {world}-process run, every parameter that tierflow's CPU optimizer stepped during backward "
-    "had to be stepped again in step(), because what it stepped from changed after backward (its gradient, as an "
-    "all-reduce of the gradients does: DDP's, or one written by hand between backward() and step()); from now on "
-    "the optimizer steps after backward, in step() only, instead of doing every step twice. The results are the "
-    "same; what is lost is the overlap of the CPU step with backward (under DDP tierflow steps from the reduced "
-    "gradients itself). TIERFLOW_OVERLAP_STEP=off (overlap_step='off') asks for this and silences this warning.")
-
-
 def steps_after_backward(optimizer: Any, message: str, stacklevel: int = 2) -> None:
     """Turns ``optimizer``'s steps during backward off for the rest of the run and warns, once."""
     if optimizer.steps_after_backward_only(message):  # False: none to turn off (TIERFLOW_OVERLAP_STEP=off,
@@ -397,11 +333,9 @@ def _note_ddp(optimizer: Any, ddp: torch.nn.Module, how: str, stacklevel: int) -
     (tierflow._ddp_feed), or turned off with a warning that says why."""
     if optimizer is None:
         return  # offload_optimizer='none': the user's optimizer steps after backward anyway
-    if optimizer.gradients_offloaded():
-        raise _C.TierflowError(
-            "tierflow: TIERFLOW_OFFLOAD_GRADIENTS=on does not work under torch.nn.parallel.DistributedDataParallel "
-            f"(DDP; {how}): it sets p.grad to None during backward, while DDP still has to all-reduce that "
-            "gradient; accepted under DDP: TIERFLOW_OFFLOAD_GRADIENTS=off (offload_gradients='off')")
+    refused = _C.distributed.ddp_offload_gradients_refusal(optimizer.gradients_offloaded(), how)
+    if refused is not None:
+        raise _C.TierflowError(refused)
     optimizer.partition_across(ddp)  # Note [Partitioned optimizer], before the stream is fed
     if not optimizer.steps_during_backward():
         return  # TIERFLOW_OVERLAP_STEP=off, NVMe states, or turned off already: DDP's reduction as it is
@@ -409,7 +343,7 @@ def _note_ddp(optimizer: Any, ddp: torch.nn.Module, how: str, stacklevel: int) -
     if why is None:
         _ddp_feed.feed(ddp, optimizer)
     else:
-        steps_after_backward(optimizer, _DDP_WARNING.format(how=how, why=why), stacklevel + 1)
+        steps_after_backward(optimizer, _C.distributed.ddp_steps_after_backward_warning(how, why), stacklevel + 1)
 
 
 def check_wrap(optimizer: Any, model: torch.nn.Module) -> DistributedWatch:
@@ -448,9 +382,7 @@ def note_step(optimizer: Any, before: dict, scale: float) -> None:
     before that): every early step redone, none committed, in a multi-process run, means the
     gradients are all-reduced behind tierflow's back; the steps during backward go off."""
     after = optimizer.overlap_stats
-    redone = after["redone"] - before["redone"]
-    committed = after["committed"] - before["committed"]
-    if redone > 0 and committed == 0 and scale == 1.0:
-        world = _world_size()
-        if world > 1:
-            steps_after_backward(optimizer, _REDONE_WARNING.format(world=world), 2)
+    warning = _C.distributed.redone_steps_warning(after["redone"] - before["redone"],
+                                                  after["committed"] - before["committed"], float(scale), _world_size())
+    if warning is not None:
+        steps_after_backward(optimizer, warning, 2)
