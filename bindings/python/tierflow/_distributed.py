@@ -135,22 +135,14 @@ is refused with an error that names it:
   does: DTensor.from_local would copy them to the mesh's GPU). A CPU
   optimizer over a model only partly under fully_shard is refused (its plain
   parameters' gradients are not reduced), also when a CPUAdamW is made
-  directly, which applies the same refusals as wrap. Refused with FSDP2, in either order,
-  with the setting named and what FSDP2 accepts (the rule, torch-free:
-  tiering::fsdp_settings_refusal): TIERFLOW_OFFLOAD_GRADIENTS=on, an explicit
-  TIERFLOW_GPU_OPTIMIZER_FRACTION and FSDP2's own CPUOffloadPolicy beside the
-  CPU optimizer (both would own the shards' host copies; with
-  TIERFLOW_OFFLOAD_OPTIMIZER=none the user's optimizer steps FSDP2's host
-  shards and the activations offload, tested bit for bit on one rank),
-  parameter offload (FSDP2 moves its parameters itself), and fully_shard
-  after a wrap that made the CPU optimizer (made for the parameters before
-  sharding). DTensor parameters without an FSDP2 module (tensor parallelism)
-  are refused, and so is an optimizer holding DTensors of another model.
-  TIERFLOW_OFFLOAD_ACTIVATIONS=auto budgets what this rank holds under FSDP2:
-  its shards of the parameters, gradients and optimizer states, and FSDP2's
-  gathered copies (fsdp_unit_bytes here; the rule, torch-free, is
-  tiering::fsdp_gathered_bytes, Note [Auto plan phases]), read when it plans,
-  so fully_shard after wrap counts too.
+  directly, which applies the same refusals as wrap. What FSDP2 and
+  DTensor models are refused with, in either order (FSDP2's settings, FSDP2
+  after a wrap that made the CPU optimizer, tensor parallelism, another
+  model's DTensors), and what TIERFLOW_OFFLOAD_ACTIVATIONS=auto budgets under
+  FSDP2 (this rank's shards and FSDP2's gathered copies, read when it plans)
+  are decided torch-free: Note [Sharded models] in tiering/
+  distributed_sharding.hpp, tiering::fsdp_settings_refusal and
+  tiering::fsdp_gathered_bytes (Note [Auto plan phases]).
 
 What is decided here is decided torch-free, below bindings/: the partition, DDP's bucket scaling, the DDP
 refusals and warnings in optimizer/distributed_ranks.hpp (Note [Rank decisions under DDP]), the FSDP2 and DTensor
@@ -171,6 +163,7 @@ from typing import Any, Optional
 import torch
 
 from . import _C, _ddp_feed
+
 
 def _class(module: str, name: str) -> Optional[type]:
     """``module.name`` if that module has been imported (nothing can be an instance otherwise)."""
