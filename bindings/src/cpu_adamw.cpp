@@ -10,7 +10,6 @@
 #include "tierflow/core/error.hpp"
 #include "tierflow/bindings/dtypes.hpp"
 #include "tierflow/core/clock.hpp"
-#include "tierflow/optimizer/state_placement.hpp"
 
 namespace tierflow::bindings {
 
@@ -104,8 +103,7 @@ CpuAdamW::~CpuAdamW() {
 }
 
 bool CpuAdamW::own_master(const at::Tensor& p) const {
-  // A carried parameter steps out of place during backward: its master is its own tensor.
-  return !carried(p) && optimizer::is_own_master(layout(p));
+  return records_.own_master(p.unsafeGetTensorImpl(), layout(p));
 }
 
 CpuAdamW::Slot& CpuAdamW::slot(const at::Tensor& p, const AdamWOptions& options) {
@@ -231,9 +229,7 @@ void CpuAdamW::step_batch(const Batch& batch, const AdamWOptions& o, const optim
     } else {
       grads[i] = g.to(at::kCPU).contiguous();
     }
-    optimizer::WeightUpdate update = optimizer::weight_update(layout(p));
-    if (update == optimizer::WeightUpdate::kInPlace && !own_master(p))
-      update = optimizer::WeightUpdate::kIntoParameter;  // carried: its own master (Note [C++ steps during backward])
+    const optimizer::WeightUpdate update = records_.weight_update(p.unsafeGetTensorImpl(), layout(p));
     if (carried(p) && records_.rereads(p.unsafeGetTensorImpl())) reconcile_master(p, slot(p, o).master);
     switch (update) {
       case optimizer::WeightUpdate::kInPlace: break;

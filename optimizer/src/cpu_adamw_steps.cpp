@@ -54,6 +54,11 @@ std::vector<bool> choose_gpu_share(double fraction, const std::vector<std::size_
   return GpuShareChoice(std::to_string(fraction)).assign(numels);
 }
 
+WeightUpdate CpuAdamWSteps::weight_update(ParamId p, const ParamLayout& layout) const {
+  const WeightUpdate update = optimizer::weight_update(layout);
+  return update == WeightUpdate::kInPlace && !own_master(p, layout) ? WeightUpdate::kIntoParameter : update;
+}
+
 std::size_t CpuAdamWSteps::index_of(ParamId p) {
   const auto [it, made] = index_.try_emplace(p, index_.size());
   return it->second;

@@ -141,6 +141,22 @@ TEST(CpuAdamWSteps, EachParameterStepsOnceAndWhereItIsPlaced) {
   EXPECT_EQ(r.route(a, true), Route::kCpu) << "the stream's confirmations last one step()";
 }
 
+TEST(CpuAdamWSteps, ACarriedParameterIsNeverItsOwnMaster) {
+  CpuAdamWSteps r;
+  r.carry(a, 0);
+  const ParamLayout host_fp32{true, true, true}, host_16bit{true, false, true}, device{false, true, true};
+  // Not carried: Note [CPU AdamW state placement].
+  EXPECT_TRUE(r.own_master(b, host_fp32));
+  EXPECT_EQ(r.weight_update(b, host_fp32), WeightUpdate::kInPlace);
+  EXPECT_EQ(r.weight_update(b, host_16bit), WeightUpdate::kIntoParameter);
+  EXPECT_EQ(r.weight_update(b, device), WeightUpdate::kStaged);
+  // Carried (an fp32 host tensor playing device memory on the emulated device): stepped out of place during
+  // backward from its own master, so step() writes it from that master too.
+  EXPECT_FALSE(r.own_master(a, host_fp32));
+  EXPECT_EQ(r.weight_update(a, host_fp32), WeightUpdate::kIntoParameter);
+  EXPECT_EQ(r.weight_update(a, device), WeightUpdate::kStaged);
+}
+
 TEST(CpuAdamWSteps, ARetryStepsOnlyWhatDidNotStep) {
   CpuAdamWSteps r;
   const GradIdentity ga(1, 0), gb(2, 0), gc(3, 0);

@@ -14,6 +14,7 @@
 
 #include "tierflow/core/config.hpp"
 #include "tierflow/optimizer/partial_step.hpp"
+#include "tierflow/optimizer/state_placement.hpp"
 #include "tierflow/optimizer/step_ledger.hpp"
 
 namespace tierflow::optimizer {
@@ -79,6 +80,12 @@ class CpuAdamWSteps {
   void share_on_gpu(ParamId p) { gpu_.emplace(p, true); }
   bool on_gpu(ParamId p) const { return gpu_.count(p) != 0; }
   std::size_t gpu_share_size() const noexcept { return gpu_.size(); }
+  /// True when `p`, laid out as `layout`, is its own fp32 master (Note [CPU AdamW state placement]); a carried
+  /// parameter never is: it steps out of place during backward from a master of its own.
+  bool own_master(ParamId p, const ParamLayout& layout) const { return !carried(p) && is_own_master(layout); }
+  /// Where the kernel writes `p`'s new weight: weight_update(layout), but a carried parameter in host memory
+  /// (fp32, contiguous) is written from its own master, not updated in place.
+  WeightUpdate weight_update(ParamId p, const ParamLayout& layout) const;
   /// `p`'s index for the retry marks (the next one at its first use; never reused).
   std::size_t index_of(ParamId p);
 
