@@ -5,7 +5,9 @@ Note [Parameter hooks]
 ~~~~~~~~~~~~~~~~~~~~~~
 The schedule (Note [Parameter residency] in tiering/param_schedule.hpp) decides
 what moves; _C.ParamResidency carries it out on the parameters' storages (Note
-[Parameter storage]); this module only says when a unit is used. Units: the
+[Parameter storage]); _C.ParamUses counts the uses and holds and sends the
+schedule's events in order (Note [Parameter uses], tiering/param_uses.hpp);
+this module only watches modules, tensors and autograd nodes. Units: the
 repeated blocks (find_blocks, or the blocks given to wrap), each with every
 parameter inside it, then one unit per other module that holds parameters of
 its own (the embeddings, the final norm, the head, the model itself): each is
@@ -139,16 +141,13 @@ def _tensors_of(out: Any, module: torch.nn.Module) -> list:
     return found
 
 
-def _node_hook(me: Any, call: Any) -> Any:
-    """A post-hook of one of a call's last nodes. It holds the call weakly: the call holds its last nodes, and
-    the hooks on its outputs (nodes above them) hold the call, so the graph owns it without a cycle; an open
-    call is held by its ParamOffload."""
-    ref = weakref.ref(call)
-
+def _node_hook(me: Any, call: int) -> Any:
+    """A post-hook of one of a call's last nodes: it knows the call by its record's id (the call holds its last
+    nodes, and the hooks on its outputs, nodes above them, hold the call: the graph owns it without a cycle)."""
     def hook(grad_inputs: Any, grad_outputs: Any) -> None:
-        offload, c = me(), ref()
-        if offload is not None and c is not None:
-            offload._edge_ran(c)
+        offload = me()
+        if offload is not None:
+            offload.uses.edge_ran(call)
     return hook
 
 
@@ -162,21 +161,24 @@ def _grad_hook(me: Any, method: str, *args: Any) -> Any:
 
 
 class _Call:
-    """One call of a unit: its backward use, begun by the first gradient of its outputs and ended when the last
-    node of the call that takes one of its inputs has run (Note [Parameter hooks]); once per backward (a retained
-    graph's second backward uses it again)."""
+    """The torch side of one call of a unit, whose record (its use's counts) is _C.ParamUses's, by ``id``: the
+    autograd nodes of its inputs and its last nodes (Note [Parameter hooks]). Its record goes with it."""
 
-    __slots__ = ("unit", "casts", "start", "inputs", "ends", "left", "begun", "ended", "__weakref__")
+    __slots__ = ("id", "unit", "casts", "start", "inputs", "ends", "me", "__weakref__")
 
-    def __init__(self, unit: int, casts: int, start: int, inputs: list) -> None:
+    def __init__(self, me: Any, unit: int, casts: int, start: int, inputs: list) -> None:
+        self.me = me
+        self.id = me().uses.new_call(unit, casts)
         self.unit = unit
         self.casts = casts  # bytes of autocast's casts of its weights its forward made (its backward makes again)
         self.start = start  # the sequence number of the first autograd node the call may make
         self.inputs = inputs  # the autograd nodes of its inputs that need a gradient
         self.ends: Optional[list] = None  # its last nodes (_watch_call), once its forward returned
-        self.left = 0  # of those, the ones this backward has still to run
-        self.begun: Optional[int] = None  # the backward (ParamOffload._backwards) that began it
-        self.ended: Optional[int] = None
+
+    def __del__(self) -> None:
+        uses = getattr(self.me(), "uses", None)
+        if uses is not None:
+            uses.drop_call(self.id)
 
 
 _ACCUMULATE = (1 << 64) - 1  # an AccumulateGrad node's sequence number
@@ -240,10 +242,6 @@ class ParamOffload:
         self.rest = len(blocks)  # the first unit that is not a block
         self._params = [p for u in units for p in u]
         self._ids = {id(p) for p in self._params}
-        self._units_of: dict = {}  # id(parameter) -> the units listing it
-        for u, members in enumerate(units):
-            for p in members:
-                self._units_of.setdefault(id(p), set()).add(u)
         self.rest_bytes = sum(p.numel() * p.element_size()
                               for p in {id(p): p for u in units[self.rest:] for p in u if id(p) not in in_blocks}.values())
         # Per unit, its fp32 elements that require grad: what autocast casts (counted with the use).
@@ -254,18 +252,15 @@ class ParamOffload:
         setting = session.settings.offload_params
         self.planned = setting == "auto"  # every unit fetched from the host until the plan says which stay
         self.tier = "host" if self.planned else setting
-        self.impl = _C.ParamResidency(session.runtime, units, [self.tier] * len(units),
-                                      [names.get(id(p), "?") for u in units for p in u], len(blocks), unit_names)
+        param_names = [names.get(id(p), "?") for u in units for p in u]
+        self.impl = _C.ParamResidency(session.runtime, units, [self.tier] * len(units), param_names, len(blocks),
+                                      unit_names)
+        # The uses, their counts and holds, and the order of the schedule's events (Note [Parameter uses]).
+        self.uses = _C.ParamUses(self.impl, units, len(blocks), param_names, self.tier)
         self._model = weakref.ref(model)
-        self._open = [0] * len(units)  # per unit: its open uses, forward and backward
-        self._forward: list = []  # the forward uses open, innermost last: (unit, cast bytes, casts refilled, _Call)
-        self._backward: Optional[set] = None  # in a backward: its calls whose use is open
-        self._recomputes: list = []  # (call, transient) begun by a recompute in backward, until its forward hook
-        self._unbegun: "weakref.WeakSet[_Call]" = weakref.WeakSet()  # watched calls whose backward has not begun
-        self._backwards = 0  # backwards begun so far (a _Call's begun and ended name one)
-        self._held: list = []  # parameters held for reads outside their units' uses
-        self._held_ids: set = set()
-        self._graph_pending = False  # a forward that built a graph ran since the last backward ended
+        self._forward: dict = {}  # an open forward use's token -> (casts refilled, autocast cache to restore, _Call)
+        self._recomputing: dict = {}  # call id -> _Call begun by a recompute in backward, until its forward hook
+        self._calls: "weakref.WeakValueDictionary[int, _Call]" = weakref.WeakValueDictionary()
         self._resident: Optional[list] = None  # auto: the units the plan keeps on the device, until applied
         self._optimizer: Optional[Any] = None  # weak reference to the CPUAdamW stepping these parameters
         self._handles: list = []
@@ -318,12 +313,12 @@ class ParamOffload:
         forget_casts()
         self._end_forward_uses()
         self._close_backward()
-        self._release_held()
+        self.uses.release_held()
         self.impl.point_at_host(False)
-        self.impl.end_phase()
+        self.uses.end_phase()
         # Every unit resident: the parameters get their memory and values back, and the optimizer that
         # stepped their host copies steps them on the device again.
-        self._make_resident(list(range(len(self._open))))
+        self._make_resident(list(range(self.uses.units())))
         _live.discard(self)
 
     def adopt_optimizer(self, cpu_optimizer: Any) -> None:
@@ -343,63 +338,64 @@ class ParamOffload:
         if not _in_backward():
             self._close_backward()  # a backward that never reached its end (an error): its phase ends here
             self._end_forward_uses()  # a forward that raised
-            if not self._graph_pending:
-                self._release_held()  # held by a forward no backward followed
+            self.uses.model_begins()  # holds of a forward no backward followed end
             self._reads.active = True
 
     def _model_ends(self, out: Any) -> None:
         if _in_backward():
             return
         self._end_forward_uses()
-        self.impl.end_phase()
+        self.uses.end_phase()
         if self._resident is not None:  # between phases: the plan's resident units
             self._make_resident(self._resident)
             self._resident = None
-        if torch.is_grad_enabled():
-            self._graph_pending = True
+        graph = torch.is_grad_enabled()
+        if graph:
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(_grad_hook(self._me, "_backward_begins"))
         else:
             self._reads.active = False
-            if not self._graph_pending:
-                self._release_held()
+        self.uses.model_ends(graph)
 
     def _unit_begins(self, u: int, args: Any, kwargs: Any) -> Any:
         if _in_backward():
             # A recompute: its call's backward use is open, unless its first forward ran under no_grad (a
             # reentrant checkpoint): then the recompute begins one, and its identity ends it.
-            if self._backward is None or self._open[u] > 0 or not torch.is_grad_enabled():
+            if not self.uses.recompute_opens(u) or not torch.is_grad_enabled():
                 return
             call = self._new_call(u, self._cast_bytes(u), args, kwargs)
             self._call_begins(call)
             # A call of the unit whose backward has not begun: a non-reentrant checkpoint recomputes a region that
             # holds it, and the engine never runs the recompute's graph (that call's own use comes later); the
             # use ends with the recompute's forward. Else a reentrant one, whose nested backward ends it.
-            transient = any(c.unit == u and any(torch._C._will_engine_execute_node(n) for n in c.ends or ())
-                            for c in list(self._unbegun))  # (of this backward's graph: not a forward discarded)
-            self._recomputes.append((call, transient))
+            unbegun = [self._calls.get(c) for c in self.uses.unbegun(u)]
+            transient = any(c is not None and any(torch._C._will_engine_execute_node(n) for n in c.ends or ())
+                            for c in unbegun)  # (of this backward's graph: not a forward discarded)
+            self._recomputing[call.id] = call
+            self.uses.recompute_begins(call.id, transient)
             return
         casts = self._cast_bytes(u)
-        self.impl.begin_forward(u, casts)
         grad = torch.is_grad_enabled()
+        call = self._new_call(u, casts, args, kwargs) if grad else None
+        token = self.uses.begin_forward(u, casts, call.id if call is not None else 0)  # over the budget: raises
         cache = None
         if casts and not grad:
             # Note [Parameter casts]: a use without a graph casts without autocast's cache (the same values; no
             # gradient reads them), which leaves the cache, and every cast in it, as it is.
             cache = torch.is_autocast_cache_enabled()
             torch.set_autocast_cache_enabled(False)
+        self._forward[token] = (None, cache, call)  # (None: forward_use_begins raised)
         # Note [Parameter casts]: autocast's casts of its weights this region has made get their memory back.
         refilled = forward_use_begins(self._fp32_params[u], self._device_type) if casts and grad else []
-        self._open[u] += 1
-        call = self._new_call(u, casts, args, kwargs) if grad else None
-        self._forward.append((u, casts, refilled, call, cache))
+        self._forward[token] = (refilled, cache, call)
 
-    @staticmethod
-    def _new_call(u: int, casts: int, args: Any, kwargs: Any) -> _Call:
+    def _new_call(self, u: int, casts: int, args: Any, kwargs: Any) -> _Call:
         inputs = [get_gradient_edge(t).node for t in tree_flatten((args, kwargs))[0]
                   if isinstance(t, torch.Tensor) and t.requires_grad]
-        return _Call(u, casts, _next_sequence_nr(), inputs)
+        call = _Call(self._me, u, casts, _next_sequence_nr(), inputs)
+        self._calls[call.id] = call
+        return call
 
     def _cast_bytes(self, u: int) -> int:
         """The most autocast's casts of unit u's fp32 weights can hold (Note [Parameter casts]), counted with
@@ -411,25 +407,20 @@ class ParamOffload:
 
     def _unit_ends(self, u: int, out: Any) -> None:
         if _in_backward():
-            for k, (call, transient) in enumerate(self._recomputes):
-                if call.unit == u:
-                    self._recomputes.pop(k)
-                    if transient:
-                        self._call_ends(call)
-                        return
-                    self._watch_call(call, out)  # the recompute's own backward (all of it) ends its use
-                    call.left = len(call.ends)
-                    if call.left == 0:
-                        self._call_ends(call)
+            ended = self.uses.recompute_ends(u)
+            if ended is not None:
+                call = self._recomputing.pop(ended[0])
+                if ended[1]:  # transient
+                    self.uses.end_call(call.id)
                     return
+                self._watch_call(call, out)  # the recompute's own backward (all of it) ends its use
+                self.uses.expect_ends(call.id, len(call.ends))
             return
-        for k in range(len(self._forward) - 1, -1, -1):
-            if self._forward[k][0] == u:
-                _, casts, refilled, call, cache = self._forward.pop(k)
-                break
-        else:
+        use = self.uses.pop_forward(u)
+        if use is None:
             return  # its begin raised (over the budget)
-        self._open[u] -= 1
+        _, casts, token, _ = use
+        refilled, cache, call = self._forward.pop(token)
         if cache is not None:
             torch.set_autocast_cache_enabled(cache)
         graph = call is not None and torch.is_grad_enabled()
@@ -437,7 +428,7 @@ class ParamOffload:
         cast = self._watch_call(call, out) if graph else None
         self._forward_use_ended(u, casts, refilled, cast)
         if graph:
-            self._unbegun.add(call)
+            self.uses.watched(call.id)
             for t in out:
                 if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None and \
                         call.start <= t.grad_fn._sequence_nr() != _ACCUMULATE:  # made by the call, not passed through
@@ -480,127 +471,51 @@ class ParamOffload:
                     cast.append(p)
         call.ends = ends
         for node in ends:
-            node.register_hook(_node_hook(self._me, call))
+            node.register_hook(_node_hook(self._me, call.id))
         return cast
-
-    def _edge_ran(self, call: _Call) -> None:
-        if self._backward is None or call.begun != self._backwards:
-            return
-        call.left -= 1
-        if call.left == 0:
-            self._call_ends(call)
 
     def _forward_use_ended(self, u: int, casts: int, refilled: list, cast: Optional[list]) -> None:
         """``refilled``: the casts that came back when the use began; ``cast``: the unit's weights autocast cast
         in the use (None: a use that built no graph)."""
         try:
-            if casts:  # autocast's casts of the unit's weights go with its use (Note [Parameter casts])
-                forward_use_ended(refilled, cast, self._device_type)
+            if casts and refilled is not None:  # autocast's casts of the unit's weights go with its use
+                forward_use_ended(refilled, cast, self._device_type)  # (Note [Parameter casts])
         finally:
-            self.impl.end_forward(u, casts)
+            self.uses.end_forward(u, casts)
 
     def _end_forward_uses(self) -> None:
-        while self._forward:
-            u, casts, refilled, _, cache = self._forward.pop()
-            self._open[u] -= 1
+        while (use := self.uses.pop_forward()) is not None:
+            u, casts, token, _ = use
+            refilled, cache, _ = self._forward.pop(token)
             if cache is not None:
                 torch.set_autocast_cache_enabled(cache)
             self._forward_use_ended(u, casts, refilled, None)
 
     # -- reads outside uses -------------------------------------------------------------------------
     def _read(self, p: torch.Tensor) -> None:
-        units = self._units_of.get(id(p))
-        if units is None or any(self._open[u] > 0 for u in units) or id(p) in self._held_ids or \
-                not self.impl.offloaded(p):
-            return
-        block = next((e[0] for e in reversed(self._forward) if e[0] < self.rest), None)
-        if block is not None and not _in_backward():  # a block reads a weight another module holds
-            self.impl.attach(block, p)
-            units.add(block)
-        else:
-            self.impl.hold(p)  # the model, or a module outside the blocks, reads it inline
-            self._held.append(p)
-            self._held_ids.add(id(p))
-        cast_read(p, self._device_type)  # its cast in autocast's cache, if its memory went (Note [Parameter casts])
-
-    def _release_held(self, backward_ended: bool = False) -> None:
-        held, self._held = self._held, []
-        self._held_ids = set()
-        for p in held:
-            self.impl.unhold(p, self._held_error(p) if backward_ended else "")
-
-    def _held_error(self, p: torch.Tensor) -> str:
-        model = self._model()
-        name = next((n for n, q in model.named_parameters() if q is p), "?") if model is not None else "?"
-        return (f"tierflow: parameter '{name}' lives on the {self.tier} between its uses (TIERFLOW_OFFLOAD_PARAMS, "
-                "keyword offload_params); a forward read it outside the modules that hold it, so it was held "
-                "through the next backward only, and it was read again after that backward ended: a second backward "
-                "reads it (through a retained graph, retain_graph=True, or the graph of a second forward made before "
-                "the first backward), or code after the step. Read the weight through a module that holds it (an "
-                "nn.Linear whose weight it is), run one backward over both forwards (a summed loss), or read it "
-                "inside `with tierflow.gathered(model):` between steps")
+        if self.uses.read(p):  # attached to the block reading it, or held (Note [Parameter uses])
+            cast_read(p, self._device_type)  # its cast in autocast's cache, if its memory went (Note [Parameter casts])
 
     # -- backward -----------------------------------------------------------------------------------
     def _backward_begins(self) -> None:
-        if self._backward is not None:
-            return  # another output of the model
-        if self._forward or torch.is_grad_enabled():
-            # A backward inside a forward (autograd.grad in a block), or one that builds a graph of its own
-            # (create_graph=True: double backward, gradient penalties), whose second pass reads the weights
-            # after this one released them.
-            raise _C.ConfigError(
-                "offload_params: a backward " + ("inside the model's forward" if self._forward else
-                                                 "with create_graph=True (double backward)") +
-                " is not supported with parameters off the device; accepted: TIERFLOW_OFFLOAD_PARAMS=none")
-        self._backward = set()
-        self._backwards += 1
-        self._reads.active = True
-        me = self._me
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: me() is not None and me()._close_backward())
+        if self.uses.begin_backward(torch.is_grad_enabled()):  # (refuses one inside a forward, or double backward)
+            self._reads.active = True
+            me = self._me
+            torch.autograd.Variable._execution_engine.queue_callback(
+                lambda: me() is not None and me()._close_backward())
 
     def _call_begins(self, call: _Call) -> None:
-        if self._backward is None:
+        if not self.uses.in_backward():
             self._backward_begins()  # backward from a unit's output, not the model's
-        if call.begun == self._backwards:
-            return  # another output of the call
-        self.impl.begin_backward(call.unit, call.casts)
-        call.begun = self._backwards
-        self._unbegun.discard(call)
-        self._open[call.unit] += 1
-        self._backward.add(call)
-        if call.ends is not None:  # (a recompute's call counts them when its forward returns)
-            # The last nodes this backward runs (not those of an output no gradient reaches).
-            call.left = sum(1 for n in call.ends if torch._C._will_engine_execute_node(n))
-            if call.left == 0:
-                self._call_ends(call)
-
-    def _call_ends(self, call: _Call) -> None:
-        if self._backward is None or call.begun != self._backwards or call.ended == self._backwards:
-            return
-        call.ended = self._backwards
-        self._backward.discard(call)
-        self._open[call.unit] -= 1
-        self.impl.end_backward(call.unit, call.casts)
+        if self.uses.begin_call(call.id) and call.ends is not None:  # (a recompute's call counts them when its
+            # forward returns) The last nodes this backward runs (not those of an output no gradient reaches).
+            self.uses.expect_ends(call.id, sum(1 for n in call.ends if torch._C._will_engine_execute_node(n)))
 
     def _close_backward(self) -> None:
-        """The end of backward: every use still open ends, and the phase with them."""
-        if self._backward is None:
-            return
-        open_calls, self._backward = self._backward, None  # whatever happens below, this backward is over
-        # Weights read inline are held through this backward only: a hold over a step would keep a copy the step
-        # makes stale (a second backward, of a retained graph or of another forward, is refused by name).
-        self._graph_pending = False
-        self._reads.active = False
-        try:
-            for call in sorted(open_calls, key=lambda c: -c.unit):
-                call.ended = self._backwards
-                self._open[call.unit] -= 1
-                self.impl.end_backward(call.unit, call.casts)
-        finally:
-            try:
-                self._release_held(backward_ended=True)
-            finally:
-                self.impl.end_phase()
+        """The end of backward: every use still open ends, then the holds, and the phase with them."""
+        if self.uses.in_backward():
+            self._reads.active = False
+            self.uses.close_backward()
 
     # -- auto: the plan's residences ----------------------------------------------------------------
     def plan_residences(self, plan: dict) -> None:
@@ -608,15 +523,14 @@ class ParamOffload:
         resident when the forward the plan was made in ends (between phases)."""
         units = [i for i, b in enumerate(plan["blocks"]) if b.get("params") == "gpu"]
         if plan.get("rest_params") == "gpu":
-            units += range(self.rest, len(self._open))
+            units += range(self.rest, self.uses.units())
         self._resident = units
 
     def _make_resident(self, units: list) -> None:
         params = self.impl.make_resident(units) if units else []
         gone = {id(p) for p in params}
         self._ids -= gone
-        for p in params:
-            self._units_of.pop(id(p), None)
+        self.uses.forget(params)
         # Resident weights' casts are autocast's alone again (Note [Parameter casts]).
         self._fp32_params = [[p for p in u if id(p) not in gone] for u in self._fp32_params]
         self._fp32 = [sum(p.numel() for p in u) for u in self._fp32_params]
@@ -624,7 +538,7 @@ class ParamOffload:
         opt = self._optimizer() if self._optimizer is not None else None
         if opt is not None and params:
             opt.params_became_resident(params)
-        _C.log("info", f"tierflow parameters: {len(units)} of {len(self._open)} units resident from now on "
+        _C.log("info", f"tierflow parameters: {len(units)} of {self.uses.units()} units resident from now on "
                        f"({sum(p.numel() * p.element_size() for p in params)} bytes)")
 
     # -- outside forward and backward --------------------------------------------------------------
