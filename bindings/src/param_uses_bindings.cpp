@@ -112,4 +112,15 @@ void bind_param_uses(py::module_& m) {
         for (const at::Tensor& p : params) ids.push_back(tierflow::bindings::id_of(p));
         s.forget(ids);
       });
+  using G = tierflow::tiering::ParamGathers;
+  py::class_<G>(m, "ParamGathers", "The parameters tierflow.gathered() holds (Note [Parameter uses], Gathered).")
+      .def(py::init<>())
+      .def("fresh", &G::fresh)
+      .def("enter", &G::enter, py::arg("params"), py::arg("modify"), py::arg("versions"))
+      .def("exit", [](G& g, const std::vector<std::uint64_t>& params, const std::vector<std::int64_t>& versions) {
+        G::Release r = g.exit(params, versions);  // (write back, discard, edited without modify)
+        return std::make_tuple(std::move(r.write_back), std::move(r.discard), std::move(r.edited));
+      })
+      .def("held", &G::held)
+      .def("any", &G::any);
 }

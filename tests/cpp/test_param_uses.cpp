@@ -252,3 +252,35 @@ TEST(ParamUses, ARecomputeOpensAUseOnlyInBackwardWhereNoneIsOpen) {
   EXPECT_EQ(f.uses.open(0), 0u);
   EXPECT_EQ(f.host.events, (std::vector<std::string>{"bb 1 0", "bb 0 0", "eb 0 0"}));
 }
+
+TEST(ParamGathers, NestedContextsFetchOnceAndTheOutermostReleasesWrittenBackIfAnyLevelModified) {
+  ParamGathers g;
+  EXPECT_EQ(g.fresh({1, 2}), (std::vector<ParamId>{1, 2}));
+  g.enter({1, 2}, false, {0, 0});
+  EXPECT_EQ(g.fresh({2, 3}), std::vector<ParamId>{3});  // 2 is on the device already
+  g.enter({2, 3}, true, {5, 0});                          // an inner level asks to modify 2
+  auto r = g.exit({2, 3}, {5, 0});
+  EXPECT_EQ(r.write_back, std::vector<ParamId>{3});  // 2 stays: the outer context holds it
+  EXPECT_TRUE(r.discard.empty());
+  EXPECT_TRUE(g.held(2));
+  r = g.exit({1, 2}, {0, 0});
+  EXPECT_EQ(r.write_back, std::vector<ParamId>{2});
+  EXPECT_EQ(r.discard, std::vector<ParamId>{1});
+  EXPECT_FALSE(g.any());
+  g.enter({4}, true, {0});
+  g.enter({4}, false, {0});  // an inner read-only level does not take back the outer's modify
+  g.exit({4}, {0});
+  EXPECT_EQ(g.exit({4}, {0}).write_back, std::vector<ParamId>{4});
+}
+
+TEST(ParamGathers, AnInPlaceWriteWithoutModifyIsNamedAgainstTheVersionWhenFetched) {
+  ParamGathers g;
+  g.enter({1, 2}, false, {3, 7});
+  g.enter({1}, false, {4});  // an inner level: the version when fetched (3) is kept
+  g.exit({1}, {4});
+  const auto r = g.exit({1, 2}, {4, 7});
+  EXPECT_EQ(r.discard, (std::vector<ParamId>{1, 2}));
+  EXPECT_EQ(r.edited, std::vector<ParamId>{1});
+  g.enter({1}, true, {0});
+  EXPECT_TRUE(g.exit({1}, {9}).edited.empty());  // modify: written back, nothing refused
+}

@@ -263,4 +263,41 @@ void ParamUses::forget(const std::vector<ParamId>& params) {
   for (ParamId p : params) units_of_.erase(p);
 }
 
+// -- gathered ------------------------------------------------------------------------------------------------
+
+std::vector<ParamId> ParamGathers::fresh(const std::vector<ParamId>& params) const {
+  std::vector<ParamId> out;
+  for (ParamId p : params) {
+    if (held_.count(p) == 0) out.push_back(p);
+  }
+  return out;
+}
+
+void ParamGathers::enter(const std::vector<ParamId>& params, bool modify, const std::vector<std::int64_t>& versions) {
+  TIERFLOW_EXPECTS(versions.size() == params.size(), "ParamGathers::enter: a version per parameter");
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const auto [it, fetched] = held_.try_emplace(params[i]);
+    if (fetched) it->second.version = versions[i];
+    ++it->second.contexts;
+    it->second.modify = it->second.modify || modify;
+  }
+}
+
+ParamGathers::Release ParamGathers::exit(const std::vector<ParamId>& params, const std::vector<std::int64_t>& versions) {
+  TIERFLOW_EXPECTS(versions.size() == params.size(), "ParamGathers::exit: a version per parameter");
+  Release out;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const auto it = held_.find(params[i]);
+    if (it == held_.end() || --it->second.contexts > 0) continue;  // an outer context holds it still
+    if (it->second.modify) {
+      out.write_back.push_back(params[i]);
+    } else {
+      out.discard.push_back(params[i]);
+      if (versions[i] != it->second.version) out.edited.push_back(params[i]);
+    }
+    held_.erase(it);
+  }
+  return out;
+}
+
 }  // namespace tierflow::tiering

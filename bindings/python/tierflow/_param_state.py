@@ -89,7 +89,7 @@ class ParamState:
         self.me = me
         self.model_type = type(model).__name__
         self.forwards = 0  # forwards of the model in progress (on any thread)
-        self.held: dict = {}  # id(p) -> [p, open contexts, modify asked, version when fetched]
+        self.held = _C.ParamGathers()  # by id(p): what gathered() holds (Note [Parameter uses], Gathered)
         self.local = threading.local()  # .depth, .copies: the state_dict() call in progress on this thread
 
     def offload(self) -> Any:
@@ -162,14 +162,14 @@ def state_hooks(model: torch.nn.Module, me: Any) -> list:
         offload = me()
         if offload is not None:
             for p in module.parameters(recurse=False):
-                if id(p) not in state.held:
+                if not state.held.held(id(p)):
                     offload.impl.materialize(p, True)
 
     def loaded(module: torch.nn.Module, incompatible: Any) -> None:
         offload = me()
         if offload is not None:
             for p in module.parameters(recurse=False):
-                if id(p) not in state.held:
+                if not state.held.held(id(p)):
                     offload.impl.materialize(p, False)
 
     for module in model.modules():
@@ -183,7 +183,7 @@ def state_hooks(model: torch.nn.Module, me: Any) -> list:
     def forward_begins(m: torch.nn.Module, args: Any) -> None:
         if _in_backward():
             return
-        if state.held and torch.is_grad_enabled():
+        if state.held.any() and torch.is_grad_enabled():
             raise _C.ConfigError(
                 f"tierflow.gathered: a forward of {state.model_type} that builds a graph (grad enabled) inside a "
                 "gathered() block over its parameters: the step it leads to would update the host copies while "
@@ -215,12 +215,12 @@ def _install_step_refusal() -> None:
 
 
 def _refuse_step_inside_gathered(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    held = [s for s in _states if s.held]
+    held = [s.held for s in _states if s.held.any()]
     if not held:
         return
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if any(id(p) in s.held for s in held):
+            if any(h.held(id(p)) for h in held):
                 raise _C.ConfigError(
                     f"tierflow.gathered: {type(optimizer).__name__}.step() inside a gathered() block over the "
                     "parameters it steps: the step updates the host copies while the block holds the values it "
@@ -230,7 +230,7 @@ def _refuse_step_inside_gathered(optimizer: torch.optim.Optimizer, args: Any, kw
 def _snapshot(state: ParamState, offload: Any, p: torch.Tensor) -> torch.Tensor:
     """p's value now, in a host tensor of its own: the device's copy while gathered() holds it, else its host
     copy's clone or a fresh read from NVMe (ParamResidency::load: the host copy itself, or a new tensor)."""
-    if id(p) in state.held:
+    if state.held.held(id(p)):
         return p.detach().to("cpu", copy=True)
     value = offload.impl.load(p)
     return value.clone() if offload.impl.host_copy(p) is not None else value
@@ -281,14 +281,10 @@ class gathered:
                         "for their uses (a weight of another module is fetched when read through its module, "
                         "self.wte.weight); gathered() is for reads outside the forward and backward (EMA, norms, "
                         "logging, an edit of the weights): move it out, or read the weight through its module")
-                fresh = [p for p in mine if id(p) not in state.held]
-                _gather(offload, fresh)
-                for p in fresh:
-                    state.held[id(p)] = [p, 0, False, p._version]
-                for p in mine:
-                    entry = state.held[id(p)]
-                    entry[1] += 1
-                    entry[2] = entry[2] or self._modify
+                ids = [id(p) for p in mine]
+                fresh = set(state.held.fresh(ids))
+                _gather(offload, [p for p in mine if id(p) in fresh])
+                state.held.enter(ids, self._modify, [p._version for p in mine])
                 self._mine.append((state, mine))
         except BaseException:
             self._release(raising=True)
@@ -304,18 +300,12 @@ class gathered:
         mine, self._mine = self._mine, []
         for state, params in mine:
             offload = state.offload()
-            done = []
-            for p in params:
-                entry = state.held[id(p)]
-                entry[1] -= 1
-                if entry[1] == 0:
-                    del state.held[id(p)]
-                    done.append(entry)
-            if offload is None or not done:
+            by_id = {id(p): p for p in params}
+            back, keep, edited = state.held.exit(list(by_id), [p._version for p in by_id.values()])
+            if offload is None:
                 continue
-            back = [e[0] for e in done if e[2]]
-            keep = [e[0] for e in done if not e[2]]
-            written += [_name(offload, e[0]) for e in done if not e[2] and e[0]._version != e[3]]
+            back, keep = [by_id[i] for i in back], [by_id[i] for i in keep]
+            written += [_name(offload, by_id[i]) for i in edited]
             try:
                 _scatter(offload, back, True)
                 _scatter(offload, keep, False)

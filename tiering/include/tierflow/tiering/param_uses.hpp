@@ -33,6 +33,10 @@
 // until the end of the next backward (or of a forward no backward follows: model_ends without a graph). A
 // hold that ends with a backward leaves held_error(p) on the storage: a second backward that reads it (a
 // retained graph, a second forward's graph) is told why.
+//
+// Gathered. ParamGathers counts tierflow.gathered()'s contexts per parameter (Note [Parameter state]): nested
+// contexts over one parameter fetch it once (fresh, before enter); the outermost's exit releases it, written back
+// when any level asked to modify, else discarded, and an in-place write the version counter saw is named.
 #pragma once
 
 #include <cstdint>
@@ -193,6 +197,33 @@ class ParamUses {
   bool graph_pending_ = false;  // a forward that built a graph ran since the last backward ended
   std::uint64_t backwards_ = 0;
   std::uint64_t next_call_ = 1, next_token_ = 1;
+};
+
+/// The parameters tierflow.gathered() holds on the device (Note [Parameter uses], Gathered).
+class ParamGathers {
+ public:
+  /// What the outermost exit over a parameter does with it (each list in the order exit was given).
+  struct Release {
+    std::vector<ParamId> write_back;  ///< a level asked to modify: written back, then released
+    std::vector<ParamId> discard;     ///< released without writing back
+    std::vector<ParamId> edited;      ///< of `discard`, those whose version moved since fetched (a refused write)
+  };
+  /// Of `params`, those no context holds: the caller fetches them (all or none) before enter().
+  std::vector<ParamId> fresh(const std::vector<ParamId>& params) const;
+  /// A context holds `params` (fetched); `versions`: each one's version now (kept for the fresh ones).
+  void enter(const std::vector<ParamId>& params, bool modify, const std::vector<std::int64_t>& versions);
+  /// A context over `params` exits; `versions`: each one's version now.
+  Release exit(const std::vector<ParamId>& params, const std::vector<std::int64_t>& versions);
+  bool held(ParamId param) const { return held_.count(param) != 0; }
+  bool any() const noexcept { return !held_.empty(); }
+
+ private:
+  struct Entry {
+    std::uint32_t contexts = 0;
+    bool modify = false;
+    std::int64_t version = 0;  // when fetched
+  };
+  std::unordered_map<ParamId, Entry> held_;
 };
 
 }  // namespace tierflow::tiering
