@@ -23,6 +23,7 @@
 #include "tierflow/bindings/planner_bindings.hpp"
 #include "tierflow/bindings/runtime.hpp"
 #include "tierflow/core/error.hpp"
+#include "tierflow/core/stall.hpp"
 #include "tierflow/core/log.hpp"
 #include "tierflow/optimizer/cuda_adam.hpp"
 #include "tierflow/optimizer/grad_buckets.hpp"
@@ -153,6 +154,7 @@ void bind_settings(py::module_& m) {
       .def_property_readonly("optimizer_states", text(&Config::optimizer_states),
                              "TIERFLOW_OPTIMIZER_STATES: fp32, bf16 or 8bit")
       .def_property_readonly("log_level", text(&Config::log_level), "TIERFLOW_LOG_LEVEL")
+      .def_readonly("stall_timeout", &Config::stall_timeout_seconds, "TIERFLOW_STALL_TIMEOUT, seconds (0: none)")
       .def_readonly("report", &Config::report_path, "TIERFLOW_REPORT; empty: no file")
       .def_readonly("profile", &Config::profile_path, "TIERFLOW_PROFILE; empty: measure every run")
       .def_readonly("replan", &Config::replan, "TIERFLOW_REPLAN")
@@ -203,6 +205,7 @@ PYBIND11_MODULE(_C, m) {
   py::register_exception<out_of_memory>(m, "OutOfMemoryError", PyExc_MemoryError);
   py::register_exception<io_error>(m, "IOError", PyExc_OSError);
   py::register_exception<cuda_error>(m, "CudaError", PyExc_RuntimeError);
+  py::register_exception<stall_error>(m, "StallError", PyExc_TimeoutError);  // Note [Stall timeout]
 
   m.def("config_table", [] {
     py::list rows;

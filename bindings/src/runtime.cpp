@@ -11,6 +11,7 @@
 #include "tierflow/bindings/emulated_device_memory.hpp"
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/log.hpp"
+#include "tierflow/core/stall.hpp"
 #include "tierflow/optimizer/adam_args.hpp"
 
 namespace tierflow::bindings {
@@ -53,6 +54,7 @@ Runtime::Runtime(Config config, swap::NvmeFaults* nvme_faults, std::shared_ptr<c
                  tiering::RankShare ranks)
     : config_(std::move(config)), tiers_(config_, nvme_faults, std::move(copy_faults), ranks) {
   set_log_level(config_.log_level);
+  set_stall_timeout(config_.stall_timeout_seconds);  // Note [Stall timeout]
   const tiering::TierSettings& s = tiers_.settings();
   adversarial_ = s.adversarial;
   // Note [Adversarial emulated device]: the pool, the copy engine and torch's

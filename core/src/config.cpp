@@ -262,6 +262,7 @@ std::map<std::string, std::string> Config::to_strings() const {
       {"TIERFLOW_CPU_THREADS", cpu_threads == 0 ? "auto" : std::to_string(cpu_threads)},
       {"TIERFLOW_CPU_ISA", cpu_isa},
       {"TIERFLOW_LOG_LEVEL", std::string(to_string(log_level))},
+      {"TIERFLOW_STALL_TIMEOUT", stall_timeout_seconds > 0 ? format_double(stall_timeout_seconds) + "s" : "none"},
       {"TIERFLOW_REPORT", report_path},
       {"TIERFLOW_PROFILE", profile_path},
       {"TIERFLOW_REPLAN", replan ? "on" : "off"},

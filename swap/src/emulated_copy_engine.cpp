@@ -31,7 +31,9 @@ class EmulatedCopyEngine final : public CopyEngine {
     TIERFLOW_EXPECTS(bytes == 0 || (dst && src), "CopyEngine::copy: null pointer with nonzero size");
     TIERFLOW_EXPECTS(!after.is_cuda(), "emulated copy engine: `after` names a CUDA stream");
     // Handles are small and frequent: see Note [mimalloc shim].
-    auto state = std::allocate_shared<EmulatedState>(allocator::SmallAllocator<EmulatedState>(), bytes);
+    auto state = std::allocate_shared<EmulatedState>(
+        allocator::SmallAllocator<EmulatedState>(), bytes,
+        dir == Direction::kDeviceToHost ? "device -> host copy" : "host -> device copy");
     count(dir, bytes);
     detail::count_queued_transfer();
     int delay_us = faults_ && dir == Direction::kDeviceToHost ? faults_->d2h_delay_us.load() : 0;

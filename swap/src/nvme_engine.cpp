@@ -406,7 +406,8 @@ struct NvmeEngine::Impl {
 
   TransferHandle submit(NvmeBlock block, bool is_write, void* buffer, std::uint64_t bytes) {
     detail::count_queued_transfer();
-    auto event = std::make_shared<detail::HostEvent>(bytes);
+    auto event = std::make_shared<detail::HostEvent>(bytes, is_write ? "NVMe write" : "NVMe read",
+                                                     static_cast<std::int64_t>(block));
     auto op = std::make_unique<Operation>();
     op->is_write = is_write;
     op->block = block;

@@ -19,6 +19,8 @@ def _as_text(name, value, text):
         return "none" if name == "TIERFLOW_MAX_GRAD_NORM" else "auto"
     if isinstance(value, list):
         return ",".join(value)
+    if name == "TIERFLOW_STALL_TIMEOUT":  # seconds, 0 for none (Note [Stall timeout])
+        return f"{value:g}s" if value else "none"
     if isinstance(value, float):
         return repr(value)
     if name == "TIERFLOW_CPU_THREADS" and value == 0:

@@ -1,0 +1,100 @@
+// See Note [Stall timeout] in stall.hpp.
+#include "tierflow/core/stall.hpp"
+
+#include <atomic>
+#include <cstdio>
+#include <mutex>
+
+#include "tierflow/core/size.hpp"
+
+namespace tierflow {
+namespace {
+std::atomic<double> g_timeout{kDefaultStallTimeout};
+
+std::string seconds_text(double s) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.3g s", s);
+  return buf;
+}
+}  // namespace
+
+// A doubly linked list of the work in flight, oldest first (work registers as it starts).
+struct PendingRegistry {
+  std::mutex mutex;
+  PendingWork* head = nullptr;
+  PendingWork* tail = nullptr;
+
+  static PendingRegistry& get() {
+    static PendingRegistry* r = new PendingRegistry();  // never destroyed: work may finish during exit
+    return *r;
+  }
+  void add(PendingWork* w) {
+    std::lock_guard<std::mutex> lock(mutex);
+    w->prev_ = tail;
+    w->next_ = nullptr;
+    (tail ? tail->next_ : head) = w;
+    tail = w;
+    w->listed_ = true;
+  }
+  void remove(PendingWork* w) noexcept {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (!w->listed_) return;
+    (w->prev_ ? w->prev_->next_ : head) = w->next_;
+    (w->next_ ? w->next_->prev_ : tail) = w->prev_;
+    w->listed_ = false;
+  }
+};
+
+void set_stall_timeout(double seconds) noexcept { g_timeout.store(seconds); }
+double stall_timeout() noexcept { return g_timeout.load(); }
+
+std::chrono::steady_clock::time_point stall_deadline() noexcept {
+  const double s = stall_timeout();
+  if (!(s > 0)) return std::chrono::steady_clock::time_point::max();
+  return std::chrono::steady_clock::now() +
+         std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(s));
+}
+
+PendingWork::PendingWork(const char* kind, std::uint64_t bytes, std::int64_t id) noexcept
+    : kind_(kind), bytes_(bytes), id_(id), since_(std::chrono::steady_clock::now()) {
+  try {
+    PendingRegistry::get().add(this);
+  } catch (...) {  // a lock that cannot be taken: the work goes unlisted, its waits still time out
+  }
+}
+
+PendingWork::~PendingWork() { done(); }
+
+void PendingWork::done() noexcept { PendingRegistry::get().remove(this); }
+
+std::string PendingWork::describe() const {
+  const double age = std::chrono::duration<double>(std::chrono::steady_clock::now() - since_).count();
+  std::string s = std::string(kind_) + " of " + format_bytes(bytes_);
+  if (id_ >= 0) s += " (block " + std::to_string(id_) + ")";
+  return s + ", " + seconds_text(age) + " old";
+}
+
+std::vector<std::string> PendingWork::in_flight(std::size_t max) {
+  auto& r = PendingRegistry::get();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  std::vector<std::string> out;
+  for (PendingWork* w = r.head; w && out.size() < max; w = w->next_) out.push_back(w->describe());
+  return out;
+}
+
+void PendingWork::stalled(double waited_seconds) const { throw_stall(describe(), waited_seconds); }
+
+void throw_stall(const std::string& description, double waited_seconds) {
+  std::string msg = "tierflow: waited " + seconds_text(waited_seconds) + " for a " + description +
+                    ", which has not completed (TIERFLOW_STALL_TIMEOUT=" + seconds_text(stall_timeout()) +
+                    "; a healthy step comes nowhere near it: a hung device, driver or disk?). In flight, oldest "
+                    "first:";
+  const auto others = PendingWork::in_flight(kStallListed);
+  for (const auto& o : others) msg += "\n  " + o;
+  if (others.empty()) msg += " nothing else on the host's side";
+  msg += "\nThe work is not cancelled; end the run (raise TIERFLOW_STALL_TIMEOUT, or 0 for no limit, if a step "
+         "truly takes this long).";
+  throw stall_error(msg);
+}
+
+}  // namespace tierflow
