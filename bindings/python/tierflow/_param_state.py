@@ -346,40 +346,18 @@ _GATHER_FEWER = ("; tierflow.gathered: gather fewer modules at a time (one block
 
 
 def _gather(offload: Any, params: list) -> None:
-    """Fetches ``params`` to the device and waits: ParamResidency::gather (counted in the budget), else each
-    alone (ParamResidency::materialize, uncounted), put back on a failure."""
-    if not params:
-        return
-    impl = offload.impl
-    if hasattr(impl, "gather"):
+    """Fetches ``params`` to the device and waits: ParamResidency::gather (all or none, counted in the budget)."""
+    if params:
         try:
-            impl.gather(params)
+            offload.impl.gather(params)
         except _C.OutOfMemoryError as e:
             raise _C.OutOfMemoryError(f"{e}{_GATHER_FEWER}") from e
-        return
-    done = []
-    try:
-        for p in params:
-            impl.materialize(p, True)
-            done.append(p)
-    except BaseException:
-        _scatter(offload, done, False)
-        raise
 
 
 def _scatter(offload: Any, params: list, write_back: bool) -> None:
     """Writes ``params`` back to their host copy or NVMe (``write_back``) and releases them."""
-    if not params:
-        return
-    impl = offload.impl
-    if hasattr(impl, "scatter"):
-        impl.scatter(params, write_back)
-        return
-    for p in params:
-        if not write_back:  # materialize writes back: put the value it had first
-            with torch.no_grad():
-                p.detach().copy_(impl.load(p).to(p.device))
-        impl.materialize(p, False)
+    if params:
+        offload.impl.scatter(params, write_back)
 
 
 # -- Module._apply: model.to(), .half(), .cuda(), ... after wrap ------------------------------------------------
