@@ -125,6 +125,9 @@ void bind_gpu_share(py::module_& m) {
       }, py::arg("candidates"), py::arg("cpu_elements"), py::arg("cpu_step_ms"), py::arg("backward_ms"),
          py::arg("free_bytes"), py::arg("budget_bytes"), py::arg("peak_bytes"), py::arg("planned_peak_bytes") = 0,
          "[(numel, streamed, 16-bit)] and the measurements -> which step on the GPU.");
+  m.def("gpu_share_format_note", [](std::size_t parameters, const std::string& format) {
+    return gpu_share_format_note(parameters, state_format_named(format));
+  }, py::arg("parameters"), py::arg("format"), "The share's info line beside packed host moments, or ''.");
   m.def("gpu_share_took_bytes", [candidates](const Candidates& cs, const std::vector<bool>& on_gpu) {
     return share_took_bytes(candidates(cs), on_gpu);
   }, py::arg("candidates"), py::arg("on_gpu"), "Device bytes the chosen streamed candidates' states take.");
@@ -150,6 +153,8 @@ void bind_step_plan(py::module_& m) {
       .def_readonly("in_force", &PlanRoom::in_force)
       .def_readonly("predicted_peak_bytes", &PlanRoom::predicted_peak_bytes)
       .def(py::self == py::self);
+  m.def("shards_refusal", &shards_refusal, py::arg("settings"), py::arg("sharded"), py::arg("params"),
+        py::arg("plain"), py::arg("host_shards"), "A CPU AdamW over FSDP2's shards: the refusal, or ''.");
   m.def("plan_room", &plan_room, py::arg("forced"), py::arg("has_plan"), py::arg("predicted_peak_bytes"));
   py::class_<WindowWatch>(m, "WindowWatch", "What each step()'s window showed (Note [Steady step]).")
       .def(py::init<std::uint64_t>(), py::arg("pinned_slabs"))
@@ -166,6 +171,7 @@ void bind_step_plan(py::module_& m) {
       .def_property_readonly("states_on_nvme", &StepPlan::states_on_nvme)
       .def_property_readonly("tier", &StepPlan::tier_name)
       .def_property_readonly("sharded", &StepPlan::sharded)
+      .def("check_group_sharding", &StepPlan::check_group_sharding, py::arg("group_sharded"))
       .def_property_readonly("overlap", &StepPlan::overlap)
       .def_property_readonly("steps_after_backward", [](const StepPlan& p) -> py::object {
         return p.steps_after_backward().empty() ? py::none() : py::cast(p.steps_after_backward());
@@ -217,17 +223,8 @@ void bind_optimizer_policy(py::module_& m) {
   m.def("unfilled_lost_states", &unfilled_lost_states, py::arg("keys"),
         "fill_lost_states' refusal for these state dict keys (as printed).");
   m.def("grad_scaler_refusal", &grad_scaler_refusal, "step()'s refusal of GradScaler with offloaded gradients.");
-  m.def("partition_parameters", &partition_parameters, py::arg("elements"), py::arg("world_size"),
-        "Note [Partitioned optimizer]: the owner rank of each parameter (by numel, in the optimizer's order).");
   m.def("owned_elements", &owned_elements, py::arg("owners"), py::arg("elements"), py::arg("world_size"),
         "Elements each rank owns under partition_parameters' owners.");
-  m.def("loaded_partition_refusal", [](const std::vector<int>& owners, const std::vector<bool>& has_state, int rank,
-                                       int world_size) -> py::object {
-    const std::string why = loaded_partition_refusal(owners, has_state, rank, world_size);
-    return why.empty() ? py::none() : py::cast(why);
-  }, py::arg("owners"), py::arg("has_state"), py::arg("rank"), py::arg("world_size"),
-        "Loading a state dict with these parameters' states on this rank of a partitioned optimizer: the refusal "
-        "(another rank's partition), or None.");
   m.def("partition_layout_refusal", [](const py::object& saved, const py::object& mine) -> py::object {
     auto layout = [](const py::object& o) {  // None: the whole; else (rank, world_size, owners)
       PartitionLayout l;

@@ -7,6 +7,7 @@
 #include "tierflow/core/error.hpp"
 #include "tierflow/optimizer/state_placement.hpp"
 #include "tierflow/optimizer/state_tier.hpp"
+#include "tierflow/tiering/tiers.hpp"
 
 namespace tierflow::optimizer {
 
@@ -45,6 +46,29 @@ std::int64_t share_took_bytes(const std::vector<ShareCandidate>& candidates, con
     if (candidates[i].streamed && on_gpu[i]) moved += candidates[i].numel;  // the others have no state to move
   }
   return static_cast<std::int64_t>(moved * gpu_share_bytes_per_element(any_16bit));
+}
+
+std::string shards_refusal(const Config& settings, std::size_t sharded, std::size_t params,
+                           const std::vector<std::string>& plain, bool host_shards) {
+  if (sharded == 0) return {};
+  if (sharded != params) {
+    std::string names;
+    for (std::size_t i = 0; i < plain.size() && i < 3; ++i) names += (i ? ", '" : "'") + plain[i] + "'";
+    return "tierflow's CPU optimizer: " + std::to_string(sharded) + " of its " + std::to_string(params) +
+           " parameters are FSDP2's DTensor shards and " + std::to_string(plain.size()) + " are not (" + names +
+           (plain.size() > 3 ? " and more" : "") + "): the model is only partly under fully_shard; accepted: "
+           "fully_shard on the model too (its root), or TIERFLOW_OFFLOAD_OPTIMIZER=none";
+  }
+  const std::string why = tiering::fsdp_settings_refusal(settings, true, host_shards);  // ends with what FSDP2 accepts
+  return why.empty() ? why : "tierflow's CPU optimizer over FSDP2's shards: " + why;
+}
+
+std::string gpu_share_format_note(std::size_t parameters, StateFormat format) {
+  if (format == StateFormat::kFp32) return {};
+  const std::string f = to_string(format);
+  return "tierflow: the CPU optimizer's GPU share (" + std::to_string(parameters) + " parameters) keeps fp32 moments "
+         "on the device, not TIERFLOW_OPTIMIZER_STATES=" + f + ": its CUDA AdamW is torch's fused AdamW bit for bit in "
+         "fp32, and its room was planned at 8 bytes of moments an element";
 }
 
 namespace {
@@ -97,6 +121,14 @@ void StepPlan::check_amsgrad(bool amsgrad, std::size_t group) const {
   throw config_error("tierflow CPUAdamW: param group " + std::to_string(group) +
                      " has amsgrad=True, and amsgrad keeps fp32 moments; TIERFLOW_OPTIMIZER_STATES=" + f +
                      " (keyword optimizer_states=" + f + ") is refused with it (accepted: fp32)");
+}
+
+void StepPlan::check_group_sharding(bool group_sharded) const {
+  if (group_sharded == sharded_) return;
+  throw config_error(std::string("CPUAdamW.add_param_group: the new group's parameters are ") +
+                     (group_sharded ? "FSDP2's DTensor shards and the optimizer's are not"
+                                    : "not DTensors and the optimizer steps FSDP2's shards") +
+                     "; accepted: one optimizer for the FSDP2 model's shards, another for other parameters");
 }
 
 bool StepPlan::stop_steps_during_backward(const std::string& why) {

@@ -182,3 +182,30 @@ TEST(StepPlanShare, TookBytesCountStreamedChosenElements) {
   const std::vector<ShareCandidate> mixed{{100, true, false}, {50, false, true}};
   EXPECT_EQ(share_took_bytes(mixed, {true, false}), 100 * 12) << "any 16-bit candidate: an fp32 master each";
 }
+
+TEST(StepPlanShards, AMixOfShardsAndPlainParametersIsRefusedNamingThePlainOnes) {
+  EXPECT_EQ(shards_refusal(settings(), 0, 5, {"a", "b", "c", "d", "e"}, false), "") << "no shards: nothing to refuse";
+  const std::string why = shards_refusal(settings(), 2, 6, {"a", "b", "c", "d"}, false);
+  EXPECT_NE(why.find("2 of its 6 parameters are FSDP2's DTensor shards and 4 are not ('a', 'b', 'c' and more)"),
+            std::string::npos) << why;
+  EXPECT_EQ(shards_refusal(settings(), 3, 3, {}, false), "") << "all shards, settings they take";
+  const std::string fraction = shards_refusal(settings({{"gpu_optimizer_fraction", "0.5"}}), 3, 3, {}, false);
+  EXPECT_EQ(fraction.rfind("tierflow's CPU optimizer over FSDP2's shards: ", 0), 0u) << fraction;
+  EXPECT_NE(shards_refusal(settings(), 3, 3, {}, true), "") << "shards in host memory beside a CUDA runtime";
+}
+
+TEST(StepPlanShards, AGroupAddedMustBeShardsExactlyWhenTheOptimizersAre) {
+  const StepPlan plain(settings(), std::nullopt, false), shards(settings(), std::nullopt, true);
+  EXPECT_NO_THROW(plain.check_group_sharding(false));
+  EXPECT_NO_THROW(shards.check_group_sharding(true));
+  EXPECT_NE(config_error_text([&] { plain.check_group_sharding(true); }).find("shards and the optimizer's are not"),
+            std::string::npos);
+  EXPECT_NE(config_error_text([&] { shards.check_group_sharding(false); }).find("not DTensors"), std::string::npos);
+}
+
+TEST(StepPlanShare, NotesFp32MomentsBesidePackedHostOnes) {
+  EXPECT_EQ(gpu_share_format_note(3, StateFormat::kFp32), "");
+  const std::string note = gpu_share_format_note(3, StateFormat::k8bit);
+  EXPECT_NE(note.find("GPU share (3 parameters) keeps fp32 moments on the device, not TIERFLOW_OPTIMIZER_STATES=8bit"),
+            std::string::npos) << note;
+}

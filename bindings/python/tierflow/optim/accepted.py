@@ -50,19 +50,11 @@ def check_sharding(param_groups: list, names: dict, runtime: "_C.Runtime", cfg: 
     and for the settings the shards do not take."""
     params = [p for g in param_groups for p in g["params"]]
     sharded = [p for p in params if local_shard(p) is not p]
-    if not sharded:
-        return False
-    if len(sharded) != len(params):
-        plain = [names.get(id(p), f"a parameter of shape {list(p.shape)}") for p in params if local_shard(p) is p]
-        raise _C.ConfigError(
-            f"tierflow's CPU optimizer: {len(sharded)} of its {len(params)} parameters are FSDP2's DTensor "
-            f"shards and {len(plain)} are not ({', '.join(repr(n) for n in plain[:3])}"
-            f"{' and more' if len(plain) > 3 else ''}): the model is only partly under fully_shard; accepted: "
-            "fully_shard on the model too (its root), or TIERFLOW_OFFLOAD_OPTIMIZER=none")
+    plain = [names.get(id(p), f"a parameter of shape {list(p.shape)}") for p in params if local_shard(p) is p]
     # Shards in host memory while tierflow's device is CUDA (FSDP2's CPUOffloadPolicy; wrap reads the policy
     # itself from the model, which a CPUAdamW made directly does not have): refused as that policy is.
     host_shards = runtime.device == "cuda" and any(local_shard(p).device.type == "cpu" for p in sharded)
-    why = _C.fsdp_settings_refusal(cfg, True, host_shards)  # ends with what FSDP2 accepts
-    if why is not None:
-        raise _C.ConfigError(f"tierflow's CPU optimizer over FSDP2's shards: {why}")
-    return True
+    why = _C.shards_refusal(cfg, len(sharded), len(params), plain if sharded else [], host_shards)
+    if why:
+        raise _C.ConfigError(why)
+    return bool(sharded)

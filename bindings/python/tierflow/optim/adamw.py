@@ -291,20 +291,13 @@ class CPUAdamW(StepPaths, torch.optim.Optimizer):
         streaming = getattr(self, "_streaming", None)  # None inside torch's __init__, before _setup
         if streaming is not None:
             streaming.forget_python_path()  # its parameters step through the Python path
-        if hasattr(self, "_sharded"):  # after _setup: the same rules for the new group's parameters
+        if hasattr(self, "_plan"):  # after _setup: the same rules for the new group's parameters
             try:
-                sharded = check_sharding(self.param_groups, self._names, self._runtime,
-                                         self._runtime.settings())
+                self._plan.check_group_sharding(check_sharding(self.param_groups, self._names, self._runtime,
+                                                               self._runtime.settings()))
             except BaseException:
                 self.param_groups.pop()
                 raise
-            if sharded != self._sharded:
-                self.param_groups.pop()
-                raise _C.ConfigError(
-                    "CPUAdamW.add_param_group: the new group's parameters are " +
-                    ("FSDP2's DTensor shards and the optimizer's are not" if sharded else
-                     "not DTensors and the optimizer steps FSDP2's shards") +
-                    "; accepted: one optimizer for the FSDP2 model's shards, another for other parameters")
 
     def use_host_copies(self, offload: Any) -> None:
         """Parameters that live on the host between uses (Note [Parameter hooks]): their steps read and

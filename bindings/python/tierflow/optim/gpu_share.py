@@ -51,12 +51,10 @@ class GpuShare:
 
     def _note_format(self) -> None:
         """The one info line (module doc): a share with states while the host's moments are packed."""
-        if self.ids and self.state_format != "fp32" and not self._format_noted:
+        note = _C.gpu_share_format_note(len(self.ids or ()), self.state_format)
+        if self.ids and note and not self._format_noted:
             self._format_noted = True
-            _C.log("info", f"tierflow: the CPU optimizer's GPU share ({len(self.ids)} parameters) keeps fp32 "
-                           f"moments on the device, not TIERFLOW_OPTIMIZER_STATES={self.state_format}: its CUDA "
-                           "AdamW is torch's fused AdamW bit for bit in fp32, and its room was planned at 8 bytes "
-                           "of moments an element")
+            _C.log("info", note)
 
     @property
     def auto(self) -> bool:

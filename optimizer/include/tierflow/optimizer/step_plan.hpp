@@ -111,6 +111,17 @@ bool share_due(GpuShareChoice& choice, const StepWindow& window, const PlanRoom&
 /// their elements at gpu_share_bytes_per_element of every candidate's dtypes.
 std::int64_t share_took_bytes(const std::vector<ShareCandidate>& candidates, const std::vector<bool>& on_gpu);
 
+/// The refusal of a CPU AdamW over FSDP2's DTensor shards, or "": `sharded` of its `params` are shards and the
+/// rest (`plain`: their names) are not (their gradients are not reduced across ranks, and one norm cannot be taken
+/// over both), or the settings the shards do not take (`host_shards`: a shard in host memory beside a CUDA
+/// runtime, FSDP2's CPUOffloadPolicy).
+std::string shards_refusal(const Config& settings, std::size_t sharded, std::size_t params,
+                           const std::vector<std::string>& plain, bool host_shards);
+
+/// The GPU share's one info line when its `parameters` keep fp32 moments while the host's are in `format`
+/// (Note [Optimizer state formats]); "" for fp32.
+std::string gpu_share_format_note(std::size_t parameters, StateFormat format);
+
 /// See Note [Step plan].
 class StepPlan {
  public:
@@ -125,6 +136,9 @@ class StepPlan {
   /// "nvme" or "host".
   const char* tier_name() const noexcept { return nvme_ ? "nvme" : "host"; }
   bool sharded() const noexcept { return sharded_; }
+  /// Throws config_error for a param group added whose parameters are FSDP2's shards (`group_sharded`) where
+  /// the optimizer's are not, or the other way round.
+  void check_group_sharding(bool group_sharded) const;
   /// Throws config_error naming the setting when param group `group` has amsgrad with packed moments.
   void check_amsgrad(bool amsgrad, std::size_t group) const;
 
