@@ -16,7 +16,8 @@ bool operator==(const PlanRoom& a, const PlanRoom& b) noexcept {
 }
 
 PlanRoom plan_room(bool forced, bool has_plan, std::int64_t predicted_peak_bytes) noexcept {
-  if (!forced && !has_plan) return PlanRoom{false, 0};  // profiling: its plan is made from a step the share must not miss
+  // Profiling: no plan in force; it is made from a timed step, which must not miss the share's states.
+  if (!forced && !has_plan) return PlanRoom{false, 0};
   return PlanRoom{true, has_plan ? predicted_peak_bytes : 0};
 }
 
@@ -76,7 +77,8 @@ namespace {
 StateFormat keyword_state_format(const std::optional<std::string>& keyword, StateFormat setting) {
   if (!keyword) return setting;
   const auto first = keyword->find_first_not_of(" \t\n\r");
-  std::string name = first == std::string::npos ? "" : keyword->substr(first, keyword->find_last_not_of(" \t\n\r") + 1 - first);
+  std::string name;  // stripped, lower-cased
+  if (first != std::string::npos) name = keyword->substr(first, keyword->find_last_not_of(" \t\n\r") + 1 - first);
   for (char& c : name) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   const auto f = parse_state_format(name);
   if (!f) {

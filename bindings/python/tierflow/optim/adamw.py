@@ -7,25 +7,7 @@ weights move in Note [Gradient streaming]
 
 Note [Optimizer copies] (copies.py) says how gradients, parameters and masters move.
 
-Note [Atomic step]
-~~~~~~~~~~~~~~~~~~
-A step is all or nothing: an error raised from step() leaves every weight and
-optimizer state (exp_avg, exp_avg_sq, master, step) as it was, so a retry is
-one step; or the step completes. With states on the host, step() first does
-everything that can fail, for every group: the states a first step makes, the
-gradients' copies to the host (waited), the new weights' staging; a failure
-there drops the states it made and raises. Only then the kernels run, the step
-counts advance and the weights go back. Nothing that can fail runs after: the
-link probe that sizes the gradient buckets (streaming.py) fits the pinned
-pool's room and a probe that still fails leaves the buckets' size as it was.
-wrap refuses a TIERFLOW_HOST_MEMORY that cannot hold one step (states,
-gradients' host copies, staging: optimizer/state_tier.hpp). States on NVMe
-keep Note [NVMe optimizer faults] (the parameters that stepped stay stepped; a
-retry steps only the others, exactly once). Steps taken during backward
-(Note [Gradient streaming]) join the same order: the stream's prepare_finish
-(its verdicts, its redone steps' staging, the released gradients it leaves to
-Python back in p.grad) and the Python path's preparation both run before the
-stream's commit_finish, which cannot fail.
+Note [Atomic step] (optimizer/include/tierflow/optimizer/step_plan.hpp) says why a step is all or nothing.
 
 Note [Weight content]
 ~~~~~~~~~~~~~~~~~~~~

@@ -1,7 +1,7 @@
 """CPUAdamW's step paths, below step(): the stream's finish with the Python path beside it (Note [Gradient
 streaming]), states on the host stepped in step(), states on NVMe (Note [NVMe optimizer faults]); each all or
-nothing (Note [Atomic step] in adamw.py) and each parameter known by its content (Note [Weight content] in
-adamw.py).
+nothing (Note [Atomic step] in optimizer/step_plan.hpp) and each parameter known by its content (Note [Weight
+content] in adamw.py).
 
 StepPaths is a part of CPUAdamW (its base class), split from adamw.py along this seam: it reads the state
 CPUAdamW._setup makes (the copies, the state tier, the GPU share, the partition, the gradient stream) and is never
@@ -237,8 +237,8 @@ class StepPaths:
                 host_grad = host_grad.to("cpu").contiguous()
         home = self._copies.home(p)
         shard = local_shard(p)
-        target = _C.StepPlan.weight_target(home is not None, shard.device.type == "cpu" and not self._copies.staged(shard),
-                                           shard.is_contiguous())
+        in_host_memory = shard.device.type == "cpu" and not self._copies.staged(shard)
+        target = _C.StepPlan.weight_target(home is not None, in_host_memory, shard.is_contiguous())
         if target == _C.WeightTarget.home:
             out = home  # the next forward fetches it (Note [Optimizer copies])
         elif target == _C.WeightTarget.parameter:

@@ -236,8 +236,9 @@ class GradientStreaming:
     def _measure_link(self, total_grad_bytes: int) -> float:
         """The device -> host rate for the bucket size, or 0.0 (a missing speed: measured_grad_bucket_bytes
         falls back to the first step's size) when the probe cannot run. It runs after step() committed (Note
-        [Atomic step] in adamw.py), so it must not fail that step: its buffers are at most what the pinned pool
-        has room for (probe_bytes: a sixteenth of it), and a probe that still fails is said and skipped."""
+        [Atomic step] in optimizer/step_plan.hpp), so it must not fail that step: its buffers are at most what the
+        pinned pool has room for (probe_bytes: a sixteenth of it), and a probe that still fails is said and
+        skipped."""
         probe = min(_C.grad_link_probe_bytes(total_grad_bytes), probe_bytes(self._runtime)) // 4096 * 4096
         if probe <= 0:
             _C.log("info", "tierflow gradient buckets: no pinned room left to measure the link; the buckets keep "
