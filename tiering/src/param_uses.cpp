@@ -283,7 +283,8 @@ void ParamGathers::enter(const std::vector<ParamId>& params, bool modify, const 
   }
 }
 
-ParamGathers::Release ParamGathers::exit(const std::vector<ParamId>& params, const std::vector<std::int64_t>& versions) {
+ParamGathers::Release ParamGathers::exit(const std::vector<ParamId>& params,
+                                         const std::vector<std::int64_t>& versions) {
   TIERFLOW_EXPECTS(versions.size() == params.size(), "ParamGathers::exit: a version per parameter");
   Release out;
   for (std::size_t i = 0; i < params.size(); ++i) {
