@@ -1,6 +1,6 @@
 // tierflow._C.ParamUses: tiering::ParamUses (Note [Parameter uses]) sending its events to a ParamResidency, the
-// parameters known by their TensorImpl. The GIL stays held: the hooks' thread is the only caller, and a call
-// record's owner going (ParamUses::drop_call, from a __del__) must not run in the middle of another call.
+// parameters known by their TensorImpl. The schedule's events wait without the GIL, as _C.ParamResidency's own
+// do; a call record dropped meanwhile (a _Call's __del__ on another thread) waits for the next drop outside them.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/autograd/graph_task.h>
@@ -33,17 +33,28 @@ class ResidencyHost : public tiering::ParamUsesHost {
       for (const at::Tensor& p : u) tensors_.emplace(id_of(p), p);
     }
   }
-  void begin_forward(UnitId u, std::uint64_t extra) override { residency_->begin_forward(u, extra); }
-  void end_forward(UnitId u, std::uint64_t extra) override { residency_->end_forward(u, extra); }
-  void begin_backward(UnitId u, std::uint64_t extra) override { residency_->begin_backward(u, extra); }
-  void end_backward(UnitId u, std::uint64_t extra) override { residency_->end_backward(u, extra); }
-  void end_phase() override { residency_->end_phase(); }
+  void begin_forward(UnitId u, std::uint64_t x) override { released([&] { residency_->begin_forward(u, x); }); }
+  void end_forward(UnitId u, std::uint64_t x) override { released([&] { residency_->end_forward(u, x); }); }
+  void begin_backward(UnitId u, std::uint64_t x) override { released([&] { residency_->begin_backward(u, x); }); }
+  void end_backward(UnitId u, std::uint64_t x) override { released([&] { residency_->end_backward(u, x); }); }
+  void end_phase() override { released([&] { residency_->end_phase(); }); }
   bool offloaded(ParamId p) override { return residency_->offloaded(tensors_.at(p)); }
-  void hold(ParamId p) override { residency_->hold(tensors_.at(p)); }
-  void unhold(ParamId p, const std::string& why) override { residency_->unhold(tensors_.at(p), why); }
-  void attach(UnitId u, ParamId p) override { residency_->attach(u, tensors_.at(p)); }
+  void hold(ParamId p) override { released([&] { residency_->hold(tensors_.at(p)); }); }
+  void unhold(ParamId p, const std::string& why) override {
+    released([&] { residency_->unhold(tensors_.at(p), why); });
+  }
+  void attach(UnitId u, ParamId p) override { released([&] { residency_->attach(u, tensors_.at(p)); }); }
+
+  int waiting = 0;                        // events in progress without the GIL
+  std::vector<tiering::CallId> dropped;   // records to drop once none is
 
  private:
+  template <class F>
+  void released(F f) {
+    struct Done { int& n; ~Done() { --n; } } done{++waiting};  // after the GIL is back
+    py::gil_scoped_release release;
+    f();
+  }
   std::shared_ptr<ParamResidency> residency_;
   std::unordered_map<ParamId, at::Tensor> tensors_;
 };
@@ -88,7 +99,12 @@ void bind_param_uses(py::module_& m) {
       })
       .def("end_phase", &U::end_phase)
       .def("new_call", &U::new_call)
-      .def("drop_call", &U::drop_call)
+      .def("drop_call", [](OwnedUses& s, tierflow::tiering::CallId c) {
+        s.dropped.push_back(c);
+        if (s.waiting > 0) return;  // another thread's event waits: not in the middle of it
+        for (auto d : s.dropped) static_cast<U&>(s).drop_call(d);
+        s.dropped.clear();
+      })
       .def("watched", &U::watched)
       .def("unbegun", &U::unbegun)
       .def("begin_call", &U::begin_call)

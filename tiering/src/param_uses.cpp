@@ -230,8 +230,9 @@ ReadVerdict ParamUses::read(ParamId param, bool in_autograd) {
   const auto block = std::find_if(forward_.rbegin(), forward_.rend(),
                                   [this](const ForwardUse& f) { return f.unit < blocks_; });
   if (block != forward_.rend() && !in_autograd) {  // a block reads a weight another module holds
-    host_.attach(block->unit, param);
-    it->second.push_back(block->unit);
+    const UnitId unit = block->unit;
+    host_.attach(unit, param);
+    units_of_[param].push_back(unit);  // (looked up again: the host may have let another thread in)
     return ReadVerdict::kAttached;
   }
   host_.hold(param);  // the model, or a module outside the blocks, reads it inline
