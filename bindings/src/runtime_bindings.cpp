@@ -315,6 +315,9 @@ void bind_runtime(py::module_& m) {
                     [](swap::CopyFaults& f, int us) { f.d2h_delay_us = us; })
       .def_property("fail_d2h_copies", [](const swap::CopyFaults& f) { return f.fail_d2h_copies.load(); },
                     [](swap::CopyFaults& f, int n) { f.fail_d2h_copies = n; })
+      .def_property("hold_d2h", [](const swap::CopyFaults& f) { return f.hold_d2h.load(); },
+                    [](swap::CopyFaults& f, bool on) { f.hold_d2h = on; },
+                    "While set, copies to the host do not start (a hung device; Note [Stall timeout]).")
       .def_property("ignore_stream_order", [](const swap::CopyFaults& f) { return f.ignore_stream_order.load(); },
                     [](swap::CopyFaults& f, bool on) { f.ignore_stream_order = on; },
                     "Copies behave as if they named no stream (issue 8's bug), to test the adversarial mode.");

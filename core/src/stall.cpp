@@ -45,8 +45,15 @@ struct PendingRegistry {
   }
 };
 
+namespace {
+thread_local bool t_unlimited = false;
+}  // namespace
+
 void set_stall_timeout(double seconds) noexcept { g_timeout.store(seconds); }
-double stall_timeout() noexcept { return g_timeout.load(); }
+double stall_timeout() noexcept { return t_unlimited ? 0.0 : g_timeout.load(); }
+
+UnlimitedWaits::UnlimitedWaits() noexcept : before_(t_unlimited) { t_unlimited = true; }
+UnlimitedWaits::~UnlimitedWaits() { t_unlimited = before_; }
 
 std::chrono::steady_clock::time_point stall_deadline() noexcept {
   const double s = stall_timeout();
@@ -86,7 +93,7 @@ void PendingWork::stalled(double waited_seconds) const { throw_stall(describe(),
 
 void throw_stall(const std::string& description, double waited_seconds) {
   std::string msg = "tierflow: waited " + seconds_text(waited_seconds) + " for a " + description +
-                    ", which has not completed (TIERFLOW_STALL_TIMEOUT=" + seconds_text(stall_timeout()) +
+                    ", which has not completed (TIERFLOW_STALL_TIMEOUT=" + seconds_text(g_timeout.load()) +
                     "; a healthy step comes nowhere near it: a hung device, driver or disk?). In flight, oldest "
                     "first:";
   const auto others = PendingWork::in_flight(kStallListed);

@@ -50,9 +50,11 @@ class EmulatedCopyEngine final : public CopyEngine {
       if (poison) unordered_.add();
       if (delay_us > 0) delayed_.add();
     }
-    stream(dir).push([dst, src, bytes, deps, state, delay_us, poison, fail] {
+    const CopyFaults* held = faults_ && dir == Direction::kDeviceToHost ? faults_.get() : nullptr;
+    stream(dir).push([dst, src, bytes, deps, state, delay_us, poison, fail, held, keep = faults_] {
       std::exception_ptr error;
       try {
+        while (held && held->hold_d2h.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
         if (delay_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
         for (const auto& d : deps) d.wait();
         if (fail) throw io_error(EIO, "emulated copy engine: device -> host copy of " + std::to_string(bytes) +

@@ -8,6 +8,7 @@
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/log.hpp"
 #include "tierflow/core/size.hpp"
+#include "tierflow/core/stall.hpp"
 
 namespace tierflow::swap {
 
@@ -73,6 +74,17 @@ StagedPipeline::~StagedPipeline() {
   ids.reserve(blocks_.size());
   for (const auto& entry : blocks_) ids.push_back(entry.first);
   for (std::uint64_t id : ids) release(id);
+  // A stalled block's memory may still be read or written by its copy: wait for it, however long.
+  const UnlimitedWaits unlimited;
+  for (const BlockPtr& b : stalled_) {
+    for (const TransferHandle* h : {&b->d2h, &b->h2d, &b->write, &b->read}) {
+      try {
+        h->wait();
+      } catch (const std::exception&) {  // reported when it stalled
+      }
+    }
+    free_block(*b);
+  }
 }
 
 StagedPipeline::Block& StagedPipeline::at(std::uint64_t id) const {
@@ -142,6 +154,7 @@ void* StagedPipeline::staging(std::size_t bytes) {
 
 bool StagedPipeline::offload(std::uint64_t id, DeviceBuffer src, std::size_t bytes, int device,
                              StagedTarget target, StreamRef after) {
+  raise_stall();
   TIERFLOW_EXPECTS(blocks_.count(id) == 0, "StagedPipeline::offload: block " + std::to_string(id) + " is held");
   TIERFLOW_EXPECTS(target == StagedTarget::kHost || nvme_, "StagedPipeline::offload: no NVMe tier is attached");
   const bool to_nvme = target == StagedTarget::kNvme;
@@ -196,6 +209,7 @@ void StagedPipeline::start_nvme_write(Block& b) {
 }
 
 void StagedPipeline::poll() {
+  poll_stalled();
   poll_to_host();
   poll_writes();
   poll_reads();
@@ -322,6 +336,7 @@ void StagedPipeline::poll_to_device() {
 }
 
 FetchResult StagedPipeline::fetch(std::uint64_t id) {
+  raise_stall();
   auto it = blocks_.find(id);
   if (it == blocks_.end()) return FetchResult::kNothing;
   const BlockPtr b = it->second;
@@ -377,6 +392,7 @@ void StagedPipeline::fetch_or_throw(std::uint64_t id) {
 }
 
 void StagedPipeline::complete_fetch(std::uint64_t id) {
+  raise_stall();
   Block& b = at(id);
   TIERFLOW_EXPECTS(b.state == StagedState::kToDevice, "StagedPipeline::complete_fetch: block " + std::to_string(id) +
                                                           " is " + to_string(b.state) + ", not in flight to device");
@@ -404,38 +420,98 @@ void StagedPipeline::release(std::uint64_t id) noexcept {
   const BlockPtr b = it->second;
   if (!b->to_host_settled) to_host_bytes_ -= b->bytes;
   b->to_host_settled = true;
+  blocks_.erase(it);
+  if (!stall_.empty()) {  // after a stall, a block whose work is not done waits no more: parked at once
+    bool done = false;
+    try {
+      done = b->d2h.ready() && b->h2d.ready() && b->write.ready() && b->read.ready();
+    } catch (const std::exception&) {
+    }
+    if (!done) {
+      try {
+        stalled_.push_back(b);
+        set_state(*b, StagedState::kReleased);
+      } catch (const std::exception&) {
+      }
+      return;
+    }
+  }
   try {
     // A copy may still read or write the staging: let it finish first.
     b->d2h.wait();
     b->h2d.wait();
+  } catch (const stall_error& e) {
+    return park_stalled(b, "a copy", e);
   } catch (const std::exception& e) {
     log(LogLevel::kError, std::string("copy failed while releasing a block: ") + e.what());
   }
   try {
     b->write.wait();
+  } catch (const stall_error& e) {
+    return park_stalled(b, "an NVMe write", e);
   } catch (const std::exception&) {
     // a failed write was already reported; its space is released below
   }
   try {
     b->read.wait();
+  } catch (const stall_error& e) {
+    return park_stalled(b, "an NVMe read", e);
   } catch (const std::exception&) {
     // the read's error reached (or will not matter to) its complete_fetch
   }
-  if (b->nvme_block) {
-    nvme_->release(b->nvme_block);
-    b->nvme_block = 0;
+  free_block(*b);
+}
+
+void StagedPipeline::free_block(Block& b) noexcept {
+  if (b.nvme_block) {
+    nvme_->release(b.nvme_block);
+    b.nvme_block = 0;
   }
-  if (b->staging) {
-    pool_->deallocate(b->staging);
-    b->staging = nullptr;
+  if (b.staging) {
+    pool_->deallocate(b.staging);
+    b.staging = nullptr;
   }
-  b->device_copy = DeviceBuffer{};
-  blocks_.erase(it);
+  b.device_copy = DeviceBuffer{};
+  if (b.state == StagedState::kReleased) return;  // parked by park_stalled, which said so then
   try {
-    set_state(*b, StagedState::kReleased);
+    set_state(b, StagedState::kReleased);
   } catch (const std::exception& e) {
     log(LogLevel::kError, std::string("staged block release: ") + e.what());
   }
+}
+
+// Note [Stall timeout]: a block released while its copy or request stalls keeps its memory (staging, device
+// copy, NVMe space) until that ends, since the work may still read or write it; it is freed by a later poll,
+// or by the destructor, which waits. release() cannot raise: the stall is kept and raised by the next offload,
+// fetch or complete_fetch, and from then on a release parks a block whose work is not done without waiting.
+void StagedPipeline::park_stalled(const BlockPtr& b, const char* what, const std::exception& e) noexcept {
+  log(LogLevel::kError, std::string("a released block keeps its memory while ") + what + " of it is stalled: " +
+                            e.what());
+  try {
+    if (stall_.empty()) stall_ = e.what();  // raised by the next offload or fetch: release cannot raise
+    stalled_.push_back(b);
+    set_state(*b, StagedState::kReleased);
+  } catch (const std::exception&) {  // no room to remember it: its memory stays for good (safe, not freed)
+  }
+}
+
+void StagedPipeline::raise_stall() const {
+  if (!stall_.empty()) throw stall_error(stall_);
+}
+
+void StagedPipeline::poll_stalled() noexcept {
+  std::size_t kept = 0;
+  for (std::size_t i = 0; i < stalled_.size(); ++i) {
+    Block& b = *stalled_[i];
+    bool done = false;
+    try {
+      done = b.d2h.ready() && b.h2d.ready() && b.write.ready() && b.read.ready();
+    } catch (const std::exception&) {  // a failed query: keep it for the destructor's wait
+    }
+    if (done) free_block(b);
+    else stalled_[kept++] = stalled_[i];
+  }
+  stalled_.resize(kept);
 }
 
 void StagedPipeline::synchronize() {

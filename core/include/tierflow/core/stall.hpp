@@ -29,7 +29,8 @@ class stall_error : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-/// Seconds a wait may last (TIERFLOW_STALL_TIMEOUT); 0 or less: no limit. Process-wide.
+/// Seconds a wait may last (TIERFLOW_STALL_TIMEOUT); 0 or less: no limit. Process-wide; stall_timeout() is 0
+/// within an UnlimitedWaits scope.
 void set_stall_timeout(double seconds) noexcept;
 double stall_timeout() noexcept;
 /// The default, 600 s.
@@ -70,6 +71,19 @@ class PendingWork {
 /// Throws stall_error for a wait of `waited_seconds` on the work `description` names ("a host -> device copy of
 /// 4.00 MiB, 601 s old"), listing the work in flight.
 [[noreturn]] void throw_stall(const std::string& description, double waited_seconds);
+
+/// Within its scope this thread's waits have no limit: teardown that must not free memory a copy may still
+/// read or write waits for it, however long (the wait that first stalled has raised already).
+class UnlimitedWaits {
+ public:
+  UnlimitedWaits() noexcept;
+  ~UnlimitedWaits();
+  UnlimitedWaits(const UnlimitedWaits&) = delete;
+  UnlimitedWaits& operator=(const UnlimitedWaits&) = delete;
+
+ private:
+  bool before_;
+};
 
 /// The deadline of a wait that starts now (time_point::max() without a limit).
 std::chrono::steady_clock::time_point stall_deadline() noexcept;

@@ -79,6 +79,8 @@ struct CopyFaults {
   /// io_error; the destination is not written), so tests can show a failed
   /// copy loses nothing. Counted down as copies are queued.
   mutable std::atomic<int> fail_d2h_copies{0};
+  /// While set, device -> host copies do not start (a hung device, Note [Stall timeout]); cleared, they go on.
+  std::atomic<bool> hold_d2h{false};
 };
 
 /// Behaviour of the emulated engine; see Note [Adversarial emulated device].

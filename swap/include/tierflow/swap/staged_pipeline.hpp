@@ -43,6 +43,7 @@
 #include <exception>
 #include <functional>
 #include <memory>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -172,6 +173,10 @@ class StagedPipeline {
   void poll_writes();
   void poll_reads();
   void poll_to_device();
+  void park_stalled(const BlockPtr& b, const char* what, const std::exception& e) noexcept;
+  void poll_stalled() noexcept;
+  void raise_stall() const;
+  void free_block(Block& b) noexcept;
 
   StagedPipelineOptions options_;
   std::shared_ptr<allocator::PinnedHostPool> pool_;
@@ -183,6 +188,8 @@ class StagedPipeline {
   std::vector<BlockPtr> writes_;     // NVMe writes in flight
   std::vector<BlockPtr> reads_;      // NVMe reads in flight
   std::vector<BlockPtr> to_device_;  // NVMe tier: staging to free once the copy to the device is done
+  std::vector<BlockPtr> stalled_;    // released while a copy or request of theirs stalled: freed once it ends
+  std::string stall_;                // the first stall release() saw, raised by the next offload or fetch
   StagedPipelineStats stats_;
 };
 
