@@ -1,4 +1,4 @@
-"""Issue 37, part 3: a step is all or nothing (Note [Atomic step] in tierflow/optim/adamw.py).
+"""Issue 37, part 3: a step is all or nothing (Note [Atomic step] in optimizer/step_plan.hpp).
 
 An error raised from step() leaves every weight and optimizer state as it was before the step (a retry is then
 one step, equal to torch's), or the step completes; what runs after the commit (the gradient stream's link
