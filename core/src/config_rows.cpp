@@ -161,6 +161,26 @@ void check_nvme_directories(std::string_view name, std::string_view v, const std
 }
 
 // The tiers' budgets and the NVMe engine.
+// TIERFLOW_STALL_TIMEOUT (Note [Stall timeout]): seconds, "90s", "10min", or none.
+void stall_timeout_parser(Config& c, std::string_view name, std::string_view v) {
+  std::string s = lower(trim(v));
+  const char* accepted = "seconds (e.g. 600, 90s, 10min), or none (no limit)";
+  if (s == "none" || s == "0" || s == "off") {
+    c.stall_timeout_seconds = 0.0;
+    return;
+  }
+  double unit = 1.0;
+  if (s.size() > 3 && s.compare(s.size() - 3, 3, "min") == 0) {
+    unit = 60.0;
+    s.resize(s.size() - 3);
+  } else if (s.size() > 1 && s.back() == 's') {
+    s.pop_back();
+  }
+  auto x = parse_decimal(trim(s));
+  if (!x || !(*x > 0.0) || *x * unit > 1e9) bad_value(name, v, accepted);
+  c.stall_timeout_seconds = *x * unit;
+}
+
 std::vector<Row> memory_rows() {
   return {
     {{"TIERFLOW_GPU_MEMORY", "90%", kBudgetForms,
@@ -290,24 +310,7 @@ std::vector<Row> placement_rows() {
     {{"TIERFLOW_STALL_TIMEOUT", "600s", "seconds (e.g. 600, 90s, 10min), or none (no limit)",
       "a wait on a copy, an NVMe request or the CPU optimizer's step that lasts longer raises an error naming "
       "what it waited for and what was in flight (Note [Stall timeout]); no healthy step comes near the default"},
-     [](Config& c, std::string_view name, std::string_view v) {
-       std::string s = lower(trim(v));
-       const char* accepted = "seconds (e.g. 600, 90s, 10min), or none (no limit)";
-       if (s == "none" || s == "0" || s == "off") {
-         c.stall_timeout_seconds = 0.0;
-         return;
-       }
-       double unit = 1.0;
-       if (s.size() > 3 && s.compare(s.size() - 3, 3, "min") == 0) {
-         unit = 60.0;
-         s.resize(s.size() - 3);
-       } else if (s.size() > 1 && s.back() == 's') {
-         s.pop_back();
-       }
-       auto x = parse_decimal(trim(s));
-       if (!x || !(*x > 0.0) || *x * unit > 1e9) bad_value(name, v, accepted);
-       c.stall_timeout_seconds = *x * unit;
-     }},
+     stall_timeout_parser},
     {{"TIERFLOW_REPORT", "", "a file path under a writable folder (empty: no file)",
       "write the statistics report as JSON to this path when the process exits and on every "
       "tierflow.report() call"},
