@@ -138,3 +138,15 @@ def test_files_the_readme_names_exist():
     assert len(named) >= 5, named
     missing = [p for p in named if not os.path.exists(os.path.join(ROOT, p))]
     assert not missing, f"README.md names files that do not exist: {missing}"
+
+
+def test_the_demo_sample_is_a_recorded_run_that_the_demo_still_prints():
+    """README.md's sample of make demo's output is docs/demo-output.txt's lines (a real run, recorded by
+    scripts/readme_sample.py --run), and the demo's code still prints every line the sample shows."""
+    import readme_sample
+    assert readme_sample.readme_sample(readme()) == readme_sample.recorded_sample(), (
+        "README.md's demo sample is not docs/demo-output.txt's: run scripts/readme_sample.py (--run for a new run)")
+    printed = read(os.path.join("examples", "train_gpt.py")) + read(os.path.join("bindings", "python", "tierflow",
+                                                                                 "_report.py"))
+    for prefix in readme_sample.SAMPLE:
+        assert prefix in printed, f"the demo no longer prints {prefix!r}: record a new run"
