@@ -12,6 +12,7 @@
 #include "tierflow/allocator/device.hpp"
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/log.hpp"
+#include "tierflow/core/stall.hpp"
 #include "tierflow/core/size.hpp"
 
 namespace tierflow::allocator {
@@ -30,6 +31,7 @@ PinnedHostPool::PinnedHostPool(PinnedHostPoolOptions options)
 }
 
 PinnedHostPool::~PinnedHostPool() {
+  const UnlimitedWaits unlimited;  // Note [Stall timeout]: a slab a copy still writes is not freed before it ends
   std::lock_guard<std::mutex> lock(mutex_);
   for (auto& f : fenced_) {  // a copy may still write into a slab: let it finish first
     try {

@@ -307,9 +307,9 @@ std::vector<Row> placement_rows() {
        else if (s == "debug") c.log_level = LogLevel::kDebug;
        else bad_value(name, v, "one of error, warn, info, debug");
      }},
-    {{"TIERFLOW_STALL_TIMEOUT", "600s", "seconds (e.g. 600, 90s, 10min), or none (no limit)",
+    {{"TIERFLOW_STALL_TIMEOUT", "none", "seconds (e.g. 600, 90s, 10min), or none (no limit)",
       "a wait on a copy, an NVMe request or the CPU optimizer's step that lasts longer raises an error naming "
-      "what it waited for and what was in flight (Note [Stall timeout]); no healthy step comes near the default"},
+      "what it waited for and what was in flight (Note [Stall timeout]); 600 is one no healthy step comes near"},
      stall_timeout_parser},
     {{"TIERFLOW_REPORT", "", "a file path under a writable folder (empty: no file)",
       "write the statistics report as JSON to this path when the process exits and on every "

@@ -275,8 +275,9 @@ void PlanDriver::make_plan(const AutoProfile& base, std::uint64_t elements, Plan
     // The calibration compares steps with the timed one: not with a plan for another size.
     settle("the plan is for a larger batch than the profile's (Note [Batch growth])");
   }
-  // Note [Plan messages]: a plan in force is one line at info; its blocks and reasons at debug.
-  log(LogLevel::kInfo, "tierflow activation plan: " + plan_->summary);
+  // Note [Plan messages]: a plan in force is one line at info (a warning when it is over budget); its blocks
+  // and reasons at debug.
+  log(plan_->plan.fits ? LogLevel::kInfo : LogLevel::kWarn, "tierflow activation plan: " + plan_->summary);
   for (const auto& line : plan_->lines) log(LogLevel::kDebug, "tierflow   " + line);
   for (const auto& line : plan_->why) log(LogLevel::kDebug, "tierflow " + line);
 }

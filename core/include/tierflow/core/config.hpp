@@ -74,7 +74,7 @@ struct Config {
   std::string cpu_isa;                    ///< TIERFLOW_CPU_ISA: auto, avx512, avx2 or portable
   StateFormat optimizer_states{};         ///< TIERFLOW_OPTIMIZER_STATES
   LogLevel log_level{};                   ///< TIERFLOW_LOG_LEVEL
-  double stall_timeout_seconds = 600.0;   ///< TIERFLOW_STALL_TIMEOUT; 0 means no limit (Note [Stall timeout])
+  double stall_timeout_seconds = 0.0;     ///< TIERFLOW_STALL_TIMEOUT; 0 means no limit (Note [Stall timeout])
   std::string report_path;                ///< TIERFLOW_REPORT; empty means no file
   std::string profile_path;               ///< TIERFLOW_PROFILE; empty means measure every run
   bool replan = true;                     ///< TIERFLOW_REPLAN (Note [Re-plan])
