@@ -102,6 +102,9 @@ struct PlanCommandInputs {
   std::optional<double> flops_per_second;   ///< the estimate's compute rate (none: a profile)
   std::vector<std::string> measured;        ///< what was measured on this machine: "tflops", "links"
   bool links_given = false;                 ///< --pcie-gbps was given
+  /// --cpu-adam-rate: the CPU AdamW's parameters a second in `optimizer_states`' format (0: unknown, measured
+  /// here with tierflow's own kernel; Note [Step prediction]).
+  double cpu_adam_params_per_second = 0;
 };
 
 /// The planner's inputs from PlanCommandInputs, and where they came from.
