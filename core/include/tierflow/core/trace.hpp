@@ -1,0 +1,117 @@
+// The step's trace: a recorder of timed events written in the Chrome trace
+// event format that torch.profiler exports and Perfetto opens (Note [Trace]).
+//
+// Note [Trace]
+// ~~~~~~~~~~~~
+// TIERFLOW_TRACE=path (or tierflow.trace(path)) records what a step did and when,
+// one lane (a Chrome "thread") per kind of work: blocks' forward, backward and
+// replay (bindings/python/tierflow/activations), each copy direction and NVMe
+// reads and writes (every PendingWork, Note [Stall timeout], from its start to
+// its done()), the CPU AdamW's buckets (Note [Stream timeline]); and counters of
+// bytes per tier (device activations held, pinned host pool in use, NVMe),
+// sampled from each runtime's meters at every block span's end.
+//
+// Off, every call site costs one relaxed atomic load (trace::on()), and call
+// sites build their arguments only behind it. On, events go to one mutex-guarded
+// vector (at most kMaxTraceEvents; more are counted as dropped and said in the
+// file's metadata).
+//
+// Clock. Events are taken on the steady clock (now_ns(), the clock of every
+// other tierflow timing). torch.profiler's (Kineto's) trace gives "ts" in
+// microseconds since its "baseTimeNanoseconds", on CLOCK_REALTIME (c10's
+// getTime()). The writer maps steady to realtime by the offset measured when it
+// writes, and writes the same pair: "baseTimeNanoseconds" (the realtime of the
+// first event, in whole milliseconds) and "ts" relative to it, so that the two
+// traces line up by adding the difference of their bases (tierflow.trace's merge
+// and `python -m tierflow timeline --merge`). The offset drifts only as the
+// system clock is stepped (NTP), a few microseconds over a run.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <initializer_list>
+#include <string>
+#include <utility>
+#include <vector>
+#include <atomic>
+
+namespace tierflow::trace {
+
+/// A lane of the trace: its Chrome thread id (tid) is the enum's value.
+enum class Lane : int {
+  kForward = 1,       ///< blocks' forward
+  kBackward = 2,      ///< blocks' backward (from their output's gradient to their input's)
+  kReplay = 3,        ///< blocks' replay (recompute) in backward
+  kDeviceToHost = 4,  ///< copies device -> host
+  kHostToDevice = 5,  ///< copies host -> device
+  kNvmeWrite = 6,     ///< NVMe writes
+  kNvmeRead = 7,      ///< NVMe reads
+  kCpuAdam = 8,       ///< the CPU AdamW's buckets
+  kOther = 9,         ///< any other asynchronous work
+};
+/// Every lane, in the order they are drawn.
+inline constexpr Lane kLanes[] = {Lane::kForward,   Lane::kBackward,     Lane::kReplay,
+                                  Lane::kDeviceToHost, Lane::kHostToDevice, Lane::kNvmeWrite,
+                                  Lane::kNvmeRead,  Lane::kCpuAdam,      Lane::kOther};
+/// "block forward", "copy device -> host", ...: the lane's thread_name.
+const char* lane_name(Lane lane) noexcept;
+/// "block", "copy", "nvme", "optimizer", "work": the events' "cat".
+const char* lane_category(Lane lane) noexcept;
+/// The lane of a PendingWork's kind ("device -> host copy", "NVMe read", ...).
+Lane lane_of_kind(const char* kind) noexcept;
+
+/// One integer argument of an event ("bytes", "block").
+struct Arg {
+  const char* key;  ///< a string literal
+  std::int64_t value;
+};
+
+/// Most events kept; later ones are counted as dropped.
+inline constexpr std::size_t kMaxTraceEvents = 1u << 20;
+
+namespace detail {
+extern std::atomic<bool> g_on;
+}  // namespace detail
+
+/// Whether events are recorded now: one relaxed load (the check at every call site).
+inline bool on() noexcept { return detail::g_on.load(std::memory_order_relaxed); }
+
+/// Starts recording (the events so far stay).
+void start();
+/// Stops recording (the events so far stay).
+void stop() noexcept;
+/// Forgets every event (and the dropped count).
+void clear() noexcept;
+
+/// A complete event ("ph":"X") on `lane` from `start_ns` to `end_ns` (now_ns()'s clock); nothing when off.
+void complete(Lane lane, std::string name, std::uint64_t start_ns, std::uint64_t end_ns,
+              std::initializer_list<Arg> args = {}) noexcept;
+/// The same, from a PendingWork: its kind names the lane, `id` (>= 0) becomes the "block" argument.
+void work_done(const char* kind, std::uint64_t bytes, std::int64_t id,
+               std::chrono::steady_clock::time_point since) noexcept;
+/// A counter event ("ph":"C") named `name` at `at_ns` with one series per value; nothing when off.
+void counter(std::string name, std::uint64_t at_ns, std::vector<std::pair<std::string, std::int64_t>> values) noexcept;
+
+/// What a meter reports: the series of the "bytes per tier" counter ("device activations", ...).
+using Meter = std::function<std::vector<std::pair<std::string, std::int64_t>>()>;
+/// Adds `meter` under `owner` (a runtime); when `path` is not empty, starts recording and writes the trace to
+/// `path` when `owner` detaches (TIERFLOW_TRACE) and at exit.
+void attach(const void* owner, std::string path, Meter meter);
+/// Removes `owner`'s meter; writes its path's trace when it gave one. Never throws (a failed write is logged).
+void detach(const void* owner) noexcept;
+/// Records one "bytes per tier" counter event from every attached meter (summed by series); nothing when off.
+void sample() noexcept;
+
+/// Events recorded and kept; events dropped past kMaxTraceEvents.
+std::size_t event_count() noexcept;
+std::size_t dropped_count() noexcept;
+
+/// The trace as Chrome trace JSON: {"traceEvents": [...], "displayTimeUnit": "ms", "baseTimeNanoseconds": ...},
+/// the events ending at or after `since_ns` (0: all), under process id `pid` (0: this process's).
+std::string chrome_json(std::uint64_t since_ns = 0, std::int64_t pid = 0);
+/// Writes chrome_json(since_ns) to `path` (through a temporary file renamed into place); throws io_error naming
+/// the path when it cannot.
+void write(const std::string& path, std::uint64_t since_ns = 0);
+
+}  // namespace tierflow::trace
