@@ -6,6 +6,7 @@
 #include <mutex>
 
 #include "tierflow/core/size.hpp"
+#include "tierflow/core/trace.hpp"
 
 namespace tierflow {
 namespace {
@@ -72,7 +73,10 @@ PendingWork::PendingWork(const char* kind, std::uint64_t bytes, std::int64_t id)
 
 PendingWork::~PendingWork() { done(); }
 
-void PendingWork::done() noexcept { PendingRegistry::get().remove(this); }
+void PendingWork::done() noexcept {
+  if (listed_ && trace::on()) trace::work_done(kind_, bytes_, id_, since_);  // Note [Trace]: its lane's event
+  PendingRegistry::get().remove(this);
+}
 
 std::string PendingWork::describe() const {
   const double age = std::chrono::duration<double>(std::chrono::steady_clock::now() - since_).count();
