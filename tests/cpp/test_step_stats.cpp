@@ -1,0 +1,260 @@
+// tiering::StepRecorder: per-step figures from counter snapshots (Note [Step stats]).
+#include <gtest/gtest.h>
+
+#include "tierflow/core/error.hpp"
+#include "tierflow/tiering/step_stats.hpp"
+
+using namespace tierflow;
+using namespace tierflow::tiering;
+
+namespace {
+
+constexpr std::uint64_t kMs = 1'000'000;  // ns
+
+/// Counters whose totals are `k` times a base of distinct values per field.
+StepCounters at(std::uint64_t k) {
+  StepCounters c;
+  c.device_to_host_bytes = 1000 * k;
+  c.host_to_device_bytes = 700 * k;
+  c.host_to_nvme_bytes = 300 * k;
+  c.nvme_to_host_bytes = 200 * k;
+  c.copy_wait_ns = 3 * kMs * k;
+  c.cpu_step_ns = 5 * kMs * k;
+  c.nvme_wait_ns = 7 * kMs * k;
+  c.device_activations = {100, 100};  // every tier read at its meter's peak: exact unless a test says otherwise
+  c.pinned_host = {50, 50};
+  c.nvme = {0, 0};
+  return c;
+}
+
+}  // namespace
+
+TEST(StepRecorder, OneStepTakesEachSpanAndTheCountersDifferences) {
+  StepRecorder r;
+  const std::uint64_t t0 = 1000 * kMs;
+  r.mark(StepMark::kForwardBegin, t0, at(1));
+  r.mark(StepMark::kForwardEnd, t0 + 10 * kMs, at(1));
+  r.mark(StepMark::kBackwardBegin, t0 + 12 * kMs, at(2));
+  r.mark(StepMark::kBackwardEnd, t0 + 32 * kMs, at(2));
+  r.mark(StepMark::kStepBegin, t0 + 33 * kMs, at(3));
+  EXPECT_TRUE(r.open());
+  r.mark(StepMark::kStepEnd, t0 + 37 * kMs, at(4));
+  EXPECT_FALSE(r.open());
+  ASSERT_EQ(r.steps().size(), 1u);
+  const StepStats s = *r.last();
+  EXPECT_EQ(s.step, 1u);
+  EXPECT_EQ(s.forwards, 1u);
+  EXPECT_EQ(s.backwards, 1u);
+  EXPECT_DOUBLE_EQ(s.forward_s, 0.010);
+  EXPECT_DOUBLE_EQ(s.backward_s, 0.020);
+  EXPECT_DOUBLE_EQ(s.step_s, 0.004);
+  EXPECT_DOUBLE_EQ(s.wall_s, 0.037);
+  // from the first mark's counters (k=1) to the last's (k=4): 3 times each base
+  EXPECT_EQ(s.device_to_host_bytes, 3000u);
+  EXPECT_EQ(s.host_to_device_bytes, 2100u);
+  EXPECT_EQ(s.host_to_nvme_bytes, 900u);
+  EXPECT_EQ(s.nvme_to_host_bytes, 600u);
+  EXPECT_DOUBLE_EQ(s.exposed_copy_wait_s, 0.009);
+  EXPECT_DOUBLE_EQ(s.exposed_cpu_step_s, 0.015);
+  EXPECT_DOUBLE_EQ(s.exposed_nvme_wait_s, 0.021);
+}
+
+TEST(StepRecorder, MicroBatchesAddUpUntilStep) {
+  StepRecorder r;  // an optimizer is watched: a forward after a backward goes on with the same step
+  std::uint64_t t = 5 * kMs;
+  for (int i = 0; i < 2; ++i) {
+    r.mark(StepMark::kForwardBegin, t, at(1));
+    r.mark(StepMark::kForwardEnd, t + 2 * kMs, at(1));
+    r.mark(StepMark::kBackwardBegin, t + 3 * kMs, at(1));
+    r.mark(StepMark::kBackwardEnd, t + 6 * kMs, at(1));
+    t += 10 * kMs;
+  }
+  EXPECT_TRUE(r.steps().empty());
+  r.mark(StepMark::kStepBegin, t, at(1));
+  r.mark(StepMark::kStepEnd, t + kMs, at(1));
+  ASSERT_EQ(r.steps().size(), 1u);
+  EXPECT_EQ(r.last()->forwards, 2u);
+  EXPECT_EQ(r.last()->backwards, 2u);
+  EXPECT_DOUBLE_EQ(r.last()->forward_s, 0.004);
+  EXPECT_DOUBLE_EQ(r.last()->backward_s, 0.006);
+  EXPECT_DOUBLE_EQ(r.last()->step_s, 0.001);
+}
+
+TEST(StepRecorder, BackwardWithoutItsEndEndsAtStep) {
+  StepRecorder r;
+  r.mark(StepMark::kForwardBegin, 10 * kMs, at(1));
+  r.mark(StepMark::kForwardEnd, 11 * kMs, at(1));
+  r.mark(StepMark::kBackwardBegin, 12 * kMs, at(1));
+  r.mark(StepMark::kStepBegin, 20 * kMs, at(1));
+  r.mark(StepMark::kStepEnd, 21 * kMs, at(1));
+  EXPECT_DOUBLE_EQ(r.last()->backward_s, 0.008);
+}
+
+TEST(StepRecorder, WithoutAnOptimizerTheNextForwardEndsTheStep) {
+  StepRecorder r(10, /*ends_at_step=*/false);
+  r.mark(StepMark::kForwardBegin, 10 * kMs, at(1));
+  r.mark(StepMark::kForwardEnd, 12 * kMs, at(1));
+  r.mark(StepMark::kForwardBegin, 13 * kMs, at(1));  // a second forward before any backward: same step
+  r.mark(StepMark::kForwardEnd, 14 * kMs, at(1));
+  r.mark(StepMark::kBackwardBegin, 15 * kMs, at(2));
+  r.mark(StepMark::kBackwardEnd, 18 * kMs, at(2));
+  EXPECT_TRUE(r.steps().empty());
+  r.mark(StepMark::kForwardBegin, 30 * kMs, at(3));
+  ASSERT_EQ(r.steps().size(), 1u);
+  EXPECT_EQ(r.last()->forwards, 2u);
+  EXPECT_DOUBLE_EQ(r.last()->wall_s, 0.020);
+  EXPECT_EQ(r.last()->device_to_host_bytes, 2000u);
+  EXPECT_TRUE(r.open()) << "the forward that ended the step begins the next";
+  r.mark(StepMark::kForwardEnd, 31 * kMs, at(3));
+  r.mark(StepMark::kBackwardBegin, 32 * kMs, at(3));
+  r.set_ends_at_step(true);
+  r.mark(StepMark::kForwardBegin, 40 * kMs, at(4));
+  EXPECT_EQ(r.steps().size(), 1u) << "with an optimizer watched, only step() ends a step";
+}
+
+TEST(StepRecorder, PeakIsTheMetersWhenItRoseDuringTheStep) {
+  StepRecorder r;
+  StepCounters c = at(1);
+  c.device_activations = {0, 100};
+  r.mark(StepMark::kForwardBegin, 10 * kMs, c);
+  c.device_activations = {40, 100};
+  r.mark(StepMark::kForwardEnd, 11 * kMs, c);
+  c.device_activations = {0, 250};  // a new all-time peak reached between the marks
+  r.mark(StepMark::kStepBegin, 12 * kMs, c);
+  r.mark(StepMark::kStepEnd, 13 * kMs, c);
+  EXPECT_EQ(r.last()->peak_device_activation_bytes, 250u);
+  EXPECT_TRUE(r.last()->peaks_exact);
+}
+
+TEST(StepRecorder, PeakBelowTheAllTimePeakIsTheHighestReading) {
+  StepRecorder r;
+  StepCounters c = at(1);
+  c.device_activations = {5, 500};  // an earlier step reached 500
+  r.mark(StepMark::kForwardBegin, 10 * kMs, c);
+  c.device_activations = {120, 500};
+  r.mark(StepMark::kForwardEnd, 11 * kMs, c);
+  c.device_activations = {30, 500};
+  r.mark(StepMark::kStepBegin, 12 * kMs, c);
+  r.mark(StepMark::kStepEnd, 13 * kMs, c);
+  EXPECT_EQ(r.last()->peak_device_activation_bytes, 120u);
+  EXPECT_FALSE(r.last()->peaks_exact) << "120 is a lower bound: the meter's 500 may or may not be this step's";
+
+  c.device_activations = {5, 500};
+  r.mark(StepMark::kForwardBegin, 20 * kMs, c);
+  c.device_activations = {500, 500};  // read at the all-time peak: exact
+  r.mark(StepMark::kForwardEnd, 21 * kMs, c);
+  r.mark(StepMark::kStepBegin, 22 * kMs, c);
+  r.mark(StepMark::kStepEnd, 23 * kMs, c);
+  EXPECT_EQ(r.last()->peak_device_activation_bytes, 500u);
+  EXPECT_TRUE(r.last()->peaks_exact);
+}
+
+TEST(StepRecorder, TierWithoutAMeterPeakHasItsReadings) {
+  StepRecorder r;
+  StepCounters c = at(1);
+  c.nvme = {64, TierReading::kNoPeak};
+  r.mark(StepMark::kForwardBegin, 10 * kMs, c);
+  c.nvme = {192, TierReading::kNoPeak};
+  r.mark(StepMark::kForwardEnd, 11 * kMs, c);
+  c.nvme = {0, TierReading::kNoPeak};
+  r.mark(StepMark::kStepBegin, 12 * kMs, c);
+  r.mark(StepMark::kStepEnd, 13 * kMs, c);
+  EXPECT_EQ(r.last()->peak_nvme_bytes, 192u);
+  EXPECT_EQ(r.last()->peak_pinned_host_bytes, 50u);
+  EXPECT_FALSE(r.last()->peaks_exact);
+}
+
+TEST(StepRecorder, PeaksStartOverEachStep) {
+  StepRecorder r;
+  StepCounters c = at(1);
+  c.pinned_host = {900, 900};
+  r.mark(StepMark::kForwardBegin, 10 * kMs, c);
+  c.pinned_host = {0, 900};
+  r.mark(StepMark::kStepBegin, 11 * kMs, c);
+  r.mark(StepMark::kStepEnd, 12 * kMs, c);
+  EXPECT_EQ(r.last()->peak_pinned_host_bytes, 900u);
+  c.pinned_host = {30, 900};
+  r.mark(StepMark::kForwardBegin, 20 * kMs, c);
+  c.pinned_host = {70, 900};
+  r.mark(StepMark::kStepBegin, 21 * kMs, c);
+  r.mark(StepMark::kStepEnd, 22 * kMs, c);
+  EXPECT_EQ(r.last()->peak_pinned_host_bytes, 70u) << "the first step's 900 is not this step's";
+}
+
+TEST(StepRecorder, CountersSeenOutOfOrderGiveZeroNotAWrap) {
+  StepRecorder r;
+  r.mark(StepMark::kForwardBegin, 10 * kMs, at(3));
+  r.mark(StepMark::kStepBegin, 11 * kMs, at(2));
+  r.mark(StepMark::kStepEnd, 12 * kMs, at(2));
+  EXPECT_EQ(r.last()->device_to_host_bytes, 0u);
+  EXPECT_DOUBLE_EQ(r.last()->exposed_cpu_step_s, 0.0);
+}
+
+TEST(StepRecorder, RingKeepsTheLastCapacitySteps) {
+  StepRecorder r(3);
+  EXPECT_FALSE(r.last().has_value());
+  for (std::uint64_t i = 1; i <= 5; ++i) {
+    r.mark(StepMark::kForwardBegin, i * 100 * kMs, at(i));
+    r.mark(StepMark::kStepBegin, i * 100 * kMs + kMs, at(i));
+    r.mark(StepMark::kStepEnd, i * 100 * kMs + 2 * kMs, at(i + 1));
+  }
+  ASSERT_EQ(r.steps().size(), 3u);
+  EXPECT_EQ(r.steps().front().step, 3u);
+  EXPECT_EQ(r.last()->step, 5u);
+  EXPECT_EQ(r.recorded(), 5u);
+  EXPECT_THROW(StepRecorder(0), logic_error);
+  r.clear();
+  EXPECT_TRUE(r.steps().empty());
+  EXPECT_EQ(r.recorded(), 5u);
+}
+
+TEST(StepRecorder, EndWithoutABeginningIsIgnored) {
+  StepRecorder r;
+  r.mark(StepMark::kStepEnd, 10 * kMs, at(1));
+  r.mark(StepMark::kBackwardEnd, 11 * kMs, at(1));
+  EXPECT_TRUE(r.steps().empty());
+  EXPECT_FALSE(r.open());
+}
+
+TEST(StepStatsSummary, MeanOfTimesAndBytesHighestPeak) {
+  StepStats a, b;
+  a.step = 4;
+  b.step = 5;
+  a.forward_s = 0.010;
+  b.forward_s = 0.030;
+  a.exposed_cpu_step_s = 0.002;
+  b.exposed_cpu_step_s = 0.004;
+  a.device_to_host_bytes = 100;
+  b.device_to_host_bytes = 300;
+  a.forwards = b.forwards = 2;
+  a.peak_pinned_host_bytes = 700;
+  b.peak_pinned_host_bytes = 500;
+  b.peaks_exact = false;
+  const StepStats m = mean_of_steps({a, b});
+  EXPECT_EQ(m.step, 5u);
+  EXPECT_DOUBLE_EQ(m.forward_s, 0.020);
+  EXPECT_DOUBLE_EQ(m.exposed_cpu_step_s, 0.003);
+  EXPECT_EQ(m.device_to_host_bytes, 200u);
+  EXPECT_EQ(m.forwards, 2u);
+  EXPECT_EQ(m.peak_pinned_host_bytes, 700u);
+  EXPECT_FALSE(m.peaks_exact);
+  EXPECT_THROW(mean_of_steps({}), logic_error);
+}
+
+TEST(StepStatsFields, EveryFieldReadsItsMember) {
+  StepStats s;
+  s.step = 9;
+  s.exposed_nvme_wait_s = 0.5;
+  s.peak_nvme_bytes = 77;
+  std::size_t seen = 0;
+  for (const auto& f : step_stat_fields()) {
+    const std::string name = f.name;
+    const double want = name == "step" ? 9.0 : name == "exposed_nvme_wait_s" ? 0.5 : name == "peak_nvme_bytes" ? 77.0 : 0.0;
+    if (want != 0.0) {
+      EXPECT_EQ(f.of(s), want) << name;
+      ++seen;
+    }
+  }
+  EXPECT_EQ(seen, 3u);
+  EXPECT_EQ(step_stat_fields().size(), 17u);
+}
