@@ -7,6 +7,7 @@
 #include "tierflow/core/clock.hpp"
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/log.hpp"
+#include "tierflow/core/trace.hpp"
 #include "tierflow/optimizer/step_engine.hpp"
 #include "tierflow/optimizer/stream_rules.hpp"
 
@@ -96,6 +97,7 @@ void StepEngine::redo(const std::vector<std::pair<std::size_t, double>>& list, s
     const std::uint64_t tk = now_ns();
     host_.adam_step(key.options, key.step, arrays);
     adam_ns += now_ns() - tk;
+    if (trace::on()) trace::complete(trace::Lane::kCpuAdam, "AdamW step (redone)", tk, now_ns(), {{"tensors", static_cast<std::int64_t>(call.size())}});  // Note [Trace]
     for (std::size_t k : call) {
       host_.count_step(list[k].first);
       committed.push_back(list[k].first);
