@@ -277,6 +277,7 @@ PYBIND11_MODULE(_C, m) {
   bind_runtime(m);
   bind_grad_stream(m);
   { void bind_distributed(py::module_&); bind_distributed(m); }  // distributed_bindings.cpp: _C.distributed
+  { void bind_step_stats(py::module_&); bind_step_stats(m); }  // step_stats_bindings.cpp: _C.StepRecorder
   { void bind_param_uses(py::module_&); bind_param_uses(m); }  // param_uses_bindings.cpp: _C.ParamUses
   (void)base;
 }

@@ -46,9 +46,20 @@ struct Counts {
   std::uint64_t parameters = 0;
   std::uint64_t block_parameters = 0;  // one block's
   std::uint64_t head = 0;  // estimate_head_device_bytes
+  // The derived widths (Note [Model families]): attention (heads * head_dim), keys and values, MLP units.
+  std::uint64_t attention = 0, kv = 0, intermediate = 0, expert_intermediate = 0;
+  std::uint64_t norm_saved = 0;  // bytes one norm saves per token beside its input (output included)
 };
 
-// A shape comes from the user (the command line): a bad one is a config_error.
+void check_range(std::int64_t value, std::int64_t least, std::int64_t most, const char* field) {
+  if (value < least || value > most) {
+    throw config_error("transformer shape: " + std::string(field) + " " + std::to_string(value) +
+                       " is not valid; accepted: an integer from " + std::to_string(least) + " to " +
+                       std::to_string(most));
+  }
+}
+
+// A shape comes from the user (the command line, a config.json): a bad one is a config_error.
 Counts counts(const TransformerShape& s) {
   const std::int64_t values[] = {s.layers, s.hidden, s.heads, s.seq, s.batch, s.vocab, s.ffn_mult};
   const auto& limits = transformer_shape_limits();
@@ -58,9 +69,20 @@ Counts counts(const TransformerShape& s) {
                          " is not valid; accepted: an integer from 1 to " + std::to_string(limits[i].max));
     }
   }
-  if (s.hidden % s.heads != 0) {
+  check_range(s.kv_heads, 0, s.heads, "kv_heads");
+  check_range(s.head_dim, 0, 1 << 16, "head_dim");
+  check_range(s.intermediate, 0, 1 << 24, "intermediate");
+  check_range(s.positions, -1, 1 << 24, "positions");
+  check_range(s.experts, 0, 1 << 12, "experts");
+  if (s.experts > 0) check_range(s.experts_per_token, 1, s.experts, "experts_per_token");
+  check_range(s.expert_intermediate, 0, 1 << 24, "expert_intermediate");
+  if (s.head_dim == 0 && s.hidden % s.heads != 0) {
     throw config_error("transformer shape: hidden " + std::to_string(s.hidden) + " is not a multiple of heads " +
                        std::to_string(s.heads));
+  }
+  if (s.kv_heads > 0 && s.heads % s.kv_heads != 0) {
+    throw config_error("transformer shape: heads " + std::to_string(s.heads) + " is not a multiple of kv_heads " +
+                       std::to_string(s.kv_heads));
   }
   if (s.dtype_bytes != 2 && s.dtype_bytes != 4) {
     throw config_error("transformer shape: dtype_bytes must be 2 (bf16, fp16) or 4 (fp32), not " +
@@ -68,41 +90,112 @@ Counts counts(const TransformerShape& s) {
   }
   const Checked c{s};
   const auto h = static_cast<std::uint64_t>(s.hidden);
-  const auto f = static_cast<std::uint64_t>(s.ffn_mult);
   const auto d = static_cast<std::uint64_t>(s.dtype_bytes);
   const auto v = static_cast<std::uint64_t>(s.vocab);
   const auto layers = static_cast<std::uint64_t>(s.layers);
-  const char* act = "activation bytes";
+  const auto heads = static_cast<std::uint64_t>(s.heads);
+  const std::uint64_t head_dim = s.head_dim > 0 ? static_cast<std::uint64_t>(s.head_dim) : h / heads;
+  const std::uint64_t kv_heads = s.kv_heads > 0 ? static_cast<std::uint64_t>(s.kv_heads) : heads;
   Counts n;
+  // All below 2^40 (2^16 * 2^16, 2^24 * 64): their small products fit without checks.
+  n.attention = heads * head_dim;
+  n.kv = kv_heads * head_dim;
+  n.intermediate = s.intermediate > 0 ? static_cast<std::uint64_t>(s.intermediate)
+                                      : static_cast<std::uint64_t>(s.ffn_mult) * h;
+  n.expert_intermediate = s.expert_intermediate > 0 ? static_cast<std::uint64_t>(s.expert_intermediate)
+                                                    : n.intermediate;
+  const std::uint64_t a = n.attention, kv = n.kv, i = n.intermediate, ie = n.expert_intermediate;
+  const auto experts = static_cast<std::uint64_t>(s.experts);
+  const auto routed = static_cast<std::uint64_t>(s.experts > 0 ? s.experts_per_token : 0);
+  const char* act = "activation bytes";
   n.tokens = c.mul(static_cast<std::uint64_t>(s.seq), static_cast<std::uint64_t>(s.batch), "tokens per step");
-  n.input = c.mul(c.mul(n.tokens, h, act), d, act);
-  n.whole = c.mul(n.tokens, c.add(h * d, static_cast<std::uint64_t>(s.heads) * kFp32Bytes, act), act);
-  n.split = c.mul(c.mul(n.tokens, (3 + f) * h, act), d, act);
-  n.cheap = c.mul(n.tokens, c.add((3 + f) * h * d, 2 * kLayerNormStatBytes, act), act);
-  n.transient = c.mul(c.mul(n.tokens, (2 * f + 1) * h, act), d, act);
+  // Per token, in bytes (Note [Transformer estimate]; Note [Model families] for the RMSNorm, gated and MoE terms).
+  std::uint64_t input = h * d, whole = a * d + heads * kFp32Bytes, split = 0, cheap = 0, transient = 0;
+  if (!s.rms_norm && !s.gated && s.experts == 0) {  // the GPT-2-style block
+    n.norm_saved = h * d + kLayerNormStatBytes;
+    split = (a + 2 * kv + i) * d;
+    cheap = (3 * h + i) * d + 2 * kLayerNormStatBytes;
+    transient = (2 * i + h) * d;
+  } else {
+    // RMSNorm in fp32: the fp32 upcast of its input (a 16-bit model's), rstd, the normalized and scaled outputs.
+    n.norm_saved = s.rms_norm ? (d < kFp32Bytes ? kFp32Bytes * h : 0) + kFp32Bytes + 2 * h * d
+                              : h * d + kLayerNormStatBytes;
+    split = 3 * a * d;  // SDPA's q, k, v after the rotary embedding (k and v repeated to every head)
+    cheap = 2 * n.norm_saved + h * d;  // both norms, and the residual sum the second one takes
+    if (s.qk_norm) cheap += (a + kv) * ((d < kFp32Bytes ? kFp32Bytes : d) + 2 * d);
+    if (s.experts == 0) {
+      const std::uint64_t up = s.gated ? 2 * i : i;  // gate and up (the activation's input), or fc
+      split += up * d;
+      cheap += (s.gated ? 2 * i : i) * d;  // the activation's output and the product (or GELU's output)
+      transient = (3 * i + 2 * h) * d;
+    } else {
+      // The router's fp32 softmax, and per routed token one expert's input rows, its gate and up outputs, the
+      // activation and product, and its weighted output.
+      split += c.mul(routed, 2 * ie * d, act);
+      cheap += experts * kFp32Bytes + c.mul(routed, 2 * h * d + 2 * ie * d + kFp32Bytes, act);
+      transient = c.add(c.mul(routed, 3 * ie * d, act), 2 * h * d, act);
+    }
+  }
+  n.input = c.mul(n.tokens, input, act);
+  n.whole = c.mul(n.tokens, whole, act);
+  n.split = c.mul(n.tokens, split, act);
+  n.cheap = c.mul(n.tokens, cheap, act);
+  n.transient = c.mul(n.tokens, transient, act);
   // Every layer's saved and transient bytes at once: what the planner adds up.
   const std::uint64_t block = c.add(c.add(c.add(n.input, n.whole, act), c.add(n.split, n.cheap, act), act),
                                     n.transient, act);
   c.mul(block, layers, act);
 
   const char* par = "parameters";
-  const std::uint64_t per_block = 2 * 2 * h              // two LayerNorms
-                                  + 3 * h * h + 3 * h    // qkv
-                                  + h * h + h            // attention projection
-                                  + f * h * h + f * h    // MLP up
-                                  + f * h * h + h;       // MLP down (h <= 2^20, f <= 64: < 2^48)
+  const std::uint64_t norm = s.rms_norm ? h : 2 * h;
+  std::uint64_t per_block = 2 * norm + h * (a + 2 * kv) + a * h;  // norms, q k v, the output projection
+  if (s.qkv_bias) per_block += a + 2 * kv;
+  if (s.output_bias) per_block += h;
+  if (s.qk_norm) per_block += 2 * head_dim;
+  if (s.experts == 0) {
+    per_block = c.add(per_block, (s.gated ? 3 : 2) * h * i, par);
+    if (s.mlp_bias) per_block += (s.gated ? 2 * i : i) + h;
+  } else {  // the router (no bias) and every expert's gate, up and down projections
+    per_block = c.add(c.add(per_block, h * experts, par), c.mul(experts, 3 * h * ie, par), par);
+  }
   n.block_parameters = per_block;
-  n.parameters = c.add(c.add(c.mul(2, c.mul(v, h, par), par), c.mul(static_cast<std::uint64_t>(s.seq), h, par), par),
-                       c.add(c.mul(layers, per_block, par), 2 * h, par), par);
+  const std::uint64_t positions = s.positions < 0 ? static_cast<std::uint64_t>(s.seq)
+                                                  : static_cast<std::uint64_t>(s.positions);
+  n.parameters = c.add(c.add(c.mul(s.tied ? 1 : 2, c.mul(v, h, par), par), c.mul(positions, h, par), par),
+                       c.add(c.mul(layers, per_block, par), norm, par), par);
   // Training state: parameters and gradients, the fp32 master and Adam's m and v (all on the device at most).
   const char* state = "training-state bytes";
   c.add(c.mul(c.mul(2, n.parameters, state), d, state), c.mul(n.parameters, 3 * kFp32Bytes, state), state);
 
   const char* head = "head activation bytes";
-  const std::uint64_t saved = c.mul(n.tokens, c.add(2 * h * d + kLayerNormStatBytes, v * kFp32Bytes, head), head);
-  const std::uint64_t transient = c.mul(n.tokens, v * d + 2 * v * kFp32Bytes, head);
-  n.head = c.add(saved, transient, head);
+  const std::uint64_t saved = c.mul(n.tokens, c.add(h * d + n.norm_saved, v * kFp32Bytes, head), head);
+  const std::uint64_t transient_head = c.mul(n.tokens, v * d + 2 * v * kFp32Bytes, head);
+  n.head = c.add(saved, transient_head, head);
   return n;
+}
+
+// Forward flops per token of one block: a Linear of n -> m costs 2nm.
+struct Flops {
+  double qkv = 0, proj = 0, attention = 0, mlp_up = 0, mlp_down = 0;
+  double total() const { return qkv + proj + attention + mlp_up + mlp_down; }
+};
+
+Flops flops_of(const TransformerShape& s, const Counts& n) {
+  const double h = s.hidden, a = static_cast<double>(n.attention), kv = static_cast<double>(n.kv);
+  Flops f;
+  f.qkv = 2 * h * (a + 2 * kv);
+  f.proj = 2 * a * h;
+  f.attention = 2 * static_cast<double>(s.seq) * a;  // causal: half of 4 * seq * a
+  if (s.experts > 0) {
+    const double ie = static_cast<double>(n.expert_intermediate), k = s.experts_per_token;
+    f.mlp_up = 2 * h * s.experts + k * 2 * 2 * h * ie;  // the router, and each routed expert's gate and up
+    f.mlp_down = k * 2 * ie * h;
+  } else {
+    const double i = static_cast<double>(n.intermediate);
+    f.mlp_up = (s.gated ? 2 : 1) * 2 * h * i;
+    f.mlp_down = 2 * i * h;
+  }
+  return f;
 }
 
 }  // namespace
@@ -131,9 +224,6 @@ std::vector<BlockProfile> estimate_transformer(const TransformerShape& s, double
   const Counts n = counts(s);
   if (!(flops_per_second > 0) || !std::isfinite(flops_per_second))
     throw config_error("estimate_transformer: flops_per_second must be a positive finite number");
-  const auto h = static_cast<std::uint64_t>(s.hidden);
-  const auto f = static_cast<std::uint64_t>(s.ffn_mult);
-  const double hd = static_cast<double>(h);
   const double tok = static_cast<double>(n.tokens);
 
   BlockProfile p;
@@ -142,24 +232,24 @@ std::vector<BlockProfile> estimate_transformer(const TransformerShape& s, double
   p.split_bytes = n.split;
   p.cheap_bytes = n.cheap;
   p.transient_bytes = n.transient;
-  p.parameter_bytes = n.block_parameters * static_cast<std::uint64_t>(s.dtype_bytes);  // < 2^48 * 4
+  p.parameter_bytes = n.block_parameters * static_cast<std::uint64_t>(s.dtype_bytes);  // checked in counts
 
-  const double qkv_flops = 2 * hd * 3 * hd, proj_flops = 2 * hd * hd;
-  const double mlp_flops = 2 * 2 * hd * static_cast<double>(f) * hd;      // fc and its projection
-  const double attention_flops = 2 * static_cast<double>(s.seq) * hd;    // causal: half of 4 * seq * h
-  const double per_token = qkv_flops + proj_flops + mlp_flops + attention_flops;
-  p.forward_seconds = tok * per_token / flops_per_second;
+  const Flops f = flops_of(s, n);
+  p.forward_seconds = tok * f.total() / flops_per_second;
   p.backward_seconds = 2 * p.forward_seconds;
-  p.split_recompute_seconds = tok * (qkv_flops + mlp_flops / 2) / flops_per_second;
+  p.split_recompute_seconds = tok * (f.qkv + f.mlp_up) / flops_per_second;
   // The replay runs every recorded op again, the MLP's down projection included (Note [Activation plans]).
-  p.cheap_recompute_seconds = tok * (proj_flops + mlp_flops / 2) / flops_per_second;
-  p.splittable = true;
+  p.cheap_recompute_seconds = tok * (f.proj + f.mlp_down) / flops_per_second;
+  // A router's choice of experts depends on the data: no exact token split (the zoo's MoE blocks swap whole).
+  p.splittable = s.experts == 0;
   return std::vector<BlockProfile>(static_cast<std::size_t>(s.layers), p);
 }
 
 std::uint64_t transformer_parameters(const TransformerShape& s) { return counts(s).parameters; }
 
 std::uint64_t transformer_block_parameters(const TransformerShape& s) { return counts(s).block_parameters; }
+
+double transformer_block_flops_per_token(const TransformerShape& s) { return flops_of(s, counts(s)).total(); }
 
 double cpu_optimizer_bytes_per_param(StateFormat states, int dtype_bytes) noexcept {
   const double master = dtype_bytes < static_cast<int>(kFp32Bytes) ? kFp32Bytes : 0.0;

@@ -55,7 +55,9 @@
 
 namespace tierflow::tiering {
 
-/// The shape of a GPT-2-style decoder (learned positions, untied head).
+/// The shape of a decoder. The first fields alone are a GPT-2-style one (learned positions, untied head, LayerNorm,
+/// biases, GELU MLP of ffn_mult * hidden); the fields after them describe the families of a transformers
+/// config.json (Note [Model families] in model_config.hpp), their defaults leaving the GPT-2-style shape as it was.
 struct TransformerShape {
   int layers = 0;
   int hidden = 0;
@@ -65,6 +67,20 @@ struct TransformerShape {
   int dtype_bytes = 2;   ///< parameters and activations: 4 fp32, 2 bf16/fp16
   std::int64_t vocab = 50304;
   int ffn_mult = 4;
+  int kv_heads = 0;               ///< key/value heads (grouped-query attention); 0: heads
+  int head_dim = 0;               ///< 0: hidden / heads
+  std::int64_t intermediate = 0;  ///< the MLP's units (of one expert: expert_intermediate); 0: ffn_mult * hidden
+  bool gated = false;             ///< gate, up and down projections (SwiGLU, GeGLU); else fc and proj
+  bool rms_norm = false;          ///< RMSNorm (a weight, fp32 inside); else LayerNorm (weight and bias)
+  bool qkv_bias = true;           ///< q, k and v projections have biases
+  bool output_bias = true;        ///< the attention's output projection has a bias
+  bool mlp_bias = true;           ///< the MLP's projections have biases
+  bool qk_norm = false;           ///< RMSNorm over each head of q and k (Qwen3)
+  bool tied = false;              ///< the head shares the token embedding's weight
+  std::int64_t positions = -1;    ///< learned position embeddings' rows; -1: seq (the GPT-2-style shape); 0: none
+  int experts = 0;                ///< MLP experts per block (mixture of experts); 0: a dense MLP
+  int experts_per_token = 0;      ///< experts each token is routed to
+  std::int64_t expert_intermediate = 0;  ///< one expert's units; 0: intermediate
   /// Tokens per step; throws config_error when seq * batch overflows 64 bits.
   std::int64_t tokens() const;
 };
@@ -90,6 +106,8 @@ std::vector<BlockProfile> estimate_transformer(const TransformerShape& shape, do
 std::uint64_t transformer_parameters(const TransformerShape& shape);
 /// Parameters of one repeated block (its BlockProfile::parameter_bytes is this times dtype_bytes).
 std::uint64_t transformer_block_parameters(const TransformerShape& shape);
+/// Forward flops of one block per token (matmuls; an MoE block's routed experts only).
+double transformer_block_flops_per_token(const TransformerShape& shape);
 
 /// Bytes of training state per tier.
 struct StateBytes {
