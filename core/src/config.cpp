@@ -264,6 +264,7 @@ std::map<std::string, std::string> Config::to_strings() const {
       {"TIERFLOW_LOG_LEVEL", std::string(to_string(log_level))},
       {"TIERFLOW_STALL_TIMEOUT", stall_timeout_seconds > 0 ? format_double(stall_timeout_seconds) + "s" : "none"},
       {"TIERFLOW_REPORT", report_path},
+      {"TIERFLOW_TRACE", trace_path},
       {"TIERFLOW_PROFILE", profile_path},
       {"TIERFLOW_REPLAN", replan ? "on" : "off"},
       {"TIERFLOW_MIN_OFFLOAD_BYTES", std::to_string(min_offload_bytes)},

@@ -315,6 +315,11 @@ std::vector<Row> placement_rows() {
       "write the statistics report as JSON to this path when the process exits and on every "
       "tierflow.report() call"},
      file_parser(&Config::report_path, "a file path under a writable folder (empty: no file)", /*written=*/true)},
+    {{"TIERFLOW_TRACE", "", "a file path under a writable folder (empty: no trace)",
+      "record a trace of every step (blocks' forward, backward and replay, copies, NVMe reads and writes, the CPU "
+      "AdamW's buckets, bytes per tier) and write it in the Chrome trace format (Perfetto, chrome://tracing; "
+      "merges with torch.profiler's) to this path when the wrapped model's runtime ends and at exit (Note [Trace])"},
+     file_parser(&Config::trace_path, "a file path under a writable folder (empty: no trace)", /*written=*/true)},
     {{"TIERFLOW_PROFILE", "", "a file path (empty: measure every run)",
       "the activation planner's block profile: read from this file when it exists, otherwise "
       "measured in the first step and written there"},

@@ -76,6 +76,7 @@ struct Config {
   LogLevel log_level{};                   ///< TIERFLOW_LOG_LEVEL
   double stall_timeout_seconds = 0.0;     ///< TIERFLOW_STALL_TIMEOUT; 0 means no limit (Note [Stall timeout])
   std::string report_path;                ///< TIERFLOW_REPORT; empty means no file
+  std::string trace_path;                 ///< TIERFLOW_TRACE; empty means no trace (Note [Trace])
   std::string profile_path;               ///< TIERFLOW_PROFILE; empty means measure every run
   bool replan = true;                     ///< TIERFLOW_REPLAN (Note [Re-plan])
   std::uint64_t min_offload_bytes = 0;    ///< TIERFLOW_MIN_OFFLOAD_BYTES
