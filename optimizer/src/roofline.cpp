@@ -12,6 +12,8 @@
 #include <oneapi/tbb/task_arena.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cstdint>
 #include <cstring>
 #include <tuple>
 
@@ -153,6 +155,47 @@ void AdamTrafficKernel::run(const std::vector<AdamTensor>& tensors) {
                       },
                       tbb::static_partitioner());
   });
+}
+
+CpuAdamRate measure_cpu_adam_rate(StateFormat states, double seconds, std::size_t parameters, int threads) {
+  const std::size_t n = std::max<std::size_t>(parameters, 1);
+  std::vector<float> master(n, 0.5f), m32, v32;
+  std::vector<std::uint16_t> grad(n, 0x3c00), weight(n);  // bf16 0.0078125
+  std::vector<std::uint8_t> m_bytes, v_bytes;
+  AdamTensor t;
+  t.master = master.data();
+  t.grad = grad.data();
+  t.grad_type = ScalarType::kBFloat16;
+  t.param_out = weight.data();
+  t.param_type = ScalarType::kBFloat16;
+  t.numel = n;
+  t.state_format = states;
+  if (states == StateFormat::kFp32) {
+    m32.assign(n, 0.f);
+    v32.assign(n, 0.f);
+    t.exp_avg = m32.data();
+    t.exp_avg_sq = v32.data();
+  } else {
+    m_bytes.assign(moment_bytes(states, n), 0);
+    v_bytes.assign(moment_bytes(states, n), 0);
+    t.m = states == StateFormat::k8bit ? packed_8bit(m_bytes.data(), n) : PackedMoment{m_bytes.data(), nullptr};
+    t.v = states == StateFormat::k8bit ? packed_8bit(v_bytes.data(), n) : PackedMoment{v_bytes.data(), nullptr};
+  }
+  CpuAdam adam(threads);
+  const AdamOptions options;
+  std::int64_t step = 1;
+  adam.step(options, step++, {t});  // untimed: the pages touched, the arena's threads started
+  using Clock = std::chrono::steady_clock;
+  CpuAdamRate out;
+  out.parameters = n;
+  const auto start = Clock::now();
+  do {
+    adam.step(options, step++, {t});
+    ++out.passes;
+    out.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  } while (out.passes < 2 || out.seconds < seconds);
+  out.params_per_second = static_cast<double>(n) * out.passes / out.seconds;
+  return out;
 }
 
 }  // namespace tierflow::optimizer

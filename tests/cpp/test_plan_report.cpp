@@ -195,13 +195,19 @@ TEST(DescribePlan, TextKeepsTodaysLinesThenExplainsEachBlock) {
   EXPECT_EQ(r.lines[3].rfind("budgets: device 16.00 GiB (--gpu-memory); host ", 0), 0u) << r.lines[3];
   EXPECT_EQ(r.lines[4].rfind("parameters and optimizer (--optimizer host): device ", 0), 0u);
   EXPECT_EQ(r.lines[5], "plan (forward order):");
-  EXPECT_EQ(r.lines[6], "  " + p.plan.block_line(0));
-  const std::size_t n = p.blocks.size();
+  // Issue 41: the 4 identical blocks on one line, here and in the reasons (Note [Plan report]).
+  const std::string line0 = "  " + p.plan.block_line(0);
+  EXPECT_EQ(r.lines[6], "  blocks 0-3 (4 identical): " + line0.substr(line0.find(": ") + 2));
+  const std::size_t n = 1;
   EXPECT_EQ(r.lines[6 + n], p.plan.summary());
   EXPECT_EQ(r.lines[7 + n].rfind("predicted: device peak ", 0), 0u);
-  EXPECT_EQ(r.lines[8 + n].rfind("why each block's action", 0), 0u);
-  EXPECT_EQ(r.lines[9 + n].rfind("  block 0: keep; swap host ", 0), 0u) << r.lines[9 + n];
-  EXPECT_TRUE(has(r.lines[9 + n], "recompute host ")) << r.lines[9 + n];
+  EXPECT_EQ(r.lines[8 + n], "whole step predicted (Note [Step prediction]):");
+  const std::size_t terms = 6;  // compute, activations, parameters, gradients, optimizer, whole step
+  EXPECT_EQ(r.lines[8 + n + terms].rfind("  whole step: ", 0), 0u) << r.lines[8 + n + terms];
+  EXPECT_EQ(r.lines[9 + n + terms].rfind("why each block's action", 0), 0u);
+  EXPECT_EQ(r.lines[10 + n + terms].rfind("  blocks 0-3 (4 identical): keep; swap host ", 0), 0u)
+      << r.lines[10 + n + terms];
+  EXPECT_TRUE(has(r.lines[10 + n + terms], "recompute host ")) << r.lines[10 + n + terms];
   const auto& fixed = r.lines.back();
   EXPECT_EQ(fixed.rfind("device's fixed bytes: parameters ", 0), 0u) << fixed;
   EXPECT_TRUE(has(fixed, "gradients " + format_bytes(p.in.state->gradient_bytes) +
@@ -234,7 +240,7 @@ TEST(DescribePlan, JsonHasTodaysKeysInOrderThenTheNewOnes) {
   };
   using V = std::vector<std::string>;
   EXPECT_EQ(keys(j), (V{"layers", "predicted", "budgets", "links", "tflops", "measured", "summary", "state",
-                        "fixed_gpu_parts", "parameters"}));
+                        "fixed_gpu_parts", "parameters", "step"}));
   ASSERT_EQ(j["layers"].size(), p.plan.blocks.size());
   EXPECT_EQ(keys(j["layers"][0]), (V{"mode", "alpha", "keep", "swap", "recompute", "swap_tier", "swap_bytes",
                                      "forward_seconds", "backward_seconds", "params", "alternatives"}));
@@ -407,7 +413,10 @@ TEST(ExplainPlan, OneLinePerBlockAsTheCommandPrintsIt) {
   const auto report = describe_plan(p.plan, p.blocks, p.in, p.budgets).lines;
   for (std::size_t i = 0; i < lines.size(); ++i) {
     EXPECT_EQ(lines[i].rfind("  block " + std::to_string(i) + ": ", 0), 0u) << lines[i];
-    EXPECT_NE(std::find(report.begin(), report.end(), lines[i]), report.end()) << "the command prints " << lines[i];
+  }
+  // The command prints them with identical blocks grouped (issue 41).
+  for (const auto& line : group_block_lines(lines)) {
+    EXPECT_NE(std::find(report.begin(), report.end(), line), report.end()) << "the command prints " << line;
   }
   EXPECT_THROW(explain_plan(p.plan, {}, p.budgets.links, p.budgets.budgets), logic_error);
 }

@@ -13,6 +13,7 @@
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/size.hpp"
 #include "tierflow/tiering/detail/plan_search.hpp"
+#include "tierflow/tiering/step_prediction.hpp"
 #include "tierflow/tiering/tier_table.hpp"
 
 namespace tierflow::tiering {
@@ -303,7 +304,8 @@ void apply_offload_params(const PlanCommandInputs& in, Budgets& b) {
 
 // The text lines of Note [Plan report].
 std::vector<std::string> plan_lines(const Plan& plan, const PlanCommandInputs& in, const PlanCommandBudgets& pb,
-                                    const std::vector<BlockWhy>& why, const std::vector<FixedPart>& parts) {
+                                    const std::vector<BlockWhy>& why, const std::vector<FixedPart>& parts,
+                                    const StepPrediction& step, const OptimizerStepInputs& optimizer) {
   const Budgets& budgets = pb.budgets;
   const Links& links = pb.links;
   const auto measured = [&](const char* what) {
@@ -360,24 +362,74 @@ std::vector<std::string> plan_lines(const Plan& plan, const PlanCommandInputs& i
   }
   if (budgets.params != ParamPolicy::kResident) lines.push_back(params_line(plan, in, budgets));
   lines.push_back("plan (forward order):");
-  for (std::size_t i = 0; i < plan.blocks.size(); ++i) lines.push_back("  " + plan.block_line(i));
+  std::vector<std::string> block_lines;
+  for (std::size_t i = 0; i < plan.blocks.size(); ++i) block_lines.push_back("  " + plan.block_line(i));
+  for (auto& l : group_block_lines(block_lines)) lines.push_back(std::move(l));
   lines.push_back(plan.summary());
   lines.push_back("predicted: device peak " + format_bytes(plan.predicted_device_peak_bytes) + " of " +
                   format_bytes(budgets.device_bytes) +
                   format(", blocks' forward + backward%s %.4f s per step (keeping everything: %.4f s)",
                          plan.outside_kept ? "" : " and the round trip of what is saved outside them",
                          plan.predicted_step_seconds, plan.keep_all_step_seconds));
+  // Added by issue 41: the whole step, term by term (Note [Step prediction]).
+  lines.push_back("whole step predicted (Note [Step prediction]):");
+  for (auto& l : step_prediction_lines(step, optimizer)) lines.push_back(std::move(l));
   // Added by issue 17 (the plan explains itself), after the lines above.
   lines.push_back("why each block's action (the plan's step and device peak had that block alone done otherwise):");
-  for (std::size_t i = 0; i < plan.blocks.size(); ++i) lines.push_back(why_line(i, plan, why[i]));
+  std::vector<std::string> why_lines;
+  for (std::size_t i = 0; i < plan.blocks.size(); ++i) why_lines.push_back(why_line(i, plan, why[i]));
+  for (auto& l : group_block_lines(why_lines)) lines.push_back(std::move(l));
   lines.push_back(fixed_line(parts));
 
   return lines;
 }
 
+// The CPU optimizer as the command's inputs describe it (Note [Step prediction]): the shape's parameters, the given
+// rate (--cpu-adam-rate, fp32) scaled to the states' format or the one measured here; NVMe states read and
+// written at --nvme-gbps, stepped in step() (Note [Optimizer states on NVMe]); a profile gives no parameters.
+OptimizerStepInputs optimizer_inputs(const PlanCommandInputs& in, const PlanCommandBudgets& pb) {
+  OptimizerStepInputs o;
+  o.on_cpu = in.optimizer == "host" || in.optimizer == "nvme";
+  if (!o.on_cpu || !in.shape) {
+    o.on_cpu = o.on_cpu && in.cpu_adam_params_per_second > 0;  // a profile: the rate alone says nothing
+    return o;
+  }
+  o.parameters = transformer_parameters(*in.shape);
+  o.states = in.optimizer_states;
+  o.params_per_second = cpu_adam_rate(in.cpu_adam_params_per_second, in.optimizer_states, in.shape->dtype_bytes);
+  o.steps_during_backward = in.optimizer == "host";
+  if (in.optimizer == "nvme" && in.state) {
+    o.nvme_state_bytes = in.state->nvme;
+    o.nvme_read = o.nvme_write = in.nvme_bytes_per_second > 0 ? in.nvme_bytes_per_second : pb.links.nvme_read;
+  }
+  return o;
+}
+
+// The "step" object of the JSON: each term's seconds, then the optimizer's parts.
+Json step_json(const StepPrediction& step, const OptimizerStepInputs& o) {
+  Json terms = Json::object();
+  for (const auto& [name, seconds] : step_terms(step)) terms[name] = seconds;
+  const auto& t = step.optimizer;
+  return {{"terms_seconds", std::move(terms)},
+          {"blocks_seconds", step.blocks_seconds},
+          {"backward_seconds", step.backward_seconds},
+          {"optimizer", {{"on_cpu", o.on_cpu},
+                         {"parameters", o.parameters},
+                         {"params_per_second", o.params_per_second > 0 ? Json(o.params_per_second) : Json(nullptr)},
+                         {"states", to_string(o.states)},
+                         {"steps_during_backward", o.steps_during_backward},
+                         {"kernel_seconds", t.kernel_seconds},
+                         {"nvme_state_bytes", o.nvme_state_bytes},
+                         {"nvme_read_seconds", t.nvme_read_seconds},
+                         {"nvme_write_seconds", t.nvme_write_seconds},
+                         {"busy_seconds", t.busy_seconds},
+                         {"exposed_seconds", t.exposed_seconds}}}};
+}
+
 // The JSON document of Note [Plan report]: today's keys, then the issue-17 ones.
 std::string plan_json(const Plan& plan, const PlanCommandInputs& in, const PlanCommandBudgets& pb,
-                      const std::vector<BlockWhy>& why, const std::vector<FixedPart>& parts) {
+                      const std::vector<BlockWhy>& why, const std::vector<FixedPart>& parts,
+                      const StepPrediction& step, const OptimizerStepInputs& optimizer) {
   const Budgets& budgets = pb.budgets;
   const Links& links = pb.links;
   const bool has_flops = in.flops_per_second && *in.flops_per_second != 0;
@@ -427,11 +479,55 @@ std::string plan_json(const Plan& plan, const PlanCommandInputs& in, const PlanC
   }
   doc["fixed_gpu_parts"] = fixed_json(parts);
   doc["parameters"] = params_json(plan, in, budgets);
+  doc["step"] = step_json(step, optimizer);
   // Names and lines are ASCII; a --profile path of other bytes is escaped, never an error.
   return doc.dump(-1, ' ', true, Json::error_handler_t::replace);
 }
 
 }  // namespace
+
+std::vector<std::string> group_block_lines(const std::vector<std::string>& lines) {
+  // "<indent>block <i>: <rest>" -> (indent, i, rest); other lines stay as they are.
+  struct Parsed {
+    std::string indent, rest;
+    std::size_t index = 0;
+    bool ok = false;
+  };
+  const auto parse = [](const std::string& line) {
+    Parsed p;
+    const auto at = line.find("block ");
+    if (at == std::string::npos || line.find_first_not_of(' ') != at) return p;
+    const auto colon = line.find(": ", at);
+    if (colon == std::string::npos) return p;
+    const std::string_view digits(line.data() + at + 6, colon - at - 6);
+    const auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), p.index);
+    if (ec != std::errc{} || end != digits.data() + digits.size() || digits.empty()) return p;
+    p.indent = line.substr(0, at);
+    p.rest = line.substr(colon + 2);
+    p.ok = true;
+    return p;
+  };
+  std::vector<std::string> out;
+  for (std::size_t i = 0; i < lines.size();) {
+    const Parsed first = parse(lines[i]);
+    std::size_t j = i + 1;
+    Parsed last = first;
+    while (first.ok && j < lines.size()) {
+      const Parsed next = parse(lines[j]);
+      if (!next.ok || next.rest != first.rest || next.indent != first.indent || next.index != last.index + 1) break;
+      last = next;
+      ++j;
+    }
+    if (j - i == 1) {
+      out.push_back(lines[i]);
+    } else {
+      out.push_back(first.indent + "blocks " + std::to_string(first.index) + "-" + std::to_string(last.index) + " (" +
+                    std::to_string(j - i) + " identical): " + first.rest);
+    }
+    i = j;
+  }
+  return out;
+}
 
 std::uint64_t budget_bytes(const std::string& text, std::uint64_t capacity_bytes) {
   return budget_of(text, capacity_bytes).resolve(capacity_bytes);
@@ -516,7 +612,9 @@ PlanReport describe_plan(const Plan& plan, const std::vector<BlockProfile>& bloc
                                                             std::to_string(blocks.size()));
   const auto why = why_of_blocks(plan, blocks, pb.links, pb.budgets);
   const auto parts = fixed_parts(in, pb.budgets, plan);
-  return {plan_lines(plan, in, pb, why, parts), plan_json(plan, in, pb, why, parts)};
+  const auto optimizer = optimizer_inputs(in, pb);
+  const auto step = predict_step(plan, blocks, pb.links, pb.budgets, optimizer);
+  return {plan_lines(plan, in, pb, why, parts, step, optimizer), plan_json(plan, in, pb, why, parts, step, optimizer)};
 }
 
 const std::vector<std::string>& plan_shape_flags() {

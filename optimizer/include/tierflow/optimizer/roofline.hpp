@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "tierflow/optimizer/cpu_adam.hpp"
+#include "tierflow/optimizer/state_format.hpp"
 
 namespace tierflow::optimizer {
 
@@ -28,5 +29,20 @@ class AdamTrafficKernel {
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
+
+/// What measure_cpu_adam_rate measured.
+struct CpuAdamRate {
+  double params_per_second = 0;
+  std::size_t parameters = 0;  ///< stepped per pass
+  int passes = 0;              ///< timed passes (after one untimed)
+  double seconds = 0;          ///< their time
+};
+
+/// The CPU AdamW's rate on this machine (Note [Step prediction]): tierflow's own kernel (CpuAdam, `threads`, 0:
+/// every core) over `parameters` parameters with bf16 gradients and weights and moments in `states`, in place,
+/// timed over passes until `seconds` have gone by (at least two). Past the caches, so it is the rate a large
+/// model's step sees; about `seconds` plus one pass.
+CpuAdamRate measure_cpu_adam_rate(StateFormat states, double seconds = 0.06, std::size_t parameters = 1u << 22,
+                                  int threads = 0);
 
 }  // namespace tierflow::optimizer

@@ -102,8 +102,8 @@ struct PlanCommandInputs {
   std::optional<double> flops_per_second;   ///< the estimate's compute rate (none: a profile)
   std::vector<std::string> measured;        ///< what was measured on this machine: "tflops", "links"
   bool links_given = false;                 ///< --pcie-gbps was given
-  /// --cpu-adam-rate: the CPU AdamW's parameters a second in `optimizer_states`' format (0: unknown, measured
-  /// here with tierflow's own kernel; Note [Step prediction]).
+  /// --cpu-adam-rate: the CPU AdamW's parameters a second with fp32 states, scaled to `optimizer_states` (0:
+  /// unknown, measured here in that format with tierflow's own kernel; Note [Step prediction]).
   double cpu_adam_params_per_second = 0;
 };
 
@@ -158,6 +158,10 @@ struct PlanReport {
 /// taken each rejected action, and why it lost (the same lines as the command's; auto logs them).
 std::vector<std::string> explain_plan(const Plan& plan, const std::vector<BlockProfile>& blocks, const Links& links,
                                       const Budgets& budgets);
+
+/// Runs of consecutive lines "<indent>block <i>: <text>" with the same indent and text (identical blocks) as one
+/// line "<indent>blocks <first>-<last> (<n> identical): <text>"; every other line as it is.
+std::vector<std::string> group_block_lines(const std::vector<std::string>& lines);
 
 /// The text and JSON of `plan`, made by plan_activations from `blocks` and `budgets`; see Note [Plan report].
 PlanReport describe_plan(const Plan& plan, const std::vector<BlockProfile>& blocks, const PlanCommandInputs& inputs,
