@@ -603,6 +603,7 @@ void bind_planner(py::module_& m) {
   bind_block_table(m);
   bind_estimates(m);
   bind_plan_command(m);
+  { void bind_prediction(py::module_&); bind_prediction(m); }  // prediction_bindings.cpp: Note [Step prediction]
   bind_profile_file(m);
 }
 
