@@ -17,6 +17,7 @@ def _plan(argv: Sequence[str]) -> int:
 
 
 COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {"plan": _plan}
+COMMANDS["timeline"] = lambda argv: __import__("tierflow.cli.timeline", fromlist=["_"]).timeline_command(argv)  # one step of a trace drawn (Note [Trace])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -30,4 +31,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"python -m tierflow: unknown command {argv[0]!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     return command(argv[1:])
-
