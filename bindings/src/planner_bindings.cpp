@@ -604,6 +604,7 @@ void bind_planner(py::module_& m) {
   bind_estimates(m);
   bind_plan_command(m);
   { void bind_prediction(py::module_&); bind_prediction(m); }  // prediction_bindings.cpp: Note [Step prediction]
+  { void bind_model_config(py::module_&); bind_model_config(m); }  // model_config_bindings.cpp: --model
   bind_profile_file(m);
 }
 

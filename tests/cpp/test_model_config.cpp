@@ -3,6 +3,7 @@
 // device), and the errors of a bad config.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -10,7 +11,9 @@
 #include <unistd.h>
 
 #include "tierflow/core/error.hpp"
+#include "tierflow/core/size.hpp"
 #include "tierflow/tiering/model_config.hpp"
+#include "tierflow/tiering/plan_fit.hpp"
 #include "tierflow/tiering/transformer_profile.hpp"
 
 using namespace tierflow;
@@ -187,6 +190,103 @@ TEST(ModelConfig, LoadsADirectoryOrTheFile) {
                                          "transformers config.json"), std::string::npos) << e.what();
   }
   std::filesystem::remove_all(dir);
+}
+
+// The plan command's inputs for `shape` (an estimated model) at `gpu` device bytes, as cli/plan.py builds them.
+PlanCommandInputs command_inputs(const TransformerShape& shape, const std::string& gpu, const std::string& optimizer,
+                                 const std::string& params) {
+  PlanCommandInputs in;
+  in.gpu_memory = {gpu, SettingSource::kFlag};
+  in.host_memory = {"256GiB", SettingSource::kFlag};
+  in.prefetch = {"64MiB", SettingSource::kVariable};
+  in.device_capacity_bytes = 80 * GiB;
+  in.host_capacity_bytes = 512 * GiB;
+  in.device_name = "cuda";
+  in.optimizer = optimizer;
+  in.offload_params = params;
+  in.shape = shape;
+  in.dtype_name = "bf16";
+  in.state = estimate_training_state(shape, parse_optimizer_placement(optimizer));
+  in.head_bytes = estimate_head_device_bytes(shape);
+  in.blocks_from = "--model m";
+  in.links = Links{55e9, 55e9, 110e9, 0, 0};
+  in.flops_per_second = 400e12;
+  return in;
+}
+
+TransformerShape llama_shape(int layers) {
+  ModelConfig c = parse_model_config(kDefaults[0].json, "c");
+  c.shape.layers = layers;
+  c.shape.seq = 1024;
+  c.shape.batch = 1;
+  return c.shape;
+}
+
+TEST(PlanFit, BytesPerTierByKindAddUpToThePlan) {
+  const TransformerShape s = llama_shape(8);
+  const auto blocks = estimate_transformer(s, 400e12);
+  PlanCommandInputs in = command_inputs(s, "40GiB", "host", "host");
+  const PlanCommandBudgets b = plan_command_budgets(in);
+  const Plan plan = plan_activations(blocks, b.links, b.budgets);
+  const MemoryTable t = memory_table(plan, blocks, in, b);
+  using K = MemoryKind;
+  using T = MemoryTier;
+  EXPECT_EQ(t.tier_total(T::kDevice), plan.predicted_device_peak_bytes);
+  EXPECT_EQ(t.at(K::kGradients, T::kDevice), in.state->gradient_bytes);
+  EXPECT_EQ(t.at(K::kOptimizerStates, T::kDevice), 0u);
+  EXPECT_EQ(t.at(K::kOptimizerStates, T::kPinnedHost), in.state->host);  // fp32 master, m and v: 12 bytes each
+  EXPECT_EQ(t.at(K::kOptimizerStates, T::kPinnedHost), 12 * transformer_parameters(s));
+  // Every parameter fetched: the host holds them all, the device the window of two blocks.
+  EXPECT_EQ(t.at(K::kParameters, T::kPinnedHost) + plan.device_param_bytes, in.state->parameter_bytes);
+  EXPECT_EQ(t.at(K::kParameters, T::kDevice), plan.param_window_bytes + plan.device_param_bytes);
+  EXPECT_GE(t.at(K::kWorkspace, T::kDevice), blocks[0].transient_bytes);
+  EXPECT_EQ(t.tier_total(T::kPageableHost), 0u);
+  EXPECT_EQ(t.lines().size(), 8u);
+  EXPECT_NE(t.json().find(R"("pinned_host":{"parameters":)"), std::string::npos) << t.json();
+  // torch's AdamW on the device: its states are the device's.
+  PlanCommandInputs none = command_inputs(s, "80GiB", "none", "none");
+  const PlanCommandBudgets nb = plan_command_budgets(none);
+  const Plan np = plan_activations(blocks, nb.links, nb.budgets);
+  const MemoryTable nt = memory_table(np, blocks, none, nb);
+  EXPECT_EQ(nt.at(K::kOptimizerStates, T::kDevice), none.state->optimizer_bytes);
+  EXPECT_EQ(nt.at(K::kParameters, T::kDevice), none.state->parameter_bytes);
+  EXPECT_EQ(nt.tier_total(T::kDevice), np.predicted_device_peak_bytes);
+}
+
+TEST(PlanFit, TheFastestCombinationThatThePlannerFitsIsSuggested) {
+  // 8 Llama-7B layers, torch's AdamW on the device: 8 bytes a parameter beside the parameters; at 12 GiB only
+  // the CPU optimizer fits (its states on the host), and moving the parameters too is slower than that alone.
+  const TransformerShape s = llama_shape(8);
+  const auto blocks = estimate_transformer(s, 400e12);
+  PlanCommandInputs in = command_inputs(s, "12GiB", "none", "none");
+  const PlanCommandBudgets b = plan_command_budgets(in);
+  EXPECT_THROW(plan_activations(blocks, b.links, b.budgets), out_of_memory);
+  const FitSearch search = search_fitting_settings(blocks, in);
+  ASSERT_TRUE(search.best.has_value());
+  const FitTried& best = search.tried[*search.best];
+  EXPECT_EQ(flags_text(best.flags), "--optimizer host");
+  EXPECT_LE(best.device_peak_bytes, 12 * GiB);
+  for (const FitTried& t : search.tried) {
+    if (t.fits) {
+      EXPECT_GE(t.step_seconds, best.step_seconds) << flags_text(t.flags);
+    } else {
+      EXPECT_FALSE(t.why.empty()) << flags_text(t.flags);
+    }
+  }
+  // Tried, not guessed: the parameters fetched alone leave torch's states on the device, which do not fit.
+  const auto params_only = std::find_if(search.tried.begin(), search.tried.end(), [](const FitTried& t) {
+    return flags_text(t.flags) == "--offload-params host";
+  });
+  ASSERT_NE(params_only, search.tried.end());
+  EXPECT_FALSE(params_only->fits);
+  const std::string advice = fit_advice(search, "python -m tierflow plan --model m --gpu-memory 12GiB");
+  EXPECT_EQ(advice.rfind("; it fits with --optimizer host (tried by the planner: predicted step ", 0), 0u) << advice;
+  EXPECT_NE(advice.find("): python -m tierflow plan --model m --gpu-memory 12GiB --optimizer host"),
+            std::string::npos) << advice;
+  // Nothing fits 1 GiB: it says so, and what else would.
+  const FitSearch none = search_fitting_settings(blocks, command_inputs(s, "1GiB", "none", "none"));
+  EXPECT_FALSE(none.best.has_value());
+  EXPECT_NE(fit_advice(none, "x").find("none of the"), std::string::npos);
 }
 
 }  // namespace

@@ -1,0 +1,237 @@
+// Bytes per tier by kind, and the settings that would make a plan fit; see Note [Plan fit] in plan_fit.hpp.
+#include "tierflow/tiering/plan_fit.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <nlohmann/json.hpp>
+
+#include "tierflow/core/error.hpp"
+#include "tierflow/core/size.hpp"
+#include "tierflow/tiering/transformer_profile.hpp"
+
+namespace tierflow::tiering {
+namespace {
+
+std::uint64_t less_or_zero(std::uint64_t a, std::uint64_t b) { return a > b ? a - b : 0; }
+
+std::string seconds_text(double s) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.3g s", s);
+  return buf;
+}
+
+// A command-line word as a POSIX shell reads it back.
+std::string shell_word(const std::string& w) {
+  if (!w.empty() && w.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_./=:%+,@") ==
+                        std::string::npos)
+    return w;
+  std::string out = "'";
+  for (const char c : w) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return out + "'";
+}
+
+}  // namespace
+
+std::string_view to_string(MemoryKind kind) noexcept {
+  switch (kind) {
+    case MemoryKind::kParameters: return "parameters";
+    case MemoryKind::kGradients: return "gradients";
+    case MemoryKind::kOptimizerStates: return "optimizer states";
+    case MemoryKind::kActivations: return "activations";
+    case MemoryKind::kWorkspace: return "workspace";
+  }
+  return "?";
+}
+
+std::string_view to_string(MemoryTier tier) noexcept {
+  switch (tier) {
+    case MemoryTier::kDevice: return "device";
+    case MemoryTier::kPinnedHost: return "pinned host";
+    case MemoryTier::kPageableHost: return "pageable host";
+    case MemoryTier::kNvme: return "NVMe";
+  }
+  return "?";
+}
+
+std::uint64_t MemoryTable::tier_total(MemoryTier tier) const noexcept {
+  std::uint64_t sum = 0;
+  for (const auto& row : bytes) sum += row[static_cast<std::size_t>(tier)];
+  return sum;
+}
+
+std::vector<std::string> MemoryTable::lines() const {
+  auto row = [](const std::string& name, const std::array<std::string, kMemoryTiers>& cells) {
+    char buf[160];
+    std::snprintf(buf, sizeof buf, "  %-18s%12s %12s %14s %12s", name.c_str(), cells[0].c_str(), cells[1].c_str(),
+                  cells[2].c_str(), cells[3].c_str());
+    return std::string(buf);
+  };
+  std::vector<std::string> out{"bytes per tier:"};
+  std::array<std::string, kMemoryTiers> head;
+  for (std::size_t t = 0; t < kMemoryTiers; ++t) head[t] = std::string(to_string(static_cast<MemoryTier>(t)));
+  out.push_back(row("", head));
+  for (std::size_t k = 0; k < kMemoryKinds; ++k) {
+    std::array<std::string, kMemoryTiers> cells;
+    for (std::size_t t = 0; t < kMemoryTiers; ++t) cells[t] = format_bytes(bytes[k][t]);
+    out.push_back(row(std::string(to_string(static_cast<MemoryKind>(k))), cells));
+  }
+  std::array<std::string, kMemoryTiers> totals;
+  for (std::size_t t = 0; t < kMemoryTiers; ++t) totals[t] = format_bytes(tier_total(static_cast<MemoryTier>(t)));
+  out.push_back(row("total", totals));
+  return out;
+}
+
+std::string MemoryTable::json() const {
+  nlohmann::ordered_json j = nlohmann::ordered_json::object();
+  for (std::size_t t = 0; t < kMemoryTiers; ++t) {
+    std::string tier(to_string(static_cast<MemoryTier>(t)));
+    std::replace(tier.begin(), tier.end(), ' ', '_');
+    if (tier == "NVMe") tier = "nvme";
+    nlohmann::ordered_json col = nlohmann::ordered_json::object();
+    for (std::size_t k = 0; k < kMemoryKinds; ++k) {
+      std::string kind(to_string(static_cast<MemoryKind>(k)));
+      std::replace(kind.begin(), kind.end(), ' ', '_');
+      col[kind] = bytes[k][t];
+    }
+    col["total"] = tier_total(static_cast<MemoryTier>(t));
+    j[tier] = col;
+  }
+  return j.dump();
+}
+
+MemoryTable memory_table(const Plan& plan, const std::vector<BlockProfile>& blocks, const PlanCommandInputs& in,
+                         const PlanCommandBudgets& pb) {
+  if (!in.state) throw config_error("memory_table: an estimated model's plan (a profile has no bytes by kind)");
+  const StateBytes& s = *in.state;
+  const Budgets& b = pb.budgets;
+  MemoryTable t;
+  auto set = [&t](MemoryKind k, MemoryTier tier, std::uint64_t v) {
+    t.bytes[static_cast<std::size_t>(k)][static_cast<std::size_t>(tier)] = v;
+  };
+  using K = MemoryKind;
+  using T = MemoryTier;
+  const bool fetched = b.params != ParamPolicy::kResident;
+  const std::uint64_t device_params = fetched ? plan.device_param_bytes + plan.param_window_bytes : s.parameter_bytes;
+  set(K::kParameters, T::kDevice, device_params);
+  set(K::kParameters, T::kPinnedHost, plan.host_param_bytes);
+  set(K::kParameters, T::kNvme, plan.nvme_param_bytes);
+  set(K::kGradients, T::kDevice, s.gradient_bytes);
+  const bool optimizer_on_device = s.host == 0 && s.nvme == 0;
+  set(K::kOptimizerStates, T::kDevice, optimizer_on_device ? s.optimizer_bytes : 0);
+  set(K::kOptimizerStates, T::kPinnedHost, s.host);
+  set(K::kOptimizerStates, T::kNvme, s.nvme);
+  std::uint64_t transient = 0;
+  bool swaps = false;
+  for (std::size_t i = 0; i < blocks.size(); ++i) {
+    transient = std::max(transient, blocks[i].transient_bytes);
+    if (i < plan.blocks.size() && plan.blocks[i].swap_bytes > 0) swaps = true;
+  }
+  const std::uint64_t workspace = transient + (swaps ? b.prefetch_bytes : 0);
+  set(K::kWorkspace, T::kDevice, workspace);
+  const std::uint64_t others = device_params + s.gradient_bytes + (optimizer_on_device ? s.optimizer_bytes : 0) +
+                               workspace;
+  set(K::kActivations, T::kDevice, less_or_zero(plan.predicted_device_peak_bytes, others));
+  set(K::kActivations, T::kPinnedHost, less_or_zero(plan.host_bytes, plan.host_param_bytes));
+  set(K::kActivations, T::kNvme, less_or_zero(plan.nvme_bytes, plan.nvme_param_bytes));
+  return t;
+}
+
+std::string flags_text(const std::vector<FlagValue>& flags) {
+  std::string out;
+  for (const auto& [flag, value] : flags) out += (out.empty() ? "" : " ") + flag + " " + shell_word(value);
+  return out;
+}
+
+FitSearch search_fitting_settings(const std::vector<BlockProfile>& blocks, const PlanCommandInputs& in,
+                                  const StepOf& step_of) {
+  if (!in.shape) {
+    throw config_error("the settings that would make a plan fit are tried for a model shape or --model; a profile "
+                       "gives no parameter bytes per block");
+  }
+  const bool nvme = in.nvme_memory.has_value();
+  auto with = [](std::vector<std::string> values, const std::string& given) {
+    values.erase(std::remove(values.begin(), values.end(), given), values.end());
+    values.insert(values.begin(), given);  // the command's own first: no flag changed
+    return values;
+  };
+  std::vector<std::string> params_values{"host", "auto"}, optimizer_values{"host"};
+  if (nvme) {
+    params_values.push_back("nvme");
+    optimizer_values.push_back("nvme");
+  }
+  const auto params = with(params_values, in.offload_params.empty() ? "none" : in.offload_params);
+  const auto optimizers = with(optimizer_values, in.optimizer);
+  const auto states = with({"bf16", "8bit"}, std::string(to_string(in.optimizer_states)));
+  std::vector<std::string> prefetches{in.prefetch.text};
+  try {
+    const std::uint64_t given = budget_bytes(in.prefetch.text, 0);
+    for (const std::uint64_t smaller : {given / 4, given / 16})
+      if (smaller >= MiB)
+        prefetches.push_back(smaller % MiB == 0 ? std::to_string(smaller / MiB) + "MiB" : std::to_string(smaller));
+  } catch (const config_error&) {
+  }
+
+  FitSearch out;
+  for (const auto& p : params) {
+    for (const auto& o : optimizers) {
+      for (const auto& st : states) {
+        if (o == "none" && st != states.front()) continue;  // torch's AdamW keeps its own format
+        for (const auto& pf : prefetches) {
+          FitTried t;
+          if (p != params.front()) t.flags.emplace_back("--offload-params", p);
+          if (o != optimizers.front()) t.flags.emplace_back("--optimizer", o);
+          if (st != states.front()) t.flags.emplace_back("--optimizer-states", st);
+          if (pf != prefetches.front()) t.flags.emplace_back("--prefetch", pf);
+          if (t.flags.empty()) continue;  // the command's own: refused already
+          PlanCommandInputs c = in;
+          c.offload_params = p;
+          c.optimizer = o;
+          c.optimizer_states = *parse_state_format(st);
+          if (pf != prefetches.front()) c.prefetch = SettingText{pf, SettingSource::kFlag};
+          try {
+            c.state = estimate_training_state(*c.shape, parse_optimizer_placement(o), c.optimizer_states);
+            const PlanCommandBudgets b = plan_command_budgets(c);
+            const Plan plan = plan_activations(blocks, b.links, b.budgets);
+            t.fits = plan.fits;
+            t.step_seconds = step_of ? step_of(plan, blocks, c, b) : plan.predicted_step_seconds;
+            t.device_peak_bytes = plan.predicted_device_peak_bytes;
+          } catch (const out_of_memory& e) {
+            t.why = e.what();
+          } catch (const config_error& e) {
+            t.why = e.what();
+          }
+          out.tried.push_back(std::move(t));
+        }
+      }
+    }
+  }
+  for (std::size_t i = 0; i < out.tried.size(); ++i) {
+    const FitTried& t = out.tried[i];
+    if (!t.fits) continue;
+    if (!out.best) {
+      out.best = i;
+      continue;
+    }
+    const FitTried& b = out.tried[*out.best];
+    const double tol = 1e-9 * std::max(std::fabs(b.step_seconds), 1e-12);
+    if (t.step_seconds < b.step_seconds - tol ||
+        (std::fabs(t.step_seconds - b.step_seconds) <= tol && t.flags.size() < b.flags.size()))
+      out.best = i;
+  }
+  return out;
+}
+
+std::string fit_advice(const FitSearch& search, const std::string& command) {
+  if (!search.best) {
+    return "; none of the " + std::to_string(search.tried.size()) +
+           " combinations of --offload-params, --optimizer, --optimizer-states and --prefetch tried fits (Note "
+           "[Plan fit]): raise --gpu-memory or --host-memory, or give an NVMe tier (--nvme-memory, --nvme-gbps)";
+  }
+  const FitTried& b = search.tried[*search.best];
+  return "; it fits with " + flags_text(b.flags) + " (tried by the planner: predicted step " +
+         seconds_text(b.step_seconds) + ", device peak " + format_bytes(b.device_peak_bytes) + "): " + command +
+         " " + flags_text(b.flags);
+}
+
+}  // namespace tierflow::tiering
