@@ -17,6 +17,7 @@ from ._compile import outside_graphs
 from ._config import settings_to_strings
 from ._distributed import check_forward, check_wrap, fsdp_modules, rank_and_world_size, refuse_sharded
 from ._report import Report
+from ._step_stats import StepStatsHooks
 
 # Note [Session lifetime]
 # ~~~~~~~~~~~~~~~~~~~~~~~
@@ -91,6 +92,8 @@ class Session:
         self.planner: Optional[Any] = None  # auto / recompute: the per-block plans (Note [Activation plans])
         self.distributed: Optional[Any] = None  # what the forwards still check (Note [Distributed training])
         self.params: Optional[Any] = None  # TIERFLOW_OFFLOAD_PARAMS: the ParamOffload (Note [Parameter hooks])
+        self.step_stats = StepStatsHooks(self.runtime)  # tierflow.step_stats() (Note [Step stats])
+        self._forward_marked = False  # the outermost training forward is marked on step_stats
 
     # -- model hooks -----------------------------------------------------------
     def attach(self, model: torch.nn.Module, blocks: Optional[list] = None) -> None:
@@ -153,6 +156,9 @@ class Session:
         if not torch.is_grad_enabled() or any(c is not None for c in self._contexts):
             self._contexts.append(None)  # nothing saved (no_grad), or a nested call
             return
+        if not self._contexts:  # Note [Step stats]: the outermost training forward
+            self._forward_marked = True
+            self.step_stats.forward_begin()
         self.runtime.register_parameters([p for p in module.parameters()])
         if self.planner is not None:
             self.planner.before_forward(input_elements(args, kwargs))
@@ -175,6 +181,9 @@ class Session:
         if not self._contexts:
             return
         ctx = self._contexts.pop()
+        if self._forward_marked and not self._contexts:  # Note [Step stats]
+            self._forward_marked = False
+            self.step_stats.forward_end(output)
         if ctx is None:
             return
         ctx.__exit__(None, None, None)
@@ -212,6 +221,10 @@ class Session:
         streaming = opt.stream_stats() if hasattr(opt, "stream_stats") else {}
         if streaming:
             r["optimizer"]["streaming"] = streaming
+        counters = _C.step_counters(self.runtime)  # Note [Step stats]: the NVMe links' totals, the steps recorded
+        r["links"]["host_to_nvme_bytes"] = counters["host_to_nvme_bytes"]
+        r["links"]["nvme_to_host_bytes"] = counters["nvme_to_host_bytes"]
+        r["steps"] = {"recorded": self.step_stats.recorder.recorded, "last": self.step_stats.last()}
         path = self.settings.report
         if path:
             r.save(path)
@@ -278,6 +291,8 @@ def wrap(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
         # DDP: steps during backward off, before any backward (Note [Distributed training]).
         session.distributed = check_wrap(session.optimizer() if session.optimizer is not None else None, model)
         session.attach(model, blocks)
+        watched = session.optimizer() if session.optimizer is not None else (chain[-1] if chain else None)
+        session._handles += session.step_stats.watch_optimizer(watched)  # Note [Step stats]: step() ends a step
         if session.planner is not None and session.optimizer is not None:  # Note [Steady step]: the GPU share
             session.optimizer().follow_activation_plan(session.planner)  # waits for the plan in force
         if session.params is not None:  # Note [Parameter hooks]: which optimizer steps the host copies

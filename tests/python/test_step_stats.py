@@ -1,0 +1,122 @@
+"""tierflow.step_stats(): one entry per training step, its bytes per link the report's totals' differences, the CPU
+step's exposure within step(); the transformers callback puts the figures in the logs the reporters receive (Note
+[Step stats]). The arithmetic is tested in tests/cpp/test_step_stats.cpp; these check the marks and the counters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tierflow
+from harness import torch_device
+from tierflow._step_stats import step_stats
+
+WIDTH, BLOCKS, BATCH = 64, 3, 16
+LINKS = ("device_to_host_bytes", "host_to_device_bytes", "host_to_nvme_bytes", "nvme_to_host_bytes")
+REPORT_LINKS = ("gpu_to_host_bytes", "host_to_gpu_bytes", "host_to_nvme_bytes", "nvme_to_host_bytes")
+
+
+def tiny(device: str) -> tuple:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.GELU())
+                                  for _ in range(BLOCKS)], torch.nn.Linear(WIDTH, 1)).to(torch_device(device))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def batch(device: str, i: int) -> torch.Tensor:
+    return torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(i)).to(torch_device(device))
+
+
+def links() -> tuple:
+    r = tierflow.report()["links"]
+    return tuple(r[k] for k in REPORT_LINKS)
+
+
+def test_one_entry_per_step_bytes_are_the_reports_differences(device):
+    model, opt = tiny(device)
+    model, opt = tierflow.wrap(model, opt, device=device, offload_activations="host", min_offload_bytes=0)
+    assert isinstance(opt, tierflow.CPUAdamW)
+    moved = []
+    for i in range(3):
+        before = links()
+        model(batch(device, i)).square().mean().backward()
+        opt.step()
+        after = links()
+        opt.zero_grad()
+        moved.append(tuple(a - b for a, b in zip(after, before)))
+    steps = step_stats()
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    assert step_stats(last=True) == steps[-1]
+    peak_host = tierflow.report()["host_pool"]["in_use"]["peak"]
+    for s, m in zip(steps, moved):
+        assert tuple(s[k] for k in LINKS) == m, (s, m)
+        assert s["device_to_host_bytes"] > 0 and s["host_to_device_bytes"] > 0, s  # activations went and came back
+        assert (s["forwards"], s["backwards"]) == (1, 1)
+        assert s["forward_s"] > 0 and s["backward_s"] > 0 and s["step_s"] > 0, s
+        assert s["wall_s"] >= s["forward_s"] + s["backward_s"] + s["step_s"], s
+        assert 0 <= s["exposed_cpu_step_s"] <= s["step_s"], s
+        assert 0 <= s["exposed_copy_wait_s"] <= s["forward_s"] + s["backward_s"], s
+        assert 0 < s["peak_pinned_host_bytes"] <= peak_host, s
+    assert tierflow.report()["steps"]["recorded"] == 3
+
+
+def test_plain_optimizer_with_auto_activations(device):
+    model, opt = tiny(device)
+    model, opt = tierflow.wrap(model, opt, device=device, offload_optimizer="none", offload_activations="auto")
+    assert isinstance(opt, torch.optim.AdamW)
+    for i in range(3):
+        model(batch(device, i)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    steps = step_stats()
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    assert all(s["step_s"] > 0 and s["exposed_cpu_step_s"] == 0 for s in steps), steps
+
+
+def test_without_an_optimizer_the_next_forward_ends_a_step(device):
+    model, opt = tiny(device)
+    model, _ = tierflow.wrap(model, device=device, offload_activations="host", min_offload_bytes=0)
+    for i in range(3):
+        model(batch(device, i)).square().mean().backward()
+        opt.step()  # not known to tierflow: its step() is not marked
+        opt.zero_grad()
+    assert [s["step"] for s in step_stats()] == [1, 2], "the third step ends at the next forward"
+    with torch.no_grad():
+        model(batch(device, 9))  # an evaluation forward marks nothing
+    assert len(step_stats()) == 2
+    model(batch(device, 3)).square().mean().backward()
+    assert [s["step"] for s in step_stats()] == [1, 2, 3]
+    assert all(s["step_s"] == 0 and s["backward_s"] > 0 for s in step_stats())
+
+
+def test_trainer_callback_logs_ahead_of_the_reporters(device):
+    callbacks = pytest.importorskip("transformers.trainer_callback", reason="transformers is a test dependency")
+    from tierflow.hf_callback import StepStatsCallback
+
+    seen = []
+
+    class Reporter(callbacks.TrainerCallback):  # stands for TensorBoardCallback & co., which come first
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            seen.append(dict(logs))
+
+    model, opt = tiny(device)
+    model, opt = tierflow.wrap(model, opt, device=device)
+    model(batch(device, 0)).square().mean().backward()  # a step before training: not logged
+    opt.step()
+    opt.zero_grad()
+    handler = callbacks.CallbackHandler([callbacks.DefaultFlowCallback, Reporter, StepStatsCallback()], model,
+                                        None, opt, None)
+    state, control = callbacks.TrainerState(), callbacks.TrainerControl()
+    handler.on_train_begin(None, state, control)
+    for i in range(2):
+        model(batch(device, i)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    handler.on_log(None, state, control, {"loss": 1.0})
+    steps = step_stats()[1:]
+    assert seen[0]["loss"] == 1.0
+    assert seen[0]["tierflow/forward_s"] == pytest.approx(sum(s["forward_s"] for s in steps) / 2)
+    assert seen[0]["tierflow/peak_pinned_host_bytes"] == max(s["peak_pinned_host_bytes"] for s in steps)
+    assert seen[0]["tierflow/forwards"] == 1
+    handler.on_log(None, state, control, {"eval_loss": 2.0})  # no step since: nothing added
+    assert not any(k.startswith("tierflow/") for k in seen[1]), seen[1]
