@@ -107,6 +107,7 @@ const char* lane_name(Lane lane) noexcept {
     case Lane::kNvmeWrite: return "NVMe write";
     case Lane::kNvmeRead: return "NVMe read";
     case Lane::kCpuAdam: return "CPU AdamW";
+    case Lane::kCpuAdamQueue: return "CPU AdamW queue";
     case Lane::kOther: return "other work";
   }
   return "other work";
@@ -121,7 +122,8 @@ const char* lane_category(Lane lane) noexcept {
     case Lane::kHostToDevice: return "copy";
     case Lane::kNvmeWrite:
     case Lane::kNvmeRead: return "nvme";
-    case Lane::kCpuAdam: return "optimizer";
+    case Lane::kCpuAdam:
+    case Lane::kCpuAdamQueue: return "optimizer";
     case Lane::kOther: return "work";
   }
   return "work";
@@ -133,6 +135,7 @@ Lane lane_of_kind(const char* kind) noexcept {
   if (nvme) return std::strstr(kind, "write") ? Lane::kNvmeWrite : Lane::kNvmeRead;
   if (std::strstr(kind, "device -> host")) return Lane::kDeviceToHost;
   if (std::strstr(kind, "host -> device")) return Lane::kHostToDevice;
+  if (std::strstr(kind, "CPU optimizer")) return Lane::kCpuAdamQueue;
   return Lane::kOther;
 }
 
@@ -167,6 +170,15 @@ void complete(Lane lane, std::string name, std::uint64_t start_ns, std::uint64_t
     for (const Arg& a : args) e.args.emplace_back(a.key, a.value);
     Recorder::get().add(std::move(e));
   } catch (...) {  // no memory for one more event: the trace misses it, the work goes on
+  }
+}
+
+void complete_args(Lane lane, std::string name, std::uint64_t start_ns, std::uint64_t end_ns,
+                   std::vector<std::pair<std::string, std::int64_t>> args) noexcept {
+  if (!on()) return;
+  try {
+    Recorder::get().add(Event{'X', lane, std::move(name), start_ns, std::max(start_ns, end_ns), std::move(args)});
+  } catch (...) {
   }
 }
 
@@ -282,26 +294,43 @@ std::string chrome_json(std::uint64_t since_ns, std::int64_t pid) {
   Json list = Json::array();
   list.push_back({{"name", "process_name"}, {"ph", "M"}, {"ts", 0}, {"pid", pid}, {"tid", 0},
                   {"args", {{"name", "tierflow"}}}});
-  bool used[16] = {};
-  for (const Event& e : events)
-    if (e.ph == 'X') used[static_cast<int>(e.lane)] = true;
+  // Each event's thread within its lane (Note [Trace]: disjoint events per thread); events are in start order.
+  constexpr int kLaneIds = 11, kLaneSlots = 16, kSlotStride = 100;
+  static_assert(static_cast<int>(Lane::kCpuAdamQueue) < kLaneIds, "a lane past the table");
+  std::vector<int> tid(events.size(), 0);
+  std::uint64_t slot_end[kLaneIds][kLaneSlots] = {};
+  int slots[kLaneIds] = {};
+  for (std::size_t i = 0; i < events.size(); ++i) {
+    const Event& e = events[i];
+    if (e.ph != 'X') continue;
+    const int lane = static_cast<int>(e.lane);
+    int k = 0;
+    while (k < slots[lane] && slot_end[lane][k] > e.start_ns) ++k;
+    if (k == kLaneSlots) k = kLaneSlots - 1;  // more in flight at once than threads: the last one overlaps
+    slots[lane] = std::max(slots[lane], k + 1);
+    slot_end[lane][k] = std::max(slot_end[lane][k], e.end_ns);
+    tid[i] = lane + kSlotStride * k;
+  }
   int order = 0;
   for (Lane lane : kLanes) {
-    if (!used[static_cast<int>(lane)]) continue;
-    const int tid = static_cast<int>(lane);
-    list.push_back({{"name", "thread_name"}, {"ph", "M"}, {"ts", 0}, {"pid", pid}, {"tid", tid},
-                    {"args", {{"name", std::string("tierflow: ") + lane_name(lane)}}}});
-    list.push_back({{"name", "thread_sort_index"}, {"ph", "M"}, {"ts", 0}, {"pid", pid}, {"tid", tid},
-                    {"args", {{"sort_index", order++}}}});
+    const int l = static_cast<int>(lane);
+    for (int k = 0; k < slots[l]; ++k) {
+      const std::string name = std::string("tierflow: ") + lane_name(lane) + (k ? " #" + std::to_string(k + 1) : "");
+      list.push_back({{"name", "thread_name"}, {"ph", "M"}, {"ts", 0}, {"pid", pid}, {"tid", l + kSlotStride * k},
+                      {"args", {{"name", name}}}});
+      list.push_back({{"name", "thread_sort_index"}, {"ph", "M"}, {"ts", 0}, {"pid", pid},
+                      {"tid", l + kSlotStride * k}, {"args", {{"sort_index", order++}}}});
+    }
   }
-  for (const Event& e : events) {
+  for (std::size_t i = 0; i < events.size(); ++i) {
+    const Event& e = events[i];
     Json j = Json::object();
     j["name"] = e.name;
     j["ph"] = std::string(1, e.ph);
     j["ts"] = ts(e.start_ns);
     if (e.ph == 'X') j["dur"] = micros(static_cast<std::int64_t>(e.end_ns - e.start_ns));
     j["pid"] = pid;
-    j["tid"] = e.ph == 'X' ? static_cast<int>(e.lane) : 0;
+    j["tid"] = tid[i];
     if (e.ph == 'X') j["cat"] = lane_category(e.lane);
     Json args = Json::object();
     for (const auto& [k, v] : e.args) args[k] = v;

@@ -5,6 +5,8 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <algorithm>
 #include <set>
 #include <string>
 #include <thread>
@@ -153,6 +155,40 @@ TEST_F(TraceTest, PendingWorkBecomesAnEventOnItsLane) {
   EXPECT_EQ(by_name.at("NVMe read")["tid"], static_cast<int>(trace::Lane::kNvmeRead));
   EXPECT_EQ(by_name.at("NVMe read")["args"]["block"], 12);
   EXPECT_EQ(by_name.at("NVMe write")["tid"], static_cast<int>(trace::Lane::kNvmeWrite));
+}
+
+TEST_F(TraceTest, OverlappingWorkGetsThreadsOfDisjointEvents) {
+  // Copies in flight at once overlap; a Chrome thread holds only nested events (Note [Trace]).
+  trace::start();
+  const std::uint64_t t0 = now_ns();
+  trace::complete(trace::Lane::kDeviceToHost, "a", t0, t0 + 100'000);
+  trace::complete(trace::Lane::kDeviceToHost, "b", t0 + 10'000, t0 + 150'000);  // overlaps a
+  trace::complete(trace::Lane::kDeviceToHost, "c", t0 + 20'000, t0 + 30'000);   // overlaps both
+  trace::complete(trace::Lane::kDeviceToHost, "d", t0 + 120'000, t0 + 130'000); // after a: a's thread again
+  trace::stop();
+  const Json doc = Json::parse(trace::chrome_json());
+  expect_chrome_format(doc);
+  std::map<std::string, int> tid;
+  std::map<int, std::vector<std::pair<double, double>>> by_tid;
+  for (const Json& x : events_of(doc, "X")) {
+    tid[x["name"]] = x["tid"];
+    by_tid[x["tid"]].push_back({x["ts"].get<double>(), x["ts"].get<double>() + x["dur"].get<double>()});
+  }
+  const int lane = static_cast<int>(trace::Lane::kDeviceToHost);
+  EXPECT_EQ(tid.at("a"), lane);
+  EXPECT_EQ(tid.at("b"), lane + 100);
+  EXPECT_EQ(tid.at("c"), lane + 200);
+  EXPECT_EQ(tid.at("d"), lane);
+  for (auto& [t, spans] : by_tid) {
+    std::sort(spans.begin(), spans.end());
+    for (std::size_t i = 1; i < spans.size(); ++i) EXPECT_LE(spans[i - 1].second, spans[i].first) << "tid " << t;
+  }
+  std::map<int, std::string> names;
+  for (const Json& m : events_of(doc, "M"))
+    if (m["name"] == "thread_name") names[m["tid"]] = m["args"]["name"];
+  EXPECT_EQ(names.at(lane), "tierflow: copy device -> host");
+  EXPECT_EQ(names.at(lane + 100), "tierflow: copy device -> host #2");
+  EXPECT_EQ(names.at(lane + 200), "tierflow: copy device -> host #3");
 }
 
 TEST_F(TraceTest, ManyThreadsRecordEveryEvent) {

@@ -16,6 +16,13 @@
 // vector (at most kMaxTraceEvents; more are counted as dropped and said in the
 // file's metadata).
 //
+// Work in flight overlaps (a copy is an event from its submission to its
+// completion, and several are in flight at once), but a Chrome "thread" holds
+// only nested events. The writer gives such a lane as many threads as it needs:
+// an event goes to the lane's first thread whose last event has ended (tid: the
+// lane's value, then + 100, + 200, ...; thread_name "tierflow: <lane>", then
+// "tierflow: <lane> #2", ...), so every thread's events are disjoint.
+//
 // Clock. Events are taken on the steady clock (now_ns(), the clock of every
 // other tierflow timing). torch.profiler's (Kineto's) trace gives "ts" in
 // microseconds since its "baseTimeNanoseconds", on CLOCK_REALTIME (c10's
@@ -49,11 +56,12 @@ enum class Lane : int {
   kNvmeRead = 7,      ///< NVMe reads
   kCpuAdam = 8,       ///< the CPU AdamW's buckets
   kOther = 9,         ///< any other asynchronous work
+  kCpuAdamQueue = 10, ///< the CPU AdamW's buckets from handed to its worker to done (the queue included)
 };
 /// Every lane, in the order they are drawn.
 inline constexpr Lane kLanes[] = {Lane::kForward,   Lane::kBackward,     Lane::kReplay,
                                   Lane::kDeviceToHost, Lane::kHostToDevice, Lane::kNvmeWrite,
-                                  Lane::kNvmeRead,  Lane::kCpuAdam,      Lane::kOther};
+                                  Lane::kNvmeRead,  Lane::kCpuAdam,      Lane::kCpuAdamQueue, Lane::kOther};
 /// "block forward", "copy device -> host", ...: the lane's thread_name.
 const char* lane_name(Lane lane) noexcept;
 /// "block", "copy", "nvme", "optimizer", "work": the events' "cat".
@@ -87,6 +95,9 @@ void clear() noexcept;
 /// A complete event ("ph":"X") on `lane` from `start_ns` to `end_ns` (now_ns()'s clock); nothing when off.
 void complete(Lane lane, std::string name, std::uint64_t start_ns, std::uint64_t end_ns,
               std::initializer_list<Arg> args = {}) noexcept;
+/// The same with arguments named at run time (Python's).
+void complete_args(Lane lane, std::string name, std::uint64_t start_ns, std::uint64_t end_ns,
+                   std::vector<std::pair<std::string, std::int64_t>> args) noexcept;
 /// The same, from a PendingWork: its kind names the lane, `id` (>= 0) becomes the "block" argument.
 void work_done(const char* kind, std::uint64_t bytes, std::int64_t id,
                std::chrono::steady_clock::time_point since) noexcept;
