@@ -31,20 +31,38 @@ PinnedHostPool::PinnedHostPool(PinnedHostPoolOptions options)
 }
 
 PinnedHostPool::~PinnedHostPool() {
-  const UnlimitedWaits unlimited;  // Note [Stall timeout]: a slab a copy still writes is not freed before it ends
+  // Note [Stall timeout]: a slab a copy still writes is not freed. Each fence is waited for within the limit,
+  // counted from its copy's start (so a copy that stalled already is given up at once, and a hung device does
+  // not hang the exit); after a stall, slabs that still hold blocks are kept for good instead.
   std::lock_guard<std::mutex> lock(mutex_);
+  bool stalled = false;
   for (auto& f : fenced_) {  // a copy may still write into a slab: let it finish first
     try {
       f.fence->wait();
-    } catch (...) {
+    } catch (const stall_error&) {
+      stalled = true;
+    } catch (...) {  // a failed copy has stopped using the block
     }
   }
   reap_fenced_locked();
-  if (!blocks_.empty()) {
+  const bool keep = !blocks_.empty() && (stalled || stall_seen());
+  if (!blocks_.empty() && !keep) {
     log(LogLevel::kWarn, "PinnedHostPool destroyed with " + std::to_string(blocks_.size()) +
                              " blocks still in use; their memory is released now");
   }
-  for (auto& s : slabs_) free_slab_memory(s);
+  std::uint64_t kept = 0;
+  std::size_t kept_slabs = 0;
+  for (auto& s : slabs_) {
+    if (keep && s.base && s.used != 0) {
+      kept += s.bytes;
+      ++kept_slabs;
+      continue;  // deliberately never freed
+    }
+    free_slab_memory(s);
+  }
+  if (kept_slabs)
+    note_kept_forever(kept, std::to_string(kept_slabs) + " pinned pool slab(s) of " + format_bytes(kept) +
+                                " holding " + std::to_string(blocks_.size()) + " block(s) still in use after a stall");
 }
 
 void PinnedHostPool::free_slab_memory(Slab& s) noexcept {
@@ -148,7 +166,7 @@ void* PinnedHostPool::try_allocate_once_locked(std::size_t rounded) noexcept {
   return nullptr;
 }
 
-void* PinnedHostPool::try_allocate(std::size_t bytes) noexcept {
+void* PinnedHostPool::try_allocate(std::size_t bytes) {
   std::size_t rounded = round_up(bytes == 0 ? 1 : bytes, kBlockAlignment);
   std::unique_lock<std::mutex> lock(mutex_);
   for (;;) {
@@ -161,6 +179,10 @@ void* PinnedHostPool::try_allocate(std::size_t bytes) noexcept {
     lock.unlock();
     try {
       fence->wait();
+    } catch (const stall_error&) {
+      // Note [Stall timeout]: the copy still holds the block; waiting again would loop, and taking it for a
+      // lack of memory would hide the hang. Raised to the caller.
+      throw;
     } catch (...) {
       // a failed copy has stopped using the block all the same
     }

@@ -7,6 +7,7 @@
 #include <chrono>
 
 #include "tierflow/bindings/runtime.hpp"
+#include "tierflow/core/stall.hpp"
 #include "tierflow/core/error.hpp"
 #include "tierflow/bindings/dtypes.hpp"
 #include "tierflow/core/clock.hpp"
@@ -17,6 +18,25 @@ using torch::optim::AdamWOptions;
 using torch::optim::AdamWParamState;
 
 namespace {
+
+// Waits for `copies` into or out of `buffers`. Note [Stall timeout]: when one stalls it may still write or read
+// them: all are kept for good, and the stall is raised.
+void wait_or_keep(const std::vector<swap::TransferHandle>& copies, const std::vector<at::Tensor>& buffers,
+                  const char* what) {
+  try {
+    for (const auto& h : copies) h.wait();
+  } catch (const stall_error&) {
+    auto held = std::make_shared<std::vector<at::Tensor>>();
+    std::uint64_t bytes = 0;
+    for (const at::Tensor& t : buffers)
+      if (t.defined()) {
+        held->push_back(t);
+        bytes += t.nbytes();
+      }
+    keep_forever(held, bytes, what);
+    throw;
+  }
+}
 
 // The same groups and materialized states, for save(): an optimizer only in
 // the sense that torch's archive writer takes one.
@@ -240,7 +260,7 @@ void CpuAdamW::step_batch(const Batch& batch, const AdamWOptions& o, const optim
         break;
     }
   }
-  for (const auto& h : grad_copies) h.wait();
+  wait_or_keep(grad_copies, grads, "a CPU AdamW step's host gradients");
 
   const std::uint64_t t0 = now_ns();
   const std::vector<bool> stepped = run_kernel(batch, o, ao, grads, params_out);
@@ -267,7 +287,7 @@ void CpuAdamW::step_batch(const Batch& batch, const AdamWOptions& o, const optim
     else
       p.copy_(staged_out[i]);
   }
-  for (const auto& h : param_copies) h.wait();  // staging goes back to the pool after the copy
+  wait_or_keep(param_copies, staged_out, "a CPU AdamW step's staged weights");  // staging goes after the copy
 }
 
 std::vector<bool> CpuAdamW::run_kernel(const Batch& batch, const AdamWOptions& o, const optimizer::AdamOptions& ao,

@@ -19,6 +19,7 @@
 #include "tierflow/core/clock.hpp"
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/log.hpp"
+#include "tierflow/core/stall.hpp"
 #include "tierflow/bindings/dtypes.hpp"
 #include "tierflow/optimizer/stream_rules.hpp"
 
@@ -479,9 +480,17 @@ void GradStream::end_window() {
 void GradStream::reset_window_locked(bool count_taken_back) {
   // Copies of released gradients must be done before their memory goes (rule 3); the engine waits for its
   // buckets' own.
+  // Note [Stall timeout]: one that stalled may still read its device gradient: kept for good, and the stall
+  // is raised once the window is reset.
+  std::exception_ptr stall;
   for (std::size_t i : releasing_) {
     try {
       engine_->copy_of(i).wait();
+    } catch (const stall_error&) {
+      if (!stall) stall = std::current_exception();
+      if (slots_[i].grad_ref.defined())
+        keep_forever(std::make_shared<at::Tensor>(slots_[i].grad_ref), slots_[i].grad_ref.nbytes(),
+                     "a device gradient under a stalled copy");
     } catch (const std::exception& e) {
       log(LogLevel::kWarn, std::string("a gradient copy of a discarded window failed: ") + e.what());
     }
@@ -494,6 +503,7 @@ void GradStream::reset_window_locked(bool count_taken_back) {
   releasing_.clear();
   end_queued_ = end_requeued_ = false;  // a backward that failed never ran its end
   engine_->end_window(count_taken_back);  // the ledger's end_window, the timeline's (Note [Stream timeline])
+  if (stall) std::rethrow_exception(stall);
 }
 
 WindowTimeline GradStream::last_window() const {

@@ -13,6 +13,7 @@
 #include "tierflow/bindings/runtime.hpp"
 #include "tierflow/swap/nvme_engine.hpp"
 #include "tierflow/core/error.hpp"
+#include "tierflow/core/stall.hpp"
 #include "tierflow/tiering/param_residency_plan.hpp"
 
 namespace tierflow::bindings {
@@ -55,6 +56,19 @@ void drop_memory(const at::Tensor& t, const std::string& why) {
   c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
   s->set_data_ptr_noswap(at::DataPtr(nullptr, t.device()));
   s->release_data_and_set_meta_custom_data_ptr_error_msg_(why);
+}
+
+// Note [Stall timeout]: a copy into (or out of) `t`'s memory stalled and may still write it: the memory leaves
+// the storage (which reads like a released one, `why`) but is kept for good, never freed.
+void keep_stalled_memory(const at::Tensor& t, const std::string& why, const std::string& what) noexcept {
+  try {
+    c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+    const std::size_t bytes = s->nbytes();
+    auto held = std::make_shared<at::DataPtr>(s->set_data_ptr(at::DataPtr(nullptr, t.device())));
+    s->release_data_and_set_meta_custom_data_ptr_error_msg_(why);
+    keep_forever(held, bytes, what);
+  } catch (...) {  // nothing to hold it with: it stays in its storage, which is not freed either
+  }
 }
 
 // New memory for the same storage object: on CUDA from the storage's allocator (the caching allocator, on
@@ -197,10 +211,17 @@ ParamResidency::ParamResidency(std::shared_ptr<Runtime> runtime, const std::vect
 }
 
 ParamResidency::~ParamResidency() {
-  // A fetch still in flight must not land in memory freed with the storage, nor read freed staging.
+  // A fetch still in flight must not land in memory freed with the storage, nor read freed staging. One that
+  // stalled (Note [Stall timeout]; waited for within the limit from its start) keeps both for good, and its
+  // NVMe block.
   for (auto& [id, p] : params_) {
     try {
       p.fetch.wait();
+    } catch (const stall_error&) {
+      keep_stalled_memory(p.device, released_error(p.name, p.nvme), "parameter '" + p.name + "' under a stalled fetch");
+      if (p.staging.defined()) keep_forever(std::make_shared<at::Tensor>(p.staging), p.staging.nbytes(),
+                                            "the staging of parameter '" + p.name + "'");
+      continue;
     } catch (...) {
     }
     if (p.nvme) runtime_->nvme_engine()->release(p.block);
@@ -210,6 +231,14 @@ ParamResidency::~ParamResidency() {
 void ParamResidency::release(Param& p) {
   try {
     p.fetch.wait();  // rule 1
+  } catch (const stall_error&) {
+    // Note [Stall timeout]: the fetch may still write the device memory and read the staging: both kept for
+    // good (the parameter reads as released), and the stall is raised.
+    keep_stalled_memory(p.device, released_error(p.name, p.nvme), "parameter '" + p.name + "' under a stalled fetch");
+    if (p.staging.defined()) keep_forever(std::make_shared<at::Tensor>(p.staging), p.staging.nbytes(),
+                                          "the staging of parameter '" + p.name + "'");
+    p.staging = at::Tensor();
+    throw;
   } catch (...) {
     // A failed fetch has ended; its error reached the use that waited for it (carry_out), not the release.
   }

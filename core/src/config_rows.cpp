@@ -13,6 +13,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "tierflow/core/stall.hpp"
 #include "tierflow/core/error.hpp"
 
 namespace tierflow::config_detail {
@@ -161,11 +162,15 @@ void check_nvme_directories(std::string_view name, std::string_view v, const std
 }
 
 // The tiers' budgets and the NVMe engine.
-// TIERFLOW_STALL_TIMEOUT (Note [Stall timeout]): seconds, "90s", "10min", or none.
+// TIERFLOW_STALL_TIMEOUT (Note [Stall timeout]): a duration of at least a second ("600", "30s", "10min", "1h"),
+// or none; 0 in any unit ("0", "0s") is none too. Under a second is refused: a loaded machine's healthy copy
+// can take that long, and a limit that small is a typo for a larger one.
+constexpr const char* kStallTimeoutAccepted =
+    "a duration of at least 1 second: seconds (e.g. 600), 30s, 10min, 1h; or none (no limit; 0 and 0s also mean none)";
+
 void stall_timeout_parser(Config& c, std::string_view name, std::string_view v) {
   std::string s = lower(trim(v));
-  const char* accepted = "seconds (e.g. 600, 90s, 10min), or none (no limit)";
-  if (s == "none" || s == "0" || s == "off") {
+  if (s == "none" || s == "off") {
     c.stall_timeout_seconds = 0.0;
     return;
   }
@@ -173,11 +178,21 @@ void stall_timeout_parser(Config& c, std::string_view name, std::string_view v) 
   if (s.size() > 3 && s.compare(s.size() - 3, 3, "min") == 0) {
     unit = 60.0;
     s.resize(s.size() - 3);
+  } else if (s.size() > 1 && s.back() == 'h') {
+    unit = 3600.0;
+    s.pop_back();
   } else if (s.size() > 1 && s.back() == 's') {
     s.pop_back();
   }
   auto x = parse_decimal(trim(s));
-  if (!x || !(*x > 0.0) || *x * unit > 1e9) bad_value(name, v, accepted);
+  if (!x || !(*x >= 0.0) || *x * unit > 1e9) bad_value(name, v, kStallTimeoutAccepted);
+  if (*x == 0.0) {
+    c.stall_timeout_seconds = 0.0;  // none
+    return;
+  }
+  if (*x * unit < kMinStallTimeout)
+    bad_value(name, v, kStallTimeoutAccepted,
+              "under a second is refused: a healthy copy on a loaded machine can take that long");
   c.stall_timeout_seconds = *x * unit;
 }
 
@@ -307,9 +322,10 @@ std::vector<Row> placement_rows() {
        else if (s == "debug") c.log_level = LogLevel::kDebug;
        else bad_value(name, v, "one of error, warn, info, debug");
      }},
-    {{"TIERFLOW_STALL_TIMEOUT", "none", "seconds (e.g. 600, 90s, 10min), or none (no limit)",
-      "a wait on a copy, an NVMe request or the CPU optimizer's step that lasts longer raises an error naming "
-      "what it waited for and what was in flight (Note [Stall timeout]); 600 is one no healthy step comes near"},
+    {{"TIERFLOW_STALL_TIMEOUT", "10min", kStallTimeoutAccepted,
+      "a copy, an NVMe request or a CPU optimizer step still unfinished this long after it started raises an "
+      "error (StallError, a TimeoutError) naming it and what was in flight (Note [Stall timeout]); no healthy "
+      "step comes near 10 minutes; one value per process"},
      stall_timeout_parser},
     {{"TIERFLOW_REPORT", "", "a file path under a writable folder (empty: no file)",
       "write the statistics report as JSON to this path when the process exits and on every "

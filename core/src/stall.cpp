@@ -5,12 +5,17 @@
 #include <cstdio>
 #include <mutex>
 
+#include "tierflow/core/error.hpp"
+#include "tierflow/core/log.hpp"
 #include "tierflow/core/size.hpp"
 #include "tierflow/core/trace.hpp"
 
 namespace tierflow {
 namespace {
 std::atomic<double> g_timeout{kDefaultStallTimeout};
+std::atomic<bool> g_stall_seen{false};
+std::atomic<std::uint64_t> g_kept_bytes{0};
+std::atomic<std::size_t> g_kept_count{0};
 
 std::string seconds_text(double s) {
   char buf[32];
@@ -56,11 +61,63 @@ double stall_timeout() noexcept { return t_unlimited ? 0.0 : g_timeout.load(); }
 UnlimitedWaits::UnlimitedWaits() noexcept : before_(t_unlimited) { t_unlimited = true; }
 UnlimitedWaits::~UnlimitedWaits() { t_unlimited = before_; }
 
-std::chrono::steady_clock::time_point stall_deadline() noexcept {
+std::chrono::steady_clock::time_point stall_deadline(std::chrono::steady_clock::time_point since) noexcept {
   const double s = stall_timeout();
   if (!(s > 0)) return std::chrono::steady_clock::time_point::max();
-  return std::chrono::steady_clock::now() +
-         std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(s));
+  return since + std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(s));
+}
+
+std::chrono::steady_clock::time_point PendingWork::deadline() const noexcept { return stall_deadline(since_); }
+
+bool stall_seen() noexcept { return g_stall_seen.load(); }
+
+void note_kept_forever(std::uint64_t bytes, const std::string& what) noexcept {
+  g_kept_bytes += bytes;
+  ++g_kept_count;
+  try {
+    log(LogLevel::kWarn, "tierflow: " + what + " is kept for good (not freed): a stalled copy or request may "
+                         "still read or write it (Note [Stall timeout])");
+  } catch (...) {
+  }
+}
+
+void keep_forever(std::shared_ptr<void> memory, std::uint64_t bytes, const std::string& what) noexcept {
+  if (!memory) return;
+  try {
+    new std::shared_ptr<void>(std::move(memory));  // deliberately never deleted
+  } catch (...) {
+    // no room even for the holder: the memory is freed when `memory` goes; nothing else can be done
+    return;
+  }
+  note_kept_forever(bytes, what);
+}
+
+std::uint64_t kept_forever_bytes() noexcept { return g_kept_bytes.load(); }
+std::size_t kept_forever_count() noexcept { return g_kept_count.load(); }
+
+namespace {
+std::mutex g_claim_mutex;
+std::size_t g_claims = 0;
+double g_claimed = 0;
+
+std::string limit_text(double s) { return s > 0 ? seconds_text(s) : std::string("none"); }
+}  // namespace
+
+StallTimeoutClaim::StallTimeoutClaim(double seconds) {
+  std::lock_guard<std::mutex> lock(g_claim_mutex);
+  if (g_claims > 0 && g_claimed != seconds)
+    throw config_error("TIERFLOW_STALL_TIMEOUT (stall_timeout=): this runtime asks for " + limit_text(seconds) +
+                       " but a runtime alive in this process uses " + limit_text(g_claimed) +
+                       "; the limit is process-wide (Note [Stall timeout]): give every runtime the same value, "
+                       "or end the other one first");
+  ++g_claims;
+  g_claimed = seconds;
+  set_stall_timeout(seconds);
+}
+
+StallTimeoutClaim::~StallTimeoutClaim() {
+  std::lock_guard<std::mutex> lock(g_claim_mutex);
+  --g_claims;
 }
 
 PendingWork::PendingWork(const char* kind, std::uint64_t bytes, std::int64_t id) noexcept
@@ -96,6 +153,7 @@ std::vector<std::string> PendingWork::in_flight(std::size_t max) {
 void PendingWork::stalled(double waited_seconds) const { throw_stall(describe(), waited_seconds); }
 
 void throw_stall(const std::string& description, double waited_seconds) {
+  g_stall_seen.store(true);
   std::string msg = "tierflow: waited " + seconds_text(waited_seconds) + " for a " + description +
                     ", which has not completed (TIERFLOW_STALL_TIMEOUT=" + seconds_text(g_timeout.load()) +
                     "; a healthy step comes nowhere near it: a hung device, driver or disk?). In flight, oldest "

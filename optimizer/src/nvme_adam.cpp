@@ -8,6 +8,7 @@
 
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/log.hpp"
+#include "tierflow/core/stall.hpp"
 #include "tierflow/core/size.hpp"
 #include "tierflow/core/clock.hpp"
 
@@ -18,7 +19,15 @@ namespace {
 struct PoolBuffer {
   allocator::PinnedHostPool* pool = nullptr;
   void* p = nullptr;
-  PoolBuffer(allocator::PinnedHostPool* pl, std::size_t bytes) : pool(pl), p(bytes ? pl->allocate(bytes) : nullptr) {}
+  std::size_t bytes = 0;
+  PoolBuffer(allocator::PinnedHostPool* pl, std::size_t n)
+      : pool(pl), p(n ? pl->allocate(n) : nullptr), bytes(n) {}
+  /// A stalled request may still read or write it (Note [Stall timeout]): never given back.
+  void keep_for_good(const std::string& what) noexcept {
+    if (!p) return;
+    p = nullptr;
+    note_kept_forever(bytes, what + " of " + format_bytes(bytes));
+  }
   ~PoolBuffer() {
     if (p) pool->deallocate(p);
   }
@@ -92,6 +101,8 @@ std::uint64_t NvmeAdamStore::add(std::size_t numel, bool amsgrad, const float* m
   Entry e{nvme_->allocate(state_bytes(numel, amsgrad, format)), numel, amsgrad, format};
   try {
     fill_and_write(e, e.block, master, m, v, vmax, moments_format);
+  } catch (const stall_error&) {
+    throw;  // Note [Stall timeout]: the write may still land in the block: it is never released or reused
   } catch (...) {
     nvme_->release(e.block);
     throw;
@@ -122,7 +133,13 @@ void NvmeAdamStore::fill_and_write(const Entry& e, swap::NvmeBlock block, const 
     if (vmax) std::memcpy(at_offset(buf.p, at.vmax), vmax, n * 4);
     else std::memset(at_offset(buf.p, at.vmax), 0, n * 4);
   }
-  nvme_->write(block, buf.p, state_bytes(e)).wait();
+  const swap::TransferHandle written = nvme_->write(block, buf.p, state_bytes(e));
+  try {
+    written.wait();
+  } catch (const stall_error&) {
+    buf.keep_for_good("an NVMe optimizer state's buffer under a stalled write");  // Note [Stall timeout]
+    throw;
+  }
 }
 
 void NvmeAdamStore::reserve(const std::vector<std::uint64_t>& state_sizes) {
@@ -153,7 +170,13 @@ void NvmeAdamStore::read(std::uint64_t key, float* master, void* m, void* v, flo
   const Entry& e = entry(key);
   check_moments_format(moments_format, e.format, "read");
   PoolBuffer buf(pool_.get(), state_bytes(e));
-  nvme_->read(e.block, buf.p, state_bytes(e)).wait();
+  const swap::TransferHandle got = nvme_->read(e.block, buf.p, state_bytes(e));
+  try {
+    got.wait();
+  } catch (const stall_error&) {
+    buf.keep_for_good("an NVMe optimizer state's buffer under a stalled read");  // Note [Stall timeout]
+    throw;
+  }
   const std::size_t n = e.numel;
   const StateLayout at(n, e.format);
   std::memcpy(master, buf.p, n * 4);
@@ -176,6 +199,8 @@ void NvmeAdamStore::write(std::uint64_t key, const float* master, const void* m,
   swap::NvmeBlock fresh = nvme_->allocate(state_bytes(e));
   try {
     fill_and_write(e, fresh, master, m, v, vmax, moments_format);
+  } catch (const stall_error&) {
+    throw;  // Note [Stall timeout]: `fresh` may still be written: never released; the old state stays
   } catch (...) {
     nvme_->release(fresh);
     throw;
@@ -196,6 +221,14 @@ void NvmeAdamStore::remove(std::uint64_t key) noexcept {
 struct NvmeAdamStore::Flight {
   Flight(NvmeAdamStore& store, const std::vector<Item>& items, std::size_t max_bytes)
       : s(store), items(items), bufs{PoolBuffer(s.pool_.get(), max_bytes), PoolBuffer(s.pool_.get(), max_bytes)} {}
+  // Note [Stall timeout]: after a stall, a request may still read or write either buffer: both kept for good,
+  // and no NVMe block of a request in flight is released (the entries keep their old, intact states).
+  ~Flight() {
+    if (!stall) return;
+    bufs[0].keep_for_good("an NVMe optimizer step's buffer under a stalled request");
+    bufs[1].keep_for_good("an NVMe optimizer step's buffer under a stalled request");
+  }
+  std::exception_ptr stall;  // the first stall_error of a wait (raised by step())
   NvmeAdamStore& s;
   const std::vector<Item>& items;
   StepResult result;
@@ -225,6 +258,9 @@ struct NvmeAdamStore::Flight {
     if (lost.empty()) {
       try {
         reads[b].wait();
+      } catch (const stall_error&) {  // not lost: still in flight, its buffer not to be reused
+        if (!stall) stall = std::current_exception();
+        throw;
       } catch (const std::exception& err) {
         lost = err.what();
       }
@@ -241,6 +277,10 @@ struct NvmeAdamStore::Flight {
       s.nvme_->release(e.block);
       e.block = fresh[b];
       s.stats_.bytes_written += s.state_bytes(e);
+    } catch (const stall_error&) {
+      // Not failed: still in flight. Its block is not released (nor reused), the old state stays the entry's.
+      if (!stall) stall = std::current_exception();
+      throw;
     } catch (const std::exception& err) {
       // Keep the previous state, and give the weight its previous value back.
       s.nvme_->release(fresh[b]);
@@ -254,23 +294,39 @@ struct NvmeAdamStore::Flight {
     if (!it.param_out) return;
     try {
       PoolBuffer old(s.pool_.get(), s.state_bytes(e));
-      s.nvme_->read(e.block, old.p, s.state_bytes(e)).wait();
+      const swap::TransferHandle got = s.nvme_->read(e.block, old.p, s.state_bytes(e));
+      try {
+        got.wait();
+      } catch (const stall_error&) {
+        old.keep_for_good("an NVMe optimizer state's buffer under a stalled read");
+        if (!stall) stall = std::current_exception();
+        throw;
+      }
       write_param(it.param_out, it.param_type, old.f(), e.numel);  // the master leads every block
+    } catch (const stall_error&) {
+      throw;
     } catch (const std::exception& restore) {
       log(LogLevel::kError,
           std::string("NVMe optimizer: could not restore a weight after a failed write: ") + restore.what());
     }
   }
   // Lets every read land and every write settle (reads may be in flight after a break).
+  // After a stall nothing more is waited for: what is in flight keeps its buffers and blocks (~Flight).
   void drain() {
-    for (int b = 0; b < 2; ++b) {
+    for (int b = 0; b < 2 && !stall; ++b) {
       try {
         reads[b].wait();
+      } catch (const stall_error&) {
+        stall = std::current_exception();
       } catch (...) {
       }
     }
-    settle(0);
-    settle(1);
+    for (int b = 0; b < 2 && !stall; ++b) {
+      try {
+        settle(b);
+      } catch (const stall_error&) {  // (kept by settle)
+      }
+    }
   }
 };
 
@@ -343,6 +399,7 @@ NvmeAdamStore::StepResult NvmeAdamStore::step(const AdamOptions& options, std::i
     throw;
   }
   f.drain();
+  if (f.stall) std::rethrow_exception(f.stall);  // Note [Stall timeout]
   ++stats_.steps;
   std::sort(f.result.failed.begin(), f.result.failed.end());
   return std::move(f.result);

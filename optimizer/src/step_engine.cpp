@@ -10,6 +10,8 @@
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/log.hpp"
 #include "tierflow/core/trace.hpp"
+#include "tierflow/core/size.hpp"
+#include "tierflow/core/stall.hpp"
 #include "tierflow/optimizer/grad_buckets.hpp"
 #include "tierflow/optimizer/stream_rules.hpp"
 
@@ -31,20 +33,31 @@ StepEngine::StepEngine(StepEngineOptions options, StepEngineHost& host)
     : host_(host), ledger_(ledger_options(options)), worker_(std::make_unique<swap::detail::SerialWorker>()) {}
 
 StepEngine::~StepEngine() {
+  // Note [Stall timeout]: the worker's own waits on copies have their limit (on its thread), so it ends; its
+  // CPU kernels end too. Waiting for it without a limit here never frees memory a bucket's step still uses.
   try {
+    const UnlimitedWaits unlimited;
     worker_->drain();
   } catch (const std::exception& e) {
     log(LogLevel::kError, std::string("a streamed optimizer step failed at shutdown: ") + e.what());
   }
   worker_.reset();
-  try {
-    for (auto& [h, buffer] : uploads_) h.wait();  // a weight upload still reading its staging (rule 3)
-  } catch (const std::exception& e) {
-    log(LogLevel::kError, std::string("a weight upload failed at shutdown: ") + e.what());
+  // Copies still reading or writing the engine's buffers: waited for within the limit; one that stalled keeps
+  // its buffer for good rather than have it freed under it (rule 3).
+  for (auto& [h, buffer] : uploads_) {
+    try {
+      h.wait();  // a weight upload still reading its staging
+    } catch (const stall_error&) {
+      keep_forever(buffer.keep, buffer.bytes, "a weight upload's staging of " + format_bytes(buffer.bytes));
+    } catch (const std::exception& e) {
+      log(LogLevel::kError, std::string("a weight upload failed at shutdown: ") + e.what());
+    }
   }
   for (auto& s : slots_) {
     try {
-      s.copy.wait();  // a gradient's copy still writing into a bucket (rule 3)
+      s.copy.wait();  // a gradient's copy still writing into a bucket
+    } catch (const stall_error&) {
+      keep_forever(s.host_grad.keep, s.host_grad.bytes, "a gradient's host copy of " + format_bytes(s.host_grad.bytes));
     } catch (const std::exception& e) {
       log(LogLevel::kError, std::string("a gradient copy failed at shutdown: ") + e.what());
     }
@@ -191,10 +204,13 @@ void StepEngine::launch(std::size_t bi) {
   timed.launched = now_ns();
   for (const Entry& e : entries) timed.grad_bytes += e.arrays.grad.bytes;
   clock_.buckets.push_back(timed);
-  worker_->push([this, gen = ledger_.generation(), entries = std::move(entries), copies = std::move(copies),
-                 window = clock_window_, index = clock_.buckets.size() - 1]() mutable {
-    run_bucket(gen, std::move(entries), std::move(copies), window, index);
-  });
+  // In flight from now until the worker has stepped it (Note [Stall timeout]: step()'s wait has a limit).
+  worker_->push(
+      [this, gen = ledger_.generation(), entries = std::move(entries), copies = std::move(copies),
+       window = clock_window_, index = clock_.buckets.size() - 1]() mutable {
+        run_bucket(gen, std::move(entries), std::move(copies), window, index);
+      },
+      "CPU optimizer step of a gradient bucket", timed.grad_bytes);
 }
 
 void StepEngine::run_bucket(std::uint64_t generation, std::vector<Entry> entries,
@@ -206,10 +222,15 @@ void StepEngine::run_bucket(std::uint64_t generation, std::vector<Entry> entries
   };
   // Rule 2: the CPU reads the gradients only once they landed. Every copy is
   // waited for, even after one failed: none may still use memory that goes.
+  // A stall (Note [Stall timeout]) is not a failure: the copy may still write, so the bucket's gradients keep
+  // their memory for good and the stall is raised (never settled as failed, which would let memory go).
   std::exception_ptr failed;
   for (const auto& h : copies) {
     try {
       h.wait();
+    } catch (const stall_error&) {
+      keep_stalled_grads(entries);
+      throw;
     } catch (...) {
       if (!failed) failed = std::current_exception();
     }
@@ -262,20 +283,45 @@ void StepEngine::run_bucket(std::uint64_t generation, std::vector<Entry> entries
 void StepEngine::settle_failed_bucket(std::uint64_t generation, const std::vector<Entry>& entries) {
   // A released gradient whose own copy failed is still on the device: back to
   // the front end. The others landed and stay released (restore_grads brings them).
-  std::lock_guard<std::mutex> lock(mutex_);
-  for (const auto& e : entries) {
-    bool ok = true;
-    try {
-      slots_[e.slot].copy.wait();
-    } catch (...) {
-      ok = false;
+  std::exception_ptr stall;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& e : entries) {
+      bool ok = true;
+      try {
+        slots_[e.slot].copy.wait();
+      } catch (const stall_error&) {
+        // Note [Stall timeout]: not failed, still in flight: neither landed nor given back; its memory stays.
+        if (!stall) stall = std::current_exception();
+        continue;
+      } catch (...) {
+        ok = false;
+      }
+      if (ok) {
+        ledger_.copy_landed(generation, e.slot);
+        continue;
+      }
+      host_.gradient_copy_failed(e.slot);
+      ledger_.copy_failed(e.slot);  // its early step cannot run: step() takes it from the device gradient
     }
-    if (ok) {
-      ledger_.copy_landed(generation, e.slot);
-      continue;
+  }
+  if (stall) {
+    keep_stalled_grads(entries);
+    std::rethrow_exception(stall);  // raised instead of the failure: the run should end
+  }
+}
+
+void StepEngine::keep_stalled_grads(const std::vector<Entry>& entries) noexcept {
+  // Note [Stall timeout]: a copy into these gradients stalled and may still write them: kept for good.
+  try {
+    auto held = std::make_shared<std::vector<std::shared_ptr<void>>>();
+    std::uint64_t bytes = 0;
+    for (const auto& e : entries) {
+      held->push_back(e.arrays.grad.keep);
+      bytes += e.arrays.grad.bytes;
     }
-    host_.gradient_copy_failed(e.slot);
-    ledger_.copy_failed(e.slot);  // its early step cannot run: step() takes it from the device gradient
+    keep_forever(held, bytes, "a gradient bucket's host memory of " + format_bytes(bytes));
+  } catch (...) {  // no room to hold them: the entries go, as they would have
   }
 }
 

@@ -8,6 +8,8 @@
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/log.hpp"
 #include "tierflow/core/trace.hpp"
+#include "tierflow/core/size.hpp"
+#include "tierflow/core/stall.hpp"
 #include "tierflow/optimizer/step_engine.hpp"
 #include "tierflow/optimizer/stream_rules.hpp"
 
@@ -111,14 +113,35 @@ void StepEngine::redo(const std::vector<std::pair<std::size_t, double>>& list, s
 void StepEngine::end_window(bool count_taken_back) {
   // Copies of a bucket that never went to the worker (a backward that failed)
   // must be done before their memory goes (rule 3).
+  // Note [Stall timeout]: one that stalls may still write: every slot whose copy is not done keeps its host
+  // memory for good, the window ends all the same, and the stall is raised.
+  std::exception_ptr stall;
   for (auto& b : buckets_)
     for (const auto& h : b.copies) {
       try {
         h.wait();
+      } catch (const stall_error&) {
+        if (!stall) stall = std::current_exception();
       } catch (const std::exception& e) {
         log(LogLevel::kWarn, std::string("a gradient copy of a discarded window failed: ") + e.what());
       }
     }
+  if (stall) {
+    std::uint64_t bytes = 0;
+    auto held = std::make_shared<std::vector<std::shared_ptr<void>>>();
+    for (const auto& s : slots_) {
+      bool done = true;
+      try {
+        done = !s.copy.valid() || s.copy.ready();
+      } catch (...) {  // a failed query: kept
+        done = false;
+      }
+      if (done || !s.host_grad.defined()) continue;
+      held->push_back(s.host_grad.keep);
+      bytes += s.host_grad.bytes;
+    }
+    keep_forever(held, bytes, "the host memory of a discarded window's stalled gradient copies, " + format_bytes(bytes));
+  }
   for (auto& s : slots_) {
     s.host_grad = HostArray{};
     s.copy = swap::TransferHandle();
@@ -128,6 +151,7 @@ void StepEngine::end_window(bool count_taken_back) {
   ledger_.end_window(count_taken_back);
   sync_buckets();
   finish_clock();
+  if (stall) std::rethrow_exception(stall);
 }
 
 void StepEngine::finish_clock() {

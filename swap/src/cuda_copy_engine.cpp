@@ -24,8 +24,7 @@ namespace {
 
 class CudaState final : public detail::TransferState {
  public:
-  CudaState(cudaEvent_t ev, std::size_t bytes, const char* kind)
-      : event_(ev), bytes_(bytes), kind_(kind), since_(std::chrono::steady_clock::now()) {}
+  CudaState(cudaEvent_t ev, std::size_t bytes, const char* kind) : event_(ev), bytes_(bytes), work_(kind, bytes) {}
   ~CudaState() override { TIERFLOW_CUDA_ASSERT_OK(cudaEventDestroy(event_)); }
   bool ready() const override {
     cudaError_t st = cudaEventQuery(event_);
@@ -34,28 +33,25 @@ class CudaState final : public detail::TransferState {
       return false;
     }
     TIERFLOW_CUDA_TRY(st);
+    work_.done();  // no longer in flight (Note [Stall timeout])
     return true;
   }
   // Note [Stall timeout]: an event cannot be waited on with a limit, so past a first stretch of spinning (as
-  // cudaEventSynchronize spins) it is polled, with naps growing to 200 us. Not measured on a GPU.
+  // cudaEventSynchronize spins) it is polled, with naps growing to 200 us, until the copy's deadline (counted
+  // from when it was queued). Not measured on a GPU.
   void wait() const override {
     if (!(stall_timeout() > 0)) {
       TIERFLOW_CUDA_TRY(cudaEventSynchronize(event_));
+      work_.done();
       return;
     }
     const auto start = std::chrono::steady_clock::now();
-    const auto deadline = stall_deadline();
+    const auto deadline = work_.deadline();
     auto nap = std::chrono::microseconds(0);
     for (;;) {
       if (ready()) return;
       const auto now = std::chrono::steady_clock::now();
-      if (now >= deadline) {
-        const double age = std::chrono::duration<double>(now - since_).count();
-        char buf[48];
-        std::snprintf(buf, sizeof buf, ", %.3g s old", age);
-        throw_stall(std::string(kind_) + " of " + format_bytes(bytes_) + " on a CUDA stream" + buf,
-                    std::chrono::duration<double>(now - start).count());
-      }
+      if (now >= deadline) work_.stalled(std::chrono::duration<double>(now - start).count());
       if (now - start < std::chrono::milliseconds(2)) {
         std::this_thread::yield();
       } else {
@@ -70,8 +66,9 @@ class CudaState final : public detail::TransferState {
  private:
   cudaEvent_t event_;
   std::size_t bytes_;
-  const char* kind_;
-  std::chrono::steady_clock::time_point since_;
+  // Listed while in flight (Note [Stall timeout]): from the copy's queueing until it is seen complete. The
+  // kind's text says "on a CUDA stream" through the engine's kinds below.
+  mutable PendingWork work_;
 };
 
 class CudaCopyEngine final : public CopyEngine {
@@ -113,7 +110,7 @@ class CudaCopyEngine final : public CopyEngine {
     TIERFLOW_CUDA_TRY(cudaEventRecord(done, s));
     count(dir, bytes);
     return TransferHandle(std::make_shared<CudaState>(
-        done, bytes, dir == Direction::kDeviceToHost ? "device -> host copy" : "host -> device copy"));
+        done, bytes, dir == Direction::kDeviceToHost ? "device -> host copy on a CUDA stream" : "host -> device copy on a CUDA stream"));
   }
 
   void make_stream_wait(StreamRef consumer, const TransferHandle& h) override {

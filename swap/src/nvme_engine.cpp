@@ -335,7 +335,8 @@ struct NvmeEngine::Impl {
   void complete(Request* r, long res) {
     Operation* op = r->op;
     if (o.faults) {
-      if (op->is_write) std::this_thread::sleep_for(std::chrono::microseconds(o.faults->write_delay_us.load()));
+      std::this_thread::sleep_for(
+          std::chrono::microseconds(op->is_write ? o.faults->write_delay_us.load() : o.faults->read_delay_us.load()));
       auto take = take_one;
       if (op->is_write ? take(o.faults->fail_writes) : take(o.faults->fail_reads)) res = -o.faults->error;
       else if (op->is_write ? take(o.faults->short_writes) : take(o.faults->short_reads)) res = static_cast<long>(r->length / 2);

@@ -52,10 +52,13 @@ Ptr oldest_live(const std::vector<Ptr>& list) {
   return nullptr;
 }
 
-// Waits for a transfer whose failure poll() settles (or complete_fetch() raises).
+// Waits for a transfer whose failure poll() settles (or complete_fetch() raises). A stall is raised
+// (Note [Stall timeout]): taken for a failure, the caller would report a lack of staging memory.
 void wait_quietly(const TransferHandle& handle) {
   try {
     handle.wait();
+  } catch (const stall_error&) {
+    throw;
   } catch (const std::exception&) {
   }
 }
@@ -74,17 +77,33 @@ StagedPipeline::~StagedPipeline() {
   ids.reserve(blocks_.size());
   for (const auto& entry : blocks_) ids.push_back(entry.first);
   for (std::uint64_t id : ids) release(id);
-  // A stalled block's memory may still be read or written by its copy: wait for it, however long.
-  const UnlimitedWaits unlimited;
+  // Note [Stall timeout]: a stalled block's memory may still be read or written by its work: wait for it
+  // within the limit (counted from the work's start: what stalled already is given up at once), and past it
+  // keep the block's memory for good (staging, device copy, NVMe space) instead of hanging the exit.
+  std::uint64_t kept_bytes = 0;
+  std::size_t kept = 0;
   for (const BlockPtr& b : stalled_) {
+    bool hung = false;
     for (const TransferHandle* h : {&b->d2h, &b->h2d, &b->write, &b->read}) {
       try {
         h->wait();
-      } catch (const std::exception&) {  // reported when it stalled
+      } catch (const stall_error&) {
+        hung = true;
+        break;
+      } catch (const std::exception&) {  // a failure: the work has ended
       }
     }
-    free_block(*b);
+    if (!hung) {
+      free_block(*b);
+      continue;
+    }
+    kept_bytes += b->bytes;
+    ++kept;
+    new BlockPtr(b);  // deliberately never deleted: its staging, device copy and NVMe space stay
   }
+  if (kept)
+    note_kept_forever(kept_bytes, std::to_string(kept) + " staged block(s) of " + format_bytes(kept_bytes) +
+                                      " whose copy or NVMe request stalled, at the pipeline's teardown");
 }
 
 StagedPipeline::Block& StagedPipeline::at(std::uint64_t id) const {
@@ -482,7 +501,7 @@ void StagedPipeline::free_block(Block& b) noexcept {
 
 // Note [Stall timeout]: a block released while its copy or request stalls keeps its memory (staging, device
 // copy, NVMe space) until that ends, since the work may still read or write it; it is freed by a later poll,
-// or by the destructor, which waits. release() cannot raise: the stall is kept and raised by the next offload,
+// or by the destructor, which waits within the limit and then keeps it for good. release() cannot raise: the stall is kept and raised by the next offload,
 // fetch or complete_fetch, and from then on a release parks a block whose work is not done without waiting.
 void StagedPipeline::park_stalled(const BlockPtr& b, const char* what, const std::exception& e) noexcept {
   log(LogLevel::kError, std::string("a released block keeps its memory while ") + what + " of it is stalled: " +

@@ -11,7 +11,8 @@ from harness import gpt_task
 
 @pytest.mark.ordering
 def test_a_stalled_copy_raises_a_timeout_error_naming_it_within_the_limit():
-    """Copies to the host held (a hung device, injected on the emulated device), TIERFLOW_STALL_TIMEOUT=0.1s.
+    """Copies to the host held (a hung device, injected on the emulated device), TIERFLOW_STALL_TIMEOUT=1s
+    (the least accepted).
     Backward does not wait for them (it reads the device copies of blocks still on their way), but releasing a
     block must, to free its staging: that wait stalls, is logged, and the block keeps its memory; the next
     offload raises tierflow's StallError (a TimeoutError) naming the copy and what is in flight, within the
@@ -22,7 +23,7 @@ def test_a_stalled_copy_raises_a_timeout_error_naming_it_within_the_limit():
     model = task.make_model()
     model, opt = tierflow.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), device="emulated",
                                offload_optimizer="none", offload_activations="host", min_offload_bytes=0,
-                               stall_timeout="0.1s", _copy_faults=faults)
+                               stall_timeout="1s", _copy_faults=faults)
     t0 = time.monotonic()
     with pytest.raises(TimeoutError) as err:
         for step in range(2):
@@ -32,8 +33,8 @@ def test_a_stalled_copy_raises_a_timeout_error_naming_it_within_the_limit():
     took = time.monotonic() - t0
     assert isinstance(err.value, tierflow._C.StallError), type(err.value)
     text = str(err.value)
-    assert "device -> host copy of" in text and "TIERFLOW_STALL_TIMEOUT=0.1 s" in text, text
+    assert "device -> host copy of" in text and "TIERFLOW_STALL_TIMEOUT=1 s" in text, text
     assert "In flight, oldest first:" in text, text
-    assert took < 3.0, f"raised after {took:.2f} s"
+    assert took < 2.5, f"raised after {took:.2f} s"
     faults.hold_d2h = False
     tierflow.unwrap(model)

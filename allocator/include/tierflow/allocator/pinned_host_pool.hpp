@@ -81,8 +81,9 @@ class PinnedHostPool {
 
   /// A block of at least `bytes`; throws out_of_memory naming the budget when it cannot fit.
   void* allocate(std::size_t bytes);
-  /// Like allocate() but returns nullptr instead of throwing when over budget.
-  void* try_allocate(std::size_t bytes) noexcept;
+  /// Like allocate() but returns nullptr instead of throwing when over budget. Throws only stall_error: a
+  /// block it waits for stays held by a copy past TIERFLOW_STALL_TIMEOUT (Note [Stall timeout]).
+  void* try_allocate(std::size_t bytes);
   /// Returns a block to the pool; p must come from this pool.
   void deallocate(void* p) noexcept;
   /// Returns a block that a copy may still use: it is reused only once `fence` is ready.

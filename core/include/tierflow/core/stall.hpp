@@ -5,19 +5,49 @@
 // ~~~~~~~~~~~~~~~~~~~~
 // A copy, an NVMe request or a CPU optimizer step that never completes would
 // hang training with no word. Every piece of such work registers itself as
-// `PendingWork` while in flight (what it is, its bytes, since when), and every
-// wait on it waits at most stall_timeout() seconds (TIERFLOW_STALL_TIMEOUT,
-// e.g. 10 minutes, which no healthy step comes near; none, the default for
-// now: see kDefaultStallTimeout). A wait
-// past it throws `stall_error` naming what it waited for, how long, and up to
-// kStallListed other pieces of work in flight, oldest first, with their ages:
-// the copy stuck behind a hung driver, the NVMe request behind a dead disk.
-// The work itself is not cancelled (neither a CUDA event nor a submitted
-// libaio request can be); the error says so, and the run should end.
+// `PendingWork` while in flight (what it is, its bytes, since when): the
+// emulated device's copies, CUDA copies (their events), NVMe requests and the
+// CPU optimizer's buckets on its worker. Every wait on it ends at most
+// stall_timeout() seconds after the WORK started (its PendingWork's since(),
+// not the wait's start: a copy already 9 minutes old gets one more minute,
+// and a second wait on a copy that stalled raises at once).
+// TIERFLOW_STALL_TIMEOUT, default 10min (kDefaultStallTimeout), which no
+// healthy step comes near; `none` (or 0) for no limit; under a second is
+// refused (a loaded machine's copy can take that long). A wait past it throws
+// `stall_error` (tierflow._C.StallError, a TimeoutError) naming what it
+// waited for, how long, and up to kStallListed other pieces of work in
+// flight, oldest first, with their ages: the copy stuck behind a hung driver,
+// the NVMe request behind a dead disk. The work itself is not cancelled
+// (neither a CUDA event nor a submitted libaio request can be); the error
+// says so, and the run should end.
+//
+// Rules for a wait on such work:
+// - A wait that catches errors lets stall_error through (catch it first and
+//   rethrow): a stall is never taken for a failed copy (whose memory may be
+//   reused) nor for a lack of memory (the pinned pool's allocation, the
+//   staged pipeline's staging), and the NVMe optimizer never releases or
+//   reuses the block or buffer of a stalled request.
+// - Where it cannot raise (a release, a destructor), the memory the work may
+//   still read or write is kept: parked (freed by a later poll once the work
+//   ends) or, at teardown, kept for good (keep_forever, one warning naming
+//   it); the stall is raised by the next call that can. After any stall
+//   (stall_seen()) the pinned pool's destructor keeps the slabs that still
+//   hold blocks instead of freeing them.
+// - Teardown waits with the limit too (from the work's start, so what
+//   stalled already is given up at once): a truly hung device does not hang
+//   the exit. UnlimitedWaits is for a wait that must end before memory goes
+//   and has nowhere to keep it.
+// - The limit is process-wide (a wait deep in an engine has no runtime to
+//   ask). Each Runtime claims it (StallTimeoutClaim) while it lives: a second
+//   Runtime with a different TIERFLOW_STALL_TIMEOUT / stall_timeout= while the
+//   first lives is refused with a config_error naming both values, rather
+//   than silently changing the first one's limit; the same value, or one after
+//   the first is gone, is fine.
 #pragma once
 
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -34,10 +64,10 @@ class stall_error : public std::runtime_error {
 /// within an UnlimitedWaits scope.
 void set_stall_timeout(double seconds) noexcept;
 double stall_timeout() noexcept;
-/// The default: no limit, for now. A review found waits that catch every error and go on (the pinned pool's
-/// allocation, the step engine's and the NVMe optimizer's settling, parameter releases): a stall there would
-/// be swallowed or free memory a copy still writes. Until each lets a stall through, the limit is asked for.
-inline constexpr double kDefaultStallTimeout = 0.0;
+/// The default: 10 minutes, which no healthy step comes near.
+inline constexpr double kDefaultStallTimeout = 600.0;
+/// The shortest limit accepted (TIERFLOW_STALL_TIMEOUT refuses less than this, other than none/0).
+inline constexpr double kMinStallTimeout = 1.0;
 /// At most this many other pieces of work are listed in a stall's error.
 inline constexpr std::size_t kStallListed = 8;
 
@@ -52,6 +82,10 @@ class PendingWork {
 
   /// No longer in flight (idempotent).
   void done() noexcept;
+  /// When the work started.
+  std::chrono::steady_clock::time_point since() const noexcept { return since_; }
+  /// When a wait on it gives up: since() + stall_timeout() (time_point::max() without a limit).
+  std::chrono::steady_clock::time_point deadline() const noexcept;
   /// "NVMe read of 4.00 MiB (block 12), 3.2 s old".
   std::string describe() const;
   /// Throws stall_error for a wait on this work that lasted `waited_seconds`.
@@ -88,7 +122,31 @@ class UnlimitedWaits {
   bool before_;
 };
 
-/// The deadline of a wait that starts now (time_point::max() without a limit).
-std::chrono::steady_clock::time_point stall_deadline() noexcept;
+/// The deadline of a wait on work that started at `since` (time_point::max() without a limit).
+std::chrono::steady_clock::time_point stall_deadline(std::chrono::steady_clock::time_point since) noexcept;
+
+/// Whether a stall_error was raised in this process (teardown then keeps memory still in use, Note [Stall
+/// timeout]).
+bool stall_seen() noexcept;
+
+/// Keeps `memory` alive for the rest of the process: memory a stalled copy or request may still read or write,
+/// given up at teardown. Logs one warning naming `what` ("a gradient bucket of 4.00 MiB").
+void keep_forever(std::shared_ptr<void> memory, std::uint64_t bytes, const std::string& what) noexcept;
+/// Bytes kept for good so far, and how many pieces.
+std::uint64_t kept_forever_bytes() noexcept;
+std::size_t kept_forever_count() noexcept;
+/// Counts `bytes` as kept for good (memory kept some other way, e.g. by leaking its owner), logging one
+/// warning naming `what`.
+void note_kept_forever(std::uint64_t bytes, const std::string& what) noexcept;
+
+/// A Runtime's claim on the process-wide limit: sets it, and refuses (config_error naming
+/// TIERFLOW_STALL_TIMEOUT and both values) while another claim with a different value lives.
+class StallTimeoutClaim {
+ public:
+  explicit StallTimeoutClaim(double seconds);
+  ~StallTimeoutClaim();
+  StallTimeoutClaim(const StallTimeoutClaim&) = delete;
+  StallTimeoutClaim& operator=(const StallTimeoutClaim&) = delete;
+};
 
 }  // namespace tierflow

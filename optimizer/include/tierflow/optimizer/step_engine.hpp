@@ -307,6 +307,8 @@ class StepEngine {
   void run_bucket(std::uint64_t generation, std::vector<Entry> entries, std::vector<swap::TransferHandle> copies,
                   std::uint64_t clock_window, std::size_t timed);
   void settle_failed_bucket(std::uint64_t generation, const std::vector<Entry>& entries);
+  // Keeps the host memory of `entries`' gradients for good: a copy into them stalled (Note [Stall timeout]).
+  static void keep_stalled_grads(const std::vector<Entry>& entries) noexcept;
   std::uint64_t step_entries(const std::vector<Entry>& entries);
   void redo(const std::vector<std::pair<std::size_t, double>>& redo, std::vector<std::size_t>& committed);
   void finish_clock();

@@ -66,6 +66,7 @@ struct NvmeFaults {
   std::atomic<int> corrupt_reads{0}; ///< next N read requests flip a byte in what they read
   std::atomic<int> fail_grows{0};    ///< next N grows of a swap file fail with ENOSPC (a full disk)
   std::atomic<int> write_delay_us{0}; ///< each write request completes this much later (holds writes in flight)
+  std::atomic<int> read_delay_us{0};  ///< each read request completes this much later (a stuck disk, Note [Stall timeout])
   int error = 5;                     ///< errno to inject (EIO)
 };
 

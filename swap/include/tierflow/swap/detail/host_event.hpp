@@ -26,8 +26,8 @@ class HostEvent final : public TransferState {
     std::unique_lock<std::mutex> lock(mutex_);
     if (!done_) {
       const auto start = std::chrono::steady_clock::now();
-      if (stall_timeout() > 0) {
-        if (!cv_.wait_until(lock, stall_deadline(), [&] { return done_; })) {
+      if (stall_timeout() > 0) {  // counted from the work's start, not the wait's (Note [Stall timeout])
+        if (!cv_.wait_until(lock, work_.deadline(), [&] { return done_; })) {
           lock.unlock();
           work_.stalled(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
         }
