@@ -23,6 +23,18 @@ def tiny(device: str) -> tuple:
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
+class TwoOutputs(torch.nn.Module):
+    """A model whose two outputs both carry gradients: one backward all the same."""
+
+    def __init__(self, body: torch.nn.Module) -> None:
+        super().__init__()
+        self.body = body
+
+    def forward(self, x: torch.Tensor) -> tuple:
+        h = self.body(x)
+        return h, 2 * h
+
+
 def batch(device: str, i: int) -> torch.Tensor:
     return torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(i)).to(torch_device(device))
 
@@ -36,20 +48,23 @@ def test_one_entry_per_step_bytes_are_the_reports_differences(device):
     model, opt = tiny(device)
     model, opt = tierflow.wrap(model, opt, device=device, offload_activations="host", min_offload_bytes=0)
     assert isinstance(opt, tierflow.CPUAdamW)
-    moved = []
+    moved, cpu_in_step = [], []
     for i in range(3):
-        before = links()
+        before, stream_before = links(), opt.stream_stats()
         model(batch(device, i)).square().mean().backward()
         opt.step()
-        after = links()
+        after, stream_after = links(), opt.stream_stats()
         opt.zero_grad()
         moved.append(tuple(a - b for a, b in zip(after, before)))
+        # the stream's time inside step(): its wait for the worker and what it stepped again (Note [Stream timeline])
+        cpu_in_step.append(sum(stream_after[k] - stream_before[k] for k in ("step_wait_ms", "step_kernel_ms")) / 1e3)
     steps = step_stats()
     assert [s["step"] for s in steps] == [1, 2, 3]
     assert step_stats(last=True) == steps[-1]
     peak_host = tierflow.report()["host_pool"]["in_use"]["peak"]
-    for s, m in zip(steps, moved):
+    for s, m, cpu in zip(steps, moved, cpu_in_step):
         assert tuple(s[k] for k in LINKS) == m, (s, m)
+        assert s["exposed_cpu_step_s"] == pytest.approx(cpu, abs=1e-8), (s, cpu)
         assert s["device_to_host_bytes"] > 0 and s["host_to_device_bytes"] > 0, s  # activations went and came back
         assert (s["forwards"], s["backwards"]) == (1, 1)
         assert s["forward_s"] > 0 and s["backward_s"] > 0 and s["step_s"] > 0, s
@@ -62,15 +77,17 @@ def test_one_entry_per_step_bytes_are_the_reports_differences(device):
 
 def test_plain_optimizer_with_auto_activations(device):
     model, opt = tiny(device)
-    model, opt = tierflow.wrap(model, opt, device=device, offload_optimizer="none", offload_activations="auto")
+    model, opt = tierflow.wrap(TwoOutputs(model), opt, device=device, offload_optimizer="none",
+                               offload_activations="auto")
     assert isinstance(opt, torch.optim.AdamW)
     for i in range(3):
-        model(batch(device, i)).square().mean().backward()
+        a, b = model(batch(device, i))
+        (a.square().mean() + b.mean()).backward()
         opt.step()
         opt.zero_grad()
     steps = step_stats()
     assert [s["step"] for s in steps] == [1, 2, 3]
-    assert all(s["step_s"] > 0 and s["exposed_cpu_step_s"] == 0 for s in steps), steps
+    assert all(s["step_s"] > 0 and s["exposed_cpu_step_s"] == 0 and s["backwards"] == 1 for s in steps), steps
 
 
 def test_without_an_optimizer_the_next_forward_ends_a_step(device):
