@@ -234,8 +234,23 @@ TEST(DescribePlan, TheWholeStepIsInTheTextAndTheJsonTermByTerm) {
   EXPECT_DOUBLE_EQ(j["step"]["optimizer"]["kernel_seconds"].get<double>(), kernel);
   const double backward = j["step"]["backward_seconds"].get<double>();
   EXPECT_NEAR(terms["optimizer"].get<double>(), kernel - backward, 1e-9);
-  EXPECT_NEAR(terms["total"].get<double>(), plan.predicted_step_seconds + kernel - backward, 1e-9);
+  const double blocks_seconds = j["step"]["blocks_seconds"].get<double>();
+  EXPECT_NEAR(terms["total"].get<double>(), blocks_seconds + kernel - backward, 1e-9);
   EXPECT_GT(terms["parameter_fetches"].get<double>(), 0.0);  // --offload-params host over 20 GB/s
+  EXPECT_NEAR(blocks_seconds, plan.predicted_step_seconds + terms["gradient_copies"].get<double>(), 1e-9);
+  {
+    // --optimizer host: each block's gradients go device->host in its backward; over a slow 1 GB/s they show.
+    auto slow = in;
+    slow.offload_params = "none";
+    slow.gpu_memory = {"80GiB", SettingSource::kFlag};
+    slow.links = Links{1e9, 20e9, 0, 0, 0};
+    const auto spb = plan_command_budgets(slow);
+    const auto splan = plan_activations(blocks, spb.links, spb.budgets);
+    const Json sj = Json::parse(describe_plan(splan, blocks, slow, spb).json);
+    const double grads = sj["step"]["terms_seconds"]["gradient_copies"].get<double>();
+    EXPECT_GT(grads, 0.1);  // 8 blocks of 100 MB at 1 GB/s beside a few ms of backward each
+    EXPECT_NEAR(sj["step"]["blocks_seconds"].get<double>(), splan.predicted_step_seconds + grads, 1e-9);
+  }
   EXPECT_EQ(j["layers"].size(), 8u);                          // the JSON keeps every block
   bool grouped = false, whole = false;
   for (const auto& l : r.lines) {

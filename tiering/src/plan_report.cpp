@@ -405,6 +405,16 @@ OptimizerStepInputs optimizer_inputs(const PlanCommandInputs& in, const PlanComm
   return o;
 }
 
+// The blocks as the step moves them: with --optimizer host each block's gradients go device->host during its
+// backward (optimizer_traffic's grads_down_in_backward, TIERFLOW_OVERLAP_STEP on); a shape's estimate leaves them
+// out, a measured profile has them already.
+std::vector<BlockProfile> with_gradient_traffic(std::vector<BlockProfile> blocks, const PlanCommandInputs& in) {
+  if (in.optimizer != "host" || !in.shape) return blocks;
+  for (auto& b : blocks)
+    if (b.download_bytes == 0) b.download_bytes = b.parameter_bytes;
+  return blocks;
+}
+
 // The "step" object of the JSON: each term's seconds, then the optimizer's parts.
 Json step_json(const StepPrediction& step, const OptimizerStepInputs& o) {
   Json terms = Json::object();
@@ -613,7 +623,7 @@ PlanReport describe_plan(const Plan& plan, const std::vector<BlockProfile>& bloc
   const auto why = why_of_blocks(plan, blocks, pb.links, pb.budgets);
   const auto parts = fixed_parts(in, pb.budgets, plan);
   const auto optimizer = optimizer_inputs(in, pb);
-  const auto step = predict_step(plan, blocks, pb.links, pb.budgets, optimizer);
+  const auto step = predict_step(plan, with_gradient_traffic(blocks, in), pb.links, pb.budgets, optimizer);
   return {plan_lines(plan, in, pb, why, parts, step, optimizer), plan_json(plan, in, pb, why, parts, step, optimizer)};
 }
 

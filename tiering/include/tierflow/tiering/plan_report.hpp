@@ -53,6 +53,21 @@
 // gives no parameter bytes per block: with --profile only none is accepted.
 // The command prints which blocks fetch, the rest unit's residence, and the
 // parameter bytes per tier (device: resident and the window of fetched ones).
+//
+// The whole step (issue 41). After the blocks' forward + backward, the text
+// and the JSON ("step") give the whole step term by term (Note [Step
+// prediction]): the blocks' compute, the exposed activation copies, parameter
+// fetches and gradient copies (--optimizer host: each block's gradients go
+// device->host in its backward, which a shape's estimate leaves out of the
+// blocks), and the CPU AdamW's step beyond backward: its rate is
+// --cpu-adam-rate (PlanCommandInputs::cpu_adam_params_per_second, with fp32
+// states, scaled to --optimizer-states' format) or, when not given, measured
+// here in that format (about 60 ms); --optimizer nvme reads and writes the
+// states at --nvme-gbps in step(), after backward.
+//
+// Identical blocks. In the text, consecutive blocks whose lines are the same
+// (the plan's line, and each block's reasons) are one line, "blocks 0-31 (32
+// identical): ..." (group_block_lines); the JSON keeps an entry per block.
 #pragma once
 
 #include <cstdint>
