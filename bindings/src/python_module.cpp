@@ -1,6 +1,7 @@
 // tierflow._C: the pybind11 surface over bindings/. The Python package is a
 // thin layer over these functions; the logic lives in C++. This file defines
-// the module (exceptions, configuration, logging) and the converters the parts
+// the module (it re-exports tierflow._core's settings, errors and planner, Note
+// [Two extensions] in core_module.cpp; logging) and the converters the parts
 // share; each part binds one area (module_parts.hpp).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -20,7 +21,6 @@
 #include "tierflow/bindings/emulated_device_memory.hpp"
 #include "tierflow/bindings/grad_content.hpp"
 #include "tierflow/bindings/grad_stream.hpp"
-#include "tierflow/bindings/planner_bindings.hpp"
 #include "tierflow/bindings/runtime.hpp"
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/stall.hpp"
@@ -32,6 +32,11 @@
 #include "tierflow/tiering/tiers.hpp"
 
 namespace py = pybind11;
+
+namespace tierflow::bindings {
+void bind_plan_driver_api(pybind11::module_& m);  // plan_driver_bindings.cpp (Note [Two extensions])
+}  // namespace tierflow::bindings
+
 using namespace tierflow;
 using namespace tierflow::bindings;
 using namespace tierflow::bindings::pymod;
@@ -126,73 +131,33 @@ std::map<std::string, std::string> to_string_map(const py::dict& d) {
 
 namespace {
 
-// Note [Typed settings]: core::Config as Python sees it: each TIERFLOW_* setting typed, read once by the table
-// (sizes as ints of bytes, switches as bools, choices as the table's names, budgets as their text: a percentage
-// is of a capacity only the runtime knows, Runtime.device_budget_bytes() and host_budget_bytes() resolve them).
-// Python reads these instead of comparing the strings of Runtime.config(), which stays for reports and old code.
-void bind_settings(py::module_& m) {
-  auto text = [](auto field) { return [field](const Config& c) { return std::string(to_string(c.*field)); }; };
-  py::class_<Config>(m, "Settings", "Every TIERFLOW_* setting, typed (Note [One configuration table]).")
-      .def_property_readonly("gpu_memory", [](const Config& c) { return c.gpu_memory.to_string(); },
-                             "TIERFLOW_GPU_MEMORY as written (a size or a percentage); bytes: Runtime.device_budget_bytes()")
-      .def_property_readonly("host_memory", [](const Config& c) { return c.host_memory.to_string(); },
-                             "TIERFLOW_HOST_MEMORY as written; bytes: Runtime.host_budget_bytes()")
-      .def_property_readonly("nvme_paths", [](const Config& c) { return c.nvme_paths; }, "TIERFLOW_NVME_PATHS")
-      .def_property_readonly("nvme_memory", [](const Config& c) { return c.to_strings().at("TIERFLOW_NVME_MEMORY"); },
-                             "TIERFLOW_NVME_MEMORY as written (auto, a size or a percentage)")
-      .def_readonly("aio_block_size", &Config::aio_block_size, "TIERFLOW_AIO_BLOCK_SIZE, bytes")
-      .def_readonly("aio_queue_depth", &Config::aio_queue_depth, "TIERFLOW_AIO_QUEUE_DEPTH")
-      .def_readonly("nvme_checksum", &Config::nvme_checksum, "TIERFLOW_NVME_CHECKSUM")
-      .def_property_readonly("offload_activations", text(&Config::offload_activations),
-                             "TIERFLOW_OFFLOAD_ACTIVATIONS: none, host, nvme, auto or recompute")
-      .def_property_readonly("offload_params", text(&Config::offload_params),
-                             "TIERFLOW_OFFLOAD_PARAMS: none, host, nvme or auto")
-      .def_property_readonly("offload_optimizer", text(&Config::offload_optimizer),
-                             "TIERFLOW_OFFLOAD_OPTIMIZER: none, host or nvme")
-      .def_readonly("cpu_threads", &Config::cpu_threads, "TIERFLOW_CPU_THREADS; 0: all cores (auto)")
-      .def_readonly("cpu_isa", &Config::cpu_isa, "TIERFLOW_CPU_ISA: auto, avx512, avx2 or portable")
-      .def_property_readonly("optimizer_states", text(&Config::optimizer_states),
-                             "TIERFLOW_OPTIMIZER_STATES: fp32, bf16 or 8bit")
-      .def_property_readonly("log_level", text(&Config::log_level), "TIERFLOW_LOG_LEVEL")
-      .def_readonly("stall_timeout", &Config::stall_timeout_seconds, "TIERFLOW_STALL_TIMEOUT, seconds (0: none)")
-      .def_readonly("report", &Config::report_path, "TIERFLOW_REPORT; empty: no file")
-      .def_readonly("profile", &Config::profile_path, "TIERFLOW_PROFILE; empty: measure every run")
-      .def_readonly("replan", &Config::replan, "TIERFLOW_REPLAN")
-      .def_readonly("min_offload_bytes", &Config::min_offload_bytes, "TIERFLOW_MIN_OFFLOAD_BYTES")
-      .def_readonly("prefetch_bytes", &Config::prefetch_bytes, "TIERFLOW_PREFETCH_BYTES")
-      .def_readonly("pinned_slab_bytes", &Config::pinned_slab_bytes, "TIERFLOW_PINNED_SLAB_BYTES")
-      .def_readonly("mimalloc", &Config::mimalloc, "TIERFLOW_MIMALLOC")
-      .def_property_readonly("device", text(&Config::device), "TIERFLOW_DEVICE: auto, cuda or emulated")
-      .def_property_readonly("emulated_device", text(&Config::emulated_device),
-                             "TIERFLOW_EMULATED_DEVICE: polite or adversarial")
-      .def_readonly("emulated_seed", &Config::emulated_seed, "TIERFLOW_EMULATED_SEED")
-      .def_readonly("overlap_step", &Config::overlap_step, "TIERFLOW_OVERLAP_STEP")
-      .def_readonly("partition_optimizer", &Config::partition_optimizer, "TIERFLOW_PARTITION_OPTIMIZER")
-      .def_readonly("grad_accumulation_steps", &Config::grad_accumulation_steps, "TIERFLOW_GRAD_ACCUMULATION_STEPS")
-      .def_property_readonly("max_grad_norm", [](const Config& c) -> py::object {
-        return c.max_grad_norm > 0 ? py::cast(c.max_grad_norm) : py::none();
-      }, "TIERFLOW_MAX_GRAD_NORM; None: no clip")
-      .def_readonly("skip_nonfinite", &Config::skip_nonfinite, "TIERFLOW_SKIP_NONFINITE")
-      .def_property_readonly("gpu_optimizer_fraction", [](const Config& c) -> py::object {
-        return c.gpu_optimizer_fraction_auto ? py::none() : py::cast(c.gpu_optimizer_fraction);
-      }, "TIERFLOW_GPU_OPTIMIZER_FRACTION; None: auto")
-      .def_property_readonly("grad_bucket_bytes", [](const Config& c) -> py::object {
-        return c.grad_bucket_bytes == 0 ? py::none() : py::cast(c.grad_bucket_bytes);
-      }, "TIERFLOW_GRAD_BUCKET_BYTES; None: auto")
-      .def_readonly("weights_return_in_forward", &Config::weights_return_in_forward,
-                    "TIERFLOW_WEIGHTS_RETURN=forward")
-      .def_readonly("offload_gradients", &Config::offload_gradients, "TIERFLOW_OFFLOAD_GRADIENTS")
-      .def_property_readonly("given", [](const Config& c) { return c.given; },
-                             "The TIERFLOW_* variables set (environment or keywords); the others hold their defaults")
-      .def("to_strings", &Config::to_strings, "Every setting as text, keyed by variable (Runtime.config())")
-      .def("__repr__", [](const Config& c) {
-        std::string out = "Settings(";
-        for (const auto& [name, value] : c.to_strings()) out += name.substr(9) + "=" + value + ", ";
-        return out.substr(0, out.size() - 2) + ")";
-      });
-  m.def("resolve_settings", [](const py::dict& overrides) {
-    return Config::from_environment(to_string_map(overrides));
-  }, py::arg("overrides") = py::dict(), "The settings the environment plus `overrides` give, typed; raises ConfigError.");
+// _core's exception classes for what _C's code throws (Note [Two extensions]): _C links its own copy of core, so
+// it translates its own errors, into the classes _core made; the most derived first where types are related.
+void translate_into(const py::module_& core) {
+  // Held for good (released references): a translator may run until the interpreter ends.
+  static PyObject* tierflow_error = py::object(core.attr("TierflowError")).release().ptr();
+  static PyObject* config = py::object(core.attr("ConfigError")).release().ptr();
+  static PyObject* oom = py::object(core.attr("OutOfMemoryError")).release().ptr();
+  static PyObject* io = py::object(core.attr("IOError")).release().ptr();
+  static PyObject* cuda = py::object(core.attr("CudaError")).release().ptr();
+  static PyObject* stall = py::object(core.attr("StallError")).release().ptr();
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const stall_error& e) {
+      PyErr_SetString(stall, e.what());
+    } catch (const cuda_error& e) {
+      PyErr_SetString(cuda, e.what());
+    } catch (const io_error& e) {
+      PyErr_SetString(io, e.what());
+    } catch (const out_of_memory& e) {
+      PyErr_SetString(oom, e.what());
+    } catch (const config_error& e) {
+      PyErr_SetString(config, e.what());
+    } catch (const logic_error& e) {
+      PyErr_SetString(tierflow_error, e.what());
+    }
+  });
 }
 
 }  // namespace
@@ -200,33 +165,18 @@ void bind_settings(py::module_& m) {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "tierflow's C++ runtime";
 
-  auto base = py::register_exception<logic_error>(m, "TierflowError", PyExc_RuntimeError);
-  py::register_exception<config_error>(m, "ConfigError", PyExc_ValueError);
-  py::register_exception<out_of_memory>(m, "OutOfMemoryError", PyExc_MemoryError);
-  py::register_exception<io_error>(m, "IOError", PyExc_OSError);
-  py::register_exception<cuda_error>(m, "CudaError", PyExc_RuntimeError);
-  py::register_exception<stall_error>(m, "StallError", PyExc_TimeoutError);  // Note [Stall timeout]
+  // torch before anything of torch's is used: `import tierflow._C` alone works too (the package imports torch
+  // first, Note [Two extensions]).
+  py::module_::import("torch");
+  // The torch-free names: settings, errors, the planner (Note [Two extensions]); `_C.X` is `_core.X`.
+  const py::module_ core = py::module_::import("tierflow._core");
+  const py::dict names = core.attr("__dict__");
+  for (auto item : names) {
+    const auto name = item.first.cast<std::string>();
+    if (name.rfind("__", 0) != 0) m.attr(item.first) = item.second;
+  }
+  translate_into(core);
 
-  m.def("config_table", [] {
-    py::list rows;
-    for (const auto& e : config_table()) {
-      py::dict r;
-      r["name"] = std::string(e.name);
-      r["default"] = std::string(e.default_value);
-      r["accepted"] = std::string(e.accepted);
-      r["doc"] = std::string(e.doc);
-      rows.append(r);
-    }
-    return rows;
-  }, "Every TIERFLOW_* variable: name, default, accepted forms, meaning.");
-  bind_settings(m);
-  m.def("resolve_config", [](const py::dict& overrides) {
-    return Config::from_environment(to_string_map(overrides)).to_strings();
-  }, "The configuration the environment plus `overrides` give; raises ConfigError.");
-  m.def("config_given", [](const py::dict& overrides) {
-    const auto given = Config::from_environment(to_string_map(overrides)).given;
-    return std::vector<std::string>(given.begin(), given.end());
-  }, "The TIERFLOW_* variables the environment plus `overrides` set (the others hold the table's defaults).");
   m.def("ignored_settings", [](const py::dict& config, const std::vector<std::string>& given, bool cuda) {
     Config c = Config::parse(to_string_map(config));
     c.given = std::set<std::string>(given.begin(), given.end());
@@ -272,13 +222,12 @@ PYBIND11_MODULE(_C, m) {
     log(l, message);
   }, "A line on stderr through tierflow's log (TIERFLOW_LOG_LEVEL filters it).");
 
-  bind_planner(m);
+  bind_plan_driver_api(m);  // plan_driver_bindings.cpp: PlanDriver (the rest of the planner is _core's)
   bind_optimizer_kernels(m);
   bind_runtime(m);
   bind_grad_stream(m);
   { void bind_distributed(py::module_&); bind_distributed(m); }  // distributed_bindings.cpp: _C.distributed
   { void bind_step_stats(py::module_&); bind_step_stats(m); }  // step_stats_bindings.cpp: _C.StepRecorder
   { void bind_param_uses(py::module_&); bind_param_uses(m); }  // param_uses_bindings.cpp: _C.ParamUses
-  (void)base;
 }
 

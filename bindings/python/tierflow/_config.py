@@ -1,16 +1,17 @@
-"""The configuration table (see Note [One configuration table] in core/)."""
+"""The configuration table (see Note [One configuration table] in core/). Torch-free: it reads tierflow._core
+(Note [Two extensions] in bindings/src/core_module.cpp), so the command line needs no torch."""
 
 from __future__ import annotations
 
 import os
 from typing import Any, Mapping
 
-from . import _C
+from . import _core  # the torch-free extension; _C re-exports its names
 
 
 def config_table() -> list[dict[str, str]]:
     """Every ``TIERFLOW_*`` variable: ``name``, ``default``, ``accepted``, ``doc``."""
-    return _C.config_table()
+    return _core.config_table()
 
 
 def settings_to_strings(settings: Mapping[str, Any]) -> dict[str, str]:
@@ -26,7 +27,7 @@ def settings_to_strings(settings: Mapping[str, Any]) -> dict[str, str]:
         try:
             text.encode("utf-8")
         except UnicodeEncodeError:  # a lone surrogate: undecodable bytes that came through os.fsdecode or argv
-            raise _C.ConfigError(f"{key}={text!r} is not valid (not UTF-8 text); accepted: the forms of "
+            raise _core.ConfigError(f"{key}={text!r} is not valid (not UTF-8 text); accepted: the forms of "
                                  f"TIERFLOW_{str(key).upper()} in tierflow.config_table()") from None
         out[key] = text
     return out
@@ -41,7 +42,7 @@ def _check_takes_a_list(key: str, value: Any) -> None:
         return
     if isinstance(value, (list, tuple)) and "list" in row["accepted"]:
         return
-    raise _C.ConfigError(f"{key}={value!r} ({name}) is a {type(value).__name__}, where one value is expected; "
+    raise _core.ConfigError(f"{key}={value!r} ({name}) is a {type(value).__name__}, where one value is expected; "
                          f"accepted: {row['accepted']}")
 
 
@@ -50,11 +51,12 @@ def resolve_config(**settings: Any) -> dict[str, str]:
 
     Raises ``tierflow.ConfigError`` naming an unknown or malformed setting.
     """
-    return _C.resolve_config(settings_to_strings(settings))
+    return _core.resolve_config(settings_to_strings(settings))
 
 
 def resolve_settings(**settings: Any) -> Any:
-    """The same, typed (``tierflow._C.Settings``: ints for bytes, bools for switches, the table's names for
-    choices; Note [Typed settings] in bindings/src/python_module.cpp): what Python code reads."""
-    return _C.resolve_settings(settings_to_strings(settings))
+    """The same, typed (``tierflow._C.Settings``, which is ``tierflow._core.Settings``: ints for bytes, bools for
+    switches, the table's names for choices; Note [Typed settings] in bindings/src/core_module.cpp): what Python
+    code reads."""
+    return _core.resolve_settings(settings_to_strings(settings))
 

@@ -24,9 +24,9 @@ import sys
 import time
 from typing import Any, Callable, Sequence
 
-from .. import _C
+from .. import _native as _C  # tierflow._core's names (torch-free); any other loads torch, then tierflow._C
 from .._config import resolve_settings
-from ..activations.profile import profile_from_json
+from .._native import profile_from_json  # tiering's parser; tierflow.activations imports torch
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
