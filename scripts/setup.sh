@@ -10,7 +10,8 @@
 #                    0.17.1 (test dependencies: the HF model, model zoo and Trainer tests); a .pth file makes `import tierflow` find
 #                    bindings/python from any directory
 #   build            CMake + Ninja in build/dev: the C++ libraries, the GoogleTest
-#                    suites and tierflow._C next to the Python sources
+#                    suites and the extensions tierflow._core (torch-free) and tierflow._C next
+#                    to the Python sources
 #
 # With TIERFLOW_BUNDLE=dir (make setup BUNDLE=dir), a directory made by
 # `make bundle` (scripts/bundle.sh), no registry is used: its Debian packages
@@ -166,7 +167,7 @@ if ! "$VPY" -c "import xdist" 2>/dev/null; then
 fi
 say "torch $("$VPY" -c 'import torch; print(torch.__version__)')"
 
-# `import tierflow` from any directory: the sources (and _C, built next to
+# `import tierflow` from any directory: the sources (and _core and _C, built next to
 # them) go on .venv's path, an editable install that needs no second build.
 SITE=$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 if [ "$(cat "$SITE/_tierflow_source.pth" 2>/dev/null)" != "$ROOT/bindings/python" ]; then
