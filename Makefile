@@ -123,4 +123,4 @@ finetune-states: setup
 	$(PY) benchmarks/finetune_states.py $(ARGS)
 
 clean:
-	rm -rf build bindings/python/tierflow/_C*.so
+	rm -rf build bindings/python/tierflow/_C*.so bindings/python/tierflow/_core*.so

@@ -37,6 +37,7 @@ def test_wheel_contains_the_extension_and_the_package(tmp_path):
     assert len(wheels) == 1, wheels
     names = zipfile.ZipFile(tmp_path / wheels[0]).namelist()
     assert any(n.startswith("tierflow/_C") and n.endswith(".so") for n in names), names
+    assert any(n.startswith("tierflow/_core") and n.endswith(".so") for n in names), names  # Note [Two extensions]
     package = os.path.join(ROOT, "bindings", "python", "tierflow")
     # Every module, in the package's folders too (activations/, optim/, cli/).
     modules = sorted(os.path.relpath(os.path.join(d, f), package)
