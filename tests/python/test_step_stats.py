@@ -75,6 +75,29 @@ def test_one_entry_per_step_bytes_are_the_reports_differences(device):
     assert tierflow.report()["steps"]["recorded"] == 3
 
 
+def test_nvme_links_are_the_reports_differences(device, nvme_dir):
+    model, opt = tiny(device)
+    model, opt = tierflow.wrap(model, opt, device=device, offload_optimizer="nvme", nvme_paths=nvme_dir,
+                               nvme_memory="8MiB")  # the states go to NVMe and come back every step
+    runtime = tierflow.current_session().runtime
+    for i in range(3):
+        before, states_before = links(), runtime.nvme_adam_stats()
+        model(batch(device, i)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        s, states = step_stats(last=True), runtime.nvme_adam_stats()
+        assert tuple(s[k] for k in LINKS) == tuple(a - b for a, b in zip(links(), before))
+        # only the optimizer's states use NVMe here: its own counters say the same (but of the first step, which
+        # also writes the states it made)
+        assert i == 0 or (s["host_to_nvme_bytes"], s["nvme_to_host_bytes"]) == \
+            (states["bytes_written"] - states_before["bytes_written"], states["bytes_read"] - states_before["bytes_read"])
+        assert s["exposed_nvme_wait_s"] == pytest.approx((states["read_wait_ms"] - states_before["read_wait_ms"]) / 1e3,
+                                                         abs=1e-8)
+    s = step_stats(last=True)
+    assert s["host_to_nvme_bytes"] > 0 and s["nvme_to_host_bytes"] > 0 and s["peak_nvme_bytes"] > 0, s
+    assert 0 <= s["exposed_nvme_wait_s"] <= s["step_s"], s
+
+
 def test_plain_optimizer_with_auto_activations(device):
     model, opt = tiny(device)
     model, opt = tierflow.wrap(TwoOutputs(model), opt, device=device, offload_optimizer="none",
