@@ -193,8 +193,10 @@ if [ ! -f "$BUILD_DIR/CMakeCache.txt" ] || [ "$(cat "$BUILD_DIR/setup-configure.
   printf '%s\n' "${CONFIG[@]}" >"$BUILD_DIR/setup-configure.txt"
   grep -E "tierflow:" "$BUILD_DIR/setup-cmake.log" || true
 fi
-say "building ($BUILD_DIR)"
-cmake --build "$BUILD_DIR" -j "$(nproc)" >"$BUILD_DIR/setup-build.log" 2>&1 \
+# TIERFLOW_SETUP_TARGETS (space-separated CMake targets, e.g. "_core _C"): build only those; default: everything.
+read -r -a targets <<<"${TIERFLOW_SETUP_TARGETS:-}"
+say "building ($BUILD_DIR${targets[0]:+: ${targets[*]}})"
+cmake --build "$BUILD_DIR" -j "$(nproc)" ${targets[0]:+--target "${targets[@]}"} >"$BUILD_DIR/setup-build.log" 2>&1 \
   || { tail -n 60 "$BUILD_DIR/setup-build.log" >&2; die "build failed (full log: $BUILD_DIR/setup-build.log)"; }
 
 found=$(cd / && env -u PYTHONPATH "$ROOT/$VPY" -c 'import importlib.util as u; print(u.find_spec("tierflow").origin)' 2>/dev/null || true)
