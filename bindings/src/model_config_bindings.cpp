@@ -33,7 +33,8 @@ void bind_model_config(py::module_& m) {
       .def_readwrite("positions", &TransformerShape::positions)
       .def_readwrite("experts", &TransformerShape::experts)
       .def_readwrite("experts_per_token", &TransformerShape::experts_per_token)
-      .def_readwrite("expert_intermediate", &TransformerShape::expert_intermediate);
+      .def_readwrite("expert_intermediate", &TransformerShape::expert_intermediate)
+      .def_readwrite("activation_saved", &TransformerShape::activation_saved);
 
   // --cpu-adam-rate's field (Note [Step prediction]); bound here too so the command sets it whichever binds first.
   auto inputs = py::reinterpret_borrow<py::class_<PlanCommandInputs>>(py::type::of<PlanCommandInputs>());
@@ -55,6 +56,8 @@ void bind_model_config(py::module_& m) {
   m.def("default_seq", &default_seq, py::arg("config"), "--seq's default for --model: max positions, at most 4096.");
   m.def("transformer_block_parameters", &transformer_block_parameters, py::arg("shape"),
         "Parameters of one repeated block.");
+  m.def("estimate_head_saved_bytes", &estimate_head_saved_bytes, py::arg("shape"),
+        "Of estimate_head_device_bytes, what is saved for backward (final norm, head input, log-softmax output).");
   m.def("transformer_block_flops_per_token", &transformer_block_flops_per_token, py::arg("shape"),
         "Forward matmul flops of one block per token.");
 

@@ -196,6 +196,11 @@ ModelConfig parse_model_config(std::string_view text, const std::string& path) {
   }
   if (fam->gpt2) {  // GPT-2's Conv1D projections all have biases; LayerNorm; GELU
     s.qkv_bias = s.output_bias = s.mlp_bias = true;
+    // activation_function (default gelu_new): the tanh form written in Python ops saves three more tensors.
+    const Json* act = r.find("activation_function");
+    const std::string name = act == nullptr || act->is_null() ? "gelu_new" : act->is_string() ? act->get<std::string>()
+                                                                                               : act->dump();
+    s.activation_saved = name == "gelu_new" ? 3 : 0;
   }
   s.tied = r.flag("tie_word_embeddings", fam->tied);
   // torch_dtype (transformers 4) or dtype (5).

@@ -8,6 +8,7 @@
 
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/size.hpp"
+#include "tierflow/tiering/step_prediction.hpp"
 #include "tierflow/tiering/transformer_profile.hpp"
 
 namespace tierflow::tiering {
@@ -29,6 +30,25 @@ std::string shell_word(const std::string& w) {
   std::string out = "'";
   for (const char c : w) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
   return out + "'";
+}
+
+// The whole step of a candidate (Note [Step prediction]): the blocks' and the CPU optimizer's exposed time, as
+// describe_plan predicts it (plan_report.cpp's optimizer_inputs, which is not public).
+double whole_step_seconds(const Plan& plan, const std::vector<BlockProfile>& blocks, const PlanCommandInputs& in,
+                          const PlanCommandBudgets& pb) {
+  OptimizerStepInputs o;
+  o.on_cpu = in.optimizer == "host" || in.optimizer == "nvme";
+  if (o.on_cpu && in.shape) {
+    o.parameters = transformer_parameters(*in.shape);
+    o.states = in.optimizer_states;
+    o.params_per_second = cpu_adam_rate(in.cpu_adam_params_per_second, in.optimizer_states, in.shape->dtype_bytes);
+    o.steps_during_backward = in.optimizer == "host";
+    if (in.optimizer == "nvme" && in.state) {
+      o.nvme_state_bytes = in.state->nvme;
+      o.nvme_read = o.nvme_write = in.nvme_bytes_per_second > 0 ? in.nvme_bytes_per_second : pb.links.nvme_read;
+    }
+  }
+  return predict_step(plan, blocks, pb.links, pb.budgets, o).total_seconds;
 }
 
 }  // namespace
@@ -194,7 +214,7 @@ FitSearch search_fitting_settings(const std::vector<BlockProfile>& blocks, const
             const PlanCommandBudgets b = plan_command_budgets(c);
             const Plan plan = plan_activations(blocks, b.links, b.budgets);
             t.fits = plan.fits;
-            t.step_seconds = step_of ? step_of(plan, blocks, c, b) : plan.predicted_step_seconds;
+            t.step_seconds = step_of ? step_of(plan, blocks, c, b) : whole_step_seconds(plan, blocks, c, b);
             t.device_peak_bytes = plan.predicted_device_peak_bytes;
           } catch (const out_of_memory& e) {
             t.why = e.what();

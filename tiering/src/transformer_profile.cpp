@@ -46,6 +46,7 @@ struct Counts {
   std::uint64_t parameters = 0;
   std::uint64_t block_parameters = 0;  // one block's
   std::uint64_t head = 0;  // estimate_head_device_bytes
+  std::uint64_t head_saved = 0;  // its saved part (estimate_head_saved_bytes)
   // The derived widths (Note [Model families]): attention (heads * head_dim), keys and values, MLP units.
   std::uint64_t attention = 0, kv = 0, intermediate = 0, expert_intermediate = 0;
   std::uint64_t norm_saved = 0;  // bytes one norm saves per token beside its input (output included)
@@ -76,6 +77,7 @@ Counts counts(const TransformerShape& s) {
   check_range(s.experts, 0, 1 << 12, "experts");
   if (s.experts > 0) check_range(s.experts_per_token, 1, s.experts, "experts_per_token");
   check_range(s.expert_intermediate, 0, 1 << 24, "expert_intermediate");
+  check_range(s.activation_saved, 0, 8, "activation_saved");
   if (s.head_dim == 0 && s.hidden % s.heads != 0) {
     throw config_error("transformer shape: hidden " + std::to_string(s.hidden) + " is not a multiple of heads " +
                        std::to_string(s.heads));
@@ -114,7 +116,8 @@ Counts counts(const TransformerShape& s) {
   if (!s.rms_norm && !s.gated && s.experts == 0) {  // the GPT-2-style block
     n.norm_saved = h * d + kLayerNormStatBytes;
     split = (a + 2 * kv + i) * d;
-    cheap = (3 * h + i) * d + 2 * kLayerNormStatBytes;
+    // gelu_new (GPT-2's tanh form in Python ops) saves tanh's output, 1 + tanh and x / 2 beside its input.
+    cheap = (3 * h + i + static_cast<std::uint64_t>(s.activation_saved) * i) * d + 2 * kLayerNormStatBytes;
     transient = (2 * i + h) * d;
   } else {
     // RMSNorm in fp32: the fp32 upcast of its input (a 16-bit model's), rstd, the normalized and scaled outputs.
@@ -171,6 +174,7 @@ Counts counts(const TransformerShape& s) {
   const std::uint64_t saved = c.mul(n.tokens, c.add(h * d + n.norm_saved, v * kFp32Bytes, head), head);
   const std::uint64_t transient_head = c.mul(n.tokens, v * d + 2 * v * kFp32Bytes, head);
   n.head = c.add(saved, transient_head, head);
+  n.head_saved = saved;
   return n;
 }
 
@@ -251,8 +255,11 @@ std::uint64_t transformer_block_parameters(const TransformerShape& s) { return c
 
 double transformer_block_flops_per_token(const TransformerShape& s) { return flops_of(s, counts(s)).total(); }
 
+// The CPU AdamW keeps a host master of every parameter it steps, fp32 ones included: the parameter itself is the
+// device's (measured: optimizer.states.bytes is 12 bytes an fp32 parameter, tests/python/test_plan_model.py).
 double cpu_optimizer_bytes_per_param(StateFormat states, int dtype_bytes) noexcept {
-  const double master = dtype_bytes < static_cast<int>(kFp32Bytes) ? kFp32Bytes : 0.0;
+  (void)dtype_bytes;
+  const double master = kFp32Bytes;
   switch (states) {
     case StateFormat::kFp32: return master + 2.0 * kFp32Bytes;
     case StateFormat::kBf16:
@@ -262,7 +269,8 @@ double cpu_optimizer_bytes_per_param(StateFormat states, int dtype_bytes) noexce
 }
 
 std::uint64_t cpu_optimizer_state_bytes(StateFormat states, std::uint64_t n, int dtype_bytes) noexcept {
-  const std::uint64_t master = dtype_bytes < static_cast<int>(kFp32Bytes) ? n * kFp32Bytes : 0;
+  (void)dtype_bytes;
+  const std::uint64_t master = n * kFp32Bytes;
   switch (states) {
     case StateFormat::kFp32: return master + 2 * n * kFp32Bytes;
     case StateFormat::kBf16: return master + 2 * n * 2;
@@ -296,6 +304,8 @@ StateBytes estimate_training_state(const TransformerShape& s, OffloadTarget opti
 }
 
 std::uint64_t estimate_head_device_bytes(const TransformerShape& s) { return counts(s).head; }
+
+std::uint64_t estimate_head_saved_bytes(const TransformerShape& s) { return counts(s).head_saved; }
 
 OffloadTarget parse_optimizer_placement(std::string_view text) {
   if (text == "none") return OffloadTarget::kNone;

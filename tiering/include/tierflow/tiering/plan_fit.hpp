@@ -27,7 +27,8 @@
 // optimizer), and a smaller --prefetch (a quarter and a sixteenth of the
 // given one, at least 1 MiB). Each is planned as the command would plan it
 // (plan_command_budgets, plan_activations), and the one of least predicted
-// step (ties: fewer flags changed) is printed with the whole command line.
+// whole step (Note [Step prediction]: the CPU optimizer's exposed time
+// included; ties: fewer flags changed) is printed with the whole command line.
 // A combination the planner refuses is not suggested: nothing is guessed.
 #pragma once
 
@@ -88,7 +89,8 @@ struct FitSearch {
   std::optional<std::size_t> best;  ///< index in `tried` of the fastest that fits
 };
 
-/// A plan's step as the command ranks the combinations (default: the plan's predicted_step_seconds).
+/// A plan's step as the command ranks the combinations (default: the whole step, the CPU optimizer's exposed time
+/// included, Note [Step prediction]).
 using StepOf = std::function<double(const Plan&, const std::vector<BlockProfile>&, const PlanCommandInputs&,
                                     const PlanCommandBudgets&)>;
 

@@ -32,8 +32,8 @@
 // 25.8 GiB with every block kept and 14.3 GiB with every block recomputed;
 // measured: 25.06 GiB (baseline) and 15.04 GiB (checkpoint per block).
 // Optimizer states (Note [Optimizer state formats] in optimizer/state_format.hpp): tierflow's CPU AdamW
-// (--optimizer host or nvme) keeps on its tier the fp32 master (none when the parameters are fp32: they are
-// their own) and m and v in the format TIERFLOW_OPTIMIZER_STATES names (--optimizer-states): 8, 4, or 2
+// (--optimizer host or nvme) keeps on its tier the fp32 master (fp32 parameters too: theirs are the device's;
+// measured, tests/python/test_plan_model.py) and m and v in the format TIERFLOW_OPTIMIZER_STATES names (--optimizer-states): 8, 4, or 2
 // bytes a parameter plus two fp32 scales per block of 256, i.e. 12, 8 or about 6.03 bytes a bf16
 // parameter. The 8-bit scales are counted per whole block of the model's parameters: each tensor's partial
 // last block and its codes' padding to 16 bytes (under 1 KiB a tensor) are not. torch's AdamW on the device
@@ -81,6 +81,7 @@ struct TransformerShape {
   int experts = 0;                ///< MLP experts per block (mixture of experts); 0: a dense MLP
   int experts_per_token = 0;      ///< experts each token is routed to
   std::int64_t expert_intermediate = 0;  ///< one expert's units; 0: intermediate
+  int activation_saved = 0;       ///< tensors of the MLP's width its activation saves beyond its input (gelu_new: 3)
   /// Tokens per step; throws config_error when seq * batch overflows 64 bits.
   std::int64_t tokens() const;
 };
@@ -119,7 +120,7 @@ struct StateBytes {
 };
 
 /// Bytes tierflow's CPU AdamW keeps a parameter of `dtype_bytes` with moments in `states`: the fp32 master
-/// (4, none for fp32 parameters) and m and v (8, 4, or 2 + 8/256): 12, 8 or 6.03 for bf16 (Note
+/// (4, for every dtype) and m and v (8, 4, or 2 + 8/256): 12, 8 or 6.03 for bf16 (Note
 /// [Transformer estimate], Optimizer states).
 double cpu_optimizer_bytes_per_param(StateFormat states, int dtype_bytes) noexcept;
 
@@ -138,5 +139,8 @@ OffloadTarget parse_optimizer_placement(std::string_view text);
 /// Device bytes of the activations outside the blocks: final norm, head input, and the loss's fp32
 /// logits (log-softmax output saved, plus the logits and their gradient while the loss runs).
 std::uint64_t estimate_head_device_bytes(const TransformerShape& shape);
+/// Of those, what is saved for backward (final norm, head input, log-softmax output): what a saved-tensor meter
+/// measures; the rest is the loss's transient logits and their gradient.
+std::uint64_t estimate_head_saved_bytes(const TransformerShape& shape);
 
 }  // namespace tierflow::tiering
