@@ -93,6 +93,8 @@ def test_nvme_links_are_the_reports_differences(device, nvme_dir):
             (states["bytes_written"] - states_before["bytes_written"], states["bytes_read"] - states_before["bytes_read"])
         assert s["exposed_nvme_wait_s"] == pytest.approx((states["read_wait_ms"] - states_before["read_wait_ms"]) / 1e3,
                                                          abs=1e-8)
+    # every NVMe read of these steps is the store's (its first step's writes include the states it made)
+    assert sum(s["nvme_to_host_bytes"] for s in step_stats()) == runtime.nvme_adam_stats()["bytes_read"]
     s = step_stats(last=True)
     assert s["host_to_nvme_bytes"] > 0 and s["nvme_to_host_bytes"] > 0 and s["peak_nvme_bytes"] > 0, s
     assert 0 <= s["exposed_nvme_wait_s"] <= s["step_s"], s
