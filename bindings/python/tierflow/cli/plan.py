@@ -1,4 +1,9 @@
-"""``python -m tierflow plan``: what fits, and how fast, from a transformer shape or a recorded profile.
+"""``python -m tierflow plan``: what fits, and how fast, from a transformer shape, a transformers config.json
+(``--model PATH``, Note [Model families] in tiering/model_config.hpp) or a recorded profile.
+
+With ``--model``, --seq defaults to the config's max_position_embeddings (GPT-2: n_positions) capped at 4096,
+--batch to 1 and --dtype to the config's torch_dtype (else bf16); the output adds the bytes per tier by kind and
+tokens a second, and a plan that does not fit names the settings that would (tried by the planner, Note [Plan fit]).
 
 The planner itself is C++ (tiering/planner.hpp, Note [Activation planner]); this
 module gathers its inputs (an estimated or recorded block profile, link
@@ -20,6 +25,8 @@ tiering::check_rate (Note [Plan report]).
 from __future__ import annotations
 
 import argparse
+import json
+import shlex
 import sys
 import time
 from typing import Any, Callable, Sequence
@@ -117,17 +124,31 @@ def _rate(zero: bool) -> Callable[[str], float]:
     return parse
 
 
+def _params_rate(text: str) -> float:
+    """argparse type of --cpu-adam-rate: parameters a second, a finite number from 1 to 1e15."""
+    value = _C.parse_decimal(text) if text.isascii() else None
+    if value is None or not 1 <= value <= 1e15:
+        raise argparse.ArgumentTypeError(f"{_shown(text)} is not valid; accepted: parameters a second, a number from "
+                                         "1 to 1e15 (e.g. 2.5e9)")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="python -m tierflow plan",
         description="Plan the activations of a transformer (keep, swap a share of the tokens, or recompute, per "
                     "block; Note [Activation planner]) and predict the device peak and step time.")
-    shape = p.add_argument_group("model shape (GPT-2 style; or --profile)")
+    shape = p.add_argument_group("model shape (GPT-2 style; or --model, or --profile)")
     for field in ("layers", "hidden", "heads", "seq", "batch"):
         shape.add_argument(f"--{field}", type=_shape_int(field))
-    shape.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16")
-    shape.add_argument("--vocab", type=_shape_int("vocab"), default=50304)
-    shape.add_argument("--ffn-mult", type=_shape_int("ffn_mult"), default=4)
+    shape.add_argument("--dtype", choices=sorted(DTYPE_BYTES),
+                       help="parameters' and activations' dtype (default: bf16; with --model the config's torch_dtype)")
+    p.add_argument("--model", metavar="PATH",
+                   help="a transformers config.json, or a directory holding one (Llama, Mistral, Qwen2, Qwen3, Gemma, "
+                        "Phi-3, GPT-2, Mixtral, Qwen3-MoE); --seq defaults to its max positions (at most 4096), "
+                        "--batch to 1")
+    shape.add_argument("--vocab", type=_shape_int("vocab"), help="default: 50304")
+    shape.add_argument("--ffn-mult", type=_shape_int("ffn_mult"), help="default: 4")
     p.add_argument("--profile", metavar="FILE", help="a recorded profile (JSON) instead of a shape")
     p.add_argument("--tflops", type=_rate(False), help="dense matmul TFLOP/s (default: measured on this machine)")
     p.add_argument("--pcie-gbps", type=_rate(False),
@@ -140,6 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nvme-memory", metavar="SIZE", help="NVMe budget for swapped activations (default: none)")
     p.add_argument("--nvme-gbps", type=_rate(True), default=0.0,
                    help="host<->NVMe GB/s each way (with --nvme-memory)")
+    p.add_argument("--cpu-adam-rate", type=_params_rate, metavar="RATE",
+                   help="the CPU AdamW's parameters a second with fp32 states (default: measured on this machine)")
     p.add_argument("--optimizer", choices=["none", "host", "nvme"],
                    help="where fp32 master weights and Adam states live (default: TIERFLOW_OFFLOAD_OPTIMIZER)")
     p.add_argument("--optimizer-states", metavar="{fp32,bf16,8bit}",
@@ -160,7 +183,7 @@ def plan_command(argv: Sequence[str]) -> int:
     """Runs ``plan`` with these arguments; returns the exit code (2: one line on stderr says what is wrong)."""
     try:
         args = build_parser().parse_args(argv)
-        out = _plan(args)
+        out = _plan(args, list(argv))
     except SystemExit as e:  # --help
         return e.code if isinstance(e.code, int) else 0
     except (PlanError, _C.ConfigError) as e:  # an argument, a profile or a TIERFLOW_* variable
@@ -173,11 +196,16 @@ def plan_command(argv: Sequence[str]) -> int:
     return 0
 
 
-def _plan(args: argparse.Namespace) -> str:
+def _plan(args: argparse.Namespace, argv: Sequence[str] = ()) -> str:
     settings = resolve_settings()
     cuda = _C.device_is_cuda(settings.to_strings())  # as the runtime decides it (Note [Tiers from the configuration])
-    given = [a for a in _C.plan_shape_flags() if getattr(args, a) is not None]
-    _C.check_blocks_source(args.profile is not None, given)  # a whole shape or --profile (Note [Plan report])
+    model = _model(args)  # --model: the config read, and --seq, --batch and --dtype resolved
+    if model is None:
+        given = [a for a in _C.plan_shape_flags() if getattr(args, a) is not None]
+        _C.check_blocks_source(args.profile is not None, given)  # a whole shape or --profile (Note [Plan report])
+        args.dtype = args.dtype or "bf16"
+        args.vocab = 50304 if args.vocab is None else args.vocab
+        args.ffn_mult = 4 if args.ffn_mult is None else args.ffn_mult
     measured: list[str] = []
     device_name = "cuda" if cuda else "cpu (emulated device)"
 
@@ -231,6 +259,7 @@ def _plan(args: argparse.Namespace) -> str:
             raise PlanError(f"{_shape_flags(args)}: {e}") from None
 
     # Budgets and the report: tiering/plan_report.hpp (Note [Plan report]).
+    shape_out = None if state is None else shape
     inputs = _C.PlanCommandInputs(
         gpu_memory=_setting(args.gpu_memory, "--gpu-memory", settings.gpu_memory,
                             "TIERFLOW_GPU_MEMORY" in settings.given),
@@ -241,23 +270,96 @@ def _plan(args: argparse.Namespace) -> str:
         host_capacity_bytes=_C.host_capacity_bytes(), device_name=device_name, optimizer=optimizer,
         optimizer_states=states,
         offload_params=args.offload_params or settings.offload_params,
-        shape=None if state is None else _shape(args), dtype_name=args.dtype, state=state, head_bytes=head_bytes,
+        shape=shape_out, dtype_name=args.dtype, state=state, head_bytes=head_bytes,
         profile_path="" if args.profile is None else args.profile.encode("utf-8", "backslashreplace").decode(),
         profile_fixed_device_bytes=0 if args.profile is None else profile.fixed_device_bytes,
         blocks_from=_shape_flags(args), links=links,
         flops_per_second=flops, measured=measured, links_given=args.pcie_gbps is not None)
-    command = _C.plan_command_budgets(inputs)
+    if args.cpu_adam_rate is not None:
+        inputs.cpu_adam_params_per_second = args.cpu_adam_rate
+    try:
+        command = _C.plan_command_budgets(inputs)
+    except ValueError as e:  # ConfigError: a budget the optimizer states do not fit, a bad size
+        if shape_out is None or not _budget_refusal(str(e)):
+            raise
+        raise PlanError(str(e) + _fit_advice(blocks, inputs, argv)) from None
     budgets = command.budgets
 
     try:
         plan = _C.plan_activations(blocks, command.links, budgets)
     except MemoryError as e:  # tierflow.OutOfMemoryError: the budgets are too small
-        raise PlanError(_C.plan_refusal(str(e), True, inputs, command)) from None
+        advice = "" if shape_out is None else _fit_advice(blocks, inputs, argv)
+        raise PlanError(_C.plan_refusal(str(e), True, inputs, command) + advice) from None
     except ValueError as e:  # ConfigError: the profile's or the shape's bytes with the prefetch window overflow
         raise PlanError(_C.plan_refusal(str(e), False, inputs, command)) from None
 
     report = _C.describe_plan(plan, blocks, inputs, command)
-    return report.json if args.json else "\n".join(report.lines)
+    if model is None:
+        return report.json if args.json else "\n".join(report.lines)
+    return _model_report(report, model, plan, blocks, inputs, command, args)
+
+
+def _budget_refusal(message: str) -> bool:
+    """Whether plan_command_budgets refused the budgets (the optimizer states do not fit), not an argument."""
+    return "cannot hold the optimizer states" in message
+
+
+def _fit_advice(blocks: Any, inputs: Any, argv: Sequence[str]) -> str:
+    """Note [Plan fit]: the settings that would make it fit, tried by the planner, with the command line."""
+    search = _C.search_fitting_settings(blocks, inputs)
+    return _C.fit_advice(search, "python -m tierflow plan " + shlex.join(argv))
+
+
+def _model(args: argparse.Namespace) -> Any:
+    """--model: its config read (Note [Model families]), refused beside a shape or a profile; --seq, --batch and
+    --dtype resolved to their defaults. None without --model."""
+    if args.model is None:
+        return None
+    shape_given = [f"--{f.replace('_', '-')}" for f in ("layers", "hidden", "heads") if getattr(args, f) is not None]
+    if args.profile is not None or shape_given:
+        raise PlanError(f"--model {_shown(args.model)} with {' '.join(shape_given) or '--profile'}: the blocks come "
+                        "from one of them; accepted: --model PATH (with --seq, --batch, --dtype), a shape "
+                        "(--layers --hidden --heads --seq --batch) or --profile FILE")
+    if args.vocab is not None or args.ffn_mult is not None:
+        raise PlanError("--vocab and --ffn-mult come from the config with --model; accepted: --model PATH with --seq, "
+                        "--batch, --dtype")
+    try:
+        config = _C.load_model_config(_text("--model", args.model))
+    except ValueError as e:  # ConfigError: names the file and the field
+        raise PlanError(f"--model {e}") from None
+    if args.seq is None:
+        args.seq = _C.default_seq(config)
+    if args.batch is None:
+        args.batch = 1
+    if args.dtype is None:
+        args.dtype = config.dtype or "bf16"
+    args.model_config = config
+    return config
+
+
+def _model_report(report: Any, model: Any, plan: Any, blocks: Any, inputs: Any, command: Any,
+                  args: argparse.Namespace) -> str:
+    """The plan's report with the model, the bytes per tier by kind and tokens a second (Note [Plan fit])."""
+    table = _C.memory_table(plan, blocks, inputs, command)
+    doc = json.loads(report.json)
+    # The whole step (Note [Step prediction]: the CPU optimizer's exposed time included), else the blocks'.
+    step = doc.get("step", {}).get("terms_seconds", {}).get("total") or plan.predicted_step_seconds
+    tokens = args.seq * args.batch
+    rate = tokens / step if step > 0 else float("inf")
+    shape = inputs.shape
+    params = _C.transformer_parameters(shape)
+    about = (f"config: {model.family} ({model.model_type}) from {model.path}: {params / 1e9:.3g}B parameters, "
+             f"{shape.layers} layers, hidden {shape.hidden}, heads {shape.heads}/{shape.kv_heads or shape.heads} kv"
+             + (f", {shape.experts} experts ({shape.experts_per_token} a token)" if shape.experts else "")
+             + f"; --seq {args.seq} --batch {args.batch} --dtype {args.dtype}")
+    throughput = f"tokens/s: {rate:,.0f} ({tokens} tokens a step, predicted whole step {step:.4g} s)"
+    if args.json:
+        doc["model"] = {"family": model.family, "model_type": model.model_type, "path": model.path,
+                        "parameters": params, "seq": args.seq, "batch": args.batch, "dtype": args.dtype}
+        doc["bytes_per_tier"] = json.loads(table.json())
+        doc["tokens_per_second"] = rate
+        return json.dumps(doc)
+    return "\n".join([about, *report.lines, *table.lines(), throughput])
 
 
 def _setting(flag_text: str | None, flag: str, variable_text: str, variable_set: bool) -> Any:
@@ -273,11 +375,17 @@ def _shape_flags(args: argparse.Namespace) -> str:
     """The arguments that made the blocks: the shape's flags, or --profile."""
     if args.profile is not None:
         return f"--profile {args.profile!r}"
+    if args.model is not None:
+        return f"--model {args.model!r} --seq {args.seq} --batch {args.batch} --dtype {args.dtype}"
     fields = ("layers", "hidden", "heads", "seq", "batch", "vocab", "ffn_mult")
     return " ".join(f"--{f.replace('_', '-')} {getattr(args, f)}" for f in fields) + f" --dtype {args.dtype}"
 
 
 def _shape(args: argparse.Namespace) -> Any:
+    if args.model is not None:
+        shape = args.model_config.shape
+        shape.seq, shape.batch, shape.dtype_bytes = args.seq, args.batch, DTYPE_BYTES[args.dtype]
+        return shape
     return _C.TransformerShape(layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq,
                                batch=args.batch, dtype_bytes=DTYPE_BYTES[args.dtype], vocab=args.vocab,
                                ffn_mult=args.ffn_mult)

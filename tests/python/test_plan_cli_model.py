@@ -1,0 +1,110 @@
+"""``python -m tierflow plan --model PATH`` (Note [Model families], Note [Plan fit]): every zoo family's default
+config.json plans, the output has the bytes per tier by kind and tokens a second, a plan that does not fit names the
+settings that would (tried by the planner) with the command line, and a bad config is one line naming the file and
+the field, exit code 2. In process through tierflow.__main__.main (no torch is needed for a config)."""
+
+from __future__ import annotations
+
+import io
+import json
+from contextlib import redirect_stderr, redirect_stdout
+
+import pytest
+
+from tierflow.__main__ import main as tierflow_main
+
+RATES = ["--tflops", "400", "--pcie-gbps", "55", "--cpu-adam-rate", "5e9", "--host-memory", "512GiB"]
+LLAMA = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
+         "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 2048,
+         "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+
+
+def plan(*args):
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        rc = tierflow_main(["plan", *args])
+    return rc, out.getvalue(), err.getvalue()
+
+
+def write(tmp_path, config, name="config.json"):
+    path = tmp_path / name
+    path.write_text(config if isinstance(config, str) else json.dumps(config))
+    return str(path)
+
+
+def expect_one_line(rc, out, err, *needles):
+    assert rc == 2 and out == "", (rc, out, err)
+    assert err.startswith("tierflow plan: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err
+    for n in needles:
+        assert n in err, err
+
+
+def test_a_config_directory_plans_with_bytes_per_tier_and_tokens_a_second(tmp_path):
+    write(tmp_path, LLAMA)
+    rc, out, err = plan("--model", str(tmp_path), "--gpu-memory", "80GiB", *RATES)
+    assert rc == 0, err
+    assert out.startswith(f"config: Llama (llama) from {tmp_path}/config.json: 6.74B parameters, 32 layers"), out
+    assert "--seq 2048 --batch 1 --dtype bf16" in out  # max_position_embeddings, 1, torch_dtype
+    assert "bytes per tier:" in out and "pinned host" in out and "tokens/s: " in out
+    rc, out, err = plan("--model", str(tmp_path), "--gpu-memory", "80GiB", "--seq", "512", "--batch", "2", "--json",
+                        *RATES)
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert doc["model"]["parameters"] == 6738415616 and doc["model"]["seq"] == 512 and doc["model"]["batch"] == 2
+    tiers = doc["bytes_per_tier"]
+    assert tiers["device"]["total"] == doc["predicted"]["gpu_peak_bytes"]
+    assert tiers["device"]["parameters"] == tiers["device"]["gradients"] == 2 * 6738415616
+    assert tiers["pinned_host"]["optimizer_states"] == 12 * 6738415616  # --optimizer host: master, m, v
+    assert doc["tokens_per_second"] == pytest.approx(1024 / doc["step"]["terms_seconds"]["total"])
+
+
+def test_every_zoo_familys_default_config_plans(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    classes = [transformers.LlamaConfig, transformers.MistralConfig, transformers.Qwen2Config, transformers.Qwen3Config,
+               transformers.GemmaConfig, transformers.Phi3Config, transformers.GPT2Config, transformers.MixtralConfig,
+               transformers.Qwen3MoeConfig]
+    for cls in classes:
+        path = write(tmp_path, cls().to_json_string(use_diff=True), f"{cls.__name__}.json")
+        rc, out, err = plan("--model", path, "--seq", "1024", "--gpu-memory", "1000GiB", "--json", *RATES,
+                            "--host-memory", "4TiB")  # Mixtral's 46.7B parameters: 560 GB of fp32 states
+        assert rc == 0, (cls.__name__, err)
+        doc = json.loads(out)
+        assert doc["model"]["model_type"] == cls().model_type
+        assert doc["bytes_per_tier"]["device"]["total"] == doc["predicted"]["gpu_peak_bytes"], cls.__name__
+
+
+def test_a_plan_that_does_not_fit_names_the_settings_that_would_and_the_command(tmp_path):
+    # Llama-7B at 16 GiB without --offload-params: the planner tries the settings and prints the fastest that fits.
+    path = write(tmp_path, LLAMA)
+    rc, out, err = plan("--model", path, "--gpu-memory", "16GiB", *RATES)
+    expect_one_line(rc, out, err, "no activation plan fits", "; it fits with --offload-params ",
+                    "(tried by the planner: predicted step ",
+                    f"python -m tierflow plan --model {path} --gpu-memory 16GiB --tflops 400")
+    command = err.split("): python -m tierflow plan ", 1)[1].split()
+    rc, out, err = plan(*command)  # the command line it prints fits
+    assert rc == 0, err
+    # Nothing fits 1 GiB: it says so.
+    rc, out, err = plan("--model", path, "--gpu-memory", "1GiB", *RATES)
+    expect_one_line(rc, out, err, "none of the", "combinations", "tried fits")
+
+
+@pytest.mark.parametrize("why, config, extra, needles", [
+    ("no such file", None, [], ["missing.json': cannot be read (no such file); accepted: a directory holding a "
+                                "transformers config.json"]),
+    ("not JSON", "{", [], ["--model '", "not JSON"]),
+    ("an unknown model_type", {"model_type": "bert", "vocab_size": 3}, [],
+     ["model_type 'bert' is not one tierflow plan reads; accepted: llama, mistral, qwen2, qwen3, gemma, phi3, gpt2, "
+      "mixtral, qwen3_moe"]),
+    ("a missing field", {k: v for k, v in LLAMA.items() if k != "num_attention_heads"}, [],
+     ["num_attention_heads is missing; accepted: a config.json of model_type 'llama' with num_attention_heads"]),
+    ("a field of another type", dict(LLAMA, hidden_size="4096"), [], ["hidden_size \"4096\" is not an integer"]),
+    ("--model beside a shape", LLAMA, ["--layers", "2"], ["--model", "with --layers", "accepted: --model PATH"]),
+    ("--vocab with --model", LLAMA, ["--vocab", "100"], ["--vocab and --ffn-mult come from the config"]),
+    ("a bad --cpu-adam-rate", LLAMA, ["--cpu-adam-rate", "fast"],
+     ["--cpu-adam-rate: 'fast' is not valid; accepted: parameters a second"]),
+])
+def test_a_bad_config_is_one_line_naming_the_file_and_the_field(tmp_path, why, config, extra, needles):
+    path = str(tmp_path / "missing.json") if config is None else write(tmp_path, config)
+    expect_one_line(*plan("--model", path, "--gpu-memory", "80GiB", "--tflops", "400", "--pcie-gbps", "55", *extra),
+                    *needles)
