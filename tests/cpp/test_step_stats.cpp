@@ -249,7 +249,10 @@ TEST(StepStatsFields, EveryFieldReadsItsMember) {
   std::size_t seen = 0;
   for (const auto& f : step_stat_fields()) {
     const std::string name = f.name;
-    const double want = name == "step" ? 9.0 : name == "exposed_nvme_wait_s" ? 0.5 : name == "peak_nvme_bytes" ? 77.0 : 0.0;
+    const double want = name == "step"                  ? 9.0
+                        : name == "exposed_nvme_wait_s" ? 0.5
+                        : name == "peak_nvme_bytes"     ? 77.0
+                                                        : 0.0;
     if (want != 0.0) {
       EXPECT_EQ(f.of(s), want) << name;
       ++seen;

@@ -89,8 +89,8 @@ def test_nvme_links_are_the_reports_differences(device, nvme_dir):
         assert tuple(s[k] for k in LINKS) == tuple(a - b for a, b in zip(links(), before))
         # only the optimizer's states use NVMe here: its own counters say the same (but of the first step, which
         # also writes the states it made)
-        assert i == 0 or (s["host_to_nvme_bytes"], s["nvme_to_host_bytes"]) == \
-            (states["bytes_written"] - states_before["bytes_written"], states["bytes_read"] - states_before["bytes_read"])
+        written, read = (states[k] - states_before[k] for k in ("bytes_written", "bytes_read"))
+        assert i == 0 or (s["host_to_nvme_bytes"], s["nvme_to_host_bytes"]) == (written, read), (s, written, read)
         assert s["exposed_nvme_wait_s"] == pytest.approx((states["read_wait_ms"] - states_before["read_wait_ms"]) / 1e3,
                                                          abs=1e-8)
     # every NVMe read of these steps is the store's (its first step's writes include the states it made)
