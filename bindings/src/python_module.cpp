@@ -229,5 +229,5 @@ PYBIND11_MODULE(_C, m) {
   { void bind_distributed(py::module_&); bind_distributed(m); }  // distributed_bindings.cpp: _C.distributed
   { void bind_step_stats(py::module_&); bind_step_stats(m); }  // step_stats_bindings.cpp: _C.StepRecorder
   { void bind_param_uses(py::module_&); bind_param_uses(m); }  // param_uses_bindings.cpp: _C.ParamUses
+  { void bind_trace(py::module_&); bind_trace(m); }  // trace_bindings.cpp: _C.trace_* (Note [Trace])
 }
-

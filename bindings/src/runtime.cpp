@@ -9,9 +9,11 @@
 
 #include "tierflow/allocator/device.hpp"
 #include "tierflow/bindings/emulated_device_memory.hpp"
+#include "tierflow/bindings/trace_meter.hpp"
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/log.hpp"
 #include "tierflow/core/stall.hpp"
+#include "tierflow/core/trace.hpp"
 #include "tierflow/optimizer/adam_args.hpp"
 
 namespace tierflow::bindings {
@@ -67,9 +69,13 @@ Runtime::Runtime(Config config, swap::NvmeFaults* nvme_faults, std::shared_ptr<c
                                                      s.activations_on_nvme ? nvme_engine() : nullptr);
   log(LogLevel::kInfo, std::string("runtime on the ") + std::string(allocator::to_string(device_kind())) +
                            " device, host pool budget " + format_bytes(s.pool.budget_bytes));
+  attach_trace(*this);  // Note [Trace]: its meters, and TIERFLOW_TRACE
 }
 
-Runtime::~Runtime() { nvme_adam_.reset(); }
+Runtime::~Runtime() {
+  trace::detach(this);  // writes TIERFLOW_TRACE's file; no meter of it runs after this
+  nvme_adam_.reset();
+}
 
 optimizer::NvmeAdamStore& Runtime::nvme_adam() {
   TIERFLOW_EXPECTS(has_nvme(), "optimizer states on NVMe need TIERFLOW_OFFLOAD_OPTIMIZER=nvme");
