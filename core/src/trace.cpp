@@ -40,6 +40,7 @@ struct Event {
 struct Owner {
   std::string path;
   Meter meter;
+  std::uint64_t since_ns = 0;  // its path's trace: the events ending after it attached
 };
 
 // Never destroyed: work may finish (and record) during exit, after static destructors ran.
@@ -80,15 +81,15 @@ double micros(std::int64_t ns) { return static_cast<double>(ns) / 1000.0; }
 
 void write_at_exit() {
   auto& r = Recorder::get();
-  std::vector<std::string> paths;
+  std::vector<std::pair<std::string, std::uint64_t>> paths;
   {
     std::lock_guard<std::mutex> lock(r.owners_mutex);
     for (const auto& [owner, o] : r.owners)
-      if (!o.path.empty() && std::find(paths.begin(), paths.end(), o.path) == paths.end()) paths.push_back(o.path);
+      if (!o.path.empty()) paths.emplace_back(o.path, o.since_ns);
   }
-  for (const auto& p : paths) {
+  for (const auto& [p, since] : paths) {
     try {
-      write(p);
+      write(p, since);
     } catch (const std::exception& e) {
       std::fprintf(stderr, "[tierflow warn] TIERFLOW_TRACE: %s\n", e.what());
     }
@@ -142,6 +143,10 @@ Lane lane_of_kind(const char* kind) noexcept {
 void start() {
   auto& r = Recorder::get();
   std::lock_guard<std::mutex> lock(r.mutex);
+  if (r.recorders == 0) {  // a new recording: the last one's events were written already (or never will be)
+    r.events.clear();
+    r.dropped = 0;
+  }
   ++r.recorders;
   detail::g_on.store(true, std::memory_order_relaxed);
 }
@@ -207,7 +212,7 @@ void attach(const void* owner, std::string path, Meter meter) {
   const bool records = !path.empty();
   {
     std::lock_guard<std::mutex> lock(r.owners_mutex);
-    r.owners[owner] = Owner{std::move(path), std::move(meter)};
+    r.owners[owner] = Owner{std::move(path), std::move(meter), now_ns()};
     if (records && !r.exit_hook) {
       r.exit_hook = true;
       std::atexit(write_at_exit);
@@ -219,16 +224,18 @@ void attach(const void* owner, std::string path, Meter meter) {
 void detach(const void* owner) noexcept {
   auto& r = Recorder::get();
   std::string path;
+  std::uint64_t since = 0;
   {
     std::lock_guard<std::mutex> lock(r.owners_mutex);
     auto it = r.owners.find(owner);
     if (it == r.owners.end()) return;
     path = std::move(it->second.path);
+    since = it->second.since_ns;
     r.owners.erase(it);
   }
   if (path.empty()) return;
   try {
-    write(path);
+    write(path, since);
   } catch (const std::exception& e) {
     log(LogLevel::kWarn, std::string("TIERFLOW_TRACE: ") + e.what());
   }
@@ -295,26 +302,25 @@ std::string chrome_json(std::uint64_t since_ns, std::int64_t pid) {
   list.push_back({{"name", "process_name"}, {"ph", "M"}, {"ts", 0}, {"pid", pid}, {"tid", 0},
                   {"args", {{"name", "tierflow"}}}});
   // Each event's thread within its lane (Note [Trace]: disjoint events per thread); events are in start order.
-  constexpr int kLaneIds = 11, kLaneSlots = 16, kSlotStride = 100;
+  constexpr int kLaneIds = 11, kSlotStride = 100;
   static_assert(static_cast<int>(Lane::kCpuAdamQueue) < kLaneIds, "a lane past the table");
   std::vector<int> tid(events.size(), 0);
-  std::uint64_t slot_end[kLaneIds][kLaneSlots] = {};
-  int slots[kLaneIds] = {};
+  std::vector<std::uint64_t> slot_end[kLaneIds];  // per lane, per thread: the end of its last event
   for (std::size_t i = 0; i < events.size(); ++i) {
     const Event& e = events[i];
     if (e.ph != 'X') continue;
     const int lane = static_cast<int>(e.lane);
-    int k = 0;
-    while (k < slots[lane] && slot_end[lane][k] > e.start_ns) ++k;
-    if (k == kLaneSlots) k = kLaneSlots - 1;  // more in flight at once than threads: the last one overlaps
-    slots[lane] = std::max(slots[lane], k + 1);
-    slot_end[lane][k] = std::max(slot_end[lane][k], e.end_ns);
-    tid[i] = lane + kSlotStride * k;
+    auto& ends = slot_end[lane];
+    std::size_t k = 0;
+    while (k < ends.size() && ends[k] > e.start_ns) ++k;
+    if (k == ends.size()) ends.push_back(0);
+    ends[k] = e.end_ns;
+    tid[i] = lane + kSlotStride * static_cast<int>(k);
   }
   int order = 0;
   for (Lane lane : kLanes) {
     const int l = static_cast<int>(lane);
-    for (int k = 0; k < slots[l]; ++k) {
+    for (int k = 0; k < static_cast<int>(slot_end[l].size()); ++k) {
       const std::string name = std::string("tierflow: ") + lane_name(lane) + (k ? " #" + std::to_string(k + 1) : "");
       list.push_back({{"name", "thread_name"}, {"ph", "M"}, {"ts", 0}, {"pid", pid}, {"tid", l + kSlotStride * k},
                       {"args", {{"name", name}}}});

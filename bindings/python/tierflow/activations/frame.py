@@ -13,7 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-from .. import _C
+from .. import _C, _trace
 from .._param_casts import SavedCast, saved_cast
 from .table import TRANSPARENT_OPS, Recorder, Saved, Table, row_suffix_matmul, storage_key
 from .side_effects import BlockState
@@ -233,7 +233,8 @@ class Frame:
         devices = [self.device.index or 0] if self.device is not None and self.device.type == "cuda" else []
         _local.replaying = True
         try:
-            with torch.random.fork_rng(devices=devices, device_type="cuda" if devices else "cpu"):
+            with _trace.span(_trace.Lane.replay, f"block {runner.index} replay", block=runner.index), \
+                    torch.random.fork_rng(devices=devices, device_type="cuda" if devices else "cpu"):
                 torch.set_rng_state(self.rng[0])
                 if devices:
                     torch.cuda.set_rng_state(self.rng[1], self.device)

@@ -82,7 +82,7 @@ from typing import Any, Optional
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .. import _C
+from .. import _C, _trace
 from .._param_casts import around
 from .._compile import outside_graphs
 from .._hf import cache_argument
@@ -141,6 +141,7 @@ class BlockRunner:
         self._said: set = set()
         self._aside: Optional[tuple] = None  # Note [Hooks stand aside]: the hook order while they are off
         self._stack: list = []
+        self._spans: list = []  # Note [Trace]: per forward, its span (or None), pushed in _before, popped in _after
         self._handles: list = []
         self.install()
 
@@ -258,6 +259,26 @@ class BlockRunner:
                 f.backward_t0 = None
         return hook
 
+    # Note [Trace]: a forward's span (and a torch.profiler range), and when tierflow's trace records, its backward's
+    # from the gradient of its output to the gradient of its first input.
+    def _trace_begin(self, args: tuple, kwargs: dict) -> tuple:
+        marks = None
+        if _C.trace_on():
+            first = next((a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor) and a.requires_grad),
+                         None)
+            if first is not None:
+                marks = _trace.BackwardMarks(self.index)
+                first.register_hook(marks.end)
+        return (_trace.begin(f"block {self.index} forward"), marks)
+
+    def _trace_end(self, traced: tuple, output: Any) -> None:
+        span, marks = traced
+        _trace.end(span, _trace.Lane.forward, block=self.index)
+        if marks is not None:
+            out = next((t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad), None)
+            if out is not None:
+                out.register_hook(marks.start)
+
     def _signature(self, args: tuple, kwargs: dict) -> tuple:
         sig = []
         for a in tree_flatten((args, kwargs))[0]:
@@ -274,6 +295,7 @@ class BlockRunner:
         if not torch.is_grad_enabled() and not replaying():
             self.stand_aside()  # Note [Hooks stand aside]: _after is off too, so nothing is pushed
             return
+        self._spans.append(self._trace_begin(args, kwargs) if not replaying() and _trace.on() else None)
         if replaying() or (planner is not None and planner.keep_all):
             self._stack.append(None)
             return
@@ -375,6 +397,14 @@ class BlockRunner:
         self._stack.append((f, ctx, sig))
 
     def _after(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        traced = self._spans.pop() if self._spans else None
+        try:
+            self._after_block(module, args, kwargs, output)
+        finally:  # after the recording ends: a torch.profiler range's exit is an op, not the block's
+            if traced is not None:
+                self._trace_end(traced, output)
+
+    def _after_block(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if not self._stack:
             return
         entry = self._stack.pop()

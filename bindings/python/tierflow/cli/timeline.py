@@ -17,7 +17,7 @@ LANE_PREFIX = "tierflow: "
 LANE_COLOURS = {
     "block forward": "#4c72b0", "block backward": "#dd8452", "block replay": "#c44e52",
     "copy device -> host": "#55a868", "copy host -> device": "#8172b3", "NVMe write": "#937860",
-    "NVMe read": "#da8bc3", "CPU AdamW": "#ccb974", "other work": "#8c8c8c",
+    "NVMe read": "#da8bc3", "CPU AdamW": "#ccb974", "CPU AdamW queue": "#e5dcaa", "other work": "#8c8c8c",
 }
 SERIES_COLOURS = {"device activations": "#4c72b0", "pinned host": "#55a868", "NVMe": "#937860"}
 MiB = float(1 << 20)
@@ -46,24 +46,26 @@ def load(path: str) -> dict:
 # ---- merging with torch.profiler's trace ----------------------------------------------------------------------
 
 
-def _base_us(doc: dict) -> float:
+def _base_ns(doc: dict) -> int:
     # Kineto (torch.profiler) and tierflow: ts are microseconds since baseTimeNanoseconds (CLOCK_REALTIME).
-    return float(doc.get("baseTimeNanoseconds", 0)) / 1000.0
+    return int(doc.get("baseTimeNanoseconds", 0))
 
 
 def merge(tierflow_doc: dict, torch_doc: dict) -> dict:
     """One trace with both files' events on the earlier of their two bases (Note [Trace]'s clock)."""
-    tb, kb = _base_us(tierflow_doc), _base_us(torch_doc)
+    tb, kb = _base_ns(tierflow_doc), _base_ns(torch_doc)
     if tb == 0 or kb == 0:
         raise TimelineError("both traces need a baseTimeNanoseconds (torch.profiler's export_chrome_trace writes one "
                             "since torch 2.1, tierflow's always): without one their clocks cannot be lined up")
     base = min(tb, kb)
+    # Shifts in microseconds, from integers: a realtime in microseconds (1.8e15) has no room for fractions.
+    torch_shift, tierflow_shift = (kb - base) / 1000.0, (tb - base) / 1000.0
     torch_events = [dict(e) for e in torch_doc["traceEvents"]]
     torch_pids = {e.get("pid") for e in torch_events if e.get("ph") == "M" and e.get("name") == "process_name"}
     out_events = []
     for e in torch_events:
         if e.get("ph") != "M" and "ts" in e:
-            e["ts"] = round(float(e["ts"]) + kb - base, 3)
+            e["ts"] = round(float(e["ts"]) + torch_shift, 3)
         out_events.append(e)
     for e in tierflow_doc["traceEvents"]:
         e = dict(e)
@@ -71,11 +73,11 @@ def merge(tierflow_doc: dict, torch_doc: dict) -> dict:
             if e.get("name") == "process_name" and e.get("pid") in torch_pids:
                 continue  # the same process: torch names it; tierflow's lanes are its threads
         else:
-            e["ts"] = round(float(e["ts"]) + tb - base, 3)
+            e["ts"] = round(float(e["ts"]) + tierflow_shift, 3)
         out_events.append(e)
     out = {k: v for k, v in torch_doc.items() if k != "traceEvents"}
     out["traceEvents"] = out_events
-    out["baseTimeNanoseconds"] = int(round(base * 1000))
+    out["baseTimeNanoseconds"] = base
     out.setdefault("displayTimeUnit", "ms")
     return out
 
@@ -92,13 +94,14 @@ def merge_files(tierflow_path: str, torch_path: str, out_path: str) -> dict:
 
 
 def lanes_of(doc: dict) -> dict:
-    """(pid, tid) -> lane name, for tierflow's lanes (thread_name "tierflow: ...")."""
+    """(pid, tid) -> lane name, for tierflow's lanes (thread_name "tierflow: ...", a lane's further threads
+    "tierflow: ... #2": one lane)."""
     out = {}
     for e in doc["traceEvents"]:
         if e.get("ph") == "M" and e.get("name") == "thread_name":
             name = str(e.get("args", {}).get("name", ""))
             if name.startswith(LANE_PREFIX):
-                out[(e.get("pid"), e.get("tid"))] = name[len(LANE_PREFIX):]
+                out[(e.get("pid"), e.get("tid"))] = name[len(LANE_PREFIX):].split(" #")[0]
     return out
 
 

@@ -21,7 +21,9 @@
 // only nested events. The writer gives such a lane as many threads as it needs:
 // an event goes to the lane's first thread whose last event has ended (tid: the
 // lane's value, then + 100, + 200, ...; thread_name "tierflow: <lane>", then
-// "tierflow: <lane> #2", ...), so every thread's events are disjoint.
+// "tierflow: <lane> #2", ...), so every thread's events are disjoint. A copy's
+// event starts when it was submitted: a burst of prefetches queued at once on
+// one stream shows as that many threads, each copy's time waiting included.
 //
 // Clock. Events are taken on the steady clock (now_ns(), the clock of every
 // other tierflow timing). torch.profiler's (Kineto's) trace gives "ts" in
@@ -85,9 +87,9 @@ extern std::atomic<bool> g_on;
 /// Whether events are recorded now: one relaxed load (the check at every call site).
 inline bool on() noexcept { return detail::g_on.load(std::memory_order_relaxed); }
 
-/// Starts recording (the events so far stay).
+/// Starts recording (one more recorder); the first of a new recording forgets the last recording's events.
 void start();
-/// Stops recording (the events so far stay).
+/// One recorder less; recording stops with the last (its events stay until the next recording starts).
 void stop() noexcept;
 /// Forgets every event (and the dropped count).
 void clear() noexcept;
@@ -107,7 +109,7 @@ void counter(std::string name, std::uint64_t at_ns, std::vector<std::pair<std::s
 /// What a meter reports: the series of the "bytes per tier" counter ("device activations", ...).
 using Meter = std::function<std::vector<std::pair<std::string, std::int64_t>>()>;
 /// Adds `meter` under `owner` (a runtime); when `path` is not empty, starts recording and writes the trace to
-/// `path` when `owner` detaches (TIERFLOW_TRACE) and at exit.
+/// `path` (the events that ended since this call) when `owner` detaches (TIERFLOW_TRACE) and at exit.
 void attach(const void* owner, std::string path, Meter meter);
 /// Removes `owner`'s meter; writes its path's trace when it gave one. Never throws (a failed write is logged).
 void detach(const void* owner) noexcept;
