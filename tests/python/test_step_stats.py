@@ -4,6 +4,9 @@ step's exposure within step(); the transformers callback puts the figures in the
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -129,6 +132,16 @@ def test_without_an_optimizer_the_next_forward_ends_a_step(device):
     model(batch(device, 3)).square().mean().backward()
     assert [s["step"] for s in step_stats()] == [1, 2, 3]
     assert all(s["step_s"] == 0 and s["backward_s"] > 0 for s in step_stats())
+
+
+def test_the_watched_optimizer_keeps_no_session_alive(device):
+    model, opt = tiny(device)
+    model, opt = tierflow.wrap(model, opt, device=device, offload_optimizer="none")
+    hooks = weakref.ref(tierflow.current_session().step_stats)  # it holds the runtime (Note [Session lifetime])
+    del model
+    gc.collect()
+    assert hooks() is None, "the optimizer's step hooks kept the session's runtime"
+    opt.step()  # the hooks of a session gone do nothing
 
 
 def test_trainer_callback_logs_ahead_of_the_reporters(device):

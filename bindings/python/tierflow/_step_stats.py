@@ -8,6 +8,7 @@ atomic loads and two short locks); the gradient stream's dict is read only aroun
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Optional, Union
 
 import torch
@@ -27,7 +28,7 @@ class StepStatsHooks:
     def __init__(self, runtime: "_C.Runtime", capacity: int = STEPS_KEPT) -> None:
         self.runtime = runtime
         self.recorder = _C.StepRecorder(capacity, ends_at_step=False)
-        self._optimizer: Any = None  # the optimizer watched (a tierflow CPUAdamW or any torch optimizer)
+        self._optimizer: Optional[weakref.ref] = None  # the optimizer watched (a CPUAdamW or any torch optimizer)
         self._cpu_step_ns: Optional[int] = None  # the gradient stream's time inside step(), read around step()
         self._in_backward = False
 
@@ -64,26 +65,39 @@ class StepStatsHooks:
         the hooks' handles."""
         if not isinstance(optimizer, torch.optim.Optimizer):
             return []
-        self._optimizer = optimizer
+        # Weakly both ways: the optimizer's hooks keep neither the session's runtime alive, nor the session the
+        # optimizer (Note [Session lifetime]).
+        self._optimizer = weakref.ref(optimizer)
         self.recorder.ends_at_step = True
-        return [optimizer.register_step_pre_hook(self._step_begin),
-                optimizer.register_step_post_hook(self._step_end)]
+        me = weakref.ref(self)
+
+        def begin(*_: Any) -> None:
+            hooks = me()
+            if hooks is not None:
+                hooks._step_begin()
+
+        def end(*_: Any) -> None:
+            hooks = me()
+            if hooks is not None:
+                hooks._step_end()
+
+        return [optimizer.register_step_pre_hook(begin), optimizer.register_step_post_hook(end)]
 
     def _stream_ns(self) -> Optional[int]:
         """The gradient stream's time inside step() so far (its wait for the worker after backward and the steps it
         redid there; Note [Stream timeline]); None without a stream (the runtime's CPU Adam time is then all
         inside step(), or 0)."""
-        stream = getattr(self._optimizer, "_stream", None)
+        stream = getattr(self._optimizer() if self._optimizer is not None else None, "_stream", None)
         if stream is None:
             return None
         s = stream.stats()
         return int(round((s["step_wait_ms"] + s["step_kernel_ms"]) * 1e6))
 
-    def _step_begin(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _step_begin(self) -> None:
         self._cpu_step_ns = self._stream_ns()
         self._mark(_M.step_begin)
 
-    def _step_end(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _step_end(self) -> None:
         self._cpu_step_ns = self._stream_ns()
         self._mark(_M.step_end)
 
