@@ -64,6 +64,7 @@ def _make_callback_class() -> type:
                 logs[PREFIX + name] = float(value)
 
     StepStatsCallback.__module__ = __name__
+    StepStatsCallback.__qualname__ = "StepStatsCallback"
     return StepStatsCallback
 
 
