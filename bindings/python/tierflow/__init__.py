@@ -43,6 +43,7 @@ __all__ = [
     "replay_safe",
     "report",
     "resolve_config",
+    "step_stats",
     "unwrap",
     "wrap",
 ]
@@ -58,6 +59,7 @@ _LAZY = {
     "no_offload": "._wrap",
     "replay_safe": ".activations",
     "report": "._wrap",
+    "step_stats": "._step_stats",
     "unwrap": "._wrap",
     "wrap": "._wrap",
 }
