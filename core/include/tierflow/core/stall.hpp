@@ -37,12 +37,14 @@
 //   stalled already is given up at once): a truly hung device does not hang
 //   the exit. UnlimitedWaits is for a wait that must end before memory goes
 //   and has nowhere to keep it.
-// - The limit is process-wide (a wait deep in an engine has no runtime to
-//   ask). Each Runtime claims it (StallTimeoutClaim) while it lives: a second
-//   Runtime with a different TIERFLOW_STALL_TIMEOUT / stall_timeout= while the
-//   first lives is refused with a config_error naming both values, rather
-//   than silently changing the first one's limit; the same value, or one after
-//   the first is gone, is fine.
+// - The limit is process-wide (a wait deep in an engine, the pool or the
+//   optimizer's worker has no runtime to ask). A Runtime claims it with a
+//   StallTimeoutClaim while it lives: a second Runtime with a different
+//   TIERFLOW_STALL_TIMEOUT / stall_timeout= while the first lives is refused
+//   with a config_error naming both values, rather than silently changing the
+//   first one's limit; the same value, or any once the first is gone, is fine.
+//   (Until bindings/src/runtime.cpp holds the claim instead of calling
+//   set_stall_timeout, the last Runtime's value wins.)
 #pragma once
 
 #include <chrono>
