@@ -9,6 +9,7 @@
 #include "tierflow/core/config.hpp"
 #include "tierflow/core/state_format.hpp"
 #include "tierflow/optimizer/roofline.hpp"
+#include "tierflow/tiering/plan_driver.hpp"
 #include "tierflow/tiering/plan_report.hpp"
 #include "tierflow/tiering/step_prediction.hpp"
 
@@ -91,6 +92,17 @@ void bind_prediction(py::module_& m) {
       .def_readwrite("nvme_state_bytes", &OptimizerStepInputs::nvme_state_bytes)
       .def_readwrite("nvme_read", &OptimizerStepInputs::nvme_read)
       .def_readwrite("nvme_write", &OptimizerStepInputs::nvme_write);
+  // TimedStepMeasures is _C's (plan_driver_bindings.cpp, loaded after this module); autoplan.py hands its class
+  // here once to add the CPU optimizer's fields (the extensions share pybind11's type registry).
+  m.def(
+      "add_timed_step_optimizer_fields",
+      [](py::object cls) {
+        auto measures = py::reinterpret_borrow<py::class_<TimedStepMeasures>>(cls);
+        if (py::hasattr(measures, "optimizer_wait_seconds")) return;
+        measures.def_readwrite("optimizer_wait_seconds", &TimedStepMeasures::optimizer_wait_seconds)
+            .def_readwrite("optimizer", &TimedStepMeasures::optimizer);
+      },
+      py::arg("cls"), "Adds TimedStepMeasures' CPU optimizer fields (Note [Step prediction]) to its class.");
   m.def(
       "predict_step",
       [](const Plan& plan, const std::vector<BlockProfile>& blocks, const Links& links, const Budgets& budgets,

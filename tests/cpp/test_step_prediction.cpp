@@ -9,6 +9,7 @@
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/size.hpp"
 #include "tierflow/optimizer/roofline.hpp"
+#include "tierflow/tiering/plan_driver.hpp"
 #include "tierflow/tiering/plan_report.hpp"
 #include "tierflow/tiering/planner.hpp"
 #include "tierflow/tiering/step_prediction.hpp"
@@ -272,4 +273,80 @@ TEST(DescribePlan, TheWholeStepIsInTheTextAndTheJsonTermByTerm) {
   bool said = false;
   for (const auto& l : unknown.lines) said = said || l.find("pass --cpu-adam-rate") != std::string::npos;
   EXPECT_TRUE(said);
+}
+
+namespace {
+
+// `auto`'s driver with a front end whose timed step had a CPU optimizer (Note [Plan driver]).
+struct OptimizerFront : PlanFrontEnd {
+  OptimizerStepInputs optimizer;
+  double optimizer_wait_seconds = 0;
+  double now = 0;
+  SessionBudgetInputs budget_inputs() override {
+    SessionBudgetInputs in;
+    in.device_budget_bytes = in.host_budget_bytes = 1ull << 40;
+    in.parameter_bytes = 2'000'000;
+    return in;
+  }
+  std::vector<std::size_t> inexact_splits(const std::vector<BlockPlan>&) override { return {}; }
+  std::optional<std::uint64_t> apply(const DrivenPlan&) override { return std::nullopt; }
+  void start_timing() override {}
+  TimedStepMeasures measure_timed_step() override {
+    TimedStepMeasures m;
+    BlockRecord r;
+    r.input_bytes = 1'000'000;
+    r.attention_bytes = 1'000'000;
+    r.total_flops = 1e9;
+    r.forward_seconds = 0.010;
+    r.backward_seconds = 0.020;
+    r.parameter_bytes = 1'000'000;
+    m.blocks.assign(2, r);
+    m.links = Links{1e9, 1e9, 2e9, 0, 0};
+    m.blocks_forward_seconds = 0.020;
+    m.blocks_backward_seconds = 0.040;
+    m.optimizer = optimizer;
+    m.optimizer_wait_seconds = optimizer_wait_seconds;
+    return m;
+  }
+  std::uint64_t first_step_saved_bytes() override { return 0; }
+  void write_profile(const AutoProfile&) override {}
+  double now_seconds() override { return now; }
+};
+
+// The plan `front`'s timed step gives, each forward 1 s apart (the timed step: 1 s, its rest 0.94 s).
+DrivenPlan driven(OptimizerFront& front) {
+  PlanDriverSettings s;
+  s.blocks = 2;
+  PlanDriver d(s);
+  for (int i = 0; i < 3; ++i) {
+    front.now = i;
+    d.before_forward({{"[0]", 64}}, front);
+  }
+  EXPECT_TRUE(d.plan().has_value());
+  return *d.plan();
+}
+
+}  // namespace
+
+TEST(DrivenStep, TheCpuOptimizersTermComesOutOfTheMeasuredRestAndTheTermsAddUp) {
+  OptimizerFront front;
+  front.optimizer_wait_seconds = 0.25;  // the rate unknown: the term is what step() waited for in the timed step
+  const DrivenPlan waited = driven(front);
+  ASSERT_TRUE(waited.step && waited.predicted_step_seconds);
+  EXPECT_NEAR(waited.step->optimizer.exposed_seconds, 0.25, 1e-12);
+  EXPECT_NEAR(waited.step->rest_seconds, waited.rest_of_step_seconds - 0.25, 1e-12);
+  EXPECT_NEAR(waited.step->total_seconds, *waited.predicted_step_seconds, 1e-12);
+  const Json terms = Json::parse(plan_json(waited))["terms"];
+  EXPECT_NEAR(terms["optimizer"]["predicted_s"].get<double>(), 0.25, 1e-12);
+  EXPECT_NEAR(terms["total"]["predicted_s"].get<double>(), *waited.predicted_step_seconds, 1e-12);
+  // A measured rate: the model's excess past the plan's backward (0.04 s): 1e8 parameters at 1e9 a second.
+  front.optimizer = cpu_optimizer(100'000'000, 1e9);
+  const DrivenPlan modelled = driven(front);
+  EXPECT_NEAR(modelled.step->optimizer.exposed_seconds, 0.1 - modelled.step->backward_seconds, 1e-12);
+  EXPECT_NEAR(modelled.step->total_seconds, *modelled.predicted_step_seconds, 1e-12);
+  // Never more than the rest the timed step measured.
+  front.optimizer = cpu_optimizer(100'000'000, 1e7);
+  const DrivenPlan capped = driven(front);
+  EXPECT_NEAR(capped.step->optimizer.exposed_seconds, capped.rest_of_step_seconds, 1e-12);
+  EXPECT_NEAR(capped.step->rest_seconds, 0.0, 1e-12);
 }

@@ -184,6 +184,8 @@ void PlanDriver::measure_and_plan(double now_seconds, PlanFrontEnd& front) {
   t.links = p.file.links;
   t.blocks = p.file.blocks;
   timed_step_ = t;
+  optimizer_ = m.optimizer;
+  timed_optimizer_wait_ = std::max(m.optimizer_wait_seconds, 0.0);
   front.write_profile(p);
   std::uint64_t largest = 0;
   for (const auto& [forward, inputs] : inputs_) largest = std::max(largest, size(inputs));
@@ -254,6 +256,17 @@ void PlanDriver::make_plan(const AutoProfile& base, std::uint64_t elements, Plan
   d.predicted_blocks_seconds = plan.predicted_step_seconds;
   d.rest_of_step_seconds = profile.rest_of_step_seconds.value_or(0.0);
   d.predicted_step_seconds = d.predicted_blocks_seconds + d.rest_of_step_seconds;
+  // Its terms (Note [Step prediction]). The rest the timed step measured holds the CPU optimizer's step past
+  // backward: that term is the model's (its kernel at the rate the timed step measured, beside the plan's
+  // backward) when the rate is known, else what step() waited for it in the timed step, within the rest; the
+  // rest term is the remainder, so the terms add up to the whole step predicted above.
+  StepPrediction step = predict_step(plan, blocks, links, b, optimizer_, 0.0);
+  const bool modelled = optimizer_.on_cpu && optimizer_.params_per_second > 0;
+  step.optimizer.exposed_seconds =
+      std::min(modelled ? step.optimizer.exposed_seconds : timed_optimizer_wait_, d.rest_of_step_seconds);
+  step.rest_seconds = d.rest_of_step_seconds - step.optimizer.exposed_seconds;
+  step.total_seconds = step.blocks_seconds + step.optimizer.exposed_seconds + step.rest_seconds;
+  d.step = step;
   // A profile written before the tensors outside the blocks were measured: they stay as they were planned then,
   // swapped by the model-level hooks unless every block is kept.
   d.outside_measured = profile.outside_measured;
@@ -476,6 +489,16 @@ Json plan_object(const DrivenPlan& d) {
   }
   out["predicted_device_peak_bytes"] = d.predicted_device_peak_bytes;
   out["predicted_step_seconds"] = or_null(d.predicted_step_seconds);
+  if (d.step) {
+    // Note [Step prediction]: each term's prediction; the front end puts its measurement beside ("measured_s").
+    Json terms = Json::object();
+    for (const auto& [name, seconds] : step_terms(*d.step)) terms[name] = {{"predicted_s", seconds}};
+    out["terms"] = std::move(terms);
+    out["optimizer_prediction"] = {{"kernel_seconds", d.step->optimizer.kernel_seconds},
+                                   {"busy_seconds", d.step->optimizer.busy_seconds},
+                                   {"backward_seconds", d.step->backward_seconds},
+                                   {"exposed_seconds", d.step->optimizer.exposed_seconds}};
+  }
   out["window_bytes"] = d.window_bytes;
   out["batch_elements"] = d.batch_elements;
   out["profiled_batch_elements"] = d.profiled_batch_elements;
@@ -497,7 +520,9 @@ constexpr const char* kReportPlanFields[] = {
     // Note [Batch growth]: the batch size (input elements) the plan is for, and the profile's.
     "batch_elements", "profiled_batch_elements",
     // Note [Re-plan]: why the steps' measurement may no longer re-plan (None: it still may, or it did).
-    "settled"};
+    "settled",
+    // Note [Step prediction]: the whole step term by term (the front end adds each term's measurement).
+    "terms", "optimizer_prediction"};
 
 Json links_object(const Links& links) {
   return Json::parse(profile_to_json({}, links, 0))["links"];

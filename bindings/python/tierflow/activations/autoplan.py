@@ -21,6 +21,10 @@ from .plans import BUDGET_FIELDS, block_profile as profile_struct, fields_of, li
 from .runner import BlockRunner
 from .table import probe_table
 
+# Note [Step prediction]: TimedStepMeasures (the driver's, in _C) gets the CPU optimizer's fields from the
+# torch-free module that binds the prediction.
+_C.add_timed_step_optimizer_fields(_C.TimedStepMeasures)
+
 # The profile's figures beside the file's blocks and links, in the order written (Note [Profile file]).
 _PROFILE_EXTRAS = ("outside_saved_bytes", "host_gaps_seconds", "timed_step_seconds", "rest_of_step_seconds",
                    "measured_beside_bytes", "measured_peak_bytes", "measured_reserved_peak_bytes")
@@ -69,6 +73,9 @@ class AutoPlanner(_C.PlanFrontEnd):
         self._forward_backward_reserved: Optional[int] = None  # the caching allocator's, over the same span
         self.optimizer_step_peak: Optional[int] = None
         self._step_hook: Any = None
+        # Note [Step prediction]: the counters when the timed step began and when the plan in force came in.
+        self._timed_counters: dict = {}
+        self._plan_counters: dict = {}
 
     @property
     def forwards(self) -> int:
@@ -113,6 +120,7 @@ class AutoPlanner(_C.PlanFrontEnd):
         d = self.driver.plan
         self.plan = json.loads(_C.plan_json(d))
         self.keep_all, self.outside_kept = d.keep_all, d.outside_kept
+        self._plan_counters = self._wait_counters()
 
     def _profile_dict(self, p: Any) -> dict:
         """An AutoProfile as its file holds it (Note [Profile file]); a file read back keeps its other keys."""
@@ -140,6 +148,7 @@ class AutoPlanner(_C.PlanFrontEnd):
                                          "forward_backward_reserved_bytes": self._forward_backward_reserved,
                                          "optimizer_step_bytes": self.optimizer_step_peak}
             out.update(self.measured_beside_predicted(out))
+            self._measured_terms(out)
         else:
             out["summary"] = "recompute every block (forced)" if self.forced else \
                 f"profiling ({self.forwards} forwards so far; the plan is made before the third)"
@@ -158,6 +167,62 @@ class AutoPlanner(_C.PlanFrontEnd):
                              "device_peak_allocated_bytes": allocated},
                 "step_vs_predicted": m.step_vs_predicted, "peak_vs_predicted": m.peak_vs_predicted,
                 "allocated_peak_vs_predicted": allocated / predicted if allocated is not None and predicted else None}
+
+    # --- the whole step, term by term (Note [Step prediction]) ---
+
+    def _stream_stats(self) -> dict:
+        """The CPU AdamW's gradient stream's counters (empty without one)."""
+        opt = self.session.optimizer() if self.session.optimizer is not None else None
+        return opt.stream_stats() if hasattr(opt, "stream_stats") else {}
+
+    def _wait_counters(self) -> dict:
+        """What the runtime counts of the step's waits, cumulative: the forwards so far (one a step), the compute's
+        waits for activations coming back and for the copy window, step()'s wait for the CPU optimizer, and its
+        kernel's time and gradient bytes."""
+        stats = self.session.runtime.stats()
+        stream = self._stream_stats()
+        return {"forwards": self.driver.forwards,
+                "activation_wait_ms": float(stats.get("prefetch", {}).get("stall_ms", 0.0)) +
+                float(stats.get("activations", {}).get("offload_wait_ms", 0.0)),
+                "step_wait_ms": float(stream.get("step_wait_ms", 0.0)),
+                "kernel_ms": float(stream.get("kernel_ms", 0.0)) + float(stream.get("step_kernel_ms", 0.0)),
+                "kernel_grad_bytes": int(stream.get("kernel_grad_bytes", 0)), "streaming": bool(stream)}
+
+    def _optimizer_inputs(self, before: dict, after: dict) -> Any:
+        """The CPU optimizer as the timed step measured it: its parameters and its kernel's rate (parameters a
+        second from the gradient bytes it stepped in its time), stepping during backward."""
+        if not after.get("streaming"):
+            return _C.OptimizerStepInputs()
+        params = [p for p in self.model_params if p.requires_grad]
+        element = params[0].element_size() if params else 4
+        seconds = (after["kernel_ms"] - before.get("kernel_ms", 0.0)) / 1e3
+        stepped = (after["kernel_grad_bytes"] - before.get("kernel_grad_bytes", 0)) / element
+        return _C.OptimizerStepInputs(on_cpu=True, parameters=sum(p.numel() for p in params),
+                                      params_per_second=stepped / seconds if seconds > 0 and stepped > 0 else 0.0,
+                                      states=str(self.session.settings.optimizer_states))
+
+    def _measured_terms(self, out: dict) -> None:
+        """Each term's measurement beside its prediction (report()["plan"]["terms"]): per step since the plan came
+        in force, what the runtime counted (activation waits, step()'s wait for the CPU optimizer) and the
+        measured step; the blocks' compute as the timed step measured it; None where nothing measures it apart."""
+        terms = out.get("terms")
+        if not isinstance(terms, dict):
+            return
+        now, then = self._wait_counters(), self._plan_counters
+        steps = now["forwards"] - then.get("forwards", now["forwards"])
+        per_step = (lambda key: (now[key] - then[key]) / 1e3 / steps) if steps > 0 else (lambda key: None)
+        timed = out.get("timed_step") or {}
+        compute = None
+        if timed:
+            compute = sum(timed.get(k) or 0.0 for k in ("blocks_forward_seconds", "blocks_backward_seconds",
+                                                         "blocks_replay_seconds"))
+        measured = {"compute": compute, "activation_copies": per_step("activation_wait_ms"),
+                    "parameter_fetches": None, "gradient_copies": None,
+                    "optimizer": per_step("step_wait_ms") if now["streaming"] else None,
+                    "rest": None, "total": (out.get("measured") or {}).get("step_seconds")}
+        for name, term in terms.items():
+            term["measured_s"] = measured.get(name)
+        out["terms_measured_over"] = {"steps": steps, "compute": "the timed step's blocks"}
 
     # --- what the driver asks of its front end (tiering::PlanFrontEnd) ---
 
@@ -204,6 +269,7 @@ class AutoPlanner(_C.PlanFrontEnd):
 
     def start_timing(self) -> None:
         self._policy_bytes = self._packed_outside()
+        self._timed_counters = self._wait_counters()
         for r in self.runners:
             r.timing = True
         if self._cuda():
@@ -242,6 +308,10 @@ class AutoPlanner(_C.PlanFrontEnd):
             beside_bytes=self._beside_bytes)
         if self._forward_backward_peak is not None:
             m.peak_bytes, m.reserved_peak_bytes = self._forward_backward_peak, self._forward_backward_reserved
+        # Note [Step prediction]: step()'s wait for the CPU optimizer in the timed step, and its kernel's rate.
+        after = self._wait_counters()
+        m.optimizer_wait_seconds = max(0.0, after["step_wait_ms"] - self._timed_counters.get("step_wait_ms", 0.0)) / 1e3
+        m.optimizer = self._optimizer_inputs(self._timed_counters, after)
         return m
 
     def now_seconds(self) -> float:

@@ -51,6 +51,7 @@
 #include "tierflow/tiering/auto_plan.hpp"
 #include "tierflow/tiering/planner.hpp"
 #include "tierflow/tiering/profile_file.hpp"
+#include "tierflow/tiering/step_prediction.hpp"
 
 namespace tierflow::tiering {
 
@@ -86,6 +87,11 @@ struct TimedStepMeasures {
   double blocks_input_swap_seconds = 0;   ///< the blocks' inputs swapped before their forwards
   std::optional<std::uint64_t> peak_bytes, reserved_peak_bytes;  ///< CUDA: forward and backward's device peaks
   std::uint64_t beside_bytes = 0;  ///< CUDA: the device's bytes beside the model's before the first forward
+  /// step()'s wait for the CPU optimizer after the timed step's backward (its part of the rest; Note [Step
+  /// prediction]); 0 without one.
+  double optimizer_wait_seconds = 0;
+  /// The CPU optimizer as measured (its parameters, its kernel's rate: 0 unknown); on_cpu false without one.
+  OptimizerStepInputs optimizer;
 };
 
 /// The timed step's figures as the report shows them (report()["plan"]["timed_step"]).
@@ -111,6 +117,7 @@ struct DrivenPlan {
   std::uint64_t window_bytes = 0, window_wanted_bytes = 0;  ///< Note [Overlap window]
   std::uint64_t predicted_device_peak_bytes = 0;
   std::optional<double> predicted_step_seconds;  ///< the whole step (none without blocks)
+  std::optional<StepPrediction> step;            ///< its terms (Note [Step prediction]; none without blocks)
   double predicted_blocks_seconds = 0, rest_of_step_seconds = 0;
   std::optional<std::uint64_t> released_cached_bytes;  ///< CUDA: what the front end's apply gave back
   std::uint64_t batch_elements = 0, profiled_batch_elements = 0;
@@ -242,6 +249,8 @@ class PlanDriver {
   Plan plan_struct_;                       ///< the plan in force as the planner made it (what a re-plan calibrates)
   std::vector<BlockProfile> plan_blocks_;  ///< the profile's blocks as planned (inexact splits marked so)
   std::optional<AutoProfile> profile_;
+  OptimizerStepInputs optimizer_;        ///< the CPU optimizer the timed step measured
+  double timed_optimizer_wait_ = 0;      ///< step()'s wait for it in the timed step
 };
 
 /// `plan` as the session and the report read it (a JSON object): the planner's fields, the window, the whole step
