@@ -3,6 +3,7 @@
 #include "tierflow/tiering/detail/plan_search.hpp"
 
 #include <algorithm>
+#include <numeric>
 #include <array>
 #include <cmath>
 #include <limits>
@@ -475,7 +476,7 @@ class Search {
   // Device bytes the path needs already, with the floors that every plan here pays.
   std::uint64_t device_used(const Path& p) const {
     return budgets_.fixed_device_bytes + p.kept + std::max(p.working, working_floor_) +
-           (p.swapped || always_swaps_ ? budgets_.prefetch_bytes : 0);
+           detail::window_bytes(budgets_.prefetch_bytes, std::accumulate(p.base.begin(), p.base.end(), std::uint64_t{0}));
   }
 
   // Lower bound on the time of groups >= g given the path so far, under relaxation r: their priced
@@ -602,7 +603,7 @@ class Search {
     auto alphas = solve_alphas(groups_, counts_, free_bytes, tiers_.size());
     double time = 0;
     std::uint64_t working = 0;
-    bool any_swapped = false;
+    std::uint64_t swapped = 0;
     for (std::size_t g = 0; g < groups_.size(); ++g) {
       const auto& gr = groups_[g];
       const auto& cnt = counts_[g];
@@ -612,11 +613,11 @@ class Search {
         if (cnt[c] == 0) continue;
         const double alpha = choice_mode(c) == BlockMode::kSplit ? alphas.alphas[g][choice_row(c)] : 0.0;
         time += cnt[c] * block_times(gr.profile, links_, tiers_, choice_mode(c), alpha, choice_tier(c)).total();
-        if (c != kKeepC && swap_bytes_of(gr.profile, choice_mode(c), alpha) > 0) any_swapped = true;
+        if (c != kKeepC) swapped += cnt[c] * swap_bytes_of(gr.profile, choice_mode(c), alpha);
       }
     }
     const std::uint64_t peak =
-        budgets_.fixed_device_bytes + kept + working + (any_swapped ? budgets_.prefetch_bytes : 0);
+        budgets_.fixed_device_bytes + kept + working + detail::window_bytes(budgets_.prefetch_bytes, swapped);
     if (peak > budgets_.device_bytes || !(time < best_time_)) return;
     best_time_ = time;
     best_counts_ = counts_;

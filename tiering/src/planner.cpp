@@ -207,6 +207,7 @@ struct PlanTotals {
   std::uint64_t kept = 0, working = 0;
   std::vector<std::uint64_t> tier_bytes;  // per row of the swap tiers: host, NVMe, further rows
   bool any_swapped = false;
+  std::uint64_t swapped = 0;  // every block's swap bytes: no more than these can be in the prefetch window
   double step_seconds = 0;
   bool count_params = false;  // Budgets::params is not kResident
   detail::ParamTotals params;
@@ -230,6 +231,7 @@ struct PlanTotals {
       working = std::max(working, p.saved_bytes() + p.transient_bytes);
       tier_bytes.at(static_cast<std::size_t>(b.tier)) += b.swap_bytes;
       any_swapped = any_swapped || b.swap_bytes > 0;
+      swapped += b.swap_bytes;
     }
   }
   // Adds the saved tensors outside the blocks, the rest unit and the parameters' tier bytes (once, after every
@@ -248,7 +250,7 @@ struct PlanTotals {
     step_seconds += detail::rest_fetch_seconds(links, budgets, rest);
   }
   std::uint64_t peak(const Budgets& budgets) const {
-    return budgets.fixed_device_bytes + kept + working + (any_swapped ? budgets.prefetch_bytes : 0) +
+    return budgets.fixed_device_bytes + kept + working + detail::window_bytes(budgets.prefetch_bytes, swapped) +
            params.device + params.window() + outside_device;
   }
 };
@@ -507,12 +509,13 @@ Plan plan_blocks(const std::vector<BlockProfile>& blocks, const Links& links, co
     working = std::max(working, p.saved_bytes() + p.transient_bytes);
     inputs += p.input_bytes;
   }
-  const std::uint64_t floor = budgets.fixed_device_bytes + working + budgets.prefetch_bytes;
+  const std::uint64_t window = detail::window_bytes(budgets.prefetch_bytes, inputs);
+  const std::uint64_t floor = budgets.fixed_device_bytes + working + window;
   std::string msg = "tierflow: no activation plan fits: the cheapest in device memory needs " +
                     std::to_string(floor) + " bytes (" + format_bytes(floor) + ": " +
                     format_bytes(budgets.fixed_device_bytes) + " for the rest of training, " +
                     format_bytes(working) + " for the largest block's working set, " +
-                    format_bytes(budgets.prefetch_bytes) + " of prefetch window) and the device budget is " +
+                    format_bytes(window) + " of prefetch window) and the device budget is " +
                     format_bytes(budgets.device_bytes);
   if (floor <= budgets.device_bytes) {
     msg += "; it also swaps " + format_bytes(inputs) + " of block inputs, more than the host (" +

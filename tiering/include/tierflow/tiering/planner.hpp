@@ -43,7 +43,10 @@
 // Device peak = fixed_device_bytes + the saved bytes of every kept block + the
 // largest working set of one block (transient_bytes, plus saved_bytes() for a
 // block that is not kept: its rows come back or are recomputed before its
-// backward) + prefetch_bytes when any block swaps anything. Counting every
+// backward) + the prefetch window: prefetch_bytes, or every byte the blocks
+// swap when that is less (no more can be in flight ahead of a backward; a
+// small model's blocks swap less than a 256 KiB window, and counting it whole
+// refused plans 3% short of the budget, issue 41). Counting every
 // kept byte at once is conservative: with keep-tail the kept blocks are the
 // last ones, so their bytes are gone by the time an earlier block's backward
 // rebuilds its working set.

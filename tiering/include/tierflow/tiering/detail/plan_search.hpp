@@ -17,6 +17,12 @@ bool nvme_available(const Links& links, const Budgets& budgets);
 /// What the saved tensors outside the blocks add to the device peak, kept or swapped (Note [Activation planner]).
 std::uint64_t outside_device_bytes(std::uint64_t outside, std::uint64_t largest_transient, bool kept);
 
+/// The prefetch window's device bytes in a plan's peak (Note [Activation planner]): the window, or every byte the
+/// blocks swap when that is less (no more can be in flight ahead of a backward); 0 when nothing swaps.
+inline std::uint64_t window_bytes(std::uint64_t prefetch_bytes, std::uint64_t swapped_bytes) noexcept {
+  return prefetch_bytes < swapped_bytes ? prefetch_bytes : swapped_bytes;
+}
+
 /// A block's predicted forward and backward seconds.
 struct Times {
   double forward = 0, backward = 0;
