@@ -286,6 +286,56 @@ TEST_F(StallTest, TeardownWithAHungCopyReturnsWithinTheLimitKeepingItsMemory) {
   engine->synchronize();
 }
 
+// Item 1: the staged pipeline's wait for staging, on an NVMe write that stalls, raises the stall instead of
+// giving up as if no staging memory could be had (a false out-of-memory: the block would stay on the device).
+TEST_F(StallTest, AStagingWaitOnAStalledNvmeWriteRaisesTheStall) {
+  const char* base = std::getenv("NVME_TEST_DIR");
+  const std::string dir = std::string(base ? base : (fs::current_path() / "nvme-test").string()) +
+                          "/stall-staging-" + std::to_string(getpid());
+  fs::create_directories(dir);
+  {
+    NvmeFaults nvme_faults;
+    NvmeEngineOptions no;
+    no.paths = {dir};
+    no.bytes_per_path = 16ULL << 20;
+    no.block_bytes = 256 << 10;
+    no.faults = &nvme_faults;
+    auto nvme = std::make_shared<NvmeEngine>(no);
+    std::shared_ptr<CopyEngine> engine = make_emulated_copy_engine();
+    allocator::PinnedHostPoolOptions po;
+    po.budget_bytes = 1 << 20;  // staging for one block
+    po.slab_bytes = 1 << 20;
+    auto pool = std::make_shared<allocator::PinnedHostPool>(po);
+    StagedPipelineOptions o;
+    o.allocate_device = [](std::size_t bytes, int) {
+      auto mem = std::make_shared<std::vector<unsigned char>>(bytes, 3);
+      return DeviceBuffer{mem->data(), mem};
+    };
+    o.compute_stream = [engine](int) { return engine->compute_stream(nullptr); };
+    StagedPipeline pipeline(o, pool, engine, nvme);
+    nvme_faults.write_delay_us = 800'000;  // the disk holds each write this long
+    set_stall_timeout(0.25);
+    ASSERT_TRUE(pipeline.offload(1, o.allocate_device(1 << 20, 0), 1 << 20, 0, StagedTarget::kNvme,
+                                 engine->compute_stream(nullptr)));
+    std::string what;
+    bool offloaded = false;
+    const auto t0 = Clock::now();
+    try {  // needs block 1's staging, free once its (stalled) write is done
+      offloaded = pipeline.offload(2, o.allocate_device(1 << 20, 0), 1 << 20, 0, StagedTarget::kNvme,
+                                   engine->compute_stream(nullptr));
+    } catch (const stall_error& e) {
+      what = e.what();
+    }
+    EXPECT_LT(seconds_since(t0), 0.7);
+    EXPECT_FALSE(offloaded);
+    EXPECT_NE(what.find("NVMe write of 1.00 MiB"), std::string::npos)
+        << "the stalled write was taken for a lack of staging: '" << what << "'";
+    set_stall_timeout(0);
+    nvme_faults.write_delay_us = 0;
+  }
+  fs::remove_all(dir);
+}
+
 // Item 1: the NVMe optimizer's stalled read raises (its state is not taken for lost, its buffer not reused for
 // the next item), and the state on NVMe stays intact.
 TEST_F(StallTest, TheNvmeOptimizersStalledReadRaisesInsteadOfTakingTheStateForLost) {
