@@ -89,6 +89,16 @@ def test_a_plan_that_does_not_fit_names_the_settings_that_would_and_the_command(
     expect_one_line(rc, out, err, "none of the", "combinations", "tried fits")
 
 
+def test_the_issues_llama7b_shape_names_the_setting_that_makes_it_fit():
+    # Issue 41: without --offload-params the llama7b shape at 16 GiB said "no activation plan fits" and no more.
+    shape = ["--layers", "32", "--hidden", "4096", "--heads", "32", "--seq", "4096", "--batch", "1", "--vocab", "32000"]
+    rc, out, err = plan(*shape, "--gpu-memory", "16GiB", *RATES)
+    expect_one_line(rc, out, err, "no activation plan fits", "; it fits with --offload-params ",
+                    "python -m tierflow plan --layers 32 ")
+    rc, out, err = plan(*err.split("): python -m tierflow plan ", 1)[1].split())
+    assert rc == 0, err
+
+
 @pytest.mark.parametrize("why, config, extra, needles", [
     ("no such file", None, [], ["missing.json': cannot be read (no such file); accepted: a directory holding a "
                                 "transformers config.json"]),

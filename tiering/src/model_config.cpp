@@ -129,7 +129,8 @@ ModelConfig parse_model_config(std::string_view text, const std::string& path) {
   const auto fam = std::find_if(families().begin(), families().end(),
                                 [&](const Family& f) { return out.model_type == f.model_type; });
   if (fam == families().end()) {
-    throw config_error(in_quotes(path) + ": model_type " + in_quotes(out.model_type) + " is not one tierflow plan reads; "
+    throw config_error(in_quotes(path) + ": model_type " + in_quotes(out.model_type) +
+                       " is not one tierflow plan reads; "
                        "accepted: " + types + " (Note [Model families]; or give the shape with --layers --hidden "
                        "--heads)");
   }
@@ -228,7 +229,8 @@ ModelConfig load_model_config(const std::string& path) {
   if (fs::is_directory(path, ec)) file = (fs::path(path) / "config.json").string();
   std::ifstream in(file, std::ios::binary);
   if (!in) {
-    throw config_error(in_quotes(file) + ": cannot be read (" + (fs::exists(file, ec) ? "no permission" : "no such file") +
+    const char* why = fs::exists(file, ec) ? "no permission" : "no such file";
+    throw config_error(in_quotes(file) + ": cannot be read (" + why +
                        "); accepted: a directory holding a transformers config.json, or the file itself");
   }
   std::ostringstream text;

@@ -476,7 +476,8 @@ class Search {
   // Device bytes the path needs already, with the floors that every plan here pays.
   std::uint64_t device_used(const Path& p) const {
     return budgets_.fixed_device_bytes + p.kept + std::max(p.working, working_floor_) +
-           detail::window_bytes(budgets_.prefetch_bytes, std::accumulate(p.base.begin(), p.base.end(), std::uint64_t{0}));
+           detail::window_bytes(budgets_.prefetch_bytes,
+                                std::accumulate(p.base.begin(), p.base.end(), std::uint64_t{0}));
   }
 
   // Lower bound on the time of groups >= g given the path so far, under relaxation r: their priced
