@@ -366,14 +366,14 @@ std::vector<std::string> plan_lines(const Plan& plan, const PlanCommandInputs& i
   for (std::size_t i = 0; i < plan.blocks.size(); ++i) block_lines.push_back("  " + plan.block_line(i));
   for (auto& l : group_block_lines(block_lines)) lines.push_back(std::move(l));
   lines.push_back(plan.summary());
+  // Added by issue 41: the whole step, term by term (Note [Step prediction]).
+  lines.push_back("whole step predicted (Note [Step prediction]):");
+  for (auto& l : step_prediction_lines(step, optimizer)) lines.push_back(std::move(l));
   lines.push_back("predicted: device peak " + format_bytes(plan.predicted_device_peak_bytes) + " of " +
                   format_bytes(budgets.device_bytes) +
                   format(", blocks' forward + backward%s %.4f s per step (keeping everything: %.4f s)",
                          plan.outside_kept ? "" : " and the round trip of what is saved outside them",
                          plan.predicted_step_seconds, plan.keep_all_step_seconds));
-  // Added by issue 41: the whole step, term by term (Note [Step prediction]).
-  lines.push_back("whole step predicted (Note [Step prediction]):");
-  for (auto& l : step_prediction_lines(step, optimizer)) lines.push_back(std::move(l));
   // Added by issue 17 (the plan explains itself), after the lines above.
   lines.push_back("why each block's action (the plan's step and device peak had that block alone done otherwise):");
   std::vector<std::string> why_lines;
