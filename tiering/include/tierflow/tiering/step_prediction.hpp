@@ -49,6 +49,20 @@
 // parameter the step moves (cpu_adam_step_bytes_per_param: master read and
 // written, m and v in the format read and written, the gradient in and the
 // weight out; gpu_offload_predict.py's memory floor).
+//
+// In `auto` (PlanDriver, Note [Plan driver]) the rest is what the timed step
+// measured beside its blocks (Note [Re-plan]); it holds the CPU optimizer's
+// step past backward, so that term comes out of the rest: the model's excess
+// at the rate the timed step's kernel ran (its gradient bytes over its time)
+// when known, else step()'s wait for the worker in the timed step, never more
+// than the rest. The terms then add up to predicted_step_seconds.
+// report()["plan"]["terms"] puts each beside its measurement: per step since
+// the plan came in force, the compute's waits for activations (prefetch
+// stalls, the copy window) and step()'s wait for the CPU optimizer; the
+// blocks' compute as the timed step measured it; the measured step; None
+// where nothing counts a term apart (parameter fetches, gradient copies, the
+// rest). benchmarks/plan_prediction_check.py gives predicted / measured per
+// mode over several runs.
 #pragma once
 
 #include <cstdint>
