@@ -53,8 +53,8 @@ def lanes(doc: dict) -> set:
             if e["ph"] == "M" and e["name"] == "thread_name"}
 
 
-def train_steps(model, opt, task, steps: int, device: str, profiler=None) -> None:
-    for i in range(steps):
+def train_steps(model, opt, task, steps: int, device: str, profiler=None, first: int = 0) -> None:
+    for i in range(first, first + steps):
         with torch.profiler.record_function(f"train step {i}") if profiler is not None else _nothing():
             loss = task.loss(model, task.batch_on(i, device))
             loss.backward()
@@ -76,8 +76,9 @@ def test_trace_lanes_format_and_torch_profiler_merge(device, tmp_path):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt = tierflow.wrap(model, opt, device=device, offload_activations="recompute")
     path, torch_path = str(tmp_path / "tierflow.json"), str(tmp_path / "torch.json")
+    train_steps(model, opt, task, 1, device)  # outside: not in the trace (and the blocks' ops recorded)
     with trace(path), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        train_steps(model, opt, task, 2, device, profiler=prof)
+        train_steps(model, opt, task, 2, device, profiler=prof, first=1)
     prof.export_chrome_trace(torch_path)
     assert not _C.trace_on(), "leaving trace() stops recording"
     with open(path) as f:
@@ -85,8 +86,10 @@ def test_trace_lanes_format_and_torch_profiler_merge(device, tmp_path):
     check_format(doc)
     assert {"block forward", "block backward", "block replay", "copy device -> host", "copy host -> device",
             "CPU AdamW"} <= lanes(doc), lanes(doc)
+    threads = [e["args"]["name"] for e in doc["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"]
+    assert not [n for n in threads if n.startswith("tierflow: block") and "#" in n], "blocks run one at a time"
     forwards = [e for e in doc["traceEvents"] if e["ph"] == "X" and e["cat"] == "block" and "forward" in e["name"]]
-    assert sorted(e["args"]["block"] for e in forwards) == [0, 0, 1, 1], "each block's forward, each step"
+    assert sorted(e["args"]["block"] for e in forwards) == [0, 0, 1, 1], "each block's forward, each traced step"
     copies = [e for e in doc["traceEvents"] if e["ph"] == "X" and e["cat"] == "copy"]
     assert all(e["args"]["bytes"] > 0 for e in copies)
     tiers = [e for e in doc["traceEvents"] if e["ph"] == "C" and e["name"] == "bytes per tier"]
