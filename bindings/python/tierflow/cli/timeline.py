@@ -186,9 +186,11 @@ def draw(doc: dict, out_path: str, step: int = -1, title: Optional[str] = None) 
     for row, lane in enumerate(order):
         y = len(order) - 1 - row
         bars = [(ms(max(x["ts"], t0)), max((min(x["ts"] + x["dur"], s["end"]) - max(x["ts"], t0)) / 1000.0,
-                                           width * 1e-3)) for x in s["spans"] if x["lane"] == lane]
-        bottom.broken_barh(bars, (y - 0.38, 0.76), facecolors=LANE_COLOURS.get(lane, "#8c8c8c"),
-                           edgecolor="white", linewidth=0.4)
+                                           width * 2e-3)) for x in s["spans"] if x["lane"] == lane]
+        # Blocks run one at a time: a thin white edge tells neighbours apart. Work in flight overlaps: no edge,
+        # so that a short copy stays visible.
+        edge = dict(edgecolor="white", linewidth=0.6) if lane.startswith("block") else dict(edgecolor="none")
+        bottom.broken_barh(bars, (y - 0.38, 0.76), facecolors=LANE_COLOURS.get(lane, "#8c8c8c"), **edge)
         if lane.startswith("block"):  # the block's index on bars wide enough to read it
             for x, (left, w) in zip([x for x in s["spans"] if x["lane"] == lane], bars):
                 if w > width * 0.018 and "block" in x["args"]:
