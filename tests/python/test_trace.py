@@ -99,6 +99,10 @@ def test_trace_lanes_format_and_torch_profiler_merge(device, tmp_path):
     with open(torch_path) as f:
         torch_doc = json.load(f)
     merged = merge(doc, torch_doc)
+    out = str(tmp_path / "merged.json")  # the command line writes the same file
+    assert cli_main(["timeline", path, "--merge", torch_path, "-o", out]) == 0
+    with open(out) as f:
+        assert json.load(f)["traceEvents"] == merged["traceEvents"]
     ev = merged["traceEvents"]
     tierflow_threads = {(e["pid"], e["tid"]) for e in ev if e.get("ph") == "M" and e["name"] == "thread_name"
                         and e["args"]["name"].startswith("tierflow: ")}
