@@ -103,6 +103,18 @@ void complete_args(Lane lane, std::string name, std::uint64_t start_ns, std::uin
 /// The same, from a PendingWork: its kind names the lane, `id` (>= 0) becomes the "block" argument.
 void work_done(const char* kind, std::uint64_t bytes, std::int64_t id,
                std::chrono::steady_clock::time_point since) noexcept;
+/// The CPU AdamW's spans on its lane (one call each from the step engine, Note [Stream timeline]): `name` (a string
+/// literal) from `start_ns` to `end_ns` over `tensors` tensors, with their gradients' `bytes` when known (not 0);
+/// nothing when off.
+inline void adam_span(const char* name, std::uint64_t start_ns, std::uint64_t end_ns, std::size_t tensors,
+                      std::uint64_t bytes = 0) noexcept {
+  if (!on()) return;
+  const Arg t{"tensors", static_cast<std::int64_t>(tensors)}, b{"bytes", static_cast<std::int64_t>(bytes)};
+  if (bytes != 0)
+    complete(Lane::kCpuAdam, name, start_ns, end_ns, {t, b});
+  else
+    complete(Lane::kCpuAdam, name, start_ns, end_ns, {t});
+}
 /// A counter event ("ph":"C") named `name` at `at_ns` with one series per value; nothing when off.
 void counter(std::string name, std::uint64_t at_ns, std::vector<std::pair<std::string, std::int64_t>> values) noexcept;
 
