@@ -240,7 +240,7 @@ void StepEngine::run_bucket(std::uint64_t generation, std::vector<Entry> entries
     std::rethrow_exception(failed);
   }
   const std::uint64_t landed = now_ns();
-  if (trace::on()) trace::complete(trace::Lane::kCpuAdam, "wait for gradient copies", picked, landed, {{"copies", static_cast<std::int64_t>(copies.size())}});  // Note [Trace]
+  trace::adam_span("wait for gradient copies", picked, landed, copies.size());  // Note [Trace]
   bool need_norm = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -271,7 +271,7 @@ void StepEngine::run_bucket(std::uint64_t generation, std::vector<Entry> entries
   const std::uint64_t t0 = now_ns();
   const std::uint64_t stepped_bytes = step_entries(entries);
   const std::uint64_t ns = now_ns() - t0;
-  if (trace::on()) trace::complete(trace::Lane::kCpuAdam, "AdamW bucket", t0, t0 + ns, {{"bytes", static_cast<std::int64_t>(stepped_bytes)}, {"tensors", static_cast<std::int64_t>(entries.size())}, {"order", static_cast<std::int64_t>(timed)}});  // Note [Trace]
+  trace::adam_span("AdamW bucket", t0, t0 + ns, entries.size(), stepped_bytes);  // Note [Trace]
   std::lock_guard<std::mutex> lock(mutex_);
   if (WindowClock::Bucket* t = times()) t->stepped = t0 + ns;
   stats_.kernel_ns += ns;

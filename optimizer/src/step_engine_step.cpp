@@ -99,7 +99,7 @@ void StepEngine::redo(const std::vector<std::pair<std::size_t, double>>& list, s
     const std::uint64_t tk = now_ns();
     host_.adam_step(key.options, key.step, arrays);
     adam_ns += now_ns() - tk;
-    if (trace::on()) trace::complete(trace::Lane::kCpuAdam, "AdamW step (redone)", tk, now_ns(), {{"tensors", static_cast<std::int64_t>(call.size())}});  // Note [Trace]
+    trace::adam_span("AdamW step (redone)", tk, now_ns(), call.size());  // Note [Trace]
     for (std::size_t k : call) {
       host_.count_step(list[k].first);
       committed.push_back(list[k].first);
