@@ -41,6 +41,7 @@ void bind_trace(py::module_& m) {
   m.def("trace_event_count", &trace::event_count, "Events kept");
   m.def("trace_json", &trace::chrome_json, py::arg("since_ns") = 0, py::arg("pid") = 0,
         "The Chrome trace text of the events ending at or after `since_ns`");
-  m.def("trace_write", &trace::write, py::arg("path"), py::arg("since_ns") = 0, py::call_guard<py::gil_scoped_release>(),
+  m.def("trace_write", &trace::write, py::arg("path"), py::arg("since_ns") = 0,
+        py::call_guard<py::gil_scoped_release>(),
         "Writes trace_json(since_ns) to `path`");
 }

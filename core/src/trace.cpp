@@ -289,11 +289,12 @@ std::string chrome_json(std::uint64_t since_ns, std::int64_t pid) {
       if (e.end_ns >= since_ns) events.push_back(e);
     dropped = r.dropped;
   }
-  std::stable_sort(events.begin(), events.end(), [](const Event& a, const Event& b) { return a.start_ns < b.start_ns; });
+  std::stable_sort(events.begin(), events.end(),
+                   [](const Event& a, const Event& b) { return a.start_ns < b.start_ns; });
   if (pid == 0) pid = static_cast<std::int64_t>(::getpid());
   const std::int64_t offset = realtime_offset_ns();
   constexpr std::int64_t kMs = 1000000;
-  std::int64_t first = events.empty() ? static_cast<std::int64_t>(now_ns()) : static_cast<std::int64_t>(events[0].start_ns);
+  const std::int64_t first = static_cast<std::int64_t>(events.empty() ? now_ns() : events[0].start_ns);
   const std::int64_t base = ((first + offset) / kMs) * kMs;  // realtime, whole milliseconds (Note [Trace])
   auto ts = [&](std::uint64_t t) { return micros(static_cast<std::int64_t>(t) + offset - base); };
 
@@ -356,7 +357,8 @@ void write(const std::string& path, std::uint64_t since_ns) {
   const std::string tmp = path + ".tmp";
   std::FILE* f = std::fopen(tmp.c_str(), "w");
   if (f == nullptr)
-    throw io_error(errno, "cannot write the trace to " + tmp + " (TIERFLOW_TRACE=" + path + "): " + std::strerror(errno));
+    throw io_error(errno, "cannot write the trace to " + tmp + " (TIERFLOW_TRACE=" + path + "): " +
+                              std::strerror(errno));
   const bool ok = std::fwrite(text.data(), 1, text.size(), f) == text.size();
   const int err = errno;
   if (std::fclose(f) != 0 || !ok) {

@@ -264,8 +264,8 @@ class BlockRunner:
     def _trace_begin(self, args: tuple, kwargs: dict) -> tuple:
         marks = None
         if _C.trace_on():
-            first = next((a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor) and a.requires_grad),
-                         None)
+            flat = tree_flatten((args, kwargs))[0]
+            first = next((a for a in flat if isinstance(a, torch.Tensor) and a.requires_grad), None)
             if first is not None:
                 marks = _trace.BackwardMarks(self.index)
                 first.register_hook(marks.end)
