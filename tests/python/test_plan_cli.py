@@ -52,7 +52,7 @@ def test_issue_preset_splits_tokens_within_budget():
 def test_preset_text_names_the_plan_and_the_state():
     proc = run_plan([a for a in PRESET if a != "--json"], TIERFLOW_HOST_MEMORY="64GiB")
     assert proc.returncode == 0, proc.stderr
-    assert "block 0: split" in proc.stdout and "block 23: keep" in proc.stdout
+    assert "blocks 0-15 (16 identical): split" in proc.stdout and "blocks 16-23 (8 identical): keep" in proc.stdout
     assert "parameters and optimizer (--optimizer host)" in proc.stdout
     assert "predicted: device peak" in proc.stdout
 
@@ -346,7 +346,7 @@ def test_issue16_good_arguments_still_plan(monkeypatch):
     data = json.loads(out)
     assert len(data["layers"]) == 2 and data["budgets"]["prefetch_bytes"] == 1 and data["budgets"]["gpu_bytes"] == GiB
     rc, out, err = plan_in_process(shape_args(layers="10000") + RATES, monkeypatch)  # the limit itself
-    assert rc == 0 and "block 9999" in out, err
+    assert rc == 0 and "blocks 0-9999 (10000 identical)" in out, err
     rc, out, err = plan_in_process(["--help"], monkeypatch)
     assert rc == 0 and "--layers" in out
 
@@ -385,8 +385,11 @@ def test_each_block_says_why_its_action_won(monkeypatch):
     lines = text.splitlines()
     why = lines.index("why each block's action (the plan's step and device peak had that block alone done otherwise):")
     assert lines[why - 1].startswith("predicted: device peak")
-    assert lines[why + 1].startswith("  block 0: split alpha ") and "keep " in lines[why + 1], lines[why + 1]
-    assert "over the device budget" in lines[why + 1] and lines[why + 24].startswith("  block 23: keep; ")
+    # Identical blocks grouped on one line (issue 41 item 2): the split head, then the kept tail.
+    assert lines[why + 1].startswith("  blocks 0-15 (16 identical): split alpha ") and "keep " in lines[why + 1], \
+        lines[why + 1]
+    assert "over the device budget" in lines[why + 1]
+    assert lines[why + 2].startswith("  blocks 16-23 (8 identical): keep; "), lines[why + 2]
 
 
 def test_fixed_device_bytes_are_broken_down_with_the_setting_that_frees_them(monkeypatch):
