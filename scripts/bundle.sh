@@ -53,7 +53,7 @@ DEBS=(libaio1 libaio-dev
 ALLOWED_ELSEWHERE=(libc6 libgcc-s1 libstdc++6   # the C and C++ runtimes every system has
                    googletest                   # GoogleTest's sources; libgtest-dev ships the built libraries
                    libhwloc15)                  # needed only by libtbbbind, which oneTBB loads if it can
-WHEELS=${BUNDLE_WHEELS-pybind11 scikit-build-core cmake ninja numpy pytest pytest-xdist transformers==4.57.6}  # the pin: scripts/setup.sh's
+WHEELS=${BUNDLE_WHEELS-pybind11 scikit-build-core cmake ninja numpy pytest pytest-xdist transformers==4.57.6 matplotlib}  # the pin: scripts/setup.sh's
 # Packages that name torch as a requirement (a bundle carries no torch): downloaded without their requirements,
 # the others listed with them (accelerate and peft need numpy, packaging, pyyaml, tqdm, huggingface_hub and
 # safetensors, which transformers brings, and psutil).

@@ -7,7 +7,7 @@
 #                    preinstalled torch on a GPU machine is used as is), torch 2.13.0
 #                    when no torch is importable, pybind11, scikit-build-core, cmake,
 #                    ninja, numpy, pytest, pytest-xdist (make test's two workers; optional), transformers 4.57.6, accelerate 1.10.1 and peft
-#                    0.17.1 (test dependencies: the HF model, model zoo and Trainer tests); a .pth file makes `import tierflow` find
+#                    0.17.1 (test dependencies: the HF model, model zoo and Trainer tests), matplotlib (the timeline); a .pth file makes `import tierflow` find
 #                    bindings/python from any directory
 #   build            CMake + Ninja in build/dev: the C++ libraries, the GoogleTest
 #                    suites and the extensions tierflow._core (torch-free) and tierflow._C next
@@ -117,9 +117,10 @@ if ! "$VPY" -c "import torch" 2>/dev/null; then
   need+=("torch==2.13.0")
 fi
 # transformers, accelerate (which transformers' Trainer needs) and peft: test dependencies (tests/python/test_hf_models.py,
-# test_model_zoo.py, test_hf_trainer.py), pinned; scripts/bundle.sh carries the same pins.
+# test_model_zoo.py, test_hf_trainer.py), pinned; scripts/bundle.sh carries the same pins. matplotlib: the timeline
+# picture (python -m tierflow timeline; tests/python/test_trace.py).
 for mod_pkg in pybind11:pybind11 scikit_build_core:scikit-build-core numpy:numpy pytest:pytest \
-               transformers:transformers==4.57.6 psutil:psutil; do
+               transformers:transformers==4.57.6 psutil:psutil matplotlib:matplotlib; do
   mod=${mod_pkg%%:*}; pkg=${mod_pkg#*:}
   "$VPY" -c "import $mod" 2>/dev/null || need+=("$pkg")
 done

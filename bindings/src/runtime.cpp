@@ -54,9 +54,10 @@ std::vector<optimizer::KernelArg> kernel_args(const std::vector<at::Tensor>& ts)
 
 Runtime::Runtime(Config config, swap::NvmeFaults* nvme_faults, std::shared_ptr<const swap::CopyFaults> copy_faults,
                  tiering::RankShare ranks)
-    : config_(std::move(config)), tiers_(config_, nvme_faults, std::move(copy_faults), ranks) {
+    : config_(std::move(config)),
+      stall_claim_(config_.stall_timeout_seconds),  // refuses another live runtime's other limit (Note [Stall timeout])
+      tiers_(config_, nvme_faults, std::move(copy_faults), ranks) {
   set_log_level(config_.log_level);
-  set_stall_timeout(config_.stall_timeout_seconds);  // Note [Stall timeout]
   const tiering::TierSettings& s = tiers_.settings();
   adversarial_ = s.adversarial;
   // Note [Adversarial emulated device]: the pool, the copy engine and torch's

@@ -1,5 +1,6 @@
 """Note [Stall timeout]: a copy that does not complete ends training with an error naming it, not a hang."""
 
+import gc
 import time
 
 import pytest
@@ -17,6 +18,7 @@ def test_a_stalled_copy_raises_a_timeout_error_naming_it_within_the_limit():
     block must, to free its staging: that wait stalls, is logged, and the block keeps its memory; the next
     offload raises tierflow's StallError (a TimeoutError) naming the copy and what is in flight, within the
     second step instead of never. Once the device goes on, the held copies end and tierflow lets go of all."""
+    gc.collect()  # an earlier test's runtime in a reference cycle would hold the process's limit (10min)
     faults = tierflow._C.CopyFaults()
     faults.hold_d2h = True
     task = gpt_task(layers=1, width=32, block=16, batch=2, dropout=0.0)

@@ -44,6 +44,7 @@ __all__ = [
     "report",
     "resolve_config",
     "step_stats",
+    "trace",
     "unwrap",
     "wrap",
 ]
@@ -60,6 +61,7 @@ _LAZY = {
     "replay_safe": ".activations",
     "report": "._wrap",
     "step_stats": "._step_stats",
+    "trace": "._trace",
     "unwrap": "._wrap",
     "wrap": "._wrap",
 }

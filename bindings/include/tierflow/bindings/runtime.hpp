@@ -14,6 +14,7 @@
 #include "tierflow/allocator/pinned_host_pool.hpp"
 #include "tierflow/bindings/activation_offloader.hpp"
 #include "tierflow/core/config.hpp"
+#include "tierflow/core/stall.hpp"
 #include "tierflow/optimizer/cpu_adam.hpp"
 #include "tierflow/optimizer/nvme_adam.hpp"
 #include "tierflow/swap/copy_engine.hpp"
@@ -141,6 +142,7 @@ class Runtime {
   // `what` names the caller in its errors.
   swap::TransferHandle queue_to_device(const at::Tensor& dst, const at::Tensor& src, const char* what);
   Config config_;
+  StallTimeoutClaim stall_claim_;  // the process's one stall limit, held while this runtime lives (Note [Stall timeout])
   tiering::Tiers tiers_;
   bool adversarial_ = false;
   std::shared_ptr<ActivationOffloader> offloader_;

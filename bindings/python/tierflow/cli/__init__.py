@@ -1,8 +1,11 @@
 """``python -m tierflow COMMAND``: tierflow's command line.
 
 Commands:
-  plan   what fits and how fast: the per-block activation plan for a transformer shape or a recorded
-         profile, with the predicted device peak and step time (``python -m tierflow plan --help``)
+  plan      what fits and how fast: the per-block activation plan for a transformer shape, a transformers
+            config.json (--model) or a recorded profile, with bytes per tier and the whole step predicted
+            (``python -m tierflow plan --help``)
+  timeline  one step of a trace drawn: bytes per tier above the lanes
+            (``python -m tierflow timeline TRACE -o step.png``; ``--merge TORCH.json -o merged.json``)
 """
 
 from __future__ import annotations
