@@ -167,6 +167,7 @@ class Session:
                 self._contexts.append(_CastsOnly() if self.params is not None else None)
                 return
         self.runtime.begin_forward()
+        _C.trace_sample()  # bytes per tier in the trace (Note [Trace]), also where no block spans are recorded
         hooks: Any = (self.runtime.pack, self.runtime.unpack)
         if self.planner is not None and self.planner.outside_kept:
             # The blocks' runners swap theirs; what is saved outside them stays (Note [Activation planner]).
@@ -196,6 +197,7 @@ class Session:
 
     def _on_backward_start(self, grad: torch.Tensor) -> None:
         self.runtime.begin_backward()
+        _C.trace_sample()
 
 
     # -- reporting -------------------------------------------------------------
