@@ -23,7 +23,7 @@ import importlib
 import importlib.util
 from typing import Any
 
-from ._core import ConfigError, OutOfMemoryError, TierflowError
+from ._core import ConfigError, OutOfMemoryError, StallError, TierflowError
 from ._config import config_table, resolve_config
 
 __version__ = "0.1.0"
@@ -35,6 +35,7 @@ __all__ = [
     "Report",
     "SavedActivationMeter",
     "Session",
+    "StallError",
     "TierflowError",
     "config_table",
     "current_session",
