@@ -6,18 +6,37 @@
 #include <c10/core/StorageImpl.h>
 
 #include <algorithm>
+#include <mutex>
 #include <type_traits>
+#include <unordered_map>
 #include <utility>
 
 #include "tierflow/bindings/activation_offloader.hpp"
 #include "tierflow/bindings/runtime.hpp"
 #include "tierflow/swap/nvme_engine.hpp"
+#include "tierflow/core/clock.hpp"
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/stall.hpp"
 #include "tierflow/tiering/param_residency_plan.hpp"
 
 namespace tierflow::bindings {
 namespace {
+
+// param_wait_ns's totals by runtime (one entry per runtime that ever waited; an address a later runtime reuses
+// goes on from the total: only its differences are read).
+std::mutex g_wait_mutex;
+std::unordered_map<const Runtime*, std::uint64_t>& wait_totals() {
+  static auto* totals = new std::unordered_map<const Runtime*, std::uint64_t>;  // never destroyed (exit order)
+  return *totals;
+}
+
+void add_param_wait(const Runtime& rt, std::uint64_t ns) noexcept {
+  std::lock_guard<std::mutex> lock(g_wait_mutex);
+  try {
+    wait_totals()[&rt] += ns;
+  } catch (...) {  // out of memory for the entry: the figure misses this wait
+  }
+}
 
 tiering::ParamId param_id(const at::Tensor& p) {
   return static_cast<tiering::ParamId>(reinterpret_cast<std::uintptr_t>(p.unsafeGetTensorImpl()));
@@ -310,11 +329,19 @@ void ParamResidency::carry_out(const tiering::ParamActions& a) {
     }
     throw;
   }
+  if (a.wait.empty()) return;
+  const std::uint64_t t0 = now_ns();
   for (tiering::ParamId id : a.wait) {  // rule 3
     Param& p = params_.at(id);
     runtime_->await_on_device(p.fetch, p.device.device());
     schedule_->arrived(id);
   }
+  waited_for(now_ns() - t0);
+}
+
+void ParamResidency::waited_for(std::uint64_t ns) noexcept {
+  schedule_->waited_for(ns);
+  add_param_wait(*runtime_, ns);
 }
 
 void ParamResidency::use(std::size_t unit, Use what, std::uint64_t extra) {
@@ -514,6 +541,12 @@ void ParamResidency::materialize(const at::Tensor& t, bool fetch_it) {
 std::size_t ParamResidency::units() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return schedule_->units();
+}
+
+std::uint64_t param_wait_ns(const Runtime& runtime) noexcept {
+  std::lock_guard<std::mutex> lock(g_wait_mutex);
+  const auto it = wait_totals().find(&runtime);
+  return it == wait_totals().end() ? 0 : it->second;
 }
 
 tiering::ParamScheduleStats ParamResidency::stats() const {

@@ -6,6 +6,7 @@
 #include <optional>
 
 #include "module_parts.hpp"
+#include "tierflow/bindings/param_residency.hpp"
 #include "tierflow/bindings/runtime.hpp"
 #include "tierflow/core/clock.hpp"
 #include "tierflow/swap/nvme_engine.hpp"
@@ -34,18 +35,26 @@ StepCounters read_counters(Runtime& rt, std::optional<std::uint64_t> cpu_step_ns
     const swap::NvmeEngineStats s = nvme->stats();
     c.host_to_nvme_bytes = s.bytes_written;
     c.nvme_to_host_bytes = s.bytes_read;
-    c.nvme = {static_cast<std::int64_t>(s.bytes_in_use), TierReading::kNoPeak};
+    // Note [Window peak]: the most bytes in use since the previous mark
+    c.nvme = {static_cast<std::int64_t>(s.bytes_in_use), TierReading::kNoPeak,
+              static_cast<std::int64_t>(nvme->take_in_use_window_peak())};
     if (rt.config().offload_optimizer == OffloadTarget::kNvme) c.nvme_wait_ns = rt.nvme_adam().stats().read_wait_ns;
   } else {
-    c.nvme = {0, 0};  // no NVMe tier: nothing to miss
+    c.nvme = {0, 0, 0};  // no NVMe tier: nothing to miss
   }
   if (const auto& acts = rt.activations()) {
     const ActivationOffloaderStats a = acts->stats();
     c.copy_wait_ns = a.offload_wait_ns + a.stall_ns;
+    // No window yet: the offloader does not pass the registry's take_window_peaks() on (Note [Step stats]).
     c.device_activations = {a.device_bytes.current, a.device_bytes.peak};
+  } else {
+    c.device_activations = {0, 0, 0};  // no saved activations offloaded: none held
   }
-  const allocator::PinnedHostPoolStats pool = rt.host_pool()->stats();
-  c.pinned_host = {pool.in_use.current, pool.in_use.peak};
+  allocator::PinnedHostPool& host = *rt.host_pool();
+  const std::int64_t host_window = host.take_in_use_window_peak();  // Note [Window peak]
+  const allocator::PinnedHostPoolStats pool = host.stats();
+  c.pinned_host = {pool.in_use.current, pool.in_use.peak, host_window};
+  c.param_wait_ns = param_wait_ns(rt);
   c.cpu_step_ns = cpu_step_ns ? *cpu_step_ns : rt.optimizer_stats().step_ns;
   return c;
 }
@@ -65,6 +74,7 @@ py::dict counters_dict(const StepCounters& c) {
   d["copy_wait_ns"] = c.copy_wait_ns;
   d["cpu_step_ns"] = c.cpu_step_ns;
   d["nvme_wait_ns"] = c.nvme_wait_ns;
+  d["param_wait_ns"] = c.param_wait_ns;
   d["device_activation_bytes"] = c.device_activations.current;
   d["pinned_host_bytes"] = c.pinned_host.current;
   d["nvme_bytes"] = c.nvme.current;

@@ -98,6 +98,7 @@ struct NvmeEngine::Impl {
   std::size_t pending_ops = 0;
   bool stop = false;
   NvmeEngineStats st;
+  std::uint64_t window_peak = 0;        // the most st.bytes_in_use since the last take_in_use_window_peak()
   std::thread thread;
 
   explicit Impl(NvmeEngineOptions opts) : o(std::move(opts)) {
@@ -513,6 +514,7 @@ NvmeBlock NvmeEngine::allocate(std::uint64_t bytes) {
     m.st.bytes_in_use += b.lengths[p];
     m.in_use[p] += b.lengths[p];
   }
+  m.window_peak = std::max(m.window_peak, m.st.bytes_in_use);
   NvmeBlock id = m.next_block++;
   m.blocks.emplace(id, std::move(b));
   return id;
@@ -593,6 +595,13 @@ std::uint64_t NvmeEngine::available_bytes() const {
 NvmeEngineStats NvmeEngine::stats() const {
   std::lock_guard<std::mutex> lock(impl_->mutex);
   return impl_->st;
+}
+
+std::uint64_t NvmeEngine::take_in_use_window_peak() {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  const std::uint64_t w = std::max(impl_->window_peak, impl_->st.bytes_in_use);
+  impl_->window_peak = impl_->st.bytes_in_use;
+  return w;
 }
 
 std::vector<std::string> NvmeEngine::files() const { return impl_->files; }

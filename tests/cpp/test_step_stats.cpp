@@ -21,6 +21,7 @@ StepCounters at(std::uint64_t k) {
   c.copy_wait_ns = 3 * kMs * k;
   c.cpu_step_ns = 5 * kMs * k;
   c.nvme_wait_ns = 7 * kMs * k;
+  c.param_wait_ns = 11 * kMs * k;
   c.device_activations = {100, 100};  // every tier read at its meter's peak: exact unless a test says otherwise
   c.pinned_host = {50, 50};
   c.nvme = {0, 0};
@@ -164,6 +165,100 @@ TEST(StepRecorder, TierWithoutAMeterPeakHasItsReadings) {
   EXPECT_FALSE(r.last()->peaks_exact);
 }
 
+/// A tier's reading with a window (Note [Window peak]).
+TierReading windowed(std::int64_t current, std::int64_t window) { return {current, TierReading::kNoPeak, window}; }
+
+TEST(StepRecorder, WindowedPeakBelowAnEarlierStepsIsExact) {
+  StepRecorder r;
+  StepCounters c = at(1);
+  c.pinned_host = windowed(0, 0);
+  r.mark(StepMark::kForwardBegin, 10 * kMs, c);
+  c.pinned_host = windowed(10, 500);  // 500 between the marks, gone by the reading
+  r.mark(StepMark::kStepBegin, 11 * kMs, c);
+  r.mark(StepMark::kStepEnd, 12 * kMs, c);
+  EXPECT_EQ(r.last()->peak_pinned_host_bytes, 500u);
+  c.pinned_host = windowed(20, 20);
+  r.mark(StepMark::kForwardBegin, 20 * kMs, c);
+  c.pinned_host = windowed(30, 120);  // the second step went to 120 only, below the first's 500
+  r.mark(StepMark::kForwardEnd, 21 * kMs, c);
+  c.pinned_host = windowed(5, 90);
+  r.mark(StepMark::kStepBegin, 22 * kMs, c);
+  c.pinned_host = windowed(5, 5);
+  r.mark(StepMark::kStepEnd, 23 * kMs, c);
+  EXPECT_EQ(r.last()->peak_pinned_host_bytes, 120u);
+  c.device_activations = windowed(0, 0);
+  c.nvme = windowed(0, 0);
+  r.mark(StepMark::kForwardBegin, 30 * kMs, c);
+  c.device_activations = windowed(0, 64);
+  c.nvme = windowed(0, 32);
+  r.mark(StepMark::kStepBegin, 31 * kMs, c);
+  r.mark(StepMark::kStepEnd, 32 * kMs, c);
+  EXPECT_EQ(r.last()->peak_device_activation_bytes, 64u);
+  EXPECT_EQ(r.last()->peak_nvme_bytes, 32u);
+  EXPECT_TRUE(r.last()->peaks_exact) << "every tier windowed: exact";
+}
+
+TEST(StepRecorder, TheFirstMarksWindowIsTheTimeBeforeTheStep) {
+  StepRecorder r;
+  StepCounters c = at(1);
+  c.pinned_host = windowed(40, 900);  // 900 before the step began (between steps)
+  r.mark(StepMark::kForwardBegin, 10 * kMs, c);
+  c.pinned_host = windowed(10, 60);
+  r.mark(StepMark::kStepBegin, 11 * kMs, c);
+  c.pinned_host = windowed(10, 10);
+  r.mark(StepMark::kStepEnd, 12 * kMs, c);
+  EXPECT_EQ(r.last()->peak_pinned_host_bytes, 60u);
+  c.pinned_host = windowed(70, 70);  // a reading above the windows after it counts (the step held it)
+  r.mark(StepMark::kForwardBegin, 20 * kMs, c);
+  c.pinned_host = windowed(0, 30);
+  r.mark(StepMark::kStepBegin, 21 * kMs, c);
+  r.mark(StepMark::kStepEnd, 22 * kMs, c);
+  EXPECT_EQ(r.last()->peak_pinned_host_bytes, 70u);
+}
+
+TEST(StepRecorder, AStepEndingAtTheNextForwardHasTheWindowUpToIt) {
+  StepRecorder r(10, false);
+  StepCounters c = at(1);
+  c.pinned_host = windowed(0, 0);
+  r.mark(StepMark::kForwardBegin, 10 * kMs, c);
+  r.mark(StepMark::kBackwardBegin, 11 * kMs, c);
+  r.mark(StepMark::kBackwardEnd, 12 * kMs, c);
+  c.pinned_host = windowed(0, 300);  // after the backward, before the next forward (the user's optimizer)
+  r.mark(StepMark::kForwardBegin, 20 * kMs, c);
+  ASSERT_EQ(r.steps().size(), 1u);
+  EXPECT_EQ(r.last()->peak_pinned_host_bytes, 300u);
+  c.pinned_host = windowed(0, 7);
+  r.mark(StepMark::kBackwardBegin, 21 * kMs, c);
+  r.mark(StepMark::kBackwardEnd, 22 * kMs, c);
+  r.mark(StepMark::kForwardBegin, 30 * kMs, c);
+  EXPECT_EQ(r.last()->peak_pinned_host_bytes, 7u) << "the 300 was the first step's";
+}
+
+TEST(StepRecorder, ATierReadWithoutAWindowFallsBackOnItsMeter) {
+  StepRecorder r;
+  StepCounters c = at(1);
+  c.pinned_host = windowed(0, 0);
+  r.mark(StepMark::kForwardBegin, 10 * kMs, c);
+  c.pinned_host = {0, 50, TierReading::kNoPeak};  // one mark without a window: the step's window has a hole
+  r.mark(StepMark::kStepBegin, 11 * kMs, c);
+  c.pinned_host = windowed(0, 20);
+  r.mark(StepMark::kStepEnd, 12 * kMs, c);
+  EXPECT_EQ(r.last()->peak_pinned_host_bytes, 0u) << "the readings only (the all-time peak did not rise)";
+  EXPECT_FALSE(r.last()->peaks_exact);
+}
+
+TEST(StepRecorder, ParamWaitIsItsOwnFigure) {
+  StepRecorder r;
+  r.mark(StepMark::kForwardBegin, 10 * kMs, at(1));
+  r.mark(StepMark::kStepBegin, 11 * kMs, at(2));
+  r.mark(StepMark::kStepEnd, 12 * kMs, at(3));
+  EXPECT_DOUBLE_EQ(r.last()->exposed_param_wait_s, 0.022);
+  EXPECT_DOUBLE_EQ(r.last()->exposed_copy_wait_s, 0.006) << "the activations' copies apart";
+  StepStats a = *r.last(), b = a;
+  b.exposed_param_wait_s = 0.002;
+  EXPECT_DOUBLE_EQ(mean_of_steps({a, b}).exposed_param_wait_s, 0.012);
+}
+
 TEST(StepRecorder, PeaksStartOverEachStep) {
   StepRecorder r;
   StepCounters c = at(1);
@@ -259,5 +354,5 @@ TEST(StepStatsFields, EveryFieldReadsItsMember) {
     }
   }
   EXPECT_EQ(seen, 3u);
-  EXPECT_EQ(step_stat_fields().size(), 17u);
+  EXPECT_EQ(step_stat_fields().size(), 18u);
 }

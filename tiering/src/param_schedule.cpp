@@ -22,6 +22,7 @@ const std::vector<StatField<ParamScheduleStats>>& param_schedule_stat_fields() {
       {"nvme_to_host_bytes", &S::nvme_to_host_bytes},
       {"prefetch_hits", &S::prefetch_hits},
       {"stalls", &S::stalls},
+      {"stall_ms", &S::stall_ns, nullptr, 1e-6},
       {"order_misses", &S::order_misses},
       {"releases", &S::releases},
       {"device_bytes", &S::device_bytes},

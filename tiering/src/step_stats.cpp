@@ -19,9 +19,12 @@ struct Peak {
   bool exact;
 };
 
-/// The step's peak of one tier: the meter's new peak when it rose during the step, else the highest reading
-/// at the marks (exact only when that is the meter's all-time peak).
-Peak step_peak(const TierReading& first, const TierReading& last, std::int64_t seen) noexcept {
+/// The step's peak of one tier (Note [Step stats]): the highest window after the first mark (and the first
+/// reading) when every mark had one; else the meter's new all-time peak when it rose during the step, else the
+/// highest reading at the marks (exact only when that is the meter's all-time peak).
+Peak step_peak(const TierReading& first, const TierReading& last, std::int64_t seen, std::int64_t window,
+                      bool windowed) noexcept {
+  if (windowed) return {static_cast<std::uint64_t>(std::max<std::int64_t>({seen, window, 0})), true};
   const bool metered = last.peak != TierReading::kNoPeak;
   if (metered && first.peak != TierReading::kNoPeak && last.peak > first.peak)
     return {static_cast<std::uint64_t>(last.peak), true};
@@ -44,6 +47,7 @@ const std::vector<StatField<StepStats>>& step_stat_fields() {
       {"exposed_copy_wait_s", nullptr, &S::exposed_copy_wait_s},
       {"exposed_cpu_step_s", nullptr, &S::exposed_cpu_step_s},
       {"exposed_nvme_wait_s", nullptr, &S::exposed_nvme_wait_s},
+      {"exposed_param_wait_s", nullptr, &S::exposed_param_wait_s},
       {"device_to_host_bytes", &S::device_to_host_bytes},
       {"host_to_device_bytes", &S::host_to_device_bytes},
       {"host_to_nvme_bytes", &S::host_to_nvme_bytes},
@@ -70,6 +74,7 @@ StepStats mean_of_steps(const std::vector<StepStats>& steps) {
     out.exposed_copy_wait_s += s.exposed_copy_wait_s;
     out.exposed_cpu_step_s += s.exposed_cpu_step_s;
     out.exposed_nvme_wait_s += s.exposed_nvme_wait_s;
+    out.exposed_param_wait_s += s.exposed_param_wait_s;
     d2h += static_cast<double>(s.device_to_host_bytes);
     h2d += static_cast<double>(s.host_to_device_bytes);
     h2n += static_cast<double>(s.host_to_nvme_bytes);
@@ -89,7 +94,7 @@ StepStats mean_of_steps(const std::vector<StepStats>& steps) {
   out.host_to_nvme_bytes = mean(h2n);
   out.nvme_to_host_bytes = mean(n2h);
   for (double* t : {&out.wall_s, &out.forward_s, &out.backward_s, &out.step_s, &out.exposed_copy_wait_s,
-                    &out.exposed_cpu_step_s, &out.exposed_nvme_wait_s})
+                    &out.exposed_cpu_step_s, &out.exposed_nvme_wait_s, &out.exposed_param_wait_s})
     *t /= n;
   return out;
 }
@@ -109,9 +114,19 @@ void StepRecorder::clear() noexcept {
 }
 
 void StepRecorder::sample(const StepCounters& c) noexcept {
-  seen_device_ = std::max(seen_device_, c.device_activations.current);
-  seen_host_ = std::max(seen_host_, c.pinned_host.current);
-  seen_nvme_ = std::max(seen_nvme_, c.nvme.current);
+  const bool first = first_sample_;
+  first_sample_ = false;
+  auto take = [first](Seen& s, const TierReading& r) {
+    s.reading = std::max(s.reading, r.current);
+    if (first) return;  // the first mark's window is the time before the step
+    if (r.window == TierReading::kNoPeak)
+      s.windowed = false;
+    else
+      s.window = std::max(s.window, r.window);
+  };
+  take(seen_device_, c.device_activations);
+  take(seen_host_, c.pinned_host);
+  take(seen_nvme_, c.nvme);
 }
 
 void StepRecorder::begin(std::uint64_t now_ns, const StepCounters& c) {
@@ -122,7 +137,8 @@ void StepRecorder::begin(std::uint64_t now_ns, const StepCounters& c) {
   forward_at_ = backward_at_ = step_at_ = 0;
   forward_ns_ = backward_ns_ = step_ns_ = 0;
   forwards_ = backwards_ = 0;
-  seen_device_ = seen_host_ = seen_nvme_ = 0;
+  seen_device_ = seen_host_ = seen_nvme_ = Seen{};
+  first_sample_ = true;
 }
 
 void StepRecorder::finish(std::uint64_t now_ns, const StepCounters& c) {
@@ -137,13 +153,17 @@ void StepRecorder::finish(std::uint64_t now_ns, const StepCounters& c) {
   s.exposed_copy_wait_s = static_cast<double>(grown(first_.copy_wait_ns, c.copy_wait_ns)) * kSecondsPerNs;
   s.exposed_cpu_step_s = static_cast<double>(grown(first_.cpu_step_ns, c.cpu_step_ns)) * kSecondsPerNs;
   s.exposed_nvme_wait_s = static_cast<double>(grown(first_.nvme_wait_ns, c.nvme_wait_ns)) * kSecondsPerNs;
+  s.exposed_param_wait_s = static_cast<double>(grown(first_.param_wait_ns, c.param_wait_ns)) * kSecondsPerNs;
   s.device_to_host_bytes = grown(first_.device_to_host_bytes, c.device_to_host_bytes);
   s.host_to_device_bytes = grown(first_.host_to_device_bytes, c.host_to_device_bytes);
   s.host_to_nvme_bytes = grown(first_.host_to_nvme_bytes, c.host_to_nvme_bytes);
   s.nvme_to_host_bytes = grown(first_.nvme_to_host_bytes, c.nvme_to_host_bytes);
-  const Peak dev = step_peak(first_.device_activations, c.device_activations, seen_device_);
-  const Peak host = step_peak(first_.pinned_host, c.pinned_host, seen_host_);
-  const Peak nvme = step_peak(first_.nvme, c.nvme, seen_nvme_);
+  auto peak = [](const TierReading& first, const TierReading& last, const Seen& seen) {
+    return step_peak(first, last, seen.reading, seen.window, seen.windowed);
+  };
+  const Peak dev = peak(first_.device_activations, c.device_activations, seen_device_);
+  const Peak host = peak(first_.pinned_host, c.pinned_host, seen_host_);
+  const Peak nvme = peak(first_.nvme, c.nvme, seen_nvme_);
   s.peak_device_activation_bytes = dev.bytes;
   s.peak_pinned_host_bytes = host.bytes;
   s.peak_nvme_bytes = nvme.bytes;
@@ -154,7 +174,10 @@ void StepRecorder::finish(std::uint64_t now_ns, const StepCounters& c) {
 }
 
 void StepRecorder::mark(StepMark m, std::uint64_t now_ns, const StepCounters& c) {
-  if (m == StepMark::kForwardBegin && open_ && backward_seen_ && !ends_at_step_) finish(now_ns, c);
+  if (m == StepMark::kForwardBegin && open_ && backward_seen_ && !ends_at_step_) {
+    sample(c);  // the window up to now is the ending step's
+    finish(now_ns, c);
+  }
   if (!open_) {
     if (m == StepMark::kForwardEnd || m == StepMark::kBackwardEnd || m == StepMark::kStepEnd)
       return;  // the end of a span whose beginning no step saw (e.g. marked before the recorder existed)

@@ -95,6 +95,9 @@ class PinnedHostPool {
 
   /// Statistics snapshot.
   PinnedHostPoolStats stats() const;
+  /// The most bytes in use since the previous call (the first: since construction), in use now included
+  /// (Note [Window peak]; one reader: the step recorder, Note [Step stats]).
+  std::int64_t take_in_use_window_peak() noexcept { return in_use_.take_window_peak(); }
   /// The budget in bytes.
   std::uint64_t budget_bytes() const noexcept { return options_.budget_bytes; }
   /// True when slabs are page-locked by CUDA (false on the emulated device).

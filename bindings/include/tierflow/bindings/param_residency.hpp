@@ -83,6 +83,11 @@ void drop_cast(const at::Tensor& cast, const std::string& why);
 /// new tensor the same way; the cast's version does not move).
 void refill_cast(const at::Tensor& cast, const at::Tensor& p);
 
+/// The time compute waited for parameter fetches to land (ParamScheduleStats::stall_ns) under every
+/// ParamResidency of `runtime` so far, those gone included: a total that only grows, read at each step's
+/// boundary (exposed_param_wait_s, Note [Step stats]).
+std::uint64_t param_wait_ns(const Runtime& runtime) noexcept;
+
 /// Parameters of units (repeated blocks, then the rest unit) kept on the host between uses (Note [Parameter
 /// storage]). Thread-safe: forward events come from the Python thread, backward events from autograd's.
 class ParamResidency {
@@ -152,6 +157,8 @@ class ParamResidency {
   void use(std::size_t unit, Use what, std::uint64_t extra_bytes = 0);
   void point_back_locked();
   void carry_out(const tiering::ParamActions& a);
+  // The compute waited `ns` for fetches (the schedule's stall_ns and param_wait_ns).
+  void waited_for(std::uint64_t ns) noexcept;
   void carry_out_named(const tiering::ParamActions& a, tiering::ParamId id);
   void drop(Param& p);
   void release(Param& p);

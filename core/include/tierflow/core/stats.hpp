@@ -14,24 +14,46 @@ struct StatValues {
   std::int64_t freed = 0;      ///< total ever removed
 };
 
-/// current / peak / allocated / freed, updated lock-free from any thread.
+/// current / peak / allocated / freed, updated lock-free from any thread, and a window peak (Note [Window
+/// peak]).
+//
+// Note [Window peak]
+// ~~~~~~~~~~~~~~~~~~
+// peak is the highest `current` since the last reset_peak(), which a report
+// keeps for the whole run. A reader that wants the highest `current` of an
+// interval (a training step: Note [Step stats]) takes the window peak at each
+// of its boundaries: take_window_peak() returns the highest `current` since
+// the previous take (or since construction), the value at that take
+// included, and starts the next window at `current`. increase() raises it
+// as it raises peak (one relaxed load when it is not beaten); decrease() does
+// not touch it. One reader per Stat: two readers would each see the part of
+// the interval since the other's take.
 class Stat {
  public:
-  /// Adds `amount` to current and allocated, raising peak if needed.
+  /// Adds `amount` to current and allocated, raising peak and the window peak if needed.
   void increase(std::int64_t amount) noexcept {
     std::int64_t now = current_.fetch_add(amount, std::memory_order_relaxed) + amount;
     allocated_.fetch_add(amount, std::memory_order_relaxed);
-    std::int64_t p = peak_.load(std::memory_order_relaxed);
-    while (now > p && !peak_.compare_exchange_weak(p, now, std::memory_order_relaxed)) {
-    }
+    raise(peak_, now);
+    raise(window_peak_, now);
   }
   /// Removes `amount` from current and adds it to freed.
   void decrease(std::int64_t amount) noexcept {
     current_.fetch_sub(amount, std::memory_order_relaxed);
     freed_.fetch_add(amount, std::memory_order_relaxed);
   }
-  /// Sets peak to current.
+  /// Sets peak to current (the window peak is not affected).
   void reset_peak() noexcept { peak_.store(current_.load(std::memory_order_relaxed)); }
+  /// The highest `current` since the previous take_window_peak() (or construction), `current` now included; the
+  /// next window starts at `current` (Note [Window peak]).
+  std::int64_t take_window_peak() noexcept {
+    const std::int64_t at_start = current_.load(std::memory_order_acquire);
+    const std::int64_t w = window_peak_.exchange(at_start, std::memory_order_acq_rel);
+    // An increase between the two lines raised the old window (it is counted there) and may have been overwritten
+    // by at_start: the next window starts at current as read now, not lower.
+    raise(window_peak_, current_.load(std::memory_order_acquire));
+    return w > at_start ? w : at_start;
+  }
   /// Consistent-enough snapshot for reporting.
   StatValues values() const noexcept {
     return {current_.load(std::memory_order_relaxed), peak_.load(std::memory_order_relaxed),
@@ -39,8 +61,15 @@ class Stat {
   }
 
  private:
+  static void raise(std::atomic<std::int64_t>& to, std::int64_t now) noexcept {
+    std::int64_t p = to.load(std::memory_order_relaxed);
+    while (now > p && !to.compare_exchange_weak(p, now, std::memory_order_relaxed)) {
+    }
+  }
+
   std::atomic<std::int64_t> current_{0};
   std::atomic<std::int64_t> peak_{0};
+  std::atomic<std::int64_t> window_peak_{0};
   std::atomic<std::int64_t> allocated_{0};
   std::atomic<std::int64_t> freed_{0};
 };

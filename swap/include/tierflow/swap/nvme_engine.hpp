@@ -149,6 +149,9 @@ class NvmeEngine {
   std::uint64_t available_bytes() const;
   /// Counters.
   NvmeEngineStats stats() const;
+  /// The most bytes in use (NvmeEngineStats::bytes_in_use) since the previous call (the first: since the engine
+  /// began), in use now included (Note [Window peak] in core/stats.hpp; one reader: the step recorder).
+  std::uint64_t take_in_use_window_peak();
   /// The swap files, one per path.
   std::vector<std::string> files() const;
   /// Where a block lies: one extent per path it touches.

@@ -89,6 +89,14 @@ class BlockRegistry {
     host_.reset_peak();
     nvme_.reset_peak();
   }
+  /// The most bytes each tier held since the previous call (the first: since construction), what it holds now
+  /// included (Note [Window peak]; one reader: the step recorder, Note [Step stats]).
+  struct WindowPeaks {
+    std::int64_t device = 0, host = 0, nvme = 0;
+  };
+  WindowPeaks take_window_peaks() noexcept {
+    return {device_.take_window_peak(), host_.take_window_peak(), nvme_.take_window_peak()};
+  }
 
  private:
   struct Entry {

@@ -78,7 +78,8 @@
 // Counters: fetches and their bytes per link (host->device for every fetch;
 // NVMe->host as well for a parameter on NVMe), prefetch hits (a fetched
 // parameter on the device or in flight when its use begins), stalls (one not
-// yet fetched), order misses, device parameter bytes (resident, in flight
+// yet fetched) and the time the compute waited for fetches to land (the
+// caller's waited_for: stall_ms), order misses, device parameter bytes (resident, in flight
 // and on device) current and peak, and the bytes each tier holds.
 #pragma once
 
@@ -134,6 +135,7 @@ struct ParamScheduleStats {
   std::uint64_t nvme_to_host_bytes = 0;       ///< bytes of fetches of parameters on NVMe
   std::uint64_t prefetch_hits = 0;            ///< fetched parameters on the device or in flight when needed
   std::uint64_t stalls = 0;                   ///< fetched parameters not yet fetched when needed
+  std::uint64_t stall_ns = 0;                 ///< time the compute waited for fetches to land (waited_for)
   std::uint64_t order_misses = 0;             ///< uses that were not the expected one
   std::uint64_t releases = 0;                 ///< device copies dropped
   std::uint64_t device_bytes = 0;             ///< parameters on the device now (resident, in flight, fetched),
@@ -186,6 +188,8 @@ class ParamSchedule {
   bool on_device(ParamId id) const;
   /// A fetch the caller started has landed on the device (in flight -> on device).
   void arrived(ParamId id);
+  /// The caller's compute waited `ns` for fetches to land (counted in stall_ns; Note [Step stats]).
+  void waited_for(std::uint64_t ns) noexcept { stats_.stall_ns += ns; }
   /// A fetch the caller could not start or finish (out of memory, an NVMe read error): in flight ->
   /// released, so the next use fetches it again.
   void fetch_failed(ParamId id);

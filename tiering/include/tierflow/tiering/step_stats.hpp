@@ -23,12 +23,27 @@
 // not hidden by the pipeline). Bytes per link: the copy engine's and the NVMe
 // engine's totals' differences.
 //
-// Peaks per tier: the meters keep an all-time peak only. When a meter's peak
-// rose during the step, the step reached it: that is the step's peak, exact.
-// Otherwise the step's peak is the highest reading at its marks (a lower
-// bound; exact when it equals the all-time peak). A tier without a meter's
-// peak (NVMe: the engine's bytes in use) has its readings only.
-// `peaks_exact` says whether every tier's figure is exact.
+// Peaks per tier: each mark takes every tier's window peak (Note [Window
+// peak] in core/stats.hpp: the most bytes since the previous mark, the
+// reading now included), so a step's peak is the highest of its marks'
+// windows after the first and the first's reading: exact, whether or not an
+// earlier step went higher. The pinned pool, the NVMe engine's bytes in use
+// and the saved activations' registry keep one; one reader each (the step
+// recorder), so two sessions' recorders on one runtime would split each
+// other's windows. A tier read without a window (TierReading::kNoPeak) falls
+// back on its meter's all-time peak: when it rose during the step the step
+// reached it (exact); otherwise the highest reading at the marks, a lower
+// bound. `peaks_exact` says whether every tier's figure is exact: always,
+// once every tier has a window (the device activations' reading has none
+// until the activation offloader passes the registry's on).
+//
+// Parameter fetches: exposed_param_wait_s is the time the compute waited for
+// a parameter fetch to land (TIERFLOW_OFFLOAD_PARAMS; ParamScheduleStats'
+// stall_ns of every ParamResidency of the runtime), apart from
+// exposed_copy_wait_s (the activations' copies): the two add up to the
+// step's exposed copy time. On CUDA both are the host's time queuing the
+// stream's wait (the compute stream waits, not the host), on the emulated
+// device the host's wait itself.
 #pragma once
 
 #include <cstddef>
@@ -42,11 +57,13 @@
 
 namespace tierflow::tiering {
 
-/// One tier's bytes at an instant: held now, and the most its meter ever saw (kNoPeak: the meter keeps none).
+/// One tier's bytes at an instant: held now, the most its meter ever saw, and the most since the previous reading
+/// (its window peak, the reading now included); kNoPeak: the meter keeps none (Note [Step stats]).
 struct TierReading {
   static constexpr std::int64_t kNoPeak = -1;
   std::int64_t current = 0;
   std::int64_t peak = kNoPeak;
+  std::int64_t window = kNoPeak;
 };
 
 /// The runtime's counters at one instant (Note [Step stats]); every count but the readings only grows.
@@ -58,6 +75,7 @@ struct StepCounters {
   std::uint64_t copy_wait_ns = 0;      ///< forward's copy-window waits + backward's fetch waits
   std::uint64_t cpu_step_ns = 0;       ///< the CPU optimizer's time inside step()
   std::uint64_t nvme_wait_ns = 0;      ///< the CPU's waits for NVMe reads
+  std::uint64_t param_wait_ns = 0;     ///< the compute's waits for parameter fetches to land
   TierReading device_activations;      ///< saved activations held on the device
   TierReading pinned_host;             ///< the pinned pool's bytes in use
   TierReading nvme;                    ///< NVMe bytes in use
@@ -78,6 +96,7 @@ struct StepStats {
   double exposed_copy_wait_s = 0;
   double exposed_cpu_step_s = 0;
   double exposed_nvme_wait_s = 0;
+  double exposed_param_wait_s = 0;  ///< the compute waited for a parameter fetch (apart from exposed_copy_wait_s)
   std::uint64_t device_to_host_bytes = 0;
   std::uint64_t host_to_device_bytes = 0;
   std::uint64_t host_to_nvme_bytes = 0;
@@ -139,7 +158,14 @@ class StepRecorder {
   std::uint64_t forward_at_ = 0, backward_at_ = 0, step_at_ = 0;  // 0: no span open
   std::uint64_t forward_ns_ = 0, backward_ns_ = 0, step_ns_ = 0;
   std::uint64_t forwards_ = 0, backwards_ = 0;
-  std::int64_t seen_device_ = 0, seen_host_ = 0, seen_nvme_ = 0;  // highest readings at the marks
+  // Per tier: the highest reading at the marks, and the highest window after the first mark (`windowed` while
+  // every such mark had one).
+  struct Seen {
+    std::int64_t reading = 0, window = 0;
+    bool windowed = true;
+  };
+  Seen seen_device_, seen_host_, seen_nvme_;
+  bool first_sample_ = true;  // the next sample is the step's first (its window is the time before the step)
 };
 
 }  // namespace tierflow::tiering
