@@ -71,7 +71,8 @@ void bind_model_config(py::module_& m) {
           out[py::str(std::string(to_string(static_cast<MemoryTier>(tier))))] = col;
         }
         return out;
-      }, "{tier: {kind: bytes}}: tiers device, pinned host, pageable host, NVMe; kinds parameters, gradients, "
+      }, "{tier: {kind: bytes}}: tiers device, pinned host, NVMe (no pageable column: Note [Plan fit]); kinds "
+         "parameters, gradients, "
          "optimizer states, activations, workspace.")
       .def("lines", &MemoryTable::lines)
       .def("json", &MemoryTable::json);

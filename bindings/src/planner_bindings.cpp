@@ -256,6 +256,8 @@ void bind_plan_command(py::module_& m) {
                     [](const PlanCommandInputs& in) { return std::string(to_string(in.optimizer_states)); },
                     [](PlanCommandInputs& in, const std::string& text) { in.optimizer_states = state_format_of(text); })
       .def_readwrite("offload_params", &PlanCommandInputs::offload_params)
+      .def_readwrite("offload_gradients", &PlanCommandInputs::offload_gradients,
+                     "--offload-gradients or TIERFLOW_OFFLOAD_GRADIENTS on (Note [Plan report], Gradients)")
       .def_readwrite("shape", &PlanCommandInputs::shape)
       .def_readwrite("dtype_name", &PlanCommandInputs::dtype_name)
       .def_readwrite("state", &PlanCommandInputs::state)
@@ -294,6 +296,11 @@ void bind_plan_command(py::module_& m) {
         py::arg("budgets"), "The command's line when the planner refused (Note [Plan report]).");
   m.attr("DECIMAL_GB") = kDecimalGB;
   m.def("plan_shape_flags", &plan_shape_flags, "The shape's flags, as errors name them.");
+  m.def("plan_command_blocks", &plan_command_blocks, py::arg("blocks"), py::arg("inputs"),
+        "The blocks as the step moves them: a shape's with --optimizer host carry their gradients' device->host "
+        "bytes (Note [Plan report], Gradients).");
+  m.def("gradient_device_bytes", &gradient_device_bytes, py::arg("inputs"),
+        "The gradients' device bytes: all, or with offload_gradients the two largest units' (Note [Plan report]).");
   m.def("describe_plan", &describe_plan, py::arg("plan"), py::arg("blocks"), py::arg("inputs"), py::arg("budgets"),
         "The plan command's text lines and JSON (Note [Plan report]).");
 }

@@ -14,6 +14,7 @@
 #include "tierflow/core/size.hpp"
 #include "tierflow/tiering/model_config.hpp"
 #include "tierflow/tiering/plan_fit.hpp"
+#include "tierflow/tiering/step_prediction.hpp"
 #include "tierflow/tiering/transformer_profile.hpp"
 
 using namespace tierflow;
@@ -240,8 +241,10 @@ TEST(PlanFit, BytesPerTierByKindAddUpToThePlan) {
   EXPECT_EQ(t.at(K::kParameters, T::kPinnedHost) + plan.device_param_bytes, in.state->parameter_bytes);
   EXPECT_EQ(t.at(K::kParameters, T::kDevice), plan.param_window_bytes + plan.device_param_bytes);
   EXPECT_GE(t.at(K::kWorkspace, T::kDevice), blocks[0].transient_bytes);
-  EXPECT_EQ(t.tier_total(T::kPageableHost), 0u);
+  // No pageable host column: nothing the plan places is pageable (Note [Plan fit]).
   EXPECT_EQ(t.lines().size(), 8u);
+  EXPECT_EQ(t.lines()[1].find("pageable"), std::string::npos) << t.lines()[1];
+  EXPECT_EQ(t.json().find("pageable"), std::string::npos) << t.json();
   EXPECT_NE(t.json().find(R"("pinned_host":{"parameters":)"), std::string::npos) << t.json();
   // torch's AdamW on the device: its states are the device's.
   PlanCommandInputs none = command_inputs(s, "80GiB", "none", "none");
@@ -287,6 +290,98 @@ TEST(PlanFit, TheFastestCombinationThatThePlannerFitsIsSuggested) {
   const FitSearch none = search_fitting_settings(blocks, command_inputs(s, "1GiB", "none", "none"));
   EXPECT_FALSE(none.best.has_value());
   EXPECT_NE(fit_advice(none, "x").find("none of the"), std::string::npos);
+}
+
+TEST(PlanFit, OffloadedGradientsLeaveTheTwoLargestUnitsOnTheDevice) {
+  // --offload-gradients on (TIERFLOW_OFFLOAD_GRADIENTS): each unit's gradients go once copied; the device holds
+  // the unit backward makes and the one copying (Note [Plan report], Gradients).
+  const TransformerShape s = llama_shape(8);
+  const auto blocks = estimate_transformer(s, 400e12);
+  PlanCommandInputs off = command_inputs(s, "40GiB", "host", "none");
+  PlanCommandInputs on = off;
+  on.offload_gradients = true;
+  const std::uint64_t block = transformer_block_parameters(s) * 2, rest = off.state->gradient_bytes - 8 * block;
+  ASSERT_GT(rest, block);  // Llama's embeddings and head: the largest unit
+  EXPECT_EQ(gradient_device_bytes(off), off.state->gradient_bytes);
+  EXPECT_EQ(gradient_device_bytes(on), rest + block);
+  const PlanCommandBudgets bo = plan_command_budgets(off), bn = plan_command_budgets(on);
+  EXPECT_EQ(bo.budgets.fixed_device_bytes - bn.budgets.fixed_device_bytes, off.state->gradient_bytes - rest - block);
+  const auto moved = plan_command_blocks(blocks, on);
+  const Plan plan = plan_activations(moved, bn.links, bn.budgets);
+  const MemoryTable t = memory_table(plan, moved, on, bn);
+  EXPECT_EQ(t.at(MemoryKind::kGradients, MemoryTier::kDevice), rest + block);
+  EXPECT_EQ(t.tier_total(MemoryTier::kDevice), plan.predicted_device_peak_bytes);
+  const PlanReport report = describe_plan(plan, moved, on, bn);
+  EXPECT_NE(report.json.find(R"("offload_gradients":true)"), std::string::npos);
+  // Without the CPU optimizer no gradient is copied to the host: refused, naming the flag.
+  PlanCommandInputs none = command_inputs(s, "80GiB", "none", "none");
+  none.offload_gradients = true;
+  try {
+    plan_command_budgets(none);
+    ADD_FAILURE() << "--offload-gradients on with --optimizer none accepted";
+  } catch (const config_error& e) {
+    EXPECT_NE(std::string(e.what()).find("--offload-gradients on (TIERFLOW_OFFLOAD_GRADIENTS) with --optimizer none"),
+              std::string::npos) << e.what();
+  }
+}
+
+TEST(PlanFit, TheFitSearchTriesOffloadingTheGradients) {
+  // A budget that the gradients freed make fit, where fetching the parameters costs time: the search suggests
+  // --offload-gradients on, tried by the planner.
+  const TransformerShape s = llama_shape(8);
+  const auto blocks = estimate_transformer(s, 400e12);
+  PlanCommandInputs on = command_inputs(s, "80GiB", "host", "none");
+  on.offload_gradients = true;
+  const PlanCommandBudgets bn = plan_command_budgets(on);
+  const Plan roomy = plan_activations(plan_command_blocks(blocks, on), bn.links, bn.budgets);
+  PlanCommandInputs in = command_inputs(s, std::to_string(roomy.predicted_device_peak_bytes + MiB), "host", "none");
+  const PlanCommandBudgets b = plan_command_budgets(in);
+  EXPECT_THROW(plan_activations(plan_command_blocks(blocks, in), b.links, b.budgets), out_of_memory);
+  const FitSearch search = search_fitting_settings(blocks, in);
+  ASSERT_TRUE(search.best.has_value());
+  EXPECT_EQ(flags_text(search.tried[*search.best].flags), "--offload-gradients on");
+}
+
+TEST(PlanFit, TheCpuOptimizersGradientsArePlannedOnceAsTheBlocksTraffic) {
+  // --optimizer host: each block's gradients go device->host in its backward; the planner plans with them, and the
+  // prediction's gradient term is that plan's (describe_plan adds nothing more).
+  const TransformerShape s = llama_shape(4);
+  const auto blocks = estimate_transformer(s, 400e12);
+  PlanCommandInputs in = command_inputs(s, "80GiB", "host", "none");
+  in.links = Links{1e9, 1e9, 2e9, 0, 0};  // a slow link: the gradients' copies stick out
+  const auto moved = plan_command_blocks(blocks, in);
+  for (std::size_t i = 0; i < blocks.size(); ++i) EXPECT_EQ(moved[i].download_bytes, blocks[i].parameter_bytes);
+  EXPECT_EQ(plan_command_blocks(moved, in)[0].download_bytes, blocks[0].parameter_bytes);  // once, not twice
+  PlanCommandInputs nvme = in;
+  nvme.optimizer = "nvme";
+  EXPECT_EQ(plan_command_blocks(blocks, nvme)[0].download_bytes, 0u);  // stepped in step(), after backward
+  const PlanCommandBudgets b = plan_command_budgets(in);
+  const Plan plan = plan_activations(moved, b.links, b.budgets);
+  const Plan without = plan_activations(blocks, b.links, b.budgets);
+  EXPECT_GT(plan.predicted_step_seconds, without.predicted_step_seconds);
+  const StepPrediction step = predict_step(plan, plan_command_blocks(moved, in), b.links, b.budgets,
+                                           optimizer_inputs(in, b));
+  EXPECT_DOUBLE_EQ(step.blocks_seconds, plan.predicted_step_seconds);
+  EXPECT_GT(step.gradient_copy_seconds, 0);
+}
+
+TEST(DescribePlan, TheModelLineNamesTheKvHeadsOfGroupedQueryAttention) {
+  ModelConfig mistral = parse_model_config(kDefaults[1].json, "c");
+  mistral.shape.layers = 2;
+  mistral.shape.seq = 256;
+  mistral.shape.batch = 1;
+  const auto blocks = estimate_transformer(mistral.shape, 400e12);
+  PlanCommandInputs in = command_inputs(mistral.shape, "80GiB", "host", "none");
+  const PlanCommandBudgets b = plan_command_budgets(in);
+  const Plan plan = plan_activations(plan_command_blocks(blocks, in), b.links, b.budgets);
+  const auto lines = describe_plan(plan, plan_command_blocks(blocks, in), in, b).lines;
+  EXPECT_EQ(lines[0].rfind("model: 2 layers, hidden 4096, 32 heads (8 kv), seq 256,", 0), 0u) << lines[0];
+  const TransformerShape llama = llama_shape(2);  // 32 kv heads: no kv part
+  PlanCommandInputs li = command_inputs(llama, "80GiB", "host", "none");
+  const PlanCommandBudgets lb = plan_command_budgets(li);
+  const auto lblocks = estimate_transformer(llama, 400e12);
+  const auto ll = describe_plan(plan_activations(lblocks, lb.links, lb.budgets), lblocks, li, lb).lines;
+  EXPECT_EQ(ll[0].find("kv"), std::string::npos) << ll[0];
 }
 
 }  // namespace

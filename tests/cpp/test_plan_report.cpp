@@ -250,7 +250,7 @@ TEST(DescribePlan, JsonHasTodaysKeysInOrderThenTheNewOnes) {
   EXPECT_EQ(keys(j["budgets"]), (V{"gpu_bytes", "fixed_gpu_bytes", "host_bytes_for_activations", "nvme_bytes",
                                    "prefetch_bytes"}));
   EXPECT_EQ(keys(j["state"]), (V{"optimizer", "optimizer_states", "gpu_bytes", "host_bytes", "nvme_bytes",
-                                 "outside_blocks_gpu_bytes"}));
+                                 "outside_blocks_gpu_bytes", "offload_gradients"}));
   EXPECT_EQ(j["state"]["optimizer_states"], "fp32");
   EXPECT_EQ(j["budgets"]["gpu_bytes"], 17179869184ULL);
   EXPECT_EQ(j["budgets"]["prefetch_bytes"], 268435456ULL);

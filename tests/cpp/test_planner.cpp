@@ -529,4 +529,36 @@ TEST(PlannerWindow, ASmallModelsWindowCountsOnlyWhatItSwaps) {
   }
 }
 
+TEST(PlannerWindow, TheRefusalsFloorWithParametersFetchedCountsOnlyWhatTheBlocksSwap) {
+  // Issue 41 item 3: plan_params.cpp's floor (parameters fetched) and planner.cpp's (resident) count the window
+  // alike: at most what the cheapest plan swaps (every block's input), not the whole 256 KiB window.
+  BlockProfile p;
+  p.forward_seconds = 1e-3;
+  p.backward_seconds = 2e-3;
+  p.input_bytes = 16 * KiB;
+  p.whole_bytes = 16 * KiB;
+  p.transient_bytes = 32 * KiB;
+  p.parameter_bytes = 8 * KiB;
+  const std::vector<BlockProfile> blocks(4, p);
+  const Links links{1e9, 1e9, 2e9, 0, 0};
+  Budgets b;
+  b.fixed_device_bytes = MiB;
+  b.host_bytes = GiB;
+  b.prefetch_bytes = 256 * KiB;
+  b.device_bytes = MiB;  // below every floor
+  const std::string swapped = format_bytes(4 * p.input_bytes) + " of prefetch window";
+  for (const ParamPolicy policy : {ParamPolicy::kResident, ParamPolicy::kFetchAll}) {
+    Budgets c = b;
+    c.params = policy;
+    try {
+      plan_activations(blocks, links, c);
+      ADD_FAILURE() << "a plan within " << c.device_bytes;
+    } catch (const out_of_memory& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find(swapped), std::string::npos) << what;
+      EXPECT_EQ(what.find(format_bytes(b.prefetch_bytes) + " of prefetch window"), std::string::npos) << what;
+    }
+  }
+}
+
 }  // namespace

@@ -78,7 +78,7 @@ def test_a_plan_that_does_not_fit_names_the_settings_that_would_and_the_command(
     # Llama-7B at 16 GiB without --offload-params: the planner tries the settings and prints the fastest that fits.
     path = write(tmp_path, LLAMA)
     rc, out, err = plan("--model", path, "--gpu-memory", "16GiB", *RATES)
-    expect_one_line(rc, out, err, "no activation plan fits", "; it fits with --offload-params ",
+    expect_one_line(rc, out, err, "no activation plan fits", "; it fits with --",
                     "(tried by the planner: predicted step ",
                     f"python -m tierflow plan --model {path} --gpu-memory 16GiB --tflops 400")
     command = err.split("): python -m tierflow plan ", 1)[1].split()
@@ -93,10 +93,38 @@ def test_the_issues_llama7b_shape_names_the_setting_that_makes_it_fit():
     # Issue 41: without --offload-params the llama7b shape at 16 GiB said "no activation plan fits" and no more.
     shape = ["--layers", "32", "--hidden", "4096", "--heads", "32", "--seq", "4096", "--batch", "1", "--vocab", "32000"]
     rc, out, err = plan(*shape, "--gpu-memory", "16GiB", *RATES)
-    expect_one_line(rc, out, err, "no activation plan fits", "; it fits with --offload-params ",
+    # The gradients freed once copied (--offload-gradients on, TIERFLOW_OFFLOAD_GRADIENTS) make it fit without
+    # fetching the parameters, which costs time: the search tries both.
+    expect_one_line(rc, out, err, "no activation plan fits", "; it fits with --", "--offload-gradients on",
                     "python -m tierflow plan --layers 32 ")
     rc, out, err = plan(*err.split("): python -m tierflow plan ", 1)[1].split())
     assert rc == 0, err
+
+
+def test_offload_gradients_mirrors_the_setting(tmp_path, monkeypatch):
+    # --offload-gradients on|off (TIERFLOW_OFFLOAD_GRADIENTS, parsed by the table's parser): on leaves the two
+    # largest units' gradients on the device (Note [Plan report], Gradients); a bad value names the flag.
+    path = write(tmp_path, dict(LLAMA, num_hidden_layers=2))
+    block = 202383360 * 2  # a Llama-7B layer's bf16 parameters
+    rest = 2 * 32000 * 4096 * 2 + 4096 * 2  # embeddings, head, final norm
+    docs = {}
+    for value in ("off", "on"):
+        rc, out, err = plan("--model", path, "--seq", "256", "--gpu-memory", "80GiB", "--json", *RATES,
+                            "--offload-gradients", value)
+        assert rc == 0, err
+        docs[value] = json.loads(out)
+    assert docs["off"]["bytes_per_tier"]["device"]["gradients"] == 2 * block + rest
+    assert docs["on"]["bytes_per_tier"]["device"]["gradients"] == block + rest
+    assert docs["on"]["state"]["offload_gradients"] is True and docs["off"]["state"]["offload_gradients"] is False
+    assert docs["off"]["predicted"]["gpu_peak_bytes"] - docs["on"]["predicted"]["gpu_peak_bytes"] == block
+    monkeypatch.setenv("TIERFLOW_OFFLOAD_GRADIENTS", "on")  # the setting's default
+    rc, out, err = plan("--model", path, "--seq", "256", "--gpu-memory", "80GiB", "--json", *RATES)
+    assert rc == 0 and json.loads(out)["state"]["offload_gradients"] is True, err
+    expect_one_line(*plan("--model", path, "--gpu-memory", "80GiB", *RATES, "--offload-gradients", "yes"),
+                    "--offload-gradients='yes' is not valid; accepted: on or off")
+    expect_one_line(*plan("--model", path, "--gpu-memory", "80GiB", *RATES, "--offload-gradients", "on",
+                          "--optimizer", "none"),
+                    "--offload-gradients on (TIERFLOW_OFFLOAD_GRADIENTS) with --optimizer none", "accepted: ")
 
 
 @pytest.mark.parametrize("why, config, extra, needles", [

@@ -33,22 +33,11 @@ std::string shell_word(const std::string& w) {
 }
 
 // The whole step of a candidate (Note [Step prediction]): the blocks' and the CPU optimizer's exposed time, as
-// describe_plan predicts it (plan_report.cpp's optimizer_inputs, which is not public).
+// describe_plan predicts it.
 double whole_step_seconds(const Plan& plan, const std::vector<BlockProfile>& blocks, const PlanCommandInputs& in,
                           const PlanCommandBudgets& pb) {
-  OptimizerStepInputs o;
-  o.on_cpu = in.optimizer == "host" || in.optimizer == "nvme";
-  if (o.on_cpu && in.shape) {
-    o.parameters = transformer_parameters(*in.shape);
-    o.states = in.optimizer_states;
-    o.params_per_second = cpu_adam_rate(in.cpu_adam_params_per_second, in.optimizer_states, in.shape->dtype_bytes);
-    o.steps_during_backward = in.optimizer == "host";
-    if (in.optimizer == "nvme" && in.state) {
-      o.nvme_state_bytes = in.state->nvme;
-      o.nvme_read = o.nvme_write = in.nvme_bytes_per_second > 0 ? in.nvme_bytes_per_second : pb.links.nvme_read;
-    }
-  }
-  return predict_step(plan, blocks, pb.links, pb.budgets, o).total_seconds;
+  return predict_step(plan, plan_command_blocks(blocks, in), pb.links, pb.budgets, optimizer_inputs(in, pb))
+      .total_seconds;
 }
 
 }  // namespace
@@ -68,7 +57,6 @@ std::string_view to_string(MemoryTier tier) noexcept {
   switch (tier) {
     case MemoryTier::kDevice: return "device";
     case MemoryTier::kPinnedHost: return "pinned host";
-    case MemoryTier::kPageableHost: return "pageable host";
     case MemoryTier::kNvme: return "NVMe";
   }
   return "?";
@@ -83,8 +71,8 @@ std::uint64_t MemoryTable::tier_total(MemoryTier tier) const noexcept {
 std::vector<std::string> MemoryTable::lines() const {
   auto row = [](const std::string& name, const std::array<std::string, kMemoryTiers>& cells) {
     char buf[160];
-    std::snprintf(buf, sizeof buf, "  %-18s%12s %12s %14s %12s", name.c_str(), cells[0].c_str(), cells[1].c_str(),
-                  cells[2].c_str(), cells[3].c_str());
+    std::snprintf(buf, sizeof buf, "  %-18s%12s %12s %12s", name.c_str(), cells[0].c_str(), cells[1].c_str(),
+                  cells[2].c_str());
     return std::string(buf);
   };
   std::vector<std::string> out{"bytes per tier:"};
@@ -136,7 +124,8 @@ MemoryTable memory_table(const Plan& plan, const std::vector<BlockProfile>& bloc
   set(K::kParameters, T::kDevice, device_params);
   set(K::kParameters, T::kPinnedHost, plan.host_param_bytes);
   set(K::kParameters, T::kNvme, plan.nvme_param_bytes);
-  set(K::kGradients, T::kDevice, s.gradient_bytes);
+  const std::uint64_t gradients = gradient_device_bytes(in);  // --offload-gradients (Note [Plan report], Gradients)
+  set(K::kGradients, T::kDevice, gradients);
   const bool optimizer_on_device = s.host == 0 && s.nvme == 0;
   set(K::kOptimizerStates, T::kDevice, optimizer_on_device ? s.optimizer_bytes : 0);
   set(K::kOptimizerStates, T::kPinnedHost, s.host);
@@ -149,7 +138,7 @@ MemoryTable memory_table(const Plan& plan, const std::vector<BlockProfile>& bloc
   }
   const std::uint64_t workspace = transient + (swaps ? b.prefetch_bytes : 0);
   set(K::kWorkspace, T::kDevice, workspace);
-  const std::uint64_t others = device_params + s.gradient_bytes + (optimizer_on_device ? s.optimizer_bytes : 0) +
+  const std::uint64_t others = device_params + gradients + (optimizer_on_device ? s.optimizer_bytes : 0) +
                                workspace;
   set(K::kActivations, T::kDevice, less_or_zero(plan.predicted_device_peak_bytes, others));
   set(K::kActivations, T::kPinnedHost, less_or_zero(plan.host_bytes, plan.host_param_bytes));
@@ -183,6 +172,7 @@ FitSearch search_fitting_settings(const std::vector<BlockProfile>& blocks, const
   const auto params = with(params_values, in.offload_params.empty() ? "none" : in.offload_params);
   const auto optimizers = with(optimizer_values, in.optimizer);
   const auto states = with({"bf16", "8bit"}, std::string(to_string(in.optimizer_states)));
+  const auto gradients = with({"on"}, in.offload_gradients ? "on" : "off");
   std::vector<std::string> prefetches{in.prefetch.text};
   try {
     const std::uint64_t given = budget_bytes(in.prefetch.text, 0);
@@ -198,30 +188,36 @@ FitSearch search_fitting_settings(const std::vector<BlockProfile>& blocks, const
       for (const auto& st : states) {
         if (o == "none" && st != states.front()) continue;  // torch's AdamW keeps its own format
         for (const auto& pf : prefetches) {
-          FitTried t;
-          if (p != params.front()) t.flags.emplace_back("--offload-params", p);
-          if (o != optimizers.front()) t.flags.emplace_back("--optimizer", o);
-          if (st != states.front()) t.flags.emplace_back("--optimizer-states", st);
-          if (pf != prefetches.front()) t.flags.emplace_back("--prefetch", pf);
-          if (t.flags.empty()) continue;  // the command's own: refused already
-          PlanCommandInputs c = in;
-          c.offload_params = p;
-          c.optimizer = o;
-          c.optimizer_states = *parse_state_format(st);
-          if (pf != prefetches.front()) c.prefetch = SettingText{pf, SettingSource::kFlag};
-          try {
-            c.state = estimate_training_state(*c.shape, parse_optimizer_placement(o), c.optimizer_states);
-            const PlanCommandBudgets b = plan_command_budgets(c);
-            const Plan plan = plan_activations(blocks, b.links, b.budgets);
-            t.fits = plan.fits;
-            t.step_seconds = step_of ? step_of(plan, blocks, c, b) : whole_step_seconds(plan, blocks, c, b);
-            t.device_peak_bytes = plan.predicted_device_peak_bytes;
-          } catch (const out_of_memory& e) {
-            t.why = e.what();
-          } catch (const config_error& e) {
-            t.why = e.what();
+          for (const auto& g : gradients) {
+            if (o == "none" && g == "on") continue;  // no gradient copied to the host: refused
+            FitTried t;
+            if (p != params.front()) t.flags.emplace_back("--offload-params", p);
+            if (o != optimizers.front()) t.flags.emplace_back("--optimizer", o);
+            if (st != states.front()) t.flags.emplace_back("--optimizer-states", st);
+            if (pf != prefetches.front()) t.flags.emplace_back("--prefetch", pf);
+            if (g != gradients.front()) t.flags.emplace_back("--offload-gradients", g);
+            if (t.flags.empty()) continue;  // the command's own: refused already
+            PlanCommandInputs c = in;
+            c.offload_params = p;
+            c.optimizer = o;
+            c.optimizer_states = *parse_state_format(st);
+            c.offload_gradients = g == "on";
+            if (pf != prefetches.front()) c.prefetch = SettingText{pf, SettingSource::kFlag};
+            try {
+              c.state = estimate_training_state(*c.shape, parse_optimizer_placement(o), c.optimizer_states);
+              const PlanCommandBudgets b = plan_command_budgets(c);
+              const auto moved = plan_command_blocks(blocks, c);  // the gradients' traffic of this placement
+              const Plan plan = plan_activations(moved, b.links, b.budgets);
+              t.fits = plan.fits;
+              t.step_seconds = step_of ? step_of(plan, moved, c, b) : whole_step_seconds(plan, moved, c, b);
+              t.device_peak_bytes = plan.predicted_device_peak_bytes;
+            } catch (const out_of_memory& e) {
+              t.why = e.what();
+            } catch (const config_error& e) {
+              t.why = e.what();
+            }
+            out.tried.push_back(std::move(t));
           }
-          out.tried.push_back(std::move(t));
         }
       }
     }
@@ -245,7 +241,7 @@ FitSearch search_fitting_settings(const std::vector<BlockProfile>& blocks, const
 std::string fit_advice(const FitSearch& search, const std::string& command) {
   if (!search.best) {
     return "; none of the " + std::to_string(search.tried.size()) +
-           " combinations of --offload-params, --optimizer, --optimizer-states and --prefetch tried fits (Note "
+           " combinations of --offload-params, --optimizer, --optimizer-states, --prefetch and --offload-gradients tried fits (Note "
            "[Plan fit]): raise --gpu-memory or --host-memory, or give an NVMe tier (--nvme-memory, --nvme-gbps)";
   }
   const FitTried& b = search.tried[*search.best];

@@ -128,21 +128,24 @@ std::vector<std::vector<bool>> fetch_sets(const std::vector<BlockProfile>& block
 
 [[noreturn]] void throw_nothing_fits(const std::vector<BlockProfile>& blocks, const Budgets& budgets) {
   ParamTotals all;
-  std::uint64_t working = 0, largest_params = 0;
+  std::uint64_t working = 0, largest_params = 0, inputs = 0;
   for (const auto& p : blocks) {
     all.add(p.parameter_bytes, budgets.param_tier);
     working = std::max(working, p.saved_bytes() + p.transient_bytes);
     largest_params = std::max(largest_params, p.parameter_bytes);
+    inputs += p.input_bytes;
   }
   all.add(budgets.rest_parameter_bytes, budgets.param_tier);
-  const std::uint64_t floor = budgets.fixed_device_bytes + working + all.window() + budgets.prefetch_bytes;
+  // The window counts only what the cheapest plan swaps (every block's input), as planner.cpp's floor does.
+  const std::uint64_t window = window_bytes(budgets.prefetch_bytes, inputs);
+  const std::uint64_t floor = budgets.fixed_device_bytes + working + all.window() + window;
   std::string msg = "tierflow: no plan of parameters and activations fits: with every unit's parameters fetched "
                     "the cheapest in device memory needs " + std::to_string(floor) + " bytes (" +
                     format_bytes(floor) + ": " + format_bytes(budgets.fixed_device_bytes) +
                     " for the rest of training, " + format_bytes(working) + " for the largest block's working set, " +
                     format_bytes(all.window()) + " for the parameters of the running and the prefetched unit (the "
                     "largest block holds " + format_bytes(largest_params) + "), " +
-                    format_bytes(budgets.prefetch_bytes) + " of prefetch window) and the device budget is " +
+                    format_bytes(window) + " of prefetch window) and the device budget is " +
                     format_bytes(budgets.device_bytes);
   if (floor <= budgets.device_bytes) {
     msg += "; the host (" + format_bytes(budgets.host_bytes) + ") and NVMe (" + format_bytes(budgets.nvme_bytes) +

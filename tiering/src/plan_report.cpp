@@ -66,15 +66,17 @@ std::uint64_t fixed_device_bytes(const PlanCommandInputs& in) {
   if (!in.state) return in.profile_fixed_device_bytes;
   // The activations outside the blocks are the plan's to keep or swap (Budgets::outside_saved_bytes); they must
   // still add up with the rest of training.
+  // --offload-gradients on: the gradients the device holds at once, not all of them (Note [Plan report], Gradients).
+  const std::uint64_t device = in.state->device - in.state->gradient_bytes + gradient_device_bytes(in);
   std::uint64_t fixed = 0;
-  if (__builtin_add_overflow(in.state->device, in.head_bytes, &fixed)) {
-    const unsigned __int128 sum = static_cast<unsigned __int128>(in.state->device) + in.head_bytes;
+  if (__builtin_add_overflow(device, in.head_bytes, &fixed)) {
+    const unsigned __int128 sum = static_cast<unsigned __int128>(device) + in.head_bytes;
     const std::string text = std::to_string(static_cast<std::uint64_t>(sum / 10)) +
                              std::to_string(static_cast<unsigned>(sum % 10));
     throw config_error(in.blocks_from + ": the rest of training needs " + text +
                        " device bytes; accepted: a shape whose byte counts fit in 64 bits");
   }
-  return in.state->device;
+  return device;
 }
 
 // "--optimizer-states 8bit: 6.03 bytes a parameter, 40.2 GiB": what the states would take in the format that
@@ -206,7 +208,9 @@ std::vector<FixedPart> fixed_parts(const PlanCommandInputs& in, const Budgets& b
   return {
       {"parameters", "parameters", params_on_device ? s.parameter_bytes : 0,
        params_on_device ? "--offload-params host, nvme or auto (TIERFLOW_OFFLOAD_PARAMS)" : ""},
-      {"gradients", "gradients", s.gradient_bytes, "TIERFLOW_OFFLOAD_GRADIENTS=on (each freed once copied to host)"},
+      {"gradients", "gradients", gradient_device_bytes(in),
+       in.offload_gradients ? ""
+                            : "TIERFLOW_OFFLOAD_GRADIENTS=on (--offload-gradients on; each freed once copied to host)"},
       {"optimizer_states", "optimizer states", optimizer_on_device ? s.optimizer_bytes : 0,
        optimizer_on_device ? "--optimizer host or nvme (TIERFLOW_OFFLOAD_OPTIMIZER=host or nvme)" : ""},
       // Not in the fixed bytes: the plan keeps them or swaps them (Note [Activation planner], Outside the blocks).
@@ -316,10 +320,13 @@ std::vector<std::string> plan_lines(const Plan& plan, const PlanCommandInputs& i
   std::vector<std::string> lines;
   if (in.shape) {
     const auto& s = *in.shape;
-    lines.push_back(format("model: %lld layers, hidden %lld, %lld heads, seq %lld, batch %lld, %s, vocab %lld (%.3gB "
-                           "parameters)",
+    // Grouped-query attention: the kv heads beside the query heads (Note [Model families]).
+    const bool grouped = s.kv_heads > 0 && s.kv_heads != s.heads;
+    const std::string kv = grouped ? format(" (%lld kv)", static_cast<long long>(s.kv_heads)) : std::string();
+    lines.push_back(format("model: %lld layers, hidden %lld, %lld heads%s, seq %lld, batch %lld, %s, vocab %lld "
+                           "(%.3gB parameters)",
                            static_cast<long long>(s.layers), static_cast<long long>(s.hidden),
-                           static_cast<long long>(s.heads), static_cast<long long>(s.seq),
+                           static_cast<long long>(s.heads), kv.c_str(), static_cast<long long>(s.seq),
                            static_cast<long long>(s.batch), in.dtype_name.c_str(), static_cast<long long>(s.vocab),
                            static_cast<double>(transformer_parameters(s)) / 1e9));
   } else {
@@ -348,7 +355,9 @@ std::vector<std::string> plan_lines(const Plan& plan, const PlanCommandInputs& i
                   format_bytes(budgets.prefetch_bytes));
   if (in.state) {
     lines.push_back("parameters and optimizer (--optimizer " + in.optimizer + "): device " +
-                    format_bytes(in.state->device) + ", host " + format_bytes(in.state->host) + ", NVMe " +
+                    format_bytes(in.state->device - in.state->gradient_bytes + gradient_device_bytes(in)) +
+                    (in.offload_gradients ? " (gradients freed once copied: --offload-gradients on)" : "") +
+                    ", host " + format_bytes(in.state->host) + ", NVMe " +
                     format_bytes(in.state->nvme) +
                     (in.optimizer == "none" || !in.shape
                          ? std::string()
@@ -382,37 +391,6 @@ std::vector<std::string> plan_lines(const Plan& plan, const PlanCommandInputs& i
   lines.push_back(fixed_line(parts));
 
   return lines;
-}
-
-// The CPU optimizer as the command's inputs describe it (Note [Step prediction]): the shape's parameters, the given
-// rate (--cpu-adam-rate, fp32) scaled to the states' format or the one measured here; NVMe states read and
-// written at --nvme-gbps, stepped in step() (Note [Optimizer states on NVMe]); a profile gives no parameters.
-OptimizerStepInputs optimizer_inputs(const PlanCommandInputs& in, const PlanCommandBudgets& pb) {
-  OptimizerStepInputs o;
-  o.on_cpu = in.optimizer == "host" || in.optimizer == "nvme";
-  if (!o.on_cpu || !in.shape) {
-    o.on_cpu = o.on_cpu && in.cpu_adam_params_per_second > 0;  // a profile: the rate alone says nothing
-    return o;
-  }
-  o.parameters = transformer_parameters(*in.shape);
-  o.states = in.optimizer_states;
-  o.params_per_second = cpu_adam_rate(in.cpu_adam_params_per_second, in.optimizer_states, in.shape->dtype_bytes);
-  o.steps_during_backward = in.optimizer == "host";
-  if (in.optimizer == "nvme" && in.state) {
-    o.nvme_state_bytes = in.state->nvme;
-    o.nvme_read = o.nvme_write = in.nvme_bytes_per_second > 0 ? in.nvme_bytes_per_second : pb.links.nvme_read;
-  }
-  return o;
-}
-
-// The blocks as the step moves them: with --optimizer host each block's gradients go device->host during its
-// backward (optimizer_traffic's grads_down_in_backward, TIERFLOW_OVERLAP_STEP on); a shape's estimate leaves them
-// out, a measured profile has them already.
-std::vector<BlockProfile> with_gradient_traffic(std::vector<BlockProfile> blocks, const PlanCommandInputs& in) {
-  if (in.optimizer != "host" || !in.shape) return blocks;
-  for (auto& b : blocks)
-    if (b.download_bytes == 0) b.download_bytes = b.parameter_bytes;
-  return blocks;
 }
 
 // The "step" object of the JSON: each term's seconds, then the optimizer's parts.
@@ -485,7 +463,8 @@ std::string plan_json(const Plan& plan, const PlanCommandInputs& in, const PlanC
                     {"gpu_bytes", in.state->device},
                     {"host_bytes", in.state->host},
                     {"nvme_bytes", in.state->nvme},
-                    {"outside_blocks_gpu_bytes", in.head_bytes}};
+                    {"outside_blocks_gpu_bytes", in.head_bytes},
+                    {"offload_gradients", in.offload_gradients}};
   }
   doc["fixed_gpu_parts"] = fixed_json(parts);
   doc["parameters"] = params_json(plan, in, budgets);
@@ -559,6 +538,15 @@ Budget budget_of(const std::string& text, std::uint64_t capacity_bytes) {
 }  // namespace
 
 PlanCommandBudgets plan_command_budgets(const PlanCommandInputs& in) {
+  if (in.offload_gradients && in.optimizer != "host" && in.optimizer != "nvme") {
+    throw config_error("--offload-gradients on (TIERFLOW_OFFLOAD_GRADIENTS) with --optimizer " + in.optimizer +
+                       ": no gradient is copied to the host without the CPU optimizer, so every gradient stays on "
+                       "the device until zero_grad; accepted: --offload-gradients off, or --optimizer host or nvme");
+  }
+  if (in.offload_gradients && !in.state) {
+    throw config_error("--offload-gradients on needs a model shape: a profile's fixed device bytes hold its "
+                       "gradients as recorded; accepted with --profile: --offload-gradients off");
+  }
   PlanCommandBudgets out;
   auto& b = out.budgets;
   std::tie(b.device_bytes, out.device_from) = device_budget(in);
@@ -604,6 +592,46 @@ PlanCommandBudgets plan_command_budgets(const PlanCommandInputs& in) {
   return out;
 }
 
+OptimizerStepInputs optimizer_inputs(const PlanCommandInputs& in, const PlanCommandBudgets& pb) {
+  OptimizerStepInputs o;
+  o.on_cpu = in.optimizer == "host" || in.optimizer == "nvme";
+  if (!o.on_cpu || !in.shape) {
+    o.on_cpu = o.on_cpu && in.cpu_adam_params_per_second > 0;  // a profile: the rate alone says nothing
+    return o;
+  }
+  o.parameters = transformer_parameters(*in.shape);
+  o.states = in.optimizer_states;
+  o.params_per_second = cpu_adam_rate(in.cpu_adam_params_per_second, in.optimizer_states, in.shape->dtype_bytes);
+  o.steps_during_backward = in.optimizer == "host";
+  if (in.optimizer == "nvme" && in.state) {
+    o.nvme_state_bytes = in.state->nvme;
+    o.nvme_read = o.nvme_write = in.nvme_bytes_per_second > 0 ? in.nvme_bytes_per_second : pb.links.nvme_read;
+  }
+  return o;
+}
+
+std::uint64_t gradient_device_bytes(const PlanCommandInputs& in) {
+  if (!in.state) return 0;
+  if (!in.offload_gradients || !in.shape) return in.state->gradient_bytes;
+  // Each unit's gradients go once their copy lands: the unit backward makes and the one still copying (the two
+  // largest: a block's, or the rest's: embeddings, final norm, head).
+  const std::uint64_t block =
+      transformer_block_parameters(*in.shape) * static_cast<std::uint64_t>(in.shape->dtype_bytes);
+  const std::uint64_t blocks = block * static_cast<std::uint64_t>(in.shape->layers);
+  const std::uint64_t rest = in.state->gradient_bytes > blocks ? in.state->gradient_bytes - blocks : 0;
+  const std::uint64_t two = in.shape->layers > 1 ? std::max(rest, block) + block : rest + block;
+  return std::min(in.state->gradient_bytes, two);
+}
+
+std::vector<BlockProfile> plan_command_blocks(std::vector<BlockProfile> blocks, const PlanCommandInputs& in) {
+  if (!in.shape) return blocks;  // a measured profile has its own traffic
+  // --optimizer host: each block's gradients go device->host during its backward (optimizer_traffic's
+  // grads_down_in_backward, TIERFLOW_OVERLAP_STEP on); nvme steps in step(), after backward.
+  const bool down = in.optimizer == "host";
+  for (auto& b : blocks) b.download_bytes = down ? b.parameter_bytes : 0;
+  return blocks;
+}
+
 std::vector<std::string> explain_plan(const Plan& plan, const std::vector<BlockProfile>& blocks, const Links& links,
                                       const Budgets& budgets) {
   TIERFLOW_EXPECTS(plan.blocks.size() == blocks.size(), "explain_plan: a plan of " +
@@ -623,7 +651,8 @@ PlanReport describe_plan(const Plan& plan, const std::vector<BlockProfile>& bloc
   const auto why = why_of_blocks(plan, blocks, pb.links, pb.budgets);
   const auto parts = fixed_parts(in, pb.budgets, plan);
   const auto optimizer = optimizer_inputs(in, pb);
-  const auto step = predict_step(plan, with_gradient_traffic(blocks, in), pb.links, pb.budgets, optimizer);
+  // The blocks the planner planned (plan_command_blocks is idempotent): the gradient term is the plan's own.
+  const auto step = predict_step(plan, plan_command_blocks(blocks, in), pb.links, pb.budgets, optimizer);
   return {plan_lines(plan, in, pb, why, parts, step, optimizer), plan_json(plan, in, pb, why, parts, step, optimizer)};
 }
 

@@ -170,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "host or NVMe budget (default: TIERFLOW_OPTIMIZER_STATES)")
     p.add_argument("--offload-params", choices=["none", "host", "nvme", "auto"],
                    help="where each block's parameters live between uses (default: TIERFLOW_OFFLOAD_PARAMS)")
+    p.add_argument("--offload-gradients", metavar="{on,off}",
+                   help="on: each gradient freed on the device once copied to the host (the CPU optimizer's; "
+                        "default: TIERFLOW_OFFLOAD_GRADIENTS)")
     p.add_argument("--prefetch", metavar="SIZE", help="prefetch window (default: TIERFLOW_PREFETCH_BYTES)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     return p
@@ -275,6 +278,10 @@ def _plan(args: argparse.Namespace, argv: Sequence[str] = ()) -> str:
         profile_fixed_device_bytes=0 if args.profile is None else profile.fixed_device_bytes,
         blocks_from=_shape_flags(args), links=links,
         flops_per_second=flops, measured=measured, links_given=args.pcie_gbps is not None)
+    # Parsed as the table parses TIERFLOW_OFFLOAD_GRADIENTS, errors naming the flag (Note [Plan report], Gradients).
+    inputs.offload_gradients = settings.offload_gradients if args.offload_gradients is None else _C.parse_setting(
+        "TIERFLOW_OFFLOAD_GRADIENTS", _text("--offload-gradients", args.offload_gradients),
+        "--offload-gradients") == "on"
     if args.cpu_adam_rate is not None:
         inputs.cpu_adam_params_per_second = args.cpu_adam_rate
     try:
@@ -284,11 +291,14 @@ def _plan(args: argparse.Namespace, argv: Sequence[str] = ()) -> str:
             raise
         raise PlanError(str(e) + _fit_advice(blocks, inputs, argv)) from None
     budgets = command.budgets
+    # The fit search takes the estimate's blocks (each combination moves its own gradients); the rest plans these.
+    estimated = blocks
+    blocks = _C.plan_command_blocks(blocks, inputs)
 
     try:
         plan = _C.plan_activations(blocks, command.links, budgets)
     except MemoryError as e:  # tierflow.OutOfMemoryError: the budgets are too small
-        advice = "" if shape_out is None else _fit_advice(blocks, inputs, argv)
+        advice = "" if shape_out is None else _fit_advice(estimated, inputs, argv)
         raise PlanError(_C.plan_refusal(str(e), True, inputs, command) + advice) from None
     except ValueError as e:  # ConfigError: the profile's or the shape's bytes with the prefetch window overflow
         raise PlanError(_C.plan_refusal(str(e), False, inputs, command)) from None

@@ -6,7 +6,8 @@
 // Bytes per tier by kind. A plan of an estimated model (a shape or a
 // config.json, Note [Model families]) puts, per tier:
 //   device         parameters (all, or the resident ones and the window of
-//                  fetched ones), gradients, torch's AdamW states (--optimizer
+//                  fetched ones), gradients (all, or with --offload-gradients
+//                  on the two largest units', Note [Plan report]), torch's AdamW states (--optimizer
 //                  none), activations (the kept blocks, the largest block's
 //                  saved bytes coming back, what is saved outside the blocks
 //                  when kept) and workspace (the largest block's transient
@@ -14,17 +15,20 @@
 //   pinned host    fetched parameters (--offload-params host or auto), the CPU
 //                  AdamW's states (--optimizer host) and swapped activations:
 //                  the host pool of TIERFLOW_HOST_MEMORY
-//   pageable host  nothing the plan puts there (the column is there for what a
-//                  run measures beside it)
 //   NVMe           parameters, optimizer states and activations on NVMe
-// and the device column adds up to the plan's predicted device peak.
+// and the device column adds up to the plan's predicted device peak. There is
+// no pageable host column: every host byte the plan places is in the pinned
+// pool (the CPU AdamW's states and its staging, Note [Pinned host pool] and
+// optimizer/state_tier.cpp's state_pool_need; fetched parameters; swapped
+// activations), so such a column would always read 0; what a run holds in
+// pageable memory (torch's own, a state_dict's snapshot) is not the plan's.
 //
 // Settings that would make it fit. When the budgets refuse the plan (the
 // device, or a host or NVMe budget too small for the optimizer states), the
 // command tries, with everything else as given, every combination of:
 // --offload-params host / auto (nvme with an NVMe budget), --optimizer host
 // (nvme with an NVMe budget), --optimizer-states bf16 / 8bit (with the CPU
-// optimizer), and a smaller --prefetch (a quarter and a sixteenth of the
+// optimizer), --offload-gradients on (with the CPU optimizer), and a smaller --prefetch (a quarter and a sixteenth of the
 // given one, at least 1 MiB). Each is planned as the command would plan it
 // (plan_command_budgets, plan_activations), and the one of least predicted
 // whole step (Note [Step prediction]: the CPU optimizer's exposed time
@@ -48,8 +52,8 @@ namespace tierflow::tiering {
 /// The kinds of bytes, in the table's row order.
 enum class MemoryKind : std::uint8_t { kParameters, kGradients, kOptimizerStates, kActivations, kWorkspace };
 /// The tiers, in the table's column order.
-enum class MemoryTier : std::uint8_t { kDevice, kPinnedHost, kPageableHost, kNvme };
-inline constexpr std::size_t kMemoryKinds = 5, kMemoryTiers = 4;
+enum class MemoryTier : std::uint8_t { kDevice, kPinnedHost, kNvme };
+inline constexpr std::size_t kMemoryKinds = 5, kMemoryTiers = 3;
 
 /// Bytes per tier by kind (Note [Plan fit]).
 struct MemoryTable {

@@ -65,6 +65,20 @@
 // here in that format (about 60 ms); --optimizer nvme reads and writes the
 // states at --nvme-gbps in step(), after backward.
 //
+// Gradients. --offload-gradients (TIERFLOW_OFFLOAD_GRADIENTS, parsed by the
+// table's parser) off keeps every gradient on the device until zero_grad:
+// the fixed bytes hold them all. on (the CPU optimizer's only: with
+// --optimizer none no gradient is copied to the host, refused naming the
+// flag) frees each unit's gradients once their copy to the host lands: the
+// device holds the two largest units' (the one backward makes, the one
+// copying; a unit is a block or the rest: embeddings, final norm, head),
+// gradient_device_bytes. With --optimizer host each block's gradients go
+// device->host during its backward (TIERFLOW_OVERLAP_STEP's path): a shape's
+// blocks carry them as download_bytes (plan_command_blocks) before the
+// planner runs, so the plan is chosen with that traffic and the prediction's
+// gradient term is the same plan's (no second count); --optimizer nvme steps
+// in step(), after backward, and a measured profile has its own traffic.
+//
 // Identical blocks. In the text, consecutive blocks whose lines are the same
 // (the plan's line, and each block's reasons) are one line, "blocks 0-31 (32
 // identical): ..." (group_block_lines); the JSON keeps an entry per block.
@@ -76,6 +90,7 @@
 #include <vector>
 
 #include "tierflow/tiering/planner.hpp"
+#include "tierflow/tiering/step_prediction.hpp"
 #include "tierflow/tiering/transformer_profile.hpp"
 
 namespace tierflow::tiering {
@@ -106,6 +121,9 @@ struct PlanCommandInputs {
   std::string optimizer;                    ///< the optimizer's placement: none, host or nvme
   StateFormat optimizer_states = StateFormat::kFp32;  ///< --optimizer-states or TIERFLOW_OPTIMIZER_STATES: `state`'s
   std::string offload_params = "none";      ///< --offload-params or TIERFLOW_OFFLOAD_PARAMS: none, host, nvme, auto
+  /// --offload-gradients or TIERFLOW_OFFLOAD_GRADIENTS on: each gradient freed on the device once its copy to the
+  /// host lands (the CPU optimizer's only; Note [Plan report], Gradients).
+  bool offload_gradients = false;
   std::optional<TransformerShape> shape;    ///< the estimated model (none: a recorded profile)
   std::string dtype_name;                   ///< the shape's --dtype, e.g. "bf16"
   std::optional<StateBytes> state;          ///< estimate_training_state of the shape
@@ -162,6 +180,20 @@ Links links_from_pcie_gbps(double gbps) noexcept;
 /// `out_of_memory` whether the budgets were too small (else bytes overflowed with the prefetch window).
 std::string plan_refusal(const std::string& error, bool out_of_memory, const PlanCommandInputs& inputs,
                          const PlanCommandBudgets& budgets);
+
+/// The device bytes of the gradients (Note [Plan report], Gradients): all of them, or with
+/// inputs.offload_gradients the two largest units'; 0 for a profile (its fixed bytes hold them).
+std::uint64_t gradient_device_bytes(const PlanCommandInputs& inputs);
+
+/// `blocks` as the step moves them (Note [Plan report], Gradients): a shape's blocks with --optimizer host carry
+/// their gradients' device->host bytes (download_bytes = parameter_bytes), other placements none; a profile's
+/// blocks as they are. The planner, the report and the fit search plan these.
+std::vector<BlockProfile> plan_command_blocks(std::vector<BlockProfile> blocks, const PlanCommandInputs& inputs);
+
+/// The CPU optimizer as the command's inputs describe it (Note [Step prediction]): the shape's parameters, the
+/// given rate (--cpu-adam-rate, fp32) scaled to the states' format or the one measured here; NVMe states read and
+/// written at --nvme-gbps, stepped in step(); a profile gives no parameters.
+OptimizerStepInputs optimizer_inputs(const PlanCommandInputs& inputs, const PlanCommandBudgets& budgets);
 
 /// A plan as the command prints it.
 struct PlanReport {
