@@ -4,6 +4,8 @@
 #include <pybind11/stl.h>
 
 #include <optional>
+#include <type_traits>
+#include <utility>
 
 #include "module_parts.hpp"
 #include "tierflow/bindings/param_residency.hpp"
@@ -22,6 +24,22 @@ using tierflow::tiering::StepStats;
 using tierflow::tiering::TierReading;
 
 namespace {
+
+template <class A, class = void>
+struct HasWindowPeaks : std::false_type {};
+template <class A>
+struct HasWindowPeaks<A, std::void_t<decltype(std::declval<A&>().take_window_peaks())>> : std::true_type {};
+
+/// The saved activations' device bytes since the previous mark (Note [Window peak]): the registry's window, once
+/// the offloader passes it on as ActivationOffloader::take_window_peaks() (BlockRegistry::WindowPeaks; not there
+/// yet: kNoPeak, the step's figure falls back on the all-time peak, Note [Step stats]).
+template <class A>
+std::int64_t device_activations_window(A& acts) {
+  if constexpr (HasWindowPeaks<A>::value)
+    return acts.take_window_peaks().device;
+  else
+    return TierReading::kNoPeak;
+}
 
 /// The runtime's counters now (Note [Step stats]). `cpu_step_ns`: the CPU optimizer's time inside step() as
 /// the front end reads it (the gradient stream's wait and redone steps); none: the runtime's CPU Adam time,
@@ -43,10 +61,10 @@ StepCounters read_counters(Runtime& rt, std::optional<std::uint64_t> cpu_step_ns
     c.nvme = {0, 0, 0};  // no NVMe tier: nothing to miss
   }
   if (const auto& acts = rt.activations()) {
+    const std::int64_t window = device_activations_window(*acts);
     const ActivationOffloaderStats a = acts->stats();
     c.copy_wait_ns = a.offload_wait_ns + a.stall_ns;
-    // No window yet: the offloader does not pass the registry's take_window_peaks() on (Note [Step stats]).
-    c.device_activations = {a.device_bytes.current, a.device_bytes.peak};
+    c.device_activations = {a.device_bytes.current, a.device_bytes.peak, window};
   } else {
     c.device_activations = {0, 0, 0};  // no saved activations offloaded: none held
   }

@@ -175,3 +175,56 @@ def test_trainer_callback_logs_ahead_of_the_reporters(device):
     assert seen[0]["tierflow/forwards"] == 1
     handler.on_log(None, state, control, {"eval_loss": 2.0})  # no step since: nothing added
     assert not any(k.startswith("tierflow/") for k in seen[1]), seen[1]
+
+
+def test_a_step_below_an_earlier_steps_peak_reports_its_own(device):
+    """Each boundary takes the meters' window peaks (Note [Window peak]): a step whose peak stays below an earlier
+    step's, reached between two boundaries and gone by the next, reports that peak, not the readings at its marks."""
+    model, opt = tiny(device)
+    model, opt = tierflow.wrap(model, opt, device=device, offload_optimizer="none", offload_activations="none")
+    runtime = tierflow.current_session().runtime
+    base = tierflow._C.step_counters(runtime)["pinned_host_bytes"]
+    for i, held_bytes in enumerate((1 << 20, 256 << 10)):  # held between the forward's end and the backward's begin
+        loss = model(batch(device, i)).square().mean()
+        held = runtime.host_empty([held_bytes // 4], "float32")  # from the pinned pool
+        del held
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    first, second = step_stats()
+    assert tierflow._C.step_counters(runtime)["pinned_host_bytes"] == base, "nothing else held in the pool"
+    assert first["peak_pinned_host_bytes"] == base + (1 << 20), first
+    assert second["peak_pinned_host_bytes"] == base + (256 << 10), second  # below the first's, exact all the same
+
+
+def test_a_smaller_batch_after_a_bigger_one_has_its_own_activation_peak(device):
+    model, opt = tiny(device)
+    model, opt = tierflow.wrap(model, opt, device=device, offload_activations="host", min_offload_bytes=0)
+    for i, rows in enumerate((BATCH, 4 * BATCH, BATCH)):
+        model(batch(device, i).repeat(rows // BATCH, 1)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    small, big, small_again = step_stats()
+    assert big["peak_device_activation_bytes"] > small["peak_device_activation_bytes"] > 0, (small, big)
+    if not small_again["peaks_exact"]:
+        pytest.skip("the device activations' window needs ActivationOffloader::take_window_peaks (Note [Step stats])")
+    assert small_again["peak_device_activation_bytes"] == small["peak_device_activation_bytes"], (small, small_again)
+
+
+def test_a_parameter_fetch_wait_shows_in_its_step(device):
+    torch.manual_seed(0)
+    body = [torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.GELU()) for _ in range(BLOCKS)]
+    model = torch.nn.Sequential(*body, torch.nn.Linear(WIDTH, 1)).to(torch_device(device))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = tierflow.wrap(model, opt, device=device, offload_params="host", blocks=body)
+    waited = []
+    for i in range(2):
+        before = tierflow.report()["params"]["stall_ms"]
+        model(batch(device, i)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        waited.append((tierflow.report()["params"]["stall_ms"] - before) / 1e3)
+    for s, w in zip(step_stats(), waited):
+        assert w > 0, "every step waits for its blocks' first fetches"
+        assert s["exposed_param_wait_s"] == pytest.approx(w, abs=1e-8), (s, w)
+        assert s["exposed_param_wait_s"] <= s["forward_s"] + s["backward_s"], s

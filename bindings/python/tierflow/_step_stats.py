@@ -126,11 +126,14 @@ def step_stats(last: bool = False, session: Any = None) -> Union[list, Optional[
 
     Each dict: ``step`` (1 for the first), ``forwards``/``backwards`` (micro-batches), ``wall_s``,
     ``forward_s``, ``backward_s``, ``step_s`` (the optimizer's step()), ``exposed_copy_wait_s`` (compute waited
-    for an activation copy: the forward's copy-window waits and the backward's fetches), ``exposed_cpu_step_s``
-    (the CPU optimizer's time inside step(): what stuck out past backward), ``exposed_nvme_wait_s``, bytes per link
-    (``device_to_host_bytes``, ``host_to_device_bytes``, ``host_to_nvme_bytes``, ``nvme_to_host_bytes``), peaks
-    per tier in the step (``peak_device_activation_bytes``, ``peak_pinned_host_bytes``, ``peak_nvme_bytes``) and
-    ``peaks_exact`` (False: a peak is the highest reading at the step's boundaries, a lower bound).
+    for an activation copy: the forward's copy-window waits and the backward's fetches), ``exposed_param_wait_s``
+    (compute waited for a parameter fetch to land, TIERFLOW_OFFLOAD_PARAMS; apart from the activations' copies,
+    the two add up), ``exposed_cpu_step_s`` (the CPU optimizer's time inside step(): what stuck out past backward),
+    ``exposed_nvme_wait_s``, bytes per link (``device_to_host_bytes``, ``host_to_device_bytes``,
+    ``host_to_nvme_bytes``, ``nvme_to_host_bytes``), peaks per tier in the step (``peak_device_activation_bytes``,
+    ``peak_pinned_host_bytes``, ``peak_nvme_bytes``: the most each tier held during the step, read from the meters'
+    window peaks at each boundary, Note [Window peak]) and ``peaks_exact`` (False: a tier read without a window, a
+    peak that is the highest reading at the step's boundaries, a lower bound).
     """
     hooks = _session_stats(session)
     return hooks.last() if last else hooks.steps()
