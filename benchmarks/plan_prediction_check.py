@@ -85,17 +85,29 @@ def worker(mode: str, warmup: int, steps: int, seed: int) -> dict:
         opt.zero_grad(set_to_none=True)
         return time.perf_counter() - t0
 
-    for _ in range(warmup):
+    # Until the plan's own steps gave its rest (Note [Rest calibration]): the prediction is made from those, and
+    # compared with the steps after (held out).
+    warm = 0
+    while warm < warmup or (tierflow.report()["plan"] or {}).get("rest_calibration") is None:
         step()
+        warm += 1
+        if warm >= warmup + 40:
+            break
+    plan = tierflow.report()["plan"]
+    frozen = {k: plan.get(k) for k in ("predicted_step_seconds", "rest_calibration", "rest_of_step_seconds")}
     times = [step() for _ in range(steps)]
     plan = tierflow.report()["plan"]
+    moved = plan.get("predicted_step_seconds") != frozen["predicted_step_seconds"]  # a re-plan after: not held out
     predicted = plan.get("predicted_step_seconds")
     measured = (plan.get("measured") or {}).get("step_seconds")
     median = statistics.median(times)
     return {"mode": mode, "settings": settings, "predicted_step_seconds": predicted,
             "measured_step_seconds": measured, "wall_step_seconds_median": median,
             "ratio": predicted / measured if predicted and measured else None,
-            "ratio_wall": predicted / median if predicted else None,
+            "ratio_wall": predicted / median if predicted else None, "warmup_steps": warm, "prediction_moved": moved,
+            "measured_steps": (plan.get("measured") or {}).get("steps"),
+            "rest_calibration": plan.get("rest_calibration"),
+            "timed_rest_seconds": (plan.get("timed_step") or {}).get("rest_of_step_seconds"),
             "terms": plan.get("terms"), "summary": plan.get("summary"), "replanned": plan.get("replanned")}
 
 
@@ -103,8 +115,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated, from: " + ", ".join(MODES))
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--warmup", type=int, default=6)
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=6, help="at least this many steps, and until the plan's rest is "
+                    "calibrated (Note [Rest calibration])")
+    ap.add_argument("--steps", type=int, default=20, help="measured steps after (held out)")
     ap.add_argument("--out", help="JSON output (default: print only)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
@@ -113,6 +126,7 @@ def main() -> None:
         print(json.dumps(worker(args.worker, args.warmup, args.steps, args.seed)))
         return
     out: dict = {"device": os.environ.get("TIERFLOW_EMULATED_DEVICE", "default"), "runs": args.runs,
+                 "load_average": os.getloadavg(), "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
                  "warmup": args.warmup, "steps": args.steps, "modes": {}}
     for mode in args.modes.split(","):
         if mode not in MODES:
@@ -130,7 +144,8 @@ def main() -> None:
         out["modes"][mode] = {"runs": runs, "ratios": ratios,
                               "spread": {"min": min(ratios), "median": statistics.median(ratios),
                                          "max": max(ratios)} if ratios else None,
-                              "within_25_percent": bool(ratios) and all(0.75 <= q <= 1.25 for q in ratios)}
+                              "within_25_percent": bool(ratios) and all(0.75 <= q <= 1.25 for q in ratios),
+                              "within_25pct": bool(ratios) and 0.75 <= statistics.median(ratios) <= 1.25}
         s = out["modes"][mode]["spread"]
         print(f"{mode:10s} predicted/measured " + (", ".join(f"{q:.3f}" for q in ratios) or "none") +
               (f"  (median {s['median']:.3f})" if s else "") + ("" if out["modes"][mode]["within_25_percent"]

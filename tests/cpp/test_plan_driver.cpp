@@ -16,6 +16,7 @@ namespace {
 
 using namespace tierflow::tiering;
 using tierflow::LogLevel;
+using Json = nlohmann::ordered_json;
 
 // Routine planning lines are info (Note [Plan messages]): a test reading them asks for info while it runs.
 struct InfoLogs {
@@ -252,6 +253,75 @@ TEST(PlanDriver, StepsThatStrayReplanOnceFromCalibratedFigures) {
   EXPECT_FALSE(d.phases().may_replan());
   run_steps(d, f, 6, 10 * predicted, 100.0);
   EXPECT_EQ(f.applied.size(), 2u);
+}
+
+TEST(PlanDriver, ThePlansOwnStepsGiveTheRestAndTheStepsAfterAreMeasuredBesideIt) {
+  // Note [Rest calibration]: a plan that keeps everything (no re-plan) whose steps take 0.5 s where the timed step
+  // gave a rest of 0.84 s: after its first step and kRestCalibrationSteps more, the whole step predicted is their
+  // median; the steps measured beside it are the ones after.
+  FakeFront f;
+  PlanDriver d(settings());
+  profile_and_plan(d, f);
+  const double timed_rest = d.plan()->rest_of_step_seconds;
+  const double blocks = d.plan()->predicted_blocks_seconds;
+  ASSERT_GT(timed_rest, 0.5 - blocks);
+  const std::uint64_t revision = d.revision();
+  double t = run_steps(d, f, 1, 3.0);  // the first step under the plan: not one of them
+  t = run_steps(d, f, kRestCalibrationSteps - 1, 0.5, t);
+  EXPECT_FALSE(d.plan()->rest_calibration.has_value());
+  EXPECT_EQ(d.plan()->rest_of_step_seconds, timed_rest);
+  t = run_steps(d, f, 1, 0.9, t);  // one slower step: the median holds
+  ASSERT_TRUE(d.plan()->rest_calibration.has_value());
+  EXPECT_GT(d.revision(), revision) << "the front end reads the plan again";
+  const RestCalibration& c = *d.plan()->rest_calibration;
+  EXPECT_EQ(c.steps, kRestCalibrationSteps);
+  EXPECT_DOUBLE_EQ(c.step_seconds, 0.5);
+  EXPECT_EQ(c.timed_rest_seconds, timed_rest);
+  EXPECT_DOUBLE_EQ(d.plan()->rest_of_step_seconds, 0.5 - blocks);
+  EXPECT_DOUBLE_EQ(*d.plan()->predicted_step_seconds, 0.5);
+  ASSERT_TRUE(d.plan()->step.has_value());
+  EXPECT_DOUBLE_EQ(d.plan()->step->total_seconds, 0.5);
+  EXPECT_DOUBLE_EQ(d.plan()->step->rest_seconds, 0.5 - blocks);
+  // Held out: nothing measured yet, then only the steps after the calibration.
+  EXPECT_EQ(d.measured_beside_predicted(std::nullopt).steps, 0u);
+  run_steps(d, f, 3, 0.6, t);
+  const MeasuredBesidePredicted m = d.measured_beside_predicted(std::nullopt);
+  EXPECT_EQ(m.steps, 3u);
+  EXPECT_DOUBLE_EQ(*m.step_seconds, 0.6);
+  EXPECT_DOUBLE_EQ(*m.step_vs_predicted, 0.6 / 0.5);
+  EXPECT_EQ(Json::parse(plan_json(*d.plan()))["rest_calibration"]["steps"], kRestCalibrationSteps);
+  EXPECT_EQ(f.applied.size(), 1u) << "the plan stays: only its prediction moved";
+}
+
+TEST(PlanDriver, BlocksPricedLongerThanThePlansStepsAreScaledToThem) {
+  // Note [Rest calibration]: the timed step ran slow, so its blocks are priced above the steps that followed.
+  FakeFront f;
+  PlanDriver d(settings());
+  profile_and_plan(d, f);
+  const double blocks = d.plan()->predicted_blocks_seconds;
+  const double compute = d.plan()->step->compute_seconds;
+  run_steps(d, f, kRestCalibrationSteps + 1, blocks / 2);
+  ASSERT_TRUE(d.plan()->rest_calibration.has_value());
+  EXPECT_NEAR(d.plan()->rest_calibration->blocks_factor, 0.5, 1e-9);
+  EXPECT_NEAR(d.plan()->predicted_blocks_seconds, blocks / 2, 1e-9);
+  EXPECT_EQ(d.plan()->rest_of_step_seconds, 0.0);
+  EXPECT_NEAR(*d.plan()->predicted_step_seconds, blocks / 2, 1e-9);
+  EXPECT_NEAR(d.plan()->step->compute_seconds, compute / 2, 1e-9);
+  EXPECT_NEAR(d.plan()->step->total_seconds, blocks / 2, 1e-9);
+}
+
+TEST(PlanDriver, TheRestIsNotCalibratedOnBatchesOfVaryingSizeNorWithReplanOff) {
+  for (const bool replan : {true, false}) {
+    FakeFront f;
+    PlanDriverSettings s = settings();
+    s.replan = s.calibrate_rest = replan;
+    PlanDriver d(s);
+    profile_and_plan(d, f);
+    double t = run_steps(d, f, 2, 0.5);
+    t = run_steps(d, f, 1, 0.5, t, replan ? 100 : 128);  // 22% shorter (replan on), or all alike (off)
+    run_steps(d, f, kRestCalibrationSteps + 2, 0.5, t);
+    EXPECT_FALSE(d.plan()->rest_calibration.has_value()) << replan;
+  }
 }
 
 TEST(PlanDriver, AFailedReplanKeepsThePlanInForce) {
@@ -561,7 +631,6 @@ TEST(PlanDriver, SettingsComeFromTheConfiguration) {
   EXPECT_TRUE(s.growth_refusal.empty());
 }
 
-using Json = nlohmann::ordered_json;
 
 TEST(PlanDriverJson, ThePlanAsTheSessionReadsIt) {
   FakeFront f;

@@ -56,6 +56,7 @@ PlanDriverSettings PlanDriverSettings::of(const Config& config, std::size_t bloc
   s.forced = config.offload_activations == OffloadTarget::kRecompute;
   s.blocks = blocks;
   s.replan = replans(config);
+  s.calibrate_rest = config.replan;
   s.growth_refusal = batch_growth_refusal(config);
   s.prefetch_bytes = config.prefetch_bytes;
   s.optimizer_on_device = config.offload_optimizer == OffloadTarget::kNone;
@@ -100,10 +101,14 @@ PhaseAction PlanDriver::before_forward(const InputElements& inputs, PlanFrontEnd
     step_starts_.erase(step_starts_.begin(), step_starts_.end() - static_cast<std::ptrdiff_t>(kMeasuredSteps + 1));
   if (const std::uint64_t grown = grown_batch(planned_elements_, elements); grown && !settings_.forced)
     grow(grown, front);
-  if (phases_.may_replan() && batch_varies(planned_elements_, elements))
-    settle("the batches' sizes vary (Note [Batch growth]): a step's time is not comparable with the plan's "
-           "prediction");
+  if (batch_varies(planned_elements_, elements)) {
+    rest_pending_ = false;  // Note [Rest calibration]: the steps are not comparable
+    if (phases_.may_replan())
+      settle("the batches' sizes vary (Note [Batch growth]): a step's time is not comparable with the plan's "
+             "prediction");
+  }
   if (phases_.may_replan()) maybe_replan(front);
+  maybe_calibrate_rest();
   return action;
 }
 
@@ -262,8 +267,8 @@ void PlanDriver::make_plan(const AutoProfile& base, std::uint64_t elements, Plan
   // rest term is the remainder, so the terms add up to the whole step predicted above.
   StepPrediction step = predict_step(plan, blocks, links, b, optimizer_, 0.0);
   const bool modelled = optimizer_.on_cpu && optimizer_.params_per_second > 0;
-  step.optimizer.exposed_seconds =
-      std::min(modelled ? step.optimizer.exposed_seconds : timed_optimizer_wait_, d.rest_of_step_seconds);
+  d.optimizer_model_seconds = modelled ? step.optimizer.exposed_seconds : timed_optimizer_wait_;
+  step.optimizer.exposed_seconds = std::min(d.optimizer_model_seconds, d.rest_of_step_seconds);
   step.rest_seconds = d.rest_of_step_seconds - step.optimizer.exposed_seconds;
   step.total_seconds = step.blocks_seconds + step.optimizer.exposed_seconds + step.rest_seconds;
   d.step = step;
@@ -282,6 +287,9 @@ void PlanDriver::make_plan(const AutoProfile& base, std::uint64_t elements, Plan
   d.batch_elements = target;
   d.profiled_batch_elements = base.batch_elements;
   put_in_force(std::move(d));
+  // Note [Rest calibration]: the plan's own steps measure its rest, unless it is for another batch than the one
+  // the steps run (a larger one than the profile's: its steps are compared with nothing measured).
+  rest_pending_ = settings_.calibrate_rest && !settings_.forced && !scaled;
   profile_ = base;
   planned_elements_ = target;
   if (scaled && phases_.may_replan()) {
@@ -360,6 +368,7 @@ void PlanDriver::refuse_growth(std::uint64_t elements, const std::string& why) {
   // Said once per size (a larger one tries again) and in the report (Note [Batch growth]).
   growth_.refused = std::make_pair(elements, why);
   planned_elements_ = elements;
+  rest_pending_ = false;  // Note [Rest calibration]: the steps run a batch the plan is not for
   if (phases_.may_replan()) settle("a batch larger than the plan's, which stays (Note [Batch growth])");
   log(LogLevel::kWarn, "tierflow: a batch of " + std::to_string(elements) + " input elements, larger than the " +
                            std::to_string(plan_->batch_elements) +
@@ -421,6 +430,48 @@ void PlanDriver::maybe_replan(PlanFrontEnd& front) {
   }
   front.write_profile(profile);  // the next run starts from the calibrated figures
   step_starts_.erase(step_starts_.begin(), step_starts_.end() - 1);  // the steps under the new plan from here
+}
+
+void PlanDriver::maybe_calibrate_rest() {
+  // Note [Rest calibration]: once kRestCalibrationSteps steps ran under the plan after its first, the rest of the
+  // step is their median less the blocks' predicted part; the steps measured beside the prediction start after.
+  if (!rest_pending_ || !plan_ || plan_->without_blocks || !plan_->predicted_step_seconds) return;
+  if (step_starts_.size() < kRestCalibrationSteps + 2) return;
+  const std::vector<double> judged(step_starts_.begin() + 1, step_starts_.end());
+  const MeasuredBesidePredicted m = tiering::measured_beside_predicted(judged, std::nullopt, std::nullopt, std::nullopt);
+  if (!m.step_seconds) return;
+  rest_pending_ = false;
+  DrivenPlan& d = *plan_;
+  RestCalibration c;
+  c.steps = m.steps;
+  c.step_seconds = *m.step_seconds;
+  c.timed_rest_seconds = d.rest_of_step_seconds;
+  // Blocks priced longer than the whole step (their times measured in a timed step that ran slow): scaled to it,
+  // with no rest left.
+  if (d.predicted_blocks_seconds > c.step_seconds && d.predicted_blocks_seconds > 0)
+    c.blocks_factor = c.step_seconds / d.predicted_blocks_seconds;
+  d.rest_calibration = c;
+  d.predicted_blocks_seconds *= c.blocks_factor;
+  d.rest_of_step_seconds = std::max(0.0, c.step_seconds - d.predicted_blocks_seconds);
+  d.predicted_step_seconds = d.predicted_blocks_seconds + d.rest_of_step_seconds;
+  if (d.step) {
+    StepPrediction& step = *d.step;
+    for (double* term : {&step.compute_seconds, &step.activation_copy_seconds, &step.parameter_fetch_seconds,
+                         &step.gradient_copy_seconds, &step.backward_seconds})
+      *term *= c.blocks_factor;
+    step.blocks_seconds = d.predicted_blocks_seconds;
+    step.optimizer.exposed_seconds = std::min(d.optimizer_model_seconds, d.rest_of_step_seconds);
+    step.rest_seconds = d.rest_of_step_seconds - step.optimizer.exposed_seconds;
+    step.total_seconds = step.blocks_seconds + step.optimizer.exposed_seconds + step.rest_seconds;
+  }
+  revision_ += 1;
+  step_starts_.erase(step_starts_.begin(), step_starts_.end() - 1);  // held out: the steps from here
+  char line[160];
+  std::snprintf(line, sizeof line,
+                "tierflow activation plan: the rest of the step %.3g ms over %zu steps under the plan (the timed "
+                "step's: %.3g ms); whole step predicted %.3g ms",
+                d.rest_of_step_seconds * 1e3, c.steps, c.timed_rest_seconds * 1e3, *d.predicted_step_seconds * 1e3);
+  log(LogLevel::kDebug, line);
 }
 
 std::uint64_t PlanDriver::kept_bytes() const noexcept {
@@ -499,6 +550,13 @@ Json plan_object(const DrivenPlan& d) {
                                    {"backward_seconds", d.step->backward_seconds},
                                    {"exposed_seconds", d.step->optimizer.exposed_seconds}};
   }
+  // Note [Rest calibration]: the plan's steps the rest came from (none yet: the timed step's).
+  out["rest_calibration"] =
+      d.rest_calibration ? Json{{"steps", d.rest_calibration->steps},
+                                {"step_seconds", d.rest_calibration->step_seconds},
+                                {"timed_rest_seconds", d.rest_calibration->timed_rest_seconds},
+                                {"blocks_factor", d.rest_calibration->blocks_factor}}
+                         : Json(nullptr);
   out["window_bytes"] = d.window_bytes;
   out["batch_elements"] = d.batch_elements;
   out["profiled_batch_elements"] = d.profiled_batch_elements;
@@ -515,6 +573,8 @@ constexpr const char* kReportPlanFields[] = {
     "predicted_device_peak_bytes",
     // The whole step: the blocks' part the plan prices and the rest the timed step measured (Note [Re-plan]).
     "predicted_step_seconds", "predicted_blocks_seconds", "rest_of_step_seconds",
+    // Note [Rest calibration]: the plan's own steps the rest came from (None: the timed step's rest).
+    "rest_calibration",
     // CUDA: what the caching allocator gave back when the plan came in force (Note [Auto plan phases]).
     "released_cached_bytes",
     // Note [Batch growth]: the batch size (input elements) the plan is for, and the profile's.

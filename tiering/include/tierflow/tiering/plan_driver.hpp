@@ -37,6 +37,38 @@
 // blocks, a batch the driver cannot measure or measures on other tensors, a
 // re-plan that failed, a larger batch no plan fits (the plan in force stays
 // and may exceed TIERFLOW_GPU_MEMORY). report()["plan"] has every figure.
+//
+// Note [Rest calibration]
+// ~~~~~~~~~~~~~~~~~~~~~~~
+// The plan's whole step is its blocks' part (the planner's model, from the
+// timed step's block times and the probed links) plus the rest of the step
+// (Note [Re-plan]). The timed step is one step, and not a typical one: the
+// runners' timing hooks and synchronizes, every block recomputed, its inputs
+// swapped, the CPU AdamW cutting its buckets the first time; on the emulated
+// tiny preset its rest came out about twice a steady step's (cpu-adam: 4.3 ms
+// against 2.2 ms), so the prediction ran 1.4x over every later step. So the
+// rest is measured again on the plan's own steps: once kRestCalibrationSteps
+// steps ran under it after its first (which pins the host memory its swaps
+// need), the rest becomes their median wall time less the blocks' priced part
+// (never below 0; blocks priced above that median, a timed step that ran
+// slow, are scaled down to it: blocks_factor), the terms follow (the CPU
+// optimizer's exposed step still at most the rest), and the steps measured
+// beside the prediction (report()["plan"]["measured"]) start after those:
+// the prediction is compared only with steps it was not made from. For the
+// plan in force the whole step predicted is then the calibration steps'
+// median: what is tested against held-out steps is that it stays the step
+// (and the terms' split of it); the model's own content is in what it prices
+// for another plan (a re-plan, a larger batch, the CLI). It runs whether or
+// not the steps re-plan (a plan that keeps everything, TIERFLOW_OFFLOAD_
+// PARAMS=auto: they never do) and for every plan put in force after (a
+// re-plan's, from its own steps); not with TIERFLOW_REPLAN=off (the
+// prediction stays the timed step's, as the user froze it), nor on steps of
+// another batch than the plan's (Note [Batch growth]: sizes that vary, a plan
+// scaled for a larger batch, a refused one). report()["plan"]["rest_
+// calibration"] has the steps, their median, the timed step's rest it
+// replaced and blocks_factor (None until then). Measured on the emulated
+// device (benchmarks/plan_prediction_check.py, results in benchmarks/results/
+// plan_prediction_tiny_*.json): see Note [Step prediction].
 #pragma once
 
 #include <cstdint>
@@ -104,6 +136,18 @@ struct TimedStepSummary {
   std::vector<BlockProfile> blocks; ///< as measured
 };
 
+/// Steps a plan runs, after its first, before its whole-step prediction takes the rest of the step from them
+/// (Note [Rest calibration]).
+inline constexpr std::size_t kRestCalibrationSteps = 5;
+
+/// Note [Rest calibration]: the rest of the step as the plan's own steps measured it.
+struct RestCalibration {
+  std::size_t steps = 0;                ///< the plan's steps (after its first) it is the median of
+  double step_seconds = 0;              ///< their median wall time
+  double timed_rest_seconds = 0;        ///< the rest the timed step measured, which it replaced
+  double blocks_factor = 1;             ///< < 1: the blocks' priced time was more than step_seconds, scaled to it
+};
+
 /// The plan in force, typed, with what the front end needs to apply it.
 struct DrivenPlan {
   bool without_blocks = false;  ///< plan_without_blocks's: no blocks, keep or swap all (Plan left empty)
@@ -119,6 +163,9 @@ struct DrivenPlan {
   std::optional<double> predicted_step_seconds;  ///< the whole step (none without blocks)
   std::optional<StepPrediction> step;            ///< its terms (Note [Step prediction]; none without blocks)
   double predicted_blocks_seconds = 0, rest_of_step_seconds = 0;
+  /// The CPU optimizer's exposed step as the model gives it, before the rest bounds it (Note [Step prediction]).
+  double optimizer_model_seconds = 0;
+  std::optional<RestCalibration> rest_calibration;  ///< Note [Rest calibration]: none until the plan's steps ran
   std::optional<std::uint64_t> released_cached_bytes;  ///< CUDA: what the front end's apply gave back
   std::uint64_t batch_elements = 0, profiled_batch_elements = 0;
   std::optional<std::string> settled;  ///< why the steps may no longer re-plan (Note [Steady step])
@@ -170,6 +217,7 @@ struct PlanDriverSettings {
   bool forced = false;                  ///< TIERFLOW_OFFLOAD_ACTIVATIONS=recompute
   std::size_t blocks = 0;               ///< repeated blocks found
   bool replan = true;                   ///< replans(config)
+  bool calibrate_rest = true;           ///< TIERFLOW_REPLAN (Note [Rest calibration]; OFFLOAD_PARAMS=auto too)
   std::string growth_refusal;           ///< batch_growth_refusal(config)
   std::uint64_t prefetch_bytes = 0;     ///< TIERFLOW_PREFETCH_BYTES
   bool optimizer_on_device = false;     ///< TIERFLOW_OFFLOAD_OPTIMIZER=none
@@ -227,6 +275,7 @@ class PlanDriver {
   void grow(std::uint64_t elements, PlanFrontEnd& front);
   void refuse_growth(std::uint64_t elements, const std::string& why);
   void maybe_replan(PlanFrontEnd& front);
+  void maybe_calibrate_rest();
   void put_in_force(DrivenPlan plan);
   std::uint64_t size(const InputElements& inputs);
 
@@ -246,6 +295,7 @@ class PlanDriver {
   std::optional<TimedStepSummary> timed_step_;
   std::optional<DrivenPlan> plan_;
   std::uint64_t revision_ = 0;
+  bool rest_pending_ = false;  ///< the plan in force's rest is still the timed step's (Note [Rest calibration])
   Plan plan_struct_;                       ///< the plan in force as the planner made it (what a re-plan calibrates)
   std::vector<BlockProfile> plan_blocks_;  ///< the profile's blocks as planned (inexact splits marked so)
   std::optional<AutoProfile> profile_;
