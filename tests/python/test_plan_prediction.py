@@ -22,10 +22,12 @@ def test_the_cpu_adam_rate_is_measured_with_tierflows_kernel_per_format():
 
 def test_auto_reports_each_terms_prediction_beside_its_measurement(device):
     """The CPU AdamW streamed during backward, every block kept: the terms add up to the whole step predicted,
-    step()'s wait for the CPU optimizer is measured, and the whole step is near the measured one (the median of the
-    steps since the plan)."""
+    step()'s wait for the CPU optimizer is measured, and the whole step, its rest taken from the plan's own steps
+    (Note [Rest calibration]), is near the median of the steps after those (held out)."""
     reports = []
-    train(gpt_task(), 8, True, device=device, offload_activations="auto", offload_optimizer="host",
+    held_out = 6
+    steps = 2 + 1 + _C.REST_CALIBRATION_STEPS + held_out  # planned before the 3rd, whose step is not one
+    train(gpt_task(), steps, True, device=device, offload_activations="auto", offload_optimizer="host",
           min_offload_bytes="0", after_step=lambda i: reports.append(tierflow.report()["plan"]))
     plan = reports[-1]  # while the optimizer is alive
     terms = plan["terms"]
@@ -35,8 +37,15 @@ def test_auto_reports_each_terms_prediction_beside_its_measurement(device):
     assert parts == pytest.approx(terms["total"]["predicted_s"]) == pytest.approx(plan["predicted_step_seconds"])
     assert terms["optimizer"]["measured_s"] is not None and terms["optimizer"]["measured_s"] >= 0
     assert terms["total"]["measured_s"] == plan["measured"]["step_seconds"]
-    # The target is 25% (issue 41); the prediction rests on one timed step, and on a loaded 2-core machine a run
-    # strays up to 1.5x (benchmarks/plan_prediction_check.py gives the spread per mode): what this asserts without
-    # flaking is the factor of 2 that a prediction missing a term (the head, the optimizer) would break.
+    # The rest came from the plan's steps after its first, and only the steps after them are measured beside.
+    calibration = plan["rest_calibration"]
+    assert calibration is not None and calibration["steps"] == _C.REST_CALIBRATION_STEPS, plan
+    assert calibration["timed_rest_seconds"] == plan["timed_step"]["rest_of_step_seconds"]
+    assert plan["measured"]["steps"] == held_out - 1, plan  # gaps between the held-out steps' forwards
+    assert reports[-held_out - 1]["rest_calibration"] is None, reports[-held_out - 1]
+    # The target is 25% (issue 41; benchmarks/plan_prediction_check.py gives the spread per mode, and
+    # benchmarks/results/plan_prediction_tiny_*.json holds a quiet run's): on a loaded CI machine a median of a few
+    # held-out steps strays further, so this asserts 1.5x, which a rest from the timed step alone broke by itself
+    # on a quiet machine only at times (1.4x).
     ratio = terms["total"]["predicted_s"] / terms["total"]["measured_s"]
-    assert 0.5 <= ratio <= 2.0, (ratio, terms, plan.get("timed_step"))
+    assert 1 / 1.5 <= ratio <= 1.5, (ratio, terms, calibration)
