@@ -292,6 +292,32 @@ TEST(PlanFit, TheFastestCombinationThatThePlannerFitsIsSuggested) {
   EXPECT_NE(fit_advice(none, "x").find("none of the"), std::string::npos);
 }
 
+TEST(PlanFit, AFitWithTheGivenStatesFormatComesBeforeAFasterNarrowerOne) {
+  // The CPU AdamW's rate given: 8-bit states step faster than fp32 ones, but change the numerics. The advice is
+  // the fastest fit that keeps the given format, and names the faster narrower one after it.
+  const TransformerShape s = llama_shape(8);
+  const auto blocks = estimate_transformer(s, 400e12);
+  PlanCommandInputs in = command_inputs(s, "12GiB", "none", "none");
+  in.cpu_adam_params_per_second = 1e9;
+  const FitSearch search = search_fitting_settings(blocks, in);
+  ASSERT_TRUE(search.best.has_value());
+  const FitTried& best = search.tried[*search.best];
+  EXPECT_FALSE(best.narrower_states);
+  EXPECT_EQ(flags_text(best.flags).find("--optimizer-states"), std::string::npos) << flags_text(best.flags);
+  ASSERT_TRUE(search.faster_narrower.has_value());
+  const FitTried& faster = search.tried[*search.faster_narrower];
+  EXPECT_TRUE(faster.narrower_states);
+  EXPECT_LT(faster.step_seconds, best.step_seconds);
+  const std::string advice = fit_advice(search, "plan");
+  EXPECT_NE(advice.find("; faster, with other numerics (narrower optimizer states): "), std::string::npos) << advice;
+  // Only a narrower format fits: it is the advice, saying so.
+  FitSearch only = search;
+  for (FitTried& t : only.tried) t.fits = t.fits && t.narrower_states;
+  only.best = only.faster_narrower;
+  only.faster_narrower.reset();
+  EXPECT_NE(fit_advice(only, "plan").find("other numerics"), std::string::npos);
+}
+
 TEST(PlanFit, OffloadedGradientsLeaveTheTwoLargestUnitsOnTheDevice) {
   // --offload-gradients on (TIERFLOW_OFFLOAD_GRADIENTS): each unit's gradients go once copied; the device holds
   // the unit backward makes and the one copying (Note [Plan report], Gradients).

@@ -33,6 +33,10 @@
 // (plan_command_budgets, plan_activations), and the one of least predicted
 // whole step (Note [Step prediction]: the CPU optimizer's exposed time
 // included; ties: fewer flags changed) is printed with the whole command line.
+// A fit that keeps the optimizer's states in the given format comes first: a
+// narrower format (bf16, 8bit) changes the training's numerics, so it is
+// suggested only when nothing else fits, and otherwise named after the advice
+// when it would be faster ("faster, with other numerics: ...").
 // A combination the planner refuses is not suggested: nothing is guessed.
 #pragma once
 
@@ -85,12 +89,15 @@ struct FitTried {
   std::string why;               ///< the refusal (empty when it fits)
   double step_seconds = 0;       ///< predicted (when it fits)
   std::uint64_t device_peak_bytes = 0;
+  bool narrower_states = false;  ///< the optimizer's states in fewer bits than given: other numerics
 };
 
 /// What the fit search found (Note [Plan fit]).
 struct FitSearch {
   std::vector<FitTried> tried;
-  std::optional<std::size_t> best;  ///< index in `tried` of the fastest that fits
+  std::optional<std::size_t> best;  ///< index in `tried` of the fastest that fits with the given numerics (else
+                                    ///< the fastest that fits)
+  std::optional<std::size_t> faster_narrower;  ///< a fit faster than `best` that narrows the states, if any
 };
 
 /// A plan's step as the command ranks the combinations (default: the whole step, the CPU optimizer's exposed time
