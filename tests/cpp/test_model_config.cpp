@@ -159,6 +159,11 @@ TEST(ModelConfig, ErrorsNameTheFileTheFieldAndWhatIsAccepted) {
   EXPECT_NE(m.find("n_embd \"64\" is not an integer; accepted: an integer from 1 to"), std::string::npos) << m;
   m = message_of(R"({"model_type":"gpt2","vocab_size":128,"n_embd":64,"n_layer":0,"n_head":4})");
   EXPECT_NE(m.find("n_layer 0 is not valid; accepted: an integer from 1 to 10000"), std::string::npos) << m;
+  // Too large, signed or beyond 63 bits: the value as given, not a substitute.
+  m = message_of(R"({"model_type":"gpt2","vocab_size":128,"n_embd":64,"n_layer":20000,"n_head":4})");
+  EXPECT_NE(m.find("n_layer 20000 is not valid"), std::string::npos) << m;
+  m = message_of(R"({"model_type":"gpt2","vocab_size":128,"n_embd":64,"n_layer":18446744073709551615,"n_head":4})");
+  EXPECT_NE(m.find("n_layer 18446744073709551615 is not valid"), std::string::npos) << m;
   m = message_of(R"({"model_type":"llama","vocab_size":128,"hidden_size":64,"num_hidden_layers":2,
                      "num_attention_heads":4,"num_key_value_heads":3,"intermediate_size":96})");
   EXPECT_NE(m.find("num_key_value_heads 3 does not divide num_attention_heads 4"), std::string::npos) << m;

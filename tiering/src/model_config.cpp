@@ -62,9 +62,10 @@ struct Reader {
   std::int64_t integer(const Json& v, const char* field, std::int64_t least, std::int64_t most) const {
     const std::string accepted = "an integer from " + std::to_string(least) + " to " + std::to_string(most);
     if (!v.is_number_integer()) fail(field, v.dump() + " is not an integer", accepted);
+    // The value as given in the message (v.dump(): a large unsigned one too, not a substitute).
     const bool unsigned_big = v.is_number_unsigned() && v.get<std::uint64_t>() > static_cast<std::uint64_t>(most);
-    const std::int64_t n = unsigned_big ? most + 1 : v.get<std::int64_t>();
-    if (n < least || n > most) fail(field, std::to_string(n) + " is not valid", accepted);
+    const std::int64_t n = unsigned_big ? most : v.get<std::int64_t>();
+    if (unsigned_big || n < least || n > most) fail(field, v.dump() + " is not valid", accepted);
     return n;
   }
   // A required positive integer.
