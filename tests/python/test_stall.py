@@ -40,3 +40,21 @@ def test_a_stalled_copy_raises_a_timeout_error_naming_it_within_the_limit():
     assert took < 2.5, f"raised after {took:.2f} s"
     faults.hold_d2h = False
     tierflow.unwrap(model)
+
+
+@pytest.mark.ordering  # the plan command measures the links: copies on the emulated device
+def test_the_plan_commands_measuring_runtime_takes_the_live_stall_limit(capsys):
+    """Note [Stall timeout]: the limit is process-wide and a live runtime claims it; the plan command's runtime,
+    made only to measure the links, is not refused for (nor changes) a wrapped model's limit."""
+    gc.collect()
+    model = torch.nn.Linear(8, 8)
+    model, _ = tierflow.wrap(model, device="emulated", offload_optimizer="none", offload_activations="none",
+                             stall_timeout="30s")
+    from tierflow.cli import main
+
+    rc = main(["plan", "--layers", "2", "--hidden", "64", "--heads", "2", "--seq", "32", "--batch",
+               "2", "--gpu-memory", "1GiB"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert tierflow.current_session().settings.stall_timeout == 30.0
+    tierflow.unwrap(model)

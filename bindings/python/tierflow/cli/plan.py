@@ -63,13 +63,20 @@ def measure_flops(cuda: bool) -> float:
 def measure_links(cuda: bool) -> Any:
     """Device<->host bandwidths through tierflow's copy engine: the probe ``auto`` runs at its profiling step
     (tierflow._links.measure_links), on a runtime of the environment's settings with the activation and optimizer
-    tiers off (no pinned states, no swap files)."""
+    tiers off (no pinned states, no swap files), no trace, and the stall limit of a wrapped model alive in this
+    process if there is one (the limit is process-wide, Note [Stall timeout]: a runtime made only to measure
+    must not be refused for, or change, the live one's)."""
     import torch
 
     from .._links import measure_links as engine_links
+    from .._wrap import _live_sessions
 
-    runtime = _C.Runtime({"TIERFLOW_OFFLOAD_ACTIVATIONS": "none", "TIERFLOW_OFFLOAD_OPTIMIZER": "none",
-                          "TIERFLOW_NVME_PATHS": ""})
+    settings = {"TIERFLOW_OFFLOAD_ACTIVATIONS": "none", "TIERFLOW_OFFLOAD_OPTIMIZER": "none",
+                "TIERFLOW_NVME_PATHS": "", "TIERFLOW_TRACE": ""}
+    live = [s.settings.stall_timeout for s in _live_sessions()]
+    if live:
+        settings["TIERFLOW_STALL_TIMEOUT"] = repr(live[-1]) if live[-1] > 0 else "none"
+    runtime = _C.Runtime(settings)
     links = engine_links(runtime, torch.device("cuda" if cuda else "cpu"))
     return _C.Links(d2h=links["d2h"], h2d=links["h2d"], duplex=links["duplex"])
 
