@@ -88,6 +88,26 @@ TEST(SavedTensors, PolicyBytesCountThePolicysPacksAlone) {
   EXPECT_EQ(saved.stats({}).policy_bytes, 100u);
 }
 
+TEST(SavedTensors, OutsideNvmePacksDecideAndCountAsThePolicysAndGoToNvme) {
+  // The model-level hook when the plan puts what is saved outside the blocks on NVMe (Note [Activation planner]):
+  // the policy's decision (auto offloads), its policy_bytes (autoplan measures the outside bytes by them), NVMe
+  // when there is a tier, else the host.
+  SavedTensors saved(target(OffloadTarget::kAuto), 16);
+  saved.schedule().begin_forward();
+  const PackChoice big = saved.pack(tensor(100), PackTarget::kOutsideNvme, true);
+  EXPECT_TRUE(big.offload);
+  EXPECT_EQ(big.to, swap::StagedTarget::kNvme);
+  EXPECT_EQ(saved.pack(tensor(50), PackTarget::kOutsideNvme, false).to, swap::StagedTarget::kHost);
+  EXPECT_FALSE(saved.pack(tensor(8), PackTarget::kOutsideNvme, true).offload) << "small: kept, as kPolicy keeps it";
+  EXPECT_EQ(saved.pack(tensor(64), PackTarget::kPolicy, true).to, swap::StagedTarget::kHost) << "auto's own: host";
+  saved.pack(tensor(30), PackTarget::kNvme, true);  // a block plan's: not the policy's
+  EXPECT_EQ(saved.stats({}).policy_bytes, 100u + 50u + 64u);
+
+  SavedTensors none(target(OffloadTarget::kNone), 0);
+  none.schedule().begin_forward();
+  EXPECT_FALSE(none.pack(tensor(64), PackTarget::kOutsideNvme, true).offload) << "the policy decides, as kPolicy";
+}
+
 TEST(SavedTensors, TheTargetPicksTheTierAndNvmeFallsBackToTheHostWithoutATier) {
   SavedTensors host(target(OffloadTarget::kHost), 0);
   host.schedule().begin_forward();
@@ -169,10 +189,12 @@ TEST(SavedTensors, PackTargetsParseAndTheErrorNamesTheAccepted) {
   EXPECT_EQ(parse_pack_target("keep"), PackTarget::kKeep);
   EXPECT_EQ(parse_pack_target("host"), PackTarget::kHost);
   EXPECT_EQ(parse_pack_target("nvme"), PackTarget::kNvme);
+  EXPECT_EQ(parse_pack_target("outside_nvme"), PackTarget::kOutsideNvme);
   try {
     parse_pack_target("disk");
     FAIL() << "accepted 'disk'";
   } catch (const config_error& e) {
-    EXPECT_NE(std::string(e.what()).find("'disk'; accepted: policy, keep, host, nvme"), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("'disk'; accepted: policy, keep, host, nvme, outside_nvme"),
+              std::string::npos);
   }
 }

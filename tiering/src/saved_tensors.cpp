@@ -10,7 +10,8 @@ PackTarget parse_pack_target(const std::string& text) {
   if (text == "keep") return PackTarget::kKeep;
   if (text == "host") return PackTarget::kHost;
   if (text == "nvme") return PackTarget::kNvme;
-  throw config_error("pack target '" + text + "'; accepted: policy, keep, host, nvme");
+  if (text == "outside_nvme") return PackTarget::kOutsideNvme;
+  throw config_error("pack target '" + text + "'; accepted: policy, keep, host, nvme, outside_nvme");
 }
 
 const std::vector<StatField<SavedTensorStats>>& saved_tensor_stat_fields() {
@@ -82,15 +83,17 @@ PackChoice SavedTensors::pack(const SavedTensorFacts& facts, PackTarget target, 
   }
   const bool small = facts.bytes < min_offload_bytes_;
   const bool region = facts.in_no_offload_region;
-  const PackDirective directive = target == PackTarget::kPolicy ? PackDirective::kPolicy
+  // kOutsideNvme decides as kPolicy does and counts as it does; only the destination differs.
+  const bool policy = target == PackTarget::kPolicy || target == PackTarget::kOutsideNvme;
+  const PackDirective directive = policy                        ? PackDirective::kPolicy
                                   : target == PackTarget::kKeep ? PackDirective::kKeep
                                                                 : PackDirective::kOffload;
   const PackDecision d = schedule_.on_pack(static_cast<std::size_t>(facts.bytes), !small && !region, directive);
   c.verdict = PackVerdict::kNewBlock;
-  if (target == PackTarget::kPolicy && !small && !region) stats_.policy_bytes += facts.bytes;
+  if (policy && !small && !region) stats_.policy_bytes += facts.bytes;
   c.id = d.id;
   c.offload = d.offload;
-  const bool nvme_asked = target == PackTarget::kNvme ||
+  const bool nvme_asked = target == PackTarget::kNvme || target == PackTarget::kOutsideNvme ||
                           (target == PackTarget::kPolicy && schedule_.options().target == OffloadTarget::kNvme);
   c.to = has_nvme && nvme_asked ? swap::StagedTarget::kNvme : swap::StagedTarget::kHost;
   if (!d.offload) {

@@ -41,10 +41,12 @@
 namespace tierflow::tiering {
 
 /// Where pack() sends one tensor: kPolicy follows TIERFLOW_OFFLOAD_ACTIVATIONS;
-/// the others carry a block plan's decision (Note [Activation plans]).
-enum class PackTarget : std::uint8_t { kPolicy, kKeep, kHost, kNvme };
+/// kKeep, kHost and kNvme carry a block plan's decision (Note [Activation plans]);
+/// kOutsideNvme is kPolicy's decision (and its policy_bytes) sent to NVMe: the
+/// model-level hook when the plan puts what is saved outside the blocks on NVMe.
+enum class PackTarget : std::uint8_t { kPolicy, kKeep, kHost, kNvme, kOutsideNvme };
 
-/// "policy", "keep", "host" or "nvme"; anything else is a ConfigError naming them.
+/// "policy", "keep", "host", "nvme" or "outside_nvme"; anything else is a ConfigError naming them.
 PackTarget parse_pack_target(const std::string& text);
 
 /// What the pack hook found out about one saved tensor (Note [Saved-tensor decisions]).
