@@ -25,21 +25,8 @@ using tierflow::tiering::TierReading;
 
 namespace {
 
-template <class A, class = void>
-struct HasWindowPeaks : std::false_type {};
-template <class A>
-struct HasWindowPeaks<A, std::void_t<decltype(std::declval<A&>().take_window_peaks())>> : std::true_type {};
-
-/// The saved activations' device bytes since the previous mark (Note [Window peak]): the registry's window, once
-/// the offloader passes it on as ActivationOffloader::take_window_peaks() (BlockRegistry::WindowPeaks; not there
-/// yet: kNoPeak, the step's figure falls back on the all-time peak, Note [Step stats]).
-template <class A>
-std::int64_t device_activations_window(A& acts) {
-  if constexpr (HasWindowPeaks<A>::value)
-    return acts.take_window_peaks().device;
-  else
-    return TierReading::kNoPeak;
-}
+/// The saved activations' device bytes since the previous mark (Note [Window peak]): the registry's window.
+std::int64_t device_activations_window(ActivationOffloader& acts) { return acts.take_window_peaks().device; }
 
 /// The runtime's counters now (Note [Step stats]). `cpu_step_ns`: the CPU optimizer's time inside step() as
 /// the front end reads it (the gradient stream's wait and redone steps); none: the runtime's CPU Adam time,

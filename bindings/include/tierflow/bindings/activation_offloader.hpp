@@ -115,6 +115,11 @@ class ActivationOffloader : public std::enable_shared_from_this<ActivationOffloa
   ActivationOffloaderStats stats() const;
   /// Resets the peaks of the byte statistics.
   void reset_peaks();
+  /// The saved activations' bytes per tier since the previous call, what they hold now included (Note [Window
+  /// peak] in core/stats.hpp; one reader: the step recorder, Note [Step stats]).
+  tiering::BlockRegistry::WindowPeaks take_window_peaks() noexcept {
+    return saved_.schedule().registry().take_window_peaks();  // atomics: no lock (the mark reads it mid-wait)
+  }
 
   /// Removes the NVMe swap files' names (process exit); see NvmeEngine::unlink_files.
   void unlink_nvme_files() noexcept {
