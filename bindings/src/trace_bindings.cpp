@@ -22,7 +22,8 @@ void bind_trace(py::module_& m) {
       .value("nvme_write", trace::Lane::kNvmeWrite)
       .value("nvme_read", trace::Lane::kNvmeRead)
       .value("cpu_adam", trace::Lane::kCpuAdam)
-      .value("other", trace::Lane::kOther);
+      .value("other", trace::Lane::kOther)
+      .value("steps", trace::Lane::kSteps);
   m.def("trace_on", &trace::on, "Whether the trace records now (TIERFLOW_TRACE or tierflow.trace)");
   m.def("trace_start", &trace::start, "Starts recording (one more recorder)");
   m.def("trace_stop", &trace::stop, "One recorder less: recording stops when none is left");

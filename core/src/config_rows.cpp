@@ -335,7 +335,17 @@ std::vector<Row> placement_rows() {
       "record a trace of every step (blocks' forward, backward and replay, copies, NVMe reads and writes, the CPU "
       "AdamW's buckets, bytes per tier) and write it in the Chrome trace format (Perfetto, chrome://tracing; "
       "merges with torch.profiler's) to this path when the wrapped model's runtime ends and at exit (Note [Trace])"},
-     file_parser(&Config::trace_path, "a file path under a writable folder (empty: no trace)", /*written=*/true)},
+     [](Config& c, std::string_view name, std::string_view v) {
+       constexpr std::string_view kAccepted = "a file path under a writable folder (empty: no trace)";
+       file_parser(&Config::trace_path, kAccepted, /*written=*/true)(c, name, v);
+       // The writer makes no folders: the file's own must exist (the runtime's attach also tries to write there).
+       const std::string& path = c.trace_path;
+       const std::size_t slash = path.rfind('/');
+       const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
+       struct stat st {};
+       if (!path.empty() && (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)))
+         bad_value(name, v, kAccepted, "its folder " + quote_config_value(dir) + " does not exist");
+     }},
     {{"TIERFLOW_PROFILE", "", "a file path (empty: measure every run)",
       "the activation planner's block profile: read from this file when it exists, otherwise "
       "measured in the first step and written there"},

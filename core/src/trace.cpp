@@ -1,6 +1,7 @@
 // See Note [Trace] in trace.hpp.
 #include "tierflow/core/trace.hpp"
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -40,7 +41,7 @@ struct Event {
 struct Owner {
   std::string path;
   Meter meter;
-  std::uint64_t since_ns = 0;  // its path's trace: the events ending after it attached
+  std::uint64_t since_ns = 0;  // its path's trace: the events ending after the path was first attached
 };
 
 // Never destroyed: work may finish (and record) during exit, after static destructors ran.
@@ -51,6 +52,7 @@ struct Recorder {
   int recorders = 0;  // start() minus stop(): recording while positive
   std::mutex owners_mutex;  // guards owners; held while meters run, so that none runs after its detach
   std::map<const void*, Owner> owners;
+  std::map<std::string, std::uint64_t> path_since;  // guarded by mutex: each path's first attach (Note [Trace]'s runs)
   bool exit_hook = false;
 
   static Recorder& get() {
@@ -110,6 +112,7 @@ const char* lane_name(Lane lane) noexcept {
     case Lane::kCpuAdam: return "CPU AdamW";
     case Lane::kCpuAdamQueue: return "CPU AdamW queue";
     case Lane::kOther: return "other work";
+    case Lane::kSteps: return "steps";
   }
   return "other work";
 }
@@ -126,6 +129,7 @@ const char* lane_category(Lane lane) noexcept {
     case Lane::kCpuAdam:
     case Lane::kCpuAdamQueue: return "optimizer";
     case Lane::kOther: return "work";
+    case Lane::kSteps: return "step";
   }
   return "work";
 }
@@ -143,9 +147,17 @@ Lane lane_of_kind(const char* kind) noexcept {
 void start() {
   auto& r = Recorder::get();
   std::lock_guard<std::mutex> lock(r.mutex);
-  if (r.recorders == 0) {  // a new recording: the last one's events were written already (or never will be)
-    r.events.clear();
-    r.dropped = 0;
+  if (r.recorders == 0) {  // a new recording: the last one's events were written already (or never will be),
+    if (r.path_since.empty()) {  // unless a TIERFLOW_TRACE path's file is to hold them again (Note [Trace]'s runs)
+      r.events.clear();
+      r.dropped = 0;
+    } else {
+      std::uint64_t oldest = UINT64_MAX;
+      for (const auto& [p, since] : r.path_since) oldest = std::min(oldest, since);
+      r.events.erase(std::remove_if(r.events.begin(), r.events.end(),
+                                    [&](const Event& e) { return e.end_ns < oldest; }),
+                     r.events.end());
+    }
   }
   ++r.recorders;
   detail::g_on.store(true, std::memory_order_relaxed);
@@ -161,6 +173,7 @@ void stop() noexcept {
 void clear() noexcept {
   auto& r = Recorder::get();
   std::lock_guard<std::mutex> lock(r.mutex);
+  r.path_since.clear();
   r.events.clear();
   r.events.shrink_to_fit();
   r.dropped = 0;
@@ -210,9 +223,26 @@ void counter(std::string name, std::uint64_t at_ns, std::vector<std::pair<std::s
 void attach(const void* owner, std::string path, Meter meter) {
   auto& r = Recorder::get();
   const bool records = !path.empty();
+  std::uint64_t since = now_ns();
+  if (records) {
+    // Its file is written when the runtime ends: say now, at wrap, when it cannot be (Note [Trace]).
+    const std::string probe = path + ".tmp";
+    const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL, 0644);
+    const int err = errno;
+    if (fd < 0 && err != EEXIST)
+      throw config_error("TIERFLOW_TRACE=" + path + " (keyword trace) cannot be written: creating " + probe +
+                         " failed: " + std::strerror(err) + "; accepted: a file path under an existing writable "
+                         "folder (empty: no trace)");
+    if (fd >= 0) {
+      ::close(fd);
+      ::unlink(probe.c_str());
+    }
+    std::lock_guard<std::mutex> lock(r.mutex);
+    since = r.path_since.emplace(path, since).first->second;  // the path's first attach
+  }
   {
     std::lock_guard<std::mutex> lock(r.owners_mutex);
-    r.owners[owner] = Owner{std::move(path), std::move(meter), now_ns()};
+    r.owners[owner] = Owner{std::move(path), std::move(meter), since};
     if (records && !r.exit_hook) {
       r.exit_hook = true;
       std::atexit(write_at_exit);
@@ -303,8 +333,8 @@ std::string chrome_json(std::uint64_t since_ns, std::int64_t pid) {
   list.push_back({{"name", "process_name"}, {"ph", "M"}, {"ts", 0}, {"pid", pid}, {"tid", 0},
                   {"args", {{"name", "tierflow"}}}});
   // Each event's thread within its lane (Note [Trace]: disjoint events per thread); events are in start order.
-  constexpr int kLaneIds = 11, kSlotStride = 100;
-  static_assert(static_cast<int>(Lane::kCpuAdamQueue) < kLaneIds, "a lane past the table");
+  constexpr int kLaneIds = 12, kSlotStride = 100;
+  static_assert(static_cast<int>(Lane::kSteps) < kLaneIds, "a lane past the table");
   std::vector<int> tid(events.size(), 0);
   std::vector<std::uint64_t> slot_end[kLaneIds];  // per lane, per thread: the end of its last event
   for (std::size_t i = 0; i < events.size(); ++i) {
@@ -357,18 +387,17 @@ void write(const std::string& path, std::uint64_t since_ns) {
   const std::string tmp = path + ".tmp";
   std::FILE* f = std::fopen(tmp.c_str(), "w");
   if (f == nullptr)
-    throw io_error(errno, "cannot write the trace to " + tmp + " (TIERFLOW_TRACE=" + path + "): " +
-                              std::strerror(errno));
+    throw io_error(errno, "cannot write the trace to " + tmp + " (for " + path + "): " + std::strerror(errno));
   const bool ok = std::fwrite(text.data(), 1, text.size(), f) == text.size();
   const int err = errno;
   if (std::fclose(f) != 0 || !ok) {
     std::remove(tmp.c_str());
-    throw io_error(ok ? errno : err, "cannot write the trace to " + tmp + " (TIERFLOW_TRACE=" + path + ")");
+    throw io_error(ok ? errno : err, "cannot write the trace to " + tmp + " (for " + path + ")");
   }
   if (std::rename(tmp.c_str(), path.c_str()) != 0) {
     const int e = errno;
     std::remove(tmp.c_str());
-    throw io_error(e, "cannot rename " + tmp + " to " + path + " (TIERFLOW_TRACE): " + std::strerror(e));
+    throw io_error(e, "cannot rename " + tmp + " to " + path + ": " + std::strerror(e));
   }
 }
 

@@ -257,8 +257,48 @@ TEST_F(TraceTest, AnUnwritablePathIsAnErrorNamingIt) {
     FAIL() << "no error";
   } catch (const io_error& e) {
     EXPECT_NE(std::string(e.what()).find("/nonexistent-dir/t.json"), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("TIERFLOW_TRACE"), std::string::npos) << e.what();
+    // tierflow.trace(path) writes through it too: the caller names the setting, not write().
+    EXPECT_EQ(std::string(e.what()).find("TIERFLOW_TRACE"), std::string::npos) << e.what();
   }
+}
+
+TEST_F(TraceTest, AttachRefusesAPathItCannotWriteAtOnce) {
+  int a = 0;
+  try {
+    trace::attach(&a, "/nonexistent-dir-zz/t.json", nullptr);
+    FAIL() << "accepted at attach: the file would fail only when the runtime ends";
+  } catch (const config_error& e) {
+    EXPECT_NE(std::string(e.what()).find("TIERFLOW_TRACE=/nonexistent-dir-zz/t.json"), std::string::npos)
+        << e.what();
+    EXPECT_NE(std::string(e.what()).find("keyword trace"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(trace::on()) << "nothing attached, nothing recording";
+  trace::detach(&a);  // nothing to do
+}
+
+TEST_F(TraceTest, ALaterRuntimeOnThePathKeepsTheEarlierOnesEvents) {
+  const fs::path dir = fs::temp_directory_path() / ("tierflow_trace_runs_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  const std::string path = (dir / "t.json").string();
+  auto names = [&] {
+    std::ifstream in(path);
+    std::vector<std::string> out;
+    for (const Json& x : events_of(Json::parse(in), "X")) out.push_back(x["name"].get<std::string>());
+    std::sort(out.begin(), out.end());
+    return out;
+  };
+  int a = 0, b = 0;
+  trace::attach(&a, path, nullptr);
+  const std::uint64_t t = now_ns();
+  trace::complete(trace::Lane::kCpuAdam, "run 1", t, t + 10);
+  trace::detach(&a);
+  EXPECT_EQ(names(), std::vector<std::string>{"run 1"});
+  trace::attach(&b, path, nullptr);  // wrap again, same TIERFLOW_TRACE
+  const std::uint64_t u = now_ns();
+  trace::complete(trace::Lane::kCpuAdam, "run 2", u, u + 10);
+  trace::detach(&b);
+  EXPECT_EQ(names(), (std::vector<std::string>{"run 1", "run 2"})) << "the first run silently lost";
+  fs::remove_all(dir);
 }
 
 }  // namespace

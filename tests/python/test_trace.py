@@ -158,3 +158,60 @@ def test_tierflow_trace_setting_nvme_lanes_and_timeline(device, nvme_dir, tmp_pa
 def test_trace_path_refused_when_its_folder_is_missing(tmp_path):
     with pytest.raises(tierflow.ConfigError, match="does not exist"):
         trace(str(tmp_path / "no" / "t.json"))
+
+
+def _counters_in(doc: dict, start: float, end: float) -> list:
+    return [e for e in doc["traceEvents"] if e["ph"] == "C" and e["name"] == "bytes per tier" and start <= e["ts"] <= end]
+
+
+def test_timeline_steps_are_optimizer_steps_under_accumulation_and_without_block_spans(device, tmp_path):
+    # auto whose plan keeps everything after its first step: no block spans from then on, yet each optimizer step
+    # (of two micro-batches) is a step of the timeline, and the bytes per tier are still sampled.
+    task = gpt_task(**TASK)
+    model = task.model_on(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    path = str(tmp_path / "acc.json")
+    model, opt = tierflow.wrap(model, opt, device=device, offload_activations="auto", trace=path)
+    for step in range(3):
+        for micro in range(2):
+            (task.loss(model, task.batch_on(2 * step + micro, device)) / 2).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    del model, opt
+    gc.collect()
+    with open(path) as f:
+        doc = json.load(f)
+    check_format(doc)
+    assert "steps" in lanes(doc)
+    marks = sorted((e for e in doc["traceEvents"] if e["ph"] == "X" and e["cat"] == "step"), key=lambda e: e["ts"])
+    assert [(e["name"], e["args"]["forwards"]) for e in marks] == [("step 1", 2), ("step 2", 2), ("step 3", 2)]
+    s = one_step(doc)
+    assert (s["count"], s["index"], s["split"]) == (3, 2, "steps"), (s["count"], s["index"], s["split"])
+    assert (s["start"], s["end"]) == (marks[-1]["ts"], marks[-1]["ts"] + marks[-1]["dur"])
+    assert one_step(doc, 0)["start"] == marks[0]["ts"]
+    assert _counters_in(doc, s["start"], s["end"]), "bytes per tier sampled in a step whose plan keeps everything"
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert cli_main(["timeline", path, "--step", "2", "-o", str(tmp_path / "s.png")]) == 0
+
+
+def test_trace_path_errors_come_up_front_and_never_mask_the_body(tmp_path, monkeypatch):
+    with pytest.raises(tierflow.ConfigError, match=r"TIERFLOW_TRACE=.*no_such_dir_zz"):
+        tierflow.wrap(torch.nn.Linear(2, 2), trace=str(tmp_path / "no_such_dir_zz" / "t.json"))
+    with pytest.raises(tierflow.ConfigError, match=r"tierflow\.trace\(path='/proc/nope.json'\)"):
+        trace("/proc/nope.json")
+    # The folder goes while the body runs: the body's own exception comes out, the failed write only a warning.
+    folder = tmp_path / "d"
+    folder.mkdir()
+    with pytest.warns(RuntimeWarning, match=r"tierflow\.trace\(path=.*the trace was not written"):
+        with pytest.raises(ValueError, match="the body's"):
+            with trace(str(folder / "t.json")):
+                folder.rmdir()
+                raise ValueError("the body's")
+    assert not _C.trace_on()
+    # A runtime whose settings say no trace (python -m tierflow plan's measuring one) writes none.
+    monkeypatch.setenv("TIERFLOW_TRACE", str(tmp_path / "env.json"))
+    r = _C.Runtime({"TIERFLOW_TRACE": ""})
+    assert not _C.trace_on()
+    del r
+    gc.collect()
+    assert not os.path.exists(tmp_path / "env.json")

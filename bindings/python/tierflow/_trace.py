@@ -46,6 +46,19 @@ class trace:
         if not os.path.isdir(folder):
             raise _C.ConfigError(f"tierflow.trace(path={path!r}): the folder {folder} does not exist; give a file "
                                  "path under a writable folder (the setting TIERFLOW_TRACE takes the same)")
+        # The file is written on leaving: refuse now a path that cannot be, before the body runs (the writer's
+        # temporary file, created and removed; the same probe as TIERFLOW_TRACE's at wrap).
+        probe = path + ".tmp"
+        try:
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            pass
+        except OSError as e:
+            raise _C.ConfigError(f"tierflow.trace(path={path!r}): cannot write there (creating {probe}: "
+                                 f"{e.strerror or e}); give a file path under a writable folder") from None
+        else:
+            os.close(fd)
+            os.unlink(probe)
         self.path = path
         self._since: Optional[int] = None
 
@@ -54,10 +67,17 @@ class trace:
         self._since = time.monotonic_ns()
         return self
 
-    def __exit__(self, *exc: Any) -> bool:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         try:
             sample()  # a last reading of the tiers
             _C.trace_write(self.path, self._since or 0)
+        except Exception as e:
+            message = f"tierflow.trace(path={self.path!r}): the trace was not written: {e}"
+            if exc_type is not None:  # the body's own exception goes on; this one is only said
+                import warnings
+                warnings.warn(message, RuntimeWarning, stacklevel=2)
+            else:
+                raise _C.TierflowError(message) from e
         finally:
             _C.trace_stop()
         return False

@@ -164,6 +164,7 @@ class Session:
             self.planner.before_forward(input_elements(args, kwargs))
             if self.planner.keep_all:  # the plan keeps everything: no hooks, no cost
                 # (but casts of offloaded parameters: Note [Parameter casts])
+                _C.trace_sample()  # its bytes per tier in the trace all the same (Note [Trace])
                 self._contexts.append(_CastsOnly() if self.params is not None else None)
                 return
         self.runtime.begin_forward()

@@ -15,7 +15,7 @@ from typing import Any, Optional, Sequence
 LANE_PREFIX = "tierflow: "
 # Colours per lane (by its thread_name without the prefix); the counters' series after.
 LANE_COLOURS = {
-    "block forward": "#4c72b0", "block backward": "#dd8452", "block replay": "#c44e52",
+    "steps": "#bbbbbb", "block forward": "#4c72b0", "block backward": "#dd8452", "block replay": "#c44e52",
     "copy device -> host": "#55a868", "copy host -> device": "#8172b3", "NVMe write": "#937860",
     "NVMe read": "#da8bc3", "CPU AdamW": "#ccb974", "CPU AdamW queue": "#e5dcaa", "other work": "#8c8c8c",
 }
@@ -106,17 +106,26 @@ def lanes_of(doc: dict) -> dict:
 
 
 def steps_of(spans: list) -> list:
-    """The steps' start times: each forward of the first block (the lowest index); [] without block spans."""
+    """The steps' (start, end) times. A trace with step markers (the "steps" lane: each optimizer step from its
+    first forward to its step()'s end, Note [Trace]) is split by them; an older trace without any by each forward
+    of the first block (the lowest index), a step ending where the next begins (the last: at the trace's last
+    event); [] without either."""
+    marks = sorted((s["ts"], s["ts"] + s["dur"]) for s in spans if s["lane"] == "steps")
+    if marks:
+        return marks
     forwards = [s for s in spans if s["lane"] == "block forward"]
     if not forwards:
         return []
     first = min(s["args"].get("block", 0) for s in forwards)
-    return sorted(s["ts"] for s in forwards if s["args"].get("block", 0) == first)
+    starts = sorted(s["ts"] for s in forwards if s["args"].get("block", 0) == first)
+    last = max(s["ts"] + s["dur"] for s in spans)
+    return [(a, b) for a, b in zip(starts, starts[1:] + [last])]
 
 
 def one_step(doc: dict, step: int = -1) -> dict:
-    """The events of step ``step`` (Python's index: -1 the last): {"start", "end", "spans", "counters", "count"}.
-    A step runs from a forward of the first block to the next one (the last, to the trace's last event)."""
+    """The events of step ``step`` (Python's index: -1 the last): {"start", "end", "spans", "counters", "count",
+    "index", "split"}; ``split`` says what the steps were told apart by: "steps" (the trace's step markers),
+    "block forward" (an older trace: the first block's forwards) or "trace" (neither: the whole trace, one step)."""
     lanes = lanes_of(doc)
     spans, counters = [], []
     for e in doc["traceEvents"]:
@@ -128,23 +137,23 @@ def one_step(doc: dict, step: int = -1) -> dict:
     if not spans:
         raise TimelineError("the trace has no tierflow events: was TIERFLOW_TRACE (or tierflow.trace) on while a "
                             "wrapped model trained?")
-    starts = steps_of(spans)
-    last = max(s["ts"] + s["dur"] for s in spans)
-    if not starts:
-        starts = [min(s["ts"] for s in spans)]
+    steps = steps_of(spans)
+    split = "steps" if any(s["lane"] == "steps" for s in spans) else "block forward" if steps else "trace"
+    if not steps:
+        steps = [(min(s["ts"] for s in spans), max(s["ts"] + s["dur"] for s in spans))]
     try:
-        start = starts[step]
+        start, end = steps[step]
     except IndexError:
-        raise TimelineError(f"--step {step}: the trace has {len(starts)} step(s) (0 to {len(starts) - 1}, or -1 "
+        raise TimelineError(f"--step {step}: the trace has {len(steps)} step(s) (0 to {len(steps) - 1}, or -1 "
                             "for the last)") from None
-    k = starts.index(start)
-    end = starts[k + 1] if k + 1 < len(starts) else last
-    inside = [s for s in spans if s["ts"] < end and s["ts"] + s["dur"] > start]
+    k = step % len(steps)
+    inside = [s for s in spans if s["ts"] < end and s["ts"] + s["dur"] > start or s["ts"] == start]
     before = [c for c in counters if c[0] <= start]
     series = [c for c in counters if start <= c[0] <= end]
     if before:
         series.insert(0, (start, before[-1][1]))
-    return {"start": start, "end": end, "spans": inside, "counters": series, "count": len(starts), "index": k}
+    return {"start": start, "end": end, "spans": inside, "counters": series, "count": len(steps), "index": k,
+            "split": split}
 
 
 def draw(doc: dict, out_path: str, step: int = -1, title: Optional[str] = None) -> dict:
@@ -189,8 +198,13 @@ def draw(doc: dict, out_path: str, step: int = -1, title: Optional[str] = None) 
                                            width * 2e-3)) for x in s["spans"] if x["lane"] == lane]
         # Blocks run one at a time: a thin white edge tells neighbours apart. Work in flight overlaps: no edge,
         # so that a short copy stays visible.
-        edge = dict(edgecolor="white", linewidth=0.6) if lane.startswith("block") else dict(edgecolor="none")
+        edge = dict(edgecolor="white", linewidth=0.6) if lane.startswith("block") or lane == "steps" else dict(
+            edgecolor="none")
         bottom.broken_barh(bars, (y - 0.38, 0.76), facecolors=LANE_COLOURS.get(lane, "#8c8c8c"), **edge)
+        if lane == "steps":  # the step's name ("step 3") on its bar
+            for x, (left, w) in zip([x for x in s["spans"] if x["lane"] == lane], bars):
+                if w > width * 0.05:
+                    bottom.text(left + w / 2, y, x["name"], ha="center", va="center", fontsize=7, color="black")
         if lane.startswith("block"):  # the block's index on bars wide enough to read it
             for x, (left, w) in zip([x for x in s["spans"] if x["lane"] == lane], bars):
                 if w > width * 0.018 and "block" in x["args"]:
@@ -200,7 +214,9 @@ def draw(doc: dict, out_path: str, step: int = -1, title: Optional[str] = None) 
     bottom.set_yticklabels(list(reversed(order)), fontsize=9)
     bottom.set_ylim(-0.6, len(order) - 0.4)
     bottom.set_xlim(0, width)
-    bottom.set_xlabel("ms from the step's first block forward")
+    bottom.set_xlabel({"steps": "ms from the step's start (its first forward)",
+                       "block forward": "ms from the step's first block forward",
+                       "trace": "ms from the trace's first event"}[s["split"]])
     bottom.grid(True, axis="x", alpha=0.3)
     fig.tight_layout()
     fig.savefig(out_path, dpi=110)

@@ -9,7 +9,17 @@
 // reads and writes (every PendingWork, Note [Stall timeout], from its start to
 // its done()), the CPU AdamW's buckets (Note [Stream timeline]); and counters of
 // bytes per tier (device activations held, pinned host pool in use, NVMe),
-// sampled from each runtime's meters at every block span's end.
+// sampled from each runtime's meters at every block span's end (and at each
+// outermost forward's start, also where the plan keeps everything); and a
+// "steps" lane with one "step N" event per optimizer step, from the step's first
+// forward to its step()'s end (bindings/python/tierflow/_step_stats.py), which
+// `python -m tierflow timeline` splits the trace by.
+//
+// Runs. A TIERFLOW_TRACE file holds every event recorded since its path was
+// first attached in this process: a second runtime on the same path (wrap,
+// train, delete, wrap again) writes the first one's steps too, never only its
+// own. Events are therefore kept past the end of a recording while any path was
+// attached (still at most kMaxTraceEvents).
 //
 // Off, every call site costs one relaxed atomic load (trace::on()), and call
 // sites build their arguments only behind it. On, events go to one mutex-guarded
@@ -59,14 +69,15 @@ enum class Lane : int {
   kCpuAdam = 8,       ///< the CPU AdamW's buckets
   kOther = 9,         ///< any other asynchronous work
   kCpuAdamQueue = 10, ///< the CPU AdamW's buckets from handed to its worker to done (the queue included)
+  kSteps = 11,        ///< training steps: from a step's first forward to its optimizer step()'s end (step_stats)
 };
 /// Every lane, in the order they are drawn.
-inline constexpr Lane kLanes[] = {Lane::kForward,   Lane::kBackward,     Lane::kReplay,
+inline constexpr Lane kLanes[] = {Lane::kSteps, Lane::kForward,   Lane::kBackward,     Lane::kReplay,
                                   Lane::kDeviceToHost, Lane::kHostToDevice, Lane::kNvmeWrite,
                                   Lane::kNvmeRead,  Lane::kCpuAdam,      Lane::kCpuAdamQueue, Lane::kOther};
 /// "block forward", "copy device -> host", ...: the lane's thread_name.
 const char* lane_name(Lane lane) noexcept;
-/// "block", "copy", "nvme", "optimizer", "work": the events' "cat".
+/// "step", "block", "copy", "nvme", "optimizer", "work": the events' "cat".
 const char* lane_category(Lane lane) noexcept;
 /// The lane of a PendingWork's kind ("device -> host copy", "NVMe read", ...).
 Lane lane_of_kind(const char* kind) noexcept;
@@ -121,7 +132,10 @@ void counter(std::string name, std::uint64_t at_ns, std::vector<std::pair<std::s
 /// What a meter reports: the series of the "bytes per tier" counter ("device activations", ...).
 using Meter = std::function<std::vector<std::pair<std::string, std::int64_t>>()>;
 /// Adds `meter` under `owner` (a runtime); when `path` is not empty, starts recording and writes the trace to
-/// `path` (the events that ended since this call) when `owner` detaches (TIERFLOW_TRACE) and at exit.
+/// `path` when `owner` detaches (TIERFLOW_TRACE) and at exit: every event that ended since `path` was first
+/// attached in this process, so that a later runtime's file holds the earlier runtimes' steps too. Throws
+/// config_error naming TIERFLOW_TRACE and `path` when `path`'s folder does not exist or is not writable (a probe
+/// file `path`.tmp is created and removed), before anything is attached.
 void attach(const void* owner, std::string path, Meter meter);
 /// Removes `owner`'s meter; writes its path's trace when it gave one. Never throws (a failed write is logged).
 void detach(const void* owner) noexcept;
@@ -136,7 +150,7 @@ std::size_t dropped_count() noexcept;
 /// the events ending at or after `since_ns` (0: all), under process id `pid` (0: this process's).
 std::string chrome_json(std::uint64_t since_ns = 0, std::int64_t pid = 0);
 /// Writes chrome_json(since_ns) to `path` (through a temporary file renamed into place); throws io_error naming
-/// the path when it cannot.
+/// the path (not the setting: callers say which one gave it) when it cannot.
 void write(const std::string& path, std::uint64_t since_ns = 0);
 
 }  // namespace tierflow::trace
