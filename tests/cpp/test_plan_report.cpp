@@ -245,8 +245,8 @@ TEST(DescribePlan, JsonHasTodaysKeysInOrderThenTheNewOnes) {
   EXPECT_EQ(keys(j["layers"][0]), (V{"mode", "alpha", "keep", "swap", "recompute", "swap_tier", "swap_bytes",
                                      "forward_seconds", "backward_seconds", "params", "alternatives"}));
   EXPECT_EQ(keys(j["predicted"]), (V{"gpu_peak_bytes", "step_seconds", "keep_all_step_seconds", "host_bytes",
-                                     "nvme_bytes", "proven_optimal", "outside_kept", "outside_bytes",
-                                     "outside_swap_seconds"}));
+                                     "nvme_bytes", "proven_optimal", "outside_kept", "outside_tier",
+                                     "outside_bytes", "outside_swap_seconds"}));
   EXPECT_EQ(keys(j["budgets"]), (V{"gpu_bytes", "fixed_gpu_bytes", "host_bytes_for_activations", "nvme_bytes",
                                    "prefetch_bytes"}));
   EXPECT_EQ(keys(j["state"]), (V{"optimizer", "optimizer_states", "gpu_bytes", "host_bytes", "nvme_bytes",

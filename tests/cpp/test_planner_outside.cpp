@@ -109,3 +109,103 @@ TEST(ActivationPlanner, ForcedPlansSwapTheTensorsOutsideTheBlocksAsRecomputeDoes
   EXPECT_EQ(keep.predicted_device_peak_bytes,
             forced_plan(c0.blocks, c0.links, c0.budgets, BlockMode::kKeep).predicted_device_peak_bytes + 100 * MiB);
 }
+
+// Note [Activation planner], Outside the blocks: with an NVMe tier the search also runs with them swapped to NVMe
+// (out of its budget, their round trip through the host in the step); the plan is the fastest of the three, and
+// the brute force over the three choices finds nothing faster.
+TEST(ActivationPlanner, TensorsOutsideTheBlocksGoToNvmeWhenThatIsFasterOrAloneFits) {
+  int on_nvme = 0;
+  for (std::uint64_t seed = 900; seed < 930; ++seed) {
+    SCOPED_TRACE("seed " + std::to_string(seed));
+    Case c = random_case(seed, 3, Kind::kIdentical, true, true);
+    std::mt19937_64 rng(seed);
+    std::uint64_t transient = 0;
+    for (const auto& p : c.blocks) transient = std::max(transient, p.transient_bytes);
+    const auto outside =
+        static_cast<std::uint64_t>(std::uniform_real_distribution<double>(0.05, 1.0)(rng) * static_cast<double>(transient));
+    if (seed % 3 == 0) {  // the host cannot hold them, the device cannot keep them: NVMe alone
+      c.budgets.host_bytes = outside - 1;
+      c.budgets.device_bytes =
+          c.budgets.fixed_device_bytes + largest_working_set(c.blocks) + c.budgets.prefetch_bytes + outside / 2;
+    }
+    Budgets keep = c.budgets, host = c.budgets, nvme = c.budgets;
+    keep.fixed_device_bytes += outside;
+    host.fixed_device_bytes += outside - std::min(outside, transient);
+    nvme.fixed_device_bytes += outside - std::min(outside, transient);
+    double best = brute_force(c.blocks, c.links, keep, 8).best;
+    if (c.budgets.host_bytes >= outside) {
+      host.host_bytes -= outside;
+      best = std::min(best, brute_force(c.blocks, c.links, host, 8).best + outside_swap_seconds(c.links, outside));
+    }
+    nvme.nvme_bytes -= outside;
+    const double nvme_trip = outside_tier_seconds(c.links, outside, Tier::kNvme);
+    EXPECT_NEAR(nvme_trip,
+                outside / std::min(c.links.d2h, c.links.nvme_write) + outside / std::min(c.links.h2d, c.links.nvme_read),
+                1e-12);
+    best = std::min(best, brute_force(c.blocks, c.links, nvme, 8).best + nvme_trip);
+    c.budgets.outside_saved_bytes = outside;
+    if (!std::isfinite(best)) continue;
+    const Plan plan = plan_activations(c.blocks, c.links, c.budgets);
+    EXPECT_TRUE(plan.fits) << plan.summary();
+    EXPECT_LE(plan.predicted_step_seconds, best * (1 + 1e-9)) << plan.summary();
+    EXPECT_EQ(plan.outside_kept, plan.outside_tier == Tier::kGpu);
+    if (plan.outside_tier == Tier::kNvme) {
+      ++on_nvme;
+      EXPECT_NEAR(plan.outside_swap_seconds, nvme_trip, 1e-12);
+      std::uint64_t blocks_nvme = 0;
+      for (const auto& b : plan.blocks)
+        blocks_nvme += b.mode != BlockMode::kKeep && b.tier == SwapTier::kNvme ? b.swap_bytes : 0;
+      EXPECT_EQ(plan.nvme_bytes, blocks_nvme + outside) << "the NVMe tier holds them beside the swapped blocks";
+      EXPECT_NE(plan.summary().find("outside the blocks " + format_bytes(outside) + " swapped to NVMe"),
+                std::string::npos) << plan.summary();
+    }
+    const Plan again = evaluate_plan(c.blocks, c.links, c.budgets, plan.blocks, plan.rest_params, plan.outside_tier);
+    EXPECT_DOUBLE_EQ(again.predicted_step_seconds, plan.predicted_step_seconds);
+    EXPECT_EQ(again.predicted_device_peak_bytes, plan.predicted_device_peak_bytes);
+    EXPECT_EQ(again.nvme_bytes, plan.nvme_bytes);
+  }
+  EXPECT_GE(on_nvme, 1);
+}
+
+// A budget where only NVMe can take them: the device cannot keep them, the host cannot hold them. Planned to NVMe
+// with an NVMe tier; without one, or with one too small for them, refused naming what was tried.
+TEST(ActivationPlanner, OnlyNvmeTakesTheTensorsOutsideTheBlocksAndWithoutItTheRefusalSaysWhatWasTried) {
+  Case c = random_case(42, 3, Kind::kIdentical, true, false);
+  std::uint64_t transient = 0;
+  for (const auto& p : c.blocks) transient = std::max(transient, p.transient_bytes);
+  const std::uint64_t outside = transient;  // swapped, they add nothing to the peak; kept, all of them
+  c.budgets.device_bytes =
+      c.budgets.fixed_device_bytes + largest_working_set(c.blocks) + c.budgets.prefetch_bytes + transient / 2;
+  c.budgets.host_bytes = outside - 1;
+  c.budgets.outside_saved_bytes = outside;
+  const Plan plan = plan_activations(c.blocks, c.links, c.budgets);
+  ASSERT_EQ(plan.outside_tier, Tier::kNvme) << plan.summary();
+  EXPECT_FALSE(plan.outside_kept);
+  EXPECT_TRUE(plan.fits) << plan.summary();
+  EXPECT_GE(plan.nvme_bytes, outside);
+  EXPECT_LE(plan.host_bytes, c.budgets.host_bytes);
+  // The NVMe budget counts them: one byte less than the plan's NVMe usage and that plan no longer fits.
+  Budgets tight = c.budgets;
+  tight.nvme_bytes = plan.nvme_bytes - 1;
+  EXPECT_FALSE(evaluate_plan(c.blocks, c.links, tight, plan.blocks, plan.rest_params, Tier::kNvme).fits);
+
+  Case no_nvme = c;
+  no_nvme.budgets.nvme_bytes = 0;
+  try {
+    const Plan p = plan_activations(no_nvme.blocks, no_nvme.links, no_nvme.budgets);
+    FAIL() << "planned without an NVMe tier: " << p.summary();
+  } catch (const out_of_memory& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("saved outside the blocks kept on the device (the host budget cannot hold them)"),
+              std::string::npos) << what;
+    EXPECT_EQ(what.find("swapped to NVMe"), std::string::npos) << what;
+  }
+  Case small = c;
+  small.budgets.nvme_bytes = outside - 1;
+  try {
+    const Plan p = plan_activations(small.blocks, small.links, small.budgets);
+    FAIL() << "planned with an NVMe budget below them: " << p.summary();
+  } catch (const out_of_memory& e) {
+    EXPECT_NE(std::string(e.what()).find("the NVMe budget cannot hold them"), std::string::npos) << e.what();
+  }
+}

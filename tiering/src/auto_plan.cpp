@@ -330,7 +330,7 @@ CalibratedFigures calibrate_figures(const std::vector<BlockProfile>& blocks, con
     return out;
   }
   auto step_with = [&](const std::vector<BlockProfile>& b, const Links& l) {
-    return evaluate_plan(b, l, budgets, plan.blocks, plan.rest_params, plan.outside_kept).predicted_step_seconds;
+    return evaluate_plan(b, l, budgets, plan.blocks, plan.rest_params, plan.outside_tier).predicted_step_seconds;
   };
   auto with_links = [&](double f) { return step_with(blocks, scaled(links, f)); };
   const double slowest = with_links(1 / kCalibrationRange), fastest = with_links(kCalibrationRange);

@@ -510,6 +510,7 @@ Json plan_object(const DrivenPlan& d) {
     out["blocks"] = Json::array();
     out["lines"] = Json::array();
     out["outside_kept"] = d.outside_kept;
+    out["outside_tier"] = to_string(d.outside_kept ? Tier::kGpu : Tier::kHost);
     out["outside_bytes"] = d.outside_bytes;
   } else {
     const Plan& p = d.plan;
@@ -529,6 +530,10 @@ Json plan_object(const DrivenPlan& d) {
     out["fits"] = p.fits;
     out["rest_params"] = to_string(p.rest_params);
     out["outside_kept"] = p.outside_kept;  // the planner's: a profile without outside bytes swaps them anyway
+    // Where the model-level hook sends them (Plan::outside_tier): gpu (kept), host or nvme (PackTarget::kOutsideNvme).
+    out["outside_tier"] = to_string(p.outside_tier == Tier::kNvme && d.outside_measured ? Tier::kNvme
+                                    : d.outside_kept                                 ? Tier::kGpu
+                                                                                     : Tier::kHost);
     out["outside_bytes"] = p.outside_bytes;
     out["outside_swap_seconds"] = p.outside_swap_seconds;
     out["why"] = d.why;
@@ -569,7 +574,7 @@ constexpr const char* kReportPlanFields[] = {
     "summary",
     // What is saved outside the blocks: kept, or swapped by the model-level hooks (Note [Activation planner]);
     // the window the plan runs with (Note [Overlap window]).
-    "outside_kept", "outside_bytes", "outside_swap_seconds", "window_bytes", "window_wanted_bytes",
+    "outside_kept", "outside_tier", "outside_bytes", "outside_swap_seconds", "window_bytes", "window_wanted_bytes",
     "predicted_device_peak_bytes",
     // The whole step: the blocks' part the plan prices and the rest the timed step measured (Note [Re-plan]).
     "predicted_step_seconds", "predicted_blocks_seconds", "rest_of_step_seconds",

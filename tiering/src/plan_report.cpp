@@ -215,8 +215,8 @@ std::vector<FixedPart> fixed_parts(const PlanCommandInputs& in, const Budgets& b
        optimizer_on_device ? "--optimizer host or nvme (TIERFLOW_OFFLOAD_OPTIMIZER=host or nvme)" : ""},
       // Not in the fixed bytes: the plan keeps them or swaps them (Note [Activation planner], Outside the blocks).
       {"outside_blocks", "activations outside the blocks (the plan's choice)", plan.outside_kept ? in.head_bytes : 0,
-       plan.outside_kept && in.head_bytes > 0 ? "the plan, which swaps them to the host when that is faster within "
-                                                "the budgets"
+       plan.outside_kept && in.head_bytes > 0 ? "the plan, which swaps them to the host or NVMe when that is faster "
+                                                "within the budgets"
                                               : ""},
   };
 }
@@ -364,7 +364,10 @@ std::vector<std::string> plan_lines(const Plan& plan, const PlanCommandInputs& i
                          : format("; CPU AdamW states %s: %.3g bytes a parameter", states_named(in).c_str(),
                                   cpu_optimizer_bytes_per_param(in.optimizer_states, in.shape->dtype_bytes))) +
                     "; activations outside the blocks (final norm, head, fp32 loss): " +
-                    format_bytes(in.head_bytes) + (plan.outside_kept ? " kept on the device" : " swapped to the host"));
+                    format_bytes(in.head_bytes) +
+                    (plan.outside_kept                    ? " kept on the device"
+                     : plan.outside_tier == Tier::kNvme ? " swapped to NVMe"
+                                                        : " swapped to the host"));
   } else {
     lines.push_back("the rest of training on the device (from the profile): " +
                     format_bytes(budgets.fixed_device_bytes));
@@ -445,6 +448,7 @@ std::string plan_json(const Plan& plan, const PlanCommandInputs& in, const PlanC
                       {"nvme_bytes", plan.nvme_bytes},
                       {"proven_optimal", plan.proven_optimal},
                       {"outside_kept", plan.outside_kept},
+                      {"outside_tier", std::string(to_string(plan.outside_tier))},
                       {"outside_bytes", plan.outside_bytes},
                       {"outside_swap_seconds", plan.outside_swap_seconds}};
   doc["budgets"] = {{"gpu_bytes", budgets.device_bytes},

@@ -31,6 +31,14 @@ double outside_swap_seconds(const Links& links, std::uint64_t bytes) {
   return (links.d2h > 0 ? b / links.d2h : detail::kInf) + (links.h2d > 0 ? b / links.h2d : detail::kInf);
 }
 
+double outside_tier_seconds(const Links& links, std::uint64_t bytes, Tier tier) {
+  if (bytes == 0 || tier == Tier::kGpu) return 0;
+  if (tier == Tier::kHost) return outside_swap_seconds(links, bytes);
+  const double b = static_cast<double>(bytes);
+  const double write = std::min(links.d2h, links.nvme_write), read = std::min(links.h2d, links.nvme_read);
+  return (write > 0 ? b / write : detail::kInf) + (read > 0 ? b / read : detail::kInf);
+}
+
 namespace detail {
 
 std::uint64_t outside_device_bytes(std::uint64_t outside, std::uint64_t largest_transient, bool kept) {
@@ -211,14 +219,13 @@ struct PlanTotals {
   double step_seconds = 0;
   bool count_params = false;  // Budgets::params is not kResident
   detail::ParamTotals params;
-  bool outside_kept = true;
+  Tier outside = Tier::kGpu;         // where the saved tensors outside the blocks go (kGpu: kept)
   std::uint64_t outside_device = 0;  // the saved tensors outside the blocks on the device at the peak
   double outside_seconds = 0;        // their round trip, swapped
   std::uint64_t largest_transient = 0;
 
-  PlanTotals(const Budgets& budgets, const TierTable& tiers, bool outside_kept)
-      : tier_bytes(tiers.size(), 0), count_params(budgets.params != ParamPolicy::kResident),
-        outside_kept(outside_kept) {}
+  PlanTotals(const Budgets& budgets, const TierTable& tiers, Tier outside)
+      : tier_bytes(tiers.size(), 0), count_params(budgets.params != ParamPolicy::kResident), outside(outside) {}
 
   void add(const BlockProfile& p, const BlockPlan& b) {
     if (count_params) params.add(p.parameter_bytes, b.params);
@@ -237,10 +244,11 @@ struct PlanTotals {
   // Adds the saved tensors outside the blocks, the rest unit and the parameters' tier bytes (once, after every
   // block).
   void finish(const Links& links, const Budgets& budgets, Tier rest) {
-    outside_device = detail::outside_device_bytes(budgets.outside_saved_bytes, largest_transient, outside_kept);
-    if (!outside_kept) {
-      tier_bytes[0] += budgets.outside_saved_bytes;  // the host's
-      outside_seconds = outside_swap_seconds(links, budgets.outside_saved_bytes);
+    outside_device = detail::outside_device_bytes(budgets.outside_saved_bytes, largest_transient,
+                                                  outside == Tier::kGpu);
+    if (outside != Tier::kGpu) {
+      tier_bytes[outside == Tier::kNvme ? 1 : 0] += budgets.outside_saved_bytes;  // NVMe's row, or the host's
+      outside_seconds = outside_tier_seconds(links, budgets.outside_saved_bytes, outside);
       step_seconds += outside_seconds;
     }
     if (!count_params) return;
@@ -362,6 +370,12 @@ Plan evaluate_plan(const std::vector<BlockProfile>& blocks, const Links& links, 
 
 Plan evaluate_plan(const std::vector<BlockProfile>& blocks, const Links& links, const Budgets& budgets,
                    std::vector<BlockPlan> assignment, Tier rest_params, bool outside_kept) {
+  return evaluate_plan(blocks, links, budgets, std::move(assignment), rest_params,
+                       outside_kept ? Tier::kGpu : Tier::kHost);
+}
+
+Plan evaluate_plan(const std::vector<BlockProfile>& blocks, const Links& links, const Budgets& budgets,
+                   std::vector<BlockPlan> assignment, Tier rest_params, Tier outside_tier) {
   TIERFLOW_EXPECTS(assignment.size() == blocks.size(),
                    "evaluate_plan: " + std::to_string(assignment.size()) + " block plans for " +
                        std::to_string(blocks.size()) + " blocks");
@@ -370,7 +384,7 @@ Plan evaluate_plan(const std::vector<BlockProfile>& blocks, const Links& links, 
   Plan plan;
   plan.device_budget_bytes = budgets.device_bytes;
   const TierTable tiers = swap_tiers(links, budgets);
-  PlanTotals totals(budgets, tiers, outside_kept);
+  PlanTotals totals(budgets, tiers, outside_tier);
   for (std::size_t i = 0; i < blocks.size(); ++i) {
     const auto& p = blocks[i];
     auto& b = assignment[i];
@@ -394,7 +408,8 @@ Plan evaluate_plan(const std::vector<BlockProfile>& blocks, const Links& links, 
   plan.host_param_bytes = totals.params.host;
   plan.nvme_param_bytes = totals.params.nvme;
   plan.rest_fetch_seconds = detail::rest_fetch_seconds(links, budgets, plan.rest_params);
-  plan.outside_kept = outside_kept;
+  plan.outside_kept = outside_tier == Tier::kGpu;
+  plan.outside_tier = outside_tier;
   plan.outside_bytes = budgets.outside_saved_bytes;
   plan.outside_swap_seconds = totals.outside_seconds;
   plan.predicted_step_seconds = totals.step_seconds;
@@ -418,7 +433,7 @@ AlternativeCost evaluate_alternative(const std::vector<BlockProfile>& blocks, co
   if (budgets.params == ParamPolicy::kResident) alternative.params = Tier::kGpu;
   const TierTable tiers = swap_tiers(links, budgets);
   fill_block(timed_profile(blocks[i], budgets, alternative), links, tiers, alternative);
-  PlanTotals totals(budgets, tiers, plan.outside_kept);  // in evaluate_plan's order: the chosen assignment gives the plan's figures exactly
+  PlanTotals totals(budgets, tiers, plan.outside_tier);  // in evaluate_plan's order: the chosen assignment gives the plan's figures exactly
   for (std::size_t j = 0; j < blocks.size(); ++j) totals.add(blocks[j], j == i ? alternative : plan.blocks[j]);
   totals.finish(links, budgets, plan.rest_params);
   AlternativeCost out;
@@ -536,36 +551,43 @@ Plan plan_activations(const std::vector<BlockProfile>& blocks, const Links& link
   check_inputs(blocks, links, budgets);
   const std::uint64_t outside = budgets.outside_saved_bytes;
   if (outside == 0) return plan_blocks(blocks, links, budgets);
-  // Note [Activation planner], Outside the blocks: the search once with them kept, once with them swapped.
+  // Note [Activation planner], Outside the blocks: the search once with them kept, once swapped to the host, once
+  // swapped to NVMe (when there is an NVMe tier).
   std::optional<Plan> best;
   std::optional<out_of_memory> refused;
   std::uint64_t largest_transient = 0;
   for (const auto& p : blocks) largest_transient = std::max(largest_transient, p.transient_bytes);
-  for (const bool kept : {true, false}) {
+  const bool nvme = detail::nvme_available(links, budgets);
+  std::vector<std::string> tried;  // what the refusal names
+  for (const Tier where : {Tier::kGpu, Tier::kHost, Tier::kNvme}) {
     Budgets b = budgets;
     b.outside_saved_bytes = 0;
-    b.fixed_device_bytes += detail::outside_device_bytes(outside, largest_transient, kept);
-    if (!kept) {
-      if (b.host_bytes < outside) continue;  // the host cannot hold them: kept, or no plan
+    b.fixed_device_bytes += detail::outside_device_bytes(outside, largest_transient, where == Tier::kGpu);
+    if (where == Tier::kHost) {
+      if (b.host_bytes < outside) continue;  // the host cannot hold them
       b.host_bytes -= outside;
+    } else if (where == Tier::kNvme) {
+      if (!nvme || b.nvme_bytes < outside) continue;  // no NVMe tier, or one without room for them
+      b.nvme_bytes -= outside;
     }
+    tried.push_back(where == Tier::kGpu ? "kept on the device" : where == Tier::kHost ? "swapped to the host"
+                                                                                       : "swapped to NVMe");
     try {
       const Plan inner = plan_blocks(blocks, links, b);
-      Plan plan = evaluate_plan(blocks, links, budgets, inner.blocks, inner.rest_params, kept);
+      Plan plan = evaluate_plan(blocks, links, budgets, inner.blocks, inner.rest_params, where);
       plan.proven_optimal = inner.proven_optimal;
       if (!best || plan.predicted_step_seconds < best->predicted_step_seconds) best = std::move(plan);
     } catch (const out_of_memory& e) {
-      refused = e;  // the swapped choice's, when both fail: it needs the fewer device bytes
+      refused = e;  // the last choice's, when every one fails: it needs the fewest device bytes (or as few)
     }
   }
   if (best) return *best;
-  if (refused) {
-    throw out_of_memory(std::string(refused->what()) + " (with " + format_bytes(outside) +
-                        " saved outside the blocks " + (budgets.host_bytes >= outside ? "swapped to the host" :
-                                                        "kept on the device: the host budget cannot hold them") +
-                        ")");
-  }
-  throw out_of_memory("tierflow: no activation plan fits");  // unreachable: the kept choice always runs
+  std::string with = tried[0];
+  for (std::size_t i = 1; i < tried.size(); ++i) with += (i + 1 == tried.size() ? " or " : ", ") + tried[i];
+  if (budgets.host_bytes < outside) with += " (the host budget cannot hold them)";
+  if (nvme && budgets.nvme_bytes < outside) with += " (the NVMe budget cannot hold them)";
+  throw out_of_memory(std::string(refused->what()) + " (with " + format_bytes(outside) +
+                      " saved outside the blocks " + with + ")");
 }
 
 Plan forced_plan(const std::vector<BlockProfile>& blocks, const Links& links, const Budgets& budgets,
@@ -657,7 +679,9 @@ std::string Plan::summary() const {
     if (tier_bytes[r] > 0) s += ", " + format_bytes(tier_bytes[r]) + " " + tier_name(static_cast<SwapTier>(r));
   if (outside_bytes > 0)
     s += std::string("; outside the blocks ") + format_bytes(outside_bytes) +
-         (outside_kept ? " kept" : " swapped to the host (" + seconds_text(outside_swap_seconds) + ")");
+         (outside_kept ? " kept"
+                       : std::string(" swapped to ") + (outside_tier == Tier::kNvme ? "NVMe" : "the host") + " (" +
+                             seconds_text(outside_swap_seconds) + ")");
   const auto fetched = std::count_if(blocks.begin(), blocks.end(), [](const BlockPlan& b) { return b.params != Tier::kGpu; });
   if (fetched > 0 || rest_params != Tier::kGpu) {
     s += "; parameters: " + std::to_string(fetched) + " blocks fetched, rest " + std::string(to_string(rest_params)) +

@@ -34,7 +34,7 @@ double moment_bytes(StateFormat states) noexcept {
 
 double step_of(const std::vector<BlockProfile>& blocks, const Links& links, const Budgets& budgets,
                const Plan& plan) {
-  return evaluate_plan(blocks, links, budgets, plan.blocks, plan.rest_params, plan.outside_kept)
+  return evaluate_plan(blocks, links, budgets, plan.blocks, plan.rest_params, plan.outside_tier)
       .predicted_step_seconds;
 }
 
@@ -103,7 +103,7 @@ StepPrediction predict_step(const Plan& plan, const std::vector<BlockProfile>& b
   }
   const double with_params = step_of(staged, links, budgets, plan);
   // Then the gradients: the plan itself.
-  const Plan whole = evaluate_plan(blocks, links, budgets, plan.blocks, plan.rest_params, plan.outside_kept);
+  const Plan whole = evaluate_plan(blocks, links, budgets, plan.blocks, plan.rest_params, plan.outside_tier);
   p.blocks_seconds = whole.predicted_step_seconds;
   p.activation_copy_seconds = activations - p.compute_seconds;
   p.parameter_fetch_seconds = with_params - activations;

@@ -173,6 +173,10 @@ class Session:
         if self.planner is not None and self.planner.outside_kept:
             # The blocks' runners swap theirs; what is saved outside them stays (Note [Activation planner]).
             hooks = None
+        elif self.planner is not None and self.planner.outside_tier == "nvme":
+            # The plan puts them on NVMe: the policy's decision and count (policy_bytes), NVMe's tier.
+            runtime = self.runtime
+            hooks = (lambda t: runtime.pack_to(t, "outside_nvme"), runtime.unpack)
         if self.params is not None:  # Note [Parameter casts]: casts of offloaded parameters are made again
             hooks = _param_casts.around(*(hooks or _kept))
         ctx = torch.autograd.graph.saved_tensors_hooks(*hooks) if hooks else contextlib.nullcontext()

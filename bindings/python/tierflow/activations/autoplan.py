@@ -65,6 +65,7 @@ class AutoPlanner(_C.PlanFrontEnd):
         self._revision = 0  # the driver's plan this copy is of
         self.keep_all = False  # the plan keeps every block and what is saved outside them: no saved-tensor hooks
         self.outside_kept = False  # the plan keeps what is saved outside the blocks: no model-level hooks
+        self.outside_tier = "host"  # where the model-level hooks send them: gpu (kept), host or nvme
         self._beside_bytes = 0  # CUDA: the device's bytes beside the model's before the first forward
         self._policy_bytes = 0  # what the model-level hook had packed when the timed step began
         # CUDA, the timed step: the device's peak over forward and backward, and over the optimizer's step
@@ -120,6 +121,7 @@ class AutoPlanner(_C.PlanFrontEnd):
         d = self.driver.plan
         self.plan = json.loads(_C.plan_json(d))
         self.keep_all, self.outside_kept = d.keep_all, d.outside_kept
+        self.outside_tier = self.plan.get("outside_tier", "gpu" if d.outside_kept else "host")
         self._plan_counters = self._wait_counters()
 
     def _profile_dict(self, p: Any) -> dict:
@@ -405,6 +407,7 @@ class AutoPlanner(_C.PlanFrontEnd):
             outside_kept = plan.get("outside_kept", True)
             keep_all = outside_kept and all(bp["mode"] == "keep" for bp in plan["blocks"])
         self.keep_all, self.outside_kept = keep_all, outside_kept
+        self.outside_tier = plan.get("outside_tier", "gpu" if outside_kept else "host")
         # A plan that keeps everything leaves no hook on any block (the session puts none on the model either);
         # a later plan that moves something puts them back. In a mixed plan a kept block keeps its hooks: they
         # shield its saved tensors from the model-level hooks that offload the rest.

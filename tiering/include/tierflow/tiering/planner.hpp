@@ -135,6 +135,14 @@
 // runs once for each choice, that addition in the fixed bytes (and O out of
 // the host's budget when swapped), and the faster plan wins (ties: kept). forced_plan keeps them with kKeep and
 // swaps them otherwise, as TIERFLOW_OFFLOAD_ACTIVATIONS=recompute does.
+// A third choice when an NVMe tier is present with room for O: swapped whole
+// to NVMe through the host (the staged pipeline, chunk by chunk): the NVMe
+// tier's usage adds O, the step adds O / min(d2h, nvme_write) + O /
+// min(h2d, nvme_read) (the path's slowest links, as a block's swap to NVMe),
+// the device peak as swapped to the host; O out of the NVMe budget in the
+// search. Ties go to the earlier choice (kept, host, NVMe), so it wins only
+// when it is faster or the only one that fits (a host budget the blocks
+// need). The model-level hook carries it out (PackTarget::kOutsideNvme).
 #pragma once
 
 #include <cstddef>
@@ -199,7 +207,7 @@ struct Budgets {
   Tier param_tier = Tier::kHost;         ///< where fetched parameters live between uses (kHost or kNvme)
   std::uint64_t rest_parameter_bytes = 0;  ///< parameters outside the blocks (embeddings, final norm, head)
   /// Saved tensors outside the blocks per step (the head's logits, the embeddings' output): kept on the device
-  /// or swapped to the host whole, the plan's choice (Note [Activation planner], Outside the blocks).
+  /// or swapped whole to the host or NVMe, the plan's choice (Note [Activation planner], Outside the blocks).
   std::uint64_t outside_saved_bytes = 0;
   /// Swap tiers after host and NVMe, each a row with its links and room (none from the configuration; Note
   /// [Tier descriptors] sketches a remote host's). swap_tiers puts them in the table the search iterates.
@@ -250,8 +258,9 @@ struct Plan {
   std::uint64_t host_param_bytes = 0, nvme_param_bytes = 0;  ///< fetched parameters held per tier
   double rest_fetch_seconds = 0;                 ///< the rest unit's fetches (in predicted_step_seconds)
   bool outside_kept = true;                      ///< the saved tensors outside the blocks stay on the device
-  std::uint64_t outside_bytes = 0;               ///< Budgets::outside_saved_bytes (on the device if kept, else host)
-  double outside_swap_seconds = 0;               ///< their way to the host and back, not hidden (in predicted_step_seconds)
+  Tier outside_tier = Tier::kGpu;                ///< where they are between forward and backward (kGpu: kept)
+  std::uint64_t outside_bytes = 0;               ///< Budgets::outside_saved_bytes (in outside_tier)
+  double outside_swap_seconds = 0;               ///< their way to their tier and back, not hidden (in predicted_step_seconds)
   std::string summary() const;                   ///< one line: modes count, peak, step, vs keep-all
   std::string block_line(std::size_t i) const;   ///< one line per block
   std::string tier_name(SwapTier t) const;       ///< row `t`'s name (to_string(t) without the table's names)
@@ -286,6 +295,9 @@ Plan evaluate_plan(const std::vector<BlockProfile>& blocks, const Links& links, 
 /// device (else they go to the host; Note [Activation planner], Outside the blocks).
 Plan evaluate_plan(const std::vector<BlockProfile>& blocks, const Links& links, const Budgets& budgets,
                    std::vector<BlockPlan> assignment, Tier rest_params, bool outside_kept = true);
+/// The same with where the saved tensors outside the blocks go: kGpu (kept), kHost or kNvme (Plan::outside_tier).
+Plan evaluate_plan(const std::vector<BlockProfile>& blocks, const Links& links, const Budgets& budgets,
+                   std::vector<BlockPlan> assignment, Tier rest_params, Tier outside_tier);
 
 /// The plan's predictions had block i alone taken `alternative` instead (the other blocks as planned).
 struct AlternativeCost {
@@ -311,6 +323,9 @@ std::vector<BlockProfile> average_same_shape_blocks(const std::vector<BlockProfi
 
 /// What is saved outside the blocks (`bytes`), to the host and back, not hidden (Note [Activation planner]).
 double outside_swap_seconds(const Links& links, std::uint64_t bytes);
+/// The same to `tier` and back: 0 for kGpu (kept), outside_swap_seconds for kHost, through the host for kNvme
+/// (each way at the path's slowest link; Note [Activation planner]).
+double outside_tier_seconds(const Links& links, std::uint64_t bytes, Tier tier);
 
 /// Name of a mode: "keep", "swap", "split", "recompute".
 std::string_view to_string(BlockMode) noexcept;
