@@ -87,8 +87,10 @@ def worker(mode: str, warmup: int, steps: int, seed: int) -> dict:
 
     # Until the plan's own steps gave its rest (Note [Rest calibration]): the prediction is made from those, and
     # compared with the steps after (held out).
+    # The planner's copy of the plan, not report(): a report between steps would count in the steps' time.
+    planner = tierflow.current_session().planner
     warm = 0
-    while warm < warmup or (tierflow.report()["plan"] or {}).get("rest_calibration") is None:
+    while warm < warmup or (planner.plan or {}).get("rest_calibration") is None:
         step()
         warm += 1
         if warm >= warmup + 40:

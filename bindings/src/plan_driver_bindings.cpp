@@ -156,6 +156,7 @@ void bind_plan_driver_values(py::module_& m) {
 void bind_plan_driver(py::module_& m) {
   bind_plan_driver_values(m);
   m.attr("REST_CALIBRATION_STEPS") = kRestCalibrationSteps;  // Note [Rest calibration]
+  m.attr("REST_CALIBRATION_SKIP") = kRestCalibrationSkip;
   py::class_<PlanFrontEnd, PyPlanFrontEnd>(m, "PlanFrontEnd",
                                            "What the driver asks of its front end: override every method.")
       .def(py::init<>());

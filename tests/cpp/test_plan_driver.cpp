@@ -257,8 +257,8 @@ TEST(PlanDriver, StepsThatStrayReplanOnceFromCalibratedFigures) {
 
 TEST(PlanDriver, ThePlansOwnStepsGiveTheRestAndTheStepsAfterAreMeasuredBesideIt) {
   // Note [Rest calibration]: a plan that keeps everything (no re-plan) whose steps take 0.5 s where the timed step
-  // gave a rest of 0.84 s: after its first step and kRestCalibrationSteps more, the whole step predicted is their
-  // median; the steps measured beside it are the ones after.
+  // gave a rest of 0.84 s: after its first kRestCalibrationSkip steps and kRestCalibrationSteps more, the whole
+  // step predicted is their median; the steps measured beside it are the ones after.
   FakeFront f;
   PlanDriver d(settings());
   profile_and_plan(d, f);
@@ -266,7 +266,8 @@ TEST(PlanDriver, ThePlansOwnStepsGiveTheRestAndTheStepsAfterAreMeasuredBesideIt)
   const double blocks = d.plan()->predicted_blocks_seconds;
   ASSERT_GT(timed_rest, 0.5 - blocks);
   const std::uint64_t revision = d.revision();
-  double t = run_steps(d, f, 1, 3.0);  // the first step under the plan: not one of them
+  double t = run_steps(d, f, 1, 3.0);  // the first steps under the plan: not among them
+  t = run_steps(d, f, kRestCalibrationSkip - 1, 0.9, t);
   t = run_steps(d, f, kRestCalibrationSteps - 1, 0.5, t);
   EXPECT_FALSE(d.plan()->rest_calibration.has_value());
   EXPECT_EQ(d.plan()->rest_of_step_seconds, timed_rest);
@@ -300,7 +301,7 @@ TEST(PlanDriver, BlocksPricedLongerThanThePlansStepsAreScaledToThem) {
   profile_and_plan(d, f);
   const double blocks = d.plan()->predicted_blocks_seconds;
   const double compute = d.plan()->step->compute_seconds;
-  run_steps(d, f, kRestCalibrationSteps + 1, blocks / 2);
+  run_steps(d, f, kRestCalibrationSkip + kRestCalibrationSteps, blocks / 2);
   ASSERT_TRUE(d.plan()->rest_calibration.has_value());
   EXPECT_NEAR(d.plan()->rest_calibration->blocks_factor, 0.5, 1e-9);
   EXPECT_NEAR(d.plan()->predicted_blocks_seconds, blocks / 2, 1e-9);
@@ -319,7 +320,7 @@ TEST(PlanDriver, TheRestIsNotCalibratedOnBatchesOfVaryingSizeNorWithReplanOff) {
     profile_and_plan(d, f);
     double t = run_steps(d, f, 2, 0.5);
     t = run_steps(d, f, 1, 0.5, t, replan ? 100 : 128);  // 22% shorter (replan on), or all alike (off)
-    run_steps(d, f, kRestCalibrationSteps + 2, 0.5, t);
+    run_steps(d, f, kRestCalibrationSkip + kRestCalibrationSteps + 2, 0.5, t);
     EXPECT_FALSE(d.plan()->rest_calibration.has_value()) << replan;
   }
 }

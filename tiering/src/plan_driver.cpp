@@ -433,11 +433,12 @@ void PlanDriver::maybe_replan(PlanFrontEnd& front) {
 }
 
 void PlanDriver::maybe_calibrate_rest() {
-  // Note [Rest calibration]: once kRestCalibrationSteps steps ran under the plan after its first, the rest of the
-  // step is their median less the blocks' predicted part; the steps measured beside the prediction start after.
+  // Note [Rest calibration]: once kRestCalibrationSteps steps ran under the plan after its first
+  // kRestCalibrationSkip, the rest of the step is their median less the blocks' predicted part; the steps measured
+  // beside the prediction start after.
   if (!rest_pending_ || !plan_ || plan_->without_blocks || !plan_->predicted_step_seconds) return;
-  if (step_starts_.size() < kRestCalibrationSteps + 2) return;
-  const std::vector<double> judged(step_starts_.begin() + 1, step_starts_.end());
+  if (step_starts_.size() < kRestCalibrationSkip + kRestCalibrationSteps + 1) return;
+  const std::vector<double> judged(step_starts_.begin() + kRestCalibrationSkip, step_starts_.end());
   const MeasuredBesidePredicted m = tiering::measured_beside_predicted(judged, std::nullopt, std::nullopt, std::nullopt);
   if (!m.step_seconds) return;
   rest_pending_ = false;

@@ -48,8 +48,10 @@
 // tiny preset its rest came out about twice a steady step's (cpu-adam: 4.3 ms
 // against 2.2 ms), so the prediction ran 1.4x over every later step. So the
 // rest is measured again on the plan's own steps: once kRestCalibrationSteps
-// steps ran under it after its first (which pins the host memory its swaps
-// need), the rest becomes their median wall time less the blocks' priced part
+// (8) steps ran under it after its first kRestCalibrationSkip (3: the first
+// pins the host memory its swaps need; on the adversarial device the next few
+// still ran up to 2x the later ones: the CPU AdamW's buckets, the copy pool
+// warming), the rest becomes their median wall time less the blocks' priced part
 // (never below 0; blocks priced above that median, a timed step that ran
 // slow, are scaled down to it: blocks_factor), the terms follow (the CPU
 // optimizer's exposed step still at most the rest), and the steps measured
@@ -136,9 +138,10 @@ struct TimedStepSummary {
   std::vector<BlockProfile> blocks; ///< as measured
 };
 
-/// Steps a plan runs, after its first, before its whole-step prediction takes the rest of the step from them
-/// (Note [Rest calibration]).
-inline constexpr std::size_t kRestCalibrationSteps = 5;
+/// Steps a plan runs first that its whole-step prediction leaves out (its first pins host memory; the next still
+/// warm up), then the steps it takes the rest of the step from (Note [Rest calibration]).
+inline constexpr std::size_t kRestCalibrationSkip = 3;
+inline constexpr std::size_t kRestCalibrationSteps = 8;
 
 /// Note [Rest calibration]: the rest of the step as the plan's own steps measured it.
 struct RestCalibration {
