@@ -262,17 +262,17 @@ std::string fit_advice(const FitSearch& search, const std::string& command) {
            " combinations of --offload-params, --optimizer, --optimizer-states, --prefetch and --offload-gradients tried fits (Note "
            "[Plan fit]): raise --gpu-memory or --host-memory, or give an NVMe tier (--nvme-memory, --nvme-gbps)";
   }
+  // The command line last, whole: what a user (or a script) copies.
   const FitTried& b = search.tried[*search.best];
   std::string text = "; it fits with " + flags_text(b.flags) + " (tried by the planner: predicted step " +
-                     seconds_text(b.step_seconds) + ", device peak " + format_bytes(b.device_peak_bytes) +
-                     (b.narrower_states ? "; the optimizer's states narrower: other numerics" : "") + "): " +
-                     command + " " + flags_text(b.flags);
+                     seconds_text(b.step_seconds) + ", device peak " + format_bytes(b.device_peak_bytes);
+  if (b.narrower_states) text += "; the optimizer's states narrower: other numerics";
   if (search.faster_narrower) {
     const FitTried& f = search.tried[*search.faster_narrower];
-    text += "; faster, with other numerics (narrower optimizer states): " + flags_text(f.flags) +
-            " (predicted step " + seconds_text(f.step_seconds) + ")";
+    text += "; faster, with other numerics (narrower optimizer states): " + flags_text(f.flags) + ", predicted step " +
+            seconds_text(f.step_seconds);
   }
-  return text;
+  return text + "): " + command + " " + flags_text(b.flags);
 }
 
 }  // namespace tierflow::tiering
