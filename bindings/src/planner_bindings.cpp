@@ -398,6 +398,7 @@ void bind_planner_structs(py::module_& m) {
       .def_readonly("rest_params", &Plan::rest_params)
       .def_readonly("proven_optimal", &Plan::proven_optimal)
       .def_readonly("outside_kept", &Plan::outside_kept)
+      .def_readonly("outside_tier", &Plan::outside_tier)  // kGpu kept, kHost or kNvme (Note [Activation planner])
       .def_readonly("outside_bytes", &Plan::outside_bytes)
       .def_readonly("outside_swap_seconds", &Plan::outside_swap_seconds)
       .def("summary", &Plan::summary)

@@ -51,7 +51,7 @@ def test_the_tensors_outside_the_blocks_are_measured_and_kept_when_they_fit(tmp_
     logits = 4 * 64 * 4096 * 4  # fp32: at least the loss's log-softmax of the logits is saved outside the blocks
     assert profile["outside_saved_bytes"] >= logits, profile
     plan = measured.report["plan"]
-    assert plan["modes"] == ["keep", "keep"] and plan["outside_kept"] is True, plan
+    assert plan["modes"] == ["keep", "keep"] and plan["outside_kept"] is True and plan["outside_tier"] == "gpu", plan
     assert plan["outside_bytes"] == profile["outside_saved_bytes"]
     assert_bit_identical(base, measured)
 
@@ -76,7 +76,7 @@ def test_when_they_do_not_fit_beside_the_blocks_they_go_to_the_host(tmp_path, de
     tier = train(task, 4, True, device=device, profile=path, gpu_memory=str(budget), replan="off", **OPT_NONE)
     assert_bit_identical(base, tier)
     p = tier.report["plan"]
-    assert p["outside_kept"] is False and "keep" not in p["modes"], p
+    assert p["outside_kept"] is False and p["outside_tier"] == "host" and "keep" not in p["modes"], p
     assert p["outside_swap_seconds"] > 0 and p["predicted_device_peak_bytes"] <= budget, p
     assert "outside the blocks" in p["summary"] and "swapped to the host" in p["summary"], p["summary"]
     # The model-level hooks swapped them: every step offloaded at least the logits.

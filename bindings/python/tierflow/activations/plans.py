@@ -51,7 +51,8 @@ def plan_dict(plan: Any) -> dict:
             "host_bytes": plan.host_bytes, "nvme_bytes": plan.nvme_bytes, "fits": plan.fits,
             "rest_params": plan.rest_params.name,
             # The saved tensors outside the blocks: kept on the device, or swapped by the model-level hook.
-            "outside_kept": plan.outside_kept, "outside_bytes": plan.outside_bytes,
+            "outside_kept": plan.outside_kept, "outside_tier": plan.outside_tier.name,  # gpu (kept), host, nvme
+            "outside_bytes": plan.outside_bytes,
             "outside_swap_seconds": plan.outside_swap_seconds}
 
 
