@@ -150,12 +150,20 @@ std::vector<std::string> PendingWork::in_flight(std::size_t max) {
   return out;
 }
 
-void PendingWork::stalled(double waited_seconds) const { throw_stall(describe(), waited_seconds); }
+namespace {
+// The oldest work in flight if it is past its deadline (and is not `except`): its description.
+bool oldest_stalled(std::string* description, const PendingWork* except = nullptr) {
+  auto& r = PendingRegistry::get();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  const PendingWork* w = r.head;
+  if (!w || w == except || std::chrono::steady_clock::now() < w->deadline()) return false;
+  *description = w->describe();
+  return true;
+}
 
-void throw_stall(const std::string& description, double waited_seconds) {
+[[noreturn]] void throw_stall_message(std::string head) {
   g_stall_seen.store(true);
-  std::string msg = "tierflow: waited " + seconds_text(waited_seconds) + " for a " + description +
-                    ", which has not completed (TIERFLOW_STALL_TIMEOUT=" + seconds_text(g_timeout.load()) +
+  std::string msg = std::move(head) + " (TIERFLOW_STALL_TIMEOUT=" + seconds_text(g_timeout.load()) +
                     "; a healthy step comes nowhere near it: a hung device, driver or disk?). In flight, oldest "
                     "first:";
   const auto others = PendingWork::in_flight(kStallListed);
@@ -164,6 +172,34 @@ void throw_stall(const std::string& description, double waited_seconds) {
   msg += "\nThe work is not cancelled; end the run (raise TIERFLOW_STALL_TIMEOUT, or 0 for no limit, if a step "
          "truly takes this long).";
   throw stall_error(msg);
+}
+}  // namespace
+
+// Note [Stall timeout]: the oldest stalled work is named first; the work waited for after it.
+void PendingWork::stalled(double waited_seconds) const {
+  std::string oldest;
+  if (!oldest_stalled(&oldest, this) || oldest.empty()) throw_stall(describe(), waited_seconds);
+  throw_stall_message("tierflow: a " + oldest + " has not completed (the oldest work in flight; waited " +
+                      seconds_text(waited_seconds) + " for a " + describe() + " behind it)");
+}
+
+void raise_if_stalled() {
+  if (!(stall_timeout() > 0)) return;
+  std::string oldest;
+  if (oldest_stalled(&oldest))
+    throw_stall_message("tierflow: a " + oldest + " has not completed (the oldest work in flight)");
+}
+
+std::chrono::steady_clock::time_point oldest_deadline() noexcept {
+  if (!(stall_timeout() > 0)) return std::chrono::steady_clock::time_point::max();
+  auto& r = PendingRegistry::get();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  return r.head ? r.head->deadline() : std::chrono::steady_clock::time_point::max();
+}
+
+void throw_stall(const std::string& description, double waited_seconds) {
+  throw_stall_message("tierflow: waited " + seconds_text(waited_seconds) + " for a " + description +
+                      ", which has not completed");
 }
 
 }  // namespace tierflow

@@ -47,11 +47,16 @@ class CudaState final : public detail::TransferState {
     }
     const auto start = std::chrono::steady_clock::now();
     const auto deadline = work_.deadline();
+    auto oldest = oldest_deadline();  // a stall raises at the oldest work's limit (Note [Stall timeout])
     auto nap = std::chrono::microseconds(0);
     for (;;) {
       if (ready()) return;
       const auto now = std::chrono::steady_clock::now();
       if (now >= deadline) work_.stalled(std::chrono::duration<double>(now - start).count());
+      if (now >= oldest) {
+        raise_if_stalled();
+        oldest = oldest_deadline();
+      }
       if (now - start < std::chrono::milliseconds(2)) {
         std::this_thread::yield();
       } else {

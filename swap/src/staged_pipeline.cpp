@@ -515,6 +515,7 @@ void StagedPipeline::park_stalled(const BlockPtr& b, const char* what, const std
 }
 
 void StagedPipeline::raise_stall() const {
+  raise_if_stalled();  // the oldest work in flight past its limit, named as it is now (Note [Stall timeout])
   if (!stall_.empty()) throw stall_error(stall_);
 }
 

@@ -204,6 +204,44 @@ TEST_F(StallTest, TheLimitCountsFromTheWorksStartNotTheWaits) {
   h.wait();
 }
 
+// Review fix: a stall ends training at the limit of the OLDEST work in flight. A wait on a newer copy ends at the
+// older one's deadline, naming it first (it used to take its own full limit: a stall that a release only logged
+// raised one limit later, on a copy submitted after it); and a call that can raise checks it first.
+TEST_F(StallTest, AWaitOnNewerWorkRaisesAtTheOldestWorksLimitNamingItFirst) {
+  auto faults = std::make_shared<CopyFaults>();
+  faults->hold_d2h = true;
+  auto engine = make_emulated_copy_engine(faults);
+  std::vector<char> src(4096, 1), dst(4096), src2(8192, 2), dst2(8192);
+  set_stall_timeout(0.6);
+  const auto t0 = Clock::now();
+  const TransferHandle older = engine->copy(Direction::kDeviceToHost, dst.data(), src.data(), src.size());
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_NO_THROW(raise_if_stalled()) << "nothing is past its limit yet";
+  const TransferHandle newer = engine->copy(Direction::kDeviceToHost, dst2.data(), src2.data(), src2.size());
+  const auto [what, took] = stall_of(newer);
+  const double since_start = seconds_since(t0);
+  EXPECT_LT(since_start, 0.8) << "raised at the newer copy's own limit (0.9 s), not the older one's (0.6 s)";
+  EXPECT_GE(since_start, 0.59);
+  const auto oldest = what.find("device -> host copy of 4.00 KiB");
+  const auto waited = what.find("device -> host copy of 8.00 KiB");
+  EXPECT_TRUE(oldest != std::string::npos && waited != std::string::npos && oldest < waited)
+      << "the oldest stalled copy is named first: " << what;
+  EXPECT_NE(what.find("the oldest work in flight"), std::string::npos) << what;
+  // A call that can raise (the staged pipeline's offload, fetch) raises at once, naming the oldest.
+  try {
+    raise_if_stalled();
+    ADD_FAILURE() << "raise_if_stalled() past the oldest copy's limit did not raise";
+  } catch (const stall_error& e) {
+    EXPECT_EQ(std::string(e.what()).find("tierflow: a device -> host copy of 4.00 KiB"), 0u) << e.what();
+  }
+  faults->hold_d2h = false;
+  set_stall_timeout(0);
+  older.wait();
+  newer.wait();
+  set_stall_timeout(0.6);
+  EXPECT_NO_THROW(raise_if_stalled()) << "nothing in flight once the copies end";
+}
+
 // Item 1: the pinned pool's allocation that waits for a fenced block whose copy stalls raises the stall (it
 // neither loops on the fence nor reports the pool full).
 TEST_F(StallTest, APoolAllocationWaitingForAStalledCopyRaisesTheStall) {

@@ -177,3 +177,29 @@ def test_a_model_on_another_gpu_than_the_current_one_is_refused():
     assert "cuda:1" in msg and "current CUDA device is cuda:0" in msg and "torch.cuda.set_device(1)" in msg, msg
     msg = one_cuda_device({c0, c1}, 0)
     assert "cuda:0, cuda:1" in msg and "one GPU per process" in msg, msg
+
+
+@pytest.mark.ordering  # a CPUAdamW step: copies on the emulated device
+def test_unwrap_and_dropping_the_optimizer_free_the_runtime_and_its_stall_limit():
+    """Note [Session lifetime]: after unwrap(model) and del of the CPUAdamW, nothing tierflow left on the model
+    holds the optimizer or its runtime: the runtime (pinned pool, states) goes with them, and so does its claim
+    on the process-wide stall limit (Note [Stall timeout]), so a wrap with another stall_timeout is accepted."""
+    import gc
+    import weakref
+
+    gc.collect()  # an earlier test's runtime in a reference cycle would hold the process's limit
+    m1 = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    m1, o1 = tierflow.wrap(m1, torch.optim.AdamW(m1.parameters(), lr=1e-3), device="emulated",
+                           offload_activations="none", stall_timeout="30s")
+    m1(torch.randn(2, 8)).sum().backward()
+    o1.step()
+    gone = weakref.ref(o1)
+    tierflow.unwrap(m1)
+    del o1
+    gc.collect()
+    assert gone() is None, "the CPUAdamW outlives unwrap() and del: something tierflow left on the model holds it"
+    m2 = torch.nn.Linear(8, 8)
+    m2, _ = tierflow.wrap(m2, device="emulated", offload_activations="none", offload_optimizer="none",
+                          stall_timeout="90s")  # refused while the first runtime lived
+    tierflow.unwrap(m2)
+    m1(torch.randn(2, 8))  # the unwrapped model still works

@@ -69,6 +69,13 @@ from .streaming import GradientStreaming
 
 
 
+def _remove_hooks(handles: list) -> None:
+    """The hooks a CPUAdamW left on its model, once the optimizer is gone (each holds it weakly)."""
+    for h in handles:
+        h.remove()
+    handles.clear()
+
+
 class CPUAdamW(StepPaths, torch.optim.Optimizer):
     """Adam / AdamW with fp32 master weights and moments in the pinned host pool.
 
@@ -133,14 +140,24 @@ class CPUAdamW(StepPaths, torch.optim.Optimizer):
         if len(optimizer.state) > 0:
             new.load_state_dict(optimizer.state_dict())
         if model is not None:
-            # model.load_state_dict(...) changes parameters behind the optimizer's back.
-            model.register_load_state_dict_post_hook(lambda module, keys: new.mark_master_stale())
+            # model.load_state_dict(...) changes parameters behind the optimizer's back. Held weakly: the model
+            # must not keep the optimizer, and with it the runtime (its pinned pool, states and claim on the stall
+            # limit), alive after unwrap (Note [Session lifetime]); the hooks on the model go with the optimizer.
+            me = weakref.ref(new)
+
+            def stale(module: torch.nn.Module, keys: Any) -> None:
+                opt = me()
+                if opt is not None:
+                    opt.mark_master_stale()
+
+            new._hooks.append(model.register_load_state_dict_post_hook(stale))
             if new._sharded:  # step() waits for the shards' weights: FSDP2 gathers them in its own pre-forward
                 new._stream_fsdp_shards(model)
             elif new._streaming is not None and runtime.settings().weights_return_in_forward:
                 new._hooks += new._streaming.attach_weight_waits(model)
             elif new._streaming is not None:
                 new._hooks += new._streaming.attach_step_wait(model)
+            weakref.finalize(new, _remove_hooks, new._hooks)  # the model's hooks go with the optimizer
         return new
 
     def _setup(self, runtime: "_C.Runtime") -> None:
@@ -229,7 +246,9 @@ class CPUAdamW(StepPaths, torch.optim.Optimizer):
         return streaming.fsdp_feed if streaming is not None else None
 
     def detach_model(self) -> None:
-        """tierflow.unwrap: the FSDP2 feed's hooks go (its shards step in step() from now on)."""
+        """tierflow.unwrap: the FSDP2 feed's hooks go (its shards step in step() from now on). The model's other
+        hooks (the weight waits, the load_state_dict mark) hold this optimizer weakly and stay while it lives: it
+        may still step the unwrapped model (Note [Session lifetime]); they go with it."""
         if self._fsdp_feed is not None:
             self._fsdp_feed.remove()
 

@@ -43,8 +43,18 @@
 //   TIERFLOW_STALL_TIMEOUT / stall_timeout= while the first lives is refused
 //   with a config_error naming both values, rather than silently changing the
 //   first one's limit; the same value, or any once the first is gone, is fine.
-//   (Until bindings/src/runtime.cpp holds the claim instead of calling
-//   set_stall_timeout, the last Runtime's value wins.)
+//   bindings/src/runtime.cpp holds the claim (Runtime::stall_claim_); the plan
+//   command's runtime, made only to measure the links, takes the limit of a
+//   wrapped model alive in the process (cli/plan.py measure_links).
+// - A stall ends training at the limit of the OLDEST work in flight, not of
+//   whatever is waited on next: a wait ends at the oldest work's deadline too
+//   (oldest_deadline()), and the calls that can raise (the staged pipeline's
+//   offload, fetch and complete_fetch) first check it (raise_if_stalled()).
+//   Otherwise a stall that a release only logged would let training submit
+//   more copies and raise one limit later, on one of those. The error names
+//   the oldest stalled work first. (A CUDA copy is seen complete when its
+//   event is queried: one completed but never queried still counts as in
+//   flight; the staged pipeline polls its copies at every call.)
 #pragma once
 
 #include <chrono>
@@ -110,6 +120,14 @@ class PendingWork {
 /// Throws stall_error for a wait of `waited_seconds` on the work `description` names ("a host -> device copy of
 /// 4.00 MiB, 601 s old"), listing the work in flight.
 [[noreturn]] void throw_stall(const std::string& description, double waited_seconds);
+
+/// Throws stall_error naming the oldest work in flight when it is past its deadline, whoever waits for it (a
+/// stall a release or a destructor only logged, or work nothing waits on yet): a call that can raise checks this
+/// first, so a stall ends training at the limit, not at the limit of some later work (Note [Stall timeout]).
+void raise_if_stalled();
+/// The deadline of the oldest work in flight (time_point::max() when nothing is, or without a limit): a wait
+/// ends by then too, and raises if that work has still not completed.
+std::chrono::steady_clock::time_point oldest_deadline() noexcept;
 
 /// Within its scope this thread's waits have no limit: teardown that must not free memory a copy may still
 /// read or write waits for it, however long (the wait that first stalled has raised already).

@@ -2,6 +2,7 @@
 // workers, the NVMe engine's I/O thread), with CUDA-event semantics.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <exception>
@@ -27,9 +28,16 @@ class HostEvent final : public TransferState {
     if (!done_) {
       const auto start = std::chrono::steady_clock::now();
       if (stall_timeout() > 0) {  // counted from the work's start, not the wait's (Note [Stall timeout])
-        if (!cv_.wait_until(lock, work_.deadline(), [&] { return done_; })) {
+        // Ends by the oldest work's deadline too: a stall raises at the limit of the oldest work in flight.
+        for (;;) {
+          const auto own = work_.deadline();
+          const auto until = std::min(own, oldest_deadline());
+          if (cv_.wait_until(lock, until, [&] { return done_; })) break;
           lock.unlock();
-          work_.stalled(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+          if (std::chrono::steady_clock::now() >= own)
+            work_.stalled(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+          raise_if_stalled();  // the oldest work, past its deadline; or it completed meanwhile: wait on
+          lock.lock();
         }
       } else {
         cv_.wait(lock, [&] { return done_; });
