@@ -161,7 +161,8 @@ def test_trace_path_refused_when_its_folder_is_missing(tmp_path):
 
 
 def _counters_in(doc: dict, start: float, end: float) -> list:
-    return [e for e in doc["traceEvents"] if e["ph"] == "C" and e["name"] == "bytes per tier" and start <= e["ts"] <= end]
+    return [e for e in doc["traceEvents"]
+            if e["ph"] == "C" and e["name"] == "bytes per tier" and start <= e["ts"] <= end]
 
 
 def test_timeline_steps_are_optimizer_steps_under_accumulation_and_without_block_spans(device, tmp_path):

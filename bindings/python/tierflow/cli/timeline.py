@@ -123,7 +123,8 @@ def steps_of(spans: list) -> list:
 
 
 def one_step(doc: dict, step: int = -1) -> dict:
-    """The events of step ``step`` (Python's index: -1 the last): {"start", "end", "spans", "counters", "count",
+    """The events of step ``step`` (Python's index: -1 the last; the picture names it 1-based, as step_stats and the
+    trace's markers do): {"start", "end", "spans", "counters", "count",
     "index", "split"}; ``split`` says what the steps were told apart by: "steps" (the trace's step markers),
     "block forward" (an older trace: the first block's forwards) or "trace" (neither: the whole trace, one step)."""
     lanes = lanes_of(doc)
@@ -188,8 +189,8 @@ def draw(doc: dict, out_path: str, step: int = -1, title: Optional[str] = None) 
     top.grid(True, alpha=0.3)
     if names:
         top.legend(loc="upper left", fontsize=8, ncol=len(names), frameon=False)
-    top.set_title(title or f"tierflow: step {s['index']} of {s['count']} ({(s['end'] - s['start']) / 1000.0:.1f} ms)",
-                  fontsize=11)
+    took = (s["end"] - s["start"]) / 1000.0
+    top.set_title(title or f"tierflow: step {s['index'] + 1} of {s['count']} ({took:.1f} ms)", fontsize=11)
     # One lane per kind of work (broken_barh), top to bottom in the recorder's order.
     width = ms(s["end"])
     for row, lane in enumerate(order):
@@ -245,6 +246,6 @@ def timeline_command(argv: Sequence[str]) -> int:
     except TimelineError as e:
         print(f"python -m tierflow timeline: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {a.output}: step {s['index']} of {s['count']}, {(s['end'] - s['start']) / 1000.0:.1f} ms, "
+    print(f"wrote {a.output}: step {s['index'] + 1} of {s['count']}, {(s['end'] - s['start']) / 1000.0:.1f} ms, "
           f"{len(s['spans'])} spans")
     return 0
