@@ -344,7 +344,7 @@ std::vector<Row> placement_rows() {
        const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
        struct stat st {};
        if (!path.empty() && (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)))
-         bad_value(name, v, kAccepted, "its folder " + quote_config_value(dir) + " does not exist");
+         bad_value(name, v, kAccepted, "its folder " + quote_config_value(dir) + " does not exist; keyword trace");
      }},
     {{"TIERFLOW_PROFILE", "", "a file path (empty: measure every run)",
       "the activation planner's block profile: read from this file when it exists, otherwise "

@@ -196,7 +196,7 @@ def test_timeline_steps_are_optimizer_steps_under_accumulation_and_without_block
 
 
 def test_trace_path_errors_come_up_front_and_never_mask_the_body(tmp_path, monkeypatch):
-    with pytest.raises(tierflow.ConfigError, match=r"TIERFLOW_TRACE=.*no_such_dir_zz"):
+    with pytest.raises(tierflow.ConfigError, match=r"TIERFLOW_TRACE=.*no_such_dir_zz.*keyword trace"):
         tierflow.wrap(torch.nn.Linear(2, 2), trace=str(tmp_path / "no_such_dir_zz" / "t.json"))
     with pytest.raises(tierflow.ConfigError, match=r"tierflow\.trace\(path='/proc/nope.json'\)"):
         trace("/proc/nope.json")
