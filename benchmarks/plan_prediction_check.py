@@ -2,14 +2,16 @@
 25% on the emulated device for the tiny preset in every mode, the CPU optimizer included).
 
     PYTHONPATH=bindings/python TIERFLOW_EMULATED_DEVICE=polite .venv/bin/python benchmarks/plan_prediction_check.py \
-        --runs 3 --out /tmp/plan_prediction.json
+        --runs 5 --out /tmp/plan_prediction.json
 
 Each run of each mode trains the tiny preset's GPT (benchmarks/gpt_model.py, bench_gpu_offload.py's "tiny") with
-TIERFLOW_OFFLOAD_ACTIVATIONS=auto in a fresh process for --warmup steps (the plan is made before the third and
-calibrated once: Note [Re-plan]) and then --steps measured steps, and reads report()["plan"]: the predicted step
-(tiering::PlanDriver's, Note [Step prediction]: every term) and the measured one (the steps since the plan came in
-force). The JSON holds, per mode, each run's ratio predicted / measured and its terms, and the spread (min, median,
-max) of the ratios.
+TIERFLOW_OFFLOAD_ACTIVATIONS=auto in a fresh process for at least --warmup steps and until the plan's rest of the step
+came from its own steps (the plan is made before the third, may re-plan once: Note [Re-plan]; its rest from 8 steps
+after its first 3: Note [Rest calibration]), then --steps held-out steps, and reads report()["plan"]: the predicted
+step (tiering::PlanDriver's, Note [Step prediction]: every term) and the measured one (the median of the held-out
+steps, none of which the prediction was made from). The JSON holds, per mode, each run's ratio predicted / measured
+and its terms, the spread (min, median, max) of the ratios, within_25_percent (every run) and within_25pct (the
+median run). benchmarks/results/plan_prediction_tiny_{polite,adversarial}.json: 5 runs each.
 
 Modes:
   keep        the default budget: every block kept; torch's AdamW on the device (TIERFLOW_OFFLOAD_OPTIMIZER=none)
