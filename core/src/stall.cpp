@@ -150,12 +150,19 @@ std::vector<std::string> PendingWork::in_flight(std::size_t max) {
   return out;
 }
 
+// The oldest work from `w` on whose end the registry learns when it comes (not a polled CUDA event, which may
+// have ended unseen: Note [Stall timeout]). Under the registry's lock.
+const PendingWork* oldest_known(const PendingWork* w) noexcept {
+  while (w && w->polled_) w = w->next_;
+  return w;
+}
+
 namespace {
 // The oldest work in flight if it is past its deadline (and is not `except`): its description.
 bool oldest_stalled(std::string* description, const PendingWork* except = nullptr) {
   auto& r = PendingRegistry::get();
   std::lock_guard<std::mutex> lock(r.mutex);
-  const PendingWork* w = r.head;
+  const PendingWork* w = oldest_known(r.head);
   if (!w || w == except || std::chrono::steady_clock::now() < w->deadline()) return false;
   *description = w->describe();
   return true;
@@ -194,7 +201,8 @@ std::chrono::steady_clock::time_point oldest_deadline() noexcept {
   if (!(stall_timeout() > 0)) return std::chrono::steady_clock::time_point::max();
   auto& r = PendingRegistry::get();
   std::lock_guard<std::mutex> lock(r.mutex);
-  return r.head ? r.head->deadline() : std::chrono::steady_clock::time_point::max();
+  const PendingWork* w = oldest_known(r.head);
+  return w ? w->deadline() : std::chrono::steady_clock::time_point::max();
 }
 
 void throw_stall(const std::string& description, double waited_seconds) {

@@ -24,7 +24,9 @@ namespace {
 
 class CudaState final : public detail::TransferState {
  public:
-  CudaState(cudaEvent_t ev, std::size_t bytes, const char* kind) : event_(ev), bytes_(bytes), work_(kind, bytes) {}
+  CudaState(cudaEvent_t ev, std::size_t bytes, const char* kind) : event_(ev), bytes_(bytes), work_(kind, bytes) {
+    work_.seen_only_when_polled();  // its end is seen when queried: no false stall of a copy done long ago
+  }
   ~CudaState() override { TIERFLOW_CUDA_ASSERT_OK(cudaEventDestroy(event_)); }
   bool ready() const override {
     cudaError_t st = cudaEventQuery(event_);

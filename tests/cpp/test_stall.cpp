@@ -545,3 +545,18 @@ TEST_F(StallTest, AStepWhoseKernelNeverEndsRaisesNamingTheCpuStep) {
 }
 
 }  // namespace
+
+namespace {
+TEST(StallPolled, WorkSeenOnlyWhenPolledIsNotTheOldestStall) {
+  // A CUDA copy's end is seen when its event is queried: past its deadline unpolled, it may long be over, so the
+  // check of the oldest work skips it (Note [Stall timeout]); ordinary work past its deadline still raises.
+  tierflow::StallTimeoutClaim claim(1.0);
+  tierflow::PendingWork polled("device -> host copy on a CUDA stream", 64);
+  polled.seen_only_when_polled();
+  std::this_thread::sleep_for(std::chrono::milliseconds(1100));
+  EXPECT_NO_THROW(tierflow::raise_if_stalled());
+  EXPECT_EQ(tierflow::oldest_deadline(), std::chrono::steady_clock::time_point::max());
+  tierflow::PendingWork plain("NVMe read", 64);
+  EXPECT_NE(tierflow::oldest_deadline(), std::chrono::steady_clock::time_point::max());
+}
+}  // namespace

@@ -52,9 +52,11 @@
 //   offload, fetch and complete_fetch) first check it (raise_if_stalled()).
 //   Otherwise a stall that a release only logged would let training submit
 //   more copies and raise one limit later, on one of those. The error names
-//   the oldest stalled work first. (A CUDA copy is seen complete when its
-//   event is queried: one completed but never queried still counts as in
-//   flight; the staged pipeline polls its copies at every call.)
+//   the oldest stalled work first. A CUDA copy is seen complete only when its
+//   event is queried, so one completed but never queried would still be
+//   listed: it is marked seen_only_when_polled(), and only a wait on it
+//   raises its stall, never the check of the oldest work (no false stall of
+//   a copy that ended long ago while its handle sat unpolled).
 #pragma once
 
 #include <chrono>
@@ -94,6 +96,9 @@ class PendingWork {
 
   /// No longer in flight (idempotent).
   void done() noexcept;
+  /// This work is seen complete only when its waiter polls it (a CUDA event): the registry may list it past its
+  /// end, so only a wait on it raises its stall, never raise_if_stalled's check of the oldest work.
+  void seen_only_when_polled() noexcept { polled_ = true; }
   /// When the work started.
   std::chrono::steady_clock::time_point since() const noexcept { return since_; }
   /// When a wait on it gives up: since() + stall_timeout() (time_point::max() without a limit).
@@ -108,6 +113,7 @@ class PendingWork {
 
  private:
   friend struct PendingRegistry;
+  friend const PendingWork* oldest_known(const PendingWork* w) noexcept;
   const char* kind_;
   std::uint64_t bytes_;
   std::int64_t id_;
@@ -115,6 +121,7 @@ class PendingWork {
   PendingWork* prev_ = nullptr;
   PendingWork* next_ = nullptr;
   bool listed_ = false;
+  bool polled_ = false;
 };
 
 /// Throws stall_error for a wait of `waited_seconds` on the work `description` names ("a host -> device copy of
