@@ -36,6 +36,10 @@ def test_auto_reports_each_terms_prediction_beside_its_measurement(device):
     parts = sum(terms[k]["predicted_s"] for k in TERMS[:-1])
     assert parts == pytest.approx(terms["total"]["predicted_s"]) == pytest.approx(plan["predicted_step_seconds"])
     assert terms["optimizer"]["measured_s"] is not None and terms["optimizer"]["measured_s"] >= 0
+    # The optimizer's term per optimizer step, the others per forward (one each here; the forward that began when
+    # the counters were read is not counted among the forwards).
+    over = plan["terms_measured_over"]
+    assert over["optimizer_steps"] - 1 <= over["steps"] <= over["optimizer_steps"] and over["steps"] > 0, over
     assert terms["total"]["measured_s"] == plan["measured"]["step_seconds"]
     # The rest came from the plan's steps after its first few, and only the steps after them are measured beside.
     calibration = plan["rest_calibration"]

@@ -183,7 +183,12 @@ class AutoPlanner(_C.PlanFrontEnd):
         kernel's time and gradient bytes."""
         stats = self.session.runtime.stats()
         stream = self._stream_stats()
+        hooks = getattr(self.session, "step_stats", None)  # Note [Step stats]: the optimizer steps so far
+        params = self.session.params.stats() if getattr(self.session, "params", None) is not None else {}
         return {"forwards": self.driver.forwards,
+                "optimizer_steps": hooks.recorder.recorded if hooks is not None and hooks.recorder.ends_at_step
+                else self.driver.forwards,
+                "param_wait_ms": float(params.get("stall_ms", 0.0)) if params else None,
                 "activation_wait_ms": float(stats.get("prefetch", {}).get("stall_ms", 0.0)) +
                 float(stats.get("activations", {}).get("offload_wait_ms", 0.0)),
                 "step_wait_ms": float(stream.get("step_wait_ms", 0.0)),
@@ -213,18 +218,27 @@ class AutoPlanner(_C.PlanFrontEnd):
         now, then = self._wait_counters(), self._plan_counters
         steps = now["forwards"] - then.get("forwards", now["forwards"])
         per_step = (lambda key: (now[key] - then[key]) / 1e3 / steps) if steps > 0 else (lambda key: None)
+        # The optimizer steps once an optimizer step, not a forward (gradient accumulation: several forwards).
+        opt_steps = now["optimizer_steps"] - then.get("optimizer_steps", now["optimizer_steps"])
+        per_opt_step = (now["step_wait_ms"] - then["step_wait_ms"]) / 1e3 / opt_steps if opt_steps > 0 else None
+        fetches = None
+        if now.get("param_wait_ms") is not None and then.get("param_wait_ms") is not None:
+            fetches = per_step("param_wait_ms")
         timed = out.get("timed_step") or {}
         compute = None
         if timed:
             compute = sum(timed.get(k) or 0.0 for k in ("blocks_forward_seconds", "blocks_backward_seconds",
                                                          "blocks_replay_seconds"))
         measured = {"compute": compute, "activation_copies": per_step("activation_wait_ms"),
-                    "parameter_fetches": None, "gradient_copies": None,
-                    "optimizer": per_step("step_wait_ms") if now["streaming"] else None,
+                    "parameter_fetches": fetches, "gradient_copies": None,
+                    "optimizer": per_opt_step if now["streaming"] else None,
                     "rest": None, "total": (out.get("measured") or {}).get("step_seconds")}
         for name, term in terms.items():
             term["measured_s"] = measured.get(name)
-        out["terms_measured_over"] = {"steps": steps, "compute": "the timed step's blocks"}
+        out["terms_measured_over"] = {"steps": steps, "optimizer_steps": opt_steps,
+                                      "compute": "the timed step's blocks",
+                                      "parameter_fetches": "the compute's waits for fetched parameters",
+                                      "gradient_copies": "not measured apart (inside the optimizer's wait)"}
 
     # --- what the driver asks of its front end (tiering::PlanFrontEnd) ---
 
