@@ -194,8 +194,9 @@ if [ ! -f "$BUILD_DIR/CMakeCache.txt" ] || [ "$(cat "$BUILD_DIR/setup-configure.
   printf '%s\n' "${CONFIG[@]}" >"$BUILD_DIR/setup-configure.txt"
   grep -E "tierflow:" "$BUILD_DIR/setup-cmake.log" || true
 fi
-# TIERFLOW_SETUP_TARGETS (space-separated CMake targets, e.g. "_core _C"): build only those; default: everything.
-read -r -a targets <<<"${TIERFLOW_SETUP_TARGETS:-}"
+# SETUP_TARGETS (space-separated CMake targets, e.g. "_core _C"): build only those; default: everything. (Not
+# TIERFLOW_*: tierflow refuses a TIERFLOW_* variable it does not know, and set-up's environment reaches its runs.)
+read -r -a targets <<<"${SETUP_TARGETS:-}"
 say "building ($BUILD_DIR${targets[0]:+: ${targets[*]}})"
 cmake --build "$BUILD_DIR" -j "$(nproc)" ${targets[0]:+--target "${targets[@]}"} >"$BUILD_DIR/setup-build.log" 2>&1 \
   || { tail -n 60 "$BUILD_DIR/setup-build.log" >&2; die "build failed (full log: $BUILD_DIR/setup-build.log)"; }

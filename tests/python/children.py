@@ -49,3 +49,26 @@ def wait_child(proc: subprocess.Popen, what: str, guard: float | None = None) ->
         proc.wait()
         hang_guard_failure(what, seconds)
         raise
+
+
+def in_own_process(test):
+    """Runs `test` (a pytest test function) again in a fresh pytest process and passes or fails with it: for a
+    test that needs what one process holds once, like the process-wide stall limit (Note [Stall timeout]),
+    which any runtime an earlier test left alive in this worker would claim first."""
+    import functools
+    import inspect
+    import sys
+
+    @functools.wraps(test)
+    def run(*args, **kwargs):
+        if os.environ.get("_IN_OWN_PROCESS") == test.__name__:
+            return test(*args, **kwargs)
+        path = inspect.getsourcefile(test)
+        env = dict(os.environ, _IN_OWN_PROCESS=test.__name__)
+        done = run_child([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                          f"{path}::{test.__name__}"], cwd=os.path.dirname(path), env=env,
+                         capture_output=True, text=True)
+        out = done.stdout[-4000:] + done.stderr[-2000:]
+        assert done.returncode == 0 and " passed" in done.stdout, f"{test.__name__} in its own process:\n{out}"
+
+    return run

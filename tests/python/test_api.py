@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import tierflow
+from children import in_own_process
 from harness import cuda_usable, gpt_task, needs_cuda
 
 
@@ -180,6 +181,7 @@ def test_a_model_on_another_gpu_than_the_current_one_is_refused():
 
 
 @pytest.mark.ordering  # a CPUAdamW step: copies on the emulated device
+@in_own_process  # the stall limit is the process's: no earlier test's runtime may be alive (Note [Stall timeout])
 def test_unwrap_and_dropping_the_optimizer_free_the_runtime_and_its_stall_limit():
     """Note [Session lifetime]: after unwrap(model) and del of the CPUAdamW, nothing tierflow left on the model
     holds the optimizer or its runtime: the runtime (pinned pool, states) goes with them, and so does its claim

@@ -149,7 +149,7 @@ def test_make_bundle_then_offline_setup_builds_and_imports(tmp_path):
     _fake_apt(bin_dir, apt_log)
     # The extensions and one GoogleTest program (GTest linked from the bundle), not every test: CI's time.
     env = _offline_env(bin_dir, TIERFLOW_BUNDLE=str(bundle), CMAKE_ARGS="-DTIERFLOW_BUILD_BENCHMARKS=OFF -DTIERFLOW_WITH_CUDA=OFF",
-                       TIERFLOW_SETUP_TARGETS="_core _C test_core")
+                       SETUP_TARGETS="_core _C test_core")
     done, log = _setup(repo, env)
     assert done.returncode == 0, log[-5000:]
     assert not os.path.exists(apt_log), "apt was called: " + open(apt_log).read()

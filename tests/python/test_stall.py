@@ -7,10 +7,12 @@ import pytest
 import torch
 
 import tierflow
+from children import in_own_process
 from harness import gpt_task
 
 
 @pytest.mark.ordering
+@in_own_process  # its 1 s limit is the process's: no other runtime may be alive (Note [Stall timeout])
 def test_a_stalled_copy_raises_a_timeout_error_naming_it_within_the_limit():
     """Copies to the host held (a hung device, injected on the emulated device), TIERFLOW_STALL_TIMEOUT=1s
     (the least accepted).
@@ -49,6 +51,7 @@ def test_a_stalled_copy_raises_a_timeout_error_naming_it_within_the_limit():
 
 
 @pytest.mark.ordering  # the plan command measures the links: copies on the emulated device
+@in_own_process
 def test_the_plan_commands_measuring_runtime_takes_the_live_stall_limit(capsys):
     """Note [Stall timeout]: the limit is process-wide and a live runtime claims it; the plan command's runtime,
     made only to measure the links, is not refused for (nor changes) a wrapped model's limit."""
