@@ -13,6 +13,7 @@
 #include <string>
 
 #include "module_parts.hpp"
+#include "struct_dict.hpp"
 #include "tierflow/allocator/aligned_buffer.hpp"
 #include "tierflow/allocator/device.hpp"
 #include "tierflow/bindings/dtypes.hpp"
@@ -267,20 +268,15 @@ void bind_stream_waits(py::class_<PyGradStream, std::shared_ptr<PyGradStream>>& 
           w = g.stream->last_window();
         }
         py::list buckets;
-        for (const BucketTimes& b : w.buckets) {
-          py::dict d;
-          d["bucket"] = b.bucket;
-          d["grad_bytes"] = b.grad_bytes;
-          d["launched_ms"] = b.launched_ms;
-          d["picked_ms"] = b.picked_ms;
-          d["landed_ms"] = b.landed_ms;
-          d["stepped_ms"] = b.stepped_ms;
-          buckets.append(d);
+        using B = BucketTimes;
+        for (const B& b : w.buckets) {
+          buckets.append(struct_dict<B>(b, {{"bucket", &B::bucket}, {"grad_bytes", &B::grad_bytes},
+                                            {"launched_ms", &B::launched_ms}, {"picked_ms", &B::picked_ms},
+                                            {"landed_ms", &B::landed_ms}, {"stepped_ms", &B::stepped_ms}}));
         }
-        py::dict out;
-        out["backward_end_ms"] = w.backward_end_ms;
-        out["step_ms"] = w.step_ms;
-        out["worker_done_ms"] = w.worker_done_ms;
+        using W = WindowTimeline;
+        py::dict out = struct_dict<W>(w, {{"backward_end_ms", &W::backward_end_ms}, {"step_ms", &W::step_ms},
+                                          {"worker_done_ms", &W::worker_done_ms}});
         out["buckets"] = buckets;
         return out;
       }, "The last finished window's times (Note [Stream timeline] in optimizer/step_engine.hpp); no buckets before one.")

@@ -1,5 +1,5 @@
-// A keyword constructor for a bound struct (private to bindings/src: planner_bindings.cpp and
-// plan_driver_bindings.cpp, which bind into the two extensions, Note [Two extensions] in core_module.cpp).
+// A keyword constructor for a bound struct (private to bindings/src: planner_bindings.cpp, prediction_bindings.cpp
+// and plan_driver_bindings.cpp, which bind into the two extensions, Note [Two extensions] in core_module.cpp).
 #pragma once
 
 #include <pybind11/pybind11.h>

@@ -6,6 +6,8 @@
 
 #include <string>
 
+#include "init_from_kwargs.hpp"
+#include "struct_dict.hpp"
 #include "tierflow/core/config.hpp"
 #include "tierflow/core/state_format.hpp"
 #include "tierflow/optimizer/roofline.hpp"
@@ -33,13 +35,14 @@ py::dict prediction_dict(const StepPrediction& p) {
   for (const auto& [name, seconds] : step_terms(p)) terms[py::str(name)] = seconds;
   py::dict out;
   out["terms_seconds"] = terms;
-  out["blocks_seconds"] = p.blocks_seconds;
-  out["backward_seconds"] = p.backward_seconds;
-  out["optimizer_kernel_seconds"] = p.optimizer.kernel_seconds;
-  out["optimizer_busy_seconds"] = p.optimizer.busy_seconds;
-  out["optimizer_nvme_read_seconds"] = p.optimizer.nvme_read_seconds;
-  out["optimizer_nvme_write_seconds"] = p.optimizer.nvme_write_seconds;
-  return out;
+  using P = StepPrediction;
+  return struct_dict<P>(p, {{"blocks_seconds", &P::blocks_seconds},
+                            {"backward_seconds", &P::backward_seconds},
+                            {"optimizer_kernel_seconds", [](const P& x) { return x.optimizer.kernel_seconds; }},
+                            {"optimizer_busy_seconds", [](const P& x) { return x.optimizer.busy_seconds; }},
+                            {"optimizer_nvme_read_seconds", [](const P& x) { return x.optimizer.nvme_read_seconds; }},
+                            {"optimizer_nvme_write_seconds", [](const P& x) { return x.optimizer.nvme_write_seconds; }}},
+                        out);
 }
 
 }  // namespace
@@ -67,31 +70,18 @@ void bind_prediction(py::module_& m) {
         py::arg("states"), py::arg("dtype_bytes"), "Bytes a parameter one CPU AdamW step moves (Note [Step prediction]).");
 
   py::class_<OptimizerStepInputs> optimizer(m, "OptimizerStepInputs", "The CPU optimizer as the step prediction sees it.");
-  optimizer
-      .def(py::init([](bool on_cpu, std::uint64_t parameters, double params_per_second, const std::string& states,
-                       bool steps_during_backward, std::uint64_t nvme_state_bytes, double nvme_read,
-                       double nvme_write) {
-             OptimizerStepInputs o;
-             o.on_cpu = on_cpu;
-             o.parameters = parameters;
-             o.params_per_second = params_per_second;
-             o.states = states_of(states);
-             o.steps_during_backward = steps_during_backward;
-             o.nvme_state_bytes = nvme_state_bytes;
-             o.nvme_read = nvme_read;
-             o.nvme_write = nvme_write;
-             return o;
-           }),
-           py::kw_only(), py::arg("on_cpu") = false, py::arg("parameters") = 0, py::arg("params_per_second") = 0.0,
-           py::arg("states") = "fp32", py::arg("steps_during_backward") = true, py::arg("nvme_state_bytes") = 0,
-           py::arg("nvme_read") = 0.0, py::arg("nvme_write") = 0.0)
-      .def_readwrite("on_cpu", &OptimizerStepInputs::on_cpu)
+  optimizer.def_readwrite("on_cpu", &OptimizerStepInputs::on_cpu)
       .def_readwrite("parameters", &OptimizerStepInputs::parameters)
       .def_readwrite("params_per_second", &OptimizerStepInputs::params_per_second)
+      .def_property(
+          "states", [](const OptimizerStepInputs& o) { return std::string(to_string(o.states)); },
+          [](OptimizerStepInputs& o, const std::string& text) { o.states = states_of(text); },
+          "The moments' format: fp32, bf16 or 8bit (TIERFLOW_OPTIMIZER_STATES' values).")
       .def_readwrite("steps_during_backward", &OptimizerStepInputs::steps_during_backward)
       .def_readwrite("nvme_state_bytes", &OptimizerStepInputs::nvme_state_bytes)
       .def_readwrite("nvme_read", &OptimizerStepInputs::nvme_read)
       .def_readwrite("nvme_write", &OptimizerStepInputs::nvme_write);
+  init_from_kwargs(optimizer);
   // TimedStepMeasures is _C's (plan_driver_bindings.cpp, loaded after this module); autoplan.py hands its class
   // here once to add the CPU optimizer's fields (the extensions share pybind11's type registry).
   m.def(

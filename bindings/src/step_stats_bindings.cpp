@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "module_parts.hpp"
+#include "struct_dict.hpp"
 #include "tierflow/bindings/param_residency.hpp"
 #include "tierflow/bindings/runtime.hpp"
 #include "tierflow/core/clock.hpp"
@@ -71,19 +72,18 @@ py::dict step_dict(const StepStats& s) {
 }
 
 py::dict counters_dict(const StepCounters& c) {
-  py::dict d;
-  d["device_to_host_bytes"] = c.device_to_host_bytes;
-  d["host_to_device_bytes"] = c.host_to_device_bytes;
-  d["host_to_nvme_bytes"] = c.host_to_nvme_bytes;
-  d["nvme_to_host_bytes"] = c.nvme_to_host_bytes;
-  d["copy_wait_ns"] = c.copy_wait_ns;
-  d["cpu_step_ns"] = c.cpu_step_ns;
-  d["nvme_wait_ns"] = c.nvme_wait_ns;
-  d["param_wait_ns"] = c.param_wait_ns;
-  d["device_activation_bytes"] = c.device_activations.current;
-  d["pinned_host_bytes"] = c.pinned_host.current;
-  d["nvme_bytes"] = c.nvme.current;
-  return d;
+  using C = StepCounters;
+  return struct_dict<C>(c, {{"device_to_host_bytes", &C::device_to_host_bytes},
+                            {"host_to_device_bytes", &C::host_to_device_bytes},
+                            {"host_to_nvme_bytes", &C::host_to_nvme_bytes},
+                            {"nvme_to_host_bytes", &C::nvme_to_host_bytes},
+                            {"copy_wait_ns", &C::copy_wait_ns},
+                            {"cpu_step_ns", &C::cpu_step_ns},
+                            {"nvme_wait_ns", &C::nvme_wait_ns},
+                            {"param_wait_ns", &C::param_wait_ns},
+                            {"device_activation_bytes", [](const C& x) { return x.device_activations.current; }},
+                            {"pinned_host_bytes", [](const C& x) { return x.pinned_host.current; }},
+                            {"nvme_bytes", [](const C& x) { return x.nvme.current; }}});
 }
 
 }  // namespace
