@@ -106,12 +106,29 @@ std::vector<HostArray> StepEngine::state_of(std::size_t slot) const {
 bool StepEngine::backward_begins(std::uint64_t now) {
   const bool first = ledger_.backward_begins(now);
   if (first && clock_.start == 0) clock_.start = now;
+  if (first) clock_.copies_exposed_from = 0;  // a backward runs: the worker's waits for copies overlap it
   return first;
 }
 
 void StepEngine::backward_ends(std::uint64_t now) {
   ledger_.backward_ends(now);
-  if (clock_.start != 0) clock_.backward_end = now;
+  if (clock_.start == 0) return;
+  clock_.backward_end = now;
+  clock_.copies_exposed_from = now;
+  // Note [Stream timeline]: a bucket whose copies landed before this callback took the lock (its `now` read
+  // before their landing) is counted here; the others by the worker when they land.
+  for (auto& b : clock_.buckets) {
+    if (b.landed == 0 || b.copy_wait_counted) continue;
+    stats_.grad_copy_wait_ns += copy_wait_past_backward(b.picked, b.landed);
+    b.copy_wait_counted = true;
+  }
+}
+
+std::uint64_t StepEngine::copy_wait_past_backward(std::uint64_t picked, std::uint64_t landed) const noexcept {
+  const std::uint64_t from = clock_.copies_exposed_from;
+  if (from == 0) return 0;
+  const std::uint64_t begin = picked > from ? picked : from;
+  return landed > begin ? landed - begin : 0;
 }
 
 void StepEngine::launch_unlaunched() {
@@ -248,6 +265,10 @@ void StepEngine::run_bucket(std::uint64_t generation, std::vector<Entry> entries
     if (WindowClock::Bucket* t = times()) {
       t->picked = picked;
       t->landed = landed;
+      if (clock_.copies_exposed_from != 0) {  // the backward ended: the wait past its end held the step up
+        stats_.grad_copy_wait_ns += copy_wait_past_backward(picked, landed);
+        t->copy_wait_counted = true;
+      }
     }
   }
   double sum_sq = 0;

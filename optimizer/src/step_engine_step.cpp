@@ -20,8 +20,10 @@ void StepEngine::wait_worker_unlocked(bool step) {
   worker_->drain();
   std::lock_guard<std::mutex> lock(mutex_);
   const std::uint64_t done = now_ns();
+  // Both of step()'s waits: its first (wait_worker, where the worker still steps what backward left) and its
+  // own after launching the buckets left (Note [Step prediction]: the optimizer's measured term).
+  stats_.step_wait_ns += done - t0;
   if (step) {  // step()'s own wait, after the Python path's wait_worker (if any)
-    stats_.step_wait_ns += done - t0;
     if (clock_.start != 0) clock_.worker_done = done;  // buckets launched by step() itself included
   } else if (clock_.start != 0 && clock_.step == 0) {  // Note [Stream timeline]: step()'s wait
     clock_.step = t0;
@@ -225,6 +227,7 @@ const std::vector<StatField<StepEngineStats>>& step_engine_stat_fields() {
       {"kernel_ms", &S::kernel_ns, nullptr, 1e-6},
       {"step_kernel_ms", &S::step_kernel_ns, nullptr, 1e-6},
       {"step_wait_ms", &S::step_wait_ns, nullptr, 1e-6},
+      {"grad_copy_wait_ms", &S::grad_copy_wait_ns, nullptr, 1e-6},
       {"weight_wait_ms", &S::weight_wait_ns, nullptr, 1e-6},
       {"content_check_ms", &S::content_check_ns, nullptr, 1e-6},
       {"last_backward_ms", &S::last_backward_ns, nullptr, 1e-6},

@@ -7,14 +7,17 @@
 // compute stream and each module waits for, and the staging kept until its copy is done.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstring>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "tierflow/core/error.hpp"
@@ -134,7 +137,8 @@ class StepEngineTest : public ::testing::TestWithParam<bool> {
 
   // A backward: fresh gradients (scaled by `size`), delivered last registered first; each streams as
   // GradStream's hook would stream it (accumulated onto the last ones within a window).
-  void backward(float size, bool released = false, bool fresh = true) {
+  // `end`: its end callback runs (else the test runs end_backward itself).
+  void backward(float size, bool released = false, bool fresh = true, bool end = true) {
     ++backwards_;
     for (std::size_t i = params_.size(); i-- > 0;) {
       Param& p = params_[i];
@@ -150,12 +154,18 @@ class StepEngineTest : public ::testing::TestWithParam<bool> {
       if (what != GradArrival::kStream || !engine_->ledger().may_stream(i)) continue;
       const HostArray dst = engine_->stage_gradient(i, ScalarType::kFloat32, p.grad.size() * 4);
       if (!dst.defined()) continue;
-      engine_->gradient_copied(i, copies_->copy(swap::Direction::kDeviceToHost, dst.data, p.grad.data(), dst.bytes,
-                                                {}, swap::StreamRef::emulated_compute()));
+      swap::TransferHandle copy = copies_->copy(swap::Direction::kDeviceToHost, dst.data, p.grad.data(), dst.bytes,
+                                                {}, swap::StreamRef::emulated_compute());
+      engine_->gradient_copied(i, wrap_copy_ ? wrap_copy_(std::move(copy)) : std::move(copy));
       engine_->streamed(i, identity(i), released);
     }
+    if (end) end_backward(now());
+  }
+
+  // The backward's end callback, as GradStream's, at `at` (read before it takes the lock).
+  void end_backward(std::uint64_t at) {
     std::lock_guard<std::mutex> lock(engine_->mutex());
-    engine_->backward_ends(now());
+    engine_->backward_ends(at);
     engine_->launch_unlaunched();
   }
 
@@ -279,6 +289,7 @@ class StepEngineTest : public ::testing::TestWithParam<bool> {
   bool frugal_ = false;             // step()'s prepare_staging lets the early results go
   bool weights_in_forward_ = false; // step() leaves the uploads pending (TIERFLOW_WEIGHTS_RETURN=forward)
   std::size_t devices_ = 1;         // step() sends slot i's weights to device i % devices_
+  std::function<swap::TransferHandle(swap::TransferHandle)> wrap_copy_;  // what backward hands the engine
 };
 
 StepEngineOptions buckets_of(std::size_t bytes) {
@@ -511,6 +522,116 @@ TEST_P(StepEngineTest, CommitsOnlyWhatWasPrepared) {
   EXPECT_EQ(engine_->commit_prepared().committed.size(), kSizes.size());
   EXPECT_THROW(engine_->commit_prepared(), std::logic_error);  // once
   engine_->end_window(false);
+}
+
+// Gradient copies held back until the test opens the gate: the worker waits for them as long as the test says.
+struct CopyGate {
+  std::mutex m;
+  std::condition_variable cv;
+  bool opened = false;
+  int entered = 0;  // waits begun
+  void wait() {
+    std::unique_lock<std::mutex> lock(m);
+    ++entered;
+    cv.notify_all();
+    cv.wait(lock, [&] { return opened; });
+  }
+  // Whether a wait began within 10 s; if not the gate opens (no worker is left waiting on it for good).
+  bool wait_entered() {
+    std::unique_lock<std::mutex> lock(m);
+    if (cv.wait_for(lock, std::chrono::seconds(10), [&] { return entered > 0; })) return true;
+    opened = true;
+    cv.notify_all();
+    return false;
+  }
+  void open() {
+    std::lock_guard<std::mutex> lock(m);
+    opened = true;
+    cv.notify_all();
+  }
+  bool is_open() {
+    std::lock_guard<std::mutex> lock(m);
+    return opened;
+  }
+};
+
+struct GatedCopy final : swap::detail::TransferState {
+  std::shared_ptr<CopyGate> gate;
+  swap::TransferHandle inner;
+  GatedCopy(std::shared_ptr<CopyGate> g, swap::TransferHandle h) : gate(std::move(g)), inner(std::move(h)) {}
+  bool ready() const override { return gate->is_open() && inner.ready(); }
+  void wait() const override {
+    gate->wait();
+    inner.wait();
+  }
+  std::size_t bytes() const noexcept override { return inner.bytes(); }
+};
+
+// Note [Stream timeline]: grad_copy_wait_ns is the part of every bucket's [picked, landed] past backward_end, as
+// the timeline shows them: the wait before the end (during backward) left out, a bucket that landed before the
+// end callback took the lock counted by it; step_wait_ns holds step()'s first wait (where the worker still waits).
+TEST_P(StepEngineTest, CountsTheWorkersWaitForGradientCopiesPastTheBackwardsEnd) {
+  using std::chrono::milliseconds;
+  build(buckets_of(256), kSizes);
+  std::shared_ptr<CopyGate> gate;
+  wrap_copy_ = [&gate](swap::TransferHandle h) {
+    return swap::TransferHandle(std::make_shared<GatedCopy>(gate, std::move(h)));
+  };
+  auto past_end_ms = [&](double* whole_ms) {
+    std::lock_guard<std::mutex> lock(engine_->mutex());
+    const WindowTimeline& w = engine_->last_window();
+    EXPECT_GE(w.backward_end_ms, 0.0);
+    double past = 0;
+    *whole_ms = 0;
+    for (const BucketTimes& b : w.buckets) {
+      past += std::max(0.0, b.landed_ms - std::max(b.picked_ms, w.backward_end_ms));
+      *whole_ms += b.landed_ms - b.picked_ms;
+    }
+    return past;
+  };
+  // The worker picks a bucket during backward and waits for its copies past the backward's end, into step().
+  gate = std::make_shared<CopyGate>();
+  backward(1.0f, false, true, false);
+  ASSERT_TRUE(gate->wait_entered()) << "no bucket went to the worker during backward";
+  std::this_thread::sleep_for(milliseconds(30));  // waiting during backward: hidden by it
+  const std::uint64_t ended = now();
+  end_backward(ended);
+  std::uint64_t opened = 0;
+  std::thread opener([&] {
+    std::this_thread::sleep_for(milliseconds(30));
+    opened = now();
+    gate->open();
+  });
+  const std::uint64_t stepping = now();
+  step();
+  opener.join();
+  reference_step();
+  expect_matches_reference();
+  StepEngineStats st = stats();
+  double whole = 0;
+  double past = past_end_ms(&whole);
+  EXPECT_NEAR(static_cast<double>(st.grad_copy_wait_ns) / 1e6, past, 1e-3);
+  EXPECT_GE(st.grad_copy_wait_ns, opened - ended);  // it waited until the gate opened
+  EXPECT_GE(whole - past, 25.0);                     // ... and 30 ms before the end, left out
+  EXPECT_GE(st.step_wait_ns, opened - stepping);     // step()'s first wait counted
+  // The end callback's time read before the copies landed, its lock taken after: counted by the callback.
+  const std::uint64_t before = st.grad_copy_wait_ns;
+  gate = std::make_shared<CopyGate>();
+  backward(1.0f, false, true, false);
+  ASSERT_TRUE(gate->wait_entered()) << "no bucket went to the worker during backward";
+  const std::uint64_t late = now();
+  std::this_thread::sleep_for(milliseconds(20));
+  const std::uint64_t opened_late = now();
+  gate->open();
+  engine_->wait_worker_unlocked(false);  // landed and stepped: the worker saw no end
+  end_backward(late);
+  step();
+  reference_step();
+  expect_matches_reference();
+  st = stats();
+  past = past_end_ms(&whole);
+  EXPECT_NEAR(static_cast<double>(st.grad_copy_wait_ns - before) / 1e6, past, 1e-3);
+  EXPECT_GE(st.grad_copy_wait_ns - before, opened_late - late);
 }
 
 // A copy that completes when the host waits for it: the uploads' bookkeeping without a copy engine's timing.

@@ -36,10 +36,14 @@ def test_auto_reports_each_terms_prediction_beside_its_measurement(device):
     parts = sum(terms[k]["predicted_s"] for k in TERMS[:-1])
     assert parts == pytest.approx(terms["total"]["predicted_s"]) == pytest.approx(plan["predicted_step_seconds"])
     assert terms["optimizer"]["measured_s"] is not None and terms["optimizer"]["measured_s"] >= 0
-    # The optimizer's term per optimizer step, the others per forward (one each here; the forward that began when
-    # the counters were read is not counted among the forwards).
+    # step()'s wait split: the worker's wait for gradient copies after backward ended, the rest the optimizer's.
+    assert terms["gradient_copies"]["measured_s"] is not None and terms["gradient_copies"]["measured_s"] >= 0, terms
+    # The optimizer's term per optimizer step, the others per forward (one each here: the forward the plan came in
+    # force before is among both, its waits counted after the counters were read).
     over = plan["terms_measured_over"]
     assert over["optimizer_steps"] - 1 <= over["steps"] <= over["optimizer_steps"] and over["steps"] > 0, over
+    assert over["steps"] == over["optimizer_steps"], over
+    assert "gradient copies" in over["gradient_copies"] and "less the gradient copies" in over["optimizer"], over
     assert terms["total"]["measured_s"] == plan["measured"]["step_seconds"]
     # The rest came from the plan's steps after its first few, and only the steps after them are measured beside.
     calibration = plan["rest_calibration"]

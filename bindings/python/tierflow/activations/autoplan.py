@@ -101,7 +101,7 @@ class AutoPlanner(_C.PlanFrontEnd):
         for r in self.runners:  # Note [Hooks stand aside]: back after a forward without grad
             r.step_in()
         self.driver.before_forward([(k, int(n)) for k, n in (inputs or {}).items()], self)
-        self._sync()
+        self._sync(forward_counted=True)
 
     def settle(self, why: str) -> None:
         """The plan in force stays: device memory was taken after its measurements (``why``), which a re-plan's
@@ -113,8 +113,10 @@ class AutoPlanner(_C.PlanFrontEnd):
         """The planner's budgets for `profile` (tiering::session_budgets, Note [Auto plan phases])."""
         return fields_of(self.driver.budgets(auto_profile(profile), self), BUDGET_FIELDS)
 
-    def _sync(self) -> None:
-        """This copy of the driver's plan, when it changed."""
+    def _sync(self, forward_counted: bool = False) -> None:
+        """This copy of the driver's plan, when it changed. `forward_counted`: before a forward the driver counted
+        already, which runs under the plan: its waits come after the counters read here, so it is not among their
+        forwards done (Note [Step prediction]: a term's waits and the forwards they are divided by, the same ones)."""
         if self.driver.revision == self._revision:
             return
         self._revision = self.driver.revision
@@ -123,6 +125,8 @@ class AutoPlanner(_C.PlanFrontEnd):
         self.keep_all, self.outside_kept = d.keep_all, d.outside_kept
         self.outside_tier = self.plan.get("outside_tier", "gpu" if d.outside_kept else "host")
         self._plan_counters = self._wait_counters()
+        if forward_counted:
+            self._plan_counters["forwards"] -= 1
 
     def _profile_dict(self, p: Any) -> dict:
         """An AutoProfile as its file holds it (Note [Profile file]); a file read back keeps its other keys."""
@@ -179,8 +183,9 @@ class AutoPlanner(_C.PlanFrontEnd):
 
     def _wait_counters(self) -> dict:
         """What the runtime counts of the step's waits, cumulative: the forwards so far (one a step), the compute's
-        waits for activations coming back and for the copy window, step()'s wait for the CPU optimizer, and its
-        kernel's time and gradient bytes."""
+        waits for activations coming back and for the copy window, step()'s wait for the CPU optimizer, the CPU
+        optimizer's worker's wait for gradient copies after backward ended, and its kernel's time and gradient
+        bytes."""
         stats = self.session.runtime.stats()
         stream = self._stream_stats()
         hooks = getattr(self.session, "step_stats", None)  # Note [Step stats]: the optimizer steps so far
@@ -192,6 +197,7 @@ class AutoPlanner(_C.PlanFrontEnd):
                 "activation_wait_ms": float(stats.get("prefetch", {}).get("stall_ms", 0.0)) +
                 float(stats.get("activations", {}).get("offload_wait_ms", 0.0)),
                 "step_wait_ms": float(stream.get("step_wait_ms", 0.0)),
+                "grad_copy_wait_ms": float(stream.get("grad_copy_wait_ms", 0.0)),
                 "kernel_ms": float(stream.get("kernel_ms", 0.0)) + float(stream.get("step_kernel_ms", 0.0)),
                 "kernel_grad_bytes": int(stream.get("kernel_grad_bytes", 0)), "streaming": bool(stream)}
 
@@ -210,8 +216,10 @@ class AutoPlanner(_C.PlanFrontEnd):
 
     def _measured_terms(self, out: dict) -> None:
         """Each term's measurement beside its prediction (report()["plan"]["terms"]): per step since the plan came
-        in force, what the runtime counted (activation waits, step()'s wait for the CPU optimizer) and the
-        measured step; the blocks' compute as the timed step measured it; None where nothing measures it apart."""
+        in force, what the runtime counted (activation waits, parameter waits; per optimizer step, step()'s wait
+        for the CPU optimizer split into the worker's wait for gradient copies after backward ended, at most all
+        of it, and the rest, the optimizer's) and the measured step; the blocks' compute as the timed step
+        measured it; None where nothing measures it apart."""
         terms = out.get("terms")
         if not isinstance(terms, dict):
             return
@@ -220,7 +228,12 @@ class AutoPlanner(_C.PlanFrontEnd):
         per_step = (lambda key: (now[key] - then[key]) / 1e3 / steps) if steps > 0 else (lambda key: None)
         # The optimizer steps once an optimizer step, not a forward (gradient accumulation: several forwards).
         opt_steps = now["optimizer_steps"] - then.get("optimizer_steps", now["optimizer_steps"])
-        per_opt_step = (now["step_wait_ms"] - then["step_wait_ms"]) / 1e3 / opt_steps if opt_steps > 0 else None
+        optimizer = gradients = None
+        if now["streaming"] and opt_steps > 0:
+            step_wait = max(0.0, now["step_wait_ms"] - then["step_wait_ms"]) / 1e3 / opt_steps
+            copy_wait = max(0.0, now["grad_copy_wait_ms"] - then.get("grad_copy_wait_ms", 0.0)) / 1e3 / opt_steps
+            gradients = min(copy_wait, step_wait)  # a wait before step() began is not the step's
+            optimizer = step_wait - gradients
         fetches = None
         if now.get("param_wait_ms") is not None and then.get("param_wait_ms") is not None:
             fetches = per_step("param_wait_ms")
@@ -230,15 +243,17 @@ class AutoPlanner(_C.PlanFrontEnd):
             compute = sum(timed.get(k) or 0.0 for k in ("blocks_forward_seconds", "blocks_backward_seconds",
                                                          "blocks_replay_seconds"))
         measured = {"compute": compute, "activation_copies": per_step("activation_wait_ms"),
-                    "parameter_fetches": fetches, "gradient_copies": None,
-                    "optimizer": per_opt_step if now["streaming"] else None,
+                    "parameter_fetches": fetches, "gradient_copies": gradients, "optimizer": optimizer,
                     "rest": None, "total": (out.get("measured") or {}).get("step_seconds")}
         for name, term in terms.items():
             term["measured_s"] = measured.get(name)
         out["terms_measured_over"] = {"steps": steps, "optimizer_steps": opt_steps,
                                       "compute": "the timed step's blocks",
                                       "parameter_fetches": "the compute's waits for fetched parameters",
-                                      "gradient_copies": "not measured apart (inside the optimizer's wait)"}
+                                      "gradient_copies": "the CPU optimizer's wait for gradient copies after "
+                                      "backward ended, per optimizer step (at most step()'s wait)",
+                                      "optimizer": "step()'s wait for the CPU optimizer less the gradient copies' "
+                                      "part, per optimizer step"}
 
     # --- what the driver asks of its front end (tiering::PlanFrontEnd) ---
 

@@ -57,7 +57,10 @@ struct StepEngineStats {
   double sized_link_bytes_per_s = 0;  ///< what size_buckets chose the buckets from: the link,
   double sized_cpu_grad_bytes_per_s = 0;  ///< ... the CPU AdamW's rate,
   double sized_backward_s = 0;        ///< ... and the backward (0: not sized from measurements)
-  std::uint64_t step_wait_ns = 0;     ///< time step() waited for the worker after backward
+  std::uint64_t step_wait_ns = 0;     ///< time waited for the worker after backward: step()'s waits, both
+                                      ///< (wait_worker_unlocked's; a load's too)
+  std::uint64_t grad_copy_wait_ns = 0;  ///< the worker's time waiting for gradient copies after the backward
+                                        ///< ended (Note [Stream timeline]: [picked, landed] past backward_end)
   std::uint64_t weight_wait_ns = 0;   ///< host time spent waiting for weights (forward mode: in pre-hooks)
   std::uint64_t content_check_ns = 0; ///< host time spent on gradients' and weights' contents (Notes [Gradient content], [Weight content])
   std::uint64_t last_backward_ns = 0; ///< last backward, from its first gradient to its end
@@ -93,7 +96,12 @@ struct BucketTimes {
 /// launched <= picked <= landed <= stepped for every bucket; on a GPU,
 /// `landed - picked` is the worker waiting for a copy and `picked - launched`
 /// the bucket waiting behind the kernels of the buckets before it. -1: did not
-/// happen in that window.
+/// happen in that window. The worker's waits for copies after the backward
+/// ended (the part of each bucket's [picked, landed] past backward_end) add
+/// up to StepEngineStats::grad_copy_wait_ns: the gradients' copies holding
+/// the step up (Note [Step prediction]'s gradient copies term). Only the
+/// window's last backward streams, so only its end counts; a bucket that
+/// landed before that end callback took the lock is counted by the callback.
 struct WindowTimeline {
   double backward_end_ms = -1;    ///< the backward's end callback ran
   double step_ms = -1;            ///< step() began waiting for the worker
@@ -188,8 +196,8 @@ class StepEngine {
   // step().
   /// Waits for the worker (without the lock); rethrows the first failure of a bucket's step.
   void drain_unlocked() { worker_->drain(); }
-  /// Waits for the worker, then takes the lock; with `step` as step()'s own wait (step_wait_ns), without as its
-  /// first (Note [Stream timeline]).
+  /// Waits for the worker, then takes the lock; counted in step_wait_ns either way; with `step` as step()'s own
+  /// wait, without as its first (the timeline's step_ms: Note [Stream timeline]).
   void wait_worker_unlocked(bool step);
   /// The early step's out-of-place results of `slot` go (it is redone in place); with `staging` its new
   /// weights' staging too (it is not stepped here at all).
@@ -296,9 +304,11 @@ class StepEngine {
   };
   struct WindowClock {  // this window's times (absolute ns, 0: not yet)
     std::uint64_t start = 0, backward_end = 0, step = 0, worker_done = 0;
+    std::uint64_t copies_exposed_from = 0;  // the backward streaming now ended here (0: running or none yet)
     struct Bucket {
       std::size_t bucket = 0;
       std::uint64_t grad_bytes = 0, launched = 0, picked = 0, landed = 0, stepped = 0;
+      bool copy_wait_counted = false;  // its wait is in grad_copy_wait_ns (by the worker or the end callback)
     };
     std::vector<Bucket> buckets;
   };
@@ -312,6 +322,8 @@ class StepEngine {
   std::uint64_t step_entries(const std::vector<Entry>& entries);
   void redo(const std::vector<std::pair<std::size_t, double>>& redo, std::vector<std::size_t>& committed);
   void finish_clock();
+  // The part of [picked, landed] after the backward ended (grad_copy_wait_ns), 0 while it runs.
+  std::uint64_t copy_wait_past_backward(std::uint64_t picked, std::uint64_t landed) const noexcept;
 
   StepEngineHost& host_;
   mutable std::mutex mutex_;

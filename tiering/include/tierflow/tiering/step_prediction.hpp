@@ -56,12 +56,15 @@
 // at the rate the timed step's kernel ran (its gradient bytes over its time)
 // when known, else step()'s wait for the worker in the timed step, never more
 // than the rest. The terms then add up to predicted_step_seconds.
-// report()["plan"]["terms"] puts each beside its measurement: per step since
-// the plan came in force, the compute's waits for activations (prefetch
-// stalls, the copy window) and step()'s wait for the CPU optimizer; the
-// blocks' compute as the timed step measured it; the measured step; None
-// where nothing counts a term apart (parameter fetches, gradient copies, the
-// rest). benchmarks/plan_prediction_check.py gives predicted / measured per
+// report()["plan"]["terms"] puts each beside its measurement: per forward
+// since the plan came in force (the forward it came in before included), the
+// compute's waits for activations (prefetch stalls, the copy window) and for
+// fetched parameters; per optimizer step, step()'s waits for the CPU
+// optimizer, split in two: the worker's wait for gradient copies after the
+// backward ended (StepEngineStats::grad_copy_wait_ns, Note [Stream timeline];
+// at most step()'s wait) is the gradient copies' term, the rest the
+// optimizer's; the blocks' compute as the timed step measured it; the
+// measured step; None where nothing counts a term apart (the rest). benchmarks/plan_prediction_check.py gives predicted / measured per
 // mode over several runs. The rest (and with it the whole step) comes from the
 // plan's own steps once they ran, compared with the steps after (Note [Rest
 // calibration]); tiny preset, 5 fresh runs a mode, 20 held-out steps each,
