@@ -14,8 +14,6 @@ namespace tierflow {
 namespace {
 std::atomic<double> g_timeout{kDefaultStallTimeout};
 std::atomic<bool> g_stall_seen{false};
-std::atomic<std::uint64_t> g_kept_bytes{0};
-std::atomic<std::size_t> g_kept_count{0};
 
 std::string seconds_text(double s) {
   char buf[32];
@@ -70,34 +68,6 @@ std::chrono::steady_clock::time_point stall_deadline(std::chrono::steady_clock::
 std::chrono::steady_clock::time_point PendingWork::deadline() const noexcept { return stall_deadline(since_); }
 
 bool stall_seen() noexcept { return g_stall_seen.load(); }
-
-void note_kept_forever(std::uint64_t bytes, const std::string& what) noexcept {
-  g_kept_bytes += bytes;
-  ++g_kept_count;
-  try {
-    log(LogLevel::kWarn, "tierflow: " + what + " is kept for good (not freed): a stalled copy or request may "
-                         "still read or write it (Note [Stall timeout])");
-  } catch (...) {
-  }
-}
-
-void keep_forever(std::shared_ptr<void> memory, std::uint64_t bytes, const std::string& what) noexcept {
-  if (!memory) return;
-  try {
-    // Deliberately never freed, and reachable from here (no leak report under LeakSanitizer: it is kept).
-    static std::mutex kept_mutex;
-    static auto* kept = new std::vector<std::shared_ptr<void>>();
-    std::lock_guard<std::mutex> lock(kept_mutex);
-    kept->push_back(std::move(memory));
-  } catch (...) {
-    // no room even for the holder: the memory is freed when `memory` goes; nothing else can be done
-    return;
-  }
-  note_kept_forever(bytes, what);
-}
-
-std::uint64_t kept_forever_bytes() noexcept { return g_kept_bytes.load(); }
-std::size_t kept_forever_count() noexcept { return g_kept_count.load(); }
 
 namespace {
 std::mutex g_claim_mutex;

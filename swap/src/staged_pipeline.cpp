@@ -2,10 +2,13 @@
 #include "tierflow/swap/staged_pipeline.hpp"
 
 #include <algorithm>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "tierflow/core/clock.hpp"
 #include "tierflow/core/error.hpp"
+#include "tierflow/core/keep_forever.hpp"
 #include "tierflow/core/log.hpp"
 #include "tierflow/core/size.hpp"
 #include "tierflow/core/stall.hpp"
@@ -81,7 +84,7 @@ StagedPipeline::~StagedPipeline() {
   // within the limit (counted from the work's start: what stalled already is given up at once), and past it
   // keep the block's memory for good (staging, device copy, NVMe space) instead of hanging the exit.
   std::uint64_t kept_bytes = 0;
-  std::size_t kept = 0;
+  std::vector<std::shared_ptr<void>> kept;  // its staging, device copy and NVMe space stay
   for (const BlockPtr& b : stalled_) {
     bool hung = false;
     for (const TransferHandle* h : {&b->d2h, &b->h2d, &b->write, &b->read}) {
@@ -98,16 +101,12 @@ StagedPipeline::~StagedPipeline() {
       continue;
     }
     kept_bytes += b->bytes;
-    ++kept;
-    // Deliberately never freed (its staging, device copy and NVMe space stay), and reachable: no leak report.
-    static std::mutex kept_mutex;
-    static auto* kept_blocks = new std::vector<BlockPtr>();
-    std::lock_guard<std::mutex> lock(kept_mutex);
-    kept_blocks->push_back(b);
+    kept.push_back(b);
   }
-  if (kept)
-    note_kept_forever(kept_bytes, std::to_string(kept) + " staged block(s) of " + format_bytes(kept_bytes) +
-                                      " whose copy or NVMe request stalled, at the pipeline's teardown");
+  if (kept.empty()) return;
+  const std::string what = std::to_string(kept.size()) + " staged block(s) of " + format_bytes(kept_bytes) +
+                           " whose copy or NVMe request stalled, at the pipeline's teardown";
+  keep_forever(std::move(kept), kept_bytes, what);
 }
 
 StagedPipeline::Block& StagedPipeline::at(std::uint64_t id) const {

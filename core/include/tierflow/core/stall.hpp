@@ -66,6 +66,8 @@
 #include <string>
 #include <vector>
 
+#include "tierflow/core/keep_forever.hpp"  // what teardown keeps after a stall
+
 namespace tierflow {
 
 /// A wait on asynchronous work lasted longer than TIERFLOW_STALL_TIMEOUT.
@@ -156,15 +158,7 @@ std::chrono::steady_clock::time_point stall_deadline(std::chrono::steady_clock::
 /// timeout]).
 bool stall_seen() noexcept;
 
-/// Keeps `memory` alive for the rest of the process: memory a stalled copy or request may still read or write,
-/// given up at teardown. Logs one warning naming `what` ("a gradient bucket of 4.00 MiB").
-void keep_forever(std::shared_ptr<void> memory, std::uint64_t bytes, const std::string& what) noexcept;
-/// Bytes kept for good so far, and how many pieces.
-std::uint64_t kept_forever_bytes() noexcept;
-std::size_t kept_forever_count() noexcept;
-/// Counts `bytes` as kept for good (memory kept some other way, e.g. by leaking its owner), logging one
-/// warning naming `what`.
-void note_kept_forever(std::uint64_t bytes, const std::string& what) noexcept;
+// Memory kept for good after a stall (keep_forever, note_kept_forever): keep_forever.hpp, included above.
 
 /// A Runtime's claim on the process-wide limit: sets it, and refuses (config_error naming
 /// TIERFLOW_STALL_TIMEOUT and both values) while another claim with a different value lives.
