@@ -1,13 +1,11 @@
 // Note [Stall timeout]: a wait on a copy or an NVMe request that never completes raises, naming it and what
 // else is in flight, within TIERFLOW_STALL_TIMEOUT.
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
-#include <filesystem>
 #include <future>
 #include <random>
 #include <set>
@@ -15,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "nvme_test_dir.hpp"
 #include "tierflow/allocator/pinned_host_pool.hpp"
 #include "tierflow/core/config.hpp"
 #include "tierflow/core/error.hpp"
@@ -30,7 +29,7 @@
 
 using namespace tierflow;
 using namespace tierflow::swap;
-namespace fs = std::filesystem;
+using namespace tierflow::testing_nvme;
 
 namespace {
 
@@ -97,18 +96,10 @@ TEST_F(StallTest, AWaitWithinTheTimeoutIsUntouched) {
 }
 
 TEST_F(StallTest, AStuckNvmeWriteRaisesNamingItsBlock) {
-  const char* base = std::getenv("NVME_TEST_DIR");
-  const std::string dir = std::string(base ? base : (fs::current_path() / "nvme-test").string()) + "/stall-" +
-                          std::to_string(getpid());
-  fs::create_directories(dir);
+  const NvmeTestDir dir("stall-");
   {
     NvmeFaults faults;
-    NvmeEngineOptions o;
-    o.paths = {dir};
-    o.bytes_per_path = 16ULL << 20;
-    o.block_bytes = 256 << 10;
-    o.faults = &faults;
-    NvmeEngine e(o);
+    NvmeEngine e(faulty_nvme_options(dir.path(), faults, 256 << 10));
     std::vector<char> data(1 << 20, 7);
     const NvmeBlock b = e.allocate(data.size());
     faults.write_delay_us = 1'000'000;  // the disk holds each write request this long
@@ -124,7 +115,6 @@ TEST_F(StallTest, AStuckNvmeWriteRaisesNamingItsBlock) {
     e.read(b, back.data(), back.size()).wait();
     EXPECT_EQ(back, data);
   }
-  fs::remove_all(dir);
 }
 
 TEST(StallConfig, TheTimeoutParsesSecondsMinutesHoursAndNone) {
@@ -327,18 +317,10 @@ TEST_F(StallTest, TeardownWithAHungCopyReturnsWithinTheLimitKeepingItsMemory) {
 // Item 1: the staged pipeline's wait for staging, on an NVMe write that stalls, raises the stall instead of
 // giving up as if no staging memory could be had (a false out-of-memory: the block would stay on the device).
 TEST_F(StallTest, AStagingWaitOnAStalledNvmeWriteRaisesTheStall) {
-  const char* base = std::getenv("NVME_TEST_DIR");
-  const std::string dir = std::string(base ? base : (fs::current_path() / "nvme-test").string()) +
-                          "/stall-staging-" + std::to_string(getpid());
-  fs::create_directories(dir);
+  const NvmeTestDir dir("stall-staging-");
   {
     NvmeFaults nvme_faults;
-    NvmeEngineOptions no;
-    no.paths = {dir};
-    no.bytes_per_path = 16ULL << 20;
-    no.block_bytes = 256 << 10;
-    no.faults = &nvme_faults;
-    auto nvme = std::make_shared<NvmeEngine>(no);
+    auto nvme = std::make_shared<NvmeEngine>(faulty_nvme_options(dir.path(), nvme_faults, 256 << 10));
     std::shared_ptr<CopyEngine> engine = make_emulated_copy_engine();
     allocator::PinnedHostPoolOptions po;
     po.budget_bytes = 1 << 20;  // staging for one block
@@ -371,24 +353,15 @@ TEST_F(StallTest, AStagingWaitOnAStalledNvmeWriteRaisesTheStall) {
     set_stall_timeout(0);
     nvme_faults.write_delay_us = 0;
   }
-  fs::remove_all(dir);
 }
 
 // Item 1: the NVMe optimizer's stalled read raises (its state is not taken for lost, its buffer not reused for
 // the next item), and the state on NVMe stays intact.
 TEST_F(StallTest, TheNvmeOptimizersStalledReadRaisesInsteadOfTakingTheStateForLost) {
-  const char* base = std::getenv("NVME_TEST_DIR");
-  const std::string dir = std::string(base ? base : (fs::current_path() / "nvme-test").string()) + "/stall-adam-" +
-                          std::to_string(getpid());
-  fs::create_directories(dir);
+  const NvmeTestDir dir("stall-adam-");
   {
     NvmeFaults faults;
-    NvmeEngineOptions no;
-    no.paths = {dir};
-    no.bytes_per_path = 16ULL << 20;
-    no.block_bytes = 128 << 10;
-    no.faults = &faults;
-    auto nvme = std::make_shared<NvmeEngine>(no);
+    auto nvme = std::make_shared<NvmeEngine>(faulty_nvme_options(dir.path(), faults, 128 << 10));
     allocator::PinnedHostPoolOptions po;
     po.budget_bytes = 16 << 20;
     po.slab_bytes = 4 << 20;
@@ -425,7 +398,6 @@ TEST_F(StallTest, TheNvmeOptimizersStalledReadRaisesInsteadOfTakingTheStateForLo
     store.read(k1, back.data(), m.data(), v.data(), nullptr);
     EXPECT_EQ(back, master) << "the state on NVMe is intact";
   }
-  fs::remove_all(dir);
 }
 
 // Item 7: the CPU optimizer's step (the step engine's worker) waits with the limit: a bucket whose gradient

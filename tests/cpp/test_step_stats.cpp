@@ -1,6 +1,8 @@
 // tiering::StepRecorder: per-step figures from counter snapshots (Note [Step stats]).
 #include <gtest/gtest.h>
 
+#include <vector>
+
 #include "tierflow/core/error.hpp"
 #include "tierflow/tiering/step_stats.hpp"
 
@@ -26,6 +28,20 @@ StepCounters at(std::uint64_t k) {
   c.pinned_host = {50, 50};
   c.nvme = {0, 0};
   return c;
+}
+
+const std::vector<StepMark> kForwardAndStep = {StepMark::kForwardBegin, StepMark::kForwardEnd, StepMark::kStepBegin,
+                                               StepMark::kStepEnd};
+const std::vector<StepMark> kForwardThenStep = {StepMark::kForwardBegin, StepMark::kStepBegin, StepMark::kStepEnd};
+
+/// Marks `marks` a millisecond apart from `t_ms` ms, `tier` of `c` read as `readings[i]` at mark i (the last
+/// reading at every mark after it).
+void mark_readings(StepRecorder& r, std::uint64_t t_ms, StepCounters& c, TierReading StepCounters::*tier,
+                   const std::vector<StepMark>& marks, const std::vector<TierReading>& readings) {
+  for (std::size_t i = 0; i < marks.size(); ++i) {
+    if (i < readings.size()) c.*tier = readings[i];
+    r.mark(marks[i], (t_ms + i) * kMs, c);
+  }
 }
 
 }  // namespace
@@ -116,13 +132,8 @@ TEST(StepRecorder, WithoutAnOptimizerTheNextForwardEndsTheStep) {
 TEST(StepRecorder, PeakIsTheMetersWhenItRoseDuringTheStep) {
   StepRecorder r;
   StepCounters c = at(1);
-  c.device_activations = {0, 100};
-  r.mark(StepMark::kForwardBegin, 10 * kMs, c);
-  c.device_activations = {40, 100};
-  r.mark(StepMark::kForwardEnd, 11 * kMs, c);
-  c.device_activations = {0, 250};  // a new all-time peak reached between the marks
-  r.mark(StepMark::kStepBegin, 12 * kMs, c);
-  r.mark(StepMark::kStepEnd, 13 * kMs, c);
+  // a new all-time peak (250) reached between the marks
+  mark_readings(r, 10, c, &StepCounters::device_activations, kForwardAndStep, {{0, 100}, {40, 100}, {0, 250}});
   EXPECT_EQ(r.last()->peak_device_activation_bytes, 250u);
   EXPECT_TRUE(r.last()->peaks_exact);
 }
@@ -130,22 +141,13 @@ TEST(StepRecorder, PeakIsTheMetersWhenItRoseDuringTheStep) {
 TEST(StepRecorder, PeakBelowTheAllTimePeakIsTheHighestReading) {
   StepRecorder r;
   StepCounters c = at(1);
-  c.device_activations = {5, 500};  // an earlier step reached 500
-  r.mark(StepMark::kForwardBegin, 10 * kMs, c);
-  c.device_activations = {120, 500};
-  r.mark(StepMark::kForwardEnd, 11 * kMs, c);
-  c.device_activations = {30, 500};
-  r.mark(StepMark::kStepBegin, 12 * kMs, c);
-  r.mark(StepMark::kStepEnd, 13 * kMs, c);
+  // an earlier step reached 500
+  mark_readings(r, 10, c, &StepCounters::device_activations, kForwardAndStep, {{5, 500}, {120, 500}, {30, 500}});
   EXPECT_EQ(r.last()->peak_device_activation_bytes, 120u);
   EXPECT_FALSE(r.last()->peaks_exact) << "120 is a lower bound: the meter's 500 may or may not be this step's";
 
-  c.device_activations = {5, 500};
-  r.mark(StepMark::kForwardBegin, 20 * kMs, c);
-  c.device_activations = {500, 500};  // read at the all-time peak: exact
-  r.mark(StepMark::kForwardEnd, 21 * kMs, c);
-  r.mark(StepMark::kStepBegin, 22 * kMs, c);
-  r.mark(StepMark::kStepEnd, 23 * kMs, c);
+  // read at the all-time peak: exact
+  mark_readings(r, 20, c, &StepCounters::device_activations, kForwardAndStep, {{5, 500}, {500, 500}});
   EXPECT_EQ(r.last()->peak_device_activation_bytes, 500u);
   EXPECT_TRUE(r.last()->peaks_exact);
 }
@@ -153,13 +155,8 @@ TEST(StepRecorder, PeakBelowTheAllTimePeakIsTheHighestReading) {
 TEST(StepRecorder, TierWithoutAMeterPeakHasItsReadings) {
   StepRecorder r;
   StepCounters c = at(1);
-  c.nvme = {64, TierReading::kNoPeak};
-  r.mark(StepMark::kForwardBegin, 10 * kMs, c);
-  c.nvme = {192, TierReading::kNoPeak};
-  r.mark(StepMark::kForwardEnd, 11 * kMs, c);
-  c.nvme = {0, TierReading::kNoPeak};
-  r.mark(StepMark::kStepBegin, 12 * kMs, c);
-  r.mark(StepMark::kStepEnd, 13 * kMs, c);
+  mark_readings(r, 10, c, &StepCounters::nvme, kForwardAndStep,
+                {{64, TierReading::kNoPeak}, {192, TierReading::kNoPeak}, {0, TierReading::kNoPeak}});
   EXPECT_EQ(r.last()->peak_nvme_bytes, 192u);
   EXPECT_EQ(r.last()->peak_pinned_host_bytes, 50u);
   EXPECT_FALSE(r.last()->peaks_exact);
@@ -171,20 +168,12 @@ TierReading windowed(std::int64_t current, std::int64_t window) { return {curren
 TEST(StepRecorder, WindowedPeakBelowAnEarlierStepsIsExact) {
   StepRecorder r;
   StepCounters c = at(1);
-  c.pinned_host = windowed(0, 0);
-  r.mark(StepMark::kForwardBegin, 10 * kMs, c);
-  c.pinned_host = windowed(10, 500);  // 500 between the marks, gone by the reading
-  r.mark(StepMark::kStepBegin, 11 * kMs, c);
-  r.mark(StepMark::kStepEnd, 12 * kMs, c);
+  // 500 between the marks, gone by the reading
+  mark_readings(r, 10, c, &StepCounters::pinned_host, kForwardThenStep, {windowed(0, 0), windowed(10, 500)});
   EXPECT_EQ(r.last()->peak_pinned_host_bytes, 500u);
-  c.pinned_host = windowed(20, 20);
-  r.mark(StepMark::kForwardBegin, 20 * kMs, c);
-  c.pinned_host = windowed(30, 120);  // the second step went to 120 only, below the first's 500
-  r.mark(StepMark::kForwardEnd, 21 * kMs, c);
-  c.pinned_host = windowed(5, 90);
-  r.mark(StepMark::kStepBegin, 22 * kMs, c);
-  c.pinned_host = windowed(5, 5);
-  r.mark(StepMark::kStepEnd, 23 * kMs, c);
+  // the second step went to 120 only, below the first's 500
+  mark_readings(r, 20, c, &StepCounters::pinned_host, kForwardAndStep,
+                {windowed(20, 20), windowed(30, 120), windowed(5, 90), windowed(5, 5)});
   EXPECT_EQ(r.last()->peak_pinned_host_bytes, 120u);
   c.device_activations = windowed(0, 0);
   c.nvme = windowed(0, 0);
@@ -201,18 +190,12 @@ TEST(StepRecorder, WindowedPeakBelowAnEarlierStepsIsExact) {
 TEST(StepRecorder, TheFirstMarksWindowIsTheTimeBeforeTheStep) {
   StepRecorder r;
   StepCounters c = at(1);
-  c.pinned_host = windowed(40, 900);  // 900 before the step began (between steps)
-  r.mark(StepMark::kForwardBegin, 10 * kMs, c);
-  c.pinned_host = windowed(10, 60);
-  r.mark(StepMark::kStepBegin, 11 * kMs, c);
-  c.pinned_host = windowed(10, 10);
-  r.mark(StepMark::kStepEnd, 12 * kMs, c);
+  // 900 before the step began (between steps)
+  mark_readings(r, 10, c, &StepCounters::pinned_host, kForwardThenStep,
+                {windowed(40, 900), windowed(10, 60), windowed(10, 10)});
   EXPECT_EQ(r.last()->peak_pinned_host_bytes, 60u);
-  c.pinned_host = windowed(70, 70);  // a reading above the windows after it counts (the step held it)
-  r.mark(StepMark::kForwardBegin, 20 * kMs, c);
-  c.pinned_host = windowed(0, 30);
-  r.mark(StepMark::kStepBegin, 21 * kMs, c);
-  r.mark(StepMark::kStepEnd, 22 * kMs, c);
+  // a reading above the windows after it counts (the step held it)
+  mark_readings(r, 20, c, &StepCounters::pinned_host, kForwardThenStep, {windowed(70, 70), windowed(0, 30)});
   EXPECT_EQ(r.last()->peak_pinned_host_bytes, 70u);
 }
 
@@ -237,12 +220,9 @@ TEST(StepRecorder, AStepEndingAtTheNextForwardHasTheWindowUpToIt) {
 TEST(StepRecorder, ATierReadWithoutAWindowFallsBackOnItsMeter) {
   StepRecorder r;
   StepCounters c = at(1);
-  c.pinned_host = windowed(0, 0);
-  r.mark(StepMark::kForwardBegin, 10 * kMs, c);
-  c.pinned_host = {0, 50, TierReading::kNoPeak};  // one mark without a window: the step's window has a hole
-  r.mark(StepMark::kStepBegin, 11 * kMs, c);
-  c.pinned_host = windowed(0, 20);
-  r.mark(StepMark::kStepEnd, 12 * kMs, c);
+  // one mark without a window (the second): the step's window has a hole
+  mark_readings(r, 10, c, &StepCounters::pinned_host, kForwardThenStep,
+                {windowed(0, 0), {0, 50, TierReading::kNoPeak}, windowed(0, 20)});
   EXPECT_EQ(r.last()->peak_pinned_host_bytes, 0u) << "the readings only (the all-time peak did not rise)";
   EXPECT_FALSE(r.last()->peaks_exact);
 }
@@ -262,17 +242,9 @@ TEST(StepRecorder, ParamWaitIsItsOwnFigure) {
 TEST(StepRecorder, PeaksStartOverEachStep) {
   StepRecorder r;
   StepCounters c = at(1);
-  c.pinned_host = {900, 900};
-  r.mark(StepMark::kForwardBegin, 10 * kMs, c);
-  c.pinned_host = {0, 900};
-  r.mark(StepMark::kStepBegin, 11 * kMs, c);
-  r.mark(StepMark::kStepEnd, 12 * kMs, c);
+  mark_readings(r, 10, c, &StepCounters::pinned_host, kForwardThenStep, {{900, 900}, {0, 900}});
   EXPECT_EQ(r.last()->peak_pinned_host_bytes, 900u);
-  c.pinned_host = {30, 900};
-  r.mark(StepMark::kForwardBegin, 20 * kMs, c);
-  c.pinned_host = {70, 900};
-  r.mark(StepMark::kStepBegin, 21 * kMs, c);
-  r.mark(StepMark::kStepEnd, 22 * kMs, c);
+  mark_readings(r, 20, c, &StepCounters::pinned_host, kForwardThenStep, {{30, 900}, {70, 900}});
   EXPECT_EQ(r.last()->peak_pinned_host_bytes, 70u) << "the first step's 900 is not this step's";
 }
 
