@@ -205,3 +205,29 @@ def test_unwrap_and_dropping_the_optimizer_free_the_runtime_and_its_stall_limit(
                           stall_timeout="90s")  # refused while the first runtime lived
     tierflow.unwrap(m2)
     m1(torch.randn(2, 8))  # the unwrapped model still works
+
+
+@pytest.mark.ordering  # the run moves data through the copy engine
+@in_own_process  # the stall limit is the process's: no earlier test's runtime may be alive (Note [Stall timeout])
+def test_auto_with_offloaded_parameters_leaves_no_runtime_alive_after_the_run():
+    """A graph of the run that outlives its step (the offloaded parameters' bookkeeping holds nodes of it) must
+    not keep the activation planner's block runners, and through them the session and its runtime, alive:
+    the timing step's gradient hooks held their runner strongly from C++ (autograd's hooks), where the
+    collector cannot see the cycle. Found by the loop fuzzer (seed 3): a later wrap with another stall_timeout
+    was refused in the same process."""
+    import gc
+
+    import loop_fuzz
+    from loop_fuzz_loop import Loop
+
+    loop = Loop(seed=3, acts="auto", offload_params="auto")
+    assert loop_fuzz.run(loop, use_tierflow=True).losses
+    gc.collect()
+    alive = [f"{type(o).__module__}.{type(o).__qualname__}" for o in gc.get_objects()
+             if type(o).__qualname__ in ("BlockRunner", "Frame", "CPUAdamW", "Session")
+             and str(getattr(type(o), "__module__", "")).startswith("tierflow")]
+    assert not alive, f"alive after the run, unwrap() and a collection: {alive}"
+    m = torch.nn.Linear(4, 4)
+    m, _ = tierflow.wrap(m, device="emulated", offload_activations="none", offload_optimizer="none",
+                         stall_timeout="77s")  # refused while a runtime of the run lived
+    tierflow.unwrap(m)

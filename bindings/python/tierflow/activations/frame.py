@@ -51,6 +51,18 @@ def replaying() -> bool:
 # ---- one forward of one block -----------------------------------------------------------
 
 
+class BackwardClock:
+    """A timing step's start of one forward's backward, shared by the gradient hooks that mark it: they hold
+    this, not the Frame (whose runner leads to the runtime: BlockRunner._backward_mark)."""
+
+    __slots__ = ("t0", "wait0", "replay")
+
+    def __init__(self) -> None:
+        self.t0: Optional[float] = None  # when the gradient of its output was ready
+        self.wait0 = 0.0                 # the device wait just before t0
+        self.replay = 0.0                # its replay's time (the frame may be gone when its backward ends)
+
+
 class Placeholder:
     """What autograd holds for a saved tensor the replay rebuilds."""
 
@@ -96,8 +108,7 @@ class Frame:
         self.dynamic: Optional[str] = None  # why this forward is not its table's
         self.pending: dict = {}       # pack index -> the tensor behind a placeholder, until the forward ends
         self.whole_swapped: dict = {}  # pack index -> offloader handle, for placeholders of a departed forward
-        self.backward_t0: Optional[float] = None  # timing step: when the gradient of its output was ready
-        self.backward_wait0 = 0.0                  # timing step: the device wait just before backward_t0
+        self.backward_clock = BackwardClock()     # timing step: its backward's start (BlockRunner._backward_mark)
         self.t0 = 0.0                              # timing step: when its forward began
         self.wait0 = 0.0                           # timing step: the device wait just before t0
         self.replay_seconds = 0.0                  # timing step: its replay's time
@@ -260,6 +271,7 @@ class Frame:
         if runner.timing:
             runner.sync()
             self.replay_seconds = time.perf_counter() - t0
+            self.backward_clock.replay = self.replay_seconds
             runner.recompute_seconds.append(self.replay_seconds)
 
 

@@ -245,18 +245,29 @@ class BlockRunner:
 
     def _backward_mark(self, f: Frame, start: bool) -> Any:
         """A gradient hook timing one block's backward in the timing step: the gradient of its output starts
-        it, the gradient of its input ends it; its replay, inside, is taken out."""
+        it, the gradient of its input ends it; its replay, inside, is taken out.
+
+        The hook holds the runner weakly and the frame not at all (only its BackwardClock): autograd keeps a
+        tensor's hooks in C++, where Python's collector does not see them, so a strong reference here made a graph
+        that outlived its step (one whose nodes the parameters' bookkeeping also held) keep the runner, the
+        session and the runtime alive after unwrap() and del (a later wrap with another stall_timeout was refused
+        in the same process)."""
+        runner_ref, clock = weakref.ref(self), f.backward_clock
+
         def hook(grad: torch.Tensor) -> None:
+            runner = runner_ref()
+            if runner is None:
+                return
             before = time.perf_counter()
-            self.sync()
+            runner.sync()
             now = time.perf_counter()
             if start:
-                f.backward_t0 = now
-                f.backward_wait0 = now - before  # the device work queued since the last block's end
-            elif f.backward_t0 is not None:
-                self.backward_seconds.append(max(now - f.backward_t0 - f.replay_seconds, 0.0))
-                self.intervals.append(("backward", f.backward_t0, now, f.backward_wait0))
-                f.backward_t0 = None
+                clock.t0 = now
+                clock.wait0 = now - before  # the device work queued since the last block's end
+            elif clock.t0 is not None:
+                runner.backward_seconds.append(max(now - clock.t0 - clock.replay, 0.0))
+                runner.intervals.append(("backward", clock.t0, now, clock.wait0))
+                clock.t0 = None
         return hook
 
     # Note [Trace]: a forward's span (and a torch.profiler range), and when tierflow's trace records, its backward's
