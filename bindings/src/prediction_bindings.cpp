@@ -7,6 +7,7 @@
 #include <string>
 
 #include "init_from_kwargs.hpp"
+#include "state_format_setting.hpp"
 #include "struct_dict.hpp"
 #include "tierflow/core/config.hpp"
 #include "tierflow/core/state_format.hpp"
@@ -21,11 +22,6 @@ namespace tierflow::bindings {
 namespace {
 
 using namespace tierflow::tiering;
-
-// The format TIERFLOW_OPTIMIZER_STATES names `text`; ConfigError naming the variable and the accepted values.
-StateFormat states_of(const std::string& text) {
-  return *parse_state_format(parse_setting("TIERFLOW_OPTIMIZER_STATES", text));
-}
 
 // What the plan command measures when --cpu-adam-rate is not given: every core, about 60 ms.
 double measured_for_plan(StateFormat states) { return optimizer::measure_cpu_adam_rate(states).params_per_second; }
@@ -57,7 +53,7 @@ void bind_prediction(py::module_& m) {
   m.def(
       "measure_cpu_adam_rate",
       [](const std::string& states, double seconds, std::size_t parameters, int threads) {
-        return optimizer::measure_cpu_adam_rate(states_of(states), seconds, parameters, threads).params_per_second;
+        return optimizer::measure_cpu_adam_rate(state_format_of(states), seconds, parameters, threads).params_per_second;
       },
       py::arg("states") = "fp32", py::arg("seconds") = 0.06, py::arg("parameters") = std::size_t{1} << 22,
       py::arg("threads") = 0, py::call_guard<py::gil_scoped_release>(),
@@ -65,7 +61,7 @@ void bind_prediction(py::module_& m) {
       "kernel timed for about `seconds` (Note [Step prediction]).");
   m.def("cpu_adam_step_bytes_per_param",
         [](const std::string& states, int dtype_bytes) {
-          return cpu_adam_step_bytes_per_param(states_of(states), dtype_bytes);
+          return cpu_adam_step_bytes_per_param(state_format_of(states), dtype_bytes);
         },
         py::arg("states"), py::arg("dtype_bytes"), "Bytes a parameter one CPU AdamW step moves (Note [Step prediction]).");
 
@@ -75,7 +71,7 @@ void bind_prediction(py::module_& m) {
       .def_readwrite("params_per_second", &OptimizerStepInputs::params_per_second)
       .def_property(
           "states", [](const OptimizerStepInputs& o) { return std::string(to_string(o.states)); },
-          [](OptimizerStepInputs& o, const std::string& text) { o.states = states_of(text); },
+          [](OptimizerStepInputs& o, const std::string& text) { o.states = state_format_of(text); },
           "The moments' format: fp32, bf16 or 8bit (TIERFLOW_OPTIMIZER_STATES' values).")
       .def_readwrite("steps_during_backward", &OptimizerStepInputs::steps_during_backward)
       .def_readwrite("nvme_state_bytes", &OptimizerStepInputs::nvme_state_bytes)
