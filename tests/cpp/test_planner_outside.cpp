@@ -1,5 +1,5 @@
 // What is saved outside the blocks, kept or swapped, against brute force over both choices (Note [Activation
-// planner], Outside the blocks).
+// planner], Outside the blocks); their host staging on the way to NVMe, and what it is measured from.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -10,6 +10,7 @@
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/size.hpp"
 #include "tierflow/tiering/planner.hpp"
+#include "tierflow/tiering/saved_tensors.hpp"
 #include "planner_cases.hpp"
 
 using namespace tierflow;
@@ -208,4 +209,84 @@ TEST(ActivationPlanner, OnlyNvmeTakesTheTensorsOutsideTheBlocksAndWithoutItTheRe
   } catch (const out_of_memory& e) {
     EXPECT_NE(std::string(e.what()).find("the NVMe budget cannot hold them"), std::string::npos) << e.what();
   }
+}
+
+// Note [Activation planner], Outside the blocks: on their way to NVMe (and back) they are staged in pinned host
+// memory, each tensor whole, the largest at a time at the least: the plan's host usage counts it and the host's
+// budget must hold it beside the blocks' swapped bytes, else that choice is refused (and with nothing else that
+// fits, the refusal says why).
+TEST(ActivationPlanner, TheHostStagesTheLargestTensorOutsideTheBlocksOnItsWayToNvme) {
+  Case c = random_case(42, 3, Kind::kIdentical, true, false);
+  std::uint64_t transient = 0;
+  for (const auto& p : c.blocks) transient = std::max(transient, p.transient_bytes);
+  const std::uint64_t outside = transient;  // the device cannot keep them, the host cannot hold them
+  const std::uint64_t largest = outside / 4;  // several tensors: the logits, their log-softmax, ...
+  c.budgets.device_bytes =
+      c.budgets.fixed_device_bytes + largest_working_set(c.blocks) + c.budgets.prefetch_bytes + transient / 2;
+  c.budgets.host_bytes = outside - 1;
+  c.budgets.outside_saved_bytes = outside;
+  c.budgets.outside_largest_bytes = largest;
+  const Plan plan = plan_activations(c.blocks, c.links, c.budgets);
+  ASSERT_EQ(plan.outside_tier, Tier::kNvme) << plan.summary();
+  EXPECT_TRUE(plan.fits) << plan.summary();
+  EXPECT_EQ(plan.outside_staging_bytes, largest);
+  std::uint64_t blocks_host = 0;
+  for (const auto& b : plan.blocks)
+    blocks_host += b.mode != BlockMode::kKeep && b.tier == SwapTier::kHost ? b.swap_bytes : 0;
+  EXPECT_EQ(plan.host_bytes, blocks_host + largest) << "the host holds their staging beside the swapped blocks";
+  EXPECT_LE(plan.host_bytes, c.budgets.host_bytes);
+  EXPECT_NE(plan.summary().find(format_bytes(largest) + " host staging"), std::string::npos) << plan.summary();
+  // The host budget is checked with it: one byte less than the plan's host usage and that plan no longer fits.
+  Budgets tight = c.budgets;
+  tight.host_bytes = plan.host_bytes - 1;
+  EXPECT_FALSE(evaluate_plan(c.blocks, c.links, tight, plan.blocks, plan.rest_params, Tier::kNvme).fits);
+  // Never more than all of them; unknown (0, a profile from before it was measured): not counted.
+  Budgets over = c.budgets, unknown = c.budgets;
+  over.outside_largest_bytes = 2 * outside;
+  EXPECT_EQ(outside_staging_bytes(over), outside);
+  unknown.outside_largest_bytes = 0;
+  const Plan u = evaluate_plan(c.blocks, c.links, unknown, plan.blocks, plan.rest_params, Tier::kNvme);
+  EXPECT_EQ(u.outside_staging_bytes, 0u);
+  EXPECT_EQ(u.host_bytes, blocks_host);
+  // A host budget below the largest of them: NVMe cannot take them either, and nothing else fits.
+  Case small = c;
+  small.budgets.host_bytes = largest - 1;
+  try {
+    const Plan p = plan_activations(small.blocks, small.links, small.budgets);
+    FAIL() << "planned with a host budget that cannot stage them: " << p.summary();
+  } catch (const out_of_memory& e) {
+    EXPECT_NE(std::string(e.what()).find("the host budget cannot stage the largest of them, " + format_bytes(largest) +
+                                         ", on its way to NVMe"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+// What that staging is measured from under auto (Budgets::outside_largest_bytes): the largest single tensor the
+// policy's packs counted in policy_bytes (the model-level hook's, to the host or to NVMe), exported with the
+// saved tensors' stats.
+TEST(SavedTensors, PolicyLargestBytesIsTheLargestTensorThePolicysPacksCounted) {
+  ActivationScheduleOptions o;
+  o.target = OffloadTarget::kAuto;
+  SavedTensors saved(o, 16);
+  saved.schedule().begin_forward();
+  auto pack = [&](std::uint64_t bytes, PackTarget target, bool region = false) {
+    SavedTensorFacts f;
+    f.bytes = bytes;
+    f.in_no_offload_region = region;
+    saved.pack(f, target, true);
+  };
+  pack(100, PackTarget::kOutsideNvme);
+  pack(300, PackTarget::kPolicy);
+  pack(200, PackTarget::kOutsideNvme);
+  pack(8, PackTarget::kPolicy);                 // small: not counted
+  pack(900, PackTarget::kNvme);                 // a block plan's: not the policy's
+  pack(800, PackTarget::kPolicy, true);         // inside tierflow.no_offload(): kept, not counted
+  const SavedTensorStats s = saved.stats({});
+  EXPECT_EQ(s.policy_bytes, 600u);
+  EXPECT_EQ(s.policy_largest_bytes, 300u);
+  bool exported = false;
+  for (const auto& f : saved_tensor_stat_fields())
+    if (std::string(f.name) == "policy_largest_bytes") exported = f.of(s) == 300.0;
+  EXPECT_TRUE(exported);
 }

@@ -33,3 +33,5 @@ def test_when_neither_the_device_nor_the_host_holds_them_they_go_to_nvme(tmp_pat
     # The model-level hook sent them to NVMe every step, and still counted them as what is saved outside.
     assert acts["nvme"]["write_bytes"] >= 4 * outside * 0.99 and acts["host_fallbacks"] == 0, acts
     assert acts["policy_bytes"] >= 4 * outside * 0.99, acts
+    # ... and the largest of them, their host staging on the way (Budgets::outside_largest_bytes).
+    assert acts["policy_largest_bytes"] == logits, acts

@@ -31,6 +31,10 @@ double outside_swap_seconds(const Links& links, std::uint64_t bytes) {
   return (links.d2h > 0 ? b / links.d2h : detail::kInf) + (links.h2d > 0 ? b / links.h2d : detail::kInf);
 }
 
+std::uint64_t outside_staging_bytes(const Budgets& budgets) noexcept {
+  return std::min(budgets.outside_largest_bytes, budgets.outside_saved_bytes);
+}
+
 double outside_tier_seconds(const Links& links, std::uint64_t bytes, Tier tier) {
   if (bytes == 0 || tier == Tier::kGpu) return 0;
   if (tier == Tier::kHost) return outside_swap_seconds(links, bytes);
@@ -222,6 +226,7 @@ struct PlanTotals {
   Tier outside = Tier::kGpu;         // where the saved tensors outside the blocks go (kGpu: kept)
   std::uint64_t outside_device = 0;  // the saved tensors outside the blocks on the device at the peak
   double outside_seconds = 0;        // their round trip, swapped
+  std::uint64_t outside_staging = 0; // their host staging on the way to NVMe (in the host's row)
   std::uint64_t largest_transient = 0;
 
   PlanTotals(const Budgets& budgets, const TierTable& tiers, Tier outside)
@@ -248,6 +253,10 @@ struct PlanTotals {
                                                   outside == Tier::kGpu);
     if (outside != Tier::kGpu) {
       tier_bytes[outside == Tier::kNvme ? 1 : 0] += budgets.outside_saved_bytes;  // NVMe's row, or the host's
+      if (outside == Tier::kNvme) {  // through the host's staging, the largest of them at a time
+        outside_staging = outside_staging_bytes(budgets);
+        tier_bytes[0] += outside_staging;
+      }
       outside_seconds = outside_tier_seconds(links, budgets.outside_saved_bytes, outside);
       step_seconds += outside_seconds;
     }
@@ -412,6 +421,7 @@ Plan evaluate_plan(const std::vector<BlockProfile>& blocks, const Links& links, 
   plan.outside_tier = outside_tier;
   plan.outside_bytes = budgets.outside_saved_bytes;
   plan.outside_swap_seconds = totals.outside_seconds;
+  plan.outside_staging_bytes = totals.outside_staging;
   plan.predicted_step_seconds = totals.step_seconds;
   plan.host_bytes = totals.tier_bytes[0];
   plan.nvme_bytes = totals.tier_bytes[1];
@@ -551,6 +561,7 @@ Plan plan_activations(const std::vector<BlockProfile>& blocks, const Links& link
   check_inputs(blocks, links, budgets);
   const std::uint64_t outside = budgets.outside_saved_bytes;
   if (outside == 0) return plan_blocks(blocks, links, budgets);
+  const std::uint64_t staging = outside_staging_bytes(budgets);
   // Note [Activation planner], Outside the blocks: the search once with them kept, once swapped to the host, once
   // swapped to NVMe (when there is an NVMe tier).
   std::optional<Plan> best;
@@ -561,14 +572,16 @@ Plan plan_activations(const std::vector<BlockProfile>& blocks, const Links& link
   std::vector<std::string> tried;  // what the refusal names
   for (const Tier where : {Tier::kGpu, Tier::kHost, Tier::kNvme}) {
     Budgets b = budgets;
-    b.outside_saved_bytes = 0;
+    b.outside_saved_bytes = b.outside_largest_bytes = 0;
     b.fixed_device_bytes += detail::outside_device_bytes(outside, largest_transient, where == Tier::kGpu);
     if (where == Tier::kHost) {
       if (b.host_bytes < outside) continue;  // the host cannot hold them
       b.host_bytes -= outside;
     } else if (where == Tier::kNvme) {
       if (!nvme || b.nvme_bytes < outside) continue;  // no NVMe tier, or one without room for them
+      if (b.host_bytes < staging) continue;           // no host room to stage them on their way
       b.nvme_bytes -= outside;
+      b.host_bytes -= staging;
     }
     tried.push_back(where == Tier::kGpu ? "kept on the device" : where == Tier::kHost ? "swapped to the host"
                                                                                        : "swapped to NVMe");
@@ -586,6 +599,8 @@ Plan plan_activations(const std::vector<BlockProfile>& blocks, const Links& link
   for (std::size_t i = 1; i < tried.size(); ++i) with += (i + 1 == tried.size() ? " or " : ", ") + tried[i];
   if (budgets.host_bytes < outside) with += " (the host budget cannot hold them)";
   if (nvme && budgets.nvme_bytes < outside) with += " (the NVMe budget cannot hold them)";
+  else if (nvme && budgets.host_bytes < staging)
+    with += " (the host budget cannot stage the largest of them, " + format_bytes(staging) + ", on its way to NVMe)";
   throw out_of_memory(std::string(refused->what()) + " (with " + format_bytes(outside) +
                       " saved outside the blocks " + with + ")");
 }
@@ -681,7 +696,10 @@ std::string Plan::summary() const {
     s += std::string("; outside the blocks ") + format_bytes(outside_bytes) +
          (outside_kept ? " kept"
                        : std::string(" swapped to ") + (outside_tier == Tier::kNvme ? "NVMe" : "the host") + " (" +
-                             seconds_text(outside_swap_seconds) + ")");
+                             seconds_text(outside_swap_seconds) +
+                             (outside_staging_bytes > 0 ? "; " + format_bytes(outside_staging_bytes) + " host staging"
+                                                        : std::string()) +
+                             ")");
   const auto fetched = std::count_if(blocks.begin(), blocks.end(), [](const BlockPlan& b) { return b.params != Tier::kGpu; });
   if (fetched > 0 || rest_params != Tier::kGpu) {
     s += "; parameters: " + std::to_string(fetched) + " blocks fetched, rest " + std::string(to_string(rest_params)) +

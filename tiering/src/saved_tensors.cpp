@@ -1,6 +1,8 @@
 // See Note [Saved-tensor decisions] in saved_tensors.hpp.
 #include "tierflow/tiering/saved_tensors.hpp"
 
+#include <algorithm>
+
 #include "tierflow/core/error.hpp"
 
 namespace tierflow::tiering {
@@ -27,6 +29,7 @@ const std::vector<StatField<SavedTensorStats>>& saved_tensor_stat_fields() {
       {"offloaded_blocks", &S::offloaded_blocks},
       {"offloaded_bytes", &S::offloaded_bytes},
       {"policy_bytes", &S::policy_bytes},
+      {"policy_largest_bytes", &S::policy_largest_bytes},
       {"offload_waits", &S::offload_waits},
       {"offload_wait_ms", &S::offload_wait_ns, nullptr, 1e-6},
       {"unpacks", &S::unpacks},
@@ -90,7 +93,10 @@ PackChoice SavedTensors::pack(const SavedTensorFacts& facts, PackTarget target, 
                                                                 : PackDirective::kOffload;
   const PackDecision d = schedule_.on_pack(static_cast<std::size_t>(facts.bytes), !small && !region, directive);
   c.verdict = PackVerdict::kNewBlock;
-  if (policy && !small && !region) stats_.policy_bytes += facts.bytes;
+  if (policy && !small && !region) {
+    stats_.policy_bytes += facts.bytes;
+    stats_.policy_largest_bytes = std::max<std::uint64_t>(stats_.policy_largest_bytes, facts.bytes);
+  }
   c.id = d.id;
   c.offload = d.offload;
   const bool nvme_asked = target == PackTarget::kNvme || target == PackTarget::kOutsideNvme ||

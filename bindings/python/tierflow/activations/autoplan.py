@@ -337,6 +337,10 @@ class AutoPlanner(_C.PlanFrontEnd):
             blocks_replay_seconds=sum(sum(r.recompute_seconds) for r in runners),
             blocks_input_swap_seconds=sum(sum(r.input_swap_seconds) for r in runners),
             beside_bytes=self._beside_bytes)
+        # Note [Activation planner], Outside the blocks: the largest of them, their host staging on the way to NVMe
+        # (Budgets::outside_largest_bytes; set where the driver's measures carry it).
+        if hasattr(m, "outside_largest_bytes"):
+            m.outside_largest_bytes = int(self.session.runtime.stats()["activations"].get("policy_largest_bytes", 0))
         if self._forward_backward_peak is not None:
             m.peak_bytes, m.reserved_peak_bytes = self._forward_backward_peak, self._forward_backward_reserved
         # Note [Step prediction]: step()'s wait for the CPU optimizer in the timed step, and its kernel's rate.

@@ -143,6 +143,18 @@
 // search. Ties go to the earlier choice (kept, host, NVMe), so it wins only
 // when it is faster or the only one that fits (a host budget the blocks
 // need). The model-level hook carries it out (PackTarget::kOutsideNvme).
+// Their way goes through pinned host staging of each tensor whole (Note
+// [Staged pipeline]: the pipeline stages a saved tensor's storage in one
+// block of the pool, on its way down and again on its way back; without room
+// it waits for the transfers in flight, and with none left the tensor stays
+// on the device, past the device budget, or its read raises), one at a time
+// at the least: the host's usage adds the largest of them
+// (Budgets::outside_largest_bytes, Plan::outside_staging_bytes), beside the
+// blocks' swapped bytes (they come back at the start of backward, when every
+// swapped block is on the host), and the search takes it out of the host's
+// budget: a host budget below it refuses the choice. Unknown (0, a profile
+// from before it was measured), nothing is counted. The blocks' own swaps to
+// NVMe stage the same way and are not counted (pipelined, above).
 #pragma once
 
 #include <cstddef>
@@ -209,6 +221,9 @@ struct Budgets {
   /// Saved tensors outside the blocks per step (the head's logits, the embeddings' output): kept on the device
   /// or swapped whole to the host or NVMe, the plan's choice (Note [Activation planner], Outside the blocks).
   std::uint64_t outside_saved_bytes = 0;
+  /// The largest single one of them (its storage's bytes; auto: SavedTensorStats::policy_largest_bytes): the host
+  /// staging of their way to NVMe (Note [Activation planner], Outside the blocks). 0: unknown, not counted.
+  std::uint64_t outside_largest_bytes = 0;
   /// Swap tiers after host and NVMe, each a row with its links and room (none from the configuration; Note
   /// [Tier descriptors] sketches a remote host's). swap_tiers puts them in the table the search iterates.
   std::vector<TierRow> further_swap_tiers;
@@ -261,6 +276,7 @@ struct Plan {
   Tier outside_tier = Tier::kGpu;                ///< where they are between forward and backward (kGpu: kept)
   std::uint64_t outside_bytes = 0;               ///< Budgets::outside_saved_bytes (in outside_tier)
   double outside_swap_seconds = 0;               ///< their way to their tier and back, not hidden (in predicted_step_seconds)
+  std::uint64_t outside_staging_bytes = 0;       ///< outside_tier kNvme: their pinned host staging (in host_bytes)
   std::string summary() const;                   ///< one line: modes count, peak, step, vs keep-all
   std::string block_line(std::size_t i) const;   ///< one line per block
   std::string tier_name(SwapTier t) const;       ///< row `t`'s name (to_string(t) without the table's names)
@@ -320,6 +336,10 @@ AlternativeCost evaluate_alternative(const std::vector<BlockProfile>& blocks, co
 /// replaced by the means over that shape: measured layers of one model differ only by noise, and
 /// identical profiles plan exactly and fast (they group; see Note [Activation planner]).
 std::vector<BlockProfile> average_same_shape_blocks(const std::vector<BlockProfile>& blocks);
+
+/// The host staging of the saved tensors outside the blocks on their way to NVMe and back: the largest of them,
+/// no more than all of them; 0 when unknown (Note [Activation planner], Outside the blocks).
+std::uint64_t outside_staging_bytes(const Budgets& budgets) noexcept;
 
 /// What is saved outside the blocks (`bytes`), to the host and back, not hidden (Note [Activation planner]).
 double outside_swap_seconds(const Links& links, std::uint64_t bytes);

@@ -96,6 +96,9 @@ struct SavedTensorStats {
   /// enough to offload and outside a no-offload region, offloaded or not: under `auto`, what is saved outside the
   /// blocks (Note [Auto plan phases]).
   std::uint64_t policy_bytes = 0;
+  /// The largest single tensor among them (its storage's bytes) since the start: under `auto`, the host staging
+  /// of what is saved outside the blocks on its way to NVMe (Budgets::outside_largest_bytes).
+  std::uint64_t policy_largest_bytes = 0;
   std::uint64_t offload_waits = 0;      ///< forward waited for a copy to the host (window full)
   std::uint64_t offload_wait_ns = 0;    ///< time spent in those waits
   std::uint64_t prefetched_blocks = 0;  ///< host->device copies started ahead of need
