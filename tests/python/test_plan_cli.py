@@ -450,3 +450,40 @@ def test_issue18_offload_params_nvme_needs_an_nvme_tier(monkeypatch):
     rc, out, err = plan_in_process(SMALL + ["--tflops", "100", "--pcie-gbps", "20", "--offload-params", "nvme"],
                                    monkeypatch)
     expect_refused(rc, out, err, "--offload-params nvme needs an NVMe tier")
+
+
+def test_cpu_adam_rate_with_the_optimizer_on_the_device_is_refused(monkeypatch):
+    # torch's AdamW steps on the device: a CPU AdamW rate would be silently unused.
+    rc, out, err = plan_in_process(shape_args() + RATES + ["--optimizer", "none", "--cpu-adam-rate", "2e9"], monkeypatch)
+    expect_refused(rc, out, err, "--cpu-adam-rate 2e+09 with --optimizer none",
+                   "accepted: --cpu-adam-rate with --optimizer host or nvme")
+    rc, out, err = plan_in_process(shape_args() + RATES + ["--cpu-adam-rate", "2e9"], monkeypatch,
+                                   TIERFLOW_OFFLOAD_OPTIMIZER="none")
+    expect_refused(rc, out, err, "--cpu-adam-rate 2e+09 with TIERFLOW_OFFLOAD_OPTIMIZER=none")
+    rc, out, err = plan_in_process(shape_args() + RATES + ["--optimizer", "host", "--cpu-adam-rate", "2e9"],
+                                   monkeypatch)
+    assert rc == 0, err
+
+
+def test_optimizer_on_nvme_without_an_nvme_budget_does_not_fit_in_text_and_json(monkeypatch):
+    # The states would be counted in no budget and the step printed as if they fit.
+    needles = ("--optimizer nvme keeps the optimizer's states on NVMe, and no NVMe budget was given",
+               "accepted: --nvme-memory SIZE with --nvme-gbps GBPS")
+    expect_refused(*plan_in_process(shape_args() + RATES + ["--optimizer", "nvme"], monkeypatch), *needles)
+    rc, out, err = plan_in_process(shape_args() + RATES + ["--optimizer", "nvme", "--json"], monkeypatch)
+    assert rc == 2 and all(n in err for n in needles), err
+    assert json.loads(out) == {"error": err.removeprefix("tierflow plan: ").rstrip("\n")}, out
+    rc, out, err = plan_in_process(shape_args() + RATES + ["--optimizer", "nvme", "--nvme-memory", "64GiB",
+                                                           "--nvme-gbps", "3", "--json"], monkeypatch)
+    assert rc == 0 and json.loads(out)["state"]["optimizer"] == "nvme", err
+
+
+@pytest.mark.parametrize("args", [
+    shape_args(layers="1e9") + RATES + ["--json"],          # argparse's refusal
+    shape_args(layers="1e9") + RATES + ["--js"],            # ... with --json abbreviated, as argparse takes it
+    shape_args() + RATES + ["--gpu-memory", "1KiB", "--json"],  # the planner's (no plan fits)
+])
+def test_with_json_an_error_is_a_json_object_on_stdout_too(args, monkeypatch):
+    rc, out, err = plan_in_process(args, monkeypatch)
+    assert rc == 2 and err.startswith("tierflow plan: ") and err.count("\n") == 1, err
+    assert json.loads(out) == {"error": err.removeprefix("tierflow plan: ").rstrip("\n")}, out

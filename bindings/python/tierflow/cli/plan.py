@@ -14,7 +14,8 @@ reads with ``--profile`` is tiering's (tiering/profile_file.hpp, Note [Profile f
 Errors
 ------
 Every bad argument, profile or ``TIERFLOW_*`` variable is one line on stderr
-naming it, its value and what is accepted, and exit code 2. Sizes go through the
+naming it, its value and what is accepted, and exit code 2; with ``--json`` the
+same line is also a JSON object ``{"error": ...}`` on stdout. Sizes go through the
 configuration table's own parsers (``--gpu-memory`` as ``TIERFLOW_GPU_MEMORY``,
 ``--host-memory`` as ``TIERFLOW_HOST_MEMORY``, ``--prefetch`` as
 ``TIERFLOW_PREFETCH_BYTES``; ``--optimizer-states`` as ``TIERFLOW_OPTIMIZER_STATES``), shape arguments are checked against
@@ -189,19 +190,39 @@ def _one_line(message: str) -> str:
     return message.replace("\r", "\\r").replace("\n", "\\n")
 
 
+def _wants_json(argv: Sequence[str]) -> bool:
+    """Whether --json is among `argv` (as argparse reads it, abbreviations included), for an error raised before
+    or while the arguments were parsed."""
+    p = _Parser(add_help=False)
+    p.add_argument("--json", action="store_true")
+    try:
+        return bool(p.parse_known_args(list(argv))[0].json)
+    except (PlanError, SystemExit):
+        return False
+
+
+def _refuse(message: str, argv: Sequence[str]) -> int:
+    """An error: one line on stderr and exit code 2; with --json also {"error": message} on stdout, so that a
+    script reading the JSON reads the refusal too."""
+    line = _one_line(message)
+    print(f"tierflow plan: {line}", file=sys.stderr)
+    if _wants_json(argv):
+        print(json.dumps({"error": line}))
+    return 2
+
+
 def plan_command(argv: Sequence[str]) -> int:
-    """Runs ``plan`` with these arguments; returns the exit code (2: one line on stderr says what is wrong)."""
+    """Runs ``plan`` with these arguments; returns the exit code (2: one line on stderr says what is wrong; with
+    --json a JSON object {"error": ...} on stdout too)."""
     try:
         args = build_parser().parse_args(argv)
         out = _plan(args, list(argv))
     except SystemExit as e:  # --help
         return e.code if isinstance(e.code, int) else 0
     except (PlanError, _C.ConfigError) as e:  # an argument, a profile or a TIERFLOW_* variable
-        print(f"tierflow plan: {_one_line(str(e))}", file=sys.stderr)
-        return 2
+        return _refuse(str(e), argv)
     except MemoryError as e:  # tierflow.OutOfMemoryError: the budgets are too small
-        print(f"tierflow plan: {_one_line(str(e).removeprefix('tierflow: '))}", file=sys.stderr)
-        return 2
+        return _refuse(str(e).removeprefix("tierflow: "), argv)
     print(out)
     return 0
 
@@ -210,6 +231,8 @@ def _plan(args: argparse.Namespace, argv: Sequence[str] = ()) -> str:
     settings = resolve_settings()
     cuda = _C.device_is_cuda(settings.to_strings())  # as the runtime decides it (Note [Tiers from the configuration])
     model = _model(args)  # --model: the config read, and --seq, --batch and --dtype resolved
+    optimizer = args.optimizer or settings.offload_optimizer
+    _check_optimizer_tier(args, optimizer)
     if model is None:
         given = [a for a in _C.plan_shape_flags() if getattr(args, a) is not None]
         _C.check_blocks_source(args.profile is not None, given)  # a whole shape or --profile (Note [Plan report])
@@ -231,7 +254,6 @@ def _plan(args: argparse.Namespace, argv: Sequence[str] = ()) -> str:
     # Blocks and what the rest of training needs on the device.
     state = None
     head_bytes = 0
-    optimizer = args.optimizer or settings.offload_optimizer
     # Parsed as the table parses TIERFLOW_OPTIMIZER_STATES, errors naming the flag.
     states = settings.optimizer_states if args.optimizer_states is None else _C.parse_setting(
         "TIERFLOW_OPTIMIZER_STATES", _text("--optimizer-states", args.optimizer_states), "--optimizer-states")
@@ -297,6 +319,7 @@ def _plan(args: argparse.Namespace, argv: Sequence[str] = ()) -> str:
         if shape_out is None or not _budget_refusal(str(e)):
             raise
         raise PlanError(str(e) + _fit_advice(blocks, inputs, argv)) from None
+    _check_optimizer_flags(args, optimizer)
     budgets = command.budgets
     # The fit search takes the estimate's blocks (each combination moves its own gradients); the rest plans these.
     estimated = blocks
@@ -314,6 +337,27 @@ def _plan(args: argparse.Namespace, argv: Sequence[str] = ()) -> str:
     if model is None:
         return report.json if args.json else "\n".join(report.lines)
     return _model_report(report, model, plan, blocks, inputs, command, args)
+
+
+def _check_optimizer_flags(args: argparse.Namespace, optimizer: str) -> None:
+    """A flag that the optimizer's placement would silently leave unused, refused: --cpu-adam-rate with the
+    optimizer on the device (torch's AdamW: no CPU step to rate). Checked once the budgets took the flags (their
+    own refusals, e.g. --offload-gradients with --optimizer none, come first)."""
+    placed = f"--optimizer {optimizer}" if args.optimizer else f"TIERFLOW_OFFLOAD_OPTIMIZER={optimizer}"
+    if args.cpu_adam_rate is not None and optimizer == "none":
+        raise PlanError(f"--cpu-adam-rate {args.cpu_adam_rate:g} with {placed}: the rate is the CPU AdamW's, and "
+                        "with the optimizer on the device (torch's AdamW) nothing steps on the CPU; accepted: "
+                        "--cpu-adam-rate with --optimizer host or nvme, or --optimizer none without --cpu-adam-rate")
+
+
+def _check_optimizer_tier(args: argparse.Namespace, optimizer: str) -> None:
+    """--optimizer nvme without an NVMe budget, refused before anything is measured: the states would be counted
+    nowhere and the plan printed as if they fit (the fit search tries nvme only with a budget, Note [Plan fit])."""
+    placed = f"--optimizer {optimizer}" if args.optimizer else f"TIERFLOW_OFFLOAD_OPTIMIZER={optimizer}"
+    if optimizer == "nvme" and args.nvme_memory is None:
+        raise PlanError(f"{placed} keeps the optimizer's states on NVMe, and no NVMe budget was given: the plan "
+                        "cannot fit them; accepted: --nvme-memory SIZE with --nvme-gbps GBPS (the NVMe tier for "
+                        "the states and swapped activations), or --optimizer host or none")
 
 
 def _budget_refusal(message: str) -> bool:
