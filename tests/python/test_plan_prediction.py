@@ -57,3 +57,29 @@ def test_auto_reports_each_terms_prediction_beside_its_measurement(device):
     # on a quiet machine only at times (1.4x).
     ratio = terms["total"]["predicted_s"] / terms["total"]["measured_s"]
     assert 1 / 1.5 <= ratio <= 1.5, (ratio, terms, calibration)
+
+
+def test_step_waits_are_split_between_the_gradient_copies_and_the_optimizer():
+    """report()["plan"]["terms"] from the counters (AutoPlanner._measured_terms over stand-in counters): step()'s
+    wait per optimizer step is the gradient copies' term up to the worker's wait for them after backward ended, the
+    optimizer's the rest; a copy wait longer than step()'s (it began before step() did) is capped at it."""
+    from types import SimpleNamespace
+
+    from tierflow.activations.autoplan import AutoPlanner
+
+    then = {"forwards": 3, "optimizer_steps": 2, "param_wait_ms": None, "activation_wait_ms": 1.0,
+            "step_wait_ms": 10.0, "grad_copy_wait_ms": 4.0, "kernel_ms": 0.0, "kernel_grad_bytes": 0,
+            "streaming": True}
+
+    def terms(step_wait_ms: float, grad_copy_wait_ms: float) -> dict:
+        now = dict(then, forwards=7, optimizer_steps=6, activation_wait_ms=9.0, step_wait_ms=10.0 + step_wait_ms,
+                   grad_copy_wait_ms=4.0 + grad_copy_wait_ms)
+        out = {"terms": {k: {"predicted_s": 0.0} for k in TERMS}, "measured": {"step_seconds": 0.25}}
+        AutoPlanner._measured_terms(SimpleNamespace(_wait_counters=lambda: now, _plan_counters=then), out)
+        return {k: t["measured_s"] for k, t in out["terms"].items()}
+
+    t = terms(4 * 50.0, 4 * 20.0)  # 4 optimizer steps: 50 ms of step() waits each, 20 of them for copies
+    assert t["gradient_copies"] == pytest.approx(0.020) and t["optimizer"] == pytest.approx(0.030), t
+    assert t["activation_copies"] == pytest.approx(0.002) and t["total"] == 0.25, t
+    t = terms(4 * 50.0, 4 * 80.0)
+    assert t["gradient_copies"] == pytest.approx(0.050) and t["optimizer"] == pytest.approx(0.0), t
