@@ -1,17 +1,14 @@
-// The activation planner's model and its public functions; the search is in
-// plan_search.cpp. See Note [Activation planner].
+// The activation planner's model: a block's phases and times, evaluate_plan, evaluate_alternative and
+// forced_plan. plan_activations is in plan_activations.cpp, the search in plan_search.cpp, the plan's text in
+// plan_text.cpp. See Note [Activation planner].
 #include "tierflow/tiering/planner.hpp"
 
 #include <algorithm>
-#include <array>
 #include <cmath>
-#include <cstdio>
-#include <optional>
 #include <string>
 #include <tuple>
 
 #include "tierflow/core/error.hpp"
-#include "tierflow/core/size.hpp"
 #include "tierflow/tiering/replay_rule.hpp"
 #include "tierflow/tiering/detail/plan_params.hpp"
 #include "tierflow/tiering/detail/plan_search.hpp"
@@ -293,17 +290,6 @@ Tier default_rest(const Budgets& budgets) {
   return budgets.params == ParamPolicy::kFetchAll ? budgets.param_tier : Tier::kGpu;
 }
 
-std::string seconds_text(double s) {
-  char buf[32];
-  if (!std::isfinite(s)) return "inf";
-  if (s < 1) {
-    std::snprintf(buf, sizeof buf, "%.2f ms", s * 1e3);
-  } else {
-    std::snprintf(buf, sizeof buf, "%.3f s", s);
-  }
-  return buf;
-}
-
 }  // namespace
 
 std::vector<BlockProfile> average_same_shape_blocks(const std::vector<BlockProfile>& blocks) {
@@ -335,41 +321,6 @@ std::vector<BlockProfile> average_same_shape_blocks(const std::vector<BlockProfi
     }
   }
   return out;
-}
-
-std::string_view to_string(BlockMode m) noexcept {
-  switch (m) {
-    case BlockMode::kKeep: return "keep";
-    case BlockMode::kSwap: return "swap";
-    case BlockMode::kSplit: return "split";
-    case BlockMode::kRecompute: return "recompute";
-  }
-  return "?";
-}
-
-BlockMode parse_block_mode(std::string_view text) {
-  for (auto m : {BlockMode::kKeep, BlockMode::kSwap, BlockMode::kSplit, BlockMode::kRecompute})
-    if (to_string(m) == text) return m;
-  throw config_error("block mode '" + std::string(text) + "'; accepted: keep, swap, split, recompute");
-}
-
-std::string_view to_string(SwapTier t) noexcept {
-  switch (static_cast<int>(t)) {
-    case 0: return "host";
-    case 1: return "nvme";
-    case 2: return "tier 2";
-    case 3: return "tier 3";
-  }
-  return "?";
-}
-
-std::string_view to_string(ParamPolicy p) noexcept {
-  switch (p) {
-    case ParamPolicy::kResident: return "resident";
-    case ParamPolicy::kAuto: return "auto";
-    case ParamPolicy::kFetchAll: return "fetch-all";
-  }
-  return "?";
 }
 
 Plan evaluate_plan(const std::vector<BlockProfile>& blocks, const Links& links, const Budgets& budgets,
@@ -459,152 +410,6 @@ AlternativeCost evaluate_alternative(const std::vector<BlockProfile>& blocks, co
   return out;
 }
 
-namespace {
-
-// Profiles come from files and measurements: a bad one is the user's (config_error), said before planning.
-void check_inputs(const std::vector<BlockProfile>& blocks, const Links& links, const Budgets& budgets) {
-  auto valid = [](double x) { return std::isfinite(x) && x >= 0; };
-  // Every byte the plan could count at once (all blocks kept and at work, the rest of training, the
-  // prefetch window, every parameter) must fit in 63 bits, so that no sum of the model or the search wraps.
-  constexpr std::uint64_t kMaxTotal = std::uint64_t{1} << 63;
-  std::uint64_t total = 0;
-  const bool budgets_fit = !__builtin_add_overflow(budgets.fixed_device_bytes, budgets.prefetch_bytes, &total) &&
-                           !__builtin_add_overflow(total, budgets.rest_parameter_bytes, &total) &&
-                           !__builtin_add_overflow(total, budgets.outside_saved_bytes, &total);
-  bool bytes_fit = budgets_fit && total < kMaxTotal;
-  for (std::size_t i = 0; i < blocks.size(); ++i) {
-    const auto& p = blocks[i];
-    if (!(valid(p.forward_seconds) && valid(p.backward_seconds) && valid(p.split_recompute_seconds) &&
-          valid(p.cheap_recompute_seconds)))
-      throw config_error("plan_activations: block " + std::to_string(i) +
-                         " has a negative or non-finite time; accepted: finite seconds >= 0");
-    for (std::uint64_t b : {p.input_bytes, p.whole_bytes, p.split_bytes, p.cheap_bytes, p.transient_bytes,
-                            p.upload_bytes, p.download_bytes, p.parameter_bytes, p.parameter_bytes})  // resident + window
-      bytes_fit = bytes_fit && !__builtin_add_overflow(total, b, &total) && total < kMaxTotal;
-  }
-  if (!(valid(links.d2h) && valid(links.h2d) && valid(links.duplex) && valid(links.nvme_write) &&
-        valid(links.nvme_read)))
-    throw config_error("plan_activations: a link bandwidth is negative or non-finite; accepted: finite bytes "
-                       "per second >= 0");
-  for (double share : {links.compute_share_during_copies, links.copy_share_during_cpu_step})
-    if (!(share > 0 && share <= 1))
-      throw config_error("plan_activations: a link or compute share is " + std::to_string(share) +
-                         "; accepted: a fraction in (0, 1]");
-  if (!bytes_fit)
-    throw config_error("plan_activations: the blocks' saved, transient and parameter bytes plus "
-                       "fixed_device_bytes, prefetch_bytes, rest_parameter_bytes and outside_saved_bytes add up to 2^63 "
-                       "bytes or more; "
-                       "accepted: totals below 2^63 (8 EiB)");
-  if (budgets.params != ParamPolicy::kResident) {
-    if (budgets.param_tier == Tier::kGpu)
-      throw config_error("plan_activations: fetched parameters need a tier to live on; accepted: host or nvme");
-    if (budgets.param_tier == Tier::kNvme && !nvme_available(links, budgets))
-      throw config_error("plan_activations: parameters on NVMe need an NVMe tier (nvme_bytes, nvme_read and "
-                         "nvme_write above 0)");
-  }
-}
-
-}  // namespace
-
-namespace detail {
-
-std::optional<Plan> plan_within(const std::vector<BlockProfile>& blocks, const Links& links,
-                                const Budgets& budgets) {
-  std::vector<BlockPlan> all_keep(blocks.size());
-  Plan keep = evaluate_plan(blocks, links, budgets, all_keep);
-  if (keep.fits) return keep;
-  const auto search = detail::search_plan(blocks, links, budgets);
-  if (!search.found) return std::nullopt;
-  Plan plan = evaluate_plan(blocks, links, budgets, search.assignment);
-  plan.proven_optimal = search.complete;
-  return plan;
-}
-
-}  // namespace detail
-
-namespace {
-
-// plan_activations with the saved tensors outside the blocks already decided (budgets.outside_saved_bytes 0).
-Plan plan_blocks(const std::vector<BlockProfile>& blocks, const Links& links, const Budgets& budgets) {
-  if (budgets.params != ParamPolicy::kResident) return detail::plan_with_params(blocks, links, budgets);
-  if (auto plan = detail::plan_within(blocks, links, budgets)) return *plan;
-  // The cheapest plan in device memory keeps nothing: every block's working set comes back in turn.
-  std::uint64_t working = 0, inputs = 0;
-  for (const auto& p : blocks) {
-    working = std::max(working, p.saved_bytes() + p.transient_bytes);
-    inputs += p.input_bytes;
-  }
-  const std::uint64_t window = detail::window_bytes(budgets.prefetch_bytes, inputs);
-  const std::uint64_t floor = budgets.fixed_device_bytes + working + window;
-  std::string msg = "tierflow: no activation plan fits: the cheapest in device memory needs " +
-                    std::to_string(floor) + " bytes (" + format_bytes(floor) + ": " +
-                    format_bytes(budgets.fixed_device_bytes) + " for the rest of training, " +
-                    format_bytes(working) + " for the largest block's working set, " +
-                    format_bytes(window) + " of prefetch window) and the device budget is " +
-                    format_bytes(budgets.device_bytes);
-  if (floor <= budgets.device_bytes) {
-    msg += "; it also swaps " + format_bytes(inputs) + " of block inputs, more than the host (" +
-           format_bytes(budgets.host_bytes) + ") and NVMe (" + format_bytes(budgets.nvme_bytes) +
-           ") budgets hold with what the device can keep; raise TIERFLOW_HOST_MEMORY (host_memory=) or give "
-           "TIERFLOW_NVME_PATHS (nvme_paths=)";
-  } else {
-    msg += "; raise TIERFLOW_GPU_MEMORY (gpu_memory=) to at least " + format_bytes(floor) +
-           ", lower TIERFLOW_PREFETCH_BYTES (prefetch_bytes=), or offload the parameters "
-           "(TIERFLOW_OFFLOAD_PARAMS, offload_params=)";
-  }
-  throw out_of_memory(msg);
-}
-
-}  // namespace
-
-Plan plan_activations(const std::vector<BlockProfile>& blocks, const Links& links, const Budgets& budgets) {
-  check_inputs(blocks, links, budgets);
-  const std::uint64_t outside = budgets.outside_saved_bytes;
-  if (outside == 0) return plan_blocks(blocks, links, budgets);
-  const std::uint64_t staging = outside_staging_bytes(budgets);
-  // Note [Activation planner], Outside the blocks: the search once with them kept, once swapped to the host, once
-  // swapped to NVMe (when there is an NVMe tier).
-  std::optional<Plan> best;
-  std::optional<out_of_memory> refused;
-  std::uint64_t largest_transient = 0;
-  for (const auto& p : blocks) largest_transient = std::max(largest_transient, p.transient_bytes);
-  const bool nvme = detail::nvme_available(links, budgets);
-  std::vector<std::string> tried;  // what the refusal names
-  for (const Tier where : {Tier::kGpu, Tier::kHost, Tier::kNvme}) {
-    Budgets b = budgets;
-    b.outside_saved_bytes = b.outside_largest_bytes = 0;
-    b.fixed_device_bytes += detail::outside_device_bytes(outside, largest_transient, where == Tier::kGpu);
-    if (where == Tier::kHost) {
-      if (b.host_bytes < outside) continue;  // the host cannot hold them
-      b.host_bytes -= outside;
-    } else if (where == Tier::kNvme) {
-      if (!nvme || b.nvme_bytes < outside) continue;  // no NVMe tier, or one without room for them
-      if (b.host_bytes < staging) continue;           // no host room to stage them on their way
-      b.nvme_bytes -= outside;
-      b.host_bytes -= staging;
-    }
-    tried.push_back(where == Tier::kGpu ? "kept on the device" : where == Tier::kHost ? "swapped to the host"
-                                                                                       : "swapped to NVMe");
-    try {
-      const Plan inner = plan_blocks(blocks, links, b);
-      Plan plan = evaluate_plan(blocks, links, budgets, inner.blocks, inner.rest_params, where);
-      plan.proven_optimal = inner.proven_optimal;
-      if (!best || plan.predicted_step_seconds < best->predicted_step_seconds) best = std::move(plan);
-    } catch (const out_of_memory& e) {
-      refused = e;  // the last choice's, when every one fails: it needs the fewest device bytes (or as few)
-    }
-  }
-  if (best) return *best;
-  std::string with = tried[0];
-  for (std::size_t i = 1; i < tried.size(); ++i) with += (i + 1 == tried.size() ? " or " : ", ") + tried[i];
-  if (budgets.host_bytes < outside) with += " (the host budget cannot hold them)";
-  if (nvme && budgets.nvme_bytes < outside) with += " (the NVMe budget cannot hold them)";
-  else if (nvme && budgets.host_bytes < staging)
-    with += " (the host budget cannot stage the largest of them, " + format_bytes(staging) + ", on its way to NVMe)";
-  throw out_of_memory(std::string(refused->what()) + " (with " + format_bytes(outside) +
-                      " saved outside the blocks " + with + ")");
-}
-
 Plan forced_plan(const std::vector<BlockProfile>& blocks, const Links& links, const Budgets& budgets,
                  BlockMode mode) {
   const TierTable tiers = swap_tiers(links, budgets);
@@ -663,74 +468,6 @@ Plan forced_plan(const std::vector<BlockProfile>& blocks, const Links& links, co
     assign(lo, out);
   }
   return evaluate_plan(blocks, links, budgets, std::move(out), default_rest(budgets), outside_kept);
-}
-
-std::string Plan::summary() const {
-  std::array<int, 4> n{};
-  double alpha_sum = 0;
-  for (const auto& b : blocks) {
-    ++n[static_cast<int>(b.mode)];
-    if (b.mode == BlockMode::kSplit) alpha_sum += b.alpha;
-  }
-  std::string s = std::to_string(blocks.size()) + " blocks: " + std::to_string(n[0]) + " keep, " +
-                  std::to_string(n[2]) + " split";
-  if (n[2] > 0) {
-    char buf[48];
-    std::snprintf(buf, sizeof buf, " (mean alpha %.3f)", alpha_sum / n[2]);
-    s += buf;
-  }
-  s += ", " + std::to_string(n[1]) + " swap, " + std::to_string(n[3]) + " recompute; device peak " +
-       format_bytes(predicted_device_peak_bytes) + " of " + format_bytes(device_budget_bytes) + "; step " +
-       seconds_text(predicted_step_seconds) + " vs " + seconds_text(keep_all_step_seconds) + " keeping all";
-  if (keep_all_step_seconds > 0) {
-    char buf[32];
-    std::snprintf(buf, sizeof buf, " (x%.3f)", predicted_step_seconds / keep_all_step_seconds);
-    s += buf;
-  }
-  // Activations only: the fetched parameters' share of each tier is in the parameters' part.
-  s += "; swapped " + format_bytes(host_bytes - std::min(host_bytes, host_param_bytes)) + " host, " +
-       format_bytes(nvme_bytes - std::min(nvme_bytes, nvme_param_bytes)) + " NVMe";
-  for (std::size_t r = 2; r < tier_bytes.size(); ++r)  // further rows (Note [Tier descriptors]), by name
-    if (tier_bytes[r] > 0) s += ", " + format_bytes(tier_bytes[r]) + " " + tier_name(static_cast<SwapTier>(r));
-  if (outside_bytes > 0)
-    s += std::string("; outside the blocks ") + format_bytes(outside_bytes) +
-         (outside_kept ? " kept"
-                       : std::string(" swapped to ") + (outside_tier == Tier::kNvme ? "NVMe" : "the host") + " (" +
-                             seconds_text(outside_swap_seconds) +
-                             (outside_staging_bytes > 0 ? "; " + format_bytes(outside_staging_bytes) + " host staging"
-                                                        : std::string()) +
-                             ")");
-  const auto fetched = std::count_if(blocks.begin(), blocks.end(), [](const BlockPlan& b) { return b.params != Tier::kGpu; });
-  if (fetched > 0 || rest_params != Tier::kGpu) {
-    s += "; parameters: " + std::to_string(fetched) + " blocks fetched, rest " + std::string(to_string(rest_params)) +
-         ", " + format_bytes(device_param_bytes) + " resident + " + format_bytes(param_window_bytes) +
-         " window on the device, " + format_bytes(host_param_bytes) + " host, " + format_bytes(nvme_param_bytes) +
-         " NVMe";
-  }
-  if (!fits) s += "; OVER BUDGET";
-  if (!proven_optimal) s += "; not proven optimal";
-  return s;
-}
-
-std::string Plan::tier_name(SwapTier t) const {
-  const auto r = static_cast<std::size_t>(t);
-  return r < tier_names.size() ? tier_names[r] : std::string(to_string(t));
-}
-
-std::string Plan::block_line(std::size_t i) const {
-  TIERFLOW_EXPECTS(i < blocks.size(), "block_line: block " + std::to_string(i) + " of " +
-                                          std::to_string(blocks.size()));
-  const auto& b = blocks[i];
-  char buf[256];
-  std::snprintf(buf, sizeof buf,
-                "block %zu: %-9s alpha %.3f  keep %.3f swap %.3f recompute %.3f  %s %s/step  fwd %s bwd %s", i,
-                std::string(to_string(b.mode)).c_str(), b.alpha, b.keep, b.swap, b.recompute,
-                b.mode == BlockMode::kKeep ? "-" : tier_name(b.tier).c_str(),
-                format_bytes(b.swap_bytes).c_str(),
-                seconds_text(b.forward_seconds).c_str(), seconds_text(b.backward_seconds).c_str());
-  std::string line = buf;
-  if (b.params != Tier::kGpu) line += "  params fetched from " + std::string(to_string(b.params));
-  return line;
 }
 
 }  // namespace tierflow::tiering
