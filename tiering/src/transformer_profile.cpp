@@ -61,7 +61,7 @@ void check_range(std::int64_t value, std::int64_t least, std::int64_t most, cons
 }
 
 // A shape comes from the user (the command line, a config.json): a bad one is a config_error.
-Counts counts(const TransformerShape& s) {
+void check_shape(const TransformerShape& s) {
   const std::int64_t values[] = {s.layers, s.hidden, s.heads, s.seq, s.batch, s.vocab, s.ffn_mult};
   const auto& limits = transformer_shape_limits();
   for (std::size_t i = 0; i < limits.size(); ++i) {
@@ -90,15 +90,20 @@ Counts counts(const TransformerShape& s) {
     throw config_error("transformer shape: dtype_bytes must be 2 (bf16, fp16) or 4 (fp32), not " +
                        std::to_string(s.dtype_bytes));
   }
-  const Checked c{s};
+}
+
+// Each head's width: head_dim, or hidden / heads when it is 0.
+std::uint64_t head_dim_of(const TransformerShape& s) {
+  return s.head_dim > 0 ? static_cast<std::uint64_t>(s.head_dim)
+                        : static_cast<std::uint64_t>(s.hidden) / static_cast<std::uint64_t>(s.heads);
+}
+
+// The derived widths of a checked shape (Note [Model families]).
+void fill_widths(const TransformerShape& s, Counts& n) {
   const auto h = static_cast<std::uint64_t>(s.hidden);
-  const auto d = static_cast<std::uint64_t>(s.dtype_bytes);
-  const auto v = static_cast<std::uint64_t>(s.vocab);
-  const auto layers = static_cast<std::uint64_t>(s.layers);
   const auto heads = static_cast<std::uint64_t>(s.heads);
-  const std::uint64_t head_dim = s.head_dim > 0 ? static_cast<std::uint64_t>(s.head_dim) : h / heads;
+  const std::uint64_t head_dim = head_dim_of(s);
   const std::uint64_t kv_heads = s.kv_heads > 0 ? static_cast<std::uint64_t>(s.kv_heads) : heads;
-  Counts n;
   // All below 2^40 (2^16 * 2^16, 2^24 * 64): their small products fit without checks.
   n.attention = heads * head_dim;
   n.kv = kv_heads * head_dim;
@@ -106,6 +111,14 @@ Counts counts(const TransformerShape& s) {
                                       : static_cast<std::uint64_t>(s.ffn_mult) * h;
   n.expert_intermediate = s.expert_intermediate > 0 ? static_cast<std::uint64_t>(s.expert_intermediate)
                                                     : n.intermediate;
+}
+
+// The tokens per step and one block's saved and transient bytes, checked for every layer at once.
+void fill_activations(const TransformerShape& s, const Checked& c, Counts& n) {
+  const auto h = static_cast<std::uint64_t>(s.hidden);
+  const auto d = static_cast<std::uint64_t>(s.dtype_bytes);
+  const auto layers = static_cast<std::uint64_t>(s.layers);
+  const auto heads = static_cast<std::uint64_t>(s.heads);
   const std::uint64_t a = n.attention, kv = n.kv, i = n.intermediate, ie = n.expert_intermediate;
   const auto experts = static_cast<std::uint64_t>(s.experts);
   const auto routed = static_cast<std::uint64_t>(s.experts > 0 ? s.experts_per_token : 0);
@@ -148,7 +161,17 @@ Counts counts(const TransformerShape& s) {
   const std::uint64_t block = c.add(c.add(c.add(n.input, n.whole, act), c.add(n.split, n.cheap, act), act),
                                     n.transient, act);
   c.mul(block, layers, act);
+}
 
+// One block's and the model's parameters; the training state's bytes checked.
+void fill_parameters(const TransformerShape& s, const Checked& c, Counts& n) {
+  const auto h = static_cast<std::uint64_t>(s.hidden);
+  const auto d = static_cast<std::uint64_t>(s.dtype_bytes);
+  const auto v = static_cast<std::uint64_t>(s.vocab);
+  const auto layers = static_cast<std::uint64_t>(s.layers);
+  const std::uint64_t head_dim = head_dim_of(s);
+  const std::uint64_t a = n.attention, kv = n.kv, i = n.intermediate, ie = n.expert_intermediate;
+  const auto experts = static_cast<std::uint64_t>(s.experts);
   const char* par = "parameters";
   const std::uint64_t norm = s.rms_norm ? h : 2 * h;
   std::uint64_t per_block = 2 * norm + h * (a + 2 * kv) + a * h;  // norms, q k v, the output projection
@@ -169,12 +192,29 @@ Counts counts(const TransformerShape& s) {
   // Training state: parameters and gradients, the fp32 master and Adam's m and v (all on the device at most).
   const char* state = "training-state bytes";
   c.add(c.mul(c.mul(2, n.parameters, state), d, state), c.mul(n.parameters, 3 * kFp32Bytes, state), state);
+}
 
+// The head's device bytes and their saved part.
+void fill_head(const TransformerShape& s, const Checked& c, Counts& n) {
+  const auto h = static_cast<std::uint64_t>(s.hidden);
+  const auto d = static_cast<std::uint64_t>(s.dtype_bytes);
+  const auto v = static_cast<std::uint64_t>(s.vocab);
   const char* head = "head activation bytes";
   const std::uint64_t saved = c.mul(n.tokens, c.add(h * d + n.norm_saved, v * kFp32Bytes, head), head);
   const std::uint64_t transient_head = c.mul(n.tokens, v * d + 2 * v * kFp32Bytes, head);
   n.head = c.add(saved, transient_head, head);
   n.head_saved = saved;
+}
+
+// Every count of a shape, each part checked against 64 bits.
+Counts counts(const TransformerShape& s) {
+  check_shape(s);
+  const Checked c{s};
+  Counts n;
+  fill_widths(s, n);
+  fill_activations(s, c, n);
+  fill_parameters(s, c, n);
+  fill_head(s, c, n);
   return n;
 }
 
@@ -214,7 +254,7 @@ std::int64_t TransformerShape::tokens() const {
 }
 
 const std::vector<ShapeLimit>& transformer_shape_limits() {
-  // In the order of counts()'s `values`.
+  // In the order of check_shape()'s `values`.
   static const std::vector<ShapeLimit> kLimits = {
       {"layers", 10000},      {"hidden", 1 << 20}, {"heads", 1 << 16}, {"seq", 1 << 24},
       {"batch", 1 << 24},     {"vocab", 1 << 24},  {"ffn_mult", 64},
