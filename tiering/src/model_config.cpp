@@ -92,120 +92,122 @@ struct Reader {
   }
 };
 
+// Intermediate widths and positions read from a config.json: at most this many.
+constexpr std::int64_t kMostUnits = 1 << 24;
+
 std::int64_t limit_of(std::string_view field) {
   for (const auto& l : transformer_shape_limits())
     if (l.field == field) return l.max;
   return 1 << 24;
 }
 
-}  // namespace
-
-const std::vector<std::string>& model_types() {
-  static const std::vector<std::string> kTypes = [] {
-    std::vector<std::string> out;
-    for (const auto& f : families()) out.emplace_back(f.model_type);
-    return out;
-  }();
-  return kTypes;
-}
-
-ModelConfig parse_model_config(std::string_view text, const std::string& path) {
+// The text as a JSON object (not JSON, or not an object, refused).
+Json parse_object(std::string_view text, const std::string& path) {
   Json j;
   try {
     j = Json::parse(text.begin(), text.end());
   } catch (const Json::exception& e) {
     throw config_error(in_quotes(path) + ": not JSON (" + e.what() + "); accepted: a transformers config.json");
   }
+  if (!j.is_object()) throw config_error(in_quotes(path) + ": not a JSON object; accepted: a transformers config.json");
+  return j;
+}
+
+// The family config.json's model_type names (missing, or one tierflow plan does not read, refused).
+const Family& family_of(const Json& j, const std::string& path) {
   std::string types;
   for (const auto& t : model_types()) types += (types.empty() ? "" : ", ") + t;
-  if (!j.is_object()) throw config_error(in_quotes(path) + ": not a JSON object; accepted: a transformers config.json");
   const auto mt = j.find("model_type");
   if (mt == j.end() || !mt->is_string()) {
     throw config_error(in_quotes(path) + ": model_type is " + (mt == j.end() ? std::string("missing") : mt->dump()) +
                        "; accepted: a config.json whose model_type is one of " + types);
   }
-  ModelConfig out;
-  out.path = path;
-  out.model_type = mt->get<std::string>();
+  const std::string model_type = mt->get<std::string>();
   const auto fam = std::find_if(families().begin(), families().end(),
-                                [&](const Family& f) { return out.model_type == f.model_type; });
+                                [&](const Family& f) { return model_type == f.model_type; });
   if (fam == families().end()) {
-    throw config_error(in_quotes(path) + ": model_type " + in_quotes(out.model_type) +
+    throw config_error(in_quotes(path) + ": model_type " + in_quotes(model_type) +
                        " is not one tierflow plan reads; "
                        "accepted: " + types + " (Note [Model families]; or give the shape with --layers --hidden "
                        "--heads)");
   }
-  out.family = fam->name;
-  const Reader r{j, path, out.model_type};
+  return *fam;
+}
+
+// GPT-2's fields (n_embd, n_layer, n_head, n_inner, n_positions, activation_function) and its block.
+void read_gpt2(const Reader& r, const Family& fam, ModelConfig& out) {
   TransformerShape& s = out.shape;
-  s.seq = 0;
-  s.batch = 0;
-  const std::int64_t most_layers = limit_of("layers"), most_hidden = limit_of("hidden"),
-                     most_heads = limit_of("heads"), most_vocab = limit_of("vocab");
-  const std::int64_t most_units = 1 << 24;
-  s.vocab = r.required("vocab_size", most_vocab);
-  if (fam->gpt2) {
-    s.hidden = static_cast<int>(r.required("n_embd", most_hidden));
-    s.layers = static_cast<int>(r.required("n_layer", most_layers));
-    s.heads = static_cast<int>(r.required("n_head", most_heads));
-    s.intermediate = r.optional("n_inner", most_units).value_or(4 * static_cast<std::int64_t>(s.hidden));
-    out.max_positions = r.optional("n_positions", most_units).value_or(fam->max_positions);
-    s.positions = out.max_positions;
+  s.hidden = static_cast<int>(r.required("n_embd", limit_of("hidden")));
+  s.layers = static_cast<int>(r.required("n_layer", limit_of("layers")));
+  s.heads = static_cast<int>(r.required("n_head", limit_of("heads")));
+  s.intermediate = r.optional("n_inner", kMostUnits).value_or(4 * static_cast<std::int64_t>(s.hidden));
+  out.max_positions = r.optional("n_positions", kMostUnits).value_or(fam.max_positions);
+  s.positions = out.max_positions;
+  // GPT-2's Conv1D projections all have biases; LayerNorm; GELU
+  s.qkv_bias = s.output_bias = s.mlp_bias = true;
+  // activation_function (default gelu_new): the tanh form written in Python ops saves three more tensors.
+  const Json* act = r.find("activation_function");
+  const std::string name = act == nullptr || act->is_null() ? "gelu_new" : act->is_string() ? act->get<std::string>()
+                                                                                             : act->dump();
+  s.activation_saved = name == "gelu_new" ? 3 : 0;
+}
+
+// The MLP of a Llama-style block: one (intermediate_size), or experts (Mixtral's or Qwen3-MoE's fields).
+void read_mlp(const Reader& r, const Family& fam, TransformerShape& s) {
+  if (fam.moe == 1) {
+    s.experts = static_cast<int>(r.required("num_local_experts", 1 << 12));
+    s.experts_per_token = static_cast<int>(r.required("num_experts_per_tok", s.experts));
+    s.intermediate = r.required("intermediate_size", kMostUnits);
+  } else if (fam.moe == 2) {
+    s.experts = static_cast<int>(r.required("num_experts", 1 << 12));
+    s.experts_per_token = static_cast<int>(r.required("num_experts_per_tok", s.experts));
+    s.intermediate = r.required("moe_intermediate_size", kMostUnits);
+    if (const auto step = r.optional("decoder_sparse_step", limit_of("layers")); step && *step != 1)
+      r.fail("decoder_sparse_step", std::to_string(*step) + " is not supported", "1 (every block sparse)");
+    if (const Json* dense = r.find("mlp_only_layers"); dense && !dense->is_null() &&
+                                                      !(dense->is_array() && dense->empty())) {
+      r.fail("mlp_only_layers", dense->dump() + " is not supported", "[] (every block sparse)");
+    }
   } else {
-    s.hidden = static_cast<int>(r.required("hidden_size", most_hidden));
-    s.layers = static_cast<int>(r.required("num_hidden_layers", most_layers));
-    s.heads = static_cast<int>(r.required("num_attention_heads", most_heads));
-    s.kv_heads = static_cast<int>(r.optional("num_key_value_heads", s.heads).value_or(s.heads));
-    if (s.heads % s.kv_heads != 0) {
-      r.fail("num_key_value_heads", std::to_string(s.kv_heads) + " does not divide num_attention_heads " +
-                                        std::to_string(s.heads), "a divisor of num_attention_heads");
-    }
-    const auto head_dim = r.optional("head_dim", 1 << 16);
-    if (head_dim) {
-      s.head_dim = static_cast<int>(*head_dim);
-    } else if (fam->head_dim > 0 && r.find("head_dim") == nullptr) {
-      s.head_dim = fam->head_dim;  // the class's default, where config.json leaves it out
-    } else if (s.hidden % s.heads != 0) {
-      r.fail("hidden_size", std::to_string(s.hidden) + " is not a multiple of num_attention_heads " +
-                                std::to_string(s.heads), "a multiple, or head_dim given");
-    }
-    out.max_positions = r.optional("max_position_embeddings", most_units).value_or(fam->max_positions);
-    s.positions = 0;
-    s.rms_norm = true;
-    s.gated = true;
-    const bool attention_bias = fam->attention_bias && r.flag("attention_bias", false);
-    s.qkv_bias = fam->qkv_bias_always || attention_bias;
-    s.output_bias = attention_bias;
-    s.mlp_bias = fam->mlp_bias && r.flag("mlp_bias", false);
-    s.qk_norm = fam->qk_norm;
-    if (fam->moe == 1) {
-      s.experts = static_cast<int>(r.required("num_local_experts", 1 << 12));
-      s.experts_per_token = static_cast<int>(r.required("num_experts_per_tok", s.experts));
-      s.intermediate = r.required("intermediate_size", most_units);
-    } else if (fam->moe == 2) {
-      s.experts = static_cast<int>(r.required("num_experts", 1 << 12));
-      s.experts_per_token = static_cast<int>(r.required("num_experts_per_tok", s.experts));
-      s.intermediate = r.required("moe_intermediate_size", most_units);
-      if (const auto step = r.optional("decoder_sparse_step", most_layers); step && *step != 1)
-        r.fail("decoder_sparse_step", std::to_string(*step) + " is not supported", "1 (every block sparse)");
-      if (const Json* dense = r.find("mlp_only_layers"); dense && !dense->is_null() &&
-                                                        !(dense->is_array() && dense->empty())) {
-        r.fail("mlp_only_layers", dense->dump() + " is not supported", "[] (every block sparse)");
-      }
-    } else {
-      s.intermediate = r.required("intermediate_size", most_units);
-    }
+    s.intermediate = r.required("intermediate_size", kMostUnits);
   }
-  if (fam->gpt2) {  // GPT-2's Conv1D projections all have biases; LayerNorm; GELU
-    s.qkv_bias = s.output_bias = s.mlp_bias = true;
-    // activation_function (default gelu_new): the tanh form written in Python ops saves three more tensors.
-    const Json* act = r.find("activation_function");
-    const std::string name = act == nullptr || act->is_null() ? "gelu_new" : act->is_string() ? act->get<std::string>()
-                                                                                               : act->dump();
-    s.activation_saved = name == "gelu_new" ? 3 : 0;
+}
+
+// A Llama-style block's fields (hidden_size, num_hidden_layers, heads, head_dim, biases, the MLP).
+void read_decoder(const Reader& r, const Family& fam, ModelConfig& out) {
+  TransformerShape& s = out.shape;
+  s.hidden = static_cast<int>(r.required("hidden_size", limit_of("hidden")));
+  s.layers = static_cast<int>(r.required("num_hidden_layers", limit_of("layers")));
+  s.heads = static_cast<int>(r.required("num_attention_heads", limit_of("heads")));
+  s.kv_heads = static_cast<int>(r.optional("num_key_value_heads", s.heads).value_or(s.heads));
+  if (s.heads % s.kv_heads != 0) {
+    r.fail("num_key_value_heads", std::to_string(s.kv_heads) + " does not divide num_attention_heads " +
+                                      std::to_string(s.heads), "a divisor of num_attention_heads");
   }
-  s.tied = r.flag("tie_word_embeddings", fam->tied);
-  // torch_dtype (transformers 4) or dtype (5).
+  const auto head_dim = r.optional("head_dim", 1 << 16);
+  if (head_dim) {
+    s.head_dim = static_cast<int>(*head_dim);
+  } else if (fam.head_dim > 0 && r.find("head_dim") == nullptr) {
+    s.head_dim = fam.head_dim;  // the class's default, where config.json leaves it out
+  } else if (s.hidden % s.heads != 0) {
+    r.fail("hidden_size", std::to_string(s.hidden) + " is not a multiple of num_attention_heads " +
+                              std::to_string(s.heads), "a multiple, or head_dim given");
+  }
+  out.max_positions = r.optional("max_position_embeddings", kMostUnits).value_or(fam.max_positions);
+  s.positions = 0;
+  s.rms_norm = true;
+  s.gated = true;
+  const bool attention_bias = fam.attention_bias && r.flag("attention_bias", false);
+  s.qkv_bias = fam.qkv_bias_always || attention_bias;
+  s.output_bias = attention_bias;
+  s.mlp_bias = fam.mlp_bias && r.flag("mlp_bias", false);
+  s.qk_norm = fam.qk_norm;
+  read_mlp(r, fam, s);
+}
+
+// torch_dtype (transformers 4) or dtype (5): out.dtype, and the shape's dtype_bytes.
+void read_dtype(const Reader& r, ModelConfig& out) {
+  TransformerShape& s = out.shape;
   const Json* dtype = r.find("torch_dtype");
   const char* dtype_field = "torch_dtype";
   if (dtype == nullptr || dtype->is_null()) {
@@ -220,6 +222,35 @@ ModelConfig parse_model_config(std::string_view text, const std::string& path) {
     else r.fail(dtype_field, in_quotes(d) + " is not valid", "float32, bfloat16 or float16 (or give --dtype)");
   }
   s.dtype_bytes = out.dtype == std::optional<std::string>("fp32") ? 4 : 2;
+}
+
+}  // namespace
+
+const std::vector<std::string>& model_types() {
+  static const std::vector<std::string> kTypes = [] {
+    std::vector<std::string> out;
+    for (const auto& f : families()) out.emplace_back(f.model_type);
+    return out;
+  }();
+  return kTypes;
+}
+
+ModelConfig parse_model_config(std::string_view text, const std::string& path) {
+  const Json j = parse_object(text, path);
+  const Family& fam = family_of(j, path);
+  ModelConfig out;
+  out.path = path;
+  out.model_type = fam.model_type;
+  out.family = fam.name;
+  const Reader r{j, path, out.model_type};
+  TransformerShape& s = out.shape;
+  s.seq = 0;
+  s.batch = 0;
+  s.vocab = r.required("vocab_size", limit_of("vocab"));
+  if (fam.gpt2) read_gpt2(r, fam, out);
+  else read_decoder(r, fam, out);
+  s.tied = r.flag("tie_word_embeddings", fam.tied);
+  read_dtype(r, out);
   return out;
 }
 
