@@ -260,7 +260,7 @@ std::vector<Row> memory_rows() {
   };
 }
 
-// What goes where, the CPU optimizer's threads, logs, files, activation sizes.
+// What goes where, the CPU optimizer's states' format, threads and SIMD path.
 std::vector<Row> placement_rows() {
   return {
     {{"TIERFLOW_OFFLOAD_ACTIVATIONS", "auto", "one of none, host, nvme, recompute, auto",
@@ -312,6 +312,12 @@ std::vector<Row> placement_rows() {
          bad_value(name, v, "one of auto, avx512, avx2, portable");
        c.cpu_isa = s;
      }},
+  };
+}
+
+// Logs, the stall timeout, the report, trace and profile files, re-planning.
+std::vector<Row> log_and_file_rows() {
+  return {
     {{"TIERFLOW_LOG_LEVEL", "warn", "one of error, warn, info, debug",
       "verbosity of tierflow's messages on stderr"},
      [](Config& c, std::string_view name, std::string_view v) {
@@ -354,6 +360,12 @@ std::vector<Row> placement_rows() {
       "re-plan the activations once when the steps under the plan take more than 25% longer or "
       "shorter than it predicted, from its figures calibrated on that measurement (see Note [Re-plan])"},
      on_off_parser(&Config::replan)},
+  };
+}
+
+// Activation sizes: the least offloaded, the prefetch window, the host pool's pinned slabs.
+std::vector<Row> activation_size_rows() {
+  return {
     {{"TIERFLOW_MIN_OFFLOAD_BYTES", "64KiB", "a size, e.g. 0, 4096, 64KiB, 1MiB",
       "saved tensors smaller than this stay on the device (copying them costs more than it saves)"},
      size_parser(&Config::min_offload_bytes, 0, "a size, e.g. 0, 4096, 64KiB, 1MiB")},
@@ -500,7 +512,8 @@ std::vector<Row> device_rows() {
 const std::vector<Row>& rows() {
   static const std::vector<Row> kRows = [] {
     std::vector<Row> all;
-    for (auto part : {memory_rows, placement_rows, step_rows, device_rows}) {
+    for (auto part :
+         {memory_rows, placement_rows, log_and_file_rows, activation_size_rows, step_rows, device_rows}) {
       std::vector<Row> r = part();
       all.insert(all.end(), std::make_move_iterator(r.begin()), std::make_move_iterator(r.end()));
     }
