@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "loop_fs.hpp"
+#include "nvme_test_dir.hpp"
 #include "sanitizers.hpp"
 #include "tierflow/allocator/aligned_buffer.hpp"
 #include "tierflow/core/error.hpp"
@@ -29,17 +30,13 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// A fresh directory per test on a file system with O_DIRECT (not tmpfs).
+// A fresh directory per test on a file system with O_DIRECT (not tmpfs; nvme_test_dir.hpp), named after the test.
 class NvmeTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    const char* base = std::getenv("NVME_TEST_DIR");
-    std::string root = base ? base : (fs::current_path() / "nvme-test").string();
-    dir_ = root + "/" + ::testing::UnitTest::GetInstance()->current_test_info()->name() + "-" + std::to_string(getpid());
     fs::create_directories(dir_ + "/a");
     fs::create_directories(dir_ + "/b");
   }
-  void TearDown() override { fs::remove_all(dir_); }
   NvmeEngineOptions opts(int paths = 1, std::uint64_t per_path = 64ULL << 20) {
     NvmeEngineOptions o;
     o.paths.push_back(dir_ + "/a");
@@ -63,7 +60,9 @@ class NvmeTest : public ::testing::Test {
     for (auto& e : fs::directory_iterator(d)) n += e.is_regular_file();
     return n;
   }
-  std::string dir_;
+  const testing_nvme::NvmeTestDir test_dir_{
+      std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()) + "-"};
+  const std::string dir_ = test_dir_.path();
 };
 
 using tierflow::testing::LoopFs;

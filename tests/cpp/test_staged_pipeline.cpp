@@ -1,13 +1,11 @@
 // The staged pipeline (Note [Staged pipeline]) on the emulated device, in its
 // polite and its adversarial mode (Note [Adversarial emulated device]).
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
-#include <filesystem>
 #include <functional>
 #include <random>
 #include <string>
@@ -15,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "nvme_test_dir.hpp"
 #include "tierflow/allocator/pinned_host_pool.hpp"
 #include "tierflow/core/error.hpp"
 #include "tierflow/swap/copy_engine.hpp"
@@ -23,7 +22,6 @@
 
 using namespace tierflow;
 using namespace tierflow::swap;
-namespace fs = std::filesystem;
 
 namespace {
 
@@ -48,23 +46,21 @@ std::vector<unsigned char> read_device(const DeviceBuffer& b, std::size_t n) {
   return std::vector<unsigned char>(p, p + n);
 }
 
+// The current test's name, a parameterized one's '/' made '-', and a '-': its NVMe directory's prefix.
+std::string test_dir_prefix() {
+  std::string name = ::testing::UnitTest::GetInstance()->current_test_info()->name();
+  for (char& c : name)
+    if (c == '/') c = '-';
+  return name + "-";
+}
+
 // One pipeline over an emulated engine, a pinned pool and (optionally) NVMe.
 // The parameter: true runs the adversarial emulated device.
 class StagedPipelineTest : public ::testing::TestWithParam<bool> {
  protected:
-  void SetUp() override {
-    const char* base = std::getenv("NVME_TEST_DIR");
-    const std::string root = base ? base : (fs::current_path() / "nvme-test").string();
-    std::string name = ::testing::UnitTest::GetInstance()->current_test_info()->name();
-    for (char& c : name)
-      if (c == '/') c = '-';
-    dir_ = root + "/" + name + "-" + std::to_string(getpid());
-    fs::create_directories(dir_);
-  }
   void TearDown() override {
     pipeline_.reset();
     nvme_.reset();
-    fs::remove_all(dir_);
   }
 
   bool adversarial() const { return GetParam(); }
@@ -131,7 +127,9 @@ class StagedPipelineTest : public ::testing::TestWithParam<bool> {
     return ids;
   }
 
-  std::string dir_;
+  // This test's directory (nvme_test_dir.hpp), named after it ('/' made '-'); removed after everything below.
+  const testing_nvme::NvmeTestDir test_dir_{test_dir_prefix()};
+  const std::string dir_ = test_dir_.path();
   std::shared_ptr<CopyFaults> copy_faults_ = std::make_shared<CopyFaults>();
   NvmeFaults nvme_faults_;
   std::shared_ptr<allocator::PinnedHostPool> pool_;

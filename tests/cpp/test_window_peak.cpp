@@ -4,13 +4,11 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
-#include <filesystem>
 #include <string>
 #include <thread>
 #include <vector>
 
-#include <unistd.h>
-
+#include "nvme_test_dir.hpp"
 #include "tierflow/allocator/pinned_host_pool.hpp"
 #include "tierflow/core/stats.hpp"
 #include "tierflow/swap/nvme_engine.hpp"
@@ -104,28 +102,21 @@ TEST(BlockRegistryWindowPeak, EachTierSinceThePreviousTake) {
 }
 
 TEST(NvmeEngineWindowPeak, BytesInUseSinceThePreviousTake) {
-  namespace fs = std::filesystem;
-  const char* base = std::getenv("NVME_TEST_DIR");
-  const std::string dir = (base ? fs::path(base) : fs::current_path() / "nvme-test") /
-                          ("window-peak-" + std::to_string(getpid()));
-  fs::create_directories(dir);
-  {
-    swap::NvmeEngineOptions o;
-    o.paths = {dir};
-    o.bytes_per_path = 16 << 20;
-    o.block_bytes = 256 << 10;
-    o.queue_depth = 4;
-    swap::NvmeEngine e(o);
-    const auto a = e.allocate(1 << 20);
-    const auto b = e.allocate(1 << 20);
-    e.release(a);
-    e.release(b);
-    EXPECT_EQ(e.take_in_use_window_peak(), 2u << 20);
-    const auto c = e.allocate(1 << 20);
-    EXPECT_EQ(e.take_in_use_window_peak(), 1u << 20) << "below the earlier window's";
-    e.release(c);
-    EXPECT_EQ(e.take_in_use_window_peak(), 1u << 20) << "held at the window's start";
-    EXPECT_EQ(e.take_in_use_window_peak(), 0u);
-  }
-  fs::remove_all(dir);
+  const testing_nvme::NvmeTestDir dir("window-peak-");  // removed after the engine
+  swap::NvmeEngineOptions o;
+  o.paths = {dir.path()};
+  o.bytes_per_path = 16 << 20;
+  o.block_bytes = 256 << 10;
+  o.queue_depth = 4;
+  swap::NvmeEngine e(o);
+  const auto a = e.allocate(1 << 20);
+  const auto b = e.allocate(1 << 20);
+  e.release(a);
+  e.release(b);
+  EXPECT_EQ(e.take_in_use_window_peak(), 2u << 20);
+  const auto c = e.allocate(1 << 20);
+  EXPECT_EQ(e.take_in_use_window_peak(), 1u << 20) << "below the earlier window's";
+  e.release(c);
+  EXPECT_EQ(e.take_in_use_window_peak(), 1u << 20) << "held at the window's start";
+  EXPECT_EQ(e.take_in_use_window_peak(), 0u);
 }
