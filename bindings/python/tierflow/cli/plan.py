@@ -30,7 +30,7 @@ import json
 import shlex
 import sys
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 from .. import _native as _C  # tierflow._core's names (torch-free); any other loads torch, then tierflow._C
 from .._config import resolve_settings
@@ -234,64 +234,103 @@ def _plan(args: argparse.Namespace, argv: Sequence[str] = ()) -> str:
     optimizer = args.optimizer or settings.offload_optimizer
     _check_optimizer_tier(args, optimizer)
     if model is None:
-        given = [a for a in _C.plan_shape_flags() if getattr(args, a) is not None]
-        _C.check_blocks_source(args.profile is not None, given)  # a whole shape or --profile (Note [Plan report])
-        args.dtype = args.dtype or "bf16"
-        args.vocab = 50304 if args.vocab is None else args.vocab
-        args.ffn_mult = 4 if args.ffn_mult is None else args.ffn_mult
+        _shape_defaults(args)
     measured: list[str] = []
-    device_name = "cuda" if cuda else "cpu (emulated device)"
-
-    # Links.
-    if args.pcie_gbps is not None:
-        links = _C.links_from_pcie_gbps(args.pcie_gbps)
-    elif args.profile is not None:
-        links = None  # the profile's
-    else:
-        links = measure_links(cuda)
-        measured.append("links")
-
+    links = _links(args, cuda, measured)
     # Blocks and what the rest of training needs on the device.
-    state = None
-    head_bytes = 0
     # Parsed as the table parses TIERFLOW_OPTIMIZER_STATES, errors naming the flag.
     states = settings.optimizer_states if args.optimizer_states is None else _C.parse_setting(
         "TIERFLOW_OPTIMIZER_STATES", _text("--optimizer-states", args.optimizer_states), "--optimizer-states")
     if args.profile is not None:
-        try:
-            with open(args.profile, encoding="utf-8") as f:
-                profile = profile_from_json(f.read())
-        except OSError as e:
-            raise PlanError(f"--profile {args.profile!r}: {e.strerror}") from None
-        except ValueError as e:  # UnicodeDecodeError included
-            raise PlanError(f"--profile {args.profile!r}: {e}") from None
-        blocks = profile.blocks
-        if links is None:  # the profile's: a missing or zero rate would plan every swap at inf s
-            missing = [k for k in ("d2h", "h2d", "duplex") if not getattr(profile.links, k) > 0]
-            if missing:
-                raise PlanError(f"--profile {args.profile!r}: links has no positive {', '.join(missing)} (bytes/s); "
-                                "accepted: a profile whose links d2h, h2d and duplex are positive rates (as "
-                                "TIERFLOW_PROFILE writes them), or --pcie-gbps to give the link")
-        links = links or profile.links
-        head_bytes = profile.outside_saved_bytes  # auto's measurement: the plan keeps or swaps them
-        flops = None
+        source = _profile_blocks(args, links)
     else:
-        shape = _shape(args)
-        if args.tflops is not None:
-            flops = args.tflops * 1e12
-        else:
-            flops = measure_flops(cuda)
-            measured.append("tflops")
-        try:
-            _C.check_transformer_shape(shape)  # before building a profile per layer
-            blocks = _C.estimate_transformer(shape, flops)
-            state = _C.estimate_training_state(shape, optimizer, states)
-            head_bytes = _C.estimate_head_device_bytes(shape)
-        except ValueError as e:  # a shape the estimate refuses (ConfigError)
-            raise PlanError(f"{_shape_flags(args)}: {e}") from None
+        source = _estimated_blocks(args, links, cuda, optimizer, states, measured)
+    inputs = _command_inputs(args, settings, cuda, optimizer, states, source, measured)
+    command = _command_budgets(inputs, source, argv)
+    _check_optimizer_flags(args, optimizer)
+    blocks = _C.plan_command_blocks(source.blocks, inputs)
+    plan = _plan_activations(blocks, source, inputs, command, argv)
+    report = _C.describe_plan(plan, blocks, inputs, command)
+    if model is None:
+        return report.json if args.json else "\n".join(report.lines)
+    return _model_report(report, model, plan, blocks, inputs, command, args)
 
-    # Budgets and the report: tiering/plan_report.hpp (Note [Plan report]).
-    shape_out = None if state is None else shape
+
+class _BlockSource(NamedTuple):
+    """Where the plan's blocks came from: a recorded profile (--profile) or a shape's estimate."""
+    blocks: Any
+    links: Any
+    head_bytes: int  # the saved tensors outside the blocks (the head's, or auto's measurement)
+    fixed_device_bytes: int = 0  # the profile's
+    shape: Any = None  # the estimate's
+    state: Any = None  # the estimate's training state (None: from a profile)
+    flops: float | None = None  # the estimate's
+
+
+def _shape_defaults(args: argparse.Namespace) -> None:
+    """Without --model: a whole shape or --profile (Note [Plan report]), and the shape's defaults."""
+    given = [a for a in _C.plan_shape_flags() if getattr(args, a) is not None]
+    _C.check_blocks_source(args.profile is not None, given)  # a whole shape or --profile (Note [Plan report])
+    args.dtype = args.dtype or "bf16"
+    args.vocab = 50304 if args.vocab is None else args.vocab
+    args.ffn_mult = 4 if args.ffn_mult is None else args.ffn_mult
+
+
+def _links(args: argparse.Namespace, cuda: bool, measured: list[str]) -> Any:
+    """--pcie-gbps's links, None for the profile's, or measured ("links" added to `measured`)."""
+    if args.pcie_gbps is not None:
+        return _C.links_from_pcie_gbps(args.pcie_gbps)
+    if args.profile is not None:
+        return None  # the profile's
+    links = measure_links(cuda)
+    measured.append("links")
+    return links
+
+
+def _profile_blocks(args: argparse.Namespace, links: Any) -> _BlockSource:
+    """The blocks of --profile's file, and its links unless `links` were given."""
+    try:
+        with open(args.profile, encoding="utf-8") as f:
+            profile = profile_from_json(f.read())
+    except OSError as e:
+        raise PlanError(f"--profile {args.profile!r}: {e.strerror}") from None
+    except ValueError as e:  # UnicodeDecodeError included
+        raise PlanError(f"--profile {args.profile!r}: {e}") from None
+    if links is None:  # the profile's: a missing or zero rate would plan every swap at inf s
+        missing = [k for k in ("d2h", "h2d", "duplex") if not getattr(profile.links, k) > 0]
+        if missing:
+            raise PlanError(f"--profile {args.profile!r}: links has no positive {', '.join(missing)} (bytes/s); "
+                            "accepted: a profile whose links d2h, h2d and duplex are positive rates (as "
+                            "TIERFLOW_PROFILE writes them), or --pcie-gbps to give the link")
+    # outside_saved_bytes: auto's measurement, the plan keeps or swaps them.
+    return _BlockSource(blocks=profile.blocks, links=links or profile.links, head_bytes=profile.outside_saved_bytes,
+                        fixed_device_bytes=profile.fixed_device_bytes)
+
+
+def _estimated_blocks(args: argparse.Namespace, links: Any, cuda: bool, optimizer: str, states: Any,
+                      measured: list[str]) -> _BlockSource:
+    """The blocks, training state and head bytes estimated from the shape (--tflops given, or measured)."""
+    shape = _shape(args)
+    if args.tflops is not None:
+        flops = args.tflops * 1e12
+    else:
+        flops = measure_flops(cuda)
+        measured.append("tflops")
+    try:
+        _C.check_transformer_shape(shape)  # before building a profile per layer
+        blocks = _C.estimate_transformer(shape, flops)
+        state = _C.estimate_training_state(shape, optimizer, states)
+        head_bytes = _C.estimate_head_device_bytes(shape)
+    except ValueError as e:  # a shape the estimate refuses (ConfigError)
+        raise PlanError(f"{_shape_flags(args)}: {e}") from None
+    return _BlockSource(blocks=blocks, links=links, head_bytes=head_bytes, shape=shape, state=state, flops=flops)
+
+
+def _command_inputs(args: argparse.Namespace, settings: Any, cuda: bool, optimizer: str, states: Any,
+                    source: _BlockSource, measured: list[str]) -> Any:
+    """The plan command's inputs: the budgets' and the report's (tiering/plan_report.hpp, Note [Plan report])."""
+    device_name = "cuda" if cuda else "cpu (emulated device)"
+    shape_out = None if source.state is None else source.shape
     inputs = _C.PlanCommandInputs(
         gpu_memory=_setting(args.gpu_memory, "--gpu-memory", settings.gpu_memory,
                             "TIERFLOW_GPU_MEMORY" in settings.given),
@@ -302,41 +341,41 @@ def _plan(args: argparse.Namespace, argv: Sequence[str] = ()) -> str:
         host_capacity_bytes=_C.host_capacity_bytes(), device_name=device_name, optimizer=optimizer,
         optimizer_states=states,
         offload_params=args.offload_params or settings.offload_params,
-        shape=shape_out, dtype_name=args.dtype, state=state, head_bytes=head_bytes,
+        shape=shape_out, dtype_name=args.dtype, state=source.state, head_bytes=source.head_bytes,
         profile_path="" if args.profile is None else args.profile.encode("utf-8", "backslashreplace").decode(),
-        profile_fixed_device_bytes=0 if args.profile is None else profile.fixed_device_bytes,
-        blocks_from=_shape_flags(args), links=links,
-        flops_per_second=flops, measured=measured, links_given=args.pcie_gbps is not None)
+        profile_fixed_device_bytes=source.fixed_device_bytes,
+        blocks_from=_shape_flags(args), links=source.links,
+        flops_per_second=source.flops, measured=measured, links_given=args.pcie_gbps is not None)
     # Parsed as the table parses TIERFLOW_OFFLOAD_GRADIENTS, errors naming the flag (Note [Plan report], Gradients).
     inputs.offload_gradients = settings.offload_gradients if args.offload_gradients is None else _C.parse_setting(
         "TIERFLOW_OFFLOAD_GRADIENTS", _text("--offload-gradients", args.offload_gradients),
         "--offload-gradients") == "on"
     if args.cpu_adam_rate is not None:
         inputs.cpu_adam_params_per_second = args.cpu_adam_rate
-    try:
-        command = _C.plan_command_budgets(inputs)
-    except ValueError as e:  # ConfigError: a budget the optimizer states do not fit, a bad size
-        if shape_out is None or not _budget_refusal(str(e)):
-            raise
-        raise PlanError(str(e) + _fit_advice(blocks, inputs, argv)) from None
-    _check_optimizer_flags(args, optimizer)
-    budgets = command.budgets
-    # The fit search takes the estimate's blocks (each combination moves its own gradients); the rest plans these.
-    estimated = blocks
-    blocks = _C.plan_command_blocks(blocks, inputs)
+    return inputs
 
+
+def _command_budgets(inputs: Any, source: _BlockSource, argv: Sequence[str]) -> Any:
+    """tiering's budgets for `inputs`; a budget that the estimate's optimizer states do not fit adds the settings
+    that would (Note [Plan fit])."""
     try:
-        plan = _C.plan_activations(blocks, command.links, budgets)
+        return _C.plan_command_budgets(inputs)
+    except ValueError as e:  # ConfigError: a budget the optimizer states do not fit, a bad size
+        if source.state is None or not _budget_refusal(str(e)):
+            raise
+        raise PlanError(str(e) + _fit_advice(source.blocks, inputs, argv)) from None
+
+
+def _plan_activations(blocks: Any, source: _BlockSource, inputs: Any, command: Any, argv: Sequence[str]) -> Any:
+    """The planner's plan of `blocks` within the budgets, or a refusal naming what would fit. The fit search takes
+    the estimate's blocks (source.blocks: each combination moves its own gradients); the plan takes these."""
+    try:
+        return _C.plan_activations(blocks, command.links, command.budgets)
     except MemoryError as e:  # tierflow.OutOfMemoryError: the budgets are too small
-        advice = "" if shape_out is None else _fit_advice(estimated, inputs, argv)
+        advice = "" if source.state is None else _fit_advice(source.blocks, inputs, argv)
         raise PlanError(_C.plan_refusal(str(e), True, inputs, command) + advice) from None
     except ValueError as e:  # ConfigError: the profile's or the shape's bytes with the prefetch window overflow
         raise PlanError(_C.plan_refusal(str(e), False, inputs, command)) from None
-
-    report = _C.describe_plan(plan, blocks, inputs, command)
-    if model is None:
-        return report.json if args.json else "\n".join(report.lines)
-    return _model_report(report, model, plan, blocks, inputs, command, args)
 
 
 def _check_optimizer_flags(args: argparse.Namespace, optimizer: str) -> None:
