@@ -29,7 +29,9 @@ as a weight, to a node made before it), and puts a post-hook on each; the
 use ends once every last node the engine will run in this backward
 (torch._C._will_engine_execute_node) has run: a node runs after every node
 of the call above it, so nothing of the call reads its weights after that,
-a branch of weights only (latents, a merged LoRA weight) included. The
+a branch of weights only (latents, a merged LoRA weight) included (a last
+node that is an output's node is counted as one that runs: Note [Who holds
+a call]). The
 graph is not changed (an identity function on the inputs, as FSDP2's
 post-backward, regroups the sums of a shared input's gradient). So an input
 every block shares (T5's position bias, an encoder's output under
@@ -143,7 +145,8 @@ def _tensors_of(out: Any, module: torch.nn.Module) -> list:
 
 def _node_hook(me: Any, call: int) -> Any:
     """A post-hook of one of a call's last nodes: it knows the call by its record's id (the call holds its last
-    nodes, and the hooks on its outputs, nodes above them, hold the call: the graph owns it without a cycle)."""
+    nodes below its outputs, whose hooks hold the call: the graph owns it without a cycle, Note [Who holds a
+    call])."""
     def hook(grad_inputs: Any, grad_outputs: Any) -> None:
         offload = me()
         if offload is not None:
@@ -160,11 +163,46 @@ def _grad_hook(me: Any, method: str, *args: Any) -> Any:
     return hook
 
 
+# Note [Who holds a call]
+# ~~~~~~~~~~~~~~~~~~~~~~~
+# A call's record lives as long as its graph: the gradient hooks on the outputs it made hold its _Call (and
+# nothing else does, once its forward returned), and the _Call holds the last nodes it counts. Autograd keeps a
+# node's hooks in C++, where Python's collector sees them only while nothing but one Python object holds the
+# node, so a _Call holding a node from which one of those outputs' nodes is reachable (that node itself: a
+# residual block's ``x + f(x)``, an embedding, whose node has its edge out of the call) is a cycle the collector
+# frees one call per collection at best, each call's last nodes holding the previous call's output: every step's
+# graph piled up (46 nodes and 12 calls after 3 steps, 86 and 23 after 8: the loop fuzzer's mlp_bn under auto;
+# tests/python/test_param_graph_lifetime.py). So a call holds only the last nodes below its hooked outputs, and
+# counts the others (``unheld``) as ones the backward runs: one that does not run (an output no gradient reaches
+# whose node has an edge out of the call) keeps its use open until the end of backward, as a call with no last
+# node that runs does. The recompute's check for an unbegun call (_unit_begins) looks at the nodes it holds. And
+# the call lets go of its inputs' nodes once it has walked from its outputs: they lead to the previous call's
+# output, whose hooks hold that call.
+
+
+def _above(ends: list, below: dict, hooked: Any) -> set:
+    """Of ``ends`` (and the call's nodes under them: ``below`` gives each node's nodes of the call it has an
+    edge to), those from which a node in ``hooked`` is reachable, itself included."""
+    above: dict = {}  # node -> whether a hooked node is reachable from it
+    for end in ends:
+        stack = [(end, False)]
+        while stack:
+            node, done = stack.pop()
+            if node in above:
+                continue
+            if done:
+                above[node] = node in hooked or any(above[n] for n in below.get(node, ()))
+                continue
+            stack.append((node, True))
+            stack.extend((n, False) for n in below.get(node, ()) if n not in above)
+    return {n for n in ends if above[n]}
+
+
 class _Call:
     """The torch side of one call of a unit, whose record (its use's counts) is _C.ParamUses's, by ``id``: the
     autograd nodes of its inputs and its last nodes (Note [Parameter hooks]). Its record goes with it."""
 
-    __slots__ = ("id", "unit", "casts", "start", "inputs", "ends", "me", "__weakref__")
+    __slots__ = ("id", "unit", "casts", "start", "inputs", "ends", "unheld", "me", "__weakref__")
 
     def __init__(self, me: Any, unit: int, casts: int, start: int, inputs: list) -> None:
         self.me = me
@@ -172,8 +210,15 @@ class _Call:
         self.unit = unit
         self.casts = casts  # bytes of autocast's casts of its weights its forward made (its backward makes again)
         self.start = start  # the sequence number of the first autograd node the call may make
-        self.inputs = inputs  # the autograd nodes of its inputs that need a gradient
-        self.ends: Optional[list] = None  # its last nodes (_watch_call), once its forward returned
+        self.inputs: Optional[list] = inputs  # the autograd nodes of its inputs that need a gradient, until
+        # _watch_call has walked from its outputs (then None: Note [Who holds a call])
+        self.ends: Optional[list] = None  # its last nodes it may hold (_watch_call), once its forward returned
+        self.unheld = 0  # its last nodes it may not hold (Note [Who holds a call]): each counted as one that runs
+
+    def expected_ends(self) -> int:
+        """Its last nodes this backward runs, as far as it can tell: those it holds that the engine will run,
+        and every one it does not hold (one that does not run keeps its use open to the end of backward)."""
+        return sum(1 for n in self.ends or () if torch._C._will_engine_execute_node(n)) + self.unheld
 
     def __del__(self) -> None:
         uses = getattr(self.me(), "uses", None)
@@ -414,7 +459,7 @@ class ParamOffload:
                     self.uses.end_call(call.id)
                     return
                 self._watch_call(call, out)  # the recompute's own backward (all of it) ends its use
-                self.uses.expect_ends(call.id, len(call.ends))
+                self.uses.expect_ends(call.id, len(call.ends) + call.unheld)
             return
         use = self.uses.pop_forward(u)
         if use is None:
@@ -425,27 +470,31 @@ class ParamOffload:
             torch.set_autocast_cache_enabled(cache)
         graph = call is not None and torch.is_grad_enabled()
         out = _tensors_of(out, self._model_of_unit[u])
-        cast = self._watch_call(call, out) if graph else None
+        # Its outputs it made (not passed through): their first gradient begins its backward use.
+        made = [t for t in out if t.grad_fn is not None and call.start <= t.grad_fn._sequence_nr() != _ACCUMULATE] \
+            if graph else []
+        cast = self._watch_call(call, out, {t.grad_fn for t in made}) if graph else None
         self._forward_use_ended(u, casts, refilled, cast)
         if graph:
             self.uses.watched(call.id)
-            for t in out:
-                if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None and \
-                        call.start <= t.grad_fn._sequence_nr() != _ACCUMULATE:  # made by the call, not passed through
-                    t.register_hook(_grad_hook(self._me, "_call_begins", call))
+            for t in made:
+                t.register_hook(_grad_hook(self._me, "_call_begins", call))
 
-    def _watch_call(self, call: _Call, out: Any) -> list:
+    def _watch_call(self, call: _Call, out: Any, hooked: Any = ()) -> list:
         """Finds the call's last nodes (walking back from its outputs through the nodes it made: those with an
         edge out of the call, to one of its inputs, a leaf such as a weight, or a tensor made before it) and
         hooks each: a node runs after every node of the call above it, so once those of them the backward runs
         have run, nothing of the call needs its weights (a branch of weights only, such as latents or a merged
-        LoRA weight, included). Returns the unit's fp32 weights the call cast (autocast's ToCopyBackward0 into
-        their AccumulateGrad: Note [Parameter casts])."""
-        inputs = set(call.inputs)
+        LoRA weight, included). ``hooked``: the nodes of its outputs whose gradient hooks hold the call (Note [Who
+        holds a call]). Returns the unit's fp32 weights the call cast (autocast's ToCopyBackward0 into their
+        AccumulateGrad: Note [Parameter casts])."""
+        inputs = set(call.inputs or ())
+        call.inputs = None  # walked: Note [Who holds a call]
         weights = {id(p) for p in self._fp32_params[call.unit]} if call.casts else ()
         cast = []
         stack = [t.grad_fn for t in out if t.grad_fn is not None]
         seen: set = set()
+        below: dict = {}  # a node of the call -> the nodes of the call it has an edge to
         ends = []
         while stack:
             node = stack.pop()
@@ -456,6 +505,7 @@ class ParamOffload:
             if seq < call.start or seq == _ACCUMULATE:
                 continue  # made before the call (a tensor it read from elsewhere), or a leaf
             leaves = False
+            inside = below[node] = []
             for nxt, _ in node.next_functions:
                 if nxt is None:
                     continue
@@ -463,13 +513,17 @@ class ParamOffload:
                     leaves = True
                 else:
                     stack.append(nxt)
+                    inside.append(nxt)
             if leaves:
                 ends.append(node)
             if weights and node.name() == "ToCopyBackward0":
                 p = getattr(node.next_functions[0][0], "variable", None)
                 if p is not None and id(p) in weights:
                     cast.append(p)
-        call.ends = ends
+        # Note [Who holds a call]: the call holds no last node above one that holds the call.
+        above = _above(ends, below, hooked) if hooked else set()
+        call.ends = [n for n in ends if n not in above]
+        call.unheld = len(ends) - len(call.ends)
         for node in ends:
             node.register_hook(_node_hook(self._me, call.id))
         return cast
@@ -509,7 +563,7 @@ class ParamOffload:
             self._backward_begins()  # backward from a unit's output, not the model's
         if self.uses.begin_call(call.id) and call.ends is not None:  # (a recompute's call counts them when its
             # forward returns) The last nodes this backward runs (not those of an output no gradient reaches).
-            self.uses.expect_ends(call.id, sum(1 for n in call.ends if torch._C._will_engine_execute_node(n)))
+            self.uses.expect_ends(call.id, call.expected_ends())
 
     def _close_backward(self) -> None:
         """The end of backward: every use still open ends, then the holds, and the phase with them."""
