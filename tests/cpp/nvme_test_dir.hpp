@@ -1,6 +1,6 @@
-// Set-up shared by the tests that put blocks on NVMe under injected faults (test_stall.cpp; the NVMe engine's,
-// the staged pipeline's and the window-peak tests make their directories the same way): a directory per test on a
-// file system with O_DIRECT, and an engine's options over it.
+// Set-up shared by the tests that put blocks on NVMe (test_stall.cpp under injected faults; the NVMe engine's, the
+// staged pipeline's and the window-peak tests): a directory per test on a file system with O_DIRECT, and an
+// engine's options over it.
 #pragma once
 
 #include <unistd.h>

@@ -530,7 +530,7 @@ TEST(PlannerWindow, ASmallModelsWindowCountsOnlyWhatItSwaps) {
 }
 
 TEST(PlannerWindow, TheRefusalsFloorWithParametersFetchedCountsOnlyWhatTheBlocksSwap) {
-  // Issue 41 item 3: plan_params.cpp's floor (parameters fetched) and planner.cpp's (resident) count the window
+  // Issue 41 item 3: plan_params.cpp's floor (parameters fetched) and plan_activations.cpp's (resident) count the window
   // alike: at most what the cheapest plan swaps (every block's input), not the whole 256 KiB window.
   BlockProfile p;
   p.forward_seconds = 1e-3;

@@ -136,7 +136,7 @@ std::vector<std::vector<bool>> fetch_sets(const std::vector<BlockProfile>& block
     inputs += p.input_bytes;
   }
   all.add(budgets.rest_parameter_bytes, budgets.param_tier);
-  // The window counts only what the cheapest plan swaps (every block's input), as planner.cpp's floor does.
+  // The window counts only what the cheapest plan swaps (every block's input), as plan_activations.cpp's floor does.
   const std::uint64_t window = window_bytes(budgets.prefetch_bytes, inputs);
   const std::uint64_t floor = budgets.fixed_device_bytes + working + all.window() + window;
   std::string msg = "tierflow: no plan of parameters and activations fits: with every unit's parameters fetched "

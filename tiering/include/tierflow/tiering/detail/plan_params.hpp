@@ -1,5 +1,6 @@
 // Internals of the joint plan of parameters and activations (Note [Activation planner], Parameters),
-// shared by planner.cpp (the model) and plan_params.cpp (the search over fetched counts).
+// shared by planner.cpp (the model), plan_activations.cpp (plan_within) and plan_params.cpp (the search over fetched
+// counts).
 #pragma once
 
 #include <cstdint>

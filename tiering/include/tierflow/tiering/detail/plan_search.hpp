@@ -1,5 +1,5 @@
-// Internals of the activation planner shared by planner.cpp (the model) and
-// plan_search.cpp (the search); see Note [Activation planner].
+// Internals of the activation planner shared by planner.cpp (the model),
+// plan_search.cpp (the search) and plan_activations.cpp (the plan within a budget); see Note [Activation planner].
 #pragma once
 
 #include <cstdint>
