@@ -175,9 +175,10 @@ def _grad_hook(me: Any, method: str, *args: Any) -> Any:
 # tests/python/test_param_graph_lifetime.py). So a call holds only the last nodes below its hooked outputs, and
 # counts the others (``unheld``) as ones the backward runs: one that does not run (an output no gradient reaches
 # whose node has an edge out of the call) keeps its use open until the end of backward, as a call with no last
-# node that runs does. The recompute's check for an unbegun call (_unit_begins) looks at the nodes it holds. And
-# the call lets go of its inputs' nodes once it has walked from its outputs: they lead to the previous call's
-# output, whose hooks hold that call.
+# node that runs does. The recompute's check for an unbegun call (_unit_begins) looks at the nodes it holds (it
+# holds none: not transient, and the recompute's use stays open until the end of backward). And the call lets go
+# of its inputs' nodes once it has walked from its outputs: they lead to the previous call's output, whose hooks
+# hold that call.
 
 
 def _above(ends: list, below: dict, hooked: Any) -> set:
