@@ -120,6 +120,9 @@ void bind_plan_driver_values(py::module_& m) {
         p.outside_measured = v.has_value();
         p.file.outside_saved_bytes = v.value_or(0);
       }, "None: a file written before the tensors outside the blocks were measured.")
+      .def_property("outside_largest_bytes", file(&ProfileFile::outside_largest_bytes),
+                    [](AutoProfile& p, std::uint64_t v) { p.file.outside_largest_bytes = v; },
+                    "The largest of those tensors (0: not measured); counted where outside_saved_bytes is.")
       .def_readwrite("batch_tensor_elements", &AutoProfile::batch_tensor_elements)
       .def_readwrite("batch_elements", &AutoProfile::batch_elements)
       .def_readwrite("host_gaps_seconds", &AutoProfile::host_gaps_seconds)
@@ -135,6 +138,7 @@ void bind_plan_driver_values(py::module_& m) {
       .def_readwrite("blocks", &TimedStepMeasures::blocks)
       .def_readwrite("links", &TimedStepMeasures::links)
       .def_readwrite("outside_saved_bytes", &TimedStepMeasures::outside_saved_bytes)
+      .def_readwrite("outside_largest_bytes", &TimedStepMeasures::outside_largest_bytes)
       .def_property("intervals", [](const TimedStepMeasures&) { return py::none(); },
                     [](TimedStepMeasures& t, const std::vector<std::tuple<bool, std::size_t, double, double, double>>& v) {
                       t.intervals.clear();

@@ -27,6 +27,7 @@
 #include "tierflow/tiering/tiers.hpp"
 #include "tierflow/tiering/transformer_profile.hpp"
 #include "init_from_kwargs.hpp"
+#include "state_format_setting.hpp"
 
 namespace py = pybind11;
 
@@ -34,12 +35,6 @@ namespace tierflow::bindings {
 namespace {
 
 using namespace tierflow::tiering;
-
-// The format TIERFLOW_OPTIMIZER_STATES names `text` (the table's parser: "8BIT " is 8bit); ConfigError naming
-// the variable and the accepted values otherwise.
-StateFormat state_format_of(const std::string& text) {
-  return *parse_state_format(parse_setting("TIERFLOW_OPTIMIZER_STATES", text));
-}
 
 // The measured block and the budgets' inputs (Note [Auto plan phases]): what the front end hands the driver.
 void bind_auto_plan(py::module_& m) {
@@ -147,7 +142,8 @@ void bind_profile_file(py::module_& m) {
       .def_readwrite("blocks", &ProfileFile::blocks)
       .def_readwrite("links", &ProfileFile::links)
       .def_readwrite("fixed_device_bytes", &ProfileFile::fixed_device_bytes)
-      .def_readwrite("outside_saved_bytes", &ProfileFile::outside_saved_bytes);
+      .def_readwrite("outside_saved_bytes", &ProfileFile::outside_saved_bytes)
+      .def_readwrite("outside_largest_bytes", &ProfileFile::outside_largest_bytes);
   m.attr("PROFILE_FORMAT") = std::string(kProfileFormat);
   m.attr("PROFILE_VERSION") = kProfileVersion;
   auto names = [](const std::vector<std::string_view>& v) {
@@ -262,6 +258,7 @@ void bind_plan_command(py::module_& m) {
       .def_readwrite("dtype_name", &PlanCommandInputs::dtype_name)
       .def_readwrite("state", &PlanCommandInputs::state)
       .def_readwrite("head_bytes", &PlanCommandInputs::head_bytes)
+      .def_readwrite("outside_largest_bytes", &PlanCommandInputs::outside_largest_bytes)
       .def_readwrite("profile_fixed_device_bytes", &PlanCommandInputs::profile_fixed_device_bytes)
       .def_readwrite("profile_path", &PlanCommandInputs::profile_path)
       .def_readwrite("blocks_from", &PlanCommandInputs::blocks_from)
@@ -369,7 +366,8 @@ void bind_planner_structs(py::module_& m) {
       .def_readwrite("params", &Budgets::params)
       .def_readwrite("param_tier", &Budgets::param_tier)
       .def_readwrite("rest_parameter_bytes", &Budgets::rest_parameter_bytes)
-      .def_readwrite("outside_saved_bytes", &Budgets::outside_saved_bytes);
+      .def_readwrite("outside_saved_bytes", &Budgets::outside_saved_bytes)
+      .def_readwrite("outside_largest_bytes", &Budgets::outside_largest_bytes);
   init_from_kwargs(budgets);
 
   py::class_<BlockPlan> block_plan(m, "BlockPlan", "The decision and the predictions for one block.");
@@ -401,6 +399,7 @@ void bind_planner_structs(py::module_& m) {
       .def_readonly("outside_tier", &Plan::outside_tier)  // kGpu kept, kHost or kNvme (Note [Activation planner])
       .def_readonly("outside_bytes", &Plan::outside_bytes)
       .def_readonly("outside_swap_seconds", &Plan::outside_swap_seconds)
+      .def_readonly("outside_staging_bytes", &Plan::outside_staging_bytes)  // in host_bytes (outside_tier nvme)
       .def("summary", &Plan::summary)
       .def("block_line", &Plan::block_line);
 }

@@ -353,13 +353,21 @@ TEST(PlanDriverJson, TheProfileFileKeepsItsFormatAndTheTimedStepsFigures) {
   std::vector<std::string> keys;
   for (const auto& [k, v] : measured.items()) keys.push_back(k);
   EXPECT_EQ(keys, (std::vector<std::string>{"format", "version", "blocks", "links", "batch_tensor_elements",
-                                            "batch_elements", "outside_saved_bytes", "host_gaps_seconds",
-                                            "timed_step_seconds", "rest_of_step_seconds", "fixed_device_bytes"}));
+                                            "batch_elements", "outside_saved_bytes", "outside_largest_bytes",
+                                            "host_gaps_seconds", "timed_step_seconds", "rest_of_step_seconds",
+                                            "fixed_device_bytes"}));
   EXPECT_EQ(measured["batch_tensor_elements"], Json({{"[0][0]", 128}, {"[1]['labels']", 128}}));
   // What the file reader takes back: the same blocks and links.
   const ProfileFile back = profile_from_json(auto_profile_json(f.written[1]));
   EXPECT_EQ(back.blocks.size(), kBlocks);
   EXPECT_EQ(back.links.d2h, f.written[1].file.links.d2h);
+  // ... and the tensors outside the blocks, the largest of them too (Budgets::outside_largest_bytes).
+  AutoProfile outside = f.written[0];
+  outside.file.outside_saved_bytes = 5 * kMiB;
+  outside.file.outside_largest_bytes = 3 * kMiB;
+  const ProfileFile read = profile_from_json(auto_profile_json(outside));
+  EXPECT_EQ(read.outside_saved_bytes, 5 * kMiB);
+  EXPECT_EQ(read.outside_largest_bytes, 3 * kMiB);
   const Json calibrated = Json::parse(auto_profile_json(f.written[1]));
   EXPECT_EQ(calibrated["calibrated"]["link_factor"].get<double>(), d.replanned()->link_factor);
   EXPECT_EQ(calibrated["rest_of_step_seconds"], measured["rest_of_step_seconds"]);

@@ -221,4 +221,31 @@ TEST(PlanDriver, AProfileWithoutOutsideBytesSwapsThemUnlessEveryBlockIsKept) {
   EXPECT_FALSE(d.plan()->keep_all);
 }
 
+// Note [Activation planner], Outside the blocks: the largest tensor saved outside the blocks in the timed step
+// (their host staging on the way to NVMe) reaches the planner's budgets and the profile written, and grows with
+// the batch as they do; a profile without the outside bytes measured counts none.
+TEST(PlanDriver, TheLargestTensorOutsideTheBlocksReachesTheBudgetsAndGrowsWithTheBatch) {
+  struct Front : FakeFront {
+    TimedStepMeasures measure_timed_step() override {
+      TimedStepMeasures m = FakeFront::measure_timed_step();
+      m.outside_largest_bytes = 3 * kMiB;
+      return m;
+    }
+  } f;
+  f.outside_bytes = 5 * kMiB;
+  PlanDriver d(settings());
+  profile_and_plan(d, f);
+  ASSERT_EQ(f.written.size(), 1u);
+  EXPECT_EQ(f.written[0].file.outside_largest_bytes, 3 * kMiB);
+  const Budgets b = d.budgets(*d.profile(), f);
+  EXPECT_EQ(b.outside_largest_bytes, 3 * kMiB);
+  EXPECT_EQ(b.outside_saved_bytes, 5 * kMiB);
+  const auto [scaled, target] = d.for_batch(*d.profile(), 640);  // x2.5
+  EXPECT_EQ(scaled.file.outside_largest_bytes, 15 * kMiB / 2);
+  EXPECT_EQ(d.budgets(scaled, f).outside_largest_bytes, 15 * kMiB / 2);
+  AutoProfile older = *d.profile();
+  older.outside_measured = false;
+  EXPECT_EQ(d.budgets(older, f).outside_largest_bytes, 0u);
+}
+
 }  // namespace

@@ -1,5 +1,6 @@
 // What is saved outside the blocks, kept or swapped, against brute force over both choices (Note [Activation
-// planner], Outside the blocks); their host staging on the way to NVMe, and what it is measured from.
+// planner], Outside the blocks); their host staging on the way to NVMe, and what it is measured from (auto) or
+// estimated from (the plan command).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -9,8 +10,10 @@
 
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/size.hpp"
+#include "tierflow/tiering/plan_command.hpp"
 #include "tierflow/tiering/planner.hpp"
 #include "tierflow/tiering/saved_tensors.hpp"
+#include "tierflow/tiering/transformer_profile.hpp"
 #include "planner_cases.hpp"
 
 using namespace tierflow;
@@ -289,4 +292,38 @@ TEST(SavedTensors, PolicyLargestBytesIsTheLargestTensorThePolicysPacksCounted) {
   for (const auto& f : saved_tensor_stat_fields())
     if (std::string(f.name) == "policy_largest_bytes") exported = f.of(s) == 300.0;
   EXPECT_TRUE(exported);
+}
+
+// The plan command's budgets carry the same staging (Note [Plan report], Budgets): a shape's largest tensor outside
+// the blocks is its fp32 logits, tokens x vocab x 4 (the head's input when wider); a profile's is its measurement
+// (0, a profile from before it was measured: not counted).
+TEST(PlanCommand, TheLargestTensorOutsideTheBlocksIsTheLogitsOfAShapeOrTheProfilesMeasurement) {
+  PlanCommandInputs in;
+  in.gpu_memory = {"16GiB", SettingSource::kFlag};
+  in.host_memory = {"64GiB", SettingSource::kVariable};
+  in.prefetch = {"256MiB", SettingSource::kVariable};
+  in.device_capacity_bytes = in.host_capacity_bytes = 128ull << 30;
+  in.device_name = "cpu (emulated device)";
+  in.optimizer = "none";
+  TransformerShape s;
+  s.layers = 2;
+  s.hidden = 1024;
+  s.heads = 8;
+  s.seq = 512;
+  s.batch = 3;
+  s.vocab = 32000;
+  in.shape = s;
+  in.state = estimate_training_state(s, OffloadTarget::kNone);
+  in.head_bytes = estimate_head_device_bytes(s);
+  in.outside_largest_bytes = 7;  // a profile's: not the shape's
+  in.blocks_from = "--layers 2";
+  in.links = Links{20e9, 20e9, 40e9, 0, 0};
+  const Budgets b = plan_command_budgets(in).budgets;
+  EXPECT_EQ(b.outside_largest_bytes, 3ull * 512 * 32000 * 4);
+  EXPECT_LE(b.outside_largest_bytes, estimate_head_saved_bytes(s));
+  in.shape->vocab = 100;  // narrower than the head's input (hidden in bf16)
+  EXPECT_EQ(plan_command_budgets(in).budgets.outside_largest_bytes, 3ull * 512 * 1024 * 2);
+  in.shape.reset();
+  in.state.reset();
+  EXPECT_EQ(plan_command_budgets(in).budgets.outside_largest_bytes, 7u);
 }

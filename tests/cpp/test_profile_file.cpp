@@ -56,6 +56,18 @@ TEST(ProfileFile, MissingFieldsTakeTheirDefaults) {
   EXPECT_EQ(p.blocks[0].input_bytes, 7u);
   EXPECT_EQ(p.blocks[0].forward_seconds, 0);
   EXPECT_EQ(p.fixed_device_bytes, 0u);
+  EXPECT_EQ(p.outside_saved_bytes, 0u);
+  EXPECT_EQ(p.outside_largest_bytes, 0u) << "a file from before it was measured: not counted";
+}
+
+// auto's measurement of the tensors saved outside the blocks, the largest of them (their host staging on the way
+// to NVMe, Budgets::outside_largest_bytes) too: read back, and checked as every byte count is.
+TEST(ProfileFile, TheTensorsOutsideTheBlocksAndTheLargestOfThemAreReadBack) {
+  const auto p = profile_from_json(file("", R"(, "outside_saved_bytes": 5000, "outside_largest_bytes": 4096)"));
+  EXPECT_EQ(p.outside_saved_bytes, 5000u);
+  EXPECT_EQ(p.outside_largest_bytes, 4096u);
+  EXPECT_EQ(refusal(file("", R"(, "outside_largest_bytes": -1)")),
+            "profile: outside_largest_bytes -1 is not valid; accepted: an integer from 0 to 2^64 - 1");
 }
 
 TEST(ProfileFile, ValuesAreShownAsPythonShowsThem) {

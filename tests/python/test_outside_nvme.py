@@ -29,6 +29,15 @@ def test_when_neither_the_device_nor_the_host_holds_them_they_go_to_nvme(tmp_pat
     p = tier.report["plan"]
     assert p["outside_kept"] is False and p["outside_tier"] == "nvme", p
     assert "swapped to NVMe" in p["summary"], p["summary"]
+    # The timed step measured the largest of them and the profile carries it to the planner's budgets
+    # (Budgets::outside_largest_bytes): the host's row counts its staging (not counted, it read 0), which leaves
+    # the host budget 32 KiB, and what the blocks swap goes to NVMe.
+    assert profile["outside_largest_bytes"] == logits and budgets["outside_largest_bytes"] == logits, budgets
+    plan = tier.session.planner.plan
+    assert p["outside_staging_bytes"] == plan["outside_staging_bytes"] == logits, p
+    assert logits <= plan["host_bytes"] <= host, plan
+    swapped = [b for b in plan["blocks"] if b["swap_bytes"] > 0]
+    assert swapped and all(b["tier"] == "nvme" for b in swapped), plan["blocks"]
     acts = tier.report["activations"]
     # The model-level hook sent them to NVMe every step, and still counted them as what is saved outside.
     assert acts["nvme"]["write_bytes"] >= 4 * outside * 0.99 and acts["host_fallbacks"] == 0, acts

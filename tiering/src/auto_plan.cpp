@@ -127,6 +127,7 @@ Budgets session_budgets(const SessionBudgetInputs& in, const std::vector<BlockPr
   b.nvme_bytes = in.nvme_available_bytes;
   b.prefetch_bytes = window;
   b.outside_saved_bytes = in.outside_saved_bytes;
+  b.outside_largest_bytes = in.outside_largest_bytes;
   return b;
 }
 

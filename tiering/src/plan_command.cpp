@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <charconv>
 #include <cstdio>
+#include <limits>
 #include <string_view>
 #include <tuple>
 
@@ -47,6 +48,22 @@ std::pair<std::uint64_t, std::string> device_budget(const PlanCommandInputs& in)
   }
   const bool given = in.gpu_memory.source != SettingSource::kUnset;
   return {gpu_budget_bytes(setting, given, in.device_capacity_bytes, UnsetGpuBudget::kWholeDevice), from};
+}
+
+// The largest tensor a shape saves outside the blocks (Note [Transformer estimate], the head): the loss's fp32
+// logits, tokens x vocab x 4, unless the head's input (tokens x hidden in the dtype) is wider. Past 64 bits it
+// saturates: the planner counts at most outside_saved_bytes, and the shape's check refuses such a head first.
+std::uint64_t outside_largest_bytes(const TransformerShape& shape) {
+  const auto tokens = static_cast<std::uint64_t>(std::max<std::int64_t>(shape.tokens(), 0));
+  std::uint64_t largest = 0;
+  for (const std::uint64_t per_token : {static_cast<std::uint64_t>(std::max<std::int64_t>(shape.vocab, 0)) * 4,
+                                        static_cast<std::uint64_t>(std::max(shape.hidden, 0)) *
+                                            static_cast<std::uint64_t>(std::max(shape.dtype_bytes, 0))}) {
+    std::uint64_t bytes = 0;
+    if (__builtin_mul_overflow(tokens, per_token, &bytes)) return std::numeric_limits<std::uint64_t>::max();
+    largest = std::max(largest, bytes);
+  }
+  return largest;
 }
 
 std::uint64_t fixed_device_bytes(const PlanCommandInputs& in) {
@@ -177,6 +194,9 @@ PlanCommandBudgets plan_command_budgets(const PlanCommandInputs& in) {
                                    "TIERFLOW_PREFETCH_BYTES");
   b.fixed_device_bytes = fixed_device_bytes(in);
   b.outside_saved_bytes = in.head_bytes;  // the shape's estimate, or the profile's measurement
+  // The largest of them, their host staging on the way to NVMe: a shape's fp32 logits (the largest tensor the head
+  // saves, estimate_head_saved_bytes), or the profile's measurement.
+  b.outside_largest_bytes = in.shape ? outside_largest_bytes(*in.shape) : in.outside_largest_bytes;
   b.host_bytes = host_total - out.optimizer_host_bytes;
   apply_offload_params(in, b);
   return out;

@@ -161,6 +161,7 @@ void PlanDriver::measure_and_plan(double now_seconds, PlanFrontEnd& front) {
   p.batch_elements = sum_of(reference_);
   // What the model-level hook packed in the timed step: the saved tensors outside the blocks.
   p.file.outside_saved_bytes = m.outside_saved_bytes;
+  p.file.outside_largest_bytes = m.outside_largest_bytes;  // their host staging on the way to NVMe
   p.outside_measured = true;
   // Less their round trip (the plan adds it back where it swaps them) and the host's gaps (Note [Re-plan]).
   const double gaps = host_gaps_seconds(m.intervals);
@@ -215,6 +216,7 @@ Budgets PlanDriver::budgets(const AutoProfile& profile, PlanFrontEnd& front) {
   in.measured_peak_bytes = profile.measured_peak_bytes.value_or(0);
   in.measured_reserved_peak_bytes = profile.measured_reserved_peak_bytes.value_or(0);
   in.outside_saved_bytes = profile.outside_measured ? profile.file.outside_saved_bytes : 0;
+  in.outside_largest_bytes = profile.outside_measured ? profile.file.outside_largest_bytes : 0;
   in.batch_ratio = profile.batch_ratio > 0 ? profile.batch_ratio : 1.0;
   in.measured_beside_bytes = profile.measured_beside_bytes.value_or(0);
   return session_budgets(in, profile.file.blocks);
@@ -228,8 +230,12 @@ std::pair<AutoProfile, std::uint64_t> PlanDriver::for_batch(const AutoProfile& p
   AutoProfile out = profile;
   out.file.blocks = blocks_for_batch(profile.file.blocks, ratio);
   out.batch_ratio = ratio;
-  out.file.outside_saved_bytes =
-      round_half_even(static_cast<double>(profile.outside_measured ? profile.file.outside_saved_bytes : 0) * ratio);
+  // The tensors outside the blocks grow with the batch, each of them too (the logits: tokens x vocab).
+  const auto outside = [&](std::uint64_t bytes) {
+    return round_half_even(static_cast<double>(profile.outside_measured ? bytes : 0) * ratio);
+  };
+  out.file.outside_saved_bytes = outside(profile.file.outside_saved_bytes);
+  out.file.outside_largest_bytes = outside(profile.file.outside_largest_bytes);
   out.outside_measured = true;
   return {std::move(out), target};
 }
@@ -537,6 +543,7 @@ Json plan_object(const DrivenPlan& d) {
                                                                                      : Tier::kHost);
     out["outside_bytes"] = p.outside_bytes;
     out["outside_swap_seconds"] = p.outside_swap_seconds;
+    out["outside_staging_bytes"] = p.outside_staging_bytes;  // their host staging to NVMe, in host_bytes
     out["why"] = d.why;
     out["window_wanted_bytes"] = d.window_wanted_bytes;
     out["predicted_blocks_seconds"] = d.predicted_blocks_seconds;
@@ -574,8 +581,9 @@ Json plan_object(const DrivenPlan& d) {
 constexpr const char* kReportPlanFields[] = {
     "summary",
     // What is saved outside the blocks: kept, or swapped by the model-level hooks (Note [Activation planner]);
-    // the window the plan runs with (Note [Overlap window]).
-    "outside_kept", "outside_tier", "outside_bytes", "outside_swap_seconds", "window_bytes", "window_wanted_bytes",
+    // their host staging on the way to NVMe; the window the plan runs with (Note [Overlap window]).
+    "outside_kept", "outside_tier", "outside_bytes", "outside_swap_seconds", "outside_staging_bytes", "window_bytes",
+    "window_wanted_bytes",
     "predicted_device_peak_bytes",
     // The whole step: the blocks' part the plan prices and the rest the timed step measured (Note [Re-plan]).
     "predicted_step_seconds", "predicted_blocks_seconds", "rest_of_step_seconds",
@@ -657,7 +665,10 @@ std::string auto_profile_json(const AutoProfile& p) {
     out["batch_tensor_elements"] = std::move(sizes);
   }
   out["batch_elements"] = p.batch_elements;
-  if (p.outside_measured) out["outside_saved_bytes"] = p.file.outside_saved_bytes;
+  if (p.outside_measured) {
+    out["outside_saved_bytes"] = p.file.outside_saved_bytes;
+    out["outside_largest_bytes"] = p.file.outside_largest_bytes;  // 0: not measured
+  }
   const std::pair<const char*, const std::optional<double>*> seconds[] = {
       {"host_gaps_seconds", &p.host_gaps_seconds}, {"timed_step_seconds", &p.timed_step_seconds},
       {"rest_of_step_seconds", &p.rest_of_step_seconds}};

@@ -9,6 +9,7 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <utility>
 
 #include "tierflow/core/error.hpp"
 #include "tierflow/tiering/transformer_profile.hpp"
@@ -330,8 +331,11 @@ ProfileFile profile_from_json(std::string_view text) {
   out.fixed_device_bytes = checked("", "fixed_device_bytes", data.contains("fixed_device_bytes")
                                                                    ? data["fixed_device_bytes"] : Json(std::uint64_t{0}))
                                .get<std::uint64_t>();
-  if (data.contains("outside_saved_bytes"))
-    out.outside_saved_bytes = checked("", "outside_saved_bytes", data["outside_saved_bytes"]).get<std::uint64_t>();
+  // auto's measurement of the tensors outside the blocks (a file without them: 0, not measured).
+  const std::pair<const char*, std::uint64_t*> outside[] = {{"outside_saved_bytes", &out.outside_saved_bytes},
+                                                            {"outside_largest_bytes", &out.outside_largest_bytes}};
+  for (const auto& [key, field] : outside)
+    if (data.contains(key)) *field = checked("", key, data[key]).get<std::uint64_t>();
   // Note [Batch growth]: the size the profile is for, read by the session from the text (checked here).
   for (const char* key : {"batch_elements", "measured_beside_bytes", "measured_peak_bytes",
                           "measured_reserved_peak_bytes"})

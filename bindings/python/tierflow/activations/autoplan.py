@@ -338,9 +338,8 @@ class AutoPlanner(_C.PlanFrontEnd):
             blocks_input_swap_seconds=sum(sum(r.input_swap_seconds) for r in runners),
             beside_bytes=self._beside_bytes)
         # Note [Activation planner], Outside the blocks: the largest of them, their host staging on the way to NVMe
-        # (Budgets::outside_largest_bytes; set where the driver's measures carry it).
-        if hasattr(m, "outside_largest_bytes"):
-            m.outside_largest_bytes = int(self.session.runtime.stats()["activations"].get("policy_largest_bytes", 0))
+        # (Budgets::outside_largest_bytes).
+        m.outside_largest_bytes = int(self.session.runtime.stats()["activations"].get("policy_largest_bytes", 0))
         if self._forward_backward_peak is not None:
             m.peak_bytes, m.reserved_peak_bytes = self._forward_backward_peak, self._forward_backward_reserved
         # Note [Step prediction]: step()'s wait for the CPU optimizer in the timed step, and its kernel's rate.
@@ -463,6 +462,8 @@ def auto_profile(profile: dict) -> Any:
     p.batch_ratio = float(profile.get("batch_ratio") or 1.0)
     if "outside_saved_bytes" in profile:
         p.outside_saved_bytes = int(profile["outside_saved_bytes"] or 0)
+        # The largest of them (their host staging to NVMe); a file from before it was measured: 0, not counted.
+        p.outside_largest_bytes = int(profile.get("outside_largest_bytes") or 0)
     for k in _PROFILE_EXTRAS[1:]:
         if profile.get(k) is not None:
             setattr(p, k, profile[k])

@@ -10,7 +10,7 @@ from .. import _C
 from .profile import BLOCK_FIELDS, LINK_FIELDS
 
 BUDGET_FIELDS = ("device_bytes", "fixed_device_bytes", "host_bytes", "nvme_bytes", "prefetch_bytes", "params",
-                 "param_tier", "rest_parameter_bytes", "outside_saved_bytes")
+                 "param_tier", "rest_parameter_bytes", "outside_saved_bytes", "outside_largest_bytes")
 
 
 def block_profile(fields: dict) -> Any:
@@ -53,7 +53,9 @@ def plan_dict(plan: Any) -> dict:
             # The saved tensors outside the blocks: kept on the device, or swapped by the model-level hook.
             "outside_kept": plan.outside_kept, "outside_tier": plan.outside_tier.name,  # gpu (kept), host, nvme
             "outside_bytes": plan.outside_bytes,
-            "outside_swap_seconds": plan.outside_swap_seconds}
+            "outside_swap_seconds": plan.outside_swap_seconds,
+            # Their pinned host staging on the way to NVMe (outside_tier nvme), counted in host_bytes.
+            "outside_staging_bytes": plan.outside_staging_bytes}
 
 
 def plan(blocks: list, links: Any, budgets: Any, mode: Optional[str] = None, explain: bool = False) -> dict:

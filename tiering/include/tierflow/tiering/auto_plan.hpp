@@ -242,6 +242,9 @@ struct SessionBudgetInputs {
   /// What the model-level hook packed in the timed step, large enough to offload (SavedTensors' policy_bytes):
   /// the saved tensors outside the blocks (Budgets::outside_saved_bytes).
   std::uint64_t outside_saved_bytes = 0;
+  /// The largest single one of them (SavedTensorStats::policy_largest_bytes; 0: not measured): their host staging
+  /// on the way to NVMe (Budgets::outside_largest_bytes).
+  std::uint64_t outside_largest_bytes = 0;
   /// FSDP2 (fully_shard): each unit's unsharded parameter bytes other than the root's, in forward order, and the
   /// root unit's (fsdp_gathered_bytes; empty and 0 without FSDP2). parameter_bytes is then this rank's shards.
   std::vector<std::uint64_t> sharded_unit_bytes;

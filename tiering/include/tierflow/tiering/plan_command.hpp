@@ -49,6 +49,9 @@ struct PlanCommandInputs {
   std::string dtype_name;                   ///< the shape's --dtype, e.g. "bf16"
   std::optional<StateBytes> state;          ///< estimate_training_state of the shape
   std::uint64_t head_bytes = 0;  ///< saved outside the blocks: estimate_head_device_bytes of the shape, or the profile's
+  /// The largest single one of them, for a profile: its outside_largest_bytes (0: not measured). A shape's is
+  /// estimated instead (the fp32 logits, tokens x vocab x 4; Budgets::outside_largest_bytes).
+  std::uint64_t outside_largest_bytes = 0;
   std::uint64_t profile_fixed_device_bytes = 0;  ///< a profile's fixed_device_bytes
   std::string profile_path;                 ///< --profile FILE
   std::string blocks_from;                  ///< the arguments that made the blocks, as errors name them

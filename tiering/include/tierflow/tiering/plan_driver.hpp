@@ -101,7 +101,8 @@ struct ProfileCalibration {
 /// A profile as `auto` measures, writes and reads it (Note [Profile file]): the file's blocks, links and fixed
 /// bytes, and the timed step's figures beside them (absent: a file written before they were measured).
 struct AutoProfile {
-  ProfileFile file;              ///< blocks, links, fixed_device_bytes; outside_saved_bytes when outside_measured
+  /// blocks, links, fixed_device_bytes; outside_saved_bytes and outside_largest_bytes when outside_measured
+  ProfileFile file;
   bool outside_measured = false; ///< the file has outside_saved_bytes
   std::optional<InputElements> batch_tensor_elements;  ///< the timed forward's tensors by place
   std::uint64_t batch_elements = 0;      ///< their sum (0: not known)
@@ -116,6 +117,9 @@ struct TimedStepMeasures {
   std::vector<BlockRecord> blocks;  ///< each block's recorded table and timings, in forward order
   Links links;                      ///< measured (NVMe probed when there is a tier)
   std::uint64_t outside_saved_bytes = 0;  ///< what the model-level hook packed in the timed step
+  /// The largest single tensor of those (SavedTensorStats::policy_largest_bytes; 0: not measured): their host
+  /// staging on the way to NVMe (Budgets::outside_largest_bytes, Note [Activation planner], Outside the blocks).
+  std::uint64_t outside_largest_bytes = 0;
   std::vector<TimedInterval> intervals;   ///< the blocks' timed forwards and backwards
   double blocks_forward_seconds = 0, blocks_backward_seconds = 0, blocks_replay_seconds = 0;
   double blocks_input_swap_seconds = 0;   ///< the blocks' inputs swapped before their forwards

@@ -26,7 +26,7 @@
 // file is often written from Python). The reader accepts what Python's json
 // accepts: NaN, Infinity and -Infinity (refused as values), integers of any
 // size (refused past 2^64 - 1, shown in full). Other top-level keys (auto's
-// measured_peak_bytes, rest_of_step_seconds, outside_saved_bytes) are allowed;
+// measured_peak_bytes, rest_of_step_seconds, outside_saved_bytes, outside_largest_bytes) are allowed;
 // those Note [Batch growth] reads are checked: batch_elements,
 // measured_beside_bytes and the measured peaks integers as above, and
 // batch_tensor_elements an object of the input tensors' places to integers.
@@ -55,6 +55,8 @@ struct ProfileFile {
   Links links;
   std::uint64_t fixed_device_bytes = 0;
   std::uint64_t outside_saved_bytes = 0;  ///< auto's measured tensors saved outside the blocks (0: none, or a file without)
+  /// The largest single one of them (Budgets::outside_largest_bytes; 0: not measured, or a file without).
+  std::uint64_t outside_largest_bytes = 0;
 };
 
 /// The profile file's text (Note [Profile file]).
