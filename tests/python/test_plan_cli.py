@@ -138,6 +138,23 @@ def test_profile_file_round_trip(tmp_path):
     assert proc.returncode == 2 and "forward_secs" in proc.stderr
 
 
+def test_a_profiles_largest_tensor_outside_the_blocks_reaches_the_plan(tmp_path):
+    """--profile passes the recorded largest tensor outside the blocks (auto's measurement) to the budgets, where
+    the host's row counts its staging when they go to NVMe (Budgets::outside_largest_bytes); a shape's is the
+    logits, estimated in C++."""
+    shape = _C.TransformerShape(layers=2, hidden=256, heads=4, seq=256, batch=2, dtype_bytes=2, vocab=1000)
+    doc = json.loads(profile_to_json(_C.estimate_transformer(shape, 50e12), _C.Links(d2h=20e9, h2d=22e9,
+                                                                                        duplex=35e9), GiB))
+    doc["outside_saved_bytes"], doc["outside_largest_bytes"] = 3 << 20, 2 << 20
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(doc))
+    proc = run_plan(["--profile", str(path), "--gpu-memory", "16GiB", "--json"])
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["budgets"]["outside_largest_bytes"] == 2 << 20, out["budgets"]
+    assert out["predicted"]["outside_staging_bytes"] == 0  # kept on the device: nothing staged
+
+
 def test_estimate_matches_what_torch_saves():
     """The byte classes of Note [Transformer estimate], against saved_tensors_hooks over gpt_model's Block."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))

@@ -109,12 +109,14 @@ std::string plan_json(const Plan& plan, const PlanCommandInputs& in, const PlanC
                       {"outside_kept", plan.outside_kept},
                       {"outside_tier", std::string(to_string(plan.outside_tier))},
                       {"outside_bytes", plan.outside_bytes},
-                      {"outside_swap_seconds", plan.outside_swap_seconds}};
+                      {"outside_swap_seconds", plan.outside_swap_seconds},
+                      {"outside_staging_bytes", plan.outside_staging_bytes}};
   doc["budgets"] = {{"gpu_bytes", budgets.device_bytes},
                     {"fixed_gpu_bytes", budgets.fixed_device_bytes},
                     {"host_bytes_for_activations", budgets.host_bytes},
                     {"nvme_bytes", budgets.nvme_bytes},
-                    {"prefetch_bytes", budgets.prefetch_bytes}};
+                    {"prefetch_bytes", budgets.prefetch_bytes},
+                    {"outside_largest_bytes", budgets.outside_largest_bytes}};
   doc["links"] = {{"d2h", links.d2h}, {"h2d", links.h2d}, {"duplex", links.duplex},
                   {"nvme_write", links.nvme_write}, {"nvme_read", links.nvme_read}};
   doc["tflops"] = has_flops ? Json(*in.flops_per_second / 1e12) : Json(nullptr);

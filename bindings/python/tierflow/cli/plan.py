@@ -262,6 +262,7 @@ class _BlockSource(NamedTuple):
     links: Any
     head_bytes: int  # the saved tensors outside the blocks (the head's, or auto's measurement)
     fixed_device_bytes: int = 0  # the profile's
+    outside_largest_bytes: int = 0  # the profile's largest of them (0 for a shape: the C++ estimates it)
     shape: Any = None  # the estimate's
     state: Any = None  # the estimate's training state (None: from a profile)
     flops: float | None = None  # the estimate's
@@ -304,7 +305,8 @@ def _profile_blocks(args: argparse.Namespace, links: Any) -> _BlockSource:
                             "TIERFLOW_PROFILE writes them), or --pcie-gbps to give the link")
     # outside_saved_bytes: auto's measurement, the plan keeps or swaps them.
     return _BlockSource(blocks=profile.blocks, links=links or profile.links, head_bytes=profile.outside_saved_bytes,
-                        fixed_device_bytes=profile.fixed_device_bytes)
+                        fixed_device_bytes=profile.fixed_device_bytes,
+                        outside_largest_bytes=profile.outside_largest_bytes)
 
 
 def _estimated_blocks(args: argparse.Namespace, links: Any, cuda: bool, optimizer: str, states: Any,
@@ -343,7 +345,7 @@ def _command_inputs(args: argparse.Namespace, settings: Any, cuda: bool, optimiz
         offload_params=args.offload_params or settings.offload_params,
         shape=shape_out, dtype_name=args.dtype, state=source.state, head_bytes=source.head_bytes,
         profile_path="" if args.profile is None else args.profile.encode("utf-8", "backslashreplace").decode(),
-        profile_fixed_device_bytes=source.fixed_device_bytes,
+        profile_fixed_device_bytes=source.fixed_device_bytes, outside_largest_bytes=source.outside_largest_bytes,
         blocks_from=_shape_flags(args), links=source.links,
         flops_per_second=source.flops, measured=measured, links_given=args.pcie_gbps is not None)
     # Parsed as the table parses TIERFLOW_OFFLOAD_GRADIENTS, errors naming the flag (Note [Plan report], Gradients).
