@@ -246,9 +246,9 @@ TEST(DescribePlan, JsonHasTodaysKeysInOrderThenTheNewOnes) {
                                      "forward_seconds", "backward_seconds", "params", "alternatives"}));
   EXPECT_EQ(keys(j["predicted"]), (V{"gpu_peak_bytes", "step_seconds", "keep_all_step_seconds", "host_bytes",
                                      "nvme_bytes", "proven_optimal", "outside_kept", "outside_tier",
-                                     "outside_bytes", "outside_swap_seconds"}));
+                                     "outside_bytes", "outside_swap_seconds", "outside_staging_bytes"}));
   EXPECT_EQ(keys(j["budgets"]), (V{"gpu_bytes", "fixed_gpu_bytes", "host_bytes_for_activations", "nvme_bytes",
-                                   "prefetch_bytes"}));
+                                   "prefetch_bytes", "outside_largest_bytes"}));
   EXPECT_EQ(keys(j["state"]), (V{"optimizer", "optimizer_states", "gpu_bytes", "host_bytes", "nvme_bytes",
                                  "outside_blocks_gpu_bytes", "offload_gradients"}));
   EXPECT_EQ(j["state"]["optimizer_states"], "fp32");
