@@ -83,3 +83,37 @@ def test_step_waits_are_split_between_the_gradient_copies_and_the_optimizer():
     assert t["activation_copies"] == pytest.approx(0.002) and t["total"] == 0.25, t
     t = terms(4 * 50.0, 4 * 80.0)
     assert t["gradient_copies"] == pytest.approx(0.050) and t["optimizer"] == pytest.approx(0.0), t
+
+
+def test_measured_compute_counts_only_the_replays_the_plan_does():
+    """The timed step replays every block; the measured compute counts a recompute block's replay, a split block's
+    share of it, keep and swap none (the profiling's replays made a keep-all plan's compute exceed the whole step),
+    and none after a batch-growth re-plan (the timed step ran another batch)."""
+    from tierflow.activations.autoplan import measured_compute
+
+    block = {"forward_seconds": 4.0, "split_recompute_seconds": 2.0, "cheap_recompute_seconds": 1.0}
+    timed = {"blocks_forward_seconds": 10.0, "blocks_backward_seconds": 20.0, "blocks_replay_seconds": 12.0,
+             "blocks": [block] * 4}
+    plan = {"timed_step": timed, "modes": ["keep", "swap", "recompute", "split"], "alpha": [0, 0, 0, 0.5],
+            "batch_elements": 512, "profiled_batch_elements": 512}
+    compute, over = measured_compute(plan, [3.0] * 4)
+    assert compute == pytest.approx(30.0 + 3.0 + 3.0 * (2.0 * 0.5 + 1.0) / 4.0), (compute, over)
+    assert "replays the plan in force does" in over
+    assert measured_compute(dict(plan, modes=["keep"] * 4), [3.0] * 4)[0] == pytest.approx(30.0)
+    compute, over = measured_compute(dict(plan, batch_elements=1536), [3.0] * 4)
+    assert compute is None and "1536" in over, over
+    assert measured_compute(plan, [3.0, 3.0, None, 3.0])[0] is None
+
+
+def test_terms_measured_over_names_every_term():
+    from types import SimpleNamespace
+
+    from tierflow.activations.autoplan import AutoPlanner
+
+    counters = {"forwards": 3, "optimizer_steps": 2, "param_wait_ms": None, "activation_wait_ms": 1.0,
+                "step_wait_ms": 10.0, "grad_copy_wait_ms": 4.0, "kernel_ms": 0.0, "kernel_grad_bytes": 0,
+                "streaming": True}
+    out = {"terms": {k: {"predicted_s": 0.0} for k in TERMS}, "measured": {"step_seconds": 0.25}}
+    AutoPlanner._measured_terms(SimpleNamespace(_wait_counters=lambda: dict(counters, forwards=4),
+                                                _plan_counters=counters), out)
+    assert set(TERMS) - {"rest"} <= set(out["terms_measured_over"]), out["terms_measured_over"]

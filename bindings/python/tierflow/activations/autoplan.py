@@ -41,6 +41,39 @@ def block_record(runner: BlockRunner) -> Any:
     return record
 
 
+def measured_compute(plan: dict, replays: list) -> tuple:
+    """The blocks' compute as the timed step measured it (report()["plan"]["terms"]), with the replays the plan in
+    force does: the timed step replayed every block (`replays`: each block's measured replay seconds, None where
+    none was), the plan replays a recompute block whole, a split block its share (the planner's
+    (split * (1 - alpha) + cheap) / forward of the measured replay), keep and swap none. None without a timed step
+    and after a batch-growth re-plan (the timed step ran another batch). Returns it and what it is over."""
+    timed = plan.get("timed_step") or {}
+    if not timed:
+        return None, "none: no timed step"
+    batch, profiled = plan.get("batch_elements"), plan.get("profiled_batch_elements")
+    if batch is not None and profiled is not None and batch != profiled:
+        return None, (f"none: the timed step ran a batch of {profiled} elements, the plan in force is for {batch} "
+                      "(Note [Batch growth])")
+    modes, alphas, blocks = plan.get("modes") or [], plan.get("alpha") or [], timed.get("blocks") or []
+    total = 0.0
+    for i, mode in enumerate(modes):
+        if mode not in ("recompute", "split"):
+            continue
+        replay = replays[i] if i < len(replays) else None
+        if replay is None:
+            return None, f"none: the timed step did not replay block {i}, which the plan replays"
+        if mode == "split":
+            b = blocks[i] if i < len(blocks) else {}
+            forward = b.get("forward_seconds") or 0.0
+            alpha = alphas[i] if i < len(alphas) else 0.0
+            share = b.get("split_recompute_seconds", 0.0) * (1 - alpha) + b.get("cheap_recompute_seconds", 0.0)
+            replay *= min(1.0, share / forward) if forward > 0 else 1.0
+        total += replay
+    compute = (timed.get("blocks_forward_seconds") or 0.0) + (timed.get("blocks_backward_seconds") or 0.0)
+    return compute + total, ("the timed step's blocks' forward and backward, and the replays the plan in force does "
+                             "(a recompute block's measured replay, a split block's share of it; keep and swap none)")
+
+
 class AutoPlanner(_C.PlanFrontEnd):
     """TIERFLOW_OFFLOAD_ACTIVATIONS=auto and =recompute for one session: tiering::PlanDriver decides, this measures
     and applies (Note [Plan driver])."""
@@ -237,23 +270,23 @@ class AutoPlanner(_C.PlanFrontEnd):
         fetches = None
         if now.get("param_wait_ms") is not None and then.get("param_wait_ms") is not None:
             fetches = per_step("param_wait_ms")
-        timed = out.get("timed_step") or {}
-        compute = None
-        if timed:
-            compute = sum(timed.get(k) or 0.0 for k in ("blocks_forward_seconds", "blocks_backward_seconds",
-                                                         "blocks_replay_seconds"))
+        compute, compute_over = measured_compute(out, [sum(r.recompute_seconds) if r.recompute_seconds else None
+                                                       for r in getattr(self, "runners", [])])
         measured = {"compute": compute, "activation_copies": per_step("activation_wait_ms"),
                     "parameter_fetches": fetches, "gradient_copies": gradients, "optimizer": optimizer,
                     "rest": None, "total": (out.get("measured") or {}).get("step_seconds")}
         for name, term in terms.items():
             term["measured_s"] = measured.get(name)
         out["terms_measured_over"] = {"steps": steps, "optimizer_steps": opt_steps,
-                                      "compute": "the timed step's blocks",
+                                      "compute": compute_over,
+                                      "activation_copies": "the compute's waits for activations coming back and "
+                                      "for the copy window, per step",
                                       "parameter_fetches": "the compute's waits for fetched parameters",
                                       "gradient_copies": "the CPU optimizer's wait for gradient copies after "
                                       "backward ended, per optimizer step (at most step()'s wait)",
                                       "optimizer": "step()'s wait for the CPU optimizer less the gradient copies' "
-                                      "part, per optimizer step"}
+                                      "part, per optimizer step",
+                                      "total": "the steps' mean time since the plan came in force"}
 
     # --- what the driver asks of its front end (tiering::PlanFrontEnd) ---
 
