@@ -117,3 +117,22 @@ def test_terms_measured_over_names_every_term():
     AutoPlanner._measured_terms(SimpleNamespace(_wait_counters=lambda: dict(counters, forwards=4),
                                                 _plan_counters=counters), out)
     assert set(TERMS) - {"rest"} <= set(out["terms_measured_over"]), out["terms_measured_over"]
+
+
+def test_the_python_paths_step_is_the_optimizers_measurement():
+    """step()'s Python path (gradient accumulation's every parameter; all of it without a gradient stream) is in
+    the optimizer's measured term, per optimizer step, with a stream and without one."""
+    from types import SimpleNamespace
+
+    from tierflow.activations.autoplan import AutoPlanner
+
+    then = {"forwards": 3, "optimizer_steps": 2, "param_wait_ms": None, "activation_wait_ms": 1.0,
+            "step_wait_ms": 10.0, "grad_copy_wait_ms": 4.0, "kernel_ms": 0.0, "kernel_grad_bytes": 0,
+            "python_step_ms": 5.0}
+    for streaming, expected in ((True, 0.030 + 0.012), (False, 0.012)):
+        now = dict(then, forwards=7, optimizer_steps=6, step_wait_ms=10.0 + 4 * 50.0, grad_copy_wait_ms=4.0 + 80.0,
+                   python_step_ms=5.0 + 4 * 12.0, streaming=streaming)
+        out = {"terms": {k: {"predicted_s": 0.0} for k in TERMS}, "measured": {"step_seconds": 0.25}}
+        AutoPlanner._measured_terms(SimpleNamespace(_wait_counters=lambda: now,
+                                                    _plan_counters=dict(then, streaming=streaming)), out)
+        assert out["terms"]["optimizer"]["measured_s"] == pytest.approx(expected), (streaming, out["terms"])

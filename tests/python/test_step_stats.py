@@ -53,14 +53,16 @@ def test_one_entry_per_step_bytes_are_the_reports_differences(device):
     assert isinstance(opt, tierflow.CPUAdamW)
     moved, cpu_in_step = [], []
     for i in range(3):
-        before, stream_before = links(), opt.stream_stats()
+        before, stream_before, python_before = links(), opt.stream_stats(), opt.python_step_ns
         model(batch(device, i)).square().mean().backward()
         opt.step()
         after, stream_after = links(), opt.stream_stats()
         opt.zero_grad()
         moved.append(tuple(a - b for a, b in zip(after, before)))
-        # the stream's time inside step(): its wait for the worker and what it stepped again (Note [Stream timeline])
-        cpu_in_step.append(sum(stream_after[k] - stream_before[k] for k in ("step_wait_ms", "step_kernel_ms")) / 1e3)
+        # the stream's time inside step(): its wait for the worker and what it stepped again (Note [Stream timeline]),
+        # and the Python path's (what the stream left)
+        cpu_in_step.append(sum(stream_after[k] - stream_before[k] for k in ("step_wait_ms", "step_kernel_ms")) / 1e3
+                           + (opt.python_step_ns - python_before) / 1e9)
     steps = step_stats()
     assert [s["step"] for s in steps] == [1, 2, 3]
     assert step_stats(last=True) == steps[-1]
@@ -227,3 +229,22 @@ def test_a_parameter_fetch_wait_shows_in_its_step(device):
         assert w > 0, "every step waits for its blocks' first fetches"
         assert s["exposed_param_wait_s"] == pytest.approx(w, abs=1e-8), (s, w)
         assert s["exposed_param_wait_s"] <= s["forward_s"] + s["backward_s"], s
+
+
+@pytest.mark.parametrize("accumulate,settings", [(2, {}), (1, {"overlap_step": "off"})],
+                         ids=["accumulating", "no_stream"])
+def test_the_python_paths_cpu_step_is_exposed_inside_step(device, accumulate, settings):
+    """Gradient accumulation not declared (grad_accumulation_steps) steps every parameter in step()'s Python path,
+    as does a CPUAdamW without a gradient stream: its time (the CPUAdamW's python_step_ns) is in
+    exposed_cpu_step_s, not only the stream's."""
+    model, opt = tiny(device)
+    model, opt = tierflow.wrap(model, opt, device=device, offload_optimizer="host", **settings)
+    for i in range(2):
+        for micro in range(accumulate):
+            model(batch(device, i * accumulate + micro)).square().mean().backward()
+        before = opt.python_step_ns
+        opt.step()
+        opt.zero_grad()
+    spent = (opt.python_step_ns - before) / 1e9
+    last = step_stats(last=True)
+    assert spent > 0 and last["exposed_cpu_step_s"] >= spent, (spent, last)

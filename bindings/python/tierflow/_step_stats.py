@@ -104,14 +104,21 @@ class StepStatsHooks:
         return [optimizer.register_step_pre_hook(begin), optimizer.register_step_post_hook(end)]
 
     def _stream_ns(self) -> Optional[int]:
-        """The gradient stream's time inside step() so far (its wait for the worker after backward and the steps it
-        redid there; Note [Stream timeline]); None without a stream (the runtime's CPU Adam time is then all
-        inside step(), or 0)."""
-        stream = getattr(self._optimizer() if self._optimizer is not None else None, "_stream", None)
-        if stream is None:
+        """The CPU optimizer's time inside step() so far: the gradient stream's (its wait for the worker after
+        backward, which includes the wait for gradient copies that land after backward, and the steps it redid
+        there; Note [Stream timeline]) and the Python path's (a CPUAdamW's python_step_ns: what the stream left,
+        every parameter with gradient accumulation or without a stream). None for an optimizer that counts neither
+        (the runtime's CPU Adam time is then all inside step(), or 0)."""
+        optimizer = self._optimizer() if self._optimizer is not None else None
+        stream = getattr(optimizer, "_stream", None)
+        python_ns = getattr(optimizer, "python_step_ns", None)
+        if stream is None and python_ns is None:
             return None
-        s = stream.stats()
-        return int(round((s["step_wait_ms"] + s["step_kernel_ms"]) * 1e6))
+        ns = int(python_ns or 0)
+        if stream is not None:
+            s = stream.stats()
+            ns += int(round((s["step_wait_ms"] + s["step_kernel_ms"]) * 1e6))
+        return ns
 
     def _step_begin(self) -> None:
         self._cpu_step_ns = self._stream_ns()
@@ -149,7 +156,9 @@ def step_stats(last: bool = False, session: Any = None) -> Union[list, Optional[
     ``forward_s``, ``backward_s``, ``step_s`` (the optimizer's step()), ``exposed_copy_wait_s`` (compute waited
     for an activation copy: the forward's copy-window waits and the backward's fetches), ``exposed_param_wait_s``
     (compute waited for a parameter fetch to land, TIERFLOW_OFFLOAD_PARAMS; apart from the activations' copies,
-    the two add up), ``exposed_cpu_step_s`` (the CPU optimizer's time inside step(): what stuck out past backward),
+    the two add up), ``exposed_cpu_step_s`` (the CPU optimizer's time inside step(): what stuck out past
+    backward, its wait for gradient copies that land after backward included; report()["plan"]["terms"] splits
+    the two; the Python path's steps too, gradient accumulation's or without a gradient stream),
     ``exposed_nvme_wait_s``, bytes per link (``device_to_host_bytes``, ``host_to_device_bytes``,
     ``host_to_nvme_bytes``, ``nvme_to_host_bytes``), peaks per tier in the step (``peak_device_activation_bytes``,
     ``peak_pinned_host_bytes``, ``peak_nvme_bytes``: the most each tier held during the step, read from the meters'

@@ -221,6 +221,8 @@ class AutoPlanner(_C.PlanFrontEnd):
         bytes."""
         stats = self.session.runtime.stats()
         stream = self._stream_stats()
+        opt = self.session.optimizer() if self.session.optimizer is not None else None
+        python_ns = getattr(opt, "python_step_ns", None)  # a CPUAdamW's Python path inside step()
         hooks = getattr(self.session, "step_stats", None)  # Note [Step stats]: the optimizer steps so far
         params = self.session.params.stats() if getattr(self.session, "params", None) is not None else {}
         return {"forwards": self.driver.forwards,
@@ -232,7 +234,8 @@ class AutoPlanner(_C.PlanFrontEnd):
                 "step_wait_ms": float(stream.get("step_wait_ms", 0.0)),
                 "grad_copy_wait_ms": float(stream.get("grad_copy_wait_ms", 0.0)),
                 "kernel_ms": float(stream.get("kernel_ms", 0.0)) + float(stream.get("step_kernel_ms", 0.0)),
-                "kernel_grad_bytes": int(stream.get("kernel_grad_bytes", 0)), "streaming": bool(stream)}
+                "kernel_grad_bytes": int(stream.get("kernel_grad_bytes", 0)), "streaming": bool(stream),
+                "python_step_ms": python_ns / 1e6 if python_ns is not None else None}
 
     def _optimizer_inputs(self, before: dict, after: dict) -> Any:
         """The CPU optimizer as the timed step measured it: its parameters and its kernel's rate (parameters a
@@ -267,6 +270,11 @@ class AutoPlanner(_C.PlanFrontEnd):
             copy_wait = max(0.0, now["grad_copy_wait_ms"] - then.get("grad_copy_wait_ms", 0.0)) / 1e3 / opt_steps
             gradients = min(copy_wait, step_wait)  # a wait before step() began is not the step's
             optimizer = step_wait - gradients
+        # The Python path's CPU optimizer time inside step() (what the stream left: every parameter with gradient
+        # accumulation; all of it without a stream), per optimizer step.
+        if now.get("python_step_ms") is not None and then.get("python_step_ms") is not None and opt_steps > 0:
+            python = max(0.0, now["python_step_ms"] - then["python_step_ms"]) / 1e3 / opt_steps
+            optimizer = (optimizer or 0.0) + python
         fetches = None
         if now.get("param_wait_ms") is not None and then.get("param_wait_ms") is not None:
             fetches = per_step("param_wait_ms")
@@ -285,7 +293,7 @@ class AutoPlanner(_C.PlanFrontEnd):
                                       "gradient_copies": "the CPU optimizer's wait for gradient copies after "
                                       "backward ended, per optimizer step (at most step()'s wait)",
                                       "optimizer": "step()'s wait for the CPU optimizer less the gradient copies' "
-                                      "part, per optimizer step",
+                                      "part, and its Python path's steps inside step(), per optimizer step",
                                       "total": "the steps' mean time since the plan came in force"}
 
     # --- what the driver asks of its front end (tiering::PlanFrontEnd) ---

@@ -167,6 +167,10 @@ class CPUAdamW(StepPaths, torch.optim.Optimizer):
         self._reread: set = set()   # ids of parameters whose masters this step re-reads (written by the user)
         self._stream_stepped: list = []  # the stream's slots this step steps in the Python path
         self._python_stepped: list = []  # the parameters this step writes in the Python path
+        # Note [Step stats]: step()'s CPU optimizer time in the Python path (the host-tier groups' preparation and
+        # kernels, the NVMe tier's steps), cumulative ns; the gradient stream counts its own (step_wait_ms and
+        # step_kernel_ms). tierflow.step_stats() and report()["plan"]["terms"] read the two together.
+        self.python_step_ns = 0
         cfg = runtime.settings()  # typed (Note [Typed settings])
         if not hasattr(self, "_names"):
             self._names: dict = {}

@@ -10,6 +10,7 @@ made on its own. Its methods stay methods of the optimizer, so a test may replac
 
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 import torch
@@ -96,8 +97,12 @@ class StepPaths:
             self._states.new_window()
         else:
             problems: list = []
-            for group in self.param_groups:
-                problems += self._step_group(group, scale) or []
+            t0 = time.perf_counter_ns()
+            try:
+                for group in self.param_groups:
+                    problems += self._step_group(group, scale) or []
+            finally:
+                self.python_step_ns += time.perf_counter_ns() - t0
             if problems:  # Note [NVMe optimizer faults]: the others stepped; a retry steps these
                 self._copies.finish_uploads()
                 self._master_stale = False
@@ -168,6 +173,7 @@ class StepPaths:
         it made are dropped and it raises, having changed nothing a caller sees."""
         fresh: list = []  # parameters whose state this step made
         prepared = []
+        t0 = time.perf_counter_ns()
         try:
             for group, params in todo:
                 prepared.append(self._prepare_group(group, scale, params, fresh))
@@ -175,6 +181,8 @@ class StepPaths:
             for p in fresh:  # a state made for a step that did not happen: the next step() makes it again
                 self.state.pop(p, None)
             raise
+        finally:
+            self.python_step_ns += time.perf_counter_ns() - t0  # Note [Step stats]: step()'s CPU optimizer time
         return prepared
 
     def _prepare_group(self, group: dict, scale: float, params: Optional[list], fresh: list) -> tuple:
@@ -203,6 +211,13 @@ class StepPaths:
         """The kernels of a prepared group (_prepare_group), the step counts, and the new weights' way back."""
         if on_gpu:
             self._gpu.step(on_gpu, self.state, options)
+        t0 = time.perf_counter_ns()  # Note [Step stats]: the CPU kernels and the weights' way back, not the GPU's
+        try:
+            self._apply_host_members(options, members, copy_back)
+        finally:
+            self.python_step_ns += time.perf_counter_ns() - t0
+
+    def _apply_host_members(self, options: dict, members: list, copy_back: list) -> None:
         amsgrad = options["amsgrad"]
         for step, batch in _C.group_by_step([int(s["step"].item()) + 1 for s, _, _ in members]):
             batch = [members[i] for i in batch]
