@@ -136,3 +136,21 @@ def test_the_python_paths_step_is_the_optimizers_measurement():
         AutoPlanner._measured_terms(SimpleNamespace(_wait_counters=lambda: now,
                                                     _plan_counters=dict(then, streaming=streaming)), out)
         assert out["terms"]["optimizer"]["measured_s"] == pytest.approx(expected), (streaming, out["terms"])
+
+
+def test_without_a_gradient_stream_the_cpu_step_is_predicted_in_step():
+    """overlap_step=off: the CPUAdamW steps all in step(); the prediction has it on the CPU, not during backward,
+    at the rate its Python path stepped in the timed step (AutoPlanner._optimizer_inputs over stand-in counters)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from tierflow.activations.autoplan import AutoPlanner
+
+    me = SimpleNamespace(model_params=[torch.zeros(1000, requires_grad=True)],
+                         session=SimpleNamespace(settings=SimpleNamespace(optimizer_states="fp32")))
+    before = {"streaming": False, "python_step_ms": 2.0, "adam_elements": 500}
+    o = AutoPlanner._optimizer_inputs(me, before, dict(before, python_step_ms=6.0, adam_elements=1500))
+    assert o.on_cpu and not o.steps_during_backward and o.parameters == 1000, o
+    assert o.params_per_second == pytest.approx(1000 / 0.004)
+    assert not AutoPlanner._optimizer_inputs(me, {}, {"streaming": False, "python_step_ms": None}).on_cpu

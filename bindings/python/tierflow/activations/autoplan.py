@@ -235,14 +235,26 @@ class AutoPlanner(_C.PlanFrontEnd):
                 "grad_copy_wait_ms": float(stream.get("grad_copy_wait_ms", 0.0)),
                 "kernel_ms": float(stream.get("kernel_ms", 0.0)) + float(stream.get("step_kernel_ms", 0.0)),
                 "kernel_grad_bytes": int(stream.get("kernel_grad_bytes", 0)), "streaming": bool(stream),
-                "python_step_ms": python_ns / 1e6 if python_ns is not None else None}
+                "python_step_ms": python_ns / 1e6 if python_ns is not None else None,
+                # the parameters the runtime's CPU Adam kernels stepped (the Python path's)
+                "adam_elements": int(stats.get("optimizer", {}).get("elements", 0))}
 
     def _optimizer_inputs(self, before: dict, after: dict) -> Any:
         """The CPU optimizer as the timed step measured it: its parameters and its kernel's rate (parameters a
-        second from the gradient bytes it stepped in its time), stepping during backward."""
-        if not after.get("streaming"):
-            return _C.OptimizerStepInputs()
+        second from the gradient bytes it stepped in its time), stepping during backward; without a gradient
+        stream (overlap_step=off) a CPUAdamW steps all in step(), at the rate its Python path stepped in the timed
+        step (the parameters the runtime's CPU Adam kernels stepped a second of python_step_ns: the gradients' way
+        to the host and the weights' back included)."""
         params = [p for p in self.model_params if p.requires_grad]
+        if not after.get("streaming"):
+            if after.get("python_step_ms") is None:  # not a CPUAdamW: nothing on the CPU
+                return _C.OptimizerStepInputs()
+            seconds = (after["python_step_ms"] - (before.get("python_step_ms") or 0.0)) / 1e3
+            stepped = after["adam_elements"] - before.get("adam_elements", 0)
+            return _C.OptimizerStepInputs(on_cpu=True, parameters=sum(p.numel() for p in params),
+                                          params_per_second=stepped / seconds if seconds > 0 and stepped > 0 else 0.0,
+                                          states=str(self.session.settings.optimizer_states),
+                                          steps_during_backward=False)
         element = params[0].element_size() if params else 4
         seconds = (after["kernel_ms"] - before.get("kernel_ms", 0.0)) / 1e3
         stepped = (after["kernel_grad_bytes"] - before.get("kernel_grad_bytes", 0)) / element
@@ -294,7 +306,7 @@ class AutoPlanner(_C.PlanFrontEnd):
                                       "backward ended, per optimizer step (at most step()'s wait)",
                                       "optimizer": "step()'s wait for the CPU optimizer less the gradient copies' "
                                       "part, and its Python path's steps inside step(), per optimizer step",
-                                      "total": "the steps' mean time since the plan came in force"}
+                                      "total": "the median gap between forwards since the plan's own steps (held out)"}
 
     # --- what the driver asks of its front end (tiering::PlanFrontEnd) ---
 
@@ -386,6 +398,9 @@ class AutoPlanner(_C.PlanFrontEnd):
         # Note [Step prediction]: step()'s wait for the CPU optimizer in the timed step, and its kernel's rate.
         after = self._wait_counters()
         m.optimizer_wait_seconds = max(0.0, after["step_wait_ms"] - self._timed_counters.get("step_wait_ms", 0.0)) / 1e3
+        if after.get("python_step_ms") is not None:  # and the Python path's steps inside step()
+            m.optimizer_wait_seconds += max(0.0, after["python_step_ms"] -
+                                            (self._timed_counters.get("python_step_ms") or 0.0)) / 1e3
         m.optimizer = self._optimizer_inputs(self._timed_counters, after)
         return m
 
