@@ -265,7 +265,7 @@ void StepEngine::run_bucket(std::uint64_t generation, std::vector<Entry> entries
     if (WindowClock::Bucket* t = times()) {
       t->picked = picked;
       t->landed = landed;
-      if (clock_.copies_exposed_from != 0) {  // the backward ended: the wait past its end held the step up
+      if (clock_.copies_exposed_from != 0) {  // a backward ended (any micro-batch's): the wait past its end
         stats_.grad_copy_wait_ns += copy_wait_past_backward(picked, landed);
         t->copy_wait_counted = true;
       }

@@ -59,8 +59,9 @@ struct StepEngineStats {
   double sized_backward_s = 0;        ///< ... and the backward (0: not sized from measurements)
   std::uint64_t step_wait_ns = 0;     ///< time waited for the worker after backward: step()'s waits, both
                                       ///< (wait_worker_unlocked's; a load's too)
-  std::uint64_t grad_copy_wait_ns = 0;  ///< the worker's time waiting for gradient copies after the backward
-                                        ///< ended (Note [Stream timeline]: [picked, landed] past backward_end)
+  std::uint64_t grad_copy_wait_ns = 0;  ///< the worker's time waiting for gradient copies after a backward
+                                        ///< ended, any micro-batch's (Note [Stream timeline]: [picked, landed]
+                                        ///< past that backward_end)
   std::uint64_t weight_wait_ns = 0;   ///< host time spent waiting for weights (forward mode: in pre-hooks)
   std::uint64_t content_check_ns = 0; ///< host time spent on gradients' and weights' contents (Notes [Gradient content], [Weight content])
   std::uint64_t last_backward_ns = 0; ///< last backward, from its first gradient to its end
@@ -98,10 +99,13 @@ struct BucketTimes {
 /// the bucket waiting behind the kernels of the buckets before it. -1: did not
 /// happen in that window. The worker's waits for copies after the backward
 /// ended (the part of each bucket's [picked, landed] past backward_end) add
-/// up to StepEngineStats::grad_copy_wait_ns: the gradients' copies holding
-/// the step up (Note [Step prediction]'s gradient copies term). Only the
-/// window's last backward streams, so only its end counts; a bucket that
-/// landed before that end callback took the lock is counted by the callback.
+/// up to StepEngineStats::grad_copy_wait_ns (Note [Step prediction]'s
+/// gradient copies term). Every backward's end counts, not only the window's
+/// last: with gradient accumulation a copy that lands after a non-final
+/// micro-batch's backward ended (during the next forward) counts too, though
+/// it holds no step() up; report()["plan"]["terms"] caps the term at step()'s
+/// wait. A bucket that landed before an end callback took the lock is counted
+/// by the callback.
 struct WindowTimeline {
   double backward_end_ms = -1;    ///< the backward's end callback ran
   double step_ms = -1;            ///< step() began waiting for the worker
