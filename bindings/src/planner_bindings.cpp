@@ -16,6 +16,7 @@
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/size.hpp"
 #include "tierflow/core/state_format.hpp"
+#include "tierflow/optimizer/state_tier.hpp"
 #include "tierflow/tiering/auto_plan.hpp"
 #include "tierflow/tiering/block_table.hpp"
 #include "tierflow/tiering/plan_driver.hpp"
@@ -238,6 +239,16 @@ void bind_plan_command(py::module_& m) {
       .def_readwrite("source", &SettingText::source);
   init_from_kwargs(text);
   py::class_<PlanCommandInputs> inputs(m, "PlanCommandInputs", "What the plan command gathered.");
+  // The runtime's pinned pool rule for the plan command (optimizer_pinned_bytes): the one wrap refuses a smaller
+  // TIERFLOW_HOST_MEMORY by.
+  set_pinned_pool_rule([](const std::vector<std::uint64_t>& numels, int element_bytes, StateFormat format,
+                          bool nvme) {
+    std::vector<optimizer::ParamStateShape> params;
+    params.reserve(numels.size());
+    for (const std::uint64_t n : numels)
+      params.push_back({static_cast<std::size_t>(n), false, static_cast<std::size_t>(element_bytes), format});
+    return optimizer::state_pool_need(params, nvme).bytes;
+  });
   inputs.def(py::init<>())
       .def_readwrite("gpu_memory", &PlanCommandInputs::gpu_memory)
       .def_readwrite("host_memory", &PlanCommandInputs::host_memory)

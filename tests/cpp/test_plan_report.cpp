@@ -8,6 +8,8 @@
 
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/size.hpp"
+#include "tierflow/optimizer/state_tier.hpp"
+#include "tierflow/tiering/plan_fit.hpp"
 #include "tierflow/tiering/plan_report.hpp"
 #include "tierflow/tiering/planner.hpp"
 #include "tierflow/tiering/transformer_profile.hpp"
@@ -77,6 +79,48 @@ TEST(PlanCommandBudgets, DeviceBudgetComesFromTheFlagTheVariableOrTheDevice) {
   b = plan_command_budgets(in);
   EXPECT_EQ(b.budgets.device_bytes, 80 * GiB);
   EXPECT_EQ(b.device_from, "the cpu (emulated device) device's total memory");
+}
+
+// The plan command's pinned host bytes for the CPU AdamW are the runtime's pool rule (optimizer::state_pool_need,
+// registered as the bindings register it) over the shape's tensors: the states, or on NVMe two buffers of the
+// largest parameter's state (the embedding), and one step's gradients and new weights in pinned staging.
+TEST(PlanCommandBudgets, PinnedHostBytesAreTheRuntimesPoolNeedOfTheShapesTensors) {
+  set_pinned_pool_rule([](const std::vector<std::uint64_t>& numels, int element_bytes, StateFormat format, bool nvme) {
+    std::vector<optimizer::ParamStateShape> params;
+    for (const std::uint64_t n : numels)
+      params.push_back({static_cast<std::size_t>(n), false, static_cast<std::size_t>(element_bytes), format});
+    return optimizer::state_pool_need(params, nvme).bytes;
+  });
+  const TransformerShape s = small_shape();
+  const auto numels = transformer_parameter_numels(s);
+  std::uint64_t sum = 0;
+  for (const auto n : numels) sum += n;
+  EXPECT_EQ(sum, transformer_parameters(s));
+  EXPECT_EQ(*std::max_element(numels.begin(), numels.end()), 50304u * 1024u) << "the embedding (and head)";
+  const auto v = static_cast<std::uint64_t>(s.vocab), h = static_cast<std::uint64_t>(s.hidden);
+  // Pages of one step's staging: a gradient and a new weight (bf16) per tensor, whole 4 KiB pages each.
+  std::uint64_t staging = 0;
+  for (const auto n : numels) staging += 2 * ((2 * n + 4095) / 4096 * 4096);
+  for (const std::string optimizer : {"host", "nvme"}) {
+    auto in = shape_inputs(optimizer);
+    const auto b = plan_command_budgets(in);
+    const std::uint64_t states = optimizer == "host" ? in.state->host : 2 * ((12 * v * h + 4095) / 4096 * 4096);
+    EXPECT_GE(b.optimizer_host_bytes, states + staging) << optimizer;
+    EXPECT_LT(b.optimizer_host_bytes, states + staging + 4096 * numels.size()) << optimizer << ": page rounding only";
+    EXPECT_EQ(b.budgets.host_bytes, 64 * GiB - b.optimizer_host_bytes) << optimizer;
+    const auto blocks = estimate_transformer(*in.shape, *in.flops_per_second);
+    const Plan plan = plan_activations(blocks, b.links, b.budgets);
+    const MemoryTable t = memory_table(plan, blocks, in, b);
+    EXPECT_EQ(t.bytes[static_cast<std::size_t>(MemoryKind::kOptimizerStates)]
+                     [static_cast<std::size_t>(MemoryTier::kPinnedHost)],
+              b.optimizer_host_bytes)
+        << optimizer << ": the bytes-per-tier row";
+    // A host budget a byte short of it is refused, naming the need.
+    in.host_memory = {std::to_string(b.optimizer_host_bytes - 1), SettingSource::kFlag};
+    EXPECT_NE(message_of(in).find("it needs " + std::to_string(b.optimizer_host_bytes) + " bytes"), std::string::npos)
+        << message_of(in);
+  }
+  set_pinned_pool_rule({});
 }
 
 TEST(PlanCommandBudgets, HostBudgetLessTheOptimizerStatesAndFixedBytesFromTheEstimate) {
@@ -250,7 +294,7 @@ TEST(DescribePlan, JsonHasTodaysKeysInOrderThenTheNewOnes) {
   EXPECT_EQ(keys(j["budgets"]), (V{"gpu_bytes", "fixed_gpu_bytes", "host_bytes_for_activations", "nvme_bytes",
                                    "prefetch_bytes", "outside_largest_bytes"}));
   EXPECT_EQ(keys(j["state"]), (V{"optimizer", "optimizer_states", "gpu_bytes", "host_bytes", "nvme_bytes",
-                                 "outside_blocks_gpu_bytes", "offload_gradients"}));
+                                 "outside_blocks_gpu_bytes", "offload_gradients", "pinned_host_bytes"}));
   EXPECT_EQ(j["state"]["optimizer_states"], "fp32");
   EXPECT_EQ(j["budgets"]["gpu_bytes"], 17179869184ULL);
   EXPECT_EQ(j["budgets"]["prefetch_bytes"], 268435456ULL);

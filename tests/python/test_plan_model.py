@@ -83,3 +83,43 @@ def test_predicted_device_and_host_bytes_are_within_10_percent_of_a_run(device, 
           f" host {predicted['host']} predicted, {measured['host']} measured ({errors['host']:+.1%})")
     for k, e in errors.items():
         assert abs(e) <= 0.10, (family, k, predicted[k], measured[k])
+
+
+def _plan_pinned_host_bytes(config, optimizer: str) -> tuple[int, int]:
+    """The pinned host bytes the plan command takes out of the host budget for the CPU AdamW (its bytes-per-tier
+    row and fit search use the same figure: optimizer_pinned_bytes), and the states' host bytes."""
+    shape = _C.parse_model_config(json.dumps(config.to_dict()), "config.json").shape
+    shape.seq, shape.batch, shape.dtype_bytes = SEQ, BATCH, 4
+    inputs = _C.PlanCommandInputs(
+        host_memory=_C.SettingText(text="1GiB", source=_C.SettingSource.flag),
+        prefetch=_C.SettingText(text="1MiB", source=_C.SettingSource.flag), host_capacity_bytes=2 ** 40,
+        device_capacity_bytes=2 ** 40, optimizer=optimizer, shape=shape,
+        state=_C.estimate_training_state(shape, optimizer, "fp32"), blocks_from="config.json")
+    return _C.plan_command_budgets(inputs).optimizer_host_bytes, inputs.state.host
+
+
+def _wrap_refuses(config, device: str, optimizer: str, host_bytes: int, nvme_dir: str) -> bool:
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(torch_device(device))
+    try:
+        tierflow.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), device=device,
+                      offload_optimizer=optimizer, host_memory=str(host_bytes), nvme_paths=nvme_dir)
+    except Exception as e:  # tierflow's OutOfMemoryError
+        assert "pinned host memory" in str(e) and "OutOfMemoryError" in type(e).__name__, e
+        return True
+    return False
+
+
+@pytest.mark.parametrize("family,optimizer,exact", [("llama", "host", True), ("llama", "nvme", True),
+                                                    ("mixtral", "nvme", True), ("gpt2", "host", False)])
+def test_the_plans_pinned_host_bytes_are_what_wrap_asks_of_the_pool(device, nvme_dir, family, optimizer, exact):
+    # The runtime refuses a TIERFLOW_HOST_MEMORY below its pool's need (optimizer::state_pool_need: the states, or
+    # on NVMe two buffers of the largest parameter's state, and one step's gradients and new weights in pinned
+    # staging): the plan's figure is that need, not the states alone (which undercounted: "fits" where wrap
+    # refused). To the byte where the shape's tensors are the model's; GPT-2 fuses q, k, v (and keeps Conv1D
+    # weights) that the shape counts one by one: a few pool pages over, never under.
+    config = FAMILIES[family]()
+    need, states = _plan_pinned_host_bytes(config, optimizer)
+    assert need > states
+    assert not _wrap_refuses(config, device, optimizer, need, str(nvme_dir))
+    assert _wrap_refuses(config, device, optimizer, need - 1 if exact else states, str(nvme_dir))

@@ -144,6 +144,25 @@ Budget budget_of(const std::string& text, std::uint64_t capacity_bytes) {
 }
 }  // namespace
 
+namespace {
+PinnedPoolRule& pinned_pool_rule() {
+  static PinnedPoolRule rule;
+  return rule;
+}
+}  // namespace
+
+void set_pinned_pool_rule(PinnedPoolRule rule) { pinned_pool_rule() = std::move(rule); }
+
+std::uint64_t optimizer_pinned_bytes(const PlanCommandInputs& in) {
+  const bool cpu = in.optimizer == "host" || in.optimizer == "nvme";
+  const PinnedPoolRule& rule = pinned_pool_rule();
+  if (!cpu || !in.shape || !rule) return in.state ? in.state->host : 0;  // a profile: no tensors known
+  // The runtime's own rule (wrap refuses a pool below it): the states, or two buffers of the largest on NVMe, and
+  // one step's gradients and new weights in pinned staging, each of the shape's tensors on the device.
+  return rule(transformer_parameter_numels(*in.shape), in.shape->dtype_bytes, in.optimizer_states,
+                             in.optimizer == "nvme");
+}
+
 PlanCommandBudgets plan_command_budgets(const PlanCommandInputs& in) {
   if (in.offload_gradients && in.optimizer != "host" && in.optimizer != "nvme") {
     throw config_error("--offload-gradients on (TIERFLOW_OFFLOAD_GRADIENTS) with --optimizer " + in.optimizer +
@@ -160,14 +179,20 @@ PlanCommandBudgets plan_command_budgets(const PlanCommandInputs& in) {
   out.host_from = in.host_memory.source == SettingSource::kFlag ? "--host-memory" : "TIERFLOW_HOST_MEMORY";
   const std::uint64_t host_total =
       setting_bytes(in.host_memory.text, in.host_capacity_bytes, out.host_from, "TIERFLOW_HOST_MEMORY");
-  out.optimizer_host_bytes = in.state ? in.state->host : 0;
+  out.optimizer_host_bytes = optimizer_pinned_bytes(in);
   if (out.optimizer_host_bytes > host_total) {
+    const bool nvme = in.optimizer == "nvme";
     throw config_error("the host budget " + format_bytes(host_total) + " (" + out.host_from + "=" +
                        in.host_memory.text + ", of " + format_bytes(in.host_capacity_bytes) +
-                       " RAM here) cannot hold the optimizer states' " + format_bytes(out.optimizer_host_bytes) +
-                       ": it needs " + std::to_string(out.optimizer_host_bytes) +
-                       " bytes (" + states_named(in) + ") and more for activations; pass --host-memory, or "
-                       "--optimizer nvme" + smaller_states_hint(in, host_total));
+                       " RAM here) cannot hold " +
+                       (nvme ? "the optimizer's pinned staging " : "the optimizer states' ") +
+                       format_bytes(out.optimizer_host_bytes) + ": it needs " +
+                       std::to_string(out.optimizer_host_bytes) + " bytes (" + states_named(in) +
+                       (pinned_pool_rule() && in.shape && !nvme
+                            ? ", with one step's gradients and new weights in pinned staging"
+                            : "") +
+                       ") and more for activations; pass --host-memory" +
+                       (nvme ? "" : ", or --optimizer nvme" + smaller_states_hint(in, host_total)));
   }
   if (in.nvme_memory) {
     try {

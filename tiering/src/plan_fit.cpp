@@ -128,7 +128,7 @@ MemoryTable memory_table(const Plan& plan, const std::vector<BlockProfile>& bloc
   set(K::kGradients, T::kDevice, gradients);
   const bool optimizer_on_device = s.host == 0 && s.nvme == 0;
   set(K::kOptimizerStates, T::kDevice, optimizer_on_device ? s.optimizer_bytes : 0);
-  set(K::kOptimizerStates, T::kPinnedHost, s.host);
+  set(K::kOptimizerStates, T::kPinnedHost, pb.optimizer_host_bytes);  // the pool's need (state_pool_need)
   set(K::kOptimizerStates, T::kNvme, s.nvme);
   std::uint64_t transient = 0;
   bool swaps = false;

@@ -200,7 +200,7 @@ std::vector<std::string> plan_lines(const Plan& plan, const PlanCommandInputs& i
   lines.push_back("budgets: device " + format_bytes(budgets.device_bytes) + " (" + pb.device_from + "); host " +
                   format_bytes(budgets.host_bytes) + " for activations (" +
                   format_bytes(budgets.host_bytes + pb.optimizer_host_bytes) + " from " + pb.host_from + ", less " +
-                  format_bytes(pb.optimizer_host_bytes) + " of optimizer states); NVMe " +
+                  format_bytes(pb.optimizer_host_bytes) + " of the optimizer's pinned states and step staging); NVMe " +
                   (budgets.nvme_bytes ? format_bytes(budgets.nvme_bytes) : "none") +
                   (pb.optimizer_nvme_bytes ? " (" + format_bytes(budgets.nvme_bytes + pb.optimizer_nvme_bytes) +
                                                  " from --nvme-memory, less " + format_bytes(pb.optimizer_nvme_bytes) +

@@ -129,7 +129,9 @@ std::string plan_json(const Plan& plan, const PlanCommandInputs& in, const PlanC
                     {"host_bytes", in.state->host},
                     {"nvme_bytes", in.state->nvme},
                     {"outside_blocks_gpu_bytes", in.head_bytes},
-                    {"offload_gradients", in.offload_gradients}};
+                    {"offload_gradients", in.offload_gradients},
+                    // What the CPU AdamW asks of the pinned pool (optimizer_pinned_bytes: state_pool_need).
+                    {"pinned_host_bytes", pb.optimizer_host_bytes}};
   }
   doc["fixed_gpu_parts"] = fixed_json(parts);
   doc["parameters"] = params_json(plan, in, budgets);

@@ -293,6 +293,43 @@ std::uint64_t transformer_parameters(const TransformerShape& s) { return counts(
 
 std::uint64_t transformer_block_parameters(const TransformerShape& s) { return counts(s).block_parameters; }
 
+std::vector<std::uint64_t> transformer_parameter_numels(const TransformerShape& s) {
+  const Counts n = counts(s);  // checked: every product below fits
+  const auto h = static_cast<std::uint64_t>(s.hidden);
+  const auto v = static_cast<std::uint64_t>(s.vocab);
+  const std::uint64_t a = n.attention, kv = n.kv, i = n.intermediate, ie = n.expert_intermediate;
+  const auto experts = static_cast<std::uint64_t>(s.experts);
+  const std::uint64_t positions = s.positions < 0 ? static_cast<std::uint64_t>(s.seq)
+                                                  : static_cast<std::uint64_t>(s.positions);
+  const int norm_tensors = s.rms_norm ? 1 : 2;  // weight, and LayerNorm's bias
+  std::vector<std::uint64_t> block;
+  for (int k = 0; k < 2 * norm_tensors; ++k) block.push_back(h);
+  for (const std::uint64_t w : {h * a, h * kv, h * kv, a * h}) block.push_back(w);  // q, k, v, the output proj.
+  if (s.qkv_bias)
+    for (const std::uint64_t w : {a, kv, kv}) block.push_back(w);
+  if (s.output_bias) block.push_back(h);
+  if (s.qk_norm) block.insert(block.end(), 2, head_dim_of(s));
+  if (s.experts == 0) {
+    block.insert(block.end(), s.gated ? 3 : 2, h * i);
+    if (s.mlp_bias) {
+      block.insert(block.end(), s.gated ? 2 : 1, i);
+      block.push_back(h);
+    }
+  } else {
+    block.push_back(h * experts);  // the router
+    // Each expert's gate, up and down; past a million tensors in all, each kind's experts as one (the pool's
+    // page rounding of a few bytes a tensor aside, the same bytes, and no list of a hundred million entries).
+    const bool each = experts * 3 * static_cast<std::uint64_t>(s.layers) <= (1u << 20);
+    block.insert(block.end(), each ? 3 * experts : 3, each ? h * ie : experts * h * ie);
+  }
+  std::vector<std::uint64_t> out{v * h};  // the embedding
+  if (positions > 0) out.push_back(positions * h);
+  for (std::int64_t l = 0; l < s.layers; ++l) out.insert(out.end(), block.begin(), block.end());
+  for (int k = 0; k < norm_tensors; ++k) out.push_back(h);  // the final norm
+  if (!s.tied) out.push_back(v * h);  // the head
+  return out;
+}
+
 double transformer_block_flops_per_token(const TransformerShape& s) { return flops_of(s, counts(s)).total(); }
 
 // The CPU AdamW keeps a host master of every parameter it steps, fp32 ones included: the parameter itself is the

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -70,9 +71,24 @@ struct PlanCommandBudgets {
   Links links;                          ///< the inputs' links with the NVMe rate when there is an NVMe budget
   std::string device_from;              ///< what set the device budget, e.g. "--gpu-memory"
   std::string host_from;                ///< "--host-memory" or "TIERFLOW_HOST_MEMORY"
-  std::uint64_t optimizer_host_bytes = 0;  ///< optimizer states on host, taken out of the host budget
+  /// The CPU AdamW's pinned host memory (optimizer_pinned_bytes), taken out of the host budget.
+  std::uint64_t optimizer_host_bytes = 0;
   std::uint64_t optimizer_nvme_bytes = 0;  ///< optimizer states on NVMe, taken out of --nvme-memory (when given)
 };
+
+/// The runtime's pinned pool rule, optimizer::state_pool_need, for parameters of these elements, each moving
+/// `element_bytes` a step (on the device), with moments in `format`, the states on NVMe or not. The optimizer
+/// layer sits above this one: the bindings register it when the module loads (and tests that want it).
+using PinnedPoolRule = std::function<std::uint64_t(const std::vector<std::uint64_t>& numels, int element_bytes,
+                                                   StateFormat format, bool nvme)>;
+/// Registers `rule` for optimizer_pinned_bytes (none registered: the states' host bytes alone).
+void set_pinned_pool_rule(PinnedPoolRule rule);
+
+/// The pinned host memory tierflow's CPU AdamW (--optimizer host or nvme) asks of the pool for a shape's
+/// parameters: optimizer::state_pool_need, the rule wrap refuses a smaller TIERFLOW_HOST_MEMORY by (the states,
+/// or on NVMe two buffers of the largest parameter's state, and one step's gradients and new weights in pinned
+/// staging); a profile's (no tensors known): its states' host bytes; 0 for --optimizer none.
+std::uint64_t optimizer_pinned_bytes(const PlanCommandInputs& inputs);
 
 /// The budgets of Note [Plan report]. Throws config_error naming the flag or variable (and what to
 /// pass) for a size the table refuses, a host or NVMe budget smaller than the optimizer states, NVMe

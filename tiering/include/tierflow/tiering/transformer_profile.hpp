@@ -107,6 +107,9 @@ std::vector<BlockProfile> estimate_transformer(const TransformerShape& shape, do
 std::uint64_t transformer_parameters(const TransformerShape& shape);
 /// Parameters of one repeated block (its BlockProfile::parameter_bytes is this times dtype_bytes).
 std::uint64_t transformer_block_parameters(const TransformerShape& shape);
+/// Elements of each parameter tensor of the model (embeddings, each block's, final norm, head), adding up to
+/// transformer_parameters: what the CPU AdamW's pinned pool is sized by (optimizer::state_pool_need).
+std::vector<std::uint64_t> transformer_parameter_numels(const TransformerShape& shape);
 /// Forward flops of one block per token (matmuls; an MoE block's routed experts only).
 double transformer_block_flops_per_token(const TransformerShape& shape);
 
