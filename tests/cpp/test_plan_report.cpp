@@ -464,3 +464,51 @@ TEST(ExplainPlan, OneLinePerBlockAsTheCommandPrintsIt) {
   }
   EXPECT_THROW(explain_plan(p.plan, {}, p.budgets.links, p.budgets.budgets), logic_error);
 }
+
+namespace tierflow::tiering {
+namespace {
+
+// The fit search tries torch's AdamW on the device (--optimizer none) too: with a host budget too small for the
+// CPU AdamW's states and room on the device, that is the fit.
+TEST(PlanFitSearch, TriesTheOptimizerOnTheDevice) {
+  auto in = shape_inputs("host");
+  in.host_memory = {"100MiB", SettingSource::kFlag};
+  EXPECT_THROW(plan_command_budgets(in), config_error) << "the CPU AdamW's states do not fit 100 MiB";
+  const auto blocks = estimate_transformer(*in.shape, *in.flops_per_second);
+  const FitSearch search = search_fitting_settings(blocks, in);
+  ASSERT_TRUE(search.best.has_value()) << fit_advice(search, "plan");
+  EXPECT_EQ(flags_text(search.tried[*search.best].flags), "--optimizer none");
+  EXPECT_NE(fit_advice(search, "plan --optimizer host").find("): plan --optimizer none"), std::string::npos)
+      << fit_advice(search, "plan --optimizer host");
+}
+
+// Nothing fits: the advice asks for an NVMe tier only when the command gave none.
+TEST(PlanFitSearch, TheRefusalAsksForAnNvmeTierOnlyWithoutOne) {
+  auto in = shape_inputs("host");
+  in.gpu_memory = {"1MiB", SettingSource::kFlag};
+  const auto blocks = estimate_transformer(*in.shape, *in.flops_per_second);
+  const std::string without = fit_advice(search_fitting_settings(blocks, in), "plan");
+  EXPECT_NE(without.find("none of the"), std::string::npos) << without;
+  EXPECT_NE(without.find("or give an NVMe tier (--nvme-memory, --nvme-gbps)"), std::string::npos) << without;
+  in.nvme_memory = "1TiB";
+  in.nvme_bytes_per_second = 2e9;
+  const std::string with = fit_advice(search_fitting_settings(blocks, in), "plan");
+  EXPECT_NE(with.find("none of the"), std::string::npos) << with;
+  EXPECT_EQ(with.find("give an NVMe tier"), std::string::npos) << with;
+  EXPECT_NE(with.find("raise --gpu-memory or --host-memory or --nvme-memory"), std::string::npos) << with;
+}
+
+// The advised command sets a flag the command gave in place: no flag twice.
+TEST(PlanFitSearch, TheAdvisedCommandReplacesAGivenFlagsValue) {
+  EXPECT_EQ(command_with("plan --optimizer none --gpu-memory 1GiB", {{"--optimizer", "nvme"}, {"--prefetch", "4MiB"}}),
+            "plan --optimizer nvme --gpu-memory 1GiB --prefetch 4MiB");
+  EXPECT_EQ(command_with("plan --optimizer=none --x 'a b'", {{"--optimizer", "host"}}),
+            "plan --optimizer=host --x 'a b'");
+  EXPECT_EQ(command_with("plan", {{"--offload-gradients", "on"}}), "plan --offload-gradients on");
+  EXPECT_EQ(command_with("plan --cpu-adam-rate 1e9 --gpu-memory 1GiB --cpu-adam-rate=2e9", {{"--optimizer", "none"}}),
+            "plan --gpu-memory 1GiB --optimizer none")
+      << "the command refuses --cpu-adam-rate with --optimizer none";
+}
+
+}  // namespace
+}  // namespace tierflow::tiering

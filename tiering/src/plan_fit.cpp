@@ -170,7 +170,9 @@ FitSearch search_fitting_settings(const std::vector<BlockProfile>& blocks, const
     values.insert(values.begin(), given);  // the command's own first: no flag changed
     return values;
   };
-  std::vector<std::string> params_values{"host", "auto"}, optimizer_values{"host"};
+  // --optimizer none too: torch's AdamW on the device, when its states fit there and the host's budget does not
+  // hold the CPU AdamW's.
+  std::vector<std::string> params_values{"host", "auto"}, optimizer_values{"none", "host"};
   if (nvme) {
     params_values.push_back("nvme");
     optimizer_values.push_back("nvme");
@@ -189,6 +191,7 @@ FitSearch search_fitting_settings(const std::vector<BlockProfile>& blocks, const
   }
 
   FitSearch out;
+  out.nvme_given = nvme;
   for (const auto& p : params) {
     for (const auto& o : optimizers) {
       for (const auto& st : states) {
@@ -260,7 +263,9 @@ std::string fit_advice(const FitSearch& search, const std::string& command) {
   if (!search.best) {
     return "; none of the " + std::to_string(search.tried.size()) +
            " combinations of --offload-params, --optimizer, --optimizer-states, --prefetch and --offload-gradients tried fits (Note "
-           "[Plan fit]): raise --gpu-memory or --host-memory, or give an NVMe tier (--nvme-memory, --nvme-gbps)";
+           "[Plan fit]): raise --gpu-memory or --host-memory" +
+           (search.nvme_given ? std::string(" or --nvme-memory")
+                              : std::string(", or give an NVMe tier (--nvme-memory, --nvme-gbps)"));
   }
   // The command line last, whole: what a user (or a script) copies.
   const FitTried& b = search.tried[*search.best];
@@ -272,7 +277,43 @@ std::string fit_advice(const FitSearch& search, const std::string& command) {
     text += "; faster, with other numerics (narrower optimizer states): " + flags_text(f.flags) + ", predicted step " +
             seconds_text(f.step_seconds);
   }
-  return text + "): " + command + " " + flags_text(b.flags);
+  return text + "): " + command_with(command, b.flags);
+}
+
+std::string command_with(const std::string& command, const std::vector<FlagValue>& flags) {
+  // The command's words (shlex.join's: a word with a space is quoted, a flag never is).
+  std::vector<std::string> words;
+  for (std::size_t i = 0; i <= command.size();) {
+    const std::size_t j = std::min(command.find(' ', i), command.size());
+    if (j > i) words.push_back(command.substr(i, j - i));
+    i = j + 1;
+  }
+  std::vector<FlagValue> appended;
+  for (const auto& [flag, value] : flags) {
+    bool replaced = false;
+    for (std::size_t i = 0; i < words.size(); ++i) {
+      if (words[i] == flag && i + 1 < words.size()) {
+        words[i + 1] = shell_word(value);
+        replaced = true;
+      } else if (words[i].rfind(flag + "=", 0) == 0) {
+        words[i] = flag + "=" + shell_word(value);
+        replaced = true;
+      }
+    }
+    if (!replaced) appended.emplace_back(flag, value);
+  }
+  // torch's AdamW on the device has no CPU AdamW rate: the command refuses --cpu-adam-rate with --optimizer none.
+  const bool none = std::find(flags.begin(), flags.end(), FlagValue{"--optimizer", "none"}) != flags.end();
+  std::string out;
+  for (std::size_t i = 0; i < words.size(); ++i) {
+    if (none && words[i] == "--cpu-adam-rate") {
+      ++i;
+      continue;
+    }
+    if (none && words[i].rfind("--cpu-adam-rate=", 0) == 0) continue;
+    out += (out.empty() ? "" : " ") + words[i];
+  }
+  return appended.empty() ? out : out + " " + flags_text(appended);
 }
 
 }  // namespace tierflow::tiering

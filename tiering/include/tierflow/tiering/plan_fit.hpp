@@ -98,6 +98,7 @@ struct FitSearch {
   std::optional<std::size_t> best;  ///< index in `tried` of the fastest that fits with the given numerics (else
                                     ///< the fastest that fits)
   std::optional<std::size_t> faster_narrower;  ///< a fit faster than `best` that narrows the states, if any
+  bool nvme_given = false;  ///< the command gave an NVMe tier (--nvme-memory): the advice does not ask for one
 };
 
 /// A plan's step as the command ranks the combinations (default: the whole step, the CPU optimizer's exposed time
@@ -116,5 +117,9 @@ std::string flags_text(const std::vector<FlagValue>& flags);
 /// What the refusal line adds (Note [Plan fit]): "; it fits with --offload-params host (step 1.2 s, device peak
 /// 15.1 GiB): <command> --offload-params host", or that none of the N combinations tried fits.
 std::string fit_advice(const FitSearch& search, const std::string& command);
+
+/// `command` (shlex.join's words) with each of `flags` set: a flag it gives (--flag value, --flag=value) takes the
+/// new value in place, the others are appended; no flag given twice.
+std::string command_with(const std::string& command, const std::vector<FlagValue>& flags);
 
 }  // namespace tierflow::tiering
