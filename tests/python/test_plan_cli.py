@@ -504,3 +504,39 @@ def test_with_json_an_error_is_a_json_object_on_stdout_too(args, monkeypatch):
     rc, out, err = plan_in_process(args, monkeypatch)
     assert rc == 2 and err.startswith("tierflow plan: ") and err.count("\n") == 1, err
     assert json.loads(out) == {"error": err.removeprefix("tierflow plan: ").rstrip("\n")}, out
+
+
+def test_cpu_adam_rate_with_the_optimizer_on_the_device_is_refused_before_measuring(monkeypatch):
+    # The refusal needs nothing measured (3-7 s of links and matmuls): it comes before any of it.
+    import tierflow.cli.plan as plan_cli
+
+    def measured(*_args, **_kwargs):
+        raise AssertionError("measured before refusing")
+
+    monkeypatch.setattr(plan_cli, "_links", measured)
+    rc, out, err = plan_in_process(shape_args() + ["--optimizer", "none", "--cpu-adam-rate", "2e9"], monkeypatch)
+    expect_refused(rc, out, err, "--cpu-adam-rate 2e+09 with --optimizer none")
+
+
+def test_nvme_gbps_without_an_nvme_budget_is_refused_and_the_budget_defaults_to_the_variable(monkeypatch):
+    monkeypatch.delenv("TIERFLOW_NVME_MEMORY", raising=False)
+    rc, out, err = plan_in_process(shape_args() + RATES + ["--nvme-gbps", "2"], monkeypatch)
+    expect_refused(rc, out, err, "--nvme-gbps 2 without an NVMe budget", "--nvme-memory")
+    rc, out, err = plan_in_process(shape_args() + RATES + ["--nvme-gbps", "2", "--json"], monkeypatch,
+                                   TIERFLOW_NVME_MEMORY="8GiB")
+    assert rc == 0, err
+    assert json.loads(out)["budgets"]["nvme_bytes"] == 8 * GiB  # TIERFLOW_NVME_MEMORY, as --nvme-memory 8GiB
+
+
+def test_the_cpu_adamw_rate_measured_here_is_said(monkeypatch):
+    args = shape_args() + RATES + ["--optimizer", "host"]
+    rc, out, err = plan_in_process(args + ["--json"], monkeypatch)
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert "cpu_adam_rate" in doc["measured"] and doc["step"]["optimizer"]["params_per_second"] > 0, doc["measured"]
+    rc, out, err = plan_in_process(args, monkeypatch)
+    assert rc == 0 and "parameters a second (measured on this machine)" in out, out
+    rc, out, err = plan_in_process(args + ["--cpu-adam-rate", "2e9", "--json"], monkeypatch)
+    assert rc == 0 and "cpu_adam_rate" not in json.loads(out)["measured"], err
+    rc, out, err = plan_in_process(args + ["--cpu-adam-rate", "2e9"], monkeypatch)
+    assert "2e+09 parameters a second (given)" in out, out

@@ -217,7 +217,11 @@ std::vector<std::string> plan_lines(const Plan& plan, const PlanCommandInputs& i
                     (in.optimizer == "none" || !in.shape
                          ? std::string()
                          : format("; CPU AdamW states %s: %.3g bytes a parameter", states_named(in).c_str(),
-                                  cpu_optimizer_bytes_per_param(in.optimizer_states, in.shape->dtype_bytes))) +
+                                  cpu_optimizer_bytes_per_param(in.optimizer_states, in.shape->dtype_bytes)) +
+                               (optimizer.params_per_second > 0
+                                    ? format(", %.3g parameters a second", optimizer.params_per_second) +
+                                          (measured("cpu_adam_rate") ? " (measured on this machine)" : " (given)")
+                                    : std::string())) +
                     "; activations outside the blocks (final norm, head, fp32 loss): " +
                     format_bytes(in.head_bytes) +
                     (plan.outside_kept                    ? " kept on the device"

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 import time
@@ -166,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "device's total memory)")
     p.add_argument("--host-memory", metavar="SIZE",
                    help="host budget for optimizer states and swapped activations (default: TIERFLOW_HOST_MEMORY)")
-    p.add_argument("--nvme-memory", metavar="SIZE", help="NVMe budget for swapped activations (default: none)")
+    p.add_argument("--nvme-memory", metavar="SIZE",
+                   help="NVMe budget for swapped activations (default: TIERFLOW_NVME_MEMORY if set, else none)")
     p.add_argument("--nvme-gbps", type=_rate(True), default=0.0,
                    help="host<->NVMe GB/s each way (with --nvme-memory)")
     p.add_argument("--cpu-adam-rate", type=_params_rate, metavar="RATE",
@@ -232,7 +234,9 @@ def _plan(args: argparse.Namespace, argv: Sequence[str] = ()) -> str:
     cuda = _C.device_is_cuda(settings.to_strings())  # as the runtime decides it (Note [Tiers from the configuration])
     model = _model(args)  # --model: the config read, and --seq, --batch and --dtype resolved
     optimizer = args.optimizer or settings.offload_optimizer
+    _nvme_default(args, settings)
     _check_optimizer_tier(args, optimizer)
+    _check_optimizer_flags(args, optimizer)  # before anything is measured
     if model is None:
         _shape_defaults(args)
     measured: list[str] = []
@@ -245,9 +249,10 @@ def _plan(args: argparse.Namespace, argv: Sequence[str] = ()) -> str:
         source = _profile_blocks(args, links)
     else:
         source = _estimated_blocks(args, links, cuda, optimizer, states, measured)
+    if source.state is not None and optimizer != "none" and args.cpu_adam_rate is None:
+        measured.append("cpu_adam_rate")  # the CPU AdamW's rate, measured here with its own kernel (C++)
     inputs = _command_inputs(args, settings, cuda, optimizer, states, source, measured)
     command = _command_budgets(inputs, source, argv)
-    _check_optimizer_flags(args, optimizer)
     blocks = _C.plan_command_blocks(source.blocks, inputs)
     plan = _plan_activations(blocks, source, inputs, command, argv)
     report = _C.describe_plan(plan, blocks, inputs, command)
@@ -380,10 +385,21 @@ def _plan_activations(blocks: Any, source: _BlockSource, inputs: Any, command: A
         raise PlanError(_C.plan_refusal(str(e), False, inputs, command)) from None
 
 
+def _nvme_default(args: argparse.Namespace, settings: Any) -> None:
+    """--nvme-memory defaults to TIERFLOW_NVME_MEMORY when that is set (as --gpu-memory and --host-memory default
+    to theirs); --nvme-gbps without an NVMe budget, which nothing would use, refused naming both."""
+    env = os.environ.get("TIERFLOW_NVME_MEMORY")
+    if args.nvme_memory is None and "TIERFLOW_NVME_MEMORY" in settings.given and env and env != "auto":
+        args.nvme_memory = env
+    if args.nvme_gbps and args.nvme_memory is None:
+        raise PlanError(f"--nvme-gbps {args.nvme_gbps:g} without an NVMe budget: the rate is the NVMe tier's, and "
+                        "no --nvme-memory (nor TIERFLOW_NVME_MEMORY) gives one; accepted: --nvme-gbps with "
+                        "--nvme-memory SIZE, or neither")
+
+
 def _check_optimizer_flags(args: argparse.Namespace, optimizer: str) -> None:
     """A flag that the optimizer's placement would silently leave unused, refused: --cpu-adam-rate with the
-    optimizer on the device (torch's AdamW: no CPU step to rate). Checked once the budgets took the flags (their
-    own refusals, e.g. --offload-gradients with --optimizer none, come first)."""
+    optimizer on the device (torch's AdamW: no CPU step to rate). Checked before anything is measured."""
     placed = f"--optimizer {optimizer}" if args.optimizer else f"TIERFLOW_OFFLOAD_OPTIMIZER={optimizer}"
     if args.cpu_adam_rate is not None and optimizer == "none":
         raise PlanError(f"--cpu-adam-rate {args.cpu_adam_rate:g} with {placed}: the rate is the CPU AdamW's, and "
@@ -403,7 +419,7 @@ def _check_optimizer_tier(args: argparse.Namespace, optimizer: str) -> None:
 
 def _budget_refusal(message: str) -> bool:
     """Whether plan_command_budgets refused the budgets (the optimizer states do not fit), not an argument."""
-    return "cannot hold the optimizer states" in message
+    return "cannot hold the optimizer states" in message or "cannot hold the optimizer's pinned staging" in message
 
 
 def _fit_advice(blocks: Any, inputs: Any, argv: Sequence[str]) -> str:
