@@ -26,7 +26,7 @@
 // Settings that would make it fit. When the budgets refuse the plan (the
 // device, or a host or NVMe budget too small for the optimizer states), the
 // command tries, with everything else as given, every combination of:
-// --offload-params host / auto (nvme with an NVMe budget), --optimizer host
+// --offload-params host / auto (nvme with an NVMe budget), --optimizer none or host
 // (nvme with an NVMe budget), --optimizer-states bf16 / 8bit (with the CPU
 // optimizer), --offload-gradients on (with the CPU optimizer), and a smaller --prefetch (a quarter and a sixteenth of the
 // given one, at least 1 MiB). Each is planned as the command would plan it
