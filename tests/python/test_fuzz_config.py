@@ -414,7 +414,9 @@ def check_run(argv, bad, env, rc, out, err) -> None:
         assert not bad and not env_bad, f"{where}: a bad input accepted\n{out[-500:]}"
         check_plan_output(argv, out)
         return
-    assert out == "", where
+    if out:  # --json: the error also as a JSON object on stdout, the same words as stderr's line
+        assert any(a.startswith("--j") for a in argv), where
+        assert json.loads(out) == {"error": err[len("tierflow plan: "):].rstrip("\n")}, f"{where}: {out!r}"
     assert err.startswith("tierflow plan: ") and err.endswith("\n") and len(err.splitlines()) == 1, f"{where}: {err!r}"
     named = re.search(r"--[a-z]|TIERFLOW_", err) or any(a and a in err for a in argv)
     assert named, f"{where}: names no argument or variable: {err!r}"
