@@ -116,3 +116,26 @@ TEST(BlockCalls, OnlyTheFirstBackwardOfAStepStartsThePrefetch) {
   EXPECT_EQ(calls.stats().reruns, 2u);
   EXPECT_EQ(calls.stats().rerun_ns, 12u);
 }
+
+TEST(BlockCallAction, ARefusedRerunKeepsTheBlockUnlessItsParametersAreFetched) {
+  EXPECT_EQ(block_call_action(0, BlockAction::kSwapHost, false, false, false), BlockAction::kSwapHost);
+  EXPECT_EQ(block_call_action(0, BlockAction::kSwapNvme, true, false, false), BlockAction::kKeep);
+  EXPECT_EQ(block_call_action(0, BlockAction::kRecompute, true, false, true), BlockAction::kKeep);
+  // Fetched parameters: a refused rerun does not keep it (autograd would hold them); its action stays.
+  EXPECT_EQ(block_call_action(0, BlockAction::kSwapHost, true, true, false), BlockAction::kSwapHost);
+  EXPECT_EQ(block_call_action(0, BlockAction::kRecompute, false, true, false), BlockAction::kRecompute);
+}
+
+TEST(BlockCallAction, AKeptBlockWithFetchedParametersIsRecomputedByAutoAndRefusedByHand) {
+  EXPECT_EQ(block_call_action(3, BlockAction::kKeep, false, false, false), BlockAction::kKeep);
+  EXPECT_EQ(block_call_action(3, BlockAction::kKeep, false, true, true), BlockAction::kRecompute);
+  EXPECT_EQ(block_call_action(3, BlockAction::kKeep, true, true, true), BlockAction::kRecompute);
+  try {
+    block_call_action(3, BlockAction::kKeep, false, true, false);
+    FAIL() << "a trainer's kKeep for a block whose parameters are fetched was accepted";
+  } catch (const config_error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("block 3 is kKeep"), std::string::npos) << what;
+    EXPECT_NE(what.find("kSwapHost, kSwapNvme or kRecompute"), std::string::npos) << what;
+  }
+}

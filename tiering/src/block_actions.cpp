@@ -1,6 +1,8 @@
 // See Note [C++ block actions] in block_actions.hpp.
 #include "tierflow/tiering/block_actions.hpp"
 
+#include <string>
+
 #include "tierflow/core/error.hpp"
 
 namespace tierflow::tiering {
@@ -31,6 +33,16 @@ BlockAction block_action_from_plan(const BlockPlan& plan) noexcept {
   // swap, split and recompute all free the block's device memory until its backward; C++ has one way to
   // do that (Note [C++ block actions]): the input to the plan's tier, the rest recomputed.
   return plan.tier == SwapTier::kNvme ? BlockAction::kSwapNvme : BlockAction::kSwapHost;
+}
+
+BlockAction block_call_action(std::size_t block, BlockAction planned, bool rerun_refused, bool params_fetched,
+                              bool automatic) {
+  if (rerun_refused && !params_fetched) return BlockAction::kKeep;
+  if (planned != BlockAction::kKeep || !params_fetched) return planned;
+  if (automatic) return BlockAction::kRecompute;
+  throw config_error("BlockOffload: block " + std::to_string(block) + " is kKeep, but its parameters are "
+                     "fetched from the host (offload_parameters): autograd would hold them until backward; "
+                     "accepted for such a block: kSwapHost, kSwapNvme or kRecompute");
 }
 
 BlockActionTable::BlockActionTable(BlockAction default_action, bool has_nvme_tier) noexcept

@@ -655,36 +655,4 @@ std::string PlanDriver::report_json(std::string_view plan_text) const {
   return out.dump();
 }
 
-std::string auto_profile_json(const AutoProfile& p) {
-  const Json file = Json::parse(profile_to_json(p.file.blocks, p.file.links, p.file.fixed_device_bytes));
-  Json out = {{"format", file["format"]}, {"version", file["version"]}, {"blocks", file["blocks"]},
-              {"links", file["links"]}};
-  if (p.batch_tensor_elements) {
-    Json sizes = Json::object();
-    for (const auto& [place, n] : *p.batch_tensor_elements) sizes[place] = n;
-    out["batch_tensor_elements"] = std::move(sizes);
-  }
-  out["batch_elements"] = p.batch_elements;
-  if (p.outside_measured) {
-    out["outside_saved_bytes"] = p.file.outside_saved_bytes;
-    out["outside_largest_bytes"] = p.file.outside_largest_bytes;  // 0: not measured
-  }
-  const std::pair<const char*, const std::optional<double>*> seconds[] = {
-      {"host_gaps_seconds", &p.host_gaps_seconds}, {"timed_step_seconds", &p.timed_step_seconds},
-      {"rest_of_step_seconds", &p.rest_of_step_seconds}};
-  for (const auto& [k, v] : seconds)
-    if (*v) out[k] = **v;
-  const std::pair<const char*, const std::optional<std::uint64_t>*> bytes[] = {
-      {"measured_beside_bytes", &p.measured_beside_bytes}, {"measured_peak_bytes", &p.measured_peak_bytes},
-      {"measured_reserved_peak_bytes", &p.measured_reserved_peak_bytes}};
-  for (const auto& [k, v] : bytes)
-    if (*v) out[k] = **v;
-  out["fixed_device_bytes"] = p.file.fixed_device_bytes;
-  if (p.calibrated) {
-    out["calibrated"] = {{"link_factor", p.calibrated->link_factor},
-                         {"compute_factor", p.calibrated->compute_factor}, {"why", p.calibrated->why}};
-  }
-  return out.dump();
-}
-
 }  // namespace tierflow::tiering

@@ -61,6 +61,14 @@ BlockAction block_action_from_config(const Config& config) noexcept;
 /// The action that carries out one block of an activation plan (Note [C++ block actions]).
 BlockAction block_action_from_plan(const BlockPlan& plan) noexcept;
 
+/// The action one call of block `block` carries out, from the table's (`planned`): a block whose rerun was
+/// refused (`rerun_refused`, Note [Replay side effects]) is kept, unless its parameters are fetched from the host
+/// (`params_fetched`, Note [C++ parameter residency]: autograd would hold them until backward); an automatic plan
+/// (`automatic`, Note [C++ auto activations]) recomputes a kept block whose parameters are fetched, keeping its
+/// input; a trainer's kKeep for such a block is config_error naming the block and the actions accepted.
+BlockAction block_call_action(std::size_t block, BlockAction planned, bool rerun_refused, bool params_fetched,
+                              bool automatic);
+
 /// Every block's action: a default and per-block overrides (Note [C++ block actions]). Not thread-safe.
 class BlockActionTable {
  public:

@@ -315,5 +315,9 @@ class PlanDriver {
 std::string plan_json(const DrivenPlan& plan);
 /// `profile` as its file holds it (Note [Profile file]), with the timed step's figures beside.
 std::string auto_profile_json(const AutoProfile& profile);
+/// A profile from its file's text or auto_profile_json's (checked as profile_from_json checks a file): a block
+/// without backward_seconds gets the planner's estimate from its forward, links without duplex both directions'
+/// sum, a file without outside_saved_bytes leaves the tensors outside the blocks unmeasured.
+AutoProfile auto_profile_from_json(std::string_view text);
 
 }  // namespace tierflow::tiering

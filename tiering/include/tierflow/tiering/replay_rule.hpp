@@ -36,7 +36,9 @@
 // from (which hooks, what was written) and carry it out.
 #pragma once
 
+#include <cstddef>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "tierflow/tiering/planner.hpp"
@@ -56,5 +58,41 @@ std::string replay_refusal(const BlockSideEffects& effects);
 /// The mode a block runs in: one that may not be replayed swaps where `planned` would replay (split,
 /// recompute); keep and swap stay.
 BlockMode replay_mode(BlockMode planned, bool replayable) noexcept;
+
+/// What the C++ BlockOffload's blocks write in place in their forwards, and what a rerun restores (Note [Replay
+/// side effects], 1. and 2.; Note [C++ block offload], What a rerun restores): per block, which of its tracked
+/// tensors (its state tensors first, then its parameters) any call wrote, whether its first call was compared by
+/// value, and why it is no longer rerun. The bindings clone, compare and restore the tensors. Not thread-safe:
+/// the caller holds its lock.
+class BlockWrites {
+ public:
+  /// Before a call of a block over `tracked` tensors: which to keep a value of from before the forward.
+  struct Before {
+    bool compared = false;    ///< its first call was compared already: only version counters tell a write now
+    std::vector<bool> known;  ///< written by an earlier call
+    std::vector<bool> keep;   ///< keep a value from before: every one on the first call, later the known ones
+  };
+  Before before(std::size_t block, std::size_t tracked) const;
+
+  /// After the call.
+  struct After {
+    std::vector<bool> restore;  ///< what its rerun restores: kept, and written now or by an earlier call
+    std::string refused_now;    ///< why the block is not rerun from its next call on, the first time (else "")
+  };
+  /// `wrote[i]`: tracked tensor i was written (the first `state_count` are state tensors) by the call `before`
+  /// was taken for. A write with no value kept refuses the block's reruns from its next call on.
+  After after(std::size_t block, std::size_t state_count, const Before& before, const std::vector<bool>& wrote);
+
+  /// Why the block is no longer rerun ("" while it is).
+  std::string refusal(std::size_t block) const;
+
+ private:
+  struct Block {
+    bool compared = false;
+    std::vector<bool> written;  // state, then parameters
+    std::string refused;
+  };
+  std::unordered_map<std::size_t, Block> blocks_;
+};
 
 }  // namespace tierflow::tiering
