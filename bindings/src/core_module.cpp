@@ -43,6 +43,10 @@ using namespace tierflow;
 // The package keeps torch out until it is needed: tierflow/__init__.py imports _core and the torch-free Python
 // modules, and loads the rest (torch first, then _C) on first use of a name that needs them (PEP 562).
 
+namespace tierflow::bindings {
+void bind_plan_cli(py::module_& m);
+}  // namespace tierflow::bindings
+
 namespace {
 
 std::map<std::string, std::string> string_map(const py::dict& d) {
@@ -173,4 +177,5 @@ PYBIND11_MODULE(_core, m) {
   log_level_from_environment();
   bind_config(m);
   bindings::bind_planner(m);
+  bindings::bind_plan_cli(m);  // plan_cli_bindings.cpp: the plan command past its parser
 }

@@ -5,11 +5,10 @@ With ``--model``, --seq defaults to the config's max_position_embeddings (GPT-2:
 --batch to 1 and --dtype to the config's torch_dtype (else bf16); the output adds the bytes per tier by kind and
 tokens a second, and a plan that does not fit names the settings that would (tried by the planner, Note [Plan fit]).
 
-The planner itself is C++ (tiering/planner.hpp, Note [Activation planner]); this
-module gathers its inputs (an estimated or recorded block profile, link
-bandwidths through torch, the settings' texts), runs it and prints the plan; the
-budgets and the report are tiering's too (tiering/plan_report.hpp, Note [Plan report]). The profile file it
-reads with ``--profile`` is tiering's (tiering/profile_file.hpp, Note [Profile file]).
+The command past its argument parser is C++ (tiering/plan_cli.hpp): the arguments' refusals, --model, the
+blocks (estimated, or a recorded profile: tiering/profile_file.hpp, Note [Profile file]), the budgets, the plan
+(tiering/planner.hpp, Note [Activation planner]) and its report (tiering/plan_report.hpp, Note [Plan report]). This
+module parses argv, reads the profile file and measures what that asks for through torch (links, matmul rate).
 
 Errors
 ------
@@ -31,13 +30,10 @@ import os
 import shlex
 import sys
 import time
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Sequence
 
 from .. import _native as _C  # tierflow._core's names (torch-free); any other loads torch, then tierflow._C
 from .._config import resolve_settings
-from .._native import profile_from_json  # tiering's parser; tierflow.activations imports torch
-
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 # ---- measurements ----------------------------------------------------------------------------
@@ -134,12 +130,11 @@ def _rate(zero: bool) -> Callable[[str], float]:
 
 
 def _params_rate(text: str) -> float:
-    """argparse type of --cpu-adam-rate: parameters a second, a finite number from 1 to 1e15."""
-    value = _C.parse_decimal(text) if text.isascii() else None
-    if value is None or not 1 <= value <= 1e15:
-        raise argparse.ArgumentTypeError(f"{_shown(text)} is not valid; accepted: parameters a second, a number from "
-                                         "1 to 1e15 (e.g. 2.5e9)")
-    return value
+    """argparse type of --cpu-adam-rate: parameters a second (tiering::check_params_rate), no inf or nan."""
+    try:
+        return _C.check_params_rate(_C.parse_decimal(text) if text.isascii() else None, _shown(text))
+    except _C.ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -150,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     shape = p.add_argument_group("model shape (GPT-2 style; or --model, or --profile)")
     for field in ("layers", "hidden", "heads", "seq", "batch"):
         shape.add_argument(f"--{field}", type=_shape_int(field))
-    shape.add_argument("--dtype", choices=sorted(DTYPE_BYTES),
+    shape.add_argument("--dtype", choices=["bf16", "fp16", "fp32"],
                        help="parameters' and activations' dtype (default: bf16; with --model the config's torch_dtype)")
     p.add_argument("--model", metavar="PATH",
                    help="a transformers config.json, or a directory holding one (Llama, Mistral, Qwen2, Qwen3, Gemma, "
@@ -230,280 +225,51 @@ def plan_command(argv: Sequence[str]) -> int:
 
 
 def _plan(args: argparse.Namespace, argv: Sequence[str] = ()) -> str:
+    """The command past its parser (tiering/plan_cli.hpp): the arguments checked before anything is measured, then
+    what tiering asks for measured here (torch) and the plan run."""
     settings = resolve_settings()
     cuda = _C.device_is_cuda(settings.to_strings())  # as the runtime decides it (Note [Tiers from the configuration])
-    model = _model(args)  # --model: the config read, and --seq, --batch and --dtype resolved
-    optimizer = args.optimizer or settings.offload_optimizer
-    _nvme_default(args, settings)
-    _check_optimizer_tier(args, optimizer)
-    _check_optimizer_flags(args, optimizer)  # before anything is measured
-    if model is None:
-        _shape_defaults(args)
-    measured: list[str] = []
-    links = _links(args, cuda, measured)
-    # Blocks and what the rest of training needs on the device.
-    # Parsed as the table parses TIERFLOW_OPTIMIZER_STATES, errors naming the flag.
-    states = settings.optimizer_states if args.optimizer_states is None else _C.parse_setting(
-        "TIERFLOW_OPTIMIZER_STATES", _text("--optimizer-states", args.optimizer_states), "--optimizer-states")
+    command = _C.PlanCommand(_arguments(args), settings, _nvme_variable())
+    links = _links(command, cuda)
+    flops = measure_flops(cuda) if command.needs_flops else None
+    return command.run(cuda=cuda, device_capacity_bytes=_C.device_capacity_bytes(cuda),
+                       host_capacity_bytes=_C.host_capacity_bytes(), links=links, flops_per_second=flops,
+                       profile_text=None if args.profile is None else _read_profile(args.profile),
+                       command_line="python -m tierflow plan " + shlex.join(argv))
+
+
+def _arguments(args: argparse.Namespace) -> Any:
+    """argparse's namespace as tiering's PlanArguments: texts that go to C++ checked to be UTF-8, and --model's and
+    --profile's paths as the refusals quote them (Python's repr)."""
+    fields = {k: v for k, v in vars(args).items() if v is not None}
+    for flag in ("model", "gpu_memory", "host_memory", "nvme_memory", "prefetch", "optimizer_states",
+                 "offload_gradients"):
+        if flag in fields:
+            fields[flag] = _text(f"--{flag.replace('_', '-')}", fields[flag])
+    if args.model is not None:
+        fields.update(model_repr=repr(args.model), model_shown=_shown(args.model))
     if args.profile is not None:
-        source = _profile_blocks(args, links)
-    else:
-        source = _estimated_blocks(args, links, cuda, optimizer, states, measured)
-    if source.state is not None and optimizer != "none" and args.cpu_adam_rate is None:
-        measured.append("cpu_adam_rate")  # the CPU AdamW's rate, measured here with its own kernel (C++)
-    inputs = _command_inputs(args, settings, cuda, optimizer, states, source, measured)
-    command = _command_budgets(inputs, source, argv)
-    blocks = _C.plan_command_blocks(source.blocks, inputs)
-    plan = _plan_activations(blocks, source, inputs, command, argv)
-    report = _C.describe_plan(plan, blocks, inputs, command)
-    if model is None:
-        return report.json if args.json else "\n".join(report.lines)
-    return _model_report(report, model, plan, blocks, inputs, command, args)
+        fields.update(profile=args.profile.encode("utf-8", "backslashreplace").decode(), profile_repr=repr(args.profile))
+    return _C.PlanArguments(**fields)
 
 
-class _BlockSource(NamedTuple):
-    """Where the plan's blocks came from: a recorded profile (--profile) or a shape's estimate."""
-    blocks: Any
-    links: Any
-    head_bytes: int  # the saved tensors outside the blocks (the head's, or auto's measurement)
-    fixed_device_bytes: int = 0  # the profile's
-    outside_largest_bytes: int = 0  # the profile's largest of them (0 for a shape: the C++ estimates it)
-    shape: Any = None  # the estimate's
-    state: Any = None  # the estimate's training state (None: from a profile)
-    flops: float | None = None  # the estimate's
-
-
-def _shape_defaults(args: argparse.Namespace) -> None:
-    """Without --model: a whole shape or --profile (Note [Plan report]), and the shape's defaults."""
-    given = [a for a in _C.plan_shape_flags() if getattr(args, a) is not None]
-    _C.check_blocks_source(args.profile is not None, given)  # a whole shape or --profile (Note [Plan report])
-    args.dtype = args.dtype or "bf16"
-    args.vocab = 50304 if args.vocab is None else args.vocab
-    args.ffn_mult = 4 if args.ffn_mult is None else args.ffn_mult
-
-
-def _links(args: argparse.Namespace, cuda: bool, measured: list[str]) -> Any:
-    """--pcie-gbps's links, None for the profile's, or measured ("links" added to `measured`)."""
-    if args.pcie_gbps is not None:
-        return _C.links_from_pcie_gbps(args.pcie_gbps)
-    if args.profile is not None:
-        return None  # the profile's
-    links = measure_links(cuda)
-    measured.append("links")
-    return links
-
-
-def _profile_blocks(args: argparse.Namespace, links: Any) -> _BlockSource:
-    """The blocks of --profile's file, and its links unless `links` were given."""
-    try:
-        with open(args.profile, encoding="utf-8") as f:
-            profile = profile_from_json(f.read())
-    except OSError as e:
-        raise PlanError(f"--profile {args.profile!r}: {e.strerror}") from None
-    except ValueError as e:  # UnicodeDecodeError included
-        raise PlanError(f"--profile {args.profile!r}: {e}") from None
-    if links is None:  # the profile's: a missing or zero rate would plan every swap at inf s
-        missing = [k for k in ("d2h", "h2d", "duplex") if not getattr(profile.links, k) > 0]
-        if missing:
-            raise PlanError(f"--profile {args.profile!r}: links has no positive {', '.join(missing)} (bytes/s); "
-                            "accepted: a profile whose links d2h, h2d and duplex are positive rates (as "
-                            "TIERFLOW_PROFILE writes them), or --pcie-gbps to give the link")
-    # outside_saved_bytes: auto's measurement, the plan keeps or swaps them.
-    return _BlockSource(blocks=profile.blocks, links=links or profile.links, head_bytes=profile.outside_saved_bytes,
-                        fixed_device_bytes=profile.fixed_device_bytes,
-                        outside_largest_bytes=profile.outside_largest_bytes)
-
-
-def _estimated_blocks(args: argparse.Namespace, links: Any, cuda: bool, optimizer: str, states: Any,
-                      measured: list[str]) -> _BlockSource:
-    """The blocks, training state and head bytes estimated from the shape (--tflops given, or measured)."""
-    shape = _shape(args)
-    if args.tflops is not None:
-        flops = args.tflops * 1e12
-    else:
-        flops = measure_flops(cuda)
-        measured.append("tflops")
-    try:
-        _C.check_transformer_shape(shape)  # before building a profile per layer
-        blocks = _C.estimate_transformer(shape, flops)
-        state = _C.estimate_training_state(shape, optimizer, states)
-        head_bytes = _C.estimate_head_device_bytes(shape)
-    except ValueError as e:  # a shape the estimate refuses (ConfigError)
-        raise PlanError(f"{_shape_flags(args)}: {e}") from None
-    return _BlockSource(blocks=blocks, links=links, head_bytes=head_bytes, shape=shape, state=state, flops=flops)
-
-
-def _command_inputs(args: argparse.Namespace, settings: Any, cuda: bool, optimizer: str, states: Any,
-                    source: _BlockSource, measured: list[str]) -> Any:
-    """The plan command's inputs: the budgets' and the report's (tiering/plan_report.hpp, Note [Plan report])."""
-    device_name = "cuda" if cuda else "cpu (emulated device)"
-    shape_out = None if source.state is None else source.shape
-    inputs = _C.PlanCommandInputs(
-        gpu_memory=_setting(args.gpu_memory, "--gpu-memory", settings.gpu_memory,
-                            "TIERFLOW_GPU_MEMORY" in settings.given),
-        host_memory=_setting(args.host_memory, "--host-memory", settings.host_memory, True),
-        prefetch=_setting(args.prefetch, "--prefetch", str(settings.prefetch_bytes), True),
-        nvme_memory=None if args.nvme_memory is None else _text("--nvme-memory", args.nvme_memory),
-        nvme_bytes_per_second=args.nvme_gbps * _C.DECIMAL_GB, device_capacity_bytes=_C.device_capacity_bytes(cuda),
-        host_capacity_bytes=_C.host_capacity_bytes(), device_name=device_name, optimizer=optimizer,
-        optimizer_states=states,
-        offload_params=args.offload_params or settings.offload_params,
-        shape=shape_out, dtype_name=args.dtype, state=source.state, head_bytes=source.head_bytes,
-        profile_path="" if args.profile is None else args.profile.encode("utf-8", "backslashreplace").decode(),
-        profile_fixed_device_bytes=source.fixed_device_bytes, outside_largest_bytes=source.outside_largest_bytes,
-        blocks_from=_shape_flags(args), links=source.links,
-        flops_per_second=source.flops, measured=measured, links_given=args.pcie_gbps is not None)
-    # Parsed as the table parses TIERFLOW_OFFLOAD_GRADIENTS, errors naming the flag (Note [Plan report], Gradients).
-    inputs.offload_gradients = settings.offload_gradients if args.offload_gradients is None else _C.parse_setting(
-        "TIERFLOW_OFFLOAD_GRADIENTS", _text("--offload-gradients", args.offload_gradients),
-        "--offload-gradients") == "on"
-    if args.cpu_adam_rate is not None:
-        inputs.cpu_adam_params_per_second = args.cpu_adam_rate
-    return inputs
-
-
-def _command_budgets(inputs: Any, source: _BlockSource, argv: Sequence[str]) -> Any:
-    """tiering's budgets for `inputs`; a budget that the estimate's optimizer states do not fit adds the settings
-    that would (Note [Plan fit])."""
-    try:
-        return _C.plan_command_budgets(inputs)
-    except ValueError as e:  # ConfigError: a budget the optimizer states do not fit, a bad size
-        if source.state is None or not _budget_refusal(str(e)):
-            raise
-        raise PlanError(str(e) + _fit_advice(source.blocks, inputs, argv)) from None
-
-
-def _plan_activations(blocks: Any, source: _BlockSource, inputs: Any, command: Any, argv: Sequence[str]) -> Any:
-    """The planner's plan of `blocks` within the budgets, or a refusal naming what would fit. The fit search takes
-    the estimate's blocks (source.blocks: each combination moves its own gradients); the plan takes these."""
-    try:
-        return _C.plan_activations(blocks, command.links, command.budgets)
-    except MemoryError as e:  # tierflow.OutOfMemoryError: the budgets are too small
-        advice = "" if source.state is None else _fit_advice(source.blocks, inputs, argv)
-        raise PlanError(_C.plan_refusal(str(e), True, inputs, command) + advice) from None
-    except ValueError as e:  # ConfigError: the profile's or the shape's bytes with the prefetch window overflow
-        raise PlanError(_C.plan_refusal(str(e), False, inputs, command)) from None
-
-
-def _nvme_default(args: argparse.Namespace, settings: Any) -> None:
-    """--nvme-memory defaults to TIERFLOW_NVME_MEMORY when that is set (as --gpu-memory and --host-memory default
-    to theirs); --nvme-gbps without an NVMe budget, which nothing would use, refused naming both."""
+def _nvme_variable() -> str | None:
+    """TIERFLOW_NVME_MEMORY's text, --nvme-memory's default when set (PlanCommand)."""
     env = os.environ.get("TIERFLOW_NVME_MEMORY")
-    if args.nvme_memory is None and "TIERFLOW_NVME_MEMORY" in settings.given and env and env != "auto":
-        args.nvme_memory = env
-    if args.nvme_gbps and args.nvme_memory is None:
-        raise PlanError(f"--nvme-gbps {args.nvme_gbps:g} without an NVMe budget: the rate is the NVMe tier's, and "
-                        "no --nvme-memory (nor TIERFLOW_NVME_MEMORY) gives one; accepted: --nvme-gbps with "
-                        "--nvme-memory SIZE, or neither")
+    return None if env is None else _text("--nvme-memory", env)
 
 
-def _check_optimizer_flags(args: argparse.Namespace, optimizer: str) -> None:
-    """A flag that the optimizer's placement would silently leave unused, refused: --cpu-adam-rate with the
-    optimizer on the device (torch's AdamW: no CPU step to rate). Checked before anything is measured."""
-    placed = f"--optimizer {optimizer}" if args.optimizer else f"TIERFLOW_OFFLOAD_OPTIMIZER={optimizer}"
-    if args.cpu_adam_rate is not None and optimizer == "none":
-        raise PlanError(f"--cpu-adam-rate {args.cpu_adam_rate:g} with {placed}: the rate is the CPU AdamW's, and "
-                        "with the optimizer on the device (torch's AdamW) nothing steps on the CPU; accepted: "
-                        "--cpu-adam-rate with --optimizer host or nvme, or --optimizer none without --cpu-adam-rate")
+def _links(command: Any, cuda: bool) -> Any:
+    """The links measured on this machine when the command needs them (neither --pcie-gbps nor --profile)."""
+    return measure_links(cuda) if command.needs_links else None
 
 
-def _check_optimizer_tier(args: argparse.Namespace, optimizer: str) -> None:
-    """--optimizer nvme without an NVMe budget, refused before anything is measured: the states would be counted
-    nowhere and the plan printed as if they fit (the fit search tries nvme only with a budget, Note [Plan fit])."""
-    placed = f"--optimizer {optimizer}" if args.optimizer else f"TIERFLOW_OFFLOAD_OPTIMIZER={optimizer}"
-    if optimizer == "nvme" and args.nvme_memory is None:
-        raise PlanError(f"{placed} keeps the optimizer's states on NVMe, and no NVMe budget was given: the plan "
-                        "cannot fit them; accepted: --nvme-memory SIZE with --nvme-gbps GBPS (the NVMe tier for "
-                        "the states and swapped activations), or --optimizer host or none")
-
-
-def _budget_refusal(message: str) -> bool:
-    """Whether plan_command_budgets refused the budgets (the optimizer states do not fit), not an argument."""
-    return "cannot hold the optimizer states" in message or "cannot hold the optimizer's pinned staging" in message
-
-
-def _fit_advice(blocks: Any, inputs: Any, argv: Sequence[str]) -> str:
-    """Note [Plan fit]: the settings that would make it fit, tried by the planner, with the command line."""
-    search = _C.search_fitting_settings(blocks, inputs)
-    return _C.fit_advice(search, "python -m tierflow plan " + shlex.join(argv))
-
-
-def _model(args: argparse.Namespace) -> Any:
-    """--model: its config read (Note [Model families]), refused beside a shape or a profile; --seq, --batch and
-    --dtype resolved to their defaults. None without --model."""
-    if args.model is None:
-        return None
-    shape_given = [f"--{f.replace('_', '-')}" for f in ("layers", "hidden", "heads") if getattr(args, f) is not None]
-    if args.profile is not None or shape_given:
-        raise PlanError(f"--model {_shown(args.model)} with {' '.join(shape_given) or '--profile'}: the blocks come "
-                        "from one of them; accepted: --model PATH (with --seq, --batch, --dtype), a shape "
-                        "(--layers --hidden --heads --seq --batch) or --profile FILE")
-    if args.vocab is not None or args.ffn_mult is not None:
-        raise PlanError("--vocab and --ffn-mult come from the config with --model; accepted: --model PATH with --seq, "
-                        "--batch, --dtype")
+def _read_profile(path: str) -> str:
+    """--profile's text; a file that cannot be read as UTF-8 refused naming it."""
     try:
-        config = _C.load_model_config(_text("--model", args.model))
-    except ValueError as e:  # ConfigError: names the file and the field
-        raise PlanError(f"--model {e}") from None
-    if args.seq is None:
-        args.seq = _C.default_seq(config)
-    if args.batch is None:
-        args.batch = 1
-    if args.dtype is None:
-        args.dtype = config.dtype or "bf16"
-    args.model_config = config
-    return config
-
-
-def _model_report(report: Any, model: Any, plan: Any, blocks: Any, inputs: Any, command: Any,
-                  args: argparse.Namespace) -> str:
-    """The plan's report with the model, the bytes per tier by kind and tokens a second (Note [Plan fit])."""
-    table = _C.memory_table(plan, blocks, inputs, command)
-    doc = json.loads(report.json)
-    # The whole step (Note [Step prediction]: the CPU optimizer's exposed time included), else the blocks'.
-    step = doc.get("step", {}).get("terms_seconds", {}).get("total") or plan.predicted_step_seconds
-    tokens = args.seq * args.batch
-    rate = tokens / step if step > 0 else float("inf")
-    shape = inputs.shape
-    params = _C.transformer_parameters(shape)
-    about = (f"config: {model.family} ({model.model_type}) from {model.path}: {params / 1e9:.3g}B parameters, "
-             f"{shape.layers} layers, hidden {shape.hidden}, heads {shape.heads}/{shape.kv_heads or shape.heads} kv"
-             + (f", {shape.experts} experts ({shape.experts_per_token} a token)" if shape.experts else "")
-             + f"; --seq {args.seq} --batch {args.batch} --dtype {args.dtype}")
-    throughput = f"tokens/s: {rate:,.0f} ({tokens} tokens a step, predicted whole step {step:.4g} s)"
-    if args.json:
-        doc["model"] = {"family": model.family, "model_type": model.model_type, "path": model.path,
-                        "parameters": params, "seq": args.seq, "batch": args.batch, "dtype": args.dtype}
-        doc["bytes_per_tier"] = json.loads(table.json())
-        doc["tokens_per_second"] = rate
-        return json.dumps(doc)
-    return "\n".join([about, *report.lines, *table.lines(), throughput])
-
-
-def _setting(flag_text: str | None, flag: str, variable_text: str, variable_set: bool) -> Any:
-    """A size setting for tiering's budgets: the flag's text, else the table's value of its variable (when set)."""
-    if flag_text is not None:
-        return _C.SettingText(text=_text(flag, flag_text), source=_C.SettingSource.flag)
-    if variable_set:
-        return _C.SettingText(text=variable_text, source=_C.SettingSource.variable)
-    return _C.SettingText(source=_C.SettingSource.unset)
-
-
-def _shape_flags(args: argparse.Namespace) -> str:
-    """The arguments that made the blocks: the shape's flags, or --profile."""
-    if args.profile is not None:
-        return f"--profile {args.profile!r}"
-    if args.model is not None:
-        return f"--model {args.model!r} --seq {args.seq} --batch {args.batch} --dtype {args.dtype}"
-    fields = ("layers", "hidden", "heads", "seq", "batch", "vocab", "ffn_mult")
-    return " ".join(f"--{f.replace('_', '-')} {getattr(args, f)}" for f in fields) + f" --dtype {args.dtype}"
-
-
-def _shape(args: argparse.Namespace) -> Any:
-    if args.model is not None:
-        shape = args.model_config.shape
-        shape.seq, shape.batch, shape.dtype_bytes = args.seq, args.batch, DTYPE_BYTES[args.dtype]
-        return shape
-    return _C.TransformerShape(layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq,
-                               batch=args.batch, dtype_bytes=DTYPE_BYTES[args.dtype], vocab=args.vocab,
-                               ffn_mult=args.ffn_mult)
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise PlanError(f"--profile {path!r}: {e.strerror}") from None
+    except ValueError as e:  # UnicodeDecodeError
+        raise PlanError(f"--profile {path!r}: {e}") from None
