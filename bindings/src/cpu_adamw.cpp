@@ -85,14 +85,9 @@ CpuAdamW::CpuAdamW(std::shared_ptr<Runtime> runtime, const std::vector<torch::op
 }
 
 void CpuAdamW::check_amsgrad() const {
-  if (format_ == optimizer::StateFormat::kFp32) return;
-  for (std::size_t g = 0; g < param_groups_.size(); ++g) {
-    if (!static_cast<const AdamWOptions&>(param_groups_[g].options()).amsgrad()) continue;
-    const std::string f = to_string(format_);
-    throw config_error("tierflow CpuAdamW: param group " + std::to_string(g) +
-                       " has amsgrad, and amsgrad keeps fp32 moments; TIERFLOW_OPTIMIZER_STATES=" + f +
-                       " (set_state_format) is refused with it (accepted: fp32)");
-  }
+  std::vector<bool> amsgrad;
+  for (const auto& group : param_groups_) amsgrad.push_back(static_cast<const AdamWOptions&>(group.options()).amsgrad());
+  optimizer::check_amsgrad_format(amsgrad, format_);
 }
 
 void CpuAdamW::set_state_format(optimizer::StateFormat f) {

@@ -20,21 +20,11 @@ using torch::optim::AdamWParamState;
 void CpuAdamW::start_streaming() {
   const CpuAdamWOptions& o = options_;
   if (!optimizer::check_stream_options(o, on_nvme_, runtime_->config().offload_optimizer)) return;
-  GradStreamOptions go;
-  go.bucket_bytes = o.grad_bucket_bytes;
-  go.accumulation_steps = o.accumulation_steps;
-  go.max_grad_norm = o.max_grad_norm;
-  go.skip_nonfinite = o.skip_nonfinite;
-  go.offload_gradients = o.offload_gradients;
-  auto stream = GradStream::create(runtime_, go);
+  auto stream = GradStream::create(runtime_, optimizer::stream_options(o));
   for (std::size_t g = 0; g < param_groups_.size(); ++g) {
     for (const at::Tensor& p : param_groups_[g].params()) {
-      optimizer::ParamFacts f;  // as GradStream::add_parameter reads them: only those it hooks are carried
-      if ((f.requires_grad = p.requires_grad()) && (f.leaf = p.is_leaf()) && (f.contiguous = p.is_contiguous()) &&
-          (f.type = kernel_type(p.scalar_type())))
-        f.on_device = runtime_->on_device(p);
-      if (optimizer::param_not_streamable(f) || carried(p) || on_gpu(p))
-        continue;  // (the GPU share steps on the GPU: Note [C++ GPU share])
+      // Only those it hooks are carried (the GPU share steps on the GPU: Note [C++ GPU share]).
+      if (!stream->hooks(p) || carried(p) || on_gpu(p)) continue;
       const std::size_t slot = stream->add_parameter(p, static_cast<int>(g));
       records_.carry(p.unsafeGetTensorImpl(), slot);
       if (stream_params_.size() <= slot) stream_params_.resize(slot + 1);

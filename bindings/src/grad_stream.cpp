@@ -45,15 +45,6 @@ std::shared_ptr<GradStream> GradStream::create(std::shared_ptr<Runtime> runtime,
 }
 
 namespace {
-optimizer::StepEngineOptions engine_options(const GradStreamOptions& o) {
-  optimizer::StepEngineOptions e;
-  e.bucket_bytes = o.bucket_bytes;
-  e.accumulation_steps = o.accumulation_steps;
-  e.max_grad_norm = o.max_grad_norm;
-  e.skip_nonfinite = o.skip_nonfinite;
-  return e;
-}
-
 // The kernel type a parameter's new weights are written in (float32 when it has none: it never streams).
 optimizer::ScalarType weight_type(const at::Tensor& param) {
   return kernel_type(param.scalar_type()).value_or(optimizer::ScalarType::kFloat32);
@@ -63,7 +54,7 @@ optimizer::ScalarType weight_type(const at::Tensor& param) {
 GradStream::GradStream(std::shared_ptr<Runtime> runtime, GradStreamOptions options)
     : runtime_(std::move(runtime)),
       options_(options),
-      engine_(std::make_unique<optimizer::StepEngine>(engine_options(options),
+      engine_(std::make_unique<optimizer::StepEngine>(static_cast<const optimizer::StepEngineOptions&>(options),
                                                       static_cast<optimizer::StepEngineHost&>(*this))),
       mutex_(engine_->mutex()),
       ledger_(engine_->ledger()) {
@@ -83,13 +74,17 @@ GradStream::~GradStream() {
     if (s.accumulator) s.accumulator->del_post_hook(s.hook_key);
 }
 
-std::size_t GradStream::add_parameter(const at::Tensor& param, int group) {
-  std::lock_guard<std::mutex> lock(mutex_);
+bool GradStream::hooks(const at::Tensor& param) const {
   optimizer::ParamFacts f;  // each fact read only where the ones before it hold
   if ((f.requires_grad = param.requires_grad()) && (f.leaf = param.is_leaf()) &&
       (f.contiguous = param.is_contiguous()) && (f.type = kernel_type(param.scalar_type())))
     f.on_device = runtime_->on_device(param);
-  const bool streamable = !optimizer::param_not_streamable(f);
+  return !optimizer::param_not_streamable(f);
+}
+
+std::size_t GradStream::add_parameter(const at::Tensor& param, int group) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const bool streamable = hooks(param);
   const std::size_t slot = engine_->add(static_cast<std::size_t>(param.numel()), param.nbytes(), weight_type(param),
                                         group, streamable);
   Slot s;
@@ -100,6 +95,7 @@ std::size_t GradStream::add_parameter(const at::Tensor& param, int group) {
     s.hook_key = s.accumulator->add_post_hook(std::make_unique<GradReadyHook>(weak_from_this(), slot));
   }
   slots_.push_back(std::move(s));
+  written_.resize(slots_.size());
   return slot;
 }
 
@@ -115,6 +111,7 @@ std::size_t GradStream::add_fed_parameter(const at::Tensor& shard, const at::Ten
   s.param = shard;
   s.owner = owner;
   slots_.push_back(std::move(s));
+  written_.resize(slots_.size());
   return slot;
 }
 
@@ -211,7 +208,7 @@ void GradStream::set_state(std::size_t slot, at::Tensor master, at::Tensor exp_a
   s.step = std::move(step);
   s.written = s.home.defined() ? ContentProbe() : ContentProbe::of(s.param);  // the master's source (Note [Weight content])
   s.probe_after_upload = false;
-  s.master_stale = false;
+  written_.reread(slot);
 }
 
 void GradStream::note_written(const std::vector<std::size_t>& slots) {
@@ -221,7 +218,7 @@ void GradStream::note_written(const std::vector<std::size_t>& slots) {
     Slot& s = slots_[i];
     s.written = s.home.defined() ? ContentProbe() : ContentProbe::of(s.param);
     s.probe_after_upload = false;
-    s.master_stale = false;  // its master was re-read and stepped
+    written_.reread(i);  // its master was re-read and stepped
   }
 }
 
@@ -258,11 +255,6 @@ std::size_t GradStream::add_module(const std::vector<std::size_t>& slots) {
   return engine_->add_module(slots);
 }
 
-std::size_t GradStream::size() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return slots_.size();
-}
-
 void GradStream::begin_backward(bool queue_end) {
   bool first = false, queue = false;
   std::function<void()> begin;
@@ -271,8 +263,7 @@ void GradStream::begin_backward(bool queue_end) {
     const std::uint64_t now = now_ns();
     first = engine_->backward_begins(now);  // Note [Stream timeline]'s start
     if (first) begin = on_backward_begin_;
-    queue = queue_end && !end_queued_;
-    end_queued_ = end_queued_ || queue;
+    queue = ends_.queue(queue_end);
   }
   if (queue) {  // on the autograd thread only (a reduction may come on another: on_reduced)
     std::weak_ptr<GradStream> weak = weak_from_this();
@@ -346,8 +337,7 @@ void GradStream::stream_from_locked(std::size_t i, const at::Tensor& grad, bool 
     s.grad_storage = std::make_unique<c10::weak_intrusive_ptr<c10::StorageImpl>>(grad.storage().getWeakStorageImpl());
     s.grad_bytes = grad.nbytes();
     s.freed_counted = false;
-    releasing_.push_back(i);
-    engine_->counters().grads_released += 1;
+    releasing_.add(*engine_, i);
   }
   // DDP writes the reduced values into p.grad later (rebind); FSDP2 assigned its gradient before the feed: a
   // change after this (an accumulation by a later reduce-scatter, an in-place op) is a change at confirm.
@@ -366,7 +356,7 @@ void GradStream::stream_from_locked(std::size_t i, const at::Tensor& grad, bool 
 void GradStream::on_backward_end() {
   if (await_reduction()) return;  // queued again, after DDP's write-back (grad_stream_reduced.cpp)
   std::lock_guard<std::mutex> lock(mutex_);
-  end_queued_ = false;
+  ends_.ended();
   rebind_reduced_locked();
   engine_->backward_ends(now_ns());
   release_landed_locked();
@@ -417,23 +407,8 @@ void GradStream::count_freed_locked() {
 }
 
 void GradStream::release_landed_locked() {
-  std::size_t kept = 0;
-  for (std::size_t i : releasing_) {
-    Slot& s = slots_[i];
-    if (!ledger_.released(i) || !s.grad_ref.defined()) continue;
-    bool done = false;
-    const swap::TransferHandle& copy = engine_->copy_of(i);
-    if (copy.ready()) {
-      try {
-        copy.wait();  // does not block: rethrows a failed copy, whose gradient the worker puts back
-        done = true;
-      } catch (const std::exception&) {
-      }
-    }
-    if (done) s.grad_ref = at::Tensor();
-    else releasing_[kept++] = i;
-  }
-  releasing_.resize(kept);
+  for (std::size_t i : releasing_.take_landed(*engine_, [&](std::size_t k) { return slots_[k].grad_ref.defined(); }))
+    slots_[i].grad_ref = at::Tensor();
 }
 
 void GradStream::restore_locked(std::size_t i, bool accumulate) {
@@ -482,28 +457,19 @@ void GradStream::reset_window_locked(bool count_taken_back) {
   // buckets' own.
   // Note [Stall timeout]: one that stalled may still read its device gradient: kept for good, and the stall
   // is raised once the window is reset.
-  std::exception_ptr stall;
-  for (std::size_t i : releasing_) {
-    try {
-      engine_->copy_of(i).wait();
-    } catch (const stall_error&) {
-      if (!stall) stall = std::current_exception();
-      if (slots_[i].grad_ref.defined())
-        keep_forever(std::make_shared<at::Tensor>(slots_[i].grad_ref), slots_[i].grad_ref.nbytes(),
-                     "a device gradient under a stalled copy");
-    } catch (const std::exception& e) {
-      log(LogLevel::kWarn, std::string("a gradient copy of a discarded window failed: ") + e.what());
-    }
-  }
+  const optimizer::ReleasedGrads::Waited waited = releasing_.wait_all(*engine_);
+  for (std::size_t i : waited.stalled)
+    if (slots_[i].grad_ref.defined())
+      keep_forever(std::make_shared<at::Tensor>(slots_[i].grad_ref), slots_[i].grad_ref.nbytes(),
+                   "a device gradient under a stalled copy");
   count_freed_locked();
   for (auto& s : slots_) {
     s.grad_ref = s.norm = at::Tensor();
     s.grad_storage.reset();
   }
-  releasing_.clear();
-  end_queued_ = end_requeued_ = false;  // a backward that failed never ran its end
+  ends_.reset();  // a backward that failed never ran its end
   engine_->end_window(count_taken_back);  // the ledger's end_window, the timeline's (Note [Stream timeline])
-  if (stall) std::rethrow_exception(stall);
+  if (waited.stall) std::rethrow_exception(waited.stall);
 }
 
 WindowTimeline GradStream::last_window() const {

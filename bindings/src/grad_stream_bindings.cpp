@@ -184,20 +184,11 @@ void bind_stream_step(py::class_<PyGradStream, std::shared_ptr<PyGradStream>>& c
         py::gil_scoped_release release;
         g.stream->wait_worker();
       })
-      .def("finish", [](PyGradStream& g, double scale, bool stale) {
-        GradStream::Finish f;
-        {
-          py::gil_scoped_release release;
-          f = g.stream->finish(scale, stale);
-        }
-        g.commit_into_states(f.committed);
-        return f.unhandled;
-      }, "step(): commits or redoes the streamed steps and sends weights back; returns the slots left to the caller.")
       .def("prepare_finish", [](PyGradStream& g, double scale, bool stale, bool frugal) {
              return g.stream->prepare_finish(scale, stale, frugal);
            }, py::arg("scale"), py::arg("stale"), py::arg("frugal") = false,
            py::call_guard<py::gil_scoped_release>(),
-           "Note [Atomic step]: finish()'s part that can fail, changing no weight or state; the slots left to the caller.")
+           "Note [Atomic step]: step()'s part that can fail, changing no weight or state; the slots left to the caller.")
       .def("weights_changed", [](PyGradStream& g) { return g.stream->weights_changed(); },
            "Note [Weight content]: slots whose parameter the user wrote since tierflow did (their masters go stale).")
       .def("note_written", [](PyGradStream& g, const std::vector<std::size_t>& slots) { g.stream->note_written(slots); },
@@ -210,7 +201,7 @@ void bind_stream_step(py::class_<PyGradStream, std::shared_ptr<PyGradStream>>& c
         }
         g.commit_into_states(f.committed);
         return f.unhandled;
-      }, "Note [Atomic step]: finish()'s part that cannot fail (after prepare_finish).")
+      }, "Note [Atomic step]: step()'s part that cannot fail (after prepare_finish).")
       .def("discard_all", [](PyGradStream& g) { g.stream->discard_all(); }, py::call_guard<py::gil_scoped_release>())
       .def("size_buckets", [](PyGradStream& g, double link) { return g.stream->size_buckets(link); }, py::call_guard<py::gil_scoped_release>(),
            "TIERFLOW_GRAD_BUCKET_BYTES=auto from the measured step and this device -> host rate; the size in force.")
@@ -279,8 +270,7 @@ void bind_stream_waits(py::class_<PyGradStream, std::shared_ptr<PyGradStream>>& 
                                           {"worker_done_ms", &W::worker_done_ms}});
         out["buckets"] = buckets;
         return out;
-      }, "The last finished window's times (Note [Stream timeline] in optimizer/step_engine.hpp); no buckets before one.")
-      .def("__len__", [](PyGradStream& g) { return g.stream->size(); }, py::call_guard<py::gil_scoped_release>());
+      }, "The last finished window's times (Note [Stream timeline] in optimizer/step_engine.hpp); no buckets before one.");
 }
 
 }  // namespace
@@ -288,14 +278,6 @@ void bind_stream_waits(py::class_<PyGradStream, std::shared_ptr<PyGradStream>>& 
 namespace tierflow::bindings::pymod {
 
 namespace {
-
-// TIERFLOW_OPTIMIZER_STATES's value `name`; a config_error naming what is accepted otherwise.
-optimizer::StateFormat moments_format_named(const std::string& name) {
-  const auto f = parse_state_format(name);
-  if (!f) throw config_error("optimizer state format '" + name +
-                             "'; accepted: fp32, bf16, 8bit (TIERFLOW_OPTIMIZER_STATES, keyword optimizer_states)");
-  return *f;
-}
 
 // The moments handed to or from an NVMe state of key `key`: of one format (their dtype), fp32 or the state's,
 // contiguous on the CPU and of its size (Note [Optimizer states on NVMe]).
@@ -314,13 +296,13 @@ optimizer::StateFormat nvme_moments(Runtime& rt, std::uint64_t key, const at::Te
 // what runtime_bindings.cpp's fp32 nvme_adam_* do, with the format.
 void bind_nvme_state_formats(py::module_& m) {
   m.def("nvme_optimizer_state_bytes", [](std::size_t numel, bool amsgrad, const std::string& format) {
-    return optimizer::NvmeAdamStore::state_bytes(numel, amsgrad, moments_format_named(format));
+    return optimizer::NvmeAdamStore::state_bytes(numel, amsgrad, optimizer::state_format_named(format));
   }, py::arg("numel"), py::arg("amsgrad"), py::arg("format"),
         "Bytes of one parameter's state on NVMe: fp32 master, both moments in `format`, fp32 vmax with amsgrad.");
   m.def("nvme_adam_add_in", [](Runtime& rt, const at::Tensor& master, bool amsgrad, const std::string& format) {
     TIERFLOW_EXPECTS(master.is_cpu() && master.is_contiguous() && master.scalar_type() == at::kFloat,
                      "nvme_adam_add_in: the master must be a contiguous float32 CPU tensor");
-    const optimizer::StateFormat f = moments_format_named(format);
+    const optimizer::StateFormat f = optimizer::state_format_named(format);
     py::gil_scoped_release release;
     return rt.nvme_adam().add(static_cast<std::size_t>(master.numel()), amsgrad, master.data_ptr<float>(), nullptr,
                               nullptr, nullptr, f);

@@ -45,7 +45,6 @@ struct GradStream::Slot {
   // (p.data edits) makes the master stale for this parameter.
   ContentProbe written;
   bool probe_after_upload = false;  // CUDA: probe the parameter once the compute stream waits for `upload`
-  bool master_stale = false;        // the user wrote it: stepped from p (its master re-read) before any early step
 };
 
 /// `t` (contiguous, on the host) as the engine's array; the array keeps `t`.

@@ -34,31 +34,19 @@ void GradStream::set_reduced(const std::vector<std::size_t>& slots) {
   std::lock_guard<std::mutex> lock(mutex_);
   for (std::size_t i : slots) {
     TIERFLOW_EXPECTS(i < slots_.size(), "GradStream::set_reduced: no slot " + std::to_string(i));
-    if (!ledger_.streamable(i) || reduced_slot_.count(slots_[i].param.unsafeGetTensorImpl())) continue;
-    ledger_.set_reduced(i, true);
-    reduced_.push_back(i);
-    reduced_slot_.emplace(slots_[i].param.unsafeGetTensorImpl(), i);
+    if (ledger_.streamable(i) && reduced_.add(slots_[i].param.unsafeGetTensorImpl(), i)) ledger_.set_reduced(i, true);
   }
 }
 
 void GradStream::on_reduced(const std::vector<at::Tensor>& params, const at::Tensor& flat) {
-  std::int64_t total = 0;
-  for (const auto& p : params) total += p.numel();
-  TIERFLOW_EXPECTS(flat.dim() == 1 && flat.is_contiguous() && flat.numel() == total,
-                   "GradStream::on_reduced: the reduced bucket must be one contiguous 1-D tensor of " +
-                       std::to_string(total) + " elements (its parameters' sizes, one after the other); got " +
-                       std::to_string(flat.numel()) + " elements in " + std::to_string(flat.dim()) + " dimensions");
+  std::vector<optimizer::ReducedSlots::Member> members;
+  for (const auto& p : params)
+    members.push_back({p.unsafeGetTensorImpl(), static_cast<std::size_t>(p.numel()), p.scalar_type() == flat.scalar_type()});
   std::vector<std::pair<std::size_t, at::Tensor>> mine;  // (slot, its reduced gradient)
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    std::int64_t offset = 0;
-    for (const auto& p : params) {
-      const auto it = reduced_slot_.find(p.unsafeGetTensorImpl());
-      // A result of another dtype (a user's hook) is not what DDP casts into p.grad: that one steps in step().
-      if (it != reduced_slot_.end() && p.scalar_type() == flat.scalar_type())
-        mine.emplace_back(it->second, flat.narrow(0, offset, p.numel()));
-      offset += p.numel();
-    }
+    for (const auto& c : reduced_.slices(members, {flat.numel(), flat.dim(), flat.is_contiguous()}))
+      mine.emplace_back(c.slot, flat.narrow(0, static_cast<std::int64_t>(c.offset), static_cast<std::int64_t>(c.numel)));
   }
   if (mine.empty()) return;
   begin_backward(false);  // the end of backward is queued by the local hooks (autograd thread)
@@ -90,11 +78,7 @@ void GradStream::queue_backward_end() {
 bool GradStream::await_reduction() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (reduced_.empty() || end_requeued_) {
-      end_requeued_ = false;
-      return false;
-    }
-    end_requeued_ = true;
+    if (!ends_.requeue(!reduced_.empty())) return false;
   }
   // From within the final callbacks: runs after every callback queued so far, DDP's finalize_backward included.
   std::weak_ptr<GradStream> weak = weak_from_this();
@@ -105,7 +89,7 @@ bool GradStream::await_reduction() {
 }
 
 void GradStream::rebind_reduced_locked() {
-  for (std::size_t i : reduced_)
+  for (std::size_t i : reduced_.slots())
     if (!slots_[i].owner.defined()) ledger_.rebind(i, identity_of(i));  // FSDP2's: their identity at the feed
 }
 

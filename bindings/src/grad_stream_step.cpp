@@ -13,11 +13,6 @@
 
 namespace tierflow::bindings {
 
-GradStream::Finish GradStream::finish(double scale, bool stale) {
-  prepare_finish(scale, stale, false);
-  return commit_finish();
-}
-
 std::vector<std::size_t> GradStream::prepare_finish(double scale, bool stale, bool frugal) {
   // Note [Atomic step]: everything that can fail, and nothing a caller sees: the verdicts, the redone steps'
   // staging; a released gradient the caller steps goes back to p.grad. A failure leaves the window open (a
@@ -37,7 +32,7 @@ std::vector<std::size_t> GradStream::prepare_finish(double scale, bool stale, bo
   for (std::size_t i = 0; i < slots_.size(); ++i) {
     if (!ledger_.streamable(i)) continue;
     // The caller re-reads the master and takes p.grad (a released one back first: the identity is p.grad's then).
-    if (stale || slots_[i].master_stale) restore_locked(i, false);
+    if (stale || written_.stale(i)) restore_locked(i, false);
     now[i] = identity_of(i);
     now[i].content = contents[i];
   }
@@ -51,8 +46,7 @@ std::vector<std::size_t> GradStream::prepare_finish(double scale, bool stale, bo
 GradStream::Finish GradStream::commit_finish() {
   std::lock_guard<std::mutex> lock(mutex_);
   // Commits by a pointer swap, redoes the others in place (Note [Step ledger]); p.grad and the weights are ours.
-  const optimizer::StepEngine::Finish f = engine_->commit_prepared();
-  Finish out{f.committed, f.unhandled};
+  Finish out = engine_->commit_prepared();
   upload_locked(out.committed);
   reset_window_locked(false);
   return out;
@@ -98,24 +92,18 @@ void GradStream::wait_step_uploads() {
 }
 
 void GradStream::begin_clip() {
-  // Per device, the candidate whose copy was sent last: copies in one
-  // direction complete in submission order (Note [Copy ordering]).
-  std::vector<std::pair<c10::Device, std::size_t>> last;
   std::vector<std::pair<c10::Device, swap::TransferHandle>> copies;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     const std::vector<optimizer::GradContent> contents = grad_contents_locked();  // changed since the copy?
+    std::vector<std::pair<std::size_t, optimizer::DeviceId>> candidates;
     for (std::size_t i = 0; i < slots_.size(); ++i) {
-      const Slot& s = slots_[i];
       optimizer::GradIdentity now = identity_of(i);
       now.content = contents[i];
-      if (!ledger_.clip_candidate(i, now)) continue;
-      const c10::Device d = s.param.device();
-      auto it = std::find_if(last.begin(), last.end(), [&](const auto& l) { return l.first == d; });
-      if (it == last.end()) last.emplace_back(d, i);
-      else if (engine_->copy_seq_of(i) > engine_->copy_seq_of(it->second)) it->second = i;
+      if (ledger_.clip_candidate(i, now)) candidates.emplace_back(i, device_id(slots_[i].param.device()));
     }
-    for (const auto& [d, i] : last) copies.emplace_back(d, engine_->copy_of(i));
+    for (const auto& [d, i] : optimizer::last_copied(*engine_, candidates))
+      copies.emplace_back(devices_[d], engine_->copy_of(i));
   }
   // The clip writes the gradients in place on the compute stream: after their
   // copies have read them (rule 2 of Note [Copy ordering]), or the host copy
@@ -126,11 +114,7 @@ void GradStream::begin_clip() {
 
 void GradStream::end_clip(double max_norm, double coefficient) {
   std::lock_guard<std::mutex> lock(mutex_);
-  // tierflow clips as well: a clip that changed the gradients is stepped from p.grad; one that multiplied them by
-  // exactly 1 changed no value and keeps the streamed steps (a norm read: transformers 5's Trainer logs grad_norm
-  // so, clip_grad_norm_(max_norm=inf), at every step).
-  const bool unchanged = ledger_.clips_itself() && coefficient == 1.0;
-  if (!unchanged && !ledger_.learn_clip(max_norm)) return;
+  if (!ledger_.clip_ran(max_norm, coefficient)) return;  // tierflow clips as well: stepped from p.grad
   const std::vector<optimizer::GradContent> contents = grad_contents_locked();  // the clip's bytes
   for (std::size_t i = 0; i < slots_.size(); ++i) {
     const at::Tensor grad = slots_[i].param.grad();
@@ -172,17 +156,14 @@ std::vector<std::size_t> GradStream::weights_changed_locked() {
       if (p->pending()) pending.push_back(p);
   }
   ContentProbe::resolve(pending);
-  std::vector<std::size_t> changed;
+  std::vector<bool> differs(slots_.size(), false);
   for (std::size_t i = 0; i < slots_.size(); ++i) {
     Slot& s = slots_[i];
-    if (s.written.get().known && !optimizer::same_content(now[i].get(), s.written.get())) {
-      s.master_stale = true;  // until a step re-reads it (note_written), whatever steps come without its gradient
-      s.written = ContentProbe();
-    }
-    if (!s.master_stale) continue;
-    changed.push_back(i);
-    if (ledger_.is_streamed(i)) ledger_.state_set(i);  // an early step read the old master: stepped again
+    if (!s.written.get().known || optimizer::same_content(now[i].get(), s.written.get())) continue;
+    differs[i] = true;
+    s.written = ContentProbe();
   }
+  const std::vector<std::size_t> changed = written_.judge(differs, ledger_);  // their masters go stale
   engine_->counters().content_check_ns += now_ns() - t0;
   return changed;
 }

@@ -42,6 +42,26 @@ bool check_stream_options(const CpuAdamWOptions& o, bool states_on_nvme, Offload
   return streams;
 }
 
+StreamOptions stream_options(const CpuAdamWOptions& o) {
+  StreamOptions s;
+  s.bucket_bytes = o.grad_bucket_bytes;
+  s.accumulation_steps = o.accumulation_steps;
+  s.max_grad_norm = o.max_grad_norm;
+  s.skip_nonfinite = o.skip_nonfinite;
+  s.offload_gradients = o.offload_gradients;
+  return s;
+}
+
+void check_amsgrad_format(const std::vector<bool>& amsgrad, StateFormat f) {
+  if (f == StateFormat::kFp32) return;
+  for (std::size_t g = 0; g < amsgrad.size(); ++g) {
+    if (!amsgrad[g]) continue;
+    throw config_error("tierflow CpuAdamW: param group " + std::to_string(g) +
+                       " has amsgrad, and amsgrad keeps fp32 moments; TIERFLOW_OPTIMIZER_STATES=" +
+                       std::string(to_string(f)) + " (set_state_format) is refused with it (accepted: fp32)");
+  }
+}
+
 std::vector<bool> choose_gpu_share(double fraction, const std::vector<std::size_t>& numels) {
   if (!(fraction >= 0.0 && fraction <= 1.0))
     throw config_error("tierflow CpuAdamW: TIERFLOW_GPU_OPTIMIZER_FRACTION (CpuAdamWOptions::gpu_fraction) is " +

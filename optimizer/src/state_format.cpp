@@ -8,6 +8,13 @@
 
 namespace tierflow::optimizer {
 
+StateFormat state_format_named(const std::string& name) {
+  const auto f = parse_state_format(name);
+  if (!f) throw config_error("optimizer state format '" + name +
+                             "'; accepted: fp32, bf16, 8bit (TIERFLOW_OPTIMIZER_STATES, keyword optimizer_states)");
+  return *f;
+}
+
 void encode_moments(StateFormat f, const float* m, const float* v, std::size_t n, PackedMoment m_out,
                     PackedMoment v_out) {
   TIERFLOW_EXPECTS(f != StateFormat::kFp32, "encode_moments: fp32 moments are not packed");

@@ -1,5 +1,5 @@
 // StepEngine's step() in two (Note [Atomic step]): the verdicts the ledger gives each slot and the prepared
-// record commit_prepared commits; and the weights back to the device (Note [Gradient streaming], 4): which
+// record commit_prepared commits; and the weights back to the device (Note [Streamed steps], 4): which
 // copy each slot and device sent last, which compute stream waits for which, and when staging may go.
 #include <algorithm>
 #include <string>

@@ -385,6 +385,11 @@ bool StepLedger::learn_clip(double max_norm) {
   return true;
 }
 
+bool StepLedger::clip_ran(double max_norm, double coefficient) {
+  if (clips_itself() && coefficient == 1.0) return true;
+  return learn_clip(max_norm);
+}
+
 void StepLedger::clipped(std::size_t slot, GradIdentity grad, double coefficient, bool exact) {
   Slot& s = slots_.at(slot);
   const std::int64_t base = s.clip_base;

@@ -120,6 +120,35 @@ TEST(CpuAdamWOptions, TheGpuShareIsTheFractionOfTheCudaParameters) {
   }
 }
 
+TEST(CpuAdamWOptions, TheStreamGetsTheSettingsOfStepsDuringBackward) {
+  CpuAdamWOptions o;
+  o.grad_bucket_bytes = 1 << 20;
+  o.accumulation_steps = 3;
+  o.max_grad_norm = 0.5;
+  o.skip_nonfinite = true;
+  o.offload_gradients = true;
+  const StreamOptions s = stream_options(o);
+  EXPECT_EQ(s.bucket_bytes, std::size_t{1} << 20);
+  EXPECT_EQ(s.accumulation_steps, 3);
+  EXPECT_EQ(s.max_grad_norm, 0.5);
+  EXPECT_TRUE(s.skip_nonfinite);
+  EXPECT_TRUE(s.offload_gradients);
+  EXPECT_FALSE(s.weights_in_forward);  // refused from C++ before a stream is made
+}
+
+TEST(CpuAdamWOptions, AmsgradIsRefusedWithMomentsOtherThanFp32NamingTheGroup) {
+  check_amsgrad_format({true, true}, StateFormat::kFp32);
+  check_amsgrad_format({false, false}, StateFormat::k8bit);
+  try {
+    check_amsgrad_format({false, true, true}, StateFormat::kBf16);
+    FAIL() << "amsgrad with bf16 moments was accepted";
+  } catch (const config_error& e) {
+    EXPECT_NE(std::string(e.what()).find("param group 1 has amsgrad"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("TIERFLOW_OPTIMIZER_STATES=bf16"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("(accepted: fp32)"), std::string::npos) << e.what();
+  }
+}
+
 TEST(CpuAdamWSteps, EachParameterStepsOnceAndWhereItIsPlaced) {
   CpuAdamWSteps r;
   r.carry(a, 4);

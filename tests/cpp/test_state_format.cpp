@@ -425,3 +425,16 @@ TEST(StateFormat, BadInputIsRefusedByName) {
   EXPECT_THROW(adam.step({}, 1, {t}), logic_error);
   EXPECT_THROW(encode_moments(StateFormat::kFp32, master.data(), master.data(), n, s.pm(), s.pv()), logic_error);
 }
+
+// TIERFLOW_OPTIMIZER_STATES by name: each format reads back; anything else is refused naming what is accepted.
+TEST(StateFormat, NamedFormatsReadBackAndOthersAreRefusedNamingTheAccepted) {
+  for (StateFormat f : {StateFormat::kFp32, StateFormat::kBf16, StateFormat::k8bit})
+    EXPECT_EQ(state_format_named(to_string(f)), f);
+  try {
+    state_format_named("int4");
+    FAIL() << "int4 was accepted";
+  } catch (const config_error& e) {
+    EXPECT_NE(std::string(e.what()).find("optimizer state format 'int4'; accepted: fp32, bf16, 8bit"),
+              std::string::npos) << e.what();
+  }
+}

@@ -58,17 +58,7 @@
 // (BlockOffload::offload_parameters) get their committed weights written into
 // their host copies: use_host_copies.
 //
-// Note [C++ GPU share]
-// ~~~~~~~~~~~~~~~~~~~~
-// With CpuAdamWOptions::gpu_fraction > 0 (TIERFLOW_GPU_OPTIMIZER_FRACTION as a
-// number) the CUDA parameters that optimizer::GpuShareChoice::assign picks for
-// that share of the elements (decided once, at construction, before the
-// stream takes the rest) keep fp32 states on the device and step there in
-// step(), with tierflow's CUDA AdamW (optimizer/cuda_adam.hpp, torch's fused
-// AdamW bit for bit in fp32) on the current stream: the same placement as
-// Python's GpuShare with a fixed fraction. `auto` (choosing from a measured
-// step and the activation plan's room) is not served from C++ yet: it reads
-// as 0. Built and compiled; never run on a GPU (unmeasured).
+// Note [C++ GPU share] (the CUDA parameters that step on the GPU): optimizer/cpu_adamw_steps.hpp.
 #pragma once
 
 #include <torch/optim/adamw.h>

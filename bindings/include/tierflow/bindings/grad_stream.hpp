@@ -7,17 +7,9 @@
 // AccumulateGrad node (the node is kept alive here, so autograd reuses it)
 // runs when backward has finished that parameter's gradient. No Python runs
 // per parameter in steady state:
-//  1. Buckets. Parameters are cut into buckets of TIERFLOW_GRAD_BUCKET_BYTES
-//     in the order backward completes their gradients (the reverse of
-//     registration until one backward has been seen, then the order observed,
-//     as DDP rebuilds its buckets; optimizer::plan_grad_buckets). With the
-//     size on auto, the first step uses a sixteenth of the gradients (4 to
-//     64 MiB); after it, size_buckets re-cuts them from what was measured:
-//     the last bucket's copy and CPU step run after backward, so the bucket
-//     is the largest whose copy (measured link) and step (measured AdamW
-//     rate) take 2% of the measured backward (optimizer::
-//     measured_grad_bucket_bytes). Each gradient is copied device -> host,
-//     on the copy engine's D2H stream after
+//  1. Buckets. Parameters are cut into buckets in the order backward completes
+//     their gradients, sized as Note [Streamed steps] (optimizer/step_engine.hpp)
+//     says. Each gradient is copied device -> host, on the copy engine's D2H stream after
 //     the work queued on the stream that produced it (rule 1 of Note [Copy
 //     ordering]), into its slice of one pinned buffer per bucket. The device
 //     gradient stays referenced until its copy has landed (rule 3). By
@@ -46,32 +38,9 @@
 //     use TIERFLOW_MAX_GRAD_NORM, TIERFLOW_SKIP_NONFINITE and bf16 instead,
 //     or leave the option off. After step() p.grad stays None, as after
 //     zero_grad(set_to_none=True).
-//  2. Stepping. When the last gradient of a bucket is in (or backward ends,
-//     for buckets with parameters that got none), the bucket goes to the
-//     optimizer worker: it waits for the bucket's copies, adds the bucket's
-//     sum of squares to the running norm when clipping or skip-non-finite is
-//     on, and runs the oneTBB AdamW over the bucket, out of place (Note [Step
-//     during backward]): new master, m, v and the 16-bit (or fp32) weights in
-//     pinned staging; the old state stays.
-//  3. step() confirms. What happens to each parameter's step (commit the
-//     early step by a pointer swap, redo it from the landed host copy with
-//     the clip coefficient as grad_scale, or leave it to the Python path when
-//     its gradient changed) is decided by optimizer::StepLedger (Note [Step
-//     ledger]); a gradient that the user's clip_grad_norm_ scaled and nothing
-//     else counts as unchanged (Note [Clip picked up] in
-//     bindings/python/tierflow/optim/clip.py).
-//  4. Weights back. Committed weights are copied host -> device after the work
-//     queued on the compute stream (kernels still reading the old value,
-//     rule 1), in forward order (the last bucket first). With
-//     TIERFLOW_WEIGHTS_RETURN=step the compute stream waits for all of them
-//     when step() returns (on CUDA without blocking the host), and the
-//     model's forward pre-hook makes any other stream it runs on wait too
-//     (wait_step_uploads), until the copies are seen complete. With =forward
-//     each module's forward pre-hook waits only for its own parameters
-//     (wait_module), so the copies overlap the next forward. Copies in one
-//     direction complete in submission order (Note [Copy ordering]), so a
-//     module waits on one event: that of its parameter sent last. Staging is
-//     kept until its copy is done (rule 3).
+//  2.-4. The bucket's step on the worker, step()'s confirmation and the weights
+//     back to the device (per device, or per module with =forward): Note
+//     [Streamed steps] in optimizer/step_engine.hpp.
 //
 // Clipping, speculation's stop and gradient accumulation: Note [Step ledger]
 // in optimizer/include/tierflow/optimizer/step_ledger.hpp.
@@ -94,7 +63,6 @@
 #include <functional>
 #include <memory>
 #include <mutex>
-#include <unordered_map>
 #include <vector>
 
 #include "tierflow/bindings/runtime.hpp"
@@ -103,20 +71,14 @@
 #include "tierflow/optimizer/grad_buckets.hpp"
 #include "tierflow/optimizer/step_engine.hpp"
 #include "tierflow/optimizer/step_ledger.hpp"
+#include "tierflow/optimizer/stream_slots.hpp"
 
 namespace tierflow::bindings {
 
 class GradReadyHook;
 
 /// Settings of a GradStream (from the TIERFLOW_* table).
-struct GradStreamOptions {
-  std::size_t bucket_bytes = 0;       ///< 0: optimizer::auto_grad_bucket_bytes
-  int accumulation_steps = 1;         ///< backward passes per step()
-  double max_grad_norm = 0.0;         ///< 0: no clipping
-  bool skip_nonfinite = false;        ///< skip the step on an inf/NaN gradient
-  bool weights_in_forward = false;    ///< TIERFLOW_WEIGHTS_RETURN=forward
-  bool offload_gradients = false;     ///< TIERFLOW_OFFLOAD_GRADIENTS: p.grad is None once its copy is queued
-};
+using GradStreamOptions = optimizer::StreamOptions;
 
 /// Counters of the streaming path (cumulative, except the `last_` ones): the engine's.
 using GradStreamStats = optimizer::StepEngineStats;
@@ -140,6 +102,8 @@ class GradStream : public std::enable_shared_from_this<GradStream>, private opti
   /// Registers a parameter of hyperparameter group `group`; returns its slot.
   /// A parameter of the runtime's device that requires grad gets the hook.
   std::size_t add_parameter(const at::Tensor& param, int group);
+  /// True when add_parameter would hook `param` (optimizer::param_not_streamable finds nothing).
+  bool hooks(const at::Tensor& param) const;
   /// FSDP2 (Note [Distributed training]): registers `shard`, the local tensor of the DTensor parameter `owner`,
   /// which no autograd hook sees (FSDP2 assigns the sharded gradient after its reduce-scatter); its gradient
   /// only ever comes through on_reduced. Its identity is owner.grad's with both version counters: the DTensor's
@@ -186,18 +150,12 @@ class GradStream : public std::enable_shared_from_this<GradStream>, private opti
 
   /// Waits for every bucket on the worker; rethrows the first failure.
   void wait_worker();
-  /// What step() decided per slot.
-  struct Finish {
-    std::vector<std::size_t> committed;  ///< early steps committed, or stepped here from landed gradients
-    std::vector<std::size_t> unhandled;  ///< the caller steps these (gradient changed, not streamed, stale)
-  };
-  /// step(): confirms, redoes from landed gradients with `scale` (the clip
-  /// coefficient), sends weights back, and ends the window. `stale`: the
-  /// masters must be re-read from the parameters (every streamed slot is unhandled).
-  Finish finish(double scale, bool stale);
-  /// finish() in two (Note [Atomic step]): everything that can fail (the verdicts, the redone steps' staging,
-  /// released gradients the caller steps back in p.grad), changing no weight or state; returns the slots the
-  /// caller steps. A failure leaves the window open. `frugal`: the early steps' out-of-place results go first
+  /// What step() decided per slot (committed, and left to the caller).
+  using Finish = optimizer::StepEngine::Finish;
+  /// step() in two (Note [Atomic step]), with `scale` the clip coefficient and `stale` when the masters must be
+  /// re-read from the parameters (every streamed slot is unhandled): everything that can fail (the verdicts,
+  /// the redone steps' staging, released gradients the caller steps back in p.grad), changing no weight or
+  /// state; returns the slots the caller steps. A failure leaves the window open. `frugal`: the early steps' out-of-place results go first
   /// and every streamed step is redone in place (room for the caller's part under a tight host budget); they
   /// go as well when the redone steps' staging finds no room beside them.
   std::vector<std::size_t> prepare_finish(double scale, bool stale, bool frugal);
@@ -252,8 +210,6 @@ class GradStream : public std::enable_shared_from_this<GradStream>, private opti
   GradStreamStats stats() const;
   /// The last finished window's times (Note [Stream timeline]); empty before one finished.
   WindowTimeline last_window() const;
-  /// Slots registered.
-  std::size_t size() const;
 
  private:
   friend class GradReadyHook;
@@ -299,12 +255,11 @@ class GradStream : public std::enable_shared_from_this<GradStream>, private opti
   std::mutex& mutex_;
   optimizer::StepLedger& ledger_;
   std::vector<Slot> slots_;              // the tensors of each engine slot
-  std::vector<std::size_t> releasing_;   // released slots whose device gradient waits for its copy
+  optimizer::ReleasedGrads releasing_;   // released slots whose device gradient waits for its copy
+  optimizer::WrittenWeights written_;    // Note [Weight content]: whose masters are stale
   std::vector<c10::Device> devices_;     // the engine's DeviceIds: the devices weights were sent to
-  std::vector<std::size_t> reduced_;    // slots set_reduced (DDP)
-  std::unordered_map<const void*, std::size_t> reduced_slot_;  // ... by parameter (its TensorImpl)
-  bool end_queued_ = false;              // this backward's on_backward_end is queued
-  bool end_requeued_ = false;            // ... and queued again, after the reduction's write-back
+  optimizer::ReducedSlots reduced_;      // slots set_reduced (DDP), by parameter (its TensorImpl)
+  optimizer::BackwardEnds ends_;         // when on_backward_end is queued
   std::function<void()> on_backward_begin_;
   std::function<void(std::size_t)> init_state_;
 };

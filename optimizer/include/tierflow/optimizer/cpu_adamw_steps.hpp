@@ -4,6 +4,18 @@
 // in step()), which ones this step() left to the kernel, the retry marks of a step that failed part way
 // (Note [C++ CpuAdamW faults] in partial_step.hpp) and the counters. The adapter in bindings/ reads tensors
 // and calls these; it decides nothing of its own.
+//
+// Note [C++ GPU share]
+// ~~~~~~~~~~~~~~~~~~~~
+// With CpuAdamWOptions::gpu_fraction > 0 (TIERFLOW_GPU_OPTIMIZER_FRACTION as a
+// number) the CUDA parameters that optimizer::GpuShareChoice::assign picks for
+// that share of the elements (decided once, at construction, before the
+// stream takes the rest) keep fp32 states on the device and step there in
+// step(), with tierflow's CUDA AdamW (optimizer/cuda_adam.hpp, torch's fused
+// AdamW bit for bit in fp32) on the current stream: the same placement as
+// Python's GpuShare with a fixed fraction. `auto` (choosing from a measured
+// step and the activation plan's room) is not served from C++ yet: it reads
+// as 0. Built and compiled; never run on a GPU (unmeasured).
 #pragma once
 
 #include <cstddef>
@@ -15,6 +27,7 @@
 #include "tierflow/core/config.hpp"
 #include "tierflow/optimizer/partial_step.hpp"
 #include "tierflow/optimizer/state_placement.hpp"
+#include "tierflow/optimizer/step_engine.hpp"
 #include "tierflow/optimizer/step_ledger.hpp"
 
 namespace tierflow::optimizer {
@@ -50,6 +63,13 @@ struct CpuAdamWStats {
 /// (offload_gradients_refusal; `offload_optimizer` is TIERFLOW_OFFLOAD_OPTIMIZER). Returns whether parameters
 /// step during backward: step_during_backward with states on the host (`states_on_nvme` false).
 bool check_stream_options(const CpuAdamWOptions& o, bool states_on_nvme, OffloadTarget offload_optimizer);
+
+/// The gradient stream's settings for steps during backward with `o`.
+StreamOptions stream_options(const CpuAdamWOptions& o);
+
+/// Throws config_error naming the first param group with amsgrad (`amsgrad[g]`) unless the moments' format `f`
+/// is fp32: amsgrad keeps fp32 moments (set_state_format, TIERFLOW_OPTIMIZER_STATES).
+void check_amsgrad_format(const std::vector<bool>& amsgrad, StateFormat f);
 
 /// Note [C++ GPU share]: which of the CUDA parameters (their `numels`, in group order) step on the GPU at
 /// TIERFLOW_GPU_OPTIMIZER_FRACTION `fraction` (GpuShareChoice::assign). Throws config_error for a fraction

@@ -54,6 +54,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <string_view>
 
 #include "tierflow/core/state_format.hpp"
@@ -64,6 +65,9 @@ using tierflow::StateFormat;  // and to_string, parse_state_format: tierflow/cor
 using tierflow::kQuantBlock;
 using tierflow::moments_bytes_per_param;
 using tierflow::quant_blocks;
+
+/// TIERFLOW_OPTIMIZER_STATES's value `name` as a format; a config_error naming what is accepted otherwise.
+StateFormat state_format_named(const std::string& name);
 
 /// One moment in a packed format: `data` holds numel uint16 (bf16 bits) or
 /// uint8 codes; `absmax` one fp32 scale per block (8-bit only).

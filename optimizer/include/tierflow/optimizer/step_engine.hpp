@@ -4,6 +4,48 @@
 // arrays, the window's timeline and the counters. What only a front end can do (allocate pinned memory it can
 // hand to its own tensors, run its CPU Adam, count a state's steps, let go of a device gradient) comes through
 // StepEngineHost; which step is committed, redone or left to the caller is optimizer::StepLedger's.
+//
+// Note [Streamed steps]
+// ~~~~~~~~~~~~~~~~~~~~~
+// What happens to the gradients the front end streams (Note [Gradient streaming] in bindings/: hooks, copies,
+// released gradients):
+//  1. Buckets. Parameters are cut into buckets of TIERFLOW_GRAD_BUCKET_BYTES
+//     in the order backward completes their gradients (the reverse of
+//     registration until one backward has been seen, then the order observed,
+//     as DDP rebuilds its buckets; optimizer::plan_grad_buckets). With the
+//     size on auto, the first step uses a sixteenth of the gradients (4 to
+//     64 MiB); after it, size_buckets re-cuts them from what was measured:
+//     the last bucket's copy and CPU step run after backward, so the bucket
+//     is the largest whose copy (measured link) and step (measured AdamW
+//     rate) take 2% of the measured backward (optimizer::
+//     measured_grad_bucket_bytes). Each gradient lands in its slice of one
+//     pinned buffer per bucket (stage_gradient).
+//  2. Stepping. When the last gradient of a bucket is in (or backward ends,
+//     for buckets with parameters that got none), the bucket goes to the
+//     optimizer worker: it waits for the bucket's copies, adds the bucket's
+//     sum of squares to the running norm when clipping or skip-non-finite is
+//     on, and runs the oneTBB AdamW over the bucket, out of place (Note [Step
+//     during backward]): new master, m, v and the 16-bit (or fp32) weights in
+//     pinned staging; the old state stays.
+//  3. step() confirms. What happens to each parameter's step (commit the
+//     early step by a pointer swap, redo it from the landed host copy with
+//     the clip coefficient as grad_scale, or leave it to the Python path when
+//     its gradient changed) is decided by optimizer::StepLedger (Note [Step
+//     ledger]); a gradient that the user's clip_grad_norm_ scaled and nothing
+//     else counts as unchanged (Note [Clip picked up] in
+//     bindings/python/tierflow/optim/clip.py).
+//  4. Weights back. Committed weights are copied host -> device after the work
+//     queued on the compute stream (kernels still reading the old value,
+//     rule 1), in forward order (the last bucket first). With
+//     TIERFLOW_WEIGHTS_RETURN=step the compute stream waits for all of them
+//     when step() returns (on CUDA without blocking the host), and the
+//     model's forward pre-hook makes any other stream it runs on wait too
+//     (wait_step_uploads), until the copies are seen complete. With =forward
+//     each module's forward pre-hook waits only for its own parameters
+//     (wait_module), so the copies overlap the next forward. Copies in one
+//     direction complete in submission order (Note [Copy ordering]), so a
+//     module waits on one event: that of its parameter sent last. Staging is
+//     kept until its copy is done (rule 3).
 #pragma once
 
 #include <cstddef>
@@ -31,6 +73,12 @@ struct StepEngineOptions {
   int accumulation_steps = 1;         ///< backward passes per step()
   double max_grad_norm = 0.0;         ///< 0: no clipping
   bool skip_nonfinite = false;        ///< skip the step on an inf/NaN gradient
+};
+
+/// Settings of the whole gradient stream (GradStream): the engine's and its front end's own.
+struct StreamOptions : StepEngineOptions {
+  bool weights_in_forward = false;    ///< TIERFLOW_WEIGHTS_RETURN=forward
+  bool offload_gradients = false;     ///< TIERFLOW_OFFLOAD_GRADIENTS: p.grad is None once its copy is queued
 };
 
 /// Counters of the streaming path (cumulative, except the `last_` ones).
@@ -240,7 +288,7 @@ class StepEngine {
   /// Ends the window: waits for the copies still writing into the buckets (rule 3), lets go of this window's
   /// gradients and outputs, tells the ledger, and closes the timeline.
   void end_window(bool count_taken_back);
-  // Weights back (Note [Gradient streaming], 4): which copy each slot and device sent last, which compute
+  // Weights back (Note [Streamed steps], 4): which copy each slot and device sent last, which compute
   // stream waits for which, and when staging may go.
   /// One module's own parameters; returns its id for wait_module.
   std::size_t add_module(std::vector<std::size_t> slots);

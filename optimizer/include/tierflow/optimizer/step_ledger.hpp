@@ -305,6 +305,12 @@ class StepLedger {
   bool learn_clip(double max_norm);
   /// tierflow clips the gradients itself (TIERFLOW_MAX_GRAD_NORM).
   bool clips_itself() const noexcept { return options_.max_grad_norm > 0; }
+  /// The user's clip ran with `max_norm` and multiplied the gradients by `coefficient`: true when its
+  /// candidates are judged next (clipped). When tierflow clips as well, a clip that changed the gradients is
+  /// stepped from p.grad (learn_clip); one that multiplied them by exactly 1 changed no value and keeps the
+  /// streamed steps (a norm read: transformers 5's Trainer logs grad_norm so, clip_grad_norm_(max_norm=inf), at
+  /// every step).
+  bool clip_ran(double max_norm, double coefficient);
   /// After the clip: a candidate whose gradient is `grad` now, scaled by
   /// `coefficient`; `exact`: multiplying by the coefficient in the kernel
   /// rounds as the clip did (fp32 gradients, or a coefficient of 1).
