@@ -329,43 +329,33 @@ void CpuAdamW::save(torch::serialize::OutputArchive& archive) const {
     torch::optim::serialize<AdamWParamState, AdamWOptions>(archive, *this);
     return;
   }
+  // bf16 or 8-bit moments decoded to fp32, or states read back from NVMe: torch's layout (Note [C++ CpuAdamW]).
   ArchiveView view(param_groups_, defaults_->clone());
-  if (!on_nvme_) {  // bf16 or 8-bit moments: decoded to fp32, torch's layout (Note [C++ CpuAdamW])
-    for (const auto& group : param_groups_) {
-      for (const auto& p : group.params()) {
-        auto found = state_.find(p.unsafeGetTensorImpl());
-        if (found == state_.end()) continue;
-        const auto& st = static_cast<const AdamWParamState&>(*found->second);
-        auto copy = std::make_unique<AdamWParamState>(st);
-        if (st.exp_avg().defined() && st.exp_avg_sq().defined()) {
-          at::Tensor m = at::empty(p.sizes(), at::kFloat), v = at::empty(p.sizes(), at::kFloat);
-          decode_moments(st.exp_avg(), st.exp_avg_sq(), static_cast<std::size_t>(p.numel()), m, v);
-          copy->exp_avg(m);
-          copy->exp_avg_sq(v);
-        }
-        view.state()[p.unsafeGetTensorImpl()] = std::move(copy);
-      }
-    }
-    torch::optim::serialize<AdamWParamState, AdamWOptions>(archive, view);
-    return;
-  }
   for (const auto& group : param_groups_) {
+    const bool amsgrad = static_cast<const AdamWOptions&>(group.options()).amsgrad();
     for (const auto& p : group.params()) {
       auto found = state_.find(p.unsafeGetTensorImpl());
-      auto s = slots_.find(p.unsafeGetTensorImpl());
-      if (found == state_.end() || s == slots_.end() || s->second.nvme_key == 0) continue;
+      if (found == state_.end()) continue;
       const auto& st = static_cast<const AdamWParamState&>(*found->second);
-      const bool amsgrad = static_cast<const AdamWOptions&>(group.options()).amsgrad();
-      auto opts = at::TensorOptions().dtype(at::kFloat);
-      at::Tensor master = at::empty(p.sizes(), opts), m = at::empty(p.sizes(), opts), v = at::empty(p.sizes(), opts);
-      at::Tensor vmax = amsgrad ? at::empty(p.sizes(), opts) : at::Tensor();
-      runtime_->nvme_adam().read(s->second.nvme_key, master.data_ptr<float>(), m.data_ptr<float>(),
-                                 v.data_ptr<float>(), amsgrad ? vmax.data_ptr<float>() : nullptr);
-      auto copy = std::make_unique<AdamWParamState>();
-      copy->step(st.step());
-      copy->exp_avg(m);
-      copy->exp_avg_sq(v);
-      if (amsgrad) copy->max_exp_avg_sq(vmax);
+      auto copy = std::make_unique<AdamWParamState>(st);
+      const auto fp32 = [&] { return at::empty(p.sizes(), at::kFloat); };
+      at::Tensor m, v;  // the moments in fp32 (undefined: kept as they are)
+      if (on_nvme_) {  // (the state holds the step only)
+        auto s = slots_.find(p.unsafeGetTensorImpl());
+        if (s == slots_.end() || s->second.nvme_key == 0) continue;
+        at::Tensor master = fp32(), vmax = amsgrad ? fp32() : at::Tensor();
+        m = fp32(), v = fp32();
+        runtime_->nvme_adam().read(s->second.nvme_key, master.data_ptr<float>(), m.data_ptr<float>(),
+                                   v.data_ptr<float>(), amsgrad ? vmax.data_ptr<float>() : nullptr);
+        copy->max_exp_avg_sq(vmax);
+      } else if (st.exp_avg().defined() && st.exp_avg_sq().defined()) {
+        m = fp32(), v = fp32();
+        decode_moments(st.exp_avg(), st.exp_avg_sq(), static_cast<std::size_t>(p.numel()), m, v);
+      }
+      if (m.defined()) {
+        copy->exp_avg(m);
+        copy->exp_avg_sq(v);
+      }
       view.state()[p.unsafeGetTensorImpl()] = std::move(copy);
     }
   }

@@ -183,28 +183,15 @@ void GradStream::set_state(std::size_t slot, at::Tensor master, at::Tensor exp_a
   std::lock_guard<std::mutex> lock(mutex_);
   TIERFLOW_EXPECTS(slot < slots_.size(), "GradStream::set_state: no slot " + std::to_string(slot));
   Slot& s = slots_[slot];
-  const std::int64_t n = s.param.numel();
-  auto host_flat = [](const at::Tensor& t) { return t.defined() && t.is_cpu() && t.is_contiguous(); };
-  TIERFLOW_EXPECTS(host_flat(master) && master.scalar_type() == at::kFloat && master.numel() == n,
-                   "GradStream::set_state: slot " + std::to_string(slot) +
-                       " needs a contiguous fp32 CPU master of the parameter's size");
-  // Note [Optimizer state formats]: a moment's format is its dtype; both moments share it.
-  const std::optional<optimizer::StateFormat> format = moment_format(exp_avg);
-  for (const at::Tensor* t : {&exp_avg, &exp_avg_sq})
-    TIERFLOW_EXPECTS(host_flat(*t) && format && moment_format(*t) == format &&
-                         t->nbytes() == optimizer::moment_bytes(*format, static_cast<std::size_t>(n)),
-                     "GradStream::set_state: slot " + std::to_string(slot) +
-                         " needs contiguous CPU moments of one format (TIERFLOW_OPTIMIZER_STATES): float32 or "
-                         "bfloat16 of the parameter's size, or 8bit's uint8 buffer of moment_bytes");
-  TIERFLOW_EXPECTS(!max_exp_avg_sq.defined() || (host_flat(max_exp_avg_sq) &&
-                                                 max_exp_avg_sq.scalar_type() == at::kFloat &&
-                                                 max_exp_avg_sq.numel() == n),
-                   "GradStream::set_state: slot " + std::to_string(slot) +
-                       " needs a contiguous fp32 CPU max_exp_avg_sq of the parameter's size");
-  TIERFLOW_EXPECTS(step.defined() && step.is_cpu() && step.numel() == 1,
-                   "GradStream::set_state: the step counter must be a one-element CPU tensor");
+  auto facts = [](const at::Tensor& t) {
+    return t.defined() ? optimizer::StateArrayFacts{true, t.is_cpu(), t.is_contiguous(), moment_format(t), t.nbytes()}
+                       : optimizer::StateArrayFacts{};
+  };
+  const optimizer::StateFormat format = optimizer::check_stream_state(  // throws naming what is wrong
+      slot, static_cast<std::size_t>(s.param.numel()), facts(master), facts(exp_avg), facts(exp_avg_sq),
+      facts(max_exp_avg_sq), step.defined() && step.is_cpu() && step.numel() == 1);
   engine_->set_state(slot, host_array(master), host_array(exp_avg), host_array(exp_avg_sq),
-                     host_array(max_exp_avg_sq), *format);  // tells the ledger (state_set)
+                     host_array(max_exp_avg_sq), format);  // tells the ledger (state_set)
   s.step = std::move(step);
   s.written = s.home.defined() ? ContentProbe() : ContentProbe::of(s.param);  // the master's source (Note [Weight content])
   s.probe_after_upload = false;

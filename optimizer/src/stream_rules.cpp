@@ -3,6 +3,7 @@
 
 #include <cstring>
 
+#include "tierflow/core/error.hpp"
 #include "tierflow/optimizer/step_ledger.hpp"
 
 namespace tierflow::optimizer {
@@ -24,6 +25,27 @@ const char* grad_not_streamable(const GradFacts& g) noexcept {
   if (!g.type) return "its gradient's dtype is not float32, bfloat16 or float16";
   if (!g.on_device) return "its gradient is not on the runtime's device";
   return nullptr;
+}
+
+StateFormat check_stream_state(std::size_t slot, std::size_t numel, const StateArrayFacts& master,
+                               const StateArrayFacts& exp_avg, const StateArrayFacts& exp_avg_sq,
+                               const StateArrayFacts& max_exp_avg_sq, bool step_counter_ok) {
+  const std::string who = "GradStream::set_state: slot " + std::to_string(slot);
+  auto host_flat = [](const StateArrayFacts& t) { return t.defined && t.host && t.contiguous; };
+  auto fp32_of_size = [&](const StateArrayFacts& t) {
+    return host_flat(t) && t.format == StateFormat::kFp32 && t.bytes == 4 * numel;
+  };
+  TIERFLOW_EXPECTS(fp32_of_size(master), who + " needs a contiguous fp32 CPU master of the parameter's size");
+  // Note [Optimizer state formats]: a moment's format is its dtype; both moments share it.
+  const std::optional<StateFormat> format = exp_avg.format;
+  for (const StateArrayFacts* t : {&exp_avg, &exp_avg_sq})
+    TIERFLOW_EXPECTS(host_flat(*t) && format && t->format == format && t->bytes == moment_bytes(*format, numel),
+                     who + " needs contiguous CPU moments of one format (TIERFLOW_OPTIMIZER_STATES): float32 or "
+                           "bfloat16 of the parameter's size, or 8bit's uint8 buffer of moment_bytes");
+  TIERFLOW_EXPECTS(!max_exp_avg_sq.defined || fp32_of_size(max_exp_avg_sq),
+                   who + " needs a contiguous fp32 CPU max_exp_avg_sq of the parameter's size");
+  TIERFLOW_EXPECTS(step_counter_ok, "GradStream::set_state: the step counter must be a one-element CPU tensor");
+  return *format;
 }
 
 namespace {

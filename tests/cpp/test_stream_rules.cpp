@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "tierflow/core/error.hpp"
 #include "tierflow/optimizer/stream_rules.hpp"
 
 using namespace tierflow::optimizer;
@@ -75,4 +76,36 @@ TEST(StreamRules, ClipCoefficientsGroupAsBitsSoANaNGroupsWithItself) {
   if (std::memcmp(&nan.grad_scale, &other_nan.grad_scale, sizeof(double)) != 0) {
     EXPECT_EQ(group_kernel_calls({{2, nan, 0}, {2, other_nan, 0}}).size(), 2u);
   }
+}
+
+// GradStream::set_state's refusals: each wrong array of a slot's state is named, and the moments' format is
+// their dtype's (8-bit: one buffer of moment_bytes).
+TEST(StreamRules, AStreamedStateIsRefusedNamingTheArrayThatIsWrong) {
+  constexpr std::size_t n = 300;
+  const StateArrayFacts master{true, true, true, StateFormat::kFp32, 4 * n};
+  const StateArrayFacts m8{true, true, true, StateFormat::k8bit, moment_bytes(StateFormat::k8bit, n)};
+  const StateArrayFacts bf{true, true, true, StateFormat::kBf16, 2 * n};
+  const StateArrayFacts none;
+  EXPECT_EQ(check_stream_state(0, n, master, m8, m8, none, true), StateFormat::k8bit);
+  EXPECT_EQ(check_stream_state(0, n, master, bf, bf, master, true), StateFormat::kBf16);
+  auto refused = [&](const StateArrayFacts& ms, const StateArrayFacts& m, const StateArrayFacts& v,
+                     const StateArrayFacts& vmax, bool step, const char* words) {
+    try {
+      check_stream_state(7, n, ms, m, v, vmax, step);
+      ADD_FAILURE() << "accepted; expected: " << words;
+    } catch (const tierflow::logic_error& e) {
+      EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+    }
+  };
+  StateArrayFacts device_master = master;
+  device_master.host = false;
+  refused(device_master, bf, bf, none, true, "slot 7 needs a contiguous fp32 CPU master of the parameter's size");
+  refused(bf, bf, bf, none, true, "fp32 CPU master");
+  refused(master, bf, m8, none, true, "slot 7 needs contiguous CPU moments of one format");
+  StateArrayFacts short_m8 = m8;
+  short_m8.bytes = n;  // the codes without their scales
+  refused(master, short_m8, short_m8, none, true, "8bit's uint8 buffer of moment_bytes");
+  refused(master, none, none, none, true, "CPU moments of one format");
+  refused(master, bf, bf, bf, true, "slot 7 needs a contiguous fp32 CPU max_exp_avg_sq");
+  refused(master, bf, bf, none, false, "the step counter must be a one-element CPU tensor");
 }

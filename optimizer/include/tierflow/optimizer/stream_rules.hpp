@@ -7,10 +7,12 @@
 #include <cstddef>
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "tierflow/optimizer/cpu_adam.hpp"
 #include "tierflow/optimizer/scalar_type.hpp"
+#include "tierflow/optimizer/state_format.hpp"
 
 namespace tierflow::optimizer {
 
@@ -44,6 +46,23 @@ struct GradFacts {
 /// what it refuses there), or nullptr when it can: defined, dense, contiguous,
 /// of its parameter's numel, float32, bfloat16 or float16, on the runtime's device.
 const char* grad_not_streamable(const GradFacts& g) noexcept;
+
+/// One array of a slot's optimizer state as the front end holds it (a tensor of the Python state).
+struct StateArrayFacts {
+  bool defined = false;
+  bool host = false;        ///< in host memory
+  bool contiguous = false;
+  std::optional<StateFormat> format;  ///< the moment format its dtype holds (float32: fp32); nullopt: none
+  std::size_t bytes = 0;
+};
+
+/// The state the stream steps slot `slot` (of `numel` elements) with, or it throws logic_error naming what is
+/// wrong: a contiguous fp32 host master of the parameter's size; both moments contiguous on the host, of one
+/// format (TIERFLOW_OPTIMIZER_STATES) and moment_bytes each; max_exp_avg_sq undefined or like the master; the
+/// step counter (`step_counter_ok`) a one-element host tensor. Returns the moments' format.
+StateFormat check_stream_state(std::size_t slot, std::size_t numel, const StateArrayFacts& master,
+                               const StateArrayFacts& exp_avg, const StateArrayFacts& exp_avg_sq,
+                               const StateArrayFacts& max_exp_avg_sq, bool step_counter_ok);
 
 /// One parameter's step, as far as sharing a kernel call goes.
 struct KernelStep {
