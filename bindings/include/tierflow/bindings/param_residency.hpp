@@ -27,32 +27,8 @@
 // module of its own runs, tierflow.gathered; state_dict and load_state_dict
 // go through the host copies; an optimizer steps the host copies).
 //
-// Rules, in the order the events carry them out (ParamActions):
-// 1. release: a parameter whose fetch is still in flight is waited for first
-//    (the copy must not land in freed memory); then its memory goes. On
-//    CUDA the caching allocator gives the block back to the compute stream,
-//    after whose queued kernels any reuse on that stream runs; a fetch into
-//    reused memory is queued after the compute stream's earlier work
-//    (Runtime::fetch_to_device).
-// 2. fetch and prefetch: new memory, then the copy host -> device on the copy
-//    engine after the compute stream's queued work; the compute stream does
-//    not wait yet.
-// 3. wait: the compute stream waits for each copy the unit needs before the
-//    unit's kernels (Runtime::await_on_device), then the schedule is told it
-//    arrived.
-// 4. The host copy is written only by the optimizer, in step(), when no fetch
-//    of it is in flight: a step's last use (the rest unit's, when backward
-//    ends) releases what is left, and the next forward's fetches come after
-//    step() returns.
-// NVMe: a parameter's only copy between uses is its NVMe block (written once
-// at construction, then by store() after each step). A fetch reads it into a
-// pinned staging buffer and the copy to the device depends on that read (the
-// copy engine's dependency: the emulated engine waits for it on its worker,
-// CUDA's on the caller's thread, so on CUDA an NVMe fetch blocks for its
-// read); the staging stays until the fetch is released, which waits for the
-// copy first (rule 1 for its source). NVMe space is checked before the first
-// write. A fetch that fails (out of memory, a read error) is put back
-// (ParamSchedule::fetch_failed) and the error goes to the caller.
+// What moves when, the fetches' order and the NVMe blocks' lifecycle: Note [Parameter moves]
+// (tiering/param_mover.hpp), whose ParamMoverHost this class implements on the storages.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -65,8 +41,7 @@
 #include <vector>
 
 #include "tierflow/core/tier.hpp"
-#include "tierflow/swap/copy_engine.hpp"
-#include "tierflow/tiering/param_schedule.hpp"
+#include "tierflow/tiering/param_mover.hpp"
 
 namespace tierflow::bindings {
 
@@ -89,8 +64,9 @@ void refill_cast(const at::Tensor& cast, const at::Tensor& p);
 std::uint64_t param_wait_ns(const Runtime& runtime) noexcept;
 
 /// Parameters of units (repeated blocks, then the rest unit) kept on the host between uses (Note [Parameter
-/// storage]). Thread-safe: forward events come from the Python thread, backward events from autograd's.
-class ParamResidency {
+/// storage]): a tiering::ParamMover over their tensors. Thread-safe: forward events come from the Python
+/// thread, backward events from autograd's.
+class ParamResidency : private tiering::ParamMoverHost {
  public:
   /// `units[u]`: unit u's parameters (blocks first, the rest unit last); `residences[u]`: kGpu (stays) or
   /// kHost. Copies every fetched parameter to a pinned host copy and releases its device memory. Throws
@@ -152,25 +128,34 @@ class ParamResidency {
   tiering::ParamScheduleStats stats() const;
 
  private:
-  struct Param;
-  enum class Use { kBeginForward, kEndForward, kBeginBackward, kEndBackward, kEndPhase };
-  void use(std::size_t unit, Use what, std::uint64_t extra_bytes = 0);
-  void point_back_locked();
-  void carry_out(const tiering::ParamActions& a);
-  // The compute waited `ns` for fetches (the schedule's stall_ns and param_wait_ns).
-  void waited_for(std::uint64_t ns) noexcept;
-  void carry_out_named(const tiering::ParamActions& a, tiering::ParamId id);
-  void drop(Param& p);
-  void release(Param& p);
-  void fetch(Param& p);
-  at::Tensor read_home(Param& p);
-  void write_home(Param& p, const at::Tensor& value);
+  struct Tensors {
+    at::Tensor param;    // the model's parameter
+    at::Tensor device;   // a tensor over the parameter's storage: what fetches fill and releases empty
+    at::Tensor host;     // its pinned host copy (host tier; undefined on NVMe)
+    at::Tensor staging;  // the mover's staging (ParamMoverHost::stage)
+  };
+  Tensors& entry(tiering::ParamId id);
+  // ParamMoverHost (called under the mover's lock)
+  void drop(tiering::ParamId id, const std::string& why) override;
+  bool has_memory(tiering::ParamId id) override;
+  swap::TransferHandle fetch(tiering::ParamId id, const swap::TransferHandle& read) override;
+  void await_on_device(tiering::ParamId id, const swap::TransferHandle& fetch) override;
+  void* stage(tiering::ParamId id) override;
+  void unstage(tiering::ParamId id) noexcept override;
+  void keep_stalled(tiering::ParamId id, const std::string& why, const std::string& name) noexcept override;
+  void make_host_copy(tiering::ParamId id) override;
+  swap::TransferHandle copy_to_host_copy(tiering::ParamId id) override;
+  void* host_copy(tiering::ParamId id) override;
+  void free_host_copy(tiering::ParamId id) override;
+  void upload(tiering::ParamId id, tiering::ParamView from) override;
+  void download(tiering::ParamId id) override;
+  void point(tiering::ParamId id, tiering::ParamView view) override;
+  void waited(std::uint64_t ns) noexcept override;
 
   std::shared_ptr<Runtime> runtime_;
-  mutable std::mutex mutex_;
-  std::unique_ptr<tiering::ParamSchedule> schedule_;
-  std::unordered_map<tiering::ParamId, Param> params_;
-  bool on_host_ = false;
+  mutable std::mutex tensors_mutex_;  // the map's structure: make_resident erases while others look up
+  std::unordered_map<tiering::ParamId, Tensors> tensors_;
+  std::unique_ptr<tiering::ParamMover> mover_;  // (calls the above: goes first, in the destructor)
 };
 
 }  // namespace tierflow::bindings

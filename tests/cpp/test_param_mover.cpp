@@ -1,0 +1,308 @@
+// Offloaded parameters moved as the schedule says (tiering/param_mover.hpp, Note [Parameter moves]) without torch:
+// a host of byte buffers stands for ParamResidency's tensors, a real NvmeEngine for the NVMe tier.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <memory>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "nvme_test_dir.hpp"
+#include "tierflow/allocator/aligned_buffer.hpp"
+#include "tierflow/core/error.hpp"
+#include "tierflow/core/stall.hpp"
+#include "tierflow/tiering/param_mover.hpp"
+
+using namespace tierflow;
+using namespace tierflow::tiering;
+using tierflow::allocator::AlignedBuffer;
+
+namespace {
+
+constexpr std::uint64_t kBytes = 4096;  // every parameter's
+
+// A transfer that is complete; its wait runs `on_wait` (which may throw, as a failed or stalled copy's).
+struct FakeTransfer final : swap::detail::TransferState {
+  std::function<void()> on_wait;
+  bool ready() const override { return true; }
+  void wait() const override {
+    if (on_wait) on_wait();
+  }
+  std::size_t bytes() const noexcept override { return kBytes; }
+};
+
+swap::TransferHandle handle(std::function<void()> on_wait = {}) {
+  auto s = std::make_shared<FakeTransfer>();
+  s->on_wait = std::move(on_wait);
+  return swap::TransferHandle(s);
+}
+
+// Each parameter's device memory (absent: dropped), host copy and staging as byte buffers; what a read of a
+// dropped one raises; what each parameter points at; the calls in order.
+struct FakeHost final : ParamMoverHost {
+  std::map<ParamId, std::vector<unsigned char>> device;
+  std::map<ParamId, std::string> why;
+  std::map<ParamId, AlignedBuffer> host, staging;
+  std::map<ParamId, ParamView> view;
+  std::vector<std::string> calls;
+  std::set<ParamId> fail_fetch;    // fetch throws out_of_memory
+  std::set<ParamId> stall_fetch;   // the fetch's wait throws stall_error
+  std::set<ParamId> kept;          // keep_stalled
+  std::uint64_t waited_ns = 0;
+
+  void note(const std::string& what, ParamId id) { calls.push_back(what + " " + std::to_string(id)); }
+  void drop(ParamId id, const std::string& w) override {
+    note("drop", id);
+    device.erase(id);
+    why[id] = w;
+  }
+  bool has_memory(ParamId id) override { return device.count(id) > 0; }
+  swap::TransferHandle fetch(ParamId id, const swap::TransferHandle& read) override {
+    note("fetch", id);
+    if (fail_fetch.count(id)) throw out_of_memory("no device memory for parameter " + std::to_string(id));
+    read.wait();
+    const auto* from = reinterpret_cast<const unsigned char*>(read.valid() ? staging.at(id).data() : host.at(id).data());
+    device[id].assign(from, from + kBytes);
+    if (stall_fetch.count(id)) return handle([] { throw stall_error("stalled fetch"); });
+    return handle();
+  }
+  void await_on_device(ParamId id, const swap::TransferHandle& f) override {
+    note("await", id);
+    f.wait();
+  }
+  void* stage(ParamId id) override {
+    staging[id] = AlignedBuffer(kBytes);
+    return staging[id].data();
+  }
+  void unstage(ParamId id) noexcept override { staging.erase(id); }
+  void keep_stalled(ParamId id, const std::string&, const std::string&) noexcept override { kept.insert(id); }
+  void make_host_copy(ParamId id) override { host[id] = AlignedBuffer(kBytes); }
+  swap::TransferHandle copy_to_host_copy(ParamId id) override {
+    std::memcpy(host.at(id).data(), device.at(id).data(), kBytes);
+    return handle();
+  }
+  void* host_copy(ParamId id) override { return host.count(id) ? host.at(id).data() : nullptr; }
+  void free_host_copy(ParamId id) override { host.erase(id); }
+  void upload(ParamId id, ParamView from) override {
+    note("upload", id);
+    const auto* src = reinterpret_cast<const unsigned char*>((from == ParamView::kStaging ? staging : host).at(id).data());
+    device[id].assign(src, src + kBytes);
+  }
+  void download(ParamId id) override { std::memcpy(staging.at(id).data(), device.at(id).data(), kBytes); }
+  void point(ParamId id, ParamView v) override { view[id] = v; }
+  void waited(std::uint64_t ns) noexcept override { waited_ns += ns + 1; }
+
+  unsigned char first_device_byte(ParamId id) const { return device.at(id).at(0); }
+  unsigned char first_byte(const std::map<ParamId, AlignedBuffer>& m, ParamId id) const {
+    return reinterpret_cast<const unsigned char*>(m.at(id).data())[0];
+  }
+};
+
+ParamSpec spec(ParamId id, const std::string& name) {
+  static std::map<ParamId, int> storages;  // any distinct address per parameter
+  return ParamSpec{id, kBytes, name, &storages[id], ""};
+}
+
+// Blocks 0 and 1 (parameters 1, 2), the rest unit 2 (parameter 3): each parameter's device bytes hold its id.
+struct Fixture {
+  FakeHost host;
+  std::unique_ptr<ParamMover> mover;
+  explicit Fixture(Tier tier = Tier::kHost, std::uint64_t budget = 1ULL << 30, std::shared_ptr<swap::NvmeEngine> nvme = {},
+                   Tier rest = Tier::kHost) {
+    for (ParamId id : {1, 2, 3}) host.device[id].assign(kBytes, static_cast<unsigned char>(id));
+    mover = std::make_unique<ParamMover>(
+        std::vector<std::vector<ParamSpec>>{{spec(1, "blocks.0.w")}, {spec(2, "blocks.1.w")}, {spec(3, "head.w")}},
+        std::vector<Tier>{tier, tier, rest}, 2, std::vector<std::string>{"block 0", "block 1", "'head'"}, budget,
+        std::move(nvme), host);
+  }
+};
+
+}  // namespace
+
+TEST(ParamMover, ConstructionCopiesEachFetchedParameterHomeAndDropsItsDeviceMemory) {
+  Fixture f(Tier::kHost, 1ULL << 30, {}, Tier::kGpu);
+  EXPECT_EQ(f.host.first_byte(f.host.host, 1), 1);
+  EXPECT_EQ(f.host.first_byte(f.host.host, 2), 2);
+  EXPECT_FALSE(f.host.has_memory(1));
+  EXPECT_NE(f.host.why.at(1).find("parameter 'blocks.0.w' lives on the host between its uses"), std::string::npos);
+  EXPECT_TRUE(f.host.has_memory(3)) << "the rest unit is resident: never copied nor dropped";
+  EXPECT_EQ(f.host.host.count(3), 0u);
+  EXPECT_TRUE(f.mover->offloaded(1));
+  EXPECT_FALSE(f.mover->offloaded(3));
+}
+
+TEST(ParamMover, RefusesAParameterThatCannotBeOffloadedOrSharesAStorageBeforeAnythingMoves) {
+  FakeHost host;
+  ParamSpec bad = spec(1, "blocks.0.w");
+  bad.cannot_offload = "is not a leaf tensor";
+  try {
+    ParamMover m({{bad}, {spec(3, "head.w")}}, {Tier::kHost, Tier::kHost}, 1, {}, 1ULL << 30, {}, host);
+    FAIL() << "accepted a parameter that cannot be offloaded";
+  } catch (const config_error& e) {
+    EXPECT_NE(std::string(e.what()).find("parameter 'blocks.0.w' is not a leaf tensor"), std::string::npos);
+  }
+  ParamSpec twin = spec(2, "blocks.0.w2");
+  twin.storage = spec(1, "").storage;
+  EXPECT_THROW(ParamMover({{spec(1, "blocks.0.w"), twin}, {spec(3, "head.w")}}, {Tier::kHost, Tier::kHost}, 1, {}, 1ULL << 30,
+                          {}, host),
+               config_error);
+  EXPECT_THROW(ParamMover({{spec(1, "blocks.0.w")}, {spec(3, "head.w")}}, {Tier::kNvme, Tier::kHost}, 1, {}, 1ULL << 30, {}, host),
+               config_error)
+      << "the NVMe tier without an NVMe engine";
+  EXPECT_TRUE(host.calls.empty());
+  EXPECT_TRUE(host.host.empty());
+}
+
+TEST(ParamMover, AUseFetchesItsParametersWaitsForThemAndItsEndReleasesThem) {
+  Fixture f;
+  f.mover->begin_forward(0, 0);
+  EXPECT_TRUE(f.host.has_memory(1));
+  EXPECT_EQ(f.host.first_device_byte(1), 1) << "the host copy's values";
+  EXPECT_TRUE(f.mover->on_device(1));
+  const auto await = std::find(f.host.calls.begin(), f.host.calls.end(), "await 1");
+  ASSERT_NE(await, f.host.calls.end());
+  EXPECT_LT(std::find(f.host.calls.begin(), f.host.calls.end(), "fetch 1"), await);
+  EXPECT_GT(f.host.waited_ns, 0u) << "the wait is reported to the host (param_wait_ns)";
+  f.mover->end_forward(0, 0);
+  f.mover->end_phase();
+  EXPECT_FALSE(f.host.has_memory(1));
+  EXPECT_FALSE(f.mover->on_device(1));
+  EXPECT_THROW(f.mover->begin_forward(3, 0), std::logic_error) << "unit 3 of 3";
+}
+
+TEST(ParamMover, AFetchThatFailsIsPutBackAndTheNextUseFetchesItAgain) {
+  Fixture f;
+  f.host.fail_fetch = {1};
+  EXPECT_THROW(f.mover->begin_forward(0, 0), out_of_memory);
+  EXPECT_FALSE(f.host.has_memory(1));
+  EXPECT_FALSE(f.host.has_memory(2)) << "the prefetch after it did not start either";
+  EXPECT_FALSE(f.mover->on_device(1));
+  f.host.fail_fetch.clear();
+  f.mover->end_forward(0, 0);
+  f.mover->end_phase();  // the step that raised ends
+  f.mover->begin_forward(0, 0);
+  EXPECT_EQ(f.host.first_device_byte(1), 1);
+}
+
+TEST(ParamMover, AReleaseAfterAStalledFetchKeepsItsMemoryForGoodAndRaisesTheStall) {
+  Fixture f;
+  f.host.stall_fetch = {1};
+  EXPECT_THROW(f.mover->begin_forward(0, 0), stall_error) << "the wait for it";
+  EXPECT_THROW(f.mover->end_phase(), stall_error) << "the release waits for the fetch first";
+  EXPECT_EQ(f.host.kept.count(1), 1u);
+}
+
+TEST(ParamMover, AHoldOverTheBudgetNamesTheParameterAndGatherIsAllOrNone) {
+  Fixture f(Tier::kHost, 2 * kBytes);
+  try {
+    f.mover->hold(1);
+    f.mover->hold(2);
+    f.mover->hold(3);
+    FAIL() << "held three parameters in a budget of two";
+  } catch (const out_of_memory& e) {
+    EXPECT_NE(std::string(e.what()).find("parameter 'head.w'"), std::string::npos) << e.what();
+  }
+  f.mover->unhold(1, "");
+  f.mover->unhold(2, "held until the end of backward");
+  EXPECT_EQ(f.host.why.at(2), "held until the end of backward") << "the unhold's text, not the usual";
+  EXPECT_THROW(f.mover->gather({1, 2, 3}), out_of_memory);
+  EXPECT_FALSE(f.mover->on_device(1));
+  EXPECT_FALSE(f.mover->on_device(2));
+  f.mover->gather({1, 1, 4});  // duplicates and a parameter that is not offloaded pass
+  EXPECT_TRUE(f.mover->on_device(1));
+}
+
+TEST(ParamMover, ScatterWritesTheDeviceValuesHomeOnlyWhenAsked) {
+  Fixture f;
+  f.mover->gather({1, 2});
+  f.host.device.at(1)[0] = 42;
+  f.host.device.at(2)[0] = 43;
+  f.mover->scatter({1}, true);
+  f.mover->scatter({2}, false);
+  EXPECT_EQ(f.host.first_byte(f.host.host, 1), 42);
+  EXPECT_EQ(f.host.first_byte(f.host.host, 2), 2);
+  EXPECT_FALSE(f.host.has_memory(1));
+  EXPECT_FALSE(f.host.has_memory(2));
+}
+
+TEST(ParamMover, MakeResidentUploadsReleasedParametersAndForgetsThem) {
+  Fixture f;
+  f.mover->hold(2);
+  f.host.device.at(2)[0] = 7;  // held: its device values are the ones kept
+  const std::vector<ParamId> resident = f.mover->make_resident({0, 1});
+  EXPECT_EQ(std::set<ParamId>(resident.begin(), resident.end()), (std::set<ParamId>{1, 2}));
+  EXPECT_EQ(f.host.first_device_byte(1), 1);
+  EXPECT_EQ(f.host.first_device_byte(2), 7);
+  EXPECT_FALSE(f.mover->offloaded(1));
+  EXPECT_TRUE(f.mover->offloaded(3));
+}
+
+TEST(ParamMover, MaterializeFetchesOrWritesBackAndDrops) {
+  Fixture f;
+  f.mover->materialize(1, true);
+  EXPECT_EQ(f.host.first_device_byte(1), 1);
+  f.host.device.at(1)[0] = 9;  // load_state_dict wrote it
+  f.mover->materialize(1, false);
+  EXPECT_EQ(f.host.first_byte(f.host.host, 1), 9);
+  EXPECT_FALSE(f.host.has_memory(1));
+  f.mover->store(1, std::vector<unsigned char>(kBytes, 5).data());
+  f.mover->begin_forward(0, 0);
+  EXPECT_EQ(f.host.first_device_byte(1), 5) << "a stored value is what the next fetch copies";
+}
+
+TEST(ParamMover, PointAtHostPointsBackAtTheNextEventAfterAStepThatRaised) {
+  Fixture f;
+  f.mover->point_at_host(true);
+  EXPECT_EQ(f.host.view.at(1), ParamView::kHostCopy);
+  f.mover->begin_forward(0, 0);  // no point_at_host(false) came
+  EXPECT_EQ(f.host.view.at(1), ParamView::kDevice);
+  EXPECT_THROW(f.mover->point_at_host(true), std::logic_error) << "a parameter is being fetched";
+}
+
+TEST(ParamMover, OnNvmeTheBlockIsTheOnlyCopyAndStepsGoThroughTheStaging) {
+  testing_nvme::NvmeTestDir dir("param-mover-");
+  swap::NvmeEngineOptions o;
+  o.paths = {dir.path()};
+  o.bytes_per_path = 16ULL << 20;
+  o.block_bytes = kBytes;
+  auto nvme = std::make_shared<swap::NvmeEngine>(o);
+  {
+    Fixture f(Tier::kNvme, 1ULL << 30, nvme, Tier::kNvme);
+    EXPECT_TRUE(f.host.host.empty()) << "the host copies go once written";
+    EXPECT_TRUE(f.mover->on_nvme(1));
+    EXPECT_NE(f.host.why.at(1).find("lives on the NVMe tier"), std::string::npos);
+    f.mover->begin_forward(0, 0);
+    EXPECT_EQ(f.host.first_device_byte(1), 1) << "read through the staging";
+    f.mover->end_forward(0, 0);
+    f.mover->end_phase();
+    EXPECT_TRUE(f.host.staging.empty()) << "the staging goes with the release";
+    f.mover->point_at_host(true);
+    EXPECT_EQ(f.host.view.at(2), ParamView::kStaging);
+    EXPECT_EQ(f.host.first_byte(f.host.staging, 2), 2);
+    reinterpret_cast<unsigned char*>(f.host.staging.at(2).data())[0] = 77;  // the optimizer's step
+    f.mover->point_at_host(false);
+    std::vector<unsigned char> value(kBytes);
+    f.mover->read_nvme(2, value.data());
+    EXPECT_EQ(value[0], 77);
+    f.mover->make_resident({2});
+    EXPECT_EQ(f.host.first_device_byte(3), 3);
+    EXPECT_THROW(f.mover->read_nvme(3, value.data()), std::logic_error);
+  }
+  EXPECT_EQ(nvme->stats().bytes_in_use, 0u) << "every block released";
+}
+
+TEST(ParamMover, RefusesParametersBeyondNvmeSpaceBeforeAnyWrite) {
+  testing_nvme::NvmeTestDir dir("param-mover-full-");
+  swap::NvmeEngineOptions o;
+  o.paths = {dir.path()};
+  o.bytes_per_path = 2 * kBytes;
+  o.block_bytes = kBytes;
+  auto nvme = std::make_shared<swap::NvmeEngine>(o);
+  EXPECT_THROW(Fixture(Tier::kNvme, 1ULL << 30, nvme, Tier::kNvme), out_of_memory);
+  EXPECT_EQ(nvme->stats().bytes_written, 0u);
+}

@@ -1,0 +1,191 @@
+// Carrying out a ParamSchedule's actions on the parameters offloaded between uses, torch-free: each parameter's
+// record (its name, its NVMe block, the fetch in flight, what a read of it raises once released), the order an
+// event's actions run in, what an error midway leaves, holds and tierflow.gathered's all-or-none, the NVMe
+// blocks' lifecycle, residence changes and the optimizer's view of the host copies. The torch side
+// (bindings/src/param_residency.cpp, Note [Parameter storage]) implements ParamMoverHost on the parameters'
+// storages: it gives and drops their device memory and copies between buffers; this class decides when.
+//
+// Note [Parameter moves]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// Rules, in the order the events carry them out (ParamActions):
+// 1. release: a parameter whose fetch is still in flight is waited for first
+//    (the copy must not land in freed memory); then its memory goes. On
+//    CUDA the caching allocator gives the block back to the compute stream,
+//    after whose queued kernels any reuse on that stream runs; a fetch into
+//    reused memory is queued after the compute stream's earlier work
+//    (Runtime::fetch_to_device).
+// 2. fetch and prefetch: new memory, then the copy host -> device on the copy
+//    engine after the compute stream's queued work; the compute stream does
+//    not wait yet.
+// 3. wait: the compute stream waits for each copy the unit needs before the
+//    unit's kernels (Runtime::await_on_device), then the schedule is told it
+//    arrived.
+// 4. The host copy is written only by the optimizer, in step(), when no fetch
+//    of it is in flight: a step's last use (the rest unit's, when backward
+//    ends) releases what is left, and the next forward's fetches come after
+//    step() returns.
+// NVMe: a parameter's only copy between uses is its NVMe block (written once
+// at construction, then by store() after each step). A fetch reads it into a
+// pinned staging buffer and the copy to the device depends on that read (the
+// copy engine's dependency: the emulated engine waits for it on its worker,
+// CUDA's on the caller's thread, so on CUDA an NVMe fetch blocks for its
+// read); the staging stays until the fetch is released, which waits for the
+// copy first (rule 1 for its source). NVMe space is checked before the first
+// write. A fetch that fails (out of memory, a read error) is put back
+// (ParamSchedule::fetch_failed) and the error goes to the caller. A fetch that
+// stalled (Note [Stall timeout]) keeps its device memory and staging for good.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "tierflow/core/tier.hpp"
+#include "tierflow/swap/nvme_engine.hpp"
+#include "tierflow/swap/transfer_handle.hpp"
+#include "tierflow/tiering/param_schedule.hpp"
+
+namespace tierflow::tiering {
+
+/// One parameter of a unit as the torch side describes it before anything moves.
+struct ParamSpec {
+  ParamId id = 0;
+  std::uint64_t bytes = 0;
+  std::string name;                ///< its name in the model
+  const void* storage = nullptr;   ///< the memory it owns (each offloaded parameter must own its own)
+  std::string cannot_offload;      ///< why it cannot live off the device ("" when it can)
+};
+
+/// What a parameter's tensor points at (ParamMoverHost::point).
+enum class ParamView : std::uint8_t { kDevice, kHostCopy, kStaging };
+
+/// The torch side of ParamMover: the parameters' memory and copies, by id. Called under the mover's lock.
+class ParamMoverHost {
+ public:
+  virtual ~ParamMoverHost() = default;
+  /// The parameter's device memory goes (its tensor and storage stay); any access to its values raises `why`.
+  virtual void drop(ParamId id, const std::string& why) = 0;
+  /// Whether the parameter has device memory now.
+  virtual bool has_memory(ParamId id) = 0;
+  /// New device memory, and the copy into it started after the compute stream's queued work: from the host
+  /// copy (`read` empty) or from the staging once `read` has landed there.
+  virtual swap::TransferHandle fetch(ParamId id, const swap::TransferHandle& read) = 0;
+  /// The compute stream waits for `fetch` before its next kernels.
+  virtual void await_on_device(ParamId id, const swap::TransferHandle& fetch) = 0;
+  /// A new pinned buffer of the parameter's bytes (its staging, replacing any), kept until unstage; its address.
+  virtual void* stage(ParamId id) = 0;
+  virtual void unstage(ParamId id) noexcept = 0;
+  /// Note [Stall timeout]: the device memory (reading as `why` from now on) and the staging are kept for good
+  /// (`name`: the parameter's, for the warning).
+  virtual void keep_stalled(ParamId id, const std::string& why, const std::string& name) noexcept = 0;
+  /// A pinned host copy for the parameter (uninitialised), then the copy device -> it started.
+  virtual void make_host_copy(ParamId id) = 0;
+  virtual swap::TransferHandle copy_to_host_copy(ParamId id) = 0;
+  /// The host copy's address (nullptr: none); free_host_copy lets it go (the parameter lives on NVMe).
+  virtual void* host_copy(ParamId id) = 0;
+  virtual void free_host_copy(ParamId id) = 0;
+  /// New device memory with the host copy's (or the staging's) values, waited for.
+  virtual void upload(ParamId id, ParamView from) = 0;
+  /// The device values into the staging (which must exist), waited for.
+  virtual void download(ParamId id) = 0;
+  /// The parameter's tensor points at `view` (a torch optimizer steps the host's values).
+  virtual void point(ParamId id, ParamView view) = 0;
+  /// The compute waited `ns` for fetches (param_wait_ns).
+  virtual void waited(std::uint64_t ns) noexcept = 0;
+};
+
+/// What a read of a released parameter raises (Note [Parameter storage]).
+std::string released_param_error(const std::string& name, bool nvme);
+
+/// The parameters of units kept off the device between uses, moved as a ParamSchedule says (Note [Parameter
+/// moves]). Thread-safe: forward events come from the Python thread, backward events from autograd's.
+class ParamMover {
+ public:
+  /// `units[u]`: unit u's parameters (blocks first, the rest unit last); `residences[u]`: kGpu (stays), kHost or
+  /// kNvme (`nvme` required: else config_error). Throws config_error naming a parameter that cannot be offloaded
+  /// or two that share a storage, out_of_memory where the budget or NVMe's space falls short, before anything
+  /// changes; then makes every fetched parameter's host copy (and NVMe block) and drops its device memory.
+  ParamMover(const std::vector<std::vector<ParamSpec>>& units, const std::vector<Tier>& residences,
+             std::size_t blocks, const std::vector<std::string>& unit_names, std::uint64_t device_budget_bytes,
+             std::shared_ptr<swap::NvmeEngine> nvme, ParamMoverHost& host);
+  /// Waits for fetches in flight (one that stalled keeps its memory for good) and releases the NVMe blocks.
+  ~ParamMover();
+  ParamMover(const ParamMover&) = delete;
+  ParamMover& operator=(const ParamMover&) = delete;
+
+  /// The schedule's events, carried out (ParamSchedule; `unit` checked).
+  void begin_forward(UnitId unit, std::uint64_t extra_bytes);
+  void end_forward(UnitId unit, std::uint64_t extra_bytes);
+  void begin_backward(UnitId unit, std::uint64_t extra_bytes);
+  void end_backward(UnitId unit, std::uint64_t extra_bytes);
+  void end_phase();
+  /// ParamSchedule::hold, unhold (`why`: what a read raises if this releases it) and attach; nothing for a
+  /// parameter that is not offloaded. Errors name the parameter.
+  void hold(ParamId id);
+  void unhold(ParamId id, const std::string& why);
+  void attach(UnitId unit, ParamId id);
+  /// Holds every offloaded one of `ids` (all, or none); scatter writes each back to its home when `write_back`
+  /// (the device values), then unholds it.
+  void gather(const std::vector<ParamId>& ids);
+  void scatter(const std::vector<ParamId>& ids, bool write_back);
+  /// Makes `units` resident (between phases): their parameters' device values are made whole and their NVMe
+  /// blocks go; they are offloaded no more (the host lets their tensors go). Returns them.
+  std::vector<ParamId> make_resident(const std::vector<UnitId>& units);
+
+  bool offloaded(ParamId id) const;
+  /// Whether `id` is offloaded and on the device or in flight.
+  bool on_device(ParamId id) const;
+  /// Whether `id` lives on NVMe (false for one not offloaded).
+  bool on_nvme(ParamId id) const;
+  /// The NVMe block's value read into `dst` (its bytes), waited for. `id` must live on NVMe.
+  void read_nvme(ParamId id, void* dst);
+  /// `value` (its bytes) becomes the parameter's value between uses: into its host copy, or written to NVMe.
+  void store(ParamId id, const void* value);
+  /// Every offloaded parameter points at its host copy (NVMe: the block read into its staging) or back at its
+  /// device storage (NVMe: the staging written back first).
+  void point_at_host(bool on_host);
+  /// Fetches `id` now and waits for it (`fetch`), or writes its device values home and drops them unless a use
+  /// or hold has it on the device.
+  void materialize(ParamId id, bool fetch);
+
+  std::size_t units() const;
+  ParamScheduleStats stats() const;
+
+ private:
+  struct Record {
+    std::string name;
+    std::uint64_t bytes = 0;
+    bool nvme = false;
+    swap::NvmeBlock block = 0;
+    std::string why;            // what a read raises when the release under way drops it, if not the usual
+    swap::TransferHandle fetch;
+    void* staging = nullptr;    // the host's staging (ParamMoverHost::stage) until unstaged
+  };
+  enum class Use { kBeginForward, kEndForward, kBeginBackward, kEndBackward, kEndPhase };
+  void use(UnitId unit, Use what, std::uint64_t extra_bytes);
+  void make_copies(std::vector<ParamId>& order);
+  void point_back_locked();
+  void carry_out(const ParamActions& a);
+  void carry_out_named(const ParamActions& a, ParamId id);
+  void drop(ParamId id, Record& r);
+  void release(ParamId id, Record& r);
+  void fetch(ParamId id, Record& r);
+  void keep_stalled(ParamId id, Record& r) noexcept;
+  void* stage(ParamId id, Record& r);
+  void unstage(ParamId id, Record& r) noexcept;
+  void upload_home(ParamId id, Record& r);
+  void write_home(ParamId id, Record& r, const void* value);
+  Record& record(ParamId id) { return params_.at(id); }
+
+  ParamMoverHost& host_;
+  std::shared_ptr<swap::NvmeEngine> nvme_;
+  mutable std::mutex mutex_;
+  std::unique_ptr<ParamSchedule> schedule_;
+  std::unordered_map<ParamId, Record> params_;
+  bool on_host_ = false;
+};
+
+}  // namespace tierflow::tiering

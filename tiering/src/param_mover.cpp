@@ -1,0 +1,417 @@
+// See Note [Parameter moves] in param_mover.hpp.
+#include "tierflow/tiering/param_mover.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+#include "tierflow/core/clock.hpp"
+#include "tierflow/core/error.hpp"
+#include "tierflow/core/stall.hpp"
+#include "tierflow/tiering/param_residency_plan.hpp"
+
+namespace tierflow::tiering {
+
+std::string released_param_error(const std::string& name, bool nvme) {
+  return "tierflow: parameter '" + name + "' lives on the " + (nvme ? "NVMe tier" : "host") +
+         " between its uses (TIERFLOW_OFFLOAD_PARAMS, keyword offload_params) and its values were read or written "
+         "where no use of it is open: after or between steps, or by code outside the modules that hold it. Read it "
+         "inside `with tierflow.gathered(model):` (or a submodule holding it), copy it with model.state_dict(), or "
+         "call tierflow.unwrap(model) first (model.to()/.half() included)";
+}
+
+namespace {
+
+// Each unit's parameters as the schedule sees them, after checking that each fetched one can be offloaded.
+std::vector<ParamUnit> plan_units(const std::vector<std::vector<ParamSpec>>& units, const std::vector<Tier>& residences,
+                                  const std::vector<std::string>& unit_names, bool has_nvme) {
+  TIERFLOW_EXPECTS(!units.empty() && units.size() == residences.size(),
+                   "ParamResidency: one residence per unit, the rest unit last");
+  std::vector<ParamUnit> plan(units.size());
+  ParamStorages storages;
+  for (std::size_t u = 0; u < units.size(); ++u) {
+    const Tier tier = residences[u];
+    if (tier == Tier::kNvme && !has_nvme)
+      throw config_error("offload_params: the NVMe tier for parameters needs TIERFLOW_NVME_PATHS");
+    plan[u].residence = tier;
+    if (u < unit_names.size()) plan[u].name = unit_names[u];
+    for (const ParamSpec& p : units[u]) {
+      plan[u].params.push_back({p.id, p.bytes});
+      if (tier == Tier::kGpu) continue;
+      if (!p.cannot_offload.empty())
+        throw config_error("offload_params: parameter '" + p.name + "' " + p.cannot_offload +
+                           "; parameters offloaded to the " + std::string(to_string(tier)) + " must be contiguous "
+                           "leaf tensors of the model's device, each with its own storage");
+      storages.add(p.storage, p.id, p.name);
+    }
+  }
+  return plan;
+}
+
+}  // namespace
+
+ParamMover::ParamMover(const std::vector<std::vector<ParamSpec>>& units, const std::vector<Tier>& residences,
+                       std::size_t blocks, const std::vector<std::string>& unit_names,
+                       std::uint64_t device_budget_bytes, std::shared_ptr<swap::NvmeEngine> nvme, ParamMoverHost& host)
+    : host_(host), nvme_(std::move(nvme)) {
+  const std::vector<ParamUnit> plan = plan_units(units, residences, unit_names, nvme_ != nullptr);
+  schedule_ = std::make_unique<ParamSchedule>(plan, param_residency_options(plan, device_budget_bytes, blocks));
+  std::vector<ParamId> order;  // the fetched parameters, each once
+  std::uint64_t nvme_bytes = 0;
+  for (const auto& unit : units) {
+    for (const ParamSpec& p : unit) {
+      const Tier home = schedule_->home(p.id);
+      if (params_.count(p.id) || home == Tier::kGpu) continue;
+      Record r;
+      r.name = p.name;
+      r.bytes = p.bytes;
+      r.nvme = home == Tier::kNvme;
+      if (r.nvme) nvme_bytes += p.bytes;
+      params_.emplace(p.id, std::move(r));
+      order.push_back(p.id);
+    }
+  }
+  // NVMe space is checked before the first write; then every copy is made before any device memory goes.
+  if (nvme_bytes > 0) check_param_nvme_space(nvme_bytes, nvme_->available_bytes());
+  make_copies(order);
+}
+
+void ParamMover::make_copies(std::vector<ParamId>& order) {
+  for (ParamId id : order) host_.make_host_copy(id);
+  std::vector<swap::TransferHandle> copying;
+  for (ParamId id : order) copying.push_back(host_.copy_to_host_copy(id));
+  for (const auto& h : copying) h.wait();
+  try {
+    for (ParamId id : order) {
+      Record& r = record(id);
+      if (!r.nvme) continue;
+      r.block = nvme_->allocate(r.bytes);
+      nvme_->write(r.block, host_.host_copy(id), r.bytes).wait();
+      host_.free_host_copy(id);  // on NVMe only from now on
+    }
+  } catch (...) {
+    for (auto& [id, r] : params_)
+      if (r.nvme && r.block) nvme_->release(r.block);
+    throw;
+  }
+  for (ParamId id : order) drop(id, record(id));
+}
+
+ParamMover::~ParamMover() {
+  // A fetch still in flight must not land in memory freed with the storage, nor read freed staging. One that
+  // stalled (Note [Stall timeout]; waited for within the limit from its start) keeps both for good, and its
+  // NVMe block.
+  for (auto& [id, r] : params_) {
+    try {
+      r.fetch.wait();
+    } catch (const stall_error&) {
+      keep_stalled(id, r);
+      continue;
+    } catch (...) {
+    }
+    if (r.nvme) nvme_->release(r.block);
+  }
+}
+
+void ParamMover::keep_stalled(ParamId id, Record& r) noexcept {
+  host_.keep_stalled(id, released_param_error(r.name, r.nvme), r.name);
+  r.staging = nullptr;
+}
+
+void* ParamMover::stage(ParamId id, Record& r) {
+  r.staging = host_.stage(id);
+  return r.staging;
+}
+
+void ParamMover::unstage(ParamId id, Record& r) noexcept {
+  if (r.staging == nullptr) return;
+  host_.unstage(id);
+  r.staging = nullptr;
+}
+
+void ParamMover::release(ParamId id, Record& r) {
+  try {
+    r.fetch.wait();  // rule 1
+  } catch (const stall_error&) {
+    // Note [Stall timeout]: the fetch may still write the device memory and read the staging: both kept for
+    // good (the parameter reads as released), and the stall is raised.
+    keep_stalled(id, r);
+    throw;
+  } catch (...) {
+    // A failed fetch has ended; its error reached the use that waited for it (carry_out), not the release.
+  }
+  r.fetch = swap::TransferHandle();
+  if (r.nvme) unstage(id, r);
+  drop(id, r);
+}
+
+void ParamMover::drop(ParamId id, Record& r) {
+  host_.drop(id, r.why.empty() ? released_param_error(r.name, r.nvme) : r.why);
+  r.why.clear();
+}
+
+void ParamMover::fetch(ParamId id, Record& r) {
+  if (!r.nvme) {
+    r.fetch = host_.fetch(id, swap::TransferHandle());  // rule 2
+    return;
+  }
+  // NVMe -> pinned staging -> device: the copy to the device follows the read (a dependency of the copy
+  // engine), after the compute stream's queued work (rule 2). The staging stays until the fetch is released,
+  // which waits for the copy first (rule 1).
+  void* staging = stage(id, r);
+  const swap::TransferHandle read = nvme_->read(r.block, staging, r.bytes);
+  try {
+    r.fetch = host_.fetch(id, read);
+  } catch (...) {  // the read must not land in staging that goes
+    try {
+      read.wait();
+    } catch (...) {
+    }
+    throw;
+  }
+}
+
+void ParamMover::upload_home(ParamId id, Record& r) {
+  if (!r.nvme) return host_.upload(id, ParamView::kHostCopy);
+  void* staging = stage(id, r);
+  nvme_->read(r.block, staging, r.bytes).wait();
+  host_.upload(id, ParamView::kStaging);
+  unstage(id, r);
+}
+
+void ParamMover::write_home(ParamId id, Record& r, const void* value) {
+  if (!r.nvme) {
+    void* copy = host_.host_copy(id);
+    if (copy != value) std::memcpy(copy, value, r.bytes);
+    return;
+  }
+  nvme_->write(r.block, value, r.bytes).wait();
+}
+
+void ParamMover::carry_out(const ParamActions& a) {
+  for (ParamId id : a.release) release(id, record(id));
+  if (!a.refused.empty()) throw out_of_memory(a.refused);
+  std::vector<ParamId> started;
+  try {
+    for (const auto* ids : {&a.fetch, &a.prefetch}) {
+      for (ParamId id : *ids) {
+        fetch(id, record(id));
+        started.push_back(id);
+      }
+    }
+  } catch (...) {  // out of memory, a failed read: what did not start is fetched again at its next use
+    for (const auto* ids : {&a.fetch, &a.prefetch}) {
+      for (ParamId id : *ids) {
+        if (std::find(started.begin(), started.end(), id) != started.end()) continue;
+        drop(id, record(id));
+        unstage(id, record(id));
+        schedule_->fetch_failed(id);
+      }
+    }
+    throw;
+  }
+  if (a.wait.empty()) return;
+  const std::uint64_t t0 = now_ns();
+  for (ParamId id : a.wait) {  // rule 3
+    host_.await_on_device(id, record(id).fetch);
+    schedule_->arrived(id);
+  }
+  const std::uint64_t waited = now_ns() - t0;
+  schedule_->waited_for(waited);
+  host_.waited(waited);
+}
+
+void ParamMover::carry_out_named(const ParamActions& a, ParamId id) {
+  try {
+    carry_out(a);
+  } catch (const out_of_memory& e) {  // the schedule knows the parameter by its id; the user, by its name
+    throw out_of_memory(name_parameter(e.what(), id, record(id).name));
+  }
+}
+
+void ParamMover::use(UnitId unit, Use what, std::uint64_t extra) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TIERFLOW_EXPECTS(unit < schedule_->units(), "ParamResidency: unit " + std::to_string(unit) + " of " +
+                                                  std::to_string(schedule_->units()));
+  point_back_locked();
+  switch (what) {
+    case Use::kBeginForward: carry_out(schedule_->begin_forward(unit, extra)); break;
+    case Use::kEndForward: carry_out(schedule_->end_forward(unit, extra)); break;
+    case Use::kBeginBackward: carry_out(schedule_->begin_backward(unit, extra)); break;
+    case Use::kEndBackward: carry_out(schedule_->end_backward(unit, extra)); break;
+    case Use::kEndPhase: carry_out(schedule_->end_phase()); break;
+  }
+}
+
+void ParamMover::begin_forward(UnitId unit, std::uint64_t extra) { use(unit, Use::kBeginForward, extra); }
+void ParamMover::end_forward(UnitId unit, std::uint64_t extra) { use(unit, Use::kEndForward, extra); }
+void ParamMover::begin_backward(UnitId unit, std::uint64_t extra) { use(unit, Use::kBeginBackward, extra); }
+void ParamMover::end_backward(UnitId unit, std::uint64_t extra) { use(unit, Use::kEndBackward, extra); }
+void ParamMover::end_phase() { use(0, Use::kEndPhase, 0); }
+
+void ParamMover::point_back_locked() {
+  if (!on_host_) return;  // a step that raised before its post-hook: the parameters point back at their storage
+  for (auto& [id, r] : params_) host_.point(id, ParamView::kDevice);
+  on_host_ = false;
+}
+
+void ParamMover::hold(ParamId id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!params_.count(id)) return;
+  point_back_locked();
+  carry_out_named(schedule_->hold(id), id);
+}
+
+void ParamMover::unhold(ParamId id, const std::string& why) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const auto it = params_.find(id);
+  if (it == params_.end()) return;
+  it->second.why = why;
+  try {
+    carry_out(schedule_->unhold(id));
+  } catch (...) {
+    it->second.why.clear();
+    throw;
+  }
+  it->second.why.clear();  // not released now (another use or hold has it)
+}
+
+void ParamMover::attach(UnitId unit, ParamId id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!params_.count(id)) return;
+  point_back_locked();
+  carry_out_named(schedule_->attach(unit, id), id);
+}
+
+bool ParamMover::on_device(ParamId id) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return params_.count(id) > 0 && schedule_->on_device(id);
+}
+
+void ParamMover::gather(const std::vector<ParamId>& ids) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  point_back_locked();
+  std::vector<ParamId> held;
+  try {
+    for (ParamId id : ids) {
+      if (!params_.count(id) || std::find(held.begin(), held.end(), id) != held.end()) continue;
+      carry_out_named(schedule_->hold(id), id);
+      held.push_back(id);
+    }
+  } catch (...) {  // all or none
+    for (auto it = held.rbegin(); it != held.rend(); ++it) carry_out(schedule_->unhold(*it));
+    throw;
+  }
+}
+
+void ParamMover::scatter(const std::vector<ParamId>& ids, bool write_back) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<ParamId> done;
+  for (ParamId id : ids) {
+    if (!params_.count(id) || std::find(done.begin(), done.end(), id) != done.end()) continue;
+    done.push_back(id);
+    Record& r = record(id);
+    if (write_back) {
+      r.fetch.wait();  // (its staging, if any, is read no more)
+      void* value = stage(id, r);
+      host_.download(id);
+      write_home(id, r, value);
+      unstage(id, r);
+    }
+    carry_out(schedule_->unhold(id));
+  }
+}
+
+std::vector<ParamId> ParamMover::make_resident(const std::vector<UnitId>& units) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<ParamId> out;
+  for (ParamId id : schedule_->make_resident(units)) {
+    auto it = params_.find(id);
+    Record& r = it->second;
+    // A held one (a read outside its units' uses) has its values on the device already.
+    if (!host_.has_memory(id)) upload_home(id, r);
+    if (r.nvme) nvme_->release(r.block);
+    out.push_back(id);
+    params_.erase(it);
+  }
+  return out;
+}
+
+bool ParamMover::offloaded(ParamId id) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return params_.count(id) > 0;
+}
+
+bool ParamMover::on_nvme(ParamId id) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const auto it = params_.find(id);
+  return it != params_.end() && it->second.nvme;
+}
+
+void ParamMover::read_nvme(ParamId id, void* dst) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const auto it = params_.find(id);
+  TIERFLOW_EXPECTS(it != params_.end() && it->second.nvme, "ParamResidency::load: not a parameter on NVMe");
+  nvme_->read(it->second.block, dst, it->second.bytes).wait();
+}
+
+void ParamMover::store(ParamId id, const void* value) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const auto it = params_.find(id);
+  TIERFLOW_EXPECTS(it != params_.end(), "ParamResidency::store: not an offloaded parameter");
+  write_home(id, it->second, value);
+}
+
+void ParamMover::point_at_host(bool on_host) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (on_host == on_host_) return;
+  for (auto& [id, r] : params_) {
+    TIERFLOW_EXPECTS(!on_host || schedule_->state(id) != ParamState::kInFlight,
+                     "ParamResidency::point_at_host: a parameter is being fetched");
+    if (!r.nvme) {
+      host_.point(id, on_host ? ParamView::kHostCopy : ParamView::kDevice);
+    } else if (on_host) {  // NVMe: a host buffer for the step, written back after it
+      void* staging = stage(id, r);
+      nvme_->read(r.block, staging, r.bytes).wait();
+      host_.point(id, ParamView::kStaging);
+    } else {
+      write_home(id, r, r.staging);
+      host_.point(id, ParamView::kDevice);
+      unstage(id, r);
+    }
+  }
+  on_host_ = on_host;
+}
+
+void ParamMover::materialize(ParamId id, bool fetch_it) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const auto it = params_.find(id);
+  if (it == params_.end()) return;
+  Record& r = it->second;
+  const bool held = schedule_->state(id) == ParamState::kOnDevice || schedule_->state(id) == ParamState::kInFlight;
+  if (fetch_it) {
+    if (held) {
+      r.fetch.wait();
+      return host_.await_on_device(id, r.fetch);
+    }
+    return upload_home(id, r);
+  }
+  if (held) r.fetch.wait();  // the device copy is complete before it is read back
+  void* value = stage(id, r);
+  host_.download(id);
+  write_home(id, r, value);
+  unstage(id, r);
+  if (!held) drop(id, r);
+}
+
+std::size_t ParamMover::units() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return schedule_->units();
+}
+
+ParamScheduleStats ParamMover::stats() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return schedule_->stats();
+}
+
+}  // namespace tierflow::tiering
