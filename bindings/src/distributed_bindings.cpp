@@ -64,7 +64,6 @@ void bind_distributed(py::module_& parent) {
                                     const std::vector<std::string>& params, bool cpu_optimizer) {
     return text_or_none(sharded_later_refusal(c, {modules, params}, cpu_optimizer));
   });
-  m.def("some_names", &some_names);
   m.def("fsdp_unit_parameters", &fsdp_unit_parameters);
   m.def("rank_shard_bytes", [](const std::vector<std::tuple<bool, bool, std::int64_t, std::uint64_t, std::uint64_t>>& params,
                                int rank, int world) {

@@ -1,5 +1,6 @@
 // tierflow._C.StepRecorder (Note [Step stats] in tiering/step_stats.hpp): tiering::StepRecorder with the
-// runtime's counters read here, in C++, at each mark; _step_stats.py only says which boundary was crossed.
+// runtime's counters read here, in C++, at each mark; _step_stats.py only says which boundary was crossed. And the
+// statistics report's table (tiering/report_text.hpp), which _report.py's Report prints.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -13,6 +14,7 @@
 #include "tierflow/bindings/runtime.hpp"
 #include "tierflow/core/clock.hpp"
 #include "tierflow/swap/nvme_engine.hpp"
+#include "tierflow/tiering/report_text.hpp"
 #include "tierflow/tiering/step_stats.hpp"
 
 namespace py = pybind11;
@@ -139,4 +141,6 @@ void bind_step_stats(py::module_& m) {
     }
     return counters_dict(c);
   }, py::arg("runtime"), "The counters a StepRecorder reads, now (totals since the runtime began).");
+  m.def("report_text", &tiering::report_text, py::arg("report_json"), "The statistics report's table.");
+  m.def("report_bytes", &tiering::report_bytes, py::arg("bytes"), "1536 -> '1.50 KiB', as the report prints bytes.");
 }
