@@ -42,12 +42,7 @@ struct BlockOffload::Shared {
     swap::TransferHandle fetch;  // the copy of its device copy, while one is held
   };
   // What a rerun restores (Note [C++ block offload]): per block, which of its state and parameters it writes.
-  struct Writes {
-    bool compared = false;       // its first call was compared
-    std::vector<bool> written;   // state, then parameters
-    std::string refused;         // why it is kept from now on ("" while it is rerun)
-  };
-  std::unordered_map<std::size_t, Writes> writes;
+  tiering::BlockWrites writes;
   std::uint64_t restoring_reruns = 0;
 
   std::unique_ptr<tiering::ParamSchedule> params;  // null: parameters stay where the trainer put them
@@ -255,15 +250,10 @@ at::Tensor forward_noting_writes(BlockState& s, const at::Tensor& input, at::Ten
   std::vector<at::Tensor> tracked(s.state.begin(), s.state.end());
   tracked.insert(tracked.end(), params.begin(), params.end());
   BlockOffload::Shared& shared = *s.shared;
-  bool compared = false;
-  std::vector<bool> known(tracked.size(), false);
+  tiering::BlockWrites::Before known;  // which to keep a value of (tiering::BlockWrites decides)
   {
     std::lock_guard<std::mutex> lock(shared.mutex);
-    const auto it = shared.writes.find(s.block);
-    if (it != shared.writes.end() && it->second.written.size() == tracked.size()) {
-      compared = it->second.compared;
-      known = it->second.written;
-    }
+    known = shared.writes.before(s.block, tracked.size());
   }
   std::vector<at::Tensor> before(tracked.size());
   std::vector<std::int64_t> versions(tracked.size());
@@ -271,31 +261,26 @@ at::Tensor forward_noting_writes(BlockState& s, const at::Tensor& input, at::Ten
     at::AutoGradMode no_grad(false);
     for (std::size_t i = 0; i < tracked.size(); ++i) {
       versions[i] = tracked[i]._version();
-      if (!compared || known[i]) before[i] = tracked[i].detach().clone();  // the first call: all, dropped after
+      if (known.keep[i]) before[i] = tracked[i].detach().clone();  // the first call: all, dropped after
     }
   }
   at::Tensor output = s.fn(input);
-  std::vector<std::string> unrestorable;
   std::vector<bool> wrote(tracked.size(), false);
   for (std::size_t i = 0; i < tracked.size(); ++i) {
     // native_batch_norm writes the running statistics without bumping their version: compared by value once.
     wrote[i] = tracked[i]._version() != versions[i] ||
-               (!compared && i < s.state.size() && !at::equal(before[i], tracked[i]));
-    if (wrote[i] && !before[i].defined())
-      unrestorable.push_back(i < s.state.size() ? "state tensor " + std::to_string(i)
-                                                : "parameter " + std::to_string(i - s.state.size()));
-    if (before[i].defined() && (wrote[i] || known[i])) s.written.push_back({tracked[i], before[i]});
+               (!known.compared && i < s.state.size() && !at::equal(before[i], tracked[i]));
   }
-  std::lock_guard<std::mutex> lock(shared.mutex);
-  auto& w = shared.writes[s.block];
-  if (w.written.size() != tracked.size()) w.written.assign(tracked.size(), false);
-  w.compared = true;
-  for (std::size_t i = 0; i < tracked.size(); ++i) w.written[i] = w.written[i] || wrote[i];
-  if (!unrestorable.empty() && w.refused.empty()) {
-    w.refused = tiering::replay_refusal({{}, unrestorable});
+  tiering::BlockWrites::After noted;
+  {
+    std::lock_guard<std::mutex> lock(shared.mutex);
+    noted = shared.writes.after(s.block, s.state.size(), known, wrote);
+  }
+  for (std::size_t i = 0; i < tracked.size(); ++i)
+    if (noted.restore[i]) s.written.push_back({tracked[i], before[i]});
+  if (!noted.refused_now.empty())
     log(LogLevel::kWarn, "BlockOffload: block " + std::to_string(s.block) + " is not rerun from its next call on "
-                         "(kept; this call's rerun may differ from its forward): " + w.refused);
-  }
+                         "(kept; this call's rerun may differ from its forward): " + noted.refused_now);
   return output;
 }
 
@@ -486,20 +471,12 @@ at::Tensor BlockOffload::forward(std::size_t block, const BlockForward& fn, cons
   tiering::BlockCall call;
   {
     std::lock_guard<std::mutex> lock(shared_->mutex);
-    BlockAction planned = shared_->actions.action(block);
-    const auto refused = shared_->writes.find(block);
     const bool fetched = shared_->params && block + 1 < shared_->params->units() && !parameters.empty() &&
                          shared_->params->home(param_id(parameters[0])) != Tier::kGpu;
-    if (refused != shared_->writes.end() && !refused->second.refused.empty() && !fetched)
-      planned = BlockAction::kKeep;  // Note [C++ block offload], What a rerun restores
-    // An automatic plan keeps a block whose parameters are fetched: autograd would hold them, so its input stays
-    // and the rest is recomputed (Note [C++ auto activations]).
-    if (planned == BlockAction::kKeep && fetched && shared_->automatic()) planned = BlockAction::kRecompute;
-    if (planned == BlockAction::kKeep && shared_->params && block + 1 < shared_->params->units() &&
-        !parameters.empty() && shared_->params->home(param_id(parameters[0])) != Tier::kGpu)
-      throw config_error("BlockOffload: block " + std::to_string(block) + " is kKeep, but its parameters are "
-                         "fetched from the host (offload_parameters): autograd would hold them until backward; "
-                         "accepted for such a block: kSwapHost, kSwapNvme or kRecompute");
+    // A refused rerun keeps the block; fetched parameters are never kept (tiering::block_call_action).
+    const BlockAction planned = tiering::block_call_action(block, shared_->actions.action(block),
+                                                           !shared_->writes.refusal(block).empty(), fetched,
+                                                           shared_->automatic() != nullptr);
     call = shared_->calls.call(block, planned, needs_graph);
     if (call.new_forward) {
       shared_->host->begin_forward();
@@ -590,8 +567,7 @@ tiering::ParamScheduleStats BlockOffload::parameter_stats() const {
 
 std::string BlockOffload::not_replayed(std::size_t block) const {
   std::lock_guard<std::mutex> lock(shared_->mutex);
-  const auto it = shared_->writes.find(block);
-  return it == shared_->writes.end() ? std::string() : it->second.refused;
+  return shared_->writes.refusal(block);
 }
 
 std::uint64_t BlockOffload::restoring_reruns() const {

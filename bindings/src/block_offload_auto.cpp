@@ -47,10 +47,7 @@ BlockAutoPlan::BlockAutoPlan(std::shared_ptr<Runtime> runtime, std::function<voi
 void BlockAutoPlan::before_call(std::size_t block, const at::Tensor& input) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    const bool new_forward = !started_ || block <= last_block_;  // as tiering::BlockCalls counts them
-    started_ = true;
-    last_block_ = block;
-    if (!new_forward) return;
+    if (!measures_.starts_forward(block)) return;
     if (!device_) device_ = input.device();
   }
   driver_.before_forward({{kInputPlace, static_cast<std::uint64_t>(input.numel())}}, *this);
@@ -61,23 +58,12 @@ bool BlockAutoPlan::measuring() const { return !driver_.plan().has_value(); }
 void BlockAutoPlan::forward_measured(std::size_t block, std::uint64_t input_bytes, std::uint64_t parameter_bytes,
                                      double seconds) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (blocks_.size() <= block) blocks_.resize(block + 1);
-  Block& b = blocks_[block];
-  b.record.input_bytes = input_bytes;
-  b.record.parameter_bytes = parameter_bytes;
-  b.record.forward_seconds = seconds;
-  b.forward_seconds_sum += seconds;
+  measures_.forward(block, input_bytes, parameter_bytes, seconds);
 }
 
 void BlockAutoPlan::rerun_measured(std::size_t block, std::uint64_t saved_bytes, double backward_seconds) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (blocks_.size() <= block) blocks_.resize(block + 1);
-  Block& b = blocks_[block];
-  // Everything the block saves beyond its input is one class, swapped whole or recomputed with the block:
-  // C++ has no split (Note [C++ auto activations]).
-  b.record.attention_bytes = saved_bytes;
-  b.record.backward_seconds = backward_seconds;
-  b.backward_seconds_sum += backward_seconds;
+  measures_.rerun(block, saved_bytes, backward_seconds);  // one class saved: C++ has no split
 }
 
 void BlockAutoPlan::set_model_parameter_bytes(std::uint64_t bytes) {
@@ -99,20 +85,14 @@ tiering::SessionBudgetInputs BlockAutoPlan::budget_inputs() {
   in.host_in_use_bytes = static_cast<std::uint64_t>(std::max<std::int64_t>(0, runtime_->host_pool()->stats().in_use.current));
   in.nvme_available_bytes = runtime_->has_nvme() ? tiers.nvme_available_bytes() : 0;
   std::lock_guard<std::mutex> lock(mutex_);
-  std::uint64_t blocks = 0;
-  for (const Block& b : blocks_) blocks += b.record.parameter_bytes;
-  // Every parameter counted on the device (ParamPolicy::kResident), those fetched from the host included: the
-  // plan is then conservative about a trainer's offload_parameters.
-  in.parameter_bytes = std::max(model_parameter_bytes_, blocks);
+  // Every parameter counted on the device, those fetched from the host included: the plan is then conservative
+  // about a trainer's offload_parameters.
+  in.parameter_bytes = measures_.parameter_bytes(model_parameter_bytes_);
   return in;
 }
 
 std::vector<std::size_t> BlockAutoPlan::inexact_splits(const std::vector<tiering::BlockPlan>& blocks) {
-  // C++ has no split action: every split is inexact (the records say has_split_ops = false, so none is planned).
-  std::vector<std::size_t> out;
-  for (std::size_t i = 0; i < blocks.size(); ++i)
-    if (blocks[i].mode == tiering::BlockMode::kSplit) out.push_back(i);
-  return out;
+  return tiering::split_blocks(blocks);  // C++ has no split action: every split is inexact
 }
 
 std::optional<std::uint64_t> BlockAutoPlan::apply(const tiering::DrivenPlan& plan) {
@@ -122,20 +102,14 @@ std::optional<std::uint64_t> BlockAutoPlan::apply(const tiering::DrivenPlan& pla
 
 void BlockAutoPlan::start_timing() {
   std::lock_guard<std::mutex> lock(mutex_);
-  for (Block& b : blocks_) b.forward_seconds_sum = b.backward_seconds_sum = 0;
+  measures_.start_timing();
 }
 
 tiering::TimedStepMeasures BlockAutoPlan::measure_timed_step() {
-  tiering::TimedStepMeasures m;
-  m.links = measure_links();
+  const tiering::Links links = measure_links();
   std::lock_guard<std::mutex> lock(mutex_);
-  for (const Block& b : blocks_) {
-    m.blocks.push_back(b.record);
-    m.blocks_forward_seconds += b.forward_seconds_sum;
-    // The rerun's forward is the replay; its backward the block's own (Note [C++ auto activations]).
-    m.blocks_replay_seconds += b.forward_seconds_sum;
-    m.blocks_backward_seconds += b.backward_seconds_sum;
-  }
+  tiering::TimedStepMeasures m = measures_.timed_step();
+  m.links = links;
   return m;
 }
 

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "tierflow/tiering/block_measures.hpp"
 #include "tierflow/tiering/plan_driver.hpp"
 
 namespace tierflow::bindings {
@@ -53,19 +54,13 @@ class BlockAutoPlan final : public tiering::PlanFrontEnd {
   double now_seconds() override;
 
  private:
-  struct Block {
-    tiering::BlockRecord record;
-    double forward_seconds_sum = 0, backward_seconds_sum = 0;  // in the timed step
-  };
   tiering::Links measure_links();
 
   std::shared_ptr<Runtime> runtime_;
   std::function<void(const tiering::Plan&)> apply_;
   tiering::PlanDriver driver_;
   mutable std::mutex mutex_;  // the blocks' measures (a rerun runs on autograd's thread)
-  std::vector<Block> blocks_;
-  bool started_ = false;
-  std::size_t last_block_ = 0;
+  tiering::BlockMeasures measures_;  // the blocks' records and the timed step's sums
   std::optional<at::Device> device_;
   std::uint64_t model_parameter_bytes_ = 0;
 };

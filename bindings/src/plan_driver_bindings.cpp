@@ -97,42 +97,10 @@ void bind_plan_driver_results(py::module_& m) {
 
 // What the driver takes in and gives out (Note [Plan driver]).
 void bind_plan_driver_values(py::module_& m) {
-  py::class_<ProfileCalibration> cal(m, "ProfileCalibration", "The calibration a re-plan's profile was made with.");
-  cal.def(py::init<>())
-      .def_readwrite("link_factor", &ProfileCalibration::link_factor)
-      .def_readwrite("compute_factor", &ProfileCalibration::compute_factor)
-      .def_readwrite("why", &ProfileCalibration::why);
-  init_from_kwargs(cal);
-  auto file = [](auto member) {
-    return [member](AutoProfile& p) -> auto& { return p.file.*member; };
-  };
-  py::class_<AutoProfile>(m, "AutoProfile", "A profile as auto measures, writes and reads it (Note [Profile file]).")
-      .def(py::init<>())
-      .def_property("blocks", file(&ProfileFile::blocks), [](AutoProfile& p, std::vector<BlockProfile> v) {
-        p.file.blocks = std::move(v);
-      })
-      .def_property("links", file(&ProfileFile::links), [](AutoProfile& p, const Links& v) { p.file.links = v; })
-      .def_property("fixed_device_bytes", file(&ProfileFile::fixed_device_bytes),
-                    [](AutoProfile& p, std::uint64_t v) { p.file.fixed_device_bytes = v; })
-      .def_property("outside_saved_bytes", [](const AutoProfile& p) {
-        return p.outside_measured ? std::optional<std::uint64_t>(p.file.outside_saved_bytes) : std::nullopt;
-      }, [](AutoProfile& p, std::optional<std::uint64_t> v) {
-        p.outside_measured = v.has_value();
-        p.file.outside_saved_bytes = v.value_or(0);
-      }, "None: a file written before the tensors outside the blocks were measured.")
-      .def_property("outside_largest_bytes", file(&ProfileFile::outside_largest_bytes),
-                    [](AutoProfile& p, std::uint64_t v) { p.file.outside_largest_bytes = v; },
-                    "The largest of those tensors (0: not measured); counted where outside_saved_bytes is.")
-      .def_readwrite("batch_tensor_elements", &AutoProfile::batch_tensor_elements)
-      .def_readwrite("batch_elements", &AutoProfile::batch_elements)
-      .def_readwrite("host_gaps_seconds", &AutoProfile::host_gaps_seconds)
-      .def_readwrite("timed_step_seconds", &AutoProfile::timed_step_seconds)
-      .def_readwrite("rest_of_step_seconds", &AutoProfile::rest_of_step_seconds)
-      .def_readwrite("measured_beside_bytes", &AutoProfile::measured_beside_bytes)
-      .def_readwrite("measured_peak_bytes", &AutoProfile::measured_peak_bytes)
-      .def_readwrite("measured_reserved_peak_bytes", &AutoProfile::measured_reserved_peak_bytes)
-      .def_readwrite("calibrated", &AutoProfile::calibrated)
-      .def_readwrite("batch_ratio", &AutoProfile::batch_ratio);
+  // Opaque: Python reads and writes it as its file's JSON (Note [Profile file]).
+  py::class_<AutoProfile>(m, "AutoProfile", "A profile as auto measures, writes and reads it (Note [Profile file]).");
+  m.def("auto_profile_from_json", [](const std::string& text) { return auto_profile_from_json(text); },
+        py::arg("text"), "A profile from its file's JSON or auto_profile_json's; raises ConfigError saying what.");
   py::class_<TimedStepMeasures> measures(m, "TimedStepMeasures", "What the timed step measured (the front end's).");
   measures.def(py::init<>())
       .def_readwrite("blocks", &TimedStepMeasures::blocks)

@@ -18,6 +18,7 @@
 #include "tierflow/core/state_format.hpp"
 #include "tierflow/optimizer/state_tier.hpp"
 #include "tierflow/tiering/auto_plan.hpp"
+#include "tierflow/tiering/block_finder.hpp"
 #include "tierflow/tiering/block_table.hpp"
 #include "tierflow/tiering/plan_driver.hpp"
 #include "tierflow/tiering/plan_report.hpp"
@@ -135,6 +136,12 @@ void bind_block_table(py::module_& m) {
   }, py::arg("m1_sizes"), py::arg("m1_strides"), py::arg("m1_parameter_derived"), py::arg("m2_sizes"),
         py::arg("m2_parameter_derived"), py::arg("output_contiguous_at_zero"), "(kind, flops, rows) of mm/addmm.");
   m.def("batched_matmul_flops", &batched_matmul_flops, py::arg("a_elements"), py::arg("b_last"), "FLOPs of bmm/matmul.");
+  // Note [Finding blocks]: the module tree as (class number, container, holds parameters, children) per module.
+  m.def("find_blocks", [](const std::vector<std::tuple<std::size_t, bool, bool, std::vector<std::size_t>>>& tree) {
+    std::vector<ModuleNode> modules;
+    for (const auto& [type, container, params, children] : tree) modules.push_back({type, container, params, children});
+    return find_blocks(modules);
+  }, py::arg("modules"), "The indices of the model's repeated blocks in model.modules()' list (tiering::find_blocks).");
 }
 
 // The profile file (Note [Profile file]).
@@ -199,15 +206,6 @@ void bind_estimates(py::module_& m) {
     return cpu_optimizer_bytes_per_param(state_format_of(states), dtype_bytes);
   }, py::arg("optimizer_states"), py::arg("dtype_bytes"),
         "Bytes the CPU AdamW keeps a parameter (fp32 master and m, v in fp32, bf16 or 8bit): 12, 8, 6.03 for bf16.");
-  m.def("estimate_head_device_bytes", &estimate_head_device_bytes, py::arg("shape"),
-        "Device bytes of the activations outside the blocks (final norm, head, fp32 loss).");
-  m.def("parse_budget", &budget_bytes, py::arg("text"), py::arg("capacity_bytes") = 0,
-        "Bytes of a size ('16GiB') or a percentage of `capacity_bytes` ('90%'); raises ConfigError.");
-  m.def("parse_setting", [](const std::string& name, const std::string& value, const std::string& label) {
-    return parse_setting(name, value, label);
-  }, py::arg("name"), py::arg("value"), py::arg("label") = "",
-        "`value` parsed as the configuration table parses the setting `name`: its canonical text; raises "
-        "ConfigError naming `label` (default: the variable), e.g. the command-line flag standing for it.");
   m.def("parse_decimal", [](const std::string& text) { return parse_decimal(text); }, py::arg("text"),
         "A finite decimal number (1, -0.5, 2e-3; no hex, inf or nan), or None (core/size.hpp's parse_decimal).");
   m.def("transformer_shape_limits", [] {
@@ -215,8 +213,6 @@ void bind_estimates(py::module_& m) {
     for (const auto& l : transformer_shape_limits()) out[py::str(std::string(l.field))] = l.max;
     return out;
   }, "The largest accepted value of each TransformerShape field (the smallest is 1).");
-  m.def("check_transformer_shape", &check_transformer_shape, py::arg("shape"),
-        "Raises ConfigError naming a field outside its limits, or byte counts that overflow 64 bits.");
   m.def("device_capacity_bytes", [](bool cuda) {
     return allocator::device_capacity_bytes(cuda ? allocator::DeviceKind::kCuda : allocator::DeviceKind::kEmulated);
   }, py::arg("cuda"), "Total memory of the GPU tier: the current GPU's, or physical RAM when emulated.");
@@ -227,7 +223,7 @@ void bind_estimates(py::module_& m) {
   m.def("format_bytes", &format_bytes, py::arg("bytes"), "Human-readable size, e.g. '1.50 GiB'.");
 }
 
-// `python -m tierflow plan`'s budgets and report (Note [Plan report]).
+// `python -m tierflow plan`'s inputs and budgets (Note [Plan report]); the command itself is plan_cli_bindings.cpp's.
 void bind_plan_command(py::module_& m) {
   py::enum_<SettingSource>(m, "SettingSource", "Where the text of a size setting came from.")
       .value("unset", SettingSource::kUnset)
@@ -285,32 +281,15 @@ void bind_plan_command(py::module_& m) {
       .def_readonly("host_from", &PlanCommandBudgets::host_from)
       .def_readonly("optimizer_host_bytes", &PlanCommandBudgets::optimizer_host_bytes)
       .def_readonly("optimizer_nvme_bytes", &PlanCommandBudgets::optimizer_nvme_bytes);
-  py::class_<PlanReport>(m, "PlanReport", "A plan as the plan command prints it.")
-      .def_readonly("lines", &PlanReport::lines)
-      .def_readonly("json", &PlanReport::json);
   m.def("plan_command_budgets", &plan_command_budgets, py::arg("inputs"),
         "The plan command's budgets (Note [Plan report]); raises ConfigError naming the flag or variable.");
   m.def("explain_plan", &explain_plan, py::arg("plan"), py::arg("blocks"), py::arg("links"), py::arg("budgets"),
         "Why each block's action won: one line per block (Note [Plan report]).");
-  m.def("check_blocks_source", &check_blocks_source, py::arg("profile"), py::arg("given_shape_flags"),
-        "Raises ConfigError unless the blocks come from a whole shape or --profile (Note [Plan report]).");
   m.def("check_rate", &check_rate, py::arg("value"), py::arg("shown"), py::arg("zero"),
         "A rate argument within its range, or ConfigError saying what is accepted (Note [Plan report]).");
   m.def("shape_argument", [](const std::string& field, const std::string& digits, const std::string& shown) {
     return shape_argument(field, digits, shown);
   }, py::arg("field"), py::arg("digits"), py::arg("shown"), "A shape argument within its limits, or ConfigError.");
-  m.def("links_from_pcie_gbps", &links_from_pcie_gbps, py::arg("gbps"), "The links of --pcie-gbps.");
-  m.def("plan_refusal", &plan_refusal, py::arg("error"), py::arg("out_of_memory"), py::arg("inputs"),
-        py::arg("budgets"), "The command's line when the planner refused (Note [Plan report]).");
-  m.attr("DECIMAL_GB") = kDecimalGB;
-  m.def("plan_shape_flags", &plan_shape_flags, "The shape's flags, as errors name them.");
-  m.def("plan_command_blocks", &plan_command_blocks, py::arg("blocks"), py::arg("inputs"),
-        "The blocks as the step moves them: a shape's with --optimizer host carry their gradients' device->host "
-        "bytes (Note [Plan report], Gradients).");
-  m.def("gradient_device_bytes", &gradient_device_bytes, py::arg("inputs"),
-        "The gradients' device bytes: all, or with offload_gradients the two largest units' (Note [Plan report]).");
-  m.def("describe_plan", &describe_plan, py::arg("plan"), py::arg("blocks"), py::arg("inputs"), py::arg("budgets"),
-        "The plan command's text lines and JSON (Note [Plan report]).");
 }
 
 // The planner's enums.
@@ -425,14 +404,6 @@ void bind_planner(py::module_& m) {
         "The plan of least predicted step time within the budgets; raises OutOfMemoryError saying what is needed.");
   m.def("forced_plan", &forced_plan, py::arg("blocks"), py::arg("links"), py::arg("budgets"), py::arg("mode"),
         "Every block in `mode` (split: MEMO's link rule for alpha), with the same predictions.");
-  m.def("evaluate_plan",
-        static_cast<Plan (*)(const std::vector<BlockProfile>&, const Links&, const Budgets&, std::vector<BlockPlan>)>(
-            &evaluate_plan),
-        py::arg("blocks"), py::arg("links"), py::arg("budgets"),
-        py::arg("assignment"), "The model's predictions for a given per-block assignment.");
-
-  m.def("average_same_shape_blocks", &average_same_shape_blocks, py::arg("blocks"),
-        "Blocks of the same shape get the mean of their times (measured layers differ by noise only).");
 
   // Note [Replay side effects]: which forwards may be replayed.
   m.def(

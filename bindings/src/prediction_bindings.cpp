@@ -1,17 +1,21 @@
 // The whole-step prediction's Python surface (Note [Step prediction]), torch-free: the CPU AdamW's rate measured
-// with tierflow's own kernel, PlanCommandInputs.cpu_adam_params_per_second, and predict_step. Registered from
-// bind_planner (planner_bindings.cpp), after PlanCommandInputs' class.
+// with tierflow's own kernel, PlanCommandInputs.cpu_adam_params_per_second, and what the front end measured of each
+// term (tiering/measured_terms.hpp). Registered from bind_planner (planner_bindings.cpp), after PlanCommandInputs'
+// class.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "init_from_kwargs.hpp"
 #include "state_format_setting.hpp"
-#include "struct_dict.hpp"
 #include "tierflow/core/config.hpp"
 #include "tierflow/core/state_format.hpp"
 #include "tierflow/optimizer/roofline.hpp"
+#include "tierflow/tiering/measured_terms.hpp"
 #include "tierflow/tiering/plan_driver.hpp"
 #include "tierflow/tiering/plan_report.hpp"
 #include "tierflow/tiering/step_prediction.hpp"
@@ -25,21 +29,6 @@ using namespace tierflow::tiering;
 
 // What the plan command measures when --cpu-adam-rate is not given: every core, about 60 ms.
 double measured_for_plan(StateFormat states) { return optimizer::measure_cpu_adam_rate(states).params_per_second; }
-
-py::dict prediction_dict(const StepPrediction& p) {
-  py::dict terms;
-  for (const auto& [name, seconds] : step_terms(p)) terms[py::str(name)] = seconds;
-  py::dict out;
-  out["terms_seconds"] = terms;
-  using P = StepPrediction;
-  return struct_dict<P>(p, {{"blocks_seconds", &P::blocks_seconds},
-                            {"backward_seconds", &P::backward_seconds},
-                            {"optimizer_kernel_seconds", [](const P& x) { return x.optimizer.kernel_seconds; }},
-                            {"optimizer_busy_seconds", [](const P& x) { return x.optimizer.busy_seconds; }},
-                            {"optimizer_nvme_read_seconds", [](const P& x) { return x.optimizer.nvme_read_seconds; }},
-                            {"optimizer_nvme_write_seconds", [](const P& x) { return x.optimizer.nvme_write_seconds; }}},
-                        out);
-}
 
 }  // namespace
 
@@ -89,14 +78,39 @@ void bind_prediction(py::module_& m) {
             .def_readwrite("optimizer", &TimedStepMeasures::optimizer);
       },
       py::arg("cls"), "Adds TimedStepMeasures' CPU optimizer fields (Note [Step prediction]) to its class.");
+  // tiering/measured_terms.hpp: the front end's counters, and each term's measurement beside its prediction.
+  py::class_<StepCounters> counters(m, "StepCounters", "What the runtime counts of the step's waits, cumulative.");
+  counters.def_readwrite("forwards", &StepCounters::forwards)
+      .def_readwrite("optimizer_steps", &StepCounters::optimizer_steps)
+      .def_readwrite("param_wait_ms", &StepCounters::param_wait_ms)
+      .def_readwrite("activation_wait_ms", &StepCounters::activation_wait_ms)
+      .def_readwrite("step_wait_ms", &StepCounters::step_wait_ms)
+      .def_readwrite("grad_copy_wait_ms", &StepCounters::grad_copy_wait_ms)
+      .def_readwrite("kernel_ms", &StepCounters::kernel_ms)
+      .def_readwrite("kernel_grad_bytes", &StepCounters::kernel_grad_bytes)
+      .def_readwrite("streaming", &StepCounters::streaming)
+      .def_readwrite("python_step_ms", &StepCounters::python_step_ms)
+      .def_readwrite("adam_elements", &StepCounters::adam_elements);
+  init_from_kwargs(counters);
   m.def(
-      "predict_step",
-      [](const Plan& plan, const std::vector<BlockProfile>& blocks, const Links& links, const Budgets& budgets,
-         const OptimizerStepInputs& optimizer, double rest_seconds) {
-        return prediction_dict(predict_step(plan, blocks, links, budgets, optimizer, rest_seconds));
+      "measured_compute",
+      [](const std::string& report, const std::vector<std::optional<double>>& replays) {
+        const MeasuredCompute c = measured_compute(report, replays);
+        return std::make_pair(c.seconds, c.over);
       },
-      py::arg("plan"), py::arg("blocks"), py::arg("links"), py::arg("budgets"), py::arg("optimizer"),
-      py::arg("rest_seconds") = 0.0, "The whole step term by term (Note [Step prediction]), as a dict.");
+      py::arg("report"), py::arg("replays"), "(seconds or None, what it is over): the blocks' measured compute.");
+  m.def("measured_terms_json", &measured_terms_json, py::arg("report"), py::arg("replays"), py::arg("now"),
+        py::arg("then"), "Each term's measurement and what it is over, as JSON (Note [Step prediction]).");
+  m.def(
+      "timed_optimizer_inputs",
+      [](const StepCounters& before, const StepCounters& after, std::uint64_t parameters, std::size_t element_bytes,
+         const std::string& states) {
+        return timed_optimizer_inputs(before, after, parameters, element_bytes, state_format_of(states));
+      },
+      py::arg("before"), py::arg("after"), py::arg("parameters"), py::arg("element_bytes"), py::arg("states"),
+      "The CPU optimizer as the timed step measured it (Note [Step prediction]).");
+  m.def("timed_optimizer_wait_seconds", &timed_optimizer_wait_seconds, py::arg("before"), py::arg("after"),
+        "step()'s wait for the CPU optimizer in the timed step, its Python path's steps included.");
 }
 
 }  // namespace tierflow::bindings

@@ -17,18 +17,13 @@ from .._distributed import fsdp_unit_bytes, rank_shard_bytes
 from .._links import measure_links
 from .._report import write_json_atomic
 from .blocks import find_blocks
-from .plans import BUDGET_FIELDS, block_profile as profile_struct, fields_of, links_struct
+from .plans import BUDGET_FIELDS, fields_of, links_struct
 from .runner import BlockRunner
 from .table import probe_table
 
 # Note [Step prediction]: TimedStepMeasures (the driver's, in _C) gets the CPU optimizer's fields from the
 # torch-free module that binds the prediction.
 _C.add_timed_step_optimizer_fields(_C.TimedStepMeasures)
-
-# The profile's figures beside the file's blocks and links, in the order written (Note [Profile file]).
-_PROFILE_EXTRAS = ("outside_saved_bytes", "host_gaps_seconds", "timed_step_seconds", "rest_of_step_seconds",
-                   "measured_beside_bytes", "measured_peak_bytes", "measured_reserved_peak_bytes")
-
 
 def block_record(runner: BlockRunner) -> Any:
     """A runner's recorded table and timings (tiering::BlockTable::record); the driver prices it
@@ -42,36 +37,18 @@ def block_record(runner: BlockRunner) -> Any:
 
 
 def measured_compute(plan: dict, replays: list) -> tuple:
-    """The blocks' compute as the timed step measured it (report()["plan"]["terms"]), with the replays the plan in
-    force does: the timed step replayed every block (`replays`: each block's measured replay seconds, None where
-    none was), the plan replays a recompute block whole, a split block its share (the planner's
-    (split * (1 - alpha) + cheap) / forward of the measured replay), keep and swap none. None without a timed step
-    and after a batch-growth re-plan (the timed step ran another batch). Returns it and what it is over."""
-    timed = plan.get("timed_step") or {}
-    if not timed:
-        return None, "none: no timed step"
-    batch, profiled = plan.get("batch_elements"), plan.get("profiled_batch_elements")
-    if batch is not None and profiled is not None and batch != profiled:
-        return None, (f"none: the timed step ran a batch of {profiled} elements, the plan in force is for {batch} "
-                      "(Note [Batch growth])")
-    modes, alphas, blocks = plan.get("modes") or [], plan.get("alpha") or [], timed.get("blocks") or []
-    total = 0.0
-    for i, mode in enumerate(modes):
-        if mode not in ("recompute", "split"):
-            continue
-        replay = replays[i] if i < len(replays) else None
-        if replay is None:
-            return None, f"none: the timed step did not replay block {i}, which the plan replays"
-        if mode == "split":
-            b = blocks[i] if i < len(blocks) else {}
-            forward = b.get("forward_seconds") or 0.0
-            alpha = alphas[i] if i < len(alphas) else 0.0
-            share = b.get("split_recompute_seconds", 0.0) * (1 - alpha) + b.get("cheap_recompute_seconds", 0.0)
-            replay *= min(1.0, share / forward) if forward > 0 else 1.0
-        total += replay
-    compute = (timed.get("blocks_forward_seconds") or 0.0) + (timed.get("blocks_backward_seconds") or 0.0)
-    return compute + total, ("the timed step's blocks' forward and backward, and the replays the plan in force does "
-                             "(a recompute block's measured replay, a split block's share of it; keep and swap none)")
+    """The blocks' compute as the timed step measured it, with the replays the plan in force does, and what it is
+    over (tiering::measured_compute; `replays`: each block's measured replay seconds, None where none was)."""
+    return _C.measured_compute(json.dumps(plan), replays)
+
+
+def step_counters(counters: dict) -> Any:
+    """tiering::StepCounters from _wait_counters' dict (a key it lacks, or None: the struct's default)."""
+    return _C.StepCounters(**{k: v for k, v in counters.items() if v is not None})
+
+
+# The report's parts the measured terms read (tiering::measured_terms_json).
+_MEASURED_FROM = ("timed_step", "modes", "alpha", "batch_elements", "profiled_batch_elements", "measured")
 
 
 class AutoPlanner(_C.PlanFrontEnd):
@@ -240,73 +217,29 @@ class AutoPlanner(_C.PlanFrontEnd):
                 "adam_elements": int(stats.get("optimizer", {}).get("elements", 0))}
 
     def _optimizer_inputs(self, before: dict, after: dict) -> Any:
-        """The CPU optimizer as the timed step measured it: its parameters and its kernel's rate (parameters a
-        second from the gradient bytes it stepped in its time), stepping during backward; without a gradient
-        stream (overlap_step=off) a CPUAdamW steps all in step(), at the rate its Python path stepped in the timed
-        step (the parameters the runtime's CPU Adam kernels stepped a second of python_step_ns: the gradients' way
-        to the host and the weights' back included)."""
+        """The CPU optimizer as the timed step measured it (tiering::timed_optimizer_inputs): its parameters and
+        its kernel's rate, stepping during backward; without a gradient stream a CPUAdamW steps all in step(), at
+        the rate its Python path stepped."""
         params = [p for p in self.model_params if p.requires_grad]
-        if not after.get("streaming"):
-            if after.get("python_step_ms") is None:  # not a CPUAdamW: nothing on the CPU
-                return _C.OptimizerStepInputs()
-            seconds = (after["python_step_ms"] - (before.get("python_step_ms") or 0.0)) / 1e3
-            stepped = after["adam_elements"] - before.get("adam_elements", 0)
-            return _C.OptimizerStepInputs(on_cpu=True, parameters=sum(p.numel() for p in params),
-                                          params_per_second=stepped / seconds if seconds > 0 and stepped > 0 else 0.0,
-                                          states=str(self.session.settings.optimizer_states),
-                                          steps_during_backward=False)
-        element = params[0].element_size() if params else 4
-        seconds = (after["kernel_ms"] - before.get("kernel_ms", 0.0)) / 1e3
-        stepped = (after["kernel_grad_bytes"] - before.get("kernel_grad_bytes", 0)) / element
-        return _C.OptimizerStepInputs(on_cpu=True, parameters=sum(p.numel() for p in params),
-                                      params_per_second=stepped / seconds if seconds > 0 and stepped > 0 else 0.0,
-                                      states=str(self.session.settings.optimizer_states))
+        return _C.timed_optimizer_inputs(step_counters(before), step_counters(after), sum(p.numel() for p in params),
+                                         params[0].element_size() if params else 4,
+                                         str(self.session.settings.optimizer_states))
 
     def _measured_terms(self, out: dict) -> None:
-        """Each term's measurement beside its prediction (report()["plan"]["terms"]): per step since the plan came
-        in force, what the runtime counted (activation waits, parameter waits; per optimizer step, step()'s wait
-        for the CPU optimizer split into the worker's wait for gradient copies after backward ended, at most all
-        of it, and the rest, the optimizer's) and the measured step; the blocks' compute as the timed step
+        """Each term's measurement beside its prediction (report()["plan"]["terms"], tiering::measured_terms_json):
+        per step since the plan came in force, what the runtime counted; the blocks' compute as the timed step
         measured it; None where nothing measures it apart."""
         terms = out.get("terms")
         if not isinstance(terms, dict):
             return
-        now, then = self._wait_counters(), self._plan_counters
-        steps = now["forwards"] - then.get("forwards", now["forwards"])
-        per_step = (lambda key: (now[key] - then[key]) / 1e3 / steps) if steps > 0 else (lambda key: None)
-        # The optimizer steps once an optimizer step, not a forward (gradient accumulation: several forwards).
-        opt_steps = now["optimizer_steps"] - then.get("optimizer_steps", now["optimizer_steps"])
-        optimizer = gradients = None
-        if now["streaming"] and opt_steps > 0:
-            step_wait = max(0.0, now["step_wait_ms"] - then["step_wait_ms"]) / 1e3 / opt_steps
-            copy_wait = max(0.0, now["grad_copy_wait_ms"] - then.get("grad_copy_wait_ms", 0.0)) / 1e3 / opt_steps
-            gradients = min(copy_wait, step_wait)  # a wait before step() began is not the step's
-            optimizer = step_wait - gradients
-        # The Python path's CPU optimizer time inside step() (what the stream left: every parameter with gradient
-        # accumulation; all of it without a stream), per optimizer step.
-        if now.get("python_step_ms") is not None and then.get("python_step_ms") is not None and opt_steps > 0:
-            python = max(0.0, now["python_step_ms"] - then["python_step_ms"]) / 1e3 / opt_steps
-            optimizer = (optimizer or 0.0) + python
-        fetches = None
-        if now.get("param_wait_ms") is not None and then.get("param_wait_ms") is not None:
-            fetches = per_step("param_wait_ms")
-        compute, compute_over = measured_compute(out, [sum(r.recompute_seconds) if r.recompute_seconds else None
-                                                       for r in getattr(self, "runners", [])])
-        measured = {"compute": compute, "activation_copies": per_step("activation_wait_ms"),
-                    "parameter_fetches": fetches, "gradient_copies": gradients, "optimizer": optimizer,
-                    "rest": None, "total": (out.get("measured") or {}).get("step_seconds")}
+        then = self._plan_counters
+        replays = [sum(r.recompute_seconds) if r.recompute_seconds else None for r in getattr(self, "runners", [])]
+        m = json.loads(_C.measured_terms_json(json.dumps({k: out.get(k) for k in _MEASURED_FROM}), replays,
+                                              step_counters(self._wait_counters()),
+                                              step_counters(then) if then else None))
         for name, term in terms.items():
-            term["measured_s"] = measured.get(name)
-        out["terms_measured_over"] = {"steps": steps, "optimizer_steps": opt_steps,
-                                      "compute": compute_over,
-                                      "activation_copies": "the compute's waits for activations coming back and "
-                                      "for the copy window, per step",
-                                      "parameter_fetches": "the compute's waits for fetched parameters",
-                                      "gradient_copies": "the CPU optimizer's wait for gradient copies after "
-                                      "backward ended, per optimizer step (at most step()'s wait)",
-                                      "optimizer": "step()'s wait for the CPU optimizer less the gradient copies' "
-                                      "part, and its Python path's steps inside step(), per optimizer step",
-                                      "total": "the median gap between forwards since the plan's own steps (held out)"}
+            term["measured_s"] = m["measured"].get(name)
+        out["terms_measured_over"] = m["over"]
 
     # --- what the driver asks of its front end (tiering::PlanFrontEnd) ---
 
@@ -397,10 +330,8 @@ class AutoPlanner(_C.PlanFrontEnd):
             m.peak_bytes, m.reserved_peak_bytes = self._forward_backward_peak, self._forward_backward_reserved
         # Note [Step prediction]: step()'s wait for the CPU optimizer in the timed step, and its kernel's rate.
         after = self._wait_counters()
-        m.optimizer_wait_seconds = max(0.0, after["step_wait_ms"] - self._timed_counters.get("step_wait_ms", 0.0)) / 1e3
-        if after.get("python_step_ms") is not None:  # and the Python path's steps inside step()
-            m.optimizer_wait_seconds += max(0.0, after["python_step_ms"] -
-                                            (self._timed_counters.get("python_step_ms") or 0.0)) / 1e3
+        m.optimizer_wait_seconds = _C.timed_optimizer_wait_seconds(step_counters(self._timed_counters),
+                                                                   step_counters(after))
         m.optimizer = self._optimizer_inputs(self._timed_counters, after)
         return m
 
@@ -507,28 +438,9 @@ class AutoPlanner(_C.PlanFrontEnd):
 
 
 def auto_profile(profile: dict) -> Any:
-    """tiering::AutoProfile from a profile's dict (a file's, or the driver's as profile gives it)."""
-    p = _C.AutoProfile()
-    p.blocks = [profile_struct(b) for b in profile["blocks"]]
-    p.links = links_struct(profile.get("links", {}))
-    p.fixed_device_bytes = int(profile.get("fixed_device_bytes") or 0)
-    if "batch_tensor_elements" in profile:
-        p.batch_tensor_elements = [(k, int(n)) for k, n in profile["batch_tensor_elements"].items()]
-    p.batch_elements = int(profile.get("batch_elements") or 0)
-    p.batch_ratio = float(profile.get("batch_ratio") or 1.0)
-    if "outside_saved_bytes" in profile:
-        p.outside_saved_bytes = int(profile["outside_saved_bytes"] or 0)
-        # The largest of them (their host staging to NVMe); a file from before it was measured: 0, not counted.
-        p.outside_largest_bytes = int(profile.get("outside_largest_bytes") or 0)
-    for k in _PROFILE_EXTRAS[1:]:
-        if profile.get(k) is not None:
-            setattr(p, k, profile[k])
-    c = profile.get("calibrated")
-    if isinstance(c, dict):
-        p.calibrated = _C.ProfileCalibration(link_factor=float(c.get("link_factor", 1.0)),
-                                             compute_factor=float(c.get("compute_factor", 1.0)),
-                                             why=str(c.get("why", "")))
-    return p
+    """tiering::AutoProfile from a profile's dict (a file's, or the driver's as profile gives it;
+    tiering::auto_profile_from_json)."""
+    return _C.auto_profile_from_json(json.dumps(profile))
 
 
 def load_profile(path: str, blocks: int) -> dict:
