@@ -514,30 +514,19 @@ void BlockOffload::synchronize() {
 }
 
 void BlockOffload::offload_parameters(const std::vector<std::vector<at::Tensor>>& block_parameters, Tier tier) {
-  if (tier != Tier::kHost)
-    throw config_error(std::string("BlockOffload::offload_parameters: tier '") + std::string(to_string(tier)) +
-                       "'; accepted: host (the NVMe tier for parameters is not available from C++ yet)");
   std::lock_guard<std::mutex> lock(shared_->mutex);
   if (shared_->params) throw config_error("BlockOffload::offload_parameters: called twice; call it once, before training");
-  std::vector<tiering::ParamUnit> units;
-  std::uint64_t largest = 0;
+  std::vector<std::vector<tiering::ParamRef>> refs(block_parameters.size());
   for (std::size_t b = 0; b < block_parameters.size(); ++b) {
-    tiering::ParamUnit u;
-    u.residence = shared_->actions.action(b) == BlockAction::kKeep ? Tier::kGpu : tier;
-    std::uint64_t bytes = 0;
     for (const at::Tensor& p : block_parameters[b]) {
       TIERFLOW_EXPECTS(p.defined() && p.is_leaf(), "BlockOffload::offload_parameters: block " + std::to_string(b) +
                                                        " lists a tensor that is not a parameter (undefined or not a leaf)");
-      u.params.push_back({param_id(p), p.nbytes()});
-      bytes += p.nbytes();
+      refs[b].push_back({param_id(p), p.nbytes()});
     }
-    if (u.residence != Tier::kGpu) largest = std::max(largest, bytes);
-    units.push_back(std::move(u));
   }
-  units.push_back(tiering::ParamUnit{});  // the rest unit: the trainer's own, where it put them
-  tiering::ParamScheduleOptions o;
-  o.prefetch_bytes = largest;  // one block ahead (Note [Parameter residency])
-  auto schedule = std::make_unique<tiering::ParamSchedule>(units, o);
+  // Where each block's parameters live and how far ahead they come (tiering::block_param_units).
+  auto [units, options] = tiering::block_param_units(shared_->actions, refs, tier);
+  auto schedule = std::make_unique<tiering::ParamSchedule>(units, options);
   std::unordered_map<tiering::ParamId, Shared::Param> copies;  // made in full before anything changes
   for (std::size_t b = 0; b < block_parameters.size(); ++b) {
     if (units[b].residence == Tier::kGpu) continue;

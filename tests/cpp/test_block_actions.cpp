@@ -139,3 +139,28 @@ TEST(BlockCallAction, AKeptBlockWithFetchedParametersIsRecomputedByAutoAndRefuse
     EXPECT_NE(what.find("kSwapHost, kSwapNvme or kRecompute"), std::string::npos) << what;
   }
 }
+
+TEST(BlockParamUnits, KeptBlocksStayOnTheDeviceAndTheLargestFetchedBlockIsPrefetched) {
+  BlockActionTable actions(BlockAction::kSwapHost, false);
+  actions.set(1, BlockAction::kKeep);
+  const std::vector<std::vector<ParamRef>> params = {{{1, 100}, {2, 50}}, {{3, 400}}, {{4, 120}}};
+  const auto [units, options] = block_param_units(actions, params, Tier::kHost);
+  ASSERT_EQ(units.size(), 4u);  // the blocks and the rest unit
+  EXPECT_EQ(units[0].residence, Tier::kHost);
+  EXPECT_EQ(units[1].residence, Tier::kGpu);  // autograd holds a kept block's weights
+  EXPECT_EQ(units[2].residence, Tier::kHost);
+  EXPECT_EQ(units[0].params.size(), 2u);
+  EXPECT_EQ(units[3].residence, Tier::kGpu);
+  EXPECT_TRUE(units[3].params.empty());
+  EXPECT_EQ(options.prefetch_bytes, 150u);  // block 0's, not the kept block's 400
+}
+
+TEST(BlockParamUnits, OnlyTheHostTierIsAccepted) {
+  BlockActionTable actions(BlockAction::kSwapHost, false);
+  try {
+    block_param_units(actions, {{{1, 8}}}, Tier::kNvme);
+    FAIL() << "parameters on NVMe were accepted";
+  } catch (const config_error& e) {
+    EXPECT_NE(std::string(e.what()).find("accepted: host"), std::string::npos) << e.what();
+  }
+}

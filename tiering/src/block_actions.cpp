@@ -1,6 +1,7 @@
 // See Note [C++ block actions] in block_actions.hpp.
 #include "tierflow/tiering/block_actions.hpp"
 
+#include <algorithm>
 #include <string>
 
 #include "tierflow/core/error.hpp"
@@ -43,6 +44,26 @@ BlockAction block_call_action(std::size_t block, BlockAction planned, bool rerun
   throw config_error("BlockOffload: block " + std::to_string(block) + " is kKeep, but its parameters are "
                      "fetched from the host (offload_parameters): autograd would hold them until backward; "
                      "accepted for such a block: kSwapHost, kSwapNvme or kRecompute");
+}
+
+std::pair<std::vector<ParamUnit>, ParamScheduleOptions> block_param_units(
+    const BlockActionTable& actions, const std::vector<std::vector<ParamRef>>& params, Tier tier) {
+  if (tier != Tier::kHost)
+    throw config_error(std::string("BlockOffload::offload_parameters: tier '") + std::string(to_string(tier)) +
+                       "'; accepted: host (the NVMe tier for parameters is not available from C++ yet)");
+  std::vector<ParamUnit> units;
+  ParamScheduleOptions o;
+  for (std::size_t b = 0; b < params.size(); ++b) {
+    ParamUnit u;
+    u.residence = actions.action(b) == BlockAction::kKeep ? Tier::kGpu : tier;
+    u.params = params[b];
+    std::uint64_t bytes = 0;
+    for (const ParamRef& p : params[b]) bytes += p.bytes;
+    if (u.residence != Tier::kGpu) o.prefetch_bytes = std::max(o.prefetch_bytes, bytes);  // one block ahead
+    units.push_back(std::move(u));
+  }
+  units.push_back(ParamUnit{});  // the rest unit: the trainer's own, where it put them
+  return {std::move(units), o};
 }
 
 BlockActionTable::BlockActionTable(BlockAction default_action, bool has_nvme_tier) noexcept

@@ -79,24 +79,10 @@
 // call. Parameters outside the blocks (embeddings, head) stay where the
 // trainer put them.
 //
-// What a rerun restores (Note [Replay side effects] in tiering/replay_rule.hpp).
-// A block's forward may write its own state in place: BatchNorm's running
-// statistics (which native_batch_norm writes without bumping a version
-// counter), a power iteration's vectors. The rerun would write them again
-// (counted twice, the running means off) and would compute from the
-// forward's result instead of what the forward started from. So the
-// tensors a block may write are handed in beside its parameters (`state`:
-// its modules' buffers; the ModuleHolder overload passes
-// module->buffers()), and on a block's first call every one of them and
-// of its parameters is copied before the forward and compared after (by
-// value for the state, by version counter for the parameters); the ones it
-// wrote are copied before each later call. The rerun sets those copies,
-// runs, and puts back what the tensors held (the forward's result, or a
-// later call's), version counters as they were. A later call that writes
-// a tensor its first call did not (its version counter moved) had no copy
-// taken: tiering::replay_refusal says why, once, and the block is kept
-// (kKeep) from its next call on. C++ modules have no forward hooks, so the
-// other refusal of the Note does not arise here.
+// What a rerun restores (Note [Replay side effects] in tiering/replay_rule.hpp, The C++ BlockOffload): the
+// tensors a block may write are handed in beside its parameters (`state`: its modules' buffers; the
+// ModuleHolder overload passes module->buffers()); tiering::BlockWrites says which to copy before a call and
+// restore around its rerun, and when the block is kept instead.
 //
 // Where the plan comes from: the per-block action table of
 // tiering::BlockActionTable (Note [C++ block actions]: the default from

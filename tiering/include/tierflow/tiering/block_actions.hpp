@@ -35,9 +35,11 @@
 #include <cstdint>
 #include <optional>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "tierflow/core/config.hpp"
+#include "tierflow/tiering/param_schedule.hpp"
 #include "tierflow/tiering/planner.hpp"
 
 namespace tierflow::tiering {
@@ -94,6 +96,14 @@ class BlockActionTable {
   bool has_nvme_tier_;
   std::vector<std::optional<BlockAction>> actions_;
 };
+
+/// The parameter schedule's units of a C++ trainer's blocks (Note [C++ parameter residency] in
+/// bindings/include/tierflow/bindings/block_offload.hpp): block b's parameters (`params[b]`) live on `tier`
+/// between uses, a kept block's (its action in `actions`) on the device, where autograd holds them; a last,
+/// empty unit stands for the trainer's own parameters, where it put them. The options prefetch one block ahead
+/// (the largest that leaves the device). config_error for a tier other than the host.
+std::pair<std::vector<ParamUnit>, ParamScheduleOptions> block_param_units(
+    const BlockActionTable& actions, const std::vector<std::vector<ParamRef>>& params, Tier tier);
 
 /// Counters of a C++ trainer's block calls since creation.
 struct BlockCallStats {

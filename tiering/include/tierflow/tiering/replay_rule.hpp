@@ -34,6 +34,19 @@
 // Each refusal is said once per block and reason, named, and is in the report (plan.not_replayed); what was
 // restored is counted (plan.replay_restored). The decision is here; the bindings measure the facts it is made
 // from (which hooks, what was written) and carry it out.
+//
+// The C++ BlockOffload (Note [C++ block offload] in bindings/include/tierflow/bindings/block_offload.hpp) reruns
+// a block's forward in backward, and the same holds: the rerun would write the block's state again (BatchNorm's
+// running statistics, which native_batch_norm writes without bumping a version counter; a power iteration's
+// vectors) and compute from the forward's result instead of what the forward started from. The trainer hands
+// in the tensors a block may write beside its parameters, and BlockWrites keeps per block which of them any
+// call wrote: on a block's first call every one of them and of its parameters is copied before the forward and
+// compared after (by value for the state, by version counter for the parameters); the ones it wrote are copied
+// before each later call. The rerun sets those copies, runs, and puts back what the tensors held (the forward's
+// result, or a later call's), version counters as they were. A later call that writes a tensor its first call
+// did not (its version counter moved) had no copy taken: replay_refusal says why, once, and the block is kept
+// (kKeep) from its next call on (block_call_action). C++ modules have no forward hooks, so the other refusal
+// does not arise there.
 #pragma once
 
 #include <cstddef>
