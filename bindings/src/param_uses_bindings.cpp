@@ -138,5 +138,14 @@ void bind_param_uses(py::module_& m) {
         return std::make_tuple(std::move(r.write_back), std::move(r.discard), std::move(r.edited));
       })
       .def("held", &G::held)
-      .def("any", &G::any);
+      .def("any", &G::any)
+      .def("forward_begins", &G::forward_begins, py::arg("grad_enabled"), py::arg("model"))
+      .def("forward_ends", &G::forward_ends)
+      .def("check_outside_passes", &G::check_outside_passes, py::arg("in_backward"), py::arg("model"));
+  // The refusals of Note [Parameter state], in their words.
+  m.def("_gathered_edited_error", &tierflow::tiering::gathered_edited_error, py::arg("names"));
+  m.def("_gathered_step_refusal", &tierflow::tiering::gathered_step_refusal, py::arg("optimizer"));
+  m.def("_assign_refusal", &tierflow::tiering::assign_refusal, py::arg("name"), py::arg("tier"));
+  m.def("_conversion_refusal", &tierflow::tiering::conversion_refusal, py::arg("module"), py::arg("call"),
+        py::arg("name"), py::arg("was"), py::arg("becomes"), py::arg("tier"));
 }

@@ -284,3 +284,49 @@ TEST(ParamGathers, AnInPlaceWriteWithoutModifyIsNamedAgainstTheVersionWhenFetche
   g.enter({1}, true, {0});
   EXPECT_TRUE(g.exit({1}, {9}).edited.empty());  // modify: written back, nothing refused
 }
+
+TEST(ParamGathers, AForwardThatBuildsAGraphInsideAContextIsRefusedAndNotCounted) {
+  ParamGathers g;
+  g.forward_begins(true, "GPT");  // nothing held: counted
+  EXPECT_THROW(g.check_outside_passes(false, "GPT"), config_error) << "inside the model's forward";
+  g.forward_ends();
+  g.check_outside_passes(false, "GPT");
+  g.enter({1}, false, {0});
+  try {
+    g.forward_begins(true, "GPT");
+    FAIL() << "a training forward inside gathered()";
+  } catch (const config_error& e) {
+    EXPECT_NE(std::string(e.what()).find("a forward of GPT that builds a graph"), std::string::npos);
+  }
+  g.check_outside_passes(false, "GPT");  // the refused forward was not counted
+  g.forward_begins(false, "GPT");         // evaluation under no_grad reads the gathered values
+  g.forward_ends();
+  g.forward_ends();  // one too many (a forward that raised): no underflow
+  g.check_outside_passes(false, "GPT");
+  try {
+    g.check_outside_passes(true, "GPT");
+    FAIL() << "gathered() inside a backward";
+  } catch (const config_error& e) {
+    EXPECT_NE(std::string(e.what()).find("inside GPT's backward"), std::string::npos);
+  }
+}
+
+TEST(ParamGathers, TheRefusalsNameWhatTheUserPassed) {
+  const std::string five = gathered_edited_error({"a.w", "b.w", "c.w", "d.w", "e.w"});
+  EXPECT_NE(five.find("'a.w', 'b.w', 'c.w', 'd.w' and others written in place"), std::string::npos) << five;
+  EXPECT_EQ(gathered_edited_error({"a.w"}),
+            "tierflow.gathered(..., modify=False): 'a.w' written in place inside the block; the write was discarded "
+            "(modify=False releases without writing back): pass modify=True to keep it");
+  EXPECT_NE(gathered_step_refusal("AdamW").find("AdamW.step() inside a gathered() block"), std::string::npos);
+  EXPECT_NE(assign_refusal("h.w", "nvme").find("replace parameter 'h.w', which lives on the nvme between uses "
+                                              "(TIERFLOW_OFFLOAD_PARAMS=nvme"),
+            std::string::npos);
+  const std::string half = conversion_refusal("GPT", "<lambda>", "h.w", "torch.float32 on cpu", "torch.float16 on cpu",
+                                              "host");
+  EXPECT_NE(half.find("GPT._apply() after tierflow.wrap would make parameter 'h.w' (torch.float32 on cpu) "
+                      "torch.float16 on cpu"),
+            std::string::npos)
+      << half;
+  EXPECT_NE(conversion_refusal("GPT", "half", "h.w", "", "", "host").find("call .half() before tierflow.wrap"),
+            std::string::npos);
+}

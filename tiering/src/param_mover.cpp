@@ -292,14 +292,22 @@ void ParamMover::gather(const std::vector<ParamId>& ids) {
   std::lock_guard<std::mutex> lock(mutex_);
   point_back_locked();
   std::vector<ParamId> held;
+  const auto none = [&] {  // all or none
+    for (auto it = held.rbegin(); it != held.rend(); ++it) carry_out(schedule_->unhold(*it));
+  };
   try {
     for (ParamId id : ids) {
       if (!params_.count(id) || std::find(held.begin(), held.end(), id) != held.end()) continue;
       carry_out_named(schedule_->hold(id), id);
       held.push_back(id);
     }
-  } catch (...) {  // all or none
-    for (auto it = held.rbegin(); it != held.rend(); ++it) carry_out(schedule_->unhold(*it));
+  } catch (const out_of_memory& e) {
+    none();
+    throw out_of_memory(std::string(e.what()) + "; tierflow.gathered: gather fewer modules at a time (one block, "
+                        "say: `with tierflow.gathered(model.layers[i])` in a loop over the blocks), or raise "
+                        "TIERFLOW_GPU_MEMORY (gpu_memory=)");
+  } catch (...) {
+    none();
     throw;
   }
 }

@@ -302,4 +302,52 @@ ParamGathers::Release ParamGathers::exit(const std::vector<ParamId>& params,
   return out;
 }
 
+void ParamGathers::forward_begins(bool grad_enabled, const std::string& model) {
+  if (any() && grad_enabled)
+    throw config_error("tierflow.gathered: a forward of " + model + " that builds a graph (grad enabled) inside a "
+                       "gathered() block over its parameters: the step it leads to would update the host copies while "
+                       "the block holds the values it read on the device (written back over them with modify=True); "
+                       "train outside the block, or run the forward under torch.no_grad() (evaluation, generation)");
+  ++forwards_;
+}
+
+void ParamGathers::check_outside_passes(bool in_backward, const std::string& model) const {
+  if (forwards_ > 0 || in_backward)
+    throw config_error("tierflow.gathered: inside " + model + "'s " + (in_backward ? "backward" : "forward") +
+                       ", whose parameters tierflow fetches for their uses (a weight of another module is fetched "
+                       "when read through its module, self.wte.weight); gathered() is for reads outside the forward "
+                       "and backward (EMA, norms, logging, an edit of the weights): move it out, or read the weight "
+                       "through its module");
+}
+
+std::string gathered_edited_error(const std::vector<std::string>& names) {
+  std::string named;
+  for (std::size_t i = 0; i < names.size() && i < 4; ++i) named += (i ? ", '" : "'") + names[i] + "'";
+  return "tierflow.gathered(..., modify=False): " + named + (names.size() > 4 ? " and others" : "") +
+         " written in place inside the block; the write was discarded (modify=False releases without writing "
+         "back): pass modify=True to keep it";
+}
+
+std::string gathered_step_refusal(const std::string& optimizer) {
+  return "tierflow.gathered: " + optimizer + ".step() inside a gathered() block over the parameters it steps: the "
+         "step updates the host copies while the block holds the values it read on the device (written back over "
+         "them with modify=True); step outside the block";
+}
+
+std::string assign_refusal(const std::string& name, const std::string& tier) {
+  return "tierflow: load_state_dict(..., assign=True) after tierflow.wrap would replace parameter '" + name +
+         "', which lives on the " + tier + " between uses (TIERFLOW_OFFLOAD_PARAMS=" + tier + ", offload_params='" +
+         tier + "'), with the loaded tensor; load without assign (the values are copied into it), or "
+         "tierflow.unwrap(model) first. Nothing was changed";
+}
+
+std::string conversion_refusal(const std::string& module, std::string call, const std::string& name,
+                               const std::string& was, const std::string& becomes, const std::string& tier) {
+  if (call == "<lambda>") call = "_apply";
+  return "tierflow: " + module + "." + call + "() after tierflow.wrap would make parameter '" + name + "' (" + was +
+         ") " + becomes + ", and it lives on the " + tier + " between uses (TIERFLOW_OFFLOAD_PARAMS=" + tier +
+         ", offload_params='" + tier + "'), where tierflow cannot convert it; call ." + call + "() before "
+         "tierflow.wrap, or tierflow.unwrap(model) first and wrap again after. Nothing was changed";
+}
+
 }  // namespace tierflow::tiering

@@ -88,8 +88,8 @@ class ParamState:
     def __init__(self, model: torch.nn.Module, me: Any) -> None:
         self.me = me
         self.model_type = type(model).__name__
-        self.forwards = 0  # forwards of the model in progress (on any thread)
-        self.held = _C.ParamGathers()  # by id(p): what gathered() holds (Note [Parameter uses], Gathered)
+        # By id(p): what gathered() holds, and the model's forwards in progress (Note [Parameter uses], Gathered)
+        self.held = _C.ParamGathers()
         self.local = threading.local()  # .depth, .copies: the state_dict() call in progress on this thread
 
     def offload(self) -> Any:
@@ -152,11 +152,7 @@ def state_hooks(model: torch.nn.Module, me: Any) -> list:
         # The outermost module's pre-hook runs before any module loads: nothing has changed yet.
         for name, p in module.named_parameters(prefix=prefix.rstrip("."), remove_duplicate=False):
             if offload.impl.offloaded(p):
-                raise _C.ConfigError(
-                    f"tierflow: load_state_dict(..., assign=True) after tierflow.wrap would replace parameter "
-                    f"'{name}', which lives on the {offload.tier} between uses (TIERFLOW_OFFLOAD_PARAMS="
-                    f"{offload.tier}, offload_params='{offload.tier}'), with the loaded tensor; load without "
-                    "assign (the values are copied into it), or tierflow.unwrap(model) first. Nothing was changed")
+                raise _C.ConfigError(_C._assign_refusal(name, offload.tier))
 
     def loading(module: torch.nn.Module, *args: Any) -> None:
         offload = me()
@@ -181,19 +177,12 @@ def state_hooks(model: torch.nn.Module, me: Any) -> list:
             handles.append(module.register_load_state_dict_post_hook(loaded))
 
     def forward_begins(m: torch.nn.Module, args: Any) -> None:
-        if _in_backward():
-            return
-        if state.held.any() and torch.is_grad_enabled():
-            raise _C.ConfigError(
-                f"tierflow.gathered: a forward of {state.model_type} that builds a graph (grad enabled) inside a "
-                "gathered() block over its parameters: the step it leads to would update the host copies while "
-                "the block holds the values it read on the device (written back over them with modify=True); "
-                "train outside the block, or run the forward under torch.no_grad() (evaluation, generation)")
-        state.forwards += 1
+        if not _in_backward():  # (refuses one that builds a graph inside gathered())
+            state.held.forward_begins(torch.is_grad_enabled(), state.model_type)
 
     def forward_ends(m: torch.nn.Module, args: Any, out: Any) -> None:
         if not _in_backward():
-            state.forwards = max(state.forwards - 1, 0)
+            state.held.forward_ends()
 
     handles.append(model.register_forward_pre_hook(outside_graphs(forward_begins), prepend=True))
     handles.append(model.register_forward_hook(outside_graphs(forward_ends), always_call=True))
@@ -221,10 +210,7 @@ def _refuse_step_inside_gathered(optimizer: torch.optim.Optimizer, args: Any, kw
     for group in optimizer.param_groups:
         for p in group["params"]:
             if any(h.held(id(p)) for h in held):
-                raise _C.ConfigError(
-                    f"tierflow.gathered: {type(optimizer).__name__}.step() inside a gathered() block over the "
-                    "parameters it steps: the step updates the host copies while the block holds the values it "
-                    "read on the device (written back over them with modify=True); step outside the block")
+                raise _C.ConfigError(_C._gathered_step_refusal(type(optimizer).__name__))
 
 
 def _snapshot(state: ParamState, offload: Any, p: torch.Tensor) -> torch.Tensor:
@@ -274,13 +260,7 @@ class gathered:
                 mine = [p for p in params if offload.impl.offloaded(p)]
                 if not mine:
                     continue
-                if state.forwards > 0 or _in_backward():
-                    raise _C.ConfigError(
-                        f"tierflow.gathered: inside {state.model_type}'s " +
-                        ("backward" if _in_backward() else "forward") + ", whose parameters tierflow fetches "
-                        "for their uses (a weight of another module is fetched when read through its module, "
-                        "self.wte.weight); gathered() is for reads outside the forward and backward (EMA, norms, "
-                        "logging, an edit of the weights): move it out, or read the weight through its module")
+                state.held.check_outside_passes(_in_backward(), state.model_type)  # (inside the model's passes)
                 ids = [id(p) for p in mine]
                 fresh = set(state.held.fresh(ids))
                 _gather(offload, [p for p in mine if id(p) in fresh])
@@ -316,10 +296,7 @@ class gathered:
         if error is not None and not raising:
             raise error
         if written and not raising:
-            raise _C.TierflowError(
-                f"tierflow.gathered(..., modify=False): {', '.join(repr(n) for n in written[:4])}"
-                f"{' and others' if len(written) > 4 else ''} written in place inside the block; the write was "
-                "discarded (modify=False releases without writing back): pass modify=True to keep it")
+            raise _C.TierflowError(_C._gathered_edited_error(written))
 
 
 def _masters_stale(offload: Any) -> None:
@@ -340,18 +317,11 @@ def _name(offload: Any, p: torch.Tensor) -> str:
     return "?"
 
 
-_GATHER_FEWER = ("; tierflow.gathered: gather fewer modules at a time (one block, say: "
-                 "`with tierflow.gathered(model.layers[i])` in a loop over the blocks), or raise TIERFLOW_GPU_MEMORY "
-                 "(gpu_memory=)")
-
-
 def _gather(offload: Any, params: list) -> None:
-    """Fetches ``params`` to the device and waits: ParamResidency::gather (all or none, counted in the budget)."""
+    """Fetches ``params`` to the device and waits: ParamResidency::gather (all or none, counted in the budget; over
+    it, out_of_memory says to gather fewer)."""
     if params:
-        try:
-            offload.impl.gather(params)
-        except _C.OutOfMemoryError as e:
-            raise _C.OutOfMemoryError(f"{e}{_GATHER_FEWER}") from e
+        offload.impl.gather(params)
 
 
 def _scatter(offload: Any, params: list, write_back: bool) -> None:
@@ -429,11 +399,5 @@ def _refuse_conversion(module: torch.nn.Module, fn: Any, recurse: bool, state: P
                 except Exception as e:  # what the call would do to it fails anyway
                     tried[key] = f"something it cannot be ({type(e).__name__}: {e})"
         if tried[key] is not None:
-            what = call if call not in ("_apply", "<lambda>") else "_apply"
-            setting = offload.tier
-            raise _C.ConfigError(
-                f"tierflow: {type(module).__name__}.{what}() after tierflow.wrap would make parameter '{name}' "
-                f"({p.dtype} on {p.device}) {tried[key]}, and it lives on the {setting} between uses "
-                f"(TIERFLOW_OFFLOAD_PARAMS={setting}, offload_params='{setting}'), where tierflow cannot convert "
-                f"it; call .{what}() before tierflow.wrap, or tierflow.unwrap(model) first and wrap again after. "
-                "Nothing was changed")
+            raise _C.ConfigError(_C._conversion_refusal(type(module).__name__, call, name, f"{p.dtype} on {p.device}",
+                                                        tried[key], offload.tier))

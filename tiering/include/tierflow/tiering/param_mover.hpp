@@ -127,7 +127,8 @@ class ParamMover {
   void hold(ParamId id);
   void unhold(ParamId id, const std::string& why);
   void attach(UnitId unit, ParamId id);
-  /// Holds every offloaded one of `ids` (all, or none); scatter writes each back to its home when `write_back`
+  /// tierflow.gathered: holds every offloaded one of `ids` (all, or none: out_of_memory names the budget and says to
+  /// gather fewer); scatter writes each back to its home when `write_back`
   /// (the device values), then unholds it.
   void gather(const std::vector<ParamId>& ids);
   void scatter(const std::vector<ParamId>& ids, bool write_back);

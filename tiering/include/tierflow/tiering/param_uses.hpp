@@ -217,6 +217,16 @@ class ParamGathers {
   bool held(ParamId param) const { return held_.count(param) != 0; }
   bool any() const noexcept { return !held_.empty(); }
 
+  /// A forward of `model` begins (not a recompute in backward). Throws config_error, counting nothing, when it
+  /// builds a graph (`grad_enabled`) while a context holds parameters: the step it leads to would update the host
+  /// copies behind the context (written back over them with modify=True). A forward under no_grad reads them.
+  void forward_begins(bool grad_enabled, const std::string& model);
+  /// It ended (or raised).
+  void forward_ends() noexcept { forwards_ -= forwards_ > 0 ? 1 : 0; }
+  /// A context over `model`'s parameters may fetch them: throws config_error inside its forward or backward
+  /// (`in_backward`), where the schedule fetches them and a release on exit would free what autograd saved.
+  void check_outside_passes(bool in_backward, const std::string& model) const;
+
  private:
   struct Entry {
     std::uint32_t contexts = 0;
@@ -224,6 +234,20 @@ class ParamGathers {
     std::int64_t version = 0;  // when fetched
   };
   std::unordered_map<ParamId, Entry> held_;
+  std::uint32_t forwards_ = 0;  // forwards of the model in progress (on any thread)
 };
+
+/// What gathered()'s exit raises when in-place writes under modify=False were discarded: `names` (at least one;
+/// the first four named) and what to pass.
+std::string gathered_edited_error(const std::vector<std::string>& names);
+/// What a step of the optimizer class `optimizer` over parameters a gathered() context holds raises.
+std::string gathered_step_refusal(const std::string& optimizer);
+/// load_state_dict(assign=True)'s refusal (Note [Parameter state]): it would replace parameter `name`, which lives
+/// on `tier` ("host", "nvme") between uses.
+std::string assign_refusal(const std::string& name, const std::string& tier);
+/// Module._apply's refusal (Note [Parameter state]): `module`'s `call` (the user's method; "_apply" for a direct
+/// call or a lambda) would make parameter `name` (`was`: its dtype and device) `becomes`, and it lives on `tier`.
+std::string conversion_refusal(const std::string& module, std::string call, const std::string& name,
+                               const std::string& was, const std::string& becomes, const std::string& tier);
 
 }  // namespace tierflow::tiering
