@@ -1,9 +1,11 @@
 // tiering::StepRecorder: per-step figures from counter snapshots (Note [Step stats]).
 #include <gtest/gtest.h>
 
+#include <string>
 #include <vector>
 
 #include "tierflow/core/error.hpp"
+#include "tierflow/core/trace.hpp"
 #include "tierflow/tiering/step_stats.hpp"
 
 using namespace tierflow;
@@ -327,4 +329,40 @@ TEST(StepStatsFields, EveryFieldReadsItsMember) {
   }
   EXPECT_EQ(seen, 3u);
   EXPECT_EQ(step_stat_fields().size(), 18u);
+}
+
+// The trace's steps lane (Note [Step stats]): each step ended, from its first forward to its end, one event
+// "step <n>" with its number and forwards; at the last backward's end without an optimizer, at step()'s with one;
+// nothing while the trace is off.
+TEST(StepRecorder, EachStepEndedIsAnEventOnTheTracesStepsLane) {
+  trace::clear();
+  StepCounters c = at(1);
+  StepRecorder quiet(10, true);  // the trace off: counted, not recorded
+  for (const StepMark m : kForwardAndStep) quiet.mark(m, 1 * kMs, c);
+  EXPECT_EQ(trace::event_count(), 0u);
+  trace::start();
+  StepRecorder no_optimizer(10, false);
+  const std::vector<StepMark> micro_batch = {StepMark::kForwardBegin, StepMark::kForwardEnd,
+                                             StepMark::kBackwardBegin, StepMark::kBackwardEnd};
+  for (std::size_t i = 0; i < micro_batch.size(); ++i) no_optimizer.mark(micro_batch[i], (10 + i) * kMs, c);
+  StepRecorder watched(10, true);  // two micro-batches, then step()
+  std::uint64_t t_ms = 20;
+  for (int k = 0; k < 2; ++k)
+    for (const StepMark m : micro_batch) watched.mark(m, t_ms++ * kMs, c);
+  watched.mark(StepMark::kStepBegin, t_ms++ * kMs, c);
+  watched.mark(StepMark::kStepEnd, t_ms * kMs, c);
+  trace::stop();
+  const std::string json = trace::chrome_json();
+  trace::clear();
+  EXPECT_EQ(no_optimizer.recorded(), 0u) << "the recorder's step ends at the next forward; the trace's at backward";
+  const auto count = [&json](const std::string& text) {
+    std::size_t n = 0;
+    for (std::size_t at = json.find(text); at != std::string::npos; at = json.find(text, at + 1)) ++n;
+    return n;
+  };
+  EXPECT_EQ(count("\"name\":\"step 1\""), 2u) << json;  // each recorder numbers its own steps
+  EXPECT_EQ(count("\"forwards\":1"), 1u) << json;
+  EXPECT_EQ(count("\"forwards\":2"), 1u) << json;
+  EXPECT_EQ(count("\"dur\":3000.0"), 1u) << json;   // 10 ms to 13 ms: first forward to backward's end
+  EXPECT_EQ(count("\"dur\":9000.0"), 1u) << json;   // 20 ms to 29 ms: first forward to step()'s end
 }

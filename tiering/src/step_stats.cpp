@@ -2,8 +2,11 @@
 #include "tierflow/tiering/step_stats.hpp"
 
 #include <algorithm>
+#include <string>
+#include <utility>
 
 #include "tierflow/core/error.hpp"
+#include "tierflow/core/trace.hpp"
 
 namespace tierflow::tiering {
 
@@ -173,7 +176,23 @@ void StepRecorder::finish(std::uint64_t now_ns, const StepCounters& c) {
   open_ = false;
 }
 
+void StepRecorder::trace_mark(StepMark m, std::uint64_t now_ns) {
+  if (m == StepMark::kForwardBegin) {
+    if (trace_begin_ns_ == 0) trace_begin_ns_ = now_ns;
+    ++trace_forwards_;
+    return;
+  }
+  if (m != StepMark::kStepEnd && (m != StepMark::kBackwardEnd || ends_at_step_)) return;
+  const auto step = static_cast<std::int64_t>(++trace_steps_);  // a step ended (Note [Step stats], steps lane)
+  const std::uint64_t begin_ns = std::exchange(trace_begin_ns_, 0);
+  const auto forwards = static_cast<std::int64_t>(std::exchange(trace_forwards_, 0));
+  if (begin_ns != 0 && trace::on())
+    trace::complete_args(trace::Lane::kSteps, "step " + std::to_string(step), begin_ns, now_ns,
+                         {{"step", step}, {"forwards", forwards}});
+}
+
 void StepRecorder::mark(StepMark m, std::uint64_t now_ns, const StepCounters& c) {
+  trace_mark(m, now_ns);
   if (m == StepMark::kForwardBegin && open_ && backward_seen_ && !ends_at_step_) {
     sample(c);  // the window up to now is the ending step's
     finish(now_ns, c);

@@ -2,13 +2,13 @@
 
 The session's hooks mark each boundary of a training step (forward begin and end, backward begin and end,
 the optimizer's step() begin and end) on a ``_C.StepRecorder``, which reads the runtime's counters in C++ and
-does the arithmetic there (torch-free); this module only says when. Each mark costs one call into C++ (a few
-atomic loads and two short locks); the gradient stream's dict is read only around step().
+does the arithmetic there (torch-free), the trace's steps lane included; this module only says when. Each mark
+costs one call into C++ (a few atomic loads and two short locks); the gradient stream's dict is read only around
+step().
 """
 
 from __future__ import annotations
 
-import time
 import weakref
 from typing import Any, Optional, Union
 
@@ -32,30 +32,13 @@ class StepStatsHooks:
         self._optimizer: Optional[weakref.ref] = None  # the optimizer watched (a CPUAdamW or any torch optimizer)
         self._cpu_step_ns: Optional[int] = None  # the gradient stream's time inside step(), read around step()
         self._in_backward = False
-        self._step_t0: Optional[int] = None  # the step's first forward (monotonic ns): the trace's step marker
-        self._step_forwards = 0
-        self._steps_ended = 0
 
     # -- marks ---------------------------------------------------------------------------------------------------
     def _mark(self, mark: "_C.StepMark") -> None:
         self.recorder.mark(mark, self.runtime, self._cpu_step_ns)
 
     def forward_begin(self) -> None:
-        if self._step_t0 is None:
-            self._step_t0 = time.monotonic_ns()
-        self._step_forwards += 1
         self._mark(_M.forward_begin)
-
-    def _trace_step(self) -> None:
-        """The step that ended now, on the trace's "steps" lane (Note [Trace]): from its first forward to now, what
-        `python -m tierflow timeline` splits a trace by (gradient accumulation's micro-batches are one step)."""
-        self._steps_ended += 1
-        t0, forwards = self._step_t0, self._step_forwards
-        self._step_t0, self._step_forwards = None, 0
-        if t0 is not None and _C.trace_on():
-            n = self._steps_ended
-            _C.trace_complete(_C.TraceLane.steps, f"step {n}", t0, time.monotonic_ns(),
-                              [("step", n), ("forwards", forwards)])
 
     def forward_end(self, output: Any) -> None:
         """The outermost training forward returned ``output``: its tensors' gradients begin the backward."""
@@ -75,9 +58,7 @@ class StepStatsHooks:
 
     def _backward_end(self) -> None:
         self._in_backward = False
-        self._mark(_M.backward_end)
-        if not self.recorder.ends_at_step:  # no optimizer watched: a backward ends the step
-            self._trace_step()
+        self._mark(_M.backward_end)  # without an optimizer watched, a backward ends the step
 
     # -- the optimizer ---------------------------------------------------------------------------------------------
     def watch_optimizer(self, optimizer: Any) -> list:
@@ -127,7 +108,6 @@ class StepStatsHooks:
     def _step_end(self) -> None:
         self._cpu_step_ns = self._stream_ns()
         self._mark(_M.step_end)
-        self._trace_step()
 
     # -- reading ---------------------------------------------------------------------------------------------------
     def steps(self) -> list:

@@ -44,6 +44,13 @@
 // step's exposed copy time. On CUDA both are the host's time queuing the
 // stream's wait (the compute stream waits, not the host), on the emulated
 // device the host's wait itself.
+//
+// The trace's "steps" lane (Note [Trace]): each step ended, from its first
+// forward to its end (the optimizer's step(), or without one its last
+// backward's end: gradient accumulation's micro-batches are one step), is a
+// complete event "step <n>" with its number and forwards, what
+// `python -m tierflow timeline` splits a trace by; the recorder adds it at the
+// marks while the trace records.
 #pragma once
 
 #include <cstddef>
@@ -166,6 +173,9 @@ class StepRecorder {
   };
   Seen seen_device_, seen_host_, seen_nvme_;
   bool first_sample_ = true;  // the next sample is the step's first (its window is the time before the step)
+  // The trace's steps lane: the open step's first forward (0: none yet), its forwards, the steps ended.
+  void trace_mark(StepMark m, std::uint64_t now_ns);
+  std::uint64_t trace_begin_ns_ = 0, trace_forwards_ = 0, trace_steps_ = 0;
 };
 
 }  // namespace tierflow::tiering
