@@ -37,15 +37,9 @@ DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float
 # is shaped like its parameter (or shard); an 8-bit one is ONE uint8 tensor of _C.moment_bytes("8bit", numel)
 # bytes: the codes, padded to 16 bytes, then the fp32 scales (_C.moment_layout).
 MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "8bit": torch.uint8}
-STATE_FORMATS = tuple(MOMENT_DTYPES)  # TIERFLOW_OPTIMIZER_STATES's values
-
-
-def moment_format(moment: torch.Tensor) -> Optional[str]:
-    """The format of a moment tensor, from its dtype: "fp32", "bf16", "8bit", or None for another dtype."""
-    for name, dtype in MOMENT_DTYPES.items():
-        if moment.dtype == dtype:
-            return name
-    return None
+#: The format of a moment tensor, from its dtype: "fp32", "bf16", "8bit", or None for another dtype (one rule, the
+#: C++ one: bindings/src/runtime.cpp's moment_format).
+moment_format = _C.moment_format
 
 
 def host_moment(runtime: "_C.Runtime", like: torch.Tensor, fmt: str) -> torch.Tensor:
