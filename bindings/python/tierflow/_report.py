@@ -34,7 +34,7 @@ class Report(dict):
 
     def __str__(self) -> str:
         """The table: tiering::report_text of the report's JSON (tiering/report_text.hpp)."""
-        return _C.report_text(json.dumps(self, default=str))
+        return _C.report_text(json.dumps(self, default=str, skipkeys=True))  # what JSON cannot hold is not printed
 
     def to_json(self) -> str:
         """The report as JSON text."""
