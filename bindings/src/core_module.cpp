@@ -17,6 +17,7 @@
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/log.hpp"
 #include "tierflow/core/stall.hpp"
+#include "tierflow/core/trace_file.hpp"
 
 namespace py = pybind11;
 using namespace tierflow;
@@ -148,6 +149,17 @@ void bind_config(py::module_& m) {
   }, "The TIERFLOW_* variables the environment plus `overrides` set (the others hold the table's defaults).");
 }
 
+// A trace file read back, merged, cut to one step (Note [Trace file]): `python -m tierflow timeline`'s, as JSON text.
+void bind_trace_file(py::module_& m) {
+  m.def("trace_load_file", &trace::load_file, py::arg("path"), "The Chrome trace at `path`, as JSON text");
+  m.def("trace_merge", &trace::merge, py::arg("tierflow_json"), py::arg("torch_json"),
+        "A tierflow trace and torch.profiler's as one trace on one clock (JSON text)");
+  m.def("trace_merge_files", &trace::merge_files, py::arg("tierflow_path"), py::arg("torch_path"), py::arg("out_path"),
+        "trace_merge of two files, written to `out_path`; returns the merged text");
+  m.def("trace_one_step", &trace::one_step, py::arg("trace_json"), py::arg("step") = -1,
+        "One step of a trace (-1 the last): its spans, counters and times, as JSON text");
+}
+
 // _core's copy of core's log level (Note [Two extensions]): TIERFLOW_LOG_LEVEL's when it names a level; a
 // malformed value is the Runtime's error to report, so it is left at the default here.
 void log_level_from_environment() {
@@ -176,6 +188,7 @@ PYBIND11_MODULE(_core, m) {
 
   log_level_from_environment();
   bind_config(m);
+  bind_trace_file(m);
   bindings::bind_planner(m);
   bindings::bind_plan_cli(m);  // plan_cli_bindings.cpp: the plan command past its parser
 }

@@ -1,18 +1,19 @@
 """``python -m tierflow timeline TRACE -o step.png``: one step of a tierflow trace (TIERFLOW_TRACE, tierflow.trace)
 drawn with matplotlib: the bytes per tier over time above one lane per kind of work (Note [Trace] in
 core/include/tierflow/core/trace.hpp). ``--merge TORCH.json -o merged.json`` writes the trace and torch.profiler's
-exported one as one file on one clock, for Perfetto. Torch-free: it reads JSON only.
+exported one as one file on one clock, for Perfetto. Torch-free: core reads the trace (Note [Trace file] in
+core/include/tierflow/core/trace_file.hpp); this module draws.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Any, Optional, Sequence
 
-LANE_PREFIX = "tierflow: "
+from .. import _core  # the torch-free extension: the trace's reader (Note [Trace file] in core/trace_file.hpp)
+
 # Colours per lane (by its thread_name without the prefix); the counters' series after.
 LANE_COLOURS = {
     "steps": "#bbbbbb", "block forward": "#4c72b0", "block backward": "#dd8452", "block replay": "#c44e52",
@@ -27,134 +28,37 @@ class TimelineError(Exception):
     """A trace that cannot be read or drawn; the message names the file and what is wrong."""
 
 
+def _read(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` of the C++ reader (core/trace_file.hpp), its JSON text as Python's; its refusals as
+    TimelineError, with their words."""
+    try:
+        return json.loads(fn(*args))
+    except (_core.ConfigError, _core.IOError) as e:
+        raise TimelineError(str(e)) from None
+
+
 def load(path: str) -> dict:
     """The Chrome trace at ``path`` (a JSON object with traceEvents, or a bare list of events)."""
-    try:
-        with open(path) as f:
-            doc = json.load(f)
-    except OSError as e:
-        raise TimelineError(f"cannot read the trace {path}: {e.strerror or e}") from None
-    except ValueError as e:
-        raise TimelineError(f"{path} is not JSON ({e}); give a trace TIERFLOW_TRACE or tierflow.trace wrote") from None
-    if isinstance(doc, list):
-        doc = {"traceEvents": doc}
-    if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
-        raise TimelineError(f"{path} is not a Chrome trace (no traceEvents list)")
-    return doc
-
-
-# ---- merging with torch.profiler's trace ----------------------------------------------------------------------
-
-
-def _base_ns(doc: dict) -> int:
-    # Kineto (torch.profiler) and tierflow: ts are microseconds since baseTimeNanoseconds (CLOCK_REALTIME).
-    return int(doc.get("baseTimeNanoseconds", 0))
+    return _read(_core.trace_load_file, path)
 
 
 def merge(tierflow_doc: dict, torch_doc: dict) -> dict:
-    """One trace with both files' events on the earlier of their two bases (Note [Trace]'s clock)."""
-    tb, kb = _base_ns(tierflow_doc), _base_ns(torch_doc)
-    if tb == 0 or kb == 0:
-        raise TimelineError("both traces need a baseTimeNanoseconds (torch.profiler's export_chrome_trace writes one "
-                            "since torch 2.1, tierflow's always): without one their clocks cannot be lined up")
-    base = min(tb, kb)
-    # Shifts in microseconds, from integers: a realtime in microseconds (1.8e15) has no room for fractions.
-    torch_shift, tierflow_shift = (kb - base) / 1000.0, (tb - base) / 1000.0
-    torch_events = [dict(e) for e in torch_doc["traceEvents"]]
-    torch_pids = {e.get("pid") for e in torch_events if e.get("ph") == "M" and e.get("name") == "process_name"}
-    out_events = []
-    for e in torch_events:
-        if e.get("ph") != "M" and "ts" in e:
-            e["ts"] = round(float(e["ts"]) + torch_shift, 3)
-        out_events.append(e)
-    for e in tierflow_doc["traceEvents"]:
-        e = dict(e)
-        if e.get("ph") == "M":
-            if e.get("name") == "process_name" and e.get("pid") in torch_pids:
-                continue  # the same process: torch names it; tierflow's lanes are its threads
-        else:
-            e["ts"] = round(float(e["ts"]) + tierflow_shift, 3)
-        out_events.append(e)
-    out = {k: v for k, v in torch_doc.items() if k != "traceEvents"}
-    out["traceEvents"] = out_events
-    out["baseTimeNanoseconds"] = base
-    out.setdefault("displayTimeUnit", "ms")
-    return out
+    """One trace with both files' events on the earlier of their two bases (Note [Trace file])."""
+    return _read(_core.trace_merge, json.dumps(tierflow_doc), json.dumps(torch_doc))
 
 
 def merge_files(tierflow_path: str, torch_path: str, out_path: str) -> dict:
     """merge() of two files, written to ``out_path``; returns the merged trace."""
-    merged = merge(load(tierflow_path), load(torch_path))
-    with open(out_path, "w") as f:
-        json.dump(merged, f)
-    return merged
-
-
-# ---- one step ------------------------------------------------------------------------------------------------
-
-
-def lanes_of(doc: dict) -> dict:
-    """(pid, tid) -> lane name, for tierflow's lanes (thread_name "tierflow: ...", a lane's further threads
-    "tierflow: ... #2": one lane)."""
-    out = {}
-    for e in doc["traceEvents"]:
-        if e.get("ph") == "M" and e.get("name") == "thread_name":
-            name = str(e.get("args", {}).get("name", ""))
-            if name.startswith(LANE_PREFIX):
-                out[(e.get("pid"), e.get("tid"))] = name[len(LANE_PREFIX):].split(" #")[0]
-    return out
-
-
-def steps_of(spans: list) -> list:
-    """The steps' (start, end) times. A trace with step markers (the "steps" lane: each optimizer step from its
-    first forward to its step()'s end, Note [Trace]) is split by them; an older trace without any by each forward
-    of the first block (the lowest index), a step ending where the next begins (the last: at the trace's last
-    event); [] without either."""
-    marks = sorted((s["ts"], s["ts"] + s["dur"]) for s in spans if s["lane"] == "steps")
-    if marks:
-        return marks
-    forwards = [s for s in spans if s["lane"] == "block forward"]
-    if not forwards:
-        return []
-    first = min(s["args"].get("block", 0) for s in forwards)
-    starts = sorted(s["ts"] for s in forwards if s["args"].get("block", 0) == first)
-    last = max(s["ts"] + s["dur"] for s in spans)
-    return [(a, b) for a, b in zip(starts, starts[1:] + [last])]
+    return _read(_core.trace_merge_files, tierflow_path, torch_path, out_path)
 
 
 def one_step(doc: dict, step: int = -1) -> dict:
     """The events of step ``step`` (Python's index: -1 the last; the picture names it 1-based, as step_stats and the
-    trace's markers do): {"start", "end", "spans", "counters", "count",
-    "index", "split"}; ``split`` says what the steps were told apart by: "steps" (the trace's step markers),
-    "block forward" (an older trace: the first block's forwards) or "trace" (neither: the whole trace, one step)."""
-    lanes = lanes_of(doc)
-    spans, counters = [], []
-    for e in doc["traceEvents"]:
-        if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in lanes:
-            spans.append({"lane": lanes[(e["pid"], e["tid"])], "name": e.get("name", ""), "ts": float(e["ts"]),
-                          "dur": float(e.get("dur", 0)), "args": e.get("args") or {}})
-        elif e.get("ph") == "C" and e.get("name") == "bytes per tier":
-            counters.append((float(e["ts"]), e.get("args") or {}))
-    if not spans:
-        raise TimelineError("the trace has no tierflow events: was TIERFLOW_TRACE (or tierflow.trace) on while a "
-                            "wrapped model trained?")
-    steps = steps_of(spans)
-    split = "steps" if any(s["lane"] == "steps" for s in spans) else "block forward" if steps else "trace"
-    if not steps:
-        steps = [(min(s["ts"] for s in spans), max(s["ts"] + s["dur"] for s in spans))]
-    try:
-        start, end = steps[step]
-    except IndexError:
-        raise TimelineError(f"--step {step}: the trace has {len(steps)} step(s) (0 to {len(steps) - 1}, or -1 "
-                            "for the last)") from None
-    k = step % len(steps)
-    inside = [s for s in spans if s["ts"] < end and s["ts"] + s["dur"] > start or s["ts"] == start]
-    before = [c for c in counters if c[0] <= start]
-    series = [c for c in counters if start <= c[0] <= end]
-    if before:
-        series.insert(0, (start, before[-1][1]))
-    return {"start": start, "end": end, "spans": inside, "counters": series, "count": len(steps), "index": k,
-            "split": split}
+    trace's markers do): {"start", "end", "spans", "counters", "count", "index", "split"} (Note [Trace file]:
+    ``split`` says what the steps were told apart by: "steps", "block forward" or "trace")."""
+    s = _read(_core.trace_one_step, json.dumps(doc), step)
+    s["counters"] = [tuple(c) for c in s["counters"]]
+    return s
 
 
 def draw(doc: dict, out_path: str, step: int = -1, title: Optional[str] = None) -> dict:
