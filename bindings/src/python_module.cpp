@@ -11,7 +11,6 @@
 
 #include <chrono>
 #include <map>
-#include <set>
 #include <string>
 
 #include "module_parts.hpp"
@@ -177,23 +176,12 @@ PYBIND11_MODULE(_C, m) {
   }
   translate_into(core);
 
-  m.def("ignored_settings", [](const py::dict& config, const std::vector<std::string>& given, bool cuda) {
-    Config c = Config::parse(to_string_map(config));
-    c.given = std::set<std::string>(given.begin(), given.end());
-    const IgnoredSettings r = ignored_settings(c, ModelFacts{cuda});
-    return py::make_tuple(r.refusal.empty() ? py::object(py::none()) : py::object(py::cast(r.refusal)), r.warnings);
-  }, py::arg("config"), py::arg("given"), py::arg("cuda"),
-     "Note [Settings a mode ignores]: (the refusal of a given setting these settings (a Runtime's config()) ignore, "
-     "or None; the warning lines of those let through), for a model on a CUDA GPU or not.");
   m.def("ignored_settings", [](const Config& settings, bool cuda) {
     const IgnoredSettings r = ignored_settings(settings, ModelFacts{cuda});
     return py::make_tuple(r.refusal.empty() ? py::object(py::none()) : py::object(py::cast(r.refusal)), r.warnings);
-  }, py::arg("settings"), py::arg("cuda"), "The same for typed settings (a Runtime's settings(), their own given).");
-  m.def("fsdp_settings_refusal", [](const Config& settings, bool cpu_optimizer, bool cpu_offload_policy) -> py::object {
-    const std::string why = tiering::fsdp_settings_refusal(settings, cpu_optimizer, cpu_offload_policy);
-    return why.empty() ? py::none() : py::cast(why);
-  }, py::arg("settings"), py::arg("cpu_optimizer"), py::arg("cpu_offload_policy") = false,
-     "The same for typed settings (a Runtime's settings()).");
+  }, py::arg("settings"), py::arg("cuda"),
+     "Note [Settings a mode ignores]: (the refusal of a given setting these typed settings (a Runtime's settings(), "
+     "their own given) ignore, or None; the warning lines of those let through), for a model on a CUDA GPU or not.");
   m.def("fsdp_settings_refusal", [](const py::dict& config, bool cpu_optimizer, bool cpu_offload_policy) -> py::object {
     const std::string why =
         tiering::fsdp_settings_refusal(Config::parse(to_string_map(config)), cpu_optimizer, cpu_offload_policy);

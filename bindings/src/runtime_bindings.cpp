@@ -148,25 +148,7 @@ void bind_runtime_optimizer(py::class_<Runtime, std::shared_ptr<Runtime>>& c) {
 
 // Optimizer states on NVMe (Note [Optimizer states on NVMe]).
 void bind_runtime_nvme_optimizer(py::class_<Runtime, std::shared_ptr<Runtime>>& c) {
-  c.def("nvme_adam_add", [](Runtime& rt, const at::Tensor& master, bool amsgrad) {
-        TIERFLOW_EXPECTS(master.is_cpu() && master.is_contiguous() && master.scalar_type() == at::kFloat,
-                         "nvme_adam_add: the master must be a contiguous float32 CPU tensor");
-        return rt.nvme_adam().add(static_cast<std::size_t>(master.numel()), amsgrad, master.data_ptr<float>());
-      })
-      .def("nvme_adam_read", [](Runtime& rt, std::uint64_t key, at::Tensor master, at::Tensor m, at::Tensor v,
-                                std::optional<at::Tensor> vmax) {
-        py::gil_scoped_release release;
-        rt.nvme_adam().read(key, master.data_ptr<float>(), m.data_ptr<float>(), v.data_ptr<float>(),
-                            vmax ? vmax->data_ptr<float>() : nullptr);
-      })
-      .def("nvme_adam_write", [](Runtime& rt, std::uint64_t key, at::Tensor master, at::Tensor m, at::Tensor v,
-                                 std::optional<at::Tensor> vmax) {
-        py::gil_scoped_release release;
-        rt.nvme_adam().write(key, master.data_ptr<float>(), m.data_ptr<float>(), v.data_ptr<float>(),
-                             vmax ? vmax->data_ptr<float>() : nullptr);
-      })
-      .def("nvme_adam_numel", [](Runtime& rt, std::uint64_t key) { return rt.nvme_adam().numel(key); })
-      .def("nvme_adam_step", [](Runtime& rt, const py::dict& options, std::int64_t step,
+  c.def("nvme_adam_step", [](Runtime& rt, const py::dict& options, std::int64_t step,
                                 const std::vector<std::uint64_t>& keys, const std::vector<at::Tensor>& grads,
                                 const std::vector<at::Tensor>& outs) {
         std::vector<optimizer::NvmeAdamStore::Item> items(keys.size());

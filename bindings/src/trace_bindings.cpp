@@ -3,7 +3,6 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include "tierflow/core/clock.hpp"
 #include "tierflow/core/trace.hpp"
 
 namespace py = pybind11;
@@ -27,8 +26,6 @@ void bind_trace(py::module_& m) {
   m.def("trace_on", &trace::on, "Whether the trace records now (TIERFLOW_TRACE or tierflow.trace)");
   m.def("trace_start", &trace::start, "Starts recording (one more recorder)");
   m.def("trace_stop", &trace::stop, "One recorder less: recording stops when none is left");
-  m.def("trace_clear", &trace::clear, "Forgets every event");
-  m.def("trace_now_ns", &now_ns, "The trace's clock (steady, nanoseconds): Python's time.monotonic_ns()");
   m.def(
       "trace_complete",
       [](trace::Lane lane, std::string name, std::uint64_t start_ns, std::uint64_t end_ns,
@@ -37,11 +34,8 @@ void bind_trace(py::module_& m) {
       },
       py::arg("lane"), py::arg("name"), py::arg("start_ns"), py::arg("end_ns"),
       py::arg("args") = std::vector<std::pair<std::string, std::int64_t>>{},
-      "A complete event on `lane` (times on trace_now_ns's clock)");
+      "A complete event on `lane` (times on the steady clock: time.monotonic_ns())");
   m.def("trace_sample", &trace::sample, "A 'bytes per tier' counter event from every runtime's meters");
-  m.def("trace_event_count", &trace::event_count, "Events kept");
-  m.def("trace_json", &trace::chrome_json, py::arg("since_ns") = 0, py::arg("pid") = 0,
-        "The Chrome trace text of the events ending at or after `since_ns`");
   m.def("trace_write", &trace::write, py::arg("path"), py::arg("since_ns") = 0,
         py::call_guard<py::gil_scoped_release>(),
         "Writes trace_json(since_ns) to `path`");
