@@ -30,6 +30,7 @@
 #include "tierflow/optimizer/grad_buckets.hpp"
 #include "tierflow/optimizer/partition.hpp"
 #include "tierflow/optimizer/roofline.hpp"
+#include "tierflow/optimizer/state_format.hpp"
 #include "tierflow/optimizer/state_tier.hpp"
 #include "tierflow/optimizer/step_plan.hpp"
 #include "tierflow/swap/nvme_probe.hpp"
@@ -43,13 +44,7 @@ namespace tierflow::bindings::pymod {
 
 namespace {
 
-// TIERFLOW_OPTIMIZER_STATES's value `name` as a format; a config_error naming what is accepted otherwise.
-StateFormat state_format_named(const std::string& name) {
-  const auto f = parse_state_format(name);
-  if (!f) throw config_error("optimizer state format '" + name +
-                             "'; accepted: fp32, bf16, 8bit (TIERFLOW_OPTIMIZER_STATES, keyword optimizer_states)");
-  return *f;
-}
+using optimizer::state_format_named;  // a format's name, or config_error naming what is accepted
 
 // Note [Optimizer state formats]: conversions between fp32 moments and the packed formats.
 void bind_state_formats(py::module_& m) {
@@ -225,25 +220,20 @@ void bind_optimizer_policy(py::module_& m) {
   m.def("grad_scaler_refusal", &grad_scaler_refusal, "step()'s refusal of GradScaler with offloaded gradients.");
   m.def("owned_elements", &owned_elements, py::arg("owners"), py::arg("elements"), py::arg("world_size"),
         "Elements each rank owns under partition_parameters' owners.");
-  m.def("partition_layout_refusal", [](const py::object& saved, const py::object& mine) -> py::object {
-    auto layout = [](const py::object& o) {  // None: the whole; else (rank, world_size, owners)
-      PartitionLayout l;
-      if (o.is_none()) return l;
-      auto t = o.cast<std::tuple<int, int, std::vector<int>>>();
-      l.rank = std::get<0>(t);
-      l.world_size = std::get<1>(t);
-      l.owners = std::get<2>(t);
-      return l;
+  using Layout = std::optional<std::tuple<int, int, std::vector<int>>>;  // None: the whole; else (rank, world, owners)
+  m.def("partition_layout_refusal", [](const Layout& saved, const Layout& mine) -> std::optional<std::string> {
+    const auto layout = [](const Layout& l) {
+      return l ? PartitionLayout{std::get<0>(*l), std::get<1>(*l), std::get<2>(*l)} : PartitionLayout{};
     };
-    const std::string why = partition_layout_refusal(layout(saved), layout(mine));
-    return why.empty() ? py::none() : py::cast(why);
+    std::string why = partition_layout_refusal(layout(saved), layout(mine));
+    return why.empty() ? std::nullopt : std::optional<std::string>(std::move(why));
   }, py::arg("saved"), py::arg("mine"),
         "Note [Partitioned optimizer]: loading a state dict saved with layout `saved` into an optimizer kept as "
         "`mine` (each None for the whole, or (rank, world_size, owners) with -1 for every rank): the refusal, or None.");
   m.def("step_agreement_refusal", [](bool this_rank_failed, int failed_ranks, int skipped_ranks,
-                                     int world_size) -> py::object {
-    const std::string why = step_agreement_refusal(this_rank_failed, failed_ranks, skipped_ranks, world_size);
-    return why.empty() ? py::none() : py::cast(why);
+                                     int world_size) -> std::optional<std::string> {
+    std::string why = step_agreement_refusal(this_rank_failed, failed_ranks, skipped_ranks, world_size);
+    return why.empty() ? std::nullopt : std::optional<std::string>(std::move(why));
   }, py::arg("this_rank_failed"), py::arg("failed_ranks"), py::arg("skipped_ranks"), py::arg("world_size"),
         "Note [Partitioned optimizer]: how the ranks' step() went, agreed: the error this rank raises, or None.");
   m.def("group_by_step", [](const std::vector<std::int64_t>& steps) {
