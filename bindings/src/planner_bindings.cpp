@@ -245,46 +245,21 @@ void bind_plan_command(py::module_& m) {
       params.push_back({static_cast<std::size_t>(n), false, static_cast<std::size_t>(element_bytes), format});
     return optimizer::state_pool_need(params, nvme).bytes;
   });
+  // The fields a test sets (the plan command itself fills them in C++: plan_cli_bindings.cpp).
   inputs.def(py::init<>())
-      .def_readwrite("gpu_memory", &PlanCommandInputs::gpu_memory)
       .def_readwrite("host_memory", &PlanCommandInputs::host_memory)
       .def_readwrite("prefetch", &PlanCommandInputs::prefetch)
-      .def_readwrite("nvme_memory", &PlanCommandInputs::nvme_memory)
-      .def_readwrite("nvme_bytes_per_second", &PlanCommandInputs::nvme_bytes_per_second)
       .def_readwrite("device_capacity_bytes", &PlanCommandInputs::device_capacity_bytes)
       .def_readwrite("host_capacity_bytes", &PlanCommandInputs::host_capacity_bytes)
-      .def_readwrite("device_name", &PlanCommandInputs::device_name)
       .def_readwrite("optimizer", &PlanCommandInputs::optimizer)
-      .def_property("optimizer_states",
-                    [](const PlanCommandInputs& in) { return std::string(to_string(in.optimizer_states)); },
-                    [](PlanCommandInputs& in, const std::string& text) { in.optimizer_states = state_format_of(text); })
-      .def_readwrite("offload_params", &PlanCommandInputs::offload_params)
-      .def_readwrite("offload_gradients", &PlanCommandInputs::offload_gradients,
-                     "--offload-gradients or TIERFLOW_OFFLOAD_GRADIENTS on (Note [Plan report], Gradients)")
       .def_readwrite("shape", &PlanCommandInputs::shape)
-      .def_readwrite("dtype_name", &PlanCommandInputs::dtype_name)
       .def_readwrite("state", &PlanCommandInputs::state)
-      .def_readwrite("head_bytes", &PlanCommandInputs::head_bytes)
-      .def_readwrite("outside_largest_bytes", &PlanCommandInputs::outside_largest_bytes)
-      .def_readwrite("profile_fixed_device_bytes", &PlanCommandInputs::profile_fixed_device_bytes)
-      .def_readwrite("profile_path", &PlanCommandInputs::profile_path)
-      .def_readwrite("blocks_from", &PlanCommandInputs::blocks_from)
-      .def_readwrite("links", &PlanCommandInputs::links)
-      .def_readwrite("flops_per_second", &PlanCommandInputs::flops_per_second)
-      .def_readwrite("measured", &PlanCommandInputs::measured)
-      .def_readwrite("links_given", &PlanCommandInputs::links_given);
+      .def_readwrite("blocks_from", &PlanCommandInputs::blocks_from);
   init_from_kwargs(inputs);
   py::class_<PlanCommandBudgets>(m, "PlanCommandBudgets", "The planner's inputs and where they came from.")
-      .def_readonly("budgets", &PlanCommandBudgets::budgets)
-      .def_readonly("links", &PlanCommandBudgets::links)
-      .def_readonly("device_from", &PlanCommandBudgets::device_from)
-      .def_readonly("host_from", &PlanCommandBudgets::host_from)
-      .def_readonly("optimizer_host_bytes", &PlanCommandBudgets::optimizer_host_bytes)
-      .def_readonly("optimizer_nvme_bytes", &PlanCommandBudgets::optimizer_nvme_bytes);
+      .def_readonly("optimizer_host_bytes", &PlanCommandBudgets::optimizer_host_bytes);
   m.def("plan_command_budgets", &plan_command_budgets, py::arg("inputs"),
         "The plan command's budgets (Note [Plan report]); raises ConfigError naming the flag or variable.");
-  m.def("explain_plan", &explain_plan, py::arg("plan"), py::arg("blocks"), py::arg("links"), py::arg("budgets"),
-        "Why each block's action won: one line per block (Note [Plan report]).");
   m.def("check_rate", &check_rate, py::arg("value"), py::arg("shown"), py::arg("zero"),
         "A rate argument within its range, or ConfigError saying what is accepted (Note [Plan report]).");
   m.def("shape_argument", [](const std::string& field, const std::string& digits, const std::string& shown) {

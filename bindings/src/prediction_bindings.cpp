@@ -1,7 +1,6 @@
 // The whole-step prediction's Python surface (Note [Step prediction]), torch-free: the CPU AdamW's rate measured
-// with tierflow's own kernel, PlanCommandInputs.cpu_adam_params_per_second, and what the front end measured of each
-// term (tiering/measured_terms.hpp). Registered from bind_planner (planner_bindings.cpp), after PlanCommandInputs'
-// class.
+// with tierflow's own kernel, and what the front end measured of each term (tiering/measured_terms.hpp).
+// Registered from bind_planner (planner_bindings.cpp).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -34,11 +33,6 @@ double measured_for_plan(StateFormat states) { return optimizer::measure_cpu_ada
 
 void bind_prediction(py::module_& m) {
   set_cpu_adam_rate_source(&measured_for_plan);
-  // PlanCommandInputs' class is bind_plan_command's; its rate field is this file's (issue 41).
-  auto inputs = py::reinterpret_borrow<py::class_<PlanCommandInputs>>(m.attr("PlanCommandInputs"));
-  inputs.def_readwrite("cpu_adam_params_per_second", &PlanCommandInputs::cpu_adam_params_per_second,
-                       "--cpu-adam-rate: the CPU AdamW's parameters a second with fp32 states (0: measured here).");
-
   m.def(
       "measure_cpu_adam_rate",
       [](const std::string& states, double seconds, std::size_t parameters, int threads) {

@@ -58,15 +58,14 @@ def plan_dict(plan: Any) -> dict:
             "outside_staging_bytes": plan.outside_staging_bytes}
 
 
-def plan(blocks: list, links: Any, budgets: Any, mode: Optional[str] = None, explain: bool = False) -> dict:
+def plan(blocks: list, links: Any, budgets: Any, mode: Optional[str] = None) -> dict:
     """The planner's choice for profile blocks (dicts or BlockProfiles), links and budgets (dicts or structs), or
     with ``mode`` every block in that mode (keep, swap, split, recompute) with the planner's predictions."""
     profiles = [block_profile(b) if isinstance(b, dict) else b for b in blocks]
     args = (profiles, links_struct(links), budgets_struct(budgets))
     if mode is None:
         planned = _C.plan_activations(*args)
-        # Why each block's action won (tiering::explain_plan): asked for the plan put in force only.
-        return dict(plan_dict(planned), why=_C.explain_plan(planned, *args) if explain else [], struct=planned)
+        return dict(plan_dict(planned), why=[], struct=planned)
     if mode not in _C.BlockMode.__members__:
         raise _C.ConfigError(f"block mode {mode!r}; accepted: {', '.join(_C.BlockMode.__members__)}")
     return plan_dict(_C.forced_plan(*args, _C.BlockMode.__members__[mode]))

@@ -164,9 +164,6 @@ class BlockState:
         """The slots this forward wrote or rebound: what the block's later forwards keep a copy of."""
         return set(self.copies) | set(self.rebound)
 
-    def restored_bytes(self) -> int:
-        return sum(c.numel() * c.element_size() for c in self.copies.values())
-
     @contextlib.contextmanager
     def restored(self) -> Iterator[None]:
         """A replay's scope: the slots hold what they held before the forward; on leaving, what they held on
