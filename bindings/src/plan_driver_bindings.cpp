@@ -17,6 +17,7 @@
 #include "tierflow/core/config.hpp"
 #include "tierflow/core/error.hpp"
 #include "tierflow/tiering/auto_plan.hpp"
+#include "tierflow/tiering/measured_terms.hpp"
 #include "tierflow/tiering/plan_driver.hpp"
 #include "tierflow/tiering/planner.hpp"
 #include "tierflow/tiering/profile_file.hpp"
@@ -154,7 +155,11 @@ void bind_plan_driver(py::module_& m) {
       .def_property_readonly("revision", &PlanDriver::revision)
       .def_property_readonly("profile", [](const PlanDriver& d) { return d.profile(); })
       .def("report_json", &PlanDriver::report_json, py::arg("plan_text"))
-      .def("measured_beside_predicted", &PlanDriver::measured_beside_predicted, py::arg("peak_reserved_bytes"));
+      .def("measured_beside_predicted_json", [](const PlanDriver& d, std::optional<std::uint64_t> reserved,
+                                                std::optional<std::uint64_t> allocated, std::optional<double> predicted) {
+        return measured_beside_predicted_json(d.measured_beside_predicted(reserved), reserved, allocated, predicted);
+      }, py::arg("peak_reserved_bytes"), py::arg("peak_allocated_bytes"), py::arg("predicted_peak_bytes"),
+         "The plan's predictions beside the steps since, as the report shows them (JSON).");
 }
 
 }  // namespace

@@ -71,11 +71,6 @@ void bind_auto_plan(py::module_& m) {
       .def_readwrite("sharded_unit_bytes", &SessionBudgetInputs::sharded_unit_bytes)
       .def_readwrite("sharded_root_bytes", &SessionBudgetInputs::sharded_root_bytes);
   init_from_kwargs(inputs);
-  py::class_<MeasuredBesidePredicted>(m, "MeasuredBesidePredicted", "A plan's predictions beside the steps since.")
-      .def_readonly("step_seconds", &MeasuredBesidePredicted::step_seconds)
-      .def_readonly("steps", &MeasuredBesidePredicted::steps)
-      .def_readonly("step_vs_predicted", &MeasuredBesidePredicted::step_vs_predicted)
-      .def_readonly("peak_vs_predicted", &MeasuredBesidePredicted::peak_vs_predicted);
   m.attr("TABLES_KEPT_PER_BLOCK") = kTablesKeptPerBlock;
   m.attr("REPLAN_MARGIN") = kReplanMargin;
   m.def("outside_swap_seconds", &outside_swap_seconds, py::arg("links"), py::arg("bytes"),

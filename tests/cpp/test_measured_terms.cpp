@@ -150,5 +150,25 @@ TEST(MeasuredTermsTest, TimedOptimizerWaitAddsThePythonPath) {
   EXPECT_DOUBLE_EQ(timed_optimizer_wait_seconds(after, before), 0.0);  // never negative
 }
 
+TEST(MeasuredTermsTest, MeasuredBesidePredictedGivesTheAllocatedPeaksOwnRatio) {
+  MeasuredBesidePredicted m;
+  m.step_seconds = 0.5;
+  m.steps = 3;
+  m.step_vs_predicted = 1.25;
+  m.peak_vs_predicted = 1.5;
+  Json j = Json::parse(measured_beside_predicted_json(m, 1500, 1200, 1000));
+  EXPECT_EQ(j["measured"]["steps"], 3);
+  EXPECT_EQ(j["measured"]["device_peak_reserved_bytes"], 1500);
+  EXPECT_EQ(j["measured"]["device_peak_allocated_bytes"], 1200);
+  EXPECT_DOUBLE_EQ(j["step_vs_predicted"].get<double>(), 1.25);
+  EXPECT_DOUBLE_EQ(j["allocated_peak_vs_predicted"].get<double>(), 1.2);
+  // The emulated device has no peaks; a plan without a predicted peak has no ratio.
+  j = Json::parse(measured_beside_predicted_json(MeasuredBesidePredicted{}, std::nullopt, std::nullopt, 1000));
+  EXPECT_TRUE(j["measured"]["step_seconds"].is_null());
+  EXPECT_TRUE(j["measured"]["device_peak_reserved_bytes"].is_null());
+  EXPECT_TRUE(j["allocated_peak_vs_predicted"].is_null());
+  EXPECT_TRUE(Json::parse(measured_beside_predicted_json(m, 1, 1, 0))["allocated_peak_vs_predicted"].is_null());
+}
+
 }  // namespace
 }  // namespace tierflow::tiering

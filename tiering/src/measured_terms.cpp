@@ -159,4 +159,21 @@ double timed_optimizer_wait_seconds(const StepCounters& before, const StepCounte
   return seconds;
 }
 
+std::string measured_beside_predicted_json(const MeasuredBesidePredicted& m, std::optional<std::uint64_t> reserved_peak,
+                                           std::optional<std::uint64_t> allocated_peak,
+                                           std::optional<double> predicted_peak) {
+  auto bytes = [](const std::optional<std::uint64_t>& v) { return v ? Json(*v) : Json(nullptr); };
+  Json out;
+  out["measured"] = {{"step_seconds", or_null(m.step_seconds)}, {"steps", m.steps},
+                     {"device_peak_reserved_bytes", bytes(reserved_peak)},
+                     {"device_peak_allocated_bytes", bytes(allocated_peak)}};
+  out["step_vs_predicted"] = or_null(m.step_vs_predicted);
+  out["peak_vs_predicted"] = or_null(m.peak_vs_predicted);
+  out["allocated_peak_vs_predicted"] =
+      allocated_peak && predicted_peak && *predicted_peak > 0
+          ? Json(static_cast<double>(*allocated_peak) / *predicted_peak)
+          : Json(nullptr);
+  return out.dump();
+}
+
 }  // namespace tierflow::tiering

@@ -176,13 +176,9 @@ class AutoPlanner(_C.PlanFrontEnd):
         (torch.cuda.max_memory_reserved, since the timed step reset it, or since a plan read from a profile)."""
         peak = int(torch.cuda.max_memory_reserved(self._device())) if self._cuda() else None
         allocated = int(torch.cuda.max_memory_allocated(self._device())) if self._cuda() else None
-        predicted = plan.get("predicted_device_peak_bytes")
-        m = self.driver.measured_beside_predicted(peak)
         # The plan budgets allocated memory (Note [Auto plan phases]): its own ratio beside the reserved one's.
-        return {"measured": {"step_seconds": m.step_seconds, "steps": m.steps, "device_peak_reserved_bytes": peak,
-                             "device_peak_allocated_bytes": allocated},
-                "step_vs_predicted": m.step_vs_predicted, "peak_vs_predicted": m.peak_vs_predicted,
-                "allocated_peak_vs_predicted": allocated / predicted if allocated is not None and predicted else None}
+        return json.loads(self.driver.measured_beside_predicted_json(peak, allocated,
+                                                                     plan.get("predicted_device_peak_bytes")))
 
     # --- the whole step, term by term (Note [Step prediction]) ---
 

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "tierflow/core/state_format.hpp"
+#include "tierflow/tiering/auto_plan.hpp"
 #include "tierflow/tiering/step_prediction.hpp"
 
 namespace tierflow::tiering {
@@ -63,5 +64,13 @@ OptimizerStepInputs timed_optimizer_inputs(const StepCounters& before, const Ste
 
 /// step()'s wait for the CPU optimizer in the timed step, and the Python path's steps inside step(), seconds.
 double timed_optimizer_wait_seconds(const StepCounters& before, const StepCounters& after) noexcept;
+
+/// The report's measurement beside the plan's prediction (Note [Auto plan phases]) as JSON: {"measured":
+/// {step_seconds, steps, device_peak_reserved_bytes, device_peak_allocated_bytes}, step_vs_predicted,
+/// peak_vs_predicted (the reserved peak's), allocated_peak_vs_predicted (the plan budgets allocated memory: its
+/// own ratio; null without an allocated peak or a predicted one)}. The peaks are CUDA's (none elsewhere).
+std::string measured_beside_predicted_json(const MeasuredBesidePredicted& m, std::optional<std::uint64_t> reserved_peak,
+                                           std::optional<std::uint64_t> allocated_peak,
+                                           std::optional<double> predicted_peak);
 
 }  // namespace tierflow::tiering
