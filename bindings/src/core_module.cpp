@@ -18,6 +18,7 @@
 #include "tierflow/core/log.hpp"
 #include "tierflow/core/stall.hpp"
 #include "tierflow/core/trace_file.hpp"
+#include "tierflow/tiering/wrap_checks.hpp"
 
 namespace py = pybind11;
 using namespace tierflow;
@@ -160,6 +161,19 @@ void bind_trace_file(py::module_& m) {
         "One step of a trace (-1 the last): its spans, counters and times, as JSON text");
 }
 
+// What tierflow.wrap refuses (Note [Wrap refusals]): each "" or the refusal's words.
+void bind_wrap_checks(py::module_& m) {
+  m.def("device_budget_refusal", [](const Config& settings, std::uint64_t budget, std::uint64_t weights,
+                                    std::uint64_t trainable) {
+    return tiering::device_budget_refusal(settings, budget, {weights, trainable});
+  }, py::arg("settings"), py::arg("budget_bytes"), py::arg("weight_bytes"), py::arg("trainable_bytes"));
+  m.def("meta_refusal", &tiering::meta_refusal, py::arg("count"), py::arg("first_name"), py::arg("first_shape"));
+  m.def("foreign_parameters_refusal", &tiering::foreign_parameters_refusal, py::arg("foreign"), py::arg("held"),
+        py::arg("first_shape"));
+  m.def("wrapper_refusal", &tiering::wrapper_refusal, py::arg("wrapper"), py::arg("optimizer"), py::arg("attribute"));
+  m.def("deepcopy_refusal", &tiering::deepcopy_refusal);
+}
+
 // _core's copy of core's log level (Note [Two extensions]): TIERFLOW_LOG_LEVEL's when it names a level; a
 // malformed value is the Runtime's error to report, so it is left at the default here.
 void log_level_from_environment() {
@@ -189,6 +203,7 @@ PYBIND11_MODULE(_core, m) {
   log_level_from_environment();
   bind_config(m);
   bind_trace_file(m);
+  bind_wrap_checks(m);
   bindings::bind_planner(m);
   bindings::bind_plan_cli(m);  // plan_cli_bindings.cpp: the plan command past its parser
 }

@@ -66,10 +66,7 @@ class _CastsOnly(torch.autograd.graph.saved_tensors_hooks):
 def _refuse_deepcopy(memo: Any = None) -> None:
     """copy.deepcopy(model) of a wrapped model (TRL's reference model, an EMA copy): the copy's hooks would drive
     this session's runtime, and its parameters may live off the device. Set on the model (and the session) by wrap."""
-    raise _C.ConfigError(
-        "copy.deepcopy of a model tierflow.wrap wrapped: its hooks would drive the original's runtime (and "
-        "offloaded parameters would be copied without their values). Deep-copy the model before tierflow.wrap "
-        "(a reference model, an EMA copy), or call tierflow.unwrap(model) first and wrap both after")
+    raise _C.ConfigError(_C.deepcopy_refusal())
 
 
 class Session:
@@ -348,39 +345,22 @@ def one_cuda_device(devices: "set[torch.device]", current: int) -> Optional[str]
 def _refuse_meta(model: torch.nn.Module) -> None:
     """A model on the meta device has shapes and no values: training it would fail in step(), after wrap took it."""
     meta = [(n, t) for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.device.type == "meta"]
-    if meta:
-        name, t = meta[0]
-        raise _C.TierflowError(
-            f"tierflow.wrap: {len(meta)} of the model's parameters and buffers are on the meta device (the first: "
-            f"{name!r} {list(t.shape)}): they have shapes but no values to train; accepted: a model whose tensors "
-            "hold values on the CPU or a GPU (materialize it first, e.g. model.to_empty(device='cpu') then load its "
-            "weights, or build it outside torch.device('meta'))")
+    if meta:  # Note [Wrap refusals] in tiering/wrap_checks.hpp
+        raise _C.TierflowError(f"tierflow.wrap: {_C.meta_refusal(len(meta), repr(meta[0][0]), list(meta[0][1].shape))}")
 
 
 def _refuse_device_budget(model: torch.nn.Module, session: Session) -> None:
-    """With the parameters on the device (TIERFLOW_OFFLOAD_PARAMS=none), their bytes and their gradients' exceed a
-    TIERFLOW_GPU_MEMORY below them in any activation mode: under auto no plan can fit, under a fixed mode the budget
-    cannot be kept (Note [Settings a mode ignores]); said at wrap, where the shapes are known, not at the first
-    forward."""
-    cfg = session.settings
-    if cfg.offload_params != "none":
+    """The parameters on the device and their gradients above TIERFLOW_GPU_MEMORY: refused at wrap, where the shapes
+    are known (Note [Wrap refusals] in tiering/wrap_checks.hpp decides and words it)."""
+    if session.settings.offload_params != "none":
         return
     runtime = session.runtime
     params = [p for p in {id(p): p for p in model.parameters()}.values() if runtime.on_device(p)]
-    weights = sum(p.numel() * p.element_size() for p in params)
-    grads = 0 if cfg.offload_gradients else \
-        sum(p.numel() * p.element_size() for p in params if p.requires_grad)
-    budget = int(runtime.device_budget_bytes())
-    if weights + grads > budget:
-        mode = cfg.offload_activations
-        why = "no activation plan can fit" if mode == "auto" else \
-            f"TIERFLOW_OFFLOAD_ACTIVATIONS={mode} (keyword offload_activations) cannot keep the run within it"
-        raise _C.ConfigError(
-            f"tierflow.wrap: TIERFLOW_GPU_MEMORY={cfg.gpu_memory} (keyword gpu_memory) gives the device "
-            f"{_C.format_bytes(budget)}, less than the model's parameters and their gradients take on it "
-            f"({_C.format_bytes(weights + grads)}: {_C.format_bytes(weights)} of parameters), so "
-            f"{why}; accepted: a budget above {_C.format_bytes(weights + grads)} with room for the activations, or "
-            "TIERFLOW_OFFLOAD_PARAMS=host (keyword offload_params) to keep the parameters off the device")
+    why = _C.device_budget_refusal(session.settings, runtime.device_budget_bytes(),
+                                   sum(p.numel() * p.element_size() for p in params),
+                                   sum(p.numel() * p.element_size() for p in params if p.requires_grad))
+    if why:
+        raise _C.ConfigError(f"tierflow.wrap: {why}")
 
 
 def _optimizer_chain(optimizer: Any) -> list:
@@ -426,12 +406,8 @@ def _check_wrapper_can_be_repointed(wrapper: Any, inner: torch.optim.Optimizer) 
     """Refuses a wrapper that holds the optimizer elsewhere than in ``.optimizer`` (Note [Optimizer wrappers])."""
     for name, value in vars(wrapper).items():
         if name != "optimizer" and _refers_to(value, inner):
-            raise _C.TierflowError(
-                f"tierflow.wrap: the optimizer wrapper {type(wrapper).__module__}.{type(wrapper).__qualname__} "
-                f"keeps its own reference to the {type(inner).__name__} it wraps (attribute {name!r}), so it cannot "
-                "be pointed at tierflow's CPU optimizer; call tierflow.wrap(model, optimizer) first on the plain "
-                "optimizer, then wrap what it returns (e.g. accelerator.prepare(model, optimizer) after "
-                "tierflow.wrap), or pass offload_optimizer='none' to keep your optimizer")
+            raise _C.TierflowError("tierflow.wrap: " + _C.wrapper_refusal(
+                f"{type(wrapper).__module__}.{type(wrapper).__qualname__}", type(inner).__name__, repr(name)))
 
 
 def _check_parameters_are_the_models(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -439,13 +415,9 @@ def _check_parameters_are_the_models(model: torch.nn.Module, optimizer: torch.op
     mine = {id(p) for _, p in model.named_parameters(remove_duplicate=False)}
     held = [p for g in optimizer.param_groups for p in g["params"]]
     foreign = [p for p in held if id(p) not in mine]
-    if foreign:
+    if foreign:  # Note [Wrap refusals]
         raise _C.TierflowError(
-            f"tierflow.wrap: {len(foreign)} of the optimizer's {len(held)} parameters are not parameters of the "
-            f"model being wrapped (the first has shape {list(foreign[0].shape)}), so training this model would not "
-            "update them, or the optimizer would not update this model; build the optimizer from this model's "
-            "parameters (torch.optim.AdamW(model.parameters())), or wrap a module that holds every parameter the "
-            "optimizer steps. An optimizer over part of the model (frozen layers, a second optimizer) is fine")
+            f"tierflow.wrap: {_C.foreign_parameters_refusal(len(foreign), len(held), list(foreign[0].shape))}")
 
 
 def unwrap(model: torch.nn.Module) -> None:
