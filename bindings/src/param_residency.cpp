@@ -19,22 +19,6 @@
 namespace tierflow::bindings {
 namespace {
 
-// param_wait_ns's totals by runtime (one entry per runtime that ever waited; an address a later runtime reuses
-// goes on from the total: only its differences are read).
-std::mutex g_wait_mutex;
-std::unordered_map<const Runtime*, std::uint64_t>& wait_totals() {
-  static auto* totals = new std::unordered_map<const Runtime*, std::uint64_t>;  // never destroyed (exit order)
-  return *totals;
-}
-
-void add_param_wait(const Runtime& rt, std::uint64_t ns) noexcept {
-  std::lock_guard<std::mutex> lock(g_wait_mutex);
-  try {
-    wait_totals()[&rt] += ns;
-  } catch (...) {  // out of memory for the entry: the figure misses this wait
-  }
-}
-
 tiering::ParamId param_id(const at::Tensor& p) {
   return static_cast<tiering::ParamId>(reinterpret_cast<std::uintptr_t>(p.unsafeGetTensorImpl()));
 }
@@ -150,7 +134,7 @@ ParamResidency::ParamResidency(std::shared_ptr<Runtime> runtime, const std::vect
   }
   mover_ = std::make_unique<tiering::ParamMover>(specs, residences, blocks, unit_names,
                                                  runtime_->tiers().device_budget_bytes(), runtime_->nvme_engine(),
-                                                 static_cast<tiering::ParamMoverHost&>(*this));
+                                                 static_cast<tiering::ParamMoverHost&>(*this), runtime_.get());
   for (auto it = tensors_.begin(); it != tensors_.end();)  // resident: another unit keeps it on the device
     it = mover_->offloaded(it->first) ? std::next(it) : tensors_.erase(it);
 }
@@ -236,8 +220,6 @@ void ParamResidency::point(tiering::ParamId id, tiering::ParamView view) {
                    : view == tiering::ParamView::kHostCopy ? t.host : t.staging);
 }
 
-void ParamResidency::waited(std::uint64_t ns) noexcept { add_param_wait(*runtime_, ns); }
-
 void ParamResidency::begin_forward(std::size_t unit, std::uint64_t extra) { mover_->begin_forward(unit, extra); }
 void ParamResidency::end_forward(std::size_t unit, std::uint64_t extra) { mover_->end_forward(unit, extra); }
 void ParamResidency::begin_backward(std::size_t unit, std::uint64_t extra) { mover_->begin_backward(unit, extra); }
@@ -300,10 +282,6 @@ void ParamResidency::store(const at::Tensor& p, const at::Tensor& value) {
   mover_->store(param_id(p), value.data_ptr());
 }
 
-std::uint64_t param_wait_ns(const Runtime& runtime) noexcept {
-  std::lock_guard<std::mutex> lock(g_wait_mutex);
-  const auto it = wait_totals().find(&runtime);
-  return it == wait_totals().end() ? 0 : it->second;
-}
+std::uint64_t param_wait_ns(const Runtime& runtime) noexcept { return tiering::param_wait_total(&runtime); }
 
 }  // namespace tierflow::bindings

@@ -22,6 +22,21 @@ std::string released_param_error(const std::string& name, bool nvme) {
 
 namespace {
 
+// param_wait_total's totals by runtime.
+std::mutex g_wait_mutex;
+std::unordered_map<const void*, std::uint64_t>& wait_totals() {
+  static auto* totals = new std::unordered_map<const void*, std::uint64_t>;  // never destroyed (exit order)
+  return *totals;
+}
+
+void add_param_wait(const void* runtime, std::uint64_t ns) noexcept {
+  std::lock_guard<std::mutex> lock(g_wait_mutex);
+  try {
+    wait_totals()[runtime] += ns;
+  } catch (...) {  // out of memory for the entry: the figure misses this wait
+  }
+}
+
 // Each unit's parameters as the schedule sees them, after checking that each fetched one can be offloaded.
 std::vector<ParamUnit> plan_units(const std::vector<std::vector<ParamSpec>>& units, const std::vector<Tier>& residences,
                                   const std::vector<std::string>& unit_names, bool has_nvme) {
@@ -50,10 +65,17 @@ std::vector<ParamUnit> plan_units(const std::vector<std::vector<ParamSpec>>& uni
 
 }  // namespace
 
+std::uint64_t param_wait_total(const void* runtime) noexcept {
+  std::lock_guard<std::mutex> lock(g_wait_mutex);
+  const auto it = wait_totals().find(runtime);
+  return it == wait_totals().end() ? 0 : it->second;
+}
+
 ParamMover::ParamMover(const std::vector<std::vector<ParamSpec>>& units, const std::vector<Tier>& residences,
                        std::size_t blocks, const std::vector<std::string>& unit_names,
-                       std::uint64_t device_budget_bytes, std::shared_ptr<swap::NvmeEngine> nvme, ParamMoverHost& host)
-    : host_(host), nvme_(std::move(nvme)) {
+                       std::uint64_t device_budget_bytes, std::shared_ptr<swap::NvmeEngine> nvme, ParamMoverHost& host,
+                       const void* runtime)
+    : host_(host), nvme_(std::move(nvme)), runtime_(runtime) {
   const std::vector<ParamUnit> plan = plan_units(units, residences, unit_names, nvme_ != nullptr);
   schedule_ = std::make_unique<ParamSchedule>(plan, param_residency_options(plan, device_budget_bytes, blocks));
   std::vector<ParamId> order;  // the fetched parameters, each once
@@ -218,7 +240,7 @@ void ParamMover::carry_out(const ParamActions& a) {
   }
   const std::uint64_t waited = now_ns() - t0;
   schedule_->waited_for(waited);
-  host_.waited(waited);
+  add_param_wait(runtime_, waited);
 }
 
 void ParamMover::carry_out_named(const ParamActions& a, ParamId id) {

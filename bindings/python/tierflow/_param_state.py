@@ -22,26 +22,10 @@ load_state_dict() fetches each module's parameters, lets the module load them an
 gathered() holds is the context's to write back or discard). With assign=True it would put the loaded tensors in
 place of the parameters the schedule holds: refused by the outermost module's pre-hook, before anything loads.
 
-gathered(). DeepSpeed's GatheredParameters: outside the model's forward and backward (EMA, norms, logging,
-an edit of the weights), the given offloaded parameters are fetched to the device and held there until the
-context exits; then written back to their host copy or NVMe block only with modify=True, and released. Whether
-to write back is the caller's word, not decided by comparing contents: a comparison costs what the write back
-costs (a read of every byte from the device, and from NVMe), and DeepSpeed's users already say it
-(modifier_rank=None: read only). An in-place write under modify=False that autograd's version counter saw
-(p.mul_(), p.copy_() under no_grad; not p.data.mul_(), which has its own counter) is not silently dropped: the
-context raises on exit naming the parameter and saying to pass modify=True. Inside the model's forward or
-backward gathered() is refused: the parameters of the module running are on the device already, a weight of
-another module read through its module attribute is fetched for the step (Note [Parameter hooks]), and a
-release on exit would free the storage autograd saved for backward; DeepSpeed's users do the same there with
-register_external_parameter, not GatheredParameters. Nested contexts over one parameter fetch it once; the
-outermost releases it (written back if any level asked to modify). Inside the block a forward under no_grad
-(evaluation, generation: DeepSpeed-Chat gathers for it) reads the gathered values; a forward that builds a graph,
-and an optimizer step over the parameters held, are refused: the step would update the host copies (or the CPU
-AdamW's masters) behind the block, which would write its stale values over them with modify=True. A write back
-marks the CPU AdamW's masters stale, as model.load_state_dict() does (its fp32 masters are apart from the host
-copies: the edit was overwritten at the next step). The device memory is counted with the
-schedule's (ParamResidency::gather): a gather beyond TIERFLOW_GPU_MEMORY raises out_of_memory, and the message
-says to gather fewer modules at a time.
+gathered(). DeepSpeed's GatheredParameters, for reads outside the model's forward and backward: what it fetches,
+writes back, refuses and counts is Note [Parameter uses], Gathered (tiering/param_uses.hpp). A write back marks the
+CPU AdamW's masters stale, as model.load_state_dict() does (its fp32 masters are apart from the host copies: the
+edit was overwritten at the next step).
 
 Module._apply. model.to(), .half(), .float(), .bfloat16(), .double(), .type(), .cuda(), .cpu(), .to_empty() all
 call Module._apply(fn), which calls each child's _apply and then fn on each of the module's own parameters. A

@@ -54,18 +54,12 @@ Reads outside uses. Every module holding parameters reads them through its
 _parameters, which becomes a _WatchedParameters during wrap: in a forward or
 backward, a read of an offloaded parameter that no open use lists (OLMo's
 head, F.linear(h, self.wte.weight), in the model's forward; a block reading a
-weight another module holds) is served: inside a block's forward the weight
-joins the block's unit from now on (ParamSchedule::attach: fetched with its
-uses, forward and backward); elsewhere it is fetched and held (hold) until
-the end of the next backward (or of a forward no backward follows; two
-forwards before one backward keep it): a hold over a step would keep a copy
-the step makes stale. Both count in the budget. A read is seen, not
-what it reads: a read of a weight's dtype fetches it too. A second backward
-that needs a weight read inline (of a retained graph, or of a second forward
-made before the first backward) finds it released: its error says so (the
-hold's end leaves that text on its storage). A read tierflow cannot see (a reference kept, model.parameters()
-after training) finds the parameter released and raises the error of Note
-[Parameter storage], naming it and tierflow.gathered.
+weight another module holds) is served as Note [Parameter uses], Reads
+outside uses, says (joins the block reading it, or held until the end of the
+next backward). A read is seen, not what it reads: a read of a weight's dtype
+fetches it too. A read tierflow cannot see (a reference kept,
+model.parameters() after training) finds the parameter released and raises
+the error of Note [Parameter storage], naming it and tierflow.gathered.
 
 Auto. With TIERFLOW_OFFLOAD_PARAMS=auto every unit is fetched from the host
 during the two steps the activation planner measures; its plan (Note

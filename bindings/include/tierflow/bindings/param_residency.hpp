@@ -80,30 +80,19 @@ class ParamResidency : private tiering::ParamMoverHost {
                  const std::vector<std::string>& unit_names);
   ~ParamResidency();
 
-  /// `extra_bytes`: what the use makes beside its parameters (autocast's casts: ParamSchedule::begin_forward).
+  // tiering::ParamMover's events, holds, gathers and residence changes (each documented there), the parameters
+  // known by their tensors.
   void begin_forward(std::size_t unit, std::uint64_t extra_bytes = 0);
   void end_forward(std::size_t unit, std::uint64_t extra_bytes = 0);
   void begin_backward(std::size_t unit, std::uint64_t extra_bytes = 0);
   void end_backward(std::size_t unit, std::uint64_t extra_bytes = 0);
-  /// The forward (no backward follows) or the backward ended: everything fetched is released but holds.
   void end_phase();
-  /// A read of `p` outside its units' uses: fetched now (waited for) and kept until as many unhold.
-  /// Throws out_of_memory, nothing changed, where the budget has no room. Nothing for a resident one.
   void hold(const at::Tensor& p);
-  /// One hold of `p` ends; `why`, when not empty, is what a read of it raises if this releases it.
   void unhold(const at::Tensor& p, const std::string& why = "");
-  /// `p` belongs to `unit` from now on (a weight the unit's module reads that another module owns); fetched
-  /// now when the unit's use is open.
   void attach(std::size_t unit, const at::Tensor& p);
-  /// Whether `p` is offloaded and its values are on the device now (a read of it finds them).
   bool on_device(const at::Tensor& p) const;
-  /// tierflow.gathered: holds every offloaded parameter of `params` (all, or none: out_of_memory names the
-  /// budget); `scatter` writes each one's device values back to its home when `write_back`, then unholds.
   void gather(const std::vector<at::Tensor>& params);
   void scatter(const std::vector<at::Tensor>& params, bool write_back);
-  /// Makes `units` resident from now on (TIERFLOW_OFFLOAD_PARAMS=auto's plan), between phases: their
-  /// parameters are copied to the device (waited for), their host copies or NVMe blocks go, and they are
-  /// no longer offloaded (the optimizer steps them on the device). Returns them.
   std::vector<at::Tensor> make_resident(const std::vector<std::size_t>& units);
 
   /// The host copy of `p` on the host tier (what the optimizer steps in place), undefined when `p` stays on
@@ -120,9 +109,7 @@ class ParamResidency : private tiering::ParamMoverHost {
   /// Points every offloaded parameter at its host copy (true) or back at its released device storage
   /// (false): for a torch optimizer stepping on the emulated device, whose device tensors are CPU tensors.
   void point_at_host(bool on_host);
-  /// Fetches `p` now and waits for it (a module's load_state_dict writes into it), or writes it back to its
-  /// host copy and releases it (`fetch` false).
-  void materialize(const at::Tensor& p, bool fetch);
+  void materialize(const at::Tensor& p, bool fetch);  // (ParamMover::materialize)
 
   std::size_t units() const;
   tiering::ParamScheduleStats stats() const;
@@ -150,7 +137,6 @@ class ParamResidency : private tiering::ParamMoverHost {
   void upload(tiering::ParamId id, tiering::ParamView from) override;
   void download(tiering::ParamId id) override;
   void point(tiering::ParamId id, tiering::ParamView view) override;
-  void waited(std::uint64_t ns) noexcept override;
 
   std::shared_ptr<Runtime> runtime_;
   mutable std::mutex tensors_mutex_;  // the map's structure: make_resident erases while others look up

@@ -93,12 +93,15 @@ class ParamMoverHost {
   virtual void download(ParamId id) = 0;
   /// The parameter's tensor points at `view` (a torch optimizer steps the host's values).
   virtual void point(ParamId id, ParamView view) = 0;
-  /// The compute waited `ns` for fetches (param_wait_ns).
-  virtual void waited(std::uint64_t ns) noexcept = 0;
 };
 
 /// What a read of a released parameter raises (Note [Parameter storage]).
 std::string released_param_error(const std::string& name, bool nvme);
+
+/// The time compute waited for parameter fetches to land (ParamScheduleStats::stall_ns) under every ParamMover of
+/// `runtime` (any key for it) so far, those gone included: a total that only grows (one entry per runtime that ever
+/// waited; an address a later runtime reuses goes on from the total: only its differences are read).
+std::uint64_t param_wait_total(const void* runtime) noexcept;
 
 /// The parameters of units kept off the device between uses, moved as a ParamSchedule says (Note [Parameter
 /// moves]). Thread-safe: forward events come from the Python thread, backward events from autograd's.
@@ -108,22 +111,27 @@ class ParamMover {
   /// kNvme (`nvme` required: else config_error). Throws config_error naming a parameter that cannot be offloaded
   /// or two that share a storage, out_of_memory where the budget or NVMe's space falls short, before anything
   /// changes; then makes every fetched parameter's host copy (and NVMe block) and drops its device memory.
+  /// `runtime`: whose param_wait_total its waits add to.
   ParamMover(const std::vector<std::vector<ParamSpec>>& units, const std::vector<Tier>& residences,
              std::size_t blocks, const std::vector<std::string>& unit_names, std::uint64_t device_budget_bytes,
-             std::shared_ptr<swap::NvmeEngine> nvme, ParamMoverHost& host);
+             std::shared_ptr<swap::NvmeEngine> nvme, ParamMoverHost& host, const void* runtime = nullptr);
   /// Waits for fetches in flight (one that stalled keeps its memory for good) and releases the NVMe blocks.
   ~ParamMover();
   ParamMover(const ParamMover&) = delete;
   ParamMover& operator=(const ParamMover&) = delete;
 
-  /// The schedule's events, carried out (ParamSchedule; `unit` checked).
+  /// The schedule's events, carried out (ParamSchedule; `unit` checked). `extra_bytes`: what the use makes beside
+  /// its parameters (autocast's casts). end_phase: the forward (no backward follows) or the backward ended:
+  /// everything fetched is released but holds.
   void begin_forward(UnitId unit, std::uint64_t extra_bytes);
   void end_forward(UnitId unit, std::uint64_t extra_bytes);
   void begin_backward(UnitId unit, std::uint64_t extra_bytes);
   void end_backward(UnitId unit, std::uint64_t extra_bytes);
   void end_phase();
-  /// ParamSchedule::hold, unhold (`why`: what a read raises if this releases it) and attach; nothing for a
-  /// parameter that is not offloaded. Errors name the parameter.
+  /// ParamSchedule::hold (a read outside its units' uses: fetched now, waited for, and kept until as many unhold;
+  /// out_of_memory, nothing changed, where the budget has no room), unhold (`why`: what a read raises if this
+  /// releases it) and attach (a weight the unit's module reads that another module owns: fetched now when the
+  /// unit's use is open); nothing for a parameter that is not offloaded. Errors name the parameter.
   void hold(ParamId id);
   void unhold(ParamId id, const std::string& why);
   void attach(UnitId unit, ParamId id);
@@ -132,8 +140,9 @@ class ParamMover {
   /// (the device values), then unholds it.
   void gather(const std::vector<ParamId>& ids);
   void scatter(const std::vector<ParamId>& ids, bool write_back);
-  /// Makes `units` resident (between phases): their parameters' device values are made whole and their NVMe
-  /// blocks go; they are offloaded no more (the host lets their tensors go). Returns them.
+  /// Makes `units` resident (TIERFLOW_OFFLOAD_PARAMS=auto's plan, between phases): their parameters' device
+  /// values are made whole and their NVMe blocks go; they are offloaded no more (the host lets their tensors go,
+  /// the optimizer steps them on the device). Returns them.
   std::vector<ParamId> make_resident(const std::vector<UnitId>& units);
 
   bool offloaded(ParamId id) const;
@@ -148,8 +157,8 @@ class ParamMover {
   /// Every offloaded parameter points at its host copy (NVMe: the block read into its staging) or back at its
   /// device storage (NVMe: the staging written back first).
   void point_at_host(bool on_host);
-  /// Fetches `id` now and waits for it (`fetch`), or writes its device values home and drops them unless a use
-  /// or hold has it on the device.
+  /// Fetches `id` now and waits for it (`fetch`: a module's load_state_dict writes into it), or writes its device
+  /// values home and drops them unless a use or hold has it on the device.
   void materialize(ParamId id, bool fetch);
 
   std::size_t units() const;
@@ -183,6 +192,7 @@ class ParamMover {
 
   ParamMoverHost& host_;
   std::shared_ptr<swap::NvmeEngine> nvme_;
+  const void* runtime_;
   mutable std::mutex mutex_;
   std::unique_ptr<ParamSchedule> schedule_;
   std::unordered_map<ParamId, Record> params_;

@@ -28,15 +28,35 @@
 // higher units first (the order the blocks' backward runs), then every hold with the held error (below),
 // then the phase; an error midway still releases the holds and ends the phase, and the first error goes on.
 //
-// Reads outside uses. read(p) of a parameter no open use of its units lists, not held and offloaded: inside
-// a block's forward (not in backward) it joins the innermost open block's unit (attach); elsewhere it is held
-// until the end of the next backward (or of a forward no backward follows: model_ends without a graph). A
-// hold that ends with a backward leaves held_error(p) on the storage: a second backward that reads it (a
-// retained graph, a second forward's graph) is told why.
+// Reads outside uses. read(p) of a parameter no open use of its units lists, not held and offloaded (OLMo's
+// head, F.linear(h, self.wte.weight), in the model's forward; a block reading a weight another module holds):
+// inside a block's forward (not in backward) it joins the innermost open block's unit from now on (attach:
+// fetched with its uses, forward and backward); elsewhere it is held until the end of the next backward (or of
+// a forward no backward follows: model_ends without a graph; two forwards before one backward keep it): a hold
+// over a step would keep a copy the step makes stale. Both count in the budget. A hold that ends with a backward
+// leaves held_error(p) on the storage: a second backward that reads it (a retained graph, a second forward's
+// graph made before the first backward) is told why.
 //
-// Gathered. ParamGathers counts tierflow.gathered()'s contexts per parameter (Note [Parameter state]): nested
-// contexts over one parameter fetch it once (fresh, before enter); the outermost's exit releases it, written back
-// when any level asked to modify, else discarded, and an in-place write the version counter saw is named.
+// Gathered. tierflow.gathered() is DeepSpeed's GatheredParameters (bindings/python/tierflow/_param_state.py, Note
+// [Parameter state]): outside the model's forward and backward (EMA, norms, logging, an edit of the weights), the
+// given offloaded parameters are fetched to the device and held there until the context exits; then written back
+// to their host copy or NVMe block only with modify=True, and released. Whether to write back is the caller's
+// word, not decided by comparing contents: a comparison costs what the write back costs (a read of every byte from
+// the device, and from NVMe), and DeepSpeed's users already say it (modifier_rank=None: read only). An in-place
+// write under modify=False that autograd's version counter saw (p.mul_(), p.copy_() under no_grad; not
+// p.data.mul_(), which has its own counter) is not silently dropped: the context raises on exit naming the
+// parameter and saying to pass modify=True (gathered_edited_error). Inside the model's forward or backward
+// gathered() is refused (check_outside_passes): the parameters of the module running are on the device already, a
+// weight of another module read through its module attribute is fetched for the step (Note [Parameter hooks]),
+// and a release on exit would free the storage autograd saved for backward; DeepSpeed's users do the same there
+// with register_external_parameter, not GatheredParameters. ParamGathers counts the contexts per parameter:
+// nested contexts over one parameter fetch it once (fresh, before enter); the outermost's exit releases it,
+// written back if any level asked to modify. Inside the block a forward under no_grad (evaluation, generation:
+// DeepSpeed-Chat gathers for it) reads the gathered values; a forward that builds a graph (forward_begins), and
+// an optimizer step over the parameters held (gathered_step_refusal), are refused: the step would update the host
+// copies (or the CPU AdamW's masters) behind the block, which would write its stale values over them with
+// modify=True. The device memory is counted with the schedule's (ParamMover::gather): a gather beyond
+// TIERFLOW_GPU_MEMORY raises out_of_memory, and the message says to gather fewer modules at a time.
 #pragma once
 
 #include <cstdint>
