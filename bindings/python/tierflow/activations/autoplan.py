@@ -42,7 +42,7 @@ def measured_compute(plan: dict, replays: list) -> tuple:
     return _C.measured_compute(json.dumps(plan), replays)
 
 
-def step_counters(counters: dict) -> Any:
+def counters_struct(counters: dict) -> Any:
     """tiering::StepCounters from _wait_counters' dict (a key it lacks, or None: the struct's default)."""
     return _C.StepCounters(**{k: v for k, v in counters.items() if v is not None})
 
@@ -217,8 +217,8 @@ class AutoPlanner(_C.PlanFrontEnd):
         its kernel's rate, stepping during backward; without a gradient stream a CPUAdamW steps all in step(), at
         the rate its Python path stepped."""
         params = [p for p in self.model_params if p.requires_grad]
-        return _C.timed_optimizer_inputs(step_counters(before), step_counters(after), sum(p.numel() for p in params),
-                                         params[0].element_size() if params else 4,
+        return _C.timed_optimizer_inputs(counters_struct(before), counters_struct(after),
+                                         sum(p.numel() for p in params), params[0].element_size() if params else 4,
                                          str(self.session.settings.optimizer_states))
 
     def _measured_terms(self, out: dict) -> None:
@@ -231,8 +231,8 @@ class AutoPlanner(_C.PlanFrontEnd):
         then = self._plan_counters
         replays = [sum(r.recompute_seconds) if r.recompute_seconds else None for r in getattr(self, "runners", [])]
         m = json.loads(_C.measured_terms_json(json.dumps({k: out.get(k) for k in _MEASURED_FROM}), replays,
-                                              step_counters(self._wait_counters()),
-                                              step_counters(then) if then else None))
+                                              counters_struct(self._wait_counters()),
+                                              counters_struct(then) if then else None))
         for name, term in terms.items():
             term["measured_s"] = m["measured"].get(name)
         out["terms_measured_over"] = m["over"]
@@ -326,8 +326,8 @@ class AutoPlanner(_C.PlanFrontEnd):
             m.peak_bytes, m.reserved_peak_bytes = self._forward_backward_peak, self._forward_backward_reserved
         # Note [Step prediction]: step()'s wait for the CPU optimizer in the timed step, and its kernel's rate.
         after = self._wait_counters()
-        m.optimizer_wait_seconds = _C.timed_optimizer_wait_seconds(step_counters(self._timed_counters),
-                                                                   step_counters(after))
+        m.optimizer_wait_seconds = _C.timed_optimizer_wait_seconds(counters_struct(self._timed_counters),
+                                                                   counters_struct(after))
         m.optimizer = self._optimizer_inputs(self._timed_counters, after)
         return m
 
