@@ -86,7 +86,8 @@ CpuAdamW::CpuAdamW(std::shared_ptr<Runtime> runtime, const std::vector<torch::op
 
 void CpuAdamW::check_amsgrad() const {
   std::vector<bool> amsgrad;
-  for (const auto& group : param_groups_) amsgrad.push_back(static_cast<const AdamWOptions&>(group.options()).amsgrad());
+  for (const auto& group : param_groups_)
+    amsgrad.push_back(static_cast<const AdamWOptions&>(group.options()).amsgrad());
   optimizer::check_amsgrad_format(amsgrad, format_);
 }
 

@@ -2,8 +2,6 @@
 // Python CPUAdamW is too. See Note [C++ steps during backward] in cpu_adamw.hpp.
 #include <ATen/ATen.h>
 
-#include <unordered_set>
-
 #include "tierflow/bindings/block_offload.hpp"
 #include "tierflow/bindings/cpu_adamw.hpp"
 #include "tierflow/bindings/dtypes.hpp"
@@ -121,13 +119,11 @@ bool CpuAdamW::step_streamed(double scale) {
   } catch (const out_of_memory&) {  // the early steps' out-of-place results let go for this path's room
     unhandled = stream_->prepare_finish(scale, records_.masters_stale(), true);
   }
-  for (std::size_t i : stream_->weights_changed()) records_.reread(stream_params_.at(i).unsafeGetTensorImpl());
+  records_.reread_slots(stream_->weights_changed());
   const GradStream::Finish f = stream_->commit_finish();  // cannot fail
   adopt_stream_states(f.committed);
-  std::unordered_set<std::size_t> left(unhandled.begin(), unhandled.end());
-  left.insert(f.unhandled.begin(), f.unhandled.end());
-  for (const auto& [impl, slot] : records_.carried_slots())
-    if (!left.count(slot)) records_.stream_confirmed(impl);  // confirmed, redone, or nothing to step
+  unhandled.insert(unhandled.end(), f.unhandled.begin(), f.unhandled.end());
+  records_.stream_finished(unhandled);  // the others were confirmed, redone, or had nothing to step
   return !f.committed.empty();
 }
 

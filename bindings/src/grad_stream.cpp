@@ -183,13 +183,10 @@ void GradStream::set_state(std::size_t slot, at::Tensor master, at::Tensor exp_a
   std::lock_guard<std::mutex> lock(mutex_);
   TIERFLOW_EXPECTS(slot < slots_.size(), "GradStream::set_state: no slot " + std::to_string(slot));
   Slot& s = slots_[slot];
-  auto facts = [](const at::Tensor& t) {
-    return t.defined() ? optimizer::StateArrayFacts{true, t.is_cpu(), t.is_contiguous(), moment_format(t), t.nbytes()}
-                       : optimizer::StateArrayFacts{};
-  };
   const optimizer::StateFormat format = optimizer::check_stream_state(  // throws naming what is wrong
-      slot, static_cast<std::size_t>(s.param.numel()), facts(master), facts(exp_avg), facts(exp_avg_sq),
-      facts(max_exp_avg_sq), step.defined() && step.is_cpu() && step.numel() == 1);
+      slot, static_cast<std::size_t>(s.param.numel()), state_array_facts(master), state_array_facts(exp_avg),
+      state_array_facts(exp_avg_sq), state_array_facts(max_exp_avg_sq),
+      step.defined() && step.is_cpu() && step.numel() == 1);
   engine_->set_state(slot, host_array(master), host_array(exp_avg), host_array(exp_avg_sq),
                      host_array(max_exp_avg_sq), format);  // tells the ledger (state_set)
   s.step = std::move(step);

@@ -283,11 +283,8 @@ namespace {
 // contiguous on the CPU and of its size (Note [Optimizer states on NVMe]).
 optimizer::StateFormat nvme_moments(Runtime& rt, std::uint64_t key, const at::Tensor& m, const at::Tensor& v,
                                     const char* what) {
-  const std::size_t n = rt.nvme_adam().numel(key);
-  const auto f = moment_format(m);
-  TIERFLOW_EXPECTS(f && moment_format(v) == f && m.is_cpu() && v.is_cpu() && m.is_contiguous() && v.is_contiguous() &&
-                       m.nbytes() == optimizer::moment_bytes(*f, n) && v.nbytes() == m.nbytes(),
-                   std::string(what) + ": the moments must be contiguous CPU tensors of one format (float32, "
+  const auto f = optimizer::moments_format(rt.nvme_adam().numel(key), state_array_facts(m), state_array_facts(v));
+  TIERFLOW_EXPECTS(f, std::string(what) + ": the moments must be contiguous CPU tensors of one format (float32, "
                        "bfloat16, or 8bit's uint8 buffer) of the state's size");
   return *f;
 }

@@ -33,6 +33,11 @@ at::ScalarType torch_type(optimizer::ScalarType t) noexcept {
   return at::kFloat;
 }
 
+optimizer::StateArrayFacts state_array_facts(const at::Tensor& t) {
+  if (!t.defined()) return {};
+  return {true, t.is_cpu(), t.is_contiguous(), moment_format(t), t.nbytes()};
+}
+
 optimizer::HostArray GradStream::allocate(std::size_t bytes) {
   return host_array(runtime_->host_empty({static_cast<std::int64_t>(bytes)}, at::kByte, false));
 }

@@ -40,13 +40,17 @@ void GradStream::set_reduced(const std::vector<std::size_t>& slots) {
 
 void GradStream::on_reduced(const std::vector<at::Tensor>& params, const at::Tensor& flat) {
   std::vector<optimizer::ReducedSlots::Member> members;
-  for (const auto& p : params)
-    members.push_back({p.unsafeGetTensorImpl(), static_cast<std::size_t>(p.numel()), p.scalar_type() == flat.scalar_type()});
+  for (const auto& p : params) {
+    const bool same_type = p.scalar_type() == flat.scalar_type();
+    members.push_back({p.unsafeGetTensorImpl(), static_cast<std::size_t>(p.numel()), same_type});
+  }
   std::vector<std::pair<std::size_t, at::Tensor>> mine;  // (slot, its reduced gradient)
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    for (const auto& c : reduced_.slices(members, {flat.numel(), flat.dim(), flat.is_contiguous()}))
-      mine.emplace_back(c.slot, flat.narrow(0, static_cast<std::int64_t>(c.offset), static_cast<std::int64_t>(c.numel)));
+    for (const auto& c : reduced_.slices(members, {flat.numel(), flat.dim(), flat.is_contiguous()})) {
+      const auto offset = static_cast<std::int64_t>(c.offset), numel = static_cast<std::int64_t>(c.numel);
+      mine.emplace_back(c.slot, flat.narrow(0, offset, numel));
+    }
   }
   if (mine.empty()) return;
   begin_backward(false);  // the end of backward is queued by the local hooks (autograd thread)

@@ -1,6 +1,7 @@
 // See cpu_adamw_steps.hpp.
 #include "tierflow/optimizer/cpu_adamw_steps.hpp"
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 
@@ -72,6 +73,16 @@ std::vector<bool> choose_gpu_share(double fraction, const std::vector<std::size_
                        " (CpuAdamWOptions::gpu_fraction) needs the CUDA AdamW, which this build lacks "
                        "(TIERFLOW_WITH_CUDA); accepted: 0");
   return GpuShareChoice(std::to_string(fraction)).assign(numels);
+}
+
+void CpuAdamWSteps::stream_finished(const std::vector<std::size_t>& left) {
+  for (const auto& [p, slot] : carried_)
+    if (std::find(left.begin(), left.end(), slot) == left.end()) stream_confirmed(p);
+}
+
+void CpuAdamWSteps::reread_slots(const std::vector<std::size_t>& slots) {
+  for (const auto& [p, slot] : carried_)
+    if (std::find(slots.begin(), slots.end(), slot) != slots.end()) reread(p);
 }
 
 WeightUpdate CpuAdamWSteps::weight_update(ParamId p, const ParamLayout& layout) const {

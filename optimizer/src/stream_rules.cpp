@@ -27,6 +27,17 @@ const char* grad_not_streamable(const GradFacts& g) noexcept {
   return nullptr;
 }
 
+std::optional<StateFormat> moments_format(std::size_t numel, const StateArrayFacts& exp_avg,
+                                          const StateArrayFacts& exp_avg_sq) {
+  // Note [Optimizer state formats]: a moment's format is its dtype; both moments share it.
+  const std::optional<StateFormat> format = exp_avg.format;
+  for (const StateArrayFacts* t : {&exp_avg, &exp_avg_sq})
+    if (!t->defined || !t->host || !t->contiguous || !format || t->format != format ||
+        t->bytes != moment_bytes(*format, numel))
+      return std::nullopt;
+  return format;
+}
+
 StateFormat check_stream_state(std::size_t slot, std::size_t numel, const StateArrayFacts& master,
                                const StateArrayFacts& exp_avg, const StateArrayFacts& exp_avg_sq,
                                const StateArrayFacts& max_exp_avg_sq, bool step_counter_ok) {
@@ -36,12 +47,9 @@ StateFormat check_stream_state(std::size_t slot, std::size_t numel, const StateA
     return host_flat(t) && t.format == StateFormat::kFp32 && t.bytes == 4 * numel;
   };
   TIERFLOW_EXPECTS(fp32_of_size(master), who + " needs a contiguous fp32 CPU master of the parameter's size");
-  // Note [Optimizer state formats]: a moment's format is its dtype; both moments share it.
-  const std::optional<StateFormat> format = exp_avg.format;
-  for (const StateArrayFacts* t : {&exp_avg, &exp_avg_sq})
-    TIERFLOW_EXPECTS(host_flat(*t) && format && t->format == format && t->bytes == moment_bytes(*format, numel),
-                     who + " needs contiguous CPU moments of one format (TIERFLOW_OPTIMIZER_STATES): float32 or "
-                           "bfloat16 of the parameter's size, or 8bit's uint8 buffer of moment_bytes");
+  const std::optional<StateFormat> format = moments_format(numel, exp_avg, exp_avg_sq);
+  TIERFLOW_EXPECTS(format, who + " needs contiguous CPU moments of one format (TIERFLOW_OPTIMIZER_STATES): float32 or "
+                                 "bfloat16 of the parameter's size, or 8bit's uint8 buffer of moment_bytes");
   TIERFLOW_EXPECTS(!max_exp_avg_sq.defined || fp32_of_size(max_exp_avg_sq),
                    who + " needs a contiguous fp32 CPU max_exp_avg_sq of the parameter's size");
   TIERFLOW_EXPECTS(step_counter_ok, "GradStream::set_state: the step counter must be a one-element CPU tensor");

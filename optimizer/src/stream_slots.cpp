@@ -103,8 +103,8 @@ ReleasedGrads::Waited ReleasedGrads::wait_all(const StepEngine& engine) {
   return out;
 }
 
-std::vector<std::pair<DeviceId, std::size_t>> last_copied(const StepEngine& engine,
-                                                          const std::vector<std::pair<std::size_t, DeviceId>>& candidates) {
+std::vector<std::pair<DeviceId, std::size_t>> last_copied(
+    const StepEngine& engine, const std::vector<std::pair<std::size_t, DeviceId>>& candidates) {
   std::vector<std::pair<DeviceId, std::size_t>> last;
   for (const auto& [slot, device] : candidates) {
     auto it = std::find_if(last.begin(), last.end(), [&](const auto& l) { return l.first == device; });

@@ -170,6 +170,20 @@ TEST(CpuAdamWSteps, EachParameterStepsOnceAndWhereItIsPlaced) {
   EXPECT_EQ(r.route(a, true), Route::kCpu) << "the stream's confirmations last one step()";
 }
 
+TEST(CpuAdamWSteps, TheStreamConfirmsEveryCarriedParameterItDidNotLeaveAndRereadsBySlot) {
+  CpuAdamWSteps r;
+  r.carry(a, 0);
+  r.carry(b, 1);
+  r.begin(1.0);
+  r.stream_finished({1, 7});  // slot 1 is left to step(); 7 is nobody's
+  EXPECT_EQ(r.route(a, true), Route::kSkip) << "confirmed by the stream";
+  EXPECT_EQ(r.route(b, true), Route::kCpu) << "left to step()";
+  EXPECT_EQ(r.route(c, true), Route::kCpu) << "not carried";
+  r.reread_slots({1});
+  EXPECT_TRUE(r.rereads(b));
+  EXPECT_FALSE(r.rereads(a));
+}
+
 TEST(CpuAdamWSteps, ACarriedParameterIsNeverItsOwnMaster) {
   CpuAdamWSteps r;
   r.carry(a, 0);

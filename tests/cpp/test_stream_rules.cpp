@@ -109,3 +109,20 @@ TEST(StreamRules, AStreamedStateIsRefusedNamingTheArrayThatIsWrong) {
   refused(master, bf, bf, bf, true, "slot 7 needs a contiguous fp32 CPU max_exp_avg_sq");
   refused(master, bf, bf, none, false, "the step counter must be a one-element CPU tensor");
 }
+
+// The moments of an NVMe state handed in or out: one format, host, contiguous, moment_bytes each.
+TEST(StreamRules, MomentsAreOfOneFormatAndTheirSize) {
+  constexpr std::size_t n = 300;
+  const StateArrayFacts m8{true, true, true, StateFormat::k8bit, moment_bytes(StateFormat::k8bit, n)};
+  const StateArrayFacts fp{true, true, true, StateFormat::kFp32, 4 * n};
+  EXPECT_EQ(moments_format(n, m8, m8), StateFormat::k8bit);
+  EXPECT_EQ(moments_format(n, fp, fp), StateFormat::kFp32);
+  EXPECT_FALSE(moments_format(n, fp, m8));
+  EXPECT_FALSE(moments_format(n + 1, fp, fp));
+  StateArrayFacts strided = fp;
+  strided.contiguous = false;
+  EXPECT_FALSE(moments_format(n, fp, strided));
+  StateArrayFacts no_format = fp;
+  no_format.format.reset();  // a dtype no format has (float16)
+  EXPECT_FALSE(moments_format(n, no_format, no_format));
+}

@@ -7,11 +7,12 @@
 // AccumulateGrad node (the node is kept alive here, so autograd reuses it)
 // runs when backward has finished that parameter's gradient. No Python runs
 // per parameter in steady state:
-//  1. Buckets. Parameters are cut into buckets in the order backward completes
-//     their gradients, sized as Note [Streamed steps] (optimizer/step_engine.hpp)
-//     says. Each gradient is copied device -> host, on the copy engine's D2H stream after
-//     the work queued on the stream that produced it (rule 1 of Note [Copy
-//     ordering]), into its slice of one pinned buffer per bucket. The device
+//  1. Buckets. Parameters are cut into buckets in the order backward
+//     completes their gradients, sized as Note [Streamed steps]
+//     (optimizer/step_engine.hpp) says. Each gradient is copied device ->
+//     host, on the copy engine's D2H stream after the work queued on the
+//     stream that produced it (rule 1 of Note [Copy ordering]), into its
+//     slice of one pinned buffer per bucket. The device
 //     gradient stays referenced until its copy has landed (rule 3). By
 //     default it is also p.grad, which the user may still read, clip or scale
 //     before step(). With TIERFLOW_OFFLOAD_GRADIENTS=on (torchao's
@@ -53,7 +54,9 @@
 // released and restored, DDP's and FSDP2's reduced gradients, the contents
 // (Notes [Gradient content], [Weight content]) and the weights' copies queued to
 // the device; which copy each device and module waits for, when staging may
-// go, and each slot's verdict at step() are the engine's.
+// go, and each slot's verdict at step() are the engine's, and the stream's
+// own bookkeeping without tensors (DDP's reduced slots, when backward's end
+// runs, released gradients, stale masters) is optimizer/stream_slots.hpp's.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -71,6 +74,7 @@
 #include "tierflow/optimizer/grad_buckets.hpp"
 #include "tierflow/optimizer/step_engine.hpp"
 #include "tierflow/optimizer/step_ledger.hpp"
+#include "tierflow/optimizer/stream_rules.hpp"
 #include "tierflow/optimizer/stream_slots.hpp"
 
 namespace tierflow::bindings {
@@ -86,6 +90,9 @@ using GradStreamStats = optimizer::StepEngineStats;
 using BucketTimes = optimizer::BucketTimes;
 /// The times of the last finished window (Note [Stream timeline]).
 using WindowTimeline = optimizer::WindowTimeline;
+
+/// `t` as one array of an optimizer state (optimizer::check_stream_state, moments_format); undefined: none.
+optimizer::StateArrayFacts state_array_facts(const at::Tensor& t);
 
 /// GradStreamStats' exported fields (Note [Stat fields]): nanoseconds as *_ms.
 const std::vector<StatField<GradStreamStats>>& grad_stream_stat_fields();

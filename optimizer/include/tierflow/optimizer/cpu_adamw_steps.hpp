@@ -116,8 +116,13 @@ class CpuAdamWSteps {
   double scale() const noexcept { return scale_; }
   /// The stream confirmed `p` this step() (committed, redone, or nothing to step).
   void stream_confirmed(ParamId p) { by_stream_.emplace(p, true); }
+  /// The stream's step() is done: every carried parameter but those of the stream slots `left` (to this path:
+  /// a gradient changed, not streamed, stale) is confirmed.
+  void stream_finished(const std::vector<std::size_t>& left);
   /// The user wrote carried `p` since tierflow did: its master is re-read this step() (Note [Weight content]).
   void reread(ParamId p) { reread_.emplace(p, true); }
+  /// reread() of the carried parameters of stream slots `slots` (the stream's weights_changed).
+  void reread_slots(const std::vector<std::size_t>& slots);
   bool rereads(ParamId p) const { return reread_.count(p) != 0; }
   /// Where step() takes `p` (`has_grad`: p.grad is defined).
   Route route(ParamId p, bool has_grad) const;

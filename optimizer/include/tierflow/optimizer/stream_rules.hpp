@@ -56,6 +56,11 @@ struct StateArrayFacts {
   std::size_t bytes = 0;
 };
 
+/// The format of moments `exp_avg` and `exp_avg_sq` of `numel` elements when both are contiguous host arrays of
+/// one format and moment_bytes each (Note [Optimizer state formats]); nullopt otherwise.
+std::optional<StateFormat> moments_format(std::size_t numel, const StateArrayFacts& exp_avg,
+                                          const StateArrayFacts& exp_avg_sq);
+
 /// The state the stream steps slot `slot` (of `numel` elements) with, or it throws logic_error naming what is
 /// wrong: a contiguous fp32 host master of the parameter's size; both moments contiguous on the host, of one
 /// format (TIERFLOW_OPTIMIZER_STATES) and moment_bytes each; max_exp_avg_sq undefined or like the master; the

@@ -29,7 +29,8 @@ class ReducedSlots {
   struct Member {
     const void* key = nullptr;
     std::size_t numel = 0;
-    bool same_type = true;  ///< of the bucket's dtype (a user's hook may return another: not what DDP casts into p.grad)
+    /// Of the bucket's dtype (a user's hook may return another: not what DDP casts into p.grad).
+    bool same_type = true;
   };
   /// The bucket itself: DDP's flat result.
   struct Flat {
@@ -117,7 +118,7 @@ class ReleasedGrads {
 /// The user's clip writes gradients in place (Note [Clip picked up]): per device, the gradient copy of
 /// `candidates` (slot, device) sent last, which the device's compute stream waits for; copies in one direction
 /// complete in submission order (Note [Copy ordering]). Devices in order of first appearance.
-std::vector<std::pair<DeviceId, std::size_t>> last_copied(const StepEngine& engine,
-                                                          const std::vector<std::pair<std::size_t, DeviceId>>& candidates);
+std::vector<std::pair<DeviceId, std::size_t>> last_copied(
+    const StepEngine& engine, const std::vector<std::pair<std::size_t, DeviceId>>& candidates);
 
 }  // namespace tierflow::optimizer
