@@ -28,6 +28,7 @@
 #include "tierflow/optimizer/grad_buckets.hpp"
 #include "tierflow/optimizer/roofline.hpp"
 #include "tierflow/swap/nvme_probe.hpp"
+#include "tierflow/tiering/runtime_stats.hpp"
 #include "tierflow/tiering/tiers.hpp"
 
 namespace py = pybind11;
@@ -74,50 +75,27 @@ optimizer::AdamOptions adam_options(const py::dict& d) {
   return o;
 }
 
-namespace {
-
-// The exported fields of the runtime's statistics (Note [Stat fields]), one
-// table per dict of tierflow.report(): a name is written once, here.
-const std::vector<StatField<OptimizerStats>> kOptimizerFields = {
-    {"steps", &OptimizerStats::steps},
-    {"elements", &OptimizerStats::elements},
-    {"step_ms", &OptimizerStats::step_ns, nullptr, 1e-6},
-};
-}  // namespace
-
+// The runtime's statistics (tiering/runtime_stats.hpp builds them), read off its parts.
 py::dict runtime_stats(const Runtime& rt) {
   rt.host_pool()->reap();
-  const auto a = rt.activations()->stats();
-  const auto pool = rt.host_pool()->stats();
-  py::dict acts = stat_dict(a, tiering::saved_tensor_stat_fields());
-  acts["nvme"] = stat_dict(a, tiering::saved_tensor_nvme_stat_fields());
-  acts["device_bytes"] = stat_dict(a.device_bytes);
-  acts["host_bytes"] = stat_dict(a.host_bytes);
-  acts["nvme_bytes"] = stat_dict(a.nvme_bytes);
-  py::dict host = stat_dict(pool, allocator::pinned_pool_stat_fields());
-  host["budget_bytes"] = rt.host_pool()->budget_bytes();
-  host["pinned"] = rt.host_pool()->cuda_pinned();
-  host["in_use"] = stat_dict(pool.in_use);
-  host["reserved"] = stat_dict(pool.reserved);
-  py::dict optd = stat_dict(rt.optimizer_stats(), kOptimizerFields);
-  optd["threads"] = rt.cpu_threads();
-  optd["isa"] = std::string(optimizer::to_string(rt.cpu_isa()));
-  py::dict emu = stat_dict(swap::emulated_copy_stats(*rt.copy_engine()), swap::emulated_copy_stat_fields());
-  emu["mode"] = rt.device_kind() == allocator::DeviceKind::kEmulated
-                    ? std::string(to_string(rt.config().emulated_device)) : std::string("n/a");
   if (rt.adversarial()) check_device_memory_quarantine();
-  const auto ms = emulated_device_memory_stats();
-  emu["poisoned_device_memory"] = ms.installed;
-  emu["device_late_writes"] = ms.late_writes;
-  py::dict out;
-  out["device"] = std::string(allocator::to_string(rt.device_kind()));
-  out["emulated"] = emu;
-  out["activations"] = acts;
-  out["prefetch"] = stat_dict(a, tiering::saved_tensor_prefetch_stat_fields());
-  out["host_pool"] = host;
-  out["links"] = stat_dict(rt.copy_engine()->stats(), swap::copy_engine_stat_fields());
-  out["optimizer"] = optd;
-  return out;
+  const auto memory = emulated_device_memory_stats();
+  tiering::RuntimeStatsParts p;
+  p.device = std::string(allocator::to_string(rt.device_kind()));
+  p.activations = rt.activations()->stats();
+  p.host_pool = rt.host_pool()->stats();
+  p.host_budget_bytes = rt.host_pool()->budget_bytes();
+  p.host_pinned = rt.host_pool()->cuda_pinned();
+  p.optimizer = rt.optimizer_stats();
+  p.cpu_threads = rt.cpu_threads();
+  p.cpu_isa = std::string(optimizer::to_string(rt.cpu_isa()));
+  p.emulated = swap::emulated_copy_stats(*rt.copy_engine());
+  p.emulated_mode = rt.device_kind() == allocator::DeviceKind::kEmulated
+                        ? std::string(to_string(rt.config().emulated_device)) : std::string("n/a");
+  p.poisoned_device_memory = memory.installed;
+  p.device_late_writes = memory.late_writes;
+  p.links = rt.copy_engine()->stats();
+  return py::module_::import("json").attr("loads")(tiering::runtime_stats_json(p));
 }
 
 std::map<std::string, std::string> to_string_map(const py::dict& d) {

@@ -18,6 +18,7 @@
 #include "tierflow/optimizer/cpu_adam.hpp"
 #include "tierflow/optimizer/nvme_adam.hpp"
 #include "tierflow/swap/copy_engine.hpp"
+#include "tierflow/tiering/runtime_stats.hpp"
 #include "tierflow/tiering/tiers.hpp"
 
 namespace tierflow::bindings {
@@ -43,12 +44,8 @@ void encode_moments(optimizer::StateFormat f, const at::Tensor& m, const at::Ten
 void decode_moments(const at::Tensor& m, const at::Tensor& v, std::size_t numel, const at::Tensor& m_out,
                     const at::Tensor& v_out);
 
-/// Statistics of the optimizer side.
-struct OptimizerStats {
-  std::uint64_t steps = 0;        ///< CpuAdam::step calls
-  std::uint64_t elements = 0;     ///< parameters updated, summed over steps
-  std::uint64_t step_ns = 0;      ///< time inside the CPU step
-};
+/// Statistics of the optimizer side (tiering/runtime_stats.hpp: its fields in the runtime's statistics).
+using OptimizerStats = tiering::CpuOptimizerStats;
 
 /// One tierflow runtime: the tiers (tiering::Tiers, Note [Tiers from the
 /// configuration]) with torch's tensors on top. Construct it from a validated Config.
