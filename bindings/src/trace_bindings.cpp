@@ -35,6 +35,8 @@ void bind_trace(py::module_& m) {
       py::arg("lane"), py::arg("name"), py::arg("start_ns"), py::arg("end_ns"),
       py::arg("args") = std::vector<std::pair<std::string, std::int64_t>>{},
       "A complete event on `lane` (times on the steady clock: time.monotonic_ns())");
+  m.def("trace_path_refusal", &trace::path_refusal, py::arg("path"), py::arg("who"),
+        "Why `path` cannot take a trace file, after `who`; '' when it can");
   m.def("trace_sample", &trace::sample, "A 'bytes per tier' counter event from every runtime's meters");
   m.def("trace_write", &trace::write, py::arg("path"), py::arg("since_ns") = 0,
         py::call_guard<py::gil_scoped_release>(),

@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <map>
 #include <mutex>
 
@@ -96,6 +97,16 @@ void write_at_exit() {
       std::fprintf(stderr, "[tierflow warn] TIERFLOW_TRACE: %s\n", e.what());
     }
   }
+}
+
+// Creates and removes the probe file `path`.tmp: 0 when it could be (or exists already), else its errno.
+int probe_errno(const std::string& path) {
+  const std::string probe = path + ".tmp";
+  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL, 0644);
+  if (fd < 0) return errno == EEXIST ? 0 : errno;
+  ::close(fd);
+  ::unlink(probe.c_str());
+  return 0;
 }
 
 }  // namespace
@@ -226,17 +237,10 @@ void attach(const void* owner, std::string path, Meter meter) {
   std::uint64_t since = now_ns();
   if (records) {
     // Its file is written when the runtime ends: say now, at wrap, when it cannot be (Note [Trace]).
-    const std::string probe = path + ".tmp";
-    const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL, 0644);
-    const int err = errno;
-    if (fd < 0 && err != EEXIST)
-      throw config_error("TIERFLOW_TRACE=" + path + " (keyword trace) cannot be written: creating " + probe +
-                         " failed: " + std::strerror(err) + "; accepted: a file path under an existing writable "
+    if (const int err = probe_errno(path))
+      throw config_error("TIERFLOW_TRACE=" + path + " (keyword trace) cannot be written: creating " + path +
+                         ".tmp failed: " + std::strerror(err) + "; accepted: a file path under an existing writable "
                          "folder (empty: no trace)");
-    if (fd >= 0) {
-      ::close(fd);
-      ::unlink(probe.c_str());
-    }
     std::lock_guard<std::mutex> lock(r.mutex);
     since = r.path_since.emplace(path, since).first->second;  // the path's first attach
   }
@@ -249,6 +253,21 @@ void attach(const void* owner, std::string path, Meter meter) {
     }
   }
   if (records) start();
+}
+
+std::string path_refusal(const std::string& path, const std::string& who) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  fs::path full = fs::absolute(path, ec).lexically_normal();  // Python's os.path.abspath
+  if (!full.has_filename() && full.has_relative_path()) full = full.parent_path();  // "dir/" names dir
+  const fs::path folder = full.parent_path();
+  if (!fs::is_directory(folder, ec))
+    return who + ": the folder " + folder.string() + " does not exist; give a file path under a writable folder (the "
+           "setting TIERFLOW_TRACE takes the same)";
+  if (const int err = probe_errno(path))
+    return who + ": cannot write there (creating " + path + ".tmp: " + std::strerror(err) + "); give a file path "
+           "under a writable folder";
+  return "";
 }
 
 void detach(const void* owner) noexcept {

@@ -276,6 +276,25 @@ TEST_F(TraceTest, AttachRefusesAPathItCannotWriteAtOnce) {
   trace::detach(&a);  // nothing to do
 }
 
+TEST_F(TraceTest, PathRefusalSaysAMissingFolderOrAFailedProbeAndLeavesNoProbeBehind) {
+  const std::string who = "tierflow.trace(path='x')";
+  EXPECT_EQ(trace::path_refusal("/nonexistent-dir-zz/sub/../t.json", who),
+            who + ": the folder /nonexistent-dir-zz does not exist; give a file path under a writable folder (the "
+                  "setting TIERFLOW_TRACE takes the same)");
+  EXPECT_EQ(trace::path_refusal("/proc/nope.json", who),
+            who + ": cannot write there (creating /proc/nope.json.tmp: No such file or directory); give a file path "
+                  "under a writable folder");
+  const fs::path dir = fs::temp_directory_path() / ("tierflow_trace_probe_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  const std::string path = (dir / "t.json").string();
+  EXPECT_EQ(trace::path_refusal(path, who), "");
+  EXPECT_FALSE(fs::exists(path + ".tmp")) << "the probe file removed";
+  std::ofstream(path + ".tmp") << "a writer's";
+  EXPECT_EQ(trace::path_refusal(path, who), "") << "a probe file there already: the folder is writable";
+  EXPECT_TRUE(fs::exists(path + ".tmp")) << "someone else's file left alone";
+  fs::remove_all(dir);
+}
+
 TEST_F(TraceTest, ALaterRuntimeOnThePathKeepsTheEarlierOnesEvents) {
   const fs::path dir = fs::temp_directory_path() / ("tierflow_trace_runs_" + std::to_string(::getpid()));
   fs::create_directories(dir);

@@ -42,23 +42,11 @@ class trace:
         path = os.fspath(path)
         if not isinstance(path, str) or not path:
             raise _C.ConfigError(f"tierflow.trace(path={path!r}): give a file path under a writable folder")
-        folder = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(folder):
-            raise _C.ConfigError(f"tierflow.trace(path={path!r}): the folder {folder} does not exist; give a file "
-                                 "path under a writable folder (the setting TIERFLOW_TRACE takes the same)")
-        # The file is written on leaving: refuse now a path that cannot be, before the body runs (the writer's
-        # temporary file, created and removed; the same probe as TIERFLOW_TRACE's at wrap).
-        probe = path + ".tmp"
-        try:
-            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            pass
-        except OSError as e:
-            raise _C.ConfigError(f"tierflow.trace(path={path!r}): cannot write there (creating {probe}: "
-                                 f"{e.strerror or e}); give a file path under a writable folder") from None
-        else:
-            os.close(fd)
-            os.unlink(probe)
+        # The file is written on leaving: refuse now a folder that is missing or cannot be written (core's probe,
+        # the same as TIERFLOW_TRACE's at wrap).
+        why = _C.trace_path_refusal(path, f"tierflow.trace(path={path!r})")
+        if why:
+            raise _C.ConfigError(why)
         self.path = path
         self._since: Optional[int] = None
 

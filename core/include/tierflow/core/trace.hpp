@@ -137,6 +137,9 @@ using Meter = std::function<std::vector<std::pair<std::string, std::int64_t>>()>
 /// config_error naming TIERFLOW_TRACE and `path` when `path`'s folder does not exist or is not writable (a probe
 /// file `path`.tmp is created and removed), before anything is attached.
 void attach(const void* owner, std::string path, Meter meter);
+/// Why `path` cannot take a trace file, in words after `who` (tierflow.trace(path=...)): its folder does not exist,
+/// or a probe file `path`.tmp cannot be created there (one that exists already is fine); "" when it can.
+std::string path_refusal(const std::string& path, const std::string& who);
 /// Removes `owner`'s meter; writes its path's trace when it gave one. Never throws (a failed write is logged).
 void detach(const void* owner) noexcept;
 /// Records one "bytes per tier" counter event from every attached meter (summed by series); nothing when off.
