@@ -1,13 +1,13 @@
-// tierflow._C.ParamUses: tiering::ParamUses (Note [Parameter uses]) sending its events to a ParamResidency, the
-// parameters known by their TensorImpl. The schedule's events wait without the GIL, as _C.ParamResidency's own
-// do; a call record dropped meanwhile (a _Call's __del__ on another thread) waits for the next drop outside them.
+// tierflow._C.ParamUses: tiering::ParamUses (Note [Parameter uses]) sending its events to a ParamResidency's
+// ParamMover, the parameters known by their TensorImpl. The schedule's events wait without the GIL, as
+// _C.ParamResidency's own do; a call record dropped meanwhile (a _Call's __del__ on another thread) waits for the
+// next drop outside them.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/python.h>
 
 #include <memory>
-#include <unordered_map>
 #include <vector>
 
 #include "tierflow/bindings/param_residency.hpp"
@@ -27,23 +27,17 @@ ParamId id_of(const at::Tensor& p) {
 
 class ResidencyHost : public tiering::ParamUsesHost {
  public:
-  ResidencyHost(std::shared_ptr<ParamResidency> residency, const std::vector<std::vector<at::Tensor>>& units)
-      : residency_(std::move(residency)) {
-    for (const auto& u : units) {
-      for (const at::Tensor& p : u) tensors_.emplace(id_of(p), p);
-    }
-  }
-  void begin_forward(UnitId u, std::uint64_t x) override { released([&] { residency_->begin_forward(u, x); }); }
-  void end_forward(UnitId u, std::uint64_t x) override { released([&] { residency_->end_forward(u, x); }); }
-  void begin_backward(UnitId u, std::uint64_t x) override { released([&] { residency_->begin_backward(u, x); }); }
-  void end_backward(UnitId u, std::uint64_t x) override { released([&] { residency_->end_backward(u, x); }); }
-  void end_phase() override { released([&] { residency_->end_phase(); }); }
-  bool offloaded(ParamId p) override { return residency_->offloaded(tensors_.at(p)); }
-  void hold(ParamId p) override { released([&] { residency_->hold(tensors_.at(p)); }); }
-  void unhold(ParamId p, const std::string& why) override {
-    released([&] { residency_->unhold(tensors_.at(p), why); });
-  }
-  void attach(UnitId u, ParamId p) override { released([&] { residency_->attach(u, tensors_.at(p)); }); }
+  explicit ResidencyHost(std::shared_ptr<ParamResidency> residency)
+      : residency_(std::move(residency)), mover_(residency_->mover()) {}
+  void begin_forward(UnitId u, std::uint64_t x) override { released([&] { mover_.begin_forward(u, x); }); }
+  void end_forward(UnitId u, std::uint64_t x) override { released([&] { mover_.end_forward(u, x); }); }
+  void begin_backward(UnitId u, std::uint64_t x) override { released([&] { mover_.begin_backward(u, x); }); }
+  void end_backward(UnitId u, std::uint64_t x) override { released([&] { mover_.end_backward(u, x); }); }
+  void end_phase() override { released([&] { mover_.end_phase(); }); }
+  bool offloaded(ParamId p) override { return mover_.offloaded(p); }
+  void hold(ParamId p) override { released([&] { mover_.hold(p); }); }
+  void unhold(ParamId p, const std::string& why) override { released([&] { mover_.unhold(p, why); }); }
+  void attach(UnitId u, ParamId p) override { released([&] { mover_.attach(u, p); }); }
 
   int waiting = 0;                        // events in progress without the GIL
   std::vector<tiering::CallId> dropped;   // records to drop once none is
@@ -55,8 +49,8 @@ class ResidencyHost : public tiering::ParamUsesHost {
     py::gil_scoped_release release;
     f();
   }
-  std::shared_ptr<ParamResidency> residency_;
-  std::unordered_map<ParamId, at::Tensor> tensors_;
+  std::shared_ptr<ParamResidency> residency_;  // (keeps the mover)
+  tiering::ParamMover& mover_;
 };
 
 std::vector<std::vector<ParamId>> ids_of(const std::vector<std::vector<at::Tensor>>& units) {
@@ -71,7 +65,7 @@ std::vector<std::vector<ParamId>> ids_of(const std::vector<std::vector<at::Tenso
 struct OwnedUses : ResidencyHost, tiering::ParamUses {
   OwnedUses(std::shared_ptr<ParamResidency> residency, const std::vector<std::vector<at::Tensor>>& units,
             std::size_t blocks, const std::vector<std::string>& names, const std::string& tier)
-      : ResidencyHost(std::move(residency), units),
+      : ResidencyHost(std::move(residency)),
         ParamUses(ids_of(units), blocks, names, tier, static_cast<ResidencyHost&>(*this)) {}
 };
 

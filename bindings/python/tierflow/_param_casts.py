@@ -91,14 +91,7 @@ def forward_use_begins(params: list, device_type: str) -> list:
     Returns (weight, cast) of those. A cast that died went with its region: the use casts anew, as autocast."""
     if not _dropped or not _caching(device_type):
         return []
-    back = []
-    for p in params:
-        entry = _dropped.pop(id(p), None)
-        cast = entry[1]() if entry is not None and entry[0]() is p else None
-        if cast is not None:
-            _C._refill_cast(cast, p)
-            back.append((p, cast))
-    return back
+    return [(p, cast) for p in params if (cast := _refill(p, True)) is not None]
 
 
 def forward_use_ended(refilled: list, cast: Optional[list], device_type: str) -> None:
@@ -123,10 +116,18 @@ def forward_use_ended(refilled: list, cast: Optional[list], device_type: str) ->
 def read(p: torch.Tensor, device_type: str) -> None:
     """``p`` is read outside its units' uses (params.py serves the read): its cast in autocast's cache, if its
     memory went, gets it back, and keeps it until the region ends (Note [Parameter casts])."""
-    entry = _dropped.pop(id(p), None) if _dropped else None
+    if _dropped:
+        _refill(p, _caching(device_type))
+
+
+def _refill(p: torch.Tensor, caching: bool) -> Optional[torch.Tensor]:
+    """p's cast whose memory went with its use, taken off the dropped ones: its memory and p's values back when
+    autocast's cache still holds it (``caching``). None when it has none (or it died with its region)."""
+    entry = _dropped.pop(id(p), None)
     cast = entry[1]() if entry is not None and entry[0]() is p else None
-    if cast is not None and _caching(device_type):
+    if cast is not None and caching:
         _C._refill_cast(cast, p)
+    return cast
 
 
 def _drop(p: torch.Tensor, c: torch.Tensor, dtype: torch.dtype) -> None:
@@ -142,10 +143,7 @@ def resident(params: list, device_type: str) -> None:
     """These weights stay on the device from now on (TIERFLOW_OFFLOAD_PARAMS=auto's plan): their casts whose
     memory went get it back now when this autocast region still caches them, and are autocast's alone again."""
     for p in params:
-        entry = _dropped.pop(id(p), None)
-        cast = entry[1]() if entry is not None and entry[0]() is p else None
-        if cast is not None and _caching(device_type):
-            _C._refill_cast(cast, p)
+        _refill(p, _caching(device_type))
 
 
 def forget() -> None:
@@ -175,12 +173,7 @@ class SavedCast:
         """False when the parameter is offloaded and released now (made resident since the forward: on the
         device)."""
         impl = getattr(self.offload(), "impl", None)
-        if impl is None or not impl.offloaded(self.param):
-            return True
-        on_device = getattr(impl, "on_device", None)
-        if on_device is not None:
-            return on_device(self.param)
-        return self.param.numel() == 0 or self.param.untyped_storage().nbytes() > 0
+        return impl is None or not impl.offloaded(self.param) or impl.on_device(self.param)
 
     def materialize(self) -> torch.Tensor:
         """The cast again, from the parameter on the device (its unit's backward use is open)."""

@@ -113,6 +113,8 @@ class ParamResidency : private tiering::ParamMoverHost {
 
   std::size_t units() const;
   tiering::ParamScheduleStats stats() const;
+  /// The parameters by id (ParamUses sends its events there).
+  tiering::ParamMover& mover() { return *mover_; }
 
  private:
   struct Tensors {
