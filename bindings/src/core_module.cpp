@@ -144,6 +144,8 @@ void bind_config(py::module_& m) {
   m.def("resolve_config", [](const py::dict& overrides) {
     return Config::from_environment(string_map(overrides)).to_strings();
   }, "The configuration the environment plus `overrides` give; raises ConfigError.");
+  m.def("collection_value_refusal", &collection_value_refusal, py::arg("key"), py::arg("sequence"),
+        py::arg("type_name"), py::arg("value_repr"), "Why a keyword cannot take this list, set or dict; '' when it can.");
   m.def("config_given", [](const py::dict& overrides) {
     const auto given = Config::from_environment(string_map(overrides)).given;
     return std::vector<std::string>(given.begin(), given.end());

@@ -180,6 +180,19 @@ std::string closest_config_name(std::string_view name) {
   return best;
 }
 
+std::string collection_value_refusal(std::string_view key, bool sequence, std::string_view type_name,
+                                     std::string_view value_repr) {
+  std::string name(key);
+  std::transform(name.begin(), name.end(), name.begin(), [](unsigned char c) { return static_cast<char>(std::toupper(c)); });
+  if (name.rfind("TIERFLOW_", 0) != 0) name = "TIERFLOW_" + name;
+  const auto& table = config_table();
+  const auto row = std::find_if(table.begin(), table.end(), [&](const ConfigEntry& e) { return e.name == name; });
+  if (row == table.end()) return "";
+  if (sequence && row->accepted.find("list") != std::string_view::npos) return "";
+  return std::string(key) + "=" + std::string(value_repr) + " (" + name + ") is a " + std::string(type_name) +
+         ", where one value is expected; accepted: " + std::string(row->accepted);
+}
+
 Config Config::defaults() { return parse({}, {}); }
 
 namespace {

@@ -537,3 +537,16 @@ TEST(ConfigReport, AReportUnderAFileIsRefusedWhenParsed) {
   ::unlink(file.c_str());
   ::rmdir(dir.c_str());
 }
+
+TEST(ConfigKeywords, AListIsTheValueOfAListSettingOnly) {
+  EXPECT_EQ(collection_value_refusal("nvme_paths", true, "list", "['/a', '/b']"), "");
+  EXPECT_EQ(collection_value_refusal("TIERFLOW_NVME_PATHS", true, "tuple", "('/a',)"), "");
+  EXPECT_EQ(collection_value_refusal("no_such_setting", false, "set", "{1}"), "") << "parse names the closest one";
+  const std::string paths_set = collection_value_refusal("nvme_paths", false, "set", "{'/a'}");
+  EXPECT_EQ(paths_set.rfind("nvme_paths={'/a'} (TIERFLOW_NVME_PATHS) is a set, where one value is expected; accepted: ",
+                            0), 0u) << "a set has no order to join: " << paths_set;
+  const std::string host = collection_value_refusal("host_memory", true, "list", "['1GiB', '2GiB']");
+  EXPECT_EQ(host.rfind("host_memory=['1GiB', '2GiB'] (TIERFLOW_HOST_MEMORY) is a list, where one value is expected; "
+                       "accepted: ", 0), 0u) << host;
+  EXPECT_NE(host.find("accepted: a size"), std::string::npos) << host;
+}

@@ -20,8 +20,11 @@ def settings_to_strings(settings: Mapping[str, Any]) -> dict[str, str]:
     for key, value in settings.items():
         if value is None:
             continue
-        if isinstance(value, (list, tuple, set, frozenset, dict)):
-            _check_takes_a_list(str(key), value)
+        if isinstance(value, (list, tuple, set, frozenset, dict)):  # a list setting's value only (core/config.hpp)
+            why = _core.collection_value_refusal(str(key), isinstance(value, (list, tuple)), type(value).__name__,
+                                                 repr(value))
+            if why:
+                raise _core.ConfigError(why)
             value = ",".join(str(v) for v in value)
         text = str(value)
         try:
@@ -31,19 +34,6 @@ def settings_to_strings(settings: Mapping[str, Any]) -> dict[str, str]:
                                  f"TIERFLOW_{str(key).upper()} in tierflow.config_table()") from None
         out[key] = text
     return out
-
-
-def _check_takes_a_list(key: str, value: Any) -> None:
-    """A list is the value of a list setting (TIERFLOW_NVME_PATHS) only: given for a size or a word it would be
-    joined with commas and refused as a malformed value that the user never wrote."""
-    name = "TIERFLOW_" + key.upper().removeprefix("TIERFLOW_")
-    row = next((r for r in config_table() if r["name"] == name), None)
-    if row is None:  # an unknown setting: the C++ table names the closest one
-        return
-    if isinstance(value, (list, tuple)) and "list" in row["accepted"]:
-        return
-    raise _core.ConfigError(f"{key}={value!r} ({name}) is a {type(value).__name__}, where one value is expected; "
-                         f"accepted: {row['accepted']}")
 
 
 def resolve_config(**settings: Any) -> dict[str, str]:

@@ -171,6 +171,13 @@ const std::vector<ConfigEntry>& config_table();
 /// Closest known variable name to `name` (edit distance), for error messages.
 std::string closest_config_name(std::string_view name);
 
+/// Why keyword `key` (a setting's lower-case name, or its variable) cannot take a collection of Python type
+/// `type_name` written `value_repr`: a list or tuple (`sequence`) joins with commas only for a setting whose
+/// accepted forms are a list (TIERFLOW_NVME_PATHS); given for a size or a word it would be refused as a malformed
+/// value the user never wrote. "" when it can, or when the table does not know `key` (parse names the closest).
+std::string collection_value_refusal(std::string_view key, bool sequence, std::string_view type_name,
+                                     std::string_view value_repr);
+
 /// Parses `value` for one setting (`name`: full or keyword) exactly as the table does and returns its
 /// canonical text (as Config::to_strings gives it). Throws config_error naming `label` (default: the
 /// variable), e.g. a command-line flag that stands for the variable, so both are validated alike.
