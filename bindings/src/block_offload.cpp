@@ -514,6 +514,7 @@ void BlockOffload::synchronize() {
 }
 
 void BlockOffload::offload_parameters(const std::vector<std::vector<at::Tensor>>& block_parameters, Tier tier) {
+  tiering::check_param_tier(tier);  // before "called twice" and the tensors' checks, as it always was
   std::lock_guard<std::mutex> lock(shared_->mutex);
   if (shared_->params) throw config_error("BlockOffload::offload_parameters: called twice; call it once, before training");
   std::vector<std::vector<tiering::ParamRef>> refs(block_parameters.size());

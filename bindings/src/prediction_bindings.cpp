@@ -73,18 +73,18 @@ void bind_prediction(py::module_& m) {
       },
       py::arg("cls"), "Adds TimedStepMeasures' CPU optimizer fields (Note [Step prediction]) to its class.");
   // tiering/measured_terms.hpp: the front end's counters, and each term's measurement beside its prediction.
-  py::class_<StepCounters> counters(m, "StepCounters", "What the runtime counts of the step's waits, cumulative.");
-  counters.def_readwrite("forwards", &StepCounters::forwards)
-      .def_readwrite("optimizer_steps", &StepCounters::optimizer_steps)
-      .def_readwrite("param_wait_ms", &StepCounters::param_wait_ms)
-      .def_readwrite("activation_wait_ms", &StepCounters::activation_wait_ms)
-      .def_readwrite("step_wait_ms", &StepCounters::step_wait_ms)
-      .def_readwrite("grad_copy_wait_ms", &StepCounters::grad_copy_wait_ms)
-      .def_readwrite("kernel_ms", &StepCounters::kernel_ms)
-      .def_readwrite("kernel_grad_bytes", &StepCounters::kernel_grad_bytes)
-      .def_readwrite("streaming", &StepCounters::streaming)
-      .def_readwrite("python_step_ms", &StepCounters::python_step_ms)
-      .def_readwrite("adam_elements", &StepCounters::adam_elements);
+  py::class_<WaitCounters> counters(m, "WaitCounters", "What the runtime counts of the step's waits, cumulative.");
+  counters.def_readwrite("forwards", &WaitCounters::forwards)
+      .def_readwrite("optimizer_steps", &WaitCounters::optimizer_steps)
+      .def_readwrite("param_wait_ms", &WaitCounters::param_wait_ms)
+      .def_readwrite("activation_wait_ms", &WaitCounters::activation_wait_ms)
+      .def_readwrite("step_wait_ms", &WaitCounters::step_wait_ms)
+      .def_readwrite("grad_copy_wait_ms", &WaitCounters::grad_copy_wait_ms)
+      .def_readwrite("kernel_ms", &WaitCounters::kernel_ms)
+      .def_readwrite("kernel_grad_bytes", &WaitCounters::kernel_grad_bytes)
+      .def_readwrite("streaming", &WaitCounters::streaming)
+      .def_readwrite("python_step_ms", &WaitCounters::python_step_ms)
+      .def_readwrite("adam_elements", &WaitCounters::adam_elements);
   init_from_kwargs(counters);
   m.def(
       "measured_compute",
@@ -97,7 +97,7 @@ void bind_prediction(py::module_& m) {
         py::arg("then"), "Each term's measurement and what it is over, as JSON (Note [Step prediction]).");
   m.def(
       "timed_optimizer_inputs",
-      [](const StepCounters& before, const StepCounters& after, std::uint64_t parameters, std::size_t element_bytes,
+      [](const WaitCounters& before, const WaitCounters& after, std::uint64_t parameters, std::size_t element_bytes,
          const std::string& states) {
         return timed_optimizer_inputs(before, after, parameters, element_bytes, state_format_of(states));
       },

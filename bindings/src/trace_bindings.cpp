@@ -40,5 +40,5 @@ void bind_trace(py::module_& m) {
   m.def("trace_sample", &trace::sample, "A 'bytes per tier' counter event from every runtime's meters");
   m.def("trace_write", &trace::write, py::arg("path"), py::arg("since_ns") = 0,
         py::call_guard<py::gil_scoped_release>(),
-        "Writes trace_json(since_ns) to `path`");
+        "Writes the trace (the events ending at or after since_ns; 0: all) to `path` as Chrome trace JSON");
 }

@@ -451,6 +451,12 @@ TEST(BlockOffload, ParameterOffloadRefusesWhatItCannotCarryOut) {
   offload.set_default_action(tb::BlockAction::kSwapHost);
   offload.offload_parameters(m.block_parameters());
   EXPECT_THROW(offload.offload_parameters(m.block_parameters()), tierflow::config_error) << "twice";
+  try {  // the tier is named before "called twice"
+    offload.offload_parameters(m.block_parameters(), tierflow::Tier::kNvme);
+    FAIL() << "accepted the NVMe tier on a second call";
+  } catch (const tierflow::config_error& e) {
+    EXPECT_NE(std::string(e.what()).find("tier 'nvme'"), std::string::npos) << e.what();
+  }
   offload.set_action(2, tb::BlockAction::kKeep);  // its parameters are fetched: the next call of block 2 says so
   auto x = m.leaf * 2;
   for (std::size_t i = 0; i < 2; ++i) x = offload.forward(i, m.blocks[i], x);

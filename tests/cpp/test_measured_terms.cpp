@@ -49,8 +49,8 @@ TEST(MeasuredTermsTest, NoComputeAfterBatchGrowthOrWithoutAReplayOrATimedStep) {
   EXPECT_THROW(measured_compute("{not json", kReplays), config_error);
 }
 
-StepCounters plan_counters() {
-  StepCounters c;
+WaitCounters plan_counters() {
+  WaitCounters c;
   c.forwards = 3;
   c.optimizer_steps = 2;
   c.activation_wait_ms = 1.0;
@@ -60,14 +60,14 @@ StepCounters plan_counters() {
   return c;
 }
 
-Json terms(const StepCounters& now, const std::optional<StepCounters>& then) {
+Json terms(const WaitCounters& now, const std::optional<WaitCounters>& then) {
   Json report = {{"measured", {{"step_seconds", 0.25}}}};
   return Json::parse(measured_terms_json(report.dump(), {}, now, then));
 }
 
 TEST(MeasuredTermsTest, StepWaitsSplitBetweenGradientCopiesAndTheOptimizer) {
-  const StepCounters then = plan_counters();
-  StepCounters now = then;
+  const WaitCounters then = plan_counters();
+  WaitCounters now = then;
   now.forwards = 7;
   now.optimizer_steps = 6;  // 4 optimizer steps: 50 ms of step() waits each, 20 of them for copies
   now.activation_wait_ms = 9.0;
@@ -90,10 +90,10 @@ TEST(MeasuredTermsTest, StepWaitsSplitBetweenGradientCopiesAndTheOptimizer) {
 
 TEST(MeasuredTermsTest, PythonPathStepsAreTheOptimizersWithAndWithoutAStream) {
   for (const bool streaming : {true, false}) {
-    StepCounters then = plan_counters();
+    WaitCounters then = plan_counters();
     then.python_step_ms = 5.0;
     then.streaming = streaming;
-    StepCounters now = then;
+    WaitCounters now = then;
     now.forwards = 7;
     now.optimizer_steps = 6;
     now.step_wait_ms = 10.0 + 4 * 50.0;
@@ -105,7 +105,7 @@ TEST(MeasuredTermsTest, PythonPathStepsAreTheOptimizersWithAndWithoutAStream) {
 }
 
 TEST(MeasuredTermsTest, WithoutPlanCountersNothingIsPerStep) {
-  StepCounters now = plan_counters();
+  WaitCounters now = plan_counters();
   now.param_wait_ms = 7.0;
   const Json t = terms(now, std::nullopt);
   for (const char* name : {"activation_copies", "parameter_fetches", "gradient_copies", "optimizer", "compute"})
@@ -115,7 +115,7 @@ TEST(MeasuredTermsTest, WithoutPlanCountersNothingIsPerStep) {
 }
 
 TEST(MeasuredTermsTest, TimedOptimizerInputs) {
-  StepCounters before, after;
+  WaitCounters before, after;
   before.python_step_ms = 2.0;
   before.adam_elements = 500;
   after = before;
@@ -130,7 +130,7 @@ TEST(MeasuredTermsTest, TimedOptimizerInputs) {
   EXPECT_DOUBLE_EQ(o.params_per_second, 1000 / 0.004);
   EXPECT_FALSE(timed_optimizer_inputs({}, {}, 1000, 4, StateFormat::kFp32).on_cpu);  // not a CPUAdamW
   // A stream: the kernel's gradient bytes (2-byte elements) over its time, stepping during backward.
-  StepCounters k0, k1;
+  WaitCounters k0, k1;
   k0.streaming = k1.streaming = true;
   k1.kernel_ms = 10.0;
   k1.kernel_grad_bytes = 2000.0;
@@ -141,7 +141,7 @@ TEST(MeasuredTermsTest, TimedOptimizerInputs) {
 }
 
 TEST(MeasuredTermsTest, TimedOptimizerWaitAddsThePythonPath) {
-  StepCounters before, after;
+  WaitCounters before, after;
   before.step_wait_ms = 5.0;
   after.step_wait_ms = 25.0;
   EXPECT_DOUBLE_EQ(timed_optimizer_wait_seconds(before, after), 0.020);

@@ -150,3 +150,20 @@ TEST(ReportText, BytesInBinaryUnitsWholeBelowAKibibyte) {
   EXPECT_EQ(report_bytes(-2048), "-2.00 KiB");
   EXPECT_EQ(report_bytes(5.0 * (1ull << 50)), "5120.00 TiB");
 }
+
+// Python's json.dumps writes an infinite or NaN float bare (Infinity, NaN): such a value prints as Python's str()
+// of it, and a row it guards still shows (Python finds inf and nan true), as the Python table did.
+TEST(ReportText, InfiniteAndNanValuesPrintAsPythonsAndKeepTheirRows) {
+  std::string json = kMinimalJson;
+  const std::string tail = "\"threads\": 0}}";
+  ASSERT_EQ(json.substr(json.size() - tail.size()), tail);
+  json.replace(json.size() - tail.size(), tail.size(),
+               "\"threads\": 0, \"streaming\": {\"buckets\": 1, \"bucket_bytes\": 1024, \"bucket_count\": 1, "
+               "\"grad_bytes_to_host\": 1, \"weight_bytes_to_device\": 1, \"sized_link_bytes_per_s\": Infinity, "
+               "\"sized_cpu_grad_bytes_per_s\": NaN, \"sized_backward_ms\": 1.0, \"kernel_ms\": -Infinity, "
+               "\"step_kernel_ms\": 0.0, \"step_wait_ms\": 0.0, \"weight_wait_ms\": 0.0}}}");
+  const std::string text = report_text(json);
+  EXPECT_NE(text.find("bucket size from"), std::string::npos) << text;
+  EXPECT_NE(text.find("link inf GB/s, CPU AdamW nan GB/s of gradients, backward 1.0 ms"), std::string::npos) << text;
+  EXPECT_NE(text.find("-inf ms / 0.0 ms"), std::string::npos) << text;
+}

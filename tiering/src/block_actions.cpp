@@ -46,11 +46,15 @@ BlockAction block_call_action(std::size_t block, BlockAction planned, bool rerun
                      "accepted for such a block: kSwapHost, kSwapNvme or kRecompute");
 }
 
-std::pair<std::vector<ParamUnit>, ParamScheduleOptions> block_param_units(
-    const BlockActionTable& actions, const std::vector<std::vector<ParamRef>>& params, Tier tier) {
+void check_param_tier(Tier tier) {
   if (tier != Tier::kHost)
     throw config_error(std::string("BlockOffload::offload_parameters: tier '") + std::string(to_string(tier)) +
                        "'; accepted: host (the NVMe tier for parameters is not available from C++ yet)");
+}
+
+std::pair<std::vector<ParamUnit>, ParamScheduleOptions> block_param_units(
+    const BlockActionTable& actions, const std::vector<std::vector<ParamRef>>& params, Tier tier) {
+  check_param_tier(tier);
   std::vector<ParamUnit> units;
   ParamScheduleOptions o;
   for (std::size_t b = 0; b < params.size(); ++b) {

@@ -79,10 +79,10 @@ MeasuredCompute measured_compute(const std::string& report_json, const std::vect
 }
 
 std::string measured_terms_json(const std::string& report_json, const std::vector<std::optional<double>>& replays,
-                                const StepCounters& now, const std::optional<StepCounters>& then) {
+                                const WaitCounters& now, const std::optional<WaitCounters>& then) {
   const Json report = parsed(report_json);
   // Without counters from when the plan came in force, nothing was counted since: no step, no optimizer step.
-  const StepCounters& since = then ? *then : now;
+  const WaitCounters& since = then ? *then : now;
   const std::int64_t steps = now.forwards - since.forwards;
   const std::int64_t opt_steps = now.optimizer_steps - since.optimizer_steps;  // once an optimizer step
   auto per_step = [&](double now_ms, double then_ms) -> std::optional<double> {
@@ -132,7 +132,7 @@ std::string measured_terms_json(const std::string& report_json, const std::vecto
   return out.dump();
 }
 
-OptimizerStepInputs timed_optimizer_inputs(const StepCounters& before, const StepCounters& after,
+OptimizerStepInputs timed_optimizer_inputs(const WaitCounters& before, const WaitCounters& after,
                                            std::uint64_t parameters, std::size_t element_bytes, StateFormat states) {
   OptimizerStepInputs o;
   auto rate = [](double stepped, double seconds) { return seconds > 0 && stepped > 0 ? stepped / seconds : 0.0; };
@@ -152,7 +152,7 @@ OptimizerStepInputs timed_optimizer_inputs(const StepCounters& before, const Ste
   return o;
 }
 
-double timed_optimizer_wait_seconds(const StepCounters& before, const StepCounters& after) noexcept {
+double timed_optimizer_wait_seconds(const WaitCounters& before, const WaitCounters& after) noexcept {
   double seconds = std::max(0.0, after.step_wait_ms - before.step_wait_ms) / 1e3;
   if (after.python_step_ms)  // and the Python path's steps inside step()
     seconds += std::max(0.0, *after.python_step_ms - before.python_step_ms.value_or(0.0)) / 1e3;

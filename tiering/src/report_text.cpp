@@ -19,7 +19,8 @@ using detail::format;
 using Json = nlohmann::ordered_json;
 using Row = std::pair<std::string, std::string>;
 
-// Python's json.dumps writes NaN, Infinity and -Infinity bare; JSON has no such tokens: null in their place.
+// Python's json.dumps writes NaN, Infinity and -Infinity bare; JSON has no such tokens: the strings "nan", "inf"
+// and "-inf" in their place (Python's str() of each), which `number` reads back and `truthy` finds true, as Python.
 std::string without_nonfinite(const std::string& text) {
   std::string out;
   out.reserve(text.size());
@@ -34,10 +35,11 @@ std::string without_nonfinite(const std::string& text) {
     }
     if (c == '"') in_string = true;
     bool replaced = false;
-    for (const char* token : {"NaN", "Infinity", "-Infinity"}) {
+    for (const auto& [token, as] : {std::pair<const char*, const char*>{"NaN", "\"nan\""},
+                                    {"-Infinity", "\"-inf\""}, {"Infinity", "\"inf\""}}) {
       const std::size_t n = std::char_traits<char>::length(token);
       if (text.compare(i, n, token) == 0) {
-        out += "null";
+        out += as;
         i += n - 1;
         replaced = true;
         break;
@@ -78,7 +80,11 @@ std::string text(const Json& v) {
   }
 }
 
-double number(const Json& v) { return v.is_number() ? v.get<double>() : std::numeric_limits<double>::quiet_NaN(); }
+double number(const Json& v) {
+  if (v.is_number()) return v.get<double>();
+  if (v.is_string() && (v == "inf" || v == "-inf")) return v == "inf" ? HUGE_VAL : -HUGE_VAL;  // without_nonfinite's
+  return std::numeric_limits<double>::quiet_NaN();
+}
 std::string bytes(const Json& v) { return report_bytes(number(v)); }
 std::string fixed(const char* fmt, const Json& v) { return format(fmt, number(v)); }
 

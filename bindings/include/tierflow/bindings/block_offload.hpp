@@ -56,7 +56,9 @@
 // the block boundary over the link. A planner that wants swap without
 // recompute for a block needs the Python route (tierflow.wrap).
 //
-// Parameters on the host (Note [C++ parameter residency]). A trainer whose
+// Note [C++ parameter residency]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Parameters on the host. A trainer whose
 // blocks' weights do not fit the device hands BlockOffload each block's
 // parameters once (offload_parameters): each becomes a pinned host copy (the
 // parameter's data between uses: the CPU AdamW steps it in place there) and

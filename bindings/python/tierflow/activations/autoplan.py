@@ -43,8 +43,8 @@ def measured_compute(plan: dict, replays: list) -> tuple:
 
 
 def counters_struct(counters: dict) -> Any:
-    """tiering::StepCounters from _wait_counters' dict (a key it lacks, or None: the struct's default)."""
-    return _C.StepCounters(**{k: v for k, v in counters.items() if v is not None})
+    """tiering::WaitCounters from _wait_counters' dict (a key it lacks, or None: the struct's default)."""
+    return _C.WaitCounters(**{k: v for k, v in counters.items() if v is not None})
 
 
 # The report's parts the measured terms read (tiering::measured_terms_json).

@@ -104,6 +104,9 @@ class BlockActionTable {
 /// (the largest that leaves the device). config_error for a tier other than the host.
 std::pair<std::vector<ParamUnit>, ParamScheduleOptions> block_param_units(
     const BlockActionTable& actions, const std::vector<std::vector<ParamRef>>& params, Tier tier);
+/// config_error, naming `tier`, for a tier a C++ trainer's parameters cannot live on (all but the host): the
+/// first thing offload_parameters checks.
+void check_param_tier(Tier tier);
 
 /// Counters of a C++ trainer's block calls since creation.
 struct BlockCallStats {

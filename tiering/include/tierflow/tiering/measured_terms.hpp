@@ -18,7 +18,7 @@
 namespace tierflow::tiering {
 
 /// What the runtime counts of the step's waits, cumulative (Note [Step prediction]).
-struct StepCounters {
+struct WaitCounters {
   std::int64_t forwards = 0;                ///< forwards so far (one a step)
   std::int64_t optimizer_steps = 0;         ///< optimizer steps so far (several forwards each: accumulation)
   std::optional<double> param_wait_ms;      ///< the compute's waits for fetched parameters (none: no fetches)
@@ -53,17 +53,17 @@ MeasuredCompute measured_compute(const std::string& report_json, const std::vect
 /// wait split into the gradient copies' (the worker's wait, at most all of it) and the optimizer's (the rest, and
 /// the Python path's steps inside step()).
 std::string measured_terms_json(const std::string& report_json, const std::vector<std::optional<double>>& replays,
-                                const StepCounters& now, const std::optional<StepCounters>& then);
+                                const WaitCounters& now, const std::optional<WaitCounters>& then);
 
 /// The CPU optimizer as the timed step measured it (counters `before` and `after` it) for `parameters` of
 /// `element_bytes` with moments in `states`: with a gradient stream, its kernel's rate (the gradient bytes it
 /// stepped over its time), stepping during backward; without one, a CPUAdamW steps all in step() at the rate its
 /// Python path stepped (adam_elements over python_step_ms); neither: not on the CPU.
-OptimizerStepInputs timed_optimizer_inputs(const StepCounters& before, const StepCounters& after,
+OptimizerStepInputs timed_optimizer_inputs(const WaitCounters& before, const WaitCounters& after,
                                            std::uint64_t parameters, std::size_t element_bytes, StateFormat states);
 
 /// step()'s wait for the CPU optimizer in the timed step, and the Python path's steps inside step(), seconds.
-double timed_optimizer_wait_seconds(const StepCounters& before, const StepCounters& after) noexcept;
+double timed_optimizer_wait_seconds(const WaitCounters& before, const WaitCounters& after) noexcept;
 
 /// The report's measurement beside the plan's prediction (Note [Auto plan phases]) as JSON: {"measured":
 /// {step_seconds, steps, device_peak_reserved_bytes, device_peak_allocated_bytes}, step_vs_predicted,
