@@ -13,7 +13,8 @@
 // outermost forward's start, also where the plan keeps everything); and a
 // "steps" lane with one "step N" event per optimizer step, from the step's first
 // forward to its step()'s end (bindings/python/tierflow/_step_stats.py), which
-// `python -m tierflow timeline` splits the trace by.
+// `python -m tierflow timeline` splits the trace by (reading a trace back: Note
+// [Trace file] in trace_file.hpp).
 //
 // Runs. A TIERFLOW_TRACE file holds every event recorded since its path was
 // first attached in this process: a second runtime on the same path (wrap,
