@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
+#include <unordered_set>
 
 #include "tierflow/core/error.hpp"
 #include "tierflow/optimizer/cuda_adam.hpp"
@@ -75,14 +76,17 @@ std::vector<bool> choose_gpu_share(double fraction, const std::vector<std::size_
   return GpuShareChoice(std::to_string(fraction)).assign(numels);
 }
 
+// A set of the slots, not a scan per carried parameter: every slot may be left (tens of thousands of experts').
 void CpuAdamWSteps::stream_finished(const std::vector<std::size_t>& left) {
+  const std::unordered_set<std::size_t> caller(left.begin(), left.end());
   for (const auto& [p, slot] : carried_)
-    if (std::find(left.begin(), left.end(), slot) == left.end()) stream_confirmed(p);
+    if (!caller.count(slot)) stream_confirmed(p);
 }
 
 void CpuAdamWSteps::reread_slots(const std::vector<std::size_t>& slots) {
+  const std::unordered_set<std::size_t> stale(slots.begin(), slots.end());
   for (const auto& [p, slot] : carried_)
-    if (std::find(slots.begin(), slots.end(), slot) != slots.end()) reread(p);
+    if (stale.count(slot)) reread(p);
 }
 
 WeightUpdate CpuAdamWSteps::weight_update(ParamId p, const ParamLayout& layout) const {

@@ -165,6 +165,8 @@ TEST_P(StreamSlotsEngineTest, ReleasedGradientsGoOnceTheirCopyIsSeenComplete) {
   held = {2, 0};  // slot 1's gradient went otherwise (the worker saw its copy land)
   EXPECT_EQ(released.take_landed(*engine_, holds), (std::vector<std::size_t>{2, 0}));
   EXPECT_TRUE(released.take_landed(*engine_, holds).empty());  // each slot once
+  held = {2, 1, 0};  // slot 1, dropped when it was not held, is gone for good: never handed out later
+  EXPECT_TRUE(released.take_landed(*engine_, holds).empty());
   const ReleasedGrads::Waited w = released.wait_all(*engine_);
   EXPECT_TRUE(w.stalled.empty());
   EXPECT_FALSE(w.stall);
