@@ -297,6 +297,33 @@ TEST(ParamMover, OnNvmeTheBlockIsTheOnlyCopyAndStepsGoThroughTheStaging) {
   EXPECT_EQ(nvme->stats().bytes_in_use, 0u) << "every block released";
 }
 
+// A step that raised left an NVMe parameter pointed at its staging; a load_state_dict then (materialize, which uses
+// the one staging a parameter has) points it back first, and the next step's pointing works and writes its values.
+TEST(ParamMover, MaterializeAfterAStepThatRaisedPointsBackFirst) {
+  testing_nvme::NvmeTestDir dir("param-mover-raised-");
+  swap::NvmeEngineOptions o;
+  o.paths = {dir.path()};
+  o.bytes_per_path = 16ULL << 20;
+  o.block_bytes = kBytes;
+  auto nvme = std::make_shared<swap::NvmeEngine>(o);
+  {
+    Fixture f(Tier::kNvme, 1ULL << 30, nvme, Tier::kNvme);
+    f.mover->point_at_host(true);  // the step's pre-hook; the step raises, no point_at_host(false)
+    f.mover->materialize(2, true);
+    EXPECT_EQ(f.host.view.at(2), ParamView::kDevice);
+    f.host.device.at(2)[0] = 55;  // load_state_dict's value
+    f.mover->materialize(2, false);
+    f.mover->point_at_host(true);  // the next step
+    EXPECT_EQ(f.host.first_byte(f.host.staging, 2), 55);
+    reinterpret_cast<unsigned char*>(f.host.staging.at(2).data())[0] = 56;
+    f.mover->point_at_host(false);
+    std::vector<unsigned char> value(kBytes);
+    f.mover->read_nvme(2, value.data());
+    EXPECT_EQ(value[0], 56);
+  }
+  EXPECT_EQ(nvme->stats().bytes_in_use, 0u);
+}
+
 TEST(ParamMover, RefusesParametersBeyondNvmeSpaceBeforeAnyWrite) {
   testing_nvme::NvmeTestDir dir("param-mover-full-");
   swap::NvmeEngineOptions o;

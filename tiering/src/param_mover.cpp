@@ -336,6 +336,7 @@ void ParamMover::gather(const std::vector<ParamId>& ids) {
 
 void ParamMover::scatter(const std::vector<ParamId>& ids, bool write_back) {
   std::lock_guard<std::mutex> lock(mutex_);
+  point_back_locked();  // as every event: its staging is the parameter's one (a step that raised left it pointed)
   std::vector<ParamId> done;
   for (ParamId id : ids) {
     if (!params_.count(id) || std::find(done.begin(), done.end(), id) != done.end()) continue;
@@ -354,6 +355,7 @@ void ParamMover::scatter(const std::vector<ParamId>& ids, bool write_back) {
 
 std::vector<ParamId> ParamMover::make_resident(const std::vector<UnitId>& units) {
   std::lock_guard<std::mutex> lock(mutex_);
+  point_back_locked();  // as every event: its staging is the parameter's one (a step that raised left it pointed)
   std::vector<ParamId> out;
   for (ParamId id : schedule_->make_resident(units)) {
     auto it = params_.find(id);
@@ -415,6 +417,7 @@ void ParamMover::point_at_host(bool on_host) {
 
 void ParamMover::materialize(ParamId id, bool fetch_it) {
   std::lock_guard<std::mutex> lock(mutex_);
+  point_back_locked();  // as every event: its staging is the parameter's one (a step that raised left it pointed)
   const auto it = params_.find(id);
   if (it == params_.end()) return;
   Record& r = it->second;
