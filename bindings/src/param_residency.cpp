@@ -220,19 +220,10 @@ void ParamResidency::point(tiering::ParamId id, tiering::ParamView view) {
                    : view == tiering::ParamView::kHostCopy ? t.host : t.staging);
 }
 
-void ParamResidency::begin_forward(std::size_t unit, std::uint64_t extra) { mover_->begin_forward(unit, extra); }
-void ParamResidency::end_forward(std::size_t unit, std::uint64_t extra) { mover_->end_forward(unit, extra); }
-void ParamResidency::begin_backward(std::size_t unit, std::uint64_t extra) { mover_->begin_backward(unit, extra); }
-void ParamResidency::end_backward(std::size_t unit, std::uint64_t extra) { mover_->end_backward(unit, extra); }
-void ParamResidency::end_phase() { mover_->end_phase(); }
-void ParamResidency::hold(const at::Tensor& p) { mover_->hold(param_id(p)); }
-void ParamResidency::unhold(const at::Tensor& p, const std::string& why) { mover_->unhold(param_id(p), why); }
-void ParamResidency::attach(std::size_t unit, const at::Tensor& p) { mover_->attach(unit, param_id(p)); }
 bool ParamResidency::on_device(const at::Tensor& p) const { return mover_->on_device(param_id(p)); }
 bool ParamResidency::offloaded(const at::Tensor& p) const { return mover_->offloaded(param_id(p)); }
 void ParamResidency::point_at_host(bool on_host) { mover_->point_at_host(on_host); }
 void ParamResidency::materialize(const at::Tensor& p, bool fetch) { mover_->materialize(param_id(p), fetch); }
-std::size_t ParamResidency::units() const { return mover_->units(); }
 tiering::ParamScheduleStats ParamResidency::stats() const { return mover_->stats(); }
 
 void ParamResidency::gather(const std::vector<at::Tensor>& params) {

@@ -217,27 +217,12 @@ void bind_param_residency(py::module_& m) {
            }),
            py::arg("runtime"), py::arg("units"), py::arg("residences"), py::arg("names"), py::arg("blocks"),
            py::arg("unit_names"))
-      .def("hold", &ParamResidency::hold, py::call_guard<py::gil_scoped_release>(),
-           "Fetches a parameter read outside its units' uses and keeps it on the device until unhold.")
-      .def("unhold", &ParamResidency::unhold, py::arg("param"), py::arg("why") = "",
-           py::call_guard<py::gil_scoped_release>())
-      .def("attach", &ParamResidency::attach, py::arg("unit"), py::arg("param"), py::call_guard<py::gil_scoped_release>(),
-           "The parameter belongs to the unit from now on (a weight its module reads that another module owns).")
       .def("on_device", &ParamResidency::on_device, py::call_guard<py::gil_scoped_release>())
       .def("gather", &ParamResidency::gather, py::call_guard<py::gil_scoped_release>(),
            "Holds every offloaded parameter of the list on the device (all or none; out_of_memory names the budget).")
       .def("scatter", &ParamResidency::scatter, py::arg("params"), py::arg("write_back"),
            py::call_guard<py::gil_scoped_release>(),
            "Writes each gathered parameter back to its home when write_back, then releases it.")
-      .def("begin_forward", &ParamResidency::begin_forward, py::arg("unit"), py::arg("extra_bytes") = 0,
-           py::call_guard<py::gil_scoped_release>())
-      .def("end_forward", &ParamResidency::end_forward, py::arg("unit"), py::arg("extra_bytes") = 0,
-           py::call_guard<py::gil_scoped_release>())
-      .def("begin_backward", &ParamResidency::begin_backward, py::arg("unit"), py::arg("extra_bytes") = 0,
-           py::call_guard<py::gil_scoped_release>())
-      .def("end_backward", &ParamResidency::end_backward, py::arg("unit"), py::arg("extra_bytes") = 0,
-           py::call_guard<py::gil_scoped_release>())
-      .def("end_phase", &ParamResidency::end_phase, py::call_guard<py::gil_scoped_release>())
       .def("make_resident", &ParamResidency::make_resident, py::arg("units"),
            py::call_guard<py::gil_scoped_release>(), "Makes these units resident from now on; returns their parameters.")
       .def("host_copy", [](const ParamResidency& r, const at::Tensor& p) -> py::object {
@@ -256,7 +241,6 @@ void bind_param_residency(py::module_& m) {
       .def("point_at_host", &ParamResidency::point_at_host, py::call_guard<py::gil_scoped_release>())
       .def("materialize", &ParamResidency::materialize, py::arg("param"), py::arg("fetch"),
            py::call_guard<py::gil_scoped_release>())
-      .def("units", &ParamResidency::units, py::call_guard<py::gil_scoped_release>())
       .def("stats", [](const ParamResidency& r) {
         tiering::ParamScheduleStats s;
         {

@@ -80,16 +80,8 @@ class ParamResidency : private tiering::ParamMoverHost {
                  const std::vector<std::string>& unit_names);
   ~ParamResidency();
 
-  // tiering::ParamMover's events, holds, gathers and residence changes (each documented there), the parameters
-  // known by their tensors.
-  void begin_forward(std::size_t unit, std::uint64_t extra_bytes = 0);
-  void end_forward(std::size_t unit, std::uint64_t extra_bytes = 0);
-  void begin_backward(std::size_t unit, std::uint64_t extra_bytes = 0);
-  void end_backward(std::size_t unit, std::uint64_t extra_bytes = 0);
-  void end_phase();
-  void hold(const at::Tensor& p);
-  void unhold(const at::Tensor& p, const std::string& why = "");
-  void attach(std::size_t unit, const at::Tensor& p);
+  // tiering::ParamMover's gathers and residence changes (each documented there), the parameters known by their
+  // tensors; its events, holds and attachments come from _C.ParamUses, by id (mover()).
   bool on_device(const at::Tensor& p) const;
   void gather(const std::vector<at::Tensor>& params);
   void scatter(const std::vector<at::Tensor>& params, bool write_back);
@@ -111,7 +103,6 @@ class ParamResidency : private tiering::ParamMoverHost {
   void point_at_host(bool on_host);
   void materialize(const at::Tensor& p, bool fetch);  // (ParamMover::materialize)
 
-  std::size_t units() const;
   tiering::ParamScheduleStats stats() const;
   /// The parameters by id (ParamUses sends its events there).
   tiering::ParamMover& mover() { return *mover_; }
