@@ -320,6 +320,15 @@ TEST(ParamMover, MaterializeAfterAStepThatRaisedPointsBackFirst) {
     std::vector<unsigned char> value(kBytes);
     f.mover->read_nvme(2, value.data());
     EXPECT_EQ(value[0], 56);
+    // A held parameter released by unhold after a step that raised: pointed back first, and the next
+    // point_at_host(false) (unwrap's) finds nothing to write.
+    f.mover->hold(2);
+    f.mover->point_at_host(true);
+    f.mover->unhold(2, "");
+    EXPECT_EQ(f.host.view.at(2), ParamView::kDevice);
+    f.mover->point_at_host(false);
+    f.mover->read_nvme(2, value.data());
+    EXPECT_EQ(value[0], 56) << "the raised step's staging is not written home";
   }
   EXPECT_EQ(nvme->stats().bytes_in_use, 0u);
 }

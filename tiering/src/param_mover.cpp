@@ -288,6 +288,7 @@ void ParamMover::unhold(ParamId id, const std::string& why) {
   std::lock_guard<std::mutex> lock(mutex_);
   const auto it = params_.find(id);
   if (it == params_.end()) return;
+  point_back_locked();  // as every event (a release unstages the staging a step that raised left pointed)
   it->second.why = why;
   try {
     carry_out(schedule_->unhold(id));
@@ -407,7 +408,7 @@ void ParamMover::point_at_host(bool on_host) {
       nvme_->read(r.block, staging, r.bytes).wait();
       host_.point(id, ParamView::kStaging);
     } else {
-      write_home(id, r, r.staging);
+      if (r.staging != nullptr) write_home(id, r, r.staging);  // (none: an event pointed it back meanwhile)
       host_.point(id, ParamView::kDevice);
       unstage(id, r);
     }
