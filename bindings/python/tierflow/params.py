@@ -280,6 +280,8 @@ class ParamOffload:
             units.append(list(m.parameters(recurse=False)))
             unit_names.append(f"'{module_names.get(id(m)) or type(m).__name__}'")
         self.rest = len(blocks)  # the first unit that is not a block
+        # Holds every unit's parameter as long as this offload (and its _C.ParamUses) lives: they are known below by
+        # their TensorImpl's address (tiering::ParamId), which must not be reused by another tensor meanwhile.
         self._params = [p for u in units for p in u]
         self._ids = {id(p) for p in self._params}
         self.rest_bytes = sum(p.numel() * p.element_size()
