@@ -148,5 +148,6 @@ def test_the_demo_sample_is_a_recorded_run_that_the_demo_still_prints():
         "README.md's demo sample is not docs/demo-output.txt's: run scripts/readme_sample.py (--run for a new run)")
     printed = read(os.path.join("examples", "train_gpt.py")) + read(os.path.join("bindings", "python", "tierflow",
                                                                                  "_report.py"))
+    printed += read(os.path.join("tiering", "src", "report_text.cpp"))  # the report's table (tiering::report_text)
     for prefix in readme_sample.SAMPLE:
         assert prefix in printed, f"the demo no longer prints {prefix!r}: record a new run"
