@@ -101,6 +101,15 @@ struct FakeHost final : ParamMoverHost {
   }
 };
 
+// An NVMe engine of blocks of a parameter's bytes, `bytes` of room in `dir`.
+std::shared_ptr<swap::NvmeEngine> nvme_engine(const testing_nvme::NvmeTestDir& dir, std::uint64_t bytes) {
+  swap::NvmeEngineOptions o;
+  o.paths = {dir.path()};
+  o.bytes_per_path = bytes;
+  o.block_bytes = kBytes;
+  return std::make_shared<swap::NvmeEngine>(o);
+}
+
 ParamSpec spec(ParamId id, const std::string& name) {
   static std::map<ParamId, int> storages;  // any distinct address per parameter
   return ParamSpec{id, kBytes, name, &storages[id], ""};
@@ -267,11 +276,7 @@ TEST(ParamMover, PointAtHostPointsBackAtTheNextEventAfterAStepThatRaised) {
 
 TEST(ParamMover, OnNvmeTheBlockIsTheOnlyCopyAndStepsGoThroughTheStaging) {
   testing_nvme::NvmeTestDir dir("param-mover-");
-  swap::NvmeEngineOptions o;
-  o.paths = {dir.path()};
-  o.bytes_per_path = 16ULL << 20;
-  o.block_bytes = kBytes;
-  auto nvme = std::make_shared<swap::NvmeEngine>(o);
+  auto nvme = nvme_engine(dir, 16ULL << 20);
   {
     Fixture f(Tier::kNvme, 1ULL << 30, nvme, Tier::kNvme);
     EXPECT_TRUE(f.host.host.empty()) << "the host copies go once written";
@@ -301,11 +306,7 @@ TEST(ParamMover, OnNvmeTheBlockIsTheOnlyCopyAndStepsGoThroughTheStaging) {
 // the one staging a parameter has) points it back first, and the next step's pointing works and writes its values.
 TEST(ParamMover, MaterializeAfterAStepThatRaisedPointsBackFirst) {
   testing_nvme::NvmeTestDir dir("param-mover-raised-");
-  swap::NvmeEngineOptions o;
-  o.paths = {dir.path()};
-  o.bytes_per_path = 16ULL << 20;
-  o.block_bytes = kBytes;
-  auto nvme = std::make_shared<swap::NvmeEngine>(o);
+  auto nvme = nvme_engine(dir, 16ULL << 20);
   {
     Fixture f(Tier::kNvme, 1ULL << 30, nvme, Tier::kNvme);
     f.mover->point_at_host(true);  // the step's pre-hook; the step raises, no point_at_host(false)
@@ -335,11 +336,7 @@ TEST(ParamMover, MaterializeAfterAStepThatRaisedPointsBackFirst) {
 
 TEST(ParamMover, RefusesParametersBeyondNvmeSpaceBeforeAnyWrite) {
   testing_nvme::NvmeTestDir dir("param-mover-full-");
-  swap::NvmeEngineOptions o;
-  o.paths = {dir.path()};
-  o.bytes_per_path = 2 * kBytes;
-  o.block_bytes = kBytes;
-  auto nvme = std::make_shared<swap::NvmeEngine>(o);
+  auto nvme = nvme_engine(dir, 2 * kBytes);
   EXPECT_THROW(Fixture(Tier::kNvme, 1ULL << 30, nvme, Tier::kNvme), out_of_memory);
   EXPECT_EQ(nvme->stats().bytes_written, 0u);
 }
