@@ -53,6 +53,7 @@ struct FakeHost final : ParamMoverHost {
   std::set<ParamId> fail_fetch;    // fetch throws out_of_memory
   std::set<ParamId> stall_fetch;   // the fetch's wait throws stall_error
   std::set<ParamId> kept;          // keep_stalled
+  std::function<void(ParamId)> on_stage;  // runs at each stage, first (may throw: a staging out of memory)
 
   void note(const std::string& what, ParamId id) { calls.push_back(what + " " + std::to_string(id)); }
   void drop(ParamId id, const std::string& w) override {
@@ -75,6 +76,7 @@ struct FakeHost final : ParamMoverHost {
     f.wait();
   }
   void* stage(ParamId id) override {
+    if (on_stage) on_stage(id);
     staging[id] = AlignedBuffer(kBytes);
     return staging[id].data();
   }
@@ -94,6 +96,8 @@ struct FakeHost final : ParamMoverHost {
   }
   void download(ParamId id) override { std::memcpy(staging.at(id).data(), device.at(id).data(), kBytes); }
   void point(ParamId id, ParamView v) override { view[id] = v; }
+  /// Whether `id` points at its device storage (as it does until first pointed elsewhere).
+  bool at_device(ParamId id) const { return !view.count(id) || view.at(id) == ParamView::kDevice; }
 
   unsigned char first_device_byte(ParamId id) const { return device.at(id).at(0); }
   unsigned char first_byte(const std::map<ParamId, AlignedBuffer>& m, ParamId id) const {
@@ -101,13 +105,28 @@ struct FakeHost final : ParamMoverHost {
   }
 };
 
-// An NVMe engine of blocks of a parameter's bytes, `bytes` of room in `dir`.
-std::shared_ptr<swap::NvmeEngine> nvme_engine(const testing_nvme::NvmeTestDir& dir, std::uint64_t bytes) {
+// An NVMe engine of blocks of a parameter's bytes, `bytes` of room in `dir`, requests failed by `faults`.
+std::shared_ptr<swap::NvmeEngine> nvme_engine(const testing_nvme::NvmeTestDir& dir, std::uint64_t bytes,
+                                              swap::NvmeFaults* faults = nullptr) {
   swap::NvmeEngineOptions o;
   o.paths = {dir.path()};
   o.bytes_per_path = bytes;
   o.block_bytes = kBytes;
+  o.faults = faults;
   return std::make_shared<swap::NvmeEngine>(o);
+}
+
+// A FakeHost::on_stage that runs `then` at the `n`th stage from now (1: the next).
+std::function<void(ParamId)> at_stage(int n, std::function<void()> then) {
+  return [n, then](ParamId) mutable {
+    if (--n == 0) then();
+  };
+}
+
+std::vector<unsigned char> nvme_value(ParamMover& mover, ParamId id) {
+  std::vector<unsigned char> value(kBytes);
+  mover.read_nvme(id, value.data());
+  return value;
 }
 
 ParamSpec spec(ParamId id, const std::string& name) {
@@ -339,4 +358,129 @@ TEST(ParamMover, RefusesParametersBeyondNvmeSpaceBeforeAnyWrite) {
   auto nvme = nvme_engine(dir, 2 * kBytes);
   EXPECT_THROW(Fixture(Tier::kNvme, 1ULL << 30, nvme, Tier::kNvme), out_of_memory);
   EXPECT_EQ(nvme->stats().bytes_written, 0u);
+}
+
+// Pointing at the host is all or none: a staging out of memory or a failed read of the second NVMe parameter
+// leaves every parameter at its device storage with no staging, and a retry points them all (Note [Parameter
+// moves]; the step's pre-hook raises, the step does not run).
+TEST(ParamMover, PointAtHostIsAllOrNoneWhenAStagingOrAReadFails) {
+  testing_nvme::NvmeTestDir dir("param-mover-point-");
+  swap::NvmeFaults faults;
+  auto nvme = nvme_engine(dir, 16ULL << 20, &faults);
+  {
+    Fixture f(Tier::kNvme, 1ULL << 30, nvme, Tier::kHost);  // 1, 2 on NVMe; 3 a host copy
+    const auto nothing_pointed = [&f](const std::string& after) {
+      for (ParamId id : {1, 2, 3}) EXPECT_TRUE(f.host.at_device(id)) << "parameter " << id << " after " << after;
+      EXPECT_TRUE(f.host.staging.empty()) << "every staging let go after " << after;
+    };
+    f.host.on_stage = at_stage(2, [] { throw out_of_memory("no pinned memory for a staging"); });
+    EXPECT_THROW(f.mover->point_at_host(true), out_of_memory);
+    nothing_pointed("a staging out of memory");
+    f.host.on_stage = at_stage(2, [&faults] { faults.fail_reads = 1; });
+    try {
+      f.mover->point_at_host(true);
+      FAIL() << "the second NVMe read failed";
+    } catch (const io_error& e) {
+      EXPECT_NE(std::string(e.what()).find("NvmeEngine: read"), std::string::npos) << e.what();
+    }
+    nothing_pointed("a failed read");
+    f.host.on_stage = {};
+    f.mover->begin_forward(0, 0);  // parameter 2 prefetched: in flight
+    EXPECT_THROW(f.mover->point_at_host(true), std::logic_error);
+    for (ParamId id : {1, 2, 3}) EXPECT_TRUE(f.host.at_device(id)) << "checked before any is pointed: " << id;
+    f.mover->end_forward(0, 0);
+    f.mover->end_phase();
+    f.mover->point_at_host(true);  // the retry
+    EXPECT_EQ(f.host.view.at(1), ParamView::kStaging);
+    EXPECT_EQ(f.host.view.at(2), ParamView::kStaging);
+    EXPECT_EQ(f.host.view.at(3), ParamView::kHostCopy);
+    EXPECT_EQ(f.host.first_byte(f.host.staging, 1), 1);
+    EXPECT_EQ(f.host.first_byte(f.host.staging, 2), 2);
+    reinterpret_cast<unsigned char*>(f.host.staging.at(1).data())[0] = 81;  // the optimizer's step
+    f.mover->point_at_host(false);
+    EXPECT_EQ(nvme_value(*f.mover, 1)[0], 81);
+    nothing_pointed("the step");
+  }
+  EXPECT_EQ(nvme->stats().bytes_in_use, 0u);
+}
+
+// Pointing back goes on past a failed write (it cannot be undone): every parameter points at its device storage,
+// every staging goes (none is written from later), the mover is off the host, and the error names the parameter.
+TEST(ParamMover, PointingBackGoesOnPastAFailedWriteAndNamesItsParameter) {
+  testing_nvme::NvmeTestDir dir("param-mover-back-");
+  swap::NvmeFaults faults;
+  auto nvme = nvme_engine(dir, 16ULL << 20, &faults);
+  {
+    Fixture f(Tier::kNvme, 1ULL << 30, nvme, Tier::kHost);  // 1, 2 on NVMe; 3 a host copy
+    f.mover->point_at_host(true);
+    reinterpret_cast<unsigned char*>(f.host.staging.at(1).data())[0] = 71;  // the optimizer's step
+    reinterpret_cast<unsigned char*>(f.host.staging.at(2).data())[0] = 72;
+    faults.fail_writes = 1;  // the first written (either, in the mover's order)
+    ParamId failed = 0;
+    try {
+      f.mover->point_at_host(false);
+      FAIL() << "a write failed";
+    } catch (const io_error& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("NvmeEngine: write"), std::string::npos) << "the engine's words: " << what;
+      EXPECT_EQ(e.error_number(), faults.error);
+      failed = what.find("parameter 'blocks.0.w'") != std::string::npos ? 1 : 2;
+      EXPECT_NE(what.find(failed == 1 ? "parameter 'blocks.0.w': its values from the optimizer's step were not "
+                                        "written to NVMe"
+                                      : "parameter 'blocks.1.w': its values from the optimizer's step were not "
+                                        "written to NVMe"),
+                std::string::npos)
+          << what;
+    }
+    const ParamId written = failed == 1 ? 2 : 1;
+    for (ParamId id : {1, 2, 3}) EXPECT_TRUE(f.host.at_device(id)) << "parameter " << id;
+    EXPECT_TRUE(f.host.staging.empty()) << "the failed one's staging too";
+    EXPECT_EQ(nvme_value(*f.mover, written)[0], 70 + written) << "written past the failure";
+    EXPECT_THROW(nvme_value(*f.mover, failed), io_error) << "its block reads as failed";
+    f.mover->point_at_host(false);  // off the host already: nothing to write (a staging freed would crash)
+    f.mover->store(failed, std::vector<unsigned char>(kBytes, 9).data());  // stored again
+    f.mover->point_at_host(true);
+    EXPECT_EQ(f.host.first_byte(f.host.staging, failed), 9);
+    EXPECT_EQ(f.host.first_byte(f.host.staging, written), 70 + written);
+    f.mover->point_at_host(false);
+    EXPECT_TRUE(f.host.staging.empty());
+  }
+  EXPECT_EQ(nvme->stats().bytes_in_use, 0u);
+}
+
+// tierflow.gathered's exit: scatter writes every parameter home before unholding any; a write that fails (the
+// third's, on NVMe; a staging out of memory) leaves all three held, and the retry writes and releases them.
+TEST(ParamMover, ScatterWritesEveryParameterBackBeforeUnholdingAny) {
+  testing_nvme::NvmeTestDir dir("param-mover-scatter-");
+  swap::NvmeFaults faults;
+  auto nvme = nvme_engine(dir, 16ULL << 20, &faults);
+  {
+    Fixture f(Tier::kNvme, 1ULL << 30, nvme, Tier::kNvme);
+    f.mover->gather({1, 2, 3});
+    for (ParamId id : {1, 2, 3}) f.host.device.at(id)[0] = static_cast<unsigned char>(60 + id);
+    const auto all_held = [&f](const std::string& after) {
+      for (ParamId id : {1, 2, 3}) {
+        EXPECT_TRUE(f.mover->on_device(id)) << "parameter " << id << " after " << after;
+        EXPECT_TRUE(f.host.has_memory(id)) << "parameter " << id << " after " << after;
+      }
+      EXPECT_TRUE(f.host.staging.empty()) << "every staging let go after " << after;
+    };
+    f.host.on_stage = at_stage(3, [&faults] { faults.fail_writes = 1; });
+    EXPECT_THROW(f.mover->scatter({1, 2, 3}, true), io_error);
+    all_held("a failed write");
+    f.host.on_stage = at_stage(2, [] { throw out_of_memory("no pinned memory for a staging"); });
+    EXPECT_THROW(f.mover->scatter({1, 2, 3}, true), out_of_memory);
+    all_held("a staging out of memory");
+    f.host.on_stage = {};
+    f.mover->scatter({1, 2, 3}, true);  // the retry
+    for (ParamId id : {1, 2, 3}) {
+      EXPECT_FALSE(f.mover->on_device(id));
+      EXPECT_FALSE(f.host.has_memory(id));
+      EXPECT_EQ(nvme_value(*f.mover, id)[0], 60 + id);
+    }
+    f.mover->gather({1});  // the holds balance: one more of each
+    f.mover->scatter({1}, false);
+    EXPECT_FALSE(f.mover->on_device(1));
+  }
+  EXPECT_EQ(nvme->stats().bytes_in_use, 0u);
 }

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <exception>
 #include <utility>
 
 #include "tierflow/core/clock.hpp"
@@ -210,6 +211,18 @@ void ParamMover::write_home(ParamId id, Record& r, const void* value) {
   nvme_->write(r.block, value, r.bytes).wait();
 }
 
+void ParamMover::write_device_home(ParamId id, Record& r) {
+  void* value = stage(id, r);
+  try {
+    host_.download(id);
+    write_home(id, r, value);
+  } catch (...) {
+    unstage(id, r);
+    throw;
+  }
+  unstage(id, r);
+}
+
 void ParamMover::carry_out(const ParamActions& a) {
   for (ParamId id : a.release) release(id, record(id));
   if (!a.refused.empty()) throw out_of_memory(a.refused);
@@ -338,20 +351,19 @@ void ParamMover::gather(const std::vector<ParamId>& ids) {
 void ParamMover::scatter(const std::vector<ParamId>& ids, bool write_back) {
   std::lock_guard<std::mutex> lock(mutex_);
   point_back_locked();  // as every event: its staging is the parameter's one (a step that raised left it pointed)
-  std::vector<ParamId> done;
-  for (ParamId id : ids) {
-    if (!params_.count(id) || std::find(done.begin(), done.end(), id) != done.end()) continue;
-    done.push_back(id);
-    Record& r = record(id);
-    if (write_back) {
+  std::vector<ParamId> held;  // each offloaded one once
+  for (ParamId id : ids)
+    if (params_.count(id) && std::find(held.begin(), held.end(), id) == held.end()) held.push_back(id);
+  // All or none: every write first (one repeated by a retry writes the same device values again), and only
+  // when all are home the unholds, so a failed write leaves every hold as it was.
+  if (write_back) {
+    for (ParamId id : held) {
+      Record& r = record(id);
       r.fetch.wait();  // (its staging, if any, is read no more)
-      void* value = stage(id, r);
-      host_.download(id);
-      write_home(id, r, value);
-      unstage(id, r);
+      write_device_home(id, r);
     }
-    carry_out(schedule_->unhold(id));
   }
+  for (ParamId id : held) carry_out(schedule_->unhold(id));
 }
 
 std::vector<ParamId> ParamMover::make_resident(const std::vector<UnitId>& units) {
@@ -398,22 +410,61 @@ void ParamMover::store(ParamId id, const void* value) {
 void ParamMover::point_at_host(bool on_host) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (on_host == on_host_) return;
-  for (auto& [id, r] : params_) {
-    TIERFLOW_EXPECTS(!on_host || schedule_->state(id) != ParamState::kInFlight,
-                     "ParamResidency::point_at_host: a parameter is being fetched");
-    if (!r.nvme) {
-      host_.point(id, on_host ? ParamView::kHostCopy : ParamView::kDevice);
-    } else if (on_host) {  // NVMe: a host buffer for the step, written back after it
-      void* staging = stage(id, r);
-      nvme_->read(r.block, staging, r.bytes).wait();
-      host_.point(id, ParamView::kStaging);
-    } else {
-      if (r.staging != nullptr) write_home(id, r, r.staging);  // (none: an event pointed it back meanwhile)
-      host_.point(id, ParamView::kDevice);
-      unstage(id, r);
-    }
+  if (on_host) {
+    point_at_host_locked();
+  } else {
+    point_at_device_locked();
   }
-  on_host_ = on_host;
+}
+
+void ParamMover::point_at_host_locked() {
+  for (const auto& [id, r] : params_)
+    TIERFLOW_EXPECTS(schedule_->state(id) != ParamState::kInFlight,
+                     "ParamResidency::point_at_host: a parameter is being fetched");
+  std::vector<ParamId> pointed;
+  ParamId trying = 0;
+  try {
+    for (auto& [id, r] : params_) {
+      trying = id;
+      if (r.nvme) {  // a host buffer for the step, written back after it
+        void* staging = stage(id, r);
+        nvme_->read(r.block, staging, r.bytes).wait();
+      }
+      host_.point(id, r.nvme ? ParamView::kStaging : ParamView::kHostCopy);
+      pointed.push_back(id);
+    }
+  } catch (...) {  // all or none: a staging out of memory, a failed read; those pointed go back, stagings go
+    for (ParamId id : pointed) host_.point(id, ParamView::kDevice);
+    pointed.push_back(trying);
+    for (ParamId id : pointed)
+      if (record(id).nvme) unstage(id, record(id));
+    throw;
+  }
+  on_host_ = true;
+}
+
+void ParamMover::point_at_device_locked() {
+  // A write that failed cannot be undone: every parameter is pointed back all the same, and its staging goes
+  // (nothing writes from it later); the first error goes on, naming its parameter.
+  std::exception_ptr first;
+  for (auto& [id, r] : params_) {
+    if (r.nvme && r.staging != nullptr) {  // (none: an event pointed it back meanwhile)
+      try {
+        write_home(id, r, r.staging);
+      } catch (const io_error& e) {
+        if (!first)
+          first = std::make_exception_ptr(io_error(e.error_number(), std::string(e.what()) + "; parameter '" +
+                                                   r.name + "': its values from the optimizer's step were not "
+                                                   "written to NVMe"));
+      } catch (...) {
+        if (!first) first = std::current_exception();
+      }
+    }
+    host_.point(id, ParamView::kDevice);
+    if (r.nvme) unstage(id, r);
+  }
+  on_host_ = false;
+  if (first) std::rethrow_exception(first);
 }
 
 void ParamMover::materialize(ParamId id, bool fetch_it) {
@@ -431,10 +482,7 @@ void ParamMover::materialize(ParamId id, bool fetch_it) {
     return upload_home(id, r);
   }
   if (held) r.fetch.wait();  // the device copy is complete before it is read back
-  void* value = stage(id, r);
-  host_.download(id);
-  write_home(id, r, value);
-  unstage(id, r);
+  write_device_home(id, r);
   if (!held) drop(id, r);
 }
 

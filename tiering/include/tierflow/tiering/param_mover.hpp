@@ -136,8 +136,9 @@ class ParamMover {
   void unhold(ParamId id, const std::string& why);
   void attach(UnitId unit, ParamId id);
   /// tierflow.gathered: holds every offloaded one of `ids` (all, or none: out_of_memory names the budget and says to
-  /// gather fewer); scatter writes each back to its home when `write_back`
-  /// (the device values), then unholds it.
+  /// gather fewer); scatter unholds each, after writing every one's device values to its home when `write_back`
+  /// (all, or none: a write that fails, out of memory for a staging or an NVMe write error, leaves every hold as
+  /// it was and goes to the caller; a retry writes them all again).
   void gather(const std::vector<ParamId>& ids);
   void scatter(const std::vector<ParamId>& ids, bool write_back);
   /// Makes `units` resident (TIERFLOW_OFFLOAD_PARAMS=auto's plan, between phases): their parameters' device
@@ -155,7 +156,12 @@ class ParamMover {
   /// `value` (its bytes) becomes the parameter's value between uses: into its host copy, or written to NVMe.
   void store(ParamId id, const void* value);
   /// Every offloaded parameter points at its host copy (NVMe: the block read into its staging) or back at its
-  /// device storage (NVMe: the staging written back first).
+  /// device storage (NVMe: the staging written back first, then let go). Pointing at the host is all or none:
+  /// logic_error while a fetch is in flight, or a staging's out_of_memory or a read's io_error, leaves every
+  /// parameter at its device storage with no staging, as before the call. Pointing back goes on past a write that
+  /// fails (it cannot be undone): every parameter points at its device storage, every staging goes (the failed
+  /// one's step values are lost, its block reads as failed until stored again), then the first error is raised
+  /// naming its parameter.
   void point_at_host(bool on_host);
   /// Fetches `id` now and waits for it (`fetch`: a module's load_state_dict writes into it), or writes its device
   /// values home and drops them unless a use or hold has it on the device.
@@ -178,6 +184,8 @@ class ParamMover {
   void use(UnitId unit, Use what, std::uint64_t extra_bytes);
   void make_copies(std::vector<ParamId>& order);
   void point_back_locked();
+  void point_at_host_locked();
+  void point_at_device_locked();
   void carry_out(const ParamActions& a);
   void carry_out_named(const ParamActions& a, ParamId id);
   void drop(ParamId id, Record& r);
@@ -188,6 +196,7 @@ class ParamMover {
   void unstage(ParamId id, Record& r) noexcept;
   void upload_home(ParamId id, Record& r);
   void write_home(ParamId id, Record& r, const void* value);
+  void write_device_home(ParamId id, Record& r);
   Record& record(ParamId id) { return params_.at(id); }
 
   ParamMoverHost& host_;
