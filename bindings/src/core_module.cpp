@@ -4,8 +4,6 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include <algorithm>
-#include <cctype>
 #include <cstdlib>
 #include <map>
 #include <set>
@@ -181,12 +179,7 @@ void bind_wrap_checks(py::module_& m) {
 void log_level_from_environment() {
   const char* value = std::getenv("TIERFLOW_LOG_LEVEL");
   if (value == nullptr) return;
-  std::string v(value);
-  v.erase(std::remove_if(v.begin(), v.end(), [](unsigned char c) { return std::isspace(c) != 0; }), v.end());
-  std::transform(v.begin(), v.end(), v.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
-  for (LogLevel l : {LogLevel::kError, LogLevel::kWarn, LogLevel::kInfo, LogLevel::kDebug}) {
-    if (v == to_string(l)) set_log_level(l);
-  }
+  if (const std::optional<LogLevel> level = parse_log_level(value)) set_log_level(*level);
 }
 
 }  // namespace

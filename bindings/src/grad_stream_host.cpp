@@ -44,25 +44,7 @@ optimizer::HostArray GradStream::allocate(std::size_t bytes) {
 
 void GradStream::adam_step(const optimizer::AdamOptions& options, std::int64_t step,
                            const std::vector<optimizer::KernelArrays>& arrays) {
-  std::vector<at::Tensor> masters, ms, vs, vmaxes, grads, outs;
-  Runtime::AdamOutputs out;
-  for (const auto& a : arrays) {
-    const at::ScalarType moment = moment_dtype(a.format);
-    masters.push_back(tensor_of(a.master, at::kFloat));
-    ms.push_back(tensor_of(a.exp_avg, moment));
-    vs.push_back(tensor_of(a.exp_avg_sq, moment));
-    vmaxes.push_back(tensor_of(a.max_exp_avg_sq, at::kFloat));
-    grads.push_back(tensor_of(a.grad, torch_type(a.grad_type)));
-    outs.push_back(tensor_of(a.param_out, torch_type(a.param_type)));
-    out.masters.push_back(tensor_of(a.master_out, at::kFloat));
-    out.exp_avgs.push_back(tensor_of(a.exp_avg_out, moment));
-    out.exp_avg_sqs.push_back(tensor_of(a.exp_avg_sq_out, moment));
-    out.max_exp_avg_sqs.push_back(tensor_of(a.max_exp_avg_sq_out, at::kFloat));
-  }
-  bool out_of_place = false;
-  for (const auto& a : arrays) out_of_place = out_of_place || a.master_out.defined();
-  if (!out_of_place) out = Runtime::AdamOutputs{};  // in place, as the redone steps are
-  runtime_->adam_step(options, step, masters, ms, vs, vmaxes, grads, outs, out);
+  runtime_->adam_step(options, step, arrays);  // in place where an array's master_out is undefined
 }
 
 std::int64_t GradStream::steps_taken(std::size_t slot) {

@@ -180,12 +180,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("pop_no_offload", &pop_no_offload);
   m.def("no_offload_depth", &no_offload_depth, "Depth of tierflow.no_offload() regions open on this thread.");
   m.def("log", [](const std::string& level, const std::string& message) {
-    LogLevel l = LogLevel::kInfo;
-    if (level == "error") l = LogLevel::kError;
-    else if (level == "warn") l = LogLevel::kWarn;
-    else if (level == "debug") l = LogLevel::kDebug;
-    else if (level != "info") throw config_error("log: level '" + level + "'; accepted: error, warn, info, debug");
-    log(l, message);
+    const std::optional<LogLevel> l = parse_log_level(level);
+    if (!l) throw config_error("log: level '" + level + "'; accepted: error, warn, info, debug");
+    log(*l, message);
   }, "A line on stderr through tierflow's log (TIERFLOW_LOG_LEVEL filters it).");
 
   bind_plan_driver_api(m);  // plan_driver_bindings.cpp: PlanDriver (the rest of the planner is _core's)

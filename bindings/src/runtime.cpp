@@ -246,7 +246,17 @@ void Runtime::adam_step(const optimizer::AdamOptions& options, std::int64_t step
                            kernel_args(outputs.masters), kernel_args(outputs.exp_avgs),
                            kernel_args(outputs.exp_avg_sqs), kernel_args(outputs.max_exp_avg_sqs)};
   std::uint64_t elements = 0;
-  std::vector<optimizer::AdamTensor> tensors = optimizer::adam_tensors(args, &elements);
+  run_adam(options, step, optimizer::adam_tensors(args, &elements), elements);
+}
+
+void Runtime::adam_step(const optimizer::AdamOptions& options, std::int64_t step,
+                        const std::vector<optimizer::KernelArrays>& arrays) {
+  std::uint64_t elements = 0;
+  run_adam(options, step, optimizer::adam_tensors(arrays, &elements), elements);
+}
+
+void Runtime::run_adam(const optimizer::AdamOptions& options, std::int64_t step,
+                       std::vector<optimizer::AdamTensor> tensors, std::uint64_t elements) {
   std::lock_guard<std::mutex> lock(adam_mutex_);
   if (!adam_) adam_ = std::make_unique<optimizer::CpuAdam>(config_.cpu_threads, cpu_isa());
   const auto t0 = std::chrono::steady_clock::now();

@@ -158,6 +158,15 @@ std::string_view to_string(LogLevel l) noexcept {
   return "?";
 }
 
+std::optional<LogLevel> parse_log_level(std::string_view text) {
+  const std::string s = config_detail::lower(config_detail::trim(text));
+  if (s == "warning") return LogLevel::kWarn;
+  for (LogLevel l : {LogLevel::kError, LogLevel::kWarn, LogLevel::kInfo, LogLevel::kDebug}) {
+    if (s == to_string(l)) return l;
+  }
+  return std::nullopt;
+}
+
 const std::vector<ConfigEntry>& config_table() {
   static const std::vector<ConfigEntry> kTable = [] {
     std::vector<ConfigEntry> t;

@@ -321,12 +321,9 @@ std::vector<Row> log_and_file_rows() {
     {{"TIERFLOW_LOG_LEVEL", "warn", "one of error, warn, info, debug",
       "verbosity of tierflow's messages on stderr"},
      [](Config& c, std::string_view name, std::string_view v) {
-       std::string s = lower(trim(v));
-       if (s == "error") c.log_level = LogLevel::kError;
-       else if (s == "warn" || s == "warning") c.log_level = LogLevel::kWarn;
-       else if (s == "info") c.log_level = LogLevel::kInfo;
-       else if (s == "debug") c.log_level = LogLevel::kDebug;
-       else bad_value(name, v, "one of error, warn, info, debug");
+       const std::optional<LogLevel> level = parse_log_level(v);
+       if (!level) bad_value(name, v, "one of error, warn, info, debug");
+       c.log_level = *level;
      }},
     {{"TIERFLOW_STALL_TIMEOUT", "10min", kStallTimeoutAccepted,
       "a copy, an NVMe request or a CPU optimizer step still unfinished this long after it started raises an "

@@ -550,3 +550,19 @@ TEST(ConfigKeywords, AListIsTheValueOfAListSettingOnly) {
                        "accepted: ", 0), 0u) << host;
   EXPECT_NE(host.find("accepted: a size"), std::string::npos) << host;
 }
+
+TEST(Config, ParseLogLevelReadsEveryNameTheSettingAccepts) {
+  // The one reader of a level's name (the settings table, _C.log and _core's copy of the level).
+  EXPECT_EQ(parse_log_level("error"), LogLevel::kError);
+  EXPECT_EQ(parse_log_level(" WARN "), LogLevel::kWarn);
+  EXPECT_EQ(parse_log_level("warning"), LogLevel::kWarn);
+  EXPECT_EQ(parse_log_level("Info"), LogLevel::kInfo);
+  EXPECT_EQ(parse_log_level("debug\n"), LogLevel::kDebug);
+  EXPECT_EQ(parse_log_level("verbose"), std::nullopt);
+  EXPECT_EQ(parse_log_level(""), std::nullopt);
+  for (LogLevel l : {LogLevel::kError, LogLevel::kWarn, LogLevel::kInfo, LogLevel::kDebug})
+    EXPECT_EQ(parse_log_level(to_string(l)), l);
+  Config c = Config::parse({{"TIERFLOW_LOG_LEVEL", "Warning"}}, {});
+  EXPECT_EQ(c.log_level, LogLevel::kWarn);
+  EXPECT_THROW(Config::parse({{"TIERFLOW_LOG_LEVEL", "verbose"}}, {}), config_error);
+}

@@ -16,6 +16,7 @@
 #include "tierflow/core/config.hpp"
 #include "tierflow/core/stall.hpp"
 #include "tierflow/optimizer/cpu_adam.hpp"
+#include "tierflow/optimizer/kernel_arrays.hpp"
 #include "tierflow/optimizer/nvme_adam.hpp"
 #include "tierflow/swap/copy_engine.hpp"
 #include "tierflow/tiering/runtime_stats.hpp"
@@ -97,6 +98,10 @@ class Runtime {
                  const std::vector<at::Tensor>& exp_avg_sqs,
                  const std::vector<at::Tensor>& max_exp_avg_sqs, const std::vector<at::Tensor>& grads,
                  const std::vector<at::Tensor>& params_out, const AdamOutputs& outputs = {});
+  /// The same step over host arrays (the step engine's: optimizer::adam_tensors checks them), out of place for
+  /// each array whose master_out is defined.
+  void adam_step(const optimizer::AdamOptions& options, std::int64_t step,
+                 const std::vector<optimizer::KernelArrays>& arrays);
 
   /// True for a tensor of this runtime's device (CUDA tensors on CUDA; CPU
   /// tensors, the emulated device's, on the emulated device).
@@ -138,6 +143,9 @@ class Runtime {
   // The host-to-device copy of copy_to_device and fetch_to_device, after the compute stream's earlier work;
   // `what` names the caller in its errors.
   swap::TransferHandle queue_to_device(const at::Tensor& dst, const at::Tensor& src, const char* what);
+  // Both adam_steps' kernel call over checked tensors, timed into opt_stats_.
+  void run_adam(const optimizer::AdamOptions& options, std::int64_t step, std::vector<optimizer::AdamTensor> tensors,
+                std::uint64_t elements);
   Config config_;
   StallTimeoutClaim stall_claim_;  // the process's one stall limit, held while this runtime lives (Note [Stall timeout])
   tiering::Tiers tiers_;

@@ -17,6 +17,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <string_view>
@@ -51,6 +52,10 @@ enum class LogLevel : std::uint8_t { kError, kWarn, kInfo, kDebug };
 
 /// Name used in configuration values ("error", "warn", "info", "debug").
 std::string_view to_string(LogLevel l) noexcept;
+/// The level `text` names (TIERFLOW_LOG_LEVEL's values: error, warn or warning, info, debug; case and surrounding
+/// white space ignored); nothing for any other text. The one reader of a level's name: the settings table, _C.log
+/// and _core's copy of the level all use it.
+std::optional<LogLevel> parse_log_level(std::string_view text);
 
 /// TIERFLOW_NVME_MEMORY=auto, held as a byte budget of this many bytes: the
 /// NVMe engine grows its files while the file system keeps a share free (Note
