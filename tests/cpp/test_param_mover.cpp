@@ -53,7 +53,13 @@ struct FakeHost final : ParamMoverHost {
   std::set<ParamId> fail_fetch;    // fetch throws out_of_memory
   std::set<ParamId> stall_fetch;   // the fetch's wait throws stall_error
   std::set<ParamId> kept;          // keep_stalled
+  std::set<ParamId> stall_download;  // download throws stall_error (a device-to-host copy past its limit)
   std::function<void(ParamId)> on_stage;  // runs at each stage, first (may throw: a staging out of memory)
+  // Where a staging starts in its buffer: 8 makes it unaligned, and the engine then copies a read into it as the
+  // read completes (from its bounce buffer), so a read that lands after its staging went shows in `let_go`.
+  std::size_t stage_offset = 0;
+  std::vector<AlignedBuffer> let_go;  // each staging unstaged, poisoned (kPoison) and kept: a later write shows
+  static constexpr unsigned char kPoison = 0xEE;
 
   void note(const std::string& what, ParamId id) { calls.push_back(what + " " + std::to_string(id)); }
   void drop(ParamId id, const std::string& w) override {
@@ -77,10 +83,16 @@ struct FakeHost final : ParamMoverHost {
   }
   void* stage(ParamId id) override {
     if (on_stage) on_stage(id);
-    staging[id] = AlignedBuffer(kBytes);
-    return staging[id].data();
+    staging[id] = AlignedBuffer(kBytes + stage_offset);
+    return staged(id);
   }
-  void unstage(ParamId id) noexcept override { staging.erase(id); }
+  void unstage(ParamId id) noexcept override {
+    const auto it = staging.find(id);
+    if (it == staging.end()) return;
+    std::memset(it->second.data(), kPoison, it->second.capacity());
+    let_go.push_back(std::move(it->second));
+    staging.erase(it);
+  }
   void keep_stalled(ParamId id, const std::string&, const std::string&) noexcept override { kept.insert(id); }
   void make_host_copy(ParamId id) override { host[id] = AlignedBuffer(kBytes); }
   swap::TransferHandle copy_to_host_copy(ParamId id) override {
@@ -91,15 +103,27 @@ struct FakeHost final : ParamMoverHost {
   void free_host_copy(ParamId id) override { host.erase(id); }
   void upload(ParamId id, ParamView from) override {
     note("upload", id);
-    const auto* src = reinterpret_cast<const unsigned char*>((from == ParamView::kStaging ? staging : host).at(id).data());
+    const auto* src = from == ParamView::kStaging ? staged(id) : reinterpret_cast<unsigned char*>(host.at(id).data());
     device[id].assign(src, src + kBytes);
   }
-  void download(ParamId id) override { std::memcpy(staging.at(id).data(), device.at(id).data(), kBytes); }
+  void download(ParamId id) override {
+    if (stall_download.count(id)) throw stall_error("stalled download");
+    std::memcpy(staged(id), device.at(id).data(), kBytes);
+  }
   void point(ParamId id, ParamView v) override { view[id] = v; }
   /// Whether `id` points at its device storage (as it does until first pointed elsewhere).
   bool at_device(ParamId id) const { return !view.count(id) || view.at(id) == ParamView::kDevice; }
 
   unsigned char first_device_byte(ParamId id) const { return device.at(id).at(0); }
+  unsigned char* staged(ParamId id) { return reinterpret_cast<unsigned char*>(staging.at(id).data()) + stage_offset; }
+  /// Whether every staging let go still holds only kPoison (nothing wrote into it once it went).
+  bool let_go_untouched() const {
+    for (const AlignedBuffer& b : let_go) {
+      const auto* p = reinterpret_cast<const unsigned char*>(b.data());
+      if (std::any_of(p, p + b.capacity(), [](unsigned char c) { return c != kPoison; })) return false;
+    }
+    return true;
+  }
   unsigned char first_byte(const std::map<ParamId, AlignedBuffer>& m, ParamId id) const {
     return reinterpret_cast<const unsigned char*>(m.at(id).data())[0];
   }
@@ -122,6 +146,15 @@ std::function<void(ParamId)> at_stage(int n, std::function<void()> then) {
     if (--n == 0) then();
   };
 }
+
+// A stall limit of `seconds` within its scope (Note [Stall timeout]), the one before restored after.
+struct StallLimit {
+  explicit StallLimit(double seconds) : before(stall_timeout()) { set_stall_timeout(seconds); }
+  ~StallLimit() { set_stall_timeout(before); }
+  double before;
+};
+constexpr double kStallLimit = 0.15;   // seconds a wait in the tests below may last
+constexpr int kStuckUs = 600'000;      // how long a stuck disk holds a request there
 
 std::vector<unsigned char> nvme_value(ParamMover& mover, ParamId id) {
   std::vector<unsigned char> value(kBytes);
@@ -483,4 +516,93 @@ TEST(ParamMover, ScatterWritesEveryParameterBackBeforeUnholdingAny) {
     EXPECT_FALSE(f.mover->on_device(1));
   }
   EXPECT_EQ(nvme->stats().bytes_in_use, 0u);
+}
+
+// Note [Stall timeout]: a read that stalls while pointing at the host may still land in its staging, which is kept
+// for good (not let go with the others'); every parameter still points at its device storage.
+TEST(ParamMover, PointAtHostKeepsTheStagingOfAStalledReadForGood) {
+  testing_nvme::NvmeTestDir dir("param-mover-stalled-read-");
+  swap::NvmeFaults faults;
+  auto nvme = nvme_engine(dir, 16ULL << 20, &faults);
+  Fixture f(Tier::kNvme, 1ULL << 30, nvme, Tier::kHost);  // 1, 2 on NVMe; 3 a host copy
+  f.host.stage_offset = 8;  // the read lands in the staging as it completes
+  ParamId stalled = 0;      // the last staged: its read stalls, nothing is staged after it
+  f.host.on_stage = [&stalled](ParamId id) { stalled = id; };
+  faults.read_delay_us = kStuckUs;
+  {
+    const StallLimit limit(kStallLimit);
+    EXPECT_THROW(f.mover->point_at_host(true), stall_error);
+  }
+  faults.read_delay_us = 0;
+  ASSERT_NE(stalled, 0u);
+  EXPECT_EQ(f.host.kept, std::set<ParamId>{stalled});
+  EXPECT_EQ(f.host.staging.count(stalled), 1u) << "the staging the read may still land in is kept";
+  for (ParamId id : {1, 2, 3}) EXPECT_TRUE(f.host.at_device(id)) << "parameter " << id;
+  f.mover.reset();  // waits for the read (its block's release)
+  if (f.host.staging.count(stalled))
+    EXPECT_EQ(f.host.staged(stalled)[0], static_cast<unsigned char>(stalled)) << "the read landed in the kept staging";
+  EXPECT_TRUE(f.host.let_go_untouched()) << "the read landed in a staging let go";
+}
+
+// A write that stalls while pointing back may still read its staging: kept for good; no further write goes to the
+// hung disk, the rest are pointed back and their stagings go (nothing reads them), and the stall is raised.
+TEST(ParamMover, PointingBackKeepsTheStagingOfAStalledWriteAndWritesNoMore) {
+  testing_nvme::NvmeTestDir dir("param-mover-stalled-write-");
+  swap::NvmeFaults faults;
+  auto nvme = nvme_engine(dir, 16ULL << 20, &faults);
+  Fixture f(Tier::kNvme, 1ULL << 30, nvme, Tier::kHost);  // 1, 2 on NVMe; 3 a host copy
+  f.mover->point_at_host(true);
+  f.host.staged(1)[0] = 71;  // the optimizer's step
+  f.host.staged(2)[0] = 72;
+  const std::uint64_t writes_before = nvme->stats().write_ops;
+  faults.write_delay_us = kStuckUs;
+  {
+    const StallLimit limit(kStallLimit);
+    EXPECT_THROW(f.mover->point_at_host(false), stall_error);
+  }
+  faults.write_delay_us = 0;
+  for (ParamId id : {1, 2, 3}) EXPECT_TRUE(f.host.at_device(id)) << "parameter " << id;
+  f.mover->point_at_host(false);  // off the host already: nothing to write
+  f.mover.reset();  // waits for the stalled write (its block's release)
+  EXPECT_EQ(nvme->stats().write_ops - writes_before, 1u) << "no write went to the hung disk after the stall";
+  ASSERT_EQ(f.host.kept.size(), 1u) << "the first written (either, in the mover's order)";
+  const ParamId stalled = *f.host.kept.begin();
+  const ParamId other = stalled == 1 ? 2 : 1;
+  ASSERT_EQ(f.host.staging.count(stalled), 1u) << "the staging its write may still read is kept";
+  EXPECT_EQ(f.host.staged(stalled)[0], 70 + stalled);
+  EXPECT_EQ(f.host.staging.count(other), 0u) << "not written: let go";
+}
+
+// scatter (tierflow.gathered's exit) whose first NVMe write stalls: its staging is kept for good, none is let go
+// while a write may read it, and every hold stays.
+TEST(ParamMover, ScatterKeepsTheStagingOfAStalledWriteForGood) {
+  testing_nvme::NvmeTestDir dir("param-mover-stalled-scatter-");
+  swap::NvmeFaults faults;
+  auto nvme = nvme_engine(dir, 16ULL << 20, &faults);
+  Fixture f(Tier::kNvme, 1ULL << 30, nvme, Tier::kNvme);
+  f.mover->gather({1, 2, 3});
+  const std::size_t let_go_before = f.host.let_go.size();
+  faults.write_delay_us = kStuckUs;
+  {
+    const StallLimit limit(kStallLimit);
+    EXPECT_THROW(f.mover->scatter({1, 2, 3}, true), stall_error);
+  }
+  faults.write_delay_us = 0;
+  EXPECT_EQ(f.host.kept, std::set<ParamId>{1}) << "the first written";
+  EXPECT_EQ(f.host.staging.count(1), 1u) << "the staging its write may still read is kept";
+  EXPECT_EQ(f.host.let_go.size(), let_go_before) << "a staging went while its write was in flight";
+  for (ParamId id : {1, 2, 3}) EXPECT_TRUE(f.mover->on_device(id)) << "parameter " << id << " still held";
+  f.mover.reset();  // waits for the stalled write
+}
+
+// materialize (a state_dict's read) whose device-to-host copy stalls: the copy may still write the staging (and
+// read the device memory): both kept for good, the staging not let go.
+TEST(ParamMover, MaterializeKeepsTheStagingOfAStalledDownloadForGood) {
+  Fixture f;
+  f.mover->materialize(1, true);
+  f.host.stall_download = {1};
+  EXPECT_THROW(f.mover->materialize(1, false), stall_error);
+  EXPECT_EQ(f.host.kept, std::set<ParamId>{1});
+  EXPECT_EQ(f.host.staging.count(1), 1u) << "the staging the copy may still write is kept";
+  EXPECT_TRUE(f.host.let_go.empty());
 }

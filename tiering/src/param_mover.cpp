@@ -216,6 +216,9 @@ void ParamMover::write_device_home(ParamId id, Record& r) {
   try {
     host_.download(id);
     write_home(id, r, value);
+  } catch (const stall_error&) {  // Note [Stall timeout]: the write may still read the staging: kept for good
+    keep_stalled(id, r);
+    throw;
   } catch (...) {
     unstage(id, r);
     throw;
@@ -428,12 +431,18 @@ void ParamMover::point_at_host_locked() {
       trying = id;
       if (r.nvme) {  // a host buffer for the step, written back after it
         void* staging = stage(id, r);
-        nvme_->read(r.block, staging, r.bytes).wait();
+        try {
+          nvme_->read(r.block, staging, r.bytes).wait();
+        } catch (const stall_error&) {  // Note [Stall timeout]: the read may still land in it: kept for good
+          keep_stalled(id, r);
+          throw;
+        }
       }
       host_.point(id, r.nvme ? ParamView::kStaging : ParamView::kHostCopy);
       pointed.push_back(id);
     }
-  } catch (...) {  // all or none: a staging out of memory, a failed read; those pointed go back, stagings go
+  } catch (...) {  // all or none: a staging out of memory, a failed read; those pointed go back, stagings go (a
+                   // stalled read's was kept above: its r.staging is null)
     for (ParamId id : pointed) host_.point(id, ParamView::kDevice);
     pointed.push_back(trying);
     for (ParamId id : pointed)
@@ -445,10 +454,13 @@ void ParamMover::point_at_host_locked() {
 
 void ParamMover::point_at_device_locked() {
   // A write that failed cannot be undone: every parameter is pointed back all the same, and its staging goes
-  // (nothing writes from it later); the first error goes on, naming its parameter.
+  // (nothing writes from it later); the first error goes on, naming its parameter. A write that stalled (Note
+  // [Stall timeout]) may still read its staging: kept for good; no further write goes to the hung disk (the rest
+  // are pointed back, their stagings go, their step values are lost), and the stall is what is raised.
   std::exception_ptr first;
+  bool stalled = false;
   for (auto& [id, r] : params_) {
-    if (r.nvme && r.staging != nullptr) {  // (none: an event pointed it back meanwhile)
+    if (r.nvme && r.staging != nullptr && !stalled) {  // (none: an event pointed it back meanwhile)
       try {
         write_home(id, r, r.staging);
       } catch (const io_error& e) {
@@ -456,6 +468,10 @@ void ParamMover::point_at_device_locked() {
           first = std::make_exception_ptr(io_error(e.error_number(), std::string(e.what()) + "; parameter '" +
                                                    r.name + "': its values from the optimizer's step were not "
                                                    "written to NVMe"));
+      } catch (const stall_error&) {  // over an earlier failure: the run must end
+        first = std::current_exception();
+        keep_stalled(id, r);
+        stalled = true;
       } catch (...) {
         if (!first) first = std::current_exception();
       }

@@ -33,7 +33,10 @@
 // copy first (rule 1 for its source). NVMe space is checked before the first
 // write. A fetch that fails (out of memory, a read error) is put back
 // (ParamSchedule::fetch_failed) and the error goes to the caller. A fetch that
-// stalled (Note [Stall timeout]) keeps its device memory and staging for good.
+// stalled (Note [Stall timeout]) keeps its device memory and staging for good;
+// so does any other request that stalls on a staging (pointing at the host or
+// back, a write home): its stall_error goes to the caller, and the run should
+// end.
 #pragma once
 
 #include <cstdint>
@@ -138,7 +141,9 @@ class ParamMover {
   /// tierflow.gathered: holds every offloaded one of `ids` (all, or none: out_of_memory names the budget and says to
   /// gather fewer); scatter unholds each, after writing every one's device values to its home when `write_back`
   /// (all, or none: a write that fails, out of memory for a staging or an NVMe write error, leaves every hold as
-  /// it was and goes to the caller; a retry writes them all again).
+  /// it was and goes to the caller; a retry writes them all again). A device-to-host copy or NVMe write that
+  /// stalls (stall_error) keeps that parameter's staging and device memory for good (keep_stalled); the holds
+  /// stay.
   void gather(const std::vector<ParamId>& ids);
   void scatter(const std::vector<ParamId>& ids, bool write_back);
   /// Makes `units` resident (TIERFLOW_OFFLOAD_PARAMS=auto's plan, between phases): their parameters' device
@@ -161,10 +166,15 @@ class ParamMover {
   /// parameter at its device storage with no staging, as before the call. Pointing back goes on past a write that
   /// fails (it cannot be undone): every parameter points at its device storage, every staging goes (the failed
   /// one's step values are lost, its block reads as failed until stored again), then the first error is raised
-  /// naming its parameter.
+  /// naming its parameter. A stall (Note [Stall timeout]) is not undone either: a read that stalls while pointing
+  /// at the host, or a write while pointing back, keeps its parameter's staging and device memory for good
+  /// (keep_stalled: reads of it raise); pointing back then writes no more (the rest's step values are lost, their
+  /// stagings go), every parameter points at its device storage and the stall_error is raised (over any earlier
+  /// error).
   void point_at_host(bool on_host);
   /// Fetches `id` now and waits for it (`fetch`: a module's load_state_dict writes into it), or writes its device
-  /// values home and drops them unless a use or hold has it on the device.
+  /// values home and drops them unless a use or hold has it on the device (a copy or write that stalls keeps its
+  /// staging and device memory for good and raises stall_error).
   void materialize(ParamId id, bool fetch);
 
   std::size_t units() const;
