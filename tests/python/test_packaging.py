@@ -35,7 +35,8 @@ def test_wheel_contains_the_extension_and_the_package(tmp_path):
     # (test_bundle.py builds its offline copy the same way). pyproject.toml's own build type is what a user gets.
     cmd = [sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-w", str(tmp_path),
            "--config-settings=cmake.build-type=RelWithDebInfo",
-           "--config-settings=cmake.define.CMAKE_CXX_FLAGS_RELWITHDEBINFO=-DNDEBUG", ROOT]
+           "--config-settings=cmake.define.CMAKE_CXX_FLAGS_RELWITHDEBINFO=-DNDEBUG",
+           f"--config-settings=build-dir={tmp_path / 'build'}", ROOT]  # not build/{wheel_tag}: a user's build keeps its flags
     done = run_child(cmd, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     wheels = [p for p in os.listdir(tmp_path) if p.endswith(".whl")]
