@@ -606,3 +606,44 @@ TEST(ParamMover, MaterializeKeepsTheStagingOfAStalledDownloadForGood) {
   EXPECT_EQ(f.host.staging.count(1), 1u) << "the staging the copy may still write is kept";
   EXPECT_TRUE(f.host.let_go.empty());
 }
+
+// A failed NVMe read while pointing at the host, and a failed write home (scatter, materialize), keep the engine's
+// words and errno and name their parameter.
+TEST(ParamMover, AFailedReadOrWriteHomeNamesItsParameter) {
+  testing_nvme::NvmeTestDir dir("param-mover-named-");
+  swap::NvmeFaults faults;
+  auto nvme = nvme_engine(dir, 16ULL << 20, &faults);
+  Fixture f(Tier::kNvme, 1ULL << 30, nvme, Tier::kHost);  // 1, 2 on NVMe; 3 a host copy
+  const std::map<ParamId, std::string> names{{1, "blocks.0.w"}, {2, "blocks.1.w"}};
+  ParamId staged = 0;  // the first staged: its read fails (known once it is made)
+  f.host.on_stage = [&staged, &faults](ParamId id) {
+    if (staged != 0) return;
+    staged = id;
+    faults.fail_reads = 1;
+  };
+  const auto expect_named = [&](const std::function<void()>& call, const std::string& engine, const ParamId& id,
+                                const std::string& then) {
+    try {
+      call();
+      ADD_FAILURE() << "no error: " << engine;
+    } catch (const io_error& e) {
+      const std::string what = e.what();
+      EXPECT_EQ(what.find(engine), 0u) << "the engine's words first: " << what;
+      EXPECT_NE(what.find("; parameter '" + names.at(id) + "': " + then), std::string::npos) << what;
+      EXPECT_EQ(e.error_number(), faults.error);
+    }
+  };
+  expect_named([&f] { f.mover->point_at_host(true); }, "NvmeEngine: read", staged,
+               "its values were not read from NVMe for the optimizer's step");
+  f.host.on_stage = {};
+  f.mover->gather({1, 2});
+  faults.fail_writes = 1;
+  expect_named([&f] { f.mover->scatter({1, 2}, true); }, "NvmeEngine: write", 1,
+               "its values on the device were not written to NVMe");
+  faults.fail_writes = 1;
+  expect_named([&f] { f.mover->materialize(2, false); }, "NvmeEngine: write", 2,
+               "its values on the device were not written to NVMe");
+  f.mover->scatter({1, 2}, true);  // the retry
+  EXPECT_FALSE(f.mover->on_device(1));
+  EXPECT_TRUE(f.host.staging.empty());
+}

@@ -215,7 +215,12 @@ void ParamMover::write_device_home(ParamId id, Record& r) {
   void* value = stage(id, r);
   try {
     host_.download(id);
-    write_home(id, r, value);
+    try {
+      write_home(id, r, value);
+    } catch (const io_error& e) {  // the engine's words, named
+      throw io_error(e.error_number(), std::string(e.what()) + "; parameter '" + r.name + "': its values on the "
+                     "device were not written to NVMe");
+    }
   } catch (const stall_error&) {  // Note [Stall timeout]: the write may still read the staging: kept for good
     keep_stalled(id, r);
     throw;
@@ -436,6 +441,9 @@ void ParamMover::point_at_host_locked() {
         } catch (const stall_error&) {  // Note [Stall timeout]: the read may still land in it: kept for good
           keep_stalled(id, r);
           throw;
+        } catch (const io_error& e) {  // the engine's words, named
+          throw io_error(e.error_number(), std::string(e.what()) + "; parameter '" + r.name + "': its values were "
+                         "not read from NVMe for the optimizer's step");
         }
       }
       host_.point(id, r.nvme ? ParamView::kStaging : ParamView::kHostCopy);

@@ -140,10 +140,10 @@ class ParamMover {
   void attach(UnitId unit, ParamId id);
   /// tierflow.gathered: holds every offloaded one of `ids` (all, or none: out_of_memory names the budget and says to
   /// gather fewer); scatter unholds each, after writing every one's device values to its home when `write_back`
-  /// (all, or none: a write that fails, out of memory for a staging or an NVMe write error, leaves every hold as
-  /// it was and goes to the caller; a retry writes them all again). A device-to-host copy or NVMe write that
-  /// stalls (stall_error) keeps that parameter's staging and device memory for good (keep_stalled); the holds
-  /// stay.
+  /// (all, or none: a write that fails, out of memory for a staging or an NVMe write error (the engine's io_error
+  /// with its parameter named), leaves every hold as it was and goes to the caller; a retry writes them all
+  /// again). A device-to-host copy or NVMe write that stalls (stall_error) keeps that parameter's staging and
+  /// device memory for good (keep_stalled); the holds stay.
   void gather(const std::vector<ParamId>& ids);
   void scatter(const std::vector<ParamId>& ids, bool write_back);
   /// Makes `units` resident (TIERFLOW_OFFLOAD_PARAMS=auto's plan, between phases): their parameters' device
@@ -162,19 +162,19 @@ class ParamMover {
   void store(ParamId id, const void* value);
   /// Every offloaded parameter points at its host copy (NVMe: the block read into its staging) or back at its
   /// device storage (NVMe: the staging written back first, then let go). Pointing at the host is all or none:
-  /// logic_error while a fetch is in flight, or a staging's out_of_memory or a read's io_error, leaves every
-  /// parameter at its device storage with no staging, as before the call. Pointing back goes on past a write that
-  /// fails (it cannot be undone): every parameter points at its device storage, every staging goes (the failed
-  /// one's step values are lost, its block reads as failed until stored again), then the first error is raised
-  /// naming its parameter. A stall (Note [Stall timeout]) is not undone either: a read that stalls while pointing
+  /// logic_error while a fetch is in flight, or a staging's out_of_memory or a read's io_error (the engine's, with
+  /// its parameter named), leaves every parameter at its device storage with no staging, as before the call.
+  /// Pointing back goes on past a write that fails (it cannot be undone): every parameter points at its device
+  /// storage, every staging goes (the failed one's step values are lost, its block reads as failed until stored
+  /// again), then the first error is raised naming its parameter. A stall (Note [Stall timeout]) is not undone either: a read that stalls while pointing
   /// at the host, or a write while pointing back, keeps its parameter's staging and device memory for good
   /// (keep_stalled: reads of it raise); pointing back then writes no more (the rest's step values are lost, their
   /// stagings go), every parameter points at its device storage and the stall_error is raised (over any earlier
   /// error).
   void point_at_host(bool on_host);
   /// Fetches `id` now and waits for it (`fetch`: a module's load_state_dict writes into it), or writes its device
-  /// values home and drops them unless a use or hold has it on the device (a copy or write that stalls keeps its
-  /// staging and device memory for good and raises stall_error).
+  /// values home and drops them unless a use or hold has it on the device (an NVMe write's io_error names the
+  /// parameter; a copy or write that stalls keeps its staging and device memory for good and raises stall_error).
   void materialize(ParamId id, bool fetch);
 
   std::size_t units() const;
