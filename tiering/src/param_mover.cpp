@@ -430,6 +430,7 @@ void ParamMover::point_at_host_locked() {
     TIERFLOW_EXPECTS(schedule_->state(id) != ParamState::kInFlight,
                      "ParamResidency::point_at_host: a parameter is being fetched");
   std::vector<ParamId> pointed;
+  pointed.reserve(params_.size());  // the rollback's bookkeeping (pointed and the one tried) cannot throw
   ParamId trying = 0;
   try {
     for (auto& [id, r] : params_) {

@@ -166,11 +166,11 @@ class ParamMover {
   /// its parameter named), leaves every parameter at its device storage with no staging, as before the call.
   /// Pointing back goes on past a write that fails (it cannot be undone): every parameter points at its device
   /// storage, every staging goes (the failed one's step values are lost, its block reads as failed until stored
-  /// again), then the first error is raised naming its parameter. A stall (Note [Stall timeout]) is not undone either: a read that stalls while pointing
-  /// at the host, or a write while pointing back, keeps its parameter's staging and device memory for good
-  /// (keep_stalled: reads of it raise); pointing back then writes no more (the rest's step values are lost, their
-  /// stagings go), every parameter points at its device storage and the stall_error is raised (over any earlier
-  /// error).
+  /// again), then the first error is raised naming its parameter. A stall (Note [Stall timeout]) is not undone
+  /// either: a read that stalls while pointing at the host, or a write while pointing back, keeps its parameter's
+  /// staging and device memory for good (keep_stalled: reads of it raise); pointing back then writes no more (the
+  /// rest's step values are lost, their stagings go), every parameter points at its device storage and the
+  /// stall_error is raised (over any earlier error).
   void point_at_host(bool on_host);
   /// Fetches `id` now and waits for it (`fetch`: a module's load_state_dict writes into it), or writes its device
   /// values home and drops them unless a use or hold has it on the device (an NVMe write's io_error names the
