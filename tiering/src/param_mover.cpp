@@ -9,6 +9,7 @@
 #include "tierflow/core/clock.hpp"
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/stall.hpp"
+#include "tierflow/swap/transfer_handle.hpp"
 #include "tierflow/tiering/param_residency_plan.hpp"
 
 namespace tierflow::tiering {
@@ -62,6 +63,21 @@ std::vector<ParamUnit> plan_units(const std::vector<std::vector<ParamSpec>>& uni
     }
   }
   return plan;
+}
+
+// A read that has landed: the fetch of an unwritten parameter copies from the staging that holds its value.
+struct Landed final : swap::detail::TransferState {
+  explicit Landed(std::size_t bytes) : bytes_(bytes) {}
+  bool ready() const override { return true; }
+  void wait() const override {}
+  std::size_t bytes() const noexcept override { return bytes_; }
+  std::size_t bytes_;
+};
+
+// What a failed write of a parameter's values says after the engine's words (`what`: which values).
+std::string unwritten_error(const io_error& e, const std::string& name, const std::string& what) {
+  return std::string(e.what()) + "; parameter '" + name + "': " + what + " were not written to NVMe; they are kept "
+         "in host memory (its staging), read from there, and will be written at its next write";
 }
 
 }  // namespace
@@ -132,6 +148,7 @@ ParamMover::~ParamMover() {
       continue;
     } catch (...) {
     }
+    if (r.unwritten) unstage(id, r);  // its value goes with the mover
     if (r.nvme) nvme_->release(r.block);
   }
 }
@@ -139,6 +156,7 @@ ParamMover::~ParamMover() {
 void ParamMover::keep_stalled(ParamId id, Record& r) noexcept {
   host_.keep_stalled(id, released_param_error(r.name, r.nvme), r.name);
   r.staging = nullptr;
+  r.unwritten = false;  // (its block reads as it was last written, or as failed)
 }
 
 void* ParamMover::stage(ParamId id, Record& r) {
@@ -150,6 +168,27 @@ void ParamMover::unstage(ParamId id, Record& r) noexcept {
   if (r.staging == nullptr) return;
   host_.unstage(id);
   r.staging = nullptr;
+}
+
+void ParamMover::let_go(ParamId id, Record& r) noexcept {
+  if (!r.unwritten) unstage(id, r);
+}
+
+void ParamMover::keep_unwritten(ParamId id, Record& r, const void* value) noexcept {
+  try {
+    if (r.staging == nullptr) stage(id, r);
+  } catch (...) {  // no pinned memory to keep it in: its block reads as failed until written again
+    return;
+  }
+  if (value != r.staging) std::memcpy(r.staging, value, r.bytes);
+  r.unwritten = true;
+}
+
+void ParamMover::written(ParamId id, Record& r) noexcept {
+  r.unwritten = false;
+  // A use or hold (whose release lets it go), or the step pointed at it (pointing back does), keeps it.
+  const ParamState state = schedule_->state(id);
+  if (!on_host_ && state != ParamState::kOnDevice && state != ParamState::kInFlight) unstage(id, r);
 }
 
 void ParamMover::release(ParamId id, Record& r) {
@@ -164,7 +203,7 @@ void ParamMover::release(ParamId id, Record& r) {
     // A failed fetch has ended; its error reached the use that waited for it (carry_out), not the release.
   }
   r.fetch = swap::TransferHandle();
-  if (r.nvme) unstage(id, r);
+  if (r.nvme) let_go(id, r);  // an unwritten one's staging holds its value
   drop(id, r);
 }
 
@@ -176,6 +215,10 @@ void ParamMover::drop(ParamId id, Record& r) {
 void ParamMover::fetch(ParamId id, Record& r) {
   if (!r.nvme) {
     r.fetch = host_.fetch(id, swap::TransferHandle());  // rule 2
+    return;
+  }
+  if (r.unwritten) {  // its staging holds its value: no read
+    r.fetch = host_.fetch(id, swap::TransferHandle(std::make_shared<Landed>(r.bytes)));
     return;
   }
   // NVMe -> pinned staging -> device: the copy to the device follows the read (a dependency of the copy
@@ -196,6 +239,7 @@ void ParamMover::fetch(ParamId id, Record& r) {
 
 void ParamMover::upload_home(ParamId id, Record& r) {
   if (!r.nvme) return host_.upload(id, ParamView::kHostCopy);
+  if (r.unwritten) return host_.upload(id, ParamView::kStaging);  // its staging holds its value
   void* staging = stage(id, r);
   nvme_->read(r.block, staging, r.bytes).wait();
   host_.upload(id, ParamView::kStaging);
@@ -211,23 +255,25 @@ void ParamMover::write_home(ParamId id, Record& r, const void* value) {
   nvme_->write(r.block, value, r.bytes).wait();
 }
 
-void ParamMover::write_device_home(ParamId id, Record& r) {
-  void* value = stage(id, r);
+void ParamMover::write_device_home(ParamId id, Record& r, bool* kept) {
+  void* value = r.unwritten ? r.staging : stage(id, r);  // (the device's values are the newer)
   try {
     host_.download(id);
     try {
       write_home(id, r, value);
-    } catch (const io_error& e) {  // the engine's words, named
-      throw io_error(e.error_number(), std::string(e.what()) + "; parameter '" + r.name + "': its values on the "
-                     "device were not written to NVMe");
+    } catch (const io_error& e) {  // the engine's words, named; the values stay in the staging (unwritten)
+      keep_unwritten(id, r, value);
+      if (kept) *kept = r.unwritten;
+      throw io_error(e.error_number(), unwritten_error(e, r.name, "its values on the device"));
     }
   } catch (const stall_error&) {  // Note [Stall timeout]: the write may still read the staging: kept for good
     keep_stalled(id, r);
     throw;
   } catch (...) {
-    unstage(id, r);
+    let_go(id, r);
     throw;
   }
+  r.unwritten = false;
   unstage(id, r);
 }
 
@@ -247,7 +293,7 @@ void ParamMover::carry_out(const ParamActions& a) {
       for (ParamId id : *ids) {
         if (std::find(started.begin(), started.end(), id) != started.end()) continue;
         drop(id, record(id));
-        unstage(id, record(id));
+        let_go(id, record(id));
         schedule_->fetch_failed(id);
       }
     }
@@ -362,16 +408,25 @@ void ParamMover::scatter(const std::vector<ParamId>& ids, bool write_back) {
   std::vector<ParamId> held;  // each offloaded one once
   for (ParamId id : ids)
     if (params_.count(id) && std::find(held.begin(), held.end(), id) == held.end()) held.push_back(id);
-  // All or none: every write first (one repeated by a retry writes the same device values again), and only
-  // when all are home the unholds, so a failed write leaves every hold as it was.
+  // Every value home first (one repeated by a retry writes the same device values again), then the unholds: a
+  // staging out of memory or a copy that fails leaves every hold as it was. A failed NVMe write keeps its values
+  // in its staging (unwritten) and goes on: every one is unheld, then the first such error is raised.
+  std::exception_ptr unwritten;
   if (write_back) {
     for (ParamId id : held) {
       Record& r = record(id);
       r.fetch.wait();  // (its staging, if any, is read no more)
-      write_device_home(id, r);
+      bool kept = false;
+      try {
+        write_device_home(id, r, &kept);
+      } catch (const io_error&) {
+        if (!kept) throw;  // a failed copy, no memory to keep it in: nothing released
+        if (!unwritten) unwritten = std::current_exception();
+      }
     }
   }
   for (ParamId id : held) carry_out(schedule_->unhold(id));
+  if (unwritten) std::rethrow_exception(unwritten);
 }
 
 std::vector<ParamId> ParamMover::make_resident(const std::vector<UnitId>& units) {
@@ -383,6 +438,7 @@ std::vector<ParamId> ParamMover::make_resident(const std::vector<UnitId>& units)
     Record& r = it->second;
     // A held one (a read outside its units' uses) has its values on the device already.
     if (!host_.has_memory(id)) upload_home(id, r);
+    if (r.unwritten) unstage(id, r);  // its value is on the device now
     if (r.nvme) nvme_->release(r.block);
     out.push_back(id);
     params_.erase(it);
@@ -405,14 +461,28 @@ void ParamMover::read_nvme(ParamId id, void* dst) {
   std::lock_guard<std::mutex> lock(mutex_);
   const auto it = params_.find(id);
   TIERFLOW_EXPECTS(it != params_.end() && it->second.nvme, "ParamResidency::load: not a parameter on NVMe");
-  nvme_->read(it->second.block, dst, it->second.bytes).wait();
+  const Record& r = it->second;
+  if (r.unwritten) {  // its staging holds its value
+    std::memcpy(dst, r.staging, r.bytes);
+    return;
+  }
+  nvme_->read(r.block, dst, r.bytes).wait();
 }
 
 void ParamMover::store(ParamId id, const void* value) {
   std::lock_guard<std::mutex> lock(mutex_);
   const auto it = params_.find(id);
   TIERFLOW_EXPECTS(it != params_.end(), "ParamResidency::store: not an offloaded parameter");
-  write_home(id, it->second, value);
+  Record& r = it->second;
+  if (!r.nvme) return write_home(id, r, value);
+  try {
+    write_home(id, r, value);
+  } catch (const io_error& e) {  // the engine's words, named; the value stays in the staging (unwritten)
+    keep_unwritten(id, r, value);
+    if (!r.unwritten) throw;
+    throw io_error(e.error_number(), unwritten_error(e, r.name, "its new values"));
+  }
+  if (r.unwritten) written(id, r);
 }
 
 void ParamMover::point_at_host(bool on_host) {
@@ -435,7 +505,8 @@ void ParamMover::point_at_host_locked() {
   try {
     for (auto& [id, r] : params_) {
       trying = id;
-      if (r.nvme) {  // a host buffer for the step, written back after it
+      if (r.nvme && !r.unwritten) {  // a host buffer for the step, written back after it (an unwritten one's holds
+                                      // its value already)
         void* staging = stage(id, r);
         try {
           nvme_->read(r.block, staging, r.bytes).wait();
@@ -455,28 +526,30 @@ void ParamMover::point_at_host_locked() {
     for (ParamId id : pointed) host_.point(id, ParamView::kDevice);
     pointed.push_back(trying);
     for (ParamId id : pointed)
-      if (record(id).nvme) unstage(id, record(id));
+      if (record(id).nvme) let_go(id, record(id));
     throw;
   }
   on_host_ = true;
 }
 
 void ParamMover::point_at_device_locked() {
-  // A write that failed cannot be undone: every parameter is pointed back all the same, and its staging goes
-  // (nothing writes from it later); the first error goes on, naming its parameter. A write that stalled (Note
-  // [Stall timeout]) may still read its staging: kept for good; no further write goes to the hung disk (the rest
-  // are pointed back, their stagings go, their step values are lost), and the stall is what is raised.
+  // A write that failed goes on: every parameter is pointed back all the same; the failed one's staging stays as
+  // its value (unwritten, written at its next write) and the first error goes on, naming its parameter. A write
+  // that stalled (Note [Stall timeout]) may still read its staging: kept for good; no further write goes to the
+  // hung disk (the rest are pointed back, their stagings go unless unwritten, their step values are lost), and the
+  // stall is what is raised.
   std::exception_ptr first;
   bool stalled = false;
   for (auto& [id, r] : params_) {
     if (r.nvme && r.staging != nullptr && !stalled) {  // (none: an event pointed it back meanwhile)
       try {
         write_home(id, r, r.staging);
+        r.unwritten = false;
       } catch (const io_error& e) {
+        r.unwritten = true;  // its staging holds the step's values
         if (!first)
-          first = std::make_exception_ptr(io_error(e.error_number(), std::string(e.what()) + "; parameter '" +
-                                                   r.name + "': its values from the optimizer's step were not "
-                                                   "written to NVMe"));
+          first = std::make_exception_ptr(
+              io_error(e.error_number(), unwritten_error(e, r.name, "its values from the optimizer's step")));
       } catch (const stall_error&) {  // over an earlier failure: the run must end
         first = std::current_exception();
         keep_stalled(id, r);
@@ -486,7 +559,7 @@ void ParamMover::point_at_device_locked() {
       }
     }
     host_.point(id, ParamView::kDevice);
-    if (r.nvme) unstage(id, r);
+    if (r.nvme) let_go(id, r);
   }
   on_host_ = false;
   if (first) std::rethrow_exception(first);
@@ -507,7 +580,13 @@ void ParamMover::materialize(ParamId id, bool fetch_it) {
     return upload_home(id, r);
   }
   if (held) r.fetch.wait();  // the device copy is complete before it is read back
-  write_device_home(id, r);
+  bool kept = false;
+  try {
+    write_device_home(id, r, &kept);
+  } catch (const io_error&) {
+    if (!held && kept) drop(id, r);  // its values are kept in its staging
+    throw;
+  }
   if (!held) drop(id, r);
 }
 

@@ -37,6 +37,15 @@
 // so does any other request that stalls on a staging (pointing at the host or
 // back, a write home): its stall_error goes to the caller, and the run should
 // end.
+// A write that fails (the engine's io_error, not a stall) loses nothing: the
+// parameter's values stay in its staging, marked unwritten (the staging, not
+// the block, holds its value), and the error names the parameter and says so.
+// Until a write of it succeeds every reader reads the staging (a fetch copies
+// from it with no read, pointing at the host points at it, read_nvme copies
+// it, make_resident and materialize upload it) and no release lets it go;
+// every writer (store, pointing back, a write home) writes it again, and on
+// success the mark goes and the staging with it (at the release, when a use
+// or hold has it). The mover's teardown lets an unwritten staging go.
 #pragma once
 
 #include <cstdint>
@@ -139,11 +148,13 @@ class ParamMover {
   void unhold(ParamId id, const std::string& why);
   void attach(UnitId unit, ParamId id);
   /// tierflow.gathered: holds every offloaded one of `ids` (all, or none: out_of_memory names the budget and says to
-  /// gather fewer); scatter unholds each, after writing every one's device values to its home when `write_back`
-  /// (all, or none: a write that fails, out of memory for a staging or an NVMe write error (the engine's io_error
-  /// with its parameter named), leaves every hold as it was and goes to the caller; a retry writes them all
-  /// again). A device-to-host copy or NVMe write that stalls (stall_error) keeps that parameter's staging and
-  /// device memory for good (keep_stalled); the holds stay.
+  /// gather fewer); scatter unholds each, after writing every one's device values to its home when `write_back`.
+  /// A staging out of memory or a device-to-host copy that fails leaves every hold as it was and goes to the
+  /// caller (a retry writes them all again). An NVMe write that fails keeps that parameter's values in its staging
+  /// (unwritten, Note [Parameter moves]) and scatter goes on: every one is unheld, then the first such io_error is
+  /// raised (the engine's, with its parameter named and its values said kept). A device-to-host copy or NVMe write
+  /// that stalls (stall_error) keeps that parameter's staging and device memory for good (keep_stalled); the holds
+  /// stay.
   void gather(const std::vector<ParamId>& ids);
   void scatter(const std::vector<ParamId>& ids, bool write_back);
   /// Makes `units` resident (TIERFLOW_OFFLOAD_PARAMS=auto's plan, between phases): their parameters' device
@@ -156,17 +167,19 @@ class ParamMover {
   bool on_device(ParamId id) const;
   /// Whether `id` lives on NVMe (false for one not offloaded).
   bool on_nvme(ParamId id) const;
-  /// The NVMe block's value read into `dst` (its bytes), waited for. `id` must live on NVMe.
+  /// The NVMe block's value read into `dst` (its bytes), waited for (an unwritten one's: its staging copied). `id`
+  /// must live on NVMe.
   void read_nvme(ParamId id, void* dst);
-  /// `value` (its bytes) becomes the parameter's value between uses: into its host copy, or written to NVMe.
+  /// `value` (its bytes) becomes the parameter's value between uses: into its host copy, or written to NVMe (a
+  /// write that fails keeps it in the staging, unwritten, and raises the engine's io_error naming the parameter).
   void store(ParamId id, const void* value);
-  /// Every offloaded parameter points at its host copy (NVMe: the block read into its staging) or back at its
-  /// device storage (NVMe: the staging written back first, then let go). Pointing at the host is all or none:
+  /// Every offloaded parameter points at its host copy (NVMe: the block read into its staging; an unwritten one's
+  /// staging as it is) or back at its device storage (NVMe: the staging written back first, then let go). Pointing at the host is all or none:
   /// logic_error while a fetch is in flight, or a staging's out_of_memory or a read's io_error (the engine's, with
   /// its parameter named), leaves every parameter at its device storage with no staging, as before the call.
-  /// Pointing back goes on past a write that fails (it cannot be undone): every parameter points at its device
-  /// storage, every staging goes (the failed one's step values are lost, its block reads as failed until stored
-  /// again), then the first error is raised naming its parameter. A stall (Note [Stall timeout]) is not undone
+  /// Pointing back goes on past a write that fails: every parameter points at its device storage, the failed one's
+  /// staging stays as its value (unwritten, written at its next write), every other staging goes, then the first
+  /// error is raised naming its parameter and saying its values are kept. A stall (Note [Stall timeout]) is not undone
   /// either: a read that stalls while pointing at the host, or a write while pointing back, keeps its parameter's
   /// staging and device memory for good (keep_stalled: reads of it raise); pointing back then writes no more (the
   /// rest's step values are lost, their stagings go), every parameter points at its device storage and the
@@ -174,7 +187,8 @@ class ParamMover {
   void point_at_host(bool on_host);
   /// Fetches `id` now and waits for it (`fetch`: a module's load_state_dict writes into it), or writes its device
   /// values home and drops them unless a use or hold has it on the device (an NVMe write's io_error names the
-  /// parameter; a copy or write that stalls keeps its staging and device memory for good and raises stall_error).
+  /// parameter, its values kept in its staging (unwritten); a copy or write that stalls keeps its staging and
+  /// device memory for good and raises stall_error).
   void materialize(ParamId id, bool fetch);
 
   std::size_t units() const;
@@ -189,6 +203,7 @@ class ParamMover {
     std::string why;            // what a read raises when the release under way drops it, if not the usual
     swap::TransferHandle fetch;
     void* staging = nullptr;    // the host's staging (ParamMoverHost::stage) until unstaged
+    bool unwritten = false;     // its last NVMe write failed: the staging, not the block, holds its value
   };
   enum class Use { kBeginForward, kEndForward, kBeginBackward, kEndBackward, kEndPhase };
   void use(UnitId unit, Use what, std::uint64_t extra_bytes);
@@ -204,9 +219,12 @@ class ParamMover {
   void keep_stalled(ParamId id, Record& r) noexcept;
   void* stage(ParamId id, Record& r);
   void unstage(ParamId id, Record& r) noexcept;
+  void let_go(ParamId id, Record& r) noexcept;  // unstage, unless the staging holds its value (unwritten)
+  void keep_unwritten(ParamId id, Record& r, const void* value) noexcept;  // after a failed write of `value`
+  void written(ParamId id, Record& r) noexcept;  // after a write that succeeded: the mark cleared, staging let go
   void upload_home(ParamId id, Record& r);
   void write_home(ParamId id, Record& r, const void* value);
-  void write_device_home(ParamId id, Record& r);
+  void write_device_home(ParamId id, Record& r, bool* kept = nullptr);  // *kept: a failed write's values kept
   Record& record(ParamId id) { return params_.at(id); }
 
   ParamMoverHost& host_;
