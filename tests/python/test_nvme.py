@@ -262,6 +262,41 @@ def test_nvme_optimizer_write_failure_keeps_state(nvme_dir):
     opt.step()  # the retry succeeds
 
 
+def test_a_failed_parameter_write_at_a_step_loses_nothing(nvme_dir):
+    """Note [Parameter moves]: a step whose write of a parameter to NVMe fails raises, naming it and saying its
+    values are kept in host memory; the run goes on and matches the run without the fault."""
+    task = gpt_task(dropout=0.0)
+
+    def run(fail_at):
+        faults = tierflow._C.NvmeFaults()
+        torch.manual_seed(0)
+        model = task.make_model()
+        model, opt = tierflow.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), device="emulated",
+                                   offload_params="nvme", offload_optimizer="none", nvme_paths=nvme_dir,
+                                   nvme_memory="128MiB", min_offload_bytes=0, _nvme_faults=faults)
+        losses = []
+        for i in range(3):
+            loss = task.loss(model, task.make_batch(i))
+            loss.backward()
+            losses.append(loss.item())
+            if i == fail_at:
+                faults.fail_writes = 1
+                with pytest.raises(OSError, match="not written to NVMe; they are kept in host memory"):
+                    opt.step()
+                assert faults.fail_writes == 0, "the fault was used"
+            else:
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+        return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    base_losses, base_state = run(None)
+    losses, state = run(0)
+    assert losses == base_losses
+    assert base_state.keys() == state.keys()
+    for k, v in base_state.items():
+        assert torch.equal(state[k], v), k
+
+
 def test_no_swap_file_leaks_after_io_failures(nvme_dir):
     script = textwrap.dedent(f"""
         import sys, torch
