@@ -274,6 +274,38 @@ def test_gathered_modify_reaches_the_cpu_optimizers_masters(device, tier, nvme_d
     _assert_equal(got, want)
 
 
+def test_a_failed_write_back_at_gathered_exit_keeps_the_edit_for_the_cpu_optimizer(device, nvme_dir):
+    """A write to NVMe that fails at gathered(modify=True)'s exit raises, saying the values are kept in host memory;
+    every hold is released, and the CPU AdamW steps a 16-bit model from the edit (its fp32 masters re-read), as
+    when the write works."""
+    _emulated_only(device)
+    task = _task()
+
+    def run(fail: bool) -> tuple:
+        faults = tierflow._C.NvmeFaults()
+        torch.manual_seed(0)
+        model = task.model_on(device).to(torch.bfloat16)  # 16-bit: the CPU AdamW's fp32 masters are apart
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+        model, opt = tierflow.wrap(model, opt, device=device, min_offload_bytes=0, offload_params="nvme",
+                                   nvme_paths=[nvme_dir], _nvme_faults=faults)
+        losses = _steps(task, model, opt, 0, 1, device)
+        with pytest.raises(OSError, match="kept in host memory") if fail else contextlib.nullcontext():
+            with tierflow.gathered(model, modify=True):
+                _halve_norm_weights(model)
+                faults.fail_writes = int(fail)
+        assert faults.fail_writes == 0, "the fault was used"
+        assert _released(model) and tierflow.report()["params"]["device_bytes"] == 0
+        losses += _steps(task, model, opt, 1, 2, device)
+        values = _values(model)
+        tierflow.unwrap(model)
+        return losses, values
+
+    want_losses, want = run(False)
+    losses, got = run(True)
+    assert losses == want_losses
+    _assert_equal(got, want)
+
+
 @pytest.mark.parametrize("tier", TIERS)
 def test_an_edit_inside_gathered_without_modify_is_refused_and_discarded(device, tier, nvme_dir):
     _emulated_only(device)

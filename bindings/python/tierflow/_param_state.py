@@ -270,12 +270,19 @@ class gathered:
                 continue
             back, keep = [by_id[i] for i in back], [by_id[i] for i in keep]
             written += [_name(offload, by_id[i]) for i in edited]
+            # Each on its own, the first error going on: a write back that fails (ParamMover's scatter releases
+            # every hold all the same and keeps the values it could not write in host memory, Note [Parameter
+            # moves]) neither keeps the unedited ones held nor skips the masters' re-read of the edits.
             try:
                 _scatter(offload, back, True)
-                _scatter(offload, keep, False)
+            except BaseException as e:
+                error = error or e
+            finally:
                 if back:
                     _masters_stale(offload)
-            except BaseException as e:  # released what it could; the first error goes on
+            try:
+                _scatter(offload, keep, False)
+            except BaseException as e:
                 error = error or e
         if error is not None and not raising:
             raise error
