@@ -197,6 +197,7 @@ class StateTier:
                 unreserved = {id(p) for p, _ in fresh}
                 todo = [p for p in todo if id(p) not in unreserved]
         members: list = []  # (param, its state, its gradient on the host, its output, copied back?)
+        write_error: Optional[BaseException] = None
         for p in todo:
             grad = local_shard(p.grad).detach()  # FSDP2: the shard of the reduce-scattered gradient
             check_grad(grad)
@@ -241,7 +242,12 @@ class StateTier:
                 self._done[p] = (p.grad, _version(p.grad), float(s["step"]))
                 if copy:
                     shard = local_shard(p)
-                    copies.write_param(shard, out.view(shard.shape))
+                    try:  # past a failed write (its values kept in host memory: Note [Parameter moves])
+                        copies.write_param(shard, out.view(shard.shape))
+                    except Exception as e:  # noqa: BLE001  raised below, once every stepped weight is written
+                        write_error = write_error or e
+        if write_error is not None and not problems:  # (with problems, their error is raised for a retry)
+            raise write_error
         return problems
 
 

@@ -227,8 +227,16 @@ class StepPaths:
                                     [g for _, g, _ in batch], [out for _, _, out in batch])
             for s, _, _ in batch:
                 s["step"] += 1
+        # The states have stepped: every new weight goes to its parameter, past one whose write fails (a parameter
+        # on NVMe keeps its values in host memory then: Note [Parameter moves]), and the first error goes on after.
+        error: Optional[BaseException] = None
         for p, out in copy_back:
-            self._copies.write_param(p, out)
+            try:
+                self._copies.write_param(p, out)
+            except Exception as e:  # noqa: BLE001  raised below, once every weight is written
+                error = error or e
+        if error is not None:
+            raise error
 
     def _member(self, p: torch.Tensor, group: dict, fetches: list, copy_back: list, fresh: list) -> tuple:
         """p's part of a step on the host: (its state, whose step _apply_group counts; its gradient on the host,
