@@ -307,6 +307,29 @@ def test_a_failed_write_back_at_gathered_exit_keeps_the_edit_for_the_cpu_optimiz
 
 
 @pytest.mark.parametrize("tier", TIERS)
+def test_a_write_back_that_cannot_be_made_at_gathered_exit_discards_the_edit(device, tier, nvme_dir):
+    """A copy from the device that fails at gathered(modify=True)'s exit: the edit cannot be written back, so it is
+    discarded and said so, and every parameter is released; training goes on as if the edit was never made."""
+    _emulated_only(device)
+    task = _task()
+    plain, plain_opt = _plain(task, device)
+    _steps(task, plain, plain_opt, 0, 1, device)
+    want_losses = _steps(task, plain, plain_opt, 1, 2, device)  # no edit: it was discarded
+    faults = tierflow._C.CopyFaults()
+    model, opt = _wrapped(task, device, tier, nvme_dir, _copy_faults=faults)
+    _steps(task, model, opt, 0, 1, device)
+    with pytest.raises(OSError, match=r"tierflow\.gathered: the values written inside the block to 'transformer\..*"
+                                      r"could not be written back and are discarded"):
+        with tierflow.gathered(model, modify=True):
+            _halve_norm_weights(model)
+            faults.fail_d2h_copies = 1
+    assert faults.fail_d2h_copies == 0, "the fault was used"
+    assert _released(model) and tierflow.report()["params"]["device_bytes"] == 0
+    assert _steps(task, model, opt, 1, 2, device) == want_losses
+    _assert_equal(_values(model), _values(plain))
+
+
+@pytest.mark.parametrize("tier", TIERS)
 def test_an_edit_inside_gathered_without_modify_is_refused_and_discarded(device, tier, nvme_dir):
     _emulated_only(device)
     task = _task()

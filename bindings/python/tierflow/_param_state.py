@@ -276,7 +276,7 @@ class gathered:
             try:
                 _scatter(offload, back, True)
             except BaseException as e:
-                error = error or e
+                error = error or _discard_unwritable(offload, back, e)
             finally:
                 if back:
                     _masters_stale(offload)
@@ -288,6 +288,26 @@ class gathered:
             raise error
         if written and not raising:
             raise _C.TierflowError(_C._gathered_edited_error(written))
+
+
+def _discard_unwritable(offload: Any, params: list, error: BaseException) -> BaseException:
+    """A write back that could not be made at all (no pinned room to stage it, a failed copy from the device):
+    ParamMover's scatter then keeps every hold, which no later exit would undo, so the parameters would stay on the
+    device for good, each use reading them there while a step writes their host copies. They are released without
+    it here, their edits discarded; the error says so. (A failed NVMe write keeps the values and releases them.)"""
+    held = [p for p in params if offload.impl.on_device(p)]
+    if not held:
+        return error
+    try:
+        offload.impl.scatter(held, False)
+    except BaseException:  # noqa: BLE001  (a stall): the first error goes on
+        return error
+    names = ", ".join(repr(_name(offload, p)) for p in held[:3]) + (" and others" if len(held) > 3 else "")
+    try:
+        return type(error)(f"{error}; tierflow.gathered: the values written inside the block to {names} could not be "
+                           "written back and are discarded: these parameters keep their values from before the block")
+    except Exception:  # noqa: BLE001  an error type that takes no message
+        return error
 
 
 def _masters_stale(offload: Any) -> None:
