@@ -122,6 +122,33 @@ TEST(ParamMoverUnwritten, AFailedStoreKeepsTheValueAndTheTeardownLetsItGo) {
   EXPECT_EQ(nvme->stats().bytes_in_use, 0u);
 }
 
+// A failed store with no pinned memory left to keep the values in says so, naming the parameter: its block reads
+// as failed (never as its old values) until a store succeeds.
+TEST(ParamMoverUnwritten, AFailedStoreWithNoRoomToKeepTheValueSaysItIsLost) {
+  testing_nvme::NvmeTestDir dir("param-mover-unwritten-lost-");
+  swap::NvmeFaults faults;
+  auto nvme = nvme_engine(dir, 16ULL << 20, &faults);
+  Fixture f(Tier::kNvme, 1ULL << 30, nvme, Tier::kHost);
+  faults.fail_writes = 1;
+  f.host.on_stage = at_stage(1, [] { throw out_of_memory("pinned host pool: no room (test)"); });
+  try {
+    f.mover->store(1, std::vector<unsigned char>(kBytes, 9).data());
+    ADD_FAILURE() << "the write failed";
+  } catch (const io_error& e) {
+    const std::string what = e.what();
+    EXPECT_EQ(what.find("NvmeEngine: write"), 0u) << what;
+    EXPECT_NE(what.find("parameter 'blocks.0.w': its new values were not written to NVMe and no host memory was "
+                        "left to keep them"), std::string::npos) << what;
+    EXPECT_EQ(e.error_number(), 5);
+  }
+  f.host.on_stage = nullptr;
+  EXPECT_TRUE(f.host.staging.empty());
+  std::vector<unsigned char> out(kBytes);
+  EXPECT_THROW(f.mover->read_nvme(1, out.data()), io_error) << "no value: never the old one";
+  f.mover->store(1, std::vector<unsigned char>(kBytes, 11).data());
+  EXPECT_EQ(nvme_value(*f.mover, 1)[0], 11);
+}
+
 // tierflow.gathered's exit: a failed write keeps that parameter's device values in its staging and every hold is
 // released all the same; make_resident uploads them and lets the staging go.
 TEST(ParamMoverUnwritten, ScatterReleasesEveryHoldPastAFailedWrite) {

@@ -479,7 +479,10 @@ void ParamMover::store(ParamId id, const void* value) {
     write_home(id, r, value);
   } catch (const io_error& e) {  // the engine's words, named; the value stays in the staging (unwritten)
     keep_unwritten(id, r, value);
-    if (!r.unwritten) throw;
+    if (!r.unwritten)  // no pinned memory to keep them in: its block reads as failed until stored again
+      throw io_error(e.error_number(), std::string(e.what()) + "; parameter '" + r.name + "': its new values were "
+                     "not written to NVMe and no host memory was left to keep them: it has no value until its values "
+                     "are stored again (model.load_state_dict)");
     throw io_error(e.error_number(), unwritten_error(e, r.name, "its new values"));
   }
   if (r.unwritten) written(id, r);

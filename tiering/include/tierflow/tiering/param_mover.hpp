@@ -171,7 +171,9 @@ class ParamMover {
   /// must live on NVMe.
   void read_nvme(ParamId id, void* dst);
   /// `value` (its bytes) becomes the parameter's value between uses: into its host copy, or written to NVMe (a
-  /// write that fails keeps it in the staging, unwritten, and raises the engine's io_error naming the parameter).
+  /// write that fails keeps it in the staging, unwritten, and raises the engine's io_error naming the parameter;
+  /// with no pinned memory left for that staging the error says the values are lost, and the block reads as failed
+  /// until a store succeeds).
   void store(ParamId id, const void* value);
   /// Every offloaded parameter points at its host copy (NVMe: the block read into its staging; an unwritten one's
   /// staging as it is) or back at its device storage (NVMe: the staging written back first, then let go). Pointing at the host is all or none:
