@@ -10,6 +10,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <stdexcept>
 #include <string>
@@ -143,6 +144,18 @@ inline std::shared_ptr<swap::NvmeEngine> nvme_engine(const testing_nvme::NvmeTes
   o.block_bytes = kBytes;
   o.faults = faults;
   return std::make_shared<swap::NvmeEngine>(o);
+}
+
+// The io_error `call` raises; none (and a test failure saying `expected`) when it raises none.
+template <class Call>
+std::optional<io_error> io_error_of(Call&& call, const char* expected) {
+  try {
+    call();
+  } catch (const io_error& e) {
+    return e;
+  }
+  ADD_FAILURE() << expected;
+  return std::nullopt;
 }
 
 // A FakeHost::on_stage that runs `then` at the `n`th stage from now (1: the next).

@@ -93,11 +93,9 @@ TEST(ParamMoverUnwritten, AFailedStoreKeepsTheValueAndTheTeardownLetsItGo) {
   auto nvme = nvme_engine(dir, 16ULL << 20, &faults);
   Fixture f(Tier::kNvme, 1ULL << 30, nvme, Tier::kHost);
   faults.fail_writes = 1;
-  try {
-    f.mover->store(1, std::vector<unsigned char>(kBytes, 9).data());
-    ADD_FAILURE() << "the write failed";
-  } catch (const io_error& e) {
-    const std::string what = e.what();
+  if (const auto e = io_error_of([&] { f.mover->store(1, std::vector<unsigned char>(kBytes, 9).data()); },
+                                 "the write failed")) {
+    const std::string what = e->what();
     EXPECT_EQ(what.find("NvmeEngine: write"), 0u) << what;
     EXPECT_NE(what.find("parameter 'blocks.0.w': its new values were not written to NVMe; they are kept in host "
                         "memory"), std::string::npos) << what;
@@ -131,15 +129,13 @@ TEST(ParamMoverUnwritten, AFailedStoreWithNoRoomToKeepTheValueSaysItIsLost) {
   Fixture f(Tier::kNvme, 1ULL << 30, nvme, Tier::kHost);
   faults.fail_writes = 1;
   f.host.on_stage = at_stage(1, [] { throw out_of_memory("pinned host pool: no room (test)"); });
-  try {
-    f.mover->store(1, std::vector<unsigned char>(kBytes, 9).data());
-    ADD_FAILURE() << "the write failed";
-  } catch (const io_error& e) {
-    const std::string what = e.what();
+  if (const auto e = io_error_of([&] { f.mover->store(1, std::vector<unsigned char>(kBytes, 9).data()); },
+                                 "the write failed")) {
+    const std::string what = e->what();
     EXPECT_EQ(what.find("NvmeEngine: write"), 0u) << what;
     EXPECT_NE(what.find("parameter 'blocks.0.w': its new values were not written to NVMe and no host memory was "
                         "left to keep them"), std::string::npos) << what;
-    EXPECT_EQ(e.error_number(), 5);
+    EXPECT_EQ(e->error_number(), 5);
   }
   f.host.on_stage = nullptr;
   EXPECT_TRUE(f.host.staging.empty());
